@@ -1,0 +1,3 @@
+"""loom: distributed training and inference for large language models on PyTorch."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,53 @@
+"""Model FLOPs of a decoder-only transformer (forward, backward, recompute).
+
+The count generalizes Korthikanti et al. 2022 eq. 7 (``72 B s L h^2 (1 + s/(6h) + V/(12 h L))``
+model FLOPs per iteration) to grouped-query attention, SwiGLU and any FFN size; for a GPT with
+``ffn = 4h`` and ``g = a`` it reduces to that formula exactly. Attention scores are counted
+without a causal discount, as Megatron-LM and the papers do.
+"""
+
+from __future__ import annotations
+
+from loom.config import ModelConfig
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None,
+                            vocab_size: int | None = None) -> float:
+    """Forward FLOPs per token (multiply-add = 2 FLOPs), all layers plus the output layer."""
+    s = seq_length or cfg.seq_length
+    V = vocab_size or cfg.vocab_size or 0
+    h, a, g, d, f = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size
+    qkv = 2 * h * (a * d + 2 * g * d)
+    proj = 2 * a * d * h
+    scores = 4 * s * a * d  # Q K^T and attention x V
+    mlp = (6 if cfg.swiglu else 4) * h * f
+    return cfg.num_layers * (qkv + proj + scores + mlp) + 2 * h * V
+
+
+def model_flops_per_iteration(cfg: ModelConfig, global_batch_size: int,
+                              seq_length: int | None = None, vocab_size: int | None = None) -> float:
+    """Model FLOPs of one training iteration: forward + backward (2x forward), no recompute.
+
+    This is the numerator of MFU (KOR eq. 7). Unit: FLOPs.
+    """
+    s = seq_length or cfg.seq_length
+    return 3.0 * forward_flops_per_token(cfg, s, vocab_size) * global_batch_size * s
+
+
+def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recompute: str | None,
+                                 seq_length: int | None = None, vocab_size: int | None = None) -> float:
+    """Hardware FLOPs: model FLOPs plus recomputation.
+
+    ``full``: one more forward of every layer (NAR eq. 3, factor 96 instead of 72).
+    ``selective``: the attention-score part recomputed (KOR eq. 8: ``s/(6h)`` becomes ``s/(3h)``).
+    """
+    s = seq_length or cfg.seq_length
+    tokens = global_batch_size * s
+    base = model_flops_per_iteration(cfg, global_batch_size, s, vocab_size)
+    V = vocab_size or cfg.vocab_size or 0
+    layers_fwd = forward_flops_per_token(cfg, s, V) - 2 * cfg.hidden_size * V
+    if recompute == "full":
+        return base + layers_fwd * tokens
+    if recompute == "selective":
+        return base + cfg.num_layers * 4 * s * cfg.num_attention_heads * cfg.head_dim * tokens
+    return base
