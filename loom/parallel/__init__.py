@@ -1,0 +1,1 @@
+"""Parallelism: the mesh, autograd-aware collectives, parallel layers, schedules."""

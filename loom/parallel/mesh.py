@@ -1,0 +1,194 @@
+"""ParallelMesh: the grid of ranks with named axes and a process group per axis.
+
+Ranks are laid out in Megatron-LM's order ``tp-cp-dp-pp`` with tp varying fastest, so a
+tensor-parallel group is ``t`` consecutive ranks (one node's fast links) and a pipeline group is
+the slowest axis:
+
+    rank = tp_rank + t * (cp_rank + c * (dp_rank + d * pp_rank))
+
+One object holds every group a training step needs, and it is passed explicitly to the layers,
+the trainer and the optimizer; loom has no module-level process-group globals.
+
+Groups: ``tp``, ``cp``, ``dp``, ``pp`` (one axis each); ``dp_cp`` (gradient reduction);
+``mp`` (model parallel = tp x pp, for the gradient norm); ``embedding`` (first and last pipeline
+stage, for tied input/output embeddings).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+AXES = ("tp", "cp", "dp", "pp")  # fastest first
+
+
+def rank_groups(sizes: dict[str, int], axes: Sequence[str]) -> list[list[int]]:
+    """Every group of ranks that varies along ``axes`` with the other axes fixed.
+
+    ``sizes`` maps each of :data:`AXES` to its size. Pure function (no process group), so the
+    planner and config validation can use it. Example: t=2, d=2 -> tp groups [[0,1],[2,3]],
+    dp groups [[0,2],[1,3]].
+    """
+    dims = [sizes[a] for a in AXES]
+    strides = [1]
+    for d in dims[:-1]:
+        strides.append(strides[-1] * d)
+    fixed = [a for a in AXES if a not in axes]
+    groups = []
+    for fixed_coords in itertools.product(*[range(sizes[a]) for a in fixed]):
+        base = sum(c * strides[AXES.index(a)] for a, c in zip(fixed, fixed_coords))
+        members = []
+        for var_coords in itertools.product(*[range(sizes[a]) for a in reversed(axes)]):
+            members.append(base + sum(c * strides[AXES.index(a)]
+                                      for a, c in zip(reversed(axes), var_coords)))
+        groups.append(sorted(members))
+    return groups
+
+
+@dataclass
+class ParallelMesh:
+    """A rank's view of the parallel layout.
+
+    Attributes: ``sizes`` (axis -> size), ``coords`` (axis -> this rank's index), ``groups``
+    (name -> ``ProcessGroup`` or None when the group is this rank alone, in which case every
+    collective on it is skipped), ``ranks`` (name -> global ranks of this rank's group),
+    ``device``.
+    """
+
+    sizes: dict[str, int]
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+    ranks: dict[str, list[int]] = field(default_factory=dict)
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "ParallelMesh":
+        """A one-rank mesh (the single-process reference); needs no process group."""
+        mesh = cls(sizes={a: 1 for a in AXES}, rank=0, device=torch.device(device))
+        for name in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding"):
+            mesh.groups[name] = None
+            mesh.ranks[name] = [0]
+        return mesh
+
+    @classmethod
+    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, dp: Optional[int] = None,
+              device: Optional[torch.device] = None) -> "ParallelMesh":
+        """Create every group on an initialized default process group.
+
+        ``dist.new_group`` is collective over all ranks, so every rank creates every group in
+        the same order and keeps the ones it belongs to.
+
+        Raises ValueError if the world size is not ``t * c * d * p``.
+        """
+        world = dist.get_world_size()
+        if dp is None:
+            dp = world // (tp * pp * cp)
+        if tp * pp * cp * dp != world:
+            raise ValueError(f"world size {world} != t {tp} x c {cp} x d {dp} x p {pp}")
+        sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        rank = dist.get_rank()
+        mesh = cls(sizes=sizes, rank=rank, device=device or torch.device("cpu"))
+        named = {"tp": ["tp"], "cp": ["cp"], "dp": ["dp"], "pp": ["pp"],
+                 "dp_cp": ["cp", "dp"], "mp": ["tp", "pp"]}
+        for name, axes in named.items():
+            for members in rank_groups(sizes, axes):
+                mesh._maybe_keep(name, members)
+        # Embedding group: first and last stage of each pipeline (one rank when p = 1).
+        for members in rank_groups(sizes, ["pp"]):
+            emb = sorted({members[0], members[-1]})
+            mesh._maybe_keep("embedding", emb)
+        return mesh
+
+    def _maybe_keep(self, name: str, members: list[int]) -> None:
+        pg = dist.new_group(members) if len(members) > 1 else None
+        if self.rank in members:
+            self.groups[name] = pg
+            self.ranks[name] = members
+
+    # -- coordinates -----------------------------------------------------------------------------
+    @property
+    def coords(self) -> dict[str, int]:
+        out, r = {}, self.rank
+        for a in AXES:
+            out[a] = r % self.sizes[a]
+            r //= self.sizes[a]
+        return out
+
+    def size(self, name: str) -> int:
+        """Size of a group (axis or combination), e.g. ``size("dp_cp")``."""
+        return len(self.ranks[name])
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index within group ``name``."""
+        return self.ranks[name].index(self.rank)
+
+    @property
+    def tp_size(self) -> int:
+        return self.sizes["tp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes["dp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self.sizes["pp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def __repr__(self) -> str:
+        c = self.coords
+        return (f"ParallelMesh(rank={self.rank}, " + ", ".join(
+            f"{a}={c[a]}/{self.sizes[a]}" for a in AXES) + f", device={self.device})")
+
+
+def default_backend(device: torch.device) -> str:
+    """NCCL on CUDA, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device: Optional[str] = None, backend: Optional[str] = None) -> torch.device:
+    """Initialize the default process group from torchrun's environment; return the device.
+
+    Single-process runs without ``WORLD_SIZE`` in the environment start a 1-rank group too, so the
+    same code path runs everywhere.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(backend=backend or default_backend(dev),
+                                device_id=dev if dev.type == "cuda" else None)
+    return dev

@@ -1,0 +1,171 @@
+"""``loom plan``: predict memory and speed of every parallel layout and pick the best.
+
+Examples::
+
+    loom plan gpt3-175b --gpu A100-80GB --num-gpus 1024 --global-batch-size 1536
+    loom plan llama3-70b --gpu H100-80GB --num-gpus 256 --global-batch-size 512 \\
+        --tensor-model-parallel-size 8 --json
+    loom plan --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --vocab-size 50304 \\
+        --seq-length 4096 --num-gpus 64 --global-batch-size 512 --plot layouts.png
+    loom plan --calibrate --calibrate-output local.json   # then: loom plan ... --cluster local.json
+
+Model: a preset name or the Megatron-style flags / ``--config FILE.yaml`` of ``loom train``
+(preset values are overridden by flags given). Any parallel flag given fixes that dimension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import fields, replace
+
+from loom.config import GROUPS, ConfigError, ModelConfig, add_config_arguments, config_from_args
+from loom.planner.hardware import DEVICES, GB, Cluster, make_cluster
+from loom.planner.layout import Options
+from loom.planner.memory import total_params
+from loom.planner.presets import FLASH_DEFAULT, PRESETS, get_preset
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help=f"model preset: {', '.join(PRESETS)} (or give the model flags)")
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--gpu", default=None, help=f"accelerator: {', '.join(DEVICES)} "
+                   "(default A100-80GB)")
+    c.add_argument("--num-gpus", type=int, default=None, help="GPUs in the job (default 8)")
+    c.add_argument("--gpus-per-node", type=int, default=None, help="default: 8 (DGX/HGX)")
+    c.add_argument("--intra-node-bandwidth", type=float, default=None,
+                   help="GB/s per GPU, achievable NVLink bus bandwidth (default per GPU type)")
+    c.add_argument("--inter-node-bandwidth", type=float, default=None,
+                   help="GB/s per GPU between nodes (default per GPU type)")
+    c.add_argument("--cluster", default=None, help="cluster JSON (from --calibrate); "
+                   "--gpu/--num-gpus/... override it")
+    o = parser.add_argument_group("planner")
+    o.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="fix the ZeRO stage (1 = distributed optimizer)")
+    o.add_argument("--use-distributed-optimizer", action="store_true", default=None,
+                   help="fix ZeRO stage 1 (Megatron's distributed optimizer)")
+    o.add_argument("--attention", choices=("fused", "unfused"), default=None,
+                   help="fused (flash/SDPA, loom's default) or unfused (as in the 2021-22 papers)")
+    o.add_argument("--allow-tp-across-nodes", action="store_true",
+                   help="let TP groups span nodes")
+    o.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    o.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
+    o.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="MFU against memory per GPU for every feasible layout")
+    o.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (GEMM FLOP/s, gloo all-reduce alpha/beta) and "
+                        "write a cluster file")
+    o.add_argument("--calibrate-output", default="cluster.json",
+                   help="where --calibrate writes (default cluster.json)")
+    add_config_arguments(parser)
+
+
+_MODEL_FIELDS = {f.name for f in fields(ModelConfig)}
+
+
+def _model_from_args(args) -> tuple[ModelConfig, str]:
+    cfg = config_from_args(args)  # YAML + flags
+    if args.model:
+        base = get_preset(args.model)
+        given = {k: v for k, v in vars(args).items() if k in _MODEL_FIELDS and v is not None}
+        if args.config:  # YAML model keys override the preset too
+            given = {**{k: getattr(cfg.model, k) for k in _MODEL_FIELDS
+                        if getattr(cfg.model, k) != getattr(ModelConfig(), k)}, **given}
+        if "seq_length" in given and "max_position_embeddings" not in given:
+            given["max_position_embeddings"] = max(given["seq_length"], base.max_positions)
+        model = replace(base, **given)
+        name = args.model
+    else:
+        model = cfg.model
+        name = "custom"
+    if not model.vocab_size:
+        raise ConfigError("--vocab-size is required for the planner (or use a preset)")
+    return model, name
+
+
+def _cluster_from_args(args) -> Cluster:
+    bw = lambda x: None if x is None else x * 1e9  # noqa: E731  GB/s -> bytes/s
+    if args.cluster:
+        cl = Cluster.load(args.cluster)
+        if args.gpu:
+            g = make_cluster(args.gpu)
+            cl = replace(cl, gpu=g.gpu, peak_flops=g.peak_flops, hbm_bytes=g.hbm_bytes,
+                         hbm_bw=g.hbm_bw)
+        over = dict(num_gpus=args.num_gpus, gpus_per_node=args.gpus_per_node,
+                    intra_bw=bw(args.intra_node_bandwidth), inter_bw=bw(args.inter_node_bandwidth))
+        return replace(cl, **{k: v for k, v in over.items() if v is not None})
+    return make_cluster(args.gpu or "A100-80GB", args.num_gpus or 8, args.gpus_per_node,
+                        intra_bw=bw(args.intra_node_bandwidth),
+                        inter_bw=bw(args.inter_node_bandwidth))
+
+
+def _fixed_from_args(args, model: ModelConfig) -> dict:
+    fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+             "cp": args.context_parallel_size, "dp": args.data_parallel_size,
+             "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
+             "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage}
+    if args.use_distributed_optimizer:
+        fixed["zero"] = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        if not args.pipeline_model_parallel_size:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
+                              "--pipeline-model-parallel-size in loom plan")
+        fixed["vp"] = model.num_layers // (args.pipeline_model_parallel_size
+                                           * args.num_layers_per_virtual_pipeline_stage)
+    if args.recompute_granularity not in (None, "none", "selective", "full"):
+        raise ConfigError("--recompute-granularity must be selective or full")
+    return {k: v for k, v in fixed.items() if v is not None}
+
+
+def run(args) -> int:
+    if args.calibrate:
+        from loom.planner.calibrate import calibrate_local
+        cl = calibrate_local(args.calibrate_output)
+        print(f"wrote {args.calibrate_output}: {cl.peak_flops / 1e12:.3g} TFLOP/s achievable GEMM "
+              f"(gemm_efficiency 1.0 of this measured peak), all-reduce alpha "
+              f"{cl.intra_alpha * 1e6:.1f} us, bandwidth {cl.intra_bw / 1e9:.3g} GB/s")
+        if not args.model and not args.num_layers:
+            return 0
+    from loom.planner.report import format_table, plot, to_json, top_records
+    from loom.planner.search import search
+
+    t0 = time.perf_counter()
+    model, name = _model_from_args(args)
+    cluster = _cluster_from_args(args)
+    B = args.global_batch_size
+    if B is None:
+        B = -(-1024 // cluster.num_gpus) * cluster.num_gpus
+    s = model.seq_length
+    flash = (args.attention == "fused") if args.attention else True
+    opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes)
+    fixed = _fixed_from_args(args, model)
+    res = search(model, cluster, B, s, fixed, opts)
+    n_eval, n_fit = len(res["tp"]), len(res["order"])
+    elapsed = time.perf_counter() - t0
+    header = (f"loom plan: {name} ({total_params(model) / 1e9:.1f}B params, L={model.num_layers} "
+              f"h={model.hidden_size} a={model.num_attention_heads} g={model.num_kv_groups} "
+              f"ffn={model.ffn_size} V={model.vocab_size} s={s}) on {cluster.num_gpus} x "
+              f"{cluster.gpu} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB, "
+              f"{cluster.peak_flops / 1e12:.0f} TFLOP/s), B={B}, "
+              f"{'fused' if flash else 'unfused'} attention; "
+              f"{n_fit} of {n_eval} layouts fit ({elapsed:.2f} s)")
+    if args.json:
+        recs = top_records(res, None if args.top <= 0 else max(args.top, 1))
+        print(to_json(recs, {"model": name, "gpu": cluster.gpu, "num_gpus": cluster.num_gpus,
+                             "global_batch_size": B, "seq_length": s,
+                             "evaluated": n_eval, "feasible": n_fit}))
+    else:
+        print(format_table(top_records(res, args.top), header))
+        if not n_fit:
+            print("no layout fits in memory: add GPUs, allow recompute/ZeRO, or shorten "
+                  "--seq-length / --global-batch-size", file=sys.stderr)
+    if args.plot:
+        plot(res, args.plot, title=f"{name} on {cluster.num_gpus} x {cluster.gpu}, B={B}")
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0 if n_fit else 1
+
+
+_ = GROUPS  # (flag groups come from loom.config.add_config_arguments)

@@ -1,0 +1,178 @@
+"""Accelerators and clusters: peak FLOP/s, HBM, link bandwidths and latencies.
+
+Units everywhere: FLOP/s, bytes, bytes/s, seconds. Peak numbers are the vendors' dense
+(no 2:4 sparsity) bf16 tensor-core figures from the data sheets (V100 has no bf16: its fp16 figure
+is used). Link bandwidths are *achievable* bus bandwidths (what ``nccl-tests`` reports as
+``busbw`` on that system), the ``W`` of the alpha-beta ring formulas in
+``/work/shared/docs/references.md``:
+
+* ``intra_bw``: per-GPU NVLink/NVSwitch bus bandwidth inside a node (A100: NVLink3 300 GB/s per
+  direction, ~240 GB/s achieved; H100/H200: NVLink4 450 GB/s, ~360 GB/s; B200: NVLink5 900 GB/s,
+  ~720 GB/s; V100 DGX-2: 150 GB/s, ~120 GB/s; PCIe cards: ~22 GB/s).
+* ``inter_bw``: per-GPU network bandwidth between nodes (DGX A100: one 200 Gb/s HDR NIC per GPU,
+  25 GB/s, ~23 GB/s achieved; DGX H100/H200/B200: 400 Gb/s NDR per GPU, ~45 GB/s;
+  DGX-2: 100 Gb/s per GPU, ~11.5 GB/s).
+* ``intra_alpha`` / ``inter_alpha``: per-step latency of a ring collective (seconds).
+
+The achievable GEMM efficiency (fraction of peak) is a cluster property too; see
+:mod:`loom.planner.timing` for the model and its fitted constants.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Optional
+
+from loom.config import ConfigError
+
+GB = 1e9  # bytes; memory is reported in GB = 1e9 bytes (ZeRO table 1 uses this unit)
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator model. ``peak_flops``: dense bf16 FLOP/s; ``hbm_bytes``: memory in bytes
+    (nominal GB x 1e9, a conservative capacity: the gap to GiB covers the CUDA context);
+    ``hbm_bw``: memory bandwidth, bytes/s; ``intra_bw``/``inter_bw``: bytes/s per GPU;
+    ``gpus_per_node``: of the reference system (DGX/HGX)."""
+
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bw: float
+    intra_bw: float
+    inter_bw: float
+    gpus_per_node: int = 8
+    intra_alpha: float = 5e-6
+    inter_alpha: float = 10e-6
+
+
+T = 1e12
+DEVICES: dict[str, GPU] = {g.name: g for g in [
+    GPU("A100-80GB", 312 * T, 80 * GB, 2.039e12, 240e9, 23e9),
+    GPU("A100-40GB", 312 * T, 40 * GB, 1.555e12, 240e9, 23e9),
+    GPU("H100-80GB", 989 * T, 80 * GB, 3.35e12, 360e9, 45e9),
+    GPU("H100-PCIe", 756 * T, 80 * GB, 2.0e12, 22e9, 23e9, intra_alpha=10e-6),
+    GPU("H100-NVL", 835 * T, 94 * GB, 3.9e12, 360e9, 45e9),
+    GPU("H200", 989 * T, 141 * GB, 4.8e12, 360e9, 45e9),
+    GPU("GH200", 989 * T, 96 * GB, 4.0e12, 360e9, 45e9),
+    GPU("B200", 2250 * T, 180 * GB, 8.0e12, 720e9, 45e9),
+    GPU("V100-32GB", 125 * T, 32 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6),
+    GPU("V100-16GB", 125 * T, 16 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6),
+    GPU("L40S", 362 * T, 48 * GB, 0.864e12, 22e9, 23e9, intra_alpha=10e-6),
+    GPU("MI300X", 1307 * T, 192 * GB, 5.3e12, 300e9, 45e9),
+]}
+
+# torch.cuda.get_device_name() patterns -> table entry (first match wins; order matters).
+_NAME_PATTERNS = [
+    (r"GH200", "GH200"),
+    (r"H200", "H200"),
+    (r"H100.*NVL", "H100-NVL"),
+    (r"H100.*PCIe", "H100-PCIe"),
+    (r"H100|H800", "H100-80GB"),
+    (r"B200|B100", "B200"),
+    (r"A100.*40GB|A100-PCIE-40GB|A100-SXM4-40GB", "A100-40GB"),
+    (r"A100|A800", "A100-80GB"),
+    (r"V100.*16GB", "V100-16GB"),
+    (r"V100", "V100-32GB"),
+    (r"L40S", "L40S"),
+    (r"MI300X", "MI300X"),
+]
+
+
+def lookup_gpu(name: str) -> Optional[GPU]:
+    """The table entry for a planner name (``A100-80GB``, case-insensitive) or a torch device
+    name (``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``); None when unknown."""
+    if not name:
+        return None
+    for key, gpu in DEVICES.items():
+        if key.lower() == name.strip().lower():
+            return gpu
+    for pattern, key in _NAME_PATTERNS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return DEVICES[key]
+    return None
+
+
+def peak_flops_per_s(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a torch device name (e.g. ``"NVIDIA A100-SXM4-80GB"`` ->
+    3.12e14, ``"NVIDIA H100 80GB HBM3"`` -> 9.89e14); None for a CPU or an unknown device.
+    Source: NVIDIA/AMD data sheets (dense, without sparsity). Used by the trainer for MFU."""
+    if not device_name or device_name.lower().startswith("cpu"):
+        return None
+    gpu = lookup_gpu(device_name)
+    return gpu.peak_flops if gpu else None
+
+
+@dataclass
+class Cluster:
+    """A homogeneous cluster: ``num_gpus`` GPUs in nodes of ``gpus_per_node``.
+
+    Units: ``peak_flops`` FLOP/s per GPU, ``hbm_bytes`` bytes, ``hbm_bw`` / ``intra_bw`` /
+    ``inter_bw`` bytes/s per GPU, alphas seconds. ``gemm_efficiency`` and ``gemm_half_dim`` are the
+    two constants of the achievable-FLOP/s model (see :func:`loom.planner.timing.gemm_efficiency`);
+    ``mem_traffic`` the HBM-traffic multiplier of the element-wise model (bytes moved per byte of
+    stored activation). Defaults are the values fitted to the published A100 runs.
+    """
+
+    gpu: str = "A100-80GB"
+    num_gpus: int = 8
+    gpus_per_node: int = 8
+    peak_flops: float = 312 * T
+    hbm_bytes: float = 80 * GB
+    hbm_bw: float = 2.039e12
+    intra_bw: float = 240e9
+    inter_bw: float = 23e9
+    intra_alpha: float = 5e-6
+    inter_alpha: float = 10e-6
+    gemm_efficiency: float = 0.0  # 0 = the fitted default of timing.py
+    gemm_half_dim: float = 0.0  # 0 = the fitted default of timing.py
+    mem_traffic: float = 0.0  # 0 = the fitted default of timing.py
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.num_gpus // self.gpus_per_node))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Cluster":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"cluster file: unknown key(s) {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str) -> "Cluster":
+        """Read a cluster JSON file (as written by ``loom plan --calibrate``)."""
+        try:
+            with open(path) as fh:
+                return cls.from_dict(json.load(fh))
+        except OSError as e:
+            raise ConfigError(f"--cluster {path}: {e.strerror}") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--cluster {path}: not JSON ({e})") from e
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            fh.write(self.to_json() + "\n")
+
+
+def make_cluster(gpu: str = "A100-80GB", num_gpus: Optional[int] = None,
+                 gpus_per_node: Optional[int] = None, **overrides) -> Cluster:
+    """A :class:`Cluster` of ``num_gpus`` devices of the table entry ``gpu`` with the reference
+    system's defaults; keyword ``overrides`` (any Cluster field, None = keep) replace them."""
+    g = lookup_gpu(gpu)
+    if g is None:
+        raise ConfigError(f"--gpu {gpu}: unknown; choose one of {', '.join(DEVICES)} "
+                          f"or give --cluster FILE")
+    gpn = gpus_per_node or g.gpus_per_node
+    c = Cluster(gpu=g.name, num_gpus=num_gpus or gpn, gpus_per_node=gpn,
+                peak_flops=g.peak_flops, hbm_bytes=g.hbm_bytes, hbm_bw=g.hbm_bw,
+                intra_bw=g.intra_bw, inter_bw=g.inter_bw, intra_alpha=g.intra_alpha,
+                inter_alpha=g.inter_alpha)
+    return replace(c, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,63 @@
+"""Layouts (vectorized) and the planner options shared by the memory and time models.
+
+A *layout* is a dict of equal-length numpy arrays, one entry per candidate, with keys
+``tp, pp, dp, cp, vp, mbs, recompute, sp, zero`` (float64; ``recompute`` coded by
+:data:`RECOMPUTE`: 0 none, 1 selective, 2 full; ``sp`` 0/1; ``zero`` the ZeRO stage 0-3, where
+stage 1 is Megatron's distributed optimizer). Every model function takes such a dict and returns
+arrays, so the search evaluates tens of thousands of layouts in one numpy pass and
+:func:`loom.planner.predict.predict_layout` evaluates one layout with the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+RECOMPUTE = ("none", "selective", "full")
+KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero")
+
+
+@dataclass
+class Options:
+    """Modelling choices that are not layout dimensions.
+
+    ``flash_attention``: fused attention (no ``5 a s^2 b`` score activations, KOR table 2 then
+    loses its ``5as/h`` term); the paper runs (NAR, KOR) predate it.
+    ``grad_bytes``: bytes per gradient element (4: Megatron's fp32 ``main_grad`` -> 18 bytes per
+    parameter; 2: the ZeRO paper's fp16 gradients -> 16 bytes per parameter).
+    ``overlap_grad_reduce``: DP gradient reduction overlapped with the last micro-batch's backward
+    (Megatron-Core ``--overlap-grad-reduce``).
+    ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
+    workspaces, allocator fragmentation (bytes).
+    ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).
+    """
+
+    flash_attention: bool = False
+    grad_bytes: int = 4
+    overlap_grad_reduce: bool = True
+    reserve_bytes: float = 2e9
+    reserve_fraction: float = 0.05
+    allow_tp_across_nodes: bool = False
+
+
+def make_layouts(rows: list[dict] | dict) -> dict:
+    """Layout arrays from a list of dicts (or one dict) with keys :data:`KEYS`; ``recompute``
+    may be given by name. Missing keys default to 1 (sizes) or 0 (options)."""
+    if isinstance(rows, dict):
+        rows = [rows]
+    out = {}
+    for k in KEYS:
+        vals = []
+        for r in rows:
+            v = r.get(k, 1 if k in ("tp", "pp", "dp", "cp", "vp", "mbs") else 0)
+            if k == "recompute":
+                v = RECOMPUTE.index(v or "none") if not isinstance(v, (int, float)) else v
+            vals.append(float(v))
+        out[k] = np.asarray(vals, dtype=np.float64)
+    return out
+
+
+def num_microbatches(L: dict, global_batch_size: int) -> np.ndarray:
+    """m = B / (b d) micro-batches per iteration (per pipeline)."""
+    return global_batch_size / (L["mbs"] * L["dp"])

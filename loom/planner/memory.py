@@ -1,0 +1,198 @@
+"""Memory per GPU of a layout, term by term (bytes).
+
+Terms (all bytes, of the pipeline stage that needs the most):
+
+* ``weights``, ``gradients``, ``optimizer``: model states (ZERO sec 3.1). Per parameter with
+  mixed-precision Adam: 2 (bf16 weights) + ``grad_bytes`` (2 in the ZeRO paper, 4 for Megatron's
+  fp32 ``main_grad``) + 12 (fp32 master weights, momentum, variance). ZeRO stage 1 (Megatron's
+  distributed optimizer) divides the 12 by the data-parallel size (the ``dp x cp`` group), stage
+  2 also the gradients, stage 3 also the weights: 16 -> 4 + 12/d, 2 + 14/d, 16/d (ZERO table 1),
+  18 -> 6 + 12/d (Megatron distributed optimizer).
+* ``activations``: per transformer layer and micro-batch, KOR table 2 (16-bit activations),
+  generalized to grouped-query attention, SwiGLU and any FFN width (see
+  :func:`activation_bytes_per_layer`), times the layers of the stage and the micro-batches in
+  flight: 1F1B holds ``min(p, m)`` on the first stage, the interleaved schedule ``p`` times
+  ``1 + (p-1)/(p v)`` (KOR sec 4.2.3), GPipe ``m``. Full and selective recompute add the working
+  memory of one recomputed layer.
+* ``embedding_output``: embedding dropout mask on the first stage (per in-flight micro-batch);
+  final norm and output-layer input (2 s b h each) and the fp32 logits ``4 s b V / t``
+  (KOR sec 4.3) on the last stage.
+* ``reserve``: ``reserve_bytes + reserve_fraction x`` the other terms (context, workspaces,
+  fragmentation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loom.config import ModelConfig
+from loom.planner.layout import Options, num_microbatches
+
+
+def padded_vocab(model: ModelConfig, tp):
+    """V padded to a multiple of ``make_vocab_size_divisible_by x t`` (Megatron)."""
+    mult = model.make_vocab_size_divisible_by * np.asarray(tp, dtype=np.float64)
+    return np.ceil((model.vocab_size or 0) / mult) * mult
+
+
+def layer_params(model: ModelConfig) -> tuple[int, int]:
+    """Parameters of one transformer layer: ``(tp_sharded, replicated)``.
+
+    Sharded: QKV ``h (a d + 2 g d)``, output projection ``a d h``, MLP ``2 h f`` (``3 h f``
+    with SwiGLU) and the column-parallel biases. Replicated across TP ranks: the two norms
+    (``2h`` RMSNorm, ``4h`` LayerNorm) and the row-parallel biases. For a GPT with biases this
+    totals ``12 h^2 + 13 h`` (NAR eq 2).
+    """
+    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
+                     model.head_dim, model.ffn_size)
+    mlp_in = 2 * f if model.swiglu else f
+    sharded = h * (a * d + 2 * g * d) + a * d * h + h * mlp_in + f * h
+    replicated = (4 if model.normalization == "LayerNorm" else 2) * h
+    if not model.disable_bias_linear:
+        sharded += (a * d + 2 * g * d) + mlp_in
+        replicated += 2 * h
+    return sharded, replicated
+
+
+def total_params(model: ModelConfig, seq_length: int | None = None) -> float:
+    """All parameters (count) with the unpadded vocabulary: layers, embeddings (+ learned
+    positions), final norm, untied output layer. Equals NAR eq 2 for a GPT."""
+    s = seq_length or model.seq_length
+    sh, rep = layer_params(model)
+    h, V = model.hidden_size, model.vocab_size or 0
+    n = model.num_layers * (sh + rep) + V * h
+    n += (2 if model.normalization == "LayerNorm" else 1) * h
+    if model.position_embedding_type == "learned_absolute":
+        n += max(s, model.max_positions) * h
+    if model.untie_embeddings_and_output_weights:
+        n += V * h
+    return float(n)
+
+
+def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
+    """Parameters per GPU (count) of the first and the last pipeline stage."""
+    t, p = L["tp"], L["pp"]
+    sh, rep = layer_params(model)
+    h = model.hidden_size
+    per_layer = sh / t + rep
+    n_layers = model.num_layers / p
+    Vp = padded_vocab(model, t)
+    emb = Vp * h / t
+    if model.position_embedding_type == "learned_absolute":
+        emb = emb + max(seq_length, model.max_positions) * h
+    final_norm = (2 if model.normalization == "LayerNorm" else 1) * h
+    untied = model.untie_embeddings_and_output_weights
+    out = Vp * h / t * (1.0 if untied else (p > 1))  # tied: a copy on the last stage when p > 1
+    single = p == 1
+    first = n_layers * per_layer + emb + np.where(single, final_norm + out, 0.0)
+    last = np.where(single, first, n_layers * per_layer + final_norm + out)
+    return {"first": first, "last": last}
+
+
+def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2) -> tuple:
+    """Bytes per parameter ``(weights, gradients, optimizer)`` at ZeRO stage ``zero`` and
+    data-parallel size ``dp`` (ZERO sec 3.1/5: 2 + 2 + 12 = 16 with fp16 gradients)."""
+    zero = np.asarray(zero, dtype=np.float64)
+    dp = np.asarray(dp, dtype=np.float64)
+    w = 2.0 / np.where(zero >= 3, dp, 1.0)
+    g = grad_bytes / np.where(zero >= 2, dp, 1.0)
+    o = 12.0 / np.where(zero >= 1, dp, 1.0)
+    return w, g, o
+
+
+def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, recompute=None,
+                               flash_attention: bool = False) -> dict:
+    """Activation bytes of one transformer layer for one micro-batch on one GPU (KOR table 2).
+
+    With ``S = s b / c`` tokens per GPU, 16-bit activations:
+
+    * replicated across TP ranks unless sequence parallel (KOR's ``10 s b h``): the two norm
+      inputs ``4 S h``, the attention and MLP inputs ``2 S h`` each, two dropout masks ``S h``
+      each (only with ``hidden_dropout > 0``);
+    * split by TP (KOR's ``24 s b h``): Q ``2 S a d``, K and V ``2 S g d`` each, projection input
+      ``2 S a d``, MLP ``4 S f`` (GeLU: fc1 output and activation) or ``6 S f`` (SwiGLU);
+    * attention scores (KOR's ``5 a s^2 b``): softmax ``2``, dropout mask ``1``, dropout output
+      ``2`` bytes per score, ``a (s/c) s b`` scores; with flash attention only the fp32 log-sum-exp
+      ``4 a S``.
+
+    Returns ``{"none", "selective", "full", "scores"}`` (arrays): full recompute keeps the layer
+    input ``2 S h`` (divided by t with SP), selective drops the scores. For the GPT shape this
+    reproduces KOR table 2 exactly: TP ``s b h (10 + 24/t + 5 a s/(h t))``, TP+SP
+    ``s b h (34/t + 5 a s/(h t))``, selective ``s b h (10 + 24/t)``, full ``2 s b h``.
+    """
+    s = seq_length
+    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
+                     model.head_dim, model.ffn_size)
+    t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
+    S = s * b / c
+    drop = 1.0 if model.hidden_dropout > 0 else 0.0
+    repl = S * h * (4 + 2 + 2 + 2 * drop)
+    split = S * (2 * a * d + 4 * g * d + 2 * a * d) + S * f * (6 if model.swiglu else 4)
+    if flash_attention:
+        scores = 4.0 * a * S / t
+    else:
+        per_score = 2 + (3 if model.attention_dropout > 0 else 0)
+        scores = per_score * a * (s / c) * s * b / t
+    repl_t = np.where(sp > 0, repl / t, repl)
+    selective = repl_t + split / t + (scores if flash_attention else 0.0)
+    none = repl_t + split / t + scores
+    full = np.where(sp > 0, 2 * S * h / t, 2 * S * h)
+    return {"none": none, "selective": selective, "full": full, "scores": scores}
+
+
+def inflight_microbatches(L: dict, m) -> np.ndarray:
+    """Micro-batches of activations held by the first stage: 1 without PP, ``min(p, m)`` with
+    1F1B, ``p (1 + (p-1)/(p v))`` with the interleaved schedule (KOR sec 4.2.3)."""
+    p, v = L["pp"], L["vp"]
+    one_f = np.minimum(p, m)
+    inter = np.minimum(m, p) * (1 + (p - 1) / (p * v))
+    return np.where(p == 1, 1.0, np.where(v > 1, inter, one_f))
+
+
+def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
+                 opts: Options | None = None) -> dict:
+    """Memory per GPU, bytes, term by term, of the stage that needs the most (first or last).
+
+    Returns arrays ``weights, gradients, optimizer, activations, embedding_output, reserve,
+    total`` and ``params_per_gpu`` (count), ``stage`` (0 first, 1 last).
+    """
+    opts = opts or Options()
+    s = seq_length
+    h = model.hidden_size
+    t, p, c, b, sp = L["tp"], L["pp"], L["cp"], L["mbs"], L["sp"]
+    m = num_microbatches(L, global_batch_size)
+    P = stage_params(model, L, s)
+    wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes)
+    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention)
+    rc = L["recompute"]
+    per_layer = np.where(rc == 2, act["full"], np.where(rc == 1, act["selective"], act["none"]))
+    working = np.where(rc == 2, act["none"], np.where(rc == 1, act["scores"], 0.0))
+    n_layers = model.num_layers / p
+    inflight = inflight_microbatches(L, m)
+    S = s * b / c
+    drop = 1.0 if model.hidden_dropout > 0 else 0.0
+    sp_div = np.where(sp > 0, t, 1.0)
+    Vp = padded_vocab(model, t)
+    emb_act_first = drop * S * h / sp_div * inflight
+    out_act = 2 * S * h / sp_div * 2 + 4 * S * Vp / t
+    out = {}
+    for name, stage_inflight, params, emb_act in (
+            ("first", inflight, P["first"], emb_act_first + np.where(p == 1, out_act, 0.0)),
+            ("last", np.where(p == 1, 1.0, 1.0), P["last"], np.where(p == 1, emb_act_first + out_act, out_act))):
+        terms = {
+            "weights": params * wb,
+            "gradients": params * gb,
+            "optimizer": params * ob,
+            "activations": n_layers * stage_inflight * per_layer + working,
+            "embedding_output": emb_act,
+        }
+        base = sum(terms.values())
+        terms["reserve"] = opts.reserve_bytes + opts.reserve_fraction * base + 0 * base
+        terms["total"] = base + terms["reserve"]
+        terms["params_per_gpu"] = params
+        out[name] = terms
+    first_worse = out["first"]["total"] >= out["last"]["total"]
+    res = {k: np.where(first_worse, out["first"][k], out["last"][k]) for k in out["first"]}
+    res["stage"] = np.where(first_worse, 0, 1)
+    res["params_first_stage"] = P["first"]
+    return res

@@ -1,0 +1,119 @@
+"""Prediction for exactly one layout (``loom train ... --dry-run``).
+
+:func:`predict_layout` reads the layout from a :class:`~loom.config.LoomConfig` (t, p, c, d from
+the world size, v from ``--num-layers-per-virtual-pipeline-stage``, b, recompute, SP, and the
+distributed optimizer / ZeRO stage when the config carries one) and evaluates the same memory and
+time models as the search; :func:`format_prediction` renders it. No torch import.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from loom.config import LoomConfig
+from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
+from loom.planner.layout import RECOMPUTE, Options, make_layouts
+from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate
+
+
+def _zero_stage(cfg: LoomConfig) -> int:
+    for group in (cfg.parallel, cfg.training):
+        z = getattr(group, "zero_stage", None)
+        if z is not None:
+            return int(z)
+        if getattr(group, "use_distributed_optimizer", False):
+            return 1
+    return 0
+
+
+def _detect_cluster(world_size: int) -> Cluster:
+    """The GPU torch sees, when torch is already imported and CUDA is up; else A100-80GB."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0)
+            if lookup_gpu(name):
+                return make_cluster(name, world_size, min(world_size, 8))
+    except Exception:  # pragma: no cover - best effort only
+        pass
+    return make_cluster("A100-80GB", world_size, min(world_size, 8))
+
+
+def layout_of(cfg: LoomConfig, world_size: int) -> dict:
+    """The layout dict (:data:`loom.planner.layout.KEYS`) of a config at ``world_size``."""
+    p = cfg.parallel
+    pp = p.pipeline_model_parallel_size
+    vp = 1
+    if p.num_layers_per_virtual_pipeline_stage:
+        vp = max(1, cfg.model.num_layers // (pp * p.num_layers_per_virtual_pipeline_stage))
+    return dict(tp=p.tensor_model_parallel_size, pp=pp, cp=p.context_parallel_size,
+                dp=cfg.data_parallel_size(world_size), vp=vp,
+                mbs=cfg.training.micro_batch_size,
+                recompute=cfg.training.recompute_granularity or "none",
+                sp=int(bool(p.sequence_parallel)), zero=_zero_stage(cfg))
+
+
+def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
+                   opts: Options | None = None) -> dict:
+    """Memory terms (bytes) and time terms (seconds) of exactly the layout in ``cfg``.
+
+    ``cluster``: a :class:`Cluster`, a GPU name (``"H100-80GB"``, ``"NVIDIA A100-SXM4-80GB"``), a
+    cluster JSON path, or None (the CUDA device when torch is loaded, else A100-80GB). ``opts``
+    default: fused attention (loom uses ``scaled_dot_product_attention``).
+    Returns ``layout``, ``memory_bytes`` (weights, gradients, optimizer, activations,
+    embedding_output, reserve, total), ``time_s`` (compute, recompute, elementwise, tp_comm,
+    cp_comm, pp_bubble, pp_comm, dp_comm, optimizer, iteration), ``tokens_per_s``,
+    ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute), ``mfu``, ``fits``,
+    ``hbm_bytes``, ``cluster`` (GPU name), ``world_size``.
+    """
+    if cluster is None:
+        cluster = _detect_cluster(world_size)
+    elif isinstance(cluster, str):
+        cluster = (Cluster.load(cluster) if cluster.endswith(".json")
+                   else make_cluster(cluster, world_size, min(world_size, 8)))
+    if cluster.num_gpus != world_size:
+        from dataclasses import replace
+        cluster = replace(cluster, num_gpus=world_size)
+    opts = opts or Options(flash_attention=True)
+    lay = layout_of(cfg, world_size)
+    B = cfg.global_batch_size(world_size)
+    s = cfg.model.seq_length
+    res = evaluate(cfg.model, make_layouts(lay), B, s, cluster, opts)
+    one = lambda k: float(res[k][0])  # noqa: E731
+    mem = {k: one(f"mem_{k}") for k in MEMORY_TERMS}
+    mem["total"] = one("mem_total")
+    tim = {k: one(f"time_{k}") for k in TIME_TERMS}
+    tim["iteration"] = one("time_iteration")
+    lay["recompute"] = RECOMPUTE[int(res["recompute"][0])]
+    lay["num_microbatches"] = int(round(one("m")))
+    return {
+        "layout": lay, "memory_bytes": mem, "time_s": tim,
+        "tokens_per_s": one("tokens_per_s"), "tflops_per_gpu": one("tflops_per_gpu"),
+        "hw_tflops_per_gpu": one("hw_tflops_per_gpu"), "mfu": one("mfu"),
+        "fits": bool(res["fits"][0]), "hbm_bytes": cluster.hbm_bytes, "cluster": cluster.gpu,
+        "world_size": world_size, "global_batch_size": B, "seq_length": s,
+        "vocab_known": bool(cfg.model.vocab_size),
+    }
+
+
+def format_prediction(pred: dict) -> str:
+    """Multi-line text of a :func:`predict_layout` result (GB = 1e9 bytes, seconds)."""
+    lay = pred["layout"]
+    lines = [
+        f"planner prediction on {pred['world_size']} x {pred['cluster']} "
+        f"(B={pred['global_batch_size']}, s={pred['seq_length']}, m={lay['num_microbatches']}):",
+        f"  layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} cp={lay['cp']} vp={lay['vp']} "
+        f"mbs={lay['mbs']} recompute={lay['recompute']} sp={bool(lay['sp'])} zero={lay['zero']}",
+        "  memory per GPU (GB): " + ", ".join(
+            f"{k} {v / GB:.2f}" for k, v in pred["memory_bytes"].items() if k != "total")
+        + f"; total {pred['memory_bytes']['total'] / GB:.2f} of {pred['hbm_bytes'] / GB:.0f}"
+        + ("" if pred["fits"] else "  ** DOES NOT FIT **"),
+        "  time per iteration (s): " + ", ".join(
+            f"{k} {v:.4g}" for k, v in pred["time_s"].items() if k != "iteration" and v > 0)
+        + f"; total {pred['time_s']['iteration']:.4g}",
+        f"  {pred['tokens_per_s']:.4g} tokens/s, {pred['tflops_per_gpu']:.1f} model TFLOP/s/GPU, "
+        f"{pred['hw_tflops_per_gpu']:.1f} hardware TFLOP/s/GPU, MFU {100 * pred['mfu']:.1f}%",
+    ]
+    if not pred.get("vocab_known", True):
+        lines.append("  (vocab size unknown: embedding and output layer not counted)")
+    return "\n".join(lines)

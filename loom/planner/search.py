@@ -1,0 +1,142 @@
+"""Search: enumerate every valid layout, evaluate the memory and time models on all of them in one
+vectorized numpy pass, keep those that fit, rank by predicted iteration time.
+
+Search space: TP ``t`` (divides heads, query groups, FFN; within a node unless allowed), PP ``p``
+(divides L), CP ``c`` (``s`` divisible by ``2c``), DP ``d = n / (t p c)`` (divides B), virtual
+stages ``v`` (divides L/p; interleaving needs ``m`` divisible by ``p``, as Megatron requires),
+micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1),
+ZeRO stage 0-3 (with d c > 1; stage 1 = Megatron distributed optimizer; stages 2-3 only
+without PP). The rules are those of
+:meth:`loom.config.LoomConfig.validate`. Any dimension given in ``fixed`` is held at that value.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from loom.config import ModelConfig
+from loom.planner.hardware import GB, Cluster
+from loom.planner.layout import KEYS, RECOMPUTE, Options, num_microbatches
+from loom.planner.memory import memory_terms
+from loom.planner.timing import throughput, time_terms
+
+MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "embedding_output", "reserve")
+TIME_TERMS = ("compute", "recompute", "elementwise", "tp_comm", "cp_comm", "pp_bubble", "pp_comm",
+              "dp_comm", "optimizer")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
+             cluster: Cluster, opts: Options | None = None) -> dict:
+    """Memory (``mem_*``, bytes), time (``time_*``, seconds) and throughput of every layout in
+    ``L`` (arrays), plus ``fits`` (total memory <= the GPU's HBM) and ``m``."""
+    opts = opts or Options()
+    mem = memory_terms(model, L, global_batch_size, seq_length, opts)
+    tim = time_terms(model, L, global_batch_size, seq_length, cluster, opts)
+    thr = throughput(model, L, global_batch_size, seq_length, cluster, tim["iteration"])
+    out = dict(L)
+    out.update({f"mem_{k}": v for k, v in mem.items()})
+    out.update({f"time_{k}": v for k, v in tim.items()})
+    out.update(thr)
+    out["m"] = num_microbatches(L, global_batch_size)
+    out["fits"] = mem["total"] <= cluster.hbm_bytes
+    return out
+
+
+def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: int,
+                      seq_length: int, fixed: dict | None = None, opts: Options | None = None,
+                      max_micro_batch: int = 16) -> dict:
+    """All valid layouts as arrays (see module docstring). ``fixed`` maps layout keys
+    (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero``) to a required value."""
+    opts = opts or Options()
+    fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    n, B, s = cluster.num_gpus, global_batch_size, seq_length
+    a, g, f, nl = (model.num_attention_heads, model.num_kv_groups, model.ffn_size,
+                   model.num_layers)
+    base = []
+    for t in _divisors(n):
+        if a % t or g % t or f % t:
+            continue
+        if t > cluster.gpus_per_node and not opts.allow_tp_across_nodes:
+            continue
+        for p in _divisors(n // t):
+            if nl % p:
+                continue
+            for c in _divisors(n // (t * p)):
+                if c > 1 and s % (2 * c):
+                    continue
+                d = n // (t * p * c)
+                if B % d:
+                    continue
+                for b in _divisors(B // d):
+                    if b > max_micro_batch:
+                        break
+                    m = B // (b * d)
+                    vs = [1] + ([v for v in _divisors(nl // p) if v > 1] if p > 1 and m % p == 0
+                                else [])
+                    for v in vs:
+                        base.append((t, p, d, c, v, b))
+    rows = []
+    for (t, p, d, c, v, b) in base:
+        sps = (0, 1) if t > 1 and s % t == 0 else (0,)
+        # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
+        # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
+        zs = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d * c > 1 else (0,)
+        for rc, sp, z in itertools.product((0, 1, 2), sps, zs):
+            rows.append((t, p, d, c, v, b, rc, sp, z))
+    arr = np.asarray(rows, dtype=np.float64).reshape(-1, 9)
+    L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
+    keep = np.ones(len(arr), dtype=bool)
+    for k, v in fixed.items():
+        if k == "recompute" and isinstance(v, str):
+            v = RECOMPUTE.index(v)
+        keep &= L[k] == float(v)
+    return {k: vv[keep] for k, vv in L.items()}
+
+
+def search(model: ModelConfig, cluster: Cluster, global_batch_size: int, seq_length: int,
+           fixed: dict | None = None, opts: Options | None = None) -> dict:
+    """Evaluate every valid layout; returns the evaluation arrays (see :func:`evaluate`) and
+    ``order``: indices of the layouts that fit, fastest first (ties: less memory)."""
+    L = enumerate_layouts(model, cluster, global_batch_size, seq_length, fixed, opts)
+    res = evaluate(model, L, global_batch_size, seq_length, cluster, opts)
+    idx = np.nonzero(res["fits"])[0]
+    order = idx[np.lexsort((res["mem_total"][idx], res["time_iteration"][idx]))]
+    res["order"] = order
+    return res
+
+
+def dominant_parallelism(rec: dict) -> str:
+    """The parallelism with the largest degree (ties: tp > pp > cp > dp)."""
+    sizes = {"tp": rec["tp"], "pp": rec["pp"], "cp": rec["cp"], "dp": rec["dp"]}
+    return max(sizes, key=lambda k: (sizes[k], -list(sizes).index(k)))
+
+
+def record(res: dict, i: int) -> dict:
+    """One layout as a plain dict (the ``--json`` schema): sizes, options, ``memory_gb`` and
+    ``memory_terms_gb`` (GB = 1e9 bytes), ``time_terms_s`` (seconds), ``iteration_time_s``,
+    ``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute),
+    ``mfu``."""
+    rc = RECOMPUTE[int(res["recompute"][i])]
+    rec = {
+        "tp": int(res["tp"][i]), "pp": int(res["pp"][i]), "dp": int(res["dp"][i]),
+        "cp": int(res["cp"][i]), "vp": int(res["vp"][i]),
+        "micro_batch_size": int(res["mbs"][i]), "num_microbatches": int(round(res["m"][i])),
+        "recompute": rc, "sequence_parallel": bool(res["sp"][i]), "zero": int(res["zero"][i]),
+        "memory_gb": float(res["mem_total"][i] / GB),
+        "memory_terms_gb": {k: float(res[f"mem_{k}"][i] / GB) for k in MEMORY_TERMS},
+        "time_terms_s": {k: float(res[f"time_{k}"][i]) for k in TIME_TERMS},
+        "iteration_time_s": float(res["time_iteration"][i]),
+        "tokens_per_s": float(res["tokens_per_s"][i]),
+        "tflops_per_gpu": float(res["tflops_per_gpu"][i]),
+        "hw_tflops_per_gpu": float(res["hw_tflops_per_gpu"][i]),
+        "mfu": float(res["mfu"][i]),
+        "fits": bool(res["fits"][i]),
+    }
+    rec["dominant"] = dominant_parallelism(rec)
+    return rec

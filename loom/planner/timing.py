@@ -1,0 +1,259 @@
+"""Time per training iteration of a layout, term by term (seconds).
+
+Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens per GPU):
+
+* GEMMs: forward FLOPs of :mod:`loom.planner.flops` (QKV, projection, MLP: ``2 x params x
+  tokens``) divided by ``t``, at the achievable rate ``peak x`` :func:`gemm_efficiency`
+  of the GEMM's per-GPU width ``h/t`` and its token count ``S``. Attention scores
+  (``4 s a d`` FLOPs per token, also divided by t) at the efficiency of width ``d`` (head dim).
+* Element-wise work (norms, activation functions, dropout, softmax, residuals): memory-bound;
+  HBM traffic = ``mem_traffic x`` the activation bytes of the layer (KOR table 2, so sequence
+  parallelism shortens it exactly where KOR table 4 measures it), at ``hbm_bw``.
+* Backward = 2 x forward GEMMs and element-wise work; full recompute adds one forward,
+  selective adds the attention scores and their element-wise work (NAR eq 3, KOR eq 8).
+* TP: 2 all-reduces of ``[s/c, b, h]`` (``2 S h`` bytes) per layer forward, 2 in backward
+  (SHO sec 3), all-gather + reduce-scatter of the same volume with SP (KOR sec 4.2.2); full
+  recompute repeats the forward two. Backward ones overlap the weight-gradient GEMMs (Megatron's
+  asynchronous TP all-reduce), forward ones are exposed. On NVLink inside a node.
+* CP: ring of ``c - 1`` K/V exchanges (``4 S g d / t`` bytes each) per layer forward, twice in
+  backward, overlapped with the attention-score compute; only the excess is exposed.
+* PP: schedule ``(m + (p-1)/v) x`` the slowest stage's micro-batch time; the bubble is the
+  ``(p-1)/v`` part (NAR sec 2.2). Point-to-point: ``2 v`` sends of ``2 S h / t`` bytes
+  (scatter/gather, NAR sec 4.1) per micro-batch, plus ``2 (p-1)`` for fill and drain.
+* DP: gradient all-reduce (or reduce-scatter + all-gather, same volume) of the first stage's
+  gradients over the ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
+  there, ring across nodes on ``1/k`` of the bytes; minus the backward of the last micro-batch
+  when overlapped. ZeRO-3 gathers weights (forward and backward) and reduce-scatters gradients
+  every micro-batch, overlapped with that micro-batch's compute.
+* Optimizer step: memory-bound, ~30 bytes of HBM traffic per (sharded) parameter.
+
+All collectives use the alpha-beta ring formulas of references.md (:func:`all_reduce_time`).
+The three constants of the compute model, ``GEMM_EFFICIENCY`` (large-GEMM fraction of peak),
+``GEMM_HALF_DIM`` (GEMM dimension at which the efficiency halves) and ``MEM_TRAFFIC``, are fitted
+once by least squares (``loom.planner.calibrate.fit_compute_model``) to NAR table 1, KOR table 3
+and KOR table 4 together, never per row; a cluster file may override them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loom.config import ModelConfig
+from loom.planner import flops as F
+from loom.planner.hardware import Cluster
+from loom.planner.layout import Options, num_microbatches
+from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
+
+# Fitted to the A100 measurements of references.md (see calibrate.fit_compute_model).
+GEMM_EFFICIENCY = 0.736
+GEMM_HALF_DIM = 46.0
+MEM_TRAFFIC = 2.58
+
+
+# -- collectives: alpha-beta ring formulas (references.md) ---------------------------------------
+
+def all_reduce_time(n, nbytes, bw, alpha):
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks: ``2 (n-1)/n M/W + 2 (n-1) alpha`` s."""
+    n = np.asarray(n, dtype=np.float64)
+    return np.where(n > 1, 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha, 0.0)
+
+
+def all_gather_time(n, nbytes, bw, alpha):
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` total: ``(n-1)/n M/W + (n-1) alpha``."""
+    n = np.asarray(n, dtype=np.float64)
+    return np.where(n > 1, (n - 1) / n * nbytes / bw + (n - 1) * alpha, 0.0)
+
+
+reduce_scatter_time = all_gather_time
+
+
+def p2p_time(nbytes, bw, alpha):
+    """Point-to-point send of ``nbytes``: ``M/W + alpha`` seconds."""
+    return nbytes / bw + alpha
+
+
+def hierarchical_all_reduce_time(n, per_node, nbytes, cluster: Cluster):
+    """All-reduce over ``n`` ranks of which ``per_node`` share a node (seconds): ring inside the
+    node on NVLink, then across the ``n / per_node`` nodes on ``nbytes / per_node`` per GPU (each
+    GPU drives its own NIC), the slowest link the group crosses."""
+    k = np.maximum(1.0, np.minimum(n, per_node))
+    nodes = n / k
+    intra = all_reduce_time(k, nbytes, cluster.intra_bw, cluster.intra_alpha)
+    inter = all_reduce_time(nodes, nbytes / k, cluster.inter_bw, cluster.inter_alpha)
+    return intra + inter
+
+
+# -- compute --------------------------------------------------------------------------------------
+
+def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
+    """Achievable fraction of peak FLOP/s of a GEMM whose per-GPU width is ``width`` and whose
+    token dimension is ``tokens``: ``e / (1 + h0/width + h0/tokens)`` with ``e``
+    (``GEMM_EFFICIENCY``) the large-GEMM efficiency and ``h0`` (``GEMM_HALF_DIM``) the size at
+    which tile quantization and launch overheads halve it. Fitted, see module docstring."""
+    e = (cluster.gemm_efficiency if cluster and cluster.gemm_efficiency else GEMM_EFFICIENCY)
+    h0 = (cluster.gemm_half_dim if cluster and cluster.gemm_half_dim else GEMM_HALF_DIM)
+    return e / (1 + h0 / np.asarray(width, dtype=np.float64) + h0 / np.asarray(tokens, dtype=np.float64))
+
+
+def _mem_traffic(cluster: Cluster) -> float:
+    return cluster.mem_traffic if cluster.mem_traffic else MEM_TRAFFIC
+
+
+def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
+                opts: Options) -> dict:
+    """Per transformer layer, per micro-batch, one GPU (seconds): ``gemm`` and ``attn`` forward
+    compute, ``elem`` forward element-wise time, ``scores_elem`` (the part of ``elem`` on attention
+    scores), ``tp_fwd``/``tp_bwd`` collective times, ``cp_fwd``/``cp_bwd`` exposed ring time."""
+    s = seq_length
+    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
+                     model.head_dim, model.ffn_size)
+    t, c, b = L["tp"], L["cp"], L["mbs"]
+    S = s * b / c
+    gemm_flops = (2 * h * (a * d + 2 * g * d) + 2 * a * d * h + (6 if model.swiglu else 4) * h * f) * S / t
+    attn_flops = 4 * s * a * d * S / t
+    peak = cluster.peak_flops
+    gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
+    attn = attn_flops / (peak * gemm_efficiency(d, s, cluster))
+    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention)
+    k = _mem_traffic(cluster)
+    elem = k * act["none"] / cluster.hbm_bw
+    scores_elem = k * act["scores"] / cluster.hbm_bw
+    tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
+    tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
+    ar = all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)  # AG + RS with SP: same volume
+    tp_fwd = 2 * ar
+    tp_bwd = np.maximum(0.0, 2 * ar - gemm)  # overlapped with the weight-gradient GEMMs
+    cp_link = np.where(t * c > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
+    cp_alpha = np.where(t * c > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
+    ring = (c - 1) * p2p_time(4 * S * g * d / t, cp_link, cp_alpha)
+    cp_fwd = np.maximum(0.0, ring - attn)
+    cp_bwd = np.maximum(0.0, 2 * ring - 2 * attn)
+    return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
+            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "cp_fwd": cp_fwd, "cp_bwd": cp_bwd}
+
+
+def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
+               cluster: Cluster, opts: Options | None = None) -> dict:
+    """Time of one iteration, seconds, term by term (arrays).
+
+    Terms: ``compute`` (forward + backward GEMMs and attention of all micro-batches on the slowest
+    stage), ``recompute``, ``elementwise``, ``tp_comm``, ``cp_comm``, ``pp_bubble``, ``pp_comm``,
+    ``dp_comm`` (exposed), ``optimizer``; ``iteration`` is their sum. Also ``dp_comm_total``
+    (before overlap) and ``microbatch_time`` (slowest stage, one micro-batch)."""
+    opts = opts or Options()
+    s = seq_length
+    h = model.hidden_size
+    t, p, c, v, b, d, sp = L["tp"], L["pp"], L["cp"], L["vp"], L["mbs"], L["dp"], L["sp"]
+    rc = L["recompute"]
+    m = num_microbatches(L, global_batch_size)
+    lt = layer_times(model, s, L, cluster, opts)
+    n_layers = model.num_layers / p
+    S = s * b / c
+    peak = cluster.peak_flops
+    k = _mem_traffic(cluster)
+
+    # per layer, one micro-batch
+    comp_f = lt["gemm"] + lt["attn"]
+    full = rc == 2
+    sel = rc == 1
+    rec = np.where(full, comp_f, np.where(sel, lt["attn"], 0.0))
+    rec_elem = np.where(full, lt["elem"], np.where(sel, lt["scores_elem"], 0.0))
+    rec_comm = np.where(full, lt["tp_fwd"] + lt["cp_fwd"], 0.0)
+    layer = {
+        "compute": 3 * comp_f,
+        "recompute": rec,
+        "elementwise": 3 * lt["elem"] + rec_elem,
+        "tp_comm": lt["tp_fwd"] + lt["tp_bwd"] + np.where(full, lt["tp_fwd"], 0.0),
+        "cp_comm": lt["cp_fwd"] + lt["cp_bwd"] + np.where(full, lt["cp_fwd"], 0.0),
+    }
+    del rec_comm
+    # output layer + cross-entropy on the last stage; embedding all-reduce on the first
+    Vp = padded_vocab(model, t)
+    out_flops = 2 * h * Vp * S / t
+    out_comp = 3 * out_flops / (peak * gemm_efficiency(h, S, cluster))
+    out_elem = 3 * k * 4 * S * Vp / t / cluster.hbm_bw
+    emb_comm = lt["tp_ar"]
+    stage_first = {kk: n_layers * vv for kk, vv in layer.items()}
+    stage_first["tp_comm"] = stage_first["tp_comm"] + emb_comm
+    stage_last = {kk: n_layers * vv for kk, vv in layer.items()}
+    stage_last["compute"] = stage_last["compute"] + out_comp
+    stage_last["elementwise"] = stage_last["elementwise"] + out_elem
+    single = p == 1
+    tf = sum(stage_first.values()) + np.where(single, out_comp + out_elem, 0.0)
+    tl = sum(stage_last.values()) + np.where(single, emb_comm, 0.0)
+    last_slower = (tl > tf) & ~single
+    stage = {kk: np.where(last_slower, stage_last[kk], stage_first[kk]) for kk in layer}
+    stage["compute"] = stage["compute"] + np.where(single, out_comp, 0.0)
+    stage["elementwise"] = stage["elementwise"] + np.where(single, out_elem, 0.0)
+    stage["tp_comm"] = stage["tp_comm"] + np.where(single, emb_comm, 0.0)
+    t_mb = np.maximum(tf, tl)
+    # backward share of one micro-batch on the stage (for DP overlap): 2/3 of compute etc.
+    t_bwd_mb = n_layers * (2 * comp_f + rec + 2 * lt["elem"] + rec_elem)
+
+    terms = {kk: m * vv for kk, vv in stage.items()}
+    terms["pp_bubble"] = np.where(p > 1, (p - 1) / v * t_mb, 0.0)
+    pp_cross = (t * c * d) >= cluster.gpus_per_node
+    pp_bw = np.where(pp_cross, cluster.inter_bw, cluster.intra_bw)
+    pp_alpha = np.where(pp_cross, cluster.inter_alpha, cluster.intra_alpha)
+    send = p2p_time(2 * S * h / t, pp_bw, pp_alpha)
+    terms["pp_comm"] = np.where(p > 1, (2 * v * m + 2 * (p - 1)) * send, 0.0)
+
+    # data parallel (over the dp x cp group; ranks t apart, so gpus_per_node / t share a node)
+    P = stage_params(model, L, s)
+    params = np.maximum(P["first"], P["last"])
+    n_dp = d * c
+    per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
+    z = L["zero"]
+    grad_sync = hierarchical_all_reduce_time(n_dp, per_node, params * opts.grad_bytes, cluster)
+    # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter
+    ag_w = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * 2, cluster)
+    rs_g = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * opts.grad_bytes, cluster)
+    t_fwd_mb = n_layers * (comp_f + lt["elem"])
+    z3 = m * (np.maximum(0.0, ag_w - t_fwd_mb) + np.maximum(0.0, ag_w + rs_g - t_bwd_mb))
+    hidden = t_bwd_mb if opts.overlap_grad_reduce else 0.0
+    dp_exposed = np.where(z >= 3, z3, np.maximum(0.0, grad_sync - hidden))
+    terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0)
+    terms["dp_comm_total"] = np.where(n_dp > 1, np.where(z >= 3, m * (2 * ag_w + rs_g), grad_sync), 0.0)
+    shard = np.where(z >= 1, n_dp, 1.0)
+    terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
+    terms["iteration"] = (terms["compute"] + terms["recompute"] + terms["elementwise"]
+                          + terms["tp_comm"] + terms["cp_comm"] + terms["pp_bubble"]
+                          + terms["pp_comm"] + terms["dp_comm"] + terms["optimizer"])
+    terms["microbatch_time"] = t_mb
+    return terms
+
+
+def throughput(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
+               cluster: Cluster, iteration_s) -> dict:
+    """Tokens/s, model TFLOP/s per GPU (KOR eq 7 convention, MFU numerator), hardware TFLOP/s
+    per GPU (with recompute, NAR eq 3 / KOR eq 8 convention) and MFU (model FLOPs / (time x
+    GPUs x peak))."""
+    n = L["tp"] * L["pp"] * L["dp"] * L["cp"]
+    model_f = F.model_flops_per_iteration(model, global_batch_size, seq_length)
+    rc = L["recompute"]
+    hw = {name: F.hardware_flops_per_iteration(model, global_batch_size, name, seq_length)
+          for name in ("none", "selective", "full")}
+    hw_f = np.where(rc == 2, hw["full"], np.where(rc == 1, hw["selective"], hw["none"]))
+    it = np.asarray(iteration_s, dtype=np.float64)
+    return {
+        "tokens_per_s": global_batch_size * seq_length / it,
+        "tflops_per_gpu": model_f / (it * n) / 1e12,
+        "hw_tflops_per_gpu": hw_f / (it * n) / 1e12,
+        "mfu": model_f / (it * n * cluster.peak_flops),
+        "model_flops": model_f + 0 * it,
+        "hardware_flops": hw_f + 0 * it,
+    }
+
+
+def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
+                  opts: Options | None = None) -> tuple:
+    """Forward and backward time (seconds) of one transformer layer for one micro-batch, as KOR
+    table 4 measures them (backward includes the recompute it triggers)."""
+    opts = opts or Options()
+    lt = layer_times(model, seq_length, L, cluster, opts)
+    rc = L["recompute"]
+    comp_f = lt["gemm"] + lt["attn"]
+    fwd = comp_f + lt["elem"] + lt["tp_fwd"] + lt["cp_fwd"]
+    bwd = 2 * comp_f + 2 * lt["elem"] + lt["tp_bwd"] + lt["cp_bwd"]
+    bwd = bwd + np.where(rc == 2, fwd, np.where(rc == 1, lt["attn"] + lt["scores_elem"], 0.0))
+    return fwd, bwd

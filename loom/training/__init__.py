@@ -1,0 +1,1 @@
+"""Training: trainer loop, optimizer and clipping across groups, LR schedule, metrics."""

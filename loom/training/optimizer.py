@@ -1,0 +1,85 @@
+"""AdamW with Megatron's weight-decay grouping, global-norm clipping across TP/PP, LR schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.config import TrainingConfig
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.tensor import is_tensor_parallel
+
+
+def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW; no weight decay for biases and 1-D parameters (norms), as Megatron-LM."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def lr_at(iteration: int, cfg: TrainingConfig) -> float:
+    """Learning rate after ``iteration`` steps: linear warm-up over ``--lr-warmup-iters`` to
+    ``--lr``, then ``--lr-decay-style`` (cosine / linear / constant) to ``--min-lr`` at
+    ``--lr-decay-iters`` (Megatron's ``OptimizerParamScheduler``)."""
+    warmup = cfg.lr_warmup_iters
+    if warmup > 0 and iteration < warmup:
+        return cfg.lr * (iteration + 1) / warmup
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    decay_iters = cfg.lr_decay_iters or cfg.train_iters
+    frac = min(max(iteration - warmup, 0) / max(decay_iters - warmup, 1), 1.0)
+    if cfg.lr_decay_style == "linear":
+        coeff = 1.0 - frac
+    else:
+        coeff = 0.5 * (math.cos(math.pi * frac) + 1.0)
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
+    """``LambdaLR`` following :func:`lr_at`; ``scheduler.last_epoch`` is the iteration."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_at(it, cfg) / cfg.lr)
+
+
+def counts_for_norm(p: torch.Tensor, mesh: ParallelMesh) -> bool:
+    """A gradient enters the global norm once: TP-sharded parameters on every TP rank,
+    replicated ones on TP rank 0 only, pipeline duplicates (tied embedding on the last stage)
+    never (Megatron's ``param_is_not_tensor_parallel_duplicate`` / ``param_is_not_shared``)."""
+    if getattr(p, "shared_duplicate", False):
+        return False
+    return is_tensor_parallel(p) or mesh.tp_rank == 0
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh) -> torch.Tensor:
+    """L2 norm of all gradients of the model, summed over the model-parallel (TP x PP) group.
+    Data-parallel replicas hold identical gradients after reduction, so DP is not summed."""
+    params = list(params)
+    device = params[0].device if params else mesh.device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if p.grad is not None and counts_for_norm(p, mesh):
+            sq += p.grad.detach().float().pow(2).sum()
+    if mesh.groups["mp"] is not None:
+        dist.all_reduce(sq, group=mesh.groups["mp"])
+    return sq.sqrt()
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: ParallelMesh) -> float:
+    """Scale gradients so their global norm is at most ``max_norm`` (skip if <= 0); returns the
+    norm before clipping."""
+    params = list(params)
+    norm = global_grad_norm(params, mesh)
+    if max_norm > 0:
+        coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coeff)
+    return float(norm)
