@@ -95,6 +95,8 @@ class GPTModel(nn.Module):
         """``[Vp/t, h]``: the word embeddings when tied, else the output layer's weight."""
         return self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
 
+    autocast_dtype: Optional[torch.dtype] = None  # --bf16: matmuls in bf16, fp32 master weights
+
     def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
@@ -104,6 +106,12 @@ class GPTModel(nn.Module):
         else this rank's vocabulary shard of the logits ``[b, s, Vp/t]``; on other stages the
         hidden states ``[s, b, h]``.
         """
+        if self.autocast_dtype is not None:
+            with torch.autocast(self.mesh.device.type, dtype=self.autocast_dtype):
+                return self._forward(input_ids, labels, hidden_states, cache)
+        return self._forward(input_ids, labels, hidden_states, cache)
+
+    def _forward(self, input_ids, labels, hidden_states, cache):
         offset = cache.length if cache is not None else 0
         if self.pre_process:
             s = input_ids.shape[1]

@@ -144,11 +144,11 @@ def run(args) -> int:
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])
     elapsed = time.perf_counter() - t0
-    header = (f"loom plan: {name} ({total_params(model) / 1e9:.1f}B params, L={model.num_layers} "
+    header = (f"loom plan: {name} ({total_params(model) / 1e9:.3g}B params, L={model.num_layers} "
               f"h={model.hidden_size} a={model.num_attention_heads} g={model.num_kv_groups} "
               f"ffn={model.ffn_size} V={model.vocab_size} s={s}) on {cluster.num_gpus} x "
               f"{cluster.gpu} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB, "
-              f"{cluster.peak_flops / 1e12:.0f} TFLOP/s), B={B}, "
+              f"{cluster.peak_flops / 1e12:.3g} TFLOP/s), B={B}, "
               f"{'fused' if flash else 'unfused'} attention; "
               f"{n_fit} of {n_eval} layouts fit ({elapsed:.2f} s)")
     if args.json:

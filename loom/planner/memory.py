@@ -178,7 +178,7 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
     out = {}
     for name, stage_inflight, params, emb_act in (
             ("first", inflight, P["first"], emb_act_first + np.where(p == 1, out_act, 0.0)),
-            ("last", np.where(p == 1, 1.0, 1.0), P["last"], np.where(p == 1, emb_act_first + out_act, out_act))):
+            ("last", 1.0, P["last"], np.where(p == 1, emb_act_first + out_act, out_act))):
         terms = {
             "weights": params * wb,
             "gradients": params * gb,
@@ -187,7 +187,7 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
             "embedding_output": emb_act,
         }
         base = sum(terms.values())
-        terms["reserve"] = opts.reserve_bytes + opts.reserve_fraction * base + 0 * base
+        terms["reserve"] = opts.reserve_bytes + opts.reserve_fraction * base
         terms["total"] = base + terms["reserve"]
         terms["params_per_gpu"] = params
         out[name] = terms

@@ -1,0 +1,224 @@
+"""Checkpoints: atomic, per-shard, keyed by global parameter names (so they load at any layout).
+
+Layout of ``--save DIR`` (Megatron's names where they exist)::
+
+    DIR/latest_checkpointed_iteration.txt      written last, atomically (os.replace)
+    DIR/iter_0000100/metadata.json             format, iteration, parallel layout
+    DIR/iter_0000100/common.pt                 iteration, consumed samples, LR scheduler, config
+    DIR/iter_0000100/model_tp00_pp000.pt       one per (tp, pp) shard: weights, Adam states,
+                                               and every parameter's full shape + ShardSpec
+    DIR/iter_0000100/rng_00000.pt              every rank's generators
+    DIR/iter_0000100/tokenizer.json            so `loom generate` needs no tokenizer flags
+
+All ranks write into ``iter_0000100.tmp``; rank 0 renames it and only then moves the ``latest``
+pointer, so a crash at any moment leaves the previous checkpoint intact and never a half-written
+one. Loading rebuilds each full tensor from the saved shards (``unshard_tensors``) and cuts this
+rank's shard for the current layout (``shard_tensor``), so a checkpoint saved at one TP/PP size
+loads at another (e.g. TP=2 training -> TP=1 generation).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.random import RNGTracker, get_rng_state, set_rng_state
+from loom.parallel.tensor import ShardSpec, fit_full_shape, shard_tensor, unshard_tensors
+
+FORMAT = "loom-checkpoint-v1"
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _named_params(model_chunks: Sequence[nn.Module]) -> dict[str, nn.Parameter]:
+    out = {}
+    for chunk in model_chunks:
+        out.update(dict(chunk.named_parameters()))
+    return out
+
+
+def _spec_of(p: torch.Tensor) -> Optional[dict]:
+    spec = getattr(p, "shard", None)
+    return spec.to_dict() if spec is not None else None
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
+                    optimizer: torch.optim.Optimizer, scheduler, mesh: ParallelMesh,
+                    tracker: RNGTracker, *, consumed_samples: int, config: dict,
+                    tokenizer_file: Optional[str] = None) -> str:
+    """Write a checkpoint of ``iteration`` under ``save_dir``; collective over all ranks.
+
+    Returns the final directory. Raises OSError if the filesystem refuses a write (the previous
+    checkpoint and the ``latest`` pointer are untouched in that case).
+    """
+    final = os.path.join(save_dir, f"iter_{iteration:07d}")
+    tmp = final + ".tmp"
+    if _rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    c = mesh.coords
+    if c["dp"] == 0 and c["cp"] == 0:
+        params = _named_params(model_chunks)
+        names = {id(p): n for n, p in params.items()}
+        optim_state = {}
+        for p, st in optimizer.state.items():
+            optim_state[names[id(p)]] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                                         for k, v in st.items()}
+        shard = {
+            "model": {n: p.detach().cpu() for n, p in params.items()},
+            "optimizer": optim_state,
+            "specs": {n: {"full_shape": list(getattr(p, "full_shape", p.shape)),
+                          "shard": _spec_of(p)} for n, p in params.items()},
+            "tp_rank": c["tp"], "pp_rank": c["pp"],
+        }
+        torch.save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}.pt"))
+    torch.save(get_rng_state(tracker), os.path.join(tmp, f"rng_{mesh.rank:05d}.pt"))
+    if _rank() == 0:
+        torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "config": config}, os.path.join(tmp, "common.pt"))
+        with open(os.path.join(tmp, "metadata.json"), "w") as fh:
+            json.dump({"format": FORMAT, "iteration": iteration, "layout": mesh.sizes,
+                       "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+                      fh, indent=1)
+        if tokenizer_file and os.path.exists(tokenizer_file):
+            shutil.copyfile(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
+    _barrier()
+    if _rank() == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_text(os.path.join(save_dir, LATEST), str(iteration))
+    _barrier()
+    return final
+
+
+def latest_checkpoint(load_dir: str) -> Optional[str]:
+    """The directory named by ``latest_checkpointed_iteration.txt``, or None."""
+    pointer = os.path.join(load_dir, LATEST)
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as fh:
+        it = int(fh.read().strip())
+    path = os.path.join(load_dir, f"iter_{it:07d}")
+    return path if os.path.isdir(path) else None
+
+
+def read_common(ckpt_dir: str) -> dict:
+    return torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=False)
+
+
+class _ShardIndex:
+    """Which saved file holds each parameter, and its spec; tensors memory-mapped on demand."""
+
+    def __init__(self, ckpt_dir: str):
+        self.files = {}
+        for path in sorted(glob.glob(os.path.join(ckpt_dir, "model_tp*_pp*.pt"))):
+            m = re.search(r"model_tp(\d+)_pp(\d+)\.pt$", path)
+            self.files[(int(m.group(1)), int(m.group(2)))] = torch.load(
+                path, map_location="cpu", mmap=True, weights_only=True)
+        if not self.files:
+            raise FileNotFoundError(f"no model shards in {ckpt_dir}")
+        self.owner: dict[str, list[tuple[int, int]]] = {}
+        for key, sd in self.files.items():
+            for name in sd["model"]:
+                self.owner.setdefault(name, []).append(key)
+
+    def full(self, name: str, section: str = "model", state_key: Optional[str] = None) -> torch.Tensor:
+        keys = self.owner.get(name)
+        if not keys:
+            raise KeyError(f"parameter {name} not in checkpoint")
+        pp = keys[0][1]
+        keys = sorted(k for k in keys if k[1] == pp)  # one stage's TP shards, by tp rank
+        spec_d = self.files[keys[0]]["specs"][name]
+        spec = ShardSpec(spec_d["shard"]["dim"], tuple(spec_d["shard"]["segments"])
+                         if spec_d["shard"]["segments"] else None) if spec_d["shard"] else None
+        if section == "model":
+            shards = [self.files[k]["model"][name] for k in keys]
+        else:
+            shards = [self.files[k]["optimizer"][name][state_key] for k in keys]
+        return unshard_tensors(shards, spec)
+
+    def optimizer_keys(self, name: str) -> dict:
+        key = self.owner[name][0]
+        return self.files[key]["optimizer"].get(name, {})
+
+
+@torch.no_grad()
+def load_model_weights(index: _ShardIndex, model_chunks: Sequence[nn.Module],
+                       mesh: ParallelMesh) -> None:
+    for name, p in _named_params(model_chunks).items():
+        full = fit_full_shape(index.full(name), getattr(p, "full_shape", p.shape))
+        p.copy_(shard_tensor(full, getattr(p, "shard", None), mesh.tp_rank, mesh.tp_size))
+
+
+def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
+                    optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
+                    tracker: Optional[RNGTracker]) -> Optional[dict]:
+    """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
+    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
+    or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
+
+    Works across layouts: weights and Adam states are resharded by name. RNG states are restored
+    only when the world size matches (otherwise the generators keep their fresh seeds).
+    """
+    ckpt = latest_checkpoint(load_dir)
+    if ckpt is None:
+        return None
+    index = _ShardIndex(ckpt)
+    load_model_weights(index, model_chunks, mesh)
+    if optimizer is not None:
+        params = _named_params(model_chunks)
+        for name, p in params.items():
+            saved = index.optimizer_keys(name)
+            if not saved:
+                continue
+            state = {}
+            for k, v in saved.items():
+                if torch.is_tensor(v) and v.shape == torch.Size(
+                        index.files[index.owner[name][0]]["model"][name].shape) and v.ndim > 0:
+                    full = fit_full_shape(index.full(name, "optimizer", k),
+                                          getattr(p, "full_shape", p.shape))
+                    v = shard_tensor(full, getattr(p, "shard", None), mesh.tp_rank, mesh.tp_size)
+                state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
+            optimizer.state[p] = state
+    common = read_common(ckpt)
+    if scheduler is not None and common.get("scheduler") is not None:
+        scheduler.load_state_dict(common["scheduler"])
+    with open(os.path.join(ckpt, "metadata.json")) as fh:
+        meta = json.load(fh)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rng_path = os.path.join(ckpt, f"rng_{mesh.rank:05d}.pt")
+    if tracker is not None and meta.get("world_size") == world and meta["layout"] == mesh.sizes \
+            and os.path.exists(rng_path):
+        set_rng_state(torch.load(rng_path, weights_only=False), tracker)
+    common["checkpoint_dir"] = ckpt
+    return common
