@@ -283,6 +283,10 @@ class LoomConfig:
             raise ConfigError("--hidden-dropout and --attention-dropout must lie in [0, 1)")
         if self.logging.save_interval and not self.logging.save:
             raise ConfigError("--save-interval needs --save DIR")
+        if pp > 1 or p.num_layers_per_virtual_pipeline_stage is not None or \
+                p.pipeline_schedule != "1f1b":
+            from loom.parallel.pipeline.layout import validate_pipeline  # torch-free
+            validate_pipeline(self, world_size)
         return self
 
 

@@ -19,7 +19,8 @@ from loom.parallel.mappings import copy_to_tensor_parallel_region
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker
 from loom.parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding,
-                                  initialize_parameters, normal_init, vocab_parallel_cross_entropy)
+                                  initialize_parameters, normal_init, vocab_padded_init,
+                                  vocab_parallel_cross_entropy)
 from loom.models.transformer import (CheckpointedLayer, KVCache, TransformerLayer, build_norm,
                                      rope_cos_sin)
 
@@ -83,8 +84,9 @@ class GPTModel(nn.Module):
             self.final_norm = build_norm(cfg, mesh.device)
             if not self.tied:
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, mesh,
-                                                         bias=False,
-                                                         init_fn=normal_init(cfg.init_method_std))
+                                                         bias=False, init_fn=vocab_padded_init(
+                                                             normal_init(cfg.init_method_std),
+                                                             cfg.vocab_size))
 
     def init_weights(self, seed: int) -> "GPTModel":
         """Initialize every weight from ``seed`` exactly as the single-process model would."""

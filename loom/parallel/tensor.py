@@ -97,6 +97,15 @@ def scaled_normal_init(std: float, num_layers: int) -> InitFn:
     return normal_init(std / math.sqrt(2.0 * num_layers))
 
 
+def vocab_padded_init(init_fn: InitFn, vocab_size: int) -> InitFn:
+    """``init_fn`` on the true ``[V, ...]`` rows, zeros on the padding rows ``[V, Vp)``, so the
+    weights do not depend on the padded size (hence on t)."""
+    def init(shape, g):
+        w = init_fn((vocab_size, *shape[1:]), g)
+        return torch.cat([w, torch.zeros(shape[0] - vocab_size, *shape[1:])], dim=0)
+    return init
+
+
 def zeros_init(shape, g):
     return torch.zeros(shape)
 
@@ -226,11 +235,8 @@ class VocabParallelEmbedding(nn.Module):
         per = padded_vocab_size // t
         self.vocab_start, self.vocab_end = mesh.tp_rank * per, (mesh.tp_rank + 1) * per
         self.weight = nn.Parameter(torch.empty(per, hidden_size, device=mesh.device))
-
-        def padded(shape, g):
-            w = init_fn((vocab_size, shape[1]), g)
-            return torch.cat([w, torch.zeros(shape[0] - vocab_size, shape[1])], dim=0)
-        _tag(self.weight, (padded_vocab_size, hidden_size), padded, ShardSpec(0))
+        _tag(self.weight, (padded_vocab_size, hidden_size), vocab_padded_init(init_fn, vocab_size),
+             ShardSpec(0))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:

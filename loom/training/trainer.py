@@ -25,6 +25,7 @@ from loom.data.sampler import get_batch, microbatch_indices
 from loom.models.gpt import GPTModel
 from loom.parallel.data import GradientReducer
 from loom.parallel.mesh import ParallelMesh, init_distributed
+from loom.parallel.pipeline import timeline
 from loom.parallel.random import RNGTracker, seed_everything
 from loom.planner.flops import model_flops_per_iteration
 from loom.training.metrics import MetricsLogger, peak_flops_per_rank, peak_memory_bytes
@@ -79,6 +80,8 @@ class Trainer:
                                                         cfg.model.seq_length)
         self.peak_flops = peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops)
         self.history: list[dict] = []
+        if cfg.logging.timeline:  # --timeline: per-rank Chrome trace, merged by rank 0
+            timeline.enable(self.global_rank)
         if cfg.logging.load:
             self.load(cfg.logging.load)
 
@@ -137,11 +140,28 @@ class Trainer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
+    def mean_over_ranks(self, value: float) -> float:
+        if not dist.is_initialized() or self.world_size == 1:
+            return value
+        t = torch.tensor([value], device=self.mesh.device)
+        dist.all_reduce(t)
+        return float(t) / self.world_size
+
+    def write_timeline(self) -> None:
+        """Each rank writes ``PATH.rank{N}.json``; rank 0 merges them into ``PATH``."""
+        path = self.cfg.logging.timeline
+        timeline.write_rank(path, stage=self.mesh.pp_rank)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        if self.global_rank == 0:
+            timeline.merge(path)
+
     def train_step(self) -> dict:
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
         loss = self.forward_backward(self.batches(self.train_ds, self.consumed_samples))
-        norm = self.optimizer_step()
+        with timeline.span("optimizer"):
+            norm = self.optimizer_step()
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
         elapsed = self.max_over_ranks(time.perf_counter() - start)  # the slowest rank
@@ -154,6 +174,9 @@ class Trainer:
                "tflops_per_rank": tflops,
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_memory_bytes": peak_memory_bytes(self.mesh.device)}
+        if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
+            from loom.parallel.pipeline import last_stats
+            rec["bubble_fraction"] = self.mean_over_ranks(last_stats().bubble_fraction)
         self.history.append(rec)
         return rec
 
@@ -223,6 +246,9 @@ class Trainer:
                     avg = dict(rec)
                     avg["loss"] = sum(r["loss"] for r in window) / len(window)
                     avg["step_time_s"] = sum(r["step_time_s"] for r in window) / len(window)
+                    if "bubble_fraction" in rec:
+                        avg["bubble_fraction"] = (sum(r["bubble_fraction"] for r in window)
+                                                  / len(window))
                     avg["tokens_per_s"] = (self.global_batch * self.cfg.model.seq_length
                                            / avg["step_time_s"])
                     avg["tflops_per_rank"] = (self.flops_per_iter / avg["step_time_s"]
@@ -239,6 +265,9 @@ class Trainer:
             if lg.save and (not lg.save_interval or self.iteration % lg.save_interval):
                 path = self.save(lg.save)
                 log.print(f" saved checkpoint {path}")
+            if lg.timeline:
+                self.write_timeline()
+                log.print(f" wrote timeline {lg.timeline}")
         finally:
             log.close()
         return self.history

@@ -1,0 +1,1 @@
+"""Hugging Face <-> loom weight conversion."""
