@@ -213,6 +213,9 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     common = read_common(ckpt)
     if scheduler is not None and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"])
+        # load_state_dict restores the schedule, not the optimizer's current lr: set it too.
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
     with open(os.path.join(ckpt, "metadata.json")) as fh:
         meta = json.load(fh)
     world = dist.get_world_size() if dist.is_initialized() else 1

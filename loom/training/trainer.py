@@ -230,8 +230,10 @@ class Trainer:
         lg = self.cfg.logging
         log = MetricsLogger(self.global_rank == 0, lg.log_json, lg.tensorboard_dir,
                             self.cfg.training.train_iters - self.iteration, not lg.no_progress_bar)
+        from loom.planner.memory import total_params
         log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, "
-                  f"{sum(p.numel() for p in self.params):,} parameters on rank 0, "
+                  f"{total_params(self.cfg.model):,.0f} parameters "
+                  f"({sum(p.numel() for p in self.params):,} on rank 0), "
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
                   f"{self.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")

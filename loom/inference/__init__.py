@@ -1,0 +1,1 @@
+"""Inference: KV-cached generation with greedy / top-k / top-p sampling, under TP."""
