@@ -1,8 +1,8 @@
-"""Tensor and data parallelism against the single-process reference (CPU, gloo, fp32, no dropout).
+"""Tensor, data and context parallelism against the single-process reference (CPU, gloo, fp32, no dropout).
 
 For 3 optimizer steps, the loss and every gradient of TP=2, TP=4, DP=2 and TP=2 x DP=2 runs
 match the single-process run from the same seed (rtol 1e-5), for the GPT-2 and the LLaMA (GQA)
-layouts; each TP layer runs exactly 2 all-reduces forward and 2 backward; the vocab-parallel
+layouts, and so do CP=2 and CP=2 x TP=2; each TP layer runs exactly 2 all-reduces forward and 2 backward; the vocab-parallel
 cross-entropy equals ``F.cross_entropy`` on gathered logits. Two spawned worlds (2 and 4 ranks)
 run all the checks.
 """
@@ -33,9 +33,10 @@ def tiny(kind: str) -> ModelConfig:
     return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
 
 
-def make_cfg(kind: str, tp: int, dp: int) -> LoomConfig:
+def make_cfg(kind: str, tp: int, dp: int, cp: int = 1) -> LoomConfig:
     cfg = LoomConfig(model=tiny(kind))
     cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.context_parallel_size = cp
     cfg.training.micro_batch_size = 2
     cfg.training.global_batch_size = 8  # m = 4 / dp micro-batches: exercises accumulation
     cfg.training.lr = 1e-3
@@ -46,7 +47,7 @@ def make_cfg(kind: str, tp: int, dp: int) -> LoomConfig:
     cfg.training.clip_grad = 0.5  # active: the global norm must be right across groups
     cfg.parallel.ddp_bucket_size = 20_000  # several buckets
     cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * dp)
+    return cfg.validate(tp * dp * cp)
 
 
 def reference_shard(ref: torch.Tensor, p: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
@@ -59,14 +60,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def parity_case(kind: str, tp: int, dp: int) -> dict:
-    """Run 3 steps at (tp, dp) and the reference side by side; return worst relative errors."""
+def parity_case(kind: str, tp: int, dp: int, cp: int = 1) -> dict:
+    """Run 3 steps at (tp, dp, cp) and the reference side by side; return worst relative errors."""
     from loom.training.trainer import Trainer
-    cfg = make_cfg(kind, tp, dp)
-    mesh = ParallelMesh.build(tp=tp, dp=dp)
+    cfg = make_cfg(kind, tp, dp, cp)
+    mesh = ParallelMesh.build(tp=tp, dp=dp, cp=cp)
     par = Trainer(cfg, mesh=mesh)
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.parallel.tensor_model_parallel_size = 1
+    ref_cfg.parallel.context_parallel_size = 1
     ref = Trainer(ref_cfg, mesh=ParallelMesh.single())
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "nparams": 0}
     for _ in range(3):
@@ -140,6 +142,7 @@ def world2() -> dict:
     for kind in ("gpt", "llama"):
         res[f"tp2-{kind}"] = parity_case(kind, tp=2, dp=1)
         res[f"dp2-{kind}"] = parity_case(kind, tp=1, dp=2)
+        res[f"cp2-{kind}"] = parity_case(kind, tp=1, dp=1, cp=2)
     res["comm-tp2"] = count_layer_collectives(2)
     res["comm-tp1"] = count_layer_collectives(1)
     res["ce"] = cross_entropy_case()
@@ -151,6 +154,7 @@ def world4() -> dict:
     for kind in ("gpt", "llama"):
         res[f"tp2xdp2-{kind}"] = parity_case(kind, tp=2, dp=2)
     res["tp4-gpt"] = parity_case("gpt", tp=4, dp=1)
+    res["cp2xtp2-llama"] = parity_case("llama", tp=2, dp=1, cp=2)
     # LLaMA at TP=4 needs g divisible by 4: use 4 query groups (MHA-sized KV)
     res["ce"] = cross_entropy_case()
     return res
@@ -177,13 +181,14 @@ def _check_parity(case: dict):
     assert case["param"] < 1e-4, case
 
 
-@pytest.mark.parametrize("name", ["tp2-gpt", "tp2-llama", "dp2-gpt", "dp2-llama"])
+@pytest.mark.parametrize("name", ["tp2-gpt", "tp2-llama", "dp2-gpt", "dp2-llama",
+                                  "cp2-gpt", "cp2-llama"])
 def test_parity_two_ranks(results2, name):
     for rank_result in results2:
         _check_parity(rank_result[name])
 
 
-@pytest.mark.parametrize("name", ["tp2xdp2-gpt", "tp2xdp2-llama", "tp4-gpt"])
+@pytest.mark.parametrize("name", ["tp2xdp2-gpt", "tp2xdp2-llama", "tp4-gpt", "cp2xtp2-llama"])
 def test_parity_four_ranks(results4, name):
     for rank_result in results4:
         _check_parity(rank_result[name])

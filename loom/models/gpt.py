@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.parallel.context import local_positions
 from loom.parallel.mappings import copy_to_tensor_parallel_region
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker
@@ -102,7 +103,8 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
-        """First stage: ``input_ids [b, s]``; later stages: ``hidden_states [s, b, h]``.
+        """First stage: ``input_ids [b, s]``; later stages: ``hidden_states [s, b, h]``
+        (with context parallelism, ``s`` is this CP rank's ``s/c`` load-balanced tokens).
 
         Returns, on the last stage, the per-token loss ``[b, s]`` (fp32) when ``labels`` is given,
         else this rank's vocabulary shard of the logits ``[b, s, Vp/t]``; on other stages the
@@ -115,19 +117,22 @@ class GPTModel(nn.Module):
 
     def _forward(self, input_ids, labels, hidden_states, cache):
         offset = cache.length if cache is not None else 0
-        if self.pre_process:
-            s = input_ids.shape[1]
-            positions = torch.arange(offset, offset + s, device=input_ids.device)
-            x = self.embedding(input_ids, positions)
+        x = hidden_states
+        s = input_ids.shape[1] if self.pre_process else x.shape[0]
+        device = input_ids.device if self.pre_process else x.device
+        cp = self.mesh.sizes["cp"]
+        q_positions = None
+        if cp > 1 and cache is None:  # this rank's s/c tokens of the sequence (load-balanced)
+            positions = q_positions = local_positions(s * cp, self.mesh.coords["cp"], cp, device)
         else:
-            x = hidden_states
-            s = x.shape[0]
-            positions = torch.arange(offset, offset + s, device=x.device)
+            positions = torch.arange(offset, offset + s, device=device)
+        if self.pre_process:
+            x = self.embedding(input_ids, positions)
         rope = None
         if self.cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rotary_base)
         for layer in self.layers.values():
-            x = layer(x, rope, cache)
+            x = layer(x, rope, cache, q_positions)
         if not self.post_process:
             return x
         x = self.final_norm(x)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from loom.config import ModelConfig
+from loom.parallel.context import causal_mask, gather_sequence
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker
 from loom.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, normal_init,
@@ -65,6 +66,7 @@ class SelfAttention(nn.Module):
         self.cfg, self.tracker, self.layer_number = cfg, tracker, layer_number
         self.heads, self.groups, self.head_dim = a // t, g // t, d
         self.tp_size = t
+        self.cp_group = mesh.groups["cp"]
         bias = not cfg.disable_bias_linear
         self.linear_qkv = ColumnParallelLinear(h, (a + 2 * g) * d, mesh, bias=bias,
                                                segments=(a * d, g * d, g * d),
@@ -74,18 +76,23 @@ class SelfAttention(nn.Module):
                                                                         cfg.num_layers))
         self.recompute_core = False  # selective recompute of the attention core (KOR sec. 5)
 
-    def _core(self, q, k, v, causal: bool):
+    def _core(self, q, k, v, causal: bool, mask: Optional[torch.Tensor] = None):
         p = self.cfg.attention_dropout if self.training else 0.0
+        kw = dict(dropout_p=p, is_causal=causal and mask is None, attn_mask=mask,
+                  enable_gqa=self.heads != self.groups)
         if p > 0 and self.tp_size > 1:  # partitioned heads: per-TP-rank dropout masks
             with self.tracker.fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
-                                                      enable_gqa=self.heads != self.groups)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
-                                              enable_gqa=self.heads != self.groups)
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+        return F.scaled_dot_product_attention(q, k, v, **kw)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
-        """``x [s, b, h]`` -> ``[s, b, h]`` (replicated over TP)."""
+                cache: Optional[KVCache] = None,
+                q_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [s, b, h]`` -> ``[s, b, h]`` (replicated over TP).
+
+        With context parallelism ``s`` is this rank's ``s/c`` tokens at global ``q_positions``;
+        keys and values are gathered over the CP group (:mod:`loom.parallel.context`).
+        """
         s, b, _ = x.shape
         d = self.head_dim
         qkv = self.linear_qkv(x)
@@ -96,7 +103,10 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
-        causal = True
+        causal, mask = True, None
+        if self.cp_group is not None and q_positions is not None:
+            k, v = gather_sequence(k, self.cp_group, 2), gather_sequence(v, self.cp_group, 2)
+            mask = causal_mask(q_positions, k.shape[2])
         if cache is not None:
             n = self.layer_number
             start = cache.length
@@ -110,9 +120,9 @@ class SelfAttention(nn.Module):
                     raise ValueError("after the prompt, decode one token at a time")
                 causal = False  # one new query attends to every cached position
         if self.recompute_core and self.training:
-            out = checkpoint(self._core, q, k, v, causal, use_reentrant=False)
+            out = checkpoint(self._core, q, k, v, causal, mask, use_reentrant=False)
         else:
-            out = self._core(q, k, v, causal)
+            out = self._core(q, k, v, causal, mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
         return self.linear_proj(out)
 
@@ -154,10 +164,12 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, q_positions: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
         # Hidden dropout acts on replicated activations: the default RNG, same on all TP ranks.
         p = self.hidden_dropout if self.training else 0.0
-        x = x + F.dropout(self.self_attention(self.input_norm(x), rope, cache), p, self.training)
+        x = x + F.dropout(self.self_attention(self.input_norm(x), rope, cache, q_positions), p,
+                          self.training)
         return x + F.dropout(self.mlp(self.pre_mlp_norm(x)), p, self.training)
 
 
@@ -170,20 +182,20 @@ class CheckpointedLayer(nn.Module):
         self.layer = layer
         self.tracker = tracker
 
-    def forward(self, x, rope=None, cache=None):
+    def forward(self, x, rope=None, cache=None, q_positions=None):
         if not self.training or cache is not None:
-            return self.layer(x, rope, cache)
+            return self.layer(x, rope, cache, q_positions)
         saved = None if self.tracker.state is None else self.tracker.state.clone()
         calls = [0]
 
         def run(inp):
             calls[0] += 1
             if calls[0] == 1 or saved is None:
-                return self.layer(inp, rope)
+                return self.layer(inp, rope, None, q_positions)
             current = self.tracker.state
             self.tracker.state = saved.clone()
             try:
-                return self.layer(inp, rope)
+                return self.layer(inp, rope, None, q_positions)
             finally:
                 self.tracker.state = current
         return checkpoint(run, x, use_reentrant=False)

@@ -23,6 +23,7 @@ from loom.config import ConfigError, LoomConfig
 from loom.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.models.gpt import GPTModel
+from loom.parallel.context import slice_for_cp
 from loom.parallel.data import GradientReducer
 from loom.parallel.mesh import ParallelMesh, init_distributed
 from loom.parallel.pipeline import timeline
@@ -98,9 +99,9 @@ class Trainer:
         """This DP rank's m micro-batches of the global batch starting at sample ``consumed``."""
         idx = microbatch_indices(consumed, self.cfg.training.micro_batch_size,
                                  self.num_microbatches, self.mesh.dp_rank, self.mesh.dp_size)
-        dev = self.mesh.device
-        return [{k: v.to(dev, non_blocking=True) for k, v in get_batch(dataset, i).items()}
-                for i in idx]
+        dev, cp, cp_rank = self.mesh.device, self.mesh.sizes["cp"], self.mesh.coords["cp"]
+        return [{k: slice_for_cp(v, cp_rank, cp).to(dev, non_blocking=True)
+                 for k, v in get_batch(dataset, i).items()} for i in idx]
 
     # -- one step ----------------------------------------------------------------------------------
     def forward_backward(self, batches: list[dict]) -> torch.Tensor:
@@ -124,14 +125,15 @@ class Trainer:
         return norm
 
     def global_loss(self, local: torch.Tensor) -> float:
-        """Mean loss over DP ranks, taken from the last pipeline stage (one scalar all-reduce)."""
+        """Mean loss over DP and CP ranks (each holds an equal share of the tokens), taken from
+        the last pipeline stage (one scalar all-reduce)."""
         if not dist.is_initialized() or self.world_size == 1:
             return float(local)
         m = self.mesh
-        owns = m.is_last_stage and m.tp_rank == 0 and m.coords["cp"] == 0
+        owns = m.is_last_stage and m.tp_rank == 0
         t = torch.tensor([float(local) if owns else 0.0], device=m.device)
         dist.all_reduce(t)
-        return float(t) / m.dp_size
+        return float(t) / (m.dp_size * m.sizes["cp"])
 
     def max_over_ranks(self, value: float) -> float:
         if not dist.is_initialized() or self.world_size == 1:

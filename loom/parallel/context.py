@@ -1,0 +1,89 @@
+"""Context parallelism: the sequence split over the c ranks of the CP group.
+
+Causal load balance (Megatron-LM / Llama 3): the sequence is cut into 2c chunks and CP rank r
+holds chunks r and 2c-1-r, so every rank has the same amount of causal-attention work (early
+chunks attend to little, late chunks to much). Each rank computes Q, K, V for its own s/c
+tokens; keys and values are all-gathered over the CP group (the all-gather form of context
+parallelism used to train Llama 3, Dubey et al. 2024 sec. 3.3.2; Megatron's
+``--cp-comm-type allgather``), and the local queries attend to the full sequence under a causal
+mask built from global positions. Backward reduce-scatters the key/value gradients.
+Communication per layer: all-gather of K and V, ``2 (c-1)/c * s b g d`` elements each way.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two chunks (of 2c) that CP rank r holds: r and 2c-1-r."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def local_positions(seq_length: int, cp_rank: int, cp_size: int,
+                    device: Optional[torch.device] = None) -> torch.Tensor:
+    """Global positions ``[s/c]`` of this CP rank's tokens, in local order."""
+    n = seq_length // (2 * cp_size)
+    a, b = chunk_ids(cp_rank, cp_size)
+    return torch.cat([torch.arange(a * n, (a + 1) * n, device=device),
+                      torch.arange(b * n, (b + 1) * n, device=device)])
+
+
+def slice_for_cp(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """This CP rank's tokens of ``x`` (sequence along ``dim``), e.g. ``[b, s] -> [b, s/c]``."""
+    if cp_size == 1:
+        return x
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    a, b = chunk_ids(cp_rank, cp_size)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def _global_order(gathered: list[torch.Tensor], cp_size: int, dim: int) -> torch.Tensor:
+    """Reassemble the full sequence from every rank's (chunk r, chunk 2c-1-r) pair."""
+    pieces: list[Optional[torch.Tensor]] = [None] * (2 * cp_size)
+    for r, t in enumerate(gathered):
+        first, second = t.chunk(2, dim=dim)
+        a, b = chunk_ids(r, cp_size)
+        pieces[a], pieces[b] = first, second
+    return torch.cat(pieces, dim=dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dim into global order; backward: reduce-scatter back."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        n = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return _global_order(parts, n, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim = ctx.group, ctx.dim
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        grad = grad.contiguous()
+        # Sum every rank's gradient for the full sequence, keep this rank's chunks. gloo has no
+        # reduce-scatter, so it all-reduces and slices; NCCL reduce-scatters.
+        if dist.get_backend(group) == "nccl":
+            stacked = torch.stack([slice_for_cp(grad, j, n, dim) for j in range(n)])
+            out = torch.empty_like(stacked[0])
+            dist.reduce_scatter_tensor(out, stacked, group=group)
+            return out, None, None
+        dist.all_reduce(grad, group=group)
+        return slice_for_cp(grad, r, n, dim), None, None
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """``[..., s/c (dim), ...] -> [..., s, ...]`` in global order (autograd-aware)."""
+    return x if group is None else _GatherSequence.apply(x, group, dim)
+
+
+def causal_mask(q_positions: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """Boolean ``[s_q, s]``: query at global position p sees keys at positions <= p."""
+    k_positions = torch.arange(seq_length, device=q_positions.device)
+    return k_positions[None, :] <= q_positions[:, None]
