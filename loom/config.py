@@ -148,6 +148,7 @@ class LoggingConfig:
     log_json: Optional[str] = None
     tensorboard_dir: Optional[str] = None
     peak_tflops: Optional[float] = None  # per rank, for MFU; None = from the device table
+    planner_cluster: Optional[str] = None  # cluster JSON (`loom plan --calibrate`) for predictions
     timeline: Optional[str] = None
     save: Optional[str] = None
     load: Optional[str] = None

@@ -86,6 +86,18 @@ class Trainer:
         if cfg.logging.load:
             self.load(cfg.logging.load)
 
+    def _predict_step_time(self) -> Optional[float]:
+        """The planner's iteration time for this exact layout (seconds), when it knows the
+        hardware: a ``--planner-cluster`` file (``loom plan --calibrate``) or a known GPU."""
+        cluster = self.cfg.logging.planner_cluster
+        if cluster is None and self.mesh.device.type != "cuda":
+            return None
+        try:
+            from loom.planner.predict import predict_layout
+            return predict_layout(self.cfg, self.world_size, cluster=cluster)["time_s"]["iteration"]
+        except Exception:  # noqa: BLE001 - a prediction must never stop training
+            return None
+
     # -- data ------------------------------------------------------------------------------------
     def _datasets(self):
         d, m = self.cfg.data, self.cfg.model
@@ -176,6 +188,8 @@ class Trainer:
                "tflops_per_rank": tflops,
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_memory_bytes": peak_memory_bytes(self.mesh.device)}
+        if self.predicted_step_s is not None:
+            rec["predicted_step_time_s"] = self.predicted_step_s
         if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
             from loom.parallel.pipeline import last_stats
             rec["bubble_fraction"] = self.mean_over_ranks(last_stats().bubble_fraction)
@@ -269,6 +283,10 @@ class Trainer:
             if lg.save and (not lg.save_interval or self.iteration % lg.save_interval):
                 path = self.save(lg.save)
                 log.print(f" saved checkpoint {path}")
+            if self.predicted_step_s is not None and len(self.history) > 1:
+                measured = sorted(r["step_time_s"] for r in self.history[1:])[len(self.history[1:]) // 2]
+                log.print(f" step time: planner predicted {self.predicted_step_s:.4g} s, measured "
+                          f"median {measured:.4g} s ({100 * (self.predicted_step_s / measured - 1):+.0f}%)")
             if lg.timeline:
                 self.write_timeline()
                 log.print(f" wrote timeline {lg.timeline}")
