@@ -266,9 +266,9 @@ class LoomConfig:
         if m.seq_length % (2 * cp) and cp > 1:
             raise ConfigError(f"--seq-length {m.seq_length} must be divisible by 2 x "
                               f"--context-parallel-size {cp} for causal load balancing")
-        if p.sequence_parallel and m.seq_length % tp:
-            raise ConfigError(f"--sequence-parallel needs --seq-length divisible by "
-                              f"--tensor-model-parallel-size {tp}")
+        if p.sequence_parallel and m.seq_length % (tp * cp):
+            raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+                              f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp}")
         gbs = self.global_batch_size(world_size)
         if gbs % (t.micro_batch_size * dp):
             raise ConfigError(

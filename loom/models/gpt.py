@@ -19,6 +19,8 @@ from loom.parallel.context import local_positions
 from loom.parallel.mappings import copy_to_tensor_parallel_region
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker
+from loom.parallel.sequence import (gather_from_sequence_parallel_region, mark_sequence_parallel,
+                                    scatter_to_sequence_parallel_region)
 from loom.parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding,
                                   initialize_parameters, normal_init, vocab_padded_init,
                                   vocab_parallel_cross_entropy)
@@ -56,13 +58,17 @@ class GPTModel(nn.Module):
 
     Args: ``cfg`` (``vocab_size`` must be set), ``mesh``, ``tracker`` (TP dropout RNG),
     ``layer_numbers`` (global indices of this stage's layers; default all),
-    ``pre_process`` (holds the embedding), ``post_process`` (holds final norm, output layer, loss).
+    ``pre_process`` (holds the embedding), ``post_process`` (holds final norm, output layer, loss),
+    ``recompute_granularity`` (None / selective / full), ``sequence_parallel`` (activations
+    between TP regions are ``[s/t, b, h]``; :mod:`loom.parallel.sequence`).
     """
 
     def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, tracker: RNGTracker, *,
                  layer_numbers: Optional[Sequence[int]] = None, pre_process: bool = True,
-                 post_process: bool = True, recompute_granularity: Optional[str] = None):
+                 post_process: bool = True, recompute_granularity: Optional[str] = None,
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
         if cfg.vocab_size is None:
             raise ValueError("ModelConfig.vocab_size must be set before building the model")
         self.cfg, self.mesh = cfg, mesh
@@ -76,13 +82,15 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(cfg, mesh, self.padded_vocab)
         layers = {}
         for i in layer_numbers:
-            layer = TransformerLayer(cfg, mesh, tracker, i)
+            layer = TransformerLayer(cfg, mesh, tracker, i, self.sequence_parallel)
             if recompute_granularity == "selective":
                 layer.self_attention.recompute_core = True
             layers[str(i)] = CheckpointedLayer(layer, tracker) if recompute_granularity == "full" else layer
         self.layers = nn.ModuleDict(layers)
         if post_process:
             self.final_norm = build_norm(cfg, mesh.device)
+            if self.sequence_parallel:
+                mark_sequence_parallel(self.final_norm)
             if not self.tied:
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, mesh,
                                                          bias=False, init_fn=vocab_padded_init(
@@ -118,7 +126,8 @@ class GPTModel(nn.Module):
     def _forward(self, input_ids, labels, hidden_states, cache):
         offset = cache.length if cache is not None else 0
         x = hidden_states
-        s = input_ids.shape[1] if self.pre_process else x.shape[0]
+        s = input_ids.shape[1] if self.pre_process else x.shape[0] * (
+            self.mesh.tp_size if self.sequence_parallel else 1)
         device = input_ids.device if self.pre_process else x.device
         cp = self.mesh.sizes["cp"]
         q_positions = None
@@ -126,8 +135,11 @@ class GPTModel(nn.Module):
             positions = q_positions = local_positions(s * cp, self.mesh.coords["cp"], cp, device)
         else:
             positions = torch.arange(offset, offset + s, device=device)
+        tp_group = self.mesh.groups["tp"]
         if self.pre_process:
             x = self.embedding(input_ids, positions)
+            if self.sequence_parallel:  # [s, b, h] -> this rank's [s/t, b, h]
+                x = scatter_to_sequence_parallel_region(x, tp_group)
         rope = None
         if self.cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rotary_base)
@@ -136,7 +148,10 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.final_norm(x)
-        x = copy_to_tensor_parallel_region(x, self.mesh.groups["tp"])
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tp_group)
+        else:
+            x = copy_to_tensor_parallel_region(x, tp_group)
         logits = nn.functional.linear(x, self.output_weight()).transpose(0, 1)  # [b, s, Vp/t]
         if labels is None:
             return logits

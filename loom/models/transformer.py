@@ -21,6 +21,7 @@ from loom.config import ModelConfig
 from loom.parallel.context import causal_mask, gather_sequence
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker
+from loom.parallel.sequence import mark_sequence_parallel
 from loom.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, normal_init,
                                   scaled_normal_init)
 
@@ -59,7 +60,8 @@ class KVCache:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, tracker: RNGTracker, layer_number: int):
+    def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, tracker: RNGTracker, layer_number: int,
+                 sequence_parallel: bool = False):
         super().__init__()
         t = mesh.tp_size
         a, g, d, h = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.hidden_size
@@ -70,10 +72,12 @@ class SelfAttention(nn.Module):
         bias = not cfg.disable_bias_linear
         self.linear_qkv = ColumnParallelLinear(h, (a + 2 * g) * d, mesh, bias=bias,
                                                segments=(a * d, g * d, g * d),
-                                               init_fn=normal_init(cfg.init_method_std))
+                                               init_fn=normal_init(cfg.init_method_std),
+                                               sequence_parallel=sequence_parallel)
         self.linear_proj = RowParallelLinear(a * d, h, mesh, bias=bias,
                                              init_fn=scaled_normal_init(cfg.init_method_std,
-                                                                        cfg.num_layers))
+                                                                        cfg.num_layers),
+                                             sequence_parallel=sequence_parallel)
         self.recompute_core = False  # selective recompute of the attention core (KOR sec. 5)
 
     def _core(self, q, k, v, causal: bool, mask: Optional[torch.Tensor] = None):
@@ -88,14 +92,15 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
                 cache: Optional[KVCache] = None,
                 q_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x [s, b, h]`` -> ``[s, b, h]`` (replicated over TP).
+        """``x [s, b, h]`` -> ``[s, b, h]`` (replicated over TP; ``[s/t, b, h]`` in and out with
+        sequence parallelism).
 
         With context parallelism ``s`` is this rank's ``s/c`` tokens at global ``q_positions``;
         keys and values are gathered over the CP group (:mod:`loom.parallel.context`).
         """
-        s, b, _ = x.shape
         d = self.head_dim
-        qkv = self.linear_qkv(x)
+        qkv = self.linear_qkv(x)  # [s, b, (a + 2g) d / t]: the full sequence even under SP
+        s, b = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
         q = q.view(s, b, self.heads, d)
         k = k.view(s, b, self.groups, d)
@@ -128,7 +133,7 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, mesh: ParallelMesh):
+    def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, sequence_parallel: bool = False):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_size
         bias = not cfg.disable_bias_linear
@@ -136,10 +141,12 @@ class MLP(nn.Module):
         self.gelu_approx = "tanh" if cfg.openai_gelu else "none"
         self.linear_fc1 = ColumnParallelLinear(h, 2 * f if cfg.swiglu else f, mesh, bias=bias,
                                                segments=(f, f) if cfg.swiglu else None,
-                                               init_fn=normal_init(cfg.init_method_std))
+                                               init_fn=normal_init(cfg.init_method_std),
+                                               sequence_parallel=sequence_parallel)
         self.linear_fc2 = RowParallelLinear(f, h, mesh, bias=bias,
                                             init_fn=scaled_normal_init(cfg.init_method_std,
-                                                                       cfg.num_layers))
+                                                                       cfg.num_layers),
+                                            sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [s, b, h]`` -> ``[s, b, h]``; ``[s, b, f/t]`` in between."""
@@ -153,24 +160,40 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """``x + drop(attn(norm1(x)))``, then ``x + drop(mlp(norm2(x)))`` (pre-LN)."""
+    """``x + drop(attn(norm1(x)))``, then ``x + drop(mlp(norm2(x)))`` (pre-LN).
 
-    def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, tracker: RNGTracker, layer_number: int):
+    ``x`` is ``[s, b, h]``, or ``[s/t, b, h]`` with ``sequence_parallel`` (norms, dropout and
+    residuals then run on this rank's tokens only; KOR sec. 4.2.2).
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, tracker: RNGTracker, layer_number: int,
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
+        self.tracker = tracker
         self.input_norm = build_norm(cfg, mesh.device)
-        self.self_attention = SelfAttention(cfg, mesh, tracker, layer_number)
+        self.self_attention = SelfAttention(cfg, mesh, tracker, layer_number, sequence_parallel)
         self.pre_mlp_norm = build_norm(cfg, mesh.device)
-        self.mlp = MLP(cfg, mesh)
+        self.mlp = MLP(cfg, mesh, sequence_parallel)
         self.hidden_dropout = cfg.hidden_dropout
+        if self.sequence_parallel:
+            mark_sequence_parallel(self.input_norm)
+            mark_sequence_parallel(self.pre_mlp_norm)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.hidden_dropout if self.training else 0.0
+        if p == 0.0:
+            return x
+        if self.sequence_parallel:  # partitioned tokens: per-TP-rank masks
+            with self.tracker.fork():
+                return F.dropout(x, p, True)
+        return F.dropout(x, p, True)  # replicated: the default RNG, same on all TP ranks
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
                 cache: Optional[KVCache] = None, q_positions: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
-        # Hidden dropout acts on replicated activations: the default RNG, same on all TP ranks.
-        p = self.hidden_dropout if self.training else 0.0
-        x = x + F.dropout(self.self_attention(self.input_norm(x), rope, cache, q_positions), p,
-                          self.training)
-        return x + F.dropout(self.mlp(self.pre_mlp_norm(x)), p, self.training)
+        x = x + self._dropout(self.self_attention(self.input_norm(x), rope, cache, q_positions))
+        return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
 class CheckpointedLayer(nn.Module):

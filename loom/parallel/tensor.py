@@ -31,6 +31,8 @@ from loom.parallel.mappings import (copy_to_tensor_parallel_region,
                                     reduce_from_tensor_parallel_region,
                                     scatter_to_tensor_parallel_region)
 from loom.parallel.mesh import ParallelMesh
+from loom.parallel.sequence import (gather_from_sequence_parallel_region,
+                                    reduce_scatter_to_sequence_parallel_region)
 
 InitFn = Callable[[tuple, torch.Generator], torch.Tensor]
 
@@ -155,14 +157,16 @@ class ColumnParallelLinear(nn.Module):
 
     Args: ``input_size``, ``output_size`` (full sizes), ``mesh``, ``bias``, ``gather_output``
     (all-gather the output to ``[..., out]``), ``segments`` (fused blocks, see
-    :class:`ShardSpec`), ``init_fn`` (full-weight initializer).
+    :class:`ShardSpec`), ``init_fn`` (full-weight initializer), ``sequence_parallel`` (input is
+    ``[s/t, b, in]``, all-gathered along the sequence instead of ``f``).
     Forward input ``[..., in]`` (replicated over TP); output ``[..., out/t]`` or ``[..., out]``.
     """
 
     def __init__(self, input_size: int, output_size: int, mesh: ParallelMesh, *, bias: bool = True,
                  gather_output: bool = False, segments: Optional[tuple[int, ...]] = None,
-                 init_fn: InitFn = normal_init(0.02)):
+                 init_fn: InitFn = normal_init(0.02), sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
         t = mesh.tp_size
         for seg in segments or (output_size,):
             if seg % t:
@@ -179,7 +183,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel_region(x, self.group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
@@ -189,12 +196,16 @@ class RowParallelLinear(nn.Module):
     computes ``X_r A_r`` and the partial sums are all-reduced (``g``); the bias is added once.
 
     Forward input ``[..., in/t]`` when ``input_is_parallel`` (else ``[..., in]``, scattered);
-    output ``[..., out]`` replicated over TP.
+    output ``[..., out]`` replicated over TP, or with ``sequence_parallel`` reduce-scattered to
+    ``[s/t, b, out]`` (the bias, then applied to this rank's tokens, is marked
+    ``sequence_parallel`` so its gradient is summed over TP).
     """
 
     def __init__(self, input_size: int, output_size: int, mesh: ParallelMesh, *, bias: bool = True,
-                 input_is_parallel: bool = True, init_fn: InitFn = normal_init(0.02)):
+                 input_is_parallel: bool = True, init_fn: InitFn = normal_init(0.02),
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
         t = mesh.tp_size
         if input_size % t:
             raise ValueError(f"input size {input_size} not divisible by tensor parallel size {t}")
@@ -205,13 +216,17 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, device=mesh.device))
             _tag(self.bias, (output_size,), zeros_init, None)
+            self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
 

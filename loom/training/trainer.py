@@ -28,6 +28,7 @@ from loom.parallel.data import GradientReducer
 from loom.parallel.mesh import ParallelMesh, init_distributed
 from loom.parallel.pipeline import timeline
 from loom.parallel.random import RNGTracker, seed_everything
+from loom.parallel.sequence import allreduce_sequence_parallel_grads
 from loom.planner.flops import model_flops_per_iteration
 from loom.training.metrics import MetricsLogger, peak_flops_per_rank, peak_memory_bytes
 from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
@@ -41,7 +42,8 @@ def build_model_chunks(cfg: LoomConfig, mesh: ParallelMesh, tracker: RNGTracker)
         chunks = build_pipeline_chunks(cfg, mesh, tracker)
     else:
         chunks = [GPTModel(cfg.model, mesh, tracker,
-                           recompute_granularity=cfg.training.recompute_granularity)]
+                           recompute_granularity=cfg.training.recompute_granularity,
+                           sequence_parallel=cfg.parallel.sequence_parallel)]
     for chunk in chunks:
         chunk.init_weights(cfg.training.seed)
     return chunks
@@ -81,6 +83,7 @@ class Trainer:
                                                         cfg.model.seq_length)
         self.peak_flops = peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops)
         self.history: list[dict] = []
+        self.predicted_step_s = self._predict_step_time()
         if cfg.logging.timeline:  # --timeline: per-rank Chrome trace, merged by rank 0
             timeline.enable(self.global_rank)
         if cfg.logging.load:
@@ -122,6 +125,8 @@ class Trainer:
                              reducers=self.reducers, mesh=self.mesh, cfg=self.cfg)
         for r in self.reducers:
             r.finish_grad_sync()
+        if self.cfg.parallel.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.params, self.mesh.groups["tp"])
         if self.mesh.pp_size > 1:
             from loom.parallel.pipeline import allreduce_embedding_grads
             allreduce_embedding_grads(self.model_chunks, self.mesh)

@@ -23,7 +23,8 @@ def build_pipeline_chunks(cfg, mesh, tracker) -> list[GPTModel]:
         pre, post = (k == 0 and r == 0), (k == v - 1 and r == p - 1)
         chunk = GPTModel(cfg.model, mesh, tracker, layer_numbers=numbers, pre_process=pre,
                          post_process=post,
-                         recompute_granularity=cfg.training.recompute_granularity)
+                         recompute_granularity=cfg.training.recompute_granularity,
+                         sequence_parallel=cfg.parallel.sequence_parallel)
         if post and not pre and chunk.tied:
             # Only the word embeddings serve as the output layer here: drop the (unused) learned
             # positions, and keep the duplicate out of the gradient norm.

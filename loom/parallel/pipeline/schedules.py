@@ -178,7 +178,9 @@ def run_ops(ops: Sequence[Op], model_chunks, batches, reducers, mesh, cfg,
     comm = _P2P(mesh, v)
     device = mesh.device
     tok = batches[0]["tokens"]
-    shape = (tok.shape[1], tok.shape[0], cfg.model.hidden_size)  # [s, b, h]
+    # [s, b, h] of this rank's tokens: s is already s/c (CP-sliced batches); SP splits it by t
+    sp = cfg.parallel.sequence_parallel and mesh.tp_size > 1
+    shape = (tok.shape[1] // (mesh.tp_size if sp else 1), tok.shape[0], cfg.model.hidden_size)
     dtype = activation_dtype(cfg)
     inputs: dict = {}
     outputs: dict = {}
@@ -227,7 +229,8 @@ def run_ops(ops: Sequence[Op], model_chunks, batches, reducers, mesh, cfg,
                 out = loss
             timeline.add(f"F c{c} mb{j}", "forward", t0, timeline.now_us())
             if vs < last_v:
-                comm.send(out, comm.next, comm.tag(j, vs + 1, 0), f"fwd c{c} mb{j}")
+                comm.send(out.detach().to(dtype), comm.next, comm.tag(j, vs + 1, 0),
+                          f"fwd c{c} mb{j}")
                 if train:
                     _deallocate(out)
             if train:

@@ -1,0 +1,272 @@
+"""Planner vs measured: predicted and measured step time and memory of >= 8 layouts (issue 4).
+
+Model: GPT, 4 layers, h 256, 8 heads, FFN 1024, V 8192, s 256, global batch 16 sequences, fp32,
+dropout 0, AdamW, mock data. CPU, gloo, one thread per rank.
+
+1. Calibrate (``loom.planner.calibrate.calibrate_local``, ~15-20 s, 1 thread): GEMM curve,
+   memory bandwidth, ``mem_traffic`` from one tiny single-rank training step of a *different*
+   model (2 layers, s 128), gloo all-reduce alpha/bandwidth for 2 and 4 ranks. Global constants,
+   never fitted per layout.
+2. Oversubscription: the planner assumes one device per rank; R ranks on C cores each get
+   ``min(1, C/R)`` of a core, so each layout's cluster has ``peak_flops`` and ``hbm_bw`` scaled
+   by that share (``calibrate.oversubscribed``); links are the all-reduce fit for R ranks.
+3. For every layout: ``predict_layout`` (time, memory), then a Trainer run (3 warm-up + 5
+   measured steps, median of the slowest rank's step time) and the peak RSS of every rank
+   (max over ranks), also minus each rank's RSS just before the Trainer is built.
+4. The planner's pick (min predicted time among the 4-rank layouts) vs the measured fastest.
+
+Waits (up to --max-wait s) for the 1-minute load average to drop below 2.5 before each layout and
+records it. Layouts that fail (e.g. pipeline parallelism still in progress) are recorded with
+their error and retried once at the end. Prints one JSON line per layout, then a markdown table.
+
+    OMP_NUM_THREADS=1 python benchmarks/planner_vs_measured.py [--cluster FILE] [--only NAME,..]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+from loom.config import LoomConfig, ModelConfig
+from loom.testing import run_distributed
+
+WARMUP, MEASURED = 3, 5
+GLOBAL_BATCH = 16
+MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024,
+             seq_length=256, vocab_size=8192)
+LOAD_LIMIT = 2.5
+
+# name, ranks, tp, pp, cp, micro-batch, recompute, pipeline schedule
+LAYOUTS = [
+    ("DP4 b4", 4, 1, 1, 1, 4, None, "1f1b"),
+    ("DP4 b2", 4, 1, 1, 1, 2, None, "1f1b"),
+    ("DP4 b4 full-recompute", 4, 1, 1, 1, 4, "full", "1f1b"),
+    ("TP2 DP2 b4", 4, 2, 1, 1, 4, None, "1f1b"),
+    ("TP2 DP2 b4 selective", 4, 2, 1, 1, 4, "selective", "1f1b"),
+    ("TP4 b8", 4, 4, 1, 1, 8, None, "1f1b"),
+    ("CP2 DP2 b4", 4, 1, 1, 2, 4, None, "1f1b"),
+    ("TP2 CP2 b8", 4, 2, 1, 2, 8, None, "1f1b"),
+    ("PP2 DP2 b2 1f1b", 4, 1, 2, 1, 2, None, "1f1b"),
+    ("PP2 TP2 b4 gpipe", 4, 2, 2, 1, 4, None, "gpipe"),
+    ("PP4 b2 1f1b", 4, 1, 4, 1, 2, None, "1f1b"),
+    ("DP2 b8 (2 ranks)", 2, 1, 1, 1, 8, None, "1f1b"),
+    ("TP2 b8 (2 ranks)", 2, 2, 1, 1, 8, None, "1f1b"),
+]
+
+
+def make_config(ranks, tp, pp, cp, mbs, recompute, schedule) -> LoomConfig:
+    cfg = LoomConfig(model=ModelConfig.gpt2(hidden_dropout=0.0, attention_dropout=0.0, **MODEL))
+    cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.pipeline_model_parallel_size = pp
+    cfg.parallel.context_parallel_size = cp
+    cfg.parallel.pipeline_schedule = schedule
+    cfg.training.micro_batch_size = mbs
+    cfg.training.global_batch_size = GLOBAL_BATCH
+    cfg.training.recompute_granularity = recompute
+    cfg.training.train_iters = WARMUP + MEASURED
+    cfg.data.mock_data = True
+    cfg.logging.log_interval = 10**6
+    cfg.logging.no_progress_bar = True
+    return cfg.validate(ranks)
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(ranks, tp, pp, cp, mbs, recompute, schedule) -> dict:
+    """One rank: build the Trainer for the layout, train, return this rank's numbers."""
+    import torch
+
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    torch.set_num_threads(1)
+    cfg = make_config(ranks, tp, pp, cp, mbs, recompute, schedule)
+    mesh = ParallelMesh.build(tp=tp, pp=pp, cp=cp) if ranks > 1 else ParallelMesh.single()
+    base = _rss()
+    history = Trainer(cfg, mesh=mesh).train()
+    times = [r["step_time_s"] for r in history[WARMUP:]]
+    return {"median_step_s": statistics.median(times), "steps_s": times,
+            "loss": history[-1]["loss"], "peak_rss": _rss(), "base_rss": base}
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def wait_quiet(max_wait: float) -> float:
+    t0 = time.monotonic()
+    while load1() > LOAD_LIMIT and time.monotonic() - t0 < max_wait:
+        time.sleep(10)
+    return load1()
+
+
+def predicted(cal, name_row) -> dict:
+    from loom.planner.calibrate import oversubscribed
+    from loom.planner.predict import predict_layout
+
+    _, ranks, tp, pp, cp, mbs, rc, sched = name_row
+    cl = cal
+    ar = cal.notes.get("allreduce", {}).get(str(ranks))
+    if ar:  # links: the all-reduce fit among this many ranks
+        from dataclasses import replace
+        cl = replace(cal, intra_alpha=ar["alpha_s"], inter_alpha=ar["alpha_s"],
+                     intra_bw=ar["bw_bytes_per_s"], inter_bw=ar["bw_bytes_per_s"])
+    cl = oversubscribed(cl, ranks, os.cpu_count())
+    cfg = make_config(ranks, tp, pp, cp, mbs, rc, sched)
+    p = predict_layout(cfg, ranks, cluster=cl)
+    mem = p["memory_bytes"]
+    no_reserve = mem["total"] - mem["reserve"]
+    # fp32 run: 16 B/param (weights, grads, Adam m, v) instead of the planner's 18, activations
+    # 4 B instead of 2 (the fp32 logits term is already 4 B). A unit conversion, not a fit.
+    states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+    fp32 = states * 16 / 18 + 2 * mem["activations"] + mem["embedding_output"]
+    return {"pred_step_s": p["time_s"]["iteration"],
+            "pred_terms_s": {k: round(v, 4) for k, v in p["time_s"].items() if v > 0},
+            "pred_mem_bytes": no_reserve, "pred_mem_fp32_bytes": fp32,
+            "pred_mem_with_reserve_bytes": mem["total"], "compute_share": cl.notes[
+                "oversubscription"]["share"], "microbatches": p["layout"]["num_microbatches"]}
+
+
+def run_layout(row, max_wait) -> dict:
+    name, ranks, tp, pp, cp, mbs, rc, sched = row
+    load = wait_quiet(max_wait)
+    t0 = time.monotonic()
+    try:
+        res = run_distributed(ranks, measure, ranks, tp, pp, cp, mbs, rc, sched, timeout=600)
+    except Exception as e:  # noqa: BLE001 - record and go on
+        msg = str(e).strip().splitlines()
+        return {"status": "skipped", "error": msg[-1][:300] if msg else repr(e),
+                "load_before": round(load, 2)}
+    return {"status": "ok", "load_before": round(load, 2),
+            "wall_s": round(time.monotonic() - t0, 1),
+            "meas_step_s": res[0]["median_step_s"],
+            "meas_steps_s": [round(x, 4) for x in res[0]["steps_s"]],
+            "meas_peak_rss_bytes": max(r["peak_rss"] for r in res),
+            "meas_mem_delta_bytes": max(r["peak_rss"] - r["base_rss"] for r in res),
+            "loss": res[0]["loss"]}
+
+
+def pct(pred, meas) -> float:
+    return 100.0 * (pred - meas) / meas
+
+
+def table(rows) -> str:
+    mb = 1 << 20
+    out = ["| layout | ranks | m | pred step s | meas step s | err % | pred mem MiB (fp32) | "
+           "meas peak RSS MiB | meas RSS growth MiB | mem err % | load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            out.append(f"| {r['layout']} | {r['ranks']} | {r['microbatches']} | "
+                       f"{r['pred_step_s']:.3f} | skipped: {r['error'][:80]} | | "
+                       f"{r['pred_mem_fp32_bytes'] / mb:.0f} | | | | {r['load_before']} |")
+            continue
+        out.append(f"| {r['layout']} | {r['ranks']} | {r['microbatches']} | "
+                   f"{r['pred_step_s']:.3f} | {r['meas_step_s']:.3f} | {r['time_err_pct']:+.0f} | "
+                   f"{r['pred_mem_fp32_bytes'] / mb:.0f} | {r['meas_peak_rss_bytes'] / mb:.0f} | "
+                   f"{r['meas_mem_delta_bytes'] / mb:.0f} | {r['mem_err_pct']:+.0f} | "
+                   f"{r['load_before']} |")
+    return "\n".join(out)
+
+
+def pick_summary(rows, ranks) -> dict | None:
+    ok = [r for r in rows if r["status"] == "ok" and r["ranks"] == ranks]
+    if len(ok) < 2:
+        return None
+    pick = min(ok, key=lambda r: r["pred_step_s"])
+    best = min(ok, key=lambda r: r["meas_step_s"])
+    slower = pct(pick["meas_step_s"], best["meas_step_s"])
+    return {"ranks": ranks, "planner_pick": pick["layout"], "pick_measured_s": pick["meas_step_s"],
+            "measured_fastest": best["layout"], "fastest_measured_s": best["meas_step_s"],
+            "pick_slower_than_fastest_pct": round(slower, 1), "within_10pct": slower <= 10.0,
+            "layouts_compared": len(ok)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cluster", help="cluster JSON from calibrate_local (default: calibrate now)")
+    ap.add_argument("--save-cluster", default=None, help="write the calibration here")
+    ap.add_argument("--only", default=None, help="comma-separated layout names")
+    ap.add_argument("--max-wait", type=float, default=300.0,
+                    help="seconds to wait per layout for load < 2.5")
+    ap.add_argument("--json-out", default=None, help="also write all rows to this JSON file")
+    args = ap.parse_args()
+    t_start = time.monotonic()
+
+    from loom.planner.calibrate import calibrate_local
+    from loom.planner.hardware import Cluster
+    if args.cluster:
+        cal = Cluster.load(args.cluster)
+    else:
+        load = wait_quiet(args.max_wait)
+        cal = calibrate_local(args.save_cluster, world=4)
+        cal.notes["load_before"] = round(load, 2)
+    print(json.dumps({"calibration": {k: getattr(cal, k) for k in (
+        "peak_flops", "gemm_efficiency", "gemm_half_dim", "hbm_bw", "mem_traffic", "intra_bw",
+        "intra_alpha")} | {"allreduce": {n: {k: v for k, v in a.items() if k != "times_s"}
+                                         for n, a in cal.notes.get("allreduce", {}).items()},
+                           "calibration_step_s": cal.notes.get("calibration_step_s"),
+                           "seconds": cal.notes.get("seconds"),
+                           "load_before": cal.notes.get("load_before")}}), flush=True)
+
+    layouts = LAYOUTS
+    if args.only:
+        names = set(args.only.split(","))
+        layouts = [r for r in LAYOUTS if r[0] in names]
+    rows = []
+    for row in layouts:
+        rec = {"layout": row[0], "ranks": row[1], "tp": row[2], "pp": row[3], "cp": row[4],
+               "dp": row[1] // (row[2] * row[3] * row[4]), "mbs": row[5],
+               "recompute": row[6] or "none", "schedule": row[7] if row[3] > 1 else None}
+        rec.update(predicted(cal, row))
+        rec.update(run_layout(row, args.max_wait))
+        rows.append(rec)
+        if rec["status"] == "ok":
+            rec["time_err_pct"] = round(pct(rec["pred_step_s"], rec["meas_step_s"]), 1)
+            rec["mem_err_pct"] = round(pct(rec["pred_mem_fp32_bytes"],
+                                           rec["meas_mem_delta_bytes"]), 1)
+            print(json.dumps(rec), flush=True)
+    for i, rec in enumerate(rows):  # retry failures once (e.g. pipeline work in progress)
+        if rec["status"] != "ok":
+            row = next(r for r in layouts if r[0] == rec["layout"])
+            first_error = rec["error"]
+            rec.update(run_layout(row, args.max_wait))
+            rec["retried"] = True
+            if rec["status"] == "ok":
+                rec["first_error"] = first_error
+                rec["time_err_pct"] = round(pct(rec["pred_step_s"], rec["meas_step_s"]), 1)
+                rec["mem_err_pct"] = round(pct(rec["pred_mem_fp32_bytes"],
+                                               rec["meas_mem_delta_bytes"]), 1)
+            print(json.dumps(rec), flush=True)
+    ok = [r for r in rows if r["status"] == "ok"]
+    summary = {"picks": [s for s in (pick_summary(rows, 4), pick_summary(rows, 2)) if s],
+               "mean_abs_time_err_pct": round(statistics.mean(abs(r["time_err_pct"]) for r in ok), 1)
+               if ok else None,
+               "mean_abs_mem_err_pct": round(statistics.mean(abs(r["mem_err_pct"]) for r in ok), 1)
+               if ok else None,
+               "measured_layouts": len(ok), "skipped": [r["layout"] for r in rows
+                                                        if r["status"] != "ok"],
+               "total_s": round(time.monotonic() - t_start, 1)}
+    print(json.dumps({"summary": summary}), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"calibration": json.loads(cal.to_json()), "rows": rows,
+                       "summary": summary}, fh, indent=1)
+    print()
+    print(table(rows))
+    for s in summary["picks"]:
+        print(f"\n{s['ranks']} ranks: planner pick {s['planner_pick']} measured "
+              f"{s['pick_measured_s']:.3f} s; measured fastest {s['measured_fastest']} "
+              f"{s['fastest_measured_s']:.3f} s; pick is {s['pick_slower_than_fastest_pct']:+.1f}% "
+              f"-> {'within' if s['within_10pct'] else 'NOT within'} 10%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

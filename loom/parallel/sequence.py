@@ -1,0 +1,119 @@
+"""Sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2, fig. 5).
+
+Between the tensor-parallel regions, activations are split along the sequence: ``[s/t, b, h]``.
+The TP all-reduce of a row-parallel layer becomes a reduce-scatter to ``[s/t, b, h]`` and the
+identity (``f``) before a column-parallel layer becomes an all-gather to ``[s, b, h]``: the same
+communication volume, and layer norms, dropout and residuals now store ``1/t`` of the
+activations. Parameters applied to sequence-split activations (norm weights, row-parallel biases)
+see only this rank's tokens, so their gradients are all-reduced over TP
+(:func:`allreduce_sequence_parallel_grads`), as Megatron-LM does.
+
+gloo has no reduce-scatter; there it is an all-reduce followed by a slice (same result, 2x the
+bytes); NCCL uses ``reduce_scatter_tensor``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def _gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _split_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ``group`` and keep this rank's ``1/n`` of dim 0."""
+    x = x.contiguous()
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]),
+                          dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return out
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return _split_dim0(x, group)
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim0(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The consumer is tensor-parallel: every rank holds a partial gradient of the full
+        # sequence; sum them and keep this rank's tokens.
+        return reduce_scatter_dim0(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim0(grad, ctx.group), None
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``[s, b, h]`` (replicated) -> this rank's ``[s/t, b, h]``; backward all-gathers."""
+    return x if group is None else _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``[s/t, b, h]`` -> ``[s, b, h]`` before a column-parallel GEMM; backward reduce-scatters."""
+    return x if group is None else _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Partial sums ``[s, b, h]`` of a row-parallel GEMM -> summed ``[s/t, b, h]``;
+    backward all-gathers."""
+    return x if group is None else _ReduceScatterToSequence.apply(x, group)
+
+
+def mark_sequence_parallel(module: torch.nn.Module) -> None:
+    """Flag every parameter of ``module`` as applied to sequence-split activations."""
+    for p in module.parameters():
+        p.sequence_parallel = True
+
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group: Group) -> None:
+    """Sum the gradients of sequence-parallel parameters over the TP group (one flat
+    all-reduce)."""
+    if group is None:
+        return
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
