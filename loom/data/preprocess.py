@@ -1,0 +1,221 @@
+"""``loom preprocess``: tokenize .txt/.jsonl files into a Megatron indexed dataset.
+
+Writes ``PREFIX.bin``, ``PREFIX.idx``, the tokenizer as ``PREFIX.tokenizer.json`` and
+``PREFIX.meta.json`` (``vocab_size``, ``eod``, ``num_documents``, ``num_tokens``, ``dtype``), so
+``loom train --data-path PREFIX`` needs no tokenizer flags.
+
+Input formats: ``.jsonl`` (one JSON object per line; the ``--json-keys`` fields, joined by a blank
+line when several, form one document); ``.txt``: documents separated by lines holding only
+``<|endoftext|>`` when the file has such lines, else each non-empty line is one document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from loom.config import ConfigError
+from loom.data.indexed import IndexedDatasetBuilder, best_dtype
+from loom.data.tokenizer import EOD_TOKEN, TOKENIZER_TYPES, Tokenizer, build_tokenizer
+
+_BATCH = 512
+
+
+def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
+    """Yield the documents (str) of one ``.txt`` or ``.jsonl`` file (see module doc); empty ones skipped.
+
+    Raises ConfigError naming ``--input`` (missing file, unknown extension, bad JSON line) or
+    ``--json-keys`` (key absent from a JSON line).
+    """
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--input {path}: no such file")
+    if path.endswith(".jsonl") or path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"--input {path}: line {n} is not JSON ({e}); give one JSON object per line") from None
+                try:
+                    text = "\n\n".join(str(obj[k]) for k in json_keys)
+                except (KeyError, TypeError):
+                    raise ConfigError(f"--json-keys {' '.join(json_keys)}: line {n} of {path} lacks one of them; "
+                                      f"its keys are {list(obj) if isinstance(obj, dict) else type(obj).__name__}") from None
+                if text.strip():
+                    yield text
+    elif path.endswith(".txt") or path.endswith(".utf8"):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        lines = text.split("\n")
+        if any(ln.strip() == EOD_TOKEN for ln in lines):
+            doc: list[str] = []
+            for ln in lines + [EOD_TOKEN]:
+                if ln.strip() == EOD_TOKEN:
+                    d = "\n".join(doc).strip()
+                    if d:
+                        yield d
+                    doc = []
+                else:
+                    doc.append(ln)
+        else:
+            for ln in lines:
+                if ln.strip():
+                    yield ln.rstrip("\r")
+    else:
+        raise ConfigError(f"--input {path}: unknown file type; give .txt or .jsonl files")
+
+
+# ---- multiprocessing workers (one tokenizer per worker process) ----
+_WORKER_TOK: Optional[Tokenizer] = None
+
+
+def _init_worker(tok_json: str) -> None:
+    global _WORKER_TOK
+    _WORKER_TOK = Tokenizer.from_str(tok_json)
+
+
+def _encode_batch(texts: list[str]) -> list[list[int]]:
+    return _WORKER_TOK.encode_batch(texts)
+
+
+def _batches(inputs: Sequence[str], json_keys: Sequence[str]) -> Iterator[list[str]]:
+    buf: list[str] = []
+    for path in inputs:
+        for doc in read_documents(path, json_keys):
+            buf.append(doc)
+            if len(buf) >= _BATCH:
+                yield buf
+                buf = []
+    if buf:
+        yield buf
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, append_eod: bool = True,
+               workers: int = 1, json_keys: Sequence[str] = ("text",)) -> dict:
+    """Tokenize ``inputs`` (.txt/.jsonl paths) into ``output_prefix``.{bin,idx,tokenizer.json,meta.json}.
+
+    One indexed-dataset document per input document, in input order, with ``tokenizer.eod``
+    appended when ``append_eod``. ``workers > 1`` encodes in a multiprocessing pool.
+
+    Returns the meta dict ``{"vocab_size", "eod", "num_documents", "num_tokens", "dtype", ...}``.
+    Raises ConfigError for unreadable inputs (see :func:`read_documents`).
+    """
+    if not inputs:
+        raise ConfigError("--input: give at least one .txt or .jsonl file")
+    for p in inputs:
+        if not os.path.isfile(p):
+            raise ConfigError(f"--input {p}: no such file")
+    dtype = best_dtype(tokenizer.vocab_size)
+    builder = IndexedDatasetBuilder(output_prefix, dtype)
+    eod = [tokenizer.eod] if append_eod else []
+    n_docs = 0
+    try:
+        if workers > 1:
+            ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.to_str(),)) as pool:
+                for ids_batch in pool.imap(_encode_batch, _batches(inputs, json_keys)):
+                    for ids in ids_batch:
+                        builder.add_document(ids + eod)
+                        n_docs += 1
+        else:
+            for batch in _batches(inputs, json_keys):
+                for ids in tokenizer.encode_batch(batch):
+                    builder.add_document(ids + eod)
+                    n_docs += 1
+    except BaseException:
+        builder.abort()
+        raise
+    tokenizer.save(output_prefix + ".tokenizer.json")
+    builder.finalize()
+    meta = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "num_documents": n_docs,
+            "num_tokens": builder.num_tokens, "dtype": np.dtype(dtype).name,
+            "append_eod": bool(append_eod), "inputs": [os.path.abspath(p) for p in inputs]}
+    _atomic_write_text(output_prefix + ".meta.json", json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def read_meta(prefix: str) -> dict:
+    """``PREFIX.meta.json`` as a dict; ConfigError naming ``--data-path`` if absent or unreadable."""
+    path = f"{prefix}.meta.json"
+    if not os.path.isfile(path):
+        raise ConfigError(f"--data-path {prefix}: {path} does not exist; build the dataset with "
+                          f"`loom preprocess --input ... --output-prefix {prefix}`")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--data-path {prefix}: cannot read {path} ({e}); re-run `loom preprocess`") from None
+
+
+def load_tokenizer_for(prefix: str) -> Tokenizer:
+    """The tokenizer stored beside a dataset (``PREFIX.tokenizer.json``).
+
+    Raises ConfigError naming ``--data-path`` if it is absent.
+    """
+    path = f"{prefix}.tokenizer.json"
+    if not os.path.isfile(path):
+        raise ConfigError(f"--data-path {prefix}: {path} does not exist; build the dataset with "
+                          f"`loom preprocess --input ... --output-prefix {prefix}`")
+    tok = Tokenizer.load(path)
+    try:
+        meta = read_meta(prefix)
+        tok.eod = int(meta.get("eod", tok.eod))
+    except ConfigError:
+        pass
+    return tok
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron ``preprocess_data.py`` flags for ``loom preprocess``."""
+    parser.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl fields forming a document")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx/.tokenizer.json/.meta.json")
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    parser.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json / encoder.json")
+    parser.add_argument("--merge-file", default=None, help="GPT-2 merges.txt / vocab.bpe")
+    parser.add_argument("--tokenizer-model", default=None, help="a tokenizer.json (HuggingFaceTokenizer)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary of ByteLevelBPETrained")
+    parser.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to every document")
+    parser.add_argument("--workers", type=int, default=1, help="encoding processes (1 = in-process)")
+    parser.add_argument("--tokenizer-from", default=None, metavar="PREFIX",
+                        help="reuse the tokenizer stored beside dataset PREFIX (same ids for held-out data)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``loom preprocess``."""
+    if args.tokenizer_from:
+        if args.tokenizer_type:
+            raise ConfigError("--tokenizer-from and --tokenizer-type are exclusive; give one")
+        tok = load_tokenizer_for(args.tokenizer_from)
+    else:
+        if not args.tokenizer_type:
+            raise ConfigError(f"--tokenizer-type is required (one of {', '.join(TOKENIZER_TYPES)}), "
+                              f"or --tokenizer-from PREFIX")
+        tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                              tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                              train_files=args.input, json_keys=args.json_keys)
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: give 1 or more")
+    t0 = time.time()
+    meta = preprocess(args.input, args.output_prefix, tok, append_eod=args.append_eod,
+                      workers=args.workers, json_keys=args.json_keys)
+    print(f"wrote {args.output_prefix}.{{bin,idx,tokenizer.json,meta.json}}: {meta['num_documents']} documents, "
+          f"{meta['num_tokens']} tokens, vocab {meta['vocab_size']}, {meta['dtype']} ({time.time() - t0:.1f}s)")
+    return 0

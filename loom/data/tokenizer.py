@@ -1,0 +1,147 @@
+"""Tokenizers: a thin wrapper over Hugging Face ``tokenizers`` (GPT-2 BPE, any tokenizer.json, or a
+byte-level BPE trained on the corpus). Every tokenizer saves to a single ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator, Optional, Sequence
+
+from loom.config import ConfigError
+
+EOD_TOKEN = "<|endoftext|>"
+_EOD_FALLBACKS = (EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained")
+
+
+class Tokenizer:
+    """Wraps a ``tokenizers.Tokenizer``.
+
+    Attributes:
+        vocab_size: int, number of ids including special/added tokens.
+        eod: int, id of the end-of-document token (``<|endoftext|>``; for foreign tokenizer.json
+            files without it, the first of ``</s>``, ``<|end_of_text|>``, ``<eos>``, ... found).
+
+    Raises:
+        ConfigError: (naming ``--tokenizer-model``) when no end-of-document token exists.
+    """
+
+    def __init__(self, hf_tokenizer, eod: Optional[int] = None):
+        self.hf = hf_tokenizer
+        if eod is None:
+            for tok in _EOD_FALLBACKS:
+                eod = hf_tokenizer.token_to_id(tok)
+                if eod is not None:
+                    break
+        if eod is None:
+            raise ConfigError(f"tokenizer has no end-of-document token (looked for {list(_EOD_FALLBACKS)}); "
+                              f"give --tokenizer-model a tokenizer.json that defines {EOD_TOKEN}")
+        self.eod = int(eod)
+        self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, parallelised inside ``tokenizers``."""
+        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a sequence of ids (special tokens kept)."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_str(self) -> str:
+        """The tokenizer.json text."""
+        return self.hf.to_str()
+
+    @classmethod
+    def from_str(cls, s: str) -> "Tokenizer":
+        """Inverse of :meth:`to_str`."""
+        from tokenizers import Tokenizer as HFTokenizer
+        return cls(HFTokenizer.from_str(s))
+
+    def save(self, path: str) -> None:
+        """Write ``tokenizer.json`` to ``path`` atomically (temp file + ``os.replace``)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        self.hf.save(tmp)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "Tokenizer":
+        """Load a ``tokenizer.json``; ConfigError naming ``--tokenizer-model`` if it is missing."""
+        from tokenizers import Tokenizer as HFTokenizer
+        if not os.path.isfile(path):
+            raise ConfigError(f"--tokenizer-model {path}: no such file; give a tokenizer.json")
+        return cls(HFTokenizer.from_file(str(path)))
+
+
+def _byte_level(model):
+    from tokenizers import Tokenizer as HFTokenizer, decoders, pre_tokenizers, processors
+    tok = HFTokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def gpt2_bpe(vocab_file: str, merge_file: str) -> Tokenizer:
+    """GPT-2 byte-level BPE from ``vocab.json``/``encoder.json`` + ``merges.txt``/``vocab.bpe``.
+
+    Raises ConfigError naming ``--vocab-file``/``--merge-file`` when a file is missing.
+    """
+    from tokenizers import models
+    for flag_, p in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if not p or not os.path.isfile(p):
+            raise ConfigError(f"{flag_} {p}: GPT2BPETokenizer needs --vocab-file (vocab.json or encoder.json) "
+                              f"and --merge-file (merges.txt or vocab.bpe)")
+    tok = _byte_level(models.BPE.from_file(vocab_file, merge_file))
+    tok.add_special_tokens([EOD_TOKEN])  # already id 50256 in GPT-2's vocab: makes it atomic in text
+    return Tokenizer(tok)
+
+
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE of ``vocab_size`` ids (``<|endoftext|>`` = id 0) on an iterator of texts."""
+    from tokenizers import models, pre_tokenizers, trainers
+    if not vocab_size or vocab_size < 257:
+        raise ConfigError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least 257 ids (256 bytes + "
+                          f"{EOD_TOKEN}); give e.g. --vocab-size 8192")
+    tok = _byte_level(models.BPE())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  special_tokens=[EOD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(tok, eod=tok.token_to_id(EOD_TOKEN))
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                    tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
+                    train_files: Optional[Sequence[str]] = None, json_keys: Sequence[str] = ("text",)) -> Tokenizer:
+    """Build a :class:`Tokenizer` from Megatron-style flags.
+
+    * ``GPT2BPETokenizer``: ``vocab_file`` + ``merge_file`` (GPT-2 files).
+    * ``HuggingFaceTokenizer``: ``tokenizer_model`` = path to a ``tokenizer.json``.
+    * ``ByteLevelBPETrained``: train a byte-level BPE of ``vocab_size`` on ``train_files``
+      (.txt/.jsonl, read as :func:`loom.data.preprocess.read_documents` does).
+
+    Raises ConfigError naming the missing/invalid flag (``--tokenizer-type``, ``--vocab-file``,
+    ``--merge-file``, ``--tokenizer-model``, ``--vocab-size``, ``--input``).
+    """
+    if tokenizer_type == "GPT2BPETokenizer":
+        return gpt2_bpe(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
+        return Tokenizer.load(tokenizer_model)
+    if tokenizer_type == "ByteLevelBPETrained":
+        if not vocab_size:
+            raise ConfigError("--tokenizer-type ByteLevelBPETrained needs --vocab-size N (e.g. 8192)")
+        if not train_files:
+            raise ConfigError("--tokenizer-type ByteLevelBPETrained needs --input files to train on")
+        from loom.data.preprocess import read_documents
+
+        def texts() -> Iterator[str]:
+            for f in train_files:
+                yield from read_documents(f, json_keys)
+        return train_byte_level_bpe(texts(), vocab_size)
+    raise ConfigError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
