@@ -124,6 +124,7 @@ class TrainingConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False  # ZeRO-1: Adam states sharded over data parallel
     seed: int = 1234
     bf16: bool = False
     recompute_granularity: Optional[str] = None  # None | selective | full

@@ -2,7 +2,8 @@
 
 For 3 optimizer steps, the loss and every gradient of TP=2, TP=4, DP=2 and TP=2 x DP=2 runs
 match the single-process run from the same seed (rtol 1e-5), for the GPT-2 and the LLaMA (GQA)
-layouts, and so do CP=2, CP=2 x TP=2 and sequence parallelism (TP=2 + SP, with CP=2 too); each TP layer runs exactly 2 all-reduces forward and 2 backward; the vocab-parallel
+layouts, and so do CP=2, CP=2 x TP=2, sequence parallelism (TP=2 + SP, with CP=2 too) and the
+distributed optimizer (ZeRO-1 over DP); each TP layer runs exactly 2 all-reduces forward and 2 backward; the vocab-parallel
 cross-entropy equals ``F.cross_entropy`` on gathered logits. Two spawned worlds (2 and 4 ranks)
 run all the checks.
 """
@@ -33,8 +34,10 @@ def tiny(kind: str) -> ModelConfig:
     return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
 
 
-def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False) -> LoomConfig:
+def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
+             zero: bool = False) -> LoomConfig:
     cfg = LoomConfig(model=tiny(kind))
+    cfg.training.use_distributed_optimizer = zero
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.context_parallel_size = cp
     cfg.parallel.sequence_parallel = sp
@@ -61,17 +64,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False) -> dict:
+def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
+                zero: bool = False) -> dict:
     """Run 3 steps at (tp, dp, cp, sp) and the reference side by side; return worst relative
     errors."""
     from loom.training.trainer import Trainer
-    cfg = make_cfg(kind, tp, dp, cp, sp)
+    cfg = make_cfg(kind, tp, dp, cp, sp, zero)
     mesh = ParallelMesh.build(tp=tp, dp=dp, cp=cp)
     par = Trainer(cfg, mesh=mesh)
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.parallel.tensor_model_parallel_size = 1
     ref_cfg.parallel.context_parallel_size = 1
     ref_cfg.parallel.sequence_parallel = False
+    ref_cfg.training.use_distributed_optimizer = False
     ref = Trainer(ref_cfg, mesh=ParallelMesh.single())
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "nparams": 0}
     for _ in range(3):
@@ -147,6 +152,7 @@ def world2() -> dict:
         res[f"dp2-{kind}"] = parity_case(kind, tp=1, dp=2)
         res[f"cp2-{kind}"] = parity_case(kind, tp=1, dp=1, cp=2)
         res[f"tp2sp-{kind}"] = parity_case(kind, tp=2, dp=1, sp=True)
+    res["dp2-zero1-llama"] = parity_case("llama", tp=1, dp=2, zero=True)
     res["comm-tp2"] = count_layer_collectives(2)
     res["comm-tp1"] = count_layer_collectives(1)
     res["ce"] = cross_entropy_case()
@@ -160,6 +166,7 @@ def world4() -> dict:
     res["tp4-gpt"] = parity_case("gpt", tp=4, dp=1)
     res["cp2xtp2-llama"] = parity_case("llama", tp=2, dp=1, cp=2)
     res["tp2sp-x-cp2-gpt"] = parity_case("gpt", tp=2, dp=1, cp=2, sp=True)
+    res["tp2xdp2-zero1-gpt"] = parity_case("gpt", tp=2, dp=2, zero=True)
     # LLaMA at TP=4 needs g divisible by 4: use 4 query groups (MHA-sized KV)
     res["ce"] = cross_entropy_case()
     return res
@@ -187,14 +194,15 @@ def _check_parity(case: dict):
 
 
 @pytest.mark.parametrize("name", ["tp2-gpt", "tp2-llama", "dp2-gpt", "dp2-llama",
-                                  "cp2-gpt", "cp2-llama", "tp2sp-gpt", "tp2sp-llama"])
+                                  "cp2-gpt", "cp2-llama", "tp2sp-gpt", "tp2sp-llama",
+                                  "dp2-zero1-llama"])
 def test_parity_two_ranks(results2, name):
     for rank_result in results2:
         _check_parity(rank_result[name])
 
 
 @pytest.mark.parametrize("name", ["tp2xdp2-gpt", "tp2xdp2-llama", "tp4-gpt", "cp2xtp2-llama",
-                                  "tp2sp-x-cp2-gpt"])
+                                  "tp2sp-x-cp2-gpt", "tp2xdp2-zero1-gpt"])
 def test_parity_four_ranks(results4, name):
     for rank_result in results4:
         _check_parity(rank_result[name])

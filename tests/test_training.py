@@ -38,12 +38,13 @@ def small_cfg(tp: int, dp: int, iters: int, dropout: float = 0.1) -> LoomConfig:
     return cfg.validate(tp * dp)
 
 
-def resume_world(tmp: str) -> dict:
+def resume_world(tmp: str, zero: bool) -> dict:
     from loom.checkpoint import latest_checkpoint
     from loom.training.trainer import Trainer
 
     def trainer(iters, load=None, save=None):
         cfg = small_cfg(2, 2, iters)
+        cfg.training.use_distributed_optimizer = zero  # Adam states sharded over DP
         cfg.training.lr_decay_iters = 10  # the same schedule for the 5-iteration leg
         cfg.logging.load, cfg.logging.save = load, save
         return Trainer(cfg, mesh=ParallelMesh.build(tp=2, dp=2))
@@ -54,12 +55,25 @@ def resume_world(tmp: str) -> dict:
     start = resumed_trainer.iteration
     second = [r["loss"] for r in resumed_trainer.train()]
     return {"straight": straight, "resumed": first + second, "start": start,
-            "latest": latest_checkpoint(tmp), "leftovers": sorted(os.listdir(tmp))}
+            "latest": latest_checkpoint(tmp), "leftovers": sorted(os.listdir(tmp)),
+            "files": sorted(os.listdir(latest_checkpoint(tmp)))}
+
+
+def resume_both(tmp: str) -> list:
+    return [resume_world(os.path.join(tmp, "plain"), False),
+            resume_world(os.path.join(tmp, "zero"), True)]
 
 
 def test_resume_continues_exactly(tmp_path):
-    results = run_distributed(4, resume_world, str(tmp_path))
-    r = results[0]
+    plain, zero = run_distributed(4, resume_both, str(tmp_path))[0]
+    # the distributed optimizer writes one optimizer shard per DP rank
+    assert sum(f.startswith("optim_") for f in plain["files"]) == 2  # tp 0, 1 (dp 0)
+    assert sum(f.startswith("optim_") for f in zero["files"]) == 4  # tp 0, 1 x dp 0, 1
+    for r in (plain, zero):
+        _check_resume(r)
+
+
+def _check_resume(r: dict) -> None:
     assert r["start"] == 5
     assert len(r["resumed"]) == len(r["straight"]) == 10
     assert r["resumed"] == r["straight"], (r["resumed"], r["straight"])

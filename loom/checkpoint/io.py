@@ -5,8 +5,10 @@ Layout of ``--save DIR`` (Megatron's names where they exist)::
     DIR/latest_checkpointed_iteration.txt      written last, atomically (os.replace)
     DIR/iter_0000100/metadata.json             format, iteration, parallel layout
     DIR/iter_0000100/common.pt                 iteration, consumed samples, LR scheduler, config
-    DIR/iter_0000100/model_tp00_pp000.pt       one per (tp, pp) shard: weights, Adam states,
-                                               and every parameter's full shape + ShardSpec
+    DIR/iter_0000100/model_tp00_pp000.pt       one per (tp, pp) shard: weights, and every
+                                               parameter's full shape + ShardSpec
+    DIR/iter_0000100/optim_tp00_pp000_dp000.pt Adam states by parameter name (dp rank 0, or
+                                               every DP rank's shard with the distributed optimizer)
     DIR/iter_0000100/rng_00000.pt              every rank's generators
     DIR/iter_0000100/tokenizer.json            so `loom generate` needs no tokenizer flags
 
@@ -33,6 +35,7 @@ from torch import nn
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state, set_rng_state
 from loom.parallel.tensor import ShardSpec, fit_full_shape, shard_tensor, unshard_tensors
+from loom.training.optimizer import local_optimizer
 
 FORMAT = "loom-checkpoint-v1"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -85,21 +88,24 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Mod
         os.makedirs(tmp)
     _barrier()
     c = mesh.coords
+    params = _named_params(model_chunks)
     if c["dp"] == 0 and c["cp"] == 0:
-        params = _named_params(model_chunks)
-        names = {id(p): n for n, p in params.items()}
-        optim_state = {}
-        for p, st in optimizer.state.items():
-            optim_state[names[id(p)]] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                         for k, v in st.items()}
         shard = {
             "model": {n: p.detach().cpu() for n, p in params.items()},
-            "optimizer": optim_state,
             "specs": {n: {"full_shape": list(getattr(p, "full_shape", p.shape)),
                           "shard": _spec_of(p)} for n, p in params.items()},
             "tp_rank": c["tp"], "pp_rank": c["pp"],
         }
         torch.save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}.pt"))
+    local = local_optimizer(optimizer)
+    sharded = local is not optimizer  # ZeRO: each DP rank holds the states of its parameters
+    if sharded or (c["dp"] == 0 and c["cp"] == 0):
+        names = {id(p): n for n, p in params.items()}
+        states = {names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                                 for k, v in st.items()} for p, st in local.state.items()}
+        dp_index = mesh.local_rank("dp_cp") if sharded else 0
+        torch.save(states, os.path.join(
+            tmp, f"optim_tp{c['tp']:02d}_pp{c['pp']:03d}_dp{dp_index:03d}.pt"))
     torch.save(get_rng_state(tracker), os.path.join(tmp, f"rng_{mesh.rank:05d}.pt"))
     if _rank() == 0:
         torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
@@ -147,6 +153,12 @@ class _ShardIndex:
                 path, map_location="cpu", mmap=True, weights_only=True)
         if not self.files:
             raise FileNotFoundError(f"no model shards in {ckpt_dir}")
+        for sd in self.files.values():
+            sd["optimizer"] = {}
+        for path in sorted(glob.glob(os.path.join(ckpt_dir, "optim_tp*_pp*_dp*.pt"))):
+            m = re.search(r"optim_tp(\d+)_pp(\d+)_dp\d+\.pt$", path)
+            self.files[(int(m.group(1)), int(m.group(2)))]["optimizer"].update(
+                torch.load(path, map_location="cpu", mmap=True, weights_only=True))
         self.owner: dict[str, list[tuple[int, int]]] = {}
         for key, sd in self.files.items():
             for name in sd["model"]:
@@ -187,7 +199,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
     or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
 
-    Works across layouts: weights and Adam states are resharded by name. RNG states are restored
+    Works across layouts: weights and Adam states are resharded by name (also across DP sizes
+    and with or without the distributed optimizer). RNG states are restored
     only when the world size matches (otherwise the generators keep their fresh seeds).
     """
     ckpt = latest_checkpoint(load_dir)
@@ -196,8 +209,12 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     index = _ShardIndex(ckpt)
     load_model_weights(index, model_chunks, mesh)
     if optimizer is not None:
+        local = local_optimizer(optimizer)
+        owned = {id(p) for g in local.param_groups for p in g["params"]}
         params = _named_params(model_chunks)
         for name, p in params.items():
+            if id(p) not in owned:  # ZeRO: another DP rank holds this parameter's states
+                continue
             saved = index.optimizer_keys(name)
             if not saved:
                 continue
@@ -209,7 +226,7 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
                                           getattr(p, "full_shape", p.shape))
                     v = shard_tensor(full, getattr(p, "shard", None), mesh.tp_rank, mesh.tp_size)
                 state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
-            optimizer.state[p] = state
+            local.state[p] = state
     common = read_common(ckpt)
     if scheduler is not None and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"])

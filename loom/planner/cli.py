@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("planner")
     o.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="fix the ZeRO stage (1 = distributed optimizer)")
-    o.add_argument("--use-distributed-optimizer", action="store_true", default=None,
-                   help="fix ZeRO stage 1 (Megatron's distributed optimizer)")
+    o.add_argument("--max-zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
+                   help="highest ZeRO stage searched (default 1: what loom train runs, "
+                        "--use-distributed-optimizer; 3 explores ZeRO-2/3)")
     o.add_argument("--attention", choices=("fused", "unfused"), default=None,
                    help="fused (flash/SDPA, loom's default) or unfused (as in the 2021-22 papers)")
     o.add_argument("--allow-tp-across-nodes", action="store_true",
@@ -139,7 +140,8 @@ def run(args) -> int:
         B = -(-1024 // cluster.num_gpus) * cluster.num_gpus
     s = model.seq_length
     flash = (args.attention == "fused") if args.attention else True
-    opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes)
+    opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
+                   max_zero_stage=args.max_zero_stage)
     fixed = _fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])

@@ -31,6 +31,8 @@ class Options:
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
     workspaces, allocator fragmentation (bytes).
     ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).
+    ``max_zero_stage``: highest ZeRO stage searched (``loom train`` runs 0 and 1, the
+    distributed optimizer; 2 and 3 are what-if analyses).
     """
 
     flash_attention: bool = False
@@ -39,6 +41,7 @@ class Options:
     reserve_bytes: float = 2e9
     reserve_fraction: float = 0.05
     allow_tp_across_nodes: bool = False
+    max_zero_stage: int = 3
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

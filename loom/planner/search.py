@@ -87,6 +87,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
         zs = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d * c > 1 else (0,)
+        zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
         for rc, sp, z in itertools.product((0, 1, 2), sps, zs):
             rows.append((t, p, d, c, v, b, rc, sp, z))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, 9)

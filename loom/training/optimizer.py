@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,16 +14,36 @@ from loom.parallel.mesh import ParallelMesh
 from loom.parallel.tensor import is_tensor_parallel
 
 
-def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay for biases and 1-D parameters (norms), as Megatron-LM."""
+def build_optimizer(model: nn.Module, cfg: TrainingConfig,
+                    dp_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
+    """AdamW; no weight decay for biases and 1-D parameters (norms), as Megatron-LM.
+
+    With ``--use-distributed-optimizer`` and a data-parallel group, the Adam states are sharded
+    over DP (ZeRO stage 1, Rajbhandari et al. 2020 sec. 5.1: ``4 + 12/d`` instead of 16 bytes
+    per parameter in mixed precision) with ``torch.distributed.optim.ZeroRedundancyOptimizer``:
+    each rank updates the parameters it owns and broadcasts them.
+    """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if cfg.use_distributed_optimizer and dp_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        zero = ZeroRedundancyOptimizer(groups[0]["params"], torch.optim.AdamW,
+                                       process_group=dp_group,
+                                       weight_decay=groups[0]["weight_decay"], **kw)
+        for g in groups[1:]:
+            zero.add_param_group(g)
+        return zero
+    return torch.optim.AdamW(groups, **kw)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's Adam states (ZeRO's local shard, or itself)."""
+    return getattr(optimizer, "optim", optimizer)
 
 
 def lr_at(iteration: int, cfg: TrainingConfig) -> float:

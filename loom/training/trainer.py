@@ -73,7 +73,7 @@ class Trainer:
         self.reducers = [GradientReducer(c.parameters(), mesh.groups["dp_cp"],
                                          cfg.parallel.ddp_bucket_size) for c in self.model_chunks]
         self.params = [p for c in self.model_chunks for p in c.parameters()]
-        self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t)
+        self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t, mesh.groups["dp_cp"])
         self.scheduler = build_scheduler(self.optimizer, t)
         self.schedule = get_forward_backward_func(mesh.pp_size, cfg.parallel.pipeline_schedule)
         self.iteration = 0
