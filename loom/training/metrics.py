@@ -16,9 +16,21 @@ import torch
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated accelerator memory, or the process's peak RSS on CPU (bytes)."""
+    """Peak allocated accelerator memory, or this process's peak resident set on CPU (bytes).
+
+    On Linux the CPU figure is ``VmHWM`` from ``/proc/self/status``: ``getrusage``'s
+    ``ru_maxrss`` carries the parent's high-water mark across fork + exec, so spawned ranks
+    would report their launcher's peak.
+    """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
