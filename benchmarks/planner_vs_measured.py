@@ -12,7 +12,8 @@ dropout 0, AdamW, mock data. CPU, gloo, one thread per rank.
    by that share (``calibrate.oversubscribed``); links are the all-reduce fit for R ranks.
 3. For every layout: ``predict_layout`` (time, memory), then a Trainer run (3 warm-up + 5
    measured steps, median of the slowest rank's step time) and the peak RSS of every rank
-   (max over ranks), also minus each rank's RSS just before the Trainer is built.
+   (``VmHWM``, max over ranks), also its growth over the rank's RSS just before the Trainer is
+   built (torch, gloo and the interpreter excluded): the number compared with the planner.
 4. The planner's pick (min predicted time among the 4-rank layouts) vs the measured fastest.
 
 Waits (up to --max-wait s) for the 1-minute load average to drop below 2.5 before each layout and
@@ -75,7 +76,17 @@ def make_config(ranks, tp, pp, cp, mbs, recompute, schedule) -> LoomConfig:
     return cfg.validate(ranks)
 
 
-def _rss() -> int:
+def _rss(key: str = "VmHWM") -> int:
+    """This process's resident set (``VmRSS``) or its peak (``VmHWM``), bytes. Not
+    ``getrusage`` ``ru_maxrss`` (what the trainer logs): on Linux a spawned child inherits the
+    parent's high-water mark across fork + exec, so it reads the benchmark driver's peak."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -88,7 +99,7 @@ def measure(ranks, tp, pp, cp, mbs, recompute, schedule) -> dict:
     torch.set_num_threads(1)
     cfg = make_config(ranks, tp, pp, cp, mbs, recompute, schedule)
     mesh = ParallelMesh.build(tp=tp, pp=pp, cp=cp) if ranks > 1 else ParallelMesh.single()
-    base = _rss()
+    base = _rss("VmRSS")
     history = Trainer(cfg, mesh=mesh).train()
     times = [r["step_time_s"] for r in history[WARMUP:]]
     return {"median_step_s": statistics.median(times), "steps_s": times,

@@ -7,7 +7,7 @@
   full recompute and SP + selective) and KOR table 4 (per-layer forward/backward times, 5 modes).
   One fit for all rows, never per row.
 * :func:`calibrate_local` (``loom plan --calibrate``) measures this machine, one thread (one
-  rank's share of a CPU host), in ~15 s, and fits every constant of the time model:
+  rank's share of a CPU host), in ~10-20 s, and fits every constant of the time model:
 
   - ``peak_flops``, ``gemm_efficiency``, ``gemm_half_dim``: a sweep of fp32 GEMMs
     ``[T, w] x [w, 4w]`` with their two backward products (T in 128..2048 tokens, w in 64..1024)

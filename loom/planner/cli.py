@@ -124,9 +124,11 @@ def run(args) -> int:
     if args.calibrate:
         from loom.planner.calibrate import calibrate_local
         cl = calibrate_local(args.calibrate_output)
-        print(f"wrote {args.calibrate_output}: {cl.peak_flops / 1e12:.3g} TFLOP/s achievable GEMM "
-              f"(gemm_efficiency 1.0 of this measured peak), all-reduce alpha "
-              f"{cl.intra_alpha * 1e6:.1f} us, bandwidth {cl.intra_bw / 1e9:.3g} GB/s")
+        print(f"wrote {args.calibrate_output}: GEMM peak {cl.peak_flops / 1e12:.3g} TFLOP/s x "
+              f"efficiency {cl.gemm_efficiency:.2f} (fitted), memory bandwidth "
+              f"{cl.hbm_bw / 1e9:.3g} GB/s, non-GEMM traffic factor {cl.mem_traffic:.3g}, "
+              f"all-reduce alpha {cl.intra_alpha * 1e6:.1f} us, bandwidth "
+              f"{cl.intra_bw / 1e9:.3g} GB/s")
         if not args.model and not args.num_layers:
             return 0
     from loom.planner.report import format_table, plot, to_json, top_records
