@@ -12,10 +12,14 @@ Communication per layer: all-gather of K and V, ``2 (c-1)/c * s b g d`` elements
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from loom.parallel.mappings import ConjugateCollective
+from loom.parallel.sequence import reduce_scatter_dim0
 
 
 def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -51,36 +55,30 @@ def _global_order(gathered: list[torch.Tensor], cp_size: int, dim: int) -> torch
     return torch.cat(pieces, dim=dim)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence dim into global order; backward: reduce-scatter back."""
+def _gather_in_order(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return _global_order(parts, n, dim)
 
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        n = dist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return _global_order(parts, n, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        group, dim = ctx.group, ctx.dim
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        grad = grad.contiguous()
-        # Sum every rank's gradient for the full sequence, keep this rank's chunks. gloo has no
-        # reduce-scatter, so it all-reduces and slices; NCCL reduce-scatters.
-        if dist.get_backend(group) == "nccl":
-            stacked = torch.stack([slice_for_cp(grad, j, n, dim) for j in range(n)])
-            out = torch.empty_like(stacked[0])
-            dist.reduce_scatter_tensor(out, stacked, group=group)
-            return out, None, None
-        dist.all_reduce(grad, group=group)
-        return slice_for_cp(grad, r, n, dim), None, None
+def _reduce_scatter_in_order(grad: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum every rank's gradient of the full sequence, keep this rank's chunks."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) == "nccl":
+        stacked = torch.cat([slice_for_cp(grad, j, n, dim) for j in range(n)], dim=0)
+        return reduce_scatter_dim0(stacked, group)
+    grad = grad.clone()  # gloo has no reduce-scatter: all-reduce and slice
+    dist.all_reduce(grad, group=group)
+    return slice_for_cp(grad, r, n, dim)
 
 
 def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """``[..., s/c (dim), ...] -> [..., s, ...]`` in global order (autograd-aware)."""
-    return x if group is None else _GatherSequence.apply(x, group, dim)
+    if group is None:
+        return x
+    return ConjugateCollective.apply(x, group, functools.partial(_gather_in_order, dim=dim),
+                                     functools.partial(_reduce_scatter_in_order, dim=dim))
 
 
 def causal_mask(q_positions: torch.Tensor, seq_length: int) -> torch.Tensor:

@@ -40,64 +40,43 @@ def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+def _identity(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class ConjugateCollective(torch.autograd.Function):
+    """One collective forward, its conjugate backward: ``apply(x, group, forward_fn, backward_fn)``
+    with ``fn(tensor, group) -> tensor``. Every mapping of TP, SP and CP is one such pair."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+    def forward(ctx, x, group, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return ctx.backward_fn(grad.contiguous(), ctx.group), None, None, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+def _all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _all_reduce(x.clone(), group)
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``f``: identity forward; all-reduce of the gradient over ``group`` backward."""
-    return x if group is None else _CopyToRegion.apply(x, group)
+    return x if group is None else ConjugateCollective.apply(x, group, _identity, _all_reduce_copy)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``g``: all-reduce (sum) over ``group`` forward; identity backward."""
-    return x if group is None else _ReduceFromRegion.apply(x, group)
+    return x if group is None else ConjugateCollective.apply(x, group, _all_reduce_copy, _identity)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep this rank's chunk of the last dim ``[..., n] -> [..., n/t]``; gather backward."""
-    return x if group is None else _ScatterToRegion.apply(x, group)
+    return x if group is None else ConjugateCollective.apply(x, group, _split_last, _gather_last)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather along the last dim ``[..., n/t] -> [..., n]``; split backward."""
-    return x if group is None else _GatherFromRegion.apply(x, group)
+    return x if group is None else ConjugateCollective.apply(x, group, _gather_last, _split_last)

@@ -19,6 +19,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from loom.parallel.mappings import ConjugateCollective
+
 Group = Optional[dist.ProcessGroup]
 
 
@@ -46,55 +48,23 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     return _split_dim0(x, group)
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_dim0(grad, ctx.group), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # The consumer is tensor-parallel: every rank holds a partial gradient of the full
-        # sequence; sum them and keep this rank's tokens.
-        return reduce_scatter_dim0(grad, ctx.group), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_dim0(grad, ctx.group), None
-
-
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``[s, b, h]`` (replicated) -> this rank's ``[s/t, b, h]``; backward all-gathers."""
-    return x if group is None else _ScatterToSequence.apply(x, group)
+    return x if group is None else ConjugateCollective.apply(x, group, _split_dim0, _gather_dim0)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``[s/t, b, h]`` -> ``[s, b, h]`` before a column-parallel GEMM; backward reduce-scatters."""
-    return x if group is None else _GatherFromSequence.apply(x, group)
+    # the consumer is tensor-parallel: each rank holds a partial gradient of the full sequence
+    return x if group is None else ConjugateCollective.apply(x, group, _gather_dim0,
+                                                             reduce_scatter_dim0)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Partial sums ``[s, b, h]`` of a row-parallel GEMM -> summed ``[s/t, b, h]``;
     backward all-gathers."""
-    return x if group is None else _ReduceScatterToSequence.apply(x, group)
+    return x if group is None else ConjugateCollective.apply(x, group, reduce_scatter_dim0,
+                                                             _gather_dim0)
 
 
 def mark_sequence_parallel(module: torch.nn.Module) -> None:
