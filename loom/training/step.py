@@ -25,14 +25,14 @@ def forward_backward_no_pipelining(model_chunks: Sequence[torch.nn.Module], batc
     """
     (model,), (reducer,) = model_chunks, reducers
     m = len(batches)
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=batches[0]["tokens"].device)
     for j, batch in enumerate(batches):
         ctx = reducer.no_sync() if j < m - 1 else contextlib.nullcontext()
         with ctx:
             loss = model(batch["tokens"], batch["labels"]).mean() / m
             loss.backward()
-        total += loss.detach().float().cpu()
-    return total
+        total += loss.detach().float()  # stays on the device: no host sync per micro-batch
+    return total.cpu()
 
 
 def get_forward_backward_func(pipeline_size: int, schedule: str) -> Callable:

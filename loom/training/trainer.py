@@ -141,30 +141,26 @@ class Trainer:
             r.zero_grad()
         return norm
 
-    def global_loss(self, local: torch.Tensor) -> float:
-        """Mean loss over DP and CP ranks (each holds an equal share of the tokens), taken from
-        the last pipeline stage (one scalar all-reduce)."""
+    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """Reduce a few host scalars over every rank in one collective (identity on 1 rank)."""
         if not dist.is_initialized() or self.world_size == 1:
-            return float(local)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def _owned_loss(self, local: torch.Tensor) -> float:
+        """This rank's share of the global mean loss: the last stage's TP rank 0 of each DP x CP
+        replica contributes its loss / (d c) (each holds an equal share of the tokens)."""
         m = self.mesh
         owns = m.is_last_stage and m.tp_rank == 0
-        t = torch.tensor([float(local) if owns else 0.0], device=m.device)
-        dist.all_reduce(t)
-        return float(t) / (m.dp_size * m.sizes["cp"])
+        return float(local) / (m.dp_size * m.sizes["cp"]) if owns else 0.0
 
-    def max_over_ranks(self, value: float) -> float:
+    def global_loss(self, local: torch.Tensor) -> float:
+        """Mean loss over DP and CP ranks, taken from the last pipeline stage."""
         if not dist.is_initialized() or self.world_size == 1:
-            return value
-        t = torch.tensor([value], device=self.mesh.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
-    def mean_over_ranks(self, value: float) -> float:
-        if not dist.is_initialized() or self.world_size == 1:
-            return value
-        t = torch.tensor([value], device=self.mesh.device)
-        dist.all_reduce(t)
-        return float(t) / self.world_size
+            return float(local)
+        return self._all_reduce([self._owned_loss(local)])[0]
 
     def write_timeline(self) -> None:
         """Each rank writes ``PATH.rank{N}.json``; rank 0 merges them into ``PATH``."""
@@ -183,12 +179,19 @@ class Trainer:
             norm = self.optimizer_step()
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
-        elapsed = self.max_over_ranks(time.perf_counter() - start)  # the slowest rank
+        (elapsed,) = self._all_reduce([time.perf_counter() - start], dist.ReduceOp.MAX)
+        # loss (and, pipelined, the bubble fraction) summed over ranks in one collective
+        bubble = 0.0
+        if self.mesh.pp_size > 1:
+            from loom.parallel.pipeline import last_stats
+            bubble = last_stats().bubble_fraction / self.world_size
+        local = self._owned_loss(loss) if self.world_size > 1 else float(loss)
+        loss_avg, bubble_avg = self._all_reduce([local, bubble])
         self.iteration += 1
         self.consumed_samples += self.global_batch
         tokens = self.global_batch * self.cfg.model.seq_length
         tflops = self.flops_per_iter / elapsed / self.world_size / 1e12
-        rec = {"iteration": self.iteration, "loss": self.global_loss(loss), "lr": lr,
+        rec = {"iteration": self.iteration, "loss": loss_avg, "lr": lr,
                "grad_norm": norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                "tflops_per_rank": tflops,
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
@@ -196,8 +199,7 @@ class Trainer:
         if self.predicted_step_s is not None:
             rec["predicted_step_time_s"] = self.predicted_step_s
         if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
-            from loom.parallel.pipeline import last_stats
-            rec["bubble_fraction"] = self.mean_over_ranks(last_stats().bubble_fraction)
+            rec["bubble_fraction"] = bubble_avg
         self.history.append(rec)
         return rec
 
