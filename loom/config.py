@@ -211,11 +211,11 @@ class LoomConfig:
         m, p, t = self.model, self.parallel, self.training
         tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size)
+        flat = self.to_flat()
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "micro_batch_size", "num_layers", "hidden_size",
                      "num_attention_heads", "seq_length"):
-            value = getattr(p, name, None) if hasattr(p, name) else getattr(
-                t, name, None) if hasattr(t, name) else getattr(m, name)
+            value = flat[name]
             if value is None or value < 1:
                 raise ConfigError(f"{flag(name)} must be a positive integer, got {value}")
         if m.group_query_attention and m.num_query_groups is None:

@@ -60,6 +60,11 @@ class GradientReducer:
         self.zero_grad()
 
     def _add_bucket(self, params: list, dtype: torch.dtype) -> None:
+        odd = sorted({str(p.dtype) for p in params if p.dtype != dtype})
+        if odd:
+            raise ValueError(f"GradientReducer keeps {dtype} gradients; parameters of dtype "
+                             f"{', '.join(odd)} need grad_dtype to match (loom keeps fp32 master "
+                             f"weights and uses autocast for --bf16)")
         numel = sum(p.numel() for p in params)
         buf = torch.zeros(numel, dtype=dtype, device=params[0].device)
         self.buckets.append(_Bucket(params=params, buffer=buf, pending=len(params)))
@@ -71,7 +76,7 @@ class GradientReducer:
                 n = p.numel()
                 view = b.buffer[offset:offset + n].view_as(p)
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view if p.dtype == view.dtype else None
+                    p.grad = view
                 offset += n
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
