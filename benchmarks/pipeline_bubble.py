@@ -55,8 +55,7 @@ def _worker(args, p: int, cases: list) -> list:
         cfg = make_cfg(args, p, m, schedule).validate(dist.get_world_size())
         tr = Trainer(cfg, mesh=mesh)
         recs = [tr.train_step() for _ in range(args.warmup + args.steps)][args.warmup:]
-        from loom.parallel.pipeline import last_stats
-        st = last_stats()
+        st = tr.last_stats
         out.append({"m": m, "schedule": schedule, "v": len(tr.model_chunks),
                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs),
                     "bubble_measured": statistics.mean(r["bubble_fraction"] for r in recs),

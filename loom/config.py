@@ -128,6 +128,8 @@ class TrainingConfig:
     seed: int = 1234
     bf16: bool = False
     recompute_granularity: Optional[str] = None  # None | selective | full
+    recompute_method: str = "uniform"  # uniform (groups of N layers) | block (first N layers)
+    recompute_num_layers: int = 1  # N of --recompute-method
     device: Optional[str] = None  # None = cuda when available, else cpu
     dry_run: bool = False
 
@@ -281,6 +283,10 @@ class LoomConfig:
                               f"{t.lr_decay_style}")
         if t.recompute_granularity not in (None, "selective", "full"):
             raise ConfigError("--recompute-granularity must be selective or full")
+        if t.recompute_method not in ("uniform", "block"):
+            raise ConfigError("--recompute-method must be uniform or block")
+        if t.recompute_num_layers < 1:
+            raise ConfigError(f"--recompute-num-layers must be >= 1, got {t.recompute_num_layers}")
         if not 0.0 <= m.hidden_dropout < 1.0 or not 0.0 <= m.attention_dropout < 1.0:
             raise ConfigError("--hidden-dropout and --attention-dropout must lie in [0, 1)")
         if self.logging.save_interval and not self.logging.save:

@@ -13,10 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 from loom.interop.hf import (gpt2_config, gpt2_to_loom, llama_config, llama_to_loom,  # noqa: E402
                              load_full_state_dict)
-from loom.models.gpt import GPTModel  # noqa: E402
+from loom.models import get_family  # noqa: E402
 from loom.parallel.mappings import gather_from_tensor_parallel_region  # noqa: E402
 from loom.parallel.mesh import ParallelMesh  # noqa: E402
-from loom.parallel.random import RNGTracker  # noqa: E402
+from loom.parallel.parallelize import build_model  # noqa: E402
 from loom.testing import run_distributed  # noqa: E402
 
 ATOL = 1e-5
@@ -39,9 +39,7 @@ def compare(mesh: ParallelMesh) -> dict:
     out = {}
     for name, (hf, to_cfg, convert) in hf_models().items():
         cfg = to_cfg(hf.config)
-        tracker = RNGTracker(mesh.device)
-        tracker.seed(0)
-        model = GPTModel(cfg, mesh, tracker).eval()
+        model = build_model(get_family("gpt"), cfg, mesh).eval()
         load_full_state_dict(model, convert(hf.state_dict(), cfg))
         with torch.no_grad():
             ref = hf(ids).logits

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from loom.config import LoomConfig, ModelConfig
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker
-from loom.parallel.tensor import fit_full_shape, shard_tensor, vocab_parallel_cross_entropy
+from loom.parallel.registry import local_shard
+from loom.parallel.tensor import vocab_parallel_cross_entropy
 from loom.testing import run_distributed
 
 RTOL = 1e-5
@@ -54,9 +55,8 @@ def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
     return cfg.validate(tp * dp * cp)
 
 
-def reference_shard(ref: torch.Tensor, p: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
-    full = fit_full_shape(ref, getattr(p, "full_shape", p.shape))
-    return shard_tensor(full, getattr(p, "shard", None), mesh.tp_rank, mesh.tp_size)
+def reference_shard(ref: torch.Tensor, meta, mesh: ParallelMesh) -> torch.Tensor:
+    return local_shard(ref, meta, mesh.tp_rank, mesh.tp_size)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,7 +85,8 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
         out["loss"] = max(out["loss"], abs(lp - lr_) / abs(lr_))
         ref_params = dict(ref.model_chunks[0].named_parameters())
         for name, p in par.model_chunks[0].named_parameters():
-            out["grad"] = max(out["grad"], rel_err(p.grad, reference_shard(ref_params[name].grad, p, mesh)))
+            meta = par.registry[name]
+            out["grad"] = max(out["grad"], rel_err(p.grad, reference_shard(ref_params[name].grad, meta, mesh)))
         out["nparams"] = len(ref_params)
         np_, nr = par.optimizer_step(), ref.optimizer_step()
         out["norm"] = max(out["norm"], abs(np_ - nr) / nr)
@@ -93,18 +94,22 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
         ref.consumed_samples += ref.global_batch
     ref_params = dict(ref.model_chunks[0].named_parameters())
     for name, p in par.model_chunks[0].named_parameters():
-        out["param"] = max(out["param"], rel_err(p.detach(), reference_shard(ref_params[name].detach(), p, mesh)))
+        meta = par.registry[name]
+        out["param"] = max(out["param"], rel_err(p.detach(), reference_shard(ref_params[name].detach(), meta, mesh)))
     return out
 
 
 def count_layer_collectives(tp: int) -> dict:
     """All-reduces on the TP group in one forward and one backward of one layer."""
-    from loom.models.transformer import TransformerLayer
+    from loom.models import get_family
+    from loom.models.family import StageSpec
+    from loom.parallel.parallelize import build_chunk
     mesh = ParallelMesh.build(tp=tp) if tp > 1 else ParallelMesh.single()
     cfg = tiny("gpt")
     tracker = RNGTracker(mesh.device)
     tracker.seed(0)
-    layer = TransformerLayer(cfg, mesh, tracker, 0)
+    layer = build_chunk(get_family("gpt"), cfg, StageSpec([0], False, False), mesh,
+                        tracker).layers["0"]
     s, b, h = 8, 2, cfg.hidden_size
     calls = {"forward": [], "backward": []}
     phase = ["forward"]

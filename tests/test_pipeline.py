@@ -86,8 +86,7 @@ def _parity_cases(cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
     from loom.parallel.mesh import ParallelMesh
-    from loom.parallel.pipeline import last_stats
-    from loom.parallel.tensor import fit_full_shape, shard_tensor
+    from loom.parallel.registry import local_shard
     from loom.training.trainer import Trainer
 
     world = dist.get_world_size()
@@ -107,16 +106,15 @@ def _parity_cases(cases: list[dict]) -> list[dict]:
         errors, n_compared, peaks, bubbles = [], 0, [], []
         for step in range(STEPS):
             loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))
-            peaks.append(last_stats().peak_in_flight)
-            bubbles.append(last_stats().bubble_fraction)
+            peaks.append(tr.last_stats.peak_in_flight)
+            bubbles.append(tr.last_stats.bubble_fraction)
             ref_loss, ref_grads, ref_norm = ref["steps"][step]
             if not math.isclose(loss, ref_loss, rel_tol=RTOL, abs_tol=1e-6):
                 errors.append(f"step {step}: loss {loss} != reference {ref_loss}")
             for chunk in tr.model_chunks:
                 for name, p in chunk.named_parameters():
                     rg = ref_grads[name]
-                    want = shard_tensor(fit_full_shape(rg, getattr(p, "full_shape", p.shape)),
-                                        getattr(p, "shard", None), mesh.tp_rank, mesh.tp_size)
+                    want = local_shard(rg, tr.registry[name], mesh.tp_rank, mesh.tp_size)
                     n_compared += 1
                     # atol: a small fraction of the tensor's scale (TP's reordered reductions
                     # differ from the reference by ~1e-9 absolute, with or without pipelining)

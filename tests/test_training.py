@@ -84,9 +84,9 @@ def _check_resume(r: dict) -> None:
 def reshard_world(tmp: str) -> dict:
     """Train 2 iterations at TP=2, save; rank 0 then loads at TP=1 and compares logits."""
     from loom.checkpoint.io import _ShardIndex, latest_checkpoint, load_model_weights
-    from loom.models.gpt import GPTModel
+    from loom.models import get_family
+    from loom.parallel.parallelize import build_model
     from loom.parallel.mappings import gather_from_tensor_parallel_region
-    from loom.parallel.random import RNGTracker
     from loom.training.trainer import Trainer
     cfg = small_cfg(2, 1, 2, dropout=0.0)
     cfg.logging.save = tmp
@@ -99,9 +99,7 @@ def reshard_world(tmp: str) -> dict:
     if tr.mesh.rank != 0:
         return {}
     single = ParallelMesh.single()
-    tracker = RNGTracker(single.device)
-    tracker.seed(0)
-    one = GPTModel(copy.deepcopy(cfg.model), single, tracker).eval()
+    one = build_model(get_family("gpt"), copy.deepcopy(cfg.model), single, seed=None).eval()
     load_model_weights(_ShardIndex(latest_checkpoint(tmp)), [one], single)
     with torch.no_grad():
         one_logits = one(ids)[..., :200]

@@ -14,8 +14,8 @@ Layout of ``--save DIR`` (Megatron's names where they exist)::
 
 All ranks write into ``iter_0000100.tmp``; rank 0 renames it and only then moves the ``latest``
 pointer, so a crash at any moment leaves the previous checkpoint intact and never a half-written
-one. Loading rebuilds each full tensor from the saved shards (``unshard_tensors``) and cuts this
-rank's shard for the current layout (``shard_tensor``), so a checkpoint saved at one TP/PP size
+one. Loading rebuilds each full tensor from the saved shards (``full_from_shards``) and cuts this
+rank's shard for the current layout (``local_shard``, reading the parameter registry), so a checkpoint saved at one TP/PP size
 loads at another (e.g. TP=2 training -> TP=1 generation).
 """
 
@@ -34,7 +34,7 @@ from torch import nn
 
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state, set_rng_state
-from loom.parallel.tensor import ShardSpec, fit_full_shape, shard_tensor, unshard_tensors
+from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
 from loom.training.optimizer import local_optimizer
 
 FORMAT = "loom-checkpoint-v1"
@@ -50,16 +50,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _named_params(model_chunks: Sequence[nn.Module]) -> dict[str, nn.Parameter]:
-    out = {}
-    for chunk in model_chunks:
-        out.update(dict(chunk.named_parameters()))
-    return out
+def _named_params(model_chunks: Sequence[nn.Module]) -> dict[str, tuple]:
+    """``name -> (parameter, ParamMeta)`` over this rank's chunks."""
+    return {n: (p, meta) for n, p, meta in named_parameters(model_chunks)}
 
 
-def _spec_of(p: torch.Tensor) -> Optional[dict]:
-    spec = getattr(p, "shard", None)
-    return spec.to_dict() if spec is not None else None
+def _spec_of(meta) -> Optional[dict]:
+    return meta.shard.to_dict() if meta.shard is not None else None
+
+
+def canonical_name(name: str) -> str:
+    """Parameter names of loom checkpoints written before recomputation kept names
+    (``layers.N.layer.*`` under ``--recompute-granularity full``) map to today's names."""
+    return re.sub(r"^layers\.(\d+)\.layer\.", r"layers.\1.", name)
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -91,16 +94,16 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Mod
     params = _named_params(model_chunks)
     if c["dp"] == 0 and c["cp"] == 0:
         shard = {
-            "model": {n: p.detach().cpu() for n, p in params.items()},
-            "specs": {n: {"full_shape": list(getattr(p, "full_shape", p.shape)),
-                          "shard": _spec_of(p)} for n, p in params.items()},
+            "model": {n: p.detach().cpu() for n, (p, _) in params.items()},
+            "specs": {n: {"full_shape": list(meta.full_shape), "shard": _spec_of(meta)}
+                      for n, (_, meta) in params.items()},
             "tp_rank": c["tp"], "pp_rank": c["pp"],
         }
         torch.save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}.pt"))
     local = local_optimizer(optimizer)
     sharded = local is not optimizer  # ZeRO: each DP rank holds the states of its parameters
     if sharded or (c["dp"] == 0 and c["cp"] == 0):
-        names = {id(p): n for n, p in params.items()}
+        names = {id(p): n for n, (p, _) in params.items()}
         states = {names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v)
                                  for k, v in st.items()} for p, st in local.state.items()}
         dp_index = mesh.local_rank("dp_cp") if sharded else 0
@@ -160,36 +163,40 @@ class _ShardIndex:
             self.files[(int(m.group(1)), int(m.group(2)))]["optimizer"].update(
                 torch.load(path, map_location="cpu", mmap=True, weights_only=True))
         self.owner: dict[str, list[tuple[int, int]]] = {}
+        self.saved_name: dict[str, str] = {}  # today's name -> the name in the files
         for key, sd in self.files.items():
             for name in sd["model"]:
-                self.owner.setdefault(name, []).append(key)
+                self.owner.setdefault(canonical_name(name), []).append(key)
+                self.saved_name[canonical_name(name)] = name
 
     def full(self, name: str, section: str = "model", state_key: Optional[str] = None) -> torch.Tensor:
         keys = self.owner.get(name)
         if not keys:
             raise KeyError(f"parameter {name} not in checkpoint")
+        saved = self.saved_name[name]
         pp = keys[0][1]
         keys = sorted(k for k in keys if k[1] == pp)  # one stage's TP shards, by tp rank
-        spec_d = self.files[keys[0]]["specs"][name]
-        spec = ShardSpec(spec_d["shard"]["dim"], tuple(spec_d["shard"]["segments"])
-                         if spec_d["shard"]["segments"] else None) if spec_d["shard"] else None
+        spec = ShardSpec.from_dict(self.files[keys[0]]["specs"][saved]["shard"])
         if section == "model":
-            shards = [self.files[k]["model"][name] for k in keys]
+            shards = [self.files[k]["model"][saved] for k in keys]
         else:
-            shards = [self.files[k]["optimizer"][name][state_key] for k in keys]
-        return unshard_tensors(shards, spec)
+            shards = [self.files[k]["optimizer"][saved][state_key] for k in keys]
+        return full_from_shards(shards, spec)
+
+    def saved_shape(self, name: str) -> torch.Size:
+        """Shape of the first saved shard of ``name``."""
+        return self.files[self.owner[name][0]]["model"][self.saved_name[name]].shape
 
     def optimizer_keys(self, name: str) -> dict:
         key = self.owner[name][0]
-        return self.files[key]["optimizer"].get(name, {})
+        return self.files[key]["optimizer"].get(self.saved_name[name], {})
 
 
 @torch.no_grad()
 def load_model_weights(index: _ShardIndex, model_chunks: Sequence[nn.Module],
                        mesh: ParallelMesh) -> None:
-    for name, p in _named_params(model_chunks).items():
-        full = fit_full_shape(index.full(name), getattr(p, "full_shape", p.shape))
-        p.copy_(shard_tensor(full, getattr(p, "shard", None), mesh.tp_rank, mesh.tp_size))
+    for name, (p, meta) in _named_params(model_chunks).items():
+        p.copy_(local_shard(index.full(name), meta, mesh.tp_rank, mesh.tp_size, name))
 
 
 def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
@@ -212,7 +219,7 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
         local = local_optimizer(optimizer)
         owned = {id(p) for g in local.param_groups for p in g["params"]}
         params = _named_params(model_chunks)
-        for name, p in params.items():
+        for name, (p, meta) in params.items():
             if id(p) not in owned:  # ZeRO: another DP rank holds this parameter's states
                 continue
             saved = index.optimizer_keys(name)
@@ -220,11 +227,9 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
                 continue
             state = {}
             for k, v in saved.items():
-                if torch.is_tensor(v) and v.shape == torch.Size(
-                        index.files[index.owner[name][0]]["model"][name].shape) and v.ndim > 0:
-                    full = fit_full_shape(index.full(name, "optimizer", k),
-                                          getattr(p, "full_shape", p.shape))
-                    v = shard_tensor(full, getattr(p, "shard", None), mesh.tp_rank, mesh.tp_size)
+                if torch.is_tensor(v) and v.shape == index.saved_shape(name) and v.ndim > 0:
+                    v = local_shard(index.full(name, "optimizer", k), meta, mesh.tp_rank,
+                                    mesh.tp_size, name)
                 state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
             local.state[p] = state
     common = read_common(ckpt)

@@ -29,9 +29,9 @@ def load_for_inference(load_dir: str, tp: int = 1):
     from loom.checkpoint.io import _ShardIndex, latest_checkpoint, load_model_weights, read_common
     from loom.config import LoomConfig
     from loom.data.tokenizer import Tokenizer
-    from loom.models.gpt import GPTModel
+    from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh, init_distributed
-    from loom.parallel.random import RNGTracker
+    from loom.parallel.parallelize import build_model
 
     ckpt = latest_checkpoint(load_dir)
     if ckpt is None:
@@ -45,9 +45,7 @@ def load_for_inference(load_dir: str, tp: int = 1):
         mesh = ParallelMesh.build(tp=tp, dp=world // tp, device=device)
     else:
         mesh = ParallelMesh.single()
-    tracker = RNGTracker(mesh.device)
-    tracker.seed(0)
-    model = GPTModel(cfg.model, mesh, tracker)
+    model = build_model(get_family("gpt"), cfg.model, mesh, seed=None)
     load_model_weights(_ShardIndex(ckpt), [model], mesh)
     tok_path = os.path.join(ckpt, "tokenizer.json")
     if not os.path.exists(tok_path):

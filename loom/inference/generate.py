@@ -13,7 +13,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from loom.models.gpt import GPTModel
 from loom.parallel.mappings import gather_from_tensor_parallel_region
 
 
@@ -47,7 +46,7 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompt_ids: Sequence[int], max_new_tokens: int,
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
              sampling: Optional[SamplingConfig] = None, stop_ids: Sequence[int] = ()) -> list[int]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; returns only the new ids.
 

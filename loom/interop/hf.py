@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.parallel.tensor import fit_full_shape, shard_tensor
+from loom.parallel.registry import local_shard
 
 
 def gpt2_config(hf_config) -> ModelConfig:
@@ -95,5 +95,5 @@ def load_full_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor]) -> 
     for name, p in model.named_parameters():
         if name not in full:
             raise KeyError(f"{name} missing from the converted state dict")
-        t = fit_full_shape(full[name].float(), getattr(p, "full_shape", p.shape))
-        p.copy_(shard_tensor(t, getattr(p, "shard", None), mesh.tp_rank, mesh.tp_size))
+        p.copy_(local_shard(full[name].float(), model.registry[name], mesh.tp_rank, mesh.tp_size,
+                            name))

@@ -7,7 +7,8 @@ tokens; keys and values are all-gathered over the CP group (the all-gather form 
 parallelism used to train Llama 3, Dubey et al. 2024 sec. 3.3.2; Megatron's
 ``--cp-comm-type allgather``), and the local queries attend to the full sequence under a causal
 mask built from global positions. Backward reduce-scatters the key/value gradients.
-Communication per layer: all-gather of K and V, ``2 (c-1)/c * s b g d`` elements each way.
+The trainer gives each micro-batch its ``position_ids`` (:func:`local_positions`) and the
+plan wraps the attention core in :class:`ContextParallelAttention`. Communication per layer: all-gather of K and V, ``2 (c-1)/c * s b g d`` elements each way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from loom.parallel.mappings import ConjugateCollective
 from loom.parallel.sequence import reduce_scatter_dim0
@@ -81,7 +83,17 @@ def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
                                      functools.partial(_reduce_scatter_in_order, dim=dim))
 
 
-def causal_mask(q_positions: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """Boolean ``[s_q, s]``: query at global position p sees keys at positions <= p."""
-    k_positions = torch.arange(seq_length, device=q_positions.device)
-    return k_positions[None, :] <= q_positions[:, None]
+class ContextParallelAttention(nn.Module):
+    """An attention core whose keys and values are all-gathered over the CP group first:
+    ``q [b, a, s/c, d]`` at global ``q_positions [s/c]``, ``k, v [b, g, s/c, d]`` -> the inner
+    core sees every key ``[b, g, s, d]`` in global order and masks causally by position."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, q, k, v, q_positions=None):
+        if q_positions is None:
+            raise ValueError("context parallelism needs the global positions of the queries")
+        k, v = gather_sequence(k, self.group, 2), gather_sequence(v, self.group, 2)
+        return self.inner(q, k, v, q_positions)

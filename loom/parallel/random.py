@@ -14,6 +14,8 @@ import random
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 TP_SEED_OFFSET = 2718  # Megatron's offset of the model-parallel seed
 
@@ -60,6 +62,21 @@ class RNGTracker:
 
     def load_state_dict(self, sd: dict) -> None:
         self.state = sd["state"]
+
+
+class ForkedDropout(nn.Module):
+    """Dropout drawn from the per-TP-rank generator (activations partitioned over TP, e.g. the
+    ``[s/t, b, h]`` tokens of sequence parallelism)."""
+
+    def __init__(self, p: float, tracker: RNGTracker):
+        super().__init__()
+        self.p, self.tracker = p, tracker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.tracker.fork():
+            return F.dropout(x, self.p, True)
 
 
 def seed_everything(seed: int, pp_rank: int, tp_rank: int, tracker: RNGTracker) -> None:

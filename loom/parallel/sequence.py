@@ -6,7 +6,8 @@ identity (``f``) before a column-parallel layer becomes an all-gather to ``[s, b
 communication volume, and layer norms, dropout and residuals now store ``1/t`` of the
 activations. Parameters applied to sequence-split activations (norm weights, row-parallel biases)
 see only this rank's tokens, so their gradients are all-reduced over TP
-(:func:`allreduce_sequence_parallel_grads`), as Megatron-LM does.
+(:func:`allreduce_sequence_parallel_grads`), as Megatron-LM does; the parallel plan registers
+which parameters those are.
 
 gloo has no reduce-scatter; there it is an all-reduce followed by a slice (same result, 2x the
 bytes); NCCL uses ``reduce_scatter_tensor``.
@@ -67,18 +68,12 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) ->
                                                              _gather_dim0)
 
 
-def mark_sequence_parallel(module: torch.nn.Module) -> None:
-    """Flag every parameter of ``module`` as applied to sequence-split activations."""
-    for p in module.parameters():
-        p.sequence_parallel = True
-
-
 def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group: Group) -> None:
-    """Sum the gradients of sequence-parallel parameters over the TP group (one flat
-    all-reduce)."""
+    """Sum the gradients of ``params`` (those the registry marks sequence-parallel) over the TP
+    group in one flat all-reduce."""
     if group is None:
         return
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -212,13 +212,13 @@ def measure_train_step(steps: int = 3) -> float:
     one warm-up, current thread count."""
     import torch
 
-    from loom.models.gpt import GPTModel
+    from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
-    from loom.parallel.random import RNGTracker
+    from loom.parallel.parallelize import build_model
 
     cfg = _cal_model_config()
     mesh = ParallelMesh.single()
-    model = GPTModel(cfg, mesh, RNGTracker(mesh.device)).init_weights(1234)
+    model = build_model(get_family("gpt"), cfg, mesh, seed=1234)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (CAL_BATCH, cfg.seq_length + 1), generator=g)

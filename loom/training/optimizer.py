@@ -11,7 +11,7 @@ from torch import nn
 
 from loom.config import TrainingConfig
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.tensor import is_tensor_parallel
+from loom.parallel.registry import ParamMeta
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig,
@@ -69,34 +69,34 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_at(it, cfg) / cfg.lr)
 
 
-def counts_for_norm(p: torch.Tensor, mesh: ParallelMesh) -> bool:
+def counts_for_norm(meta: ParamMeta, mesh: ParallelMesh) -> bool:
     """A gradient enters the global norm once: TP-sharded parameters on every TP rank,
     replicated ones on TP rank 0 only, pipeline duplicates (tied embedding on the last stage)
-    never (Megatron's ``param_is_not_tensor_parallel_duplicate`` / ``param_is_not_shared``)."""
-    if getattr(p, "shared_duplicate", False):
-        return False
-    return is_tensor_parallel(p) or mesh.tp_rank == 0
+    never (the registry's :meth:`~loom.parallel.registry.ParamMeta.counts_for_norm`)."""
+    return meta.counts_for_norm(mesh.tp_rank)
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh) -> torch.Tensor:
-    """L2 norm of all gradients of the model, summed over the model-parallel (TP x PP) group.
-    Data-parallel replicas hold identical gradients after reduction, so DP is not summed."""
+    """L2 norm of the gradients of ``params`` (those that count, see :func:`counts_for_norm`),
+    summed over the model-parallel (TP x PP) group. Data-parallel replicas hold identical
+    gradients after reduction, so DP is not summed."""
     params = list(params)
     device = params[0].device if params else mesh.device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if p.grad is not None and counts_for_norm(p, mesh):
+        if p.grad is not None:
             sq += p.grad.detach().float().pow(2).sum()
     if mesh.groups["mp"] is not None:
         dist.all_reduce(sq, group=mesh.groups["mp"])
     return sq.sqrt()
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: ParallelMesh) -> float:
-    """Scale gradients so their global norm is at most ``max_norm`` (skip if <= 0); returns the
-    norm before clipping."""
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: ParallelMesh,
+                   norm_params: Optional[Iterable[torch.Tensor]] = None) -> float:
+    """Scale the gradients of ``params`` so their global norm (over ``norm_params``, default
+    ``params``) is at most ``max_norm`` (skip if <= 0); returns the norm before clipping."""
     params = list(params)
-    norm = global_grad_norm(params, mesh)
+    norm = global_grad_norm(params if norm_params is None else norm_params, mesh)
     if max_norm > 0:
         coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:

@@ -9,7 +9,6 @@ single-process reference of the very same code.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Optional
@@ -18,39 +17,48 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.checkpoint import load_checkpoint, save_checkpoint
+from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common, save_checkpoint
 from loom.config import ConfigError, LoomConfig
+from loom.data.preprocess import read_meta
 from loom.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
 from loom.data.sampler import get_batch, microbatch_indices
-from loom.models.gpt import GPTModel
-from loom.parallel.context import slice_for_cp
+from loom.models import get_family
+from loom.models.family import ModelFamily
+from loom.parallel.context import local_positions, slice_for_cp
 from loom.parallel.data import GradientReducer
 from loom.parallel.mesh import ParallelMesh, init_distributed
-from loom.parallel.pipeline import timeline
+from loom.parallel.parallelize import build_model_chunks
+from loom.parallel.pipeline.model import allreduce_embedding_grads
+from loom.parallel.pipeline.schedules import ScheduleResult, forward_only, get_schedule
+from loom.parallel.pipeline.timeline import Timeline, merge
 from loom.parallel.random import RNGTracker, seed_everything
+from loom.parallel.registry import ParamRegistry, named_parameters
 from loom.parallel.sequence import allreduce_sequence_parallel_grads
 from loom.planner.flops import model_flops_per_iteration
+from loom.planner.memory import total_params
+from loom.planner.predict import predict_layout
 from loom.training.metrics import MetricsLogger, peak_flops_per_rank, peak_memory_bytes
 from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
-from loom.training.step import get_forward_backward_func
 
 
-def build_model_chunks(cfg: LoomConfig, mesh: ParallelMesh, tracker: RNGTracker) -> list[nn.Module]:
-    """This rank's model: one chunk without pipelining, else its stage's chunk(s)."""
-    if mesh.pp_size > 1:
-        from loom.parallel.pipeline import build_pipeline_chunks
-        chunks = build_pipeline_chunks(cfg, mesh, tracker)
-    else:
-        chunks = [GPTModel(cfg.model, mesh, tracker,
-                           recompute_granularity=cfg.training.recompute_granularity,
-                           sequence_parallel=cfg.parallel.sequence_parallel)]
-    for chunk in chunks:
-        chunk.init_weights(cfg.training.seed)
-    return chunks
+def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
+    """``forward_step`` run under ``torch.autocast`` (``--bf16``: matmuls in bf16, fp32 master
+    weights); unchanged when ``dtype`` is None."""
+    if dtype is None:
+        return forward_step
+
+    def step(chunk, batch, hidden_states=None):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward_step(chunk, batch, hidden_states)
+    return step
 
 
 class Trainer:
-    def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None):
+    """One rank's training: model chunks of ``family`` (default GPT/LLaMA) under ``cfg``'s
+    layout. ``mesh`` None initializes ``torch.distributed`` from torchrun's environment."""
+
+    def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
+                 family: Optional[ModelFamily] = None):
         self.cfg = cfg
         if mesh is None:
             device = init_distributed(cfg.training.device, cfg.parallel.distributed_backend)
@@ -59,6 +67,7 @@ class Trainer:
                                       pp=p.pipeline_model_parallel_size,
                                       cp=p.context_parallel_size, device=device)
         self.mesh = mesh
+        self.family = family or get_family("gpt")
         self.world_size = math.prod(mesh.sizes.values())
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         t = cfg.training
@@ -66,16 +75,22 @@ class Trainer:
         self.num_microbatches = self.global_batch // (t.micro_batch_size * mesh.dp_size)
         self.tracker = RNGTracker(mesh.device)
         seed_everything(t.seed, mesh.pp_rank, mesh.tp_rank, self.tracker)
-        self.model_chunks = build_model_chunks(cfg, mesh, self.tracker)
-        if t.bf16:
-            for chunk in self.model_chunks:
-                chunk.autocast_dtype = torch.bfloat16
+        self.model_chunks = build_model_chunks(self.family, cfg, mesh, self.tracker)
+        self.registry = ParamRegistry.merged(c.registry for c in self.model_chunks)
+        self.forward_step = with_autocast(self.family.forward_step, mesh.device.type,
+                                          torch.bfloat16 if t.bf16 else None)
         self.reducers = [GradientReducer(c.parameters(), mesh.groups["dp_cp"],
                                          cfg.parallel.ddp_bucket_size) for c in self.model_chunks]
-        self.params = [p for c in self.model_chunks for p in c.parameters()]
+        named = list(named_parameters(self.model_chunks))
+        self.params = [p for _, p, _ in named]
+        self.norm_params = [p for _, p, m in named if m.counts_for_norm(mesh.tp_rank)]
+        self.sp_params = [p for _, p, m in named if m.sequence_parallel]
         self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t, mesh.groups["dp_cp"])
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.schedule = get_forward_backward_func(mesh.pp_size, cfg.parallel.pipeline_schedule)
+        self.schedule = get_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size)
+        self.timeline = Timeline(self.global_rank, enabled=bool(cfg.logging.timeline))
+        self.last_stats = None  # PipelineStats of the latest schedule run
+        self.last_metrics: dict = {}
         self.iteration = 0
         self.consumed_samples = 0
         self.train_ds, self.valid_ds, self.test_ds = self._datasets()
@@ -84,8 +99,6 @@ class Trainer:
         self.peak_flops = peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops)
         self.history: list[dict] = []
         self.predicted_step_s = self._predict_step_time()
-        if cfg.logging.timeline:  # --timeline: per-rank Chrome trace, merged by rank 0
-            timeline.enable(self.global_rank)
         if cfg.logging.load:
             self.load(cfg.logging.load)
 
@@ -96,7 +109,6 @@ class Trainer:
         if cluster is None and self.mesh.device.type != "cuda":
             return None
         try:
-            from loom.planner.predict import predict_layout
             return predict_layout(self.cfg, self.world_size, cluster=cluster)["time_s"]["iteration"]
         except Exception:  # noqa: BLE001 - a prediction must never stop training
             return None
@@ -111,30 +123,48 @@ class Trainer:
                                   valid_data_path=d.valid_data_path)
 
     def batches(self, dataset, consumed: int) -> list[dict]:
-        """This DP rank's m micro-batches of the global batch starting at sample ``consumed``."""
+        """This DP rank's m micro-batches of the global batch starting at sample ``consumed``:
+        ``tokens``/``labels`` ``[b, s/c]`` and ``position_ids [s/c]`` (this CP rank's
+        load-balanced chunks, :mod:`loom.parallel.context`)."""
         idx = microbatch_indices(consumed, self.cfg.training.micro_batch_size,
                                  self.num_microbatches, self.mesh.dp_rank, self.mesh.dp_size)
         dev, cp, cp_rank = self.mesh.device, self.mesh.sizes["cp"], self.mesh.coords["cp"]
-        return [{k: slice_for_cp(v, cp_rank, cp).to(dev, non_blocking=True)
-                 for k, v in get_batch(dataset, i).items()} for i in idx]
+        s = self.cfg.model.seq_length
+        positions = (local_positions(s, cp_rank, cp) if cp > 1 else torch.arange(s)).to(dev)
+        out = []
+        for i in idx:
+            batch = {k: slice_for_cp(v, cp_rank, cp).to(dev, non_blocking=True)
+                     for k, v in get_batch(dataset, i).items()}
+            batch["position_ids"] = positions
+            out.append(batch)
+        return out
+
+    def p2p_shape(self, batches: list[dict]) -> tuple[int, int, int]:
+        """``[s, b, h]`` exchanged between pipeline stages: this rank's ``s/c`` tokens, split by
+        t under sequence parallelism."""
+        b, s = batches[0]["tokens"].shape
+        sp = self.cfg.parallel.sequence_parallel and self.mesh.tp_size > 1
+        return (s // (self.mesh.tp_size if sp else 1), b, self.cfg.model.hidden_size)
 
     # -- one step ----------------------------------------------------------------------------------
     def forward_backward(self, batches: list[dict]) -> torch.Tensor:
-        """Gradients of the global batch's mean loss, reduced over DP; returns this rank's loss."""
-        loss = self.schedule(model_chunks=self.model_chunks, batches=batches,
-                             reducers=self.reducers, mesh=self.mesh, cfg=self.cfg)
+        """Gradients of the global batch's mean loss, reduced over DP; returns this rank's loss
+        (the last stage's mean over its micro-batches, 0 on other stages)."""
+        result: ScheduleResult = self.schedule(
+            self.model_chunks, batches, self.forward_step, self.mesh,
+            p2p_shape=self.p2p_shape(batches), reducers=self.reducers, recorder=self.timeline)
         for r in self.reducers:
             r.finish_grad_sync()
-        if self.cfg.parallel.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.params, self.mesh.groups["tp"])
-        if self.mesh.pp_size > 1:
-            from loom.parallel.pipeline import allreduce_embedding_grads
-            allreduce_embedding_grads(self.model_chunks, self.mesh)
-        return loss
+        if self.sp_params:
+            allreduce_sequence_parallel_grads(self.sp_params, self.mesh.groups["tp"])
+        allreduce_embedding_grads(self.model_chunks, self.mesh)
+        self.last_stats, self.last_metrics = result.stats, result.metrics
+        return result.loss
 
     def optimizer_step(self) -> float:
         """Clip by the global norm, AdamW step, LR schedule; returns the pre-clip grad norm."""
-        norm = clip_grad_norm(self.params, self.cfg.training.clip_grad, self.mesh)
+        norm = clip_grad_norm(self.params, self.cfg.training.clip_grad, self.mesh,
+                              self.norm_params)
         self.optimizer.step()
         self.scheduler.step()
         for r in self.reducers:
@@ -165,26 +195,23 @@ class Trainer:
     def write_timeline(self) -> None:
         """Each rank writes ``PATH.rank{N}.json``; rank 0 merges them into ``PATH``."""
         path = self.cfg.logging.timeline
-        timeline.write_rank(path, stage=self.mesh.pp_rank)
+        self.timeline.write_rank(path, stage=self.mesh.pp_rank)
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
         if self.global_rank == 0:
-            timeline.merge(path)
+            merge(path)
 
     def train_step(self) -> dict:
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
         loss = self.forward_backward(self.batches(self.train_ds, self.consumed_samples))
-        with timeline.span("optimizer"):
+        with self.timeline.span("optimizer"):
             norm = self.optimizer_step()
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
         (elapsed,) = self._all_reduce([time.perf_counter() - start], dist.ReduceOp.MAX)
         # loss (and, pipelined, the bubble fraction) summed over ranks in one collective
-        bubble = 0.0
-        if self.mesh.pp_size > 1:
-            from loom.parallel.pipeline import last_stats
-            bubble = last_stats().bubble_fraction / self.world_size
+        bubble = self.last_stats.bubble_fraction / self.world_size if self.mesh.pp_size > 1 else 0.0
         local = self._owned_loss(loss) if self.world_size > 1 else float(loss)
         loss_avg, bubble_avg = self._all_reduce([local, bubble])
         self.iteration += 1
@@ -216,13 +243,9 @@ class Trainer:
         total = 0.0
         for i in range(iters):
             batches = self.batches(self.valid_ds, i * self.global_batch)
-            if self.mesh.pp_size > 1:
-                from loom.parallel.pipeline import forward_only
-                local = forward_only(self.model_chunks, batches, self.mesh, self.cfg)
-            else:
-                local = torch.stack([self.model_chunks[0](b["tokens"], b["labels"]).mean()
-                                     for b in batches]).mean()
-            total += self.global_loss(local)
+            result = forward_only(self.model_chunks, batches, self.forward_step, self.mesh,
+                                  p2p_shape=self.p2p_shape(batches))
+            total += self.global_loss(result.loss)
         for c in self.model_chunks:
             c.train()
         loss = total / iters
@@ -253,7 +276,6 @@ class Trainer:
         lg = self.cfg.logging
         log = MetricsLogger(self.global_rank == 0, lg.log_json, lg.tensorboard_dir,
                             self.cfg.training.train_iters - self.iteration, not lg.no_progress_bar)
-        from loom.planner.memory import total_params
         log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, "
                   f"{total_params(self.cfg.model):,.0f} parameters "
                   f"({sum(p.numel() for p in self.params):,} on rank 0), "
@@ -305,10 +327,8 @@ class Trainer:
 def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
     """Take V from the dataset's stored tokenizer (or the checkpoint) when not given."""
     if cfg.model.vocab_size is None and cfg.data.data_path and not cfg.data.mock_data:
-        from loom.data.preprocess import read_meta
         cfg.model.vocab_size = int(read_meta(cfg.data.data_path)["vocab_size"])
     if cfg.model.vocab_size is None and cfg.logging.load:
-        from loom.checkpoint import latest_checkpoint, read_common
         ckpt = latest_checkpoint(cfg.logging.load)
         if ckpt:
             cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]

@@ -11,21 +11,28 @@ messages match exactly even when several are in flight between the same two rank
 
 Memory: a stage's output is sent, then its storage is freed at once (Megatron's
 ``deallocate_output_tensor``: only the autograd graph is kept); the backward pass runs the engine
-directly with the received gradient. :data:`LAST_STATS` holds the peak number of in-flight
-micro-batches (forward done, backward not yet) and the idle (receive-wait) time of the last run.
+directly with the received gradient.
+
+Every schedule drives the model family's forward step (:mod:`loom.models.family`): the last
+virtual stage applies its ``loss_fn`` and backpropagates ``loss / m``. The no-pipeline path is
+the same executor with p = 1 (one forward and backward per micro-batch). A run returns a
+:class:`ScheduleResult`: the mean loss, the named metrics averaged over micro-batches, and
+:class:`PipelineStats` (peak in-flight micro-batches, idle time, bubble); spans go to the
+caller's :class:`~loom.parallel.pipeline.timeline.Timeline`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from loom.parallel.pipeline import timeline
+from loom.models.family import ForwardStep
+from loom.parallel.pipeline.timeline import Timeline
 
 Op = tuple  # ("F" | "B", chunk, micro_batch)
 
@@ -75,7 +82,7 @@ OP_LISTS = {"gpipe": gpipe_ops, "1f1b": one_f_one_b_ops, "interleaved": interlea
 
 @dataclass
 class PipelineStats:
-    """Of the last schedule run on this rank."""
+    """Of one schedule run on this rank."""
 
     peak_in_flight: int = 0  # max micro-batches (x chunks) between forward and backward
     idle_s: float = 0.0  # time blocked waiting for receives (the bubble, plus comm latency)
@@ -88,21 +95,18 @@ class PipelineStats:
         return self.idle_s / self.flush_s if self.flush_s > 0 else 0.0
 
 
-LAST_STATS = PipelineStats()
+@dataclass
+class ScheduleResult:
+    """``loss``: mean over the m micro-batches of the last stage's loss (0 on other stages),
+    detached, on the host; ``metrics``: the loss function's named metrics, same averaging;
+    ``stats``: this rank's :class:`PipelineStats`."""
 
-
-def last_stats() -> PipelineStats:
-    return LAST_STATS
+    loss: torch.Tensor
+    metrics: dict = field(default_factory=dict)
+    stats: PipelineStats = field(default_factory=PipelineStats)
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-def activation_dtype(cfg) -> torch.dtype:
-    """dtype of the hidden states between stages. Under ``--bf16`` autocast the residual stream
-    stays fp32 (fp32 embedding output + bf16 sub-layer output promotes to fp32), so it is fp32
-    either way; weights are fp32 master copies."""
-    return torch.float32
-
 
 def _deallocate(out: torch.Tensor) -> None:
     """Free the storage of a sent stage output, keeping its autograd graph (Megatron)."""
@@ -119,11 +123,12 @@ def _backward(out: torch.Tensor, grad: torch.Tensor) -> None:
 class _P2P:
     """Asynchronous sends, look-ahead receives, idle-time accounting."""
 
-    def __init__(self, mesh, num_virtual: int):
+    def __init__(self, mesh, num_virtual: int, recorder: Timeline):
         self.p, self.r, self.v = mesh.pp_size, mesh.pp_rank, num_virtual
         ranks = mesh.ranks["pp"]
         self.next, self.prev = ranks[(self.r + 1) % self.p], ranks[(self.r - 1) % self.p]
         self.group = mesh.groups["pp"]
+        self.rec = recorder
         self.sends: list = []
         self.idle = 0.0
 
@@ -131,28 +136,28 @@ class _P2P:
         return (mb * self.p * self.v + recv_vstage) * 2 + direction
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
-        t0 = timeline.now_us()
+        t0 = self.rec.now_us()
         buf = tensor.detach().contiguous()
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, peer, self.group, tag)])
         self.sends.append((works, buf))
-        timeline.add(f"send {what}", "send", t0, timeline.now_us(), peer=peer)
+        self.rec.add(f"send {what}", "send", t0, self.rec.now_us(), peer=peer)
         self.reap()
 
     def recv(self, shape, dtype, device, peer: int, tag: int, what: str):
-        t0 = timeline.now_us()
+        t0 = self.rec.now_us()
         buf = torch.empty(shape, dtype=dtype, device=device)
         works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer, self.group, tag)])
-        timeline.add(f"recv {what}", "recv", t0, timeline.now_us(), peer=peer)
+        self.rec.add(f"recv {what}", "recv", t0, self.rec.now_us(), peer=peer)
         return buf, works, what
 
     def wait(self, pending) -> torch.Tensor:
         buf, works, what = pending
         t0 = time.perf_counter()
-        ts = timeline.now_us()
+        ts = self.rec.now_us()
         for w in works:
             w.wait()
         self.idle += time.perf_counter() - t0
-        timeline.add(f"idle (wait {what})", "idle", ts, timeline.now_us())
+        self.rec.add(f"idle (wait {what})", "idle", ts, self.rec.now_us())
         return buf
 
     def reap(self) -> None:
@@ -169,23 +174,27 @@ class _P2P:
 
 # -- the executor ----------------------------------------------------------------------------------
 
-def run_ops(ops: Sequence[Op], model_chunks, batches, reducers, mesh, cfg,
-            train: bool = True) -> torch.Tensor:
-    """Run ``ops`` on this rank; returns the mean micro-batch loss on the last stage, else 0."""
-    global LAST_STATS
+def run_ops(ops: Sequence[Op], model_chunks, batches, forward_step: ForwardStep, mesh, *,
+            p2p_shape: Sequence[int], reducers=None, recorder: Optional[Timeline] = None,
+            train: bool = True, dtype: torch.dtype = torch.float32) -> ScheduleResult:
+    """Run ``ops`` on this rank with ``forward_step(chunk, batch, hidden_states)``.
+
+    ``p2p_shape``: the activations exchanged between stages, ``[s, b, h]`` of this rank's
+    tokens (``s/c`` under CP, ``s/(c t)`` under SP), in ``dtype``. ``reducers``: one
+    :class:`~loom.parallel.data.GradientReducer` per chunk (gradients are reduced on each
+    chunk's last backward only), or None.
+    """
+    rec = recorder or Timeline()
     p, r, v, m = mesh.pp_size, mesh.pp_rank, len(model_chunks), len(batches)
     last_v = p * v - 1
-    comm = _P2P(mesh, v)
+    comm = _P2P(mesh, v, rec)
     device = mesh.device
-    tok = batches[0]["tokens"]
-    # [s, b, h] of this rank's tokens: s is already s/c (CP-sliced batches); SP splits it by t
-    sp = cfg.parallel.sequence_parallel and mesh.tp_size > 1
-    shape = (tok.shape[1] // (mesh.tp_size if sp else 1), tok.shape[0], cfg.model.hidden_size)
-    dtype = activation_dtype(cfg)
+    shape = tuple(p2p_shape)
     inputs: dict = {}
     outputs: dict = {}
     pending: dict = {}
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    metrics: dict = {}
     in_flight = peak = 0
     start = time.perf_counter()
 
@@ -209,25 +218,21 @@ def run_ops(ops: Sequence[Op], model_chunks, batches, reducers, mesh, cfg,
             post(ops[i + 1])
         kind, c, j = op
         chunk, vs = model_chunks[c], vstage(c)
-        batch = batches[j]
         if kind == "F":
-            if vs == 0:
-                x = None
-            else:
+            x = None
+            if vs > 0:
                 x = comm.wait(pending.pop(op))
                 if train:
                     x.requires_grad_(True)
-            t0 = timeline.now_us()
-            labels = batch["labels"] if vs == last_v else None
-            if vs == 0:
-                out = chunk(input_ids=batch["tokens"], labels=labels)
-            else:
-                out = chunk(hidden_states=x, labels=labels)
+            t0 = rec.now_us()
+            out, loss_fn = forward_step(chunk, batches[j], x)
             if vs == last_v:
-                loss = out.float().mean() / m
-                total += loss.detach().float().cpu()
-                out = loss
-            timeline.add(f"F c{c} mb{j}", "forward", t0, timeline.now_us())
+                loss, named = loss_fn(out)
+                out = loss / m
+                total += loss.detach().float()
+                for k, val in named.items():
+                    metrics[k] = metrics.get(k, 0.0) + val.detach().float() / m
+            rec.add(f"F c{c} mb{j}", "forward", t0, rec.now_us())
             if vs < last_v:
                 comm.send(out.detach().to(dtype), comm.next, comm.tag(j, vs + 1, 0),
                           f"fwd c{c} mb{j}")
@@ -239,7 +244,7 @@ def run_ops(ops: Sequence[Op], model_chunks, batches, reducers, mesh, cfg,
                 peak = max(peak, in_flight)
         else:
             grad = comm.wait(pending.pop(op)) if vs < last_v else None
-            t0 = timeline.now_us()
+            t0 = rec.now_us()
             x, out = inputs.pop((c, j)), outputs.pop((c, j))
             sync = j == m - 1  # reduce over DP only on the chunk's last backward
             ctx = contextlib.nullcontext() if sync or reducers is None else reducers[c].no_sync()
@@ -249,46 +254,43 @@ def run_ops(ops: Sequence[Op], model_chunks, batches, reducers, mesh, cfg,
                 else:
                     _backward(out, grad)
             del out, grad
-            timeline.add(f"B c{c} mb{j}", "backward", t0, timeline.now_us())
+            rec.add(f"B c{c} mb{j}", "backward", t0, rec.now_us())
             in_flight -= 1
             if vs > 0:
                 comm.send(x.grad, comm.prev, comm.tag(j, vs - 1, 1), f"bwd c{c} mb{j}")
             del x
     comm.finish()
-    LAST_STATS = PipelineStats(peak_in_flight=peak, idle_s=comm.idle,
-                               flush_s=time.perf_counter() - start, num_microbatches=m)
-    if mesh.pp_rank != p - 1:
-        return torch.zeros((), dtype=torch.float32)
-    return total
+    stats = PipelineStats(peak_in_flight=peak, idle_s=comm.idle,
+                          flush_s=time.perf_counter() - start, num_microbatches=m)
+    owns_loss = mesh.pp_rank == p - 1
+    loss = (total / m).cpu() if owns_loss else torch.zeros((), dtype=torch.float32)
+    return ScheduleResult(loss=loss, metrics={k: float(val) for k, val in metrics.items()}
+                          if owns_loss else {}, stats=stats)
 
 
-def _schedule(name: str) -> Callable:
-    make_ops = OP_LISTS[name]
+def get_schedule(name: str, pipeline_size: int = 2) -> Callable:
+    """``fn(model_chunks, batches, forward_step, mesh, **run_ops kwargs) -> ScheduleResult`` for
+    ``--pipeline-schedule`` (``gpipe``, ``1f1b``, ``interleaved``). With one stage every schedule
+    is one forward and one backward per micro-batch (1F1B at p = 1). Raises ValueError for an
+    unknown name."""
+    if name not in OP_LISTS:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(OP_LISTS)}")
+    make_ops = OP_LISTS["1f1b" if pipeline_size == 1 else name]
 
-    def forward_backward(model_chunks, batches, reducers, mesh, cfg, **_) -> torch.Tensor:
+    def forward_backward(model_chunks, batches, forward_step, mesh, **kw) -> ScheduleResult:
         p, v, m = mesh.pp_size, len(model_chunks), len(batches)
         if name != "interleaved" and v != 1:
             raise ValueError(f"--pipeline-schedule {name} runs one model chunk per stage, got {v}")
         ops = make_ops(m, p, mesh.pp_rank, v)
-        return run_ops(ops, model_chunks, batches, reducers, mesh, cfg, train=True)
+        return run_ops(ops, model_chunks, batches, forward_step, mesh, train=True, **kw)
 
     forward_backward.__name__ = f"forward_backward_{name}"
-    forward_backward.__doc__ = (f"Forward and backward of the m micro-batches with the {name} "
-                                f"schedule; returns the mean loss on the last stage (0 elsewhere).")
     return forward_backward
 
 
-def get_schedule(name: str) -> Callable:
-    """``fn(model_chunks, batches, reducers, mesh, cfg) -> loss`` for ``--pipeline-schedule``."""
-    if name not in OP_LISTS:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(OP_LISTS)}")
-    return _schedule(name)
-
-
 @torch.no_grad()
-def forward_only(model_chunks, batches, mesh, cfg) -> torch.Tensor:
-    """Evaluation: mean loss over the micro-batches on the last stage (0 elsewhere)."""
+def forward_only(model_chunks, batches, forward_step: ForwardStep, mesh, **kw) -> ScheduleResult:
+    """Evaluation: every micro-batch forward through every chunk; mean loss on the last stage."""
     v, m = len(model_chunks), len(batches)
     ops = [("F", c, j) for c in range(v) for j in range(m)]
-    loss = run_ops(ops, model_chunks, batches, None, mesh, cfg, train=False)
-    return loss  # already sum_j mean_j / m
+    return run_ops(ops, model_chunks, batches, forward_step, mesh, train=False, **kw)

@@ -1,0 +1,89 @@
+"""Attention building blocks shared by model families, as plain math: rotary embeddings, the
+scaled dot-product core, and the KV cache of generation.
+
+Shapes: queries ``[b, heads, s_q, d]``, keys and values ``[b, groups, s_k, d]`` (GQA when
+groups < heads). The core knows nothing of parallelism: tensor parallelism gives it fewer heads,
+context parallelism (:mod:`loom.parallel.context`) wraps it to gather keys and values, and the
+plan may hand it a per-TP-rank generator for dropout (``rng``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[s, d]`` of rotary embeddings (Su et al. 2021), halves layout (``rotate_half``)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=positions.device) / head_dim))
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [s, b, heads, d]`` by position; ``cos``/``sin`` are ``[s, d]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[:, None, None, :].to(x.dtype), sin[:, None, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+def causal_mask(q_positions: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """Boolean ``[s_q, s_k]``: the query at global position p sees keys at positions <= p."""
+    k_positions = torch.arange(seq_length, device=q_positions.device)
+    return k_positions[None, :] <= q_positions[:, None]
+
+
+class DotProductAttention(nn.Module):
+    """``softmax(q k^T / sqrt(d)) v`` under a causal mask by global position (keys are at
+    positions ``0 .. s_k - 1``): ``q [b, a, s_q, d]``, ``k, v [b, g, s_k, d]`` ->
+    ``[b, a, s_q, d]``. ``s_q == s_k`` is the plain causal case; one query (decoding) sees every
+    key; otherwise the mask is built from ``q_positions [s_q]``."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+        self.rng = None  # per-TP-rank generator (RNGTracker) for dropout over partitioned heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                q_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        s_q, s_k = q.shape[2], k.shape[2]
+        mask = None
+        if s_q != s_k and s_q > 1:
+            if q_positions is None:
+                raise ValueError(f"{s_q} queries against {s_k} keys need their positions")
+            mask = causal_mask(q_positions, s_k)
+        p = self.dropout if self.training else 0.0
+        ctx = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
+        with ctx:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=s_q == s_k and s_q > 1,
+                enable_gqa=q.shape[1] != k.shape[1])
+
+
+@dataclass
+class KVCache:
+    """Keys and values of past positions, per layer: ``[b, g/t, s_max, d]`` each."""
+
+    keys: dict = field(default_factory=dict)
+    values: dict = field(default_factory=dict)
+    length: int = 0  # positions already cached
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v [b, g, s, d]`` at the current length; return every cached position's.
+        Raises RuntimeError if the layer's cache was not allocated."""
+        if layer not in self.keys:
+            raise RuntimeError(f"KV cache not allocated for layer {layer}")
+        start, s = self.length, k.shape[2]
+        if start > 0 and s != 1:
+            raise ValueError("after the prompt, decode one token at a time")
+        self.keys[layer][:, :, start:start + s] = k
+        self.values[layer][:, :, start:start + s] = v
+        return self.keys[layer][:, :, :start + s], self.values[layer][:, :, :start + s]

@@ -1,0 +1,233 @@
+"""Decoder-only language model, GPT-2 or LLaMA layout, as plain math.
+
+Embedding (+ learned positions for GPT-2) -> L pre-LN layers -> final norm -> output layer
+(tied to the embedding, or untied for LLaMA) -> cross-entropy. Activations are ``[s, b, h]``
+(Megatron-LM's layout). Every layer is ``x + drop(attn(norm1(x)))`` then
+``x + drop(mlp(norm2(x)))``; attention is MHA or GQA (``--num-query-groups``) with optional
+RoPE; the MLP is GeLU or SwiGLU.
+
+Nothing here knows about parallelism: :mod:`loom.models.gpt.parallelize` swaps the linear
+layers for tensor-parallel ones, installs sequence-parallel regions and the context-parallel
+attention core. Sizes that parallelism changes are read from the tensors (``-1`` in views,
+split ratios of the fused QKV), so the same code runs sharded. A pipeline stage builds only its
+own layers (``StageSpec``); parameter names carry the global layer index.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config import ModelConfig
+from loom.models.attention import DotProductAttention, KVCache, apply_rope, rope_cos_sin
+from loom.models.family import StageSpec
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """LayerNorm or RMSNorm over the hidden dimension (``--normalization``)."""
+    if cfg.normalization == "RMSNorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+
+
+class SelfAttention(nn.Module):
+    """``x [s, b, h] -> [s, b, h]``: fused QKV projection (a query heads, g key/value groups of
+    dimension d), RoPE, the attention core, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int):
+        super().__init__()
+        a, g, d, h = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.hidden_size
+        self.layer_number, self.head_dim = layer_number, d
+        self.q_share = a / (a + 2 * g)  # share of the fused QKV width that is queries
+        bias = not cfg.disable_bias_linear
+        self.linear_qkv = nn.Linear(h, (a + 2 * g) * d, bias=bias)
+        self.core_attention = DotProductAttention(cfg.attention_dropout)
+        self.linear_proj = nn.Linear(a * d, h, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
+                positions: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        d = self.head_dim
+        qkv = self.linear_qkv(x)  # [s, b, (a + 2g) d]
+        s, b, width = qkv.shape
+        q_width = round(width * self.q_share)
+        kv_width = (width - q_width) // 2
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
+        if cache is not None:
+            k, v = cache.update(self.layer_number, k, v)
+        out = self.core_attention(q, k, v, positions)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.linear_proj(out)
+
+
+class MLP(nn.Module):
+    """``x [s, b, h] -> [s, b, h]`` through ``f`` = ``--ffn-hidden-size`` features: GeLU, or
+    SwiGLU (``silu(gate) * up``, gate and up fused in one projection)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_size
+        bias = not cfg.disable_bias_linear
+        self.swiglu = cfg.swiglu
+        self.gelu_approx = "tanh" if cfg.openai_gelu else "none"
+        self.linear_fc1 = nn.Linear(h, 2 * f if cfg.swiglu else f, bias=bias)
+        self.linear_fc2 = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate=self.gelu_approx)
+        return self.linear_fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN decoder layer: ``x + drop(attn(norm1(x)))``, then ``x + drop(mlp(norm2(x)))``."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int):
+        super().__init__()
+        self.input_norm = build_norm(cfg)
+        self.self_attention = SelfAttention(cfg, layer_number)
+        self.pre_mlp_norm = build_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
+                positions: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        x = x + self.hidden_dropout(self.self_attention(self.input_norm(x), rope, positions, cache))
+        return x + self.hidden_dropout(self.mlp(self.pre_mlp_norm(x)))
+
+
+class Embedding(nn.Module):
+    """Word embeddings plus learned absolute positions: ``ids [b, s] -> [s, b, h]``."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, with_positions: bool = True):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(padded_vocab, cfg.hidden_size)
+        self.position_embeddings = None
+        if with_positions and cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(positions)[None]
+        return self.dropout(x.transpose(0, 1).contiguous())  # [s, b, h]
+
+
+class LMHead(nn.Module):
+    """Output GEMM and loss: ``x [s, b, h]``, ``weight [Vp, h]``; returns the per-token
+    cross-entropy ``[b, s]`` (fp32) against ``labels [b, s]``, or the logits ``[b, s, Vp]``.
+    Padded vocabulary columns (``>= V``) are excluded from the softmax."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = F.linear(x, weight)  # [s, b, Vp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        s, b, _ = logits.shape
+        V = self.vocab_size
+        loss = F.cross_entropy(logits[..., :V].float().reshape(-1, V), labels.t().reshape(-1),
+                               reduction="none")
+        return loss.view(s, b).t()
+
+
+class GPTModel(nn.Module):
+    """The language model, or one pipeline chunk of it (``stage``: its global layer indices,
+    whether it holds the embedding and/or the final norm, output layer and loss).
+
+    The last chunk of a tied model keeps its own copy of the word embeddings (same name, hence
+    same initial weights); the plan keeps the copies equal by summing their gradients.
+    """
+
+    def __init__(self, cfg: ModelConfig, stage: StageSpec):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size must be set before building the model")
+        self.cfg = cfg
+        self.pre_process, self.post_process = stage.pre_process, stage.post_process
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        padded = stage.padded_vocab or cfg.padded_vocab_size(1)
+        if self.pre_process or (self.post_process and self.tied):
+            self.embedding = Embedding(cfg, padded, with_positions=self.pre_process)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in stage.layer_numbers})
+        if self.post_process:
+            self.final_norm = build_norm(cfg)
+            if not self.tied:
+                self.output_layer = nn.Linear(cfg.hidden_size, padded, bias=False)
+            self.head = LMHead(cfg.vocab_size)
+
+    def output_weight(self) -> torch.Tensor:
+        """``[Vp, h]`` (``[Vp/t, h]`` under TP): the word embeddings when tied, else the output
+        layer's weight."""
+        return self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        """First chunk: ``input_ids [b, s]``; later chunks: ``hidden_states [s, b, h]``.
+        ``position_ids [s]``: global positions of these tokens (default ``0 .. s-1`` after the
+        cached length; required on chunks without the embedding).
+
+        Returns, on the last chunk, the per-token loss ``[b, s]`` (fp32) when ``labels`` is
+        given, else the logits ``[b, s, Vp]``; on other chunks the hidden states ``[s, b, h]``.
+        """
+        if position_ids is None:
+            if input_ids is None:
+                raise ValueError("position_ids are needed by a chunk without the embedding")
+            offset = cache.length if cache is not None else 0
+            position_ids = torch.arange(offset, offset + input_ids.shape[1],
+                                        device=input_ids.device)
+        x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
+        rope = None
+        if self.cfg.position_embedding_type == "rope":
+            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
+        for layer in self.layers.values():
+            x = layer(x, rope, position_ids, cache)
+        if not self.post_process:
+            return x
+        return self.head(self.final_norm(x), self.output_weight(), labels)
+
+    def allocate_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``max_len`` positions."""
+        cache = KVCache()
+        for name, layer in self.layers.items():
+            w = layer.self_attention.linear_qkv.weight
+            d = layer.self_attention.head_dim
+            groups = round(w.shape[0] * (1 - layer.self_attention.q_share) / 2) // d
+            shape = (batch, groups, max_len, d)
+            cache.keys[int(name)] = torch.zeros(shape, dtype=dtype or w.dtype, device=w.device)
+            cache.values[int(name)] = torch.zeros(shape, dtype=dtype or w.dtype, device=w.device)
+        return cache
+
+
+def lm_loss(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean of the per-token loss ``[b, s]``, and the metrics ``{"lm loss": mean}``."""
+    loss = per_token.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(chunk: GPTModel, batch: dict, hidden_states: Optional[torch.Tensor] = None):
+    """Megatron's forward step: ``batch`` has ``tokens``, ``labels`` ``[b, s]`` and
+    ``position_ids [s]``; returns ``(output, loss_fn)``."""
+    out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None,
+                labels=batch["labels"] if chunk.post_process else None,
+                hidden_states=hidden_states, position_ids=batch.get("position_ids"))
+    return out, lm_loss

@@ -1,0 +1,55 @@
+"""Initializers of full (unsharded) tensors: ``fn(shape, generator) -> tensor``.
+
+A model family maps each parameter name to one of these; the parallel plan stores it in the
+parameter registry and :func:`loom.parallel.registry.initialize` applies it with a generator
+seeded by the parameter's name, so every layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Callable, Sequence
+
+import torch
+
+InitFn = Callable[[tuple, torch.Generator], torch.Tensor]
+
+
+def normal_init(std: float) -> InitFn:
+    """N(0, std^2) (Megatron's ``init_method_normal``)."""
+    return lambda shape, g: torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def scaled_normal_init(std: float, num_layers: int) -> InitFn:
+    """N(0, (std / sqrt(2 L))^2) for output projections (Megatron's ``scaled_init_method_normal``;
+    GPT-2 paper sec. 2.3)."""
+    return normal_init(std / math.sqrt(2.0 * num_layers))
+
+
+def vocab_padded_init(init_fn: InitFn, vocab_size: int) -> InitFn:
+    """``init_fn`` on the true ``[V, ...]`` rows, zeros on the padding rows ``[V, Vp)``, so the
+    weights do not depend on the padded size (hence on t)."""
+    def init(shape, g):
+        w = init_fn((vocab_size, *shape[1:]), g)
+        return torch.cat([w, torch.zeros(shape[0] - vocab_size, *shape[1:])], dim=0)
+    return init
+
+
+def zeros_init(shape, g):
+    return torch.zeros(shape)
+
+
+def ones_init(shape, g):
+    return torch.ones(shape)
+
+
+def by_pattern(rules: Sequence[tuple[str, InitFn]]) -> Callable[[str], InitFn]:
+    """``name -> InitFn`` from ``(fnmatch pattern, init)`` rules; the first match wins.
+    Raises KeyError naming a parameter that no rule covers."""
+    def lookup(name: str) -> InitFn:
+        for pattern, fn in rules:
+            if fnmatch.fnmatchcase(name, pattern):
+                return fn
+        raise KeyError(f"no initializer rule matches parameter {name}")
+    return lookup

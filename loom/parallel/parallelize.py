@@ -1,0 +1,72 @@
+"""Build this rank's model chunks: pipeline split -> plain model on the meta device -> the
+family's parallel plan -> recomputation -> initialization from the registry.
+
+Every rank of every layout starts from exactly the single-process weights: parameter names
+carry the global layer index and each full tensor is drawn from a generator seeded by
+``(seed, name)`` before this rank's shard is cut (:func:`loom.parallel.registry.initialize`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from loom.config import LoomConfig, ModelConfig
+from loom.models.family import ModelFamily, StageSpec
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.pipeline.layout import chunk_layers
+from loom.parallel.plan import PlanContext, apply_plan
+from loom.parallel.random import RNGTracker
+from loom.parallel.recompute import apply_recompute
+from loom.parallel.registry import initialize
+
+
+def build_chunk(family: ModelFamily, cfg: ModelConfig, stage: StageSpec, mesh: ParallelMesh,
+                tracker: RNGTracker, *, seed: Optional[int] = 1234,
+                sequence_parallel: bool = False) -> nn.Module:
+    """One parallelized chunk; its registry is ``chunk.registry``. ``seed`` None leaves the
+    parameters uninitialized (e.g. weights loaded right after)."""
+    if stage.padded_vocab is None and cfg.vocab_size is not None:
+        stage = StageSpec(stage.layer_numbers, stage.pre_process, stage.post_process,
+                          cfg.padded_vocab_size(mesh.tp_size))
+    with torch.device("meta"):
+        chunk = family.build(cfg, stage)
+    ctx = PlanContext(mesh, tracker, sequence_parallel)
+    chunk.registry = apply_plan(chunk, family.plan(cfg, stage, ctx), ctx, family.init(cfg))
+    chunk.mesh = mesh
+    if seed is not None:
+        initialize(chunk, chunk.registry, seed, mesh.tp_rank, mesh.tp_size)
+    return chunk
+
+
+def build_model(family: ModelFamily, cfg: ModelConfig, mesh: ParallelMesh,
+                tracker: Optional[RNGTracker] = None, *, seed: Optional[int] = 1234) -> nn.Module:
+    """The whole model on this rank (no pipeline split), e.g. for generation or interop."""
+    if tracker is None:
+        tracker = RNGTracker(mesh.device)
+        tracker.seed(0)
+    stage = StageSpec(list(range(cfg.num_layers)), True, True)
+    return build_chunk(family, cfg, stage, mesh, tracker, seed=seed)
+
+
+def build_model_chunks(family: ModelFamily, cfg: LoomConfig, mesh: ParallelMesh,
+                       tracker: RNGTracker) -> list[nn.Module]:
+    """This rank's chunks: chunk k of stage r holds virtual stage ``k p + r`` (one chunk
+    without interleaving); the first virtual stage holds the embedding, the last the output."""
+    par, p, r = cfg.parallel, mesh.pp_size, mesh.pp_rank
+    layers: Sequence[list[int]] = chunk_layers(
+        cfg.model.num_layers, p, r, par.num_layers_per_virtual_pipeline_stage,
+        par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+    v, t = len(layers), cfg.training
+    chunks = []
+    for k, numbers in enumerate(layers):
+        stage = StageSpec(numbers, pre_process=(k == 0 and r == 0),
+                          post_process=(k == v - 1 and r == p - 1))
+        chunk = build_chunk(family, cfg.model, stage, mesh, tracker, seed=t.seed,
+                            sequence_parallel=par.sequence_parallel)
+        apply_recompute(chunk, t.recompute_granularity, tracker, t.recompute_method,
+                        t.recompute_num_layers)
+        chunks.append(chunk)
+    return chunks

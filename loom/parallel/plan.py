@@ -1,0 +1,200 @@
+"""Parallel plans: a model written as plain math is parallelized after construction.
+
+A plan is a list of ``(module-name pattern, ParallelStyle)`` (``fnmatch`` patterns such as
+``layers.*.mlp.linear_fc1``), as in torchtitan's ``parallelize_module``. Each style swaps in
+loom's parallel module (or installs a region or strategy on the module) and reports how its
+parameters relate to the unsharded model; :func:`apply_plan` collects that into the
+:class:`~loom.parallel.registry.ParamRegistry`. The plain model is built on the ``meta``
+device, so no rank ever allocates the full model; parameters are materialized on the mesh's
+device and then initialized from the registry.
+
+Styles: :class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`VocabParallel` (embedding),
+:class:`VocabParallelHead` (output GEMM + cross-entropy), :class:`SequenceParallelParams`
+(norms on ``[s/t, b, h]``), :class:`SequenceParallelOutput` (scatter to the SP region),
+:class:`PartitionedRNG` (dropout on partitioned activations), :class:`ContextParallelCore`,
+:class:`PipelineShared` (tied embeddings across stages).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from torch import nn
+
+from loom.parallel.context import ContextParallelAttention
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.random import ForkedDropout, RNGTracker
+from loom.parallel.registry import ParamMeta, ParamRegistry, ShardSpec
+from loom.parallel.sequence import scatter_to_sequence_parallel_region
+from loom.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                  VocabParallelLMHead)
+
+Fields = dict  # local parameter name -> ParamMeta keyword overrides
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What styles need: the mesh, the TP dropout generator, and whether activations between TP
+    regions are sequence-split (``--sequence-parallel``, only meaningful when t > 1)."""
+
+    mesh: ParallelMesh
+    tracker: RNGTracker
+    sequence_parallel: bool = False
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.mesh.tp_size > 1
+
+
+class ParallelStyle:
+    """``apply(module, ctx) -> (replacement module, {param name: ParamMeta overrides})``."""
+
+    def apply(self, module: nn.Module, ctx: PlanContext) -> tuple[nn.Module, Fields]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ColwiseParallel(ParallelStyle):
+    """``nn.Linear(in, out)`` -> :class:`ColumnParallelLinear`: output features (each fused
+    block of ``segments``) split over TP; ``vocab``: the output dimension is the padded
+    vocabulary (weight ``[Vp, h]``)."""
+
+    segments: Optional[tuple[int, ...]] = None
+    vocab: bool = False
+
+    def apply(self, module, ctx):
+        out_f, in_f = module.weight.shape
+        spec = ShardSpec(0, self.segments)
+        new = ColumnParallelLinear(in_f, out_f, ctx.mesh, bias=module.bias is not None,
+                                   segments=self.segments, sequence_parallel=ctx.sp)
+        fields = {"weight": dict(full_shape=(out_f, in_f), shard=spec,
+                                 vocab_dim=0 if self.vocab else None)}
+        if module.bias is not None:
+            fields["bias"] = dict(full_shape=(out_f,), shard=spec)
+        return new, fields
+
+
+@dataclass(frozen=True)
+class RowwiseParallel(ParallelStyle):
+    """``nn.Linear(in, out)`` -> :class:`RowParallelLinear`: input features split over TP,
+    partial sums all-reduced (reduce-scattered along s under SP). The bias is replicated and,
+    under SP, applied to this rank's tokens only (its gradient summed over TP)."""
+
+    def apply(self, module, ctx):
+        out_f, in_f = module.weight.shape
+        new = RowParallelLinear(in_f, out_f, ctx.mesh, bias=module.bias is not None,
+                                sequence_parallel=ctx.sp)
+        fields = {"weight": dict(full_shape=(out_f, in_f), shard=ShardSpec(1))}
+        if module.bias is not None:
+            fields["bias"] = dict(sequence_parallel=ctx.sp)
+        return new, fields
+
+
+@dataclass(frozen=True)
+class VocabParallel(ParallelStyle):
+    """``nn.Embedding(Vp, h)`` -> :class:`VocabParallelEmbedding` (rows split over TP)."""
+
+    vocab_size: int
+
+    def apply(self, module, ctx):
+        vp, h = module.weight.shape
+        new = VocabParallelEmbedding(vp, h, ctx.mesh, vocab_size=self.vocab_size)
+        return new, {"weight": dict(full_shape=(vp, h), shard=ShardSpec(0), vocab_dim=0)}
+
+
+@dataclass(frozen=True)
+class VocabParallelHead(ParallelStyle):
+    """The output GEMM + cross-entropy on vocabulary-parallel logits (input gathered from the SP
+    region, or entered through ``f``)."""
+
+    vocab_size: int
+
+    def apply(self, module, ctx):
+        return VocabParallelLMHead(ctx.mesh, self.vocab_size, ctx.sp), {}
+
+
+@dataclass(frozen=True)
+class SequenceParallelParams(ParallelStyle):
+    """Every parameter of the module sees ``[s/t, b, h]`` tokens: gradients summed over TP."""
+
+    def apply(self, module, ctx):
+        return module, {n: dict(sequence_parallel=ctx.sp) for n, _ in module.named_parameters()}
+
+
+@dataclass(frozen=True)
+class SequenceParallelOutput(ParallelStyle):
+    """Scatter the module's ``[s, b, h]`` output to this rank's ``[s/t, b, h]`` (SP)."""
+
+    def apply(self, module, ctx):
+        if ctx.sp:
+            group = ctx.mesh.groups["tp"]
+            module.register_forward_hook(
+                lambda mod, args, out: scatter_to_sequence_parallel_region(out, group))
+        return module, {}
+
+
+@dataclass(frozen=True)
+class PartitionedRNG(ParallelStyle):
+    """Dropout over activations that differ per TP rank (partitioned heads; tokens under SP)
+    draws from the per-TP-rank generator. ``when``: "tp" (t > 1) or "sp" (sequence-parallel)."""
+
+    when: str = "tp"
+
+    def apply(self, module, ctx):
+        active = ctx.sp if self.when == "sp" else ctx.mesh.tp_size > 1
+        if not active:
+            return module, {}
+        if isinstance(module, nn.Dropout):
+            return ForkedDropout(module.p, ctx.tracker), {}
+        module.rng = ctx.tracker
+        return module, {}
+
+
+@dataclass(frozen=True)
+class ContextParallelCore(ParallelStyle):
+    """Wrap an attention core so keys and values are gathered over the CP group."""
+
+    def apply(self, module, ctx):
+        group = ctx.mesh.groups["cp"]
+        return (module if group is None else ContextParallelAttention(module, group)), {}
+
+
+@dataclass(frozen=True)
+class PipelineShared(ParallelStyle):
+    """The module's weight also lives on another pipeline stage (tied embeddings): gradients
+    summed over the embedding group; ``duplicate``: this copy stays out of the norm."""
+
+    duplicate: bool = False
+
+    def apply(self, module, ctx):
+        return module, {"weight": dict(pipeline_shared=True, duplicate=self.duplicate)}
+
+
+Plan = Sequence[tuple[str, ParallelStyle]]
+
+
+def apply_plan(model: nn.Module, plan: Plan, ctx: PlanContext,
+               init_for: Callable[[str], Callable]) -> ParamRegistry:
+    """Apply ``plan`` to ``model`` (built on the meta device), materialize every parameter on
+    ``ctx.mesh.device`` (uninitialized) and return the registry (``init_for(name)`` gives each
+    parameter's full-tensor initializer). Styles apply in plan order; several may match one
+    module; a pattern may match nothing (a pipeline chunk lacks the embedding, say)."""
+    overrides: dict[str, dict] = {}
+    for pattern, style in plan:
+        for name, module in list(model.named_modules()):
+            if not name or not fnmatch.fnmatchcase(name, pattern):
+                continue
+            new, fields = style.apply(module, ctx)
+            if new is not module:
+                model.set_submodule(name, new)
+            for pname, kw in fields.items():
+                overrides.setdefault(f"{name}.{pname}", {}).update(kw)
+    model.to_empty(device=ctx.mesh.device)
+    registry = ParamRegistry()
+    for name, p in model.named_parameters():
+        kw = dict(overrides.get(name, {}))
+        full_shape = tuple(kw.pop("full_shape", tuple(p.shape)))
+        registry.add(name, ParamMeta(full_shape=full_shape, init=init_for(name), **kw))
+    return registry
