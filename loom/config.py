@@ -21,6 +21,9 @@ class ConfigError(ValueError):
     """An impossible or inconsistent configuration; the message names the flag and the fix."""
 
 
+MODEL_TYPES = ("gpt",)  # families in loom.models.FAMILY_MODULES
+
+
 def flag(name: str) -> str:
     """``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``."""
     return "--" + name.replace("_", "-")
@@ -30,6 +33,7 @@ def flag(name: str) -> str:
 class ModelConfig:
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s)."""
 
+    model_type: str = "gpt"  # model family (loom.models.FAMILY_MODULES): gpt
     num_layers: int = 4  # L
     hidden_size: int = 256  # h
     num_attention_heads: int = 4  # a
@@ -245,6 +249,9 @@ class LoomConfig:
             raise ConfigError(
                 f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                 f"{m.max_positions}: raise --max-position-embeddings or shorten --seq-length")
+        if m.model_type not in MODEL_TYPES:
+            raise ConfigError(f"--model-type must be one of {', '.join(MODEL_TYPES)}, got "
+                              f"{m.model_type}")
         if m.normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, got {m.normalization}")
         if m.position_embedding_type not in ("learned_absolute", "rope"):

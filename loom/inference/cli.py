@@ -45,7 +45,7 @@ def load_for_inference(load_dir: str, tp: int = 1):
         mesh = ParallelMesh.build(tp=tp, dp=world // tp, device=device)
     else:
         mesh = ParallelMesh.single()
-    model = build_model(get_family("gpt"), cfg.model, mesh, seed=None)
+    model = build_model(get_family(cfg.model.model_type), cfg.model, mesh, seed=None)
     load_model_weights(_ShardIndex(ckpt), [model], mesh)
     tok_path = os.path.join(ckpt, "tokenizer.json")
     if not os.path.exists(tok_path):

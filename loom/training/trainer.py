@@ -67,7 +67,7 @@ class Trainer:
                                       pp=p.pipeline_model_parallel_size,
                                       cp=p.context_parallel_size, device=device)
         self.mesh = mesh
-        self.family = family or get_family("gpt")
+        self.family = family or get_family(cfg.model.model_type)
         self.world_size = math.prod(mesh.sizes.values())
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         t = cfg.training
