@@ -35,7 +35,9 @@ class GPU:
     """One accelerator model. ``peak_flops``: dense bf16 FLOP/s; ``hbm_bytes``: memory in bytes
     (nominal GB x 1e9, a conservative capacity: the gap to GiB covers the CUDA context);
     ``hbm_bw``: memory bandwidth, bytes/s; ``intra_bw``/``inter_bw``: bytes/s per GPU;
-    ``gpus_per_node``: of the reference system (DGX/HGX)."""
+    ``gpus_per_node``: of the reference system (DGX/HGX); ``tdp_w``: board power, watts (data
+    sheets: A100 SXM 400, H100/H200 SXM 700, B200 1000, GH200 module 1000, V100 SXM2 300,
+    MI300X 750)."""
 
     name: str
     peak_flops: float
@@ -46,22 +48,23 @@ class GPU:
     gpus_per_node: int = 8
     intra_alpha: float = 5e-6
     inter_alpha: float = 10e-6
+    tdp_w: float = 700.0
 
 
 T = 1e12
 DEVICES: dict[str, GPU] = {g.name: g for g in [
-    GPU("A100-80GB", 312 * T, 80 * GB, 2.039e12, 240e9, 23e9),
-    GPU("A100-40GB", 312 * T, 40 * GB, 1.555e12, 240e9, 23e9),
-    GPU("H100-80GB", 989 * T, 80 * GB, 3.35e12, 360e9, 45e9),
-    GPU("H100-PCIe", 756 * T, 80 * GB, 2.0e12, 22e9, 23e9, intra_alpha=10e-6),
-    GPU("H100-NVL", 835 * T, 94 * GB, 3.9e12, 360e9, 45e9),
-    GPU("H200", 989 * T, 141 * GB, 4.8e12, 360e9, 45e9),
-    GPU("GH200", 989 * T, 96 * GB, 4.0e12, 360e9, 45e9),
-    GPU("B200", 2250 * T, 180 * GB, 8.0e12, 720e9, 45e9),
-    GPU("V100-32GB", 125 * T, 32 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6),
-    GPU("V100-16GB", 125 * T, 16 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6),
-    GPU("L40S", 362 * T, 48 * GB, 0.864e12, 22e9, 23e9, intra_alpha=10e-6),
-    GPU("MI300X", 1307 * T, 192 * GB, 5.3e12, 300e9, 45e9),
+    GPU("A100-80GB", 312 * T, 80 * GB, 2.039e12, 240e9, 23e9, tdp_w=400),
+    GPU("A100-40GB", 312 * T, 40 * GB, 1.555e12, 240e9, 23e9, tdp_w=400),
+    GPU("H100-80GB", 989 * T, 80 * GB, 3.35e12, 360e9, 45e9, tdp_w=700),
+    GPU("H100-PCIe", 756 * T, 80 * GB, 2.0e12, 22e9, 23e9, intra_alpha=10e-6, tdp_w=350),
+    GPU("H100-NVL", 835 * T, 94 * GB, 3.9e12, 360e9, 45e9, tdp_w=400),
+    GPU("H200", 989 * T, 141 * GB, 4.8e12, 360e9, 45e9, tdp_w=700),
+    GPU("GH200", 989 * T, 96 * GB, 4.0e12, 360e9, 45e9, tdp_w=1000),
+    GPU("B200", 2250 * T, 180 * GB, 8.0e12, 720e9, 45e9, tdp_w=1000),
+    GPU("V100-32GB", 125 * T, 32 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6, tdp_w=300),
+    GPU("V100-16GB", 125 * T, 16 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6, tdp_w=300),
+    GPU("L40S", 362 * T, 48 * GB, 0.864e12, 22e9, 23e9, intra_alpha=10e-6, tdp_w=350),
+    GPU("MI300X", 1307 * T, 192 * GB, 5.3e12, 300e9, 45e9, tdp_w=750),
 ]}
 
 # torch.cuda.get_device_name() patterns -> table entry (first match wins; order matters).
@@ -129,6 +132,7 @@ class Cluster:
     gemm_efficiency: float = 0.0  # 0 = the fitted default of timing.py
     gemm_half_dim: float = 0.0  # 0 = the fitted default of timing.py
     mem_traffic: float = 0.0  # 0 = the fitted default of timing.py
+    tdp_w: float = 400.0  # watts per GPU (energy estimate)
     notes: dict = field(default_factory=dict)
 
     @property

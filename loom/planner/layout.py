@@ -1,9 +1,10 @@
 """Layouts (vectorized) and the planner options shared by the memory and time models.
 
 A *layout* is a dict of equal-length numpy arrays, one entry per candidate, with keys
-``tp, pp, dp, cp, vp, mbs, recompute, sp, zero`` (float64; ``recompute`` coded by
+``tp, pp, dp, cp, vp, mbs, recompute, sp, zero, lf, ll`` (float64; ``recompute`` coded by
 :data:`RECOMPUTE`: 0 none, 1 selective, 2 full; ``sp`` 0/1; ``zero`` the ZeRO stage 0-3, where
-stage 1 is Megatron's distributed optimizer). Every model function takes such a dict and returns
+stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer layers of the first
+/ last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`). Every model function takes such a dict and returns
 arrays, so the search evaluates tens of thousands of layouts in one numpy pass and
 :func:`loom.planner.predict.predict_layout` evaluates one layout with the same code.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 RECOMPUTE = ("none", "selective", "full")
-KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero")
+KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll")
 
 
 @dataclass
@@ -64,3 +65,21 @@ def make_layouts(rows: list[dict] | dict) -> dict:
 def num_microbatches(L: dict, global_batch_size: int) -> np.ndarray:
     """m = B / (b d) micro-batches per iteration (per pipeline)."""
     return global_batch_size / (L["mbs"] * L["dp"])
+
+
+def stage_layers(num_layers: int, L: dict) -> tuple:
+    """Transformer layers ``(first, middle, last)`` per pipeline stage (arrays).
+
+    ``lf = ll = 0``: the even split ``L / p`` everywhere. Otherwise the first stage holds ``lf``,
+    the last ``ll`` and each of the ``p - 2`` middle stages ``(L - lf - ll) / (p - 2)``
+    (Megatron-LM's ``--decoder-first/last-pipeline-num-layers``; Llama 3 405B: 7 + 14 x 8 + 7).
+    With ``p = 1`` all three are ``L``; with ``p = 2`` there is no middle stage (returned as the
+    larger of the two so that it never decides a maximum)."""
+    p = L["pp"]
+    even = num_layers / p
+    uneven = (L["lf"] > 0) & (p > 1)
+    lf = np.where(uneven, L["lf"], even)
+    ll = np.where(uneven, L["ll"], even)
+    lm = np.where(uneven & (p > 2), (num_layers - lf - ll) / np.maximum(p - 2, 1),
+                  np.where(uneven, np.maximum(lf, ll), even))
+    return lf, lm, ll

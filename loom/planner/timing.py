@@ -41,7 +41,7 @@ import numpy as np
 from loom.config import ModelConfig
 from loom.planner import flops as F
 from loom.planner.hardware import Cluster
-from loom.planner.layout import Options, num_microbatches
+from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
 
 # Fitted to the A100 measurements of references.md (see calibrate.fit_compute_model).
@@ -147,7 +147,6 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     rc = L["recompute"]
     m = num_microbatches(L, global_batch_size)
     lt = layer_times(model, s, L, cluster, opts)
-    n_layers = model.num_layers / p
     S = s * b / c
     peak = cluster.peak_flops
     k = _mem_traffic(cluster)
@@ -173,20 +172,26 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     out_comp = 3 * out_flops / (peak * gemm_efficiency(h, S, cluster))
     out_elem = 3 * k * 4 * S * Vp / t / cluster.hbm_bw
     emb_comm = lt["tp_ar"]
-    stage_first = {kk: n_layers * vv for kk, vv in layer.items()}
+    lf, lm, ll = stage_layers(model.num_layers, L)
+    single = p == 1
+    stage_first = {kk: lf * vv for kk, vv in layer.items()}
     stage_first["tp_comm"] = stage_first["tp_comm"] + emb_comm
-    stage_last = {kk: n_layers * vv for kk, vv in layer.items()}
+    stage_last = {kk: ll * vv for kk, vv in layer.items()}
     stage_last["compute"] = stage_last["compute"] + out_comp
     stage_last["elementwise"] = stage_last["elementwise"] + out_elem
-    single = p == 1
+    stage_mid = {kk: lm * vv for kk, vv in layer.items()}
     tf = sum(stage_first.values()) + np.where(single, out_comp + out_elem, 0.0)
     tl = sum(stage_last.values()) + np.where(single, emb_comm, 0.0)
-    last_slower = (tl > tf) & ~single
-    stage = {kk: np.where(last_slower, stage_last[kk], stage_first[kk]) for kk in layer}
+    tm = np.where(p > 2, sum(stage_mid.values()), 0.0)
+    last_slower = (tl > tf) & (tl >= tm) & ~single
+    mid_slower = (tm > tf) & (tm > tl) & ~single
+    stage = {kk: np.where(mid_slower, stage_mid[kk],
+                          np.where(last_slower, stage_last[kk], stage_first[kk])) for kk in layer}
     stage["compute"] = stage["compute"] + np.where(single, out_comp, 0.0)
     stage["elementwise"] = stage["elementwise"] + np.where(single, out_elem, 0.0)
     stage["tp_comm"] = stage["tp_comm"] + np.where(single, emb_comm, 0.0)
-    t_mb = np.maximum(tf, tl)
+    t_mb = np.maximum(np.maximum(tf, tl), tm)
+    n_layers = np.where(mid_slower, lm, np.where(last_slower, ll, lf))
     # backward share of one micro-batch on the stage (for DP overlap): 2/3 of compute etc.
     t_bwd_mb = n_layers * (2 * comp_f + rec + 2 * lt["elem"] + rec_elem)
 
@@ -200,7 +205,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
 
     # data parallel (over the dp x cp group; ranks t apart, so gpus_per_node / t share a node)
     P = stage_params(model, L, s)
-    params = np.maximum(P["first"], P["last"])
+    params = np.maximum(np.maximum(P["first"], P["last"]), P["middle"])
     n_dp = d * c
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
     z = L["zero"]
