@@ -232,7 +232,7 @@ def run(args) -> int:
             doc["error"] = why
         print(to_json(recs, doc))
     else:
-        print(format_table(recs, header))
+        print(format_table(recs, header) if recs else header)
         if recs:
             print(format_breakdown(recs[:min(len(recs), 5)]))
             if "training" in recs[0]:
