@@ -29,20 +29,30 @@ class Options:
     parameter; 2: the ZeRO paper's fp16 gradients -> 16 bytes per parameter).
     ``overlap_grad_reduce``: DP gradient reduction overlapped with the last micro-batch's backward
     (Megatron-Core ``--overlap-grad-reduce``).
+    ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
+    bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
+    ``overlap_tp_comm``: backward TP all-reduces overlapped with the weight-gradient GEMMs
+    (Megatron's asynchronous TP communication; off for Megatron-LM 2019, SHO).
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
     workspaces, allocator fragmentation (bytes).
     ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).
     ``max_zero_stage``: highest ZeRO stage searched (``loom train`` runs 0 and 1, the
     distributed optimizer; 2 and 3 are what-if analyses).
+    ``zero3_overlap`` / ``zero3_link_efficiency``: override the fitted ZeRO-3 constants of
+    :mod:`loom.planner.timing` (used by the fit itself).
     """
 
     flash_attention: bool = False
     grad_bytes: int = 4
     overlap_grad_reduce: bool = True
+    overlap_tp_comm: bool = True
+    ddp_bucket_elems: float = 40e6
     reserve_bytes: float = 2e9
     reserve_fraction: float = 0.05
     allow_tp_across_nodes: bool = False
     max_zero_stage: int = 3
+    zero3_overlap: float | None = None  # None = timing.ZERO3_OVERLAP (fitted)
+    zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (fitted)
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

@@ -24,7 +24,12 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   gradients over the ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
   there, ring across nodes on ``1/k`` of the bytes; minus the backward of the last micro-batch
   when overlapped. ZeRO-3 gathers weights (forward and backward) and reduce-scatters gradients
-  every micro-batch, overlapped with that micro-batch's compute.
+  every micro-batch as a flat ring (each GPU's bytes cross its own NIC, ``(n-1)/n M`` at
+  ``ZERO3_LINK_EFFICIENCY x inter_bw``: DeepSpeed's per-partition collectives do not get the
+  node-aggregated bandwidth of a hierarchical ring), of which ``ZERO3_OVERLAP x`` the
+  micro-batch's compute time is hidden. NAR table 2 shows why: ZeRO-3's cluster throughput stops
+  growing from 768 to 1536 GPUs (175B) and from 1120 to 2240 (530B), i.e. a communication time
+  that does not shrink with d, ~65 s per 1.4 TB (fp16 weights twice, fp32 gradients once).
 * Optimizer step: memory-bound, ~30 bytes of HBM traffic per (sharded) parameter.
 
 All collectives use the alpha-beta ring formulas of references.md (:func:`all_reduce_time`).
@@ -48,6 +53,9 @@ from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_
 GEMM_EFFICIENCY = 0.736
 GEMM_HALF_DIM = 46.0
 MEM_TRAFFIC = 2.58
+# Fitted to NAR table 2's six ZeRO-3 runs (see calibrate_zero3 in benchmarks/planner_fit.py).
+ZERO3_OVERLAP = 0.76
+ZERO3_LINK_EFFICIENCY = 1.0
 
 
 # -- collectives: alpha-beta ring formulas (references.md) ---------------------------------------
@@ -81,6 +89,20 @@ def hierarchical_all_reduce_time(n, per_node, nbytes, cluster: Cluster):
     intra = all_reduce_time(k, nbytes, cluster.intra_bw, cluster.intra_alpha)
     inter = all_reduce_time(nodes, nbytes / k, cluster.inter_bw, cluster.inter_alpha)
     return intra + inter
+
+
+def exposed_grad_sync(sync_s, backward_s, params, opts: Options):
+    """Exposed time (s) of the DP gradient reduction ``sync_s`` (s) behind the last micro-batch's
+    backward ``backward_s`` (s) under the bucket schedule: ``K = ceil(params / bucket)`` equal
+    buckets become ready uniformly during backward and are reduced one after another, so the
+    last one (``sync/K``) is always exposed and the rest only when reduction is slower than
+    backward: ``max(sync/K, sync - backward (1 - 1/K))`` (PyTorch DDP / Megatron-Core
+    ``--overlap-grad-reduce``, bucket ``opts.ddp_bucket_elems`` elements). Without overlap:
+    ``sync_s``."""
+    if not opts.overlap_grad_reduce:
+        return np.asarray(sync_s, dtype=np.float64)
+    K = np.maximum(1.0, np.ceil(params / opts.ddp_bucket_elems))
+    return np.maximum(sync_s / K, sync_s - backward_s * (1 - 1 / K))
 
 
 # -- compute --------------------------------------------------------------------------------------
@@ -122,7 +144,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
     ar = all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)  # AG + RS with SP: same volume
     tp_fwd = 2 * ar
-    tp_bwd = np.maximum(0.0, 2 * ar - gemm)  # overlapped with the weight-gradient GEMMs
+    # overlapped with the weight-gradient GEMMs (Megatron's asynchronous TP all-reduce, 2021+)
+    tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
     cp_link = np.where(t * c > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
     cp_alpha = np.where(t * c > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
     ring = (c - 1) * p2p_time(4 * S * g * d / t, cp_link, cp_alpha)
@@ -210,13 +233,20 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
     z = L["zero"]
     grad_sync = hierarchical_all_reduce_time(n_dp, per_node, params * opts.grad_bytes, cluster)
-    # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter
-    ag_w = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * 2, cluster)
-    rs_g = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * opts.grad_bytes, cluster)
+    # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter, a flat
+    # ring whose every byte crosses the GPU's own link; ZERO3_OVERLAP of the micro-batch's
+    # compute hides it (both fitted to NAR table 2, see the module docstring)
+    z_cross = n_dp * t > cluster.gpus_per_node
+    z_eff = ZERO3_LINK_EFFICIENCY if opts.zero3_link_efficiency is None \
+        else opts.zero3_link_efficiency
+    z_ov = ZERO3_OVERLAP if opts.zero3_overlap is None else opts.zero3_overlap
+    z_bw = np.where(z_cross, cluster.inter_bw, cluster.intra_bw) * z_eff
+    z_alpha = np.where(z_cross, cluster.inter_alpha, cluster.intra_alpha)
+    ag_w = all_gather_time(n_dp, params * 2, z_bw, z_alpha)
+    rs_g = reduce_scatter_time(n_dp, params * opts.grad_bytes, z_bw, z_alpha)
     t_fwd_mb = n_layers * (comp_f + lt["elem"])
-    z3 = m * (np.maximum(0.0, ag_w - t_fwd_mb) + np.maximum(0.0, ag_w + rs_g - t_bwd_mb))
-    hidden = t_bwd_mb if opts.overlap_grad_reduce else 0.0
-    dp_exposed = np.where(z >= 3, z3, np.maximum(0.0, grad_sync - hidden))
+    z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
+    dp_exposed = np.where(z >= 3, z3, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts))
     terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0)
     terms["dp_comm_total"] = np.where(n_dp > 1, np.where(z >= 3, m * (2 * ag_w + rs_g), grad_sync), 0.0)
     shard = np.where(z >= 1, n_dp, 1.0)

@@ -1,0 +1,77 @@
+"""Predictions for published runs beyond the compute fit of :mod:`loom.planner.calibrate`.
+
+* :func:`nar_table2` -- NAR table 2 (PTD-P vs ZeRO-3 without model parallelism, A100-80GB,
+  s = 2048, days for 300B tokens). Conventions as for NAR table 1: unfused attention, full
+  recompute, hardware TFLOP/s (NAR eq 3); PTD-P at the published t = 8, p = 12 / 35, b = 1, no
+  SP, no distributed optimizer, virtual stages the planner's best; ZeRO-3 at t = p = c = 1,
+  d = n, the published b. Days = ``300e9 / tokens_per_s / 86400``.
+* :func:`sho_weak_scaling` -- SHO table 1 / figure 1: GPT-2 shapes 1.2B-8.3B on V100-32GB
+  (DGX-2H, 16 GPUs per node, s = 1024, V = 51200), model parallel alone and x 64-way data
+  parallel; efficiency = per-GPU FLOP/s against the 1-GPU 1.2B run. The published numbers are
+  ratios, so only the planner's ratios are compared (absolute V100 speed is not fitted).
+"""
+
+from __future__ import annotations
+
+from loom.planner.hardware import make_cluster
+from loom.planner.layout import Options
+from loom.planner.presets import NAR_TABLE2, gpt
+from loom.planner.search import record, search
+
+# DGX-2H: 8 x 100 Gb/s InfiniBand for 16 GPUs = 100 GB/s per node (SHO sec 5) = 6.25 GB/s per GPU.
+DGX2H_INTER_BW = 6.25e9
+# SHO table 1 (references.md): h, heads, L, params(B), MP, weak scaling MP alone, MP x 64 DP.
+SHO_TABLE1 = [
+    (1536, 16, 40, 1.2, 1, 1.00, 0.96),
+    (1920, 20, 54, 2.5, 2, 0.95, 0.83),
+    (2304, 24, 64, 4.2, 4, 0.82, 0.79),
+    (3072, 32, 72, 8.3, 8, 0.77, 0.74),
+]
+
+
+def nar_table2(zero3_overlap: float | None = None,
+               zero3_link_efficiency: float | None = None) -> list[dict]:
+    """One dict per NAR table 2 row: ``scheme, params_b, gpus, b, published_tflops,
+    published_days, tflops, days`` (predicted hardware TFLOP/s per GPU and days)."""
+    opts = Options(flash_attention=False, max_zero_stage=3, zero3_overlap=zero3_overlap,
+                   zero3_link_efficiency=zero3_link_efficiency)
+    out = []
+    for scheme, P, mp, B, n, b, tflops, days in NAR_TABLE2:
+        model = gpt(96, 12288, 96) if P < 200 else gpt(105, 20480, 128)
+        if scheme == "ZeRO-3":
+            fixed = dict(tp=1, pp=1, cp=1, zero=3, mbs=b, recompute="full")
+        else:
+            fixed = dict(tp=8, pp=mp // 8, cp=1, zero=0, mbs=1, recompute="full", sp=0)
+        res = search(model, make_cluster("A100-80GB", n), B, 2048, fixed=fixed, opts=opts)
+        row = dict(scheme=scheme, params_b=P, gpus=n, b=b, published_tflops=tflops,
+                   published_days=days, tflops=float("nan"), days=float("nan"))
+        if len(res["order"]):
+            r = record(res, int(res["order"][0]))
+            row.update(tflops=r["hw_tflops_per_gpu"], days=3e11 / r["tokens_per_s"] / 86400)
+        out.append(row)
+    return out
+
+
+def sho_weak_scaling(recompute: str = "full", overlap: bool = True) -> list[dict]:
+    """One dict per SHO table 1 row: ``params_b, mp, published_mp, published_mp_dp`` and the
+    predicted ``mp``, ``mp_dp`` efficiencies (per-GPU model FLOP/s over the 1-GPU 1.2B run's),
+    V100-32GB, 16 GPUs per node, s = 1024, unfused attention, no recompute, b = 8 (SHO sec 5:
+    batch 8 per model-parallel group... per GPU global 512 at 64-way DP)."""
+    opts = Options(flash_attention=False, max_zero_stage=0, overlap_grad_reduce=overlap,
+                   overlap_tp_comm=False, grad_bytes=2)
+    base = None
+    out = []
+    for h, a, nl, P, mp, pub_mp, pub_dp in SHO_TABLE1:
+        model = gpt(nl, h, a, s=1024)
+        got = {}
+        for key, d in (("mp", 1), ("mp_dp", 64)):
+            cl = make_cluster("V100-32GB", mp * d, 16, inter_bw=DGX2H_INTER_BW)
+            res = search(model, cl, 8 * d, 1024, opts=opts,
+                         fixed=dict(tp=mp, pp=1, cp=1, dp=d, mbs=8, zero=0, sp=0,
+                                    recompute=recompute))
+            got[key] = record(res, int(res["order"][0]))["tflops_per_gpu"]
+        if base is None:
+            base = got["mp"]
+        out.append(dict(params_b=P, mp=mp, published_mp=pub_mp, published_mp_dp=pub_dp,
+                        pred_mp=got["mp"] / base, pred_mp_dp=got["mp_dp"] / base))
+    return out
