@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="fused (flash/SDPA, loom's default) or unfused (as in the 2021-22 papers)")
     o.add_argument("--allow-tp-across-nodes", action="store_true",
                    help="let TP groups span nodes")
+    o.add_argument("--allow-uneven-interleaved", action="store_true",
+                   help="also search virtual stages with uneven first/last stages (Megatron-Core, "
+                        "Llama 3; loom train refuses it)")
     o.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     o.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
     o.add_argument("--plot", default=None, metavar="FILE.png",
@@ -204,7 +207,8 @@ def run(args) -> int:
     s = model.seq_length
     flash = (args.attention == "fused") if args.attention else True
     opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
-                   max_zero_stage=args.max_zero_stage)
+                   max_zero_stage=args.max_zero_stage,
+                   uneven_interleaved=args.allow_uneven_interleaved)
     fixed = _fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])

@@ -31,6 +31,8 @@ class Options:
     (Megatron-Core ``--overlap-grad-reduce``).
     ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
     bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
+    ``uneven_interleaved``: also search virtual stages with uneven first/last stages (what
+    Megatron-Core and Llama 3 run; ``loom train`` refuses it, so off by default).
     ``overlap_tp_comm``: backward TP all-reduces overlapped with the weight-gradient GEMMs
     (Megatron's asynchronous TP communication; off for Megatron-LM 2019, SHO).
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
@@ -46,6 +48,7 @@ class Options:
     grad_bytes: int = 4
     overlap_grad_reduce: bool = True
     overlap_tp_comm: bool = True
+    uneven_interleaved: bool = False
     ddp_bucket_elems: float = 40e6
     reserve_bytes: float = 2e9
     reserve_fraction: float = 0.05

@@ -96,7 +96,8 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                     m = B // (b * d)
                     for lf, ll in splits:
                         vs = [1] + ([v for v in _divisors(nl // p) if v > 1]
-                                    if p > 1 and m % p == 0 and not lf else [])
+                                    if p > 1 and m % p == 0
+                                    and (not lf or opts.uneven_interleaved) else [])
                         for v in vs:
                             base.append((t, p, d, c, v, b, lf, ll))
     rows = []

@@ -20,10 +20,11 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
 * PP: schedule ``(m + (p-1)/v) x`` the slowest stage's micro-batch time; the bubble is the
   ``(p-1)/v`` part (NAR sec 2.2). Point-to-point: ``2 v`` sends of ``2 S h / t`` bytes
   (scatter/gather, NAR sec 4.1) per micro-batch, plus ``2 (p-1)`` for fill and drain.
-* DP: gradient all-reduce (or reduce-scatter + all-gather, same volume) of the first stage's
-  gradients over the ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
-  there, ring across nodes on ``1/k`` of the bytes; minus the backward of the last micro-batch
-  when overlapped. ZeRO-3 gathers weights (forward and backward) and reduce-scatters gradients
+* DP: gradient all-reduce (ZeRO-1/2: reduce-scatter of the gradients + all-gather of the bf16
+  weights, the latter behind the next forward) of the largest stage's gradients over the
+  ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
+  there, ring across nodes on ``1/k`` of the bytes; overlapped under the bucket schedule
+  (:func:`exposed_grad_sync`). ZeRO-3 gathers weights (forward and backward) and reduce-scatters gradients
   every micro-batch as a flat ring (each GPU's bytes cross its own NIC, ``(n-1)/n M`` at
   ``ZERO3_LINK_EFFICIENCY x inter_bw``: DeepSpeed's per-partition collectives do not get the
   node-aggregated bandwidth of a hierarchical ring), of which ``ZERO3_OVERLAP x`` the
@@ -53,6 +54,7 @@ from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_
 GEMM_EFFICIENCY = 0.736
 GEMM_HALF_DIM = 46.0
 MEM_TRAFFIC = 2.58
+A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
 # Fitted to NAR table 2's six ZeRO-3 runs (see calibrate_zero3 in benchmarks/planner_fit.py).
 ZERO3_OVERLAP = 0.76
 ZERO3_LINK_EFFICIENCY = 1.0
@@ -109,11 +111,22 @@ def exposed_grad_sync(sync_s, backward_s, params, opts: Options):
 
 def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
     """Achievable fraction of peak FLOP/s of a GEMM whose per-GPU width is ``width`` and whose
-    token dimension is ``tokens``: ``e / (1 + h0/width + h0/tokens)`` with ``e``
-    (``GEMM_EFFICIENCY``) the large-GEMM efficiency and ``h0`` (``GEMM_HALF_DIM``) the size at
-    which tile quantization and launch overheads halve it. Fitted, see module docstring."""
+    token dimension is ``tokens``: ``e / (1 + h0/width + h0/tokens)``.
+
+    Roofline origin: a ``[T, w] x [w, n]`` GEMM moves ``2 (T w + w n + T n)`` bytes for
+    ``2 T w n`` FLOPs, so memory adds ``(peak / hbm_bw) (1/T + 1/w + 1/n)`` to the time per FLOP
+    at peak; ``h0`` is therefore proportional to the GPU's ridge point ``peak / hbm_bw``:
+    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 46; H100 SXM:
+    295 FLOP/byte, h0 = 89). ``e``: the GPU generation's large-GEMM efficiency
+    (``cluster.gemm_efficiency``, else ``GEMM_EFFICIENCY``). Both fitted, see the module
+    docstring; a cluster file's ``gemm_half_dim`` overrides h0."""
     e = (cluster.gemm_efficiency if cluster and cluster.gemm_efficiency else GEMM_EFFICIENCY)
-    h0 = (cluster.gemm_half_dim if cluster and cluster.gemm_half_dim else GEMM_HALF_DIM)
+    if cluster and cluster.gemm_half_dim:
+        h0 = cluster.gemm_half_dim
+    elif cluster:
+        h0 = GEMM_HALF_DIM * (cluster.peak_flops / cluster.hbm_bw) / A100_RIDGE
+    else:
+        h0 = GEMM_HALF_DIM
     return e / (1 + h0 / np.asarray(width, dtype=np.float64) + h0 / np.asarray(tokens, dtype=np.float64))
 
 
@@ -246,9 +259,18 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     rs_g = reduce_scatter_time(n_dp, params * opts.grad_bytes, z_bw, z_alpha)
     t_fwd_mb = n_layers * (comp_f + lt["elem"])
     z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
-    dp_exposed = np.where(z >= 3, z3, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts))
+    # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward, then
+    # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
+    # --overlap-grad-reduce / --overlap-param-gather), each under the bucket schedule
+    rs_h = 0.5 * grad_sync
+    ag_h = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * 2, cluster)
+    z12 = exposed_grad_sync(rs_h, t_bwd_mb, params, opts) + \
+        exposed_grad_sync(ag_h, t_fwd_mb, params, opts)
+    dp_exposed = np.where(z >= 3, z3, np.where(
+        z >= 1, z12, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts)))
     terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0)
-    terms["dp_comm_total"] = np.where(n_dp > 1, np.where(z >= 3, m * (2 * ag_w + rs_g), grad_sync), 0.0)
+    terms["dp_comm_total"] = np.where(n_dp > 1, np.where(
+        z >= 3, m * (2 * ag_w + rs_g), np.where(z >= 1, rs_h + ag_h, grad_sync)), 0.0)
     shard = np.where(z >= 1, n_dp, 1.0)
     terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
     terms["iteration"] = (terms["compute"] + terms["recompute"] + terms["elementwise"]

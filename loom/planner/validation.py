@@ -5,6 +5,12 @@
   recompute, hardware TFLOP/s (NAR eq 3); PTD-P at the published t = 8, p = 12 / 35, b = 1, no
   SP, no distributed optimizer, virtual stages the planner's best; ZeRO-3 at t = p = c = 1,
   d = n, the published b. Days = ``300e9 / tokens_per_s / 86400``.
+* :func:`mcore_h100` -- Megatron-Core r0.8.0 weak scaling on H100 (NVIDIA/Megatron-LM
+  README.md, "Weak Scaling Results", images/model_table.png): GPT models 1.7B-462B, s = 4096,
+  V = 131,072 (untied), bf16, published t, p, d; per-GPU model TFLOP/s and MFU (989 TFLOP/s
+  peak). The README lists the optimizations used: --overlap-grad-reduce,
+  --overlap-param-gather (distributed optimizer: ZeRO-1 here), --tp-comm-overlap (sequence
+  parallel). The planner picks b, v and recompute for the published t, p, d.
 * :func:`sho_weak_scaling` -- SHO table 1 / figure 1: GPT-2 shapes 1.2B-8.3B on V100-32GB
   (DGX-2H, 16 GPUs per node, s = 1024, V = 51200), model parallel alone and x 64-way data
   parallel; efficiency = per-GPU FLOP/s against the 1-GPU 1.2B run. The published numbers are
@@ -13,6 +19,7 @@
 
 from __future__ import annotations
 
+from loom.config import ModelConfig
 from loom.planner.hardware import make_cluster
 from loom.planner.layout import Options
 from loom.planner.presets import NAR_TABLE2, gpt
@@ -27,6 +34,40 @@ SHO_TABLE1 = [
     (2304, 24, 64, 4.2, 4, 0.82, 0.79),
     (3072, 32, 72, 8.3, 8, 0.77, 0.74),
 ]
+
+
+# Megatron-Core r0.8.0 H100 weak scaling: params(B), heads, h, L, t, p, GPUs, B, TFLOP/s/GPU, MFU.
+MCORE_H100 = [
+    (1.7, 16, 2048, 24, 1, 1, 48, 192, 408.8, 0.41),
+    (7.1, 32, 4096, 30, 2, 1, 96, 192, 465.9, 0.47),
+    (16, 48, 6144, 32, 4, 1, 192, 192, 489.1, 0.49),
+    (32, 56, 7168, 48, 8, 1, 384, 192, 459.6, 0.46),
+    (70, 64, 8192, 84, 8, 2, 768, 384, 419.7, 0.42),
+    (119, 80, 10240, 92, 8, 4, 1536, 768, 420.5, 0.43),
+    (177, 96, 12288, 96, 8, 6, 2304, 1152, 432.8, 0.44),
+    (314, 128, 16384, 96, 8, 8, 3072, 1536, 474.4, 0.48),
+    (462, 144, 18432, 112, 8, 16, 6144, 3072, 459.9, 0.47),
+]
+
+
+def mcore_h100(gemm_efficiency: float | None = None) -> list[dict]:
+    """One dict per :data:`MCORE_H100` row: ``params_b, gpus, published_tflops, tflops`` (model
+    TFLOP/s per GPU, KOR eq 7 = Megatron's count) and the chosen ``layout`` record.
+    ``gemm_efficiency`` overrides the Hopper constant (used by the fit)."""
+    out = []
+    for P, a, h, nl, t, p, n, B, tflops, _mfu in MCORE_H100:
+        model = ModelConfig.gpt2(num_layers=nl, hidden_size=h, num_attention_heads=a,
+                                 seq_length=4096, max_position_embeddings=4096,
+                                 vocab_size=131072, untie_embeddings_and_output_weights=True,
+                                 hidden_dropout=0.0, attention_dropout=0.0)
+        cl = make_cluster("H100-80GB", n, gemm_efficiency=gemm_efficiency)
+        res = search(model, cl, B, 4096, opts=Options(flash_attention=True),
+                     fixed=dict(tp=t, pp=p, cp=1, zero=1 if n // (t * p) > 1 else 0,
+                                sp=1 if t > 1 else 0))
+        r = record(res, int(res["order"][0])) if len(res["order"]) else None
+        out.append(dict(params_b=P, gpus=n, published_tflops=tflops,
+                        tflops=r["tflops_per_gpu"] if r else float("nan"), layout=r))
+    return out
 
 
 def nar_table2(zero3_overlap: float | None = None,
