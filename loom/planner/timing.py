@@ -5,7 +5,8 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
 * GEMMs: forward FLOPs of :mod:`loom.planner.flops` (QKV, projection, MLP: ``2 x params x
   tokens``) divided by ``t``, at the achievable rate ``peak x`` :func:`gemm_efficiency`
   of the GEMM's per-GPU width ``h/t`` and its token count ``S``. Attention scores
-  (``4 s a d`` FLOPs per token, also divided by t) at the efficiency of width ``d`` (head dim).
+  (``4 s a d`` FLOPs per token, also divided by t) at the efficiency of width ``d`` (head dim)
+  and token count ``s / c`` (one K/V block of the CP ring).
 * Element-wise work (norms, activation functions, dropout, softmax, residuals): memory-bound;
   HBM traffic = ``mem_traffic x`` the activation bytes of the layer (KOR table 2, so sequence
   parallelism shortens it exactly where KOR table 4 measures it), at ``hbm_bw``.
@@ -148,7 +149,7 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     attn_flops = 4 * s * a * d * S / t
     peak = cluster.peak_flops
     gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
-    attn = attn_flops / (peak * gemm_efficiency(d, s, cluster))
+    attn = attn_flops / (peak * gemm_efficiency(d, s / c, cluster))  # per ring block with CP
     act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention)
     k = _mem_traffic(cluster)
     elem = k * act["none"] / cluster.hbm_bw
