@@ -3,6 +3,7 @@ overlapped DP gradient reduction and the flat-ring ZeRO-3 model."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from loom.planner.hardware import make_cluster
@@ -60,3 +61,18 @@ def test_gemm_half_dim_follows_the_ridge_point():
     assert float(gemm_efficiency(1024, 4096, h100)) == pytest.approx(
         h100.gemm_efficiency / (1 + h0 / 1024 + h0 / 4096))
     assert h100.gemm_efficiency == 0.64 and h100.tdp_w == 700 and a100.tdp_w == 400
+
+
+def test_straggler_allowance_by_hand():
+    from loom.planner.timing import straggler_factor
+    assert float(straggler_factor(1, 0.02)) == 0.0
+    assert float(straggler_factor(1024, 0.02)) == pytest.approx(0.02 * (2 * np.log(1024)) ** 0.5)
+    m = gpt(24, 2304, 24)
+    cl = make_cluster("A100-80GB", 64)  # 8 nodes
+    L = make_layouts(dict(tp=8, pp=1, dp=8, mbs=1))
+    base = time_terms(m, L, 64, 2048, cl, Options())
+    slow = time_terms(m, L, 64, 2048, cl, Options(straggler_jitter=0.05))
+    assert float(base["straggler"][0]) == 0.0
+    busy = float(base["iteration"][0])
+    assert float(slow["straggler"][0]) == pytest.approx(busy * 0.05 * (2 * np.log(8)) ** 0.5)
+    assert float(slow["iteration"][0]) == pytest.approx(busy + float(slow["straggler"][0]))

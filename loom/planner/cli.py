@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--allow-uneven-interleaved", action="store_true",
                    help="also search virtual stages with uneven first/last stages (Megatron-Core, "
                         "Llama 3; loom train refuses it)")
+    o.add_argument("--straggler-jitter", type=float, default=0.0, metavar="SIGMA",
+                   help="relative std. dev. of one node's step time: adds SIGMA x sqrt(2 ln "
+                        "nodes) of waiting for the slowest node (default 0)")
     o.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     o.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
     o.add_argument("--plot", default=None, metavar="FILE.png",
@@ -208,7 +211,8 @@ def run(args) -> int:
     flash = (args.attention == "fused") if args.attention else True
     opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
                    max_zero_stage=args.max_zero_stage,
-                   uneven_interleaved=args.allow_uneven_interleaved)
+                   uneven_interleaved=args.allow_uneven_interleaved,
+                   straggler_jitter=args.straggler_jitter)
     fixed = _fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])

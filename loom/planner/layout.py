@@ -33,6 +33,8 @@ class Options:
     bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
     ``uneven_interleaved``: also search virtual stages with uneven first/last stages (what
     Megatron-Core and Llama 3 run; ``loom train`` refuses it, so off by default).
+    ``straggler_jitter``: relative std. dev. of a node's step time; adds the expected wait for
+    the slowest node (:func:`loom.planner.timing.straggler_factor`); 0 = none.
     ``overlap_tp_comm``: backward TP all-reduces overlapped with the weight-gradient GEMMs
     (Megatron's asynchronous TP communication; off for Megatron-LM 2019, SHO).
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
@@ -49,6 +51,7 @@ class Options:
     overlap_grad_reduce: bool = True
     overlap_tp_comm: bool = True
     uneven_interleaved: bool = False
+    straggler_jitter: float = 0.0
     ddp_bucket_elems: float = 40e6
     reserve_bytes: float = 2e9
     reserve_fraction: float = 0.05

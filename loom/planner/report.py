@@ -53,7 +53,7 @@ def format_table(records: list[dict], header: str = "") -> str:
 
 _TIME_SHORT = [("compute", "comp"), ("recompute", "recomp"), ("elementwise", "elem"),
                ("tp_comm", "TP"), ("cp_comm", "CP"), ("pp_bubble", "bubble"), ("pp_comm", "PP"),
-               ("dp_comm", "DP"), ("optimizer", "optim")]
+               ("dp_comm", "DP"), ("optimizer", "optim"), ("straggler", "strag")]
 
 
 def format_breakdown(records: list[dict]) -> str:

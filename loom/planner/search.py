@@ -29,7 +29,7 @@ from loom.planner.timing import throughput, time_terms
 
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "embedding_output", "reserve")
 TIME_TERMS = ("compute", "recompute", "elementwise", "tp_comm", "cp_comm", "pp_bubble", "pp_comm",
-              "dp_comm", "optimizer")
+              "dp_comm", "optimizer", "straggler")
 
 
 def _divisors(n: int) -> list[int]:
