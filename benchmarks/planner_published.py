@@ -56,7 +56,8 @@ def tables() -> None:
               f"{_pct(r['tflops'] / r['published_tflops'] - 1)} | {lay['micro_batch_size']} | "
               f"{lay['vp']} | {lay['recompute']} |")
     print(f"\nmedian |error| {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%\n")
-    print("| SHO weak scaling | MP | MP pub | pred | MP x 64 DP pub | pred |\n|---|---|---|---|---|---|")
+    print("| SHO weak scaling | MP | MP pub | pred | MP x 64 DP pub | pred |")
+    print("|---|---|---|---|---|---|")
     for r in sho_weak_scaling():
         print(f"| {r['params_b']}B | {r['mp']} | {100 * r['published_mp']:.0f}% | "
               f"{100 * r['pred_mp']:.1f}% | {100 * r['published_mp_dp']:.0f}% | "

@@ -90,7 +90,8 @@ def test_mcore_h100_strong_scaling_endpoints():
                          attention_dropout=0.0)
     mfu = {}
     for n, pub in ((96, 0.47), (4608, 0.42)):
-        res = search(m, make_cluster("H100-80GB", n), 1152, 4096, opts=Options(flash_attention=True),
+        res = search(m, make_cluster("H100-80GB", n), 1152, 4096,
+                     opts=Options(flash_attention=True),
                      fixed=dict(tp=8, pp=6, cp=1, zero=1, sp=1))
         mfu[n] = record(res, int(res["order"][0]))["mfu"]
         assert abs(mfu[n] - pub) <= 0.03, (n, mfu[n], pub)

@@ -150,7 +150,7 @@ def test_no_layout_divides_is_a_different_message():
     assert res["fits"].any()
 
 
-# -- CLI (issue 16) ---------------------------------------------------------------------------------
+# -- CLI (issue 16) -----------------------------------------------------------------------------
 
 def _plan(argv, capsys):
     from loom.cli import main

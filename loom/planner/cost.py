@@ -16,10 +16,11 @@ Defaults (all overridable on the command line; assumptions, not measurements):
 ``NODE_POWER_OVERHEAD`` 1.8 = node power / GPU power (DGX H100 data sheet: 10.2 kW max for
 8 x 700 W GPUs = 1.82; DGX A100: 6.5 kW for 8 x 400 W = 2.03), ``PUE`` 1.2 (data-centre power
 usage effectiveness; hyperscale sites report 1.1-1.2), ``CHECKPOINT_BANDWIDTH_PER_GPU`` 1 GB/s of
-aggregate storage write bandwidth per GPU up to ``CHECKPOINT_BANDWIDTH_MAX`` 2 TB/s (the sustained
-throughput of Llama 3's Tectonic storage, arXiv 2407.21783 sec 3.3.1), ``RESTART_S`` 600 s (reload and warm-up after a
-failure). Llama 3 (arXiv 2407.21783 sec 3.3.4) saw 419 unexpected interruptions in 54 days on
-16,384 GPUs (2,048 nodes): ``54 x 24 x 2048 / 419 = 6,335`` hours MTBF per node.
+aggregate storage write bandwidth per GPU up to ``CHECKPOINT_BANDWIDTH_MAX`` 2 TB/s
+(the sustained throughput of Llama 3's Tectonic storage, arXiv 2407.21783 sec 3.3.1),
+``RESTART_S`` 600 s (reload and warm-up after a failure). Llama 3 (arXiv 2407.21783
+sec 3.3.4) saw 419 unexpected interruptions in 54 days on 16,384 GPUs (2,048 nodes):
+``54 x 24 x 2048 / 419 = 6,335`` hours MTBF per node.
 """
 
 from __future__ import annotations
@@ -58,11 +59,12 @@ def training_estimate(tokens_per_s: float, num_gpus: int, train_tokens: float, p
     """Time, GPU-hours, energy and cost of training ``train_tokens`` tokens at ``tokens_per_s``
     on ``num_gpus`` GPUs of ``tdp_w`` watts (see the module docstring for the formulas).
 
-    ``params``: parameter count (checkpoint size). ``checkpoint_bw``: aggregate write bandwidth,
-    bytes/s (default ``min(CHECKPOINT_BANDWIDTH_PER_GPU x n, CHECKPOINT_BANDWIDTH_MAX)``). Returns seconds (``train_s``,
-    ``wall_s``), ``days``, ``wall_days``, ``gpu_hours``, ``energy_kwh``, ``cost`` (None without a
-    price) and, with an MTBF, ``failures`` (:func:`loom.planner.reliability.failure_overhead`
-    plus ``checkpoint_write_s``). Raises ConfigError for non-positive inputs."""
+    ``params``: parameter count (checkpoint size). ``checkpoint_bw``: aggregate write
+    bandwidth, bytes/s (default ``min(CHECKPOINT_BANDWIDTH_PER_GPU x n,
+    CHECKPOINT_BANDWIDTH_MAX)``). Returns seconds (``train_s``, ``wall_s``), ``days``,
+    ``wall_days``, ``gpu_hours``, ``energy_kwh``, ``cost`` (None without a price) and, with an
+    MTBF, ``failures`` (:func:`loom.planner.reliability.failure_overhead` plus
+    ``checkpoint_write_s``). Raises ConfigError for non-positive inputs."""
     if tokens_per_s <= 0 or num_gpus < 1 or train_tokens <= 0:
         raise ConfigError("time to train needs a positive throughput, GPU count and token count")
     train_s = train_tokens / tokens_per_s

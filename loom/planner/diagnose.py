@@ -41,7 +41,8 @@ def explain_no_layout(model: ModelConfig, cluster: Cluster, global_batch_size: i
                       seq_length: int, fixed: dict, opts: Options) -> str:
     """The "no layout divides" message (see module docstring)."""
     n, B = cluster.num_gpus, global_batch_size
-    head = f"no layout divides: {n} GPUs, B={B}, L={model.num_layers}, a={model.num_attention_heads}"
+    head = (f"no layout divides: {n} GPUs, B={B}, L={model.num_layers}, "
+            f"a={model.num_attention_heads}")
     for k, v in fixed.items():
         rest = {kk: vv for kk, vv in fixed.items() if kk != k}
         if len(enumerate_layouts(model, cluster, B, seq_length, rest, opts)["tp"]):

@@ -4,7 +4,8 @@ A *layout* is a dict of equal-length numpy arrays, one entry per candidate, with
 ``tp, pp, dp, cp, vp, mbs, recompute, sp, zero, lf, ll`` (float64; ``recompute`` coded by
 :data:`RECOMPUTE`: 0 none, 1 selective, 2 full; ``sp`` 0/1; ``zero`` the ZeRO stage 0-3, where
 stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer layers of the first
-/ last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`). Every model function takes such a dict and returns
+/ last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`). Every model
+function takes such a dict and returns
 arrays, so the search evaluates tens of thousands of layouts in one numpy pass and
 :func:`loom.planner.predict.predict_layout` evaluates one layout with the same code.
 """

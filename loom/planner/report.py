@@ -38,7 +38,8 @@ def format_table(records: list[dict], header: str = "") -> str:
         mem = "".join(f"{r['memory_terms_gb'][k]:6.1f}" for k, _ in _MEM_SHORT)
         lines.append(
             f"{i:<2} {r['tp']:>2} {r['pp']:>2} {r['dp']:>4} {r['cp']:>2} {r['vp']:>2} "
-            f"{r['micro_batch_size']:>3} {r['recompute']:<9} {'y' if r['sequence_parallel'] else 'n'}"
+            f"{r['micro_batch_size']:>3} {r['recompute']:<9} "
+            f"{'y' if r['sequence_parallel'] else 'n'}"
             f"  {r['zero']} |{mem} {r['memory_gb']:6.1f} | {r['iteration_time_s']:8.3f} "
             f"{r['tokens_per_s']:8.0f} {r['tflops_per_gpu']:8.1f} {r['hw_tflops_per_gpu']:5.0f} "
             f"{100 * r['mfu']:4.1f}%"
@@ -64,12 +65,14 @@ def format_breakdown(records: list[dict]) -> str:
     if not records:
         return ""
     train = all("training" in r for r in records)
-    head = ("#  layout                          split    " + "".join(f"{s:>7}" for _, s in _TIME_SHORT)
+    head = ("#  layout                          split    "
+            + "".join(f"{s:>7}" for _, s in _TIME_SHORT)
             + "   iter s  vs best" + ("     days    GPU-h     cost" if train else ""))
     lines = ["breakdown of one iteration (s), chosen layout first:", head, "-" * len(head)]
     best = records[0]["iteration_time_s"]
     for i, r in enumerate(records, 1):
-        lay = (f"tp{r['tp']} pp{r['pp']} dp{r['dp']} cp{r['cp']} vp{r['vp']} b{r['micro_batch_size']} "
+        lay = (f"tp{r['tp']} pp{r['pp']} dp{r['dp']} cp{r['cp']} vp{r['vp']} "
+               f"b{r['micro_batch_size']} "
                f"{r['recompute'][:4]}{' sp' if r['sequence_parallel'] else ''} z{r['zero']}")
         split = r.get("pipeline_split", "")
         row = (f"{i:<2} {lay:<31} {split:<8} "

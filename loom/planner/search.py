@@ -3,7 +3,8 @@ vectorized numpy pass, keep those that fit, rank by predicted iteration time.
 
 Search space: TP ``t`` (divides heads, query groups, FFN; within a node unless allowed), PP ``p``
 (``p <= L``; when ``p`` does not divide L, the uneven first/last-stage splits of
-:mod:`loom.planner.stages`, without interleaving), CP ``c`` (``s`` divisible by ``2c``), DP ``d = n / (t p c)`` (divides B), virtual
+:mod:`loom.planner.stages`, without interleaving unless ``Options.uneven_interleaved``), CP
+``c`` (``s`` divisible by ``2c``), DP ``d = n / (t p c)`` (divides B), virtual
 stages ``v`` (divides L/p; interleaving needs ``m`` divisible by ``p``, as Megatron requires),
 micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1),
 ZeRO stage 0-3 (with d c > 1; stage 1 = Megatron distributed optimizer; stages 2-3 only

@@ -25,8 +25,8 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   weights, the latter behind the next forward) of the largest stage's gradients over the
   ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
   there, ring across nodes on ``1/k`` of the bytes; overlapped under the bucket schedule
-  (:func:`exposed_grad_sync`). ZeRO-3 gathers weights (forward and backward) and reduce-scatters gradients
-  every micro-batch as a flat ring (each GPU's bytes cross its own NIC, ``(n-1)/n M`` at
+  (:func:`exposed_grad_sync`). ZeRO-3 gathers weights (forward and backward) and
+  reduce-scatters gradients every micro-batch as a flat ring (each GPU's bytes cross its own NIC, ``(n-1)/n M`` at
   ``ZERO3_LINK_EFFICIENCY x inter_bw``: DeepSpeed's per-partition collectives do not get the
   node-aggregated bandwidth of a hierarchical ring), of which ``ZERO3_OVERLAP x`` the
   micro-batch's compute time is hidden. NAR table 2 shows why: ZeRO-3's cluster throughput stops
