@@ -190,3 +190,17 @@ def test_cli_uneven_405b_and_breakdown(capsys, tmp_path):
     assert code == 0, out.err
     assert "split 7+14x8+7" in out.out and "breakdown of one iteration" in out.out
     assert png.stat().st_size > 1000
+
+
+def test_predict_layout_reads_uneven_stages():
+    from loom.planner.predict import predict_layout
+    cfg = LoomConfig.from_flat(dict(
+        num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
+        group_query_attention=True, ffn_hidden_size=53248, swiglu=True, vocab_size=128256,
+        seq_length=8192, tensor_model_parallel_size=8, pipeline_model_parallel_size=16,
+        decoder_first_pipeline_num_layers=6, micro_batch_size=1, global_batch_size=2048,
+        sequence_parallel=True, recompute_granularity="full"))
+    pred = predict_layout(cfg, 8192, "H100-80GB")
+    assert pred["layout"]["lf"] == 6 and pred["layout"]["ll"] == 8  # 120 left = 15 x 8
+    assert pred["time_s"]["iteration"] == pytest.approx(
+        sum(v for k, v in pred["time_s"].items() if k != "iteration"))
