@@ -96,9 +96,13 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                         break
                     m = B // (b * d)
                     for lf, ll in splits:
-                        vs = [1] + ([v for v in _divisors(nl // p) if v > 1]
-                                    if p > 1 and m % p == 0
-                                    and (not lf or opts.uneven_interleaved) else [])
+                        vs = [1]
+                        if p > 1 and m % p == 0 and not lf:
+                            vs += [v for v in _divisors(nl // p) if v > 1]
+                        elif p > 1 and m % p == 0 and opts.uneven_interleaved:
+                            # equal chunk counts per stage, chunk sizes may differ by stage
+                            lm = (nl - lf - ll) // max(p - 2, 1) if p > 2 else max(lf, ll)
+                            vs += [v for v in _divisors(lm) if 1 < v <= min(lf, ll)]
                         for v in vs:
                             base.append((t, p, d, c, v, b, lf, ll))
     rows = []
