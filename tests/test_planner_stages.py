@@ -204,3 +204,20 @@ def test_predict_layout_reads_uneven_stages():
     assert pred["layout"]["lf"] == 6 and pred["layout"]["ll"] == 8  # 120 left = 15 x 8
     assert pred["time_s"]["iteration"] == pytest.approx(
         sum(v for k, v in pred["time_s"].items() if k != "iteration"))
+
+
+def test_405b_at_128k_plans_with_context_parallelism():
+    """Llama 3 405B, s = 131,072 on 16,384 H100 (B = 128, 16M tokens): without CP only layouts
+    with few micro-batches fit (m <= 4, mostly bubble); the best layout uses c >= 16 and is more
+    than 3x faster than the best c = 1 layout."""
+    import dataclasses
+    m = dataclasses.replace(get_preset("llama3-405b"), seq_length=131072,
+                            max_position_embeddings=131072)
+    res = search(m, make_cluster("H100-80GB", 16384), 128, 131072,
+                 opts=Options(flash_attention=True))
+    assert len(res["order"]) > 0
+    best = record(res, int(res["order"][0]))
+    no_cp = [i for i in res["order"] if res["cp"][i] == 1]
+    assert res["time_iteration"][no_cp[0]] > 3 * best["iteration_time_s"]
+    assert best["memory_gb"] <= 80 and best["cp"] >= 16
+    assert best["pp"] == 1 or 126 % best["pp"] == 0 or best["first_stage_layers"] > 0
