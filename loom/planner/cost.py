@@ -90,7 +90,10 @@ def training_estimate(tokens_per_s: float, num_gpus: int, train_tokens: float, p
 
 def format_estimate(est: dict, currency: str = "$") -> str:
     """One or two lines of text for :func:`training_estimate`'s result."""
-    line = (f"time to train {est['train_tokens']:.3g} tokens: {est['days']:.1f} days failure-free"
+    tok = est["train_tokens"]
+    tok_s = next((f"{tok / v:g}{k}" for k, v in (("T", 1e12), ("B", 1e9), ("M", 1e6))
+                  if tok >= v), f"{tok:g}")
+    line = (f"time to train {tok_s} tokens: {est['days']:.1f} days failure-free"
             f", {est['gpu_hours']:.4g} GPU-hours, {est['energy_kwh'] / 1e3:.4g} MWh")
     if est["cost"] is not None:
         line += f", cost {currency}{est['cost']:,.0f}"
