@@ -94,3 +94,11 @@ def test_cli_train_tokens_json(capsys):
         assert tr["days"] == pytest.approx(3e11 / r["tokens_per_s"] / 86400)
         assert tr["cost"] == pytest.approx(2 * tr["gpu_hours"])
         assert tr["wall_days"] > tr["days"] and tr["failures"]["interval_s"] > 0
+
+
+def test_format_estimate_text():
+    from loom.planner.cost import format_estimate
+    est = training_estimate(1e6, 1024, 3e11, 1e9, tdp_w=700, node_overhead=1.5, pue=1.1,
+                            gpu_hour_price=2.0)
+    text = format_estimate(est)
+    assert "300B tokens: 3.5 days" in text and "$170,667" in text and "98.56 MWh" in text
