@@ -20,7 +20,7 @@ import statistics
 import numpy as np
 
 from loom.planner.calibrate import validation_points
-from loom.planner.validation import mcore_h100, nar_table2, sho_weak_scaling
+from loom.planner.validation import bloom_176b, mcore_h100, nar_table2, sho_weak_scaling
 
 
 def _pct(x: float) -> str:
@@ -62,6 +62,12 @@ def tables() -> None:
         print(f"| {r['params_b']}B | {r['mp']} | {100 * r['published_mp']:.0f}% | "
               f"{100 * r['pred_mp']:.1f}% | {100 * r['published_mp_dp']:.0f}% | "
               f"{100 * r['pred_mp_dp']:.1f}% |")
+
+
+    b = bloom_176b()
+    print(f"\nBLOOM 176B: published about {b['published_tflops']:g} hw TFLOP/s, predicted "
+          f"{b['hw_tflops']:.1f} ({_pct(b['hw_tflops'] / b['published_tflops'] - 1)}), split "
+          f"{b['layout']['pipeline_split']}")
 
 
 def fit() -> None:

@@ -11,6 +11,12 @@
   peak). The README lists the optimizations used: --overlap-grad-reduce,
   --overlap-param-gather (distributed optimizer: ZeRO-1 here), --tp-comm-overlap (sequence
   parallel). The planner picks b, v and recompute for the published t, p, d.
+* :func:`bloom_176b` -- BLOOM 176B (BigScience, arXiv 2211.05100 sec 3.4; BigScience's model
+  page: "training throughput: about 150 TFLOPs"): 70 layers, h = 14,336, 112 heads, s = 2048,
+  V = 250,680, B = 2048, on 384 A100-80GB of Jean Zay (48 nodes, 4 x 100 Gb/s Omni-Path per
+  node = 6.25 GB/s per GPU, achievable 92% as for the DGX A100 entry), t = 4, p = 12, d = 8,
+  ZeRO-1, full recompute (Megatron-DeepSpeed counts recompute in its TFLOPs), unfused attention.
+  70 layers on 12 stages only plan with an uneven split.
 * :func:`sho_weak_scaling` -- SHO table 1 / figure 1: GPT-2 shapes 1.2B-8.3B on V100-32GB
   (DGX-2H, 16 GPUs per node, s = 1024, V = 51200), model parallel alone and x 64-way data
   parallel; efficiency = per-GPU FLOP/s against the 1-GPU 1.2B run. The published numbers are
@@ -91,6 +97,18 @@ def nar_table2(zero3_overlap: float | None = None,
             row.update(tflops=r["hw_tflops_per_gpu"], days=3e11 / r["tokens_per_s"] / 86400)
         out.append(row)
     return out
+
+
+def bloom_176b() -> dict:
+    """The BLOOM 176B run (module docstring): ``published_tflops`` (about 150), predicted
+    ``hw_tflops`` and the chosen ``layout`` record (its ``pipeline_split``)."""
+    model = gpt(70, 14336, 112, V=250680)
+    cl = make_cluster("A100-80GB", 384, inter_bw=0.92 * 6.25e9)
+    res = search(model, cl, 2048, 2048, opts=Options(flash_attention=False),
+                 fixed=dict(tp=4, pp=12, cp=1, mbs=2, recompute="full", zero=1, sp=0))
+    r = record(res, int(res["order"][0])) if len(res["order"]) else None
+    return dict(published_tflops=150.0, hw_tflops=r["hw_tflops_per_gpu"] if r else float("nan"),
+                layout=r)
 
 
 def sho_weak_scaling(recompute: str = "full", overlap: bool = True) -> list[dict]:
