@@ -22,12 +22,15 @@ from dataclasses import fields, replace
 
 from loom.config import GROUPS, ConfigError, ModelConfig, add_config_arguments, config_from_args
 from loom.planner.hardware import DEVICES, GB, Cluster, make_cluster
+from loom.planner.cost import (NODE_POWER_OVERHEAD, PUE, RESTART_S, format_estimate,
+                               parse_count, training_estimate)
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
 from loom.planner.presets import FLASH_DEFAULT, PRESETS, get_preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.allow_abbrev = False  # --num-gpu must not silently mean --num-gpus
     parser.add_argument("model", nargs="?", default=None,
                         help=f"model preset: {', '.join(PRESETS)} (or give the model flags)")
     c = parser.add_argument_group("cluster")
@@ -51,16 +54,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="fused (flash/SDPA, loom's default) or unfused (as in the 2021-22 papers)")
     o.add_argument("--allow-tp-across-nodes", action="store_true",
                    help="let TP groups span nodes")
+    o.add_argument("--allow-uneven-interleaved", action="store_true",
+                   help="also search virtual stages with uneven first/last stages (Megatron-Core, "
+                        "Llama 3; loom train refuses it)")
+    o.add_argument("--straggler-jitter", type=float, default=0.0, metavar="SIGMA",
+                   help="relative std. dev. of one node's step time: adds SIGMA x sqrt(2 ln "
+                        "nodes) of waiting for the slowest node (default 0)")
     o.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     o.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
     o.add_argument("--plot", default=None, metavar="FILE.png",
                    help="MFU against memory per GPU for every feasible layout")
+    o.add_argument("--plot-breakdown", default=None, metavar="FILE.png",
+                   help="stacked bars: iteration time by term for the chosen layout and runner-ups")
     o.add_argument("--calibrate", action="store_true",
                    help="measure this machine (GEMM FLOP/s, gloo all-reduce alpha/beta) and "
                         "write a cluster file")
     o.add_argument("--calibrate-output", default="cluster.json",
                    help="where --calibrate writes (default cluster.json)")
+    e = parser.add_argument_group("time to train, energy, cost, failures")
+    e.add_argument("--train-tokens", default=None, metavar="N",
+                   help="tokens to train on (300B, 15T, 2.5e9): days, GPU-hours, energy, cost")
+    e.add_argument("--gpu-hour-price", type=float, default=None, help="price per GPU-hour")
+    e.add_argument("--gpu-tdp-watts", type=float, default=None,
+                   help="GPU board power, W (default per GPU type)")
+    e.add_argument("--node-power-overhead", type=float, default=NODE_POWER_OVERHEAD,
+                   help=f"node power / GPU power (default {NODE_POWER_OVERHEAD})")
+    e.add_argument("--pue", type=float, default=PUE, help=f"data-centre PUE (default {PUE})")
+    e.add_argument("--mtbf-hours-per-node", type=float, default=None,
+                   help="mean time between failures of one node, hours (Llama 3: ~6300): "
+                        "Young/Daly checkpoint interval and expected time lost")
+    e.add_argument("--checkpoint-write-bandwidth", type=float, default=None,
+                   help="aggregate checkpoint write bandwidth, GB/s (default 1 per GPU)")
+    e.add_argument("--restart-minutes", type=float, default=RESTART_S / 60,
+                   help=f"time to restart after a failure (default {RESTART_S / 60:.0f})")
     add_config_arguments(parser)
+    have = parser._option_string_actions  # the pipeline-split flags, unless config adds them
+    for name in ("--account-for-embedding-in-pipeline-split",
+                 "--account-for-loss-in-pipeline-split"):
+        if name not in have:
+            o.add_argument(name, action="store_true",
+                           help="count the embedding / loss as one layer in the pipeline split "
+                                "(Megatron semantics: first / last stage one layer fewer)")
 
 
 _MODEL_FIELDS = {f.name for f in fields(ModelConfig)}
@@ -83,10 +117,29 @@ def _model_from_args(args) -> tuple[ModelConfig, str]:
         name = "custom"
     if not model.vocab_size:
         raise ConfigError("--vocab-size is required for the planner (or use a preset)")
+    h, a, g = model.hidden_size, model.num_attention_heads, model.num_kv_groups
+    if a < 1 or h < 1 or model.num_layers < 1:
+        raise ConfigError("--num-layers, --hidden-size and --num-attention-heads must be >= 1")
+    if not model.kv_channels and h % a:
+        raise ConfigError(f"--num-attention-heads {a} does not divide --hidden-size {h}: choose a "
+                          f"head count that divides it (e.g. {_near_divisor(h, a)}) or give "
+                          f"--kv-channels")
+    if a % g:
+        raise ConfigError(f"--num-query-groups {g} does not divide --num-attention-heads {a}: "
+                          f"choose a divisor of {a}")
     return model, name
 
 
+def _near_divisor(n: int, k: int) -> int:
+    """The divisor of ``n`` closest to ``k``."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - k), d))
+
+
 def _cluster_from_args(args) -> Cluster:
+    for flag, v in (("--num-gpus", args.num_gpus), ("--gpus-per-node", args.gpus_per_node)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v}: must be >= 1; give the GPUs of the job, "
+                              f"e.g. {flag} 8")
     bw = lambda x: None if x is None else x * 1e9  # noqa: E731  GB/s -> bytes/s
     if args.cluster:
         cl = Cluster.load(args.cluster)
@@ -109,6 +162,15 @@ def _fixed_from_args(args, model: ModelConfig) -> dict:
              "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage}
     if args.use_distributed_optimizer:
         fixed["zero"] = 1
+    fixed["first_layers"] = getattr(args, "decoder_first_pipeline_num_layers", None)
+    fixed["last_layers"] = getattr(args, "decoder_last_pipeline_num_layers", None)
+    fixed["account_embedding"] = bool(getattr(args, "account_for_embedding_in_pipeline_split",
+                                              False)) or None
+    fixed["account_loss"] = bool(getattr(args, "account_for_loss_in_pipeline_split", False)) or None
+    if (fixed["account_embedding"] or fixed["account_loss"]) and \
+            (fixed["first_layers"] is not None or fixed["last_layers"] is not None):
+        raise ConfigError("--account-for-*-in-pipeline-split and --decoder-first/last-pipeline-"
+                          "num-layers both set the first/last stage: give one of them")
     if args.num_layers_per_virtual_pipeline_stage:
         if not args.pipeline_model_parallel_size:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
@@ -131,19 +193,26 @@ def run(args) -> int:
               f"{cl.intra_bw / 1e9:.3g} GB/s")
         if not args.model and not args.num_layers:
             return 0
-    from loom.planner.report import format_table, plot, to_json, top_records
+    from loom.planner.diagnose import explain_no_layout, explain_nothing_fits
+    from loom.planner.report import (format_breakdown, format_table, plot, plot_breakdown,
+                                     to_json, top_records)
     from loom.planner.search import search
 
     t0 = time.perf_counter()
     model, name = _model_from_args(args)
     cluster = _cluster_from_args(args)
     B = args.global_batch_size
+    if B is not None and B < 1:
+        raise ConfigError(f"--global-batch-size {B}: must be >= 1 (sequences per iteration)")
     if B is None:
         B = -(-1024 // cluster.num_gpus) * cluster.num_gpus
+    train_tokens = parse_count(args.train_tokens) if args.train_tokens else None
     s = model.seq_length
     flash = (args.attention == "fused") if args.attention else True
     opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
-                   max_zero_stage=args.max_zero_stage)
+                   max_zero_stage=args.max_zero_stage,
+                   uneven_interleaved=args.allow_uneven_interleaved,
+                   straggler_jitter=args.straggler_jitter)
     fixed = _fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])
@@ -155,21 +224,49 @@ def run(args) -> int:
               f"{cluster.peak_flops / 1e12:.3g} TFLOP/s), B={B}, "
               f"{'fused' if flash else 'unfused'} attention; "
               f"{n_fit} of {n_eval} layouts fit ({elapsed:.2f} s)")
+    recs = top_records(res, None if (args.json and args.top <= 0) else max(args.top, 1))
+    if train_tokens:
+        for r in recs:
+            r["training"] = _estimate(args, r, cluster, train_tokens, total_params(model))
+    why = None
+    if not n_eval:
+        why = explain_no_layout(model, cluster, B, s, fixed, opts)
+    elif not n_fit:
+        why = explain_nothing_fits(model, cluster, B, s, fixed, opts, res)
     if args.json:
-        recs = top_records(res, None if args.top <= 0 else max(args.top, 1))
-        print(to_json(recs, {"model": name, "gpu": cluster.gpu, "num_gpus": cluster.num_gpus,
-                             "global_batch_size": B, "seq_length": s,
-                             "evaluated": n_eval, "feasible": n_fit}))
+        doc = {"model": name, "gpu": cluster.gpu, "num_gpus": cluster.num_gpus,
+               "global_batch_size": B, "seq_length": s, "evaluated": n_eval, "feasible": n_fit}
+        if why:
+            doc["error"] = why
+        print(to_json(recs, doc))
     else:
-        print(format_table(top_records(res, args.top), header))
-        if not n_fit:
-            print("no layout fits in memory: add GPUs, allow recompute/ZeRO, or shorten "
-                  "--seq-length / --global-batch-size", file=sys.stderr)
+        print(format_table(recs, header) if recs else header)
+        if recs:
+            print(format_breakdown(recs[:min(len(recs), 5)]))
+            if "training" in recs[0]:
+                print("chosen layout: " + format_estimate(recs[0]["training"]))
+    if why:
+        print(f"loom plan: {why}", file=sys.stderr)
     if args.plot:
         plot(res, args.plot, title=f"{name} on {cluster.num_gpus} x {cluster.gpu}, B={B}")
         if not args.json:
             print(f"wrote {args.plot}")
+    if args.plot_breakdown and recs:
+        plot_breakdown(recs[:min(len(recs), 8)], args.plot_breakdown,
+                       title=f"{name} on {cluster.num_gpus} x {cluster.gpu}, B={B}, s={s}")
+        if not args.json:
+            print(f"wrote {args.plot_breakdown}")
     return 0 if n_fit else 1
+
+
+def _estimate(args, rec: dict, cluster: Cluster, train_tokens: float, params: float) -> dict:
+    bw = args.checkpoint_write_bandwidth
+    return training_estimate(
+        rec["tokens_per_s"], cluster.num_gpus, train_tokens, params,
+        tdp_w=args.gpu_tdp_watts or cluster.tdp_w, gpus_per_node=cluster.gpus_per_node,
+        node_overhead=args.node_power_overhead, pue=args.pue,
+        gpu_hour_price=args.gpu_hour_price, mtbf_hours_per_node=args.mtbf_hours_per_node,
+        checkpoint_bw=None if bw is None else bw * 1e9, restart_s=args.restart_minutes * 60)
 
 
 _ = GROUPS  # (flag groups come from loom.config.add_config_arguments)

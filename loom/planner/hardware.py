@@ -35,7 +35,9 @@ class GPU:
     """One accelerator model. ``peak_flops``: dense bf16 FLOP/s; ``hbm_bytes``: memory in bytes
     (nominal GB x 1e9, a conservative capacity: the gap to GiB covers the CUDA context);
     ``hbm_bw``: memory bandwidth, bytes/s; ``intra_bw``/``inter_bw``: bytes/s per GPU;
-    ``gpus_per_node``: of the reference system (DGX/HGX)."""
+    ``gpus_per_node``: of the reference system (DGX/HGX); ``tdp_w``: board power, watts (data
+    sheets: A100 SXM 400, H100/H200 SXM 700, B200 1000, GH200 module 1000, V100 SXM2 300,
+    MI300X 750)."""
 
     name: str
     peak_flops: float
@@ -46,22 +48,32 @@ class GPU:
     gpus_per_node: int = 8
     intra_alpha: float = 5e-6
     inter_alpha: float = 10e-6
+    tdp_w: float = 700.0
+    gemm_efficiency: float = 0.0  # 0 = timing.GEMM_EFFICIENCY (fitted on A100)
 
 
 T = 1e12
+# Large-GEMM efficiency of Hopper (H100/H200/GH200), fitted on the Megatron-Core r0.8.0 H100
+# weak-scaling table (loom.planner.validation.MCORE_H100; one constant, all nine rows).
+HOPPER_GEMM_EFFICIENCY = 0.64
 DEVICES: dict[str, GPU] = {g.name: g for g in [
-    GPU("A100-80GB", 312 * T, 80 * GB, 2.039e12, 240e9, 23e9),
-    GPU("A100-40GB", 312 * T, 40 * GB, 1.555e12, 240e9, 23e9),
-    GPU("H100-80GB", 989 * T, 80 * GB, 3.35e12, 360e9, 45e9),
-    GPU("H100-PCIe", 756 * T, 80 * GB, 2.0e12, 22e9, 23e9, intra_alpha=10e-6),
-    GPU("H100-NVL", 835 * T, 94 * GB, 3.9e12, 360e9, 45e9),
-    GPU("H200", 989 * T, 141 * GB, 4.8e12, 360e9, 45e9),
-    GPU("GH200", 989 * T, 96 * GB, 4.0e12, 360e9, 45e9),
-    GPU("B200", 2250 * T, 180 * GB, 8.0e12, 720e9, 45e9),
-    GPU("V100-32GB", 125 * T, 32 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6),
-    GPU("V100-16GB", 125 * T, 16 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6),
-    GPU("L40S", 362 * T, 48 * GB, 0.864e12, 22e9, 23e9, intra_alpha=10e-6),
-    GPU("MI300X", 1307 * T, 192 * GB, 5.3e12, 300e9, 45e9),
+    GPU("A100-80GB", 312 * T, 80 * GB, 2.039e12, 240e9, 23e9, tdp_w=400),
+    GPU("A100-40GB", 312 * T, 40 * GB, 1.555e12, 240e9, 23e9, tdp_w=400),
+    GPU("H100-80GB", 989 * T, 80 * GB, 3.35e12, 360e9, 45e9, tdp_w=700,
+        gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
+    GPU("H100-PCIe", 756 * T, 80 * GB, 2.0e12, 22e9, 23e9, intra_alpha=10e-6, tdp_w=350,
+        gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
+    GPU("H100-NVL", 835 * T, 94 * GB, 3.9e12, 360e9, 45e9, tdp_w=400,
+        gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
+    GPU("H200", 989 * T, 141 * GB, 4.8e12, 360e9, 45e9, tdp_w=700,
+        gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
+    GPU("GH200", 989 * T, 96 * GB, 4.0e12, 360e9, 45e9, tdp_w=1000,
+        gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
+    GPU("B200", 2250 * T, 180 * GB, 8.0e12, 720e9, 45e9, tdp_w=1000),
+    GPU("V100-32GB", 125 * T, 32 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6, tdp_w=300),
+    GPU("V100-16GB", 125 * T, 16 * GB, 0.9e12, 120e9, 11.5e9, inter_alpha=15e-6, tdp_w=300),
+    GPU("L40S", 362 * T, 48 * GB, 0.864e12, 22e9, 23e9, intra_alpha=10e-6, tdp_w=350),
+    GPU("MI300X", 1307 * T, 192 * GB, 5.3e12, 300e9, 45e9, tdp_w=750),
 ]}
 
 # torch.cuda.get_device_name() patterns -> table entry (first match wins; order matters).
@@ -129,6 +141,7 @@ class Cluster:
     gemm_efficiency: float = 0.0  # 0 = the fitted default of timing.py
     gemm_half_dim: float = 0.0  # 0 = the fitted default of timing.py
     mem_traffic: float = 0.0  # 0 = the fitted default of timing.py
+    tdp_w: float = 400.0  # watts per GPU (energy estimate)
     notes: dict = field(default_factory=dict)
 
     @property
@@ -174,5 +187,5 @@ def make_cluster(gpu: str = "A100-80GB", num_gpus: Optional[int] = None,
     c = Cluster(gpu=g.name, num_gpus=num_gpus or gpn, gpus_per_node=gpn,
                 peak_flops=g.peak_flops, hbm_bytes=g.hbm_bytes, hbm_bw=g.hbm_bw,
                 intra_bw=g.intra_bw, inter_bw=g.inter_bw, intra_alpha=g.intra_alpha,
-                inter_alpha=g.inter_alpha)
+                inter_alpha=g.inter_alpha, tdp_w=g.tdp_w, gemm_efficiency=g.gemm_efficiency)
     return replace(c, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,9 +1,11 @@
 """Layouts (vectorized) and the planner options shared by the memory and time models.
 
 A *layout* is a dict of equal-length numpy arrays, one entry per candidate, with keys
-``tp, pp, dp, cp, vp, mbs, recompute, sp, zero`` (float64; ``recompute`` coded by
+``tp, pp, dp, cp, vp, mbs, recompute, sp, zero, lf, ll`` (float64; ``recompute`` coded by
 :data:`RECOMPUTE`: 0 none, 1 selective, 2 full; ``sp`` 0/1; ``zero`` the ZeRO stage 0-3, where
-stage 1 is Megatron's distributed optimizer). Every model function takes such a dict and returns
+stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer layers of the first
+/ last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`). Every model
+function takes such a dict and returns
 arrays, so the search evaluates tens of thousands of layouts in one numpy pass and
 :func:`loom.planner.predict.predict_layout` evaluates one layout with the same code.
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 RECOMPUTE = ("none", "selective", "full")
-KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero")
+KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll")
 
 
 @dataclass
@@ -28,20 +30,36 @@ class Options:
     parameter; 2: the ZeRO paper's fp16 gradients -> 16 bytes per parameter).
     ``overlap_grad_reduce``: DP gradient reduction overlapped with the last micro-batch's backward
     (Megatron-Core ``--overlap-grad-reduce``).
+    ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
+    bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
+    ``uneven_interleaved``: also search virtual stages with uneven first/last stages (what
+    Megatron-Core and Llama 3 run; ``loom train`` refuses it, so off by default).
+    ``straggler_jitter``: relative std. dev. of a node's step time; adds the expected wait for
+    the slowest node (:func:`loom.planner.timing.straggler_factor`); 0 = none.
+    ``overlap_tp_comm``: backward TP all-reduces overlapped with the weight-gradient GEMMs
+    (Megatron's asynchronous TP communication; off for Megatron-LM 2019, SHO).
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
     workspaces, allocator fragmentation (bytes).
     ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).
     ``max_zero_stage``: highest ZeRO stage searched (``loom train`` runs 0 and 1, the
     distributed optimizer; 2 and 3 are what-if analyses).
+    ``zero3_overlap`` / ``zero3_link_efficiency``: override the fitted ZeRO-3 constants of
+    :mod:`loom.planner.timing` (used by the fit itself).
     """
 
     flash_attention: bool = False
     grad_bytes: int = 4
     overlap_grad_reduce: bool = True
+    overlap_tp_comm: bool = True
+    uneven_interleaved: bool = False
+    straggler_jitter: float = 0.0
+    ddp_bucket_elems: float = 40e6
     reserve_bytes: float = 2e9
     reserve_fraction: float = 0.05
     allow_tp_across_nodes: bool = False
     max_zero_stage: int = 3
+    zero3_overlap: float | None = None  # None = timing.ZERO3_OVERLAP (fitted)
+    zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (fitted)
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:
@@ -64,3 +82,21 @@ def make_layouts(rows: list[dict] | dict) -> dict:
 def num_microbatches(L: dict, global_batch_size: int) -> np.ndarray:
     """m = B / (b d) micro-batches per iteration (per pipeline)."""
     return global_batch_size / (L["mbs"] * L["dp"])
+
+
+def stage_layers(num_layers: int, L: dict) -> tuple:
+    """Transformer layers ``(first, middle, last)`` per pipeline stage (arrays).
+
+    ``lf = ll = 0``: the even split ``L / p`` everywhere. Otherwise the first stage holds ``lf``,
+    the last ``ll`` and each of the ``p - 2`` middle stages ``(L - lf - ll) / (p - 2)``
+    (Megatron-LM's ``--decoder-first/last-pipeline-num-layers``; Llama 3 405B: 7 + 14 x 8 + 7).
+    With ``p = 1`` all three are ``L``; with ``p = 2`` there is no middle stage (returned as the
+    larger of the two so that it never decides a maximum)."""
+    p = L["pp"]
+    even = num_layers / p
+    uneven = (L["lf"] > 0) & (p > 1)
+    lf = np.where(uneven, L["lf"], even)
+    ll = np.where(uneven, L["ll"], even)
+    lm = np.where(uneven & (p > 2), (num_layers - lf - ll) / np.maximum(p - 2, 1),
+                  np.where(uneven, np.maximum(lf, ll), even))
+    return lf, lm, ll

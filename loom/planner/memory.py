@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import ModelConfig
-from loom.planner.layout import Options, num_microbatches
+from loom.planner.layout import Options, num_microbatches, stage_layers
 
 
 def padded_vocab(model: ModelConfig, tp):
@@ -70,12 +70,13 @@ def total_params(model: ModelConfig, seq_length: int | None = None) -> float:
 
 
 def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
-    """Parameters per GPU (count) of the first and the last pipeline stage."""
+    """Parameters per GPU (count) of the first, a middle (``p > 2``, else 0) and the last
+    pipeline stage, with the layers of :func:`loom.planner.layout.stage_layers`."""
     t, p = L["tp"], L["pp"]
     sh, rep = layer_params(model)
     h = model.hidden_size
     per_layer = sh / t + rep
-    n_layers = model.num_layers / p
+    lf, lm, ll = stage_layers(model.num_layers, L)
     Vp = padded_vocab(model, t)
     emb = Vp * h / t
     if model.position_embedding_type == "learned_absolute":
@@ -84,9 +85,10 @@ def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
     untied = model.untie_embeddings_and_output_weights
     out = Vp * h / t * (1.0 if untied else (p > 1))  # tied: a copy on the last stage when p > 1
     single = p == 1
-    first = n_layers * per_layer + emb + np.where(single, final_norm + out, 0.0)
-    last = np.where(single, first, n_layers * per_layer + final_norm + out)
-    return {"first": first, "last": last}
+    first = lf * per_layer + emb + np.where(single, final_norm + out, 0.0)
+    last = np.where(single, first, ll * per_layer + final_norm + out)
+    middle = np.where(p > 2, lm * per_layer, 0.0)
+    return {"first": first, "middle": middle, "last": last}
 
 
 def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2) -> tuple:
@@ -151,10 +153,12 @@ def inflight_microbatches(L: dict, m) -> np.ndarray:
 
 def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
                  opts: Options | None = None) -> dict:
-    """Memory per GPU, bytes, term by term, of the stage that needs the most (first or last).
+    """Memory per GPU, bytes, term by term, of the stage that needs the most: the first, the
+    second (the middle stage holding the most micro-batches, ``min(p-1, m)`` with 1F1B; only
+    with ``p > 2``) or the last.
 
     Returns arrays ``weights, gradients, optimizer, activations, embedding_output, reserve,
-    total`` and ``params_per_gpu`` (count), ``stage`` (0 first, 1 last).
+    total`` and ``params_per_gpu`` (count), ``stage`` (0 first, 1 last, 2 middle).
     """
     opts = opts or Options()
     s = seq_length
@@ -167,8 +171,9 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
     rc = L["recompute"]
     per_layer = np.where(rc == 2, act["full"], np.where(rc == 1, act["selective"], act["none"]))
     working = np.where(rc == 2, act["none"], np.where(rc == 1, act["scores"], 0.0))
-    n_layers = model.num_layers / p
+    lf, lm, ll = stage_layers(model.num_layers, L)
     inflight = inflight_microbatches(L, m)
+    inflight_mid = np.where(L["vp"] > 1, inflight, np.minimum(p - 1, m))
     S = s * b / c
     drop = 1.0 if model.hidden_dropout > 0 else 0.0
     sp_div = np.where(sp > 0, t, 1.0)
@@ -176,9 +181,10 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
     emb_act_first = drop * S * h / sp_div * inflight
     out_act = 2 * S * h / sp_div * 2 + 4 * S * Vp / t
     out = {}
-    for name, stage_inflight, params, emb_act in (
-            ("first", inflight, P["first"], emb_act_first + np.where(p == 1, out_act, 0.0)),
-            ("last", 1.0, P["last"], np.where(p == 1, emb_act_first + out_act, out_act))):
+    for name, n_layers, stage_inflight, params, emb_act in (
+            ("first", lf, inflight, P["first"], emb_act_first + np.where(p == 1, out_act, 0.0)),
+            ("last", ll, 1.0, P["last"], np.where(p == 1, emb_act_first + out_act, out_act)),
+            ("middle", lm, inflight_mid, P["middle"], 0.0)):
         terms = {
             "weights": params * wb,
             "gradients": params * gb,
@@ -191,8 +197,13 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
         terms["total"] = base + terms["reserve"]
         terms["params_per_gpu"] = params
         out[name] = terms
-    first_worse = out["first"]["total"] >= out["last"]["total"]
-    res = {k: np.where(first_worse, out["first"][k], out["last"][k]) for k in out["first"]}
-    res["stage"] = np.where(first_worse, 0, 1)
+    has_mid = p > 2
+    mid_total = np.where(has_mid, out["middle"]["total"], -np.inf)
+    first_worse = (out["first"]["total"] >= out["last"]["total"]) & \
+        (out["first"]["total"] >= mid_total)
+    mid_worse = ~first_worse & (mid_total > out["last"]["total"])
+    res = {k: np.where(first_worse, out["first"][k],
+                       np.where(mid_worse, out["middle"][k], out["last"][k])) for k in out["first"]}
+    res["stage"] = np.where(first_worse, 0, np.where(mid_worse, 2, 1))
     res["params_first_stage"] = P["first"]
     return res

@@ -14,6 +14,7 @@ from loom.config import LoomConfig
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
 from loom.planner.layout import RECOMPUTE, Options, make_layouts
 from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate
+from loom.planner.stages import given_split
 
 
 def _zero_stage(cfg: LoomConfig) -> int:
@@ -40,13 +41,20 @@ def _detect_cluster(world_size: int) -> Cluster:
 
 
 def layout_of(cfg: LoomConfig, world_size: int) -> dict:
-    """The layout dict (:data:`loom.planner.layout.KEYS`) of a config at ``world_size``."""
+    """The layout dict (:data:`loom.planner.layout.KEYS`) of a config at ``world_size``
+    (uneven first/last stages from ``--decoder-first/last-pipeline-num-layers``)."""
     p = cfg.parallel
     pp = p.pipeline_model_parallel_size
     vp = 1
     if p.num_layers_per_virtual_pipeline_stage:
         vp = max(1, cfg.model.num_layers // (pp * p.num_layers_per_virtual_pipeline_stage))
+    lf = ll = 0
+    first = getattr(p, "decoder_first_pipeline_num_layers", None)
+    last = getattr(p, "decoder_last_pipeline_num_layers", None)
+    if pp > 1 and (first is not None or last is not None):
+        lf, ll = given_split(cfg.model.num_layers, pp, first, last) or (0, 0)
     return dict(tp=p.tensor_model_parallel_size, pp=pp, cp=p.context_parallel_size,
+                lf=lf, ll=ll,
                 dp=cfg.data_parallel_size(world_size), vp=vp,
                 mbs=cfg.training.micro_batch_size,
                 recompute=cfg.training.recompute_granularity or "none",
@@ -62,7 +70,7 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
     default: fused attention (loom uses ``scaled_dot_product_attention``).
     Returns ``layout``, ``memory_bytes`` (weights, gradients, optimizer, activations,
     embedding_output, reserve, total), ``time_s`` (compute, recompute, elementwise, tp_comm,
-    cp_comm, pp_bubble, pp_comm, dp_comm, optimizer, iteration), ``tokens_per_s``,
+    cp_comm, pp_bubble, pp_comm, dp_comm, optimizer, straggler, iteration), ``tokens_per_s``,
     ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute), ``mfu``, ``fits``,
     ``hbm_bytes``, ``cluster`` (GPU name), ``world_size``.
     """

@@ -69,3 +69,20 @@ def get_preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
                           f"or give the model flags (--num-layers, --hidden-size, ...)")
     return PRESETS[key]()
+
+# NAR table 2 (references.md): scheme, params(B), MP (t x p), B, GPUs, b, TFLOP/s/GPU, days for
+# 300B tokens. PTD-P MP = 8 x 12 (174.6B, GPT-3 shape) and 8 x 35 (529.6B).
+NAR_TABLE2 = [
+    ("ZeRO-3", 174.6, 1, 1536, 384, 4, 144, 90),
+    ("ZeRO-3", 174.6, 1, 1536, 768, 2, 88, 74),
+    ("ZeRO-3", 174.6, 1, 1536, 1536, 1, 44, 74),
+    ("ZeRO-3", 529.6, 1, 2560, 640, 4, 138, 169),
+    ("ZeRO-3", 529.6, 1, 2240, 1120, 2, 98, 137),
+    ("ZeRO-3", 529.6, 1, 2240, 2240, 1, 48, 140),
+    ("PTD-P", 174.6, 96, 1536, 384, 1, 153, 84),
+    ("PTD-P", 174.6, 96, 1536, 768, 1, 149, 43),
+    ("PTD-P", 174.6, 96, 1536, 1536, 1, 141, 23),
+    ("PTD-P", 529.6, 280, 2240, 560, 1, 171, 156),
+    ("PTD-P", 529.6, 280, 2240, 1120, 1, 167, 80),
+    ("PTD-P", 529.6, 280, 2240, 2240, 1, 159, 42),
+]

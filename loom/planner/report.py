@@ -38,16 +38,77 @@ def format_table(records: list[dict], header: str = "") -> str:
         mem = "".join(f"{r['memory_terms_gb'][k]:6.1f}" for k, _ in _MEM_SHORT)
         lines.append(
             f"{i:<2} {r['tp']:>2} {r['pp']:>2} {r['dp']:>4} {r['cp']:>2} {r['vp']:>2} "
-            f"{r['micro_batch_size']:>3} {r['recompute']:<9} {'y' if r['sequence_parallel'] else 'n'}"
+            f"{r['micro_batch_size']:>3} {r['recompute']:<9} "
+            f"{'y' if r['sequence_parallel'] else 'n'}"
             f"  {r['zero']} |{mem} {r['memory_gb']:6.1f} | {r['iteration_time_s']:8.3f} "
             f"{r['tokens_per_s']:8.0f} {r['tflops_per_gpu']:8.1f} {r['hw_tflops_per_gpu']:5.0f} "
-            f"{100 * r['mfu']:4.1f}%")
+            f"{100 * r['mfu']:4.1f}%"
+            + (f"  split {r['pipeline_split']}" if r.get("first_stage_layers") else ""))
     if records:
         best = records[0]
         tt = best["time_terms_s"]
         lines.append("best layout, time per iteration (s): " + ", ".join(
             f"{k} {v:.3g}" for k, v in tt.items() if v > 0))
     return "\n".join(lines)
+
+
+_TIME_SHORT = [("compute", "comp"), ("recompute", "recomp"), ("elementwise", "elem"),
+               ("tp_comm", "TP"), ("cp_comm", "CP"), ("pp_bubble", "bubble"), ("pp_comm", "PP"),
+               ("dp_comm", "DP"), ("optimizer", "optim"), ("straggler", "strag")]
+
+
+def format_breakdown(records: list[dict]) -> str:
+    """The chosen layout and its runner-ups, one iteration broken down (seconds): compute,
+    recompute, element-wise (memory-bound) work, exposed TP / CP / PP / DP communication,
+    pipeline bubble, optimizer step; ``vs best``: extra time per iteration; with
+    ``records[i]["training"]`` also days and cost of the whole run."""
+    if not records:
+        return ""
+    train = all("training" in r for r in records)
+    head = ("#  layout                          split    "
+            + "".join(f"{s:>7}" for _, s in _TIME_SHORT)
+            + "   iter s  vs best" + ("     days    GPU-h     cost" if train else ""))
+    lines = ["breakdown of one iteration (s), chosen layout first:", head, "-" * len(head)]
+    best = records[0]["iteration_time_s"]
+    for i, r in enumerate(records, 1):
+        lay = (f"tp{r['tp']} pp{r['pp']} dp{r['dp']} cp{r['cp']} vp{r['vp']} "
+               f"b{r['micro_batch_size']} "
+               f"{r['recompute'][:4]}{' sp' if r['sequence_parallel'] else ''} z{r['zero']}")
+        split = r.get("pipeline_split", "")
+        row = (f"{i:<2} {lay:<31} {split:<8} "
+               + "".join(f"{r['time_terms_s'][k]:7.3f}" for k, _ in _TIME_SHORT)
+               + f" {r['iteration_time_s']:8.3f} {100 * (r['iteration_time_s'] / best - 1):+7.1f}%")
+        if train:
+            tr = r["training"]
+            cost = "-" if tr["cost"] is None else f"{tr['cost'] / 1e6:.2f}M"
+            row += f" {tr['wall_days']:8.1f} {tr['gpu_hours']:8.3g} {cost:>8}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot_breakdown(records: list[dict], path: str, title: str = "") -> None:
+    """Stacked bars, one per layout (chosen first): the time terms of one iteration (s)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(records) + 3), 5))
+    x = np.arange(len(records))
+    bottom = np.zeros(len(records))
+    for k, short in _TIME_SHORT:
+        vals = np.array([r["time_terms_s"][k] for r in records])
+        if vals.any():
+            ax.bar(x, vals, bottom=bottom, label=short, width=0.7)
+            bottom += vals
+    ax.set_xticks(x, [f"#{i + 1}\ntp{r['tp']} pp{r['pp']}\ndp{r['dp']} cp{r['cp']}"
+                      for i, r in enumerate(records)], fontsize=7)
+    ax.set_ylabel("seconds per iteration")
+    ax.set_title(title or "iteration time breakdown")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(res: dict, path: str, title: str = "") -> None:

@@ -2,12 +2,17 @@
 vectorized numpy pass, keep those that fit, rank by predicted iteration time.
 
 Search space: TP ``t`` (divides heads, query groups, FFN; within a node unless allowed), PP ``p``
-(divides L), CP ``c`` (``s`` divisible by ``2c``), DP ``d = n / (t p c)`` (divides B), virtual
+(``p <= L``; when ``p`` does not divide L, the uneven first/last-stage splits of
+:mod:`loom.planner.stages`, without interleaving unless ``Options.uneven_interleaved``), CP
+``c`` (``s`` divisible by ``2c``), DP ``d = n / (t p c)`` (divides B), virtual
 stages ``v`` (divides L/p; interleaving needs ``m`` divisible by ``p``, as Megatron requires),
 micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1),
 ZeRO stage 0-3 (with d c > 1; stage 1 = Megatron distributed optimizer; stages 2-3 only
 without PP). The rules are those of
-:meth:`loom.config.LoomConfig.validate`. Any dimension given in ``fixed`` is held at that value.
+:meth:`loom.config.LoomConfig.validate`. Any dimension given in ``fixed`` is held at that value;
+``fixed`` may also carry the split constraints ``first_layers`` / ``last_layers``
+(``--decoder-first/last-pipeline-num-layers``) and ``account_embedding`` / ``account_loss``
+(``--account-for-embedding/loss-in-pipeline-split``).
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from loom.config import ModelConfig
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, Options, num_microbatches
 from loom.planner.memory import memory_terms
+from loom.planner.stages import accounted_split, describe_split, given_split, uneven_splits
 from loom.planner.timing import throughput, time_terms
 
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "embedding_output", "reserve")
 TIME_TERMS = ("compute", "recompute", "elementwise", "tp_comm", "cp_comm", "pp_bubble", "pp_comm",
-              "dp_comm", "optimizer")
+              "dp_comm", "optimizer", "straggler")
 
 
 def _divisors(n: int) -> list[int]:
@@ -44,6 +50,7 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     out.update({f"time_{k}": v for k, v in tim.items()})
     out.update(thr)
     out["m"] = num_microbatches(L, global_batch_size)
+    out["num_layers"] = model.num_layers
     out["fits"] = mem["total"] <= cluster.hbm_bytes
     return out
 
@@ -55,6 +62,8 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
     (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero``) to a required value."""
     opts = opts or Options()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    first, last = fixed.pop("first_layers", None), fixed.pop("last_layers", None)
+    acc_e, acc_l = fixed.pop("account_embedding", False), fixed.pop("account_loss", False)
     n, B, s = cluster.num_gpus, global_batch_size, seq_length
     a, g, f, nl = (model.num_attention_heads, model.num_kv_groups, model.ffn_size,
                    model.num_layers)
@@ -65,7 +74,16 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         if t > cluster.gpus_per_node and not opts.allow_tp_across_nodes:
             continue
         for p in _divisors(n // t):
-            if nl % p:
+            if "pp" in fixed and p != fixed["pp"]:
+                continue
+            if first is not None or last is not None:
+                splits = [given_split(nl, p, first, last)] if p <= nl else []
+            elif acc_e or acc_l:
+                splits = [accounted_split(nl, p, acc_e, acc_l)]
+            else:
+                splits = uneven_splits(nl, p)
+            splits = [sp for sp in splits if sp is not None]
+            if not splits:
                 continue
             for c in _divisors(n // (t * p)):
                 if c > 1 and s % (2 * c):
@@ -77,20 +95,26 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                     if b > max_micro_batch:
                         break
                     m = B // (b * d)
-                    vs = [1] + ([v for v in _divisors(nl // p) if v > 1] if p > 1 and m % p == 0
-                                else [])
-                    for v in vs:
-                        base.append((t, p, d, c, v, b))
+                    for lf, ll in splits:
+                        vs = [1]
+                        if p > 1 and m % p == 0 and not lf:
+                            vs += [v for v in _divisors(nl // p) if v > 1]
+                        elif p > 1 and m % p == 0 and opts.uneven_interleaved:
+                            # equal chunk counts per stage, chunk sizes may differ by stage
+                            lm = (nl - lf - ll) // max(p - 2, 1) if p > 2 else max(lf, ll)
+                            vs += [v for v in _divisors(lm) if 1 < v <= min(lf, ll)]
+                        for v in vs:
+                            base.append((t, p, d, c, v, b, lf, ll))
     rows = []
-    for (t, p, d, c, v, b) in base:
+    for (t, p, d, c, v, b, lf, ll) in base:
         sps = (0, 1) if t > 1 and s % t == 0 else (0,)
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
         zs = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d * c > 1 else (0,)
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
         for rc, sp, z in itertools.product((0, 1, 2), sps, zs):
-            rows.append((t, p, d, c, v, b, rc, sp, z))
-    arr = np.asarray(rows, dtype=np.float64).reshape(-1, 9)
+            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll))
+    arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
     keep = np.ones(len(arr), dtype=bool)
     for k, v in fixed.items():
@@ -122,11 +146,13 @@ def record(res: dict, i: int) -> dict:
     """One layout as a plain dict (the ``--json`` schema): sizes, options, ``memory_gb`` and
     ``memory_terms_gb`` (GB = 1e9 bytes), ``time_terms_s`` (seconds), ``iteration_time_s``,
     ``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute),
-    ``mfu``."""
+    ``mfu``, ``first_stage_layers`` / ``last_stage_layers`` (0 = even split) and
+    ``pipeline_split`` (e.g. ``"7+14x8+7"``)."""
     rc = RECOMPUTE[int(res["recompute"][i])]
     rec = {
         "tp": int(res["tp"][i]), "pp": int(res["pp"][i]), "dp": int(res["dp"][i]),
         "cp": int(res["cp"][i]), "vp": int(res["vp"][i]),
+        "first_stage_layers": int(res["lf"][i]), "last_stage_layers": int(res["ll"][i]),
         "micro_batch_size": int(res["mbs"][i]), "num_microbatches": int(round(res["m"][i])),
         "recompute": rc, "sequence_parallel": bool(res["sp"][i]), "zero": int(res["zero"][i]),
         "memory_gb": float(res["mem_total"][i] / GB),
@@ -140,4 +166,7 @@ def record(res: dict, i: int) -> dict:
         "fits": bool(res["fits"][i]),
     }
     rec["dominant"] = dominant_parallelism(rec)
+    if "num_layers" in res:
+        rec["pipeline_split"] = describe_split(int(res["num_layers"]), rec["pp"],
+                                               rec["first_stage_layers"], rec["last_stage_layers"])
     return rec

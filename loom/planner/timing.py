@@ -5,7 +5,8 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
 * GEMMs: forward FLOPs of :mod:`loom.planner.flops` (QKV, projection, MLP: ``2 x params x
   tokens``) divided by ``t``, at the achievable rate ``peak x`` :func:`gemm_efficiency`
   of the GEMM's per-GPU width ``h/t`` and its token count ``S``. Attention scores
-  (``4 s a d`` FLOPs per token, also divided by t) at the efficiency of width ``d`` (head dim).
+  (``4 s a d`` FLOPs per token, also divided by t) at the efficiency of width ``d`` (head dim)
+  and token count ``s / c`` (one K/V block of the CP ring).
 * Element-wise work (norms, activation functions, dropout, softmax, residuals): memory-bound;
   HBM traffic = ``mem_traffic x`` the activation bytes of the layer (KOR table 2, so sequence
   parallelism shortens it exactly where KOR table 4 measures it), at ``hbm_bw``.
@@ -20,11 +21,17 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
 * PP: schedule ``(m + (p-1)/v) x`` the slowest stage's micro-batch time; the bubble is the
   ``(p-1)/v`` part (NAR sec 2.2). Point-to-point: ``2 v`` sends of ``2 S h / t`` bytes
   (scatter/gather, NAR sec 4.1) per micro-batch, plus ``2 (p-1)`` for fill and drain.
-* DP: gradient all-reduce (or reduce-scatter + all-gather, same volume) of the first stage's
-  gradients over the ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
-  there, ring across nodes on ``1/k`` of the bytes; minus the backward of the last micro-batch
-  when overlapped. ZeRO-3 gathers weights (forward and backward) and reduce-scatters gradients
-  every micro-batch, overlapped with that micro-batch's compute.
+* DP: gradient all-reduce (ZeRO-1/2: reduce-scatter of the gradients + all-gather of the bf16
+  weights, the latter behind the next forward) of the largest stage's gradients over the
+  ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
+  there, ring across nodes on ``1/k`` of the bytes; overlapped under the bucket schedule
+  (:func:`exposed_grad_sync`). ZeRO-3 gathers weights (forward and backward) and
+  reduce-scatters gradients every micro-batch as a flat ring (each GPU's bytes cross its own NIC, ``(n-1)/n M`` at
+  ``ZERO3_LINK_EFFICIENCY x inter_bw``: DeepSpeed's per-partition collectives do not get the
+  node-aggregated bandwidth of a hierarchical ring), of which ``ZERO3_OVERLAP x`` the
+  micro-batch's compute time is hidden. NAR table 2 shows why: ZeRO-3's cluster throughput stops
+  growing from 768 to 1536 GPUs (175B) and from 1120 to 2240 (530B), i.e. a communication time
+  that does not shrink with d, ~65 s per 1.4 TB (fp16 weights twice, fp32 gradients once).
 * Optimizer step: memory-bound, ~30 bytes of HBM traffic per (sharded) parameter.
 
 All collectives use the alpha-beta ring formulas of references.md (:func:`all_reduce_time`).
@@ -41,13 +48,17 @@ import numpy as np
 from loom.config import ModelConfig
 from loom.planner import flops as F
 from loom.planner.hardware import Cluster
-from loom.planner.layout import Options, num_microbatches
+from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
 
 # Fitted to the A100 measurements of references.md (see calibrate.fit_compute_model).
 GEMM_EFFICIENCY = 0.736
 GEMM_HALF_DIM = 46.0
 MEM_TRAFFIC = 2.58
+A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
+# Fitted to NAR table 2's six ZeRO-3 runs (see calibrate_zero3 in benchmarks/planner_fit.py).
+ZERO3_OVERLAP = 0.75
+ZERO3_LINK_EFFICIENCY = 1.0
 
 
 # -- collectives: alpha-beta ring formulas (references.md) ---------------------------------------
@@ -83,15 +94,51 @@ def hierarchical_all_reduce_time(n, per_node, nbytes, cluster: Cluster):
     return intra + inter
 
 
+def straggler_factor(num_nodes, jitter: float):
+    """Expected extra fraction of a synchronous step waiting for the slowest of ``N`` nodes
+    whose step times vary independently with relative standard deviation ``jitter``: the
+    expected maximum of N normal variables, ``jitter x sqrt(2 ln N)`` (leading term of the
+    Gumbel limit of normal order statistics, Cramer 1946 sec 28.6). 0 for one node or no
+    jitter. ``jitter`` is an input (``--straggler-jitter``), not fitted: the published runs used
+    here (NAR, KOR, Megatron-Core H100, strong scaling to 4608 GPUs) are reproduced with 0."""
+    n = np.asarray(num_nodes, dtype=np.float64)
+    return jitter * np.sqrt(2.0 * np.log(np.maximum(n, 1.0)))
+
+
+def exposed_grad_sync(sync_s, backward_s, params, opts: Options):
+    """Exposed time (s) of the DP gradient reduction ``sync_s`` (s) behind the last micro-batch's
+    backward ``backward_s`` (s) under the bucket schedule: ``K = ceil(params / bucket)`` equal
+    buckets become ready uniformly during backward and are reduced one after another, so the
+    last one (``sync/K``) is always exposed and the rest only when reduction is slower than
+    backward: ``max(sync/K, sync - backward (1 - 1/K))`` (PyTorch DDP / Megatron-Core
+    ``--overlap-grad-reduce``, bucket ``opts.ddp_bucket_elems`` elements). Without overlap:
+    ``sync_s``."""
+    if not opts.overlap_grad_reduce:
+        return np.asarray(sync_s, dtype=np.float64)
+    K = np.maximum(1.0, np.ceil(params / opts.ddp_bucket_elems))
+    return np.maximum(sync_s / K, sync_s - backward_s * (1 - 1 / K))
+
+
 # -- compute --------------------------------------------------------------------------------------
 
 def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
     """Achievable fraction of peak FLOP/s of a GEMM whose per-GPU width is ``width`` and whose
-    token dimension is ``tokens``: ``e / (1 + h0/width + h0/tokens)`` with ``e``
-    (``GEMM_EFFICIENCY``) the large-GEMM efficiency and ``h0`` (``GEMM_HALF_DIM``) the size at
-    which tile quantization and launch overheads halve it. Fitted, see module docstring."""
+    token dimension is ``tokens``: ``e / (1 + h0/width + h0/tokens)``.
+
+    Roofline origin: a ``[T, w] x [w, n]`` GEMM moves ``2 (T w + w n + T n)`` bytes for
+    ``2 T w n`` FLOPs, so memory adds ``(peak / hbm_bw) (1/T + 1/w + 1/n)`` to the time per FLOP
+    at peak; ``h0`` is therefore proportional to the GPU's ridge point ``peak / hbm_bw``:
+    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 46; H100 SXM:
+    295 FLOP/byte, h0 = 89). ``e``: the GPU generation's large-GEMM efficiency
+    (``cluster.gemm_efficiency``, else ``GEMM_EFFICIENCY``). Both fitted, see the module
+    docstring; a cluster file's ``gemm_half_dim`` overrides h0."""
     e = (cluster.gemm_efficiency if cluster and cluster.gemm_efficiency else GEMM_EFFICIENCY)
-    h0 = (cluster.gemm_half_dim if cluster and cluster.gemm_half_dim else GEMM_HALF_DIM)
+    if cluster and cluster.gemm_half_dim:
+        h0 = cluster.gemm_half_dim
+    elif cluster:
+        h0 = GEMM_HALF_DIM * (cluster.peak_flops / cluster.hbm_bw) / A100_RIDGE
+    else:
+        h0 = GEMM_HALF_DIM
     return e / (1 + h0 / np.asarray(width, dtype=np.float64) + h0 / np.asarray(tokens, dtype=np.float64))
 
 
@@ -113,7 +160,7 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     attn_flops = 4 * s * a * d * S / t
     peak = cluster.peak_flops
     gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
-    attn = attn_flops / (peak * gemm_efficiency(d, s, cluster))
+    attn = attn_flops / (peak * gemm_efficiency(d, s / c, cluster))  # per ring block with CP
     act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention)
     k = _mem_traffic(cluster)
     elem = k * act["none"] / cluster.hbm_bw
@@ -122,7 +169,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
     ar = all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)  # AG + RS with SP: same volume
     tp_fwd = 2 * ar
-    tp_bwd = np.maximum(0.0, 2 * ar - gemm)  # overlapped with the weight-gradient GEMMs
+    # overlapped with the weight-gradient GEMMs (Megatron's asynchronous TP all-reduce, 2021+)
+    tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
     cp_link = np.where(t * c > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
     cp_alpha = np.where(t * c > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
     ring = (c - 1) * p2p_time(4 * S * g * d / t, cp_link, cp_alpha)
@@ -138,7 +186,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
 
     Terms: ``compute`` (forward + backward GEMMs and attention of all micro-batches on the slowest
     stage), ``recompute``, ``elementwise``, ``tp_comm``, ``cp_comm``, ``pp_bubble``, ``pp_comm``,
-    ``dp_comm`` (exposed), ``optimizer``; ``iteration`` is their sum. Also ``dp_comm_total``
+    ``dp_comm`` (exposed), ``optimizer``, ``straggler`` (waiting for the slowest node,
+    :func:`straggler_factor` x the rest); ``iteration`` is their sum. Also ``dp_comm_total``
     (before overlap) and ``microbatch_time`` (slowest stage, one micro-batch)."""
     opts = opts or Options()
     s = seq_length
@@ -147,7 +196,6 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     rc = L["recompute"]
     m = num_microbatches(L, global_batch_size)
     lt = layer_times(model, s, L, cluster, opts)
-    n_layers = model.num_layers / p
     S = s * b / c
     peak = cluster.peak_flops
     k = _mem_traffic(cluster)
@@ -173,20 +221,26 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     out_comp = 3 * out_flops / (peak * gemm_efficiency(h, S, cluster))
     out_elem = 3 * k * 4 * S * Vp / t / cluster.hbm_bw
     emb_comm = lt["tp_ar"]
-    stage_first = {kk: n_layers * vv for kk, vv in layer.items()}
+    lf, lm, ll = stage_layers(model.num_layers, L)
+    single = p == 1
+    stage_first = {kk: lf * vv for kk, vv in layer.items()}
     stage_first["tp_comm"] = stage_first["tp_comm"] + emb_comm
-    stage_last = {kk: n_layers * vv for kk, vv in layer.items()}
+    stage_last = {kk: ll * vv for kk, vv in layer.items()}
     stage_last["compute"] = stage_last["compute"] + out_comp
     stage_last["elementwise"] = stage_last["elementwise"] + out_elem
-    single = p == 1
+    stage_mid = {kk: lm * vv for kk, vv in layer.items()}
     tf = sum(stage_first.values()) + np.where(single, out_comp + out_elem, 0.0)
     tl = sum(stage_last.values()) + np.where(single, emb_comm, 0.0)
-    last_slower = (tl > tf) & ~single
-    stage = {kk: np.where(last_slower, stage_last[kk], stage_first[kk]) for kk in layer}
+    tm = np.where(p > 2, sum(stage_mid.values()), 0.0)
+    last_slower = (tl > tf) & (tl >= tm) & ~single
+    mid_slower = (tm > tf) & (tm > tl) & ~single
+    stage = {kk: np.where(mid_slower, stage_mid[kk],
+                          np.where(last_slower, stage_last[kk], stage_first[kk])) for kk in layer}
     stage["compute"] = stage["compute"] + np.where(single, out_comp, 0.0)
     stage["elementwise"] = stage["elementwise"] + np.where(single, out_elem, 0.0)
     stage["tp_comm"] = stage["tp_comm"] + np.where(single, emb_comm, 0.0)
-    t_mb = np.maximum(tf, tl)
+    t_mb = np.maximum(np.maximum(tf, tl), tm)
+    n_layers = np.where(mid_slower, lm, np.where(last_slower, ll, lf))
     # backward share of one micro-batch on the stage (for DP overlap): 2/3 of compute etc.
     t_bwd_mb = n_layers * (2 * comp_f + rec + 2 * lt["elem"] + rec_elem)
 
@@ -200,25 +254,44 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
 
     # data parallel (over the dp x cp group; ranks t apart, so gpus_per_node / t share a node)
     P = stage_params(model, L, s)
-    params = np.maximum(P["first"], P["last"])
+    params = np.maximum(np.maximum(P["first"], P["last"]), P["middle"])
     n_dp = d * c
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
     z = L["zero"]
     grad_sync = hierarchical_all_reduce_time(n_dp, per_node, params * opts.grad_bytes, cluster)
-    # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter
-    ag_w = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * 2, cluster)
-    rs_g = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * opts.grad_bytes, cluster)
+    # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter, a flat
+    # ring whose every byte crosses the GPU's own link; ZERO3_OVERLAP of the micro-batch's
+    # compute hides it (both fitted to NAR table 2, see the module docstring)
+    z_cross = n_dp * t > cluster.gpus_per_node
+    z_eff = ZERO3_LINK_EFFICIENCY if opts.zero3_link_efficiency is None \
+        else opts.zero3_link_efficiency
+    z_ov = ZERO3_OVERLAP if opts.zero3_overlap is None else opts.zero3_overlap
+    z_bw = np.where(z_cross, cluster.inter_bw, cluster.intra_bw) * z_eff
+    z_alpha = np.where(z_cross, cluster.inter_alpha, cluster.intra_alpha)
+    ag_w = all_gather_time(n_dp, params * 2, z_bw, z_alpha)
+    rs_g = reduce_scatter_time(n_dp, params * opts.grad_bytes, z_bw, z_alpha)
     t_fwd_mb = n_layers * (comp_f + lt["elem"])
-    z3 = m * (np.maximum(0.0, ag_w - t_fwd_mb) + np.maximum(0.0, ag_w + rs_g - t_bwd_mb))
-    hidden = t_bwd_mb if opts.overlap_grad_reduce else 0.0
-    dp_exposed = np.where(z >= 3, z3, np.maximum(0.0, grad_sync - hidden))
+    z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
+    # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward, then
+    # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
+    # --overlap-grad-reduce / --overlap-param-gather), each under the bucket schedule
+    rs_h = 0.5 * grad_sync
+    ag_h = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * 2, cluster)
+    z12 = exposed_grad_sync(rs_h, t_bwd_mb, params, opts) + \
+        exposed_grad_sync(ag_h, t_fwd_mb, params, opts)
+    dp_exposed = np.where(z >= 3, z3, np.where(
+        z >= 1, z12, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts)))
     terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0)
-    terms["dp_comm_total"] = np.where(n_dp > 1, np.where(z >= 3, m * (2 * ag_w + rs_g), grad_sync), 0.0)
+    terms["dp_comm_total"] = np.where(n_dp > 1, np.where(
+        z >= 3, m * (2 * ag_w + rs_g), np.where(z >= 1, rs_h + ag_h, grad_sync)), 0.0)
     shard = np.where(z >= 1, n_dp, 1.0)
     terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
-    terms["iteration"] = (terms["compute"] + terms["recompute"] + terms["elementwise"]
-                          + terms["tp_comm"] + terms["cp_comm"] + terms["pp_bubble"]
-                          + terms["pp_comm"] + terms["dp_comm"] + terms["optimizer"])
+    busy = (terms["compute"] + terms["recompute"] + terms["elementwise"]
+            + terms["tp_comm"] + terms["cp_comm"] + terms["pp_bubble"]
+            + terms["pp_comm"] + terms["dp_comm"] + terms["optimizer"])
+    nodes = np.maximum(1.0, np.ceil(t * p * c * d / cluster.gpus_per_node))
+    terms["straggler"] = busy * straggler_factor(nodes, opts.straggler_jitter)
+    terms["iteration"] = busy + terms["straggler"]
     terms["microbatch_time"] = t_mb
     return terms
 

@@ -1,0 +1,99 @@
+"""Why a search came back empty, and the nearest thing that would work.
+
+Two different failures, two different messages:
+
+* **no layout divides** (:func:`explain_no_layout`): no (t, p, c, d, b) satisfies the divisibility
+  rules at all (heads, KV groups, FFN by t; B by d; fixed sizes by the GPU count). The message
+  names the first rule that empties the search and how to satisfy it.
+* **nothing fits** (:func:`explain_nothing_fits`): layouts exist but all exceed HBM. The message
+  names the layout needing the least memory, its largest memory term, by how much it overflows,
+  and the cheapest change that makes a layout fit, found by re-running the search with one
+  constraint relaxed at a time, in this order (no new hardware first): full recompute, ZeRO
+  stages up to 3, context parallelism, releasing each fixed size, then 2x, 4x, ... 64x the GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from loom.config import ModelConfig
+from loom.planner.hardware import GB, Cluster
+from loom.planner.layout import Options
+from loom.planner.search import MEMORY_TERMS, enumerate_layouts, record, search
+
+FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+         "cp": "--context-parallel-size", "dp": "--data-parallel-size",
+         "mbs": "--micro-batch-size", "recompute": "--recompute-granularity",
+         "sp": "--sequence-parallel", "zero": "--zero-stage", "vp":
+         "--num-layers-per-virtual-pipeline-stage",
+         "first_layers": "--decoder-first-pipeline-num-layers",
+         "last_layers": "--decoder-last-pipeline-num-layers",
+         "account_embedding": "--account-for-embedding-in-pipeline-split",
+         "account_loss": "--account-for-loss-in-pipeline-split"}
+
+
+def _short(rec: dict) -> str:
+    return (f"tp={rec['tp']} pp={rec['pp']} dp={rec['dp']} cp={rec['cp']} "
+            f"mbs={rec['micro_batch_size']} recompute={rec['recompute']} zero={rec['zero']}")
+
+
+def explain_no_layout(model: ModelConfig, cluster: Cluster, global_batch_size: int,
+                      seq_length: int, fixed: dict, opts: Options) -> str:
+    """The "no layout divides" message (see module docstring)."""
+    n, B = cluster.num_gpus, global_batch_size
+    head = (f"no layout divides: {n} GPUs, B={B}, L={model.num_layers}, "
+            f"a={model.num_attention_heads}")
+    for k, v in fixed.items():
+        rest = {kk: vv for kk, vv in fixed.items() if kk != k}
+        if len(enumerate_layouts(model, cluster, B, seq_length, rest, opts)["tp"]):
+            return (f"{head}: {FLAGS.get(k, k)} {v} admits no layout with the other sizes "
+                    f"(it must divide the {n} GPUs, and for TP the heads, query groups and FFN; "
+                    f"PP needs p <= L): change or drop {FLAGS.get(k, k)}")
+    if not any(B % d == 0 for d in range(1, n + 1) if n % d == 0):
+        return f"{head}: --global-batch-size {B} has no divisor d dividing the GPU count"
+    return (f"{head}: every (t, p, c) dividing the GPUs leaves a data-parallel size d that does "
+            f"not divide --global-batch-size {B}; use a multiple of {n} "
+            f"(e.g. --global-batch-size {-(-B // n) * n}) or another --num-gpus")
+
+
+def _fits(model, cluster, B, s, fixed, opts):
+    res = search(model, cluster, B, s, fixed, opts)
+    return record(res, int(res["order"][0])) if len(res["order"]) else None
+
+
+def explain_nothing_fits(model: ModelConfig, cluster: Cluster, global_batch_size: int,
+                         seq_length: int, fixed: dict, opts: Options, res: dict) -> str:
+    """The "nothing fits" message for a search ``res`` with layouts but none in memory."""
+    B, s = global_batch_size, seq_length
+    i = int(res["mem_total"].argmin())
+    rec = record(res, i)
+    cap = cluster.hbm_bytes / GB
+    over = rec["memory_gb"] - cap
+    term = max(MEMORY_TERMS, key=lambda k: rec["memory_terms_gb"][k])
+    msg = (f"nothing fits in {cap:.0f} GB per GPU: the smallest layout ({_short(rec)}) needs "
+           f"{rec['memory_gb']:.1f} GB, {over:.1f} GB too much; its largest term is {term} "
+           f"{rec['memory_terms_gb'][term]:.1f} GB")
+    tries = []
+    if fixed.get("recompute") not in (None, "full", 2):
+        tries.append(("--recompute-granularity full", {**fixed, "recompute": "full"}, opts,
+                      cluster))
+    if opts.max_zero_stage < 3 and "zero" not in fixed:
+        tries.append(("--max-zero-stage 3 (ZeRO-2/3, data parallel only)", fixed,
+                      replace(opts, max_zero_stage=3), cluster))
+    if "zero" in fixed and fixed["zero"] < 3:
+        tries.append(("--zero-stage 3", {**fixed, "zero": 3}, opts, cluster))
+    for k in ("cp", "mbs", "tp", "pp", "dp", "sp", "vp", "recompute"):
+        if k in fixed:
+            rest = {kk: vv for kk, vv in fixed.items() if kk != k}
+            tries.append((f"drop {FLAGS[k]} {fixed[k]} (let the planner choose)", rest, opts,
+                          cluster))
+    for mult in (2, 4, 8, 16, 32, 64):
+        tries.append((f"--num-gpus {cluster.num_gpus * mult}", fixed, opts,
+                      replace(cluster, num_gpus=cluster.num_gpus * mult)))
+    for label, fx, op, cl in tries:
+        got = _fits(model, cl, B, s, fx, op)
+        if got:
+            return (f"{msg}.\ncheapest change: {label}: then {_short(got)} needs "
+                    f"{got['memory_gb']:.1f} GB at {got['tflops_per_gpu']:.0f} TFLOP/s/GPU")
+    return (f"{msg}.\nno single change found (tried recompute, ZeRO-3, releasing fixed sizes and "
+            f"up to 64x the GPUs): shorten --seq-length or use a GPU with more memory")

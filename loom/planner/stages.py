@@ -1,0 +1,91 @@
+"""Pipeline splits: how many transformer layers the first and last pipeline stage hold.
+
+A split is ``(lf, ll)``: layers of the first and the last stage; the ``p - 2`` middle stages hold
+``(L - lf - ll) / (p - 2)`` each (Megatron-LM's ``--decoder-first-pipeline-num-layers`` /
+``--decoder-last-pipeline-num-layers``; the rest is split evenly). ``(0, 0)`` is the even split
+``L / p``. Sources of the uneven splits:
+
+* searched when ``L`` is not divisible by ``p`` (:func:`uneven_splits`): the middle stages hold
+  ``k = ceil(L/p) - 1`` or ``ceil(L/p)`` layers and the first/last stage the rest, nearly
+  balanced and at most ``k + 1`` each. The planner's time and memory models (embedding on the
+  first stage, output layer and loss on the last) then pick among them. Llama 3 405B (L = 126,
+  p = 16; Llama 3 paper, arXiv 2407.21783 sec 3.3.2: "we remove one Transformer layer each from
+  the first and the last stages") is the split 7 + 14 x 8 + 7.
+* given (:func:`given_split`): first and/or last fixed, the rest even, as ``loom train`` runs it
+  (:func:`loom.parallel.pipeline.layout.stage_layer_counts`).
+* ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
+  (:func:`accounted_split`, Megatron-LM semantics): the embedding and/or the loss count as one
+  layer each in an even split of ``L + e + l`` "layers", the first/last stage giving up one
+  transformer layer for them (126 + 2 = 128 = 16 x 8 -> 7 + 14 x 8 + 7).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def uneven_splits(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Candidate ``(lf, ll)`` for ``L = num_layers`` not divisible by ``p = pp`` (``[(0, 0)]``
+    when it is, ``[]`` when ``p > L``). Every candidate gives each stage >= 1 layer."""
+    L, p = num_layers, pp
+    if p > L:
+        return []
+    if p == 1 or L % p == 0:
+        return [(0, 0)]
+    if p == 2:
+        return [(L // 2, L - L // 2), (L - L // 2, L // 2)]
+    out = []
+    top = math.ceil(L / p)
+    for k in (top - 1, top):
+        r = L - (p - 2) * k  # layers for the first and last stage together
+        if k < 1 or r < 2:
+            continue
+        lo, hi = max(1, r - (k + 1)), min(k + 1, r - 1)
+        for f in sorted({r // 2 - 1, r // 2, (r + 1) // 2, r // 2 + 1}):
+            if lo <= f <= hi and (f, r - f) not in out:
+                out.append((f, r - f))
+    return out
+
+
+def given_split(num_layers: int, pp: int, first: int | None, last: int | None):
+    """``(lf, ll)`` with the first and/or last stage fixed and the rest split evenly (as
+    ``loom train`` does); None when impossible (a stage would get < 1 layer or the rest does not
+    divide). ``p = 1``: ``(0, 0)``."""
+    if pp == 1:
+        return (0, 0)
+    from loom.parallel.pipeline.layout import stage_layer_counts  # torch-free
+    try:
+        counts = stage_layer_counts(num_layers, pp, first, last)
+    except ValueError:
+        return None
+    if len(set(counts)) == 1:
+        return (0, 0)
+    return (counts[0], counts[-1])
+
+
+def accounted_split(num_layers: int, pp: int, embedding: bool, loss: bool):
+    """Megatron's ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-
+    pipeline-split``: ``k = (L + e + l) / p`` per stage, first ``k - e``, last ``k - l``; None
+    when ``L + e + l`` is not divisible by ``p`` or a stage would be empty."""
+    if pp == 1:
+        return (0, 0)
+    e, lo = int(bool(embedding)), int(bool(loss))
+    total = num_layers + e + lo
+    if total % pp:
+        return None
+    k = total // pp
+    if k - e < 1 or k - lo < 1:
+        return None
+    return (0, 0) if e == lo == 0 else (k - e, k - lo)
+
+
+def describe_split(num_layers: int, pp: int, lf: int, ll: int) -> str:
+    """``"7+14x8+7"`` (uneven) or ``"16x8"`` (even) or ``"126"`` (p = 1)."""
+    if pp == 1:
+        return str(num_layers)
+    if not lf:
+        return f"{pp}x{num_layers // pp}"
+    if pp == 2:
+        return f"{lf}+{ll}"
+    mid = (num_layers - lf - ll) // (pp - 2)
+    return f"{lf}+{pp - 2}x{mid}+{ll}"

@@ -1,0 +1,136 @@
+"""Predictions for published runs beyond the compute fit of :mod:`loom.planner.calibrate`.
+
+* :func:`nar_table2` -- NAR table 2 (PTD-P vs ZeRO-3 without model parallelism, A100-80GB,
+  s = 2048, days for 300B tokens). Conventions as for NAR table 1: unfused attention, full
+  recompute, hardware TFLOP/s (NAR eq 3); PTD-P at the published t = 8, p = 12 / 35, b = 1, no
+  SP, no distributed optimizer, virtual stages the planner's best; ZeRO-3 at t = p = c = 1,
+  d = n, the published b. Days = ``300e9 / tokens_per_s / 86400``.
+* :func:`mcore_h100` -- Megatron-Core r0.8.0 weak scaling on H100 (NVIDIA/Megatron-LM
+  README.md, "Weak Scaling Results", images/model_table.png): GPT models 1.7B-462B, s = 4096,
+  V = 131,072 (untied), bf16, published t, p, d; per-GPU model TFLOP/s and MFU (989 TFLOP/s
+  peak). The README lists the optimizations used: --overlap-grad-reduce,
+  --overlap-param-gather (distributed optimizer: ZeRO-1 here), --tp-comm-overlap (sequence
+  parallel). The planner picks b, v and recompute for the published t, p, d.
+* :func:`bloom_176b` -- BLOOM 176B (BigScience, arXiv 2211.05100 sec 3.4; BigScience's model
+  page: "training throughput: about 150 TFLOPs"): 70 layers, h = 14,336, 112 heads, s = 2048,
+  V = 250,680, B = 2048, on 384 A100-80GB of Jean Zay (48 nodes, 4 x 100 Gb/s Omni-Path per
+  node = 6.25 GB/s per GPU, achievable 92% as for the DGX A100 entry), t = 4, p = 12, d = 8,
+  ZeRO-1, full recompute (Megatron-DeepSpeed counts recompute in its TFLOPs), unfused attention.
+  70 layers on 12 stages only plan with an uneven split.
+* :func:`sho_weak_scaling` -- SHO table 1 / figure 1: GPT-2 shapes 1.2B-8.3B on V100-32GB
+  (DGX-2H, 16 GPUs per node, s = 1024, V = 51200), model parallel alone and x 64-way data
+  parallel; efficiency = per-GPU FLOP/s against the 1-GPU 1.2B run. The published numbers are
+  ratios, so only the planner's ratios are compared (absolute V100 speed is not fitted).
+"""
+
+from __future__ import annotations
+
+from loom.config import ModelConfig
+from loom.planner.hardware import make_cluster
+from loom.planner.layout import Options
+from loom.planner.presets import NAR_TABLE2, gpt
+from loom.planner.search import record, search
+
+# DGX-2H: 8 x 100 Gb/s InfiniBand for 16 GPUs = 100 GB/s per node (SHO sec 5) = 6.25 GB/s per GPU.
+DGX2H_INTER_BW = 6.25e9
+# SHO table 1 (references.md): h, heads, L, params(B), MP, weak scaling MP alone, MP x 64 DP.
+SHO_TABLE1 = [
+    (1536, 16, 40, 1.2, 1, 1.00, 0.96),
+    (1920, 20, 54, 2.5, 2, 0.95, 0.83),
+    (2304, 24, 64, 4.2, 4, 0.82, 0.79),
+    (3072, 32, 72, 8.3, 8, 0.77, 0.74),
+]
+
+
+# Megatron-Core r0.8.0 H100 weak scaling: params(B), heads, h, L, t, p, GPUs, B, TFLOP/s/GPU, MFU.
+MCORE_H100 = [
+    (1.7, 16, 2048, 24, 1, 1, 48, 192, 408.8, 0.41),
+    (7.1, 32, 4096, 30, 2, 1, 96, 192, 465.9, 0.47),
+    (16, 48, 6144, 32, 4, 1, 192, 192, 489.1, 0.49),
+    (32, 56, 7168, 48, 8, 1, 384, 192, 459.6, 0.46),
+    (70, 64, 8192, 84, 8, 2, 768, 384, 419.7, 0.42),
+    (119, 80, 10240, 92, 8, 4, 1536, 768, 420.5, 0.43),
+    (177, 96, 12288, 96, 8, 6, 2304, 1152, 432.8, 0.44),
+    (314, 128, 16384, 96, 8, 8, 3072, 1536, 474.4, 0.48),
+    (462, 144, 18432, 112, 8, 16, 6144, 3072, 459.9, 0.47),
+]
+
+
+def mcore_h100(gemm_efficiency: float | None = None) -> list[dict]:
+    """One dict per :data:`MCORE_H100` row: ``params_b, gpus, published_tflops, tflops`` (model
+    TFLOP/s per GPU, KOR eq 7 = Megatron's count) and the chosen ``layout`` record.
+    ``gemm_efficiency`` overrides the Hopper constant (used by the fit)."""
+    out = []
+    for P, a, h, nl, t, p, n, B, tflops, _mfu in MCORE_H100:
+        model = ModelConfig.gpt2(num_layers=nl, hidden_size=h, num_attention_heads=a,
+                                 seq_length=4096, max_position_embeddings=4096,
+                                 vocab_size=131072, untie_embeddings_and_output_weights=True,
+                                 hidden_dropout=0.0, attention_dropout=0.0)
+        cl = make_cluster("H100-80GB", n, gemm_efficiency=gemm_efficiency)
+        res = search(model, cl, B, 4096, opts=Options(flash_attention=True),
+                     fixed=dict(tp=t, pp=p, cp=1, zero=1 if n // (t * p) > 1 else 0,
+                                sp=1 if t > 1 else 0))
+        r = record(res, int(res["order"][0])) if len(res["order"]) else None
+        out.append(dict(params_b=P, gpus=n, published_tflops=tflops,
+                        tflops=r["tflops_per_gpu"] if r else float("nan"), layout=r))
+    return out
+
+
+def nar_table2(zero3_overlap: float | None = None,
+               zero3_link_efficiency: float | None = None) -> list[dict]:
+    """One dict per NAR table 2 row: ``scheme, params_b, gpus, b, published_tflops,
+    published_days, tflops, days`` (predicted hardware TFLOP/s per GPU and days)."""
+    opts = Options(flash_attention=False, max_zero_stage=3, zero3_overlap=zero3_overlap,
+                   zero3_link_efficiency=zero3_link_efficiency)
+    out = []
+    for scheme, P, mp, B, n, b, tflops, days in NAR_TABLE2:
+        model = gpt(96, 12288, 96) if P < 200 else gpt(105, 20480, 128)
+        if scheme == "ZeRO-3":
+            fixed = dict(tp=1, pp=1, cp=1, zero=3, mbs=b, recompute="full")
+        else:
+            fixed = dict(tp=8, pp=mp // 8, cp=1, zero=0, mbs=1, recompute="full", sp=0)
+        res = search(model, make_cluster("A100-80GB", n), B, 2048, fixed=fixed, opts=opts)
+        row = dict(scheme=scheme, params_b=P, gpus=n, b=b, published_tflops=tflops,
+                   published_days=days, tflops=float("nan"), days=float("nan"))
+        if len(res["order"]):
+            r = record(res, int(res["order"][0]))
+            row.update(tflops=r["hw_tflops_per_gpu"], days=3e11 / r["tokens_per_s"] / 86400)
+        out.append(row)
+    return out
+
+
+def bloom_176b() -> dict:
+    """The BLOOM 176B run (module docstring): ``published_tflops`` (about 150), predicted
+    ``hw_tflops`` and the chosen ``layout`` record (its ``pipeline_split``)."""
+    model = gpt(70, 14336, 112, V=250680)
+    cl = make_cluster("A100-80GB", 384, inter_bw=0.92 * 6.25e9)
+    res = search(model, cl, 2048, 2048, opts=Options(flash_attention=False),
+                 fixed=dict(tp=4, pp=12, cp=1, mbs=2, recompute="full", zero=1, sp=0))
+    r = record(res, int(res["order"][0])) if len(res["order"]) else None
+    return dict(published_tflops=150.0, hw_tflops=r["hw_tflops_per_gpu"] if r else float("nan"),
+                layout=r)
+
+
+def sho_weak_scaling(recompute: str = "full", overlap: bool = True) -> list[dict]:
+    """One dict per SHO table 1 row: ``params_b, mp, published_mp, published_mp_dp`` and the
+    predicted ``mp``, ``mp_dp`` efficiencies (per-GPU model FLOP/s over the 1-GPU 1.2B run's),
+    V100-32GB, 16 GPUs per node, s = 1024, unfused attention, no recompute, b = 8 (SHO sec 5:
+    batch 8 per model-parallel group... per GPU global 512 at 64-way DP)."""
+    opts = Options(flash_attention=False, max_zero_stage=0, overlap_grad_reduce=overlap,
+                   overlap_tp_comm=False, grad_bytes=2)
+    base = None
+    out = []
+    for h, a, nl, P, mp, pub_mp, pub_dp in SHO_TABLE1:
+        model = gpt(nl, h, a, s=1024)
+        got = {}
+        for key, d in (("mp", 1), ("mp_dp", 64)):
+            cl = make_cluster("V100-32GB", mp * d, 16, inter_bw=DGX2H_INTER_BW)
+            res = search(model, cl, 8 * d, 1024, opts=opts,
+                         fixed=dict(tp=mp, pp=1, cp=1, dp=d, mbs=8, zero=0, sp=0,
+                                    recompute=recompute))
+            got[key] = record(res, int(res["order"][0]))["tflops_per_gpu"]
+        if base is None:
+            base = got["mp"]
+        out.append(dict(params_b=P, mp=mp, published_mp=pub_mp, published_mp_dp=pub_dp,
+                        pred_mp=got["mp"] / base, pred_mp_dp=got["mp_dp"] / base))
+    return out
