@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import fields, replace
 
-from loom.config import GROUPS, ConfigError, ModelConfig, add_config_arguments, config_from_args
+from loom.config import ConfigError, ModelConfig, add_config_arguments, config_from_args
 from loom.planner.hardware import DEVICES, GB, Cluster, make_cluster
 from loom.planner.cost import (NODE_POWER_OVERHEAD, PUE, RESTART_S, format_estimate,
                                parse_count, training_estimate)
@@ -269,4 +269,3 @@ def _estimate(args, rec: dict, cluster: Cluster, train_tokens: float, params: fl
         checkpoint_bw=None if bw is None else bw * 1e9, restart_s=args.restart_minutes * 60)
 
 
-_ = GROUPS  # (flag groups come from loom.config.add_config_arguments)
