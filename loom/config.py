@@ -56,6 +56,29 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
+    # -- mixture of experts (Megatron's --moe-* flags; Fedus et al. 2021, DeepSeek-V3) --------
+    num_experts: Optional[int] = None  # E; None = dense MLPs
+    moe_router_topk: int = 2  # k experts per token
+    moe_ffn_hidden_size: Optional[int] = None  # expert FFN width; None = --ffn-hidden-size
+    moe_shared_expert_intermediate_size: Optional[int] = None  # shared expert width (DeepSeek)
+    moe_layer_freq: int = 1  # every N-th layer is MoE (layer i is MoE when i % N == 0)
+    moe_router_score_function: str = "softmax"  # softmax (Mixtral) | sigmoid (DeepSeek-V3)
+    moe_aux_loss_coeff: float = 0.0  # Switch/GShard load-balancing loss coefficient
+    moe_z_loss_coeff: float = 0.0  # router z-loss coefficient (ST-MoE)
+    moe_expert_capacity_factor: Optional[float] = None  # None = dropless
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (0-based) has an MoE instead of a dense MLP."""
+        return bool(self.num_experts) and layer_number % self.moe_layer_freq == 0
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def moe_size_ok(self, t: int) -> bool:
+        """Expert and shared-expert widths divide by the TP size t."""
+        shared = self.moe_shared_expert_intermediate_size or 0
+        return self.moe_ffn_size % t == 0 and shared % t == 0
 
     @property
     def num_kv_groups(self) -> int:
@@ -109,6 +132,7 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1  # e: experts split over e ranks of the DP dimension
     ddp_bucket_size: int = 40_000_000  # elements per gradient bucket
     distributed_backend: Optional[str] = None  # None = nccl on CUDA, gloo on CPU
 
@@ -212,6 +236,49 @@ class LoomConfig:
             self.training.micro_batch_size * self.data_parallel_size(world_size))
 
     # -- validation ----------------------------------------------------------------------------
+    def _validate_moe(self, world_size: int) -> None:
+        m, p = self.model, self.parallel
+        e = p.expert_model_parallel_size
+        if e < 1:
+            raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {e}")
+        if not m.num_experts:
+            if e > 1:
+                raise ConfigError("--expert-model-parallel-size needs --num-experts E")
+            return
+        E, k = m.num_experts, m.moe_router_topk
+        if E < 1 or not 1 <= k <= E:
+            raise ConfigError(f"--moe-router-topk {k} must lie in [1, --num-experts {E}]")
+        if m.moe_layer_freq < 1:
+            raise ConfigError(f"--moe-layer-freq must be >= 1, got {m.moe_layer_freq}")
+        if m.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ConfigError("--moe-router-score-function must be softmax or sigmoid")
+        if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+            raise ConfigError("--moe-expert-capacity-factor must be positive (omit it: dropless)")
+        if E % e:
+            raise ConfigError(f"--num-experts {E} is not divisible by --expert-model-parallel-size "
+                              f"{e}: choose an EP size dividing the expert count")
+        t, pp, c = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                    p.context_parallel_size)
+        d = world_size // max(t * pp * c, 1)
+        if d % e:
+            raise ConfigError(f"--expert-model-parallel-size {e} must divide the data-parallel "
+                              f"size {d} (experts are split over DP ranks): launch more ranks or "
+                              f"lower EP")
+        if m.moe_size_ok(t) is False:
+            raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by "
+                              f"--tensor-model-parallel-size {t}")
+        if t > 1 and not m.disable_bias_linear:
+            raise ConfigError("MoE experts under --tensor-model-parallel-size > 1 need "
+                              "--disable-bias-linear (experts are sharded without biases)")
+        if c > 1 or p.sequence_parallel:
+            raise ConfigError("MoE layers do not yet compose with --context-parallel-size > 1 or "
+                              "--sequence-parallel (the router's load statistics would be per "
+                              "sequence shard): drop those flags for MoE models")
+        if self.training.use_distributed_optimizer and e > 1:
+            raise ConfigError("--use-distributed-optimizer does not yet compose with "
+                              "--expert-model-parallel-size > 1: drop one of them")
+
+
     def validate(self, world_size: int) -> "LoomConfig":
         """Refuse impossible layouts; raises :class:`ConfigError` naming the flag and the fix."""
         m, p, t = self.model, self.parallel, self.training
@@ -249,6 +316,7 @@ class LoomConfig:
             raise ConfigError(
                 f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                 f"{m.max_positions}: raise --max-position-embeddings or shorten --seq-length")
+        self._validate_moe(world_size)
         if m.model_type not in MODEL_TYPES:
             raise ConfigError(f"--model-type must be one of {', '.join(MODEL_TYPES)}, got "
                               f"{m.model_type}")

@@ -6,6 +6,7 @@ Layout of ``--save DIR`` (Megatron's names where they exist)::
     DIR/iter_0000100/metadata.json             format, iteration, parallel layout
     DIR/iter_0000100/common.pt                 iteration, consumed samples, LR scheduler, config
     DIR/iter_0000100/model_tp00_pp000.pt       one per (tp, pp) shard: weights, and every
+                                               (``_ep001``...: the experts of EP rank 1...)
                                                parameter's full shape + ShardSpec
     DIR/iter_0000100/optim_tp00_pp000_dp000.pt Adam states by parameter name (dp rank 0, or
                                                every DP rank's shard with the distributed optimizer)
@@ -92,23 +93,31 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Mod
     _barrier()
     c = mesh.coords
     params = _named_params(model_chunks)
-    if c["dp"] == 0 and c["cp"] == 0:
+    # The first DP replica writes (with expert parallelism: its e ranks, each adding its own
+    # experts in an ``_epXXX`` file; dense weights come from EP rank 0 only).
+    writer = c["dp"] < mesh.ep_size and c["cp"] == 0
+    ep_rank = mesh.ep_rank
+    suffix = f"_ep{ep_rank:03d}" if ep_rank > 0 else ""
+    if ep_rank > 0:
+        params = {n: pm for n, pm in params.items() if pm[1].expert_parallel}
+    if writer:
         shard = {
             "model": {n: p.detach().cpu() for n, (p, _) in params.items()},
             "specs": {n: {"full_shape": list(meta.full_shape), "shard": _spec_of(meta)}
                       for n, (_, meta) in params.items()},
             "tp_rank": c["tp"], "pp_rank": c["pp"],
         }
-        torch.save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}.pt"))
+        torch.save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}.pt"))
     local = local_optimizer(optimizer)
     sharded = local is not optimizer  # ZeRO: each DP rank holds the states of its parameters
-    if sharded or (c["dp"] == 0 and c["cp"] == 0):
+    if sharded or writer:
         names = {id(p): n for n, (p, _) in params.items()}
         states = {names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                 for k, v in st.items()} for p, st in local.state.items()}
+                                 for k, v in st.items()} for p, st in local.state.items()
+                  if id(p) in names}
         dp_index = mesh.local_rank("dp_cp") if sharded else 0
         torch.save(states, os.path.join(
-            tmp, f"optim_tp{c['tp']:02d}_pp{c['pp']:03d}_dp{dp_index:03d}.pt"))
+            tmp, f"optim_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}_dp{dp_index:03d}.pt"))
     torch.save(get_rng_state(tracker), os.path.join(tmp, f"rng_{mesh.rank:05d}.pt"))
     if _rank() == 0:
         torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
@@ -151,16 +160,16 @@ class _ShardIndex:
     def __init__(self, ckpt_dir: str):
         self.files = {}
         for path in sorted(glob.glob(os.path.join(ckpt_dir, "model_tp*_pp*.pt"))):
-            m = re.search(r"model_tp(\d+)_pp(\d+)\.pt$", path)
-            self.files[(int(m.group(1)), int(m.group(2)))] = torch.load(
+            m = re.search(r"model_tp(\d+)_pp(\d+)(?:_ep(\d+))?\.pt$", path)
+            self.files[(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))] = torch.load(
                 path, map_location="cpu", mmap=True, weights_only=True)
         if not self.files:
             raise FileNotFoundError(f"no model shards in {ckpt_dir}")
         for sd in self.files.values():
             sd["optimizer"] = {}
         for path in sorted(glob.glob(os.path.join(ckpt_dir, "optim_tp*_pp*_dp*.pt"))):
-            m = re.search(r"optim_tp(\d+)_pp(\d+)_dp\d+\.pt$", path)
-            self.files[(int(m.group(1)), int(m.group(2)))]["optimizer"].update(
+            m = re.search(r"optim_tp(\d+)_pp(\d+)(?:_ep(\d+))?_dp\d+\.pt$", path)
+            self.files[(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))]["optimizer"].update(
                 torch.load(path, map_location="cpu", mmap=True, weights_only=True))
         self.owner: dict[str, list[tuple[int, int]]] = {}
         self.saved_name: dict[str, str] = {}  # today's name -> the name in the files

@@ -11,7 +11,8 @@ the trainer and the optimizer; loom has no module-level process-group globals.
 
 Groups: ``tp``, ``cp``, ``dp``, ``pp`` (one axis each); ``dp_cp`` (gradient reduction);
 ``mp`` (model parallel = tp x pp, for the gradient norm); ``embedding`` (first and last pipeline
-stage, for tied input/output embeddings).
+stage, for tied input/output embeddings); ``ep`` / ``edp`` (expert parallel: e consecutive DP
+ranks; expert data parallel: the DP ranks holding the same experts).
 """
 
 from __future__ import annotations
@@ -65,20 +66,21 @@ class ParallelMesh:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     ranks: dict[str, list[int]] = field(default_factory=dict)
+    ep_size: int = 1  # e: expert-parallel ranks, carved out of DP (EP rank = DP rank mod e)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "ParallelMesh":
         """A one-rank mesh (the single-process reference); needs no process group."""
         mesh = cls(sizes={a: 1 for a in AXES}, rank=0, device=torch.device(device))
-        for name in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding"):
+        for name in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding", "ep", "edp"):
             mesh.groups[name] = None
             mesh.ranks[name] = [0]
         return mesh
 
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, dp: Optional[int] = None,
-              device: Optional[torch.device] = None) -> "ParallelMesh":
+              device: Optional[torch.device] = None, ep: int = 1) -> "ParallelMesh":
         """Create every group on an initialized default process group.
 
         ``dist.new_group`` is collective over all ranks, so every rank creates every group in
@@ -99,6 +101,16 @@ class ParallelMesh:
         for name, axes in named.items():
             for members in rank_groups(sizes, axes):
                 mesh._maybe_keep(name, members)
+        # Expert parallelism inside each DP group: EP = e consecutive DP ranks, expert-DP =
+        # the DP ranks with the same EP rank.
+        if dp % ep:
+            raise ValueError(f"expert-parallel size {ep} does not divide the DP size {dp}")
+        mesh.ep_size = ep
+        for members in rank_groups(sizes, ["dp"]):
+            for j in range(dp // ep):
+                mesh._maybe_keep("ep", members[j * ep:(j + 1) * ep])
+            for j in range(ep):
+                mesh._maybe_keep("edp", members[j::ep])
         # Embedding group: first and last stage of each pipeline (one rank when p = 1).
         for members in rank_groups(sizes, ["pp"]):
             emb = sorted({members[0], members[-1]})
@@ -143,6 +155,11 @@ class ParallelMesh:
     @property
     def dp_rank(self) -> int:
         return self.coords["dp"]
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group (DP rank mod e)."""
+        return self.coords["dp"] % self.ep_size
 
     @property
     def pp_size(self) -> int:

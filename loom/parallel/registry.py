@@ -58,6 +58,8 @@ class ParamMeta:
     is summed over TP. ``pipeline_shared``: the same weight lives on the first and the last
     pipeline stage (tied embeddings) and their gradients are summed over the embedding group;
     ``duplicate``: this rank's copy is not the owner (kept out of the gradient norm).
+    ``expert_parallel``: an expert's weight, held by one rank of the EP group only (gradients
+    reduced over the expert-data-parallel group; norm summed over EP).
     """
 
     full_shape: tuple[int, ...]
@@ -67,6 +69,7 @@ class ParamMeta:
     sequence_parallel: bool = False
     pipeline_shared: bool = False
     duplicate: bool = False
+    expert_parallel: bool = False
 
     @property
     def replicated_over(self) -> tuple[str, ...]:

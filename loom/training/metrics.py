@@ -93,7 +93,10 @@ class MetricsLogger:
                 f"TFLOP/s/rank {record['tflops_per_rank']:.3f} | "
                 f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
                 f"step {1000 * record['step_time_s']:.0f} ms | "
-                f"peak mem {record['peak_memory_bytes'] / 2**20:,.0f} MiB")
+                f"peak mem {record['peak_memory_bytes'] / 2**20:,.0f} MiB"
+                + (f" | moe aux {record['moe_aux_loss']:.4f} | expert load "
+                   f"{record['moe_load_min']:.0f}-{record['moe_load_max']:.0f} (max/mean "
+                   f"{record['moe_load_imbalance']:.2f})" if "moe_aux_loss" in record else ""))
         else:
             self.print(f" validation at iteration {it:>6d} | loss {record['valid_loss']:.4f} | "
                        f"perplexity {record['valid_ppl']:.2f}")

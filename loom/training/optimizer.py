@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,27 +76,42 @@ def counts_for_norm(meta: ParamMeta, mesh: ParallelMesh) -> bool:
     return meta.counts_for_norm(mesh.tp_rank)
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh) -> torch.Tensor:
-    """L2 norm of the gradients of ``params`` (those that count, see :func:`counts_for_norm`),
-    summed over the model-parallel (TP x PP) group. Data-parallel replicas hold identical
-    gradients after reduction, so DP is not summed."""
-    params = list(params)
-    device = params[0].device if params else mesh.device
+def _sum_of_squares(params: Sequence[torch.Tensor], device) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
         if p.grad is not None:
             sq += p.grad.detach().float().pow(2).sum()
+    return sq
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh,
+                     expert_params: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+    """L2 norm of the gradients of ``params`` (those that count, see :func:`counts_for_norm`),
+    summed over the model-parallel (TP x PP) group; ``expert_params`` (expert-parallel weights,
+    each held by one rank of the EP group) are summed over the EP group first. Data-parallel
+    replicas hold identical gradients after reduction, so DP is not summed."""
+    params, expert_params = list(params), list(expert_params)
+    device = (params or expert_params)[0].device if (params or expert_params) else mesh.device
+    sq = _sum_of_squares(params, device)
+    if expert_params:
+        esq = _sum_of_squares(expert_params, device)
+        if mesh.groups.get("ep") is not None:
+            dist.all_reduce(esq, group=mesh.groups["ep"])
+        sq = sq + esq
     if mesh.groups["mp"] is not None:
         dist.all_reduce(sq, group=mesh.groups["mp"])
     return sq.sqrt()
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: ParallelMesh,
-                   norm_params: Optional[Iterable[torch.Tensor]] = None) -> float:
+                   norm_params: Optional[Iterable[torch.Tensor]] = None,
+                   expert_norm_params: Iterable[torch.Tensor] = ()) -> float:
     """Scale the gradients of ``params`` so their global norm (over ``norm_params``, default
-    ``params``) is at most ``max_norm`` (skip if <= 0); returns the norm before clipping."""
+    ``params``, plus ``expert_norm_params``) is at most ``max_norm`` (skip if <= 0); returns
+    the norm before clipping."""
     params = list(params)
-    norm = global_grad_norm(params if norm_params is None else norm_params, mesh)
+    norm = global_grad_norm(params if norm_params is None else norm_params, mesh,
+                            expert_norm_params)
     if max_norm > 0:
         coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:

@@ -26,6 +26,7 @@ from loom.models import get_family
 from loom.models.family import ModelFamily
 from loom.parallel.context import local_positions, slice_for_cp
 from loom.parallel.data import GradientReducer
+from loom.parallel.expert import ReducerGroup
 from loom.parallel.mesh import ParallelMesh, init_distributed
 from loom.parallel.parallelize import build_model_chunks
 from loom.parallel.pipeline.model import allreduce_embedding_grads
@@ -35,10 +36,13 @@ from loom.parallel.random import RNGTracker, seed_everything
 from loom.parallel.registry import ParamRegistry, named_parameters
 from loom.parallel.sequence import allreduce_sequence_parallel_grads
 from loom.planner.flops import model_flops_per_iteration
-from loom.planner.memory import total_params
 from loom.planner.predict import predict_layout
 from loom.training.metrics import MetricsLogger, peak_flops_per_rank, peak_memory_bytes
 from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
+
+
+MOE_LOGGED = ("moe aux loss", "moe z loss", "moe load min", "moe load max",
+              "moe load imbalance", "moe dropped")  # loss_fn metrics of MoE models, logged
 
 
 def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
@@ -65,7 +69,8 @@ class Trainer:
             p = cfg.parallel
             mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
                                       pp=p.pipeline_model_parallel_size,
-                                      cp=p.context_parallel_size, device=device)
+                                      cp=p.context_parallel_size, device=device,
+                                      ep=p.expert_model_parallel_size)
         self.mesh = mesh
         self.family = family or get_family(cfg.model.model_type)
         self.world_size = math.prod(mesh.sizes.values())
@@ -79,11 +84,14 @@ class Trainer:
         self.registry = ParamRegistry.merged(c.registry for c in self.model_chunks)
         self.forward_step = with_autocast(self.family.forward_step, mesh.device.type,
                                           torch.bfloat16 if t.bf16 else None)
-        self.reducers = [GradientReducer(c.parameters(), mesh.groups["dp_cp"],
-                                         cfg.parallel.ddp_bucket_size) for c in self.model_chunks]
+        self.reducers = [self._reducer(c) for c in self.model_chunks]
         named = list(named_parameters(self.model_chunks))
         self.params = [p for _, p, _ in named]
-        self.norm_params = [p for _, p, m in named if m.counts_for_norm(mesh.tp_rank)]
+        ep = mesh.ep_size > 1
+        self.norm_params = [p for _, p, m in named if m.counts_for_norm(mesh.tp_rank)
+                            and not (ep and m.expert_parallel)]
+        self.expert_norm_params = [p for _, p, m in named if ep and m.expert_parallel
+                                   and m.counts_for_norm(mesh.tp_rank)]
         self.sp_params = [p for _, p, m in named if m.sequence_parallel]
         self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t, mesh.groups["dp_cp"])
         self.scheduler = build_scheduler(self.optimizer, t)
@@ -101,6 +109,19 @@ class Trainer:
         self.predicted_step_s = self._predict_step_time()
         if cfg.logging.load:
             self.load(cfg.logging.load)
+
+    def _reducer(self, chunk: nn.Module):
+        """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
+        gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`)."""
+        bucket, mesh = self.cfg.parallel.ddp_bucket_size, self.mesh
+        if mesh.ep_size == 1:
+            return GradientReducer(chunk.parameters(), mesh.groups["dp_cp"], bucket)
+        named = [(p, chunk.registry[n].expert_parallel) for n, p in chunk.named_parameters()]
+        experts = [p for p, is_expert in named if is_expert]
+        return ReducerGroup([GradientReducer([p for p, e in named if not e], mesh.groups["dp_cp"],
+                                             bucket),
+                             GradientReducer(experts, mesh.groups["edp"], bucket)],
+                            experts, 1.0 / mesh.ep_size)
 
     def _predict_step_time(self) -> Optional[float]:
         """The planner's iteration time for this exact layout (seconds), when it knows the
@@ -136,6 +157,7 @@ class Trainer:
             batch = {k: slice_for_cp(v, cp_rank, cp).to(dev, non_blocking=True)
                      for k, v in get_batch(dataset, i).items()}
             batch["position_ids"] = positions
+            batch["num_microbatches"] = self.num_microbatches
             out.append(batch)
         return out
 
@@ -164,7 +186,7 @@ class Trainer:
     def optimizer_step(self) -> float:
         """Clip by the global norm, AdamW step, LR schedule; returns the pre-clip grad norm."""
         norm = clip_grad_norm(self.params, self.cfg.training.clip_grad, self.mesh,
-                              self.norm_params)
+                              self.norm_params, self.expert_norm_params)
         self.optimizer.step()
         self.scheduler.step()
         for r in self.reducers:
@@ -213,7 +235,12 @@ class Trainer:
         # loss (and, pipelined, the bubble fraction) summed over ranks in one collective
         bubble = self.last_stats.bubble_fraction / self.world_size if self.mesh.pp_size > 1 else 0.0
         local = self._owned_loss(loss) if self.world_size > 1 else float(loss)
-        loss_avg, bubble_avg = self._all_reduce([local, bubble])
+        moe_keys = MOE_LOGGED if self.cfg.model.num_experts else ()
+        m = self.mesh
+        owner = m.is_last_stage and m.tp_rank == 0  # mean over DP x CP, from the last stage
+        moe = [self.last_metrics.get(k, 0.0) / (m.dp_size * m.sizes["cp"]) if owner else 0.0
+               for k in moe_keys]
+        loss_avg, bubble_avg, *moe = self._all_reduce([local, bubble, *moe])
         self.iteration += 1
         self.consumed_samples += self.global_batch
         tokens = self.global_batch * self.cfg.model.seq_length
@@ -223,6 +250,7 @@ class Trainer:
                "tflops_per_rank": tflops,
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_memory_bytes": peak_memory_bytes(self.mesh.device)}
+        rec.update({k.replace(" ", "_"): v for k, v in zip(moe_keys, moe)})
         if self.predicted_step_s is not None:
             rec["predicted_step_time_s"] = self.predicted_step_s
         if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
@@ -270,15 +298,27 @@ class Trainer:
         self.consumed_samples = common["consumed_samples"]
         return True
 
+    def count_parameters(self) -> tuple[int, int]:
+        """(parameters of the whole model, parameters held by this rank): every parameter is
+        counted once over all ranks (TP shards on each TP rank, replicated ones on TP rank 0,
+        the first DP replica, experts on their EP rank, pipeline duplicates never)."""
+        m = self.mesh
+        first_replica = m.coords["cp"] == 0 and m.coords["dp"] < m.ep_size
+        owned = sum(p.numel() for _, p, meta in named_parameters(self.model_chunks)
+                    if first_replica and meta.counts_for_norm(m.tp_rank)
+                    and (meta.expert_parallel or m.ep_rank == 0))
+        (total,) = self._all_reduce([float(owned)])
+        return int(total), sum(p.numel() for p in self.params)
+
     # -- the loop ----------------------------------------------------------------------------------
     def train(self) -> list[dict]:
         """Train to ``--train-iters``; log, evaluate and save on their intervals."""
         lg = self.cfg.logging
         log = MetricsLogger(self.global_rank == 0, lg.log_json, lg.tensorboard_dir,
                             self.cfg.training.train_iters - self.iteration, not lg.no_progress_bar)
-        log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, "
-                  f"{total_params(self.cfg.model):,.0f} parameters "
-                  f"({sum(p.numel() for p in self.params):,} on rank 0), "
+        total, local = self.count_parameters()
+        log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, {total:,} parameters "
+                  f"({local:,} on rank 0), "
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
                   f"{self.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")

@@ -15,6 +15,7 @@ own layers (``StageSpec``); parameter names carry the global layer index.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 from loom.config import ModelConfig
 from loom.models.attention import DotProductAttention, KVCache, apply_rope, rope_cos_sin
 from loom.models.family import StageSpec
+from loom.models.moe import MoEContext, MoELayer
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -80,7 +82,7 @@ class MLP(nn.Module):
         self.linear_fc1 = nn.Linear(h, 2 * f if cfg.swiglu else f, bias=bias)
         self.linear_fc2 = nn.Linear(f, h, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, moe: Optional[MoEContext] = None) -> torch.Tensor:
         y = self.linear_fc1(x)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
@@ -98,14 +100,14 @@ class TransformerLayer(nn.Module):
         self.input_norm = build_norm(cfg)
         self.self_attention = SelfAttention(cfg, layer_number)
         self.pre_mlp_norm = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoELayer(cfg, layer_number) if cfg.is_moe_layer(layer_number) else MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
-                positions: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
+                moe: Optional[MoEContext] = None) -> torch.Tensor:
         x = x + self.hidden_dropout(self.self_attention(self.input_norm(x), rope, positions, cache))
-        return x + self.hidden_dropout(self.mlp(self.pre_mlp_norm(x)))
+        return x + self.hidden_dropout(self.mlp(self.pre_mlp_norm(x), moe))
 
 
 class Embedding(nn.Module):
@@ -181,10 +183,11 @@ class GPTModel(nn.Module):
                 labels: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, moe: Optional[MoEContext] = None) -> torch.Tensor:
         """First chunk: ``input_ids [b, s]``; later chunks: ``hidden_states [s, b, h]``.
         ``position_ids [s]``: global positions of these tokens (default ``0 .. s-1`` after the
-        cached length; required on chunks without the embedding).
+        cached length; required on chunks without the embedding). ``moe``: the MoE layers'
+        auxiliary-loss scale and metrics (:class:`~loom.models.moe.MoEContext`).
 
         Returns, on the last chunk, the per-token loss ``[b, s]`` (fp32) when ``labels`` is
         given, else the logits ``[b, s, Vp]``; on other chunks the hidden states ``[s, b, h]``.
@@ -200,7 +203,7 @@ class GPTModel(nn.Module):
         if self.cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
         for layer in self.layers.values():
-            x = layer(x, rope, position_ids, cache)
+            x = layer(x, rope, position_ids, cache, moe)
         if not self.post_process:
             return x
         return self.head(self.final_norm(x), self.output_weight(), labels)
@@ -218,16 +221,31 @@ class GPTModel(nn.Module):
         return cache
 
 
-def lm_loss(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean of the per-token loss ``[b, s]``, and the metrics ``{"lm loss": mean}``."""
+def lm_loss(per_token: torch.Tensor, moe: Optional[MoEContext] = None
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean of the per-token loss ``[b, s]``, and the metrics: ``lm loss``, and for MoE models
+    the auxiliary losses summed over this chunk's MoE layers (already in the gradient through
+    :class:`~loom.models.moe.AuxLossScaler`) and the per-expert token load (min, max, max/mean)."""
     loss = per_token.float().mean()
-    return loss, {"lm loss": loss.detach()}
+    metrics = {"lm loss": loss.detach()}
+    if moe is not None and moe.metrics:
+        for kind in ("aux loss", "z loss", "dropped"):
+            metrics[f"moe {kind}"] = sum(v.float() for k, v in moe.metrics.items()
+                                         if k.startswith(f"moe {kind}/"))
+        load = sum(v for k, v in moe.metrics.items() if k.startswith("moe load/")).float()
+        metrics.update({"moe load min": load.min(), "moe load max": load.max(),
+                        "moe load imbalance": load.max() / load.mean().clamp_min(1e-9)})
+    return loss, metrics
 
 
 def forward_step(chunk: GPTModel, batch: dict, hidden_states: Optional[torch.Tensor] = None):
-    """Megatron's forward step: ``batch`` has ``tokens``, ``labels`` ``[b, s]`` and
-    ``position_ids [s]``; returns ``(output, loss_fn)``."""
+    """Megatron's forward step: ``batch`` has ``tokens``, ``labels`` ``[b, s]``,
+    ``position_ids [s]`` and ``num_microbatches`` (m: MoE auxiliary losses are scaled by 1/m
+    like the LM loss); returns ``(output, loss_fn)``."""
+    moe = None
+    if chunk.cfg.num_experts:
+        moe = MoEContext(scale=1.0 / batch.get("num_microbatches", 1))
     out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None,
                 labels=batch["labels"] if chunk.post_process else None,
-                hidden_states=hidden_states, position_ids=batch.get("position_ids"))
-    return out, lm_loss
+                hidden_states=hidden_states, position_ids=batch.get("position_ids"), moe=moe)
+    return out, functools.partial(lm_loss, moe=moe)
