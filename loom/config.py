@@ -66,6 +66,9 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0  # Switch/GShard load-balancing loss coefficient
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient (ST-MoE)
     moe_expert_capacity_factor: Optional[float] = None  # None = dropless
+    moe_router_pre_softmax: bool = False  # softmax over all experts, top-k NOT renormalized
+    moe_shared_expert_gate: bool = False  # shared expert output scaled by sigmoid(x w) (Qwen2-MoE)
+    add_qkv_bias: bool = False  # biases in the QKV projection only (Qwen2)
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (0-based) has an MoE instead of a dense MLP."""
@@ -108,6 +111,25 @@ class ModelConfig:
     def gpt2(cls, **kw: Any) -> "ModelConfig":
         """GPT-2 layout: LayerNorm, learned positions, GeLU MLP with bias, tied embeddings."""
         return cls(**kw)
+
+    @classmethod
+    def mixtral(cls, **kw: Any) -> "ModelConfig":
+        """Mixtral-style MoE: the LLaMA layout with every MLP a mixture of 8 SwiGLU experts,
+        softmax top-2 router (Jiang et al. 2024)."""
+        base = dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.01)
+        base.update(kw)
+        return cls.llama(**base)
+
+    @classmethod
+    def deepseek_moe(cls, **kw: Any) -> "ModelConfig":
+        """DeepSeek-style MoE: fine-grained experts (64 of width ffn/8, top-6, sigmoid router
+        with normalized weights) plus an always-on shared expert (DeepSeek-V3 sec. 2.1)."""
+        h = kw.get("hidden_size", 256)
+        base = dict(num_experts=64, moe_router_topk=6, moe_router_score_function="sigmoid",
+                    moe_ffn_hidden_size=max(h // 2, 8), moe_shared_expert_intermediate_size=2 * h,
+                    moe_aux_loss_coeff=0.001)
+        base.update(kw)
+        return cls.llama(**base)
 
     @classmethod
     def llama(cls, **kw: Any) -> "ModelConfig":

@@ -71,16 +71,19 @@ class Routing:
 
 def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
           aux_coeff: float = 0.0, z_coeff: float = 0.0,
-          capacity_factor: Optional[float] = None) -> Routing:
+          capacity_factor: Optional[float] = None, pre_softmax: bool = False) -> Routing:
     """Route ``logits [T, E]`` (fp32) to the top ``k`` experts.
 
-    softmax: probabilities over all experts, the top-k kept as weights (Mixtral renormalizes
-    them: so do we). sigmoid: per-expert scores, top-k normalized to sum 1 (DeepSeek-V3).
+    softmax: the top-k probabilities renormalized to sum 1 (Megatron's default, = softmax over
+    the top-k logits; Mixtral), or with ``pre_softmax`` the softmax over all experts kept as
+    is (``--moe-router-pre-softmax``; Qwen2-MoE's ``norm_topk_prob=False``). sigmoid:
+    per-expert scores, top-k normalized to sum 1 (DeepSeek-V3).
     """
     T, E = logits.shape
     scores = logits.softmax(-1) if score_function == "softmax" else logits.sigmoid()
     top, experts = scores.topk(k, dim=-1)
-    weights = top / top.sum(-1, keepdim=True)
+    renormalize = score_function != "softmax" or not pre_softmax
+    weights = top / top.sum(-1, keepdim=True) if renormalize else top
     kept = torch.ones_like(experts, dtype=torch.bool)
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * T * k / E)
@@ -161,6 +164,9 @@ class MoELayer(nn.Module):
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_expert = ExpertMLP(h, cfg.moe_shared_expert_intermediate_size,
                                            cfg.swiglu, bias)
+        self.shared_expert_gate = None
+        if self.shared_expert is not None and cfg.moe_shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dispatcher = LocalDispatcher()
 
     def forward(self, x: torch.Tensor, moe: Optional[MoEContext] = None) -> torch.Tensor:
@@ -169,10 +175,13 @@ class MoELayer(nn.Module):
         c = self.cfg
         logits = F.linear(tokens.float(), self.router.weight.float())  # router in fp32
         routing = route(logits, c.moe_router_topk, c.moe_router_score_function,
-                        c.moe_aux_loss_coeff, c.moe_z_loss_coeff, c.moe_expert_capacity_factor)
+                        c.moe_aux_loss_coeff, c.moe_z_loss_coeff, c.moe_expert_capacity_factor,
+                        c.moe_router_pre_softmax)
         expert_out, shared_out = self.dispatcher(tokens, routing, self.experts, self.shared_expert)
         y = (expert_out * routing.weights.unsqueeze(-1).to(expert_out.dtype)).sum(1)
         if shared_out is not None:
+            if self.shared_expert_gate is not None:
+                shared_out = torch.sigmoid(self.shared_expert_gate(tokens)) * shared_out
             y = y + shared_out
         y = y.view(s, b, h)
         aux = routing.aux_loss + routing.z_loss

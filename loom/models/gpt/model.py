@@ -45,7 +45,7 @@ class SelfAttention(nn.Module):
         self.layer_number, self.head_dim = layer_number, d
         self.q_share = a / (a + 2 * g)  # share of the fused QKV width that is queries
         bias = not cfg.disable_bias_linear
-        self.linear_qkv = nn.Linear(h, (a + 2 * g) * d, bias=bias)
+        self.linear_qkv = nn.Linear(h, (a + 2 * g) * d, bias=bias or cfg.add_qkv_bias)
         self.core_attention = DotProductAttention(cfg.attention_dropout)
         self.linear_proj = nn.Linear(a * d, h, bias=bias)
 
