@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={args.nproc_per_node}", "-m", "loom", "train",
            "--config", args.config, "--data-path", train_prefix,
-           "--valid-data-path", valid_prefix, "--save", str(ckpt), "--log-json", str(log_json)]
+           "--valid-data-path", valid_prefix, "--save", str(ckpt), "--overwrite-checkpoints",
+           "--log-json", str(log_json)]
     if args.train_iters:
         cmd += ["--train-iters", str(args.train_iters)]
     t1 = time.time()

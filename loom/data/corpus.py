@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterable, Optional
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 WHEEL = "exllamav2==0.3.2"
 _DATA_DIR = "exllamav2/conversion/standard_cal_data/"

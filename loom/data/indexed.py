@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
@@ -77,6 +77,7 @@ class IndexedDatasetBuilder:
         self._bin = open(self._tmp_bin, "wb")
         self._sizes: list[int] = []
         self.num_tokens = 0
+        self.max_token_id = -1  # largest id written (-1: none yet)
 
     def add_document(self, ids: Iterable[int]) -> None:
         """Append one document (a 1-D sequence of token ids, any int dtype; cast to ``dtype``).
@@ -92,6 +93,8 @@ class IndexedDatasetBuilder:
                 raise ValueError(f"token id out of range for {self.dtype}: "
                                  f"[{int(arr.min())}, {int(arr.max())}]")
         arr = arr.astype(self.dtype, copy=False)
+        if arr.size:
+            self.max_token_id = max(self.max_token_id, int(arr.max()))
         self._bin.write(arr.tobytes(order="C"))
         self._sizes.append(int(arr.size))
         self.num_tokens += int(arr.size)
@@ -172,10 +175,31 @@ class IndexedDataset:
         actual = os.path.getsize(bin_path)
         if actual < expected:
             raise _missing(self.prefix, f"{bin_path} is truncated ({actual} bytes, the index needs {expected})")
+        self._check_belongs(idx_path, bin_path, actual, expected)
         if actual == 0:
             self._bin = np.empty(0, dtype=np.uint8)
         else:
             self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8)
+
+    def _check_belongs(self, idx_path: str, bin_path: str, actual: int, expected: int) -> None:
+        """Refuse an index that does not describe this ``.bin`` (offsets past the end or not
+        contiguous, negative sizes, document boundaries out of order, a ``.bin`` longer than
+        the index covers); the message names both files."""
+        sizes, ptr, docs = self.sizes, self.pointers, self.document_indices
+        n = len(sizes)
+        why = None
+        if n and (int(sizes.min()) < 0 or int(ptr[0]) != 0):
+            why = "its first offset is not 0 or a size is negative"
+        elif n > 1 and not np.array_equal(ptr[1:], ptr[:-1] + sizes[:-1].astype(np.int64) * self.dtype.itemsize):
+            why = "its byte offsets are not contiguous"
+        elif actual != expected:
+            why = f"it covers {expected} bytes but {bin_path} has {actual}"
+        elif len(docs) and (int(docs[0]) != 0 or int(docs[-1]) != n or bool(np.any(np.diff(docs) < 0))):
+            why = "its document boundaries do not cover its sequences in order"
+        if why:
+            raise ConfigError(
+                f"--data-path {self.prefix}: index {idx_path} does not belong to {bin_path} ({why}); "
+                f"re-run `loom preprocess --input ... --output-prefix {self.prefix}` to rebuild both")
 
     def __len__(self) -> int:
         return len(self.sizes)

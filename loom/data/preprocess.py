@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 from loom.data.indexed import IndexedDatasetBuilder, best_dtype
 from loom.data.tokenizer import EOD_TOKEN, TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
@@ -146,6 +146,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, 
     builder.finalize()
     meta = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "num_documents": n_docs,
             "num_tokens": builder.num_tokens, "dtype": np.dtype(dtype).name,
+            "max_token_id": builder.max_token_id,
             "append_eod": bool(append_eod), "inputs": [os.path.abspath(p) for p in inputs]}
     _atomic_write_text(output_prefix + ".meta.json", json.dumps(meta, indent=1) + "\n")
     return meta

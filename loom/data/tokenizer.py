@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Iterable, Iterator, Optional, Sequence
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 EOD_TOKEN = "<|endoftext|>"
 _EOD_FALLBACKS = (EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")

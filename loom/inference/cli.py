@@ -37,7 +37,7 @@ def load_for_inference(load_dir: str, tp: int = 1):
     if ckpt is None:
         raise ConfigError(f"--load {load_dir}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
-    cfg = LoomConfig.from_flat(read_common(ckpt)["config"])
+    cfg = LoomConfig.from_flat(read_common(ckpt)["config"], ignore_retired=True)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 or tp > 1:
