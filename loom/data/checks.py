@@ -68,7 +68,7 @@ def check_dataset(prefix: str, vocab_size: Optional[int], flag: str = "--data-pa
     ``vocab_size`` (``--vocab-size``); no token id is >= ``vocab_size``. Raises ConfigError naming
     ``flag`` and the file.
     """
-    ds = IndexedDataset(prefix)
+    ds = IndexedDataset(prefix, flag)
     meta = _read_meta(prefix)
     meta_path = f"{prefix}.meta.json"
     if meta is not None:

@@ -49,9 +49,9 @@ def dtype_code(dtype) -> int:
                          f"{sorted(str(np.dtype(v)) for v in DTYPE_CODES.values())}") from None
 
 
-def _missing(prefix: str, what: str) -> ConfigError:
+def _missing(prefix: str, what: str, flag: str = "--data-path") -> ConfigError:
     return ConfigError(
-        f"--data-path {prefix}: {what}; re-run `loom preprocess --input ... --output-prefix {prefix}` "
+        f"{flag} {prefix}: {what}; re-run `loom preprocess --input ... --output-prefix {prefix}` "
         f"to (re)build {prefix}.bin and {prefix}.idx")
 
 
@@ -140,29 +140,30 @@ class IndexedDataset:
     by :class:`IndexedDatasetBuilder`. ``ds[i]`` is a 1-D numpy array (dtype ``ds.dtype``).
 
     Raises:
-        ConfigError: naming ``--data-path PREFIX`` when ``.bin``/``.idx`` is missing, the index is
+        ConfigError: naming ``flag PREFIX`` (default ``--data-path``) when ``.bin``/``.idx`` is missing, the index is
             not MMIDIDX, or ``.bin`` is shorter than the index says (truncated).
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, flag: str = "--data-path"):
         self.prefix = str(prefix)
+        self.flag = flag
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise _missing(self.prefix, f"{p} does not exist")
+                raise _missing(self.prefix, f"{p} does not exist", self.flag)
         with open(idx_path, "rb") as f:
             head = f.read(len(_MAGIC) + 8 + 1 + 8 + 8)
         if len(head) < 34 or head[:9] != _MAGIC:
-            raise _missing(self.prefix, f"{idx_path} is not a Megatron MMIDIDX index (bad header)")
+            raise _missing(self.prefix, f"{idx_path} is not a Megatron MMIDIDX index (bad header)", self.flag)
         version, = struct.unpack("<Q", head[9:17])
         code, = struct.unpack("<B", head[17:18])
         n_seq, n_doc = struct.unpack("<QQ", head[18:34])
         if version != _VERSION or code not in DTYPE_CODES:
-            raise _missing(self.prefix, f"{idx_path} has unsupported version {version} / dtype code {code}")
+            raise _missing(self.prefix, f"{idx_path} has unsupported version {version} / dtype code {code}", self.flag)
         self.dtype = np.dtype(DTYPE_CODES[code])
         need = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
         if os.path.getsize(idx_path) < need:
-            raise _missing(self.prefix, f"{idx_path} is truncated ({os.path.getsize(idx_path)} < {need} bytes)")
+            raise _missing(self.prefix, f"{idx_path} is truncated ({os.path.getsize(idx_path)} < {need} bytes)", self.flag)
         idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         off = 34
         self.sizes = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=off)
@@ -174,7 +175,7 @@ class IndexedDataset:
         expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n_seq else 0
         actual = os.path.getsize(bin_path)
         if actual < expected:
-            raise _missing(self.prefix, f"{bin_path} is truncated ({actual} bytes, the index needs {expected})")
+            raise _missing(self.prefix, f"{bin_path} is truncated ({actual} bytes, the index needs {expected})", self.flag)
         self._check_belongs(idx_path, bin_path, actual, expected)
         if actual == 0:
             self._bin = np.empty(0, dtype=np.uint8)
@@ -198,7 +199,7 @@ class IndexedDataset:
             why = "its document boundaries do not cover its sequences in order"
         if why:
             raise ConfigError(
-                f"--data-path {self.prefix}: index {idx_path} does not belong to {bin_path} ({why}); "
+                f"{self.flag} {self.prefix}: index {idx_path} does not belong to {bin_path} ({why}); "
                 f"re-run `loom preprocess --input ... --output-prefix {self.prefix}` to rebuild both")
 
     def __len__(self) -> int:
