@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from loom.cli import main
@@ -70,6 +71,12 @@ def world(tmp_path_factory) -> Path:
     _fake_checkpoint(root / "ckpt", [2, 4, 8], "7x\n")  # a broken pointer
     _fake_checkpoint(root / "ckpt_gone", [2, 4], "16")  # names a missing iteration
     _fake_checkpoint(root / "ckpt_nopointer", [2], None)
+    _fake_checkpoint(root / "ckpt_trunc", [2], "2")  # a real common.pt, a truncated shard
+    torch.save({"config": {"vocab_size": 100}}, root / "ckpt_trunc/iter_0000002/common.pt")
+    shard = root / "ckpt_trunc/iter_0000002/model_tp00_pp000.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}}, shard)
+    with open(shard, "r+b") as fh:
+        fh.truncate(2000)
     (root / "a_file").write_text("I am a file\n")
     (root / "syntax.yaml").write_text("num_layers: 2\nlr: [0.1\nseed: 3\n")
     (root / "type.yaml").write_text("num_layers: 2\nlr: fast\n")
@@ -154,6 +161,10 @@ CASES = [
     ("fresh-run-load-and-save", BASE + ["--load", "{w}/ckpt", "--save", "{w}/ckpt"],
      ["latest_checkpointed_iteration.txt"]),
     ("save-under-file", BASE + ["--save", "{w}/a_file/ckpt"], ["--save", "a_file"]),
+    ("load-truncated-shard", BASE + ["--load", "{w}/ckpt_trunc", "--save", "{w}/new"],
+     ["model_tp00_pp000.pt"]),
+    ("load-truncated-shard-vocab-from-ckpt", DATA + ["--mock-data", "--load", "{w}/ckpt_trunc"],
+     ["model_tp00_pp000.pt"]),
     ("load-is-file", BASE + ["--load", "{w}/a_file"], ["--load"]),
     # -- data ----------------------------------------------------------------------------------
     ("data-missing", DATA + ["--data-path", "{w}/nope"], ["--data-path"]),
@@ -208,6 +219,8 @@ CASES = [
      ["--top-k"]),
     ("gen-broken-pointer", ["generate", "--load", "{w}/ckpt", "--prompt", "hi"],
      ["latest_checkpointed_iteration.txt"]),
+    ("gen-truncated-shard", ["generate", "--load", "{w}/ckpt_trunc", "--prompt", "hi"],
+     ["model_tp00_pp000.pt"]),
     ("gen-no-dir", ["generate", "--load", "{w}/nope", "--prompt", "hi"], ["--load"]),
     ("gen-abbreviation", ["generate", "--load", "{w}/ckpt", "--prompt", "hi", "--max-new", "3"],
      ["--max-new"]),

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import zipfile
 from typing import Optional
 
 from loom.errors import ConfigError
@@ -109,6 +110,25 @@ def resolve_checkpoint(root: str, step: Optional[int] = None) -> Optional[str]:
             f"{path} is {'incomplete' if os.path.isdir(path) else 'missing'}; "
             f"{_available(root)}: give --ckpt-step N to load one of them, or restore {path}")
     return path
+
+
+def check_checkpoint_files(path: str) -> None:
+    """Refuse a checkpoint whose ``.pt`` files are truncated or not torch archives (each must be a
+    readable zip with its central directory); ConfigError names the file."""
+    names = sorted(n for n in os.listdir(path) if n.endswith(".pt"))
+    if not any(n.startswith("model_") for n in names):
+        raise ConfigError(f"checkpoint {path} holds no model_tp*_pp*.pt shard; give --ckpt-step N "
+                          f"to load another one ({_available(os.path.dirname(path))})")
+    for name in names:
+        file = os.path.join(path, name)
+        try:
+            with zipfile.ZipFile(file) as zf:
+                zf.infolist()
+        except (OSError, zipfile.BadZipFile) as e:
+            raise ConfigError(
+                f"checkpoint file {file} is unreadable ({e}); it was truncated or overwritten: "
+                f"give --ckpt-step N to load another checkpoint "
+                f"({_available(os.path.dirname(path))})") from None
 
 
 def _nearest_existing(path: str) -> str:

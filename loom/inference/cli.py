@@ -51,7 +51,7 @@ def check_arguments(args: argparse.Namespace) -> None:
              ">= 0")):
         if not ok:
             raise ConfigError(f"{name} must be {rule}, got {value}")
-    from loom.checkpoint.safety import resolve_checkpoint
+    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load {args.load}: no such checkpoint directory; train with --save "
                           f"first")
@@ -59,6 +59,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if ckpt is None:
         raise ConfigError(f"--load {args.load}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
+    check_checkpoint_files(ckpt)
     if not os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
         raise ConfigError(f"--load {args.load}: {ckpt} has no tokenizer.json (trained on "
                           f"--mock-data?); generation needs a run trained with --data-path")

@@ -53,13 +53,14 @@ def _check_data(cfg: LoomConfig) -> None:
 
 def _check_checkpoints(cfg: LoomConfig) -> int:
     """Resolve ``--load`` and check ``--save``; returns the start iteration."""
-    from loom.checkpoint.safety import check_save_dir, resolve_checkpoint
+    from loom.checkpoint.safety import check_checkpoint_files, check_save_dir, resolve_checkpoint
     from loom.planner.memory import total_params
     ck = cfg.checkpoint
     start, ckpt = 0, None
     if ck.load:
         ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
         if ckpt is not None:
+            check_checkpoint_files(ckpt)
             start = int(os.path.basename(ckpt).split("_")[1])
     if ck.save:
         weights_and_adam = 12  # bytes per parameter: fp32 weight + two fp32 Adam moments
@@ -73,9 +74,10 @@ def _vocab_from_checkpoint(cfg: LoomConfig) -> None:
     if cfg.model.vocab_size is not None or not ck.load or cfg.data.data_path:
         return
     from loom.checkpoint.io import read_common
-    from loom.checkpoint.safety import resolve_checkpoint
+    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
     if ckpt is not None:
+        check_checkpoint_files(ckpt)
         cfg.model.vocab_size = int(read_common(ckpt)["config"]["vocab_size"])
 
 
