@@ -65,6 +65,9 @@ def world(tmp_path_factory) -> Path:
     _dataset(root / "liar", docs, dict(good, num_tokens=999))
     _dataset(root / "mixed", docs, good)  # its .idx is replaced by another dataset's below
     (root / "mixed.idx").write_bytes((root / "other.idx").read_bytes())
+    _dataset(root / "tokmix", docs, good)
+    (root / "tokmix.tokenizer.json").write_text(json.dumps(
+        {"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 2, "content": "<e>"}]}))
     _dataset(root / "trunc", docs, good)
     with open(root / "trunc.bin", "r+b") as fh:
         fh.truncate(100)
@@ -171,6 +174,8 @@ CASES = [
     ("data-truncated", DATA + ["--data-path", "{w}/trunc"], ["trunc.bin"]),
     ("data-idx-of-another", DATA + ["--data-path", "{w}/mixed"], ["mixed.idx", "mixed.bin"]),
     ("data-meta-disagrees", DATA + ["--data-path", "{w}/liar"], ["liar.meta.json", "num_tokens"]),
+    ("data-tokenizer-disagrees", DATA + ["--data-path", "{w}/tokmix"],
+     ["tokmix.tokenizer.json", "tokmix.meta.json"]),
     ("data-id-above-vocab", DATA + ["--data-path", "{w}/high"], ["token id 150", "--vocab-size"]),
     ("data-vocab-below-tokenizer", DATA + ["--data-path", "{w}/ds", "--vocab-size", "50"],
      ["--vocab-size 50"]),
@@ -379,3 +384,29 @@ def test_failed_save_names_dir_and_os_error_and_leftovers_are_cleaned(tmp_path, 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_good_inputs_still_pass(tmp_path, monkeypatch, capsys):
+    """The checks refuse nothing good: preprocess (2 workers) then train on the real dataset
+    (meta, tokenizer, .idx/.bin cross-checks), save, resume with the explicit --ckpt-step."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    text = tmp_path / "a.txt"
+    text.write_text("".join(f"line {i} of some plain words about {i % 7} things\n"
+                            for i in range(200)))
+    prefix = str(tmp_path / "ds")
+    with pytest.raises(SystemExit) as e:
+        main(["preprocess", "--input", str(text), "--output-prefix", prefix, "--tokenizer-type",
+              "ByteLevelBPETrained", "--vocab-size", "300", "--append-eod", "--workers", "2"])
+    assert e.value.code == 0
+    args = DATA + ["--data-path", prefix, "--save", str(tmp_path / "ck"), "--no-progress-bar"]
+    try:
+        for extra in ([], ["--load", str(tmp_path / "ck"), "--ckpt-step", "1",
+                           "--train-iters", "2"]):
+            with pytest.raises(SystemExit) as e:
+                main(args + extra)
+            assert e.value.code == 0, capsys.readouterr().err
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text() == "2"

@@ -32,6 +32,19 @@ def _read_meta(prefix: str) -> Optional[dict]:
     return meta
 
 
+def tokenizer_vocab_size(path: str) -> Optional[int]:
+    """Distinct ids a ``tokenizer.json`` defines, added tokens included (what ``tokenizers``
+    reports as ``get_vocab_size(with_added_tokens=True)``); None without a ``model.vocab``
+    mapping."""
+    with open(path, encoding="utf-8") as fh:
+        tok = json.load(fh)
+    vocab = (tok.get("model") or {}).get("vocab")
+    if not isinstance(vocab, dict):
+        return None
+    ids = list(vocab.values()) + [t.get("id", -1) for t in tok.get("added_tokens") or []]
+    return len(set(ids) - {-1})
+
+
 def max_token_id(ds: IndexedDataset, meta: Optional[dict] = None) -> int:
     """Largest token id of ``ds`` (-1 when empty): ``meta["max_token_id"]``, the cache file, or
     one pass over the ``.bin`` (then cached, if the directory is writable)."""
@@ -64,7 +77,8 @@ def check_dataset(prefix: str, vocab_size: Optional[int], flag: str = "--data-pa
     """Open ``prefix`` and cross-check it; returns the dataset.
 
     Checks: ``.idx`` belongs to ``.bin`` (see :class:`IndexedDataset`); ``meta.json``'s
-    ``num_tokens``, ``num_documents`` and ``dtype`` match the index; its ``vocab_size`` is at most
+    ``num_tokens``, ``num_documents`` and ``dtype`` match the index and its ``vocab_size`` the
+    stored ``PREFIX.tokenizer.json``; its ``vocab_size`` is at most
     ``vocab_size`` (``--vocab-size``); no token id is >= ``vocab_size``. Raises ConfigError naming
     ``flag`` and the file.
     """
@@ -80,6 +94,18 @@ def check_dataset(prefix: str, vocab_size: Optional[int], flag: str = "--data-pa
                     f"{prefix}.bin hold {actual}: the files come from different runs; re-run "
                     f"`loom preprocess --output-prefix {prefix}`")
         meta_v = meta.get("vocab_size")
+        tok_path = f"{prefix}.tokenizer.json"
+        if isinstance(meta_v, int) and os.path.isfile(tok_path):
+            try:
+                tok_v = tokenizer_vocab_size(tok_path)
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise ConfigError(f"{flag} {prefix}: cannot read {tok_path} ({e}); re-run "
+                                  f"`loom preprocess`") from None
+            if tok_v is not None and tok_v != meta_v:
+                raise ConfigError(
+                    f"{flag} {prefix}: {tok_path} defines {tok_v} ids but {meta_path} says "
+                    f"vocab_size = {meta_v}: the tokenizer is not the one the data was "
+                    f"tokenized with; re-run `loom preprocess --output-prefix {prefix}`")
         if vocab_size is not None and isinstance(meta_v, int) and meta_v > vocab_size:
             raise ConfigError(
                 f"--vocab-size {vocab_size} is smaller than the tokenizer's vocabulary "
