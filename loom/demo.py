@@ -22,10 +22,14 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="runs/demo", help="data, checkpoint and logs")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
-    parser.add_argument("--nproc-per-node", type=int, default=4)
-    parser.add_argument("--train-iters", type=int, default=None)
-    parser.add_argument("--prompt", default="The history of the city")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
+                        help="YAML of `loom train` flags (default configs/demo.yaml)")
+    parser.add_argument("--nproc-per-node", type=int, default=4,
+                        help="ranks torchrun starts (default 4: TP=2 x DP=2)")
+    parser.add_argument("--train-iters", type=int, default=None,
+                        help="override the config's iteration count")
+    parser.add_argument("--prompt", default="The history of the city",
+                        help="text the trained model continues")
 
 
 def _run(cmd: list[str]) -> None:

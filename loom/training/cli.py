@@ -62,6 +62,9 @@ def _check_checkpoints(cfg: LoomConfig) -> int:
         if ckpt is not None:
             check_checkpoint_files(ckpt)
             start = int(os.path.basename(ckpt).split("_")[1])
+        elif os.environ.get("RANK", "0") == "0":  # a fresh start is said, never silent
+            print(f"loom train: --load {ck.load} holds no checkpoint yet: starting from "
+                  f"iteration 0", flush=True)
     if ck.save:
         weights_and_adam = 12  # bytes per parameter: fp32 weight + two fp32 Adam moments
         check_save_dir(ck.save, start, ck.overwrite_checkpoints,
