@@ -96,3 +96,23 @@ def test_good_inputs_still_pass(tmp_path, monkeypatch, capsys):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_rewind_refused_but_uncommitted_save_replaceable(tmp_path):
+    """Resuming from the directory's own pointer may replace an iter_N above it (a save killed
+    between its rename and the pointer move); an explicit --ckpt-step below newer checkpoints
+    is a rewind and is refused without --overwrite-checkpoints."""
+    import json
+
+    from loom.checkpoint.safety import check_save_dir
+    from loom.errors import ConfigError
+    for it in (10, 15):
+        d = tmp_path / f"iter_{it:07d}"
+        d.mkdir()
+        (d / "metadata.json").write_text(json.dumps({}))
+        (d / "common.pt").write_bytes(b"")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    check_save_dir(str(tmp_path), 10, resumed_from_pointer=True)
+    with pytest.raises(ConfigError, match="15"):
+        check_save_dir(str(tmp_path), 10)
+    check_save_dir(str(tmp_path), 10, overwrite=True)

@@ -147,13 +147,16 @@ def _size(n: float) -> str:
 
 
 def check_save_dir(save_dir: str, start_iteration: int, overwrite: bool = False,
-                   expected_bytes: int = 0) -> None:
+                   expected_bytes: int = 0, resumed_from_pointer: bool = False) -> None:
     """Refuse a ``--save`` directory that would lose data or fail at the first save.
 
     Checks, without creating anything: ``save_dir`` (or its nearest existing parent) is a
     directory this process can write in; it has ``expected_bytes`` free (bytes, one checkpoint);
     it holds no checkpoint (``iter_N`` or pointer) newer than ``start_iteration`` unless
-    ``overwrite`` (``--overwrite-checkpoints``). Raises ConfigError naming ``--save``.
+    ``overwrite`` (``--overwrite-checkpoints``). With ``resumed_from_pointer`` (the run resumes
+    from this directory's own ``latest`` pointer), ``iter_N`` directories above the pointer are
+    an interrupted save's uncommitted output (renamed, pointer not yet moved) and may be
+    replaced. Raises ConfigError naming ``--save``.
     """
     base = _nearest_existing(save_dir)
     if not os.path.isdir(base):
@@ -173,7 +176,8 @@ def check_save_dir(save_dir: str, start_iteration: int, overwrite: bool = False,
                           f"another --save directory")
     if overwrite or not os.path.isdir(save_dir):
         return
-    newer = [i for i in saved_iterations(save_dir) if i > start_iteration]
+    newer = [] if resumed_from_pointer else \
+        [i for i in saved_iterations(save_dir) if i > start_iteration]
     try:
         pointer = read_pointer(save_dir)
     except ConfigError:  # a broken pointer: replaceable when resuming from an explicit checkpoint

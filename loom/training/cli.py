@@ -67,8 +67,10 @@ def _check_checkpoints(cfg: LoomConfig) -> int:
                   f"iteration 0", flush=True)
     if ck.save:
         weights_and_adam = 12  # bytes per parameter: fp32 weight + two fp32 Adam moments
+        same = bool(ck.load) and os.path.realpath(ck.load) == os.path.realpath(ck.save)
         check_save_dir(ck.save, start, ck.overwrite_checkpoints,
-                       int(weights_and_adam * total_params(cfg.model)))
+                       int(weights_and_adam * total_params(cfg.model)),
+                       resumed_from_pointer=same and ckpt is not None and ck.ckpt_step is None)
     return start
 
 
