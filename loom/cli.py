@@ -36,10 +36,46 @@ def reporting_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+REFUSAL_WAIT_S = 20  # seconds the other ranks wait for rank 0's message under torchrun
+
+
+def _agent_store():
+    """A client of torchrun's agent store (None outside torchrun or if it cannot be reached)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        is_master=False, timeout=timedelta(seconds=REFUSAL_WAIT_S))
+    except Exception:  # noqa: BLE001 - then every rank simply decides on its own
+        return None
+
+
 def refuse(prog: str, message: str, code: int = 2) -> None:
-    """Print ``PROG: error: MESSAGE`` once (rank 0) and exit with ``code`` on every rank."""
+    """Print ``PROG: error: MESSAGE`` once and exit with ``code`` on every rank.
+
+    Rank 0 prints. Under torchrun the other ranks wait (up to ``REFUSAL_WAIT_S`` seconds) on the
+    agent's store until rank 0 has printed, so the launcher does not stop rank 0 before its
+    message is out; a rank that does not hear from rank 0 (it alone met the problem) prints the
+    message itself, naming its rank.
+    """
+    key = f"loom/refused/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if reporting_rank():
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        store = _agent_store()
+        if store is not None:
+            store.set(key, "printed")
+        sys.exit(code)
+    store = _agent_store()
+    if store is not None:
+        try:
+            store.wait([key])
+            sys.exit(code)
+        except Exception:  # noqa: BLE001 - rank 0 never refused: this rank reports
+            print(f"{prog}: error (rank {os.environ.get('RANK')}): {message}", file=sys.stderr,
+                  flush=True)
     sys.exit(code)
 
 
