@@ -210,6 +210,10 @@ CASES = [
     ("pre-abbreviation", ["preprocess", "--input", "{w}/good.txt", "--output-prefix", "{w}/out/x",
                           "--tokenizer-type", "ByteLevelBPETrained", "--vocab-siz", "300"],
      ["--vocab-siz"]),
+    # -- plan (its own layout checks belong to the planner; flags and YAML are shared) ----------
+    ("plan-abbreviation", ["plan", "--num-gpu", "8"], ["--num-gpu"]),
+    ("plan-yaml-type", ["plan", "--config", "{w}/type.yaml", "--num-gpus", "8"],
+     ["type.yaml:2", "lr"]),
     # -- generate ------------------------------------------------------------------------------
     ("gen-empty-prompt", ["generate", "--load", "{w}/ckpt", "--prompt", ""], ["--prompt"]),
     ("gen-negative-tokens", ["generate", "--load", "{w}/ckpt", "--prompt", "hi",
