@@ -148,7 +148,7 @@ CASES = [
     ("yaml-unknown-key", BASE + ["--config", "{w}/unknown.yaml"], ["unknown.yaml:2", "--num-heads"]),
     ("yaml-twice", BASE + ["--config", "{w}/twice.yaml"], ["twice.yaml:3", "lr"]),
     ("yaml-not-mapping", BASE + ["--config", "{w}/list.yaml"], ["list.yaml:1", "mapping"]),
-    ("yaml-zero", BASE + ["--config", "{w}/zero.yaml"], ["--log-interval"]),
+    ("yaml-zero", BASE + ["--config", "{w}/zero.yaml"], ["zero.yaml:1", "--log-interval"]),
     ("yaml-bool", BASE + ["--config", "{w}/bool.yaml"], ["bool.yaml:1", "swiglu"]),
     ("yaml-grouped-type", BASE + ["--config", "{w}/grouped.yaml"], ["grouped.yaml:2", "num_layers"]),
     ("yaml-fractional-int", BASE + ["--config", "{w}/float_int.yaml"],

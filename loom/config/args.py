@@ -15,7 +15,7 @@ import yaml
 
 from loom.config.core import LoomConfig, field_section, flag
 from loom.config.sections import GROUPS
-from loom.config.validate import base_type, choices_of, coerce
+from loom.config.validate import base_type, check_bounds, choices_of, coerce
 from loom.errors import ConfigError
 
 
@@ -92,8 +92,9 @@ def _read_yaml_nodes(path: str) -> list[tuple[str, Any, int]]:
     return out
 
 
-def read_yaml_config(path: str) -> dict:
-    """Flat ``{field: value}`` of a YAML config, each value coerced to its field's type.
+def read_yaml_config(path: str, lines: dict | None = None) -> dict:
+    """Flat ``{field: value}`` of a YAML config, each value coerced to its field's type;
+    ``lines`` (if given) receives ``{field: line number}``.
 
     Raises ConfigError with ``file:line`` for syntax errors, unknown or repeated keys and values
     of the wrong type.
@@ -102,7 +103,7 @@ def read_yaml_config(path: str) -> dict:
     hints = {f.name: get_type_hints(dc)[f.name] for dc in GROUPS.values() for f in fields(dc)}
     constructor = yaml.SafeLoader("")
     values: dict = {}
-    lines: dict = {}
+    lines = {} if lines is None else lines
     for key, node, line in _read_yaml_nodes(path):
         if key not in known:
             raise ConfigError(f"{path}:{line}: unknown option {flag(key)} (key {key!r}); see "
@@ -126,10 +127,18 @@ def config_from_args(args: argparse.Namespace) -> LoomConfig:
     call :meth:`LoomConfig.validate`.
     """
     values: dict = {}
+    lines: dict = {}
     if getattr(args, "config", None):
-        values.update(read_yaml_config(args.config))
+        values.update(read_yaml_config(args.config, lines))
     known = field_section()
     for k, v in vars(args).items():
         if k in known and v is not None:
             values[k] = v
+            lines.pop(k, None)
+    meta = {f.name: f.metadata for dc in GROUPS.values() for f in fields(dc)}
+    for k, line in lines.items():  # bounds of the values the file still provides, with file:line
+        try:
+            check_bounds(k, values[k], meta[k])
+        except ConfigError as e:
+            raise ConfigError(f"{args.config}:{line}: {e}") from None
     return LoomConfig.from_flat(values)
