@@ -54,7 +54,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             else:
                 grp.add_argument(flag(f.name), dest=f.name, type=_converter(hint, f.name),
                                  default=None, help=text,
-                                 metavar={int: "N", float: "X"}.get(base_type(hint)[0], "S"))
+                                 metavar={int: "N", float: "X"}.get(base_type(hint)[0],
+                                                                    "STR" if f.name == "split"
+                                                                    else "PATH"))
 
 
 def _read_yaml_nodes(path: str) -> list[tuple[str, Any, int]]:
