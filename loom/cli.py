@@ -3,15 +3,23 @@
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
 modules are imported only when their subcommand runs, so ``loom plan`` never imports torch's
 distributed machinery and ``--help`` is fast.
+
+Bad input (an unknown or abbreviated flag, a value of the wrong type, a refused configuration:
+:class:`~loom.errors.ConfigError`) prints one line ``loom COMMAND: error: ...`` without a
+traceback and exits with status 2. Under torchrun every rank validates before any process group
+starts, only rank 0 prints, and every rank exits 2. A checkpoint the filesystem refuses
+(:class:`~loom.errors.CheckpointWriteError`) prints its message and exits 1. Any other exception
+keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from loom.config import ConfigError
+from loom.errors import CheckpointWriteError, ConfigError
 
 SUBCOMMANDS = {
     "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
@@ -23,9 +31,69 @@ SUBCOMMANDS = {
 }
 
 
+def reporting_rank() -> bool:
+    """True on the rank that prints refusals: rank 0 of a torchrun job, or a single process."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+REFUSAL_WAIT_S = 20  # seconds the other ranks wait for rank 0's message under torchrun
+
+
+def _agent_store():
+    """A client of torchrun's agent store (None outside torchrun or if it cannot be reached)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        is_master=False, timeout=timedelta(seconds=REFUSAL_WAIT_S))
+    except Exception:  # noqa: BLE001 - then every rank simply decides on its own
+        return None
+
+
+def refuse(prog: str, message: str, code: int = 2) -> None:
+    """Print ``PROG: error: MESSAGE`` once and exit with ``code`` on every rank.
+
+    Rank 0 prints. Under torchrun the other ranks wait (up to ``REFUSAL_WAIT_S`` seconds) on the
+    agent's store until rank 0 has printed, so the launcher does not stop rank 0 before its
+    message is out; a rank that does not hear from rank 0 (it alone met the problem) prints the
+    message itself, naming its rank.
+    """
+    key = f"loom/refused/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if reporting_rank():
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        store = _agent_store()
+        if store is not None:
+            store.set(key, "printed")
+        sys.exit(code)
+    store = _agent_store()
+    if store is not None:
+        try:
+            store.wait([key])
+            sys.exit(code)
+        except Exception:  # noqa: BLE001 - rank 0 never refused: this rank reports
+            print(f"{prog}: error (rank {os.environ.get('RANK')}): {message}", file=sys.stderr,
+                  flush=True)
+    sys.exit(code)
+
+
+class LoomArgumentParser(argparse.ArgumentParser):
+    """argparse without abbreviations whose errors are one line (no usage block), rank 0 only."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse's hook
+        refuse(self.prog, f"{message} (see `{self.prog} --help`)")
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, exit with its status."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="loom")
+    parser = LoomArgumentParser(prog="loom")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv else None
     for name, (module, help_) in SUBCOMMANDS.items():
@@ -37,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rc = importlib.import_module(args._module).run(args)
     except ConfigError as e:
-        print(f"loom {args.command}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(f"loom {args.command}", str(e))
+    except CheckpointWriteError as e:
+        refuse(f"loom {args.command}", str(e), code=1)
     sys.exit(rc or 0)

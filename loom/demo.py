@@ -22,10 +22,14 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="runs/demo", help="data, checkpoint and logs")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
-    parser.add_argument("--nproc-per-node", type=int, default=4)
-    parser.add_argument("--train-iters", type=int, default=None)
-    parser.add_argument("--prompt", default="The history of the city")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
+                        help="YAML of `loom train` flags (default configs/demo.yaml)")
+    parser.add_argument("--nproc-per-node", type=int, default=4,
+                        help="ranks torchrun starts (default 4: TP=2 x DP=2)")
+    parser.add_argument("--train-iters", type=int, default=None,
+                        help="override the config's iteration count")
+    parser.add_argument("--prompt", default="The history of the city",
+                        help="text the trained model continues")
 
 
 def _run(cmd: list[str]) -> None:
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={args.nproc_per_node}", "-m", "loom", "train",
            "--config", args.config, "--data-path", train_prefix,
-           "--valid-data-path", valid_prefix, "--save", str(ckpt), "--log-json", str(log_json)]
+           "--valid-data-path", valid_prefix, "--save", str(ckpt), "--overwrite-checkpoints",
+           "--log-json", str(log_json)]
     if args.train_iters:
         cmd += ["--train-iters", str(args.train_iters)]
     t1 = time.time()

@@ -46,7 +46,7 @@ def resume_world(tmp: str, zero: bool) -> dict:
         cfg = small_cfg(2, 2, iters)
         cfg.training.use_distributed_optimizer = zero  # Adam states sharded over DP
         cfg.training.lr_decay_iters = 10  # the same schedule for the 5-iteration leg
-        cfg.logging.load, cfg.logging.save = load, save
+        cfg.checkpoint.load, cfg.checkpoint.save = load, save
         return Trainer(cfg, mesh=ParallelMesh.build(tp=2, dp=2))
 
     straight = [r["loss"] for r in trainer(10).train()]
@@ -89,7 +89,7 @@ def reshard_world(tmp: str) -> dict:
     from loom.parallel.mappings import gather_from_tensor_parallel_region
     from loom.training.trainer import Trainer
     cfg = small_cfg(2, 1, 2, dropout=0.0)
-    cfg.logging.save = tmp
+    cfg.checkpoint.save = tmp
     tr = Trainer(cfg, mesh=ParallelMesh.build(tp=2))
     tr.train()
     ids = torch.randint(0, 200, (1, 10), generator=torch.Generator().manual_seed(0))

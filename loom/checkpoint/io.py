@@ -33,13 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.checkpoint.safety import LATEST, resolve_checkpoint
+from loom.errors import CheckpointWriteError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state, set_rng_state
 from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
 from loom.training.optimizer import local_optimizer
 
 FORMAT = "loom-checkpoint-v1"
-LATEST = "latest_checkpointed_iteration.txt"
 
 
 def _barrier() -> None:
@@ -66,26 +67,37 @@ def canonical_name(name: str) -> str:
     return re.sub(r"^layers\.(\d+)\.layer\.", r"layers.\1.", name)
 
 
+def _open_for_write(path: str):
+    """The file a checkpoint part is written to (Python I/O, so a full disk raises OSError
+    ENOSPC rather than a bare iostream error)."""
+    return open(path, "wb")
+
+
+def _torch_save(obj, path: str) -> None:
+    with _open_for_write(path) as fh:
+        torch.save(obj, fh)
+
+
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(text)
+    with _open_for_write(tmp) as fh:
+        fh.write(text.encode())
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
-def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
-                    optimizer: torch.optim.Optimizer, scheduler, mesh: ParallelMesh,
-                    tracker: RNGTracker, *, consumed_samples: int, config: dict,
-                    tokenizer_file: Optional[str] = None) -> str:
-    """Write a checkpoint of ``iteration`` under ``save_dir``; collective over all ranks.
+def _save_failed(save_dir: str, iteration: int, tmp: str, err: OSError) -> CheckpointWriteError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+    return CheckpointWriteError(
+        f"saving the checkpoint of iteration {iteration} to {save_dir} failed: "
+        f"{err.strerror or err}{where}; removed the partial {tmp}, the previous checkpoint is "
+        f"intact. Free space or choose another --save directory")
 
-    Returns the final directory. Raises OSError if the filesystem refuses a write (the previous
-    checkpoint and the ``latest`` pointer are untouched in that case).
-    """
-    final = os.path.join(save_dir, f"iter_{iteration:07d}")
-    tmp = final + ".tmp"
+
+def _write_checkpoint(final, tmp, save_dir, iteration, model_chunks, optimizer, scheduler, mesh,
+                      tracker, consumed_samples, config, tokenizer_file) -> None:
     if _rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -107,7 +119,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Mod
                       for n, (_, meta) in params.items()},
             "tp_rank": c["tp"], "pp_rank": c["pp"],
         }
-        torch.save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}.pt"))
+        _torch_save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}.pt"))
     local = local_optimizer(optimizer)
     sharded = local is not optimizer  # ZeRO: each DP rank holds the states of its parameters
     if sharded or writer:
@@ -116,17 +128,17 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Mod
                                  for k, v in st.items()} for p, st in local.state.items()
                   if id(p) in names}
         dp_index = mesh.local_rank("dp_cp") if sharded else 0
-        torch.save(states, os.path.join(
+        _torch_save(states, os.path.join(
             tmp, f"optim_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}_dp{dp_index:03d}.pt"))
-    torch.save(get_rng_state(tracker), os.path.join(tmp, f"rng_{mesh.rank:05d}.pt"))
+    _torch_save(get_rng_state(tracker), os.path.join(tmp, f"rng_{mesh.rank:05d}.pt"))
     if _rank() == 0:
-        torch.save({"iteration": iteration, "consumed_samples": consumed_samples,
+        _torch_save({"iteration": iteration, "consumed_samples": consumed_samples,
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "config": config}, os.path.join(tmp, "common.pt"))
-        with open(os.path.join(tmp, "metadata.json"), "w") as fh:
-            json.dump({"format": FORMAT, "iteration": iteration, "layout": mesh.sizes,
-                       "world_size": dist.get_world_size() if dist.is_initialized() else 1},
-                      fh, indent=1)
+        meta = {"format": FORMAT, "iteration": iteration, "layout": mesh.sizes,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        with _open_for_write(os.path.join(tmp, "metadata.json")) as fh:
+            fh.write(json.dumps(meta, indent=1).encode())
         if tokenizer_file and os.path.exists(tokenizer_file):
             shutil.copyfile(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
     _barrier()
@@ -136,18 +148,35 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Mod
         os.replace(tmp, final)
         _atomic_write_text(os.path.join(save_dir, LATEST), str(iteration))
     _barrier()
+
+
+def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
+                    optimizer: torch.optim.Optimizer, scheduler, mesh: ParallelMesh,
+                    tracker: RNGTracker, *, consumed_samples: int, config: dict,
+                    tokenizer_file: Optional[str] = None) -> str:
+    """Write a checkpoint of ``iteration`` under ``save_dir``; collective over all ranks.
+
+    Returns the final directory. Raises CheckpointWriteError naming ``save_dir`` and the OS error
+    (e.g. "No space left on device") if the filesystem refuses a write; the partial
+    ``iter_NNNNNNN.tmp`` is removed, the previous checkpoint and the ``latest`` pointer are
+    untouched.
+    """
+    final = os.path.join(save_dir, f"iter_{iteration:07d}")
+    tmp = final + ".tmp"
+    try:
+        _write_checkpoint(final, tmp, save_dir, iteration, model_chunks, optimizer, scheduler,
+                          mesh, tracker, consumed_samples, config, tokenizer_file)
+    except OSError as e:
+        raise _save_failed(save_dir, iteration, tmp, e) from e
     return final
 
 
-def latest_checkpoint(load_dir: str) -> Optional[str]:
-    """The directory named by ``latest_checkpointed_iteration.txt``, or None."""
-    pointer = os.path.join(load_dir, LATEST)
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as fh:
-        it = int(fh.read().strip())
-    path = os.path.join(load_dir, f"iter_{it:07d}")
-    return path if os.path.isdir(path) else None
+def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str]:
+    """The directory named by ``latest_checkpointed_iteration.txt`` (or ``iter_{step}``), or
+    None when ``load_dir`` holds no checkpoint. Raises ConfigError naming the pointer file when
+    it is unreadable or names a missing iteration (see
+    :func:`loom.checkpoint.safety.resolve_checkpoint`)."""
+    return resolve_checkpoint(load_dir, step)
 
 
 def read_common(ckpt_dir: str) -> dict:
@@ -210,16 +239,18 @@ def load_model_weights(index: _ShardIndex, model_chunks: Sequence[nn.Module],
 
 def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
                     optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
-                    tracker: Optional[RNGTracker]) -> Optional[dict]:
+                    tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
     """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
     scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
     or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
+    ``step`` (``--ckpt-step``) loads ``iter_{step}`` instead of the pointer's iteration; a broken
+    pointer raises ConfigError naming the file.
 
     Works across layouts: weights and Adam states are resharded by name (also across DP sizes
     and with or without the distributed optimizer). RNG states are restored
     only when the world size matches (otherwise the generators keep their fresh seeds).
     """
-    ckpt = latest_checkpoint(load_dir)
+    ckpt = latest_checkpoint(load_dir, step)
     if ckpt is None:
         return None
     index = _ShardIndex(ckpt)

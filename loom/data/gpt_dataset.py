@@ -16,8 +16,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from loom.config import ConfigError
 from loom.data.indexed import IndexedDataset
+from loom.data.split import parse_split, split_document_ranges  # noqa: F401 - re-exported
+from loom.errors import ConfigError
 
 
 class GPTDataset:
@@ -135,35 +136,6 @@ class MockGPTDataset:
         rng = np.random.default_rng([self.seed, k])
         toks = torch.from_numpy(rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64))
         return {"tokens": toks[:-1], "labels": toks[1:]}
-
-
-def _parse_split(split: str) -> list[float]:
-    s = str(split).replace("/", ",")
-    try:
-        w = [float(x) for x in s.split(",") if x.strip() != ""]
-    except ValueError:
-        raise ConfigError(f"--split {split!r}: give comma-separated weights such as 969,30,1") from None
-    if not 1 <= len(w) <= 3 or any(x < 0 for x in w) or sum(w) <= 0:
-        raise ConfigError(f"--split {split!r}: give 1 to 3 non-negative weights with a positive sum, e.g. 969,30,1")
-    return w + [0.0] * (3 - len(w))
-
-
-def split_document_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int, int]]:
-    """Megatron's ``--split``: 3 consecutive ``(start, end)`` document ranges (train, valid, test).
-
-    Weights are normalized; boundaries are ``round(cumulative weight * num_documents)``, shifted so
-    that the last ends at ``num_documents``. Raises ConfigError naming ``--split`` for bad weights.
-    """
-    w = _parse_split(split)
-    total = sum(w)
-    idx = [0]
-    for x in w:
-        idx.append(idx[-1] + int(round(x / total * float(num_documents))))
-    diff = idx[-1] - num_documents
-    for i in range(1, len(idx)):
-        idx[i] -= diff
-    idx = [min(max(i, 0), num_documents) for i in idx]
-    return [(idx[i], idx[i + 1]) for i in range(3)]
 
 
 def build_gpt_datasets(data_path: Optional[str], split: str, seq_length: int, seed: int,

@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
@@ -49,9 +49,9 @@ def dtype_code(dtype) -> int:
                          f"{sorted(str(np.dtype(v)) for v in DTYPE_CODES.values())}") from None
 
 
-def _missing(prefix: str, what: str) -> ConfigError:
+def _missing(prefix: str, what: str, flag: str = "--data-path") -> ConfigError:
     return ConfigError(
-        f"--data-path {prefix}: {what}; re-run `loom preprocess --input ... --output-prefix {prefix}` "
+        f"{flag} {prefix}: {what}; re-run `loom preprocess --input ... --output-prefix {prefix}` "
         f"to (re)build {prefix}.bin and {prefix}.idx")
 
 
@@ -77,6 +77,7 @@ class IndexedDatasetBuilder:
         self._bin = open(self._tmp_bin, "wb")
         self._sizes: list[int] = []
         self.num_tokens = 0
+        self.max_token_id = -1  # largest id written (-1: none yet)
 
     def add_document(self, ids: Iterable[int]) -> None:
         """Append one document (a 1-D sequence of token ids, any int dtype; cast to ``dtype``).
@@ -92,6 +93,8 @@ class IndexedDatasetBuilder:
                 raise ValueError(f"token id out of range for {self.dtype}: "
                                  f"[{int(arr.min())}, {int(arr.max())}]")
         arr = arr.astype(self.dtype, copy=False)
+        if arr.size:
+            self.max_token_id = max(self.max_token_id, int(arr.max()))
         self._bin.write(arr.tobytes(order="C"))
         self._sizes.append(int(arr.size))
         self.num_tokens += int(arr.size)
@@ -137,29 +140,30 @@ class IndexedDataset:
     by :class:`IndexedDatasetBuilder`. ``ds[i]`` is a 1-D numpy array (dtype ``ds.dtype``).
 
     Raises:
-        ConfigError: naming ``--data-path PREFIX`` when ``.bin``/``.idx`` is missing, the index is
+        ConfigError: naming ``flag PREFIX`` (default ``--data-path``) when ``.bin``/``.idx`` is missing, the index is
             not MMIDIDX, or ``.bin`` is shorter than the index says (truncated).
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, flag: str = "--data-path"):
         self.prefix = str(prefix)
+        self.flag = flag
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise _missing(self.prefix, f"{p} does not exist")
+                raise _missing(self.prefix, f"{p} does not exist", self.flag)
         with open(idx_path, "rb") as f:
             head = f.read(len(_MAGIC) + 8 + 1 + 8 + 8)
         if len(head) < 34 or head[:9] != _MAGIC:
-            raise _missing(self.prefix, f"{idx_path} is not a Megatron MMIDIDX index (bad header)")
+            raise _missing(self.prefix, f"{idx_path} is not a Megatron MMIDIDX index (bad header)", self.flag)
         version, = struct.unpack("<Q", head[9:17])
         code, = struct.unpack("<B", head[17:18])
         n_seq, n_doc = struct.unpack("<QQ", head[18:34])
         if version != _VERSION or code not in DTYPE_CODES:
-            raise _missing(self.prefix, f"{idx_path} has unsupported version {version} / dtype code {code}")
+            raise _missing(self.prefix, f"{idx_path} has unsupported version {version} / dtype code {code}", self.flag)
         self.dtype = np.dtype(DTYPE_CODES[code])
         need = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
         if os.path.getsize(idx_path) < need:
-            raise _missing(self.prefix, f"{idx_path} is truncated ({os.path.getsize(idx_path)} < {need} bytes)")
+            raise _missing(self.prefix, f"{idx_path} is truncated ({os.path.getsize(idx_path)} < {need} bytes)", self.flag)
         idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         off = 34
         self.sizes = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=off)
@@ -171,11 +175,32 @@ class IndexedDataset:
         expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n_seq else 0
         actual = os.path.getsize(bin_path)
         if actual < expected:
-            raise _missing(self.prefix, f"{bin_path} is truncated ({actual} bytes, the index needs {expected})")
+            raise _missing(self.prefix, f"{bin_path} is truncated ({actual} bytes, the index needs {expected})", self.flag)
+        self._check_belongs(idx_path, bin_path, actual, expected)
         if actual == 0:
             self._bin = np.empty(0, dtype=np.uint8)
         else:
             self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8)
+
+    def _check_belongs(self, idx_path: str, bin_path: str, actual: int, expected: int) -> None:
+        """Refuse an index that does not describe this ``.bin`` (offsets past the end or not
+        contiguous, negative sizes, document boundaries out of order, a ``.bin`` longer than
+        the index covers); the message names both files."""
+        sizes, ptr, docs = self.sizes, self.pointers, self.document_indices
+        n = len(sizes)
+        why = None
+        if n and (int(sizes.min()) < 0 or int(ptr[0]) != 0):
+            why = "its first offset is not 0 or a size is negative"
+        elif n > 1 and not np.array_equal(ptr[1:], ptr[:-1] + sizes[:-1].astype(np.int64) * self.dtype.itemsize):
+            why = "its byte offsets are not contiguous"
+        elif actual != expected:
+            why = f"it covers {expected} bytes but {bin_path} has {actual}"
+        elif len(docs) and (int(docs[0]) != 0 or int(docs[-1]) != n or bool(np.any(np.diff(docs) < 0))):
+            why = "its document boundaries do not cover its sequences in order"
+        if why:
+            raise ConfigError(
+                f"{self.flag} {self.prefix}: index {idx_path} does not belong to {bin_path} ({why}); "
+                f"re-run `loom preprocess --input ... --output-prefix {self.prefix}` to rebuild both")
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -12,80 +12,32 @@ line when several, form one document); ``.txt``: documents separated by lines ho
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
 import sys
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
+from loom.data.documents import read_documents  # noqa: F401 - part of this module's API
 from loom.data.indexed import IndexedDatasetBuilder, best_dtype
-from loom.data.tokenizer import EOD_TOKEN, TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from loom.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 _BATCH = 512
 
 
-def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
-    """Yield the documents (str) of one ``.txt`` or ``.jsonl`` file (see module doc); empty ones skipped.
-
-    Raises ConfigError naming ``--input`` (missing file, unknown extension, bad JSON line) or
-    ``--json-keys`` (key absent from a JSON line).
-    """
-    path = str(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"--input {path}: no such file")
-    if path.endswith(".jsonl") or path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"--input {path}: line {n} is not JSON ({e}); give one JSON object per line") from None
-                try:
-                    text = "\n\n".join(str(obj[k]) for k in json_keys)
-                except (KeyError, TypeError):
-                    raise ConfigError(f"--json-keys {' '.join(json_keys)}: line {n} of {path} lacks one of them; "
-                                      f"its keys are {list(obj) if isinstance(obj, dict) else type(obj).__name__}") from None
-                if text.strip():
-                    yield text
-    elif path.endswith(".txt") or path.endswith(".utf8"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        lines = text.split("\n")
-        if any(ln.strip() == EOD_TOKEN for ln in lines):
-            doc: list[str] = []
-            for ln in lines + [EOD_TOKEN]:
-                if ln.strip() == EOD_TOKEN:
-                    d = "\n".join(doc).strip()
-                    if d:
-                        yield d
-                    doc = []
-                else:
-                    doc.append(ln)
-        else:
-            for ln in lines:
-                if ln.strip():
-                    yield ln.rstrip("\r")
-    else:
-        raise ConfigError(f"--input {path}: unknown file type; give .txt or .jsonl files")
+# ---- multiprocessing workers: one tokenizer per worker process, built once from its JSON ----
+@functools.lru_cache(maxsize=1)
+def _worker_tokenizer(tok_json: str) -> Tokenizer:
+    return Tokenizer.from_str(tok_json)
 
 
-# ---- multiprocessing workers (one tokenizer per worker process) ----
-_WORKER_TOK: Optional[Tokenizer] = None
-
-
-def _init_worker(tok_json: str) -> None:
-    global _WORKER_TOK
-    _WORKER_TOK = Tokenizer.from_str(tok_json)
-
-
-def _encode_batch(texts: list[str]) -> list[list[int]]:
-    return _WORKER_TOK.encode_batch(texts)
+def _encode_batch(tok_json: str, texts: list[str]) -> list[list[int]]:
+    return _worker_tokenizer(tok_json).encode_batch(texts)
 
 
 def _batches(inputs: Sequence[str], json_keys: Sequence[str]) -> Iterator[list[str]]:
@@ -107,6 +59,22 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def check_output_prefix(prefix: str) -> None:
+    """Refuse an ``--output-prefix`` whose directory cannot be created or written (a regular
+    file on the path, a read-only directory) or that is itself a directory."""
+    if not prefix or os.path.isdir(prefix) or prefix.endswith(os.sep):
+        raise ConfigError(f"--output-prefix {prefix!r}: give a path prefix such as data/train "
+                          f"(files PREFIX.bin, PREFIX.idx, ... are written), not a directory")
+    base = os.path.dirname(os.path.abspath(prefix))
+    while not os.path.lexists(base):
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise ConfigError(f"--output-prefix {prefix}: {base} is a file, not a directory; choose "
+                          f"another output prefix")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output-prefix {prefix}: {base} is not writable")
+
+
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, append_eod: bool = True,
                workers: int = 1, json_keys: Sequence[str] = ("text",)) -> dict:
     """Tokenize ``inputs`` (.txt/.jsonl paths) into ``output_prefix``.{bin,idx,tokenizer.json,meta.json}.
@@ -122,6 +90,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, 
     for p in inputs:
         if not os.path.isfile(p):
             raise ConfigError(f"--input {p}: no such file")
+    check_output_prefix(output_prefix)
     dtype = best_dtype(tokenizer.vocab_size)
     builder = IndexedDatasetBuilder(output_prefix, dtype)
     eod = [tokenizer.eod] if append_eod else []
@@ -129,8 +98,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, 
     try:
         if workers > 1:
             ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.to_str(),)) as pool:
-                for ids_batch in pool.imap(_encode_batch, _batches(inputs, json_keys)):
+            encode = functools.partial(_encode_batch, tokenizer.to_str())
+            with ctx.Pool(workers) as pool:
+                for ids_batch in pool.imap(encode, _batches(inputs, json_keys)):
                     for ids in ids_batch:
                         builder.add_document(ids + eod)
                         n_docs += 1
@@ -146,6 +116,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, 
     builder.finalize()
     meta = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "num_documents": n_docs,
             "num_tokens": builder.num_tokens, "dtype": np.dtype(dtype).name,
+            "max_token_id": builder.max_token_id,
             "append_eod": bool(append_eod), "inputs": [os.path.abspath(p) for p in inputs]}
     _atomic_write_text(output_prefix + ".meta.json", json.dumps(meta, indent=1) + "\n")
     return meta
@@ -187,11 +158,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl fields forming a document")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx/.tokenizer.json/.meta.json")
-    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                        help="GPT2BPETokenizer (--vocab-file, --merge-file), HuggingFaceTokenizer "
+                             "(--tokenizer-model) or ByteLevelBPETrained (trained on --input)")
     parser.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json / encoder.json")
     parser.add_argument("--merge-file", default=None, help="GPT-2 merges.txt / vocab.bpe")
     parser.add_argument("--tokenizer-model", default=None, help="a tokenizer.json (HuggingFaceTokenizer)")
-    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary of ByteLevelBPETrained")
+    parser.add_argument("--vocab-size", type=int, default=None, help="ids of the ByteLevelBPETrained tokenizer, >= 257")
     parser.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to every document")
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (1 = in-process)")
     parser.add_argument("--tokenizer-from", default=None, metavar="PREFIX",
@@ -200,6 +173,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``loom preprocess``."""
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: give 1 or more")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size {args.vocab_size}: give a positive vocabulary size")
+    for p in args.input:
+        if not os.path.isfile(p):
+            raise ConfigError(f"--input {p}: no such file")
+    check_output_prefix(args.output_prefix)
     if args.tokenizer_from:
         if args.tokenizer_type:
             raise ConfigError("--tokenizer-from and --tokenizer-type are exclusive; give one")
@@ -211,8 +192,6 @@ def run(args: argparse.Namespace) -> int:
         tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                               tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
                               train_files=args.input, json_keys=args.json_keys)
-    if args.workers < 1:
-        raise ConfigError(f"--workers {args.workers}: give 1 or more")
     t0 = time.time()
     meta = preprocess(args.input, args.output_prefix, tok, append_eod=args.append_eod,
                       workers=args.workers, json_keys=args.json_keys)

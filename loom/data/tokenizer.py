@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from typing import Iterable, Iterator, Optional, Sequence
 
-from loom.config import ConfigError
+from loom.data.documents import EOD_TOKEN, read_documents
+from loom.errors import ConfigError
 
-EOD_TOKEN = "<|endoftext|>"
 _EOD_FALLBACKS = (EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained")
 
@@ -122,7 +122,7 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
     * ``GPT2BPETokenizer``: ``vocab_file`` + ``merge_file`` (GPT-2 files).
     * ``HuggingFaceTokenizer``: ``tokenizer_model`` = path to a ``tokenizer.json``.
     * ``ByteLevelBPETrained``: train a byte-level BPE of ``vocab_size`` on ``train_files``
-      (.txt/.jsonl, read as :func:`loom.data.preprocess.read_documents` does).
+      (.txt/.jsonl, read as :func:`loom.data.documents.read_documents` does).
 
     Raises ConfigError naming the missing/invalid flag (``--tokenizer-type``, ``--vocab-file``,
     ``--merge-file``, ``--tokenizer-model``, ``--vocab-size``, ``--input``).
@@ -138,8 +138,6 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
             raise ConfigError("--tokenizer-type ByteLevelBPETrained needs --vocab-size N (e.g. 8192)")
         if not train_files:
             raise ConfigError("--tokenizer-type ByteLevelBPETrained needs --input files to train on")
-        from loom.data.preprocess import read_documents
-
         def texts() -> Iterator[str]:
             for f in train_files:
                 yield from read_documents(f, json_keys)

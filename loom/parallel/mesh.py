@@ -188,24 +188,61 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} in the environment is not an integer") from None
+
+
+def rendezvous_store(rank: int, world_size: int) -> dist.Store:
+    """The store a process group starts on, keyed so that a restarted round never reads the
+    addresses of the previous one.
+
+    - One process (``world_size == 1``): an in-process ``HashStore`` (no port to pick).
+    - Under torchrun (``TORCHELASTIC_RESTART_COUNT`` set): a ``TCPStore`` client of the agent's
+      store at ``MASTER_ADDR:MASTER_PORT`` (or, without ``TORCHELASTIC_USE_AGENT_STORE=True``,
+      a store rank 0 hosts there), wrapped in a ``PrefixStore`` keyed by the restart count, so
+      ``torchrun --max-restarts`` rounds rendezvous afresh (gloo's full mesh otherwise connects
+      to the dead round's addresses).
+    - Otherwise (another launcher): None, and ``env://`` is used.
+    """
+    if world_size == 1:
+        return dist.HashStore()
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        store = dist.TCPStore(host, port, world_size, is_master=False)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, multi_tenant=True)
+    return dist.PrefixStore(f"loom/restart_{restart}/", store)
+
+
 def init_distributed(device: Optional[str] = None, backend: Optional[str] = None) -> torch.device:
     """Initialize the default process group from torchrun's environment; return the device.
 
-    Single-process runs without ``WORLD_SIZE`` in the environment start a 1-rank group too, so the
-    same code path runs everywhere.
+    ``device``: ``cpu`` or ``cuda`` (default: cuda when available); ``backend``: ``nccl`` or
+    ``gloo`` (default: :func:`default_backend`). Single-process runs (no ``WORLD_SIZE``, or 1)
+    start a 1-rank group on an in-process store, so the same code path runs everywhere and no
+    port is used; under torchrun the group starts on :func:`rendezvous_store`, which makes
+    ``--max-restarts`` work on gloo. Raises ValueError for malformed ``RANK``/``WORLD_SIZE``.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local = _env_int("LOCAL_RANK", 0)
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        store = rendezvous_store(rank, world)
+        kwargs = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
         dist.init_process_group(backend=backend or default_backend(dev),
-                                device_id=dev if dev.type == "cuda" else None)
+                                device_id=dev if dev.type == "cuda" else None, **kwargs)
     return dev

@@ -1,8 +1,11 @@
 """``loom train``: Megatron-style flags (or ``--config FILE.yaml``), one rank or many via torchrun.
 
-Every check of the layout runs before any process group starts (``LoomConfig.validate``), so a
-wrong flag costs nothing. ``--dry-run`` prints the planner's memory and time prediction for
-exactly these flags and exits.
+Every check runs in every rank before any process group starts (:func:`prepare`): the values
+and the layout (``LoomConfig.validate``), the data source and its files (``meta.json`` against
+``.bin``/``.idx`` and ``--vocab-size``), the checkpoint directories (a broken ``latest`` pointer,
+checkpoints a fresh run would overwrite, an unwritable or full ``--save``). A refusal costs
+nothing and is printed once, by rank 0. ``--dry-run`` prints the planner's memory and time
+prediction for exactly these flags and exits.
 """
 
 from __future__ import annotations
@@ -10,29 +13,116 @@ from __future__ import annotations
 import argparse
 import os
 
-from loom.config import add_config_arguments, config_from_args
+from loom.config import LoomConfig, add_config_arguments, config_from_args
+from loom.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every config flag, plus the ``--dry-run`` action."""
     add_config_arguments(parser)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the planner's memory and time prediction for these flags "
+                             "and exit without training")
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """``WORLD_SIZE`` (torchrun), 1 without it. Raises ConfigError for a malformed value."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not an integer") from None
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={raw!r} in the environment must be >= 1")
+    return world
+
+
+def _check_data(cfg: LoomConfig) -> None:
+    from loom.data.checks import check_dataset
+    from loom.data.gpt_dataset import build_gpt_datasets
+    d, m = cfg.data, cfg.model
+    check_dataset(d.data_path, m.vocab_size)
+    if d.valid_data_path:
+        check_dataset(d.valid_data_path, m.vocab_size, flag="--valid-data-path")
+    train, _, _ = build_gpt_datasets(d.data_path, d.split, m.seq_length, cfg.training.seed,
+                                     valid_data_path=d.valid_data_path)
+    if train is None:
+        raise ConfigError(f"--split {d.split} leaves no training documents of --data-path "
+                          f"{d.data_path}: give the first (train) weight a positive share")
+
+
+def _check_checkpoints(cfg: LoomConfig) -> int:
+    """Resolve ``--load`` and check ``--save``; returns the start iteration."""
+    from loom.checkpoint.safety import check_checkpoint_files, check_save_dir, resolve_checkpoint
+    from loom.planner.memory import total_params
+    ck = cfg.checkpoint
+    start, ckpt = 0, None
+    if ck.load:
+        ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
+        if ckpt is not None:
+            check_checkpoint_files(ckpt)
+            start = int(os.path.basename(ckpt).split("_")[1])
+        elif os.environ.get("RANK", "0") == "0":  # a fresh start is said, never silent
+            print(f"loom train: --load {ck.load} holds no checkpoint yet: starting from "
+                  f"iteration 0", flush=True)
+    if ck.save:
+        weights_and_adam = 12  # bytes per parameter: fp32 weight + two fp32 Adam moments
+        same = bool(ck.load) and os.path.realpath(ck.load) == os.path.realpath(ck.save)
+        check_save_dir(ck.save, start, ck.overwrite_checkpoints,
+                       int(weights_and_adam * total_params(cfg.model)),
+                       resumed_from_pointer=same and ckpt is not None and ck.ckpt_step is None)
+    return start
+
+
+def _vocab_from_checkpoint(cfg: LoomConfig) -> None:
+    ck = cfg.checkpoint
+    if cfg.model.vocab_size is not None or not ck.load or cfg.data.data_path:
+        return
+    from loom.checkpoint.io import read_common
+    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
+    ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
+    if ckpt is not None:
+        check_checkpoint_files(ckpt)
+        cfg.model.vocab_size = int(read_common(ckpt)["config"]["vocab_size"])
+
+
+def prepare(args: argparse.Namespace) -> LoomConfig:
+    """The validated config of ``loom train ARGS``; every check that needs no process group.
+
+    Raises ConfigError naming the flag, key or file and the fix.
+    """
+    from loom.training.trainer import resolve_vocab  # torch import only past argument parsing
+    world = world_size_from_env()
+    cfg = config_from_args(args)
+    d = cfg.data
+    if not d.mock_data and not d.data_path:
+        raise ConfigError("no training data: give --data-path PREFIX (written by `loom "
+                          "preprocess`) or --mock-data (random tokens, needs --vocab-size)")
+    if d.mock_data and d.data_path:
+        raise ConfigError("--mock-data and --data-path exclude each other: give one")
+    if d.mock_data and cfg.model.vocab_size is None and not cfg.checkpoint.load:
+        raise ConfigError("--mock-data needs --vocab-size V (random token ids 0..V-1)")
+    _vocab_from_checkpoint(cfg)
+    cfg = resolve_vocab(cfg)
+    cfg.validate(world)
+    if d.data_path:
+        _check_data(cfg)
+    _check_checkpoints(cfg)
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
-    from loom.training.trainer import resolve_vocab  # torch import only past argument parsing
-    cfg = resolve_vocab(config_from_args(args))
-    world = world_size_from_env()
-    cfg.validate(world)
-    if cfg.data.data_path and not cfg.data.mock_data:
-        from loom.data.indexed import IndexedDataset
-        IndexedDataset(cfg.data.data_path)  # a missing or truncated file fails here, clearly
-    if cfg.training.dry_run:
+    """Entry point of ``loom train``; returns the exit status."""
+    cfg = prepare(args)
+    if args.dry_run:
         from loom.planner.predict import format_prediction, predict_layout
-        print(format_prediction(predict_layout(cfg, world)))
+        print(format_prediction(predict_layout(cfg, world_size_from_env())))
         return 0
+    if cfg.checkpoint.save and os.environ.get("RANK", "0") == "0":
+        from loom.checkpoint.safety import remove_partial_checkpoints
+        for path in remove_partial_checkpoints(cfg.checkpoint.save):
+            print(f"loom train: removed the partial checkpoint {path} of an interrupted save",
+                  flush=True)
     from loom.training.trainer import Trainer
     Trainer(cfg).train()
     import torch.distributed as dist

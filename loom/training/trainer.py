@@ -65,7 +65,7 @@ class Trainer:
                  family: Optional[ModelFamily] = None):
         self.cfg = cfg
         if mesh is None:
-            device = init_distributed(cfg.training.device, cfg.parallel.distributed_backend)
+            device = init_distributed(cfg.parallel.device, cfg.parallel.distributed_backend)
             p = cfg.parallel
             mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
                                       pp=p.pipeline_model_parallel_size,
@@ -107,8 +107,8 @@ class Trainer:
         self.peak_flops = peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops)
         self.history: list[dict] = []
         self.predicted_step_s = self._predict_step_time()
-        if cfg.logging.load:
-            self.load(cfg.logging.load)
+        if cfg.checkpoint.load:
+            self.load(cfg.checkpoint.load)
 
     def _reducer(self, chunk: nn.Module):
         """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
@@ -291,7 +291,7 @@ class Trainer:
 
     def load(self, load_dir: str) -> bool:
         common = load_checkpoint(load_dir, self.model_chunks, self.optimizer, self.scheduler,
-                                 self.mesh, self.tracker)
+                                 self.mesh, self.tracker, step=self.cfg.checkpoint.ckpt_step)
         if common is None:
             return False
         self.iteration = common["iteration"]
@@ -346,11 +346,11 @@ class Trainer:
                     window = []
                 if lg.eval_interval and self.iteration % lg.eval_interval == 0:
                     log.log(self.evaluate(), kind="valid")
-                if lg.save and lg.save_interval and self.iteration % lg.save_interval == 0:
-                    path = self.save(lg.save)
+                if self.cfg.checkpoint.save and self.cfg.checkpoint.save_interval and self.iteration % self.cfg.checkpoint.save_interval == 0:
+                    path = self.save(self.cfg.checkpoint.save)
                     log.print(f" saved checkpoint {path}")
-            if lg.save and (not lg.save_interval or self.iteration % lg.save_interval):
-                path = self.save(lg.save)
+            if self.cfg.checkpoint.save and (not self.cfg.checkpoint.save_interval or self.iteration % self.cfg.checkpoint.save_interval):
+                path = self.save(self.cfg.checkpoint.save)
                 log.print(f" saved checkpoint {path}")
             if self.predicted_step_s is not None and len(self.history) > 1:
                 measured = sorted(r["step_time_s"] for r in self.history[1:])[len(self.history[1:]) // 2]
@@ -368,8 +368,8 @@ def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
     """Take V from the dataset's stored tokenizer (or the checkpoint) when not given."""
     if cfg.model.vocab_size is None and cfg.data.data_path and not cfg.data.mock_data:
         cfg.model.vocab_size = int(read_meta(cfg.data.data_path)["vocab_size"])
-    if cfg.model.vocab_size is None and cfg.logging.load:
-        ckpt = latest_checkpoint(cfg.logging.load)
+    if cfg.model.vocab_size is None and cfg.checkpoint.load:
+        ckpt = latest_checkpoint(cfg.checkpoint.load)
         if ckpt:
             cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]
     if cfg.model.vocab_size is None:

@@ -11,6 +11,8 @@ use it.
 
 from __future__ import annotations
 
+from loom.errors import ConfigError
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -18,8 +20,7 @@ class _Err(ValueError):
     pass
 
 
-def _config_error(msg: str) -> Exception:
-    from loom.config import ConfigError  # loom.config imports this module lazily: no cycle
+def _config_error(msg: str) -> ConfigError:
     return ConfigError(msg)
 
 
@@ -78,7 +79,7 @@ def validate_pipeline(cfg, world_size: int) -> None:
     par, L = cfg.parallel, cfg.model.num_layers
     pp, lpv = par.pipeline_model_parallel_size, par.num_layers_per_virtual_pipeline_stage
     first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
-    if par.pipeline_schedule not in SCHEDULES:
+    if par.pipeline_schedule not in SCHEDULES + (None,):
         raise _config_error(f"--pipeline-schedule {par.pipeline_schedule!r} is unknown: choose "
                             f"one of {', '.join(SCHEDULES)}")
     interleaved = par.pipeline_schedule == "interleaved" or lpv is not None
@@ -93,10 +94,12 @@ def validate_pipeline(cfg, world_size: int) -> None:
         if lpv is None:
             raise _config_error("--pipeline-schedule interleaved needs "
                                 "--num-layers-per-virtual-pipeline-stage N (layers per model chunk)")
-        if par.pipeline_schedule != "interleaved":
+        if par.pipeline_schedule not in (None, "interleaved"):
             raise _config_error(
-                f"--num-layers-per-virtual-pipeline-stage {lpv} requires --pipeline-schedule "
-                f"interleaved (got {par.pipeline_schedule}): set it, or drop the virtual-stage flag")
+                f"--num-layers-per-virtual-pipeline-stage {lpv} selects the interleaved schedule, "
+                f"which conflicts with --pipeline-schedule {par.pipeline_schedule}: drop "
+                f"--pipeline-schedule (or set --pipeline-schedule interleaved), or drop the "
+                f"virtual-stage flag")
         if lpv < 1:
             raise _config_error(f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {lpv}")
         if first is not None or last is not None:

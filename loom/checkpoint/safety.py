@@ -1,0 +1,212 @@
+"""Checkpoint directories checked before the first step: nothing is rewound or overwritten.
+
+Torch-free, so ``loom train`` runs these checks in every rank before any process group starts:
+
+- :func:`resolve_checkpoint`: the checkpoint ``--load`` names. A ``latest`` pointer that is
+  unreadable or names a missing iteration is an error naming the file (``--ckpt-step N`` picks
+  an iteration explicitly); an empty or absent directory means a fresh start.
+- :func:`check_save_dir`: ``--save`` is a writable directory (or can be created) with room for
+  one checkpoint, and holds no checkpoint newer than the run's start unless
+  ``--overwrite-checkpoints``.
+- :func:`remove_partial_checkpoints`: leftover ``iter_NNNNNNN.tmp`` directories of a crashed save.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import zipfile
+from typing import Optional
+
+from loom.errors import ConfigError
+
+LATEST = "latest_checkpointed_iteration.txt"
+_ITER = re.compile(r"^iter_(\d+)$")
+_PARTIAL = re.compile(r"^iter_\d+\.tmp$")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    """``ROOT/iter_NNNNNNN``."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def is_complete(path: str) -> bool:
+    """A finished checkpoint directory: it holds ``metadata.json`` and ``common.pt``."""
+    return all(os.path.isfile(os.path.join(path, f)) for f in ("metadata.json", "common.pt"))
+
+
+def saved_iterations(root: str, complete_only: bool = False) -> list[int]:
+    """Sorted iterations of the ``iter_NNNNNNN`` directories under ``root`` (none if absent)."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _ITER.match(name)
+        if m and os.path.isdir(os.path.join(root, name)) and (
+                not complete_only or is_complete(os.path.join(root, name))):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _available(root: str) -> str:
+    its = saved_iterations(root, complete_only=True)
+    return f"complete checkpoints there: {', '.join(map(str, its))}" if its else \
+        "no complete checkpoint there"
+
+
+def read_pointer(root: str) -> Optional[int]:
+    """The iteration in ``ROOT/latest_checkpointed_iteration.txt``; None when the file is absent.
+
+    Raises ConfigError naming the file when it is unreadable or holds no iteration number.
+    """
+    path = os.path.join(root, LATEST)
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read().strip()
+        iteration = int(text)
+        if iteration < 0:
+            raise ValueError(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) else "it does not hold an iteration number"
+        raise ConfigError(
+            f"checkpoint pointer {path} is unreadable ({why}); {_available(root)}: give "
+            f"--ckpt-step N to load one of them, or repair the file") from None
+    return iteration
+
+
+def resolve_checkpoint(root: str, step: Optional[int] = None) -> Optional[str]:
+    """The checkpoint directory to load from ``root`` (``--load``), or None for a fresh start.
+
+    ``step`` (``--ckpt-step``) selects ``iter_{step}`` explicitly, ignoring the pointer. Returns
+    None only when ``root`` holds no checkpoint at all (absent, or no ``iter_*`` and no pointer).
+    Raises ConfigError naming the file when ``root`` is not a directory, the pointer is
+    unreadable or names a missing/incomplete iteration, a pointer is missing beside saved
+    iterations, or ``step`` names no complete checkpoint.
+    """
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"--load {root} is a file, not a checkpoint directory")
+    if step is not None:
+        path = iteration_dir(root, step)
+        if not is_complete(path):
+            raise ConfigError(f"--ckpt-step {step}: {path} is not a complete checkpoint; "
+                              f"{_available(root)}")
+        return path
+    iteration = read_pointer(root)
+    if iteration is None:
+        its = saved_iterations(root)
+        if its:
+            raise ConfigError(
+                f"--load {root} holds iter_* directories ({', '.join(map(str, its))}) but no "
+                f"{LATEST}: give --ckpt-step N to choose one, or restore the pointer")
+        return None
+    path = iteration_dir(root, iteration)
+    if not is_complete(path):
+        raise ConfigError(
+            f"checkpoint pointer {os.path.join(root, LATEST)} names iteration {iteration}, but "
+            f"{path} is {'incomplete' if os.path.isdir(path) else 'missing'}; "
+            f"{_available(root)}: give --ckpt-step N to load one of them, or restore {path}")
+    return path
+
+
+def check_checkpoint_files(path: str) -> None:
+    """Refuse a checkpoint whose ``.pt`` files are truncated or not torch archives (each must be a
+    readable zip with its central directory); ConfigError names the file."""
+    names = sorted(n for n in os.listdir(path) if n.endswith(".pt"))
+    if not any(n.startswith("model_") for n in names):
+        raise ConfigError(f"checkpoint {path} holds no model_tp*_pp*.pt shard; give --ckpt-step N "
+                          f"to load another one ({_available(os.path.dirname(path))})")
+    for name in names:
+        file = os.path.join(path, name)
+        try:
+            with zipfile.ZipFile(file) as zf:
+                zf.infolist()
+        except (OSError, zipfile.BadZipFile) as e:
+            raise ConfigError(
+                f"checkpoint file {file} is unreadable ({e}); it was truncated or overwritten: "
+                f"give --ckpt-step N to load another checkpoint "
+                f"({_available(os.path.dirname(path))})") from None
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_save_dir(save_dir: str, start_iteration: int, overwrite: bool = False,
+                   expected_bytes: int = 0, resumed_from_pointer: bool = False) -> None:
+    """Refuse a ``--save`` directory that would lose data or fail at the first save.
+
+    Checks, without creating anything: ``save_dir`` (or its nearest existing parent) is a
+    directory this process can write in; it has ``expected_bytes`` free (bytes, one checkpoint);
+    it holds no checkpoint (``iter_N`` or pointer) newer than ``start_iteration`` unless
+    ``overwrite`` (``--overwrite-checkpoints``). With ``resumed_from_pointer`` (the run resumes
+    from this directory's own ``latest`` pointer), ``iter_N`` directories above the pointer are
+    an interrupted save's uncommitted output (renamed, pointer not yet moved) and may be
+    replaced. Raises ConfigError naming ``--save``.
+    """
+    base = _nearest_existing(save_dir)
+    if not os.path.isdir(base):
+        raise ConfigError(f"--save {save_dir}: {base} is a file, not a directory; choose another "
+                          f"--save directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".loom-write-check-", dir=base)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--save {save_dir}: cannot write in {base} ({e.strerror}); choose a "
+                          f"writable --save directory") from None
+    free = shutil.disk_usage(base).free
+    if expected_bytes > free:
+        raise ConfigError(f"--save {save_dir}: a checkpoint needs about {_size(expected_bytes)} "
+                          f"but only {_size(free)} is free on {base}; free space or choose "
+                          f"another --save directory")
+    if overwrite or not os.path.isdir(save_dir):
+        return
+    newer = [] if resumed_from_pointer else \
+        [i for i in saved_iterations(save_dir) if i > start_iteration]
+    try:
+        pointer = read_pointer(save_dir)
+    except ConfigError:  # a broken pointer: replaceable when resuming from an explicit checkpoint
+        pointer = None
+        if start_iteration == 0:
+            newer = newer or [-1]
+    if pointer is not None and pointer > start_iteration:
+        newer = sorted(set(newer) | {pointer})
+    if newer:
+        held = ", ".join(map(str, [i for i in newer if i >= 0])) or f"an unreadable {LATEST}"
+        raise ConfigError(
+            f"--save {save_dir} already holds checkpoints newer than this run's start "
+            f"(iteration {start_iteration}): {held}; saving would overwrite them. Resume with "
+            f"--load {save_dir}, choose another --save directory, or give "
+            f"--overwrite-checkpoints")
+
+
+def remove_partial_checkpoints(save_dir: str) -> list[str]:
+    """Delete leftover ``iter_NNNNNNN.tmp`` directories and a pointer's ``.tmp`` of a crashed
+    save; returns the removed paths. Call on one rank only (rank 0), after the checks passed."""
+    if not os.path.isdir(save_dir):
+        return []
+    removed = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if _PARTIAL.match(name) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif name == LATEST + ".tmp" and os.path.isfile(path):
+            os.remove(path)
+            removed.append(path)
+    return removed

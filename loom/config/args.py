@@ -1,0 +1,146 @@
+"""Command line and YAML: one ``--flag`` per config field, and ``--config FILE.yaml``.
+
+Flags get their type, ``choices`` (from the field's ``Literal``) and help text from the field;
+YAML values are coerced to the field's type with a message naming ``file:line`` and the key when
+they cannot be, and YAML syntax errors are reported as ``file:line:column``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Any, Callable, get_type_hints
+
+import yaml
+
+from loom.config.core import LoomConfig, field_section, flag
+from loom.config.sections import GROUPS
+from loom.config.validate import base_type, check_bounds, choices_of, coerce
+from loom.errors import ConfigError
+
+
+def _converter(hint: Any, name: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return coerce(text, hint, flag(name))
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+    convert.__name__ = base_type(hint)[0].__name__ if hasattr(base_type(hint)[0], "__name__") \
+        else "value"
+    return convert
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``."""
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="YAML file of the same keys (flat, or grouped by section name); "
+                             "flags given on the command line override it")
+    for gname, dc in GROUPS.items():
+        grp = parser.add_argument_group(gname, (dc.__doc__ or "").strip().splitlines()[0])
+        hints = get_type_hints(dc)
+        for f in fields(dc):
+            hint = hints[f.name]
+            text = f.metadata.get("help", "")
+            if f.default is not MISSING and f.default is not None and "default" not in text:
+                text += f" (default: {f.default})"
+            if base_type(hint)[0] is bool:
+                grp.add_argument(flag(f.name), dest=f.name, action="store_const", const=True,
+                                 default=None, help=text)
+                continue
+            choices = choices_of(hint)
+            if choices is not None:
+                grp.add_argument(flag(f.name), dest=f.name, choices=choices, default=None,
+                                 help=text)
+            else:
+                grp.add_argument(flag(f.name), dest=f.name, type=_converter(hint, f.name),
+                                 default=None, help=text,
+                                 metavar={int: "N", float: "X"}.get(base_type(hint)[0],
+                                                                    "STR" if f.name == "split"
+                                                                    else "PATH"))
+
+
+def _read_yaml_nodes(path: str) -> list[tuple[str, Any, int]]:
+    """``[(key, value node, line)]`` of a YAML config; grouped sections are flattened."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a UTF-8 text file") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error: {what} (--config)") from None
+    if root is None:
+        return []
+    out: list[tuple[str, Any, int]] = []
+
+    def walk(node: Any, section: str = "") -> None:
+        if not isinstance(node, yaml.MappingNode):
+            raise ConfigError(f"{path}:{node.start_mark.line + 1}: --config must hold a mapping "
+                              f"of flag names to values (key: value)")
+        for key_node, value_node in node.value:
+            key = str(key_node.value).replace("-", "_")
+            line = key_node.start_mark.line + 1
+            if not section and key in GROUPS and isinstance(value_node, yaml.MappingNode):
+                walk(value_node, key)
+            else:
+                out.append((key, value_node, line))
+    walk(root)
+    return out
+
+
+def read_yaml_config(path: str, lines: dict | None = None) -> dict:
+    """Flat ``{field: value}`` of a YAML config, each value coerced to its field's type;
+    ``lines`` (if given) receives ``{field: line number}``.
+
+    Raises ConfigError with ``file:line`` for syntax errors, unknown or repeated keys and values
+    of the wrong type.
+    """
+    known = field_section()
+    hints = {f.name: get_type_hints(dc)[f.name] for dc in GROUPS.values() for f in fields(dc)}
+    constructor = yaml.SafeLoader("")
+    values: dict = {}
+    lines = {} if lines is None else lines
+    for key, node, line in _read_yaml_nodes(path):
+        if key not in known:
+            raise ConfigError(f"{path}:{line}: unknown option {flag(key)} (key {key!r}); see "
+                              f"`loom train --help` for the accepted flags")
+        if key in lines:
+            raise ConfigError(f"{path}:{line}: key {key!r} given twice (first on line "
+                              f"{lines[key]})")
+        try:
+            raw = constructor.construct_object(node, deep=True)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}:{line}: {key}: {e}") from None
+        values[key] = coerce(raw, hints[key], f"{path}:{line}: {key}")
+        lines[key] = line
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> LoomConfig:
+    """YAML (``--config``) first, then every flag given on the command line.
+
+    Raises ConfigError (file:line for YAML problems, the flag otherwise). Does not validate:
+    call :meth:`LoomConfig.validate`.
+    """
+    values: dict = {}
+    lines: dict = {}
+    if getattr(args, "config", None):
+        values.update(read_yaml_config(args.config, lines))
+    known = field_section()
+    for k, v in vars(args).items():
+        if k in known and v is not None:
+            values[k] = v
+            lines.pop(k, None)
+    meta = {f.name: f.metadata for dc in GROUPS.values() for f in fields(dc)}
+    for k, line in lines.items():  # bounds of the values the file still provides, with file:line
+        try:
+            check_bounds(k, values[k], meta[k])
+        except ConfigError as e:
+            raise ConfigError(f"{args.config}:{line}: {e}") from None
+    return LoomConfig.from_flat(values)

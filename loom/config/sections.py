@@ -1,0 +1,289 @@
+"""The configuration sections, filed by concern: model, parallel, training, data, logging,
+checkpoint.
+
+Every field ``foo_bar`` is the flag ``--foo-bar`` (Megatron-LM's name and meaning) and the YAML
+key ``foo_bar``. Each field carries its help text and its bounds in ``metadata``
+(``help``, ``ge``: >=, ``gt``: >, ``lt``: <); string choices are ``Literal`` types. The one
+generic check of types, choices and bounds is :func:`loom.config.validate.check_fields`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from loom.errors import ConfigError
+
+Normalization = Literal["LayerNorm", "RMSNorm"]
+PositionEmbedding = Literal["learned_absolute", "rope"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+DecayStyle = Literal["cosine", "linear", "constant"]
+Recompute = Literal["selective", "full"]
+Backend = Literal["nccl", "gloo"]
+Device = Literal["cpu", "cuda"]
+ModelType = Literal["gpt"]  # families in loom.models.FAMILY_MODULES
+RouterScore = Literal["softmax", "sigmoid"]
+RecomputeMethod = Literal["uniform", "block"]
+
+
+def opt(default: Any, help: str, **bounds: float) -> Any:  # noqa: A002 - argparse's word
+    """A dataclass field with its help text and numeric bounds (``ge``, ``gt``, ``lt``)."""
+    return field(default=default, metadata={"help": help, **bounds})
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s)."""
+
+    model_type: ModelType = opt("gpt", "model family: gpt (GPT-2 and LLaMA layouts, dense or "
+                                       "mixture-of-experts)")
+    num_layers: int = opt(4, "L: number of transformer layers", ge=1)
+    hidden_size: int = opt(256, "h: transformer hidden size (width of the residual stream)", ge=1)
+    num_attention_heads: int = opt(4, "a: attention heads per layer; must divide h "
+                                      "(unless --kv-channels is set)", ge=1)
+    num_query_groups: Optional[int] = opt(
+        None, "g: key/value head groups for grouped-query attention; must divide a "
+              "(default: a, i.e. multi-head attention)", ge=1)
+    group_query_attention: bool = opt(False, "use grouped-query attention (needs "
+                                             "--num-query-groups)")
+    ffn_hidden_size: Optional[int] = opt(None, "hidden size of the MLP (default: 4h)", ge=1)
+    kv_channels: Optional[int] = opt(None, "per-head dimension of keys/values/queries "
+                                           "(default: h / a)", ge=1)
+    seq_length: int = opt(256, "s: tokens per training sample", ge=1)
+    max_position_embeddings: Optional[int] = opt(
+        None, "largest position the model can encode; must be >= --seq-length "
+              "(default: --seq-length)", ge=1)
+    vocab_size: Optional[int] = opt(
+        None, "V: vocabulary size, token ids are 0..V-1 (default: from the dataset's "
+              "PREFIX.meta.json or the checkpoint)", ge=1)
+    make_vocab_size_divisible_by: int = opt(
+        128, "pad V to a multiple of this times the tensor-parallel size", ge=1)
+    normalization: Normalization = opt("LayerNorm", "layer normalization: LayerNorm or RMSNorm")
+    norm_epsilon: float = opt(1e-5, "epsilon added to the variance in the normalization", gt=0)
+    position_embedding_type: PositionEmbedding = opt(
+        "learned_absolute", "positions: learned_absolute embeddings or rope (rotary)")
+    rotary_base: float = opt(10000.0, "RoPE base period (theta)", gt=0)
+    swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU")
+    openai_gelu: bool = opt(False, "tanh-approximated GeLU, as GPT-2 uses")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "separate output layer instead of reusing the input embedding")
+    disable_bias_linear: bool = opt(False, "no bias in the linear layers")
+    hidden_dropout: float = opt(0.1, "dropout probability after attention and MLP, in [0, 1)",
+                                ge=0, lt=1)
+    attention_dropout: float = opt(0.1, "dropout probability of the attention weights, in [0, 1)",
+                                   ge=0, lt=1)
+    init_method_std: float = opt(0.02, "standard deviation of the normal weight initialization",
+                                 gt=0)
+    add_qkv_bias: bool = opt(False, "biases in the QKV projection only (Qwen2), even with "
+                                    "--disable-bias-linear")
+    # -- mixture of experts (Megatron's --moe-* flags; Switch, Mixtral, DeepSeek-V3) ----------
+    num_experts: Optional[int] = opt(None, "E: experts per MoE layer (default: dense MLPs)", ge=1)
+    moe_router_topk: int = opt(2, "k: experts each token is routed to", ge=1)
+    moe_ffn_hidden_size: Optional[int] = opt(None, "hidden size of each expert's MLP (default: "
+                                                   "--ffn-hidden-size)", ge=1)
+    moe_shared_expert_intermediate_size: Optional[int] = opt(
+        None, "hidden size of an always-on shared expert (DeepSeek, Qwen; default: none)", ge=1)
+    moe_layer_freq: int = opt(1, "every N-th layer is MoE (layer i when i %% N == 0), the rest "
+                                 "dense", ge=1)
+    moe_router_score_function: RouterScore = opt(
+        "softmax", "router scores: softmax (Mixtral) or sigmoid with normalized top-k weights "
+                   "(DeepSeek-V3)")
+    moe_router_pre_softmax: bool = opt(False, "softmax over all experts, top-k weights not "
+                                              "renormalized (Qwen2-MoE)")
+    moe_aux_loss_coeff: float = opt(0.0, "coefficient of the Switch/GShard load-balancing loss",
+                                    ge=0)
+    moe_z_loss_coeff: float = opt(0.0, "coefficient of the router z-loss (ST-MoE)", ge=0)
+    moe_expert_capacity_factor: Optional[float] = opt(
+        None, "tokens per expert capped at factor x T k / E, the rest dropped (default: "
+              "dropless)", gt=0)
+    moe_shared_expert_gate: bool = opt(False, "scale the shared expert's output by "
+                                              "sigmoid(x w) (Qwen2-MoE)")
+
+    @property
+    def num_kv_groups(self) -> int:
+        """g: key/value heads (``--num-query-groups``); equals a without GQA."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head dimension: ``--kv-channels`` or h / a."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP hidden size: ``--ffn-hidden-size`` or 4h."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Expert MLP hidden size: ``--moe-ffn-hidden-size`` or the dense one."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (0-based) has an MoE instead of a dense MLP."""
+        return bool(self.num_experts) and layer_number % self.moe_layer_freq == 0
+
+    @property
+    def max_positions(self) -> int:
+        """``--max-position-embeddings`` or s."""
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """V padded to a multiple of ``make_vocab_size_divisible_by * t`` (Megatron).
+
+        Raises ConfigError when V is unknown.
+        """
+        if self.vocab_size is None:
+            raise ConfigError("vocab size unknown: give --vocab-size or a --data-path with a tokenizer")
+        mult = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / mult) * mult)
+
+    @classmethod
+    def gpt2(cls, **kw: Any) -> "ModelConfig":
+        """GPT-2 layout: LayerNorm, learned positions, GeLU MLP with bias, tied embeddings."""
+        return cls(**kw)
+
+    @classmethod
+    def mixtral(cls, **kw: Any) -> "ModelConfig":
+        """Mixtral-style MoE: the LLaMA layout with every MLP a mixture of 8 SwiGLU experts,
+        softmax top-2 router (Jiang et al. 2024)."""
+        return cls.llama(**{**dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.01),
+                            **kw})
+
+    @classmethod
+    def deepseek_moe(cls, **kw: Any) -> "ModelConfig":
+        """DeepSeek-style MoE: fine-grained experts (64 of width h/2, top-6, sigmoid router with
+        normalized weights) plus an always-on shared expert of width 2h (DeepSeek-V3 sec. 2.1)."""
+        h = kw.get("hidden_size", 256)
+        return cls.llama(**{**dict(num_experts=64, moe_router_topk=6,
+                                   moe_router_score_function="sigmoid",
+                                   moe_ffn_hidden_size=max(h // 2, 8),
+                                   moe_shared_expert_intermediate_size=2 * h,
+                                   moe_aux_loss_coeff=0.001), **kw})
+
+    @classmethod
+    def llama(cls, **kw: Any) -> "ModelConfig":
+        """LLaMA layout: RMSNorm, RoPE, SwiGLU, no biases, untied output layer."""
+        base = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                    untie_embeddings_and_output_weights=True, disable_bias_linear=True,
+                    norm_epsilon=1e-6)
+        base.update(kw)
+        return cls(**base)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes t, c, p (d is derived from the world size), their options and the device."""
+
+    tensor_model_parallel_size: int = opt(1, "t: ranks splitting each layer's weights", ge=1)
+    pipeline_model_parallel_size: int = opt(1, "p: pipeline stages (layers split across ranks)",
+                                            ge=1)
+    context_parallel_size: int = opt(1, "c: ranks splitting each sequence", ge=1)
+    data_parallel_size: Optional[int] = opt(
+        None, "d: model replicas; must equal world size / (t p c) (default: derived)", ge=1)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = opt(
+        None, "layers per model chunk; giving it selects the interleaved 1F1B schedule "
+              "(L / (p x N) chunks per stage)", ge=1)
+    pipeline_schedule: Optional[PipelineSchedule] = opt(
+        None, "pipeline schedule: gpipe, 1f1b or interleaved (default: interleaved when "
+              "--num-layers-per-virtual-pipeline-stage is given, else 1f1b)")
+    decoder_first_pipeline_num_layers: Optional[int] = opt(
+        None, "layers on the first pipeline stage (the rest split evenly)", ge=1)
+    decoder_last_pipeline_num_layers: Optional[int] = opt(
+        None, "layers on the last pipeline stage (the rest split evenly)", ge=1)
+    sequence_parallel: bool = opt(False, "shard norms and dropout over the sequence across the "
+                                         "tensor-parallel ranks")
+    expert_model_parallel_size: int = opt(1, "e: ranks of the data-parallel dimension the "
+                                             "experts are split over", ge=1)
+    ddp_bucket_size: int = opt(40_000_000, "gradient elements per data-parallel all-reduce "
+                                           "bucket", ge=1)
+    distributed_backend: Optional[Backend] = opt(
+        None, "torch.distributed backend: nccl or gloo (default: nccl on CUDA, gloo on CPU)")
+    device: Optional[Device] = opt(None, "cpu or cuda (default: cuda when available, else cpu)")
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, iterations, optimizer and learning-rate schedule."""
+
+    micro_batch_size: int = opt(4, "b: samples per micro-batch per data-parallel rank", ge=1)
+    global_batch_size: Optional[int] = opt(
+        None, "B: samples per iteration over all ranks; a multiple of b x d (default: b x d)",
+        ge=1)
+    train_iters: int = opt(100, "iterations (optimizer steps) to train for", ge=1)
+    lr: float = opt(3e-4, "peak learning rate", gt=0)
+    min_lr: float = opt(0.0, "learning rate at the end of the decay; <= --lr", ge=0)
+    lr_warmup_iters: int = opt(0, "iterations of linear warmup from 0 to --lr", ge=0)
+    lr_decay_iters: Optional[int] = opt(None, "iterations over which the learning rate decays "
+                                              "(default: --train-iters)", ge=1)
+    lr_decay_style: DecayStyle = opt("cosine", "learning-rate decay: cosine, linear or constant")
+    weight_decay: float = opt(0.01, "AdamW decoupled weight decay coefficient", ge=0)
+    adam_beta1: float = opt(0.9, "AdamW first-moment decay, in [0, 1)", ge=0, lt=1)
+    adam_beta2: float = opt(0.95, "AdamW second-moment decay, in [0, 1)", ge=0, lt=1)
+    adam_eps: float = opt(1e-8, "AdamW denominator epsilon", gt=0)
+    clip_grad: float = opt(1.0, "clip the global gradient L2 norm to this value (0: no clipping)",
+                           ge=0)
+    use_distributed_optimizer: bool = opt(
+        False, "ZeRO-1: shard the Adam states over the data-parallel ranks")
+    seed: int = opt(1234, "random seed of initialization, dropout and data order", ge=0)
+    bf16: bool = opt(False, "bfloat16 autocast for the forward and backward passes")
+    recompute_granularity: Optional[Recompute] = opt(
+        None, "activation recomputation: selective (attention core) or full (whole layers)")
+    recompute_method: RecomputeMethod = opt(
+        "uniform", "which layers --recompute-granularity full recomputes: uniform (groups of "
+                   "--recompute-num-layers layers, only each group's input kept) or block (the "
+                   "first --recompute-num-layers layers of each pipeline chunk)")
+    recompute_num_layers: int = opt(1, "N of --recompute-method", ge=1)
+
+
+@dataclass
+class DataConfig:
+    """Where the training tokens come from."""
+
+    data_path: Optional[str] = opt(None, "dataset prefix: PREFIX.bin / PREFIX.idx / "
+                                         "PREFIX.meta.json written by `loom preprocess`")
+    valid_data_path: Optional[str] = opt(
+        None, "held-out dataset prefix for evaluation (default: the --split share of "
+              "--data-path)")
+    split: str = opt("969,30,1", "train,valid,test weights of --data-path's documents")
+    mock_data: bool = opt(False, "train on random tokens (needs --vocab-size; tests, "
+                                 "benchmarks)")
+
+
+@dataclass
+class LoggingConfig:
+    """What is reported, and how often."""
+
+    log_interval: int = opt(10, "iterations between training-loss log lines", ge=1)
+    eval_interval: Optional[int] = opt(None, "iterations between evaluations on the validation "
+                                             "set (default: never)", ge=1)
+    eval_iters: int = opt(10, "global batches per evaluation", ge=1)
+    log_json: Optional[str] = opt(None, "append every logged record as a JSON line to this file")
+    tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars to this directory")
+    peak_tflops: Optional[float] = opt(
+        None, "peak TFLOP/s per rank for MFU (default: from the device table)", gt=0)
+    planner_cluster: Optional[str] = opt(
+        None, "cluster JSON from `loom plan --calibrate` for step-time predictions")
+    timeline: Optional[str] = opt(None, "write a Chrome trace of the pipeline schedule here")
+    no_progress_bar: bool = opt(False, "no progress bar on rank 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints are written and read, and when."""
+
+    save: Optional[str] = opt(None, "directory to save checkpoints to (iter_NNNNNNN/ and "
+                                    "latest_checkpointed_iteration.txt)")
+    load: Optional[str] = opt(None, "directory to resume from (its latest checkpoint, or "
+                                    "--ckpt-step)")
+    save_interval: Optional[int] = opt(None, "iterations between checkpoints (default: only at "
+                                             "the end)", ge=1)
+    ckpt_step: Optional[int] = opt(None, "load iteration N from --load instead of the one "
+                                         "named by latest_checkpointed_iteration.txt", ge=0)
+    overwrite_checkpoints: bool = opt(
+        False, "allow --save to replace checkpoints newer than the start iteration")
+
+
+GROUPS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+          "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig}

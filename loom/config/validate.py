@@ -1,0 +1,215 @@
+"""The one validation pass: every field's type, choices and bounds (from its ``Literal`` type and
+``metadata``), then the cross-field and layout rules. Torch-free; reads the sections from the
+config object itself, so it imports nothing from the rest of :mod:`loom.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+from loom.data.split import parse_split
+from loom.errors import ConfigError
+from loom.parallel.pipeline.layout import validate_pipeline
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def base_type(hint: Any) -> tuple[Any, bool]:
+    """(type without Optional, whether None is allowed) of a field's type hint."""
+    if get_origin(hint) is Union:
+        args = [a for a in get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(get_args(hint))
+    return hint, False
+
+
+def choices_of(hint: Any) -> Optional[tuple]:
+    """The allowed values of a ``Literal[...]`` (or ``Optional[Literal[...]]``) hint, else None."""
+    tp, _ = base_type(hint)
+    return get_args(tp) if get_origin(tp) is Literal else None
+
+
+def coerce(value: Any, hint: Any, what: str) -> Any:
+    """``value`` converted to the field type ``hint`` (YAML reads ``1e-3`` as a string).
+
+    ``what`` names the flag or ``file:line: key`` in the message. Raises ConfigError when the
+    value cannot be converted or is not one of the choices.
+    """
+    tp, optional = base_type(hint)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{what}: needs a value")
+    choices = choices_of(hint)
+    if choices is not None:
+        if value not in choices:
+            raise ConfigError(f"{what}: {value!r} is not one of {', '.join(choices)}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{what}: expected true or false, got {value!r}")
+    if tp in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{what}: expected {'an integer' if tp is int else 'a number'}, "
+                              f"got {value!r}")
+        try:
+            num = float(value) if tp is float or not isinstance(value, int) else value
+        except ValueError:
+            raise ConfigError(f"{what}: expected {'an integer' if tp is int else 'a number'}, "
+                              f"got {value!r}") from None
+        if isinstance(num, float) and not math.isfinite(num):
+            raise ConfigError(f"{what}: expected a finite number, got {value!r}")
+        if tp is int:
+            if isinstance(num, float) and not num.is_integer():
+                raise ConfigError(f"{what}: expected an integer, got {value!r}")
+            return int(num)
+        return float(num)
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{what}: expected a string, got {value!r}")
+    return value
+
+
+def check_bounds(name: str, value: Any, meta: Any) -> None:
+    """Raise ConfigError naming ``--name`` when ``value`` breaks the field's ``ge``/``gt``/``lt``."""
+    if value is None or isinstance(value, bool):
+        return
+    for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                          ("lt", lambda v, b: v < b, "<")):
+        if key in meta and not ok(value, meta[key]):
+            raise ConfigError(f"{_flag(name)} must be {word} {meta[key]:g}, got {value}")
+
+
+def check_fields(cfg: Any) -> None:
+    """Coerce every field of every section to its type and check its choices and bounds."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        hints = get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            value = coerce(getattr(obj, f.name), hints[f.name], _flag(f.name))
+            check_bounds(f.name, value, f.metadata)
+            setattr(obj, f.name, value)
+
+
+def _check_model(m: Any, tp: int) -> None:
+    if m.group_query_attention and m.num_query_groups is None:
+        raise ConfigError("--group-query-attention needs --num-query-groups G")
+    if m.num_attention_heads % m.num_kv_groups:
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--num-query-groups {m.num_kv_groups}: choose G dividing the head count")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+            f"{m.num_attention_heads}: choose a head count dividing h (or set --kv-channels)")
+    if m.num_attention_heads % tp:
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}: choose a TP size dividing the head count")
+    if m.num_kv_groups % tp:
+        raise ConfigError(
+            f"--num-query-groups {m.num_kv_groups} is not divisible by "
+            f"--tensor-model-parallel-size {tp}: use a TP size that divides the query groups")
+    if m.ffn_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {m.ffn_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if m.seq_length > m.max_positions:
+        raise ConfigError(
+            f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+            f"{m.max_positions}: raise --max-position-embeddings or shorten --seq-length")
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}")
+
+
+def _check_moe(cfg: Any, world_size: int) -> None:
+    m, p = cfg.model, cfg.parallel
+    e = p.expert_model_parallel_size
+    if not m.num_experts:
+        if e > 1:
+            raise ConfigError("--expert-model-parallel-size needs --num-experts E")
+        return
+    E, k = m.num_experts, m.moe_router_topk
+    if k > E:
+        raise ConfigError(f"--moe-router-topk {k} must lie in [1, --num-experts {E}]")
+    if E % e:
+        raise ConfigError(f"--num-experts {E} is not divisible by --expert-model-parallel-size "
+                          f"{e}: choose an EP size dividing the expert count")
+    t, c = p.tensor_model_parallel_size, p.context_parallel_size
+    d = cfg.data_parallel_size(world_size)
+    if d % e:
+        raise ConfigError(f"--expert-model-parallel-size {e} must divide the data-parallel size "
+                          f"{d} (experts are split over DP ranks): launch more ranks or lower EP")
+    shared = m.moe_shared_expert_intermediate_size or 0
+    if m.moe_ffn_size % t or shared % t:
+        raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} and "
+                          f"--moe-shared-expert-intermediate-size must be divisible by "
+                          f"--tensor-model-parallel-size {t}")
+    if t > 1 and not m.disable_bias_linear:
+        raise ConfigError("MoE experts under --tensor-model-parallel-size > 1 need "
+                          "--disable-bias-linear (experts are sharded without biases)")
+    if c > 1 or p.sequence_parallel:
+        raise ConfigError("MoE layers do not yet compose with --context-parallel-size > 1 or "
+                          "--sequence-parallel (the router's load statistics would be per "
+                          "sequence shard): drop those flags for MoE models")
+    if cfg.training.use_distributed_optimizer and e > 1:
+        raise ConfigError("--use-distributed-optimizer does not yet compose with "
+                          "--expert-model-parallel-size > 1: drop one of them")
+
+
+def validate_config(cfg: Any, world_size: int) -> None:
+    """Refuse bad values and impossible layouts of a LoomConfig for ``world_size`` ranks.
+
+    Raises :class:`ConfigError` naming the flag and the fix; resolves ``--pipeline-schedule``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
+    check_fields(cfg)
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    _check_model(m, tp)
+    if world_size % (tp * pp * cp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = "
+            f"{tp * pp * cp}: launch a multiple of {tp * pp * cp} ranks or change the sizes")
+    dp = cfg.data_parallel_size(world_size)
+    if p.data_parallel_size is not None and p.data_parallel_size != dp:
+        raise ConfigError(f"--data-parallel-size {p.data_parallel_size} disagrees with the "
+                          f"world size {world_size} / (t p c) = {dp}")
+    if m.num_layers % pp and p.decoder_first_pipeline_num_layers is None and \
+            p.decoder_last_pipeline_num_layers is None:
+        raise ConfigError(
+            f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp}: choose a PP size dividing L, or set --decoder-first-pipeline-num-layers")
+    if m.seq_length % (2 * cp) and cp > 1:
+        raise ConfigError(f"--seq-length {m.seq_length} must be divisible by 2 x "
+                          f"--context-parallel-size {cp} for causal load balancing")
+    if p.sequence_parallel and m.seq_length % (tp * cp):
+        raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+                          f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp}")
+    gbs = cfg.global_batch_size(world_size)
+    if gbs % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}: "
+            f"use a multiple of {t.micro_batch_size * dp}")
+    _check_moe(cfg, world_size)
+    if t.min_lr > t.lr:
+        raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
+    parse_split(cfg.data.split)
+    if cfg.checkpoint.save_interval and not cfg.checkpoint.save:
+        raise ConfigError("--save-interval needs --save DIR")
+    if cfg.checkpoint.ckpt_step is not None and not cfg.checkpoint.load:
+        raise ConfigError("--ckpt-step needs --load DIR")
+    if p.pipeline_schedule is None:  # Megatron: the virtual-stage size alone selects interleaving
+        lpv = p.num_layers_per_virtual_pipeline_stage
+        p.pipeline_schedule = "interleaved" if lpv is not None else "1f1b"
+    if pp > 1 or p.num_layers_per_virtual_pipeline_stage is not None or \
+            p.pipeline_schedule != "1f1b":
+        validate_pipeline(cfg, world_size)

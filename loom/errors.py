@@ -1,0 +1,17 @@
+"""loom's user-facing errors; imports nothing from loom, so every layer may raise them.
+
+A :class:`ConfigError` is bad input: ``loom`` prints its message once (rank 0) without a
+traceback and exits with status 2. A :class:`CheckpointWriteError` is a checkpoint the
+filesystem refused; ``loom`` prints its message (naming the directory and the OS error) and
+exits with status 1.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """An impossible or inconsistent input; the message names the flag, key or file and the fix."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message names the directory and the OS error."""
