@@ -95,7 +95,9 @@ class Trainer:
         self.sp_params = [p for _, p, m in named if m.sequence_parallel]
         self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t, mesh.groups["dp_cp"])
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.schedule = get_schedule(cfg.parallel.pipeline_schedule, mesh.pp_size)
+        par = cfg.parallel  # the schedule validate() resolved (virtual stages imply interleaved)
+        self.schedule = get_schedule(par.pipeline_schedule or (
+            "interleaved" if par.num_layers_per_virtual_pipeline_stage else "1f1b"), mesh.pp_size)
         self.timeline = Timeline(self.global_rank, enabled=bool(cfg.logging.timeline))
         self.last_stats = None  # PipelineStats of the latest schedule run
         self.last_metrics: dict = {}
