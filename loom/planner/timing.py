@@ -34,7 +34,8 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   that does not shrink with d, ~65 s per 1.4 TB (fp16 weights twice, fp32 gradients once).
 * Optimizer step: memory-bound, ~30 bytes of HBM traffic per (sharded) parameter.
 
-All collectives use the alpha-beta ring formulas of references.md (:func:`all_reduce_time`).
+All collectives use the alpha-beta ring formulas of references.md (:func:`all_reduce_time`, in
+:mod:`loom.planner.primitives` with :func:`gemm_efficiency`).
 The three constants of the compute model, ``GEMM_EFFICIENCY`` (large-GEMM fraction of peak),
 ``GEMM_HALF_DIM`` (GEMM dimension at which the efficiency halves) and ``MEM_TRAFFIC``, are fitted
 once by least squares (``loom.planner.calibrate.fit_compute_model``) to NAR table 1, KOR table 3
@@ -50,48 +51,16 @@ from loom.planner import flops as F
 from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
+from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
+                                     all_gather_time, all_reduce_time, gemm_efficiency,
+                                     hierarchical_all_reduce_time, p2p_time,
+                                     reduce_scatter_time)
 
-# Fitted to the A100 measurements of references.md (see calibrate.fit_compute_model).
-GEMM_EFFICIENCY = 0.736
-GEMM_HALF_DIM = 46.0
+# Fitted with GEMM_EFFICIENCY and GEMM_HALF_DIM (primitives.py; see calibrate.fit_compute_model).
 MEM_TRAFFIC = 2.58
-A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
 # Fitted to NAR table 2's six ZeRO-3 runs (see calibrate_zero3 in benchmarks/planner_fit.py).
 ZERO3_OVERLAP = 0.75
 ZERO3_LINK_EFFICIENCY = 1.0
-
-
-# -- collectives: alpha-beta ring formulas (references.md) ---------------------------------------
-
-def all_reduce_time(n, nbytes, bw, alpha):
-    """Ring all-reduce of ``nbytes`` over ``n`` ranks: ``2 (n-1)/n M/W + 2 (n-1) alpha`` s."""
-    n = np.asarray(n, dtype=np.float64)
-    return np.where(n > 1, 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha, 0.0)
-
-
-def all_gather_time(n, nbytes, bw, alpha):
-    """Ring all-gather (or reduce-scatter) of ``nbytes`` total: ``(n-1)/n M/W + (n-1) alpha``."""
-    n = np.asarray(n, dtype=np.float64)
-    return np.where(n > 1, (n - 1) / n * nbytes / bw + (n - 1) * alpha, 0.0)
-
-
-reduce_scatter_time = all_gather_time
-
-
-def p2p_time(nbytes, bw, alpha):
-    """Point-to-point send of ``nbytes``: ``M/W + alpha`` seconds."""
-    return nbytes / bw + alpha
-
-
-def hierarchical_all_reduce_time(n, per_node, nbytes, cluster: Cluster):
-    """All-reduce over ``n`` ranks of which ``per_node`` share a node (seconds): ring inside the
-    node on NVLink, then across the ``n / per_node`` nodes on ``nbytes / per_node`` per GPU (each
-    GPU drives its own NIC), the slowest link the group crosses."""
-    k = np.maximum(1.0, np.minimum(n, per_node))
-    nodes = n / k
-    intra = all_reduce_time(k, nbytes, cluster.intra_bw, cluster.intra_alpha)
-    inter = all_reduce_time(nodes, nbytes / k, cluster.inter_bw, cluster.inter_alpha)
-    return intra + inter
 
 
 def straggler_factor(num_nodes, jitter: float):
@@ -120,27 +89,6 @@ def exposed_grad_sync(sync_s, backward_s, params, opts: Options):
 
 
 # -- compute --------------------------------------------------------------------------------------
-
-def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
-    """Achievable fraction of peak FLOP/s of a GEMM whose per-GPU width is ``width`` and whose
-    token dimension is ``tokens``: ``e / (1 + h0/width + h0/tokens)``.
-
-    Roofline origin: a ``[T, w] x [w, n]`` GEMM moves ``2 (T w + w n + T n)`` bytes for
-    ``2 T w n`` FLOPs, so memory adds ``(peak / hbm_bw) (1/T + 1/w + 1/n)`` to the time per FLOP
-    at peak; ``h0`` is therefore proportional to the GPU's ridge point ``peak / hbm_bw``:
-    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 46; H100 SXM:
-    295 FLOP/byte, h0 = 89). ``e``: the GPU generation's large-GEMM efficiency
-    (``cluster.gemm_efficiency``, else ``GEMM_EFFICIENCY``). Both fitted, see the module
-    docstring; a cluster file's ``gemm_half_dim`` overrides h0."""
-    e = (cluster.gemm_efficiency if cluster and cluster.gemm_efficiency else GEMM_EFFICIENCY)
-    if cluster and cluster.gemm_half_dim:
-        h0 = cluster.gemm_half_dim
-    elif cluster:
-        h0 = GEMM_HALF_DIM * (cluster.peak_flops / cluster.hbm_bw) / A100_RIDGE
-    else:
-        h0 = GEMM_HALF_DIM
-    return e / (1 + h0 / np.asarray(width, dtype=np.float64) + h0 / np.asarray(tokens, dtype=np.float64))
-
 
 def _mem_traffic(cluster: Cluster) -> float:
     return cluster.mem_traffic if cluster.mem_traffic else MEM_TRAFFIC
