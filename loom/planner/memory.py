@@ -19,6 +19,10 @@ Terms (all bytes, of the pipeline stage that needs the most):
   (KOR sec 4.3) on the last stage.
 * ``reserve``: ``reserve_bytes + reserve_fraction x`` the other terms (context, workspaces,
   fragmentation).
+* mixture of experts (:mod:`loom.planner.moe`): expert weights, gradients and optimizer states
+  are split over ``t x e`` GPUs and their ZeRO sharding runs over the expert-data-parallel group
+  ``d c / e``; everything else as for a dense model. The MoE MLP's activations replace the dense
+  MLP's (:func:`loom.planner.moe.moe_activation_bytes`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import numpy as np
 
 from loom.config import ModelConfig
 from loom.planner.layout import Options, num_microbatches, stage_layers
+from loom.planner.moe import (MOE_LOAD_IMBALANCE, average_layer_params, layer_param_totals,
+                              moe_activation_bytes, moe_fraction)
 
 
 def padded_vocab(model: ModelConfig, tp):
@@ -54,13 +60,19 @@ def layer_params(model: ModelConfig) -> tuple[int, int]:
     return sharded, replicated
 
 
-def total_params(model: ModelConfig, seq_length: int | None = None) -> float:
+def total_params(model: ModelConfig, seq_length: int | None = None,
+                 active: bool = False) -> float:
     """All parameters (count) with the unpadded vocabulary: layers, embeddings (+ learned
-    positions), final norm, untied output layer. Equals NAR eq 2 for a GPT."""
+    positions), final norm, untied output layer. Equals NAR eq 2 for a GPT. MoE: every expert
+    counted, or with ``active`` only the k routed per token (the shared expert and the router
+    always; :func:`loom.planner.moe.layer_param_totals`)."""
     s = seq_length or model.seq_length
     sh, rep = layer_params(model)
     h, V = model.hidden_size, model.vocab_size or 0
-    n = model.num_layers * (sh + rep) + V * h
+    if model.num_experts:
+        n = layer_param_totals(model, (sh, rep))[1 if active else 0] + V * h
+    else:
+        n = model.num_layers * (sh + rep) + V * h
     n += (2 if model.normalization == "LayerNorm" else 1) * h
     if model.position_embedding_type == "learned_absolute":
         n += max(s, model.max_positions) * h
@@ -71,11 +83,18 @@ def total_params(model: ModelConfig, seq_length: int | None = None) -> float:
 
 def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
     """Parameters per GPU (count) of the first, a middle (``p > 2``, else 0) and the last
-    pipeline stage, with the layers of :func:`loom.planner.layout.stage_layers`."""
+    pipeline stage, with the layers of :func:`loom.planner.layout.stage_layers`; of which
+    expert parameters (``expert_first``, ``expert_middle``, ``expert_last``; 0 for dense models,
+    experts split over ``t x e`` GPUs)."""
     t, p = L["tp"], L["pp"]
     sh, rep = layer_params(model)
     h = model.hidden_size
     per_layer = sh / t + rep
+    expert_layer = 0.0
+    if model.num_experts:
+        sh, rep, ex = average_layer_params(model, (sh, rep))
+        expert_layer = ex / (t * L.get("ep", 1.0))
+        per_layer = sh / t + rep + expert_layer
     lf, lm, ll = stage_layers(model.num_layers, L)
     Vp = padded_vocab(model, t)
     emb = Vp * h / t
@@ -88,7 +107,9 @@ def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
     first = lf * per_layer + emb + np.where(single, final_norm + out, 0.0)
     last = np.where(single, first, ll * per_layer + final_norm + out)
     middle = np.where(p > 2, lm * per_layer, 0.0)
-    return {"first": first, "middle": middle, "last": last}
+    return {"first": first, "middle": middle, "last": last,
+            "expert_first": lf * expert_layer, "expert_last": ll * expert_layer,
+            "expert_middle": np.where(p > 2, lm * expert_layer, 0.0)}
 
 
 def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2) -> tuple:
@@ -103,7 +124,8 @@ def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2) -> tuple:
 
 
 def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, recompute=None,
-                               flash_attention: bool = False) -> dict:
+                               flash_attention: bool = False,
+                               moe_load_imbalance: float = MOE_LOAD_IMBALANCE) -> dict:
     """Activation bytes of one transformer layer for one micro-batch on one GPU (KOR table 2).
 
     With ``S = s b / c`` tokens per GPU, 16-bit activations:
@@ -121,6 +143,8 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
     input ``2 S h`` (divided by t with SP), selective drops the scores. For the GPT shape this
     reproduces KOR table 2 exactly: TP ``s b h (10 + 24/t + 5 a s/(h t))``, TP+SP
     ``s b h (34/t + 5 a s/(h t))``, selective ``s b h (10 + 24/t)``, full ``2 s b h``.
+    MoE layers (the fraction :func:`loom.planner.moe.moe_fraction`): the MLP's ``(6|4) S f``
+    replaced by :func:`loom.planner.moe.moe_activation_bytes` (``moe_load_imbalance``).
     """
     s = seq_length
     h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
@@ -130,6 +154,11 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
     drop = 1.0 if model.hidden_dropout > 0 else 0.0
     repl = S * h * (4 + 2 + 2 + 2 * drop)
     split = S * (2 * a * d + 4 * g * d + 2 * a * d) + S * f * (6 if model.swiglu else 4)
+    if model.num_experts:
+        fm = moe_fraction(model)
+        moe_split, moe_repl = moe_activation_bytes(model, S, moe_load_imbalance)
+        split = split + fm * (moe_split - S * f * (6 if model.swiglu else 4))
+        repl = repl + fm * moe_repl
     if flash_attention:
         scores = 4.0 * a * S / t
     else:
@@ -167,7 +196,11 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
     m = num_microbatches(L, global_batch_size)
     P = stage_params(model, L, s)
     wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes)
-    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention)
+    # expert parameters: ZeRO over the expert-data-parallel group d c / e
+    xw, xg, xo = model_state_bytes_per_param(L["zero"], L["dp"] * c / L.get("ep", 1.0),
+                                             opts.grad_bytes)
+    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
+                                     moe_load_imbalance=opts.moe_load_imbalance)
     rc = L["recompute"]
     per_layer = np.where(rc == 2, act["full"], np.where(rc == 1, act["selective"], act["none"]))
     working = np.where(rc == 2, act["none"], np.where(rc == 1, act["scores"], 0.0))
@@ -189,9 +222,16 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
             "weights": params * wb,
             "gradients": params * gb,
             "optimizer": params * ob,
+        }
+        if model.num_experts:
+            ex = P[f"expert_{name}"]
+            terms = {"weights": (params - ex) * wb + ex * xw,
+                     "gradients": (params - ex) * gb + ex * xg,
+                     "optimizer": (params - ex) * ob + ex * xo}
+        terms.update({
             "activations": n_layers * stage_inflight * per_layer + working,
             "embedding_output": emb_act,
-        }
+        })
         base = sum(terms.values())
         terms["reserve"] = opts.reserve_bytes + opts.reserve_fraction * base
         terms["total"] = base + terms["reserve"]

@@ -51,6 +51,7 @@ from loom.planner import flops as F
 from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
+from loom.planner.moe import moe_fraction, moe_layer_times
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_time, gemm_efficiency,
                                      hierarchical_all_reduce_time, p2p_time,
@@ -98,7 +99,10 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
                 opts: Options) -> dict:
     """Per transformer layer, per micro-batch, one GPU (seconds): ``gemm`` and ``attn`` forward
     compute, ``elem`` forward element-wise time, ``scores_elem`` (the part of ``elem`` on attention
-    scores), ``tp_fwd``/``tp_bwd`` collective times, ``cp_fwd``/``cp_bwd`` exposed ring time."""
+    scores), ``tp_fwd``/``tp_bwd`` collective times, ``cp_fwd``/``cp_bwd`` exposed ring time,
+    ``a2a``: one EP all-to-all (0 for dense models). MoE models: the average layer of
+    :mod:`loom.planner.moe` (the dense MLP's GEMM time replaced by :func:`moe_layer_times`'
+    ``gemm`` in the MoE fraction of the layers, its forward TP all-reduce grown by ``tp_extra``)."""
     s = seq_length
     h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
                      model.head_dim, model.ffn_size)
@@ -108,15 +112,23 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     attn_flops = 4 * s * a * d * S / t
     peak = cluster.peak_flops
     gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
+    a2a = tp_extra = 0.0
+    if model.num_experts:
+        fm = moe_fraction(model)
+        mo = moe_layer_times(model, S, L, cluster, opts.moe_load_imbalance)
+        mlp_flops = (6 if model.swiglu else 4) * h * f * S / t
+        gemm = gemm + fm * (mo["gemm"] - mlp_flops / (peak * gemm_efficiency(h / t, S, cluster)))
+        a2a, tp_extra = fm * mo["a2a"], fm * mo["tp_extra"]
     attn = attn_flops / (peak * gemm_efficiency(d, s / c, cluster))  # per ring block with CP
-    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention)
+    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
+                                     moe_load_imbalance=opts.moe_load_imbalance)
     k = _mem_traffic(cluster)
     elem = k * act["none"] / cluster.hbm_bw
     scores_elem = k * act["scores"] / cluster.hbm_bw
     tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
     tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
     ar = all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)  # AG + RS with SP: same volume
-    tp_fwd = 2 * ar
+    tp_fwd = 2 * ar + tp_extra
     # overlapped with the weight-gradient GEMMs (Megatron's asynchronous TP all-reduce, 2021+)
     tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
     cp_link = np.where(t * c > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
@@ -125,7 +137,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     cp_fwd = np.maximum(0.0, ring - attn)
     cp_bwd = np.maximum(0.0, 2 * ring - 2 * attn)
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
-            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "cp_fwd": cp_fwd, "cp_bwd": cp_bwd}
+            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "cp_fwd": cp_fwd, "cp_bwd": cp_bwd,
+            "a2a": a2a}
 
 
 def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
@@ -133,7 +146,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     """Time of one iteration, seconds, term by term (arrays).
 
     Terms: ``compute`` (forward + backward GEMMs and attention of all micro-batches on the slowest
-    stage), ``recompute``, ``elementwise``, ``tp_comm``, ``cp_comm``, ``pp_bubble``, ``pp_comm``,
+    stage), ``recompute``, ``elementwise``, ``tp_comm``, ``cp_comm``, ``ep_comm`` (MoE
+    all-to-alls, :func:`loom.planner.moe.all_to_all_time`), ``pp_bubble``, ``pp_comm``,
     ``dp_comm`` (exposed), ``optimizer``, ``straggler`` (waiting for the slowest node,
     :func:`straggler_factor` x the rest); ``iteration`` is their sum. Also ``dp_comm_total``
     (before overlap) and ``microbatch_time`` (slowest stage, one micro-batch)."""
@@ -161,6 +175,9 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         "elementwise": 3 * lt["elem"] + rec_elem,
         "tp_comm": lt["tp_fwd"] + lt["tp_bwd"] + np.where(full, lt["tp_fwd"], 0.0),
         "cp_comm": lt["cp_fwd"] + lt["cp_bwd"] + np.where(full, lt["cp_fwd"], 0.0),
+        # EP: dispatch + combine forward and their transposes backward, exposed (loom does not
+        # overlap them); full recompute repeats the forward two
+        "ep_comm": 4 * lt["a2a"] + np.where(full, 2 * lt["a2a"], 0.0),
     }
     del rec_comm
     # output layer + cross-entropy on the last stage; embedding all-reduce on the first
@@ -206,7 +223,27 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     n_dp = d * c
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
     z = L["zero"]
-    grad_sync = hierarchical_all_reduce_time(n_dp, per_node, params * opts.grad_bytes, cluster)
+    # MoE: expert parameters (ex of the stage) reduce over the expert-data-parallel group
+    # n_dp / e, whose ranks are t e apart; the rest over the whole group as for a dense model
+    e = L.get("ep", 1.0)
+    ex = 0.0
+    if model.num_experts:
+        ex = np.where(params == P["first"], P["expert_first"],
+                      np.where(params == P["last"], P["expert_last"], P["expert_middle"]))
+    per_node_x = np.where(t * e >= cluster.gpus_per_node, 1.0,
+                          np.floor(cluster.gpus_per_node / (t * e)))
+
+    def dp_collective(fn, bytes_per_param):
+        """``fn(ranks, ranks_per_node, bytes)`` over the DP group (+ the expert-DP group)."""
+        out = fn(n_dp, per_node, (params - ex) * bytes_per_param)
+        if model.num_experts:
+            out = out + fn(n_dp / e, per_node_x, ex * bytes_per_param)
+        return out
+
+    def hier(n, k_node, nbytes):
+        return hierarchical_all_reduce_time(n, k_node, nbytes, cluster)
+
+    grad_sync = dp_collective(hier, opts.grad_bytes)
     # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter, a flat
     # ring whose every byte crosses the GPU's own link; ZERO3_OVERLAP of the micro-batch's
     # compute hides it (both fitted to NAR table 2, see the module docstring)
@@ -216,15 +253,16 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     z_ov = ZERO3_OVERLAP if opts.zero3_overlap is None else opts.zero3_overlap
     z_bw = np.where(z_cross, cluster.inter_bw, cluster.intra_bw) * z_eff
     z_alpha = np.where(z_cross, cluster.inter_alpha, cluster.intra_alpha)
-    ag_w = all_gather_time(n_dp, params * 2, z_bw, z_alpha)
-    rs_g = reduce_scatter_time(n_dp, params * opts.grad_bytes, z_bw, z_alpha)
+    ag_w = dp_collective(lambda n, _, nb: all_gather_time(n, nb, z_bw, z_alpha), 2)
+    rs_g = dp_collective(lambda n, _, nb: reduce_scatter_time(n, nb, z_bw, z_alpha),
+                         opts.grad_bytes)
     t_fwd_mb = n_layers * (comp_f + lt["elem"])
     z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
     # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward, then
     # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
     # --overlap-grad-reduce / --overlap-param-gather), each under the bucket schedule
     rs_h = 0.5 * grad_sync
-    ag_h = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * 2, cluster)
+    ag_h = 0.5 * dp_collective(hier, 2)
     z12 = exposed_grad_sync(rs_h, t_bwd_mb, params, opts) + \
         exposed_grad_sync(ag_h, t_fwd_mb, params, opts)
     dp_exposed = np.where(z >= 3, z3, np.where(
@@ -234,8 +272,11 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         z >= 3, m * (2 * ag_w + rs_g), np.where(z >= 1, rs_h + ag_h, grad_sync)), 0.0)
     shard = np.where(z >= 1, n_dp, 1.0)
     terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
+    if model.num_experts:
+        shard_x = np.where(z >= 1, n_dp / e, 1.0)
+        terms["optimizer"] = 30.0 * ((params - ex) / shard + ex / shard_x) / cluster.hbm_bw
     busy = (terms["compute"] + terms["recompute"] + terms["elementwise"]
-            + terms["tp_comm"] + terms["cp_comm"] + terms["pp_bubble"]
+            + terms["tp_comm"] + terms["cp_comm"] + terms["ep_comm"] + terms["pp_bubble"]
             + terms["pp_comm"] + terms["dp_comm"] + terms["optimizer"])
     nodes = np.maximum(1.0, np.ceil(t * p * c * d / cluster.gpus_per_node))
     terms["straggler"] = busy * straggler_factor(nodes, opts.straggler_jitter)
@@ -274,7 +315,7 @@ def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster
     lt = layer_times(model, seq_length, L, cluster, opts)
     rc = L["recompute"]
     comp_f = lt["gemm"] + lt["attn"]
-    fwd = comp_f + lt["elem"] + lt["tp_fwd"] + lt["cp_fwd"]
-    bwd = 2 * comp_f + 2 * lt["elem"] + lt["tp_bwd"] + lt["cp_bwd"]
+    fwd = comp_f + lt["elem"] + lt["tp_fwd"] + lt["cp_fwd"] + 2 * lt["a2a"]
+    bwd = 2 * comp_f + 2 * lt["elem"] + lt["tp_bwd"] + lt["cp_bwd"] + 2 * lt["a2a"]
     bwd = bwd + np.where(rc == 2, fwd, np.where(rc == 1, lt["attn"] + lt["scores_elem"], 0.0))
     return fwd, bwd
