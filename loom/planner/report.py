@@ -159,12 +159,12 @@ def _scatter_by_ep(ax, res: dict, idx) -> None:
     import matplotlib.pyplot as plt
 
     eps = sorted({int(e) for e in res["ep"][idx]})
-    cmap = plt.get_cmap("viridis", max(len(eps), 2))
+    cmap = plt.get_cmap("tab10")
     dom = np.argmax(np.stack([res[k][idx] for k in ("tp", "pp", "dp")]), axis=0)
     for j, e in enumerate(eps):
         for mk, (marker, name) in enumerate((("^", "TP"), ("s", "PP"), ("o", "DP"))):
             sel = idx[(res["ep"][idx] == e) & (dom == mk)]
             if len(sel):
                 ax.scatter(res["mem_total"][sel] / GB, 100 * res["mfu"][sel], s=8, alpha=0.5,
-                           color=cmap(j), marker=marker, linewidths=0,
+                           color=cmap(j % 10), marker=marker, linewidths=0,
                            label=f"EP={e}, {name} largest ({len(sel)})")
