@@ -68,6 +68,26 @@ def test_deepseek_v3_first_three_layers_dense():
     assert total_params(all_moe) > 1.04 * total_params(m)
 
 
+def test_moe_layers_per_pipeline_stage():
+    from loom.planner.layout import stage_layers
+    from loom.planner.memory import stage_params
+    from loom.planner.moe import stage_moe_layers
+    from loom.planner.presets import PlannerModelConfig
+    m = PlannerModelConfig.llama(num_layers=8, hidden_size=64, num_attention_heads=4,
+                                 num_experts=4, vocab_size=128, first_k_dense_replace=3)
+    lay = make_layouts([dict(pp=1), dict(pp=2), dict(pp=2, vp=2), dict(pp=4, lf=1, ll=3)])
+    nf, nm, nl = stage_moe_layers(m, lay, *stage_layers(8, lay))
+    # MoE layers 3..7. p=2: [0,4) holds 1, [4,8) 4; v=2 (chunks of 2): stage 0 holds layers
+    # 0,1,4,5 (2 MoE), stage 1 layers 2,3,6,7 (3); split 1+2x2+3: 0 / (5-0-3)/2 / 3
+    assert list(nf) == [5, 1, 2, 0] and list(nl) == [5, 4, 3, 3] and nm[3] == 1.0
+    ds = get_preset("deepseek-v3")  # published split 2+14x4+3 with PP 16, EP 8
+    P = stage_params(ds, make_layouts(dict(pp=16, dp=8, ep=8, lf=2, ll=3)), 4096)
+    experts = 256 * 3 * 7168 * 2048 / 8
+    assert float(P["expert_first"][0]) == 0.0  # layers 0, 1 are dense
+    assert float(P["expert_last"][0]) == 3 * experts
+    assert float(P["expert_middle"][0]) == pytest.approx(55 / 14 * experts)
+
+
 def test_moe_flops_use_active_parameters():
     m = get_preset("mixtral-8x7b")
     L, h, a, d, f, E, k, V, s = 32, 4096, 32, 128, 14336, 8, 2, 32000, 4096

@@ -25,9 +25,9 @@ The layer structure is that of ``loom/models/moe.py`` / ``loom/parallel/expert.p
   of ``[T (k + 1_sh), h]`` before the router weights combine them (``loom/parallel/expert.py``),
   instead of the dense MLP's ``[T, h]``; backward still one ``[T, h]`` all-reduce.
 
-A model whose MoE and dense layers alternate (``--moe-layer-freq``) is modelled per pipeline
-stage by the average layer: ``n_moe / L`` of an MoE layer plus the rest of a dense one (exact
-for ``--moe-layer-freq 1``).
+Models mixing MoE and dense layers (``--moe-layer-freq``, DeepSeek-V3's leading dense layers)
+are modelled per pipeline stage with the MoE layers that stage holds
+(:func:`stage_moe_layers`).
 """
 
 from __future__ import annotations
@@ -90,11 +90,46 @@ def moe_layer_params(model: ModelConfig, dense_layer: tuple[int, int]) -> tuple[
     return sharded, replicated, expert_params_per_layer(model)
 
 
-def average_layer_params(model: ModelConfig, dense_layer: tuple[int, int]) -> tuple:
-    """``(tp_sharded, replicated, expert)`` of the average layer (see module docstring)."""
-    fm = moe_fraction(model)
-    sh, rep, ex = moe_layer_params(model, dense_layer)
-    return ((1 - fm) * dense_layer[0] + fm * sh, (1 - fm) * dense_layer[1] + fm * rep, fm * ex)
+def stage_moe_layers(model: ModelConfig, L: dict, lf, lm, ll) -> tuple:
+    """MoE layers ``(first, middle, last)`` of the pipeline stages (arrays) whose transformer
+    layers are ``lf, lm, ll`` (:func:`loom.planner.layout.stage_layers`; 0 for a dense model).
+
+    Without interleaving the first stage holds layers ``[0, lf)`` and the last ``[L - ll, L)``;
+    with ``v`` virtual stages (even split) stage i holds chunks ``j p + i`` of ``L / (p v)``
+    layers, ``j < v``; a middle stage holds the average of the rest. Fractional bounds (p not
+    dividing L without a given split) are interpolated. Uneven interleaved splits: the average
+    MoE share."""
+    n = model.num_layers
+    flags = [model.is_moe_layer(i) for i in range(n)]
+    if all(flags) or not any(flags):
+        return (lf, lm, ll) if any(flags) else (0 * lf, 0 * lm, 0 * ll)
+    cum = np.concatenate([[0.0], np.cumsum(flags, dtype=np.float64)])
+    pos = np.arange(n + 1, dtype=np.float64)
+
+    def count(a, b):
+        return float(np.interp(b, pos, cum) - np.interp(a, pos, cum))
+
+    n_moe = cum[-1]
+    keys = np.stack([L["pp"], L["vp"], lf, ll, lm], axis=1)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    out = np.zeros((len(uniq), 3))
+    for r, (p, v, a, b, m) in enumerate(uniq):
+        p, v = int(p), int(v)
+        if p == 1:
+            out[r] = (n_moe, n_moe, n_moe)
+            continue
+        if v > 1 and a == b == n / p:
+            c = n / (p * v)
+            first = sum(count(j * p * c, (j * p + 1) * c) for j in range(v))
+            last = sum(count((j * p + p - 1) * c, (j * p + p) * c) for j in range(v))
+        elif v > 1:
+            first, last = a * n_moe / n, b * n_moe / n
+        else:
+            first, last = count(0, a), count(n - b, n)
+        mid = (n_moe - first - last) / (p - 2) if p > 2 else m * n_moe / n
+        out[r] = (first, mid, last)
+    res = out[inv.reshape(-1)]
+    return res[:, 0], res[:, 1], res[:, 2]
 
 
 def layer_param_totals(model: ModelConfig, dense_layer: tuple[int, int]) -> tuple[float, float]:

@@ -51,7 +51,7 @@ from loom.planner import flops as F
 from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
-from loom.planner.moe import moe_fraction, moe_layer_times
+from loom.planner.moe import moe_fraction, moe_layer_times, stage_moe_layers
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_time, gemm_efficiency,
                                      hierarchical_all_reduce_time, p2p_time,
@@ -96,13 +96,14 @@ def _mem_traffic(cluster: Cluster) -> float:
 
 
 def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
-                opts: Options) -> dict:
+                opts: Options, moe_share: float | None = None) -> dict:
     """Per transformer layer, per micro-batch, one GPU (seconds): ``gemm`` and ``attn`` forward
     compute, ``elem`` forward element-wise time, ``scores_elem`` (the part of ``elem`` on attention
     scores), ``tp_fwd``/``tp_bwd`` collective times, ``cp_fwd``/``cp_bwd`` exposed ring time,
-    ``a2a``: one EP all-to-all (0 for dense models). MoE models: the average layer of
-    :mod:`loom.planner.moe` (the dense MLP's GEMM time replaced by :func:`moe_layer_times`'
-    ``gemm`` in the MoE fraction of the layers, its forward TP all-reduce grown by ``tp_extra``)."""
+    ``a2a``: one EP all-to-all (0 for dense models). MoE models: in a share ``moe_share`` of the
+    layer (1 = an MoE layer, 0 = a dense one; default the model's share of MoE layers) the dense
+    MLP's GEMM time is replaced by :func:`moe_layer_times`' ``gemm`` and the forward TP
+    all-reduce grows by its ``tp_extra``."""
     s = seq_length
     h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
                      model.head_dim, model.ffn_size)
@@ -114,14 +115,15 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
     a2a = tp_extra = 0.0
     if model.num_experts:
-        fm = moe_fraction(model)
+        fm = moe_fraction(model) if moe_share is None else moe_share
         mo = moe_layer_times(model, S, L, cluster, opts.moe_load_imbalance)
         mlp_flops = (6 if model.swiglu else 4) * h * f * S / t
         gemm = gemm + fm * (mo["gemm"] - mlp_flops / (peak * gemm_efficiency(h / t, S, cluster)))
         a2a, tp_extra = fm * mo["a2a"], fm * mo["tp_extra"]
     attn = attn_flops / (peak * gemm_efficiency(d, s / c, cluster))  # per ring block with CP
     act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
-                                     moe_load_imbalance=opts.moe_load_imbalance)
+                                     moe_load_imbalance=opts.moe_load_imbalance,
+                                     moe_share=moe_share)
     k = _mem_traffic(cluster)
     elem = k * act["none"] / cluster.hbm_bw
     scores_elem = k * act["scores"] / cluster.hbm_bw
@@ -157,43 +159,55 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     t, p, c, v, b, d, sp = L["tp"], L["pp"], L["cp"], L["vp"], L["mbs"], L["dp"], L["sp"]
     rc = L["recompute"]
     m = num_microbatches(L, global_batch_size)
-    lt = layer_times(model, s, L, cluster, opts)
     S = s * b / c
     peak = cluster.peak_flops
     k = _mem_traffic(cluster)
-
-    # per layer, one micro-batch
-    comp_f = lt["gemm"] + lt["attn"]
     full = rc == 2
     sel = rc == 1
-    rec = np.where(full, comp_f, np.where(sel, lt["attn"], 0.0))
-    rec_elem = np.where(full, lt["elem"], np.where(sel, lt["scores_elem"], 0.0))
-    rec_comm = np.where(full, lt["tp_fwd"] + lt["cp_fwd"], 0.0)
-    layer = {
-        "compute": 3 * comp_f,
-        "recompute": rec,
-        "elementwise": 3 * lt["elem"] + rec_elem,
-        "tp_comm": lt["tp_fwd"] + lt["tp_bwd"] + np.where(full, lt["tp_fwd"], 0.0),
-        "cp_comm": lt["cp_fwd"] + lt["cp_bwd"] + np.where(full, lt["cp_fwd"], 0.0),
-        # EP: dispatch + combine forward and their transposes backward, exposed (loom does not
-        # overlap them); full recompute repeats the forward two
-        "ep_comm": 4 * lt["a2a"] + np.where(full, 2 * lt["a2a"], 0.0),
-    }
-    del rec_comm
+
+    def per_layer(lt):
+        """Terms of one layer and micro-batch; its backward (+ recompute) and forward time."""
+        comp_f = lt["gemm"] + lt["attn"]
+        rec = np.where(full, comp_f, np.where(sel, lt["attn"], 0.0))
+        rec_elem = np.where(full, lt["elem"], np.where(sel, lt["scores_elem"], 0.0))
+        layer = {
+            "compute": 3 * comp_f,
+            "recompute": rec,
+            "elementwise": 3 * lt["elem"] + rec_elem,
+            "tp_comm": lt["tp_fwd"] + lt["tp_bwd"] + np.where(full, lt["tp_fwd"], 0.0),
+            "cp_comm": lt["cp_fwd"] + lt["cp_bwd"] + np.where(full, lt["cp_fwd"], 0.0),
+            # EP: dispatch + combine forward and their transposes backward, exposed (loom does
+            # not overlap them); full recompute repeats the forward two
+            "ep_comm": 4 * lt["a2a"] + np.where(full, 2 * lt["a2a"], 0.0),
+        }
+        return layer, 2 * comp_f + rec + 2 * lt["elem"] + rec_elem, comp_f + lt["elem"]
+
+    lf, lm, ll = stage_layers(model.num_layers, L)
+    moe = bool(model.num_experts)
+    # MoE: dense and MoE layers timed separately, mixed per stage (moe.stage_moe_layers)
+    lt = layer_times(model, s, L, cluster, opts, moe_share=0.0 if moe else None)
+    layer, bwd_layer, fwd_layer = per_layer(lt)
+    layer_m, bwd_m, fwd_m = layer, bwd_layer, fwd_layer
+    nf = nmid = nl = 0.0
+    if moe:
+        layer_m, bwd_m, fwd_m = per_layer(layer_times(model, s, L, cluster, opts, moe_share=1.0))
+        nf, nmid, nl = stage_moe_layers(model, L, lf, lm, ll)
+
+    def mix(n, n_moe, dense_val, moe_val):
+        return (n - n_moe) * dense_val + n_moe * moe_val if moe else n * dense_val
     # output layer + cross-entropy on the last stage; embedding all-reduce on the first
     Vp = padded_vocab(model, t)
     out_flops = 2 * h * Vp * S / t
     out_comp = 3 * out_flops / (peak * gemm_efficiency(h, S, cluster))
     out_elem = 3 * k * 4 * S * Vp / t / cluster.hbm_bw
     emb_comm = lt["tp_ar"]
-    lf, lm, ll = stage_layers(model.num_layers, L)
     single = p == 1
-    stage_first = {kk: lf * vv for kk, vv in layer.items()}
+    stage_first = {kk: mix(lf, nf, vv, layer_m[kk]) for kk, vv in layer.items()}
     stage_first["tp_comm"] = stage_first["tp_comm"] + emb_comm
-    stage_last = {kk: ll * vv for kk, vv in layer.items()}
+    stage_last = {kk: mix(ll, nl, vv, layer_m[kk]) for kk, vv in layer.items()}
     stage_last["compute"] = stage_last["compute"] + out_comp
     stage_last["elementwise"] = stage_last["elementwise"] + out_elem
-    stage_mid = {kk: lm * vv for kk, vv in layer.items()}
+    stage_mid = {kk: mix(lm, nmid, vv, layer_m[kk]) for kk, vv in layer.items()}
     tf = sum(stage_first.values()) + np.where(single, out_comp + out_elem, 0.0)
     tl = sum(stage_last.values()) + np.where(single, emb_comm, 0.0)
     tm = np.where(p > 2, sum(stage_mid.values()), 0.0)
@@ -206,8 +220,9 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     stage["tp_comm"] = stage["tp_comm"] + np.where(single, emb_comm, 0.0)
     t_mb = np.maximum(np.maximum(tf, tl), tm)
     n_layers = np.where(mid_slower, lm, np.where(last_slower, ll, lf))
+    n_moe = np.where(mid_slower, nmid, np.where(last_slower, nl, nf))
     # backward share of one micro-batch on the stage (for DP overlap): 2/3 of compute etc.
-    t_bwd_mb = n_layers * (2 * comp_f + rec + 2 * lt["elem"] + rec_elem)
+    t_bwd_mb = mix(n_layers, n_moe, bwd_layer, bwd_m)
 
     terms = {kk: m * vv for kk, vv in stage.items()}
     terms["pp_bubble"] = np.where(p > 1, (p - 1) / v * t_mb, 0.0)
@@ -256,7 +271,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     ag_w = dp_collective(lambda n, _, nb: all_gather_time(n, nb, z_bw, z_alpha), 2)
     rs_g = dp_collective(lambda n, _, nb: reduce_scatter_time(n, nb, z_bw, z_alpha),
                          opts.grad_bytes)
-    t_fwd_mb = n_layers * (comp_f + lt["elem"])
+    t_fwd_mb = mix(n_layers, n_moe, fwd_layer, fwd_m)
     z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
     # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward, then
     # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
