@@ -224,6 +224,33 @@ def test_ep_constraints_in_the_search():
     assert np.all(fixed["ep"] == 4) and len(fixed["order"])
 
 
+def test_moe_search_layouts_pass_loom_validation():
+    """Every MoE layout the search proposes is one loom train accepts (sampled)."""
+    m = get_preset("mixtral-8x7b")
+    small = dataclasses.replace(m, num_layers=8, hidden_size=512, num_attention_heads=8,
+                                ffn_hidden_size=1024, seq_length=512,
+                                max_position_embeddings=512)
+    lay = enumerate_layouts(small, make_cluster("A100-80GB", 32), 256, 512)
+    assert set(lay["ep"]) == {1, 2, 4, 8}
+    rows = [i for i in range(len(lay["tp"])) if lay["zero"][i] <= 1 and lay["lf"][i] == 0]
+    for i in np.random.default_rng(0).choice(rows, 150, replace=False):
+        p, v = int(lay["pp"][i]), int(lay["vp"][i])
+        flat = dict(
+            num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=8,
+            ffn_hidden_size=1024, vocab_size=32000, seq_length=512, normalization="RMSNorm",
+            swiglu=True, disable_bias_linear=True, num_experts=8, moe_router_topk=2,
+            tensor_model_parallel_size=int(lay["tp"][i]), pipeline_model_parallel_size=p,
+            context_parallel_size=int(lay["cp"][i]), micro_batch_size=int(lay["mbs"][i]),
+            global_batch_size=256, sequence_parallel=bool(lay["sp"][i]),
+            expert_model_parallel_size=int(lay["ep"][i]),
+            use_distributed_optimizer=bool(lay["zero"][i] == 1))
+        if v > 1:
+            flat["num_layers_per_virtual_pipeline_stage"] = 8 // (p * v)
+        cfg = LoomConfig.from_flat(flat)
+        cfg.validate(32)
+        assert cfg.data_parallel_size(32) == int(lay["dp"][i])
+
+
 def test_dense_search_unchanged():
     """Sums over every layout of the dense searches, recorded on main before MoE (6b96008):
     the MoE terms leave dense models bit for bit as they were."""
