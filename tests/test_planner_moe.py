@@ -300,7 +300,9 @@ def test_cli_mixtral_table_json_and_plot(capsys, tmp_path):
     assert " EP " in out.out and png.stat().st_size > 1000
     code, out = _plan(["mixtral-8x7b", "--gpu", "H100-80GB", "--num-gpus", "64", "--json",
                        "--top", "3", "--moe-load-imbalance", "1.3"], capsys)
-    best = json.loads(out.out)["layouts"][0]
+    doc = json.loads(out.out)
+    assert doc["params"] == 46_702_792_704 and doc["active_params"] == 12_879_925_248
+    best = doc["layouts"][0]
     assert code == 0 and best["ep"] > 1 and best["time_terms_s"]["ep_comm"] > 0
     assert best["dp"] % best["ep"] == 0 and math.isfinite(best["mfu"])
 

@@ -254,7 +254,8 @@ def run(args) -> int:
         why = explain_nothing_fits(model, cluster, B, s, fixed, opts, res)
     if args.json:
         doc = {"model": name, "gpu": cluster.gpu, "num_gpus": cluster.num_gpus,
-               "global_batch_size": B, "seq_length": s, "evaluated": n_eval, "feasible": n_fit}
+               "global_batch_size": B, "seq_length": s, "evaluated": n_eval, "feasible": n_fit,
+               "params": total_params(model), "active_params": total_params(model, active=True)}
         if why:
             doc["error"] = why
         print(to_json(recs, doc))
