@@ -95,7 +95,8 @@ def test_moe_flops_use_active_parameters():
     per_layer = 2 * attn_params + 4 * s * a * d + k * 6 * h * f + 2 * h * E
     assert F.forward_flops_per_token(m) == L * per_layer + 2 * h * V
     # model FLOPs = 3 x forward (KOR eq 7 convention) over B s tokens
-    assert F.model_flops_per_iteration(m, 8) == pytest.approx(3 * (L * per_layer + 2 * h * V) * 8 * s)
+    assert F.model_flops_per_iteration(m, 8) == pytest.approx(
+        3 * (L * per_layer + 2 * h * V) * 8 * s)
     # ~ 6 N_active per token plus attention scores (Kaplan et al. 2020)
     act = total_params(m, active=True) - V * h  # the input embedding costs no FLOPs
     assert F.forward_flops_per_token(m) - L * 4 * s * a * d == pytest.approx(2 * act, rel=1e-4)

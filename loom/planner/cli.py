@@ -237,7 +237,8 @@ def run(args) -> int:
               if model.moe_shared_expert_intermediate_size else "")
            + f" imbalance {args.moe_load_imbalance:g}" if model.num_experts else "")
     header = (f"loom plan: {name} ({total_params(model) / 1e9:.3g}B params{moe}, "
-              f"L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} g={model.num_kv_groups} "
+              f"L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
+              f"g={model.num_kv_groups} "
               f"ffn={model.ffn_size} V={model.vocab_size} s={s}) on {cluster.num_gpus} x "
               f"{cluster.gpu} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB, "
               f"{cluster.peak_flops / 1e12:.3g} TFLOP/s), B={B}, "

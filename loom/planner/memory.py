@@ -221,8 +221,9 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
         act_d, act_m = (activation_bytes_per_layer(
             model, s, L, flash_attention=opts.flash_attention,
             moe_load_imbalance=opts.moe_load_imbalance, moe_share=share) for share in (0.0, 1.0))
-        pick = lambda a: np.where(rc == 2, a["full"], np.where(rc == 1, a["selective"], a["none"]))  # noqa: E731
-        per_layer, per_moe = pick(act_d), pick(act_m)
+        per_layer, per_moe = (np.where(rc == 2, a["full"], np.where(rc == 1, a["selective"],
+                                                                    a["none"]))
+                              for a in (act_d, act_m))
         working = np.where(rc == 2, act_m["none"], np.where(rc == 1, act_m["scores"], 0.0))
         n_moe = dict(zip(("first", "middle", "last"), stage_moe_layers(model, L, lf, lm, ll)))
     inflight = inflight_microbatches(L, m)

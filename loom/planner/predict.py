@@ -71,7 +71,8 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
     default: fused attention (loom uses ``scaled_dot_product_attention``).
     Returns ``layout``, ``memory_bytes`` (weights, gradients, optimizer, activations,
     embedding_output, reserve, total), ``time_s`` (compute, recompute, elementwise, tp_comm,
-    cp_comm, ep_comm, pp_bubble, pp_comm, dp_comm, optimizer, straggler, iteration), ``tokens_per_s``,
+    cp_comm, ep_comm, pp_bubble, pp_comm, dp_comm, optimizer, straggler, iteration),
+    ``tokens_per_s``,
     ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute), ``mfu``, ``fits``,
     ``hbm_bytes``, ``cluster`` (GPU name), ``world_size``.
     """
