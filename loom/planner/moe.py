@@ -38,9 +38,10 @@ from loom.config import ModelConfig
 from loom.planner.hardware import Cluster
 from loom.planner.primitives import all_reduce_time, gemm_efficiency
 
-# Busiest EP rank's expert tokens over the mean. Assumption: auxiliary-loss-balanced routers keep
-# the max/mean expert load around 1.1-1.2 late in training (Switch Transformer, Fedus et al.
-# 2021, capacity factor 1.0-1.25 with <1% dropped tokens; DeepSeek-V3 sec 2.1.2).
+# Busiest EP rank's expert tokens over the mean. An assumption, not fitted: the Switch
+# Transformer (Fedus et al. 2021, sec 2.2) trains well with capacity factors of 1.0-1.25, i.e.
+# with expert loads capped at 1-1.25x the mean, and auxiliary-loss (or DeepSeek-V3's bias,
+# sec 2.1.2) balancing keeps the busiest rank near the mean; 1.1 is in that range.
 MOE_LOAD_IMBALANCE = 1.1
 BYTES_PER_ELEMENT = 2  # bf16 tokens in the all-to-all
 
