@@ -42,7 +42,7 @@ def test_mixtral_8x7b_params_total_and_active():
     m = get_preset("mixtral-8x7b")
     assert total_params(m) == _mixtral_by_hand(False) == 46_702_792_704
     assert total_params(m, active=True) == _mixtral_by_hand(True) == 12_879_925_248
-    # published: 46.7B total, 12.9B active (Mixtral paper sec 2.1), within 2%
+    # published: 46.7B total, 12.9B active (Mistral AI's announcement), within 2%
     assert total_params(m) == pytest.approx(46.7e9, rel=0.02)
     assert total_params(m, active=True) == pytest.approx(12.9e9, rel=0.02)
 

@@ -12,7 +12,7 @@ published, 4096 chosen; override with ``--seq-length``):
 
 * ``mixtral-8x7b``: Jiang et al. 2024, "Mixtral of Experts" (arXiv 2401.04088) table 1: L 32,
   h 4096, 32 heads, 8 KV heads, FFN 14336, V 32000, 8 experts, top-2; 46.7B total / 12.9B active
-  (sec 2.1).
+  (Mistral AI, "Mixtral of experts", Dec 2023 announcement; the paper rounds to 47B / 13B).
 * ``mixtral-8x22b``: ``mistralai/Mixtral-8x22B-v0.1`` ``config.json`` (L 56, h 6144, 48 heads,
   8 KV heads, FFN 16384, 8 experts, top-2) with the v0.3 tokenizer's V 32768 of the Instruct
   model; 141B total / 39B active (Mistral AI, "Cheaper, Better, Faster, Stronger", 2024).
