@@ -8,6 +8,7 @@ Examples::
     loom plan --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --vocab-size 50304 \\
         --seq-length 4096 --num-gpus 64 --global-batch-size 512 --plot layouts.png
     loom plan --calibrate --calibrate-output local.json   # then: loom plan ... --cluster local.json
+    loom plan mixtral-8x7b --gpu H100-80GB --num-gpus 64 --moe-load-imbalance 1.2
 
 Model: a preset name or the Megatron-style flags / ``--config FILE.yaml`` of ``loom train``
 (preset values are overridden by flags given). Any parallel flag given fixes that dimension.
@@ -26,6 +27,7 @@ from loom.planner.cost import (NODE_POWER_OVERHEAD, PUE, RESTART_S, format_estim
                                parse_count, training_estimate)
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
+from loom.planner.moe import MOE_LOAD_IMBALANCE
 from loom.planner.presets import FLASH_DEFAULT, PRESETS, get_preset
 
 
@@ -60,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--straggler-jitter", type=float, default=0.0, metavar="SIGMA",
                    help="relative std. dev. of one node's step time: adds SIGMA x sqrt(2 ln "
                         "nodes) of waiting for the slowest node (default 0)")
+    o.add_argument("--moe-load-imbalance", type=float, default=MOE_LOAD_IMBALANCE, metavar="X",
+                   help="MoE: busiest EP rank's expert tokens over the mean, >= 1 (default "
+                        f"{MOE_LOAD_IMBALANCE}); scales the expert compute and activations")
     o.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     o.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
     o.add_argument("--plot", default=None, metavar="FILE.png",
@@ -159,9 +164,14 @@ def _fixed_from_args(args, model: ModelConfig) -> dict:
     fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
              "cp": args.context_parallel_size, "dp": args.data_parallel_size,
              "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
-             "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage}
+             "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage,
+             "ep": args.expert_model_parallel_size}
     if args.use_distributed_optimizer:
         fixed["zero"] = 1
+    if args.expert_model_parallel_size and args.expert_model_parallel_size > 1 and \
+            not model.num_experts:
+        raise ConfigError("--expert-model-parallel-size needs an MoE model: give --num-experts E "
+                          "or an MoE preset (mixtral-8x7b, deepseek-v3, ...)")
     fixed["first_layers"] = getattr(args, "decoder_first_pipeline_num_layers", None)
     fixed["last_layers"] = getattr(args, "decoder_last_pipeline_num_layers", None)
     fixed["account_embedding"] = bool(getattr(args, "account_for_embedding_in_pipeline_split",
@@ -209,16 +219,26 @@ def run(args) -> int:
     train_tokens = parse_count(args.train_tokens) if args.train_tokens else None
     s = model.seq_length
     flash = (args.attention == "fused") if args.attention else True
+    if args.moe_load_imbalance < 1:
+        raise ConfigError(f"--moe-load-imbalance {args.moe_load_imbalance}: must be >= 1 (the "
+                          f"busiest rank's expert tokens over the mean; 1 = perfect balance)")
     opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
                    max_zero_stage=args.max_zero_stage,
                    uneven_interleaved=args.allow_uneven_interleaved,
-                   straggler_jitter=args.straggler_jitter)
+                   straggler_jitter=args.straggler_jitter,
+                   moe_load_imbalance=args.moe_load_imbalance)
     fixed = _fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])
     elapsed = time.perf_counter() - t0
-    header = (f"loom plan: {name} ({total_params(model) / 1e9:.3g}B params, L={model.num_layers} "
-              f"h={model.hidden_size} a={model.num_attention_heads} g={model.num_kv_groups} "
+    moe = (f", {total_params(model, active=True) / 1e9:.3g}B active, E={model.num_experts} "
+           f"k={model.moe_router_topk} expert ffn={model.moe_ffn_size}"
+           + (f" shared={model.moe_shared_expert_intermediate_size}"
+              if model.moe_shared_expert_intermediate_size else "")
+           + f" imbalance {args.moe_load_imbalance:g}" if model.num_experts else "")
+    header = (f"loom plan: {name} ({total_params(model) / 1e9:.3g}B params{moe}, "
+              f"L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
+              f"g={model.num_kv_groups} "
               f"ffn={model.ffn_size} V={model.vocab_size} s={s}) on {cluster.num_gpus} x "
               f"{cluster.gpu} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB, "
               f"{cluster.peak_flops / 1e12:.3g} TFLOP/s), B={B}, "
@@ -235,7 +255,8 @@ def run(args) -> int:
         why = explain_nothing_fits(model, cluster, B, s, fixed, opts, res)
     if args.json:
         doc = {"model": name, "gpu": cluster.gpu, "num_gpus": cluster.num_gpus,
-               "global_batch_size": B, "seq_length": s, "evaluated": n_eval, "feasible": n_fit}
+               "global_batch_size": B, "seq_length": s, "evaluated": n_eval, "feasible": n_fit,
+               "params": total_params(model), "active_params": total_params(model, active=True)}
         if why:
             doc["error"] = why
         print(to_json(recs, doc))

@@ -4,11 +4,17 @@ The count generalizes Korthikanti et al. 2022 eq. 7 (``72 B s L h^2 (1 + s/(6h) 
 model FLOPs per iteration) to grouped-query attention, SwiGLU and any FFN size; for a GPT with
 ``ffn = 4h`` and ``g = a`` it reduces to that formula exactly. Attention scores are counted
 without a causal discount, as Megatron-LM and the papers do.
+
+Mixture of experts: an MoE layer's MLP costs what its *active* parameters cost, ``k`` experts plus
+the shared expert plus the router (:func:`loom.planner.moe.moe_mlp_flops_per_token`), so model
+FLOPs, TFLOP/s and MFU count active parameters (as Megatron-Core's MoE throughput and the
+DeepSeek-V3 / Mixtral papers do); dense layers as above.
 """
 
 from __future__ import annotations
 
 from loom.config import ModelConfig
+from loom.planner.moe import moe_mlp_flops_per_token, num_moe_layers
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None,
@@ -21,6 +27,10 @@ def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None,
     proj = 2 * a * d * h
     scores = 4 * s * a * d  # Q K^T and attention x V
     mlp = (6 if cfg.swiglu else 4) * h * f
+    if cfg.num_experts:
+        n_moe = num_moe_layers(cfg)
+        return (cfg.num_layers * (qkv + proj + scores) + (cfg.num_layers - n_moe) * mlp
+                + n_moe * moe_mlp_flops_per_token(cfg) + 2 * h * V)
     return cfg.num_layers * (qkv + proj + scores + mlp) + 2 * h * V
 
 

@@ -1,10 +1,11 @@
 """Layouts (vectorized) and the planner options shared by the memory and time models.
 
 A *layout* is a dict of equal-length numpy arrays, one entry per candidate, with keys
-``tp, pp, dp, cp, vp, mbs, recompute, sp, zero, lf, ll`` (float64; ``recompute`` coded by
+``tp, pp, dp, cp, vp, mbs, recompute, sp, zero, lf, ll, ep`` (float64; ``recompute`` coded by
 :data:`RECOMPUTE`: 0 none, 1 selective, 2 full; ``sp`` 0/1; ``zero`` the ZeRO stage 0-3, where
 stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer layers of the first
-/ last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`). Every model
+/ last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`; ``ep`` the
+expert-parallel size, part of ``dp``: 1 for dense models; a layout without it means 1). Every model
 function takes such a dict and returns
 arrays, so the search evaluates tens of thousands of layouts in one numpy pass and
 :func:`loom.planner.predict.predict_layout` evaluates one layout with the same code.
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loom.planner.moe import MOE_LOAD_IMBALANCE
+
 RECOMPUTE = ("none", "selective", "full")
-KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll")
+KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep")
 
 
 @dataclass
@@ -45,6 +48,8 @@ class Options:
     distributed optimizer; 2 and 3 are what-if analyses).
     ``zero3_overlap`` / ``zero3_link_efficiency``: override the fitted ZeRO-3 constants of
     :mod:`loom.planner.timing` (used by the fit itself).
+    ``moe_load_imbalance``: busiest EP rank's expert tokens over the mean (>= 1), applied to the
+    expert compute and activations (:data:`loom.planner.moe.MOE_LOAD_IMBALANCE`).
     """
 
     flash_attention: bool = False
@@ -60,6 +65,7 @@ class Options:
     max_zero_stage: int = 3
     zero3_overlap: float | None = None  # None = timing.ZERO3_OVERLAP (fitted)
     zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (fitted)
+    moe_load_imbalance: float = MOE_LOAD_IMBALANCE
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:
@@ -71,7 +77,7 @@ def make_layouts(rows: list[dict] | dict) -> dict:
     for k in KEYS:
         vals = []
         for r in rows:
-            v = r.get(k, 1 if k in ("tp", "pp", "dp", "cp", "vp", "mbs") else 0)
+            v = r.get(k, 1 if k in ("tp", "pp", "dp", "cp", "vp", "mbs", "ep") else 0)
             if k == "recompute":
                 v = RECOMPUTE.index(v or "none") if not isinstance(v, (int, float)) else v
             vals.append(float(v))

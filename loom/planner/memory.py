@@ -19,6 +19,11 @@ Terms (all bytes, of the pipeline stage that needs the most):
   (KOR sec 4.3) on the last stage.
 * ``reserve``: ``reserve_bytes + reserve_fraction x`` the other terms (context, workspaces,
   fragmentation).
+* mixture of experts (:mod:`loom.planner.moe`): expert weights, gradients and optimizer states
+  are split over ``t x e`` GPUs and their ZeRO sharding runs over the expert-data-parallel group
+  ``d c / e``; everything else as for a dense model. The MoE MLP's activations replace the dense
+  MLP's (:func:`loom.planner.moe.moe_activation_bytes`).
+  Dense and MoE layers are counted per stage (:func:`loom.planner.moe.stage_moe_layers`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import numpy as np
 
 from loom.config import ModelConfig
 from loom.planner.layout import Options, num_microbatches, stage_layers
+from loom.planner.moe import (MOE_LOAD_IMBALANCE, layer_param_totals, moe_activation_bytes,
+                              moe_fraction, moe_layer_params, stage_moe_layers)
 
 
 def padded_vocab(model: ModelConfig, tp):
@@ -54,13 +61,19 @@ def layer_params(model: ModelConfig) -> tuple[int, int]:
     return sharded, replicated
 
 
-def total_params(model: ModelConfig, seq_length: int | None = None) -> float:
+def total_params(model: ModelConfig, seq_length: int | None = None,
+                 active: bool = False) -> float:
     """All parameters (count) with the unpadded vocabulary: layers, embeddings (+ learned
-    positions), final norm, untied output layer. Equals NAR eq 2 for a GPT."""
+    positions), final norm, untied output layer. Equals NAR eq 2 for a GPT. MoE: every expert
+    counted, or with ``active`` only the k routed per token (the shared expert and the router
+    always; :func:`loom.planner.moe.layer_param_totals`)."""
     s = seq_length or model.seq_length
     sh, rep = layer_params(model)
     h, V = model.hidden_size, model.vocab_size or 0
-    n = model.num_layers * (sh + rep) + V * h
+    if model.num_experts:
+        n = layer_param_totals(model, (sh, rep))[1 if active else 0] + V * h
+    else:
+        n = model.num_layers * (sh + rep) + V * h
     n += (2 if model.normalization == "LayerNorm" else 1) * h
     if model.position_embedding_type == "learned_absolute":
         n += max(s, model.max_positions) * h
@@ -71,12 +84,26 @@ def total_params(model: ModelConfig, seq_length: int | None = None) -> float:
 
 def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
     """Parameters per GPU (count) of the first, a middle (``p > 2``, else 0) and the last
-    pipeline stage, with the layers of :func:`loom.planner.layout.stage_layers`."""
+    pipeline stage, with the layers of :func:`loom.planner.layout.stage_layers`; of which
+    expert parameters (``expert_first``, ``expert_middle``, ``expert_last``; 0 for dense models,
+    experts split over ``t x e`` GPUs; MoE layers per stage from
+    :func:`loom.planner.moe.stage_moe_layers`)."""
     t, p = L["tp"], L["pp"]
     sh, rep = layer_params(model)
     h = model.hidden_size
     per_layer = sh / t + rep
     lf, lm, ll = stage_layers(model.num_layers, L)
+    w_first, w_mid, w_last = lf * per_layer, lm * per_layer, ll * per_layer
+    x_first = x_mid = x_last = 0.0
+    if model.num_experts:
+        sh_m, rep_m, ex = moe_layer_params(model, (sh, rep))
+        expert_layer = ex / (t * L.get("ep", 1.0))
+        moe_layer = sh_m / t + rep_m + expert_layer
+        nf, nm, nl = stage_moe_layers(model, L, lf, lm, ll)
+        w_first = (lf - nf) * per_layer + nf * moe_layer
+        w_mid = (lm - nm) * per_layer + nm * moe_layer
+        w_last = (ll - nl) * per_layer + nl * moe_layer
+        x_first, x_mid, x_last = nf * expert_layer, nm * expert_layer, nl * expert_layer
     Vp = padded_vocab(model, t)
     emb = Vp * h / t
     if model.position_embedding_type == "learned_absolute":
@@ -85,10 +112,12 @@ def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
     untied = model.untie_embeddings_and_output_weights
     out = Vp * h / t * (1.0 if untied else (p > 1))  # tied: a copy on the last stage when p > 1
     single = p == 1
-    first = lf * per_layer + emb + np.where(single, final_norm + out, 0.0)
-    last = np.where(single, first, ll * per_layer + final_norm + out)
-    middle = np.where(p > 2, lm * per_layer, 0.0)
-    return {"first": first, "middle": middle, "last": last}
+    first = w_first + emb + np.where(single, final_norm + out, 0.0)
+    last = np.where(single, first, w_last + final_norm + out)
+    middle = np.where(p > 2, w_mid, 0.0)
+    return {"first": first, "middle": middle, "last": last,
+            "expert_first": x_first + 0 * first, "expert_last": x_last + 0 * last,
+            "expert_middle": np.where(p > 2, x_mid, 0.0)}
 
 
 def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2) -> tuple:
@@ -103,7 +132,9 @@ def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2) -> tuple:
 
 
 def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, recompute=None,
-                               flash_attention: bool = False) -> dict:
+                               flash_attention: bool = False,
+                               moe_load_imbalance: float = MOE_LOAD_IMBALANCE,
+                               moe_share: float | None = None) -> dict:
     """Activation bytes of one transformer layer for one micro-batch on one GPU (KOR table 2).
 
     With ``S = s b / c`` tokens per GPU, 16-bit activations:
@@ -121,6 +152,9 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
     input ``2 S h`` (divided by t with SP), selective drops the scores. For the GPT shape this
     reproduces KOR table 2 exactly: TP ``s b h (10 + 24/t + 5 a s/(h t))``, TP+SP
     ``s b h (34/t + 5 a s/(h t))``, selective ``s b h (10 + 24/t)``, full ``2 s b h``.
+    MoE: in a share ``moe_share`` of the layers (1 = an MoE layer, 0 = a dense one; default the
+    model's share :func:`loom.planner.moe.moe_fraction`) the MLP's ``(6|4) S f`` is replaced by
+    :func:`loom.planner.moe.moe_activation_bytes` (``moe_load_imbalance``).
     """
     s = seq_length
     h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
@@ -130,6 +164,11 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
     drop = 1.0 if model.hidden_dropout > 0 else 0.0
     repl = S * h * (4 + 2 + 2 + 2 * drop)
     split = S * (2 * a * d + 4 * g * d + 2 * a * d) + S * f * (6 if model.swiglu else 4)
+    if model.num_experts:
+        fm = moe_fraction(model) if moe_share is None else moe_share
+        moe_split, moe_repl = moe_activation_bytes(model, S, moe_load_imbalance)
+        split = split + fm * (moe_split - S * f * (6 if model.swiglu else 4))
+        repl = repl + fm * moe_repl
     if flash_attention:
         scores = 4.0 * a * S / t
     else:
@@ -167,11 +206,26 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
     m = num_microbatches(L, global_batch_size)
     P = stage_params(model, L, s)
     wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes)
-    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention)
+    # expert parameters: ZeRO over the expert-data-parallel group d c / e
+    xw, xg, xo = model_state_bytes_per_param(L["zero"], L["dp"] * c / L.get("ep", 1.0),
+                                             opts.grad_bytes)
+    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
+                                     moe_load_imbalance=opts.moe_load_imbalance)
     rc = L["recompute"]
     per_layer = np.where(rc == 2, act["full"], np.where(rc == 1, act["selective"], act["none"]))
     working = np.where(rc == 2, act["none"], np.where(rc == 1, act["scores"], 0.0))
     lf, lm, ll = stage_layers(model.num_layers, L)
+    n_moe = {"first": 0.0, "middle": 0.0, "last": 0.0}
+    per_moe = per_layer
+    if model.num_experts:  # dense and MoE layers separately, per stage
+        act_d, act_m = (activation_bytes_per_layer(
+            model, s, L, flash_attention=opts.flash_attention,
+            moe_load_imbalance=opts.moe_load_imbalance, moe_share=share) for share in (0.0, 1.0))
+        per_layer, per_moe = (np.where(rc == 2, a["full"], np.where(rc == 1, a["selective"],
+                                                                    a["none"]))
+                              for a in (act_d, act_m))
+        working = np.where(rc == 2, act_m["none"], np.where(rc == 1, act_m["scores"], 0.0))
+        n_moe = dict(zip(("first", "middle", "last"), stage_moe_layers(model, L, lf, lm, ll)))
     inflight = inflight_microbatches(L, m)
     inflight_mid = np.where(L["vp"] > 1, inflight, np.minimum(p - 1, m))
     S = s * b / c
@@ -189,9 +243,20 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
             "weights": params * wb,
             "gradients": params * gb,
             "optimizer": params * ob,
-            "activations": n_layers * stage_inflight * per_layer + working,
-            "embedding_output": emb_act,
         }
+        if model.num_experts:
+            ex = P[f"expert_{name}"]
+            terms = {"weights": (params - ex) * wb + ex * xw,
+                     "gradients": (params - ex) * gb + ex * xg,
+                     "optimizer": (params - ex) * ob + ex * xo}
+        acts = n_layers * stage_inflight * per_layer + working
+        if model.num_experts:
+            acts = stage_inflight * ((n_layers - n_moe[name]) * per_layer
+                                     + n_moe[name] * per_moe) + working
+        terms.update({
+            "activations": acts,
+            "embedding_output": emb_act,
+        })
         base = sum(terms.values())
         terms["reserve"] = opts.reserve_bytes + opts.reserve_fraction * base
         terms["total"] = base + terms["reserve"]

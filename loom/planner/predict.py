@@ -1,7 +1,7 @@
 """Prediction for exactly one layout (``loom train ... --dry-run``).
 
 :func:`predict_layout` reads the layout from a :class:`~loom.config.LoomConfig` (t, p, c, d from
-the world size, v from ``--num-layers-per-virtual-pipeline-stage``, b, recompute, SP, and the
+the world size, v from ``--num-layers-per-virtual-pipeline-stage``, b, recompute, SP, EP, and the
 distributed optimizer / ZeRO stage when the config carries one) and evaluates the same memory and
 time models as the search; :func:`format_prediction` renders it. No torch import.
 """
@@ -58,7 +58,8 @@ def layout_of(cfg: LoomConfig, world_size: int) -> dict:
                 dp=cfg.data_parallel_size(world_size), vp=vp,
                 mbs=cfg.training.micro_batch_size,
                 recompute=cfg.training.recompute_granularity or "none",
-                sp=int(bool(p.sequence_parallel)), zero=_zero_stage(cfg))
+                sp=int(bool(p.sequence_parallel)), zero=_zero_stage(cfg),
+                ep=getattr(p, "expert_model_parallel_size", 1))
 
 
 def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
@@ -70,7 +71,8 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
     default: fused attention (loom uses ``scaled_dot_product_attention``).
     Returns ``layout``, ``memory_bytes`` (weights, gradients, optimizer, activations,
     embedding_output, reserve, total), ``time_s`` (compute, recompute, elementwise, tp_comm,
-    cp_comm, pp_bubble, pp_comm, dp_comm, optimizer, straggler, iteration), ``tokens_per_s``,
+    cp_comm, ep_comm, pp_bubble, pp_comm, dp_comm, optimizer, straggler, iteration),
+    ``tokens_per_s``,
     ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute), ``mfu``, ``fits``,
     ``hbm_bytes``, ``cluster`` (GPU name), ``world_size``.
     """

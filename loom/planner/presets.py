@@ -5,11 +5,51 @@ LLaMA-3 shapes from Meta's model cards / ``config.json`` (layers, hidden, heads,
 FFN 14336/28672/53248, V 128256, RMSNorm, RoPE, SwiGLU, untied, no biases, no dropout).
 GPT shapes: ``ffn = 4h``, LayerNorm, learned positions, tied embeddings, V = 51200, s = 2048
 (NAR sec 5.1).
+
+Mixture-of-experts presets (LLaMA layout: RMSNorm, RoPE, SwiGLU experts, untied, no biases), the
+training sequence length s = 4096 (DeepSeek-V3 and Qwen3 pre-train at 4K; Mixtral's is not
+published, 4096 chosen; override with ``--seq-length``):
+
+* ``mixtral-8x7b``: Jiang et al. 2024, "Mixtral of Experts" (arXiv 2401.04088) table 1: L 32,
+  h 4096, 32 heads, 8 KV heads, FFN 14336, V 32000, 8 experts, top-2; 46.7B total / 12.9B active
+  (Mistral AI, "Mixtral of experts", Dec 2023 announcement; the paper rounds to 47B / 13B).
+* ``mixtral-8x22b``: ``mistralai/Mixtral-8x22B-v0.1`` ``config.json`` (L 56, h 6144, 48 heads,
+  8 KV heads, FFN 16384, 8 experts, top-2) with the v0.3 tokenizer's V 32768 of the Instruct
+  model; 141B total / 39B active (Mistral AI, "Cheaper, Better, Faster, Stronger", 2024).
+* ``deepseek-v3``: DeepSeek-AI 2024, arXiv 2412.19437 sec 4.2 and ``config.json``: L 61,
+  h 7168, 128 heads, 1 shared + 256 routed experts of width 2048, top-8, sigmoid router, the
+  first 3 layers dense with FFN 18432 (``first_k_dense_replace``), V 129280; 671B total / 37B
+  active. Approximations: multi-head latent attention (MLA: q rank 1536, kv rank 512, head dims
+  128 + 64 rope) is modelled as multi-head attention with head dim h/a = 56, whose ``4 h^2`` =
+  206M parameters per layer are close to MLA's 187M, but whose score FLOPs ``4 s a 56`` are ~35%
+  of MLA's ``2 s a (192 + 128)``; the multi-token-prediction module (14B) is left out, as in the
+  671B. The 3 dense layers are expressed by :class:`PlannerModelConfig` (loom's
+  ``--moe-layer-freq`` cannot: layer 0 is always MoE), so ``loom train`` cannot build this
+  preset as is.
+* ``qwen3-30b-a3b``: Qwen Team 2025, "Qwen3 Technical Report" (arXiv 2505.09388) table 2 and
+  ``Qwen/Qwen3-30B-A3B`` ``config.json``: L 48, h 2048, 32 heads of dim 128, 4 KV heads,
+  128 experts of width 768, top-8, no shared expert, untied, V 151936; 30.5B total / 3.3B active.
+  QK-norm (2 x 128 parameters per layer) is left out.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from loom.config import ConfigError, ModelConfig
+
+
+@dataclass
+class PlannerModelConfig(ModelConfig):
+    """A :class:`ModelConfig` with what the planner can model but loom's flags cannot express:
+    ``first_k_dense_replace`` leading dense layers before the MoE ones (DeepSeek-V3's
+    ``config.json`` name)."""
+
+    first_k_dense_replace: int = 0
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """MoE unless among the first ``first_k_dense_replace`` layers (then ModelConfig's rule)."""
+        return layer_number >= self.first_k_dense_replace and super().is_moe_layer(layer_number)
 
 
 def gpt(L: int, h: int, a: int, s: int = 2048, V: int = 51200) -> ModelConfig:
@@ -25,6 +65,19 @@ def llama3(L: int, h: int, a: int, ffn: int, s: int = 8192) -> ModelConfig:
                              rotary_base=500000.0, hidden_dropout=0.0, attention_dropout=0.0)
 
 
+def moe_llama(L: int, h: int, a: int, g: int, ffn: int, V: int, E: int, k: int,
+              s: int = 4096, **kw) -> ModelConfig:
+    """An MoE model in the LLaMA layout (SwiGLU experts of width ``ffn`` unless
+    ``moe_ffn_hidden_size`` is given), softmax top-k router, no dropout."""
+    cfg = dict(num_layers=L, hidden_size=h, num_attention_heads=a, num_query_groups=g,
+               group_query_attention=g != a, ffn_hidden_size=ffn, seq_length=s,
+               max_position_embeddings=s, vocab_size=V, num_experts=E, moe_router_topk=k,
+               rotary_base=1e6, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg.update(kw)
+    cls = PlannerModelConfig if "first_k_dense_replace" in cfg else ModelConfig
+    return cls.llama(**cfg)
+
+
 PRESETS = {
     "gpt3-175b": lambda: gpt(96, 12288, 96),
     "llama3-8b": lambda: llama3(32, 4096, 32, 14336),
@@ -34,10 +87,21 @@ PRESETS = {
     "gpt-22b": lambda: gpt(48, 6144, 64),
     "gpt-530b": lambda: gpt(105, 20480, 128),
     "gpt-1t": lambda: gpt(128, 25600, 160),
+    # mixture of experts (sources in the module docstring)
+    "mixtral-8x7b": lambda: moe_llama(32, 4096, 32, 8, 14336, 32000, 8, 2),
+    "mixtral-8x22b": lambda: moe_llama(56, 6144, 48, 8, 16384, 32768, 8, 2),
+    "deepseek-v3": lambda: moe_llama(61, 7168, 128, 128, 18432, 129280, 256, 8,
+                                     moe_ffn_hidden_size=2048,
+                                     moe_shared_expert_intermediate_size=2048,
+                                     moe_router_score_function="sigmoid", first_k_dense_replace=3,
+                                     rotary_base=10000.0),
+    "qwen3-30b-a3b": lambda: moe_llama(48, 2048, 32, 4, 6144, 151936, 128, 8,
+                                       moe_ffn_hidden_size=768, kv_channels=128),
 }
 
 # Presets whose published runs use fused (flash) attention by default in the planner.
-FLASH_DEFAULT = {"llama3-8b", "llama3-70b", "llama3-405b"}
+FLASH_DEFAULT = {"llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "mixtral-8x22b",
+                 "deepseek-v3", "qwen3-30b-a3b"}
 
 # NAR table 1 (references.md): params(B), heads, h, L, TP, PP, GPUs, B, TFLOP/s/GPU, % peak.
 NAR_TABLE1 = [

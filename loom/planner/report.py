@@ -27,17 +27,18 @@ def to_json(records: list[dict], header: dict | None = None) -> str:
 
 
 def format_table(records: list[dict], header: str = "") -> str:
-    """A ranked text table: layout, memory GB by term (W weights, G gradients, O optimizer,
+    """A ranked text table: layout (``ep``: expert-parallel size, part of ``dp``), memory GB by term (W weights, G gradients, O optimizer,
     A activations, E embedding/output activations, R reserve), iteration time (s), tokens/s,
     model and hardware TFLOP/s per GPU, MFU."""
-    cols = ("#  tp pp   dp cp vp mbs recompute sp z |" + "".join(f"{s:>6}" for _, s in _MEM_SHORT)
+    cols = ("#  tp pp   dp ep cp vp mbs recompute sp z |" + "".join(f"{s:>6}" for _, s in _MEM_SHORT)
             + "  total |   iter s    tok/s  TFLOP/s   hw  MFU")
     lines = [header] if header else []
     lines += [cols, "-" * len(cols)]
     for i, r in enumerate(records, 1):
         mem = "".join(f"{r['memory_terms_gb'][k]:6.1f}" for k, _ in _MEM_SHORT)
         lines.append(
-            f"{i:<2} {r['tp']:>2} {r['pp']:>2} {r['dp']:>4} {r['cp']:>2} {r['vp']:>2} "
+            f"{i:<2} {r['tp']:>2} {r['pp']:>2} {r['dp']:>4} {r.get('ep', 1):>2} {r['cp']:>2} "
+            f"{r['vp']:>2} "
             f"{r['micro_batch_size']:>3} {r['recompute']:<9} "
             f"{'y' if r['sequence_parallel'] else 'n'}"
             f"  {r['zero']} |{mem} {r['memory_gb']:6.1f} | {r['iteration_time_s']:8.3f} "
@@ -53,13 +54,14 @@ def format_table(records: list[dict], header: str = "") -> str:
 
 
 _TIME_SHORT = [("compute", "comp"), ("recompute", "recomp"), ("elementwise", "elem"),
-               ("tp_comm", "TP"), ("cp_comm", "CP"), ("pp_bubble", "bubble"), ("pp_comm", "PP"),
+               ("tp_comm", "TP"), ("cp_comm", "CP"), ("ep_comm", "EP"), ("pp_bubble", "bubble"),
+               ("pp_comm", "PP"),
                ("dp_comm", "DP"), ("optimizer", "optim"), ("straggler", "strag")]
 
 
 def format_breakdown(records: list[dict]) -> str:
     """The chosen layout and its runner-ups, one iteration broken down (seconds): compute,
-    recompute, element-wise (memory-bound) work, exposed TP / CP / PP / DP communication,
+    recompute, element-wise (memory-bound) work, exposed TP / CP / EP / PP / DP communication,
     pipeline bubble, optimizer step; ``vs best``: extra time per iteration; with
     ``records[i]["training"]`` also days and cost of the whole run."""
     if not records:
@@ -71,12 +73,13 @@ def format_breakdown(records: list[dict]) -> str:
     lines = ["breakdown of one iteration (s), chosen layout first:", head, "-" * len(head)]
     best = records[0]["iteration_time_s"]
     for i, r in enumerate(records, 1):
-        lay = (f"tp{r['tp']} pp{r['pp']} dp{r['dp']} cp{r['cp']} vp{r['vp']} "
+        ep = f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""
+        lay = (f"tp{r['tp']} pp{r['pp']} dp{r['dp']}{ep} cp{r['cp']} vp{r['vp']} "
                f"b{r['micro_batch_size']} "
                f"{r['recompute'][:4]}{' sp' if r['sequence_parallel'] else ''} z{r['zero']}")
         split = r.get("pipeline_split", "")
         row = (f"{i:<2} {lay:<31} {split:<8} "
-               + "".join(f"{r['time_terms_s'][k]:7.3f}" for k, _ in _TIME_SHORT)
+               + "".join(f"{r['time_terms_s'].get(k, 0.0):7.3f}" for k, _ in _TIME_SHORT)
                + f" {r['iteration_time_s']:8.3f} {100 * (r['iteration_time_s'] / best - 1):+7.1f}%")
         if train:
             tr = r["training"]
@@ -96,7 +99,7 @@ def plot_breakdown(records: list[dict], path: str, title: str = "") -> None:
     x = np.arange(len(records))
     bottom = np.zeros(len(records))
     for k, short in _TIME_SHORT:
-        vals = np.array([r["time_terms_s"][k] for r in records])
+        vals = np.array([r["time_terms_s"].get(k, 0.0) for r in records])
         if vals.any():
             ax.bar(x, vals, bottom=bottom, label=short, width=0.7)
             bottom += vals
@@ -113,14 +116,19 @@ def plot_breakdown(records: list[dict], path: str, title: str = "") -> None:
 
 def plot(res: dict, path: str, title: str = "") -> None:
     """MFU against memory per GPU (GB) for every feasible layout, coloured by the parallelism of
-    largest degree (tp/pp/dp/cp), the chosen (fastest) layout marked with a star."""
+    largest degree (tp/pp/dp/cp), or, when some layout uses expert parallelism, by the EP size
+    (one colour per e, marker by the largest of tp/pp/dp); the chosen (fastest) layout marked
+    with a star."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     idx = res["order"]
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    if len(idx):
+    ep = res.get("ep")
+    if len(idx) and ep is not None and np.any(ep[idx] > 1):
+        _scatter_by_ep(ax, res, idx)
+    elif len(idx):
         sizes = np.stack([res[k][idx] for k in ("tp", "pp", "cp", "dp")])
         dom = np.argmax(sizes, axis=0)  # ties -> first: tp > pp > cp > dp
         colours = {0: "tab:red", 1: "tab:blue", 2: "tab:purple", 3: "tab:green"}
@@ -129,11 +137,13 @@ def plot(res: dict, path: str, title: str = "") -> None:
             if len(sel):
                 ax.scatter(res["mem_total"][sel] / GB, 100 * res["mfu"][sel], s=6, alpha=0.45,
                            color=colours[j], label=f"{name} largest ({len(sel)})", linewidths=0)
+    if len(idx):
         b = idx[0]
+        ep_b = f" ep{int(ep[b])}" if ep is not None and ep[b] > 1 else ""
         ax.scatter([res["mem_total"][b] / GB], [100 * res["mfu"][b]], marker="*", s=260,
                    color="gold", edgecolors="black", zorder=5,
                    label=(f"chosen: tp{int(res['tp'][b])} pp{int(res['pp'][b])} "
-                          f"dp{int(res['dp'][b])} cp{int(res['cp'][b])}"))
+                          f"dp{int(res['dp'][b])}{ep_b} cp{int(res['cp'][b])}"))
         ax.legend(loc="best", fontsize=8)
     ax.set_xlabel("memory per GPU (GB)")
     ax.set_ylabel("MFU (%)")
@@ -142,3 +152,19 @@ def plot(res: dict, path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _scatter_by_ep(ax, res: dict, idx) -> None:
+    """Feasible layouts coloured by EP size, marker by the largest of TP / PP / DP."""
+    import matplotlib.pyplot as plt
+
+    eps = sorted({int(e) for e in res["ep"][idx]})
+    cmap = plt.get_cmap("tab10")
+    dom = np.argmax(np.stack([res[k][idx] for k in ("tp", "pp", "dp")]), axis=0)
+    for j, e in enumerate(eps):
+        for mk, (marker, name) in enumerate((("^", "TP"), ("s", "PP"), ("o", "DP"))):
+            sel = idx[(res["ep"][idx] == e) & (dom == mk)]
+            if len(sel):
+                ax.scatter(res["mem_total"][sel] / GB, 100 * res["mfu"][sel], s=8, alpha=0.5,
+                           color=cmap(j % 10), marker=marker, linewidths=0,
+                           label=f"EP={e}, {name} largest ({len(sel)})")

@@ -8,7 +8,8 @@ Search space: TP ``t`` (divides heads, query groups, FFN; within a node unless a
 stages ``v`` (divides L/p; interleaving needs ``m`` divisible by ``p``, as Megatron requires),
 micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1),
 ZeRO stage 0-3 (with d c > 1; stage 1 = Megatron distributed optimizer; stages 2-3 only
-without PP). The rules are those of
+without PP), and for MoE models EP ``e`` (divides d and E; :func:`_moe_rules`). The rules are
+those of
 :meth:`loom.config.LoomConfig.validate`. Any dimension given in ``fixed`` is held at that value;
 ``fixed`` may also carry the split constraints ``first_layers`` / ``last_layers``
 (``--decoder-first/last-pipeline-num-layers``) and ``account_embedding`` / ``account_loss``
@@ -29,12 +30,25 @@ from loom.planner.stages import accounted_split, describe_split, given_split, un
 from loom.planner.timing import throughput, time_terms
 
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "embedding_output", "reserve")
-TIME_TERMS = ("compute", "recompute", "elementwise", "tp_comm", "cp_comm", "pp_bubble", "pp_comm",
-              "dp_comm", "optimizer", "straggler")
+TIME_TERMS = ("compute", "recompute", "elementwise", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",
+              "pp_comm", "dp_comm", "optimizer", "straggler")
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[int] | None:
+    """EP sizes allowed at (t, c, d) for an MoE model, None when (t, c) is refused; ``[1]`` for a
+    dense model. loom train's rules (``loom/config/validate.py``): e divides d (EP is carved
+    out of the data-parallel dimension) and E; experts and the shared expert split over TP (their
+    widths divisible by t, no biases under TP); no CP and no SP with MoE layers."""
+    if not model.num_experts:
+        return [1]
+    widths = (model.moe_ffn_size, model.moe_shared_expert_intermediate_size or 0)
+    if c > 1 or any(w % t for w in widths) or (t > 1 and not model.disable_bias_linear):
+        return None
+    return [e for e in _divisors(d) if model.num_experts % e == 0]
 
 
 def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
@@ -59,7 +73,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                       seq_length: int, fixed: dict | None = None, opts: Options | None = None,
                       max_micro_batch: int = 16) -> dict:
     """All valid layouts as arrays (see module docstring). ``fixed`` maps layout keys
-    (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero``) to a required value."""
+    (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero, ep``) to a required value."""
     opts = opts or Options()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     first, last = fixed.pop("first_layers", None), fixed.pop("last_layers", None)
@@ -89,7 +103,8 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                 if c > 1 and s % (2 * c):
                     continue
                 d = n // (t * p * c)
-                if B % d:
+                eps = _moe_rules(model, t, c, d)
+                if B % d or eps is None:
                     continue
                 for b in _divisors(B // d):
                     if b > max_micro_batch:
@@ -103,17 +118,20 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                             # equal chunk counts per stage, chunk sizes may differ by stage
                             lm = (nl - lf - ll) // max(p - 2, 1) if p > 2 else max(lf, ll)
                             vs += [v for v in _divisors(lm) if 1 < v <= min(lf, ll)]
-                        for v in vs:
-                            base.append((t, p, d, c, v, b, lf, ll))
+                        for v, e in itertools.product(vs, eps):
+                            base.append((t, p, d, c, v, b, lf, ll, e))
     rows = []
-    for (t, p, d, c, v, b, lf, ll) in base:
-        sps = (0, 1) if t > 1 and s % t == 0 else (0,)
+    moe = bool(model.num_experts)
+    for (t, p, d, c, v, b, lf, ll, e) in base:
+        sps = (0, 1) if t > 1 and s % t == 0 and not moe else (0,)
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
         zs = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d * c > 1 else (0,)
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
+        if e > 1:  # loom train refuses --use-distributed-optimizer with EP > 1
+            zs = (0,)
         for rc, sp, z in itertools.product((0, 1, 2), sps, zs):
-            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll))
+            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
     keep = np.ones(len(arr), dtype=bool)
@@ -143,7 +161,8 @@ def dominant_parallelism(rec: dict) -> str:
 
 
 def record(res: dict, i: int) -> dict:
-    """One layout as a plain dict (the ``--json`` schema): sizes, options, ``memory_gb`` and
+    """One layout as a plain dict (the ``--json`` schema): sizes (``ep``: expert-parallel
+    size, part of ``dp``), options, ``memory_gb`` and
     ``memory_terms_gb`` (GB = 1e9 bytes), ``time_terms_s`` (seconds), ``iteration_time_s``,
     ``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute),
     ``mfu``, ``first_stage_layers`` / ``last_stage_layers`` (0 = even split) and
@@ -151,6 +170,7 @@ def record(res: dict, i: int) -> dict:
     rc = RECOMPUTE[int(res["recompute"][i])]
     rec = {
         "tp": int(res["tp"][i]), "pp": int(res["pp"][i]), "dp": int(res["dp"][i]),
+        "ep": int(res["ep"][i]) if "ep" in res else 1,
         "cp": int(res["cp"][i]), "vp": int(res["vp"][i]),
         "first_stage_layers": int(res["lf"][i]), "last_stage_layers": int(res["ll"][i]),
         "micro_batch_size": int(res["mbs"][i]), "num_microbatches": int(round(res["m"][i])),

@@ -34,7 +34,8 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   that does not shrink with d, ~65 s per 1.4 TB (fp16 weights twice, fp32 gradients once).
 * Optimizer step: memory-bound, ~30 bytes of HBM traffic per (sharded) parameter.
 
-All collectives use the alpha-beta ring formulas of references.md (:func:`all_reduce_time`).
+All collectives use the alpha-beta ring formulas of references.md (:func:`all_reduce_time`, in
+:mod:`loom.planner.primitives` with :func:`gemm_efficiency`).
 The three constants of the compute model, ``GEMM_EFFICIENCY`` (large-GEMM fraction of peak),
 ``GEMM_HALF_DIM`` (GEMM dimension at which the efficiency halves) and ``MEM_TRAFFIC``, are fitted
 once by least squares (``loom.planner.calibrate.fit_compute_model``) to NAR table 1, KOR table 3
@@ -50,48 +51,17 @@ from loom.planner import flops as F
 from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
+from loom.planner.moe import moe_fraction, moe_layer_times, stage_moe_layers
+from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
+                                     all_gather_time, all_reduce_time, gemm_efficiency,
+                                     hierarchical_all_reduce_time, p2p_time,
+                                     reduce_scatter_time)
 
-# Fitted to the A100 measurements of references.md (see calibrate.fit_compute_model).
-GEMM_EFFICIENCY = 0.736
-GEMM_HALF_DIM = 46.0
+# Fitted with GEMM_EFFICIENCY and GEMM_HALF_DIM (primitives.py; see calibrate.fit_compute_model).
 MEM_TRAFFIC = 2.58
-A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
 # Fitted to NAR table 2's six ZeRO-3 runs (see calibrate_zero3 in benchmarks/planner_fit.py).
 ZERO3_OVERLAP = 0.75
 ZERO3_LINK_EFFICIENCY = 1.0
-
-
-# -- collectives: alpha-beta ring formulas (references.md) ---------------------------------------
-
-def all_reduce_time(n, nbytes, bw, alpha):
-    """Ring all-reduce of ``nbytes`` over ``n`` ranks: ``2 (n-1)/n M/W + 2 (n-1) alpha`` s."""
-    n = np.asarray(n, dtype=np.float64)
-    return np.where(n > 1, 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha, 0.0)
-
-
-def all_gather_time(n, nbytes, bw, alpha):
-    """Ring all-gather (or reduce-scatter) of ``nbytes`` total: ``(n-1)/n M/W + (n-1) alpha``."""
-    n = np.asarray(n, dtype=np.float64)
-    return np.where(n > 1, (n - 1) / n * nbytes / bw + (n - 1) * alpha, 0.0)
-
-
-reduce_scatter_time = all_gather_time
-
-
-def p2p_time(nbytes, bw, alpha):
-    """Point-to-point send of ``nbytes``: ``M/W + alpha`` seconds."""
-    return nbytes / bw + alpha
-
-
-def hierarchical_all_reduce_time(n, per_node, nbytes, cluster: Cluster):
-    """All-reduce over ``n`` ranks of which ``per_node`` share a node (seconds): ring inside the
-    node on NVLink, then across the ``n / per_node`` nodes on ``nbytes / per_node`` per GPU (each
-    GPU drives its own NIC), the slowest link the group crosses."""
-    k = np.maximum(1.0, np.minimum(n, per_node))
-    nodes = n / k
-    intra = all_reduce_time(k, nbytes, cluster.intra_bw, cluster.intra_alpha)
-    inter = all_reduce_time(nodes, nbytes / k, cluster.inter_bw, cluster.inter_alpha)
-    return intra + inter
 
 
 def straggler_factor(num_nodes, jitter: float):
@@ -121,36 +91,19 @@ def exposed_grad_sync(sync_s, backward_s, params, opts: Options):
 
 # -- compute --------------------------------------------------------------------------------------
 
-def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
-    """Achievable fraction of peak FLOP/s of a GEMM whose per-GPU width is ``width`` and whose
-    token dimension is ``tokens``: ``e / (1 + h0/width + h0/tokens)``.
-
-    Roofline origin: a ``[T, w] x [w, n]`` GEMM moves ``2 (T w + w n + T n)`` bytes for
-    ``2 T w n`` FLOPs, so memory adds ``(peak / hbm_bw) (1/T + 1/w + 1/n)`` to the time per FLOP
-    at peak; ``h0`` is therefore proportional to the GPU's ridge point ``peak / hbm_bw``:
-    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 46; H100 SXM:
-    295 FLOP/byte, h0 = 89). ``e``: the GPU generation's large-GEMM efficiency
-    (``cluster.gemm_efficiency``, else ``GEMM_EFFICIENCY``). Both fitted, see the module
-    docstring; a cluster file's ``gemm_half_dim`` overrides h0."""
-    e = (cluster.gemm_efficiency if cluster and cluster.gemm_efficiency else GEMM_EFFICIENCY)
-    if cluster and cluster.gemm_half_dim:
-        h0 = cluster.gemm_half_dim
-    elif cluster:
-        h0 = GEMM_HALF_DIM * (cluster.peak_flops / cluster.hbm_bw) / A100_RIDGE
-    else:
-        h0 = GEMM_HALF_DIM
-    return e / (1 + h0 / np.asarray(width, dtype=np.float64) + h0 / np.asarray(tokens, dtype=np.float64))
-
-
 def _mem_traffic(cluster: Cluster) -> float:
     return cluster.mem_traffic if cluster.mem_traffic else MEM_TRAFFIC
 
 
 def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
-                opts: Options) -> dict:
+                opts: Options, moe_share: float | None = None) -> dict:
     """Per transformer layer, per micro-batch, one GPU (seconds): ``gemm`` and ``attn`` forward
     compute, ``elem`` forward element-wise time, ``scores_elem`` (the part of ``elem`` on attention
-    scores), ``tp_fwd``/``tp_bwd`` collective times, ``cp_fwd``/``cp_bwd`` exposed ring time."""
+    scores), ``tp_fwd``/``tp_bwd`` collective times, ``cp_fwd``/``cp_bwd`` exposed ring time,
+    ``a2a``: one EP all-to-all (0 for dense models). MoE models: in a share ``moe_share`` of the
+    layer (1 = an MoE layer, 0 = a dense one; default the model's share of MoE layers) the dense
+    MLP's GEMM time is replaced by :func:`moe_layer_times`' ``gemm`` and the forward TP
+    all-reduce grows by its ``tp_extra``."""
     s = seq_length
     h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
                      model.head_dim, model.ffn_size)
@@ -160,15 +113,24 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     attn_flops = 4 * s * a * d * S / t
     peak = cluster.peak_flops
     gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
+    a2a = tp_extra = 0.0
+    if model.num_experts:
+        fm = moe_fraction(model) if moe_share is None else moe_share
+        mo = moe_layer_times(model, S, L, cluster, opts.moe_load_imbalance)
+        mlp_flops = (6 if model.swiglu else 4) * h * f * S / t
+        gemm = gemm + fm * (mo["gemm"] - mlp_flops / (peak * gemm_efficiency(h / t, S, cluster)))
+        a2a, tp_extra = fm * mo["a2a"], fm * mo["tp_extra"]
     attn = attn_flops / (peak * gemm_efficiency(d, s / c, cluster))  # per ring block with CP
-    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention)
+    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
+                                     moe_load_imbalance=opts.moe_load_imbalance,
+                                     moe_share=moe_share)
     k = _mem_traffic(cluster)
     elem = k * act["none"] / cluster.hbm_bw
     scores_elem = k * act["scores"] / cluster.hbm_bw
     tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
     tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
     ar = all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)  # AG + RS with SP: same volume
-    tp_fwd = 2 * ar
+    tp_fwd = 2 * ar + tp_extra
     # overlapped with the weight-gradient GEMMs (Megatron's asynchronous TP all-reduce, 2021+)
     tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
     cp_link = np.where(t * c > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
@@ -177,7 +139,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     cp_fwd = np.maximum(0.0, ring - attn)
     cp_bwd = np.maximum(0.0, 2 * ring - 2 * attn)
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
-            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "cp_fwd": cp_fwd, "cp_bwd": cp_bwd}
+            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "cp_fwd": cp_fwd, "cp_bwd": cp_bwd,
+            "a2a": a2a}
 
 
 def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
@@ -185,7 +148,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     """Time of one iteration, seconds, term by term (arrays).
 
     Terms: ``compute`` (forward + backward GEMMs and attention of all micro-batches on the slowest
-    stage), ``recompute``, ``elementwise``, ``tp_comm``, ``cp_comm``, ``pp_bubble``, ``pp_comm``,
+    stage), ``recompute``, ``elementwise``, ``tp_comm``, ``cp_comm``, ``ep_comm`` (MoE
+    all-to-alls, :func:`loom.planner.moe.all_to_all_time`), ``pp_bubble``, ``pp_comm``,
     ``dp_comm`` (exposed), ``optimizer``, ``straggler`` (waiting for the slowest node,
     :func:`straggler_factor` x the rest); ``iteration`` is their sum. Also ``dp_comm_total``
     (before overlap) and ``microbatch_time`` (slowest stage, one micro-batch)."""
@@ -195,40 +159,55 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     t, p, c, v, b, d, sp = L["tp"], L["pp"], L["cp"], L["vp"], L["mbs"], L["dp"], L["sp"]
     rc = L["recompute"]
     m = num_microbatches(L, global_batch_size)
-    lt = layer_times(model, s, L, cluster, opts)
     S = s * b / c
     peak = cluster.peak_flops
     k = _mem_traffic(cluster)
-
-    # per layer, one micro-batch
-    comp_f = lt["gemm"] + lt["attn"]
     full = rc == 2
     sel = rc == 1
-    rec = np.where(full, comp_f, np.where(sel, lt["attn"], 0.0))
-    rec_elem = np.where(full, lt["elem"], np.where(sel, lt["scores_elem"], 0.0))
-    rec_comm = np.where(full, lt["tp_fwd"] + lt["cp_fwd"], 0.0)
-    layer = {
-        "compute": 3 * comp_f,
-        "recompute": rec,
-        "elementwise": 3 * lt["elem"] + rec_elem,
-        "tp_comm": lt["tp_fwd"] + lt["tp_bwd"] + np.where(full, lt["tp_fwd"], 0.0),
-        "cp_comm": lt["cp_fwd"] + lt["cp_bwd"] + np.where(full, lt["cp_fwd"], 0.0),
-    }
-    del rec_comm
+
+    def per_layer(lt):
+        """Terms of one layer and micro-batch; its backward (+ recompute) and forward time."""
+        comp_f = lt["gemm"] + lt["attn"]
+        rec = np.where(full, comp_f, np.where(sel, lt["attn"], 0.0))
+        rec_elem = np.where(full, lt["elem"], np.where(sel, lt["scores_elem"], 0.0))
+        layer = {
+            "compute": 3 * comp_f,
+            "recompute": rec,
+            "elementwise": 3 * lt["elem"] + rec_elem,
+            "tp_comm": lt["tp_fwd"] + lt["tp_bwd"] + np.where(full, lt["tp_fwd"], 0.0),
+            "cp_comm": lt["cp_fwd"] + lt["cp_bwd"] + np.where(full, lt["cp_fwd"], 0.0),
+            # EP: dispatch + combine forward and their transposes backward, exposed (loom does
+            # not overlap them); full recompute repeats the forward two
+            "ep_comm": 4 * lt["a2a"] + np.where(full, 2 * lt["a2a"], 0.0),
+        }
+        return layer, 2 * comp_f + rec + 2 * lt["elem"] + rec_elem, comp_f + lt["elem"]
+
+    lf, lm, ll = stage_layers(model.num_layers, L)
+    moe = bool(model.num_experts)
+    # MoE: dense and MoE layers timed separately, mixed per stage (moe.stage_moe_layers)
+    lt = layer_times(model, s, L, cluster, opts, moe_share=0.0 if moe else None)
+    layer, bwd_layer, fwd_layer = per_layer(lt)
+    layer_m, bwd_m, fwd_m = layer, bwd_layer, fwd_layer
+    nf = nmid = nl = 0.0
+    if moe:
+        layer_m, bwd_m, fwd_m = per_layer(layer_times(model, s, L, cluster, opts, moe_share=1.0))
+        nf, nmid, nl = stage_moe_layers(model, L, lf, lm, ll)
+
+    def mix(n, n_moe, dense_val, moe_val):
+        return (n - n_moe) * dense_val + n_moe * moe_val if moe else n * dense_val
     # output layer + cross-entropy on the last stage; embedding all-reduce on the first
     Vp = padded_vocab(model, t)
     out_flops = 2 * h * Vp * S / t
     out_comp = 3 * out_flops / (peak * gemm_efficiency(h, S, cluster))
     out_elem = 3 * k * 4 * S * Vp / t / cluster.hbm_bw
     emb_comm = lt["tp_ar"]
-    lf, lm, ll = stage_layers(model.num_layers, L)
     single = p == 1
-    stage_first = {kk: lf * vv for kk, vv in layer.items()}
+    stage_first = {kk: mix(lf, nf, vv, layer_m[kk]) for kk, vv in layer.items()}
     stage_first["tp_comm"] = stage_first["tp_comm"] + emb_comm
-    stage_last = {kk: ll * vv for kk, vv in layer.items()}
+    stage_last = {kk: mix(ll, nl, vv, layer_m[kk]) for kk, vv in layer.items()}
     stage_last["compute"] = stage_last["compute"] + out_comp
     stage_last["elementwise"] = stage_last["elementwise"] + out_elem
-    stage_mid = {kk: lm * vv for kk, vv in layer.items()}
+    stage_mid = {kk: mix(lm, nmid, vv, layer_m[kk]) for kk, vv in layer.items()}
     tf = sum(stage_first.values()) + np.where(single, out_comp + out_elem, 0.0)
     tl = sum(stage_last.values()) + np.where(single, emb_comm, 0.0)
     tm = np.where(p > 2, sum(stage_mid.values()), 0.0)
@@ -241,8 +220,9 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     stage["tp_comm"] = stage["tp_comm"] + np.where(single, emb_comm, 0.0)
     t_mb = np.maximum(np.maximum(tf, tl), tm)
     n_layers = np.where(mid_slower, lm, np.where(last_slower, ll, lf))
+    n_moe = np.where(mid_slower, nmid, np.where(last_slower, nl, nf))
     # backward share of one micro-batch on the stage (for DP overlap): 2/3 of compute etc.
-    t_bwd_mb = n_layers * (2 * comp_f + rec + 2 * lt["elem"] + rec_elem)
+    t_bwd_mb = mix(n_layers, n_moe, bwd_layer, bwd_m)
 
     terms = {kk: m * vv for kk, vv in stage.items()}
     terms["pp_bubble"] = np.where(p > 1, (p - 1) / v * t_mb, 0.0)
@@ -258,7 +238,27 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     n_dp = d * c
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
     z = L["zero"]
-    grad_sync = hierarchical_all_reduce_time(n_dp, per_node, params * opts.grad_bytes, cluster)
+    # MoE: expert parameters (ex of the stage) reduce over the expert-data-parallel group
+    # n_dp / e, whose ranks are t e apart; the rest over the whole group as for a dense model
+    e = L.get("ep", 1.0)
+    ex = 0.0
+    if model.num_experts:
+        ex = np.where(params == P["first"], P["expert_first"],
+                      np.where(params == P["last"], P["expert_last"], P["expert_middle"]))
+    per_node_x = np.where(t * e >= cluster.gpus_per_node, 1.0,
+                          np.floor(cluster.gpus_per_node / (t * e)))
+
+    def dp_collective(fn, bytes_per_param):
+        """``fn(ranks, ranks_per_node, bytes)`` over the DP group (+ the expert-DP group)."""
+        out = fn(n_dp, per_node, (params - ex) * bytes_per_param)
+        if model.num_experts:
+            out = out + fn(n_dp / e, per_node_x, ex * bytes_per_param)
+        return out
+
+    def hier(n, k_node, nbytes):
+        return hierarchical_all_reduce_time(n, k_node, nbytes, cluster)
+
+    grad_sync = dp_collective(hier, opts.grad_bytes)
     # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter, a flat
     # ring whose every byte crosses the GPU's own link; ZERO3_OVERLAP of the micro-batch's
     # compute hides it (both fitted to NAR table 2, see the module docstring)
@@ -268,15 +268,16 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     z_ov = ZERO3_OVERLAP if opts.zero3_overlap is None else opts.zero3_overlap
     z_bw = np.where(z_cross, cluster.inter_bw, cluster.intra_bw) * z_eff
     z_alpha = np.where(z_cross, cluster.inter_alpha, cluster.intra_alpha)
-    ag_w = all_gather_time(n_dp, params * 2, z_bw, z_alpha)
-    rs_g = reduce_scatter_time(n_dp, params * opts.grad_bytes, z_bw, z_alpha)
-    t_fwd_mb = n_layers * (comp_f + lt["elem"])
+    ag_w = dp_collective(lambda n, _, nb: all_gather_time(n, nb, z_bw, z_alpha), 2)
+    rs_g = dp_collective(lambda n, _, nb: reduce_scatter_time(n, nb, z_bw, z_alpha),
+                         opts.grad_bytes)
+    t_fwd_mb = mix(n_layers, n_moe, fwd_layer, fwd_m)
     z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
     # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward, then
     # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
     # --overlap-grad-reduce / --overlap-param-gather), each under the bucket schedule
     rs_h = 0.5 * grad_sync
-    ag_h = 0.5 * hierarchical_all_reduce_time(n_dp, per_node, params * 2, cluster)
+    ag_h = 0.5 * dp_collective(hier, 2)
     z12 = exposed_grad_sync(rs_h, t_bwd_mb, params, opts) + \
         exposed_grad_sync(ag_h, t_fwd_mb, params, opts)
     dp_exposed = np.where(z >= 3, z3, np.where(
@@ -286,8 +287,11 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         z >= 3, m * (2 * ag_w + rs_g), np.where(z >= 1, rs_h + ag_h, grad_sync)), 0.0)
     shard = np.where(z >= 1, n_dp, 1.0)
     terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
+    if model.num_experts:
+        shard_x = np.where(z >= 1, n_dp / e, 1.0)
+        terms["optimizer"] = 30.0 * ((params - ex) / shard + ex / shard_x) / cluster.hbm_bw
     busy = (terms["compute"] + terms["recompute"] + terms["elementwise"]
-            + terms["tp_comm"] + terms["cp_comm"] + terms["pp_bubble"]
+            + terms["tp_comm"] + terms["cp_comm"] + terms["ep_comm"] + terms["pp_bubble"]
             + terms["pp_comm"] + terms["dp_comm"] + terms["optimizer"])
     nodes = np.maximum(1.0, np.ceil(t * p * c * d / cluster.gpus_per_node))
     terms["straggler"] = busy * straggler_factor(nodes, opts.straggler_jitter)
@@ -326,7 +330,7 @@ def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster
     lt = layer_times(model, seq_length, L, cluster, opts)
     rc = L["recompute"]
     comp_f = lt["gemm"] + lt["attn"]
-    fwd = comp_f + lt["elem"] + lt["tp_fwd"] + lt["cp_fwd"]
-    bwd = 2 * comp_f + 2 * lt["elem"] + lt["tp_bwd"] + lt["cp_bwd"]
+    fwd = comp_f + lt["elem"] + lt["tp_fwd"] + lt["cp_fwd"] + 2 * lt["a2a"]
+    bwd = 2 * comp_f + 2 * lt["elem"] + lt["tp_bwd"] + lt["cp_bwd"] + 2 * lt["a2a"]
     bwd = bwd + np.where(rc == 2, fwd, np.where(rc == 1, lt["attn"] + lt["scores_elem"], 0.0))
     return fwd, bwd

@@ -1,0 +1,216 @@
+"""Mixture-of-experts terms of the planner: parameters (total / active, expert / dense), FLOPs,
+activations, expert GEMM time and the expert-parallel all-to-all.
+
+Symbols: E experts of width ``f_e`` (``--moe-ffn-hidden-size``), top-k routing, shared expert of
+width ``f_sh`` (0 without one), ``e`` the EP size (carved out of the data-parallel dimension),
+``t`` TP (experts are sharded over TP like an MLP: loom's expert TP size is t), ``S = s b / c``
+tokens per GPU and micro-batch, ``lambda`` the load-imbalance factor
+(``Options.moe_load_imbalance``, ``--moe-load-imbalance``, default :data:`MOE_LOAD_IMBALANCE`).
+
+The layer structure is that of ``loom/models/moe.py`` / ``loom/parallel/expert.py``:
+
+* parameters of an MoE layer: attention and norms as a dense layer; router ``h E`` (replicated
+  across TP, no bias); E experts of ``h mlp_in + f_e h`` (``mlp_in = 2 f_e`` with SwiGLU, biases
+  ``mlp_in + h`` when the model has them), each split over ``t x e`` GPUs; a shared expert like a
+  dense MLP of width ``f_sh`` (split over t), its gate ``h`` (``--moe-shared-expert-gate``).
+* FLOPs per token (multiply-add = 2): ``k (6|4) h f_e + (6|4) h f_sh + 2 h E`` instead of the dense
+  MLP's ``(6|4) h f`` (6 with SwiGLU): the *active* parameters (Switch sec 2, Mixtral sec 2).
+* time: the k S assignments of a GPU's tokens land, on average, on ``S k`` expert rows of each
+  EP rank (``lambda S k`` on the busiest), spread over its ``E/e`` experts: ``S k e / E`` tokens
+  per expert GEMM, whose efficiency falls with that count (:func:`gemm_efficiency`).
+* all-to-all: dispatch and combine forward, their transposes backward: 4 per MoE layer and
+  micro-batch (``docs/moe.md``), each moving ``2 S k h`` bytes (bf16) of which ``(e-1)/e`` leave
+  the GPU; EP ranks are ``t c`` ranks apart, so ``gpus_per_node / (t c)`` of them share a node.
+* TP: loom sums the k expert partial outputs and the shared expert's over TP in ONE all-reduce
+  of ``[T (k + 1_sh), h]`` before the router weights combine them (``loom/parallel/expert.py``),
+  instead of the dense MLP's ``[T, h]``; backward still one ``[T, h]`` all-reduce.
+
+Models mixing MoE and dense layers (``--moe-layer-freq``, DeepSeek-V3's leading dense layers)
+are modelled per pipeline stage with the MoE layers that stage holds
+(:func:`stage_moe_layers`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loom.config import ModelConfig
+from loom.planner.hardware import Cluster
+from loom.planner.primitives import all_reduce_time, gemm_efficiency
+
+# Busiest EP rank's expert tokens over the mean. An assumption, not fitted: the Switch
+# Transformer (Fedus et al. 2021, sec 2.2) trains well with capacity factors of 1.0-1.25, i.e.
+# with expert loads capped at 1-1.25x the mean, and auxiliary-loss (or DeepSeek-V3's bias,
+# sec 2.1.2) balancing keeps the busiest rank near the mean; 1.1 is in that range.
+MOE_LOAD_IMBALANCE = 1.1
+BYTES_PER_ELEMENT = 2  # bf16 tokens in the all-to-all
+
+
+def num_moe_layers(model: ModelConfig) -> int:
+    """Layers with an MoE MLP (``model.is_moe_layer``); 0 for a dense model."""
+    if not model.num_experts:
+        return 0
+    return sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
+
+
+def moe_fraction(model: ModelConfig) -> float:
+    """Share of the layers that are MoE (0 for a dense model)."""
+    return num_moe_layers(model) / model.num_layers
+
+
+def mlp_params(model: ModelConfig, width: int) -> tuple[int, int]:
+    """``(tp_sharded, replicated)`` parameters of an MLP of hidden width ``width``: fc1
+    ``h (2 width | width)`` and fc2 ``width h``; biases: fc1's sharded, fc2's ``h`` replicated."""
+    h = model.hidden_size
+    mlp_in = 2 * width if model.swiglu else width
+    sharded, replicated = h * mlp_in + width * h, 0
+    if not model.disable_bias_linear:
+        sharded += mlp_in
+        replicated += h
+    return sharded, replicated
+
+
+def expert_params_per_layer(model: ModelConfig) -> int:
+    """Parameters of the E routed experts of one MoE layer (count), biases included."""
+    sh, rep = mlp_params(model, model.moe_ffn_size)
+    return model.num_experts * (sh + rep)
+
+
+def moe_layer_params(model: ModelConfig, dense_layer: tuple[int, int]) -> tuple[int, int, int]:
+    """``(tp_sharded, replicated, expert)`` parameters of one MoE layer, from the dense layer's
+    ``(tp_sharded, replicated)`` (:func:`loom.planner.memory.layer_params`): its MLP replaced by
+    the shared expert (sharded), router ``h E`` and shared gate ``h`` (replicated), experts."""
+    h = model.hidden_size
+    d_sh, d_rep = mlp_params(model, model.ffn_size)
+    f_sh = model.moe_shared_expert_intermediate_size or 0
+    s_sh, s_rep = mlp_params(model, f_sh) if f_sh else (0, 0)
+    sharded = dense_layer[0] - d_sh + s_sh
+    replicated = dense_layer[1] - d_rep + s_rep + h * model.num_experts
+    if f_sh and model.moe_shared_expert_gate:
+        replicated += h
+    return sharded, replicated, expert_params_per_layer(model)
+
+
+def stage_moe_layers(model: ModelConfig, L: dict, lf, lm, ll) -> tuple:
+    """MoE layers ``(first, middle, last)`` of the pipeline stages (arrays) whose transformer
+    layers are ``lf, lm, ll`` (:func:`loom.planner.layout.stage_layers`; 0 for a dense model).
+
+    Without interleaving the first stage holds layers ``[0, lf)`` and the last ``[L - ll, L)``;
+    with ``v`` virtual stages (even split) stage i holds chunks ``j p + i`` of ``L / (p v)``
+    layers, ``j < v``; a middle stage holds the average of the rest. Fractional bounds (p not
+    dividing L without a given split) are interpolated. Uneven interleaved splits: the average
+    MoE share."""
+    n = model.num_layers
+    flags = [model.is_moe_layer(i) for i in range(n)]
+    if all(flags) or not any(flags):
+        return (lf, lm, ll) if any(flags) else (0 * lf, 0 * lm, 0 * ll)
+    cum = np.concatenate([[0.0], np.cumsum(flags, dtype=np.float64)])
+    pos = np.arange(n + 1, dtype=np.float64)
+
+    def count(a, b):
+        return float(np.interp(b, pos, cum) - np.interp(a, pos, cum))
+
+    n_moe = cum[-1]
+    keys = np.stack([L["pp"], L["vp"], lf, ll, lm], axis=1)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    out = np.zeros((len(uniq), 3))
+    for r, (p, v, a, b, m) in enumerate(uniq):
+        p, v = int(p), int(v)
+        if p == 1:
+            out[r] = (n_moe, n_moe, n_moe)
+            continue
+        if v > 1 and a == b == n / p:
+            c = n / (p * v)
+            first = sum(count(j * p * c, (j * p + 1) * c) for j in range(v))
+            last = sum(count((j * p + p - 1) * c, (j * p + p) * c) for j in range(v))
+        elif v > 1:
+            first, last = a * n_moe / n, b * n_moe / n
+        else:
+            first, last = count(0, a), count(n - b, n)
+        mid = (n_moe - first - last) / (p - 2) if p > 2 else m * n_moe / n
+        out[r] = (first, mid, last)
+    res = out[inv.reshape(-1)]
+    return res[:, 0], res[:, 1], res[:, 2]
+
+
+def layer_param_totals(model: ModelConfig, dense_layer: tuple[int, int]) -> tuple[float, float]:
+    """``(total, active)`` parameters of all transformer layers: active counts k of the E
+    experts (the shared expert and router always)."""
+    n_moe = num_moe_layers(model)
+    dense = sum(dense_layer)
+    sh, rep, ex = moe_layer_params(model, dense_layer)
+    rest = (model.num_layers - n_moe) * dense + n_moe * (sh + rep)
+    return (float(rest + n_moe * ex),
+            float(rest + n_moe * ex * model.moe_router_topk / model.num_experts))
+
+
+def moe_mlp_flops_per_token(model: ModelConfig) -> float:
+    """Forward FLOPs per token of an MoE MLP: ``k (6|4) h f_e + (6|4) h f_sh + 2 h E``."""
+    h, c = model.hidden_size, (6 if model.swiglu else 4)
+    f_sh = model.moe_shared_expert_intermediate_size or 0
+    return float(model.moe_router_topk * c * h * model.moe_ffn_size + c * h * f_sh
+                 + 2 * h * model.num_experts)
+
+
+def moe_activation_bytes(model: ModelConfig, S, imbalance: float) -> tuple:
+    """Activation bytes of one MoE MLP for ``S`` tokens: ``(tp_split, replicated)``, 16-bit
+    except the fp32 router, counted from the tensors autograd keeps in ``loom/models/moe.py``:
+
+    * split by TP: per expert row ``(6|4) f_e`` (fc1 output and activation, as KOR's MLP), on
+      ``lambda S k`` rows (the busiest rank); the shared expert ``(6|4) S f_sh``;
+    * not split: the dispatched expert inputs ``2 h`` per row (``lambda S k`` rows), the expert
+      outputs kept for the weighted combine ``2 S k h``, router logits and probabilities
+      ``8 S E`` (fp32)."""
+    h, c, k = model.hidden_size, (6 if model.swiglu else 4), model.moe_router_topk
+    f_sh = model.moe_shared_expert_intermediate_size or 0
+    rows = imbalance * S * k
+    split = rows * c * model.moe_ffn_size + S * c * f_sh
+    repl = rows * 2 * h + 2 * S * k * h + 8 * S * model.num_experts
+    return split, repl
+
+
+def all_to_all_time(n, per_node, nbytes, cluster: Cluster):
+    """All-to-all of ``nbytes`` per GPU over ``n`` ranks of which ``per_node`` share a node
+    (seconds): each GPU keeps ``1/n`` and sends ``(per_node - 1)/n`` of its bytes over NVLink and
+    ``(n - per_node)/n`` over its own NIC, concurrently: ``max(M (k-1)/(n W_intra),
+    M (n-k)/(n W_inter)) + (n-1) alpha`` (alpha of the slowest link crossed; pairwise exchange,
+    references.md's alpha-beta model). All ranks in one node: ``(n-1)/n M / W_intra``."""
+    n = np.asarray(n, dtype=np.float64)
+    k = np.clip(per_node, 1.0, np.maximum(n, 1.0))
+    intra = nbytes * (k - 1) / n / cluster.intra_bw
+    inter = nbytes * (n - k) / n / cluster.inter_bw
+    alpha = np.where(n > k, cluster.inter_alpha, cluster.intra_alpha)
+    return np.where(n > 1, np.maximum(intra, inter) + (n - 1) * alpha, 0.0)
+
+
+def ep_members_per_node(L: dict, cluster: Cluster):
+    """EP ranks sharing a node: EP groups are ``t c`` ranks apart (consecutive DP ranks)."""
+    stride = L["tp"] * L["cp"]
+    return np.where(stride >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / stride))
+
+
+def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
+                    imbalance: float) -> dict:
+    """Per MoE layer and micro-batch on one GPU (seconds): ``gemm`` (experts on the busiest rank,
+    shared expert, router; forward), ``a2a`` (one all-to-all), ``tp_extra`` (forward TP
+    all-reduce time beyond the dense MLP's), ``tokens_per_expert``."""
+    h, c, k, E = (model.hidden_size, (6 if model.swiglu else 4), model.moe_router_topk,
+                  model.num_experts)
+    t, e = L["tp"], L.get("ep", 1.0)
+    f_e, f_sh = model.moe_ffn_size, model.moe_shared_expert_intermediate_size or 0
+    peak = cluster.peak_flops
+    per_expert = S * k * e / E
+    expert = imbalance * S * k * c * h * f_e / t / (
+        peak * gemm_efficiency(min(h, f_e) / t, per_expert, cluster))
+    shared = (S * c * h * f_sh / t / (peak * gemm_efficiency(min(h, f_sh) / t, S, cluster))
+              if f_sh else 0.0)
+    router = 2 * h * E * S / (peak * gemm_efficiency(min(h, E), S, cluster))
+    a2a = all_to_all_time(e, ep_members_per_node(L, cluster), BYTES_PER_ELEMENT * S * k * h,
+                          cluster)
+    tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
+    tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
+    rows = k + (1 if f_sh else 0)
+    tp_extra = (all_reduce_time(t, 2 * S * h * rows, tp_bw, tp_alpha)
+                - all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha))
+    return {"gemm": expert + shared + router, "a2a": a2a, "tp_extra": tp_extra,
+            "tokens_per_expert": per_expert}

@@ -1,0 +1,73 @@
+"""Building blocks shared by the time models: the alpha-beta collectives of references.md and
+the size-aware GEMM efficiency (fitted constants ``GEMM_EFFICIENCY``, ``GEMM_HALF_DIM``; see
+:mod:`loom.planner.timing` for the fit). Split out of ``timing.py`` so that the dense
+(:mod:`loom.planner.timing`) and the mixture-of-experts (:mod:`loom.planner.moe`) time models use
+the same formulas without importing each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loom.planner.hardware import Cluster
+
+# Fitted to the A100 measurements of references.md (see calibrate.fit_compute_model).
+GEMM_EFFICIENCY = 0.736
+GEMM_HALF_DIM = 46.0
+A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
+
+
+# -- collectives: alpha-beta ring formulas (references.md) ---------------------------------------
+
+def all_reduce_time(n, nbytes, bw, alpha):
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks: ``2 (n-1)/n M/W + 2 (n-1) alpha`` s."""
+    n = np.asarray(n, dtype=np.float64)
+    return np.where(n > 1, 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha, 0.0)
+
+
+def all_gather_time(n, nbytes, bw, alpha):
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` total: ``(n-1)/n M/W + (n-1) alpha``."""
+    n = np.asarray(n, dtype=np.float64)
+    return np.where(n > 1, (n - 1) / n * nbytes / bw + (n - 1) * alpha, 0.0)
+
+
+reduce_scatter_time = all_gather_time
+
+
+def p2p_time(nbytes, bw, alpha):
+    """Point-to-point send of ``nbytes``: ``M/W + alpha`` seconds."""
+    return nbytes / bw + alpha
+
+
+def hierarchical_all_reduce_time(n, per_node, nbytes, cluster: Cluster):
+    """All-reduce over ``n`` ranks of which ``per_node`` share a node (seconds): ring inside the
+    node on NVLink, then across the ``n / per_node`` nodes on ``nbytes / per_node`` per GPU (each
+    GPU drives its own NIC), the slowest link the group crosses."""
+    k = np.maximum(1.0, np.minimum(n, per_node))
+    nodes = n / k
+    intra = all_reduce_time(k, nbytes, cluster.intra_bw, cluster.intra_alpha)
+    inter = all_reduce_time(nodes, nbytes / k, cluster.inter_bw, cluster.inter_alpha)
+    return intra + inter
+
+
+# -- compute --------------------------------------------------------------------------------------
+
+def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
+    """Achievable fraction of peak FLOP/s of a GEMM whose per-GPU width is ``width`` and whose
+    token dimension is ``tokens``: ``e / (1 + h0/width + h0/tokens)``.
+
+    Roofline origin: a ``[T, w] x [w, n]`` GEMM moves ``2 (T w + w n + T n)`` bytes for
+    ``2 T w n`` FLOPs, so memory adds ``(peak / hbm_bw) (1/T + 1/w + 1/n)`` to the time per FLOP
+    at peak; ``h0`` is therefore proportional to the GPU's ridge point ``peak / hbm_bw``:
+    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 46; H100 SXM:
+    295 FLOP/byte, h0 = 89). ``e``: the GPU generation's large-GEMM efficiency
+    (``cluster.gemm_efficiency``, else ``GEMM_EFFICIENCY``). Both fitted, see the module
+    docstring; a cluster file's ``gemm_half_dim`` overrides h0."""
+    e = (cluster.gemm_efficiency if cluster and cluster.gemm_efficiency else GEMM_EFFICIENCY)
+    if cluster and cluster.gemm_half_dim:
+        h0 = cluster.gemm_half_dim
+    elif cluster:
+        h0 = GEMM_HALF_DIM * (cluster.peak_flops / cluster.hbm_bw) / A100_RIDGE
+    else:
+        h0 = GEMM_HALF_DIM
+    return e / (1 + h0 / np.asarray(width, dtype=np.float64) + h0 / np.asarray(tokens, dtype=np.float64))
