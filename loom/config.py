@@ -21,7 +21,7 @@ class ConfigError(ValueError):
     """An impossible or inconsistent configuration; the message names the flag and the fix."""
 
 
-MODEL_TYPES = ("gpt",)  # families in loom.models.FAMILY_MODULES
+MODEL_TYPES = ("gpt", "mamba")  # families in loom.models.FAMILY_MODULES
 
 
 def flag(name: str) -> str:
@@ -56,6 +56,14 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
+    # Mamba-2 / hybrid stacks (--model-type mamba; Dao & Gu 2024; Megatron-LM's names)
+    hybrid_override_pattern: Optional[str] = None  # per layer M mamba, * attention, - MLP; None = all M
+    mamba_state_dim: int = 128  # N: SSM state size per head
+    mamba_head_dim: int = 64  # P: channels per SSM head
+    mamba_num_groups: int = 8  # G: groups sharing B and C (like GQA groups)
+    mamba_expand: int = 2  # d_inner = expand * h
+    mamba_d_conv: int = 4  # causal depthwise conv kernel size
+    mamba_chunk_size: int = 128  # SSD chunk length Q (exact for any value; a speed knob)
 
     @property
     def num_kv_groups(self) -> int:
@@ -259,6 +267,24 @@ class LoomConfig:
                               f"got {m.position_embedding_type}")
         if m.position_embedding_type == "rope" and m.head_dim % 2:
             raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}")
+        if m.hybrid_override_pattern is not None and m.model_type != "mamba":
+            raise ConfigError("--hybrid-override-pattern needs --model-type mamba")
+        if m.model_type == "mamba":
+            pat = m.hybrid_override_pattern or "M" * m.num_layers
+            d_inner, hd, ng = m.mamba_expand * m.hidden_size, m.mamba_head_dim, m.mamba_num_groups
+            if len(pat) != m.num_layers or set(pat) - set("M*-"):
+                raise ConfigError(f"--hybrid-override-pattern {pat!r} must have --num-layers "
+                                  f"{m.num_layers} characters from M (Mamba), * (attention), - (MLP)")
+            if min(hd, ng, m.mamba_state_dim, m.mamba_expand, m.mamba_d_conv, m.mamba_chunk_size) < 1 \
+                    or d_inner % hd or (d_inner // hd) % ng:
+                raise ConfigError(f"Mamba: --mamba-expand x --hidden-size = {d_inner} must split into "
+                                  f"heads of --mamba-head-dim {hd}, a multiple of --mamba-num-groups {ng}")
+            if "M" in pat and ((d_inner // hd) % tp or ng % tp):
+                raise ConfigError(f"Mamba heads {d_inner // hd} and --mamba-num-groups {ng} must be "
+                                  f"divisible by --tensor-model-parallel-size {tp}")
+            if "M" in pat and cp > 1:
+                raise ConfigError("--context-parallel-size > 1 is not supported with Mamba layers "
+                                  "(the scan would need the state passed between CP ranks): use 1")
         if world_size % (tp * pp * cp):
             raise ConfigError(
                 f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
