@@ -279,9 +279,12 @@ class LoomConfig:
                     or d_inner % hd or (d_inner // hd) % ng:
                 raise ConfigError(f"Mamba: --mamba-expand x --hidden-size = {d_inner} must split into "
                                   f"heads of --mamba-head-dim {hd}, a multiple of --mamba-num-groups {ng}")
-            if "M" in pat and ((d_inner // hd) % tp or ng % tp):
-                raise ConfigError(f"Mamba heads {d_inner // hd} and --mamba-num-groups {ng} must be "
-                                  f"divisible by --tensor-model-parallel-size {tp}")
+            if "M" in pat and (d_inner // hd) % tp:
+                raise ConfigError(f"Mamba heads --mamba-expand x --hidden-size / --mamba-head-dim = "
+                                  f"{d_inner // hd} not divisible by --tensor-model-parallel-size {tp}")
+            if "M" in pat and ng % tp:
+                raise ConfigError(f"--mamba-num-groups {ng} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp}: choose G a multiple of t")
             if "M" in pat and cp > 1:
                 raise ConfigError("--context-parallel-size > 1 is not supported with Mamba layers "
                                   "(the scan would need the state passed between CP ranks): use 1")
