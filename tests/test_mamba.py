@@ -64,8 +64,17 @@ def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,
     return cfg.validate(tp * pp * dp)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+# Near initialization dt ~ 1e-3..1e-1 makes every decay exp(dt A) ~ 1, so the gradients of
+# A_log and dt_bias are ~1e-7 residues of cancelling terms ~1e-2: fp32 summation order alone
+# moves them by ~1e-11 absolute, i.e. 1e-5 of their own size. Gradients are therefore compared
+# relative to max(|ref|, GRAD_FLOOR): still 1e-5 of every tensor whose gradient exceeds 1e-5,
+# and a real error in a tiny gradient (O(its size), ~1e-7) is ~1e-2 of the floor: caught.
+GRAD_FLOOR = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
+    """max |a - b| / max(max |b|, floor)."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(floor))
 
 
 # -- single process ---------------------------------------------------------------------------
@@ -253,13 +262,13 @@ def parity(model: ModelConfig, layouts: dict) -> dict:
     res = {}
     for name, (tp, pp, dp, sp) in layouts.items():
         steps, mesh = run(make_cfg(model, tp, pp, dp, sp), ParallelMesh.build(tp=tp, pp=pp))
-        r = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "compared": 0}
-        for (loss, grads, norm), (rloss, rgrads, rnorm) in zip(steps, ref):
+        r = {"loss": 0.0, "norm": 0.0, "grad": [0.0] * 3, "compared": 0}
+        for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(steps, ref)):
             r["loss"] = max(r["loss"], abs(loss - rloss) / abs(rloss))
             r["norm"] = max(r["norm"], abs(norm - rnorm) / rnorm)
             for n, (g, meta) in grads.items():
                 want = local_shard(rgrads[n][0], meta, mesh.tp_rank, mesh.tp_size)
-                r["grad"] = max(r["grad"], rel_err(g, want))
+                r["grad"][step] = max(r["grad"][step], rel_err(g, want, GRAD_FLOOR))
                 r["compared"] += 1
         res[name] = r
     return res
@@ -279,6 +288,17 @@ def world2() -> dict:
 
 def world4() -> dict:
     return {"parity-hybrid": parity(tiny("M*M-"), {"tp2xpp2": (2, 2, 1, False)})}
+
+
+def _check_parity(case: dict):
+    """Loss and grad norm of all 3 steps, and every gradient of step 1 (same weights on both
+    sides: the parallel math alone), within rtol 1e-5. Later steps' gradients within 1e-4:
+    AdamW divides each entry by its own sqrt(v), so an entry whose gradient is ~eps moves by
+    ~lr x its 1e-6 rounding difference, and the weights of the two runs drift apart at ~1e-5
+    (the reason tests/test_parallel_parity.py compares parameters at 1e-4); a wrong gradient
+    is off by O(1)."""
+    assert case["loss"] < RTOL and case["norm"] < RTOL, case
+    assert case["grad"][0] < RTOL and max(case["grad"]) < 10 * RTOL, case
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +330,7 @@ def test_training_parity_two_ranks(results2, model, layout):
     for r in results2:
         case = r[model][layout]
         assert case["compared"] > 10, case
-        assert case["loss"] < RTOL and case["norm"] < RTOL and case["grad"] < RTOL, case
+        _check_parity(case)
 
 
 def test_recurrent_decoding_tp2(results2):
@@ -322,4 +342,4 @@ def test_hybrid_tp2_x_pp2_four_ranks():
     for r in run_distributed(4, world4):
         case = r["parity-hybrid"]["tp2xpp2"]
         assert case["compared"] > 5, case
-        assert case["loss"] < RTOL and case["norm"] < RTOL and case["grad"] < RTOL, case
+        _check_parity(case)
