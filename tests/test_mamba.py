@@ -97,14 +97,18 @@ def scan_inputs(s: int, seed: int = 0):
 def test_chunked_scan_equals_sequential_recurrence(s, chunk):
     inputs = scan_inputs(s)
     y_ref, h_ref = ssd_sequential(*inputs[:5], initial_state=inputs[5])
-    w = torch.randn_like(y_ref)
+    w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(1))
     ref_grads = torch.autograd.grad((y_ref * w).sum() + h_ref.sum(), inputs)
     y, h = ssd_chunked(*inputs[:5], chunk, initial_state=inputs[5])
     grads = torch.autograd.grad((y * w).sum() + h.sum(), inputs)
-    torch.testing.assert_close(y, y_ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
-    for name, a, b in zip(("x", "dt", "A", "B", "C", "h0"), grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"grad {name}")
+    # A's gradient sums b s H P terms and reaches ~100, where one fp32 ulp is ~1e-5 (the state
+    # reaches ~20): every tensor is held to atol 1e-5 x max(1, max |ref|), i.e. absolute for
+    # O(1) tensors and relative above
+    for name, a, b in zip(("y", "state", "grad x", "grad dt", "grad A", "grad B", "grad C",
+                           "grad h0"), (y, h, *grads), (y_ref, h_ref, *ref_grads)):
+        a, b = a.detach(), b.detach()
+        err = float((a - b).abs().max())
+        assert err <= ATOL * max(1.0, float(b.abs().max())), (name, err, float(b.abs().max()))
 
 
 def test_scan_check_can_fail():
@@ -260,16 +264,19 @@ def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) 
                      for c in tr.model_chunks for n, p in c.named_parameters()}
             out.append((loss, grads, tr.optimizer_step()))
             tr.consumed_samples += tr.global_batch
-        return out, tr.mesh
+        return out, tr
 
     ref, _ = run(make_cfg(model), ParallelMesh.single())
     res = {}
     for name, (tp, pp, dp, sp) in layouts.items():
         cfg = make_cfg(model, tp, pp, dp, sp)
-        for key, value in (overrides or {}).get(name, {}).items():
-            setattr(cfg.training, key, value)
-        steps, mesh = run(cfg, ParallelMesh.build(tp=tp, pp=pp))
-        r = {"loss": 0.0, "norm": 0.0, "grad": [0.0] * 3, "compared": 0}
+        for key, value in (overrides or {}).get(name, {}).items():  # training or parallel
+            setattr(cfg.training if hasattr(cfg.training, key) else cfg.parallel, key, value)
+        cfg.validate(tp * pp * dp)
+        steps, tr = run(cfg, ParallelMesh.build(tp=tp, pp=pp))
+        mesh = tr.mesh
+        r = {"loss": 0.0, "norm": 0.0, "grad": [0.0] * 3, "compared": 0,
+             "sp_params": len(tr.sp_params)}  # > 0 iff sequence parallelism is active
         for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(steps, ref)):
             r["loss"] = max(r["loss"], abs(loss - rloss) / abs(rloss))
             r["norm"] = max(r["norm"], abs(norm - rnorm) / rnorm)
@@ -294,7 +301,8 @@ def world2() -> dict:
 
 
 def world4() -> dict:
-    return {"parity-hybrid": parity(tiny("M*M-"), {"tp2xpp2": (2, 2, 1, False)})}
+    return {"parity-hybrid": parity(tiny("M*M-"), {"tp2xpp2": (2, 2, 1, False),
+                                                   "tp2xdp2": (2, 1, 2, False)})}
 
 
 def _check_parity(case: dict):
@@ -337,6 +345,7 @@ def test_training_parity_two_ranks(results2, model, layout):
     for r in results2:
         case = r[model][layout]
         assert case["compared"] > 10, case
+        assert (case["sp_params"] > 0) == layout.endswith("sp"), case
         _check_parity(case)
 
 
@@ -345,8 +354,8 @@ def test_recurrent_decoding_tp2(results2):
         assert r["decode-tp2"]["err"] < ATOL and r["decode-tp2"]["mamba_states"] == 2, r
 
 
-def test_hybrid_tp2_x_pp2_four_ranks():
+def test_hybrid_tp2_x_pp2_and_tp2_x_dp2_four_ranks():
     for r in run_distributed(4, world4):
-        case = r["parity-hybrid"]["tp2xpp2"]
-        assert case["compared"] > 5, case
-        _check_parity(case)
+        for case in r["parity-hybrid"].values():
+            assert case["compared"] > 5, case
+            _check_parity(case)

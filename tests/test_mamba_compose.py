@@ -1,7 +1,8 @@
 """Mamba / hybrid stacks compose with the rest of loom (CPU, gloo, fp32, no dropout):
 
-- full recomputation (uniform and block) at TP=2 + SP and the distributed optimizer (ZeRO-1)
-  at DP=2 give the loss, grad norm and every gradient of the single-process run;
+- full recomputation (uniform at TP=2 + SP, block at TP=2), the distributed optimizer (ZeRO-1)
+  at DP=2 and the interleaved 1F1B schedule at PP=2 (2 virtual stages of 1 layer) give the
+  loss, grad norm and every gradient of the single-process run;
 - a checkpoint written at TP=2 loads at TP=1 (weights resharded by the registry, Adam states
   by name): the next two losses equal those of the TP=2 run that kept going.
 
@@ -32,6 +33,10 @@ def world2(save_dir: str) -> dict:
                                  overrides={"tp2-recompute-block": dict(
                                      recompute_granularity="full", recompute_method="block",
                                      recompute_num_layers=3)})
+    res["parity-interleaved"] = parity(tiny("M*M-"), {"pp2-interleaved": (1, 2, 1, False)},
+                                       overrides={"pp2-interleaved": dict(
+                                           pipeline_schedule="interleaved",
+                                           num_layers_per_virtual_pipeline_stage=1)})
     cfg = make_cfg(tiny("M*M-"), tp=2)
     tr = Trainer(cfg, mesh=ParallelMesh.build(tp=2))
     losses = []
@@ -51,7 +56,8 @@ def test_recompute_zero1_and_checkpoint_resharding(tmp_path):
     from loom.training.trainer import Trainer
     results = run_distributed(2, world2, str(tmp_path))
     for r in results:
-        for case in list(r["parity"].values()) + list(r["parity-block"].values()):
+        cases = [c for k in ("parity", "parity-block", "parity-interleaved") for c in r[k].values()]
+        for case in cases:
             assert case["compared"] > 10, case
             _check_parity(case)
     # load the TP=2 checkpoint (after 2 steps) at TP=1 and continue
