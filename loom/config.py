@@ -57,7 +57,7 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     # Mamba-2 / hybrid stacks (--model-type mamba; Dao & Gu 2024; Megatron-LM's names)
-    hybrid_override_pattern: Optional[str] = None  # per layer M mamba, * attention, - MLP; None = all M
+    hybrid_override_pattern: Optional[str] = None  # M Mamba, * attention, - MLP; None = all M
     mamba_state_dim: int = 128  # N: SSM state size per head
     mamba_head_dim: int = 64  # P: channels per SSM head
     mamba_num_groups: int = 8  # G: groups sharing B and C (like GQA groups)
@@ -274,14 +274,16 @@ class LoomConfig:
             d_inner, hd, ng = m.mamba_expand * m.hidden_size, m.mamba_head_dim, m.mamba_num_groups
             if len(pat) != m.num_layers or set(pat) - set("M*-"):
                 raise ConfigError(f"--hybrid-override-pattern {pat!r} must have --num-layers "
-                                  f"{m.num_layers} characters from M (Mamba), * (attention), - (MLP)")
-            if min(hd, ng, m.mamba_state_dim, m.mamba_expand, m.mamba_d_conv, m.mamba_chunk_size) < 1 \
-                    or d_inner % hd or (d_inner // hd) % ng:
-                raise ConfigError(f"Mamba: --mamba-expand x --hidden-size = {d_inner} must split into "
-                                  f"heads of --mamba-head-dim {hd}, a multiple of --mamba-num-groups {ng}")
+                                  f"{m.num_layers} characters of M (Mamba), * (attention), - (MLP)")
+            sizes = (hd, ng, m.mamba_state_dim, m.mamba_expand, m.mamba_d_conv, m.mamba_chunk_size)
+            if min(sizes) < 1 or d_inner % hd or (d_inner // hd) % ng:
+                raise ConfigError(f"Mamba: --mamba-expand x --hidden-size = {d_inner} must split "
+                                  f"into heads of --mamba-head-dim {hd}, a multiple of "
+                                  f"--mamba-num-groups {ng} (all Mamba sizes >= 1)")
             if "M" in pat and (d_inner // hd) % tp:
-                raise ConfigError(f"Mamba heads --mamba-expand x --hidden-size / --mamba-head-dim = "
-                                  f"{d_inner // hd} not divisible by --tensor-model-parallel-size {tp}")
+                raise ConfigError(f"{d_inner // hd} Mamba heads (--mamba-expand x --hidden-size / "
+                                  f"--mamba-head-dim) not divisible by "
+                                  f"--tensor-model-parallel-size {tp}")
             if "M" in pat and ng % tp:
                 raise ConfigError(f"--mamba-num-groups {ng} is not divisible by "
                                   f"--tensor-model-parallel-size {tp}: choose G a multiple of t")

@@ -142,7 +142,8 @@ class MambaMixer(nn.Module):
         else:
             if cache is not None:
                 k = self.conv1d.weight.shape[1]
-                cache.conv[self.layer_number] = F.pad(xbc.transpose(1, 2), (max(k - s, 0), 0))[..., -k:]
+                last = F.pad(xbc.transpose(1, 2), (max(k - s, 0), 0))[..., -k:]
+                cache.conv[self.layer_number] = last  # [b, conv_dim, k]: the last k inputs
             xbc = F.silu(self.conv1d(xbc))
         x, B, C = xbc.split([d_inner, gn, gn], dim=-1)
         x = x.reshape(b, s, H, P)
