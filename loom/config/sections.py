@@ -22,7 +22,7 @@ DecayStyle = Literal["cosine", "linear", "constant"]
 Recompute = Literal["selective", "full"]
 Backend = Literal["nccl", "gloo"]
 Device = Literal["cpu", "cuda"]
-ModelType = Literal["gpt"]  # families in loom.models.FAMILY_MODULES
+ModelType = Literal["gpt", "mamba"]  # families in loom.models.FAMILY_MODULES
 RouterScore = Literal["softmax", "sigmoid"]
 RecomputeMethod = Literal["uniform", "block"]
 
@@ -37,7 +37,8 @@ class ModelConfig:
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s)."""
 
     model_type: ModelType = opt("gpt", "model family: gpt (GPT-2 and LLaMA layouts, dense or "
-                                       "mixture-of-experts)")
+                                       "mixture-of-experts) or mamba (Mamba-2 and hybrid "
+                                       "Mamba/attention/MLP stacks)")
     num_layers: int = opt(4, "L: number of transformer layers", ge=1)
     hidden_size: int = opt(256, "h: transformer hidden size (width of the residual stream)", ge=1)
     num_attention_heads: int = opt(4, "a: attention heads per layer; must divide h "
@@ -99,6 +100,17 @@ class ModelConfig:
               "dropless)", gt=0)
     moe_shared_expert_gate: bool = opt(False, "scale the shared expert's output by "
                                               "sigmoid(x w) (Qwen2-MoE)")
+    # -- Mamba-2 / hybrid stacks (--model-type mamba; Dao & Gu 2024; Megatron-LM's names) ------
+    hybrid_override_pattern: Optional[str] = opt(
+        None, "layer kinds of a hybrid stack, one character per layer: M Mamba, * attention, "
+              "- MLP (default: all M)")
+    mamba_state_dim: int = opt(128, "N: SSM state size per head", ge=1)
+    mamba_head_dim: int = opt(64, "P: channels per SSM head", ge=1)
+    mamba_num_groups: int = opt(8, "G: groups sharing B and C (like GQA groups)", ge=1)
+    mamba_expand: int = opt(2, "d_inner = expand x h (Mamba's expansion factor)", ge=1)
+    mamba_d_conv: int = opt(4, "kernel size of the causal depthwise convolution", ge=1)
+    mamba_chunk_size: int = opt(128, "SSD chunk length Q (exact for any value; a speed knob)",
+                                ge=1)
 
     @property
     def num_kv_groups(self) -> int:

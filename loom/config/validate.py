@@ -126,6 +126,30 @@ def _check_model(m: Any, tp: int) -> None:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}")
 
 
+def _check_mamba(m: Any, tp: int, cp: int) -> None:
+    if m.hybrid_override_pattern is not None and m.model_type != "mamba":
+        raise ConfigError("--hybrid-override-pattern needs --model-type mamba")
+    if m.model_type != "mamba":
+        return
+    pat = m.hybrid_override_pattern or "M" * m.num_layers
+    d_inner, hd, ng = m.mamba_expand * m.hidden_size, m.mamba_head_dim, m.mamba_num_groups
+    if len(pat) != m.num_layers or set(pat) - set("M*-"):
+        raise ConfigError(f"--hybrid-override-pattern {pat!r} must have --num-layers "
+                          f"{m.num_layers} characters of M (Mamba), * (attention), - (MLP)")
+    if d_inner % hd or (d_inner // hd) % ng:
+        raise ConfigError(f"Mamba: --mamba-expand x --hidden-size = {d_inner} must split into "
+                          f"heads of --mamba-head-dim {hd}, a multiple of --mamba-num-groups {ng}")
+    if "M" in pat and (d_inner // hd) % tp:
+        raise ConfigError(f"{d_inner // hd} Mamba heads (--mamba-expand x --hidden-size / "
+                          f"--mamba-head-dim) not divisible by --tensor-model-parallel-size {tp}")
+    if "M" in pat and ng % tp:
+        raise ConfigError(f"--mamba-num-groups {ng} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}: choose G a multiple of t")
+    if "M" in pat and cp > 1:
+        raise ConfigError("--context-parallel-size > 1 is not supported with Mamba layers "
+                          "(the scan would need the state passed between CP ranks): use 1")
+
+
 def _check_moe(cfg: Any, world_size: int) -> None:
     m, p = cfg.model, cfg.parallel
     e = p.expert_model_parallel_size
@@ -173,6 +197,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.context_parallel_size)
     _check_model(m, tp)
+    _check_mamba(m, tp, cp)
     if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "

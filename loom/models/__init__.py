@@ -7,7 +7,7 @@ import importlib
 
 from loom.models.family import ModelFamily
 
-FAMILY_MODULES = {"gpt": "loom.models.gpt"}  # --model-type -> module defining FAMILY
+FAMILY_MODULES = {"gpt": "loom.models.gpt", "mamba": "loom.models.mamba"}  # --model-type -> FAMILY
 
 
 def get_family(name: str = "gpt") -> ModelFamily:

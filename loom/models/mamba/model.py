@@ -1,0 +1,245 @@
+"""Mamba-2 and hybrid Mamba / attention / MLP language models as plain math (Dao & Gu 2024,
+"Transformers are SSMs", sec. 7 "the Mamba-2 architecture", fig. 6; Megatron-LM's MambaModel).
+
+Layer i is chosen by character i of ``--hybrid-override-pattern`` (Megatron's string): ``M`` a
+Mamba-2 layer ``x + drop(mixer(norm(x)))``, ``*`` an attention layer
+``x + drop(attn(norm(x)))``, ``-`` an MLP layer ``x + drop(mlp(norm(x)))`` (attention and MLP
+are the GPT family's blocks). A pure Mamba model is all ``M`` (the default). Embedding, final
+norm, output layer, loss and the forward step are the GPT family's; activations are ``[s, b, h]``.
+
+The Mamba-2 mixer (fig. 6, right): one in-projection to ``z [d_inner]``, ``x [d_inner]``,
+``B, C [G N]``, ``dt [H]``; causal depthwise conv1d + SiLU over ``(x, B, C)``;
+``dt = softplus(dt + dt_bias)``, ``A = -exp(A_log)``; the SSD scan (:mod:`.ssd`) plus ``D x``;
+gated RMSNorm ``rmsnorm(y * silu(z))`` normalized per group of ``d_inner / G`` channels
+(Mamba-2's ``ngroups`` norm); out-projection. ``H = d_inner / P`` heads of ``P`` channels.
+
+Nothing here knows about parallelism. Sizes that tensor parallelism changes (local heads,
+groups, conv channels) are read from the parameters, and the gated norm's group size does not
+change with t, so the same code runs on each rank's heads and groups
+(:mod:`loom.models.mamba.parallelize`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config import ModelConfig
+from loom.models.attention import KVCache
+from loom.models.family import StageSpec
+from loom.models.gpt.model import MLP, Embedding, GPTModel, LMHead, SelfAttention, build_norm
+from loom.models.mamba.ssd import ssd_chunked, ssd_step
+
+
+def mamba_sizes(cfg: ModelConfig) -> dict:
+    """Full (unsharded) sizes: ``d_inner = expand h``, heads ``H = d_inner / P``, groups ``G``,
+    state ``N``, conv channels ``d_inner + 2 G N``, fused in-projection segments
+    ``(z, x, B, C, dt) = (d_inner, d_inner, G N, G N, H)``."""
+    d_inner = cfg.mamba_expand * cfg.hidden_size
+    H, G, N = d_inner // cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim
+    return dict(d_inner=d_inner, heads=H, groups=G, state=N, conv_dim=d_inner + 2 * G * N,
+                in_segments=(d_inner, d_inner, G * N, G * N, H),
+                conv_segments=(d_inner, G * N, G * N))
+
+
+def layer_pattern(cfg: ModelConfig) -> str:
+    """``--hybrid-override-pattern``, or ``"M" * L`` for a pure Mamba model."""
+    return cfg.hybrid_override_pattern or "M" * cfg.num_layers
+
+
+@dataclass
+class HybridCache(KVCache):
+    """Generation state: the attention layers' keys/values (:class:`KVCache`) and, per Mamba
+    layer, the conv state (the last ``k`` conv inputs ``[b, conv_dim/t, k]``) and the SSM state
+    ``[b, H/t, P, N]`` (fp32), so a decoded token costs O(1) in the sequence length."""
+
+    conv: dict = field(default_factory=dict)
+    ssm: dict = field(default_factory=dict)
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal convolution over time: ``x [b, s, c] -> [b, s, c]``,
+    ``out[t] = bias + sum_j weight[:, j] x[t - k + 1 + j]`` (zeros before position 0);
+    ``weight [c, k]``, ``bias [c]``; c is read from the weight (split over TP by channel)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+        self.bias = nn.Parameter(torch.empty(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, k = self.weight.shape
+        y = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), self.weight[:, None, :], self.bias,
+                     groups=c)
+        return y.transpose(1, 2)
+
+    def step(self, state: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position: ``state [b, c, k]`` (last k inputs), ``x [b, c]`` -> (out, state)."""
+        state = torch.cat([state[..., 1:], x[..., None]], dim=-1)
+        return (state * self.weight).sum(-1) + self.bias, state
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm_g(y * silu(z))`` with the RMS taken over each group of ``group_size``
+    consecutive channels (Mamba-2's norm with ``ngroups``, Dao & Gu 2024 sec. 7.2, as in
+    ``mamba_ssm``'s ``RMSNormGated(group_size=d_inner/G, norm_before_gate=False)``).
+    ``y, z [..., c]``, ``weight [c]``. Because a group never straddles two TP ranks when G is
+    divisible by t, the norm of each rank's shard equals the unsharded norm exactly."""
+
+    def __init__(self, channels: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float() * F.silu(z.float())
+        g = y.view(*y.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(y.shape).to(dtype)
+
+
+class MambaMixer(nn.Module):
+    """The Mamba-2 block (module docstring): ``x [s, b, h] -> [s, b, h]``. With a
+    :class:`HybridCache`, the prompt fills the layer's conv and SSM state and a single token
+    (s = 1) advances them by one step instead of rescanning."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int):
+        super().__init__()
+        z = mamba_sizes(cfg)
+        self.layer_number = layer_number
+        self.head_dim, self.state_dim, self.chunk_size = (cfg.mamba_head_dim, z["state"],
+                                                          cfg.mamba_chunk_size)
+        bias = not cfg.disable_bias_linear
+        self.in_proj = nn.Linear(cfg.hidden_size, sum(z["in_segments"]), bias=bias)
+        self.conv1d = CausalConv1d(z["conv_dim"], cfg.mamba_d_conv)
+        self.dt_bias = nn.Parameter(torch.empty(z["heads"]))
+        self.A_log = nn.Parameter(torch.empty(z["heads"]))
+        self.D = nn.Parameter(torch.empty(z["heads"]))
+        self.norm = GatedRMSNorm(z["d_inner"], z["d_inner"] // z["groups"], cfg.norm_epsilon)
+        self.out_proj = nn.Linear(z["d_inner"], cfg.hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, cache: Optional[HybridCache] = None) -> torch.Tensor:
+        H, P = self.A_log.shape[0], self.head_dim  # local heads under TP
+        d_inner, conv_dim = H * P, self.conv1d.weight.shape[0]
+        gn = (conv_dim - d_inner) // 2  # local G N
+        zxbcdt = self.in_proj(hidden).transpose(0, 1)  # [b, s, W]
+        b, s, _ = zxbcdt.shape
+        z, xbc, dt = zxbcdt.split([d_inner, conv_dim, H], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, H]
+        A = -torch.exp(self.A_log.float())
+        step = cache is not None and cache.length > 0
+        if step:
+            if s != 1:
+                raise ValueError("after the prompt, decode one token at a time")
+            conv_out, cache.conv[self.layer_number] = self.conv1d.step(
+                cache.conv[self.layer_number], xbc[:, 0])
+            xbc = F.silu(conv_out)[:, None]
+        else:
+            if cache is not None:
+                k = self.conv1d.weight.shape[1]
+                last = F.pad(xbc.transpose(1, 2), (max(k - s, 0), 0))[..., -k:]
+                cache.conv[self.layer_number] = last  # [b, conv_dim, k]: the last k inputs
+            xbc = F.silu(self.conv1d(xbc))
+        x, B, C = xbc.split([d_inner, gn, gn], dim=-1)
+        x = x.reshape(b, s, H, P)
+        B, C = B.reshape(b, s, -1, self.state_dim), C.reshape(b, s, -1, self.state_dim)
+        if step:
+            y, cache.ssm[self.layer_number] = ssd_step(
+                cache.ssm[self.layer_number], x[:, 0].float(), dt[:, 0], A, B[:, 0].float(),
+                C[:, 0].float())
+            y = y[:, None]
+        else:
+            y, final = ssd_chunked(x.float(), dt, A, B.float(), C.float(), self.chunk_size)
+            if cache is not None:
+                cache.ssm[self.layer_number] = final
+        y = (y + self.D.float()[:, None] * x.float()).to(x.dtype).reshape(b, s, d_inner)
+        return self.out_proj(self.norm(y, z).transpose(0, 1))
+
+
+class MambaLayer(nn.Module):
+    """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer; the norm is named ``input_norm`` as
+    in the attention layer, so the GPT plan's sequence-parallel entry covers it)."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int):
+        super().__init__()
+        self.input_norm = build_norm(cfg)
+        self.mixer = MambaMixer(cfg, layer_number)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x, rope=None, positions=None, cache=None, moe=None):
+        return x + self.hidden_dropout(self.mixer(self.input_norm(x), cache))
+
+
+class AttentionLayer(nn.Module):
+    """``x + drop(attn(norm(x)))``: the GPT family's self-attention (``*`` in the pattern)."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int):
+        super().__init__()
+        self.input_norm = build_norm(cfg)
+        self.self_attention = SelfAttention(cfg, layer_number)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x, rope=None, positions=None, cache=None, moe=None):
+        return x + self.hidden_dropout(self.self_attention(self.input_norm(x), rope, positions,
+                                                           cache))
+
+
+class MLPLayer(nn.Module):
+    """``x + drop(mlp(norm(x)))``: the GPT family's MLP (``-`` in the pattern)."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int):
+        super().__init__()
+        self.pre_mlp_norm = build_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x, rope=None, positions=None, cache=None, moe=None):
+        return x + self.hidden_dropout(self.mlp(self.pre_mlp_norm(x)))
+
+
+LAYER_TYPES = {"M": MambaLayer, "*": AttentionLayer, "-": MLPLayer}
+
+
+class MambaModel(GPTModel):
+    """A hybrid stack (or one pipeline chunk of it): GPT's embedding, output layer, loss and
+    forward (:class:`~loom.models.gpt.model.GPTModel`), with layer i of type
+    ``layer_pattern(cfg)[i]``. Positions: learned absolute embeddings or RoPE in the attention
+    layers, as ``--position-embedding-type`` says (Mamba layers need none)."""
+
+    def __init__(self, cfg: ModelConfig, stage: StageSpec):
+        nn.Module.__init__(self)
+        if cfg.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size must be set before building the model")
+        self.cfg, self.pattern = cfg, layer_pattern(cfg)
+        self.pre_process, self.post_process = stage.pre_process, stage.post_process
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        padded = stage.padded_vocab or cfg.padded_vocab_size(1)
+        if self.pre_process or (self.post_process and self.tied):
+            self.embedding = Embedding(cfg, padded, with_positions=self.pre_process)
+        self.layers = nn.ModuleDict({str(i): LAYER_TYPES[self.pattern[i]](cfg, i)
+                                     for i in stage.layer_numbers})
+        if self.post_process:
+            self.final_norm = build_norm(cfg)
+            if not self.tied:
+                self.output_layer = nn.Linear(cfg.hidden_size, padded, bias=False)
+            self.head = LMHead(cfg.vocab_size)
+
+    def allocate_cache(self, batch: int, max_len: int, dtype=None) -> HybridCache:
+        """An empty cache: KV buffers for the attention layers; the Mamba layers' states are
+        set by the prompt's forward pass."""
+        cache = HybridCache()
+        for name, layer in self.layers.items():
+            if isinstance(layer, AttentionLayer):
+                attn = layer.self_attention
+                w, d = attn.linear_qkv.weight, attn.head_dim
+                groups = round(w.shape[0] * (1 - attn.q_share) / 2) // d
+                shape = (batch, groups, max_len, d)
+                cache.keys[int(name)] = torch.zeros(shape, dtype=dtype or w.dtype, device=w.device)
+                cache.values[int(name)] = torch.zeros(shape, dtype=dtype or w.dtype,
+                                                      device=w.device)
+        return cache

@@ -1,0 +1,84 @@
+"""How the Mamba / hybrid model is parallelized: its plan and its initializers.
+
+Tensor parallelism as Megatron-LM splits a Mamba-2 layer: the in-projection is column-parallel
+with each fused block ``(z, x, B, C, dt)`` split over TP (rank r holds heads
+``[r H/t, (r+1) H/t)`` and groups ``[r G/t, (r+1) G/t)``; heads stay with their group because
+``H/G`` heads share a group); the conv, the scan, ``A_log``, ``D``, ``dt_bias`` and the gated
+norm (normalized per group) run on those heads alone; the out-projection is row-parallel. One
+all-reduce forward (out-projection ``g``) and one backward (in-projection ``f``) per Mamba
+layer, like an MLP; a Mamba + MLP pair costs 2 + 2, like a transformer layer. Attention and MLP
+layers of a hybrid stack, the embedding, output layer and sequence parallelism use the GPT
+family's plan unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from loom.config import ModelConfig
+from loom.models.family import StageSpec
+from loom.models.gpt import parallelize as gpt_parallelize
+from loom.models.init import by_pattern, ones_init, scaled_normal_init, zeros_init
+from loom.models.mamba.model import mamba_sizes
+from loom.parallel.mamba_styles import ChannelParallelParams
+from loom.parallel.plan import ColwiseParallel, PlanContext, RowwiseParallel
+
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # mamba_ssm's dt initialization range
+A_INIT_RANGE = (1.0, 16.0)
+
+
+def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
+    """``[(module pattern, style)]``: the GPT plan (attention, MLP, vocabulary, SP) plus the
+    Mamba mixers'."""
+    z = mamba_sizes(cfg)
+    return gpt_parallelize.plan(cfg, stage, ctx) + [
+        ("layers.*.mixer.in_proj", ColwiseParallel(segments=z["in_segments"])),
+        ("layers.*.mixer.conv1d", ChannelParallelParams((("weight", z["conv_segments"]),
+                                                         ("bias", z["conv_segments"])))),
+        ("layers.*.mixer", ChannelParallelParams((("A_log", None), ("D", None),
+                                                  ("dt_bias", None)))),
+        ("layers.*.mixer.norm", ChannelParallelParams((("weight", None),))),
+        ("layers.*.mixer.out_proj", RowwiseParallel()),
+    ]  # the pre-mixer norm is "layers.*.input_norm": sequence-parallel by the GPT plan
+
+
+def a_log_init(shape, g):
+    """``log(A0)``, ``A0 ~ U[1, 16]`` per head (mamba_ssm; A = -exp(A_log))."""
+    return torch.empty(shape).uniform_(*A_INIT_RANGE, generator=g).log()
+
+
+def dt_bias_init(shape, g):
+    """softplus^-1 of ``dt ~ exp(U[log 1e-3, log 1e-1])`` floored at 1e-4 (mamba_ssm)."""
+    u = torch.rand(shape, generator=g)
+    dt = torch.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)).clamp(min=DT_FLOOR)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def conv_init(shape, g):
+    """PyTorch's Conv1d default bound ``1/sqrt(k)`` (fan-in of a depthwise kernel)."""
+    bound = 1.0 / math.sqrt(shape[-1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=g)
+
+
+def init(cfg: ModelConfig) -> Callable:
+    """``name -> InitFn``: the Mamba parameters as mamba_ssm initializes them, the
+    out-projection scaled by 1/sqrt(2L) like Megatron's output projections, the rest as GPT."""
+    mamba = by_pattern([
+        ("*.mixer.A_log", a_log_init),
+        ("*.mixer.D", ones_init),
+        ("*.mixer.dt_bias", dt_bias_init),
+        ("*.mixer.conv1d.weight", conv_init),
+        ("*.mixer.conv1d.bias", zeros_init),
+        ("*.mixer.out_proj.weight", scaled_normal_init(cfg.init_method_std, cfg.num_layers)),
+    ])
+    gpt = gpt_parallelize.init(cfg)
+
+    def lookup(name: str):
+        try:
+            return mamba(name)
+        except KeyError:
+            return gpt(name)
+    return lookup
