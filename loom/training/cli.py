@@ -108,7 +108,21 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     if d.data_path:
         _check_data(cfg)
     _check_checkpoints(cfg)
+    _check_same_model(cfg)
     return cfg
+
+
+def _check_same_model(cfg: LoomConfig) -> None:
+    """Refuse a --load checkpoint of another architecture (names each differing flag)."""
+    ck = cfg.checkpoint
+    if not ck.load:
+        return
+    from loom.checkpoint.io import read_common
+    from loom.checkpoint.model_match import check_same_model
+    from loom.checkpoint.safety import resolve_checkpoint
+    ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
+    if ckpt is not None:
+        check_same_model(read_common(ckpt)["config"], cfg.model, ckpt)
 
 
 def run(args: argparse.Namespace) -> int:

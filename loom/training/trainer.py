@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common, save_checkpoint
+from loom.checkpoint.model_match import check_same_model
 from loom.config import ConfigError, LoomConfig
 from loom.data.preprocess import read_meta
 from loom.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
@@ -292,6 +293,11 @@ class Trainer:
                                config=self.cfg.to_flat(), tokenizer_file=tokenizer_file)
 
     def load(self, load_dir: str) -> bool:
+        """Resume from ``load_dir`` (its latest checkpoint, or ``--ckpt-step``); False when it
+        holds none. Raises ConfigError when the checkpoint is of another architecture."""
+        ckpt = latest_checkpoint(load_dir, self.cfg.checkpoint.ckpt_step)
+        if ckpt is not None:
+            check_same_model(read_common(ckpt)["config"], self.cfg.model, ckpt)
         common = load_checkpoint(load_dir, self.model_chunks, self.optimizer, self.scheduler,
                                  self.mesh, self.tracker, step=self.cfg.checkpoint.ckpt_step)
         if common is None:
