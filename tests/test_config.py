@@ -40,7 +40,8 @@ def test_sections_by_concern():
     assert "device" in _names(ParallelConfig) and "device" not in _names(TrainingConfig)
     every = set().union(*(_names(dc) for dc in GROUPS.values()))
     assert "dry_run" not in every and "num_workers" not in every
-    assert list(GROUPS) == ["model", "parallel", "training", "data", "logging", "checkpoint"]
+    assert list(GROUPS) == ["model", "parallel", "training", "data", "logging", "checkpoint",
+                            "fault_tolerance"]
 
 
 def test_every_flag_has_a_help_text_in_words():

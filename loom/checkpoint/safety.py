@@ -210,3 +210,26 @@ def remove_partial_checkpoints(save_dir: str) -> list[str]:
             os.remove(path)
             removed.append(path)
     return removed
+
+
+def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete ``iter_NNNNNNN`` directories
+    (``--keep-last``), never the one the ``latest`` pointer names; returns the removed paths.
+    Call on rank 0 after a save completed."""
+    pointer = os.path.join(save_dir, LATEST)
+    try:
+        with open(pointer) as fh:
+            latest = int(fh.read().strip())
+    except (OSError, ValueError):
+        return []
+    iters = sorted(int(n[5:]) for n in os.listdir(save_dir)
+                   if n.startswith("iter_") and n[5:].isdigit()
+                   and os.path.isdir(os.path.join(save_dir, n)))
+    removed = []
+    for it in iters[:-keep_last] if len(iters) > keep_last else []:
+        if it == latest:
+            continue
+        path = os.path.join(save_dir, f"iter_{it:07d}")
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

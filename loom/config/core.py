@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from loom.config.sections import (GROUPS, CheckpointConfig, DataConfig, LoggingConfig,
-                                  ModelConfig, ParallelConfig, TrainingConfig)
+from loom.config.sections import (GROUPS, CheckpointConfig, DataConfig,
+                                  FaultToleranceConfig, LoggingConfig, ModelConfig,
+                                  ParallelConfig, TrainingConfig)
 from loom.config.validate import validate_config
 from loom.errors import ConfigError
 
@@ -36,6 +37,7 @@ class LoomConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     # -- flat (Megatron-style) access -------------------------------------------------------
     def to_flat(self) -> dict:

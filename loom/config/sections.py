@@ -295,7 +295,35 @@ class CheckpointConfig:
                                          "named by latest_checkpointed_iteration.txt", ge=0)
     overwrite_checkpoints: bool = opt(
         False, "allow --save to replace checkpoints newer than the start iteration")
+    keep_last: Optional[int] = opt(None, "keep only the newest N checkpoints in --save "
+                                         "(default: keep all)", ge=1)
+    exit_interval: Optional[int] = opt(None, "save and exit cleanly after an iteration divisible "
+                                             "by N", ge=1)
+    override_opt_param_scheduler: bool = opt(
+        False, "on resume, take the learning-rate schedule from these flags even when they "
+               "differ from the checkpoint's")
+    use_checkpoint_opt_param_scheduler: bool = opt(
+        False, "on resume, take the learning-rate schedule from the checkpoint (ignoring "
+               "--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style)")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Failure drills and hang detection (loom/training/fault.py)."""
+
+    inject_fault: Optional[str] = opt(
+        None, "RANK:ITERATION:KIND: global rank RANK fails when it starts iteration ITERATION "
+              "with KIND kill (SIGKILL), hang (stops making progress) or exception; once per "
+              "job (not again after a torchrun restart)")
+    hang_timeout_s: Optional[float] = opt(
+        None, "seconds without progress after which a rank reports its iteration, phase and "
+              "Python stacks and exits non-zero so torchrun can restart (default: no watchdog)",
+        gt=0)
+    distributed_timeout_minutes: float = opt(
+        10.0, "timeout of collectives (torch.distributed's process-group timeout), minutes",
+        gt=0)
 
 
 GROUPS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
-          "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig}
+          "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig,
+          "fault_tolerance": FaultToleranceConfig}

@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 
 from loom.data.split import parse_split
 from loom.errors import ConfigError
+from loom.config.fault_spec import parse_fault
 from loom.parallel.pipeline.layout import validate_pipeline
 
 
@@ -225,6 +226,13 @@ def validate_config(cfg: Any, world_size: int) -> None:
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}: "
             f"use a multiple of {t.micro_batch_size * dp}")
     _check_moe(cfg, world_size)
+    parse_fault(cfg.fault_tolerance.inject_fault)
+    ck = cfg.checkpoint
+    if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
+                          "exclude each other: give one")
+    if ck.exit_interval and not ck.save:
+        raise ConfigError("--exit-interval saves before exiting: give --save DIR")
     if t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
     parse_split(cfg.data.split)

@@ -17,6 +17,7 @@ ranks; expert data parallel: the DP ranks holding the same experts).
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -223,14 +224,16 @@ def rendezvous_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"loom/restart_{restart}/", store)
 
 
-def init_distributed(device: Optional[str] = None, backend: Optional[str] = None) -> torch.device:
+def init_distributed(device: Optional[str] = None, backend: Optional[str] = None,
+                     timeout_minutes: Optional[float] = None) -> torch.device:
     """Initialize the default process group from torchrun's environment; return the device.
 
     ``device``: ``cpu`` or ``cuda`` (default: cuda when available); ``backend``: ``nccl`` or
     ``gloo`` (default: :func:`default_backend`). Single-process runs (no ``WORLD_SIZE``, or 1)
     start a 1-rank group on an in-process store, so the same code path runs everywhere and no
     port is used; under torchrun the group starts on :func:`rendezvous_store`, which makes
-    ``--max-restarts`` work on gloo. Raises ValueError for malformed ``RANK``/``WORLD_SIZE``.
+    ``--max-restarts`` work on gloo. ``timeout_minutes``: collectives' timeout
+    (``--distributed-timeout-minutes``). Raises ValueError for malformed ``RANK``/``WORLD_SIZE``.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -243,6 +246,8 @@ def init_distributed(device: Optional[str] = None, backend: Optional[str] = None
         rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
         store = rendezvous_store(rank, world)
         kwargs = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
+        if timeout_minutes is not None:  # --distributed-timeout-minutes
+            kwargs["timeout"] = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(backend=backend or default_backend(dev),
                                 device_id=dev if dev.type == "cuda" else None, **kwargs)
     return dev

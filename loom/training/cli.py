@@ -91,7 +91,6 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
 
     Raises ConfigError naming the flag, key or file and the fix.
     """
-    from loom.training.trainer import resolve_vocab  # torch import only past argument parsing
     world = world_size_from_env()
     cfg = config_from_args(args)
     d = cfg.data
@@ -113,16 +112,20 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
 
 
 def _check_same_model(cfg: LoomConfig) -> None:
-    """Refuse a --load checkpoint of another architecture (names each differing flag)."""
+    """Refuse a --load checkpoint of another architecture or learning-rate schedule (names
+    each differing flag)."""
     ck = cfg.checkpoint
     if not ck.load:
         return
     from loom.checkpoint.io import read_common
     from loom.checkpoint.model_match import check_same_model
     from loom.checkpoint.safety import resolve_checkpoint
+    from loom.training.resume import reconcile_schedule
     ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
     if ckpt is not None:
-        check_same_model(read_common(ckpt)["config"], cfg.model, ckpt)
+        saved = read_common(ckpt)["config"]
+        check_same_model(saved, cfg.model, ckpt)
+        reconcile_schedule(saved, cfg, world_size_from_env(), ckpt)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,3 +146,20 @@ def run(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
+    """Take V from the dataset's stored tokenizer (or the checkpoint) when not given."""
+    if cfg.model.vocab_size is None and cfg.data.data_path and not cfg.data.mock_data:
+        from loom.data.preprocess import read_meta
+        cfg.model.vocab_size = int(read_meta(cfg.data.data_path)["vocab_size"])
+    if cfg.model.vocab_size is None and cfg.checkpoint.load:
+        from loom.checkpoint.safety import resolve_checkpoint
+        ckpt = resolve_checkpoint(cfg.checkpoint.load)
+        if ckpt:
+            from loom.checkpoint.io import read_common
+            cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]
+    if cfg.model.vocab_size is None:
+        raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
+                          "`loom preprocess`) or --mock-data --vocab-size V")
+    return cfg

@@ -19,15 +19,13 @@ from torch import nn
 
 from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common, save_checkpoint
 from loom.checkpoint.model_match import check_same_model
-from loom.config import ConfigError, LoomConfig
-from loom.data.preprocess import read_meta
+from loom.checkpoint.safety import prune_checkpoints
+from loom.config import LoomConfig
 from loom.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.models import get_family
 from loom.models.family import ModelFamily
 from loom.parallel.context import local_positions, slice_for_cp
-from loom.parallel.data import GradientReducer
-from loom.parallel.expert import ReducerGroup
 from loom.parallel.mesh import ParallelMesh, init_distributed
 from loom.parallel.parallelize import build_model_chunks
 from loom.parallel.pipeline.model import allreduce_embedding_grads
@@ -38,24 +36,11 @@ from loom.parallel.registry import ParamRegistry, named_parameters
 from loom.parallel.sequence import allreduce_sequence_parallel_grads
 from loom.planner.flops import model_flops_per_iteration
 from loom.planner.predict import predict_layout
+from loom.training.fault import FaultTolerance
+from loom.training.setup import MOE_LOGGED, chunk_reducer, owned_parameters, with_autocast
 from loom.training.metrics import MetricsLogger, peak_flops_per_rank, peak_memory_bytes
-from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
-
-
-MOE_LOGGED = ("moe aux loss", "moe z loss", "moe load min", "moe load max",
-              "moe load imbalance", "moe dropped")  # loss_fn metrics of MoE models, logged
-
-
-def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
-    """``forward_step`` run under ``torch.autocast`` (``--bf16``: matmuls in bf16, fp32 master
-    weights); unchanged when ``dtype`` is None."""
-    if dtype is None:
-        return forward_step
-
-    def step(chunk, batch, hidden_states=None):
-        with torch.autocast(device_type, dtype=dtype):
-            return forward_step(chunk, batch, hidden_states)
-    return step
+from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm, lr_at
+from loom.training.resume import reconcile_schedule
 
 
 class Trainer:
@@ -66,7 +51,8 @@ class Trainer:
                  family: Optional[ModelFamily] = None):
         self.cfg = cfg
         if mesh is None:
-            device = init_distributed(cfg.parallel.device, cfg.parallel.distributed_backend)
+            device = init_distributed(cfg.parallel.device, cfg.parallel.distributed_backend,
+                                      cfg.fault_tolerance.distributed_timeout_minutes)
             p = cfg.parallel
             mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
                                       pp=p.pipeline_model_parallel_size,
@@ -85,7 +71,8 @@ class Trainer:
         self.registry = ParamRegistry.merged(c.registry for c in self.model_chunks)
         self.forward_step = with_autocast(self.family.forward_step, mesh.device.type,
                                           torch.bfloat16 if t.bf16 else None)
-        self.reducers = [self._reducer(c) for c in self.model_chunks]
+        self.reducers = [chunk_reducer(c, mesh, cfg.parallel.ddp_bucket_size)
+                         for c in self.model_chunks]
         named = list(named_parameters(self.model_chunks))
         self.params = [p for _, p, _ in named]
         ep = mesh.ep_size > 1
@@ -104,6 +91,8 @@ class Trainer:
         self.last_metrics: dict = {}
         self.iteration = 0
         self.consumed_samples = 0
+        ft = cfg.fault_tolerance
+        self.faults = FaultTolerance(self.global_rank, ft.inject_fault, ft.hang_timeout_s)
         self.train_ds, self.valid_ds, self.test_ds = self._datasets()
         self.flops_per_iter = model_flops_per_iteration(cfg.model, self.global_batch,
                                                         cfg.model.seq_length)
@@ -112,19 +101,6 @@ class Trainer:
         self.predicted_step_s = self._predict_step_time()
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
-
-    def _reducer(self, chunk: nn.Module):
-        """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
-        gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`)."""
-        bucket, mesh = self.cfg.parallel.ddp_bucket_size, self.mesh
-        if mesh.ep_size == 1:
-            return GradientReducer(chunk.parameters(), mesh.groups["dp_cp"], bucket)
-        named = [(p, chunk.registry[n].expert_parallel) for n, p in chunk.named_parameters()]
-        experts = [p for p, is_expert in named if is_expert]
-        return ReducerGroup([GradientReducer([p for p, e in named if not e], mesh.groups["dp_cp"],
-                                             bucket),
-                             GradientReducer(experts, mesh.groups["edp"], bucket)],
-                            experts, 1.0 / mesh.ep_size)
 
     def _predict_step_time(self) -> Optional[float]:
         """The planner's iteration time for this exact layout (seconds), when it knows the
@@ -287,35 +263,41 @@ class Trainer:
     def save(self, save_dir: str, tokenizer_file: Optional[str] = None) -> str:
         if tokenizer_file is None and self.cfg.data.data_path:
             tokenizer_file = self.cfg.data.data_path + ".tokenizer.json"
-        return save_checkpoint(save_dir, self.iteration, self.model_chunks, self.optimizer,
+        self.faults.mark(self.iteration, "checkpoint save")
+        path = save_checkpoint(save_dir, self.iteration, self.model_chunks, self.optimizer,
                                self.scheduler, self.mesh, self.tracker,
                                consumed_samples=self.consumed_samples,
                                config=self.cfg.to_flat(), tokenizer_file=tokenizer_file)
+        if self.cfg.checkpoint.keep_last and self.global_rank == 0:
+            prune_checkpoints(save_dir, self.cfg.checkpoint.keep_last)
+        return path
 
     def load(self, load_dir: str) -> bool:
         """Resume from ``load_dir`` (its latest checkpoint, or ``--ckpt-step``); False when it
         holds none. Raises ConfigError when the checkpoint is of another architecture."""
         ckpt = latest_checkpoint(load_dir, self.cfg.checkpoint.ckpt_step)
         if ckpt is not None:
-            check_same_model(read_common(ckpt)["config"], self.cfg.model, ckpt)
+            saved = read_common(ckpt)["config"]
+            check_same_model(saved, self.cfg.model, ckpt)
+            reconcile_schedule(saved, self.cfg, self.world_size, ckpt)
         common = load_checkpoint(load_dir, self.model_chunks, self.optimizer, self.scheduler,
                                  self.mesh, self.tracker, step=self.cfg.checkpoint.ckpt_step)
         if common is None:
             return False
         self.iteration = common["iteration"]
         self.consumed_samples = common["consumed_samples"]
+        t = self.cfg.training  # the schedule continues from the restored step, with this run's lr
+        self.scheduler.base_lrs = [t.lr] * len(self.scheduler.base_lrs)
+        lrs = [lr_at(self.scheduler.last_epoch, t)] * len(self.optimizer.param_groups)
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler._last_lr = lrs
         return True
 
     def count_parameters(self) -> tuple[int, int]:
-        """(parameters of the whole model, parameters held by this rank): every parameter is
-        counted once over all ranks (TP shards on each TP rank, replicated ones on TP rank 0,
-        the first DP replica, experts on their EP rank, pipeline duplicates never)."""
-        m = self.mesh
-        first_replica = m.coords["cp"] == 0 and m.coords["dp"] < m.ep_size
-        owned = sum(p.numel() for _, p, meta in named_parameters(self.model_chunks)
-                    if first_replica and meta.counts_for_norm(m.tp_rank)
-                    and (meta.expert_parallel or m.ep_rank == 0))
-        (total,) = self._all_reduce([float(owned)])
+        """(parameters of the whole model, parameters held by this rank); see
+        :func:`loom.training.setup.owned_parameters`."""
+        (total,) = self._all_reduce([float(owned_parameters(self.model_chunks, self.mesh))])
         return int(total), sum(p.numel() for p in self.params)
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -332,7 +314,9 @@ class Trainer:
                   f"starting at iteration {self.iteration}")
         window: list[dict] = []
         try:
+            self.faults.start()
             while self.iteration < self.cfg.training.train_iters:
+                self.faults.before_iteration(self.iteration + 1)
                 rec = self.train_step()
                 window.append(rec)
                 log.advance()
@@ -354,12 +338,19 @@ class Trainer:
                     window = []
                 if lg.eval_interval and self.iteration % lg.eval_interval == 0:
                     log.log(self.evaluate(), kind="valid")
-                if self.cfg.checkpoint.save and self.cfg.checkpoint.save_interval and self.iteration % self.cfg.checkpoint.save_interval == 0:
-                    path = self.save(self.cfg.checkpoint.save)
-                    log.print(f" saved checkpoint {path}")
-            if self.cfg.checkpoint.save and (not self.cfg.checkpoint.save_interval or self.iteration % self.cfg.checkpoint.save_interval):
-                path = self.save(self.cfg.checkpoint.save)
-                log.print(f" saved checkpoint {path}")
+                ck = self.cfg.checkpoint
+                exiting = bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0
+                if ck.save and ((ck.save_interval and self.iteration % ck.save_interval == 0)
+                                or exiting):
+                    log.print(f" saved checkpoint {self.save(ck.save)}")
+                if exiting:
+                    log.print(f" --exit-interval {ck.exit_interval}: exiting after iteration "
+                              f"{self.iteration}")
+                    break
+            ck = self.cfg.checkpoint
+            if ck.save and self.iteration == self.cfg.training.train_iters and \
+                    (not ck.save_interval or self.iteration % ck.save_interval):
+                log.print(f" saved checkpoint {self.save(ck.save)}")
             if self.predicted_step_s is not None and len(self.history) > 1:
                 measured = sorted(r["step_time_s"] for r in self.history[1:])[len(self.history[1:]) // 2]
                 log.print(f" step time: planner predicted {self.predicted_step_s:.4g} s, measured "
@@ -368,19 +359,6 @@ class Trainer:
                 self.write_timeline()
                 log.print(f" wrote timeline {lg.timeline}")
         finally:
+            self.faults.stop()
             log.close()
         return self.history
-
-
-def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
-    """Take V from the dataset's stored tokenizer (or the checkpoint) when not given."""
-    if cfg.model.vocab_size is None and cfg.data.data_path and not cfg.data.mock_data:
-        cfg.model.vocab_size = int(read_meta(cfg.data.data_path)["vocab_size"])
-    if cfg.model.vocab_size is None and cfg.checkpoint.load:
-        ckpt = latest_checkpoint(cfg.checkpoint.load)
-        if ckpt:
-            cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]
-    if cfg.model.vocab_size is None:
-        raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
-                          "`loom preprocess`) or --mock-data --vocab-size V")
-    return cfg

@@ -1,0 +1,54 @@
+"""Pieces of the trainer's set-up: autocast of the forward step, gradient reducers per chunk
+(dense and expert parameters), the parameter count, the MoE metrics that are logged."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from loom.parallel.data import GradientReducer
+from loom.parallel.expert import ReducerGroup
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.registry import named_parameters
+
+MOE_LOGGED = ("moe aux loss", "moe z loss", "moe load min", "moe load max",
+              "moe load imbalance", "moe dropped")  # loss_fn metrics of MoE models, logged
+
+
+def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
+    """``forward_step`` run under ``torch.autocast`` (``--bf16``: matmuls in bf16, fp32 master
+    weights); unchanged when ``dtype`` is None."""
+    if dtype is None:
+        return forward_step
+
+    def step(chunk, batch, hidden_states=None):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward_step(chunk, batch, hidden_states)
+    return step
+
+
+def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, bucket: int):
+    """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
+    gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`)."""
+    if mesh.ep_size == 1:
+        return GradientReducer(chunk.parameters(), mesh.groups["dp_cp"], bucket)
+    named = [(p, chunk.registry[n].expert_parallel) for n, p in chunk.named_parameters()]
+    experts = [p for p, is_expert in named if is_expert]
+    return ReducerGroup([GradientReducer([p for p, e in named if not e], mesh.groups["dp_cp"],
+                                         bucket),
+                         GradientReducer(experts, mesh.groups["edp"], bucket)],
+                        experts, 1.0 / mesh.ep_size)
+
+
+def owned_parameters(model_chunks, mesh: ParallelMesh) -> int:
+    """Parameters this rank owns, so that the sum over all ranks counts each parameter of the
+    model once: TP shards on each TP rank, replicated ones on TP rank 0, the first DP replica
+    (experts on their EP rank), pipeline duplicates never."""
+    first_replica = mesh.coords["cp"] == 0 and mesh.coords["dp"] < mesh.ep_size
+    if not first_replica:
+        return 0
+    return sum(p.numel() for _, p, meta in named_parameters(model_chunks)
+               if meta.counts_for_norm(mesh.tp_rank)
+               and (meta.expert_parallel or mesh.ep_rank == 0))
