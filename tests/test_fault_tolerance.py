@@ -95,7 +95,7 @@ def test_changed_schedule_refused_unless_overridden(tmp_path, capsys):
     code, out = run(MODEL + ["--train-iters", "4", "--save", str(ck)], capsys)
     assert code == 0, out
     code, out = run(MODEL + ["--train-iters", "8", "--load", str(ck), "--save", str(ck)], capsys)
-    assert code == 2 and "--train-iters 4 in the checkpoint, 8 here" in out, out
+    assert code == 2 and "--lr-decay-iters 4 in the checkpoint, 8 here" in out, out
     assert "--override-opt-param-scheduler" in out
     code, out = run(MODEL + ["--train-iters", "6", "--load", str(ck), "--save", str(ck),
                              "--override-opt-param-scheduler"], capsys)

@@ -62,7 +62,8 @@ def test_failed_save_names_dir_and_os_error_and_leftovers_are_cleaned(tmp_path, 
             return open("/dev/full", "wb") if "iter_0000002.tmp" in path else real_open(path)
         monkeypatch.setattr(ckio, "_open_for_write", full_disk)
         with pytest.raises(SystemExit) as e:
-            main(BASE + ["--load", str(save), "--save", str(save), "--train-iters", "2"])
+            main(BASE + ["--load", str(save), "--save", str(save), "--train-iters", "2",
+                         "--override-opt-param-scheduler"])
         err = capsys.readouterr().err
         assert e.value.code == 1
         assert str(save) in err and "No space left on device" in err and "Traceback" not in err
@@ -88,7 +89,7 @@ def test_good_inputs_still_pass(tmp_path, monkeypatch, capsys):
     args = DATA + ["--data-path", prefix, "--save", str(tmp_path / "ck"), "--no-progress-bar"]
     try:
         for extra in ([], ["--load", str(tmp_path / "ck"), "--ckpt-step", "1",
-                           "--train-iters", "2"]):
+                           "--train-iters", "2", "--override-opt-param-scheduler"]):
             with pytest.raises(SystemExit) as e:
                 main(args + extra)
             assert e.value.code == 0, capsys.readouterr().err

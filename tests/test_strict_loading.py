@@ -47,6 +47,6 @@ def test_other_architecture_refused(ckpt, capsys, change, named):
 def test_same_architecture_other_padding_and_dropout_loads(ckpt, capsys):
     code, out = run(BASE + ["--num-layers", "3", "--hidden-size", "64", "--train-iters", "2",
                             "--load", str(ckpt), "--make-vocab-size-divisible-by", "16",
-                            "--hidden-dropout", "0.0"], capsys)
+                            "--hidden-dropout", "0.0", "--override-opt-param-scheduler"], capsys)
     assert code == 0, out
     assert "starting at iteration 1" in out and "iteration      2" in out

@@ -1,8 +1,9 @@
 """Resume means resume: the learning-rate schedule of a resumed run is the checkpoint's.
 
-If ``--train-iters``, ``--lr``, ``--min-lr``, ``--lr-warmup-iters``, ``--lr-decay-iters``,
-``--lr-decay-style`` or the global batch differ from the checkpoint's stored config, the run is
-refused naming each difference, unless ``--override-opt-param-scheduler`` (these flags win) or
+If the schedule these flags define (``--lr``, ``--min-lr``, ``--lr-warmup-iters``,
+``--lr-decay-style``, and where the decay ends: ``--lr-decay-iters``, default ``--train-iters``)
+or the global batch differs from the checkpoint's stored config, the run is refused naming each
+difference (a longer ``--train-iters`` with the same decay end, or a constant schedule, resumes), unless ``--override-opt-param-scheduler`` (these flags win) or
 ``--use-checkpoint-opt-param-scheduler`` (the checkpoint's schedule wins) is given, as in
 Megatron-LM. Torch-free.
 """
@@ -13,25 +14,34 @@ from typing import Any
 
 from loom.errors import ConfigError
 
-SCHEDULE_FIELDS = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters",
-                   "lr_decay_style", "global_batch_size")
 FROM_CHECKPOINT = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style")
 
 
+def _schedule(values: dict) -> dict:
+    """The parameters that define the learning rate at every step: peak and minimum lr, warmup,
+    decay style and, unless the style is constant, where the decay ends (``--lr-decay-iters``,
+    default ``--train-iters``)."""
+    out = {k: values.get(k) for k in FROM_CHECKPOINT}
+    if values.get("lr_decay_style") != "constant":
+        out["lr_decay_iters"] = values.get("lr_decay_iters") or values.get("train_iters")
+    return out
+
+
 def schedule_differences(saved: dict, cfg: Any, world_size: int) -> list[str]:
-    """``--flag saved vs requested`` for each schedule flag that differs from the checkpoint."""
+    """``--flag saved vs requested`` for each schedule parameter (and the global batch) that
+    differs from the checkpoint; the decay end is named ``--lr-decay-iters`` (which defaults to
+    ``--train-iters``)."""
     t = cfg.training
-    out = []
-    for name in SCHEDULE_FIELDS:
-        if name not in saved:
-            continue
-        want = cfg.global_batch_size(world_size) if name == "global_batch_size" \
-            else getattr(t, name)
-        have = saved[name]
-        if name == "global_batch_size" and have is None:
-            continue  # older checkpoints stored None (= b x d of that run)
-        if have != want:
-            out.append(f"--{name.replace('_', '-')} {have} in the checkpoint, {want} here")
+    want = _schedule(dict(vars(t)))
+    have = _schedule(saved)
+    out = [f"--{k.replace('_', '-')} {have[k]} in the checkpoint, {want.get(k)} here"
+           + (" (--lr-decay-iters defaults to --train-iters)" if k == "lr_decay_iters" else "")
+           for k in have if k in saved or k == "lr_decay_iters"
+           if have[k] != want.get(k) and have[k] is not None]
+    batch = saved.get("global_batch_size")
+    if batch is not None and batch != cfg.global_batch_size(world_size):
+        out.append(f"--global-batch-size {batch} in the checkpoint, "
+                   f"{cfg.global_batch_size(world_size)} here")
     return out
 
 
