@@ -131,3 +131,31 @@ def test_resumed_lr_follows_the_new_schedule_from_the_first_step(tmp_path):
     rec = again.train_step()
     assert rec["lr"] == pytest.approx(lr_at(2, again.cfg.training))
     assert rec["lr"] != pytest.approx(lr_at(2, tr.cfg.training))
+
+
+def test_auto_interval_is_daly_from_save_time_and_mtbf():
+    import math
+
+    from loom.training.fault import CheckpointInterval
+    ci = CheckpointInterval("auto", mtbf_s=3600.0, state_bytes=int(2e9))  # 2 s estimated save
+    assert ci.due(1, step_s=1.0) is False
+    d, M = 2.0, 3600.0  # Daly 2006 eq. 37, by hand
+    daly = math.sqrt(2 * d * M) * (1 + math.sqrt(d / (2 * M)) / 3 + d / (18 * M)) - d
+    assert ci.every == round(daly)  # 118 iterations of 1 s
+    assert "estimated" in ci.take_message() and ci.take_message() is None
+    msg = ci.saved(118, save_s=8.0, step_s=2.0)  # measured: re-planned
+    assert "measured" in msg and ci.every == round((math.sqrt(2 * 8 * M) * (
+        1 + math.sqrt(8 / (2 * M)) / 3 + 8 / (18 * M)) - 8) / 2.0)
+    assert ci.due(118 + ci.every, 2.0) and not ci.due(118 + ci.every - 1, 2.0)
+    fixed = CheckpointInterval(5, None, 0)
+    assert fixed.due(5, 1.0) and not fixed.due(4, 1.0) and fixed.take_message() is None
+
+
+def test_auto_interval_needs_a_failure_rate_and_states_its_inputs(tmp_path, capsys):
+    code, out = run(MODEL + ["--train-iters", "6", "--save", str(tmp_path / "a"),
+                             "--save-interval", "auto"], capsys)
+    assert code == 2 and "--mtbf-hours-per-node" in out, out
+    code, out = run(MODEL + ["--train-iters", "6", "--save", str(tmp_path / "b"),
+                             "--save-interval", "auto", "--mtbf-hours", "0.001"], capsys)
+    assert code == 0, out
+    assert "--save-interval auto: every" in out and "(estimated)" in out and "(measured)" in out

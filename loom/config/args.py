@@ -19,8 +19,15 @@ from loom.config.validate import base_type, check_bounds, choices_of, coerce
 from loom.errors import ConfigError
 
 
-def _converter(hint: Any, name: str) -> Callable[[str], Any]:
+def field_metadata(name: str) -> dict:
+    """The ``metadata`` (help, bounds, ``auto``) of config field ``name``."""
+    return next(f.metadata for dc in GROUPS.values() for f in fields(dc) if f.name == name)
+
+
+def _converter(hint: Any, name: str, auto: bool = False) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
+        if auto and text == "auto":
+            return text
         try:
             return coerce(text, hint, flag(name))
         except ConfigError as e:
@@ -52,7 +59,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 grp.add_argument(flag(f.name), dest=f.name, choices=choices, default=None,
                                  help=text)
             else:
-                grp.add_argument(flag(f.name), dest=f.name, type=_converter(hint, f.name),
+                grp.add_argument(flag(f.name), dest=f.name,
+                                 type=_converter(hint, f.name, f.metadata.get("auto", False)),
                                  default=None, help=text,
                                  metavar={int: "N", float: "X"}.get(base_type(hint)[0],
                                                                     "STR" if f.name == "split"
@@ -117,7 +125,8 @@ def read_yaml_config(path: str, lines: dict | None = None) -> dict:
             raw = constructor.construct_object(node, deep=True)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}:{line}: {key}: {e}") from None
-        values[key] = coerce(raw, hints[key], f"{path}:{line}: {key}")
+        auto = raw == "auto" and field_metadata(key).get("auto")
+        values[key] = raw if auto else coerce(raw, hints[key], f"{path}:{line}: {key}")
         lines[key] = line
     return values
 
@@ -139,6 +148,8 @@ def config_from_args(args: argparse.Namespace) -> LoomConfig:
             lines.pop(k, None)
     meta = {f.name: f.metadata for dc in GROUPS.values() for f in fields(dc)}
     for k, line in lines.items():  # bounds of the values the file still provides, with file:line
+        if values[k] == "auto" and meta[k].get("auto"):
+            continue
         try:
             check_bounds(k, values[k], meta[k])
         except ConfigError as e:

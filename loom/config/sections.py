@@ -289,12 +289,19 @@ class CheckpointConfig:
                                     "latest_checkpointed_iteration.txt)")
     load: Optional[str] = opt(None, "directory to resume from (its latest checkpoint, or "
                                     "--ckpt-step)")
-    save_interval: Optional[int] = opt(None, "iterations between checkpoints (default: only at "
-                                             "the end)", ge=1)
+    save_interval: Optional[int] = opt(
+        None, "iterations between checkpoints, or auto: Young/Daly's interval from the measured "
+              "save time and --mtbf-hours-per-node / --mtbf-hours (default: only at the end)",
+        ge=1, auto=True)
     ckpt_step: Optional[int] = opt(None, "load iteration N from --load instead of the one "
                                          "named by latest_checkpointed_iteration.txt", ge=0)
     overwrite_checkpoints: bool = opt(
         False, "allow --save to replace checkpoints newer than the start iteration")
+    mtbf_hours_per_node: Optional[float] = opt(
+        None, "mean time between failures of one node, hours, for --save-interval auto (the "
+              "job's MTBF is this / nodes)", gt=0)
+    mtbf_hours: Optional[float] = opt(None, "mean time between failures of the whole job, hours, "
+                                            "for --save-interval auto", gt=0)
     keep_last: Optional[int] = opt(None, "keep only the newest N checkpoints in --save "
                                          "(default: keep all)", ge=1)
     exit_interval: Optional[int] = opt(None, "save and exit cleanly after an iteration divisible "

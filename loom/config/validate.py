@@ -92,6 +92,8 @@ def check_fields(cfg: Any) -> None:
         obj = getattr(cfg, section.name)
         hints = get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
+            if f.metadata.get("auto") and getattr(obj, f.name) == "auto":
+                continue  # an "N or auto" field (--save-interval)
             value = coerce(getattr(obj, f.name), hints[f.name], _flag(f.name))
             check_bounds(f.name, value, f.metadata)
             setattr(obj, f.name, value)
@@ -231,6 +233,9 @@ def validate_config(cfg: Any, world_size: int) -> None:
     if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
                           "exclude each other: give one")
+    if ck.save_interval == "auto" and not (ck.mtbf_hours_per_node or ck.mtbf_hours):
+        raise ConfigError("--save-interval auto needs the failure rate: give "
+                          "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
     if ck.exit_interval and not ck.save:
         raise ConfigError("--exit-interval saves before exiting: give --save DIR")
     if t.min_lr > t.lr:

@@ -111,3 +111,52 @@ class FaultTolerance:
                 time.sleep(1.0)
         raise RuntimeError(f"injected fault (--inject-fault) on rank {self.rank} at iteration "
                            f"{iteration}")
+
+
+class CheckpointInterval:
+    """When to save: every ``--save-interval N`` iterations, or ``auto``: Daly's optimal
+    interval (Daly 2006 eq. 37; Young's ``sqrt(2 delta M)`` to first order) from the blocking
+    save time delta and the job's MTBF M, converted to iterations with the measured step time.
+    Before the first save, delta is estimated from this rank's checkpoint bytes at
+    ``EST_WRITE_BYTES_PER_S``; after each save it is the measured (slowest rank's) time."""
+
+    EST_WRITE_BYTES_PER_S = 1e9  # the planner's default checkpoint write bandwidth per GPU
+
+    def __init__(self, setting, mtbf_s: Optional[float], state_bytes: int):
+        self.fixed = setting if isinstance(setting, int) else None
+        self.auto = setting == "auto"
+        self.mtbf_s, self.state_bytes = mtbf_s, state_bytes
+        self.every: Optional[int] = self.fixed
+        self.save_s: Optional[float] = None
+        self.last_save = 0
+        self.message: Optional[str] = None
+
+    def due(self, iteration: int, step_s: float) -> bool:
+        """Whether to save after ``iteration`` (``step_s``: its slowest-rank step time)."""
+        if self.auto and self.every is None:
+            self.message = self.plan(step_s)
+        return bool(self.every) and iteration - self.last_save >= self.every
+
+    def take_message(self) -> Optional[str]:
+        """The line stating a newly planned interval and its inputs, once."""
+        msg, self.message = self.message, None
+        return msg
+
+    def plan(self, step_s: float) -> str:
+        """(Re)compute the auto interval; returns the line that states it and its inputs."""
+        from loom.planner.reliability import daly_interval, young_interval
+        measured = self.save_s is not None
+        save_s = self.save_s if measured else self.state_bytes / self.EST_WRITE_BYTES_PER_S
+        interval_s = daly_interval(save_s, self.mtbf_s)
+        self.every = max(1, round(interval_s / max(step_s, 1e-9)))
+        return (f"--save-interval auto: every {self.every} iterations = Daly's {interval_s:.3g} s "
+                f"(Young {young_interval(save_s, self.mtbf_s):.3g} s) from job MTBF "
+                f"{self.mtbf_s / 3600:.3g} h, save time {save_s:.3g} s "
+                f"({'measured' if measured else 'estimated'}), step {step_s:.3g} s")
+
+    def saved(self, iteration: int, save_s: float, step_s: float) -> Optional[str]:
+        """Record a save (its slowest-rank blocking time); re-plans when auto."""
+        self.last_save, self.save_s = iteration, save_s
+        if self.auto:
+            self.message = self.plan(step_s)
+        return self.take_message()

@@ -10,6 +10,7 @@ single-process reference of the very same code.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Optional
 
@@ -36,7 +37,7 @@ from loom.parallel.registry import ParamRegistry, named_parameters
 from loom.parallel.sequence import allreduce_sequence_parallel_grads
 from loom.planner.flops import model_flops_per_iteration
 from loom.planner.predict import predict_layout
-from loom.training.fault import FaultTolerance
+from loom.training.fault import CheckpointInterval, FaultTolerance
 from loom.training.setup import MOE_LOGGED, chunk_reducer, owned_parameters, with_autocast
 from loom.training.metrics import MetricsLogger, peak_flops_per_rank, peak_memory_bytes
 from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm, lr_at
@@ -91,8 +92,12 @@ class Trainer:
         self.last_metrics: dict = {}
         self.iteration = 0
         self.consumed_samples = 0
-        ft = cfg.fault_tolerance
+        ft, ck = cfg.fault_tolerance, cfg.checkpoint
         self.faults = FaultTolerance(self.global_rank, ft.inject_fault, ft.hang_timeout_s)
+        nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        mtbf_s = (ck.mtbf_hours or (ck.mtbf_hours_per_node or 0) / max(nodes, 1)) * 3600 or None
+        self.save_interval = CheckpointInterval(ck.save_interval, mtbf_s,
+                                                12 * sum(p.numel() for p in self.params))
         self.train_ds, self.valid_ds, self.test_ds = self._datasets()
         self.flops_per_iter = model_flops_per_iteration(cfg.model, self.global_batch,
                                                         cfg.model.seq_length)
@@ -340,16 +345,23 @@ class Trainer:
                     log.log(self.evaluate(), kind="valid")
                 ck = self.cfg.checkpoint
                 exiting = bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0
-                if ck.save and ((ck.save_interval and self.iteration % ck.save_interval == 0)
-                                or exiting):
+                due = self.save_interval.due(self.iteration, rec["step_time_s"])
+                if self.save_interval.message:
+                    log.print(f" {self.save_interval.take_message()}")
+                if ck.save and (due or exiting):
+                    t0 = time.perf_counter()
                     log.print(f" saved checkpoint {self.save(ck.save)}")
+                    (save_s,) = self._all_reduce([time.perf_counter() - t0], dist.ReduceOp.MAX)
+                    plan = self.save_interval.saved(self.iteration, save_s, rec["step_time_s"])
+                    if plan:
+                        log.print(f" {plan}")
                 if exiting:
                     log.print(f" --exit-interval {ck.exit_interval}: exiting after iteration "
                               f"{self.iteration}")
                     break
             ck = self.cfg.checkpoint
             if ck.save and self.iteration == self.cfg.training.train_iters and \
-                    (not ck.save_interval or self.iteration % ck.save_interval):
+                    self.save_interval.last_save != self.iteration:
                 log.print(f" saved checkpoint {self.save(ck.save)}")
             if self.predicted_step_s is not None and len(self.history) > 1:
                 measured = sorted(r["step_time_s"] for r in self.history[1:])[len(self.history[1:]) // 2]
