@@ -85,9 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--node-power-overhead", type=float, default=NODE_POWER_OVERHEAD,
                    help=f"node power / GPU power (default {NODE_POWER_OVERHEAD})")
     e.add_argument("--pue", type=float, default=PUE, help=f"data-centre PUE (default {PUE})")
-    e.add_argument("--mtbf-hours-per-node", type=float, default=None,
-                   help="mean time between failures of one node, hours (Llama 3: ~6300): "
-                        "Young/Daly checkpoint interval and expected time lost")
+    # --mtbf-hours-per-node (node MTBF, hours; Llama 3: ~6300) comes with the config flags (the
+    # same flag sizes `loom train --save-interval auto`): Young/Daly interval, time lost.
     e.add_argument("--checkpoint-write-bandwidth", type=float, default=None,
                    help="aggregate checkpoint write bandwidth, GB/s (default 1 per GPU)")
     e.add_argument("--restart-minutes", type=float, default=RESTART_S / 60,
