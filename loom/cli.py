@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
     "preprocess": ("loom.data.preprocess", "tokenize .txt/.jsonl into an indexed dataset"),
     "generate": ("loom.inference.cli", "generate text from a checkpoint"),
+    "checkpoint": ("loom.checkpoint.cli", "inspect a checkpoint (iteration, layout, tensors)"),
     "plan": ("loom.planner.cli", "predict memory and speed of parallel layouts; pick the best"),
     "fetch-corpus": ("loom.data.corpus", "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),
     "demo": ("loom.demo", "fetch, tokenize, train TP=2 x DP=2 on CPU, evaluate, generate"),

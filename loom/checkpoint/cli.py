@@ -1,0 +1,76 @@
+"""``loom checkpoint inspect DIR``: what a checkpoint holds, without building a model.
+
+Prints the iteration, the parallel layout it was saved at, consumed samples, every parameter
+under its layout-free name with its global (unsharded) shape, dtype and size, the totals, and
+the model config; ``--json`` for the same as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+
+from loom.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.allow_abbrev = False
+    parser.add_argument("action", choices=["inspect"], help="inspect: list the checkpoint")
+    parser.add_argument("dir", help="checkpoint directory (as given to --save), or one iter_N/")
+    parser.add_argument("--ckpt-step", type=int, default=None,
+                        help="iteration to inspect (default: the latest)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def inspect(path: str, step=None) -> dict:
+    """``{iteration, layout, world_size, consumed_samples, parameters: {name: {shape, dtype,
+    bytes}}, total_parameters, total_bytes, config}``. Raises ConfigError for a directory
+    that holds no checkpoint."""
+    import torch
+
+    from loom.checkpoint.io import read_common
+    from loom.checkpoint.safety import resolve_checkpoint
+    ckpt = path if os.path.exists(os.path.join(path, "common.pt")) else \
+        resolve_checkpoint(path, step)
+    if ckpt is None:
+        raise ConfigError(f"{path}: no checkpoint there (no latest_checkpointed_iteration.txt)")
+    with open(os.path.join(ckpt, "metadata.json")) as fh:
+        meta = json.load(fh)
+    common = read_common(ckpt)
+    params: dict = {}
+    for f in sorted(glob.glob(os.path.join(ckpt, "model_tp*_pp*.pt"))):
+        shard = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        for name, t in shard["model"].items():
+            shape = list(shard["specs"][name]["full_shape"])
+            params.setdefault(name, {"shape": shape, "dtype": str(t.dtype).replace("torch.", ""),
+                                     "bytes": math.prod(shape) * t.element_size()})
+    return {"checkpoint": ckpt, "iteration": common["iteration"], "layout": meta.get("layout"),
+            "world_size": meta.get("world_size"), "format": meta.get("format"),
+            "consumed_samples": common.get("consumed_samples"), "parameters": params,
+            "total_parameters": sum(math.prod(p["shape"]) for p in params.values()),
+            "total_bytes": sum(p["bytes"] for p in params.values()),
+            "config": common.get("config", {})}
+
+
+def run(args: argparse.Namespace) -> int:
+    info = inspect(args.dir, args.ckpt_step)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    print(f"{info['checkpoint']}: iteration {info['iteration']}, {info['format']}, saved at "
+          f"{info['layout']} ({info['world_size']} ranks), {info['consumed_samples']} samples "
+          f"consumed")
+    width = max(len(n) for n in info["parameters"]) if info["parameters"] else 10
+    for name, p in info["parameters"].items():
+        print(f"  {name:<{width}}  {'x'.join(map(str, p['shape'])):>14}  {p['dtype']:>8}  "
+              f"{p['bytes'] / 2**20:9.3f} MiB")
+    print(f"{len(info['parameters'])} tensors, {info['total_parameters']:,} parameters, "
+          f"{info['total_bytes'] / 2**20:.1f} MiB of weights")
+    cfg = info["config"]
+    keys = ("model_type", "num_layers", "hidden_size", "num_attention_heads",
+            "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length", "num_experts")
+    print("model: " + ", ".join(f"{k}={cfg.get(k)}" for k in keys if k in cfg))
+    return 0
