@@ -1,4 +1,5 @@
-"""``loom checkpoint inspect DIR``: what a checkpoint holds, without building a model.
+"""``loom checkpoint inspect DIR``: what a checkpoint holds, without building a model;
+``loom checkpoint convert --to-hf DIR OUT`` / ``--from-hf HF_DIR OUT`` (:mod:`.convert`).
 
 Prints the iteration, the parallel layout it was saved at, consumed samples, every parameter
 under its layout-free name with its global (unsharded) shape, dtype and size, the totals, and
@@ -18,8 +19,17 @@ from loom.errors import ConfigError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.allow_abbrev = False
-    parser.add_argument("action", choices=["inspect"], help="inspect: list the checkpoint")
-    parser.add_argument("dir", help="checkpoint directory (as given to --save), or one iter_N/")
+    parser.add_argument("action", choices=["inspect", "convert"],
+                        help="inspect: list the checkpoint; convert: to or from Hugging Face "
+                             "(--to-hf / --from-hf)")
+    parser.add_argument("dir", help="checkpoint directory (as given to --save), or one iter_N/; "
+                                    "with --from-hf the Hugging Face directory")
+    parser.add_argument("out", nargs="?", help="convert: the output directory")
+    way = parser.add_mutually_exclusive_group()
+    way.add_argument("--to-hf", action="store_true",
+                     help="write config.json + model.safetensors (GPT-2 / LLaMA layouts)")
+    way.add_argument("--from-hf", action="store_true",
+                     help="read a Hugging Face GPT-2 / LLaMA directory into a loom checkpoint")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="iteration to inspect (default: the latest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -56,6 +66,15 @@ def inspect(path: str, step=None) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "convert":
+        from loom.checkpoint.convert import from_hf, to_hf
+        if not args.out or not (args.to_hf or args.from_hf):
+            raise ConfigError("convert needs --to-hf or --from-hf and an output directory: "
+                              "loom checkpoint convert --to-hf CKPT_DIR OUT_DIR")
+        done = to_hf(args.dir, args.out, args.ckpt_step) if args.to_hf else \
+            from_hf(args.dir, args.out)
+        print(f"wrote {done}")
+        return 0
     info = inspect(args.dir, args.ckpt_step)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
