@@ -19,7 +19,7 @@ import importlib
 import os
 import sys
 
-from loom.errors import CheckpointWriteError, ConfigError
+from loom.errors import CheckpointWriteError, ConfigError, NonFiniteError
 
 SUBCOMMANDS = {
     "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
@@ -107,6 +107,6 @@ def main(argv: list[str] | None = None) -> None:
         rc = importlib.import_module(args._module).run(args)
     except ConfigError as e:
         refuse(f"loom {args.command}", str(e))
-    except CheckpointWriteError as e:
+    except (CheckpointWriteError, NonFiniteError) as e:
         refuse(f"loom {args.command}", str(e), code=1)
     sys.exit(rc or 0)

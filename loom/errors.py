@@ -3,7 +3,8 @@
 A :class:`ConfigError` is bad input: ``loom`` prints its message once (rank 0) without a
 traceback and exits with status 2. A :class:`CheckpointWriteError` is a checkpoint the
 filesystem refused; ``loom`` prints its message (naming the directory and the OS error) and
-exits with status 1.
+exits with status 1. A :class:`NonFiniteError` stops training that keeps producing NaN/inf
+(status 1).
 """
 
 from __future__ import annotations
@@ -15,3 +16,8 @@ class ConfigError(ValueError):
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the message names the directory and the OS error."""
+
+
+class NonFiniteError(RuntimeError):
+    """``--exit-on-nonfinite N`` consecutive iterations had a non-finite loss or gradient norm;
+    the message names the iterations. ``loom`` prints it and exits with status 1."""

@@ -240,6 +240,9 @@ class TrainingConfig:
         False, "ZeRO-1: shard the Adam states over the data-parallel ranks")
     seed: int = opt(1234, "random seed of initialization, dropout and data order", ge=0)
     bf16: bool = opt(False, "bfloat16 autocast for the forward and backward passes")
+    exit_on_nonfinite: Optional[int] = opt(
+        None, "stop after N consecutive iterations with a non-finite gradient norm (each one "
+              "is skipped and reported; default: never stop)", ge=1)
     recompute_granularity: Optional[Recompute] = opt(
         None, "activation recomputation: selective (attention core) or full (whole layers)")
     recompute_method: RecomputeMethod = opt(

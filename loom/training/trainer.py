@@ -22,6 +22,7 @@ from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common, sav
 from loom.checkpoint.model_match import check_same_model
 from loom.checkpoint.safety import prune_checkpoints
 from loom.config import LoomConfig
+from loom.errors import NonFiniteError
 from loom.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.models import get_family
@@ -92,6 +93,7 @@ class Trainer:
         self.last_metrics: dict = {}
         self.iteration = 0
         self.consumed_samples = 0
+        self.nonfinite: list[int] = []  # consecutive iterations skipped for a NaN/inf norm
         ft, ck = cfg.fault_tolerance, cfg.checkpoint
         self.faults = FaultTolerance(self.global_rank, ft.inject_fault, ft.hang_timeout_s)
         nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
@@ -168,9 +170,21 @@ class Trainer:
         return result.loss
 
     def optimizer_step(self) -> float:
-        """Clip by the global norm, AdamW step, LR schedule; returns the pre-clip grad norm."""
+        """Clip by the global norm, AdamW step, LR schedule; returns the pre-clip grad norm.
+        A non-finite norm skips the step (gradients dropped, LR schedule held) and is recorded
+        in ``self.nonfinite``; raises NonFiniteError after ``--exit-on-nonfinite`` in a row."""
         norm = clip_grad_norm(self.params, self.cfg.training.clip_grad, self.mesh,
                               self.norm_params, self.expert_norm_params)
+        if not math.isfinite(norm):  # the same on every rank: never train on NaN/inf
+            self.nonfinite.append(self.iteration + 1)
+            for r in self.reducers:
+                r.zero_grad()
+            limit = self.cfg.training.exit_on_nonfinite
+            if limit and len(self.nonfinite) >= limit:
+                raise NonFiniteError(f"--exit-on-nonfinite {limit}: non-finite gradient norm in "
+                                     f"iterations {self.nonfinite}; stopping")
+            return norm
+        self.nonfinite = []
         self.optimizer.step()
         self.scheduler.step()
         for r in self.reducers:
@@ -323,6 +337,9 @@ class Trainer:
             while self.iteration < self.cfg.training.train_iters:
                 self.faults.before_iteration(self.iteration + 1)
                 rec = self.train_step()
+                if not math.isfinite(rec["grad_norm"]):
+                    log.print(f" iteration {self.iteration}: non-finite gradient norm "
+                              f"{rec['grad_norm']} (loss {rec['loss']}): step skipped")
                 window.append(rec)
                 log.advance()
                 if self.iteration % lg.log_interval == 0 or \
