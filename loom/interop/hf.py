@@ -2,7 +2,7 @@
 
 Conversions produce *full* (unsharded) tensors under loom's parameter names;
 :func:`load_full_state_dict` then cuts each rank's shard with the same
-:func:`~loom.parallel.tensor.shard_tensor` that initialization and checkpoints use.
+:func:`~loom.parallel.registry.local_shard` that initialization and checkpoints use.
 """
 
 from __future__ import annotations
