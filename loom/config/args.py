@@ -30,6 +30,18 @@ def _converter(hint: Any, name: str) -> Callable[[str], Any]:
     return convert
 
 
+# Fields that take Megatron's blend ``W1 PREFIX1 W2 PREFIX2 ...``: several words on the command
+# line (or a YAML list), stored joined by spaces (see loom.data.blended.parse_blend).
+BLEND_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+class _JoinWords(argparse.Action):
+    """Store the words of an ``nargs='+'`` flag joined by single spaces."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, " ".join(str(v) for v in values))
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``."""
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
@@ -48,7 +60,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                  default=None, help=text)
                 continue
             choices = choices_of(hint)
-            if choices is not None:
+            if f.name in BLEND_FIELDS:
+                grp.add_argument(flag(f.name), dest=f.name, nargs="+", action=_JoinWords,
+                                 default=None, metavar="[W] PREFIX", help=text)
+            elif choices is not None:
                 grp.add_argument(flag(f.name), dest=f.name, choices=choices, default=None,
                                  help=text)
             else:
@@ -117,6 +132,8 @@ def read_yaml_config(path: str, lines: dict | None = None) -> dict:
             raw = constructor.construct_object(node, deep=True)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}:{line}: {key}: {e}") from None
+        if key in BLEND_FIELDS and isinstance(raw, list):  # [0.3, A, 0.7, B]
+            raw = " ".join(str(w) for w in raw)
         values[key] = coerce(raw, hints[key], f"{path}:{line}: {key}")
         lines[key] = line
     return values
@@ -137,6 +154,9 @@ def config_from_args(args: argparse.Namespace) -> LoomConfig:
         if k in known and v is not None:
             values[k] = v
             lines.pop(k, None)
+    if values.get("train_iters") is not None and values.get("train_samples") is not None:
+        raise ConfigError("--train-iters and --train-samples both set the length of training: "
+                          "give one (Megatron's rule)")
     meta = {f.name: f.metadata for dc in GROUPS.values() for f in fields(dc)}
     for k, line in lines.items():  # bounds of the values the file still provides, with file:line
         try:
