@@ -16,7 +16,7 @@ import yaml
 from loom.config.core import LoomConfig, field_section, flag
 from loom.config.sections import GROUPS
 from loom.config.validate import base_type, check_bounds, choices_of, coerce
-from loom.errors import ConfigError
+from loom.errors import ConfigError, did_you_mean
 
 
 def _converter(hint: Any, name: str) -> Callable[[str], Any]:
@@ -43,7 +43,8 @@ class _JoinWords(argparse.Action):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``."""
+    """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``;
+    each boolean ``--foo`` also gets ``--no-foo`` (False: turns off ``foo: true`` of the YAML)."""
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
                         help="YAML file of the same keys (flat, or grouped by section name); "
                              "flags given on the command line override it")
@@ -56,8 +57,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             if f.default is not MISSING and f.default is not None and "default" not in text:
                 text += f" (default: {f.default})"
             if base_type(hint)[0] is bool:
+                off = "--no-" + flag(f.name)[2:]  # turns off a YAML `true`
+                offer = not f.name.startswith("no_") and off not in parser._option_string_actions
                 grp.add_argument(flag(f.name), dest=f.name, action="store_const", const=True,
-                                 default=None, help=text)
+                                 default=None, help=text + (f" (off: {off})" if offer else ""))
+                if offer:
+                    grp.add_argument(off, dest=f.name, action="store_const", const=False,
+                                     default=None, help=argparse.SUPPRESS)
                 continue
             choices = choices_of(hint)
             if f.name in BLEND_FIELDS:
@@ -123,8 +129,9 @@ def read_yaml_config(path: str, lines: dict | None = None) -> dict:
     lines = {} if lines is None else lines
     for key, node, line in _read_yaml_nodes(path):
         if key not in known:
-            raise ConfigError(f"{path}:{line}: unknown option {flag(key)} (key {key!r}); see "
-                              f"`loom train --help` for the accepted flags")
+            hint = did_you_mean(key, known)
+            raise ConfigError(f"{path}:{line}: unknown option {flag(key)} (key {key!r})"
+                              f"{hint}; see `loom train --help` for the accepted flags")
         if key in lines:
             raise ConfigError(f"{path}:{line}: key {key!r} given twice (first on line "
                               f"{lines[key]})")

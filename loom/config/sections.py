@@ -286,7 +286,7 @@ class LoggingConfig:
     log_interval: int = opt(10, "iterations between training-loss log lines", ge=1)
     eval_interval: int = opt(1000, "iterations between evaluations on the validation set; one "
                                    "more at the end of training", ge=1)
-    eval_iters: int = opt(10, "global batches per evaluation (0: never evaluate)", ge=0)
+    eval_iters: int = opt(10, "global batches per evaluation", ge=1)
     log_json: Optional[str] = opt(None, "append every logged record as a JSON line to this file")
     tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars to this directory")
     peak_tflops: Optional[float] = opt(

@@ -212,7 +212,10 @@ def blend_vocab_size(data: Any) -> Optional[int]:
     from loom.data.preprocess import read_meta
     seen: dict[int, str] = {}
     for flag, p in data_prefixes(data):
-        v = int(read_meta(p)["vocab_size"])
+        try:
+            v = int(read_meta(p)["vocab_size"])
+        except ConfigError as e:  # read_meta names --data-path; name the flag given
+            raise ConfigError(str(e).replace("--data-path", flag, 1)) from None
         if seen and v not in seen:
             other_v, other = next(iter(seen.items()))
             raise ConfigError(f"{flag} {p} was tokenized with a vocabulary of {v} but {other} "
