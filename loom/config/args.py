@@ -42,6 +42,16 @@ class _JoinWords(argparse.Action):
         setattr(namespace, self.dest, " ".join(str(v) for v in values))
 
 
+class _OnOff(argparse.Action):
+    """A boolean flag: ``--foo`` stores True, ``--no-foo`` stores False."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``;
     each boolean ``--foo`` also gets ``--no-foo`` (False: turns off ``foo: true`` of the YAML)."""
@@ -59,11 +69,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             if base_type(hint)[0] is bool:
                 off = "--no-" + flag(f.name)[2:]  # turns off a YAML `true`
                 offer = not f.name.startswith("no_") and off not in parser._option_string_actions
-                grp.add_argument(flag(f.name), dest=f.name, action="store_const", const=True,
-                                 default=None, help=text + (f" (off: {off})" if offer else ""))
-                if offer:
-                    grp.add_argument(off, dest=f.name, action="store_const", const=False,
-                                     default=None, help=argparse.SUPPRESS)
+                grp.add_argument(flag(f.name), *([off] if offer else []), dest=f.name,
+                                 action=_OnOff, default=None, help=text)
                 continue
             choices = choices_of(hint)
             if f.name in BLEND_FIELDS:
