@@ -86,12 +86,30 @@ def _vocab_from_checkpoint(cfg: LoomConfig) -> None:
         cfg.model.vocab_size = int(read_common(ckpt)["config"]["vocab_size"])
 
 
+def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
+    """Take V from the datasets' stored tokenizer (or the checkpoint) when not given.
+
+    Raises ConfigError when it stays unknown, or when blended datasets disagree on it."""
+    from loom.checkpoint.io import read_common
+    from loom.checkpoint.safety import resolve_checkpoint
+    from loom.data.blended import blend_vocab_size
+    if cfg.model.vocab_size is None and not cfg.data.mock_data:
+        cfg.model.vocab_size = blend_vocab_size(cfg.data)
+    if cfg.model.vocab_size is None and cfg.checkpoint.load:
+        ckpt = resolve_checkpoint(cfg.checkpoint.load, None)
+        if ckpt:
+            cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]
+    if cfg.model.vocab_size is None:
+        raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
+                          "`loom preprocess`) or --mock-data --vocab-size V")
+    return cfg
+
+
 def prepare(args: argparse.Namespace) -> LoomConfig:
     """The validated config of ``loom train ARGS``; every check that needs no process group.
 
     Raises ConfigError naming the flag, key or file and the fix.
     """
-    from loom.training.trainer import resolve_vocab  # torch import only past argument parsing
     world = world_size_from_env()
     cfg = config_from_args(args)
     d = cfg.data

@@ -19,8 +19,8 @@ from torch import nn
 
 from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common, save_checkpoint
 from loom.checkpoint.model_match import check_same_model
-from loom.config import ConfigError, LoomConfig
-from loom.data.blended import blend_prefixes, blend_vocab_size, build_datasets
+from loom.config import LoomConfig
+from loom.data.blended import blend_prefixes, build_datasets
 from loom.data.gpt_dataset import MockGPTDataset
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.models import get_family
@@ -141,7 +141,8 @@ class Trainer:
     # -- data ------------------------------------------------------------------------------------
     def _datasets(self):
         d, m = self.cfg.data, self.cfg.model
-        if d.mock_data or not (d.data_path or d.train_data_path or d.valid_data_path):
+        if d.mock_data or not (d.data_path or d.train_data_path or d.valid_data_path
+                               or d.test_data_path):
             ds = MockGPTDataset(m.vocab_size, m.seq_length, self.cfg.training.seed)
             return ds, MockGPTDataset(m.vocab_size, m.seq_length, self.cfg.training.seed + 1), None
         return build_datasets(d, m.seq_length, self.cfg.training.seed)  # blends: loom.data.blended
@@ -379,17 +380,3 @@ class Trainer:
         finally:
             log.close()
         return self.history
-
-
-def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
-    """Take V from the dataset's stored tokenizer (or the checkpoint) when not given."""
-    if cfg.model.vocab_size is None and not cfg.data.mock_data:
-        cfg.model.vocab_size = blend_vocab_size(cfg.data)
-    if cfg.model.vocab_size is None and cfg.checkpoint.load:
-        ckpt = latest_checkpoint(cfg.checkpoint.load)
-        if ckpt:
-            cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]
-    if cfg.model.vocab_size is None:
-        raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
-                          "`loom preprocess`) or --mock-data --vocab-size V")
-    return cfg
