@@ -233,3 +233,37 @@ def test_eval_interval_default_and_final_evaluation(tmp_path, monkeypatch):
     assert valid == [3]  # default --eval-interval 1000: only the final evaluation
     from loom.config import LoggingConfig
     assert LoggingConfig().eval_interval == 1000
+
+
+def test_blend_from_command_line_and_yaml_list(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    y = tmp_path / "c.yaml"
+    y.write_text(f"data:\n  data_path: [0.25, {data['a']}, 0.75, {data['c']}]\n")
+    from loom.config import add_config_arguments, config_from_args
+    import argparse
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+    assert config_from_args(p.parse_args(["--config", str(y)])).data.data_path == \
+        f"0.25 {data['a']} 0.75 {data['c']}"
+    log = tmp_path / "log.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data-path", "0.3", data["a"], "0.7", data["b"], "--num-layers", "2",
+              "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+              "--micro-batch-size", "2", "--train-iters", "2", "--eval-iters", "1",
+              "--split", "90,10,0", "--no-progress-bar", "--log-json", str(log)])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "train data blend: 30.0% " in out and "valid data blend: 30.0% " in out, out
+    assert [r["kind"] for r in _records(log)] == ["run", "train", "valid"]
+
+
+def test_blend_of_different_tokenizers_refused(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    other = _dataset(tmp_path / "other", 1, 30)
+    meta = json.loads(Path(other + ".meta.json").read_text())
+    Path(other + ".meta.json").write_text(json.dumps({**meta, "vocab_size": 500}))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data-path", "0.5", data["a"], "0.5", other, "--num-layers", "2",
+              "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and other in err and "same tokenizer" in err, err
