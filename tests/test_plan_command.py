@@ -129,3 +129,25 @@ def test_from_hf_config(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--from-hf", str(bad)])
     assert e.value.code == 2 and "--from-hf" in capsys.readouterr().err
+
+
+def test_command_multi_node_virtual_stages_and_zero():
+    from loom.config import ModelConfig
+    from loom.planner.command import train_command
+    model = ModelConfig.llama(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=100,
+                              seq_length=32)
+    rec = {"tp": 2, "pp": 2, "cp": 1, "ep": 1, "vp": 2, "first_stage_layers": 0,
+           "last_stage_layers": 0, "sequence_parallel": True, "recompute": "full", "zero": 2,
+           "micro_batch_size": 1}
+    text = train_command(rec, model, 64, 32, num_gpus=16, gpus_per_node=8)
+    assert text.startswith("# ZeRO-2 is not run by loom train")
+    words = shlex.split(text.split("\n", 1)[1].replace("\\\n", " "))
+    assert words[:9] == ["torchrun", "--nproc-per-node", "8", "--nnodes", "2", "--rdzv-backend",
+                         "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
+    at = words.index("--num-layers-per-virtual-pipeline-stage")
+    assert words[at + 1] == "2"  # L / (p x vp) = 8 / (2 x 2) layers, not the chunk count
+    for w in ("--sequence-parallel", "--use-distributed-optimizer", "--swiglu",
+              "--untie-embeddings-and-output-weights", "--disable-bias-linear"):
+        assert w in words, w
+    assert words[words.index("--recompute-granularity") + 1] == "full"
+    assert words[words.index("--normalization") + 1] == "RMSNorm"
