@@ -19,7 +19,8 @@ import importlib
 import os
 import sys
 
-from loom.errors import CheckpointWriteError, ConfigError, NonFiniteError
+from loom import __version__
+from loom.errors import CheckpointWriteError, ConfigError, NonFiniteError, did_you_mean
 
 SUBCOMMANDS = {
     "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
@@ -80,29 +81,67 @@ def refuse(prog: str, message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def short_usage(parser: argparse.ArgumentParser) -> str:
+    """``PROG [REQUIRED FLAGS] [options] [POSITIONALS]``: the usage on one short line (the
+    full one of ``loom train`` lists every flag)."""
+    parts = [parser.prog]
+    for a in parser._actions:
+        if a.option_strings and a.required:
+            parts.append(f"{a.option_strings[0]} {a.metavar or a.dest.upper()}")
+    parts.append("[options]")
+    for a in parser._actions:
+        if not a.option_strings and a.help != argparse.SUPPRESS and \
+                not isinstance(a, argparse._SubParsersAction):
+            parts.append(f"[{a.metavar or a.dest}]" if a.nargs == "?" else str(a.metavar or a.dest))
+    if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
+        parts.append("COMMAND")
+    return " ".join(parts)
+
+
 class LoomArgumentParser(argparse.ArgumentParser):
-    """argparse without abbreviations whose errors are one line (no usage block), rank 0 only."""
+    """argparse without abbreviations whose errors are one line, rank 0 only: the message, a
+    "did you mean" for an unknown flag or command, and the short usage."""
 
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
 
+    def unknown(self, extras: list[str]) -> None:
+        """Refuse unrecognized arguments ``extras``, suggesting the closest known flag."""
+        flags = [a for a in self._option_string_actions if a.startswith("--")]
+        hint = "".join(did_you_mean(w.split("=")[0], flags) for w in extras if w.startswith("--"))
+        self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
     def error(self, message: str) -> None:  # noqa: D102 - argparse's hook
-        refuse(self.prog, f"{message} (see `{self.prog} --help`)")
+        if "invalid choice" in message and "argument COMMAND" in message:
+            word = message.split("'")[1] if "'" in message else ""
+            message += did_you_mean(word, SUBCOMMANDS)
+        refuse(self.prog, f"{message} (usage: {short_usage(self)}; see `{self.prog} --help`)")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, exit with its status."""
     argv = sys.argv[1:] if argv is None else argv
     parser = LoomArgumentParser(prog="loom")
+    parser.add_argument("--version", action="version", version=f"loom {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv else None
+    parsers = {}
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(argv)
+        parsers[name] = p
+    if chosen in parsers:  # an unknown flag first, before "required" or type errors
+        known = parsers[chosen]._option_string_actions
+        words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+        unknown = [w for w in words if w.startswith("--") and w.split("=")[0] not in known]
+        if unknown:
+            parsers[chosen].unknown(unknown)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # the subcommand's parser names its own flags and usage
+        parsers[args.command].unknown(extras)
     try:
         rc = importlib.import_module(args._module).run(args)
     except ConfigError as e:

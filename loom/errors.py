@@ -21,3 +21,14 @@ class CheckpointWriteError(OSError):
 class NonFiniteError(RuntimeError):
     """``--exit-on-nonfinite N`` consecutive iterations had a non-finite loss or gradient norm;
     the message names the iterations. ``loom`` prints it and exits with status 1."""
+
+
+def did_you_mean(word: str, options) -> str:
+    """``"; did you mean --x?"`` naming the closest of ``options`` to ``word`` (difflib, cutoff
+    0.6; a prefix of exactly one option wins first), or ``""`` when none is close."""
+    import difflib
+    options = sorted(set(options))
+    prefixed = [o for o in options if o.startswith(word)] if len(word) > 3 else []
+    close = prefixed if len(prefixed) == 1 else difflib.get_close_matches(word, options, n=1,
+                                                                           cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""

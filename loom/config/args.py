@@ -16,7 +16,7 @@ import yaml
 from loom.config.core import LoomConfig, field_section, flag
 from loom.config.sections import GROUPS
 from loom.config.validate import base_type, check_bounds, choices_of, coerce
-from loom.errors import ConfigError
+from loom.errors import ConfigError, did_you_mean
 
 
 def field_metadata(name: str) -> dict:
@@ -37,8 +37,31 @@ def _converter(hint: Any, name: str, auto: bool = False) -> Callable[[str], Any]
     return convert
 
 
+# Fields that take Megatron's blend ``W1 PREFIX1 W2 PREFIX2 ...``: several words on the command
+# line (or a YAML list), stored joined by spaces (see loom.data.blended.parse_blend).
+BLEND_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+class _JoinWords(argparse.Action):
+    """Store the words of an ``nargs='+'`` flag joined by single spaces."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, " ".join(str(v) for v in values))
+
+
+class _OnOff(argparse.Action):
+    """A boolean flag: ``--foo`` stores True, ``--no-foo`` stores False."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``."""
+    """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``;
+    each boolean ``--foo`` also gets ``--no-foo`` (False: turns off ``foo: true`` of the YAML)."""
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
                         help="YAML file of the same keys (flat, or grouped by section name); "
                              "flags given on the command line override it")
@@ -51,11 +74,16 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             if f.default is not MISSING and f.default is not None and "default" not in text:
                 text += f" (default: {f.default})"
             if base_type(hint)[0] is bool:
-                grp.add_argument(flag(f.name), dest=f.name, action="store_const", const=True,
-                                 default=None, help=text)
+                off = "--no-" + flag(f.name)[2:]  # turns off a YAML `true`
+                offer = not f.name.startswith("no_") and off not in parser._option_string_actions
+                grp.add_argument(flag(f.name), *([off] if offer else []), dest=f.name,
+                                 action=_OnOff, default=None, help=text)
                 continue
             choices = choices_of(hint)
-            if choices is not None:
+            if f.name in BLEND_FIELDS:
+                grp.add_argument(flag(f.name), dest=f.name, nargs="+", action=_JoinWords,
+                                 default=None, metavar="[W] PREFIX", help=text)
+            elif choices is not None:
                 grp.add_argument(flag(f.name), dest=f.name, choices=choices, default=None,
                                  help=text)
             else:
@@ -116,8 +144,9 @@ def read_yaml_config(path: str, lines: dict | None = None) -> dict:
     lines = {} if lines is None else lines
     for key, node, line in _read_yaml_nodes(path):
         if key not in known:
-            raise ConfigError(f"{path}:{line}: unknown option {flag(key)} (key {key!r}); see "
-                              f"`loom train --help` for the accepted flags")
+            hint = did_you_mean(key, known)
+            raise ConfigError(f"{path}:{line}: unknown option {flag(key)} (key {key!r})"
+                              f"{hint}; see `loom train --help` for the accepted flags")
         if key in lines:
             raise ConfigError(f"{path}:{line}: key {key!r} given twice (first on line "
                               f"{lines[key]})")
@@ -125,6 +154,8 @@ def read_yaml_config(path: str, lines: dict | None = None) -> dict:
             raw = constructor.construct_object(node, deep=True)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}:{line}: {key}: {e}") from None
+        if key in BLEND_FIELDS and isinstance(raw, list):  # [0.3, A, 0.7, B]
+            raw = " ".join(str(w) for w in raw)
         auto = raw == "auto" and field_metadata(key).get("auto")
         values[key] = raw if auto else coerce(raw, hints[key], f"{path}:{line}: {key}")
         lines[key] = line
@@ -146,6 +177,9 @@ def config_from_args(args: argparse.Namespace) -> LoomConfig:
         if k in known and v is not None:
             values[k] = v
             lines.pop(k, None)
+    if values.get("train_iters") is not None and values.get("train_samples") is not None:
+        raise ConfigError("--train-iters and --train-samples both set the length of training: "
+                          "give one (Megatron's rule)")
     meta = {f.name: f.metadata for dc in GROUPS.values() for f in fields(dc)}
     for k, line in lines.items():  # bounds of the values the file still provides, with file:line
         if values[k] == "auto" and meta[k].get("auto"):

@@ -250,17 +250,33 @@ class TrainingConfig:
                    "--recompute-num-layers layers, only each group's input kept) or block (the "
                    "first --recompute-num-layers layers of each pipeline chunk)")
     recompute_num_layers: int = opt(1, "N of --recompute-method", ge=1)
+    # -- Megatron's alternatives: by samples, warm-up as a fraction, evaluation only -------------
+    train_samples: Optional[int] = opt(
+        None, "samples to train on instead of --train-iters (iterations = samples / B)", ge=1)
+    lr_warmup_fraction: Optional[float] = opt(
+        None, "warm-up as a fraction of --lr-decay-iters, in [0, 1] (instead of "
+              "--lr-warmup-iters)", ge=0)
+    recompute_activations: bool = opt(False, "recompute the attention core in the backward "
+                                             "pass (= --recompute-granularity selective)")
+    skip_train: bool = opt(False, "do not train: evaluate the --load checkpoint on the "
+                                  "validation and test sets, then exit")
 
 
 @dataclass
 class DataConfig:
     """Where the training tokens come from."""
 
-    data_path: Optional[str] = opt(None, "dataset prefix: PREFIX.bin / PREFIX.idx / "
-                                         "PREFIX.meta.json written by `loom preprocess`")
+    data_path: Optional[str] = opt(
+        None, "dataset prefix (PREFIX.bin / .idx / .meta.json written by `loom preprocess`), "
+              "or a blend: W1 PREFIX1 W2 PREFIX2 ... (weights; --split applies to each)")
     valid_data_path: Optional[str] = opt(
-        None, "held-out dataset prefix for evaluation (default: the --split share of "
-              "--data-path)")
+        None, "held-out dataset prefix or blend (W PREFIX ...) for evaluation (default: the "
+              "--split share of --data-path)")
+    # -- Megatron's separate sets: whole datasets, --split not applied ----------------------------
+    train_data_path: Optional[str] = opt(
+        None, "training dataset prefix or blend (W PREFIX ...) instead of --data-path")
+    test_data_path: Optional[str] = opt(
+        None, "test dataset prefix or blend (W PREFIX ...), evaluated with --skip-train")
     split: str = opt("969,30,1", "train,valid,test weights of --data-path's documents")
     mock_data: bool = opt(False, "train on random tokens (needs --vocab-size; tests, "
                                  "benchmarks)")
@@ -271,8 +287,8 @@ class LoggingConfig:
     """What is reported, and how often."""
 
     log_interval: int = opt(10, "iterations between training-loss log lines", ge=1)
-    eval_interval: Optional[int] = opt(None, "iterations between evaluations on the validation "
-                                             "set (default: never)", ge=1)
+    eval_interval: int = opt(1000, "iterations between evaluations on the validation set; one "
+                                   "more at the end of training", ge=1)
     eval_iters: int = opt(10, "global batches per evaluation", ge=1)
     log_json: Optional[str] = opt(None, "append every logged record as a JSON line to this file")
     tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars to this directory")

@@ -188,6 +188,37 @@ def _check_moe(cfg: Any, world_size: int) -> None:
                           "--expert-model-parallel-size > 1: drop one of them")
 
 
+def _resolve_training(cfg: Any, world_size: int) -> None:
+    """Megatron's alternative spellings: ``--train-samples`` -> ``--train-iters`` (samples / B),
+    ``--recompute-activations`` -> ``--recompute-granularity selective``; checks
+    ``--lr-warmup-fraction``. Raises ConfigError naming the flags."""
+    t = cfg.training
+    if t.train_samples is not None:
+        gbs = cfg.global_batch_size(world_size)
+        if t.train_samples < gbs:
+            raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
+                              f"({gbs} samples): give at least {gbs}")
+        t.train_iters = t.train_samples // gbs
+    if t.lr_warmup_fraction is not None:
+        if t.lr_warmup_fraction > 1:
+            raise ConfigError(f"--lr-warmup-fraction {t.lr_warmup_fraction} must lie in [0, 1]")
+        if t.lr_warmup_iters:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: "
+                              "give one")
+    if t.recompute_activations:
+        if t.recompute_granularity == "full":
+            raise ConfigError("--recompute-activations means --recompute-granularity selective; "
+                              "it contradicts --recompute-granularity full: give one")
+        t.recompute_granularity = "selective"
+    d = cfg.data
+    if d.mock_data and (d.train_data_path or d.valid_data_path or d.test_data_path):
+        raise ConfigError("--mock-data excludes --train-data-path / --valid-data-path / "
+                          "--test-data-path: give one source of data")
+    if d.data_path and d.train_data_path:
+        raise ConfigError("--data-path and --train-data-path both give the training data: use "
+                          "--data-path with --split, or the separate --train/valid/test-data-path")
+
+
 def validate_config(cfg: Any, world_size: int) -> None:
     """Refuse bad values and impossible layouts of a LoomConfig for ``world_size`` ranks.
 
@@ -222,6 +253,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
                           f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp}")
     gbs = cfg.global_batch_size(world_size)
+    _resolve_training(cfg, world_size)
     if gbs % (t.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size "

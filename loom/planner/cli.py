@@ -17,14 +17,17 @@ Model: a preset name or the Megatron-style flags / ``--config FILE.yaml`` of ``l
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import fields, replace
 
-from loom.config import ConfigError, ModelConfig, add_config_arguments, config_from_args
+from loom.config import (ConfigError, ModelConfig, add_config_arguments, config_from_args,
+                         read_yaml_config)
 from loom.planner.hardware import DEVICES, GB, Cluster, make_cluster
 from loom.planner.cost import (NODE_POWER_OVERHEAD, PUE, RESTART_S, format_estimate,
                                parse_count, training_estimate)
+from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
 from loom.planner.moe import MOE_LOAD_IMBALANCE
@@ -66,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="MoE: busiest EP rank's expert tokens over the mean, >= 1 (default "
                         f"{MOE_LOAD_IMBALANCE}); scales the expert compute and activations")
     o.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    o.add_argument("--command-for", type=int, default=1, metavar="N",
+                   help="print the torchrun command of row N of the table (default 1: the "
+                        "chosen layout)")
+    parser.add_argument("--from-hf", default=None, metavar="config.json",
+                        help="the model of a Hugging Face config.json (gpt2, llama, mistral, "
+                             "mixtral, qwen2); model flags given override it")
     o.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
     o.add_argument("--plot", default=None, metavar="FILE.png",
                    help="MFU against memory per GPU for every feasible layout")
@@ -106,8 +115,8 @@ _MODEL_FIELDS = {f.name for f in fields(ModelConfig)}
 
 def _model_from_args(args) -> tuple[ModelConfig, str]:
     cfg = config_from_args(args)  # YAML + flags
-    if args.model:
-        base = get_preset(args.model)
+    if args.model or args.from_hf:
+        base = hf_model_config(args.from_hf) if args.from_hf else get_preset(args.model)
         given = {k: v for k, v in vars(args).items() if k in _MODEL_FIELDS and v is not None}
         if args.config:  # YAML model keys override the preset too
             given = {**{k: getattr(cfg.model, k) for k in _MODEL_FIELDS
@@ -115,7 +124,8 @@ def _model_from_args(args) -> tuple[ModelConfig, str]:
         if "seq_length" in given and "max_position_embeddings" not in given:
             given["max_position_embeddings"] = max(given["seq_length"], base.max_positions)
         model = replace(base, **given)
-        name = args.model
+        name = args.model or os.path.basename(os.path.dirname(os.path.abspath(args.from_hf))) \
+            or args.from_hf
     else:
         model = cfg.model
         name = "custom"
@@ -208,6 +218,10 @@ def run(args) -> int:
     from loom.planner.search import search
 
     t0 = time.perf_counter()
+    if args.config:  # the file's batch and parallel sizes fix the search like flags do
+        for key, value in read_yaml_config(args.config).items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
     model, name = _model_from_args(args)
     cluster = _cluster_from_args(args)
     B = args.global_batch_size
@@ -258,6 +272,8 @@ def run(args) -> int:
                "params": total_params(model), "active_params": total_params(model, active=True)}
         if why:
             doc["error"] = why
+        for r in recs:
+            r["command"] = train_command(r, model, B, s, cluster.num_gpus, cluster.gpus_per_node)
         print(to_json(recs, doc))
     else:
         print(format_table(recs, header) if recs else header)
@@ -265,6 +281,15 @@ def run(args) -> int:
             print(format_breakdown(recs[:min(len(recs), 5)]))
             if "training" in recs[0]:
                 print("chosen layout: " + format_estimate(recs[0]["training"]))
+            print(LEGEND)
+            n = args.command_for
+            if not 1 <= n <= len(recs):
+                raise ConfigError(f"--command-for {n}: the table has rows 1..{len(recs)} (raise "
+                                  f"--top to see more)")
+            print(f"command for row {n}{' (the chosen layout)' if n == 1 else ''}; add "
+                  f"--data-path PREFIX and --train-iters N (or --mock-data to try it):")
+            print(train_command(recs[n - 1], model, B, s, cluster.num_gpus,
+                                cluster.gpus_per_node))
     if why:
         print(f"loom plan: {why}", file=sys.stderr)
     if args.plot:

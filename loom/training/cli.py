@@ -38,15 +38,14 @@ def world_size_from_env() -> int:
 
 
 def _check_data(cfg: LoomConfig) -> None:
+    """Every dataset of every blend cross-checked; the training set non-empty."""
+    from loom.data.blended import build_datasets, data_prefixes
     from loom.data.checks import check_dataset
-    from loom.data.gpt_dataset import build_gpt_datasets
     d, m = cfg.data, cfg.model
-    check_dataset(d.data_path, m.vocab_size)
-    if d.valid_data_path:
-        check_dataset(d.valid_data_path, m.vocab_size, flag="--valid-data-path")
-    train, _, _ = build_gpt_datasets(d.data_path, d.split, m.seq_length, cfg.training.seed,
-                                     valid_data_path=d.valid_data_path)
-    if train is None:
+    for flag, prefix in data_prefixes(d):
+        check_dataset(prefix, m.vocab_size, flag=flag)
+    train, _, _ = build_datasets(d, m.seq_length, cfg.training.seed)
+    if train is None and not cfg.training.skip_train:
         raise ConfigError(f"--split {d.split} leaves no training documents of --data-path "
                           f"{d.data_path}: give the first (train) weight a positive share")
 
@@ -76,7 +75,8 @@ def _check_checkpoints(cfg: LoomConfig) -> int:
 
 def _vocab_from_checkpoint(cfg: LoomConfig) -> None:
     ck = cfg.checkpoint
-    if cfg.model.vocab_size is not None or not ck.load or cfg.data.data_path:
+    if cfg.model.vocab_size is not None or not ck.load or cfg.data.data_path or \
+            cfg.data.train_data_path:
         return
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
@@ -84,6 +84,25 @@ def _vocab_from_checkpoint(cfg: LoomConfig) -> None:
     if ckpt is not None:
         check_checkpoint_files(ckpt)
         cfg.model.vocab_size = int(read_common(ckpt)["config"]["vocab_size"])
+
+
+def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
+    """Take V from the datasets' stored tokenizer (or the checkpoint) when not given.
+
+    Raises ConfigError when it stays unknown, or when blended datasets disagree on it."""
+    from loom.checkpoint.io import read_common
+    from loom.checkpoint.safety import resolve_checkpoint
+    from loom.data.blended import blend_vocab_size
+    if cfg.model.vocab_size is None and not cfg.data.mock_data:
+        cfg.model.vocab_size = blend_vocab_size(cfg.data)
+    if cfg.model.vocab_size is None and cfg.checkpoint.load:
+        ckpt = resolve_checkpoint(cfg.checkpoint.load, None)
+        if ckpt:
+            cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]
+    if cfg.model.vocab_size is None:
+        raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
+                          "`loom preprocess`) or --mock-data --vocab-size V")
+    return cfg
 
 
 def prepare(args: argparse.Namespace) -> LoomConfig:
@@ -94,7 +113,9 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     world = world_size_from_env()
     cfg = config_from_args(args)
     d = cfg.data
-    if not d.mock_data and not d.data_path:
+    named = d.data_path or d.train_data_path or (cfg.training.skip_train and (
+        d.valid_data_path or d.test_data_path))
+    if not d.mock_data and not named:
         raise ConfigError("no training data: give --data-path PREFIX (written by `loom "
                           "preprocess`) or --mock-data (random tokens, needs --vocab-size)")
     if d.mock_data and d.data_path:
@@ -104,7 +125,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     _vocab_from_checkpoint(cfg)
     cfg = resolve_vocab(cfg)
     cfg.validate(world)
-    if d.data_path:
+    if named and not d.mock_data:
         _check_data(cfg)
     _check_checkpoints(cfg)
     _check_same_model(cfg)
@@ -146,20 +167,3 @@ def run(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
-
-
-def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
-    """Take V from the dataset's stored tokenizer (or the checkpoint) when not given."""
-    if cfg.model.vocab_size is None and cfg.data.data_path and not cfg.data.mock_data:
-        from loom.data.preprocess import read_meta
-        cfg.model.vocab_size = int(read_meta(cfg.data.data_path)["vocab_size"])
-    if cfg.model.vocab_size is None and cfg.checkpoint.load:
-        from loom.checkpoint.safety import resolve_checkpoint
-        ckpt = resolve_checkpoint(cfg.checkpoint.load)
-        if ckpt:
-            from loom.checkpoint.io import read_common
-            cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]
-    if cfg.model.vocab_size is None:
-        raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
-                          "`loom preprocess`) or --mock-data --vocab-size V")
-    return cfg

@@ -10,6 +10,8 @@ import json
 import os
 import resource
 import sys
+import time
+from datetime import datetime, timezone
 from typing import Optional
 
 import torch
@@ -47,31 +49,69 @@ def peak_flops_per_rank(device: torch.device, override_tflops: Optional[float]) 
     return None
 
 
+def average_window(window: list[dict], tokens_per_iter: int, flops_per_iter_per_rank: float,
+                   peak_flops: Optional[float]) -> dict:
+    """The last record of ``window`` with loss, step time (s), bubble fraction, tokens/s,
+    TFLOP/s per rank and MFU averaged over the window's iterations."""
+    avg = dict(window[-1])
+    for key in ("loss", "step_time_s", "bubble_fraction"):
+        if key in avg:
+            avg[key] = sum(r[key] for r in window) / len(window)
+    avg["tokens_per_s"] = tokens_per_iter / avg["step_time_s"]
+    avg["tflops_per_rank"] = flops_per_iter_per_rank / avg["step_time_s"] / 1e12
+    avg["mfu"] = avg["tflops_per_rank"] * 1e12 / peak_flops if peak_flops else None
+    return avg
+
+
+def _clock(seconds: float) -> str:
+    """``H:MM:SS`` of a duration in seconds."""
+    s = int(max(seconds, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 class MetricsLogger:
-    """Writes metrics on rank 0 only; all other ranks hold a silent logger."""
+    """Writes metrics on rank 0 only; all other ranks hold a silent logger.
+
+    ``config`` (the flat run config) is the first record of ``--log-json`` (``kind: "run"``,
+    with the UTC start time, so runs appended to one file are told apart) and TensorBoard text.
+    When stdout is not a terminal (a file, a pipe, a batch job) every iteration line starts
+    with the UTC time and ends with the elapsed time and the ETA of the remaining
+    ``total_iters`` iterations (or always, with ``timestamps=True``).
+    """
 
     def __init__(self, enabled: bool, log_json: Optional[str] = None,
                  tensorboard_dir: Optional[str] = None, total_iters: int = 0,
-                 progress_bar: bool = True):
+                 progress_bar: bool = True, config: Optional[dict] = None,
+                 start_iteration: int = 0, timestamps: Optional[bool] = None):
         self.enabled = enabled
         self.json_file = None
         self.tb = None
         self.bar = None
+        self.start, self.start_iteration, self.total_iters = (time.monotonic(), start_iteration,
+                                                              total_iters)
+        self.timestamps = (not sys.stdout.isatty()) if timestamps is None else timestamps
         if not enabled:
             return
+        header = {"kind": "run", "start_utc": datetime.now(timezone.utc).isoformat(
+            timespec="seconds"), "start_iteration": start_iteration, "config": config or {}}
         if log_json:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
             self.json_file = open(log_json, "a", buffering=1)
+            self.json_file.write(json.dumps(header) + "\n")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(tensorboard_dir)
+            self.tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in
+                                                  sorted((config or {}).items())), 0)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total_iters, desc="train", dynamic_ncols=True, leave=False)
 
     def print(self, line: str) -> None:
+        """Print one line on rank 0 (UTC time first when timestamps are on)."""
         if not self.enabled:
             return
+        line = self._stamp() + line
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -88,24 +128,45 @@ class MetricsLogger:
         if kind == "train":
             mfu = record.get("mfu")
             self.print(
-                f" iteration {it:>6d} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-                f"grad norm {record['grad_norm']:.3f} | tokens/s {record['tokens_per_s']:,.0f} | "
+                f" iteration {it:>6d} | loss {record['loss']:.4f} | "
+                f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | tokens/s {record['tokens_per_s']:,.0f} | "
                 f"TFLOP/s/rank {record['tflops_per_rank']:.3f} | "
                 f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
                 f"step {1000 * record['step_time_s']:.0f} ms | "
                 f"peak mem {record['peak_memory_bytes'] / 2**20:,.0f} MiB"
+                + (f" | bubble {100 * record['bubble_fraction']:.1f}%"
+                   if "bubble_fraction" in record else "")
                 + (f" | moe aux {record['moe_aux_loss']:.4f} | expert load "
                    f"{record['moe_load_min']:.0f}-{record['moe_load_max']:.0f} (max/mean "
-                   f"{record['moe_load_imbalance']:.2f})" if "moe_aux_loss" in record else ""))
+                   f"{record['moe_load_imbalance']:.2f})" if "moe_aux_loss" in record else "")
+                + self._eta(it))
         else:
-            self.print(f" validation at iteration {it:>6d} | loss {record['valid_loss']:.4f} | "
-                       f"perplexity {record['valid_ppl']:.2f}")
+            what = "validation" if kind == "valid" else kind
+            self.print(f" {what} at iteration {it:>6d} | loss "
+                       f"{record['valid_loss']:.4f} | perplexity {record['valid_ppl']:.2f}")
         if self.json_file:
             self.json_file.write(json.dumps({"kind": kind, **record}) + "\n")
         if self.tb is not None:
             for k, v in record.items():
                 if k != "iteration" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{kind}/{k}", v, it)
+
+    def _stamp(self) -> str:
+        """``[2026-11-22 12:00:00]`` (UTC) when timestamps are on, else empty."""
+        if not self.timestamps:
+            return ""
+        return datetime.now(timezone.utc).strftime("[%Y-%m-%d %H:%M:%S] ")
+
+    def _eta(self, iteration: int) -> str:
+        """`` | elapsed H:MM:SS | ETA H:MM:SS`` (mean time per iteration so far x iterations
+        left) when timestamps are on, else empty."""
+        if not self.timestamps:
+            return ""
+        elapsed = time.monotonic() - self.start
+        done = iteration - self.start_iteration
+        left = self.start_iteration + self.total_iters - iteration
+        eta = _clock(elapsed / done * left) if done > 0 else "?"
+        return f" | elapsed {_clock(elapsed)} | ETA {eta}"
 
     def close(self) -> None:
         for h in (self.json_file, self.tb, self.bar):

@@ -49,13 +49,15 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def lr_at(iteration: int, cfg: TrainingConfig) -> float:
     """Learning rate after ``iteration`` steps: linear warm-up over ``--lr-warmup-iters`` to
     ``--lr``, then ``--lr-decay-style`` (cosine / linear / constant) to ``--min-lr`` at
-    ``--lr-decay-iters`` (Megatron's ``OptimizerParamScheduler``)."""
-    warmup = cfg.lr_warmup_iters
+    ``--lr-decay-iters`` (Megatron's ``OptimizerParamScheduler``); ``--lr-warmup-fraction`` f
+    warms up over ``f x`` the decay iterations instead."""
+    decay_iters = cfg.lr_decay_iters or cfg.train_iters
+    warmup = cfg.lr_warmup_iters if cfg.lr_warmup_fraction is None else \
+        int(cfg.lr_warmup_fraction * decay_iters)
     if warmup > 0 and iteration < warmup:
         return cfg.lr * (iteration + 1) / warmup
     if cfg.lr_decay_style == "constant":
         return cfg.lr
-    decay_iters = cfg.lr_decay_iters or cfg.train_iters
     frac = min(max(iteration - warmup, 0) / max(decay_iters - warmup, 1), 1.0)
     if cfg.lr_decay_style == "linear":
         coeff = 1.0 - frac

@@ -1,8 +1,10 @@
 """Pieces of the trainer's set-up: autocast of the forward step, gradient reducers per chunk
-(dense and expert parameters), the parameter count, the MoE metrics that are logged."""
+(dense and expert parameters), the parameter count, the MoE metrics that are logged, the
+checkpoint interval, the planner's step-time prediction."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -12,6 +14,8 @@ from loom.parallel.data import GradientReducer
 from loom.parallel.expert import ReducerGroup
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import named_parameters
+from loom.planner.predict import predict_layout
+from loom.training.fault import CheckpointInterval
 
 MOE_LOGGED = ("moe aux loss", "moe z loss", "moe load min", "moe load max",
               "moe load imbalance", "moe dropped")  # loss_fn metrics of MoE models, logged
@@ -52,3 +56,26 @@ def owned_parameters(model_chunks, mesh: ParallelMesh) -> int:
     return sum(p.numel() for _, p, meta in named_parameters(model_chunks)
                if meta.counts_for_norm(mesh.tp_rank)
                and (meta.expert_parallel or mesh.ep_rank == 0))
+
+
+def checkpoint_interval(cfg, world_size: int, params) -> CheckpointInterval:
+    """``--save-interval`` (N, or auto from the job's MTBF: ``--mtbf-hours``, or
+    ``--mtbf-hours-per-node`` / nodes with ``LOCAL_WORLD_SIZE`` ranks per node). The save-time
+    estimate before the first save uses 12 bytes per parameter on this rank (fp32 weights and
+    Adam's two moments)."""
+    ck = cfg.checkpoint
+    nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    mtbf_s = (ck.mtbf_hours or (ck.mtbf_hours_per_node or 0) / max(nodes, 1)) * 3600 or None
+    return CheckpointInterval(ck.save_interval, mtbf_s, 12 * sum(p.numel() for p in params))
+
+
+def predict_step_time(cfg, world_size: int, device: torch.device) -> Optional[float]:
+    """The planner's iteration time for this exact layout (seconds), when it knows the
+    hardware: a ``--planner-cluster`` file (``loom plan --calibrate``) or a known GPU."""
+    cluster = cfg.logging.planner_cluster
+    if cluster is None and device.type != "cuda":
+        return None
+    try:
+        return predict_layout(cfg, world_size, cluster=cluster)["time_s"]["iteration"]
+    except Exception:  # noqa: BLE001 - a prediction must never stop training
+        return None

@@ -10,7 +10,6 @@ single-process reference of the very same code.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Optional
 
@@ -22,8 +21,9 @@ from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common, sav
 from loom.checkpoint.model_match import check_same_model
 from loom.checkpoint.safety import prune_checkpoints
 from loom.config import LoomConfig
+from loom.data.blended import blend_prefixes, build_datasets
+from loom.data.gpt_dataset import MockGPTDataset
 from loom.errors import NonFiniteError
-from loom.data.gpt_dataset import MockGPTDataset, build_gpt_datasets
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.models import get_family
 from loom.models.family import ModelFamily
@@ -37,12 +37,13 @@ from loom.parallel.random import RNGTracker, seed_everything
 from loom.parallel.registry import ParamRegistry, named_parameters
 from loom.parallel.sequence import allreduce_sequence_parallel_grads
 from loom.planner.flops import model_flops_per_iteration
-from loom.planner.predict import predict_layout
-from loom.training.fault import CheckpointInterval, FaultTolerance
-from loom.training.setup import MOE_LOGGED, chunk_reducer, owned_parameters, with_autocast
-from loom.training.metrics import MetricsLogger, peak_flops_per_rank, peak_memory_bytes
+from loom.training.fault import FaultTolerance
+from loom.training.metrics import (MetricsLogger, average_window, peak_flops_per_rank,
+                                  peak_memory_bytes)
 from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm, lr_at
 from loom.training.resume import reconcile_schedule
+from loom.training.setup import (MOE_LOGGED, checkpoint_interval, chunk_reducer,
+                                 owned_parameters, predict_step_time, with_autocast)
 
 
 class Trainer:
@@ -94,40 +95,26 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.nonfinite: list[int] = []  # consecutive iterations skipped for a NaN/inf norm
-        ft, ck = cfg.fault_tolerance, cfg.checkpoint
+        ft = cfg.fault_tolerance
         self.faults = FaultTolerance(self.global_rank, ft.inject_fault, ft.hang_timeout_s)
-        nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        mtbf_s = (ck.mtbf_hours or (ck.mtbf_hours_per_node or 0) / max(nodes, 1)) * 3600 or None
-        self.save_interval = CheckpointInterval(ck.save_interval, mtbf_s,
-                                                12 * sum(p.numel() for p in self.params))
+        self.save_interval = checkpoint_interval(cfg, self.world_size, self.params)
         self.train_ds, self.valid_ds, self.test_ds = self._datasets()
         self.flops_per_iter = model_flops_per_iteration(cfg.model, self.global_batch,
                                                         cfg.model.seq_length)
         self.peak_flops = peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops)
         self.history: list[dict] = []
-        self.predicted_step_s = self._predict_step_time()
+        self.predicted_step_s = predict_step_time(cfg, self.world_size, mesh.device)
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
-
-    def _predict_step_time(self) -> Optional[float]:
-        """The planner's iteration time for this exact layout (seconds), when it knows the
-        hardware: a ``--planner-cluster`` file (``loom plan --calibrate``) or a known GPU."""
-        cluster = self.cfg.logging.planner_cluster
-        if cluster is None and self.mesh.device.type != "cuda":
-            return None
-        try:
-            return predict_layout(self.cfg, self.world_size, cluster=cluster)["time_s"]["iteration"]
-        except Exception:  # noqa: BLE001 - a prediction must never stop training
-            return None
 
     # -- data ------------------------------------------------------------------------------------
     def _datasets(self):
         d, m = self.cfg.data, self.cfg.model
-        if d.mock_data or not d.data_path:
+        if d.mock_data or not (d.data_path or d.train_data_path or d.valid_data_path
+                               or d.test_data_path):
             ds = MockGPTDataset(m.vocab_size, m.seq_length, self.cfg.training.seed)
             return ds, MockGPTDataset(m.vocab_size, m.seq_length, self.cfg.training.seed + 1), None
-        return build_gpt_datasets(d.data_path, d.split, m.seq_length, self.cfg.training.seed,
-                                  valid_data_path=d.valid_data_path)
+        return build_datasets(d, m.seq_length, self.cfg.training.seed)  # blends: loom.data.blended
 
     def batches(self, dataset, consumed: int) -> list[dict]:
         """This DP rank's m micro-batches of the global batch starting at sample ``consumed``:
@@ -258,17 +245,19 @@ class Trainer:
 
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, iters: Optional[int] = None) -> Optional[dict]:
+    def evaluate(self, iters: Optional[int] = None, dataset=None) -> Optional[dict]:
         """Mean loss and perplexity over the first ``--eval-iters`` global batches of the
-        validation set (the same samples at every evaluation, so values are comparable)."""
-        if self.valid_ds is None:
-            return None
+        validation set, or of ``dataset`` (the same samples at every evaluation, so values are
+        comparable); None without such a set or with ``--eval-iters 0``."""
+        dataset = self.valid_ds if dataset is None else dataset
         iters = iters or self.cfg.logging.eval_iters
+        if dataset is None or not iters:
+            return None
         for c in self.model_chunks:
             c.eval()
         total = 0.0
         for i in range(iters):
-            batches = self.batches(self.valid_ds, i * self.global_batch)
+            batches = self.batches(dataset, i * self.global_batch)
             result = forward_only(self.model_chunks, batches, self.forward_step, self.mesh,
                                   p2p_shape=self.p2p_shape(batches))
             total += self.global_loss(result.loss)
@@ -280,8 +269,9 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self, save_dir: str, tokenizer_file: Optional[str] = None) -> str:
-        if tokenizer_file is None and self.cfg.data.data_path:
-            tokenizer_file = self.cfg.data.data_path + ".tokenizer.json"
+        first = blend_prefixes(self.cfg.data.data_path or self.cfg.data.train_data_path)
+        if tokenizer_file is None and first:
+            tokenizer_file = first[0] + ".tokenizer.json"
         self.faults.mark(self.iteration, "checkpoint save")
         path = save_checkpoint(save_dir, self.iteration, self.model_chunks, self.optimizer,
                                self.scheduler, self.mesh, self.tracker,
@@ -320,21 +310,40 @@ class Trainer:
         return int(total), sum(p.numel() for p in self.params)
 
     # -- the loop ----------------------------------------------------------------------------------
+    def _evaluate_sets(self, log: MetricsLogger, test: bool) -> None:
+        """Log an evaluation of the validation set (and, with ``test``, of the test set)."""
+        for kind, ds in (("valid", self.valid_ds), ("test", self.test_ds if test else None)):
+            rec = self.evaluate(dataset=ds) if ds is not None else None
+            if rec is not None:
+                log.log(rec, kind=kind)
+                self.evaluations.append({"kind": kind, **rec})
+
     def train(self) -> list[dict]:
-        """Train to ``--train-iters``; log, evaluate and save on their intervals."""
-        lg = self.cfg.logging
+        """Train to ``--train-iters``; log, evaluate (every ``--eval-interval`` and once at the
+        end) and save on their intervals. ``--skip-train`` only evaluates the validation and
+        test sets. Returns the training records; the evaluations are in ``self.evaluations``."""
+        lg, ck, iters = self.cfg.logging, self.cfg.checkpoint, self.cfg.training.train_iters
+        skip = self.cfg.training.skip_train
+        self.evaluations: list[dict] = []  # {"kind": "valid" | "test", "valid_loss", ...}
         log = MetricsLogger(self.global_rank == 0, lg.log_json, lg.tensorboard_dir,
-                            self.cfg.training.train_iters - self.iteration, not lg.no_progress_bar)
+                            0 if skip else iters - self.iteration, not lg.no_progress_bar,
+                            config=self.cfg.to_flat(), start_iteration=self.iteration)
         total, local = self.count_parameters()
         log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, {total:,} parameters "
                   f"({local:,} on rank 0), "
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
                   f"{self.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")
+        for name, ds in (("train", self.train_ds), ("valid", self.valid_ds), ("test", self.test_ds)):
+            if hasattr(ds, "describe"):  # a blend: each dataset's share
+                log.print(f" {name} data blend: {ds.describe()}")
         window: list[dict] = []
         try:
+            if skip:
+                self._evaluate_sets(log, test=True)
+                return self.history
             self.faults.start()
-            while self.iteration < self.cfg.training.train_iters:
+            while self.iteration < iters:
                 self.faults.before_iteration(self.iteration + 1)
                 rec = self.train_step()
                 if not math.isfinite(rec["grad_norm"]):
@@ -342,25 +351,14 @@ class Trainer:
                               f"{rec['grad_norm']} (loss {rec['loss']}): step skipped")
                 window.append(rec)
                 log.advance()
-                if self.iteration % lg.log_interval == 0 or \
-                        self.iteration == self.cfg.training.train_iters:
-                    avg = dict(rec)
-                    avg["loss"] = sum(r["loss"] for r in window) / len(window)
-                    avg["step_time_s"] = sum(r["step_time_s"] for r in window) / len(window)
-                    if "bubble_fraction" in rec:
-                        avg["bubble_fraction"] = (sum(r["bubble_fraction"] for r in window)
-                                                  / len(window))
-                    avg["tokens_per_s"] = (self.global_batch * self.cfg.model.seq_length
-                                           / avg["step_time_s"])
-                    avg["tflops_per_rank"] = (self.flops_per_iter / avg["step_time_s"]
-                                              / self.world_size / 1e12)
-                    avg["mfu"] = (avg["tflops_per_rank"] * 1e12 / self.peak_flops
-                                  if self.peak_flops else None)
-                    log.log(avg)
+                if self.iteration % lg.log_interval == 0 or self.iteration == iters:
+                    log.log(average_window(window, self.global_batch * self.cfg.model.seq_length,
+                                           self.flops_per_iter / self.world_size,
+                                           self.peak_flops))
                     window = []
-                if lg.eval_interval and self.iteration % lg.eval_interval == 0:
-                    log.log(self.evaluate(), kind="valid")
-                ck = self.cfg.checkpoint
+                if self.iteration % lg.eval_interval == 0 or self.iteration == iters:
+                    self.faults.mark(self.iteration, "evaluation")
+                    self._evaluate_sets(log, test=self.iteration == iters)
                 exiting = bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0
                 due = self.save_interval.due(self.iteration, rec["step_time_s"])
                 if self.save_interval.message:
@@ -376,9 +374,7 @@ class Trainer:
                     log.print(f" --exit-interval {ck.exit_interval}: exiting after iteration "
                               f"{self.iteration}")
                     break
-            ck = self.cfg.checkpoint
-            if ck.save and self.iteration == self.cfg.training.train_iters and \
-                    self.save_interval.last_save != self.iteration:
+            if ck.save and self.iteration == iters and self.save_interval.last_save != iters:
                 log.print(f" saved checkpoint {self.save(ck.save)}")
             if self.predicted_step_s is not None and len(self.history) > 1:
                 measured = sorted(r["step_time_s"] for r in self.history[1:])[len(self.history[1:]) // 2]

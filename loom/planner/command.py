@@ -1,0 +1,156 @@
+"""What ``loom plan`` hands over: the ``torchrun ... -m loom train`` command of a layout, the
+legend of the table's columns, and a model read from a Hugging Face ``config.json``.
+
+Torch-free (the planner imports only the config).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+from typing import Any
+
+from loom.config import ConfigError, ModelConfig, flag
+
+LEGEND = """\
+columns: #  rank (best first; --command-for N prints row N's command)
+  tp   --tensor-model-parallel-size t        pp   --pipeline-model-parallel-size p
+  dp   data-parallel replicas d = GPUs / (t p c), derived from the world size
+  ep   --expert-model-parallel-size (MoE; splits the dp ranks, not extra GPUs)
+  cp   --context-parallel-size c
+  vp   model chunks per pipeline stage (interleaved 1F1B when > 1); loom train takes it as
+       --num-layers-per-virtual-pipeline-stage = L / (p x vp) LAYERS per chunk
+  mbs  --micro-batch-size b                  recompute  --recompute-granularity (none: off)
+  sp   --sequence-parallel (y/n)             z    ZeRO stage (1 = --use-distributed-optimizer)
+  memory per GPU, GB (1e9 bytes): W weights, G gradients, O optimizer states, A activations
+       kept for the backward pass, E embedding / output-layer activations and logits,
+       R reserve (CUDA context, workspaces, fragmentation); total = their sum
+  iter s  predicted seconds per iteration     tok/s  tokens per second of the whole job
+  TFLOP/s model FLOPs per GPU per second (6 x params x tokens plus attention, no recompute)
+  hw   hardware TFLOP/s per GPU, recomputation included
+  MFU  model FLOPs utilization = TFLOP/s / the GPU's peak"""
+
+
+def model_flags(model: ModelConfig, seq_length: int) -> list[str]:
+    """``loom train`` flags of ``model``: the shape always, every other field that differs from
+    the default."""
+    default = ModelConfig()
+    always = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"}
+    out: list[str] = []
+    for f in fields(ModelConfig):
+        value = seq_length if f.name == "seq_length" else getattr(model, f.name)
+        if f.name not in always and (value == getattr(default, f.name) or value is None):
+            continue
+        if isinstance(value, bool):
+            out += [flag(f.name)] if value else ["--no-" + flag(f.name)[2:]]
+        else:
+            out += [flag(f.name), f"{value:g}" if isinstance(value, float) else str(value)]
+    return out
+
+
+def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[str]:
+    """``loom train`` flags of one planner record (:func:`loom.planner.search.record`)."""
+    out = ["--tensor-model-parallel-size", str(rec["tp"]),
+           "--pipeline-model-parallel-size", str(rec["pp"]),
+           "--context-parallel-size", str(rec["cp"])]
+    if rec.get("ep", 1) > 1:
+        out += ["--expert-model-parallel-size", str(rec["ep"])]
+    if rec["vp"] > 1:
+        out += ["--num-layers-per-virtual-pipeline-stage",
+                str(model.num_layers // (rec["pp"] * rec["vp"]))]
+    if rec.get("first_stage_layers"):
+        out += ["--decoder-first-pipeline-num-layers", str(rec["first_stage_layers"])]
+    if rec.get("last_stage_layers"):
+        out += ["--decoder-last-pipeline-num-layers", str(rec["last_stage_layers"])]
+    if rec["sequence_parallel"]:
+        out.append("--sequence-parallel")
+    if rec["recompute"] != "none":
+        out += ["--recompute-granularity", rec["recompute"]]
+    if rec["zero"] >= 1:
+        out.append("--use-distributed-optimizer")
+    return out + ["--micro-batch-size", str(rec["micro_batch_size"]),
+                  "--global-batch-size", str(global_batch_size)]
+
+
+def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_length: int,
+                  num_gpus: int, gpus_per_node: int) -> str:
+    """The shell command that runs layout ``rec``: ``torchrun [--standalone] --nproc-per-node G [--nnodes N
+    --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500] -m loom train FLAGS``, one flag per
+    continued line; data and length (``--data-path`` / ``--train-iters``) are for the user to
+    add. A ZeRO stage above 1, which loom train does not run, is said in a comment line."""
+    per_node = min(num_gpus, gpus_per_node)
+    nodes = math.ceil(num_gpus / per_node)
+    launch = ["torchrun", "--nproc-per-node", str(per_node)]
+    if nodes == 1:
+        launch.insert(1, "--standalone")  # a local rendezvous on a free port
+    else:
+        launch += ["--nnodes", str(nodes), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", "$MASTER_ADDR:29500"]
+    words = model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size)
+    pairs, i = [], 0
+    while i < len(words):  # "--flag value" together on one line
+        take = 2 if i + 1 < len(words) and not words[i + 1].startswith("--") else 1
+        pairs.append(" ".join(words[i:i + take]))
+        i += take
+    lines = [" ".join(launch) + " -m loom train"] + pairs
+    text = " \\\n    ".join(lines)
+    if rec["zero"] > 1:
+        text = (f"# ZeRO-{rec['zero']} is not run by loom train; this command uses ZeRO-1 "
+                f"(--use-distributed-optimizer), which needs more memory\n") + text
+    return text
+
+
+# Hugging Face config.json keys -> loom fields, per layout (LLaMA family, GPT-2)
+_LLAMA_KEYS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
+               "num_attention_heads": "num_attention_heads",
+               "num_key_value_heads": "num_query_groups", "intermediate_size": "ffn_hidden_size",
+               "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
+               "rms_norm_eps": "norm_epsilon", "rope_theta": "rotary_base",
+               "head_dim": "kv_channels", "num_local_experts": "num_experts",
+               "num_experts_per_tok": "moe_router_topk",
+               "router_aux_loss_coef": "moe_aux_loss_coeff"}
+_GPT2_KEYS = {"n_layer": "num_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads",
+              "n_inner": "ffn_hidden_size", "vocab_size": "vocab_size",
+              "n_positions": "max_position_embeddings", "layer_norm_epsilon": "norm_epsilon"}
+LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2")
+HF_SEQ_LENGTH_CAP = 4096  # tokens: s when the config's context is longer (give --seq-length)
+
+
+def hf_model_config(path: str) -> ModelConfig:
+    """A :class:`ModelConfig` from a Hugging Face ``config.json`` (``model_type`` gpt2, llama,
+    mistral, mixtral or qwen2). ``seq_length`` is the context length, capped at
+    ``HF_SEQ_LENGTH_CAP`` tokens. Raises ConfigError naming ``--from-hf`` for an unreadable
+    file, another model type or a missing key."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            hf: dict[str, Any] = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--from-hf {path}: cannot read it as JSON ({e})") from None
+    kind = str(hf.get("model_type", "")).lower()
+    if kind not in LLAMA_LIKE + ("gpt2",):
+        raise ConfigError(f"--from-hf {path}: model_type {kind!r} is not one of "
+                          f"{', '.join(LLAMA_LIKE + ('gpt2',))}; give the model flags instead")
+    keys = _GPT2_KEYS if kind == "gpt2" else _LLAMA_KEYS
+    kw = {ours: hf[theirs] for theirs, ours in keys.items() if hf.get(theirs) is not None}
+    for need in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if need not in kw:
+            raise ConfigError(f"--from-hf {path}: no {need.replace('_', ' ')} "
+                              f"({[k for k, v in keys.items() if v == need][0]!r}) in the file")
+    kw["seq_length"] = min(int(kw.get("max_position_embeddings") or 1024), HF_SEQ_LENGTH_CAP)
+    kw["hidden_dropout"] = kw["attention_dropout"] = 0.0
+    if kind == "gpt2":
+        kw["openai_gelu"] = hf.get("activation_function") in ("gelu_new", "gelu_pytorch_tanh")
+        return ModelConfig.gpt2(**kw)
+    if kw.get("num_query_groups") == kw["num_attention_heads"]:
+        kw.pop("num_query_groups")
+    elif "num_query_groups" in kw:
+        kw["group_query_attention"] = True
+    if kw.get("kv_channels") == kw["hidden_size"] // kw["num_attention_heads"]:
+        kw.pop("kv_channels")
+    kw["untie_embeddings_and_output_weights"] = not hf.get("tie_word_embeddings", False)
+    if kind == "qwen2":
+        kw["add_qkv_bias"] = True
+    if "num_experts" in kw:
+        kw["moe_ffn_hidden_size"] = kw.get("ffn_hidden_size")
+    return ModelConfig.llama(**kw)
