@@ -179,10 +179,9 @@ def _check_moe(cfg: Any, world_size: int) -> None:
     if t > 1 and not m.disable_bias_linear:
         raise ConfigError("MoE experts under --tensor-model-parallel-size > 1 need "
                           "--disable-bias-linear (experts are sharded without biases)")
-    if c > 1 or p.sequence_parallel:
-        raise ConfigError("MoE layers do not yet compose with --context-parallel-size > 1 or "
-                          "--sequence-parallel (the router's load statistics would be per "
-                          "sequence shard): drop those flags for MoE models")
+    if c > 1:
+        raise ConfigError("MoE layers do not yet compose with --context-parallel-size > 1 (the "
+                          "router's load statistics would be per sequence shard): use CP 1")
     if cfg.training.use_distributed_optimizer and e > 1:
         raise ConfigError("--use-distributed-optimizer does not yet compose with "
                           "--expert-model-parallel-size > 1: drop one of them")

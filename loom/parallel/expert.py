@@ -12,6 +12,9 @@ Under TP the experts are sharded like an MLP (FC1 by columns, FC2 by rows, no bi
 partial expert outputs of all k choices and the shared expert are summed over TP in ONE
 all-reduce before the router weights combine them, so the router's gradient is exact and
 identical on every TP rank: 1 all-reduce forward and 1 backward per MoE layer, like a dense MLP.
+Under sequence parallelism the layer all-gathers its ``[s/t, b, h]`` tokens first (every TP rank
+routes all of them, so the router's load statistics are the full micro-batch's) and keeps its
+own ``s/t`` slice of the output.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from loom.parallel.mappings import (copy_to_tensor_parallel_region,
                                     reduce_from_tensor_parallel_region)
 from loom.parallel.plan import ParallelStyle, PlanContext
 from loom.parallel.registry import ShardSpec
+from loom.parallel.sequence import (gather_sequence_replicated_grad,
+                                    scatter_to_sequence_parallel_region)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -140,6 +145,12 @@ class MoEParallel(ParallelStyle):
         if t > 1 or e > 1:
             module.dispatcher = ParallelDispatcher(E, mesh.groups["tp"], mesh.groups.get("ep"),
                                                    mesh.ep_rank, e)
+        if ctx.sp:  # tokens [s/t, b, h] -> all of them on every TP rank -> back to [s/t, b, h]
+            group = mesh.groups["tp"]
+            module.register_forward_pre_hook(
+                lambda mod, args: (gather_sequence_replicated_grad(args[0], group), *args[1:]))
+            module.register_forward_hook(
+                lambda mod, args, out: scatter_to_sequence_parallel_region(out, group))
         return module, fields
 
 

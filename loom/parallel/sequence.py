@@ -61,6 +61,13 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch
                                                              reduce_scatter_dim0)
 
 
+def gather_sequence_replicated_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``[s/t, b, h]`` -> ``[s, b, h]`` for a consumer that computes the same full gradient on
+    every TP rank (an MoE layer routes every token on every TP rank): backward keeps this
+    rank's slice instead of reduce-scattering."""
+    return x if group is None else ConjugateCollective.apply(x, group, _gather_dim0, _split_dim0)
+
+
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Partial sums ``[s, b, h]`` of a row-parallel GEMM -> summed ``[s/t, b, h]``;
     backward all-gathers."""
