@@ -1,7 +1,7 @@
 """Mixture-of-experts: parity with the single-process run (fp32, dropless and with a capacity
 factor; loss, every gradient and the gradient norm for 3 steps; the load-balancing and z
-losses in the gradient) at EP=2, TP=2, TP=2 + SP, DP=2, EP=2 x TP=2 (+ SP), EP=2 x DP=2 (d=4), EP=4 and
-EP=2 x PP=2; top-1, top-2, softmax and sigmoid routers, a shared expert; exactly 2 token
+losses in the gradient) at EP=2, TP=2, TP=2 + SP, DP=2, CP=2, EP=2 x TP=2 (+ SP),
+EP=2 x DP=2 (d=4), EP=4, EP=2 x PP=2 and EP=2 x CP=2; top-1, top-2, softmax and sigmoid routers, a shared expert; exactly 2 token
 all-to-alls forward and 2 backward per MoE layer per micro-batch on the EP group (none at
 EP=1); the router losses against hand-computed values; checkpoints that move between EP
 sizes; bad layouts refused before any process group starts.
@@ -24,7 +24,7 @@ STEPS = 3
 
 
 def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
-             layers=2, experts=4, sp=False) -> LoomConfig:
+             layers=2, experts=4, sp=False, cp=1) -> LoomConfig:
     model = ModelConfig.llama(num_layers=layers, hidden_size=32, num_attention_heads=4,
                               num_query_groups=2, seq_length=8, vocab_size=100,
                               make_vocab_size_divisible_by=8, hidden_dropout=0.0,
@@ -38,6 +38,7 @@ def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
     cfg.parallel.pipeline_model_parallel_size = pp
     cfg.parallel.expert_model_parallel_size = ep
     cfg.parallel.sequence_parallel = sp
+    cfg.parallel.context_parallel_size = cp
     cfg.training.micro_batch_size = 2
     cfg.training.global_batch_size = 8
     cfg.training.lr = 1e-3
@@ -72,11 +73,12 @@ def parity(cases) -> list[dict]:
         ref_cfg.parallel.pipeline_model_parallel_size = 1
         ref_cfg.parallel.expert_model_parallel_size = 1
         ref_cfg.parallel.sequence_parallel = False
+        ref_cfg.parallel.context_parallel_size = 1
         _, ref = run_steps(ref_cfg.validate(1), ParallelMesh.single())
         p = cfg.parallel
         mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
                                   pp=p.pipeline_model_parallel_size,
-                                  ep=p.expert_model_parallel_size)
+                                  cp=p.context_parallel_size, ep=p.expert_model_parallel_size)
         _, par = run_steps(cfg, mesh)
         errors, compared = [], 0
         for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(par, ref)):
@@ -144,13 +146,13 @@ def count_all_to_alls(ep: int) -> dict:
 def world2() -> dict:
     cases = [dict(ep=2), dict(ep=2, k=1), dict(ep=2, shared=16, score="sigmoid"),
              dict(ep=2, capacity=1.0), dict(tp=2, shared=16), dict(ep=1),
-             dict(tp=2, sp=True, shared=16)]
+             dict(tp=2, sp=True, shared=16), dict(cp=2, shared=16)]
     return {"parity": parity(cases), "a2a2": count_all_to_alls(2), "a2a1": count_all_to_alls(1)}
 
 
 def world4() -> list:
     return parity([dict(ep=2, tp=2, shared=16), dict(ep=2), dict(ep=4),
-                   dict(ep=2, pp=2, layers=4), dict(ep=2, tp=2, sp=True)])
+                   dict(ep=2, pp=2, layers=4), dict(ep=2, tp=2, sp=True), dict(ep=2, cp=2)])
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +161,11 @@ def results2():
 
 
 def test_parity_two_ranks(results2):
-    _check([r["parity"] for r in results2], 7)
+    _check([r["parity"] for r in results2], 8)
 
 
 def test_parity_four_ranks():
-    _check(run_distributed(4, world4, timeout=600), 5)
+    _check(run_distributed(4, world4, timeout=600), 6)
 
 
 def test_two_all_to_alls_forward_two_backward(results2):

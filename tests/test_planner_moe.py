@@ -213,7 +213,7 @@ def test_ep_constraints_in_the_search():
     ep, dp = lay["ep"], lay["dp"]
     assert set(ep) == {1, 2, 4, 8}
     assert np.all(dp % ep == 0) and np.all(8 % ep == 0)
-    assert np.all(lay["cp"] == 1) and np.all(lay["sp"] == 0)  # loom refuses CP with MoE; SP not modelled
+    assert np.all(lay["cp"] == 1) and np.all(lay["sp"] == 0)  # SP / CP with MoE: not modelled by the planner
     assert np.all(lay["zero"][ep > 1] == 0)  # and the distributed optimizer with EP > 1
     # every admissible e appears for every (t, p, d)
     for t, p, d in {(int(a), int(b), int(c)) for a, b, c in zip(lay["tp"], lay["pp"], dp)}:

@@ -179,9 +179,10 @@ def _check_moe(cfg: Any, world_size: int) -> None:
     if t > 1 and not m.disable_bias_linear:
         raise ConfigError("MoE experts under --tensor-model-parallel-size > 1 need "
                           "--disable-bias-linear (experts are sharded without biases)")
-    if c > 1:
-        raise ConfigError("MoE layers do not yet compose with --context-parallel-size > 1 (the "
-                          "router's load statistics would be per sequence shard): use CP 1")
+    if c > 1 and m.moe_expert_capacity_factor is not None:
+        raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1 would "
+                          "drop tokens per sequence shard: use dropless routing (omit the "
+                          "factor) or CP 1")
     if cfg.training.use_distributed_optimizer and e > 1:
         raise ConfigError("--use-distributed-optimizer does not yet compose with "
                           "--expert-model-parallel-size > 1: drop one of them")

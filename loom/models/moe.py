@@ -71,13 +71,16 @@ class Routing:
 
 def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
           aux_coeff: float = 0.0, z_coeff: float = 0.0,
-          capacity_factor: Optional[float] = None, pre_softmax: bool = False) -> Routing:
+          capacity_factor: Optional[float] = None, pre_softmax: bool = False,
+          stats=None) -> Routing:
     """Route ``logits [T, E]`` (fp32) to the top ``k`` experts.
 
     softmax: the top-k probabilities renormalized to sum 1 (Megatron's default, = softmax over
     the top-k logits; Mixtral), or with ``pre_softmax`` the softmax over all experts kept as
     is (``--moe-router-pre-softmax``; Qwen2-MoE's ``norm_topk_prob=False``). sigmoid:
-    per-expert scores, top-k normalized to sum 1 (DeepSeek-V3).
+    per-expert scores, top-k normalized to sum 1 (DeepSeek-V3). ``stats``: a strategy that
+    sums the load-balancing statistics (assignments per expert, probability mass per expert,
+    tokens) over the ranks sharing a sequence (context parallelism), or None.
     """
     T, E = logits.shape
     scores = logits.softmax(-1) if score_function == "softmax" else logits.sigmoid()
@@ -98,8 +101,11 @@ def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
         weights = weights * kept
     counts = torch.bincount(experts[kept], minlength=E)
     probs = scores if score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
-    routed = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype) / (T * k)
-    aux = aux_coeff * E * (routed * probs.mean(0)).sum()
+    routed = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype)
+    prob_mass, tokens = probs.sum(0), torch.tensor(float(T), device=logits.device)
+    if stats is not None:
+        routed, prob_mass, tokens = stats(routed, prob_mass, tokens)
+    aux = aux_coeff * E * (routed / (tokens * k) * prob_mass / tokens).sum()
     z = z_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
     return Routing(experts, weights, kept, counts, aux, z)
 
@@ -168,6 +174,8 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None and cfg.moe_shared_expert_gate:
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dispatcher = LocalDispatcher()
+        self.aux_stats = None  # strategy summing router statistics over CP ranks (the plan's)
+        self.aux_scale = 1.0  # the aux loss's gradient multiplier (c under context parallelism)
 
     def forward(self, x: torch.Tensor, moe: Optional[MoEContext] = None) -> torch.Tensor:
         s, b, h = x.shape
@@ -176,7 +184,7 @@ class MoELayer(nn.Module):
         logits = F.linear(tokens.float(), self.router.weight.float())  # router in fp32
         routing = route(logits, c.moe_router_topk, c.moe_router_score_function,
                         c.moe_aux_loss_coeff, c.moe_z_loss_coeff, c.moe_expert_capacity_factor,
-                        c.moe_router_pre_softmax)
+                        c.moe_router_pre_softmax, self.aux_stats)
         expert_out, shared_out = self.dispatcher(tokens, routing, self.experts, self.shared_expert)
         y = (expert_out * routing.weights.unsqueeze(-1).to(expert_out.dtype)).sum(1)
         if shared_out is not None:
@@ -184,7 +192,7 @@ class MoELayer(nn.Module):
                 shared_out = torch.sigmoid(self.shared_expert_gate(tokens)) * shared_out
             y = y + shared_out
         y = y.view(s, b, h)
-        aux = routing.aux_loss + routing.z_loss
+        aux = routing.aux_loss * self.aux_scale + routing.z_loss
         if moe is not None and aux.requires_grad:
             y = AuxLossScaler.apply(y, aux, moe.scale)
         if moe is not None:

@@ -12,7 +12,8 @@ Under TP the experts are sharded like an MLP (FC1 by columns, FC2 by rows, no bi
 partial expert outputs of all k choices and the shared expert are summed over TP in ONE
 all-reduce before the router weights combine them, so the router's gradient is exact and
 identical on every TP rank: 1 all-reduce forward and 1 backward per MoE layer, like a dense MLP.
-Under sequence parallelism the layer all-gathers its ``[s/t, b, h]`` tokens first (every TP rank
+Under context parallelism the router's load statistics are summed over the CP group. Under
+sequence parallelism the layer all-gathers its ``[s/t, b, h]`` tokens first (every TP rank
 routes all of them, so the router's load statistics are the full micro-batch's) and keeps its
 own ``s/t`` slice of the output.
 """
@@ -145,6 +146,10 @@ class MoEParallel(ParallelStyle):
         if t > 1 or e > 1:
             module.dispatcher = ParallelDispatcher(E, mesh.groups["tp"], mesh.groups.get("ep"),
                                                    mesh.ep_rank, e)
+        cp_group = mesh.groups["cp"]
+        if cp_group is not None:  # the load-balancing loss over the whole sequence
+            module.aux_stats = ContextParallelRouterStats(cp_group)
+            module.aux_scale = float(mesh.sizes["cp"])
         if ctx.sp:  # tokens [s/t, b, h] -> all of them on every TP rank -> back to [s/t, b, h]
             group = mesh.groups["tp"]
             module.register_forward_pre_hook(
@@ -152,6 +157,23 @@ class MoEParallel(ParallelStyle):
             module.register_forward_hook(
                 lambda mod, args, out: scatter_to_sequence_parallel_region(out, group))
         return module, fields
+
+
+class ContextParallelRouterStats(nn.Module):
+    """Sums the router's load statistics over the CP group, so the load-balancing loss is the
+    whole sequence's (as on one rank): assignments and token counts all-reduced, the
+    probability mass through an all-reduce whose backward is the identity (every CP rank then
+    holds the same loss and differentiates it w.r.t. its own tokens). The MoE layer scales the
+    loss's gradient by c (``aux_scale``), since gradients are averaged over DP x CP."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, routed, prob_mass, tokens):
+        both = torch.cat([routed.detach(), tokens.detach().view(1)])
+        dist.all_reduce(both, group=self.group)
+        return both[:-1], reduce_from_tensor_parallel_region(prob_mass, self.group), both[-1]
 
 
 class ReducerGroup:

@@ -12,7 +12,8 @@ the trainer and the optimizer; loom has no module-level process-group globals.
 Groups: ``tp``, ``cp``, ``dp``, ``pp`` (one axis each); ``dp_cp`` (gradient reduction);
 ``mp`` (model parallel = tp x pp, for the gradient norm); ``embedding`` (first and last pipeline
 stage, for tied input/output embeddings); ``ep`` / ``edp`` (expert parallel: e consecutive DP
-ranks; expert data parallel: the DP ranks holding the same experts).
+ranks; expert data parallel: the DP ranks holding the same experts; ``edp_cp``: those times
+CP, over which expert gradients are reduced).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ParallelMesh:
     def single(cls, device: str | torch.device = "cpu") -> "ParallelMesh":
         """A one-rank mesh (the single-process reference); needs no process group."""
         mesh = cls(sizes={a: 1 for a in AXES}, rank=0, device=torch.device(device))
-        for name in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding", "ep", "edp"):
+        for name in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding", "ep", "edp", "edp_cp"):
             mesh.groups[name] = None
             mesh.ranks[name] = [0]
         return mesh
@@ -112,6 +113,10 @@ class ParallelMesh:
                 mesh._maybe_keep("ep", members[j * ep:(j + 1) * ep])
             for j in range(ep):
                 mesh._maybe_keep("edp", members[j::ep])
+        for members in rank_groups(sizes, ["cp", "dp"]):  # expert gradients: edp x cp
+            for j in range(ep):
+                mesh._maybe_keep("edp_cp", [r for r in members
+                                            if (r // (tp * cp)) % dp % ep == j])
         # Embedding group: first and last stage of each pipeline (one rank when p = 1).
         for members in rank_groups(sizes, ["pp"]):
             emb = sorted({members[0], members[-1]})

@@ -42,9 +42,9 @@ def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[int] | None:
     """EP sizes allowed at (t, c, d) for an MoE model, None when (t, c) is refused; ``[1]`` for a
     dense model. loom train's rules (``loom/config/validate.py``): e divides d (EP is carved
     out of the data-parallel dimension) and E; experts and the shared expert split over TP (their
-    widths divisible by t, no biases under TP); no CP with MoE layers. (loom train runs SP with
-    MoE, all-gathering the tokens into each MoE layer; the planner does not model that yet and
-    searches MoE models without SP.)"""
+    widths divisible by t, no biases under TP). loom train also runs MoE with SP (tokens
+    all-gathered into each MoE layer) and with CP (router statistics summed over CP); the planner
+    does not model those yet and searches MoE models without SP and CP."""
     if not model.num_experts:
         return [1]
     widths = (model.moe_ffn_size, model.moe_shared_expert_intermediate_size or 0)

@@ -42,7 +42,7 @@ def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, bucket: int):
     experts = [p for p, is_expert in named if is_expert]
     return ReducerGroup([GradientReducer([p for p, e in named if not e], mesh.groups["dp_cp"],
                                          bucket),
-                         GradientReducer(experts, mesh.groups["edp"], bucket)],
+                         GradientReducer(experts, mesh.groups["edp_cp"], bucket)],
                         experts, 1.0 / mesh.ep_size)
 
 
