@@ -195,8 +195,8 @@ def test_backward_twice_raises_and_bad_shapes():
 
 
 def test_default_chunk_rule():
-    # logits chunk holds max(N h, 4 Mi) elements, clamped to [1, N]
-    assert default_chunk_tokens(2048, 256, 8192) == 512
-    assert default_chunk_tokens(2048, 256, 131072) == 32
+    # logits chunk holds max(N h, 8 Mi) elements, clamped to [1, N]
+    assert default_chunk_tokens(2048, 256, 8192) == 1024
+    assert default_chunk_tokens(2048, 256, 131072) == 64
     assert default_chunk_tokens(8192, 4096, 65536) == 512
     assert default_chunk_tokens(30, 16, 384) == 30
