@@ -10,7 +10,9 @@ rtol 1e-4, last step 1e-3).
 Per layout, the two run alternately in fresh spawned worlds, loom first then native, ``--repeats``
 times (A B A B A B). A run does ``--warmup`` + ``--steps`` steps, each after a barrier; a step's
 time is the slowest rank's, a run's time the median over its measured steps, a layout's the
-median over runs. Peak RSS: ``ru_maxrss`` of each rank process (its whole life: imports, model,
+median over runs. CPU s/step is the same statistic of ``time.process_time()`` (all threads of
+the rank's process; blocking waits excluded): on a shared machine it is far steadier than wall
+time, but it does not see waiting, i.e. pipeline bubbles and exposed communication. Peak RSS: ``ru_maxrss`` of each rank process (its whole life: imports, model,
 optimizer state, activations), max over ranks. One thread per rank. Prints one JSON line per
 layout, then a markdown table.
 
@@ -121,17 +123,18 @@ def run_loom(layout: tuple, steps: int, fused_ce: bool = False) -> dict:
     world = tp * pp * dp
     mesh = ParallelMesh.build(tp=tp, pp=pp, dp=dp) if world > 1 else ParallelMesh.single()
     tr = Trainer(cfg, mesh=mesh)
-    times, losses = [], []
+    times, cpus, losses = [], [], []
     for _ in range(steps):
         if world > 1:
             dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples))
         tr.optimizer_step()
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
         tr.consumed_samples += tr.global_batch
         losses.append(tr.global_loss(loss))
-    return {"times": times, "losses": losses, "rss_mib": _rss_mib()}
+    return {"times": times, "cpu": cpus, "losses": losses, "rss_mib": _rss_mib()}
 
 
 def run_native(layout: tuple, steps: int) -> dict:
@@ -149,22 +152,23 @@ def run_native(layout: tuple, steps: int) -> dict:
     dp_rank = runner.mesh["dp"].get_local_rank()
     tp_rank = runner.mesh["tp"].get_local_rank()
     n_micro = 8 // (micro * dp)
-    times, losses = [], []
+    times, cpus, losses = [], [], []
     for step in range(steps):
         idx = microbatch_indices(step * 8, micro, n_micro, dp_rank, dp)
         batches = [get_batch(ds, i) for i in idx]
         if world > 1:
             dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = runner.step(batches)
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
         share = loss / dp if loss is not None and tp_rank == 0 else 0.0
         if world > 1:
             t = torch.tensor([share], dtype=torch.float64)
             dist.all_reduce(t)
             share = float(t)
         losses.append(share)
-    return {"times": times, "losses": losses, "rss_mib": _rss_mib()}
+    return {"times": times, "cpu": cpus, "losses": losses, "rss_mib": _rss_mib()}
 
 
 def measure(name: str, repeats: int, warmup: int, steps: int, preview: bool) -> dict:
@@ -175,6 +179,7 @@ def measure(name: str, repeats: int, warmup: int, steps: int, preview: bool) -> 
     if preview:
         impls["loom_fused_ce"] = (run_loom, (True,))
     runs = {k: [] for k in impls}
+    cpu = {k: [] for k in impls}
     rss = {k: [] for k in impls}
     losses = {}
     for _ in range(repeats):
@@ -182,9 +187,12 @@ def measure(name: str, repeats: int, warmup: int, steps: int, preview: bool) -> 
             res = run_distributed(world, fn, layout, warmup + steps, *extra, timeout=1800)
             per_step = [max(r["times"][i] for r in res) for i in range(warmup, warmup + steps)]
             runs[impl].append(statistics.median(per_step))
+            cpu[impl].append(statistics.median(
+                max(r["cpu"][i] for r in res) for i in range(warmup, warmup + steps)))
             rss[impl].append(max(r["rss_mib"] for r in res))
             losses[impl] = res[0]["losses"]
     med = {k: statistics.median(v) for k, v in runs.items()}
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
 
     def same(a: str) -> bool:
         first = abs(losses[a][0] - losses["native"][0]) / abs(losses["native"][0])
@@ -195,6 +203,9 @@ def measure(name: str, repeats: int, warmup: int, steps: int, preview: bool) -> 
     if preview:
         extra = {"loom_fused_ce_s_per_step": round(med["loom_fused_ce"], 4),
                  "ratio_loom_fused_ce_over_native": round(med["loom_fused_ce"] / med["native"], 3),
+                 "loom_fused_ce_cpu_s_per_step": round(cmed["loom_fused_ce"], 4),
+                 "cpu_ratio_loom_fused_ce_over_native": round(cmed["loom_fused_ce"]
+                                                              / cmed["native"], 3),
                  "loom_fused_ce_runs": [round(x, 4) for x in runs["loom_fused_ce"]],
                  "loom_fused_ce_peak_rss_mib": round(max(rss["loom_fused_ce"]), 1),
                  "loom_fused_ce_same_loss": same("loom_fused_ce")}
@@ -202,6 +213,9 @@ def measure(name: str, repeats: int, warmup: int, steps: int, preview: bool) -> 
             "native": native_label(layout), "ranks": world,
             "loom_s_per_step": round(med["loom"], 4), "native_s_per_step": round(med["native"], 4),
             "ratio_loom_over_native": round(med["loom"] / med["native"], 3),
+            "loom_cpu_s_per_step": round(cmed["loom"], 4),
+            "native_cpu_s_per_step": round(cmed["native"], 4),
+            "cpu_ratio_loom_over_native": round(cmed["loom"] / cmed["native"], 3),
             "loom_runs": [round(x, 4) for x in runs["loom"]],
             "native_runs": [round(x, 4) for x in runs["native"]],
             "loom_peak_rss_mib": round(max(rss["loom"]), 1),
@@ -245,8 +259,9 @@ def main() -> None:
     pv = args.preview_fused_ce
     print("\n| layout | native | loom s/step | native s/step | loom / native |"
           + (" loom+fused CE s/step | (loom+fused CE) / native |" if pv else "")
+          + " CPU s/step loom / native | CPU ratio" + (" (+fused CE)" if pv else "") + " |"
           + " peak RSS/rank loom / native (MiB) | same loss |")
-    print("|---|---|---|---|---|" + ("---|---|" if pv else "") + "---|---|")
+    print("|---|---|---|---|---|" + ("---|---|" if pv else "") + "---|---|---|---|")
     for r in rows:
         cols = [r["layout"], r["native"], f"{r['loom_s_per_step']:.3f}",
                 f"{r['native_s_per_step']:.3f}", f"{r['ratio_loom_over_native']:.2f}"]
@@ -254,7 +269,10 @@ def main() -> None:
             cols += [f"{r['loom_fused_ce_s_per_step']:.3f}",
                      f"{r['ratio_loom_fused_ce_over_native']:.2f}"]
         ok = r["same_loss"] and (not pv or r["loom_fused_ce_same_loss"])
-        cols += [f"{r['loom_peak_rss_mib']:.0f} / {r['native_peak_rss_mib']:.0f}",
+        cols += [f"{r['loom_cpu_s_per_step']:.3f} / {r['native_cpu_s_per_step']:.3f}",
+                 f"{r['cpu_ratio_loom_over_native']:.2f}" + (
+                     f" ({r['cpu_ratio_loom_fused_ce_over_native']:.2f})" if pv else ""),
+                 f"{r['loom_peak_rss_mib']:.0f} / {r['native_peak_rss_mib']:.0f}",
                  "yes" if ok else "NO"]
         print("| " + " | ".join(cols) + " |")
 
