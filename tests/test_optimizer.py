@@ -12,7 +12,6 @@ equals the per-tensor reference.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from loom.config import TrainingConfig

@@ -179,7 +179,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             collective reduces it.
         weight: ``[Vp/t, h]``, this rank's rows ``[vocab_start, vocab_start + Vp/t)`` of the
             (padded) output embedding; rows at or past ``vocab_size`` are padding and excluded.
-        target: ``[...]`` (``hidden.shape[:-1]``, e.g. ``[s, b]``), global token ids ``< vocab_size``.
+        target: ``[...]`` (``hidden.shape[:-1]``, e.g. ``[s, b]``), global token ids
+            ``< vocab_size``.
         group: the TP process group, or None for one rank (no collective).
         vocab_start: first global vocabulary row held here (``tp_rank * Vp/t``).
         vocab_size: the true V.
@@ -191,15 +192,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     the inputs' dtype; softmax, loss and the weight gradient accumulate in fp32. The result equals
     ``F.cross_entropy(reduction="none")`` on the gathered logits ``[..., V]``.
 
-    Communication: one ``all_gather_single`` (all-gather into one tensor) of ``[3, n]`` fp32 per chunk on ``group``
-    (local max, local sum of exp, target logit; each rank then forms the global max and sum —
-    one collective instead of Megatron's all-reduce MAX + all-reduce SUM); none in backward.
+    Communication: one ``all_gather_single`` (all-gather into one tensor) of ``[3, n]`` fp32
+    per chunk on ``group`` (local max, local sum of exp, target logit; each rank then forms the
+    global max and sum: one collective instead of Megatron's all-reduce MAX + all-reduce SUM);
+    none in backward.
 
     Memory: peak O(n Vp/t) for the chunk's logits (fp32, modified in place into the gradient,
     plus an ``n x Vp/t`` copy in the GEMM dtype when it is not fp32), never O(N Vp/t).
-    Saved for backward: ``dL/dhidden`` (fp32, the size of ``hidden``), ``dL/dweight`` (fp32, the size of
-    ``weight``), the per-token log-sum-exp ``[N]`` and references to the inputs. The chunk size
-    rule is :func:`default_chunk_tokens`.
+    Saved for backward: ``dL/dhidden`` (fp32, the size of ``hidden``), ``dL/dweight`` (fp32,
+    the size of ``weight``), the per-token log-sum-exp ``[N]`` and references to the inputs.
+    The chunk size rule is :func:`default_chunk_tokens`.
 
     Backward: gradients are exact for any per-token ``grad_output``. When it is uniform (a mean
     or sum of the losses; one host sync checks) the saved gradients are scaled in place; otherwise
