@@ -129,7 +129,7 @@ def build_native(cfg: LoomConfig, dp: int, pp: int, tp: int, sp: bool, dp_kind: 
     if tp > 1:
         apply_tp(model, mesh["tp"], sp)
     if dp > 1:
-        if dp_kind == "fsdp2" or tp > 1:
+        if dp_kind == "fsdp2" or tp > 1 or pp > 1:
             from torch.distributed.fsdp import fully_shard
             for layer in model.layers.values():
                 fully_shard(layer, mesh=mesh["dp"])

@@ -49,7 +49,7 @@ LAYOUTS = {
     "tp4": (4, 1, 1, False, 8, "none", "1f1b"),
     "pp4-1f1b": (1, 4, 1, False, 2, "none", "1f1b"),
     "tp2xdp2": (2, 1, 2, False, 4, "fsdp2", "1f1b"),
-    "pp2xdp2": (1, 2, 2, False, 2, "ddp", "1f1b"),
+    "pp2xdp2": (1, 2, 2, False, 2, "fsdp2", "1f1b"),  # DDP + pipelining: reducer assert
     "tp2xpp2": (2, 2, 1, False, 2, "none", "1f1b"),
 }
 NATIVE_NAME = {"none": "", "ddp": "DDP", "fsdp2": "FSDP2"}
