@@ -30,6 +30,7 @@ from loom.planner.cost import (NODE_POWER_OVERHEAD, PUE, RESTART_S, format_estim
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
+from loom.planner.mamba import is_hybrid, kind_counts
 from loom.planner.moe import MOE_LOAD_IMBALANCE
 from loom.planner.presets import FLASH_DEFAULT, PRESETS, get_preset
 
@@ -249,6 +250,11 @@ def run(args) -> int:
            + (f" shared={model.moe_shared_expert_intermediate_size}"
               if model.moe_shared_expert_intermediate_size else "")
            + f" imbalance {args.moe_load_imbalance:g}" if model.num_experts else "")
+    if is_hybrid(model):  # layers of each kind and the Mamba-2 sizes
+        moe += (", layers " + " ".join(f"{k}{n}" for k, n in kind_counts(model).items() if n)
+                + f" (Mamba N={model.mamba_state_dim} P={model.mamba_head_dim} "
+                  f"G={model.mamba_num_groups} expand={model.mamba_expand} "
+                  f"Q={model.mamba_chunk_size})")
     header = (f"loom plan: {name} ({total_params(model) / 1e9:.3g}B params{moe}, "
               f"L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
               f"g={model.num_kv_groups} "
