@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="highest ZeRO stage searched (default 1: what loom train runs, "
                         "--use-distributed-optimizer; 3 explores ZeRO-2/3)")
     o.add_argument("--attention", choices=("fused", "unfused"), default=None,
-                   help="fused (flash/SDPA, loom's default) or unfused (as in the 2021-22 papers)")
+                   help="fused (flash/SDPA, loom's default; Mamba: mamba_ssm's chunk scan) or "
+                        "unfused (as in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
     o.add_argument("--allow-tp-across-nodes", action="store_true",
                    help="let TP groups span nodes")
     o.add_argument("--allow-uneven-interleaved", action="store_true",
