@@ -235,3 +235,30 @@ def test_cli_mamba_table_and_plot(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["plan", "mamba2-1.3b", "--num-gpus", "8", "--context-parallel-size", "2"])
     assert e.value.code == 2 and "context parallelism" in capsys.readouterr().err
+
+
+def test_hybrid_stage_activations_sum_the_kinds_of_the_stage():
+    """PP 2, 1F1B, B 16, b 4, m 4 micro-batches of s 256: the first stage holds min(p, m) = 2 micro-batches of its
+    layers M-M* (2 Mamba, 1 MLP, 1 attention), the last 1 of M-M- (2 Mamba, 2 MLP)."""
+    from loom.planner.memory import memory_terms
+    m = _tiny(hybrid_override_pattern="M-M*M-M-", vocab_size=8)  # small output layer
+    L = make_layouts(dict(pp=2, mbs=4))  # s 256: activations outweigh the weights
+    mem = memory_terms(m, L, 16, 256, Options(flash_attention=True))
+    act = {k: kind_activation_bytes(m, 256, L, k)["none"][0] for k in ("M", "*", "-")}
+    first = 2 * (2 * act["M"] + act["-"] + act["*"])
+    last = 1 * (2 * act["M"] + 2 * act["-"])
+    assert mem["stage"][0] == 0  # the first stage needs the most
+    assert mem["activations"][0] == pytest.approx(first, rel=1e-12)
+    assert first != pytest.approx(last)
+
+
+def test_nemotron_h_search_and_tp_diagnosis(capsys):
+    """Nemotron-H 8B: every kind splits over t = 1..8 (a 32, g 8, FFN 21504, H 128, G 8); a TP
+    size mamba2-1.3b's single group cannot take is explained with the Mamba heads and groups."""
+    m = get_preset("nemotron-h-8b")
+    assert set(enumerate_layouts(m, H100_8, 64, 8192)["tp"]) == {1.0, 2.0, 4.0, 8.0}
+    from loom.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "mamba2-1.3b", "--num-gpus", "8", "--tensor-model-parallel-size", "2"])
+    assert e.value.code != 0
+    assert "Mamba heads H=64 and groups G=1" in capsys.readouterr().err
