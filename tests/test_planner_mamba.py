@@ -128,8 +128,9 @@ def test_hybrid_selective_recompute_counts_attention_layers_only():
 
 def test_mamba_activation_bytes_by_hand():
     """Tiny layer, s 16, b 1: replicated 16 x 64 x (2 + 2) = 4096; split 16 x (2 x 324 +
-    2 x 192 + 4 x 4 + 4 x 4 x 32 x 16 / 8 + 2 x 128 + 2 x 128 + 4 x 2) = 16 x 2592 = 41472; unfused also
-    16 x (4 x 192 + 12 x 8 x 4) = 18432. TP 2 + SP halves both; full keeps 2 s b h."""
+    2 x 192 + 4 x 4 + 4 x 4 x 32 x 16 / 8 + 2 x 128 + 2 x 128 + 4 x 2) = 16 x 2592 = 41472;
+    unfused also 16 x (4 x 192 + 12 x 8 x 4) = 18432. TP 2 + SP halves both; TP 2 alone the
+    split part; full keeps 2 s b h."""
     m = _tiny()
     L = make_layouts([dict(tp=1), dict(tp=2, sp=1), dict(tp=2)])
     a = kind_activation_bytes(m, 16, L, "M", fused=True)
@@ -238,8 +239,9 @@ def test_cli_mamba_table_and_plot(capsys, tmp_path):
 
 
 def test_hybrid_stage_activations_sum_the_kinds_of_the_stage():
-    """PP 2, 1F1B, B 16, b 4, m 4 micro-batches of s 256: the first stage holds min(p, m) = 2 micro-batches of its
-    layers M-M* (2 Mamba, 1 MLP, 1 attention), the last 1 of M-M- (2 Mamba, 2 MLP)."""
+    """PP 2, 1F1B, B 16, b 4, m 4 micro-batches of s 256: the first stage holds min(p, m) = 2
+    micro-batches of its layers M-M* (2 Mamba, 1 MLP, 1 attention), the last 1 of M-M- (2
+    Mamba, 2 MLP)."""
     from loom.planner.memory import memory_terms
     m = _tiny(hybrid_override_pattern="M-M*M-M-", vocab_size=8)  # small output layer
     L = make_layouts(dict(pp=2, mbs=4))  # s 256: activations outweigh the weights

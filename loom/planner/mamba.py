@@ -121,7 +121,8 @@ def kind_flops_per_token(model: ModelConfig, seq_length: int) -> dict:
     proj = 2 * h * (2 * d_i + 2 * G * N + H) + 2 * d_i * h
     conv = 2 * k * (d_i + 2 * G * N)
     return {"M": (float(proj), conv + scan_flops_per_token(model)),
-            "*": (float(2 * h * (a * d + 2 * g * d) + 2 * a * d * h), float(4 * seq_length * a * d)),
+            "*": (float(2 * h * (a * d + 2 * g * d) + 2 * a * d * h),
+                  float(4 * seq_length * a * d)),
             "-": (float((6 if model.swiglu else 4) * h * f), 0.0)}
 
 
