@@ -208,6 +208,8 @@ def test_cp_refused_with_mamba_layers():
     assert set(enumerate_layouts(m, c64, 64, 2048)["cp"]) == {1.0}
     with pytest.raises(ConfigError, match="context parallelism"):
         search(m, c64, 64, 2048, fixed=dict(cp=2))
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        search(dataclasses.replace(m, num_experts=8), c64, 64, 2048)
     # a pattern of only attention and MLP layers accepts CP
     m2 = _tiny(hybrid_override_pattern="*-*-*-*-", seq_length=64)
     assert 2.0 in set(enumerate_layouts(m2, H100_8, 8, 64)["cp"])

@@ -236,7 +236,11 @@ def refuses_cp(model: ModelConfig, cp) -> bool:
 
 def check_cp(model: ModelConfig, cp) -> None:
     """Raise :class:`ConfigError` when a given CP size is refused for a model with Mamba
-    layers."""
+    layers, or for a Mamba / hybrid model with experts (the planner models no MoE layers in a
+    hybrid stack)."""
+    if is_hybrid(model) and model.num_experts:
+        raise ConfigError("--num-experts with --model-type mamba: the planner does not model "
+                          "mixture-of-experts layers in a Mamba / hybrid stack")
     if refuses_cp(model, cp):
         raise ConfigError(f"--context-parallel-size {cp}: context parallelism is not supported "
                           f"for Mamba layers (loom train refuses it); patterns of only '*' and "
