@@ -234,7 +234,7 @@ def refuses_cp(model: ModelConfig, cp) -> bool:
     return bool(is_hybrid(model) and kind_counts(model)["M"] and cp and cp > 1)
 
 
-def check_cp(model: ModelConfig, cp) -> None:
+def check_supported(model: ModelConfig, cp) -> None:
     """Raise :class:`ConfigError` when a given CP size is refused for a model with Mamba
     layers, or for a Mamba / hybrid model with experts (the planner models no MoE layers in a
     hybrid stack)."""

@@ -28,7 +28,7 @@ import numpy as np
 from loom.config import ModelConfig
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, Options, num_microbatches
-from loom.planner.mamba import check_cp, refuses_cp, tp_divides
+from loom.planner.mamba import check_supported, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
 from loom.planner.stages import accounted_split, describe_split, given_split, uneven_splits
 from loom.planner.timing import throughput, time_terms
@@ -86,7 +86,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
     acc_e, acc_l = fixed.pop("account_embedding", False), fixed.pop("account_loss", False)
     n, B, s = cluster.num_gpus, global_batch_size, seq_length
     nl = model.num_layers
-    check_cp(model, fixed.get("cp"))
+    check_supported(model, fixed.get("cp"))
     base = []
     for t in _divisors(n):
         if not tp_divides(model, t):
