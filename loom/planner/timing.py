@@ -337,7 +337,8 @@ def throughput(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
 def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
                   opts: Options | None = None) -> tuple:
     """Forward and backward time (seconds) of one transformer layer for one micro-batch, as KOR
-    table 4 measures them (backward includes the recompute it triggers)."""
+    table 4 measures them (backward includes the recompute it triggers). Transformer layers
+    only: a Mamba / hybrid model's kinds are in :func:`loom.planner.mamba.kind_layer_times`."""
     opts = opts or Options()
     lt = layer_times(model, seq_length, L, cluster, opts)
     rc = L["recompute"]
