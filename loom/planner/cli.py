@@ -30,6 +30,7 @@ from loom.planner.cost import (NODE_POWER_OVERHEAD, PUE, RESTART_S, format_estim
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
+from loom.planner.mamba import is_hybrid, kind_counts
 from loom.planner.moe import MOE_LOAD_IMBALANCE
 from loom.planner.presets import FLASH_DEFAULT, PRESETS, get_preset
 
@@ -56,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="highest ZeRO stage searched (default 1: what loom train runs, "
                         "--use-distributed-optimizer; 3 explores ZeRO-2/3)")
     o.add_argument("--attention", choices=("fused", "unfused"), default=None,
-                   help="fused (flash/SDPA, loom's default) or unfused (as in the 2021-22 papers)")
+                   help="fused (flash/SDPA, loom's default; Mamba: mamba_ssm's chunk scan) or "
+                        "unfused (as in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
     o.add_argument("--allow-tp-across-nodes", action="store_true",
                    help="let TP groups span nodes")
     o.add_argument("--allow-uneven-interleaved", action="store_true",
@@ -249,13 +251,22 @@ def run(args) -> int:
            + (f" shared={model.moe_shared_expert_intermediate_size}"
               if model.moe_shared_expert_intermediate_size else "")
            + f" imbalance {args.moe_load_imbalance:g}" if model.num_experts else "")
+    attn = f"a={model.num_attention_heads} g={model.num_kv_groups} "
+    ffn = f"ffn={model.ffn_size} "
+    if is_hybrid(model):  # layers of each kind and the Mamba-2 sizes (a, g, ffn if used)
+        n_kind = kind_counts(model)
+        attn, ffn = (attn if n_kind["*"] else ""), (ffn if n_kind["-"] else "")
+        moe += (", layers " + " ".join(f"{k}{n}" for k, n in kind_counts(model).items() if n)
+                + f" (Mamba N={model.mamba_state_dim} P={model.mamba_head_dim} "
+                  f"G={model.mamba_num_groups} expand={model.mamba_expand} "
+                  f"Q={model.mamba_chunk_size})")
     header = (f"loom plan: {name} ({total_params(model) / 1e9:.3g}B params{moe}, "
-              f"L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
-              f"g={model.num_kv_groups} "
-              f"ffn={model.ffn_size} V={model.vocab_size} s={s}) on {cluster.num_gpus} x "
+              f"L={model.num_layers} h={model.hidden_size} {attn}{ffn}"
+              f"V={model.vocab_size} s={s}) on {cluster.num_gpus} x "
               f"{cluster.gpu} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB, "
               f"{cluster.peak_flops / 1e12:.3g} TFLOP/s), B={B}, "
-              f"{'fused' if flash else 'unfused'} attention; "
+              f"{'fused' if flash else 'unfused'} attention"
+              f"{' and Mamba scan' if is_hybrid(model) else ''}; "
               f"{n_fit} of {n_eval} layouts fit ({elapsed:.2f} s)")
     recs = top_records(res, None if (args.json and args.top <= 0) else max(args.top, 1))
     if train_tokens:

@@ -19,6 +19,7 @@ from dataclasses import replace
 from loom.config import ModelConfig
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import Options
+from loom.planner.mamba import is_hybrid, mamba_dims
 from loom.planner.search import MEMORY_TERMS, enumerate_layouts, record, search
 
 FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
@@ -45,12 +46,16 @@ def explain_no_layout(model: ModelConfig, cluster: Cluster, global_batch_size: i
     n, B = cluster.num_gpus, global_batch_size
     head = (f"no layout divides: {n} GPUs, B={B}, L={model.num_layers}, "
             f"a={model.num_attention_heads}")
+    mamba = ""
+    if is_hybrid(model):
+        _, H, G, *_ = mamba_dims(model)
+        mamba = f", the Mamba heads H={H} and groups G={G} (--mamba-num-groups)"
     for k, v in fixed.items():
         rest = {kk: vv for kk, vv in fixed.items() if kk != k}
         if len(enumerate_layouts(model, cluster, B, seq_length, rest, opts)["tp"]):
             return (f"{head}: {FLAGS.get(k, k)} {v} admits no layout with the other sizes "
-                    f"(it must divide the {n} GPUs, and for TP the heads, query groups and FFN; "
-                    f"PP needs p <= L; EP must divide d and the experts): change or drop "
+                    f"(it must divide the {n} GPUs, and for TP the heads, query groups and FFN"
+                    f"{mamba}; PP needs p <= L; EP must divide d and the experts): change or drop "
                     f"{FLAGS.get(k, k)}")
     if not any(B % d == 0 for d in range(1, n + 1) if n % d == 0):
         return f"{head}: --global-batch-size {B} has no divisor d dividing the GPU count"

@@ -9,11 +9,17 @@ Mixture of experts: an MoE layer's MLP costs what its *active* parameters cost, 
 the shared expert plus the router (:func:`loom.planner.moe.moe_mlp_flops_per_token`), so model
 FLOPs, TFLOP/s and MFU count active parameters (as Megatron-Core's MoE throughput and the
 DeepSeek-V3 / Mixtral papers do); dense layers as above.
+
+Mamba-2 and hybrid stacks: each layer of the pattern counts its own kind
+(:func:`loom.planner.mamba.kind_flops_per_token`: Mamba-2 projections, conv and the chunked SSD
+scan; attention layers the QKV / projection / scores terms above; MLP layers the MLP term);
+selective recompute repeats the scores of the attention layers only.
 """
 
 from __future__ import annotations
 
 from loom.config import ModelConfig
+from loom.planner.mamba import is_hybrid, kind_counts, layers_forward_flops_per_token
 from loom.planner.moe import moe_mlp_flops_per_token, num_moe_layers
 
 
@@ -27,6 +33,8 @@ def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None,
     proj = 2 * a * d * h
     scores = 4 * s * a * d  # Q K^T and attention x V
     mlp = (6 if cfg.swiglu else 4) * h * f
+    if is_hybrid(cfg):
+        return layers_forward_flops_per_token(cfg, s) + 2 * h * V
     if cfg.num_experts:
         n_moe = num_moe_layers(cfg)
         return (cfg.num_layers * (qkv + proj + scores) + (cfg.num_layers - n_moe) * mlp
@@ -59,5 +67,6 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recom
     if recompute == "full":
         return base + layers_fwd * tokens
     if recompute == "selective":
-        return base + cfg.num_layers * 4 * s * cfg.num_attention_heads * cfg.head_dim * tokens
+        n_attn = kind_counts(cfg)["*"] if is_hybrid(cfg) else cfg.num_layers
+        return base + n_attn * 4 * s * cfg.num_attention_heads * cfg.head_dim * tokens
     return base

@@ -24,6 +24,9 @@ Terms (all bytes, of the pipeline stage that needs the most):
   ``d c / e``; everything else as for a dense model. The MoE MLP's activations replace the dense
   MLP's (:func:`loom.planner.moe.moe_activation_bytes`).
   Dense and MoE layers are counted per stage (:func:`loom.planner.moe.stage_moe_layers`).
+* Mamba-2 / hybrid stacks (:mod:`loom.planner.mamba`): parameters and activations per layer
+  kind (Mamba, attention, MLP), each stage summing the kinds of its slice of the pattern
+  (:func:`loom.planner.mamba.stage_kind_layers`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import numpy as np
 
 from loom.config import ModelConfig
 from loom.planner.layout import Options, num_microbatches, stage_layers
+from loom.planner.mamba import (KINDS, is_hybrid, kind_activation_bytes, kind_counts, kind_params,
+                                stage_kind_layers)
 from loom.planner.moe import (MOE_LOAD_IMBALANCE, layer_param_totals, moe_activation_bytes,
                               moe_fraction, moe_layer_params, stage_moe_layers)
 
@@ -70,7 +75,10 @@ def total_params(model: ModelConfig, seq_length: int | None = None,
     s = seq_length or model.seq_length
     sh, rep = layer_params(model)
     h, V = model.hidden_size, model.vocab_size or 0
-    if model.num_experts:
+    if is_hybrid(model):
+        kp = kind_params(model)
+        n = sum(cnt * sum(kp[k]) for k, cnt in kind_counts(model).items()) + V * h
+    elif model.num_experts:
         n = layer_param_totals(model, (sh, rep))[1 if active else 0] + V * h
     else:
         n = model.num_layers * (sh + rep) + V * h
@@ -95,6 +103,10 @@ def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
     lf, lm, ll = stage_layers(model.num_layers, L)
     w_first, w_mid, w_last = lf * per_layer, lm * per_layer, ll * per_layer
     x_first = x_mid = x_last = 0.0
+    if is_hybrid(model):
+        kp, cnt = kind_params(model), stage_kind_layers(model, L, lf, lm, ll)
+        w_first, w_mid, w_last = (sum(cnt[k][i] * (kp[k][0] / t + kp[k][1]) for k in KINDS)
+                                  for i in range(3))
     if model.num_experts:
         sh_m, rep_m, ex = moe_layer_params(model, (sh, rep))
         expert_layer = ex / (t * L.get("ep", 1.0))
@@ -226,6 +238,15 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
                               for a in (act_d, act_m))
         working = np.where(rc == 2, act_m["none"], np.where(rc == 1, act_m["scores"], 0.0))
         n_moe = dict(zip(("first", "middle", "last"), stage_moe_layers(model, L, lf, lm, ll)))
+    hybrid = is_hybrid(model)
+    if hybrid:  # per layer kind (mamba.py), summed over each stage's slice of the pattern
+        acts_k = {k: kind_activation_bytes(model, s, L, k, opts.flash_attention) for k in KINDS}
+        per_kind = {k: np.where(rc == 2, a["full"], np.where(rc == 1, a["selective"], a["none"]))
+                    for k, a in acts_k.items()}
+        n_kind = kind_counts(model)
+        working = np.max([np.where(rc == 2, a["none"], np.where(rc == 1, a["scores"], 0.0))
+                          for k, a in acts_k.items() if n_kind[k]], axis=0)
+        cnt = stage_kind_layers(model, L, lf, lm, ll)
     inflight = inflight_microbatches(L, m)
     inflight_mid = np.where(L["vp"] > 1, inflight, np.minimum(p - 1, m))
     S = s * b / c
@@ -250,6 +271,9 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
                      "gradients": (params - ex) * gb + ex * xg,
                      "optimizer": (params - ex) * ob + ex * xo}
         acts = n_layers * stage_inflight * per_layer + working
+        if hybrid:
+            i = ("first", "middle", "last").index(name)
+            acts = stage_inflight * sum(cnt[k][i] * per_kind[k] for k in KINDS) + working
         if model.num_experts:
             acts = stage_inflight * ((n_layers - n_moe[name]) * per_layer
                                      + n_moe[name] * per_moe) + working

@@ -100,8 +100,14 @@ def stage_moe_layers(model: ModelConfig, L: dict, lf, lm, ll) -> tuple:
     layers, ``j < v``; a middle stage holds the average of the rest. Fractional bounds (p not
     dividing L without a given split) are interpolated. Uneven interleaved splits: the average
     MoE share."""
-    n = model.num_layers
-    flags = [model.is_moe_layer(i) for i in range(n)]
+    return stage_flag_layers([model.is_moe_layer(i) for i in range(model.num_layers)],
+                             L, lf, lm, ll)
+
+
+def stage_flag_layers(flags, L: dict, lf, lm, ll) -> tuple:
+    """Layers with ``flags[i]`` true on the ``(first, middle, last)`` pipeline stages (arrays),
+    by the rule of :func:`stage_moe_layers` (MoE layers; Mamba's layer kinds use it too)."""
+    n = len(flags)
     if all(flags) or not any(flags):
         return (lf, lm, ll) if any(flags) else (0 * lf, 0 * lm, 0 * ll)
     cum = np.concatenate([[0.0], np.cumsum(flags, dtype=np.float64)])

@@ -30,6 +30,23 @@ published, 4096 chosen; override with ``--seq-length``):
   ``Qwen/Qwen3-30B-A3B`` ``config.json``: L 48, h 2048, 32 heads of dim 128, 4 KV heads,
   128 experts of width 768, top-8, no shared expert, untied, V 151936; 30.5B total / 3.3B active.
   QK-norm (2 x 128 parameters per layer) is left out.
+
+Mamba-2 and hybrid presets (``model_type="mamba"``, :mod:`loom.planner.mamba`):
+
+* ``mamba2-1.3b``: Dao & Gu 2024 (arXiv 2405.21060) sec. 9 / table 3 and the
+  ``state-spaces/mamba2-1.3b`` ``config.json``: 48 layers, d_model 2048, all Mamba-2
+  (``d_intermediate`` 0: no MLP layers), d_state N 128, head dim P 64, expand 2 (d_inner 4096,
+  H 64), ngroups G 1, d_conv 4, chunk 256, RMSNorm, no linear biases (conv bias), tied
+  embeddings, V 50277, trained at s = 2048 on the Pile; 1.34B parameters here (published
+  "1.3B"). ``num_attention_heads`` 32 is a placeholder (no attention layers).
+* ``nemotron-h-8b``: NVIDIA 2025, "Nemotron-H: A Family of Accurate and Efficient Hybrid
+  Mamba-Transformer Models" (arXiv 2504.03624) table 1 and ``nvidia/Nemotron-H-8B-Base-8K``
+  ``config.json``: 52 layers, pattern ``M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-``
+  (24 Mamba-2, 4 attention = 8%, 24 MLP), h 4096, 32 attention heads of 128, 8 KV heads,
+  Mamba-2 128 heads of 64 (expand 2), 8 groups, state 128, d_conv 4, chunk 128, FFN 21504,
+  RMSNorm, no biases, untied, V 131072, s = 8192. Approximations: the MLP's squared-ReLU
+  (not gated) is modelled as loom's non-gated GeLU MLP (same ``4 h f`` FLOPs and parameters);
+  Nemotron-H's attention layers use no position embedding, loom's use RoPE (no parameters).
 """
 
 from __future__ import annotations
@@ -78,6 +95,16 @@ def moe_llama(L: int, h: int, a: int, g: int, ffn: int, V: int, E: int, k: int,
     return cls.llama(**cfg)
 
 
+def mamba2(L: int, h: int, V: int, s: int, pattern: str | None = None, **kw) -> ModelConfig:
+    """A Mamba-2 / hybrid model (RMSNorm, no linear biases, no dropout; RoPE in attention
+    layers, no learned positions); Mamba and attention sizes from ``kw``."""
+    cfg = dict(model_type="mamba", num_layers=L, hidden_size=h, seq_length=s,
+               max_position_embeddings=s, vocab_size=V, hybrid_override_pattern=pattern,
+               hidden_dropout=0.0, attention_dropout=0.0)
+    cfg.update(kw)
+    return ModelConfig.llama(**cfg)
+
+
 PRESETS = {
     "gpt3-175b": lambda: gpt(96, 12288, 96),
     "llama3-8b": lambda: llama3(32, 4096, 32, 14336),
@@ -97,11 +124,23 @@ PRESETS = {
                                      rotary_base=10000.0),
     "qwen3-30b-a3b": lambda: moe_llama(48, 2048, 32, 4, 6144, 151936, 128, 8,
                                        moe_ffn_hidden_size=768, kv_channels=128),
+    # Mamba-2 / hybrid (sources in the module docstring)
+    "mamba2-1.3b": lambda: mamba2(48, 2048, 50277, 2048, num_attention_heads=32,
+                                  mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=1,
+                                  mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=256,
+                                  untie_embeddings_and_output_weights=False),
+    "nemotron-h-8b": lambda: mamba2(52, 4096, 131072, 8192,
+                                    "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                                    num_attention_heads=32, num_query_groups=8,
+                                    group_query_attention=True, kv_channels=128,
+                                    ffn_hidden_size=21504, swiglu=False, mamba_state_dim=128,
+                                    mamba_head_dim=64, mamba_num_groups=8, mamba_expand=2,
+                                    mamba_d_conv=4, mamba_chunk_size=128),
 }
 
 # Presets whose published runs use fused (flash) attention by default in the planner.
 FLASH_DEFAULT = {"llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "mixtral-8x22b",
-                 "deepseek-v3", "qwen3-30b-a3b"}
+                 "deepseek-v3", "qwen3-30b-a3b", "mamba2-1.3b", "nemotron-h-8b"}
 
 # NAR table 1 (references.md): params(B), heads, h, L, TP, PP, GPUs, B, TFLOP/s/GPU, % peak.
 NAR_TABLE1 = [

@@ -8,7 +8,10 @@ Search space: TP ``t`` (divides heads, query groups, FFN; within a node unless a
 stages ``v`` (divides L/p; interleaving needs ``m`` divisible by ``p``, as Megatron requires),
 micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1),
 ZeRO stage 0-3 (with d c > 1; stage 1 = Megatron distributed optimizer; stages 2-3 only
-without PP), and for MoE models EP ``e`` (divides d and E; :func:`_moe_rules`). The rules are
+without PP), and for MoE models EP ``e`` (divides d and E; :func:`_moe_rules`); Mamba / hybrid
+models: t divides the Mamba heads and groups and the heads / FFN of the kinds present, no CP with
+Mamba layers (:func:`loom.planner.mamba.tp_divides`, :func:`loom.planner.mamba.refuses_cp`;
+a given ``--context-parallel-size`` > 1 is refused with a ConfigError). The rules are
 those of
 :meth:`loom.config.LoomConfig.validate`. Any dimension given in ``fixed`` is held at that value;
 ``fixed`` may also carry the split constraints ``first_layers`` / ``last_layers``
@@ -25,6 +28,7 @@ import numpy as np
 from loom.config import ModelConfig
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, Options, num_microbatches
+from loom.planner.mamba import check_supported, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
 from loom.planner.stages import accounted_split, describe_split, given_split, uneven_splits
 from loom.planner.timing import throughput, time_terms
@@ -81,11 +85,11 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
     first, last = fixed.pop("first_layers", None), fixed.pop("last_layers", None)
     acc_e, acc_l = fixed.pop("account_embedding", False), fixed.pop("account_loss", False)
     n, B, s = cluster.num_gpus, global_batch_size, seq_length
-    a, g, f, nl = (model.num_attention_heads, model.num_kv_groups, model.ffn_size,
-                   model.num_layers)
+    nl = model.num_layers
+    check_supported(model, fixed.get("cp"))
     base = []
     for t in _divisors(n):
-        if a % t or g % t or f % t:
+        if not tp_divides(model, t):
             continue
         if t > cluster.gpus_per_node and not opts.allow_tp_across_nodes:
             continue
@@ -102,7 +106,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
             if not splits:
                 continue
             for c in _divisors(n // (t * p)):
-                if c > 1 and s % (2 * c):
+                if c > 1 and (s % (2 * c) or refuses_cp(model, c)):
                     continue
                 d = n // (t * p * c)
                 eps = _moe_rules(model, t, c, d)

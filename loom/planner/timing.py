@@ -51,6 +51,7 @@ from loom.planner import flops as F
 from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
+from loom.planner.mamba import KINDS, is_hybrid, kind_layer_times, stage_kind_layers
 from loom.planner.moe import moe_fraction, moe_layer_times, stage_moe_layers
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_time, gemm_efficiency,
@@ -184,17 +185,28 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
 
     lf, lm, ll = stage_layers(model.num_layers, L)
     moe = bool(model.num_experts)
-    # MoE: dense and MoE layers timed separately, mixed per stage (moe.stage_moe_layers)
-    lt = layer_times(model, s, L, cluster, opts, moe_share=0.0 if moe else None)
-    layer, bwd_layer, fwd_layer = per_layer(lt)
-    layer_m, bwd_m, fwd_m = layer, bwd_layer, fwd_layer
-    nf = nmid = nl = 0.0
+    # layer kinds, each with its layers per stage (first, middle, last): one dense kind; MoE:
+    # dense and MoE layers (moe.stage_moe_layers); hybrid: Mamba, attention, MLP (mamba.py)
+    if is_hybrid(model):
+        lts = kind_layer_times(model, s, L, cluster, opts.flash_attention, k,
+                               opts.overlap_tp_comm)
+        kinds = [per_layer(lts[kind]) for kind in KINDS]
+        cnt = stage_kind_layers(model, L, lf, lm, ll)
+        counts = [tuple(cnt[kind][i] for kind in KINDS) for i in range(3)]
+        lt = lts["M"]
+    else:
+        lt = layer_times(model, s, L, cluster, opts, moe_share=0.0 if moe else None)
+        kinds = [per_layer(lt)]
+        counts = [(lf,), (lm,), (ll,)]
     if moe:
-        layer_m, bwd_m, fwd_m = per_layer(layer_times(model, s, L, cluster, opts, moe_share=1.0))
+        kinds.append(per_layer(layer_times(model, s, L, cluster, opts, moe_share=1.0)))
         nf, nmid, nl = stage_moe_layers(model, L, lf, lm, ll)
+        counts = [(lf - nf, nf), (lm - nmid, nmid), (ll - nl, nl)]
+    layer = kinds[0][0]
 
-    def mix(n, n_moe, dense_val, moe_val):
-        return (n - n_moe) * dense_val + n_moe * moe_val if moe else n * dense_val
+    def mix(cnt, j, key=None):
+        """Sum over the kinds of ``cnt`` layers of each: item ``j`` of :func:`per_layer`."""
+        return sum(n * (kd[j] if key is None else kd[j][key]) for n, kd in zip(cnt, kinds))
     # output layer + cross-entropy on the last stage; embedding all-reduce on the first
     Vp = padded_vocab(model, t)
     out_flops = 2 * h * Vp * S / t
@@ -202,12 +214,12 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     out_elem = 3 * k * 4 * S * Vp / t / cluster.hbm_bw
     emb_comm = lt["tp_ar"]
     single = p == 1
-    stage_first = {kk: mix(lf, nf, vv, layer_m[kk]) for kk, vv in layer.items()}
+    stage_first = {kk: mix(counts[0], 0, kk) for kk in layer}
     stage_first["tp_comm"] = stage_first["tp_comm"] + emb_comm
-    stage_last = {kk: mix(ll, nl, vv, layer_m[kk]) for kk, vv in layer.items()}
+    stage_last = {kk: mix(counts[2], 0, kk) for kk in layer}
     stage_last["compute"] = stage_last["compute"] + out_comp
     stage_last["elementwise"] = stage_last["elementwise"] + out_elem
-    stage_mid = {kk: mix(lm, nmid, vv, layer_m[kk]) for kk, vv in layer.items()}
+    stage_mid = {kk: mix(counts[1], 0, kk) for kk in layer}
     tf = sum(stage_first.values()) + np.where(single, out_comp + out_elem, 0.0)
     tl = sum(stage_last.values()) + np.where(single, emb_comm, 0.0)
     tm = np.where(p > 2, sum(stage_mid.values()), 0.0)
@@ -219,10 +231,10 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     stage["elementwise"] = stage["elementwise"] + np.where(single, out_elem, 0.0)
     stage["tp_comm"] = stage["tp_comm"] + np.where(single, emb_comm, 0.0)
     t_mb = np.maximum(np.maximum(tf, tl), tm)
-    n_layers = np.where(mid_slower, lm, np.where(last_slower, ll, lf))
-    n_moe = np.where(mid_slower, nmid, np.where(last_slower, nl, nf))
+    slow = tuple(np.where(mid_slower, cm, np.where(last_slower, cl, cf))
+                 for cf, cm, cl in zip(*counts))
     # backward share of one micro-batch on the stage (for DP overlap): 2/3 of compute etc.
-    t_bwd_mb = mix(n_layers, n_moe, bwd_layer, bwd_m)
+    t_bwd_mb = mix(slow, 1)
 
     terms = {kk: m * vv for kk, vv in stage.items()}
     terms["pp_bubble"] = np.where(p > 1, (p - 1) / v * t_mb, 0.0)
@@ -271,7 +283,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     ag_w = dp_collective(lambda n, _, nb: all_gather_time(n, nb, z_bw, z_alpha), 2)
     rs_g = dp_collective(lambda n, _, nb: reduce_scatter_time(n, nb, z_bw, z_alpha),
                          opts.grad_bytes)
-    t_fwd_mb = mix(n_layers, n_moe, fwd_layer, fwd_m)
+    t_fwd_mb = mix(slow, 2)
     z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
     # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward, then
     # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
@@ -325,7 +337,8 @@ def throughput(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
 def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
                   opts: Options | None = None) -> tuple:
     """Forward and backward time (seconds) of one transformer layer for one micro-batch, as KOR
-    table 4 measures them (backward includes the recompute it triggers)."""
+    table 4 measures them (backward includes the recompute it triggers). Transformer layers
+    only: a Mamba / hybrid model's kinds are in :func:`loom.planner.mamba.kind_layer_times`."""
     opts = opts or Options()
     lt = layer_times(model, seq_length, L, cluster, opts)
     rc = L["recompute"]
