@@ -106,6 +106,12 @@ def test_demo_yaml_still_loads_and_validates():
     assert cfg.validate(4).parallel.tensor_model_parallel_size == 2
 
 
+def test_hybrid_demo_yaml_loads_and_validates():
+    cfg = config_from_args(_parser().parse_args(
+        ["--config", str(REPO / "configs/demo_hybrid.yaml"), "--vocab-size", "8192"]))
+    assert cfg.validate(4).model.model_type == "mamba"
+
+
 def test_old_checkpoint_configs_still_load():
     old = LoomConfig(model=ModelConfig(vocab_size=10)).to_flat()
     old.update(dry_run=False, num_workers=0)  # fields of the pre-section config
