@@ -64,7 +64,8 @@ def main() -> None:
         res = run_distributed(ranks, measure, tp, dp, micro, threads, timeout=900)[0]
         print(json.dumps({"layout": name, "tp": tp, "dp": dp, "ranks": ranks,
                           "threads_per_rank": threads, "median_step_s": round(res["median_step_s"], 4),
-                          "tokens_per_s": round(tokens / res["median_step_s"], 1)}), flush=True)
+                          "tokens_per_s": round(tokens / res["median_step_s"], 1),
+                          "loss": round(res["loss"], 4)}), flush=True)
 
 
 if __name__ == "__main__":
