@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from loom.cli import main
 
@@ -159,3 +160,34 @@ def test_auto_interval_needs_a_failure_rate_and_states_its_inputs(tmp_path, caps
                              "--save-interval", "auto", "--mtbf-hours", "0.001"], capsys)
     assert code == 0, out
     assert "--save-interval auto: every" in out and "(estimated)" in out and "(measured)" in out
+
+
+def test_finetune_and_no_load_optim_rng(tmp_path):
+    """--finetune: the checkpoint's weights, iteration 0, fresh Adam states; --no-load-optim:
+    resumes the iteration but not the Adam states; --no-load-rng: weights and optimizer, fresh
+    generators (Megatron's flags)."""
+    from loom.config import LoomConfig, ModelConfig
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+
+    def cfg(**ck) -> LoomConfig:
+        c = LoomConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                         seq_length=8, vocab_size=64))
+        c.data.mock_data = True
+        c.training.train_iters = 10
+        for k, v in ck.items():
+            setattr(c.checkpoint, k, v)
+        return c.validate(1)
+    tr = Trainer(cfg(), mesh=ParallelMesh.single())
+    for _ in range(3):
+        tr.train_step()
+    tr.save(str(tmp_path))
+    weights = {n: p.detach().clone() for n, p in tr.model_chunks[0].named_parameters()}
+    for flags, iteration, adam in (({"finetune": True}, 0, False),
+                                   ({"no_load_optim": True}, 3, False),
+                                   ({"no_load_rng": True}, 3, True)):
+        t2 = Trainer(cfg(**flags), mesh=ParallelMesh.single())
+        assert t2.load(str(tmp_path))
+        assert t2.iteration == iteration, flags
+        assert all(torch.equal(p, weights[n]) for n, p in t2.model_chunks[0].named_parameters())
+        assert bool(t2.optimizer.state) == adam, flags

@@ -323,6 +323,10 @@ class CheckpointConfig:
               "job's MTBF is this / nodes)", gt=0)
     mtbf_hours: Optional[float] = opt(None, "mean time between failures of the whole job, hours, "
                                             "for --save-interval auto", gt=0)
+    finetune: bool = opt(False, "load only the weights of --load and start at iteration 0 (no "
+                                "optimizer, scheduler or RNG state; Megatron's fine-tuning)")
+    no_load_optim: bool = opt(False, "do not load the optimizer (Adam) and LR-schedule states")
+    no_load_rng: bool = opt(False, "do not load the random-generator states")
     keep_last: Optional[int] = opt(None, "keep only the newest N checkpoints in --save "
                                          "(default: keep all)", ge=1)
     exit_interval: Optional[int] = opt(None, "save and exit cleanly after an iteration divisible "

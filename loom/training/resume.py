@@ -50,8 +50,8 @@ def reconcile_schedule(saved: dict, cfg: Any, world_size: int, ckpt_dir: str) ->
     ``--use-checkpoint-opt-param-scheduler`` by copying the checkpoint's schedule into ``cfg``
     (the decay then ends where the checkpoint's did)."""
     ck = cfg.checkpoint
-    if cfg.training.skip_train:  # only evaluating: the schedule is never used
-        return
+    if cfg.training.skip_train or ck.finetune or ck.no_load_optim:
+        return  # only evaluating, or the checkpoint's schedule is not loaded at all
     diff = schedule_differences(saved, cfg, world_size)
     if not diff or ck.override_opt_param_scheduler:
         return

@@ -283,18 +283,26 @@ class Trainer:
 
     def load(self, load_dir: str) -> bool:
         """Resume from ``load_dir`` (its latest checkpoint, or ``--ckpt-step``); False when it
-        holds none. Raises ConfigError when the checkpoint is of another architecture."""
-        ckpt = latest_checkpoint(load_dir, self.cfg.checkpoint.ckpt_step)
+        holds none. ``--finetune``: weights only, from iteration 0; ``--no-load-optim``: no Adam
+        states and no LR-schedule state; ``--no-load-rng``: fresh generators. Raises ConfigError
+        when the checkpoint is of another architecture."""
+        ck = self.cfg.checkpoint
+        weights_only = ck.finetune or ck.no_load_optim  # Megatron: no optimizer, no scheduler
+        ckpt = latest_checkpoint(load_dir, ck.ckpt_step)
         if ckpt is not None:
             saved = read_common(ckpt)["config"]
             check_same_model(saved, self.cfg.model, ckpt)
             reconcile_schedule(saved, self.cfg, self.world_size, ckpt)
-        common = load_checkpoint(load_dir, self.model_chunks, self.optimizer, self.scheduler,
-                                 self.mesh, self.tracker, step=self.cfg.checkpoint.ckpt_step)
+        common = load_checkpoint(load_dir, self.model_chunks,
+                                 None if weights_only else self.optimizer,
+                                 None if weights_only else self.scheduler, self.mesh,
+                                 None if ck.finetune or ck.no_load_rng else self.tracker,
+                                 step=ck.ckpt_step)
         if common is None:
             return False
-        self.iteration = common["iteration"]
-        self.consumed_samples = common["consumed_samples"]
+        if not ck.finetune:  # --finetune: the weights only, from iteration 0
+            self.iteration = common["iteration"]
+            self.consumed_samples = common["consumed_samples"]
         t = self.cfg.training  # the schedule continues from the restored step, with this run's lr
         self.scheduler.base_lrs = [t.lr] * len(self.scheduler.base_lrs)
         lrs = [lr_at(self.scheduler.last_epoch, t)] * len(self.optimizer.param_groups)
