@@ -9,6 +9,7 @@ fails with "connectFullMesh failed ... Connection refused".
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,8 @@ def test_killed_rank_restarts_and_completes(tmp_path):
                         "1", "--monitor-interval", "0.5", str(script)],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "exitcode: -9" in r.stderr  # round 0 really lost rank 1
+    # round 0 really failed: torchrun names the first rank it saw fail, rank 1 (SIGKILL, -9) or
+    # rank 0 (its collective broke when rank 1 died, 1), whichever it noticed first
+    assert re.search(r"\(exitcode: (-9|1)\)", r.stderr), r.stderr[-2000:]
     for rank in (0, 1):
         assert f"rank {rank} restart 1 sum 3" in r.stdout, r.stdout

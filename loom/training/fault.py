@@ -25,6 +25,7 @@ from typing import Optional
 from loom.config.fault_spec import parse_fault
 
 HANG_EXIT_CODE = 3
+HANG_GRACE_S = 3.0  # seconds a rank that detected a hang waits before exiting
 
 
 def restart_count() -> int:
@@ -66,6 +67,9 @@ class HangWatchdog(threading.Thread):
                 self.stream.flush()
                 faulthandler.dump_traceback(file=self.stream, all_threads=True)
                 self.stream.flush()
+                # the other ranks' watchdogs fire within a poll of this one (they stopped at the
+                # same iteration): give them time to report before the launcher kills them
+                time.sleep(HANG_GRACE_S)
                 os._exit(HANG_EXIT_CODE)
 
     def stop(self) -> None:
