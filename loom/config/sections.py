@@ -25,6 +25,7 @@ Device = Literal["cpu", "cuda"]
 ModelType = Literal["gpt", "mamba"]  # families in loom.models.FAMILY_MODULES
 RouterScore = Literal["softmax", "sigmoid"]
 RecomputeMethod = Literal["uniform", "block"]
+TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained"]
 
 
 def opt(default: Any, help: str, **bounds: float) -> Any:  # noqa: A002 - argparse's word
@@ -280,6 +281,9 @@ class DataConfig:
     test_data_path: Optional[str] = opt(
         None, "test dataset prefix or blend (W PREFIX ...), evaluated with --skip-train")
     split: str = opt("969,30,1", "train,valid,test weights of --data-path's documents")
+    tokenizer_type: Optional[TokenizerType] = opt(
+        None, "the tokenizer the data was prepared with (loom preprocess --tokenizer-type); "
+              "checked against each dataset's PREFIX.meta.json, refused when they differ")
     mock_data: bool = opt(False, "train on random tokens (needs --vocab-size; tests, "
                                  "benchmarks)")
 

@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import sys
 import time
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -76,7 +76,8 @@ def check_output_prefix(prefix: str) -> None:
 
 
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, append_eod: bool = True,
-               workers: int = 1, json_keys: Sequence[str] = ("text",)) -> dict:
+               workers: int = 1, json_keys: Sequence[str] = ("text",),
+               tokenizer_type: Optional[str] = None) -> dict:
     """Tokenize ``inputs`` (.txt/.jsonl paths) into ``output_prefix``.{bin,idx,tokenizer.json,meta.json}.
 
     One indexed-dataset document per input document, in input order, with ``tokenizer.eod``
@@ -118,6 +119,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, 
             "num_tokens": builder.num_tokens, "dtype": np.dtype(dtype).name,
             "max_token_id": builder.max_token_id,
             "append_eod": bool(append_eod), "inputs": [os.path.abspath(p) for p in inputs]}
+    if tokenizer_type:  # `loom train --tokenizer-type` is checked against it
+        meta["tokenizer_type"] = tokenizer_type
     _atomic_write_text(output_prefix + ".meta.json", json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -185,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tokenizer_type:
             raise ConfigError("--tokenizer-from and --tokenizer-type are exclusive; give one")
         tok = load_tokenizer_for(args.tokenizer_from)
+        tokenizer_type = read_meta(args.tokenizer_from).get("tokenizer_type")
     else:
         if not args.tokenizer_type:
             raise ConfigError(f"--tokenizer-type is required (one of {', '.join(TOKENIZER_TYPES)}), "
@@ -192,9 +196,11 @@ def run(args: argparse.Namespace) -> int:
         tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                               tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
                               train_files=args.input, json_keys=args.json_keys)
+        tokenizer_type = args.tokenizer_type
     t0 = time.time()
     meta = preprocess(args.input, args.output_prefix, tok, append_eod=args.append_eod,
-                      workers=args.workers, json_keys=args.json_keys)
+                      workers=args.workers, json_keys=args.json_keys,
+                      tokenizer_type=tokenizer_type)
     print(f"wrote {args.output_prefix}.{{bin,idx,tokenizer.json,meta.json}}: {meta['num_documents']} documents, "
           f"{meta['num_tokens']} tokens, vocab {meta['vocab_size']}, {meta['dtype']} ({time.time() - t0:.1f}s)")
     return 0

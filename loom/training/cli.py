@@ -44,6 +44,14 @@ def _check_data(cfg: LoomConfig) -> None:
     d, m = cfg.data, cfg.model
     for flag, prefix in data_prefixes(d):
         check_dataset(prefix, m.vocab_size, flag=flag)
+        if d.tokenizer_type:
+            from loom.data.preprocess import read_meta
+            stored = read_meta(prefix).get("tokenizer_type")
+            if stored and stored != d.tokenizer_type:
+                raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {flag} {prefix} was "
+                                  f"tokenized with {stored} ({prefix}.meta.json); the token ids "
+                                  f"would mean other words. Give --tokenizer-type {stored} (or "
+                                  f"drop the flag: loom reads the tokenizer stored with the data)")
     train, _, _ = build_datasets(d, m.seq_length, cfg.training.seed)
     if train is None and not cfg.training.skip_train:
         raise ConfigError(f"--split {d.split} leaves no training documents of --data-path "
