@@ -304,7 +304,8 @@ def run(args) -> int:
     if why:
         print(f"loom plan: {why}", file=sys.stderr)
     if args.plot:
-        plot(res, args.plot, title=f"{name} on {cluster.num_gpus} x {cluster.gpu}, B={B}")
+        plot(res, args.plot, title=f"{name} on {cluster.num_gpus} x {cluster.gpu}, B={B}",
+             chosen=recs[0] if recs else None, capacity_gb=cluster.hbm_bytes / 1e9)
         if not args.json:
             print(f"wrote {args.plot}")
     if args.plot_breakdown and recs:

@@ -114,11 +114,38 @@ def plot_breakdown(records: list[dict], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def plot(res: dict, path: str, title: str = "") -> None:
+VALIDATED_ERROR = 0.06  # median |error| of the planner on NAR table 1 (tests/test_planner*)
+
+
+def chosen_label(rec: dict) -> str:
+    """The chosen layout's full label: t, p, d, c, (e), v, b, recompute, SP, ZeRO stage."""
+    ep = f" e{rec['ep']}" if rec.get("ep", 1) > 1 else ""
+    return (f"t{rec['tp']} p{rec['pp']} d{rec['dp']} c{rec['cp']}{ep} v{rec['vp']} "
+            f"b{rec['micro_batch_size']} recompute {rec['recompute']} "
+            f"SP {'on' if rec['sequence_parallel'] else 'off'} ZeRO-{rec['zero']}")
+
+
+def pareto_front(mem, mfu) -> tuple[np.ndarray, np.ndarray]:
+    """The layouts no other beats on both axes: ascending memory, each with a higher MFU than
+    every layout that needs less memory."""
+    order = np.argsort(mem, kind="stable")
+    best, xs, ys = -np.inf, [], []
+    for i in order:
+        if mfu[i] > best:
+            best = mfu[i]
+            xs.append(mem[i])
+            ys.append(mfu[i])
+    return np.array(xs), np.array(ys)
+
+
+def plot(res: dict, path: str, title: str = "", chosen: dict | None = None,
+         capacity_gb: float | None = None) -> None:
     """MFU against memory per GPU (GB) for every feasible layout, coloured by the parallelism of
     largest degree (tp/pp/dp/cp), or, when some layout uses expert parallelism, by the EP size
-    (one colour per e, marker by the largest of tp/pp/dp); the chosen (fastest) layout marked
-    with a star."""
+    (one colour per e, marker by the largest of tp/pp/dp); the Pareto front (least memory for
+    each MFU) with the planner's validated error band (+-6%, NAR table 1 median); the device
+    capacity ``capacity_gb``; the chosen (fastest) layout as a star labelled with every choice
+    (``chosen``: its record)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -135,16 +162,26 @@ def plot(res: dict, path: str, title: str = "") -> None:
         for j, name in enumerate(("TP", "PP", "CP", "DP")):
             sel = idx[dom == j]
             if len(sel):
-                ax.scatter(res["mem_total"][sel] / GB, 100 * res["mfu"][sel], s=6, alpha=0.45,
+                ax.scatter(res["mem_total"][sel] / GB, 100 * res["mfu"][sel], s=4, alpha=0.3,
                            color=colours[j], label=f"{name} largest ({len(sel)})", linewidths=0)
     if len(idx):
+        px, py = pareto_front(res["mem_total"][idx] / GB, 100 * res["mfu"][idx])
+        ax.step(px, py, where="post", color="black", lw=1.2, label="Pareto front")
+        ax.fill_between(px, py * (1 - VALIDATED_ERROR), py * (1 + VALIDATED_ERROR), step="post",
+                        color="gray", alpha=0.2,
+                        label=f"planner error band (+-{100 * VALIDATED_ERROR:.0f}%, NAR table 1)")
         b = idx[0]
         ep_b = f" ep{int(ep[b])}" if ep is not None and ep[b] > 1 else ""
+        label = chosen_label(chosen) if chosen else (
+            f"tp{int(res['tp'][b])} pp{int(res['pp'][b])} dp{int(res['dp'][b])}{ep_b} "
+            f"cp{int(res['cp'][b])}")
         ax.scatter([res["mem_total"][b] / GB], [100 * res["mfu"][b]], marker="*", s=260,
-                   color="gold", edgecolors="black", zorder=5,
-                   label=(f"chosen: tp{int(res['tp'][b])} pp{int(res['pp'][b])} "
-                          f"dp{int(res['dp'][b])}{ep_b} cp{int(res['cp'][b])}"))
-        ax.legend(loc="best", fontsize=8)
+                   color="gold", edgecolors="black", zorder=5, label=f"chosen: {label}")
+    if capacity_gb:
+        ax.axvline(capacity_gb, color="tab:red", ls="--", lw=1,
+                   label=f"device memory {capacity_gb:.0f} GB")
+    if len(idx) or capacity_gb:
+        ax.legend(loc="best", fontsize=7)
     ax.set_xlabel("memory per GPU (GB)")
     ax.set_ylabel("MFU (%)")
     ax.set_title(title or "feasible layouts")
