@@ -71,3 +71,4 @@ def test_json_run_header_and_tensorboard_config(tmp_path, monkeypatch):
     texts = [t.tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"]
              if tag.startswith("config") for t in acc.Tensors(tag)]
     assert texts and "hidden_size: 32" in texts[0]
+    assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")  # HPARAMS tab

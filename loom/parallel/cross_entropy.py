@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from loom.parallel.sequence import all_gather_into
+
 MIN_CHUNK_ELEMENTS = 1 << 23  # 8 Mi logits = 32 MiB fp32: keeps the chunk GEMMs efficient
 FLOAT32_MIN = torch.finfo(torch.float32).min
 
@@ -77,7 +79,7 @@ def _chunk_grad_logits(x, w, tgt, group, vocab_start, vocab_size, lse=None):
         stats = torch.stack([local_max, local_sum, target_logit])
         t = dist.get_world_size(group)
         parts = torch.empty((t * 3, stats.shape[1]), dtype=stats.dtype, device=stats.device)
-        dist.all_gather_single(parts, stats, group=group)
+        all_gather_into(parts, stats, group)
         parts = parts.view(t, 3, -1)
         global_max = parts[:, 0].max(dim=0).values
         sum_exp = (parts[:, 1] * (parts[:, 0] - global_max).exp()).sum(dim=0)

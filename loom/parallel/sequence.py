@@ -10,7 +10,7 @@ see only this rank's tokens, so their gradients are all-reduced over TP
 which parameters those are.
 
 gloo has no reduce-scatter; there it is an all-reduce followed by a slice (same result, 2x the
-bytes); NCCL uses ``reduce_scatter_tensor``.
+bytes); NCCL uses ``reduce_scatter_single``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,22 @@ from loom.parallel.mappings import ConjugateCollective
 Group = Optional[dist.ProcessGroup]
 
 
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``dist.all_gather_single`` (the old ``all_gather_into_tensor`` now warns once per rank;
+    it is used on a torch that predates the new name)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` on an older torch)."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x,
+                                                                                  group=group)
+
+
 def _gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     n = dist.get_world_size(group)
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_into(out, x.contiguous(), group)
     return out
 
 
@@ -42,7 +54,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     if dist.get_backend(group) == "nccl":
         out = torch.empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]),
                           dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x, group=group)
+        reduce_scatter_into(out, x, group)
         return out
     x = x.clone()
     dist.all_reduce(x, group=group)

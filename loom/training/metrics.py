@@ -103,6 +103,12 @@ class MetricsLogger:
             self.tb = SummaryWriter(tensorboard_dir)
             self.tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in
                                                   sorted((config or {}).items())), 0)
+            hparams = {k: v for k, v in (config or {}).items()
+                       if isinstance(v, (bool, int, float, str))}  # the HPARAMS tab
+            if hparams:  # into this run's own event file (add_hparams would open another run)
+                from torch.utils.tensorboard.summary import hparams as hparams_summaries
+                for summary in hparams_summaries(hparams, {}):
+                    self.tb.file_writer.add_summary(summary)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total_iters, desc="train", dynamic_ncols=True, leave=False)
