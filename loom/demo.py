@@ -74,17 +74,22 @@ def run(args: argparse.Namespace) -> int:
           "--max-new-tokens", "48", "--top-k", "40", "--temperature", "0.8", "--seed", "1"])
 
     records = [json.loads(line) for line in log_json.read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
-    valid = [r for r in records if r["kind"] == "valid"]
-    summary = {
-        "iterations": train[-1]["iteration"],
-        "train_time_s": round(train_time, 1),
-        "tokens_per_s": round(sum(r["tokens_per_s"] for r in train[1:]) / max(len(train) - 1, 1)),
-        "loss_first_log": round(train[0]["loss"], 3),
-        "loss_last_log": round(train[-1]["loss"], 3),
-        "valid_loss": round(valid[-1]["valid_loss"], 3) if valid else None,
-        "valid_perplexity": round(valid[-1]["valid_ppl"], 1) if valid else None,
-        "total_time_s": round(time.time() - t0, 1),
-    }
+    summary = summarize(records, train_time)
+    summary["total_time_s"] = round(time.time() - t0, 1)
     print("demo summary: " + json.dumps(summary), flush=True)
     return 0
+
+
+def summarize(records: list[dict], train_time: float) -> dict:
+    """The demo's summary from its ``--log-json`` records: iterations, training time (s), mean
+    tokens/s over the logged windows after the first (warm-up; the only one if there is one),
+    first and last logged loss, the last validation loss and perplexity."""
+    train = [r for r in records if r["kind"] == "train"]
+    valid = [r for r in records if r["kind"] == "valid"]
+    windows = train[1:] or train
+    return {"iterations": train[-1]["iteration"], "train_time_s": round(train_time, 1),
+            "tokens_per_s": round(sum(r["tokens_per_s"] for r in windows) / len(windows)),
+            "loss_first_log": round(train[0]["loss"], 3),
+            "loss_last_log": round(train[-1]["loss"], 3),
+            "valid_loss": round(valid[-1]["valid_loss"], 3) if valid else None,
+            "valid_perplexity": round(valid[-1]["valid_ppl"], 1) if valid else None}

@@ -72,3 +72,14 @@ def test_json_run_header_and_tensorboard_config(tmp_path, monkeypatch):
              if tag.startswith("config") for t in acc.Tensors(tag)]
     assert texts and "hidden_size: 32" in texts[0]
     assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")  # HPARAMS tab
+
+
+def test_demo_summary_of_a_short_run_has_real_numbers():
+    """`loom demo --train-iters 50` logs one training window: its tokens/s is reported (was 0),
+    and the final evaluation gives a validation loss (was null)."""
+    from loom.demo import summarize
+    records = [{"kind": "run", "config": {}},
+               {"kind": "train", "iteration": 50, "loss": 7.76, "tokens_per_s": 1800.0},
+               {"kind": "valid", "iteration": 50, "valid_loss": 7.25, "valid_ppl": 1409.5}]
+    s = summarize(records, 39.1)
+    assert s["tokens_per_s"] == 1800 and s["valid_loss"] == 7.25 and s["iterations"] == 50
