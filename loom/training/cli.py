@@ -22,7 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the planner's memory and time prediction for these flags "
-                             "and exit without training")
+                             "and exit without training (no torchrun needed)")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="--dry-run: the number of GPUs to predict for (default: WORLD_SIZE "
+                             "under torchrun, else t x p x c of the layout flags)")
+    parser.add_argument("--gpu", default=None, metavar="NAME",
+                        help="--dry-run: the GPU to predict for, e.g. H100-80GB (default: this "
+                             "machine's CUDA device, else A100-80GB, and the output says so)")
 
 
 def world_size_from_env() -> int:
@@ -118,8 +124,8 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
 
     Raises ConfigError naming the flag, key or file and the fix.
     """
-    world = world_size_from_env()
     cfg = config_from_args(args)
+    world = dry_run_world(args, cfg) if getattr(args, "dry_run", False) else world_size_from_env()
     d = cfg.data
     named = d.data_path or d.train_data_path or (cfg.training.skip_train and (
         d.valid_data_path or d.test_data_path))
@@ -157,12 +163,33 @@ def _check_same_model(cfg: LoomConfig) -> None:
         reconcile_schedule(saved, cfg, world_size_from_env(), ckpt)
 
 
+def dry_run_world(args: argparse.Namespace, cfg: LoomConfig) -> int:
+    """GPUs a ``--dry-run`` predicts for: ``--world-size``, else torchrun's ``WORLD_SIZE``, else
+    the layout's t x p x c (one data-parallel replica). Raises ConfigError for N < 1."""
+    if args.world_size is not None:
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size {args.world_size}: give 1 or more")
+        return args.world_size
+    if "WORLD_SIZE" in os.environ:
+        return world_size_from_env()
+    p = cfg.parallel
+    return (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+            * p.context_parallel_size * (p.data_parallel_size or 1))
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``loom train``; returns the exit status."""
+    if (args.world_size is not None or args.gpu) and not args.dry_run:
+        raise ConfigError("--world-size and --gpu describe a --dry-run's cluster: add --dry-run "
+                          "(a training run takes its size from torchrun)")
     cfg = prepare(args)
     if args.dry_run:
+        if os.environ.get("RANK", "0") != "0":
+            return 0  # printed once, by rank 0
         from loom.planner.predict import format_prediction, predict_layout
-        print(format_prediction(predict_layout(cfg, world_size_from_env())))
+        pred = predict_layout(cfg, dry_run_world(args, cfg), cluster=args.gpu)
+        assumed = "" if args.gpu else " (assumed: no --gpu given; pass --gpu NAME)"
+        print(format_prediction(pred) + f"\ndevice: {pred['cluster']}{assumed}")
         return 0
     if cfg.checkpoint.save and os.environ.get("RANK", "0") == "0":
         from loom.checkpoint.safety import remove_partial_checkpoints
