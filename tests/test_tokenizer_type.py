@@ -41,3 +41,14 @@ def test_train_time_tokenizer_type_checked_against_the_data(tmp_path, capsys):
     code, out = run(TRAIN + ["--data-path", prefix, "--tokenizer-type", "ByteLevelBPETrained"],
                     capsys)
     assert code == 0, out
+
+
+def test_a_data_path_with_the_bin_extension_gets_the_prefix_hint(tmp_path, capsys):
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(f"document {i} about things" for i in range(50)))
+    prefix = str(tmp_path / "d")
+    code, out = run(["preprocess", "--input", str(text), "--output-prefix", prefix,
+                     "--tokenizer-type", "ByteLevelBPETrained", "--vocab-size", "280"], capsys)
+    assert code == 0, out
+    code, out = run(TRAIN + ["--data-path", prefix + ".bin"], capsys)
+    assert code == 2 and f"give the prefix without .bin: --data-path {prefix}" in out, out

@@ -125,12 +125,22 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, 
     return meta
 
 
+def missing_dataset_hint(prefix: str) -> str:
+    """The fix for a dataset prefix that names no dataset: drop a file extension the user gave
+    (``data/corpus.bin`` -> ``data/corpus``), else build it with ``loom preprocess``."""
+    for ext in (".bin", ".idx", ".meta.json", ".tokenizer.json"):
+        stem = prefix[:-len(ext)] if prefix.endswith(ext) else None
+        if stem and os.path.isfile(stem + ".meta.json"):
+            return f"give the prefix without {ext}: --data-path {stem}"
+    return f"build the dataset with `loom preprocess --input ... --output-prefix {prefix}`"
+
+
 def read_meta(prefix: str) -> dict:
     """``PREFIX.meta.json`` as a dict; ConfigError naming ``--data-path`` if absent or unreadable."""
     path = f"{prefix}.meta.json"
     if not os.path.isfile(path):
-        raise ConfigError(f"--data-path {prefix}: {path} does not exist; build the dataset with "
-                          f"`loom preprocess --input ... --output-prefix {prefix}`")
+        raise ConfigError(f"--data-path {prefix}: {path} does not exist; "
+                          f"{missing_dataset_hint(prefix)}")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -145,8 +155,8 @@ def load_tokenizer_for(prefix: str) -> Tokenizer:
     """
     path = f"{prefix}.tokenizer.json"
     if not os.path.isfile(path):
-        raise ConfigError(f"--data-path {prefix}: {path} does not exist; build the dataset with "
-                          f"`loom preprocess --input ... --output-prefix {prefix}`")
+        raise ConfigError(f"--data-path {prefix}: {path} does not exist; "
+                          f"{missing_dataset_hint(prefix)}")
     tok = Tokenizer.load(path)
     try:
         meta = read_meta(prefix)
