@@ -1,20 +1,26 @@
 """Tokens/s and per-rank memory of a small Mixtral-style model on 4 CPU ranks (gloo, fp32):
 EP=1 (DP=4, every rank holds all experts), EP=2, EP=4, and EP=2 x TP=2 (DP=2); plus the
 planner's predicted step time for the same layouts on this machine's calibration when one is
-given (``--planner-cluster FILE``).
+given (``--cluster FILE``, from ``loom.planner.calibrate.calibrate_local``) or calibrated at the
+start (~20 s): the planner's prediction for R ranks on C cores uses the all-reduce fit among R
+ranks for the links and ``min(1, C/R)`` of a core per rank (``calibrate.oversubscribed``), as
+``benchmarks/planner_vs_measured.py`` does; its error is printed next to the measurement.
 
 Model: 4 layers, h 256, 8 heads (4 KV groups), 8 SwiGLU experts of width 512, top-2, V 8192,
 s 256, global batch 16. Each layout: 2 warm-up + 5 measured steps; a step's time is the slowest
 rank's (the trainer max-reduces it); the median is reported. Prints one JSON line per layout.
 
-    OMP_NUM_THREADS=1 python benchmarks/moe_throughput.py
+    OMP_NUM_THREADS=1 python benchmarks/moe_throughput.py [--cluster FILE] [--no-predict]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import sys
+from dataclasses import replace
 
 from loom.config import LoomConfig, ModelConfig
 from loom.testing import run_distributed
@@ -59,17 +65,45 @@ LAYOUTS = [("EP=1 (DP=4)", 1, 1), ("EP=2 (DP=4)", 1, 2), ("EP=4 (DP=4)", 1, 4),
            ("EP=2 x TP=2 (DP=2)", 2, 2)]
 
 
+def predicted_step_s(cal, tp: int, ep: int, ranks: int = 4) -> float:
+    """The planner's iteration time (s) for the layout on the calibrated machine, R ranks
+    sharing its cores (see the module docstring)."""
+    from loom.planner.calibrate import oversubscribed
+    from loom.planner.predict import predict_layout
+
+    ar = cal.notes.get("allreduce", {}).get(str(ranks))
+    if ar:
+        cal = replace(cal, intra_alpha=ar["alpha_s"], inter_alpha=ar["alpha_s"],
+                      intra_bw=ar["bw_bytes_per_s"], inter_bw=ar["bw_bytes_per_s"])
+    cal = oversubscribed(cal, ranks, os.cpu_count())
+    return predict_layout(moe_config(tp, ep, ranks), ranks, cluster=cal)["time_s"]["iteration"]
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cluster", help="cluster JSON from calibrate_local (default: calibrate now)")
+    ap.add_argument("--no-predict", action="store_true", help="measure only")
+    args = ap.parse_args()
+    cal = None
+    if not args.no_predict:
+        from loom.planner.calibrate import calibrate_local
+        from loom.planner.hardware import Cluster
+        cal = Cluster.load(args.cluster) if args.cluster else calibrate_local(None, world=4)
     tokens = 16 * 256
     for name, tp, ep in LAYOUTS:
         res = run_distributed(4, measure, tp, ep, timeout=1200)[0]
-        print(json.dumps({"layout": name, "tp": tp, "ep": ep, "ranks": 4,
-                          "median_step_s": round(res["median_step_s"], 4),
-                          "tokens_per_s": round(tokens / res["median_step_s"], 1),
-                          "peak_rss_mib_max_rank": round(res["peak_rss_mib"], 1),
-                          "params_total": res["params_total"],
-                          "params_rank0": res["params_rank0"], "loss": round(res["loss"], 4)}),
-              flush=True)
+        rec = {"layout": name, "tp": tp, "ep": ep, "ranks": 4,
+               "median_step_s": round(res["median_step_s"], 4),
+               "tokens_per_s": round(tokens / res["median_step_s"], 1),
+               "peak_rss_mib_max_rank": round(res["peak_rss_mib"], 1),
+               "params_total": res["params_total"],
+               "params_rank0": res["params_rank0"], "loss": round(res["loss"], 4)}
+        if cal is not None:
+            pred = predicted_step_s(cal, tp, ep)
+            rec["predicted_step_s"] = round(pred, 4)
+            rec["prediction_error_pct"] = round(100 * (pred - res["median_step_s"])
+                                                / res["median_step_s"], 1)
+        print(json.dumps(rec), flush=True)
 
 
 if __name__ == "__main__":
