@@ -263,6 +263,9 @@ class TrainingConfig:
                                              "pass (= --recompute-granularity selective)")
     skip_train: bool = opt(False, "do not train: evaluate the --load checkpoint on the "
                                   "validation and test sets, then exit")
+    compile: bool = opt(False, "torch.compile each transformer layer (regional compilation; "
+                               "fuses norms, activations, residual adds; the first steps pay "
+                               "the compilation)")
 
 
 @dataclass

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 from loom.data.split import parse_split
@@ -272,6 +274,11 @@ def validate_config(cfg: Any, world_size: int) -> None:
         raise ConfigError("--exit-interval saves before exiting: give --save DIR")
     if t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
+    if t.compile and p.device != "cuda" and not (
+            os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "clang++", "c++"))):
+        raise ConfigError("--compile on CPU needs a C++ compiler for torch.compile's inductor "
+                          "backend (none of $CXX, g++, clang++, c++ found): install one (e.g. "
+                          "apt-get install g++) or drop --compile")
     parse_split(cfg.data.split)
     if cfg.checkpoint.save_interval and not cfg.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")

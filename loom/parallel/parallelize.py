@@ -1,5 +1,5 @@
 """Build this rank's model chunks: pipeline split -> plain model on the meta device -> the
-family's parallel plan -> recomputation -> initialization from the registry.
+family's parallel plan -> initialization from the registry -> recomputation -> ``--compile``.
 
 Every rank of every layout starts from exactly the single-process weights: parameter names
 carry the global layer index and each full tensor is drawn from a generator seeded by
@@ -15,6 +15,7 @@ from torch import nn
 
 from loom.config import LoomConfig, ModelConfig
 from loom.models.family import ModelFamily, StageSpec
+from loom.parallel.compile import compile_layers
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.pipeline.layout import chunk_layers
 from loom.parallel.plan import PlanContext, apply_plan
@@ -68,5 +69,7 @@ def build_model_chunks(family: ModelFamily, cfg: LoomConfig, mesh: ParallelMesh,
                             sequence_parallel=par.sequence_parallel)
         apply_recompute(chunk, t.recompute_granularity, tracker, t.recompute_method,
                         t.recompute_num_layers)
+        if t.compile:
+            compile_layers(chunk)
         chunks.append(chunk)
     return chunks
