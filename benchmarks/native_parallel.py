@@ -93,14 +93,11 @@ LAYER_NAMES = {"ln1": "input_norm", "ln2": "pre_mlp_norm", "attn.wo": "self_atte
 @torch.no_grad()
 def load_loom_weights(model: NativeGPT, cfg: LoomConfig) -> None:
     """Copy the single-process loom model's initial weights (same seed) into ``model``."""
-    from loom.models.gpt import GPTModel
+    from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
-    from loom.parallel.random import RNGTracker
-    mesh = ParallelMesh.single()
-    tracker = RNGTracker(mesh.device)
-    tracker.seed(cfg.training.seed)
-    ref = dict(GPTModel(cfg.model, mesh, tracker).init_weights(cfg.training.seed)
-               .named_parameters())
+    from loom.parallel.parallelize import build_model
+    ref = dict(build_model(get_family("gpt"), cfg.model, ParallelMesh.single(),
+                           seed=cfg.training.seed).named_parameters())
     h = cfg.model.hidden_size
     for name, p in model.named_parameters():
         if name.startswith("layers."):
@@ -116,8 +113,10 @@ def load_loom_weights(model: NativeGPT, cfg: LoomConfig) -> None:
         p.copy_(src)
 
 
-def build_native(cfg: LoomConfig, dp: int, pp: int, tp: int, sp: bool, dp_kind: str):
-    """This rank's parallelized model on a ``(dp, pp, tp)`` mesh.
+def build_native(cfg: LoomConfig, dp: int, pp: int, tp: int, sp: bool, dp_kind: str,
+                 compile_layers: bool = False):
+    """This rank's parallelized model on a ``(dp, pp, tp)`` mesh; ``compile_layers``: each
+    block ``torch.compile``'d after TP and before FSDP2 / DDP (torchtitan's order).
 
     Returns ``(model, mesh, stage_index)``; ``dp_kind`` is "ddp" or "fsdp2"."""
     import torch.distributed as dist
@@ -128,6 +127,9 @@ def build_native(cfg: LoomConfig, dp: int, pp: int, tp: int, sp: bool, dp_kind: 
     load_loom_weights(model, cfg)
     if tp > 1:
         apply_tp(model, mesh["tp"], sp)
+    if compile_layers:
+        for layer in model.layers.values():
+            layer.compile()
     if dp > 1:
         if dp_kind == "fsdp2" or tp > 1 or pp > 1:
             from torch.distributed.fsdp import fully_shard
@@ -201,8 +203,9 @@ class NativeRunner:
     None on ranks without the loss)."""
 
     def __init__(self, cfg: LoomConfig, dp: int, pp: int, tp: int, sp: bool, dp_kind: str,
-                 schedule: str):
-        self.model, self.mesh, self.stage = build_native(cfg, dp, pp, tp, sp, dp_kind)
+                 schedule: str, compile_layers: bool = False):
+        self.model, self.mesh, self.stage = build_native(cfg, dp, pp, tp, sp, dp_kind,
+                                                         compile_layers)
         self.tp, self.pp = tp, pp
         self.opt = native_optimizer(self.model, cfg)
         self.sched = None

@@ -16,7 +16,11 @@ time, but it does not see waiting, i.e. pipeline bubbles and exposed communicati
 optimizer state, activations), max over ranks. One thread per rank. Prints one JSON line per
 layout, then a markdown table.
 
-    OMP_NUM_THREADS=1 python benchmarks/vs_torch_native.py [--layouts 1 dp2 tp2 ...]
+``--compile``: both sides compile every transformer block (loom ``--compile``; native: each
+block ``torch.compile``'d after TP, before FSDP2 / DDP, as torchtitan does); use ``--warmup 2``
+or more so the compilation stays out of the measured steps.
+
+    OMP_NUM_THREADS=1 python benchmarks/vs_torch_native.py [--layouts 1 dp2 tp2 ...] [--compile]
 """
 
 from __future__ import annotations
@@ -76,13 +80,14 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_loom(layout: tuple, steps: int, fused_ce: bool = False) -> dict:
+def run_loom(layout: tuple, steps: int, compile_layers: bool = False) -> dict:
     import torch.distributed as dist
 
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
     tp, pp, dp, sp, micro, _, schedule = layout
     cfg = reference_config(tp, pp, dp, sp, micro, schedule, steps)
+    cfg.training.compile = compile_layers
     world = tp * pp * dp
     mesh = ParallelMesh.build(tp=tp, pp=pp, dp=dp) if world > 1 else ParallelMesh.single()
     tr = Trainer(cfg, mesh=mesh)
@@ -100,7 +105,7 @@ def run_loom(layout: tuple, steps: int, fused_ce: bool = False) -> dict:
     return {"times": times, "cpu": cpus, "losses": losses, "rss_mib": _rss_mib()}
 
 
-def run_native(layout: tuple, steps: int) -> dict:
+def run_native(layout: tuple, steps: int, compile_layers: bool = False) -> dict:
     import torch.distributed as dist
 
     from loom.data.gpt_dataset import MockGPTDataset
@@ -109,7 +114,7 @@ def run_native(layout: tuple, steps: int) -> dict:
     tp, pp, dp, sp, micro, dp_kind, schedule = layout
     cfg = reference_config(tp, pp, dp, sp, micro, schedule, steps)
     world = tp * pp * dp
-    runner = NativeRunner(cfg, dp, pp, tp, sp, dp_kind, schedule)
+    runner = NativeRunner(cfg, dp, pp, tp, sp, dp_kind, schedule, compile_layers)
     m = cfg.model
     ds = MockGPTDataset(m.vocab_size, m.seq_length, cfg.training.seed)
     dp_rank = runner.mesh["dp"].get_local_rank()
@@ -134,13 +139,11 @@ def run_native(layout: tuple, steps: int) -> dict:
     return {"times": times, "cpu": cpus, "losses": losses, "rss_mib": _rss_mib()}
 
 
-def measure(name: str, repeats: int, warmup: int, steps: int, preview: bool) -> dict:
+def measure(name: str, repeats: int, warmup: int, steps: int, compile_layers: bool) -> dict:
     layout = LAYOUTS[name]
     tp, pp, dp = layout[:3]
     world = tp * pp * dp
-    impls = {"loom": (run_loom, ()), "native": (run_native, ())}
-    if preview:
-        impls["loom_fused_ce"] = (run_loom, (True,))
+    impls = {"loom": (run_loom, (compile_layers,)), "native": (run_native, (compile_layers,))}
     runs = {k: [] for k in impls}
     cpu = {k: [] for k in impls}
     rss = {k: [] for k in impls}
@@ -162,17 +165,8 @@ def measure(name: str, repeats: int, warmup: int, steps: int, preview: bool) -> 
         last = abs(losses[a][-1] - losses["native"][-1]) / abs(losses["native"][-1])
         return first < 1e-4 and last < 1e-3
 
-    extra = {}
-    if preview:
-        extra = {"loom_fused_ce_s_per_step": round(med["loom_fused_ce"], 4),
-                 "ratio_loom_fused_ce_over_native": round(med["loom_fused_ce"] / med["native"], 3),
-                 "loom_fused_ce_cpu_s_per_step": round(cmed["loom_fused_ce"], 4),
-                 "cpu_ratio_loom_fused_ce_over_native": round(cmed["loom_fused_ce"]
-                                                              / cmed["native"], 3),
-                 "loom_fused_ce_runs": [round(x, 4) for x in runs["loom_fused_ce"]],
-                 "loom_fused_ce_peak_rss_mib": round(max(rss["loom_fused_ce"]), 1),
-                 "loom_fused_ce_same_loss": same("loom_fused_ce")}
-    return extra | {"layout": name, "tp": tp, "pp": pp, "dp": dp, "sp": layout[3],
+    return {"layout": name, "tp": tp, "pp": pp, "dp": dp, "sp": layout[3],
+            "compile": compile_layers,
             "native": native_label(layout), "ranks": world,
             "loom_s_per_step": round(med["loom"], 4), "native_s_per_step": round(med["native"], 4),
             "ratio_loom_over_native": round(med["loom"] / med["native"], 3),
@@ -206,35 +200,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--compile", action="store_true",
+                    help="both sides torch.compile every transformer block")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     for name in args.layouts:
         try:
-            row = measure(name, args.repeats, args.warmup, args.steps, False)
+            row = measure(name, args.repeats, args.warmup, args.steps, args.compile)
         except RuntimeError as e:  # one layout failing must not lose the others
             print(json.dumps({"layout": name, "error": str(e)[-2000:]}), flush=True)
             continue
         rows.append(row)
         print(json.dumps(row), flush=True)
-    pv = False  # (a preview column of the fused loss before it was loom's default)
     print("\n| layout | native | loom s/step | native s/step | loom / native |"
-          + (" loom+fused CE s/step | (loom+fused CE) / native |" if pv else "")
-          + " CPU s/step loom / native | CPU ratio" + (" (+fused CE)" if pv else "") + " |"
-          + " peak RSS/rank loom / native (MiB) | same loss |")
-    print("|---|---|---|---|---|" + ("---|---|" if pv else "") + "---|---|---|---|")
+          " CPU s/step loom / native | CPU ratio | peak RSS/rank loom / native (MiB) |"
+          " same loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cols = [r["layout"], r["native"], f"{r['loom_s_per_step']:.3f}",
-                f"{r['native_s_per_step']:.3f}", f"{r['ratio_loom_over_native']:.2f}"]
-        if pv:
-            cols += [f"{r['loom_fused_ce_s_per_step']:.3f}",
-                     f"{r['ratio_loom_fused_ce_over_native']:.2f}"]
-        ok = r["same_loss"] and (not pv or r["loom_fused_ce_same_loss"])
-        cols += [f"{r['loom_cpu_s_per_step']:.3f} / {r['native_cpu_s_per_step']:.3f}",
-                 f"{r['cpu_ratio_loom_over_native']:.2f}" + (
-                     f" ({r['cpu_ratio_loom_fused_ce_over_native']:.2f})" if pv else ""),
-                 f"{r['loom_peak_rss_mib']:.0f} / {r['native_peak_rss_mib']:.0f}",
-                 "yes" if ok else "NO"]
+                f"{r['native_s_per_step']:.3f}", f"{r['ratio_loom_over_native']:.2f}",
+                f"{r['loom_cpu_s_per_step']:.3f} / {r['native_cpu_s_per_step']:.3f}",
+                f"{r['cpu_ratio_loom_over_native']:.2f}",
+                f"{r['loom_peak_rss_mib']:.0f} / {r['native_peak_rss_mib']:.0f}",
+                "yes" if r["same_loss"] else "NO"]
         print("| " + " | ".join(cols) + " |")
 
 
