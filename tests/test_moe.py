@@ -24,7 +24,7 @@ STEPS = 3
 
 
 def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
-             layers=2, experts=4, sp=False, cp=1) -> LoomConfig:
+             layers=2, experts=4, sp=False, cp=1, etp=None) -> LoomConfig:
     model = ModelConfig.llama(num_layers=layers, hidden_size=32, num_attention_heads=4,
                               num_query_groups=2, seq_length=8, vocab_size=100,
                               make_vocab_size_divisible_by=8, hidden_dropout=0.0,
@@ -37,6 +37,7 @@ def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.pipeline_model_parallel_size = pp
     cfg.parallel.expert_model_parallel_size = ep
+    cfg.parallel.expert_tensor_parallel_size = etp
     cfg.parallel.sequence_parallel = sp
     cfg.parallel.context_parallel_size = cp
     cfg.training.micro_batch_size = 2
@@ -72,13 +73,15 @@ def parity(cases) -> list[dict]:
         ref_cfg.parallel.tensor_model_parallel_size = 1
         ref_cfg.parallel.pipeline_model_parallel_size = 1
         ref_cfg.parallel.expert_model_parallel_size = 1
+        ref_cfg.parallel.expert_tensor_parallel_size = None
         ref_cfg.parallel.sequence_parallel = False
         ref_cfg.parallel.context_parallel_size = 1
         _, ref = run_steps(ref_cfg.validate(1), ParallelMesh.single())
         p = cfg.parallel
         mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
                                   pp=p.pipeline_model_parallel_size,
-                                  cp=p.context_parallel_size, ep=p.expert_model_parallel_size)
+                                  cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                                  etp=p.expert_tensor_parallel_size)
         _, par = run_steps(cfg, mesh)
         errors, compared = [], 0
         for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(par, ref)):
@@ -146,13 +149,14 @@ def count_all_to_alls(ep: int) -> dict:
 def world2() -> dict:
     cases = [dict(ep=2), dict(ep=2, k=1), dict(ep=2, shared=16, score="sigmoid"),
              dict(ep=2, capacity=1.0), dict(tp=2, shared=16), dict(ep=1),
-             dict(tp=2, sp=True, shared=16), dict(cp=2, shared=16)]
+             dict(tp=2, sp=True, shared=16), dict(cp=2, shared=16), dict(tp=2, etp=1, shared=16)]
     return {"parity": parity(cases), "a2a2": count_all_to_alls(2), "a2a1": count_all_to_alls(1)}
 
 
 def world4() -> list:
     return parity([dict(ep=2, tp=2, shared=16), dict(ep=2), dict(ep=4),
-                   dict(ep=2, pp=2, layers=4), dict(ep=2, tp=2, sp=True), dict(ep=2, cp=2)])
+                   dict(ep=2, pp=2, layers=4), dict(ep=2, tp=2, sp=True), dict(ep=2, cp=2),
+                   dict(ep=2, tp=2, etp=1, sp=True, shared=16)])
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +165,11 @@ def results2():
 
 
 def test_parity_two_ranks(results2):
-    _check([r["parity"] for r in results2], 8)
+    _check([r["parity"] for r in results2], 9)
 
 
 def test_parity_four_ranks():
-    _check(run_distributed(4, world4, timeout=600), 6)
+    _check(run_distributed(4, world4, timeout=600), 7)
 
 
 def test_two_all_to_alls_forward_two_backward(results2):
@@ -225,6 +229,8 @@ def test_checkpoint_moves_between_ep_sizes(tmp_path):
     (dict(experts=3, ep=2), 2, "--num-experts 3 is not divisible by --expert-model-parallel"),
     (dict(ep=4), 2, "--expert-model-parallel-size 4 must divide the data-parallel size 2"),
     (dict(k=5), 1, "--moe-router-topk 5 must lie in"),
+    (dict(tp=2, etp=4), 2, "--expert-tensor-parallel-size 4 must be 1"),
+    (dict(experts=None, etp=1), 1, "--expert-tensor-parallel-size needs --num-experts"),
 ])
 def test_bad_moe_layouts_refused(change, world, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -158,9 +158,11 @@ def _check_mamba(m: Any, tp: int, cp: int) -> None:
 def _check_moe(cfg: Any, world_size: int) -> None:
     m, p = cfg.model, cfg.parallel
     e = p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size
     if not m.num_experts:
-        if e > 1:
-            raise ConfigError("--expert-model-parallel-size needs --num-experts E")
+        if e > 1 or etp is not None:
+            raise ConfigError(f"--expert-{'model' if e > 1 else 'tensor'}-parallel-size needs "
+                              f"--num-experts E")
         return
     E, k = m.num_experts, m.moe_router_topk
     if k > E:
@@ -173,9 +175,14 @@ def _check_moe(cfg: Any, world_size: int) -> None:
     if d % e:
         raise ConfigError(f"--expert-model-parallel-size {e} must divide the data-parallel size "
                           f"{d} (experts are split over DP ranks): launch more ranks or lower EP")
+    if etp is not None and etp not in (1, t):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} must be 1 (experts whole, tokens "
+                          f"split over TP) or --tensor-model-parallel-size {t} (experts sharded)")
     shared = m.moe_shared_expert_intermediate_size or 0
-    if m.moe_ffn_size % t or shared % t:
-        raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} and "
+    sharded_experts = etp is None or etp == t
+    if (sharded_experts and m.moe_ffn_size % t) or shared % t:
+        raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} (unless "
+                          f"--expert-tensor-parallel-size 1) and "
                           f"--moe-shared-expert-intermediate-size must be divisible by "
                           f"--tensor-model-parallel-size {t}")
     if t > 1 and not m.disable_bias_linear:

@@ -12,6 +12,11 @@ Under TP the experts are sharded like an MLP (FC1 by columns, FC2 by rows, no bi
 partial expert outputs of all k choices and the shared expert are summed over TP in ONE
 all-reduce before the router weights combine them, so the router's gradient is exact and
 identical on every TP rank: 1 all-reduce forward and 1 backward per MoE layer, like a dense MLP.
+With ``--expert-tensor-parallel-size 1`` the experts stay whole on every TP rank (Megatron-Core's
+expert TP 1: wider expert GEMMs) and TP rank r runs every t-th of the routed (token, expert)
+pairs, starting at r; the same one all-reduce sums the pair outputs (each computed on exactly
+one TP rank), and the experts' gradients, partial over TP, are summed over it after backward
+(``ParamMeta.tp_partial_grad``). The shared expert stays sharded over TP.
 Under context parallelism the router's load statistics are summed over the CP group. Under
 sequence parallelism the layer all-gathers its ``[s/t, b, h]`` tokens first (every TP rank
 routes all of them, so the router's load statistics are the full micro-batch's) and keeps its
@@ -65,11 +70,13 @@ class ParallelDispatcher(nn.Module):
     :class:`~loom.models.moe.LocalDispatcher`: returns ``[T, k, h]`` expert outputs (zeros
     where dropped) and the shared expert's ``[T, h]`` (or None), summed over TP."""
 
-    def __init__(self, num_experts: int, tp_group, ep_group, ep_rank: int, ep_size: int):
+    def __init__(self, num_experts: int, tp_group, ep_group, ep_rank: int, ep_size: int,
+                 pair_split: tuple[int, int] = (0, 1)):
         super().__init__()
         self.E, self.tp_group, self.ep_group = num_experts, tp_group, ep_group
         self.e, self.local = ep_size, num_experts // ep_size
         self.first = ep_rank * self.local
+        self.pair_rank, self.pair_stride = pair_split  # expert TP 1: this TP rank's pairs
 
     def forward(self, tokens, routing: Routing, experts: nn.ModuleDict,
                 shared: Optional[nn.Module] = None):
@@ -78,6 +85,8 @@ class ParallelDispatcher(nn.Module):
         flat = routing.experts.reshape(-1)
         pairs = routing.kept.reshape(-1).nonzero().squeeze(-1)
         pairs = pairs[torch.argsort(flat[pairs], stable=True)]
+        if self.pair_stride > 1:  # still sorted by expert
+            pairs = pairs[self.pair_rank::self.pair_stride]
         send, ids = x[pairs // k], flat[pairs]
         if self.ep_group is None:
             out = run_experts(send, ids, experts)
@@ -131,21 +140,24 @@ class MoEParallel(ParallelStyle):
             return module, {}
         mesh, fields = ctx.mesh, {}
         E, e, t = len(module.experts), mesh.ep_size, mesh.tp_size
+        whole = t > 1 and mesh.etp_size == 1  # experts unsharded, pairs split over TP
         local = E // e
         first = mesh.ep_rank * local
         for i in range(E):
             if not first <= i < first + local:
                 del module.experts[str(i)]
         for name, mlp in module.experts.items():
-            shards = _shard_mlp(mlp, t, self.swiglu, True) if t > 1 else {}
+            shards = _shard_mlp(mlp, t, self.swiglu, True) if t > 1 and not whole else {}
             for p, _ in mlp.named_parameters():
-                fields[f"experts.{name}.{p}"] = dict(shards.get(p, {}), expert_parallel=True)
+                fields[f"experts.{name}.{p}"] = dict(shards.get(p, {}), expert_parallel=True,
+                                                     tp_partial_grad=whole)
         if module.shared_expert is not None and t > 1:
             for p, kw in _shard_mlp(module.shared_expert, t, self.swiglu, False).items():
                 fields[f"shared_expert.{p}"] = kw
         if t > 1 or e > 1:
-            module.dispatcher = ParallelDispatcher(E, mesh.groups["tp"], mesh.groups.get("ep"),
-                                                   mesh.ep_rank, e)
+            module.dispatcher = ParallelDispatcher(
+                E, mesh.groups["tp"], mesh.groups.get("ep"), mesh.ep_rank, e,
+                (mesh.tp_rank, t) if whole else (0, 1))
         cp_group = mesh.groups["cp"]
         if cp_group is not None:  # the load-balancing loss over the whole sequence
             module.aux_stats = ContextParallelRouterStats(cp_group)

@@ -69,6 +69,7 @@ class ParallelMesh:
     groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     ranks: dict[str, list[int]] = field(default_factory=dict)
     ep_size: int = 1  # e: expert-parallel ranks, carved out of DP (EP rank = DP rank mod e)
+    etp_size: int = 1  # expert TP: 1 (experts whole, tokens split over TP) or t (experts sharded)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -82,13 +83,16 @@ class ParallelMesh:
 
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, dp: Optional[int] = None,
-              device: Optional[torch.device] = None, ep: int = 1) -> "ParallelMesh":
-        """Create every group on an initialized default process group.
+              device: Optional[torch.device] = None, ep: int = 1,
+              etp: Optional[int] = None) -> "ParallelMesh":
+        """Create every group on an initialized default process group. ``etp``: the experts'
+        TP size (``--expert-tensor-parallel-size``, default t): t shards every expert over the
+        TP group, 1 keeps experts whole and splits the (token, expert) pairs over it.
 
         ``dist.new_group`` is collective over all ranks, so every rank creates every group in
         the same order and keeps the ones it belongs to.
 
-        Raises ValueError if the world size is not ``t * c * d * p``.
+        Raises ValueError if the world size is not ``t * c * d * p``, or ``etp`` is not 1 or t.
         """
         world = dist.get_world_size()
         if dp is None:
@@ -98,6 +102,9 @@ class ParallelMesh:
         sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
         rank = dist.get_rank()
         mesh = cls(sizes=sizes, rank=rank, device=device or torch.device("cpu"))
+        mesh.etp_size = tp if etp is None else etp
+        if mesh.etp_size not in (1, tp):
+            raise ValueError(f"expert tensor-parallel size {etp} must be 1 or t = {tp}")
         named = {"tp": ["tp"], "cp": ["cp"], "dp": ["dp"], "pp": ["pp"],
                  "dp_cp": ["cp", "dp"], "mp": ["tp", "pp"]}
         for name, axes in named.items():

@@ -59,7 +59,10 @@ class ParamMeta:
     pipeline stage (tied embeddings) and their gradients are summed over the embedding group;
     ``duplicate``: this rank's copy is not the owner (kept out of the gradient norm).
     ``expert_parallel``: an expert's weight, held by one rank of the EP group only (gradients
-    reduced over the expert-data-parallel group; norm summed over EP).
+    reduced over the expert-data-parallel group; norm summed over EP). ``tp_partial_grad``:
+    replicated over TP, but each TP rank's gradient covers only its share of the tokens
+    (experts under ``--expert-tensor-parallel-size 1``), so it is summed over TP like a
+    sequence-parallel parameter's.
     """
 
     full_shape: tuple[int, ...]
@@ -70,6 +73,12 @@ class ParamMeta:
     pipeline_shared: bool = False
     duplicate: bool = False
     expert_parallel: bool = False
+    tp_partial_grad: bool = False
+
+    @property
+    def grad_summed_over_tp(self) -> bool:
+        """Whether this rank's gradient is a partial sum to all-reduce over the TP group."""
+        return self.sequence_parallel or self.tp_partial_grad
 
     @property
     def replicated_over(self) -> tuple[str, ...]:

@@ -3,7 +3,9 @@ activations, expert GEMM time and the expert-parallel all-to-all.
 
 Symbols: E experts of width ``f_e`` (``--moe-ffn-hidden-size``), top-k routing, shared expert of
 width ``f_sh`` (0 without one), ``e`` the EP size (carved out of the data-parallel dimension),
-``t`` TP (experts are sharded over TP like an MLP: loom's expert TP size is t), ``S = s b / c``
+``t`` TP (experts are sharded over TP like an MLP: the default expert TP size t; the planner
+does not model ``--expert-tensor-parallel-size 1``, whose experts are whole on every TP rank:
+t times the expert memory, the same expert FLOPs per rank), ``S = s b / c``
 tokens per GPU and micro-batch, ``lambda`` the load-imbalance factor
 (``Options.moe_load_imbalance``, ``--moe-load-imbalance``, default :data:`MOE_LOAD_IMBALANCE`).
 

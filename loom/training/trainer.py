@@ -60,7 +60,8 @@ class Trainer:
             mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
                                       pp=p.pipeline_model_parallel_size,
                                       cp=p.context_parallel_size, device=device,
-                                      ep=p.expert_model_parallel_size)
+                                      ep=p.expert_model_parallel_size,
+                                      etp=p.expert_tensor_parallel_size)
         self.mesh = mesh
         self.family = family or get_family(cfg.model.model_type)
         self.world_size = math.prod(mesh.sizes.values())
@@ -83,7 +84,7 @@ class Trainer:
                             and not (ep and m.expert_parallel)]
         self.expert_norm_params = [p for _, p, m in named if ep and m.expert_parallel
                                    and m.counts_for_norm(mesh.tp_rank)]
-        self.sp_params = [p for _, p, m in named if m.sequence_parallel]
+        self.sp_params = [p for _, p, m in named if m.grad_summed_over_tp]
         self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t, mesh.groups["dp_cp"])
         self.scheduler = build_scheduler(self.optimizer, t)
         par = cfg.parallel  # the schedule validate() resolved (virtual stages imply interleaved)
