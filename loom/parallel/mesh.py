@@ -196,6 +196,21 @@ class ParallelMesh:
             f"{a}={c[a]}/{self.sizes[a]}" for a in AXES) + f", device={self.device})")
 
 
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per rank (PyTorch's own default is 0: off)
+
+
+def flight_recorder_env(env: dict) -> dict:
+    """Switch NCCL's flight recorder on in ``env`` (``os.environ``) unless the user configured
+    it: ``TORCH_NCCL_TRACE_BUFFER_SIZE`` (entries kept) and ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (dump
+    when a collective times out). Must run before the NCCL process group is created. Returns
+    the variables it set."""
+    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    added = {k: v for k, v in wanted.items() if k not in env}
+    env.update(added)
+    return added
+
+
 def default_backend(device: torch.device) -> str:
     """NCCL on CUDA, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
@@ -260,6 +275,9 @@ def init_distributed(device: Optional[str] = None, backend: Optional[str] = None
         kwargs = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
         if timeout_minutes is not None:  # --distributed-timeout-minutes
             kwargs["timeout"] = datetime.timedelta(minutes=timeout_minutes)
-        dist.init_process_group(backend=backend or default_backend(dev),
+        backend = backend or default_backend(dev)
+        if backend == "nccl":
+            flight_recorder_env(os.environ)
+        dist.init_process_group(backend=backend,
                                 device_id=dev if dev.type == "cuda" else None, **kwargs)
     return dev

@@ -8,8 +8,11 @@ collective) or ``exception``. It fires once per job: not again in a round restar
 ``--hang-timeout-s T``: a watchdog thread per rank; when the rank has made no progress for T
 seconds it writes which rank, iteration and phase it was in, plus every thread's Python stack
 (``faulthandler``), and exits with :data:`HANG_EXIT_CODE`, so torchrun restarts the job instead
-of the job hanging until a human notices. (On GPUs, also set ``TORCH_NCCL_TRACE_BUFFER_SIZE`` to
-get NCCL's flight recorder dump; it does not exist for gloo.)
+of the job hanging until a human notices. On NCCL, PyTorch's flight recorder is switched on
+before the process group starts (``loom.parallel.mesh.flight_recorder_env``, unless the user set
+its variables)
+and the watchdog writes its dump (the last collectives of every process group, with their
+state) next to the report, :func:`dump_flight_recorder`; gloo has no flight recorder.
 """
 
 from __future__ import annotations
@@ -44,6 +47,24 @@ class Progress:
         self.iteration, self.phase, self.stamp = iteration, phase, time.monotonic()
 
 
+def dump_flight_recorder(rank: int, directory: str = ".") -> Optional[str]:
+    """Write this rank's NCCL flight-recorder trace to ``DIR/loom_nccl_trace_rank{rank}.pkl``
+    (pickle, readable with ``python -m torch.distributed.flight_recorder.fr_trace``); returns
+    the path, or None without CUDA / NCCL / a recorder (gloo, CPU)."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from torch._C._distributed_c10d import _dump_nccl_trace
+        data = _dump_nccl_trace()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    path = os.path.join(directory, f"loom_nccl_trace_rank{rank}.pkl")
+    with open(path, "wb") as fh:
+        fh.write(data)
+    return path
+
+
 class HangWatchdog(threading.Thread):
     """Exits the process (code :data:`HANG_EXIT_CODE`) after ``timeout_s`` seconds without
     progress, reporting rank, iteration, phase and every thread's stack on ``stream``."""
@@ -66,6 +87,9 @@ class HangWatchdog(threading.Thread):
                     f"restart the job. Python stacks of rank {self.rank}:\n")
                 self.stream.flush()
                 faulthandler.dump_traceback(file=self.stream, all_threads=True)
+                trace = dump_flight_recorder(self.rank)
+                if trace:
+                    self.stream.write(f"loom: NCCL flight recorder of rank {self.rank}: {trace}\n")
                 self.stream.flush()
                 # the other ranks' watchdogs fire within a poll of this one (they stopped at the
                 # same iteration): give them time to report before the launcher kills them
