@@ -9,7 +9,9 @@ loop over the single-process model on the exact, unpadded token slices:
   case is enumerated by hand (which window scores which targets);
 - cloze accuracy on a hand-made 5-example file whose expected accuracy comes from the model's
   greedy predictions (3 of 5 end with the model's argmax word);
-- TP=2, PP=2 and DP=2 (one spawned 2-rank world) give the single-process numbers;
+- TP=2, PP=2 and DP=2 (one spawned 2-rank world) give the single-process numbers (GPT
+  perplexity and cloze, Mamba perplexity);
+- the same text as a .txt, a .jsonl and an indexed dataset gives the same numbers;
 - bad input: one line, exit status 2.
 """
 
@@ -188,12 +190,13 @@ def test_cloze_counts_an_example_only_if_every_target_token_is_the_argmax():
     assert out["correct"].tolist() == [1.0, 0.0] and out["targets"].tolist() == [2.0, 2.0]
 
 
-def _layouts(ckpt: str, text: str, cloze: str) -> dict:
+def _layouts(ckpt: str, mamba: str, text: str, cloze: str) -> dict:
     out = {}
     for tp, pp in ((2, 1), (1, 2), (1, 1)):  # the last one: DP = 2
         lay = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
         out[(tp, pp)] = (_eval(ckpt, text, "perplexity", "--overlapping-eval", "3", *lay),
-                         _eval(ckpt, cloze, "cloze", "--micro-batch-size", "2", *lay))
+                         _eval(ckpt, cloze, "cloze", "--micro-batch-size", "2", *lay),
+                         _eval(mamba, text, "perplexity", *lay))
     return out
 
 
@@ -204,16 +207,36 @@ def test_tp2_pp2_dp2_give_the_single_process_numbers(world):
                                                            for _ in range(6))}) + "\n"
                              for _ in range(5)))
     ref = (_eval(world["gpt"], text, "perplexity", "--overlapping-eval", "3"),
-           _eval(world["gpt"], cloze, "cloze"))
-    results = run_distributed(2, _layouts, world["gpt"], str(text), str(cloze))
+           _eval(world["gpt"], cloze, "cloze"), _eval(world["mamba"], text))
+    results = run_distributed(2, _layouts, world["gpt"], world["mamba"], str(text), str(cloze))
     for rank in results:
-        for (tp, pp), (ppl, acc) in rank.items():
+        for (tp, pp), (ppl, acc, mamba) in rank.items():
+            assert mamba["loss"] == pytest.approx(ref[2]["loss"], rel=1e-5), (tp, pp, "mamba")
             assert ppl["layout"] == {"tp": tp, "pp": pp, "dp": 2 // (tp * pp)}
             for k in ("loss", "perplexity", "word_perplexity"):
                 assert ppl[k] == pytest.approx(ref[0][k], rel=1e-5), (tp, pp, k)
             assert ppl["targets"] == ref[0]["targets"] == 39
             assert (acc["correct"], acc["examples"]) == (ref[1]["correct"], 5)
             assert acc["target_loss"] == pytest.approx(ref[1]["target_loss"], rel=1e-5)
+
+
+def test_text_jsonl_and_indexed_dataset_agree(world):
+    from loom.data.preprocess import preprocess
+    from loom.data.tokenizer import Tokenizer
+    root, docs = world["root"], ["w1 w2 w3 w4 w5 w6", "w7 w8 w9 w10", "w11 w12 w13 w14 w15"]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    # a text file with the end-of-document tokens written out is the same token stream
+    (root / "docs.txt").write_text("".join(d + " <|endoftext|> " for d in docs))
+    tok = Tokenizer.load(str(root / "tok.json"))
+    preprocess([str(root / "docs.jsonl")], str(root / "docs_idx"), tok, append_eod=True,
+               json_keys=("body",))
+    j = _eval(world["gpt"], root / "docs.jsonl", "perplexity", "--json-key", "body")
+    i = _eval(world["gpt"], root / "docs_idx")
+    t = _eval(world["gpt"], root / "docs.txt")
+    assert (j["tokens"], j["documents"], j["words"]) == (i["tokens"], i["documents"],
+                                                         i["words"]) == (18, 3, 15)
+    assert j["loss"] == pytest.approx(i["loss"], rel=1e-12)
+    assert t["loss"] == pytest.approx(i["loss"], rel=1e-12) and t["tokens"] == 18
 
 
 # -- bad input ----------------------------------------------------------------------------------

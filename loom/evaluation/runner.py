@@ -5,9 +5,10 @@ each rank builds its pipeline chunk (``build_chunk`` on the meta device, the fam
 initialization) and ``load_model_weights`` cuts this rank's shards from the saved full tensors
 (any saved layout). Samples are split round-robin over the DP replicas; each replica drives
 its micro-batches through :func:`~loom.parallel.pipeline.schedules.forward_only` with the
-task's forward step. On the last stage the vocabulary-parallel logits are gathered over TP
-(``[b, s, Vp/t] -> [b, s, V]``), the task scores each sample, and the per-sample statistics
-(float64, padding rows excluded) are summed over every rank at the end.
+task's forward step. On the last stage the vocabulary-parallel logits are gathered over TP one
+sample at a time (``[1, s, Vp/t] -> [1, s, V]``, so at most one sample's full logits exist), the
+task scores it, and the per-sample statistics (float64, padding rows excluded) are summed over
+every rank at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from loom.errors import ConfigError
 
 FLUSH_MICROBATCHES = 16  # micro-batches per forward_only call (bounds in-flight sends)
+ROW_KEYS = ("tokens", "labels", "loss_mask", "valid")  # the batch entries with a row per sample
 
 
 @dataclass
@@ -115,11 +117,13 @@ def score(model: EvalModel, task, samples, micro_batch: int) -> dict:
         out = task.forward(chunk, batch, hidden_states)
 
         def loss_fn(logits):
-            full = gather_from_tensor_parallel_region(logits.float().contiguous(),
-                                                      mesh.groups["tp"])[..., :V]
-            for k, v in task.score(full, batch).items():
-                sums[k] = sums.get(k, 0.0) + float((v.double() * batch["valid"]).sum())
-            return torch.zeros((), device=full.device), {}
+            for i in range(logits.shape[0]):  # one row at a time: [1, s, V] fp32 at most
+                full = gather_from_tensor_parallel_region(logits[i:i + 1].float().contiguous(),
+                                                          mesh.groups["tp"])[..., :V]
+                row = {k: v[i:i + 1] if k in ROW_KEYS else v for k, v in batch.items()}
+                for k, v in task.score(full, row).items():
+                    sums[k] = sums.get(k, 0.0) + float((v.double() * row["valid"]).sum())
+            return torch.zeros((), device=logits.device), {}
         return out, loss_fn
 
     for i in range(0, len(batches), FLUSH_MICROBATCHES):
