@@ -300,3 +300,24 @@ def test_bad_flags(world, monkeypatch, capsys, argv, words):
             str(world["root"] / "text.txt")]
     line = _refusal(base + argv, monkeypatch, capsys)
     assert words in line, line
+
+
+def test_bad_data_files(world, monkeypatch, capsys, tmp_path):
+    """A cloze line that is not JSON (file and line named); an indexed dataset tokenized with
+    another tokenizer than the checkpoint's (its ids would mean other words)."""
+    from loom.data.preprocess import preprocess
+    from loom.data.tokenizer import Tokenizer
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "w1 w2"}\n{"text": "w3 w4"\n')
+    line = _refusal(["evaluate", "--load", world["gpt"], "--task", "cloze", "--eval-data",
+                     str(bad)], monkeypatch, capsys)
+    assert f"{bad}: line 2 is not JSON" in line, line
+    from tokenizers import Tokenizer as HF, models, pre_tokenizers
+    other = HF(models.WordLevel({w: i for i, w in enumerate(reversed(WORDS))}, unk_token="[UNK]"))
+    other.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "doc.jsonl").write_text('{"text": "w1 w2 w3"}\n')
+    preprocess([str(tmp_path / "doc.jsonl")], str(tmp_path / "other"),
+               Tokenizer(other, eod=len(WORDS) - 1))
+    line = _refusal(["evaluate", "--load", world["gpt"], "--task", "perplexity", "--eval-data",
+                     str(tmp_path / "other")], monkeypatch, capsys)
+    assert "not the model's tokenizer" in line and "other.tokenizer.json" in line, line
