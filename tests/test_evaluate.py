@@ -237,6 +237,9 @@ def test_text_jsonl_and_indexed_dataset_agree(world):
                                                          i["words"]) == (18, 3, 15)
     assert j["loss"] == pytest.approx(i["loss"], rel=1e-12)
     assert t["loss"] == pytest.approx(i["loss"], rel=1e-12) and t["tokens"] == 18
+    flags = _eval(world["gpt"], root / "docs_idx", "perplexity", "--tokenizer-type",
+                  "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok.json"))
+    assert flags["loss"] == i["loss"]  # the tokenizer from flags instead of the checkpoint's
 
 
 # -- bad input ----------------------------------------------------------------------------------
