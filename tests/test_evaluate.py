@@ -144,7 +144,7 @@ def test_overlapping_windows_by_hand(world):
     """11 tokens, window 4, stride 2: window 0 scores targets 1-4; windows at 2, 4, 6 score
     only their last 2 targets (5-6, 7-8, 9-10), with 2 tokens of extra context each."""
     ids = world["ids"][:11]
-    assert [(list(s.mask)) for s in lm_windows(ids, 4, 2, 0)] == \
+    assert [s.mask.tolist() for s in lm_windows(ids, 4, 2, 0)] == \
         [[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]]
     model = _model(world["gpt"])
     total = sum(_losses(model, ids[0:5]))

@@ -25,17 +25,25 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
+
 from loom.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One row of a micro-batch: ``inputs``, ``labels``, ``mask`` (1: this position's label
-    counts), each ``seq_length`` long."""
+    """One row of a micro-batch: ``inputs``, ``labels`` (int32), ``mask`` (int8; 1: this
+    position's label counts), each a numpy array of ``seq_length``."""
 
-    inputs: tuple
-    labels: tuple
-    mask: tuple
+    inputs: np.ndarray
+    labels: np.ndarray
+    mask: np.ndarray
+
+
+def make_sample(ids, mask) -> Sample:
+    """A :class:`Sample` from ``seq_length + 1`` token ids and ``seq_length`` mask values."""
+    ids = np.asarray(ids, dtype=np.int32)
+    return Sample(ids[:-1], ids[1:], np.asarray(mask, dtype=np.int8))
 
 
 @dataclass(frozen=True)
@@ -137,18 +145,21 @@ def _indexed_stream(prefix: str, tokenizer, flag: str) -> TextStream:
 
 def lm_windows(tokens: list, seq_length: int, stride: int, pad: int) -> list[Sample]:
     """Megatron's sliding windows over ``tokens`` (see the module docstring)."""
+    tokens = np.asarray(tokens, dtype=np.int32)
     targets = len(tokens) - 1
     count = max(math.ceil(max(targets - stride, 0) / stride) + 1, 1)
     out = []
     for i in range(count):
         start = i * stride
-        window = list(tokens[start:start + seq_length + 1])
-        mask = [1] * (len(window) - 1) + [0] * (seq_length + 1 - len(window))
-        window += [pad] * (seq_length + 1 - len(window))
+        real = tokens[start:start + seq_length + 1]
+        window = np.full(seq_length + 1, pad, dtype=np.int32)
+        window[:len(real)] = real
+        mask = np.zeros(seq_length, dtype=np.int8)
+        mask[:max(len(real) - 1, 0)] = 1
         if i > 0 and stride != seq_length:
-            mask[:seq_length - stride] = [0] * (seq_length - stride)
-        if any(mask):
-            out.append(Sample(tuple(window[:-1]), tuple(window[1:]), tuple(mask)))
+            mask[:seq_length - stride] = 0
+        if mask.any():
+            out.append(Sample(window[:-1], window[1:], mask))
     return out
 
 
@@ -185,7 +196,7 @@ def cloze_samples(path: str, tokenizer, seq_length: int, strict: bool,
         first = len(ids) - len(target) - 1  # label position of the first target token
         mask = [0] * first + [1] * len(target) + [0] * (seq_length - first - len(target))
         ids += [tokenizer.eod] * (seq_length + 1 - len(ids))
-        out.append(Sample(tuple(ids[:-1]), tuple(ids[1:]), tuple(mask)))
+        out.append(make_sample(ids, mask))
     if not out:
         raise ConfigError(f"{flag} {path}: no examples (the file is empty)")
     return out

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -84,6 +86,11 @@ def load_model(ckpt: str, cfg, mesh) -> EvalModel:
     return EvalModel([chunk], mesh, cfg, ckpt, int(read_common(ckpt)["iteration"]))
 
 
+def _stack(rows, field: str, dtype, device) -> torch.Tensor:
+    return torch.from_numpy(np.stack([getattr(r, field) for r in rows])).to(device=device,
+                                                                             dtype=dtype)
+
+
 def _batches(samples, micro_batch: int, seq_length: int, device) -> list[dict]:
     out = []
     for i in range(0, len(samples), micro_batch):
@@ -91,10 +98,9 @@ def _batches(samples, micro_batch: int, seq_length: int, device) -> list[dict]:
         valid = [1.0] * len(rows) + [0.0] * (micro_batch - len(rows))
         rows += [rows[0]] * (micro_batch - len(rows))  # padding rows, weighted 0
         out.append({
-            "tokens": torch.tensor([r.inputs for r in rows], dtype=torch.long, device=device),
-            "labels": torch.tensor([r.labels for r in rows], dtype=torch.long, device=device),
-            "loss_mask": torch.tensor([r.mask for r in rows], dtype=torch.float32,
-                                      device=device),
+            "tokens": _stack(rows, "inputs", torch.long, device),
+            "labels": _stack(rows, "labels", torch.long, device),
+            "loss_mask": _stack(rows, "mask", torch.float32, device),
             "valid": torch.tensor(valid, dtype=torch.float64, device=device),
             "position_ids": torch.arange(seq_length, device=device),
             "num_microbatches": 1})
@@ -110,8 +116,7 @@ def score(model: EvalModel, task, samples, micro_batch: int) -> dict:
     mesh, cfg = model.mesh, model.cfg
     s, V = cfg.model.seq_length, cfg.model.vocab_size
     mine = samples[mesh.dp_rank::mesh.dp_size]
-    batches = _batches(mine, micro_batch, s, mesh.device)
-    sums: dict = {}
+    sums: dict = {}  # statistic -> float64 tensor on the device (no host sync per sample)
 
     def forward_step(chunk, batch, hidden_states):
         out = task.forward(chunk, batch, hidden_states)
@@ -122,16 +127,17 @@ def score(model: EvalModel, task, samples, micro_batch: int) -> dict:
                                                           mesh.groups["tp"])[..., :V]
                 row = {k: v[i:i + 1] if k in ROW_KEYS else v for k, v in batch.items()}
                 for k, v in task.score(full, row).items():
-                    sums[k] = sums.get(k, 0.0) + float((v.double() * row["valid"]).sum())
+                    sums[k] = sums.get(k, 0.0) + (v.double() * row["valid"]).sum()
             return torch.zeros((), device=logits.device), {}
         return out, loss_fn
 
-    for i in range(0, len(batches), FLUSH_MICROBATCHES):
-        forward_only(model.chunks, batches[i:i + FLUSH_MICROBATCHES], forward_step, mesh,
-                     p2p_shape=(s, micro_batch, cfg.model.hidden_size))
+    step = FLUSH_MICROBATCHES * micro_batch  # built and run a group at a time
+    for i in range(0, len(mine), step):
+        forward_only(model.chunks, _batches(mine[i:i + step], micro_batch, s, mesh.device),
+                     forward_step, mesh, p2p_shape=(s, micro_batch, cfg.model.hidden_size))
     keys = list(task.stats)
     owner = mesh.is_last_stage and mesh.tp_rank == 0
-    local = [sums.get(k, 0.0) if owner else 0.0 for k in keys]
+    local = [float(sums.get(k, 0.0)) if owner else 0.0 for k in keys]
     if dist.is_initialized() and dist.get_world_size() > 1:
         t = torch.tensor(local, dtype=torch.float64, device=mesh.device)
         dist.all_reduce(t)
