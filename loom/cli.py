@@ -1,4 +1,4 @@
-"""One entry point: ``loom train | preprocess | generate | plan | demo``.
+"""One entry point: ``loom train | preprocess | generate | evaluate | plan | demo``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
 modules are imported only when their subcommand runs, so ``loom plan`` never imports torch's
@@ -26,6 +26,8 @@ SUBCOMMANDS = {
     "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
     "preprocess": ("loom.data.preprocess", "tokenize .txt/.jsonl into an indexed dataset"),
     "generate": ("loom.inference.cli", "generate text from a checkpoint"),
+    "evaluate": ("loom.evaluation.cli", "zero-shot evaluation of a checkpoint: perplexity, "
+                                        "cloze accuracy (any TP/PP layout)"),
     "checkpoint": ("loom.checkpoint.cli", "inspect a checkpoint (iteration, layout, tensors)"),
     "plan": ("loom.planner.cli", "predict memory and speed of parallel layouts; pick the best"),
     "fetch-corpus": ("loom.data.corpus", "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),

@@ -1,0 +1,145 @@
+"""Load a checkpoint at a TP x PP layout and run evaluation samples through it.
+
+Loading reuses the training path: the checkpoint's config rebuilds the model of its family,
+each rank builds its pipeline chunk (``build_chunk`` on the meta device, the family's plan, no
+initialization) and ``load_model_weights`` cuts this rank's shards from the saved full tensors
+(any saved layout). Samples are split round-robin over the DP replicas; each replica drives
+its micro-batches through :func:`~loom.parallel.pipeline.schedules.forward_only` with the
+task's forward step. On the last stage the vocabulary-parallel logits are gathered over TP one
+sample at a time (``[1, s, Vp/t] -> [1, s, V]``, so at most one sample's full logits exist), the
+task scores it, and the per-sample statistics (float64, padding rows excluded) are summed over
+every rank at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from loom.errors import ConfigError
+
+FLUSH_MICROBATCHES = 16  # micro-batches per forward_only call (bounds in-flight sends)
+ROW_KEYS = ("tokens", "labels", "loss_mask", "valid")  # the batch entries with a row per sample
+
+
+@dataclass
+class EvalModel:
+    """This rank's model chunks of one checkpoint at one layout."""
+
+    chunks: list
+    mesh: object
+    cfg: object  # LoomConfig of the checkpoint (dropout off, --seq-length applied)
+    checkpoint: str
+    iteration: int
+
+
+def check_layout(cfg, tp: int, pp: int, world: int) -> None:
+    """Refuse a layout this model cannot take, naming the flag (before any process group)."""
+    from loom.config.validate import _check_mamba, _check_model
+    if world % (tp * pp):
+        raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size "
+                          f"{tp} x --pipeline-model-parallel-size {pp}: launch a multiple of "
+                          f"{tp * pp} ranks")
+    m = cfg.model
+    _check_model(m, tp)
+    _check_mamba(m, tp, 1)
+    if m.num_layers % pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the "
+                          f"checkpoint's {m.num_layers} layers: choose a PP size dividing it")
+
+
+def build_mesh(tp: int, pp: int):
+    """The mesh of this run: one process without torchrun (and t = p = 1), else a process
+    group from torchrun's environment (or the caller's, e.g. tests) with d = world / (t p)."""
+    from loom.parallel.mesh import ParallelMesh, init_distributed
+    world = dist.get_world_size() if dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and tp == pp == 1 and not dist.is_initialized():
+        return ParallelMesh.single("cuda" if torch.cuda.is_available() else "cpu")
+    device = init_distributed()
+    return ParallelMesh.build(tp=tp, pp=pp, dp=world // (tp * pp), device=device)
+
+
+def load_model(ckpt: str, cfg, mesh) -> EvalModel:
+    """This rank's chunk of the checkpoint ``ckpt`` (a resolved ``iter_*`` directory) under
+    ``mesh``; ``cfg`` is its (checked) LoomConfig."""
+    from loom.checkpoint.io import _ShardIndex, load_model_weights, read_common
+    from loom.models import get_family
+    from loom.models.family import StageSpec
+    from loom.parallel.parallelize import build_chunk
+    from loom.parallel.pipeline.layout import chunk_layers
+    from loom.parallel.random import RNGTracker
+
+    tracker = RNGTracker(mesh.device)
+    tracker.seed(0)
+    p, r = mesh.pp_size, mesh.pp_rank
+    (layers,) = chunk_layers(cfg.model.num_layers, p, r)
+    stage = StageSpec(layers, pre_process=r == 0, post_process=r == p - 1)
+    chunk = build_chunk(get_family(cfg.model.model_type), cfg.model, stage, mesh, tracker,
+                        seed=None)
+    load_model_weights(_ShardIndex(ckpt), [chunk], mesh)
+    chunk.eval()
+    return EvalModel([chunk], mesh, cfg, ckpt, int(read_common(ckpt)["iteration"]))
+
+
+def _stack(rows, field: str, dtype, device) -> torch.Tensor:
+    return torch.from_numpy(np.stack([getattr(r, field) for r in rows])).to(device=device,
+                                                                             dtype=dtype)
+
+
+def _batches(samples, micro_batch: int, seq_length: int, device) -> list[dict]:
+    out = []
+    for i in range(0, len(samples), micro_batch):
+        rows = list(samples[i:i + micro_batch])
+        valid = [1.0] * len(rows) + [0.0] * (micro_batch - len(rows))
+        rows += [rows[0]] * (micro_batch - len(rows))  # padding rows, weighted 0
+        out.append({
+            "tokens": _stack(rows, "inputs", torch.long, device),
+            "labels": _stack(rows, "labels", torch.long, device),
+            "loss_mask": _stack(rows, "mask", torch.float32, device),
+            "valid": torch.tensor(valid, dtype=torch.float64, device=device),
+            "position_ids": torch.arange(seq_length, device=device),
+            "num_microbatches": 1})
+    return out
+
+
+@torch.no_grad()
+def score(model: EvalModel, task, samples, micro_batch: int) -> dict:
+    """``{statistic: sum over samples}`` for each of ``task.stats``, of ``task.score`` over
+    ``samples`` (every rank passes the same list and gets the same sums)."""
+    from loom.parallel.mappings import gather_from_tensor_parallel_region
+    from loom.parallel.pipeline.schedules import forward_only
+    mesh, cfg = model.mesh, model.cfg
+    s, V = cfg.model.seq_length, cfg.model.vocab_size
+    mine = samples[mesh.dp_rank::mesh.dp_size]
+    sums: dict = {}  # statistic -> float64 tensor on the device (no host sync per sample)
+
+    def forward_step(chunk, batch, hidden_states):
+        out = task.forward(chunk, batch, hidden_states)
+
+        def loss_fn(logits):
+            for i in range(logits.shape[0]):  # one row at a time: [1, s, V] fp32 at most
+                full = gather_from_tensor_parallel_region(logits[i:i + 1].float().contiguous(),
+                                                          mesh.groups["tp"])[..., :V]
+                row = {k: v[i:i + 1] if k in ROW_KEYS else v for k, v in batch.items()}
+                for k, v in task.score(full, row).items():
+                    sums[k] = sums.get(k, 0.0) + (v.double() * row["valid"]).sum()
+            return torch.zeros((), device=logits.device), {}
+        return out, loss_fn
+
+    step = FLUSH_MICROBATCHES * micro_batch  # built and run a group at a time
+    for i in range(0, len(mine), step):
+        forward_only(model.chunks, _batches(mine[i:i + step], micro_batch, s, mesh.device),
+                     forward_step, mesh, p2p_shape=(s, micro_batch, cfg.model.hidden_size))
+    keys = list(task.stats)
+    owner = mesh.is_last_stage and mesh.tp_rank == 0
+    local = [float(sums.get(k, 0.0)) if owner else 0.0 for k in keys]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor(local, dtype=torch.float64, device=mesh.device)
+        dist.all_reduce(t)
+        local = t.tolist()
+    return dict(zip(keys, local))
