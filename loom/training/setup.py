@@ -12,6 +12,7 @@ from torch import nn
 
 from loom.parallel.data import GradientReducer
 from loom.parallel.expert import ReducerGroup
+from loom.parallel.fsdp import FSDPGradients, is_fully_sharded
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import named_parameters
 from loom.planner.predict import predict_layout
@@ -35,7 +36,10 @@ def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
 
 def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, bucket: int):
     """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
-    gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`)."""
+    gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`).
+    A ``fully_shard``-ed chunk (ZeRO-3) reduce-scatters its own gradients in backward."""
+    if is_fully_sharded(chunk):
+        return FSDPGradients(chunk)
     if mesh.ep_size == 1:
         return GradientReducer(chunk.parameters(), mesh.groups["dp_cp"], bucket)
     named = [(p, chunk.registry[n].expert_parallel) for n, p in chunk.named_parameters()]
