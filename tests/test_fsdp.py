@@ -5,6 +5,8 @@ CPU, gloo, fp32, no dropout.
   ``full_tensor()`` of the sharded gradient vs the reference's TP shard), the global grad norm
   and the parameters after 3 AdamW steps, at DP=2 (GPT and LLaMA), DP=2 with m = 3 micro-batches,
   DP=2 with full recomputation, CP=2, DP=4, TP=2 x DP=2 and PP=2 x DP=2 (tied embeddings).
+* --bf16: FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 shards, gradients and Adam
+  moments); the loss tracks fp32's.
 * Memory: this rank's parameters + gradients + Adam moments are 16/d bytes per parameter
   (fp32) within 1% for d in {1, 2, 4}, as the planner's ZeRO-3 term says.
 * Checkpoints: a ZeRO-3 DP=2 save resumes at DP=1 without ZeRO-3, a plain DP=2 save resumes
@@ -186,8 +188,30 @@ def checkpoint_world1(tmp: str) -> dict:
             "uninterrupted": run_losses(make_cfg(dp=1, zero=0, m=4), ParallelMesh.single(), 4)}
 
 
+def bf16_case() -> dict:
+    """ZeRO-3 DP=2 with --bf16 next to fp32: layers compute on bf16 gathered weights, while
+    the sharded parameters, gradients and Adam moments stay fp32."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    mesh = ParallelMesh.build()
+    out = {}
+    for bf16 in (False, True):
+        cfg = make_cfg(dp=2, validate=False)
+        cfg.training.bf16 = bf16
+        tr = Trainer(cfg.validate(2), mesh=mesh)
+        seen = set()
+        fc1 = tr.model_chunks[0].layers["0"].mlp.linear_fc1
+        fc1.register_forward_hook(lambda m, i, o: seen.add(str(m.weight.dtype)))
+        losses = [tr.train_step()["loss"] for _ in range(3)]
+        tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples))
+        kept = {str(t.dtype) for p in tr.params for t in [p, p.grad, *[
+            v for v in tr.optimizer.state[p].values() if v.ndim > 0]]}
+        out["bf16" if bf16 else "fp32"] = {"losses": losses, "compute": seen, "kept": kept}
+    return out
+
+
 def world2(tmp: str) -> dict:
-    return {"dp2-gpt": parity_case(), "dp2-llama": parity_case(kind="llama"),
+    return {"bf16": bf16_case(), "dp2-gpt": parity_case(), "dp2-llama": parity_case(kind="llama"),
             "dp2-m3": parity_case(m=3), "dp2-recompute-full": parity_case(recompute="full"),
             "cp2": parity_case(cp=2), "memory": memory_case(2), "ckpt": checkpoint_world2(tmp)}
 
@@ -245,6 +269,15 @@ def test_zero3_memory_is_16_over_d_bytes_per_param(results2, results4):
             assert mem["per_param"] == pytest.approx(16 / d, rel=0.01), (d, mem)
             assert mem["fused"], mem  # fused AdamW runs on the DTensor shards
     assert sum(float(x) for x in model_state_bytes_per_param(3, 4, 4)) == pytest.approx(18 / 4)
+
+
+def test_zero3_bf16_mixed_precision(results2):
+    for r in results2:
+        fp32, bf16 = r["bf16"]["fp32"], r["bf16"]["bf16"]
+        assert fp32["compute"] == {"torch.float32"} and bf16["compute"] == {"torch.bfloat16"}
+        assert fp32["kept"] == bf16["kept"] == {"torch.float32"}
+        assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+        assert bf16["losses"] != fp32["losses"]  # bf16 did run
 
 
 def test_zero3_checkpoint_loads_at_any_layout(results2, ckpt_dir):

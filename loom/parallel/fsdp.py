@@ -36,6 +36,7 @@ A mesh whose DP x CP group is one rank shards nothing (ZeRO-3 at d = 1 is plain 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -96,6 +97,10 @@ def shard_model_chunks(chunks: Sequence[nn.Module], mesh, bf16: bool = False) ->
         return
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if bf16 else MixedPrecisionPolicy()
+    # The last chunk returns the per-token loss as a view ([s, b] -> [b, s]); FSDP2 warns that an
+    # in-place op on it would skip its pre-backward hook. lm_loss only reads it (out of place),
+    # and tests/test_fsdp.py checks every gradient, so the warning is silenced (once per rank).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     for chunk in chunks:
         layers = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
         for layer in layers:
