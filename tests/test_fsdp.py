@@ -3,8 +3,9 @@ CPU, gloo, fp32, no dropout.
 
 * Parity with the single-process run for 3 steps (rtol 1e-5): the loss, every gradient (the
   ``full_tensor()`` of the sharded gradient vs the reference's TP shard), the global grad norm
-  and the parameters after 3 AdamW steps, at DP=2 (GPT and LLaMA), DP=2 with m = 3 micro-batches,
-  DP=2 with full recomputation, CP=2, DP=4, TP=2 x DP=2 and PP=2 x DP=2 (tied embeddings).
+  and the parameters after 3 AdamW steps, at DP=2 (GPT, LLaMA and a Mamba-2 hybrid), DP=2 with
+  m = 3 micro-batches, DP=2 with full recomputation, CP=2, DP=4, TP=2 x DP=2, CP=2 x DP=2,
+  PP=2 x DP=2 (tied embeddings) and interleaved PP=2 x DP=2 (two chunks per rank).
 * --bf16: FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 shards, gradients and Adam
   moments); the loss tracks fp32's.
 * Memory: this rank's parameters + gradients + Adam moments are 16/d bytes per parameter
@@ -31,17 +32,26 @@ RTOL = 1e-5
 STEPS = 3
 
 
-def tiny(kind: str = "gpt") -> ModelConfig:
-    common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
+def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
+    common = dict(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
                   vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+    if kind == "hybrid":  # Mamba-2, attention, Mamba-2, MLP (tests/test_mamba.py's tiny stack)
+        return ModelConfig.llama(
+            model_type="mamba", num_layers=4, hidden_size=32, num_attention_heads=4,
+            num_query_groups=2, ffn_hidden_size=64, seq_length=16, vocab_size=100,
+            make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
+            mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
+            mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern="M*M-")
     if kind == "gpt":
         return ModelConfig.gpt2(**common)
     return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
 
 
 def make_cfg(kind: str = "gpt", tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, m: int = 2,
-             zero: int = 3, recompute=None, iters: int = 4, validate: bool = True) -> LoomConfig:
-    cfg = LoomConfig(model=tiny(kind))
+             zero: int = 3, recompute=None, iters: int = 4, validate: bool = True,
+             layers: int = 2, lpv=None) -> LoomConfig:
+    cfg = LoomConfig(model=tiny(kind, layers))
+    cfg.parallel.num_layers_per_virtual_pipeline_stage = lpv
     cfg.training.zero_stage = zero
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.pipeline_model_parallel_size = pp
@@ -74,6 +84,8 @@ def reference(cfg: LoomConfig) -> dict:
     ref_cfg.parallel.tensor_model_parallel_size = 1
     ref_cfg.parallel.pipeline_model_parallel_size = 1
     ref_cfg.parallel.context_parallel_size = 1
+    ref_cfg.parallel.num_layers_per_virtual_pipeline_stage = None
+    ref_cfg.parallel.pipeline_schedule = None
     ref_cfg.training.zero_stage = 0
     ref_cfg.training.recompute_granularity = None
     key = repr(ref_cfg)
@@ -213,12 +225,14 @@ def bf16_case() -> dict:
 def world2(tmp: str) -> dict:
     return {"bf16": bf16_case(), "dp2-gpt": parity_case(), "dp2-llama": parity_case(kind="llama"),
             "dp2-m3": parity_case(m=3), "dp2-recompute-full": parity_case(recompute="full"),
-            "cp2": parity_case(cp=2), "memory": memory_case(2), "ckpt": checkpoint_world2(tmp)}
+            "cp2": parity_case(cp=2), "dp2-hybrid": parity_case(kind="hybrid"), "memory": memory_case(2), "ckpt": checkpoint_world2(tmp)}
 
 
 def world4() -> dict:
     return {"dp4-gpt": parity_case(), "tp2xdp2-llama": parity_case(kind="llama", tp=2),
-            "pp2xdp2-gpt": parity_case(pp=2), "memory": memory_case(4)}
+            "pp2xdp2-gpt": parity_case(pp=2), "cp2xdp2-gpt": parity_case(cp=2),
+            "pp2xdp2-interleaved": parity_case(pp=2, layers=4, lpv=1),
+            "memory": memory_case(4)}
 
 
 @pytest.fixture(scope="module")
@@ -245,13 +259,15 @@ def _check(case: dict) -> None:
     assert case["param"] < 1e-4, case  # 3 Adam steps: see tests/test_parallel_parity.py
 
 
-@pytest.mark.parametrize("name", ["dp2-gpt", "dp2-llama", "dp2-m3", "dp2-recompute-full", "cp2"])
+@pytest.mark.parametrize("name", ["dp2-gpt", "dp2-llama", "dp2-m3", "dp2-recompute-full", "cp2",
+                                  "dp2-hybrid"])
 def test_zero3_parity_two_ranks(results2, name):
     for r in results2:
         _check(r[name])
 
 
-@pytest.mark.parametrize("name", ["dp4-gpt", "tp2xdp2-llama", "pp2xdp2-gpt"])
+@pytest.mark.parametrize("name", ["dp4-gpt", "tp2xdp2-llama", "pp2xdp2-gpt", "cp2xdp2-gpt",
+                                  "pp2xdp2-interleaved"])
 def test_zero3_parity_four_ranks(results4, name):
     for r in results4:
         _check(r[name])
