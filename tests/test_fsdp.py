@@ -3,7 +3,7 @@ CPU, gloo, fp32, no dropout.
 
 * Parity with the single-process run for 3 steps (rtol 1e-5): the loss, every gradient (the
   ``full_tensor()`` of the sharded gradient vs the reference's TP shard), the global grad norm
-  and the parameters after 3 AdamW steps, at DP=2 (GPT, LLaMA and a Mamba-2 hybrid), DP=2 with
+  the parameters after 3 AdamW steps and the evaluation loss after them, at DP=2 (GPT, LLaMA and a Mamba-2 hybrid), DP=2 with
   m = 3 micro-batches, DP=2 with full recomputation, CP=2, DP=4, TP=2 x DP=2, CP=2 x DP=2,
   PP=2 x DP=2 (tied embeddings) and interleaved PP=2 x DP=2 (two chunks per rank).
 * --bf16: FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 shards, gradients and Adam
@@ -98,7 +98,8 @@ def reference(cfg: LoomConfig) -> dict:
             grads = {n: p.grad.detach().clone() for n, p in params.items()}
             steps.append((loss, grads, ref.optimizer_step()))
             ref.consumed_samples += ref.global_batch
-        _REF[key] = {"steps": steps, "params": {n: p.detach().clone() for n, p in params.items()}}
+        _REF[key] = {"steps": steps, "params": {n: p.detach().clone() for n, p in params.items()},
+                     "eval": ref.evaluate(iters=1)["valid_loss"]}
     return _REF[key]
 
 
@@ -134,6 +135,7 @@ def parity_case(**kw) -> dict:
         norm = tr.optimizer_step()
         out["norm"] = max(out["norm"], abs(norm - ref_norm) / ref_norm)
         tr.consumed_samples += tr.global_batch
+    out["eval"] = abs(tr.evaluate(iters=1)["valid_loss"] - ref["eval"]) / ref["eval"]
     for chunk in tr.model_chunks:
         for name, p in chunk.named_parameters():
             out["param"] = max(out["param"], rel_err(full_tensor(p.detach()),
@@ -256,6 +258,7 @@ def _check(case: dict) -> None:
     assert case["loss"] < RTOL, case
     assert case["grad"] < RTOL, case
     assert case["norm"] < RTOL, case
+    assert case["eval"] < RTOL, case  # forward_only (evaluation) gathers the shards too
     assert case["param"] < 1e-4, case  # 3 Adam steps: see tests/test_parallel_parity.py
 
 
