@@ -9,7 +9,10 @@ per layer before its forward and again before its backward (the next layer's gat
 prefetched explicitly, ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``), and its
 gradient is reduce-scattered (averaged over d x c) as backward leaves the layer. Gradient
 accumulation keeps the unsharded gradients until the chunk's last micro-batch
-(``set_requires_gradient_sync(False)``, driven by the schedules' ``reducer.no_sync()``).
+(``set_requires_gradient_sync(False)``, driven by the schedules' ``reducer.no_sync()``): one
+reduce-scatter per step instead of m, at the cost of the chunk's whole fp32 gradient held while
+micro-batches accumulate (a no-op :meth:`FSDPGradients.no_sync` would reduce-scatter every
+micro-batch and keep gradients sharded throughout).
 
 Composition with loom's own parallelism:
 
