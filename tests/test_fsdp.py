@@ -2,8 +2,9 @@
 CPU, gloo, fp32, no dropout.
 
 * Parity with the single-process run for 3 steps (rtol 1e-5): the loss, every gradient (the
-  ``full_tensor()`` of the sharded gradient vs the reference's TP shard), the global grad norm
-  the parameters after 3 AdamW steps and the evaluation loss after them, at DP=2 (GPT, LLaMA and a Mamba-2 hybrid), DP=2 with
+  ``full_tensor()`` of the sharded gradient vs the reference's TP shard), the global grad norm,
+  the parameters after 3 AdamW steps and the evaluation loss after them, at DP=2 (GPT, LLaMA, a
+  Mamba-2 hybrid and an MoE LLaMA without expert parallelism), DP=2 with
   m = 3 micro-batches, DP=2 with full recomputation, CP=2, DP=4, TP=2 x DP=2, CP=2 x DP=2,
   PP=2 x DP=2 (tied embeddings) and interleaved PP=2 x DP=2 (two chunks per rank).
 * --bf16: FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 shards, gradients and Adam
@@ -42,6 +43,12 @@ def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
             make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
             mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
             mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern="M*M-")
+    if kind == "moe":  # tests/test_moe.py's: 4 experts, top-2, aux and z losses, every layer
+        return ModelConfig.llama(
+            num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+            seq_length=8, vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+            attention_dropout=0.0, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+            moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_layer_freq=1)
     if kind == "gpt":
         return ModelConfig.gpt2(**common)
     return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
@@ -227,7 +234,8 @@ def bf16_case() -> dict:
 def world2(tmp: str) -> dict:
     return {"bf16": bf16_case(), "dp2-gpt": parity_case(), "dp2-llama": parity_case(kind="llama"),
             "dp2-m3": parity_case(m=3), "dp2-recompute-full": parity_case(recompute="full"),
-            "cp2": parity_case(cp=2), "dp2-hybrid": parity_case(kind="hybrid"), "memory": memory_case(2), "ckpt": checkpoint_world2(tmp)}
+            "cp2": parity_case(cp=2), "dp2-hybrid": parity_case(kind="hybrid"),
+            "dp2-moe": parity_case(kind="moe"), "memory": memory_case(2), "ckpt": checkpoint_world2(tmp)}
 
 
 def world4() -> dict:
@@ -263,7 +271,7 @@ def _check(case: dict) -> None:
 
 
 @pytest.mark.parametrize("name", ["dp2-gpt", "dp2-llama", "dp2-m3", "dp2-recompute-full", "cp2",
-                                  "dp2-hybrid"])
+                                  "dp2-hybrid", "dp2-moe"])
 def test_zero3_parity_two_ranks(results2, name):
     for r in results2:
         _check(r[name])
@@ -326,7 +334,9 @@ def test_zero3_flags_parse():
 @pytest.mark.parametrize("change, words", [
     (lambda c: setattr(c.training, "use_distributed_optimizer", True),
      ["--zero-stage 3", "--use-distributed-optimizer"]),
-    (lambda c: setattr(c.model, "num_experts", 4), ["--zero-stage 3", "--num-experts"]),
+    (lambda c: (setattr(c.model, "num_experts", 4), setattr(c.model, "moe_router_topk", 2),
+                setattr(c.parallel, "expert_model_parallel_size", 2)),
+     ["--zero-stage 3", "--expert-model-parallel-size 1"]),
     (lambda c: (setattr(c.training, "recompute_granularity", "full"),
                 setattr(c.training, "recompute_num_layers", 2)),
      ["--zero-stage 3", "--recompute-num-layers 1", "--recompute-method block"]),

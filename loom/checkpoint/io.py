@@ -272,7 +272,7 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
             for k, v in saved.items():
                 if torch.is_tensor(v) and v.shape == index.saved_shape(name) and v.ndim > 0:
                     v = shard_like(p, local_shard(index.full(name, "optimizer", k), meta,
-                                                  mesh.tp_rank, mesh.tp_size, name).clone())
+                                                  mesh.tp_rank, mesh.tp_size, name))
                 state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
             local.state[p] = state
     common = read_common(ckpt)

@@ -191,7 +191,7 @@ def _check_moe(cfg: Any, world_size: int) -> None:
 def _check_zero(cfg: Any) -> None:
     """``--zero-stage``: 1 is ``--use-distributed-optimizer``; 3 (= ``--use-torch-fsdp2``) is
     FSDP2 (:mod:`loom.parallel.fsdp`), refused where it does not compose."""
-    t, p, m = cfg.training, cfg.parallel, cfg.model
+    t, p = cfg.training, cfg.parallel
     if t.use_torch_fsdp2 and t.zero_stage not in (0, 3):
         raise ConfigError(f"--use-torch-fsdp2 is ZeRO-3 but --zero-stage is {t.zero_stage}: "
                           f"give one of them")
@@ -207,10 +207,12 @@ def _check_zero(cfg: Any) -> None:
     if t.use_distributed_optimizer:
         raise ConfigError(f"{flag} already shards the Adam states: drop "
                           f"--use-distributed-optimizer")
-    if m.num_experts:
-        raise ConfigError(f"{flag} does not compose with MoE layers (--num-experts; expert "
-                          f"parallelism reduces expert gradients over another group): use "
-                          f"--use-distributed-optimizer, or a dense model")
+    if p.expert_model_parallel_size > 1:
+        raise ConfigError(f"{flag} does not compose with --expert-model-parallel-size "
+                          f"{p.expert_model_parallel_size} (experts' gradients are reduced over "
+                          f"the expert-data-parallel group, not DP x CP): use "
+                          f"--expert-model-parallel-size 1, or --use-distributed-optimizer "
+                          f"without --zero-stage 3")
     if t.recompute_granularity == "full" and t.recompute_method == "uniform" and \
             t.recompute_num_layers > 1:
         raise ConfigError(f"{flag} gathers each layer's parameters in its own forward, which "

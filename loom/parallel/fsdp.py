@@ -26,8 +26,8 @@ Composition with loom's own parallelism:
   (each element once); AdamW (fused) runs on the DTensor shards.
 * Checkpoints stay layout-free: :func:`full_tensor` gathers each parameter (and Adam state) at
   save, :func:`shard_like` cuts this rank's shard at load.
-* Not composed (refused by :func:`loom.config.validate`): expert parallelism / MoE, the
-  distributed optimizer (ZeRO-1 on top of ZeRO-3), uniform full recomputation of groups of layers
+* Not composed (refused by :func:`loom.config.validate`): expert parallelism (MoE layers
+  without it are sharded like any layer), the distributed optimizer (ZeRO-1 on top of ZeRO-3), uniform full recomputation of groups of layers
   (the group's first layer calls the others' ``forward`` directly, bypassing their FSDP hooks).
 
 Mixed precision (``--bf16``): ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
