@@ -4,8 +4,8 @@ CPU, gloo, fp32, no dropout.
 * Parity with the single-process run for 3 steps (rtol 1e-5): the loss, every gradient (the
   ``full_tensor()`` of the sharded gradient vs the reference's TP shard), the global grad norm,
   the parameters after 3 AdamW steps and the evaluation loss after them, at DP=2 (GPT, LLaMA, a
-  Mamba-2 hybrid and an MoE LLaMA without expert parallelism), DP=2 with
-  m = 3 micro-batches, DP=2 with full recomputation, CP=2, DP=4, TP=2 x DP=2, CP=2 x DP=2,
+  Mamba-2 hybrid and an MoE LLaMA without expert parallelism), DP=2 with m = 3 micro-batches,
+  DP=2 with full and selective recomputation, CP=2, DP=4, TP=2 x DP=2, CP=2 x DP=2,
   PP=2 x DP=2 (tied embeddings) and interleaved PP=2 x DP=2 (two chunks per rank).
 * --bf16: FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 shards, gradients and Adam
   moments); the loss tracks fp32's.
@@ -234,6 +234,7 @@ def bf16_case() -> dict:
 def world2(tmp: str) -> dict:
     return {"bf16": bf16_case(), "dp2-gpt": parity_case(), "dp2-llama": parity_case(kind="llama"),
             "dp2-m3": parity_case(m=3), "dp2-recompute-full": parity_case(recompute="full"),
+            "dp2-recompute-selective": parity_case(recompute="selective"),
             "cp2": parity_case(cp=2), "dp2-hybrid": parity_case(kind="hybrid"),
             "dp2-moe": parity_case(kind="moe"), "memory": memory_case(2), "ckpt": checkpoint_world2(tmp)}
 
@@ -270,7 +271,8 @@ def _check(case: dict) -> None:
     assert case["param"] < 1e-4, case  # 3 Adam steps: see tests/test_parallel_parity.py
 
 
-@pytest.mark.parametrize("name", ["dp2-gpt", "dp2-llama", "dp2-m3", "dp2-recompute-full", "cp2",
+@pytest.mark.parametrize("name", ["dp2-gpt", "dp2-llama", "dp2-m3", "dp2-recompute-full",
+                                  "dp2-recompute-selective", "cp2",
                                   "dp2-hybrid", "dp2-moe"])
 def test_zero3_parity_two_ranks(results2, name):
     for r in results2:
