@@ -345,7 +345,8 @@ def test_zero3_flags_parse():
     (lambda c: setattr(c.training, "use_torch_fsdp2", True) or
      setattr(c.training, "zero_stage", 1), ["--use-torch-fsdp2", "--zero-stage"]),
     (lambda c: setattr(c.training, "zero_stage", 2), ["--zero-stage 2", "--zero-stage 3"]),
-])
+], ids=["distributed-optimizer", "expert-parallel", "uniform-recompute-groups",
+        "fsdp2-with-zero-stage-1", "zero-stage-2"])
 def test_zero3_refusals_name_the_flag_and_the_fix(change, words):
     cfg = make_cfg(dp=2, validate=False)
     change(cfg)
