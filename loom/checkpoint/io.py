@@ -35,6 +35,7 @@ from torch import nn
 
 from loom.checkpoint.safety import LATEST, resolve_checkpoint
 from loom.errors import CheckpointWriteError
+from loom.parallel.fsdp import full_tensor, gather_optimizer_states, is_sharded, shard_like
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state, set_rng_state
 from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
@@ -112,9 +113,12 @@ def _write_checkpoint(final, tmp, save_dir, iteration, model_chunks, optimizer, 
     suffix = f"_ep{ep_rank:03d}" if ep_rank > 0 else ""
     if ep_rank > 0:
         params = {n: pm for n, pm in params.items() if pm[1].expert_parallel}
+    fsdp = any(is_sharded(p) for p, _ in params.values())  # ZeRO-3: every DP rank gathers
+    if writer or fsdp:
+        weights = {n: full_tensor(p.detach()).cpu() for n, (p, _) in params.items()}
     if writer:
         shard = {
-            "model": {n: p.detach().cpu() for n, (p, _) in params.items()},
+            "model": weights,
             "specs": {n: {"full_shape": list(meta.full_shape), "shard": _spec_of(meta)}
                       for n, (_, meta) in params.items()},
             "tp_rank": c["tp"], "pp_rank": c["pp"],
@@ -122,11 +126,9 @@ def _write_checkpoint(final, tmp, save_dir, iteration, model_chunks, optimizer, 
         _torch_save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}.pt"))
     local = local_optimizer(optimizer)
     sharded = local is not optimizer  # ZeRO: each DP rank holds the states of its parameters
+    if sharded or writer or fsdp:
+        states = gather_optimizer_states(params, local.state)
     if sharded or writer:
-        names = {id(p): n for n, (p, _) in params.items()}
-        states = {names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                 for k, v in st.items()} for p, st in local.state.items()
-                  if id(p) in names}
         dp_index = mesh.local_rank("dp_cp") if sharded else 0
         _torch_save(states, os.path.join(
             tmp, f"optim_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}_dp{dp_index:03d}.pt"))
@@ -234,7 +236,8 @@ class _ShardIndex:
 def load_model_weights(index: _ShardIndex, model_chunks: Sequence[nn.Module],
                        mesh: ParallelMesh) -> None:
     for name, (p, meta) in _named_params(model_chunks).items():
-        p.copy_(local_shard(index.full(name), meta, mesh.tp_rank, mesh.tp_size, name))
+        full = local_shard(index.full(name), meta, mesh.tp_rank, mesh.tp_size, name)
+        p.copy_(shard_like(p, full.to(p.dtype)))  # ZeRO-3: this DP rank's slice
 
 
 def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
@@ -268,8 +271,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
             state = {}
             for k, v in saved.items():
                 if torch.is_tensor(v) and v.shape == index.saved_shape(name) and v.ndim > 0:
-                    v = local_shard(index.full(name, "optimizer", k), meta, mesh.tp_rank,
-                                    mesh.tp_size, name)
+                    v = shard_like(p, local_shard(index.full(name, "optimizer", k), meta,
+                                                  mesh.tp_rank, mesh.tp_size, name))
                 state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
             local.state[p] = state
     common = read_common(ckpt)

@@ -245,6 +245,13 @@ class TrainingConfig:
                            ge=0)
     use_distributed_optimizer: bool = opt(
         False, "ZeRO-1: shard the Adam states over the data-parallel ranks")
+    zero_stage: int = opt(
+        0, "ZeRO stage, 0-3: 1 = --use-distributed-optimizer; 3 = fully sharded data parallel "
+           "(parameters, gradients and Adam states sharded over DP x CP with PyTorch's FSDP2, "
+           "= --use-torch-fsdp2)", ge=0, lt=4)
+    use_torch_fsdp2: bool = opt(
+        False, "ZeRO-3 with PyTorch's FSDP2 (fully_shard per transformer layer and per model "
+               "chunk, over DP x CP) = --zero-stage 3")
     seed: int = opt(1234, "random seed of initialization, dropout and data order", ge=0)
     bf16: bool = opt(False, "bfloat16 autocast for the forward and backward passes")
     exit_on_nonfinite: Optional[int] = opt(

@@ -197,6 +197,43 @@ def _check_moe(cfg: Any, world_size: int) -> None:
                           "--expert-model-parallel-size > 1: drop one of them")
 
 
+def _check_zero(cfg: Any) -> None:
+    """``--zero-stage``: 1 is ``--use-distributed-optimizer``; 3 (= ``--use-torch-fsdp2``) is
+    FSDP2 (:mod:`loom.parallel.fsdp`), refused where it does not compose."""
+    t, p = cfg.training, cfg.parallel
+    if t.use_torch_fsdp2 and t.zero_stage not in (0, 3):
+        raise ConfigError(f"--use-torch-fsdp2 is ZeRO-3 but --zero-stage is {t.zero_stage}: "
+                          f"give one of them")
+    if t.zero_stage == 1:
+        t.use_distributed_optimizer = True
+    if t.zero_stage == 2:
+        raise ConfigError("--zero-stage 2 is not available in this build: use --zero-stage 1 "
+                          "(--use-distributed-optimizer) or --zero-stage 3 (--use-torch-fsdp2)")
+    if not (t.use_torch_fsdp2 or t.zero_stage == 3):
+        return
+    t.zero_stage = 3
+    flag = "--zero-stage 3 / --use-torch-fsdp2"
+    if t.use_distributed_optimizer:
+        raise ConfigError(f"{flag} already shards the Adam states: drop "
+                          f"--use-distributed-optimizer")
+    if p.expert_model_parallel_size > 1:
+        raise ConfigError(f"{flag} does not compose with --expert-model-parallel-size "
+                          f"{p.expert_model_parallel_size} (experts' gradients are reduced over "
+                          f"the expert-data-parallel group, not DP x CP): use "
+                          f"--expert-model-parallel-size 1, or --use-distributed-optimizer "
+                          f"without --zero-stage 3")
+    if t.recompute_granularity == "full" and t.recompute_method == "uniform" and \
+            t.recompute_num_layers > 1:
+        raise ConfigError(f"{flag} gathers each layer's parameters in its own forward, which "
+                          f"--recompute-method uniform --recompute-num-layers "
+                          f"{t.recompute_num_layers} bypasses: use --recompute-num-layers 1 or "
+                          f"--recompute-method block")
+    if t.compile:
+        raise ConfigError(f"{flag} with --compile is not tested yet (the compiled layer call "
+                          f"would trace FSDP2's gather hooks): drop --compile, or use "
+                          f"--use-distributed-optimizer (ZeRO-1) with it")
+
+
 def _resolve_training(cfg: Any, world_size: int) -> None:
     """Megatron's alternative spellings: ``--train-samples`` -> ``--train-iters`` (samples / B),
     ``--recompute-activations`` -> ``--recompute-granularity selective``; checks
@@ -268,6 +305,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}: "
             f"use a multiple of {t.micro_batch_size * dp}")
+    _check_zero(cfg)
     _check_moe(cfg, world_size)
     parse_fault(cfg.fault_tolerance.inject_fault)
     ck = cfg.checkpoint

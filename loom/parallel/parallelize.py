@@ -1,5 +1,6 @@
 """Build this rank's model chunks: pipeline split -> plain model on the meta device -> the
-family's parallel plan -> initialization from the registry -> recomputation -> ``--compile``.
+family's parallel plan -> initialization from the registry -> recomputation -> ``--compile`` ->
+(ZeRO-3) FSDP2 sharding over DP x CP (:mod:`loom.parallel.fsdp`).
 
 Every rank of every layout starts from exactly the single-process weights: parameter names
 carry the global layer index and each full tensor is drawn from a generator seeded by
@@ -16,6 +17,7 @@ from torch import nn
 from loom.config import LoomConfig, ModelConfig
 from loom.models.family import ModelFamily, StageSpec
 from loom.parallel.compile import compile_layers
+from loom.parallel.fsdp import fsdp_enabled, shard_model_chunks
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.pipeline.layout import chunk_layers
 from loom.parallel.plan import PlanContext, apply_plan
@@ -72,4 +74,6 @@ def build_model_chunks(family: ModelFamily, cfg: LoomConfig, mesh: ParallelMesh,
         if t.compile:
             compile_layers(chunk)
         chunks.append(chunk)
+    if fsdp_enabled(t):  # ZeRO-3: fully_shard per layer and per chunk over DP x CP
+        shard_model_chunks(chunks, mesh, bf16=t.bf16)
     return chunks

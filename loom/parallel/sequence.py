@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from loom.parallel.fsdp import local_tensor
 from loom.parallel.mappings import ConjugateCollective
 
 Group = Optional[dist.ProcessGroup]
@@ -92,7 +93,7 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group: Gro
     group in one flat all-reduce."""
     if group is None:
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]  # ZeRO-3: shards
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -51,11 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--cluster", default=None, help="cluster JSON (from --calibrate); "
                    "--gpu/--num-gpus/... override it")
     o = parser.add_argument_group("planner")
-    o.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
-                   help="fix the ZeRO stage (1 = distributed optimizer)")
-    o.add_argument("--max-zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
-                   help="highest ZeRO stage searched (default 1: what loom train runs, "
-                        "--use-distributed-optimizer; 3 explores ZeRO-2/3)")
+    # --zero-stage N (fix the ZeRO stage) and --use-torch-fsdp2 (= 3) come with the config flags
+    o.add_argument("--max-zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
+                   help="highest ZeRO stage searched (default 3: loom train runs 1, "
+                        "--use-distributed-optimizer, and 3, --zero-stage 3 with FSDP2; "
+                        "2 is a what-if)")
     o.add_argument("--attention", choices=("fused", "unfused"), default=None,
                    help="fused (flash/SDPA, loom's default; Mamba: mamba_ssm's chunk scan) or "
                         "unfused (as in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
@@ -179,6 +179,10 @@ def _fixed_from_args(args, model: ModelConfig) -> dict:
              "ep": args.expert_model_parallel_size}
     if args.use_distributed_optimizer:
         fixed["zero"] = 1
+    if args.use_torch_fsdp2:
+        fixed["zero"] = 3
+    if fixed["zero"] not in (None, 0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage {fixed['zero']} must be 0, 1, 2 or 3")
     if args.expert_model_parallel_size and args.expert_model_parallel_size > 1 and \
             not model.num_experts:
         raise ConfigError("--expert-model-parallel-size needs an MoE model: give --num-experts E "

@@ -67,7 +67,9 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[
         out.append("--sequence-parallel")
     if rec["recompute"] != "none":
         out += ["--recompute-granularity", rec["recompute"]]
-    if rec["zero"] >= 1:
+    if rec["zero"] == 3:
+        out += ["--zero-stage", "3"]  # FSDP2 (loom.parallel.fsdp)
+    elif rec["zero"] >= 1:
         out.append("--use-distributed-optimizer")
     return out + ["--micro-batch-size", str(rec["micro_batch_size"]),
                   "--global-batch-size", str(global_batch_size)]
@@ -78,7 +80,8 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     """The shell command that runs layout ``rec``: ``torchrun [--standalone] --nproc-per-node G [--nnodes N
     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500] -m loom train FLAGS``, one flag per
     continued line; data and length (``--data-path`` / ``--train-iters``) are for the user to
-    add. A ZeRO stage above 1, which loom train does not run, is said in a comment line."""
+    add. ZeRO-2, which loom train does not run, is said in a comment line (ZeRO-3 runs as
+    ``--zero-stage 3``)."""
     per_node = min(num_gpus, gpus_per_node)
     nodes = math.ceil(num_gpus / per_node)
     launch = ["torchrun", "--nproc-per-node", str(per_node)]
@@ -95,7 +98,7 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
         i += take
     lines = [" ".join(launch) + " -m loom train"] + pairs
     text = " \\\n    ".join(lines)
-    if rec["zero"] > 1:
+    if rec["zero"] == 2:
         text = (f"# ZeRO-{rec['zero']} is not run by loom train; this command uses ZeRO-1 "
                 f"(--use-distributed-optimizer), which needs more memory\n") + text
     return text

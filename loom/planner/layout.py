@@ -44,8 +44,8 @@ class Options:
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
     workspaces, allocator fragmentation (bytes).
     ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).
-    ``max_zero_stage``: highest ZeRO stage searched (``loom train`` runs 0 and 1, the
-    distributed optimizer; 2 and 3 are what-if analyses).
+    ``max_zero_stage``: highest ZeRO stage searched (``loom train`` runs 0, 1, the
+    distributed optimizer, and 3, FSDP2; 2 is a what-if analysis).
     ``zero3_overlap`` / ``zero3_link_efficiency``: override the fitted ZeRO-3 constants of
     :mod:`loom.planner.timing` (used by the fit itself).
     ``moe_load_imbalance``: busiest EP rank's expert tokens over the mean (>= 1), applied to the

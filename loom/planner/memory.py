@@ -132,14 +132,18 @@ def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
             "expert_middle": np.where(p > 2, x_mid, 0.0)}
 
 
-def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2) -> tuple:
+def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2, bf16: bool = True) -> tuple:
     """Bytes per parameter ``(weights, gradients, optimizer)`` at ZeRO stage ``zero`` and
-    data-parallel size ``dp`` (ZERO sec 3.1/5: 2 + 2 + 12 = 16 with fp16 gradients)."""
+    data-parallel size ``dp`` (ZERO sec 3.1/5: 2 + 2 + 12 = 16 with fp16 gradients). ZeRO-3
+    (``loom train --zero-stage 3``, FSDP2) with fp32 gradients: 18/d. ``bf16=False``: fp32
+    training, the weights are the master copy: 4 + 4 + 8 (Adam's moments) = 16, 16/d at
+    ZeRO-3 (what ``tests/test_fsdp.py`` measures on the trainer)."""
     zero = np.asarray(zero, dtype=np.float64)
     dp = np.asarray(dp, dtype=np.float64)
-    w = 2.0 / np.where(zero >= 3, dp, 1.0)
+    weight_bytes, grad_bytes, optim_bytes = (2.0, grad_bytes, 12.0) if bf16 else (4.0, 4.0, 8.0)
+    w = weight_bytes / np.where(zero >= 3, dp, 1.0)
     g = grad_bytes / np.where(zero >= 2, dp, 1.0)
-    o = 12.0 / np.where(zero >= 1, dp, 1.0)
+    o = optim_bytes / np.where(zero >= 1, dp, 1.0)
     return w, g, o
 
 

@@ -18,13 +18,16 @@ from loom.planner.stages import given_split
 
 
 def _zero_stage(cfg: LoomConfig) -> int:
+    """``--zero-stage``; 3 with ``--use-torch-fsdp2``, at least 1 with
+    ``--use-distributed-optimizer``."""
+    z = 0
     for group in (cfg.parallel, cfg.training):
-        z = getattr(group, "zero_stage", None)
-        if z is not None:
-            return int(z)
+        z = max(z, int(getattr(group, "zero_stage", None) or 0))
+        if getattr(group, "use_torch_fsdp2", False):
+            z = 3
         if getattr(group, "use_distributed_optimizer", False):
-            return 1
-    return 0
+            z = max(z, 1)
+    return z
 
 
 def _detect_cluster(world_size: int) -> Cluster:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from loom.config import TrainingConfig
+from loom.parallel.fsdp import is_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta
 
@@ -121,11 +122,15 @@ def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh,
     each element once), summed over the model-parallel (TP x PP) group; ``expert_params``
     (expert-parallel weights, each held by one rank of the EP group) are summed over the EP
     group first. Data-parallel replicas hold identical gradients after reduction, so DP is not
-    summed. One all-reduce (fp64 scalar) on ``mesh.groups["mp"]`` (and one on ``ep``).
+    summed, except under ZeRO-3 (DTensor gradients): each DP x CP rank holds a different shard,
+    summed over ``dp_cp`` too. One all-reduce (fp64 scalar) on ``mesh.groups["mp"]`` (and one
+    on ``ep``, or ``dp_cp``).
     Returns a 0-d fp32 tensor (unitless, the gradients' L2 norm)."""
     params, expert_params = list(params), list(expert_params)
     device = (params or expert_params)[0].device if (params or expert_params) else mesh.device
-    sq = _sum_of_squares([p.grad for p in params if p.grad is not None], device)
+    sq = _sum_of_squares([local_tensor(p.grad) for p in params if p.grad is not None], device)
+    if any(is_sharded(p.grad) for p in params) and mesh.groups.get("dp_cp") is not None:
+        dist.all_reduce(sq, group=mesh.groups["dp_cp"])  # ZeRO-3: the DP shards, each once
     if expert_params:
         esq = _sum_of_squares([p.grad for p in expert_params if p.grad is not None], device)
         if mesh.groups.get("ep") is not None:
@@ -149,6 +154,11 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: Parall
                             expert_norm_params)
     value = float(norm)
     if max_norm > 0 and math.isfinite(value) and max_norm / (value + 1e-6) < 1.0:
+        if any(is_sharded(p.grad) for p in params):  # ZeRO-3: scale the local shards
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([local_tensor(p.grad) for p in params if p.grad is not None],
+                                coef)
+            return value
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm,
                                              norm, foreach=True)
     return value

@@ -12,6 +12,7 @@ from torch import nn
 
 from loom.parallel.data import GradientReducer
 from loom.parallel.expert import ReducerGroup
+from loom.parallel.fsdp import FSDPGradients, is_fully_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import named_parameters
 from loom.planner.predict import predict_layout
@@ -35,7 +36,10 @@ def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
 
 def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, bucket: int):
     """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
-    gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`)."""
+    gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`).
+    A ``fully_shard``-ed chunk (ZeRO-3) reduce-scatters its own gradients in backward."""
+    if is_fully_sharded(chunk):
+        return FSDPGradients(chunk)
     if mesh.ep_size == 1:
         return GradientReducer(chunk.parameters(), mesh.groups["dp_cp"], bucket)
     named = [(p, chunk.registry[n].expert_parallel) for n, p in chunk.named_parameters()]
@@ -58,6 +62,11 @@ def owned_parameters(model_chunks, mesh: ParallelMesh) -> int:
                and (meta.expert_parallel or mesh.ep_rank == 0))
 
 
+def held_numel(params) -> int:
+    """Elements of ``params`` held by this rank (ZeRO-3: its shards of the DTensors)."""
+    return sum(local_tensor(p).numel() for p in params)
+
+
 def checkpoint_interval(cfg, world_size: int, params) -> CheckpointInterval:
     """``--save-interval`` (N, or auto from the job's MTBF: ``--mtbf-hours``, or
     ``--mtbf-hours-per-node`` / nodes with ``LOCAL_WORLD_SIZE`` ranks per node). The save-time
@@ -66,7 +75,7 @@ def checkpoint_interval(cfg, world_size: int, params) -> CheckpointInterval:
     ck = cfg.checkpoint
     nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     mtbf_s = (ck.mtbf_hours or (ck.mtbf_hours_per_node or 0) / max(nodes, 1)) * 3600 or None
-    return CheckpointInterval(ck.save_interval, mtbf_s, 12 * sum(p.numel() for p in params))
+    return CheckpointInterval(ck.save_interval, mtbf_s, 12 * held_numel(params))
 
 
 def predict_step_time(cfg, world_size: int, device: torch.device) -> Optional[float]:

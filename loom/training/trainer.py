@@ -42,7 +42,7 @@ from loom.training.metrics import (MetricsLogger, average_window, peak_flops_per
                                   peak_memory_bytes)
 from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm, lr_at
 from loom.training.resume import reconcile_schedule
-from loom.training.setup import (MOE_LOGGED, checkpoint_interval, chunk_reducer,
+from loom.training.setup import (MOE_LOGGED, checkpoint_interval, chunk_reducer, held_numel,
                                  owned_parameters, predict_step_time, with_autocast)
 
 
@@ -316,7 +316,7 @@ class Trainer:
         """(parameters of the whole model, parameters held by this rank); see
         :func:`loom.training.setup.owned_parameters`."""
         (total,) = self._all_reduce([float(owned_parameters(self.model_chunks, self.mesh))])
-        return int(total), sum(p.numel() for p in self.params)
+        return int(total), held_numel(self.params)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _evaluate_sets(self, log: MetricsLogger, test: bool) -> None:

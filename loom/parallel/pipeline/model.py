@@ -7,6 +7,7 @@ from typing import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from loom.parallel.fsdp import local_tensor
 from loom.parallel.registry import named_parameters
 
 
@@ -20,4 +21,4 @@ def allreduce_embedding_grads(model_chunks: Sequence[nn.Module], mesh) -> None:
         return
     for _, p, meta in named_parameters(model_chunks):
         if meta.pipeline_shared and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+            dist.all_reduce(local_tensor(p.grad), group=group)  # ZeRO-3: alike shards
