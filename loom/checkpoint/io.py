@@ -126,7 +126,7 @@ class _Writer(FileSystemWriter):
     def write_data(self, plan, planner):
         fut = super().write_data(plan, planner)
         if self.after_write is not None:
-            fut.result()
+            fut.wait()  # a torch.futures.Future: the files are on disk
             self.after_write()
         return fut
 
