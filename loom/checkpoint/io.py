@@ -297,6 +297,9 @@ def read_common(ckpt_dir: str) -> dict:
     return torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=False)
 
 
+_ShardIndex = open_checkpoint  # its name before format v2 (callers: ``_ShardIndex(ckpt)``)
+
+
 @torch.no_grad()
 def load_model_weights(index, model_chunks: Sequence[nn.Module], mesh: ParallelMesh) -> None:
     """Copy this rank's shard of every parameter from ``index`` (:func:`open_checkpoint`)."""
