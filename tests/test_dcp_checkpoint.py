@@ -234,3 +234,57 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_resumes(tmp_path):
     for it in got:
         assert got[it] == pytest.approx(want[it], rel=1e-5), (it, got[it], want[it])
     assert (ck2 / "latest_checkpointed_iteration.txt").read_text() == "6"
+
+
+def test_failed_dcp_write_names_the_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A rank's DCP write that fails (here ENOSPC from inside DCP's writer, reported through
+    its CheckpointException) is a CheckpointWriteError naming --save and the OS error; the
+    partial .tmp is removed and the previous checkpoint and pointer are untouched."""
+    import errno
+
+    import loom.checkpoint.io as ckio
+    from loom.errors import CheckpointWriteError
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+
+    class FullDisk(ckio._Writer):
+        def write_data(self, plan, planner):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+    tr = Trainer(_small_cfg(False), mesh=ParallelMesh.single())
+    _losses(tr, 1)
+    tr.save(str(tmp_path))
+    monkeypatch.setattr(ckio, "_storage_writer", lambda path, after=None: FullDisk(path, after))
+    _losses(tr, 1)
+    with pytest.raises(CheckpointWriteError, match="No space left on device") as e:
+        tr.save(str(tmp_path))
+    assert str(tmp_path) in str(e.value) and "iter_0000002.tmp" in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
+def test_truncated_or_corrupt_dcp_files_are_refused_by_name(tmp_path, capsys):
+    from loom.checkpoint.safety import check_checkpoint_files
+    from loom.cli import main
+    from loom.errors import ConfigError
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    tr = Trainer(_small_cfg(False), mesh=ParallelMesh.single())
+    _losses(tr, 1)
+    ckpt = Path(tr.save(str(tmp_path)))
+    check_checkpoint_files(str(ckpt))
+    shard = ckpt / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"__0_0\.distcp is truncated"):
+        check_checkpoint_files(str(ckpt))
+    shard.unlink()
+    with pytest.raises(ConfigError, match=r"__0_0\.distcp is missing"):
+        check_checkpoint_files(str(ckpt))
+    shard.write_bytes(data)
+    (ckpt / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(SystemExit) as e:  # the CLI: exit 2, one line naming the file
+        main(["train", "--mock-data", "--vocab-size", "64", "--num-layers", "2",
+              "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+              "--train-iters", "2", "--load", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and ".metadata is unreadable" in err and "Traceback" not in err
