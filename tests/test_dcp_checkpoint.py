@@ -105,10 +105,10 @@ def test_resharding_through_dcp(tmp_path):
     # keys name what is stored, never who stored it: one key per TP shard of each parameter
     # (TP-replicated ones: 0of1), none per DP replica or pipeline copy; every byte written once
     keys, reg = res["keys"], single.model_chunks[0].registry
-    want = {f"model/{n}/{r}of2" if meta.shard is not None else f"model/{n}/0of1"
+    want = {f"model.{n}/{r}of2" if meta.shard is not None else f"model.{n}/0of1"
             for n, meta in reg.items() for r in ((0, 1) if meta.shard is not None else (0,))}
-    assert {k for k in keys if k.startswith("model/")} == want
-    assert sum(k.startswith("rng/") for k in keys) == 8
+    assert {k for k in keys if k.startswith("model.")} == want
+    assert sum(k.startswith("rng.") for k in keys) == 8
     assert res["file_bytes"] == res["indexed_bytes"]
     print([round(b - a, 2) for a, b in zip(res["t"], res["t"][1:])])
     print(f"8-rank world {world_s:.1f} s, save at (2,2,2) {res['save_s']:.2f} s")

@@ -41,7 +41,7 @@ class DcpIndex:
         self.model: dict[str, dict[str, str]] = {}  # name -> {"RofT": key}
         self.optim: dict[str, dict[str, dict[str, str]]] = {}  # name -> {state: {"RofT": key}}
         for key in self.md:
-            kind, _, rest = key.partition("/")
+            kind, _, rest = key.partition(".")
             if kind == "model":
                 name, _, shard = rest.rpartition("/")
                 self.model.setdefault(name, {})[shard] = key
@@ -59,15 +59,16 @@ class DcpIndex:
     def _read(self, keys: Iterable[str]) -> dict[str, Any]:
         """One ``dcp.load`` of ``keys`` into empty tensors of the saved shapes (objects: as
         saved); each rank reads only its own keys (no collective)."""
-        want: dict[str, Any] = {}
+        want: dict[str, dict[str, Any]] = {}
         for k in keys:
             m = self.md[k]
-            want[k] = torch.empty(m.size, dtype=m.properties.dtype) \
+            kind, _, rest = k.partition(".")
+            want.setdefault(kind, {})[rest] = torch.empty(m.size, dtype=m.properties.dtype) \
                 if isinstance(m, TensorStorageMetadata) else b""
         if want:
             with single_process_quiet():
                 dcp.load(want, storage_reader=FileSystemReader(self.path), no_dist=True)
-        return want
+        return {f"{kind}.{k}": v for kind, section in want.items() for k, v in section.items()}
 
     def _missing(self, name: str) -> KeyError:
         return KeyError(f"parameter {name} not in checkpoint {self.path}")
@@ -78,8 +79,8 @@ class DcpIndex:
 
     def parameters(self) -> dict[str, dict]:
         """``name -> {shape (global), dtype}``, without reading any tensor."""
-        specs = self._read(f"param/{n}" for n in self.model)
-        return {n: {"shape": json.loads(specs[f"param/{n}"])["full_shape"],
+        specs = self._read(f"param.{n}" for n in self.model)
+        return {n: {"shape": json.loads(specs[f"param.{n}"])["full_shape"],
                     "dtype": self.md[next(iter(self.model[n].values()))].properties.dtype}
                 for n in self.model}
 
@@ -93,16 +94,16 @@ class DcpIndex:
             if n not in self.model:
                 raise self._missing(n)
         keys = [k for n in names for k in self.model[n].values()]
-        keys += [f"param/{n}" for n in set(names) | set(optim_names)]
+        keys += [f"param.{n}" for n in set(names) | set(optim_names)]
         keys += [k for n in optim_names for st in self.optim.get(n, {}).values()
                  for k in st.values()]
-        rng_key = f"rng/{rng_rank:05d}" if rng_rank is not None else None
+        rng_key = f"rng.{rng_rank:05d}" if rng_rank is not None else None
         if rng_key in self.md:
             keys.append(rng_key)
         got = self._read(dict.fromkeys(keys))
 
         def full(name: str, shards: dict[str, str]) -> torch.Tensor:
-            spec = ShardSpec.from_dict(json.loads(got[f"param/{name}"])["shard"])
+            spec = ShardSpec.from_dict(json.loads(got[f"param.{name}"])["shard"])
             return full_from_shards([got[k] for k in self._ordered(shards)], spec)
 
         model = {n: full(n, self.model[n]) for n in names}
