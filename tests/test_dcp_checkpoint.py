@@ -288,3 +288,32 @@ def test_truncated_or_corrupt_dcp_files_are_refused_by_name(tmp_path, capsys):
               "--train-iters", "2", "--load", str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and ".metadata is unreadable" in err and "Traceback" not in err
+
+
+def test_async_save_from_the_command_line_keep_last_and_exit(tmp_path, monkeypatch, capsys):
+    """`loom train --async-save`: each save is finalized in the background (logged with how
+    long the step loop was blocked), --keep-last prunes after each, and exit waits for the
+    last write (--exit-interval): nothing half-written is left."""
+    import torch.distributed as dist
+
+    from loom.cli import main
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    ck = tmp_path / "ck"
+    args = ["train", "--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size",
+            "32", "--num-attention-heads", "4", "--seq-length", "8", "--micro-batch-size", "2",
+            "--train-iters", "20", "--no-progress-bar", "--save", str(ck), "--save-interval", "2",
+            "--keep-last", "2", "--exit-interval", "7", "--async-save"]
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert "saving checkpoint" in out and "--async-save: written in" in out, out
+    assert "the step loop blocked" in out
+    assert sorted(os.listdir(ck)) == ["iter_0000006", "iter_0000007",
+                                      "latest_checkpointed_iteration.txt"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == "7"
