@@ -27,6 +27,7 @@ class Saver:
         self.pending: Optional[PendingSave] = None
         self.group = None  # DCP's own gloo group for background writes, made at the first save
         self.blocked_s = 0.0  # time the step loop spent in the latest save call
+        self.say: Optional[Callable[[str], None]] = None  # the log's print, once given
 
     @property
     def verb(self) -> str:
@@ -65,6 +66,7 @@ class Saver:
             prune_checkpoints(job.save_dir, keep)
 
     def _done(self, say: Optional[Callable[[str], None]]) -> None:
+        self.say = say = say or self.say
         job, self.pending = self.pending, None
         final = finalize_save(job, barrier=False)
         self._prune(job)
@@ -73,7 +75,9 @@ class Saver:
                 f"the step loop blocked {job.blocked_s:.3g} s)")
 
     def poll(self, say: Optional[Callable[[str], None]] = None) -> None:
-        """Finalize an asynchronous save whose write completed; never waits."""
+        """Finalize an asynchronous save whose write completed; never waits. ``say``: where
+        finalized saves are reported (remembered for the saves finalized by the next save)."""
+        self.say = say or self.say
         if self.pending is not None and self.pending.future.done():
             self._done(say)
 
