@@ -32,7 +32,7 @@ def _world(root: str, vocab: int, async_save: bool) -> dict:
         c = LoomConfig.from_flat(dict(flat, vocab_size=vocab))
         c.data.mock_data = True
         c.logging.no_progress_bar = True
-        c.checkpoint.async_save = async_save
+        c.checkpoint.async_save, c.checkpoint.save = async_save, root
         return c.validate(4)
     tr = Trainer(cfg(), mesh=ParallelMesh.build(tp=2))
     for it in range(2):  # the second save is the steady state (the first makes DCP's group)
