@@ -54,24 +54,35 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from loom.checkpoint.legacy import canonical_name  # noqa: F401
-from loom.checkpoint.reader import DcpIndex, open_checkpoint, single_process_quiet  # noqa: F401
-from loom.checkpoint.safety import LATEST, resolve_checkpoint
+from loom.checkpoint.reader import (DcpIndex, latest_checkpoint, load_checkpoint,  # noqa: F401
+                                   load_model_weights, open_checkpoint, read_common,
+                                   single_process_quiet)
+from loom.checkpoint.safety import LATEST
 from loom.errors import CheckpointWriteError
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.random import RNGTracker, get_rng_state, set_rng_state
-from loom.parallel.registry import local_shard, named_parameters
+from loom.parallel.random import RNGTracker, get_rng_state
+from loom.parallel.registry import named_parameters
 from loom.training.optimizer import local_optimizer
 
 FORMAT = "loom-checkpoint-v2"
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree(failure: Optional[BaseException], device) -> None:
+    """A barrier that also tells every rank whether one failed (rank 0 alone writes the common
+    files and renames): raises ``failure`` here, or an OSError on the ranks that did not
+    fail, instead of leaving them in a barrier for the process-group timeout."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and failure is None:
+            failure = OSError("another rank failed to write the checkpoint (its message names "
+                              "the error)")
+    if failure is not None:
+        raise failure
 
 
 def _named_params(model_chunks: Sequence[nn.Module]) -> dict[str, tuple]:
@@ -201,10 +212,28 @@ class PendingSave:
     iteration: int
     final: str
     tmp: str
+    device: Any = None  # of the default group's collectives
     future: Any = None
     started: float = 0.0
     written_s: Optional[float] = None  # start of the save call -> every file written
     blocked_s: Optional[float] = None  # how long the save call held the step loop
+
+
+def _write_common(job: PendingSave, scheduler, mesh: ParallelMesh, consumed_samples: int,
+                  config: dict, tokenizer_file: Optional[str]) -> None:
+    """Rank 0: a fresh ``iter_N.tmp`` with ``common.pt``, ``metadata.json``, tokenizer."""
+    os.makedirs(job.save_dir, exist_ok=True)
+    shutil.rmtree(job.tmp, ignore_errors=True)
+    os.makedirs(job.tmp)
+    _torch_save({"iteration": job.iteration, "consumed_samples": consumed_samples,
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "config": config}, os.path.join(job.tmp, "common.pt"))
+    meta = {"format": FORMAT, "iteration": job.iteration, "layout": mesh.sizes,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    with _open_for_write(os.path.join(job.tmp, "metadata.json")) as fh:
+        fh.write(json.dumps(meta, indent=1).encode())
+    if tokenizer_file and os.path.exists(tokenizer_file):
+        shutil.copyfile(tokenizer_file, os.path.join(job.tmp, "tokenizer.json"))
 
 
 def start_save(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
@@ -217,22 +246,16 @@ def start_save(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
     CPU first; ``group``: a gloo group of all ranks, apart from the training's collectives);
     else write before returning. ``after_write``: see :class:`_Writer`."""
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
-    job = PendingSave(save_dir, iteration, final, final + ".tmp", started=time.perf_counter())
+    job = PendingSave(save_dir, iteration, final, final + ".tmp", device=mesh.device,
+                      started=time.perf_counter())
     try:
-        if _rank() == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            shutil.rmtree(job.tmp, ignore_errors=True)
-            os.makedirs(job.tmp)
-            _torch_save({"iteration": iteration, "consumed_samples": consumed_samples,
-                         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                         "config": config}, os.path.join(job.tmp, "common.pt"))
-            meta = {"format": FORMAT, "iteration": iteration, "layout": mesh.sizes,
-                    "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-            with _open_for_write(os.path.join(job.tmp, "metadata.json")) as fh:
-                fh.write(json.dumps(meta, indent=1).encode())
-            if tokenizer_file and os.path.exists(tokenizer_file):
-                shutil.copyfile(tokenizer_file, os.path.join(job.tmp, "tokenizer.json"))
-        _barrier()
+        failure = None
+        try:
+            if _rank() == 0:
+                _write_common(job, scheduler, mesh, consumed_samples, config, tokenizer_file)
+        except OSError as e:
+            failure = e
+        _agree(failure, job.device)
         state = rank_state_dict(model_chunks, optimizer, mesh, tracker)
         writer = _storage_writer(job.tmp, after_write)
         single = not dist.is_initialized()
@@ -253,19 +276,25 @@ def finalize_save(job: PendingSave, barrier: bool = True) -> str:
     returns the final directory. ``barrier``: every rank waits for the rename (synchronous
     saves; an asynchronous one finalizes on rank 0 alone, whenever its write completed)."""
     try:
-        if job.future is not None:
-            job.future.result()
-            job.written_s = time.perf_counter() - job.started
-            job.future = None
-        if _rank() == 0:
-            if os.path.exists(job.final):
-                shutil.rmtree(job.final)
-            os.replace(job.tmp, job.final)
-            _atomic_write_text(os.path.join(job.save_dir, LATEST), str(job.iteration))
+        failure = None
+        try:
+            if job.future is not None:
+                job.future.result()
+                job.written_s = time.perf_counter() - job.started
+                job.future = None
+            if _rank() == 0:
+                if os.path.exists(job.final):
+                    shutil.rmtree(job.final)
+                os.replace(job.tmp, job.final)
+                _atomic_write_text(os.path.join(job.save_dir, LATEST), str(job.iteration))
+        except (OSError, CheckpointException) as e:
+            failure = e
+        if barrier:
+            _agree(failure, job.device)
+        elif failure is not None:
+            raise failure
     except (OSError, CheckpointException) as e:
         raise _save_failed(job.save_dir, job.iteration, job.tmp, e) from e
-    if barrier:
-        _barrier()
     return job.final
 
 
@@ -286,87 +315,4 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Mod
                                     tokenizer_file=tokenizer_file, after_write=after_write))
 
 
-def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str]:
-    """The directory named by ``latest_checkpointed_iteration.txt`` (or ``iter_{step}``), or
-    None when ``load_dir`` holds no checkpoint. Raises ConfigError naming the pointer file when
-    it is unreadable or names a missing iteration (see
-    :func:`loom.checkpoint.safety.resolve_checkpoint`)."""
-    return resolve_checkpoint(load_dir, step)
-
-
-def read_common(ckpt_dir: str) -> dict:
-    return torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=False)
-
-
 _ShardIndex = open_checkpoint  # its name before format v2 (callers: ``_ShardIndex(ckpt)``)
-
-
-@torch.no_grad()
-def load_model_weights(index, model_chunks: Sequence[nn.Module], mesh: ParallelMesh) -> None:
-    """Copy this rank's shard of every parameter from ``index`` (:func:`open_checkpoint`)."""
-    params = _named_params(model_chunks)
-    full, _, _ = index.load(params)
-    for name, (p, meta) in params.items():
-        p.copy_(local_shard(full[name], meta, mesh.tp_rank, mesh.tp_size, name))
-
-
-def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: dict,
-                       mesh: ParallelMesh) -> None:
-    """Install the loaded Adam states (resharded for this layout) into the parameters this
-    rank's optimizer holds."""
-    local = local_optimizer(optimizer)
-    for name, saved in states.items():
-        p, meta = params[name]
-        state = {}
-        for k, v in saved.items():
-            if torch.is_tensor(v) and v.ndim > 0 and v.shape == full[name].shape:
-                v = local_shard(v, meta, mesh.tp_rank, mesh.tp_size, name)
-            state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
-        local.state[p] = state
-
-
-@torch.no_grad()
-def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
-                    optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
-                    tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
-    """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
-    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
-    or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
-    ``step`` (``--ckpt-step``) loads ``iter_{step}`` instead of the pointer's iteration; a broken
-    pointer raises ConfigError naming the file.
-
-    Works across layouts: weights and Adam states are resharded by name (also across DP sizes
-    and with or without the distributed optimizer). RNG states are restored
-    only when the world size and layout match (otherwise the generators keep their fresh seeds).
-    """
-    ckpt = latest_checkpoint(load_dir, step)
-    if ckpt is None:
-        return None
-    index = open_checkpoint(ckpt)
-    params = _named_params(model_chunks)
-    owned = set()
-    if optimizer is not None:  # ZeRO: another DP rank holds the others' states
-        local = local_optimizer(optimizer)
-        owned = {id(p) for g in local.param_groups for p in g["params"]}
-    optim_names = [n for n, (p, _) in params.items()
-                   if id(p) in owned and index.has_optimizer_state(n)]
-    with open(os.path.join(ckpt, "metadata.json")) as fh:
-        meta = json.load(fh)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
-    full, states, rng = index.load(params, optim_names,
-                                   mesh.rank if tracker is not None and same_layout else None)
-    for name, (p, pmeta) in params.items():
-        p.copy_(local_shard(full[name], pmeta, mesh.tp_rank, mesh.tp_size, name))
-    if optimizer is not None:
-        _restore_optimizer(optimizer, params, full, states, mesh)
-    common = read_common(ckpt)
-    if scheduler is not None and common.get("scheduler") is not None:
-        scheduler.load_state_dict(common["scheduler"])
-        # load_state_dict restores the schedule, not the optimizer's current lr: set it too.
-        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
-    if rng is not None:
-        set_rng_state(rng, tracker)
-    common["checkpoint_dir"] = ckpt
-    return common

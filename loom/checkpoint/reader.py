@@ -2,24 +2,32 @@
 :mod:`loom.checkpoint.io`), :func:`open_checkpoint` picks it or the read-only v1 reader
 (:class:`~loom.checkpoint.legacy.LegacyIndex`). Both answer ``names``, ``parameters()``,
 ``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)`` with full (unsharded)
-tensors; the caller cuts its shard (``local_shard``).
+tensors; :func:`load_checkpoint` and :func:`load_model_weights` cut this rank's shards
+(``local_shard``) for the current layout. Also re-exported by :mod:`loom.checkpoint.io`.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from loom.checkpoint.legacy import LegacyIndex, is_legacy
-from loom.parallel.registry import ShardSpec, full_from_shards
+from loom.checkpoint.safety import resolve_checkpoint
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.random import RNGTracker, set_rng_state
+from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
+from loom.training.optimizer import local_optimizer
 
 
 @contextmanager
@@ -125,3 +133,91 @@ def open_checkpoint(ckpt_dir: str):
     :class:`~loom.checkpoint.legacy.LegacyIndex`; both have ``names``, ``parameters()``,
     ``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)``."""
     return LegacyIndex(ckpt_dir) if is_legacy(ckpt_dir) else DcpIndex(ckpt_dir)
+
+
+def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str]:
+    """The directory named by ``latest_checkpointed_iteration.txt`` (or ``iter_{step}``), or
+    None when ``load_dir`` holds no checkpoint. Raises ConfigError naming the pointer file when
+    it is unreadable or names a missing iteration (see
+    :func:`loom.checkpoint.safety.resolve_checkpoint`)."""
+    return resolve_checkpoint(load_dir, step)
+
+
+def read_common(ckpt_dir: str) -> dict:
+    return torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=False)
+
+
+def _named_params(model_chunks: Sequence[nn.Module]) -> dict[str, tuple]:
+    """``name -> (parameter, ParamMeta)`` over this rank's chunks."""
+    return {n: (p, meta) for n, p, meta in named_parameters(model_chunks)}
+
+
+@torch.no_grad()
+def load_model_weights(index, model_chunks: Sequence[nn.Module], mesh: ParallelMesh) -> None:
+    """Copy this rank's shard of every parameter from ``index`` (:func:`open_checkpoint`)."""
+    params = _named_params(model_chunks)
+    full, _, _ = index.load(params)
+    for name, (p, meta) in params.items():
+        p.copy_(local_shard(full[name], meta, mesh.tp_rank, mesh.tp_size, name))
+
+
+def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: dict,
+                       mesh: ParallelMesh) -> None:
+    """Install the loaded Adam states (resharded for this layout) into the parameters this
+    rank's optimizer holds."""
+    local = local_optimizer(optimizer)
+    for name, saved in states.items():
+        p, meta = params[name]
+        state = {}
+        for k, v in saved.items():
+            if torch.is_tensor(v) and v.ndim > 0 and v.shape == full[name].shape:
+                v = local_shard(v, meta, mesh.tp_rank, mesh.tp_size, name)
+            state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
+        local.state[p] = state
+
+
+@torch.no_grad()
+def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
+                    optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
+                    tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
+    """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
+    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
+    or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
+    ``step`` (``--ckpt-step``) loads ``iter_{step}`` instead of the pointer's iteration; a broken
+    pointer raises ConfigError naming the file.
+
+    Works across layouts: weights and Adam states are resharded by name (also across DP sizes
+    and with or without the distributed optimizer). RNG states are restored
+    only when the world size and layout match (otherwise the generators keep their fresh seeds).
+    """
+    ckpt = latest_checkpoint(load_dir, step)
+    if ckpt is None:
+        return None
+    index = open_checkpoint(ckpt)
+    params = _named_params(model_chunks)
+    owned = set()
+    if optimizer is not None:  # ZeRO: another DP rank holds the others' states
+        local = local_optimizer(optimizer)
+        owned = {id(p) for g in local.param_groups for p in g["params"]}
+    optim_names = [n for n, (p, _) in params.items()
+                   if id(p) in owned and index.has_optimizer_state(n)]
+    with open(os.path.join(ckpt, "metadata.json")) as fh:
+        meta = json.load(fh)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
+    full, states, rng = index.load(params, optim_names,
+                                   mesh.rank if tracker is not None and same_layout else None)
+    for name, (p, pmeta) in params.items():
+        p.copy_(local_shard(full[name], pmeta, mesh.tp_rank, mesh.tp_size, name))
+    if optimizer is not None:
+        _restore_optimizer(optimizer, params, full, states, mesh)
+    common = read_common(ckpt)
+    if scheduler is not None and common.get("scheduler") is not None:
+        scheduler.load_state_dict(common["scheduler"])
+        # load_state_dict restores the schedule, not the optimizer's current lr: set it too.
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    if rng is not None:
+        set_rng_state(rng, tracker)
+    common["checkpoint_dir"] = ckpt
+    return common
