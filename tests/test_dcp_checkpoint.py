@@ -116,7 +116,7 @@ def test_resharding_through_dcp(tmp_path):
 
 # -- --async-save -------------------------------------------------------------------------------
 
-def _small_cfg(async_save: bool) -> LoomConfig:
+def _small_cfg(async_save: bool, world: int = 1) -> LoomConfig:
     cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=32, num_attention_heads=4,
                                             seq_length=8, vocab_size=64, hidden_dropout=0.0,
                                             attention_dropout=0.0))
@@ -124,7 +124,7 @@ def _small_cfg(async_save: bool) -> LoomConfig:
     cfg.training.train_iters = 10
     cfg.checkpoint.async_save = async_save
     cfg.checkpoint.save = "ck" if async_save else None  # (the tests pass their directory)
-    return cfg.validate(1)
+    return cfg.validate(world)
 
 
 def test_async_save_returns_before_the_write_and_loads_identically(tmp_path, monkeypatch):
@@ -318,3 +318,30 @@ def test_async_save_from_the_command_line_keep_last_and_exit(tmp_path, monkeypat
     assert sorted(os.listdir(ck)) == ["iter_0000006", "iter_0000007",
                                       "latest_checkpointed_iteration.txt"]
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "7"
+
+
+def _rank0_fails_world(root: str) -> str:
+    """Rank 0's common.pt hits a full disk; every rank must hear of it (not wait forever)."""
+    import torch.distributed as dist
+
+    import loom.checkpoint.io as ckio
+    from loom.errors import CheckpointWriteError
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    tr = Trainer(_small_cfg(False, world=2), mesh=ParallelMesh.build())
+    _losses(tr, 1)
+    if dist.get_rank() == 0:
+        ckio._open_for_write = lambda path: open("/dev/full", "wb")
+    try:
+        tr.save(root)
+    except CheckpointWriteError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_failure_on_rank_0_reaches_every_rank(tmp_path):
+    msgs = run_distributed(2, _rank0_fails_world, str(tmp_path), timeout=120,
+                           start_method="fork")
+    assert "No space left on device" in msgs[0], msgs
+    assert "another rank failed to write the checkpoint" in msgs[1], msgs
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
