@@ -132,6 +132,7 @@ CASES = [
     ("heads-not-dividing-hidden", BASE + ["--hidden-size", "30"], ["--hidden-size"]),
     ("split-text", BASE + ["--split", "most,some"], ["--split"]),
     ("ckpt-step-without-load", BASE + ["--ckpt-step", "2"], ["--ckpt-step", "--load"]),
+    ("async-save-without-save", BASE + ["--async-save"], ["--async-save", "--save"]),
     # -- choices and flags ---------------------------------------------------------------------
     ("normalization-choice", BASE + ["--normalization", "BatchNorm"], ["--normalization"]),
     ("decay-style-choice", BASE + ["--lr-decay-style", "exponential"], ["--lr-decay-style"]),

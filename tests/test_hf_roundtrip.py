@@ -27,7 +27,7 @@ def cli(argv):
 
 
 def loom_logits(ckpt_dir, ids) -> torch.Tensor:
-    from loom.checkpoint.io import _ShardIndex, latest_checkpoint, load_model_weights, read_common
+    from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, read_common
     from loom.config import LoomConfig
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
@@ -36,7 +36,7 @@ def loom_logits(ckpt_dir, ids) -> torch.Tensor:
     cfg = LoomConfig.from_flat(read_common(ckpt)["config"]).model
     mesh = ParallelMesh.single()
     model = build_model(get_family("gpt"), cfg, mesh, seed=None).eval()
-    load_model_weights(_ShardIndex(ckpt), [model], mesh)
+    load_model_weights(open_checkpoint(ckpt), [model], mesh)
     with torch.no_grad():
         return model(ids)[..., :100]
 

@@ -9,7 +9,6 @@ the model config; ``--json`` for the same as one JSON object.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -39,9 +38,7 @@ def inspect(path: str, step=None) -> dict:
     """``{iteration, layout, world_size, consumed_samples, parameters: {name: {shape, dtype,
     bytes}}, total_parameters, total_bytes, config}``. Raises ConfigError for a directory
     that holds no checkpoint."""
-    import torch
-
-    from loom.checkpoint.io import read_common
+    from loom.checkpoint.io import open_checkpoint, read_common
     from loom.checkpoint.safety import resolve_checkpoint
     ckpt = path if os.path.exists(os.path.join(path, "common.pt")) else \
         resolve_checkpoint(path, step)
@@ -50,13 +47,9 @@ def inspect(path: str, step=None) -> dict:
     with open(os.path.join(ckpt, "metadata.json")) as fh:
         meta = json.load(fh)
     common = read_common(ckpt)
-    params: dict = {}
-    for f in sorted(glob.glob(os.path.join(ckpt, "model_tp*_pp*.pt"))):
-        shard = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-        for name, t in shard["model"].items():
-            shape = list(shard["specs"][name]["full_shape"])
-            params.setdefault(name, {"shape": shape, "dtype": str(t.dtype).replace("torch.", ""),
-                                     "bytes": math.prod(shape) * t.element_size()})
+    params = {name: {"shape": list(p["shape"]), "dtype": str(p["dtype"]).replace("torch.", ""),
+                     "bytes": math.prod(p["shape"]) * p["dtype"].itemsize}
+              for name, p in open_checkpoint(ckpt).parameters().items()}
     return {"checkpoint": ckpt, "iteration": common["iteration"], "layout": meta.get("layout"),
             "world_size": meta.get("world_size"), "format": meta.get("format"),
             "consumed_samples": common.get("consumed_samples"), "parameters": params,

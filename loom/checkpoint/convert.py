@@ -22,7 +22,7 @@ def to_hf(ckpt_path: str, out_dir: str, step=None) -> str:
     ``out_dir``. Raises ConfigError for a missing checkpoint or a layout HF cannot express."""
     from safetensors.torch import save_file
 
-    from loom.checkpoint.io import _ShardIndex, read_common
+    from loom.checkpoint.io import open_checkpoint, read_common
     from loom.checkpoint.safety import resolve_checkpoint
     from loom.config import LoomConfig
     from loom.interop.export import hf_config, loom_to_hf
@@ -32,8 +32,8 @@ def to_hf(ckpt_path: str, out_dir: str, step=None) -> str:
         raise ConfigError(f"{ckpt_path}: no checkpoint there")
     cfg = LoomConfig.from_flat(read_common(ckpt)["config"], ignore_retired=True).model
     config = hf_config(cfg)
-    index = _ShardIndex(ckpt)
-    full = {name: index.full(name) for name in index.owner}
+    index = open_checkpoint(ckpt)
+    full, _, _ = index.load(index.names)
     sd = loom_to_hf(full, cfg)
     if config["tie_word_embeddings"]:
         sd.pop("lm_head.weight", None)  # tied: transformers re-ties it on load

@@ -1,56 +1,88 @@
-"""Checkpoints: atomic, per-shard, keyed by global parameter names (so they load at any layout).
+"""Checkpoints on ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards in
+parallel, keyed by global parameter names, so they load at any layout.
 
-Layout of ``--save DIR`` (Megatron's names where they exist)::
+Layout of ``--save DIR`` (format ``loom-checkpoint-v2``; Megatron's names where they exist)::
 
     DIR/latest_checkpointed_iteration.txt      written last, atomically (os.replace)
     DIR/iter_0000100/metadata.json             format, iteration, parallel layout
     DIR/iter_0000100/common.pt                 iteration, consumed samples, LR scheduler, config
-    DIR/iter_0000100/model_tp00_pp000.pt       one per (tp, pp) shard: weights, and every
-                                               (``_ep001``...: the experts of EP rank 1...)
-                                               parameter's full shape + ShardSpec
-    DIR/iter_0000100/optim_tp00_pp000_dp000.pt Adam states by parameter name (dp rank 0, or
-                                               every DP rank's shard with the distributed optimizer)
-    DIR/iter_0000100/rng_00000.pt              every rank's generators
+    DIR/iter_0000100/.metadata                 DCP's index: every key, its shape, dtype, file
+    DIR/iter_0000100/__R_0.distcp              the entries rank R wrote (FileSystemWriter)
     DIR/iter_0000100/tokenizer.json            so `loom generate` needs no tokenizer flags
+
+DCP keys (each rank's state dict has four sections; DCP stores ``section.key``)::
+
+    model.NAME/RofT            this TP shard R of T of parameter NAME (``0of1``: TP-replicated)
+    optim.NAME/RofT/KEY        its Adam state KEY (exp_avg, exp_avg_sq, step)
+    param.NAME                 JSON: the full (unsharded) shape and the TP ShardSpec
+    rng.RRRRR                  global rank RRRRR's generators (torch.save bytes)
+
+Keys name what a tensor *is*, never who holds it: DP and CP replicas (and a tied embedding's
+copy on the last pipeline stage) produce identical keys, which DCP's planner writes once; TP
+shards and pipeline stages differ by key. With the distributed optimizer each DP rank adds the
+Adam states of the parameters it owns.
 
 All ranks write into ``iter_0000100.tmp``; rank 0 renames it and only then moves the ``latest``
 pointer, so a crash at any moment leaves the previous checkpoint intact and never a half-written
-one. Loading rebuilds each full tensor from the saved shards (``full_from_shards``) and cuts this
-rank's shard for the current layout (``local_shard``, reading the parameter registry), so a checkpoint saved at one TP/PP size
-loads at another (e.g. TP=2 training -> TP=1 generation).
+one. ``--async-save`` (:func:`start_save` with ``async_save``): the state is copied to CPU
+memory, DCP writes it from a background thread (over its own gloo group) while training goes
+on, and :func:`finalize_save` renames and moves the pointer once every rank's write finished.
+
+Loading (:class:`~loom.checkpoint.reader.DcpIndex`): each rank reads DCP's ``.metadata``, requests the saved TP shards
+of its own parameters (empty tensors of the saved shapes; DCP reads only those byte ranges),
+rebuilds each full tensor (``full_from_shards``) and cuts this rank's shard for the current
+layout (``local_shard``), so a checkpoint saved at one TP/PP/DP size loads at another.
+``loom-checkpoint-v1`` checkpoints (one ``torch.save`` file per shard) still load, read-only
+(:mod:`loom.checkpoint.legacy`).
 """
 
 from __future__ import annotations
 
-import glob
+import io
 import json
 import os
-import re
 import shutil
-from typing import Optional, Sequence
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from loom.checkpoint.safety import LATEST, resolve_checkpoint
+from loom.checkpoint.legacy import canonical_name  # noqa: F401
+from loom.checkpoint.reader import (DcpIndex, latest_checkpoint, load_checkpoint,  # noqa: F401
+                                   load_model_weights, open_checkpoint, read_common,
+                                   single_process_quiet)
+from loom.checkpoint.safety import LATEST
 from loom.errors import CheckpointWriteError
-from loom.parallel.fsdp import full_tensor, gather_optimizer_states, is_sharded, shard_like
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.random import RNGTracker, get_rng_state, set_rng_state
-from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
+from loom.parallel.random import RNGTracker, get_rng_state
+from loom.parallel.registry import named_parameters
 from loom.training.optimizer import local_optimizer
 
-FORMAT = "loom-checkpoint-v1"
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+FORMAT = "loom-checkpoint-v2"
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree(failure: Optional[BaseException], device) -> None:
+    """A barrier that also tells every rank whether one failed (rank 0 alone writes the common
+    files and renames): raises ``failure`` here, or an OSError on the ranks that did not
+    fail, instead of leaving them in a barrier for the process-group timeout."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and failure is None:
+            failure = OSError("another rank failed to write the checkpoint (its message names "
+                              "the error)")
+    if failure is not None:
+        raise failure
 
 
 def _named_params(model_chunks: Sequence[nn.Module]) -> dict[str, tuple]:
@@ -62,10 +94,10 @@ def _spec_of(meta) -> Optional[dict]:
     return meta.shard.to_dict() if meta.shard is not None else None
 
 
-def canonical_name(name: str) -> str:
-    """Parameter names of loom checkpoints written before recomputation kept names
-    (``layers.N.layer.*`` under ``--recompute-granularity full``) map to today's names."""
-    return re.sub(r"^layers\.(\d+)\.layer\.", r"layers.\1.", name)
+def _shard_id(meta, mesh: ParallelMesh) -> str:
+    """``RofT``: which TP shard this rank holds (``0of1`` for a TP-replicated parameter)."""
+    return f"{mesh.tp_rank}of{mesh.tp_size}" if meta.shard is not None and mesh.tp_size > 1 \
+        else "0of1"
 
 
 def _open_for_write(path: str):
@@ -79,6 +111,12 @@ def _torch_save(obj, path: str) -> None:
         torch.save(obj, fh)
 
 
+def _to_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with _open_for_write(tmp) as fh:
@@ -88,74 +126,183 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _save_failed(save_dir: str, iteration: int, tmp: str, err: OSError) -> CheckpointWriteError:
-    shutil.rmtree(tmp, ignore_errors=True)
-    where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+class _Writer(FileSystemWriter):
+    """DCP's file writer; ``after_write`` runs once this rank's files are on disk (the
+    ``--inject-fault R:N:kill-in-save`` drill), before the coordinator writes ``.metadata``."""
+
+    def __init__(self, path: str, after_write: Optional[Callable[[], None]] = None):
+        super().__init__(path, thread_count=1, sync_files=True)
+        self.after_write = after_write
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        if self.after_write is not None:
+            fut.wait()  # a torch.futures.Future: the files are on disk
+            self.after_write()
+        return fut
+
+
+def _storage_writer(path: str, after_write: Optional[Callable[[], None]] = None) -> _Writer:
+    """The DCP writer of one checkpoint (tests replace this to slow the write down)."""
+    return _Writer(path, after_write)
+
+
+def _os_error(err: BaseException) -> Optional[OSError]:
+    """The OSError behind ``err`` (DCP wraps each rank's failure in a CheckpointException)."""
+    if isinstance(err, OSError):
+        return err
+    if isinstance(err, CheckpointException):
+        for exc, _ in err.failures.values():
+            found = _os_error(exc)
+            if found is not None:
+                return found
+    cause = err.__cause__ or err.__context__
+    return _os_error(cause) if cause is not None else None
+
+
+def _save_failed(save_dir: str, iteration: int, tmp: str,
+                 err: BaseException) -> CheckpointWriteError:
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    os_err = _os_error(err)
+    where = f" ({os_err.filename})" if os_err is not None and os_err.filename else ""
+    why = (os_err.strerror or str(os_err)) if os_err is not None else str(err).splitlines()[0]
     return CheckpointWriteError(
         f"saving the checkpoint of iteration {iteration} to {save_dir} failed: "
-        f"{err.strerror or err}{where}; removed the partial {tmp}, the previous checkpoint is "
+        f"{why}{where}; removed the partial {tmp}, the previous checkpoint is "
         f"intact. Free space or choose another --save directory")
 
 
-def _write_checkpoint(final, tmp, save_dir, iteration, model_chunks, optimizer, scheduler, mesh,
-                      tracker, consumed_samples, config, tokenizer_file) -> None:
-    if _rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    c = mesh.coords
+def optimizer_states(optimizer: Optional[torch.optim.Optimizer],
+                     params: dict[str, tuple]) -> dict[str, dict]:
+    """``name -> {state key: value}``: the Adam states this rank holds (with the distributed
+    optimizer, those of the parameters it owns). The one place optimizer state is collected."""
+    if optimizer is None:
+        return {}
+    names = {id(p): n for n, (p, _) in params.items()}
+    return {names[id(p)]: dict(st) for p, st in local_optimizer(optimizer).state.items()
+            if id(p) in names}
+
+
+def rank_state_dict(model_chunks: Sequence[nn.Module], optimizer, mesh: ParallelMesh,
+                    tracker: Optional[RNGTracker]) -> dict[str, Any]:
+    """This rank's DCP state dict (keys: the module docstring). Four top-level sections, not
+    one key per tensor: DCP does per-top-level-key work (logging) that costs ~0.5 ms each."""
     params = _named_params(model_chunks)
-    # The first DP replica writes (with expert parallelism: its e ranks, each adding its own
-    # experts in an ``_epXXX`` file; dense weights come from EP rank 0 only).
-    writer = c["dp"] < mesh.ep_size and c["cp"] == 0
-    ep_rank = mesh.ep_rank
-    suffix = f"_ep{ep_rank:03d}" if ep_rank > 0 else ""
-    if ep_rank > 0:
-        params = {n: pm for n, pm in params.items() if pm[1].expert_parallel}
-    fsdp = any(is_sharded(p) for p, _ in params.values())  # ZeRO-3: every DP rank gathers
-    if writer or fsdp:
-        weights = {n: full_tensor(p.detach()).cpu() for n, (p, _) in params.items()}
-    if writer:
-        shard = {
-            "model": weights,
-            "specs": {n: {"full_shape": list(meta.full_shape), "shard": _spec_of(meta)}
-                      for n, (_, meta) in params.items()},
-            "tp_rank": c["tp"], "pp_rank": c["pp"],
-        }
-        _torch_save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}.pt"))
-    local = local_optimizer(optimizer)
-    sharded = local is not optimizer  # ZeRO: each DP rank holds the states of its parameters
-    if sharded or writer or fsdp:
-        states = gather_optimizer_states(params, local.state)
-    if sharded or writer:
-        dp_index = mesh.local_rank("dp_cp") if sharded else 0
-        _torch_save(states, os.path.join(
-            tmp, f"optim_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}_dp{dp_index:03d}.pt"))
-    _torch_save(get_rng_state(tracker), os.path.join(tmp, f"rng_{mesh.rank:05d}.pt"))
-    if _rank() == 0:
-        _torch_save({"iteration": iteration, "consumed_samples": consumed_samples,
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "config": config}, os.path.join(tmp, "common.pt"))
-        meta = {"format": FORMAT, "iteration": iteration, "layout": mesh.sizes,
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-        with _open_for_write(os.path.join(tmp, "metadata.json")) as fh:
-            fh.write(json.dumps(meta, indent=1).encode())
-        if tokenizer_file and os.path.exists(tokenizer_file):
-            shutil.copyfile(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
-    _barrier()
-    if _rank() == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write_text(os.path.join(save_dir, LATEST), str(iteration))
-    _barrier()
+    out: dict[str, dict[str, Any]] = {"model": {}, "optim": {}, "param": {}, "rng": {}}
+    for name, (p, meta) in params.items():  # ZeRO-3: a DTensor, DCP writes each DP rank's rows
+        out["model"][f"{name}/{_shard_id(meta, mesh)}"] = p.detach()
+        out["param"][name] = json.dumps({"full_shape": list(meta.full_shape),
+                                         "shard": _spec_of(meta)})
+    for name, states in optimizer_states(optimizer, params).items():
+        prefix = f"{name}/{_shard_id(params[name][1], mesh)}/"
+        for k, v in states.items():
+            out["optim"][prefix + k] = v.detach() if torch.is_tensor(v) else v
+    if tracker is not None:
+        out["rng"][f"{mesh.rank:05d}"] = _to_bytes(get_rng_state(tracker))
+    return {k: v for k, v in out.items() if v}
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written: ``future`` (None once synchronous) completes when every
+    rank's files and DCP's ``.metadata`` are on disk; then :func:`finalize_save`."""
+
+    save_dir: str
+    iteration: int
+    final: str
+    tmp: str
+    device: Any = None  # of the default group's collectives
+    future: Any = None
+    started: float = 0.0
+    written_s: Optional[float] = None  # start of the save call -> every file written
+    blocked_s: Optional[float] = None  # how long the save call held the step loop
+
+
+def _write_common(job: PendingSave, scheduler, mesh: ParallelMesh, consumed_samples: int,
+                  config: dict, tokenizer_file: Optional[str]) -> None:
+    """Rank 0: a fresh ``iter_N.tmp`` with ``common.pt``, ``metadata.json``, tokenizer."""
+    os.makedirs(job.save_dir, exist_ok=True)
+    shutil.rmtree(job.tmp, ignore_errors=True)
+    os.makedirs(job.tmp)
+    _torch_save({"iteration": job.iteration, "consumed_samples": consumed_samples,
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "config": config}, os.path.join(job.tmp, "common.pt"))
+    meta = {"format": FORMAT, "iteration": job.iteration, "layout": mesh.sizes,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    with _open_for_write(os.path.join(job.tmp, "metadata.json")) as fh:
+        fh.write(json.dumps(meta, indent=1).encode())
+    if tokenizer_file and os.path.exists(tokenizer_file):
+        shutil.copyfile(tokenizer_file, os.path.join(job.tmp, "tokenizer.json"))
+
+
+def start_save(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
+               optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
+               tracker: RNGTracker, *, consumed_samples: int, config: dict,
+               tokenizer_file: Optional[str] = None, async_save: bool = False, group=None,
+               after_write: Optional[Callable[[], None]] = None) -> PendingSave:
+    """Begin a checkpoint of ``iteration`` in ``iter_N.tmp``; collective over all ranks.
+    ``async_save``: write in the background with ``dcp.async_save`` (the state is copied to
+    CPU first; ``group``: a gloo group of all ranks, apart from the training's collectives);
+    else write before returning. ``after_write``: see :class:`_Writer`."""
+    final = os.path.join(save_dir, f"iter_{iteration:07d}")
+    job = PendingSave(save_dir, iteration, final, final + ".tmp", device=mesh.device,
+                      started=time.perf_counter())
+    try:
+        failure = None
+        try:
+            if _rank() == 0:
+                _write_common(job, scheduler, mesh, consumed_samples, config, tokenizer_file)
+        except OSError as e:
+            failure = e
+        _agree(failure, job.device)
+        state = rank_state_dict(model_chunks, optimizer, mesh, tracker)
+        writer = _storage_writer(job.tmp, after_write)
+        single = not dist.is_initialized()
+        with single_process_quiet():
+            if async_save:
+                job.future = dcp.async_save(state, storage_writer=writer, process_group=group,
+                                            no_dist=single)
+            else:
+                dcp.save(state, storage_writer=writer, no_dist=single)
+            job.written_s = time.perf_counter() - job.started
+    except (OSError, CheckpointException) as e:
+        raise _save_failed(save_dir, iteration, job.tmp, e) from e
+    return job
+
+
+def finalize_save(job: PendingSave, barrier: bool = True) -> str:
+    """Wait for ``job``'s files, then (rank 0) rename ``iter_N.tmp`` and move the pointer;
+    returns the final directory. ``barrier``: every rank waits for the rename (synchronous
+    saves; an asynchronous one finalizes on rank 0 alone, whenever its write completed)."""
+    try:
+        failure = None
+        try:
+            if job.future is not None:
+                job.future.result()
+                job.written_s = time.perf_counter() - job.started
+                job.future = None
+            if _rank() == 0:
+                if os.path.exists(job.final):
+                    shutil.rmtree(job.final)
+                os.replace(job.tmp, job.final)
+                _atomic_write_text(os.path.join(job.save_dir, LATEST), str(job.iteration))
+        except (OSError, CheckpointException) as e:
+            failure = e
+        if barrier:
+            _agree(failure, job.device)
+        elif failure is not None:
+            raise failure
+    except (OSError, CheckpointException) as e:
+        raise _save_failed(job.save_dir, job.iteration, job.tmp, e) from e
+    return job.final
 
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
-                    optimizer: torch.optim.Optimizer, scheduler, mesh: ParallelMesh,
+                    optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
                     tracker: RNGTracker, *, consumed_samples: int, config: dict,
-                    tokenizer_file: Optional[str] = None) -> str:
+                    tokenizer_file: Optional[str] = None,
+                    after_write: Optional[Callable[[], None]] = None) -> str:
     """Write a checkpoint of ``iteration`` under ``save_dir``; collective over all ranks.
 
     Returns the final directory. Raises CheckpointWriteError naming ``save_dir`` and the OS error
@@ -163,130 +310,9 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks: Sequence[nn.Mod
     ``iter_NNNNNNN.tmp`` is removed, the previous checkpoint and the ``latest`` pointer are
     untouched.
     """
-    final = os.path.join(save_dir, f"iter_{iteration:07d}")
-    tmp = final + ".tmp"
-    try:
-        _write_checkpoint(final, tmp, save_dir, iteration, model_chunks, optimizer, scheduler,
-                          mesh, tracker, consumed_samples, config, tokenizer_file)
-    except OSError as e:
-        raise _save_failed(save_dir, iteration, tmp, e) from e
-    return final
+    return finalize_save(start_save(save_dir, iteration, model_chunks, optimizer, scheduler, mesh,
+                                    tracker, consumed_samples=consumed_samples, config=config,
+                                    tokenizer_file=tokenizer_file, after_write=after_write))
 
 
-def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str]:
-    """The directory named by ``latest_checkpointed_iteration.txt`` (or ``iter_{step}``), or
-    None when ``load_dir`` holds no checkpoint. Raises ConfigError naming the pointer file when
-    it is unreadable or names a missing iteration (see
-    :func:`loom.checkpoint.safety.resolve_checkpoint`)."""
-    return resolve_checkpoint(load_dir, step)
-
-
-def read_common(ckpt_dir: str) -> dict:
-    return torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=False)
-
-
-class _ShardIndex:
-    """Which saved file holds each parameter, and its spec; tensors memory-mapped on demand."""
-
-    def __init__(self, ckpt_dir: str):
-        self.files = {}
-        for path in sorted(glob.glob(os.path.join(ckpt_dir, "model_tp*_pp*.pt"))):
-            m = re.search(r"model_tp(\d+)_pp(\d+)(?:_ep(\d+))?\.pt$", path)
-            self.files[(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))] = torch.load(
-                path, map_location="cpu", mmap=True, weights_only=True)
-        if not self.files:
-            raise FileNotFoundError(f"no model shards in {ckpt_dir}")
-        for sd in self.files.values():
-            sd["optimizer"] = {}
-        for path in sorted(glob.glob(os.path.join(ckpt_dir, "optim_tp*_pp*_dp*.pt"))):
-            m = re.search(r"optim_tp(\d+)_pp(\d+)(?:_ep(\d+))?_dp\d+\.pt$", path)
-            self.files[(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))]["optimizer"].update(
-                torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-        self.owner: dict[str, list[tuple[int, int]]] = {}
-        self.saved_name: dict[str, str] = {}  # today's name -> the name in the files
-        for key, sd in self.files.items():
-            for name in sd["model"]:
-                self.owner.setdefault(canonical_name(name), []).append(key)
-                self.saved_name[canonical_name(name)] = name
-
-    def full(self, name: str, section: str = "model", state_key: Optional[str] = None) -> torch.Tensor:
-        keys = self.owner.get(name)
-        if not keys:
-            raise KeyError(f"parameter {name} not in checkpoint")
-        saved = self.saved_name[name]
-        pp = keys[0][1]
-        keys = sorted(k for k in keys if k[1] == pp)  # one stage's TP shards, by tp rank
-        spec = ShardSpec.from_dict(self.files[keys[0]]["specs"][saved]["shard"])
-        if section == "model":
-            shards = [self.files[k]["model"][saved] for k in keys]
-        else:
-            shards = [self.files[k]["optimizer"][saved][state_key] for k in keys]
-        return full_from_shards(shards, spec)
-
-    def saved_shape(self, name: str) -> torch.Size:
-        """Shape of the first saved shard of ``name``."""
-        return self.files[self.owner[name][0]]["model"][self.saved_name[name]].shape
-
-    def optimizer_keys(self, name: str) -> dict:
-        key = self.owner[name][0]
-        return self.files[key]["optimizer"].get(self.saved_name[name], {})
-
-
-@torch.no_grad()
-def load_model_weights(index: _ShardIndex, model_chunks: Sequence[nn.Module],
-                       mesh: ParallelMesh) -> None:
-    for name, (p, meta) in _named_params(model_chunks).items():
-        full = local_shard(index.full(name), meta, mesh.tp_rank, mesh.tp_size, name)
-        p.copy_(shard_like(p, full.to(p.dtype)))  # ZeRO-3: this DP rank's slice
-
-
-def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
-                    optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
-                    tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
-    """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
-    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
-    or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
-    ``step`` (``--ckpt-step``) loads ``iter_{step}`` instead of the pointer's iteration; a broken
-    pointer raises ConfigError naming the file.
-
-    Works across layouts: weights and Adam states are resharded by name (also across DP sizes
-    and with or without the distributed optimizer). RNG states are restored
-    only when the world size matches (otherwise the generators keep their fresh seeds).
-    """
-    ckpt = latest_checkpoint(load_dir, step)
-    if ckpt is None:
-        return None
-    index = _ShardIndex(ckpt)
-    load_model_weights(index, model_chunks, mesh)
-    if optimizer is not None:
-        local = local_optimizer(optimizer)
-        owned = {id(p) for g in local.param_groups for p in g["params"]}
-        params = _named_params(model_chunks)
-        for name, (p, meta) in params.items():
-            if id(p) not in owned:  # ZeRO: another DP rank holds this parameter's states
-                continue
-            saved = index.optimizer_keys(name)
-            if not saved:
-                continue
-            state = {}
-            for k, v in saved.items():
-                if torch.is_tensor(v) and v.shape == index.saved_shape(name) and v.ndim > 0:
-                    v = shard_like(p, local_shard(index.full(name, "optimizer", k), meta,
-                                                  mesh.tp_rank, mesh.tp_size, name))
-                state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
-            local.state[p] = state
-    common = read_common(ckpt)
-    if scheduler is not None and common.get("scheduler") is not None:
-        scheduler.load_state_dict(common["scheduler"])
-        # load_state_dict restores the schedule, not the optimizer's current lr: set it too.
-        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
-    with open(os.path.join(ckpt, "metadata.json")) as fh:
-        meta = json.load(fh)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rng_path = os.path.join(ckpt, f"rng_{mesh.rank:05d}.pt")
-    if tracker is not None and meta.get("world_size") == world and meta["layout"] == mesh.sizes \
-            and os.path.exists(rng_path):
-        set_rng_state(torch.load(rng_path, weights_only=False), tracker)
-    common["checkpoint_dir"] = ckpt
-    return common
+_ShardIndex = open_checkpoint  # its name before format v2 (callers: ``_ShardIndex(ckpt)``)

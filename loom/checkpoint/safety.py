@@ -1,6 +1,7 @@
 """Checkpoint directories checked before the first step: nothing is rewound or overwritten.
 
-Torch-free, so ``loom train`` runs these checks in every rank before any process group starts:
+Torch-free (but for reading DCP's ``.metadata``), so ``loom train`` runs these checks in every
+rank before any process group starts:
 
 - :func:`resolve_checkpoint`: the checkpoint ``--load`` names. A ``latest`` pointer that is
   unreadable or names a missing iteration is an error naming the file (``--ckpt-step N`` picks
@@ -112,13 +113,38 @@ def resolve_checkpoint(root: str, step: Optional[int] = None) -> Optional[str]:
     return path
 
 
+def _check_dcp_files(path: str) -> None:
+    """A v2 (DCP) checkpoint: ``.metadata`` readable, and every ``.distcp`` file it names holds
+    the byte ranges it records; ConfigError names the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+    again = f"give --ckpt-step N to load another checkpoint ({_available(os.path.dirname(path))})"
+    meta = os.path.join(path, ".metadata")
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - any unpickling error means a damaged file
+        raise ConfigError(f"checkpoint file {meta} is unreadable ({e}); it was truncated or "
+                          f"overwritten: {again}") from None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        file = os.path.join(path, rel)
+        have = os.path.getsize(file) if os.path.isfile(file) else -1
+        if have < size:
+            what = "missing" if have < 0 else f"truncated ({have} of {size} bytes)"
+            raise ConfigError(f"checkpoint file {file} is {what}: {again}")
+
+
 def check_checkpoint_files(path: str) -> None:
-    """Refuse a checkpoint whose ``.pt`` files are truncated or not torch archives (each must be a
-    readable zip with its central directory); ConfigError names the file."""
+    """Refuse a checkpoint whose files are truncated or unreadable; ConfigError names the file.
+    v2 (DCP): see :func:`_check_dcp_files`; v1: each ``.pt`` file must be a readable zip with
+    its central directory."""
+    dcp = os.path.exists(os.path.join(path, ".metadata"))
     names = sorted(n for n in os.listdir(path) if n.endswith(".pt"))
-    if not any(n.startswith("model_") for n in names):
-        raise ConfigError(f"checkpoint {path} holds no model_tp*_pp*.pt shard; give --ckpt-step N "
-                          f"to load another one ({_available(os.path.dirname(path))})")
+    if not dcp and not any(n.startswith("model_") for n in names):
+        raise ConfigError(f"checkpoint {path} holds neither DCP's .metadata nor a "
+                          f"model_tp*_pp*.pt shard; give --ckpt-step N to load another one "
+                          f"({_available(os.path.dirname(path))})")
     for name in names:
         file = os.path.join(path, name)
         try:
@@ -129,6 +155,8 @@ def check_checkpoint_files(path: str) -> None:
                 f"checkpoint file {file} is unreadable ({e}); it was truncated or overwritten: "
                 f"give --ckpt-step N to load another checkpoint "
                 f"({_available(os.path.dirname(path))})") from None
+    if dcp:
+        _check_dcp_files(path)
 
 
 def _nearest_existing(path: str) -> str:

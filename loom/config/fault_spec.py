@@ -7,12 +7,13 @@ from typing import Optional
 
 from loom.errors import ConfigError
 
-FAULT_KINDS = ("kill", "hang", "exception")
+FAULT_KINDS = ("kill", "hang", "exception", "kill-in-save")
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """Rank ``rank`` fails with ``kind`` when it starts iteration ``iteration`` (1-based)."""
+    """Rank ``rank`` fails with ``kind`` when it starts iteration ``iteration`` (1-based);
+    ``kill-in-save``: while writing the checkpoint of ``iteration``."""
 
     rank: int
     iteration: int

@@ -349,6 +349,9 @@ class CheckpointConfig:
                                          "(default: keep all)", ge=1)
     exit_interval: Optional[int] = opt(None, "save and exit cleanly after an iteration divisible "
                                              "by N", ge=1)
+    async_save: bool = opt(False, "write checkpoints in the background (torch.distributed."
+                                  "checkpoint.async_save): training continues; the latest "
+                                  "pointer moves once every rank's files are written")
     override_opt_param_scheduler: bool = opt(
         False, "on resume, take the learning-rate schedule from these flags even when they "
                "differ from the checkpoint's")
@@ -363,8 +366,9 @@ class FaultToleranceConfig:
 
     inject_fault: Optional[str] = opt(
         None, "RANK:ITERATION:KIND: global rank RANK fails when it starts iteration ITERATION "
-              "with KIND kill (SIGKILL), hang (stops making progress) or exception; once per "
-              "job (not again after a torchrun restart)")
+              "with KIND kill (SIGKILL), hang (stops making progress) or exception, or "
+              "kill-in-save (SIGKILL in the middle of the checkpoint of ITERATION: its files "
+              "written, before the rename); once per job (not again after a torchrun restart)")
     hang_timeout_s: Optional[float] = opt(
         None, "seconds without progress after which a rank reports its iteration, phase and "
               "Python stacks and exits non-zero so torchrun can restart (default: no watchdog)",

@@ -317,6 +317,8 @@ def validate_config(cfg: Any, world_size: int) -> None:
                           "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
     if ck.exit_interval and not ck.save:
         raise ConfigError("--exit-interval saves before exiting: give --save DIR")
+    if ck.async_save and not ck.save:
+        raise ConfigError("--async-save writes the checkpoints of --save: give --save DIR")
     if t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
     if t.compile and p.device != "cuda" and not (

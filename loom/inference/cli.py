@@ -68,7 +68,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
     """(model, tokenizer) from the latest checkpoint of ``load_dir`` (or ``iter_{step}``);
     raises ConfigError if none, or if the ``latest`` pointer is broken."""
-    from loom.checkpoint.io import _ShardIndex, latest_checkpoint, load_model_weights, read_common
+    from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, read_common
     from loom.config import LoomConfig
     from loom.data.tokenizer import Tokenizer
     from loom.models import get_family
@@ -88,7 +88,7 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
     else:
         mesh = ParallelMesh.single()
     model = build_model(get_family(cfg.model.model_type), cfg.model, mesh, seed=None)
-    load_model_weights(_ShardIndex(ckpt), [model], mesh)
+    load_model_weights(open_checkpoint(ckpt), [model], mesh)
     tok_path = os.path.join(ckpt, "tokenizer.json")
     if not os.path.exists(tok_path):
         raise ConfigError(f"--load {load_dir}: checkpoint has no tokenizer.json")

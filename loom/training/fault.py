@@ -2,7 +2,9 @@
 
 ``--inject-fault RANK:ITERATION:KIND`` makes global rank RANK fail when it starts iteration
 ITERATION: ``kill`` (SIGKILL, as a lost node), ``hang`` (stops making progress, as a stuck
-collective) or ``exception``. It fires once per job: not again in a round restarted by
+collective) or ``exception``; ``kill-in-save`` SIGKILLs it in the middle of the checkpoint of
+iteration ITERATION (its own files written, the checkpoint not yet renamed: the previous one
+must stay the latest). It fires once per job: not again in a round restarted by
 ``torchrun --max-restarts`` (``TORCHELASTIC_RESTART_COUNT`` > 0).
 
 ``--hang-timeout-s T``: a watchdog thread per rank; when the rank has made no progress for T
@@ -23,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from loom.config.fault_spec import parse_fault
 
@@ -127,7 +129,7 @@ class FaultTolerance:
         """Mark progress, and fire the injected fault when this is its rank and iteration."""
         self.mark(iteration, "forward-backward")
         f = self.fault
-        if f is None or f.iteration != iteration:
+        if f is None or f.iteration != iteration or f.kind == "kill-in-save":
             return
         self.fault = None
         print(f"loom: --inject-fault {f.rank}:{f.iteration}:{f.kind} fires on rank {self.rank}",
@@ -139,6 +141,22 @@ class FaultTolerance:
                 time.sleep(1.0)
         raise RuntimeError(f"injected fault (--inject-fault) on rank {self.rank} at iteration "
                            f"{iteration}")
+
+
+    def save_hook(self, iteration: int) -> Optional[Callable[[], None]]:
+        """What the checkpoint writer calls once this rank's files of ``iteration`` are written:
+        the ``kill-in-save`` drill's SIGKILL, or None."""
+        f = self.fault
+        if f is None or f.kind != "kill-in-save" or f.iteration != iteration:
+            return None
+        self.fault = None
+
+        def kill() -> None:
+            print(f"loom: --inject-fault {f.rank}:{f.iteration}:{f.kind} fires on rank "
+                  f"{self.rank} (its checkpoint files written, before the rename)",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return kill
 
 
 class CheckpointInterval:

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common, save_checkpoint
+from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common
 from loom.checkpoint.model_match import check_same_model
-from loom.checkpoint.safety import prune_checkpoints
+from loom.checkpoint.saver import Saver
 from loom.config import LoomConfig
-from loom.data.blended import blend_prefixes, build_datasets
+from loom.data.blended import build_datasets
 from loom.data.gpt_dataset import MockGPTDataset
 from loom.errors import NonFiniteError
 from loom.data.sampler import get_batch, microbatch_indices
@@ -99,6 +99,7 @@ class Trainer:
         ft = cfg.fault_tolerance
         self.faults = FaultTolerance(self.global_rank, ft.inject_fault, ft.hang_timeout_s)
         self.save_interval = checkpoint_interval(cfg, self.world_size, self.params)
+        self.saver = Saver(cfg, cfg.checkpoint.async_save)  # sync, or --async-save
         self.train_ds, self.valid_ds, self.test_ds = self._datasets()
         self.flops_per_iter = model_flops_per_iteration(cfg.model, self.global_batch,
                                                         cfg.model.seq_length)
@@ -270,17 +271,10 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self, save_dir: str, tokenizer_file: Optional[str] = None) -> str:
-        first = blend_prefixes(self.cfg.data.data_path or self.cfg.data.train_data_path)
-        if tokenizer_file is None and first:
-            tokenizer_file = first[0] + ".tokenizer.json"
+        """Checkpoint to ``save_dir`` (:class:`~loom.checkpoint.saver.Saver`); its final path."""
         self.faults.mark(self.iteration, "checkpoint save")
-        path = save_checkpoint(save_dir, self.iteration, self.model_chunks, self.optimizer,
-                               self.scheduler, self.mesh, self.tracker,
-                               consumed_samples=self.consumed_samples,
-                               config=self.cfg.to_flat(), tokenizer_file=tokenizer_file)
-        if self.cfg.checkpoint.keep_last and self.global_rank == 0:
-            prune_checkpoints(save_dir, self.cfg.checkpoint.keep_last)
-        return path
+        hook = self.faults.save_hook(self.iteration)  # --inject-fault R:N:kill-in-save
+        return self.saver.save(self, save_dir, tokenizer_file, hook)
 
     def load(self, load_dir: str) -> bool:
         """Resume from ``load_dir`` (its latest checkpoint, or ``--ckpt-step``); False when it
@@ -355,6 +349,7 @@ class Trainer:
             while self.iteration < iters:
                 self.faults.before_iteration(self.iteration + 1)
                 rec = self.train_step()
+                self.saver.poll(log.print)  # finalizes a completed --async-save
                 if not math.isfinite(rec["grad_norm"]):
                     log.print(f" iteration {self.iteration}: non-finite gradient norm "
                               f"{rec['grad_norm']} (loss {rec['loss']}): step skipped")
@@ -374,7 +369,7 @@ class Trainer:
                     log.print(f" {self.save_interval.take_message()}")
                 if ck.save and (due or exiting):
                     t0 = time.perf_counter()
-                    log.print(f" saved checkpoint {self.save(ck.save)}")
+                    log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
                     (save_s,) = self._all_reduce([time.perf_counter() - t0], dist.ReduceOp.MAX)
                     plan = self.save_interval.saved(self.iteration, save_s, rec["step_time_s"])
                     if plan:
@@ -384,7 +379,8 @@ class Trainer:
                               f"{self.iteration}")
                     break
             if ck.save and self.iteration == iters and self.save_interval.last_save != iters:
-                log.print(f" saved checkpoint {self.save(ck.save)}")
+                log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
+            self.saver.finish(log.print)  # exit waits for a save in flight
             if self.predicted_step_s is not None and len(self.history) > 1:
                 measured = sorted(r["step_time_s"] for r in self.history[1:])[len(self.history[1:]) // 2]
                 log.print(f" step time: planner predicted {self.predicted_step_s:.4g} s, measured "
@@ -394,5 +390,6 @@ class Trainer:
                 log.print(f" wrote timeline {lg.timeline}")
         finally:
             self.faults.stop()
+            self.saver.close(log.print)
             log.close()
         return self.history

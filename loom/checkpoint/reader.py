@@ -1,0 +1,224 @@
+"""Reading checkpoints: :class:`DcpIndex` for ``loom-checkpoint-v2`` (DCP; keys described in
+:mod:`loom.checkpoint.io`), :func:`open_checkpoint` picks it or the read-only v1 reader
+(:class:`~loom.checkpoint.legacy.LegacyIndex`). Both answer ``names``, ``parameters()``,
+``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)`` with full (unsharded)
+tensors; :func:`load_checkpoint` and :func:`load_model_weights` cut this rank's shards
+(``local_shard``) for the current layout. Also re-exported by :mod:`loom.checkpoint.io`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from loom.checkpoint.legacy import LegacyIndex, is_legacy
+from loom.checkpoint.safety import resolve_checkpoint
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.random import RNGTracker, set_rng_state
+from loom.parallel.fsdp import shard_like
+from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
+from loom.training.optimizer import local_optimizer
+
+
+@contextmanager
+def single_process_quiet():
+    """Silence DCP's warning that a read/write without a process group is single-process (it
+    is meant: each rank reads its own keys; one process saves alone)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+class DcpIndex:
+    """A v2 checkpoint's keys (from DCP's ``.metadata``); :meth:`load` reads what is asked."""
+
+    def __init__(self, ckpt_dir: str):
+        self.path = ckpt_dir
+        self.metadata = FileSystemReader(ckpt_dir).read_metadata()  # DCP's .metadata
+        self.md = self.metadata.state_dict_metadata
+        self.model: dict[str, dict[str, str]] = {}  # name -> {"RofT": key}
+        self.optim: dict[str, dict[str, dict[str, str]]] = {}  # name -> {state: {"RofT": key}}
+        for key in self.md:
+            kind, _, rest = key.partition(".")
+            if kind == "model":
+                name, _, shard = rest.rpartition("/")
+                self.model.setdefault(name, {})[shard] = key
+            elif kind == "optim":
+                name, shard, state = rest.rsplit("/", 2)
+                self.optim.setdefault(name, {}).setdefault(state, {})[shard] = key
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.model)
+
+    def has_optimizer_state(self, name: str) -> bool:
+        return name in self.optim
+
+    def _read(self, keys: Iterable[str]) -> dict[str, Any]:
+        """One ``dcp.load`` of ``keys`` into empty tensors of the saved shapes (objects: as
+        saved); each rank reads only its own keys (no collective)."""
+        want: dict[str, dict[str, Any]] = {}
+        for k in keys:
+            m = self.md[k]
+            kind, _, rest = k.partition(".")
+            want.setdefault(kind, {})[rest] = torch.empty(m.size, dtype=m.properties.dtype) \
+                if isinstance(m, TensorStorageMetadata) else b""
+        if want:
+            with single_process_quiet():
+                dcp.load(want, storage_reader=FileSystemReader(self.path), no_dist=True)
+        return {f"{kind}.{k}": v for kind, section in want.items() for k, v in section.items()}
+
+    def _missing(self, name: str) -> KeyError:
+        return KeyError(f"parameter {name} not in checkpoint {self.path}")
+
+    @staticmethod
+    def _ordered(shards: dict[str, str]) -> list[str]:
+        return [shards[s] for s in sorted(shards, key=lambda s: int(s.split("of")[0]))]
+
+    def parameters(self) -> dict[str, dict]:
+        """``name -> {shape (global), dtype}``, without reading any tensor."""
+        specs = self._read(f"param.{n}" for n in self.model)
+        return {n: {"shape": json.loads(specs[f"param.{n}"])["full_shape"],
+                    "dtype": self.md[next(iter(self.model[n].values()))].properties.dtype}
+                for n in self.model}
+
+    def load(self, names: Iterable[str], optim_names: Iterable[str] = (),
+             rng_rank: Optional[int] = None) -> tuple[dict, dict, Optional[dict]]:
+        """(full weights by name, Adam states by name: full tensors for parameter-shaped
+        states, the saved value otherwise, the generators of ``rng_rank`` or None), in one
+        ``dcp.load`` of every TP shard these parameters were saved in."""
+        names, optim_names = list(names), list(optim_names)
+        for n in names + optim_names:
+            if n not in self.model:
+                raise self._missing(n)
+        keys = [k for n in names for k in self.model[n].values()]
+        keys += [f"param.{n}" for n in set(names) | set(optim_names)]
+        keys += [k for n in optim_names for st in self.optim.get(n, {}).values()
+                 for k in st.values()]
+        rng_key = f"rng.{rng_rank:05d}" if rng_rank is not None else None
+        if rng_key in self.md:
+            keys.append(rng_key)
+        got = self._read(dict.fromkeys(keys))
+
+        def full(name: str, shards: dict[str, str]) -> torch.Tensor:
+            spec = ShardSpec.from_dict(json.loads(got[f"param.{name}"])["shard"])
+            return full_from_shards([got[k] for k in self._ordered(shards)], spec)
+
+        model = {n: full(n, self.model[n]) for n in names}
+        optim = {}
+        for n in optim_names:
+            shape = self.md[next(iter(self.model[n].values()))].size
+            optim[n] = {}
+            for state, shards in self.optim.get(n, {}).items():
+                first = got[self._ordered(shards)[0]]
+                param_shaped = torch.is_tensor(first) and first.ndim > 0 and first.shape == shape
+                optim[n][state] = full(n, shards) if param_shaped else first
+        rng = torch.load(io.BytesIO(got[rng_key]), weights_only=False) \
+            if rng_key in got else None
+        return model, optim, rng
+
+
+def open_checkpoint(ckpt_dir: str):
+    """The reader of ``ckpt_dir``: :class:`DcpIndex` (v2) or the read-only v1
+    :class:`~loom.checkpoint.legacy.LegacyIndex`; both have ``names``, ``parameters()``,
+    ``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)``."""
+    return LegacyIndex(ckpt_dir) if is_legacy(ckpt_dir) else DcpIndex(ckpt_dir)
+
+
+def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str]:
+    """The directory named by ``latest_checkpointed_iteration.txt`` (or ``iter_{step}``), or
+    None when ``load_dir`` holds no checkpoint. Raises ConfigError naming the pointer file when
+    it is unreadable or names a missing iteration (see
+    :func:`loom.checkpoint.safety.resolve_checkpoint`)."""
+    return resolve_checkpoint(load_dir, step)
+
+
+def read_common(ckpt_dir: str) -> dict:
+    return torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=False)
+
+
+def _named_params(model_chunks: Sequence[nn.Module]) -> dict[str, tuple]:
+    """``name -> (parameter, ParamMeta)`` over this rank's chunks."""
+    return {n: (p, meta) for n, p, meta in named_parameters(model_chunks)}
+
+
+@torch.no_grad()
+def load_model_weights(index, model_chunks: Sequence[nn.Module], mesh: ParallelMesh) -> None:
+    """Copy this rank's shard of every parameter from ``index`` (:func:`open_checkpoint`)."""
+    params = _named_params(model_chunks)
+    full, _, _ = index.load(params)
+    for name, (p, meta) in params.items():
+        p.copy_(shard_like(p, local_shard(full[name], meta, mesh.tp_rank, mesh.tp_size, name)))
+
+
+def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: dict,
+                       mesh: ParallelMesh) -> None:
+    """Install the loaded Adam states (resharded for this layout) into the parameters this
+    rank's optimizer holds."""
+    local = local_optimizer(optimizer)
+    for name, saved in states.items():
+        p, meta = params[name]
+        state = {}
+        for k, v in saved.items():
+            if torch.is_tensor(v) and v.ndim > 0 and v.shape == full[name].shape:
+                v = shard_like(p, local_shard(v, meta, mesh.tp_rank, mesh.tp_size, name))
+            state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
+        local.state[p] = state
+
+
+@torch.no_grad()
+def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
+                    optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
+                    tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
+    """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
+    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
+    or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
+    ``step`` (``--ckpt-step``) loads ``iter_{step}`` instead of the pointer's iteration; a broken
+    pointer raises ConfigError naming the file.
+
+    Works across layouts: weights and Adam states are resharded by name (also across DP sizes
+    and with or without the distributed optimizer). RNG states are restored
+    only when the world size and layout match (otherwise the generators keep their fresh seeds).
+    """
+    ckpt = latest_checkpoint(load_dir, step)
+    if ckpt is None:
+        return None
+    index = open_checkpoint(ckpt)
+    params = _named_params(model_chunks)
+    owned = set()
+    if optimizer is not None:  # ZeRO: another DP rank holds the others' states
+        local = local_optimizer(optimizer)
+        owned = {id(p) for g in local.param_groups for p in g["params"]}
+    optim_names = [n for n, (p, _) in params.items()
+                   if id(p) in owned and index.has_optimizer_state(n)]
+    with open(os.path.join(ckpt, "metadata.json")) as fh:
+        meta = json.load(fh)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
+    full, states, rng = index.load(params, optim_names,
+                                   mesh.rank if tracker is not None and same_layout else None)
+    for name, (p, pmeta) in params.items():  # ZeRO-3 (DTensor): this DP rank's slice
+        p.copy_(shard_like(p, local_shard(full[name], pmeta, mesh.tp_rank, mesh.tp_size, name)))
+    if optimizer is not None:
+        _restore_optimizer(optimizer, params, full, states, mesh)
+    common = read_common(ckpt)
+    if scheduler is not None and common.get("scheduler") is not None:
+        scheduler.load_state_dict(common["scheduler"])
+        # load_state_dict restores the schedule, not the optimizer's current lr: set it too.
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    if rng is not None:
+        set_rng_state(rng, tracker)
+    common["checkpoint_dir"] = ckpt
+    return common

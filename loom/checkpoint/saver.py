@@ -1,0 +1,96 @@
+"""The trainer's checkpoint saves: synchronous, or ``--async-save`` (training continues while
+DCP writes; the rename and the ``latest`` pointer follow once every rank's files are written).
+
+An asynchronous save is finalized (rank 0 renames ``iter_N.tmp`` and moves the pointer) at the
+first step check that finds its write complete (:meth:`Saver.poll`), at the latest before the
+next save starts, and at exit (:meth:`Saver.finish`, which waits). Only one save is in flight.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from loom.checkpoint.io import PendingSave, finalize_save, start_save
+from loom.checkpoint.safety import prune_checkpoints
+from loom.data.blended import blend_prefixes
+
+
+class Saver:
+    """Saves of one trainer; ``async_save``: ``--async-save``."""
+
+    def __init__(self, cfg, async_save: bool = False):
+        self.cfg, self.async_save = cfg, async_save
+        self.pending: Optional[PendingSave] = None
+        self.group = None  # DCP's own gloo group for background writes, made at the first save
+        self.blocked_s = 0.0  # time the step loop spent in the latest save call
+        self.say: Optional[Callable[[str], None]] = None  # the log's print, once given
+
+    @property
+    def verb(self) -> str:
+        """How a save call's message starts: the write may still be running."""
+        return "saving" if self.async_save else "saved"
+
+    def _tokenizer(self, tokenizer_file: Optional[str]) -> Optional[str]:
+        first = blend_prefixes(self.cfg.data.data_path or self.cfg.data.train_data_path)
+        return tokenizer_file or (first[0] + ".tokenizer.json" if first else None)
+
+    def save(self, trainer, save_dir: str, tokenizer_file: Optional[str] = None,
+             after_write: Optional[Callable[[], None]] = None) -> str:
+        """Checkpoint ``trainer``'s state; returns the final directory (under ``--async-save``
+        it appears once the write finished). Collective over all ranks."""
+        t0 = time.perf_counter()
+        self.finish()  # one save in flight: the previous one completes first
+        if self.async_save and dist.is_initialized() and self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        job = start_save(save_dir, trainer.iteration, trainer.model_chunks, trainer.optimizer,
+                         trainer.scheduler, trainer.mesh, trainer.tracker,
+                         consumed_samples=trainer.consumed_samples, config=self.cfg.to_flat(),
+                         tokenizer_file=self._tokenizer(tokenizer_file),
+                         async_save=self.async_save, group=self.group,
+                         after_write=after_write)
+        if job.future is None:
+            finalize_save(job)
+            self._prune(job)
+        else:
+            self.pending = job
+        self.blocked_s = job.blocked_s = time.perf_counter() - t0
+        return job.final
+
+    def _prune(self, job: PendingSave) -> None:
+        keep = self.cfg.checkpoint.keep_last
+        if keep and (not dist.is_initialized() or dist.get_rank() == 0):
+            prune_checkpoints(job.save_dir, keep)
+
+    def _done(self, say: Optional[Callable[[str], None]]) -> None:
+        self.say = say = say or self.say
+        job, self.pending = self.pending, None
+        final = finalize_save(job, barrier=False)
+        self._prune(job)
+        if say is not None:
+            say(f" saved checkpoint {final} (--async-save: written in {job.written_s:.3g} s, "
+                f"the step loop blocked {job.blocked_s:.3g} s)")
+
+    def poll(self, say: Optional[Callable[[str], None]] = None) -> None:
+        """Finalize an asynchronous save whose write completed; never waits. ``say``: where
+        finalized saves are reported (remembered for the saves finalized by the next save)."""
+        self.say = say or self.say
+        if self.pending is not None and self.pending.future.done():
+            self._done(say)
+
+    def finish(self, say: Optional[Callable[[str], None]] = None) -> None:
+        """Wait for an asynchronous save in flight and finalize it (next save, exit). Raises
+        CheckpointWriteError when its write failed."""
+        if self.pending is not None:
+            self._done(say)
+
+    def close(self, say: Optional[Callable[[str], None]] = None) -> None:
+        """At exit, also after an error: wait for a save in flight; a failed one is reported
+        on stderr (its partial ``.tmp`` is removed at the next start)."""
+        try:
+            self.finish(say)
+        except Exception as e:  # noqa: BLE001 - exiting already; say why the save is lost
+            print(f"loom: {e}", file=sys.stderr, flush=True)
