@@ -124,8 +124,36 @@ def hf_logits_case() -> float:
     return float((logits[..., :V] - ref).abs().max())
 
 
-def world2() -> dict:
-    res = {"hf-tp2": hf_logits_case()}
+def save_reference(ckpt_dir: str) -> None:
+    """Train the post-LN model 2 steps on one rank and save a checkpoint."""
+    from loom.training.trainer import Trainer
+    tr = Trainer(bert_cfg(True), mesh=ParallelMesh.single())
+    for _ in range(2):
+        tr.train_step()
+    tr.save(ckpt_dir)
+
+
+def checkpoint_case(ckpt_dir: str) -> dict:
+    """Load the 1-rank checkpoint at TP=2: every shard (the vocabulary-parallel output bias
+    included) equals the 1-rank weights, and the next step's loss is the same."""
+    from loom.training.trainer import Trainer
+    cfg = bert_cfg(True, tp=2)
+    cfg.checkpoint.load = ckpt_dir
+    par = Trainer(cfg, mesh=ParallelMesh.build(tp=2))
+    ref_cfg = bert_cfg(True)
+    ref_cfg.checkpoint.load = ckpt_dir
+    ref = Trainer(ref_cfg, mesh=ParallelMesh.single())
+    ref_params = dict(ref.model_chunks[0].named_parameters())
+    err = max(rel_err(p.detach(), local_shard(ref_params[n].detach(), par.registry[n],
+                                              par.mesh.tp_rank, 2))
+              for n, p in par.model_chunks[0].named_parameters())
+    loss = [par.global_loss(par.forward_backward(par.batches(par.train_ds, par.consumed_samples))),
+            float(ref.forward_backward(ref.batches(ref.train_ds, ref.consumed_samples)))]
+    return {"iteration": par.iteration, "weights": err, "loss": abs(loss[0] - loss[1]) / loss[1]}
+
+
+def world2(ckpt_dir: str) -> dict:
+    res = {"hf-tp2": hf_logits_case(), "ckpt": checkpoint_case(ckpt_dir)}
     for post in (False, True):
         ln = "post" if post else "pre"
         res[f"tp2-{ln}"] = parity_case(post, tp=2)
@@ -139,8 +167,10 @@ def world4() -> dict:
 
 
 @pytest.fixture(scope="module")
-def results2():
-    return run_distributed(2, world2)
+def results2(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("bert_ckpt"))
+    save_reference(ckpt)
+    return run_distributed(2, world2, ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +194,12 @@ def test_parity_two_ranks(results2, name):
 def test_parity_tp2_dp2(results4, name):
     for r in results4:
         _check(r[name])
+
+
+def test_checkpoint_reshards_to_tp2(results2):
+    for r in results2:
+        c = r["ckpt"]
+        assert c["iteration"] == 2 and c["weights"] == 0.0 and c["loss"] < RTOL, c
 
 
 def test_pre_and_post_ln_differ():
@@ -306,3 +342,25 @@ def test_refused(flags, needle):
     cfg.parallel.context_parallel_size = cp
     with pytest.raises(ConfigError, match=needle):
         cfg.validate(cp)
+
+
+def test_convert_from_hf_then_train_loads_it(tmp_path):
+    """`loom checkpoint convert --from-hf` of a saved `BertForMaskedLM`, loaded by the trainer
+    (`--load --finetune`): its logits equal `transformers`'."""
+    from loom.checkpoint.convert import from_hf
+    from loom.training.trainer import Trainer
+    hf, hc, ids, types, att = tiny_hf()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    cfg = LoomConfig(model=ModelConfig(model_type="bert", post_layernorm=True, num_layers=2,
+                                       hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                                       seq_length=24, vocab_size=V, norm_epsilon=1e-12,
+                                       hidden_dropout=0.0, attention_dropout=0.0))
+    cfg.checkpoint.load, cfg.checkpoint.finetune = str(tmp_path / "ckpt"), True
+    cfg.training.micro_batch_size = 2
+    tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
+    model = tr.model_chunks[0].eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=att, token_type_ids=types).logits
+        logits, _ = model(input_ids=ids, tokentype_ids=types, padding_mask=att)
+    assert float((logits[..., :V] - ref).abs().max()) < 1e-5
