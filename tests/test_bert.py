@@ -364,3 +364,17 @@ def test_convert_from_hf_then_train_loads_it(tmp_path):
         ref = hf(input_ids=ids, attention_mask=att, token_type_ids=types).logits
         logits, _ = model(input_ids=ids, tokentype_ids=types, padding_mask=att)
     assert float((logits[..., :V] - ref).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recomputation_keeps_loss_and_gradients(granularity):
+    from loom.training.trainer import Trainer
+    grads = []
+    for g in (None, granularity):
+        cfg = bert_cfg(False)
+        cfg.training.recompute_granularity = g
+        tr = Trainer(cfg, mesh=ParallelMesh.single())
+        loss = float(tr.forward_backward(tr.batches(tr.train_ds, 0)))
+        grads.append((loss, {n: p.grad.clone() for n, p in tr.model_chunks[0].named_parameters()}))
+    assert grads[0][0] == grads[1][0]
+    assert all(torch.equal(grads[0][1][n], grads[1][1][n]) for n in grads[0][1])
