@@ -79,14 +79,12 @@ class BertDataset:
     def _words(self, seq: np.ndarray, candidate: np.ndarray) -> list[np.ndarray]:
         """Positions of ``seq`` grouped into words (runs of candidates continuing a word)."""
         words: list[list[int]] = []
-        prev = False
         for i in np.flatnonzero(candidate):
             starts = self.starts is None or bool(self.starts[seq[i]])
-            if starts or not prev or not candidate[i - 1]:
+            if starts or not words or not candidate[i - 1]:
                 words.append([i])
             else:
                 words[-1].append(i)
-            prev = True
         return [np.array(w, dtype=np.int64) for w in words]
 
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
