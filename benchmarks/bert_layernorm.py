@@ -42,6 +42,18 @@ def prepare_data(work: str, vocab: int) -> tuple[str, str]:
     return train, valid
 
 
+def unigram_entropy(prefix: str) -> float:
+    """Entropy (nats) of the corpus' token frequencies, [PAD] [UNK] [CLS] [SEP] [MASK] (ids
+    0-4) left out: the masked-LM loss of a model that ignores the context."""
+    import numpy as np
+    from loom.data.indexed import IndexedDataset
+    ds = IndexedDataset(prefix)
+    toks = np.concatenate([ds.get(i) for i in range(ds.num_documents)]).astype(np.int64)
+    p = np.bincount(toks[toks > 4]).astype(np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log(p)).sum())
+
+
 def run(post: bool, args, train: str, valid: str) -> dict:
     from loom.config import LoomConfig, ModelConfig
     from loom.data.preprocess import read_meta
@@ -94,6 +106,9 @@ def plot(result: dict, path: str) -> None:
         ax[1].plot(it, [r["grad_norm"] for r in recs], color=color, label=name)
     c = result["config"]
     ax[0].axhline(math.log(c["vocab_size"]), color="gray", ls=":", label="ln V")
+    if c.get("unigram_entropy"):
+        ax[0].axhline(c["unigram_entropy"], color="black", ls="--", lw=0.8,
+                      label="unigram entropy")
     ax[0].set(xlabel="iteration", ylabel="masked-LM loss (nats)",
               title=f"BERT {c['layers']} layers, h {c['hidden']}: lr {c['lr']:g}, "
                     f"warm-up {c['warmup']}")
@@ -118,12 +133,19 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default="runs/bert_layernorm")
+    ap.add_argument("--replot", action="store_true", help="redraw OUT's PNG from its JSON")
     args = ap.parse_args()
+    if args.replot:
+        with open(os.path.join(args.out, "bert_layernorm.json")) as f:
+            result = json.load(f)
+        plot(result, os.path.join(args.out, "bert_layernorm.png"))
+        return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     train, valid = prepare_data(os.path.join(args.out, "data"), args.vocab)
     from loom.data.preprocess import read_meta
     result = {"config": {**vars(args), "vocab_size": read_meta(train)["vocab_size"],
-                         "train_tokens": read_meta(train)["num_tokens"]}, "runs": {}}
+                         "train_tokens": read_meta(train)["num_tokens"],
+                         "unigram_entropy": unigram_entropy(train)}, "runs": {}}
     for post in (False, True):
         name = "post-LN" if post else "pre-LN"
         print(f"{name}: {args.layers} layers, h {args.hidden}, {args.iters} iterations", flush=True)
