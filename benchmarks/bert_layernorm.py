@@ -71,7 +71,8 @@ def run(post: bool, args, train: str, valid: str) -> dict:
     cfg.data.data_path, cfg.data.valid_data_path, cfg.data.split = train, valid, "100,0,0"
     cfg.logging.eval_iters = 4
     cfg.validate(1)
-    trainer = Trainer(cfg, mesh=ParallelMesh.single())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer = Trainer(cfg, mesh=ParallelMesh.single(device))
     recs, t0 = [], time.perf_counter()
     for i in range(args.iters):
         r = trainer.train_step()
