@@ -2,7 +2,7 @@
 the CLI end to end, and the refusals.
 
 * pre-LN and post-LN, with the binary (sentence-order) head: 3 steps at TP=2, TP=2 + SP, PP=2
-  and TP=2 x DP=2 equal the single-process run (fp32, loss, every gradient or its shard, the
+  and TP=2 x DP=2 (and with the distributed optimizer) equal the single-process run (fp32, loss, every gradient or its shard, the
   gradient norm; rtol 1e-5);
 * post-LN loom equals ``transformers.BertForMaskedLM`` logits (random weights, padded batch,
   token types) on one rank and at TP=2 (atol 1e-5);
@@ -52,14 +52,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def parity_case(post: bool, tp: int = 1, dp: int = 1, pp: int = 1, sp: bool = False) -> dict:
+def parity_case(post: bool, tp: int = 1, dp: int = 1, pp: int = 1, sp: bool = False,
+                zero: bool = False) -> dict:
     from loom.training.trainer import Trainer
     cfg = bert_cfg(post, tp, dp, pp, sp)
+    cfg.training.use_distributed_optimizer = zero
     mesh = ParallelMesh.build(tp=tp, pp=pp, dp=dp)
     par = Trainer(cfg, mesh=mesh)
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.pipeline_model_parallel_size = 1
     ref_cfg.parallel.sequence_parallel = False
+    ref_cfg.training.use_distributed_optimizer = False
     ref = Trainer(ref_cfg, mesh=ParallelMesh.single())
     out = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "nparams": 0, "sop": False, "loss_value": 0.0}
     for _ in range(3):
@@ -163,7 +166,9 @@ def world2(ckpt_dir: str) -> dict:
 
 
 def world4() -> dict:
-    return {f"tp2xdp2-{ln}": parity_case(ln == "post", tp=2, dp=2) for ln in ("pre", "post")}
+    res = {f"tp2xdp2-{ln}": parity_case(ln == "post", tp=2, dp=2) for ln in ("pre", "post")}
+    res["tp2xdp2-zero1-post"] = parity_case(True, tp=2, dp=2, zero=True)
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +195,7 @@ def test_parity_two_ranks(results2, name):
         _check(r[name])
 
 
-@pytest.mark.parametrize("name", ["tp2xdp2-pre", "tp2xdp2-post"])
+@pytest.mark.parametrize("name", ["tp2xdp2-pre", "tp2xdp2-post", "tp2xdp2-zero1-post"])
 def test_parity_tp2_dp2(results4, name):
     for r in results4:
         _check(r[name])
