@@ -49,7 +49,7 @@ def to_hf(ckpt_path: str, out_dir: str, step=None) -> str:
 
 
 def from_hf(hf_dir: str, out_dir: str) -> str:
-    """A loom checkpoint (iteration 0) in ``out_dir`` from a Hugging Face GPT-2 or LLaMA
+    """A loom checkpoint (iteration 0) in ``out_dir`` from a Hugging Face GPT-2, LLaMA or BERT
     directory (``config.json`` + ``model.safetensors``); returns the checkpoint path."""
     from safetensors.torch import load_file
 
@@ -68,17 +68,23 @@ def from_hf(hf_dir: str, out_dir: str) -> str:
     except OSError as e:
         raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({e.filename})") from None
     kind = hf.get("model_type")
-    if kind not in ("gpt2", "llama"):
-        raise ConfigError(f"--from-hf {hf_dir}: model_type {kind!r}; gpt2 and llama convert")
+    if kind not in ("gpt2", "llama", "bert"):
+        raise ConfigError(f"--from-hf {hf_dir}: model_type {kind!r}; gpt2, llama and bert "
+                          f"convert")
     hf.setdefault("n_inner", None)
     hf.setdefault("tie_word_embeddings", kind == "gpt2")
     ns = SimpleNamespace(**hf)
-    cfg = gpt2_config(ns) if kind == "gpt2" else llama_config(ns)
-    full = (gpt2_to_loom if kind == "gpt2" else llama_to_loom)(sd, cfg)
+    if kind == "bert":  # BertForMaskedLM / BertForPreTraining -> post-LN loom BERT
+        from loom.interop.hf_bert import bert_config, bert_to_loom
+        cfg = bert_config(ns, binary_head="cls.seq_relationship.weight" in sd)
+        full = bert_to_loom(sd, cfg)
+    else:
+        cfg = gpt2_config(ns) if kind == "gpt2" else llama_config(ns)
+        full = (gpt2_to_loom if kind == "gpt2" else llama_to_loom)(sd, cfg)
     mesh = ParallelMesh.single()
     tracker = RNGTracker(mesh.device)
     tracker.seed(0)
-    model = build_model(get_family("gpt"), cfg, mesh, tracker, seed=None)
+    model = build_model(get_family(cfg.model_type), cfg, mesh, tracker, seed=None)
     load_full_state_dict(model, {n: full[n] for n, _ in model.named_parameters()})
     optimizer = torch.optim.AdamW(model.parameters())
     tok = os.path.join(hf_dir, "tokenizer.json")

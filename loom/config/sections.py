@@ -22,10 +22,11 @@ DecayStyle = Literal["cosine", "linear", "constant"]
 Recompute = Literal["selective", "full"]
 Backend = Literal["nccl", "gloo"]
 Device = Literal["cpu", "cuda"]
-ModelType = Literal["gpt", "mamba"]  # families in loom.models.FAMILY_MODULES
+ModelType = Literal["gpt", "mamba", "bert"]  # families in loom.models.FAMILY_MODULES
 RouterScore = Literal["softmax", "sigmoid"]
 RecomputeMethod = Literal["uniform", "block"]
-TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained"]
+TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
+                        "BertWordPieceLowerCase", "BertWordPieceCase"]
 
 
 def opt(default: Any, help: str, **bounds: float) -> Any:  # noqa: A002 - argparse's word
@@ -38,8 +39,9 @@ class ModelConfig:
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s)."""
 
     model_type: ModelType = opt("gpt", "model family: gpt (GPT-2 and LLaMA layouts, dense or "
-                                       "mixture-of-experts) or mamba (Mamba-2 and hybrid "
-                                       "Mamba/attention/MLP stacks)")
+                                       "mixture-of-experts), mamba (Mamba-2 and hybrid "
+                                       "Mamba/attention/MLP stacks) or bert (bidirectional "
+                                       "encoder, masked-LM pretraining)")
     num_layers: int = opt(4, "L: number of transformer layers", ge=1)
     hidden_size: int = opt(256, "h: transformer hidden size (width of the residual stream)", ge=1)
     num_attention_heads: int = opt(4, "a: attention heads per layer; must divide h "
@@ -101,6 +103,15 @@ class ModelConfig:
               "dropless)", gt=0)
     moe_shared_expert_gate: bool = opt(False, "scale the shared expert's output by "
                                               "sigmoid(x w) (Qwen2-MoE)")
+    # -- BERT (--model-type bert; Megatron's pretrain_bert.py) ---------------------------------
+    bert_binary_head: bool = opt(False, "BERT: add the sentence-order prediction head (pooler "
+                                        "on [CLS] + 2-way classifier) and its loss")
+    post_layernorm: bool = opt(
+        False, "BERT: the original post-LN order, LayerNorm after each residual add "
+               "(x = LN(x + f(x)), LN on the embeddings, no final LN); default: Megatron's "
+               "pre-LN (x = x + f(LN(x)), final LN). Not Megatron's "
+               "--apply-residual-connection-post-layernorm, which keeps pre-LN and only takes "
+               "the residual from the LayerNorm output")
     # -- Mamba-2 / hybrid stacks (--model-type mamba; Dao & Gu 2024; Megatron-LM's names) ------
     hybrid_override_pattern: Optional[str] = opt(
         None, "layer kinds of a hybrid stack, one character per layer: M Mamba, * attention, "
@@ -298,6 +309,12 @@ class DataConfig:
     tokenizer_type: Optional[TokenizerType] = opt(
         None, "the tokenizer the data was prepared with (loom preprocess --tokenizer-type); "
               "checked against each dataset's PREFIX.meta.json, refused when they differ")
+    mask_prob: float = opt(0.15, "BERT: share of the tokens (whole words when the tokenizer "
+                                 "marks word pieces) to predict; each is replaced by [MASK] "
+                                 "80%, a random token 10%, kept 10%", gt=0, lt=1)
+    short_seq_prob: float = opt(0.1, "BERT: probability that a sample is shorter than "
+                                     "--seq-length (a random length; the rest is [PAD])",
+                                ge=0, lt=1)
     mock_data: bool = opt(False, "train on random tokens (needs --vocab-size; tests, "
                                  "benchmarks)")
 

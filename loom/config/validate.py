@@ -155,6 +155,30 @@ def _check_mamba(m: Any, tp: int, cp: int) -> None:
                           "(the scan would need the state passed between CP ranks): use 1")
 
 
+def _check_bert(m: Any, cp: int) -> None:
+    """BERT: bidirectional, learned positions, tied output, no context parallelism."""
+    if m.model_type != "bert":
+        for name in ("bert_binary_head", "post_layernorm"):
+            if getattr(m, name):
+                raise ConfigError(f"{_flag(name)} needs --model-type bert")
+        return
+    if cp > 1:
+        raise ConfigError("--context-parallel-size > 1 is not supported with --model-type bert "
+                          "(the padding mask and the [CLS] pooler would need the sequence "
+                          "gathered over CP): use 1, and TP/SP/PP/DP to scale")
+    if m.num_experts:
+        raise ConfigError("--num-experts: --model-type bert has dense MLPs only")
+    if m.position_embedding_type != "learned_absolute":
+        raise ConfigError("--position-embedding-type: BERT uses learned_absolute positions")
+    if m.untie_embeddings_and_output_weights:
+        raise ConfigError("--untie-embeddings-and-output-weights: BERT's masked-LM output is "
+                          "tied to the word embeddings")
+    least = 5 if m.bert_binary_head else 3
+    if m.seq_length < least:
+        raise ConfigError(f"--seq-length {m.seq_length}: a BERT sample needs at least {least} "
+                          f"positions ([CLS] A [SEP]{' B [SEP]' if m.bert_binary_head else ''})")
+
+
 def _check_moe(cfg: Any, world_size: int) -> None:
     m, p = cfg.model, cfg.parallel
     e = p.expert_model_parallel_size
@@ -278,6 +302,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
                   p.context_parallel_size)
     _check_model(m, tp)
     _check_mamba(m, tp, cp)
+    _check_bert(m, cp)
     if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "

@@ -173,11 +173,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx/.tokenizer.json/.meta.json")
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                         help="GPT2BPETokenizer (--vocab-file, --merge-file), HuggingFaceTokenizer "
-                             "(--tokenizer-model) or ByteLevelBPETrained (trained on --input)")
-    parser.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json / encoder.json")
+                             "(--tokenizer-model), ByteLevelBPETrained (trained on --input) or "
+                             "BertWordPieceLowerCase / BertWordPieceCase (--vocab-file vocab.txt, "
+                             "or trained on --input with --vocab-size)")
+    parser.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json / encoder.json, or "
+                                                           "BERT's WordPiece vocab.txt")
     parser.add_argument("--merge-file", default=None, help="GPT-2 merges.txt / vocab.bpe")
     parser.add_argument("--tokenizer-model", default=None, help="a tokenizer.json (HuggingFaceTokenizer)")
-    parser.add_argument("--vocab-size", type=int, default=None, help="ids of the ByteLevelBPETrained tokenizer, >= 257")
+    parser.add_argument("--vocab-size", type=int, default=None, help="ids of a trained tokenizer (ByteLevelBPETrained: >= 257; BertWordPiece*)")
     parser.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to every document")
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (1 = in-process)")
     parser.add_argument("--tokenizer-from", default=None, metavar="PREFIX",

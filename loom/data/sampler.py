@@ -23,6 +23,7 @@ def microbatch_indices(consumed_samples: int, micro_batch_size: int, num_microba
 
 
 def get_batch(dataset, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Stack samples: ``{"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}`` for ``b = len(indices)``."""
+    """Stack samples: ``{"tokens": LongTensor[b, s], "labels": LongTensor[b, s], ...}`` for
+    ``b = len(indices)`` (every field of the samples, e.g. BERT's ``loss_mask``)."""
     samples = [dataset[i] for i in indices]
-    return {key: torch.stack([smp[key] for smp in samples]) for key in ("tokens", "labels")}
+    return {key: torch.stack([smp[key] for smp in samples]) for key in samples[0]}

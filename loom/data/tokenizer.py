@@ -11,7 +11,9 @@ from loom.data.documents import EOD_TOKEN, read_documents
 from loom.errors import ConfigError
 
 _EOD_FALLBACKS = (EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
+                   "BertWordPieceLowerCase", "BertWordPieceCase")
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 class Tokenizer:
@@ -114,6 +116,38 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return Tokenizer(tok, eod=tok.token_to_id(EOD_TOKEN))
 
 
+def bert_wordpiece(lower_case: bool, vocab_file: Optional[str] = None,
+                   vocab_size: Optional[int] = None, texts: Optional[Iterable[str]] = None) -> Tokenizer:
+    """BERT's WordPiece (Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase``): loaded
+    from a ``vocab.txt`` (one token per line, ``##`` marks a word continuation) or trained on
+    ``texts`` with ``vocab_size`` ids; [PAD] [UNK] [CLS] [SEP] [MASK] are special tokens and
+    [SEP] ends documents. Raises ConfigError naming ``--vocab-file`` / ``--vocab-size``."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import trainers
+    if vocab_file:
+        if not os.path.isfile(vocab_file):
+            raise ConfigError(f"--vocab-file {vocab_file}: no such file; give BERT's vocab.txt")
+        tok = HFTokenizer(models.WordPiece.from_file(vocab_file, unk_token="[UNK]"))
+    else:
+        tok = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=lower_case or None)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    if not vocab_file:
+        if not vocab_size or vocab_size <= len(BERT_SPECIAL_TOKENS):
+            raise ConfigError(f"--vocab-size {vocab_size}: training a WordPiece needs a size "
+                              f"(e.g. 8192), or give --vocab-file vocab.txt")
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=2,
+                                            show_progress=False,
+                                            special_tokens=list(BERT_SPECIAL_TOKENS))
+        tok.train_from_iterator(texts or [], trainer=trainer)
+    missing = [t for t in BERT_SPECIAL_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        raise ConfigError(f"--vocab-file {vocab_file}: lacks the special tokens {missing}")
+    tok.add_special_tokens(list(BERT_SPECIAL_TOKENS))
+    return Tokenizer(tok, eod=tok.token_to_id("[SEP]"))
+
+
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
                     tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
                     train_files: Optional[Sequence[str]] = None, json_keys: Sequence[str] = ("text",)) -> Tokenizer:
@@ -123,6 +157,8 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
     * ``HuggingFaceTokenizer``: ``tokenizer_model`` = path to a ``tokenizer.json``.
     * ``ByteLevelBPETrained``: train a byte-level BPE of ``vocab_size`` on ``train_files``
       (.txt/.jsonl, read as :func:`loom.data.documents.read_documents` does).
+    * ``BertWordPieceLowerCase`` / ``BertWordPieceCase``: BERT's WordPiece from ``vocab_file``
+      (``vocab.txt``), or trained with ``vocab_size`` ids on ``train_files``.
 
     Raises ConfigError naming the missing/invalid flag (``--tokenizer-type``, ``--vocab-file``,
     ``--merge-file``, ``--tokenizer-model``, ``--vocab-size``, ``--input``).
@@ -142,4 +178,11 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
             for f in train_files:
                 yield from read_documents(f, json_keys)
         return train_byte_level_bpe(texts(), vocab_size)
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        if not vocab_file and not train_files:
+            raise ConfigError(f"--tokenizer-type {tokenizer_type} needs --vocab-file vocab.txt "
+                              f"or --vocab-size N to train one on --input")
+        texts = (d for f in train_files or () for d in read_documents(f, json_keys))
+        return bert_wordpiece(tokenizer_type == "BertWordPieceLowerCase", vocab_file,
+                              vocab_size, texts)
     raise ConfigError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")

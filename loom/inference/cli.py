@@ -87,6 +87,9 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
         mesh = ParallelMesh.build(tp=tp, dp=world // tp, device=device)
     else:
         mesh = ParallelMesh.single()
+    if cfg.model.model_type == "bert":
+        raise ConfigError(f"--load {load_dir}: a BERT (masked-LM encoder) checkpoint does not "
+                          f"generate text; `loom generate` needs a gpt or mamba model")
     model = build_model(get_family(cfg.model.model_type), cfg.model, mesh, seed=None)
     load_model_weights(open_checkpoint(ckpt), [model], mesh)
     tok_path = os.path.join(ckpt, "tokenizer.json")

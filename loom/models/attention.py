@@ -45,17 +45,30 @@ class DotProductAttention(nn.Module):
     """``softmax(q k^T / sqrt(d)) v`` under a causal mask by global position (keys are at
     positions ``0 .. s_k - 1``): ``q [b, a, s_q, d]``, ``k, v [b, g, s_k, d]`` ->
     ``[b, a, s_q, d]``. ``s_q == s_k`` is the plain causal case; one query (decoding) sees every
-    key; otherwise the mask is built from ``q_positions [s_q]``."""
+    key; otherwise the mask is built from ``q_positions [s_q]``.
 
-    def __init__(self, dropout: float = 0.0):
+    ``causal=False`` (a bidirectional encoder, BERT): every query sees every key, except the
+    keys that ``key_padding_mask [b, s_k]`` (True = a real token) marks as padding."""
+
+    def __init__(self, dropout: float = 0.0, causal: bool = True):
         super().__init__()
         self.dropout = dropout
+        self.causal = causal
         self.rng = None  # per-TP-rank generator (RNGTracker) for dropout over partitioned heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                q_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                q_positions: Optional[torch.Tensor] = None,
+                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         s_q, s_k = q.shape[2], k.shape[2]
         mask = None
+        if not self.causal:
+            p = self.dropout if self.training else 0.0
+            if key_padding_mask is not None:
+                mask = key_padding_mask.bool()[:, None, None, :]
+            ctx = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
+            with ctx:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                      enable_gqa=q.shape[1] != k.shape[1])
         if s_q != s_k and s_q > 1:
             if q_positions is None:
                 raise ValueError(f"{s_q} queries against {s_k} keys need their positions")

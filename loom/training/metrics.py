@@ -54,7 +54,7 @@ def average_window(window: list[dict], tokens_per_iter: int, flops_per_iter_per_
     """The last record of ``window`` with loss, step time (s), bubble fraction, tokens/s,
     TFLOP/s per rank and MFU averaged over the window's iterations."""
     avg = dict(window[-1])
-    for key in ("loss", "step_time_s", "bubble_fraction"):
+    for key in ("loss", "step_time_s", "bubble_fraction", "mlm_loss", "sop_loss"):
         if key in avg:
             avg[key] = sum(r[key] for r in window) / len(window)
     avg["tokens_per_s"] = tokens_per_iter / avg["step_time_s"]
@@ -145,6 +145,8 @@ class MetricsLogger:
                 + (f" | moe aux {record['moe_aux_loss']:.4f} | expert load "
                    f"{record['moe_load_min']:.0f}-{record['moe_load_max']:.0f} (max/mean "
                    f"{record['moe_load_imbalance']:.2f})" if "moe_aux_loss" in record else "")
+                + (f" | mlm {record['mlm_loss']:.4f}" if "mlm_loss" in record else "")
+                + (f" | sop {record['sop_loss']:.4f}" if "sop_loss" in record else "")
                 + self._eta(it))
         else:
             what = "validation" if kind == "valid" else kind

@@ -22,6 +22,16 @@ MOE_LOGGED = ("moe aux loss", "moe z loss", "moe load min", "moe load max",
               "moe load imbalance", "moe dropped")  # loss_fn metrics of MoE models, logged
 
 
+def logged_metrics(model) -> tuple[str, ...]:
+    """The ``loss_fn`` metrics a training record carries: MoE's, BERT's masked-LM and
+    sentence-order losses, else none."""
+    if model.num_experts:
+        return MOE_LOGGED
+    if model.model_type == "bert":
+        return ("mlm loss", "sop loss") if model.bert_binary_head else ("mlm loss",)
+    return ()
+
+
 def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
     """``forward_step`` run under ``torch.autocast`` (``--bf16``: matmuls in bf16, fp32 master
     weights); unchanged when ``dtype`` is None."""

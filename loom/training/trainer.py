@@ -21,8 +21,7 @@ from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common
 from loom.checkpoint.model_match import check_same_model
 from loom.checkpoint.saver import Saver
 from loom.config import LoomConfig
-from loom.data.blended import build_datasets
-from loom.data.gpt_dataset import MockGPTDataset
+from loom.data.for_model import build_for_model
 from loom.errors import NonFiniteError
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.models import get_family
@@ -42,7 +41,7 @@ from loom.training.metrics import (MetricsLogger, average_window, peak_flops_per
                                   peak_memory_bytes)
 from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm, lr_at
 from loom.training.resume import reconcile_schedule
-from loom.training.setup import (MOE_LOGGED, checkpoint_interval, chunk_reducer, held_numel,
+from loom.training.setup import (checkpoint_interval, chunk_reducer, held_numel, logged_metrics,
                                  owned_parameters, predict_step_time, with_autocast)
 
 
@@ -111,12 +110,7 @@ class Trainer:
 
     # -- data ------------------------------------------------------------------------------------
     def _datasets(self):
-        d, m = self.cfg.data, self.cfg.model
-        if d.mock_data or not (d.data_path or d.train_data_path or d.valid_data_path
-                               or d.test_data_path):
-            ds = MockGPTDataset(m.vocab_size, m.seq_length, self.cfg.training.seed)
-            return ds, MockGPTDataset(m.vocab_size, m.seq_length, self.cfg.training.seed + 1), None
-        return build_datasets(d, m.seq_length, self.cfg.training.seed)  # blends: loom.data.blended
+        return build_for_model(self.cfg)  # GPT windows or BERT samples: loom.data.for_model
 
     def batches(self, dataset, consumed: int) -> list[dict]:
         """This DP rank's m micro-batches of the global batch starting at sample ``consumed``:
@@ -222,7 +216,7 @@ class Trainer:
         # loss (and, pipelined, the bubble fraction) summed over ranks in one collective
         bubble = self.last_stats.bubble_fraction / self.world_size if self.mesh.pp_size > 1 else 0.0
         local = self._owned_loss(loss) if self.world_size > 1 else float(loss)
-        moe_keys = MOE_LOGGED if self.cfg.model.num_experts else ()
+        moe_keys = logged_metrics(self.cfg.model)  # MoE or BERT (mlm / sop) loss_fn metrics
         m = self.mesh
         owner = m.is_last_stage and m.tp_rank == 0  # mean over DP x CP, from the last stage
         moe = [self.last_metrics.get(k, 0.0) / (m.dp_size * m.sizes["cp"]) if owner else 0.0
