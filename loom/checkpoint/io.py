@@ -38,7 +38,7 @@ from loom.errors import CheckpointWriteError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state, set_rng_state
 from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
-from loom.training.optimizer import local_optimizer
+from loom.training.optimizer import load_optimizer_state_by_name, optimizer_state_by_name
 
 FORMAT = "loom-checkpoint-v1"
 
@@ -120,16 +120,11 @@ def _write_checkpoint(final, tmp, save_dir, iteration, model_chunks, optimizer, 
             "tp_rank": c["tp"], "pp_rank": c["pp"],
         }
         _torch_save(shard, os.path.join(tmp, f"model_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}.pt"))
-    local = local_optimizer(optimizer)
-    sharded = local is not optimizer  # ZeRO: each DP rank holds the states of its parameters
-    if sharded or writer:
-        names = {id(p): n for n, (p, _) in params.items()}
-        states = {names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                 for k, v in st.items()} for p, st in local.state.items()
-                  if id(p) in names}
-        dp_index = mesh.local_rank("dp_cp") if sharded else 0
+    # full TP-local states by name (the distributed optimizer gathers its DP shards: collective)
+    states = optimizer_state_by_name(optimizer, {n: p for n, (p, _) in params.items()})
+    if writer:
         _torch_save(states, os.path.join(
-            tmp, f"optim_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}_dp{dp_index:03d}.pt"))
+            tmp, f"optim_tp{c['tp']:02d}_pp{c['pp']:03d}{suffix}_dp000.pt"))
     _torch_save(get_rng_state(tracker), os.path.join(tmp, f"rng_{mesh.rank:05d}.pt"))
     if _rank() == 0:
         _torch_save({"iteration": iteration, "consumed_samples": consumed_samples,
@@ -256,12 +251,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     index = _ShardIndex(ckpt)
     load_model_weights(index, model_chunks, mesh)
     if optimizer is not None:
-        local = local_optimizer(optimizer)
-        owned = {id(p) for g in local.param_groups for p in g["params"]}
-        params = _named_params(model_chunks)
+        params, states = _named_params(model_chunks), {}
         for name, (p, meta) in params.items():
-            if id(p) not in owned:  # ZeRO: another DP rank holds this parameter's states
-                continue
             saved = index.optimizer_keys(name)
             if not saved:
                 continue
@@ -271,7 +262,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
                     v = local_shard(index.full(name, "optimizer", k), meta, mesh.tp_rank,
                                     mesh.tp_size, name)
                 state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
-            local.state[p] = state
+            states[name] = state
+        load_optimizer_state_by_name(optimizer, {n: p for n, (p, _) in params.items()}, states)
     common = read_common(ckpt)
     if scheduler is not None and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"])

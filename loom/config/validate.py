@@ -183,9 +183,6 @@ def _check_moe(cfg: Any, world_size: int) -> None:
         raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1 would "
                           "drop tokens per sequence shard: use dropless routing (omit the "
                           "factor) or CP 1")
-    if cfg.training.use_distributed_optimizer and e > 1:
-        raise ConfigError("--use-distributed-optimizer does not yet compose with "
-                          "--expert-model-parallel-size > 1: drop one of them")
 
 
 def _resolve_training(cfg: Any, world_size: int) -> None:
@@ -217,6 +214,26 @@ def _resolve_training(cfg: Any, world_size: int) -> None:
     if d.data_path and d.train_data_path:
         raise ConfigError("--data-path and --train-data-path both give the training data: use "
                           "--data-path with --split, or the separate --train/valid/test-data-path")
+
+
+def _check_precision(t: Any) -> None:
+    """``--bf16`` / ``--fp16`` exclusive; ``--zero-stage`` 1 or 2 (implies the distributed
+    optimizer; 3 is FSDP2's); ``--overlap-param-gather`` needs the distributed optimizer."""
+    if t.bf16 and t.fp16:
+        raise ConfigError("--bf16 and --fp16 exclude each other: give one")
+    if t.zero_stage is not None:
+        if t.zero_stage > 2:
+            raise ConfigError(f"--zero-stage {t.zero_stage}: loom's ZeRO stages are 1 and 2 "
+                              f"(the distributed optimizer); parameter sharding is FSDP2's "
+                              f"(--use-torch-fsdp2)")
+        t.use_distributed_optimizer = True
+    elif t.use_distributed_optimizer:
+        t.zero_stage = 1
+    if t.overlap_param_gather and not t.use_distributed_optimizer:
+        raise ConfigError("--overlap-param-gather overlaps the distributed optimizer's "
+                          "parameter all-gather: add --use-distributed-optimizer")
+    if t.loss_scale is not None and not t.fp16:
+        raise ConfigError("--loss-scale scales the loss of --fp16 training: add --fp16")
 
 
 def validate_config(cfg: Any, world_size: int) -> None:
@@ -260,6 +277,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}: "
             f"use a multiple of {t.micro_batch_size * dp}")
     _check_moe(cfg, world_size)
+    _check_precision(t)
     parse_fault(cfg.fault_tolerance.inject_fault)
     ck = cfg.checkpoint
     if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:
