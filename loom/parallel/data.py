@@ -229,11 +229,12 @@ class GradientReducer:
 
     def _launch(self, b: _Bucket) -> None:
         b.launched = True
-        if self.group is None:
-            return
-        b.buffer.div_(self.size)
+        if self.group is not None:
+            b.buffer.div_(self.size)
         if self.scale != 1.0:
             b.buffer.mul_(self.scale)
+        if self.group is None:
+            return
         if not self.shard:
             b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
             return
@@ -278,6 +279,8 @@ class GradientReducer:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                elif self.scale != 1.0:
+                    p.grad.mul_(self.scale)
             return
         if self.keep_sharded:
             self._reduce_into_shards()
