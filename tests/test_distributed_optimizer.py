@@ -172,10 +172,11 @@ def expected_bytes(zero: int, d: int) -> float:
     return {0: 18.0, 1: 6 + 12 / d, 2: 2 + 16 / d}[zero]
 
 
-def save_world(path: str) -> dict:
-    """DP=2 with the distributed optimizer: 2 steps, save, 2 more steps (the reference)."""
+def save_world(path: str, zero: int) -> dict:
+    """DP=2 with the distributed optimizer (ZeRO-``zero``): 2 steps, save, 2 more steps (the
+    reference)."""
     from loom.training.trainer import Trainer
-    cfg = make_cfg(2, zero=1, m=2)
+    cfg = make_cfg(2, zero=zero, m=2)
     cfg.training.train_iters = 4
     tr = Trainer(cfg, mesh=ParallelMesh.build())
     losses = [tr.train_step()["loss"] for _ in range(2)]
@@ -192,7 +193,8 @@ def world2(tmp: str) -> dict:
            "comm-dist": count_collectives(2, 1), "comm-plain": count_collectives(2, 0)}
     for zero in (0, 1, 2):
         res[f"mem-zero{zero}"] = memory_case(2, zero)
-    res["save"] = save_world(tmp)
+    for zero in (1, 2):
+        res[f"save{zero}"] = save_world(f"{tmp}/zero{zero}", zero)
     return res
 
 
@@ -264,16 +266,41 @@ def test_bytes_per_parameter_match_the_formula(results2, results4, zero):
         assert measured[4]["bytes"]["main_grads"] < 1.01 * measured[4]["n"]
 
 
-def test_checkpoint_of_distributed_optimizer_resumes_at_dp1_without_it(results2):
+@pytest.mark.parametrize("zero", [1, 2])
+def test_checkpoint_of_distributed_optimizer_resumes_at_dp1_without_it(results2, zero):
     from loom.training.trainer import Trainer
     res, path = results2
     cfg = make_cfg(2, zero=0, m=2)
     cfg.training.use_distributed_optimizer, cfg.training.zero_stage = False, None
     cfg.training.global_batch_size = 8  # the same global batch at DP=1: m = 4
     cfg.training.train_iters = 4
-    cfg.checkpoint.load = path
+    cfg.checkpoint.load = f"{path}/zero{zero}"
     tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
     assert tr.iteration == 2
     resumed = [tr.train_step()["loss"] for _ in range(2)]
-    want = res[0]["save"]["losses"][2:]
+    want = res[0][f"save{zero}"]["losses"][2:]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(resumed, want)), (resumed, want)
+
+
+def resume_world(path: str, zero: int) -> list:
+    from loom.training.trainer import Trainer
+    cfg = make_cfg(2, zero=zero, m=2)
+    cfg.training.train_iters = 4
+    cfg.checkpoint.load = path
+    tr = Trainer(cfg, mesh=ParallelMesh.build())
+    assert tr.iteration == 2
+    return [tr.train_step()["loss"] for _ in range(2)]
+
+
+def test_plain_checkpoint_resumes_with_zero2_at_dp2(tmp_path):
+    from loom.training.trainer import Trainer
+    cfg = make_cfg(2, zero=0, m=2)
+    cfg.training.global_batch_size, cfg.training.train_iters = 8, 4
+    tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
+    for _ in range(2):
+        tr.train_step()
+    tr.save(str(tmp_path))
+    want = [tr.train_step()["loss"] for _ in range(2)]
+    for resumed in run_distributed(2, resume_world, str(tmp_path), 2, timeout=600):
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(resumed, want)), \
+            (resumed, want)
