@@ -87,10 +87,8 @@ class GradientReducer:
     (parameters that get a bucket of their own: the pipeline-shared embedding, so its shard
     ranges agree on the first and last stage), ``scale`` (multiplies the average: 1/e for
     expert gradients reduced over the expert-data-parallel group).
-    Call :meth:`zero_grad` instead of the optimizer's ``zero_grad``.
-
-    Raises ValueError when a parameter's dtype differs from ``grad_dtype`` without main
-    gradients being possible (never: 16-bit parameters switch to main gradients).
+    Call :meth:`zero_grad` instead of the optimizer's ``zero_grad``. Parameters whose dtype
+    differs from ``grad_dtype`` (16-bit) always use main gradients.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup],

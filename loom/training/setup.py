@@ -1,4 +1,4 @@
-"""Pieces of the trainer's set-up: autocast of the forward step, gradient reducers per chunk
+"""Pieces of the trainer's set-up: gradient reducers per chunk
 (dense and expert parameters), the parameter count, the MoE metrics that are logged, the
 checkpoint interval, the planner's step-time prediction."""
 
@@ -19,18 +19,6 @@ from loom.training.fault import CheckpointInterval
 
 MOE_LOGGED = ("moe aux loss", "moe z loss", "moe load min", "moe load max",
               "moe load imbalance", "moe dropped")  # loss_fn metrics of MoE models, logged
-
-
-def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
-    """``forward_step`` run under ``torch.autocast`` (``--bf16``: matmuls in bf16, fp32 master
-    weights); unchanged when ``dtype`` is None."""
-    if dtype is None:
-        return forward_step
-
-    def step(chunk, batch, hidden_states=None):
-        with torch.autocast(device_type, dtype=dtype):
-            return forward_step(chunk, batch, hidden_states)
-    return step
 
 
 def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, cfg):
