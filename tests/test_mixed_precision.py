@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from loom.config import LoomConfig, ModelConfig
@@ -178,3 +179,20 @@ def test_bf16_checkpoint_resumes_fp32_from_the_masters(tmp_path):
     again = trainer(back)
     for rg in again.optimizer.ranges:
         assert torch.equal(rg.master.view_as(rg.param), masters[rg.name]), rg.name
+
+
+@pytest.mark.parametrize("change, flag", [
+    (dict(bf16=True, fp16=True), "--bf16 and --fp16"),
+    (dict(zero_stage=3), "--zero-stage 3"),
+    (dict(overlap_param_gather=True), "--overlap-param-gather"),
+    (dict(loss_scale=128.0), "--loss-scale")])
+def test_bad_precision_flags_refused(change, flag):
+    from loom.errors import ConfigError
+    with pytest.raises(ConfigError, match=flag):
+        make_cfg(**change).validate(1)
+
+
+def test_zero_stage_implies_the_distributed_optimizer():
+    cfg = make_cfg(zero_stage=2).validate(1)
+    assert cfg.training.use_distributed_optimizer and cfg.training.zero_stage == 2
+    assert make_cfg(use_distributed_optimizer=True).validate(1).training.zero_stage == 1

@@ -18,7 +18,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from loom.config import TrainingConfig
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.registry import ParamMeta
+from loom.parallel.registry import ParamMeta, named_parameters
 from loom.training.main_params import NORM_BLOCK, MainParamOptimizer, _sum_of_squares  # noqa: F401
 
 
@@ -43,12 +43,10 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
         if reducers is None or mesh is None:
             raise ValueError("16-bit parameters and --use-distributed-optimizer need the "
                              "gradient reducers (their fp32 main gradients) and the mesh")
-        from loom.parallel.registry import named_parameters
         chunks = list(model.children()) if isinstance(model, nn.ModuleList) else [model]
-        return MainParamOptimizer(list(named_parameters(chunks)), reducers,
-                                  dict(kw, fused=True) if kw.get("fused") else kw,
+        return MainParamOptimizer(list(named_parameters(chunks)), reducers, kw,
                                   cfg.weight_decay, mesh, cfg.use_distributed_optimizer,
-                                  getattr(cfg, "overlap_param_gather", False))
+                                  cfg.overlap_param_gather)
     decay, no_decay = [], []
     for name, p in named:
         (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
