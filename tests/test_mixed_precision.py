@@ -196,3 +196,13 @@ def test_zero_stage_implies_the_distributed_optimizer():
     cfg = make_cfg(zero_stage=2).validate(1)
     assert cfg.training.use_distributed_optimizer and cfg.training.zero_stage == 2
     assert make_cfg(use_distributed_optimizer=True).validate(1).training.zero_stage == 1
+
+
+def test_bf16_gradient_buffers_without_accumulate_in_fp32():
+    """``--no-accumulate-allreduce-grads-in-fp32``: 16-bit gradient buckets; the masters still
+    step in fp32 (the 16-bit gradient range is upcast) and training proceeds."""
+    tr = trainer(make_cfg(bf16=True, zero_stage=1, accumulate_allreduce_grads_in_fp32=False))
+    assert all(b.buffer.dtype == torch.bfloat16 for b in tr.reducers[0].buckets)
+    recs = [tr.train_step() for _ in range(2)]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in recs)
+    assert all(rg.master.dtype == torch.float32 for rg in tr.optimizer.ranges)
