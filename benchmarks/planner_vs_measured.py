@@ -66,6 +66,7 @@ def make_config(ranks, tp, pp, cp, mbs, recompute, schedule) -> LoomConfig:
     cfg.parallel.pipeline_model_parallel_size = pp
     cfg.parallel.context_parallel_size = cp
     cfg.parallel.pipeline_schedule = schedule
+    cfg.parallel.overlap_grad_reduce = True  # the planner models an overlapped DP reduction
     cfg.training.micro_batch_size = mbs
     cfg.training.global_batch_size = GLOBAL_BATCH
     cfg.training.recompute_granularity = recompute

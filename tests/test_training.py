@@ -68,8 +68,8 @@ def resume_both(tmp: str) -> list:
 
 def test_resume_continues_exactly(tmp_path):
     plain, zero = run_distributed(4, resume_both, str(tmp_path))[0]
-    # DCP keys by parameter and TP shard: with the distributed optimizer each DP rank writes
-    # the Adam states it owns, and together they are the same entries as without it
+    # DCP keys by parameter and TP shard: the distributed optimizer gathers its DP shards at
+    # save, so its entries are the same as without it (written once)
     optim = [{k for k in r["keys"] if k.startswith("optim.")} for r in (plain, zero)]
     assert optim[0] == optim[1] and any(k.endswith("/1of2/exp_avg") for k in optim[0])
     assert ".metadata" in zero["files"]

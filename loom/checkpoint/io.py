@@ -62,7 +62,7 @@ from loom.errors import CheckpointWriteError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state
 from loom.parallel.registry import named_parameters
-from loom.training.optimizer import local_optimizer
+from loom.training.optimizer import optimizer_state_by_name
 
 FORMAT = "loom-checkpoint-v2"
 
@@ -175,13 +175,14 @@ def _save_failed(save_dir: str, iteration: int, tmp: str,
 
 def optimizer_states(optimizer: Optional[torch.optim.Optimizer],
                      params: dict[str, tuple]) -> dict[str, dict]:
-    """``name -> {state key: value}``: the Adam states this rank holds (with the distributed
-    optimizer, those of the parameters it owns). The one place optimizer state is collected."""
+    """``name -> {state key: value}``: the Adam states (and, for 16-bit parameters, the fp32
+    ``master_param``) of this rank's parameters at their TP-local shapes: the distributed
+    optimizer gathers its DP shards (collective), so DP replicas write identical keys once;
+    ZeRO-3's states stay DTensors (DCP writes each rank's rows). The one place optimizer state
+    is collected (:func:`loom.training.optimizer.optimizer_state_by_name`)."""
     if optimizer is None:
         return {}
-    names = {id(p): n for n, (p, _) in params.items()}
-    return {names[id(p)]: dict(st) for p, st in local_optimizer(optimizer).state.items()
-            if id(p) in names}
+    return optimizer_state_by_name(optimizer, {n: p for n, (p, _) in params.items()})
 
 
 def rank_state_dict(model_chunks: Sequence[nn.Module], optimizer, mesh: ParallelMesh,

@@ -28,7 +28,7 @@ from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, set_rng_state
 from loom.parallel.fsdp import shard_like
 from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
-from loom.training.optimizer import local_optimizer
+from loom.training.optimizer import load_optimizer_state_by_name
 
 
 @contextmanager
@@ -164,17 +164,20 @@ def load_model_weights(index, model_chunks: Sequence[nn.Module], mesh: ParallelM
 
 def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: dict,
                        mesh: ParallelMesh) -> None:
-    """Install the loaded Adam states (resharded for this layout) into the parameters this
-    rank's optimizer holds."""
-    local = local_optimizer(optimizer)
+    """Install the loaded Adam states (and fp32 ``master_param``), resharded for this layout:
+    cut to this TP rank's shape (``local_shard``; ZeRO-3: this DP rank's rows, ``shard_like``),
+    then :func:`loom.training.optimizer.load_optimizer_state_by_name` (the distributed optimizer
+    keeps its DP shard of each)."""
+    local_states = {}
     for name, saved in states.items():
         p, meta = params[name]
         state = {}
         for k, v in saved.items():
             if torch.is_tensor(v) and v.ndim > 0 and v.shape == full[name].shape:
                 v = shard_like(p, local_shard(v, meta, mesh.tp_rank, mesh.tp_size, name))
-            state[k] = v.clone().to(p.device) if torch.is_tensor(v) else v
-        local.state[p] = state
+            state[k] = v
+        local_states[name] = state
+    load_optimizer_state_by_name(optimizer, {n: p for n, (p, _) in params.items()}, local_states)
 
 
 @torch.no_grad()
@@ -196,12 +199,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
         return None
     index = open_checkpoint(ckpt)
     params = _named_params(model_chunks)
-    owned = set()
-    if optimizer is not None:  # ZeRO: another DP rank holds the others' states
-        local = local_optimizer(optimizer)
-        owned = {id(p) for g in local.param_groups for p in g["params"]}
-    optim_names = [n for n, (p, _) in params.items()
-                   if id(p) in owned and index.has_optimizer_state(n)]
+    optim_names = [] if optimizer is None else [n for n in params
+                                                if index.has_optimizer_state(n)]
     with open(os.path.join(ckpt, "metadata.json")) as fh:
         meta = json.load(fh)
     world = dist.get_world_size() if dist.is_initialized() else 1

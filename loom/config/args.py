@@ -69,6 +69,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         grp = parser.add_argument_group(gname, (dc.__doc__ or "").strip().splitlines()[0])
         hints = get_type_hints(dc)
         for f in fields(dc):
+            if flag(f.name) in parser._option_string_actions:  # the command's own (loom plan's
+                continue                                       # --zero-stage 0-3)
             hint = hints[f.name]
             text = f.metadata.get("help", "")
             if f.default is not MISSING and f.default is not None and "default" not in text:

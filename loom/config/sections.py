@@ -228,6 +228,9 @@ class ParallelConfig:
         None, "gradient elements per data-parallel reduction bucket (default: "
               "clamp(ceil(P / 4), 250,000 x d, 40M) for P gradient elements and d DP ranks)",
         ge=1)
+    overlap_grad_reduce: bool = opt(False, "launch each gradient bucket's reduction during "
+                                           "backward, when its last gradient arrives (default: "
+                                           "one pass after backward)")
     distributed_backend: Optional[Backend] = opt(
         None, "torch.distributed backend: nccl or gloo (default: nccl on CUDA, gloo on CPU)")
     device: Optional[Device] = opt(None, "cpu or cuda (default: cuda when available, else cpu)")
@@ -255,16 +258,30 @@ class TrainingConfig:
     clip_grad: float = opt(1.0, "clip the global gradient L2 norm to this value (0: no clipping)",
                            ge=0)
     use_distributed_optimizer: bool = opt(
-        False, "ZeRO-1: shard the Adam states over the data-parallel ranks")
+        False, "Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered over DP x "
+               "CP, fp32 master weights and Adam states sharded, parameters all-gathered")
     zero_stage: int = opt(
-        0, "ZeRO stage, 0-3: 1 = --use-distributed-optimizer; 3 = fully sharded data parallel "
-           "(parameters, gradients and Adam states sharded over DP x CP with PyTorch's FSDP2, "
-           "= --use-torch-fsdp2)", ge=0, lt=4)
+        0, "ZeRO stage, 0-3: 1 = --use-distributed-optimizer; 2 = that with gradients kept "
+           "sharded too; 3 = fully sharded data parallel (parameters, gradients and Adam states "
+           "sharded over DP x CP with PyTorch's FSDP2, = --use-torch-fsdp2)", ge=0, lt=4)
     use_torch_fsdp2: bool = opt(
         False, "ZeRO-3 with PyTorch's FSDP2 (fully_shard per transformer layer and per model "
                "chunk, over DP x CP) = --zero-stage 3")
+    overlap_param_gather: bool = opt(False, "distributed optimizer: all-gather the updated "
+                                            "parameters asynchronously, waited for per bucket "
+                                            "in the next forward")
     seed: int = opt(1234, "random seed of initialization, dropout and data order", ge=0)
-    bf16: bool = opt(False, "bfloat16 autocast for the forward and backward passes")
+    bf16: bool = opt(False, "bfloat16 parameters; fp32 main gradients and master weights")
+    fp16: bool = opt(False, "float16 parameters, fp32 main gradients and master weights, "
+                            "loss scaling")
+    accumulate_allreduce_grads_in_fp32: bool = opt(
+        True, "16-bit parameters: accumulate and reduce gradients in fp32 main-gradient buffers")
+    loss_scale: Optional[float] = opt(None, "--fp16: static loss scale (default: dynamic)", gt=0)
+    initial_loss_scale: float = opt(2.0 ** 32, "--fp16: initial dynamic loss scale", gt=0)
+    min_loss_scale: float = opt(1.0, "--fp16: lowest dynamic loss scale", gt=0)
+    loss_scale_window: int = opt(1000, "--fp16: steps without overflow before the scale "
+                                       "doubles", ge=1)
+    hysteresis: int = opt(2, "--fp16: overflows tolerated before the scale halves", ge=1)
     exit_on_nonfinite: Optional[int] = opt(
         None, "stop after N consecutive iterations with a non-finite gradient norm (each one "
               "is skipped and reported; default: never stop)", ge=1)

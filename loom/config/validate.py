@@ -216,23 +216,20 @@ def _check_moe(cfg: Any, world_size: int) -> None:
         raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1 would "
                           "drop tokens per sequence shard: use dropless routing (omit the "
                           "factor) or CP 1")
-    if cfg.training.use_distributed_optimizer and e > 1:
-        raise ConfigError("--use-distributed-optimizer does not yet compose with "
-                          "--expert-model-parallel-size > 1: drop one of them")
 
 
 def _check_zero(cfg: Any) -> None:
-    """``--zero-stage``: 1 is ``--use-distributed-optimizer``; 3 (= ``--use-torch-fsdp2``) is
-    FSDP2 (:mod:`loom.parallel.fsdp`), refused where it does not compose."""
+    """``--zero-stage``: 1 is ``--use-distributed-optimizer`` (and that flag alone means 1), 2 is
+    it with gradients kept sharded, 3 (= ``--use-torch-fsdp2``) is FSDP2
+    (:mod:`loom.parallel.fsdp`), refused where it does not compose."""
     t, p = cfg.training, cfg.parallel
     if t.use_torch_fsdp2 and t.zero_stage not in (0, 3):
         raise ConfigError(f"--use-torch-fsdp2 is ZeRO-3 but --zero-stage is {t.zero_stage}: "
                           f"give one of them")
-    if t.zero_stage == 1:
+    if t.zero_stage in (1, 2):
         t.use_distributed_optimizer = True
-    if t.zero_stage == 2:
-        raise ConfigError("--zero-stage 2 is not available in this build: use --zero-stage 1 "
-                          "(--use-distributed-optimizer) or --zero-stage 3 (--use-torch-fsdp2)")
+    elif t.zero_stage == 0 and t.use_distributed_optimizer:
+        t.zero_stage = 1
     if not (t.use_torch_fsdp2 or t.zero_stage == 3):
         return
     t.zero_stage = 3
@@ -252,6 +249,9 @@ def _check_zero(cfg: Any) -> None:
                           f"--recompute-method uniform --recompute-num-layers "
                           f"{t.recompute_num_layers} bypasses: use --recompute-num-layers 1 or "
                           f"--recompute-method block")
+    if t.fp16:
+        raise ConfigError(f"{flag} with --fp16 has no loss scaler wired to FSDP2 yet: use --bf16 "
+                          f"(FSDP2 mixed precision), or --fp16 with --use-distributed-optimizer")
     if t.compile:
         raise ConfigError(f"{flag} with --compile is not tested yet (the compiled layer call "
                           f"would trace FSDP2's gather hooks): drop --compile, or use "
@@ -287,6 +287,18 @@ def _resolve_training(cfg: Any, world_size: int) -> None:
     if d.data_path and d.train_data_path:
         raise ConfigError("--data-path and --train-data-path both give the training data: use "
                           "--data-path with --split, or the separate --train/valid/test-data-path")
+
+
+def _check_precision(t: Any) -> None:
+    """``--bf16`` / ``--fp16`` exclusive; ``--overlap-param-gather`` needs the distributed
+    optimizer (run after :func:`_check_zero`)."""
+    if t.bf16 and t.fp16:
+        raise ConfigError("--bf16 and --fp16 exclude each other: give one")
+    if t.overlap_param_gather and not t.use_distributed_optimizer:
+        raise ConfigError("--overlap-param-gather overlaps the distributed optimizer's "
+                          "parameter all-gather: add --use-distributed-optimizer")
+    if t.loss_scale is not None and not t.fp16:
+        raise ConfigError("--loss-scale scales the loss of --fp16 training: add --fp16")
 
 
 def validate_config(cfg: Any, world_size: int) -> None:
@@ -332,6 +344,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
             f"use a multiple of {t.micro_batch_size * dp}")
     _check_zero(cfg)
     _check_moe(cfg, world_size)
+    _check_precision(t)
     parse_fault(cfg.fault_tolerance.inject_fault)
     ck = cfg.checkpoint
     if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:

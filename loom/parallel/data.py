@@ -8,6 +8,20 @@ divided by the group size and its all-reduce is launched asynchronously, so comm
 overlaps the rest of backward. :meth:`GradientReducer.finish_grad_sync` waits for all of them
 before the optimizer step. During gradient accumulation, :meth:`no_sync` suppresses the
 reduction until the last micro-batch (as ``torch.nn.parallel.DistributedDataParallel``).
+``overlap=False`` (the trainer's default, Megatron's ``--overlap-grad-reduce`` off) launches no
+reduction during backward: :meth:`finish_grad_sync` reduces the buckets one after the other.
+
+Main gradients (Megatron-LM's ``main_grad``; Micikevicius et al. 2018, "Mixed precision
+training"): with 16-bit parameters, or with ``shard=True``, the buffers are the fp32 main
+gradients and parameters never keep a ``.grad``: each hook adds autograd's (16-bit) gradient
+into the parameter's buffer slice and frees it; read them with :meth:`GradientReducer.main_grad`
+/ :meth:`GradientReducer.shard_grad`. ``shard=True`` (the distributed optimizer, ZeRO stage 1,
+Rajbhandari et al. 2020 sec. 5.1) pads each bucket to a multiple of d, reduce-scatters it
+(``reduce_scatter_single``) so rank r holds the reduced r-th 1/d of every bucket, and keeps the
+parameters in per-bucket flat buffers of the same layout, which :meth:`start_param_gather`
+all-gathers after the optimizer updated this rank's shard. ``keep_sharded=True`` (ZeRO stage 2,
+sec. 5.2) reduce-scatters after every micro-batch's backward into a persistent 1/d shard and
+frees the full bucket buffer (its storage shrinks to 0 bytes until the next backward).
 
 No per-step zeroing and no add on the first micro-batch: :meth:`GradientReducer.zero_grad` only
 sets ``.grad = None``; the first gradient of a step is produced by autograd as a fresh tensor
@@ -48,43 +62,59 @@ def default_bucket_size(num_elements: int, dp_size: int) -> int:
 @dataclass(eq=False)  # identity: buckets hold tensors
 class _Bucket:
     params: list
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # gradients (fp32 main grads), padded to a multiple of d when sharded
     views: list
+    offsets: list  # each parameter's first element in the buffer
     pending: int = 0
     handle: Optional[object] = None
     launched: bool = False
+    param_buffer: Optional[torch.Tensor] = None  # sharded: the parameters' storage
+    param_handle: Optional[object] = None
+    shard: Optional[torch.Tensor] = None  # ZeRO-2: this rank's reduced 1/d, kept
+    has_shard: bool = False  # ZeRO-2: the shard holds this step's gradients
+    dirty: bool = False  # main grads: the buffer holds gradients not reduced yet
 
 
 class GradientReducer:
-    """Bucketed, backward-overlapped gradient all-reduce for ``params`` over ``group``.
+    """Bucketed gradient reduction (all-reduce, or reduce-scatter) for ``params`` over ``group``.
 
     Args: ``params`` (trainable parameters), ``group`` (``mesh.groups["dp_cp"]``; None = one rank,
     nothing to reduce), ``bucket_size`` (elements per bucket, ``--ddp-bucket-size``; None or
-    0 = :func:`default_bucket_size`), ``grad_dtype`` (the buffers' dtype, fp32).
-    Call :meth:`zero_grad` instead of the optimizer's ``zero_grad``.
-
-    Raises ValueError when a parameter's dtype differs from ``grad_dtype``.
+    0 = :func:`default_bucket_size`), ``grad_dtype`` (the buffers' dtype, fp32), ``overlap``
+    (launch a bucket's reduction in backward when its last gradient arrives,
+    ``--overlap-grad-reduce``), ``shard`` (reduce-scatter into 1/d shards, parameters in flat
+    bucket buffers: the distributed optimizer), ``keep_sharded`` (ZeRO-2), ``own_bucket``
+    (parameters that get a bucket of their own: the pipeline-shared embedding, so its shard
+    ranges agree on the first and last stage), ``scale`` (multiplies the average: 1/e for
+    expert gradients reduced over the expert-data-parallel group).
+    Call :meth:`zero_grad` instead of the optimizer's ``zero_grad``. Parameters whose dtype
+    differs from ``grad_dtype`` (16-bit) always use main gradients.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup],
-                 bucket_size: Optional[int] = None, grad_dtype: torch.dtype = torch.float32):
+                 bucket_size: Optional[int] = None, grad_dtype: torch.dtype = torch.float32, *,
+                 overlap: bool = True, shard: bool = False, keep_sharded: bool = False,
+                 own_bucket: Iterable[nn.Parameter] = (), scale: float = 1.0):
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
         self.params = [p for p in params if p.requires_grad]
-        odd = sorted({str(p.dtype) for p in self.params if p.dtype != grad_dtype})
-        if odd:
-            raise ValueError(f"GradientReducer keeps {grad_dtype} gradients; parameters of dtype "
-                             f"{', '.join(odd)} need grad_dtype to match (loom keeps fp32 master "
-                             f"weights and uses autocast for --bf16)")
+        self.overlap, self.shard, self.scale = overlap, shard, scale
+        self.keep_sharded = keep_sharded and shard and self.size > 1
+        self.main_grads = shard or any(p.dtype != grad_dtype for p in self.params)
         self.sync_enabled = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        self._view_of: dict[int, torch.Tensor] = {}
-        if group is not None:
+        self._index_of: dict[int, int] = {}
+        if group is not None or self.main_grads:
             self.bucket_size = bucket_size or default_bucket_size(
                 sum(p.numel() for p in self.params), self.size)
+            alone = {id(p) for p in own_bucket}
             current, count = [], 0
             for p in reversed(self.params):
+                if id(p) in alone:
+                    self._add_bucket([p], grad_dtype)
+                    continue
                 current.append(p)
                 count += p.numel()
                 if count >= self.bucket_size:
@@ -98,21 +128,86 @@ class GradientReducer:
 
     def _add_bucket(self, params: list, dtype: torch.dtype) -> None:
         numel = sum(p.numel() for p in params)
-        buf = torch.empty(numel, dtype=dtype, device=params[0].device)  # written before read
-        views, offset = [], 0
+        padded = -(-numel // self.size) * self.size if self.shard else numel
+        buf = torch.zeros(padded, dtype=dtype, device=params[0].device)
+        views, offsets, offset = [], [], 0
         for p in params:
             views.append(buf[offset:offset + p.numel()].view_as(p))
+            offsets.append(offset)
             offset += p.numel()
-        b = _Bucket(params=params, buffer=buf, views=views, pending=len(params))
+        b = _Bucket(params=params, buffer=buf, views=views, offsets=offsets, pending=len(params))
+        if self.shard:  # the parameters move into one flat buffer of the same layout
+            b.param_buffer = torch.zeros(padded, dtype=params[0].dtype, device=buf.device)
+            for p, o in zip(params, offsets):
+                b.param_buffer[o:o + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = b.param_buffer[o:o + p.numel()].view_as(p)
+            if self.keep_sharded:
+                b.shard = torch.zeros(padded // self.size, dtype=dtype, device=buf.device)
         self.buckets.append(b)
-        for p, v in zip(params, views):
+        for i, p in enumerate(params):
             self._bucket_of[id(p)] = b
-            self._view_of[id(p)] = v
+            self._index_of[id(p)] = i
 
+    # -- where a parameter's gradient lives ------------------------------------------------------
+    def shard_range(self, p: torch.Tensor) -> tuple[int, int]:
+        """``(lo, hi)``: the elements ``p.view(-1)[lo:hi]`` whose reduced gradient this rank
+        holds (and whose master weights and Adam states the distributed optimizer keeps here);
+        ``(0, numel)`` without sharding; ``lo == hi`` when this rank owns none of ``p``."""
+        if not self.shard or id(p) not in self._bucket_of:
+            return 0, p.numel()
+        b = self._bucket_of[id(p)]
+        o = b.offsets[self._index_of[id(p)]]
+        per = b.buffer.numel() // self.size if not self.keep_sharded else b.shard.numel()
+        lo = min(max(self.rank * per, o), o + p.numel()) - o
+        hi = max(min((self.rank + 1) * per, o + p.numel()), o) - o
+        return lo, max(lo, hi)
+
+    def main_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """``p``'s gradient buffer slice (shape of ``p``; fp32 main gradient), or ``p.grad``
+        without buffers; None under ZeRO-2 (the full buffer is freed)."""
+        if id(p) not in self._bucket_of:
+            return p.grad
+        if self.keep_sharded:
+            return None
+        b = self._bucket_of[id(p)]
+        return b.views[self._index_of[id(p)]]
+
+    def shard_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The reduced gradient of ``p.view(-1)[lo:hi]`` (:meth:`shard_range`), 1-D, a view into
+        the buffer (ZeRO-2: into the kept shard); the whole flattened gradient without
+        sharding. Valid after :meth:`finish_grad_sync`."""
+        lo, hi = self.shard_range(p)
+        if id(p) not in self._bucket_of:
+            return p.grad.view(-1)
+        b = self._bucket_of[id(p)]
+        o = b.offsets[self._index_of[id(p)]]
+        if self.keep_sharded:
+            base = self.rank * b.shard.numel()
+            return b.shard[o + lo - base:o + hi - base]
+        return b.buffer[o + lo:o + hi]
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage held now (buffers and ZeRO-2 shards)."""
+        return sum(b.buffer.untyped_storage().nbytes() + (b.shard.numel() * b.shard.element_size()
+                                                          if b.shard is not None else 0)
+                   for b in self.buckets)
+
+    # -- backward ---------------------------------------------------------------------------------
     def _adopt(self, p: torch.Tensor) -> None:
-        """Make ``p.grad`` its buffer slice: copy autograd's first gradient of the step into it,
-        or zeros if there was none."""
-        view = self._view_of[id(p)]
+        """Move autograd's gradient into the buffer. Main gradients: add it to the slice and
+        free it. Otherwise make ``p.grad`` the slice: copy autograd's first gradient of the step
+        into it, or zeros if there was none."""
+        b = self._bucket_of[id(p)]
+        view = b.views[self._index_of[id(p)]]
+        if self.main_grads:
+            if self.keep_sharded and b.buffer.untyped_storage().nbytes() == 0:
+                b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
+                b.buffer.zero_()
+            if p.grad is not None:
+                view.add_(p.grad)
+                b.dirty = True
+                p.grad = None
+            return
         if p.grad is None:
             view.zero_()
         elif p.grad.data_ptr() != view.data_ptr():
@@ -123,7 +218,7 @@ class GradientReducer:
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         self._adopt(p)
-        if not self.sync_enabled:
+        if not self.sync_enabled or not self.overlap or self.keep_sharded:
             return
         b = self._bucket_of[id(p)]
         b.pending -= 1
@@ -131,26 +226,62 @@ class GradientReducer:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        b.buffer.div_(self.size)
-        b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
         b.launched = True
+        if self.group is not None:
+            b.buffer.div_(self.size)
+        if self.scale != 1.0:
+            b.buffer.mul_(self.scale)
+        if self.group is None:
+            return
+        if not self.shard:
+            b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+            return
+        per = b.buffer.numel() // self.size
+        b.handle = _reduce_scatter(b.buffer[self.rank * per:(self.rank + 1) * per], b.buffer,
+                                   self.group, async_op=not self.keep_sharded)
+
+    def _reduce_into_shards(self) -> None:
+        """ZeRO-2: reduce-scatter every bucket now (bucket by bucket, the same calls on every
+        rank), add this rank's 1/d to the kept shard, free the full buffer."""
+        for b in self.buckets:
+            if b.buffer.untyped_storage().nbytes() == 0:  # no gradient since the last one
+                b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
+                b.buffer.zero_()
+            self._launch(b)
+            per = b.shard.numel()
+            mine = b.buffer[self.rank * per:(self.rank + 1) * per]
+            if b.has_shard:
+                b.shard.add_(mine)
+            else:
+                b.shard.copy_(mine)
+            b.has_shard, b.launched, b.handle, b.dirty = True, False, None, False
+            b.buffer.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally (all but the last micro-batch)."""
+        """Accumulate gradients locally (all but the last micro-batch); under ZeRO-2 the
+        micro-batch's gradients are reduce-scattered into the shards when it ends."""
         prev, self.sync_enabled = self.sync_enabled, False
         try:
             yield
         finally:
             self.sync_enabled = prev
+            if self.keep_sharded:
+                self._reduce_into_shards()
 
     def finish_grad_sync(self) -> None:
-        """Give parameters without a gradient zeros, launch buckets whose gradients never all
-        arrived (unused parameters), then wait for every all-reduce."""
-        if self.group is None:
+        """Give parameters without a gradient zeros, launch the buckets not launched during
+        backward (all of them without ``overlap``; those with unused parameters), then wait for
+        every reduction."""
+        if not self.buckets:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                elif self.scale != 1.0:
+                    p.grad.mul_(self.scale)
+            return
+        if self.keep_sharded:
+            self._reduce_into_shards()
             return
         for b in self.buckets:
             if not b.launched:
@@ -158,12 +289,65 @@ class GradientReducer:
                     self._adopt(p)
                 self._launch(b)
         for b in self.buckets:
-            b.handle.wait()
-            b.handle, b.launched, b.pending = None, False, len(b.params)
+            if b.handle is not None:
+                b.handle.wait()
+            b.handle, b.launched, b.pending, b.dirty = None, False, len(b.params), False
 
     def zero_grad(self) -> None:
-        """Forget this step's gradients (``.grad = None``; no pass over memory)."""
+        """Forget this step's gradients: ``.grad = None`` (no pass over memory), or with main
+        gradients zero the buffers (ZeRO-2: the shards)."""
         for p in self.params:
             p.grad = None
         for b in self.buckets:
             b.pending, b.launched, b.handle = len(b.params), False, None
+            if self.main_grads and not self.keep_sharded:
+                b.buffer.zero_()
+            b.has_shard = False
+
+    # -- the distributed optimizer's parameter all-gather ----------------------------------------
+    def start_param_gather(self, async_op: bool) -> None:
+        """All-gather every bucket's parameter buffer from the shards the ranks updated
+        (``all_gather_single``); ``async_op``: return at once (``--overlap-param-gather``),
+        :meth:`wait_param_gather` or the forward pre-hooks of :meth:`hook_param_gather` wait."""
+        if not self.shard or self.group is None:
+            return
+        for b in self.buckets:
+            per = b.param_buffer.numel() // self.size
+            mine = b.param_buffer[self.rank * per:(self.rank + 1) * per].clone()
+            b.param_handle = _all_gather(b.param_buffer, mine, self.group, async_op=async_op)
+            if not async_op:
+                b.param_handle = None
+
+    def wait_param_gather(self, buckets: Optional[Iterable[_Bucket]] = None) -> None:
+        """Wait for the pending parameter all-gathers (of ``buckets``, default all)."""
+        for b in self.buckets if buckets is None else buckets:
+            if b.param_handle is not None:
+                b.param_handle.wait()
+                b.param_handle = None
+
+    def hook_param_gather(self, model: nn.Module) -> None:
+        """Forward pre-hooks on every module of ``model`` that holds parameters of this
+        reducer: before a module's forward, the all-gathers of its parameters' buckets are
+        waited for (so the next forward overlaps the gathers of later buckets)."""
+        if not self.shard or self.group is None:
+            return
+        for module in model.modules():
+            mine = {id(self._bucket_of[id(p)]): self._bucket_of[id(p)]
+                    for p in module.parameters(recurse=False) if id(p) in self._bucket_of}
+            if mine:
+                buckets = list(mine.values())
+                module.register_forward_pre_hook(
+                    lambda mod, args, bs=buckets: self.wait_param_gather(bs))
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    """``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` on an older torch), looked up
+    at call time (tests count the calls)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` on an older torch)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)

@@ -88,12 +88,15 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) ->
                                                              _gather_dim0)
 
 
-def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group: Group) -> None:
+def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group: Group,
+                                      grad_of=None) -> None:
     """Sum the gradients of ``params`` (those the registry marks sequence-parallel) over the TP
-    group in one flat all-reduce."""
+    group in one flat all-reduce. ``grad_of(p)``: where the gradient lives (default
+    ``p.grad``)."""
     if group is None:
         return
-    grads = [local_tensor(p.grad) for p in params if p.grad is not None]  # ZeRO-3: shards
+    grads = [local_tensor(g) for g in (p.grad if grad_of is None else grad_of(p) for p in params)
+             if g is not None and g.numel()]  # ZeRO-3: this rank's shards
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -142,6 +142,7 @@ class MetricsLogger:
                 f"peak mem {record['peak_memory_bytes'] / 2**20:,.0f} MiB"
                 + (f" | bubble {100 * record['bubble_fraction']:.1f}%"
                    if "bubble_fraction" in record else "")
+                + (f" | loss scale {record['loss_scale']:g}" if "loss_scale" in record else "")
                 + (f" | moe aux {record['moe_aux_loss']:.4f} | expert load "
                    f"{record['moe_load_min']:.0f}-{record['moe_load_max']:.0f} (max/mean "
                    f"{record['moe_load_imbalance']:.2f})" if "moe_aux_loss" in record else "")

@@ -19,36 +19,40 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from loom.config import TrainingConfig
 from loom.parallel.fsdp import is_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.registry import ParamMeta
+from loom.parallel.registry import ParamMeta, named_parameters
+from loom.training.main_params import NORM_BLOCK, MainParamOptimizer, _sum_of_squares  # noqa: F401
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig,
-                    dp_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
+                    mesh: Optional[ParallelMesh] = None, reducers=None):
     """AdamW; no weight decay for biases and 1-D parameters (norms), as Megatron-LM.
 
-    With ``--use-distributed-optimizer`` and a data-parallel group, the Adam states are sharded
-    over DP (ZeRO stage 1, Rajbhandari et al. 2020 sec. 5.1: ``4 + 12/d`` instead of 16 bytes
-    per parameter in mixed precision) with ``torch.distributed.optim.ZeroRedundancyOptimizer``:
-    each rank updates the parameters it owns and broadcasts them.
+    fp32 parameters without ``--use-distributed-optimizer``: ``torch.optim.AdamW`` on the
+    parameters. 16-bit parameters (``--bf16`` / ``--fp16``) or the distributed optimizer (ZeRO
+    stage 1/2 over DP x CP, Rajbhandari et al. 2020 sec. 5.1-5.2; Megatron's design: 18 -> 6 +
+    12/d bytes per parameter in bf16): a :class:`~loom.training.main_params.MainParamOptimizer`
+    on fp32 master ranges of the ``reducers``' main gradients (``reducers`` and ``mesh``
+    required; the reducers must have been built with ``shard=True`` for the distributed one).
 
     The update runs as :func:`adamw_implementation` picks (fused where supported).
     """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+              **adamw_implementation([p for _, p in named]))
+    sixteen = any(p.dtype != torch.float32 for _, p in named)
+    if cfg.use_distributed_optimizer or sixteen:
+        if reducers is None or mesh is None:
+            raise ValueError("16-bit parameters and --use-distributed-optimizer need the "
+                             "gradient reducers (their fp32 main gradients) and the mesh")
+        chunks = list(model.children()) if isinstance(model, nn.ModuleList) else [model]
+        return MainParamOptimizer(list(named_parameters(chunks)), reducers, kw,
+                                  cfg.weight_decay, mesh, cfg.use_distributed_optimizer,
+                                  cfg.overlap_param_gather)
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
+    for name, p in named:
+        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-              **adamw_implementation(decay + no_decay))
-    if cfg.use_distributed_optimizer and dp_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        zero = ZeroRedundancyOptimizer(groups[0]["params"], torch.optim.AdamW,
-                                       process_group=dp_group,
-                                       weight_decay=groups[0]["weight_decay"], **kw)
-        for g in groups[1:]:
-            zero.add_param_group(g)
-        return zero
     return torch.optim.AdamW(groups, **kw)
 
 
@@ -64,9 +68,56 @@ def adamw_implementation(params: Iterable[torch.Tensor]) -> dict:
     return {"foreach": True}
 
 
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's Adam states (ZeRO's local shard, or itself)."""
+def local_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer holding this rank's Adam states (the inner AdamW of a
+    :class:`~loom.training.main_params.MainParamOptimizer`, or itself)."""
     return getattr(optimizer, "optim", optimizer)
+
+
+def optimizer_state_by_name(optimizer, named_params: dict) -> dict:
+    """``{name: {key: tensor}}``: the Adam states (``step``, ``exp_avg``, ``exp_avg_sq``; and
+    ``master_param``, the fp32 master weights, for 16-bit parameters) of ``named_params``
+    (``{name: parameter}``), each at the parameter's TP-local full shape, on CPU. With the
+    distributed optimizer the DP shards are all-gathered per bucket: a collective, every rank
+    of the DP x CP group calls it."""
+    if isinstance(optimizer, MainParamOptimizer):
+        return optimizer.state_by_name(set(named_params))
+    names = {id(p): n for n, p in named_params.items()}
+    return {names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                           for k, v in st.items()}
+            for p, st in local_optimizer(optimizer).state.items() if id(p) in names}
+
+
+@torch.no_grad()
+def load_optimizer_state_by_name(optimizer, named_params: dict, states: dict) -> None:
+    """Inverse of :func:`optimizer_state_by_name` at any layout: ``states`` maps names to
+    states at this rank's TP-local shapes; each rank keeps its DP shard. A ``master_param``
+    (saved by a 16-bit run) becomes an fp32 parameter's value, so an fp32 run resumes a 16-bit
+    one from the exact fp32 weights. Names missing from ``states`` keep fresh states."""
+    if isinstance(optimizer, MainParamOptimizer):
+        optimizer.load_state_by_name(states)
+        return
+    local = local_optimizer(optimizer)
+    for name, p in named_params.items():
+        st = states.get(name)
+        if not st:
+            continue
+        st = dict(st)
+        master = st.pop("master_param", None)
+        if master is not None:
+            p.copy_(master.to(p))
+        if st:
+            local.state[p] = {k: v.clone().to(p.device) if torch.is_tensor(v) else v
+                              for k, v in st.items()}
+
+
+def clip_and_norm(optimizer, params, max_norm: float, mesh: ParallelMesh, norm_params,
+                  expert_norm_params, inv_scale: float = 1.0) -> float:
+    """The pre-clip global gradient norm, clipping to ``max_norm``: the optimizer's own
+    (sharded, master-gradient) norm for a MainParamOptimizer, else :func:`clip_grad_norm`."""
+    if isinstance(optimizer, MainParamOptimizer):
+        return optimizer.clip_grad_norm(max_norm, inv_scale)
+    return clip_grad_norm(params, max_norm, mesh, norm_params, expert_norm_params)
 
 
 def lr_at(iteration: int, cfg: TrainingConfig) -> float:
@@ -91,7 +142,8 @@ def lr_at(iteration: int, cfg: TrainingConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
     """``LambdaLR`` following :func:`lr_at`; ``scheduler.last_epoch`` is the iteration."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_at(it, cfg) / cfg.lr)
+    return torch.optim.lr_scheduler.LambdaLR(local_optimizer(optimizer),
+                                             lambda it: lr_at(it, cfg) / cfg.lr)
 
 
 def counts_for_norm(meta: ParamMeta, mesh: ParallelMesh) -> bool:
@@ -99,21 +151,6 @@ def counts_for_norm(meta: ParamMeta, mesh: ParallelMesh) -> bool:
     replicated ones on TP rank 0 only, pipeline duplicates (tied embedding on the last stage)
     never (the registry's :meth:`~loom.parallel.registry.ParamMeta.counts_for_norm`)."""
     return meta.counts_for_norm(mesh.tp_rank)
-
-
-NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see global_grad_norm)
-
-
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``sum_i ||g_i||^2`` in fp64: ``torch._foreach_norm`` over blocks of at most ``NORM_BLOCK``
-    elements (views, no copy), squared and summed in fp64. The blocking is for accuracy: the CPU
-    norm kernel accumulates sequentially in fp32, which on a 2 M-element gradient is off by
-    ~2e-5 relative (``torch.nn.utils.get_total_norm`` included); 64 Ki blocks bring it to ~1e-7."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    blocks = [b for g in grads for b in g.detach().reshape(-1).split(NORM_BLOCK)]
-    norms = torch._foreach_norm(blocks, 2.0)
-    return torch.stack(norms).double().square().sum()
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh,

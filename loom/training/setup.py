@@ -1,4 +1,4 @@
-"""Pieces of the trainer's set-up: autocast of the forward step, gradient reducers per chunk
+"""Pieces of the trainer's set-up: gradient reducers per chunk
 (dense and expert parameters), the parameter count, the MoE metrics that are logged, the
 checkpoint interval, the planner's step-time prediction."""
 
@@ -32,32 +32,32 @@ def logged_metrics(model) -> tuple[str, ...]:
     return ()
 
 
-def with_autocast(forward_step, device_type: str, dtype: Optional[torch.dtype]):
-    """``forward_step`` run under ``torch.autocast`` (``--bf16``: matmuls in bf16, fp32 master
-    weights); unchanged when ``dtype`` is None."""
-    if dtype is None:
-        return forward_step
-
-    def step(chunk, batch, hidden_states=None):
-        with torch.autocast(device_type, dtype=dtype):
-            return forward_step(chunk, batch, hidden_states)
-    return step
-
-
-def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, bucket: int):
+def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, cfg):
     """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
-    gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`).
-    A ``fully_shard``-ed chunk (ZeRO-3) reduce-scatters its own gradients in backward."""
+    gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`), scaled
+    by 1/e. ``cfg`` (a LoomConfig) gives ``--ddp-bucket-size``, ``--overlap-grad-reduce``, the
+    distributed optimizer (reduce-scatter into shards; ZeRO-2 keeps them) and the gradient
+    dtype (fp32 main gradients, or the 16-bit parameters' dtype without
+    ``--accumulate-allreduce-grads-in-fp32``). The pipeline-shared embedding gets a bucket of
+    its own (so its shard ranges agree on the first and last stage). A ``fully_shard``-ed
+    chunk (ZeRO-3) reduce-scatters its own gradients in backward (:mod:`loom.parallel.fsdp`)."""
     if is_fully_sharded(chunk):
         return FSDPGradients(chunk)
+    t = cfg.training
+    dtype = next(chunk.parameters()).dtype
+    kw = dict(bucket_size=cfg.parallel.ddp_bucket_size, overlap=cfg.parallel.overlap_grad_reduce,
+              grad_dtype=torch.float32 if t.accumulate_allreduce_grads_in_fp32 else dtype,
+              shard=t.use_distributed_optimizer, keep_sharded=t.zero_stage == 2,
+              own_bucket=[p for n, p in chunk.named_parameters()
+                          if chunk.registry[n].pipeline_shared])
     if mesh.ep_size == 1:
-        return GradientReducer(chunk.parameters(), mesh.groups["dp_cp"], bucket)
+        return GradientReducer(chunk.parameters(), mesh.groups["dp_cp"], **kw)
     named = [(p, chunk.registry[n].expert_parallel) for n, p in chunk.named_parameters()]
     experts = [p for p, is_expert in named if is_expert]
     return ReducerGroup([GradientReducer([p for p, e in named if not e], mesh.groups["dp_cp"],
-                                         bucket),
-                         GradientReducer(experts, mesh.groups["edp_cp"], bucket)],
-                        experts, 1.0 / mesh.ep_size)
+                                         **kw),
+                         GradientReducer(experts, mesh.groups["edp_cp"], scale=1.0 / mesh.ep_size,
+                                         **kw)], experts, 1.0)
 
 
 def owned_parameters(model_chunks, mesh: ParallelMesh) -> int:

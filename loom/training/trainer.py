@@ -22,27 +22,27 @@ from loom.checkpoint.model_match import check_same_model
 from loom.checkpoint.saver import Saver
 from loom.config import LoomConfig
 from loom.data.for_model import build_for_model
-from loom.errors import NonFiniteError
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.models import get_family
 from loom.models.family import ModelFamily
 from loom.parallel.context import local_positions, slice_for_cp
 from loom.parallel.mesh import ParallelMesh, init_distributed
 from loom.parallel.parallelize import build_model_chunks
-from loom.parallel.pipeline.model import allreduce_embedding_grads
 from loom.parallel.pipeline.schedules import ScheduleResult, forward_only, get_schedule
 from loom.parallel.pipeline.timeline import Timeline, merge
 from loom.parallel.random import RNGTracker, seed_everything
 from loom.parallel.registry import ParamRegistry, named_parameters
-from loom.parallel.sequence import allreduce_sequence_parallel_grads
 from loom.planner.flops import model_flops_per_iteration
 from loom.training.fault import FaultTolerance
 from loom.training.metrics import (MetricsLogger, average_window, peak_flops_per_rank,
                                   peak_memory_bytes)
-from loom.training.optimizer import build_optimizer, build_scheduler, clip_grad_norm, lr_at
+from loom.training.optimizer import build_optimizer, build_scheduler, lr_at
+from loom.training.precision import (cast_parameters, loss_scaler, param_dtype,
+                                     precision_forward_step)
 from loom.training.resume import reconcile_schedule
 from loom.training.setup import (checkpoint_interval, chunk_reducer, held_numel, logged_metrics,
-                                 owned_parameters, predict_step_time, with_autocast)
+                                 owned_parameters, predict_step_time)
+from loom.training.step import finish_gradients, finish_param_gather, optimizer_step
 
 
 class Trainer:
@@ -72,10 +72,11 @@ class Trainer:
         seed_everything(t.seed, mesh.pp_rank, mesh.tp_rank, self.tracker)
         self.model_chunks = build_model_chunks(self.family, cfg, mesh, self.tracker)
         self.registry = ParamRegistry.merged(c.registry for c in self.model_chunks)
-        self.forward_step = with_autocast(self.family.forward_step, mesh.device.type,
-                                          torch.bfloat16 if t.bf16 else None)
-        self.reducers = [chunk_reducer(c, mesh, cfg.parallel.ddp_bucket_size)
-                         for c in self.model_chunks]
+        self.scaler = loss_scaler(t)  # --fp16; 16-bit parameters: loom.training.precision
+        self.forward_step = precision_forward_step(
+            self.family.forward_step, cast_parameters(self.model_chunks, param_dtype(t)),
+            self.scaler)
+        self.reducers = [chunk_reducer(c, mesh, cfg) for c in self.model_chunks]
         named = list(named_parameters(self.model_chunks))
         self.params = [p for _, p, _ in named]
         ep = mesh.ep_size > 1
@@ -84,7 +85,11 @@ class Trainer:
         self.expert_norm_params = [p for _, p, m in named if ep and m.expert_parallel
                                    and m.counts_for_norm(mesh.tp_rank)]
         self.sp_params = [p for _, p, m in named if m.grad_summed_over_tp]
-        self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t, mesh.groups["dp_cp"])
+        self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t, mesh, self.reducers)
+        if t.overlap_param_gather:  # each bucket's all-gather waited for before its first use
+            for c, r in zip(self.model_chunks, self.reducers):
+                for g in getattr(r, "reducers", [r]):
+                    g.hook_param_gather(c)
         self.scheduler = build_scheduler(self.optimizer, t)
         par = cfg.parallel  # the schedule validate() resolved (virtual stages imply interleaved)
         self.schedule = get_schedule(par.pipeline_schedule or (
@@ -144,35 +149,14 @@ class Trainer:
         result: ScheduleResult = self.schedule(
             self.model_chunks, batches, self.forward_step, self.mesh,
             p2p_shape=self.p2p_shape(batches), reducers=self.reducers, recorder=self.timeline)
-        for r in self.reducers:
-            r.finish_grad_sync()
-        if self.sp_params:
-            allreduce_sequence_parallel_grads(self.sp_params, self.mesh.groups["tp"])
-        allreduce_embedding_grads(self.model_chunks, self.mesh)
+        finish_gradients(self)  # DP, then SP over TP and the tied embedding over its group
         self.last_stats, self.last_metrics = result.stats, result.metrics
         return result.loss
 
     def optimizer_step(self) -> float:
-        """Clip by the global norm, AdamW step, LR schedule; returns the pre-clip grad norm.
-        A non-finite norm skips the step (gradients dropped, LR schedule held) and is recorded
-        in ``self.nonfinite``; raises NonFiniteError after ``--exit-on-nonfinite`` in a row."""
-        norm = clip_grad_norm(self.params, self.cfg.training.clip_grad, self.mesh,
-                              self.norm_params, self.expert_norm_params)
-        if not math.isfinite(norm):  # the same on every rank: never train on NaN/inf
-            self.nonfinite.append(self.iteration + 1)
-            for r in self.reducers:
-                r.zero_grad()
-            limit = self.cfg.training.exit_on_nonfinite
-            if limit and len(self.nonfinite) >= limit:
-                raise NonFiniteError(f"--exit-on-nonfinite {limit}: non-finite gradient norm in "
-                                     f"iterations {self.nonfinite}; stopping")
-            return norm
-        self.nonfinite = []
-        self.optimizer.step()
-        self.scheduler.step()
-        for r in self.reducers:
-            r.zero_grad()
-        return norm
+        """Unscale, clip, AdamW, LR schedule, non-finite guard
+        (:func:`loom.training.step.optimizer_step`); returns the pre-clip grad norm."""
+        return optimizer_step(self)
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """Reduce a few host scalars over every rank in one collective (identity on 1 rank)."""
@@ -232,6 +216,8 @@ class Trainer:
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_memory_bytes": peak_memory_bytes(self.mesh.device)}
         rec.update({k.replace(" ", "_"): v for k, v in zip(moe_keys, moe)})
+        if self.scaler is not None:  # --fp16: the scale after this step's update
+            rec["loss_scale"] = self.scaler.scale
         if self.predicted_step_s is not None:
             rec["predicted_step_time_s"] = self.predicted_step_s
         if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
@@ -267,6 +253,7 @@ class Trainer:
     def save(self, save_dir: str, tokenizer_file: Optional[str] = None) -> str:
         """Checkpoint to ``save_dir`` (:class:`~loom.checkpoint.saver.Saver`); its final path."""
         self.faults.mark(self.iteration, "checkpoint save")
+        finish_param_gather(self.optimizer)
         hook = self.faults.save_hook(self.iteration)  # --inject-fault R:N:kill-in-save
         return self.saver.save(self, save_dir, tokenizer_file, hook)
 
@@ -289,6 +276,8 @@ class Trainer:
                                  step=ck.ckpt_step)
         if common is None:
             return False
+        if weights_only and hasattr(self.optimizer, "copy_params_to_masters"):
+            self.optimizer.copy_params_to_masters()  # fp32 masters from the loaded weights
         if not ck.finetune:  # --finetune: the weights only, from iteration 0
             self.iteration = common["iteration"]
             self.consumed_samples = common["consumed_samples"]
@@ -345,8 +334,9 @@ class Trainer:
                 rec = self.train_step()
                 self.saver.poll(log.print)  # finalizes a completed --async-save
                 if not math.isfinite(rec["grad_norm"]):
+                    scale = f", loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else ""
                     log.print(f" iteration {self.iteration}: non-finite gradient norm "
-                              f"{rec['grad_norm']} (loss {rec['loss']}): step skipped")
+                              f"{rec['grad_norm']} (loss {rec['loss']}{scale}): step skipped")
                 window.append(rec)
                 log.advance()
                 if self.iteration % lg.log_interval == 0 or self.iteration == iters:

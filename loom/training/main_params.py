@@ -1,0 +1,270 @@
+"""The optimizer of 16-bit and of sharded training: fp32 master weights and AdamW states for the
+elements this rank owns (Megatron-LM's ``MixedPrecisionOptimizer`` / ``DistributedOptimizer``,
+``megatron/core/optimizer/distrib_optimizer.py``; Rajbhandari et al. 2020, ZeRO, sec. 5.1-5.2).
+
+Each trainable parameter ``p`` is owned, on this rank, over the flat range ``p.view(-1)[lo:hi]``
+that its :class:`~loom.parallel.data.GradientReducer` assigns (:meth:`shard_range`: the whole
+parameter without sharding, the part inside this rank's 1/d of the bucket with the distributed
+optimizer; possibly empty). For that range the optimizer keeps a 1-D fp32 *master* tensor: a
+copy for 16-bit parameters (4 bytes/element), a view of the parameter itself for fp32 ones (as
+Megatron; no copy). ``torch.optim.AdamW`` (fused where supported) steps the masters, in two
+groups: weight decay on matrices, none on biases and 1-D parameters (decided per parameter, so a
+range that spans several parameters is never decayed wrongly). The masters' gradients are the
+reducer's reduced fp32 main-gradient ranges (:meth:`shard_grad`, views: no copy).
+
+After the step the masters are copied into the (16-bit) parameters and, sharded, each bucket's
+parameter buffer is all-gathered (:meth:`GradientReducer.start_param_gather`); with
+``--overlap-param-gather`` the all-gathers run asynchronously and each bucket is waited for by a
+forward pre-hook of the first module that uses it in the next forward
+(:meth:`GradientReducer.hook_param_gather`), or by :meth:`finish_param_gather`.
+
+Memory per parameter in bf16 (fp32 main gradients): 2 (weights) + 4 (main grads) + 12/d (fp32
+master, exp_avg, exp_avg_sq) = 6 + 12/d; ZeRO-2 keeps 4/d of the gradients: 2 + 16/d.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.parallel.data import GradientReducer, _all_gather
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.registry import ParamMeta
+
+
+NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see _sum_of_squares)
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``sum_i ||g_i||^2`` in fp64: ``torch._foreach_norm`` over blocks of at most ``NORM_BLOCK``
+    elements (views, no copy), squared and summed in fp64. The blocking is for accuracy: the CPU
+    norm kernel accumulates sequentially in fp32, which on a 2 M-element gradient is off by
+    ~2e-5 relative (``torch.nn.utils.get_total_norm`` included); 64 Ki blocks bring it to ~1e-7."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    blocks = [b for g in grads for b in g.detach().reshape(-1).split(NORM_BLOCK)]
+    norms = torch._foreach_norm(blocks, 2.0)
+    return torch.stack(norms).double().square().sum()
+
+
+def flat_reducers(reducers) -> list[GradientReducer]:
+    """The :class:`GradientReducer` objects of per-chunk reducers (a ``ReducerGroup`` holds
+    several: dense and expert parameters)."""
+    return [r for x in reducers for r in getattr(x, "reducers", [x])]
+
+
+@dataclass(eq=False)
+class _Range:
+    name: str
+    param: nn.Parameter
+    meta: ParamMeta
+    reducer: GradientReducer
+    lo: int
+    hi: int
+    master: torch.Tensor  # 1-D fp32, hi - lo elements
+    copy: bool  # the master is a copy (16-bit parameter), not a view of the parameter
+    expert: bool  # reduced (and sharded) over the expert-data-parallel group
+
+
+class MainParamOptimizer:
+    """AdamW on fp32 master ranges of 16-bit and/or DP-sharded parameters (see the module).
+
+    Args: ``named`` (``(name, parameter, ParamMeta)`` of this rank's chunks), ``reducers`` (the
+    chunks' reducers, which own the main gradients and the shard ranges), ``groups_kw``
+    (AdamW keyword arguments: lr, betas, eps, fused), ``weight_decay``, ``mesh`` (norm groups),
+    ``sharded`` (the distributed optimizer: the norm is summed over the DP x CP shards),
+    ``overlap_param_gather``. ``optim`` is the inner ``torch.optim.AdamW`` (LR scheduler,
+    ``param_groups``)."""
+
+    def __init__(self, named, reducers, groups_kw: dict, weight_decay: float, mesh: ParallelMesh,
+                 sharded: bool, overlap_param_gather: bool = False):
+        self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
+        self.reducers = flat_reducers(reducers)
+        reducer_of = {id(p): r for r in self.reducers for p in r.params}
+        ep = mesh.ep_size > 1
+        self.ranges: list[_Range] = []
+        decay, no_decay = [], []
+        for name, p, meta in named:
+            if not p.requires_grad:
+                continue
+            r = reducer_of[id(p)]
+            lo, hi = r.shard_range(p)
+            flat = p.detach().view(-1)[lo:hi]
+            copy = p.dtype != torch.float32
+            master = flat.float().clone() if copy else flat
+            self.ranges.append(_Range(name, p, meta, r, lo, hi, master, copy,
+                                      ep and meta.expert_parallel))
+            (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(master)
+        groups = [{"params": decay or [torch.zeros(0, device=mesh.device)],
+                   "weight_decay": weight_decay},
+                  {"params": no_decay or [torch.zeros(0, device=mesh.device)],
+                   "weight_decay": 0.0}]
+        self.optim = torch.optim.AdamW(groups, **groups_kw)
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+        self.steps = 0
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _attach_grads(self, inv_scale: float) -> list[torch.Tensor]:
+        grads = []
+        for rg in self.ranges:
+            g = rg.reducer.shard_grad(rg.param)
+            rg.master.grad = g if g.dtype == torch.float32 else g.float()
+            grads.append(rg.master.grad)
+        if inv_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, inv_scale)
+        return grads
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients, each element once: squares of the masters'
+        gradient ranges that count (:meth:`ParamMeta.counts_for_norm`), summed over the DP x
+        CP shards (expert ranges over the expert-data-parallel shards and the EP group) and
+        the model-parallel group; fp64 sums, one scalar all-reduce per group. 0-d fp32."""
+        dev, tp = self.mesh.device, self.mesh.tp_rank
+        dense = [r.master.grad for r in self.ranges if not r.expert
+                 and r.meta.counts_for_norm(tp) and r.hi > r.lo]
+        experts = [r.master.grad for r in self.ranges if r.expert
+                   and r.meta.counts_for_norm(tp) and r.hi > r.lo]
+        groups = self.mesh.groups
+        sq = _sum_of_squares(dense, dev)
+        if self.sharded and groups["dp_cp"] is not None:
+            dist.all_reduce(sq, group=groups["dp_cp"])
+        if self.mesh.ep_size > 1:
+            esq = _sum_of_squares(experts, dev)
+            if self.sharded and groups.get("edp_cp") is not None:
+                dist.all_reduce(esq, group=groups["edp_cp"])
+            if groups.get("ep") is not None:
+                dist.all_reduce(esq, group=groups["ep"])
+            sq = sq + esq
+        if groups["mp"] is not None:
+            dist.all_reduce(sq, group=groups["mp"])
+        return sq.sqrt().float()
+
+    def clip_grad_norm(self, max_norm: float, inv_scale: float = 1.0) -> float:
+        """Attach the reduced main gradients to the masters (times ``inv_scale``: the fp16 loss
+        scale's inverse), clip them to global norm ``max_norm`` (<= 0: no clipping); returns the
+        norm before clipping (inf/NaN when any gradient is)."""
+        self.finish_param_gather()
+        grads = self._attach_grads(inv_scale)
+        norm = self.grad_norm()
+        value = float(norm)
+        if max_norm > 0 and math.isfinite(value) and max_norm / (value + 1e-6) < 1.0 and grads:
+            torch._foreach_mul_(grads, max_norm / (value + 1e-6))
+        return value
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the masters, masters -> parameters, parameter all-gather (asynchronous with
+        ``--overlap-param-gather``). Call :meth:`clip_grad_norm` first."""
+        self.optim.step()
+        self.steps += 1
+        self.copy_masters_to_params()
+        for r in self.reducers:
+            r.start_param_gather(async_op=self.overlap_param_gather)
+        for rg in self.ranges:
+            rg.master.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for rg in self.ranges:
+            rg.master.grad = None
+
+    @torch.no_grad()
+    def copy_masters_to_params(self) -> None:
+        for rg in self.ranges:
+            if rg.copy and rg.hi > rg.lo:
+                rg.param.detach().view(-1)[rg.lo:rg.hi].copy_(rg.master)
+
+    @torch.no_grad()
+    def copy_params_to_masters(self) -> None:
+        """Masters from the parameters (after loading weights without optimizer states)."""
+        for rg in self.ranges:
+            if rg.copy:
+                rg.master.copy_(rg.param.detach().view(-1)[rg.lo:rg.hi])
+
+    def finish_param_gather(self) -> None:
+        """Wait for every pending parameter all-gather (before reading the parameters)."""
+        for r in self.reducers:
+            r.wait_param_gather()
+
+    # -- checkpoints: states by parameter name at TP-local full shape -----------------------------
+    def _full(self, values: dict) -> dict:
+        """``{id(range): 1-D tensor}`` -> ``{name: full flat fp32 tensor}``: the DP shards
+        gathered per bucket (one ``all_gather_single`` per bucket over the reducer's group)."""
+        out = {}
+        by_param = {id(rg.param): rg for rg in self.ranges}
+        for r in self.reducers:
+            for b in r.buckets:
+                per = b.buffer.numel() // r.size if r.shard else b.buffer.numel()
+                base = r.rank * per if r.shard else 0
+                local = torch.zeros(per, dtype=torch.float32, device=b.buffer.device)
+                for p, o in zip(b.params, b.offsets):
+                    rg = by_param[id(p)]
+                    if rg.hi > rg.lo:
+                        local[o + rg.lo - base:o + rg.hi - base] = values[id(rg)]
+                full = local
+                if r.shard and r.group is not None:
+                    full = torch.empty(per * r.size, dtype=torch.float32, device=local.device)
+                    _all_gather(full, local, r.group, async_op=False)
+                for p, o in zip(b.params, b.offsets):
+                    out[by_param[id(p)].name] = full[o:o + p.numel()].view_as(p).cpu()
+        return out
+
+    def state_by_name(self, names: set) -> dict:
+        """``{name: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}}`` for ``names``, each
+        at the parameter's (TP-local) shape; collective over every reducer's group (all ranks
+        of the DP x CP group must call it). Empty before the first step."""
+        if self.steps == 0:
+            return {}
+        keys = ["exp_avg", "exp_avg_sq"]
+        fulls = {k: self._full({id(rg): self.optim.state[rg.master][k] for rg in self.ranges
+                                if rg.hi > rg.lo}) for k in keys}
+        if any(rg.copy for rg in self.ranges):
+            keys.append("master_param")
+            fulls["master_param"] = self._full({id(rg): rg.master for rg in self.ranges})
+        step = torch.tensor(float(self.steps))
+        return {n: {"step": step, **{k: fulls[k][n] for k in keys}} for n in fulls[keys[0]]
+                if n in names}
+
+    @torch.no_grad()
+    def load_state_by_name(self, states: dict) -> None:
+        """Adam states (and fp32 masters) from ``{name: {key: tensor at the parameter's shape}}``;
+        a parameter without ``master_param`` takes its master from its (loaded) weights."""
+        for rg in self.ranges:
+            st = states.get(rg.name)
+            if rg.copy:
+                src = st.get("master_param") if st else None
+                src = rg.param.detach() if src is None else src
+                rg.master.copy_(src.reshape(-1)[rg.lo:rg.hi].to(rg.master))
+            elif st and "master_param" in st:  # a 16-bit run's exact weights
+                rg.master.copy_(st["master_param"].reshape(-1)[rg.lo:rg.hi].to(rg.master))
+            if not st or "exp_avg" not in st:
+                continue
+            step = float(st.get("step", 0))
+            self.steps = int(step)
+            self.optim.state[rg.master] = {
+                "step": torch.tensor(step, dtype=torch.float32, device=rg.master.device),
+                **{k: st[k].reshape(-1)[rg.lo:rg.hi].to(rg.master).clone()
+                   for k in ("exp_avg", "exp_avg_sq")}}
+        self.copy_masters_to_params()
+
+
+def is_main_param_optimizer(optimizer) -> bool:
+    return isinstance(optimizer, MainParamOptimizer)
+
+
+def param_bytes(optimizer: MainParamOptimizer) -> dict:
+    """Bytes held on this rank by kind: ``params`` (the model's parameters), ``main_grads``
+    (gradient buffers and ZeRO-2 shards), ``master`` (fp32 master copies; 0 for fp32
+    parameters, whose masters are views), ``optimizer`` (Adam's exp_avg and exp_avg_sq)."""
+    params = {id(rg.param): rg.param for rg in optimizer.ranges}
+    out = {"params": sum(p.numel() * p.element_size() for p in params.values()),
+           "main_grads": sum(r.grad_bytes() for r in optimizer.reducers),
+           "master": sum(rg.master.numel() * 4 for rg in optimizer.ranges if rg.copy),
+           "optimizer": 0}
+    for st in optimizer.optim.state.values():
+        out["optimizer"] += sum(v.numel() * v.element_size() for k, v in st.items()
+                                if k in ("exp_avg", "exp_avg_sq"))
+    return out
