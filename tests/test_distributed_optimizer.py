@@ -46,7 +46,7 @@ def make_cfg(world: int, tp=1, pp=1, ep=1, zero=1, og=False, opg=False, m=None, 
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     p.expert_model_parallel_size, p.overlap_grad_reduce = ep, og
     p.ddp_bucket_size = 20_000  # several buckets
-    t.zero_stage = zero or None
+    t.zero_stage = zero or 0
     t.overlap_param_gather = opg
     t.bf16 = bf16
     dp = world // (tp * pp)
@@ -79,7 +79,7 @@ def parity_case(**kw) -> dict:
     rp, rt = ref_cfg.parallel, ref_cfg.training
     rp.tensor_model_parallel_size = rp.pipeline_model_parallel_size = 1
     rp.expert_model_parallel_size, rp.overlap_grad_reduce = 1, False
-    rt.use_distributed_optimizer, rt.zero_stage, rt.overlap_param_gather = False, None, False
+    rt.use_distributed_optimizer, rt.zero_stage, rt.overlap_param_gather = False, 0, False
     ref = Trainer(ref_cfg.validate(1), mesh=ParallelMesh.single())
     owner = {id(q): r for r in flat_reducers(par.reducers) for q in r.params}
     grad_of = grad_getter(par.reducers)
@@ -271,7 +271,7 @@ def test_checkpoint_of_distributed_optimizer_resumes_at_dp1_without_it(results2,
     from loom.training.trainer import Trainer
     res, path = results2
     cfg = make_cfg(2, zero=0, m=2)
-    cfg.training.use_distributed_optimizer, cfg.training.zero_stage = False, None
+    cfg.training.use_distributed_optimizer, cfg.training.zero_stage = False, 0
     cfg.training.global_batch_size = 8  # the same global batch at DP=1: m = 4
     cfg.training.train_iters = 4
     cfg.checkpoint.load = f"{path}/zero{zero}"

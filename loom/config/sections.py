@@ -1,5 +1,5 @@
-"""The configuration sections, filed by concern: model, parallel, training, data, logging,
-checkpoint.
+"""The configuration sections, filed by concern: model, parallel, training, data, logging;
+checkpoint and fault tolerance live in :mod:`loom.config.resilience` (re-exported here).
 
 Every field ``foo_bar`` is the flag ``--foo-bar`` (Megatron-LM's name and meaning) and the YAML
 key ``foo_bar``. Each field carries its help text and its bounds in ``metadata``
@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from loom.config.fields import opt
+from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
 from loom.errors import ConfigError
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
@@ -27,11 +29,6 @@ RouterScore = Literal["softmax", "sigmoid"]
 RecomputeMethod = Literal["uniform", "block"]
 TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
                         "BertWordPieceLowerCase", "BertWordPieceCase"]
-
-
-def opt(default: Any, help: str, **bounds: float) -> Any:  # noqa: A002 - argparse's word
-    """A dataclass field with its help text and numeric bounds (``ge``, ``gt``, ``lt``)."""
-    return field(default=default, metadata={"help": help, **bounds})
 
 
 @dataclass
@@ -352,64 +349,6 @@ class LoggingConfig:
         None, "cluster JSON from `loom plan --calibrate` for step-time predictions")
     timeline: Optional[str] = opt(None, "write a Chrome trace of the pipeline schedule here")
     no_progress_bar: bool = opt(False, "no progress bar on rank 0")
-
-
-@dataclass
-class CheckpointConfig:
-    """Where checkpoints are written and read, and when."""
-
-    save: Optional[str] = opt(None, "directory to save checkpoints to (iter_NNNNNNN/ and "
-                                    "latest_checkpointed_iteration.txt)")
-    load: Optional[str] = opt(None, "directory to resume from (its latest checkpoint, or "
-                                    "--ckpt-step)")
-    save_interval: Optional[int] = opt(
-        None, "iterations between checkpoints, or auto: Young/Daly's interval from the measured "
-              "save time and --mtbf-hours-per-node / --mtbf-hours (default: only at the end)",
-        ge=1, auto=True)
-    ckpt_step: Optional[int] = opt(None, "load iteration N from --load instead of the one "
-                                         "named by latest_checkpointed_iteration.txt", ge=0)
-    overwrite_checkpoints: bool = opt(
-        False, "allow --save to replace checkpoints newer than the start iteration")
-    mtbf_hours_per_node: Optional[float] = opt(
-        None, "mean time between failures of one node, hours, for --save-interval auto (the "
-              "job's MTBF is this / nodes)", gt=0)
-    mtbf_hours: Optional[float] = opt(None, "mean time between failures of the whole job, hours, "
-                                            "for --save-interval auto", gt=0)
-    finetune: bool = opt(False, "load only the weights of --load and start at iteration 0 (no "
-                                "optimizer, scheduler or RNG state; Megatron's fine-tuning)")
-    no_load_optim: bool = opt(False, "do not load the optimizer (Adam) and LR-schedule states")
-    no_load_rng: bool = opt(False, "do not load the random-generator states")
-    keep_last: Optional[int] = opt(None, "keep only the newest N checkpoints in --save "
-                                         "(default: keep all)", ge=1)
-    exit_interval: Optional[int] = opt(None, "save and exit cleanly after an iteration divisible "
-                                             "by N", ge=1)
-    async_save: bool = opt(False, "write checkpoints in the background (torch.distributed."
-                                  "checkpoint.async_save): training continues; the latest "
-                                  "pointer moves once every rank's files are written")
-    override_opt_param_scheduler: bool = opt(
-        False, "on resume, take the learning-rate schedule from these flags even when they "
-               "differ from the checkpoint's")
-    use_checkpoint_opt_param_scheduler: bool = opt(
-        False, "on resume, take the learning-rate schedule from the checkpoint (ignoring "
-               "--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style)")
-
-
-@dataclass
-class FaultToleranceConfig:
-    """Failure drills and hang detection (loom/training/fault.py)."""
-
-    inject_fault: Optional[str] = opt(
-        None, "RANK:ITERATION:KIND: global rank RANK fails when it starts iteration ITERATION "
-              "with KIND kill (SIGKILL), hang (stops making progress) or exception, or "
-              "kill-in-save (SIGKILL in the middle of the checkpoint of ITERATION: its files "
-              "written, before the rename); once per job (not again after a torchrun restart)")
-    hang_timeout_s: Optional[float] = opt(
-        None, "seconds without progress after which a rank reports its iteration, phase and "
-              "Python stacks and exits non-zero so torchrun can restart (default: no watchdog)",
-        gt=0)
-    distributed_timeout_minutes: float = opt(
-        10.0, "timeout of collectives (torch.distributed's process-group timeout), minutes",
-        gt=0)
 
 
 GROUPS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,

@@ -16,7 +16,8 @@ from loom.training.optimizer import clip_and_norm
 def grad_getter(reducers):
     """``p -> gradient tensor``: the reducer's reduced main-gradient range for parameters in
     main-gradient buffers (16-bit or the distributed optimizer), else ``p.grad``."""
-    owner = {id(p): r for r in flat_reducers(reducers) if r.main_grads for p in r.params}
+    owner = {id(p): r for r in flat_reducers(reducers) if getattr(r, "main_grads", False)
+             for p in r.params}
 
     def grad_of(p):
         r = owner.get(id(p))

@@ -1,0 +1,67 @@
+"""Configuration sections of checkpointing and fault tolerance (flags as in
+:mod:`loom.config.sections`: each field ``foo_bar`` is ``--foo-bar``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from loom.config.fields import opt
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints are written and read, and when."""
+
+    save: Optional[str] = opt(None, "directory to save checkpoints to (iter_NNNNNNN/ and "
+                                    "latest_checkpointed_iteration.txt)")
+    load: Optional[str] = opt(None, "directory to resume from (its latest checkpoint, or "
+                                    "--ckpt-step)")
+    save_interval: Optional[int] = opt(
+        None, "iterations between checkpoints, or auto: Young/Daly's interval from the measured "
+              "save time and --mtbf-hours-per-node / --mtbf-hours (default: only at the end)",
+        ge=1, auto=True)
+    ckpt_step: Optional[int] = opt(None, "load iteration N from --load instead of the one "
+                                         "named by latest_checkpointed_iteration.txt", ge=0)
+    overwrite_checkpoints: bool = opt(
+        False, "allow --save to replace checkpoints newer than the start iteration")
+    mtbf_hours_per_node: Optional[float] = opt(
+        None, "mean time between failures of one node, hours, for --save-interval auto (the "
+              "job's MTBF is this / nodes)", gt=0)
+    mtbf_hours: Optional[float] = opt(None, "mean time between failures of the whole job, hours, "
+                                            "for --save-interval auto", gt=0)
+    finetune: bool = opt(False, "load only the weights of --load and start at iteration 0 (no "
+                                "optimizer, scheduler or RNG state; Megatron's fine-tuning)")
+    no_load_optim: bool = opt(False, "do not load the optimizer (Adam) and LR-schedule states")
+    no_load_rng: bool = opt(False, "do not load the random-generator states")
+    keep_last: Optional[int] = opt(None, "keep only the newest N checkpoints in --save "
+                                         "(default: keep all)", ge=1)
+    exit_interval: Optional[int] = opt(None, "save and exit cleanly after an iteration divisible "
+                                             "by N", ge=1)
+    async_save: bool = opt(False, "write checkpoints in the background (torch.distributed."
+                                  "checkpoint.async_save): training continues; the latest "
+                                  "pointer moves once every rank's files are written")
+    override_opt_param_scheduler: bool = opt(
+        False, "on resume, take the learning-rate schedule from these flags even when they "
+               "differ from the checkpoint's")
+    use_checkpoint_opt_param_scheduler: bool = opt(
+        False, "on resume, take the learning-rate schedule from the checkpoint (ignoring "
+               "--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style)")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Failure drills and hang detection (loom/training/fault.py)."""
+
+    inject_fault: Optional[str] = opt(
+        None, "RANK:ITERATION:KIND: global rank RANK fails when it starts iteration ITERATION "
+              "with KIND kill (SIGKILL), hang (stops making progress) or exception, or "
+              "kill-in-save (SIGKILL in the middle of the checkpoint of ITERATION: its files "
+              "written, before the rename); once per job (not again after a torchrun restart)")
+    hang_timeout_s: Optional[float] = opt(
+        None, "seconds without progress after which a rank reports its iteration, phase and "
+              "Python stacks and exits non-zero so torchrun can restart (default: no watchdog)",
+        gt=0)
+    distributed_timeout_minutes: float = opt(
+        10.0, "timeout of collectives (torch.distributed's process-group timeout), minutes",
+        gt=0)
