@@ -1,5 +1,6 @@
-"""``loom evaluate --load CKPT --task perplexity|cloze --eval-data FILE``: zero-shot evaluation
-of a checkpoint (Megatron-LM's ``tasks/zeroshot_gpt`` semantics), on one process or under
+"""``loom evaluate --load CKPT --task perplexity|cloze|mlm --eval-data FILE``: zero-shot
+evaluation of a checkpoint (Megatron-LM's ``tasks/zeroshot_gpt`` semantics; BERT's masked-LM
+accuracy), on one process or under
 torchrun at any ``--tensor-model-parallel-size`` x ``--pipeline-model-parallel-size`` (the
 remaining ranks split the samples as data-parallel replicas).
 
@@ -29,10 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", required=True, choices=task_names(),
                         help="perplexity: token- and word-level perplexity of a text "
                              "(Megatron's WIKITEXT103); cloze: last-word accuracy on a "
-                             "LAMBADA-format jsonl file (Megatron's LAMBADA)")
+                             "LAMBADA-format jsonl file (Megatron's LAMBADA); mlm (BERT): "
+                             "masked-LM accuracy, loss and perplexity of held-out text")
     parser.add_argument("--eval-data", required=True, metavar="PATH",
-                        help="perplexity: a text file (read whole), a .jsonl file (--json-key) "
-                             "or an indexed dataset prefix; cloze: a .jsonl file of "
+                        help="perplexity, mlm: a text file (read whole), a .jsonl file "
+                             "(--json-key) or an indexed dataset prefix; cloze: a .jsonl file of "
                              "{\"text\": ...} lines")
     parser.add_argument("--json-key", default="text",
                         help="the field of a .jsonl line holding the text (default text)")
@@ -45,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict-lambada", action="store_true",
                         help="cloze: predict the last whitespace word (all its tokens), "
                              "not only the last token (Megatron's flag)")
+    parser.add_argument("--seed", type=int, default=1234,
+                        help="mlm: the seed of the masking (same seed, same masked positions; "
+                             "default 1234)")
+    parser.add_argument("--mask-prob", type=float, default=0.15,
+                        help="mlm: fraction of each sample's tokens masked, whole words "
+                             "(default 0.15, BERT's)")
     parser.add_argument("--micro-batch-size", type=int, default=4,
                         help="windows / examples per forward pass, >= 1 (default 4)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1,

@@ -23,7 +23,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -33,11 +33,13 @@ from loom.errors import ConfigError
 @dataclass(frozen=True)
 class Sample:
     """One row of a micro-batch: ``inputs``, ``labels`` (int32), ``mask`` (int8; 1: this
-    position's label counts), each a numpy array of ``seq_length``."""
+    position's label counts), each a numpy array of ``seq_length``; ``padding`` (optional, 1 =
+    a real token, 0 = padding) for the bidirectional families (the batch's ``padding_mask``)."""
 
     inputs: np.ndarray
     labels: np.ndarray
     mask: np.ndarray
+    padding: Optional[np.ndarray] = None
 
 
 def make_sample(ids, mask) -> Sample:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from loom.errors import ConfigError
 
 FLUSH_MICROBATCHES = 16  # micro-batches per forward_only call (bounds in-flight sends)
-ROW_KEYS = ("tokens", "labels", "loss_mask", "valid")  # the batch entries with a row per sample
+ROW_KEYS = ("tokens", "labels", "loss_mask", "valid", "padding_mask")  # the batch entries with a row per sample
 
 
 @dataclass
@@ -97,13 +97,16 @@ def _batches(samples, micro_batch: int, seq_length: int, device) -> list[dict]:
         rows = list(samples[i:i + micro_batch])
         valid = [1.0] * len(rows) + [0.0] * (micro_batch - len(rows))
         rows += [rows[0]] * (micro_batch - len(rows))  # padding rows, weighted 0
-        out.append({
+        batch = {
             "tokens": _stack(rows, "inputs", torch.long, device),
             "labels": _stack(rows, "labels", torch.long, device),
             "loss_mask": _stack(rows, "mask", torch.float32, device),
             "valid": torch.tensor(valid, dtype=torch.float64, device=device),
             "position_ids": torch.arange(seq_length, device=device),
-            "num_microbatches": 1})
+            "num_microbatches": 1}
+        if rows[0].padding is not None:  # bidirectional families: 1 = real token
+            batch["padding_mask"] = _stack(rows, "padding", torch.long, device)
+        out.append(batch)
     return out
 
 

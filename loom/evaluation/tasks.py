@@ -30,6 +30,7 @@ TASKS = {
     ("gpt", "cloze"): "loom.evaluation.cloze:TASK",
     ("mamba", "perplexity"): "loom.evaluation.perplexity:TASK",
     ("mamba", "cloze"): "loom.evaluation.cloze:TASK",
+    ("bert", "mlm"): "loom.evaluation.mlm:TASK",
 }
 
 
