@@ -114,7 +114,7 @@ def _check_model(m: Any, tp: int) -> None:
         raise ConfigError(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}: choose a TP size dividing the head count")
-    if m.num_kv_groups % tp:
+    if m.num_kv_groups % tp and not (m.model_type == "gemma3" and tp % m.num_kv_groups == 0):
         raise ConfigError(
             f"--num-query-groups {m.num_kv_groups} is not divisible by "
             f"--tensor-model-parallel-size {tp}: use a TP size that divides the query groups")
@@ -127,6 +127,29 @@ def _check_model(m: Any, tp: int) -> None:
             f"{m.max_positions}: raise --max-position-embeddings or shorten --seq-length")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}")
+
+
+def _check_gemma3(m: Any) -> None:
+    """--model-type gemma3 fixes the layout (RMSNorm (1 + w), RoPE, GeGLU, no biases, tied
+    output): written into the config so checkpoints describe it; its flags need it."""
+    named = [f for f in ("sliding_window", "layer_types", "rotary_scaling_factor",
+                         "query_pre_attn_scalar", "attn_logit_softcapping",
+                         "final_logit_softcapping") if getattr(m, f) is not None]
+    if m.model_type != "gemma3":
+        if named:
+            raise ConfigError(f"--{named[0].replace('_', '-')} needs --model-type gemma3")
+        return
+    for bad, flag in ((m.num_experts, "--num-experts"), (m.swiglu, "--swiglu"),
+                      (m.untie_embeddings_and_output_weights,
+                       "--untie-embeddings-and-output-weights"), (m.add_qkv_bias, "--add-qkv-bias")):
+        if bad:
+            raise ConfigError(f"{flag}: --model-type gemma3 has a fixed layout (GeGLU MLP, tied "
+                              f"output, no biases): drop {flag}")
+    kinds = m.attention_layer_types
+    if len(kinds) != m.num_layers or set(kinds) - set("LG"):
+        raise ConfigError(f"--layer-types {kinds!r} must have --num-layers {m.num_layers} "
+                          f"characters of L (local, sliding window) and G (global)")
+    m.normalization, m.position_embedding_type, m.disable_bias_linear = "RMSNorm", "rope", True
 
 
 def _check_mamba(m: Any, tp: int, cp: int) -> None:
@@ -232,6 +255,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
                   p.context_parallel_size)
     _check_model(m, tp)
     _check_mamba(m, tp, cp)
+    _check_gemma3(m)
     if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "

@@ -87,6 +87,38 @@ def _check_checkpoints(cfg: LoomConfig) -> int:
     return start
 
 
+def given_fields(args: argparse.Namespace) -> set[str]:
+    """Config fields set on the command line or in the ``--config`` YAML."""
+    given = {k for k, v in vars(args).items() if v is not None}
+    if getattr(args, "config", None):
+        from loom.config.args import read_yaml_config
+        given |= set(read_yaml_config(args.config))
+    return given
+
+
+def _model_from_checkpoint(cfg: LoomConfig, given: set[str]) -> None:
+    """``--load``: every architecture field not given here is the checkpoint's (an imported
+    model's shape needs no flags); given ones are still checked against it
+    (:func:`_check_same_model`)."""
+    ck = cfg.checkpoint
+    if not ck.load:
+        return
+    import dataclasses
+
+    from loom.checkpoint.io import read_common
+    from loom.checkpoint.model_match import NOT_ARCHITECTURE
+    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
+    from loom.config import ModelConfig
+    ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
+    if ckpt is None:
+        return
+    check_checkpoint_files(ckpt)
+    saved = read_common(ckpt)["config"]
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in saved and f.name not in given and f.name not in NOT_ARCHITECTURE:
+            setattr(cfg.model, f.name, saved[f.name])
+
+
 def _vocab_from_checkpoint(cfg: LoomConfig) -> None:
     ck = cfg.checkpoint
     if cfg.model.vocab_size is not None or not ck.load or cfg.data.data_path or \
@@ -136,6 +168,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         raise ConfigError("--mock-data and --data-path exclude each other: give one")
     if d.mock_data and cfg.model.vocab_size is None and not cfg.checkpoint.load:
         raise ConfigError("--mock-data needs --vocab-size V (random token ids 0..V-1)")
+    _model_from_checkpoint(cfg, given_fields(args))
     _vocab_from_checkpoint(cfg)
     cfg = resolve_vocab(cfg)
     cfg.validate(world)
