@@ -87,6 +87,9 @@ def _check_checkpoints(cfg: LoomConfig) -> int:
     return start
 
 
+RUN_FIELDS = ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
+
+
 def given_fields(args: argparse.Namespace) -> set[str]:
     """Config fields set on the command line or in the ``--config`` YAML."""
     given = {k for k, v in vars(args).items() if v is not None}
@@ -97,16 +100,17 @@ def given_fields(args: argparse.Namespace) -> set[str]:
 
 
 def _model_from_checkpoint(cfg: LoomConfig, given: set[str]) -> None:
-    """``--load``: every architecture field not given here is the checkpoint's (an imported
-    model's shape needs no flags); given ones are still checked against it
-    (:func:`_check_same_model`)."""
+    """``--load``: every model field not given here (on the command line or in the YAML) is
+    the checkpoint's: an imported model's shape needs no flags, and its dropout (0 for imported
+    models) is kept. Given architecture flags are still checked against it
+    (:func:`_check_same_model`); the sequence length and the vocabulary padding stay this
+    run's."""
     ck = cfg.checkpoint
     if not ck.load:
         return
     import dataclasses
 
     from loom.checkpoint.io import read_common
-    from loom.checkpoint.model_match import NOT_ARCHITECTURE
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     from loom.config import ModelConfig
     ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
@@ -115,7 +119,7 @@ def _model_from_checkpoint(cfg: LoomConfig, given: set[str]) -> None:
     check_checkpoint_files(ckpt)
     saved = read_common(ckpt)["config"]
     for f in dataclasses.fields(ModelConfig):
-        if f.name in saved and f.name not in given and f.name not in NOT_ARCHITECTURE:
+        if f.name in saved and f.name not in given and f.name not in RUN_FIELDS:
             setattr(cfg.model, f.name, saved[f.name])
 
 
