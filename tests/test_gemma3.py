@@ -130,6 +130,26 @@ def test_logits_match_transformers_tp2():
             assert logits < 1e-5 and loss < 1e-5, (name, logits, loss)
 
 
+def greedy_tp(tp: int = 2) -> list[int]:
+    from loom.inference.generate import SamplingConfig, generate
+    mesh = ParallelMesh.build(tp=tp) if tp > 1 else ParallelMesh.single()
+    model = loom_model(hf_model(kv=1), mesh)
+    return generate(model, [5, 17, 3, 42, 8], 14, SamplingConfig(greedy=True))
+
+
+def test_greedy_generation_with_kv_cache_matches_transformers():
+    """KV-cached decoding past the sliding window (5 + 14 tokens, window 4) at TP=1 and TP=2
+    (replicated KV head) continues exactly as greedy decoding by transformers' full forward."""
+    hf = hf_model(kv=1)
+    ids = [5, 17, 3, 42, 8]
+    with torch.no_grad():
+        for _ in range(14):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    ref = ids[5:]
+    assert greedy_tp(1) == ref
+    assert run_distributed(2, greedy_tp, 2) == [ref, ref]
+
+
 def cli(argv, code: int = 0, capsys=None) -> str:
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.models.attention import apply_rope, rope_cos_sin
+from loom.models.attention import KVCache, apply_rope, rope_cos_sin
 from loom.models.family import StageSpec
 from loom.models.gpt.model import Embedding, lm_loss
 
@@ -98,7 +98,7 @@ class GemmaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         a, g, d, h = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.hidden_size
-        self.head_dim = d
+        self.head_dim, self.layer_number = d, layer_number
         self.kind = cfg.attention_layer_types[layer_number]  # "L" local or "G" global
         self.linear_q = nn.Linear(h, a * d, bias=False)
         self.linear_kv = nn.Linear(h, 2 * g * d, bias=False)
@@ -110,8 +110,8 @@ class GemmaAttention(nn.Module):
             cfg.attention_dropout)
         self.linear_proj = nn.Linear(a * d, h, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple, positions: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         d = self.head_dim
         q = self.linear_q(x)
         s, b, _ = q.shape
@@ -119,6 +119,8 @@ class GemmaAttention(nn.Module):
         q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
         q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
         q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
+        if cache is not None:
+            k, v = cache.update(self.layer_number, k, v)
         out = self.core_attention(q, k, v, positions)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
@@ -153,9 +155,10 @@ class GemmaLayer(nn.Module):
         self.post_mlp_norm = GemmaRMSNorm(h, eps)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, ropes: dict,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        attn = self.self_attention(self.input_norm(x), ropes[self.self_attention.kind], positions)
+    def forward(self, x: torch.Tensor, ropes: dict, positions: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        attn = self.self_attention(self.input_norm(x), ropes[self.self_attention.kind], positions,
+                                   cache)
         x = x + self.hidden_dropout(self.post_attention_norm(attn))
         return x + self.hidden_dropout(self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))))
 
@@ -215,14 +218,18 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         """As :meth:`loom.models.gpt.model.GPTModel.forward`: ``input_ids [b, s]`` on the first
         chunk, ``hidden_states [s, b, h]`` on later ones; returns the per-token loss ``[b, s]``
-        with ``labels``, the logits ``[b, s, Vp]`` without, hidden states on other chunks."""
+        with ``labels``, the logits ``[b, s, Vp]`` without, hidden states on other chunks.
+        ``cache``: generation's KV cache (:meth:`allocate_cache`)."""
         if position_ids is None:
             if input_ids is None:
                 raise ValueError("position_ids are needed by a chunk without the embedding")
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            offset = cache.length if cache is not None else 0
+            position_ids = torch.arange(offset, offset + input_ids.shape[1],
+                                        device=input_ids.device)
         if self.pre_process:
             x = self.embedding(input_ids, position_ids)
             x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # HF: in its dtype
@@ -230,10 +237,22 @@ class Gemma3Model(nn.Module):
             x = hidden_states
         ropes = self.ropes(position_ids)
         for layer in self.layers.values():
-            x = layer(x, ropes, position_ids)
+            x = layer(x, ropes, position_ids, cache)
         if not self.post_process:
             return x
         return self.head(self.final_norm(x), self.output_weight(), labels)
+
+    def allocate_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``max_len`` positions (this rank's
+        KV groups: ``local_groups`` of a replicated KV projection, else from its width)."""
+        cache = KVCache()
+        for name, layer in self.layers.items():
+            kv, d = layer.self_attention.linear_kv, layer.self_attention.head_dim
+            groups = getattr(kv, "local_groups", None) or kv.weight.shape[0] // (2 * d)
+            for store in (cache.keys, cache.values):
+                store[int(name)] = torch.zeros(batch, groups, max_len, d, device=kv.weight.device,
+                                               dtype=dtype or kv.weight.dtype)
+        return cache
 
 
 def forward_step(chunk: Gemma3Model, batch: dict, hidden_states: Optional[torch.Tensor] = None):

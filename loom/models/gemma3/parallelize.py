@@ -47,6 +47,7 @@ class ReplicatedKVLinear(nn.Module):
                  sequence_parallel: bool):
         super().__init__()
         self.group, self.sp = mesh.groups["tp"], sequence_parallel
+        self.local_groups = 1  # the KV heads this rank computes (a KV cache's size)
         d = out_features // (2 * groups)
         j = mesh.tp_rank * groups // mesh.tp_size
         self.rows = (slice(j * d, (j + 1) * d), slice((groups + j) * d, (groups + j + 1) * d))
