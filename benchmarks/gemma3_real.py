@@ -14,7 +14,9 @@ Steps: assemble the GGUF; ``loom checkpoint convert --from-hf GGUF CKPT`` (reuse
 exists); tokenize with the checkpoint's tokenizer.json (the GGUF's own); non-overlapping windows
 of ``--seq-length`` tokens, each starting with ``<bos>``; loom's mean token loss at each TP size
 (spawned gloo ranks for t > 1), and transformers' on the very same windows. Exit status 1 when
-the perplexities differ by more than 0.1% or the top tokens differ.
+the perplexities differ by more than 0.1% or the top tokens differ. Also printed: the top 5
+next tokens and a greedy continuation (loom's KV-cached ``generate`` at each TP size, HF's
+``generate``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 PROMPT = "The capital of Germany is"
+CONTINUE = 10  # greedy tokens after the prompt
 
 
 def read_text(path: str) -> str:
@@ -75,6 +78,7 @@ def loom_eval(ckpt: str, wins: list[torch.Tensor], prompt: list[int]) -> dict:
 
     from loom.checkpoint.io import _ShardIndex, load_model_weights, read_common
     from loom.config import LoomConfig
+    from loom.inference.generate import SamplingConfig, generate
     from loom.models import get_family
     from loom.parallel.mappings import gather_from_tensor_parallel_region
     from loom.parallel.mesh import ParallelMesh
@@ -96,9 +100,11 @@ def loom_eval(ckpt: str, wins: list[torch.Tensor], prompt: list[int]) -> dict:
         logits = gather_from_tensor_parallel_region(logits, mesh.groups["tp"])[0, -1, :cfg.vocab_size]
     probs = torch.softmax(logits.float(), -1)
     top = torch.topk(probs, 5)
-    return {"nll_sum": total, "tokens": count, "load_s": load_s,
-            "eval_s": time.perf_counter() - t0,
-            "top": [(int(i), float(p)) for p, i in zip(top.values, top.indices)]}
+    eval_s = time.perf_counter() - t0
+    greedy = generate(model, prompt, CONTINUE, SamplingConfig(greedy=True))  # KV cache
+    return {"nll_sum": total, "tokens": count, "load_s": load_s, "eval_s": eval_s,
+            "top": [(int(i), float(p)) for p, i in zip(top.values, top.indices)],
+            "greedy": greedy}
 
 
 def hf_eval(gguf: str, wins: list[torch.Tensor], prompt: list[int]) -> dict:
@@ -114,10 +120,12 @@ def hf_eval(gguf: str, wins: list[torch.Tensor], prompt: list[int]) -> dict:
             total += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
             count += len(w) - 1
         probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        eval_s = time.perf_counter() - t0
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=CONTINUE, do_sample=False)
     top = torch.topk(probs, 5)
-    return {"nll_sum": total, "tokens": count, "load_s": load_s,
-            "eval_s": time.perf_counter() - t0,
-            "top": [(int(i), float(p)) for p, i in zip(top.values, top.indices)]}
+    return {"nll_sum": total, "tokens": count, "load_s": load_s, "eval_s": eval_s,
+            "top": [(int(i), float(p)) for p, i in zip(top.values, top.indices)],
+            "greedy": greedy[0, len(prompt):].tolist()}
 
 
 def main() -> int:
@@ -173,6 +181,7 @@ def main() -> int:
         r["ppl"] = math.exp(r["nll_sum"] / r["tokens"])
         r["rel_diff"] = r["ppl"] / ref - 1
         r["top_tokens"] = [(tok.decode([i]), round(p, 4)) for i, p in r["top"]]
+        r["greedy_text"] = tok.decode(r["greedy"])
         same = r["top"][0][0] == results["hf"]["top"][0][0]
         ok &= abs(r["rel_diff"]) <= 1e-3 and same
         print(f"{name:<10} {r['ppl']:>12.4f} {100 * r['rel_diff']:>+8.4f}%  "
@@ -182,6 +191,8 @@ def main() -> int:
         with open(args.json, "w") as fh:
             json.dump({"text": text_path, "seq_length": args.seq_length,
                        "windows": len(wins), "results": results}, fh, indent=1)
+    for name, r in results.items():
+        print(f"{name:<10} greedy: {PROMPT}{r['greedy_text']!r}; top 5: {r['top_tokens']}")
     print("agree to 0.1% and on the top token" if ok else "DISAGREE")
     return 0 if ok else 1
 

@@ -7,7 +7,8 @@ sequence.
 - ``loom checkpoint convert --from-hf`` then ``--to-hf`` gives back identical tensors, the
   tokenizer travels with the checkpoint;
 - a GGUF that is not Gemma 3 (or no GGUF at all) and a non-Gemma HF directory are refused;
-- parity: TP=2 (replicated KV + soft-capping), TP=2 + SP and PP=2 vs one process, 3 steps;
+- parity: TP=2 (replicated KV + soft-capping), TP=2 + SP, PP=2 and CP=2 vs one process,
+  3 steps;
 - fine-tuning: the converted model trains at TP=2 x DP=2 from ``loom train --load`` with no
   model flags, its first loss equal to HF's on the same batch.
 """
@@ -234,7 +235,7 @@ def test_gguf_directory_is_found(tmp_path, capsys):
 # -- parity with the single-process run ------------------------------------------------------
 
 def gemma_cfg(tp: int, dp: int = 1, pp: int = 1, sp: bool = False, kv: int = 2,
-              softcap: bool = False) -> LoomConfig:
+              softcap: bool = False, cp: int = 1) -> LoomConfig:
     cfg = LoomConfig(model=ModelConfig(
         model_type="gemma3", num_layers=4, hidden_size=64, num_attention_heads=4,
         num_query_groups=kv, kv_channels=16, ffn_hidden_size=96, seq_length=16, vocab_size=300,
@@ -245,10 +246,11 @@ def gemma_cfg(tp: int, dp: int = 1, pp: int = 1, sp: bool = False, kv: int = 2,
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.pipeline_model_parallel_size = pp
     cfg.parallel.sequence_parallel = sp
+    cfg.parallel.context_parallel_size = cp
     t = cfg.training
     t.micro_batch_size, t.global_batch_size, t.lr, t.adam_eps, t.clip_grad = 2, 8, 1e-3, 1e-4, 0.5
     cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * dp * pp)
+    return cfg.validate(tp * dp * pp * cp)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -261,11 +263,12 @@ def parity_case(**kw) -> dict:
     cfg = gemma_cfg(**kw)
     p = cfg.parallel
     mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
-                              pp=p.pipeline_model_parallel_size)
+                              pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size)
     par = Trainer(cfg, mesh=mesh)
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.pipeline_model_parallel_size = 1
     ref_cfg.parallel.sequence_parallel = False
+    ref_cfg.parallel.context_parallel_size = 1
     ref = Trainer(ref_cfg, mesh=ParallelMesh.single())
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "nparams": 0}
     for _ in range(3):
@@ -293,10 +296,11 @@ def parity_case(**kw) -> dict:
 def parity_world2() -> dict:
     return {"tp2-mqa-softcap": parity_case(tp=2, kv=1, softcap=True),
             "tp2-sp": parity_case(tp=2, sp=True),
-            "pp2": parity_case(tp=1, pp=2)}
+            "pp2": parity_case(tp=1, pp=2),
+            "cp2": parity_case(tp=1, cp=2)}  # sliding window over all-gathered keys
 
 
-def test_parity_tp2_sp_pp2():
+def test_parity_tp2_sp_pp2_cp2():
     for rank in run_distributed(2, parity_world2):
         for name, case in rank.items():
             assert case["nparams"] > 10, (name, case)
