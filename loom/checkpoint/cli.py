@@ -26,9 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", nargs="?", help="convert: the output directory")
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--to-hf", action="store_true",
-                     help="write config.json + model.safetensors (GPT-2 / LLaMA layouts)")
+                     help="write config.json + model.safetensors (GPT-2 / LLaMA / Gemma 3)")
     way.add_argument("--from-hf", action="store_true",
-                     help="read a Hugging Face GPT-2 / LLaMA directory into a loom checkpoint")
+                     help="read a Hugging Face GPT-2 / LLaMA / Gemma 3 directory, or a Gemma 3 "
+                          "GGUF file, into a loom checkpoint (tokenizer included)")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="iteration to inspect (default: the latest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,12 +1,14 @@
 """``loom checkpoint convert``: loom checkpoints to and from Hugging Face safetensors for the
-GPT-2 and LLaMA layouts, so a model trained in loom leaves it (``--to-hf``: ``config.json`` +
-``model.safetensors``, loadable by ``transformers``' ``from_pretrained``) and a Hugging Face
-model can be trained further (``--from-hf``: a loom checkpoint at iteration 0, no optimizer
-state, that ``loom train --load`` resumes at any layout).
+GPT-2, LLaMA and Gemma 3 layouts, so a model trained in loom leaves it (``--to-hf``:
+``config.json`` + ``model.safetensors``, loadable by ``transformers``' ``from_pretrained``)
+and a Hugging Face model (or a Gemma 3 GGUF file) can be trained further (``--from-hf``: a loom
+checkpoint at iteration 0 with the model's ``tokenizer.json``, no optimizer state, that
+``loom train --load`` resumes at any layout).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,10 +33,12 @@ def to_hf(ckpt_path: str, out_dir: str, step=None) -> str:
     if ckpt is None:
         raise ConfigError(f"{ckpt_path}: no checkpoint there")
     cfg = LoomConfig.from_flat(read_common(ckpt)["config"], ignore_retired=True).model
-    config = hf_config(cfg)
+    from loom.interop.hf_gemma3 import hf_gemma3_config, loom_to_gemma3
+    gemma = cfg.model_type == "gemma3"
+    config = hf_gemma3_config(cfg) if gemma else hf_config(cfg)
     index = open_checkpoint(ckpt)
     full, _, _ = index.load(index.names)
-    sd = loom_to_hf(full, cfg)
+    sd = loom_to_gemma3(full, cfg) if gemma else loom_to_hf(full, cfg)
     if config["tie_word_embeddings"]:
         sd.pop("lm_head.weight", None)  # tied: transformers re-ties it on load
     os.makedirs(out_dir, exist_ok=True)
@@ -48,46 +52,75 @@ def to_hf(ckpt_path: str, out_dir: str, step=None) -> str:
     return out_dir
 
 
-def from_hf(hf_dir: str, out_dir: str) -> str:
-    """A loom checkpoint (iteration 0) in ``out_dir`` from a Hugging Face GPT-2, LLaMA or BERT
-    directory (``config.json`` + ``model.safetensors``); returns the checkpoint path."""
+def _read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
+    """``(config.json, state dict)`` of a Hugging Face directory: ``model.safetensors`` or the
+    shards named by ``model.safetensors.index.json``."""
     from safetensors.torch import load_file
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as fh:
+            hf = json.load(fh)
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.exists(index) and not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+            with open(index) as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+            sd = {}
+            for f in files:
+                sd.update(load_file(os.path.join(hf_dir, f)))
+        else:
+            sd = load_file(os.path.join(hf_dir, "model.safetensors"))
+    except OSError as e:
+        raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({e.filename})") from None
+    return hf, sd
+
+
+def from_hf(src: str, out_dir: str) -> str:
+    """A loom checkpoint (iteration 0) in ``out_dir`` from a Hugging Face GPT-2, LLaMA or
+    Gemma 3 directory (``config.json`` + safetensors), or a Gemma 3 GGUF file (or a directory
+    holding one); the tokenizer (``tokenizer.json``, or the GGUF's) is saved with it. Returns
+    the checkpoint path. Raises ConfigError for another model type or a non-Gemma-3 GGUF."""
+    import tempfile
 
     from loom.checkpoint.io import save_checkpoint
-    from loom.config import LoomConfig
+    from loom.interop.gguf import find_gguf, read_gguf
     from loom.interop.hf import (gpt2_config, gpt2_to_loom, llama_config, llama_to_loom,
                                  load_full_state_dict)
+    from loom.interop.hf_gemma3 import GEMMA3_TYPES, gemma3_config, gemma3_to_loom
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
     from loom.parallel.random import RNGTracker
-    try:
-        with open(os.path.join(hf_dir, "config.json")) as fh:
-            hf = json.load(fh)
-        sd = load_file(os.path.join(hf_dir, "model.safetensors"))
-    except OSError as e:
-        raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({e.filename})") from None
-    kind = hf.get("model_type")
-    if kind not in ("gpt2", "llama", "bert"):
-        raise ConfigError(f"--from-hf {hf_dir}: model_type {kind!r}; gpt2, llama and bert "
-                          f"convert")
-    hf.setdefault("n_inner", None)
-    hf.setdefault("tie_word_embeddings", kind == "gpt2")
-    ns = SimpleNamespace(**hf)
-    if kind == "bert":  # BertForMaskedLM / BertForPreTraining -> post-LN loom BERT
-        from loom.interop.hf_bert import bert_config, bert_to_loom
-        cfg = bert_config(ns, binary_head="cls.seq_relationship.weight" in sd)
-        full = bert_to_loom(sd, cfg)
-    else:
-        cfg = gpt2_config(ns) if kind == "gpt2" else llama_config(ns)
-        full = (gpt2_to_loom if kind == "gpt2" else llama_to_loom)(sd, cfg)
-    mesh = ParallelMesh.single()
-    tracker = RNGTracker(mesh.device)
-    tracker.seed(0)
-    model = build_model(get_family(cfg.model_type), cfg, mesh, tracker, seed=None)
-    load_full_state_dict(model, {n: full[n] for n, _ in model.named_parameters()})
-    optimizer = torch.optim.AdamW(model.parameters())
-    tok = os.path.join(hf_dir, "tokenizer.json")
-    return save_checkpoint(out_dir, 0, [model], optimizer, None, mesh, tracker,
-                           consumed_samples=0, config=LoomConfig(model=cfg).to_flat(),
-                           tokenizer_file=tok if os.path.exists(tok) else None)
+    if not os.path.exists(src):
+        raise ConfigError(f"--from-hf {src}: no such file or directory")
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = find_gguf(src)
+        tok = os.path.join(tmp if gguf else src, "tokenizer.json")
+        hf, sd = read_gguf(gguf, tok) if gguf else _read_hf_dir(src)
+        kind = hf.get("model_type")
+        if kind in GEMMA3_TYPES:
+            cfg = gemma3_config(hf, f"--from-hf {src}")
+            full, family = gemma3_to_loom(sd, cfg), "gemma3"
+        elif kind == "bert":  # BertForMaskedLM / BertForPreTraining -> post-LN loom BERT
+            from loom.interop.hf_bert import bert_config, bert_to_loom
+            cfg = bert_config(SimpleNamespace(**hf),
+                              binary_head="cls.seq_relationship.weight" in sd)
+            full, family = bert_to_loom(sd, cfg), "bert"
+        elif kind in ("gpt2", "llama"):
+            hf.setdefault("n_inner", None)
+            hf.setdefault("tie_word_embeddings", kind == "gpt2")
+            ns = SimpleNamespace(**hf)
+            cfg = gpt2_config(ns) if kind == "gpt2" else llama_config(ns)
+            full, family = (gpt2_to_loom if kind == "gpt2" else llama_to_loom)(sd, cfg), "gpt"
+        else:
+            raise ConfigError(f"--from-hf {src}: model_type {kind!r}; gpt2, llama, bert and "
+                              f"gemma3 (gemma3_text) convert")
+        mesh = ParallelMesh.single()
+        tracker = RNGTracker(mesh.device)
+        tracker.seed(0)
+        model = build_model(get_family(family), cfg, mesh, tracker, seed=None)
+        load_full_state_dict(model, {n: full[n] for n, _ in model.named_parameters()})
+        del full, sd
+        optimizer = torch.optim.AdamW(model.parameters())
+        # the model section only: an imported model has no training schedule to resume
+        return save_checkpoint(out_dir, 0, [model], optimizer, None, mesh, tracker,
+                               consumed_samples=0, config=dataclasses.asdict(cfg),
+                               tokenizer_file=tok if os.path.exists(tok) else None)

@@ -24,7 +24,7 @@ DecayStyle = Literal["cosine", "linear", "constant"]
 Recompute = Literal["selective", "full"]
 Backend = Literal["nccl", "gloo"]
 Device = Literal["cpu", "cuda"]
-ModelType = Literal["gpt", "mamba", "bert"]  # families in loom.models.FAMILY_MODULES
+ModelType = Literal["gpt", "mamba", "bert", "gemma3"]  # families in loom.models.FAMILY_MODULES
 RouterScore = Literal["softmax", "sigmoid"]
 RecomputeMethod = Literal["uniform", "block"]
 TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
@@ -37,8 +37,8 @@ class ModelConfig:
 
     model_type: ModelType = opt("gpt", "model family: gpt (GPT-2 and LLaMA layouts, dense or "
                                        "mixture-of-experts), mamba (Mamba-2 and hybrid "
-                                       "Mamba/attention/MLP stacks) or bert (bidirectional "
-                                       "encoder, masked-LM pretraining)")
+                                       "Mamba/attention/MLP stacks), bert (bidirectional "
+                                       "encoder, masked-LM pretraining) or gemma3 (Gemma 3 text)")
     num_layers: int = opt(4, "L: number of transformer layers", ge=1)
     hidden_size: int = opt(256, "h: transformer hidden size (width of the residual stream)", ge=1)
     num_attention_heads: int = opt(4, "a: attention heads per layer; must divide h "
@@ -109,6 +109,23 @@ class ModelConfig:
                "pre-LN (x = x + f(LN(x)), final LN). Not Megatron's "
                "--apply-residual-connection-post-layernorm, which keeps pre-LN and only takes "
                "the residual from the LayerNorm output")
+    # -- Gemma 3 (--model-type gemma3; HF Gemma3TextConfig's names) -----------------------------
+    sliding_window: Optional[int] = opt(None, "gemma3: keys a local layer's query sees (itself "
+                                              "and the W-1 before it; default: all)", ge=1)
+    sliding_window_pattern: int = opt(6, "gemma3: every N-th layer is global, the rest local "
+                                         "(5 local : 1 global)", ge=1)
+    layer_types: Optional[str] = opt(None, "gemma3: one character per layer, L local (sliding "
+                                           "window) or G global (default: from the pattern)")
+    rotary_base_local: float = opt(10000.0, "gemma3: RoPE base of the local layers (the global "
+                                            "ones use --rotary-base)", gt=0)
+    rotary_scaling_factor: Optional[float] = opt(None, "gemma3: linear RoPE scaling of the global "
+                                                       "layers (positions / factor)", gt=0)
+    query_pre_attn_scalar: Optional[float] = opt(None, "gemma3: attention scores scaled by "
+                                                       "1/sqrt(this) (default: head dim)", gt=0)
+    attn_logit_softcapping: Optional[float] = opt(None, "gemma3: cap * tanh(scores / cap) on "
+                                                        "attention scores", gt=0)
+    final_logit_softcapping: Optional[float] = opt(None, "gemma3: cap * tanh(logits / cap) on "
+                                                         "the output logits", gt=0)
     # -- Mamba-2 / hybrid stacks (--model-type mamba; Dao & Gu 2024; Megatron-LM's names) ------
     hybrid_override_pattern: Optional[str] = opt(
         None, "layer kinds of a hybrid stack, one character per layer: M Mamba, * attention, "
@@ -144,6 +161,13 @@ class ModelConfig:
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (0-based) has an MoE instead of a dense MLP."""
         return bool(self.num_experts) and layer_number % self.moe_layer_freq == 0
+
+    @property
+    def attention_layer_types(self) -> str:
+        """gemma3: ``L`` (local, sliding window) or ``G`` (global) per layer."""
+        n = self.sliding_window_pattern
+        return self.layer_types or "".join("G" if (i + 1) % n == 0 else "L"
+                                           for i in range(self.num_layers))
 
     @property
     def max_positions(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 from loom.data.split import parse_split
 from loom.errors import ConfigError
 from loom.config.fault_spec import parse_fault
+from loom.config.families import check_bert, check_gemma3, check_mamba
 from loom.parallel.pipeline.layout import validate_pipeline
 
 
@@ -116,7 +117,7 @@ def _check_model(m: Any, tp: int) -> None:
         raise ConfigError(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}: choose a TP size dividing the head count")
-    if m.num_kv_groups % tp:
+    if m.num_kv_groups % tp and not (m.model_type == "gemma3" and tp % m.num_kv_groups == 0):
         raise ConfigError(
             f"--num-query-groups {m.num_kv_groups} is not divisible by "
             f"--tensor-model-parallel-size {tp}: use a TP size that divides the query groups")
@@ -129,54 +130,6 @@ def _check_model(m: Any, tp: int) -> None:
             f"{m.max_positions}: raise --max-position-embeddings or shorten --seq-length")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}")
-
-
-def _check_mamba(m: Any, tp: int, cp: int) -> None:
-    if m.hybrid_override_pattern is not None and m.model_type != "mamba":
-        raise ConfigError("--hybrid-override-pattern needs --model-type mamba")
-    if m.model_type != "mamba":
-        return
-    pat = m.hybrid_override_pattern or "M" * m.num_layers
-    d_inner, hd, ng = m.mamba_expand * m.hidden_size, m.mamba_head_dim, m.mamba_num_groups
-    if len(pat) != m.num_layers or set(pat) - set("M*-"):
-        raise ConfigError(f"--hybrid-override-pattern {pat!r} must have --num-layers "
-                          f"{m.num_layers} characters of M (Mamba), * (attention), - (MLP)")
-    if d_inner % hd or (d_inner // hd) % ng:
-        raise ConfigError(f"Mamba: --mamba-expand x --hidden-size = {d_inner} must split into "
-                          f"heads of --mamba-head-dim {hd}, a multiple of --mamba-num-groups {ng}")
-    if "M" in pat and (d_inner // hd) % tp:
-        raise ConfigError(f"{d_inner // hd} Mamba heads (--mamba-expand x --hidden-size / "
-                          f"--mamba-head-dim) not divisible by --tensor-model-parallel-size {tp}")
-    if "M" in pat and ng % tp:
-        raise ConfigError(f"--mamba-num-groups {ng} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}: choose G a multiple of t")
-    if "M" in pat and cp > 1:
-        raise ConfigError("--context-parallel-size > 1 is not supported with Mamba layers "
-                          "(the scan would need the state passed between CP ranks): use 1")
-
-
-def _check_bert(m: Any, cp: int) -> None:
-    """BERT: bidirectional, learned positions, tied output, no context parallelism."""
-    if m.model_type != "bert":
-        for name in ("bert_binary_head", "post_layernorm"):
-            if getattr(m, name):
-                raise ConfigError(f"{_flag(name)} needs --model-type bert")
-        return
-    if cp > 1:
-        raise ConfigError("--context-parallel-size > 1 is not supported with --model-type bert "
-                          "(the padding mask and the [CLS] pooler would need the sequence "
-                          "gathered over CP): use 1, and TP/SP/PP/DP to scale")
-    if m.num_experts:
-        raise ConfigError("--num-experts: --model-type bert has dense MLPs only")
-    if m.position_embedding_type != "learned_absolute":
-        raise ConfigError("--position-embedding-type: BERT uses learned_absolute positions")
-    if m.untie_embeddings_and_output_weights:
-        raise ConfigError("--untie-embeddings-and-output-weights: BERT's masked-LM output is "
-                          "tied to the word embeddings")
-    least = 5 if m.bert_binary_head else 3
-    if m.seq_length < least:
-        raise ConfigError(f"--seq-length {m.seq_length}: a BERT sample needs at least {least} "
-                          f"positions ([CLS] A [SEP]{' B [SEP]' if m.bert_binary_head else ''})")
 
 
 def _check_moe(cfg: Any, world_size: int) -> None:
@@ -313,8 +266,9 @@ def validate_config(cfg: Any, world_size: int) -> None:
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.context_parallel_size)
     _check_model(m, tp)
-    _check_mamba(m, tp, cp)
-    _check_bert(m, cp)
+    check_mamba(m, tp, cp)
+    check_bert(m, cp)
+    check_gemma3(m)
     if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "

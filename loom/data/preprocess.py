@@ -166,6 +166,18 @@ def load_tokenizer_for(prefix: str) -> Tokenizer:
     return tok
 
 
+def checkpoint_tokenizer(path: str) -> Tokenizer:
+    """The ``tokenizer.json`` saved in a loom checkpoint (``--save`` directory or one
+    ``iter_N/``). Raises ConfigError naming ``--tokenizer-from`` when there is none."""
+    from loom.checkpoint.safety import resolve_checkpoint
+    ckpt = path if os.path.exists(os.path.join(path, "common.pt")) else resolve_checkpoint(path)
+    tok = os.path.join(ckpt, "tokenizer.json") if ckpt else None
+    if tok is None or not os.path.isfile(tok):
+        raise ConfigError(f"--tokenizer-from {path}: neither a dataset prefix nor a checkpoint "
+                          f"holding a tokenizer.json")
+    return Tokenizer.load(tok)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Megatron ``preprocess_data.py`` flags for ``loom preprocess``."""
     parser.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files")
@@ -184,7 +196,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to every document")
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (1 = in-process)")
     parser.add_argument("--tokenizer-from", default=None, metavar="PREFIX",
-                        help="reuse the tokenizer stored beside dataset PREFIX (same ids for held-out data)")
+                        help="reuse the tokenizer stored beside dataset PREFIX (same ids for held-out "
+                             "data), or the one saved in checkpoint directory PREFIX (fine-tuning "
+                             "an imported model)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,8 +214,11 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer_from:
         if args.tokenizer_type:
             raise ConfigError("--tokenizer-from and --tokenizer-type are exclusive; give one")
-        tok = load_tokenizer_for(args.tokenizer_from)
-        tokenizer_type = read_meta(args.tokenizer_from).get("tokenizer_type")
+        if os.path.isdir(args.tokenizer_from):  # a checkpoint (e.g. an imported model)
+            tok, tokenizer_type = checkpoint_tokenizer(args.tokenizer_from), "HuggingFaceTokenizer"
+        else:
+            tok = load_tokenizer_for(args.tokenizer_from)
+            tokenizer_type = read_meta(args.tokenizer_from).get("tokenizer_type")
     else:
         if not args.tokenizer_type:
             raise ConfigError(f"--tokenizer-type is required (one of {', '.join(TOKENIZER_TYPES)}), "

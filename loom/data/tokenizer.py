@@ -22,7 +22,8 @@ class Tokenizer:
     Attributes:
         vocab_size: int, number of ids including special/added tokens.
         eod: int, id of the end-of-document token (``<|endoftext|>``; for foreign tokenizer.json
-            files without it, the first of ``</s>``, ``<|end_of_text|>``, ``<eos>``, ... found).
+            files without it, the first of ``</s>``, ``<|end_of_text|>``, ``<eos>``, ... found,
+            special tokens before plain ones).
 
     Raises:
         ConfigError: (naming ``--tokenizer-model``) when no end-of-document token exists.
@@ -30,8 +31,13 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer, eod: Optional[int] = None):
         self.hf = hf_tokenizer
-        if eod is None:
-            for tok in _EOD_FALLBACKS:
+        if eod is None:  # a special (added) token first: Gemma has a plain "</s>" and "<eos>"
+            try:
+                special = {t.content for t in hf_tokenizer.get_added_tokens_decoder().values()
+                           if t.special}
+            except AttributeError:  # tokenizers < 0.14
+                special = set()
+            for tok in sorted(_EOD_FALLBACKS, key=lambda t: t not in special):
                 eod = hf_tokenizer.token_to_id(tok)
                 if eod is not None:
                     break

@@ -104,8 +104,11 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_for_inference(args.load, args.tensor_model_parallel_size, args.ckpt_step)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
-    new = generate(model, tok.encode(args.prompt), args.max_new_tokens, sampling,
-                   stop_ids=[tok.eod])
+    ids = tok.encode(args.prompt)
+    bos = tok.hf.token_to_id("<bos>") if model.cfg.model_type == "gemma3" else None
+    if bos is not None:  # Gemma is trained with <bos> first
+        ids = [bos] + ids
+    new = generate(model, ids, args.max_new_tokens, sampling, stop_ids=[tok.eod])
     if model.mesh.rank == 0:
         print(args.prompt + tok.decode(new), flush=True)
     return 0

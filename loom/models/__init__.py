@@ -7,8 +7,8 @@ import importlib
 
 from loom.models.family import ModelFamily
 
-FAMILY_MODULES = {"gpt": "loom.models.gpt", "mamba": "loom.models.mamba",
-                  "bert": "loom.models.bert"}  # --model-type -> FAMILY
+FAMILY_MODULES = {"gpt": "loom.models.gpt", "mamba": "loom.models.mamba",  # --model-type -> FAMILY
+                  "bert": "loom.models.bert", "gemma3": "loom.models.gemma3"}
 
 
 def get_family(name: str = "gpt") -> ModelFamily:

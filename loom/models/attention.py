@@ -18,10 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[s, d]`` of rotary embeddings (Su et al. 2021), halves layout (``rotate_half``)."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
+                 scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[s, d]`` of rotary embeddings (Su et al. 2021), halves layout (``rotate_half``);
+    ``scaling_factor``: linear position interpolation (frequencies / factor)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                             device=positions.device) / head_dim))
+    if scaling_factor != 1.0:
+        inv_freq = inv_freq / scaling_factor
     freqs = torch.outer(positions.float(), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()

@@ -60,9 +60,10 @@ class ParamMeta:
     ``duplicate``: this rank's copy is not the owner (kept out of the gradient norm).
     ``expert_parallel``: an expert's weight, held by one rank of the EP group only (gradients
     reduced over the expert-data-parallel group; norm summed over EP). ``tp_partial_grad``:
-    replicated over TP, but each TP rank's gradient covers only its share of the tokens
-    (experts under ``--expert-tensor-parallel-size 1``), so it is summed over TP like a
-    sequence-parallel parameter's.
+    replicated over TP, but each TP rank's gradient is partial (experts under
+    ``--expert-tensor-parallel-size 1``: its share of the tokens; Gemma 3's replicated KV
+    projection and QK-norms: its own heads), so it is summed over TP like a sequence-parallel
+    parameter's.
     """
 
     full_shape: tuple[int, ...]

@@ -87,6 +87,42 @@ def _check_checkpoints(cfg: LoomConfig) -> int:
     return start
 
 
+RUN_FIELDS = ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
+
+
+def given_fields(args: argparse.Namespace) -> set[str]:
+    """Config fields set on the command line or in the ``--config`` YAML."""
+    given = {k for k, v in vars(args).items() if v is not None}
+    if getattr(args, "config", None):
+        from loom.config.args import read_yaml_config
+        given |= set(read_yaml_config(args.config))
+    return given
+
+
+def _model_from_checkpoint(cfg: LoomConfig, given: set[str]) -> None:
+    """``--load``: every model field not given here (on the command line or in the YAML) is
+    the checkpoint's: an imported model's shape needs no flags, and its dropout (0 for imported
+    models) is kept. Given architecture flags are still checked against it
+    (:func:`_check_same_model`); the sequence length and the vocabulary padding stay this
+    run's."""
+    ck = cfg.checkpoint
+    if not ck.load:
+        return
+    import dataclasses
+
+    from loom.checkpoint.io import read_common
+    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
+    from loom.config import ModelConfig
+    ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
+    if ckpt is None:
+        return
+    check_checkpoint_files(ckpt)
+    saved = read_common(ckpt)["config"]
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in saved and f.name not in given and f.name not in RUN_FIELDS:
+            setattr(cfg.model, f.name, saved[f.name])
+
+
 def _vocab_from_checkpoint(cfg: LoomConfig) -> None:
     ck = cfg.checkpoint
     if cfg.model.vocab_size is not None or not ck.load or cfg.data.data_path or \
@@ -136,6 +172,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         raise ConfigError("--mock-data and --data-path exclude each other: give one")
     if d.mock_data and cfg.model.vocab_size is None and not cfg.checkpoint.load:
         raise ConfigError("--mock-data needs --vocab-size V (random token ids 0..V-1)")
+    _model_from_checkpoint(cfg, given_fields(args))
     _vocab_from_checkpoint(cfg)
     cfg = resolve_vocab(cfg)
     cfg.validate(world)
