@@ -61,7 +61,7 @@ def check_bert(m: Any, cp: int) -> None:
     if m.model_type != "bert":
         for name in ("bert_binary_head", "post_layernorm"):
             if getattr(m, name):
-                raise ConfigError(f"{_flag(name)} needs --model-type bert")
+                raise ConfigError(f"--{name.replace('_', '-')} needs --model-type bert")
         return
     if cp > 1:
         raise ConfigError("--context-parallel-size > 1 is not supported with --model-type bert "

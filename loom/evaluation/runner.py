@@ -39,14 +39,15 @@ class EvalModel:
 
 def check_layout(cfg, tp: int, pp: int, world: int) -> None:
     """Refuse a layout this model cannot take, naming the flag (before any process group)."""
-    from loom.config.validate import _check_mamba, _check_model
+    from loom.config.families import check_mamba
+    from loom.config.validate import _check_model
     if world % (tp * pp):
         raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size "
                           f"{tp} x --pipeline-model-parallel-size {pp}: launch a multiple of "
                           f"{tp * pp} ranks")
     m = cfg.model
     _check_model(m, tp)
-    _check_mamba(m, tp, 1)
+    check_mamba(m, tp, 1)
     if m.num_layers % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the "
                           f"checkpoint's {m.num_layers} layers: choose a PP size dividing it")
