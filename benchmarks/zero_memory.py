@@ -4,7 +4,8 @@ Reference work: ``vs_torch_native.reference_config`` (4 layers, h 256, FFN 1024,
 global batch 8, AdamW, no clipping). Per variant, a fresh spawned world of ``--dp`` ranks runs
 ``--warmup`` + ``--steps`` steps; a step's time is the slowest rank's, the variant's the median.
 Variants: plain all-reduce after backward, overlapped buckets (``--overlap-grad-reduce``), the
-distributed optimizer (+ ``--overlap-param-gather``), ZeRO-2, each in fp32 and bf16. Reported
+distributed optimizer (+ ``--overlap-param-gather``), ZeRO-2, ZeRO-3 (FSDP2), each in fp32 and
+bf16. Reported
 per rank: tensor bytes by kind (parameters, gradient buffers, fp32 master copies, Adam states)
 per parameter, and peak RSS (``ru_maxrss``, the process's whole life). One JSON line per
 variant, then a markdown table. On a CPU without bf16 arithmetic (AVX2) a bf16 GEMM is ~100x
@@ -31,7 +32,7 @@ from loom.testing import run_distributed  # noqa: E402
 
 VARIANTS = {  # name: (overlap grad reduce, zero stage, overlap param gather)
     "all-reduce": (False, 0, False), "overlap": (True, 0, False),
-    "dist-opt": (True, 1, True), "zero2": (True, 2, False)}
+    "dist-opt": (True, 1, True), "zero2": (True, 2, False), "zero3": (False, 3, False)}
 
 
 def tensor_bytes(tr) -> dict:
@@ -39,6 +40,12 @@ def tensor_bytes(tr) -> dict:
     from loom.training.main_params import MainParamOptimizer, flat_reducers, param_bytes
     if isinstance(tr.optimizer, MainParamOptimizer):
         return param_bytes(tr.optimizer)
+    if tr.cfg.training.zero_stage == 3:  # FSDP2: local shards; gradient shards (fp32) as held
+        from loom.parallel.fsdp import local_tensor, model_state_bytes  # during the step
+        b = model_state_bytes(tr.params, tr.optimizer)
+        return {"params": b["params"], "main_grads": sum(local_tensor(p).numel() * 4
+                                                          for p in tr.params),
+                "master": 0, "optimizer": b["optimizer"]}
     grads = sum(r.grad_bytes() for r in flat_reducers(tr.reducers)) or \
         sum(p.numel() * 4 for p in tr.params)
     states = sum(v.numel() * v.element_size() for st in tr.optimizer.state.values()
@@ -57,7 +64,7 @@ def run(variant: str, bf16: bool, steps: int, warmup: int) -> dict:
     og, zero, opg = VARIANTS[variant]
     cfg = reference_config(1, 1, dp, False, 8 // dp, "1f1b", warmup + steps)
     cfg.parallel.overlap_grad_reduce = og
-    cfg.training.zero_stage = zero or None
+    cfg.training.zero_stage = zero
     cfg.training.overlap_param_gather = opg
     cfg.training.bf16 = bf16
     tr = Trainer(cfg.validate(dp), mesh=ParallelMesh.build())
