@@ -3,15 +3,21 @@
 Each rank runs ``fn(*args)`` after ``init_process_group("gloo")`` (file rendezvous, no ports to
 pick); the return values come back to the caller, by rank. A failure on any rank raises in the
 caller with that rank's traceback; a hang is killed after ``timeout`` seconds.
+:func:`torchrun_train` runs ``loom train`` under torchrun (the drills), :func:`logged_losses`
+reads the losses back from its ``--log-json``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue as queue_mod
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -79,3 +85,29 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
         if os.path.exists(init_file):
             os.unlink(init_file)
     return [results[r] for r in range(world_size)]
+
+
+def torchrun_train(args: list[str], restarts: int = 0, timeout: float = 180,
+                   nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node NPROC --max-restarts RESTARTS -m loom train
+    ARGS`` with this checkout on ``PYTHONPATH`` and one thread per rank; output captured."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    exe = Path(sys.executable).with_name("torchrun")
+    return subprocess.run([str(exe), "--standalone", "--nproc-per-node", str(nproc),
+                           "--max-restarts", str(restarts), "--monitor-interval", "0.5", "-m",
+                           "loom", "train", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def logged_losses(log: Path) -> dict[int, float]:
+    """The last logged loss of every iteration of a ``--log-json`` file (a re-run iteration
+    overwrites the first)."""
+    out = {}
+    for line in Path(log).read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "train":
+            out[rec["iteration"]] = rec["loss"]
+    return out

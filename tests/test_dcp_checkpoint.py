@@ -16,10 +16,8 @@ and the crash-during-save drill.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,9 +26,8 @@ import pytest
 import torch
 
 from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainingConfig
-from loom.testing import run_distributed
+from loom.testing import logged_losses, run_distributed, torchrun_train
 
-REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
 SAVED_AT, MORE = 4, 4
 
@@ -190,51 +187,31 @@ MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-si
          "--tensor-model-parallel-size", "2"]
 
 
-def torchrun(args: list[str], restarts: int = 0, timeout: float = 180):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    exe = Path(sys.executable).with_name("torchrun")
-    return subprocess.run([str(exe), "--standalone", "--nproc-per-node", "2", "--max-restarts",
-                           str(restarts), "--monitor-interval", "0.5", "-m", "loom", "train",
-                           *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def losses(log: Path) -> dict[int, float]:
-    """The last logged loss of every iteration (a re-run iteration overwrites the first)."""
-    out = {}
-    for line in log.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "train":
-            out[rec["iteration"]] = rec["loss"]
-    return out
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[int, float]:
     """The losses of the uninterrupted 6-iteration run (TP=2, 2 ranks)."""
     log = tmp_path_factory.mktemp("straight") / "straight.jsonl"
-    r = torchrun(MODEL + ["--log-json", str(log)])
+    r = torchrun_train(MODEL + ["--log-json", str(log)])
     assert r.returncode == 0, r.stderr[-2000:]
-    return losses(log)
+    return logged_losses(log)
 
 
 def test_kill_during_save_keeps_the_previous_checkpoint_and_resumes(tmp_path, straight):
     from loom.checkpoint.safety import check_checkpoint_files
     ck = tmp_path / "ck"
     run = MODEL + ["--save", str(ck), "--load", str(ck), "--save-interval", "2"]
-    drill = torchrun(run + ["--inject-fault", "1:4:kill-in-save",
+    drill = torchrun_train(run + ["--inject-fault", "1:4:kill-in-save",
                             "--log-json", str(tmp_path / "drill.jsonl")])
     assert drill.returncode != 0  # the run died in the save of iteration 4
     assert "kill-in-save fires on rank 1 (its checkpoint files written" in drill.stderr
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert not (ck / "iter_0000004").exists()  # at most a partial iter_0000004.tmp
     check_checkpoint_files(str(ck / "iter_0000002"))
-    again = torchrun(run + ["--log-json", str(tmp_path / "again.jsonl")])
+    again = torchrun_train(run + ["--log-json", str(tmp_path / "again.jsonl")])
     assert again.returncode == 0, again.stderr[-2000:]
     assert "starting at iteration 2" in again.stdout
     assert not (ck / "iter_0000004.tmp").exists()
-    got = losses(tmp_path / "again.jsonl")
+    got = logged_losses(tmp_path / "again.jsonl")
     assert sorted(got) == [3, 4, 5, 6]
     for it in got:
         assert got[it] == pytest.approx(straight[it], rel=1e-5), (it, got[it], straight[it])
@@ -245,13 +222,13 @@ def test_kill_during_async_save_restarts_under_torchrun(tmp_path, straight):
     background write of iteration 4 while training goes on; torchrun restarts the job and it
     resumes from iteration 2 with the straight run's losses."""
     ck = tmp_path / "ck"
-    drill = torchrun(MODEL + ["--save", str(ck), "--load", str(ck), "--save-interval", "2",
+    drill = torchrun_train(MODEL + ["--save", str(ck), "--load", str(ck), "--save-interval", "2",
                               "--async-save", "--inject-fault", "1:4:kill-in-save",
                               "--log-json", str(tmp_path / "async.jsonl")], restarts=1)
     assert drill.returncode == 0, drill.stderr[-3000:]
     assert "kill-in-save fires on rank 1" in drill.stderr
     assert re.search(r"\(exitcode: (-9|1)\)", drill.stderr), drill.stderr[-2000:]
-    got = losses(tmp_path / "async.jsonl")
+    got = logged_losses(tmp_path / "async.jsonl")
     assert sorted(got) == list(range(1, 7))
     for it in got:
         assert got[it] == pytest.approx(straight[it], rel=1e-5), (it, got[it], straight[it])

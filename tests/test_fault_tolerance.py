@@ -7,52 +7,27 @@ resumed run (refused when changed, unless overridden either way).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from loom.cli import main
+from loom.testing import logged_losses, torchrun_train
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
          "--log-interval", "1", "--no-progress-bar"]
 
 
-def torchrun(args: list[str], timeout: float = 180, restarts: int = 0):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    exe = Path(sys.executable).with_name("torchrun")
-    return subprocess.run([str(exe), "--standalone", "--nproc-per-node", "2", "--max-restarts",
-                           str(restarts), "--monitor-interval", "0.5", "-m", "loom", "train",
-                           *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def losses(log: Path) -> dict[int, float]:
-    """The last logged loss of every iteration (a re-run iteration overwrites the first)."""
-    out = {}
-    for line in log.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "train":
-            out[rec["iteration"]] = rec["loss"]
-    return out
-
-
 def test_kill_drill_resumes_and_matches_the_straight_run(tmp_path):
     common = MODEL + ["--train-iters", "10", "--tensor-model-parallel-size", "2"]
-    straight = torchrun(common + ["--log-json", str(tmp_path / "straight.jsonl")])
+    straight = torchrun_train(common + ["--log-json", str(tmp_path / "straight.jsonl")])
     assert straight.returncode == 0, straight.stderr[-2000:]
     ck = tmp_path / "ck"
-    drill = torchrun(common + ["--save", str(ck), "--load", str(ck), "--save-interval", "2",
+    drill = torchrun_train(common + ["--save", str(ck), "--load", str(ck), "--save-interval", "2",
                                "--inject-fault", "1:6:kill",
                                "--log-json", str(tmp_path / "drill.jsonl")], restarts=1)
     assert drill.returncode == 0, drill.stderr[-3000:]
@@ -60,7 +35,7 @@ def test_kill_drill_resumes_and_matches_the_straight_run(tmp_path):
     # collective, 1, whichever it saw first) and the injected fault fired on rank 1
     assert re.search(r"\(exitcode: (-9|1)\)", drill.stderr), drill.stderr[-2000:]
     assert "--inject-fault 1:6:kill fires on rank 1" in drill.stderr
-    want, got = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "drill.jsonl")
+    want, got = logged_losses(tmp_path / "straight.jsonl"), logged_losses(tmp_path / "drill.jsonl")
     assert sorted(got) == list(range(1, 11))
     for it in range(1, 11):
         assert got[it] == pytest.approx(want[it], rel=1e-5), (it, got[it], want[it])
@@ -68,7 +43,7 @@ def test_kill_drill_resumes_and_matches_the_straight_run(tmp_path):
 
 def test_hang_drill_names_rank_and_iteration(tmp_path):
     t0 = time.monotonic()
-    r = torchrun(MODEL + ["--train-iters", "8", "--inject-fault", "1:4:hang",
+    r = torchrun_train(MODEL + ["--train-iters", "8", "--inject-fault", "1:4:hang",
                           "--hang-timeout-s", "20"], timeout=120)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
