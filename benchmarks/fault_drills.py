@@ -13,19 +13,24 @@ MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-si
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
          "--log-interval", "1", "--no-progress-bar", "--tensor-model-parallel-size", "2"]
-tmp = tempfile.mkdtemp()
-t0 = time.time()
-r = torchrun_train(MODEL + ["--train-iters", "10", "--save", f"{tmp}/ck", "--load", f"{tmp}/ck",
-                            "--save-interval", "2", "--inject-fault", "1:6:kill"], restarts=1)
-t1 = time.time()
-text = r.stdout + r.stderr
-print("kill drill exit", r.returncode, "wall", round(t1 - t0, 1))
-for l in text.splitlines():
-    if re.search(r"iteration +[0-9]+ \|| fires|loom: \{|exitcode|Restarting|restart|resum", l):
-        print(l[:160])
-t0 = time.time()
-r = torchrun_train(MODEL + ["--train-iters", "8", "--inject-fault", "1:4:hang", "--hang-timeout-s", "20"])
-print("hang drill exit", r.returncode, "wall", round(time.time() - t0, 1))
-for l in (r.stdout + r.stderr).splitlines():
-    if re.search(r"iteration +[0-9]+ \|| fires|hang detected|exitcode", l):
-        print(l[:200])
+def main() -> None:
+    tmp = tempfile.mkdtemp()
+    t0 = time.time()
+    r = torchrun_train(MODEL + ["--train-iters", "10", "--save", f"{tmp}/ck", "--load", f"{tmp}/ck",
+                                "--save-interval", "2", "--inject-fault", "1:6:kill"], restarts=1)
+    t1 = time.time()
+    text = r.stdout + r.stderr
+    print("kill drill exit", r.returncode, "wall", round(t1 - t0, 1))
+    for l in text.splitlines():
+        if re.search(r"iteration +[0-9]+ \|| fires|loom: \{|exitcode|Restarting|restart|resum", l):
+            print(l[:160])
+    t0 = time.time()
+    r = torchrun_train(MODEL + ["--train-iters", "8", "--inject-fault", "1:4:hang", "--hang-timeout-s", "20"])
+    print("hang drill exit", r.returncode, "wall", round(time.time() - t0, 1))
+    for l in (r.stdout + r.stderr).splitlines():
+        if re.search(r"iteration +[0-9]+ \|| fires|hang detected|exitcode", l):
+            print(l[:200])
+
+
+if __name__ == "__main__":
+    main()
