@@ -13,6 +13,8 @@ MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-si
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
          "--log-interval", "1", "--no-progress-bar", "--tensor-model-parallel-size", "2"]
+
+
 def main() -> None:
     tmp = tempfile.mkdtemp()
     t0 = time.time()
