@@ -1,7 +1,7 @@
-"""Profile of one 1-rank step of the reference work (1 thread): loom, loom with the fused
-chunked cross-entropy patched in (``vs_torch_native.enable_fused_ce_preview``), and the native
-module. Self CPU time per component (torch.profiler, op names grouped as in ``CATS``), plus the
-median wall time of 5 steps interleaved loom / native step by step. Prints JSON, then a table.
+"""Profile of one 1-rank step of the reference work (1 thread): loom as the trainer runs it and
+the native module (``native_parallel.py``). Self CPU time per component (torch.profiler, op
+names grouped as in ``CATS``, first match wins), plus the median wall time of 7 steps
+interleaved loom / native step by step (first step of each dropped). Prints JSON, then a table.
 
     OMP_NUM_THREADS=1 python benchmarks/profile_step.py
 """
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CATS = [("GEMM (mm/addmm/bmm)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_")),
         ("attention core (SDPA fwd+bwd)", ("scaled_dot_product",)),
-        ("softmax / CE elementwise", ("aten::exp", "aten::max", "aten::sub", "aten::mul",
+        ("softmax / CE elementwise", ("softmax", "aten::exp", "aten::max", "aten::sub", "aten::mul",
                                       "aten::div", "aten::scatter", "aten::gather",
                                       "aten::masked_fill", "aten::sum", "_log_softmax",
                                       "aten::log", "aten::reciprocal", "aten::clamp",
@@ -48,40 +48,32 @@ def categorize(prof):
 def main():
     torch.set_num_threads(1)
     from torch.profiler import profile, ProfilerActivity
-    from vs_torch_native import reference_config, enable_fused_ce_preview
+    from vs_torch_native import reference_config
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
     from native_parallel import NativeRunner
-    cfg = reference_config(1,1,1,False,8,"1f1b",10)
+    cfg = reference_config(1, 1, 1, False, 8, "1f1b", 10)
     loom = Trainer(cfg, mesh=ParallelMesh.single())
-    native = NativeRunner(cfg,1,1,1,False,"none","1f1b")
+    native = NativeRunner(cfg, 1, 1, 1, False, "none", "1f1b")
     batches = loom.batches(loom.train_ds, 0)
+
     def loom_step():
-        loom.forward_backward(batches); loom.optimizer_step()
-    res = {}
+        loom.forward_backward(batches)
+        loom.optimizer_step()
     steps = {"loom": loom_step, "native": lambda: native.step(batches)}
     walls = {k: [] for k in steps}
-    for rep in range(5):  # A B A B, interleaved step by step
+    for rep in range(8):  # A B A B, interleaved step by step
         for k, f in steps.items():
             t0 = time.perf_counter()
             f()
             walls[k].append(time.perf_counter() - t0)
+    res = {}
     for k, f in steps.items():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             f()
         res[k] = categorize(prof)
-    enable_fused_ce_preview()
-    loom_step()
-    walls["loom+fusedCE (after, not interleaved)"] = fused = []
-    for rep in range(5):
-        t0 = time.perf_counter()
-        loom_step()
-        fused.append(time.perf_counter() - t0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        loom_step()
-    res["loom+fusedCE"] = categorize(prof)
     return {"profile_ms": res,
-            "wall_median_s": {k: statistics.median(v) for k, v in walls.items()}}
+            "wall_median_s": {k: statistics.median(v[1:]) for k, v in walls.items()}}
 
 
 if __name__ == "__main__":
@@ -89,8 +81,8 @@ if __name__ == "__main__":
     r = run_distributed(1, main, timeout=1200)[0]
     print(json.dumps(r))
     cats = list(r["profile_ms"]["loom"])
-    print("| component | loom ms | loom + fused CE ms | native ms |\n|---|---|---|---|")
+    print("| component | loom ms | native ms |\n|---|---|---|")
     for c in cats + ["total"]:
         vals = [sum(r["profile_ms"][k].values()) if c == "total" else r["profile_ms"][k][c]
-                for k in ("loom", "loom+fusedCE", "native")]
+                for k in ("loom", "native")]
         print(f"| {c} | " + " | ".join(f"{v:.0f}" for v in vals) + " |")

@@ -16,6 +16,17 @@ time, but it does not see waiting, i.e. pipeline bubbles and exposed communicati
 optimizer state, activations), max over ranks. One thread per rank. Prints one JSON line per
 layout, then a markdown table.
 
+GEMM floor: the slowest rank's linear-layer GEMM FLOPs per step (QKV, projection, FC1, FC2 of
+its layers and, on the last stage, the output layer; forward + 2 backward GEMMs, split by t)
+divided by this machine's fp32 GEMM rate (``loom.planner.calibrate.measure_gemm_flops``, the
+planner's calibration, measured once before the layouts; scaled by cores / ranks when ranks
+share cores). ``gemm_share`` = floor / step time: the part of the step no implementation of
+the same math can remove on this machine (attention's own GEMMs are not counted).
+
+``--thp``: both sides run with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then backs
+tensors of 2 MiB and more with transparent huge pages): on this VM a fresh multi-MiB tensor's
+4 KiB page faults cost ~0.6 ms per MiB, and that cost falls on both sides' activations.
+
 ``--compile``: both sides compile every transformer block (loom ``--compile``; native: each
 block ``torch.compile``'d after TP, before FSDP2 / DDP, as torchtitan does); use ``--warmup 2``
 or more so the compilation stays out of the measured steps.
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -75,6 +87,18 @@ def reference_config(tp: int, pp: int, dp: int, sp: bool, micro: int, schedule: 
     cfg.data.mock_data = True
     cfg.logging.log_interval, cfg.logging.no_progress_bar = 10**6, True
     return cfg.validate(tp * pp * dp)
+
+
+def gemm_flops_per_rank(layout: tuple, cfg: LoomConfig) -> float:
+    """Linear-layer GEMM FLOPs of the slowest rank per step (forward + backward = 3 x 2 m n k;
+    the last pipeline stage, which also holds the output layer)."""
+    tp, pp, dp = layout[:3]
+    m = cfg.model
+    h, f, V = m.hidden_size, m.ffn_size, m.padded_vocab_size(tp)
+    tokens = cfg.training.global_batch_size * m.seq_length / dp
+    per_layer = h * 3 * h + h * h + 2 * h * f  # QKV (a = g), projection, FC1, FC2
+    weights = (m.num_layers // pp) * per_layer + h * V
+    return 6.0 * tokens * weights / tp
 
 
 def _rss_mib() -> float:
@@ -140,7 +164,8 @@ def run_native(layout: tuple, steps: int, compile_layers: bool = False) -> dict:
     return {"times": times, "cpu": cpus, "losses": losses, "rss_mib": _rss_mib()}
 
 
-def measure(name: str, repeats: int, warmup: int, steps: int, compile_layers: bool) -> dict:
+def measure(name: str, repeats: int, warmup: int, steps: int, compile_layers: bool,
+            gemm_rate: float) -> dict:
     layout = LAYOUTS[name]
     tp, pp, dp = layout[:3]
     world = tp * pp * dp
@@ -166,7 +191,13 @@ def measure(name: str, repeats: int, warmup: int, steps: int, compile_layers: bo
         last = abs(losses[a][-1] - losses["native"][-1]) / abs(losses["native"][-1])
         return first < 1e-4 and last < 1e-3
 
+    cores = os.cpu_count() or 1
+    floor = gemm_flops_per_rank(layout, reference_config(*layout[:5], layout[6], 1)) / (
+        gemm_rate * min(1.0, cores / world))
     return {"layout": name, "tp": tp, "pp": pp, "dp": dp, "sp": layout[3],
+            "gemm_floor_s": round(floor, 4),
+            "gemm_share_loom": round(floor / med["loom"], 3),
+            "gemm_share_native": round(floor / med["native"], 3),
             "compile": compile_layers,
             "native": native_label(layout), "ranks": world,
             "loom_s_per_step": round(med["loom"], 4), "native_s_per_step": round(med["native"], 4),
@@ -203,26 +234,35 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--compile", action="store_true",
                     help="both sides torch.compile every transformer block")
+    ap.add_argument("--thp", action="store_true",
+                    help="both sides: THP_MEM_ALLOC_ENABLE=1 (huge-page-backed CPU tensors)")
     args = ap.parse_args()
+    if args.thp:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # inherited by every spawned rank
     torch.set_num_threads(1)
+    from loom.planner.calibrate import measure_gemm_flops
+    gemm_rate = measure_gemm_flops(1024)
+    print(json.dumps({"gemm_flops_per_s": round(gemm_rate), "thp": args.thp}), flush=True)
     rows = []
     for name in args.layouts:
         try:
-            row = measure(name, args.repeats, args.warmup, args.steps, args.compile)
+            row = measure(name, args.repeats, args.warmup, args.steps, args.compile, gemm_rate)
         except RuntimeError as e:  # one layout failing must not lose the others
             print(json.dumps({"layout": name, "error": str(e)[-2000:]}), flush=True)
             continue
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| layout | native | loom s/step | native s/step | loom / native |"
-          " CPU s/step loom / native | CPU ratio | peak RSS/rank loom / native (MiB) |"
-          " same loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " CPU s/step loom / native | CPU ratio | GEMM floor s (share loom / native) |"
+          " peak RSS/rank loom / native (MiB) | same loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cols = [r["layout"], r["native"], f"{r['loom_s_per_step']:.3f}",
                 f"{r['native_s_per_step']:.3f}", f"{r['ratio_loom_over_native']:.2f}",
                 f"{r['loom_cpu_s_per_step']:.3f} / {r['native_cpu_s_per_step']:.3f}",
                 f"{r['cpu_ratio_loom_over_native']:.2f}",
+                f"{r['gemm_floor_s']:.3f} ({r['gemm_share_loom']:.2f} / "
+                f"{r['gemm_share_native']:.2f})",
                 f"{r['loom_peak_rss_mib']:.0f} / {r['native_peak_rss_mib']:.0f}",
                 "yes" if r["same_loss"] else "NO"]
         print("| " + " | ".join(cols) + " |")

@@ -196,8 +196,42 @@ def test_backward_twice_raises_and_bad_shapes():
 
 
 def test_default_chunk_rule():
-    # logits chunk holds max(N h, 8 Mi) elements, clamped to [1, N]
-    assert default_chunk_tokens(2048, 256, 8192) == 1024
-    assert default_chunk_tokens(2048, 256, 131072) == 64
+    # logits chunk holds max(N h, 4 Mi) elements and >= 128 tokens, clamped to [1, N]
+    assert default_chunk_tokens(2048, 256, 8192) == 512
+    assert default_chunk_tokens(2048, 256, 131072) == 128
+    assert default_chunk_tokens(2048, 256, 1 << 20) == 128
     assert default_chunk_tokens(8192, 4096, 65536) == 512
     assert default_chunk_tokens(30, 16, 384) == 30
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_vocab_tiles_and_extreme_logits(monkeypatch, scale):
+    """V = 2500 crosses the forward GEMM's 1024-column tiles (last tile partial); ``scale`` 40
+    gives logits of several hundred, so most probabilities (targets included) underflow in fp32:
+    the loss must stay finite and exact (``lse`` comes from the row maximum, not from the
+    target's probability). Reference: ``F.cross_entropy`` in fp64."""
+    import loom.parallel.cross_entropy as ce
+    monkeypatch.setattr(ce, "GEMM_TILE_COLUMNS", 1024)
+    g = torch.Generator().manual_seed(5)
+    v, n, h = 2500, 37, 16
+    weight = torch.randn(v, h, generator=g)
+    hidden = torch.randn(n, h, generator=g) * scale
+    target = torch.randint(0, v, (n,), generator=g)
+    x = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    loss = linear_cross_entropy(x, w, target, group=None, vocab_start=0, vocab_size=v,
+                                chunk_tokens=16)
+    loss.mean().backward()
+    x64 = hidden.double().requires_grad_(True)
+    w64 = weight.double().requires_grad_(True)
+    ref = F.cross_entropy(x64 @ w64.t(), target, reduction="none")
+    ref.mean().backward()
+    assert torch.isfinite(loss).all()
+    if scale > 1:
+        assert ref.max() > 200  # the case the old target-probability route could not represent
+    # logits of ~500 carry fp32 rounding of 500 * 2^-24 = 3e-5 into exp(): any fp32
+    # softmax is that far from fp64 there
+    tol = RTOL if scale == 1 else 1e-4
+    assert rel_err(loss.detach().double(), ref.detach()) < tol
+    assert rel_err(x.grad.double(), x64.grad) < tol
+    assert rel_err(w.grad.double(), w64.grad) < tol
