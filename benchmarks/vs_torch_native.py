@@ -16,11 +16,11 @@ time, but it does not see waiting, i.e. pipeline bubbles and exposed communicati
 optimizer state, activations), max over ranks. One thread per rank. Prints one JSON line per
 layout, then a markdown table.
 
-GEMM floor: the slowest rank's linear-layer GEMM FLOPs per step (QKV, projection, FC1, FC2 of
-its layers and, on the last stage, the output layer; forward + 2 backward GEMMs, split by t)
-divided by this machine's fp32 GEMM rate (``loom.planner.calibrate.measure_gemm_flops``, the
-planner's calibration, measured once before the layouts; scaled by cores / ranks when ranks
-share cores). ``gemm_share`` = floor / step time: the part of the step no implementation of
+GEMM floor (``gemm_floor_s``): linear-layer GEMM FLOPs per step (QKV, projection, FC1, FC2
+and the output layer; forward + 2 backward GEMMs, split by t) at this machine's fp32 GEMM rate
+(``loom.planner.calibrate.measure_gemm_flops``, the planner's calibration, measured once before
+the layouts): the slowest rank's on one core, or all ranks' on the cores they share, whichever
+is longer. ``gemm_share`` = floor / step time: the part of the step no implementation of
 the same math can remove on this machine (attention's own GEMMs are not counted).
 
 ``--thp``: both sides run with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then backs
@@ -89,16 +89,28 @@ def reference_config(tp: int, pp: int, dp: int, sp: bool, micro: int, schedule: 
     return cfg.validate(tp * pp * dp)
 
 
-def gemm_flops_per_rank(layout: tuple, cfg: LoomConfig) -> float:
-    """Linear-layer GEMM FLOPs of the slowest rank per step (forward + backward = 3 x 2 m n k;
-    the last pipeline stage, which also holds the output layer)."""
+def gemm_flops(layout: tuple, cfg: LoomConfig) -> tuple[float, float]:
+    """Linear-layer GEMM FLOPs per step (forward + backward = 3 x 2 m n k): ``(slowest rank,
+    all ranks)``; the slowest rank is a last pipeline stage, which also holds the output
+    layer."""
     tp, pp, dp = layout[:3]
     m = cfg.model
     h, f, V = m.hidden_size, m.ffn_size, m.padded_vocab_size(tp)
-    tokens = cfg.training.global_batch_size * m.seq_length / dp
+    tokens = cfg.training.global_batch_size * m.seq_length
     per_layer = h * 3 * h + h * h + 2 * h * f  # QKV (a = g), projection, FC1, FC2
-    weights = (m.num_layers // pp) * per_layer + h * V
-    return 6.0 * tokens * weights / tp
+    last_stage = (m.num_layers // pp) * per_layer + h * V
+    total = m.num_layers * per_layer + h * V
+    return 6.0 * tokens / dp * last_stage / tp, 6.0 * tokens * total
+
+
+def gemm_floor_s(layout: tuple, cfg: LoomConfig, rate: float, cores: int) -> float:
+    """Seconds no implementation of the same math can beat here: the slowest rank's GEMMs at
+    ``rate`` FLOP/s, or all ranks' GEMMs at ``rate`` per core on ``min(cores, ranks)`` cores,
+    whichever is longer (ranks sharing cores share their rate only while they all compute,
+    which pipelines do not)."""
+    rank, total = gemm_flops(layout, cfg)
+    world = layout[0] * layout[1] * layout[2]
+    return max(rank / rate, total / (rate * min(cores, world)))
 
 
 def _rss_mib() -> float:
@@ -191,9 +203,8 @@ def measure(name: str, repeats: int, warmup: int, steps: int, compile_layers: bo
         last = abs(losses[a][-1] - losses["native"][-1]) / abs(losses["native"][-1])
         return first < 1e-4 and last < 1e-3
 
-    cores = os.cpu_count() or 1
-    floor = gemm_flops_per_rank(layout, reference_config(*layout[:5], layout[6], 1)) / (
-        gemm_rate * min(1.0, cores / world))
+    floor = gemm_floor_s(layout, reference_config(*layout[:5], layout[6], 1), gemm_rate,
+                         os.cpu_count() or 1)
     return {"layout": name, "tp": tp, "pp": pp, "dp": dp, "sp": layout[3],
             "gemm_floor_s": round(floor, 4),
             "gemm_share_loom": round(floor / med["loom"], 3),

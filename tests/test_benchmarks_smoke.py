@@ -25,12 +25,17 @@ def test_vs_torch_native_one_step_same_loss():
 
 
 def test_gemm_floor_flops():
-    # 1 rank: 2048 tokens x (4 layers x (3h^2 + h^2 + 2hf) + hV) weights x 6 FLOPs
     cfg = bench.reference_config(1, 1, 1, False, 8, "1f1b", 1)
-    weights = 4 * (3 * 256 ** 2 + 256 ** 2 + 2 * 256 * 1024) + 256 * 8192
-    assert bench.gemm_flops_per_rank(bench.LAYOUTS["1"], cfg) == 6 * 2048 * weights
+    layer = 3 * 256 ** 2 + 256 ** 2 + 2 * 256 * 1024  # QKV, projection, FC1, FC2
+    total = 6 * 2048 * (4 * layer + 256 * 8192)
+    assert bench.gemm_flops(bench.LAYOUTS["1"], cfg) == (total, total)
     # PP=2 x DP=2: the last stage holds 2 layers and the output layer, 1024 tokens per rank
-    last = 2 * (3 * 256 ** 2 + 256 ** 2 + 2 * 256 * 1024) + 256 * 8192
-    assert bench.gemm_flops_per_rank(bench.LAYOUTS["pp2xdp2"], cfg) == 6 * 1024 * last
-    # TP=2 splits every GEMM in two
-    assert bench.gemm_flops_per_rank(bench.LAYOUTS["tp2"], cfg) == 6 * 2048 * weights / 2
+    assert bench.gemm_flops(bench.LAYOUTS["pp2xdp2"], cfg) == (6 * 1024 * (2 * layer + 256 * 8192),
+                                                               total)
+    assert bench.gemm_flops(bench.LAYOUTS["tp2"], cfg) == (total / 2, total)  # t splits GEMMs
+    # floor: one rank alone at the rate; DP=4 on 2 cores: all the work on 2 cores
+    assert bench.gemm_floor_s(bench.LAYOUTS["1"], cfg, 1e11, 2) == total / 1e11
+    assert bench.gemm_floor_s(bench.LAYOUTS["dp4"], cfg, 1e11, 2) == total / 2e11
+    # PP=4 on 2 cores: the last stage (1 layer + output, all tokens) alone is longer
+    last = 6 * 2048 * (layer + 256 * 8192)
+    assert bench.gemm_floor_s(bench.LAYOUTS["pp4-1f1b"], cfg, 1e11, 2) == last / 1e11
