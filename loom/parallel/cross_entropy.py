@@ -8,8 +8,9 @@ in place, into ``softmax - onehot`` (the logits' gradient, Megatron-LM's
 contributions to ``dL/dx`` (``[n, h]``) and ``dL/dw`` (``[Vp/t, h]``, accumulated) are computed
 in the forward; every chunk reuses one logits buffer, freed at the end. Backward only scales
 them by the incoming per-token gradient. This is the "fused linear cross-entropy" of
-Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989, sec. 3.2) made vocabulary-parallel (Megatron-LM's vocab-parallel
-cross-entropy, Shoeybi et al. 2019 sec. 3) with one collective per chunk.
+Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989, sec. 3.2) made vocabulary-parallel
+(Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019 sec. 3) with one collective
+per chunk.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def _chunk_grad_logits(x, w, tgt, group, vocab_start, vocab_size, buf, lse=None)
     ``p_max = 1 / sum exp(l - max)``; ``p_max >= t / Vp``, so well conditioned), and under TP
     one all-gather of ``[2, n]`` (local log-sum-exp, target logit) gives the global
     log-sum-exp; each rank rescales its probabilities by ``exp(lse_l - lse)``. Returns
-    ``(loss [n], lse [n], grad_logits)``. With ``lse`` (saved log-sum-exp, backward's recompute) no collective is needed.
+    ``(loss [n], lse [n], grad_logits)``. With ``lse`` (saved log-sum-exp, backward's
+    recompute) no collective is needed.
     """
     n_local = w.shape[0]
     logits = _logits_into(buf[:x.shape[0]], x, w)
