@@ -8,7 +8,12 @@ start (so the inputs and the weight, allocated before, are not counted; the weig
 is). Time: forward + backward, the two paths alternated A B A B, median of ``--repeats``.
 TP = 1, fp32, the reference work's micro-batch (s 256, b 8, h 256). Prints one JSON line per V.
 
+``--chunk-sweep N [N ...]``: also time ``linear_cross_entropy`` forward + backward with
+``chunk_tokens`` = each N (and the default rule), alternated, median of ``--repeats``
+(``sweep_ms`` in the JSON line).
+
     OMP_NUM_THREADS=1 python benchmarks/cross_entropy_memory.py [--vocab 8192 131072]
+        [--chunk-sweep 128 256 512 1024]
 """
 
 from __future__ import annotations
@@ -60,6 +65,20 @@ def peak_bytes(fn, *args) -> int:
     return max(e["Total Allocated"] for e in events) - start
 
 
+def chunk_sweep(x, w, target, vocab_size, chunks, repeats) -> dict:
+    """Median ms of ``linear_cross_entropy`` forward + backward per chunk size (None = the
+    default rule), the sizes alternated."""
+    times = {c: [] for c in [None, *chunks]}
+    for _ in range(repeats):
+        for c in times:
+            x.grad = w.grad = None
+            t0 = time.perf_counter()
+            linear_cross_entropy(x, w, target, group=None, vocab_start=0, vocab_size=vocab_size,
+                                 chunk_tokens=c).mean().backward()
+            times[c].append(time.perf_counter() - t0)
+    return {str(c or "default"): round(1e3 * statistics.median(t), 1) for c, t in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, nargs="+", default=[8192, 131072])
@@ -67,6 +86,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk-sweep", type=int, nargs="*", default=[])
     args = ap.parse_args()
     s, b, h = args.seq, args.batch, args.hidden
     for v in args.vocab:
@@ -97,6 +117,8 @@ def main() -> None:
         for name in times:
             res[f"{name}_ms"] = round(1e3 * statistics.median(times[name]), 1)
         res["peak_ratio"] = round(res["after_peak_MiB"] / res["before_peak_MiB"], 3)
+        if args.chunk_sweep:
+            res["sweep_ms"] = chunk_sweep(x, w, target, v, args.chunk_sweep, args.repeats)
         print(json.dumps(res), flush=True)
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CATS = [("GEMM (mm/addmm/bmm)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_")),
         ("attention core (SDPA fwd+bwd)", ("scaled_dot_product",)),
-        ("softmax / CE elementwise", ("softmax", "aten::exp", "aten::max", "aten::sub", "aten::mul",
+        ("softmax / CE elementwise", ("softmax", "aten::exp", "aten::max", "aten::amax", "aten::sub", "aten::mul",
                                       "aten::div", "aten::scatter", "aten::gather",
                                       "aten::masked_fill", "aten::sum", "_log_softmax",
                                       "aten::log", "aten::reciprocal", "aten::clamp",

@@ -39,3 +39,10 @@ def test_gemm_floor_flops():
     # PP=4 on 2 cores: the last stage (1 layer + output, all tokens) alone is longer
     last = 6 * 2048 * (layer + 256 * 8192)
     assert bench.gemm_floor_s(bench.LAYOUTS["pp4-1f1b"], cfg, 1e11, 2) == last / 1e11
+
+
+def test_dp_bound_alone_runs():
+    # the no-communication bound: each of 2 ranks trains its own single-process loom on 4 samples
+    import dp_bound
+    res = run_distributed(2, dp_bound.run_alone, 2, 1, timeout=600)
+    assert [len(r["times"]) for r in res] == [1, 1]
