@@ -6,7 +6,10 @@ distributed machinery and ``--help`` is fast.
 
 Bad input (an unknown or abbreviated flag, a value of the wrong type, a refused configuration:
 :class:`~loom.errors.ConfigError`) prints one line ``loom COMMAND: error: ...`` without a
-traceback and exits with status 2. Under torchrun every rank validates before any process group
+traceback and exits with status 2; several unknown flags get one more line each, with at most
+one "did you mean" (:func:`~loom.errors.closest`: a typo only) or "not supported by loom". An
+unknown YAML key (:class:`~loom.errors.UnknownOptionError`) ends with "see `loom COMMAND
+--help`" naming the command that ran. Under torchrun every rank validates before any process group
 starts, only rank 0 prints, and every rank exits 2. A checkpoint the filesystem refuses
 (:class:`~loom.errors.CheckpointWriteError`) prints its message and exits 1. Any other exception
 keeps its traceback.
@@ -20,7 +23,8 @@ import os
 import sys
 
 from loom import __version__
-from loom.errors import CheckpointWriteError, ConfigError, NonFiniteError, did_you_mean
+from loom.errors import (CheckpointWriteError, ConfigError, NonFiniteError,
+                         UnknownOptionError, closest, did_you_mean)
 
 SUBCOMMANDS = {
     "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
@@ -40,6 +44,7 @@ def reporting_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+MAX_UNKNOWN_LINES = 10  # unrecognized flags listed one per line; the rest are counted
 REFUSAL_WAIT_S = 20  # seconds the other ranks wait for rank 0's message under torchrun
 
 
@@ -109,16 +114,34 @@ class LoomArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def unknown(self, extras: list[str]) -> None:
-        """Refuse unrecognized arguments ``extras``, suggesting the closest known flag."""
+        """Refuse unrecognized arguments ``extras``: one line each, naming the flag and at most
+        one suggestion (:func:`~loom.errors.closest`: only a typo of a flag of this command);
+        a flag with no close one (Megatron's ``--qk-layernorm``) reads "not supported by loom".
+        At most ``MAX_UNKNOWN_LINES`` lines, then a count of the rest."""
         flags = [a for a in self._option_string_actions if a.startswith("--")]
-        hint = "".join(did_you_mean(w.split("=")[0], flags) for w in extras if w.startswith("--"))
-        self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        notes = []
+        for word in dict.fromkeys(w.split("=")[0] if w.startswith("-") else w for w in extras):
+            if not word.startswith("-"):
+                notes.append(f"{word!r}: a value without a flag")
+                continue
+            guess = closest(word, flags) if word.startswith("--") else None
+            notes.append(f"{word}: did you mean {guess}?" if guess
+                         else f"{word}: not supported by loom")
+        if len(notes) == 1:
+            self.error(f"unrecognized argument {notes[0]}")
+        shown = notes[:MAX_UNKNOWN_LINES]
+        if len(notes) > len(shown):
+            shown.append(f"... and {len(notes) - len(shown)} more")
+        self.error(f"{len(notes)} unrecognized arguments", ":" + "".join(f"\n  {n}" for n in shown))
 
-    def error(self, message: str) -> None:  # noqa: D102 - argparse's hook
+    def error(self, message: str, details: str = "") -> None:
+        """Refuse with ``PROG: error: MESSAGE (usage: ...; see `PROG --help`)`` and exit 2;
+        ``details`` (lines starting with a newline) follow that line."""
         if "invalid choice" in message and "argument COMMAND" in message:
             word = message.split("'")[1] if "'" in message else ""
             message += did_you_mean(word, SUBCOMMANDS)
-        refuse(self.prog, f"{message} (usage: {short_usage(self)}; see `{self.prog} --help`)")
+        refuse(self.prog, f"{message} (usage: {short_usage(self)}; see `{self.prog} --help`)"
+                          f"{details}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         parsers[args.command].unknown(extras)
     try:
         rc = importlib.import_module(args._module).run(args)
+    except UnknownOptionError as e:  # a YAML key: the accepted keys are this command's flags
+        refuse(f"loom {args.command}", f"{e} (see `loom {args.command} --help` for the "
+                                       f"accepted flags)")
     except ConfigError as e:
         refuse(f"loom {args.command}", str(e))
     except (CheckpointWriteError, NonFiniteError) as e:

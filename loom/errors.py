@@ -1,7 +1,9 @@
 """loom's user-facing errors; imports nothing from loom, so every layer may raise them.
 
 A :class:`ConfigError` is bad input: ``loom`` prints its message once (rank 0) without a
-traceback and exits with status 2. A :class:`CheckpointWriteError` is a checkpoint the
+traceback and exits with status 2 (an :class:`UnknownOptionError`, a YAML key loom does not
+know, also points at the command's ``--help``). :func:`closest` picks the one flag an unknown
+flag is a typo of, if any. A :class:`CheckpointWriteError` is a checkpoint the
 filesystem refused; ``loom`` prints its message (naming the directory and the OS error) and
 exits with status 1. A :class:`NonFiniteError` stops training that keeps producing NaN/inf
 (status 1).
@@ -23,12 +25,73 @@ class NonFiniteError(RuntimeError):
     the message names the iterations. ``loom`` prints it and exits with status 1."""
 
 
+class UnknownOptionError(ConfigError):
+    """A flag or YAML key loom does not know. ``loom`` appends "see `loom COMMAND --help`",
+    naming the command that ran (``loom plan`` and ``loom train`` read the same YAML keys)."""
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Damerau-Levenshtein distance (optimal string alignment) between ``a`` and ``b``: the
+    fewest single-character insertions, deletions, substitutions and adjacent swaps."""
+    prev2, prev = [], list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def _words(name: str) -> list[str]:
+    return name.lstrip("-").replace("_", "-").split("-")
+
+
+def closest(word: str, options) -> str | None:
+    """The one option of ``options`` that ``word`` is a typo of, or None.
+
+    The rule (a suggestion must mean "you mistyped X", never "use a different feature"),
+    comparing names without their leading dashes, ``_`` and ``-`` alike:
+
+    * a typo: Damerau-Levenshtein distance at most 1 for names under 12 characters, at most 2
+      for longer ones (``--hiden-size`` -> ``--hidden-size``, ``--seq-lenght`` ->
+      ``--seq-length``; not ``--vocab-file`` -> ``--vocab-size``, distance 2 in 10 characters);
+    * or one inner word left out (``--tensor-parallel-size`` ->
+      ``--tensor-model-parallel-size``); a word missing at either end is not a typo
+      (``--init-method`` is not ``--init-method-std``);
+    * or an abbreviation: a prefix ending inside a word and at least half the name
+      (``--save-int`` -> ``--save-interval``; not ``--max-new``, which ends at a word).
+
+    Only the nearest candidates count, and a tie between two of them gives None (at most one
+    suggestion, and never a guess between two).
+    """
+    name = "-".join(_words(word))
+    if not name:
+        return None
+    limit = 1 if len(name) < 12 else 2
+    scored = []
+    for option in set(options):
+        other = "-".join(_words(option))
+        d = edit_distance(name, other)
+        if d <= limit:
+            scored.append((d, option))
+            continue
+        ws, wo = name.split("-"), other.split("-")
+        inner_word = len(wo) == len(ws) + 1 and any(wo[:i] + wo[i + 1:] == ws
+                                                     for i in range(1, len(ws)))
+        abbreviation = other.startswith(name) and other[len(name)] != "-" \
+            and 2 * len(name) >= len(other)
+        if inner_word or abbreviation:
+            scored.append((limit + 1, option))
+    if not scored:
+        return None
+    best = min(d for d, _ in scored)
+    tied = [o for d, o in scored if d == best]
+    return tied[0] if len(tied) == 1 else None
+
+
 def did_you_mean(word: str, options) -> str:
-    """``"; did you mean --x?"`` naming the closest of ``options`` to ``word`` (difflib, cutoff
-    0.6; a prefix of exactly one option wins first), or ``""`` when none is close."""
-    import difflib
-    options = sorted(set(options))
-    prefixed = [o for o in options if o.startswith(word)] if len(word) > 3 else []
-    close = prefixed if len(prefixed) == 1 else difflib.get_close_matches(word, options, n=1,
-                                                                           cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
+    """``"; did you mean X?"`` naming :func:`closest` of ``options`` to ``word``, or ``""``."""
+    close = closest(word, options)
+    return f"; did you mean {close}?" if close else ""

@@ -16,7 +16,7 @@ import yaml
 from loom.config.core import LoomConfig, field_section, flag
 from loom.config.sections import GROUPS
 from loom.config.validate import base_type, check_bounds, choices_of, coerce
-from loom.errors import ConfigError, did_you_mean
+from loom.errors import ConfigError, UnknownOptionError, did_you_mean
 
 
 def field_metadata(name: str) -> dict:
@@ -61,7 +61,10 @@ class _OnOff(argparse.Action):
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``;
-    each boolean ``--foo`` also gets ``--no-foo`` (False: turns off ``foo: true`` of the YAML)."""
+    each boolean ``--foo`` also gets ``--no-foo`` (False: turns off ``foo: true`` of the YAML).
+
+    Help texts are the fields' ``help`` metadata written plainly (``80%``): ``%`` is escaped
+    here, the one place, since argparse %-formats help when it renders ``--help``."""
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
                         help="YAML file of the same keys (flat, or grouped by section name); "
                              "flags given on the command line override it")
@@ -75,6 +78,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             text = f.metadata.get("help", "")
             if f.default is not MISSING and f.default is not None and "default" not in text:
                 text += f" (default: {f.default})"
+            text = text.replace("%", "%%")  # argparse %-formats help when it renders it
             if base_type(hint)[0] is bool:
                 off = "--no-" + flag(f.name)[2:]  # turns off a YAML `true`
                 offer = not f.name.startswith("no_") and off not in parser._option_string_actions
@@ -136,8 +140,10 @@ def read_yaml_config(path: str, lines: dict | None = None) -> dict:
     """Flat ``{field: value}`` of a YAML config, each value coerced to its field's type;
     ``lines`` (if given) receives ``{field: line number}``.
 
-    Raises ConfigError with ``file:line`` for syntax errors, unknown or repeated keys and values
-    of the wrong type.
+    Raises ConfigError with ``file:line`` for syntax errors, repeated keys and values of the
+    wrong type; UnknownOptionError (a ConfigError) for an unknown key, with at most one
+    suggestion (:func:`loom.errors.closest`: a typo of a known key, else "not supported by
+    loom"); ``loom`` appends "see `loom COMMAND --help`" naming the command that ran.
     """
     known = field_section()
     hints = {f.name: get_type_hints(dc)[f.name] for dc in GROUPS.values() for f in fields(dc)}
@@ -146,9 +152,9 @@ def read_yaml_config(path: str, lines: dict | None = None) -> dict:
     lines = {} if lines is None else lines
     for key, node, line in _read_yaml_nodes(path):
         if key not in known:
-            hint = did_you_mean(key, known)
-            raise ConfigError(f"{path}:{line}: unknown option {flag(key)} (key {key!r})"
-                              f"{hint}; see `loom train --help` for the accepted flags")
+            hint = did_you_mean(key, known) or ": not supported by loom"
+            raise UnknownOptionError(f"{path}:{line}: unknown option {flag(key)} (key {key!r})"
+                                     f"{hint}")
         if key in lines:
             raise ConfigError(f"{path}:{line}: key {key!r} given twice (first on line "
                               f"{lines[key]})")

@@ -1,6 +1,7 @@
 """Checks of the model families' own flags (Gemma 3, Mamba-2, BERT), part of the one validation
 pass (:func:`loom.config.validate.validate_config`): each raises ConfigError naming the flag and
-the fix."""
+a fix valid for the user's model: a flag of another family is dropped, a layout that does not
+fit is changed in its parallel sizes, never by switching --model-type or changing the shape."""
 
 from __future__ import annotations
 
@@ -8,16 +9,37 @@ from typing import Any
 
 from loom.errors import ConfigError
 
+# What each family-specific flag is, for the refusal when --model-type is another family.
+GEMMA3_ONLY = (
+    ("sliding_window", "Gemma 3's local attention window"),
+    ("layer_types", "Gemma 3's local/global layer pattern"),
+    ("query_pre_attn_scalar", "Gemma 3's attention scale"),
+    ("attn_logit_softcapping", "Gemma 3's attention-score soft-capping"),
+    ("final_logit_softcapping", "Gemma 3's output-logit soft-capping"),
+)
+
+
+def _other_family(name: str, what: str, model_type: str) -> ConfigError:
+    """``--NAME is WHAT, which --model-type MODEL_TYPE does not have: drop --NAME``: the fix
+    keeps the user's family (never "use --model-type X", which would make another model)."""
+    f = "--" + name.replace("_", "-")
+    return ConfigError(f"{f} is {what}, which --model-type {model_type} does not have: drop {f}")
+
 
 def check_gemma3(m: Any) -> None:
     """--model-type gemma3 fixes the layout (RMSNorm (1 + w), RoPE, GeGLU, no biases, tied
-    output): written into the config so checkpoints describe it; its flags need it."""
-    named = [f for f in ("sliding_window", "layer_types", "rotary_scaling_factor",
-                         "query_pre_attn_scalar", "attn_logit_softcapping",
-                         "final_logit_softcapping") if getattr(m, f) is not None]
+    output): written into the config so checkpoints describe it. Its own flags with another
+    --model-type are refused with "drop it" (``--rotary-scaling-factor``: loom has Gemma 3's
+    linear RoPE scaling only, no YaRN / ``--rope-type``)."""
     if m.model_type != "gemma3":
-        if named:
-            raise ConfigError(f"--{named[0].replace('_', '-')} needs --model-type gemma3")
+        if m.rotary_scaling_factor is not None:
+            raise ConfigError(f"--rotary-scaling-factor: loom implements it only as Gemma 3's "
+                              f"linear RoPE scaling; YaRN (DeepSeek) and other RoPE scalings "
+                              f"(Megatron's --rope-type) are not supported yet for --model-type "
+                              f"{m.model_type}: drop --rotary-scaling-factor")
+        for name, what in GEMMA3_ONLY:
+            if getattr(m, name) is not None:
+                raise _other_family(name, what, m.model_type)
         return
     for bad, flag in ((m.num_experts, "--num-experts"), (m.swiglu, "--swiglu"),
                       (m.untie_embeddings_and_output_weights,
@@ -33,8 +55,11 @@ def check_gemma3(m: Any) -> None:
 
 
 def check_mamba(m: Any, tp: int, cp: int) -> None:
+    """Mamba-2 / hybrid stacks: the layer pattern, SSM heads and groups against the shape and
+    the tensor-parallel size ``tp`` (a fix changes ``tp``), no context parallelism ``cp``."""
     if m.hybrid_override_pattern is not None and m.model_type != "mamba":
-        raise ConfigError("--hybrid-override-pattern needs --model-type mamba")
+        raise _other_family("hybrid_override_pattern", "the layer kinds of a Mamba hybrid stack",
+                            m.model_type)
     if m.model_type != "mamba":
         return
     pat = m.hybrid_override_pattern or "M" * m.num_layers
@@ -45,12 +70,16 @@ def check_mamba(m: Any, tp: int, cp: int) -> None:
     if d_inner % hd or (d_inner // hd) % ng:
         raise ConfigError(f"Mamba: --mamba-expand x --hidden-size = {d_inner} must split into "
                           f"heads of --mamba-head-dim {hd}, a multiple of --mamba-num-groups {ng}")
-    if "M" in pat and (d_inner // hd) % tp:
-        raise ConfigError(f"{d_inner // hd} Mamba heads (--mamba-expand x --hidden-size / "
-                          f"--mamba-head-dim) not divisible by --tensor-model-parallel-size {tp}")
+    heads = d_inner // hd  # a multiple of ng (checked above): a fitting tp divides ng
+    fix = (f"use a --tensor-model-parallel-size dividing --mamba-num-groups {ng} "
+           f"({', '.join(str(d) for d in range(1, ng + 1) if ng % d == 0)})")
+    if "M" in pat and heads % tp:
+        raise ConfigError(f"{heads} Mamba heads (--mamba-expand x --hidden-size / "
+                          f"--mamba-head-dim) not divisible by --tensor-model-parallel-size "
+                          f"{tp}: {fix}")
     if "M" in pat and ng % tp:
         raise ConfigError(f"--mamba-num-groups {ng} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}: choose G a multiple of t")
+                          f"--tensor-model-parallel-size {tp}: {fix}")
     if "M" in pat and cp > 1:
         raise ConfigError("--context-parallel-size > 1 is not supported with Mamba layers "
                           "(the scan would need the state passed between CP ranks): use 1")
@@ -59,22 +88,26 @@ def check_mamba(m: Any, tp: int, cp: int) -> None:
 def check_bert(m: Any, cp: int) -> None:
     """BERT: bidirectional, learned positions, tied output, no context parallelism."""
     if m.model_type != "bert":
-        for name in ("bert_binary_head", "post_layernorm"):
+        for name, what in (("bert_binary_head", "BERT's sentence-order head"),
+                           ("post_layernorm", "BERT's post-LN layer order")):
             if getattr(m, name):
-                raise ConfigError(f"--{name.replace('_', '-')} needs --model-type bert")
+                raise _other_family(name, what, m.model_type)
         return
     if cp > 1:
         raise ConfigError("--context-parallel-size > 1 is not supported with --model-type bert "
                           "(the padding mask and the [CLS] pooler would need the sequence "
                           "gathered over CP): use 1, and TP/SP/PP/DP to scale")
     if m.num_experts:
-        raise ConfigError("--num-experts: --model-type bert has dense MLPs only")
+        raise ConfigError("--num-experts: --model-type bert has dense MLPs only: drop "
+                          "--num-experts")
     if m.position_embedding_type != "learned_absolute":
-        raise ConfigError("--position-embedding-type: BERT uses learned_absolute positions")
+        raise ConfigError(f"--position-embedding-type {m.position_embedding_type}: BERT uses "
+                          f"learned_absolute positions: drop --position-embedding-type")
     if m.untie_embeddings_and_output_weights:
         raise ConfigError("--untie-embeddings-and-output-weights: BERT's masked-LM output is "
-                          "tied to the word embeddings")
+                          "tied to the word embeddings: drop the flag")
     least = 5 if m.bert_binary_head else 3
     if m.seq_length < least:
         raise ConfigError(f"--seq-length {m.seq_length}: a BERT sample needs at least {least} "
-                          f"positions ([CLS] A [SEP]{' B [SEP]' if m.bert_binary_head else ''})")
+                          f"positions ([CLS] A [SEP]{' B [SEP]' if m.bert_binary_head else ''}): "
+                          f"use --seq-length {least} or more")
