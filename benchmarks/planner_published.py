@@ -1,23 +1,16 @@
-"""Print the planner's validation tables against published runs (markdown) and, with --fit,
-redo the fits of the two planner-v2 constants.
+"""Print the planner's tables against published runs (markdown), with the shipped constants.
 
     OMP_NUM_THREADS=1 python benchmarks/planner_published.py          # tables, ~10 s
-    OMP_NUM_THREADS=1 python benchmarks/planner_published.py --fit    # + the fits, ~1 min
 
-Fits (one constant each, never per row):
-* ``HOPPER_GEMM_EFFICIENCY`` (loom/planner/hardware.py): least squares of the log error of the
-  per-GPU model TFLOP/s over the nine rows of Megatron-Core's H100 weak-scaling table.
-* ``ZERO3_OVERLAP`` (loom/planner/timing.py): minimax of the log error of the days for 300B
-  tokens over the six ZeRO-3 rows of NAR table 2 (the bound the issue sets is a max error).
+Rows in a fit set (loom/planner/constants.py) are in-sample here. The fit itself:
+``python -m benchmarks.planner_fit``; the out-of-sample (leave-one-source-out) errors:
+``python -m benchmarks.planner_validation``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
-
-import numpy as np
 
 from loom.planner.calibrate import validation_points
 from loom.planner.validation import bloom_176b, mcore_h100, nar_table2, sho_weak_scaling
@@ -29,6 +22,8 @@ def _pct(x: float) -> str:
 
 def tables() -> None:
     pts = validation_points()
+    print("In-sample (fitted) unless marked: NAR table 1, KOR, the ZeRO-3 rows of NAR table 2 and\n"
+          "Megatron-Core H100 weak scaling are in the fit.\n")
     print("| NAR table 1 | published hw TFLOP/s | predicted | error |\n|---|---|---|---|")
     errs = []
     for name, pred, pub in pts:
@@ -62,35 +57,13 @@ def tables() -> None:
         print(f"| {r['params_b']}B | {r['mp']} | {100 * r['published_mp']:.0f}% | "
               f"{100 * r['pred_mp']:.1f}% | {100 * r['published_mp_dp']:.0f}% | "
               f"{100 * r['pred_mp_dp']:.1f}% |")
-
-
     b = bloom_176b()
     print(f"\nBLOOM 176B: published about {b['published_tflops']:g} hw TFLOP/s, predicted "
           f"{b['hw_tflops']:.1f} ({_pct(b['hw_tflops'] / b['published_tflops'] - 1)}), split "
           f"{b['layout']['pipeline_split']}")
 
 
-def fit() -> None:
-    best = None
-    for e in np.arange(0.58, 0.72, 0.005):
-        errs = [math.log(r["tflops"] / r["published_tflops"]) for r in mcore_h100(float(e))]
-        loss = float(np.mean(np.square(errs)))
-        if best is None or loss < best[0]:
-            best = (loss, float(e))
-    print(f"\nHOPPER_GEMM_EFFICIENCY = {best[1]:.3f} (rms log error {math.sqrt(best[0]):.4f})")
-    best = None
-    for ov in np.arange(0.6, 0.9, 0.01):
-        rows = [r for r in nar_table2(zero3_overlap=float(ov)) if r["scheme"] == "ZeRO-3"]
-        worst = max(abs(math.log(r["days"] / r["published_days"])) for r in rows)
-        if best is None or worst < best[0]:
-            best = (worst, float(ov))
-    print(f"ZERO3_OVERLAP = {best[1]:.2f} (max |log error| {best[0]:.4f})")
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    ap.add_argument("--fit", action="store_true", help="redo the two planner-v2 fits")
-    args = ap.parse_args()
+    ap.parse_args()
     tables()
-    if args.fit:
-        fit()

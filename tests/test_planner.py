@@ -192,7 +192,7 @@ def test_search_layouts_pass_loom_validation():
             seq_length=2048, tensor_model_parallel_size=int(L["tp"][i]),
             pipeline_model_parallel_size=int(L["pp"][i]), context_parallel_size=int(L["cp"][i]),
             micro_batch_size=int(L["mbs"][i]), global_batch_size=512,
-            sequence_parallel=bool(L["sp"][i])))
+            sequence_parallel=bool(L["sp"][i]), lr=3e-4, train_iters=1))
         cfg.validate(32)
         assert cfg.data_parallel_size(32) == int(L["dp"][i])
     assert np.all(L["tp"] <= 8)

@@ -114,8 +114,9 @@ def test_one_expert_top1_is_a_dense_model_plus_a_router():
     td = time_terms(dense, Lay, 32, 8192, make_cluster("H100-80GB", 8), opts)
     tm = time_terms(moe, Lay, 32, 8192, make_cluster("H100-80GB", 8), opts)
     assert float(tm["ep_comm"][0]) == 0.0  # e = 1: no all-to-all
-    # compute differs only by the router GEMM (2 h E FLOPs per token, tiny)
-    assert float(tm["compute"][0]) == pytest.approx(float(td["compute"][0]), rel=2e-3)
+    # compute differs only by the router GEMM (2 h E FLOPs per token, tiny; at E = 1 it runs at
+    # the efficiency of a 1-wide GEMM, e / (1 + h0) ~ 1/170 of peak on H100: +0.23% here)
+    assert float(tm["compute"][0]) == pytest.approx(float(td["compute"][0]), rel=3e-3)
     assert float(tm["compute"][0]) > float(td["compute"][0])
 
 
@@ -244,7 +245,7 @@ def test_moe_search_layouts_pass_loom_validation():
             context_parallel_size=int(lay["cp"][i]), micro_batch_size=int(lay["mbs"][i]),
             global_batch_size=256, sequence_parallel=bool(lay["sp"][i]),
             expert_model_parallel_size=int(lay["ep"][i]),
-            use_distributed_optimizer=bool(lay["zero"][i] == 1))
+            use_distributed_optimizer=bool(lay["zero"][i] == 1), lr=3e-4, train_iters=1)
         if v > 1:
             flat["num_layers_per_virtual_pipeline_stage"] = 8 // (p * v)
         cfg = LoomConfig.from_flat(flat)
@@ -254,19 +255,21 @@ def test_moe_search_layouts_pass_loom_validation():
 
 def test_dense_search_unchanged():
     """Sums over every layout of the dense searches, recorded on main before MoE (6b96008):
-    the MoE terms leave dense models bit for bit as they were."""
+    the MoE terms leave dense models bit for bit as they were. Re-recorded for the refitted
+    constants of issue 26 (e 0.747, h0 56.5, k 2.59, Hopper 0.658, ZeRO-3 0.746; the old ones
+    reproduce the 6b96008 sums exactly)."""
     o = Options(flash_attention=True, max_zero_stage=3)
     res = search(get_preset("llama3-70b"), make_cluster("H100-80GB", 256), 512, 8192, None, o)
     assert len(res["tp"]) == 23712 and len(res["order"]) == 5710
     assert np.all(res["ep"] == 1) and not res["time_ep_comm"].any()
-    assert float(res["time_iteration"].sum()) == pytest.approx(855051.4024891043, rel=1e-12)
+    assert float(res["time_iteration"].sum()) == pytest.approx(856332.1207273084, rel=1e-12)
     assert float(res["mem_total"].sum()) == pytest.approx(5522078852571005.0, rel=1e-12)
     best = record(res, int(res["order"][0]))
-    assert best["iteration_time_s"] == pytest.approx(16.357875998701275, rel=1e-12)
+    assert best["iteration_time_s"] == pytest.approx(16.385849799120525, rel=1e-12)
     o = Options(flash_attention=False, max_zero_stage=3)
     res = search(get_preset("gpt3-175b"), make_cluster("H100-80GB", 1024), 1536, 2048, None, o)
     assert len(res["tp"]) == 65130
-    assert float(res["time_iteration"].sum()) == pytest.approx(7045578.115870861, rel=1e-12)
+    assert float(res["time_iteration"].sum()) == pytest.approx(7076704.0684840325, rel=1e-12)
     assert float(res["mem_total"].sum()) == pytest.approx(2.200546282172623e16, rel=1e-12)
 
 

@@ -118,7 +118,7 @@ def test_uneven_layouts_pass_loom_validation():
             seq_length=8192, tensor_model_parallel_size=8, pipeline_model_parallel_size=16,
             context_parallel_size=int(L["cp"][i]), micro_batch_size=1, global_batch_size=2048,
             decoder_first_pipeline_num_layers=int(L["lf"][i]),
-            decoder_last_pipeline_num_layers=int(L["ll"][i])))
+            decoder_last_pipeline_num_layers=int(L["ll"][i]), lr=3e-4, train_iters=1))
         cfg.validate(8192)
         assert cfg.data_parallel_size(8192) == int(L["dp"][i])
 

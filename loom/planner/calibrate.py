@@ -1,11 +1,9 @@
 """Calibration: fit the compute model to published runs, and measure this machine.
 
-* :func:`fit_compute_model` fits the three global constants of :mod:`loom.planner.timing`
-  (``GEMM_EFFICIENCY``, ``GEMM_HALF_DIM``, ``MEM_TRAFFIC``) by minimizing the squared log error
-  over NAR table 1 (hardware TFLOP/s per GPU at the published t, p, d with full recompute, the
-  micro-batch and virtual stages the planner picks for that layout), KOR table 3 (iteration time,
-  full recompute and SP + selective) and KOR table 4 (per-layer forward/backward times, 5 modes).
-  One fit for all rows, never per row.
+* :func:`validation_points`: the published rows the three compute constants
+  (``GEMM_EFFICIENCY``, ``GEMM_HALF_DIM``, ``MEM_TRAFFIC``) are fitted on; the fit, and the
+  leave-one-source-out test of it, is :mod:`loom.planner.fit`
+  (``python -m benchmarks.planner_fit``).
 * :func:`calibrate_local` (``loom plan --calibrate``) measures this machine, one thread (one
   rank's share of a CPU host), in ~10-20 s, and fits every constant of the time model:
 
@@ -31,7 +29,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -40,76 +37,21 @@ import numpy as np
 from loom.planner.hardware import Cluster, make_cluster
 
 
-# -- fit to published measurements --------------------------------------------------------------
+# -- published measurements ---------------------------------------------------------------------
 
 def validation_points(cluster_kw: dict | None = None):
-    """Yield ``(name, predicted, published)`` for every published measurement used in the fit
-    and in the tests, with the compute constants of ``cluster_kw`` (Cluster overrides)."""
-    from loom.planner.layout import Options, make_layouts
-    from loom.planner.presets import KOR_TABLE3, NAR_TABLE1, gpt
-    from loom.planner.search import evaluate, record, search
-    from loom.planner.timing import layer_fwd_bwd
+    """``(name, predicted, published)`` for NAR table 1, KOR table 3 and KOR table 4 (the rows
+    the compute constants are fitted on; :func:`loom.planner.validation.nar_table1_points` and
+    :func:`~loom.planner.validation.kor_points`), with the compute constants of ``cluster_kw``
+    (``gemm_efficiency``, ``gemm_half_dim``, ``mem_traffic``; missing = shipped). The fit itself
+    and its leave-one-source-out check are in :mod:`loom.planner.fit`."""
+    from dataclasses import replace
 
-    kw = cluster_kw or {}
-    opts = Options()
-    out = []
-    for (P, a, h, nl, t, p, n, B, pub, _pct) in NAR_TABLE1:
-        model = gpt(nl, h, a)
-        cl = make_cluster("A100-80GB", n, **kw)
-        res = search(model, cl, B, 2048, fixed=dict(tp=t, pp=p, cp=1, recompute="full", sp=0,
-                                                    zero=0), opts=opts)
-        if not len(res["order"]):
-            out.append((f"NAR {P}B hw TFLOP/s", float("nan"), pub))
-            continue
-        out.append((f"NAR {P}B hw TFLOP/s", record(res, res["order"][0])["hw_tflops_per_gpu"], pub))
-    for (name, a, h, nl, t, p, n, B, b, tfull, tsel, _mfu, _hfu) in KOR_TABLE3:
-        model = gpt(nl, h, a)
-        cl = make_cluster("A100-80GB", n, **kw)
-        d = n // (t * p)
-        L = make_layouts([dict(tp=t, pp=p, dp=d, mbs=b, recompute="full", sp=0, vp=1),
-                          dict(tp=t, pp=p, dp=d, mbs=b, recompute="selective", sp=1, vp=1)])
-        res = evaluate(model, L, B, 2048, cl, opts)
-        out.append((f"KOR {name} full s", float(res["time_iteration"][0]), tfull))
-        out.append((f"KOR {name} sp+sel s", float(res["time_iteration"][1]), tsel))
-    model = gpt(48, 6144, 64)
-    cl = make_cluster("A100-80GB", 8, **kw)
-    modes = [("baseline", "none", 0, 7.7, 11.9), ("sp", "none", 1, 7.2, 11.8),
-             ("full", "full", 0, 7.7, 19.5), ("selective", "selective", 0, 7.7, 13.2),
-             ("sel+sp", "selective", 1, 7.2, 13.1)]
-    L = make_layouts([dict(tp=8, mbs=4, recompute=r, sp=sp) for (_, r, sp, _, _) in modes])
-    fwd, bwd = layer_fwd_bwd(model, 2048, L, cl, opts)
-    for i, (name, _, _, f_ms, b_ms) in enumerate(modes):
-        out.append((f"KOR t4 {name} fwd ms", float(fwd[i] * 1e3), f_ms))
-        out.append((f"KOR t4 {name} bwd ms", float(bwd[i] * 1e3), b_ms))
-    return out
+    from loom.planner.constants import SHIPPED
+    from loom.planner.validation import kor_points, nar_table1_points
 
-
-def fit_loss(params) -> float:
-    e, h0, k = params
-    pts = validation_points(dict(gemm_efficiency=e, gemm_half_dim=h0, mem_traffic=k))
-    errs = [math.log(pred / pub) for _, pred, pub in pts if pred == pred]
-    return float(np.mean(np.square(errs)))
-
-
-def fit_compute_model(start=(0.74, 48.0, 2.3), rounds: int = 6) -> tuple:
-    """Least-squares fit (coordinate search with shrinking steps) of ``(GEMM_EFFICIENCY,
-    GEMM_HALF_DIM, MEM_TRAFFIC)``; returns ``(params, rms_log_error)``. Takes ~a minute."""
-    x = list(start)
-    steps = [0.04, 64.0, 0.5]
-    best = fit_loss(x)
-    for _ in range(rounds):
-        improved = True
-        while improved:
-            improved = False
-            for i in range(3):
-                for sgn in (+1, -1):
-                    y = list(x)
-                    y[i] = max(1e-3, y[i] + sgn * steps[i])
-                    loss = fit_loss(y)
-                    if loss < best:
-                        best, x, improved = loss, y, True
-        steps = [s / 2 for s in steps]
-    return tuple(x), math.sqrt(best)
+    c = replace(SHIPPED, **(cluster_kw or {})) if cluster_kw else None
+    return nar_table1_points(c) + kor_points(c)
 
 
 # -- measure this machine -------------------------------------------------------------------------

@@ -46,8 +46,8 @@ class Options:
     ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).
     ``max_zero_stage``: highest ZeRO stage searched (``loom train`` runs 0, 1, the
     distributed optimizer, and 3, FSDP2; 2 is a what-if analysis).
-    ``zero3_overlap`` / ``zero3_link_efficiency``: override the fitted ZeRO-3 constants of
-    :mod:`loom.planner.timing` (used by the fit itself).
+    ``zero3_overlap`` / ``zero3_link_efficiency``: override the ZeRO-3 constants of
+    :mod:`loom.planner.timing` (the first fitted, used by the fit itself; the second assumed).
     ``moe_load_imbalance``: busiest EP rank's expert tokens over the mean (>= 1), applied to the
     expert compute and activations (:data:`loom.planner.moe.MOE_LOAD_IMBALANCE`).
     """
@@ -64,7 +64,7 @@ class Options:
     allow_tp_across_nodes: bool = False
     max_zero_stage: int = 3
     zero3_overlap: float | None = None  # None = timing.ZERO3_OVERLAP (fitted)
-    zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (fitted)
+    zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (assumed)
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
 
 

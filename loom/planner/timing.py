@@ -36,10 +36,12 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
 
 All collectives use the alpha-beta ring formulas of references.md (:func:`all_reduce_time`, in
 :mod:`loom.planner.primitives` with :func:`gemm_efficiency`).
-The three constants of the compute model, ``GEMM_EFFICIENCY`` (large-GEMM fraction of peak),
-``GEMM_HALF_DIM`` (GEMM dimension at which the efficiency halves) and ``MEM_TRAFFIC``, are fitted
-once by least squares (``loom.planner.calibrate.fit_compute_model``) to NAR table 1, KOR table 3
-and KOR table 4 together, never per row; a cluster file may override them.
+The constants of the compute model, ``GEMM_EFFICIENCY`` (large-GEMM fraction of peak),
+``GEMM_HALF_DIM`` (GEMM dimension at which the efficiency halves), ``MEM_TRAFFIC`` and the
+Hopper efficiency, are fitted once by least squares (:func:`loom.planner.fit.fit_compute`) to
+NAR table 1, KOR tables 3 and 4 and Megatron-Core's H100 weak scaling together, never per row;
+a cluster file may override them. Their out-of-sample errors (leave one source out):
+:func:`loom.planner.fit.leave_one_source_out`, docs/planner.md.
 """
 
 from __future__ import annotations
@@ -58,10 +60,13 @@ from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,
                                      hierarchical_all_reduce_time, p2p_time,
                                      reduce_scatter_time)
 
-# Fitted with GEMM_EFFICIENCY and GEMM_HALF_DIM (primitives.py; see calibrate.fit_compute_model).
-MEM_TRAFFIC = 2.58
-# Fitted to NAR table 2's six ZeRO-3 runs (see calibrate_zero3 in benchmarks/planner_fit.py).
-ZERO3_OVERLAP = 0.75
+# Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
+# tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, loom.planner.fit).
+MEM_TRAFFIC = 2.59
+# Fitted (minimax of the log error of the days for 300B tokens, loom.planner.fit.fit_zero3) to the
+# six ZeRO-3 rows of NAR table 2: 174.6B on 384/768/1536 GPUs, 529.6B on 640/1120/2240 GPUs.
+ZERO3_OVERLAP = 0.746
+# Not fitted: an assumption (DeepSpeed's flat ring at the full per-GPU NIC bandwidth).
 ZERO3_LINK_EFFICIENCY = 1.0
 
 

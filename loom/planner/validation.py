@@ -1,5 +1,14 @@
-"""Predictions for published runs beyond the compute fit of :mod:`loom.planner.calibrate`.
+"""Predictions for published runs (tables copied from the papers; sources below and in
+:mod:`loom.planner.presets`). Every function takes ``constants`` (a
+:class:`loom.planner.constants.Constants`; None = the shipped values), so that
+:mod:`loom.planner.fit` can refit and hold sources out.
 
+* :func:`nar_table1_points` -- NAR table 1 (hardware TFLOP/s per GPU at the published t, p, d,
+  full recompute, micro-batch and virtual stages the planner's best, unfused attention, no SP,
+  no distributed optimizer).
+* :func:`kor_points` -- KOR table 3 (iteration seconds, full recompute and SP + selective) and
+  KOR table 4 (:data:`KOR_TABLE4`: ms forward / backward of one 22B layer, t = 8, b = 4).
+* :func:`mcore_h100_strong` -- Megatron-LM README strong scaling (:data:`MCORE_H100_STRONG`).
 * :func:`nar_table2` -- NAR table 2 (PTD-P vs ZeRO-3 without model parallelism, A100-80GB,
   s = 2048, days for 300B tokens). Conventions as for NAR table 1: unfused attention, full
   recompute, hardware TFLOP/s (NAR eq 3); PTD-P at the published t = 8, p = 12 / 35, b = 1, no
@@ -26,10 +35,10 @@
 from __future__ import annotations
 
 from loom.config import ModelConfig
-from loom.planner.hardware import make_cluster
-from loom.planner.layout import Options
-from loom.planner.presets import NAR_TABLE2, gpt
-from loom.planner.search import record, search
+from loom.planner.constants import Constants, fitted_cluster
+from loom.planner.layout import Options, make_layouts
+from loom.planner.presets import KOR_TABLE3, NAR_TABLE1, NAR_TABLE2, gpt
+from loom.planner.search import evaluate, record, search
 
 # DGX-2H: 8 x 100 Gb/s InfiniBand for 16 GPUs = 100 GB/s per node (SHO sec 5) = 6.25 GB/s per GPU.
 DGX2H_INTER_BW = 6.25e9
@@ -56,17 +65,67 @@ MCORE_H100 = [
 ]
 
 
-def mcore_h100(gemm_efficiency: float | None = None) -> list[dict]:
+# Megatron-LM README, strong scaling: GPT-3 177B (the weak-scaling table's 177B shape, t = 8,
+# p = 6), B = 1152, s = 4096: GPUs, published MFU.
+MCORE_H100_STRONG = ((96, 0.47), (4608, 0.42))
+
+# KOR table 4 (one 22B layer, t = 8, b = 4): mode, recompute, SP, published fwd ms, bwd ms.
+KOR_TABLE4 = (("baseline", "none", 0, 7.7, 11.9), ("sp", "none", 1, 7.2, 11.8),
+              ("full", "full", 0, 7.7, 19.5), ("selective", "selective", 0, 7.7, 13.2),
+              ("sel+sp", "selective", 1, 7.2, 13.1))
+
+
+def nar_table1_points(constants: Constants | None = None) -> list[tuple]:
+    """``(name, predicted, published)`` hardware TFLOP/s per GPU of each NAR table 1 row."""
+    out = []
+    for (P, a, h, nl, t, p, n, B, pub, _pct) in NAR_TABLE1:
+        res = search(gpt(nl, h, a), fitted_cluster("A100-80GB", n, constants), B, 2048,
+                     fixed=dict(tp=t, pp=p, cp=1, recompute="full", sp=0, zero=0),
+                     opts=Options())
+        pred = record(res, res["order"][0])["hw_tflops_per_gpu"] if len(res["order"]) \
+            else float("nan")
+        out.append((f"NAR {P}B hw TFLOP/s", pred, pub))
+    return out
+
+
+def kor_points(constants: Constants | None = None) -> list[tuple]:
+    """``(name, predicted, published)``: KOR table 3 iteration seconds (full recompute; SP +
+    selective) and KOR table 4 per-layer ms (:data:`KOR_TABLE4`)."""
+    from loom.planner.timing import layer_fwd_bwd
+
+    opts = Options()
+    out = []
+    for (name, a, h, nl, t, p, n, B, b, tfull, tsel, _mfu, _hfu) in KOR_TABLE3:
+        d = n // (t * p)
+        L = make_layouts([dict(tp=t, pp=p, dp=d, mbs=b, recompute="full", sp=0, vp=1),
+                          dict(tp=t, pp=p, dp=d, mbs=b, recompute="selective", sp=1, vp=1)])
+        res = evaluate(gpt(nl, h, a), L, B, 2048, fitted_cluster("A100-80GB", n, constants),
+                       opts)
+        out.append((f"KOR {name} full s", float(res["time_iteration"][0]), tfull))
+        out.append((f"KOR {name} sp+sel s", float(res["time_iteration"][1]), tsel))
+    L = make_layouts([dict(tp=8, mbs=4, recompute=r, sp=sp) for (_, r, sp, _, _) in KOR_TABLE4])
+    fwd, bwd = layer_fwd_bwd(gpt(48, 6144, 64), 2048, L,
+                             fitted_cluster("A100-80GB", 8, constants), opts)
+    for i, (name, _, _, f_ms, b_ms) in enumerate(KOR_TABLE4):
+        out.append((f"KOR t4 {name} fwd ms", float(fwd[i] * 1e3), f_ms))
+        out.append((f"KOR t4 {name} bwd ms", float(bwd[i] * 1e3), b_ms))
+    return out
+
+
+def _mcore_model(nl: int, h: int, a: int) -> ModelConfig:
+    return ModelConfig.gpt2(num_layers=nl, hidden_size=h, num_attention_heads=a,
+                            seq_length=4096, max_position_embeddings=4096, vocab_size=131072,
+                            untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                            attention_dropout=0.0)
+
+
+def mcore_h100(constants: Constants | None = None) -> list[dict]:
     """One dict per :data:`MCORE_H100` row: ``params_b, gpus, published_tflops, tflops`` (model
-    TFLOP/s per GPU, KOR eq 7 = Megatron's count) and the chosen ``layout`` record.
-    ``gemm_efficiency`` overrides the Hopper constant (used by the fit)."""
+    TFLOP/s per GPU, KOR eq 7 = Megatron's count) and the chosen ``layout`` record."""
     out = []
     for P, a, h, nl, t, p, n, B, tflops, _mfu in MCORE_H100:
-        model = ModelConfig.gpt2(num_layers=nl, hidden_size=h, num_attention_heads=a,
-                                 seq_length=4096, max_position_embeddings=4096,
-                                 vocab_size=131072, untie_embeddings_and_output_weights=True,
-                                 hidden_dropout=0.0, attention_dropout=0.0)
-        cl = make_cluster("H100-80GB", n, gemm_efficiency=gemm_efficiency)
+        model = _mcore_model(nl, h, a)
+        cl = fitted_cluster("H100-80GB", n, constants)
         res = search(model, cl, B, 4096, opts=Options(flash_attention=True),
                      fixed=dict(tp=t, pp=p, cp=1, zero=1 if n // (t * p) > 1 else 0,
                                 sp=1 if t > 1 else 0))
@@ -76,20 +135,38 @@ def mcore_h100(gemm_efficiency: float | None = None) -> list[dict]:
     return out
 
 
-def nar_table2(zero3_overlap: float | None = None,
+def mcore_h100_strong(constants: Constants | None = None) -> list[dict]:
+    """One dict per :data:`MCORE_H100_STRONG` row: ``gpus, published_mfu, mfu`` (GPT-3 177B,
+    B = 1152, t = 8, p = 6, ZeRO-1, SP; the planner picks b, v, recompute)."""
+    out = []
+    for n, pub in MCORE_H100_STRONG:
+        res = search(_mcore_model(96, 12288, 96), fitted_cluster("H100-80GB", n, constants),
+                     1152, 4096, opts=Options(flash_attention=True),
+                     fixed=dict(tp=8, pp=6, cp=1, zero=1, sp=1))
+        mfu = record(res, int(res["order"][0]))["mfu"] if len(res["order"]) else float("nan")
+        out.append(dict(gpus=n, published_mfu=pub, mfu=mfu))
+    return out
+
+
+def nar_table2(constants: Constants | None = None, schemes=("ZeRO-3", "PTD-P"),
                zero3_link_efficiency: float | None = None) -> list[dict]:
-    """One dict per NAR table 2 row: ``scheme, params_b, gpus, b, published_tflops,
-    published_days, tflops, days`` (predicted hardware TFLOP/s per GPU and days)."""
-    opts = Options(flash_attention=False, max_zero_stage=3, zero3_overlap=zero3_overlap,
+    """One dict per NAR table 2 row of ``schemes``: ``scheme, params_b, gpus, b,
+    published_tflops, published_days, tflops, days`` (predicted hardware TFLOP/s per GPU and
+    days)."""
+    opts = Options(flash_attention=False, max_zero_stage=3,
+                   zero3_overlap=constants.zero3_overlap if constants else None,
                    zero3_link_efficiency=zero3_link_efficiency)
     out = []
     for scheme, P, mp, B, n, b, tflops, days in NAR_TABLE2:
+        if scheme not in schemes:
+            continue
         model = gpt(96, 12288, 96) if P < 200 else gpt(105, 20480, 128)
         if scheme == "ZeRO-3":
             fixed = dict(tp=1, pp=1, cp=1, zero=3, mbs=b, recompute="full")
         else:
             fixed = dict(tp=8, pp=mp // 8, cp=1, zero=0, mbs=1, recompute="full", sp=0)
-        res = search(model, make_cluster("A100-80GB", n), B, 2048, fixed=fixed, opts=opts)
+        res = search(model, fitted_cluster("A100-80GB", n, constants), B, 2048, fixed=fixed,
+                     opts=opts)
         row = dict(scheme=scheme, params_b=P, gpus=n, b=b, published_tflops=tflops,
                    published_days=days, tflops=float("nan"), days=float("nan"))
         if len(res["order"]):
@@ -99,11 +176,11 @@ def nar_table2(zero3_overlap: float | None = None,
     return out
 
 
-def bloom_176b() -> dict:
+def bloom_176b(constants: Constants | None = None) -> dict:
     """The BLOOM 176B run (module docstring): ``published_tflops`` (about 150), predicted
     ``hw_tflops`` and the chosen ``layout`` record (its ``pipeline_split``)."""
     model = gpt(70, 14336, 112, V=250680)
-    cl = make_cluster("A100-80GB", 384, inter_bw=0.92 * 6.25e9)
+    cl = fitted_cluster("A100-80GB", 384, constants, inter_bw=0.92 * 6.25e9)
     res = search(model, cl, 2048, 2048, opts=Options(flash_attention=False),
                  fixed=dict(tp=4, pp=12, cp=1, mbs=2, recompute="full", zero=1, sp=0))
     r = record(res, int(res["order"][0])) if len(res["order"]) else None
@@ -111,7 +188,8 @@ def bloom_176b() -> dict:
                 layout=r)
 
 
-def sho_weak_scaling(recompute: str = "full", overlap: bool = True) -> list[dict]:
+def sho_weak_scaling(recompute: str = "full", overlap: bool = True,
+                     constants: Constants | None = None) -> list[dict]:
     """One dict per SHO table 1 row: ``params_b, mp, published_mp, published_mp_dp`` and the
     predicted ``mp``, ``mp_dp`` efficiencies (per-GPU model FLOP/s over the 1-GPU 1.2B run's),
     V100-32GB, 16 GPUs per node, s = 1024, unfused attention, no recompute, b = 8 (SHO sec 5:
@@ -124,7 +202,7 @@ def sho_weak_scaling(recompute: str = "full", overlap: bool = True) -> list[dict
         model = gpt(nl, h, a, s=1024)
         got = {}
         for key, d in (("mp", 1), ("mp_dp", 64)):
-            cl = make_cluster("V100-32GB", mp * d, 16, inter_bw=DGX2H_INTER_BW)
+            cl = fitted_cluster("V100-32GB", mp * d, constants, 16, inter_bw=DGX2H_INTER_BW)
             res = search(model, cl, 8 * d, 1024, opts=opts,
                          fixed=dict(tp=mp, pp=1, cp=1, dp=d, mbs=8, zero=0, sp=0,
                                     recompute=recompute))

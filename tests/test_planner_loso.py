@@ -1,0 +1,106 @@
+"""Out-of-sample validation of the planner's cost model (issue 26): leave one published source
+out, refit every constant on the rest, predict it (loom.planner.fit.leave_one_source_out).
+
+The bounds are what the protocol measures now (rounded up by about a point), not targets: they
+fail when a change makes a held-out source worse. The issue's target (median <= 8%, worst <= 20%
+per source) is the strict xfail at the end; it fails loudly once it is met. The in-sample checks
+(rows the constants are fitted on) are the ``test_in_sample_fit_*`` tests of
+test_planner_published.py and test_planner_validation.py. ~15-30 s (one fixture).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loom.planner.constants import FIT_SETS, SHIPPED, Constants
+from loom.planner.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_points
+
+# held-out set -> (median, worst) absolute relative error bounds, measured 2025 (issue 26)
+HELDOUT_BOUNDS = {
+    "NAR t1": (0.13, 0.20),
+    "NAR t2": (0.08, 0.29),
+    "KOR": (0.11, 0.22),
+    "SHO": (0.05, 0.17),
+    "MC-H100 weak": (0.16, 0.27),
+    "MC-H100 strong": (0.02, 0.03),
+    "BLOOM": (0.16, 0.16),
+    "MC-H100 weak + MC-H100 strong": (0.16, 0.27),
+}
+OVERALL_BOUNDS = (0.11, 0.29)
+ISSUE_TARGET = (0.08, 0.20)
+
+
+@pytest.fixture(scope="module")
+def loso():
+    return leave_one_source_out()
+
+
+def test_refit_on_all_rows_reproduces_shipped_constants(loso):
+    """The shipped constants are the fit's output (rounded to 3 significant digits)."""
+    got = loso["all_sources_fit"]
+    for name, shipped in SHIPPED.__dict__.items():
+        assert got[name] == pytest.approx(shipped, rel=0.003, abs=0.002), (name, got[name])
+
+
+def test_held_out_source_is_not_in_its_own_fit(loso):
+    for held in HOLDOUTS:
+        r = loso["sources"][" + ".join(held)]
+        for group, used in r["fitted_on"].items():
+            assert used == "prior" or not set(held) & set(used), (held, group, used)
+        if r["ever_fitted"]:  # refitting without it moved the constants
+            assert r["constants"] != loso["all_sources_fit"], held
+
+
+def test_every_source_is_held_out_once_and_fit_sets_name_known_sources():
+    assert {s for h in HOLDOUTS for s in h} == set(SOURCES)
+    assert {s for srcs in FIT_SETS.values() for s in srcs} <= set(SOURCES)
+
+
+@pytest.mark.parametrize("held", list(HELDOUT_BOUNDS))
+def test_held_out_errors_within_measured_bounds(loso, held):
+    med, worst = HELDOUT_BOUNDS[held]
+    h = loso["sources"][held]["heldout"]
+    assert h["n"] >= 1 and all(math.isfinite(v) for v in h["rows"].values()), h
+    assert h["median"] <= med, (held, h["median"], h["rows"])
+    assert h["worst"] <= worst, (held, h["worst"], h["rows"])
+
+
+def test_overall_held_out_errors(loso):
+    o = loso["overall"]
+    assert o["n"] == sum(len(source_points(s)) for s in SOURCES)
+    assert o["median"] <= OVERALL_BOUNDS[0] and o["worst"] <= OVERALL_BOUNDS[1], o
+
+
+def test_held_out_is_worse_than_in_sample_for_fitted_sources(loso):
+    """Sanity of the protocol: holding a fitted source out cannot fit it better (least squares
+    on its rows is what the all-sources fit did)."""
+    for held, r in loso["sources"].items():
+        if r["ever_fitted"]:
+            assert r["heldout"]["median"] >= r["in_sample"]["median"] - 0.005, held
+
+
+def test_shipped_constants_object_matches_the_default_prediction_path():
+    """``constants=SHIPPED`` (explicit Cluster overrides, h0 scaled by the ridge point) predicts
+    what the plain shipped path predicts, for every source: the refits change only what they
+    fit."""
+    for s in SOURCES:
+        for (n0, p0, _), (n1, p1, _) in zip(source_points(s), source_points(s, SHIPPED)):
+            assert n0 == n1 and p1 == pytest.approx(p0, rel=1e-9), (s, n0, p0, p1)
+
+
+def test_constants_change_predictions():
+    """The plumbing is live: a lower GEMM efficiency slows every A100 and H100 prediction."""
+    slow = Constants(gemm_efficiency=0.5, hopper_gemm_efficiency=0.5)
+    base = dict((n, p) for n, p, _ in source_points("NAR t1") + source_points("MC-H100 weak"))
+    for n, p, _ in source_points("NAR t1", slow) + source_points("MC-H100 weak", slow):
+        assert p < base[n], n
+
+
+@pytest.mark.xfail(strict=True, reason="issue 26 target (median <= 8%, worst <= 20% per held-out "
+                   "source) not met yet: see docs/planner.md, leave-one-source-out")
+def test_issue_26_target_per_source(loso):
+    for held, r in loso["sources"].items():
+        assert r["heldout"]["median"] <= ISSUE_TARGET[0], held
+        assert r["heldout"]["worst"] <= ISSUE_TARGET[1], held
