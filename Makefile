@@ -19,8 +19,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m loom demo
 
+# Random order (pytest-randomly), a new seed each run, printed first and last; a failing run
+# prints `make test SEED=N`, which runs the same order again. No -x: one run reports every
+# failure of its order (a random order is worth reading in full; tests/README.md).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED)) tests
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -4,11 +4,14 @@ Each rank runs ``fn(*args)`` after ``init_process_group("gloo")`` (file rendezvo
 pick); the return values come back to the caller, by rank. A failure on any rank raises in the
 caller with that rank's traceback; a hang is killed after ``timeout`` seconds.
 :func:`torchrun_train` runs ``loom train`` under torchrun (the drills), :func:`logged_losses`
-reads the losses back from its ``--log-json``.
+reads the losses back from its ``--log-json``. :func:`count_collectives` records the
+``torch.distributed`` collectives a block of code calls (op, group, size, in backward or not).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import os
 import queue as queue_mod
@@ -18,7 +21,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -111,3 +114,50 @@ def logged_losses(log: Path) -> dict[int, float]:
         if rec.get("kind") == "train":
             out[rec["iteration"]] = rec["loss"]
     return out
+
+
+# torch.distributed functions counted by count_collectives, and the op each one is counted as
+# (reduce_scatter_single / all_gather_single replace the *_tensor names in newer torch)
+COLLECTIVES = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scatter",
+               "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+               "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+               "all_gather": "all_gather", "all_to_all_single": "all_to_all",
+               "broadcast": "broadcast"}
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[list]:
+    """Record every call of a :data:`COLLECTIVES` function while the block runs; yields the
+    list the records go to, each ``{"op", "group", "numel", "bytes", "backward"}``: ``group``
+    the process group whether passed by keyword or position (None: the default group),
+    ``numel``/``bytes`` of the largest tensor argument (the whole buffer of a reduce-scatter or
+    all-gather), ``backward`` whether the call was made inside an autograd backward (a
+    reduction overlapped with it). Calls that loom makes through ``dist.NAME`` looked up at
+    call time are all seen (loom never binds these functions at import)."""
+    import torch.distributed as dist
+    records: list = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name, fn):
+        sig = inspect.signature(fn)
+
+        def call(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs).arguments
+            tensors = [v for v in bound.values() if isinstance(v, torch.Tensor)]
+            tensors += [t for v in bound.values() if isinstance(v, (list, tuple))
+                        for t in v if isinstance(t, torch.Tensor)]
+            big = max(tensors, key=lambda t: t.numel(), default=None)
+            records.append({"op": COLLECTIVES[name], "group": bound.get("group"),
+                            "numel": 0 if big is None else big.numel(),
+                            "bytes": 0 if big is None else big.numel() * big.element_size(),
+                            "backward": torch._C._current_graph_task_id() != -1})
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield records
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

@@ -42,6 +42,7 @@ def _cfg(kind: str, tp: int, pp: int, dp: int, sp: bool) -> LoomConfig:
     cfg.training.adam_eps = 1e-4  # see tests/test_parallel_parity.py
     cfg.training.clip_grad = 0.5
     cfg.training.compile = True
+    cfg.training.train_iters = 100
     cfg.logging.log_interval = 10**9
     return cfg.validate(tp * pp * dp)
 
@@ -54,6 +55,10 @@ def compiled_case(kind: str, tp: int, pp: int, dp: int, sp: bool) -> dict:
     from torch._dynamo.utils import counters
 
     from loom.training.trainer import Trainer
+    # a fresh count per case: Dynamo's counters and its cache of compiled code are process-wide,
+    # so without this a case could pass on the graphs of the case before it (or reuse them)
+    torch._dynamo.reset()
+    counters.clear()
     cfg = _cfg(kind, tp, pp, dp, sp)
     mesh = ParallelMesh.build(tp=tp, pp=pp, dp=dp)
     par = Trainer(cfg, mesh=mesh)
@@ -83,6 +88,9 @@ def compiled_case(kind: str, tp: int, pp: int, dp: int, sp: bool) -> dict:
         par.consumed_samples += par.global_batch
         ref.consumed_samples += ref.global_batch
     out["graphs"] = counters["stats"]["unique_graphs"]
+    out["frames_ok"] = counters["frames"]["ok"]
+    torch._dynamo.reset()
+    counters.clear()
     return out
 
 
@@ -101,7 +109,8 @@ def test_compile_parity(results, case):
     for rank, res in enumerate(results):
         r = res[case]
         assert r["layers"] > 0 and r["compiled_layers"] == r["layers"], (rank, r)
-        assert r["graphs"] > 0, (rank, r)  # Dynamo really compiled something
+        # Dynamo compiled graphs in this case (the counters were cleared at its start)
+        assert r["graphs"] > 0 and r["frames_ok"] > 0, (rank, r)
         assert r["checked"] >= 3 * 8, (rank, r)
         assert r["loss"] < TOL and r["grad"] < TOL and r["norm"] < TOL, (rank, r)
 
@@ -112,6 +121,7 @@ def test_compile_without_a_cpp_compiler_is_refused(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=64, num_attention_heads=4,
                                             seq_length=16, vocab_size=300))
+    cfg.training.micro_batch_size, cfg.training.train_iters, cfg.training.lr = 2, 10, 1e-3
     cfg.training.compile = True
     with pytest.raises(ConfigError, match="--compile on CPU needs a C..? compiler"):
         cfg.validate(1)

@@ -6,9 +6,11 @@ bucket, :meth:`GradientReducer.shard_range`), the clipped global norm and the pa
 the steps match the single-process AdamW run (rtol 1e-5; parameters 1e-4, see
 test_parallel_parity): DP=2 and DP=4, with and without ``--overlap-grad-reduce`` and
 ``--overlap-param-gather``; TP=2 x DP=2; PP=2 x DP=2 (tied embedding in a bucket of its own);
-gradient accumulation (m = 3); ZeRO-2; EP=2 MoE. Communication is counted: one reduce-scatter
-and one all-gather per bucket per step and no gradient all-reduce (without the distributed
-optimizer: one all-reduce per bucket). Memory per rank in bf16 equals 6 + 12/d bytes per
+gradient accumulation (m = 3); ZeRO-2; EP=2 MoE. Communication is counted exactly over 2 steps
+of 1 to 3 micro-batches, with and without overlap (:func:`expected_comm`): ZeRO-1 one
+reduce-scatter and one all-gather per bucket per step and no gradient all-reduce; ZeRO-2 a
+reduce-scatter per bucket per micro-batch; without the distributed optimizer one all-reduce
+per bucket; with ``--overlap-grad-reduce`` every reduction launched inside backward. Memory per rank in bf16 equals 6 + 12/d bytes per
 parameter (ZeRO-2: 2 + 16/d; plain: 18) within 1% for d in {1, 2, 4}. A checkpoint saved with
 the distributed optimizer at DP=2 resumes without it at DP=1 with the losses of an
 uninterrupted run.
@@ -50,7 +52,7 @@ def make_cfg(world: int, tp=1, pp=1, ep=1, zero=1, og=False, opg=False, m=None, 
     t.overlap_param_gather = opg
     t.bf16 = bf16
     dp = world // (tp * pp)
-    t.micro_batch_size = 2
+    t.micro_batch_size, t.train_iters = 2, 100
     t.global_batch_size = 2 * dp * (m or 1)
     t.lr, t.adam_eps, t.clip_grad = 1e-3, 1e-4, 0.5  # see test_parallel_parity
     cfg.data.mock_data = True
@@ -115,40 +117,63 @@ def parity_case(**kw) -> dict:
     return out
 
 
-def count_collectives(world: int, zero: int) -> dict:
-    """Collectives on the DP group in one step (m = 1): reduce-scatters, all-gathers, and
-    all-reduces of more than one element (gradients; the norm's scalar is not one)."""
+def comm_case(world: int, zero: int, og: bool = False, opg: bool = False, m: int = 1,
+              steps: int = 2) -> dict:
+    """The collectives on the DP group during ``steps`` optimizer steps of ``m`` micro-batches
+    (:func:`loom.testing.count_collectives`: ``group`` by keyword or position): per op the
+    calls, their elements and the calls made inside backward (overlapped); all-reduces of
+    more than one element only (gradients; the norm's scalar is not one). With the buckets'
+    count and elements, from which the calls are derived exactly."""
     from loom.training.main_params import flat_reducers
+    from loom.training.step import finish_param_gather
     from loom.training.trainer import Trainer
-    cfg = make_cfg(world, zero=zero)
+    from loom.testing import count_collectives
+    cfg = make_cfg(world, zero=zero, og=og, opg=opg, m=m)
     tr = Trainer(cfg, mesh=ParallelMesh.build())
     group = tr.mesh.groups["dp_cp"]
-    calls = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
-    names = {"all_reduce": "all_reduce",
-             "reduce_scatter": "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
-             else "reduce_scatter_tensor",
-             "all_gather": "all_gather_single" if hasattr(dist, "all_gather_single")
-             else "all_gather_into_tensor"}
-    originals = {k: getattr(dist, v) for k, v in names.items()}
+    with count_collectives() as records:
+        for _ in range(steps):
+            tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples))
+            tr.optimizer_step()
+            tr.consumed_samples += tr.global_batch
+        finish_param_gather(tr.optimizer)
+    out = {"steps": steps, "m": m, "zero": zero, "og": og,
+           "kind": type(tr.optimizer).__name__}
+    for op in ("reduce_scatter", "all_gather", "all_reduce"):
+        mine = [r for r in records if r["op"] == op and r["group"] is group and r["numel"] > 1]
+        out[op] = len(mine)
+        out[op + "_numel"] = sum(r["numel"] for r in mine)
+        out[op + "_in_backward"] = sum(r["backward"] for r in mine)
+    buckets = [b for r in flat_reducers(tr.reducers) for b in r.buckets]
+    out["buckets"], out["bucket_numel"] = len(buckets), sum(b.buffer.numel() for b in buckets)
+    return out
 
-    def counting(kind):
-        def fn(*args, **kwargs):
-            big = kind != "all_reduce" or args[0].numel() > 1
-            if kwargs.get("group") is group and big:
-                calls[kind] += 1
-            return originals[kind](*args, **kwargs)
-        return fn
 
-    for k, v in names.items():
-        setattr(dist, v, counting(k))
-    try:
-        tr.forward_backward(tr.batches(tr.train_ds, 0))
-        tr.optimizer_step()
-    finally:
-        for k, v in names.items():
-            setattr(dist, v, originals[k])
-    calls["buckets"] = sum(len(r.buckets) for r in flat_reducers(tr.reducers))
-    return calls
+def expected_comm(c: dict) -> dict:
+    """Megatron's DDP / distributed optimizer, per step: plain DP one all-reduce per bucket;
+    ZeRO-1 one reduce-scatter per bucket (of the whole padded bucket) and one all-gather per
+    bucket (the updated parameters); ZeRO-2 one reduce-scatter per bucket per micro-batch
+    (into the kept 1/d shard; not overlapped) and one all-gather per bucket. With
+    --overlap-grad-reduce the last micro-batch's reductions are launched inside backward."""
+    s, n, numel = c["steps"], c["buckets"], c["bucket_numel"]
+    rs = {0: 0, 1: 1, 2: c["m"]}[c["zero"]] * s
+    want = {"reduce_scatter": rs * n, "reduce_scatter_numel": rs * numel,
+            "all_gather": s * n if c["zero"] else 0,
+            "all_gather_numel": s * numel if c["zero"] else 0,
+            "all_reduce": 0 if c["zero"] else s * n,
+            "all_reduce_numel": 0 if c["zero"] else s * numel}
+    overlapped = s * n if c["og"] and c["zero"] != 2 else 0
+    want["reduce_scatter_in_backward"] = overlapped if c["zero"] == 1 else 0
+    want["all_reduce_in_backward"] = overlapped if c["zero"] == 0 else 0
+    want["all_gather_in_backward"] = 0
+    return want
+
+
+COMM2 = {"comm-plain": dict(zero=0), "comm-plain-og-m3": dict(zero=0, og=True, m=3),
+         "comm-zero1": dict(zero=1), "comm-zero1-m3": dict(zero=1, m=3),
+         "comm-zero1-og-opg-m3": dict(zero=1, og=True, opg=True, m=3),
+         "comm-zero2-m3": dict(zero=2, m=3), "comm-zero2-og-m2": dict(zero=2, og=True, m=2)}
+COMM4 = {"comm-zero1-og-m2": dict(zero=1, og=True, m=2), "comm-zero2-m2": dict(zero=2, m=2)}
 
 
 def memory_case(world: int, zero: int, bf16: bool = True) -> dict:
@@ -189,8 +214,8 @@ def world2(tmp: str) -> dict:
     res = {"dp2": parity_case(), "dp2-overlap": parity_case(og=True, opg=True),
            "dp2-m3": parity_case(m=3, og=True), "dp2-zero2": parity_case(zero=2),
            "dp2-zero2-m3": parity_case(zero=2, m=3),
-           "ep2-moe": parity_case(moe=True, ep=2, opg=True, og=True),
-           "comm-dist": count_collectives(2, 1), "comm-plain": count_collectives(2, 0)}
+           "ep2-moe": parity_case(moe=True, ep=2, opg=True, og=True)}
+    res |= {name: comm_case(2, **kw) for name, kw in COMM2.items()}
     for zero in (0, 1, 2):
         res[f"mem-zero{zero}"] = memory_case(2, zero)
     for zero in (1, 2):
@@ -200,8 +225,8 @@ def world2(tmp: str) -> dict:
 
 def world4() -> dict:
     res = {"dp4": parity_case(), "dp4-overlap": parity_case(og=True, opg=True),
-           "tp2xdp2": parity_case(tp=2, og=True), "pp2xdp2": parity_case(pp=2, layers=4),
-           "comm-dist": count_collectives(4, 1)}
+           "tp2xdp2": parity_case(tp=2, og=True), "pp2xdp2": parity_case(pp=2, layers=4)}
+    res |= {name: comm_case(4, **kw) for name, kw in COMM4.items()}
     for zero in (0, 1, 2):
         res[f"mem-zero{zero}"] = memory_case(4, zero)
     return res
@@ -241,15 +266,32 @@ def test_parity_four_ranks(results4, name):
         _check(r[name])
 
 
-def test_one_reduce_scatter_and_one_all_gather_per_bucket(results2, results4):
-    for r in results2[0] + results4:
-        c = r["comm-dist"]
-        assert c["reduce_scatter"] == c["buckets"] == c["all_gather"] > 1, c
-        assert c["all_reduce"] == 0, c
-    for r in results2[0]:
-        c = r["comm-plain"]
-        assert c["all_reduce"] == c["buckets"] > 1 and c["reduce_scatter"] == 0 == \
-            c["all_gather"], c
+@pytest.mark.parametrize("name", sorted(COMM2) + sorted(COMM4))
+def test_collectives_per_bucket_per_step(results2, results4, name):
+    """Exact calls and elements of each collective on the DP group over 2 steps (ZeRO-1: one
+    reduce-scatter and one all-gather per bucket per step; ZeRO-2: a reduce-scatter per bucket
+    per micro-batch; plain: one all-reduce per bucket), and overlap launches them in backward."""
+    for r in (results2[0] if name in COMM2 else results4):
+        c = r[name]
+        assert c["buckets"] > 1, c
+        got = {k: c[k] for k in expected_comm(c)}
+        assert got == expected_comm(c), (name, c)
+
+
+def _positional_group() -> list:
+    from loom.testing import count_collectives
+    group = dist.new_group([0])
+    with count_collectives() as rec:
+        dist.all_reduce(torch.ones(3), dist.ReduceOp.SUM, group)
+        dist.all_reduce(torch.ones(2), group=group)
+        dist.all_reduce(torch.ones(4))
+    return [(r["op"], r["group"] is group, r["numel"]) for r in rec]
+
+
+def test_collective_count_sees_a_positional_group():
+    """The counter binds arguments to the signature: a group passed positionally is seen."""
+    assert run_distributed(1, _positional_group, start_method="fork") == [
+        [("all_reduce", True, 3), ("all_reduce", True, 2), ("all_reduce", False, 4)]]
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])

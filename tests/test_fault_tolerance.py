@@ -19,7 +19,7 @@ from loom.testing import logged_losses, torchrun_train
 MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
-         "--log-interval", "1", "--no-progress-bar"]
+         "--log-interval", "1", "--no-progress-bar", "--lr-decay-style", "cosine"]
 
 
 def test_kill_drill_resumes_and_matches_the_straight_run(tmp_path):
@@ -54,7 +54,8 @@ def test_hang_drill_names_rank_and_iteration(tmp_path):
 
 def run(argv: list[str], capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as e:
-        main(["train", *argv])
+        main(["train", # old loom defaults pinned (issue 21)
+         "--lr", "3e-4", "--train-iters", "100", "--micro-batch-size", "4", "--seq-length", "256", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval", "10", "--eval-iters", "10", *argv])
     out = capsys.readouterr()
     return e.value.code, out.out + out.err
 
@@ -100,6 +101,7 @@ def test_resumed_lr_follows_the_new_schedule_from_the_first_step(tmp_path):
                                          seq_length=8, vocab_size=64))
         c.data.mock_data = True
         c.training.train_iters, c.training.lr = iters, 1e-3
+        c.training.micro_batch_size = 4
         c.checkpoint.override_opt_param_scheduler = True
         return c.validate(1)
     tr = Trainer(cfg(4), mesh=ParallelMesh.single())
@@ -135,10 +137,19 @@ def test_auto_interval_needs_a_failure_rate_and_states_its_inputs(tmp_path, caps
     code, out = run(MODEL + ["--train-iters", "6", "--save", str(tmp_path / "a"),
                              "--save-interval", "auto"], capsys)
     assert code == 2 and "--mtbf-hours-per-node" in out, out
-    code, out = run(MODEL + ["--train-iters", "6", "--save", str(tmp_path / "b"),
-                             "--save-interval", "auto", "--mtbf-hours", "0.001"], capsys)
+    # The interval in iterations is Daly's seconds / the first step's time, and that time is
+    # not a constant: a cold process's first step (lazy initialization) took 16 ms here, the
+    # same step after other tests had warmed torch up 7 ms, so an MTBF of 3.6 s gave every 3 or
+    # every 7 iterations, and in the warm process no save came before the final one (no
+    # "(measured)" line). An MTBF of 3.6e-5 s is below the estimated save time (0.36 ms), where
+    # Daly's interval is the MTBF itself: every 1 iteration whatever the step time.
+    code, out = run(MODEL + ["--train-iters", "3", "--save", str(tmp_path / "b"),
+                             "--save-interval", "auto", "--mtbf-hours", "1e-8"], capsys)
     assert code == 0, out
-    assert "--save-interval auto: every" in out and "(estimated)" in out and "(measured)" in out
+    planned = [ln for ln in out.splitlines() if "--save-interval auto: every" in ln]
+    assert "every 1 iterations" in planned[0] and "(estimated)" in planned[0], out
+    assert any("(measured)" in ln for ln in planned[1:]), out
+    assert "iter_0000001" in out, out  # the first save came from the plan, not the final save
 
 
 def test_finetune_and_no_load_optim_rng(tmp_path):
@@ -153,7 +164,7 @@ def test_finetune_and_no_load_optim_rng(tmp_path):
         c = LoomConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
                                          seq_length=8, vocab_size=64))
         c.data.mock_data = True
-        c.training.train_iters = 10
+        c.training.train_iters, c.training.lr, c.training.micro_batch_size = 10, 3e-4, 4
         for k, v in ck.items():
             setattr(c.checkpoint, k, v)
         return c.validate(1)

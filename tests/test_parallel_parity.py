@@ -4,7 +4,10 @@ For 3 optimizer steps, the loss and every gradient of TP=2, TP=4, DP=2 and TP=2 
 match the single-process run from the same seed (rtol 1e-5), for the GPT-2 and the LLaMA (GQA)
 layouts, and so do CP=2, CP=2 x TP=2, sequence parallelism (TP=2 + SP, with CP=2 too) and the
 distributed optimizer (ZeRO-1 over DP: each rank's reduce-scattered gradient shard is compared,
-tests/test_distributed_optimizer.py has the rest); each TP layer runs exactly 2 all-reduces forward and 2 backward; the vocab-parallel
+tests/test_distributed_optimizer.py has the rest); each row asserts that its mechanism ran (collectives counted per group: SP's all-gathers and
+reduce-scatters, CP's key/value all-gathers, one gradient all-reduce, or with ZeRO-1 one
+reduce-scatter and one all-gather, per bucket per step); each TP layer runs exactly 2
+all-reduces forward and 2 backward; the vocab-parallel
 cross-entropy equals ``F.cross_entropy`` on gathered logits. Two spawned worlds (2 and 4 ranks)
 run all the checks.
 """
@@ -23,7 +26,7 @@ from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from loom.parallel.tensor import vocab_parallel_cross_entropy
-from loom.testing import run_distributed
+from loom.testing import count_collectives, run_distributed
 
 RTOL = 1e-5
 
@@ -45,7 +48,7 @@ def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
     cfg.parallel.sequence_parallel = sp
     cfg.training.micro_batch_size = 2
     cfg.training.global_batch_size = 8  # m = 4 / dp micro-batches: exercises accumulation
-    cfg.training.lr = 1e-3
+    cfg.training.lr, cfg.training.train_iters = 1e-3, 100
     # Adam's first steps are ~lr * sign(g): with eps 1e-8, a gradient entry that is ~1e-10 of
     # rounding noise moves by ~lr in one run and not in the other. eps 1e-4 keeps the comparison
     # about the parallel math, not about amplified float noise.
@@ -84,8 +87,12 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
     owner = {id(q): r for r in flat_reducers(par.reducers) for q in r.params}
     grad_of = grad_getter(par.reducers)  # p.grad, or the distributed optimizer's owned shard
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "nparams": 0}
+    comm: list = []
     for _ in range(3):
-        lp = par.global_loss(par.forward_backward(par.batches(par.train_ds, par.consumed_samples)))
+        with count_collectives() as records:
+            lp = par.global_loss(par.forward_backward(par.batches(par.train_ds,
+                                                                  par.consumed_samples)))
+        comm += records
         lr_ = float(ref.forward_backward(ref.batches(ref.train_ds, ref.consumed_samples)))
         out["loss"] = max(out["loss"], abs(lp - lr_) / abs(lr_))
         ref_params = dict(ref.model_chunks[0].named_parameters())
@@ -97,7 +104,10 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
                 out["grad"] = max(out["grad"], float((got - want[lo:hi]).abs().max()
                                                      / want.abs().max().clamp_min(1e-12)))
         out["nparams"] = len(ref_params)
-        np_, nr = par.optimizer_step(), ref.optimizer_step()
+        with count_collectives() as records:
+            np_ = par.optimizer_step()
+        comm += records
+        nr = ref.optimizer_step()
         out["norm"] = max(out["norm"], abs(np_ - nr) / nr)
         par.consumed_samples += par.global_batch
         ref.consumed_samples += ref.global_batch
@@ -106,6 +116,17 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
     for name, p in par.model_chunks[0].named_parameters():
         meta = par.registry[name]
         out["param"] = max(out["param"], rel_err(p.detach(), reference_shard(ref_params[name].detach(), meta, mesh)))
+    # the mechanism ran: calls per (group, op) over the 3 steps, on groups of > 1 rank;
+    # all-reduces of one element (loss, norm) left out
+    out["comm"] = {f"{g}:{op}": sum(1 for r in comm if r["op"] == op and r["group"] is
+                                    mesh.groups[g] and (op != "all_reduce" or r["numel"] > 1))
+                   for g in ("tp", "cp", "dp_cp") if mesh.size(g) > 1
+                   for op in ("all_reduce", "reduce_scatter", "all_gather")}
+    out["buckets"] = sum(len(r.buckets) for r in flat_reducers(par.reducers))
+    out["sp_params"], out["zero"] = len(par.sp_params), zero
+    out["micro"] = 3 * cfg.training.global_batch_size // (cfg.training.micro_batch_size
+                                                          * mesh.size("dp"))
+    out["layers"] = cfg.model.num_layers
     return out
 
 
@@ -197,6 +218,34 @@ def results4():
     return run_distributed(4, world4)
 
 
+def _check_mechanism(name: str, case: dict):
+    """The layout's mechanism ran (a parity row must not pass by running something simpler):
+    TP all-reduces; SP all-gathers the sequence on the TP group before each layer's attention
+    and MLP (>= 2 per layer and micro-batch; without SP at most one per micro-batch; SP's
+    reduce-scatter is an all-reduce on gloo, so it is not counted apart); CP all-gathers keys
+    and values on the CP group; DP one gradient all-reduce per bucket per step, or with ZeRO-1
+    one reduce-scatter and one all-gather per bucket per step."""
+    c, n = case["comm"], 3 * case["buckets"]
+    if "tp" in name:
+        assert c["tp:all_reduce"] > 0, (name, case)
+        if "sp" in name:
+            assert case["sp_params"] > 0, (name, case)
+            assert c["tp:all_gather"] >= 2 * case["layers"] * case["micro"], (name, case)
+        else:
+            assert case["sp_params"] == 0 and c["tp:all_gather"] <= case["micro"], (name, case)
+    if "cp" in name:
+        assert c["cp:all_gather"] > 0, (name, case)
+    if "dp" in name or "cp" in name:  # gradients reduced over DP x CP, in buckets
+        assert case["buckets"] > 1, (name, case)
+        if case["zero"]:
+            assert c["dp_cp:reduce_scatter"] == n == c["dp_cp:all_gather"], (name, case)
+            assert c["dp_cp:all_reduce"] == 0, (name, case)
+        else:
+            assert c["dp_cp:all_reduce"] == n and c["dp_cp:reduce_scatter"] == 0, (name, case)
+    else:
+        assert "dp_cp:all_reduce" not in c, (name, case)
+
+
 def _check_parity(case: dict):
     assert case["nparams"] > 10
     assert case["loss"] < RTOL, case
@@ -214,6 +263,7 @@ def _check_parity(case: dict):
 def test_parity_two_ranks(results2, name):
     for rank_result in results2:
         _check_parity(rank_result[name])
+        _check_mechanism(name, rank_result[name])
 
 
 @pytest.mark.parametrize("name", ["tp2xdp2-gpt", "tp2xdp2-llama", "tp4-gpt", "cp2xtp2-llama",
@@ -221,6 +271,7 @@ def test_parity_two_ranks(results2, name):
 def test_parity_four_ranks(results4, name):
     for rank_result in results4:
         _check_parity(rank_result[name])
+        _check_mechanism(name, rank_result[name])
 
 
 def test_two_allreduces_forward_two_backward_per_layer(results2):
