@@ -59,7 +59,10 @@ def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,
     cfg.parallel.sequence_parallel = sp
     cfg.training.micro_batch_size = 2
     cfg.training.global_batch_size = 8  # 4 / dp micro-batches: gradient accumulation
-    cfg.training.lr, cfg.training.train_iters = 1e-3, 100
+    # lr 3e-4: each AdamW step still moves every weight by ~1.5% of its size, and the two
+    # runs' weights drift apart by rounding only ~3e-6 of a gradient by step 3 (1e-3 gave
+    # 9.3e-6 on this CPU: too close to the 1e-5 bound to hold on every CPU)
+    cfg.training.lr, cfg.training.train_iters = 3e-4, 100
     cfg.training.adam_eps = 1e-4  # see tests/test_parallel_parity.py
     cfg.training.clip_grad = 0.5
     cfg.data.mock_data = True
@@ -319,14 +322,13 @@ def world4() -> dict:
 
 
 def _check_parity(case: dict):
-    """Loss and grad norm of all 3 steps, and every gradient of step 1 (same weights on both
-    sides: the parallel math alone), within rtol 1e-5. Later steps' gradients within 1e-4:
-    AdamW divides each entry by its own sqrt(v), so an entry whose gradient is ~eps moves by
-    ~lr x its 1e-6 rounding difference, and the weights of the two runs drift apart at ~1e-5
-    (the reason tests/test_parallel_parity.py compares parameters at 1e-4); a wrong gradient
-    is off by O(1)."""
+    """Loss and grad norm of all 3 steps, and every gradient of every step, within rtol 1e-5
+    (gradients relative to max(|ref|, GRAD_FLOOR)). Step 1 compares the parallel math alone
+    (same weights on both sides); steps 2-3 also the optimizer step, whose rounding drift
+    AdamW amplifies on near-zero gradients: measured at most 2.9e-6 with ``make_cfg``'s lr
+    3e-4 (1.2e-6 at step 1). A wrong gradient is off by O(1)."""
     assert case["loss"] < RTOL and case["norm"] < RTOL, case
-    assert case["grad"][0] < RTOL and max(case["grad"]) < 10 * RTOL, case
+    assert max(case["grad"]) < RTOL, case
 
 
 @pytest.fixture(scope="module")
