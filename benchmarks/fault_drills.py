@@ -12,7 +12,9 @@ from loom.testing import torchrun_train
 MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
-         "--log-interval", "1", "--no-progress-bar", "--tensor-model-parallel-size", "2"]
+         "--log-interval", "1", "--no-progress-bar", "--tensor-model-parallel-size", "2",
+         # loom's defaults before issue 21 (now Megatron's), kept so the timelines compare
+         "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--eval-iters", "10"]
 
 
 def main() -> None:

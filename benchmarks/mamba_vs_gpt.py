@@ -35,7 +35,9 @@ def configs(s: int) -> dict:
                               mamba_head_dim=64, mamba_num_groups=1, mamba_expand=2,
                               mamba_chunk_size=128, **common)
     for m in (gpt, mamba):
-        LoomConfig(model=m).validate(1)
+        cfg = LoomConfig(model=m)
+        cfg.training.micro_batch_size, cfg.training.lr, cfg.training.train_iters = 1, 3e-4, 1
+        cfg.validate(1)
     return {"gpt": gpt, "mamba": mamba}
 
 

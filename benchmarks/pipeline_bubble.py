@@ -37,7 +37,8 @@ def make_cfg(args, p: int, m: int, schedule: str) -> LoomConfig:
     par = ParallelConfig(pipeline_model_parallel_size=p, pipeline_schedule=schedule,
                          num_layers_per_virtual_pipeline_stage=lpv)
     train = TrainingConfig(micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * m,
-                           train_iters=args.warmup + args.steps, lr=1e-4)
+                           train_iters=args.warmup + args.steps, lr=1e-4,
+                           adam_beta2=0.95, lr_decay_style="cosine")  # loom's old defaults
     cfg = LoomConfig(model=model, parallel=par, training=train)
     cfg.data.mock_data = True
     cfg.logging.no_progress_bar = True

@@ -70,7 +70,11 @@ def make_config(ranks, tp, pp, cp, mbs, recompute, schedule) -> LoomConfig:
     cfg.training.micro_batch_size = mbs
     cfg.training.global_batch_size = GLOBAL_BATCH
     cfg.training.recompute_granularity = recompute
+    if recompute == "full":  # loom's defaults before issue 21 (Megatron requires both)
+        cfg.training.recompute_method, cfg.training.recompute_num_layers = "uniform", 1
     cfg.training.train_iters = WARMUP + MEASURED
+    cfg.training.lr, cfg.training.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21
+    cfg.training.lr_decay_style, cfg.logging.eval_iters = "cosine", 10  # (comparable numbers)
     cfg.data.mock_data = True
     cfg.logging.log_interval = 10**6
     cfg.logging.no_progress_bar = True

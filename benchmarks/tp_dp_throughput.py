@@ -30,6 +30,8 @@ def reference_config(tp: int, dp: int, micro_batch: int) -> LoomConfig:
     cfg.training.micro_batch_size = micro_batch
     cfg.training.global_batch_size = 8
     cfg.training.train_iters = WARMUP + MEASURED
+    cfg.training.lr, cfg.training.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21
+    cfg.training.lr_decay_style, cfg.logging.eval_iters = "cosine", 10  # (comparable numbers)
     cfg.data.mock_data = True
     cfg.logging.log_interval = 10**6
     cfg.logging.no_progress_bar = True

@@ -84,6 +84,7 @@ def reference_config(tp: int, pp: int, dp: int, sp: bool, micro: int, schedule: 
     p.overlap_grad_reduce = True  # as DDP: bucket all-reduces overlap backward
     t.micro_batch_size, t.global_batch_size, t.train_iters = micro, 8, steps
     t.lr_decay_style, t.clip_grad = "constant", 0.0
+    t.lr, t.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21: numbers stay comparable
     cfg.data.mock_data = True
     cfg.logging.log_interval, cfg.logging.no_progress_bar = 10**6, True
     return cfg.validate(tp * pp * dp)

@@ -24,12 +24,12 @@ from loom.cli import main
 from loom.data.indexed import IndexedDatasetBuilder
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = ["train", # old loom defaults pinned (issue 21)
-         "--lr", "3e-4", "--train-iters", "100", "--micro-batch-size", "4", "--seq-length", "256", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--eval-iters", "10", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32",
+BASE = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+         "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--eval-iters", "10", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
         "--train-iters", "1", "--no-progress-bar", "--lr", "1e-3"]
-DATA = ["train", # old loom defaults pinned (issue 21)
-         "--lr", "3e-4", "--train-iters", "100", "--micro-batch-size", "4", "--seq-length", "256", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--eval-iters", "10", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+DATA = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+         "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--eval-iters", "10", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
 
 

@@ -43,6 +43,8 @@ def bert_cfg(post: bool, tp: int = 1, dp: int = 1, pp: int = 1, sp: bool = False
     t = cfg.training
     t.micro_batch_size, t.global_batch_size, t.lr = 2, 8, 1e-3
     t.adam_eps, t.clip_grad = 1e-4, 0.5  # as tests/test_parallel_parity.py: see its comment
+    t.train_iters, t.adam_beta2, t.lr_decay_style = 100, 0.95, "cosine"  # loom's defaults before
+    t.recompute_method, t.recompute_num_layers = "uniform", 1  # issue 21, pinned
     cfg.data.short_seq_prob = 0.5  # many padded samples: the padding mask matters
     cfg.parallel.ddp_bucket_size = 5_000
     return cfg.validate(tp * dp * pp)
@@ -267,6 +269,7 @@ def test_masking_statistics(tmp_path):
     cfg = LoomConfig(model=ModelConfig(model_type="bert", seq_length=128, vocab_size=300,
                                        num_layers=2, hidden_size=32, num_attention_heads=4))
     cfg.data.data_path, cfg.data.split = prefix, "100,0,0"
+    cfg.training.micro_batch_size, cfg.training.lr, cfg.training.train_iters = 4, 3e-4, 100
     cfg.validate(1)
     train, _, _ = build_bert_datasets(cfg)
     tok = load_tokenizer_for(prefix)
@@ -328,7 +331,9 @@ def test_cli_train_bert_loss_falls(tmp_path, monkeypatch):
     assert e.value.code == 0
     log = tmp_path / "log.jsonl"
     with pytest.raises(SystemExit) as e:
-        main(["train", "--model-type", "bert", "--bert-binary-head", "--data-path", prefix,
+        main(["train",  # pinned: loom's defaults before Megatron's (issue 21)
+              "--adam-beta2", "0.95", "--lr-decay-style", "cosine",
+              "--model-type", "bert", "--bert-binary-head", "--data-path", prefix,
               "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
               "--seq-length", "32", "--micro-batch-size", "8", "--train-iters", "40",
               "--lr", "2e-3", "--lr-warmup-iters", "4", "--log-interval", "5",
@@ -353,6 +358,7 @@ def test_refused(flags, needle):
     cfg = LoomConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                        vocab_size=V, **{"seq_length": 16, **flags}))
     cfg.parallel.context_parallel_size = cp
+    cfg.training.micro_batch_size, cfg.training.lr, cfg.training.train_iters = 4, 3e-4, 100
     with pytest.raises(ConfigError, match=needle):
         cfg.validate(cp)
 
@@ -371,6 +377,7 @@ def test_convert_from_hf_then_train_loads_it(tmp_path):
                                        hidden_dropout=0.0, attention_dropout=0.0))
     cfg.checkpoint.load, cfg.checkpoint.finetune = str(tmp_path / "ckpt"), True
     cfg.training.micro_batch_size = 2
+    cfg.training.lr, cfg.training.train_iters = 3e-4, 100  # (never stepped)
     tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
     model = tr.model_chunks[0].eval()
     with torch.no_grad():

@@ -141,6 +141,8 @@ def _cfg(data_path: str, iters: int) -> LoomConfig:
     cfg.data.data_path, cfg.data.split = data_path, "90,10,0"
     cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 4
     cfg.training.train_iters, cfg.training.lr_decay_iters = iters, 4  # one LR schedule
+    cfg.training.lr, cfg.training.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21,
+    cfg.training.lr_decay_style = "cosine"  # pinned
     cfg.logging.log_interval, cfg.logging.eval_iters = 1, 1
     cfg.logging.no_progress_bar = True
     return cfg
@@ -169,8 +171,9 @@ def test_blended_training_resumes_exactly_and_matches_dp2(data, tmp_path, capsys
 
 def test_train_samples_warmup_fraction_recompute_activations():
     cfg = LoomConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                       vocab_size=100))
+                                       seq_length=256, vocab_size=100))
     cfg.training.global_batch_size, cfg.training.micro_batch_size = 8, 2
+    cfg.training.lr = 3e-4  # loom's default before issue 21
     cfg.training.train_samples = 100
     cfg.training.lr_warmup_fraction = 0.25
     cfg.training.recompute_activations = True
@@ -184,14 +187,18 @@ def test_train_samples_warmup_fraction_recompute_activations():
         cfg.validate(1)
 
 
-BASE = ["train", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32",
+BASE = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+         "--lr", "3e-4", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval",
+         "10", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
         "--no-progress-bar", "--eval-iters", "1"]
 
 
 @pytest.mark.parametrize("extra,words", [
     (["--train-iters", "3", "--train-samples", "8"], ["--train-iters", "--train-samples"]),
-    (["--recompute-activations", "--recompute-granularity", "full"], ["--recompute-activations"]),
+    (["--recompute-activations", "--recompute-granularity", "full", "--train-iters", "3",
+      "--recompute-method", "uniform", "--recompute-num-layers", "1"],  # (now required)
+     ["--recompute-activations"]),
     (["--train-samples", "1", "--global-batch-size", "4"], ["--train-samples 1"]),
 ])
 def test_conflicting_megatron_flags_refused(monkeypatch, capsys, extra, words):
@@ -230,9 +237,9 @@ def test_eval_interval_default_and_final_evaluation(tmp_path, monkeypatch):
         main(BASE + ["--train-iters", "3", "--log-json", str(log)])
     assert e.value.code == 0
     valid = [r["iteration"] for r in _records(log) if r["kind"] == "valid"]
-    assert valid == [3]  # default --eval-interval 1000: only the final evaluation
+    assert valid == [3]  # default --eval-interval (Megatron's None): only the final evaluation
     from loom.config import LoggingConfig
-    assert LoggingConfig().eval_interval == 1000
+    assert LoggingConfig().eval_interval is None
 
 
 def test_blend_from_command_line_and_yaml_list(data, tmp_path, monkeypatch, capsys):
@@ -247,7 +254,10 @@ def test_blend_from_command_line_and_yaml_list(data, tmp_path, monkeypatch, caps
         f"0.25 {data['a']} 0.75 {data['c']}"
     log = tmp_path / "log.jsonl"
     with pytest.raises(SystemExit) as e:
-        main(["train", "--data-path", "0.3", data["a"], "0.7", data["b"], "--num-layers", "2",
+        main(["train",  # pinned: loom's defaults before Megatron's (issue 21)
+              "--lr", "3e-4", "--adam-beta2", "0.95", "--lr-decay-style", "cosine",
+              "--log-interval", "10",
+              "--data-path", "0.3", data["a"], "0.7", data["b"], "--num-layers", "2",
               "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
               "--micro-batch-size", "2", "--train-iters", "2", "--eval-iters", "1",
               "--split", "90,10,0", "--no-progress-bar", "--log-json", str(log)])
@@ -263,7 +273,10 @@ def test_blend_of_different_tokenizers_refused(data, tmp_path, monkeypatch, caps
     meta = json.loads(Path(other + ".meta.json").read_text())
     Path(other + ".meta.json").write_text(json.dumps({**meta, "vocab_size": 500}))
     with pytest.raises(SystemExit) as e:
-        main(["train", "--data-path", "0.5", data["a"], "0.5", other, "--num-layers", "2",
+        main(["train",  # pinned: loom's defaults before Megatron's (issue 21)
+              "--lr", "3e-4", "--micro-batch-size", "4", "--adam-beta2", "0.95",
+              "--lr-decay-style", "cosine", "--log-interval", "10", "--eval-iters", "10",
+              "--data-path", "0.5", data["a"], "0.5", other, "--num-layers", "2",
               "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and other in err and "same tokenizer" in err, err

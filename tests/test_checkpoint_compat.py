@@ -22,6 +22,8 @@ def make_cfg() -> LoomConfig:
                                             seq_length=8, vocab_size=100,
                                             make_vocab_size_divisible_by=8))
     cfg.training.micro_batch_size = 2
+    cfg.training.lr, cfg.training.train_iters = 3e-4, 100  # loom's defaults before issue 21,
+    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"  # pinned
     cfg.data.mock_data = True
     return cfg.validate(1)
 

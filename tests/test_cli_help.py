@@ -19,8 +19,9 @@ from loom import __version__
 from loom.cli import SUBCOMMANDS, main
 from loom.config import add_config_arguments, config_from_args
 
-BASE = ["train", # old loom defaults pinned (issue 21)
-         "--lr", "3e-4", "--train-iters", "100", "--micro-batch-size", "4", "--seq-length", "256", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval", "10", "--eval-iters", "10", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32",
+BASE = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+         "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval", "10", "--eval-iters", "10", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size",
+         "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
         "--train-iters", "1", "--no-progress-bar", "--lr", "1e-3"]
 REPO = Path(__file__).resolve().parent.parent

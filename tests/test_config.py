@@ -81,7 +81,8 @@ def test_virtual_stage_size_alone_selects_interleaving():
         c = LoomConfig(model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
                                          seq_length=16, vocab_size=100),
                        parallel=ParallelConfig(pipeline_model_parallel_size=2, **par),
-                       training=TrainingConfig(micro_batch_size=1, global_batch_size=4))
+                       training=TrainingConfig(micro_batch_size=1, global_batch_size=4,
+                                               lr=1e-3, train_iters=1))
         return c.validate(2)
     assert cfg(num_layers_per_virtual_pipeline_stage=1).parallel.pipeline_schedule == "interleaved"
     assert cfg().parallel.pipeline_schedule == "1f1b"
@@ -197,3 +198,23 @@ def test_single_process_group_needs_no_port(monkeypatch):
         assert dist.get_world_size() == 1 and t.tolist() == [1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+def _tiny(**kw) -> LoomConfig:
+    flat = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                micro_batch_size=1, lr=1e-3, train_iters=1, vocab_size=100, mock_data=True)
+    return LoomConfig.from_flat({**flat, **kw})
+
+
+def test_megatron_forms_accepted():
+    """Issue 21 item 5: --eval-iters 0 (no evaluation), --save-interval without --save (no
+    saves), --split with one pair of quotes or spaces, as Megatron's scripts pass them."""
+    assert _tiny(eval_iters=0).validate(1).logging.eval_iters == 0
+    assert _tiny(save_interval=10).validate(1).checkpoint.save is None
+    from loom.data.split import parse_split, split_document_ranges
+    for text in ("'99,1,0'", '"99,1,0"', "99, 1, 0", " 99,1,0 "):
+        assert parse_split(_tiny(split=text).validate(1).data.split) == [99.0, 1.0, 0.0]
+    assert split_document_ranges(1000, "'969, 30, 1'") == [(0, 969), (969, 999), (999, 1000)]
+    for bad in ("'99,1,0", "\"99,1,0'", "''"):
+        with pytest.raises(ConfigError, match="--split"):
+            _tiny(split=bad).validate(1)

@@ -39,7 +39,8 @@ def make_cfg(tp=1, pp=1, dp=1, zero=False, async_save=False) -> LoomConfig:
     par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     train = TrainingConfig(micro_batch_size=1, global_batch_size=8,
                            train_iters=SAVED_AT + MORE, lr=1e-3, lr_warmup_iters=2, seed=1234,
-                           adam_eps=1e-6, use_distributed_optimizer=zero)
+                           adam_eps=1e-6, use_distributed_optimizer=zero,
+                           adam_beta2=0.95, lr_decay_style="cosine")  # loom's old defaults
     cfg = LoomConfig(model=model, parallel=par, training=train)
     cfg.data.mock_data = True
     cfg.logging.no_progress_bar = True
@@ -129,6 +130,8 @@ def _small_cfg(async_save: bool, world: int = 1) -> LoomConfig:
                                             attention_dropout=0.0))
     cfg.data.mock_data = True
     cfg.training.train_iters = 10
+    t = cfg.training  # loom's defaults before issue 21 (now Megatron's or required), pinned
+    t.micro_batch_size, t.lr, t.adam_beta2, t.lr_decay_style = 4, 3e-4, 0.95, "cosine"
     cfg.checkpoint.async_save = async_save
     cfg.checkpoint.save = "ck" if async_save else None  # (the tests pass their directory)
     return cfg.validate(world)
@@ -184,7 +187,9 @@ MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-si
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
          "--log-interval", "1", "--no-progress-bar", "--train-iters", "6",
-         "--tensor-model-parallel-size", "2"]
+         "--tensor-model-parallel-size", "2",
+         "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--eval-iters", "10"]  # (old
+# loom defaults, pinned)
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +287,10 @@ def test_truncated_or_corrupt_dcp_files_are_refused_by_name(tmp_path, capsys):
     shard.write_bytes(data)
     (ckpt / ".metadata").write_bytes(b"garbage")
     with pytest.raises(SystemExit) as e:  # the CLI: exit 2, one line naming the file
-        main(["train", "--mock-data", "--vocab-size", "64", "--num-layers", "2",
+        main(["train",  # pinned: loom's defaults before Megatron's (issue 21)
+              "--lr", "3e-4", "--micro-batch-size", "4", "--adam-beta2", "0.95",
+              "--lr-decay-style", "cosine", "--log-interval", "10", "--eval-iters", "10",
+              "--mock-data", "--vocab-size", "64", "--num-layers", "2",
               "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
               "--train-iters", "2", "--load", str(tmp_path)])
     err = capsys.readouterr().err
@@ -299,7 +307,10 @@ def test_async_save_from_the_command_line_keep_last_and_exit(tmp_path, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("RANK", raising=False)
     ck = tmp_path / "ck"
-    args = ["train", "--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size",
+    args = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+            "--lr", "3e-4", "--adam-beta2", "0.95", "--lr-decay-style", "cosine",
+            "--log-interval", "10", "--eval-iters", "10", "--mock-data", "--vocab-size", "64",
+            "--num-layers", "2", "--hidden-size",
             "32", "--num-attention-heads", "4", "--seq-length", "8", "--micro-batch-size", "2",
             "--train-iters", "20", "--no-progress-bar", "--save", str(ck), "--save-interval", "2",
             "--keep-last", "2", "--exit-interval", "7", "--async-save"]

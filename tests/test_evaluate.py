@@ -58,6 +58,7 @@ def _checkpoint(root, model_type: str) -> str:
     cfg = LoomConfig(model=m)
     cfg.data.mock_data = True
     cfg.training.micro_batch_size = 2
+    cfg.training.lr, cfg.training.train_iters = 3e-4, 100  # (never trained: any valid values)
     cfg.validate(1)
     save = str(root / f"ckpt_{model_type}")
     Trainer(cfg, mesh=ParallelMesh.single()).save(save, tokenizer_file=str(root / "tok.json"))

@@ -56,14 +56,19 @@ def world(tmp_path_factory):
     prefix = str(root / "tiny")
     _cli(["preprocess", "--input", str(root / "train.jsonl"), "--output-prefix", prefix,
           "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-size", "200", "--append-eod"])
-    _cli(["train", "--model-type", "bert", "--data-path", prefix, "--num-layers", "2",
+    _cli(["train",  # pinned: loom's defaults before Megatron's (issue 21)
+          "--adam-beta2", "0.95", "--lr-decay-style", "cosine",
+          "--model-type", "bert", "--data-path", prefix, "--num-layers", "2",
           "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
           "--micro-batch-size", "8", "--train-iters", "20", "--lr", "3e-3",
           "--lr-warmup-iters", "2", "--log-interval", "10", "--eval-interval", "20", "--eval-iters", "1",
           "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0",
           "--save", str(root / "bert")])
     gpt = str(root / "gpt")
-    _cli(["train", "--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size",
+    _cli(["train",  # pinned: loom's defaults before Megatron's (issue 21)
+          "--lr", "3e-4", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval",
+          "10", "--eval-iters", "10", "--mock-data", "--vocab-size", "64", "--num-layers", "2",
+          "--hidden-size",
           "32", "--num-attention-heads", "4", "--seq-length", "8", "--micro-batch-size", "2",
           "--train-iters", "1", "--no-progress-bar", "--save", gpt])
     mp.undo()

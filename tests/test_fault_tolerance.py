@@ -54,8 +54,10 @@ def test_hang_drill_names_rank_and_iteration(tmp_path):
 
 def run(argv: list[str], capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as e:
-        main(["train", # old loom defaults pinned (issue 21)
-         "--lr", "3e-4", "--train-iters", "100", "--micro-batch-size", "4", "--seq-length", "256", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval", "10", "--eval-iters", "10", *argv])
+        main(["train",  # pinned: loom's defaults before Megatron's (issue 21)
+              "--lr", "3e-4", "--train-iters", "100", "--micro-batch-size", "4",
+              "--seq-length", "256", "--adam-beta2", "0.95", "--lr-decay-style", "cosine",
+              "--log-interval", "10", "--eval-iters", "10", *argv])
     out = capsys.readouterr()
     return e.value.code, out.out + out.err
 

@@ -70,6 +70,8 @@ def make_cfg(kind: str = "gpt", tp: int = 1, dp: int = 1, pp: int = 1, cp: int =
     cfg.training.adam_eps = 1e-4  # see tests/test_parallel_parity.py: no amplified float noise
     cfg.training.clip_grad = 0.5  # active: the norm must sum the DP shards
     cfg.training.recompute_granularity = recompute
+    cfg.training.recompute_method = "uniform"  # loom's defaults before issue 21, pinned
+    cfg.training.recompute_num_layers = 1
     cfg.data.mock_data = True
     cfg.logging.log_interval = 10**9
     cfg.logging.no_progress_bar = True
@@ -326,7 +328,11 @@ def test_zero3_flags_parse():
     add_config_arguments(parser)
     cfg = config_from_args(parser.parse_args(["--zero-stage", "3"]))
     assert cfg.training.zero_stage == 3
-    cfg = config_from_args(parser.parse_args(["--use-torch-fsdp2"])).validate(2)
+    cfg = config_from_args(parser.parse_args(["--use-torch-fsdp2", "--num-layers", "2",
+                                              "--hidden-size", "32", "--num-attention-heads",
+                                              "4", "--seq-length", "16", "--micro-batch-size",
+                                              "2", "--lr", "1e-3", "--train-iters", "1"]
+                                             )).validate(2)
     assert cfg.training.use_torch_fsdp2 and cfg.training.zero_stage == 3
     cfg = make_cfg(zero=1, validate=False).validate(2)
     assert cfg.training.use_distributed_optimizer  # --zero-stage 1 = the distributed optimizer

@@ -249,6 +249,7 @@ def gemma_cfg(tp: int, dp: int = 1, pp: int = 1, sp: bool = False, kv: int = 2,
     cfg.parallel.context_parallel_size = cp
     t = cfg.training
     t.micro_batch_size, t.global_batch_size, t.lr, t.adam_eps, t.clip_grad = 2, 8, 1e-3, 1e-4, 0.5
+    t.train_iters, t.adam_beta2, t.lr_decay_style = 100, 0.95, "cosine"  # loom's old defaults
     cfg.logging.log_interval = 10**9
     return cfg.validate(tp * dp * pp * cp)
 

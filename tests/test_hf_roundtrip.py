@@ -11,7 +11,9 @@ transformers = pytest.importorskip("transformers")
 
 from loom.cli import main  # noqa: E402
 
-COMMON = ["train", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size",
+COMMON = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+         "--lr", "3e-4", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval",
+         "10", "--eval-iters", "10", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size",
           "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
           "--train-iters", "2", "--no-progress-bar", "--hidden-dropout", "0",
           "--attention-dropout", "0"]

@@ -108,6 +108,8 @@ def make_cfg(tp: int = 1, pp: int = 1) -> LoomConfig:
     cfg.training.global_batch_size = 8
     cfg.training.lr = 1e-3
     cfg.training.adam_eps = 1e-4
+    cfg.training.train_iters = 100  # loom's defaults before issue 21 (now Megatron's), pinned
+    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"
     cfg.data.mock_data = True
     return cfg
 

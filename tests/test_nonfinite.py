@@ -19,6 +19,9 @@ def make_cfg(limit=None) -> LoomConfig:
                                        seq_length=8, vocab_size=64))
     cfg.data.mock_data = True
     cfg.training.micro_batch_size = 2
+    cfg.training.lr, cfg.training.train_iters = 3e-4, 100  # loom's defaults before issue 21,
+    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"  # pinned
+    cfg.logging.log_interval, cfg.logging.eval_iters = 10, 10
     cfg.training.exit_on_nonfinite = limit
     return cfg
 

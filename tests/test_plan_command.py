@@ -44,7 +44,8 @@ def test_printed_command_runs_under_torchrun(capsys, tmp_path):
                                                          + 1] == "2"
     cmd[0] = str(Path(sys.executable).with_name("torchrun"))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd + ["--train-iters", "2", "--mock-data", "--no-progress-bar"],
+    r = subprocess.run(cmd + ["--train-iters", "2", "--lr", "3e-4", "--mock-data",
+                              "--no-progress-bar"],
                        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "iteration      2" in r.stdout and "'tp': 2" in r.stdout, r.stdout
@@ -150,4 +151,7 @@ def test_command_multi_node_virtual_stages_and_zero():
               "--untie-embeddings-and-output-weights", "--disable-bias-linear"):
         assert w in words, w
     assert words[words.index("--recompute-granularity") + 1] == "full"
+    # Megatron requires both with full recomputation: the planner's model (every layer's input)
+    assert words[words.index("--recompute-method") + 1] == "uniform"
+    assert words[words.index("--recompute-num-layers") + 1] == "1"
     assert words[words.index("--normalization") + 1] == "RMSNorm"

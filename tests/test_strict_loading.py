@@ -9,7 +9,10 @@ import pytest
 
 from loom.cli import main
 
-BASE = ["train", "--mock-data", "--vocab-size", "100", "--num-attention-heads", "4",
+BASE = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+        "--lr", "3e-4", "--train-iters", "100", "--adam-beta2", "0.95", "--lr-decay-style",
+        "cosine", "--eval-iters", "10", "--mock-data", "--vocab-size", "100",
+        "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--no-progress-bar",
         "--log-interval", "1"]
 

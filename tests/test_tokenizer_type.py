@@ -12,7 +12,9 @@ from loom.cli import main
 from loom.config.sections import TokenizerType
 from loom.data.tokenizer import TOKENIZER_TYPES
 
-TRAIN = ["train", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+TRAIN = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+         "--lr", "3e-4", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval",
+         "10", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1",
          "--no-progress-bar", "--split", "100,0,0", "--eval-iters", "1"]
 

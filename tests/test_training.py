@@ -33,6 +33,8 @@ def small_cfg(tp: int, dp: int, iters: int, dropout: float = 0.1) -> LoomConfig:
     cfg.training.global_batch_size = 8
     cfg.training.train_iters = iters
     cfg.training.lr_warmup_iters = 2
+    cfg.training.lr, cfg.training.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21,
+    cfg.training.lr_decay_style = "cosine"  # pinned
     cfg.logging.log_interval = 10**6
     cfg.logging.no_progress_bar = True
     return cfg.validate(tp * dp)
@@ -125,7 +127,9 @@ def test_tp2_checkpoint_loads_at_tp1_and_kv_cache_generation(tmp_path):
 
 # -- bad input: refused before any process group ---------------------------------------------------
 
-BASE = ["train", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64",
+BASE = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
+         "--lr", "3e-4", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval",
+         "10", "--eval-iters", "10", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
         "--train-iters", "1"]
 
@@ -153,7 +157,8 @@ def test_missing_and_truncated_data_refused(tmp_path, monkeypatch, capsys):
     from loom.data.indexed import IndexedDatasetBuilder
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = BASE[:1] + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                       "--seq-length", "16", "--vocab-size", "100"]
+                       "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "4",
+                       "--lr", "3e-4", "--train-iters", "100"]  # (required since issue 21)
     with pytest.raises(SystemExit) as e:
         main(args + ["--data-path", str(tmp_path / "nope")])
     assert e.value.code != 0 and "--data-path" in capsys.readouterr().err

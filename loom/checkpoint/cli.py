@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="iteration to inspect (default: the latest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="convert: replace files already in the output directory (default: "
+                             "refuse; never into a training checkpoint directory)")
 
 
 def inspect(path: str, step=None) -> dict:
@@ -65,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.out or not (args.to_hf or args.from_hf):
             raise ConfigError("convert needs --to-hf or --from-hf and an output directory: "
                               "loom checkpoint convert --to-hf CKPT_DIR OUT_DIR")
-        done = to_hf(args.dir, args.out, args.ckpt_step) if args.to_hf else \
-            from_hf(args.dir, args.out)
+        done = to_hf(args.dir, args.out, args.ckpt_step, args.overwrite) if args.to_hf else \
+            from_hf(args.dir, args.out, args.overwrite)
         print(f"wrote {done}")
         return 0
     info = inspect(args.dir, args.ckpt_step)

@@ -19,15 +19,30 @@ import torch
 from loom.errors import ConfigError
 
 
-def to_hf(ckpt_path: str, out_dir: str, step=None) -> str:
+def _replace_file(write, path: str) -> None:
+    """``write(tmp)`` then rename over ``path``: a replaced export is never half-written."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False) -> str:
     """Write ``out_dir/config.json`` and ``model.safetensors`` from a loom checkpoint; returns
-    ``out_dir``. Raises ConfigError for a missing checkpoint or a layout HF cannot express."""
+    ``out_dir``. Raises ConfigError for a missing checkpoint, a layout HF cannot express, an
+    ``out_dir`` inside a training checkpoint directory, or a non-empty ``out_dir`` without
+    ``overwrite`` (checked before anything is read or written)."""
     from safetensors.torch import save_file
 
     from loom.checkpoint.io import open_checkpoint, read_common
     from loom.checkpoint.safety import resolve_checkpoint
+    from loom.checkpoint.targets import check_output_dir
     from loom.config import LoomConfig
     from loom.interop.export import hf_config, loom_to_hf
+    check_output_dir(out_dir, f"--to-hf output {out_dir}", overwrite)
     ckpt = ckpt_path if os.path.exists(os.path.join(ckpt_path, "common.pt")) else \
         resolve_checkpoint(ckpt_path, step)
     if ckpt is None:
@@ -42,13 +57,17 @@ def to_hf(ckpt_path: str, out_dir: str, step=None) -> str:
     if config["tie_word_embeddings"]:
         sd.pop("lm_head.weight", None)  # tied: transformers re-ties it on load
     os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.contiguous().clone() for k, v in sd.items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=1)
+    tensors = {k: v.contiguous().clone() for k, v in sd.items()}
+    _replace_file(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
+                  os.path.join(out_dir, "model.safetensors"))
+
+    def write_config(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            json.dump(config, fh, indent=1)
+    _replace_file(write_config, os.path.join(out_dir, "config.json"))
     tok = os.path.join(ckpt, "tokenizer.json")
     if os.path.exists(tok):
-        shutil.copyfile(tok, os.path.join(out_dir, "tokenizer.json"))
+        _replace_file(lambda tmp: shutil.copyfile(tok, tmp), os.path.join(out_dir, "tokenizer.json"))
     return out_dir
 
 
@@ -73,12 +92,18 @@ def _read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     return hf, sd
 
 
-def from_hf(src: str, out_dir: str) -> str:
+def from_hf(src: str, out_dir: str, overwrite: bool = False) -> str:
     """A loom checkpoint (iteration 0) in ``out_dir`` from a Hugging Face GPT-2, LLaMA or
     Gemma 3 directory (``config.json`` + safetensors), or a Gemma 3 GGUF file (or a directory
     holding one); the tokenizer (``tokenizer.json``, or the GGUF's) is saved with it. Returns
-    the checkpoint path. Raises ConfigError for another model type or a non-Gemma-3 GGUF."""
+    the checkpoint path. Raises ConfigError for another model type or a non-Gemma-3 GGUF, and,
+    before reading anything, for an ``out_dir`` inside a training checkpoint directory (even
+    with ``overwrite``; an earlier import, iteration 0 alone, may be replaced) or a non-empty
+    ``out_dir`` without ``overwrite``."""
     import tempfile
+
+    from loom.checkpoint.targets import check_output_dir
+    check_output_dir(out_dir, f"--from-hf output {out_dir}", overwrite, allow_import=True)
 
     from loom.checkpoint.io import save_checkpoint
     from loom.interop.gguf import find_gguf, read_gguf

@@ -24,7 +24,8 @@ Adam states of the parameters it owns.
 
 All ranks write into ``iter_0000100.tmp``; rank 0 renames it and only then moves the ``latest``
 pointer, so a crash at any moment leaves the previous checkpoint intact and never a half-written
-one. ``--async-save`` (:func:`start_save` with ``async_save``): the state is copied to CPU
+one; a checkpoint of the same iteration already there is swapped out atomically, never deleted
+first (:func:`_move_into_place`). ``--async-save`` (:func:`start_save` with ``async_save``): the state is copied to CPU
 memory, DCP writes it from a background thread (over its own gloo group) while training goes
 on, and :func:`finalize_save` renames and moves the pointer once every rank's write finished.
 
@@ -38,6 +39,8 @@ layout (``local_shard``), so a checkpoint saved at one TP/PP/DP size loads at an
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import json
 import os
@@ -272,6 +275,48 @@ def start_save(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
     return job
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap directories ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the system or filesystem cannot. Raises OSError for any
+    other failure."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _move_into_place(job: PendingSave) -> None:
+    """Rename ``iter_N.tmp`` to ``iter_N``. A checkpoint already there (a re-save of the same
+    iteration) is never deleted before its replacement is in place: the two are swapped
+    atomically and the old one, now ``iter_N.tmp``, removed (a kill in between leaves the new
+    ``iter_N`` and a partial that the next start removes). Where the filesystem cannot swap,
+    the pointer first moves to another complete checkpoint if it named this one."""
+    if not os.path.exists(job.final):
+        os.replace(job.tmp, job.final)
+        return
+    if _exchange(job.tmp, job.final):
+        shutil.rmtree(job.tmp, ignore_errors=True)
+        return
+    from loom.checkpoint.safety import read_pointer, saved_iterations
+    try:
+        pointer = read_pointer(job.save_dir)
+    except Exception:  # noqa: BLE001 - an unreadable pointer is rewritten below anyway
+        pointer = None
+    others = [i for i in saved_iterations(job.save_dir, complete_only=True) if i != job.iteration]
+    if pointer == job.iteration and others:
+        _atomic_write_text(os.path.join(job.save_dir, LATEST), str(others[-1]))
+    shutil.rmtree(job.final)
+    os.replace(job.tmp, job.final)
+
+
 def finalize_save(job: PendingSave, barrier: bool = True) -> str:
     """Wait for ``job``'s files, then (rank 0) rename ``iter_N.tmp`` and move the pointer;
     returns the final directory. ``barrier``: every rank waits for the rename (synchronous
@@ -284,9 +329,7 @@ def finalize_save(job: PendingSave, barrier: bool = True) -> str:
                 job.written_s = time.perf_counter() - job.started
                 job.future = None
             if _rank() == 0:
-                if os.path.exists(job.final):
-                    shutil.rmtree(job.final)
-                os.replace(job.tmp, job.final)
+                _move_into_place(job)
                 _atomic_write_text(os.path.join(job.save_dir, LATEST), str(job.iteration))
         except (OSError, CheckpointException) as e:
             failure = e

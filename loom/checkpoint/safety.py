@@ -240,10 +240,19 @@ def remove_partial_checkpoints(save_dir: str) -> list[str]:
     return removed
 
 
-def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
+def last_checkpoint_before(save_dir: str, iteration: int) -> Optional[int]:
+    """The newest complete checkpoint in ``save_dir`` below ``iteration`` (None if none)."""
+    older = [i for i in saved_iterations(save_dir, complete_only=True) if i < iteration]
+    return older[-1] if older else None
+
+
+def prune_checkpoints(save_dir: str, keep_last: int,
+                      keep_before: Optional[int] = None) -> list[str]:
     """Delete all but the newest ``keep_last`` complete ``iter_NNNNNNN`` directories
-    (``--keep-last``), never the one the ``latest`` pointer names; returns the removed paths.
-    Call on rank 0 after a save completed."""
+    (``--keep-last``), never the one the ``latest`` pointer names, and never the newest complete
+    one below ``keep_before`` (the run's first non-finite iteration: the last checkpoint
+    before training diverged); returns the removed paths. Call on rank 0 after a save
+    completed."""
     pointer = os.path.join(save_dir, LATEST)
     try:
         with open(pointer) as fh:
@@ -253,9 +262,10 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
     iters = sorted(int(n[5:]) for n in os.listdir(save_dir)
                    if n.startswith("iter_") and n[5:].isdigit()
                    and os.path.isdir(os.path.join(save_dir, n)))
+    good = last_checkpoint_before(save_dir, keep_before) if keep_before is not None else None
     removed = []
     for it in iters[:-keep_last] if len(iters) > keep_last else []:
-        if it == latest:
+        if it in (latest, good):
             continue
         path = os.path.join(save_dir, f"iter_{it:07d}")
         shutil.rmtree(path, ignore_errors=True)

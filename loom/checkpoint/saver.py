@@ -8,6 +8,7 @@ next save starts, and at exit (:meth:`Saver.finish`, which waits). Only one save
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -28,6 +29,7 @@ class Saver:
         self.group = None  # DCP's own gloo group for background writes, made at the first save
         self.blocked_s = 0.0  # time the step loop spent in the latest save call
         self.say: Optional[Callable[[str], None]] = None  # the log's print, once given
+        self.first_nonfinite: Optional[int] = None  # the run's first skipped iteration
 
     @property
     def verb(self) -> str:
@@ -63,7 +65,44 @@ class Saver:
     def _prune(self, job: PendingSave) -> None:
         keep = self.cfg.checkpoint.keep_last
         if keep and (not dist.is_initialized() or dist.get_rank() == 0):
-            prune_checkpoints(job.save_dir, keep)
+            prune_checkpoints(job.save_dir, keep, keep_before=self.first_nonfinite)
+
+    @staticmethod
+    def holds(loaded: Optional[str], save_dir: str, iteration: int) -> bool:
+        """Whether ``loaded`` (the checkpoint a run resumed from, no step taken since) is
+        ``save_dir``'s checkpoint of ``iteration``: a finished run restarted, whose save would
+        only rewrite it."""
+        from loom.checkpoint.safety import iteration_dir
+        return loaded is not None and \
+            os.path.realpath(loaded) == os.path.realpath(iteration_dir(save_dir, iteration))
+
+    def last_good(self, save_dir: Optional[str], iteration: int) -> Optional[int]:
+        """The iteration of the newest checkpoint below ``iteration`` in ``save_dir``: a
+        complete one on disk, or the save in flight."""
+        from loom.checkpoint.safety import last_checkpoint_before
+        found = last_checkpoint_before(save_dir, iteration) if save_dir else None
+        pending = self.pending.iteration if self.pending is not None else None
+        if pending is not None and pending < iteration and (found is None or pending > found):
+            return pending
+        return found
+
+    def diverged_at(self, iteration: int, save_dir: Optional[str],
+                    loaded: Optional[str] = None) -> str:
+        """Record ``iteration`` as the run's first non-finite one (once; ``--keep-last`` then
+        never prunes the last checkpoint before it); returns the words naming that checkpoint
+        (``loaded``: the checkpoint this run started from, named when ``save_dir`` has none)."""
+        if self.first_nonfinite is None:
+            self.first_nonfinite = iteration
+        good = self.last_good(save_dir, self.first_nonfinite)
+        if good is None:
+            return (f"the last checkpoint before the first non-finite iteration "
+                    f"({self.first_nonfinite}) is the one this run loaded, {loaded}"
+                    if loaded else
+                    f"no checkpoint was saved before iteration {self.first_nonfinite}")
+        keep = " (kept by --keep-last)" if self.cfg.checkpoint.keep_last else ""
+        return (f"the last checkpoint before the first non-finite iteration "
+                f"({self.first_nonfinite}) is iteration {good}, "
+                f"{os.path.join(save_dir, f'iter_{good:07d}')}{keep}")
 
     def _done(self, say: Optional[Callable[[str], None]]) -> None:
         self.say = say = say or self.say

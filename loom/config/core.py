@@ -60,8 +60,7 @@ class LoomConfig:
         known = field_section()
         unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ConfigError(f"unknown option(s): {', '.join(flag(u) for u in unknown)}; "
-                              f"see `loom train --help` for the accepted flags")
+            raise ConfigError(f"unknown option(s): {', '.join(flag(u) for u in unknown)}")
         parts: dict = {g: {} for g in GROUPS}
         for k, v in values.items():
             parts[known[k]][k] = v

@@ -39,19 +39,22 @@ class ModelConfig:
                                        "mixture-of-experts), mamba (Mamba-2 and hybrid "
                                        "Mamba/attention/MLP stacks), bert (bidirectional "
                                        "encoder, masked-LM pretraining) or gemma3 (Gemma 3 text)")
-    num_layers: int = opt(4, "L: number of transformer layers", ge=1)
-    hidden_size: int = opt(256, "h: transformer hidden size (width of the residual stream)", ge=1)
-    num_attention_heads: int = opt(4, "a: attention heads per layer; must divide h "
-                                      "(unless --kv-channels is set)", ge=1)
+    num_layers: Optional[int] = opt(None, "L: number of transformer layers (required; mamba: "
+                                          "default the length of --hybrid-override-pattern)",
+                                    ge=1)
+    hidden_size: Optional[int] = opt(None, "h: transformer hidden size (width of the residual "
+                                           "stream; required)", ge=1)
+    num_attention_heads: Optional[int] = opt(None, "a: attention heads per layer; must divide h "
+                                                   "(unless --kv-channels is set; required)", ge=1)
     num_query_groups: Optional[int] = opt(
         None, "g: key/value head groups for grouped-query attention; must divide a "
-              "(default: a, i.e. multi-head attention)", ge=1)
+              "(default: 1 with --group-query-attention, else a: multi-head attention)", ge=1)
     group_query_attention: bool = opt(False, "use grouped-query attention (needs "
                                              "--num-query-groups)")
     ffn_hidden_size: Optional[int] = opt(None, "hidden size of the MLP (default: 4h)", ge=1)
     kv_channels: Optional[int] = opt(None, "per-head dimension of keys/values/queries "
                                            "(default: h / a)", ge=1)
-    seq_length: int = opt(256, "s: tokens per training sample", ge=1)
+    seq_length: Optional[int] = opt(None, "s: tokens per training sample (required)", ge=1)
     max_position_embeddings: Optional[int] = opt(
         None, "largest position the model can encode; must be >= --seq-length "
               "(default: --seq-length)", ge=1)
@@ -85,7 +88,7 @@ class ModelConfig:
                                                    "--ffn-hidden-size)", ge=1)
     moe_shared_expert_intermediate_size: Optional[int] = opt(
         None, "hidden size of an always-on shared expert (DeepSeek, Qwen; default: none)", ge=1)
-    moe_layer_freq: int = opt(1, "every N-th layer is MoE (layer i when i %% N == 0), the rest "
+    moe_layer_freq: int = opt(1, "every N-th layer is MoE (layer i when i % N == 0), the rest "
                                  "dense", ge=1)
     moe_router_score_function: RouterScore = opt(
         "softmax", "router scores: softmax (Mixtral) or sigmoid with normalized top-k weights "
@@ -252,8 +255,9 @@ class ParallelConfig:
     overlap_grad_reduce: bool = opt(False, "launch each gradient bucket's reduction during "
                                            "backward, when its last gradient arrives (default: "
                                            "one pass after backward)")
-    distributed_backend: Optional[Backend] = opt(
-        None, "torch.distributed backend: nccl or gloo (default: nccl on CUDA, gloo on CPU)")
+    distributed_backend: Backend = opt(
+        "nccl", "torch.distributed backend: nccl or gloo (--device cpu, which Megatron lacks, "
+                "resolves the default to gloo)")
     device: Optional[Device] = opt(None, "cpu or cuda (default: cuda when available, else cpu)")
 
 
@@ -261,20 +265,22 @@ class ParallelConfig:
 class TrainingConfig:
     """Batch sizes, iterations, optimizer and learning-rate schedule."""
 
-    micro_batch_size: int = opt(4, "b: samples per micro-batch per data-parallel rank", ge=1)
+    micro_batch_size: Optional[int] = opt(None, "b: samples per micro-batch per data-parallel "
+                                                "rank (required)", ge=1)
     global_batch_size: Optional[int] = opt(
         None, "B: samples per iteration over all ranks; a multiple of b x d (default: b x d)",
         ge=1)
-    train_iters: int = opt(100, "iterations (optimizer steps) to train for", ge=1)
-    lr: float = opt(3e-4, "peak learning rate", gt=0)
+    train_iters: Optional[int] = opt(None, "iterations (optimizer steps) to train for (this or "
+                                           "--train-samples required)", ge=1)
+    lr: Optional[float] = opt(None, "peak learning rate (required)", gt=0)
     min_lr: float = opt(0.0, "learning rate at the end of the decay; <= --lr", ge=0)
     lr_warmup_iters: int = opt(0, "iterations of linear warmup from 0 to --lr", ge=0)
     lr_decay_iters: Optional[int] = opt(None, "iterations over which the learning rate decays "
                                               "(default: --train-iters)", ge=1)
-    lr_decay_style: DecayStyle = opt("cosine", "learning-rate decay: cosine, linear or constant")
+    lr_decay_style: DecayStyle = opt("linear", "learning-rate decay: cosine, linear or constant")
     weight_decay: float = opt(0.01, "AdamW decoupled weight decay coefficient", ge=0)
     adam_beta1: float = opt(0.9, "AdamW first-moment decay, in [0, 1)", ge=0, lt=1)
-    adam_beta2: float = opt(0.95, "AdamW second-moment decay, in [0, 1)", ge=0, lt=1)
+    adam_beta2: float = opt(0.999, "AdamW second-moment decay, in [0, 1)", ge=0, lt=1)
     adam_eps: float = opt(1e-8, "AdamW denominator epsilon", gt=0)
     clip_grad: float = opt(1.0, "clip the global gradient L2 norm to this value (0: no clipping)",
                            ge=0)
@@ -296,7 +302,8 @@ class TrainingConfig:
     fp16: bool = opt(False, "float16 parameters, fp32 main gradients and master weights, "
                             "loss scaling")
     accumulate_allreduce_grads_in_fp32: bool = opt(
-        True, "16-bit parameters: accumulate and reduce gradients in fp32 main-gradient buffers")
+        False, "--fp16: accumulate and reduce gradients in fp32 main-gradient buffers (always "
+               "on with --bf16)")
     loss_scale: Optional[float] = opt(None, "--fp16: static loss scale (default: dynamic)", gt=0)
     initial_loss_scale: float = opt(2.0 ** 32, "--fp16: initial dynamic loss scale", gt=0)
     min_loss_scale: float = opt(1.0, "--fp16: lowest dynamic loss scale", gt=0)
@@ -308,11 +315,13 @@ class TrainingConfig:
               "is skipped and reported; default: never stop)", ge=1)
     recompute_granularity: Optional[Recompute] = opt(
         None, "activation recomputation: selective (attention core) or full (whole layers)")
-    recompute_method: RecomputeMethod = opt(
-        "uniform", "which layers --recompute-granularity full recomputes: uniform (groups of "
+    recompute_method: Optional[RecomputeMethod] = opt(
+        None, "which layers --recompute-granularity full recomputes: uniform (groups of "
                    "--recompute-num-layers layers, only each group's input kept) or block (the "
-                   "first --recompute-num-layers layers of each pipeline chunk)")
-    recompute_num_layers: int = opt(1, "N of --recompute-method", ge=1)
+                   "first --recompute-num-layers layers of each pipeline chunk; required with "
+                   "--recompute-granularity full)")
+    recompute_num_layers: Optional[int] = opt(None, "N of --recompute-method (required with "
+                                                    "--recompute-granularity full)", ge=1)
     # -- Megatron's alternatives: by samples, warm-up as a fraction, evaluation only -------------
     train_samples: Optional[int] = opt(
         None, "samples to train on instead of --train-iters (iterations = samples / B)", ge=1)
@@ -343,7 +352,8 @@ class DataConfig:
         None, "training dataset prefix or blend (W PREFIX ...) instead of --data-path")
     test_data_path: Optional[str] = opt(
         None, "test dataset prefix or blend (W PREFIX ...), evaluated with --skip-train")
-    split: str = opt("969,30,1", "train,valid,test weights of --data-path's documents")
+    split: Optional[str] = opt(None, "train,valid,test weights of --data-path's documents "
+                                     "(default: 969, 30, 1)")
     tokenizer_type: Optional[TokenizerType] = opt(
         None, "the tokenizer the data was prepared with (loom preprocess --tokenizer-type); "
               "checked against each dataset's PREFIX.meta.json, refused when they differ")
@@ -361,10 +371,11 @@ class DataConfig:
 class LoggingConfig:
     """What is reported, and how often."""
 
-    log_interval: int = opt(10, "iterations between training-loss log lines", ge=1)
-    eval_interval: int = opt(1000, "iterations between evaluations on the validation set; one "
-                                   "more at the end of training", ge=1)
-    eval_iters: int = opt(10, "global batches per evaluation", ge=1)
+    log_interval: int = opt(100, "iterations between training-loss log lines", ge=1)
+    eval_interval: Optional[int] = opt(None, "iterations between evaluations on the validation "
+                                             "set (default: only one, at the end of training)",
+                                       ge=1)
+    eval_iters: int = opt(100, "global batches per evaluation (0: no evaluation)", ge=0)
     log_json: Optional[str] = opt(None, "append every logged record as a JSON line to this file")
     tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars to this directory")
     peak_tflops: Optional[float] = opt(

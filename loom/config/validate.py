@@ -102,9 +102,65 @@ def check_fields(cfg: Any) -> None:
             setattr(obj, f.name, value)
 
 
-def _check_model(m: Any, tp: int) -> None:
+# Flags Megatron-LM refuses to run without (megatron/training/arguments.py validate_args; see
+# loom.config.megatron_defaults): no silent toy default stands in for them.
+REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+def _required(name: str, example: str, hint: str = "") -> ConfigError:
+    return ConfigError(f"{_flag(name)} is required (Megatron-LM has no default for it): give "
+                       f"{_flag(name)} {example}{hint}, or a --config FILE.yaml (or --load "
+                       f"checkpoint, for the model shape) that sets it")
+
+
+def resolve_megatron(cfg: Any) -> None:
+    """Megatron's required flags and the values it infers: the depth of a Mamba stack from
+    ``--hybrid-override-pattern``; ``--num-query-groups`` 1 under ``--group-query-attention``;
+    ``--split`` "969, 30, 1"; fp32 gradient accumulation under ``--bf16``; ``--lr`` and
+    ``--train-iters`` not needed under ``--skip-train``. Raises ConfigError
+    naming a missing required flag, or a pattern whose length disagrees with ``--num-layers``."""
+    m, t = cfg.model, cfg.training
+    pat = m.hybrid_override_pattern
+    if m.model_type == "mamba" and pat is not None:
+        if m.num_layers is None:
+            m.num_layers = len(pat)
+        elif len(pat) != m.num_layers:
+            raise ConfigError(f"--hybrid-override-pattern {pat!r} has {len(pat)} layers but "
+                              f"--num-layers is {m.num_layers}: drop --num-layers (the pattern "
+                              f"sets the depth) or give {m.num_layers} pattern characters")
+    for name in REQUIRED_MODEL:
+        if getattr(m, name) is None:
+            hint = " (or --hybrid-override-pattern, one character per layer)" if \
+                name == "num_layers" and m.model_type == "mamba" else ""
+            raise _required(name, "N", hint)
+    if t.micro_batch_size is None:
+        raise _required("micro_batch_size", "N")
+    if t.skip_train:  # evaluation only: --lr and --train-iters are about training (Megatron's
+        # rule is too); the optimizer and its schedule are built but never stepped, so absent
+        # ones get placeholders: the learning rate --min-lr (1e-4 when 0), one iteration
+        if t.lr is None:
+            t.lr = t.min_lr or 1e-4
+        if t.train_iters is None and t.train_samples is None:
+            t.train_iters = 1
+    if t.lr is None:
+        raise _required("lr", "X (the peak learning rate, e.g. 3e-4)")
+    if t.train_iters is None and t.train_samples is None:
+        raise _required("train_iters", "N", " (or --train-samples N)")
     if m.group_query_attention and m.num_query_groups is None:
-        raise ConfigError("--group-query-attention needs --num-query-groups G")
+        m.num_query_groups = 1  # Megatron's default of --num-query-groups
+    if cfg.data.split is None:
+        cfg.data.split = "969, 30, 1"  # Megatron's (legacy) default with --data-path
+    if t.bf16:
+        t.accumulate_allreduce_grads_in_fp32 = True  # Megatron: bf16 reduces in fp32
+    if t.recompute_granularity == "full":
+        for name, example in (("recompute_method", "uniform (or block)"),
+                              ("recompute_num_layers", "1")):
+            if getattr(t, name) is None:
+                raise ConfigError(f"--recompute-granularity full needs {_flag(name)} "
+                                  f"(Megatron's rule; no default): give {_flag(name)} {example}")
+
+
+def _check_model(m: Any, tp: int) -> None:
     if m.num_attention_heads % m.num_kv_groups:
         raise ConfigError(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
@@ -262,6 +318,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
     check_fields(cfg)
+    resolve_megatron(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.context_parallel_size)
@@ -311,7 +368,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
         raise ConfigError("--exit-interval saves before exiting: give --save DIR")
     if ck.async_save and not ck.save:
         raise ConfigError("--async-save writes the checkpoints of --save: give --save DIR")
-    if t.min_lr > t.lr:
+    if t.lr is not None and t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
     if t.compile and p.device != "cuda" and not (
             os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "clang++", "c++"))):
@@ -319,8 +376,6 @@ def validate_config(cfg: Any, world_size: int) -> None:
                           "backend (none of $CXX, g++, clang++, c++ found): install one (e.g. "
                           "apt-get install g++) or drop --compile")
     parse_split(cfg.data.split)
-    if cfg.checkpoint.save_interval and not cfg.checkpoint.save:
-        raise ConfigError("--save-interval needs --save DIR")
     if cfg.checkpoint.ckpt_step is not None and not cfg.checkpoint.load:
         raise ConfigError("--ckpt-step needs --load DIR")
     if p.pipeline_schedule is None:  # Megatron: the virtual-stage size alone selects interleaving

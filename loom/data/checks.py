@@ -118,3 +118,18 @@ def check_dataset(prefix: str, vocab_size: Optional[int], flag: str = "--data-pa
                 f"{vocab_size} (ids must be 0..V-1): give --vocab-size {top + 1} or more, or "
                 f"re-tokenize with the matching tokenizer")
     return ds
+
+
+def check_model_family(prefix: str, model_type: str, flag: str = "--data-path") -> None:
+    """Refuse data tokenized for another model family: a WordPiece vocabulary (``meta.json``'s
+    ``tokenizer_type`` BertWordPiece*) is BERT's ([CLS], [SEP], [MASK]), which a causal model
+    (``--model-type`` gpt, gemma3, mamba) would silently train a GPT on. Megatron picks the
+    family by entry script (pretrain_bert.py); loom needs ``--model-type bert``. Raises
+    ConfigError naming ``--model-type``."""
+    meta = _read_meta(prefix) or {}
+    tok = meta.get("tokenizer_type")
+    if isinstance(tok, str) and tok.startswith("BertWordPiece") and model_type != "bert":
+        raise ConfigError(f"{flag} {prefix} was tokenized with {tok} ({prefix}.meta.json), "
+                          f"BERT's WordPiece vocabulary, but --model-type is {model_type} (a "
+                          f"causal model): add --model-type bert (Megatron's pretrain_bert.py), "
+                          f"or preprocess the text with a GPT tokenizer")

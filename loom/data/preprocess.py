@@ -61,7 +61,9 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 def check_output_prefix(prefix: str) -> None:
     """Refuse an ``--output-prefix`` whose directory cannot be created or written (a regular
-    file on the path, a read-only directory) or that is itself a directory."""
+    file on the path, a read-only directory), that is itself a directory, or that lies inside a
+    training checkpoint directory (:func:`loom.checkpoint.targets.refuse_checkpoint_root`).
+    Raises ConfigError naming ``--output-prefix``."""
     if not prefix or os.path.isdir(prefix) or prefix.endswith(os.sep):
         raise ConfigError(f"--output-prefix {prefix!r}: give a path prefix such as data/train "
                           f"(files PREFIX.bin, PREFIX.idx, ... are written), not a directory")
@@ -73,6 +75,21 @@ def check_output_prefix(prefix: str) -> None:
                           f"another output prefix")
     if not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"--output-prefix {prefix}: {base} is not writable")
+    from loom.checkpoint.targets import refuse_checkpoint_root
+    refuse_checkpoint_root(prefix, f"--output-prefix {prefix}")
+
+
+OUTPUT_SUFFIXES = (".bin", ".idx", ".meta.json", ".tokenizer.json")
+
+
+def check_new_dataset(prefix: str, overwrite: bool = False) -> None:
+    """Refuse an ``--output-prefix`` that already names a dataset (any of ``PREFIX.bin``,
+    ``.idx``, ``.meta.json``, ``.tokenizer.json``) unless ``overwrite`` (``--overwrite``), and
+    one inside a training checkpoint directory even then. Raises ConfigError naming the files."""
+    from loom.checkpoint.targets import refuse_existing
+    check_output_prefix(prefix)
+    refuse_existing([prefix + ext for ext in OUTPUT_SUFFIXES], f"--output-prefix {prefix}",
+                    overwrite, "a dataset", "choose another --output-prefix")
 
 
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, append_eod: bool = True,
@@ -199,6 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reuse the tokenizer stored beside dataset PREFIX (same ids for held-out "
                              "data), or the one saved in checkpoint directory PREFIX (fine-tuning "
                              "an imported model)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the dataset already at --output-prefix (default: refuse "
+                             "it; never inside a training checkpoint directory)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -210,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     for p in args.input:
         if not os.path.isfile(p):
             raise ConfigError(f"--input {p}: no such file")
-    check_output_prefix(args.output_prefix)
+    check_new_dataset(args.output_prefix, args.overwrite)
     if args.tokenizer_from:
         if args.tokenizer_type:
             raise ConfigError("--tokenizer-from and --tokenizer-type are exclusive; give one")

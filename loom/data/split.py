@@ -7,9 +7,13 @@ from loom.errors import ConfigError
 
 
 def parse_split(split: str) -> list[float]:
-    """Three non-negative weights (train, valid, test) from ``"969,30,1"`` (or ``969/30/1``);
-    missing ones are 0. Raises ConfigError naming ``--split``."""
-    s = str(split).replace("/", ",")
+    """Three non-negative weights (train, valid, test) from ``"969,30,1"`` (or ``969/30/1``,
+    ``969, 30, 1``, or one pair of matching quotes around it, as Megatron's bash scripts pass
+    ``--split "'99,1,0'"``); missing ones are 0. Raises ConfigError naming ``--split``."""
+    s = "969, 30, 1" if split is None else str(split).strip()  # None: Megatron's default
+    if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
+        s = s[1:-1]
+    s = s.replace("/", ",")
     try:
         w = [float(x) for x in s.split(",") if x.strip() != ""]
     except ValueError:
@@ -19,7 +23,7 @@ def parse_split(split: str) -> list[float]:
     return w + [0.0] * (3 - len(w))
 
 
-def split_document_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int, int]]:
+def split_document_ranges(num_documents: int, split: str = "969, 30, 1") -> list[tuple[int, int]]:
     """Megatron's ``--split``: 3 consecutive ``(start, end)`` document ranges (train, valid, test).
 
     Weights are normalized; boundaries are ``round(cumulative weight * num_documents)``, shifted so

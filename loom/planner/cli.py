@@ -302,7 +302,7 @@ def run(args) -> int:
                 raise ConfigError(f"--command-for {n}: the table has rows 1..{len(recs)} (raise "
                                   f"--top to see more)")
             print(f"command for row {n}{' (the chosen layout)' if n == 1 else ''}; add "
-                  f"--data-path PREFIX and --train-iters N (or --mock-data to try it):")
+                  f"--data-path PREFIX (or --mock-data to try it), --train-iters N and --lr X:")
             print(train_command(recs[n - 1], model, B, s, cluster.num_gpus,
                                 cluster.gpus_per_node))
     if why:

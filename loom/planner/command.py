@@ -67,6 +67,8 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[
         out.append("--sequence-parallel")
     if rec["recompute"] != "none":
         out += ["--recompute-granularity", rec["recompute"]]
+    if rec["recompute"] == "full":  # what the planner models (each layer's input kept); Megatron
+        out += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]  # needs both
     if rec["zero"] == 3:
         out += ["--zero-stage", "3"]  # FSDP2 (loom.parallel.fsdp)
     elif rec["zero"] >= 1:
@@ -79,7 +81,8 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
                   num_gpus: int, gpus_per_node: int) -> str:
     """The shell command that runs layout ``rec``: ``torchrun [--standalone] --nproc-per-node G [--nnodes N
     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500] -m loom train FLAGS``, one flag per
-    continued line; data and length (``--data-path`` / ``--train-iters``) are for the user to
+    continued line; data, length and learning rate (``--data-path`` / ``--train-iters`` /
+    ``--lr``, which Megatron requires) are for the user to
     add. ZeRO-2, which loom train does not run, is said in a comment line (ZeRO-3 runs as
     ``--zero-stage 3``)."""
     per_node = min(num_gpus, gpus_per_node)

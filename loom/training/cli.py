@@ -4,7 +4,8 @@ Every check runs in every rank before any process group starts (:func:`prepare`)
 and the layout (``LoomConfig.validate``), the data source and its files (``meta.json`` against
 ``.bin``/``.idx`` and ``--vocab-size``), the checkpoint directories (a broken ``latest`` pointer,
 checkpoints a fresh run would overwrite, an unwritable or full ``--save``). A refusal costs
-nothing and is printed once, by rank 0. ``--dry-run`` prints the planner's memory and time
+nothing and is printed once, by rank 0. Then rank 0 locks ``--save`` for the whole run (one job
+per directory: :mod:`loom.checkpoint.lock`). ``--dry-run`` prints the planner's memory and time
 prediction for exactly these flags and exits.
 """
 
@@ -46,10 +47,11 @@ def world_size_from_env() -> int:
 def _check_data(cfg: LoomConfig) -> None:
     """Every dataset of every blend cross-checked; the training set non-empty."""
     from loom.data.blended import build_datasets, data_prefixes
-    from loom.data.checks import check_dataset
+    from loom.data.checks import check_dataset, check_model_family
     d, m = cfg.data, cfg.model
     for flag, prefix in data_prefixes(d):
         check_dataset(prefix, m.vocab_size, flag=flag)
+        check_model_family(prefix, m.model_type, flag=flag)
         if d.tokenizer_type:
             from loom.data.preprocess import read_meta
             stored = read_meta(prefix).get("tokenizer_type")
@@ -64,8 +66,10 @@ def _check_data(cfg: LoomConfig) -> None:
                           f"{d.data_path}: give the first (train) weight a positive share")
 
 
-def _check_checkpoints(cfg: LoomConfig) -> int:
-    """Resolve ``--load`` and check ``--save``; returns the start iteration."""
+def _check_checkpoints(cfg: LoomConfig, dry_run: bool = False) -> int:
+    """Resolve ``--load`` and check ``--save``; returns the start iteration. ``dry_run``: the
+    ``--save`` of the predicted cluster is not this machine's disk, so it is not probed (no
+    write test, no free-space check, nothing created)."""
     from loom.checkpoint.safety import check_checkpoint_files, check_save_dir, resolve_checkpoint
     from loom.planner.memory import total_params
     ck = cfg.checkpoint
@@ -78,7 +82,7 @@ def _check_checkpoints(cfg: LoomConfig) -> int:
         elif os.environ.get("RANK", "0") == "0":  # a fresh start is said, never silent
             print(f"loom train: --load {ck.load} holds no checkpoint yet: starting from "
                   f"iteration 0", flush=True)
-    if ck.save:
+    if ck.save and not dry_run:
         weights_and_adam = 12  # bytes per parameter: fp32 weight + two fp32 Adam moments
         same = bool(ck.load) and os.path.realpath(ck.load) == os.path.realpath(ck.save)
         check_save_dir(ck.save, start, ck.overwrite_checkpoints,
@@ -104,7 +108,7 @@ def _model_from_checkpoint(cfg: LoomConfig, given: set[str]) -> None:
     the checkpoint's: an imported model's shape needs no flags, and its dropout (0 for imported
     models) is kept. Given architecture flags are still checked against it
     (:func:`_check_same_model`); the sequence length and the vocabulary padding stay this
-    run's."""
+    run's (taken from the checkpoint only when not given at all)."""
     ck = cfg.checkpoint
     if not ck.load:
         return
@@ -119,7 +123,8 @@ def _model_from_checkpoint(cfg: LoomConfig, given: set[str]) -> None:
     check_checkpoint_files(ckpt)
     saved = read_common(ckpt)["config"]
     for f in dataclasses.fields(ModelConfig):
-        if f.name in saved and f.name not in given and f.name not in RUN_FIELDS:
+        if f.name in saved and f.name not in given and (
+                f.name not in RUN_FIELDS or getattr(cfg.model, f.name) is None):
             setattr(cfg.model, f.name, saved[f.name])
 
 
@@ -178,7 +183,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     cfg.validate(world)
     if named and not d.mock_data:
         _check_data(cfg)
-    _check_checkpoints(cfg)
+    _check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
     _check_same_model(cfg)
     return cfg
 
@@ -228,14 +233,23 @@ def run(args: argparse.Namespace) -> int:
         assumed = "" if args.gpu else " (assumed: no --gpu given; pass --gpu NAME)"
         print(format_prediction(pred) + f"\ndevice: {pred['cluster']}{assumed}")
         return 0
-    if cfg.checkpoint.save and os.environ.get("RANK", "0") == "0":
-        from loom.checkpoint.safety import remove_partial_checkpoints
-        for path in remove_partial_checkpoints(cfg.checkpoint.save):
-            print(f"loom train: removed the partial checkpoint {path} of an interrupted save",
-                  flush=True)
-    from loom.training.trainer import Trainer
-    Trainer(cfg).train()
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    lock, rank0 = None, os.environ.get("RANK", "0") == "0"
+    if cfg.checkpoint.save:  # one job per --save, held to the end (loom.checkpoint.lock)
+        from loom.checkpoint.lock import lock_for_job
+        lock = lock_for_job(cfg.checkpoint.save, 0 if rank0 else 1,
+                            lambda m: print(m, flush=True))
+    try:
+        if cfg.checkpoint.save and rank0:
+            from loom.checkpoint.safety import remove_partial_checkpoints
+            for path in remove_partial_checkpoints(cfg.checkpoint.save):
+                print(f"loom train: removed the partial checkpoint {path} of an interrupted "
+                      f"save", flush=True)
+        from loom.training.trainer import Trainer
+        Trainer(cfg).train()
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        if lock is not None:
+            lock.release()
     return 0

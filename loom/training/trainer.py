@@ -22,6 +22,7 @@ from loom.checkpoint.model_match import check_same_model
 from loom.checkpoint.saver import Saver
 from loom.config import LoomConfig
 from loom.data.for_model import build_for_model
+from loom.errors import NonFiniteError
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.models import get_family
 from loom.models.family import ModelFamily
@@ -53,7 +54,9 @@ class Trainer:
                  family: Optional[ModelFamily] = None):
         self.cfg = cfg
         if mesh is None:
-            device = init_distributed(cfg.parallel.device, cfg.parallel.distributed_backend,
+            dev = cfg.parallel.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            backend = cfg.parallel.distributed_backend  # Megatron's nccl; CPU can only use gloo
+            device = init_distributed(dev, "gloo" if dev == "cpu" else backend,
                                       cfg.fault_tolerance.distributed_timeout_minutes)
             p = cfg.parallel
             mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
@@ -110,6 +113,7 @@ class Trainer:
         self.peak_flops = peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops)
         self.history: list[dict] = []
         self.predicted_step_s = predict_step_time(cfg, self.world_size, mesh.device)
+        self.loaded_from: Optional[str] = None  # the checkpoint this run resumed from
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
@@ -276,6 +280,7 @@ class Trainer:
                                  step=ck.ckpt_step)
         if common is None:
             return False
+        self.loaded_from = ckpt
         if weights_only and hasattr(self.optimizer, "copy_params_to_masters"):
             self.optimizer.copy_params_to_masters()  # fp32 masters from the loaded weights
         if not ck.finetune:  # --finetune: the weights only, from iteration 0
@@ -288,6 +293,11 @@ class Trainer:
             group["lr"] = lr
         self.scheduler._last_lr = lrs
         return True
+
+    def _diverged(self, iteration: int) -> str:
+        """Record the run's first non-finite ``iteration`` (``--keep-last`` keeps the last
+        checkpoint before it); the words naming that checkpoint."""
+        return self.saver.diverged_at(iteration, self.cfg.checkpoint.save, self.loaded_from)
 
     def count_parameters(self) -> tuple[int, int]:
         """(parameters of the whole model, parameters held by this rank); see
@@ -336,7 +346,9 @@ class Trainer:
                 if not math.isfinite(rec["grad_norm"]):
                     scale = f", loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else ""
                     log.print(f" iteration {self.iteration}: non-finite gradient norm "
-                              f"{rec['grad_norm']} (loss {rec['loss']}{scale}): step skipped")
+                              f"{rec['grad_norm']} (loss {rec['loss']}{scale}): step skipped"
+                              + (f"; {self._diverged(self.iteration)}"
+                                 if len(self.nonfinite) == 1 else ""))
                 window.append(rec)
                 log.advance()
                 if self.iteration % lg.log_interval == 0 or self.iteration == iters:
@@ -344,7 +356,8 @@ class Trainer:
                                            self.flops_per_iter / self.world_size,
                                            self.peak_flops))
                     window = []
-                if self.iteration % lg.eval_interval == 0 or self.iteration == iters:
+                periodic = bool(lg.eval_interval) and self.iteration % lg.eval_interval == 0
+                if periodic or self.iteration == iters:
                     self.faults.mark(self.iteration, "evaluation")
                     self._evaluate_sets(log, test=self.iteration == iters)
                 exiting = bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0
@@ -363,7 +376,11 @@ class Trainer:
                               f"{self.iteration}")
                     break
             if ck.save and self.iteration == iters and self.save_interval.last_save != iters:
-                log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
+                if not self.history and self.saver.holds(self.loaded_from, ck.save, iters):
+                    log.print(f" checkpoint {self.loaded_from} already holds iteration {iters}: "
+                              f"not saved again")
+                else:
+                    log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
             self.saver.finish(log.print)  # exit waits for a save in flight
             if self.predicted_step_s is not None and len(self.history) > 1:
                 measured = sorted(r["step_time_s"] for r in self.history[1:])[len(self.history[1:]) // 2]
@@ -372,6 +389,8 @@ class Trainer:
             if lg.timeline:
                 self.write_timeline()
                 log.print(f" wrote timeline {lg.timeline}")
+        except NonFiniteError as e:  # --exit-on-nonfinite: name the checkpoint to go back to
+            raise NonFiniteError(f"{e}; {self._diverged(self.nonfinite[0])}") from None
         finally:
             self.faults.stop()
             self.saver.close(log.print)
