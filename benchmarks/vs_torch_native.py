@@ -80,7 +80,7 @@ def reference_config(tp: int, pp: int, dp: int, sp: bool, micro: int, schedule: 
     p, t = cfg.parallel, cfg.training
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     p.sequence_parallel, p.pipeline_schedule = sp, schedule
-    p.ddp_bucket_size = None  # loom's default rule (loom.parallel.data.default_bucket_size)
+    p.ddp_bucket_size = None  # loom's default rule (loom.parallel.grad_buffer.default_bucket_size)
     p.overlap_grad_reduce = True  # as DDP: bucket all-reduces overlap backward
     t.micro_batch_size, t.global_batch_size, t.train_iters = micro, 8, steps
     t.lr_decay_style, t.clip_grad = "constant", 0.0

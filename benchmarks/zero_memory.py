@@ -40,8 +40,9 @@ VARIANTS = {  # name: (overlap grad reduce, zero stage, overlap param gather)
 
 def tensor_bytes(tr) -> dict:
     """Bytes by kind on this rank."""
-    from loom.training.main_params import MainParamOptimizer, flat_reducers, param_bytes
-    if isinstance(tr.optimizer, MainParamOptimizer):
+    from loom.parallel.grad_buffer import flat_buffers
+    from loom.training.distributed_optimizer import DistributedOptimizer, param_bytes
+    if isinstance(tr.optimizer, DistributedOptimizer):
         return param_bytes(tr.optimizer)
     if tr.cfg.training.zero_stage == 3:  # FSDP2: local shards; gradient shards (fp32) as held
         from loom.parallel.fsdp import local_tensor, model_state_bytes  # during the step
@@ -49,7 +50,7 @@ def tensor_bytes(tr) -> dict:
         return {"params": b["params"], "main_grads": sum(local_tensor(p).numel() * 4
                                                           for p in tr.params),
                 "master": 0, "optimizer": b["optimizer"]}
-    grads = sum(r.grad_bytes() for r in flat_reducers(tr.reducers)) or \
+    grads = sum(r.grad_bytes() for r in flat_buffers(tr.reducers)) or \
         sum(p.numel() * 4 for p in tr.params)
     states = sum(v.numel() * v.element_size() for st in tr.optimizer.state.values()
                  for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))

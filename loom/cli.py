@@ -25,6 +25,7 @@ import sys
 from loom import __version__
 from loom.errors import (CheckpointWriteError, ConfigError, NonFiniteError,
                          UnknownOptionError, closest, did_you_mean)
+from loom.parallel.agent_store import agent_store
 
 SUBCOMMANDS = {
     "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
@@ -49,17 +50,9 @@ REFUSAL_WAIT_S = 20  # seconds the other ranks wait for rank 0's message under t
 
 
 def _agent_store():
-    """A client of torchrun's agent store (None outside torchrun or if it cannot be reached)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    try:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                        is_master=False, timeout=timedelta(seconds=REFUSAL_WAIT_S))
-    except Exception:  # noqa: BLE001 - then every rank simply decides on its own
-        return None
+    """A client of torchrun's agent store (None outside torchrun or if it cannot be reached;
+    :func:`loom.parallel.agent_store.agent_store`)."""
+    return agent_store(REFUSAL_WAIT_S)
 
 
 def refuse(prog: str, message: str, code: int = 2) -> None:

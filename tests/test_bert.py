@@ -66,9 +66,9 @@ def parity_case(post: bool, tp: int = 1, dp: int = 1, pp: int = 1, sp: bool = Fa
     ref_cfg.parallel.sequence_parallel = False
     ref_cfg.training.use_distributed_optimizer = False
     ref = Trainer(ref_cfg, mesh=ParallelMesh.single())
-    from loom.training.main_params import flat_reducers
+    from loom.parallel.grad_buffer import flat_buffers
     from loom.training.step import grad_getter
-    owner = {id(q): r for r in flat_reducers(par.reducers) for q in r.params}
+    owner = {id(q): r for r in flat_buffers(par.reducers) for q in r.params}
     grad_of = grad_getter(par.reducers)  # p.grad, or the distributed optimizer's owned shard
     out = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "nparams": 0, "sop": False, "loss_value": 0.0}
     for _ in range(3):
@@ -117,7 +117,7 @@ def hf_logits_case() -> float:
     """max |loom - transformers| of the masked-LM logits (this rank's vocabulary shard
     gathered over TP)."""
     from loom.interop.hf import load_full_state_dict
-    from loom.interop.hf_bert import bert_config, bert_to_loom
+    from loom.models.bert.hf import bert_config, bert_to_loom
     from loom.models import get_family
     from loom.parallel.parallelize import build_model
     hf, hc, ids, types, att = tiny_hf()

@@ -1,4 +1,4 @@
-"""GradientReducer: bucketed DP all-reduce without per-step zeroing.
+"""GradBuffer: bucketed DP all-reduce without per-step zeroing.
 
 In a spawned 2-rank world with 3 micro-batches (no_sync on the first two) and an unused
 parameter, every gradient equals the DP average of the summed micro-batch gradients (computed
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.parallel.data import GradientReducer, default_bucket_size
+from loom.parallel.grad_buffer import GradBuffer, default_bucket_size
 from loom.testing import run_distributed
 
 
@@ -46,7 +46,7 @@ def reducer_case() -> dict:
     params = list(model.parameters()) + [unused]
     ref = expected_grads(model, world, 3)
     group = dist.new_group(list(range(world)))
-    reducer = GradientReducer(params, group)  # default bucket size
+    reducer = GradBuffer(params, group)  # default bucket size
     events = []
     launch = reducer._launch
     reducer._launch = lambda b: (events.append(("launch", reducer.buckets.index(b))), launch(b))
@@ -88,7 +88,7 @@ def test_single_rank_keeps_autograd_tensors():
     unused = nn.Parameter(torch.ones(3))
     params = list(model.parameters()) + [unused]
     ref = expected_grads(model, 1, 2)
-    reducer = GradientReducer(params, None)
+    reducer = GradBuffer(params, None)
     assert reducer.buckets == [] and all(p.grad is None for p in params)
     for step in range(2):
         for j in range(2):

@@ -2,7 +2,7 @@
 reference (CPU, gloo, fp32, no dropout).
 
 For 3 optimizer steps the loss, every gradient's owned shard (the reduce-scattered range of the
-bucket, :meth:`GradientReducer.shard_range`), the clipped global norm and the parameters after
+bucket, :meth:`GradBuffer.shard_range`), the clipped global norm and the parameters after
 the steps match the single-process AdamW run (rtol 1e-5; parameters 1e-4, see
 test_parallel_parity): DP=2 and DP=4, with and without ``--overlap-grad-reduce`` and
 ``--overlap-param-gather``; TP=2 x DP=2; PP=2 x DP=2 (tied embedding in a bucket of its own);
@@ -68,7 +68,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
 
 def parity_case(**kw) -> dict:
     """3 steps of the layout ``kw`` beside the single-process fp32 AdamW reference."""
-    from loom.training.main_params import flat_reducers
+    from loom.parallel.grad_buffer import flat_buffers
     from loom.training.step import finish_param_gather, grad_getter
     from loom.training.trainer import Trainer
     world = dist.get_world_size()
@@ -83,7 +83,7 @@ def parity_case(**kw) -> dict:
     rp.expert_model_parallel_size, rp.overlap_grad_reduce = 1, False
     rt.use_distributed_optimizer, rt.zero_stage, rt.overlap_param_gather = False, 0, False
     ref = Trainer(ref_cfg.validate(1), mesh=ParallelMesh.single())
-    owner = {id(q): r for r in flat_reducers(par.reducers) for q in r.params}
+    owner = {id(q): r for r in flat_buffers(par.reducers) for q in r.params}
     grad_of = grad_getter(par.reducers)
     out = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "param": 0.0, "compared": 0, "owned": 0,
            "kind": type(par.optimizer).__name__}
@@ -124,7 +124,7 @@ def comm_case(world: int, zero: int, og: bool = False, opg: bool = False, m: int
     calls, their elements and the calls made inside backward (overlapped); all-reduces of
     more than one element only (gradients; the norm's scalar is not one). With the buckets'
     count and elements, from which the calls are derived exactly."""
-    from loom.training.main_params import flat_reducers
+    from loom.parallel.grad_buffer import flat_buffers
     from loom.training.step import finish_param_gather
     from loom.training.trainer import Trainer
     from loom.testing import count_collectives
@@ -144,7 +144,7 @@ def comm_case(world: int, zero: int, og: bool = False, opg: bool = False, m: int
         out[op] = len(mine)
         out[op + "_numel"] = sum(r["numel"] for r in mine)
         out[op + "_in_backward"] = sum(r["backward"] for r in mine)
-    buckets = [b for r in flat_reducers(tr.reducers) for b in r.buckets]
+    buckets = [b for r in flat_buffers(tr.reducers) for b in r.buckets]
     out["buckets"], out["bucket_numel"] = len(buckets), sum(b.buffer.numel() for b in buckets)
     return out
 
@@ -179,7 +179,7 @@ COMM4 = {"comm-zero1-og-m2": dict(zero=1, og=True, m=2), "comm-zero2-m2": dict(z
 def memory_case(world: int, zero: int, bf16: bool = True) -> dict:
     """Bytes of params + main grads + fp32 masters + Adam states on this rank after one step,
     per parameter of the model."""
-    from loom.training.main_params import param_bytes
+    from loom.training.distributed_optimizer import param_bytes
     from loom.training.trainer import Trainer
     cfg = make_cfg(world, zero=zero, bf16=bf16, layers=4)
     cfg.parallel.ddp_bucket_size = None
@@ -244,7 +244,7 @@ def results4():
 
 
 def _check(case: dict) -> None:
-    assert case["kind"] == "MainParamOptimizer" and case["compared"] > 10, case
+    assert case["kind"] == "DistributedOptimizer" and case["compared"] > 10, case
     assert case["loss"] < RTOL and case["grad"] < RTOL and case["norm"] < RTOL, case
     assert case["param"] < 1e-4, case
 

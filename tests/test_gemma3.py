@@ -30,7 +30,7 @@ pytest.importorskip("transformers.models.gemma3")
 from loom.cli import main  # noqa: E402
 from loom.config import LoomConfig, ModelConfig  # noqa: E402
 from loom.interop.hf import load_full_state_dict  # noqa: E402
-from loom.interop.hf_gemma3 import gemma3_config, gemma3_to_loom  # noqa: E402
+from loom.models.gemma3.hf import gemma3_config, gemma3_to_loom  # noqa: E402
 from loom.models import get_family  # noqa: E402
 from loom.parallel.mappings import gather_from_tensor_parallel_region  # noqa: E402
 from loom.parallel.mesh import ParallelMesh  # noqa: E402

@@ -11,8 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from loom.interop.hf import (gpt2_config, gpt2_to_loom, llama_config, llama_to_loom,  # noqa: E402
-                             load_full_state_dict)
+from loom.interop.hf import load_full_state_dict  # noqa: E402
+from loom.models.gpt.hf import gpt2_config, gpt2_to_loom, llama_config, llama_to_loom  # noqa: E402
 from loom.models import get_family  # noqa: E402
 from loom.parallel.mappings import gather_from_tensor_parallel_region  # noqa: E402
 from loom.parallel.mesh import ParallelMesh  # noqa: E402

@@ -261,14 +261,14 @@ def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) 
     """3 steps of each layout ``name -> (tp, pp, dp, sp)`` (``overrides[name]``: training
     options, e.g. recompute) vs the single-process run: worst relative error of the loss and
     the grad norm, and of every gradient per step."""
-    from loom.training.main_params import flat_reducers
+    from loom.parallel.grad_buffer import flat_buffers
     from loom.training.step import grad_getter
     from loom.training.trainer import Trainer
 
     def run(cfg, mesh):
         tr = Trainer(cfg, mesh=mesh)
         # the distributed optimizer keeps each rank's reduce-scattered range of a gradient
-        owner = {id(p): r for r in flat_reducers(tr.reducers) for p in r.params}
+        owner = {id(p): r for r in flat_buffers(tr.reducers) for p in r.params}
         grad_of, out = grad_getter(tr.reducers), []
         for _ in range(3):
             loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))

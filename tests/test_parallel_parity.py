@@ -82,9 +82,9 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
     ref_cfg.parallel.sequence_parallel = False
     ref_cfg.training.use_distributed_optimizer = False
     ref = Trainer(ref_cfg, mesh=ParallelMesh.single())
-    from loom.training.main_params import flat_reducers
+    from loom.parallel.grad_buffer import flat_buffers
     from loom.training.step import finish_param_gather, grad_getter
-    owner = {id(q): r for r in flat_reducers(par.reducers) for q in r.params}
+    owner = {id(q): r for r in flat_buffers(par.reducers) for q in r.params}
     grad_of = grad_getter(par.reducers)  # p.grad, or the distributed optimizer's owned shard
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "nparams": 0}
     comm: list = []
@@ -122,7 +122,7 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
                                     mesh.groups[g] and (op != "all_reduce" or r["numel"] > 1))
                    for g in ("tp", "cp", "dp_cp") if mesh.size(g) > 1
                    for op in ("all_reduce", "reduce_scatter", "all_gather")}
-    out["buckets"] = sum(len(r.buckets) for r in flat_reducers(par.reducers))
+    out["buckets"] = sum(len(r.buckets) for r in flat_buffers(par.reducers))
     out["sp_params"], out["zero"] = len(par.sp_params), zero
     out["micro"] = 3 * cfg.training.global_batch_size // (cfg.training.micro_batch_size
                                                           * mesh.size("dp"))

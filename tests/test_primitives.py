@@ -1,7 +1,7 @@
 """Each parallel primitive against an unsharded reference, so a regression names its layer:
 mesh rank groups, the parameter registry (shard / unshard / vocabulary re-padding / strict
 shapes), every plan style at TP=2 (column, row, vocab embedding, vocab head, SP regions),
-the context-parallel attention core, and the bucketed ``GradientReducer``.
+the context-parallel attention core, and the bucketed ``GradBuffer``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def styles_world() -> dict:
     import torch.distributed as dist
 
     from loom.parallel.context import ContextParallelAttention, local_positions, slice_for_cp
-    from loom.parallel.data import GradientReducer
+    from loom.parallel.grad_buffer import GradBuffer
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.plan import ColwiseParallel, RowwiseParallel, VocabParallel, VocabParallelHead
     from loom.parallel.sequence import (gather_from_sequence_parallel_region,
@@ -141,13 +141,13 @@ def styles_world() -> dict:
     core = ContextParallelAttention(DotProductAttention(), cp_mesh.groups["cp"])
     mine = core(*(slice_for_cp(t, cr, 2, dim=2) for t in (q, k, v)), local_positions(8, cr, 2))
     out["cp_core"] = float((mine - slice_for_cp(full, cr, 2, dim=2)).abs().max())
-    # GradientReducer: bucketed average over DP equals the mean of every rank's gradient
+    # GradBuffer: bucketed average over DP equals the mean of every rank's gradient
     dp_mesh = ParallelMesh.build(dp=2)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     torch.manual_seed(0)
     for p in model.parameters():
         nn.init.normal_(p)
-    reducer = GradientReducer(model.parameters(), dp_mesh.groups["dp_cp"], bucket_size=10)
+    reducer = GradBuffer(model.parameters(), dp_mesh.groups["dp_cp"], bucket_size=10)
     data = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(7))
     model(data[dp_mesh.dp_rank]).sum().backward()
     reducer.finish_grad_sync()

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import torch
 
@@ -41,19 +40,21 @@ def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False) -> s
     from loom.checkpoint.safety import resolve_checkpoint
     from loom.checkpoint.targets import check_output_dir
     from loom.config import LoomConfig
-    from loom.interop.export import hf_config, loom_to_hf
+    from loom.models import get_family
     check_output_dir(out_dir, f"--to-hf output {out_dir}", overwrite)
     ckpt = ckpt_path if os.path.exists(os.path.join(ckpt_path, "common.pt")) else \
         resolve_checkpoint(ckpt_path, step)
     if ckpt is None:
         raise ConfigError(f"{ckpt_path}: no checkpoint there")
     cfg = LoomConfig.from_flat(read_common(ckpt)["config"], ignore_retired=True).model
-    from loom.interop.hf_gemma3 import hf_gemma3_config, loom_to_gemma3
-    gemma = cfg.model_type == "gemma3"
-    config = hf_gemma3_config(cfg) if gemma else hf_config(cfg)
+    hf = get_family(cfg.model_type).hf  # the family's mapping: loom.models.<family>.hf
+    if hf is None or hf.export_config is None:
+        raise ConfigError(f"{ckpt}: a {cfg.model_type} model has no Hugging Face layout to "
+                          f"convert to")
+    config = hf.export_config(cfg)  # refuses a layout HF cannot express before reading
     index = open_checkpoint(ckpt)
     full, _, _ = index.load(index.names)
-    sd = loom_to_gemma3(full, cfg) if gemma else loom_to_hf(full, cfg)
+    sd = hf.from_loom(full, cfg)
     if config["tie_word_embeddings"]:
         sd.pop("lm_head.weight", None)  # tied: transformers re-ties it on load
     os.makedirs(out_dir, exist_ok=True)
@@ -107,41 +108,30 @@ def from_hf(src: str, out_dir: str, overwrite: bool = False) -> str:
 
     from loom.checkpoint.io import save_checkpoint
     from loom.interop.gguf import find_gguf, read_gguf
-    from loom.interop.hf import (gpt2_config, gpt2_to_loom, llama_config, llama_to_loom,
-                                 load_full_state_dict)
-    from loom.interop.hf_gemma3 import GEMMA3_TYPES, gemma3_config, gemma3_to_loom
-    from loom.models import get_family
+    from loom.interop.hf import load_full_state_dict
+    from loom.models import FamilyRegistry
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
     from loom.parallel.random import RNGTracker
     if not os.path.exists(src):
         raise ConfigError(f"--from-hf {src}: no such file or directory")
+    families = FamilyRegistry()
     with tempfile.TemporaryDirectory() as tmp:
         gguf = find_gguf(src)
         tok = os.path.join(tmp if gguf else src, "tokenizer.json")
-        hf, sd = read_gguf(gguf, tok) if gguf else _read_hf_dir(src)
+        hf, sd = read_gguf(gguf, tok, [f.hf for f in families.families() if f.hf]) if gguf \
+            else _read_hf_dir(src)
         kind = hf.get("model_type")
-        if kind in GEMMA3_TYPES:
-            cfg = gemma3_config(hf, f"--from-hf {src}")
-            full, family = gemma3_to_loom(sd, cfg), "gemma3"
-        elif kind == "bert":  # BertForMaskedLM / BertForPreTraining -> post-LN loom BERT
-            from loom.interop.hf_bert import bert_config, bert_to_loom
-            cfg = bert_config(SimpleNamespace(**hf),
-                              binary_head="cls.seq_relationship.weight" in sd)
-            full, family = bert_to_loom(sd, cfg), "bert"
-        elif kind in ("gpt2", "llama"):
-            hf.setdefault("n_inner", None)
-            hf.setdefault("tie_word_embeddings", kind == "gpt2")
-            ns = SimpleNamespace(**hf)
-            cfg = gpt2_config(ns) if kind == "gpt2" else llama_config(ns)
-            full, family = (gpt2_to_loom if kind == "gpt2" else llama_to_loom)(sd, cfg), "gpt"
-        else:
-            raise ConfigError(f"--from-hf {src}: model_type {kind!r}; gpt2, llama, bert and "
-                              f"gemma3 (gemma3_text) convert")
+        family = families.for_hf(kind)  # the family's mapping: loom.models.<family>.hf
+        if family is None:
+            known = [t for f in families.families() if f.hf for t in f.hf.model_types]
+            raise ConfigError(f"--from-hf {src}: model_type {kind!r}; {', '.join(known)} "
+                              f"convert")
+        cfg, full = family.hf.to_loom(hf, sd, f"--from-hf {src}")
         mesh = ParallelMesh.single()
         tracker = RNGTracker(mesh.device)
         tracker.seed(0)
-        model = build_model(get_family(family), cfg, mesh, tracker, seed=None)
+        model = build_model(family, cfg, mesh, tracker, seed=None)
         load_full_state_dict(model, {n: full[n] for n, _ in model.named_parameters()})
         del full, sd
         optimizer = torch.optim.AdamW(model.parameters())

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from loom.checkpoint.legacy import canonical_name  # noqa: F401
+from loom.checkpoint.optimizer_state import optimizer_state_by_name
 from loom.checkpoint.reader import (DcpIndex, latest_checkpoint, load_checkpoint,  # noqa: F401
                                    load_model_weights, open_checkpoint, read_common,
                                    single_process_quiet)
@@ -65,7 +66,6 @@ from loom.errors import CheckpointWriteError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state
 from loom.parallel.registry import named_parameters
-from loom.training.optimizer import optimizer_state_by_name
 
 FORMAT = "loom-checkpoint-v2"
 
@@ -182,7 +182,7 @@ def optimizer_states(optimizer: Optional[torch.optim.Optimizer],
     ``master_param``) of this rank's parameters at their TP-local shapes: the distributed
     optimizer gathers its DP shards (collective), so DP replicas write identical keys once;
     ZeRO-3's states stay DTensors (DCP writes each rank's rows). The one place optimizer state
-    is collected (:func:`loom.training.optimizer.optimizer_state_by_name`)."""
+    is collected (:func:`loom.checkpoint.optimizer_state.optimizer_state_by_name`)."""
     if optimizer is None:
         return {}
     return optimizer_state_by_name(optimizer, {n: p for n, (p, _) in params.items()})

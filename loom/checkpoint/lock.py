@@ -20,6 +20,7 @@ import time
 from typing import Callable, Optional
 
 from loom.errors import ConfigError
+from loom.parallel.agent_store import agent_store
 
 LOCK = ".loom-save.lock"
 WAIT_S = 300  # how long the other ranks wait for rank 0 to take the lock
@@ -155,9 +156,8 @@ def lock_for_job(save_dir: str, rank: int,
     on torchrun's agent store; another rank waits for that word (up to ``WAIT_S`` s) and exits
     with status 2 when rank 0 was refused (rank 0 prints why). Returns rank 0's lock (None on
     the other ranks). Raises ConfigError on rank 0 when another job holds the lock."""
-    from loom.cli import _agent_store
     key = f"loom/save-lock/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store = _agent_store() if os.environ.get("WORLD_SIZE", "1") != "1" else None
+    store = agent_store() if os.environ.get("WORLD_SIZE", "1") != "1" else None
     if rank == 0:
         try:
             lock = SaveLock(save_dir).acquire(say)

@@ -21,9 +21,11 @@ NOT_ARCHITECTURE = frozenset({
     "moe_z_loss_coeff", "moe_expert_capacity_factor", "mamba_chunk_size"})
 
 
-def model_differences(saved: dict, model: ModelConfig) -> list[str]:
+def model_differences(saved: dict, model: ModelConfig, family) -> list[str]:
     """``--flag saved vs requested`` for every architecture flag of ``model`` that differs from
-    the checkpoint's flat config ``saved`` (fields it lacks take their defaults)."""
+    the checkpoint's flat config ``saved`` (fields it lacks take their defaults), then the
+    family's own shape facts (``family.checkpoint_differences``, a
+    :class:`~loom.models.family.ModelFamily`: e.g. GPT's learned position table)."""
     out = []
     for f in dataclasses.fields(ModelConfig):
         if f.name in NOT_ARCHITECTURE:
@@ -32,17 +34,13 @@ def model_differences(saved: dict, model: ModelConfig) -> list[str]:
         have = saved.get(f.name, f.default)
         if have != want:
             out.append(f"--{f.name.replace('_', '-')} {have} in the checkpoint, {want} here")
-    learned = model.position_embedding_type == "learned_absolute"
-    have_pos = saved.get("max_position_embeddings") or saved.get("seq_length")
-    if learned and model.model_type == "gpt" and have_pos and have_pos != model.max_positions:
-        out.append(f"--max-position-embeddings {have_pos} in the checkpoint, "
-                   f"{model.max_positions} here (learned positions)")
-    return out
+    return out + list(family.checkpoint_differences(saved, model))
 
 
-def check_same_model(saved: dict, model: ModelConfig, ckpt_dir: str) -> None:
-    """Raise ConfigError naming every architecture flag that differs from the checkpoint."""
-    diff = model_differences(saved, model)
+def check_same_model(saved: dict, model: ModelConfig, ckpt_dir: str, family) -> None:
+    """Raise ConfigError naming every architecture flag that differs from the checkpoint (and
+    every shape fact of ``family``'s, see :func:`model_differences`)."""
+    diff = model_differences(saved, model, family)
     if diff:
         raise ConfigError(f"--load: the checkpoint {ckpt_dir} holds another model: "
                           + "; ".join(diff) + ". Give the checkpoint's values (or train "

@@ -23,12 +23,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from loom.checkpoint.legacy import LegacyIndex, is_legacy
+from loom.checkpoint.optimizer_state import load_optimizer_state_by_name
 from loom.checkpoint.safety import resolve_checkpoint
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, set_rng_state
 from loom.parallel.fsdp import shard_like
 from loom.parallel.registry import ShardSpec, full_from_shards, local_shard, named_parameters
-from loom.training.optimizer import load_optimizer_state_by_name
 
 
 @contextmanager
@@ -166,8 +166,8 @@ def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: 
                        mesh: ParallelMesh) -> None:
     """Install the loaded Adam states (and fp32 ``master_param``), resharded for this layout:
     cut to this TP rank's shape (``local_shard``; ZeRO-3: this DP rank's rows, ``shard_like``),
-    then :func:`loom.training.optimizer.load_optimizer_state_by_name` (the distributed optimizer
-    keeps its DP shard of each)."""
+    then :func:`loom.checkpoint.optimizer_state.load_optimizer_state_by_name` (the distributed
+    optimizer keeps its DP shard of each)."""
     local_states = {}
     for name, saved in states.items():
         p, meta = params[name]

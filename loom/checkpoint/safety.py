@@ -3,7 +3,8 @@
 Torch-free (but for reading DCP's ``.metadata``), so ``loom train`` runs these checks in every
 rank before any process group starts:
 
-- :func:`resolve_checkpoint`: the checkpoint ``--load`` names. A ``latest`` pointer that is
+- :func:`resolve_checkpoint` (of :mod:`loom.paths`, re-exported with the layout of a
+  checkpoint root): the checkpoint ``--load`` names. A ``latest`` pointer that is
   unreadable or names a missing iteration is an error naming the file (``--ckpt-step N`` picks
   an iteration explicitly); an empty or absent directory means a fresh start.
 - :func:`check_save_dir`: ``--save`` is a writable directory (or can be created) with room for
@@ -22,102 +23,18 @@ import zipfile
 from typing import Optional
 
 from loom.errors import ConfigError
+from loom.paths import (LATEST, available_checkpoints, is_complete,  # noqa: F401 - re-exported
+                        iteration_dir, read_pointer, resolve_checkpoint, saved_iterations)
 
-LATEST = "latest_checkpointed_iteration.txt"
-_ITER = re.compile(r"^iter_(\d+)$")
 _PARTIAL = re.compile(r"^iter_\d+\.tmp$")
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    """``ROOT/iter_NNNNNNN``."""
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def is_complete(path: str) -> bool:
-    """A finished checkpoint directory: it holds ``metadata.json`` and ``common.pt``."""
-    return all(os.path.isfile(os.path.join(path, f)) for f in ("metadata.json", "common.pt"))
-
-
-def saved_iterations(root: str, complete_only: bool = False) -> list[int]:
-    """Sorted iterations of the ``iter_NNNNNNN`` directories under ``root`` (none if absent)."""
-    if not os.path.isdir(root):
-        return []
-    out = []
-    for name in os.listdir(root):
-        m = _ITER.match(name)
-        if m and os.path.isdir(os.path.join(root, name)) and (
-                not complete_only or is_complete(os.path.join(root, name))):
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
-def _available(root: str) -> str:
-    its = saved_iterations(root, complete_only=True)
-    return f"complete checkpoints there: {', '.join(map(str, its))}" if its else \
-        "no complete checkpoint there"
-
-
-def read_pointer(root: str) -> Optional[int]:
-    """The iteration in ``ROOT/latest_checkpointed_iteration.txt``; None when the file is absent.
-
-    Raises ConfigError naming the file when it is unreadable or holds no iteration number.
-    """
-    path = os.path.join(root, LATEST)
-    if not os.path.lexists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read().strip()
-        iteration = int(text)
-        if iteration < 0:
-            raise ValueError(text)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        why = e.strerror if isinstance(e, OSError) else "it does not hold an iteration number"
-        raise ConfigError(
-            f"checkpoint pointer {path} is unreadable ({why}); {_available(root)}: give "
-            f"--ckpt-step N to load one of them, or repair the file") from None
-    return iteration
-
-
-def resolve_checkpoint(root: str, step: Optional[int] = None) -> Optional[str]:
-    """The checkpoint directory to load from ``root`` (``--load``), or None for a fresh start.
-
-    ``step`` (``--ckpt-step``) selects ``iter_{step}`` explicitly, ignoring the pointer. Returns
-    None only when ``root`` holds no checkpoint at all (absent, or no ``iter_*`` and no pointer).
-    Raises ConfigError naming the file when ``root`` is not a directory, the pointer is
-    unreadable or names a missing/incomplete iteration, a pointer is missing beside saved
-    iterations, or ``step`` names no complete checkpoint.
-    """
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise ConfigError(f"--load {root} is a file, not a checkpoint directory")
-    if step is not None:
-        path = iteration_dir(root, step)
-        if not is_complete(path):
-            raise ConfigError(f"--ckpt-step {step}: {path} is not a complete checkpoint; "
-                              f"{_available(root)}")
-        return path
-    iteration = read_pointer(root)
-    if iteration is None:
-        its = saved_iterations(root)
-        if its:
-            raise ConfigError(
-                f"--load {root} holds iter_* directories ({', '.join(map(str, its))}) but no "
-                f"{LATEST}: give --ckpt-step N to choose one, or restore the pointer")
-        return None
-    path = iteration_dir(root, iteration)
-    if not is_complete(path):
-        raise ConfigError(
-            f"checkpoint pointer {os.path.join(root, LATEST)} names iteration {iteration}, but "
-            f"{path} is {'incomplete' if os.path.isdir(path) else 'missing'}; "
-            f"{_available(root)}: give --ckpt-step N to load one of them, or restore {path}")
-    return path
 
 
 def _check_dcp_files(path: str) -> None:
     """A v2 (DCP) checkpoint: ``.metadata`` readable, and every ``.distcp`` file it names holds
     the byte ranges it records; ConfigError names the file."""
     from torch.distributed.checkpoint import FileSystemReader
-    again = f"give --ckpt-step N to load another checkpoint ({_available(os.path.dirname(path))})"
+    again = (f"give --ckpt-step N to load another checkpoint "
+             f"({available_checkpoints(os.path.dirname(path))})")
     meta = os.path.join(path, ".metadata")
     try:
         storage = FileSystemReader(path).read_metadata().storage_data
@@ -144,7 +61,7 @@ def check_checkpoint_files(path: str) -> None:
     if not dcp and not any(n.startswith("model_") for n in names):
         raise ConfigError(f"checkpoint {path} holds neither DCP's .metadata nor a "
                           f"model_tp*_pp*.pt shard; give --ckpt-step N to load another one "
-                          f"({_available(os.path.dirname(path))})")
+                          f"({available_checkpoints(os.path.dirname(path))})")
     for name in names:
         file = os.path.join(path, name)
         try:
@@ -154,7 +71,7 @@ def check_checkpoint_files(path: str) -> None:
             raise ConfigError(
                 f"checkpoint file {file} is unreadable ({e}); it was truncated or overwritten: "
                 f"give --ckpt-step N to load another checkpoint "
-                f"({_available(os.path.dirname(path))})") from None
+                f"({available_checkpoints(os.path.dirname(path))})") from None
     if dcp:
         _check_dcp_files(path)
 

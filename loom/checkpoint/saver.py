@@ -21,7 +21,8 @@ from loom.data.blended import blend_prefixes
 
 
 class Saver:
-    """Saves of one trainer; ``async_save``: ``--async-save``."""
+    """Saves of one training run under ``cfg`` (a LoomConfig); ``async_save``:
+    ``--async-save``."""
 
     def __init__(self, cfg, async_save: bool = False):
         self.cfg, self.async_save = cfg, async_save
@@ -40,17 +41,20 @@ class Saver:
         first = blend_prefixes(self.cfg.data.data_path or self.cfg.data.train_data_path)
         return tokenizer_file or (first[0] + ".tokenizer.json" if first else None)
 
-    def save(self, trainer, save_dir: str, tokenizer_file: Optional[str] = None,
+    def save(self, save_dir: str, *, iteration: int, consumed_samples: int, model_chunks,
+             optimizer, scheduler, mesh, tracker, tokenizer_file: Optional[str] = None,
              after_write: Optional[Callable[[], None]] = None) -> str:
-        """Checkpoint ``trainer``'s state; returns the final directory (under ``--async-save``
-        it appears once the write finished). Collective over all ranks."""
+        """Checkpoint ``model_chunks``, ``optimizer``, ``scheduler`` and the RNG ``tracker`` of
+        this rank of ``mesh`` at ``iteration`` (``consumed_samples`` trained on); returns the
+        final directory (under ``--async-save`` it appears once the write finished).
+        ``after_write``: called once this rank's files are written. Collective over all
+        ranks."""
         t0 = time.perf_counter()
         self.finish()  # one save in flight: the previous one completes first
         if self.async_save and dist.is_initialized() and self.group is None:
             self.group = dist.new_group(backend="gloo")
-        job = start_save(save_dir, trainer.iteration, trainer.model_chunks, trainer.optimizer,
-                         trainer.scheduler, trainer.mesh, trainer.tracker,
-                         consumed_samples=trainer.consumed_samples, config=self.cfg.to_flat(),
+        job = start_save(save_dir, iteration, model_chunks, optimizer, scheduler, mesh, tracker,
+                         consumed_samples=consumed_samples, config=self.cfg.to_flat(),
                          tokenizer_file=self._tokenizer(tokenizer_file),
                          async_save=self.async_save, group=self.group,
                          after_write=after_write)

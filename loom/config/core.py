@@ -5,16 +5,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+from loom.config.fields import flag
 from loom.config.sections import (GROUPS, CheckpointConfig, DataConfig,
                                   FaultToleranceConfig, LoggingConfig, ModelConfig,
                                   ParallelConfig, TrainingConfig)
 from loom.config.validate import validate_config
 from loom.errors import ConfigError
-
-
-def flag(name: str) -> str:
-    """``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``."""
-    return "--" + name.replace("_", "-")
 
 
 def field_section() -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The one way a configuration field is declared: its default, help text and bounds."""
+"""The one way a configuration field is declared (its default, help text and bounds) and named
+on the command line (:func:`flag`)."""
 
 from __future__ import annotations
 
@@ -10,3 +11,8 @@ def opt(default: Any, help: str, **bounds: Any) -> Any:  # noqa: A002 - argparse
     """A dataclass field with its help text and numeric bounds (``ge``, ``gt``, ``lt``; and
     ``auto=True`` where the flag also accepts the word ``auto``)."""
     return field(default=default, metadata={"help": help, **bounds})
+
+
+def flag(name: str) -> str:
+    """``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``."""
+    return "--" + name.replace("_", "-")

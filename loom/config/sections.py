@@ -173,6 +173,13 @@ class ModelConfig:
                                            for i in range(self.num_layers))
 
     @property
+    def hybrid_layer_pattern(self) -> Optional[str]:
+        """mamba: ``--hybrid-override-pattern`` or ``"M" * L`` (``M`` Mamba-2, ``*`` attention,
+        ``-`` MLP per layer); None for a family without Mamba layers."""
+        is_mamba = self.model_type == "mamba"
+        return (self.hybrid_override_pattern or "M" * self.num_layers) if is_mamba else None
+
+    @property
     def max_positions(self) -> int:
         """``--max-position-embeddings`` or s."""
         return self.max_position_embeddings or self.seq_length

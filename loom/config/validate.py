@@ -1,6 +1,7 @@
 """The one validation pass: every field's type, choices and bounds (from its ``Literal`` type and
 ``metadata``), then the cross-field and layout rules. Torch-free; reads the sections from the
-config object itself, so it imports nothing from the rest of :mod:`loom.config`.
+config object itself (it imports only the rule modules of :mod:`loom.config`: families,
+fault_spec, fields, pipeline, split) and nothing of loom above :mod:`loom.config`.
 """
 
 from __future__ import annotations
@@ -11,15 +12,12 @@ import os
 import shutil
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
-from loom.data.split import parse_split
-from loom.errors import ConfigError
-from loom.config.fault_spec import parse_fault
 from loom.config.families import check_bert, check_gemma3, check_mamba
-from loom.parallel.pipeline.layout import validate_pipeline
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from loom.config.fault_spec import parse_fault
+from loom.config.fields import flag
+from loom.config.pipeline import validate_pipeline
+from loom.config.split import parse_split
+from loom.errors import ConfigError
 
 
 def base_type(hint: Any) -> tuple[Any, bool]:
@@ -86,7 +84,7 @@ def check_bounds(name: str, value: Any, meta: Any) -> None:
     for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                           ("lt", lambda v, b: v < b, "<")):
         if key in meta and not ok(value, meta[key]):
-            raise ConfigError(f"{_flag(name)} must be {word} {meta[key]:g}, got {value}")
+            raise ConfigError(f"{flag(name)} must be {word} {meta[key]:g}, got {value}")
 
 
 def check_fields(cfg: Any) -> None:
@@ -97,7 +95,7 @@ def check_fields(cfg: Any) -> None:
         for f in dataclasses.fields(obj):
             if f.metadata.get("auto") and getattr(obj, f.name) == "auto":
                 continue  # an "N or auto" field (--save-interval)
-            value = coerce(getattr(obj, f.name), hints[f.name], _flag(f.name))
+            value = coerce(getattr(obj, f.name), hints[f.name], flag(f.name))
             check_bounds(f.name, value, f.metadata)
             setattr(obj, f.name, value)
 
@@ -108,8 +106,8 @@ REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_lengt
 
 
 def _required(name: str, example: str, hint: str = "") -> ConfigError:
-    return ConfigError(f"{_flag(name)} is required (Megatron-LM has no default for it): give "
-                       f"{_flag(name)} {example}{hint}, or a --config FILE.yaml (or --load "
+    return ConfigError(f"{flag(name)} is required (Megatron-LM has no default for it): give "
+                       f"{flag(name)} {example}{hint}, or a --config FILE.yaml (or --load "
                        f"checkpoint, for the model shape) that sets it")
 
 
@@ -156,8 +154,8 @@ def resolve_megatron(cfg: Any) -> None:
         for name, example in (("recompute_method", "uniform (or block)"),
                               ("recompute_num_layers", "1")):
             if getattr(t, name) is None:
-                raise ConfigError(f"--recompute-granularity full needs {_flag(name)} "
-                                  f"(Megatron's rule; no default): give {_flag(name)} {example}")
+                raise ConfigError(f"--recompute-granularity full needs {flag(name)} "
+                                  f"(Megatron's rule; no default): give {flag(name)} {example}")
 
 
 def _check_model(m: Any, tp: int) -> None:

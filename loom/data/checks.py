@@ -120,15 +120,17 @@ def check_dataset(prefix: str, vocab_size: Optional[int], flag: str = "--data-pa
     return ds
 
 
-def check_model_family(prefix: str, model_type: str, flag: str = "--data-path") -> None:
+def check_model_family(prefix: str, model_type: str, wordpiece: bool,
+                       flag: str = "--data-path") -> None:
     """Refuse data tokenized for another model family: a WordPiece vocabulary (``meta.json``'s
     ``tokenizer_type`` BertWordPiece*) is BERT's ([CLS], [SEP], [MASK]), which a causal model
     (``--model-type`` gpt, gemma3, mamba) would silently train a GPT on. Megatron picks the
-    family by entry script (pretrain_bert.py); loom needs ``--model-type bert``. Raises
-    ConfigError naming ``--model-type``."""
+    family by entry script (pretrain_bert.py); loom needs ``--model-type bert``. ``wordpiece``:
+    whether ``model_type``'s family trains on such data (``ModelFamily.wordpiece_data``).
+    Raises ConfigError naming ``--model-type``."""
     meta = _read_meta(prefix) or {}
     tok = meta.get("tokenizer_type")
-    if isinstance(tok, str) and tok.startswith("BertWordPiece") and model_type != "bert":
+    if isinstance(tok, str) and tok.startswith("BertWordPiece") and not wordpiece:
         raise ConfigError(f"{flag} {prefix} was tokenized with {tok} ({prefix}.meta.json), "
                           f"BERT's WordPiece vocabulary, but --model-type is {model_type} (a "
                           f"causal model): add --model-type bert (Megatron's pretrain_bert.py), "

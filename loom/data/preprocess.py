@@ -26,6 +26,7 @@ from loom.errors import ConfigError
 from loom.data.documents import read_documents  # noqa: F401 - part of this module's API
 from loom.data.indexed import IndexedDatasetBuilder, best_dtype
 from loom.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from loom.paths import refuse_checkpoint_root, refuse_existing, resolve_checkpoint
 
 _BATCH = 512
 
@@ -62,7 +63,7 @@ def _atomic_write_text(path: str, text: str) -> None:
 def check_output_prefix(prefix: str) -> None:
     """Refuse an ``--output-prefix`` whose directory cannot be created or written (a regular
     file on the path, a read-only directory), that is itself a directory, or that lies inside a
-    training checkpoint directory (:func:`loom.checkpoint.targets.refuse_checkpoint_root`).
+    training checkpoint directory (:func:`loom.paths.refuse_checkpoint_root`).
     Raises ConfigError naming ``--output-prefix``."""
     if not prefix or os.path.isdir(prefix) or prefix.endswith(os.sep):
         raise ConfigError(f"--output-prefix {prefix!r}: give a path prefix such as data/train "
@@ -75,7 +76,6 @@ def check_output_prefix(prefix: str) -> None:
                           f"another output prefix")
     if not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"--output-prefix {prefix}: {base} is not writable")
-    from loom.checkpoint.targets import refuse_checkpoint_root
     refuse_checkpoint_root(prefix, f"--output-prefix {prefix}")
 
 
@@ -86,7 +86,6 @@ def check_new_dataset(prefix: str, overwrite: bool = False) -> None:
     """Refuse an ``--output-prefix`` that already names a dataset (any of ``PREFIX.bin``,
     ``.idx``, ``.meta.json``, ``.tokenizer.json``) unless ``overwrite`` (``--overwrite``), and
     one inside a training checkpoint directory even then. Raises ConfigError naming the files."""
-    from loom.checkpoint.targets import refuse_existing
     check_output_prefix(prefix)
     refuse_existing([prefix + ext for ext in OUTPUT_SUFFIXES], f"--output-prefix {prefix}",
                     overwrite, "a dataset", "choose another --output-prefix")
@@ -186,7 +185,6 @@ def load_tokenizer_for(prefix: str) -> Tokenizer:
 def checkpoint_tokenizer(path: str) -> Tokenizer:
     """The ``tokenizer.json`` saved in a loom checkpoint (``--save`` directory or one
     ``iter_N/``). Raises ConfigError naming ``--tokenizer-from`` when there is none."""
-    from loom.checkpoint.safety import resolve_checkpoint
     ckpt = path if os.path.exists(os.path.join(path, "common.pt")) else resolve_checkpoint(path)
     tok = os.path.join(ckpt, "tokenizer.json") if ckpt else None
     if tok is None or not os.path.isfile(tok):

@@ -106,7 +106,7 @@ def prepare(args: argparse.Namespace):
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     from loom.config import LoomConfig
     from loom.evaluation.runner import check_layout
-    from loom.models import FAMILY_MODULES
+    from loom.models import FamilyRegistry, get_family
     from loom.training.cli import world_size_from_env
     _check_values(args)
     if not os.path.isdir(args.load):
@@ -122,10 +122,12 @@ def prepare(args: argparse.Namespace):
         raise ConfigError(f"--model-type {args.model_type}: the checkpoint {ckpt} holds a "
                           f"{family} model; drop --model-type or load a {args.model_type} "
                           f"checkpoint")
-    task = get_task(family, args.task, f" (the checkpoint {ckpt} holds a {family} model)")
-    if family not in FAMILY_MODULES:
+    try:
+        fam = get_family(family)
+    except ValueError:
         raise ConfigError(f"--load {args.load}: model type {family} is not known to this loom "
-                          f"(known: {', '.join(FAMILY_MODULES)})")
+                          f"(known: {', '.join(FamilyRegistry().names())})") from None
+    task = get_task(fam, args.task, f" (the checkpoint {ckpt} holds a {family} model)")
     cfg = LoomConfig.from_flat(flat, ignore_retired=True)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     args.seq_length = args.seq_length or cfg.model.seq_length

@@ -12,9 +12,9 @@ A :class:`Task` states what one evaluation is, independently of the layout it ru
   and DP ranks;
 * ``report(sums, info) -> dict``: the metrics, from the summed statistics.
 
-A family adds a task by one row in :data:`TASKS` (``"module:ATTRIBUTE"``, imported only when
-used), e.g. BERT's masked-LM accuracy: ``("bert", "mlm"): "loom.evaluation.mlm:TASK"``.
-Asking for a task its family lacks is a ConfigError naming both.
+:data:`TASKS` names each task's implementation (``"module:ATTRIBUTE"``, imported only when
+used); a model family says which tasks it supports (``ModelFamily.evaluation_tasks``, e.g.
+BERT's ``("mlm",)``). Asking for a task its family lacks is a ConfigError naming both.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ from typing import Callable
 from loom.errors import ConfigError
 
 TASKS = {
-    ("gpt", "perplexity"): "loom.evaluation.perplexity:TASK",
-    ("gpt", "cloze"): "loom.evaluation.cloze:TASK",
-    ("mamba", "perplexity"): "loom.evaluation.perplexity:TASK",
-    ("mamba", "cloze"): "loom.evaluation.cloze:TASK",
-    ("bert", "mlm"): "loom.evaluation.mlm:TASK",
+    "perplexity": "loom.evaluation.perplexity:TASK",  # causal LMs (GPT-style forward)
+    "cloze": "loom.evaluation.cloze:TASK",
+    "mlm": "loom.evaluation.mlm:TASK",  # masked LMs (BERT-style forward)
 }
 
 
@@ -47,24 +45,24 @@ class Task:
 
 
 def task_names() -> list[str]:
-    """Every task some family supports, sorted (the choices of ``--task``)."""
-    return sorted({task for _, task in TASKS})
+    """Every task loom implements, sorted (the choices of ``--task``)."""
+    return sorted(TASKS)
 
 
-def supported_tasks(family: str) -> list[str]:
-    """The tasks registered for ``family``, sorted."""
-    return sorted(task for fam, task in TASKS if fam == family)
+def supported_tasks(family) -> list[str]:
+    """The tasks ``family`` (a :class:`~loom.models.family.ModelFamily`) supports, sorted."""
+    return sorted(t for t in family.evaluation_tasks if t in TASKS)
 
 
-def get_task(family: str, task: str, where: str = "") -> Task:
-    """The :class:`Task` registered as ``(family, task)``. Raises ConfigError "task X is not
-    supported for model type Y" (``where``: e.g. the checkpoint, named in the message)."""
-    key = TASKS.get((family, task))
-    if key is None:
+def get_task(family, task: str, where: str = "") -> Task:
+    """The :class:`Task` ``task`` of ``family`` (a ModelFamily). Raises ConfigError "task X is
+    not supported for model type Y" (``where``: e.g. the checkpoint, named in the message)."""
+    if task not in supported_tasks(family):
         have = supported_tasks(family)
         raise ConfigError(
-            f"--task {task} is not supported for model type {family}{where}; "
-            + (f"tasks for {family}: {', '.join(have)}" if have else
-               f"no evaluation task is registered for {family} yet (loom.evaluation.tasks.TASKS)"))
-    module, attr = key.split(":")
+            f"--task {task} is not supported for model type {family.name}{where}; "
+            + (f"tasks for {family.name}: {', '.join(have)}" if have else
+               f"no evaluation task is supported by {family.name} yet "
+               f"(ModelFamily.evaluation_tasks)"))
+    module, attr = TASKS[task].split(":")
     return getattr(importlib.import_module(module), attr)

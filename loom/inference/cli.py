@@ -71,7 +71,7 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
     from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, read_common
     from loom.config import LoomConfig
     from loom.data.tokenizer import Tokenizer
-    from loom.models import get_family
+    from loom.models import FamilyRegistry, get_family
     from loom.parallel.mesh import ParallelMesh, init_distributed
     from loom.parallel.parallelize import build_model
 
@@ -87,10 +87,13 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
         mesh = ParallelMesh.build(tp=tp, dp=world // tp, device=device)
     else:
         mesh = ParallelMesh.single()
-    if cfg.model.model_type == "bert":
-        raise ConfigError(f"--load {load_dir}: a BERT (masked-LM encoder) checkpoint does not "
-                          f"generate text; `loom generate` needs a gpt or mamba model")
-    model = build_model(get_family(cfg.model.model_type), cfg.model, mesh, seed=None)
+    family = get_family(cfg.model.model_type)
+    if family.generation is None:
+        able = [f.name for f in FamilyRegistry().families() if f.generation]
+        raise ConfigError(f"--load {load_dir}: a {family.name} checkpoint does not generate "
+                          f"text (the family has no generation); `loom generate` needs one "
+                          f"of {', '.join(able)}")
+    model = build_model(family, cfg.model, mesh, seed=None)
     load_model_weights(open_checkpoint(ckpt), [model], mesh)
     tok_path = os.path.join(ckpt, "tokenizer.json")
     if not os.path.exists(tok_path):
@@ -101,12 +104,14 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     from loom.inference.generate import SamplingConfig, generate
+    from loom.models import get_family
     model, tok = load_for_inference(args.load, args.tensor_model_parallel_size, args.ckpt_step)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
     ids = tok.encode(args.prompt)
-    bos = tok.hf.token_to_id("<bos>") if model.cfg.model_type == "gemma3" else None
-    if bos is not None:  # Gemma is trained with <bos> first
+    bos_token = get_family(model.cfg.model_type).generation.bos_token
+    bos = tok.hf.token_to_id(bos_token) if bos_token else None
+    if bos is not None:  # e.g. Gemma, trained with <bos> first
         ids = [bos] + ids
     new = generate(model, ids, args.max_new_tokens, sampling, stop_ids=[tok.eod])
     if model.mesh.rank == 0:

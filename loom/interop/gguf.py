@@ -93,14 +93,20 @@ def find_gguf(src: str) -> str | None:
     return None
 
 
-def read_gguf(path: str, tokenizer_out: str) -> tuple[dict, dict]:
-    """``(config.json dict, state dict)`` of a Gemma 3 GGUF file, dequantized to fp32 by
-    ``transformers``; its tokenizer is written to ``tokenizer_out`` (a tokenizer.json path).
-    Raises ConfigError for another architecture, or naming the packages that are missing."""
+def read_gguf(path: str, tokenizer_out: str, mappings) -> tuple[dict, dict]:
+    """``(config.json dict, state dict)`` of a GGUF file whose architecture one of ``mappings``
+    (the families' :class:`~loom.models.family.HFConversion`, e.g. Gemma 3's) imports,
+    dequantized to fp32 by ``transformers``; its tokenizer is written to ``tokenizer_out`` (a
+    tokenizer.json path). Raises ConfigError for another architecture, or naming the packages
+    that are missing."""
     arch = gguf_architecture(path)
-    if arch != "gemma3":
-        raise ConfigError(f"--from-hf {path}: a GGUF of architecture {arch!r}, not Gemma 3 "
-                          f"(general.architecture = gemma3); loom imports GGUF only for Gemma 3")
+    known = [m for m in mappings if m.gguf_architectures]
+    if not any(arch in m.gguf_architectures for m in known):
+        names = " or ".join(m.title for m in known) or "any family"
+        archs = ", ".join(a for m in known for a in m.gguf_architectures)
+        raise ConfigError(f"--from-hf {path}: a GGUF of architecture {arch!r}, not {names} "
+                          f"(general.architecture = {archs}); loom imports GGUF only for "
+                          f"{names}")
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer

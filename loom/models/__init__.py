@@ -1,9 +1,13 @@
-"""Model families, each written as plain math plus a parallel plan (see
-:mod:`loom.models.family`). :func:`get_family` looks one up by name."""
+"""Model families, each written as plain math plus a parallel plan and its hooks (see
+:mod:`loom.models.family`). :func:`get_family` looks one up by name in a
+:class:`FamilyRegistry`: the built-in families (:data:`FAMILY_MODULES`), plus any registered on
+that registry (:func:`register_family`). Code outside ``loom/models/<family>`` asks the family
+for what is family-specific instead of branching on ``--model-type``."""
 
 from __future__ import annotations
 
 import importlib
+from typing import Iterable, Optional
 
 from loom.models.family import ModelFamily
 
@@ -11,8 +15,53 @@ FAMILY_MODULES = {"gpt": "loom.models.gpt", "mamba": "loom.models.mamba",  # --m
                   "bert": "loom.models.bert", "gemma3": "loom.models.gemma3"}
 
 
-def get_family(name: str = "gpt") -> ModelFamily:
-    """The :class:`ModelFamily` registered as ``name``; raises ValueError for an unknown one."""
-    if name not in FAMILY_MODULES:
-        raise ValueError(f"unknown model family {name!r}; known: {', '.join(FAMILY_MODULES)}")
-    return importlib.import_module(FAMILY_MODULES[name]).FAMILY
+class FamilyRegistry:
+    """Model families by name: the built-in ones (imported when first asked for) and those
+    given here. Immutable: :meth:`register` returns a new registry, so there is no global
+    state; pass the registry to whoever looks families up (``Trainer(..., families=...)``)."""
+
+    def __init__(self, extra: Iterable[ModelFamily] = ()):
+        self._extra = {}
+        for family in extra:
+            if family.name in FAMILY_MODULES or family.name in self._extra:
+                raise ValueError(f"model family {family.name!r} is already registered")
+            self._extra[family.name] = family
+
+    def register(self, family: ModelFamily) -> "FamilyRegistry":
+        """A registry with ``family`` added; raises ValueError for a name already taken."""
+        return FamilyRegistry([*self._extra.values(), family])
+
+    def names(self) -> list[str]:
+        """Every family name: the built-in ones first, then the registered ones."""
+        return [*FAMILY_MODULES, *self._extra]
+
+    def get(self, name: str) -> ModelFamily:
+        """The family registered as ``name``; raises ValueError for an unknown one."""
+        if name in self._extra:
+            return self._extra[name]
+        if name not in FAMILY_MODULES:
+            raise ValueError(f"unknown model family {name!r}; known: {', '.join(self.names())}")
+        return importlib.import_module(FAMILY_MODULES[name]).FAMILY
+
+    def families(self) -> list[ModelFamily]:
+        """Every family (imports the built-in ones)."""
+        return [self.get(n) for n in self.names()]
+
+    def for_hf(self, model_type: str) -> Optional[ModelFamily]:
+        """The family whose Hugging Face mapping imports ``config.json``'s ``model_type``, or
+        None."""
+        return next((f for f in self.families() if f.hf and model_type in f.hf.model_types),
+                    None)
+
+
+def register_family(family: ModelFamily,
+                    registry: Optional[FamilyRegistry] = None) -> FamilyRegistry:
+    """A registry holding ``family`` besides those of ``registry`` (default: the built-in
+    ones); raises ValueError for a name already taken. Nothing global changes."""
+    return (registry or FamilyRegistry()).register(family)
+
+
+def get_family(name: str = "gpt", registry: Optional[FamilyRegistry] = None) -> ModelFamily:
+    """The :class:`ModelFamily` registered as ``name`` in ``registry`` (default: the built-in
+    families); raises ValueError for an unknown one."""
+    return (registry or FamilyRegistry()).get(name)

@@ -4,7 +4,8 @@ scaled dot-product core, and the KV cache of generation.
 Shapes: queries ``[b, heads, s_q, d]``, keys and values ``[b, groups, s_k, d]`` (GQA when
 groups < heads). The core knows nothing of parallelism: tensor parallelism gives it fewer heads,
 context parallelism (:mod:`loom.parallel.context`) wraps it to gather keys and values, and the
-plan may hand it a per-TP-rank generator for dropout (``rng``).
+plan may hand it a per-TP-rank generator for dropout (``rng``). The core and the KV cache carry
+the markers that activation recomputation looks for (:mod:`loom.parallel.interface`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loom.parallel.interface import NeverRecompute, SelectiveRecompute
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
@@ -45,7 +48,7 @@ def causal_mask(q_positions: torch.Tensor, seq_length: int) -> torch.Tensor:
     return k_positions[None, :] <= q_positions[:, None]
 
 
-class DotProductAttention(nn.Module):
+class DotProductAttention(nn.Module, SelectiveRecompute):
     """``softmax(q k^T / sqrt(d)) v`` under a causal mask by global position (keys are at
     positions ``0 .. s_k - 1``): ``q [b, a, s_q, d]``, ``k, v [b, g, s_k, d]`` ->
     ``[b, a, s_q, d]``. ``s_q == s_k`` is the plain causal case; one query (decoding) sees every
@@ -86,7 +89,7 @@ class DotProductAttention(nn.Module):
 
 
 @dataclass
-class KVCache:
+class KVCache(NeverRecompute):
     """Keys and values of past positions, per layer: ``[b, g/t, s_max, d]`` each."""
 
     keys: dict = field(default_factory=dict)

@@ -2,45 +2,104 @@
 and its forward step. Schedules, the trainer, checkpoints and interop know only this interface.
 
 A family is written once as plain math (``nn.Linear``, norms, an attention or mixer core) and
-parallelized after construction by its plan (:mod:`loom.parallel.plan`). The forward step
-follows Megatron-LM's shape: ``forward_step(chunk, batch, hidden_states) -> (output, loss_fn)``;
-on the last pipeline stage ``loss_fn(output) -> (loss, metrics)`` gives the scalar to
-backpropagate and a dict of named, detached scalars (e.g. ``lm loss``, an auxiliary loss).
+parallelized after construction by its plan (:mod:`loom.parallel.plan`). The forward-step types
+and :class:`StageSpec` live beside the schedules that drive them
+(:mod:`loom.parallel.interface`) and are re-exported here: ``forward_step(chunk, batch,
+hidden_states) -> (output, loss_fn)``; on the last pipeline stage ``loss_fn(output) -> (loss,
+metrics)`` gives the scalar to backpropagate and a dict of named, detached scalars (e.g.
+``lm loss``, an auxiliary loss).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
-import torch
-from torch import nn
-
-LossFn = Callable[[torch.Tensor], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
-ForwardStep = Callable[[nn.Module, dict, Optional[torch.Tensor]], "tuple[torch.Tensor, LossFn]"]
+from loom.parallel.interface import ForwardStep, LossFn, StageSpec  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
-class StageSpec:
-    """What one model chunk holds: its global layer indices, whether it is the first virtual
-    stage (``pre_process``: embedding) and the last (``post_process``: final norm, output layer,
-    loss), and the padded vocabulary Vp of this layout (Megatron pads V to a multiple of
-    ``make_vocab_size_divisible_by x t``)."""
+class Generation:
+    """How a family generates text (``loom generate``): the model provides
+    ``allocate_cache(batch, length)`` (a KV cache, or a recurrent state for Mamba layers) and
+    ``model(input_ids=[b, s], cache=...) -> logits [b, s, Vp/t]``; ``bos_token``: the token put
+    before every prompt (Gemma's ``<bos>``), None for none."""
 
-    layer_numbers: Sequence[int]
-    pre_process: bool = True
-    post_process: bool = True
-    padded_vocab: Optional[int] = None
+    bos_token: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class HFConversion:
+    """A family's Hugging Face mapping (``loom checkpoint convert``), the generic reading,
+    resharding and writing staying in :mod:`loom.checkpoint.convert`:
+
+    * ``model_types``: the ``config.json`` ``model_type`` values this family imports;
+    * ``to_loom(hf_config: dict, hf_state: dict, where: str) -> (ModelConfig, full)``: full loom
+      tensors by loom name (vocabulary padded as loom's layout expects); raises ConfigError
+      naming ``where`` for a config it cannot express;
+    * ``export_config(model_cfg) -> config.json dict`` of the matching ``transformers`` class;
+      None when the family does not export; raises ConfigError for a layout no
+      ``transformers`` class expresses (checked before any weight is read);
+    * ``from_loom(full, model_cfg) -> HF state dict``: the inverse of ``to_loom``, vocabulary
+      padding dropped;
+    * ``gguf_architectures``: GGUF ``general.architecture`` values it imports (via
+      ``transformers``' GGUF reader into the ``to_loom`` path);
+    * ``title``: the layout's name in messages (e.g. "Gemma 3")."""
+
+    model_types: tuple = ()
+    to_loom: Optional[Callable] = None
+    export_config: Optional[Callable] = None
+    from_loom: Optional[Callable] = None
+    gguf_architectures: tuple = ()
+    title: str = ""
+
+
+def next_token_windows(cfg) -> tuple:
+    """The default ``datasets``: GPT-style next-token windows of ``cfg`` (a LoomConfig)."""
+    from loom.data.for_model import next_token_datasets
+    return next_token_datasets(cfg)
+
+
+def no_metrics(model_cfg) -> tuple:
+    """The default ``logged_metrics``: no family-specific ``loss_fn`` metric is logged."""
+    return ()
+
+
+def no_differences(saved: dict, model_cfg) -> list:
+    """The default ``checkpoint_differences``: nothing beyond the architecture flags."""
+    return []
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     """``build(model_cfg, stage) -> nn.Module`` (plain math, built on the meta device by loom);
     ``plan(model_cfg, stage, ctx) -> {module-name pattern: ParallelStyle}``;
-    ``init(model_cfg) -> (name -> InitFn)``; ``forward_step`` as in the module docstring."""
+    ``init(model_cfg) -> (name -> InitFn)``; ``forward_step`` as in the module docstring.
+
+    Optional hooks, each with a default, so that code outside ``loom/models/<family>`` asks the
+    family instead of branching on ``--model-type``:
+
+    * ``datasets(cfg) -> (train, valid, test)`` (None for a set without data): the samples it
+      trains on; default next-token windows (mock tokens, or ``--data-path``);
+    * ``logged_metrics(model_cfg) -> names``: ``loss_fn`` metrics a training record carries;
+    * ``generation``: a :class:`Generation`, or None for a family that does not generate text;
+    * ``evaluation_tasks``: the ``loom evaluate --task`` names it supports
+      (:mod:`loom.evaluation.tasks`);
+    * ``hf``: a :class:`HFConversion`, or None for a family without a Hugging Face layout;
+    * ``checkpoint_differences(saved: dict, model_cfg) -> [message]``: shape facts a checkpoint
+      must share beyond the architecture flags (e.g. the size of learned position tables);
+    * ``wordpiece_data``: whether it trains on WordPiece-tokenized data (BERT's [CLS], [SEP],
+      [MASK]); a family without it refuses such data."""
 
     name: str
     build: Callable
     plan: Callable
     init: Callable
     forward_step: ForwardStep
+    datasets: Callable = next_token_windows
+    logged_metrics: Callable = no_metrics
+    generation: Optional[Generation] = None
+    evaluation_tasks: tuple = ()
+    hf: Optional[HFConversion] = None
+    checkpoint_differences: Callable = no_differences
+    wordpiece_data: bool = False

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.models.moe import Routing, run_experts
 from loom.parallel.mappings import (copy_to_tensor_parallel_region,
                                     reduce_from_tensor_parallel_region)
 from loom.parallel.plan import ParallelStyle, PlanContext
@@ -67,18 +66,23 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
 
 class ParallelDispatcher(nn.Module):
     """The MoE dispatcher under TP and/or EP (see the module docstring). Same contract as
-    :class:`~loom.models.moe.LocalDispatcher`: returns ``[T, k, h]`` expert outputs (zeros
-    where dropped) and the shared expert's ``[T, h]`` (or None), summed over TP."""
+    :class:`~loom.models.moe.LocalDispatcher`: ``forward(tokens [T, h], routing, experts,
+    shared)`` (``routing.experts``, ``.kept`` ``[T, k]``: expert ids and kept choices) returns
+    ``[T, k, h]`` expert outputs (zeros where dropped) and the shared expert's ``[T, h]`` (or
+    None), summed over TP. ``run_experts(tokens [n, h], ids [n], experts, first) -> [n, h]``
+    runs tokens sorted by global expert id through ``experts[str(id)]`` (the family's, e.g.
+    :func:`loom.models.moe.run_experts`)."""
 
     def __init__(self, num_experts: int, tp_group, ep_group, ep_rank: int, ep_size: int,
-                 pair_split: tuple[int, int] = (0, 1)):
+                 pair_split: tuple[int, int] = (0, 1), *, run_experts: Callable):
         super().__init__()
+        self.run_experts = run_experts
         self.E, self.tp_group, self.ep_group = num_experts, tp_group, ep_group
         self.e, self.local = ep_size, num_experts // ep_size
         self.first = ep_rank * self.local
         self.pair_rank, self.pair_stride = pair_split  # expert TP 1: this TP rank's pairs
 
-    def forward(self, tokens, routing: Routing, experts: nn.ModuleDict,
+    def forward(self, tokens, routing, experts: nn.ModuleDict,
                 shared: Optional[nn.Module] = None):
         T, k = routing.experts.shape
         x = copy_to_tensor_parallel_region(tokens, self.tp_group)  # f: input grads summed over TP
@@ -89,7 +93,7 @@ class ParallelDispatcher(nn.Module):
             pairs = pairs[self.pair_rank::self.pair_stride]
         send, ids = x[pairs // k], flat[pairs]
         if self.ep_group is None:
-            out = run_experts(send, ids, experts)
+            out = self.run_experts(send, ids, experts)
         else:
             per_expert = torch.bincount(ids, minlength=self.E).view(self.e, self.local)
             recv_per_expert = torch.empty_like(per_expert)
@@ -101,7 +105,7 @@ class ParallelDispatcher(nn.Module):
                 torch.arange(self.local, device=x.device).repeat(self.e),
                 recv_per_expert.reshape(-1))
             order = torch.argsort(local_ids, stable=True)  # source-major -> expert-major
-            done = run_experts(recv[order], local_ids[order] + self.first, experts, self.first)
+            done = self.run_experts(recv[order], local_ids[order] + self.first, experts, self.first)
             back = done.new_empty(done.shape).index_copy(0, order, done)
             out = all_to_all(back, send_counts, recv_counts, self.ep_group)
         full = x.new_zeros(T * k, x.shape[-1]).index_copy(0, pairs, out)
@@ -131,8 +135,10 @@ def _shard_mlp(mlp: nn.Module, t: int, swiglu: bool, expert: bool) -> dict:
 class MoEParallel(ParallelStyle):
     """For a module with ``experts`` (a ModuleDict keyed by global expert index): keep only this
     EP rank's experts, shard experts and the shared expert over TP, install the
-    :class:`ParallelDispatcher`. Other modules are left alone."""
+    :class:`ParallelDispatcher`. Other modules are left alone. ``run_experts``: the family's
+    expert runner handed to the dispatcher (e.g. :func:`loom.models.moe.run_experts`)."""
 
+    run_experts: Callable
     swiglu: bool = False
 
     def apply(self, module, ctx: PlanContext):
@@ -157,7 +163,7 @@ class MoEParallel(ParallelStyle):
         if t > 1 or e > 1:
             module.dispatcher = ParallelDispatcher(
                 E, mesh.groups["tp"], mesh.groups.get("ep"), mesh.ep_rank, e,
-                (mesh.tp_rank, t) if whole else (0, 1))
+                (mesh.tp_rank, t) if whole else (0, 1), run_experts=self.run_experts)
         cp_group = mesh.groups["cp"]
         if cp_group is not None:  # the load-balancing loss over the whole sequence
             module.aux_stats = ContextParallelRouterStats(cp_group)

@@ -120,7 +120,7 @@ def is_fully_sharded(chunk: nn.Module) -> bool:
 
 
 class FSDPGradients:
-    """The :class:`~loom.parallel.data.GradientReducer` interface for a ``fully_shard``-ed
+    """The :class:`~loom.parallel.grad_buffer.GradBuffer` interface for a ``fully_shard``-ed
     chunk: FSDP2 reduce-scatters during backward, so loom's all-reduce buckets never run.
     :meth:`no_sync` defers the reduce-scatter to the last micro-batch; :meth:`finish_grad_sync`
     gives parameters without a gradient zeros (sharded like them)."""

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from loom.config import LoomConfig, ModelConfig
-from loom.models.family import ModelFamily, StageSpec
 from loom.parallel.compile import compile_layers
 from loom.parallel.fsdp import fsdp_enabled, shard_model_chunks
+from loom.parallel.interface import FamilyParts, StageSpec
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.pipeline.layout import chunk_layers
 from loom.parallel.plan import PlanContext, apply_plan
@@ -26,7 +26,7 @@ from loom.parallel.recompute import apply_recompute
 from loom.parallel.registry import initialize
 
 
-def build_chunk(family: ModelFamily, cfg: ModelConfig, stage: StageSpec, mesh: ParallelMesh,
+def build_chunk(family: FamilyParts, cfg: ModelConfig, stage: StageSpec, mesh: ParallelMesh,
                 tracker: RNGTracker, *, seed: Optional[int] = 1234,
                 sequence_parallel: bool = False) -> nn.Module:
     """One parallelized chunk; its registry is ``chunk.registry``. ``seed`` None leaves the
@@ -44,7 +44,7 @@ def build_chunk(family: ModelFamily, cfg: ModelConfig, stage: StageSpec, mesh: P
     return chunk
 
 
-def build_model(family: ModelFamily, cfg: ModelConfig, mesh: ParallelMesh,
+def build_model(family: FamilyParts, cfg: ModelConfig, mesh: ParallelMesh,
                 tracker: Optional[RNGTracker] = None, *, seed: Optional[int] = 1234) -> nn.Module:
     """The whole model on this rank (no pipeline split), e.g. for generation or interop."""
     if tracker is None:
@@ -54,7 +54,7 @@ def build_model(family: ModelFamily, cfg: ModelConfig, mesh: ParallelMesh,
     return build_chunk(family, cfg, stage, mesh, tracker, seed=seed)
 
 
-def build_model_chunks(family: ModelFamily, cfg: LoomConfig, mesh: ParallelMesh,
+def build_model_chunks(family: FamilyParts, cfg: LoomConfig, mesh: ParallelMesh,
                        tracker: RNGTracker) -> list[nn.Module]:
     """This rank's chunks: chunk k of stage r holds virtual stage ``k p + r`` (one chunk
     without interleaving); the first virtual stage holds the embedding, the last the output."""

@@ -2,7 +2,9 @@
 
 ``--recompute-granularity full`` keeps only each selected layer's input and recomputes the layer
 in backward; ``selective`` recomputes only the attention core (softmax, dropout, the s^2
-activations). The wrappers replace a module instance's ``forward`` (``torch.utils.checkpoint``,
+activations): the modules marked :class:`~loom.parallel.interface.SelectiveRecompute`. A call
+given a :class:`~loom.parallel.interface.NeverRecompute` argument (a generation KV cache) is
+never recomputed. The wrappers replace a module instance's ``forward`` (``torch.utils.checkpoint``,
 non-reentrant) instead of wrapping the module in another one, so a run with recompute has
 exactly the parameter names, initial weights and checkpoints of a run without it.
 
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from loom.models.attention import DotProductAttention, KVCache
+from loom.parallel.interface import NeverRecompute, SelectiveRecompute
 from loom.parallel.random import RNGTracker
 
 
@@ -32,7 +34,7 @@ def checkpointed(fn: Callable, tracker: RNGTracker, module: nn.Module) -> Callab
     def run(*args, **kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return fn(*args, **kwargs)
-        if any(isinstance(a, KVCache) for a in (*args, *kwargs.values())):
+        if any(isinstance(a, NeverRecompute) for a in (*args, *kwargs.values())):
             return fn(*args, **kwargs)  # generation with a KV cache is never recomputed
         saved = None if tracker.state is None else tracker.state.clone()
         calls = [0]
@@ -62,7 +64,7 @@ def apply_recompute(chunk: nn.Module, granularity: Optional[str], tracker: RNGTr
         return
     if granularity == "selective":
         for m in chunk.modules():
-            if isinstance(m, DotProductAttention):
+            if isinstance(m, SelectiveRecompute):
                 m.forward = checkpointed(m.forward, tracker, m)
         return
     if granularity != "full":

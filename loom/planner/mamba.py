@@ -63,8 +63,9 @@ KINDS = ("M", "*", "-")  # Mamba-2, attention, MLP (Megatron's hybrid pattern ch
 
 
 def is_hybrid(model: ModelConfig) -> bool:
-    """Whether the model is of the Mamba family (pure Mamba or a hybrid pattern)."""
-    return getattr(model, "model_type", "gpt") == "mamba"
+    """Whether the model has Mamba layers (pure Mamba or a hybrid pattern: the config's
+    ``hybrid_layer_pattern``)."""
+    return model.hybrid_layer_pattern is not None
 
 
 def layer_pattern(model: ModelConfig) -> str:

@@ -48,10 +48,12 @@ def _check_data(cfg: LoomConfig) -> None:
     """Every dataset of every blend cross-checked; the training set non-empty."""
     from loom.data.blended import build_datasets, data_prefixes
     from loom.data.checks import check_dataset, check_model_family
+    from loom.models import get_family
     d, m = cfg.data, cfg.model
+    wordpiece = get_family(m.model_type).wordpiece_data
     for flag, prefix in data_prefixes(d):
         check_dataset(prefix, m.vocab_size, flag=flag)
-        check_model_family(prefix, m.model_type, flag=flag)
+        check_model_family(prefix, m.model_type, wordpiece, flag=flag)
         if d.tokenizer_type:
             from loom.data.preprocess import read_meta
             stored = read_meta(prefix).get("tokenizer_type")
@@ -196,12 +198,13 @@ def _check_same_model(cfg: LoomConfig) -> None:
         return
     from loom.checkpoint.io import read_common
     from loom.checkpoint.model_match import check_same_model
+    from loom.models import get_family
     from loom.checkpoint.safety import resolve_checkpoint
     from loom.training.resume import reconcile_schedule
     ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
     if ckpt is not None:
         saved = read_common(ckpt)["config"]
-        check_same_model(saved, cfg.model, ckpt)
+        check_same_model(saved, cfg.model, ckpt, get_family(cfg.model.model_type))
         reconcile_schedule(saved, cfg, world_size_from_env(), ckpt)
 
 

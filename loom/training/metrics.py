@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Optional
 
@@ -61,6 +62,38 @@ def average_window(window: list[dict], tokens_per_iter: int, flops_per_iter_per_
     avg["tflops_per_rank"] = flops_per_iter_per_rank / avg["step_time_s"] / 1e12
     avg["mfu"] = avg["tflops_per_rank"] * 1e12 / peak_flops if peak_flops else None
     return avg
+
+
+@dataclass
+class Throughput:
+    """The measures of one training run that turn a step time into a record: ``tokens_per_iter``
+    (B s), ``flops_per_iter`` (model FLOPs of one iteration, all ranks), ``world_size``,
+    ``peak_flops`` (FLOP/s of one rank, None when unknown), ``predicted_step_s`` (the planner's
+    iteration time in seconds, None without a prediction) and ``logged`` (the ``loss_fn``
+    metrics each record carries)."""
+    tokens_per_iter: int
+    flops_per_iter: float
+    world_size: int
+    peak_flops: Optional[float] = None
+    predicted_step_s: Optional[float] = None
+    logged: tuple = ()
+
+    def record(self, iteration: int, loss: float, lr: float, grad_norm: float, elapsed: float,
+               device: torch.device) -> dict:
+        """One training record: ``tokens_per_s``, ``step_time_s`` (s), ``tflops_per_rank``,
+        ``mfu`` (None without a peak) and ``peak_memory_bytes``."""
+        tflops = self.flops_per_iter / elapsed / self.world_size / 1e12
+        rec = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "tokens_per_s": self.tokens_per_iter / elapsed, "step_time_s": elapsed,
+               "tflops_per_rank": tflops,
+               "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
+               "peak_memory_bytes": peak_memory_bytes(device)}
+        return rec
+
+    def average(self, window: list[dict]) -> dict:
+        """:func:`average_window` of ``window`` with this run's measures."""
+        return average_window(window, self.tokens_per_iter, self.flops_per_iter / self.world_size,
+                              self.peak_flops)
 
 
 def _clock(seconds: float) -> str:

@@ -16,11 +16,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from loom.checkpoint.optimizer_state import (  # noqa: F401 - moved, re-exported
+    load_optimizer_state_by_name, optimizer_state_by_name)
 from loom.config import TrainingConfig
 from loom.parallel.fsdp import is_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta, named_parameters
-from loom.training.main_params import NORM_BLOCK, MainParamOptimizer, _sum_of_squares  # noqa: F401
+from loom.training.distributed_optimizer import (NORM_BLOCK, DistributedOptimizer,  # noqa: F401
+                                                _sum_of_squares)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig,
@@ -30,11 +33,15 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
     fp32 parameters without ``--use-distributed-optimizer``: ``torch.optim.AdamW`` on the
     parameters. 16-bit parameters (``--bf16`` / ``--fp16``) or the distributed optimizer (ZeRO
     stage 1/2 over DP x CP, Rajbhandari et al. 2020 sec. 5.1-5.2; Megatron's design: 18 -> 6 +
-    12/d bytes per parameter in bf16): a :class:`~loom.training.main_params.MainParamOptimizer`
+    12/d bytes per parameter in bf16): a
+    :class:`~loom.training.distributed_optimizer.DistributedOptimizer`
     on fp32 master ranges of the ``reducers``' main gradients (``reducers`` and ``mesh``
-    required; the reducers must have been built with ``shard=True`` for the distributed one).
+    required; the gradient buffers must have been built in
+    :func:`~loom.training.distributed_optimizer.buffer_mode`'s mode).
 
-    The update runs as :func:`adamw_implementation` picks (fused where supported).
+    With ``--overlap-param-gather`` the parameter all-gathers are waited for by forward
+    pre-hooks on ``model``'s chunks. The update runs as :func:`adamw_implementation` picks
+    (fused where supported).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
@@ -43,11 +50,14 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
     if cfg.use_distributed_optimizer or sixteen:
         if reducers is None or mesh is None:
             raise ValueError("16-bit parameters and --use-distributed-optimizer need the "
-                             "gradient reducers (their fp32 main gradients) and the mesh")
+                             "gradient buffers (their fp32 main gradients) and the mesh")
         chunks = list(model.children()) if isinstance(model, nn.ModuleList) else [model]
-        return MainParamOptimizer(list(named_parameters(chunks)), reducers, kw,
-                                  cfg.weight_decay, mesh, cfg.use_distributed_optimizer,
-                                  cfg.overlap_param_gather)
+        opt = DistributedOptimizer(list(named_parameters(chunks)), reducers, kw,
+                                   cfg.weight_decay, mesh, cfg.use_distributed_optimizer,
+                                   cfg.overlap_param_gather)
+        if cfg.overlap_param_gather:  # each bucket's all-gather waited for before its first use
+            opt.hook_param_gather(chunks)
+        return opt
     decay, no_decay = [], []
     for name, p in named:
         (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
@@ -70,52 +80,15 @@ def adamw_implementation(params: Iterable[torch.Tensor]) -> dict:
 
 def local_optimizer(optimizer) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer holding this rank's Adam states (the inner AdamW of a
-    :class:`~loom.training.main_params.MainParamOptimizer`, or itself)."""
+    :class:`~loom.training.distributed_optimizer.DistributedOptimizer`, or itself)."""
     return getattr(optimizer, "optim", optimizer)
-
-
-def optimizer_state_by_name(optimizer, named_params: dict) -> dict:
-    """``{name: {key: tensor}}``: the Adam states (``step``, ``exp_avg``, ``exp_avg_sq``; and
-    ``master_param``, the fp32 master weights, for 16-bit parameters) of ``named_params``
-    (``{name: parameter}``), each at the parameter's TP-local full shape, on CPU. With the
-    distributed optimizer the DP shards are all-gathered per bucket: a collective, every rank
-    of the DP x CP group calls it."""
-    if isinstance(optimizer, MainParamOptimizer):
-        return optimizer.state_by_name(set(named_params))
-    names = {id(p): n for n, p in named_params.items()}
-    return {names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                           for k, v in st.items()}
-            for p, st in local_optimizer(optimizer).state.items() if id(p) in names}
-
-
-@torch.no_grad()
-def load_optimizer_state_by_name(optimizer, named_params: dict, states: dict) -> None:
-    """Inverse of :func:`optimizer_state_by_name` at any layout: ``states`` maps names to
-    states at this rank's TP-local shapes; each rank keeps its DP shard. A ``master_param``
-    (saved by a 16-bit run) becomes an fp32 parameter's value, so an fp32 run resumes a 16-bit
-    one from the exact fp32 weights. Names missing from ``states`` keep fresh states."""
-    if isinstance(optimizer, MainParamOptimizer):
-        optimizer.load_state_by_name(states)
-        return
-    local = local_optimizer(optimizer)
-    for name, p in named_params.items():
-        st = states.get(name)
-        if not st:
-            continue
-        st = dict(st)
-        master = st.pop("master_param", None)
-        if master is not None:
-            p.copy_(master.to(p))
-        if st:
-            local.state[p] = {k: v.clone().to(p.device) if torch.is_tensor(v) else v
-                              for k, v in st.items()}
 
 
 def clip_and_norm(optimizer, params, max_norm: float, mesh: ParallelMesh, norm_params,
                   expert_norm_params, inv_scale: float = 1.0) -> float:
     """The pre-clip global gradient norm, clipping to ``max_norm``: the optimizer's own
-    (sharded, master-gradient) norm for a MainParamOptimizer, else :func:`clip_grad_norm`."""
-    if isinstance(optimizer, MainParamOptimizer):
+    (sharded, master-gradient) norm for a DistributedOptimizer, else :func:`clip_grad_norm`."""
+    if isinstance(optimizer, DistributedOptimizer):
         return optimizer.clip_grad_norm(max_norm, inv_scale)
     return clip_grad_norm(params, max_norm, mesh, norm_params, expert_norm_params)
 

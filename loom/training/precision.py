@@ -7,8 +7,8 @@ model then runs in 16 bits without autocast, and computes in fp32 where the mode
 (the vocab-parallel / plain cross-entropy casts the logits to fp32, the MoE router runs in fp32,
 LayerNorm / RMSNorm and the attention softmax accumulate in fp32 inside PyTorch's kernels).
 Activations between pipeline stages travel in fp32 and are cast to the parameters' dtype on
-arrival. Gradients accumulate in fp32 main-gradient buffers (:mod:`loom.parallel.data`) and the
-optimizer keeps fp32 master weights (:mod:`loom.training.main_params`).
+arrival. Gradients accumulate in fp32 main-gradient buffers (:mod:`loom.parallel.grad_buffer`) and the
+optimizer keeps fp32 master weights (:mod:`loom.training.distributed_optimizer`).
 
 ``--fp16`` multiplies the loss by a scale before backward (the forward value is unchanged:
 :class:`_ScaleGrad` scales only the gradient) and the optimizer divides it out; a step whose

@@ -10,33 +10,34 @@ from typing import Optional
 import torch
 from torch import nn
 
-from loom.parallel.data import GradientReducer
+from loom.parallel.grad_buffer import GradBuffer
 from loom.parallel.expert import ReducerGroup
 from loom.parallel.fsdp import FSDPGradients, is_fully_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import named_parameters
 from loom.planner.predict import predict_layout
+from loom.training.distributed_optimizer import buffer_mode
 from loom.training.fault import CheckpointInterval
 
 MOE_LOGGED = ("moe aux loss", "moe z loss", "moe load min", "moe load max",
               "moe load imbalance", "moe dropped")  # loss_fn metrics of MoE models, logged
 
 
-def logged_metrics(model) -> tuple[str, ...]:
-    """The ``loss_fn`` metrics a training record carries: MoE's, BERT's masked-LM and
-    sentence-order losses, else none."""
+def logged_metrics(model, family) -> tuple[str, ...]:
+    """The ``loss_fn`` metrics a training record carries for ``model`` (a ModelConfig): MoE's,
+    else the family's own (``family.logged_metrics``: e.g. BERT's masked-LM and sentence-order
+    losses), else none."""
     if model.num_experts:
         return MOE_LOGGED
-    if model.model_type == "bert":
-        return ("mlm loss", "sop loss") if model.bert_binary_head else ("mlm loss",)
-    return ()
+    return tuple(family.logged_metrics(model))
 
 
 def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, cfg):
     """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
     gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`), scaled
     by 1/e. ``cfg`` (a LoomConfig) gives ``--ddp-bucket-size``, ``--overlap-grad-reduce``, the
-    distributed optimizer (reduce-scatter into shards; ZeRO-2 keeps them) and the gradient
+    distributed optimizer's buffer mode (:func:`~loom.training.distributed_optimizer.buffer_mode`:
+    reduce-scatter into shards; ZeRO-2 keeps them) and the gradient
     dtype (fp32 main gradients, or the 16-bit parameters' dtype without
     ``--accumulate-allreduce-grads-in-fp32``). The pipeline-shared embedding gets a bucket of
     its own (so its shard ranges agree on the first and last stage). A ``fully_shard``-ed
@@ -47,17 +48,16 @@ def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, cfg):
     dtype = next(chunk.parameters()).dtype
     kw = dict(bucket_size=cfg.parallel.ddp_bucket_size, overlap=cfg.parallel.overlap_grad_reduce,
               grad_dtype=torch.float32 if t.accumulate_allreduce_grads_in_fp32 else dtype,
-              shard=t.use_distributed_optimizer, keep_sharded=t.zero_stage == 2,
               own_bucket=[p for n, p in chunk.named_parameters()
-                          if chunk.registry[n].pipeline_shared])
+                          if chunk.registry[n].pipeline_shared],
+              **buffer_mode(t))  # the distributed optimizer's: reduce-scatter, ZeRO-2 shards
     if mesh.ep_size == 1:
-        return GradientReducer(chunk.parameters(), mesh.groups["dp_cp"], **kw)
+        return GradBuffer(chunk.parameters(), mesh.groups["dp_cp"], **kw)
     named = [(p, chunk.registry[n].expert_parallel) for n, p in chunk.named_parameters()]
     experts = [p for p, is_expert in named if is_expert]
-    return ReducerGroup([GradientReducer([p for p, e in named if not e], mesh.groups["dp_cp"],
-                                         **kw),
-                         GradientReducer(experts, mesh.groups["edp_cp"], scale=1.0 / mesh.ep_size,
-                                         **kw)], experts, 1.0)
+    return ReducerGroup([GradBuffer([p for p, e in named if not e], mesh.groups["dp_cp"], **kw),
+                         GradBuffer(experts, mesh.groups["edp_cp"], scale=1.0 / mesh.ep_size,
+                                    **kw)], experts, 1.0)
 
 
 def owned_parameters(model_chunks, mesh: ParallelMesh) -> int:

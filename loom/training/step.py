@@ -1,22 +1,26 @@
 """After backward: finish the gradient reductions, then one optimizer step with the loss scale,
 the global-norm clipping and the non-finite guard (the trainer's ``forward_backward`` tail and
-``optimizer_step``)."""
+``optimizer_step``). Each function takes the parts it uses, never the trainer."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 from loom.errors import NonFiniteError
+from loom.parallel.grad_buffer import flat_buffers
+from loom.parallel.mesh import ParallelMesh
 from loom.parallel.pipeline.model import allreduce_embedding_grads
 from loom.parallel.sequence import allreduce_sequence_parallel_grads
-from loom.training.main_params import MainParamOptimizer, flat_reducers
+from loom.training.distributed_optimizer import DistributedOptimizer
 from loom.training.optimizer import clip_and_norm
 
 
 def grad_getter(reducers):
-    """``p -> gradient tensor``: the reducer's reduced main-gradient range for parameters in
+    """``p -> gradient tensor``: the buffer's reduced main-gradient range for parameters in
     main-gradient buffers (16-bit or the distributed optimizer), else ``p.grad``."""
-    owner = {id(p): r for r in flat_reducers(reducers) if getattr(r, "main_grads", False)
+    owner = {id(p): r for r in flat_buffers(reducers) if getattr(r, "main_grads", False)
              for p in r.params}
 
     def grad_of(p):
@@ -25,43 +29,60 @@ def grad_getter(reducers):
     return grad_of
 
 
-def finish_gradients(trainer) -> None:
-    """Wait for the DP reductions, then sum the sequence-parallel gradients over TP and the
+def finish_gradients(reducers: Sequence, model_chunks: Sequence, mesh: ParallelMesh,
+                     sp_params: Sequence) -> None:
+    """Wait for the DP reductions of the chunks' gradient buffers ``reducers``, then sum the
+    gradients of ``sp_params`` (sequence-parallel, replicated over TP) over the TP group and the
     tied embedding's over the embedding group (on the owned ranges with the distributed
     optimizer: their layouts agree across those groups)."""
-    for r in trainer.reducers:
+    for r in reducers:
         r.finish_grad_sync()
-    grad_of = grad_getter(trainer.reducers)
-    if trainer.sp_params:
-        allreduce_sequence_parallel_grads(trainer.sp_params, trainer.mesh.groups["tp"], grad_of)
-    allreduce_embedding_grads(trainer.model_chunks, trainer.mesh, grad_of)
+    grad_of = grad_getter(reducers)
+    if sp_params:
+        allreduce_sequence_parallel_grads(sp_params, mesh.groups["tp"], grad_of)
+    allreduce_embedding_grads(model_chunks, mesh, grad_of)
 
 
-def optimizer_step(trainer) -> float:
-    """Unscale (``--fp16``), clip by the global norm, AdamW step, LR schedule; returns the
-    pre-clip grad norm (of the unscaled gradients). A non-finite norm skips the step (gradients
-    dropped, LR schedule held; the fp16 loss scale backs off) and is recorded in
-    ``trainer.nonfinite``; raises NonFiniteError after ``--exit-on-nonfinite`` in a row."""
-    scaler = trainer.scaler
-    norm = clip_and_norm(trainer.optimizer, trainer.params, trainer.cfg.training.clip_grad,
-                         trainer.mesh, trainer.norm_params, trainer.expert_norm_params,
+@dataclass
+class ParamGroups:
+    """The parameter lists the step reads: ``params`` (every trainable parameter of this rank),
+    ``norm_params`` (dense parameters whose gradient enters the global norm, each element once),
+    ``expert_norm_params`` (expert-parallel ones, summed over the EP group), ``sp_params``
+    (gradients summed over TP: sequence-parallel norms and biases)."""
+    params: list
+    norm_params: list
+    expert_norm_params: list = field(default_factory=list)
+    sp_params: list = field(default_factory=list)
+
+
+def optimizer_step(optimizer, scheduler, reducers: Sequence, groups: ParamGroups,
+                   mesh: ParallelMesh, clip_grad: float, scaler=None,
+                   nonfinite: Optional[list] = None, iteration: int = 0,
+                   exit_on_nonfinite: int = 0) -> float:
+    """Unscale (``scaler``: ``--fp16``), clip by the global norm to ``clip_grad``, AdamW step,
+    LR ``scheduler`` step, gradients zeroed in ``reducers``; returns the pre-clip grad norm (of
+    the unscaled gradients). A non-finite norm skips the step (gradients dropped, LR schedule
+    held; the fp16 loss scale backs off) and appends ``iteration + 1`` to ``nonfinite`` (cleared
+    in place by a finite step); raises NonFiniteError after ``exit_on_nonfinite`` in a row."""
+    nonfinite = [] if nonfinite is None else nonfinite
+    norm = clip_and_norm(optimizer, groups.params, clip_grad, mesh, groups.norm_params,
+                         groups.expert_norm_params,
                          1.0 / scaler.scale if scaler is not None else 1.0)
     finite = math.isfinite(norm)
     if scaler is not None:
         scaler.update(not finite)
     if not finite:  # the same on every rank: never train on NaN/inf
-        trainer.nonfinite.append(trainer.iteration + 1)
-        for r in trainer.reducers:
+        nonfinite.append(iteration + 1)
+        for r in reducers:
             r.zero_grad()
-        limit = trainer.cfg.training.exit_on_nonfinite
-        if limit and len(trainer.nonfinite) >= limit:
-            raise NonFiniteError(f"--exit-on-nonfinite {limit}: non-finite gradient norm in "
-                                 f"iterations {trainer.nonfinite}; stopping")
+        if exit_on_nonfinite and len(nonfinite) >= exit_on_nonfinite:
+            raise NonFiniteError(f"--exit-on-nonfinite {exit_on_nonfinite}: non-finite gradient "
+                                 f"norm in iterations {nonfinite}; stopping")
         return norm
-    trainer.nonfinite = []
-    trainer.optimizer.step()
-    trainer.scheduler.step()
-    for r in trainer.reducers:
+    nonfinite.clear()
+    optimizer.step()
+    scheduler.step()
+    for r in reducers:
         r.zero_grad()
     return norm
 
@@ -69,5 +90,5 @@ def optimizer_step(trainer) -> float:
 def finish_param_gather(optimizer) -> None:
     """Wait for the distributed optimizer's pending parameter all-gathers (before reading or
     saving the parameters); a no-op otherwise."""
-    if isinstance(optimizer, MainParamOptimizer):
+    if isinstance(optimizer, DistributedOptimizer):
         optimizer.finish_param_gather()

@@ -1,10 +1,12 @@
 """The training loop: data -> forward/backward schedule -> DP gradient reduction -> clipping ->
 AdamW -> LR schedule -> metrics -> evaluation -> checkpoint.
 
-:class:`Trainer` takes a validated :class:`~loom.config.LoomConfig`. Without an explicit mesh it
-initializes ``torch.distributed`` from torchrun's environment and builds the
-:class:`~loom.parallel.mesh.ParallelMesh`; tests inject ``ParallelMesh.single()`` to get the
-single-process reference of the very same code.
+:class:`Trainer` takes a validated :class:`~loom.config.LoomConfig` and runs the loop over the
+parts :func:`loom.training.builder.build_training` assembles (mesh, model, gradient buffers,
+optimizer, schedules, data, checkpointer, fault handling, throughput); its attributes
+(``model_chunks``, ``optimizer``, ``reducers``, ``train_ds``, ...) are those parts. Without an
+explicit mesh it initializes ``torch.distributed`` from torchrun's environment; tests inject
+``ParallelMesh.single()`` to get the single-process reference of the very same code.
 """
 
 from __future__ import annotations
@@ -15,136 +17,92 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common
-from loom.checkpoint.model_match import check_same_model
-from loom.checkpoint.saver import Saver
 from loom.config import LoomConfig
-from loom.data.for_model import build_for_model
 from loom.errors import NonFiniteError
-from loom.data.sampler import get_batch, microbatch_indices
-from loom.models import get_family
 from loom.models.family import ModelFamily
-from loom.parallel.context import local_positions, slice_for_cp
-from loom.parallel.mesh import ParallelMesh, init_distributed
-from loom.parallel.parallelize import build_model_chunks
-from loom.parallel.pipeline.schedules import ScheduleResult, forward_only, get_schedule
-from loom.parallel.pipeline.timeline import Timeline, merge
-from loom.parallel.random import RNGTracker, seed_everything
-from loom.parallel.registry import ParamRegistry, named_parameters
-from loom.planner.flops import model_flops_per_iteration
-from loom.training.fault import FaultTolerance
-from loom.training.metrics import (MetricsLogger, average_window, peak_flops_per_rank,
-                                  peak_memory_bytes)
-from loom.training.optimizer import build_optimizer, build_scheduler, lr_at
-from loom.training.precision import (cast_parameters, loss_scaler, param_dtype,
-                                     precision_forward_step)
-from loom.training.resume import reconcile_schedule
-from loom.training.setup import (checkpoint_interval, chunk_reducer, held_numel, logged_metrics,
-                                 owned_parameters, predict_step_time)
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.pipeline.schedules import ScheduleResult, forward_only
+from loom.parallel.pipeline.timeline import merge
+from loom.training.builder import TrainingParts, build_training
+from loom.training.metrics import MetricsLogger
+from loom.training.setup import held_numel, owned_parameters
 from loom.training.step import finish_gradients, finish_param_gather, optimizer_step
 
 
+def _part(path: str, doc: str) -> property:
+    """A read-only attribute of the trainer that is the part at ``path`` (dotted) of
+    ``self.parts``."""
+    names = path.split(".")
+
+    def get(self):
+        obj = self.parts
+        for n in names:
+            obj = getattr(obj, n)
+        return obj
+    return property(get, doc=doc)
+
+
 class Trainer:
-    """One rank's training: model chunks of ``family`` (default GPT/LLaMA) under ``cfg``'s
-    layout. ``mesh`` None initializes ``torch.distributed`` from torchrun's environment."""
+    """One rank's training loop over the parts :func:`~loom.training.builder.build_training`
+    assembles: model chunks of ``family`` (default ``--model-type``'s) under ``cfg``'s layout.
+    ``mesh`` None initializes ``torch.distributed`` from torchrun's environment. ``parts``
+    (already built) replaces the build. With ``--load`` the latest checkpoint is loaded."""
+
+    mesh = _part("mesh", "the ParallelMesh")
+    world_size = _part("world_size", "ranks in the job")
+    global_rank = _part("global_rank", "this rank in the job")
+    family = _part("model.family", "the ModelFamily")
+    tracker = _part("model.tracker", "the RNG tracker (model-parallel streams)")
+    model_chunks = _part("model.chunks", "this rank's model chunks")
+    registry = _part("model.registry", "name -> ParamMeta of every chunk's parameters")
+    scaler = _part("model.scaler", "the fp16 loss scaler, or None")
+    forward_step = _part("model.forward_step", "the family's forward step in this precision")
+    params = _part("model.groups.params", "this rank's trainable parameters")
+    norm_params = _part("model.groups.norm_params", "dense parameters in the global norm")
+    expert_norm_params = _part("model.groups.expert_norm_params", "expert ones in the norm")
+    sp_params = _part("model.groups.sp_params", "parameters whose gradients sum over TP")
+    reducers = _part("reducers", "one gradient buffer per chunk")
+    optimizer = _part("optimizer", "AdamW or the distributed optimizer")
+    scheduler = _part("scheduler", "the LR schedule")
+    schedule = _part("schedule", "the pipeline schedule")
+    timeline = _part("timeline", "the --timeline recorder")
+    train_ds = _part("data.train_ds", "the training set")
+    valid_ds = _part("data.valid_ds", "the validation set, or None")
+    test_ds = _part("data.test_ds", "the test set, or None")
+    global_batch = _part("data.global_batch", "samples per iteration (B)")
+    num_microbatches = _part("data.num_microbatches", "micro-batches per DP rank (m)")
+    faults = _part("faults", "progress marks, watchdog, injected faults")
+    save_interval = _part("save_interval", "the (possibly MTBF-derived) save interval")
+    saver = _part("checkpointer.saver", "the checkpoint Saver (sync or --async-save)")
+    flops_per_iter = _part("throughput.flops_per_iter", "model FLOPs per iteration")
+    peak_flops = _part("throughput.peak_flops", "peak FLOP/s per rank, or None")
+    predicted_step_s = _part("throughput.predicted_step_s", "the planner's step time, or None")
 
     def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
-                 family: Optional[ModelFamily] = None):
+                 family: Optional[ModelFamily] = None, parts: Optional[TrainingParts] = None):
         self.cfg = cfg
-        if mesh is None:
-            dev = cfg.parallel.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            backend = cfg.parallel.distributed_backend  # Megatron's nccl; CPU can only use gloo
-            device = init_distributed(dev, "gloo" if dev == "cpu" else backend,
-                                      cfg.fault_tolerance.distributed_timeout_minutes)
-            p = cfg.parallel
-            mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
-                                      pp=p.pipeline_model_parallel_size,
-                                      cp=p.context_parallel_size, device=device,
-                                      ep=p.expert_model_parallel_size,
-                                      etp=p.expert_tensor_parallel_size)
-        self.mesh = mesh
-        self.family = family or get_family(cfg.model.model_type)
-        self.world_size = math.prod(mesh.sizes.values())
-        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
-        t = cfg.training
-        self.global_batch = cfg.training.global_batch_size or t.micro_batch_size * mesh.dp_size
-        self.num_microbatches = self.global_batch // (t.micro_batch_size * mesh.dp_size)
-        self.tracker = RNGTracker(mesh.device)
-        seed_everything(t.seed, mesh.pp_rank, mesh.tp_rank, self.tracker)
-        self.model_chunks = build_model_chunks(self.family, cfg, mesh, self.tracker)
-        self.registry = ParamRegistry.merged(c.registry for c in self.model_chunks)
-        self.scaler = loss_scaler(t)  # --fp16; 16-bit parameters: loom.training.precision
-        self.forward_step = precision_forward_step(
-            self.family.forward_step, cast_parameters(self.model_chunks, param_dtype(t)),
-            self.scaler)
-        self.reducers = [chunk_reducer(c, mesh, cfg) for c in self.model_chunks]
-        named = list(named_parameters(self.model_chunks))
-        self.params = [p for _, p, _ in named]
-        ep = mesh.ep_size > 1
-        self.norm_params = [p for _, p, m in named if m.counts_for_norm(mesh.tp_rank)
-                            and not (ep and m.expert_parallel)]
-        self.expert_norm_params = [p for _, p, m in named if ep and m.expert_parallel
-                                   and m.counts_for_norm(mesh.tp_rank)]
-        self.sp_params = [p for _, p, m in named if m.grad_summed_over_tp]
-        self.optimizer = build_optimizer(nn.ModuleList(self.model_chunks), t, mesh, self.reducers)
-        if t.overlap_param_gather:  # each bucket's all-gather waited for before its first use
-            for c, r in zip(self.model_chunks, self.reducers):
-                for g in getattr(r, "reducers", [r]):
-                    g.hook_param_gather(c)
-        self.scheduler = build_scheduler(self.optimizer, t)
-        par = cfg.parallel  # the schedule validate() resolved (virtual stages imply interleaved)
-        self.schedule = get_schedule(par.pipeline_schedule or (
-            "interleaved" if par.num_layers_per_virtual_pipeline_stage else "1f1b"), mesh.pp_size)
-        self.timeline = Timeline(self.global_rank, enabled=bool(cfg.logging.timeline))
+        self.parts = parts if parts is not None else build_training(cfg, mesh, family)
         self.last_stats = None  # PipelineStats of the latest schedule run
         self.last_metrics: dict = {}
         self.iteration = 0
         self.consumed_samples = 0
         self.nonfinite: list[int] = []  # consecutive iterations skipped for a NaN/inf norm
-        ft = cfg.fault_tolerance
-        self.faults = FaultTolerance(self.global_rank, ft.inject_fault, ft.hang_timeout_s)
-        self.save_interval = checkpoint_interval(cfg, self.world_size, self.params)
-        self.saver = Saver(cfg, cfg.checkpoint.async_save)  # sync, or --async-save
-        self.train_ds, self.valid_ds, self.test_ds = self._datasets()
-        self.flops_per_iter = model_flops_per_iteration(cfg.model, self.global_batch,
-                                                        cfg.model.seq_length)
-        self.peak_flops = peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops)
         self.history: list[dict] = []
-        self.predicted_step_s = predict_step_time(cfg, self.world_size, mesh.device)
+        self.evaluations: list[dict] = []  # {"kind": "valid" | "test", "valid_loss", ...}
         self.loaded_from: Optional[str] = None  # the checkpoint this run resumed from
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
     # -- data ------------------------------------------------------------------------------------
-    def _datasets(self):
-        return build_for_model(self.cfg)  # GPT windows or BERT samples: loom.data.for_model
-
     def batches(self, dataset, consumed: int) -> list[dict]:
-        """This DP rank's m micro-batches of the global batch starting at sample ``consumed``:
-        ``tokens``/``labels`` ``[b, s/c]`` and ``position_ids [s/c]`` (this CP rank's
-        load-balanced chunks, :mod:`loom.parallel.context`)."""
-        idx = microbatch_indices(consumed, self.cfg.training.micro_batch_size,
-                                 self.num_microbatches, self.mesh.dp_rank, self.mesh.dp_size)
-        dev, cp, cp_rank = self.mesh.device, self.mesh.sizes["cp"], self.mesh.coords["cp"]
-        s = self.cfg.model.seq_length
-        positions = (local_positions(s, cp_rank, cp) if cp > 1 else torch.arange(s)).to(dev)
-        out = []
-        for i in idx:
-            batch = {k: slice_for_cp(v, cp_rank, cp).to(dev, non_blocking=True)
-                     for k, v in get_batch(dataset, i).items()}
-            batch["position_ids"] = positions
-            batch["num_microbatches"] = self.num_microbatches
-            out.append(batch)
-        return out
+        """This DP rank's micro-batches of the global batch starting at sample ``consumed``
+        (:meth:`~loom.training.batches.BatchSource.batches`)."""
+        return self.parts.data.batches(dataset, consumed)
 
     def p2p_shape(self, batches: list[dict]) -> tuple[int, int, int]:
-        """``[s, b, h]`` exchanged between pipeline stages: this rank's ``s/c`` tokens, split by
-        t under sequence parallelism."""
-        b, s = batches[0]["tokens"].shape
-        sp = self.cfg.parallel.sequence_parallel and self.mesh.tp_size > 1
-        return (s // (self.mesh.tp_size if sp else 1), b, self.cfg.model.hidden_size)
+        """``[s, b, h]`` exchanged between pipeline stages."""
+        return self.parts.data.p2p_shape(batches)
 
     # -- one step ----------------------------------------------------------------------------------
     def forward_backward(self, batches: list[dict]) -> torch.Tensor:
@@ -153,14 +111,18 @@ class Trainer:
         result: ScheduleResult = self.schedule(
             self.model_chunks, batches, self.forward_step, self.mesh,
             p2p_shape=self.p2p_shape(batches), reducers=self.reducers, recorder=self.timeline)
-        finish_gradients(self)  # DP, then SP over TP and the tied embedding over its group
+        # DP, then SP over TP and the tied embedding over its group
+        finish_gradients(self.reducers, self.model_chunks, self.mesh, self.sp_params)
         self.last_stats, self.last_metrics = result.stats, result.metrics
         return result.loss
 
     def optimizer_step(self) -> float:
         """Unscale, clip, AdamW, LR schedule, non-finite guard
         (:func:`loom.training.step.optimizer_step`); returns the pre-clip grad norm."""
-        return optimizer_step(self)
+        t = self.cfg.training
+        return optimizer_step(self.optimizer, self.scheduler, self.reducers,
+                              self.parts.model.groups, self.mesh, t.clip_grad, self.scaler,
+                              self.nonfinite, self.iteration, t.exit_on_nonfinite)
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """Reduce a few host scalars over every rank in one collective (identity on 1 rank)."""
@@ -193,6 +155,8 @@ class Trainer:
             merge(path)
 
     def train_step(self) -> dict:
+        """One iteration: forward/backward of the next global batch, the optimizer step; returns
+        its record (loss averaged over DP x CP, lr, grad norm, throughput, memory)."""
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
         loss = self.forward_backward(self.batches(self.train_ds, self.consumed_samples))
@@ -204,22 +168,17 @@ class Trainer:
         # loss (and, pipelined, the bubble fraction) summed over ranks in one collective
         bubble = self.last_stats.bubble_fraction / self.world_size if self.mesh.pp_size > 1 else 0.0
         local = self._owned_loss(loss) if self.world_size > 1 else float(loss)
-        moe_keys = logged_metrics(self.cfg.model)  # MoE or BERT (mlm / sop) loss_fn metrics
+        throughput = self.parts.throughput
+        keys = throughput.logged  # MoE or the family's loss_fn metrics
         m = self.mesh
         owner = m.is_last_stage and m.tp_rank == 0  # mean over DP x CP, from the last stage
-        moe = [self.last_metrics.get(k, 0.0) / (m.dp_size * m.sizes["cp"]) if owner else 0.0
-               for k in moe_keys]
-        loss_avg, bubble_avg, *moe = self._all_reduce([local, bubble, *moe])
+        extra = [self.last_metrics.get(k, 0.0) / (m.dp_size * m.sizes["cp"]) if owner else 0.0
+                 for k in keys]
+        loss_avg, bubble_avg, *extra = self._all_reduce([local, bubble, *extra])
         self.iteration += 1
         self.consumed_samples += self.global_batch
-        tokens = self.global_batch * self.cfg.model.seq_length
-        tflops = self.flops_per_iter / elapsed / self.world_size / 1e12
-        rec = {"iteration": self.iteration, "loss": loss_avg, "lr": lr,
-               "grad_norm": norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-               "tflops_per_rank": tflops,
-               "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
-               "peak_memory_bytes": peak_memory_bytes(self.mesh.device)}
-        rec.update({k.replace(" ", "_"): v for k, v in zip(moe_keys, moe)})
+        rec = throughput.record(self.iteration, loss_avg, lr, norm, elapsed, m.device)
+        rec.update({k.replace(" ", "_"): v for k, v in zip(keys, extra)})
         if self.scaler is not None:  # --fp16: the scale after this step's update
             rec["loss_scale"] = self.scaler.scale
         if self.predicted_step_s is not None:
@@ -255,43 +214,23 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self, save_dir: str, tokenizer_file: Optional[str] = None) -> str:
-        """Checkpoint to ``save_dir`` (:class:`~loom.checkpoint.saver.Saver`); its final path."""
+        """Checkpoint to ``save_dir`` (:class:`~loom.training.checkpointer.Checkpointer`); its
+        final path."""
         self.faults.mark(self.iteration, "checkpoint save")
         finish_param_gather(self.optimizer)
         hook = self.faults.save_hook(self.iteration)  # --inject-fault R:N:kill-in-save
-        return self.saver.save(self, save_dir, tokenizer_file, hook)
+        return self.parts.checkpointer.save(save_dir, self.iteration, self.consumed_samples,
+                                            tokenizer_file, hook)
 
     def load(self, load_dir: str) -> bool:
-        """Resume from ``load_dir`` (its latest checkpoint, or ``--ckpt-step``); False when it
-        holds none. ``--finetune``: weights only, from iteration 0; ``--no-load-optim``: no Adam
-        states and no LR-schedule state; ``--no-load-rng``: fresh generators. Raises ConfigError
-        when the checkpoint is of another architecture."""
-        ck = self.cfg.checkpoint
-        weights_only = ck.finetune or ck.no_load_optim  # Megatron: no optimizer, no scheduler
-        ckpt = latest_checkpoint(load_dir, ck.ckpt_step)
-        if ckpt is not None:
-            saved = read_common(ckpt)["config"]
-            check_same_model(saved, self.cfg.model, ckpt)
-            reconcile_schedule(saved, self.cfg, self.world_size, ckpt)
-        common = load_checkpoint(load_dir, self.model_chunks,
-                                 None if weights_only else self.optimizer,
-                                 None if weights_only else self.scheduler, self.mesh,
-                                 None if ck.finetune or ck.no_load_rng else self.tracker,
-                                 step=ck.ckpt_step)
-        if common is None:
+        """Resume from ``load_dir`` (:meth:`~loom.training.checkpointer.Checkpointer.load`);
+        False when it holds none."""
+        resumed = self.parts.checkpointer.load(load_dir)
+        if resumed is None:
             return False
-        self.loaded_from = ckpt
-        if weights_only and hasattr(self.optimizer, "copy_params_to_masters"):
-            self.optimizer.copy_params_to_masters()  # fp32 masters from the loaded weights
-        if not ck.finetune:  # --finetune: the weights only, from iteration 0
-            self.iteration = common["iteration"]
-            self.consumed_samples = common["consumed_samples"]
-        t = self.cfg.training  # the schedule continues from the restored step, with this run's lr
-        self.scheduler.base_lrs = [t.lr] * len(self.scheduler.base_lrs)
-        lrs = [lr_at(self.scheduler.last_epoch, t)] * len(self.optimizer.param_groups)
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        self.scheduler._last_lr = lrs
+        self.loaded_from = resumed.path
+        if resumed.iteration is not None:  # --finetune: the weights only, from iteration 0
+            self.iteration, self.consumed_samples = resumed.iteration, resumed.consumed_samples
         return True
 
     def _diverged(self, iteration: int) -> str:
@@ -330,7 +269,7 @@ class Trainer:
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
                   f"{self.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")
-        for name, ds in (("train", self.train_ds), ("valid", self.valid_ds), ("test", self.test_ds)):
+        for name, ds in self.parts.data.sets():
             if hasattr(ds, "describe"):  # a blend: each dataset's share
                 log.print(f" {name} data blend: {ds.describe()}")
         window: list[dict] = []
@@ -352,9 +291,7 @@ class Trainer:
                 window.append(rec)
                 log.advance()
                 if self.iteration % lg.log_interval == 0 or self.iteration == iters:
-                    log.log(average_window(window, self.global_batch * self.cfg.model.seq_length,
-                                           self.flops_per_iter / self.world_size,
-                                           self.peak_flops))
+                    log.log(self.parts.throughput.average(window))
                     window = []
                 periodic = bool(lg.eval_interval) and self.iteration % lg.eval_interval == 0
                 if periodic or self.iteration == iters:

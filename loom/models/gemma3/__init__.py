@@ -1,10 +1,12 @@
 """The Gemma 3 (text) family: plain model (:mod:`.model`), plan and initializers
 (:mod:`.parallelize`), forward step. Weights come from Hugging Face or a GGUF file through
-``loom checkpoint convert --from-hf`` (:mod:`loom.interop.hf_gemma3`)."""
+``loom checkpoint convert --from-hf`` (mapping in :mod:`.hf`)."""
 
-from loom.models.family import ModelFamily
+from loom.models.family import Generation, ModelFamily
 from loom.models.gemma3 import parallelize
+from loom.models.gemma3.hf import HF
 from loom.models.gemma3.model import Gemma3Model, forward_step  # noqa: F401
 
 FAMILY = ModelFamily(name="gemma3", build=Gemma3Model, plan=parallelize.plan,
-                     init=parallelize.init, forward_step=forward_step)
+                     init=parallelize.init, forward_step=forward_step,
+                     generation=Generation(bos_token="<bos>"), hf=HF)  # trained with <bos> first

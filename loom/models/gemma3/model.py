@@ -34,7 +34,7 @@ from torch import nn
 from loom.config import ModelConfig
 from loom.models.attention import KVCache, apply_rope, rope_cos_sin
 from loom.models.family import StageSpec
-from loom.models.gpt.model import Embedding, lm_loss
+from loom.models.gpt.model import Embedding, LMHead, lm_loss
 
 
 class GemmaRMSNorm(nn.Module):
@@ -163,28 +163,6 @@ class GemmaLayer(nn.Module):
         return x + self.hidden_dropout(self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))))
 
 
-class GemmaLMHead(nn.Module):
-    """Output GEMM, optional ``cap * tanh(logits / cap)``, cross-entropy over the true V:
-    per-token loss ``[b, s]`` (fp32) against ``labels [b, s]``, or logits ``[b, s, Vp]``."""
-
-    def __init__(self, vocab_size: int, softcap: Optional[float]):
-        super().__init__()
-        self.vocab_size, self.softcap = vocab_size, softcap
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        logits = F.linear(x, weight)  # [s, b, Vp]
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        if labels is None:
-            return logits.transpose(0, 1)
-        s, b, _ = logits.shape
-        V = self.vocab_size
-        loss = F.cross_entropy(logits[..., :V].float().reshape(-1, V), labels.t().reshape(-1),
-                               reduction="none")
-        return loss.view(s, b).t()
-
-
 class Gemma3Model(nn.Module):
     """The Gemma 3 language model, or one pipeline chunk of it (``stage``). The output layer is
     the word embedding (the last chunk keeps its own copy under pipeline parallelism, kept equal
@@ -204,7 +182,7 @@ class Gemma3Model(nn.Module):
         self.layers = nn.ModuleDict({str(i): GemmaLayer(cfg, i) for i in stage.layer_numbers})
         if self.post_process:
             self.final_norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-            self.head = GemmaLMHead(cfg.vocab_size, cfg.final_logit_softcapping)
+            self.head = LMHead(cfg.vocab_size, cfg.final_logit_softcapping)  # shared
 
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word_embeddings.weight

@@ -129,17 +129,21 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Output GEMM and loss: ``x [s, b, h]``, ``weight [Vp, h]``; returns the per-token
-    cross-entropy ``[b, s]`` (fp32) against ``labels [b, s]``, or the logits ``[b, s, Vp]``.
-    Padded vocabulary columns (``>= V``) are excluded from the softmax."""
+    """The LM head every family shares: output GEMM, optional soft-capping
+    ``cap * tanh(logits / cap)`` (Gemma 3's ``--final-logit-softcapping``), loss: ``x [s, b, h]``,
+    ``weight [Vp, h]``; returns the per-token cross-entropy ``[b, s]`` (fp32) against
+    ``labels [b, s]``, or the logits ``[b, s, Vp]``. Padded vocabulary columns (``>= V``) are
+    excluded from the softmax. No parameters (the weight is the caller's)."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, softcap: Optional[float] = None):
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.softcap = vocab_size, softcap
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         logits = F.linear(x, weight)  # [s, b, Vp]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         if labels is None:
             return logits.transpose(0, 1)
         s, b, _ = logits.shape

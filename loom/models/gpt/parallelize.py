@@ -16,6 +16,7 @@ from loom.config import ModelConfig
 from loom.models.family import StageSpec
 from loom.models.init import (by_pattern, normal_init, ones_init, scaled_normal_init,
                               vocab_padded_init, zeros_init)
+from loom.models.moe import run_experts
 from loom.parallel.expert import MoEParallel
 from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, PartitionedRNG,
                                 PipelineShared, PlanContext, RowwiseParallel,
@@ -34,7 +35,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
         ("layers.*.self_attention.core_attention", ContextParallelCore()),
         ("layers.*.mlp.linear_fc1", ColwiseParallel(segments=(f, f) if cfg.swiglu else None)),
         ("layers.*.mlp.linear_fc2", RowwiseParallel()),
-        ("layers.*.mlp", MoEParallel(swiglu=cfg.swiglu)),  # MoE layers only (EP, expert TP)
+        ("layers.*.mlp", MoEParallel(run_experts, swiglu=cfg.swiglu)),  # MoE layers: EP, expert TP
         ("output_layer", ColwiseParallel(vocab=True)),
         ("head", VocabParallelHead(cfg.vocab_size)),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)

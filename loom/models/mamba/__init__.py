@@ -1,10 +1,11 @@
 """The Mamba-2 / hybrid family (``--model-type mamba``): plain model (:mod:`.model`, scan in
 :mod:`.ssd`), plan and initializers (:mod:`.parallelize`); the forward step is GPT's."""
 
-from loom.models.family import ModelFamily
+from loom.models.family import Generation, ModelFamily
 from loom.models.gpt.model import forward_step
 from loom.models.mamba import parallelize
 from loom.models.mamba.model import MambaModel
 
 FAMILY = ModelFamily(name="mamba", build=MambaModel, plan=parallelize.plan,
-                     init=parallelize.init, forward_step=forward_step)
+                     init=parallelize.init, forward_step=forward_step, generation=Generation(),
+                     evaluation_tasks=("perplexity", "cloze"))

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from loom.models.family import ForwardStep
+from loom.parallel.interface import ForwardStep
 from loom.parallel.pipeline.timeline import Timeline
 
 Op = tuple  # ("F" | "B", chunk, micro_batch)
@@ -181,7 +181,7 @@ def run_ops(ops: Sequence[Op], model_chunks, batches, forward_step: ForwardStep,
 
     ``p2p_shape``: the activations exchanged between stages, ``[s, b, h]`` of this rank's
     tokens (``s/c`` under CP, ``s/(c t)`` under SP), in ``dtype``. ``reducers``: one
-    :class:`~loom.parallel.data.GradientReducer` per chunk (gradients are reduced on each
+    :class:`~loom.parallel.grad_buffer.GradBuffer` per chunk (gradients are reduced on each
     chunk's last backward only), or None.
     """
     rec = recorder or Timeline()

@@ -13,11 +13,13 @@ cuts each rank's shard.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Mapping
 
 import torch
 
 from loom.config import ModelConfig
+from loom.models.family import HFConversion
 
 
 def bert_config(hf_config, binary_head: bool = False) -> ModelConfig:
@@ -74,3 +76,13 @@ def bert_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         out["binary_head.weight"] = sd["cls.seq_relationship.weight"]
         out["binary_head.bias"] = sd["cls.seq_relationship.bias"]
     return out
+
+
+def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
+    """``(ModelConfig, full loom tensors)`` of ``BertForMaskedLM`` / ``BertForPreTraining``
+    (a pooler and NSP classifier in ``sd`` give the binary head) as post-LN loom BERT."""
+    cfg = bert_config(SimpleNamespace(**hf), binary_head="cls.seq_relationship.weight" in sd)
+    return cfg, bert_to_loom(sd, cfg)
+
+
+HF = HFConversion(model_types=("bert",), to_loom=to_loom, title="BERT")

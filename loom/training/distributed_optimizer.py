@@ -1,9 +1,13 @@
-"""The optimizer of 16-bit and of sharded training: fp32 master weights and AdamW states for the
-elements this rank owns (Megatron-LM's ``MixedPrecisionOptimizer`` / ``DistributedOptimizer``,
-``megatron/core/optimizer/distrib_optimizer.py``; Rajbhandari et al. 2020, ZeRO, sec. 5.1-5.2).
+"""loom's distributed optimizer, also the optimizer of 16-bit training: fp32 master weights and
+AdamW states for the elements this rank owns, and the parameter all-gather (Megatron-LM's
+``MixedPrecisionOptimizer`` / ``DistributedOptimizer``, ``megatron/core/optimizer/
+distrib_optimizer.py``; Rajbhandari et al. 2020, ZeRO, sec. 5.1-5.2). The gradients are not its
+own: they live in the :class:`~loom.parallel.grad_buffer.GradBuffer` of each chunk (Megatron's
+DDP gradient buffer), which the trainer builds in the mode :func:`buffer_mode` asks for
+(reduce-scatter into 1/d shards; ZeRO-2 keeps only the shards).
 
 Each trainable parameter ``p`` is owned, on this rank, over the flat range ``p.view(-1)[lo:hi]``
-that its :class:`~loom.parallel.data.GradientReducer` assigns (:meth:`shard_range`: the whole
+of its gradient buffer's reduce-scatter shard (:meth:`GradBuffer.shard_range`: the whole
 parameter without sharding, the part inside this rank's 1/d of the bucket with the distributed
 optimizer; possibly empty). For that range the optimizer keeps a 1-D fp32 *master* tensor: a
 copy for 16-bit parameters (4 bytes/element), a view of the parameter itself for fp32 ones (as
@@ -12,11 +16,12 @@ groups: weight decay on matrices, none on biases and 1-D parameters (decided per
 range that spans several parameters is never decayed wrongly). The masters' gradients are the
 reducer's reduced fp32 main-gradient ranges (:meth:`shard_grad`, views: no copy).
 
-After the step the masters are copied into the (16-bit) parameters and, sharded, each bucket's
-parameter buffer is all-gathered (:meth:`GradientReducer.start_param_gather`); with
+Sharded, the parameters move into flat per-bucket buffers of their gradient buckets' layout
+(:class:`ParamGather`). After the step the masters are copied into the (16-bit) parameters and
+each bucket's parameter buffer is all-gathered (:meth:`ParamGather.start`); with
 ``--overlap-param-gather`` the all-gathers run asynchronously and each bucket is waited for by a
 forward pre-hook of the first module that uses it in the next forward
-(:meth:`GradientReducer.hook_param_gather`), or by :meth:`finish_param_gather`.
+(:meth:`DistributedOptimizer.hook_param_gather`), or by :meth:`finish_param_gather`.
 
 Memory per parameter in bf16 (fp32 main gradients): 2 (weights) + 4 (main grads) + 12/d (fp32
 master, exp_avg, exp_avg_sq) = 6 + 12/d; ZeRO-2 keeps 4/d of the gradients: 2 + 16/d.
@@ -26,11 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable, Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.parallel.data import GradientReducer, _all_gather
+from loom.parallel.grad_buffer import GradBuffer, flat_buffers
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta
 
@@ -50,10 +57,73 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     return torch.stack(norms).double().square().sum()
 
 
-def flat_reducers(reducers) -> list[GradientReducer]:
-    """The :class:`GradientReducer` objects of per-chunk reducers (a ``ReducerGroup`` holds
-    several: dense and expert parameters)."""
-    return [r for x in reducers for r in getattr(x, "reducers", [x])]
+def buffer_mode(training) -> dict:
+    """The gradient-buffer mode this optimizer needs under the training config ``training``:
+    ``reduce_scatter`` (``--use-distributed-optimizer``: each rank keeps 1/d of every bucket)
+    and ``shard_gradients`` (``--zero-stage 2``: only that 1/d is kept between micro-batches).
+    ZeRO-3 (FSDP2) uses no gradient buffer at all."""
+    return dict(reduce_scatter=bool(training.use_distributed_optimizer),
+                shard_gradients=training.zero_stage == 2)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` on an older torch), looked up at
+    call time (tests count the calls)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+class ParamGather:
+    """The parameters of a reduce-scattering :class:`GradBuffer` in flat per-bucket buffers of
+    the same (padded) layout, and their all-gather after each rank updated its 1/d: one
+    ``all_gather_single`` per bucket over the buffer's group. Construction moves every
+    parameter's storage into its bucket's buffer (``p.data`` becomes a view)."""
+
+    def __init__(self, grads: GradBuffer):
+        self.grads = grads
+        self.buffers: dict[int, torch.Tensor] = {}  # id(bucket) -> the parameters' storage
+        self.handles: dict[int, object] = {}  # id(bucket) -> pending all-gather
+        for b in grads.buckets:
+            buf = torch.zeros(b.buffer.numel(), dtype=b.params[0].dtype, device=b.buffer.device)
+            for p, o in zip(b.params, b.offsets):
+                buf[o:o + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = buf[o:o + p.numel()].view_as(p)
+            self.buffers[id(b)] = buf
+
+    def start(self, async_op: bool) -> None:
+        """All-gather every bucket's parameter buffer from the shards the ranks updated;
+        ``async_op``: return at once (``--overlap-param-gather``), :meth:`wait` or the forward
+        pre-hooks of :meth:`hook` wait."""
+        g = self.grads
+        if g.group is None:
+            return
+        for b in g.buckets:
+            buf = self.buffers[id(b)]
+            per = buf.numel() // g.size
+            mine = buf[g.rank * per:(g.rank + 1) * per].clone()
+            handle = _all_gather(buf, mine, g.group, async_op=async_op)
+            if async_op:
+                self.handles[id(b)] = handle
+
+    def wait(self, buckets: Optional[Iterable] = None) -> None:
+        """Wait for the pending all-gathers (of ``buckets``, default all)."""
+        for b in self.grads.buckets if buckets is None else buckets:
+            handle = self.handles.pop(id(b), None)
+            if handle is not None:
+                handle.wait()
+
+    def hook(self, model: nn.Module) -> None:
+        """Forward pre-hooks on every module of ``model`` that holds parameters of this buffer:
+        before a module's forward, the all-gathers of its parameters' buckets are waited for
+        (so the next forward overlaps the gathers of later buckets)."""
+        if self.grads.group is None:
+            return
+        for module in model.modules():
+            mine = {id(b): b for p in module.parameters(recurse=False)
+                    if (b := self.grads.bucket_of(p)) is not None}
+            if mine:
+                module.register_forward_pre_hook(
+                    lambda mod, args, bs=list(mine.values()): self.wait(bs))
 
 
 @dataclass(eq=False)
@@ -61,7 +131,7 @@ class _Range:
     name: str
     param: nn.Parameter
     meta: ParamMeta
-    reducer: GradientReducer
+    reducer: GradBuffer
     lo: int
     hi: int
     master: torch.Tensor  # 1-D fp32, hi - lo elements
@@ -69,11 +139,12 @@ class _Range:
     expert: bool  # reduced (and sharded) over the expert-data-parallel group
 
 
-class MainParamOptimizer:
+class DistributedOptimizer:
     """AdamW on fp32 master ranges of 16-bit and/or DP-sharded parameters (see the module).
 
     Args: ``named`` (``(name, parameter, ParamMeta)`` of this rank's chunks), ``reducers`` (the
-    chunks' reducers, which own the main gradients and the shard ranges), ``groups_kw``
+    chunks' gradient buffers, which own the main gradients and the shard ranges; built in
+    :func:`buffer_mode`'s mode), ``groups_kw``
     (AdamW keyword arguments: lr, betas, eps, fused), ``weight_decay``, ``mesh`` (norm groups),
     ``sharded`` (the distributed optimizer: the norm is summed over the DP x CP shards),
     ``overlap_param_gather``. ``optim`` is the inner ``torch.optim.AdamW`` (LR scheduler,
@@ -82,7 +153,8 @@ class MainParamOptimizer:
     def __init__(self, named, reducers, groups_kw: dict, weight_decay: float, mesh: ParallelMesh,
                  sharded: bool, overlap_param_gather: bool = False):
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
-        self.reducers = flat_reducers(reducers)
+        self.reducers = flat_buffers(reducers)
+        self.gathers = [ParamGather(r) for r in self.reducers if r.reduce_scatter]
         reducer_of = {id(p): r for r in self.reducers for p in r.params}
         ep = mesh.ep_size > 1
         self.ranges: list[_Range] = []
@@ -162,8 +234,8 @@ class MainParamOptimizer:
         self.optim.step()
         self.steps += 1
         self.copy_masters_to_params()
-        for r in self.reducers:
-            r.start_param_gather(async_op=self.overlap_param_gather)
+        for g in self.gathers:
+            g.start(async_op=self.overlap_param_gather)
         for rg in self.ranges:
             rg.master.grad = None
 
@@ -186,8 +258,15 @@ class MainParamOptimizer:
 
     def finish_param_gather(self) -> None:
         """Wait for every pending parameter all-gather (before reading the parameters)."""
-        for r in self.reducers:
-            r.wait_param_gather()
+        for g in self.gathers:
+            g.wait()
+
+    def hook_param_gather(self, chunks: Iterable[nn.Module]) -> None:
+        """``--overlap-param-gather``: each bucket's all-gather is waited for by a forward
+        pre-hook of the first module of ``chunks`` that uses it (:meth:`ParamGather.hook`)."""
+        for chunk in chunks:
+            for g in self.gathers:
+                g.hook(chunk)
 
     # -- checkpoints: states by parameter name at TP-local full shape -----------------------------
     def _full(self, values: dict) -> dict:
@@ -197,15 +276,15 @@ class MainParamOptimizer:
         by_param = {id(rg.param): rg for rg in self.ranges}
         for r in self.reducers:
             for b in r.buckets:
-                per = b.buffer.numel() // r.size if r.shard else b.buffer.numel()
-                base = r.rank * per if r.shard else 0
+                per = b.buffer.numel() // r.size if r.reduce_scatter else b.buffer.numel()
+                base = r.rank * per if r.reduce_scatter else 0
                 local = torch.zeros(per, dtype=torch.float32, device=b.buffer.device)
                 for p, o in zip(b.params, b.offsets):
                     rg = by_param[id(p)]
                     if rg.hi > rg.lo:
                         local[o + rg.lo - base:o + rg.hi - base] = values[id(rg)]
                 full = local
-                if r.shard and r.group is not None:
+                if r.reduce_scatter and r.group is not None:
                     full = torch.empty(per * r.size, dtype=torch.float32, device=local.device)
                     _all_gather(full, local, r.group, async_op=False)
                 for p, o in zip(b.params, b.offsets):
@@ -251,11 +330,7 @@ class MainParamOptimizer:
         self.copy_masters_to_params()
 
 
-def is_main_param_optimizer(optimizer) -> bool:
-    return isinstance(optimizer, MainParamOptimizer)
-
-
-def param_bytes(optimizer: MainParamOptimizer) -> dict:
+def param_bytes(optimizer: DistributedOptimizer) -> dict:
     """Bytes held on this rank by kind: ``params`` (the model's parameters), ``main_grads``
     (gradient buffers and ZeRO-2 shards), ``master`` (fp32 master copies; 0 for fp32
     parameters, whose masters are views), ``optimizer`` (Adam's exp_avg and exp_avg_sq)."""

@@ -1,35 +1,42 @@
-"""Data parallelism: gradients averaged over the data(-x-context)-parallel group in buckets.
+"""The gradient buffer of data parallelism: gradients averaged over the data(-x-context)-parallel
+group in buckets (Megatron-Core's ``DistributedDataParallel`` / ``ParamAndGradBuffer``,
+``megatron/core/distributed/param_and_grad_buffer.py``; the gradient half only: the parameters'
+shards, fp32 masters, Adam states and the parameter all-gather are the distributed optimizer's,
+:mod:`loom.training.distributed_optimizer`).
 
-Each parameter owns a slice of a flat per-bucket buffer (Megatron-LM's contiguous grad buffer,
-``megatron/core/distributed/param_and_grad_buffer.py``). Buckets are filled in the reverse order
+Each parameter owns a slice of a flat per-bucket buffer. Buckets are filled in the reverse order
 of parameter registration (roughly the order backward produces gradients); when backward has
 accumulated the last gradient of a bucket (``register_post_accumulate_grad_hook``), the bucket is
-divided by the group size and its all-reduce is launched asynchronously, so communication
-overlaps the rest of backward. :meth:`GradientReducer.finish_grad_sync` waits for all of them
-before the optimizer step. During gradient accumulation, :meth:`no_sync` suppresses the
-reduction until the last micro-batch (as ``torch.nn.parallel.DistributedDataParallel``).
+divided by the group size and its reduction is launched asynchronously, so communication
+overlaps the rest of backward. :meth:`GradBuffer.finish_grad_sync` waits for all of them
+before the optimizer step. During gradient accumulation, :meth:`GradBuffer.no_sync` suppresses
+the reduction until the last micro-batch (as ``torch.nn.parallel.DistributedDataParallel``).
 ``overlap=False`` (the trainer's default, Megatron's ``--overlap-grad-reduce`` off) launches no
-reduction during backward: :meth:`finish_grad_sync` reduces the buckets one after the other.
+reduction during backward: :meth:`GradBuffer.finish_grad_sync` reduces the buckets one after the
+other.
+
+The per-bucket reduction is an all-reduce, or, when the optimizer is sharded
+(``reduce_scatter=True``, which the distributed optimizer asks for: ZeRO stage 1, Rajbhandari et
+al. 2020 sec. 5.1), a reduce-scatter (``reduce_scatter_single``) of the bucket padded to a
+multiple of d, after which rank r holds the reduced r-th 1/d of every bucket
+(:meth:`GradBuffer.shard_range`). ``shard_gradients=True`` (ZeRO stage 2, sec. 5.2) reduce-scatters
+after every micro-batch's backward into a persistent 1/d shard and frees the full bucket buffer
+(its storage shrinks to 0 bytes until the next backward). ZeRO-3 is not this class: FSDP2 shards
+parameters and gradients itself (:mod:`loom.parallel.fsdp`).
 
 Main gradients (Megatron-LM's ``main_grad``; Micikevicius et al. 2018, "Mixed precision
-training"): with 16-bit parameters, or with ``shard=True``, the buffers are the fp32 main
+training"): with 16-bit parameters, or with ``reduce_scatter=True``, the buffers are the fp32 main
 gradients and parameters never keep a ``.grad``: each hook adds autograd's (16-bit) gradient
-into the parameter's buffer slice and frees it; read them with :meth:`GradientReducer.main_grad`
-/ :meth:`GradientReducer.shard_grad`. ``shard=True`` (the distributed optimizer, ZeRO stage 1,
-Rajbhandari et al. 2020 sec. 5.1) pads each bucket to a multiple of d, reduce-scatters it
-(``reduce_scatter_single``) so rank r holds the reduced r-th 1/d of every bucket, and keeps the
-parameters in per-bucket flat buffers of the same layout, which :meth:`start_param_gather`
-all-gathers after the optimizer updated this rank's shard. ``keep_sharded=True`` (ZeRO stage 2,
-sec. 5.2) reduce-scatters after every micro-batch's backward into a persistent 1/d shard and
-frees the full bucket buffer (its storage shrinks to 0 bytes until the next backward).
+into the parameter's buffer slice and frees it; read them with :meth:`GradBuffer.main_grad` /
+:meth:`GradBuffer.shard_grad`.
 
-No per-step zeroing and no add on the first micro-batch: :meth:`GradientReducer.zero_grad` only
+No per-step zeroing and no add on the first micro-batch: :meth:`GradBuffer.zero_grad` only
 sets ``.grad = None``; the first gradient of a step is produced by autograd as a fresh tensor
 (``AccumulateGrad`` moves it into ``.grad``) and the hook copies it into the parameter's buffer
 slice and makes ``.grad`` that slice (one copy instead of a zeroing pass plus an add); later
 micro-batches accumulate in place. Without a group (one DP rank) there are no buffers at all:
 ``.grad`` is autograd's own tensor. Parameters that received no gradient get zeros in
-:meth:`finish_grad_sync`, so every parameter has a gradient for the optimizer, as before.
+:meth:`GradBuffer.finish_grad_sync`, so every parameter has a gradient for the optimizer.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ def default_bucket_size(num_elements: int, dp_size: int) -> int:
 
 
 @dataclass(eq=False)  # identity: buckets hold tensors
-class _Bucket:
+class Bucket:
     params: list
     buffer: torch.Tensor  # gradients (fp32 main grads), padded to a multiple of d when sharded
     views: list
@@ -68,24 +75,23 @@ class _Bucket:
     pending: int = 0
     handle: Optional[object] = None
     launched: bool = False
-    param_buffer: Optional[torch.Tensor] = None  # sharded: the parameters' storage
-    param_handle: Optional[object] = None
     shard: Optional[torch.Tensor] = None  # ZeRO-2: this rank's reduced 1/d, kept
     has_shard: bool = False  # ZeRO-2: the shard holds this step's gradients
     dirty: bool = False  # main grads: the buffer holds gradients not reduced yet
 
 
-class GradientReducer:
+class GradBuffer:
     """Bucketed gradient reduction (all-reduce, or reduce-scatter) for ``params`` over ``group``.
 
     Args: ``params`` (trainable parameters), ``group`` (``mesh.groups["dp_cp"]``; None = one rank,
     nothing to reduce), ``bucket_size`` (elements per bucket, ``--ddp-bucket-size``; None or
     0 = :func:`default_bucket_size`), ``grad_dtype`` (the buffers' dtype, fp32), ``overlap``
     (launch a bucket's reduction in backward when its last gradient arrives,
-    ``--overlap-grad-reduce``), ``shard`` (reduce-scatter into 1/d shards, parameters in flat
-    bucket buffers: the distributed optimizer), ``keep_sharded`` (ZeRO-2), ``own_bucket``
-    (parameters that get a bucket of their own: the pipeline-shared embedding, so its shard
-    ranges agree on the first and last stage), ``scale`` (multiplies the average: 1/e for
+    ``--overlap-grad-reduce``), ``reduce_scatter`` (buckets padded to a multiple of d and
+    reduce-scattered into 1/d shards: asked for by the distributed optimizer, whose parameter
+    buffers take the same layout), ``shard_gradients`` (ZeRO-2: keep only the shard),
+    ``own_bucket`` (parameters that get a bucket of their own: the pipeline-shared embedding,
+    so its shard ranges agree on the first and last stage), ``scale`` (multiplies the average: 1/e for
     expert gradients reduced over the expert-data-parallel group).
     Call :meth:`zero_grad` instead of the optimizer's ``zero_grad``. Parameters whose dtype
     differs from ``grad_dtype`` (16-bit) always use main gradients.
@@ -93,18 +99,19 @@ class GradientReducer:
 
     def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup],
                  bucket_size: Optional[int] = None, grad_dtype: torch.dtype = torch.float32, *,
-                 overlap: bool = True, shard: bool = False, keep_sharded: bool = False,
-                 own_bucket: Iterable[nn.Parameter] = (), scale: float = 1.0):
+                 overlap: bool = True, reduce_scatter: bool = False,
+                 shard_gradients: bool = False, own_bucket: Iterable[nn.Parameter] = (),
+                 scale: float = 1.0):
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.params = [p for p in params if p.requires_grad]
-        self.overlap, self.shard, self.scale = overlap, shard, scale
-        self.keep_sharded = keep_sharded and shard and self.size > 1
-        self.main_grads = shard or any(p.dtype != grad_dtype for p in self.params)
+        self.overlap, self.reduce_scatter, self.scale = overlap, reduce_scatter, scale
+        self.shard_gradients = shard_gradients and reduce_scatter and self.size > 1
+        self.main_grads = reduce_scatter or any(p.dtype != grad_dtype for p in self.params)
         self.sync_enabled = True
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
         self._index_of: dict[int, int] = {}
         if group is not None or self.main_grads:
             self.bucket_size = bucket_size or default_bucket_size(
@@ -128,21 +135,16 @@ class GradientReducer:
 
     def _add_bucket(self, params: list, dtype: torch.dtype) -> None:
         numel = sum(p.numel() for p in params)
-        padded = -(-numel // self.size) * self.size if self.shard else numel
+        padded = -(-numel // self.size) * self.size if self.reduce_scatter else numel
         buf = torch.zeros(padded, dtype=dtype, device=params[0].device)
         views, offsets, offset = [], [], 0
         for p in params:
             views.append(buf[offset:offset + p.numel()].view_as(p))
             offsets.append(offset)
             offset += p.numel()
-        b = _Bucket(params=params, buffer=buf, views=views, offsets=offsets, pending=len(params))
-        if self.shard:  # the parameters move into one flat buffer of the same layout
-            b.param_buffer = torch.zeros(padded, dtype=params[0].dtype, device=buf.device)
-            for p, o in zip(params, offsets):
-                b.param_buffer[o:o + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = b.param_buffer[o:o + p.numel()].view_as(p)
-            if self.keep_sharded:
-                b.shard = torch.zeros(padded // self.size, dtype=dtype, device=buf.device)
+        b = Bucket(params=params, buffer=buf, views=views, offsets=offsets, pending=len(params))
+        if self.shard_gradients:
+            b.shard = torch.zeros(padded // self.size, dtype=dtype, device=buf.device)
         self.buckets.append(b)
         for i, p in enumerate(params):
             self._bucket_of[id(p)] = b
@@ -151,13 +153,14 @@ class GradientReducer:
     # -- where a parameter's gradient lives ------------------------------------------------------
     def shard_range(self, p: torch.Tensor) -> tuple[int, int]:
         """``(lo, hi)``: the elements ``p.view(-1)[lo:hi]`` whose reduced gradient this rank
-        holds (and whose master weights and Adam states the distributed optimizer keeps here);
+        holds after the reduce-scatter, the r-th 1/d of ``p``'s bucket (the distributed
+        optimizer owns the same range: its fp32 master and Adam states);
         ``(0, numel)`` without sharding; ``lo == hi`` when this rank owns none of ``p``."""
-        if not self.shard or id(p) not in self._bucket_of:
+        if not self.reduce_scatter or id(p) not in self._bucket_of:
             return 0, p.numel()
         b = self._bucket_of[id(p)]
         o = b.offsets[self._index_of[id(p)]]
-        per = b.buffer.numel() // self.size if not self.keep_sharded else b.shard.numel()
+        per = b.buffer.numel() // self.size if not self.shard_gradients else b.shard.numel()
         lo = min(max(self.rank * per, o), o + p.numel()) - o
         hi = max(min((self.rank + 1) * per, o + p.numel()), o) - o
         return lo, max(lo, hi)
@@ -167,7 +170,7 @@ class GradientReducer:
         without buffers; None under ZeRO-2 (the full buffer is freed)."""
         if id(p) not in self._bucket_of:
             return p.grad
-        if self.keep_sharded:
+        if self.shard_gradients:
             return None
         b = self._bucket_of[id(p)]
         return b.views[self._index_of[id(p)]]
@@ -181,7 +184,7 @@ class GradientReducer:
             return p.grad.view(-1)
         b = self._bucket_of[id(p)]
         o = b.offsets[self._index_of[id(p)]]
-        if self.keep_sharded:
+        if self.shard_gradients:
             base = self.rank * b.shard.numel()
             return b.shard[o + lo - base:o + hi - base]
         return b.buffer[o + lo:o + hi]
@@ -200,7 +203,7 @@ class GradientReducer:
         b = self._bucket_of[id(p)]
         view = b.views[self._index_of[id(p)]]
         if self.main_grads:
-            if self.keep_sharded and b.buffer.untyped_storage().nbytes() == 0:
+            if self.shard_gradients and b.buffer.untyped_storage().nbytes() == 0:
                 b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
                 b.buffer.zero_()
             if p.grad is not None:
@@ -218,14 +221,14 @@ class GradientReducer:
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         self._adopt(p)
-        if not self.sync_enabled or not self.overlap or self.keep_sharded:
+        if not self.sync_enabled or not self.overlap or self.shard_gradients:
             return
         b = self._bucket_of[id(p)]
         b.pending -= 1
         if b.pending == 0:
             self._launch(b)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         b.launched = True
         if self.group is not None:
             b.buffer.div_(self.size)
@@ -233,12 +236,12 @@ class GradientReducer:
             b.buffer.mul_(self.scale)
         if self.group is None:
             return
-        if not self.shard:
+        if not self.reduce_scatter:
             b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
             return
         per = b.buffer.numel() // self.size
         b.handle = _reduce_scatter(b.buffer[self.rank * per:(self.rank + 1) * per], b.buffer,
-                                   self.group, async_op=not self.keep_sharded)
+                                   self.group, async_op=not self.shard_gradients)
 
     def _reduce_into_shards(self) -> None:
         """ZeRO-2: reduce-scatter every bucket now (bucket by bucket, the same calls on every
@@ -266,7 +269,7 @@ class GradientReducer:
             yield
         finally:
             self.sync_enabled = prev
-            if self.keep_sharded:
+            if self.shard_gradients:
                 self._reduce_into_shards()
 
     def finish_grad_sync(self) -> None:
@@ -280,7 +283,7 @@ class GradientReducer:
                 elif self.scale != 1.0:
                     p.grad.mul_(self.scale)
             return
-        if self.keep_sharded:
+        if self.shard_gradients:
             self._reduce_into_shards()
             return
         for b in self.buckets:
@@ -300,44 +303,13 @@ class GradientReducer:
             p.grad = None
         for b in self.buckets:
             b.pending, b.launched, b.handle = len(b.params), False, None
-            if self.main_grads and not self.keep_sharded:
+            if self.main_grads and not self.shard_gradients:
                 b.buffer.zero_()
             b.has_shard = False
 
-    # -- the distributed optimizer's parameter all-gather ----------------------------------------
-    def start_param_gather(self, async_op: bool) -> None:
-        """All-gather every bucket's parameter buffer from the shards the ranks updated
-        (``all_gather_single``); ``async_op``: return at once (``--overlap-param-gather``),
-        :meth:`wait_param_gather` or the forward pre-hooks of :meth:`hook_param_gather` wait."""
-        if not self.shard or self.group is None:
-            return
-        for b in self.buckets:
-            per = b.param_buffer.numel() // self.size
-            mine = b.param_buffer[self.rank * per:(self.rank + 1) * per].clone()
-            b.param_handle = _all_gather(b.param_buffer, mine, self.group, async_op=async_op)
-            if not async_op:
-                b.param_handle = None
-
-    def wait_param_gather(self, buckets: Optional[Iterable[_Bucket]] = None) -> None:
-        """Wait for the pending parameter all-gathers (of ``buckets``, default all)."""
-        for b in self.buckets if buckets is None else buckets:
-            if b.param_handle is not None:
-                b.param_handle.wait()
-                b.param_handle = None
-
-    def hook_param_gather(self, model: nn.Module) -> None:
-        """Forward pre-hooks on every module of ``model`` that holds parameters of this
-        reducer: before a module's forward, the all-gathers of its parameters' buckets are
-        waited for (so the next forward overlaps the gathers of later buckets)."""
-        if not self.shard or self.group is None:
-            return
-        for module in model.modules():
-            mine = {id(self._bucket_of[id(p)]): self._bucket_of[id(p)]
-                    for p in module.parameters(recurse=False) if id(p) in self._bucket_of}
-            if mine:
-                buckets = list(mine.values())
-                module.register_forward_pre_hook(
-                    lambda mod, args, bs=buckets: self.wait_param_gather(bs))
+    def bucket_of(self, p: torch.Tensor) -> Optional[Bucket]:
+        """The bucket holding ``p``'s gradient, or None (no buffers, or not in this buffer)."""
+        return self._bucket_of.get(id(p))
 
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
@@ -347,7 +319,8 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool)
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
-    """``dist.all_gather_single`` (``all_gather_into_tensor`` on an older torch)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+def flat_buffers(buffers) -> list[GradBuffer]:
+    """The :class:`GradBuffer` objects of per-chunk gradient reducers (a
+    :class:`~loom.parallel.expert.ReducerGroup` holds several: dense and expert parameters;
+    FSDP2's :class:`~loom.parallel.fsdp.FSDPGradients` is returned as it is)."""
+    return [r for x in buffers for r in getattr(x, "reducers", [x])]

@@ -13,6 +13,7 @@ import torch
 
 from loom.config import ModelConfig
 from loom.errors import ConfigError
+from loom.models.family import HFConversion
 
 GEMMA3_TYPES = ("gemma3_text", "gemma3")
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh", "gelu_fast")
@@ -158,3 +159,14 @@ def loom_to_gemma3(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         for hf_name, loom_name in _NORMS:
             out[h + hf_name + ".weight"] = full[l + loom_name + ".weight"]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
+    """``(ModelConfig, full loom tensors)`` of a Gemma 3 ``config.json`` dict and state dict;
+    raises ConfigError naming ``where`` for a variant loom does not express."""
+    cfg = gemma3_config(hf, where)
+    return cfg, gemma3_to_loom(sd, cfg)
+
+
+HF = HFConversion(model_types=GEMMA3_TYPES, to_loom=to_loom, export_config=hf_gemma3_config,
+                  from_loom=loom_to_gemma3, gguf_architectures=("gemma3",), title="Gemma 3")

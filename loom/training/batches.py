@@ -1,0 +1,66 @@
+"""The data part of training: the train / validation / test sets and this rank's micro-batches
+of a global batch (Megatron's ``get_batch`` over its pretraining sampler)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from loom.data.sampler import get_batch, microbatch_indices
+from loom.parallel.context import local_positions, slice_for_cp
+from loom.parallel.mesh import ParallelMesh
+
+
+class BatchSource:
+    """This rank's batches of ``datasets`` (train, valid, test; None for a set without data)
+    under ``mesh``: ``micro_batch_size`` b samples per micro-batch, ``global_batch`` B samples
+    per step (default b d), so ``num_microbatches`` m = B / (b d); ``seq_length`` s tokens per
+    sample, ``hidden_size`` h (the pipeline's activation shape). ``sequence_parallel``: the
+    activations between stages are split by t."""
+
+    def __init__(self, datasets: tuple[Any, Any, Any], mesh: ParallelMesh, micro_batch_size: int,
+                 global_batch: Optional[int], seq_length: int, hidden_size: int,
+                 sequence_parallel: bool = False):
+        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.mesh, self.micro_batch_size = mesh, micro_batch_size
+        self.global_batch = global_batch or micro_batch_size * mesh.dp_size
+        self.num_microbatches = self.global_batch // (micro_batch_size * mesh.dp_size)
+        self.seq_length, self.hidden_size = seq_length, hidden_size
+        self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
+
+    @classmethod
+    def from_config(cls, cfg, mesh: ParallelMesh, datasets: tuple[Any, Any, Any]) -> "BatchSource":
+        """Sizes from a LoomConfig's ``--micro-batch-size``, ``--global-batch-size``,
+        ``--seq-length``, ``--hidden-size`` and ``--sequence-parallel``."""
+        t, m = cfg.training, cfg.model
+        return cls(datasets, mesh, t.micro_batch_size, t.global_batch_size, m.seq_length,
+                   m.hidden_size, cfg.parallel.sequence_parallel)
+
+    def sets(self) -> tuple[tuple[str, Any], ...]:
+        """``(("train", ds), ("valid", ds), ("test", ds))``."""
+        return (("train", self.train_ds), ("valid", self.valid_ds), ("test", self.test_ds))
+
+    def batches(self, dataset, consumed: int) -> list[dict]:
+        """This DP rank's m micro-batches of the global batch starting at sample ``consumed``:
+        ``tokens``/``labels`` ``[b, s/c]`` and ``position_ids [s/c]`` (this CP rank's
+        load-balanced chunks, :mod:`loom.parallel.context`), on the mesh's device."""
+        idx = microbatch_indices(consumed, self.micro_batch_size, self.num_microbatches,
+                                 self.mesh.dp_rank, self.mesh.dp_size)
+        dev, cp, cp_rank = self.mesh.device, self.mesh.sizes["cp"], self.mesh.coords["cp"]
+        s = self.seq_length
+        positions = (local_positions(s, cp_rank, cp) if cp > 1 else torch.arange(s)).to(dev)
+        out = []
+        for i in idx:
+            batch = {k: slice_for_cp(v, cp_rank, cp).to(dev, non_blocking=True)
+                     for k, v in get_batch(dataset, i).items()}
+            batch["position_ids"] = positions
+            batch["num_microbatches"] = self.num_microbatches
+            out.append(batch)
+        return out
+
+    def p2p_shape(self, batches: list[dict]) -> tuple[int, int, int]:
+        """``[s, b, h]`` exchanged between pipeline stages: this rank's ``s/c`` tokens, split by
+        t under sequence parallelism."""
+        b, s = batches[0]["tokens"].shape
+        return (s // (self.mesh.tp_size if self.sequence_parallel else 1), b, self.hidden_size)

@@ -1,0 +1,155 @@
+"""A training run assembled from parts (Megatron-LM's ``setup_model_and_optimizer`` +
+``build_train_valid_test_data_iterators``; torchtitan's ``Trainer.__init__`` made of
+``build_*`` functions): each part is a small object with its own interface, built here in a
+fixed order (the RNG streams and parameter initialization depend on it), and
+:class:`~loom.training.trainer.Trainer` only runs the loop over them.
+
+=================  ==========================================================================
+part               object
+=================  ==========================================================================
+``mesh``           :class:`~loom.parallel.mesh.ParallelMesh` (:func:`build_mesh`)
+``model``          :class:`ModelParts`: chunks, registry, RNG tracker, precision forward step
+``reducers``       one gradient buffer per chunk (:func:`~loom.training.setup.chunk_reducer`)
+``optimizer``      AdamW or loom's distributed optimizer (:mod:`loom.training.optimizer`)
+``scheduler``      the LR schedule (``LambdaLR`` over :func:`~loom.training.optimizer.lr_at`)
+``schedule``       the pipeline schedule (:func:`~loom.parallel.pipeline.schedules.get_schedule`)
+``data``           :class:`~loom.training.batches.BatchSource` (datasets, micro-batches)
+``checkpointer``   :class:`~loom.training.checkpointer.Checkpointer` (saves, ``--load``)
+``faults``         :class:`~loom.training.fault.FaultTolerance` and the save interval
+``throughput``     :class:`~loom.training.metrics.Throughput` (FLOPs, peak, prediction)
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from loom.config import LoomConfig
+from loom.models import get_family
+from loom.models.family import ModelFamily
+from loom.parallel.mesh import ParallelMesh, init_distributed
+from loom.parallel.parallelize import build_model_chunks
+from loom.parallel.pipeline.schedules import get_schedule
+from loom.parallel.pipeline.timeline import Timeline
+from loom.parallel.random import RNGTracker, seed_everything
+from loom.parallel.registry import ParamRegistry, named_parameters
+from loom.planner.flops import model_flops_per_iteration
+from loom.training.batches import BatchSource
+from loom.training.checkpointer import Checkpointer
+from loom.training.fault import CheckpointInterval, FaultTolerance
+from loom.training.metrics import Throughput, peak_flops_per_rank
+from loom.training.optimizer import build_optimizer, build_scheduler
+from loom.training.precision import (cast_parameters, loss_scaler, param_dtype,
+                                     precision_forward_step)
+from loom.training.setup import (checkpoint_interval, chunk_reducer, logged_metrics,
+                                 predict_step_time)
+from loom.training.step import ParamGroups
+
+
+def build_mesh(cfg: LoomConfig) -> ParallelMesh:
+    """Initialize ``torch.distributed`` from torchrun's environment (``--device``, gloo on CPU,
+    else ``--distributed-backend``) and build the mesh of ``cfg``'s TP / PP / CP / EP / ETP
+    sizes (DP is what remains)."""
+    p = cfg.parallel
+    dev = p.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = init_distributed(dev, "gloo" if dev == "cpu" else p.distributed_backend,
+                              cfg.fault_tolerance.distributed_timeout_minutes)
+    return ParallelMesh.build(tp=p.tensor_model_parallel_size,
+                              pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
+                              device=device, ep=p.expert_model_parallel_size,
+                              etp=p.expert_tensor_parallel_size)
+
+
+@dataclass
+class ModelParts:
+    """This rank's model: ``chunks`` (one per virtual pipeline stage) of ``family``, their merged
+    ``registry``, the RNG ``tracker``, the fp16 loss ``scaler`` (None otherwise), the
+    ``forward_step`` that casts to the parameters' precision, and the parameter ``groups``."""
+    family: ModelFamily
+    tracker: RNGTracker
+    chunks: list
+    registry: ParamRegistry
+    scaler: Any
+    forward_step: Callable
+    groups: ParamGroups
+
+
+def build_model(cfg: LoomConfig, mesh: ParallelMesh, family: ModelFamily) -> ModelParts:
+    """Seed the generators (``--seed``, per PP and TP rank), build and parallelize the chunks
+    (:func:`~loom.parallel.parallelize.build_model_chunks`), cast them to ``--bf16`` /
+    ``--fp16``, and sort the parameters by role (norm, expert norm, sequence-parallel)."""
+    t = cfg.training
+    tracker = RNGTracker(mesh.device)
+    seed_everything(t.seed, mesh.pp_rank, mesh.tp_rank, tracker)
+    chunks = build_model_chunks(family, cfg, mesh, tracker)
+    registry = ParamRegistry.merged(c.registry for c in chunks)
+    scaler = loss_scaler(t)  # --fp16; 16-bit parameters: loom.training.precision
+    forward_step = precision_forward_step(family.forward_step,
+                                          cast_parameters(chunks, param_dtype(t)), scaler)
+    named = list(named_parameters(chunks))
+    ep = mesh.ep_size > 1
+    groups = ParamGroups(
+        params=[p for _, p, _ in named],
+        norm_params=[p for _, p, m in named if m.counts_for_norm(mesh.tp_rank)
+                     and not (ep and m.expert_parallel)],
+        expert_norm_params=[p for _, p, m in named if ep and m.expert_parallel
+                            and m.counts_for_norm(mesh.tp_rank)],
+        sp_params=[p for _, p, m in named if m.grad_summed_over_tp])
+    return ModelParts(family, tracker, chunks, registry, scaler, forward_step, groups)
+
+
+@dataclass
+class TrainingParts:
+    """Everything one rank's training loop runs over (see the module)."""
+    cfg: LoomConfig
+    mesh: ParallelMesh
+    world_size: int
+    global_rank: int
+    model: ModelParts
+    reducers: list
+    optimizer: Any
+    scheduler: Any
+    schedule: Callable
+    timeline: Timeline
+    data: BatchSource
+    checkpointer: Checkpointer
+    faults: FaultTolerance
+    save_interval: CheckpointInterval
+    throughput: Throughput
+
+
+def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
+                   family: Optional[ModelFamily] = None) -> TrainingParts:
+    """The parts of ``cfg``'s training on this rank. ``mesh`` None initializes
+    ``torch.distributed`` (:func:`build_mesh`); ``family`` None is ``--model-type``'s."""
+    mesh = mesh if mesh is not None else build_mesh(cfg)
+    family = family or get_family(cfg.model.model_type)
+    world_size = math.prod(mesh.sizes.values())
+    global_rank = dist.get_rank() if dist.is_initialized() else 0
+    t, par = cfg.training, cfg.parallel
+    model = build_model(cfg, mesh, family)
+    reducers = [chunk_reducer(c, mesh, cfg) for c in model.chunks]
+    optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers)
+    scheduler = build_scheduler(optimizer, t)
+    schedule = get_schedule(par.pipeline_schedule or (  # validate() resolved it; virtual
+        "interleaved" if par.num_layers_per_virtual_pipeline_stage else "1f1b"), mesh.pp_size)
+    timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))
+    ft = cfg.fault_tolerance
+    faults = FaultTolerance(global_rank, ft.inject_fault, ft.hang_timeout_s)
+    save_interval = checkpoint_interval(cfg, world_size, model.groups.params)
+    checkpointer = Checkpointer(cfg, mesh, world_size, model.chunks, optimizer, scheduler,
+                                model.tracker, family)
+    data = BatchSource.from_config(cfg, mesh, family.datasets(cfg))
+    throughput = Throughput(
+        data.global_batch * cfg.model.seq_length,
+        model_flops_per_iteration(cfg.model, data.global_batch, cfg.model.seq_length),
+        world_size, peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops),
+        predict_step_time(cfg, world_size, mesh.device), logged_metrics(cfg.model, family))
+    return TrainingParts(cfg, mesh, world_size, global_rank, model, reducers, optimizer,
+                         scheduler, schedule, timeline, data, checkpointer, faults,
+                         save_interval, throughput)
