@@ -1,10 +1,11 @@
-# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`
+# (`make test-fast`: the single-process tier alone, tests/unit and tests/planner, ~1 minute).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +25,12 @@ demo: $(STAMP)
 # failure of its order (a random order is worth reading in full; tests/README.md).
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED)) tests
+
+# The fast tier: the tests marked `fast` (tests/unit, tests/planner: in-process, no spawned
+# ranks but the one torchrun run of `loom plan`'s printed command; markers set by folder in
+# tests/conftest.py), in random order too: about 1 minute on 2 cores.
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED)) -m fast tests
 
 clean:
 	rm -rf $(VENV) .cache runs

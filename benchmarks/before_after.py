@@ -11,7 +11,7 @@ step, a layout's the median over repeats. The "before" world imports loom from t
 ``vs_torch_native.run_loom`` / ``run_native``. All three must reach the same loss (first step
 rtol 1e-4). Prints one JSON line per layout, then a markdown table.
 
-    OMP_NUM_THREADS=1 python benchmarks/before_after.py [--layouts 1 dp2 ...] [--before REV]
+    OMP_NUM_THREADS=1 python -m benchmarks.before_after [--layouts 1 dp2 ...] [--before REV]
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks import vs_torch_native as b
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -32,11 +35,10 @@ ROOT = BENCH.parent
 # batches, global_loss) is the one run_loom uses; its config had no "None = rule" bucket size.
 BEFORE_RUNNER = r"""
 import json, sys, time
-sys.path.insert(1, {bench!r})
 import torch
 torch.set_num_threads(1)
-import vs_torch_native as b
-from loom.testing import run_distributed
+from benchmarks import vs_torch_native as b
+from testkit import run_distributed
 
 def run(layout, steps):
     import torch.distributed as dist
@@ -69,11 +71,10 @@ if __name__ == "__main__":
 # Runs in this checkout: loom now or native.
 NOW_RUNNER = r"""
 import json, sys
-sys.path.insert(0, {bench!r})
 import torch
 torch.set_num_threads(1)
-import vs_torch_native as b
-from loom.testing import run_distributed
+from benchmarks import vs_torch_native as b
+from testkit import run_distributed
 
 if __name__ == "__main__":
     layout = tuple(json.loads(sys.argv[1]))
@@ -86,9 +87,14 @@ if __name__ == "__main__":
 
 def _old_config_fix(tree: Path) -> None:
     """The before tree's ParallelConfig has no ``None`` bucket size (the rule came with issue
-    13) and no ``overlap_grad_reduce``: keep that version's defaults there."""
+    13) and no ``overlap_grad_reduce``: keep that version's defaults there. The tree also gets
+    this checkout's ``testkit`` (torch only, no loom) and a ``benchmarks`` package, so that the
+    runner imports both from ``PYTHONPATH`` as here."""
     bench = tree / "benchmarks" / "vs_torch_native.py"
     bench.parent.mkdir(exist_ok=True)
+    (bench.parent / "__init__.py").write_text("")
+    shutil.copytree(ROOT / "testkit", tree / "testkit", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     src = (BENCH / "vs_torch_native.py").read_text()
     src = src.replace("    p.ddp_bucket_size = None", "    pass  # before: its own bucket size")
     src = src.replace("    p.overlap_grad_reduce = True", "    pass  # before: no such flag")
@@ -106,17 +112,14 @@ def _run(script: Path, cwd: Path, pythonpath: Path, layout: tuple, steps: int, i
 
 
 def measure(name: str, tree: Path, repeats: int, warmup: int, steps: int) -> dict:
-    sys.path.insert(0, str(BENCH))
-    import vs_torch_native as b
     layout = b.LAYOUTS[name]
     scripts = {}
-    for impl, text, bench in (("before", BEFORE_RUNNER, tree / "benchmarks"),
-                              ("now", NOW_RUNNER, BENCH)):
+    for impl, text in (("before", BEFORE_RUNNER), ("now", NOW_RUNNER)):
         # a file (spawned ranks re-import it) beside no loom package: its directory leads
         # sys.path, so loom comes from PYTHONPATH
         scripts[impl] = tree.parent / "runners" / f"{impl}_runner.py"
         scripts[impl].parent.mkdir(exist_ok=True)
-        scripts[impl].write_text(text.format(bench=str(bench)))
+        scripts[impl].write_text(text.format())
     impls = {"before": (scripts["before"], tree, tree), "loom": (scripts["now"], ROOT, ROOT),
              "native": (scripts["now"], ROOT, ROOT)}
     runs = {k: [] for k in impls}
@@ -139,8 +142,6 @@ def measure(name: str, tree: Path, repeats: int, warmup: int, steps: int) -> dic
 
 
 def main() -> None:
-    sys.path.insert(0, str(BENCH))
-    import vs_torch_native as b
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", nargs="+", default=list(b.LAYOUTS), choices=list(b.LAYOUTS))
     ap.add_argument("--before", default="3fad154", help="git revision of the 'before' loom")

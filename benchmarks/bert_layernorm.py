@@ -10,7 +10,7 @@ end. Writes ``OUT/bert_layernorm.json`` (per-iteration masked-LM loss, SOP loss 
 norm of both runs, the configuration, the final validation losses) and
 ``OUT/bert_layernorm.png`` (the two masked-LM loss curves).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bert_layernorm.py [--layers 24]
+    OMP_NUM_THREADS=1 python -m benchmarks.bert_layernorm [--layers 24]
         [--hidden 128] [--seq 64] [--iters 200] [--lr 1e-3] [--warmup 20] [--out runs/bert_layernorm]
 """
 
@@ -70,7 +70,7 @@ def run(post: bool, args, train: str, valid: str) -> dict:
     t.adam_beta2, t.weight_decay, t.clip_grad, t.seed = 0.999, 0.01, 1.0, args.seed
     cfg.data.data_path, cfg.data.valid_data_path, cfg.data.split = train, valid, "100,0,0"
     cfg.logging.eval_iters = 4
-    cfg.validate(1)
+    cfg = cfg.validate(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     trainer = Trainer(cfg, mesh=ParallelMesh.single(device))
     recs, t0 = [], time.perf_counter()

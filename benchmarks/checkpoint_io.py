@@ -1,7 +1,7 @@
 """Checkpoint save / load time and size of the demo model (configs/demo.yaml: 6 x 256, TP=2 x
 DP=2 on 4 CPU ranks, mock data), synchronous vs ``--async-save``.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/checkpoint_io.py [--vocab-size 8192]
+    OMP_NUM_THREADS=1 python -m benchmarks.checkpoint_io [--vocab-size 8192]
 
 Prints, per mode: how long the step loop was blocked by the save call (slowest rank), the time
 until the checkpoint was complete (renamed, pointer moved), the checkpoint's size, and the time
@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 
-from loom.testing import run_distributed
+from testkit import run_distributed
 
 
 def _world(root: str, vocab: int, async_save: bool) -> dict:

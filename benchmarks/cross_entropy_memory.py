@@ -12,7 +12,7 @@ TP = 1, fp32, the reference work's micro-batch (s 256, b 8, h 256). Prints one J
 ``chunk_tokens`` = each N (and the default rule), alternated, median of ``--repeats``
 (``sweep_ms`` in the JSON line).
 
-    OMP_NUM_THREADS=1 python benchmarks/cross_entropy_memory.py [--vocab 8192 131072]
+    OMP_NUM_THREADS=1 python -m benchmarks.cross_entropy_memory [--vocab 8192 131072]
         [--chunk-sweep 128 256 512 1024]
 """
 

@@ -8,7 +8,7 @@ upper bound on what any gradient-reduction scheme can reach on this machine: its
 DDP says whether a DP ratio goal is reachable by changing loom's communication. Median of
 ``--repeats`` runs of the slowest rank's median step. Prints JSON lines.
 
-    OMP_NUM_THREADS=1 python benchmarks/dp_bound.py [--dp 2 4]
+    OMP_NUM_THREADS=1 python -m benchmarks.dp_bound [--dp 2 4]
 """
 
 from __future__ import annotations
@@ -16,14 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import vs_torch_native as bench  # noqa: E402
-from loom.testing import run_distributed  # noqa: E402
+from benchmarks import vs_torch_native as bench
+from testkit import run_distributed
 
 
 def run_alone(dp: int, steps: int) -> dict:

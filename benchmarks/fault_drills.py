@@ -1,14 +1,14 @@
 """Timelines of the kill and hang drills (issue 9): the commands of
-``tests/test_fault_tolerance.py`` under torchrun (2 ranks, TP=2, a tiny mock-data model), with
+``tests/drills/test_fault_tolerance.py`` under torchrun (2 ranks, TP=2, a tiny mock-data model), with
 the timestamped log lines that show failure -> detection -> restart -> first new iteration.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/fault_drills.py
+    OMP_NUM_THREADS=1 python -m benchmarks.fault_drills
 """
 import re
 import tempfile
 import time
 
-from loom.testing import torchrun_train
+from testkit import torchrun_train
 MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",

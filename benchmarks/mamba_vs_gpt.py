@@ -7,7 +7,7 @@ of one sequence (b = 1), 1 warm-up + ``REPEATS`` measured, median. Activation me
 the distinct non-parameter tensors autograd saves for backward (``saved_tensors_hooks``),
 divided by s (SDPA's own internal buffers and the math path's are what PyTorch saves on CPU).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/mamba_vs_gpt.py [256 1024 4096]
+    OMP_NUM_THREADS=1 python -m benchmarks.mamba_vs_gpt [256 1024 4096]
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ def configs(s: int) -> dict:
     mamba = ModelConfig.llama(model_type="mamba", num_layers=8, mamba_state_dim=64,
                               mamba_head_dim=64, mamba_num_groups=1, mamba_expand=2,
                               mamba_chunk_size=128, **common)
-    for m in (gpt, mamba):
+    out = {}
+    for name, m in (("gpt", gpt), ("mamba", mamba)):
         cfg = LoomConfig(model=m)
         cfg.training.micro_batch_size, cfg.training.lr, cfg.training.train_iters = 1, 3e-4, 1
-        cfg.validate(1)
-    return {"gpt": gpt, "mamba": mamba}
+        out[name] = cfg.validate(1).model  # the resolved model section
+    return out
 
 
 def measure(cfg: ModelConfig, s: int) -> dict:

@@ -10,7 +10,7 @@ Model: 4 layers, h 256, 8 heads (4 KV groups), 8 SwiGLU experts of width 512, to
 s 256, global batch 16. Each layout: 2 warm-up + 5 measured steps; a step's time is the slowest
 rank's (the trainer max-reduces it); the median is reported. Prints one JSON line per layout.
 
-    OMP_NUM_THREADS=1 python benchmarks/moe_throughput.py [--cluster FILE] [--no-predict]
+    OMP_NUM_THREADS=1 python -m benchmarks.moe_throughput [--cluster FILE] [--no-predict]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 
 from loom.config import LoomConfig, ModelConfig
-from loom.testing import run_distributed
+from testkit import run_distributed
 
 WARMUP, MEASURED = 2, 5
 

@@ -84,9 +84,10 @@ class NativeGPT(nn.Module):
 
 LOOM_NAMES = {"tok_emb.weight": "embedding.word_embeddings.weight",
               "pos_emb.weight": "embedding.position_embeddings.weight",
-              "final_norm.weight": "final_norm.weight", "final_norm.bias": "final_norm.bias",
+              "final_norm.weight": "final_layernorm.weight",
+              "final_norm.bias": "final_layernorm.bias",
               "output.weight": "output_layer.weight"}
-LAYER_NAMES = {"ln1": "input_norm", "ln2": "pre_mlp_norm", "attn.wo": "self_attention.linear_proj",
+LAYER_NAMES = {"ln1": "input_layernorm", "ln2": "pre_mlp_layernorm", "attn.wo": "self_attention.linear_proj",
                "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2"}
 
 

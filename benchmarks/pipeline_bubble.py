@@ -9,7 +9,7 @@ small GPT on p spawned gloo ranks (CPU) and prints one JSON line per configurati
 - ``bubble_over_compute`` and ``bubble_paper``: idle / busy time, beside Narayanan et al.'s
   (p-1)/m, or (p-1)/(v m) when interleaved
 
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/pipeline_bubble.py [--hidden 256 --layers 8 ...]``.
+Usage: ``OMP_NUM_THREADS=1 python -m benchmarks.pipeline_bubble [--hidden 256 --layers 8 ...]``.
 On a machine with fewer cores than ranks the ranks share cores, so stages are not independent
 and the measured bubble includes time a rank waits for a core; compare schedules, not absolutes.
 """
@@ -20,13 +20,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
-from loom.testing import run_distributed  # noqa: E402
+from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainingConfig
+from testkit import run_distributed
 
 
 def make_cfg(args, p: int, m: int, schedule: str) -> LoomConfig:

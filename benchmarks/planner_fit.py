@@ -2,7 +2,7 @@
 values, as JSON (the fit: loom/planner/fit.py; the rows: loom/planner/constants.py).
 
     OMP_NUM_THREADS=1 python -m benchmarks.planner_fit          # ~5 s
-    OMP_NUM_THREADS=1 python benchmarks/planner_fit.py --exclude "NAR t1"
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_fit --exclude "NAR t1"
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 per layout: for every (TP, PP, DP) combination the fastest fitting layout (over micro-batch,
 recompute, SP, ZeRO, virtual stages), fastest first (issue 11's benchmark, planner half).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner_mamba.py            # tables, ~1 s
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner_mamba.py --json out.json
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_mamba            # tables, ~1 s
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_mamba --json out.json
 
 Two models: the published ``mamba2-1.3b`` (G = 1 group, so TP > 1 is refused, as loom train
 and Megatron-LM refuse G not divisible by TP) and the same shape with ``G = 8``

@@ -1,6 +1,6 @@
 """Print the planner's tables against published runs (markdown), with the shipped constants.
 
-    OMP_NUM_THREADS=1 python benchmarks/planner_published.py          # tables, ~10 s
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_published          # tables, ~10 s
 
 Rows in a fit set (loom/planner/constants.py) are in-sample here. The fit itself:
 ``python -m benchmarks.planner_fit``; the out-of-sample (leave-one-source-out) errors:

@@ -20,7 +20,7 @@ Waits (up to --max-wait s) for the 1-minute load average to drop below 2.5 befor
 records it. Layouts that fail (e.g. pipeline parallelism still in progress) are recorded with
 their error and retried once at the end. Prints one JSON line per layout, then a markdown table.
 
-    OMP_NUM_THREADS=1 python benchmarks/planner_vs_measured.py [--cluster FILE] [--only NAME,..]
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_vs_measured [--cluster FILE] [--only NAME,..]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import sys
 import time
 
 from loom.config import LoomConfig, ModelConfig
-from loom.testing import run_distributed
+from testkit import run_distributed
 
 WARMUP, MEASURED = 3, 5
 GLOBAL_BATCH = 16

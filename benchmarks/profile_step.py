@@ -3,17 +3,13 @@ the native module (``native_parallel.py``). Self CPU time per component (torch.p
 names grouped as in ``CATS``, first match wins), plus the median wall time of 7 steps
 interleaved loom / native step by step (first step of each dropped). Prints JSON, then a table.
 
-    OMP_NUM_THREADS=1 python benchmarks/profile_step.py
+    OMP_NUM_THREADS=1 python -m benchmarks.profile_step
 """
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CATS = [("GEMM (mm/addmm/bmm)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_")),
         ("attention core (SDPA fwd+bwd)", ("scaled_dot_product",)),
@@ -48,10 +44,10 @@ def categorize(prof):
 def main():
     torch.set_num_threads(1)
     from torch.profiler import profile, ProfilerActivity
-    from vs_torch_native import reference_config
+    from benchmarks.vs_torch_native import reference_config
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
-    from native_parallel import NativeRunner
+    from benchmarks.native_parallel import NativeRunner
     cfg = reference_config(1, 1, 1, False, 8, "1f1b", 10)
     loom = Trainer(cfg, mesh=ParallelMesh.single())
     native = NativeRunner(cfg, 1, 1, 1, False, "none", "1f1b")
@@ -77,7 +73,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from loom.testing import run_distributed
+    from testkit import run_distributed
     r = run_distributed(1, main, timeout=1200)[0]
     print(json.dumps(r))
     cats = list(r["profile_ms"]["loom"])

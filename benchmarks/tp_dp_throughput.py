@@ -4,7 +4,7 @@ Model: 4 layers, h 256, 4 heads, FFN 1024, V 8192, s 256; global batch 8 sequenc
 Each layout runs 3 warm-up + 8 measured steps; a step's time is the slowest rank's (the trainer
 max-reduces it); we report the median. Prints one JSON line per layout.
 
-    OMP_NUM_THREADS=1 python benchmarks/tp_dp_throughput.py
+    OMP_NUM_THREADS=1 python -m benchmarks.tp_dp_throughput
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from loom.config import LoomConfig, ModelConfig
-from loom.testing import run_distributed
+from testkit import run_distributed
 
 WARMUP, MEASURED = 3, 8
 

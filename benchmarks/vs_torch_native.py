@@ -31,7 +31,7 @@ tensors of 2 MiB and more with transparent huge pages): on this VM a fresh multi
 block ``torch.compile``'d after TP, before FSDP2 / DDP, as torchtitan does); use ``--warmup 2``
 or more so the compilation stays out of the measured steps.
 
-    OMP_NUM_THREADS=1 python benchmarks/vs_torch_native.py [--layouts 1 dp2 tp2 ...] [--compile]
+    OMP_NUM_THREADS=1 python -m benchmarks.vs_torch_native [--layouts 1 dp2 tp2 ...] [--compile]
 """
 
 from __future__ import annotations
@@ -41,16 +41,12 @@ import json
 import os
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loom.config import LoomConfig, ModelConfig  # noqa: E402
-from loom.testing import run_distributed  # noqa: E402
+from loom.config import LoomConfig, ModelConfig
+from testkit import run_distributed
 
 # name: (tp, pp, dp, sequence_parallel, micro_batch, native data-parallel kind, schedule)
 LAYOUTS = {
@@ -148,7 +144,7 @@ def run_native(layout: tuple, steps: int, compile_layers: bool = False) -> dict:
 
     from loom.data.gpt_dataset import MockGPTDataset
     from loom.data.sampler import get_batch, microbatch_indices
-    from native_parallel import NativeRunner
+    from benchmarks.native_parallel import NativeRunner
     tp, pp, dp, sp, micro, dp_kind, schedule = layout
     cfg = reference_config(tp, pp, dp, sp, micro, schedule, steps)
     world = tp * pp * dp

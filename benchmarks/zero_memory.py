@@ -16,7 +16,7 @@ slower than fp32 (measured: 512x256 @ 256x8192 takes 0.11 s in fp32, 11.6 s in b
 under autocast), so the bf16 rows there are for memory, not speed (``--precisions bf16
 --steps 1 --warmup 0``).
 
-    OMP_NUM_THREADS=1 python benchmarks/zero_memory.py [--dp 4] [--steps 3] [--precisions fp32]
+    OMP_NUM_THREADS=1 python -m benchmarks.zero_memory [--dp 4] [--steps 3] [--precisions fp32]
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loom.testing import run_distributed  # noqa: E402
+from testkit import run_distributed
 
 VARIANTS = {  # name: (overlap grad reduce, zero stage, overlap param gather)
     "all-reduce": (False, 0, False), "overlap": (True, 0, False),
@@ -63,7 +59,7 @@ def run(variant: str, bf16: bool, steps: int, warmup: int) -> dict:
 
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
-    from vs_torch_native import reference_config
+    from benchmarks.vs_torch_native import reference_config
     dp = dist.get_world_size()
     og, zero, opg = VARIANTS[variant]
     cfg = reference_config(1, 1, dp, False, 8 // dp, "1f1b", warmup + steps)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +54,30 @@ def _restore_process_state():
         lg.setLevel(level)
         lg.propagate, lg.disabled = propagate, disabled
     assert not left_group, "the test left a torch.distributed process group initialized"
+
+
+# The folders (tests/README.md) and the markers of their tests (registered in pyproject.toml):
+# `-m fast` is `make test-fast`; `-m "not drill"`, `-m distributed` select the other tiers.
+FOLDER_MARKERS = {
+    "unit": "fast", "planner": "fast",
+    "parallel": "distributed", "models": "distributed", "integration": "distributed",
+    "drills": "drill",
+}
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by its folder: tests/unit/test_x.py's tests are ``fast``, and so on. A
+    test file directly under tests/ or in a folder missing from FOLDER_MARKERS is an error."""
+    for item in items:
+        try:
+            folder = Path(str(item.path)).resolve().relative_to(_TESTS).parts[0]
+        except ValueError:
+            continue  # (collected from outside tests/: no marker)
+        if folder not in FOLDER_MARKERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of the folders "
+                                    f"{sorted(FOLDER_MARKERS)} of tests/ (tests/README.md)")
+        item.add_marker(FOLDER_MARKERS[folder])
 
 
 def _seed(config):

@@ -10,7 +10,8 @@ v1 was one ``torch.save`` file per shard::
 :class:`LegacyIndex` answers the same questions as the v2 reader
 (:class:`loom.checkpoint.io.DcpIndex`), so a v1 checkpoint loads at any layout as before;
 parameter names of checkpoints written before recomputation kept names
-(``layers.N.layer.*``) map to today's.
+(``layers.N.layer.*``) or before the modules took Megatron-Core's names (``input_norm`` ...)
+map to today's (:func:`canonical_name`, applied by both readers).
 """
 
 from __future__ import annotations
@@ -27,10 +28,35 @@ from loom.parallel.registry import ShardSpec, full_from_shards
 LEGACY_FORMAT = "loom-checkpoint-v1"
 
 
+# Modules renamed to Megatron-Core's spelling (issue 22): (pattern, today's) over the dotted
+# parameter name. Megatron-Core: ``TransformerLayer.input_layernorm`` / ``pre_mlp_layernorm``
+# (and ``post_self_attn_layernorm`` / ``post_mlp_layernorm``, Gemma's sandwich norms),
+# ``TransformerBlock.final_layernorm``, ``SelfAttention.q_layernorm`` / ``k_layernorm``,
+# ``BertLMHead.layer_norm``, ``BertModel.output_layer.bias``, ``MoELayer.shared_experts``.
+RENAMED = (
+    (r"(^|\.)input_norm\.", r"\1input_layernorm."),
+    (r"(^|\.)pre_mlp_norm\.", r"\1pre_mlp_layernorm."),
+    (r"(^|\.)post_attention_norm\.", r"\1post_self_attn_layernorm."),
+    (r"(^|\.)post_mlp_norm\.", r"\1post_mlp_layernorm."),
+    (r"^final_norm\.", "final_layernorm."),
+    (r"\.self_attention\.q_norm\.", ".self_attention.q_layernorm."),
+    (r"\.self_attention\.k_norm\.", ".self_attention.k_layernorm."),
+    (r"^lm_head\.norm\.", "lm_head.layer_norm."),
+    (r"^output_bias\.bias$", "output_layer.bias"),
+    (r"\.mlp\.shared_expert\.", ".mlp.shared_experts."),
+)
+
+
 def canonical_name(name: str) -> str:
-    """Parameter names of loom checkpoints written before recomputation kept names
-    (``layers.N.layer.*`` under ``--recompute-granularity full``) map to today's names."""
-    return re.sub(r"^layers\.(\d+)\.layer\.", r"layers.\1.", name)
+    """Today's name of a parameter saved under an older one: names of checkpoints written
+    before recomputation kept names (``layers.N.layer.*`` under ``--recompute-granularity
+    full``), and before the modules took Megatron-Core's names (:data:`RENAMED`:
+    ``layers.N.input_norm.weight`` -> ``layers.N.input_layernorm.weight``, ...). Applied to
+    every checkpoint read (v1 and v2); today's names map to themselves."""
+    name = re.sub(r"^layers\.(\d+)\.layer\.", r"layers.\1.", name)
+    for pattern, new in RENAMED:
+        name = re.sub(pattern, new, name)
+    return name
 
 
 def is_legacy(ckpt_dir: str) -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from loom.checkpoint.legacy import LegacyIndex, is_legacy
+from loom.checkpoint.legacy import LegacyIndex, canonical_name, is_legacy
 from loom.checkpoint.optimizer_state import load_optimizer_state_by_name
 from loom.checkpoint.safety import resolve_checkpoint
 from loom.parallel.mesh import ParallelMesh
@@ -41,7 +41,9 @@ def single_process_quiet():
 
 
 class DcpIndex:
-    """A v2 checkpoint's keys (from DCP's ``.metadata``); :meth:`load` reads what is asked."""
+    """A v2 checkpoint's keys (from DCP's ``.metadata``); :meth:`load` reads what is asked.
+    Parameters go by today's names (:func:`~loom.checkpoint.legacy.canonical_name`: a
+    checkpoint saved before a module was renamed loads into the renamed module)."""
 
     def __init__(self, ckpt_dir: str):
         self.path = ckpt_dir
@@ -49,14 +51,17 @@ class DcpIndex:
         self.md = self.metadata.state_dict_metadata
         self.model: dict[str, dict[str, str]] = {}  # name -> {"RofT": key}
         self.optim: dict[str, dict[str, dict[str, str]]] = {}  # name -> {state: {"RofT": key}}
+        self.saved_name: dict[str, str] = {}  # today's name -> the name in the checkpoint
         for key in self.md:
             kind, _, rest = key.partition(".")
             if kind == "model":
-                name, _, shard = rest.rpartition("/")
+                saved, _, shard = rest.rpartition("/")
+                name = canonical_name(saved)
+                self.saved_name[name] = saved
                 self.model.setdefault(name, {})[shard] = key
             elif kind == "optim":
-                name, shard, state = rest.rsplit("/", 2)
-                self.optim.setdefault(name, {}).setdefault(state, {})[shard] = key
+                saved, shard, state = rest.rsplit("/", 2)
+                self.optim.setdefault(canonical_name(saved), {}).setdefault(state, {})[shard] = key
 
     @property
     def names(self) -> list[str]:
@@ -86,10 +91,13 @@ class DcpIndex:
     def _ordered(shards: dict[str, str]) -> list[str]:
         return [shards[s] for s in sorted(shards, key=lambda s: int(s.split("of")[0]))]
 
+    def _spec_key(self, name: str) -> str:
+        return f"param.{self.saved_name[name]}"
+
     def parameters(self) -> dict[str, dict]:
         """``name -> {shape (global), dtype}``, without reading any tensor."""
-        specs = self._read(f"param.{n}" for n in self.model)
-        return {n: {"shape": json.loads(specs[f"param.{n}"])["full_shape"],
+        specs = self._read(self._spec_key(n) for n in self.model)
+        return {n: {"shape": json.loads(specs[self._spec_key(n)])["full_shape"],
                     "dtype": self.md[next(iter(self.model[n].values()))].properties.dtype}
                 for n in self.model}
 
@@ -103,7 +111,7 @@ class DcpIndex:
             if n not in self.model:
                 raise self._missing(n)
         keys = [k for n in names for k in self.model[n].values()]
-        keys += [f"param.{n}" for n in set(names) | set(optim_names)]
+        keys += [self._spec_key(n) for n in set(names) | set(optim_names)]
         keys += [k for n in optim_names for st in self.optim.get(n, {}).values()
                  for k in st.values()]
         rng_key = f"rng.{rng_rank:05d}" if rng_rank is not None else None
@@ -112,7 +120,7 @@ class DcpIndex:
         got = self._read(dict.fromkeys(keys))
 
         def full(name: str, shards: dict[str, str]) -> torch.Tensor:
-            spec = ShardSpec.from_dict(json.loads(got[f"param.{name}"])["shard"])
+            spec = ShardSpec.from_dict(json.loads(got[self._spec_key(name)])["shard"])
             return full_from_shards([got[k] for k in self._ordered(shards)], spec)
 
         model = {n: full(n, self.model[n]) for n in names}

@@ -12,7 +12,7 @@ Modules: :mod:`~loom.config.sections` (the fields, their help and bounds),
 :mod:`~loom.config.core` (:class:`LoomConfig`), :mod:`~loom.config.validate` (the one validation
 pass, applying the rules of :mod:`~loom.config.pipeline` and :mod:`~loom.config.split`),
 :mod:`~loom.config.args` (argparse and YAML). The package imports nothing of loom but
-:mod:`loom.errors` (tests/test_layers.py).
+:mod:`loom.errors` (tests/unit/test_layers.py).
 """
 
 from loom.config.args import add_config_arguments, config_from_args, read_yaml_config

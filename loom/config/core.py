@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 from loom.config.fields import flag
 from loom.config.sections import (GROUPS, CheckpointConfig, DataConfig,
@@ -22,6 +24,20 @@ def field_section() -> dict[str, str]:
 RETIRED_FIELDS = ("dry_run", "num_workers")
 
 
+@dataclass(frozen=True)
+class Derived:
+    """The sizes a resolved config derives from its world size, computed once by
+    :meth:`LoomConfig.validate` (Megatron's ``args.data_parallel_size``,
+    ``get_num_microbatches()``): d = world / (t p c), B = ``--global-batch-size`` or b d,
+    m = B / (b d), and the pipeline schedule ``--pipeline-schedule`` resolves to."""
+
+    world_size: int
+    data_parallel_size: int
+    global_batch_size: int
+    num_microbatches: int
+    pipeline_schedule: str
+
+
 @dataclass
 class LoomConfig:
     """Every option of a run, by concern. Build it with the section dataclasses, or flat with
@@ -34,6 +50,8 @@ class LoomConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    derived: Optional[Derived] = field(default=None, compare=False, repr=False)
+    """The sizes of the world this config was resolved for; None until :meth:`validate`."""
 
     # -- flat (Megatron-style) access -------------------------------------------------------
     def to_flat(self) -> dict:
@@ -81,11 +99,27 @@ class LoomConfig:
 
     # -- validation ----------------------------------------------------------------------------
     def validate(self, world_size: int) -> "LoomConfig":
-        """Check every value and the layout for ``world_size`` ranks; returns self.
-
-        Resolves ``--pipeline-schedule`` (interleaved when
-        ``--num-layers-per-virtual-pipeline-stage`` is given, else 1f1b). Raises
-        :class:`ConfigError` naming the flag and the fix.
+        """The resolved config for ``world_size`` ranks: a new object (this one is not
+        changed) with every value checked, every Megatron inference filled in (required flags,
+        ``--pipeline-schedule``, ``--zero-stage``, ``--train-iters`` from ``--train-samples``,
+        ...) and :attr:`derived` computed. Raises :class:`ConfigError` naming the flag and the
+        fix. Validating a resolved config again (e.g. for another world size) resolves anew.
         """
-        validate_config(self, world_size)
-        return self
+        resolved = copy.deepcopy(self)
+        resolved.derived = None
+        validate_config(resolved, world_size)
+        t = resolved.training
+        dp = resolved.data_parallel_size(world_size)
+        gbs = resolved.global_batch_size(world_size)
+        resolved.derived = Derived(world_size=world_size, data_parallel_size=dp,
+                                   global_batch_size=gbs,
+                                   num_microbatches=gbs // (t.micro_batch_size * dp),
+                                   pipeline_schedule=resolved.parallel.pipeline_schedule)
+        return resolved
+
+    def require_derived(self) -> Derived:
+        """:attr:`derived`; raises ConfigError for a config that was never resolved."""
+        if self.derived is None:
+            raise ConfigError("this LoomConfig was never resolved: train on the config that "
+                              "cfg.validate(world_size) returns (validate does not change cfg)")
+        return self.derived

@@ -1,7 +1,7 @@
 """Megatron-LM's defaults of every loom flag that carries a Megatron-LM name: one immutable
 table, ``{field: (Megatron's default or REQUIRED, "file:line", note)}``, read from Megatron-LM
 at commit d98e8a64ddf3 (``megatron/training/arguments.py`` and the config dataclasses its flags
-are generated from). Each loom default equals its row (tests/test_megatron_defaults.py checks
+are generated from). Each loom default equals its row (tests/unit/test_megatron_defaults.py checks
 the dataclass default and what validation resolves, and that docs/megatron-defaults.md lists
 every row); a REQUIRED flag is refused when omitted, naming it. ``SAME_MEANING`` lists the few
 fields whose loom value spells Megatron's default differently (``None`` for "off" and the like).

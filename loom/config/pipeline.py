@@ -1,7 +1,7 @@
 """The pipeline layout rules, torch-free: how many layers each pipeline stage holds
 (:func:`stage_layer_counts`) and which pipeline flags go together (:func:`validate_pipeline`).
 Config validation applies them; the placement of layers on ranks
-(:mod:`loom.parallel.pipeline.layout`, which re-exports them) and the planner use them too.
+(:mod:`loom.parallel.pipeline.placement`, which re-exports them) and the planner use them too.
 
 Stages split the L layers evenly; ``--decoder-first-pipeline-num-layers`` /
 ``--decoder-last-pipeline-num-layers`` pin the first/last stage's count and the rest is split

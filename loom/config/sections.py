@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from loom.config.fields import opt
+from loom.config.model_bert import BertFields
+from loom.config.model_gemma3 import Gemma3Fields
+from loom.config.model_mamba import MambaFields
+from loom.config.model_moe import MoEFields
 from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
 from loom.errors import ConfigError
 
@@ -25,15 +29,15 @@ Recompute = Literal["selective", "full"]
 Backend = Literal["nccl", "gloo"]
 Device = Literal["cpu", "cuda"]
 ModelType = Literal["gpt", "mamba", "bert", "gemma3"]  # families in loom.models.FAMILY_MODULES
-RouterScore = Literal["softmax", "sigmoid"]
 RecomputeMethod = Literal["uniform", "block"]
 TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
                         "BertWordPieceLowerCase", "BertWordPieceCase"]
 
 
 @dataclass
-class ModelConfig:
-    """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s)."""
+class ModelShapeFields:
+    """The fields every model family has: the transformer's shape and layout; the first
+    fields of :class:`ModelConfig`."""
 
     model_type: ModelType = opt("gpt", "model family: gpt (GPT-2 and LLaMA layouts, dense or "
                                        "mixture-of-experts), mamba (Mamba-2 and hybrid "
@@ -81,65 +85,18 @@ class ModelConfig:
                                  gt=0)
     add_qkv_bias: bool = opt(False, "biases in the QKV projection only (Qwen2), even with "
                                     "--disable-bias-linear")
-    # -- mixture of experts (Megatron's --moe-* flags; Switch, Mixtral, DeepSeek-V3) ----------
-    num_experts: Optional[int] = opt(None, "E: experts per MoE layer (default: dense MLPs)", ge=1)
-    moe_router_topk: int = opt(2, "k: experts each token is routed to", ge=1)
-    moe_ffn_hidden_size: Optional[int] = opt(None, "hidden size of each expert's MLP (default: "
-                                                   "--ffn-hidden-size)", ge=1)
-    moe_shared_expert_intermediate_size: Optional[int] = opt(
-        None, "hidden size of an always-on shared expert (DeepSeek, Qwen; default: none)", ge=1)
-    moe_layer_freq: int = opt(1, "every N-th layer is MoE (layer i when i % N == 0), the rest "
-                                 "dense", ge=1)
-    moe_router_score_function: RouterScore = opt(
-        "softmax", "router scores: softmax (Mixtral) or sigmoid with normalized top-k weights "
-                   "(DeepSeek-V3)")
-    moe_router_pre_softmax: bool = opt(False, "softmax over all experts, top-k weights not "
-                                              "renormalized (Qwen2-MoE)")
-    moe_aux_loss_coeff: float = opt(0.0, "coefficient of the Switch/GShard load-balancing loss",
-                                    ge=0)
-    moe_z_loss_coeff: float = opt(0.0, "coefficient of the router z-loss (ST-MoE)", ge=0)
-    moe_expert_capacity_factor: Optional[float] = opt(
-        None, "tokens per expert capped at factor x T k / E, the rest dropped (default: "
-              "dropless)", gt=0)
-    moe_shared_expert_gate: bool = opt(False, "scale the shared expert's output by "
-                                              "sigmoid(x w) (Qwen2-MoE)")
-    # -- BERT (--model-type bert; Megatron's pretrain_bert.py) ---------------------------------
-    bert_binary_head: bool = opt(False, "BERT: add the sentence-order prediction head (pooler "
-                                        "on [CLS] + 2-way classifier) and its loss")
-    post_layernorm: bool = opt(
-        False, "BERT: the original post-LN order, LayerNorm after each residual add "
-               "(x = LN(x + f(x)), LN on the embeddings, no final LN); default: Megatron's "
-               "pre-LN (x = x + f(LN(x)), final LN). Not Megatron's "
-               "--apply-residual-connection-post-layernorm, which keeps pre-LN and only takes "
-               "the residual from the LayerNorm output")
-    # -- Gemma 3 (--model-type gemma3; HF Gemma3TextConfig's names) -----------------------------
-    sliding_window: Optional[int] = opt(None, "gemma3: keys a local layer's query sees (itself "
-                                              "and the W-1 before it; default: all)", ge=1)
-    sliding_window_pattern: int = opt(6, "gemma3: every N-th layer is global, the rest local "
-                                         "(5 local : 1 global)", ge=1)
-    layer_types: Optional[str] = opt(None, "gemma3: one character per layer, L local (sliding "
-                                           "window) or G global (default: from the pattern)")
-    rotary_base_local: float = opt(10000.0, "gemma3: RoPE base of the local layers (the global "
-                                            "ones use --rotary-base)", gt=0)
-    rotary_scaling_factor: Optional[float] = opt(None, "gemma3: linear RoPE scaling of the global "
-                                                       "layers (positions / factor)", gt=0)
-    query_pre_attn_scalar: Optional[float] = opt(None, "gemma3: attention scores scaled by "
-                                                       "1/sqrt(this) (default: head dim)", gt=0)
-    attn_logit_softcapping: Optional[float] = opt(None, "gemma3: cap * tanh(scores / cap) on "
-                                                        "attention scores", gt=0)
-    final_logit_softcapping: Optional[float] = opt(None, "gemma3: cap * tanh(logits / cap) on "
-                                                         "the output logits", gt=0)
-    # -- Mamba-2 / hybrid stacks (--model-type mamba; Dao & Gu 2024; Megatron-LM's names) ------
-    hybrid_override_pattern: Optional[str] = opt(
-        None, "layer kinds of a hybrid stack, one character per layer: M Mamba, * attention, "
-              "- MLP (default: all M)")
-    mamba_state_dim: int = opt(128, "N: SSM state size per head", ge=1)
-    mamba_head_dim: int = opt(64, "P: channels per SSM head", ge=1)
-    mamba_num_groups: int = opt(8, "G: groups sharing B and C (like GQA groups)", ge=1)
-    mamba_expand: int = opt(2, "d_inner = expand x h (Mamba's expansion factor)", ge=1)
-    mamba_d_conv: int = opt(4, "kernel size of the causal depthwise convolution", ge=1)
-    mamba_chunk_size: int = opt(128, "SSD chunk length Q (exact for any value; a speed knob)",
-                                ge=1)
+
+
+@dataclass
+class ModelConfig(MambaFields, Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
+    """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
+
+    The fields every family has (:class:`ModelShapeFields`), then each family's own, in its own
+    module: mixture of experts (:mod:`~loom.config.model_moe`), BERT
+    (:mod:`~loom.config.model_bert`), Gemma 3 (:mod:`~loom.config.model_gemma3`), Mamba-2
+    (:mod:`~loom.config.model_mamba`). One flat section all the same: ``cfg.model.<field>``,
+    the flag ``--<field>`` and the YAML key, in this order.
+    """
 
     @property
     def num_kv_groups(self) -> int:
@@ -155,29 +112,6 @@ class ModelConfig:
     def ffn_size(self) -> int:
         """MLP hidden size: ``--ffn-hidden-size`` or 4h."""
         return self.ffn_hidden_size or 4 * self.hidden_size
-
-    @property
-    def moe_ffn_size(self) -> int:
-        """Expert MLP hidden size: ``--moe-ffn-hidden-size`` or the dense one."""
-        return self.moe_ffn_hidden_size or self.ffn_size
-
-    def is_moe_layer(self, layer_number: int) -> bool:
-        """Whether global layer ``layer_number`` (0-based) has an MoE instead of a dense MLP."""
-        return bool(self.num_experts) and layer_number % self.moe_layer_freq == 0
-
-    @property
-    def attention_layer_types(self) -> str:
-        """gemma3: ``L`` (local, sliding window) or ``G`` (global) per layer."""
-        n = self.sliding_window_pattern
-        return self.layer_types or "".join("G" if (i + 1) % n == 0 else "L"
-                                           for i in range(self.num_layers))
-
-    @property
-    def hybrid_layer_pattern(self) -> Optional[str]:
-        """mamba: ``--hybrid-override-pattern`` or ``"M" * L`` (``M`` Mamba-2, ``*`` attention,
-        ``-`` MLP per layer); None for a family without Mamba layers."""
-        is_mamba = self.model_type == "mamba"
-        return (self.hybrid_override_pattern or "M" * self.num_layers) if is_mamba else None
 
     @property
     def max_positions(self) -> int:

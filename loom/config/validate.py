@@ -90,6 +90,8 @@ def check_bounds(name: str, value: Any, meta: Any) -> None:
 def check_fields(cfg: Any) -> None:
     """Coerce every field of every section to its type and check its choices and bounds."""
     for section in dataclasses.fields(cfg):
+        if section.name == "derived":  # computed after this pass (LoomConfig.validate)
+            continue
         obj = getattr(cfg, section.name)
         hints = get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
@@ -311,7 +313,9 @@ def _check_precision(t: Any) -> None:
 def validate_config(cfg: Any, world_size: int) -> None:
     """Refuse bad values and impossible layouts of a LoomConfig for ``world_size`` ranks.
 
-    Raises :class:`ConfigError` naming the flag and the fix; resolves ``--pipeline-schedule``.
+    Raises :class:`ConfigError` naming the flag and the fix. Fills the resolved values
+    (``--pipeline-schedule``, ``--zero-stage``, ...) into ``cfg`` itself: call it on a copy, as
+    :meth:`LoomConfig.validate` does, which returns that copy.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")

@@ -72,7 +72,7 @@ def load_model(ckpt: str, cfg, mesh) -> EvalModel:
     from loom.models import get_family
     from loom.models.family import StageSpec
     from loom.parallel.parallelize import build_chunk
-    from loom.parallel.pipeline.layout import chunk_layers
+    from loom.parallel.pipeline.placement import chunk_layers
     from loom.parallel.random import RNGTracker
 
     tracker = RNGTracker(mesh.device)

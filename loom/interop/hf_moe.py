@@ -58,8 +58,8 @@ def _attention(sd, h: str, l: str, bias: bool) -> dict:
     out = {l + "self_attention.linear_qkv.weight": torch.cat(
                [sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0),
            l + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
-           l + "input_norm.weight": sd[h + "input_layernorm.weight"],
-           l + "pre_mlp_norm.weight": sd[h + "post_attention_layernorm.weight"]}
+           l + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
+           l + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"]}
     if bias:
         out[l + "self_attention.linear_qkv.bias"] = torch.cat(
             [sd[h + f"self_attn.{x}_proj.bias"] for x in "qkv"], dim=0)
@@ -77,7 +77,7 @@ def _experts(sd, h: str, l: str, num_experts: int) -> dict:
 
 def _outer(sd) -> dict:
     return {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-            "final_norm.weight": sd["model.norm.weight"],
+            "final_layernorm.weight": sd["model.norm.weight"],
             "output_layer.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
 
 
@@ -99,8 +99,8 @@ def qwen2_moe_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[
         out.update(_attention(sd, h, l, bias=True))
         out.update(_experts(sd, h, l, cfg.num_experts))
         s = h + "mlp.shared_expert."
-        out[l + "mlp.shared_expert.linear_fc1.weight"] = torch.cat(
+        out[l + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
             [sd[s + "gate_proj.weight"], sd[s + "up_proj.weight"]], dim=0)
-        out[l + "mlp.shared_expert.linear_fc2.weight"] = sd[s + "down_proj.weight"]
+        out[l + "mlp.shared_experts.linear_fc2.weight"] = sd[s + "down_proj.weight"]
         out[l + "mlp.shared_expert_gate.weight"] = sd[h + "mlp.shared_expert_gate.weight"]
     return out

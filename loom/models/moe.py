@@ -166,12 +166,12 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(h, E, bias=False)
         self.experts = nn.ModuleDict({str(i): ExpertMLP(h, cfg.moe_ffn_size, cfg.swiglu, bias)
                                       for i in range(E)})
-        self.shared_expert = None
+        self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
-            self.shared_expert = ExpertMLP(h, cfg.moe_shared_expert_intermediate_size,
+            self.shared_experts = ExpertMLP(h, cfg.moe_shared_expert_intermediate_size,
                                            cfg.swiglu, bias)
         self.shared_expert_gate = None
-        if self.shared_expert is not None and cfg.moe_shared_expert_gate:
+        if self.shared_experts is not None and cfg.moe_shared_expert_gate:
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dispatcher = LocalDispatcher()
         self.aux_stats = None  # strategy summing router statistics over CP ranks (the plan's)
@@ -185,7 +185,7 @@ class MoELayer(nn.Module):
         routing = route(logits, c.moe_router_topk, c.moe_router_score_function,
                         c.moe_aux_loss_coeff, c.moe_z_loss_coeff, c.moe_expert_capacity_factor,
                         c.moe_router_pre_softmax, self.aux_stats)
-        expert_out, shared_out = self.dispatcher(tokens, routing, self.experts, self.shared_expert)
+        expert_out, shared_out = self.dispatcher(tokens, routing, self.experts, self.shared_experts)
         y = (expert_out * routing.weights.unsqueeze(-1).to(expert_out.dtype)).sum(1)
         if shared_out is not None:
             if self.shared_expert_gate is not None:

@@ -9,7 +9,9 @@ residual adds, dropout, RoPE, the elementwise parts of attention) into generated
 (Triton); the GEMMs stay library calls. loom's tensor-, sequence- and context-parallel
 collectives are ``torch.autograd.Function``s calling ``torch.distributed``: Dynamo traces them
 or breaks the graph around them, so the collectives and their order are unchanged and every
-parallelism composes (tested: ``tests/test_compile.py``). Recomputation wrappers are compiled
+parallelism composes (tested: ``tests/parallel/test_compile.py``). Under compilation their
+forward returns a copy of the collective's result (torch 2.11 otherwise lost their gradients:
+see :class:`~loom.parallel.mappings.ConjugateCollective`). Recomputation wrappers are compiled
 with the layer. The embedding and the output layer + fused loss are not compiled (the chunked
 cross-entropy is already one pass per chunk).
 

@@ -47,7 +47,11 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        # under torch.compile a fresh tensor, never the buffer the collective filled in place:
+        # torch 2.11's Dynamo returns traced intermediates as extra outputs, and AOTAutograd then
+        # routes this output's gradient to that duplicate (backward on zeros; see
+        # loom.parallel.mappings.ConjugateCollective)
+        return out.clone() if torch.compiler.is_compiling() else out
 
     @staticmethod
     def backward(ctx, grad):
@@ -157,9 +161,9 @@ class MoEParallel(ParallelStyle):
             for p, _ in mlp.named_parameters():
                 fields[f"experts.{name}.{p}"] = dict(shards.get(p, {}), expert_parallel=True,
                                                      tp_partial_grad=whole)
-        if module.shared_expert is not None and t > 1:
-            for p, kw in _shard_mlp(module.shared_expert, t, self.swiglu, False).items():
-                fields[f"shared_expert.{p}"] = kw
+        if module.shared_experts is not None and t > 1:
+            for p, kw in _shard_mlp(module.shared_experts, t, self.swiglu, False).items():
+                fields[f"shared_experts.{p}"] = kw
         if t > 1 or e > 1:
             module.dispatcher = ParallelDispatcher(
                 E, mesh.groups["tp"], mesh.groups.get("ep"), mesh.ep_rank, e,

@@ -102,7 +102,7 @@ def shard_model_chunks(chunks: Sequence[nn.Module], mesh, bf16: bool = False) ->
         if bf16 else MixedPrecisionPolicy()
     # The last chunk returns the per-token loss as a view ([s, b] -> [b, s]); FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook. lm_loss only reads it (out of place),
-    # and tests/test_fsdp.py checks every gradient, so the warning is silenced (once per rank).
+    # and tests/parallel/test_fsdp.py checks every gradient, so the warning is silenced (once per rank).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     for chunk in chunks:
         layers = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
@@ -163,16 +163,4 @@ def model_state_bytes(params: Iterable[torch.Tensor], optimizer=None) -> dict:
             for v in optimizer.state.get(p, {}).values():
                 if torch.is_tensor(v) and v.ndim > 0:
                     out["optimizer"] += nbytes(v)
-    return out
-
-
-def gather_optimizer_states(params: dict, state: dict) -> dict:
-    """``name -> {key: value}`` of the optimizer ``state`` of ``params`` (``name -> (param,
-    meta)``), on CPU, DTensor states gathered whole: collective under ZeRO-3 (every rank walks
-    ``params`` in the same order), a plain copy otherwise."""
-    out = {}
-    for name, (p, _) in params.items():
-        if p in state:
-            out[name] = {k: (full_tensor(v.detach()).cpu() if torch.is_tensor(v) else v)
-                         for k, v in state[p].items()}
     return out

@@ -77,7 +77,6 @@ class Bucket:
     launched: bool = False
     shard: Optional[torch.Tensor] = None  # ZeRO-2: this rank's reduced 1/d, kept
     has_shard: bool = False  # ZeRO-2: the shard holds this step's gradients
-    dirty: bool = False  # main grads: the buffer holds gradients not reduced yet
 
 
 class GradBuffer:
@@ -208,7 +207,6 @@ class GradBuffer:
                 b.buffer.zero_()
             if p.grad is not None:
                 view.add_(p.grad)
-                b.dirty = True
                 p.grad = None
             return
         if p.grad is None:
@@ -257,7 +255,7 @@ class GradBuffer:
                 b.shard.add_(mine)
             else:
                 b.shard.copy_(mine)
-            b.has_shard, b.launched, b.handle, b.dirty = True, False, None, False
+            b.has_shard, b.launched, b.handle = True, False, None
             b.buffer.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
@@ -294,7 +292,7 @@ class GradBuffer:
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
-            b.handle, b.launched, b.pending, b.dirty = None, False, len(b.params), False
+            b.handle, b.launched, b.pending = None, False, len(b.params)
 
     def zero_grad(self) -> None:
         """Forget this step's gradients: ``.grad = None`` (no pass over memory), or with main

@@ -46,12 +46,25 @@ def _identity(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 class ConjugateCollective(torch.autograd.Function):
     """One collective forward, its conjugate backward: ``apply(x, group, forward_fn, backward_fn)``
-    with ``fn(tensor, group) -> tensor``. Every mapping of TP, SP and CP is one such pair."""
+    with ``fn(tensor, group) -> tensor``. Every mapping of TP, SP and CP is one such pair.
+
+    Under ``torch.compile`` the forward returns a copy of the collective's result. Why: torch
+    2.11's Dynamo traces an autograd.Function's forward with side effects allowed and makes every
+    traced intermediate an extra output of the forward subgraph (``collect_intermediate_outputs``
+    in ``torch/_dynamo/variables/higher_order_ops.py``). The ``fn``s end in a buffer the
+    collective wrote in place (``copy_`` returns that same tensor) or a ``.contiguous()`` /
+    ``chunk`` that returns it unchanged, so the real output was the very tensor of one of those
+    extra outputs; AOTAutograd then routed the incoming gradient to the extra output's slot and
+    ran ``backward_fn`` on zeros: the gradient through such a collective was lost (O(1) wrong)
+    while the forward was exact. torch 2.13 returns only the real outputs; the copy costs one
+    activation-sized memcpy in compiled code only (eager returns the result as is).
+    Tested: ``tests/parallel/test_compile.py::test_compiled_collectives_match_eager``."""
 
     @staticmethod
     def forward(ctx, x, group, forward_fn, backward_fn):
         ctx.group, ctx.backward_fn = group, backward_fn
-        return forward_fn(x, group)
+        out = forward_fn(x, group)
+        return out.clone() if torch.compiler.is_compiling() else out
 
     @staticmethod
     def backward(ctx, grad):

@@ -149,10 +149,6 @@ class ParallelMesh:
         """Size of a group (axis or combination), e.g. ``size("dp_cp")``."""
         return len(self.ranks[name])
 
-    def local_rank(self, name: str) -> int:
-        """This rank's index within group ``name``."""
-        return self.ranks[name].index(self.rank)
-
     @property
     def tp_size(self) -> int:
         return self.sizes["tp"]
@@ -181,10 +177,6 @@ class ParallelMesh:
     @property
     def pp_rank(self) -> int:
         return self.coords["pp"]
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:

@@ -19,7 +19,7 @@ from loom.parallel.compile import compile_layers
 from loom.parallel.fsdp import fsdp_enabled, shard_model_chunks
 from loom.parallel.interface import FamilyParts, StageSpec
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.pipeline.layout import chunk_layers
+from loom.parallel.pipeline.placement import chunk_layers
 from loom.parallel.plan import PlanContext, apply_plan
 from loom.parallel.random import RNGTracker
 from loom.parallel.recompute import apply_recompute

@@ -8,8 +8,12 @@ parameters relate to the unsharded model; :func:`apply_plan` collects that into 
 device, so no rank ever allocates the full model; parameters are materialized on the mesh's
 device and then initialized from the registry.
 
-Styles: :class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`VocabParallel` (embedding),
-:class:`VocabParallelHead` (output GEMM + cross-entropy), :class:`SequenceParallelParams`
+Styles named for the layer they install (Megatron-LM's ``megatron.core.tensor_parallel``
+layer names; the layers are :mod:`loom.parallel.tensor`'s): :class:`ColumnParallelLinear` and
+:class:`RowParallelLinear` (an ``nn.Linear``), :class:`VocabParallelEmbedding` (an
+``nn.Embedding``), :class:`VocabParallelLMHead` (output GEMM + vocab-parallel
+cross-entropy). They install Megatron's modules on plain tensors (PyTorch's DTensor styles,
+with other names, shard into DTensors instead). Others: :class:`SequenceParallelParams`
 (norms on ``[s/t, b, h]``), :class:`SequenceParallelOutput` (scatter to the SP region),
 :class:`PartitionedRNG` (dropout on partitioned activations), :class:`ContextParallelCore`,
 :class:`PipelineShared` (tied embeddings across stages).
@@ -23,13 +27,12 @@ from typing import Callable, Optional, Sequence
 
 from torch import nn
 
+from loom.parallel import tensor
 from loom.parallel.context import ContextParallelAttention
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import ForkedDropout, RNGTracker
 from loom.parallel.registry import ParamMeta, ParamRegistry, ShardSpec
 from loom.parallel.sequence import scatter_to_sequence_parallel_region
-from loom.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                  VocabParallelLMHead)
 
 Fields = dict  # local parameter name -> ParamMeta keyword overrides
 
@@ -56,8 +59,9 @@ class ParallelStyle:
 
 
 @dataclass(frozen=True)
-class ColwiseParallel(ParallelStyle):
-    """``nn.Linear(in, out)`` -> :class:`ColumnParallelLinear`: output features (each fused
+class ColumnParallelLinear(ParallelStyle):
+    """Turns an ``nn.Linear(in, out)`` into Megatron's ``ColumnParallelLinear``
+    (:class:`loom.parallel.tensor.ColumnParallelLinear`): output features (each fused
     block of ``segments``) split over TP; ``vocab``: the output dimension is the padded
     vocabulary (weight ``[Vp, h]``)."""
 
@@ -67,8 +71,8 @@ class ColwiseParallel(ParallelStyle):
     def apply(self, module, ctx):
         out_f, in_f = module.weight.shape
         spec = ShardSpec(0, self.segments)
-        new = ColumnParallelLinear(in_f, out_f, ctx.mesh, bias=module.bias is not None,
-                                   segments=self.segments, sequence_parallel=ctx.sp)
+        new = tensor.ColumnParallelLinear(in_f, out_f, ctx.mesh, bias=module.bias is not None,
+                                          segments=self.segments, sequence_parallel=ctx.sp)
         fields = {"weight": dict(full_shape=(out_f, in_f), shard=spec,
                                  vocab_dim=0 if self.vocab else None)}
         if module.bias is not None:
@@ -77,15 +81,16 @@ class ColwiseParallel(ParallelStyle):
 
 
 @dataclass(frozen=True)
-class RowwiseParallel(ParallelStyle):
-    """``nn.Linear(in, out)`` -> :class:`RowParallelLinear`: input features split over TP,
+class RowParallelLinear(ParallelStyle):
+    """Turns an ``nn.Linear(in, out)`` into Megatron's ``RowParallelLinear``
+    (:class:`loom.parallel.tensor.RowParallelLinear`): input features split over TP,
     partial sums all-reduced (reduce-scattered along s under SP). The bias is replicated and,
     under SP, applied to this rank's tokens only (its gradient summed over TP)."""
 
     def apply(self, module, ctx):
         out_f, in_f = module.weight.shape
-        new = RowParallelLinear(in_f, out_f, ctx.mesh, bias=module.bias is not None,
-                                sequence_parallel=ctx.sp)
+        new = tensor.RowParallelLinear(in_f, out_f, ctx.mesh, bias=module.bias is not None,
+                                       sequence_parallel=ctx.sp)
         fields = {"weight": dict(full_shape=(out_f, in_f), shard=ShardSpec(1))}
         if module.bias is not None:
             fields["bias"] = dict(sequence_parallel=ctx.sp)
@@ -93,26 +98,29 @@ class RowwiseParallel(ParallelStyle):
 
 
 @dataclass(frozen=True)
-class VocabParallel(ParallelStyle):
-    """``nn.Embedding(Vp, h)`` -> :class:`VocabParallelEmbedding` (rows split over TP)."""
+class VocabParallelEmbedding(ParallelStyle):
+    """Turns an ``nn.Embedding(Vp, h)`` into Megatron's ``VocabParallelEmbedding``
+    (:class:`loom.parallel.tensor.VocabParallelEmbedding`: rows split over TP)."""
 
     vocab_size: int
 
     def apply(self, module, ctx):
         vp, h = module.weight.shape
-        new = VocabParallelEmbedding(vp, h, ctx.mesh, vocab_size=self.vocab_size)
+        new = tensor.VocabParallelEmbedding(vp, h, ctx.mesh, vocab_size=self.vocab_size)
         return new, {"weight": dict(full_shape=(vp, h), shard=ShardSpec(0), vocab_dim=0)}
 
 
 @dataclass(frozen=True)
-class VocabParallelHead(ParallelStyle):
-    """The output GEMM + cross-entropy on vocabulary-parallel logits (input gathered from the SP
-    region, or entered through ``f``)."""
+class VocabParallelLMHead(ParallelStyle):
+    """Turns the family's ``LMHead`` into :class:`loom.parallel.tensor.VocabParallelLMHead`: the
+    output GEMM on vocabulary-parallel logits (input gathered from the SP region, or entered
+    through ``f``) and the vocab-parallel cross-entropy (Megatron's ``output_layer`` +
+    ``vocab_parallel_cross_entropy``)."""
 
     vocab_size: int
 
     def apply(self, module, ctx):
-        return VocabParallelLMHead(ctx.mesh, self.vocab_size, ctx.sp), {}
+        return tensor.VocabParallelLMHead(ctx.mesh, self.vocab_size, ctx.sp), {}
 
 
 @dataclass(frozen=True)

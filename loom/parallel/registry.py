@@ -81,11 +81,6 @@ class ParamMeta:
         """Whether this rank's gradient is a partial sum to all-reduce over the TP group."""
         return self.sequence_parallel or self.tp_partial_grad
 
-    @property
-    def replicated_over(self) -> tuple[str, ...]:
-        """Mesh axes that hold identical copies of this parameter (besides DP and CP)."""
-        return ("tp",) if self.shard is None else ()
-
     def counts_for_norm(self, tp_rank: int) -> bool:
         """Whether this rank's gradient enters the global norm: TP shards on every TP rank,
         TP-replicated parameters on TP rank 0, pipeline duplicates never (Megatron's

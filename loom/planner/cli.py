@@ -32,7 +32,7 @@ from loom.planner.layout import Options
 from loom.planner.memory import total_params
 from loom.planner.mamba import is_hybrid, kind_counts
 from loom.planner.moe import MOE_LOAD_IMBALANCE
-from loom.planner.presets import FLASH_DEFAULT, PRESETS, get_preset
+from loom.planner.presets import PRESETS, get_preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ planner's transformer layer (:func:`loom.planner.memory.layer_params`,
 :func:`loom.planner.memory.activation_bytes_per_layer`, :mod:`loom.planner.timing`): each holds
 its own norm, half of the replicated activations and one TP all-reduce forward and one backward;
 an attention layer plus an MLP layer equal one transformer layer term by term
-(``tests/test_planner_mamba.py``).
+(``tests/planner/test_planner_mamba.py``).
 
 Symbols of the Mamba-2 layer (Dao & Gu 2024, "Transformers are SSMs", sec. 6-7): ``h`` hidden,
 ``d_i = expand h`` inner width, ``P`` head dim, ``H = d_i / P`` heads, ``G`` groups of B/C,

@@ -137,7 +137,7 @@ def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2, bf16: bool = True
     data-parallel size ``dp`` (ZERO sec 3.1/5: 2 + 2 + 12 = 16 with fp16 gradients). ZeRO-3
     (``loom train --zero-stage 3``, FSDP2) with fp32 gradients: 18/d. ``bf16=False``: fp32
     training, the weights are the master copy: 4 + 4 + 8 (Adam's moments) = 16, 16/d at
-    ZeRO-3 (what ``tests/test_fsdp.py`` measures on the trainer)."""
+    ZeRO-3 (what ``tests/parallel/test_fsdp.py`` measures on the trainer)."""
     zero = np.asarray(zero, dtype=np.float64)
     dp = np.asarray(dp, dtype=np.float64)
     weight_bytes, grad_bytes, optim_bytes = (2.0, grad_bytes, 12.0) if bf16 else (4.0, 4.0, 8.0)

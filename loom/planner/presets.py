@@ -138,10 +138,6 @@ PRESETS = {
                                     mamba_d_conv=4, mamba_chunk_size=128),
 }
 
-# Presets whose published runs use fused (flash) attention by default in the planner.
-FLASH_DEFAULT = {"llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "mixtral-8x22b",
-                 "deepseek-v3", "qwen3-30b-a3b", "mamba2-1.3b", "nemotron-h-8b"}
-
 # NAR table 1 (references.md): params(B), heads, h, L, TP, PP, GPUs, B, TFLOP/s/GPU, % peak.
 NAR_TABLE1 = [
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),

@@ -12,7 +12,7 @@ A split is ``(lf, ll)``: layers of the first and the last stage; the ``p - 2`` m
   p = 16; Llama 3 paper, arXiv 2407.21783 sec 3.3.2: "we remove one Transformer layer each from
   the first and the last stages") is the split 7 + 14 x 8 + 7.
 * given (:func:`given_split`): first and/or last fixed, the rest even, as ``loom train`` runs it
-  (:func:`loom.parallel.pipeline.layout.stage_layer_counts`).
+  (:func:`loom.parallel.pipeline.placement.stage_layer_counts`).
 * ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
   (:func:`accounted_split`, Megatron-LM semantics): the embedding and/or the loss count as one
   layer each in an even split of ``L + e + l`` "layers", the first/last stage giving up one
@@ -53,7 +53,7 @@ def given_split(num_layers: int, pp: int, first: int | None, last: int | None):
     divide). ``p = 1``: ``(0, 0)``."""
     if pp == 1:
         return (0, 0)
-    from loom.parallel.pipeline.layout import stage_layer_counts  # torch-free
+    from loom.parallel.pipeline.placement import stage_layer_counts  # torch-free
     try:
         counts = stage_layer_counts(num_layers, pp, first, last)
     except ValueError:

@@ -3,7 +3,7 @@ of a global batch (Megatron's ``get_batch`` over its pretraining sampler)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -15,27 +15,27 @@ from loom.parallel.mesh import ParallelMesh
 class BatchSource:
     """This rank's batches of ``datasets`` (train, valid, test; None for a set without data)
     under ``mesh``: ``micro_batch_size`` b samples per micro-batch, ``global_batch`` B samples
-    per step (default b d), so ``num_microbatches`` m = B / (b d); ``seq_length`` s tokens per
-    sample, ``hidden_size`` h (the pipeline's activation shape). ``sequence_parallel``: the
-    activations between stages are split by t."""
+    per step in ``num_microbatches`` m = B / (b d) micro-batches per DP rank (both from the
+    resolved config's ``derived``); ``seq_length`` s tokens per sample, ``hidden_size`` h (the
+    pipeline's activation shape). ``sequence_parallel``: the activations between stages are
+    split by t."""
 
     def __init__(self, datasets: tuple[Any, Any, Any], mesh: ParallelMesh, micro_batch_size: int,
-                 global_batch: Optional[int], seq_length: int, hidden_size: int,
+                 global_batch: int, num_microbatches: int, seq_length: int, hidden_size: int,
                  sequence_parallel: bool = False):
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.mesh, self.micro_batch_size = mesh, micro_batch_size
-        self.global_batch = global_batch or micro_batch_size * mesh.dp_size
-        self.num_microbatches = self.global_batch // (micro_batch_size * mesh.dp_size)
+        self.global_batch, self.num_microbatches = global_batch, num_microbatches
         self.seq_length, self.hidden_size = seq_length, hidden_size
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
 
     @classmethod
     def from_config(cls, cfg, mesh: ParallelMesh, datasets: tuple[Any, Any, Any]) -> "BatchSource":
-        """Sizes from a LoomConfig's ``--micro-batch-size``, ``--global-batch-size``,
+        """Sizes from a resolved LoomConfig: ``--micro-batch-size``, B and m of its ``derived``,
         ``--seq-length``, ``--hidden-size`` and ``--sequence-parallel``."""
-        t, m = cfg.training, cfg.model
-        return cls(datasets, mesh, t.micro_batch_size, t.global_batch_size, m.seq_length,
-                   m.hidden_size, cfg.parallel.sequence_parallel)
+        t, m, d = cfg.training, cfg.model, cfg.require_derived()
+        return cls(datasets, mesh, t.micro_batch_size, d.global_batch_size, d.num_microbatches,
+                   m.seq_length, m.hidden_size, cfg.parallel.sequence_parallel)
 
     def sets(self) -> tuple[tuple[str, Any], ...]:
         """``(("train", ds), ("valid", ds), ("test", ds))``."""

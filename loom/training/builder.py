@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
+from loom.errors import ConfigError
 from loom.models import get_family
 from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh, init_distributed
@@ -127,17 +128,20 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
                    family: Optional[ModelFamily] = None) -> TrainingParts:
     """The parts of ``cfg``'s training on this rank. ``mesh`` None initializes
     ``torch.distributed`` (:func:`build_mesh`); ``family`` None is ``--model-type``'s."""
+    derived = cfg.require_derived()  # a config cfg.validate(world_size) returned
     mesh = mesh if mesh is not None else build_mesh(cfg)
     family = family or get_family(cfg.model.model_type)
     world_size = math.prod(mesh.sizes.values())
+    if derived.world_size != world_size:
+        raise ConfigError(f"the config was resolved for {derived.world_size} ranks but the mesh "
+                          f"{mesh.sizes} has {world_size}: validate it for {world_size}")
     global_rank = dist.get_rank() if dist.is_initialized() else 0
-    t, par = cfg.training, cfg.parallel
+    t = cfg.training
     model = build_model(cfg, mesh, family)
     reducers = [chunk_reducer(c, mesh, cfg) for c in model.chunks]
     optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers)
     scheduler = build_scheduler(optimizer, t)
-    schedule = get_schedule(par.pipeline_schedule or (  # validate() resolved it; virtual
-        "interleaved" if par.num_layers_per_virtual_pipeline_stage else "1f1b"), mesh.pp_size)
+    schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))
     ft = cfg.fault_tolerance
     faults = FaultTolerance(global_rank, ft.inject_fault, ft.hang_timeout_s)

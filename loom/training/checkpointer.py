@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence
 from loom.checkpoint import latest_checkpoint, load_checkpoint, read_common
 from loom.checkpoint.model_match import check_same_model
 from loom.checkpoint.saver import Saver
+from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
 from loom.training.optimizer import lr_at
 from loom.training.resume import reconcile_schedule
@@ -59,7 +60,12 @@ class Checkpointer:
         if ckpt is not None:
             saved = read_common(ckpt)["config"]
             check_same_model(saved, cfg.model, ckpt, self.family)
-            reconcile_schedule(saved, cfg, self.world_size, ckpt)
+            unmerged = {k: v for k, v in reconcile_schedule(saved, cfg, ckpt).items()
+                        if getattr(cfg.training, k) != v}
+            if unmerged:  # loom.training.cli.prepare merges them before validation
+                raise ConfigError(f"--use-checkpoint-opt-param-scheduler: the checkpoint's "
+                                  f"schedule {unmerged} was not merged into the config: build "
+                                  f"it with loom.training.cli.prepare")
         common = load_checkpoint(load_dir, self.model_chunks,
                                  None if weights_only else self.optimizer,
                                  None if weights_only else self.scheduler, self.mesh,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
 from loom.config import LoomConfig, add_config_arguments, config_from_args
 from loom.errors import ConfigError
@@ -105,107 +106,109 @@ def given_fields(args: argparse.Namespace) -> set[str]:
     return given
 
 
-def _model_from_checkpoint(cfg: LoomConfig, given: set[str]) -> None:
-    """``--load``: every model field not given here (on the command line or in the YAML) is
-    the checkpoint's: an imported model's shape needs no flags, and its dropout (0 for imported
-    models) is kept. Given architecture flags are still checked against it
-    (:func:`_check_same_model`); the sequence length and the vocabulary padding stay this
-    run's (taken from the checkpoint only when not given at all)."""
+def _stored_config(cfg: LoomConfig) -> Optional[tuple[str, dict]]:
+    """(directory, stored flat config) of the ``--load`` checkpoint (``--ckpt-step``), its
+    files checked; None without ``--load`` or when it holds no checkpoint yet."""
     ck = cfg.checkpoint
     if not ck.load:
-        return
-    import dataclasses
-
+        return None
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
-    from loom.config import ModelConfig
     ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
     if ckpt is None:
-        return
+        return None
     check_checkpoint_files(ckpt)
-    saved = read_common(ckpt)["config"]
-    for f in dataclasses.fields(ModelConfig):
-        if f.name in saved and f.name not in given and (
-                f.name not in RUN_FIELDS or getattr(cfg.model, f.name) is None):
-            setattr(cfg.model, f.name, saved[f.name])
+    return ckpt, read_common(ckpt)["config"]
 
 
-def _vocab_from_checkpoint(cfg: LoomConfig) -> None:
-    ck = cfg.checkpoint
-    if cfg.model.vocab_size is not None or not ck.load or cfg.data.data_path or \
-            cfg.data.train_data_path:
-        return
-    from loom.checkpoint.io import read_common
-    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
-    ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
-    if ckpt is not None:
-        check_checkpoint_files(ckpt)
-        cfg.model.vocab_size = int(read_common(ckpt)["config"]["vocab_size"])
+def model_from_checkpoint(cfg: LoomConfig, saved: dict, given: set[str]) -> dict:
+    """``--load``: the flat values of every model field not given here (on the command line or
+    in the YAML): the checkpoint's ``saved`` ones, merged into the flags before validation (an
+    imported model's shape needs no flags, and its dropout, 0 for imported models, is kept).
+    Given architecture flags are still checked against it (:func:`_check_same_model`); the
+    sequence length and the vocabulary padding stay this run's (taken from the checkpoint only
+    when not given at all). Without a vocabulary size and a dataset to read it from, V is the
+    checkpoint's."""
+    import dataclasses
+
+    from loom.config import ModelConfig
+    out = {f.name: saved[f.name] for f in dataclasses.fields(ModelConfig)
+           if f.name in saved and f.name not in given and (
+               f.name not in RUN_FIELDS or getattr(cfg.model, f.name) is None)}
+    d = cfg.data
+    if out.get("vocab_size", cfg.model.vocab_size) is None and not (d.data_path or
+                                                                    d.train_data_path):
+        out["vocab_size"] = int(saved["vocab_size"])
+    return out
 
 
 def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
-    """Take V from the datasets' stored tokenizer (or the checkpoint) when not given.
+    """``cfg`` with V taken from the datasets' stored tokenizer (or the checkpoint) when not
+    given: a new (unresolved) config, ``cfg`` itself when V is given.
 
     Raises ConfigError when it stays unknown, or when blended datasets disagree on it."""
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import resolve_checkpoint
     from loom.data.blended import blend_vocab_size
-    if cfg.model.vocab_size is None and not cfg.data.mock_data:
-        cfg.model.vocab_size = blend_vocab_size(cfg.data)
-    if cfg.model.vocab_size is None and cfg.checkpoint.load:
+    vocab = cfg.model.vocab_size
+    if vocab is None and not cfg.data.mock_data:
+        vocab = blend_vocab_size(cfg.data)
+    if vocab is None and cfg.checkpoint.load:
         ckpt = resolve_checkpoint(cfg.checkpoint.load, None)
         if ckpt:
-            cfg.model.vocab_size = read_common(ckpt)["config"]["vocab_size"]
-    if cfg.model.vocab_size is None:
+            vocab = read_common(ckpt)["config"]["vocab_size"]
+    if vocab is None:
         raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
                           "`loom preprocess`) or --mock-data --vocab-size V")
-    return cfg
+    if vocab == cfg.model.vocab_size:
+        return cfg
+    return LoomConfig.from_flat({**cfg.to_flat(), "vocab_size": vocab})
 
 
 def prepare(args: argparse.Namespace) -> LoomConfig:
-    """The validated config of ``loom train ARGS``; every check that needs no process group.
+    """The resolved config of ``loom train ARGS``; every check that needs no process group.
 
-    Raises ConfigError naming the flag, key or file and the fix.
+    One path: flags or YAML -> flat values, the ``--load`` checkpoint's model fields (and, with
+    ``--use-checkpoint-opt-param-scheduler``, its schedule) merged into them -> sections ->
+    :meth:`LoomConfig.validate`. Raises ConfigError naming the flag, key or file and the fix.
     """
-    cfg = config_from_args(args)
-    world = dry_run_world(args, cfg) if getattr(args, "dry_run", False) else world_size_from_env()
-    d = cfg.data
-    named = d.data_path or d.train_data_path or (cfg.training.skip_train and (
+    flags = config_from_args(args)
+    world = dry_run_world(args, flags) if getattr(args, "dry_run", False) else \
+        world_size_from_env()
+    d = flags.data
+    named = d.data_path or d.train_data_path or (flags.training.skip_train and (
         d.valid_data_path or d.test_data_path))
     if not d.mock_data and not named:
         raise ConfigError("no training data: give --data-path PREFIX (written by `loom "
                           "preprocess`) or --mock-data (random tokens, needs --vocab-size)")
     if d.mock_data and d.data_path:
         raise ConfigError("--mock-data and --data-path exclude each other: give one")
-    if d.mock_data and cfg.model.vocab_size is None and not cfg.checkpoint.load:
+    if d.mock_data and flags.model.vocab_size is None and not flags.checkpoint.load:
         raise ConfigError("--mock-data needs --vocab-size V (random token ids 0..V-1)")
-    _model_from_checkpoint(cfg, given_fields(args))
-    _vocab_from_checkpoint(cfg)
-    cfg = resolve_vocab(cfg)
-    cfg.validate(world)
+    flat, stored = flags.to_flat(), _stored_config(flags)
+    if stored is not None:
+        flat.update(model_from_checkpoint(flags, stored[1], given_fields(args)))
+    flags = resolve_vocab(LoomConfig.from_flat(flat))
+    cfg = flags.validate(world)
     if named and not d.mock_data:
         _check_data(cfg)
     _check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
-    _check_same_model(cfg)
+    if stored is not None:
+        schedule = _check_same_model(cfg, *stored)
+        if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
+            cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
     return cfg
 
 
-def _check_same_model(cfg: LoomConfig) -> None:
-    """Refuse a --load checkpoint of another architecture or learning-rate schedule (names
-    each differing flag)."""
-    ck = cfg.checkpoint
-    if not ck.load:
-        return
-    from loom.checkpoint.io import read_common
+def _check_same_model(cfg: LoomConfig, ckpt: str, saved: dict) -> dict:
+    """Refuse a --load checkpoint ``ckpt`` (stored config ``saved``) of another architecture
+    or learning-rate schedule (names each differing flag); returns the flat schedule values to
+    take from it (:func:`loom.training.resume.reconcile_schedule`)."""
     from loom.checkpoint.model_match import check_same_model
     from loom.models import get_family
-    from loom.checkpoint.safety import resolve_checkpoint
     from loom.training.resume import reconcile_schedule
-    ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
-    if ckpt is not None:
-        saved = read_common(ckpt)["config"]
-        check_same_model(saved, cfg.model, ckpt, get_family(cfg.model.model_type))
-        reconcile_schedule(saved, cfg, world_size_from_env(), ckpt)
+    check_same_model(saved, cfg.model, ckpt, get_family(cfg.model.model_type))
+    return reconcile_schedule(saved, cfg, ckpt)
 
 
 def dry_run_world(args: argparse.Namespace, cfg: LoomConfig) -> int:

@@ -5,7 +5,8 @@ If the schedule these flags define (``--lr``, ``--min-lr``, ``--lr-warmup-iters`
 or the global batch differs from the checkpoint's stored config, the run is refused naming each
 difference (a longer ``--train-iters`` with the same decay end, or a constant schedule, resumes), unless ``--override-opt-param-scheduler`` (these flags win) or
 ``--use-checkpoint-opt-param-scheduler`` (the checkpoint's schedule wins) is given, as in
-Megatron-LM. Torch-free.
+Megatron-LM. The checkpoint's schedule is merged into the flags before validation, by the same
+path as the checkpoint's model fields (:func:`loom.training.cli.prepare`). Torch-free.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ def _schedule(values: dict) -> dict:
     return out
 
 
-def schedule_differences(saved: dict, cfg: Any, world_size: int) -> list[str]:
-    """``--flag saved vs requested`` for each schedule parameter (and the global batch) that
-    differs from the checkpoint; the decay end is named ``--lr-decay-iters`` (which defaults to
-    ``--train-iters``)."""
+def schedule_differences(saved: dict, cfg: Any) -> list[str]:
+    """``--flag saved vs requested`` for each schedule parameter (and the global batch) of the
+    resolved ``cfg`` that differs from the checkpoint; the decay end is named
+    ``--lr-decay-iters`` (which defaults to ``--train-iters``)."""
     t = cfg.training
     want = _schedule(dict(vars(t)))
     have = _schedule(saved)
@@ -38,29 +39,29 @@ def schedule_differences(saved: dict, cfg: Any, world_size: int) -> list[str]:
            + (" (--lr-decay-iters defaults to --train-iters)" if k == "lr_decay_iters" else "")
            for k in have if k in saved or k == "lr_decay_iters"
            if have[k] != want.get(k) and have[k] is not None]
-    batch = saved.get("global_batch_size")
-    if batch is not None and batch != cfg.global_batch_size(world_size):
-        out.append(f"--global-batch-size {batch} in the checkpoint, "
-                   f"{cfg.global_batch_size(world_size)} here")
+    batch, here = saved.get("global_batch_size"), cfg.require_derived().global_batch_size
+    if batch is not None and batch != here:
+        out.append(f"--global-batch-size {batch} in the checkpoint, {here} here")
     return out
 
 
-def reconcile_schedule(saved: dict, cfg: Any, world_size: int, ckpt_dir: str) -> None:
-    """Refuse a changed schedule (ConfigError naming the flags and both ways out), or apply
-    ``--use-checkpoint-opt-param-scheduler`` by copying the checkpoint's schedule into ``cfg``
-    (the decay then ends where the checkpoint's did)."""
+def reconcile_schedule(saved: dict, cfg: Any, ckpt_dir: str) -> dict:
+    """The flat values the resolved ``cfg`` must take from the checkpoint's stored config
+    ``saved``: ``{}`` when the schedule is the same (or ``--override-opt-param-scheduler``, or
+    it is not loaded), the checkpoint's schedule under ``--use-checkpoint-opt-param-scheduler``
+    (the decay then ends where the checkpoint's did). They are merged into the flags before
+    validation (:func:`loom.training.cli.prepare`), never set on a resolved config. Raises
+    ConfigError naming the flags and both ways out for a changed schedule."""
     ck = cfg.checkpoint
     if cfg.training.skip_train or ck.finetune or ck.no_load_optim:
-        return  # only evaluating, or the checkpoint's schedule is not loaded at all
-    diff = schedule_differences(saved, cfg, world_size)
+        return {}  # only evaluating, or the checkpoint's schedule is not loaded at all
+    diff = schedule_differences(saved, cfg)
     if not diff or ck.override_opt_param_scheduler:
-        return
+        return {}
     if ck.use_checkpoint_opt_param_scheduler:
-        for name in FROM_CHECKPOINT:
-            if name in saved:
-                setattr(cfg.training, name, saved[name])
-        cfg.training.lr_decay_iters = saved.get("lr_decay_iters") or saved.get("train_iters")
-        return
+        out = {name: saved[name] for name in FROM_CHECKPOINT if name in saved}
+        out["lr_decay_iters"] = saved.get("lr_decay_iters") or saved.get("train_iters")
+        return out
     raise ConfigError(f"--load: the learning-rate schedule differs from the checkpoint "
                       f"{ckpt_dir}: " + "; ".join(diff) + ". Give "
                       "--override-opt-param-scheduler to use these flags, or "

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 from loom.errors import NonFiniteError
 from loom.parallel.grad_buffer import flat_buffers
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.pipeline.model import allreduce_embedding_grads
+from loom.parallel.pipeline.shared_embedding import allreduce_embedding_grads
 from loom.parallel.sequence import allreduce_sequence_parallel_grads
 from loom.training.distributed_optimizer import DistributedOptimizer
 from loom.training.optimizer import clip_and_norm

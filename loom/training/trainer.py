@@ -81,6 +81,7 @@ class Trainer:
 
     def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
                  family: Optional[ModelFamily] = None, parts: Optional[TrainingParts] = None):
+        cfg.require_derived()  # only a resolved config (cfg.validate(world) returns one)
         self.cfg = cfg
         self.parts = parts if parts is not None else build_training(cfg, mesh, family)
         self.last_stats = None  # PipelineStats of the latest schedule run

@@ -63,13 +63,13 @@ def bert_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
                          ("output.dense", "mlp.linear_fc2")):
             out[l + dst + ".weight"] = sd[h + src + ".weight"]
             out[l + dst + ".bias"] = sd[h + src + ".bias"]
-        out.update(_ln(sd, h + "attention.output.LayerNorm", l + "post_attention_norm"))
-        out.update(_ln(sd, h + "output.LayerNorm", l + "post_mlp_norm"))
+        out.update(_ln(sd, h + "attention.output.LayerNorm", l + "post_self_attn_layernorm"))
+        out.update(_ln(sd, h + "output.LayerNorm", l + "post_mlp_layernorm"))
     p = "cls.predictions."
     out["lm_head.dense.weight"] = sd[p + "transform.dense.weight"]
     out["lm_head.dense.bias"] = sd[p + "transform.dense.bias"]
-    out.update(_ln(sd, p + "transform.LayerNorm", "lm_head.norm"))
-    out["output_bias.bias"] = sd.get(p + "bias", sd.get(p + "decoder.bias"))
+    out.update(_ln(sd, p + "transform.LayerNorm", "lm_head.layer_norm"))
+    out["output_layer.bias"] = sd.get(p + "bias", sd.get(p + "decoder.bias"))
     if cfg.bert_binary_head:
         out["pooler.dense.weight"] = sd["bert.pooler.dense.weight"]
         out["pooler.dense.bias"] = sd["bert.pooler.dense.bias"]

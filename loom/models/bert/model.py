@@ -61,31 +61,31 @@ class BertSelfAttention(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """One encoder layer, pre-LN (``input_norm``, ``pre_mlp_norm``) or post-LN
-    (``post_attention_norm``, ``post_mlp_norm``)."""
+    """One encoder layer, pre-LN (``input_layernorm``, ``pre_mlp_layernorm``) or post-LN
+    (``post_self_attn_layernorm``, ``post_mlp_layernorm``)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         self.post_ln = cfg.post_layernorm
         if not self.post_ln:
-            self.input_norm = build_norm(cfg)
+            self.input_layernorm = build_norm(cfg)
         self.self_attention = BertSelfAttention(cfg)
         if self.post_ln:
-            self.post_attention_norm = build_norm(cfg)
+            self.post_self_attn_layernorm = build_norm(cfg)
         else:
-            self.pre_mlp_norm = build_norm(cfg)
+            self.pre_mlp_layernorm = build_norm(cfg)
         self.mlp = MLP(cfg)
         if self.post_ln:
-            self.post_mlp_norm = build_norm(cfg)
+            self.post_mlp_layernorm = build_norm(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         drop = self.hidden_dropout
         if self.post_ln:
-            x = self.post_attention_norm(x + drop(self.self_attention(x, padding_mask)))
-            return self.post_mlp_norm(x + drop(self.mlp(x)))
-        x = x + drop(self.self_attention(self.input_norm(x), padding_mask))
-        return x + drop(self.mlp(self.pre_mlp_norm(x)))
+            x = self.post_self_attn_layernorm(x + drop(self.self_attention(x, padding_mask)))
+            return self.post_mlp_layernorm(x + drop(self.mlp(x)))
+        x = x + drop(self.self_attention(self.input_layernorm(x), padding_mask))
+        return x + drop(self.mlp(self.pre_mlp_layernorm(x)))
 
 
 class BertEmbedding(nn.Module):
@@ -129,10 +129,10 @@ class MaskedLMHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.gelu_approx = "tanh" if cfg.openai_gelu else "none"
-        self.norm = build_norm(cfg)
+        self.layer_norm = build_norm(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(F.gelu(self.dense(x), approximate=self.gelu_approx))
+        return self.layer_norm(F.gelu(self.dense(x), approximate=self.gelu_approx))
 
 
 class Pooler(nn.Module):
@@ -161,9 +161,9 @@ class BertModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): BertLayer(cfg, i) for i in stage.layer_numbers})
         if self.post_process:
             if not cfg.post_layernorm:
-                self.final_norm = build_norm(cfg)
+                self.final_layernorm = build_norm(cfg)
             self.lm_head = MaskedLMHead(cfg)
-            self.output_bias = VocabBias(padded)
+            self.output_layer = VocabBias(padded)
             self.head = LMHead(cfg.vocab_size)
             if cfg.bert_binary_head:
                 self.pooler = Pooler(cfg)
@@ -192,13 +192,13 @@ class BertModel(nn.Module):
         if not self.post_process:
             return x
         if not self.cfg.post_layernorm:
-            x = self.final_norm(x)
+            x = self.final_layernorm(x)
         sop = self.binary_head(self.pooler(x)) if self.cfg.bert_binary_head else None
         y = self.lm_head(x)
         # the output bias rides along the tied GEMM: [y, 1] . [W, bias]^T = y W^T + bias
         y = torch.cat([y, y.new_ones(*y.shape[:-1], 1)], dim=-1)
         weight = torch.cat([self.embedding.word_embeddings.weight,
-                            self.output_bias.bias.unsqueeze(1)], dim=1)
+                            self.output_layer.bias.unsqueeze(1)], dim=1)
         return self.head(y, weight, labels), sop
 
 

@@ -108,11 +108,12 @@ def hf_gemma3_config(cfg: ModelConfig) -> dict:
             "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32"}
 
 
-_NORMS = (("input_layernorm", "input_norm"), ("post_attention_layernorm", "post_attention_norm"),
-          ("pre_feedforward_layernorm", "pre_mlp_norm"),
-          ("post_feedforward_layernorm", "post_mlp_norm"),
-          ("self_attn.q_norm", "self_attention.q_norm"),
-          ("self_attn.k_norm", "self_attention.k_norm"))
+_NORMS = (("input_layernorm", "input_layernorm"),
+          ("post_attention_layernorm", "post_self_attn_layernorm"),
+          ("pre_feedforward_layernorm", "pre_mlp_layernorm"),
+          ("post_feedforward_layernorm", "post_mlp_layernorm"),
+          ("self_attn.q_norm", "self_attention.q_layernorm"),
+          ("self_attn.k_norm", "self_attention.k_layernorm"))
 
 
 def gemma3_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -125,7 +126,7 @@ def gemma3_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str
             raise ConfigError(f"Gemma 3 weights: {name} missing")
         return sd[name]
     out = {"embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
-           "final_norm.weight": get("model.norm.weight")}
+           "final_layernorm.weight": get("model.norm.weight")}
     for i in range(cfg.num_layers):
         h, l = f"model.layers.{i}.", f"layers.{i}."
         out.update({
@@ -145,7 +146,7 @@ def loom_to_gemma3(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     """Full loom tensors (vocabulary padding dropped) -> the Gemma3ForCausalLM state dict
     (tied: no ``lm_head.weight``)."""
     out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:cfg.vocab_size],
-           "model.norm.weight": full["final_norm.weight"]}
+           "model.norm.weight": full["final_layernorm.weight"]}
     f = cfg.ffn_size
     for i in range(cfg.num_layers):
         h, l = f"model.layers.{i}.", f"layers.{i}."

@@ -4,8 +4,8 @@ Embedding scaled by sqrt(h) (in the embedding's dtype) -> L layers -> final norm
 to the embedding (optionally soft-capped logits) -> cross-entropy. Activations are ``[s, b, h]``.
 Each layer has four norms, before and after attention and before and after the MLP::
 
-    x = x + post_attention_norm(attn(input_norm(x)))
-    x = x + post_mlp_norm(mlp(pre_mlp_norm(x)))
+    x = x + post_self_attn_layernorm(attn(input_layernorm(x)))
+    x = x + post_mlp_layernorm(mlp(pre_mlp_layernorm(x)))
 
 Every norm is RMSNorm computed in fp32 with a ``(1 + weight)`` gain (zero-initialized weight).
 Attention: GQA with separate Q and fused KV projections, RMSNorm on each head's queries and keys
@@ -102,8 +102,8 @@ class GemmaAttention(nn.Module):
         self.kind = cfg.attention_layer_types[layer_number]  # "L" local or "G" global
         self.linear_q = nn.Linear(h, a * d, bias=False)
         self.linear_kv = nn.Linear(h, 2 * g * d, bias=False)
-        self.q_norm = GemmaRMSNorm(d, cfg.norm_epsilon)
-        self.k_norm = GemmaRMSNorm(d, cfg.norm_epsilon)
+        self.q_layernorm = GemmaRMSNorm(d, cfg.norm_epsilon)
+        self.k_layernorm = GemmaRMSNorm(d, cfg.norm_epsilon)
         self.core_attention = GemmaAttentionCore(
             (cfg.query_pre_attn_scalar or d) ** -0.5,
             cfg.sliding_window if self.kind == "L" else None, cfg.attn_logit_softcapping,
@@ -117,7 +117,7 @@ class GemmaAttention(nn.Module):
         s, b, _ = q.shape
         k, v = self.linear_kv(x).chunk(2, dim=-1)
         q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
-        q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
+        q, k = apply_rope(self.q_layernorm(q), *rope), apply_rope(self.k_layernorm(k), *rope)
         q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
         if cache is not None:
             k, v = cache.update(self.layer_number, k, v)
@@ -147,20 +147,20 @@ class GemmaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.norm_epsilon
-        self.input_norm = GemmaRMSNorm(h, eps)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
         self.self_attention = GemmaAttention(cfg, layer_number)
-        self.post_attention_norm = GemmaRMSNorm(h, eps)
-        self.pre_mlp_norm = GemmaRMSNorm(h, eps)
+        self.post_self_attn_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_mlp_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = GeGLU(cfg)
-        self.post_mlp_norm = GemmaRMSNorm(h, eps)
+        self.post_mlp_layernorm = GemmaRMSNorm(h, eps)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, ropes: dict, positions: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
-        attn = self.self_attention(self.input_norm(x), ropes[self.self_attention.kind], positions,
-                                   cache)
-        x = x + self.hidden_dropout(self.post_attention_norm(attn))
-        return x + self.hidden_dropout(self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))))
+        attn = self.self_attention(self.input_layernorm(x), ropes[self.self_attention.kind],
+                                   positions, cache)
+        x = x + self.hidden_dropout(self.post_self_attn_layernorm(attn))
+        return x + self.hidden_dropout(self.post_mlp_layernorm(self.mlp(self.pre_mlp_layernorm(x))))
 
 
 class Gemma3Model(nn.Module):
@@ -181,7 +181,7 @@ class Gemma3Model(nn.Module):
             self.embedding = Embedding(cfg, padded, with_positions=False)
         self.layers = nn.ModuleDict({str(i): GemmaLayer(cfg, i) for i in stage.layer_numbers})
         if self.post_process:
-            self.final_norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+            self.final_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_epsilon)
             self.head = LMHead(cfg.vocab_size, cfg.final_logit_softcapping)  # shared
 
     def output_weight(self) -> torch.Tensor:
@@ -218,7 +218,7 @@ class Gemma3Model(nn.Module):
             x = layer(x, ropes, position_ids, cache)
         if not self.post_process:
             return x
-        return self.head(self.final_norm(x), self.output_weight(), labels)
+        return self.head(self.final_layernorm(x), self.output_weight(), labels)
 
     def allocate_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` positions (this rank's

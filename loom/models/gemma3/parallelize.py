@@ -30,10 +30,10 @@ from loom.models.init import (by_pattern, normal_init, scaled_normal_init, vocab
                               zeros_init)
 from loom.parallel.mappings import copy_to_tensor_parallel_region
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, ParallelStyle,
-                                PartitionedRNG, PipelineShared, PlanContext, RowwiseParallel,
-                                SequenceParallelOutput, SequenceParallelParams, VocabParallel,
-                                VocabParallelHead)
+from loom.parallel.plan import (ColumnParallelLinear, ContextParallelCore, ParallelStyle,
+                                PartitionedRNG, PipelineShared, PlanContext, RowParallelLinear,
+                                SequenceParallelOutput, SequenceParallelParams,
+                                VocabParallelEmbedding, VocabParallelLMHead)
 from loom.parallel.sequence import gather_from_sequence_parallel_region
 from loom.parallel.tensor import vocab_parallel_cross_entropy
 
@@ -114,28 +114,28 @@ class SoftcappedVocabParallelHead(ParallelStyle):
 def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     """``[(module pattern, style)]`` for one chunk of the model."""
     g, d, f, t = cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size, ctx.mesh.tp_size
-    kv = ColwiseParallel(segments=(g * d, g * d)) if g % t == 0 else ReplicatedKV(g)
-    head = VocabParallelHead(cfg.vocab_size) if cfg.final_logit_softcapping is None else \
+    kv = ColumnParallelLinear(segments=(g * d, g * d)) if g % t == 0 else ReplicatedKV(g)
+    head = VocabParallelLMHead(cfg.vocab_size) if cfg.final_logit_softcapping is None else \
         SoftcappedVocabParallelHead(cfg.vocab_size, cfg.final_logit_softcapping)
     out = [
-        ("embedding.word_embeddings", VocabParallel(cfg.vocab_size)),
-        ("layers.*.self_attention.linear_q", ColwiseParallel()),
+        ("embedding.word_embeddings", VocabParallelEmbedding(cfg.vocab_size)),
+        ("layers.*.self_attention.linear_q", ColumnParallelLinear()),
         ("layers.*.self_attention.linear_kv", kv),
-        ("layers.*.self_attention.q_norm", PartialGradOverTP()),
-        ("layers.*.self_attention.k_norm", PartialGradOverTP()),
-        ("layers.*.self_attention.linear_proj", RowwiseParallel()),
+        ("layers.*.self_attention.q_layernorm", PartialGradOverTP()),
+        ("layers.*.self_attention.k_layernorm", PartialGradOverTP()),
+        ("layers.*.self_attention.linear_proj", RowParallelLinear()),
         ("layers.*.self_attention.core_attention", PartitionedRNG("tp")),
         ("layers.*.self_attention.core_attention", ContextParallelCore()),
-        ("layers.*.mlp.linear_fc1", ColwiseParallel(segments=(f, f))),
-        ("layers.*.mlp.linear_fc2", RowwiseParallel()),
+        ("layers.*.mlp.linear_fc1", ColumnParallelLinear(segments=(f, f))),
+        ("layers.*.mlp.linear_fc2", RowParallelLinear()),
         ("head", head),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),
-        ("layers.*.input_norm", SequenceParallelParams()),
-        ("layers.*.post_attention_norm", SequenceParallelParams()),
-        ("layers.*.pre_mlp_norm", SequenceParallelParams()),
-        ("layers.*.post_mlp_norm", SequenceParallelParams()),
-        ("final_norm", SequenceParallelParams()),
+        ("layers.*.input_layernorm", SequenceParallelParams()),
+        ("layers.*.post_self_attn_layernorm", SequenceParallelParams()),
+        ("layers.*.pre_mlp_layernorm", SequenceParallelParams()),
+        ("layers.*.post_mlp_layernorm", SequenceParallelParams()),
+        ("final_layernorm", SequenceParallelParams()),
         ("layers.*.hidden_dropout", PartitionedRNG("sp")),
     ]
     if ctx.mesh.pp_size > 1 and (stage.pre_process or stage.post_process):

@@ -47,16 +47,19 @@ def gpt2_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
     p = "transformer."
     out = {"embedding.word_embeddings.weight": sd[p + "wte.weight"],
            "embedding.position_embeddings.weight": sd[p + "wpe.weight"],
-           "final_norm.weight": sd[p + "ln_f.weight"], "final_norm.bias": sd[p + "ln_f.bias"]}
+           "final_layernorm.weight": sd[p + "ln_f.weight"],
+           "final_layernorm.bias": sd[p + "ln_f.bias"]}
     for i in range(cfg.num_layers):
         h, l = f"{p}h.{i}.", f"layers.{i}."
         out.update({
-            l + "input_norm.weight": sd[h + "ln_1.weight"], l + "input_norm.bias": sd[h + "ln_1.bias"],
+            l + "input_layernorm.weight": sd[h + "ln_1.weight"],
+            l + "input_layernorm.bias": sd[h + "ln_1.bias"],
             l + "self_attention.linear_qkv.weight": sd[h + "attn.c_attn.weight"].t(),
             l + "self_attention.linear_qkv.bias": sd[h + "attn.c_attn.bias"],
             l + "self_attention.linear_proj.weight": sd[h + "attn.c_proj.weight"].t(),
             l + "self_attention.linear_proj.bias": sd[h + "attn.c_proj.bias"],
-            l + "pre_mlp_norm.weight": sd[h + "ln_2.weight"], l + "pre_mlp_norm.bias": sd[h + "ln_2.bias"],
+            l + "pre_mlp_layernorm.weight": sd[h + "ln_2.weight"],
+            l + "pre_mlp_layernorm.bias": sd[h + "ln_2.bias"],
             l + "mlp.linear_fc1.weight": sd[h + "mlp.c_fc.weight"].t(),
             l + "mlp.linear_fc1.bias": sd[h + "mlp.c_fc.bias"],
             l + "mlp.linear_fc2.weight": sd[h + "mlp.c_proj.weight"].t(),
@@ -68,16 +71,16 @@ def gpt2_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 def llama_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM state dict -> loom names (q, k, v fused; gate, up fused)."""
     out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-           "final_norm.weight": sd["model.norm.weight"]}
+           "final_layernorm.weight": sd["model.norm.weight"]}
     out["output_layer.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     for i in range(cfg.num_layers):
         h, l = f"model.layers.{i}.", f"layers.{i}."
         out.update({
-            l + "input_norm.weight": sd[h + "input_layernorm.weight"],
+            l + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
             l + "self_attention.linear_qkv.weight": torch.cat(
                 [sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0),
             l + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
-            l + "pre_mlp_norm.weight": sd[h + "post_attention_layernorm.weight"],
+            l + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
             l + "mlp.linear_fc1.weight": torch.cat(
                 [sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]], dim=0),
             l + "mlp.linear_fc2.weight": sd[h + "mlp.down_proj.weight"],
@@ -128,14 +131,15 @@ def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         p = "transformer."
         out.update({p + "wte.weight": full["embedding.word_embeddings.weight"][:V],
                     p + "wpe.weight": full["embedding.position_embeddings.weight"],
-                    p + "ln_f.weight": full["final_norm.weight"],
-                    p + "ln_f.bias": full["final_norm.bias"]})
+                    p + "ln_f.weight": full["final_layernorm.weight"],
+                    p + "ln_f.bias": full["final_layernorm.bias"]})
         for i in range(cfg.num_layers):
             h, l = f"{p}h.{i}.", f"layers.{i}."
             for hf_name, loom_name, conv in (
-                    ("ln_1", "input_norm", False), ("attn.c_attn", "self_attention.linear_qkv", True),
+                    ("ln_1", "input_layernorm", False),
+                    ("attn.c_attn", "self_attention.linear_qkv", True),
                     ("attn.c_proj", "self_attention.linear_proj", True),
-                    ("ln_2", "pre_mlp_norm", False), ("mlp.c_fc", "mlp.linear_fc1", True),
+                    ("ln_2", "pre_mlp_layernorm", False), ("mlp.c_fc", "mlp.linear_fc1", True),
                     ("mlp.c_proj", "mlp.linear_fc2", True)):
                 w = full[l + loom_name + ".weight"]
                 out[h + hf_name + ".weight"] = w.t().contiguous() if conv else w
@@ -144,7 +148,7 @@ def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         return out
     a, g, d, f = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size
     out.update({"model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:V],
-                "model.norm.weight": full["final_norm.weight"]})
+                "model.norm.weight": full["final_layernorm.weight"]})
     out["lm_head.weight"] = (full["output_layer.weight"][:V]
                              if cfg.untie_embeddings_and_output_weights
                              else out["model.embed_tokens.weight"])
@@ -157,8 +161,8 @@ def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
                     h + "self_attn.o_proj.weight": full[l + "self_attention.linear_proj.weight"],
                     h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
                     h + "mlp.down_proj.weight": full[l + "mlp.linear_fc2.weight"],
-                    h + "input_layernorm.weight": full[l + "input_norm.weight"],
-                    h + "post_attention_layernorm.weight": full[l + "pre_mlp_norm.weight"]})
+                    h + "input_layernorm.weight": full[l + "input_layernorm.weight"],
+                    h + "post_attention_layernorm.weight": full[l + "pre_mlp_layernorm.weight"]})
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -97,17 +97,18 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
-        self.input_norm = build_norm(cfg)
+        self.input_layernorm = build_norm(cfg)
         self.self_attention = SelfAttention(cfg, layer_number)
-        self.pre_mlp_norm = build_norm(cfg)
+        self.pre_mlp_layernorm = build_norm(cfg)
         self.mlp = MoELayer(cfg, layer_number) if cfg.is_moe_layer(layer_number) else MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
                 positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 moe: Optional[MoEContext] = None) -> torch.Tensor:
-        x = x + self.hidden_dropout(self.self_attention(self.input_norm(x), rope, positions, cache))
-        return x + self.hidden_dropout(self.mlp(self.pre_mlp_norm(x), moe))
+        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), rope, positions,
+                                                        cache))
+        return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x), moe))
 
 
 class Embedding(nn.Module):
@@ -173,7 +174,7 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(cfg, padded, with_positions=self.pre_process)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in stage.layer_numbers})
         if self.post_process:
-            self.final_norm = build_norm(cfg)
+            self.final_layernorm = build_norm(cfg)
             if not self.tied:
                 self.output_layer = nn.Linear(cfg.hidden_size, padded, bias=False)
             self.head = LMHead(cfg.vocab_size)
@@ -210,7 +211,7 @@ class GPTModel(nn.Module):
             x = layer(x, rope, position_ids, cache, moe)
         if not self.post_process:
             return x
-        return self.head(self.final_norm(x), self.output_weight(), labels)
+        return self.head(self.final_layernorm(x), self.output_weight(), labels)
 
     def allocate_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` positions."""

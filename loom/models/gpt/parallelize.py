@@ -18,31 +18,32 @@ from loom.models.init import (by_pattern, normal_init, ones_init, scaled_normal_
                               vocab_padded_init, zeros_init)
 from loom.models.moe import run_experts
 from loom.parallel.expert import MoEParallel
-from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, PartitionedRNG,
-                                PipelineShared, PlanContext, RowwiseParallel,
-                                SequenceParallelOutput, SequenceParallelParams, VocabParallel,
-                                VocabParallelHead)
+from loom.parallel.plan import (ColumnParallelLinear, ContextParallelCore, PartitionedRNG,
+                                PipelineShared, PlanContext, RowParallelLinear,
+                                SequenceParallelOutput, SequenceParallelParams,
+                                VocabParallelEmbedding, VocabParallelLMHead)
 
 
 def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     """``[(module pattern, style)]`` for one chunk of the model."""
     a, g, d, f = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size
     out = [
-        ("embedding.word_embeddings", VocabParallel(cfg.vocab_size)),
-        ("layers.*.self_attention.linear_qkv", ColwiseParallel(segments=(a * d, g * d, g * d))),
-        ("layers.*.self_attention.linear_proj", RowwiseParallel()),
+        ("embedding.word_embeddings", VocabParallelEmbedding(cfg.vocab_size)),
+        ("layers.*.self_attention.linear_qkv",
+         ColumnParallelLinear(segments=(a * d, g * d, g * d))),
+        ("layers.*.self_attention.linear_proj", RowParallelLinear()),
         ("layers.*.self_attention.core_attention", PartitionedRNG("tp")),
         ("layers.*.self_attention.core_attention", ContextParallelCore()),
-        ("layers.*.mlp.linear_fc1", ColwiseParallel(segments=(f, f) if cfg.swiglu else None)),
-        ("layers.*.mlp.linear_fc2", RowwiseParallel()),
+        ("layers.*.mlp.linear_fc1", ColumnParallelLinear(segments=(f, f) if cfg.swiglu else None)),
+        ("layers.*.mlp.linear_fc2", RowParallelLinear()),
         ("layers.*.mlp", MoEParallel(run_experts, swiglu=cfg.swiglu)),  # MoE layers: EP, expert TP
-        ("output_layer", ColwiseParallel(vocab=True)),
-        ("head", VocabParallelHead(cfg.vocab_size)),
+        ("output_layer", ColumnParallelLinear(vocab=True)),
+        ("head", VocabParallelLMHead(cfg.vocab_size)),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),
-        ("layers.*.input_norm", SequenceParallelParams()),
-        ("layers.*.pre_mlp_norm", SequenceParallelParams()),
-        ("final_norm", SequenceParallelParams()),
+        ("layers.*.input_layernorm", SequenceParallelParams()),
+        ("layers.*.pre_mlp_layernorm", SequenceParallelParams()),
+        ("final_layernorm", SequenceParallelParams()),
         ("layers.*.hidden_dropout", PartitionedRNG("sp")),
     ]
     tied = not cfg.untie_embeddings_and_output_weights

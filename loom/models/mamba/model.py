@@ -162,17 +162,17 @@ class MambaMixer(nn.Module):
 
 
 class MambaLayer(nn.Module):
-    """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer; the norm is named ``input_norm`` as
+    """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer; the norm is named ``input_layernorm`` as
     in the attention layer, so the GPT plan's sequence-parallel entry covers it)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
-        self.input_norm = build_norm(cfg)
+        self.input_layernorm = build_norm(cfg)
         self.mixer = MambaMixer(cfg, layer_number)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x, rope=None, positions=None, cache=None, moe=None):
-        return x + self.hidden_dropout(self.mixer(self.input_norm(x), cache))
+        return x + self.hidden_dropout(self.mixer(self.input_layernorm(x), cache))
 
 
 class AttentionLayer(nn.Module):
@@ -180,12 +180,12 @@ class AttentionLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
-        self.input_norm = build_norm(cfg)
+        self.input_layernorm = build_norm(cfg)
         self.self_attention = SelfAttention(cfg, layer_number)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x, rope=None, positions=None, cache=None, moe=None):
-        return x + self.hidden_dropout(self.self_attention(self.input_norm(x), rope, positions,
+        return x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), rope, positions,
                                                            cache))
 
 
@@ -194,12 +194,12 @@ class MLPLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
-        self.pre_mlp_norm = build_norm(cfg)
+        self.pre_mlp_layernorm = build_norm(cfg)
         self.mlp = MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x, rope=None, positions=None, cache=None, moe=None):
-        return x + self.hidden_dropout(self.mlp(self.pre_mlp_norm(x)))
+        return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
 LAYER_TYPES = {"M": MambaLayer, "*": AttentionLayer, "-": MLPLayer}
@@ -224,7 +224,7 @@ class MambaModel(GPTModel):
         self.layers = nn.ModuleDict({str(i): LAYER_TYPES[self.pattern[i]](cfg, i)
                                      for i in stage.layer_numbers})
         if self.post_process:
-            self.final_norm = build_norm(cfg)
+            self.final_layernorm = build_norm(cfg)
             if not self.tied:
                 self.output_layer = nn.Linear(cfg.hidden_size, padded, bias=False)
             self.head = LMHead(cfg.vocab_size)

@@ -1,0 +1,34 @@
+"""Mamba-2 / hybrid-stack fields of :class:`~loom.config.sections.ModelConfig`
+(``--model-type mamba``; Dao & Gu 2024; Megatron-LM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from loom.config.fields import opt
+
+
+@dataclass
+class MambaFields:
+    """Mamba-2 / hybrid stacks' own flags; a mixin of ModelConfig."""
+
+    # -- Mamba-2 / hybrid stacks (--model-type mamba; Dao & Gu 2024; Megatron-LM's names) ------
+    hybrid_override_pattern: Optional[str] = opt(
+        None, "layer kinds of a hybrid stack, one character per layer: M Mamba, * attention, "
+              "- MLP (default: all M)")
+    mamba_state_dim: int = opt(128, "N: SSM state size per head", ge=1)
+    mamba_head_dim: int = opt(64, "P: channels per SSM head", ge=1)
+    mamba_num_groups: int = opt(8, "G: groups sharing B and C (like GQA groups)", ge=1)
+    mamba_expand: int = opt(2, "d_inner = expand x h (Mamba's expansion factor)", ge=1)
+    mamba_d_conv: int = opt(4, "kernel size of the causal depthwise convolution", ge=1)
+    mamba_chunk_size: int = opt(128, "SSD chunk length Q (exact for any value; a speed knob)",
+                                ge=1)
+
+
+    @property
+    def hybrid_layer_pattern(self) -> Optional[str]:
+        """mamba: ``--hybrid-override-pattern`` or ``"M" * L`` (``M`` Mamba-2, ``*`` attention,
+        ``-`` MLP per layer); None for a family without Mamba layers."""
+        is_mamba = self.model_type == "mamba"
+        return (self.hybrid_override_pattern or "M" * self.num_layers) if is_mamba else None

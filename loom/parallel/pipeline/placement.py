@@ -1,0 +1,38 @@
+"""Pipeline placement without torch: which layers each (virtual) stage holds.
+
+Stages split the L layers evenly; ``--decoder-first-pipeline-num-layers`` /
+``--decoder-last-pipeline-num-layers`` pin the first/last stage's count and the rest is split
+evenly over the remaining stages. With interleaving (``--num-layers-per-virtual-pipeline-stage``
+= l), there are ``v = L / (p l)`` chunks per stage and virtual stage ``j`` (``0 <= j < p v``)
+holds layers ``[j l, (j + 1) l)``; chunk ``k`` of stage ``r`` is virtual stage ``k p + r``
+(Megatron-LM's order). The rules (:func:`stage_layer_counts`, :func:`validate_pipeline`,
+``SCHEDULES``) live in :mod:`loom.config.pipeline`, where config validation applies them, and
+are re-exported here.
+"""
+
+from __future__ import annotations
+
+from loom.config.pipeline import (SCHEDULES, stage_layer_counts,  # noqa: F401 - re-exported
+                                  validate_pipeline)
+
+
+def virtual_stage_layers(num_layers: int, pp: int, layers_per_virtual_stage=None, first=None,
+                         last=None) -> list[list[int]]:
+    """Global layer indices of every virtual stage ``j = 0 .. p v - 1`` in pipeline order."""
+    if layers_per_virtual_stage:
+        n = layers_per_virtual_stage
+        return [list(range(j * n, (j + 1) * n)) for j in range(num_layers // n)]
+    counts = stage_layer_counts(num_layers, pp, first, last)
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def chunk_layers(num_layers: int, pp: int, pp_rank: int, layers_per_virtual_stage=None,
+                 first=None, last=None) -> list[list[int]]:
+    """Layers of each of stage ``pp_rank``'s chunks: chunk k = virtual stage ``k p + pp_rank``."""
+    vs = virtual_stage_layers(num_layers, pp, layers_per_virtual_stage, first, last)
+    v = len(vs) // pp
+    return [vs[k * pp + pp_rank] for k in range(v)]

@@ -1,0 +1,79 @@
+"""A NaN is never silently trained on: a non-finite gradient norm skips that step on every rank
+(weights, Adam states and the LR schedule unchanged), is reported, and training continues;
+``--exit-on-nonfinite N`` stops after N in a row (NonFiniteError, exit status 1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loom.config import LoomConfig, ModelConfig
+from loom.errors import NonFiniteError
+from testkit import run_distributed
+
+
+def make_cfg(limit=None) -> LoomConfig:
+    cfg = LoomConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                       seq_length=8, vocab_size=64))
+    cfg.data.mock_data = True
+    cfg.training.micro_batch_size = 2
+    cfg.training.lr, cfg.training.train_iters = 3e-4, 100  # loom's defaults before issue 21,
+    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"  # pinned
+    cfg.logging.log_interval, cfg.logging.eval_iters = 10, 10
+    cfg.training.exit_on_nonfinite = limit
+    return cfg
+
+
+def poison(trainer, when: set, rank_ok=True):
+    """Make one gradient NaN during the iterations in ``when`` (1-based)."""
+    p = trainer.params[0]
+    p.register_hook(lambda g: g * float("nan") if rank_ok and trainer.iteration + 1 in when
+                    else g)
+
+
+def skip_case(mesh_builder) -> dict:
+    import torch.distributed as dist
+
+    from loom.training.trainer import Trainer
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tr = Trainer(make_cfg().validate(world), mesh=mesh_builder())
+    poison(tr, {2}, rank_ok=not dist.is_initialized() or dist.get_rank() == world - 1)
+    tr.train_step()
+    before = {n: p.detach().clone() for n, p in tr.model_chunks[0].named_parameters()}
+    epoch = tr.scheduler.last_epoch
+    rec = tr.train_step()
+    unchanged = all(torch.equal(p, before[n]) for n, p in tr.model_chunks[0].named_parameters())
+    same_epoch = tr.scheduler.last_epoch == epoch
+    after = tr.train_step()
+    return {"nan": math.isnan(rec["grad_norm"]), "unchanged": unchanged, "epoch": same_epoch,
+            "continues": math.isfinite(after["grad_norm"]) and math.isfinite(after["loss"]),
+            "skipped": tr.nonfinite == [] and tr.iteration == 3}
+
+
+def test_nonfinite_step_skipped_one_rank():
+    from loom.parallel.mesh import ParallelMesh
+    r = skip_case(ParallelMesh.single)
+    assert all(r.values()), r
+
+
+def _dp2():
+    from loom.parallel.mesh import ParallelMesh
+    return skip_case(lambda: ParallelMesh.build(dp=2))
+
+
+def test_nonfinite_on_one_dp_rank_skips_on_every_rank():
+    for r in run_distributed(2, _dp2):
+        assert all(r.values()), r
+
+
+def test_exit_on_nonfinite_stops_after_n_in_a_row():
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    tr = Trainer(make_cfg(limit=2).validate(1), mesh=ParallelMesh.single())
+    poison(tr, {2, 3})
+    tr.train_step()
+    tr.train_step()  # the first NaN: skipped, no exit
+    with pytest.raises(NonFiniteError, match=r"iterations \[2, 3\]"):
+        tr.train_step()

@@ -1,0 +1,159 @@
+"""A new model family plugs in without touching ``loom/``: defined entirely in tests (here: the
+model, forward step, and its own samples and logged metric through the family hooks; block,
+plan and initializers in toy_family_parts.py, shared with test_model_family.py), registered
+with :func:`loom.models.register_family` (no global state: the registry is a value), it trains
+through the real Trainer at 1 rank and at 2 (TP=2, DP=2; gloo) with equal losses (fp32, rtol
+1e-5).
+
+The family: embedding -> L x residual MLP blocks -> norm -> untied output layer -> loom's shared
+LM head (:class:`loom.models.gpt.model.LMHead`, vocabulary-parallel under TP).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+from loom.config import LoomConfig, ModelConfig
+from loom.errors import ConfigError
+from loom.models import FamilyRegistry, get_family, register_family
+from loom.models.family import ModelFamily, StageSpec
+from loom.models.gpt.model import LMHead
+from testkit import run_distributed
+
+from toy_family_parts import Block, toy_init, toy_plan
+
+RTOL = 1e-5
+STEPS = 3
+
+
+class MlpLM(nn.Module):
+    """``tokens [b, s]`` -> per-token loss ``[b, s]`` (last chunk) or hidden ``[s, b, h]``."""
+
+    def __init__(self, cfg: ModelConfig, stage: StageSpec):
+        super().__init__()
+        self.pre_process, self.post_process = stage.pre_process, stage.post_process
+        h, vp = cfg.hidden_size, stage.padded_vocab
+        if self.pre_process:
+            self.embed = nn.Embedding(vp, h)
+        self.layers = nn.ModuleDict({str(i): Block(h, cfg.ffn_size) for i in stage.layer_numbers})
+        if self.post_process:
+            self.norm = nn.LayerNorm(h)
+            self.out = nn.Linear(h, vp, bias=False)
+            self.head = LMHead(cfg.vocab_size)  # the shared LM head
+
+    def forward(self, tokens=None, hidden=None, labels=None):
+        x = self.embed(tokens).transpose(0, 1) if self.pre_process else hidden
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(self.norm(x), self.out.weight, labels) if self.post_process else x
+
+
+def toy_forward_step(chunk: MlpLM, batch: dict, hidden: Optional[torch.Tensor] = None):
+    out = chunk(tokens=batch["tokens"] if chunk.pre_process else None, hidden=hidden,
+                labels=batch["labels"] if chunk.post_process else None)
+
+    def loss_fn(per_token):
+        loss = per_token.float().mean()
+        return loss, {"toy loss": loss.detach()}
+    return out, loss_fn
+
+
+class Counting:
+    """The toy family's own samples: ``tokens[i] = (3k + 5i) mod V``, labels the next ones."""
+
+    def __init__(self, vocab_size: int, seq_length: int, offset: int):
+        self.v, self.s, self.offset = vocab_size, seq_length, offset
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, k: int) -> dict:
+        ids = (3 * (int(k) + self.offset) + 5 * torch.arange(self.s + 1)) % self.v
+        return {"tokens": ids[:-1], "labels": ids[1:]}
+
+
+def toy_datasets(cfg: LoomConfig) -> tuple:
+    m = cfg.model
+    return Counting(m.vocab_size, m.seq_length, 0), Counting(m.vocab_size, m.seq_length, 7), None
+
+
+TOY = ModelFamily(name="toy", build=MlpLM, plan=toy_plan, init=toy_init,
+                  forward_step=toy_forward_step, datasets=toy_datasets,
+                  logged_metrics=lambda model_cfg: ("toy loss",))
+
+
+def make_cfg(tp: int = 1) -> LoomConfig:
+    cfg = LoomConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                       ffn_hidden_size=64, seq_length=8, vocab_size=100,
+                                       make_vocab_size_divisible_by=8))
+    cfg.parallel.tensor_model_parallel_size = tp
+    cfg.training.micro_batch_size = 2
+    cfg.training.global_batch_size = 8
+    cfg.training.lr = 1e-3
+    cfg.training.train_iters = 100
+    return cfg
+
+
+def train(cfg: LoomConfig, mesh) -> list[dict]:
+    """``STEPS`` training records of the toy family, looked up by name in a registry."""
+    from loom.training.trainer import Trainer
+    registry = register_family(TOY)
+    cfg.model.model_type = "toy"  # after validate(): the CLI's --model-type lists built-ins
+    trainer = Trainer(cfg, mesh=mesh, family=get_family("toy", registry))
+    return [trainer.train_step() for _ in range(STEPS)]
+
+
+def layouts() -> dict:
+    import torch.distributed as dist
+
+    from loom.parallel.mesh import ParallelMesh
+    ref = train(make_cfg().validate(1), ParallelMesh.single())
+    out = {}
+    for name, tp in {"tp2": 2, "dp2": 1}.items():
+        mesh = ParallelMesh.build(tp=tp)
+        recs = train(make_cfg(tp).validate(dist.get_world_size()), mesh)
+        out[name] = [(r["loss"], r["toy_loss"], rr["loss"]) for r, rr in zip(recs, ref)]
+    return out
+
+
+def test_registry_is_a_value():
+    registry = register_family(TOY)
+    assert get_family("toy", registry) is TOY and "toy" in registry.names()
+    assert get_family("gpt", registry) is get_family("gpt")  # built-ins stay reachable
+    with pytest.raises(ValueError, match="unknown model family 'toy'"):
+        get_family("toy")  # nothing global changed
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(TOY)
+    with pytest.raises(ValueError, match="already registered"):
+        FamilyRegistry([ModelFamily("gpt", MlpLM, toy_plan, toy_init, toy_forward_step)])
+
+
+def test_hooks_have_defaults():
+    """A family of only build / plan / init / forward_step: no generation, no evaluation task,
+    no Hugging Face layout, next-token windows, no extra metric."""
+    from loom.evaluation.tasks import get_task
+    bare = ModelFamily(name="bare", build=MlpLM, plan=toy_plan, init=toy_init,
+                       forward_step=toy_forward_step)
+    assert bare.generation is None and bare.hf is None and bare.logged_metrics(None) == ()
+    assert bare.checkpoint_differences({}, None) == [] and not bare.wordpiece_data
+    cfg = make_cfg()
+    cfg.data.mock_data = True
+    train_ds, valid_ds, _ = bare.datasets(cfg)
+    assert train_ds[0]["tokens"].shape == (8,) and valid_ds is not None
+    with pytest.raises(ConfigError, match="not supported for model type bare"):
+        get_task(bare, "perplexity")
+
+
+def test_toy_family_trains_at_one_and_two_ranks():
+    for rank, res in enumerate(run_distributed(2, layouts)):
+        assert set(res) == {"tp2", "dp2"}
+        for name, steps in res.items():
+            for step, (loss, toy_loss, ref) in enumerate(steps):
+                assert math.isclose(loss, ref, rel_tol=RTOL), (rank, name, step, loss, ref)
+                assert math.isclose(toy_loss, loss, rel_tol=RTOL), (rank, name, step)
+        assert res["tp2"][-1][0] < res["tp2"][0][0]  # it learns

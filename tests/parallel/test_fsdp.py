@@ -1,0 +1,361 @@
+"""ZeRO-3 with PyTorch's FSDP2 (``--zero-stage 3`` / ``--use-torch-fsdp2``, loom.parallel.fsdp),
+CPU, gloo, fp32, no dropout.
+
+* Parity with the single-process run for 3 steps (rtol 1e-5): the loss, every gradient (the
+  ``full_tensor()`` of the sharded gradient vs the reference's TP shard), the global grad norm,
+  the parameters after 3 AdamW steps and the evaluation loss after them, at DP=2 (GPT, LLaMA, a
+  Mamba-2 hybrid and an MoE LLaMA without expert parallelism), DP=2 with m = 3 micro-batches,
+  DP=2 with full and selective recomputation, CP=2, DP=4, TP=2 x DP=2, CP=2 x DP=2,
+  PP=2 x DP=2 (tied embeddings) and interleaved PP=2 x DP=2 (two chunks per rank).
+* --bf16: FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 shards, gradients and Adam
+  moments); the loss tracks fp32's.
+* Memory: this rank's parameters + gradients + Adam moments are 16/d bytes per parameter
+  (fp32) within 1% for d in {1, 2, 4}, as the planner's ZeRO-3 term says.
+* Checkpoints: a ZeRO-3 DP=2 save resumes at DP=1 without ZeRO-3, a plain DP=2 save resumes
+  under ZeRO-3, both with the uninterrupted run's losses.
+* Refusals of what FSDP2 does not compose with, naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+from loom.config import ConfigError, LoomConfig, ModelConfig, add_config_arguments, config_from_args
+from testkit import run_distributed
+
+RTOL = 1e-5
+STEPS = 3
+
+
+def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
+    common = dict(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
+                  vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+    if kind == "hybrid":  # Mamba-2, attention, Mamba-2, MLP (tests/models/test_mamba.py's tiny stack)
+        return ModelConfig.llama(
+            model_type="mamba", num_layers=4, hidden_size=32, num_attention_heads=4,
+            num_query_groups=2, ffn_hidden_size=64, seq_length=16, vocab_size=100,
+            make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
+            mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
+            mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern="M*M-")
+    if kind == "moe":  # tests/models/test_moe.py's: 4 experts, top-2, aux and z losses, every layer
+        return ModelConfig.llama(
+            num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+            seq_length=8, vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+            attention_dropout=0.0, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+            moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_layer_freq=1)
+    if kind == "gpt":
+        return ModelConfig.gpt2(**common)
+    return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
+
+
+def make_cfg(kind: str = "gpt", tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, m: int = 2,
+             zero: int = 3, recompute=None, iters: int = 4, validate: bool = True,
+             layers: int = 2, lpv=None) -> LoomConfig:
+    cfg = LoomConfig(model=tiny(kind, layers))
+    cfg.parallel.num_layers_per_virtual_pipeline_stage = lpv
+    cfg.training.zero_stage = zero
+    cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.pipeline_model_parallel_size = pp
+    cfg.parallel.context_parallel_size = cp
+    cfg.training.micro_batch_size = 2
+    cfg.training.global_batch_size = 2 * m * dp
+    cfg.training.train_iters = iters
+    cfg.training.lr = 1e-3
+    cfg.training.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py: no amplified float noise
+    cfg.training.clip_grad = 0.5  # active: the norm must sum the DP shards
+    cfg.training.recompute_granularity = recompute
+    cfg.training.recompute_method = "uniform"  # loom's defaults before issue 21, pinned
+    cfg.training.recompute_num_layers = 1
+    cfg.data.mock_data = True
+    cfg.logging.log_interval = 10**9
+    cfg.logging.no_progress_bar = True
+    return cfg.validate(tp * dp * pp * cp) if validate else cfg
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+_REF: dict = {}
+
+
+def reference(cfg: LoomConfig) -> dict:
+    """Single-process steps of the same model and global batch (cached per process)."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    ref_cfg = copy.deepcopy(cfg)
+    ref_cfg.parallel.tensor_model_parallel_size = 1
+    ref_cfg.parallel.pipeline_model_parallel_size = 1
+    ref_cfg.parallel.context_parallel_size = 1
+    ref_cfg.parallel.num_layers_per_virtual_pipeline_stage = None
+    ref_cfg.parallel.pipeline_schedule = None
+    ref_cfg.training.zero_stage = 0
+    ref_cfg.training.recompute_granularity = None
+    key = repr(ref_cfg)
+    if key not in _REF:
+        ref = Trainer(ref_cfg.validate(1), mesh=ParallelMesh.single())
+        params = dict(ref.model_chunks[0].named_parameters())
+        steps = []
+        for _ in range(STEPS):
+            loss = float(ref.forward_backward(ref.batches(ref.train_ds, ref.consumed_samples)))
+            grads = {n: p.grad.detach().clone() for n, p in params.items()}
+            steps.append((loss, grads, ref.optimizer_step()))
+            ref.consumed_samples += ref.global_batch
+        _REF[key] = {"steps": steps, "params": {n: p.detach().clone() for n, p in params.items()},
+                     "eval": ref.evaluate(iters=1)["valid_loss"]}
+    return _REF[key]
+
+
+def parity_case(**kw) -> dict:
+    """3 steps of a ZeRO-3 layout side by side with the reference: worst relative errors."""
+    import torch.distributed as dist
+
+    from loom.parallel.fsdp import full_tensor, is_sharded
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.registry import local_shard
+    from loom.training.trainer import Trainer
+    world = dist.get_world_size()
+    tp, pp, cp = kw.get("tp", 1), kw.get("pp", 1), kw.get("cp", 1)
+    cfg = make_cfg(dp=world // (tp * pp * cp), **kw)
+    mesh = ParallelMesh.build(tp=tp, pp=pp, cp=cp)
+    tr = Trainer(cfg, mesh=mesh)
+    ref = reference(cfg)
+    out = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "param": 0.0, "nparams": 0,
+           "sharded": all(is_sharded(p) for p in tr.params), "worst": None}
+
+    def shard(ref_t, name):
+        return local_shard(ref_t, tr.registry[name], mesh.tp_rank, mesh.tp_size)
+    for step in range(STEPS):
+        loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))
+        ref_loss, ref_grads, ref_norm = ref["steps"][step]
+        out["loss"] = max(out["loss"], abs(loss - ref_loss) / abs(ref_loss))
+        for chunk in tr.model_chunks:
+            for name, p in chunk.named_parameters():
+                err = rel_err(full_tensor(p.grad), shard(ref_grads[name], name))
+                if err > out["grad"]:
+                    out["grad"], out["worst"] = err, (step, name)
+                out["nparams"] += step == 0
+        norm = tr.optimizer_step()
+        out["norm"] = max(out["norm"], abs(norm - ref_norm) / ref_norm)
+        tr.consumed_samples += tr.global_batch
+    out["eval"] = abs(tr.evaluate(iters=1)["valid_loss"] - ref["eval"]) / ref["eval"]
+    for chunk in tr.model_chunks:
+        for name, p in chunk.named_parameters():
+            out["param"] = max(out["param"], rel_err(full_tensor(p.detach()),
+                                                     shard(ref["params"][name], name)))
+    return out
+
+
+def memory_case(dp: int) -> dict:
+    """Bytes per parameter this rank holds after one step (params + grads + Adam moments)."""
+    from loom.parallel.fsdp import model_state_bytes
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    cfg = make_cfg(dp=dp)
+    mesh = ParallelMesh.build() if dp > 1 else ParallelMesh.single()
+    tr = Trainer(cfg, mesh=mesh)
+    tr.forward_backward(tr.batches(tr.train_ds, 0))
+    tr.optimizer.step()
+    held = model_state_bytes(tr.params, tr.optimizer)
+    n = sum(p.numel() for p in tr.params)  # a DTensor's numel is the whole tensor's
+    dtypes = {str(t.dtype) for p in tr.params for t in (p, p.grad)}
+    return {"per_param": sum(held.values()) / n, "terms": held, "n": n, "dtypes": dtypes,
+            "fused": tr.optimizer.defaults.get("fused")}
+
+
+def run_losses(cfg: LoomConfig, mesh, steps: int, save: str | None = None,
+               save_after: int = 0) -> list[float]:
+    from loom.training.trainer import Trainer
+    tr = Trainer(cfg, mesh=mesh)
+    losses = []
+    for i in range(steps):
+        losses.append(tr.train_step()["loss"])
+        if save and i + 1 == save_after:
+            tr.save(save)
+    return losses
+
+
+def checkpoint_world2(tmp: str) -> dict:
+    """ZeRO-3 DP=2 and plain DP=2, 4 steps each, saving after 2; then ZeRO-3 DP=2 resumed from
+    the plain save."""
+    from loom.parallel.mesh import ParallelMesh
+    mesh = ParallelMesh.build()
+    z3 = run_losses(make_cfg(dp=2), mesh, 4, os.path.join(tmp, "z3"), 2)
+    plain = run_losses(make_cfg(dp=2, zero=0), mesh, 4, os.path.join(tmp, "plain"), 2)
+    cfg = make_cfg(dp=2)
+    cfg.checkpoint.load = os.path.join(tmp, "plain")
+    resumed = run_losses(cfg, mesh, 2)
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(os.path.join(tmp, "z3", "iter_0000002")).read_metadata()
+    w = "layers.0.mlp.linear_fc1.weight"
+    entry = saved.state_dict_metadata[f"model.{w}/0of1"]
+    state = saved.state_dict_metadata[f"optim.{w}/0of1/exp_avg"]
+    return {"z3": z3, "plain": plain, "z3_from_plain": resumed,
+            "saved_chunks": len(entry.chunks),  # each DP rank wrote its rows
+            "saved_shape": tuple(entry.size), "saved_state_shape": tuple(state.size)}
+
+
+def checkpoint_world1(tmp: str) -> dict:
+    """DP=1 without ZeRO-3 resumed from the ZeRO-3 DP=2 save, and uninterrupted."""
+    from loom.parallel.mesh import ParallelMesh
+    cfg = make_cfg(dp=1, zero=0, m=4)  # the same global batch of 8 samples
+    cfg.checkpoint.load = os.path.join(tmp, "z3")
+    return {"resumed": run_losses(cfg, ParallelMesh.single(), 2),
+            "uninterrupted": run_losses(make_cfg(dp=1, zero=0, m=4), ParallelMesh.single(), 4)}
+
+
+def bf16_case() -> dict:
+    """ZeRO-3 DP=2 with --bf16 next to fp32: layers compute on bf16 gathered weights, while
+    the sharded parameters, gradients and Adam moments stay fp32."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    mesh = ParallelMesh.build()
+    out = {}
+    for bf16 in (False, True):
+        cfg = make_cfg(dp=2, validate=False)
+        cfg.training.bf16 = bf16
+        tr = Trainer(cfg.validate(2), mesh=mesh)
+        seen = set()
+        fc1 = tr.model_chunks[0].layers["0"].mlp.linear_fc1
+        fc1.register_forward_hook(lambda m, i, o: seen.add(str(m.weight.dtype)))
+        losses = [tr.train_step()["loss"] for _ in range(3)]
+        tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples))
+        kept = {str(t.dtype) for p in tr.params for t in [p, p.grad, *[
+            v for v in tr.optimizer.state[p].values() if v.ndim > 0]]}
+        out["bf16" if bf16 else "fp32"] = {"losses": losses, "compute": seen, "kept": kept}
+    return out
+
+
+def world2(tmp: str) -> dict:
+    return {"bf16": bf16_case(), "dp2-gpt": parity_case(), "dp2-llama": parity_case(kind="llama"),
+            "dp2-m3": parity_case(m=3), "dp2-recompute-full": parity_case(recompute="full"),
+            "dp2-recompute-selective": parity_case(recompute="selective"),
+            "cp2": parity_case(cp=2), "dp2-hybrid": parity_case(kind="hybrid"),
+            "dp2-moe": parity_case(kind="moe"), "memory": memory_case(2), "ckpt": checkpoint_world2(tmp)}
+
+
+def world4() -> dict:
+    return {"dp4-gpt": parity_case(), "tp2xdp2-llama": parity_case(kind="llama", tp=2),
+            "pp2xdp2-gpt": parity_case(pp=2), "cp2xdp2-gpt": parity_case(cp=2),
+            "pp2xdp2-interleaved": parity_case(pp=2, layers=4, lpv=1),
+            "memory": memory_case(4)}
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fsdp_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def results2(ckpt_dir):
+    return run_distributed(2, world2, ckpt_dir, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results4():
+    return run_distributed(4, world4, timeout=600)
+
+
+def _check(case: dict) -> None:
+    assert case["sharded"], case  # every parameter is a DTensor shard
+    assert case["nparams"] > 10
+    assert case["loss"] < RTOL, case
+    assert case["grad"] < RTOL, case
+    assert case["norm"] < RTOL, case
+    assert case["eval"] < RTOL, case  # forward_only (evaluation) gathers the shards too
+    assert case["param"] < 1e-4, case  # 3 Adam steps: see tests/parallel/test_parallel_parity.py
+
+
+@pytest.mark.parametrize("name", ["dp2-gpt", "dp2-llama", "dp2-m3", "dp2-recompute-full",
+                                  "dp2-recompute-selective", "cp2",
+                                  "dp2-hybrid", "dp2-moe"])
+def test_zero3_parity_two_ranks(results2, name):
+    for r in results2:
+        _check(r[name])
+
+
+@pytest.mark.parametrize("name", ["dp4-gpt", "tp2xdp2-llama", "pp2xdp2-gpt", "cp2xdp2-gpt",
+                                  "pp2xdp2-interleaved"])
+def test_zero3_parity_four_ranks(results4, name):
+    for r in results4:
+        _check(r[name])
+
+
+def test_zero3_memory_is_16_over_d_bytes_per_param(results2, results4):
+    from loom.planner.memory import model_state_bytes_per_param
+    single = memory_case(1)
+    for d, rows in ((1, [single]), (2, results2), (4, results4)):
+        planned = sum(float(x) for x in model_state_bytes_per_param(3, d, 4, bf16=False))
+        assert planned == pytest.approx(16 / d)
+        for r in rows:
+            mem = r if d == 1 else r["memory"]
+            assert mem["dtypes"] == {"torch.float32"}, mem
+            assert mem["per_param"] == pytest.approx(16 / d, rel=0.01), (d, mem)
+            assert mem["fused"], mem  # fused AdamW runs on the DTensor shards
+    assert sum(float(x) for x in model_state_bytes_per_param(3, 4, 4)) == pytest.approx(18 / 4)
+
+
+def test_zero3_bf16_mixed_precision(results2):
+    for r in results2:
+        fp32, bf16 = r["bf16"]["fp32"], r["bf16"]["bf16"]
+        assert fp32["compute"] == {"torch.float32"} and bf16["compute"] == {"torch.bfloat16"}
+        assert fp32["kept"] == bf16["kept"] == {"torch.float32"}
+        assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+        assert bf16["losses"] != fp32["losses"]  # bf16 did run
+
+
+def test_zero3_checkpoint_loads_at_any_layout(results2, ckpt_dir):
+    ck = results2[0]["ckpt"]
+    assert ck["saved_chunks"] == 2  # the DP=2 shards, written in parallel (no gather)
+    assert ck["saved_shape"] == ck["saved_state_shape"] == (256, 64)
+    # plain DP=2 and ZeRO-3 DP=2 train alike; the ZeRO-3 run resumed from the plain save
+    # continues both
+    assert ck["z3"] == pytest.approx(ck["plain"], rel=RTOL)
+    assert ck["z3_from_plain"] == pytest.approx(ck["plain"][2:], rel=RTOL)
+    one = checkpoint_world1(ckpt_dir)  # one process, no process group
+    assert one["resumed"] == pytest.approx(ck["z3"][2:], rel=RTOL)
+    assert one["resumed"] == pytest.approx(one["uninterrupted"][2:], rel=RTOL)
+
+
+def test_zero3_flags_parse():
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--zero-stage", "3"]))
+    assert cfg.training.zero_stage == 3
+    cfg = config_from_args(parser.parse_args(["--use-torch-fsdp2", "--num-layers", "2",
+                                              "--hidden-size", "32", "--num-attention-heads",
+                                              "4", "--seq-length", "16", "--micro-batch-size",
+                                              "2", "--lr", "1e-3", "--train-iters", "1"]
+                                             )).validate(2)
+    assert cfg.training.use_torch_fsdp2 and cfg.training.zero_stage == 3
+    cfg = make_cfg(zero=1, validate=False).validate(2)
+    assert cfg.training.use_distributed_optimizer  # --zero-stage 1 = the distributed optimizer
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda c: setattr(c.training, "use_distributed_optimizer", True),
+     ["--zero-stage 3", "--use-distributed-optimizer"]),
+    (lambda c: (setattr(c.model, "num_experts", 4), setattr(c.model, "moe_router_topk", 2),
+                setattr(c.parallel, "expert_model_parallel_size", 2)),
+     ["--zero-stage 3", "--expert-model-parallel-size 1"]),
+    (lambda c: (setattr(c.training, "recompute_granularity", "full"),
+                setattr(c.training, "recompute_num_layers", 2)),
+     ["--zero-stage 3", "--recompute-num-layers 1", "--recompute-method block"]),
+    (lambda c: setattr(c.training, "use_torch_fsdp2", True) or
+     setattr(c.training, "zero_stage", 1), ["--use-torch-fsdp2", "--zero-stage"]),
+    (lambda c: setattr(c.training, "compile", True), ["--zero-stage 3", "--compile"]),
+], ids=["distributed-optimizer", "expert-parallel", "uniform-recompute-groups",
+        "fsdp2-with-zero-stage-1", "compile"])
+def test_zero3_refusals_name_the_flag_and_the_fix(change, words):
+    cfg = make_cfg(dp=2, validate=False)
+    change(cfg)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(2)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))

@@ -1,0 +1,107 @@
+"""Planner v2 against published runs (issue 14): NAR table 1 median, NAR table 2 (days for 300B
+tokens, PTD-P and ZeRO-3), SHO weak scaling, Megatron-Core H100, BLOOM. Numbers copied from the
+papers (see loom/planner/presets.py and loom/planner/validation.py for the tables and their
+sources).
+
+``test_in_sample_fit_*``: rows the constants are fitted on (loom/planner/constants.py): how well
+the curve fits, not how well it predicts. The out-of-sample errors (leave one source out) are
+tests/planner/test_planner_loso.py. The other tests here check rows in no fit set."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from loom.planner.calibrate import validation_points
+from loom.planner.presets import NAR_TABLE1
+from loom.planner.validation import mcore_h100, nar_table2, sho_weak_scaling
+
+
+def test_in_sample_fit_nar_table1_median_within_8_percent():
+    """In-sample: NAR table 1 is in the compute fit."""
+    pts = {name: (pred, pub) for name, pred, pub in validation_points()}
+    errs = [abs(pts[f"NAR {row[0]}B hw TFLOP/s"][0] / pts[f"NAR {row[0]}B hw TFLOP/s"][1] - 1)
+            for row in NAR_TABLE1]
+    assert statistics.median(errs) <= 0.08, errs
+    assert max(errs) <= 0.15, errs
+
+
+@pytest.fixture(scope="module")
+def table2():
+    return nar_table2()
+
+
+def test_in_sample_fit_nar_table2_days_within_15_percent(table2):
+    """NAR table 2: days for 300B tokens, PTD-P and ZeRO-3 (175B, 530B; 384-2240 GPUs). In-sample
+    for the six ZeRO-3 rows (ZERO3_OVERLAP is fitted to them); the PTD-P rows are not fitted."""
+    for r in table2:
+        err = r["days"] / r["published_days"] - 1
+        assert abs(err) <= 0.15, r
+        assert abs(r["tflops"] / r["published_tflops"] - 1) <= 0.15, r
+
+
+def test_in_sample_fit_nar_table2_zero3_stops_scaling_and_ptdp_wins(table2):
+    """The qualitative result of NAR sec 5.2: ZeRO-3's total throughput stops growing when d
+    doubles at m = 1 (communication-bound), PTD-P's keeps growing, and PTD-P is faster at every
+    published size."""
+    z = [r for r in table2 if r["scheme"] == "ZeRO-3"]
+    p = [r for r in table2 if r["scheme"] == "PTD-P"]
+    for a, b in ((z[1], z[2]), (z[4], z[5])):  # 768 -> 1536 and 1120 -> 2240 GPUs
+        assert b["tflops"] * b["gpus"] < 1.1 * a["tflops"] * a["gpus"]
+    for a, b in ((p[1], p[2]), (p[4], p[5])):
+        assert b["tflops"] * b["gpus"] > 1.8 * a["tflops"] * a["gpus"]
+    for zr in z:
+        same = [pr for pr in p if pr["params_b"] == zr["params_b"] and pr["gpus"] == zr["gpus"]]
+        for pr in same:
+            assert pr["days"] < zr["days"]
+
+
+def test_sho_weak_scaling_8b_within_5_points():
+    """SHO table 1: 8.3B at MP = 8 (77% of the 1-GPU 1.2B per-GPU rate) and MP = 8 x 64 DP
+    (74%), within 5 points; every row within 15 points; efficiency falls with model size."""
+    rows = sho_weak_scaling()
+    big = rows[-1]
+    assert abs(big["pred_mp"] - big["published_mp"]) <= 0.05, big
+    assert abs(big["pred_mp_dp"] - big["published_mp_dp"]) <= 0.05, big
+    for r in rows:
+        assert abs(r["pred_mp"] - r["published_mp"]) <= 0.15, r
+        assert abs(r["pred_mp_dp"] - r["published_mp_dp"]) <= 0.15, r
+        assert r["pred_mp_dp"] <= r["pred_mp"] + 1e-12
+    assert [r["pred_mp"] for r in rows] == sorted((r["pred_mp"] for r in rows), reverse=True)
+
+
+def test_in_sample_fit_mcore_h100_weak_scaling_within_10_percent():
+    """Megatron-Core r0.8.0 on H100 (Megatron-LM README, model_table.png), 1.7B-462B: model
+    TFLOP/s per GPU at the published t, p, d. In-sample: these nine rows are in the compute fit
+    (they determine HOPPER_GEMM_EFFICIENCY; H100's h0 is the A100 h0 scaled by the ridge
+    point)."""
+    rows = mcore_h100()
+    errs = [abs(r["tflops"] / r["published_tflops"] - 1) for r in rows]
+    assert max(errs) <= 0.10, errs
+    assert statistics.median(errs) <= 0.05, errs
+
+
+def test_mcore_h100_strong_scaling_endpoints():
+    """Megatron-LM README, strong scaling: GPT-3 177B (V = 131,072, s = 4096), B = 1152, MFU 47%
+    on 96 H100 falling to 42% on 4608 (t = 8, p = 6 as in the weak-scaling table's 177B row).
+    Not in any fit set (but the Hopper constant is fitted on the weak-scaling table of the same
+    README); within 3 points, and the drop predicted."""
+    from loom.planner.validation import mcore_h100_strong
+    mfu = {}
+    for r in mcore_h100_strong():
+        mfu[r["gpus"]] = r["mfu"]
+        assert abs(r["mfu"] - r["published_mfu"]) <= 0.03, r
+    assert mfu[4608] < mfu[96] - 0.03
+
+
+def test_bloom_176b_plans_uneven_and_within_20_percent():
+    """BLOOM 176B: 70 layers on p = 12 plan only with an uneven split; hardware TFLOP/s within
+    20% of the published "about 150" (the published figure is itself rounded)."""
+    from loom.planner.validation import bloom_176b
+    got = bloom_176b()
+    lay = got["layout"]
+    assert lay is not None and lay["first_stage_layers"] > 0
+    assert lay["first_stage_layers"] + lay["last_stage_layers"] + 10 * int(
+        lay["pipeline_split"].split("x")[1].split("+")[0]) == 70
+    assert abs(got["hw_tflops"] / got["published_tflops"] - 1) <= 0.20, got["hw_tflops"]
