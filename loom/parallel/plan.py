@@ -115,12 +115,15 @@ class VocabParallelLMHead(ParallelStyle):
     """Turns the family's ``LMHead`` into :class:`loom.parallel.tensor.VocabParallelLMHead`: the
     output GEMM on vocabulary-parallel logits (input gathered from the SP region, or entered
     through ``f``) and the vocab-parallel cross-entropy (Megatron's ``output_layer`` +
-    ``vocab_parallel_cross_entropy``)."""
+    ``vocab_parallel_cross_entropy``). ``softcap``: Gemma's final-logit soft-capping
+    (``softcap * tanh(logits / softcap)``; output GEMM and loss then run unfused)."""
 
     vocab_size: int
+    softcap: Optional[float] = None
 
     def apply(self, module, ctx):
-        return tensor.VocabParallelLMHead(ctx.mesh, self.vocab_size, ctx.sp), {}
+        return tensor.VocabParallelLMHead(ctx.mesh, self.vocab_size, ctx.sp,
+                                          softcap=self.softcap), {}
 
 
 @dataclass(frozen=True)

@@ -191,11 +191,16 @@ class VocabParallelLMHead(nn.Module):
     under sequence parallelism: all-gathered; otherwise entered through ``f``), ``weight``
     ``[Vp/t, h]``. Returns the per-token loss ``[b, s]`` (fp32) against ``labels [b, s]``
     (:func:`~loom.parallel.cross_entropy.linear_cross_entropy`: the full logits never exist),
-    or this rank's logits ``[b, s, Vp/t]``."""
+    or this rank's logits ``[b, s, Vp/t]``.
 
-    def __init__(self, mesh: ParallelMesh, vocab_size: int, sequence_parallel: bool = False):
+    With ``softcap`` (Gemma's final-logit soft-capping) the logits ``[s, b, Vp/t]`` become
+    ``softcap * tanh(logits / softcap)``, so the output GEMM and the vocab-parallel
+    cross-entropy run unfused (:func:`vocab_parallel_cross_entropy`)."""
+
+    def __init__(self, mesh: ParallelMesh, vocab_size: int, sequence_parallel: bool = False,
+                 softcap: Optional[float] = None):
         super().__init__()
-        self.mesh, self.vocab_size = mesh, vocab_size
+        self.mesh, self.vocab_size, self.softcap = mesh, vocab_size, softcap
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor,
@@ -205,6 +210,12 @@ class VocabParallelLMHead(nn.Module):
             x = gather_from_sequence_parallel_region(x, group)
         else:
             x = copy_to_tensor_parallel_region(x, group)
+        if self.softcap is not None:
+            logits = torch.tanh(F.linear(x, weight) / self.softcap) * self.softcap  # [s, b, Vp/t]
+            if labels is None:
+                return logits.transpose(0, 1)
+            return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh,
+                                                self.vocab_size).t()
         if labels is None:
             return F.linear(x, weight).transpose(0, 1)  # [b, s, Vp/t]
         # training: the output GEMM and the loss fused, chunked over tokens, in [s, b] order

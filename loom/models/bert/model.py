@@ -29,8 +29,8 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.attention import DotProductAttention
-from loom.models.family import StageSpec
-from loom.models.gpt.model import MLP, LMHead, build_norm
+from loom.models.chunk import LanguageModelChunk, LMHead, build_norm
+from loom.models.gpt.model import MLP
 
 NUM_TOKENTYPES = 2
 
@@ -146,53 +146,52 @@ class Pooler(nn.Module):
         return torch.tanh(self.dense(x[0]))
 
 
-class BertModel(nn.Module):
-    """BERT, or one pipeline chunk of it (see :class:`~loom.models.family.StageSpec`)."""
+class BertModel(LanguageModelChunk):
+    """BERT, or one pipeline chunk of it (the shared skeleton,
+    :class:`~loom.models.chunk.LanguageModelChunk`; see :class:`~loom.models.family.StageSpec`).
+    The masked-LM output is tied to the word embeddings (plus an output bias). Extra inputs of
+    ``forward``: ``tokentype_ids [b, s]`` (first chunk) and ``padding_mask [b, s]`` (1 for real
+    tokens, 0 for [PAD]; None: no padding).
 
-    def __init__(self, cfg: ModelConfig, stage: StageSpec):
-        super().__init__()
-        if cfg.vocab_size is None:
-            raise ValueError("ModelConfig.vocab_size must be set before building the model")
-        self.cfg = cfg
-        self.pre_process, self.post_process = stage.pre_process, stage.post_process
-        padded = stage.padded_vocab or cfg.padded_vocab_size(1)
-        if self.pre_process or self.post_process:
-            self.embedding = BertEmbedding(cfg, padded, full=self.pre_process)
-        self.layers = nn.ModuleDict({str(i): BertLayer(cfg, i) for i in stage.layer_numbers})
-        if self.post_process:
-            if not cfg.post_layernorm:
-                self.final_layernorm = build_norm(cfg)
-            self.lm_head = MaskedLMHead(cfg)
-            self.output_layer = VocabBias(padded)
-            self.head = LMHead(cfg.vocab_size)
-            if cfg.bert_binary_head:
-                self.pooler = Pooler(cfg)
-                self.binary_head = nn.Linear(cfg.hidden_size, 2)
+    Returns, on the last chunk, ``(lm, sop_logits)``: ``lm`` is the per-token masked-LM loss
+    ``[b, s]`` (fp32) when ``labels`` is given, else the logits ``[b, s, Vp]``; ``sop_logits
+    [b, 2]`` or None without the binary head. Other chunks: ``[s, b, h]``."""
 
-    def forward(self, input_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None,
-                tokentype_ids: Optional[torch.Tensor] = None,
-                padding_mask: Optional[torch.Tensor] = None):
-        """First chunk: ``input_ids``/``tokentype_ids [b, s]``; later chunks: ``hidden_states
-        [s, b, h]``. ``padding_mask [b, s]``: 1 for real tokens, 0 for [PAD] (None: no padding).
+    tied = True
+    extra_inputs = ("tokentype_ids", "padding_mask")
 
-        Returns, on the last chunk, ``(lm, sop_logits)``: ``lm`` is the per-token masked-LM
-        loss ``[b, s]`` (fp32) when ``labels`` is given, else the logits ``[b, s, Vp]``;
-        ``sop_logits [b, 2]`` or None without the binary head. Other chunks: ``[s, b, h]``."""
-        if self.pre_process:
-            if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
-            x = self.embedding(input_ids, position_ids, tokentype_ids)
-        else:
-            x = hidden_states
-        for layer in self.layers.values():
-            x = layer(x, padding_mask)
-        if not self.post_process:
-            return x
-        if not self.cfg.post_layernorm:
-            x = self.final_layernorm(x)
+    def build_embedding(self, cfg: ModelConfig, padded_vocab: int) -> nn.Module:
+        return BertEmbedding(cfg, padded_vocab, full=self.pre_process)
+
+    def build_layer(self, cfg: ModelConfig, layer_number: int) -> nn.Module:
+        return BertLayer(cfg, layer_number)
+
+    def build_output(self, cfg: ModelConfig, padded_vocab: int) -> None:
+        if not cfg.post_layernorm:
+            self.final_layernorm = build_norm(cfg)
+        self.lm_head = MaskedLMHead(cfg)
+        self.output_layer = VocabBias(padded_vocab)
+        self.head = LMHead(cfg.vocab_size)
+        if cfg.bert_binary_head:
+            self.pooler = Pooler(cfg)
+            self.binary_head = nn.Linear(cfg.hidden_size, 2)
+
+    def default_positions(self, input_ids: Optional[torch.Tensor], cache) -> torch.Tensor:
+        """``0 .. s-1`` on the first chunk; later chunks need none (None)."""
+        return None if input_ids is None else super().default_positions(input_ids, cache)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              extra: dict) -> torch.Tensor:
+        return self.embedding(input_ids, position_ids, extra.get("tokentype_ids"))
+
+    def layer_inputs(self, position_ids: torch.Tensor, cache, extra: dict) -> tuple:
+        return (extra.get("padding_mask"),)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.cfg.post_layernorm else self.final_layernorm(x)
+
+    def output(self, x: torch.Tensor, labels: Optional[torch.Tensor], extra: dict):
+        """``x [s, b, h]`` -> ``(lm, sop_logits)`` (class docstring)."""
         sop = self.binary_head(self.pooler(x)) if self.cfg.bert_binary_head else None
         y = self.lm_head(x)
         # the output bias rides along the tied GEMM: [y, 1] . [W, bias]^T = y W^T + bias

@@ -33,8 +33,8 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.attention import KVCache, apply_rope, rope_cos_sin
-from loom.models.family import StageSpec
-from loom.models.gpt.model import Embedding, LMHead, lm_loss
+from loom.models.chunk import LanguageModelChunk, LMHead
+from loom.models.gpt.model import Embedding, lm_loss
 
 
 class GemmaRMSNorm(nn.Module):
@@ -163,29 +163,25 @@ class GemmaLayer(nn.Module):
         return x + self.hidden_dropout(self.post_mlp_layernorm(self.mlp(self.pre_mlp_layernorm(x))))
 
 
-class Gemma3Model(nn.Module):
-    """The Gemma 3 language model, or one pipeline chunk of it (``stage``). The output layer is
-    the word embedding (the last chunk keeps its own copy under pipeline parallelism, kept equal
-    by the plan, as in the GPT family)."""
+class Gemma3Model(LanguageModelChunk):
+    """The Gemma 3 language model, or one pipeline chunk of it (the shared skeleton,
+    :class:`~loom.models.chunk.LanguageModelChunk`). The output layer is the word embedding
+    (the last chunk keeps its own copy under pipeline parallelism, kept equal by the plan, as
+    in the GPT family); the embedding output is scaled by ``sqrt(h)``; the head soft-caps the
+    logits (``--final-logit-softcapping``). ``cache``: generation's KV cache
+    (:meth:`allocate_cache`)."""
 
     tied = True
 
-    def __init__(self, cfg: ModelConfig, stage: StageSpec):
-        super().__init__()
-        if cfg.vocab_size is None:
-            raise ValueError("ModelConfig.vocab_size must be set before building the model")
-        self.cfg = cfg
-        self.pre_process, self.post_process = stage.pre_process, stage.post_process
-        padded = stage.padded_vocab or cfg.padded_vocab_size(1)
-        if self.pre_process or self.post_process:
-            self.embedding = Embedding(cfg, padded, with_positions=False)
-        self.layers = nn.ModuleDict({str(i): GemmaLayer(cfg, i) for i in stage.layer_numbers})
-        if self.post_process:
-            self.final_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-            self.head = LMHead(cfg.vocab_size, cfg.final_logit_softcapping)  # shared
+    def build_embedding(self, cfg: ModelConfig, padded_vocab: int) -> nn.Module:
+        return Embedding(cfg, padded_vocab, with_positions=False)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embedding.word_embeddings.weight
+    def build_layer(self, cfg: ModelConfig, layer_number: int) -> nn.Module:
+        return GemmaLayer(cfg, layer_number)
+
+    def build_output(self, cfg: ModelConfig, padded_vocab: int) -> None:
+        self.final_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.head = LMHead(cfg.vocab_size, cfg.final_logit_softcapping)  # shared
 
     def ropes(self, positions: torch.Tensor) -> dict:
         """cos, sin ``[s, d]`` per layer kind: local and global RoPE bases."""
@@ -193,32 +189,14 @@ class Gemma3Model(nn.Module):
         return {"L": rope_cos_sin(positions, d, m.rotary_base_local),
                 "G": rope_cos_sin(positions, d, m.rotary_base, m.rotary_scaling_factor or 1.0)}
 
-    def forward(self, input_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
-        """As :meth:`loom.models.gpt.model.GPTModel.forward`: ``input_ids [b, s]`` on the first
-        chunk, ``hidden_states [s, b, h]`` on later ones; returns the per-token loss ``[b, s]``
-        with ``labels``, the logits ``[b, s, Vp]`` without, hidden states on other chunks.
-        ``cache``: generation's KV cache (:meth:`allocate_cache`)."""
-        if position_ids is None:
-            if input_ids is None:
-                raise ValueError("position_ids are needed by a chunk without the embedding")
-            offset = cache.length if cache is not None else 0
-            position_ids = torch.arange(offset, offset + input_ids.shape[1],
-                                        device=input_ids.device)
-        if self.pre_process:
-            x = self.embedding(input_ids, position_ids)
-            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # HF: in its dtype
-        else:
-            x = hidden_states
-        ropes = self.ropes(position_ids)
-        for layer in self.layers.values():
-            x = layer(x, ropes, position_ids, cache)
-        if not self.post_process:
-            return x
-        return self.head(self.final_layernorm(x), self.output_weight(), labels)
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              extra: dict) -> torch.Tensor:
+        """``input_ids [b, s] -> [s, b, h]``, scaled by ``sqrt(h)`` (HF: in its dtype)."""
+        x = self.embedding(input_ids, position_ids)
+        return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+
+    def layer_inputs(self, position_ids: torch.Tensor, cache, extra: dict) -> tuple:
+        return self.ropes(position_ids), position_ids, cache
 
     def allocate_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` positions (this rank's

@@ -12,13 +12,13 @@ Gemma-specific pieces:
   sums too, summed over TP the same way (``ParamMeta.tp_partial_grad``).
 
 Final-logit soft-capping needs the logits, so with it the output GEMM and the vocab-parallel
-cross-entropy run unfused (:class:`SoftcappedVocabParallelHead`).
+cross-entropy run unfused (:class:`~loom.parallel.plan.VocabParallelLMHead` with ``softcap``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,6 @@ from loom.parallel.plan import (ColumnParallelLinear, ContextParallelCore, Paral
                                 SequenceParallelOutput, SequenceParallelParams,
                                 VocabParallelEmbedding, VocabParallelLMHead)
 from loom.parallel.sequence import gather_from_sequence_parallel_region
-from loom.parallel.tensor import vocab_parallel_cross_entropy
 
 
 class ReplicatedKVLinear(nn.Module):
@@ -83,40 +82,11 @@ class PartialGradOverTP(ParallelStyle):
                         for n, _ in module.named_parameters()}
 
 
-class SoftcappedVocabParallelLMHead(nn.Module):
-    """Vocabulary-parallel logits ``[s, b, Vp/t]``, ``cap * tanh(logits / cap)``, then the
-    vocab-parallel cross-entropy; per-token loss ``[b, s]`` or logits ``[b, s, Vp/t]``."""
-
-    def __init__(self, mesh: ParallelMesh, vocab_size: int, softcap: float, sp: bool):
-        super().__init__()
-        self.mesh, self.vocab_size, self.softcap, self.sp = mesh, vocab_size, softcap, sp
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        group = self.mesh.groups["tp"]
-        x = gather_from_sequence_parallel_region(x, group) if self.sp else \
-            copy_to_tensor_parallel_region(x, group)
-        logits = torch.tanh(F.linear(x, weight) / self.softcap) * self.softcap
-        if labels is None:
-            return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, self.vocab_size).t()
-
-
-@dataclass(frozen=True)
-class SoftcappedVocabParallelHead(ParallelStyle):
-    vocab_size: int
-    softcap: float
-
-    def apply(self, module, ctx):
-        return SoftcappedVocabParallelLMHead(ctx.mesh, self.vocab_size, self.softcap, ctx.sp), {}
-
-
 def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     """``[(module pattern, style)]`` for one chunk of the model."""
     g, d, f, t = cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size, ctx.mesh.tp_size
     kv = ColumnParallelLinear(segments=(g * d, g * d)) if g % t == 0 else ReplicatedKV(g)
-    head = VocabParallelLMHead(cfg.vocab_size) if cfg.final_logit_softcapping is None else \
-        SoftcappedVocabParallelHead(cfg.vocab_size, cfg.final_logit_softcapping)
+    head = VocabParallelLMHead(cfg.vocab_size, softcap=cfg.final_logit_softcapping)
     out = [
         ("embedding.word_embeddings", VocabParallelEmbedding(cfg.vocab_size)),
         ("layers.*.self_attention.linear_q", ColumnParallelLinear()),

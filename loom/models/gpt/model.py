@@ -23,16 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.models.attention import DotProductAttention, KVCache, apply_rope, rope_cos_sin
-from loom.models.family import StageSpec
+from loom.models.attention import DotProductAttention, KVCache, apply_rope
+from loom.models.chunk import LMHead, LanguageModelChunk, build_norm  # noqa: F401 (re-exported)
 from loom.models.moe import MoEContext, MoELayer
-
-
-def build_norm(cfg: ModelConfig) -> nn.Module:
-    """LayerNorm or RMSNorm over the hidden dimension (``--normalization``)."""
-    if cfg.normalization == "RMSNorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
 
 
 class SelfAttention(nn.Module):
@@ -129,89 +122,19 @@ class Embedding(nn.Module):
         return self.dropout(x.transpose(0, 1).contiguous())  # [s, b, h]
 
 
-class LMHead(nn.Module):
-    """The LM head every family shares: output GEMM, optional soft-capping
-    ``cap * tanh(logits / cap)`` (Gemma 3's ``--final-logit-softcapping``), loss: ``x [s, b, h]``,
-    ``weight [Vp, h]``; returns the per-token cross-entropy ``[b, s]`` (fp32) against
-    ``labels [b, s]``, or the logits ``[b, s, Vp]``. Padded vocabulary columns (``>= V``) are
-    excluded from the softmax. No parameters (the weight is the caller's)."""
+class GPTModel(LanguageModelChunk):
+    """The language model, or one pipeline chunk of it (:class:`~loom.models.chunk.
+    LanguageModelChunk`: embedding, ``layers``, final norm, output layer when untied, head).
+    Extra input of ``forward``: ``moe``, the MoE layers' auxiliary-loss scale and metrics
+    (:class:`~loom.models.moe.MoEContext`); ``cache``: :meth:`allocate_cache`."""
 
-    def __init__(self, vocab_size: int, softcap: Optional[float] = None):
-        super().__init__()
-        self.vocab_size, self.softcap = vocab_size, softcap
+    extra_inputs = ("moe",)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        logits = F.linear(x, weight)  # [s, b, Vp]
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        if labels is None:
-            return logits.transpose(0, 1)
-        s, b, _ = logits.shape
-        V = self.vocab_size
-        loss = F.cross_entropy(logits[..., :V].float().reshape(-1, V), labels.t().reshape(-1),
-                               reduction="none")
-        return loss.view(s, b).t()
+    def build_embedding(self, cfg: ModelConfig, padded_vocab: int) -> nn.Module:
+        return Embedding(cfg, padded_vocab, with_positions=self.pre_process)
 
-
-class GPTModel(nn.Module):
-    """The language model, or one pipeline chunk of it (``stage``: its global layer indices,
-    whether it holds the embedding and/or the final norm, output layer and loss).
-
-    The last chunk of a tied model keeps its own copy of the word embeddings (same name, hence
-    same initial weights); the plan keeps the copies equal by summing their gradients.
-    """
-
-    def __init__(self, cfg: ModelConfig, stage: StageSpec):
-        super().__init__()
-        if cfg.vocab_size is None:
-            raise ValueError("ModelConfig.vocab_size must be set before building the model")
-        self.cfg = cfg
-        self.pre_process, self.post_process = stage.pre_process, stage.post_process
-        self.tied = not cfg.untie_embeddings_and_output_weights
-        padded = stage.padded_vocab or cfg.padded_vocab_size(1)
-        if self.pre_process or (self.post_process and self.tied):
-            self.embedding = Embedding(cfg, padded, with_positions=self.pre_process)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i) for i in stage.layer_numbers})
-        if self.post_process:
-            self.final_layernorm = build_norm(cfg)
-            if not self.tied:
-                self.output_layer = nn.Linear(cfg.hidden_size, padded, bias=False)
-            self.head = LMHead(cfg.vocab_size)
-
-    def output_weight(self) -> torch.Tensor:
-        """``[Vp, h]`` (``[Vp/t, h]`` under TP): the word embeddings when tied, else the output
-        layer's weight."""
-        return self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
-
-    def forward(self, input_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, moe: Optional[MoEContext] = None) -> torch.Tensor:
-        """First chunk: ``input_ids [b, s]``; later chunks: ``hidden_states [s, b, h]``.
-        ``position_ids [s]``: global positions of these tokens (default ``0 .. s-1`` after the
-        cached length; required on chunks without the embedding). ``moe``: the MoE layers'
-        auxiliary-loss scale and metrics (:class:`~loom.models.moe.MoEContext`).
-
-        Returns, on the last chunk, the per-token loss ``[b, s]`` (fp32) when ``labels`` is
-        given, else the logits ``[b, s, Vp]``; on other chunks the hidden states ``[s, b, h]``.
-        """
-        if position_ids is None:
-            if input_ids is None:
-                raise ValueError("position_ids are needed by a chunk without the embedding")
-            offset = cache.length if cache is not None else 0
-            position_ids = torch.arange(offset, offset + input_ids.shape[1],
-                                        device=input_ids.device)
-        x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
-        rope = None
-        if self.cfg.position_embedding_type == "rope":
-            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
-        for layer in self.layers.values():
-            x = layer(x, rope, position_ids, cache, moe)
-        if not self.post_process:
-            return x
-        return self.head(self.final_layernorm(x), self.output_weight(), labels)
+    def build_layer(self, cfg: ModelConfig, layer_number: int) -> nn.Module:
+        return TransformerLayer(cfg, layer_number)
 
     def allocate_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` positions."""

@@ -31,7 +31,8 @@ from torch import nn
 from loom.config import ModelConfig
 from loom.models.attention import KVCache
 from loom.models.family import StageSpec
-from loom.models.gpt.model import MLP, Embedding, GPTModel, LMHead, SelfAttention, build_norm
+from loom.models.chunk import LanguageModelChunk, build_norm
+from loom.models.gpt.model import MLP, Embedding, SelfAttention
 from loom.models.mamba.ssd import ssd_chunked, ssd_step
 
 
@@ -205,29 +206,24 @@ class MLPLayer(nn.Module):
 LAYER_TYPES = {"M": MambaLayer, "*": AttentionLayer, "-": MLPLayer}
 
 
-class MambaModel(GPTModel):
-    """A hybrid stack (or one pipeline chunk of it): GPT's embedding, output layer, loss and
-    forward (:class:`~loom.models.gpt.model.GPTModel`), with layer i of type
-    ``layer_pattern(cfg)[i]``. Positions: learned absolute embeddings or RoPE in the attention
-    layers, as ``--position-embedding-type`` says (Mamba layers need none)."""
+class MambaModel(LanguageModelChunk):
+    """A hybrid stack (or one pipeline chunk of it): the shared chunk skeleton
+    (:class:`~loom.models.chunk.LanguageModelChunk`) with GPT's embedding, output layer, loss
+    and forward inputs (``moe``), and layer i of type ``layer_pattern(cfg)[i]``. Positions:
+    learned absolute embeddings or RoPE in the attention layers, as
+    ``--position-embedding-type`` says (Mamba layers need none)."""
+
+    extra_inputs = ("moe",)
 
     def __init__(self, cfg: ModelConfig, stage: StageSpec):
-        nn.Module.__init__(self)
-        if cfg.vocab_size is None:
-            raise ValueError("ModelConfig.vocab_size must be set before building the model")
-        self.cfg, self.pattern = cfg, layer_pattern(cfg)
-        self.pre_process, self.post_process = stage.pre_process, stage.post_process
-        self.tied = not cfg.untie_embeddings_and_output_weights
-        padded = stage.padded_vocab or cfg.padded_vocab_size(1)
-        if self.pre_process or (self.post_process and self.tied):
-            self.embedding = Embedding(cfg, padded, with_positions=self.pre_process)
-        self.layers = nn.ModuleDict({str(i): LAYER_TYPES[self.pattern[i]](cfg, i)
-                                     for i in stage.layer_numbers})
-        if self.post_process:
-            self.final_layernorm = build_norm(cfg)
-            if not self.tied:
-                self.output_layer = nn.Linear(cfg.hidden_size, padded, bias=False)
-            self.head = LMHead(cfg.vocab_size)
+        self.pattern = layer_pattern(cfg)  # a plain str: settable before nn.Module.__init__
+        super().__init__(cfg, stage)
+
+    def build_embedding(self, cfg: ModelConfig, padded_vocab: int) -> nn.Module:
+        return Embedding(cfg, padded_vocab, with_positions=self.pre_process)
+
+    def build_layer(self, cfg: ModelConfig, layer_number: int) -> nn.Module:
+        return LAYER_TYPES[self.pattern[layer_number]](cfg, layer_number)
 
     def allocate_cache(self, batch: int, max_len: int, dtype=None) -> HybridCache:
         """An empty cache: KV buffers for the attention layers; the Mamba layers' states are

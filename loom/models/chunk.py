@@ -1,0 +1,172 @@
+"""The pieces every family's language model shares, written once.
+
+:class:`LanguageModelChunk` is the chunk skeleton: the embedding when the chunk holds the first
+layers (``pre_process``), its layers in an ``nn.ModuleDict`` keyed by the global layer index,
+then the final norm and the output head when it holds the last ones (``post_process``).
+Families fill in hooks (what to build: ``build_embedding``, ``build_layer``, ``build_output``;
+how to run: ``embed``, ``layer_inputs``, ``final_norm``, ``output``) and keep their module
+names, so parameter names, and with them checkpoints and seeded initialization, are the
+family's own. :class:`LMHead` is the output GEMM + loss every family uses; :func:`build_norm`
+the ``--normalization`` choice. Activations are ``[s, b, h]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config import ModelConfig
+from loom.models.attention import rope_cos_sin
+from loom.models.family import StageSpec
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """LayerNorm or RMSNorm over the hidden dimension (``--normalization``)."""
+    if cfg.normalization == "RMSNorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+
+
+class LMHead(nn.Module):
+    """The LM head every family shares: output GEMM, optional soft-capping
+    ``cap * tanh(logits / cap)`` (Gemma 3's ``--final-logit-softcapping``), loss: ``x [s, b, h]``,
+    ``weight [Vp, h]``; returns the per-token cross-entropy ``[b, s]`` (fp32) against
+    ``labels [b, s]``, or the logits ``[b, s, Vp]``. Padded vocabulary columns (``>= V``) are
+    excluded from the softmax. No parameters (the weight is the caller's)."""
+
+    def __init__(self, vocab_size: int, softcap: Optional[float] = None):
+        super().__init__()
+        self.vocab_size, self.softcap = vocab_size, softcap
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = F.linear(x, weight)  # [s, b, Vp]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if labels is None:
+            return logits.transpose(0, 1)
+        s, b, _ = logits.shape
+        V = self.vocab_size
+        loss = F.cross_entropy(logits[..., :V].float().reshape(-1, V), labels.t().reshape(-1),
+                               reduction="none")
+        return loss.view(s, b).t()
+
+
+class LanguageModelChunk(nn.Module):
+    """A language model, or one pipeline chunk of it (``stage``: its global layer indices,
+    whether it holds the embedding and/or the final norm, output layer and loss).
+
+    Built in this order (module names are part of the checkpoint format): ``embedding`` (on the
+    first chunk, and on the last one of a tied model: its own copy, same name hence same initial
+    weights, kept equal by the plan), ``layers.<i>``, then on the last chunk what
+    :meth:`build_output` adds (default: ``final_layernorm``, ``output_layer`` when untied,
+    ``head``). ``extra_inputs``: the keyword inputs the family's ``forward`` accepts beyond the
+    common ones, handed to the hooks as a dict.
+    """
+
+    extra_inputs: tuple[str, ...] = ()
+
+    def __init__(self, cfg: ModelConfig, stage: StageSpec):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size must be set before building the model")
+        self.cfg = cfg
+        self.pre_process, self.post_process = stage.pre_process, stage.post_process
+        padded = stage.padded_vocab or cfg.padded_vocab_size(1)
+        if self.pre_process or (self.post_process and self.tied):
+            self.embedding = self.build_embedding(cfg, padded)
+        self.layers = nn.ModuleDict({str(i): self.build_layer(cfg, i)
+                                     for i in stage.layer_numbers})
+        if self.post_process:
+            self.build_output(cfg, padded)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output layer is the word embedding (``--untie-embeddings-and-output-
+        weights`` unset)."""
+        return not self.cfg.untie_embeddings_and_output_weights
+
+    # ---- what to build -------------------------------------------------------------------
+
+    def build_embedding(self, cfg: ModelConfig, padded_vocab: int) -> nn.Module:
+        """The ``embedding`` module: ``(ids [b, s], positions [s]) -> [s, b, h]``."""
+        raise NotImplementedError
+
+    def build_layer(self, cfg: ModelConfig, layer_number: int) -> nn.Module:
+        """Layer ``layer_number`` (global index): ``(x [s, b, h], *layer_inputs) -> [s, b, h]``."""
+        raise NotImplementedError
+
+    def build_output(self, cfg: ModelConfig, padded_vocab: int) -> None:
+        """The last chunk's modules: ``final_layernorm`` (``[s, b, h]``), ``output_layer``
+        ``[Vp, h]`` when untied, ``head`` (:class:`LMHead`)."""
+        self.final_layernorm = build_norm(cfg)
+        if not self.tied:
+            self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab, bias=False)
+        self.head = LMHead(cfg.vocab_size)
+
+    # ---- how to run ----------------------------------------------------------------------
+
+    def output_weight(self) -> torch.Tensor:
+        """``[Vp, h]`` (``[Vp/t, h]`` under TP): the word embeddings when tied, else the output
+        layer's weight."""
+        return self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
+
+    def default_positions(self, input_ids: Optional[torch.Tensor], cache) -> torch.Tensor:
+        """``[s]``: ``0 .. s-1`` after the cached length; a chunk without ``input_ids`` (no
+        embedding) must be given them."""
+        if input_ids is None:
+            raise ValueError("position_ids are needed by a chunk without the embedding")
+        offset = cache.length if cache is not None else 0
+        return torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              extra: dict) -> torch.Tensor:
+        """``input_ids [b, s] -> [s, b, h]``."""
+        return self.embedding(input_ids, position_ids)
+
+    def layer_inputs(self, position_ids: torch.Tensor, cache, extra: dict) -> tuple:
+        """What every layer takes after ``x``; default ``(rope, positions, cache, moe)`` with
+        ``rope`` the cos, sin ``[s, d]`` under ``--position-embedding-type rope``, else None."""
+        rope = None
+        if self.cfg.position_embedding_type == "rope":
+            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
+        return rope, position_ids, cache, extra.get("moe")
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``."""
+        return self.final_layernorm(x)
+
+    def output(self, x: torch.Tensor, labels: Optional[torch.Tensor], extra: dict):
+        """Normalized ``x [s, b, h]`` -> the per-token loss ``[b, s]`` with ``labels``, else the
+        logits ``[b, s, Vp]``."""
+        return self.head(x, self.output_weight(), labels)
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, cache=None, **extra):
+        """First chunk: ``input_ids [b, s]``; later chunks: ``hidden_states [s, b, h]``.
+        ``position_ids [s]``: global positions of these tokens (:meth:`default_positions`).
+        ``cache``: generation's cache (``allocate_cache``); ``extra``: the family's
+        ``extra_inputs``.
+
+        Returns, on the last chunk, :meth:`output` (by default the per-token loss ``[b, s]``
+        (fp32) when ``labels`` is given, else the logits ``[b, s, Vp]``); on other chunks the
+        hidden states ``[s, b, h]``.
+        """
+        unknown = set(extra) - set(self.extra_inputs)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward got unexpected inputs "
+                            f"{sorted(unknown)}")
+        if position_ids is None:
+            position_ids = self.default_positions(input_ids, cache)
+        x = self.embed(input_ids, position_ids, extra) if self.pre_process else hidden_states
+        inputs = self.layer_inputs(position_ids, cache, extra)
+        for layer in self.layers.values():
+            x = layer(x, *inputs)
+        if not self.post_process:
+            return x
+        return self.output(self.final_norm(x), labels, extra)
