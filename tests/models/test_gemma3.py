@@ -118,6 +118,8 @@ def test_config_from_hf():
     assert cfg.query_pre_attn_scalar == 24 and cfg.openai_gelu and cfg.num_kv_groups == 2
     default = ModelConfig(model_type="gemma3", num_layers=12)
     assert default.attention_layer_types == "LLLLLG" * 2  # 5 local : 1 global
+    every_third = ModelConfig(model_type="gemma3", num_layers=6, sliding_window_pattern=3)
+    assert every_third.attention_layer_types == "LLGLLG"  # --sliding-window-pattern 3
 
 
 def test_logits_match_transformers_single_process():

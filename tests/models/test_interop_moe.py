@@ -56,6 +56,17 @@ def compare(tp: int = 1, ep: int = 1) -> dict:
     return out
 
 
+def test_qwen2_moe_import_sets_its_router_and_shared_expert_flags():
+    """Qwen2-MoE's layout reaches loom as flags: softmax over all experts without top-k
+    renormalization (norm_topk_prob false -> --moe-router-pre-softmax) and the sigmoid gate of
+    its shared expert (--moe-shared-expert-gate); Mixtral sets neither."""
+    models = hf_models()
+    qwen, mixtral = (to_cfg(hf.config) for hf, to_cfg, _ in (models["qwen2_moe"],
+                                                              models["mixtral"]))
+    assert qwen.moe_router_pre_softmax and qwen.moe_shared_expert_gate
+    assert not (mixtral.moe_router_pre_softmax or mixtral.moe_shared_expert_gate)
+
+
 def test_moe_logits_match_transformers_single_process():
     for name, err in compare().items():
         assert err < ATOL, (name, err)

@@ -155,3 +155,20 @@ def test_skip_train_needs_no_lr_or_train_iters():
         _resolved(shape)
     with pytest.raises(ConfigError, match="--train-iters is required"):
         _resolved(shape + ["--lr", "1e-3"])
+
+
+def test_distributed_backend_is_megatrons_nccl_and_cpu_uses_gloo(monkeypatch):
+    """``--distributed-backend`` defaults to Megatron's nccl; a CPU run can only use gloo, so
+    the mesh is built with gloo on CPU whatever the flag says, and with the flag on CUDA."""
+    from loom.config import LoomConfig
+    from loom.training import builder
+    assert LoomConfig().parallel.distributed_backend == "nccl"
+    seen = []
+    monkeypatch.setattr(builder, "init_distributed",
+                        lambda dev, backend, timeout: seen.append((dev, backend)) or dev)
+    monkeypatch.setattr(builder.ParallelMesh, "build", staticmethod(lambda **kw: kw))
+    for device, backend in (("cpu", "nccl"), ("cuda", "nccl"), ("cuda", "gloo")):
+        cfg = LoomConfig()
+        cfg.parallel.device, cfg.parallel.distributed_backend = device, backend
+        builder.build_mesh(cfg)
+    assert seen == [("cpu", "gloo"), ("cuda", "nccl"), ("cuda", "gloo")]
