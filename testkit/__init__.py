@@ -44,6 +44,26 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple, q)
             dist.destroy_process_group()
 
 
+def _all_failures(q, procs: list, failed: dict, done: dict, grace: float = 10.0) -> str:
+    """Every rank's failure, not just the first to arrive: a rank that dies (a crash, a
+    segfault in a compiler) shows up at the others as a broken connection, so the first
+    traceback in the queue is often a symptom. Waits up to ``grace`` seconds for the rest."""
+    deadline = time.monotonic() + grace
+    while len(failed) + len(done) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, ok, value = q.get(timeout=0.5)
+        except queue_mod.Empty:
+            if all(p.exitcode is not None for p in procs):
+                break
+            continue
+        (done if ok else failed)[rank] = value
+    silent = [r for r, p in enumerate(procs)
+              if r not in failed and r not in done and p.exitcode not in (None, 0)]
+    lines = [f"rank {r} failed:\n{failed[r]}" for r in sorted(failed)]
+    lines += [f"rank {r} died without a report (exit code {procs[r].exitcode})" for r in silent]
+    return "\n".join(lines)
+
+
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300,
                     start_method: str = "spawn") -> list:
     """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; return results ordered by rank.
@@ -78,7 +98,7 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
                                        f"ranks done: {sorted(results)}") from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(_all_failures(q, procs, {rank: value}, results))
             results[rank] = value
     finally:
         for p in procs:
