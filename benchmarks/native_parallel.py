@@ -61,7 +61,7 @@ class NativeGPT(nn.Module):
     def __init__(self, cfg: LoomConfig, stage: int = 0, stages: int = 1):
         super().__init__()
         m = cfg.model
-        h, V = m.hidden_size, m.padded_vocab_size(1)
+        h, V = m.hidden_size, m.padded_vocab(1)
         per = m.num_layers // stages
         first, last = stage == 0, stage == stages - 1
         self.tok_emb = nn.Embedding(V, h) if first else None

@@ -61,6 +61,26 @@ def tables() -> None:
     print(f"\nBLOOM 176B: published about {b['published_tflops']:g} hw TFLOP/s, predicted "
           f"{b['hw_tflops']:.1f} ({_pct(b['hw_tflops'] / b['published_tflops'] - 1)}), split "
           f"{b['layout']['pipeline_split']}")
+    published_tables()
+
+
+def published_tables() -> None:
+    """torchtitan, llm-foundry and Llama 3 rows (never fitted) and every published layout."""
+    from loom.planner import published as P
+    for title, pts in (("torchtitan (tokens/s/GPU)", P.torchtitan_points()),
+                       ("llm-foundry H100 (tokens/s/GPU)", P.llm_foundry_points("H100")),
+                       ("llm-foundry A100 (tokens/s/GPU)", P.llm_foundry_points("A100")),
+                       ("Llama 3 405B (model TFLOP/s/GPU)", P.llama3_points())):
+        print(f"\n| {title} | published | predicted | error |\n|---|---|---|---|")
+        for name, pred, pub in pts:
+            print(f"| {name} | {pub:g} | {pred:.0f} | {_pct(pred / pub - 1)} |")
+    print("\n| published layout | split | v | schedule | recompute | fits | GB | s/iter |")
+    print("|---|---|---|---|---|---|---|---|")
+    for e in P.PUBLISHED_LAYOUTS:
+        r = P.plan_published(e)
+        print(f"| {e[0]} | {r['pipeline_split']} | {r['vp']} | {r['pipeline_schedule']} | "
+              f"{r['recompute']} | {r['fits']} | {r['memory_gb']:.1f} | "
+              f"{r['iteration_time_s']:.3g} |")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import time
 from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
 
-WARMUP, MEASURED = 3, 5
+WARMUP, MEASURED = 2, 4
 GLOBAL_BATCH = 16
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024,
              seq_length=256, vocab_size=8192)
@@ -57,11 +57,28 @@ LAYOUTS = [
     ("PP4 b2 1f1b", 4, 1, 4, 1, 2, None, "1f1b"),
     ("DP2 b8 (2 ranks)", 2, 1, 1, 1, 8, None, "1f1b"),
     ("TP2 b8 (2 ranks)", 2, 2, 1, 1, 8, None, "1f1b"),
+    ("DP4 b4 distopt (ZeRO-1)", 4, 1, 1, 1, 4, None, "1f1b", dict(zero=1)),
+    ("DP4 b4 ZeRO-3 (FSDP2)", 4, 1, 1, 1, 4, None, "1f1b", dict(zero=3)),
+    ("MoE EP2 DP4 b4", 4, 1, 1, 1, 4, None, "1f1b", dict(ep=2, moe=True)),
 ]
+# the MoE layouts' model: MODEL with 4 experts of width 512, top-2 (same active FFN width 1024)
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=512)
 
 
-def make_config(ranks, tp, pp, cp, mbs, recompute, schedule) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig.gpt2(hidden_dropout=0.0, attention_dropout=0.0, **MODEL))
+def _row(row) -> tuple:
+    """A LAYOUTS row as 9 fields (the last: extra options ``zero``, ``ep``, ``moe``)."""
+    return tuple(row) + ({},) if len(row) == 8 else tuple(row)
+
+
+def make_config(ranks, tp, pp, cp, mbs, recompute, schedule, extra=None) -> LoomConfig:
+    extra = extra or {}
+    model = dict(MODEL, **MOE) if extra.get("moe") else MODEL
+    cfg = LoomConfig(model=ModelConfig.gpt2(hidden_dropout=0.0, attention_dropout=0.0, **model))
+    cfg.parallel.expert_model_parallel_size = extra.get("ep", 1)
+    if extra.get("zero") == 1:
+        cfg.training.use_distributed_optimizer = True
+    elif extra.get("zero"):
+        cfg.training.zero_stage = extra["zero"]
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.pipeline_model_parallel_size = pp
     cfg.parallel.context_parallel_size = cp
@@ -74,7 +91,7 @@ def make_config(ranks, tp, pp, cp, mbs, recompute, schedule) -> LoomConfig:
         cfg.training.recompute_method, cfg.training.recompute_num_layers = "uniform", 1
     cfg.training.train_iters = WARMUP + MEASURED
     cfg.training.lr, cfg.training.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21
-    cfg.training.lr_decay_style, cfg.logging.eval_iters = "cosine", 10  # (comparable numbers)
+    cfg.training.lr_decay_style, cfg.logging.eval_iters = "cosine", 0  # no evaluation
     cfg.data.mock_data = True
     cfg.logging.log_interval = 10**6
     cfg.logging.no_progress_bar = True
@@ -95,20 +112,113 @@ def _rss(key: str = "VmHWM") -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(ranks, tp, pp, cp, mbs, recompute, schedule) -> dict:
+def _storage_key(t):
+    """``(data_ptr, nbytes)`` of a tensor's storage (a DTensor's local shard); None when it has
+    none (FSDP2 frees the unsharded parameters' storages between uses)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        st = t.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class SavedBytes:
+    """Live bytes of the tensors autograd saves for backward (the activations), counted by
+    storage (views of one storage once) through ``torch.autograd.graph.saved_tensors_hooks``:
+    a storage counts from the first save until autograd frees the last saved reference (a
+    ``weakref.finalize`` on the packed holder). ``skip``: storages not counted (parameters:
+    model states, not activations). ``peak``: the high-water mark, bytes."""
+
+    class _Held:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    def __init__(self, skip=()):
+        self.skip = {k[0] for k in skip if k}
+        self.refs, self.size, self.live, self.peak = {}, {}, 0, 0
+
+    def pack(self, t):
+        import weakref
+        h = self._Held(t)
+        got = _storage_key(t)
+        if got is None:
+            return h
+        key = got[0]
+        if key and key not in self.skip:
+            if key not in self.refs:
+                self.refs[key], self.size[key] = 0, got[1]
+                self.live += self.size[key]
+                self.peak = max(self.peak, self.live)
+            self.refs[key] += 1
+            weakref.finalize(h, self._release, key)
+        return h
+
+    def unpack(self, h):
+        return h.t
+
+    def _release(self, key):
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= self.size.pop(key)
+            del self.refs[key]
+
+
+def _state_bytes(trainer) -> int:
+    """Bytes of every tensor reachable from the trainer's parts after training (parameters,
+    gradient buffers, optimizer states, master shards), each storage once."""
+    import torch
+    seen, total, stack, visited = set(), 0, [trainer.parts], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in visited:
+            continue
+        visited.add(id(o))
+        if isinstance(o, torch.Tensor):
+            for t in (o, getattr(o, "grad", None), getattr(o, "main_grad", None)):
+                got = _storage_key(t) if isinstance(t, torch.Tensor) else None
+                if got is None:
+                    continue
+                key, size = got
+                if key and key not in seen:
+                    seen.add(key)
+                    total += size
+            continue
+        if isinstance(o, torch.nn.Module):
+            stack.extend(o.parameters())
+            stack.extend(o.buffers())
+            continue
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            stack.extend(o)
+        elif hasattr(o, "__dict__") and type(o).__module__.split(".")[0] in ("loom", "torch"):
+            stack.extend(vars(o).values())
+    return total
+
+
+def measure(ranks, tp, pp, cp, mbs, recompute, schedule, extra=None) -> dict:
     """One rank: build the Trainer for the layout, train, return this rank's numbers."""
     import torch
 
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
     torch.set_num_threads(1)
-    cfg = make_config(ranks, tp, pp, cp, mbs, recompute, schedule)
-    mesh = ParallelMesh.build(tp=tp, pp=pp, cp=cp) if ranks > 1 else ParallelMesh.single()
+    cfg = make_config(ranks, tp, pp, cp, mbs, recompute, schedule, extra)
+    mesh = (ParallelMesh.build(tp=tp, pp=pp, cp=cp, ep=(extra or {}).get("ep", 1))
+            if ranks > 1 else ParallelMesh.single())
     base = _rss("VmRSS")
-    history = Trainer(cfg, mesh=mesh).train()
+    trainer = Trainer(cfg, mesh=mesh)
+    params = {_storage_key(p) for c in trainer.parts.model.chunks for p in c.parameters()}
+    saved = SavedBytes(skip=params)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        history = trainer.train()
     times = [r["step_time_s"] for r in history[WARMUP:]]
     return {"median_step_s": statistics.median(times), "steps_s": times,
-            "loss": history[-1]["loss"], "peak_rss": _rss(), "base_rss": base}
+            "loss": history[-1]["loss"], "peak_rss": _rss(), "base_rss": base,
+            "saved_peak": saved.peak, "states": _state_bytes(trainer)}
 
 
 def load1() -> float:
@@ -123,25 +233,34 @@ def wait_quiet(max_wait: float) -> float:
 
 
 def predicted(cal, name_row) -> dict:
-    from loom.planner.calibrate import oversubscribed
+    from loom.planner.calibrate import oversubscribed, shared_cores_time
     from loom.planner.predict import predict_layout
 
-    _, ranks, tp, pp, cp, mbs, rc, sched = name_row
+    _, ranks, tp, pp, cp, mbs, rc, sched, extra = _row(name_row)
     cl = cal
     ar = cal.notes.get("allreduce", {}).get(str(ranks))
     if ar:  # links: the all-reduce fit among this many ranks
         from dataclasses import replace
         cl = replace(cal, intra_alpha=ar["alpha_s"], inter_alpha=ar["alpha_s"],
                      intra_bw=ar["bw_bytes_per_s"], inter_bw=ar["bw_bytes_per_s"])
-    cl = oversubscribed(cl, ranks, os.cpu_count())
-    cfg = make_config(ranks, tp, pp, cp, mbs, rc, sched)
-    p = predict_layout(cfg, ranks, cluster=cl)
+    cores = os.cpu_count() or 1
+    cfg = make_config(ranks, tp, pp, cp, mbs, rc, sched, extra)
+    # R ranks on C < R cores: the step takes at least its critical path at one core per rank
+    # and at least the ranks' busy time shared by the cores (a rank blocked in a pipeline
+    # bubble or a receive gives its core away): max(T_1, R (T_1 - bubble) / C), where T_1 is
+    # the planner's step with one core per rank (calibrate.shared_cores_time)
+    cl1 = oversubscribed(cl, ranks, ranks)
+    p = predict_layout(cfg, ranks, cluster=cl1)
+    p["time_s"]["iteration"] = shared_cores_time(p["time_s"], ranks, cores)
+    cl = oversubscribed(cl, ranks, cores)
     mem = p["memory_bytes"]
     no_reserve = mem["total"] - mem["reserve"]
-    # fp32 run: 16 B/param (weights, grads, Adam m, v) instead of the planner's 18, activations
-    # 4 B instead of 2 (the fp32 logits term is already 4 B). A unit conversion, not a fit.
-    states = mem["weights"] + mem["gradients"] + mem["optimizer"]
-    fp32 = states * 16 / 18 + 2 * mem["activations"] + mem["embedding_output"]
+    # fp32 run: weights 4 B (the master copy) instead of 2, gradients 4 B as the planner's
+    # fp32 main_grad, Adam m and v 8 B instead of 12 (no separate master), each sharded as the
+    # planner shards it; activations 4 B instead of 2 (the fp32 logits term is already 4 B).
+    # A unit conversion, not a fit.
+    fp32 = (2 * mem["weights"] + mem["gradients"] + mem["optimizer"] * 8 / 12
+            + 2 * mem["activations"] + mem["embedding_output"])
     return {"pred_step_s": p["time_s"]["iteration"],
             "pred_terms_s": {k: round(v, 4) for k, v in p["time_s"].items() if v > 0},
             "pred_mem_bytes": no_reserve, "pred_mem_fp32_bytes": fp32,
@@ -150,11 +269,12 @@ def predicted(cal, name_row) -> dict:
 
 
 def run_layout(row, max_wait) -> dict:
-    name, ranks, tp, pp, cp, mbs, rc, sched = row
+    name, ranks, tp, pp, cp, mbs, rc, sched, extra = _row(row)
     load = wait_quiet(max_wait)
     t0 = time.monotonic()
     try:
-        res = run_distributed(ranks, measure, ranks, tp, pp, cp, mbs, rc, sched, timeout=600)
+        res = run_distributed(ranks, measure, ranks, tp, pp, cp, mbs, rc, sched, extra,
+                              timeout=600)
     except Exception as e:  # noqa: BLE001 - record and go on
         msg = str(e).strip().splitlines()
         return {"status": "skipped", "error": msg[-1][:300] if msg else repr(e),
@@ -165,6 +285,9 @@ def run_layout(row, max_wait) -> dict:
             "meas_steps_s": [round(x, 4) for x in res[0]["steps_s"]],
             "meas_peak_rss_bytes": max(r["peak_rss"] for r in res),
             "meas_mem_delta_bytes": max(r["peak_rss"] - r["base_rss"] for r in res),
+            "meas_saved_peak_bytes": max(r["saved_peak"] for r in res),
+            "meas_states_bytes": max(r["states"] for r in res),
+            "meas_tensor_bytes": max(r["saved_peak"] + r["states"] for r in res),
             "loss": res[0]["loss"]}
 
 
@@ -175,7 +298,7 @@ def pct(pred, meas) -> float:
 def table(rows) -> str:
     mb = 1 << 20
     out = ["| layout | ranks | m | pred step s | meas step s | err % | pred mem MiB (fp32) | "
-           "meas peak RSS MiB | meas RSS growth MiB | mem err % | load |",
+           "meas tensors MiB (states + saved peak) | mem err % | meas RSS growth MiB | load |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
@@ -185,8 +308,9 @@ def table(rows) -> str:
             continue
         out.append(f"| {r['layout']} | {r['ranks']} | {r['microbatches']} | "
                    f"{r['pred_step_s']:.3f} | {r['meas_step_s']:.3f} | {r['time_err_pct']:+.0f} | "
-                   f"{r['pred_mem_fp32_bytes'] / mb:.0f} | {r['meas_peak_rss_bytes'] / mb:.0f} | "
-                   f"{r['meas_mem_delta_bytes'] / mb:.0f} | {r['mem_err_pct']:+.0f} | "
+                   f"{r['pred_mem_fp32_bytes'] / mb:.0f} | {r['meas_tensor_bytes'] / mb:.0f} "
+                   f"({r['meas_states_bytes'] / mb:.0f} + {r['meas_saved_peak_bytes'] / mb:.0f}) | "
+                   f"{r['mem_err_pct']:+.0f} | {r['meas_mem_delta_bytes'] / mb:.0f} | "
                    f"{r['load_before']} |")
     return "\n".join(out)
 
@@ -209,7 +333,7 @@ def main() -> int:
     ap.add_argument("--cluster", help="cluster JSON from calibrate_local (default: calibrate now)")
     ap.add_argument("--save-cluster", default=None, help="write the calibration here")
     ap.add_argument("--only", default=None, help="comma-separated layout names")
-    ap.add_argument("--max-wait", type=float, default=300.0,
+    ap.add_argument("--max-wait", type=float, default=8.0,
                     help="seconds to wait per layout for load < 2.5")
     ap.add_argument("--json-out", default=None, help="also write all rows to this JSON file")
     args = ap.parse_args()
@@ -239,14 +363,15 @@ def main() -> int:
     for row in layouts:
         rec = {"layout": row[0], "ranks": row[1], "tp": row[2], "pp": row[3], "cp": row[4],
                "dp": row[1] // (row[2] * row[3] * row[4]), "mbs": row[5],
-               "recompute": row[6] or "none", "schedule": row[7] if row[3] > 1 else None}
+               "recompute": row[6] or "none", "schedule": row[7] if row[3] > 1 else None,
+               **_row(row)[8]}
         rec.update(predicted(cal, row))
         rec.update(run_layout(row, args.max_wait))
         rows.append(rec)
         if rec["status"] == "ok":
             rec["time_err_pct"] = round(pct(rec["pred_step_s"], rec["meas_step_s"]), 1)
             rec["mem_err_pct"] = round(pct(rec["pred_mem_fp32_bytes"],
-                                           rec["meas_mem_delta_bytes"]), 1)
+                                           rec["meas_tensor_bytes"]), 1)
             print(json.dumps(rec), flush=True)
     for i, rec in enumerate(rows):  # retry failures once (e.g. pipeline work in progress)
         if rec["status"] != "ok":
@@ -258,7 +383,7 @@ def main() -> int:
                 rec["first_error"] = first_error
                 rec["time_err_pct"] = round(pct(rec["pred_step_s"], rec["meas_step_s"]), 1)
                 rec["mem_err_pct"] = round(pct(rec["pred_mem_fp32_bytes"],
-                                               rec["meas_mem_delta_bytes"]), 1)
+                                               rec["meas_tensor_bytes"]), 1)
             print(json.dumps(rec), flush=True)
     ok = [r for r in rows if r["status"] == "ok"]
     summary = {"picks": [s for s in (pick_summary(rows, 4), pick_summary(rows, 2)) if s],

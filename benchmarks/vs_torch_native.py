@@ -92,7 +92,7 @@ def gemm_flops(layout: tuple, cfg: LoomConfig) -> tuple[float, float]:
     layer."""
     tp, pp, dp = layout[:3]
     m = cfg.model
-    h, f, V = m.hidden_size, m.ffn_size, m.padded_vocab_size(tp)
+    h, f, V = m.hidden_size, m.ffn_size, m.padded_vocab(tp)
     tokens = cfg.training.global_batch_size * m.seq_length
     per_layer = h * 3 * h + h * h + 2 * h * f  # QKV (a = g), projection, FC1, FC2
     last_stage = (m.num_layers // pp) * per_layer + h * V

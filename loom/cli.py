@@ -30,6 +30,7 @@ from loom.parallel.agent_store import agent_store
 SUBCOMMANDS = {
     "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
     "preprocess": ("loom.data.preprocess", "tokenize .txt/.jsonl into an indexed dataset"),
+    "data": ("loom.data.check_cli", "check a dataset: checksums, index, every token id < V"),
     "generate": ("loom.inference.cli", "generate text from a checkpoint"),
     "evaluate": ("loom.evaluation.cli", "zero-shot evaluation of a checkpoint: perplexity, "
                                         "cloze accuracy (any TP/PP layout)"),
@@ -157,6 +158,11 @@ def main(argv: list[str] | None = None) -> None:
         unknown = [w for w in words if w.startswith("--") and w.split("=")[0] not in known]
         if unknown:
             parsers[chosen].unknown(unknown)
+        given = [w.split("=")[0] for w in words if w.startswith("--")]
+        twice = sorted({f for f in given if given.count(f) > 1})
+        if twice and reporting_rank():  # argparse keeps the last silently: say so
+            print(f"loom {chosen}: warning: {', '.join(twice)} given more than once: the last "
+                  f"value counts", flush=True)  # stdout: a refusal stays stderr's one line
     args, extras = parser.parse_known_args(argv)
     if extras:  # the subcommand's parser names its own flags and usage
         parsers[args.command].unknown(extras)
@@ -169,4 +175,19 @@ def main(argv: list[str] | None = None) -> None:
         refuse(f"loom {args.command}", str(e))
     except (CheckpointWriteError, NonFiniteError) as e:
         refuse(f"loom {args.command}", str(e), code=1)
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not out_of_memory(e):
+            raise
+        refuse(f"loom {args.command}", f"out of memory ({str(e).splitlines()[0][:200]}): the "
+                                       f"model or batch does not fit this machine; see the "
+                                       f"memory per rank with `loom {args.command} ... "
+                                       f"--dry-run` or pick a layout with `loom plan`", code=1)
     sys.exit(rc or 0)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation failure: Python's MemoryError, torch's OutOfMemoryError
+    (CUDA) or the CPU allocator's "can't allocate memory" / size-overflow RuntimeError."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+        "can't allocate memory" in str(e) or "not enough memory" in str(e)
+        or "Storage size calculation overflowed" in str(e))

@@ -143,20 +143,25 @@ COLLECTIVES = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scat
                "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
                "all_gather": "all_gather", "all_to_all_single": "all_to_all",
                "broadcast": "broadcast"}
+# point-to-point calls, counted on request (count_collectives(p2p=True)): a patched dist.isend
+# is not the function dist.P2POp accepts, so code using batch_isend_irecv must not run under it
+P2P_CALLS = {"isend": "isend", "irecv": "irecv"}
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[list]:
+def count_collectives(p2p: bool = False) -> Iterator[list]:
     """Record every call of a :data:`COLLECTIVES` function while the block runs; yields the
     list the records go to, each ``{"op", "group", "numel", "bytes", "backward"}``: ``group``
     the process group whether passed by keyword or position (None: the default group),
     ``numel``/``bytes`` of the largest tensor argument (the whole buffer of a reduce-scatter or
     all-gather), ``backward`` whether the call was made inside an autograd backward (a
     reduction overlapped with it). Calls that loom makes through ``dist.NAME`` looked up at
-    call time are all seen (loom never binds these functions at import)."""
+    call time are all seen (loom never binds these functions at import). ``p2p``: also
+    ``dist.isend`` / ``dist.irecv`` (:data:`P2P_CALLS`; not around ``batch_isend_irecv``)."""
     import torch.distributed as dist
     records: list = []
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    ops = {**COLLECTIVES, **(P2P_CALLS if p2p else {})}
+    originals = {name: getattr(dist, name) for name in ops if hasattr(dist, name)}
 
     def counted(name, fn):
         sig = inspect.signature(fn)
@@ -167,7 +172,7 @@ def count_collectives() -> Iterator[list]:
             tensors += [t for v in bound.values() if isinstance(v, (list, tuple))
                         for t in v if isinstance(t, torch.Tensor)]
             big = max(tensors, key=lambda t: t.numel(), default=None)
-            records.append({"op": COLLECTIVES[name], "group": bound.get("group"),
+            records.append({"op": ops[name], "group": bound.get("group"),
                             "numel": 0 if big is None else big.numel(),
                             "bytes": 0 if big is None else big.numel() * big.element_size(),
                             "backward": torch._C._current_graph_task_id() != -1})

@@ -2,8 +2,9 @@
 ``loom checkpoint convert --to-hf DIR OUT`` / ``--from-hf HF_DIR OUT`` (:mod:`.convert`).
 
 Prints the iteration, the parallel layout it was saved at, consumed samples, every parameter
-under its layout-free name with its global (unsharded) shape, dtype and size, the totals, and
-the model config; ``--json`` for the same as one JSON object.
+under its layout-free name with its global (unsharded) shape, dtype and size, the totals, the
+model config, and whether every file still matches its checksum (``manifest.json``; a damaged
+file is named and the exit status is 1); ``--json`` for the same as one JSON object.
 """
 
 from __future__ import annotations
@@ -51,15 +52,36 @@ def inspect(path: str, step=None) -> dict:
     with open(os.path.join(ckpt, "metadata.json")) as fh:
         meta = json.load(fh)
     common = read_common(ckpt)
+    integrity = _integrity(ckpt)
+    try:  # a file known damaged is not read (DCP would log its traceback)
+        saved = {} if integrity.startswith("CORRUPTED") else open_checkpoint(ckpt).parameters()
+    except Exception as e:  # noqa: BLE001 - a damaged file: say so in one line
+        if not integrity.startswith("CORRUPTED"):
+            why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            integrity = f"CORRUPTED: its tensors cannot be read ({why[:200]})"
+        saved = {}
     params = {name: {"shape": list(p["shape"]), "dtype": str(p["dtype"]).replace("torch.", ""),
                      "bytes": math.prod(p["shape"]) * p["dtype"].itemsize}
-              for name, p in open_checkpoint(ckpt).parameters().items()}
+              for name, p in saved.items()}
     return {"checkpoint": ckpt, "iteration": common["iteration"], "layout": meta.get("layout"),
             "world_size": meta.get("world_size"), "format": meta.get("format"),
             "consumed_samples": common.get("consumed_samples"), "parameters": params,
             "total_parameters": sum(math.prod(p["shape"]) for p in params.values()),
             "total_bytes": sum(p["bytes"] for p in params.values()),
-            "config": common.get("config", {})}
+            "config": common.get("config", {}), "integrity": integrity}
+
+
+def _integrity(ckpt: str) -> str:
+    """``ok (N files match manifest.json)``, ``CORRUPTED: ...`` naming each damaged file, or
+    ``unchecked`` for a checkpoint saved without a manifest."""
+    from loom.checkpoint.integrity import MANIFEST, manifest_problems
+    problems = manifest_problems(ckpt)
+    if problems is None:
+        return f"unchecked (no {MANIFEST}: saved before loom kept checksums)"
+    if problems:
+        return "CORRUPTED: " + "; ".join(problems)
+    with open(os.path.join(ckpt, MANIFEST), encoding="utf-8") as fh:
+        return f"ok ({len(json.load(fh)['files'])} files match {MANIFEST})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,9 +95,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {done}")
         return 0
     info = inspect(args.dir, args.ckpt_step)
+    bad = int(info["integrity"].startswith("CORRUPTED"))  # exit status 1: do not load it
     if args.json:
         print(json.dumps(info, indent=1, default=str))
-        return 0
+        return bad
     print(f"{info['checkpoint']}: iteration {info['iteration']}, {info['format']}, saved at "
           f"{info['layout']} ({info['world_size']} ranks), {info['consumed_samples']} samples "
           f"consumed")
@@ -89,4 +112,5 @@ def run(args: argparse.Namespace) -> int:
     keys = ("model_type", "num_layers", "hidden_size", "num_attention_heads",
             "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length", "num_experts")
     print("model: " + ", ".join(f"{k}={cfg.get(k)}" for k in keys if k in cfg))
-    return 0
+    print(f"checksums: {info['integrity']}")
+    return bad

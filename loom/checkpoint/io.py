@@ -9,6 +9,7 @@ Layout of ``--save DIR`` (format ``loom-checkpoint-v2``; Megatron's names where 
     DIR/iter_0000100/.metadata                 DCP's index: every key, its shape, dtype, file
     DIR/iter_0000100/__R_0.distcp              the entries rank R wrote (FileSystemWriter)
     DIR/iter_0000100/tokenizer.json            so `loom generate` needs no tokenizer flags
+    DIR/iter_0000100/manifest.json             every file's size and blake2b (integrity.py)
 
 DCP keys (each rank's state dict has four sections; DCP stores ``section.key``)::
 
@@ -56,18 +57,19 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from loom.checkpoint.integrity import write_manifest
 from loom.checkpoint.legacy import canonical_name  # noqa: F401
 from loom.checkpoint.optimizer_state import optimizer_state_by_name
 from loom.checkpoint.reader import (DcpIndex, latest_checkpoint, load_checkpoint,  # noqa: F401
                                    load_model_weights, open_checkpoint, read_common,
                                    single_process_quiet)
-from loom.checkpoint.safety import LATEST
+from loom.checkpoint.safety import DCP_FORMAT, LATEST
 from loom.errors import CheckpointWriteError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state
 from loom.parallel.registry import named_parameters
 
-FORMAT = "loom-checkpoint-v2"
+FORMAT = DCP_FORMAT
 
 
 def _rank() -> int:
@@ -224,14 +226,14 @@ class PendingSave:
 
 
 def _write_common(job: PendingSave, scheduler, mesh: ParallelMesh, consumed_samples: int,
-                  config: dict, tokenizer_file: Optional[str]) -> None:
+                  config: dict, tokenizer_file: Optional[str], data: Optional[dict]) -> None:
     """Rank 0: a fresh ``iter_N.tmp`` with ``common.pt``, ``metadata.json``, tokenizer."""
     os.makedirs(job.save_dir, exist_ok=True)
     shutil.rmtree(job.tmp, ignore_errors=True)
     os.makedirs(job.tmp)
     _torch_save({"iteration": job.iteration, "consumed_samples": consumed_samples,
                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "config": config}, os.path.join(job.tmp, "common.pt"))
+                 "config": config, "data": data}, os.path.join(job.tmp, "common.pt"))
     meta = {"format": FORMAT, "iteration": job.iteration, "layout": mesh.sizes,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
     with _open_for_write(os.path.join(job.tmp, "metadata.json")) as fh:
@@ -244,11 +246,14 @@ def start_save(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
                optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
                tracker: RNGTracker, *, consumed_samples: int, config: dict,
                tokenizer_file: Optional[str] = None, async_save: bool = False, group=None,
-               after_write: Optional[Callable[[], None]] = None) -> PendingSave:
+               after_write: Optional[Callable[[], None]] = None,
+               data: Optional[dict] = None) -> PendingSave:
     """Begin a checkpoint of ``iteration`` in ``iter_N.tmp``; collective over all ranks.
     ``async_save``: write in the background with ``dcp.async_save`` (the state is copied to
     CPU first; ``group``: a gloo group of all ranks, apart from the training's collectives);
-    else write before returning. ``after_write``: see :class:`_Writer`."""
+    else write before returning. ``after_write``: see :class:`_Writer`. ``data``: the
+    identities of the datasets trained on (:mod:`loom.checkpoint.data_match`), into
+    ``common.pt``."""
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     job = PendingSave(save_dir, iteration, final, final + ".tmp", device=mesh.device,
                       started=time.perf_counter())
@@ -256,7 +261,8 @@ def start_save(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
         failure = None
         try:
             if _rank() == 0:
-                _write_common(job, scheduler, mesh, consumed_samples, config, tokenizer_file)
+                _write_common(job, scheduler, mesh, consumed_samples, config, tokenizer_file,
+                              data)
         except OSError as e:
             failure = e
         _agree(failure, job.device)
@@ -329,6 +335,7 @@ def finalize_save(job: PendingSave, barrier: bool = True) -> str:
                 job.written_s = time.perf_counter() - job.started
                 job.future = None
             if _rank() == 0:
+                write_manifest(job.tmp)  # every file's size and checksum, before the rename
                 _move_into_place(job)
                 _atomic_write_text(os.path.join(job.save_dir, LATEST), str(job.iteration))
         except (OSError, CheckpointException) as e:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from loom.checkpoint.legacy import LegacyIndex, canonical_name, is_legacy
 from loom.checkpoint.optimizer_state import load_optimizer_state_by_name
 from loom.checkpoint.safety import resolve_checkpoint
+from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, set_rng_state
 from loom.parallel.fsdp import shard_like
@@ -153,7 +154,18 @@ def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str
 
 
 def read_common(ckpt_dir: str) -> dict:
-    return torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=False)
+    """``common.pt`` of a checkpoint (iteration, consumed samples, scheduler, config). Raises
+    ConfigError naming the file when it is corrupt or unreadable (one line, no traceback)."""
+    path = os.path.join(ckpt_dir, "common.pt")
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(common, dict) or "iteration" not in common:
+            raise ValueError("it holds no checkpoint state")
+    except Exception as e:  # noqa: BLE001 - any unpickling error means a damaged file
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"checkpoint file {path} is unreadable ({why}); it was truncated or "
+                          f"overwritten: give --ckpt-step N to load another checkpoint") from None
+    return common
 
 
 def _named_params(model_chunks: Sequence[nn.Module]) -> dict[str, tuple]:

@@ -15,6 +15,7 @@ rank before any process group starts:
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from loom.paths import (LATEST, available_checkpoints, is_complete,  # noqa: F40
                         iteration_dir, read_pointer, resolve_checkpoint, saved_iterations)
 
 _PARTIAL = re.compile(r"^iter_\d+\.tmp$")
+DCP_FORMAT = "loom-checkpoint-v2"  # loom.checkpoint.io.FORMAT (imported there: torch-free here)
 
 
 def _check_dcp_files(path: str) -> None:
@@ -37,7 +39,8 @@ def _check_dcp_files(path: str) -> None:
              f"({available_checkpoints(os.path.dirname(path))})")
     meta = os.path.join(path, ".metadata")
     try:
-        storage = FileSystemReader(path).read_metadata().storage_data
+        metadata = FileSystemReader(path).read_metadata()
+        storage = metadata.storage_data
     except Exception as e:  # noqa: BLE001 - any unpickling error means a damaged file
         raise ConfigError(f"checkpoint file {meta} is unreadable ({e}); it was truncated or "
                           f"overwritten: {again}") from None
@@ -50,11 +53,15 @@ def _check_dcp_files(path: str) -> None:
         if have < size:
             what = "missing" if have < 0 else f"truncated ({have} of {size} bytes)"
             raise ConfigError(f"checkpoint file {file} is {what}: {again}")
+    from loom.checkpoint.integrity import check_descriptions, verify_manifest
+    check_descriptions(path, (DCP_FORMAT,), metadata.state_dict_metadata)
+    verify_manifest(path, again)
 
 
 def check_checkpoint_files(path: str) -> None:
     """Refuse a checkpoint whose files are truncated or unreadable; ConfigError names the file.
-    v2 (DCP): see :func:`_check_dcp_files`; v1: each ``.pt`` file must be a readable zip with
+    v2 (DCP): see :func:`_check_dcp_files`, then ``metadata.json`` against the directory and
+    ``.metadata`` and every file against its checksum (:mod:`loom.checkpoint.integrity`); v1: each ``.pt`` file must be a readable zip with
     its central directory."""
     dcp = os.path.exists(os.path.join(path, ".metadata"))
     names = sorted(n for n in os.listdir(path) if n.endswith(".pt"))
@@ -74,6 +81,33 @@ def check_checkpoint_files(path: str) -> None:
                 f"({available_checkpoints(os.path.dirname(path))})") from None
     if dcp:
         _check_dcp_files(path)
+
+
+def check_fresh_load(load: str, save: Optional[str]) -> None:
+    """``--load`` names no checkpoint: allowed (a fresh start, said by the caller) only for an
+    empty or absent directory that is also ``--save`` (a job that resumes itself) or an empty
+    directory. Refused, with ConfigError naming ``--load``: a path that does not exist (a typo;
+    unless it is ``--save``), a symlink loop or unreadable path, and a directory holding other
+    files (a dataset directory, say), so a wrong path never silently starts from scratch."""
+    try:
+        os.stat(load)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"--load {load}: a symbolic-link loop; point it at the checkpoint "
+                              f"directory") from None
+        if e.errno != errno.ENOENT:
+            raise ConfigError(f"--load {load}: cannot read it ({e.strerror})") from None
+        if save and os.path.abspath(save) == os.path.abspath(load):
+            return
+        raise ConfigError(f"--load {load} does not exist: check the path (to start from "
+                          f"scratch, drop --load, or give the same directory as --save)") from None
+    if not os.path.isdir(load):
+        return  # resolve_checkpoint refuses a file
+    others = sorted(n for n in os.listdir(load) if not n.startswith("."))
+    if others:
+        raise ConfigError(f"--load {load} holds no checkpoint (no {LATEST}, no iter_*) but other "
+                          f"files ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): "
+                          f"give the checkpoint directory (the --save of the run to resume)")
 
 
 def _nearest_existing(path: str) -> str:

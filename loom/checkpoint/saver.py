@@ -8,6 +8,7 @@ next save starts, and at exit (:meth:`Saver.finish`, which waits). Only one save
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ class Saver:
         self.blocked_s = 0.0  # time the step loop spent in the latest save call
         self.say: Optional[Callable[[str], None]] = None  # the log's print, once given
         self.first_nonfinite: Optional[int] = None  # the run's first skipped iteration
+        self.data: Optional[dict] = None  # the datasets' identities (data_match)
 
     @property
     def verb(self) -> str:
@@ -40,6 +42,13 @@ class Saver:
     def _tokenizer(self, tokenizer_file: Optional[str]) -> Optional[str]:
         first = blend_prefixes(self.cfg.data.data_path or self.cfg.data.train_data_path)
         return tokenizer_file or (first[0] + ".tokenizer.json" if first else None)
+
+    def _data(self) -> dict:
+        """The datasets' identities, recorded in every checkpoint (read once per run)."""
+        if self.data is None:
+            from loom.checkpoint.data_match import data_identities
+            self.data = data_identities(self.cfg.data)
+        return self.data
 
     def save(self, save_dir: str, *, iteration: int, consumed_samples: int, model_chunks,
              optimizer, scheduler, mesh, tracker, tokenizer_file: Optional[str] = None,
@@ -52,12 +61,14 @@ class Saver:
         t0 = time.perf_counter()
         self.finish()  # one save in flight: the previous one completes first
         if self.async_save and dist.is_initialized() and self.group is None:
-            self.group = dist.new_group(backend="gloo")
+            minutes = self.cfg.fault_tolerance.distributed_timeout_minutes
+            self.group = dist.new_group(backend="gloo",
+                                        timeout=datetime.timedelta(minutes=minutes))
         job = start_save(save_dir, iteration, model_chunks, optimizer, scheduler, mesh, tracker,
                          consumed_samples=consumed_samples, config=self.cfg.to_flat(),
                          tokenizer_file=self._tokenizer(tokenizer_file),
                          async_save=self.async_save, group=self.group,
-                         after_write=after_write)
+                         after_write=after_write, data=self._data())
         if job.future is None:
             finalize_save(job)
             self._prune(job)

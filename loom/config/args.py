@@ -56,7 +56,8 @@ class _OnOff(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+        # the field's own flag turns it on (also a field named no_*: --no-load-optim)
+        setattr(namespace, self.dest, option_string == flag(self.dest))
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +87,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                  action=_OnOff, default=None, help=text)
                 continue
             choices = choices_of(hint)
-            if f.name in BLEND_FIELDS:
+            if f.name in BLEND_FIELDS or f.metadata.get("words"):
                 grp.add_argument(flag(f.name), dest=f.name, nargs="+", action=_JoinWords,
-                                 default=None, metavar="[W] PREFIX", help=text)
+                                 default=None, help=text,
+                                 metavar="[W] PREFIX" if f.name in BLEND_FIELDS else "VALUE")
             elif choices is not None:
                 grp.add_argument(flag(f.name), dest=f.name, choices=choices, default=None,
                                  help=text)
@@ -162,7 +164,7 @@ def read_yaml_config(path: str, lines: dict | None = None) -> dict:
             raw = constructor.construct_object(node, deep=True)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}:{line}: {key}: {e}") from None
-        if key in BLEND_FIELDS and isinstance(raw, list):  # [0.3, A, 0.7, B]
+        if (key in BLEND_FIELDS or field_metadata(key).get("words")) and isinstance(raw, list):
             raw = " ".join(str(w) for w in raw)
         auto = raw == "auto" and field_metadata(key).get("auto")
         values[key] = raw if auto else coerce(raw, hints[key], f"{path}:{line}: {key}")

@@ -32,11 +32,13 @@ def check_gemma3(m: Any) -> None:
     --model-type are refused with "drop it" (``--rotary-scaling-factor``: loom has Gemma 3's
     linear RoPE scaling only, no YaRN / ``--rope-type``)."""
     if m.model_type != "gemma3":
-        if m.rotary_scaling_factor is not None:
-            raise ConfigError(f"--rotary-scaling-factor: loom implements it only as Gemma 3's "
-                              f"linear RoPE scaling; YaRN (DeepSeek) and other RoPE scalings "
-                              f"(Megatron's --rope-type) are not supported yet for --model-type "
-                              f"{m.model_type}: drop --rotary-scaling-factor")
+        if m.rotary_scaling_factor is not None and not (
+                m.multi_latent_attention and m.effective_rope_type == "yarn"):
+            raise ConfigError(f"--rotary-scaling-factor: loom implements it as Gemma 3's "
+                              f"linear RoPE scaling and as YaRN in multi-latent attention "
+                              f"(--multi-latent-attention, --rope-type yarn); other scalings "
+                              f"are not supported yet for --model-type {m.model_type}: drop "
+                              f"--rotary-scaling-factor")
         for name, what in GEMMA3_ONLY:
             if getattr(m, name) is not None:
                 raise _other_family(name, what, m.model_type)

@@ -7,7 +7,7 @@ from typing import Optional
 
 from loom.errors import ConfigError
 
-FAULT_KINDS = ("kill", "hang", "exception", "kill-in-save")
+FAULT_KINDS = ("kill", "hang", "exception", "kill-in-save", "stop")
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,64 @@
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 from loom.config.fields import opt
+from loom.errors import ConfigError
 
 RouterScore = Literal["softmax", "sigmoid"]
+LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
+RouterDtype = Literal["fp32", "fp64"]
+Dispatcher = Literal["allgather", "alltoall", "flex"]
+
+
+def _pattern_value(node: ast.AST):
+    """Evaluate one node of a ``--moe-layer-freq`` list expression: int literals, lists of them,
+    ``+`` of lists and ``*`` of a list by an int; anything else is refused (no eval)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern_value(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) and type(right) is int:
+            return left * right
+        if isinstance(node.op, ast.Mult) and type(left) is int and isinstance(right, list):
+            return right * left
+    raise ValueError(ast.dump(node)[:60])
+
+
+def parse_moe_layer_freq(value, num_layers: int) -> list[int]:
+    """``--moe-layer-freq`` (Megatron's ``moe_freq_type``) as one 0/1 per layer (1 = MoE): an
+    int N (layer i is MoE when i % N == 0), or a list expression such as ``"[1,0,1]"`` or
+    ``"([0]*3+[1]*58)"`` of length ``num_layers``, parsed with :mod:`ast` (int literals, lists,
+    ``+`` and ``*`` only). Raises ConfigError naming the flag."""
+    text = str(value).strip()
+    if "[" not in text:
+        try:
+            n = int(text)
+        except ValueError:
+            raise ConfigError(f"--moe-layer-freq {text!r}: give an int N >= 1 or a list such as "
+                              f"'([0]*3+[1]*{max(num_layers - 3, 1)})'") from None
+        if n < 1:
+            raise ConfigError(f"--moe-layer-freq must be >= 1, got {n}")
+        return [int(i % n == 0) for i in range(num_layers)]
+    try:
+        pattern = _pattern_value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        pattern = None
+    if not isinstance(pattern, list) or any(v not in (0, 1) or type(v) is not int
+                                            for v in pattern):
+        raise ConfigError(f"--moe-layer-freq {text!r}: a list expression of 0s and 1s (lists, "
+                          f"+ and * by an int), e.g. '([0]*3+[1]*{max(num_layers - 3, 1)})'")
+    if len(pattern) != num_layers:
+        raise ConfigError(f"--moe-layer-freq {text!r} has {len(pattern)} entries; "
+                          f"--num-layers is {num_layers}: give one 0/1 per layer")
+    return pattern
 
 
 @dataclass
@@ -22,8 +74,9 @@ class MoEFields:
                                                    "--ffn-hidden-size)", ge=1)
     moe_shared_expert_intermediate_size: Optional[int] = opt(
         None, "hidden size of an always-on shared expert (DeepSeek, Qwen; default: none)", ge=1)
-    moe_layer_freq: int = opt(1, "every N-th layer is MoE (layer i when i % N == 0), the rest "
-                                 "dense", ge=1)
+    moe_layer_freq: str = opt("1", "which layers are MoE: an int N (layer i when i % N == 0) "
+                                   "or a list expression of 0/1 per layer, e.g. "
+                                   "'([0]*3+[1]*58)' (Megatron's; parsed, never eval'd)")
     moe_router_score_function: RouterScore = opt(
         "softmax", "router scores: softmax (Mixtral) or sigmoid with normalized top-k weights "
                    "(DeepSeek-V3)")
@@ -37,6 +90,39 @@ class MoEFields:
               "dropless)", gt=0)
     moe_shared_expert_gate: bool = opt(False, "scale the shared expert's output by "
                                               "sigmoid(x w) (Qwen2-MoE)")
+    moe_router_load_balancing_type: LoadBalancing = opt(
+        "aux_loss", "load-balancing loss: aux_loss (per micro-batch), seq_aux_loss (per "
+                    "sequence, DeepSeek-V3), global_aux_loss (load over all DP ranks and the "
+                    "step's micro-batches) or none")
+    moe_router_enable_expert_bias: bool = opt(
+        False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the sigmoid "
+               "scores for the top-k choice, updated after each step from the global load")
+    moe_router_bias_update_rate: float = opt(1e-3, "step of the expert bias update: b += rate "
+                                                   "* sign(mean load - load)", ge=0)
+    moe_router_num_groups: Optional[int] = opt(
+        None, "group-limited routing: experts split into this many groups (e.g. the EP size "
+              "or node count)", ge=1)
+    moe_router_group_topk: Optional[int] = opt(
+        None, "group-limited routing: groups each token may use", ge=1)
+    moe_router_topk_scaling_factor: Optional[float] = opt(
+        None, "multiply the top-k combine weights by this factor (DeepSeek-V3: 2.5)", gt=0)
+    moe_router_dtype: Optional[RouterDtype] = opt(
+        None, "router logits, scores and weights in fp32 or fp64 (default: fp32 in loom)")
+    moe_token_dispatcher_type: Dispatcher = opt(
+        "allgather", "expert-parallel dispatch: allgather (gather every EP rank's tokens, run "
+                     "the local experts, reduce-scatter back) or alltoall (send each token "
+                     "only where its experts live; flex, Megatron's DeepEP/HybridEP kernels, runs "
+                     "as alltoall here); same numbers")
+    moe_grouped_gemm: bool = opt(False, "run the local experts as one grouped GEMM "
+                                        "(torch grouped_mm; per-expert loop fallback, logged)")
+    moe_shared_expert_overlap: bool = opt(
+        False, "compute the shared expert while the dispatch all-to-all is in flight "
+               "(alltoall dispatcher)")
+    moe_router_force_load_balancing: bool = opt(
+        False, "benchmarks only: random router logits (straight-through gradient), so the "
+               "experts get a balanced load whatever the weights")
+    qk_layernorm: bool = opt(False, "normalize each attention head's query and key "
+                                    "(--normalization kind, per head dim; Qwen3, OLMo 2)")
 
     @property
     def moe_ffn_size(self) -> int:
@@ -45,4 +131,38 @@ class MoEFields:
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (0-based) has an MoE instead of a dense MLP."""
-        return bool(self.num_experts) and layer_number % self.moe_layer_freq == 0
+        if not self.num_experts:
+            return False
+        text = str(self.moe_layer_freq).strip()
+        if text.isdigit() and int(text) > 0:  # the common case, without building the list
+            return layer_number % int(text) == 0
+        return bool(parse_moe_layer_freq(text, self.num_layers)[layer_number])
+
+    def check_moe_fields(self, tensor_parallel: int, recompute: bool, zero3: bool = False) -> None:
+        """The router / dispatcher flags' own rules (Megatron's TransformerConfig checks).
+        Raises ConfigError naming the flag and a fix."""
+        parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+        E, k = self.num_experts, self.moe_router_topk
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
+                              "sigmoid (the bias shifts sigmoid scores)")
+        G, g = self.moe_router_num_groups, self.moe_router_group_topk
+        if (G is None) != (g is None):
+            raise ConfigError("group-limited routing needs both --moe-router-num-groups and "
+                              "--moe-router-group-topk")
+        if G is not None:
+            if E % G or g > G or g > k or g * (E // G) < k:
+                raise ConfigError(
+                    f"--moe-router-num-groups {G} must divide --num-experts {E}, and "
+                    f"--moe-router-group-topk {g} must be <= {G} and <= --moe-router-topk {k}, "
+                    f"its groups holding >= k experts: e.g. --moe-router-num-groups "
+                    f"{next(n for n in range(E, 0, -1) if E % n == 0 and n <= max(1, E // k))} "
+                    f"--moe-router-group-topk 1")
+        if self.moe_shared_expert_overlap and (self.moe_token_dispatcher_type == "allgather" or
+                                               not self.moe_shared_expert_intermediate_size):
+            raise ConfigError("--moe-shared-expert-overlap needs --moe-token-dispatcher-type "
+                              "alltoall and --moe-shared-expert-intermediate-size")
+        if self.moe_router_load_balancing_type == "global_aux_loss" and recompute:
+            raise ConfigError("--moe-router-load-balancing-type global_aux_loss keeps a running "
+                              "load that a recomputed forward would not replay: drop "
+                              "--recompute-granularity or use aux_loss / seq_aux_loss")

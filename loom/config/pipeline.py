@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from loom.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zbv")
+# loom's own schedule names (Megatron-LM's flag has no such value): zero-bubble = ZB-H1,
+# zbv = ZB-V (two chunks per stage in a V)
+ZERO_BUBBLE = ("zero-bubble", "zbv")
 
 
 class _Err(ValueError):
@@ -53,7 +56,13 @@ def validate_pipeline(cfg, world_size: int) -> None:
     if par.pipeline_schedule not in SCHEDULES + (None,):
         raise _config_error(f"--pipeline-schedule {par.pipeline_schedule!r} is unknown: choose "
                             f"one of {', '.join(SCHEDULES)}")
-    interleaved = par.pipeline_schedule == "interleaved" or lpv is not None
+    zbv = par.pipeline_schedule == "zbv"  # its two chunks: --num-layers-per-virtual-... L/(2p)
+    interleaved = par.pipeline_schedule == "interleaved" or (lpv is not None and not zbv)
+    if par.pipeline_schedule in ZERO_BUBBLE:
+        _check_zero_bubble(cfg)
+    if zbv and (pp > 1 or lpv is not None):
+        _check_zbv(cfg, L, pp, lpv, first, last)
+        return
     if pp == 1:
         if interleaved:
             raise _config_error(
@@ -113,3 +122,57 @@ def validate_pipeline(cfg, world_size: int) -> None:
             f"--num-layers {L} minus {given} leaves {rest} layers for the other {n_free} "
             f"stage(s): it must be a positive multiple of {max(n_free, 1)} (every stage needs "
             f">= 1 layer); adjust --decoder-first/last-pipeline-num-layers") from None
+
+
+def _check_zero_bubble(cfg) -> None:
+    """``--pipeline-schedule zero-bubble`` splits each backward into an input-gradient and a
+    weight-gradient pass: refused where the weight pass cannot be deferred."""
+    t, name = cfg.training, cfg.parallel.pipeline_schedule
+    if getattr(t, "zero_stage", 0) == 3 or getattr(t, "use_torch_fsdp2", False):
+        raise _config_error(
+            f"--pipeline-schedule {name} defers weight gradients past the backward that FSDP2 "
+            f"(--zero-stage 3 / --use-torch-fsdp2) reduce-scatters them in: use "
+            f"--zero-stage 1 or 2 (--use-distributed-optimizer), or --pipeline-schedule 1f1b")
+    if getattr(t, "compile", False):
+        raise _config_error(
+            f"--pipeline-schedule {name} splits the backward graph of each stage, which "
+            f"--compile's compiled layers do not expose: drop --compile or use "
+            f"--pipeline-schedule 1f1b")
+
+
+def _check_zbv(cfg, L: int, pp: int, lpv, first, last) -> None:
+    """ZB-V holds exactly two chunks per stage, virtual stages r and 2p - 1 - r, of L / (2p)
+    layers each (``--num-layers-per-virtual-pipeline-stage``, optional, must say so). A tied
+    embedding then has both of its copies on stage 0, under one name, which the name-keyed
+    checkpoint load fills only once: ``--load`` is refused (a checkpoint saved under ZB-V loads
+    under any other schedule)."""
+    m = cfg.model
+    if pp == 1:
+        raise _config_error(
+            "--num-layers-per-virtual-pipeline-stage with --pipeline-schedule zbv needs "
+            "--pipeline-model-parallel-size > 1: raise the pipeline size or drop the flag")
+    if L % (2 * pp) == 0 and lpv is not None and lpv != L // (2 * pp):
+        raise _config_error(
+            f"--pipeline-schedule zbv holds exactly two model chunks per stage, "
+            f"L / (2p) = {L // (2 * pp)} layers each, but --num-layers-per-virtual-pipeline-stage "
+            f"is {lpv}: set it to {L // (2 * pp)} or drop it (or use --pipeline-schedule "
+            f"interleaved for {lpv}-layer chunks)")
+    if cfg.checkpoint.load and (not m.untie_embeddings_and_output_weights
+                                or getattr(m, "mtp_num_layers", None)):
+        raise _config_error(
+            f"--load {cfg.checkpoint.load} with --pipeline-schedule zbv: stage 0 holds both "
+            f"copies of the tied word embeddings, and loading fills only one; resume under "
+            f"--pipeline-schedule zero-bubble (or 1f1b: checkpoints do not depend on the "
+            f"schedule), or add --untie-embeddings-and-output-weights to a new run")
+    if first is not None or last is not None:
+        raise _config_error(
+            "--decoder-first/last-pipeline-num-layers are not supported with --pipeline-schedule "
+            "zbv (its 2p virtual stages hold L / (2p) layers each): drop them or use "
+            "--pipeline-schedule zero-bubble")
+    if L % (2 * pp):
+        raise _config_error(
+            f"--pipeline-schedule zbv needs --num-layers {L} divisible by 2 x "
+            f"--pipeline-model-parallel-size {pp} = {2 * pp} (two model chunks per stage): "
+            f"choose a pipeline size p with L / (2p) an integer"
+            + (f" (e.g. {pp // 2})" if pp % 2 == 0 and L % pp == 0 and pp > 2 else "")
+            + ", or use --pipeline-schedule zero-bubble")

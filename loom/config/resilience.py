@@ -25,6 +25,9 @@ class CheckpointConfig:
                                          "named by latest_checkpointed_iteration.txt", ge=0)
     overwrite_checkpoints: bool = opt(
         False, "allow --save to replace checkpoints newer than the start iteration")
+    override_data_change: bool = opt(
+        False, "on resume, accept a dataset, --split or --seed other than the checkpoint's "
+               "(default: refused: the trained documents would move or the data order change)")
     mtbf_hours_per_node: Optional[float] = opt(
         None, "mean time between failures of one node, hours, for --save-interval auto (the "
               "job's MTBF is this / nodes)", gt=0)
@@ -57,7 +60,8 @@ class FaultToleranceConfig:
         None, "RANK:ITERATION:KIND: global rank RANK fails when it starts iteration ITERATION "
               "with KIND kill (SIGKILL), hang (stops making progress) or exception, or "
               "kill-in-save (SIGKILL in the middle of the checkpoint of ITERATION: its files "
-              "written, before the rename); once per job (not again after a torchrun restart)")
+              "written, before the rename), or stop (SIGSTOP: frozen, as under a debugger); once "
+              "per job (not again after a torchrun restart)")
     hang_timeout_s: Optional[float] = opt(
         None, "seconds without progress after which a rank reports its iteration, phase and "
               "Python stacks and exits non-zero so torchrun can restart (default: no watchdog)",
@@ -65,3 +69,7 @@ class FaultToleranceConfig:
     distributed_timeout_minutes: float = opt(
         10.0, "timeout of collectives (torch.distributed's process-group timeout), minutes",
         gt=0)
+    exit_signal_handler: bool = opt(
+        False, "on SIGTERM or SIGINT, finish the current iteration, save a checkpoint (with "
+               "--save) and exit 0 (Megatron's meaning); without it a signal ends the rank at "
+               "once with one line, status 128+signal, no save")

@@ -9,21 +9,25 @@ generic check of types, choices and bounds is :func:`loom.config.validate.check_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from loom.config.fields import opt
 from loom.config.model_bert import BertFields
 from loom.config.model_gemma3 import Gemma3Fields
+from loom.config.model_gptoss import GptOssFields
 from loom.config.model_mamba import MambaFields
+from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
+from loom.config.parallel_cp import ContextParallelFields
 from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
-from loom.errors import ConfigError
+from loom.config.compat import ImplementationSwitches
+from loom.config.script_fields import (DataScriptFields, LoggingScriptFields, ModelScriptFields,
+                                       TrainingScriptFields)
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
-PositionEmbedding = Literal["learned_absolute", "rope"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+PositionEmbedding = Literal["learned_absolute", "rope", "none"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble", "zbv"]
 DecayStyle = Literal["cosine", "linear", "constant"]
 Recompute = Literal["selective", "full"]
 Backend = Literal["nccl", "gloo"]
@@ -31,7 +35,9 @@ Device = Literal["cpu", "cuda"]
 ModelType = Literal["gpt", "mamba", "bert", "gemma3"]  # families in loom.models.FAMILY_MODULES
 RecomputeMethod = Literal["uniform", "block"]
 TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
-                        "BertWordPieceLowerCase", "BertWordPieceCase"]
+                        "BertWordPieceLowerCase", "BertWordPieceCase", "Llama2Tokenizer",
+                        "GPTSentencePieceTokenizer", "SentencePieceTokenizer", "TikTokenizer",
+                        "NullTokenizer"]
 
 
 @dataclass
@@ -70,7 +76,7 @@ class ModelShapeFields:
     normalization: Normalization = opt("LayerNorm", "layer normalization: LayerNorm or RMSNorm")
     norm_epsilon: float = opt(1e-5, "epsilon added to the variance in the normalization", gt=0)
     position_embedding_type: PositionEmbedding = opt(
-        "learned_absolute", "positions: learned_absolute embeddings or rope (rotary)")
+        "learned_absolute", "positions: learned_absolute embeddings, rope (rotary) or none")
     rotary_base: float = opt(10000.0, "RoPE base period (theta)", gt=0)
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU")
     openai_gelu: bool = opt(False, "tanh-approximated GeLU, as GPT-2 uses")
@@ -88,13 +94,15 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(MambaFields, Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
+class ModelConfig(ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
+                  BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
     The fields every family has (:class:`ModelShapeFields`), then each family's own, in its own
     module: mixture of experts (:mod:`~loom.config.model_moe`), BERT
     (:mod:`~loom.config.model_bert`), Gemma 3 (:mod:`~loom.config.model_gemma3`), Mamba-2
-    (:mod:`~loom.config.model_mamba`). One flat section all the same: ``cfg.model.<field>``,
+    (:mod:`~loom.config.model_mamba`), multi-latent attention, YaRN and multi-token prediction
+    (:mod:`~loom.config.model_mla`). One flat section all the same: ``cfg.model.<field>``,
     the flag ``--<field>`` and the YAML key, in this order.
     """
 
@@ -117,16 +125,6 @@ class ModelConfig(MambaFields, Gemma3Fields, BertFields, MoEFields, ModelShapeFi
     def max_positions(self) -> int:
         """``--max-position-embeddings`` or s."""
         return self.max_position_embeddings or self.seq_length
-
-    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
-        """V padded to a multiple of ``make_vocab_size_divisible_by * t`` (Megatron).
-
-        Raises ConfigError when V is unknown.
-        """
-        if self.vocab_size is None:
-            raise ConfigError("vocab size unknown: give --vocab-size or a --data-path with a tokenizer")
-        mult = self.make_vocab_size_divisible_by * tensor_model_parallel_size
-        return int(math.ceil(self.vocab_size / mult) * mult)
 
     @classmethod
     def gpt2(cls, **kw: Any) -> "ModelConfig":
@@ -162,7 +160,7 @@ class ModelConfig(MambaFields, Gemma3Fields, BertFields, MoEFields, ModelShapeFi
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(ContextParallelFields):
     """Parallel sizes t, c, p (d is derived from the world size), their options and the device."""
 
     tensor_model_parallel_size: int = opt(1, "t: ranks splitting each layer's weights", ge=1)
@@ -175,7 +173,9 @@ class ParallelConfig:
         None, "layers per model chunk; giving it selects the interleaved 1F1B schedule "
               "(L / (p x N) chunks per stage)", ge=1)
     pipeline_schedule: Optional[PipelineSchedule] = opt(
-        None, "pipeline schedule: gpipe, 1f1b or interleaved (default: interleaved when "
+        None, "pipeline schedule: gpipe, 1f1b, interleaved, zero-bubble (ZB-H1) or zbv (ZB-V: "
+              "two chunks per stage in a V, L divisible by 2p); loom's own names for the last "
+              "two, not Megatron values; default: interleaved when "
               "--num-layers-per-virtual-pipeline-stage is given, else 1f1b)")
     decoder_first_pipeline_num_layers: Optional[int] = opt(
         None, "layers on the first pipeline stage (the rest split evenly)", ge=1)
@@ -203,7 +203,7 @@ class ParallelConfig:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(ImplementationSwitches, TrainingScriptFields):
     """Batch sizes, iterations, optimizer and learning-rate schedule."""
 
     micro_batch_size: Optional[int] = opt(None, "b: samples per micro-batch per data-parallel "
@@ -279,7 +279,7 @@ class TrainingConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(DataScriptFields):
     """Where the training tokens come from."""
 
     data_path: Optional[str] = opt(
@@ -309,7 +309,7 @@ class DataConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(LoggingScriptFields):
     """What is reported, and how often."""
 
     log_interval: int = opt(100, "iterations between training-loss log lines", ge=1)

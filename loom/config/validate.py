@@ -15,8 +15,13 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 from loom.config.families import check_bert, check_gemma3, check_mamba
 from loom.config.fault_spec import parse_fault
 from loom.config.fields import flag
+from loom.config.model_gptoss import check_gptoss
+from loom.config.model_mla import check_mla
+from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import validate_pipeline
+from loom.config.script_flags import resolve_script_flags
 from loom.config.split import parse_split
+from loom.config.limits import check_limits
 from loom.errors import ConfigError
 
 
@@ -165,7 +170,8 @@ def _check_model(m: Any, tp: int) -> None:
         raise ConfigError(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--num-query-groups {m.num_kv_groups}: choose G dividing the head count")
-    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads and \
+            not m.multi_latent_attention:  # MLA's head dims are its own flags
         raise ConfigError(
             f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
             f"{m.num_attention_heads}: choose a head count dividing h (or set --kv-channels)")
@@ -184,7 +190,7 @@ def _check_model(m: Any, tp: int) -> None:
         raise ConfigError(
             f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
             f"{m.max_positions}: raise --max-position-embeddings or shorten --seq-length")
-    if m.position_embedding_type == "rope" and m.head_dim % 2:
+    if m.position_embedding_type == "rope" and m.head_dim % 2 and not m.multi_latent_attention:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}")
 
 
@@ -218,9 +224,8 @@ def _check_moe(cfg: Any, world_size: int) -> None:
                           f"--expert-tensor-parallel-size 1) and "
                           f"--moe-shared-expert-intermediate-size must be divisible by "
                           f"--tensor-model-parallel-size {t}")
-    if t > 1 and not m.disable_bias_linear:
-        raise ConfigError("MoE experts under --tensor-model-parallel-size > 1 need "
-                          "--disable-bias-linear (experts are sharded without biases)")
+    m.check_moe_fields(t, cfg.training.recompute_granularity is not None,
+                       cfg.training.zero_stage == 3 or cfg.training.use_torch_fsdp2)
     if c > 1 and m.moe_expert_capacity_factor is not None:
         raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1 would "
                           "drop tokens per sequence shard: use dropless routing (omit the "
@@ -231,7 +236,7 @@ def _check_zero(cfg: Any) -> None:
     """``--zero-stage``: 1 is ``--use-distributed-optimizer`` (and that flag alone means 1), 2 is
     it with gradients kept sharded, 3 (= ``--use-torch-fsdp2``) is FSDP2
     (:mod:`loom.parallel.fsdp`), refused where it does not compose."""
-    t, p = cfg.training, cfg.parallel
+    t = cfg.training
     if t.use_torch_fsdp2 and t.zero_stage not in (0, 3):
         raise ConfigError(f"--use-torch-fsdp2 is ZeRO-3 but --zero-stage is {t.zero_stage}: "
                           f"give one of them")
@@ -246,12 +251,6 @@ def _check_zero(cfg: Any) -> None:
     if t.use_distributed_optimizer:
         raise ConfigError(f"{flag} already shards the Adam states: drop "
                           f"--use-distributed-optimizer")
-    if p.expert_model_parallel_size > 1:
-        raise ConfigError(f"{flag} does not compose with --expert-model-parallel-size "
-                          f"{p.expert_model_parallel_size} (experts' gradients are reduced over "
-                          f"the expert-data-parallel group, not DP x CP): use "
-                          f"--expert-model-parallel-size 1, or --use-distributed-optimizer "
-                          f"without --zero-stage 3")
     if t.recompute_granularity == "full" and t.recompute_method == "uniform" and \
             t.recompute_num_layers > 1:
         raise ConfigError(f"{flag} gathers each layer's parameters in its own forward, which "
@@ -321,6 +320,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
     check_fields(cfg)
     resolve_megatron(cfg)
+    resolve_script_flags(cfg, world_size)  # Megatron's script flags (config/script_flags.py)
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.context_parallel_size)
@@ -328,6 +328,9 @@ def validate_config(cfg: Any, world_size: int) -> None:
     check_mamba(m, tp, cp)
     check_bert(m, cp)
     check_gemma3(m)
+    check_mla(m, tp, cp, pp)
+    check_gptoss(m, tp, cp)
+    check_context_parallel(m, p)
     if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -378,6 +381,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
                           "backend (none of $CXX, g++, clang++, c++ found): install one (e.g. "
                           "apt-get install g++) or drop --compile")
     parse_split(cfg.data.split)
+    check_limits(cfg)
     if cfg.checkpoint.ckpt_step is not None and not cfg.checkpoint.load:
         raise ConfigError("--ckpt-step needs --load DIR")
     if p.pipeline_schedule is None:  # Megatron: the virtual-stage size alone selects interleaving

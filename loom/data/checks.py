@@ -1,13 +1,15 @@
 """Dataset cross-checks before training: ``PREFIX.meta.json`` against ``PREFIX.bin``/``.idx``
-and against ``--vocab-size``; every token id below V.
+(sizes and blake2b checksums of the ``.bin``, ``.idx`` and tokenizer, ``files``, written by
+``loom preprocess``) and against ``--vocab-size``; every token id below V.
 
-The largest token id comes from ``meta.json`` (``max_token_id``, written by ``loom preprocess``)
-or from one pass over the memory-mapped ``.bin``, cached in ``PREFIX.maxid.json`` keyed by the
-``.bin``'s size and modification time.
+The largest token id comes from ``meta.json`` (``max_token_id``) when the checksums vouch for
+the ``.bin``, else from one pass over the memory-mapped ``.bin``, cached in
+``PREFIX.maxid.json`` keyed by the ``.bin``'s size and modification time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Optional
@@ -45,10 +47,73 @@ def tokenizer_vocab_size(path: str) -> Optional[int]:
     return len(set(ids) - {-1})
 
 
+HASHED = (".bin", ".idx", ".tokenizer.json")  # the dataset files meta.json's "files" covers
+
+
+def file_digest(path: str) -> str:
+    """blake2b (32-byte) hex digest of a file, read in 4 MiB chunks."""
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dataset_files(prefix: str) -> dict:
+    """``{".bin": {"size", "blake2b"}, ".idx": ..., ".tokenizer.json": ...}`` of the files
+    there (what ``loom preprocess`` writes into ``meta.json``'s ``files``)."""
+    return {ext: {"size": os.path.getsize(prefix + ext), "blake2b": file_digest(prefix + ext)}
+            for ext in HASHED if os.path.isfile(prefix + ext)}
+
+
+def dataset_identity(meta: dict) -> Optional[dict]:
+    """``{"content": hash of the .bin and .idx hashes, "tokenizer": the tokenizer's hash}`` from
+    a ``meta.json`` with ``files`` (None for a dataset preprocessed before loom hashed them):
+    what a checkpoint records of the data it was trained on."""
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or ".bin" not in files or ".idx" not in files:
+        return None
+    content = hashlib.blake2b((files[".bin"]["blake2b"] + files[".idx"]["blake2b"]).encode(),
+                              digest_size=16).hexdigest()
+    tok = files.get(".tokenizer.json", {}).get("blake2b")
+    return {"content": content, "tokenizer": tok}
+
+
+def verify_files(prefix: str, meta: Optional[dict], flag: str = "--data-path",
+                 hashes: bool = True) -> bool:
+    """Refuse dataset files whose size or blake2b differs from ``meta.json``'s ``files`` (an
+    ``.idx``, ``.bin`` or tokenizer swapped for another dataset's, an edited ``.bin``); one
+    ConfigError naming the file. ``hashes``: re-read every byte (about 1 GB/s), else sizes
+    only. False when ``meta.json`` records no files (preprocessed before loom hashed them)."""
+    files = (meta or {}).get("files")
+    if not isinstance(files, dict):
+        return False
+    for ext, want in files.items():
+        path = prefix + ext
+        if not os.path.isfile(path):
+            raise ConfigError(f"{flag} {prefix}: {path} is missing; {prefix}.meta.json lists it")
+        size = os.path.getsize(path)
+        if size != want.get("size") or (hashes and file_digest(path) != want.get("blake2b")):
+            what = f"has {size} bytes, {want.get('size')} when written" \
+                if size != want.get("size") else "changed since `loom preprocess` wrote it " \
+                                                 "(its blake2b differs from meta.json)"
+            raise ConfigError(f"{flag} {prefix}: {path} {what}: it belongs to another dataset "
+                              f"or was edited; re-run `loom preprocess --output-prefix {prefix} "
+                              f"--overwrite`, or restore the file")
+    return True
+
+
+def scan_max_token_id(ds: IndexedDataset) -> int:
+    """Largest token id in the ``.bin`` (one pass; -1 when empty)."""
+    tokens = np.frombuffer(ds._bin, dtype=ds.dtype) if len(ds._bin) else np.zeros(0, ds.dtype)
+    return int(tokens.max()) if tokens.size else -1
+
+
 def max_token_id(ds: IndexedDataset, meta: Optional[dict] = None) -> int:
-    """Largest token id of ``ds`` (-1 when empty): ``meta["max_token_id"]``, the cache file, or
-    one pass over the ``.bin`` (then cached, if the directory is writable)."""
-    if meta and isinstance(meta.get("max_token_id"), int):
+    """Largest token id of ``ds`` (-1 when empty): ``meta["max_token_id"]`` when its files'
+    checksums were verified (:func:`verify_files`: the ``.bin`` is the one it describes), the
+    cache file, or one pass over the ``.bin`` (then cached, if the directory is writable)."""
+    if meta and isinstance(meta.get("max_token_id"), int) and isinstance(meta.get("files"), dict):
         return int(meta["max_token_id"])
     bin_path = ds.prefix + ".bin"
     st = os.stat(bin_path)
@@ -61,8 +126,7 @@ def max_token_id(ds: IndexedDataset, meta: Optional[dict] = None) -> int:
             return int(cached["max_token_id"])
     except (OSError, ValueError):
         pass
-    tokens = np.frombuffer(ds._bin, dtype=ds.dtype) if len(ds._bin) else np.zeros(0, ds.dtype)
-    top = int(tokens.max()) if tokens.size else -1
+    top = scan_max_token_id(ds)
     tmp = f"{cache}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
@@ -82,10 +146,13 @@ def check_dataset(prefix: str, vocab_size: Optional[int], flag: str = "--data-pa
     ``vocab_size`` (``--vocab-size``); no token id is >= ``vocab_size``. Raises ConfigError naming
     ``flag`` and the file.
     """
-    ds = IndexedDataset(prefix, flag)
     meta = _read_meta(prefix)
+    if meta is not None:  # sizes first: a swapped .idx is named before the index is parsed
+        verify_files(prefix, meta, flag, hashes=False)
+    ds = IndexedDataset(prefix, flag)
     meta_path = f"{prefix}.meta.json"
     if meta is not None:
+        verify_files(prefix, meta, flag)
         for key, actual in (("num_tokens", ds.num_tokens), ("num_documents", ds.num_documents),
                             ("dtype", ds.dtype.name)):
             if key in meta and meta[key] != actual:

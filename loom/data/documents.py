@@ -9,6 +9,7 @@ the line.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Iterator, Sequence
@@ -16,6 +17,7 @@ from typing import Iterator, Sequence
 from loom.errors import ConfigError
 
 EOD_TOKEN = "<|endoftext|>"
+MAX_DOCUMENT_BYTES = 8 << 20  # one line (document) at most; --max-document-bytes
 
 
 def _decode(raw: bytes, path: str, line: int) -> str:
@@ -29,27 +31,56 @@ def _decode(raw: bytes, path: str, line: int) -> str:
                           f"at column {e.start + 1}); convert the file to UTF-8") from None
 
 
-def _lines(path: str) -> Iterator[tuple[int, str]]:
+def _lines(path: str, max_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line, streamed: one line in memory at a time, and a line
+    longer than ``max_bytes`` refused naming it before more of it is read."""
     try:
         with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
+            n = 0
+            while True:
+                raw = f.readline(max_bytes + 1)
+                if not raw:
+                    return
+                n += 1
+                if len(raw) > max_bytes and not raw.endswith(b"\n"):
+                    raise ConfigError(
+                        f"--input {path}: line {n} is longer than {max_bytes} bytes "
+                        f"(--max-document-bytes); split the document, or raise the limit "
+                        f"(memory grows with it)")
                 yield n, _decode(raw, path, n)
     except OSError as e:
         raise ConfigError(f"--input {path}: cannot read ({e.strerror})") from None
 
 
-def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
+def _field(obj, key: str, path: str, n: int, json_keys: Sequence[str]) -> str:
+    """``obj[key]``, which must be a string (never tokenized as a Python repr)."""
+    try:
+        value = obj[key]
+    except (KeyError, TypeError, IndexError):
+        raise ConfigError(f"--json-keys {' '.join(json_keys)}: line {n} of {path} lacks one of "
+                          f"them; its keys are "
+                          f"{list(obj) if isinstance(obj, dict) else type(obj).__name__}") from None
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise ConfigError(f"--input {path}: line {n}: {key!r} is {kind}, not a string; give "
+                          f"text (or drop the line)")
+    return value
+
+
+def read_documents(path: str, json_keys: Sequence[str] = ("text",),
+                   max_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[str]:
     """Yield the documents (str) of one ``.txt`` or ``.jsonl`` file (see module doc); empty ones
-    skipped.
+    skipped. Streamed: memory holds one line (at most ``max_bytes``) and one document.
 
     Raises ConfigError naming ``--input`` and the line (missing file, unknown extension, bad JSON
-    line, not UTF-8, binary) or ``--json-keys`` (key absent from a JSON line).
+    line, a field that is not a string, a line over ``max_bytes``, not UTF-8, binary) or
+    ``--json-keys`` (key absent from a JSON line).
     """
     path = str(path)
     if not os.path.isfile(path):
         raise ConfigError(f"--input {path}: no such file")
     if path.endswith(".jsonl") or path.endswith(".json"):
-        for n, line in _lines(path):
+        for n, line in _lines(path, max_bytes):
             if not line.strip():
                 continue
             try:
@@ -57,29 +88,35 @@ def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[
             except json.JSONDecodeError as e:
                 raise ConfigError(f"--input {path}: line {n} is not JSON ({e}); give one JSON object "
                                   f"per line") from None
-            try:
-                text = "\n\n".join(str(obj[k]) for k in json_keys)
-            except (KeyError, TypeError):
-                raise ConfigError(f"--json-keys {' '.join(json_keys)}: line {n} of {path} lacks one of "
-                                  f"them; its keys are "
-                                  f"{list(obj) if isinstance(obj, dict) else type(obj).__name__}") from None
+            if not isinstance(obj, dict):
+                kind = "null" if obj is None else type(obj).__name__
+                raise ConfigError(f"--input {path}: line {n} is a JSON {kind}, not an object "
+                                  f"with a {json_keys[0]!r} string")
+            text = "\n\n".join(_field(obj, k, path, n, json_keys) for k in json_keys)
             if text.strip():
                 yield text
     elif path.endswith(".txt") or path.endswith(".utf8"):
-        lines = [ln.rstrip("\n") for _, ln in _lines(path)]
-        if any(ln.strip() == EOD_TOKEN for ln in lines):
+        separated = any(ln.strip() == EOD_TOKEN for _, ln in _lines(path, max_bytes))
+        if separated:  # a second streamed pass: documents between <|endoftext|> lines
             doc: list[str] = []
-            for ln in lines + [EOD_TOKEN]:
+            size = 0
+            for n, ln in itertools.chain(_lines(path, max_bytes), [(0, EOD_TOKEN)]):
                 if ln.strip() == EOD_TOKEN:
                     d = "\n".join(doc).strip()
                     if d:
                         yield d
-                    doc = []
+                    doc, size = [], 0
                 else:
-                    doc.append(ln)
+                    size += len(ln)
+                    if size > max_bytes:
+                        raise ConfigError(
+                            f"--input {path}: the document ending at line {n} is longer than "
+                            f"{max_bytes} bytes (--max-document-bytes); split it, or raise the "
+                            f"limit (memory grows with it)")
+                    doc.append(ln.rstrip("\n"))
         else:
-            for ln in lines:
+            for _, ln in _lines(path, max_bytes):
                 if ln.strip():
-                    yield ln.rstrip("\r")
+                    yield ln.rstrip("\n").rstrip("\r")
     else:
         raise ConfigError(f"--input {path}: unknown file type; give .txt or .jsonl files")

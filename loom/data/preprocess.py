@@ -12,6 +12,7 @@ line when several, form one document); ``.txt``: documents separated by lines ho
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import multiprocessing
@@ -23,7 +24,8 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from loom.errors import ConfigError
-from loom.data.documents import read_documents  # noqa: F401 - part of this module's API
+from loom.data.checks import dataset_files
+from loom.data.documents import MAX_DOCUMENT_BYTES, read_documents  # noqa: F401 - API
 from loom.data.indexed import IndexedDatasetBuilder, best_dtype
 from loom.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from loom.paths import refuse_checkpoint_root, refuse_existing, resolve_checkpoint
@@ -41,10 +43,19 @@ def _encode_batch(tok_json: str, texts: list[str]) -> list[list[int]]:
     return _worker_tokenizer(tok_json).encode_batch(texts)
 
 
-def _batches(inputs: Sequence[str], json_keys: Sequence[str]) -> Iterator[list[str]]:
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else ``os.cpu_count()``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _batches(inputs: Sequence[str], json_keys: Sequence[str],
+             max_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[list[str]]:
     buf: list[str] = []
     for path in inputs:
-        for doc in read_documents(path, json_keys):
+        for doc in read_documents(path, json_keys, max_bytes):
             buf.append(doc)
             if len(buf) >= _BATCH:
                 yield buf
@@ -93,7 +104,8 @@ def check_new_dataset(prefix: str, overwrite: bool = False) -> None:
 
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, append_eod: bool = True,
                workers: int = 1, json_keys: Sequence[str] = ("text",),
-               tokenizer_type: Optional[str] = None) -> dict:
+               tokenizer_type: Optional[str] = None,
+               max_document_bytes: int = MAX_DOCUMENT_BYTES) -> dict:
     """Tokenize ``inputs`` (.txt/.jsonl paths) into ``output_prefix``.{bin,idx,tokenizer.json,meta.json}.
 
     One indexed-dataset document per input document, in input order, with ``tokenizer.eod``
@@ -116,22 +128,34 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, 
         if workers > 1:
             ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             encode = functools.partial(_encode_batch, tokenizer.to_str())
-            with ctx.Pool(workers) as pool:
-                for ids_batch in pool.imap(encode, _batches(inputs, json_keys)):
-                    for ids in ids_batch:
+            with ctx.Pool(workers) as pool:  # at most 2 batches per worker in flight (memory)
+                pending: collections.deque = collections.deque()
+                for batch in _batches(inputs, json_keys, max_document_bytes):
+                    pending.append(pool.apply_async(encode, (batch,)))
+                    while len(pending) > 2 * workers or (pending and pending[0].ready()):
+                        for ids in pending.popleft().get():
+                            builder.add_document(ids + eod)
+                            n_docs += 1
+                while pending:
+                    for ids in pending.popleft().get():
                         builder.add_document(ids + eod)
                         n_docs += 1
         else:
-            for batch in _batches(inputs, json_keys):
+            for batch in _batches(inputs, json_keys, max_document_bytes):
                 for ids in tokenizer.encode_batch(batch):
                     builder.add_document(ids + eod)
                     n_docs += 1
     except BaseException:
         builder.abort()
         raise
+    if n_docs == 0:
+        builder.abort()
+        raise ConfigError(f"--input {' '.join(inputs)}: no documents (every line empty, or no "
+                          f"non-empty --json-keys {' '.join(json_keys)} field); nothing written")
     tokenizer.save(output_prefix + ".tokenizer.json")
     builder.finalize()
-    meta = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "num_documents": n_docs,
+    meta = {"files": dataset_files(output_prefix),
+            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "num_documents": n_docs,
             "num_tokens": builder.num_tokens, "dtype": np.dtype(dtype).name,
             "max_token_id": builder.max_token_id,
             "append_eod": bool(append_eod), "inputs": [os.path.abspath(p) for p in inputs]}
@@ -209,7 +233,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-model", default=None, help="a tokenizer.json (HuggingFaceTokenizer)")
     parser.add_argument("--vocab-size", type=int, default=None, help="ids of a trained tokenizer (ByteLevelBPETrained: >= 257; BertWordPiece*)")
     parser.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to every document")
-    parser.add_argument("--workers", type=int, default=1, help="encoding processes (1 = in-process)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="encoding processes (1 = in-process; capped to the usable cores)")
+    parser.add_argument("--max-document-bytes", type=int, default=MAX_DOCUMENT_BYTES,
+                        metavar="N", help="refuse a line (document) longer than N bytes, naming "
+                                          "it (default: %(default)s; memory grows with it)")
     parser.add_argument("--tokenizer-from", default=None, metavar="PREFIX",
                         help="reuse the tokenizer stored beside dataset PREFIX (same ids for held-out "
                              "data), or the one saved in checkpoint directory PREFIX (fine-tuning "
@@ -223,6 +251,13 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``loom preprocess``."""
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: give 1 or more")
+    cores = usable_cores()
+    if args.workers > cores:  # each worker holds a tokenizer and a batch: more only thrash
+        print(f"loom preprocess: --workers {args.workers} capped to {cores}, the cores this "
+              f"process may use", file=sys.stderr, flush=True)
+        args.workers = cores
+    if args.max_document_bytes < 1:
+        raise ConfigError(f"--max-document-bytes {args.max_document_bytes}: give 1 or more")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ConfigError(f"--vocab-size {args.vocab_size}: give a positive vocabulary size")
     for p in args.input:
@@ -248,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     meta = preprocess(args.input, args.output_prefix, tok, append_eod=args.append_eod,
                       workers=args.workers, json_keys=args.json_keys,
-                      tokenizer_type=tokenizer_type)
+                      tokenizer_type=tokenizer_type, max_document_bytes=args.max_document_bytes)
     print(f"wrote {args.output_prefix}.{{bin,idx,tokenizer.json,meta.json}}: {meta['num_documents']} documents, "
           f"{meta['num_tokens']} tokens, vocab {meta['vocab_size']}, {meta['dtype']} ({time.time() - t0:.1f}s)")
     return 0

@@ -12,7 +12,10 @@ from loom.errors import ConfigError
 
 _EOD_FALLBACKS = (EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
-                   "BertWordPieceLowerCase", "BertWordPieceCase")
+                   "BertWordPieceLowerCase", "BertWordPieceCase", "Llama2Tokenizer",
+                   "GPTSentencePieceTokenizer", "SentencePieceTokenizer", "TikTokenizer",
+                   "NullTokenizer")
+SENTENCEPIECE_TYPES = ("Llama2Tokenizer", "GPTSentencePieceTokenizer", "SentencePieceTokenizer")
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
@@ -74,6 +77,23 @@ class Tokenizer:
         tmp = f"{path}.tmp{os.getpid()}"
         self.hf.save(tmp)
         os.replace(tmp, path)
+
+    def differs_from(self, other: "Tokenizer") -> Optional[str]:
+        """What tells this tokenizer from ``other`` (vocabulary size, end-of-document id, the
+        token -> id map, the ids of a probe text), or None when they tokenize alike."""
+        if self.vocab_size != other.vocab_size:
+            return f"{self.vocab_size} ids vs {other.vocab_size}"
+        if self.eod != other.eod:
+            return f"end-of-document id {self.eod} vs {other.eod}"
+        mine = self.hf.get_vocab(with_added_tokens=True)
+        theirs = other.hf.get_vocab(with_added_tokens=True)
+        if mine != theirs:
+            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:1]
+            return f"token -> id maps differ (e.g. {diff[0] if diff else '?'})"
+        probe = "The 3 quick brown foxes jump over 12 lazy dogs. Ünïcödé  ok\n"
+        if self.encode(probe) != other.encode(probe):
+            return "the same text tokenizes differently"
+        return None
 
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
@@ -156,7 +176,8 @@ def bert_wordpiece(lower_case: bool, vocab_file: Optional[str] = None,
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
                     tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
-                    train_files: Optional[Sequence[str]] = None, json_keys: Sequence[str] = ("text",)) -> Tokenizer:
+                    train_files: Optional[Sequence[str]] = None, json_keys: Sequence[str] = ("text",),
+                    tiktoken_pattern: Optional[str] = None) -> Tokenizer:
     """Build a :class:`Tokenizer` from Megatron-style flags.
 
     * ``GPT2BPETokenizer``: ``vocab_file`` + ``merge_file`` (GPT-2 files).
@@ -165,6 +186,11 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
       (.txt/.jsonl, read as :func:`loom.data.documents.read_documents` does).
     * ``BertWordPieceLowerCase`` / ``BertWordPieceCase``: BERT's WordPiece from ``vocab_file``
       (``vocab.txt``), or trained with ``vocab_size`` ids on ``train_files``.
+    * ``Llama2Tokenizer`` / ``GPTSentencePieceTokenizer`` / ``SentencePieceTokenizer``: the
+      SentencePiece model ``tokenizer_model``; ``TikTokenizer``: tiktoken ranks
+      ``tokenizer_model`` split by ``tiktoken_pattern`` (default v2), ``vocab_size`` ids at most;
+      ``NullTokenizer``: ids written as numbers, ``vocab_size`` + 1 ids
+      (:mod:`loom.data.tokenizer_formats`). ``HuggingFaceTokenizer`` also takes a directory.
 
     Raises ConfigError naming the missing/invalid flag (``--tokenizer-type``, ``--vocab-file``,
     ``--merge-file``, ``--tokenizer-model``, ``--vocab-size``, ``--input``).
@@ -174,7 +200,18 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
             raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
-        return Tokenizer.load(tokenizer_model)
+        from loom.data.tokenizer_formats import huggingface_file
+        return Tokenizer.load(huggingface_file(tokenizer_model))
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        from loom.data.tokenizer_formats import sentencepiece_tokenizer
+        return Tokenizer(*sentencepiece_tokenizer(tokenizer_model))
+    if tokenizer_type == "TikTokenizer":
+        from loom.data.tokenizer_formats import tiktoken_tokenizer
+        return Tokenizer(*tiktoken_tokenizer(tokenizer_model, tiktoken_pattern or "v2",
+                                             vocab_size))
+    if tokenizer_type == "NullTokenizer":
+        from loom.data.tokenizer_formats import null_tokenizer
+        return Tokenizer(*null_tokenizer(vocab_size))
     if tokenizer_type == "ByteLevelBPETrained":
         if not vocab_size:
             raise ConfigError("--tokenizer-type ByteLevelBPETrained needs --vocab-size N (e.g. 8192)")

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from loom.errors import ConfigError
 from loom.parallel.mappings import gather_from_tensor_parallel_region
 
 
@@ -50,17 +51,20 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
              sampling: Optional[SamplingConfig] = None, stop_ids: Sequence[int] = ()) -> list[int]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; returns only the new ids.
 
-    Raises ValueError if the prompt plus the new tokens exceed ``--max-position-embeddings``
-    with learned positions, or if the model is split into pipeline stages.
+    Raises ConfigError (a ValueError: ``loom generate`` prints it as one line) if the prompt
+    plus the new tokens exceed ``--max-position-embeddings`` with learned positions, or if the
+    model is split into pipeline stages.
     """
     if not (model.pre_process and model.post_process):
-        raise ValueError("generation needs the whole model on each rank (pipeline size 1)")
+        raise ConfigError("generation needs the whole model on each rank (pipeline size 1)")
     sampling = sampling or SamplingConfig()
     cfg, mesh = model.cfg, model.mesh
     total = len(prompt_ids) + max_new_tokens
     if cfg.position_embedding_type == "learned_absolute" and total > cfg.max_positions:
-        raise ValueError(f"prompt ({len(prompt_ids)}) + --max-new-tokens ({max_new_tokens}) "
-                         f"exceeds --max-position-embeddings {cfg.max_positions}")
+        raise ConfigError(f"the prompt ({len(prompt_ids)} tokens) + --max-new-tokens "
+                          f"({max_new_tokens}) exceed the model's --max-position-embeddings "
+                          f"{cfg.max_positions}: shorten --prompt or lower --max-new-tokens to "
+                          f"at most {max(cfg.max_positions - len(prompt_ids), 0)}")
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(sampling.seed)

@@ -35,7 +35,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [s, b, heads, d]`` by position; ``cos``/``sin`` are ``[s, d]``."""
+    """Rotate ``x [s, b, heads, d]`` by position; ``cos``/``sin`` are ``[s, r]``: the first r
+    channels rotate, the rest pass (r < d: ``--rotary-percent``, Megatron-LM's
+    ``_apply_rotary_pos_emb_bshd``; GPT-NeoX's partial rotary)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     cos, sin = cos[:, None, None, :].to(x.dtype), sin[:, None, None, :].to(x.dtype)
@@ -46,6 +51,16 @@ def causal_mask(q_positions: torch.Tensor, seq_length: int) -> torch.Tensor:
     """Boolean ``[s_q, s_k]``: the query at global position p sees keys at positions <= p."""
     k_positions = torch.arange(seq_length, device=q_positions.device)
     return k_positions[None, :] <= q_positions[:, None]
+
+
+def window_causal_mask(q_positions: torch.Tensor, seq_length: int,
+                       window: Optional[int] = None) -> torch.Tensor:
+    """Boolean ``[s_q, s_k]``: the query at position p sees keys ``j`` with
+    ``0 <= p - j <= window`` (``window`` None: every ``j <= p``; Megatron's
+    ``get_sliding_window_causal_mask`` with ``(window, 0)``; Gemma 3's local layers and
+    gpt-oss's sliding layers)."""
+    rel = q_positions[:, None] - torch.arange(seq_length, device=q_positions.device)[None, :]
+    return (rel >= 0) & (rel <= window) if window is not None else rel >= 0
 
 
 class DotProductAttention(nn.Module, SelectiveRecompute):

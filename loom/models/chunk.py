@@ -75,7 +75,7 @@ class LanguageModelChunk(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set before building the model")
         self.cfg = cfg
         self.pre_process, self.post_process = stage.pre_process, stage.post_process
-        padded = stage.padded_vocab or cfg.padded_vocab_size(1)
+        padded = stage.padded_vocab or cfg.padded_vocab(1)
         if self.pre_process or (self.post_process and self.tied):
             self.embedding = self.build_embedding(cfg, padded)
         self.layers = nn.ModuleDict({str(i): self.build_layer(cfg, i)
@@ -129,10 +129,11 @@ class LanguageModelChunk(nn.Module):
 
     def layer_inputs(self, position_ids: torch.Tensor, cache, extra: dict) -> tuple:
         """What every layer takes after ``x``; default ``(rope, positions, cache, moe)`` with
-        ``rope`` the cos, sin ``[s, d]`` under ``--position-embedding-type rope``, else None."""
+        ``rope`` the cos, sin ``[s, r]`` under ``--position-embedding-type rope`` (r = d, or
+        ``--rotary-percent`` of it), else None."""
         rope = None
         if self.cfg.position_embedding_type == "rope":
-            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
+            rope = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rotary_base)
         return rope, position_ids, cache, extra.get("moe")
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

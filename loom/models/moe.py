@@ -21,13 +21,18 @@ keyed by their global index, so names never change).
 
 from __future__ import annotations
 
-import math
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loom.models.activation import gated_activation
+from loom.models.moe_router import Routing, TopKRouter, route  # noqa: F401 (re-exported)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,94 +60,135 @@ class AuxLossScaler(torch.autograd.Function):
         return grad, torch.ones_like(aux_loss) * ctx.scale, None
 
 
-@dataclass
-class Routing:
-    """Top-k routing of T tokens: ``experts [T, k]`` (ids), ``weights [T, k]`` (combine
-    weights, 0 where dropped), ``kept [T, k]`` (bool), ``counts [E]`` (kept assignments per
-    expert), ``aux_loss`` and ``z_loss`` (scalars, already multiplied by their coefficients)."""
+class AddBias(torch.autograd.Function):
+    """``x + bias`` where ``include`` (else ``x``); backward gives ``bias`` the full gradient
+    either way. A TP-sharded row-parallel output is a partial sum whose reduction comes later:
+    only one TP rank adds the bias, yet every rank's bias gets the gradient of the reduced
+    output (Megatron's RowParallelLinear adds it after its all-reduce). ``bias`` is ``[h]`` or
+    ``[n, h]`` (per row)."""
 
-    experts: torch.Tensor
-    weights: torch.Tensor
-    kept: torch.Tensor
-    counts: torch.Tensor
-    aux_loss: torch.Tensor
-    z_loss: torch.Tensor
+    @staticmethod
+    def forward(ctx, x, bias, include: bool):
+        ctx.per_row = bias.dim() == x.dim()
+        return x + bias.to(x.dtype) if include else x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, (grad if ctx.per_row else grad.reshape(-1, grad.shape[-1]).sum(0)), None
 
 
-def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
-          aux_coeff: float = 0.0, z_coeff: float = 0.0,
-          capacity_factor: Optional[float] = None, pre_softmax: bool = False,
-          stats=None) -> Routing:
-    """Route ``logits [T, E]`` (fp32) to the top ``k`` experts.
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (the grouped GEMM's backward
+    refuses expanded / strided ones)."""
 
-    softmax: the top-k probabilities renormalized to sum 1 (Megatron's default, = softmax over
-    the top-k logits; Mixtral), or with ``pre_softmax`` the softmax over all experts kept as
-    is (``--moe-router-pre-softmax``; Qwen2-MoE's ``norm_topk_prob=False``). sigmoid:
-    per-expert scores, top-k normalized to sum 1 (DeepSeek-V3). ``stats``: a strategy that
-    sums the load-balancing statistics (assignments per expert, probability mass per expert,
-    tokens) over the ranks sharing a sequence (context parallelism), or None.
-    """
-    T, E = logits.shape
-    scores = logits.softmax(-1) if score_function == "softmax" else logits.sigmoid()
-    top, experts = scores.topk(k, dim=-1)
-    renormalize = score_function != "softmax" or not pre_softmax
-    weights = top / top.sum(-1, keepdim=True) if renormalize else top
-    kept = torch.ones_like(experts, dtype=torch.bool)
-    if capacity_factor is not None:
-        capacity = math.ceil(capacity_factor * T * k / E)
-        flat_e, flat_w = experts.reshape(-1), top.detach().reshape(-1)
-        # rank assignments within each expert by router score (highest first); keep the first C
-        order = torch.argsort(flat_w, descending=True, stable=True)
-        order = order[torch.argsort(flat_e[order], stable=True)]
-        start = torch.cumsum(torch.bincount(flat_e, minlength=E), 0) - torch.bincount(flat_e, minlength=E)
-        rank_in_expert = torch.empty_like(order)
-        rank_in_expert[order] = torch.arange(order.numel(), device=order.device) - start[flat_e[order]]
-        kept = (rank_in_expert < capacity).view(T, k)
-        weights = weights * kept
-    counts = torch.bincount(experts[kept], minlength=E)
-    probs = scores if score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
-    routed = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype)
-    prob_mass, tokens = probs.sum(0), torch.tensor(float(T), device=logits.device)
-    if stats is not None:
-        routed, prob_mass, tokens = stats(routed, prob_mass, tokens)
-    aux = aux_coeff * E * (routed / (tokens * k) * prob_mass / tokens).sum()
-    z = z_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
-    return Routing(experts, weights, kept, counts, aux, z)
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def activate(y: torch.Tensor, swiglu: bool, act=None) -> torch.Tensor:
+    """GeLU, or SwiGLU ``silu(gate) * up`` of ``[gate; up]`` along the last dimension, or
+    ``act(y)`` when given (:func:`loom.models.activation.gated_activation`)."""
+    if act is not None:
+        return act(y)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(y)
 
 
 class ExpertMLP(nn.Module):
-    """One expert: ``[n, h] -> [n, h]`` through ``f`` features, GeLU or SwiGLU."""
+    """One expert: ``[n, h] -> [n, h]`` through ``f`` features, GeLU or SwiGLU. ``add_fc2_bias``:
+    whether this rank's (partial, TP-sharded) output carries FC2's bias (:class:`AddBias`)."""
 
-    def __init__(self, h: int, f: int, swiglu: bool, bias: bool):
+    def __init__(self, h: int, f: int, swiglu: bool, bias: bool, act=None):
         super().__init__()
-        self.swiglu = swiglu
+        self.swiglu, self.act = swiglu, act  # swiglu: FC1 is gated; act: its activation
+        self.add_fc2_bias = True
         self.linear_fc1 = nn.Linear(h, 2 * f if swiglu else f, bias=bias)
         self.linear_fc2 = nn.Linear(f, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
-        return self.linear_fc2(y)
+        y = activate(self.linear_fc1(x), self.swiglu, self.act)
+        out = F.linear(y, self.linear_fc2.weight)
+        if self.linear_fc2.bias is not None:
+            out = AddBias.apply(out, self.linear_fc2.bias, self.add_fc2_bias)
+        return out
 
 
 def run_experts(tokens: torch.Tensor, expert_ids: torch.Tensor, experts: nn.ModuleDict,
                 first_expert: int = 0) -> torch.Tensor:
     """``tokens [n, h]`` sorted by ``expert_ids [n]`` (global ids, ascending) through their
-    experts (``experts[str(id)]``); returns ``[n, h]`` in the same order."""
+    experts (``experts[str(id)]``), one GEMM pair per expert; returns ``[n, h]`` in the same
+    order."""
     counts = torch.bincount(expert_ids - first_expert, minlength=len(experts)).tolist()
     outs = [experts[str(first_expert + i)](chunk)
             for i, chunk in enumerate(tokens.split(counts)) if counts[i] > 0]
     return torch.cat(outs) if outs else tokens[:0] * 0
 
 
+def grouped_gemm_supported(tokens: torch.Tensor, mlps: list) -> Optional[str]:
+    """None when ``torch.nn.functional.grouped_mm`` can run these experts on ``tokens``, else
+    why not (no such function in this torch, a dtype it lacks, rows not 16-byte aligned)."""
+    if not hasattr(F, "grouped_mm"):
+        return "torch.nn.functional.grouped_mm is missing in this torch build"
+    if tokens.dtype not in (torch.float32, torch.bfloat16):
+        return f"grouped_mm does not take {tokens.dtype}"
+    dims = [tokens.shape[-1]] + [d for m in mlps for d in m.linear_fc1.weight.shape[:1]] \
+        + [m.linear_fc2.weight.shape[1] for m in mlps]
+    if any((d * tokens.element_size()) % 16 for d in dims):
+        return f"feature sizes {sorted(set(dims))} are not 16-byte aligned for {tokens.dtype}"
+    return None
+
+
+def run_experts_grouped(tokens: torch.Tensor, expert_ids: torch.Tensor, experts: nn.ModuleDict,
+                        first_expert: int = 0) -> torch.Tensor:
+    """:func:`run_experts` as two grouped GEMMs over all local experts
+    (``torch.nn.functional.grouped_mm`` on the stacked weights ``[G, out, in]``, row offsets
+    from the per-expert counts; ``--moe-grouped-gemm``). Where grouped_mm cannot run (see
+    :func:`grouped_gemm_supported`, or it raises for this device / dtype) it falls back to the
+    per-expert loop, logging the reason once per layer ("grouped GEMM fallback: per-expert
+    loop")."""
+    mlps = [experts[str(first_expert + i)] for i in range(len(experts))]
+    why = grouped_gemm_supported(tokens, mlps) if tokens.shape[0] else "no tokens"
+    if why is None:
+        try:
+            return _grouped(tokens, expert_ids - first_expert, mlps)
+        except RuntimeError as e:  # e.g. a CUDA build whose grouped_mm lacks this dtype
+            why = f"grouped_mm raised {str(e).splitlines()[0][:120]}"
+    if why != "no tokens" and not getattr(experts, "_grouped_fallback_logged", False):
+        log.warning("grouped GEMM fallback: per-expert loop (%s)", why)
+        experts._grouped_fallback_logged = True
+    return run_experts(tokens, expert_ids, experts, first_expert)
+
+
+def _grouped(tokens: torch.Tensor, local: torch.Tensor, mlps: list) -> torch.Tensor:
+    offs = torch.cumsum(torch.bincount(local, minlength=len(mlps)), 0).to(torch.int32)
+    fc1, fc2 = [m.linear_fc1 for m in mlps], [m.linear_fc2 for m in mlps]
+    w1 = torch.stack([l.weight for l in fc1]).to(tokens.dtype)
+    y = F.grouped_mm(tokens, w1.transpose(-2, -1), offs=offs)
+    if fc1[0].bias is not None:
+        y = y + torch.stack([l.bias for l in fc1]).to(y.dtype)[local]
+    y = activate(_ContiguousGrad.apply(y), mlps[0].swiglu, mlps[0].act)
+    w2 = torch.stack([l.weight for l in fc2]).to(tokens.dtype)
+    out = _ContiguousGrad.apply(F.grouped_mm(y.contiguous(), w2.transpose(-2, -1), offs=offs))
+    if fc2[0].bias is not None:
+        out = AddBias.apply(out, torch.stack([l.bias for l in fc2])[local], mlps[0].add_fc2_bias)
+    return out
+
+
 class LocalDispatcher(nn.Module):
     """Every expert on this rank: permute the kept (token, choice) pairs by expert, run the
-    experts, return their outputs ``[T, k, h]`` (zeros where dropped) and the shared expert's
-    ``[T, h]`` (or None)."""
+    experts (``run_experts``: :func:`run_experts` or :func:`run_experts_grouped`), return their
+    outputs ``[T, k, h]`` (zeros where dropped) and the shared expert's ``[T, h]`` (or None)."""
+
+    def __init__(self, run_experts=run_experts):
+        super().__init__()
+        self.run_experts = run_experts
 
     def forward(self, tokens, routing: Routing, experts: nn.ModuleDict,
                 shared: Optional[nn.Module] = None):
@@ -150,41 +196,39 @@ class LocalDispatcher(nn.Module):
         flat = routing.experts.reshape(-1)
         pairs = routing.kept.reshape(-1).nonzero().squeeze(-1)
         pairs = pairs[torch.argsort(flat[pairs], stable=True)]
-        out = run_experts(tokens[pairs // k], flat[pairs], experts)
+        out = self.run_experts(tokens[pairs // k], flat[pairs], experts)
         full = tokens.new_zeros(T * k, tokens.shape[-1]).index_copy(0, pairs, out)
         return full.view(T, k, -1), (shared(tokens) if shared is not None else None)
 
 
 class MoELayer(nn.Module):
-    """``x [s, b, h] -> [s, b, h]``: router, top-k experts, weighted combine, shared expert."""
+    """``x [s, b, h] -> [s, b, h]``: router (:class:`~loom.models.moe_router.TopKRouter`), top-k
+    experts, weighted combine, shared expert."""
 
     def __init__(self, cfg, layer_number: int):
         super().__init__()
         h, E = cfg.hidden_size, cfg.num_experts
         bias = not cfg.disable_bias_linear
         self.layer_number, self.cfg = layer_number, cfg
-        self.router = nn.Linear(h, E, bias=False)
-        self.experts = nn.ModuleDict({str(i): ExpertMLP(h, cfg.moe_ffn_size, cfg.swiglu, bias)
+        self.router = TopKRouter(cfg)
+        gated, act = cfg.gated_linear_unit, gated_activation(cfg)
+        self.experts = nn.ModuleDict({str(i): ExpertMLP(h, cfg.moe_ffn_size, gated, bias, act)
                                       for i in range(E)})
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = ExpertMLP(h, cfg.moe_shared_expert_intermediate_size,
-                                           cfg.swiglu, bias)
+                                            gated, bias, act)
         self.shared_expert_gate = None
         if self.shared_experts is not None and cfg.moe_shared_expert_gate:
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
-        self.dispatcher = LocalDispatcher()
-        self.aux_stats = None  # strategy summing router statistics over CP ranks (the plan's)
+        self.dispatcher = LocalDispatcher(run_experts_grouped if cfg.moe_grouped_gemm
+                                          else run_experts)
         self.aux_scale = 1.0  # the aux loss's gradient multiplier (c under context parallelism)
 
     def forward(self, x: torch.Tensor, moe: Optional[MoEContext] = None) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        c = self.cfg
-        logits = F.linear(tokens.float(), self.router.weight.float())  # router in fp32
-        routing = route(logits, c.moe_router_topk, c.moe_router_score_function,
-                        c.moe_aux_loss_coeff, c.moe_z_loss_coeff, c.moe_expert_capacity_factor,
-                        c.moe_router_pre_softmax, self.aux_stats)
+        routing = self.router(tokens, (s, b))
         expert_out, shared_out = self.dispatcher(tokens, routing, self.experts, self.shared_experts)
         y = (expert_out * routing.weights.unsqueeze(-1).to(expert_out.dtype)).sum(1)
         if shared_out is not None:
@@ -197,8 +241,8 @@ class MoELayer(nn.Module):
             y = AuxLossScaler.apply(y, aux, moe.scale)
         if moe is not None:
             n = self.layer_number
-            moe.metrics[f"moe aux loss/{n}"] = routing.aux_loss.detach()
-            moe.metrics[f"moe z loss/{n}"] = routing.z_loss.detach()
+            moe.metrics[f"moe aux loss/{n}"] = routing.aux_loss.detach().float()
+            moe.metrics[f"moe z loss/{n}"] = routing.z_loss.detach().float()
             moe.metrics[f"moe load/{n}"] = routing.counts.detach()
             moe.metrics[f"moe dropped/{n}"] = (~routing.kept).sum().detach()
         return y

@@ -2,13 +2,12 @@
 
 The E experts are split over the e ranks of the EP group, which is carved out of the
 data-parallel dimension (Megatron-Core: ``--expert-model-parallel-size``; EP rank = DP rank mod
-e). Each rank routes its own tokens, sends every (token, choice) pair to the rank holding its
-expert with ``all_to_all_single`` (variable split sizes: the per-expert counts are exchanged
-first), runs its local experts, and sends the outputs back: 2 all-to-alls of tokens forward
-and 2 backward per MoE layer. Expert gradients are summed over the EP group by the all-to-all's
+e). Each rank routes its own tokens and dispatches them to the ranks holding their experts
+(:mod:`loom.parallel.expert_dispatch`: all-to-all or all-gather / reduce-scatter). Expert gradients are summed over the EP group by the all-to-all's
 backward and reduced over the expert-data-parallel group (DP ranks holding the same experts).
 
-Under TP the experts are sharded like an MLP (FC1 by columns, FC2 by rows, no biases) and the
+Under TP the experts are sharded like an MLP (FC1 by columns with its bias, FC2 by rows, its
+bias added by TP rank 0 only: :class:`~loom.models.moe.AddBias`) and the
 partial expert outputs of all k choices and the shared expert are summed over TP in ONE
 all-reduce before the router weights combine them, so the router's gradient is exact and
 identical on every TP rank: 1 all-reduce forward and 1 backward per MoE layer, like a dense MLP.
@@ -33,106 +32,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.parallel.mappings import (copy_to_tensor_parallel_region,
-                                    reduce_from_tensor_parallel_region)
+from loom.parallel.expert_dispatch import ParallelDispatcher, all_to_all  # noqa: F401
+from loom.parallel.mappings import reduce_from_tensor_parallel_region
 from loom.parallel.plan import ParallelStyle, PlanContext
 from loom.parallel.registry import ShardSpec
 from loom.parallel.sequence import (gather_sequence_replicated_grad,
                                     scatter_to_sequence_parallel_region)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        # under torch.compile a fresh tensor, never the buffer the collective filled in place:
-        # torch 2.11's Dynamo returns traced intermediates as extra outputs, and AOTAutograd then
-        # routes this output's gradient to that duplicate (backward on zeros; see
-        # loom.parallel.mappings.ConjugateCollective)
-        return out.clone() if torch.compiler.is_compiling() else out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        g = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return g, None, None, None
-
-
-def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-               group) -> torch.Tensor:
-    """Autograd-aware ``all_to_all_single`` along dim 0: ``in_splits[r]`` rows go to rank r,
-    ``out_splits[r]`` rows come from rank r; backward runs the reverse exchange."""
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
-
-
-class ParallelDispatcher(nn.Module):
-    """The MoE dispatcher under TP and/or EP (see the module docstring). Same contract as
-    :class:`~loom.models.moe.LocalDispatcher`: ``forward(tokens [T, h], routing, experts,
-    shared)`` (``routing.experts``, ``.kept`` ``[T, k]``: expert ids and kept choices) returns
-    ``[T, k, h]`` expert outputs (zeros where dropped) and the shared expert's ``[T, h]`` (or
-    None), summed over TP. ``run_experts(tokens [n, h], ids [n], experts, first) -> [n, h]``
-    runs tokens sorted by global expert id through ``experts[str(id)]`` (the family's, e.g.
-    :func:`loom.models.moe.run_experts`)."""
-
-    def __init__(self, num_experts: int, tp_group, ep_group, ep_rank: int, ep_size: int,
-                 pair_split: tuple[int, int] = (0, 1), *, run_experts: Callable):
-        super().__init__()
-        self.run_experts = run_experts
-        self.E, self.tp_group, self.ep_group = num_experts, tp_group, ep_group
-        self.e, self.local = ep_size, num_experts // ep_size
-        self.first = ep_rank * self.local
-        self.pair_rank, self.pair_stride = pair_split  # expert TP 1: this TP rank's pairs
-
-    def forward(self, tokens, routing, experts: nn.ModuleDict,
-                shared: Optional[nn.Module] = None):
-        T, k = routing.experts.shape
-        x = copy_to_tensor_parallel_region(tokens, self.tp_group)  # f: input grads summed over TP
-        flat = routing.experts.reshape(-1)
-        pairs = routing.kept.reshape(-1).nonzero().squeeze(-1)
-        pairs = pairs[torch.argsort(flat[pairs], stable=True)]
-        if self.pair_stride > 1:  # still sorted by expert
-            pairs = pairs[self.pair_rank::self.pair_stride]
-        send, ids = x[pairs // k], flat[pairs]
-        if self.ep_group is None:
-            out = self.run_experts(send, ids, experts)
-        else:
-            per_expert = torch.bincount(ids, minlength=self.E).view(self.e, self.local)
-            recv_per_expert = torch.empty_like(per_expert)
-            dist.all_to_all_single(recv_per_expert, per_expert.contiguous(), group=self.ep_group)
-            send_counts = per_expert.sum(1).tolist()
-            recv_counts = recv_per_expert.sum(1).tolist()
-            recv = all_to_all(send, recv_counts, send_counts, self.ep_group)
-            local_ids = torch.repeat_interleave(
-                torch.arange(self.local, device=x.device).repeat(self.e),
-                recv_per_expert.reshape(-1))
-            order = torch.argsort(local_ids, stable=True)  # source-major -> expert-major
-            done = self.run_experts(recv[order], local_ids[order] + self.first, experts, self.first)
-            back = done.new_empty(done.shape).index_copy(0, order, done)
-            out = all_to_all(back, send_counts, recv_counts, self.ep_group)
-        full = x.new_zeros(T * k, x.shape[-1]).index_copy(0, pairs, out)
-        shared_out = shared(x) if shared is not None else None
-        if self.tp_group is not None:  # partial sums of every rank's expert shards: one all-reduce
-            both = full if shared_out is None else torch.cat([full, shared_out])
-            both = reduce_from_tensor_parallel_region(both, self.tp_group)
-            full, shared_out = (both, None) if shared_out is None else both.split([T * k, T])
-        return full.view(T, k, -1), shared_out
-
-
-def _shard_mlp(mlp: nn.Module, t: int, swiglu: bool, expert: bool) -> dict:
+def _shard_mlp(mlp: nn.Module, t: int, tp_rank: int, swiglu: bool, expert: bool) -> dict:
     """Replace an expert MLP's linears by this TP rank's shards (on the meta device) and
-    return their registry fields."""
+    return their registry fields. Biases: FC1's is split like its columns; FC2's stays whole
+    and only TP rank 0's partial output carries it (``add_fc2_bias``; every rank gets its full
+    gradient), so the one all-reduce after the combine adds it once."""
     f1_out, h = mlp.linear_fc1.weight.shape
+    bias = mlp.linear_fc1.bias is not None
     f = f1_out // 2 if swiglu else f1_out
     segments = (f, f) if swiglu else None
-    mlp.linear_fc1 = nn.Linear(h, f1_out // t, bias=False, device="meta")
-    mlp.linear_fc2 = nn.Linear(f // t, h, bias=False, device="meta")
-    return {"linear_fc1.weight": dict(full_shape=(f1_out, h), shard=ShardSpec(0, segments),
-                                      expert_parallel=expert),
-            "linear_fc2.weight": dict(full_shape=(h, f), shard=ShardSpec(1),
-                                      expert_parallel=expert)}
+    mlp.linear_fc1 = nn.Linear(h, f1_out // t, bias=bias, device="meta")
+    mlp.linear_fc2 = nn.Linear(f // t, h, bias=bias, device="meta")
+    mlp.add_fc2_bias = tp_rank == 0
+    fields = {"linear_fc1.weight": dict(full_shape=(f1_out, h), shard=ShardSpec(0, segments),
+                                        expert_parallel=expert),
+              "linear_fc2.weight": dict(full_shape=(h, f), shard=ShardSpec(1),
+                                        expert_parallel=expert)}
+    if bias:
+        fields["linear_fc1.bias"] = dict(full_shape=(f1_out,), shard=ShardSpec(0, segments),
+                                         expert_parallel=expert)
+        fields["linear_fc2.bias"] = dict(expert_parallel=expert)
+    return fields
 
 
 @dataclass(frozen=True)
@@ -144,6 +72,8 @@ class MoEParallel(ParallelStyle):
 
     run_experts: Callable
     swiglu: bool = False
+    dispatcher: str = "alltoall"
+    overlap_shared: bool = False
 
     def apply(self, module, ctx: PlanContext):
         if not hasattr(module, "experts"):
@@ -157,21 +87,26 @@ class MoEParallel(ParallelStyle):
             if not first <= i < first + local:
                 del module.experts[str(i)]
         for name, mlp in module.experts.items():
-            shards = _shard_mlp(mlp, t, self.swiglu, True) if t > 1 and not whole else {}
+            shards = _shard_mlp(mlp, t, mesh.tp_rank, self.swiglu, True) \
+                if t > 1 and not whole else {}
             for p, _ in mlp.named_parameters():
                 fields[f"experts.{name}.{p}"] = dict(shards.get(p, {}), expert_parallel=True,
                                                      tp_partial_grad=whole)
         if module.shared_experts is not None and t > 1:
-            for p, kw in _shard_mlp(module.shared_experts, t, self.swiglu, False).items():
+            for p, kw in _shard_mlp(module.shared_experts, t, mesh.tp_rank, self.swiglu,
+                                   False).items():
                 fields[f"shared_experts.{p}"] = kw
         if t > 1 or e > 1:
             module.dispatcher = ParallelDispatcher(
                 E, mesh.groups["tp"], mesh.groups.get("ep"), mesh.ep_rank, e,
-                (mesh.tp_rank, t) if whole else (0, 1), run_experts=self.run_experts)
+                (mesh.tp_rank, t) if whole else (0, 1), run_experts=self.run_experts,
+                kind=self.dispatcher, overlap_shared=self.overlap_shared)
         cp_group = mesh.groups["cp"]
         if cp_group is not None:  # the load-balancing loss over the whole sequence
-            module.aux_stats = ContextParallelRouterStats(cp_group)
+            module.router.stats = ContextParallelRouterStats(cp_group)
             module.aux_scale = float(mesh.sizes["cp"])
+        if mesh.groups["dp_cp"] is not None:  # global_aux_loss: the load over DP x CP
+            module.router.global_stats = GlobalLoad(mesh.groups["dp_cp"])
         if ctx.sp:  # tokens [s/t, b, h] -> all of them on every TP rank -> back to [s/t, b, h]
             group = mesh.groups["tp"]
             module.register_forward_pre_hook(
@@ -196,6 +131,46 @@ class ContextParallelRouterStats(nn.Module):
         both = torch.cat([routed.detach(), tokens.detach().view(1)])
         dist.all_reduce(both, group=self.group)
         return both[:-1], reduce_from_tensor_parallel_region(prob_mass, self.group), both[-1]
+
+
+class GlobalLoad(nn.Module):
+    """``global_aux_loss``'s statistics: the assignments per expert summed over the DP x CP
+    group (every rank routes its own tokens; TP ranks route the same ones). Returns the sum and
+    the group's size."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, routed: torch.Tensor):
+        total = routed.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total, dist.get_world_size(self.group)
+
+
+@torch.no_grad()
+def update_expert_bias(model_chunks: Sequence[nn.Module], group, rate: float) -> int:
+    """The aux-loss-free bias update after an optimizer step (Wang et al. 2024, arXiv
+    2408.15664, alg. 1; Megatron's ``get_updated_expert_bias``): for every router of these
+    chunks holding an ``expert_bias [E]``, ``b += rate * sign(mean(n) - n)`` with ``n [E]`` the
+    kept assignments it counted since the last update, summed over ``group`` (DP x CP: the
+    step's global load; one all-reduce for all layers), so the bias is identical on every rank
+    and every layout. Resets the counts (and ``global_aux_loss``'s running load). Returns the
+    number of routers updated."""
+    routers = [m for c in model_chunks for m in c.modules() if hasattr(m, "reset_load")]
+    biased = [r for r in routers if getattr(r, "expert_bias", None) is not None]
+    if biased:
+        n = torch.stack([r.tokens_per_expert if r.tokens_per_expert is not None
+                         else torch.zeros_like(r.expert_bias, dtype=torch.float32)
+                         for r in biased]).float()
+        if group is not None:
+            dist.all_reduce(n, group=group)
+        step = torch.sign(n.mean(-1, keepdim=True) - n) * rate
+        for r, d in zip(biased, step):
+            r.expert_bias.add_(d.to(r.expert_bias.dtype))
+    for r in routers:
+        r.reset_load()
+    return len(biased)
 
 
 class ReducerGroup:

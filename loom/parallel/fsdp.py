@@ -22,13 +22,23 @@ Composition with loom's own parallelism:
 * Pipeline parallelism: each chunk is its own FSDP root; the tied embedding's copies on the first
   and last stage are sharded alike (same full shape, same DP group size), so their gradients are
   summed over the embedding group shard by shard.
+* Expert parallelism (as torchtitan composes FSDP2 with EP): each MoE layer's local experts (its
+  ``experts`` ModuleDict, made a :class:`ShardedExperts` FSDP unit) are ``fully_shard``-ed
+  first, over the expert-data-parallel x CP group (``edp_cp``: the (d/e) c ranks holding the
+  same experts; a one-rank group gets its own process group), so the layer's and chunk's FSDP
+  units leave them out. Their gradients are reduce-scattered over ``edp_cp`` and divided by
+  d c (the mean over every DP x CP rank's tokens: the plain run's expert-DP average times 1/e).
+  MoE layers without EP are sharded like any layer.
+* The aux-loss-free ``router.expert_bias`` (no gradient, updated in place from the global load
+  after each step) is left unsharded (``ignored_params``): whole and identical on every rank.
 * The gradient norm sums squares of the local shards and all-reduces them over DP x CP as well
-  (each element once); AdamW (fused) runs on the DTensor shards.
+  (expert shards over ``edp_cp``, then EP: each element once); AdamW (fused) runs on the
+  DTensor shards of both meshes.
 * Checkpoints stay layout-free: :func:`full_tensor` gathers each parameter (and Adam state) at
-  save, :func:`shard_like` cuts this rank's shard at load.
-* Not composed (refused by :func:`loom.config.validate`): expert parallelism (MoE layers
-  without it are sharded like any layer), the distributed optimizer (ZeRO-1 on top of ZeRO-3), uniform full recomputation of groups of layers
-  (the group's first layer calls the others' ``forward`` directly, bypassing their FSDP hooks).
+  save, :func:`shard_like` cuts this rank's shard at load (experts over their own mesh).
+* Not composed (refused by :func:`loom.config.validate`): the distributed optimizer (ZeRO-1 on
+  top of ZeRO-3), uniform full recomputation of groups of layers (the group's first layer calls
+  the others' ``forward`` directly, bypassing their FSDP hooks).
 
 Mixed precision (``--bf16``): ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
 sharded parameters, gradients and Adam states stay fp32.
@@ -90,25 +100,92 @@ def fsdp_device_mesh(mesh):
     return DeviceMesh.from_group(group, mesh.device.type, mesh_dim_names=("dp_cp",))
 
 
+def expert_device_mesh(mesh):
+    """The 1-D ``DeviceMesh`` over this rank's expert-data-parallel x CP group (the ranks
+    holding the same experts, ``edp_cp``), or None without expert parallelism. A one-rank
+    group (d = e, c = 1) gets a process group of its own (``new_group`` is collective: every
+    rank creates every rank's), so experts are DTensors like every other parameter."""
+    if mesh.ep_size == 1:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    group = mesh.groups.get("edp_cp")
+    if group is None:
+        rank = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            g = dist.new_group([r], timeout=getattr(mesh, "timeout", None))
+            group = g if r == rank else group
+    return DeviceMesh.from_group(group, mesh.device.type, mesh_dim_names=("edp_cp",))
+
+
+class ShardedExperts(nn.ModuleDict):
+    """A MoE layer's local experts (its ``experts`` ModuleDict, class swapped in place: names
+    unchanged) as one FSDP unit with a ``forward``: ``(tokens [n, h], ids [n], first) ->
+    [n, h]`` through the family's ``run_experts`` (kept in ``run_experts``), so FSDP gathers
+    all local experts before the call and reduce-scatters their gradients in its backward,
+    whichever experts received tokens."""
+
+    def forward(self, tokens: torch.Tensor, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+        return self.run_experts(tokens, ids, self, first)
+
+
+def _call_experts(tokens, ids, experts: ShardedExperts, first: int = 0) -> torch.Tensor:
+    return experts(tokens, ids, first)  # the dispatcher's run_experts: through FSDP's hooks
+
+
+def _shard_experts(chunk: nn.Module, device_mesh, policy, ep_size: int) -> None:
+    """``fully_shard`` the local experts of each MoE module of ``chunk`` (as
+    :class:`ShardedExperts`) over the expert-DP x CP mesh; the dispatcher, which calls
+    ``run_experts(tokens, ids, experts, first)`` once per forward on every rank, then calls
+    them as a module. Gradients are divided by (d/e) c x e = d c: the mean over all DP x CP
+    ranks' tokens, like the dense gradients (:class:`loom.parallel.expert.ReducerGroup`'s
+    1/e)."""
+    from torch.distributed.fsdp import fully_shard
+    for moe in list(chunk.modules()):
+        experts, dispatcher = getattr(moe, "experts", None), getattr(moe, "dispatcher", None)
+        if not isinstance(experts, nn.ModuleDict) or dispatcher is None:
+            continue
+        experts.__class__ = ShardedExperts
+        experts.run_experts = dispatcher.run_experts
+        dispatcher.run_experts = _call_experts
+        fully_shard(experts, mesh=device_mesh, mp_policy=policy)
+        experts.set_gradient_divide_factor(float(device_mesh.size() * ep_size))
+        # sum, then divide (gloo has no PREMUL_SUM); on a one-rank mesh torch 2.13 divides by
+        # the factor in its copy and again after a forced sum, so that case keeps the default
+        experts.set_force_sum_reduction_for_comms(device_mesh.size() > 1)
+
+
+def unsharded_parameters(chunk: nn.Module) -> set:
+    """Parameters FSDP leaves alone: the no-gradient ``router.expert_bias`` (updated in place
+    from the global load after each step, identical on every rank: kept whole)."""
+    return {m.expert_bias for m in chunk.modules()
+            if isinstance(getattr(m, "expert_bias", None), nn.Parameter)}
+
+
 def shard_model_chunks(chunks: Sequence[nn.Module], mesh, bf16: bool = False) -> None:
     """``fully_shard`` each transformer layer of each chunk, then the chunk (the root of its
-    own FSDP tree), in place; parameter names do not change. A no-op on a one-rank DP x CP
-    group."""
+    own FSDP tree), in place; parameter names do not change. With expert parallelism the local
+    experts of each MoE layer are sharded first, over the expert-DP x CP group
+    (:func:`expert_device_mesh`). A no-op on a one-rank DP x CP group."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device_mesh = fsdp_device_mesh(mesh)
     if device_mesh is None:
         return
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if bf16 else MixedPrecisionPolicy()
+    expert_mesh = expert_device_mesh(mesh)
     # The last chunk returns the per-token loss as a view ([s, b] -> [b, s]); FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook. lm_loss only reads it (out of place),
     # and tests/parallel/test_fsdp.py checks every gradient, so the warning is silenced (once per rank).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     for chunk in chunks:
         layers = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
+        kept = unsharded_parameters(chunk)
+        if expert_mesh is not None:  # every MoE module of the chunk (MTP layers too)
+            _shard_experts(chunk, expert_mesh, policy, mesh.ep_size)
         for layer in layers:
-            fully_shard(layer, mesh=device_mesh, mp_policy=policy)
-        fully_shard(chunk, mesh=device_mesh, mp_policy=policy)
+            fully_shard(layer, mesh=device_mesh, mp_policy=policy, ignored_params=kept)
+        fully_shard(chunk, mesh=device_mesh, mp_policy=policy, ignored_params=kept)
         for prev, nxt in zip(layers, layers[1:]):  # gather the next layer during this one
             prev.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([prev])

@@ -20,8 +20,10 @@ The per-bucket reduction is an all-reduce, or, when the optimizer is sharded
 al. 2020 sec. 5.1), a reduce-scatter (``reduce_scatter_single``) of the bucket padded to a
 multiple of d, after which rank r holds the reduced r-th 1/d of every bucket
 (:meth:`GradBuffer.shard_range`). ``shard_gradients=True`` (ZeRO stage 2, sec. 5.2) reduce-scatters
-after every micro-batch's backward into a persistent 1/d shard and frees the full bucket buffer
-(its storage shrinks to 0 bytes until the next backward). ZeRO-3 is not this class: FSDP2 shards
+every micro-batch's gradients into a persistent 1/d shard and frees the full bucket buffer
+(its storage shrinks to 0 bytes until the next backward); with ``overlap`` each bucket's
+reduce-scatter is launched by its last gradient's hook during backward, as the all-reduce is,
+and waited for when the micro-batch's backward ends. ZeRO-3 is not this class: FSDP2 shards
 parameters and gradients itself (:mod:`loom.parallel.fsdp`).
 
 Main gradients (Megatron-LM's ``main_grad``; Micikevicius et al. 2018, "Mixed precision
@@ -109,6 +111,7 @@ class GradBuffer:
         self.shard_gradients = shard_gradients and reduce_scatter and self.size > 1
         self.main_grads = reduce_scatter or any(p.dtype != grad_dtype for p in self.params)
         self.sync_enabled = True
+        self.deferring = False  # in deferred(): gradients accumulate, nothing is launched
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         self._index_of: dict[int, int] = {}
@@ -219,7 +222,8 @@ class GradBuffer:
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         self._adopt(p)
-        if not self.sync_enabled or not self.overlap or self.shard_gradients:
+        # ZeRO-2 reduces every micro-batch, so its buckets launch with or without no_sync
+        if self.deferring or not self.overlap or not (self.sync_enabled or self.shard_gradients):
             return
         b = self._bucket_of[id(p)]
         b.pending -= 1
@@ -239,23 +243,31 @@ class GradBuffer:
             return
         per = b.buffer.numel() // self.size
         b.handle = _reduce_scatter(b.buffer[self.rank * per:(self.rank + 1) * per], b.buffer,
-                                   self.group, async_op=not self.shard_gradients)
+                                   self.group, async_op=True)
 
     def _reduce_into_shards(self) -> None:
-        """ZeRO-2: reduce-scatter every bucket now (bucket by bucket, the same calls on every
-        rank), add this rank's 1/d to the kept shard, free the full buffer."""
+        """ZeRO-2, at the end of each micro-batch's backward: reduce-scatter the buckets not
+        launched during it (all of them without ``overlap``; in bucket order, the same calls on
+        every rank), wait for every bucket's reduce-scatter, add this rank's 1/d to the kept
+        shard and free the full buffer. With ``overlap`` a bucket's reduce-scatter was launched
+        asynchronously by the hook of its last gradient, overlapping the rest of backward."""
         for b in self.buckets:
+            if b.launched:
+                continue
             if b.buffer.untyped_storage().nbytes() == 0:  # no gradient since the last one
                 b.buffer.untyped_storage().resize_(b.buffer.numel() * b.buffer.element_size())
                 b.buffer.zero_()
             self._launch(b)
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
             per = b.shard.numel()
             mine = b.buffer[self.rank * per:(self.rank + 1) * per]
             if b.has_shard:
                 b.shard.add_(mine)
             else:
                 b.shard.copy_(mine)
-            b.has_shard, b.launched, b.handle = True, False, None
+            b.has_shard, b.launched, b.handle, b.pending = True, False, None, len(b.params)
             b.buffer.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
@@ -269,6 +281,18 @@ class GradBuffer:
             self.sync_enabled = prev
             if self.shard_gradients:
                 self._reduce_into_shards()
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Gradients that arrive inside accumulate but launch no reduction, not even ZeRO-2's
+        per-micro-batch one: a zero-bubble schedule's input-gradient pass (B) of a micro-batch
+        whose weight-gradient pass (W, in ``no_sync`` or not) comes later. A bucket with such a
+        gradient is reduced when its micro-batch (ZeRO-2) or the step ends."""
+        prev, self.deferring = self.deferring, True
+        try:
+            yield
+        finally:
+            self.deferring = prev
 
     def finish_grad_sync(self) -> None:
         """Give parameters without a gradient zeros, launch the buckets not launched during

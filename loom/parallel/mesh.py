@@ -70,6 +70,7 @@ class ParallelMesh:
     ranks: dict[str, list[int]] = field(default_factory=dict)
     ep_size: int = 1  # e: expert-parallel ranks, carved out of DP (EP rank = DP rank mod e)
     etp_size: int = 1  # expert TP: 1 (experts whole, tokens split over TP) or t (experts sharded)
+    timeout: Optional[datetime.timedelta] = None  # of every group made here (None: torch's)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -84,10 +85,17 @@ class ParallelMesh:
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, dp: Optional[int] = None,
               device: Optional[torch.device] = None, ep: int = 1,
-              etp: Optional[int] = None) -> "ParallelMesh":
+              etp: Optional[int] = None,
+              timeout: Optional[datetime.timedelta] = None,
+              hierarchical_cp: Optional[tuple[int, int]] = None) -> "ParallelMesh":
         """Create every group on an initialized default process group. ``etp``: the experts'
         TP size (``--expert-tensor-parallel-size``, default t): t shards every expert over the
         TP group, 1 keeps experts whole and splits the (token, expert) pairs over it.
+        ``timeout``: the collectives' timeout of every group (``--distributed-timeout-minutes``;
+        ``new_group`` does not inherit the default group's, it falls back to torch's 30 min).
+        ``hierarchical_cp``: ``(A, B)`` of ``--hierarchical-context-parallel-sizes`` (a2a+p2p):
+        also the groups ``cp_a2a`` (A consecutive CP ranks) and ``cp_p2p`` (the B ranks with the
+        same index in their a2a group).
 
         ``dist.new_group`` is collective over all ranks, so every rank creates every group in
         the same order and keeps the ones it belongs to.
@@ -101,7 +109,7 @@ class ParallelMesh:
             raise ValueError(f"world size {world} != t {tp} x c {cp} x d {dp} x p {pp}")
         sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
         rank = dist.get_rank()
-        mesh = cls(sizes=sizes, rank=rank, device=device or torch.device("cpu"))
+        mesh = cls(sizes=sizes, rank=rank, device=device or torch.device("cpu"), timeout=timeout)
         mesh.etp_size = tp if etp is None else etp
         if mesh.etp_size not in (1, tp):
             raise ValueError(f"expert tensor-parallel size {etp} must be 1 or t = {tp}")
@@ -124,6 +132,15 @@ class ParallelMesh:
             for j in range(ep):
                 mesh._maybe_keep("edp_cp", [r for r in members
                                             if (r // (tp * cp)) % dp % ep == j])
+        if hierarchical_cp is not None:  # a2a+p2p context parallelism
+            a2a, ring = hierarchical_cp
+            if a2a * ring != cp:
+                raise ValueError(f"hierarchical CP sizes {a2a} x {ring} != c {cp}")
+            for members in rank_groups(sizes, ["cp"]):
+                for i in range(ring):
+                    mesh._maybe_keep("cp_a2a", members[i * a2a:(i + 1) * a2a])
+                for j in range(a2a):
+                    mesh._maybe_keep("cp_p2p", members[j::a2a])
         # Embedding group: first and last stage of each pipeline (one rank when p = 1).
         for members in rank_groups(sizes, ["pp"]):
             emb = sorted({members[0], members[-1]})
@@ -131,7 +148,7 @@ class ParallelMesh:
         return mesh
 
     def _maybe_keep(self, name: str, members: list[int]) -> None:
-        pg = dist.new_group(members) if len(members) > 1 else None
+        pg = dist.new_group(members, timeout=self.timeout) if len(members) > 1 else None
         if self.rank in members:
             self.groups[name] = pg
             self.ranks[name] = members

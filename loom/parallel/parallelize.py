@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from loom.config import LoomConfig, ModelConfig
+from loom.config.parallel_cp import cp_comm_types
 from loom.parallel.compile import compile_layers
 from loom.parallel.fsdp import fsdp_enabled, shard_model_chunks
 from loom.parallel.interface import FamilyParts, StageSpec
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.pipeline.placement import chunk_layers
+from loom.parallel.pipeline.placement import chunk_layers, v_chunk_layers
+from loom.parallel.pipeline.zero_bubble import is_v_shaped
 from loom.parallel.plan import PlanContext, apply_plan
 from loom.parallel.random import RNGTracker
 from loom.parallel.recompute import apply_recompute
@@ -28,15 +30,17 @@ from loom.parallel.registry import initialize
 
 def build_chunk(family: FamilyParts, cfg: ModelConfig, stage: StageSpec, mesh: ParallelMesh,
                 tracker: RNGTracker, *, seed: Optional[int] = 1234,
-                sequence_parallel: bool = False) -> nn.Module:
+                sequence_parallel: bool = False,
+                cp_comm_type: tuple = ("p2p",)) -> nn.Module:
     """One parallelized chunk; its registry is ``chunk.registry``. ``seed`` None leaves the
-    parameters uninitialized (e.g. weights loaded right after)."""
+    parameters uninitialized (e.g. weights loaded right after). ``cp_comm_type``: the CP
+    communication of every layer, or of each (``--cp-comm-type``)."""
     if stage.padded_vocab is None and cfg.vocab_size is not None:
         stage = StageSpec(stage.layer_numbers, stage.pre_process, stage.post_process,
-                          cfg.padded_vocab_size(mesh.tp_size))
+                          cfg.padded_vocab(mesh.tp_size))
     with torch.device("meta"):
         chunk = family.build(cfg, stage)
-    ctx = PlanContext(mesh, tracker, sequence_parallel)
+    ctx = PlanContext(mesh, tracker, sequence_parallel, tuple(cp_comm_type))
     chunk.registry = apply_plan(chunk, family.plan(cfg, stage, ctx), ctx, family.init(cfg))
     chunk.mesh = mesh
     if seed is not None:
@@ -57,18 +61,24 @@ def build_model(family: FamilyParts, cfg: ModelConfig, mesh: ParallelMesh,
 def build_model_chunks(family: FamilyParts, cfg: LoomConfig, mesh: ParallelMesh,
                        tracker: RNGTracker) -> list[nn.Module]:
     """This rank's chunks: chunk k of stage r holds virtual stage ``k p + r`` (one chunk
-    without interleaving); the first virtual stage holds the embedding, the last the output."""
+    without interleaving); under ZB-V (``--pipeline-schedule zbv``) chunk 0 holds virtual stage
+    r and chunk 1 virtual stage ``2p - 1 - r`` (:func:`~loom.parallel.pipeline.placement.
+    v_chunk_layers`), so stage 0 holds both ends. The first virtual stage holds the embedding,
+    the last the output."""
     par, p, r = cfg.parallel, mesh.pp_size, mesh.pp_rank
-    layers: Sequence[list[int]] = chunk_layers(
-        cfg.model.num_layers, p, r, par.num_layers_per_virtual_pipeline_stage,
-        par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+    v_shape = is_v_shaped(par.pipeline_schedule, p)
+    layers: Sequence[list[int]] = v_chunk_layers(cfg.model.num_layers, p, r) if v_shape else \
+        chunk_layers(cfg.model.num_layers, p, r, par.num_layers_per_virtual_pipeline_stage,
+                     par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
     v, t = len(layers), cfg.training
+    last = 0 if v_shape else p - 1  # the stage holding the last virtual stage
     chunks = []
     for k, numbers in enumerate(layers):
         stage = StageSpec(numbers, pre_process=(k == 0 and r == 0),
-                          post_process=(k == v - 1 and r == p - 1))
+                          post_process=(k == v - 1 and r == last))
         chunk = build_chunk(family, cfg.model, stage, mesh, tracker, seed=t.seed,
-                            sequence_parallel=par.sequence_parallel)
+                            sequence_parallel=par.sequence_parallel,
+                            cp_comm_type=cp_comm_types(par, cfg.model.num_layers))
         apply_recompute(chunk, t.recompute_granularity, tracker, t.recompute_method,
                         t.recompute_num_layers)
         if t.compile:

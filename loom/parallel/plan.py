@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 from torch import nn
 
 from loom.parallel import tensor
-from loom.parallel.context import ContextParallelAttention
+from loom.parallel.context import wrap_context_parallel
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import ForkedDropout, RNGTracker
 from loom.parallel.registry import ParamMeta, ParamRegistry, ShardSpec
@@ -45,6 +45,7 @@ class PlanContext:
     mesh: ParallelMesh
     tracker: RNGTracker
     sequence_parallel: bool = False
+    cp_comm_type: tuple = ("p2p",)  # --cp-comm-type: one for every layer, or one per layer
 
     @property
     def sp(self) -> bool:
@@ -56,6 +57,11 @@ class ParallelStyle:
 
     def apply(self, module: nn.Module, ctx: PlanContext) -> tuple[nn.Module, Fields]:
         raise NotImplementedError
+
+    def apply_named(self, name: str, module: nn.Module,
+                    ctx: PlanContext) -> tuple[nn.Module, Fields]:
+        """:meth:`apply` for a style that needs the module's name (its layer)."""
+        return self.apply(module, ctx)
 
 
 @dataclass(frozen=True)
@@ -165,11 +171,15 @@ class PartitionedRNG(ParallelStyle):
 
 @dataclass(frozen=True)
 class ContextParallelCore(ParallelStyle):
-    """Wrap an attention core so keys and values are gathered over the CP group."""
+    """Wrap an attention core to run over the CP group by the layer's ``--cp-comm-type``
+    (:class:`~loom.parallel.context.ContextParallelAttention`; the layer index is read from
+    the module name ``layers.<i>.``)."""
 
     def apply(self, module, ctx):
-        group = ctx.mesh.groups["cp"]
-        return (module if group is None else ContextParallelAttention(module, group)), {}
+        return self.apply_named("", module, ctx)
+
+    def apply_named(self, name, module, ctx):
+        return wrap_context_parallel(module, ctx.mesh, ctx.cp_comm_type, name), {}
 
 
 @dataclass(frozen=True)
@@ -197,7 +207,7 @@ def apply_plan(model: nn.Module, plan: Plan, ctx: PlanContext,
         for name, module in list(model.named_modules()):
             if not name or not fnmatch.fnmatchcase(name, pattern):
                 continue
-            new, fields = style.apply(module, ctx)
+            new, fields = style.apply_named(name, module, ctx)
             if new is not module:
                 model.set_submodule(name, new)
             for pname, kw in fields.items():

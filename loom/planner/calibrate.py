@@ -278,6 +278,20 @@ def oversubscribed(cluster: Cluster, ranks: int, cores: int | None = None) -> Cl
                    notes=notes)
 
 
+def shared_cores_time(time_terms_s: dict, ranks: int, cores: int | None = None) -> float:
+    """Step time (s) of ``ranks`` processes on ``cores`` CPU cores from the planner's terms for
+    one core per rank (``time_terms_s``: :func:`loom.planner.predict.predict_layout`'s
+    ``time_s``): at least the critical path ``T_1`` (the iteration with a core each) and at
+    least the busy time of all ranks shared by the cores, ``R (T_1 - bubble) / C`` (a rank
+    idle in a pipeline bubble yields its core; Graham's bound for ``R`` jobs on ``C``
+    processors, Graham 1969, "Bounds on multiprocessing timing anomalies"). With ``C >= R``
+    this is ``T_1``; without PP it is ``T_1 R / C``, the fair-share slowdown."""
+    cores = cores or os.cpu_count() or 1
+    t1 = float(time_terms_s["iteration"])
+    busy = t1 - float(time_terms_s.get("pp_bubble", 0.0))
+    return max(t1, ranks * busy / cores)
+
+
 def calibrate_local(path: str | None = "cluster.json", world: int = 2,
                     fit_step: bool = True) -> Cluster:
     """Measure this machine (one thread = one rank's core) and write a cluster JSON

@@ -17,6 +17,7 @@ Model: a preset name or the Megatron-style flags / ``--config FILE.yaml`` of ``l
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -64,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--allow-uneven-interleaved", action="store_true",
                    help="also search virtual stages with uneven first/last stages (Megatron-Core, "
                         "Llama 3; loom train refuses it)")
+    if not any("--cp-comm-type" in a.option_strings for a in parser._actions):
+        o.add_argument("--cp-comm-type", default=None,
+                       choices=("p2p", "allgather", "a2a", "a2a+p2p"),
+                       help="context-parallel communication (Megatron-Core; default p2p: "
+                            "ring attention)")
     o.add_argument("--straggler-jitter", type=float, default=0.0, metavar="SIGMA",
                    help="relative std. dev. of one node's step time: adds SIGMA x sqrt(2 ln "
                         "nodes) of waiting for the slowest node (default 0)")
@@ -200,11 +206,33 @@ def _fixed_from_args(args, model: ModelConfig) -> dict:
         if not args.pipeline_model_parallel_size:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
                               "--pipeline-model-parallel-size in loom plan")
-        fixed["vp"] = model.num_layers // (args.pipeline_model_parallel_size
-                                           * args.num_layers_per_virtual_pipeline_stage)
+        from loom.planner.stages import accounted_split, given_split
+        pp, per_chunk = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+        split = (accounted_split(model.num_layers, pp, fixed["account_embedding"],
+                                 fixed["account_loss"])
+                 if fixed["account_embedding"] or fixed["account_loss"] else
+                 given_split(model.num_layers, pp, fixed["first_layers"], fixed["last_layers"]))
+        lf, ll = split or (0, 0)
+        # uneven first/last stages: N layers per chunk of a middle stage (Megatron-Core)
+        stage = ((model.num_layers - lf - ll) // (pp - 2) if pp > 2 else max(lf, ll)) if lf \
+            else model.num_layers // pp
+        fixed["vp"] = stage // per_chunk
+    sched = getattr(args, "pipeline_schedule", None)
+    if sched in ("zero-bubble", "zbv"):  # ZB-H1 / ZB-V (1F1B, interleaved: searched as 0)
+        fixed["zb"] = 1 if sched == "zero-bubble" else 2
+    elif sched in ("1f1b", "interleaved"):
+        fixed["zb"] = 0
+    elif sched == "gpipe":
+        fixed["zb"] = 3
     if args.recompute_granularity not in (None, "none", "selective", "full"):
         raise ConfigError("--recompute-granularity must be selective or full")
     return {k: v for k, v in fixed.items() if v is not None}
+
+
+def _cp_comm_type(args) -> str:
+    """``--cp-comm-type`` (the first entry when the config gives one per layer)."""
+    v = getattr(args, "cp_comm_type", None) or "p2p"  # config: words, one per layer allowed
+    return (v[0] if isinstance(v, (list, tuple)) else str(v).split()[0])
 
 
 def run(args) -> int:
@@ -221,7 +249,7 @@ def run(args) -> int:
     from loom.planner.diagnose import explain_no_layout, explain_nothing_fits
     from loom.planner.report import (format_breakdown, format_table, plot, plot_breakdown,
                                      to_json, top_records)
-    from loom.planner.search import search
+    from loom.planner.search import record, search
 
     t0 = time.perf_counter()
     if args.config:  # the file's batch and parallel sizes fix the search like flags do
@@ -236,6 +264,7 @@ def run(args) -> int:
     if B is None:
         B = -(-1024 // cluster.num_gpus) * cluster.num_gpus
     train_tokens = parse_count(args.train_tokens) if args.train_tokens else None
+    _check_estimate_inputs(args, train_tokens)
     s = model.seq_length
     flash = (args.attention == "fused") if args.attention else True
     if args.moe_load_imbalance < 1:
@@ -245,7 +274,8 @@ def run(args) -> int:
                    max_zero_stage=args.max_zero_stage,
                    uneven_interleaved=args.allow_uneven_interleaved,
                    straggler_jitter=args.straggler_jitter,
-                   moe_load_imbalance=args.moe_load_imbalance)
+                   moe_load_imbalance=args.moe_load_imbalance,
+                   cp_comm_type=_cp_comm_type(args))
     fixed = _fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])
@@ -287,6 +317,8 @@ def run(args) -> int:
                "params": total_params(model), "active_params": total_params(model, active=True)}
         if why:
             doc["error"] = why
+        if not n_fit and n_eval:  # the given layout still gets its predicted time
+            doc["closest"] = record(res, int(res["mem_total"].argmin()))
         for r in recs:
             r["command"] = train_command(r, model, B, s, cluster.num_gpus, cluster.gpus_per_node)
         print(to_json(recs, doc))
@@ -318,6 +350,32 @@ def run(args) -> int:
         if not args.json:
             print(f"wrote {args.plot_breakdown}")
     return 0 if n_fit else 1
+
+
+MAX_TRAIN_TOKENS = 1e18  # a million times the largest published pre-training runs (~1e13)
+
+
+def _check_estimate_inputs(args, train_tokens) -> None:
+    """Refuse a negative or non-finite price or power, a zero MTBF and an absurd token count
+    (their estimates would be negative, infinite or NaN). Raises ConfigError naming the flag."""
+    if train_tokens is not None and not train_tokens <= MAX_TRAIN_TOKENS:
+        raise ConfigError(f"--train-tokens {args.train_tokens}: more than {MAX_TRAIN_TOKENS:.0e} "
+                          f"tokens, beyond any training run; give e.g. 300B or 15T")
+    for flag, value, low in (("--gpu-hour-price", args.gpu_hour_price, 0.0),
+                             ("--gpu-tdp-watts", args.gpu_tdp_watts, 0.0),
+                             ("--pue", args.pue, 1.0),
+                             ("--node-power-overhead", args.node_power_overhead, 0.0),
+                             ("--mtbf-hours-per-node", getattr(args, "mtbf_hours_per_node", None),
+                              None),
+                             ("--checkpoint-write-bandwidth",
+                              getattr(args, "checkpoint_write_bandwidth", None), None),
+                             ("--restart-minutes", getattr(args, "restart_minutes", None), 0.0)):
+        if value is None:
+            continue
+        bad = not math.isfinite(value) or (value <= 0 if low is None else value < low)
+        if bad:
+            need = "a positive number" if low is None else f"a finite number >= {low:g}"
+            raise ConfigError(f"{flag} {value}: give {need}")
 
 
 def _estimate(args, rec: dict, cluster: Cluster, train_tokens: float, params: float) -> dict:

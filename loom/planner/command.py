@@ -59,6 +59,8 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[
     if rec["vp"] > 1:
         out += ["--num-layers-per-virtual-pipeline-stage",
                 str(model.num_layers // (rec["pp"] * rec["vp"]))]
+    if rec.get("pipeline_schedule", "1f1b") != "1f1b":  # ZB-H1 / ZB-V (loom's names)
+        out += ["--pipeline-schedule", rec["pipeline_schedule"]]
     if rec.get("first_stage_layers"):
         out += ["--decoder-first-pipeline-num-layers", str(rec["first_stage_layers"])]
     if rec.get("last_stage_layers"):

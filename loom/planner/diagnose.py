@@ -69,6 +69,18 @@ def _fits(model, cluster, B, s, fixed, opts):
     return record(res, int(res["order"][0])) if len(res["order"]) else None
 
 
+def overflow(rec: dict, capacity_gb: float) -> str:
+    """``"(tp=.. ...) needs X GB, Y GB too much; its largest term is T Z GB; it would take S s
+    per iteration (F TFLOP/s/GPU)"``: what overflows a record that does not fit, by how much,
+    and the time the planner still predicts for it (GB = 1e9 bytes)."""
+    term = max(MEMORY_TERMS, key=lambda k: rec["memory_terms_gb"][k])
+    return (f"({_short(rec)}) needs {rec['memory_gb']:.1f} GB, "
+            f"{rec['memory_gb'] - capacity_gb:.1f} GB too much; its largest term is {term} "
+            f"{rec['memory_terms_gb'][term]:.1f} GB; it would take "
+            f"{rec['iteration_time_s']:.3g} s per iteration ({rec['tflops_per_gpu']:.0f} "
+            f"TFLOP/s/GPU)")
+
+
 def explain_nothing_fits(model: ModelConfig, cluster: Cluster, global_batch_size: int,
                          seq_length: int, fixed: dict, opts: Options, res: dict) -> str:
     """The "nothing fits" message for a search ``res`` with layouts but none in memory."""
@@ -76,11 +88,10 @@ def explain_nothing_fits(model: ModelConfig, cluster: Cluster, global_batch_size
     i = int(res["mem_total"].argmin())
     rec = record(res, i)
     cap = cluster.hbm_bytes / GB
-    over = rec["memory_gb"] - cap
-    term = max(MEMORY_TERMS, key=lambda k: rec["memory_terms_gb"][k])
-    msg = (f"nothing fits in {cap:.0f} GB per GPU: the smallest layout ({_short(rec)}) needs "
-           f"{rec['memory_gb']:.1f} GB, {over:.1f} GB too much; its largest term is {term} "
-           f"{rec['memory_terms_gb'][term]:.1f} GB")
+    msg = f"nothing fits in {cap:.0f} GB per GPU: the smallest layout " + overflow(rec, cap)
+    fastest = record(res, int(res["time_iteration"].argmin()))
+    if fastest != rec:
+        msg += "; the fastest one " + overflow(fastest, cap)
     tries = []
     if fixed.get("recompute") not in (None, "full", 2):
         tries.append(("--recompute-granularity full", {**fixed, "recompute": "full"}, opts,

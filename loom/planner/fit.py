@@ -10,6 +10,8 @@ Sources (:data:`SOURCES`; tables in :mod:`loom.planner.presets` and
 * ``MC-H100 weak``: Megatron-Core r0.8.0 H100 weak scaling, model TFLOP/s per GPU (9 rows).
 * ``MC-H100 strong``: Megatron-LM README strong scaling, MFU on 96 and 4608 H100 (2 rows).
 * ``BLOOM``: BLOOM 176B, hardware TFLOP/s per GPU ("about 150", 1 row).
+* ``TT``, ``LF-H100``, ``LF-A100``, ``Llama 3``: torchtitan, llm-foundry (H100, A100) and the
+  Llama 3 paper (:mod:`loom.planner.published`: tokens/s per GPU; Llama 3: model TFLOP/s).
 
 The fit (:func:`fit`) follows :data:`loom.planner.constants.FIT_SETS`, in order:
 
@@ -18,6 +20,9 @@ The fit (:func:`fit`) follows :data:`loom.planner.constants.FIT_SETS`, in order:
    Levenberg-Marquardt on the logs of the constants, forward-difference Jacobian). The H100 rows
    constrain h0 too, since H100's h0 is the A100 h0 scaled by the ridge point (alone, the A100
    rows barely do: their rms log error moves 0.6% between h0 = 5 and 50).
+1b. Only when no H100 source is left in 1 (MC-H100 held out): ``hopper_gemm_efficiency``
+   alone, least squares over the other H100 sources (:data:`loom.planner.constants.
+   FALLBACK_SETS`: TT, LF-H100, Llama 3) given the A100 constants of 1 (:func:`fit_hopper`).
 2. ``zero3``: minimax of ``|log(days / pub)|`` over NAR t2's ZeRO-3 rows, given 1: grid 0-1 by
    0.01, then +-0.01 by 0.001.
 
@@ -37,10 +42,12 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from loom.planner.constants import FIT_SETS, PRIORS, SHIPPED, Constants
+from loom.planner.constants import FALLBACK_SETS, FIT_SETS, PRIORS, SHIPPED, Constants
+from loom.planner import published as P
 from loom.planner import validation as V
 
-SOURCES = ("NAR t1", "NAR t2", "KOR", "SHO", "MC-H100 weak", "MC-H100 strong", "BLOOM")
+SOURCES = ("NAR t1", "NAR t2", "KOR", "SHO", "MC-H100 weak", "MC-H100 strong", "BLOOM", "TT",
+           "LF-H100", "LF-A100", "Llama 3")
 H100_SOURCES = ("MC-H100 weak", "MC-H100 strong")
 COMPUTE_PARAMS = ("gemm_efficiency", "gemm_half_dim", "mem_traffic")
 COMPUTE_START = (0.7, 50.0, 2.0)  # e, h0, k (and Hopper e = 0.7): round numbers, not the fit
@@ -73,6 +80,12 @@ def source_points(source: str, c: Constants | None = None) -> list[tuple]:
     if source == "BLOOM":
         b = V.bloom_176b(c)
         return [("BLOOM 176B hw TFLOP/s", b["hw_tflops"], b["published_tflops"])]
+    if source == "TT":
+        return P.torchtitan_points(c)
+    if source in ("LF-H100", "LF-A100"):
+        return P.llm_foundry_points(source[3:], c)
+    if source == "Llama 3":
+        return P.llama3_points(c)
     raise ValueError(f"unknown source {source!r}; one of {SOURCES}")
 
 
@@ -126,6 +139,16 @@ def _grid_fit(loss, lo: float, hi: float) -> float:
     return float(min((x for x in fine if lo <= x <= hi), key=loss))
 
 
+def fit_hopper(c: Constants, sources) -> float:
+    """``hopper_gemm_efficiency`` minimizing the mean squared log error over ``sources`` (H100
+    sources outside the compute fit, :data:`loom.planner.constants.FALLBACK_SETS`), the other
+    constants held at ``c``: grid 0.3-0.95 by 0.01, then +-0.01 by 0.001."""
+    def loss(e):
+        return float(np.mean(np.square(_log_residuals(
+            sources, replace(c, hopper_gemm_efficiency=float(e))))))
+    return _grid_fit(loss, 0.3, 0.95)
+
+
 def fit_zero3(c: Constants) -> float:
     """``zero3_overlap`` minimizing the largest |log error| of NAR table 2's ZeRO-3 days."""
     def loss(ov):
@@ -145,13 +168,22 @@ def fit(exclude=(), _cache=None) -> tuple[Constants, dict]:
     if key not in cache:
         cache[key] = fit_compute(used["compute"])
     c = cache[key]
+    hopper_from = None
+    if not any(s in H100_SOURCES for s in used["compute"]):
+        hopper_from = tuple(s for s in FALLBACK_SETS["hopper_gemm_efficiency"]
+                            if s not in set(exclude))
+        key = ("hopper", c) + hopper_from
+        if hopper_from and key not in cache:
+            cache[key] = fit_hopper(c, hopper_from)
+        if hopper_from:
+            c = replace(c, hopper_gemm_efficiency=cache[key])
     key = ("zero3", c) + used["zero3"]
     if key not in cache:
         cache[key] = fit_zero3(c) if used["zero3"] else PRIORS["zero3_overlap"]
     c = replace(c, zero3_overlap=cache[key])
     prov = {g: (s if s else "prior") for g, s in used.items()}
-    if not any(s in H100_SOURCES for s in used["compute"]):
-        prov["hopper"] = "prior"
+    if hopper_from is not None:
+        prov["hopper"] = hopper_from or "prior"
     return c, prov
 
 

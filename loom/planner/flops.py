@@ -14,12 +14,16 @@ Mamba-2 and hybrid stacks: each layer of the pattern counts its own kind
 (:func:`loom.planner.mamba.kind_flops_per_token`: Mamba-2 projections, conv and the chunked SSD
 scan; attention layers the QKV / projection / scores terms above; MLP layers the MLP term);
 selective recompute repeats the scores of the attention layers only.
+
+Multi-latent attention and multi-token prediction (``--multi-latent-attention``,
+``--mtp-num-layers``): their terms are :mod:`loom.planner.mla`'s.
 """
 
 from __future__ import annotations
 
 from loom.config import ModelConfig
 from loom.planner.mamba import is_hybrid, kind_counts, layers_forward_flops_per_token
+from loom.planner.mla import attention_flops_per_token, mtp_depth, mtp_extra_flops_per_token
 from loom.planner.moe import moe_mlp_flops_per_token, num_moe_layers
 
 
@@ -28,18 +32,21 @@ def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None,
     """Forward FLOPs per token (multiply-add = 2 FLOPs), all layers plus the output layer."""
     s = seq_length or cfg.seq_length
     V = vocab_size or cfg.vocab_size or 0
-    h, a, g, d, f = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size
-    qkv = 2 * h * (a * d + 2 * g * d)
-    proj = 2 * a * d * h
-    scores = 4 * s * a * d  # Q K^T and attention x V
-    mlp = (6 if cfg.swiglu else 4) * h * f
+    h, f = cfg.hidden_size, cfg.ffn_size
+    gemm, scores = attention_flops_per_token(cfg, s)  # QKV + projection; QK^T and x V (MLA too)
+    attention = gemm + scores
+    mlp = (6 if cfg.gated_linear_unit else 4) * h * f
     if is_hybrid(cfg):
         return layers_forward_flops_per_token(cfg, s) + 2 * h * V
+    D = mtp_depth(cfg)  # MTP modules: one layer of the last layer's kind each, + eh_proj, head
+    mtp = D * (attention + mtp_extra_flops_per_token(cfg, V))
     if cfg.num_experts:
         n_moe = num_moe_layers(cfg)
-        return (cfg.num_layers * (qkv + proj + scores) + (cfg.num_layers - n_moe) * mlp
-                + n_moe * moe_mlp_flops_per_token(cfg) + 2 * h * V)
-    return cfg.num_layers * (qkv + proj + scores + mlp) + 2 * h * V
+        moe = moe_mlp_flops_per_token(cfg)
+        mtp += D * (moe if cfg.is_moe_layer(cfg.num_layers - 1) else mlp)
+        return (cfg.num_layers * attention + (cfg.num_layers - n_moe) * mlp
+                + n_moe * moe + 2 * h * V + mtp)
+    return cfg.num_layers * (attention + mlp) + 2 * h * V + D * mlp + mtp
 
 
 def model_flops_per_iteration(cfg: ModelConfig, global_batch_size: int,
@@ -67,6 +74,6 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recom
     if recompute == "full":
         return base + layers_fwd * tokens
     if recompute == "selective":
-        n_attn = kind_counts(cfg)["*"] if is_hybrid(cfg) else cfg.num_layers
-        return base + n_attn * 4 * s * cfg.num_attention_heads * cfg.head_dim * tokens
+        n_attn = kind_counts(cfg)["*"] if is_hybrid(cfg) else cfg.num_layers + mtp_depth(cfg)
+        return base + n_attn * attention_flops_per_token(cfg, s)[1] * tokens
     return base

@@ -5,7 +5,9 @@ A *layout* is a dict of equal-length numpy arrays, one entry per candidate, with
 :data:`RECOMPUTE`: 0 none, 1 selective, 2 full; ``sp`` 0/1; ``zero`` the ZeRO stage 0-3, where
 stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer layers of the first
 / last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`; ``ep`` the
-expert-parallel size, part of ``dp``: 1 for dense models; a layout without it means 1). Every model
+expert-parallel size, part of ``dp``: 1 for dense models; a layout without it means 1; ``zb`` the
+pipeline schedule, :data:`SCHEDULES`: 0 1F1B / interleaved, 1 ZB-H1 (``--pipeline-schedule
+zero-bubble``), 2 ZB-V (``zbv``, two chunks per stage in a V)). Every model
 function takes such a dict and returns
 arrays, so the search evaluates tens of thousands of layouts in one numpy pass and
 :func:`loom.planner.predict.predict_layout` evaluates one layout with the same code.
@@ -20,7 +22,10 @@ import numpy as np
 from loom.planner.moe import MOE_LOAD_IMBALANCE
 
 RECOMPUTE = ("none", "selective", "full")
-KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep")
+KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep", "zb")
+# pipeline schedule code ``zb``: 0 1F1B (interleaved when vp > 1), 1 ZB-H1, 2 ZB-V (vp = 2),
+# 3 GPipe (evaluated when given, never searched: 1F1B's time at m micro-batches of memory)
+SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
 
 
 @dataclass
@@ -48,6 +53,8 @@ class Options:
     distributed optimizer, and 3, FSDP2; 2 is a what-if analysis).
     ``zero3_overlap`` / ``zero3_link_efficiency``: override the ZeRO-3 constants of
     :mod:`loom.planner.timing` (the first fitted, used by the fit itself; the second assumed).
+    ``cp_comm_type``: Megatron-Core's ``--cp-comm-type`` (p2p, allgather, a2a, a2a+p2p), the
+    CP communication and K/V memory of :mod:`loom.planner.context_parallel`.
     ``moe_load_imbalance``: busiest EP rank's expert tokens over the mean (>= 1), applied to the
     expert compute and activations (:data:`loom.planner.moe.MOE_LOAD_IMBALANCE`).
     """
@@ -66,6 +73,7 @@ class Options:
     zero3_overlap: float | None = None  # None = timing.ZERO3_OVERLAP (fitted)
     zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (assumed)
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
+    cp_comm_type: str = "p2p"
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

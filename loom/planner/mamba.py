@@ -124,7 +124,7 @@ def kind_flops_per_token(model: ModelConfig, seq_length: int) -> dict:
     return {"M": (float(proj), conv + scan_flops_per_token(model)),
             "*": (float(2 * h * (a * d + 2 * g * d) + 2 * a * d * h),
                   float(4 * seq_length * a * d)),
-            "-": (float((6 if model.swiglu else 4) * h * f), 0.0)}
+            "-": (float((6 if model.gated_linear_unit else 4) * h * f), 0.0)}
 
 
 def layers_forward_flops_per_token(model: ModelConfig, seq_length: int) -> float:
@@ -155,7 +155,7 @@ def kind_activation_bytes(model: ModelConfig, seq_length: int, L: dict, kind: st
             per_score = 2 + (3 if model.attention_dropout > 0 else 0)
             scores = per_score * a * (s / c) * s * b / t
     elif kind == "-":
-        split = S * f * (6 if model.swiglu else 4)
+        split = S * f * (6 if model.gated_linear_unit else 4)
     else:
         d_i, H, G, N, P, _, Q = mamba_dims(model)
         split = S * (2 * (2 * d_i + 2 * G * N + H) + 2 * (d_i + 2 * G * N) + 4 * H

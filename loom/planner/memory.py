@@ -34,9 +34,12 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import ModelConfig
+from loom.planner.context_parallel import cp_memory
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.mamba import (KINDS, is_hybrid, kind_activation_bytes, kind_counts, kind_params,
                                 stage_kind_layers)
+from loom.planner.mla import (attention_params, mla_activation_bytes, mtp_params,
+                              mtp_stage_params)
 from loom.planner.moe import (MOE_LOAD_IMBALANCE, layer_param_totals, moe_activation_bytes,
                               moe_fraction, moe_layer_params, stage_moe_layers)
 
@@ -44,6 +47,8 @@ from loom.planner.moe import (MOE_LOAD_IMBALANCE, layer_param_totals, moe_activa
 def padded_vocab(model: ModelConfig, tp):
     """V padded to a multiple of ``make_vocab_size_divisible_by x t`` (Megatron)."""
     mult = model.make_vocab_size_divisible_by * np.asarray(tp, dtype=np.float64)
+    if model.padded_vocab_size is not None:  # --padded-vocab-size: the rows exactly
+        return np.asarray(tp, dtype=np.float64) * 0 + model.padded_vocab_size
     return np.ceil((model.vocab_size or 0) / mult) * mult
 
 
@@ -55,13 +60,13 @@ def layer_params(model: ModelConfig) -> tuple[int, int]:
     (``2h`` RMSNorm, ``4h`` LayerNorm) and the row-parallel biases. For a GPT with biases this
     totals ``12 h^2 + 13 h`` (NAR eq 2).
     """
-    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
-                     model.head_dim, model.ffn_size)
-    mlp_in = 2 * f if model.swiglu else f
-    sharded = h * (a * d + 2 * g * d) + a * d * h + h * mlp_in + f * h
-    replicated = (4 if model.normalization == "LayerNorm" else 2) * h
+    h, f = model.hidden_size, model.ffn_size
+    mlp_in = 2 * f if model.gated_linear_unit else f
+    att_sh, att_rep = attention_params(model)  # MLA: loom.planner.mla
+    sharded = att_sh + h * mlp_in + f * h
+    replicated = (4 if model.normalization == "LayerNorm" else 2) * h + att_rep
     if not model.disable_bias_linear:
-        sharded += (a * d + 2 * g * d) + mlp_in
+        sharded += mlp_in
         replicated += 2 * h
     return sharded, replicated
 
@@ -83,6 +88,7 @@ def total_params(model: ModelConfig, seq_length: int | None = None,
     else:
         n = model.num_layers * (sh + rep) + V * h
     n += (2 if model.normalization == "LayerNorm" else 1) * h
+    n += mtp_params(model, (sh, rep), active)  # --mtp-num-layers (loom.planner.mla)
     if model.position_embedding_type == "learned_absolute":
         n += max(s, model.max_positions) * h
     if model.untie_embeddings_and_output_weights:
@@ -124,11 +130,15 @@ def stage_params(model: ModelConfig, L: dict, seq_length: int) -> dict:
     untied = model.untie_embeddings_and_output_weights
     out = Vp * h / t * (1.0 if untied else (p > 1))  # tied: a copy on the last stage when p > 1
     single = p == 1
-    first = w_first + emb + np.where(single, final_norm + out, 0.0)
-    last = np.where(single, first, w_last + final_norm + out)
+    # MTP modules on the last stage (+ their embedding copy when untied and p > 1)
+    w_mtp, x_mtp = mtp_stage_params(model, (sh, rep), t, L.get("ep", 1.0))
+    mtp_emb = Vp * h / t * (bool(model.mtp_num_layers) and untied) * (p > 1)
+    first = w_first + emb + np.where(single, final_norm + out + w_mtp, 0.0)
+    last = np.where(single, first, w_last + final_norm + out + w_mtp + mtp_emb)
     middle = np.where(p > 2, w_mid, 0.0)
+    x_first = x_first + np.where(single, x_mtp, 0.0)
     return {"first": first, "middle": middle, "last": last,
-            "expert_first": x_first + 0 * first, "expert_last": x_last + 0 * last,
+            "expert_first": x_first + 0 * first, "expert_last": x_last + x_mtp + 0 * last,
             "expert_middle": np.where(p > 2, x_mid, 0.0)}
 
 
@@ -179,11 +189,15 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
     S = s * b / c
     drop = 1.0 if model.hidden_dropout > 0 else 0.0
     repl = S * h * (4 + 2 + 2 + 2 * drop)
-    split = S * (2 * a * d + 4 * g * d + 2 * a * d) + S * f * (6 if model.swiglu else 4)
+    split = S * (2 * a * d + 4 * g * d + 2 * a * d) + S * f * (6 if model.gated_linear_unit else 4)
+    if model.multi_latent_attention:  # loom.planner.mla: Q, K, V, latents
+        mla_split, mla_repl = mla_activation_bytes(model, S)
+        split = split - S * (2 * a * d + 4 * g * d + 2 * a * d) + mla_split
+        repl = repl + mla_repl
     if model.num_experts:
         fm = moe_fraction(model) if moe_share is None else moe_share
         moe_split, moe_repl = moe_activation_bytes(model, S, moe_load_imbalance)
-        split = split + fm * (moe_split - S * f * (6 if model.swiglu else 4))
+        split = split + fm * (moe_split - S * f * (6 if model.gated_linear_unit else 4))
         repl = repl + fm * moe_repl
     if flash_attention:
         scores = 4.0 * a * S / t
@@ -203,7 +217,11 @@ def inflight_microbatches(L: dict, m) -> np.ndarray:
     p, v = L["pp"], L["vp"]
     one_f = np.minimum(p, m)
     inter = np.minimum(m, p) * (1 + (p - 1) / (p * v))
-    return np.where(p == 1, 1.0, np.where(v > 1, inter, one_f))
+    # ZB-H1 and ZB-V keep 1F1B's peak (Qi et al. 2024, "Zero Bubble Pipeline Parallelism",
+    # sec 3 and 6: the deferred weight-gradient passes hold their inputs within that budget)
+    zbv = L.get("zb", 0 * p) == 2
+    gpipe = L.get("zb", 0 * p) == 3  # all m forwards before the first backward
+    return np.where(p == 1, 1.0, np.where(gpipe, m, np.where((v > 1) & ~zbv, inter, one_f)))
 
 
 def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
@@ -230,6 +248,12 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
     rc = L["recompute"]
     per_layer = np.where(rc == 2, act["full"], np.where(rc == 1, act["selective"], act["none"]))
     working = np.where(rc == 2, act["none"], np.where(rc == 1, act["scores"], 0.0))
+    # CP: the K/V blocks of one layer in flight (ring) or gathered (allgather), per comm type
+    kv_w = (model.num_attention_heads * (model.q_head_dim + model.v_head_dim)
+            if getattr(model, "multi_latent_attention", False)
+            else 2 * model.num_kv_groups * model.head_dim)
+    cp_extra = cp_memory(opts.cp_comm_type, s * b / c, t, c,
+                         model.num_attention_heads * model.head_dim, kv_w)
     lf, lm, ll = stage_layers(model.num_layers, L)
     n_moe = {"first": 0.0, "middle": 0.0, "last": 0.0}
     per_moe = per_layer
@@ -252,7 +276,9 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
                           for k, a in acts_k.items() if n_kind[k]], axis=0)
         cnt = stage_kind_layers(model, L, lf, lm, ll)
     inflight = inflight_microbatches(L, m)
-    inflight_mid = np.where(L["vp"] > 1, inflight, np.minimum(p - 1, m))
+    zb = L.get("zb", 0 * p)
+    inflight_mid = np.where(((L["vp"] > 1) & (zb != 2)) | (zb == 3), inflight,
+                            np.minimum(p - 1, m))
     S = s * b / c
     drop = 1.0 if model.hidden_dropout > 0 else 0.0
     sp_div = np.where(sp > 0, t, 1.0)
@@ -274,13 +300,19 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
             terms = {"weights": (params - ex) * wb + ex * xw,
                      "gradients": (params - ex) * gb + ex * xg,
                      "optimizer": (params - ex) * ob + ex * xo}
-        acts = n_layers * stage_inflight * per_layer + working
+        acts = n_layers * stage_inflight * per_layer + working + cp_extra
         if hybrid:
             i = ("first", "middle", "last").index(name)
             acts = stage_inflight * sum(cnt[k][i] * per_kind[k] for k in KINDS) + working
         if model.num_experts:
             acts = stage_inflight * ((n_layers - n_moe[name]) * per_layer
                                      + n_moe[name] * per_moe) + working
+        if model.mtp_num_layers and name != "middle":  # MTP on the last stage
+            here = 1.0 if name == "last" else np.where(p == 1, 1.0, 0.0)
+            last_moe = model.num_experts and model.is_moe_layer(model.num_layers - 1)
+            acts = acts + here * model.mtp_num_layers * stage_inflight * (
+                per_moe if last_moe else per_layer)
+            emb_act = emb_act + here * model.mtp_num_layers * out_act
         terms.update({
             "activations": acts,
             "embedding_output": emb_act,

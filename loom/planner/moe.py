@@ -20,9 +20,15 @@ The layer structure is that of ``loom/models/moe.py`` / ``loom/parallel/expert.p
 * time: the k S assignments of a GPU's tokens land, on average, on ``S k`` expert rows of each
   EP rank (``lambda S k`` on the busiest), spread over its ``E/e`` experts: ``S k e / E`` tokens
   per expert GEMM, whose efficiency falls with that count (:func:`gemm_efficiency`).
-* all-to-all: dispatch and combine forward, their transposes backward: 4 per MoE layer and
-  micro-batch (``docs/moe.md``), each moving ``2 S k h`` bytes (bf16) of which ``(e-1)/e`` leave
-  the GPU; EP ranks are ``t c`` ranks apart, so ``gpus_per_node / (t c)`` of them share a node.
+* dispatcher (``--moe-token-dispatcher-type``), 4 collectives per MoE layer and micro-batch
+  (dispatch and combine forward, their transposes backward; ``docs/moe.md``), the ``a2a`` term
+  being their mean. ``alltoall``: each moves ``2 S k h`` bytes (bf16) of which ``(e-1)/e``
+  leave the GPU; EP ranks are ``t c`` ranks apart, so ``gpus_per_node / (t c)`` of them share a
+  node. ``allgather``: an all-gather of the EP group's tokens (``2 e S h`` bytes gathered) and
+  a reduce-scatter of the ``[e S k, h]`` outputs (``2 e S k h`` bytes), ring collectives on the
+  slowest link the group crosses: about ``e (1 + 1/k) / 2`` times the all-to-all's bytes.
+* ``--moe-grouped-gemm``: the local experts' GEMMs run as one grouped GEMM of all ``lambda S k``
+  rows, whose efficiency is that of the whole row count instead of ``S k e / E`` per expert.
 * TP: loom sums the k expert partial outputs and the shared expert's over TP in ONE all-reduce
   of ``[T (k + 1_sh), h]`` before the router weights combine them (``loom/parallel/expert.py``),
   instead of the dense MLP's ``[T, h]``; backward still one ``[T, h]`` all-reduce.
@@ -38,7 +44,7 @@ import numpy as np
 
 from loom.config import ModelConfig
 from loom.planner.hardware import Cluster
-from loom.planner.primitives import all_reduce_time, gemm_efficiency
+from loom.planner.primitives import all_gather_time, all_reduce_time, gemm_efficiency
 
 # Busiest EP rank's expert tokens over the mean. An assumption, not fitted: the Switch
 # Transformer (Fedus et al. 2021, sec 2.2) trains well with capacity factors of 1.0-1.25, i.e.
@@ -64,7 +70,7 @@ def mlp_params(model: ModelConfig, width: int) -> tuple[int, int]:
     """``(tp_sharded, replicated)`` parameters of an MLP of hidden width ``width``: fc1
     ``h (2 width | width)`` and fc2 ``width h``; biases: fc1's sharded, fc2's ``h`` replicated."""
     h = model.hidden_size
-    mlp_in = 2 * width if model.swiglu else width
+    mlp_in = 2 * width if model.gated_linear_unit else width
     sharded, replicated = h * mlp_in + width * h, 0
     if not model.disable_bias_linear:
         sharded += mlp_in
@@ -88,6 +94,8 @@ def moe_layer_params(model: ModelConfig, dense_layer: tuple[int, int]) -> tuple[
     s_sh, s_rep = mlp_params(model, f_sh) if f_sh else (0, 0)
     sharded = dense_layer[0] - d_sh + s_sh
     replicated = dense_layer[1] - d_rep + s_rep + h * model.num_experts
+    if not model.disable_bias_linear:  # the router's bias [E] (Megatron's TopKRouter)
+        replicated += model.num_experts
     if f_sh and model.moe_shared_expert_gate:
         replicated += h
     return sharded, replicated, expert_params_per_layer(model)
@@ -154,7 +162,7 @@ def layer_param_totals(model: ModelConfig, dense_layer: tuple[int, int]) -> tupl
 
 def moe_mlp_flops_per_token(model: ModelConfig) -> float:
     """Forward FLOPs per token of an MoE MLP: ``k (6|4) h f_e + (6|4) h f_sh + 2 h E``."""
-    h, c = model.hidden_size, (6 if model.swiglu else 4)
+    h, c = model.hidden_size, (6 if model.gated_linear_unit else 4)
     f_sh = model.moe_shared_expert_intermediate_size or 0
     return float(model.moe_router_topk * c * h * model.moe_ffn_size + c * h * f_sh
                  + 2 * h * model.num_experts)
@@ -169,7 +177,7 @@ def moe_activation_bytes(model: ModelConfig, S, imbalance: float) -> tuple:
     * not split: the dispatched expert inputs ``2 h`` per row (``lambda S k`` rows), the expert
       outputs kept for the weighted combine ``2 S k h``, router logits and probabilities
       ``8 S E`` (fp32)."""
-    h, c, k = model.hidden_size, (6 if model.swiglu else 4), model.moe_router_topk
+    h, c, k = model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk
     f_sh = model.moe_shared_expert_intermediate_size or 0
     rows = imbalance * S * k
     split = rows * c * model.moe_ffn_size + S * c * f_sh
@@ -191,6 +199,23 @@ def all_to_all_time(n, per_node, nbytes, cluster: Cluster):
     return np.where(n > 1, np.maximum(intra, inter) + (n - 1) * alpha, 0.0)
 
 
+def dispatch_time(kind: str, e, per_node, pair_elems, token_elems, cluster: Cluster):
+    """Mean time of the 4 dispatcher collectives of one MoE layer and micro-batch (seconds) over
+    ``e`` EP ranks, ``per_node`` of them per node, for ``pair_elems = S k h`` routed elements
+    and ``token_elems = S h`` token elements per GPU (bf16): ``alltoall``: one all-to-all of the
+    pairs; ``allgather``: the mean of an all-gather of ``e S h`` and a reduce-scatter of
+    ``e S k h`` elements (ring, on the slowest link the group crosses)."""
+    if kind != "allgather":
+        return all_to_all_time(e, per_node, BYTES_PER_ELEMENT * pair_elems, cluster)
+    e = np.asarray(e, dtype=np.float64)
+    cross = e > np.clip(per_node, 1.0, None)
+    bw = np.where(cross, cluster.inter_bw, cluster.intra_bw)
+    alpha = np.where(cross, cluster.inter_alpha, cluster.intra_alpha)
+    gather = all_gather_time(e, BYTES_PER_ELEMENT * e * token_elems, bw, alpha)
+    scatter = all_gather_time(e, BYTES_PER_ELEMENT * e * pair_elems, bw, alpha)
+    return (gather + scatter) / 2
+
+
 def ep_members_per_node(L: dict, cluster: Cluster):
     """EP ranks sharing a node: EP groups are ``t c`` ranks apart (consecutive DP ranks)."""
     stride = L["tp"] * L["cp"]
@@ -202,23 +227,24 @@ def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
     """Per MoE layer and micro-batch on one GPU (seconds): ``gemm`` (experts on the busiest rank,
     shared expert, router; forward), ``a2a`` (one all-to-all), ``tp_extra`` (forward TP
     all-reduce time beyond the dense MLP's), ``tokens_per_expert``."""
-    h, c, k, E = (model.hidden_size, (6 if model.swiglu else 4), model.moe_router_topk,
+    h, c, k, E = (model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk,
                   model.num_experts)
     t, e = L["tp"], L.get("ep", 1.0)
     f_e, f_sh = model.moe_ffn_size, model.moe_shared_expert_intermediate_size or 0
     peak = cluster.peak_flops
     per_expert = S * k * e / E
+    rows = imbalance * S * k if model.moe_grouped_gemm else per_expert  # rows per GEMM call
     expert = imbalance * S * k * c * h * f_e / t / (
-        peak * gemm_efficiency(min(h, f_e) / t, per_expert, cluster))
+        peak * gemm_efficiency(min(h, f_e) / t, rows, cluster))
     shared = (S * c * h * f_sh / t / (peak * gemm_efficiency(min(h, f_sh) / t, S, cluster))
               if f_sh else 0.0)
     router = 2 * h * E * S / (peak * gemm_efficiency(min(h, E), S, cluster))
-    a2a = all_to_all_time(e, ep_members_per_node(L, cluster), BYTES_PER_ELEMENT * S * k * h,
-                          cluster)
+    a2a = dispatch_time(model.moe_token_dispatcher_type, e, ep_members_per_node(L, cluster),
+                        S * k * h, S * h, cluster)
     tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
     tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
-    rows = k + (1 if f_sh else 0)
-    tp_extra = (all_reduce_time(t, 2 * S * h * rows, tp_bw, tp_alpha)
+    tp_rows = k + (1 if f_sh else 0)
+    tp_extra = (all_reduce_time(t, 2 * S * h * tp_rows, tp_bw, tp_alpha)
                 - all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha))
     return {"gemm": expert + shared + router, "a2a": a2a, "tp_extra": tp_extra,
             "tokens_per_expert": per_expert}

@@ -62,7 +62,9 @@ def layout_of(cfg: LoomConfig, world_size: int) -> dict:
                 mbs=cfg.training.micro_batch_size,
                 recompute=cfg.training.recompute_granularity or "none",
                 sp=int(bool(p.sequence_parallel)), zero=_zero_stage(cfg),
-                ep=getattr(p, "expert_model_parallel_size", 1))
+                ep=getattr(p, "expert_model_parallel_size", 1),
+                zb={"zero-bubble": 1, "zbv": 2, "gpipe": 3}.get(
+                    getattr(p, "pipeline_schedule", None), 0))
 
 
 def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,

@@ -19,17 +19,23 @@ published, 4096 chosen; override with ``--seq-length``):
 * ``deepseek-v3``: DeepSeek-AI 2024, arXiv 2412.19437 sec 4.2 and ``config.json``: L 61,
   h 7168, 128 heads, 1 shared + 256 routed experts of width 2048, top-8, sigmoid router, the
   first 3 layers dense with FFN 18432 (``first_k_dense_replace``), V 129280; 671B total / 37B
-  active. Approximations: multi-head latent attention (MLA: q rank 1536, kv rank 512, head dims
-  128 + 64 rope) is modelled as multi-head attention with head dim h/a = 56, whose ``4 h^2`` =
-  206M parameters per layer are close to MLA's 187M, but whose score FLOPs ``4 s a 56`` are ~35%
-  of MLA's ``2 s a (192 + 128)``; the multi-token-prediction module (14B) is left out, as in the
-  671B. The 3 dense layers are expressed by :class:`PlannerModelConfig` (loom's
+  active. Multi-latent attention as trained (q rank 1536, kv rank 512, head dims 128 + 64 RoPE,
+  value 128: 187.1M parameters per layer, :mod:`loom.planner.mla`), YaRN factor 40, the
+  aux-loss-free bias, group-limited routing (8 groups, 4 per token), scaling factor 2.5. The
+  multi-token-prediction module (D = 1, 14B: 685B with it) is left out, as in the published
+  671B; ``--mtp-num-layers 1`` adds it. The 3 dense layers are expressed by :class:`PlannerModelConfig` (loom's
   ``--moe-layer-freq`` cannot: layer 0 is always MoE), so ``loom train`` cannot build this
   preset as is.
+* ``deepseek-v2-lite``: DeepSeek-AI 2024, "DeepSeek-V2" (arXiv 2405.04434) appendix B and
+  ``deepseek-ai/DeepSeek-V2-Lite`` ``config.json``: L 27, h 2048, 16 heads, MLA without query
+  compression (kv rank 512, head dims 128 + 64, value 128), the first layer dense (FFN 10944),
+  then 64 routed experts of width 1408 (top-6, softmax) + 2 shared, V 102400, YaRN factor 40
+  (mscale 0.707); 15.7B total / 2.4B active (the latter without the embedding lookup).
 * ``qwen3-30b-a3b``: Qwen Team 2025, "Qwen3 Technical Report" (arXiv 2505.09388) table 2 and
   ``Qwen/Qwen3-30B-A3B`` ``config.json``: L 48, h 2048, 32 heads of dim 128, 4 KV heads,
   128 experts of width 768, top-8, no shared expert, untied, V 151936; 30.5B total / 3.3B active.
-  QK-norm (2 x 128 parameters per layer) is left out.
+  QK-norm: ``--qk-layernorm`` (2 x 128 parameters per layer; the planner's count leaves them
+  out).
 
 Mamba-2 and hybrid presets (``model_type="mamba"``, :mod:`loom.planner.mamba`):
 
@@ -105,6 +111,16 @@ def mamba2(L: int, h: int, V: int, s: int, pattern: str | None = None, **kw) -> 
     return ModelConfig.llama(**cfg)
 
 
+# DeepSeek-V3's attention and router (config.json): MLA ranks and head dims, YaRN (factor 40 over
+# 4096 positions, mscale 1), aux-loss-free bias, 8 groups of which 4 per token, scaling 2.5
+DEEPSEEK_V3_MLA = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=1536,
+                       kv_lora_rank=512,
+                       qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, rope_type="yarn",
+                       rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                       yarn_original_max_position_embeddings=4096,
+                       moe_router_enable_expert_bias=True, moe_router_num_groups=8,
+                       moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5)
+
 PRESETS = {
     "gpt3-175b": lambda: gpt(96, 12288, 96),
     "llama3-8b": lambda: llama3(32, 4096, 32, 14336),
@@ -121,9 +137,20 @@ PRESETS = {
                                      moe_ffn_hidden_size=2048,
                                      moe_shared_expert_intermediate_size=2048,
                                      moe_router_score_function="sigmoid", first_k_dense_replace=3,
-                                     rotary_base=10000.0),
+                                     rotary_base=10000.0, **DEEPSEEK_V3_MLA),
+    "deepseek-v2-lite": lambda: moe_llama(27, 2048, 16, 16, 10944, 102400, 64, 6,
+                                          moe_ffn_hidden_size=1408,
+                                          moe_shared_expert_intermediate_size=2816,
+                                          moe_layer_freq="([0]*1+[1]*26)", rotary_base=10000.0,
+                                          **{**DEEPSEEK_V3_MLA, "q_lora_rank": None,
+                                             "moe_router_enable_expert_bias": False,
+                                             "moe_router_num_groups": None,
+                                             "moe_router_group_topk": None,
+                                             "moe_router_topk_scaling_factor": None,
+                                             "mscale": 0.707, "mscale_all_dim": 0.707}),
     "qwen3-30b-a3b": lambda: moe_llama(48, 2048, 32, 4, 6144, 151936, 128, 8,
-                                       moe_ffn_hidden_size=768, kv_channels=128),
+                                       moe_ffn_hidden_size=768, kv_channels=128,
+                                       qk_layernorm=True),
     # Mamba-2 / hybrid (sources in the module docstring)
     "mamba2-1.3b": lambda: mamba2(48, 2048, 50277, 2048, num_attention_heads=32,
                                   mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=1,

@@ -19,7 +19,7 @@ from loom.planner.hardware import Cluster
 # r0.8.0 H100 weak scaling rows 1.7B-462B (9, model TFLOP/s per GPU; constrains h0 through the
 # ridge scaling). Tables: loom/planner/presets.py, loom/planner/validation.py.
 GEMM_EFFICIENCY = 0.747
-GEMM_HALF_DIM = 56.5
+GEMM_HALF_DIM = 57.2
 A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
 
 
@@ -52,8 +52,26 @@ def hierarchical_all_reduce_time(n, per_node, nbytes, cluster: Cluster):
     k = np.maximum(1.0, np.minimum(n, per_node))
     nodes = n / k
     intra = all_reduce_time(k, nbytes, cluster.intra_bw, cluster.intra_alpha)
-    inter = all_reduce_time(nodes, nbytes / k, cluster.inter_bw, cluster.inter_alpha)
-    return intra + inter
+    inter = all_reduce_time(nodes, nbytes / k, cluster.inter_bw, 0.0)
+    return intra + inter + inter_node_latency(nodes, cluster.inter_alpha)
+
+
+def inter_node_latency(nodes, alpha):
+    """Latency (s) of one all-reduce across ``nodes`` nodes: NCCL's ring pays ``2 (N - 1)``
+    hops, its double binary tree ``2 log2 N`` (up and down; Sanders, Speck, Traeff 2009,
+    "Two-tree algorithms for full bandwidth broadcast, reduction and scan", the algorithm NCCL
+    2.4+ uses across nodes); NCCL picks the faster, so ``2 alpha min(N - 1, log2 N)`` (equal up
+    to 2 nodes; at 2048 nodes 11 hops instead of 2047)."""
+    nodes = np.asarray(nodes, dtype=np.float64)
+    hops = np.minimum(nodes - 1, np.log2(np.maximum(nodes, 1.0)))
+    return np.where(nodes > 1, 2 * hops * alpha, 0.0)
+
+
+def all_reduce_latency(n, per_node, cluster: Cluster):
+    """The latency part (s) of :func:`hierarchical_all_reduce_time` (its time at 0 bytes)."""
+    k = np.maximum(1.0, np.minimum(n, per_node))
+    return (np.where(k > 1, 2 * (k - 1) * cluster.intra_alpha, 0.0)
+            + inter_node_latency(n / k, cluster.inter_alpha))
 
 
 # -- compute --------------------------------------------------------------------------------------
@@ -65,8 +83,8 @@ def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
     Roofline origin: a ``[T, w] x [w, n]`` GEMM moves ``2 (T w + w n + T n)`` bytes for
     ``2 T w n`` FLOPs, so memory adds ``(peak / hbm_bw) (1/T + 1/w + 1/n)`` to the time per FLOP
     at peak; ``h0`` is therefore proportional to the GPU's ridge point ``peak / hbm_bw``:
-    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 56.5; H100 SXM:
-    295 FLOP/byte, h0 = 109). ``e``: the GPU generation's large-GEMM efficiency
+    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 57.2; H100 SXM:
+    295 FLOP/byte, h0 = 110). ``e``: the GPU generation's large-GEMM efficiency
     (``cluster.gemm_efficiency``, else ``GEMM_EFFICIENCY``). Both fitted, see the module
     docstring; a cluster file's ``gemm_half_dim`` overrides h0."""
     e = (cluster.gemm_efficiency if cluster and cluster.gemm_efficiency else GEMM_EFFICIENCY)

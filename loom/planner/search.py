@@ -22,12 +22,15 @@ those of
 from __future__ import annotations
 
 import itertools
+from typing import get_args
 
 import numpy as np
 
 from loom.config import ModelConfig
+from loom.config.sections import PipelineSchedule
 from loom.planner.hardware import GB, Cluster
-from loom.planner.layout import KEYS, RECOMPUTE, Options, num_microbatches
+from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microbatches
+from loom.planner.context_parallel import a2a_divides
 from loom.planner.mamba import check_supported, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
 from loom.planner.stages import accounted_split, describe_split, given_split, uneven_splits
@@ -108,12 +111,17 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
             for c in _divisors(n // (t * p)):
                 if c > 1 and (s % (2 * c) or refuses_cp(model, c)):
                     continue
+                k_a2a = c if opts.cp_comm_type == "a2a" else min(c, max(1, cluster.gpus_per_node
+                                                                      // t))
+                if c > 1 and not a2a_divides(opts.cp_comm_type, model.num_attention_heads,
+                                             model.num_kv_groups, t, k_a2a):
+                    continue
                 d = n // (t * p * c)
                 eps = _moe_rules(model, t, c, d)
                 if B % d or eps is None:
                     continue
                 for b in _divisors(B // d):
-                    if b > max_micro_batch:
+                    if b > max(max_micro_batch, fixed.get("mbs", 0)):
                         break
                     m = B // (b * d)
                     for lf, ll in splits:
@@ -128,22 +136,31 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                             base.append((t, p, d, c, v, b, lf, ll, e))
     rows = []
     moe = bool(model.num_experts)
+    zbv_ok = "zbv" in get_args(PipelineSchedule)
     for (t, p, d, c, v, b, lf, ll, e) in base:
         sps = (0, 1) if t > 1 and s % t == 0 and not moe else (0,)
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
         zs = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d * c > 1 else (0,)
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
-        if e > 1:  # loom train refuses --use-distributed-optimizer with EP > 1
-            zs = (0,)
-        for rc, sp, z in itertools.product((0, 1, 2), sps, zs):
-            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e))
+        if e > 1 and not fixed.get("zero"):  # loom train refuses the distributed optimizer
+            zs = (0,)  # with EP > 1 (Megatron-Core runs it: a given --zero-stage is evaluated)
+        # zero-bubble schedules (Qi et al. 2024): ZB-H1 on one chunk per stage, ZB-V on two
+        # (searched when loom train's --pipeline-schedule accepts it, or when it is given)
+        zbs = (0, 1) if p > 1 and v == 1 else (
+            (0, 2) if p > 1 and v == 2 and not lf and (zbv_ok or fixed.get("zb") == 2) else (0,))
+        if fixed.get("zb") == 3 and p > 1 and v == 1:  # GPipe: only when given
+            zbs = (3,)
+        for rc, sp, z, zb in itertools.product((0, 1, 2), sps, zs, zbs):
+            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
     keep = np.ones(len(arr), dtype=bool)
     for k, v in fixed.items():
         if k == "recompute" and isinstance(v, str):
             v = RECOMPUTE.index(v)
+        if k == "zb" and isinstance(v, str):
+            v = SCHEDULES.index(v)
         keep &= L[k] == float(v)
     return {k: vv[keep] for k, vv in L.items()}
 
@@ -178,6 +195,7 @@ def record(res: dict, i: int) -> dict:
         "tp": int(res["tp"][i]), "pp": int(res["pp"][i]), "dp": int(res["dp"][i]),
         "ep": int(res["ep"][i]) if "ep" in res else 1,
         "cp": int(res["cp"][i]), "vp": int(res["vp"][i]),
+        "pipeline_schedule": SCHEDULES[int(res["zb"][i])] if "zb" in res else "1f1b",
         "first_stage_layers": int(res["lf"][i]), "last_stage_layers": int(res["ll"][i]),
         "micro_batch_size": int(res["mbs"][i]), "num_microbatches": int(round(res["m"][i])),
         "recompute": rc, "sequence_parallel": bool(res["sp"][i]), "zero": int(res["zero"][i]),

@@ -16,8 +16,9 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   (SHO sec 3), all-gather + reduce-scatter of the same volume with SP (KOR sec 4.2.2); full
   recompute repeats the forward two. Backward ones overlap the weight-gradient GEMMs (Megatron's
   asynchronous TP all-reduce), forward ones are exposed. On NVLink inside a node.
-* CP: ring of ``c - 1`` K/V exchanges (``4 S g d / t`` bytes each) per layer forward, twice in
-  backward, overlapped with the attention-score compute; only the excess is exposed.
+* CP: per ``Options.cp_comm_type`` (:mod:`loom.planner.context_parallel`); ``p2p``: ring of
+  ``c - 1`` K/V exchanges (``4 S g d / t`` bytes each) per layer forward, twice in backward,
+  overlapped with the attention-score compute; only the excess is exposed.
 * PP: schedule ``(m + (p-1)/v) x`` the slowest stage's micro-batch time; the bubble is the
   ``(p-1)/v`` part (NAR sec 2.2). Point-to-point: ``2 v`` sends of ``2 S h / t`` bytes
   (scatter/gather, NAR sec 4.1) per micro-batch, plus ``2 (p-1)`` for fill and drain.
@@ -54,10 +55,13 @@ from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
 from loom.planner.mamba import KINDS, is_hybrid, kind_layer_times, stage_kind_layers
+from loom.planner.mla import attention_flops_per_token, mtp_depth
+from loom.planner.context_parallel import cp_layer_cost
 from loom.planner.moe import moe_fraction, moe_layer_times, stage_moe_layers
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_time, gemm_efficiency,
-                                     hierarchical_all_reduce_time, p2p_time,
+                                     all_reduce_latency, hierarchical_all_reduce_time,
+                                     p2p_time,
                                      reduce_scatter_time)
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
@@ -79,6 +83,29 @@ def straggler_factor(num_nodes, jitter: float):
     here (NAR, KOR, Megatron-Core H100, strong scaling to 4608 GPUs) are reproduced with 0."""
     n = np.asarray(num_nodes, dtype=np.float64)
     return jitter * np.sqrt(2.0 * np.log(np.maximum(n, 1.0)))
+
+
+def pipeline_bubble(L: dict, t_mb, w_mb, f_mb, m):
+    """Idle time (s) of the pipeline schedule per iteration, from the slowest stage's time per
+    micro-batch ``t_mb = F + B + W``, its forward ``f_mb`` (F) and weight-gradient part
+    ``w_mb`` (W), and ``m`` micro-batches: the formulas of
+    :mod:`loom.parallel.pipeline.bubble` (the schedules loom runs), vectorized:
+
+    * 1F1B / interleaved (``zb`` 0): ``(p - 1) / v x t_mb`` (NAR sec 2.2);
+    * ZB-H1 (``zb`` 1, ``--pipeline-schedule zero-bubble``): ``(p - 1)(F + B - W)`` for
+      ``m >= p`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec 3.1), else 1F1B's
+      minus the ``m`` W passes that fill it;
+    * ZB-V (``zb`` 2, two chunks in a V): ``(p - 1) F / 2`` for ``m >= 2p - 1`` (loom's op
+      order, ~0 in the paper, sec 6), else ``(p - 1) t_mb / 2``.
+
+    tests/planner/test_planner_layouts_v3.py checks them against the scalar functions."""
+    p, v = L["pp"], L["vp"]
+    zb = L.get("zb", 0 * p)
+    classic = (p - 1) / v * t_mb
+    h1 = np.where(m >= p, (p - 1) * np.maximum(0.0, t_mb - 2 * w_mb),
+                  (p - 1) * t_mb - m * w_mb)
+    zbv = np.where(m >= 2 * p - 1, (p - 1) * f_mb / 2, (p - 1) * t_mb / 2)
+    return np.where(zb == 1, h1, np.where(zb == 2, zbv, classic))
 
 
 def exposed_grad_sync(sync_s, backward_s, params, opts: Options):
@@ -115,8 +142,9 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
                      model.head_dim, model.ffn_size)
     t, c, b = L["tp"], L["cp"], L["mbs"]
     S = s * b / c
-    gemm_flops = (2 * h * (a * d + 2 * g * d) + 2 * a * d * h + (6 if model.swiglu else 4) * h * f) * S / t
-    attn_flops = 4 * s * a * d * S / t
+    att_gemm, att_scores = attention_flops_per_token(model, s)  # MLA: loom.planner.mla
+    gemm_flops = (att_gemm + (6 if model.swiglu else 4) * h * f) * S / t
+    attn_flops = att_scores * S / t
     peak = cluster.peak_flops
     gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
     a2a = tp_extra = 0.0
@@ -139,11 +167,10 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     tp_fwd = 2 * ar + tp_extra
     # overlapped with the weight-gradient GEMMs (Megatron's asynchronous TP all-reduce, 2021+)
     tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
-    cp_link = np.where(t * c > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
-    cp_alpha = np.where(t * c > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
-    ring = (c - 1) * p2p_time(4 * S * g * d / t, cp_link, cp_alpha)
-    cp_fwd = np.maximum(0.0, ring - attn)
-    cp_bwd = np.maximum(0.0, 2 * ring - 2 * attn)
+    kv = (a * (model.q_head_dim + model.v_head_dim) if model.multi_latent_attention
+          else 2 * g * d)  # K and V widths per token (MLA: the expanded heads)
+    cpc = cp_layer_cost(opts.cp_comm_type, S, t, c, a * d, kv, attn, cluster)
+    cp_fwd, cp_bwd = cpc["fwd"], cpc["bwd"]
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "cp_fwd": cp_fwd, "cp_bwd": cp_bwd,
             "a2a": a2a}
@@ -186,7 +213,10 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
             # not overlap them); full recompute repeats the forward two
             "ep_comm": 4 * lt["a2a"] + np.where(full, 2 * lt["a2a"], 0.0),
         }
-        return layer, 2 * comp_f + rec + 2 * lt["elem"] + rec_elem, comp_f + lt["elem"]
+        # last item: the weight-gradient GEMMs (W of the zero-bubble schedules: as many FLOPs as
+        # the forward GEMMs; attention and element-wise backward are input-gradient work, B)
+        return (layer, 2 * comp_f + rec + 2 * lt["elem"] + rec_elem, comp_f + lt["elem"],
+                lt["gemm"])
 
     lf, lm, ll = stage_layers(model.num_layers, L)
     moe = bool(model.num_experts)
@@ -207,6 +237,11 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         kinds.append(per_layer(layer_times(model, s, L, cluster, opts, moe_share=1.0)))
         nf, nmid, nl = stage_moe_layers(model, L, lf, lm, ll)
         counts = [(lf - nf, nf), (lm - nmid, nmid), (ll - nl, nl)]
+    D = mtp_depth(model)  # MTP: D more layers of the last one's kind on the last stage
+    if D and not is_hybrid(model):
+        j = 1 if moe and model.is_moe_layer(model.num_layers - 1) else 0
+        counts[2] = tuple(n + D * (i == j) for i, n in enumerate(counts[2]))
+        counts[0] = tuple(n + D * (i == j) * (p == 1) for i, n in enumerate(counts[0]))
     layer = kinds[0][0]
 
     def mix(cnt, j, key=None):
@@ -214,7 +249,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         return sum(n * (kd[j] if key is None else kd[j][key]) for n, kd in zip(cnt, kinds))
     # output layer + cross-entropy on the last stage; embedding all-reduce on the first
     Vp = padded_vocab(model, t)
-    out_flops = 2 * h * Vp * S / t
+    out_flops = 2 * h * Vp * S / t * (1 + D)  # + the MTP modules' output layers
     out_comp = 3 * out_flops / (peak * gemm_efficiency(h, S, cluster))
     out_elem = 3 * k * 4 * S * Vp / t / cluster.hbm_bw
     emb_comm = lt["tp_ar"]
@@ -242,7 +277,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     t_bwd_mb = mix(slow, 1)
 
     terms = {kk: m * vv for kk, vv in stage.items()}
-    terms["pp_bubble"] = np.where(p > 1, (p - 1) / v * t_mb, 0.0)
+    terms["pp_bubble"] = np.where(p > 1, pipeline_bubble(L, t_mb, mix(slow, 3), mix(slow, 2),
+                                                         m), 0.0)
     pp_cross = (t * c * d) >= cluster.gpus_per_node
     pp_bw = np.where(pp_cross, cluster.inter_bw, cluster.intra_bw)
     pp_alpha = np.where(pp_cross, cluster.inter_alpha, cluster.intra_alpha)
@@ -272,8 +308,13 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
             out = out + fn(n_dp / e, per_node_x, ex * bytes_per_param)
         return out
 
+    n_buckets = np.maximum(1.0, np.ceil(params / opts.ddp_bucket_elems))
+
     def hier(n, k_node, nbytes):
-        return hierarchical_all_reduce_time(n, k_node, nbytes, cluster)
+        # every bucket is its own collective and pays the latency once more (ring inside the
+        # node, ring or tree across nodes: primitives.inter_node_latency)
+        return (hierarchical_all_reduce_time(n, k_node, nbytes, cluster)
+                + (n_buckets - 1) * all_reduce_latency(n, k_node, cluster))
 
     grad_sync = dp_collective(hier, opts.grad_bytes)
     # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter, a flat

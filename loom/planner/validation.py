@@ -1,5 +1,6 @@
 """Predictions for published runs (tables copied from the papers; sources below and in
-:mod:`loom.planner.presets`). Every function takes ``constants`` (a
+:mod:`loom.planner.presets`). Every pipelined run here used 1F1B or the interleaved schedule
+(they predate the zero-bubble schedules), so ``zb = 0`` is fixed. Every function takes ``constants`` (a
 :class:`loom.planner.constants.Constants`; None = the shipped values), so that
 :mod:`loom.planner.fit` can refit and hold sources out.
 
@@ -80,7 +81,7 @@ def nar_table1_points(constants: Constants | None = None) -> list[tuple]:
     out = []
     for (P, a, h, nl, t, p, n, B, pub, _pct) in NAR_TABLE1:
         res = search(gpt(nl, h, a), fitted_cluster("A100-80GB", n, constants), B, 2048,
-                     fixed=dict(tp=t, pp=p, cp=1, recompute="full", sp=0, zero=0),
+                     fixed=dict(tp=t, pp=p, cp=1, recompute="full", sp=0, zero=0, zb=0),
                      opts=Options())
         pred = record(res, res["order"][0])["hw_tflops_per_gpu"] if len(res["order"]) \
             else float("nan")
@@ -128,7 +129,7 @@ def mcore_h100(constants: Constants | None = None) -> list[dict]:
         cl = fitted_cluster("H100-80GB", n, constants)
         res = search(model, cl, B, 4096, opts=Options(flash_attention=True),
                      fixed=dict(tp=t, pp=p, cp=1, zero=1 if n // (t * p) > 1 else 0,
-                                sp=1 if t > 1 else 0))
+                                sp=1 if t > 1 else 0, zb=0))
         r = record(res, int(res["order"][0])) if len(res["order"]) else None
         out.append(dict(params_b=P, gpus=n, published_tflops=tflops,
                         tflops=r["tflops_per_gpu"] if r else float("nan"), layout=r))
@@ -142,7 +143,7 @@ def mcore_h100_strong(constants: Constants | None = None) -> list[dict]:
     for n, pub in MCORE_H100_STRONG:
         res = search(_mcore_model(96, 12288, 96), fitted_cluster("H100-80GB", n, constants),
                      1152, 4096, opts=Options(flash_attention=True),
-                     fixed=dict(tp=8, pp=6, cp=1, zero=1, sp=1))
+                     fixed=dict(tp=8, pp=6, cp=1, zero=1, sp=1, zb=0))
         mfu = record(res, int(res["order"][0]))["mfu"] if len(res["order"]) else float("nan")
         out.append(dict(gpus=n, published_mfu=pub, mfu=mfu))
     return out
@@ -164,7 +165,7 @@ def nar_table2(constants: Constants | None = None, schemes=("ZeRO-3", "PTD-P"),
         if scheme == "ZeRO-3":
             fixed = dict(tp=1, pp=1, cp=1, zero=3, mbs=b, recompute="full")
         else:
-            fixed = dict(tp=8, pp=mp // 8, cp=1, zero=0, mbs=1, recompute="full", sp=0)
+            fixed = dict(tp=8, pp=mp // 8, cp=1, zero=0, mbs=1, recompute="full", sp=0, zb=0)
         res = search(model, fitted_cluster("A100-80GB", n, constants), B, 2048, fixed=fixed,
                      opts=opts)
         row = dict(scheme=scheme, params_b=P, gpus=n, b=b, published_tflops=tflops,
@@ -182,7 +183,7 @@ def bloom_176b(constants: Constants | None = None) -> dict:
     model = gpt(70, 14336, 112, V=250680)
     cl = fitted_cluster("A100-80GB", 384, constants, inter_bw=0.92 * 6.25e9)
     res = search(model, cl, 2048, 2048, opts=Options(flash_attention=False),
-                 fixed=dict(tp=4, pp=12, cp=1, mbs=2, recompute="full", zero=1, sp=0))
+                 fixed=dict(tp=4, pp=12, cp=1, mbs=2, recompute="full", zero=1, sp=0, zb=0))
     r = record(res, int(res["order"][0])) if len(res["order"]) else None
     return dict(published_tflops=150.0, hw_tflops=r["hw_tflops_per_gpu"] if r else float("nan"),
                 layout=r)

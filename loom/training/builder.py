@@ -22,6 +22,9 @@ part               object
 
 from __future__ import annotations
 
+import datetime
+import functools
+
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -30,9 +33,11 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
+from loom.config.parallel_cp import hierarchical_sizes
 from loom.errors import ConfigError
 from loom.models import get_family
 from loom.models.family import ModelFamily
+from loom.parallel.expert import update_expert_bias
 from loom.parallel.mesh import ParallelMesh, init_distributed
 from loom.parallel.parallelize import build_model_chunks
 from loom.parallel.pipeline.schedules import get_schedule
@@ -63,7 +68,10 @@ def build_mesh(cfg: LoomConfig) -> ParallelMesh:
     return ParallelMesh.build(tp=p.tensor_model_parallel_size,
                               pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
                               device=device, ep=p.expert_model_parallel_size,
-                              etp=p.expert_tensor_parallel_size)
+                              etp=p.expert_tensor_parallel_size,
+                              timeout=datetime.timedelta(
+                                  minutes=cfg.fault_tolerance.distributed_timeout_minutes),
+                              hierarchical_cp=hierarchical_sizes(p))
 
 
 @dataclass
@@ -122,6 +130,9 @@ class TrainingParts:
     faults: FaultTolerance
     save_interval: CheckpointInterval
     throughput: Throughput
+    after_step: Callable[[], None] = lambda: None
+    """Run after every optimizer step: the aux-loss-free expert-bias update from the step's
+    global expert load (:func:`loom.parallel.expert.update_expert_bias`) for MoE models."""
 
 
 def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
@@ -144,16 +155,25 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))
     ft = cfg.fault_tolerance
-    faults = FaultTolerance(global_rank, ft.inject_fault, ft.hang_timeout_s)
+    faults = FaultTolerance(global_rank, ft.inject_fault, ft.hang_timeout_s, world_size,
+                            ft.exit_signal_handler)
     save_interval = checkpoint_interval(cfg, world_size, model.groups.params)
     checkpointer = Checkpointer(cfg, mesh, world_size, model.chunks, optimizer, scheduler,
                                 model.tracker, family)
-    data = BatchSource.from_config(cfg, mesh, family.datasets(cfg))
+    datasets = family.datasets(cfg)
+    if cfg.data.eod_mask_loss:  # Megatron's loss mask at end-of-document input tokens
+        from loom.data.loss_mask import EodLossMask, end_of_document_id
+        eod = end_of_document_id(cfg.data, cfg.model.vocab_size)
+        datasets = tuple(None if ds is None else EodLossMask(ds, eod) for ds in datasets)
+    data = BatchSource.from_config(cfg, mesh, datasets)
     throughput = Throughput(
         data.global_batch * cfg.model.seq_length,
         model_flops_per_iteration(cfg.model, data.global_batch, cfg.model.seq_length),
         world_size, peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops),
         predict_step_time(cfg, world_size, mesh.device), logged_metrics(cfg.model, family))
+    after_step = functools.partial(update_expert_bias, model.chunks, mesh.groups["dp_cp"],
+                                   cfg.model.moe_router_bias_update_rate) \
+        if cfg.model.num_experts else (lambda: None)
     return TrainingParts(cfg, mesh, world_size, global_rank, model, reducers, optimizer,
                          scheduler, schedule, timeline, data, checkpointer, faults,
-                         save_interval, throughput)
+                         save_interval, throughput, after_step)

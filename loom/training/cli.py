@@ -20,7 +20,15 @@ from loom.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every config flag, plus the ``--dry-run`` action."""
+    """Every config flag, plus the ``--dry-run`` action; Megatron's multi-word flags and
+    ``--hybrid-layer-pattern`` (Megatron's current name of ``--hybrid-override-pattern``)."""
+    parser.add_argument("--hybrid-layer-pattern", dest="hybrid_override_pattern", default=None,
+                        metavar="PATTERN", help="= --hybrid-override-pattern (Megatron's "
+                                                "current name)")
+    parser.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_const",
+                        const=False, default=None, help="= --no-bert-binary-head (Megatron's "
+                        "spelling; loom's BERT has no sentence-order head unless "
+                        "--bert-binary-head)")
     add_config_arguments(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the planner's memory and time prediction for these flags "
@@ -31,6 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default=None, metavar="NAME",
                         help="--dry-run: the GPU to predict for, e.g. H100-80GB (default: this "
                              "machine's CUDA device, else A100-80GB, and the output says so)")
+
+
+def check_launcher_env() -> None:
+    """Refuse ``WORLD_SIZE`` > 1 without the rest of a launcher's environment (``RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``): torch's rendezvous would fail with a traceback."""
+    world = world_size_from_env()
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if world > 1 and missing:
+        raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} not: start the "
+                          f"ranks with torchrun --nproc-per-node {world} -m loom train ..., or "
+                          f"unset WORLD_SIZE for one process")
 
 
 def world_size_from_env() -> int:
@@ -63,17 +82,51 @@ def _check_data(cfg: LoomConfig) -> None:
                                   f"tokenized with {stored} ({prefix}.meta.json); the token ids "
                                   f"would mean other words. Give --tokenizer-type {stored} (or "
                                   f"drop the flag: loom reads the tokenizer stored with the data)")
+    _check_tokenizer_files(cfg)
     train, _, _ = build_datasets(d, m.seq_length, cfg.training.seed)
+    mbs = cfg.training.micro_batch_size
+    if train is not None and len(train) < mbs:
+        raise ConfigError(f"--micro-batch-size {mbs} is larger than the training data: "
+                          f"{len(train)} samples of --seq-length {m.seq_length}; give at most "
+                          f"--micro-batch-size {len(train)}, or more data")
     if train is None and not cfg.training.skip_train:
         raise ConfigError(f"--split {d.split} leaves no training documents of --data-path "
                           f"{d.data_path}: give the first (train) weight a positive share")
+
+
+def _check_tokenizer_files(cfg: LoomConfig) -> None:
+    """The tokenizer the flags name (``--tokenizer-model``, ``--vocab-file`` / ``--merge-file``,
+    ``NullTokenizer``) against each dataset's stored one (``PREFIX.tokenizer.json``): a
+    mismatch is refused (the ids would mean other words)."""
+    from loom.data.blended import data_prefixes
+    d = cfg.data
+    if not d.tokenizer_type or not (d.tokenizer_model or d.vocab_file or
+                                    d.tokenizer_type == "NullTokenizer"):
+        return
+    from loom.data.preprocess import load_tokenizer_for
+    from loom.data.tokenizer import build_tokenizer
+    vocab = cfg.model.vocab_size
+    if d.tokenizer_type == "NullTokenizer" and vocab:
+        vocab -= 1  # the end-of-document id V was added to the --vocab-size given
+    given = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
+                            vocab if d.tokenizer_type in ("NullTokenizer", "TikTokenizer")
+                            else None, tiktoken_pattern=d.tiktoken_pattern)
+    for flag, prefix in data_prefixes(d):
+        why = given.differs_from(load_tokenizer_for(prefix))
+        if why:
+            named = d.tokenizer_model or d.vocab_file or f"--vocab-size {vocab}"
+            raise ConfigError(f"--tokenizer-type {d.tokenizer_type} {named}: not the tokenizer "
+                              f"{flag} {prefix} was tokenized with ({prefix}.tokenizer.json: "
+                              f"{why}); give that tokenizer's files, or drop the tokenizer "
+                              f"flags (loom reads the one stored with the data)")
 
 
 def _check_checkpoints(cfg: LoomConfig, dry_run: bool = False) -> int:
     """Resolve ``--load`` and check ``--save``; returns the start iteration. ``dry_run``: the
     ``--save`` of the predicted cluster is not this machine's disk, so it is not probed (no
     write test, no free-space check, nothing created)."""
-    from loom.checkpoint.safety import check_checkpoint_files, check_save_dir, resolve_checkpoint
+    from loom.checkpoint.safety import (check_checkpoint_files, check_fresh_load, check_save_dir,
+                                        resolve_checkpoint)
     from loom.planner.memory import total_params
     ck = cfg.checkpoint
     start, ckpt = 0, None
@@ -82,7 +135,9 @@ def _check_checkpoints(cfg: LoomConfig, dry_run: bool = False) -> int:
         if ckpt is not None:
             check_checkpoint_files(ckpt)
             start = int(os.path.basename(ckpt).split("_")[1])
-        elif os.environ.get("RANK", "0") == "0":  # a fresh start is said, never silent
+        else:  # a wrong path is refused; a fresh start is said, never silent
+            check_fresh_load(ck.load, ck.save)
+        if ckpt is None and os.environ.get("RANK", "0") == "0":
             print(f"loom train: --load {ck.load} holds no checkpoint yet: starting from "
                   f"iteration 0", flush=True)
     if ck.save and not dry_run:
@@ -185,19 +240,59 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         raise ConfigError("--mock-data and --data-path exclude each other: give one")
     if d.mock_data and flags.model.vocab_size is None and not flags.checkpoint.load:
         raise ConfigError("--mock-data needs --vocab-size V (random token ids 0..V-1)")
+    flags = _pretrained(flags)
+    if flags.data.tokenizer_type == "NullTokenizer" and flags.model.vocab_size:
+        # Megatron's NullTokenizer: ids 0..V-1 and the end-of-document id V (V + 1 ids)
+        flags = LoomConfig.from_flat({**flags.to_flat(),
+                                      "vocab_size": flags.model.vocab_size + 1})
     flat, stored = flags.to_flat(), _stored_config(flags)
     if stored is not None:
         flat.update(model_from_checkpoint(flags, stored[1], given_fields(args)))
+        if flags.training.use_checkpoint_args:
+            import dataclasses
+
+            from loom.config import ModelConfig
+            from loom.training.resume import checkpoint_model_args
+            flat.update(checkpoint_model_args(stored[1], given_fields(args),
+                                              [f.name for f in dataclasses.fields(ModelConfig)]))
+    elif flags.training.use_checkpoint_args:
+        raise ConfigError("--use-checkpoint-args needs a checkpoint to take the model's "
+                          "flags from: give --load DIR (or --pretrained-checkpoint DIR) "
+                          "holding one")
     flags = resolve_vocab(LoomConfig.from_flat(flat))
     cfg = flags.validate(world)
     if named and not d.mock_data:
         _check_data(cfg)
     _check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
+    if not getattr(args, "dry_run", False):
+        from loom.training.script_checks import refuse_unimplemented
+        refuse_unimplemented(cfg)
     if stored is not None:
         schedule = _check_same_model(cfg, *stored)
+        from loom.checkpoint.data_match import check_same_data
+        check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
             cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
     return cfg
+
+
+def _pretrained(cfg: LoomConfig) -> LoomConfig:
+    """``--pretrained-checkpoint``: read it (fine-tuning, iteration 0) when ``--load`` holds no
+    checkpoint (:func:`loom.training.resume.pretrained_source`); ``cfg`` itself otherwise."""
+    ck = cfg.checkpoint
+    if cfg.training.pretrained_checkpoint is None:
+        return cfg
+    from loom.checkpoint.safety import resolve_checkpoint
+    from loom.training.resume import pretrained_source
+    load, finetune = pretrained_source(ck.load, cfg.training.pretrained_checkpoint,
+                                       lambda d: resolve_checkpoint(d, None) is not None)
+    if not finetune:
+        return cfg
+    if os.environ.get("RANK", "0") == "0":
+        print(f"loom train: --load {ck.load} holds no checkpoint: fine-tuning from "
+              f"--pretrained-checkpoint {load} (weights only, iteration 0)", flush=True)
+    return LoomConfig.from_flat({**cfg.to_flat(), "load": load, "finetune": True,
+                                 "ckpt_step": None})
 
 
 def _check_same_model(cfg: LoomConfig, ckpt: str, saved: dict) -> dict:
@@ -231,14 +326,25 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--world-size and --gpu describe a --dry-run's cluster: add --dry-run "
                           "(a training run takes its size from torchrun)")
     cfg = prepare(args)
+    if os.environ.get("RANK", "0") == "0":
+        from loom.training.script_checks import start_notes
+        for line in start_notes(cfg, vars(args)):  # said once, never silently dropped
+            print(f"loom train: {line}", flush=True)
     if args.dry_run:
         if os.environ.get("RANK", "0") != "0":
             return 0  # printed once, by rank 0
+        from loom.planner.memory import total_params
         from loom.planner.predict import format_prediction, predict_layout
         pred = predict_layout(cfg, dry_run_world(args, cfg), cluster=args.gpu)
         assumed = "" if args.gpu else " (assumed: no --gpu given; pass --gpu NAME)"
+        n = int(total_params(cfg.model))
+        print(f"parameters: {n} ({n / 1e9:.2f} B)")
         print(format_prediction(pred) + f"\ndevice: {pred['cluster']}{assumed}")
+        if cfg.model.vocab_size:  # exact per-rank counts of the real model (meta device)
+            from loom.planner.meta_count import format_counts
+            print(format_counts(cfg, dry_run_world(args, cfg)))
         return 0
+    check_launcher_env()
     lock, rank0 = None, os.environ.get("RANK", "0") == "0"
     if cfg.checkpoint.save:  # one job per --save, held to the end (loom.checkpoint.lock)
         from loom.checkpoint.lock import lock_for_job

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Collection, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,13 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     blocks = [b for g in grads for b in g.detach().reshape(-1).split(NORM_BLOCK)]
     norms = torch._foreach_norm(blocks, 2.0)
     return torch.stack(norms).double().square().sum()
+
+
+def count_zero_entries(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``sum_i (numel(g_i) - nnz(g_i))``: the zero entries of ``grads``, a 0-d fp64 tensor
+    (exact below 2^53)."""
+    total = sum(g.numel() - int(torch.count_nonzero(g)) for g in grads)
+    return torch.tensor(float(total), dtype=torch.float64, device=device)
 
 
 def buffer_mode(training) -> dict:
@@ -147,18 +154,21 @@ class DistributedOptimizer:
     :func:`buffer_mode`'s mode), ``groups_kw``
     (AdamW keyword arguments: lr, betas, eps, fused), ``weight_decay``, ``mesh`` (norm groups),
     ``sharded`` (the distributed optimizer: the norm is summed over the DP x CP shards),
-    ``overlap_param_gather``. ``optim`` is the inner ``torch.optim.AdamW`` (LR scheduler,
-    ``param_groups``)."""
+    ``overlap_param_gather``, ``decoupled`` (``--decoupled-lr``: the extra keys of a third
+    group, :func:`loom.training.optimizer.decoupled_group`, holding the parameters whose
+    ``id`` is in ``decoupled_params``).
+    ``optim`` is the inner ``torch.optim.AdamW`` (LR scheduler, ``param_groups``)."""
 
     def __init__(self, named, reducers, groups_kw: dict, weight_decay: float, mesh: ParallelMesh,
-                 sharded: bool, overlap_param_gather: bool = False):
+                 sharded: bool, overlap_param_gather: bool = False,
+                 decoupled: Optional[dict] = None, decoupled_params: Collection[int] = ()):
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
         self.reducers = flat_buffers(reducers)
         self.gathers = [ParamGather(r) for r in self.reducers if r.reduce_scatter]
         reducer_of = {id(p): r for r in self.reducers for p in r.params}
         ep = mesh.ep_size > 1
         self.ranges: list[_Range] = []
-        decay, no_decay = [], []
+        decay, no_decay, own = [], [], []
         for name, p, meta in named:
             if not p.requires_grad:
                 continue
@@ -169,11 +179,15 @@ class DistributedOptimizer:
             master = flat.float().clone() if copy else flat
             self.ranges.append(_Range(name, p, meta, r, lo, hi, master, copy,
                                       ep and meta.expert_parallel))
-            (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(master)
+            (own if id(p) in decoupled_params else
+             no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(master)
         groups = [{"params": decay or [torch.zeros(0, device=mesh.device)],
                    "weight_decay": weight_decay},
                   {"params": no_decay or [torch.zeros(0, device=mesh.device)],
                    "weight_decay": 0.0}]
+        if decoupled is not None:  # --decoupled-lr: the embedding / output weights' own group
+            groups.append({"params": own or [torch.zeros(0, device=mesh.device)],
+                           "weight_decay": weight_decay, **decoupled})
         self.optim = torch.optim.AdamW(groups, **groups_kw)
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
@@ -195,17 +209,27 @@ class DistributedOptimizer:
         gradient ranges that count (:meth:`ParamMeta.counts_for_norm`), summed over the DP x
         CP shards (expert ranges over the expert-data-parallel shards and the EP group) and
         the model-parallel group; fp64 sums, one scalar all-reduce per group. 0-d fp32."""
+        return self._summed(lambda r: r.master.grad, _sum_of_squares).sqrt().float()
+
+    def count_zeros(self) -> int:
+        """``--log-num-zeros-in-grad``: zero entries of the reduced main gradients, each element
+        once, summed like :meth:`grad_norm` (Megatron's ``count_zeros_fp32``)."""
+        return int(self._summed(lambda r: r.reducer.shard_grad(r.param), count_zero_entries))
+
+    def _summed(self, grad_of, stat) -> torch.Tensor:
+        """``stat(gradients, device)`` (a 0-d fp64 sum) over the ranges that count, reduced
+        over the DP x CP shards, the expert groups and the model-parallel group."""
         dev, tp = self.mesh.device, self.mesh.tp_rank
-        dense = [r.master.grad for r in self.ranges if not r.expert
+        dense = [grad_of(r) for r in self.ranges if not r.expert
                  and r.meta.counts_for_norm(tp) and r.hi > r.lo]
-        experts = [r.master.grad for r in self.ranges if r.expert
+        experts = [grad_of(r) for r in self.ranges if r.expert
                    and r.meta.counts_for_norm(tp) and r.hi > r.lo]
         groups = self.mesh.groups
-        sq = _sum_of_squares(dense, dev)
+        sq = stat(dense, dev)
         if self.sharded and groups["dp_cp"] is not None:
             dist.all_reduce(sq, group=groups["dp_cp"])
         if self.mesh.ep_size > 1:
-            esq = _sum_of_squares(experts, dev)
+            esq = stat(experts, dev)
             if self.sharded and groups.get("edp_cp") is not None:
                 dist.all_reduce(esq, group=groups["edp_cp"])
             if groups.get("ep") is not None:
@@ -213,7 +237,7 @@ class DistributedOptimizer:
             sq = sq + esq
         if groups["mp"] is not None:
             dist.all_reduce(sq, group=groups["mp"])
-        return sq.sqrt().float()
+        return sq
 
     def clip_grad_norm(self, max_norm: float, inv_scale: float = 1.0) -> float:
         """Attach the reduced main gradients to the masters (times ``inv_scale``: the fp16 loss

@@ -119,6 +119,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.json_file = None
         self.tb = None
+        self.wandb = None
         self.bar = None
         self.start, self.start_iteration, self.total_iters = (time.monotonic(), start_iteration,
                                                               total_iters)
@@ -142,6 +143,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard.summary import hparams as hparams_summaries
                 for summary in hparams_summaries(hparams, {}):
                     self.tb.file_writer.add_summary(summary)
+        from loom.training.wandb_writer import open_wandb  # --wandb-project, beside TensorBoard
+        self.wandb = open_wandb(config)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total_iters, desc="train", dynamic_ncols=True, leave=False)
@@ -176,11 +179,18 @@ class MetricsLogger:
                 + (f" | bubble {100 * record['bubble_fraction']:.1f}%"
                    if "bubble_fraction" in record else "")
                 + (f" | loss scale {record['loss_scale']:g}" if "loss_scale" in record else "")
+                + (f" | params norm {record['params_norm']:.3f}" if "params_norm" in record
+                   else "")
+                + (f" | decoupled lr {record['decoupled_lr']:.3e}" if "decoupled_lr" in record
+                   else "")
+                + (f" | num zeros {record['num_zeros_in_grad']}" if "num_zeros_in_grad" in
+                   record else "")
                 + (f" | moe aux {record['moe_aux_loss']:.4f} | expert load "
                    f"{record['moe_load_min']:.0f}-{record['moe_load_max']:.0f} (max/mean "
                    f"{record['moe_load_imbalance']:.2f})" if "moe_aux_loss" in record else "")
                 + (f" | mlm {record['mlm_loss']:.4f}" if "mlm_loss" in record else "")
                 + (f" | sop {record['sop_loss']:.4f}" if "sop_loss" in record else "")
+                + (f" | mtp {record['mtp_loss']:.4f}" if "mtp_loss" in record else "")
                 + self._eta(it))
         else:
             what = "validation" if kind == "valid" else kind
@@ -192,6 +202,8 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "iteration" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{kind}/{k}", v, it)
+        if self.wandb is not None:
+            self.wandb.log(record, kind)
 
     def _stamp(self) -> str:
         """``[2026-11-22 12:00:00]`` (UTC) when timestamps are on, else empty."""
@@ -211,6 +223,6 @@ class MetricsLogger:
         return f" | elapsed {_clock(elapsed)} | ETA {eta}"
 
     def close(self) -> None:
-        for h in (self.json_file, self.tb, self.bar):
+        for h in (self.json_file, self.tb, self.bar, self.wandb):
             if h is not None:
                 h.close()

@@ -46,24 +46,48 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
               **adamw_implementation([p for _, p in named]))
+    chunks = list(model.children()) if isinstance(model, nn.ModuleList) else [model]
+    decoupled = decoupled_params(chunks) if cfg.decoupled_lr is not None else set()
     sixteen = any(p.dtype != torch.float32 for _, p in named)
     if cfg.use_distributed_optimizer or sixteen:
         if reducers is None or mesh is None:
             raise ValueError("16-bit parameters and --use-distributed-optimizer need the "
                              "gradient buffers (their fp32 main gradients) and the mesh")
-        chunks = list(model.children()) if isinstance(model, nn.ModuleList) else [model]
         opt = DistributedOptimizer(list(named_parameters(chunks)), reducers, kw,
                                    cfg.weight_decay, mesh, cfg.use_distributed_optimizer,
-                                   cfg.overlap_param_gather)
+                                   cfg.overlap_param_gather, decoupled_group(cfg), decoupled)
         if cfg.overlap_param_gather:  # each bucket's all-gather waited for before its first use
             opt.hook_param_gather(chunks)
         return opt
-    decay, no_decay = [], []
+    decay, no_decay, own = [], [], []
     for name, p in named:
-        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
+        (own if id(p) in decoupled else
+         no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    if cfg.decoupled_lr is not None:  # on every rank (perhaps empty): the same groups everywhere
+        groups.append({"params": own, "weight_decay": cfg.weight_decay, **decoupled_group(cfg)})
     return torch.optim.AdamW(groups, **kw)
+
+
+def decoupled_params(chunks: Sequence[nn.Module]) -> set[int]:
+    """``id``s of the parameters ``--decoupled-lr`` applies to: Megatron's
+    ``is_embedding_or_output_parameter`` (``LanguageModule``), the input word-embedding and
+    output-layer weights, here the 2-D parameters with a vocabulary dimension in the registry
+    (every stage's copy of a tied embedding; not BERT's LM-head bias, not position tables)."""
+    return {id(p) for _, p, meta in named_parameters(chunks)
+            if meta.vocab_dim is not None and p.ndim == 2}
+
+
+def decoupled_group(cfg: TrainingConfig) -> Optional[dict]:
+    """The schedule keys of the ``--decoupled-lr`` parameter group (Megatron's
+    ``get_standard_config_overrides``): peak ``--decoupled-lr``, minimum
+    ``--decoupled-min-lr`` (default ``--min-lr``), weight decay as the other weights; None
+    without ``--decoupled-lr``."""
+    if cfg.decoupled_lr is None:
+        return None
+    return {"lr": cfg.decoupled_lr, "max_lr": cfg.decoupled_lr,
+            "min_lr": cfg.min_lr if cfg.decoupled_min_lr is None else cfg.decoupled_min_lr}
 
 
 def adamw_implementation(params: Iterable[torch.Tensor]) -> dict:
@@ -93,30 +117,50 @@ def clip_and_norm(optimizer, params, max_norm: float, mesh: ParallelMesh, norm_p
     return clip_grad_norm(params, max_norm, mesh, norm_params, expert_norm_params)
 
 
-def lr_at(iteration: int, cfg: TrainingConfig) -> float:
-    """Learning rate after ``iteration`` steps: linear warm-up over ``--lr-warmup-iters`` to
-    ``--lr``, then ``--lr-decay-style`` (cosine / linear / constant) to ``--min-lr`` at
-    ``--lr-decay-iters`` (Megatron's ``OptimizerParamScheduler``); ``--lr-warmup-fraction`` f
-    warms up over ``f x`` the decay iterations instead."""
+def lr_at(iteration: int, cfg: TrainingConfig, max_lr: Optional[float] = None,
+          min_lr: Optional[float] = None) -> float:
+    """Learning rate after ``iteration`` steps: linear warm-up over ``--lr-warmup-iters`` from
+    ``--lr-warmup-init`` to ``max_lr`` (default ``--lr``), then ``--lr-decay-style`` (cosine /
+    linear / constant) to ``min_lr`` (default ``--min-lr``) at ``--lr-decay-iters``
+    (Megatron's ``OptimizerParamScheduler.get_lr``: warm-up ``init + (max - init) x n / W``,
+    decay ``min + c(n) x (max - min)``; the warm-up is taken at ``n = iteration + 1``, so no
+    step is spent at the initial learning rate); ``--lr-warmup-fraction`` f warms up over
+    ``f x`` the decay iterations instead. ``max_lr`` / ``min_lr``: a parameter group's own
+    (``--decoupled-lr``, ``--decoupled-min-lr``)."""
+    peak = cfg.lr if max_lr is None else max_lr
+    low = cfg.min_lr if min_lr is None else min_lr
     decay_iters = cfg.lr_decay_iters or cfg.train_iters
     warmup = cfg.lr_warmup_iters if cfg.lr_warmup_fraction is None else \
         int(cfg.lr_warmup_fraction * decay_iters)
     if warmup > 0 and iteration < warmup:
-        return cfg.lr * (iteration + 1) / warmup
+        init = cfg.lr_warmup_init
+        return init + (peak - init) * (iteration + 1) / warmup
     if cfg.lr_decay_style == "constant":
-        return cfg.lr
+        return peak
     frac = min(max(iteration - warmup, 0) / max(decay_iters - warmup, 1), 1.0)
     if cfg.lr_decay_style == "linear":
         coeff = 1.0 - frac
     else:
         coeff = 0.5 * (math.cos(math.pi * frac) + 1.0)
-    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+    return low + coeff * (peak - low)
+
+
+def group_schedule(group: dict, cfg: TrainingConfig) -> tuple[float, float]:
+    """``(max_lr, min_lr)`` of an optimizer parameter group: its own (``--decoupled-lr``) or
+    ``--lr`` / ``--min-lr``."""
+    return group.get("max_lr", cfg.lr), group.get("min_lr", cfg.min_lr)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
-    """``LambdaLR`` following :func:`lr_at`; ``scheduler.last_epoch`` is the iteration."""
-    return torch.optim.lr_scheduler.LambdaLR(local_optimizer(optimizer),
-                                             lambda it: lr_at(it, cfg) / cfg.lr)
+    """``LambdaLR`` following :func:`lr_at`, each parameter group with its own peak and minimum
+    (:func:`group_schedule`); ``scheduler.last_epoch`` is the iteration."""
+    local = local_optimizer(optimizer)
+    lambdas = []
+    for group in local.param_groups:
+        peak, low = group_schedule(group, cfg)
+        group.update(lr=peak, max_lr=peak, min_lr=low)  # LambdaLR's base: lr = base x lambda
+        lambdas.append(lambda it, peak=peak, low=low: lr_at(it, cfg, peak, low) / peak)
+    return torch.optim.lr_scheduler.LambdaLR(local, lambdas)
 
 
 def counts_for_norm(meta: ParamMeta, mesh: ParallelMesh) -> bool:
@@ -133,22 +177,33 @@ def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh,
     (expert-parallel weights, each held by one rank of the EP group) are summed over the EP
     group first. Data-parallel replicas hold identical gradients after reduction, so DP is not
     summed, except under ZeRO-3 (DTensor gradients): each DP x CP rank holds a different shard,
-    summed over ``dp_cp`` too. One all-reduce (fp64 scalar) on ``mesh.groups["mp"]`` (and one
-    on ``ep``, or ``dp_cp``).
+    summed over ``dp_cp`` too (expert shards over ``edp_cp``, then ``ep``). One all-reduce (fp64
+    scalar) on ``mesh.groups["mp"]`` (and one on ``ep``, ``dp_cp`` or ``edp_cp``).
     Returns a 0-d fp32 tensor (unitless, the gradients' L2 norm)."""
+    return global_grad_sum(params, mesh, expert_params, _sum_of_squares).sqrt().float()
+
+
+def global_grad_sum(params: Iterable[torch.Tensor], mesh: ParallelMesh,
+                    expert_params: Iterable[torch.Tensor], stat) -> torch.Tensor:
+    """``stat(gradients, device) -> 0-d fp64`` (a sum over elements) of the gradients of
+    ``params`` and ``expert_params``, reduced over the groups :func:`global_grad_norm` names
+    (each element once); a 0-d fp64 tensor. A collective."""
     params, expert_params = list(params), list(expert_params)
     device = (params or expert_params)[0].device if (params or expert_params) else mesh.device
-    sq = _sum_of_squares([local_tensor(p.grad) for p in params if p.grad is not None], device)
+    sq = stat([local_tensor(p.grad) for p in params if p.grad is not None], device)
     if any(is_sharded(p.grad) for p in params) and mesh.groups.get("dp_cp") is not None:
         dist.all_reduce(sq, group=mesh.groups["dp_cp"])  # ZeRO-3: the DP shards, each once
     if expert_params:
-        esq = _sum_of_squares([p.grad for p in expert_params if p.grad is not None], device)
+        esq = stat([local_tensor(p.grad) for p in expert_params if p.grad is not None], device)
+        if any(is_sharded(p.grad) for p in expert_params) and \
+                mesh.groups.get("edp_cp") is not None:  # ZeRO-3: the expert-DP x CP shards
+            dist.all_reduce(esq, group=mesh.groups["edp_cp"])
         if mesh.groups.get("ep") is not None:
             dist.all_reduce(esq, group=mesh.groups["ep"])
         sq = sq + esq
     if mesh.groups["mp"] is not None:
         dist.all_reduce(sq, group=mesh.groups["mp"])
-    return sq.sqrt().float()
+    return sq
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: ParallelMesh,

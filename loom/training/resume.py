@@ -66,3 +66,34 @@ def reconcile_schedule(saved: dict, cfg: Any, ckpt_dir: str) -> dict:
                       f"{ckpt_dir}: " + "; ".join(diff) + ". Give "
                       "--override-opt-param-scheduler to use these flags, or "
                       "--use-checkpoint-opt-param-scheduler to keep the checkpoint's schedule")
+
+
+# -- Megatron's --pretrained-checkpoint and --use-checkpoint-args (training/checkpointing.py) --
+SIZES_KEPT_WHEN_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
+                         "num_attention_heads", "kv_channels", "max_position_embeddings")
+"""``--use-checkpoint-args``: the sizes Megatron takes from the checkpoint only when not given
+(``load_args_from_checkpoint``'s ``_set_arg`` without ``force``); every other architecture
+flag is forced to the checkpoint's value."""
+
+
+def pretrained_source(load: Any, pretrained: Any, holds_checkpoint) -> tuple[Any, bool]:
+    """``(directory to load, finetune)`` under Megatron's rule: ``--pretrained-checkpoint`` is
+    read (weights only, iteration 0: fine-tuning) when ``--load`` is absent or holds no
+    checkpoint yet; otherwise ``--load`` resumes. ``holds_checkpoint(dir) -> bool``.
+
+    Raises ConfigError when neither holds a checkpoint (Megatron's FileNotFoundError)."""
+    if pretrained is None or (load and holds_checkpoint(load)):
+        return load, False
+    if not holds_checkpoint(pretrained):
+        raise ConfigError(f"--pretrained-checkpoint {pretrained} holds no checkpoint (and "
+                          f"--load {load} holds none either): give a directory written by "
+                          f"`loom train --save` or `loom checkpoint convert`")
+    return pretrained, True
+
+
+def checkpoint_model_args(saved: dict, given: set, model_fields: list) -> dict:
+    """``--use-checkpoint-args``: the flat model values to take from a checkpoint's stored
+    config ``saved``: every architecture field, overriding the flags, except the sizes of
+    :data:`SIZES_KEPT_WHEN_GIVEN` that were given (Megatron's ``load_args_from_checkpoint``)."""
+    return {k: saved[k] for k in model_fields
+            if k in saved and not (k in SIZES_KEPT_WHEN_GIVEN and k in given)}

@@ -25,11 +25,9 @@ MOE_LOGGED = ("moe aux loss", "moe z loss", "moe load min", "moe load max",
 
 def logged_metrics(model, family) -> tuple[str, ...]:
     """The ``loss_fn`` metrics a training record carries for ``model`` (a ModelConfig): MoE's,
-    else the family's own (``family.logged_metrics``: e.g. BERT's masked-LM and sentence-order
+    then the family's own (``family.logged_metrics``: e.g. BERT's masked-LM and sentence-order
     losses), else none."""
-    if model.num_experts:
-        return MOE_LOGGED
-    return tuple(family.logged_metrics(model))
+    return (MOE_LOGGED if model.num_experts else ()) + tuple(family.logged_metrics(model))
 
 
 def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, cfg):

@@ -24,6 +24,7 @@ from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.pipeline.schedules import ScheduleResult, forward_only
 from loom.parallel.pipeline.timeline import merge
+from loom.parallel.pipeline.zero_bubble import is_v_shaped, loss_stage
 from loom.training.builder import TrainingParts, build_training
 from loom.training.metrics import MetricsLogger
 from loom.training.setup import held_numel, owned_parameters
@@ -108,7 +109,7 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------------
     def forward_backward(self, batches: list[dict]) -> torch.Tensor:
         """Gradients of the global batch's mean loss, reduced over DP; returns this rank's loss
-        (the last stage's mean over its micro-batches, 0 on other stages)."""
+        (the loss stage's mean over its micro-batches, 0 on other stages)."""
         result: ScheduleResult = self.schedule(
             self.model_chunks, batches, self.forward_step, self.mesh,
             p2p_shape=self.p2p_shape(batches), reducers=self.reducers, recorder=self.timeline)
@@ -121,9 +122,11 @@ class Trainer:
         """Unscale, clip, AdamW, LR schedule, non-finite guard
         (:func:`loom.training.step.optimizer_step`); returns the pre-clip grad norm."""
         t = self.cfg.training
-        return optimizer_step(self.optimizer, self.scheduler, self.reducers,
+        norm = optimizer_step(self.optimizer, self.scheduler, self.reducers,
                               self.parts.model.groups, self.mesh, t.clip_grad, self.scaler,
                               self.nonfinite, self.iteration, t.exit_on_nonfinite)
+        self.parts.after_step()  # MoE: the aux-loss-free expert bias from the global load
+        return norm
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """Reduce a few host scalars over every rank in one collective (identity on 1 rank)."""
@@ -134,11 +137,18 @@ class Trainer:
         return t.tolist()
 
     def _owned_loss(self, local: torch.Tensor) -> float:
-        """This rank's share of the global mean loss: the last stage's TP rank 0 of each DP x CP
+        """This rank's share of the global mean loss: the loss stage's TP rank 0 of each DP x CP
         replica contributes its loss / (d c) (each holds an equal share of the tokens)."""
         m = self.mesh
-        owns = m.is_last_stage and m.tp_rank == 0
-        return float(local) / (m.dp_size * m.sizes["cp"]) if owns else 0.0
+        return float(local) / (m.dp_size * m.sizes["cp"]) if self.owns_loss else 0.0
+
+    @property
+    def owns_loss(self) -> bool:
+        """Whether this rank reports the loss: TP rank 0 of the stage holding the last virtual
+        stage (the last stage; stage 0 under ZB-V's V layout)."""
+        m = self.mesh
+        return m.pp_rank == loss_stage(self.cfg.parallel.pipeline_schedule, m.pp_size) \
+            and m.tp_rank == 0
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Mean loss over DP and CP ranks, taken from the last pipeline stage."""
@@ -161,6 +171,13 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
         loss = self.forward_backward(self.batches(self.train_ds, self.consumed_samples))
+        stats = {}
+        if self.cfg.training.decoupled_lr is not None:  # its own group, the last (Megatron's)
+            stats["decoupled_lr"] = self.optimizer.param_groups[-1]["lr"]
+        if self.cfg.training.log_num_zeros_in_grad:  # before the step zeroes them (collective)
+            from loom.training.param_stats import grad_zeros
+            stats["num_zeros_in_grad"] = grad_zeros(self.optimizer, self.parts.model.groups,
+                                                    self.mesh)
         with self.timeline.span("optimizer"):
             norm = self.optimizer_step()
         if self.mesh.device.type == "cuda":
@@ -172,7 +189,7 @@ class Trainer:
         throughput = self.parts.throughput
         keys = throughput.logged  # MoE or the family's loss_fn metrics
         m = self.mesh
-        owner = m.is_last_stage and m.tp_rank == 0  # mean over DP x CP, from the last stage
+        owner = self.owns_loss  # mean over DP x CP, from the loss stage
         extra = [self.last_metrics.get(k, 0.0) / (m.dp_size * m.sizes["cp"]) if owner else 0.0
                  for k in keys]
         loss_avg, bubble_avg, *extra = self._all_reduce([local, bubble, *extra])
@@ -186,6 +203,10 @@ class Trainer:
             rec["predicted_step_time_s"] = self.predicted_step_s
         if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
             rec["bubble_fraction"] = bubble_avg
+        if self.cfg.training.log_params_norm:  # --log-params-norm (a collective)
+            from loom.training.param_stats import params_norm
+            rec["params_norm"] = params_norm(self.parts.model.groups, self.mesh)
+        rec.update(stats)
         self.history.append(rec)
         return rec
 
@@ -205,7 +226,8 @@ class Trainer:
         for i in range(iters):
             batches = self.batches(dataset, i * self.global_batch)
             result = forward_only(self.model_chunks, batches, self.forward_step, self.mesh,
-                                  p2p_shape=self.p2p_shape(batches))
+                                  p2p_shape=self.p2p_shape(batches), v_shape=is_v_shaped(
+                                      self.cfg.parallel.pipeline_schedule, self.mesh.pp_size))
             total += self.global_loss(result.loss)
         for c in self.model_chunks:
             c.train()
@@ -274,6 +296,7 @@ class Trainer:
             if hasattr(ds, "describe"):  # a blend: each dataset's share
                 log.print(f" {name} data blend: {ds.describe()}")
         window: list[dict] = []
+        started = time.monotonic()  # --exit-duration-in-mins counts from here
         try:
             if skip:
                 self._evaluate_sets(log, test=True)
@@ -298,7 +321,13 @@ class Trainer:
                 if periodic or self.iteration == iters:
                     self.faults.mark(self.iteration, "evaluation")
                     self._evaluate_sets(log, test=self.iteration == iters)
-                exiting = bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0
+                signalled = self.faults.stop_requested(  # --exit-signal-handler: all agree
+                    lambda v: self._all_reduce(v, dist.ReduceOp.MAX))
+                limit = self.cfg.training.exit_duration_in_mins  # Megatron's: all ranks agree
+                timed_out = bool(limit) and self._all_reduce(
+                    [float(time.monotonic() - started > 60 * limit)], dist.ReduceOp.MAX)[0] > 0
+                exiting = signalled is not None or timed_out or (
+                    bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0)
                 due = self.save_interval.due(self.iteration, rec["step_time_s"])
                 if self.save_interval.message:
                     log.print(f" {self.save_interval.take_message()}")
@@ -310,8 +339,10 @@ class Trainer:
                     if plan:
                         log.print(f" {plan}")
                 if exiting:
-                    log.print(f" --exit-interval {ck.exit_interval}: exiting after iteration "
-                              f"{self.iteration}")
+                    why = f"{signalled} received (--exit-signal-handler)" if signalled else \
+                        f"--exit-duration-in-mins {limit}" if timed_out else \
+                        f"--exit-interval {ck.exit_interval}"
+                    log.print(f" {why}: exiting after iteration {self.iteration}")
                     break
             if ck.save and self.iteration == iters and self.save_interval.last_save != iters:
                 if not self.history and self.saver.holds(self.loaded_from, ck.save, iters):

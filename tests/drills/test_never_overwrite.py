@@ -150,7 +150,8 @@ def test_a_kill_while_replacing_a_checkpoint_leaves_a_loadable_latest(trained, m
         assert real(a, b)
         raise SystemExit("killed")
     monkeypatch.setattr(io, "_exchange", swap_then_die)
-    resume = TRAIN + ["--train-iters", "2", "--save", str(trained), "--load", str(trained)]
+    resume = TRAIN + ["--train-iters", "2", "--save", str(trained), "--load", str(trained),
+                      "--override-data-change"]  # --seed 7 below: a different re-save
     code, out, err = cli(resume + ["--ckpt-step", "1", "--overwrite-checkpoints", "--seed", "7"],
                          capsys)
     assert code == "killed"

@@ -356,8 +356,8 @@ def _lines(argv, monkeypatch, capsys) -> list[str]:
 
 @pytest.mark.parametrize("flag,answer", [
     # guesses that would change the model (-> --post-layernorm, --no-swiglu, --vocab-size)
-    *[(f, "not supported by loom") for f in ("--qk-layernorm", "--no-bias-swiglu-fusion",
-                                              "--vocab-file", "--use-mcore-models")],
+    *[(f, "not supported by loom") for f in ("--retro-add-retriever", "--use-legacy-models",
+                                              "--retro-workdir", "--vision-pretraining")],
     ("--num-layer", "did you mean --num-layers?"), ("--hiden-size", "did you mean --hidden-size?"),
     ("--pipeline-parallel-size", "did you mean --pipeline-model-parallel-size?"),
 ])
@@ -369,21 +369,21 @@ def test_unknown_flag_answer(monkeypatch, capsys, flag, answer):
 
 
 def test_several_unknown_flags_one_line_each(monkeypatch, capsys):
-    argv = BASE + ["--qk-layernorm", "--num-layer", "2", "--vocab-file", "v.json",
-                   "--hiden-size=3", "--qk-layernorm"]
+    argv = BASE + ["--retro-add-retriever", "--num-layer", "2", "--retro-workdir", "v.json",
+                   "--hiden-size=3", "--retro-add-retriever"]
     lines = _lines(argv, monkeypatch, capsys)
     assert lines[0].startswith("loom train: error: 4 unrecognized arguments (usage: loom train")
     assert "see `loom train --help`" in lines[0], lines
     assert [ln.strip() for ln in lines[1:]] == [
-        "--qk-layernorm: not supported by loom", "--num-layer: did you mean --num-layers?",
-        "--vocab-file: not supported by loom", "--hiden-size: did you mean --hidden-size?"]
+        "--retro-add-retriever: not supported by loom", "--num-layer: did you mean --num-layers?",
+        "--retro-workdir: not supported by loom", "--hiden-size: did you mean --hidden-size?"]
     many = _lines(BASE + [f"--megatron-only-{i}" for i in range(30)], monkeypatch, capsys)
     assert len(many) == 12 and many[-1].strip() == "... and 20 more", many
     assert len("".join(many)) < 1200
 
 
-@pytest.mark.parametrize("key,answer", [("qk_layernorm: true", "not supported by loom"),
-                                        ("vocab_file: v.json", "not supported by loom"),
+@pytest.mark.parametrize("key,answer", [("retro_add_retriever: true", "not supported by loom"),
+                                        ("retro_workdir: v.json", "not supported by loom"),
                                         ("num_layer: 2", "; did you mean num_layers?")])
 def test_yaml_unknown_key(tmp_path, monkeypatch, capsys, key, answer):
     cfg = tmp_path / "c.yaml"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 
 import pytest
@@ -281,6 +282,7 @@ def test_checkpoint_of_another_model_type(world, monkeypatch, capsys):
 def test_task_not_supported_for_the_model_type(world, monkeypatch, capsys, tmp_path):
     """A BERT checkpoint (its config says model_type bert) asked for cloze accuracy."""
     import shutil
+    from loom.checkpoint.integrity import write_manifest
     from loom.checkpoint.io import latest_checkpoint
     bert = tmp_path / "bert"
     shutil.copytree(world["gpt"], bert)
@@ -288,6 +290,7 @@ def test_task_not_supported_for_the_model_type(world, monkeypatch, capsys, tmp_p
     common = torch.load(common_pt, weights_only=False)
     common["config"]["model_type"] = "bert"
     torch.save(common, common_pt)
+    write_manifest(os.path.dirname(common_pt))  # an edit the checksums would refuse otherwise
     line = _refusal(["evaluate", "--load", str(bert), "--task", "cloze", "--eval-data",
                      str(world["root"] / "text.txt")], monkeypatch, capsys)
     assert "--task cloze is not supported for model type bert" in line, line

@@ -32,7 +32,8 @@ def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
                               moe_ffn_hidden_size=24, moe_router_score_function=score,
                               moe_shared_expert_intermediate_size=shared,
                               moe_expert_capacity_factor=capacity, moe_aux_loss_coeff=0.01,
-                              moe_z_loss_coeff=0.001, moe_layer_freq=1)
+                              moe_z_loss_coeff=0.001, moe_layer_freq=1,
+                              moe_token_dispatcher_type="alltoall")  # its all-to-alls counted
     cfg = LoomConfig(model=model)
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.pipeline_model_parallel_size = pp

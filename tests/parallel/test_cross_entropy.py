@@ -33,7 +33,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def inputs(t: int):
     """Full padded weight ``[Vp, h]`` (random padding rows), hidden ``[s, b, h]``, target and
     per-token weights ``[s, b]``."""
-    vp = ModelConfig(vocab_size=V).padded_vocab_size(t)
+    vp = ModelConfig(vocab_size=V).padded_vocab(t)
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(vp, H, generator=g)
     hidden = torch.randn(S, B, H, generator=g) * 2.0

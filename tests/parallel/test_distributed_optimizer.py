@@ -153,8 +153,8 @@ def expected_comm(c: dict) -> dict:
     """Megatron's DDP / distributed optimizer, per step: plain DP one all-reduce per bucket;
     ZeRO-1 one reduce-scatter per bucket (of the whole padded bucket) and one all-gather per
     bucket (the updated parameters); ZeRO-2 one reduce-scatter per bucket per micro-batch
-    (into the kept 1/d shard; not overlapped) and one all-gather per bucket. With
-    --overlap-grad-reduce the last micro-batch's reductions are launched inside backward."""
+    (into the kept 1/d shard) and one all-gather per bucket. With --overlap-grad-reduce the
+    last micro-batch's reductions (ZeRO-2: every micro-batch's) are launched inside backward."""
     s, n, numel = c["steps"], c["buckets"], c["bucket_numel"]
     rs = {0: 0, 1: 1, 2: c["m"]}[c["zero"]] * s
     want = {"reduce_scatter": rs * n, "reduce_scatter_numel": rs * numel,
@@ -162,8 +162,8 @@ def expected_comm(c: dict) -> dict:
             "all_gather_numel": s * numel if c["zero"] else 0,
             "all_reduce": 0 if c["zero"] else s * n,
             "all_reduce_numel": 0 if c["zero"] else s * numel}
-    overlapped = s * n if c["og"] and c["zero"] != 2 else 0
-    want["reduce_scatter_in_backward"] = overlapped if c["zero"] == 1 else 0
+    overlapped = s * n if c["og"] else 0  # ZeRO-2: every micro-batch's, in its backward
+    want["reduce_scatter_in_backward"] = {0: 0, 1: overlapped, 2: overlapped * c["m"]}[c["zero"]]
     want["all_reduce_in_backward"] = overlapped if c["zero"] == 0 else 0
     want["all_gather_in_backward"] = 0
     return want

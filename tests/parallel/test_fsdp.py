@@ -7,6 +7,11 @@ CPU, gloo, fp32, no dropout.
   Mamba-2 hybrid and an MoE LLaMA without expert parallelism), DP=2 with m = 3 micro-batches,
   DP=2 with full and selective recomputation, CP=2, DP=4, TP=2 x DP=2, CP=2 x DP=2,
   PP=2 x DP=2 (tied embeddings) and interleaved PP=2 x DP=2 (two chunks per rank).
+* Expert parallelism: DP=4 x EP=2 (experts sharded over their expert-DP group of 2, dense
+  parameters over DP=4), TP=2 x DP=2 x EP=2 (an expert-DP group of one rank; also with
+  --expert-tensor-parallel-size 1) and CP=2 x DP=2 x EP=2 (experts over expert-DP x CP = 2),
+  with the aux-loss-free expert bias (kept whole, outside FSDP); the EP all-to-alls ran. A ZeRO-3 EP=2
+  save loads at EP=1 without ZeRO-3 with equal parameters.
 * --bf16: FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 shards, gradients and Adam
   moments); the loss tracks fp32's.
 * Memory: this rank's parameters + gradients + Adam moments are 16/d bytes per parameter
@@ -43,12 +48,17 @@ def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
             make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
             mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
             mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern="M*M-")
-    if kind == "moe":  # tests/models/test_moe.py's: 4 experts, top-2, aux and z losses, every layer
+    if kind in ("moe", "moe-bias"):  # tests/models/test_moe.py's: 4 experts, top-2, aux and
+        # z losses, every layer; moe-bias: sigmoid scores with the aux-loss-free expert bias,
+        # tokens dispatched by all-to-all under EP
+        bias = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_bias_update_rate=0.01, moe_token_dispatcher_type="alltoall"
+                    ) if kind == "moe-bias" else {}
         return ModelConfig.llama(
             num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
             seq_length=8, vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
             attention_dropout=0.0, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-            moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_layer_freq=1)
+            moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_layer_freq=1, **bias)
     if kind == "gpt":
         return ModelConfig.gpt2(**common)
     return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
@@ -56,8 +66,10 @@ def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
 
 def make_cfg(kind: str = "gpt", tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, m: int = 2,
              zero: int = 3, recompute=None, iters: int = 4, validate: bool = True,
-             layers: int = 2, lpv=None) -> LoomConfig:
+             layers: int = 2, lpv=None, ep: int = 1, etp=None) -> LoomConfig:
     cfg = LoomConfig(model=tiny(kind, layers))
+    cfg.parallel.expert_model_parallel_size = ep
+    cfg.parallel.expert_tensor_parallel_size = etp
     cfg.parallel.num_layers_per_virtual_pipeline_stage = lpv
     cfg.training.zero_stage = zero
     cfg.parallel.tensor_model_parallel_size = tp
@@ -93,6 +105,8 @@ def reference(cfg: LoomConfig) -> dict:
     ref_cfg.parallel.tensor_model_parallel_size = 1
     ref_cfg.parallel.pipeline_model_parallel_size = 1
     ref_cfg.parallel.context_parallel_size = 1
+    ref_cfg.parallel.expert_model_parallel_size = 1
+    ref_cfg.parallel.expert_tensor_parallel_size = None
     ref_cfg.parallel.num_layers_per_virtual_pipeline_stage = None
     ref_cfg.parallel.pipeline_schedule = None
     ref_cfg.training.zero_stage = 0
@@ -104,7 +118,7 @@ def reference(cfg: LoomConfig) -> dict:
         steps = []
         for _ in range(STEPS):
             loss = float(ref.forward_backward(ref.batches(ref.train_ds, ref.consumed_samples)))
-            grads = {n: p.grad.detach().clone() for n, p in params.items()}
+            grads = {n: p.grad.detach().clone() for n, p in params.items() if p.requires_grad}
             steps.append((loss, grads, ref.optimizer_step()))
             ref.consumed_samples += ref.global_batch
         _REF[key] = {"steps": steps, "params": {n: p.detach().clone() for n, p in params.items()},
@@ -123,11 +137,14 @@ def parity_case(**kw) -> dict:
     world = dist.get_world_size()
     tp, pp, cp = kw.get("tp", 1), kw.get("pp", 1), kw.get("cp", 1)
     cfg = make_cfg(dp=world // (tp * pp * cp), **kw)
-    mesh = ParallelMesh.build(tp=tp, pp=pp, cp=cp)
+    mesh = ParallelMesh.build(tp=tp, pp=pp, cp=cp, ep=kw.get("ep", 1), etp=kw.get("etp"))
     tr = Trainer(cfg, mesh=mesh)
     ref = reference(cfg)
     out = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "param": 0.0, "nparams": 0,
-           "sharded": all(is_sharded(p) for p in tr.params), "worst": None}
+           "sharded": all(is_sharded(p) for p in tr.params if p.requires_grad), "worst": None,
+           "mesh_sizes": {("expert" if ".experts." in n else "dense"): p.device_mesh.size()
+                          for c in tr.model_chunks for n, p in c.named_parameters()
+                          if is_sharded(p)}}
 
     def shard(ref_t, name):
         return local_shard(ref_t, tr.registry[name], mesh.tp_rank, mesh.tp_size)
@@ -137,6 +154,8 @@ def parity_case(**kw) -> dict:
         out["loss"] = max(out["loss"], abs(loss - ref_loss) / abs(ref_loss))
         for chunk in tr.model_chunks:
             for name, p in chunk.named_parameters():
+                if not p.requires_grad:  # the expert bias: compared after the steps
+                    continue
                 err = rel_err(full_tensor(p.grad), shard(ref_grads[name], name))
                 if err > out["grad"]:
                     out["grad"], out["worst"] = err, (step, name)
@@ -240,10 +259,46 @@ def world2(tmp: str) -> dict:
             "dp2-moe": parity_case(kind="moe"), "memory": memory_case(2), "ckpt": checkpoint_world2(tmp)}
 
 
-def world4() -> dict:
+def expert_parallel_case(**kw) -> dict:
+    """:func:`parity_case` under EP, counting the dispatcher's token all-to-alls."""
+    import loom.parallel.expert_dispatch as dispatch
+    calls, a2a = [], dispatch.all_to_all
+    dispatch.all_to_all = lambda *a, **k: calls.append(1) or a2a(*a, **k)
+    try:
+        out = parity_case(kind="moe-bias", **kw)
+    finally:
+        dispatch.all_to_all = a2a
+    return {**out, "all_to_alls": len(calls)}
+
+
+def expert_checkpoint_case(tmp: str) -> dict:
+    """ZeRO-3 DP=4 x EP=2 trains a step (which moves the expert bias; a second would move it
+    back here) and saves; plain DP=4 at EP=1 loads it: the parameters this rank holds in both
+    (the experts of its EP rank) are equal."""
+    from loom.parallel.fsdp import full_tensor
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    tr = Trainer(make_cfg(kind="moe-bias", dp=4, ep=2), mesh=ParallelMesh.build(ep=2))
+    tr.train_step()
+    tr.save(tmp)
+    cfg = make_cfg(kind="moe-bias", dp=4, zero=0)
+    cfg.checkpoint.load = tmp
+    plain = dict(Trainer(cfg, mesh=ParallelMesh.build()).model_chunks[0].named_parameters())
+    saved = {n: full_tensor(p.detach()) for n, p in tr.model_chunks[0].named_parameters()}
+    return {"compared": len(saved), "expert_bias_moved": any(
+                float(p.abs().max()) > 0 for n, p in saved.items() if "expert_bias" in n),
+            "unequal": [n for n, p in saved.items() if not torch.equal(p, plain[n])]}
+
+
+def world4(tmp: str) -> dict:
     return {"dp4-gpt": parity_case(), "tp2xdp2-llama": parity_case(kind="llama", tp=2),
             "pp2xdp2-gpt": parity_case(pp=2), "cp2xdp2-gpt": parity_case(cp=2),
             "pp2xdp2-interleaved": parity_case(pp=2, layers=4, lpv=1),
+            "dp4xep2-moe": expert_parallel_case(ep=2),
+            "tp2xdp2xep2-moe": expert_parallel_case(ep=2, tp=2),
+            "tp2xdp2xep2-etp1-moe": expert_parallel_case(ep=2, tp=2, etp=1),
+            "cp2xdp2xep2-moe": expert_parallel_case(ep=2, cp=2),
+            "ep-ckpt": expert_checkpoint_case(os.path.join(tmp, "ep")),
             "memory": memory_case(4)}
 
 
@@ -258,8 +313,8 @@ def results2(ckpt_dir):
 
 
 @pytest.fixture(scope="module")
-def results4():
-    return run_distributed(4, world4, timeout=600)
+def results4(tmp_path_factory):
+    return run_distributed(4, world4, str(tmp_path_factory.mktemp("fsdp_ep")), timeout=600)
 
 
 def _check(case: dict) -> None:
@@ -285,6 +340,25 @@ def test_zero3_parity_two_ranks(results2, name):
 def test_zero3_parity_four_ranks(results4, name):
     for r in results4:
         _check(r[name])
+
+
+@pytest.mark.parametrize("name, expert_mesh, dense_mesh", [
+    ("dp4xep2-moe", 2, 4), ("tp2xdp2xep2-moe", 1, 2), ("tp2xdp2xep2-etp1-moe", 1, 2),
+    ("cp2xdp2xep2-moe", 2, 4)])
+def test_zero3_with_expert_parallelism(results4, name, expert_mesh, dense_mesh):
+    """Experts sharded over their expert-DP x CP group ((d/e) c ranks), the rest over DP x CP;
+    loss, gradients, norm and parameters as on one rank; the EP all-to-alls ran."""
+    for r in results4:
+        _check(r[name])
+        assert r[name]["mesh_sizes"] == {"expert": expert_mesh, "dense": dense_mesh}, r[name]
+        assert r[name]["all_to_alls"] > 0, r[name]
+
+
+def test_zero3_expert_parallel_checkpoint_loads_at_ep1_without_zero3(results4):
+    for r in results4:
+        ck = r["ep-ckpt"]
+        assert ck["compared"] > 10 and not ck["unequal"], ck
+        assert ck["expert_bias_moved"], ck  # the bias was updated, saved whole and loaded
 
 
 def test_zero3_memory_is_16_over_d_bytes_per_param(results2, results4):
@@ -341,16 +415,13 @@ def test_zero3_flags_parse():
 @pytest.mark.parametrize("change, words", [
     (lambda c: setattr(c.training, "use_distributed_optimizer", True),
      ["--zero-stage 3", "--use-distributed-optimizer"]),
-    (lambda c: (setattr(c.model, "num_experts", 4), setattr(c.model, "moe_router_topk", 2),
-                setattr(c.parallel, "expert_model_parallel_size", 2)),
-     ["--zero-stage 3", "--expert-model-parallel-size 1"]),
     (lambda c: (setattr(c.training, "recompute_granularity", "full"),
                 setattr(c.training, "recompute_num_layers", 2)),
      ["--zero-stage 3", "--recompute-num-layers 1", "--recompute-method block"]),
     (lambda c: setattr(c.training, "use_torch_fsdp2", True) or
      setattr(c.training, "zero_stage", 1), ["--use-torch-fsdp2", "--zero-stage"]),
     (lambda c: setattr(c.training, "compile", True), ["--zero-stage 3", "--compile"]),
-], ids=["distributed-optimizer", "expert-parallel", "uniform-recompute-groups",
+], ids=["distributed-optimizer", "uniform-recompute-groups",
         "fsdp2-with-zero-stage-1", "compile"])
 def test_zero3_refusals_name_the_flag_and_the_fix(change, words):
     cfg = make_cfg(dp=2, validate=False)

@@ -45,6 +45,7 @@ def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
     cfg.training.use_distributed_optimizer = zero
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.context_parallel_size = cp
+    cfg.parallel.cp_comm_type = "allgather"  # the other types: test_context_parallel_types.py
     cfg.parallel.sequence_parallel = sp
     cfg.training.micro_batch_size = 2
     cfg.training.global_batch_size = 8  # m = 4 / dp micro-batches: exercises accumulation
@@ -166,7 +167,7 @@ def count_layer_collectives(tp: int) -> dict:
 def cross_entropy_case() -> dict:
     mesh = ParallelMesh.build(tp=dist.get_world_size())
     t, V = mesh.tp_size, 300
-    Vp = ModelConfig(vocab_size=V).padded_vocab_size(t)
+    Vp = ModelConfig(vocab_size=V).padded_vocab(t)
     g = torch.Generator().manual_seed(3)
     full = torch.randn(2, 5, Vp, generator=g)
     target = torch.randint(0, V, (2, 5), generator=g)

@@ -17,18 +17,22 @@ import pytest
 from loom.planner.constants import FIT_SETS, SHIPPED, Constants
 from loom.planner.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_points
 
-# held-out set -> (median, worst) absolute relative error bounds, measured 2025 (issue 26)
+# held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26)
 HELDOUT_BOUNDS = {
     "NAR t1": (0.13, 0.20),
     "NAR t2": (0.08, 0.29),
     "KOR": (0.11, 0.22),
     "SHO": (0.05, 0.17),
-    "MC-H100 weak": (0.16, 0.27),
+    "MC-H100 weak": (0.06, 0.11),
     "MC-H100 strong": (0.02, 0.03),
     "BLOOM": (0.16, 0.16),
-    "MC-H100 weak + MC-H100 strong": (0.16, 0.27),
+    "TT": (0.04, 0.06),
+    "LF-H100": (0.10, 0.24),
+    "LF-A100": (0.035, 0.28),
+    "Llama 3": (0.05, 0.16),
+    "MC-H100 weak + MC-H100 strong": (0.06, 0.11),
 }
-OVERALL_BOUNDS = (0.11, 0.29)
+OVERALL_BOUNDS = (0.08, 0.29)
 ISSUE_TARGET = (0.08, 0.20)
 
 
@@ -71,6 +75,20 @@ def test_overall_held_out_errors(loso):
     o = loso["overall"]
     assert o["n"] == sum(len(source_points(s)) for s in SOURCES)
     assert o["median"] <= OVERALL_BOUNDS[0] and o["worst"] <= OVERALL_BOUNDS[1], o
+
+
+def test_issue_26_overall_median_target(loso):
+    """The pooled held-out median meets the issue's 8% (the worst row does not: NAR t2's ZeRO-3
+    rows with the full-overlap prior, 27.8%; see the strict xfail below)."""
+    assert loso["overall"]["median"] <= 0.08, loso["overall"]
+
+
+def test_mc_h100_held_out_uses_the_other_h100_sources(loso):
+    """Holding the Megatron-Core H100 tables out refits the Hopper constant on torchtitan,
+    llm-foundry and Llama 3 (constants.FALLBACK_SETS), never on MC-H100 itself."""
+    r = loso["sources"]["MC-H100 weak + MC-H100 strong"]
+    assert tuple(r["fitted_on"]["hopper"]) == ("TT", "LF-H100", "Llama 3")
+    assert r["constants"]["hopper_gemm_efficiency"] < r["constants"]["gemm_efficiency"]
 
 
 def test_held_out_is_worse_than_in_sample_for_fitted_sources(loso):

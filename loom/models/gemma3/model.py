@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.models.attention import KVCache, apply_rope, rope_cos_sin
+from loom.models.attention import KVCache, apply_rope, rope_cos_sin, window_causal_mask
 from loom.models.chunk import LanguageModelChunk, LMHead
 from loom.models.gpt.model import Embedding, lm_loss
 
@@ -65,9 +65,8 @@ class GemmaAttentionCore(nn.Module):
     def mask(self, q_positions: torch.Tensor, s_k: int) -> torch.Tensor:
         """Boolean ``[s_q, s_k]``: key j is visible from the query at position p when
         ``0 <= p - j < window``."""
-        rel = q_positions[:, None] - torch.arange(s_k, device=q_positions.device)[None, :]
-        visible = rel >= 0
-        return visible & (rel < self.window) if self.window is not None else visible
+        return window_causal_mask(q_positions, s_k,
+                                  None if self.window is None else self.window - 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 q_positions: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -18,7 +18,13 @@ def learned_positions_differ(saved: dict, model) -> list[str]:
             f"(learned positions)"]
 
 
+def logged_metrics(model) -> tuple[str, ...]:
+    """``mtp loss`` (mean over the depths) with ``--mtp-num-layers``, logged apart."""
+    return ("mtp loss",) if model.mtp_num_layers else ()
+
+
 FAMILY = ModelFamily(name="gpt", build=GPTModel, plan=parallelize.plan, init=parallelize.init,
                      forward_step=forward_step, generation=Generation(),
+                     logged_metrics=logged_metrics,
                      evaluation_tasks=("perplexity", "cloze"), hf=HF,
                      checkpoint_differences=learned_positions_differ)

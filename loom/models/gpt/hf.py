@@ -14,6 +14,7 @@ import torch
 from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
+from loom.models.gpt import hf_deepseek, hf_gpt_oss
 
 
 def gpt2_config(hf_config) -> ModelConfig:
@@ -88,8 +89,20 @@ def llama_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return out
 
 
+# Options neither GPT2LMHeadModel nor LlamaForCausalLM expresses: at these values or refused.
+PLAIN_LAYOUT = (("squared_relu", False), ("qk_layernorm", False), ("rotary_percent", 1.0),
+                ("quick_geglu", False), ("softmax_type", "vanilla"), ("window_size", None),
+                ("mtp_num_layers", None))
+
+
 def layout_of(cfg: ModelConfig) -> str:
-    """``gpt2`` or ``llama``; raises ConfigError for a model neither HF class expresses."""
+    """``gpt2`` or ``llama``; raises ConfigError for a model neither HF class expresses
+    (naming the first option in :data:`PLAIN_LAYOUT` the model sets)."""
+    for name, plain in PLAIN_LAYOUT:
+        if getattr(cfg, name) != plain:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} has no "
+                              f"Hugging Face GPT-2 or LLaMA equivalent: this model does not "
+                              f"convert to Hugging Face")
     gpt2 = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
             and not cfg.swiglu and not cfg.disable_bias_linear
             and not cfg.untie_embeddings_and_output_weights)
@@ -103,7 +116,9 @@ def layout_of(cfg: ModelConfig) -> str:
 
 
 def hf_config(cfg: ModelConfig) -> dict:
-    """``config.json`` of the matching ``transformers`` class."""
+    """``config.json`` of the matching ``transformers`` class (MLA: DeepseekV3ForCausalLM)."""
+    if cfg.multi_latent_attention:
+        return hf_deepseek.hf_config(cfg)
     if layout_of(cfg) == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 "vocab_size": cfg.vocab_size, "n_positions": cfg.max_positions,
@@ -125,6 +140,8 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Full loom tensors (vocabulary padding dropped here) -> the HF state dict."""
+    if cfg.multi_latent_attention:
+        return hf_deepseek.loom_to_deepseek_v3(full, cfg)
     V = cfg.vocab_size
     out: dict[str, torch.Tensor] = {}
     if layout_of(cfg) == "gpt2":
@@ -169,12 +186,17 @@ def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     """``(ModelConfig, full loom tensors)`` of a GPT-2 or LLaMA ``config.json`` dict and state
     dict (``where``: the source, for messages; the layouts need no refusal beyond
-    ``model_types``)."""
+    ``model_types``); ``deepseek_v3``: :mod:`loom.models.gpt.hf_deepseek`."""
+    if hf.get("model_type") == "deepseek_v3":
+        return hf_deepseek.to_loom(hf, sd, where)
+    if hf.get("model_type") == "gpt_oss":  # import only (loom/models/gpt/hf_gpt_oss.py)
+        return hf_gpt_oss.to_loom(hf, sd, where)
     gpt2 = hf.get("model_type") == "gpt2"
     ns = SimpleNamespace(**{"n_inner": None, "tie_word_embeddings": gpt2, **hf})
     cfg = gpt2_config(ns) if gpt2 else llama_config(ns)
     return cfg, (gpt2_to_loom if gpt2 else llama_to_loom)(sd, cfg)
 
 
-HF = HFConversion(model_types=("gpt2", "llama"), to_loom=to_loom, export_config=hf_config,
-                  from_loom=loom_to_hf, title="GPT-2 / LLaMA")
+HF = HFConversion(model_types=("gpt2", "llama", "deepseek_v3", "gpt_oss"), to_loom=to_loom,
+                  export_config=hf_config, from_loom=loom_to_hf,
+                  title="GPT-2 / LLaMA / DeepSeek-V3")

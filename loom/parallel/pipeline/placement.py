@@ -36,3 +36,14 @@ def chunk_layers(num_layers: int, pp: int, pp_rank: int, layers_per_virtual_stag
     vs = virtual_stage_layers(num_layers, pp, layers_per_virtual_stage, first, last)
     v = len(vs) // pp
     return [vs[k * pp + pp_rank] for k in range(v)]
+
+
+def v_chunk_layers(num_layers: int, pp: int, pp_rank: int) -> list[list[int]]:
+    """ZB-V's two chunks of stage ``pp_rank``: virtual stages ``pp_rank`` and
+    ``2 pp - 1 - pp_rank`` of L / (2 pp) layers each (the last one, with the output layer, is on
+    stage 0). Raises ValueError unless 2 pp divides L."""
+    if num_layers % (2 * pp):
+        raise ValueError(f"ZB-V needs --num-layers ({num_layers}) divisible by 2 x pipeline "
+                         f"size ({2 * pp})")
+    vs = virtual_stage_layers(num_layers, pp, num_layers // (2 * pp))
+    return [vs[pp_rank], vs[2 * pp - 1 - pp_rank]]

@@ -1,0 +1,76 @@
+"""A resume trains on the data the checkpoint was trained on (torch-free but for reading
+``common.pt``).
+
+Every checkpoint records, in ``common.pt``'s ``data``, the identity of each dataset it was
+trained on (``{flag: {prefix: {"content": hash of the .bin and .idx checksums, "tokenizer":
+the tokenizer's checksum}}}``, from ``meta.json``'s ``files``:
+:func:`loom.data.checks.dataset_identity`); its config holds ``--split`` and ``--seed``. A
+resume whose datasets, split or seed differ is refused, naming what changed (the trained
+documents would move into validation, the sample order would change, or the same ids would now
+mean other text), unless ``--override-data-change``; ``--finetune`` starts a new run and is
+not checked.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from loom.errors import ConfigError
+
+
+def data_identities(data_cfg) -> dict:
+    """``{flag: {prefix: identity or None}}`` of every dataset ``data_cfg`` (a DataConfig)
+    names; empty for ``--mock-data``. Reads each ``meta.json`` (no data file)."""
+    from loom.data.blended import data_prefixes
+    from loom.data.checks import _read_meta, dataset_identity
+    out: dict = {}
+    if getattr(data_cfg, "mock_data", False):
+        return out
+    for flag, prefix in data_prefixes(data_cfg):
+        out.setdefault(flag, {})[prefix] = dataset_identity(_read_meta(prefix) or {})
+    return out
+
+
+def data_differences(saved_common: dict, cfg) -> list[str]:
+    """What differs between the checkpoint's data (``saved_common``: its ``common.pt``) and
+    ``cfg``'s (a LoomConfig): ``--split``, ``--seed``, and each dataset's content and
+    tokenizer."""
+    saved_cfg = saved_common.get("config") or {}
+    out = []
+    for flag, now in (("split", cfg.data.split), ("seed", cfg.training.seed)):
+        if flag in saved_cfg and saved_cfg[flag] != now:
+            out.append(f"--{flag} {saved_cfg[flag]} in the checkpoint, {now} here")
+    saved: Optional[dict] = saved_common.get("data")
+    if not saved:
+        return out
+    now_ids = data_identities(cfg.data)
+    for flag in sorted(set(saved) | set(now_ids)):
+        old, new = saved.get(flag, {}), now_ids.get(flag, {})
+        old_c = {v["content"] for v in old.values() if v}
+        new_c = {v["content"] for v in new.values() if v}
+        if old_c and new_c and old_c != new_c:
+            same_prefix = set(old) == set(new)
+            out.append(f"{flag} {' '.join(new) or '(none)'}: "
+                       + ("its files changed since the checkpoint was trained on them"
+                          if same_prefix else f"other data than the checkpoint's "
+                                              f"({' '.join(old)})"))
+        old_t = {v["tokenizer"] for v in old.values() if v and v.get("tokenizer")}
+        new_t = {v["tokenizer"] for v in new.values() if v and v.get("tokenizer")}
+        if old_t and new_t and old_t != new_t:
+            out.append(f"{flag} {' '.join(new)}: tokenized with another tokenizer than the "
+                       f"checkpoint's data (the same ids would mean other text)")
+    return out
+
+
+def check_same_data(cfg, ckpt_dir: str) -> None:
+    """Refuse resuming ``ckpt_dir`` on other data, split or seed (see the module docstring);
+    ConfigError naming each difference and the fix."""
+    ck = cfg.checkpoint
+    if ck.finetune or ck.override_data_change:
+        return
+    from loom.checkpoint.reader import read_common
+    diff = data_differences(read_common(ckpt_dir), cfg)
+    if diff:
+        raise ConfigError(f"--load {ck.load}: the checkpoint {ckpt_dir} was trained on other "
+                          f"data: " + "; ".join(diff) + ". Give the checkpoint's values, or "
+                          "--override-data-change to continue on this data (or --finetune)")

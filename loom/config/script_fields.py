@@ -1,0 +1,132 @@
+"""Megatron-LM flags its example scripts use that change what loom trains, logs or loads: mixins
+of the sections (Megatron's names, meanings and defaults; rows in
+:mod:`loom.config.megatron_defaults`). Their resolution into loom's own fields is
+:func:`loom.config.script_flags.resolve_script_flags`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from loom.config.fields import opt
+
+CkptFormat = Literal["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
+ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
+TiktokenPattern = Literal["v1", "v2"]
+
+
+@dataclass
+class ModelScriptFields:
+    """Position-embedding flags of Megatron's scripts (a mixin of ModelConfig)."""
+
+    rotary_percent: float = opt(1.0, "share of each head's channels RoPE rotates, in (0, 1]: "
+                                     "the first int(d x p) rotate, the rest pass (GPT-NeoX)",
+                                gt=0)
+    use_rotary_position_embeddings: bool = opt(
+        False, "= --position-embedding-type rope (Megatron's deprecated spelling)")
+    no_position_embedding: bool = opt(
+        False, "no learned position embeddings: with --position-embedding-type rope it "
+               "changes nothing; otherwise refused, as Megatron refuses it (use "
+               "--position-embedding-type)")
+
+    mamba_num_heads: Optional[int] = opt(
+        None, "Mamba-2 heads per layer: d_inner = heads x --mamba-head-dim (default: "
+              "--mamba-expand x h / --mamba-head-dim); sets --mamba-expand, so it must be a "
+              "multiple of h", ge=1)
+    squared_relu: bool = opt(False, "MLP activation relu(x)^2 instead of GeLU (So et al. "
+                                    "2021, Primer; not with --swiglu or MoE experts)")
+    moe_token_drop_policy: Literal["probs", "position"] = opt(
+        "probs", "with --moe-expert-capacity-factor: drop the tokens of lowest router score "
+                 "(probs, loom's) or the last ones (position: refused)")
+
+
+    @property
+    def rotary_dim(self) -> int:
+        """r: channels of each head RoPE rotates, ``int(head_dim x --rotary-percent)``
+        (Megatron's ``RotaryEmbedding``)."""
+        return int(self.head_dim * self.rotary_percent)
+
+
+@dataclass
+class TrainingScriptFields:
+    """Schedules by samples, batch-size ramps, decoupled learning rates, time limits, Megatron
+    FSDP and checkpoint formats (a mixin of TrainingConfig)."""
+
+    lr_warmup_samples: int = opt(0, "warm-up length in samples (with --train-samples; "
+                                    "converted to iterations of B samples, rounded up)", ge=0)
+    lr_decay_samples: Optional[int] = opt(
+        None, "decay length in samples (with --train-samples; default: --train-samples)", ge=1)
+    lr_warmup_init: float = opt(0.0, "learning rate the linear warm-up starts from (to --lr, "
+                                     "or --decoupled-lr in its group)", ge=0)
+    decoupled_lr: Optional[float] = opt(
+        None, "peak learning rate of the input word embedding and output layer weights (their "
+              "own parameter group, same schedule shape)", gt=0)
+    decoupled_min_lr: Optional[float] = opt(None, "minimum learning rate of the "
+                                                  "--decoupled-lr group (default: --min-lr)",
+                                            ge=0)
+    exit_duration_in_mins: Optional[float] = opt(
+        None, "stop training after this many minutes (training with it is not implemented: "
+              "refused)", gt=0)
+    calculate_per_token_loss: bool = opt(
+        False, "average the loss over all loss tokens of the global batch instead of per "
+               "micro-batch; accepted where every micro-batch has the same number of loss "
+               "tokens (next-token families: identical), refused otherwise")
+    rampup_batch_size: Optional[str] = opt(
+        None, "START INCREMENT SAMPLES: ramp the global batch size (training with it is not "
+              "implemented: refused; a dry run predicts the final --global-batch-size)",
+        words=True)
+    step_batch_size_schedule: Optional[str] = opt(
+        None, "'SAMPLES:B ...' global batch size by consumed samples (K/M/B suffixes; "
+              "training with it is not implemented: refused; a dry run predicts the last B)")
+    log_num_zeros_in_grad: bool = opt(False, "log the number of zero gradient entries each "
+                                             "iteration (each element once over the "
+                                             "model-parallel ranks)")
+    log_params_norm: bool = opt(False, "log the L2 norm of the parameters each iteration "
+                                       "(each element once over the model-parallel ranks)")
+    use_megatron_fsdp: bool = opt(False, "Megatron FSDP: data-parallel sharding by "
+                                         "--data-parallel-sharding-strategy (loom: ZeRO stage "
+                                         "0-3, FSDP2 for stage 3)")
+    data_parallel_sharding_strategy: ShardingStrategy = opt(
+        "optim_grads_params", "with --use-megatron-fsdp: no_shard (ZeRO 0), optim (1), "
+                              "optim_grads (2), optim_grads_params (3)")
+    ckpt_format: CkptFormat = opt(
+        "torch_dist", "checkpoint format: torch_dist, torch_dcp and fsdp_dtensor are loom's "
+                      "DCP checkpoints; torch (pickled legacy) is refused")
+    pretrained_checkpoint: Optional[str] = opt(
+        None, "fine-tuning: when --load holds no checkpoint, load only the weights of this one "
+              "and start at iteration 0 (Megatron's semantics)")
+    use_checkpoint_args: bool = opt(
+        False, "take the model's architecture from the --load (else --pretrained-checkpoint) "
+               "checkpoint, overriding the flags")
+
+
+@dataclass
+class DataScriptFields:
+    """Tokenizer files of Megatron's scripts and the end-of-document loss mask (a mixin of
+    DataConfig)."""
+
+    tokenizer_model: Optional[str] = opt(
+        None, "tokenizer file or directory: SentencePiece .model (Llama2Tokenizer, "
+              "GPTSentencePieceTokenizer), tiktoken BPE file (TikTokenizer), Hugging Face "
+              "tokenizer directory or tokenizer.json (HuggingFaceTokenizer)")
+    vocab_file: Optional[str] = opt(None, "GPT-2 vocab.json (GPT2BPETokenizer) or BERT "
+                                          "vocab.txt (BertWordPiece*)")
+    merge_file: Optional[str] = opt(None, "GPT-2 merges.txt (GPT2BPETokenizer)")
+    tiktoken_pattern: Optional[TiktokenPattern] = opt(
+        None, "TikTokenizer: the pre-tokenizer regex, v1 or v2")
+    eod_mask_loss: bool = opt(False, "no loss where the input token is the end-of-document id "
+                                     "(Megatron's rule; each micro-batch averages over the "
+                                     "rest); GPT-style families")
+
+
+@dataclass
+class LoggingScriptFields:
+    """Weights & Biases (a mixin of LoggingConfig)."""
+
+    wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
+                                             "there too (WANDB_MODE=offline works offline)")
+    wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name")
+    wandb_save_dir: Optional[str] = opt(None, "directory of the local Weights & Biases files "
+                                              "(default: --save/wandb, else ./wandb)")
+    wandb_entity: Optional[str] = opt(None, "Weights & Biases entity (team or user)")

@@ -1,0 +1,145 @@
+"""Resolution of the Megatron flags of :mod:`loom.config.script_fields` and
+:mod:`loom.config.compat` into loom's own fields, inside the one validation pass
+(:func:`loom.config.validate.validate_config`), and the refusals of values loom cannot honour.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Optional
+
+from loom.errors import ConfigError
+
+_SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+SHARDING_TO_ZERO = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+"""``--data-parallel-sharding-strategy`` of ``--use-megatron-fsdp`` -> loom's ZeRO stage."""
+
+
+def parse_step_schedule(text: str) -> list[tuple[int, int]]:
+    """``"0:16 2.4B:320 12B:1536"`` -> ``[(0, 16), (2400000000, 320), ...]``: (consumed
+    samples, global batch size) steps of ``--step-batch-size-schedule`` (suffixes K, M, B, T).
+
+    Raises ConfigError naming the flag for a malformed or unsorted schedule."""
+    out: list[tuple[int, int]] = []
+    for word in text.replace(",", " ").split():
+        m = re.fullmatch(r"([0-9.]+)([KMBT]?):([0-9]+)", word.strip())
+        if not m:
+            raise ConfigError(f"--step-batch-size-schedule {text!r}: {word!r} is not "
+                              f"SAMPLES:BATCH (e.g. '0:16 2.4B:320')")
+        out.append((int(float(m.group(1)) * _SUFFIX[m.group(2)]), int(m.group(3))))
+    if not out or out[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(out, out[1:])):
+        raise ConfigError(f"--step-batch-size-schedule {text!r}: the steps must start at 0 "
+                          f"samples and increase")
+    return out
+
+
+def parse_rampup(text: str) -> tuple[int, int, int]:
+    """``--rampup-batch-size START INCREMENT SAMPLES`` as three ints; ConfigError otherwise."""
+    words = text.split()
+    if len(words) != 3 or not all(w.isdigit() for w in words):
+        raise ConfigError(f"--rampup-batch-size {text!r}: give three integers START INCREMENT "
+                          f"SAMPLES (e.g. 32 32 1000000)")
+    start, incr, samples = (int(w) for w in words)
+    return start, incr, samples
+
+
+def _final_batch_size(t: Any) -> Optional[int]:
+    """The global batch size a batch-size ramp ends at, or None without one."""
+    if t.step_batch_size_schedule:
+        return parse_step_schedule(t.step_batch_size_schedule)[-1][1]
+    return None
+
+
+def _positions(m: Any) -> None:
+    if m.use_rotary_position_embeddings:
+        m.position_embedding_type = "rope"  # Megatron: arguments.py, the deprecated spelling
+    if m.no_position_embedding and m.position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding is deprecated in Megatron-LM and refused "
+                          "without rotary embeddings: give --position-embedding-type none "
+                          "(or rope)")
+    if m.rotary_percent > 1:
+        raise ConfigError(f"--rotary-percent {m.rotary_percent} must lie in (0, 1]")
+    if m.rotary_percent < 1 and m.position_embedding_type == "rope" and (
+            m.num_attention_heads and m.hidden_size and m.rotary_dim % 2):
+        raise ConfigError(f"--rotary-percent {m.rotary_percent} rotates {m.rotary_dim} channels "
+                          f"of each head (of {m.head_dim}): RoPE needs an even number; choose "
+                          f"a percent giving one")
+
+
+def _samples(cfg: Any, world_size: int) -> None:
+    t = cfg.training
+    if not (t.lr_warmup_samples or t.lr_decay_samples is not None):
+        return
+    if t.train_samples is None:
+        raise ConfigError("--lr-warmup-samples / --lr-decay-samples describe a run by samples: "
+                          "give --train-samples N (or use --lr-warmup-iters / --lr-decay-iters "
+                          "with --train-iters), as Megatron-LM requires")
+    if t.lr_warmup_iters or t.lr_decay_iters is not None:
+        raise ConfigError("--lr-warmup-iters / --lr-decay-iters and --lr-warmup-samples / "
+                          "--lr-decay-samples both set the schedule: give the samples ones "
+                          "with --train-samples")
+    gbs = cfg.global_batch_size(world_size)
+    if t.lr_warmup_samples:
+        t.lr_warmup_iters = math.ceil(t.lr_warmup_samples / gbs)
+    if t.lr_decay_samples is not None:
+        t.lr_decay_iters = max(1, math.ceil(t.lr_decay_samples / gbs))
+
+
+def _batch_ramp(t: Any) -> None:
+    if t.rampup_batch_size and t.step_batch_size_schedule:
+        raise ConfigError("--rampup-batch-size and --step-batch-size-schedule both ramp the "
+                          "batch size: give one")
+    if t.rampup_batch_size:
+        parse_rampup(t.rampup_batch_size)
+    final = _final_batch_size(t)
+    if final is None:
+        return
+    if t.global_batch_size is None:
+        t.global_batch_size = final
+    elif t.global_batch_size != final:  # Megatron refuses both flags; loom accepts agreement
+        raise ConfigError(f"--step-batch-size-schedule ends at {final} but --global-batch-size "
+                          f"is {t.global_batch_size}: drop --global-batch-size (the schedule "
+                          f"sets it) or make them agree")
+
+
+def resolve_script_flags(cfg: Any, world_size: int) -> None:
+    """Megatron's spellings into loom's fields (in place, inside validation): rotary-embedding
+    aliases, schedules in samples -> iterations (B samples each, rounded up), the final batch
+    size of a ramp, ``--use-megatron-fsdp`` -> ``--zero-stage``. Raises ConfigError naming the
+    flag for values loom refuses (``--ckpt-format torch``, ``--dataloader-type cyclic``, partial
+    rotary embeddings, ...)."""
+    m, t = cfg.model, cfg.training
+    _positions(m)
+    _batch_ramp(t)
+    _samples(cfg, world_size)
+    if t.use_megatron_fsdp and not t.zero_stage and not t.use_torch_fsdp2:
+        t.zero_stage = SHARDING_TO_ZERO[t.data_parallel_sharding_strategy]
+        if t.zero_stage in (1, 2):
+            t.use_distributed_optimizer = True
+        elif t.zero_stage == 3:  # FSDP2 shards the optimizer and gathers parameters itself
+            t.use_distributed_optimizer = False  # (prefetching the next layer's: Megatron
+            t.overlap_param_gather = False       # FSDP's --overlap-param-gather)
+    if t.ckpt_format == "torch":
+        raise ConfigError("--ckpt-format torch (Megatron's pickled legacy format) is not "
+                          "written or read by loom: give --ckpt-format torch_dist (loom's "
+                          "torch.distributed.checkpoint format)")
+    if t.dataloader_type in ("cyclic", "external"):
+        raise ConfigError(f"--dataloader-type {t.dataloader_type}: loom reads the data once in "
+                          f"order (Megatron's single); give --dataloader-type single")
+    if m.mamba_num_heads is not None and m.hidden_size:  # Megatron's MambaMixer
+        width = m.mamba_num_heads * m.mamba_head_dim
+        if width % m.hidden_size:
+            raise ConfigError(f"--mamba-num-heads {m.mamba_num_heads} x --mamba-head-dim "
+                              f"{m.mamba_head_dim} = {width} is not a multiple of --hidden-size "
+                              f"{m.hidden_size}: loom's Mamba width is --mamba-expand x h")
+        m.mamba_expand = width // m.hidden_size
+    if m.squared_relu and (m.swiglu or m.num_experts):  # Megatron: assert not args.swiglu
+        raise ConfigError("--squared-relu replaces GeLU in the dense MLP: drop --swiglu"
+                          if m.swiglu else "--squared-relu with --num-experts: loom's experts "
+                          "use GeLU or SwiGLU; drop --squared-relu")
+    if m.moe_token_drop_policy == "position" and m.moe_expert_capacity_factor is not None:
+        raise ConfigError("--moe-token-drop-policy position: loom drops the tokens of lowest "
+                          "router score over capacity; give --moe-token-drop-policy probs")
+    if t.decoupled_min_lr is not None and t.decoupled_lr is None:
+        raise ConfigError("--decoupled-min-lr needs --decoupled-lr")

@@ -1,0 +1,44 @@
+"""Gated MLP activations chosen by config, shared by the dense MLP and the experts.
+
+Megatron-Core's gated linear unit (``megatron/core/transformer/mlp.py``, unfused path): FC1's
+output ``[..., 2f]`` is split in halves, the gate ``x_glu`` and the linear part ``x_linear``;
+with ``--activation-func-clamp-value c`` the gate is clamped to ``<= c`` and the linear part to
+``[-c, c]``; the result is ``act(x_glu) * (x_linear + --glu-linear-offset)``. ``act`` is SiLU
+(``--swiglu``) or quick GeLU ``x sigmoid(1.702 x)`` (``--quick-geglu``; Hendrycks & Gimpel
+2016, sec. 2's sigmoid approximation; gpt-oss: offset 1, clamp 7).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x sigmoid(1.702 x)`` (Megatron's ``quick_gelu``)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def glu(y: torch.Tensor, act: Callable = F.silu, linear_offset: float = 0.0,
+        clamp: Optional[float] = None) -> torch.Tensor:
+    """``act(gate) * (linear + linear_offset)`` of ``y [..., 2f] = [gate; linear]`` -> ``[..., f]``,
+    the halves clamped first when ``clamp`` is given (gate ``<= clamp``, linear in
+    ``[-clamp, clamp]``)."""
+    gate, linear = y.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, linear = gate.clamp(max=clamp), linear.clamp(-clamp, clamp)
+    return act(gate) * (linear + linear_offset)
+
+
+def gated_activation(cfg: Any) -> Optional[Callable]:
+    """The gated activation ``y [..., 2f] -> [..., f]`` of a model config with
+    ``--quick-geglu``, a ``--glu-linear-offset`` or a clamp; None for plain SwiGLU / GeLU (the
+    callers' own fast paths)."""
+    if not (cfg.quick_geglu or cfg.glu_linear_offset or cfg.activation_func_clamp_value):
+        return None
+    return functools.partial(glu, act=quick_gelu if cfg.quick_geglu else F.silu,
+                             linear_offset=cfg.glu_linear_offset,
+                             clamp=cfg.activation_func_clamp_value)

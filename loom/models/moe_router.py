@@ -1,0 +1,239 @@
+"""The MoE router as plain math: top-k routing (softmax or sigmoid scores, group-limited
+selection, the aux-loss-free expert bias, a scaling factor) and the load-balancing losses
+(Megatron-Core's ``TopKRouter`` and ``topk_routing_with_score_function``).
+
+Formulas:
+
+* scores: ``softmax(logits)`` or ``sigmoid(logits)`` (DeepSeek-V3 eq. 15); selection by
+  ``scores + expert_bias`` when the aux-loss-free bias is on (Wang et al. 2024, "Auxiliary-Loss-
+  Free Load Balancing", arXiv 2408.15664, eq. 3; DeepSeek-V3 eq. 16), the combine weights from
+  the unbiased scores. Sigmoid weights are normalized over the k choices when k > 1.
+* group-limited routing (DeepSeek-V2 sec. 2.1.2 device-limited, DeepSeek-V3 node-limited): the
+  E experts form G groups; a token keeps the ``group_topk`` groups with the highest sum of
+  their top ``k / group_topk`` scores, then picks its k experts inside them.
+* load balancing (Switch eq. 4): ``aux = coeff E / (k T^2) sum_i n_i P_i`` with ``n_i`` the
+  assignments to expert i and ``P_i`` its summed probability, over the micro-batch
+  (``aux_loss``), per sequence and averaged over sequences (``seq_aux_loss``, DeepSeek-V3
+  eq. 17-20), or with ``n_i`` summed over every data-parallel rank and averaged over the step's
+  micro-batches so far (``global_aux_loss``, Qiu et al. 2025, arXiv 2501.11873; T then counts
+  every DP x CP rank's tokens). As in Megatron the loss's assignments are the plain top-k of
+  the (normalized) scores, without bias or groups.
+* the expert bias update (after the optimizer step, :func:`loom.parallel.expert.
+  update_expert_bias`): ``b_i += rate * sign(mean(n) - n_i)`` with ``n`` the step's global load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTER_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass
+class Routing:
+    """Top-k routing of T tokens: ``experts [T, k]`` (ids), ``weights [T, k]`` (combine
+    weights, 0 where dropped; in the router's dtype), ``kept [T, k]`` (bool), ``counts [E]``
+    (kept assignments per expert), ``aux_loss`` and ``z_loss`` (scalars, already multiplied by
+    their coefficients)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    counts: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int,
+                       group_topk: int) -> torch.Tensor:
+    """Expert ids ``[T, k]`` chosen among each token's ``group_topk`` best of ``num_groups``
+    equal groups of experts (group score: the sum of its top ``k // group_topk`` scores);
+    ``scores [T, E]``."""
+    T, E = scores.shape
+    grouped = scores.view(T, num_groups, E // num_groups)
+    group_scores = grouped.topk(k // group_topk, dim=-1).values.sum(-1)
+    chosen = group_scores.topk(group_topk, dim=-1).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    masked = scores.masked_fill(~mask.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+    return masked.topk(k, dim=-1).indices
+
+
+def _capacity_keep(experts: torch.Tensor, top: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``kept [T, k]``: per expert, its ``capacity`` assignments of highest score."""
+    T, k = experts.shape
+    E = int(experts.max()) + 1 if experts.numel() else 1
+    flat_e, flat_w = experts.reshape(-1), top.detach().reshape(-1)
+    order = torch.argsort(flat_w, descending=True, stable=True)
+    order = order[torch.argsort(flat_e[order], stable=True)]
+    per = torch.bincount(flat_e, minlength=E)
+    start = torch.cumsum(per, 0) - per
+    rank_in_expert = torch.empty_like(order)
+    rank_in_expert[order] = torch.arange(order.numel(), device=order.device) - start[flat_e[order]]
+    return (rank_in_expert < capacity).view(T, k)
+
+
+def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
+          aux_coeff: float = 0.0, z_coeff: float = 0.0,
+          capacity_factor: Optional[float] = None, pre_softmax: bool = False,
+          stats=None, *, expert_bias: Optional[torch.Tensor] = None,
+          num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+          scaling_factor: Optional[float] = None, balancing: str = "aux_loss",
+          seq_batch: Optional[tuple[int, int]] = None, global_load=None) -> Routing:
+    """Route ``logits [T, E]`` (fp32 or fp64) to the top ``k`` experts (module docstring).
+
+    softmax: the top-k probabilities renormalized to sum 1 (Megatron's default, = softmax over
+    the top-k logits), or with ``pre_softmax`` the softmax over all experts kept as is
+    (``--moe-router-pre-softmax``). sigmoid: per-expert scores (+ ``expert_bias [E]`` for the
+    choice only), top-k normalized to sum 1 when k > 1. ``balancing``: ``aux_loss``,
+    ``seq_aux_loss`` (needs ``seq_batch = (s, b)``, tokens ordered ``[s, b]``),
+    ``global_aux_loss`` (needs ``global_load(n [E]) -> (running mean of the global n [E],
+    global token count)``) or ``none``. ``stats``: a strategy summing the statistics over the
+    ranks sharing a sequence (context parallelism), or None.
+    """
+    T, E = logits.shape
+    if score_function == "softmax":
+        scores = logits.softmax(-1)
+        choose = scores if pre_softmax or not group_topk else logits
+    else:
+        scores = logits.sigmoid()
+        choose = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
+    if group_topk:
+        experts = group_limited_topk(choose, k, num_groups, group_topk)
+    else:
+        experts = choose.topk(k, dim=-1).indices
+    top = scores.gather(1, experts)
+    if score_function == "softmax":
+        weights = top if pre_softmax else top / top.sum(-1, keepdim=True)
+    else:
+        weights = top / (top.sum(-1, keepdim=True) + 1e-20) if k > 1 else top
+    if scaling_factor:
+        weights = weights * scaling_factor
+    kept = torch.ones_like(experts, dtype=torch.bool)
+    if capacity_factor is not None:
+        kept = _capacity_keep(experts, top, math.ceil(capacity_factor * T * k / E))
+        weights = weights * kept
+    counts = torch.bincount(experts[kept], minlength=E)
+    aux = _balancing_loss(logits, scores, k, score_function, aux_coeff, balancing, stats,
+                          seq_batch, global_load)
+    z = z_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return Routing(experts, weights, kept, counts, aux, z)
+
+
+def _balancing_loss(logits, scores, k, score_function, coeff, balancing, stats, seq_batch,
+                    global_load) -> torch.Tensor:
+    T, E = logits.shape
+    zero = logits.new_zeros(())
+    if balancing == "none" or coeff == 0:
+        return zero
+    probs = scores if score_function == "softmax" else scores / (scores.sum(-1, keepdim=True)
+                                                                 + 1e-20)
+    onehot = F.one_hot(probs.topk(k, dim=-1).indices, E).sum(1).to(probs.dtype)  # [T, E]
+    if balancing == "seq_aux_loss":
+        s, b = seq_batch
+        routed, prob_mass = onehot.view(s, b * E).sum(0), probs.view(s, b * E).sum(0)
+        tokens = torch.tensor(float(s), dtype=probs.dtype, device=logits.device)
+        if stats is not None:
+            routed, prob_mass, tokens = stats(routed, prob_mass, tokens)
+        return coeff * E / (k * tokens * tokens) * (routed * prob_mass).sum() / b
+    if balancing == "global_aux_loss":
+        load, tokens = global_load(onehot.sum(0).detach())
+        return coeff * E / (k * tokens * tokens) * (load.to(probs.dtype) * probs.sum(0)).sum()
+    routed, prob_mass = onehot.sum(0), probs.sum(0)
+    tokens = torch.tensor(float(T), dtype=probs.dtype, device=logits.device)
+    if stats is not None:
+        routed, prob_mass, tokens = stats(routed, prob_mass, tokens)
+    return coeff * E * (routed / (tokens * k) * prob_mass / tokens).sum()
+
+
+class _RandomLogits(torch.autograd.Function):
+    """``--moe-router-force-load-balancing``: N(0, 1) logits in place of the router's (from
+    torch's default generator), the gradient passed straight through (Megatron's
+    ``RandomSTE``; for benchmarks)."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class TopKRouter(nn.Module):
+    """``tokens [T, h] -> Routing``: the gating linear ``weight [E, h]`` (+ ``bias [E]`` with
+    linear biases) in the router dtype
+    (``--moe-router-dtype``: fp32, the default, or fp64), then :func:`route` with the
+    ``--moe-router-*`` options. With ``--moe-router-enable-expert-bias`` it holds
+    ``expert_bias [E]`` (fp32, a parameter without gradient, so checkpoints carry it) and
+    counts its kept assignments in ``tokens_per_expert [E]`` during training forwards (not in
+    a recomputation or without grad), which :func:`loom.parallel.expert.update_expert_bias`
+    turns into the bias update after the optimizer step and resets. ``stats`` (CP) and
+    ``global_stats`` (sum over DP x CP, for ``global_aux_loss``) are strategies the parallel
+    plan installs; None on one rank."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        E = cfg.num_experts
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
+        # the gating linear's bias [E] unless --disable-bias-linear (Megatron's TopKRouter
+        # with add_bias_linear; gpt-oss)
+        self.bias = None if cfg.disable_bias_linear else nn.Parameter(torch.empty(E))
+        self.expert_bias = None
+        if cfg.moe_router_enable_expert_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(E), requires_grad=False)
+        self.tokens_per_expert: Optional[torch.Tensor] = None  # this step's load (expert bias)
+        self.global_tokens: Optional[torch.Tensor] = None  # running global load (global aux)
+        self.global_steps = 0
+        self.stats = None
+        self.global_stats = None
+
+    def reset_load(self) -> None:
+        """Forget this step's counted load (after the bias update)."""
+        self.tokens_per_expert = None
+        self.global_tokens, self.global_steps = None, 0
+
+    def _counting(self) -> bool:
+        # not in eval, not without grad, not in a recomputation (which runs inside backward)
+        return (self.training and torch.is_grad_enabled()
+                and torch._C._current_graph_task_id() == -1)
+
+    def _global_load(self, local: torch.Tensor):
+        n, ranks = local, 1
+        if self.global_stats is not None:
+            n, ranks = self.global_stats(local)
+        if not self._counting():  # evaluation / recomputation: this micro-batch alone
+            return n, float(self.T * ranks)
+        self.global_tokens = n if self.global_tokens is None else self.global_tokens + n
+        self.global_steps += 1
+        return self.global_tokens / self.global_steps, float(self.T * ranks)
+
+    def forward(self, tokens: torch.Tensor, seq_batch: Optional[tuple[int, int]] = None
+                ) -> Routing:
+        c = self.cfg
+        dtype = ROUTER_DTYPES[c.moe_router_dtype]
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()  # kept fp32 under --bf16
+        logits = F.linear(tokens.to(dtype), self.weight.to(dtype),
+                          None if self.bias is None else self.bias.to(dtype))
+        if c.moe_router_force_load_balancing:
+            logits = _RandomLogits.apply(logits)
+        self.T = logits.shape[0]
+        r = route(logits, c.moe_router_topk, c.moe_router_score_function, c.moe_aux_loss_coeff,
+                  c.moe_z_loss_coeff, c.moe_expert_capacity_factor, c.moe_router_pre_softmax,
+                  self.stats, expert_bias=self.expert_bias,
+                  num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
+                  scaling_factor=c.moe_router_topk_scaling_factor,
+                  balancing=c.moe_router_load_balancing_type, seq_batch=seq_batch,
+                  global_load=self._global_load)
+        if self.expert_bias is not None and self._counting():
+            n = r.counts.detach().float()
+            self.tokens_per_expert = n if self.tokens_per_expert is None \
+                else self.tokens_per_expert + n
+        return r

@@ -1,0 +1,133 @@
+"""Exact per-rank model-state bytes of a layout, counted on loom's real model without a GPU.
+
+:func:`count_rank_states` builds the chunks one rank of a ``world_size``-rank job would hold
+(:func:`loom.parallel.parallelize.build_model_chunks`: its pipeline stage's layers, TP / EP
+shards, the embedding on the first stage, the output layer on the last, FSDP2 shards with
+``--zero-stage 3``) on the ``meta`` device (no storage) under PyTorch's fake process group
+(``torch.testing._internal.distributed.fake_pg.FakeStore``, backend ``"fake"``: every
+collective returns at once; what Megatron-LM's ``--fake-process-group`` does), then counts the
+rank's parameters element by element. Bytes follow Megatron-style mixed precision (the
+planner's convention, :func:`loom.planner.memory.model_state_bytes_per_param`): 2 bytes per
+bf16 weight (4 in fp32 runs), ``grad_bytes`` per gradient (Megatron's fp32 ``main_grad``: 4),
+12 of fp32 master + Adam m, v, the last split over the data-parallel x context-parallel group
+by the distributed optimizer (ZeRO-1: ``ceil(N / (d c))`` elements per rank; expert
+parameters over the expert-data-parallel group). With FSDP2 the counted local shards already
+are the per-rank weights.
+
+The process group is created and destroyed inside the call (refused when one already exists:
+the fake group must not replace a real one). Cost: ~1-3 s per rank on CPU for a 405B config (no
+storage is allocated).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+from loom.config import LoomConfig
+
+
+def _rank_coords(cfg: LoomConfig, world_size: int) -> dict:
+    p = cfg.parallel
+    return dict(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                etp=p.expert_tensor_parallel_size)
+
+
+def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
+                      grad_bytes: int = 4) -> dict:
+    """Parameters and model-state bytes of global rank ``rank`` of a ``world_size``-rank run
+    of ``cfg`` (a validated :class:`~loom.config.LoomConfig`), counted on the meta device.
+
+    Returns ``params`` (elements held by this rank), ``expert_params`` (of which expert-parallel),
+    ``pp_rank``, ``tp_rank``, ``dp`` (d x c: the distributed optimizer's group), ``edp``
+    (expert-data-parallel size), ``zero`` (0, 1 = distributed optimizer, 3 = FSDP2), and
+    ``weights_bytes``, ``gradients_bytes``, ``optimizer_bytes`` (see the module docstring).
+    Raises RuntimeError when a process group is already initialized."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model_chunks
+    from loom.parallel.random import RNGTracker
+    from loom.parallel.registry import named_parameters
+
+    if dist.is_initialized():
+        raise RuntimeError("count_rank_states: a process group already exists; the fake one "
+                           "would replace it (call it before init_process_group)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        c = _rank_coords(cfg, world_size)
+        mesh = ParallelMesh.build(tp=c["tp"], pp=c["pp"], cp=c["cp"], ep=c["ep"], etp=c["etp"],
+                                  device=torch.device("cpu"))
+        family = get_family(cfg.model.model_type)
+        unseeded = copy.copy(cfg)  # seed None: no initialization (meta tensors hold no data)
+        unseeded.training = replace(cfg.training, seed=None)
+        with torch.device("meta"):
+            chunks = build_model_chunks(family, unseeded, mesh, RNGTracker(torch.device("cpu")))
+        n = nx = 0
+        for _, prm, meta in named_parameters(chunks):
+            local = prm.to_local() if hasattr(prm, "to_local") else prm
+            n += local.numel()
+            if getattr(meta, "expert_parallel", False):
+                nx += local.numel()
+        dp = mesh.dp_size * mesh.sizes["cp"]
+        edp = max(1, dp // max(1, mesh.ep_size))
+        coords = dict(pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
+    finally:
+        dist.destroy_process_group()
+    t = cfg.training
+    zero = 3 if (getattr(t, "use_torch_fsdp2", False) or (t.zero_stage or 0) >= 3) else \
+        (1 if t.use_distributed_optimizer or (t.zero_stage or 0) >= 1 else 0)
+    wb = 2 if (t.bf16 or t.fp16) else 4
+    dense = n - nx
+    if zero == 3:  # FSDP2: the local shards above; fp32 master + moments of the shard
+        opt = 12 * n if wb == 2 else 8 * n
+        return dict(params=n, expert_params=nx, dp=dp, edp=edp, zero=zero, **coords,
+                    weights_bytes=wb * n, gradients_bytes=grad_bytes * n, optimizer_bytes=opt)
+    opt_elems = (math.ceil(dense / dp) + math.ceil(nx / edp)) if zero == 1 else n
+    opt_per = 12 if wb == 2 else 8  # fp32 runs: the weights are the master copy
+    return dict(params=n, expert_params=nx, dp=dp, edp=edp, zero=zero, **coords,
+                weights_bytes=wb * n, gradients_bytes=grad_bytes * n,
+                optimizer_bytes=opt_per * opt_elems)
+
+
+def representative_ranks(cfg: LoomConfig, world_size: int) -> list[int]:
+    """Global ranks to count: the first rank and the last one (first and last pipeline stage
+    under loom's rank order, PP outermost), once when equal."""
+    return sorted({0, world_size - 1})
+
+
+def planner_stage_params(cfg: LoomConfig, world_size: int) -> dict:
+    """The planner's formula for the same layout (:func:`loom.planner.memory.stage_params`):
+    parameters per GPU of the ``first`` and ``last`` pipeline stage (and ``middle``)."""
+    from loom.planner.layout import make_layouts
+    from loom.planner.memory import stage_params
+    from loom.planner.predict import layout_of
+
+    L = make_layouts(layout_of(cfg, world_size))
+    P = stage_params(cfg.model, L, cfg.model.seq_length)
+    return {k: float(v[0]) for k, v in P.items()}
+
+
+def format_counts(cfg: LoomConfig, world_size: int) -> str:
+    """Lines for ``loom train --dry-run``: the exact counts of :func:`representative_ranks`
+    next to the planner's formula, GB = 1e9 bytes."""
+    GB = 1e9
+    formula = planner_stage_params(cfg, world_size)
+    lines = [f"exact model states (meta device, fake process group of {world_size} ranks):"]
+    for r in representative_ranks(cfg, world_size):
+        c = count_rank_states(cfg, world_size, r)
+        stage = "first" if c["pp_rank"] == 0 else "last"
+        if cfg.parallel.pipeline_model_parallel_size == 1:
+            stage = "first"
+        f = formula[stage]
+        lines.append(
+            f"  rank {r} (pp stage {c['pp_rank']}, tp rank {c['tp_rank']}): {c['params']:,} params "
+            f"(planner formula {f:,.0f}, {100 * (f / max(c['params'], 1) - 1):+.2f}%); weights "
+            f"{c['weights_bytes'] / GB:.3f}, grads {c['gradients_bytes'] / GB:.3f}, optimizer "
+            f"{c['optimizer_bytes'] / GB:.3f} GB")
+    return "\n".join(lines)

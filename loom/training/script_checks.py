@@ -1,0 +1,89 @@
+"""What ``loom train`` says once at start about Megatron's flags of a run (implementation
+switches with no effect, Megatron's rules applied, conversions), and the refusal of the
+Megatron flags whose training loom does not implement yet (a dry run accepts them: it only
+predicts). Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+from loom.config import LoomConfig
+from loom.config.compat import no_effect_report
+from loom.config.script_flags import parse_step_schedule
+from loom.errors import ConfigError
+
+
+def refuse_unimplemented(cfg: LoomConfig) -> None:
+    """Refuse a training run with a Megatron flag whose effect loom does not implement
+    (a batch-size ramp: ``--rampup-batch-size``, a ``--step-batch-size-schedule`` of several
+    sizes; ``--calculate-per-token-loss`` for a family whose micro-batches hold different
+    numbers of loss tokens; ``--eod-mask-loss`` for a family whose forward step is not GPT's,
+    or with multi-token prediction, or without a known end-of-document id). Raises
+    ConfigError naming the flag and what to do."""
+    from loom.models import get_family
+    from loom.models.family import next_token_windows
+    t = cfg.training
+    todo = []
+    if t.rampup_batch_size:
+        todo.append("--rampup-batch-size (drop it: --global-batch-size from the start)")
+    if t.step_batch_size_schedule and \
+            len({b for _, b in parse_step_schedule(t.step_batch_size_schedule)}) > 1:
+        todo.append("--step-batch-size-schedule with more than one batch size (drop it: "
+                    "--global-batch-size from the start)")
+    family = get_family(cfg.model.model_type)
+    if t.calculate_per_token_loss and family.datasets is not next_token_windows:
+        todo.append(f"--calculate-per-token-loss with --model-type {cfg.model.model_type}, "
+                    f"whose micro-batches hold different numbers of loss tokens (drop it)")
+    if cfg.data.eod_mask_loss:
+        from loom.data.loss_mask import end_of_document_id
+        from loom.models.gpt.model import forward_step as gpt_step
+        if family.forward_step is not gpt_step:  # the step that hands loss_mask to lm_loss
+            todo.append(f"--eod-mask-loss with --model-type {cfg.model.model_type}, whose "
+                        f"forward step does not read the loss mask (drop it)")
+        elif t.calculate_per_token_loss:
+            todo.append("--calculate-per-token-loss with --eod-mask-loss: micro-batches then "
+                        "hold different numbers of loss tokens (drop one)")
+        elif cfg.model.mtp_num_layers:
+            todo.append("--eod-mask-loss with --mtp-num-layers: the multi-token prediction "
+                        "loss is not masked (drop one)")
+        else:
+            end_of_document_id(cfg.data, cfg.model.vocab_size)  # refused without one
+    if todo:
+        raise ConfigError("not implemented in loom yet (a --dry-run accepts them): "
+                          + "; ".join(todo))
+
+
+def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
+    """Lines ``loom train`` prints once (rank 0) before anything else: the implementation
+    switches set (:func:`loom.config.compat.no_effect_report`), and Megatron's rules that
+    changed a given value. ``given``: the parsed command line (``vars(args)``)."""
+    t, m = cfg.training, cfg.model
+    out = []
+    report = no_effect_report(cfg.to_flat())
+    if report:
+        out.append(report)
+    g = given.get("num_query_groups")
+    if g and g != m.num_attention_heads and not m.group_query_attention:
+        out.append(f"--num-query-groups {g} without --group-query-attention: loom uses {g} "
+                   f"key/value groups; Megatron-LM would ignore it (multi-head attention, "
+                   f"argument_utils.py:330): add --group-query-attention to say so")
+    b = cfg.derived.global_batch_size if cfg.derived else None
+    for name, iters in (("lr_warmup_samples", t.lr_warmup_iters),
+                        ("lr_decay_samples", t.lr_decay_iters)):
+        value = getattr(t, name)
+        if value and b and value % b:
+            out.append(f"--{name.replace('_', '-')} {value} is {value / b:.2f} global batches "
+                       f"of {b}: loom's schedule steps per iteration, over {iters}")
+    if t.calculate_per_token_loss:
+        out.append("--calculate-per-token-loss: every micro-batch holds the same number of loss "
+                   "tokens, so the per-token and per-micro-batch averages are the same loss")
+    if t.step_batch_size_schedule and b:
+        out.append(f"--step-batch-size-schedule: global batch size {b} (its last step)")
+    if t.ckpt_format != "torch_dist":
+        out.append(f"--ckpt-format {t.ckpt_format}: loom writes and reads its "
+                   f"torch.distributed.checkpoint format (= torch_dist)")
+    if t.use_megatron_fsdp:
+        out.append(f"--use-megatron-fsdp --data-parallel-sharding-strategy "
+                   f"{t.data_parallel_sharding_strategy}: ZeRO stage {t.zero_stage}"
+                   + (" (PyTorch FSDP2, which gathers and prefetches the parameters "
+                      "itself: --overlap-param-gather is its own)" if t.zero_stage == 3 else ""))
+    return out
