@@ -93,7 +93,7 @@ def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
     choice only), top-k normalized to sum 1 when k > 1. ``balancing``: ``aux_loss``,
     ``seq_aux_loss`` (needs ``seq_batch = (s, b)``, tokens ordered ``[s, b]``),
     ``global_aux_loss`` (needs ``global_load(n [E]) -> (running mean of the global n [E],
-    global token count)``) or ``none``. ``stats``: a strategy summing the statistics over the
+    the global token count)``) or ``none``. ``stats``: a strategy summing the statistics over the
     ranks sharing a sequence (context parallelism), or None.
     """
     T, E = logits.shape

@@ -96,8 +96,8 @@ class ParallelDispatcher(nn.Module):
     ``forward(tokens [T, h], routing, experts, shared)`` (``routing.experts``, ``.kept``
     ``[T, k]``: expert ids and kept choices) returns ``[T, k, h]`` expert outputs (zeros where
     dropped) and the shared expert's ``[T, h]`` (or None), summed over TP.
-    ``run_experts(tokens [n, h], ids [n], experts, first) -> [n, h]`` runs tokens sorted by
-    global expert id through ``experts[str(id)]`` (the family's, e.g.
+    ``run_experts(tokens [n, h], ids [n], experts, first) -> [n, h]`` runs tokens, sorted by
+    their global expert id, through ``experts[str(id)]`` (the family's, e.g.
     :func:`loom.models.moe.run_experts`). ``kind``: ``alltoall`` or ``allgather``;
     ``overlap_shared``: compute the shared expert during the dispatch all-to-all. ``trace``:
     None, or a list that receives the order of events (tests)."""

@@ -131,8 +131,8 @@ class TrainingParts:
     save_interval: CheckpointInterval
     throughput: Throughput
     after_step: Callable[[], None] = lambda: None
-    """Run after every optimizer step: the aux-loss-free expert-bias update from the step's
-    global expert load (:func:`loom.parallel.expert.update_expert_bias`) for MoE models."""
+    """Run after every optimizer step: the aux-loss-free expert-bias update from the
+    step's global expert load (:func:`loom.parallel.expert.update_expert_bias`) for MoE models."""
 
 
 def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,

@@ -6,8 +6,8 @@ hidden states ``h^{k-1} [s, b, h]`` (``h^0``: the main model's final-normed outp
 embeddings of the tokens shifted left by k (the shared embedding; the last k positions padded
 with token 0 and masked out of the loss): ``h^k = norm_f(layer(W_eh [norm_e(emb); norm_h(
 h^{k-1})]))``, then the shared output head predicts token ``t + 1 + k`` at position t. Under
-context parallelism the shift crosses the CP chunks and each rank's loss is its share of the
-global mean times c (the plan installs both; gradients are averaged over CP). The MTP
+context parallelism the shift crosses the CP chunks and each rank's loss is its share of
+the global mean times c (the plan installs both; gradients are averaged over CP). The MTP
 loss is the mean over the D depths of each depth's mean cross-entropy over its unmasked
 positions, weighted by ``--mtp-loss-scaling-factor`` (eq. 25) and added to the LM loss in
 training; evaluation and generation skip the modules. Parameter names:
