@@ -26,10 +26,10 @@ import random
 import pytest
 import torch
 
-from loom.cli import main
 from loom.evaluation.cli import add_arguments, evaluate
 from loom.evaluation.datasets import lm_windows, megatron_word_count
 from testkit import run_distributed
+from testkit.cli import refusal
 
 WORDS = ["<|endoftext|>", "[UNK]"] + [f"w{i}" for i in range(40)]
 SEQ = 8
@@ -247,14 +247,7 @@ def test_text_jsonl_and_indexed_dataset_agree(world):
 # -- bad input ----------------------------------------------------------------------------------
 
 def _refusal(argv, monkeypatch, capsys) -> str:
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert e.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith("loom evaluate: error: "), err
-    return err[0]
+    return refusal(argv, monkeypatch, capsys, prog="loom evaluate")
 
 
 def test_cloze_file_without_the_text_key(world, monkeypatch, capsys):

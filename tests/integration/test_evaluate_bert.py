@@ -23,6 +23,7 @@ import torch
 from loom.cli import main
 from loom.evaluation.cli import add_arguments, evaluate
 from testkit import run_distributed
+from testkit.cli import refusal
 
 SEQ = 24
 
@@ -167,14 +168,7 @@ def test_tp2_pp2_dp2_give_the_single_process_numbers(world):
 
 
 def _refusal(argv, monkeypatch, capsys) -> str:
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert e.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith("loom evaluate: error: "), err
-    return err[0]
+    return refusal(argv, monkeypatch, capsys, prog="loom evaluate")
 
 
 @pytest.mark.parametrize("ckpt,task,family", [("bert", "perplexity", "bert"),

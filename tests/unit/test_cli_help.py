@@ -18,6 +18,7 @@ import pytest
 from loom import __version__
 from loom.cli import SUBCOMMANDS, main
 from loom.config import add_config_arguments, config_from_args
+from testkit.cli import refusal
 
 BASE = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
          "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval", "10", "--eval-iters", "10", "--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size",
@@ -27,14 +28,7 @@ BASE = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _refusal(argv, monkeypatch, capsys) -> str:
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert e.value.code == 2 and len(err) == 1, err
-    return err[0]
+_refusal = refusal
 
 
 @pytest.mark.parametrize("argv,prog,suggestion", [
