@@ -171,7 +171,8 @@ def llm_foundry_points(gpu: str, c: Constants | None = None) -> list[tuple]:
 # GPUs, global batch (sequences), s, fixed layout, options (uneven interleaved allowed: Llama 3
 # and Megatron-Bridge run it). Throughput is not compared (FP8, or not published per layout).
 # Llama 3: sec 3.3.2, interleaved 1F1B with one layer less on the first and the last stage,
-# "without activation checkpointing" (recompute none), batch 16M tokens (2048 x 8K, 128 x 128K).
+# "without activation checkpointing" (recompute none), batch 16M tokens (2048 x 8K, 128 x 128K);
+# its CP "all-gathers the key (K) and value (V) tensors" (cp_comm_type allgather).
 PUBLISHED_LAYOUTS = (
     ("Llama 3 405B 8K GPUs (arXiv 2407.21783 t4)", lambda: llama("llama3-405b", 8192),
      "H100-80GB", 8192, 2048, 8192, dict(tp=8, pp=16, cp=1, dp=64, sp=1, zero=1, mbs=1,
@@ -181,7 +182,8 @@ PUBLISHED_LAYOUTS = (
                                           recompute="none", first_layers=7, last_layers=7)),
     ("Llama 3 405B 16K GPUs 128K", lambda: llama("llama3-405b", 131072),
      "H100-80GB", 16384, 128, 131072, dict(tp=8, pp=16, cp=16, dp=8, sp=1, zero=1, mbs=1,
-                                           recompute="none", first_layers=7, last_layers=7)),
+                                           recompute="none", first_layers=7, last_layers=7,
+                                           cp_comm_type="allgather")),
     ("torchtitan 70B FSDP32 TP8 (t4)", lambda: llama("llama3-70b", 8192),
      "H100-80GB", 256, 512, 8192, dict(tp=8, pp=1, cp=1, dp=32, mbs=16, zero=3,
                                         recompute="full")),
@@ -213,8 +215,11 @@ def plan_published(entry, constants: Constants | None = None) -> dict | None:
     splits allowed, flash attention)."""
     name, factory, gpu, n, B, s, fixed = entry
     model = factory()  # every published schedule here is 1F1B or interleaved: zb = 0
-    return plan_fixed(model, fitted_cluster(gpu, n, constants), B, s, dict(fixed, zb=0),
-                      Options(flash_attention=True, uneven_interleaved=True))
+    fixed = dict(fixed, zb=0)
+    cp_type = fixed.pop("cp_comm_type", "p2p")  # the source's CP method where it names one
+    return plan_fixed(model, fitted_cluster(gpu, n, constants), B, s, fixed,
+                      Options(flash_attention=True, uneven_interleaved=True,
+                              cp_comm_type=cp_type))
 
 
 # Llama 3 paper (arXiv 2407.21783) table 4: model TFLOP/s per GPU (BF16 MFU 43/41/38%) of the

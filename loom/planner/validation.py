@@ -35,11 +35,25 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from loom.config import ModelConfig
 from loom.planner.constants import Constants, fitted_cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.presets import KOR_TABLE3, NAR_TABLE1, NAR_TABLE2, gpt
 from loom.planner.search import evaluate, record, search
+
+# The Megatron-LM of NAR (release 50a4b5fa02, 2021-04-08; NAR's runs predate it): the local DDP
+# all-reduces the gradients after the last micro-batch's backward (train_step ->
+# allreduce_gradients; overlap came with --overlap-grad-reduce, 2d5220a424, 2023-08-16), in fp16
+# for fp16 runs (fp32 only with --accumulate-allreduce-grads-in-fp32, which bf16 forces), and the
+# backward TP all-reduces wait for their GEMMs (the asynchronous TP all-reduce is 16c90445e7,
+# 2021-09-02). KOR (2022) has the asynchronous TP all-reduce, still no DP overlap. BigScience's
+# Megatron-DeepSpeed (BLOOM, bf16): TP layers from the 2021 code (synchronous), DeepSpeed's
+# pipeline engine reduces gradients (fp32) after the last micro-batch.
+MEGATRON_2021 = Options(overlap_grad_reduce=False, overlap_tp_comm=False, grad_bytes=2)
+MEGATRON_2022 = Options(overlap_grad_reduce=False)
+MEGATRON_DEEPSPEED_2022 = Options(overlap_grad_reduce=False, overlap_tp_comm=False)
 
 # DGX-2H: 8 x 100 Gb/s InfiniBand for 16 GPUs = 100 GB/s per node (SHO sec 5) = 6.25 GB/s per GPU.
 DGX2H_INTER_BW = 6.25e9
@@ -82,7 +96,7 @@ def nar_table1_points(constants: Constants | None = None) -> list[tuple]:
     for (P, a, h, nl, t, p, n, B, pub, _pct) in NAR_TABLE1:
         res = search(gpt(nl, h, a), fitted_cluster("A100-80GB", n, constants), B, 2048,
                      fixed=dict(tp=t, pp=p, cp=1, recompute="full", sp=0, zero=0, zb=0),
-                     opts=Options())
+                     opts=MEGATRON_2021)
         pred = record(res, res["order"][0])["hw_tflops_per_gpu"] if len(res["order"]) \
             else float("nan")
         out.append((f"NAR {P}B hw TFLOP/s", pred, pub))
@@ -94,7 +108,7 @@ def kor_points(constants: Constants | None = None) -> list[tuple]:
     selective) and KOR table 4 per-layer ms (:data:`KOR_TABLE4`)."""
     from loom.planner.timing import layer_fwd_bwd
 
-    opts = Options()
+    opts = MEGATRON_2022
     out = []
     for (name, a, h, nl, t, p, n, B, b, tfull, tsel, _mfu, _hfu) in KOR_TABLE3:
         d = n // (t * p)
@@ -167,7 +181,8 @@ def nar_table2(constants: Constants | None = None, schemes=("ZeRO-3", "PTD-P"),
         else:
             fixed = dict(tp=8, pp=mp // 8, cp=1, zero=0, mbs=1, recompute="full", sp=0, zb=0)
         res = search(model, fitted_cluster("A100-80GB", n, constants), B, 2048, fixed=fixed,
-                     opts=opts)
+                     opts=opts if scheme == "ZeRO-3" else replace(MEGATRON_2021,
+                                                                  max_zero_stage=3))
         row = dict(scheme=scheme, params_b=P, gpus=n, b=b, published_tflops=tflops,
                    published_days=days, tflops=float("nan"), days=float("nan"))
         if len(res["order"]):
@@ -182,7 +197,7 @@ def bloom_176b(constants: Constants | None = None) -> dict:
     ``hw_tflops`` and the chosen ``layout`` record (its ``pipeline_split``)."""
     model = gpt(70, 14336, 112, V=250680)
     cl = fitted_cluster("A100-80GB", 384, constants, inter_bw=0.92 * 6.25e9)
-    res = search(model, cl, 2048, 2048, opts=Options(flash_attention=False),
+    res = search(model, cl, 2048, 2048, opts=MEGATRON_DEEPSPEED_2022,
                  fixed=dict(tp=4, pp=12, cp=1, mbs=2, recompute="full", zero=1, sp=0, zb=0))
     r = record(res, int(res["order"][0])) if len(res["order"]) else None
     return dict(published_tflops=150.0, hw_tflops=r["hw_tflops_per_gpu"] if r else float("nan"),

@@ -115,8 +115,8 @@ def test_one_expert_top1_is_a_dense_model_plus_a_router():
     tm = time_terms(moe, Lay, 32, 8192, make_cluster("H100-80GB", 8), opts)
     assert float(tm["ep_comm"][0]) == 0.0  # e = 1: no all-to-all
     # compute differs only by the router GEMM (2 h E FLOPs per token, tiny; at E = 1 it runs at
-    # the efficiency of a 1-wide GEMM, e / (1 + h0) ~ 1/170 of peak on H100: +0.23% here)
-    assert float(tm["compute"][0]) == pytest.approx(float(td["compute"][0]), rel=3e-3)
+    # the efficiency of a 1-wide GEMM, e / (1 + h0) ~ 1/280 of peak on H100: +0.36% here)
+    assert float(tm["compute"][0]) == pytest.approx(float(td["compute"][0]), rel=5e-3)
     assert float(tm["compute"][0]) > float(td["compute"][0])
 
 
@@ -259,20 +259,22 @@ def test_dense_search_unchanged():
     constants of issue 26 (e 0.747, h0 56.5, k 2.59, Hopper 0.658, ZeRO-3 0.746; the old ones
     reproduce the 6b96008 sums exactly). Re-recorded again for issue 26 v3 (1F1B layouts only,
     ``zb = 0``: the zero-bubble schedules add layouts; h0 57.2, Hopper 0.660, per-bucket DP
-    latency with NCCL's tree across nodes; CP p2p backward 2c - 1 blocks)."""
+    latency with NCCL's tree across nodes; CP p2p backward 2c - 1 blocks). Re-recorded for the
+    refit after NAR and KOR were modelled with their own Megatron-LM's overlaps (e 0.780,
+    h0 102.6, k 2.16, Hopper 0.719, ZeRO-3 0.736; the old constants give 857802.3 again)."""
     o = Options(flash_attention=True, max_zero_stage=3)
     one_f = dict(zb=0)
     res = search(get_preset("llama3-70b"), make_cluster("H100-80GB", 256), 512, 8192, one_f, o)
     assert len(res["tp"]) == 23712 and len(res["order"]) == 5710
     assert np.all(res["ep"] == 1) and not res["time_ep_comm"].any()
-    assert float(res["time_iteration"].sum()) == pytest.approx(857802.3310964478, rel=1e-12)
+    assert float(res["time_iteration"].sum()) == pytest.approx(867791.971008914, rel=1e-12)
     assert float(res["mem_total"].sum()) == pytest.approx(5522363313125654.0, rel=1e-12)
     best = record(res, int(res["order"][0]))
-    assert best["iteration_time_s"] == pytest.approx(16.419094686039145, rel=1e-12)
+    assert best["iteration_time_s"] == pytest.approx(16.736104498278955, rel=1e-12)
     o = Options(flash_attention=False, max_zero_stage=3)
     res = search(get_preset("gpt3-175b"), make_cluster("H100-80GB", 1024), 1536, 2048, one_f, o)
     assert len(res["tp"]) == 65130
-    assert float(res["time_iteration"].sum()) == pytest.approx(7103683.649195956, rel=1e-12)
+    assert float(res["time_iteration"].sum()) == pytest.approx(7225263.552627632, rel=1e-12)
     assert float(res["mem_total"].sum()) == pytest.approx(2.2006960905558864e+16, rel=1e-12)
 
 
