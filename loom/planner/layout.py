@@ -46,6 +46,9 @@ class Options:
     the slowest node (:func:`loom.planner.timing.straggler_factor`); 0 = none.
     ``overlap_tp_comm``: backward TP all-reduces overlapped with the weight-gradient GEMMs
     (Megatron's asynchronous TP communication; off for Megatron-LM 2019, SHO).
+    ``overlap_cp_comm``: the p2p ring's K/V exchanges overlapped with the attention blocks
+    (:func:`loom.planner.context_parallel.cp_layer_cost`); off where no engine progresses
+    them beside the compute (CPU ranks without a spare core, calibrate.host_overlap_options).
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
     workspaces, allocator fragmentation (bytes).
     ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).
@@ -57,12 +60,18 @@ class Options:
     CP communication and K/V memory of :mod:`loom.planner.context_parallel`.
     ``moe_load_imbalance``: busiest EP rank's expert tokens over the mean (>= 1), applied to the
     expert compute and activations (:data:`loom.planner.moe.MOE_LOAD_IMBALANCE`).
+    ``runtime``: whose layer and loss the activation memory counts
+    (:mod:`loom.planner.memory_runtime`): ``"loom"`` (KOR table 2, what ``loom plan`` plans:
+    ``loom train`` runs), ``"megatron-core"`` or ``"megatron-legacy"`` (Megatron-LM 2023, what
+    Megatron-LM PR 482 measured): the extra saved tensors, the loss's logits copies and the
+    backward transient of each.
     """
 
     flash_attention: bool = False
     grad_bytes: int = 4
     overlap_grad_reduce: bool = True
     overlap_tp_comm: bool = True
+    overlap_cp_comm: bool = True
     uneven_interleaved: bool = False
     straggler_jitter: float = 0.0
     ddp_bucket_elems: float = 40e6
@@ -74,6 +83,7 @@ class Options:
     zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (assumed)
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
     cp_comm_type: str = "p2p"
+    runtime: str = "loom"
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

@@ -15,8 +15,11 @@ Terms (all bytes, of the pipeline stage that needs the most):
   ``1 + (p-1)/(p v)`` (KOR sec 4.2.3), GPipe ``m``. Full and selective recompute add the working
   memory of one recomputed layer.
 * ``embedding_output``: embedding dropout mask on the first stage (per in-flight micro-batch);
-  final norm and output-layer input (2 s b h each) and the fp32 logits ``4 s b V / t``
-  (KOR sec 4.3) on the last stage.
+  final norm and output-layer input (2 s b h each) and the logits on the last stage: the fp32
+  logits ``4 s b V / t`` (KOR sec 4.3) for ``Options.runtime = "loom"``; each runtime's
+  copies, extra saved tensors per layer and backward transient in
+  :mod:`loom.planner.memory_runtime` (the stage with the output layer holds the larger of the
+  logits and that transient).
 * ``reserve``: ``reserve_bytes + reserve_fraction x`` the other terms (context, workspaces,
   fragmentation).
 * mixture of experts (:mod:`loom.planner.moe`): expert weights, gradients and optimizer states
@@ -38,6 +41,7 @@ from loom.planner.context_parallel import cp_memory
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.mamba import (KINDS, is_hybrid, kind_activation_bytes, kind_counts, kind_params,
                                 stage_kind_layers)
+from loom.planner.memory_runtime import backward_working_bytes, layer_extra_bytes, logits_bytes
 from loom.planner.mla import (attention_params, mla_activation_bytes, mtp_params,
                               mtp_stage_params)
 from loom.planner.moe import (MOE_LOAD_IMBALANCE, layer_param_totals, moe_activation_bytes,
@@ -228,11 +232,31 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
                  opts: Options | None = None) -> dict:
     """Memory per GPU, bytes, term by term, of the stage that needs the most: the first, the
     second (the middle stage holding the most micro-batches, ``min(p-1, m)`` with 1F1B; only
-    with ``p > 2``) or the last.
+    with ``p > 2``) or the last (:func:`stage_memory_terms`).
 
     Returns arrays ``weights, gradients, optimizer, activations, embedding_output, reserve,
     total`` and ``params_per_gpu`` (count), ``stage`` (0 first, 1 last, 2 middle).
     """
+    out = stage_memory_terms(model, L, global_batch_size, seq_length, opts)
+    p = L["pp"]
+    has_mid = p > 2
+    mid_total = np.where(has_mid, out["middle"]["total"], -np.inf)
+    first_worse = (out["first"]["total"] >= out["last"]["total"]) & \
+        (out["first"]["total"] >= mid_total)
+    mid_worse = ~first_worse & (mid_total > out["last"]["total"])
+    res = {k: np.where(first_worse, out["first"][k],
+                       np.where(mid_worse, out["middle"][k], out["last"][k])) for k in out["first"]}
+    res["stage"] = np.where(first_worse, 0, np.where(mid_worse, 2, 1))
+    res["params_first_stage"] = out["first"]["params_per_gpu"]
+    return res
+
+
+def stage_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
+                       opts: Options | None = None) -> dict:
+    """:func:`memory_terms` of every pipeline stage: ``{"first" | "middle" | "last": terms}``
+    (arrays, bytes; ``params_per_gpu`` a count). With ``p = 1`` all three describe the one
+    stage, "first" and "last" both holding the embedding and the output layer; with ``p = 2``
+    "middle" is not a real stage (:func:`memory_terms` ignores it)."""
     opts = opts or Options()
     s = seq_length
     h = model.hidden_size
@@ -254,6 +278,10 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
             else 2 * model.num_kv_groups * model.head_dim)
     cp_extra = cp_memory(opts.cp_comm_type, s * b / c, t, c,
                          model.num_attention_heads * model.head_dim, kv_w)
+    # the runtime's tensors beyond KOR (loom.planner.memory_runtime; 0 for "loom")
+    extra = layer_extra_bytes(model, s * b / c, t, opts.runtime, opts.flash_attention)
+    per_layer = per_layer + np.where(rc == 2, 0.0, extra)
+    working = working + np.where(rc == 2, extra, 0.0)
     lf, lm, ll = stage_layers(model.num_layers, L)
     n_moe = {"first": 0.0, "middle": 0.0, "last": 0.0}
     per_moe = per_layer
@@ -284,11 +312,19 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
     sp_div = np.where(sp > 0, t, 1.0)
     Vp = padded_vocab(model, t)
     emb_act_first = drop * S * h / sp_div * inflight
-    out_act = 2 * S * h / sp_div * 2 + 4 * S * Vp / t
+    logits = logits_bytes(S, Vp, t, opts.runtime)
+    out_act = 2 * S * h / sp_div * 2 + logits
+    bwd = backward_working_bytes(model, S, t, sp, opts.runtime)
+    # the output stage holds the larger of the loss's forward peak and the backward transient
+    bwd_out = np.maximum(bwd, logits) - logits
+    # the last stage holds one micro-batch with 1F1B; with GPipe all m forwards (and their
+    # loss's saved tensors) precede the first backward (GPipe, Huang et al. 2019 sec 2.2)
+    inflight_last = np.where((zb == 3) & (p > 1), m, 1.0)
     out = {}
     for name, n_layers, stage_inflight, params, emb_act in (
             ("first", lf, inflight, P["first"], emb_act_first + np.where(p == 1, out_act, 0.0)),
-            ("last", ll, 1.0, P["last"], np.where(p == 1, emb_act_first + out_act, out_act)),
+            ("last", ll, inflight_last, P["last"],
+             np.where(p == 1, emb_act_first + out_act, inflight_last * out_act)),
             ("middle", lm, inflight_mid, P["middle"], 0.0)):
         terms = {
             "weights": params * wb,
@@ -300,6 +336,7 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
             terms = {"weights": (params - ex) * wb + ex * xw,
                      "gradients": (params - ex) * gb + ex * xg,
                      "optimizer": (params - ex) * ob + ex * xo}
+        holds_output = (name == "last") | ((name == "first") & (p == 1))
         acts = n_layers * stage_inflight * per_layer + working + cp_extra
         if hybrid:
             i = ("first", "middle", "last").index(name)
@@ -313,6 +350,7 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
             acts = acts + here * model.mtp_num_layers * stage_inflight * (
                 per_moe if last_moe else per_layer)
             emb_act = emb_act + here * model.mtp_num_layers * out_act
+        acts = acts + np.where(holds_output, bwd_out, bwd) * (n_layers > 0)
         terms.update({
             "activations": acts,
             "embedding_output": emb_act,
@@ -322,13 +360,4 @@ def memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length
         terms["total"] = base + terms["reserve"]
         terms["params_per_gpu"] = params
         out[name] = terms
-    has_mid = p > 2
-    mid_total = np.where(has_mid, out["middle"]["total"], -np.inf)
-    first_worse = (out["first"]["total"] >= out["last"]["total"]) & \
-        (out["first"]["total"] >= mid_total)
-    mid_worse = ~first_worse & (mid_total > out["last"]["total"])
-    res = {k: np.where(first_worse, out["first"][k],
-                       np.where(mid_worse, out["middle"][k], out["last"][k])) for k in out["first"]}
-    res["stage"] = np.where(first_worse, 0, np.where(mid_worse, 2, 1))
-    res["params_first_stage"] = P["first"]
-    return res
+    return out

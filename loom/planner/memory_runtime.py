@@ -1,0 +1,83 @@
+"""What a training runtime keeps alive beyond KOR table 2: the runtime-specific memory terms.
+
+KOR table 2 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models") counts the tensors a transformer layer *needs* for its backward pass. A real runtime keeps
+some more, and its peak (``torch.cuda.max_memory_allocated``) also holds the largest transient.
+:attr:`loom.planner.layout.Options.runtime` names the runtime:
+
+* ``"loom"``: loom's own layer, the KOR count (the planner's terms before runtimes were named;
+  ``loom train --dry-run`` and ``benchmarks/planner_vs_measured.py`` use it). Logits: the fp32
+  copy, ``4 S V / t`` (KOR sec 4.3). No transient.
+* ``"megatron-core"``: Megatron-Core with Transformer Engine (d98e8a6). Per layer the KOR count:
+  TE's fused LayerNorm-linear saves the norm input and output, the fused bias-SwiGLU
+  (``megatron/core/fusions/fused_bias_swiglu.py``) saves only its ``[S, 2f/t]`` input and fc2 its
+  ``[S, f/t]`` input, the attention output is the tensor ``linear_proj`` saves. Logits
+  (``megatron/core/tensor_parallel/cross_entropy.py``): the bf16 logits stay referenced by the
+  caller while the loss works on their fp32 copy *in place* (``vocab_parallel_logits -=
+  logits_max``, ``torch.exp(..., out=...)``): ``(2 + 4) S V / t``. Backward transient below.
+* ``"megatron-legacy"``: Megatron-LM's 2023 ``ParallelTransformerLayer`` with ``--use-flash-attn``
+  (flash-attn's varlen function) and an unfused ``--swiglu``, the code Megatron-LM PR 482
+  measured (``tools/get_training_info``). Beyond KOR, per layer:
+  the flash-attention output ``[b s, a/t, d]`` that flash-attn saves *and* its re-laid-out
+  contiguous copy ``[s, b, a d/t]`` that the output projection saves (``rearrange(...)
+  .contiguous()``): ``+2 S a d / t``; the SwiGLU ``F.silu(x[0]) * x[1]``: the product saves the
+  SiLU output ``[S, f/t]`` (and SiLU its input, a view of the bias-added ``[S, 2f/t]``):
+  ``+2 S f / t``. Logits: ``vocab_parallel_cross_entropy(output.float(), ...)`` keeps the bf16
+  logits (caller), the fp32 copy (the Function's argument) and the *out-of-place* shifted
+  ``vocab_parallel_logits - logits_max``: ``(2 + 4 + 4) S V / t`` at the end of the forward.
+
+Backward transient (both Megatron runtimes; :func:`backward_working_bytes`): at the start of the
+backward of a stage's last layer every saved tensor is still alive; the MLP's backward then holds
+the incoming ``[S, f/t]`` gradient of fc2's input and creates the activation's input gradient
+(``[S, 2f/t]`` gated, ``[S, f/t]`` GeLU) before fc2's saved input (``[S, f/t]``) is released:
+``+4 S f / t`` bytes (gated; ``+2 S f / t`` GeLU), alongside the residual-stream gradient received
+and its dropout/bias-add copy ``2 x 2 S h`` (``/ t`` with SP). On the stage with the output layer
+the forward's logits peak and this backward peak do not coexist: the stage holds the larger.
+
+Every factor above is read off the code named, not fitted; the PR's four measured peaks are a
+check (tests/planner/test_planner_memory_runtime.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loom.config import ModelConfig
+
+RUNTIMES = ("loom", "megatron-core", "megatron-legacy")
+# bytes per logit element at the forward peak of the loss (see the module docstring)
+LOGITS_BYTES = {"loom": 4.0, "megatron-core": 6.0, "megatron-legacy": 10.0}
+
+
+def check_runtime(runtime: str) -> str:
+    """``runtime`` if known; raises ValueError naming :data:`RUNTIMES` otherwise."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    return runtime
+
+
+def layer_extra_bytes(model: ModelConfig, S, t, runtime: str, flash_attention: bool):
+    """Bytes one layer keeps per micro-batch beyond KOR table 2 (``S`` tokens per GPU, TP ``t``):
+    ``megatron-legacy``: ``2 S a d / t`` (flash output and its contiguous copy, with flash
+    attention) + ``2 S f / t`` (the unfused SwiGLU's SiLU output, gated MLPs); 0 otherwise."""
+    if check_runtime(runtime) != "megatron-legacy":
+        return 0.0 * S
+    flash = 2.0 * S * model.num_attention_heads * model.head_dim if flash_attention else 0.0
+    gated = 2.0 * S * model.ffn_size if model.gated_linear_unit else 0.0
+    return (flash + gated) / t
+
+
+def logits_bytes(S, Vp, t, runtime: str):
+    """Peak bytes of the logits and the loss on the output stage: ``k S Vp / t`` with ``k`` of
+    :data:`LOGITS_BYTES` (``Vp`` the padded vocabulary)."""
+    return LOGITS_BYTES[check_runtime(runtime)] * S * Vp / t
+
+
+def backward_working_bytes(model: ModelConfig, S, t, sp, runtime: str):
+    """Transient of the backward of a stage's last layer over its saved tensors (bytes): 0 for
+    ``loom``; for the Megatron runtimes ``(4 | 2) S f / t`` (gated | GeLU MLP) + ``4 S h``
+    (``/ t`` with sequence parallelism ``sp``); see the module docstring."""
+    if check_runtime(runtime) == "loom":
+        return 0.0 * S
+    f_part = (4.0 if model.gated_linear_unit else 2.0) * S * model.ffn_size / t
+    return f_part + 4.0 * S * model.hidden_size / np.where(np.asarray(sp) > 0, t, 1.0)
