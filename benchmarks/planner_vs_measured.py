@@ -16,6 +16,12 @@ dropout 0, AdamW, mock data. CPU, gloo, one thread per rank.
    built (torch, gloo and the interpreter excluded): the number compared with the planner.
 4. The planner's pick (min predicted time among the 4-rank layouts) vs the measured fastest.
 
+Issue 26 (docs/planner-validation.md): memory measured on tensors (model states + the peak of
+autograd's saved tensors, recompute included), predicted per pipeline stage in fp32
+(``_fp32_peak_bytes``); time with the host's shared cores (``calibrate.shared_cores_time``,
+``calibrate.shared_cores_pipeline_time``) and the planner's GPU overlaps off
+(``calibrate.host_overlap_options``).
+
 Waits (up to --max-wait s) for the 1-minute load average to drop below 2.5 before each layout and
 records it. Layouts that fail (e.g. pipeline parallelism still in progress) are recorded with
 their error and retried once at the end. Prints one JSON line per layout, then a markdown table.
@@ -123,6 +129,16 @@ def _storage_key(t):
         return None
 
 
+def _is_weight(t) -> bool:
+    """A parameter (or a view of one, e.g. the ``weight.t()`` a linear layer saves): a model
+    state, not an activation. FSDP2 saves its *unsharded* parameters, whose storages are the
+    all-gather's output, not the sharded ones in ``SavedBytes.skip``, and frees them after the
+    forward (``reshard_after_forward``): their bytes are not held with the activations."""
+    import torch
+    base = t._base if getattr(t, "_base", None) is not None else t
+    return isinstance(t, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter)
+
+
 class SavedBytes:
     """Live bytes of the tensors autograd saves for backward (the activations), counted by
     storage (views of one storage once) through ``torch.autograd.graph.saved_tensors_hooks``:
@@ -141,23 +157,51 @@ class SavedBytes:
         self.refs, self.size, self.live, self.peak = {}, {}, 0, 0
 
     def pack(self, t):
-        import weakref
         h = self._Held(t)
-        got = _storage_key(t)
-        if got is None:
-            return h
-        key = got[0]
-        if key and key not in self.skip:
-            if key not in self.refs:
-                self.refs[key], self.size[key] = 0, got[1]
-                self.live += self.size[key]
-                self.peak = max(self.peak, self.live)
-            self.refs[key] += 1
-            weakref.finalize(h, self._release, key)
+        self._count(t, h)
         return h
 
     def unpack(self, h):
         return h.t
+
+    def _count(self, t, owner) -> None:
+        """Count ``t``'s storage as live until ``owner`` (an object holding it) is freed."""
+        import weakref
+        got = _storage_key(t)
+        if got is None or not got[0] or got[0] in self.skip or _is_weight(t):
+            return
+        key = got[0]
+        if key not in self.refs:
+            self.refs[key], self.size[key] = 0, got[1]
+            self.live += self.size[key]
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(owner, self._release, key)
+
+    def recompute_hooks(self):
+        """Saved-tensor hooks for the *recompute* of a non-reentrant ``torch.utils.checkpoint``
+        (its ``context_fn`` recompute context). During backward, checkpoint re-runs the
+        layer's forward under its own hooks (``_recomputation_hook``), which store the
+        recomputed tensors in the checkpoint frame until their backward node unpacks and
+        frees them; being the innermost hooks they hide those saves from :meth:`pack`, so a
+        full-recompute run looked as if it held no layer activations at all. These hooks
+        sit inside checkpoint's: each tensor is detached as checkpoint would, counted until
+        that tensor object dies, and handed on to checkpoint's own pack hook (the top of
+        autograd's default-hooks stack when the context is entered)."""
+        import torch
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is None:  # not inside a recompute: nothing to chain to
+            import contextlib
+            return contextlib.nullcontext()
+        outer_pack, outer_unpack = outer
+
+        def pack(x):
+            y = x.detach() if x.requires_grad else x
+            if not _is_weight(x):  # y is a detached alias: ask x
+                self._count(y, y)  # before outer_pack: it may stop the recompute by raising
+            return outer_pack(y)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
 
     def _release(self, key):
         self.refs[key] -= 1
@@ -166,18 +210,36 @@ class SavedBytes:
             del self.refs[key]
 
 
+class _Deferred:
+    """A context manager that builds the real one (``make()``) only when entered: checkpoint
+    calls ``context_fn`` during the forward, but enters the recompute context later, inside
+    its own recompute hooks, which :meth:`SavedBytes.recompute_hooks` must chain to."""
+
+    def __init__(self, make):
+        self.make, self.cm = make, None
+
+    def __enter__(self):
+        self.cm = self.make()
+        return self.cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc)
+
+
 def _state_bytes(trainer) -> int:
     """Bytes of every tensor reachable from the trainer's parts after training (parameters,
     gradient buffers, optimizer states, master shards), each storage once."""
     import torch
     seen, total, stack, visited = set(), 0, [trainer.parts], set()
+    gradless, buffered = [], set()
     while stack:
         o = stack.pop()
         if id(o) in visited:
             continue
         visited.add(id(o))
         if isinstance(o, torch.Tensor):
-            for t in (o, getattr(o, "grad", None), getattr(o, "main_grad", None)):
+            grads = [getattr(o, "grad", None), getattr(o, "main_grad", None)]
+            for t in [o] + grads:
                 got = _storage_key(t) if isinstance(t, torch.Tensor) else None
                 if got is None:
                     continue
@@ -185,7 +247,12 @@ def _state_bytes(trainer) -> int:
                 if key and key not in seen:
                     seen.add(key)
                     total += size
+            if (isinstance(o, torch.nn.Parameter) and o.requires_grad
+                    and all(g is None for g in grads)):
+                gradless.append(o)
             continue
+        if type(o).__name__ == "GradBuffer":  # loom.parallel.grad_buffer: DP's gradients
+            buffered.update(id(q) for q in o.params if id(q) in o._bucket_of)
         if isinstance(o, torch.nn.Module):
             stack.extend(o.parameters())
             stack.extend(o.buffers())
@@ -196,6 +263,14 @@ def _state_bytes(trainer) -> int:
             stack.extend(o)
         elif hasattr(o, "__dict__") and type(o).__module__.split(".")[0] in ("loom", "torch"):
             stack.extend(vars(o).values())
+    for q in gradless:
+        if id(q) not in buffered:
+            # no gradient buffer (DP = 1): backward wrote ``.grad`` and the step's
+            # ``zero_grad(set_to_none=True)`` freed it again, but it was held from the
+            # backward to the optimizer step: count its bytes. A parameter in a GradBuffer
+            # (DP > 1) has its gradient there, counted with the buffer's storage above.
+            local = q.to_local() if hasattr(q, "to_local") else q
+            total += local.numel() * local.element_size()
     return total
 
 
@@ -213,6 +288,15 @@ def measure(ranks, tp, pp, cp, mbs, recompute, schedule, extra=None) -> dict:
     trainer = Trainer(cfg, mesh=mesh)
     params = {_storage_key(p) for c in trainer.parts.model.chunks for p in c.parameters()}
     saved = SavedBytes(skip=params)
+    # full / selective recompute: count what checkpoint saves while it recomputes (see
+    # SavedBytes.recompute_hooks); the recompute context is entered inside checkpoint's own
+    # hooks. Only this rank process's module attribute is replaced.
+    import contextlib
+    import functools
+
+    import loom.parallel.recompute as recompute_mod
+    ctx = lambda: (contextlib.nullcontext(), _Deferred(saved.recompute_hooks))  # noqa: E731
+    recompute_mod.checkpoint = functools.partial(recompute_mod.checkpoint, context_fn=ctx)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         history = trainer.train()
     times = [r["step_time_s"] for r in history[WARMUP:]]
@@ -233,7 +317,9 @@ def wait_quiet(max_wait: float) -> float:
 
 
 def predicted(cal, name_row) -> dict:
-    from loom.planner.calibrate import oversubscribed, shared_cores_time
+    from loom.planner.calibrate import (host_overlap_options, oversubscribed,
+                                        shared_cores_pipeline_time, shared_cores_time)
+    from loom.planner.layout import Options
     from loom.planner.predict import predict_layout
 
     _, ranks, tp, pp, cp, mbs, rc, sched, extra = _row(name_row)
@@ -250,8 +336,23 @@ def predicted(cal, name_row) -> dict:
     # bubble or a receive gives its core away): max(T_1, R (T_1 - bubble) / C), where T_1 is
     # the planner's step with one core per rank (calibrate.shared_cores_time)
     cl1 = oversubscribed(cl, ranks, ranks)
-    p = predict_layout(cfg, ranks, cluster=cl1)
-    p["time_s"]["iteration"] = shared_cores_time(p["time_s"], ranks, cores)
+    # no core is free to progress gloo behind compute: the planner's overlaps are off
+    opts = Options(flash_attention=True, **host_overlap_options(ranks, cores))
+    p = predict_layout(cfg, ranks, cluster=cl1, opts=opts)
+    if pp > 1:
+        # pipelines: the stages differ (the last also runs the output layer and the loss), so
+        # the total work is that of the same layout unpipelined (pp = 1, same dp, tp, cp,
+        # micro-batch and m) times the number of pipelines, and the critical path is the
+        # slowest stage plus one micro-batch through the others
+        # (calibrate.shared_cores_pipeline_time)
+        flat_ranks = ranks // pp
+        flat = predict_layout(make_config(flat_ranks, tp, 1, cp, mbs, rc, "1f1b", extra),
+                              flat_ranks, cluster=oversubscribed(cl, flat_ranks, flat_ranks),
+                              opts=opts)
+        p["time_s"]["iteration"] = shared_cores_pipeline_time(
+            p["time_s"], flat["time_s"], ranks, pp, p["layout"]["num_microbatches"], cores)
+    else:
+        p["time_s"]["iteration"] = shared_cores_time(p["time_s"], ranks, cores)
     cl = oversubscribed(cl, ranks, cores)
     mem = p["memory_bytes"]
     no_reserve = mem["total"] - mem["reserve"]
@@ -259,13 +360,63 @@ def predicted(cal, name_row) -> dict:
     # fp32 main_grad, Adam m and v 8 B instead of 12 (no separate master), each sharded as the
     # planner shards it; activations 4 B instead of 2 (the fp32 logits term is already 4 B).
     # A unit conversion, not a fit.
-    fp32 = (2 * mem["weights"] + mem["gradients"] + mem["optimizer"] * 8 / 12
-            + 2 * mem["activations"] + mem["embedding_output"])
+    fp32 = _fp32_peak_bytes(cfg, ranks)
     return {"pred_step_s": p["time_s"]["iteration"],
             "pred_terms_s": {k: round(v, 4) for k, v in p["time_s"].items() if v > 0},
             "pred_mem_bytes": no_reserve, "pred_mem_fp32_bytes": fp32,
             "pred_mem_with_reserve_bytes": mem["total"], "compute_share": cl.notes[
                 "oversubscription"]["share"], "microbatches": p["layout"]["num_microbatches"]}
+
+
+def _fp32_peak_bytes(cfg, ranks: int) -> float:
+    """The planner's memory terms (memory.stage_memory_terms, no reserve) as this fp32 loom run
+    holds them, for every pipeline stage, and the largest. Per stage: weights 4 B (the master
+    copy) instead of 2, gradients 4 B as the planner's fp32 main_grad, Adam m and v 8 B instead
+    of 12 (no separate master), each sharded as the planner shards it; activations 4 B instead
+    of 2; the output layer's terms as :func:`_loom_output_bytes`. A unit conversion, not a
+    fit. Per stage because the conversion moves the peak: the planner's 16-bit last stage
+    holds Megatron's fp32 logits, loom's does not, so a pipeline's first stage (``p``
+    micro-batches in flight) is the one that peaks here."""
+    import numpy as np
+
+    from loom.planner.layout import Options, make_layouts
+    from loom.planner.memory import stage_memory_terms
+    from loom.planner.predict import layout_of
+
+    stages = stage_memory_terms(cfg.model, make_layouts(layout_of(cfg, ranks)),
+                                cfg.global_batch_size(ranks), cfg.model.seq_length,
+                                Options(flash_attention=True))
+    names = ("first", "last", "middle")[:min(3, cfg.parallel.pipeline_model_parallel_size)]
+    def one(st, k):  # the one layout's value (a term may be a scalar, e.g. the middle's output)
+        return float(np.asarray(st[k]).flat[0])
+
+    return max(2 * one(st, "weights") + one(st, "gradients") + one(st, "optimizer") * 8 / 12
+               + 2 * one(st, "activations") + _loom_output_bytes(cfg, one(st, "embedding_output"))
+               for st in (stages[n] for n in names))
+
+
+def _loom_output_bytes(cfg, embedding_output: float) -> float:
+    """The planner's ``embedding_output`` term of one stage (memory.py: on the stage with the
+    output layer, per micro-batch in flight there, the 16-bit final-norm and output-layer
+    inputs ``2 x 2 S h`` and Megatron's fp32 logits ``4 S Vp / t``, held for the
+    cross-entropy's backward) as this fp32 loom run holds it. loom's fused linear
+    cross-entropy (loom/parallel/cross_entropy.py) never keeps the logits: it turns each token
+    chunk's logits into their gradient in the forward and saves only ``dL/dx`` ``[S, h]`` and
+    ``dL/dw`` ``[Vp/t, h]`` (fp32) per micro-batch for the backward. So each micro-batch's
+    logits bytes are replaced by those two, and the 16-bit inputs doubled (fp32): loom's code,
+    not a fit. ``S = s b / cp`` tokens per micro-batch; this benchmark's model has no dropout,
+    so the term is a whole number of micro-batches' outputs (0 on a stage without the output
+    layer)."""
+    from loom.planner.memory import padded_vocab
+
+    m, p = cfg.model, cfg.parallel
+    t = p.tensor_model_parallel_size
+    S = m.seq_length * cfg.training.micro_batch_size / p.context_parallel_size
+    vp = float(padded_vocab(m, t)) / t
+    h = m.hidden_size
+    sp = t if p.sequence_parallel else 1  # the norm's input is [S/t, h] with SP
+    n = embedding_output / (2 * 2 * S * h / sp + 4 * S * vp)  # micro-batches held (m: GPipe)
+    return n * (2 * 2 * 2 * S * h / sp + 4 * S * h + 4 * vp * h)
 
 
 def run_layout(row, max_wait) -> dict:

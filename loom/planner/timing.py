@@ -169,7 +169,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
     kv = (a * (model.q_head_dim + model.v_head_dim) if model.multi_latent_attention
           else 2 * g * d)  # K and V widths per token (MLA: the expanded heads)
-    cpc = cp_layer_cost(opts.cp_comm_type, S, t, c, a * d, kv, attn, cluster)
+    cpc = cp_layer_cost(opts.cp_comm_type, S, t, c, a * d, kv,
+                        attn if opts.overlap_cp_comm else 0.0 * attn, cluster)
     cp_fwd, cp_bwd = cpc["fwd"], cpc["bwd"]
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "cp_fwd": cp_fwd, "cp_bwd": cp_bwd,

@@ -48,3 +48,33 @@ def test_oversubscribed_scales_compute_and_bandwidth():
 def test_memory_bandwidth_is_plausible():
     bw = measure_memory_bandwidth(nbytes=4 << 20, repeats=2)
     assert np.isfinite(bw) and 1e8 < bw < 1e13
+
+
+def test_shared_cores_pipeline_time_bounds():
+    from loom.planner.calibrate import shared_cores_pipeline_time, shared_cores_time
+    # 2 stages, m = 4: the slowest stage 0.1 s per micro-batch, both stages together 0.15 s
+    piped = dict(compute=0.4, pp_bubble=0.1, pp_comm=0.01, optimizer=0.01, iteration=0.52)
+    flat = dict(compute=0.6, optimizer=0.02, iteration=0.62)
+    crit = 0.52 - 0.1 + (0.6 - 0.4) / 4  # the other stage's micro-batch replaces the bubble
+    # 2 pipelines on 4 ranks: total work 2 x 0.62 + 4 x 0.01 over 2 cores
+    assert shared_cores_pipeline_time(piped, flat, 4, 2, 4, cores=2) == pytest.approx(
+        max(crit, (2 * 0.62 + 4 * 0.01) / 2))
+    # one core per rank: the critical path
+    assert shared_cores_pipeline_time(piped, flat, 2, 2, 4, cores=2) == pytest.approx(crit)
+    # equal stages: the fill and drain is the planner's bubble (p - 1) t_mb
+    eq = dict(compute=0.4, pp_bubble=0.1, iteration=0.5)
+    assert shared_cores_pipeline_time(eq, dict(compute=0.8, iteration=0.8), 2, 2, 4,
+                                      cores=8) == pytest.approx(0.5)
+    # pp = 1: shared_cores_time
+    assert shared_cores_pipeline_time(flat, flat, 4, 1, 4, cores=2) == pytest.approx(
+        shared_cores_time(flat, 4, 2)) == pytest.approx(4 * 0.62 / 2)
+
+
+def test_host_overlap_options():
+    from loom.planner.calibrate import host_overlap_options
+    assert host_overlap_options(2, cores=4) == {}
+    off = host_overlap_options(4, cores=2)
+    assert off == host_overlap_options(2, cores=2)
+    o = Options(flash_attention=True, **off)
+    assert not o.overlap_tp_comm and not o.overlap_grad_reduce and o.zero3_overlap == 0.0
+    assert not o.overlap_cp_comm
