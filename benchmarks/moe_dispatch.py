@@ -91,7 +91,7 @@ def measure(ep: int, dispatcher: str) -> dict:
 
 def predict(cal, ep: int, dispatcher: str) -> dict:
     """The planner's step time, EP communication and memory for the layout (see docstring)."""
-    from loom.planner.calibrate import oversubscribed
+    from loom.planner.host_sharing import oversubscribed
     from loom.planner.predict import predict_layout
     ar = cal.notes.get("allreduce", {}).get(str(RANKS))
     if ar:

@@ -3,7 +3,7 @@ EP=1 (DP=4, every rank holds all experts), EP=2, EP=4, and EP=2 x TP=2 (DP=2); p
 planner's predicted step time for the same layouts on this machine's calibration when one is
 given (``--cluster FILE``, from ``loom.planner.calibrate.calibrate_local``) or calibrated at the
 start (~20 s): the planner's prediction for R ranks on C cores uses the all-reduce fit among R
-ranks for the links and ``min(1, C/R)`` of a core per rank (``calibrate.oversubscribed``), as
+ranks for the links and ``min(1, C/R)`` of a core per rank (``host_sharing.oversubscribed``), as
 ``benchmarks/planner_vs_measured.py`` does; its error is printed next to the measurement.
 
 Model: 4 layers, h 256, 8 heads (4 KV groups), 8 SwiGLU experts of width 512, top-2, V 8192,
@@ -70,7 +70,7 @@ LAYOUTS = [("EP=1 (DP=4)", 1, 1), ("EP=2 (DP=4)", 1, 2), ("EP=4 (DP=4)", 1, 4),
 def predicted_step_s(cal, tp: int, ep: int, ranks: int = 4) -> float:
     """The planner's iteration time (s) for the layout on the calibrated machine, R ranks
     sharing its cores (see the module docstring)."""
-    from loom.planner.calibrate import oversubscribed
+    from loom.planner.host_sharing import oversubscribed
     from loom.planner.predict import predict_layout
 
     ar = cal.notes.get("allreduce", {}).get(str(ranks))

@@ -9,7 +9,7 @@ dropout 0, AdamW, mock data. CPU, gloo, one thread per rank.
    never fitted per layout.
 2. Oversubscription: the planner assumes one device per rank; R ranks on C cores each get
    ``min(1, C/R)`` of a core, so each layout's cluster has ``peak_flops`` and ``hbm_bw`` scaled
-   by that share (``calibrate.oversubscribed``); links are the all-reduce fit for R ranks.
+   by that share (``host_sharing.oversubscribed``); links are the all-reduce fit for R ranks.
 3. For every layout: ``predict_layout`` (time, memory), then a Trainer run (3 warm-up + 5
    measured steps, median of the slowest rank's step time) and the peak RSS of every rank
    (``VmHWM``, max over ranks), also its growth over the rank's RSS just before the Trainer is
@@ -18,9 +18,9 @@ dropout 0, AdamW, mock data. CPU, gloo, one thread per rank.
 
 Issue 26 (docs/planner-validation.md): memory measured on tensors (model states + the peak of
 autograd's saved tensors, recompute included), predicted per pipeline stage in fp32
-(``_fp32_peak_bytes``); time with the host's shared cores (``calibrate.shared_cores_time``,
-``calibrate.shared_cores_pipeline_time``) and the planner's GPU overlaps off
-(``calibrate.host_overlap_options``).
+(``_fp32_peak_bytes``); time with the host's shared cores (``host_sharing.shared_cores_time``,
+``host_sharing.shared_cores_pipeline_time``) and the planner's GPU overlaps off
+(``host_sharing.host_overlap_options``).
 
 Waits (up to --max-wait s) for the 1-minute load average to drop below 2.5 before each layout and
 records it. Layouts that fail (e.g. pipeline parallelism still in progress) are recorded with
@@ -317,7 +317,7 @@ def wait_quiet(max_wait: float) -> float:
 
 
 def predicted(cal, name_row) -> dict:
-    from loom.planner.calibrate import (host_overlap_options, oversubscribed,
+    from loom.planner.host_sharing import (host_overlap_options, oversubscribed,
                                         shared_cores_pipeline_time, shared_cores_time)
     from loom.planner.layout import Options
     from loom.planner.predict import predict_layout
@@ -334,7 +334,7 @@ def predicted(cal, name_row) -> dict:
     # R ranks on C < R cores: the step takes at least its critical path at one core per rank
     # and at least the ranks' busy time shared by the cores (a rank blocked in a pipeline
     # bubble or a receive gives its core away): max(T_1, R (T_1 - bubble) / C), where T_1 is
-    # the planner's step with one core per rank (calibrate.shared_cores_time)
+    # the planner's step with one core per rank (host_sharing.shared_cores_time)
     cl1 = oversubscribed(cl, ranks, ranks)
     # no core is free to progress gloo behind compute: the planner's overlaps are off
     opts = Options(flash_attention=True, **host_overlap_options(ranks, cores))
@@ -344,7 +344,7 @@ def predicted(cal, name_row) -> dict:
         # the total work is that of the same layout unpipelined (pp = 1, same dp, tp, cp,
         # micro-batch and m) times the number of pipelines, and the critical path is the
         # slowest stage plus one micro-batch through the others
-        # (calibrate.shared_cores_pipeline_time)
+        # (host_sharing.shared_cores_pipeline_time)
         flat_ranks = ranks // pp
         flat = predict_layout(make_config(flat_ranks, tp, 1, cp, mbs, rc, "1f1b", extra),
                               flat_ranks, cluster=oversubscribed(cl, flat_ranks, flat_ranks),

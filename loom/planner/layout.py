@@ -48,7 +48,7 @@ class Options:
     (Megatron's asynchronous TP communication; off for Megatron-LM 2019, SHO).
     ``overlap_cp_comm``: the p2p ring's K/V exchanges overlapped with the attention blocks
     (:func:`loom.planner.context_parallel.cp_layer_cost`); off where no engine progresses
-    them beside the compute (CPU ranks without a spare core, calibrate.host_overlap_options).
+    them beside the compute (CPU ranks without a spare core, host_sharing.host_overlap_options).
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
     workspaces, allocator fragmentation (bytes).
     ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).

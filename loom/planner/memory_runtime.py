@@ -7,7 +7,10 @@ some more, and its peak (``torch.cuda.max_memory_allocated``) also holds the lar
 
 * ``"loom"``: loom's own layer, the KOR count (the planner's terms before runtimes were named;
   ``loom train --dry-run`` and ``benchmarks/planner_vs_measured.py`` use it). Logits: the fp32
-  copy, ``4 S V / t`` (KOR sec 4.3). No transient.
+  copy, ``4 S V / t`` (KOR sec 4.3). No transient. loom's fused linear cross-entropy
+  (loom/parallel/cross_entropy.py) keeps ``dL/dx`` ``[S, h]`` and ``dL/dw`` ``[V/t, h]`` (fp32)
+  per micro-batch instead of the logits; ``benchmarks/planner_vs_measured.py`` substitutes them
+  (``_loom_output_bytes``), this term does not yet.
 * ``"megatron-core"``: Megatron-Core with Transformer Engine (d98e8a6). Per layer the KOR count:
   TE's fused LayerNorm-linear saves the norm input and output, the fused bias-SwiGLU
   (``megatron/core/fusions/fused_bias_swiglu.py``) saves only its ``[S, 2f/t]`` input and fc2 its

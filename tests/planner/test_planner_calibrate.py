@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from loom.planner.calibrate import (CAL_BATCH, _cal_model_config, fit_gemm_curve,
-                                    fit_mem_traffic, measure_memory_bandwidth, oversubscribed)
+                                    fit_mem_traffic, measure_memory_bandwidth)
+from loom.planner.host_sharing import oversubscribed
 from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.timing import gemm_efficiency, time_terms
@@ -51,7 +52,7 @@ def test_memory_bandwidth_is_plausible():
 
 
 def test_shared_cores_pipeline_time_bounds():
-    from loom.planner.calibrate import shared_cores_pipeline_time, shared_cores_time
+    from loom.planner.host_sharing import shared_cores_pipeline_time, shared_cores_time
     # 2 stages, m = 4: the slowest stage 0.1 s per micro-batch, both stages together 0.15 s
     piped = dict(compute=0.4, pp_bubble=0.1, pp_comm=0.01, optimizer=0.01, iteration=0.52)
     flat = dict(compute=0.6, optimizer=0.02, iteration=0.62)
@@ -71,7 +72,7 @@ def test_shared_cores_pipeline_time_bounds():
 
 
 def test_host_overlap_options():
-    from loom.planner.calibrate import host_overlap_options
+    from loom.planner.host_sharing import host_overlap_options
     assert host_overlap_options(2, cores=4) == {}
     off = host_overlap_options(4, cores=2)
     assert off == host_overlap_options(2, cores=2)
