@@ -136,6 +136,7 @@ def _is_weight(t) -> bool:
     forward (``reshard_after_forward``): their bytes are not held with the activations."""
     import torch
     base = t._base if getattr(t, "_base", None) is not None else t
+    # both: a parameter may itself be a view (FSDP2's unsharded one, of the all-gather output)
     return isinstance(t, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter)
 
 
@@ -356,14 +357,9 @@ def predicted(cal, name_row) -> dict:
     cl = oversubscribed(cl, ranks, cores)
     mem = p["memory_bytes"]
     no_reserve = mem["total"] - mem["reserve"]
-    # fp32 run: weights 4 B (the master copy) instead of 2, gradients 4 B as the planner's
-    # fp32 main_grad, Adam m and v 8 B instead of 12 (no separate master), each sharded as the
-    # planner shards it; activations 4 B instead of 2 (the fp32 logits term is already 4 B).
-    # A unit conversion, not a fit.
-    fp32 = _fp32_peak_bytes(cfg, ranks)
     return {"pred_step_s": p["time_s"]["iteration"],
             "pred_terms_s": {k: round(v, 4) for k, v in p["time_s"].items() if v > 0},
-            "pred_mem_bytes": no_reserve, "pred_mem_fp32_bytes": fp32,
+            "pred_mem_bytes": no_reserve, "pred_mem_fp32_bytes": _fp32_peak_bytes(cfg, ranks),
             "pred_mem_with_reserve_bytes": mem["total"], "compute_share": cl.notes[
                 "oversubscription"]["share"], "microbatches": p["layout"]["num_microbatches"]}
 
