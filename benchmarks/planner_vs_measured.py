@@ -369,40 +369,49 @@ def _fp32_peak_bytes(cfg, ranks: int) -> float:
     holds them, for every pipeline stage, and the largest. Per stage: weights 4 B (the master
     copy) instead of 2, gradients 4 B as the planner's fp32 main_grad, Adam m and v 8 B instead
     of 12 (no separate master), each sharded as the planner shards it; activations 4 B instead
-    of 2; the output layer's terms as :func:`_loom_output_bytes`. A unit conversion, not a
-    fit. Per stage because the conversion moves the peak: the planner's 16-bit last stage
-    holds Megatron's fp32 logits, loom's does not, so a pipeline's first stage (``p``
-    micro-batches in flight) is the one that peaks here."""
+    of 2; the output layer's terms as :func:`_loom_output_bytes`. The loss's forward transient
+    (memory_runtime.loss_transient_bytes, in the output stage's activations) is left out: the
+    measurement counts saved tensors, not what a forward frees before returning. A unit
+    conversion, not a fit. Per stage because a pipeline's first stage (``p`` micro-batches in
+    flight) and its last (the loss) peak differently."""
     import numpy as np
 
     from loom.planner.layout import Options, make_layouts
-    from loom.planner.memory import stage_memory_terms
+    from loom.planner.memory import padded_vocab, stage_memory_terms
+    from loom.planner.memory_runtime import loss_transient_bytes
     from loom.planner.predict import layout_of
 
     stages = stage_memory_terms(cfg.model, make_layouts(layout_of(cfg, ranks)),
                                 cfg.global_batch_size(ranks), cfg.model.seq_length,
                                 Options(flash_attention=True))
-    names = ("first", "last", "middle")[:min(3, cfg.parallel.pipeline_model_parallel_size)]
+    pp = cfg.parallel.pipeline_model_parallel_size
+    names = ("first", "last", "middle")[:min(3, pp)]
+    t = cfg.parallel.tensor_model_parallel_size
+    S = cfg.model.seq_length * cfg.training.micro_batch_size / cfg.parallel.context_parallel_size
+    transient = float(loss_transient_bytes(cfg.model, S, float(padded_vocab(cfg.model, t)), t,
+                                           "loom"))
+
     def one(st, k):  # the one layout's value (a term may be a scalar, e.g. the middle's output)
         return float(np.asarray(st[k]).flat[0])
 
-    return max(2 * one(st, "weights") + one(st, "gradients") + one(st, "optimizer") * 8 / 12
-               + 2 * one(st, "activations") + _loom_output_bytes(cfg, one(st, "embedding_output"))
-               for st in (stages[n] for n in names))
+    def fp32(name, st):
+        out = name == "last" or pp == 1
+        acts = one(st, "activations") - (transient if out else 0.0)
+        return (2 * one(st, "weights") + one(st, "gradients") + one(st, "optimizer") * 8 / 12
+                + 2 * acts + _loom_output_bytes(cfg, one(st, "embedding_output")))
+
+    return max(fp32(n, stages[n]) for n in names)
 
 
 def _loom_output_bytes(cfg, embedding_output: float) -> float:
     """The planner's ``embedding_output`` term of one stage (memory.py: on the stage with the
     output layer, per micro-batch in flight there, the 16-bit final-norm and output-layer
-    inputs ``2 x 2 S h`` and Megatron's fp32 logits ``4 S Vp / t``, held for the
-    cross-entropy's backward) as this fp32 loom run holds it. loom's fused linear
-    cross-entropy (loom/parallel/cross_entropy.py) never keeps the logits: it turns each token
-    chunk's logits into their gradient in the forward and saves only ``dL/dx`` ``[S, h]`` and
-    ``dL/dw`` ``[Vp/t, h]`` (fp32) per micro-batch for the backward. So each micro-batch's
-    logits bytes are replaced by those two, and the 16-bit inputs doubled (fp32): loom's code,
-    not a fit. ``S = s b / cp`` tokens per micro-batch; this benchmark's model has no dropout,
-    so the term is a whole number of micro-batches' outputs (0 on a stage without the output
-    layer)."""
+    inputs ``2 x 2 S h`` and what loom's fused linear cross-entropy saves, fp32 ``dL/dx``
+    ``[S, h]``, ``dL/dw`` ``[Vp/t, h]`` and the log-sum-exp ``[S]``) as this fp32 run holds it:
+    the two 16-bit inputs doubled, the rest already fp32. ``S = s b / cp`` tokens per
+    micro-batch; this benchmark's model has no dropout, so the term is a whole number of
+    micro-batches' outputs (0 on a stage without the output layer)."""
+    from loom.parallel.cross_entropy_cost import saved_bytes
     from loom.planner.memory import padded_vocab
 
     m, p = cfg.model, cfg.parallel
@@ -411,8 +420,8 @@ def _loom_output_bytes(cfg, embedding_output: float) -> float:
     vp = float(padded_vocab(m, t)) / t
     h = m.hidden_size
     sp = t if p.sequence_parallel else 1  # the norm's input is [S/t, h] with SP
-    n = embedding_output / (2 * 2 * S * h / sp + 4 * S * vp)  # micro-batches held (m: GPipe)
-    return n * (2 * 2 * 2 * S * h / sp + 4 * S * h + 4 * vp * h)
+    n = embedding_output / (2 * 2 * S * h / sp + float(saved_bytes(S, h, vp)))  # in flight
+    return embedding_output + n * 2 * 2 * S * h / sp
 
 
 def run_layout(row, max_wait) -> dict:

@@ -15,30 +15,15 @@ per chunk.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from loom.parallel.cross_entropy_cost import default_chunk_tokens
 from loom.parallel.sequence import all_gather_into
 
-MIN_CHUNK_ELEMENTS = 1 << 22  # 4 Mi logits = 16 MiB fp32: keeps the chunk GEMMs efficient
-MIN_CHUNK_TOKENS = 128
 GEMM_TILE_COLUMNS = 1024  # vocabulary rows per forward GEMM tile (see _logits_into)
-
-
-def default_chunk_tokens(num_tokens: int, hidden_size: int, local_vocab: int) -> int:
-    """Tokens per chunk: enough that the chunk's logits hold ``max(N h, 2^22)`` elements, i.e.
-    as many as the hidden states ``[N, h]`` (so the loss never needs more memory than its input,
-    Liger's rule) but at least 4 Mi (16 MiB fp32), and at least ``MIN_CHUNK_TOKENS`` = 128
-    tokens so the GEMMs keep a useful height; clamped to ``[1, N]``. Measured on this CPU
-    (``linear_cross_entropy`` forward + backward, N = 2048, h = 256, 1 thread): at V = 8192,
-    512-token chunks take 345 ms against 363 ms for 1024 and 391 ms for the previous rule's
-    1024 without the reused buffer; at V = 131072, 128 tokens take 6.4 s against 8.3 s for 32."""
-    elements = max(num_tokens * hidden_size, MIN_CHUNK_ELEMENTS)
-    tokens = max(MIN_CHUNK_TOKENS, math.ceil(elements / max(local_vocab, 1)))
-    return max(1, min(num_tokens, tokens))
 
 
 def _compute_dtype(device: torch.device, *dtypes: torch.dtype) -> torch.dtype:

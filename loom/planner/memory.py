@@ -15,11 +15,12 @@ Terms (all bytes, of the pipeline stage that needs the most):
   ``1 + (p-1)/(p v)`` (KOR sec 4.2.3), GPipe ``m``. Full and selective recompute add the working
   memory of one recomputed layer.
 * ``embedding_output``: embedding dropout mask on the first stage (per in-flight micro-batch);
-  final norm and output-layer input (2 s b h each) and the logits on the last stage: the fp32
-  logits ``4 s b V / t`` (KOR sec 4.3) for ``Options.runtime = "loom"``; each runtime's
-  copies, extra saved tensors per layer and backward transient in
-  :mod:`loom.planner.memory_runtime` (the stage with the output layer holds the larger of the
-  logits and that transient).
+  final norm and output-layer input (2 s b h each) and what the loss keeps on the last stage:
+  for ``Options.runtime = "loom"`` its fused cross-entropy's fp32 ``dL/dx``, ``dL/dw`` and
+  log-sum-exp (``4 s b h + 4 V h / t + 4 s b``; the fp32 logits ``4 s b V / t``, KOR sec 4.3,
+  when soft-capping unfuses it); each runtime's logits copies, extra saved tensors per layer and
+  transients in :mod:`loom.planner.memory_runtime` (the stage with the output layer holds the
+  larger of the loss's forward peak and the backward transient, in ``activations``).
 * ``reserve``: ``reserve_bytes + reserve_fraction x`` the other terms (context, workspaces,
   fragmentation).
 * mixture of experts (:mod:`loom.planner.moe`): expert weights, gradients and optimizer states
@@ -41,7 +42,8 @@ from loom.planner.context_parallel import cp_memory
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.mamba import (KINDS, is_hybrid, kind_activation_bytes, kind_counts, kind_params,
                                 stage_kind_layers)
-from loom.planner.memory_runtime import backward_working_bytes, layer_extra_bytes, logits_bytes
+from loom.planner.memory_runtime import (backward_working_bytes, layer_extra_bytes, logits_bytes,
+                                        loss_transient_bytes)
 from loom.planner.mla import (attention_params, mla_activation_bytes, mtp_params,
                               mtp_stage_params)
 from loom.planner.moe import (MOE_LOAD_IMBALANCE, layer_param_totals, moe_activation_bytes,
@@ -312,11 +314,13 @@ def stage_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_
     sp_div = np.where(sp > 0, t, 1.0)
     Vp = padded_vocab(model, t)
     emb_act_first = drop * S * h / sp_div * inflight
-    logits = logits_bytes(S, Vp, t, opts.runtime)
+    logits = logits_bytes(model, S, Vp, t, opts.runtime)
     out_act = 2 * S * h / sp_div * 2 + logits
     bwd = backward_working_bytes(model, S, t, sp, opts.runtime)
-    # the output stage holds the larger of the loss's forward peak and the backward transient
-    bwd_out = np.maximum(bwd, logits) - logits
+    # the output stage holds the larger of the loss's forward peak (what it keeps + what its
+    # forward frees before returning) and the backward transient
+    loss_peak = logits + loss_transient_bytes(model, S, Vp, t, opts.runtime)
+    bwd_out = np.maximum(bwd, loss_peak) - logits
     # the last stage holds one micro-batch with 1F1B; with GPipe all m forwards (and their
     # loss's saved tensors) precede the first backward (GPipe, Huang et al. 2019 sec 2.2)
     inflight_last = np.where((zb == 3) & (p > 1), m, 1.0)

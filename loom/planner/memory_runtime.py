@@ -6,11 +6,14 @@ some more, and its peak (``torch.cuda.max_memory_allocated``) also holds the lar
 :attr:`loom.planner.layout.Options.runtime` names the runtime:
 
 * ``"loom"``: loom's own layer, the KOR count (the planner's terms before runtimes were named;
-  ``loom train --dry-run`` and ``benchmarks/planner_vs_measured.py`` use it). Logits: the fp32
-  copy, ``4 S V / t`` (KOR sec 4.3). No transient. loom's fused linear cross-entropy
-  (loom/parallel/cross_entropy.py) keeps ``dL/dx`` ``[S, h]`` and ``dL/dw`` ``[V/t, h]`` (fp32)
-  per micro-batch instead of the logits; ``benchmarks/planner_vs_measured.py`` substitutes them
-  (``_loom_output_bytes``), this term does not yet.
+  ``loom train --dry-run`` and ``benchmarks/planner_vs_measured.py`` use it). Loss: loom's
+  fused linear cross-entropy (``loom/parallel/cross_entropy.py``) never holds the logits; it
+  saves ``dL/dx`` ``[S, h]``, ``dL/dw`` ``[Vp/t, h]`` and the log-sum-exp ``[S]`` (fp32) per
+  micro-batch, ``4 S h + 4 Vp h / t + 4 S``, and its forward peaks with one chunk's logits,
+  ``(4 + 2) n Vp / t`` for ``n`` tokens of its chunk rule (16-bit GEMMs), freed before it
+  returns (:mod:`loom.parallel.cross_entropy_cost`). A model with final-logit soft-capping
+  (Gemma 3) runs the loss unfused: the fp32 logits ``4 S Vp / t`` (KOR sec 4.3). No backward
+  transient.
 * ``"megatron-core"``: Megatron-Core with Transformer Engine (d98e8a6). Per layer the KOR count:
   TE's fused LayerNorm-linear saves the norm input and output, the fused bias-SwiGLU
   (``megatron/core/fusions/fused_bias_swiglu.py``) saves only its ``[S, 2f/t]`` input and fc2 its
@@ -46,9 +49,11 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import ModelConfig
+from loom.parallel.cross_entropy_cost import forward_transient_bytes, saved_bytes
 
 RUNTIMES = ("loom", "megatron-core", "megatron-legacy")
-# bytes per logit element at the forward peak of the loss (see the module docstring)
+# bytes per logit element at the forward peak of the loss (see the module docstring); "loom":
+# its unfused loss only (final-logit soft-capping)
 LOGITS_BYTES = {"loom": 4.0, "megatron-core": 6.0, "megatron-legacy": 10.0}
 
 
@@ -70,10 +75,28 @@ def layer_extra_bytes(model: ModelConfig, S, t, runtime: str, flash_attention: b
     return (flash + gated) / t
 
 
-def logits_bytes(S, Vp, t, runtime: str):
-    """Peak bytes of the logits and the loss on the output stage: ``k S Vp / t`` with ``k`` of
-    :data:`LOGITS_BYTES` (``Vp`` the padded vocabulary)."""
-    return LOGITS_BYTES[check_runtime(runtime)] * S * Vp / t
+def _fused(model: ModelConfig, runtime: str) -> bool:
+    return runtime == "loom" and not getattr(model, "final_logit_softcapping", None)
+
+
+def logits_bytes(model: ModelConfig, S, Vp, t, runtime: str):
+    """Bytes the loss keeps per micro-batch on the output stage from its forward to its
+    backward (``S`` tokens, ``Vp`` the padded vocabulary, TP ``t``): loom's fused loss
+    ``4 S h + 4 Vp h / t + 4 S`` (:func:`loom.parallel.cross_entropy_cost.saved_bytes`); else
+    ``k S Vp / t`` with ``k`` of :data:`LOGITS_BYTES`."""
+    if _fused(model, check_runtime(runtime)):
+        return saved_bytes(S, model.hidden_size, Vp / t)
+    return LOGITS_BYTES[runtime] * S * Vp / t
+
+
+def loss_transient_bytes(model: ModelConfig, S, Vp, t, runtime: str, param_bytes: float = 2.0):
+    """Bytes the loss's forward holds on top of :func:`logits_bytes` and frees before it returns:
+    loom's fused loss, one chunk's logits (fp32) and, with 16-bit GEMMs (``param_bytes`` 2),
+    their 16-bit copy (:func:`loom.parallel.cross_entropy_cost.forward_transient_bytes`); 0
+    otherwise."""
+    if not _fused(model, check_runtime(runtime)):
+        return 0.0 * S
+    return forward_transient_bytes(S, model.hidden_size, Vp / t, int(param_bytes))
 
 
 def backward_working_bytes(model: ModelConfig, S, t, sp, runtime: str):

@@ -204,6 +204,34 @@ def test_default_chunk_rule():
     assert default_chunk_tokens(30, 16, 384) == 30
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_bytes_are_the_planners(dtype):
+    """What the loss saves for backward beyond its inputs (counted by autograd's saved-tensor
+    hooks) is :func:`loom.parallel.cross_entropy_cost.saved_bytes`, the planner's ``loom``
+    runtime term (memory_runtime.logits_bytes): fp32 dL/dx, dL/dw and log-sum-exp, for fp32
+    and 16-bit inputs alike; and no tensor of the logits' size is saved."""
+    from loom.parallel.cross_entropy_cost import saved_bytes
+    _, weight, hidden, target, _ = inputs(1)
+    weight = weight.to(dtype).requires_grad_()
+    hidden = hidden.to(dtype).requires_grad_()
+    inputs_ptrs = {hidden.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr(),
+                   target.untyped_storage().data_ptr()}
+    saved = []
+
+    def pack(x):
+        if x.untyped_storage().data_ptr() not in inputs_ptrs:
+            saved.append(x.numel() * x.element_size())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss = linear_cross_entropy(hidden, weight, target, group=None, vocab_start=0,
+                                    vocab_size=V, chunk_tokens=7)
+    loss.sum().backward()
+    n = S * B
+    assert sum(saved) == saved_bytes(n, H, weight.shape[0]) == 4 * (n * H + weight.shape[0] * H + n)
+    assert max(saved) < n * weight.shape[0] * 4  # never the fp32 logits [N, Vp]
+
+
 @pytest.mark.parametrize("scale", [1.0, 40.0])
 def test_vocab_tiles_and_extreme_logits(monkeypatch, scale):
     """V = 2500 crosses the forward GEMM's 1024-column tiles (last tile partial); ``scale`` 40

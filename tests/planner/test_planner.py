@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from loom.config import ConfigError, LoomConfig
+from loom.parallel.cross_entropy_cost import default_chunk_tokens
 from loom.planner import flops as F
 from loom.planner.hardware import GB, Cluster, make_cluster, peak_flops_per_s
 from loom.planner.layout import Options, make_layouts
@@ -145,9 +146,19 @@ def test_memory_terms_sum_and_states():
     assert P == pytest.approx(total_params(m), rel=1e-3)  # tied, p = 1: everything once
     assert float(mem["weights"][0]) == pytest.approx(2 * P)
     assert float(mem["optimizer"][0]) == pytest.approx(12 * P)
-    # full recompute: L x 2sbh + one recomputed layer
+    # full recompute: L x 2sbh + one recomputed layer + the fused loss's chunk of logits
+    # (fp32 + its bf16 copy, [n, V] with n = loom's chunk rule: n V >= S h) at its forward peak
     act = activation_bytes_per_layer(m, 2048, L)
-    assert float(mem["activations"][0]) == pytest.approx(24 * 2 * 2048 * 2 * 2304 + float(act["none"][0]))
+    S, V = 2 * 2048, float(padded_vocab(m, 1))
+    n = default_chunk_tokens(S, 2304, V)
+    assert n * V >= S * 2304 and n < S
+    assert float(mem["activations"][0]) == pytest.approx(
+        24 * 2 * 2048 * 2 * 2304 + float(act["none"][0]) + 6 * n * V)
+    # what the loss keeps for its backward: dL/dx, dL/dw, log-sum-exp (fp32) + 2 x 2 S h inputs
+    # (final norm, output layer) + the embedding's dropout mask (1 B, p = 1)
+    assert m.hidden_dropout > 0
+    assert float(mem["embedding_output"][0]) == pytest.approx(
+        4 * S * 2304 + 4 * V * 2304 + 4 * S + 2 * 2 * S * 2304 + S * 2304)
 
 
 # -- time ------------------------------------------------------------------------------------------

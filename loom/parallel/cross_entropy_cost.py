@@ -1,0 +1,50 @@
+"""What loom's fused linear cross-entropy (:mod:`loom.parallel.cross_entropy`) holds: its chunk
+rule and its memory, per rank and micro-batch; pure functions (no torch) for the loss itself, the
+planner (:mod:`loom.planner.memory_runtime`) and the closed-loop benchmark.
+
+Symbols: ``N`` tokens entering the output layer on this rank (``s b / c``: with sequence
+parallelism the input is all-gathered first), ``h`` hidden size, ``v = Vp/t`` the rank's
+vocabulary rows. The functions take numbers or numpy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MIN_CHUNK_ELEMENTS = 1 << 22  # 4 Mi logits = 16 MiB fp32: keeps the chunk GEMMs efficient
+MIN_CHUNK_TOKENS = 128
+
+
+def default_chunk_tokens(num_tokens, hidden_size, local_vocab):
+    """Tokens per chunk: enough that the chunk's logits hold ``max(N h, 2^22)`` elements, i.e.
+    as many as the hidden states ``[N, h]`` (so the loss never needs more memory than its input,
+    Liger's rule) but at least 4 Mi (16 MiB fp32), and at least ``MIN_CHUNK_TOKENS`` = 128
+    tokens so the GEMMs keep a useful height; clamped to ``[1, N]``. Measured on this CPU
+    (``linear_cross_entropy`` forward + backward, N = 2048, h = 256, 1 thread): at V = 8192,
+    512-token chunks take 345 ms against 363 ms for 1024 and 391 ms for the previous rule's
+    1024 without the reused buffer; at V = 131072, 128 tokens take 6.4 s against 8.3 s for 32.
+    Returns an int for scalar inputs, an array otherwise."""
+    n = np.asarray(num_tokens, dtype=np.float64)
+    elements = np.maximum(n * np.asarray(hidden_size, dtype=np.float64), MIN_CHUNK_ELEMENTS)
+    tokens = np.maximum(MIN_CHUNK_TOKENS,
+                        np.ceil(elements / np.maximum(np.asarray(local_vocab, np.float64), 1)))
+    out = np.maximum(1.0, np.minimum(n, tokens))
+    return int(out) if out.ndim == 0 else out
+
+
+def saved_bytes(num_tokens, hidden_size, local_vocab):
+    """Bytes the loss saves for its backward beyond references to its inputs: ``dL/dx``
+    ``[N, h]``, ``dL/dw`` ``[v, h]`` and the log-sum-exp ``[N]``, all fp32:
+    ``4 N h + 4 v h + 4 N``."""
+    n = np.asarray(num_tokens, dtype=np.float64)
+    return 4.0 * (n * hidden_size + np.asarray(local_vocab, np.float64) * hidden_size + n)
+
+
+def forward_transient_bytes(num_tokens, hidden_size, local_vocab, gemm_bytes: int):
+    """Peak bytes the forward holds for one chunk and frees before returning: the reused fp32
+    logits buffer ``[n, v]`` (``n`` = :func:`default_chunk_tokens`) and, when the GEMMs run in a
+    16-bit dtype (``gemm_bytes`` 2), the ``[n, v]`` GEMM output or the gradient's 16-bit copy
+    beside it: ``(4 + 2) n v``; ``4 n v`` in fp32."""
+    n = default_chunk_tokens(num_tokens, hidden_size, local_vocab)
+    extra = 2.0 if gemm_bytes < 4 else 0.0
+    return (4.0 + extra) * np.asarray(n, np.float64) * local_vocab
