@@ -76,7 +76,7 @@ def layer_extra_bytes(model: ModelConfig, S, t, runtime: str, flash_attention: b
 
 
 def _fused(model: ModelConfig, runtime: str) -> bool:
-    return runtime == "loom" and not getattr(model, "final_logit_softcapping", None)
+    return runtime == "loom" and not model.final_logit_softcapping
 
 
 def logits_bytes(model: ModelConfig, S, Vp, t, runtime: str):
