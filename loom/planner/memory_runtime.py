@@ -89,14 +89,14 @@ def logits_bytes(model: ModelConfig, S, Vp, t, runtime: str):
     return LOGITS_BYTES[runtime] * S * Vp / t
 
 
-def loss_transient_bytes(model: ModelConfig, S, Vp, t, runtime: str, param_bytes: float = 2.0):
+def loss_transient_bytes(model: ModelConfig, S, Vp, t, runtime: str):
     """Bytes the loss's forward holds on top of :func:`logits_bytes` and frees before it returns:
-    loom's fused loss, one chunk's logits (fp32) and, with 16-bit GEMMs (``param_bytes`` 2),
-    their 16-bit copy (:func:`loom.parallel.cross_entropy_cost.forward_transient_bytes`); 0
+    loom's fused loss, one chunk's logits (fp32) and their copy in the 16-bit GEMM dtype the
+    planner assumes (:func:`loom.parallel.cross_entropy_cost.forward_transient_bytes`); 0
     otherwise."""
     if not _fused(model, check_runtime(runtime)):
         return 0.0 * S
-    return forward_transient_bytes(S, model.hidden_size, Vp / t, int(param_bytes))
+    return forward_transient_bytes(S, model.hidden_size, Vp / t, gemm_bytes=2)
 
 
 def backward_working_bytes(model: ModelConfig, S, t, sp, runtime: str):
