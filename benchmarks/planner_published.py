@@ -13,7 +13,8 @@ import argparse
 import statistics
 
 from loom.planner.calibrate import validation_points
-from loom.planner.validation import bloom_176b, mcore_h100, nar_table2, sho_weak_scaling
+from loom.planner.validation import (bloom_176b, mcore_h100, nar_table2, opt_175b,
+                                     sho_weak_scaling)
 
 
 def _pct(x: float) -> str:
@@ -61,6 +62,10 @@ def tables() -> None:
     print(f"\nBLOOM 176B: published about {b['published_tflops']:g} hw TFLOP/s, predicted "
           f"{b['hw_tflops']:.1f} ({_pct(b['hw_tflops'] / b['published_tflops'] - 1)}), split "
           f"{b['layout']['pipeline_split']}")
+    o = opt_175b()
+    print(f"OPT-175B: published up to {o['published_tflops']:g} hw TFLOP/s, predicted "
+          f"{o['hw_tflops']:.1f} ({_pct(o['hw_tflops'] / o['published_tflops'] - 1)}), "
+          f"{o['layout']['memory_gb']:.1f} GB")
     published_tables()
 
 

@@ -10,6 +10,7 @@ Sources (:data:`SOURCES`; tables in :mod:`loom.planner.presets` and
 * ``MC-H100 weak``: Megatron-Core r0.8.0 H100 weak scaling, model TFLOP/s per GPU (9 rows).
 * ``MC-H100 strong``: Megatron-LM README strong scaling, MFU on 96 and 4608 H100 (2 rows).
 * ``BLOOM``: BLOOM 176B, hardware TFLOP/s per GPU ("about 150", 1 row).
+* ``OPT``: OPT-175B, hardware TFLOP/s per GPU ("up to 147", 1 row; metaseq's layout).
 * ``TT``, ``LF-H100``, ``LF-A100``, ``Llama 3``: torchtitan, llm-foundry (H100, A100) and the
   Llama 3 paper (:mod:`loom.planner.published`: tokens/s per GPU; Llama 3: model TFLOP/s).
 
@@ -29,7 +30,7 @@ The fit (:func:`fit`) follows :data:`loom.planner.constants.FIT_SETS`, in order:
 :func:`leave_one_source_out` removes one source from every fit set, refits (a group left with no
 rows takes its prior, :data:`loom.planner.constants.PRIORS`) and predicts the removed source:
 the only errors here that measure prediction. Sources in no fit set (SHO, MC-H100 strong,
-BLOOM, NAR t2's PTD-P rows) are held out in every fit; MC-H100 strong shares the Hopper
+BLOOM, OPT, NAR t2's PTD-P rows) are held out in every fit; MC-H100 strong shares the Hopper
 constant, the 177B shape and the README with MC-H100 weak, so the two are also held out
 together. Cost: ~1-4 s per fit on one core, ~12 s for the whole protocol.
 """
@@ -46,8 +47,8 @@ from loom.planner.constants import FALLBACK_SETS, FIT_SETS, PRIORS, SHIPPED, Con
 from loom.planner import published as P
 from loom.planner import validation as V
 
-SOURCES = ("NAR t1", "NAR t2", "KOR", "SHO", "MC-H100 weak", "MC-H100 strong", "BLOOM", "TT",
-           "LF-H100", "LF-A100", "Llama 3")
+SOURCES = ("NAR t1", "NAR t2", "KOR", "SHO", "MC-H100 weak", "MC-H100 strong", "BLOOM", "OPT",
+           "TT", "LF-H100", "LF-A100", "Llama 3")
 H100_SOURCES = ("MC-H100 weak", "MC-H100 strong")
 COMPUTE_PARAMS = ("gemm_efficiency", "gemm_half_dim", "mem_traffic")
 COMPUTE_START = (0.7, 50.0, 2.0)  # e, h0, k (and Hopper e = 0.7): round numbers, not the fit
@@ -80,6 +81,9 @@ def source_points(source: str, c: Constants | None = None) -> list[tuple]:
     if source == "BLOOM":
         b = V.bloom_176b(c)
         return [("BLOOM 176B hw TFLOP/s", b["hw_tflops"], b["published_tflops"])]
+    if source == "OPT":
+        o = V.opt_175b(c)
+        return [("OPT-175B hw TFLOP/s", o["hw_tflops"], o["published_tflops"])]
     if source == "TT":
         return P.torchtitan_points(c)
     if source in ("LF-H100", "LF-A100"):

@@ -65,6 +65,10 @@ class Options:
     ``loom train`` runs), ``"megatron-core"`` or ``"megatron-legacy"`` (Megatron-LM 2023, what
     Megatron-LM PR 482 measured): the extra saved tensors, the loss's logits copies and the
     backward transient of each.
+    ``distribute_saved_activations``: Megatron's ``--distribute-saved-activations`` (default
+    off): with full recompute and no SP, each layer's saved input ``2 S h`` is split over the TP
+    ranks (``2 S h / t``), as OPT-175B trained (metaseq ``--distribute-checkpointed-
+    activations``). Planner only: ``loom train`` does not implement it.
     """
 
     flash_attention: bool = False
@@ -84,6 +88,7 @@ class Options:
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
     cp_comm_type: str = "p2p"
     runtime: str = "loom"
+    distribute_saved_activations: bool = False
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

@@ -217,6 +217,15 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
     return {"none": none, "selective": selective, "full": full, "scores": scores}
 
 
+def distribute_saved(act: dict, L: dict, opts: Options) -> dict:
+    """``act`` (:func:`activation_bytes_per_layer`'s terms) with Megatron's
+    ``--distribute-saved-activations``: the full-recompute input ``2 S h`` split over the TP
+    ranks where SP does not split it already (``opts.distribute_saved_activations``)."""
+    if not opts.distribute_saved_activations:
+        return act
+    return dict(act, full=np.where(L["sp"] > 0, act["full"], act["full"] / L["tp"]))
+
+
 def inflight_microbatches(L: dict, m) -> np.ndarray:
     """Micro-batches of activations held by the first stage: 1 without PP, ``min(p, m)`` with
     1F1B, ``p (1 + (p-1)/(p v))`` with the interleaved schedule (KOR sec 4.2.3)."""
@@ -269,8 +278,9 @@ def stage_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_
     # expert parameters: ZeRO over the expert-data-parallel group d c / e
     xw, xg, xo = model_state_bytes_per_param(L["zero"], L["dp"] * c / L.get("ep", 1.0),
                                              opts.grad_bytes)
-    act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
-                                     moe_load_imbalance=opts.moe_load_imbalance)
+    act = distribute_saved(activation_bytes_per_layer(
+        model, s, L, flash_attention=opts.flash_attention,
+        moe_load_imbalance=opts.moe_load_imbalance), L, opts)
     rc = L["recompute"]
     per_layer = np.where(rc == 2, act["full"], np.where(rc == 1, act["selective"], act["none"]))
     working = np.where(rc == 2, act["none"], np.where(rc == 1, act["scores"], 0.0))
@@ -288,9 +298,10 @@ def stage_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_
     n_moe = {"first": 0.0, "middle": 0.0, "last": 0.0}
     per_moe = per_layer
     if model.num_experts:  # dense and MoE layers separately, per stage
-        act_d, act_m = (activation_bytes_per_layer(
+        act_d, act_m = (distribute_saved(activation_bytes_per_layer(
             model, s, L, flash_attention=opts.flash_attention,
-            moe_load_imbalance=opts.moe_load_imbalance, moe_share=share) for share in (0.0, 1.0))
+            moe_load_imbalance=opts.moe_load_imbalance, moe_share=share), L, opts)
+            for share in (0.0, 1.0))
         per_layer, per_moe = (np.where(rc == 2, a["full"], np.where(rc == 1, a["selective"],
                                                                     a["none"]))
                               for a in (act_d, act_m))
@@ -298,7 +309,8 @@ def stage_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_
         n_moe = dict(zip(("first", "middle", "last"), stage_moe_layers(model, L, lf, lm, ll)))
     hybrid = is_hybrid(model)
     if hybrid:  # per layer kind (mamba.py), summed over each stage's slice of the pattern
-        acts_k = {k: kind_activation_bytes(model, s, L, k, opts.flash_attention) for k in KINDS}
+        acts_k = {k: distribute_saved(kind_activation_bytes(model, s, L, k, opts.flash_attention),
+                                      L, opts) for k in KINDS}
         per_kind = {k: np.where(rc == 2, a["full"], np.where(rc == 1, a["selective"], a["none"]))
                     for k, a in acts_k.items()}
         n_kind = kind_counts(model)

@@ -27,6 +27,16 @@
   node = 6.25 GB/s per GPU, achievable 92% as for the DGX A100 entry), t = 4, p = 12, d = 8,
   ZeRO-1, full recompute (Megatron-DeepSpeed counts recompute in its TFLOPs), unfused attention.
   70 layers on 12 stages only plan with an uneven split.
+* :func:`opt_175b` -- OPT-175B (Zhang et al. 2022, arXiv 2205.01068 sec 2.4: "up to 147
+  TFLOP/s per GPU" on 992 A100-80GB; the layout from facebookresearch/metaseq
+  ``metaseq/launcher/opt_baselines.py`` and ``opt_job_constants.py`` at f7ffa5f: 96 layers,
+  h = 12,288, 96 heads, s = 2048, V = 50,272, 2M-token batches = 8 sequences per DP rank, t = 8,
+  FSDP ``--no-reshard-after-forward`` = ZeRO-2 over d = 124, ``--checkpoint-activations`` with
+  ``--distribute-checkpointed-activations``, fp16 gradients, Megatron 2.4's synchronous TP
+  layers, unfused attention). Hardware TFLOP/s (its 4.30e23 FLOPs for 300B tokens in
+  ``projects/OPT/chronicles/final_update.md`` count the recompute). The nodes are taken as DGX
+  A100 (200 Gb/s per GPU); the paper's "up to" makes it a best step, not a mean. The logbook PDF
+  is not in the stored snapshot, so this is the source's only row.
 * :func:`sho_weak_scaling` -- SHO table 1 / figure 1: GPT-2 shapes 1.2B-8.3B on V100-32GB
   (DGX-2H, 16 GPUs per node, s = 1024, V = 51200), model parallel alone and x 64-way data
   parallel; efficiency = per-GPU FLOP/s against the 1-GPU 1.2B run. The published numbers are
@@ -202,6 +212,19 @@ def bloom_176b(constants: Constants | None = None) -> dict:
     r = record(res, int(res["order"][0])) if len(res["order"]) else None
     return dict(published_tflops=150.0, hw_tflops=r["hw_tflops_per_gpu"] if r else float("nan"),
                 layout=r)
+
+
+def opt_175b(constants: Constants | None = None) -> dict:
+    """The OPT-175B run (module docstring): ``published_tflops`` (up to 147), predicted
+    ``hw_tflops`` and the layout record (time and memory at the published layout, fitting or
+    not)."""
+    model = gpt(96, 12288, 96, V=50272)
+    opts = Options(overlap_tp_comm=False, grad_bytes=2, max_zero_stage=3,
+                   distribute_saved_activations=True)
+    L = make_layouts(dict(tp=8, pp=1, cp=1, dp=124, mbs=8, zero=2, recompute="full"))
+    res = evaluate(model, L, 992, 2048, fitted_cluster("A100-80GB", 992, constants), opts)
+    r = record(res, 0)
+    return dict(published_tflops=147.0, hw_tflops=r["hw_tflops_per_gpu"], layout=r)
 
 
 def sho_weak_scaling(recompute: str = "full", overlap: bool = True,

@@ -3,7 +3,7 @@ out, refit every constant on the rest, predict it (loom.planner.fit.leave_one_so
 
 The bounds are what the protocol measures now (rounded up by about a point), not targets: they
 fail when a change makes a held-out source worse. The issue's median targets (pooled <= 8%, every
-source <= 10% but BLOOM's one row) are asserted; its worst-row target (<= 20%) is the strict xfail at the end, which
+source <= 10% but BLOOM's and OPT's one row each) are asserted; its worst-row target (<= 20%) is the strict xfail at the end, which
 fails loudly once it is met. The in-sample checks
 (rows the constants are fitted on) are the ``test_in_sample_fit_*`` tests of
 test_planner_published.py and test_planner_validation.py. ~15-30 s (one fixture).
@@ -27,6 +27,7 @@ HELDOUT_BOUNDS = {
     "MC-H100 weak": (0.045, 0.105),
     "MC-H100 strong": (0.02, 0.03),
     "BLOOM": (0.17, 0.17),
+    "OPT": (0.20, 0.20),
     "TT": (0.06, 0.07),
     "LF-H100": (0.10, 0.25),
     "LF-A100": (0.075, 0.30),
@@ -80,11 +81,11 @@ def test_overall_held_out_errors(loso):
 
 def test_issue_26_median_targets(loso):
     """The pooled held-out median meets the issue's 8% and every source's own held-out median
-    its 10% (LF-H100 is the closest, 9.96%) except BLOOM's single row (15.7%, in the strict
-    xfail below with the worst-row target)."""
+    its 10% (LF-H100 is the closest, 9.96%) except the single rows of BLOOM (15.7%) and OPT-175B
+    (18.7%), in the strict xfail below with the worst-row target."""
     assert loso["overall"]["median"] <= ISSUE_TARGET[0], loso["overall"]
     for held, r in loso["sources"].items():
-        if held != "BLOOM":
+        if held not in ("BLOOM", "OPT"):
             assert r["heldout"]["median"] <= ISSUE_TARGET[2], (held, r["heldout"]["median"])
 
 
@@ -123,9 +124,10 @@ def test_constants_change_predictions():
 
 @pytest.mark.xfail(strict=True, reason="issue 26 target (worst held-out row <= 20%) not met: "
                    "NAR t2's ZeRO-3 b = 4 rows, llm-foundry's 1B-7B H100 and 30B s = 8192 A100 "
-                   "rows, Llama 3's 128K row; BLOOM's one row 15.7% (median <= 10%); see "
-                   "docs/planner.md, leave-one-source-out")
+                   "rows, Llama 3's 128K row; the one rows of BLOOM (15.7%) and OPT (18.7%) "
+                   "(median <= 10%); see docs/planner.md, leave-one-source-out")
 def test_issue_26_target_worst_row_and_bloom(loso):
     for held, r in loso["sources"].items():
         assert r["heldout"]["worst"] <= ISSUE_TARGET[1], held
     assert loso["sources"]["BLOOM"]["heldout"]["median"] <= ISSUE_TARGET[2]
+    assert loso["sources"]["OPT"]["heldout"]["median"] <= ISSUE_TARGET[2]
