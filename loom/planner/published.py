@@ -139,14 +139,19 @@ def plan_fixed(model: ModelConfig, cluster, global_batch_size: int, seq_length: 
     return record(res, int(res["time_iteration"].argmin()))
 
 
+def _fsdp_options(c: Constants | None) -> Options:
+    """Flash attention, and the ZeRO-3 overlap of the constants ``c`` (a refit's own, so that a
+    held-out prediction uses no shipped value; None: the shipped one)."""
+    return Options(flash_attention=True, zero3_overlap=c.zero3_overlap if c else None)
+
+
 def torchtitan_points(c: Constants | None = None, rows=TT_ROWS) -> list[tuple]:
     """``(name, predicted, published)`` tokens/s/GPU of the torchtitan rows (module docstring)."""
     out = []
     for n, b, tps, _mem in rows:
         cl = fitted_cluster("H100-80GB", n, c, **TT_GPU)
-        r = plan_fixed(llama("llama3-8b", 8192), cl, b * n, 8192, opts=Options(
-            flash_attention=True), fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=3,
-                                              recompute="selective"))
+        r = plan_fixed(llama("llama3-8b", 8192), cl, b * n, 8192, opts=_fsdp_options(c),
+                       fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=3, recompute="selective"))
         out.append((f"TT 8B {n} GPUs tok/s/GPU", r["tokens_per_s"] / n, tps))
     return out
 
@@ -159,7 +164,7 @@ def llm_foundry_points(gpu: str, c: Constants | None = None) -> list[tuple]:
         if g != gpu:
             continue
         cl = fitted_cluster(f"{g}-80GB", n, c)
-        r = plan_fixed(mpt(name, s), cl, B, s, opts=Options(flash_attention=True),
+        r = plan_fixed(mpt(name, s), cl, B, s, opts=_fsdp_options(c),
                        fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=z, recompute=rc))
         out.append((f"LF {g} {name} s{s} {n} GPUs b{b} tok/s/GPU", r["tokens_per_s"] / n, tps))
     return out

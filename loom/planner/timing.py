@@ -66,10 +66,10 @@ from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
 # tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, loom.planner.fit).
-MEM_TRAFFIC = 2.16
+MEM_TRAFFIC = 2.37
 # Fitted (minimax of the log error of the days for 300B tokens, loom.planner.fit.fit_zero3) to the
 # six ZeRO-3 rows of NAR table 2: 174.6B on 384/768/1536 GPUs, 529.6B on 640/1120/2240 GPUs.
-ZERO3_OVERLAP = 0.736
+ZERO3_OVERLAP = 0.733
 # Not fitted: an assumption (DeepSpeed's flat ring at the full per-GPU NIC bandwidth).
 ZERO3_LINK_EFFICIENCY = 1.0
 

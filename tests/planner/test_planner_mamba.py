@@ -225,6 +225,9 @@ def test_moe_search_unchanged():
     sum from 37124.5 to 48774.1, the DP latency change only 29 of it). Re-recorded for the
     refit after NAR and KOR were modelled with their own Megatron-LM's overlaps (e 0.780,
     h0 102.6, k 2.16, Hopper 0.719, ZeRO-3 0.736; the old constants give 48774.1 again).
+    Re-recorded for the refit on NAR table 1 at its authors' layouts (validation.
+    NAR_TABLE1_SCRIPT: e 0.794, h0 99.8, k 2.37, Hopper 0.720, ZeRO-3 0.733; the previous
+    constants give 48539.697732239816 again).
     Memory re-recorded when the ``loom`` runtime's loss became loom's fused cross-entropy
     (memory_runtime.logits_bytes; was 626820956120778.2 with 1277 layouts fitting; the time sum
     did not move)."""
@@ -232,10 +235,10 @@ def test_moe_search_unchanged():
     res = search(get_preset("mixtral-8x7b"), make_cluster("H100-80GB", 64), 512, 4096,
                  dict(zb=0), o)
     assert len(res["tp"]) == 3582 and len(res["order"]) == 1278
-    assert float(res["time_iteration"].sum()) == pytest.approx(48539.697732239816, rel=1e-12)
+    assert float(res["time_iteration"].sum()) == pytest.approx(48732.165422444115, rel=1e-12)
     assert float(res["mem_total"].sum()) == pytest.approx(626689193789322.2, rel=1e-12)
     best = record(res, int(res["order"][0]))
-    assert best["iteration_time_s"] == pytest.approx(7.047405526948355, rel=1e-12)
+    assert best["iteration_time_s"] == pytest.approx(7.068134612100989, rel=1e-12)
 
 
 def test_cli_mamba_table_and_plot(capsys, tmp_path):

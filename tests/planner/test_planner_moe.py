@@ -262,6 +262,9 @@ def test_dense_search_unchanged():
     latency with NCCL's tree across nodes; CP p2p backward 2c - 1 blocks). Re-recorded for the
     refit after NAR and KOR were modelled with their own Megatron-LM's overlaps (e 0.780,
     h0 102.6, k 2.16, Hopper 0.719, ZeRO-3 0.736; the old constants give 857802.3 again).
+    Re-recorded for the refit on NAR table 1 at its authors' layouts (validation.
+    NAR_TABLE1_SCRIPT: e 0.794, h0 99.8, k 2.37, Hopper 0.720, ZeRO-3 0.733; the previous
+    constants give 867791.971008914 and 7225263.552627632 again; memory does not move).
     Memory re-recorded when the ``loom`` runtime's loss became loom's fused cross-entropy
     (memory_runtime.logits_bytes; was 5522363313125654.0 with 5710 layouts fitting, and
     2.2006960905558864e16; the time sums did not move)."""
@@ -270,14 +273,14 @@ def test_dense_search_unchanged():
     res = search(get_preset("llama3-70b"), make_cluster("H100-80GB", 256), 512, 8192, one_f, o)
     assert len(res["tp"]) == 23712 and len(res["order"]) == 5712
     assert np.all(res["ep"] == 1) and not res["time_ep_comm"].any()
-    assert float(res["time_iteration"].sum()) == pytest.approx(867791.971008914, rel=1e-12)
+    assert float(res["time_iteration"].sum()) == pytest.approx(866890.6934138762, rel=1e-12)
     assert float(res["mem_total"].sum()) == pytest.approx(5528481544225200.0, rel=1e-12)
     best = record(res, int(res["order"][0]))
-    assert best["iteration_time_s"] == pytest.approx(16.736104498278955, rel=1e-12)
+    assert best["iteration_time_s"] == pytest.approx(16.685993074954837, rel=1e-12)
     o = Options(flash_attention=False, max_zero_stage=3)
     res = search(get_preset("gpt3-175b"), make_cluster("H100-80GB", 1024), 1536, 2048, one_f, o)
     assert len(res["tp"]) == 65130
-    assert float(res["time_iteration"].sum()) == pytest.approx(7225263.552627632, rel=1e-12)
+    assert float(res["time_iteration"].sum()) == pytest.approx(7219661.195592832, rel=1e-12)
     assert float(res["mem_total"].sum()) == pytest.approx(2.202194135059431e+16, rel=1e-12)
 
 
