@@ -131,3 +131,21 @@ def test_issue_26_target_worst_row_and_bloom(loso):
         assert r["heldout"]["worst"] <= ISSUE_TARGET[1], held
     assert loso["sources"]["BLOOM"]["heldout"]["median"] <= ISSUE_TARGET[2]
     assert loso["sources"]["OPT"]["heldout"]["median"] <= ISSUE_TARGET[2]
+
+
+def test_docs_and_readme_quote_the_protocol(loso):
+    """docs/planner.md's leave-one-source-out table is ``python -m benchmarks.planner_validation
+    --markdown`` line for line, and README.md quotes its pooled median and worst row."""
+    from pathlib import Path
+
+    from benchmarks.planner_validation import markdown
+
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "planner.md").read_text().splitlines()
+    want = markdown(loso).splitlines()
+    i = doc.index(want[0])
+    assert doc[i:i + len(want)] == want, "regenerate the table: planner_validation --markdown"
+    o = loso["overall"]
+    readme = " ".join((root / "README.md").read_text().split())
+    assert (f"the error is median {100 * o['median']:.1f}%, worst {100 * o['worst']:.1f}% over "
+            f"{o['n']} held-out rows") in readme
