@@ -112,20 +112,26 @@ NAR_TABLE1_SCRIPT = ((16, 0, "torch"), (16, 0, "torch"), (16, 0, "torch"), (8, 0
 TORCH_DDP_2021 = replace(MEGATRON_2021, overlap_grad_reduce=True, ddp_bucket_elems=25e6 / 2)
 
 
+def nar_table1_search(i: int, constants: Constants | None = None) -> dict:
+    """The search (:func:`loom.planner.search.search` arrays) of NAR table 1's row ``i``
+    restricted to its authors' layout (:data:`NAR_TABLE1_SCRIPT`): one layout, if it fits."""
+    (P, a, h, nl, t, p, n, B, pub, _pct), (b, lpv, ddp) = NAR_TABLE1[i], NAR_TABLE1_SCRIPT[i]
+    v = nl // p // lpv if lpv else 1
+    return search(gpt(nl, h, a), fitted_cluster("A100-80GB", n, constants), B, 2048,
+                  fixed=dict(tp=t, pp=p, cp=1, mbs=b, vp=v, recompute="full", sp=0, zero=0,
+                             zb=0),
+                  opts=TORCH_DDP_2021 if ddp == "torch" else MEGATRON_2021)
+
+
 def nar_table1_points(constants: Constants | None = None) -> list[tuple]:
     """``(name, predicted, published)`` hardware TFLOP/s per GPU of each NAR table 1 row, at
-    the layout of the authors' script (:data:`NAR_TABLE1_SCRIPT`)."""
+    the layout of the authors' script (:func:`nar_table1_search`)."""
     out = []
-    for (P, a, h, nl, t, p, n, B, pub, _pct), (b, lpv, ddp) in zip(NAR_TABLE1,
-                                                                  NAR_TABLE1_SCRIPT):
-        v = nl // p // lpv if lpv else 1
-        res = search(gpt(nl, h, a), fitted_cluster("A100-80GB", n, constants), B, 2048,
-                     fixed=dict(tp=t, pp=p, cp=1, mbs=b, vp=v, recompute="full", sp=0, zero=0,
-                                zb=0),
-                     opts=TORCH_DDP_2021 if ddp == "torch" else MEGATRON_2021)
+    for i, row in enumerate(NAR_TABLE1):
+        res = nar_table1_search(i, constants)
         pred = record(res, res["order"][0])["hw_tflops_per_gpu"] if len(res["order"]) \
             else float("nan")
-        out.append((f"NAR {P}B hw TFLOP/s", pred, pub))
+        out.append((f"NAR {row[0]}B hw TFLOP/s", pred, row[8]))
     return out
 
 
