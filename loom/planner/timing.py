@@ -164,6 +164,12 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
     tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
     ar = all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)  # AG + RS with SP: same volume
+    # --distribute-saved-activations (no SP): full recompute's saved input 2 S h was split over
+    # the TP ranks; backward all-gathers it before the recompute, on the compute stream
+    # (Megatron-LM mpu/random.py CheckpointFunction.backward, gather_split_1d_tensor; metaseq's
+    # checkpoint_activations.py the same), one more exposed TP collective per layer
+    saved_ag = (np.where(L["sp"] > 0, 0.0, all_gather_time(t, 2 * S * h, tp_bw, tp_alpha))
+                if opts.distribute_saved_activations else 0.0 * ar)
     tp_fwd = 2 * ar + tp_extra
     # overlapped with the weight-gradient GEMMs (Megatron's asynchronous TP all-reduce, 2021+)
     tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
@@ -173,7 +179,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
                         attn if opts.overlap_cp_comm else 0.0 * attn, cluster)
     cp_fwd, cp_bwd = cpc["fwd"], cpc["bwd"]
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
-            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "cp_fwd": cp_fwd, "cp_bwd": cp_bwd,
+            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "saved_ag": saved_ag,
+            "cp_fwd": cp_fwd, "cp_bwd": cp_bwd,
             "a2a": a2a}
 
 
@@ -208,7 +215,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
             "compute": 3 * comp_f,
             "recompute": rec,
             "elementwise": 3 * lt["elem"] + rec_elem,
-            "tp_comm": lt["tp_fwd"] + lt["tp_bwd"] + np.where(full, lt["tp_fwd"], 0.0),
+            "tp_comm": (lt["tp_fwd"] + lt["tp_bwd"]
+                        + np.where(full, lt["tp_fwd"] + lt.get("saved_ag", 0.0), 0.0)),
             "cp_comm": lt["cp_fwd"] + lt["cp_bwd"] + np.where(full, lt["cp_fwd"], 0.0),
             # EP: dispatch + combine forward and their transposes backward, exposed (loom does
             # not overlap them); full recompute repeats the forward two
