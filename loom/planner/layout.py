@@ -68,7 +68,12 @@ class Options:
     ``distribute_saved_activations``: Megatron's ``--distribute-saved-activations`` (default
     off): with full recompute and no SP, each layer's saved input ``2 S h`` is split over the TP
     ranks (``2 S h / t``), as OPT-175B trained (metaseq ``--distribute-checkpointed-
-    activations``). Planner only: ``loom train`` does not implement it.
+    activations``). Planner only: ``loom train`` does not implement it; its time is one
+    all-gather of the saved input per layer in backward (:func:`loom.planner.timing.layer_times`).
+    ``zero1_all_reduce_grads``: ZeRO-1 all-reduces the gradients in full instead of
+    reduce-scattering them, then all-gathers the updated weights (DeepSpeed's 2022
+    BF16_Optimizer, BLOOM's optimizer; Megatron's distributed optimizer reduce-scatters).
+    Planner only.
     """
 
     flash_attention: bool = False
@@ -89,6 +94,7 @@ class Options:
     cp_comm_type: str = "p2p"
     runtime: str = "loom"
     distribute_saved_activations: bool = False
+    zero1_all_reduce_grads: bool = False
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

@@ -21,7 +21,9 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   overlapped with the attention-score compute; only the excess is exposed.
 * PP: schedule ``(m + (p-1)/v) x`` the slowest stage's micro-batch time; the bubble is the
   ``(p-1)/v`` part (NAR sec 2.2). Point-to-point: ``2 v`` sends of ``2 S h / t`` bytes
-  (scatter/gather, NAR sec 4.1) per micro-batch, plus ``2 (p-1)`` for fill and drain.
+  (scatter/gather, NAR sec 4.1) per micro-batch, plus ``2 (p-1)`` for fill and drain. Tied
+  embeddings: one all-reduce of the word embedding's gradients (``V h / t`` elements) between
+  the first and the last stage per iteration, exposed.
 * DP: gradient all-reduce (ZeRO-1/2: reduce-scatter of the gradients + all-gather of the bf16
   weights, the latter behind the next forward) of the largest stage's gradients over the
   ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
@@ -293,6 +295,16 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     pp_alpha = np.where(pp_cross, cluster.inter_alpha, cluster.intra_alpha)
     send = p2p_time(2 * S * h / t, pp_bw, pp_alpha)
     terms["pp_comm"] = np.where(p > 1, (2 * v * m + 2 * (p - 1)) * send, 0.0)
+    # tied word embeddings with PP: the first and the last stage each hold a copy, whose
+    # gradients are all-reduced between the two after the backward, exposed, before the DP
+    # reduction (Megatron-LM's embedding group, _allreduce_word_embedding_grads, in the main-grad
+    # dtype; DeepSpeed's pipeline engine ReduceTiedGrads, fp32 under bf16)
+    if not model.untie_embeddings_and_output_weights:
+        emb_cross = (p - 1) * t * c * d >= cluster.gpus_per_node
+        tied = all_reduce_time(2.0, Vp * h / t * opts.grad_bytes,
+                               np.where(emb_cross, cluster.inter_bw, cluster.intra_bw),
+                               np.where(emb_cross, cluster.inter_alpha, cluster.intra_alpha))
+        terms["pp_comm"] = terms["pp_comm"] + np.where(p > 1, tied, 0.0)
 
     # data parallel (over the dp x cp group; ranks t apart, so gpus_per_node / t share a node)
     P = stage_params(model, L, s)
@@ -343,7 +355,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward, then
     # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
     # --overlap-grad-reduce / --overlap-param-gather), each under the bucket schedule
-    rs_h = 0.5 * grad_sync
+    # (DeepSpeed's BF16_Optimizer, BLOOM's ZeRO-1: the full fp32 all-reduce instead)
+    rs_h = grad_sync if opts.zero1_all_reduce_grads else 0.5 * grad_sync
     ag_h = 0.5 * dp_collective(hier, 2)
     z12 = exposed_grad_sync(rs_h, t_bwd_mb, params, opts) + \
         exposed_grad_sync(ag_h, t_fwd_mb, params, opts)

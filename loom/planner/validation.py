@@ -26,6 +26,12 @@
   V = 250,680, B = 2048, on 384 A100-80GB of Jean Zay (48 nodes, 4 x 100 Gb/s Omni-Path per
   node = 6.25 GB/s per GPU, achievable 92% as for the DGX A100 entry), t = 4, p = 12, d = 8,
   ZeRO-1, full recompute (Megatron-DeepSpeed counts recompute in its TFLOPs), unfused attention.
+  The run's slurm script (bigscience-workshop/bigscience ``train/tr11-176B-ml/tr11-176B-ml.slurm``)
+  sets ``ZERO_STAGE=0`` with bf16: DeepSpeed's BF16_Optimizer, whose pipeline engine (DeepSpeed
+  56c522386, 2022-04, "bf16+pipeline parallelism") all-reduces the tied embedding's fp32
+  gradients between the first and the last stage, then all-reduces every fp32 gradient over
+  DP in full before the partitioned step and the bf16 all-gather
+  (``MEGATRON_DEEPSPEED_2022.zero1_all_reduce_grads``).
   70 layers on 12 stages only plan with an uneven split.
 * :func:`opt_175b` -- OPT-175B (Zhang et al. 2022, arXiv 2205.01068 sec 2.4: "up to 147
   TFLOP/s per GPU" on 992 A100-80GB; the layout from facebookresearch/metaseq
@@ -60,10 +66,12 @@ from loom.planner.search import evaluate, record, search
 # backward TP all-reduces wait for their GEMMs (the asynchronous TP all-reduce is 16c90445e7,
 # 2021-09-02). KOR (2022) has the asynchronous TP all-reduce, still no DP overlap. BigScience's
 # Megatron-DeepSpeed (BLOOM, bf16): TP layers from the 2021 code (synchronous), DeepSpeed's
-# pipeline engine reduces gradients (fp32) after the last micro-batch.
+# pipeline engine reduces gradients (fp32, all-reduced in full: see bloom_176b) after the last
+# micro-batch.
 MEGATRON_2021 = Options(overlap_grad_reduce=False, overlap_tp_comm=False, grad_bytes=2)
 MEGATRON_2022 = Options(overlap_grad_reduce=False)
-MEGATRON_DEEPSPEED_2022 = Options(overlap_grad_reduce=False, overlap_tp_comm=False)
+MEGATRON_DEEPSPEED_2022 = Options(overlap_grad_reduce=False, overlap_tp_comm=False,
+                                  zero1_all_reduce_grads=True)
 
 # DGX-2H: 8 x 100 Gb/s InfiniBand for 16 GPUs = 100 GB/s per node (SHO sec 5) = 6.25 GB/s per GPU.
 DGX2H_INTER_BW = 6.25e9

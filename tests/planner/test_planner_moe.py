@@ -267,7 +267,10 @@ def test_dense_search_unchanged():
     constants give 867791.971008914 and 7225263.552627632 again; memory does not move).
     Memory re-recorded when the ``loom`` runtime's loss became loom's fused cross-entropy
     (memory_runtime.logits_bytes; was 5522363313125654.0 with 5710 layouts fitting, and
-    2.2006960905558864e16; the time sums did not move)."""
+    2.2006960905558864e16; the time sums did not move). GPT-3 175B's time re-recorded when the
+    tied embedding's gradient all-reduce between the first and the last stage was priced
+    (timing.time_terms, pp_comm; was 7219661.195592832; Llama 3 is untied and does not move; the
+    refit's e 0.795 does not touch H100 clusters, whose e is the Hopper one)."""
     o = Options(flash_attention=True, max_zero_stage=3)
     one_f = dict(zb=0)
     res = search(get_preset("llama3-70b"), make_cluster("H100-80GB", 256), 512, 8192, one_f, o)
@@ -280,7 +283,7 @@ def test_dense_search_unchanged():
     o = Options(flash_attention=False, max_zero_stage=3)
     res = search(get_preset("gpt3-175b"), make_cluster("H100-80GB", 1024), 1536, 2048, one_f, o)
     assert len(res["tp"]) == 65130
-    assert float(res["time_iteration"].sum()) == pytest.approx(7219661.195592832, rel=1e-12)
+    assert float(res["time_iteration"].sum()) == pytest.approx(7221026.880450111, rel=1e-12)
     assert float(res["mem_total"].sum()) == pytest.approx(2.202194135059431e+16, rel=1e-12)
 
 

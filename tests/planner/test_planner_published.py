@@ -166,3 +166,53 @@ def test_bloom_176b_plans_uneven_and_within_20_percent():
     assert lay["first_stage_layers"] + lay["last_stage_layers"] + 10 * int(
         lay["pipeline_split"].split("x")[1].split("+")[0]) == 70
     assert abs(got["hw_tflops"] / got["published_tflops"] - 1) <= 0.20, got["hw_tflops"]
+
+
+def test_tied_embedding_gradients_are_all_reduced_between_first_and_last_stage():
+    """A tied model with p > 1 all-reduces the word embedding's gradients (``Vp h / t``
+    elements of ``grad_bytes``) between the first and the last stage after the backward,
+    exposed (Megatron's embedding group; DeepSpeed's ReduceTiedGrads): ``pp_comm`` grows by
+    exactly one 2-rank all-reduce, across nodes when the two stages are on different nodes;
+    an untied model and p = 1 pay nothing."""
+    from dataclasses import replace
+
+    from loom.planner.hardware import make_cluster
+    from loom.planner.memory import padded_vocab
+    from loom.planner.primitives import all_reduce_time
+    from loom.planner.presets import gpt
+    from loom.planner.timing import time_terms
+    tied = gpt(8, 1024, 16, V=50000)
+    untied = replace(tied, untie_embeddings_and_output_weights=True)
+    L = make_layouts([dict(tp=2, pp=2, dp=4, mbs=1), dict(tp=2, pp=4, dp=1, mbs=1),
+                      dict(tp=2, pp=1, dp=4, mbs=1)])
+    cl = make_cluster("A100-80GB", 16)
+    for grad_bytes in (2, 4):
+        o = Options(grad_bytes=grad_bytes)
+        a = time_terms(tied, L, 32, 2048, cl, o)["pp_comm"]
+        b = time_terms(untied, L, 32, 2048, cl, o)["pp_comm"]
+        nbytes = float(padded_vocab(tied, 2)) * 1024 / 2 * grad_bytes
+        across = float(all_reduce_time(2, nbytes, cl.inter_bw, cl.inter_alpha))
+        inside = float(all_reduce_time(2, nbytes, cl.intra_bw, cl.intra_alpha))
+        # stages (p - 1) t d ranks apart: 8 (another node), 6 (the same node), no pipeline
+        assert (a - b).tolist() == pytest.approx([across, inside, 0.0], rel=1e-12)
+        assert across > inside > 0
+
+
+def test_deepspeed_bf16_optimizer_all_reduces_the_gradients():
+    """BLOOM's optimizer (DeepSpeed's BF16_Optimizer under ZeRO stage 0, its own ZeRO-1; the
+    2022 pipeline engine's _bf16_reduce_grads) all-reduces the fp32 gradients in full before the
+    partitioned step and the bf16 all-gather, where Megatron's distributed optimizer
+    reduce-scatters them: the DP volume grows by half an all-reduce, and BLOOM's options say so."""
+    from loom.planner.hardware import make_cluster
+    from loom.planner.presets import gpt
+    from loom.planner.timing import time_terms
+    from loom.planner.validation import MEGATRON_DEEPSPEED_2022
+    m = gpt(8, 1024, 16)
+    L = make_layouts([dict(tp=2, dp=8, mbs=1, zero=0), dict(tp=2, dp=8, mbs=1, zero=1)])
+    cl = make_cluster("A100-80GB", 16)
+    plain = time_terms(m, L, 32, 2048, cl, Options(overlap_grad_reduce=False))["dp_comm_total"]
+    ds = time_terms(m, L, 32, 2048, cl, Options(overlap_grad_reduce=False,
+                                                 zero1_all_reduce_grads=True))["dp_comm_total"]
+    assert ds[0] == pytest.approx(plain[0], rel=1e-12)  # ZeRO-0: an all-reduce either way
+    assert ds[1] - plain[1] == pytest.approx(0.5 * plain[0], rel=1e-12) and plain[0] > 0
+    assert MEGATRON_DEEPSPEED_2022.zero1_all_reduce_grads
