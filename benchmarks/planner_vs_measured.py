@@ -27,6 +27,11 @@ records it. Layouts that fail (e.g. pipeline parallelism still in progress) are 
 their error and retried once at the end. Prints one JSON line per layout, then a markdown table.
 
     OMP_NUM_THREADS=1 python -m benchmarks.planner_vs_measured [--cluster FILE] [--only NAME,..]
+
+``--rescore FILE [--json-out FILE]`` re-predicts a recorded run with the current planner (the
+recorded calibration, measurements and host core count; seconds), so the recorded table follows
+planner changes without re-measuring; tests/planner/test_planner_vs_measured_memory.py checks
+that the recorded predictions are the current planner's.
 """
 
 from __future__ import annotations
@@ -317,7 +322,7 @@ def wait_quiet(max_wait: float) -> float:
     return load1()
 
 
-def predicted(cal, name_row) -> dict:
+def predicted(cal, name_row, cores: int | None = None) -> dict:
     from loom.planner.host_sharing import (host_overlap_options, oversubscribed,
                                         shared_cores_pipeline_time, shared_cores_time)
     from loom.planner.layout import Options
@@ -330,7 +335,7 @@ def predicted(cal, name_row) -> dict:
         from dataclasses import replace
         cl = replace(cal, intra_alpha=ar["alpha_s"], inter_alpha=ar["alpha_s"],
                      intra_bw=ar["bw_bytes_per_s"], inter_bw=ar["bw_bytes_per_s"])
-    cores = os.cpu_count() or 1
+    cores = cores or os.cpu_count() or 1  # the host's cores (a rescore: the recorded run's)
     cfg = make_config(ranks, tp, pp, cp, mbs, rc, sched, extra)
     # R ranks on C < R cores: the step takes at least its critical path at one core per rank
     # and at least the ranks' busy time shared by the cores (a rank blocked in a pipeline
@@ -484,16 +489,68 @@ def pick_summary(rows, ranks) -> dict | None:
             "layouts_compared": len(ok)}
 
 
+def score(rows) -> None:
+    """Errors of the ``ok`` rows (in place): ``time_err_pct``, ``mem_err_pct``."""
+    for rec in rows:
+        if rec["status"] == "ok":
+            rec["time_err_pct"] = round(pct(rec["pred_step_s"], rec["meas_step_s"]), 1)
+            rec["mem_err_pct"] = round(pct(rec["pred_mem_fp32_bytes"], rec["meas_tensor_bytes"]),
+                                       1)
+
+
+def summarize(rows, total_s) -> dict:
+    ok = [r for r in rows if r["status"] == "ok"]
+    return {"picks": [s for s in (pick_summary(rows, 4), pick_summary(rows, 2)) if s],
+            "mean_abs_time_err_pct": round(statistics.mean(abs(r["time_err_pct"]) for r in ok), 1)
+            if ok else None,
+            "mean_abs_mem_err_pct": round(statistics.mean(abs(r["mem_err_pct"]) for r in ok), 1)
+            if ok else None,
+            "measured_layouts": len(ok), "skipped": [r["layout"] for r in rows
+                                                     if r["status"] != "ok"],
+            "total_s": total_s}
+
+
+def rescore(recorded: dict) -> dict:
+    """A recorded run (``--json-out`` output) re-predicted by the current planner: same
+    calibration, same measurements, same host core count (``host_cores``), new predictions and
+    errors. Seconds, no training run."""
+    from loom.planner.hardware import Cluster
+    cal = Cluster.from_dict(recorded["calibration"])
+    cores = recorded["host_cores"]
+    byname = {r[0]: r for r in LAYOUTS}
+    rows = []
+    for rec in recorded["rows"]:
+        rec = dict(rec)
+        rec.update(predicted(cal, byname[rec["layout"]], cores))
+        rows.append(rec)
+    score(rows)
+    return {"calibration": recorded["calibration"], "host_cores": cores, "rows": rows,
+            "summary": summarize(rows, recorded["summary"]["total_s"]),
+            "rescored": "predictions by the current planner; calibration and measurements "
+                        "as recorded"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cluster", help="cluster JSON from calibrate_local (default: calibrate now)")
     ap.add_argument("--save-cluster", default=None, help="write the calibration here")
+    ap.add_argument("--rescore", metavar="FILE", default=None,
+                    help="re-predict a recorded --json-out FILE with the current planner (its "
+                         "calibration, measurements and host core count kept; no runs)")
     ap.add_argument("--only", default=None, help="comma-separated layout names")
     ap.add_argument("--max-wait", type=float, default=8.0,
                     help="seconds to wait per layout for load < 2.5")
     ap.add_argument("--json-out", default=None, help="also write all rows to this JSON file")
     args = ap.parse_args()
     t_start = time.monotonic()
+    if args.rescore:
+        with open(args.rescore) as fh:
+            out = rescore(json.load(fh))
+        if args.json_out:
+            with open(args.json_out, "w") as fh:
+                json.dump(out, fh, indent=1)
+        print(table(out["rows"]))
+        return 0
 
     from loom.planner.calibrate import calibrate_local
     from loom.planner.hardware import Cluster
@@ -525,9 +582,7 @@ def main() -> int:
         rec.update(run_layout(row, args.max_wait))
         rows.append(rec)
         if rec["status"] == "ok":
-            rec["time_err_pct"] = round(pct(rec["pred_step_s"], rec["meas_step_s"]), 1)
-            rec["mem_err_pct"] = round(pct(rec["pred_mem_fp32_bytes"],
-                                           rec["meas_tensor_bytes"]), 1)
+            score([rec])
             print(json.dumps(rec), flush=True)
     for i, rec in enumerate(rows):  # retry failures once (e.g. pipeline work in progress)
         if rec["status"] != "ok":
@@ -537,24 +592,14 @@ def main() -> int:
             rec["retried"] = True
             if rec["status"] == "ok":
                 rec["first_error"] = first_error
-                rec["time_err_pct"] = round(pct(rec["pred_step_s"], rec["meas_step_s"]), 1)
-                rec["mem_err_pct"] = round(pct(rec["pred_mem_fp32_bytes"],
-                                               rec["meas_tensor_bytes"]), 1)
+                score([rec])
             print(json.dumps(rec), flush=True)
-    ok = [r for r in rows if r["status"] == "ok"]
-    summary = {"picks": [s for s in (pick_summary(rows, 4), pick_summary(rows, 2)) if s],
-               "mean_abs_time_err_pct": round(statistics.mean(abs(r["time_err_pct"]) for r in ok), 1)
-               if ok else None,
-               "mean_abs_mem_err_pct": round(statistics.mean(abs(r["mem_err_pct"]) for r in ok), 1)
-               if ok else None,
-               "measured_layouts": len(ok), "skipped": [r["layout"] for r in rows
-                                                        if r["status"] != "ok"],
-               "total_s": round(time.monotonic() - t_start, 1)}
+    summary = summarize(rows, round(time.monotonic() - t_start, 1))
     print(json.dumps({"summary": summary}), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"calibration": json.loads(cal.to_json()), "rows": rows,
-                       "summary": summary}, fh, indent=1)
+            json.dump({"calibration": json.loads(cal.to_json()), "host_cores": os.cpu_count(),
+                       "rows": rows, "summary": summary}, fh, indent=1)
     print()
     print(table(rows))
     for s in summary["picks"]:

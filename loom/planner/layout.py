@@ -74,6 +74,15 @@ class Options:
     reduce-scattering them, then all-gathers the updated weights (DeepSpeed's 2022
     BF16_Optimizer, BLOOM's optimizer; Megatron's distributed optimizer reduce-scatters).
     Planner only.
+    ``grad_accum_bytes``: HBM bytes per parameter that each micro-batch's gradient
+    accumulation moves outside the weight-gradient GEMM (an unfused ``acc += grad``): 0 for
+    Megatron-Core's ``--gradient-accumulation-fusion`` (its default since Megatron-LM's
+    2022-02 merge of it; loom's own runs are calibrated), ~6 for fp16 gradients accumulated by
+    autograd's in-place ``.grad += g`` (read, read, write 2 bytes: Megatron-LM 2021 without
+    contiguous buffers, NAR's scripts, or PyTorch DDP under ``no_sync``; the first
+    micro-batch's missing add stands for the per-iteration gradient copies), 18 for DeepSpeed's
+    2022 BF16_Optimizer (``hp_grad.add_(lp_grad.to(fp32))`` after every micro-batch: a 4-byte
+    copy of the 2-byte gradient, then read, read, write 4 bytes).
     """
 
     flash_attention: bool = False
@@ -95,6 +104,7 @@ class Options:
     runtime: str = "loom"
     distribute_saved_activations: bool = False
     zero1_all_reduce_grads: bool = False
+    grad_accum_bytes: float = 0.0
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

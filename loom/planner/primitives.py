@@ -19,8 +19,8 @@ from loom.planner.hardware import Cluster
 # baseline/SP/full/selective/selective+SP x fwd/bwd (10, ms per 22B layer), Megatron-Core
 # r0.8.0 H100 weak scaling rows 1.7B-462B (9, model TFLOP/s per GPU; constrains h0 through the
 # ridge scaling). Tables: loom/planner/presets.py, loom/planner/validation.py.
-GEMM_EFFICIENCY = 0.795
-GEMM_HALF_DIM = 99.8
+GEMM_EFFICIENCY = 0.812
+GEMM_HALF_DIM = 108.0
 A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
 
 
@@ -84,8 +84,8 @@ def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
     Roofline origin: a ``[T, w] x [w, n]`` GEMM moves ``2 (T w + w n + T n)`` bytes for
     ``2 T w n`` FLOPs, so memory adds ``(peak / hbm_bw) (1/T + 1/w + 1/n)`` to the time per FLOP
     at peak; ``h0`` is therefore proportional to the GPU's ridge point ``peak / hbm_bw``:
-    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 99.8; H100 SXM:
-    295 FLOP/byte, h0 = 193). ``e``: the GPU generation's large-GEMM efficiency
+    ``h0 = GEMM_HALF_DIM x ridge / ridge(A100-80GB)`` (A100: 153 FLOP/byte, h0 = 108; H100 SXM:
+    295 FLOP/byte, h0 = 208). ``e``: the GPU generation's large-GEMM efficiency
     (``cluster.gemm_efficiency``, else ``GEMM_EFFICIENCY``). Both fitted, see the module
     docstring; a cluster file's ``gemm_half_dim`` overrides h0."""
     e = (cluster.gemm_efficiency if cluster and cluster.gemm_efficiency else GEMM_EFFICIENCY)

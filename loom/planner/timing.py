@@ -10,6 +10,8 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
 * Element-wise work (norms, activation functions, dropout, softmax, residuals): memory-bound;
   HBM traffic = ``mem_traffic x`` the activation bytes of the layer (KOR table 2, so sequence
   parallelism shortens it exactly where KOR table 4 measures it), at ``hbm_bw``.
+* Gradient accumulation outside the weight-gradient GEMM (``Options.grad_accum_bytes`` per
+  parameter of the stage, per micro-batch, at ``hbm_bw``; 0 for Megatron-Core's fused one).
 * Backward = 2 x forward GEMMs and element-wise work; full recompute adds one forward,
   selective adds the attention scores and their element-wise work (NAR eq 3, KOR eq 8).
 * TP: 2 all-reduces of ``[s/c, b, h]`` (``2 S h`` bytes) per layer forward, 2 in backward
@@ -68,10 +70,10 @@ from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
 # tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, loom.planner.fit).
-MEM_TRAFFIC = 2.37
+MEM_TRAFFIC = 2.41
 # Fitted (minimax of the log error of the days for 300B tokens, loom.planner.fit.fit_zero3) to the
 # six ZeRO-3 rows of NAR table 2: 174.6B on 384/768/1536 GPUs, 529.6B on 640/1120/2240 GPUs.
-ZERO3_OVERLAP = 0.733
+ZERO3_OVERLAP = 0.728
 # Not fitted: an assumption (DeepSpeed's flat ring at the full per-GPU NIC bandwidth).
 ZERO3_LINK_EFFICIENCY = 1.0
 
@@ -271,6 +273,14 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     stage_last["compute"] = stage_last["compute"] + out_comp
     stage_last["elementwise"] = stage_last["elementwise"] + out_elem
     stage_mid = {kk: mix(counts[1], 0, kk) for kk in layer}
+    # gradient accumulation outside the weight-gradient GEMM: every micro-batch's backward ends
+    # with an element-wise pass over the stage's gradients (opts.grad_accum_bytes of HBM traffic
+    # per parameter; 0 with Megatron-Core's fused accumulation), on the stage's critical path
+    P = stage_params(model, L, s)
+    acc = {kk: opts.grad_accum_bytes * P[kk] / cluster.hbm_bw for kk in ("first", "middle", "last")}
+    stage_first["elementwise"] = stage_first["elementwise"] + acc["first"]
+    stage_last["elementwise"] = stage_last["elementwise"] + np.where(single, 0.0, acc["last"])
+    stage_mid["elementwise"] = stage_mid["elementwise"] + acc["middle"]
     tf = sum(stage_first.values()) + np.where(single, out_comp + out_elem, 0.0)
     tl = sum(stage_last.values()) + np.where(single, emb_comm, 0.0)
     tm = np.where(p > 2, sum(stage_mid.values()), 0.0)
@@ -307,7 +317,6 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         terms["pp_comm"] = terms["pp_comm"] + np.where(p > 1, tied, 0.0)
 
     # data parallel (over the dp x cp group; ranks t apart, so gpus_per_node / t share a node)
-    P = stage_params(model, L, s)
     params = np.maximum(np.maximum(P["first"], P["last"]), P["middle"])
     n_dp = d * c
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))

@@ -64,14 +64,20 @@ from loom.planner.search import evaluate, record, search
 # allreduce_gradients; overlap came with --overlap-grad-reduce, 2d5220a424, 2023-08-16), in fp16
 # for fp16 runs (fp32 only with --accumulate-allreduce-grads-in-fp32, which bf16 forces), and the
 # backward TP all-reduces wait for their GEMMs (the asynchronous TP all-reduce is 16c90445e7,
-# 2021-09-02). KOR (2022) has the asynchronous TP all-reduce, still no DP overlap. BigScience's
-# Megatron-DeepSpeed (BLOOM, bf16): TP layers from the 2021 code (synchronous), DeepSpeed's
-# pipeline engine reduces gradients (fp32, all-reduced in full: see bloom_176b) after the last
-# micro-batch.
-MEGATRON_2021 = Options(overlap_grad_reduce=False, overlap_tp_comm=False, grad_bytes=2)
+# 2021-09-02); its fp16 gradients accumulate over the micro-batches in ``.grad`` (autograd's
+# in-place add: NAR's scripts do not set --use-contiguous-buffers-in-ddp, a store_true at
+# 6985e58938), ~6 bytes of HBM traffic per parameter and micro-batch (grad_accum_bytes). KOR
+# (2022) has the asynchronous TP all-reduce and the gradient accumulation fused into the
+# weight-gradient GEMM (slym/grad_accum_fusion, merged 2022-02-22, before sequence parallelism),
+# still no DP overlap. BigScience's Megatron-DeepSpeed (BLOOM, bf16): TP layers from the 2021
+# code (synchronous), DeepSpeed's pipeline engine reduces gradients (fp32, all-reduced in full:
+# see bloom_176b) after the last micro-batch, and its BF16_Optimizer copies every micro-batch's
+# bf16 gradients into the fp32 accumulator (18 bytes per parameter, Options.grad_accum_bytes).
+MEGATRON_2021 = Options(overlap_grad_reduce=False, overlap_tp_comm=False, grad_bytes=2,
+                        grad_accum_bytes=6)
 MEGATRON_2022 = Options(overlap_grad_reduce=False)
 MEGATRON_DEEPSPEED_2022 = Options(overlap_grad_reduce=False, overlap_tp_comm=False,
-                                  zero1_all_reduce_grads=True)
+                                  zero1_all_reduce_grads=True, grad_accum_bytes=18)
 
 # DGX-2H: 8 x 100 Gb/s InfiniBand for 16 GPUs = 100 GB/s per node (SHO sec 5) = 6.25 GB/s per GPU.
 DGX2H_INTER_BW = 6.25e9

@@ -20,21 +20,21 @@ from loom.planner.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_poi
 
 # held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26)
 HELDOUT_BOUNDS = {
-    "NAR t1": (0.06, 0.105),
-    "NAR t2": (0.08, 0.29),
-    "KOR": (0.06, 0.135),
+    "NAR t1": (0.045, 0.09),
+    "NAR t2": (0.06, 0.29),
+    "KOR": (0.05, 0.105),
     "SHO": (0.05, 0.16),
     "MC-H100 weak": (0.035, 0.10),
     "MC-H100 strong": (0.02, 0.03),
-    "BLOOM": (0.155, 0.155),
-    "OPT": (0.19, 0.19),
-    "TT": (0.055, 0.07),
+    "BLOOM": (0.11, 0.11),
+    "OPT": (0.20, 0.20),
+    "TT": (0.065, 0.08),
     "LF-H100": (0.10, 0.24),
-    "LF-A100": (0.07, 0.29),
-    "Llama 3": (0.06, 0.28),
+    "LF-A100": (0.07, 0.30),
+    "Llama 3": (0.06, 0.29),
     "MC-H100 weak + MC-H100 strong": (0.035, 0.10),
 }
-OVERALL_BOUNDS = (0.065, 0.29)
+OVERALL_BOUNDS = (0.065, 0.30)
 ISSUE_TARGET = (0.08, 0.20, 0.10)  # pooled median, worst row, every source's own median
 
 
@@ -81,8 +81,8 @@ def test_overall_held_out_errors(loso):
 
 def test_issue_26_median_targets(loso):
     """The pooled held-out median meets the issue's 8% and every source's own held-out median
-    its 10% (LF-H100 is the closest, 9.2%) except the single rows of BLOOM (14.6%) and OPT-175B
-    (18.3%), in the strict xfail below with the worst-row target."""
+    its 10% (LF-H100 is the closest, 8.9%) except the single rows of BLOOM (10.4%) and OPT-175B
+    (19.4%), in the strict xfail below with the worst-row target."""
     assert loso["overall"]["median"] <= ISSUE_TARGET[0], loso["overall"]
     for held, r in loso["sources"].items():
         if held not in ("BLOOM", "OPT"):

@@ -216,3 +216,32 @@ def test_deepspeed_bf16_optimizer_all_reduces_the_gradients():
     assert ds[0] == pytest.approx(plain[0], rel=1e-12)  # ZeRO-0: an all-reduce either way
     assert ds[1] - plain[1] == pytest.approx(0.5 * plain[0], rel=1e-12) and plain[0] > 0
     assert MEGATRON_DEEPSPEED_2022.zero1_all_reduce_grads
+
+
+def test_unfused_gradient_accumulation_costs_a_pass_over_the_stage_per_micro_batch():
+    """``Options.grad_accum_bytes``: every micro-batch's backward ends with an element-wise pass
+    over the stage's gradients (HBM bytes per parameter): without PP the iteration grows by
+    exactly ``m x bytes x params / hbm_bw``; with PP the slowest stage's micro-batch grows, so
+    the bubble does too. The 2021 Megatron-LM (NAR) accumulates fp16 ``.grad`` in place (6),
+    DeepSpeed's BF16_Optimizer copies into fp32 (18), Megatron-Core fuses it (0, the default)."""
+    from loom.planner.hardware import make_cluster
+    from loom.planner.memory import stage_params
+    from loom.planner.presets import gpt
+    from loom.planner.timing import time_terms
+    from loom.planner.validation import MEGATRON_2021, MEGATRON_2022, MEGATRON_DEEPSPEED_2022
+    m = gpt(8, 1024, 16)
+    cl = make_cluster("A100-80GB", 8)
+    one = make_layouts(dict(tp=2, dp=4, mbs=1))  # m = 64 / 4 = 16 micro-batches
+    base = time_terms(m, one, 64, 2048, cl, Options())
+    acc = time_terms(m, one, 64, 2048, cl, Options(grad_accum_bytes=18))
+    P = stage_params(m, one, 2048)["first"]
+    want = 16 * 18 * np.asarray(P).item() / cl.hbm_bw
+    assert np.asarray(acc["iteration"] - base["iteration"]).item() == pytest.approx(want, rel=1e-9)
+    assert np.asarray(acc["elementwise"] - base["elementwise"]).item() == pytest.approx(
+        want, rel=1e-9)
+    pp = make_layouts(dict(tp=2, pp=2, dp=2, mbs=1))
+    b2 = time_terms(m, pp, 64, 2048, cl, Options())
+    a2 = time_terms(m, pp, 64, 2048, cl, Options(grad_accum_bytes=6))
+    assert np.asarray(a2["pp_bubble"]).item() > np.asarray(b2["pp_bubble"]).item()
+    assert (MEGATRON_2021.grad_accum_bytes, MEGATRON_2022.grad_accum_bytes,
+            MEGATRON_DEEPSPEED_2022.grad_accum_bytes, Options().grad_accum_bytes) == (6, 0, 18, 0)
