@@ -21,6 +21,8 @@ Multi-latent attention and multi-token prediction (``--multi-latent-attention``,
 
 from __future__ import annotations
 
+import numpy as np
+
 from loom.config import ModelConfig
 from loom.planner.mamba import is_hybrid, kind_counts, layers_forward_flops_per_token
 from loom.planner.mla import attention_flops_per_token, mtp_depth, mtp_extra_flops_per_token
@@ -77,3 +79,25 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recom
         n_attn = kind_counts(cfg)["*"] if is_hybrid(cfg) else cfg.num_layers + mtp_depth(cfg)
         return base + n_attn * attention_flops_per_token(cfg, s)[1] * tokens
     return base
+
+
+def throughput(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
+               cluster, iteration_s) -> dict:
+    """Tokens/s, model TFLOP/s per GPU (KOR eq 7 convention, MFU numerator), hardware TFLOP/s
+    per GPU (with recompute, NAR eq 3 / KOR eq 8 convention) and MFU (model FLOPs / (time x
+    GPUs x peak))."""
+    n = L["tp"] * L["pp"] * L["dp"] * L["cp"]
+    model_f = model_flops_per_iteration(model, global_batch_size, seq_length)
+    rc = L["recompute"]
+    hw = {name: hardware_flops_per_iteration(model, global_batch_size, name, seq_length)
+          for name in ("none", "selective", "full")}
+    hw_f = np.where(rc == 2, hw["full"], np.where(rc == 1, hw["selective"], hw["none"]))
+    it = np.asarray(iteration_s, dtype=np.float64)
+    return {
+        "tokens_per_s": global_batch_size * seq_length / it,
+        "tflops_per_gpu": model_f / (it * n) / 1e12,
+        "hw_tflops_per_gpu": hw_f / (it * n) / 1e12,
+        "mfu": model_f / (it * n * cluster.peak_flops),
+        "model_flops": model_f + 0 * it,
+        "hardware_flops": hw_f + 0 * it,
+    }

@@ -34,7 +34,8 @@ from loom.planner.context_parallel import a2a_divides
 from loom.planner.mamba import check_supported, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
 from loom.planner.stages import accounted_split, describe_split, given_split, uneven_splits
-from loom.planner.timing import throughput, time_terms
+from loom.planner.flops import throughput
+from loom.planner.timing import time_terms
 
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "embedding_output", "reserve")
 TIME_TERMS = ("compute", "recompute", "elementwise", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",

@@ -54,7 +54,6 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import ModelConfig
-from loom.planner import flops as F
 from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
@@ -387,40 +386,3 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     terms["iteration"] = busy + terms["straggler"]
     terms["microbatch_time"] = t_mb
     return terms
-
-
-def throughput(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
-               cluster: Cluster, iteration_s) -> dict:
-    """Tokens/s, model TFLOP/s per GPU (KOR eq 7 convention, MFU numerator), hardware TFLOP/s
-    per GPU (with recompute, NAR eq 3 / KOR eq 8 convention) and MFU (model FLOPs / (time x
-    GPUs x peak))."""
-    n = L["tp"] * L["pp"] * L["dp"] * L["cp"]
-    model_f = F.model_flops_per_iteration(model, global_batch_size, seq_length)
-    rc = L["recompute"]
-    hw = {name: F.hardware_flops_per_iteration(model, global_batch_size, name, seq_length)
-          for name in ("none", "selective", "full")}
-    hw_f = np.where(rc == 2, hw["full"], np.where(rc == 1, hw["selective"], hw["none"]))
-    it = np.asarray(iteration_s, dtype=np.float64)
-    return {
-        "tokens_per_s": global_batch_size * seq_length / it,
-        "tflops_per_gpu": model_f / (it * n) / 1e12,
-        "hw_tflops_per_gpu": hw_f / (it * n) / 1e12,
-        "mfu": model_f / (it * n * cluster.peak_flops),
-        "model_flops": model_f + 0 * it,
-        "hardware_flops": hw_f + 0 * it,
-    }
-
-
-def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
-                  opts: Options | None = None) -> tuple:
-    """Forward and backward time (seconds) of one transformer layer for one micro-batch, as KOR
-    table 4 measures them (backward includes the recompute it triggers). Transformer layers
-    only: a Mamba / hybrid model's kinds are in :func:`loom.planner.mamba.kind_layer_times`."""
-    opts = opts or Options()
-    lt = layer_times(model, seq_length, L, cluster, opts)
-    rc = L["recompute"]
-    comp_f = lt["gemm"] + lt["attn"]
-    fwd = comp_f + lt["elem"] + lt["tp_fwd"] + lt["cp_fwd"] + 2 * lt["a2a"]
-    bwd = 2 * comp_f + 2 * lt["elem"] + lt["tp_bwd"] + lt["cp_bwd"] + 2 * lt["a2a"]
-    bwd = bwd + np.where(rc == 2, fwd, np.where(rc == 1, lt["attn"] + lt["scores_elem"], 0.0))
-    return fwd, bwd

@@ -53,11 +53,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from loom.config import ModelConfig
 from loom.planner.constants import Constants, fitted_cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.presets import KOR_TABLE3, NAR_TABLE1, NAR_TABLE2, gpt
 from loom.planner.search import evaluate, record, search
+from loom.planner.timing import layer_times
 
 # The Megatron-LM of NAR (release 50a4b5fa02, 2021-04-08; NAR's runs predate it): the local DDP
 # all-reduces the gradients after the last micro-batch's backward (train_step ->
@@ -149,11 +152,24 @@ def nar_table1_points(constants: Constants | None = None) -> list[tuple]:
     return out
 
 
+def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster,
+                  opts: Options | None = None) -> tuple:
+    """Forward and backward time (seconds) of one transformer layer for one micro-batch, as KOR
+    table 4 measures them (backward includes the recompute it triggers). Transformer layers
+    only: a Mamba / hybrid model's kinds are in :func:`loom.planner.mamba.kind_layer_times`."""
+    opts = opts or Options()
+    lt = layer_times(model, seq_length, L, cluster, opts)
+    rc = L["recompute"]
+    comp_f = lt["gemm"] + lt["attn"]
+    fwd = comp_f + lt["elem"] + lt["tp_fwd"] + lt["cp_fwd"] + 2 * lt["a2a"]
+    bwd = 2 * comp_f + 2 * lt["elem"] + lt["tp_bwd"] + lt["cp_bwd"] + 2 * lt["a2a"]
+    bwd = bwd + np.where(rc == 2, fwd, np.where(rc == 1, lt["attn"] + lt["scores_elem"], 0.0))
+    return fwd, bwd
+
+
 def kor_points(constants: Constants | None = None) -> list[tuple]:
     """``(name, predicted, published)``: KOR table 3 iteration seconds (full recompute; SP +
     selective) and KOR table 4 per-layer ms (:data:`KOR_TABLE4`)."""
-    from loom.planner.timing import layer_fwd_bwd
-
     opts = MEGATRON_2022
     out = []
     for (name, a, h, nl, t, p, n, B, b, tfull, tsel, _mfu, _hfu) in KOR_TABLE3:
