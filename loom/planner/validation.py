@@ -27,11 +27,13 @@
   node = 6.25 GB/s per GPU, achievable 92% as for the DGX A100 entry), t = 4, p = 12, d = 8,
   ZeRO-1, full recompute (Megatron-DeepSpeed counts recompute in its TFLOPs), unfused attention.
   The run's slurm script (bigscience-workshop/bigscience ``train/tr11-176B-ml/tr11-176B-ml.slurm``)
-  sets ``ZERO_STAGE=0`` with bf16: DeepSpeed's BF16_Optimizer, whose pipeline engine (DeepSpeed
-  56c522386, 2022-04, "bf16+pipeline parallelism") all-reduces the tied embedding's fp32
+  sets ``ZERO_STAGE=0`` with bf16: DeepSpeed's BF16_Optimizer (the README names its
+  ``olruwase/bf16-updates`` branch; read at its merge, DeepSpeed 56c522386, 2022-04-19, the first
+  commit with BF16_Optimizer), whose pipeline engine all-reduces the tied embedding's fp32
   gradients between the first and the last stage, then all-reduces every fp32 gradient over
   DP in full before the partitioned step and the bf16 all-gather
-  (``MEGATRON_DEEPSPEED_2022.zero1_all_reduce_grads``).
+  (``MEGATRON_DEEPSPEED_2022.zero1_all_reduce_grads``), and adds every micro-batch's bf16
+  gradients into its fp32 accumulator (``grad_accum_bytes`` 18).
   70 layers on 12 stages only plan with an uneven split.
 * :func:`opt_175b` -- OPT-175B (Zhang et al. 2022, arXiv 2205.01068 sec 2.4: "up to 147
   TFLOP/s per GPU" on 992 A100-80GB; the layout from facebookresearch/metaseq
