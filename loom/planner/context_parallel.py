@@ -33,16 +33,14 @@ from __future__ import annotations
 import numpy as np
 
 from loom.planner.hardware import Cluster
-from loom.planner.primitives import all_gather_time, p2p_time
+from loom.planner.primitives import all_gather_time, link, p2p_time
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
 
 
 def _link(n_span, cluster: Cluster):
     """Bandwidth and latency of a group spanning ``n_span`` consecutive GPUs."""
-    cross = n_span > cluster.gpus_per_node
-    return (np.where(cross, cluster.inter_bw, cluster.intra_bw),
-            np.where(cross, cluster.inter_alpha, cluster.intra_alpha))
+    return link(n_span > cluster.gpus_per_node, cluster)
 
 
 def _a2a(n, nbytes, bw, alpha):

@@ -57,7 +57,7 @@ import numpy as np
 
 from loom.config import ConfigError, ModelConfig
 from loom.planner.moe import mlp_params, stage_flag_layers
-from loom.planner.primitives import all_reduce_time, gemm_efficiency, p2p_time
+from loom.planner.primitives import all_reduce_time, gemm_efficiency, link, p2p_time
 
 KINDS = ("M", "*", "-")  # Mamba-2, attention, MLP (Megatron's hybrid pattern characters)
 
@@ -184,11 +184,9 @@ def kind_layer_times(model: ModelConfig, seq_length: int, L: dict, cluster, fuse
     S = s * b / c
     peak = cluster.peak_flops
     fl = kind_flops_per_token(model, s)
-    tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
-    tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
+    tp_bw, tp_alpha = link(t > cluster.gpus_per_node, cluster)
     ar = all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)
-    cp_link = np.where(t * c > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
-    cp_alpha = np.where(t * c > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
+    cp_link, cp_alpha = link(t * c > cluster.gpus_per_node, cluster)
     out = {}
     for kind in KINDS:
         gemm = fl[kind][0] * S / t / (peak * gemm_efficiency(h / t, S, cluster))

@@ -44,7 +44,7 @@ import numpy as np
 
 from loom.config import ModelConfig
 from loom.planner.hardware import Cluster
-from loom.planner.primitives import all_gather_time, all_reduce_time, gemm_efficiency
+from loom.planner.primitives import all_gather_time, all_reduce_time, gemm_efficiency, link
 
 # Busiest EP rank's expert tokens over the mean. An assumption, not fitted: the Switch
 # Transformer (Fedus et al. 2021, sec 2.2) trains well with capacity factors of 1.0-1.25, i.e.
@@ -208,9 +208,7 @@ def dispatch_time(kind: str, e, per_node, pair_elems, token_elems, cluster: Clus
     if kind != "allgather":
         return all_to_all_time(e, per_node, BYTES_PER_ELEMENT * pair_elems, cluster)
     e = np.asarray(e, dtype=np.float64)
-    cross = e > np.clip(per_node, 1.0, None)
-    bw = np.where(cross, cluster.inter_bw, cluster.intra_bw)
-    alpha = np.where(cross, cluster.inter_alpha, cluster.intra_alpha)
+    bw, alpha = link(e > np.clip(per_node, 1.0, None), cluster)
     gather = all_gather_time(e, BYTES_PER_ELEMENT * e * token_elems, bw, alpha)
     scatter = all_gather_time(e, BYTES_PER_ELEMENT * e * pair_elems, bw, alpha)
     return (gather + scatter) / 2
@@ -241,8 +239,7 @@ def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
     router = 2 * h * E * S / (peak * gemm_efficiency(min(h, E), S, cluster))
     a2a = dispatch_time(model.moe_token_dispatcher_type, e, ep_members_per_node(L, cluster),
                         S * k * h, S * h, cluster)
-    tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
-    tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
+    tp_bw, tp_alpha = link(t > cluster.gpus_per_node, cluster)
     tp_rows = k + (1 if f_sh else 0)
     tp_extra = (all_reduce_time(t, 2 * S * h * tp_rows, tp_bw, tp_alpha)
                 - all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha))

@@ -41,6 +41,13 @@ def all_gather_time(n, nbytes, bw, alpha):
 reduce_scatter_time = all_gather_time
 
 
+def link(cross, cluster: Cluster) -> tuple:
+    """Bandwidth (bytes/s per GPU) and per-step latency (s) of a group's slowest link: the
+    network's where ``cross`` (the group spans nodes; array or bool), else the node's."""
+    return (np.where(cross, cluster.inter_bw, cluster.intra_bw),
+            np.where(cross, cluster.inter_alpha, cluster.intra_alpha))
+
+
 def p2p_time(nbytes, bw, alpha):
     """Point-to-point send of ``nbytes``: ``M/W + alpha`` seconds."""
     return nbytes / bw + alpha

@@ -64,7 +64,7 @@ from loom.planner.moe import moe_fraction, moe_layer_times, stage_moe_layers
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_time, gemm_efficiency,
                                      all_reduce_latency, hierarchical_all_reduce_time,
-                                     p2p_time,
+                                     link, p2p_time,
                                      reduce_scatter_time)
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
@@ -164,8 +164,7 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     k = _mem_traffic(cluster)
     elem = k * act["none"] / cluster.hbm_bw
     scores_elem = k * act["scores"] / cluster.hbm_bw
-    tp_bw = np.where(t > cluster.gpus_per_node, cluster.inter_bw, cluster.intra_bw)
-    tp_alpha = np.where(t > cluster.gpus_per_node, cluster.inter_alpha, cluster.intra_alpha)
+    tp_bw, tp_alpha = link(t > cluster.gpus_per_node, cluster)
     ar = all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)  # AG + RS with SP: same volume
     # --distribute-saved-activations (no SP): full recompute's saved input 2 S h was split over
     # the TP ranks; backward all-gathers it before the recompute, on the compute stream
@@ -299,9 +298,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     terms = {kk: m * vv for kk, vv in stage.items()}
     terms["pp_bubble"] = np.where(p > 1, pipeline_bubble(L, t_mb, mix(slow, 3), mix(slow, 2),
                                                          m), 0.0)
-    pp_cross = (t * c * d) >= cluster.gpus_per_node
-    pp_bw = np.where(pp_cross, cluster.inter_bw, cluster.intra_bw)
-    pp_alpha = np.where(pp_cross, cluster.inter_alpha, cluster.intra_alpha)
+    pp_bw, pp_alpha = link((t * c * d) >= cluster.gpus_per_node, cluster)
     send = p2p_time(2 * S * h / t, pp_bw, pp_alpha)
     terms["pp_comm"] = np.where(p > 1, (2 * v * m + 2 * (p - 1)) * send, 0.0)
     # tied word embeddings with PP: the first and the last stage each hold a copy, whose
@@ -309,10 +306,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     # reduction (Megatron-LM's embedding group, _allreduce_word_embedding_grads, in the main-grad
     # dtype; DeepSpeed's pipeline engine ReduceTiedGrads, fp32 under bf16)
     if not model.untie_embeddings_and_output_weights:
-        emb_cross = (p - 1) * t * c * d >= cluster.gpus_per_node
         tied = all_reduce_time(2.0, Vp * h / t * opts.grad_bytes,
-                               np.where(emb_cross, cluster.inter_bw, cluster.intra_bw),
-                               np.where(emb_cross, cluster.inter_alpha, cluster.intra_alpha))
+                               *link((p - 1) * t * c * d >= cluster.gpus_per_node, cluster))
         terms["pp_comm"] = terms["pp_comm"] + np.where(p > 1, tied, 0.0)
 
     # data parallel (over the dp x cp group; ranks t apart, so gpus_per_node / t share a node)
@@ -349,12 +344,11 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter, a flat
     # ring whose every byte crosses the GPU's own link; ZERO3_OVERLAP of the micro-batch's
     # compute hides it (both fitted to NAR table 2, see the module docstring)
-    z_cross = n_dp * t > cluster.gpus_per_node
+    z_link_bw, z_alpha = link(n_dp * t > cluster.gpus_per_node, cluster)
     z_eff = ZERO3_LINK_EFFICIENCY if opts.zero3_link_efficiency is None \
         else opts.zero3_link_efficiency
     z_ov = ZERO3_OVERLAP if opts.zero3_overlap is None else opts.zero3_overlap
-    z_bw = np.where(z_cross, cluster.inter_bw, cluster.intra_bw) * z_eff
-    z_alpha = np.where(z_cross, cluster.inter_alpha, cluster.intra_alpha)
+    z_bw = z_link_bw * z_eff
     ag_w = dp_collective(lambda n, _, nb: all_gather_time(n, nb, z_bw, z_alpha), 2)
     rs_g = dp_collective(lambda n, _, nb: reduce_scatter_time(n, nb, z_bw, z_alpha),
                          opts.grad_bytes)
