@@ -51,6 +51,28 @@ def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None,
     return cfg.num_layers * (attention + mlp) + 2 * h * V + D * mlp + mtp
 
 
+def op_sac_recompute_share(cfg: ModelConfig) -> float:
+    """Share of a dense layer's forward GEMM FLOPs that torchtitan's op-level selective
+    activation checkpointing recomputes in backward (``[activation_checkpoint] mode =
+    'selective'``, ``selective_ac_option = 'op'``, torchtitan's default: its
+    ``parallelize_llama.py`` policy saves the output of every op in its save list (``aten.mm``,
+    the SDPA kernels) "except every second mm" of the block, counted in execution order, and
+    recomputes everything else). The block's mms run ``wq, wk, wv, wo`` then ``w1, w3, w2``
+    (SwiGLU, ``w2(silu(w1 x) * w3 x)``) or ``fc1, fc2``, so ``wk``, ``wo`` and ``w3`` (or
+    ``fc2``) are recomputed; attention is not (its output is saved).
+
+    Raises:
+        ValueError: for multi-latent attention, MoE and hybrid stacks (other block orders)."""
+    if cfg.multi_latent_attention or cfg.num_experts or is_hybrid(cfg):
+        raise ValueError("op-level selective recompute (Options.selective_ac_op) is modelled "
+                         "for dense GQA/MHA blocks only")
+    h, a, g, d, f = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_groups,
+                     cfg.head_dim, cfg.ffn_size)
+    mms = [h * a * d, h * g * d, h * g * d, a * d * h]
+    mms += [h * f, h * f, f * h] if cfg.gated_linear_unit else [h * f, f * h]
+    return float(sum(mms[1::2])) / float(sum(mms))
+
+
 def model_flops_per_iteration(cfg: ModelConfig, global_batch_size: int,
                               seq_length: int | None = None, vocab_size: int | None = None) -> float:
     """Model FLOPs of one training iteration: forward + backward (2x forward), no recompute.

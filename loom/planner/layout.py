@@ -83,6 +83,11 @@ class Options:
     micro-batch's missing add stands for the per-iteration gradient copies), 18 for DeepSpeed's
     2022 BF16_Optimizer (``hp_grad.add_(lp_grad.to(fp32))`` after every micro-batch: a 4-byte
     copy of the 2-byte gradient, then read, read, write 4 bytes).
+    ``selective_ac_op``: selective recompute is torchtitan's op-level policy
+    (``selective_ac_option = 'op'``) instead of Megatron's attention-core recompute: backward
+    recomputes every second GEMM of the block and all its element-wise work, not the attention
+    (:func:`loom.planner.flops.op_sac_recompute_share`). Time only: the memory stays the
+    selective one of :mod:`loom.planner.memory`. Planner only.
     """
 
     flash_attention: bool = False
@@ -105,6 +110,7 @@ class Options:
     distribute_saved_activations: bool = False
     zero1_all_reduce_grads: bool = False
     grad_accum_bytes: float = 0.0
+    selective_ac_op: bool = False
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

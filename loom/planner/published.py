@@ -6,7 +6,9 @@ Throughput sources (bf16 only; held out of every fit, :mod:`loom.planner.fit`):
 
 * ``TT`` -- torchtitan, :data:`TORCHTITAN` (``benchmarks/llama3_h100_202412_torchtitan.md``,
   tables 1 and 3): Llama 3.1 8B, s = 8192, local batch 2, FSDP2 (ZeRO-3), selective activation
-  checkpointing (op policy: the matmul outputs are kept, so modelled as selective), 8 and 128
+  checkpointing with torchtitan's default op policy (``Options.selective_ac_op``: every second
+  matmul of the block and the element-wise work recomputed, the attention kept; its
+  ``parallelize_llama.py`` at 6b03ffa32, 2024-12-26, the month of the tables), 8 and 128
   H100 (Grand Teton: HBM2e 96 GB at 2.4 TB/s, 500 W cap, 400 Gb/s per GPU); the
   ``FSDP + torch.compile`` rows (fused element-wise kernels, as the planner assumes), tokens/s
   per GPU. The Float8 rows (70B, 405B, CP) are layouts to plan only (FP8 is not modelled).
@@ -150,7 +152,8 @@ def torchtitan_points(c: Constants | None = None, rows=TT_ROWS) -> list[tuple]:
     out = []
     for n, b, tps, _mem in rows:
         cl = fitted_cluster("H100-80GB", n, c, **TT_GPU)
-        r = plan_fixed(llama("llama3-8b", 8192), cl, b * n, 8192, opts=_fsdp_options(c),
+        r = plan_fixed(llama("llama3-8b", 8192), cl, b * n, 8192,
+                       opts=replace(_fsdp_options(c), selective_ac_op=True),
                        fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=3, recompute="selective"))
         out.append((f"TT 8B {n} GPUs tok/s/GPU", r["tokens_per_s"] / n, tps))
     return out

@@ -13,7 +13,9 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
 * Gradient accumulation outside the weight-gradient GEMM (``Options.grad_accum_bytes`` per
   parameter of the stage, per micro-batch, at ``hbm_bw``; 0 for Megatron-Core's fused one).
 * Backward = 2 x forward GEMMs and element-wise work; full recompute adds one forward,
-  selective adds the attention scores and their element-wise work (NAR eq 3, KOR eq 8).
+  selective adds the attention scores and their element-wise work (NAR eq 3, KOR eq 8), or
+  with torchtitan's op policy (``Options.selective_ac_op``) every second GEMM of the block and
+  all its element-wise work.
 * TP: 2 all-reduces of ``[s/c, b, h]`` (``2 S h`` bytes) per layer forward, 2 in backward
   (SHO sec 3), all-gather + reduce-scatter of the same volume with SP (KOR sec 4.2.2); full
   recompute repeats the forward two. Backward ones overlap the weight-gradient GEMMs (Megatron's
@@ -54,6 +56,7 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import ModelConfig
+from loom.planner.flops import op_sac_recompute_share
 from loom.planner.hardware import Cluster
 from loom.planner.layout import Options, num_microbatches, stage_layers
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
@@ -208,11 +211,17 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     full = rc == 2
     sel = rc == 1
 
+    # selective: Megatron's attention-core recompute, or torchtitan's op policy (every second
+    # GEMM of the block and all its element-wise work; flops.op_sac_recompute_share)
+    op_share = op_sac_recompute_share(model) if opts.selective_ac_op else None
+
     def per_layer(lt):
         """Terms of one layer and micro-batch; its backward (+ recompute) and forward time."""
         comp_f = lt["gemm"] + lt["attn"]
-        rec = np.where(full, comp_f, np.where(sel, lt["attn"], 0.0))
-        rec_elem = np.where(full, lt["elem"], np.where(sel, lt["scores_elem"], 0.0))
+        rec_sel, rec_sel_elem = ((lt["attn"], lt["scores_elem"]) if op_share is None
+                                 else (op_share * lt["gemm"], lt["elem"]))
+        rec = np.where(full, comp_f, np.where(sel, rec_sel, 0.0))
+        rec_elem = np.where(full, lt["elem"], np.where(sel, rec_sel_elem, 0.0))
         layer = {
             "compute": 3 * comp_f,
             "recompute": rec,

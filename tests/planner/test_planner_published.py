@@ -245,3 +245,39 @@ def test_unfused_gradient_accumulation_costs_a_pass_over_the_stage_per_micro_bat
     assert np.asarray(a2["pp_bubble"]).item() > np.asarray(b2["pp_bubble"]).item()
     assert (MEGATRON_2021.grad_accum_bytes, MEGATRON_2022.grad_accum_bytes,
             MEGATRON_DEEPSPEED_2022.grad_accum_bytes, Options().grad_accum_bytes) == (6, 0, 18, 0)
+
+
+def test_torchtitan_op_selective_recompute_repeats_every_second_gemm_not_attention():
+    """``Options.selective_ac_op`` (torchtitan's ``selective_ac_option = 'op'``, the TT rows):
+    the block's mms in execution order are q, k, v, o, w1, w3, w2 and every second one (k, o,
+    w3) is recomputed; a GeLU GPT block (q, k, v, o, fc1, fc2) recomputes k, o and fc2, half of
+    its GEMM FLOPs. The recompute term is that share of full recompute's GEMM part (full minus
+    Megatron's selective, which repeats the attention only), the element-wise work is full
+    recompute's, and MoE blocks are refused."""
+    from dataclasses import replace
+
+    from loom.planner.flops import op_sac_recompute_share
+    from loom.planner.hardware import make_cluster
+    from loom.planner.presets import get_preset, gpt
+    from loom.planner.timing import time_terms
+    assert op_sac_recompute_share(gpt(8, 1024, 16)) == pytest.approx(0.5, rel=1e-12)
+    ll = get_preset("llama3-8b")
+    h, kv, f = 4096, 1024, 14336
+    want = (h * kv + h * h + h * f) / (2 * h * h + 2 * h * kv + 3 * h * f)
+    assert op_sac_recompute_share(ll) == pytest.approx(want, rel=1e-12)  # 0.365
+    cl = make_cluster("H100-80GB", 8)
+    terms = {}
+    for name, rc, op in (("full", "full", False), ("megatron", "selective", False),
+                         ("op", "selective", True)):
+        lay = make_layouts(dict(dp=8, mbs=1, zero=3, recompute=rc))
+        terms[name] = time_terms(ll, lay, 16, 8192, cl,
+                                 Options(flash_attention=True, selective_ac_op=op))
+    val = {k: {n: np.asarray(v[n]).item() for n in ("recompute", "elementwise", "compute")}
+           for k, v in terms.items()}
+    gemm_part = val["full"]["recompute"] - val["megatron"]["recompute"]
+    assert gemm_part > 0 and val["megatron"]["recompute"] > 0
+    assert val["op"]["recompute"] == pytest.approx(want * gemm_part, rel=1e-9)
+    assert val["op"]["elementwise"] == pytest.approx(val["full"]["elementwise"], rel=1e-12)
+    assert val["op"]["compute"] == pytest.approx(val["megatron"]["compute"], rel=1e-12)
+    with pytest.raises(ValueError, match="selective_ac_op"):
+        op_sac_recompute_share(replace(ll, num_experts=8, moe_router_topk=2))
