@@ -87,7 +87,8 @@ class Options:
     (``selective_ac_option = 'op'``) instead of Megatron's attention-core recompute: backward
     recomputes every second GEMM of the block and all its element-wise work, not the attention
     (:func:`loom.planner.flops.op_sac_recompute_share`). Time only: the memory stays the
-    selective one of :mod:`loom.planner.memory`. Planner only.
+    selective one of :mod:`loom.planner.memory`, and ``hw_tflops_per_gpu`` keeps KOR eq 8's
+    selective count. Planner only.
     """
 
     flash_attention: bool = False
