@@ -189,6 +189,20 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
             "a2a": a2a}
 
 
+def recompute_work(model: ModelConfig, lt: dict, rc, opts: Options) -> tuple:
+    """Forward work that backward repeats, per layer and micro-batch (seconds): ``(compute,
+    element-wise)`` from :func:`layer_times`' ``lt``, by recompute code ``rc``. Full: the whole
+    forward; selective: Megatron's attention core (scores and their element-wise work), or with
+    ``opts.selective_ac_op`` torchtitan's op policy (:func:`loom.planner.flops.
+    op_sac_recompute_share` of the GEMMs and all the element-wise work); none: nothing."""
+    if opts.selective_ac_op:
+        sel, sel_elem = op_sac_recompute_share(model) * lt["gemm"], lt["elem"]
+    else:
+        sel, sel_elem = lt["attn"], lt["scores_elem"]
+    return (np.where(rc == 2, lt["gemm"] + lt["attn"], np.where(rc == 1, sel, 0.0)),
+            np.where(rc == 2, lt["elem"], np.where(rc == 1, sel_elem, 0.0)))
+
+
 def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
                cluster: Cluster, opts: Options | None = None) -> dict:
     """Time of one iteration, seconds, term by term (arrays).
@@ -209,19 +223,11 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     peak = cluster.peak_flops
     k = _mem_traffic(cluster)
     full = rc == 2
-    sel = rc == 1
-
-    # selective: Megatron's attention-core recompute, or torchtitan's op policy (every second
-    # GEMM of the block and all its element-wise work; flops.op_sac_recompute_share)
-    op_share = op_sac_recompute_share(model) if opts.selective_ac_op else None
 
     def per_layer(lt):
         """Terms of one layer and micro-batch; its backward (+ recompute) and forward time."""
         comp_f = lt["gemm"] + lt["attn"]
-        rec_sel, rec_sel_elem = ((lt["attn"], lt["scores_elem"]) if op_share is None
-                                 else (op_share * lt["gemm"], lt["elem"]))
-        rec = np.where(full, comp_f, np.where(sel, rec_sel, 0.0))
-        rec_elem = np.where(full, lt["elem"], np.where(sel, rec_sel_elem, 0.0))
+        rec, rec_elem = recompute_work(model, lt, rc, opts)
         layer = {
             "compute": 3 * comp_f,
             "recompute": rec,

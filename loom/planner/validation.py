@@ -62,7 +62,7 @@ from loom.planner.constants import Constants, fitted_cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.presets import KOR_TABLE3, NAR_TABLE1, NAR_TABLE2, gpt
 from loom.planner.search import evaluate, record, search
-from loom.planner.timing import layer_times
+from loom.planner.timing import layer_times, recompute_work
 
 # The Megatron-LM of NAR (release 50a4b5fa02, 2021-04-08; NAR's runs predate it): the local DDP
 # all-reduces the gradients after the last micro-batch's backward (train_step ->
@@ -165,7 +165,10 @@ def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster,
     comp_f = lt["gemm"] + lt["attn"]
     fwd = comp_f + lt["elem"] + lt["tp_fwd"] + lt["cp_fwd"] + 2 * lt["a2a"]
     bwd = 2 * comp_f + 2 * lt["elem"] + lt["tp_bwd"] + lt["cp_bwd"] + 2 * lt["a2a"]
-    bwd = bwd + np.where(rc == 2, fwd, np.where(rc == 1, lt["attn"] + lt["scores_elem"], 0.0))
+    rec, rec_elem = recompute_work(model, lt, rc, opts)
+    # full recompute also repeats the forward's collectives
+    bwd = bwd + rec + rec_elem + np.where(rc == 2, lt["tp_fwd"] + lt["cp_fwd"] + 2 * lt["a2a"],
+                                          0.0)
     return fwd, bwd
 
 
