@@ -57,7 +57,8 @@ import numpy as np
 
 from loom.config import ConfigError, ModelConfig
 from loom.planner.moe import mlp_params, stage_flag_layers
-from loom.planner.primitives import all_reduce_time, gemm_efficiency, link, p2p_time
+from loom.planner.primitives import (all_reduce_time, attention_efficiency, gemm_efficiency, link,
+                                     p2p_time)
 
 KINDS = ("M", "*", "-")  # Mamba-2, attention, MLP (Megatron's hybrid pattern characters)
 
@@ -194,7 +195,7 @@ def kind_layer_times(model: ModelConfig, seq_length: int, L: dict, cluster, fuse
         if kind == "M":
             gemm = gemm + fl["M"][1] * S / t / (peak * gemm_efficiency(min(N, P), Q, cluster))
         elif kind == "*":
-            attn = fl["*"][1] * S / t / (peak * gemm_efficiency(d, s / c, cluster))
+            attn = fl["*"][1] * S / t / (peak * attention_efficiency(d, s / c, fused, cluster))
             ring = (c - 1) * p2p_time(4 * S * g * d / t, cp_link, cp_alpha)
             cp_fwd, cp_bwd = np.maximum(0.0, ring - attn), np.maximum(0.0, 2 * ring - 2 * attn)
         act = kind_activation_bytes(model, s, L, kind, fused)

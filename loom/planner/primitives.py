@@ -103,3 +103,24 @@ def gemm_efficiency(width, tokens, cluster: Cluster | None = None):
     else:
         h0 = GEMM_HALF_DIM
     return e / (1 + h0 / np.asarray(width, dtype=np.float64) + h0 / np.asarray(tokens, dtype=np.float64))
+
+
+# Rows of Q one thread block of the fused (flash) attention kernel holds on chip: FlashAttention-2's
+# ``kBlockM`` for every head dim up to 256 on A100/H100 (Dao 2023, "FlashAttention-2", sec. 3.3;
+# flash-attn's ``flash_fwd_launch_template.h``), the Triton kernel's ``BLOCK`` of 128.
+FLASH_Q_TILE = 128
+
+
+def attention_efficiency(head_dim, kv_tokens, fused: bool, cluster: Cluster | None = None):
+    """Achievable fraction of peak FLOP/s of the attention scores' batched GEMMs
+    (``Q K^T`` and ``P V``) of one head of width ``head_dim`` over ``kv_tokens`` keys.
+
+    Unfused (``fused`` False): :func:`gemm_efficiency` ``(d, kv_tokens)``: the ``[s, s]`` scores
+    round-trip HBM, so the bytes per FLOP grow as ``1/d``. Fused (flash attention): the scores
+    stay on chip and a thread block of ``FLASH_Q_TILE`` query rows streams K and V once, so the
+    FLOP per HBM byte is set by the tile (``2 Br s d`` FLOPs per ``2 s d`` bytes of K or V), not by
+    ``d`` (Dao 2023, sec. 3.1): :func:`gemm_efficiency` ``(FLASH_Q_TILE, kv_tokens)``. Equal to
+    the unfused value at ``d = 128``."""
+    width = FLASH_Q_TILE if fused else head_dim
+    return gemm_efficiency(width, kv_tokens, cluster)
+

@@ -65,7 +65,8 @@ from loom.planner.mla import attention_flops_per_token, mtp_depth
 from loom.planner.context_parallel import cp_layer_cost
 from loom.planner.moe import moe_fraction, moe_layer_times, stage_moe_layers
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
-                                     all_gather_time, all_reduce_time, gemm_efficiency,
+                                     all_gather_time, all_reduce_time, attention_efficiency,
+                                     gemm_efficiency,
                                      all_reduce_latency, hierarchical_all_reduce_time,
                                      link, p2p_time,
                                      reduce_scatter_time)
@@ -160,7 +161,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
         mlp_flops = (6 if model.swiglu else 4) * h * f * S / t
         gemm = gemm + fm * (mo["gemm"] - mlp_flops / (peak * gemm_efficiency(h / t, S, cluster)))
         a2a, tp_extra = fm * mo["a2a"], fm * mo["tp_extra"]
-    attn = attn_flops / (peak * gemm_efficiency(d, s / c, cluster))  # per ring block with CP
+    # per ring block with CP
+    attn = attn_flops / (peak * attention_efficiency(d, s / c, opts.flash_attention, cluster))
     act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
                                      moe_load_imbalance=opts.moe_load_imbalance,
                                      moe_share=moe_share)

@@ -30,11 +30,11 @@ HELDOUT_BOUNDS = {
     "OPT": (0.20, 0.20),
     "TT": (0.025, 0.04),
     "LF-H100": (0.10, 0.24),
-    "LF-A100": (0.07, 0.30),
+    "LF-A100": (0.045, 0.30),
     "Llama 3": (0.06, 0.29),
     "MC-H100 weak + MC-H100 strong": (0.04, 0.11),
 }
-OVERALL_BOUNDS = (0.065, 0.30)
+OVERALL_BOUNDS = (0.05, 0.30)
 ISSUE_TARGET = (0.08, 0.20, 0.10)  # pooled median, worst row, every source's own median
 
 
