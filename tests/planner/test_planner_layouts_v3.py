@@ -255,3 +255,28 @@ def test_plan_json_reports_the_closest_layout_when_nothing_fits():
     assert "activations" in doc["error"] and "s per iteration" in doc["error"]
     assert doc["closest"]["vp"] == 4 and doc["closest"]["pipeline_split"] == "7+14x8+7"
     assert doc["closest"]["iteration_time_s"] > 0 and not doc["closest"]["fits"]
+
+
+# PUBLISHED_LAYOUTS index -> the docs/planner.md "Published layouts" row quoting its prediction
+# (model TFLOP/s per GPU for Llama 3, tokens/s per GPU for the others)
+DOC_ROWS = {0: "| Llama 3 405B, 8192 H100", 1: "| Llama 3 405B, 16384 H100, t8 p16 d128",
+            2: "| Llama 3 405B, 16384 H100, t8 p16 c16", 3: "| 70B FSDP32 TP8",
+            4: "| 405B FSDP8 TP8 PP8, 512", 5: "| 405B FSDP8 TP8 PP8, 512",
+            **{i: "| 405B TP8 PP8 CP 1-8" for i in range(6, 10)},
+            **{i: "| Llama 3 8B FSDP8;" for i in range(10, 13)}, 13: "| GPT-OSS 120B"}
+
+
+def test_docs_published_layouts_table_quotes_the_current_predictions():
+    """docs/planner.md's table of published layouts quotes what the planner predicts today for
+    each (a number in the row within rounding), so a planner change cannot leave it stale."""
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text().splitlines()
+    assert set(DOC_ROWS) == set(range(len(PUBLISHED_LAYOUTS)))
+    for i, prefix in DOC_ROWS.items():
+        rows = [line for line in doc if line.startswith(prefix)]
+        assert len(rows) == 1, prefix
+        rec = plan_published(PUBLISHED_LAYOUTS[i])
+        v = rec["tflops_per_gpu"] if i < 3 else rec["tokens_per_s"] / PUBLISHED_LAYOUTS[i][3]
+        quoted = [int(x) for x in re.findall(r"(?<![\d.])\d+(?![\d.])", rows[0])]
+        assert any(abs(q - v) <= 0.51 for q in quoted), (PUBLISHED_LAYOUTS[i][0], v, rows[0])
