@@ -123,4 +123,3 @@ def attention_efficiency(head_dim, kv_tokens, fused: bool, cluster: Cluster | No
     the unfused value at ``d = 128``."""
     width = FLASH_Q_TILE if fused else head_dim
     return gemm_efficiency(width, kv_tokens, cluster)
-

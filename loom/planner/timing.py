@@ -65,10 +65,9 @@ from loom.planner.mla import attention_flops_per_token, mtp_depth
 from loom.planner.context_parallel import cp_layer_cost
 from loom.planner.moe import moe_fraction, moe_layer_times, stage_moe_layers
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
-                                     all_gather_time, all_reduce_time, attention_efficiency,
-                                     gemm_efficiency,
-                                     all_reduce_latency, hierarchical_all_reduce_time,
-                                     link, p2p_time,
+                                     all_gather_time, all_reduce_latency, all_reduce_time,
+                                     attention_efficiency, gemm_efficiency,
+                                     hierarchical_all_reduce_time, link, p2p_time,
                                      reduce_scatter_time)
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
