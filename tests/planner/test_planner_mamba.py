@@ -18,7 +18,7 @@ from loom.planner.mamba import (kind_activation_bytes, kind_counts, kind_flops_p
                                 kind_layer_times, kind_params, scan_flops_per_token,
                                 stage_kind_layers, tp_divides)
 from loom.planner.memory import activation_bytes_per_layer, layer_params, stage_params, total_params
-from loom.planner.presets import get_preset
+from loom.planner.presets import get_preset, gpt
 from loom.planner.primitives import all_reduce_time
 from loom.planner.search import enumerate_layouts, record, search
 from loom.planner.timing import layer_times, time_terms
@@ -70,12 +70,15 @@ def test_tiny_mamba_layer_parameters_by_hand():
     assert kind_params(_tiny(disable_bias_linear=False))["M"] == (30028 + 324, 64 + 64)
 
 
-@pytest.mark.parametrize("name", ["gpt3-175b", "llama3-8b"])
+@pytest.mark.parametrize("name", ["gpt3-175b", "llama3-8b", "gpt-d64"])
 def test_attention_plus_mlp_layer_is_the_transformer_layer(name):
     """An attention layer and an MLP layer of a hybrid stack together hold exactly the
-    transformer layer's parameters, FLOPs, activations and TP traffic (2 + 2 all-reduces)."""
-    m = dataclasses.replace(get_preset(name), model_type="mamba",
-                            hybrid_override_pattern=None)
+    transformer layer's parameters, FLOPs, activations and TP traffic (2 + 2 all-reduces).
+    ``gpt-d64`` (head dim 64, s = 8192) is where fused and unfused attention differ in time
+    (:func:`loom.planner.primitives.attention_efficiency`), so the hybrid path's use of the
+    fused flag is checked, not only its sum at d = 128 where both are equal."""
+    base = gpt(4, 1024, 16, s=8192) if name == "gpt-d64" else get_preset(name)
+    m = dataclasses.replace(base, model_type="mamba", hybrid_override_pattern=None)
     kp = kind_params(m)
     sh, rep = layer_params(m)
     assert kp["*"][0] + kp["-"][0] == sh and kp["*"][1] + kp["-"][1] == rep
@@ -85,6 +88,7 @@ def test_attention_plus_mlp_layer_is_the_transformer_layer(name):
              - 2 * m.hidden_size * m.vocab_size)
     assert sum(fl["*"]) + sum(fl["-"]) == pytest.approx(dense / m.num_layers, rel=1e-12)
     L = make_layouts([dict(tp=1, mbs=1), dict(tp=8, mbs=2, sp=1), dict(tp=4, cp=2, mbs=1)])
+    attn = {}
     for fused in (True, False):
         whole = activation_bytes_per_layer(m, s, L, flash_attention=fused)
         halves = [kind_activation_bytes(m, s, L, k, fused) for k in ("*", "-")]
@@ -96,6 +100,9 @@ def test_attention_plus_mlp_layer_is_the_transformer_layer(name):
         kt = kind_layer_times(m, s, L, H100_8, fused, 2.58, True)
         for key in ("gemm", "attn", "tp_fwd", "cp_fwd", "cp_bwd"):
             np.testing.assert_allclose(kt["*"][key] + kt["-"][key], lt[key], rtol=1e-12)
+        attn[fused] = kt["*"]["attn"]
+    if m.head_dim < 128:
+        assert np.all(attn[False] > 1.3 * attn[True]), attn
 
 
 # -- FLOPs and activations ------------------------------------------------------------------------
