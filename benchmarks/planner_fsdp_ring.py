@@ -20,7 +20,8 @@ The published throughput of a model and micro-batch is flat across the node boun
 from 16 GPUs on, NCCL's ring keeps it flat (tests/planner/test_planner_fsdp_ring.py). Findings
 and why the shipped model stays: docs/planner.md, "Why the worst rows miss", LF-H100.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.planner_fsdp_ring > benchmarks/results/planner_fsdp_ring.json
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_fsdp_ring \
+        > benchmarks/results/planner_fsdp_ring.json        # ~1 s
 """
 
 from __future__ import annotations
