@@ -32,67 +32,67 @@ from __future__ import annotations
 import json
 import statistics
 
-from loom.planner.constants import fitted_cluster
+from loom.planner import published as P
 from loom.planner.layout import Options
-from loom.planner.published import mpt, plan_fixed
 
 SOURCE = dict(repo="mosaicml/llm-foundry", commit="8c8dd48f72168c5d51e2f7b151595892a8fba43d",
               path="scripts/train/benchmarking/README.md",
               table="'H100 80GB BF16' (8-64 GPUs), every row amp_bf16, FULL_SHARD")
-# model, s, GPUs, micro-batch, global batch (sequences), tokens/s/GPU, activation checkpointing
+# loom.planner.published.LF_ROWS' format: GPU, model, s, GPUs, micro-batch, global batch
+# (sequences), tokens/s/GPU, ZeRO stage (FULL_SHARD: 3), recompute (activation checkpointing)
 ROWS = (
-    ("70b", 2048, 64, 8, 2048, 1039, True),
-    ("70b", 2048, 32, 2, 1024, 882, True),
-    ("30b", 8192, 8, 1, 168, 1384, True),
-    ("30b", 4096, 8, 1, 168, 1802, True),
-    ("30b", 2048, 32, 14, 1344, 2308, True),
-    ("30b", 2048, 16, 10, 480, 2263, True),
-    ("30b", 2048, 8, 3, 504, 2002, True),
-    ("30b", 1024, 8, 6, 1008, 2084, True),
-    ("13b", 32768, 8, 1, 24, 1976, True),
-    ("13b", 16384, 8, 3, 72, 2985, True),
-    ("13b", 4096, 8, 10, 240, 4717, True),
-    ("13b", 2048, 64, 2, 128, 4800, False),
-    ("13b", 2048, 32, 2, 64, 4811, False),
-    ("13b", 2048, 16, 2, 32, 4767, False),
-    ("13b", 2048, 8, 2, 16, 4792, False),
-    ("13b", 1024, 8, 40, 960, 5502, True),
-    ("7b", 65536, 8, 1, 16, 1956, True),
-    ("7b", 32768, 8, 2, 32, 3318, True),
-    ("7b", 8192, 8, 8, 128, 6935, True),
-    ("7b", 4096, 8, 16, 256, 8611, True),
-    ("7b", 2048, 8, 6, 48, 10643, False),
-    ("7b", 1024, 8, 64, 1024, 10203, True),
-    ("3b", 65536, 8, 1, 16, 3262, True),
-    ("3b", 32768, 8, 3, 144, 5873, True),
-    ("3b", 16384, 8, 1, 48, 11152, False),
-    ("3b", 8192, 8, 3, 144, 16578, False),
-    ("3b", 4096, 8, 5, 240, 20964, False),
-    ("3b", 2048, 64, 6, 1152, 22525, False),
-    ("3b", 2048, 32, 6, 576, 23021, False),
-    ("3b", 2048, 16, 10, 480, 24142, False),
-    ("3b", 1024, 8, 20, 960, 27046, False),
-    ("3b", 512, 8, 40, 1920, 27965, False),
-    ("1b", 65536, 8, 1, 16, 5506, True),
-    ("1b", 32768, 8, 1, 32, 12025, False),
-    ("1b", 16384, 8, 2, 64, 19649, False),
-    ("1b", 8192, 8, 3, 96, 29157, False),
-    ("1b", 4096, 8, 7, 224, 38535, False),
-    ("1b", 2048, 64, 20, 1280, 44402, False),
-    ("1b", 2048, 32, 20, 640, 45130, False),
-    ("1b", 2048, 16, 20, 320, 46037, False),
-    ("1b", 2048, 8, 14, 112, 45455, False),
-    ("1b", 1024, 8, 18, 576, 48910, False),
-    ("1b", 512, 8, 56, 1792, 52275, False),
-    ("760m", 32768, 8, 1, 16, 16291, False),
-    ("760m", 16384, 8, 3, 48, 27815, False),
-    ("760m", 8192, 8, 6, 96, 41825, False),
-    ("760m", 4096, 8, 12, 192, 55459, False),
-    ("760m", 2048, 32, 24, 768, 67971, False),
-    ("760m", 2048, 16, 24, 384, 68551, False),
-    ("760m", 2048, 8, 24, 384, 63147, False),
-    ("760m", 1024, 8, 48, 768, 78581, False),
-    ("760m", 512, 8, 96, 1536, 83749, False),
+    ("H100", "70b", 2048, 64, 8, 2048, 1039, 3, "full"),
+    ("H100", "70b", 2048, 32, 2, 1024, 882, 3, "full"),
+    ("H100", "30b", 8192, 8, 1, 168, 1384, 3, "full"),
+    ("H100", "30b", 4096, 8, 1, 168, 1802, 3, "full"),
+    ("H100", "30b", 2048, 32, 14, 1344, 2308, 3, "full"),
+    ("H100", "30b", 2048, 16, 10, 480, 2263, 3, "full"),
+    ("H100", "30b", 2048, 8, 3, 504, 2002, 3, "full"),
+    ("H100", "30b", 1024, 8, 6, 1008, 2084, 3, "full"),
+    ("H100", "13b", 32768, 8, 1, 24, 1976, 3, "full"),
+    ("H100", "13b", 16384, 8, 3, 72, 2985, 3, "full"),
+    ("H100", "13b", 4096, 8, 10, 240, 4717, 3, "full"),
+    ("H100", "13b", 2048, 64, 2, 128, 4800, 3, "none"),
+    ("H100", "13b", 2048, 32, 2, 64, 4811, 3, "none"),
+    ("H100", "13b", 2048, 16, 2, 32, 4767, 3, "none"),
+    ("H100", "13b", 2048, 8, 2, 16, 4792, 3, "none"),
+    ("H100", "13b", 1024, 8, 40, 960, 5502, 3, "full"),
+    ("H100", "7b", 65536, 8, 1, 16, 1956, 3, "full"),
+    ("H100", "7b", 32768, 8, 2, 32, 3318, 3, "full"),
+    ("H100", "7b", 8192, 8, 8, 128, 6935, 3, "full"),
+    ("H100", "7b", 4096, 8, 16, 256, 8611, 3, "full"),
+    ("H100", "7b", 2048, 8, 6, 48, 10643, 3, "none"),
+    ("H100", "7b", 1024, 8, 64, 1024, 10203, 3, "full"),
+    ("H100", "3b", 65536, 8, 1, 16, 3262, 3, "full"),
+    ("H100", "3b", 32768, 8, 3, 144, 5873, 3, "full"),
+    ("H100", "3b", 16384, 8, 1, 48, 11152, 3, "none"),
+    ("H100", "3b", 8192, 8, 3, 144, 16578, 3, "none"),
+    ("H100", "3b", 4096, 8, 5, 240, 20964, 3, "none"),
+    ("H100", "3b", 2048, 64, 6, 1152, 22525, 3, "none"),
+    ("H100", "3b", 2048, 32, 6, 576, 23021, 3, "none"),
+    ("H100", "3b", 2048, 16, 10, 480, 24142, 3, "none"),
+    ("H100", "3b", 1024, 8, 20, 960, 27046, 3, "none"),
+    ("H100", "3b", 512, 8, 40, 1920, 27965, 3, "none"),
+    ("H100", "1b", 65536, 8, 1, 16, 5506, 3, "full"),
+    ("H100", "1b", 32768, 8, 1, 32, 12025, 3, "none"),
+    ("H100", "1b", 16384, 8, 2, 64, 19649, 3, "none"),
+    ("H100", "1b", 8192, 8, 3, 96, 29157, 3, "none"),
+    ("H100", "1b", 4096, 8, 7, 224, 38535, 3, "none"),
+    ("H100", "1b", 2048, 64, 20, 1280, 44402, 3, "none"),
+    ("H100", "1b", 2048, 32, 20, 640, 45130, 3, "none"),
+    ("H100", "1b", 2048, 16, 20, 320, 46037, 3, "none"),
+    ("H100", "1b", 2048, 8, 14, 112, 45455, 3, "none"),
+    ("H100", "1b", 1024, 8, 18, 576, 48910, 3, "none"),
+    ("H100", "1b", 512, 8, 56, 1792, 52275, 3, "none"),
+    ("H100", "760m", 32768, 8, 1, 16, 16291, 3, "none"),
+    ("H100", "760m", 16384, 8, 3, 48, 27815, 3, "none"),
+    ("H100", "760m", 8192, 8, 6, 96, 41825, 3, "none"),
+    ("H100", "760m", 4096, 8, 12, 192, 55459, 3, "none"),
+    ("H100", "760m", 2048, 32, 24, 768, 67971, 3, "none"),
+    ("H100", "760m", 2048, 16, 24, 384, 68551, 3, "none"),
+    ("H100", "760m", 2048, 8, 24, 384, 63147, 3, "none"),
+    ("H100", "760m", 1024, 8, 48, 768, 78581, 3, "none"),
+    ("H100", "760m", 512, 8, 96, 1536, 83749, 3, "none"),
 )
 VARIANTS = ("shipped", "nccl_ring", "nccl_ring_exposed")
 
@@ -106,39 +106,27 @@ def options(variant: str, num_gpus: int, gpus_per_node: int = 8) -> Options:
                    zero3_overlap=0.0 if variant == "nccl_ring_exposed" else None)
 
 
+def _errors(points) -> list[dict]:
+    return [dict(row=name, published=pub, predicted=round(pred, 1),
+                 error=round(pred / pub - 1, 4)) for name, pred, pub in points]
+
+
 def predict(variant: str) -> list[dict]:
-    """Per row of :data:`ROWS`: the layout, published and predicted tokens/s/GPU and the error
-    ``predicted / published - 1`` under ``variant``."""
-    out = []
-    for name, s, n, b, B, tps, ac in ROWS:
-        r = plan_fixed(mpt(name, s), fitted_cluster("H100-80GB", n), B, s,
-                       opts=options(variant, n),
-                       fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=3,
-                                  recompute="full" if ac else "none"))
-        pred = r["tokens_per_s"] / n
-        out.append(dict(model=name, s=s, gpus=n, mbs=b, recompute=ac, published=tps,
-                        predicted=round(pred, 1), error=round(pred / tps - 1, 4)))
-    return out
+    """Per row of :data:`ROWS` (``row``: its name in
+    :func:`loom.planner.published.llm_foundry_points`): published and predicted tokens/s/GPU
+    and the error ``predicted / published - 1`` under ``variant``."""
+    return _errors(P.llm_foundry_points("H100", rows=ROWS,
+                                        options=lambda n: options(variant, n)))
 
 
 def llm_foundry_and_torchtitan(variant: str) -> dict:
     """``variant`` on the FSDP sources of the leave-one-source-out protocol (in no fit, so the
     shipped constants make these held-out errors): LF-H100, LF-A100 and TT, per-row errors."""
-    from dataclasses import replace
-
-    from loom.planner.published import LF_ROWS, TT_GPU, TT_ROWS, llama
-    out: dict = {"LF-H100": [], "LF-A100": [], "TT": []}
-    for g, name, s, n, b, B, tps, z, rc in LF_ROWS:
-        r = plan_fixed(mpt(name, s), fitted_cluster(f"{g}-80GB", n), B, s,
-                       opts=options(variant, n),
-                       fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=z, recompute=rc))
-        out[f"LF-{g}"].append(dict(error=round(r["tokens_per_s"] / n / tps - 1, 4)))
-    for n, b, tps, _mem in TT_ROWS:
-        r = plan_fixed(llama("llama3-8b", 8192), fitted_cluster("H100-80GB", n, **TT_GPU), b * n,
-                       8192, opts=replace(options(variant, n), selective_ac_op=True),
-                       fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=3, recompute="selective"))
-        out["TT"].append(dict(error=round(r["tokens_per_s"] / n / tps - 1, 4)))
-    return out
+    def opts(n):
+        return options(variant, n)
+    return {"LF-H100": _errors(P.llm_foundry_points("H100", options=opts)),
+            "LF-A100": _errors(P.llm_foundry_points("A100", options=opts)),
+            "TT": _errors(P.torchtitan_points(options=opts))}
 
 
 def summary(rows: list[dict]) -> dict:

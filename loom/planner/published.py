@@ -147,27 +147,34 @@ def _fsdp_options(c: Constants | None) -> Options:
     return Options(flash_attention=True, zero3_overlap=c.zero3_overlap if c else None)
 
 
-def torchtitan_points(c: Constants | None = None, rows=TT_ROWS) -> list[tuple]:
-    """``(name, predicted, published)`` tokens/s/GPU of the torchtitan rows (module docstring)."""
+def torchtitan_points(c: Constants | None = None, rows=TT_ROWS,
+                      options=None) -> list[tuple]:
+    """``(name, predicted, published)`` tokens/s/GPU of the torchtitan rows (module docstring).
+    ``options``: ``num_gpus -> Options`` instead of the sources' own (a what-if; the op-policy
+    selective recompute is kept)."""
     out = []
     for n, b, tps, _mem in rows:
         cl = fitted_cluster("H100-80GB", n, c, **TT_GPU)
+        o = options(n) if options else _fsdp_options(c)
         r = plan_fixed(llama("llama3-8b", 8192), cl, b * n, 8192,
-                       opts=replace(_fsdp_options(c), selective_ac_op=True),
+                       opts=replace(o, selective_ac_op=True),
                        fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=3, recompute="selective"))
         out.append((f"TT 8B {n} GPUs tok/s/GPU", r["tokens_per_s"] / n, tps))
     return out
 
 
-def llm_foundry_points(gpu: str, c: Constants | None = None) -> list[tuple]:
-    """``(name, predicted, published)`` tokens/s/GPU of the llm-foundry rows on ``gpu``
-    (``"H100"`` or ``"A100"``)."""
+def llm_foundry_points(gpu: str, c: Constants | None = None, rows=LF_ROWS,
+                       options=None) -> list[tuple]:
+    """``(name, predicted, published)`` tokens/s/GPU of the llm-foundry ``rows`` (the format of
+    :data:`LF_ROWS`) on ``gpu`` (``"H100"`` or ``"A100"``). ``options``: ``num_gpus ->
+    Options`` instead of the sources' own (a what-if)."""
     out = []
-    for g, name, s, n, b, B, tps, z, rc in LF_ROWS:
+    for g, name, s, n, b, B, tps, z, rc in rows:
         if g != gpu:
             continue
         cl = fitted_cluster(f"{g}-80GB", n, c)
-        r = plan_fixed(mpt(name, s), cl, B, s, opts=_fsdp_options(c),
+        r = plan_fixed(mpt(name, s), cl, B, s,
+                       opts=options(n) if options else _fsdp_options(c),
                        fixed=dict(tp=1, pp=1, cp=1, mbs=b, zero=z, recompute=rc))
         out.append((f"LF {g} {name} s{s} {n} GPUs b{b} tok/s/GPU", r["tokens_per_s"] / n, tps))
     return out
