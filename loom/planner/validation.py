@@ -272,14 +272,18 @@ def bloom_176b(constants: Constants | None = None) -> dict:
                 layout=r)
 
 
-def opt_175b(constants: Constants | None = None, distribute_saved: bool = True) -> dict:
+def opt_175b(constants: Constants | None = None, distribute_saved: bool = True,
+             dp_overlap: bool = True) -> dict:
     """The OPT-175B run (module docstring): ``published_tflops`` (up to 147), predicted
     ``hw_tflops`` and the layout record (time and memory at the published layout, fitting or
-    not). ``distribute_saved=False``: the same run without its
-    ``--distribute-checkpointed-activations`` (what-if)."""
+    not). What-ifs: ``distribute_saved=False``, the same run without its
+    ``--distribute-checkpointed-activations``; ``dp_overlap=False``, FSDP's weight all-gathers
+    and gradient reduce-scatters not hidden behind the compute (fairscale overlaps both by
+    design: its ``all_gather`` and ``post_backward`` streams)."""
     model = gpt(96, 12288, 96, V=50272)
     opts = Options(overlap_tp_comm=False, grad_bytes=2, max_zero_stage=3,
-                   distribute_saved_activations=distribute_saved)
+                   distribute_saved_activations=distribute_saved,
+                   overlap_grad_reduce=dp_overlap)
     L = make_layouts(dict(tp=8, pp=1, cp=1, dp=124, mbs=8, zero=2, recompute="full"))
     res = evaluate(model, L, 992, 2048, fitted_cluster("A100-80GB", 992, constants), opts)
     r = record(res, 0)
