@@ -128,7 +128,6 @@ def test_opt_175b_fits_with_distributed_saved_activations_and_within_20_percent(
         extra, rel=1e-9)
 
 
-
 def test_opt_175b_published_lies_between_no_and_full_fsdp_overlap():
     """OPT-175B's ZeRO-2 (fairscale FSDP, d = 124, one DP rank per node) moves the fp16 weights
     once (all-gather) and the fp16 gradients once (reduce-scatter) per step: with no overlap
@@ -144,6 +143,7 @@ def test_opt_175b_published_lies_between_no_and_full_fsdp_overlap():
     assert dp == pytest.approx(2 * 123 / 124 * 2 * P / 8 / cl.inter_bw, rel=0.03)
     assert hidden["layout"]["time_terms_s"]["dp_comm"] < 0.01 * dp
     assert exposed["hw_tflops"] < hidden["published_tflops"] < hidden["hw_tflops"]
+
 
 def test_distribute_saved_activations_splits_only_the_full_recompute_input():
     """Megatron's --distribute-saved-activations: the full-recompute term ``2 S h`` is divided
