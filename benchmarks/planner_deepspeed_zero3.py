@@ -42,6 +42,7 @@ import math
 import statistics
 
 from loom.planner.constants import fitted_cluster
+from loom.planner.flops import hardware_flops_per_iteration
 from loom.planner.layout import Options
 from loom.planner.presets import NAR_TABLE2, gpt
 from loom.planner.primitives import all_gather_time, all_reduce_time
@@ -146,12 +147,6 @@ def module_compute(model, b: int, cluster, opts: Options) -> dict:
                 dense=u, ln2=ew, mlp=0.0, fc1=4 * u + ew, fc2=4 * u)
 
 
-def nar_flops(P: float, B: int) -> float:
-    """Hardware FLOPs of one iteration: NAR eq. 3 (with recompute), s = 2048, V = 51,200."""
-    n, h = (96, 12288) if P < 200 else (105, 20480)
-    return 96 * B * 2048 * n * h * h * (1 + 2048 / (6 * h) + 51200 / (16 * n * h))
-
-
 def predict(config: str, bandwidth_scale: float = 1.0, compute_scale: float = 1.0) -> list:
     """One dict per ZeRO-3 row of NAR table 2: ``row``, ``published_s``, ``simulated_s``,
     ``error`` (simulated / published - 1: the days' error), ``gathers_per_param``."""
@@ -160,15 +155,14 @@ def predict(config: str, bandwidth_scale: float = 1.0, compute_scale: float = 1.
         if scheme != "ZeRO-3":
             continue
         num_layers, h, a = (96, 12288, 96) if P < 200 else (105, 20480, 128)
-        cl = fitted_cluster("A100-80GB", n)
-        comp = {k: v * compute_scale
-                for k, v in module_compute(gpt(num_layers, h, a), b, cl, opts).items()}
+        cl, model = fitted_cluster("A100-80GB", n), gpt(num_layers, h, a)
+        comp = {k: v * compute_scale for k, v in module_compute(model, b, cl, opts).items()}
         bw = cl.inter_bw * bandwidth_scale
         gather = lambda x: float(all_gather_time(n, 2 * x, bw, cl.inter_alpha))  # noqa: E731
         reduce = (gather if cfg["contiguous"] else
                   lambda x: float(all_reduce_time(n, 2 * x, bw, cl.inter_alpha)))
         sim = simulate(num_layers, h, comp, gather, reduce, cfg)
-        pub = nar_flops(P, B) / (n * tflops * 1e12)
+        pub = hardware_flops_per_iteration(model, B, "full", 2048) / (n * tflops * 1e12)
         out.append(dict(row=f"{P}B {n} GPUs b{b}", published_s=pub, simulated_s=sim["time"],
                         error=sim["time"] / pub - 1,
                         gathers_per_param=sim["gathered"] / (12 * h * h * num_layers)))
