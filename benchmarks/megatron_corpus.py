@@ -21,9 +21,11 @@ directories replaced by placeholders:
   run name.
 
 The entry script and the world size (nodes x GPUs) come from the CI recipes
-(``tests/test_utils/recipes/{h100,gb200}/*.yaml``, H100 first). ``MODE`` is ``pretraining``
+(``tests/test_utils/recipes/{h100,gb200}/*.yaml``, H100 first; ``recipe`` names it), or the
+case's own ``MODEL_ENV_VARS``; a case no recipe runs gets one node of 8 GPUs (more when its
+model-parallel sizes need them). ``MODE`` is ``pretraining``
 unless the case says ``inference`` or ``rl``. The output is one JSON object
-``{"commit", "cases": [{"name", "family", "mode", "entry", "world_size", "argv"}]}``.
+``{"commit", "cases": [{"name", "family", "mode", "entry", "world_size", "recipe", "argv"}]}``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import shlex
@@ -145,6 +148,17 @@ def _placeholder(flag: str, word: str) -> str:
     return "{FILE}"
 
 
+def _default_world(argv: list[str]) -> int:
+    """A case no recipe runs (65 at d98e8a6): one node of 8 GPUs, or the smallest multiple of 8
+    its model-parallel sizes fill."""
+    size = 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--context-parallel-size"):
+        if flag in argv:
+            size *= int(argv[argv.index(flag) + 1])
+    return math.lcm(8, size)
+
+
 def transcribe(root: str) -> dict:
     recipes = _recipes(root)
     cases = []
@@ -162,9 +176,10 @@ def transcribe(root: str) -> dict:
             recipe = recipes.get(name, {})
             gpus = ((doc.get("MODEL_ENV_VARS") or {}).get("MODEL_ARGS") or {}).get(
                 "GPUS_PER_NODE")  # the case's own GPU count (one node)
+            world = int(gpus) if gpus else recipe.get("world_size") or _default_world(argv)
             cases.append({"name": name, "family": family, "mode": mode,
                           "entry": recipe.get("entry") or DEFAULT_ENTRY[family],
-                          "world_size": int(gpus) if gpus else recipe.get("world_size", 8),
+                          "world_size": world, "recipe": recipe.get("recipe"),
                           "argv": argv})
     try:
         commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,

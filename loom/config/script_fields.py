@@ -1,6 +1,6 @@
 """Megatron-LM flags its example scripts use that change what loom trains, logs or loads: mixins
 of the sections (Megatron's names, meanings and defaults; rows in
-:mod:`loom.config.megatron_defaults`). Their resolution into loom's own fields is
+:mod:`loom.config.flag_rows`). Their resolution into loom's own fields is
 :func:`loom.config.script_flags.resolve_script_flags`.
 """
 

@@ -1,6 +1,7 @@
-"""Resolution of the Megatron flags of :mod:`loom.config.script_fields` and
-:mod:`loom.config.compat` into loom's own fields, inside the one validation pass
-(:func:`loom.config.validate.validate_config`), and the refusals of values loom cannot honour.
+"""Resolution of the Megatron flags of :mod:`loom.config.script_fields` into loom's own fields,
+inside the one validation pass (:func:`loom.config.validate.validate_config`), and the refusals
+that depend on several flags (a single value loom refuses is a row of the flag table,
+:mod:`loom.config.flag_rows`).
 """
 
 from __future__ import annotations
@@ -103,12 +104,35 @@ def _batch_ramp(t: Any) -> None:
                           f"sets it) or make them agree")
 
 
+def _virtual_stages(cfg: Any) -> None:
+    """``--num-virtual-stages-per-pipeline-rank v`` (Megatron's other spelling of interleaving):
+    ``--num-layers-per-virtual-pipeline-stage L / (p v)``; v = 1 is no interleaving, and so is
+    ``--num-layers-per-virtual-pipeline-stage L / p`` (one chunk per stage, as in Megatron)."""
+    p, L = cfg.parallel, cfg.model.num_layers
+    v, pp = p.num_virtual_stages_per_pipeline_rank, p.pipeline_model_parallel_size
+    lpv = p.num_layers_per_virtual_pipeline_stage
+    if v is None:
+        if lpv is not None and lpv * pp == L and p.pipeline_schedule is None:
+            p.num_layers_per_virtual_pipeline_stage = None  # one chunk per stage: Megatron's
+        return                                           # virtual size 1, not interleaved
+    if lpv is not None:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
+                          "--num-virtual-stages-per-pipeline-rank both set the interleaving: "
+                          "give one (Megatron's rule)")
+    if v == 1:
+        return
+    if L % (pp * v):
+        raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {v}: --num-layers {L} is not "
+                          f"divisible by --pipeline-model-parallel-size {pp} x {v} (loom's "
+                          f"model chunks hold equal numbers of layers)")
+    p.num_layers_per_virtual_pipeline_stage = L // (pp * v)
+
+
 def resolve_script_flags(cfg: Any, world_size: int) -> None:
     """Megatron's spellings into loom's fields (in place, inside validation): rotary-embedding
     aliases, schedules in samples -> iterations (B samples each, rounded up), the final batch
     size of a ramp, ``--use-megatron-fsdp`` -> ``--zero-stage``. Raises ConfigError naming the
-    flag for values loom refuses (``--ckpt-format torch``, ``--dataloader-type cyclic``, partial
-    rotary embeddings, ...)."""
+    flag for values loom refuses (partial rotary embeddings of an odd width, ...)."""
     m, t = cfg.model, cfg.training
     _positions(m)
     _batch_ramp(t)
@@ -120,13 +144,7 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
         elif t.zero_stage == 3:  # FSDP2 shards the optimizer and gathers parameters itself
             t.use_distributed_optimizer = False  # (prefetching the next layer's: Megatron
             t.overlap_param_gather = False       # FSDP's --overlap-param-gather)
-    if t.ckpt_format == "torch":
-        raise ConfigError("--ckpt-format torch (Megatron's pickled legacy format) is not "
-                          "written or read by loom: give --ckpt-format torch_dist (loom's "
-                          "torch.distributed.checkpoint format)")
-    if t.dataloader_type in ("cyclic", "external"):
-        raise ConfigError(f"--dataloader-type {t.dataloader_type}: loom reads the data once in "
-                          f"order (Megatron's single); give --dataloader-type single")
+    _virtual_stages(cfg)
     if m.mamba_num_heads is not None and m.hidden_size:  # Megatron's MambaMixer
         width = m.mamba_num_heads * m.mamba_head_dim
         if width % m.hidden_size:

@@ -21,7 +21,6 @@ from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
 from loom.config.parallel_cp import ContextParallelFields
 from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
-from loom.config.compat import ImplementationSwitches
 from loom.config.script_fields import (DataScriptFields, LoggingScriptFields, ModelScriptFields,
                                        TrainingScriptFields)
 
@@ -177,6 +176,9 @@ class ParallelConfig(ContextParallelFields):
               "two chunks per stage in a V, L divisible by 2p); loom's own names for the last "
               "two, not Megatron values; default: interleaved when "
               "--num-layers-per-virtual-pipeline-stage is given, else 1f1b)")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = opt(
+        None, "model chunks per pipeline stage v (Megatron's other spelling: sets "
+              "--num-layers-per-virtual-pipeline-stage L / (p v); 1: no interleaving)", ge=1)
     decoder_first_pipeline_num_layers: Optional[int] = opt(
         None, "layers on the first pipeline stage (the rest split evenly)", ge=1)
     decoder_last_pipeline_num_layers: Optional[int] = opt(
@@ -203,7 +205,7 @@ class ParallelConfig(ContextParallelFields):
 
 
 @dataclass
-class TrainingConfig(ImplementationSwitches, TrainingScriptFields):
+class TrainingConfig(TrainingScriptFields):
     """Batch sizes, iterations, optimizer and learning-rate schedule."""
 
     micro_batch_size: Optional[int] = opt(None, "b: samples per micro-batch per data-parallel "

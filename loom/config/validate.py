@@ -12,7 +12,8 @@ import os
 import shutil
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
-from loom.config.families import check_bert, check_gemma3, check_mamba
+from loom.config.families import (check_bert, check_gemma3, check_mamba,
+                                  resolve_hybrid_pattern)
 from loom.config.fault_spec import parse_fault
 from loom.config.fields import flag
 from loom.config.model_gptoss import check_gptoss
@@ -95,7 +96,7 @@ def check_bounds(name: str, value: Any, meta: Any) -> None:
 def check_fields(cfg: Any) -> None:
     """Coerce every field of every section to its type and check its choices and bounds."""
     for section in dataclasses.fields(cfg):
-        if section.name == "derived":  # computed after this pass (LoomConfig.validate)
+        if section.name in ("derived", "megatron_no_effect"):  # not sections
             continue
         obj = getattr(cfg, section.name)
         hints = get_type_hints(type(obj))
@@ -108,7 +109,7 @@ def check_fields(cfg: Any) -> None:
 
 
 # Flags Megatron-LM refuses to run without (megatron/training/arguments.py validate_args; see
-# loom.config.megatron_defaults): no silent toy default stands in for them.
+# the flag table, loom.config.flag_rows): no silent toy default stands in for them.
 REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
@@ -123,16 +124,9 @@ def resolve_megatron(cfg: Any) -> None:
     ``--hybrid-override-pattern``; ``--num-query-groups`` 1 under ``--group-query-attention``;
     ``--split`` "969, 30, 1"; fp32 gradient accumulation under ``--bf16``; ``--lr`` and
     ``--train-iters`` not needed under ``--skip-train``. Raises ConfigError
-    naming a missing required flag, or a pattern whose length disagrees with ``--num-layers``."""
+    naming a missing required flag (or a hybrid pattern loom cannot lay out)."""
     m, t = cfg.model, cfg.training
-    pat = m.hybrid_override_pattern
-    if m.model_type == "mamba" and pat is not None:
-        if m.num_layers is None:
-            m.num_layers = len(pat)
-        elif len(pat) != m.num_layers:
-            raise ConfigError(f"--hybrid-override-pattern {pat!r} has {len(pat)} layers but "
-                              f"--num-layers is {m.num_layers}: drop --num-layers (the pattern "
-                              f"sets the depth) or give {m.num_layers} pattern characters")
+    resolve_hybrid_pattern(m, cfg.parallel)
     for name in REQUIRED_MODEL:
         if getattr(m, name) is None:
             hint = " (or --hybrid-override-pattern, one character per layer)" if \
@@ -199,10 +193,10 @@ def _check_moe(cfg: Any, world_size: int) -> None:
     e = p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size
     if not m.num_experts:
-        if e > 1 or etp is not None:
-            raise ConfigError(f"--expert-{'model' if e > 1 else 'tensor'}-parallel-size needs "
-                              f"--num-experts E")
-        return
+        if e > 1:
+            raise ConfigError("--expert-model-parallel-size needs --num-experts E")
+        p.expert_tensor_parallel_size = None  # no experts: no effect (Megatron's too; said at
+        return                                # start, loom.training.script_checks.start_notes)
     E, k = m.num_experts, m.moe_router_topk
     if k > E:
         raise ConfigError(f"--moe-router-topk {k} must lie in [1, --num-experts {E}]")
@@ -213,7 +207,9 @@ def _check_moe(cfg: Any, world_size: int) -> None:
     d = cfg.data_parallel_size(world_size)
     if d % e:
         raise ConfigError(f"--expert-model-parallel-size {e} must divide the data-parallel size "
-                          f"{d} (experts are split over DP ranks): launch more ranks or lower EP")
+                          f"{d}: loom splits experts over data-parallel ranks only (Megatron "
+                          f"also over tensor/context-parallel ranks); launch more ranks or lower "
+                          f"EP")
     if etp is not None and etp not in (1, t):
         raise ConfigError(f"--expert-tensor-parallel-size {etp} must be 1 (experts whole, tokens "
                           f"split over TP) or --tensor-model-parallel-size {t} (experts sharded)")
@@ -369,10 +365,6 @@ def validate_config(cfg: Any, world_size: int) -> None:
     if ck.save_interval == "auto" and not (ck.mtbf_hours_per_node or ck.mtbf_hours):
         raise ConfigError("--save-interval auto needs the failure rate: give "
                           "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
-    if ck.exit_interval and not ck.save:
-        raise ConfigError("--exit-interval saves before exiting: give --save DIR")
-    if ck.async_save and not ck.save:
-        raise ConfigError("--async-save writes the checkpoints of --save: give --save DIR")
     if t.lr is not None and t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
     if t.compile and p.device != "cuda" and not (

@@ -20,15 +20,8 @@ from loom.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every config flag, plus the ``--dry-run`` action; Megatron's multi-word flags and
-    ``--hybrid-layer-pattern`` (Megatron's current name of ``--hybrid-override-pattern``)."""
-    parser.add_argument("--hybrid-layer-pattern", dest="hybrid_override_pattern", default=None,
-                        metavar="PATTERN", help="= --hybrid-override-pattern (Megatron's "
-                                                "current name)")
-    parser.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_const",
-                        const=False, default=None, help="= --no-bert-binary-head (Megatron's "
-                        "spelling; loom's BERT has no sentence-order head unless "
-                        "--bert-binary-head)")
+    """Every config flag and every other flag of Megatron-LM's command line (the flag table:
+    :func:`loom.config.add_config_arguments`), plus ``--dry-run``."""
     add_config_arguments(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the planner's memory and time prediction for these flags "
@@ -228,6 +221,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     :meth:`LoomConfig.validate`. Raises ConfigError naming the flag, key or file and the fix.
     """
     flags = config_from_args(args)
+    no_effect = flags.megatron_no_effect  # said at start (start_notes), not an option of the run
     world = dry_run_world(args, flags) if getattr(args, "dry_run", False) else \
         world_size_from_env()
     d = flags.data
@@ -273,6 +267,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
             cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
+    cfg.megatron_no_effect = no_effect
     return cfg
 
 
@@ -320,6 +315,17 @@ def dry_run_world(args: argparse.Namespace, cfg: LoomConfig) -> int:
             * p.context_parallel_size * (p.data_parallel_size or 1))
 
 
+def padded_model(cfg: LoomConfig):
+    """``cfg.model`` with the vocabulary the model is built with (``--padded-vocab-size``, else
+    V padded to ``--make-vocab-size-divisible-by`` x t): what the headline parameter count of a
+    dry run counts, as Megatron does (the embedding and output layer hold the padded rows)."""
+    import dataclasses
+    m = cfg.model
+    if m.vocab_size is None and m.padded_vocab_size is None:
+        return m
+    return dataclasses.replace(m, vocab_size=m.padded_vocab(cfg.parallel.tensor_model_parallel_size))
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``loom train``; returns the exit status."""
     if (args.world_size is not None or args.gpu) and not args.dry_run:
@@ -337,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         from loom.planner.predict import format_prediction, predict_layout
         pred = predict_layout(cfg, dry_run_world(args, cfg), cluster=args.gpu)
         assumed = "" if args.gpu else " (assumed: no --gpu given; pass --gpu NAME)"
-        n = int(total_params(cfg.model))
+        n = int(total_params(padded_model(cfg)))
         print(f"parameters: {n} ({n / 1e9:.2f} B)")
         print(format_prediction(pred) + f"\ndevice: {pred['cluster']}{assumed}")
         if cfg.model.vocab_size:  # exact per-rank counts of the real model (meta device)

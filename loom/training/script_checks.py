@@ -7,7 +7,7 @@ predicts). Nothing is dropped silently.
 from __future__ import annotations
 
 from loom.config import LoomConfig
-from loom.config.compat import no_effect_report
+from loom.config.flag_table import no_effect_report
 from loom.config.script_flags import parse_step_schedule
 from loom.errors import ConfigError
 
@@ -53,12 +53,13 @@ def refuse_unimplemented(cfg: LoomConfig) -> None:
 
 
 def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
-    """Lines ``loom train`` prints once (rank 0) before anything else: the implementation
-    switches set (:func:`loom.config.compat.no_effect_report`), and Megatron's rules that
+    """Lines ``loom train`` prints once (rank 0) before anything else: the Megatron flags
+    given that loom accepts without effect
+    (:func:`loom.config.flag_table.no_effect_report`), and Megatron's rules that
     changed a given value. ``given``: the parsed command line (``vars(args)``)."""
     t, m = cfg.training, cfg.model
     out = []
-    report = no_effect_report(cfg.to_flat())
+    report = no_effect_report(cfg.megatron_no_effect)
     if report:
         out.append(report)
     g = given.get("num_query_groups")

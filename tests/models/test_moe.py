@@ -233,7 +233,7 @@ def test_checkpoint_moves_between_ep_sizes(tmp_path):
     (dict(ep=4), 2, "--expert-model-parallel-size 4 must divide the data-parallel size 2"),
     (dict(k=5), 1, "--moe-router-topk 5 must lie in"),
     (dict(tp=2, etp=4), 2, "--expert-tensor-parallel-size 4 must be 1"),
-    (dict(experts=None, etp=1), 1, "--expert-tensor-parallel-size needs --num-experts"),
+    (dict(experts=None, ep=2), 2, "--expert-model-parallel-size needs --num-experts"),
 ])
 def test_bad_moe_layouts_refused(change, world, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -1,0 +1,136 @@
+"""argparse from the Megatron flag table (:mod:`loom.config.flag_table`): the Megatron-only
+flags (no effect, refused) parsed exactly as Megatron parses them (its spellings, nargs, type
+and choices, from the snapshot), their values collected by :func:`megatron_given`, and
+``--help`` / ``--help-all``: ``--help`` shows the common flags first, then loom's sections;
+``--help-all`` also shows the no-effect flags by reason and the refused ones by capability.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT, NO_EFFECT_KIND, REFUSED
+from loom.config.flag_table import MegatronFlag, megatron_flags, table
+
+DEST_PREFIX = "megatron:"
+"""argparse dest of a Megatron-only flag: this prefix and its first spelling."""
+
+COMMON = ("model_type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+          "group_query_attention", "num_query_groups", "seq_length", "max_position_embeddings",
+          "vocab_size", "normalization", "position_embedding_type", "swiglu",
+          "untie_embeddings_and_output_weights", "disable_bias_linear", "num_experts",
+          "moe_router_topk", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+          "context_parallel_size", "sequence_parallel", "expert_model_parallel_size",
+          "num_layers_per_virtual_pipeline_stage", "micro_batch_size", "global_batch_size",
+          "train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay",
+          "clip_grad", "bf16", "use_distributed_optimizer", "recompute_granularity", "seed",
+          "data_path", "split", "tokenizer_type", "mock_data", "log_interval", "eval_interval",
+          "eval_iters", "tensorboard_dir", "save", "load", "save_interval")
+"""The ~40 flags ``--help`` lists first (loom config fields)."""
+
+
+class _Switch(argparse.Action):
+    """A Megatron flag without a value: stores what Megatron's dest gets for the spelling
+    given (store_true: True, store_false: False, ``--no-x`` of a BooleanOptionalAction:
+    False)."""
+
+    def __init__(self, option_strings, dest, values_by_spelling=None, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.values_by_spelling = values_by_spelling or {}
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.values_by_spelling.get(option_string, True))
+
+
+def _converter(mf: MegatronFlag) -> Callable[[str], Any]:
+    kind = {"int": int, "float": float}.get(mf.type, str)
+
+    def convert(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def help_text(mf: MegatronFlag) -> str:
+    """The ``--help-all`` line of a Megatron-only flag: its row's reason (and note)."""
+    row = table()[mf.name]
+    text = ("no effect: " + NO_EFFECT[row.category]) if row.kind == NO_EFFECT_KIND \
+        else "refused: " + row.why()
+    if row.refuse:
+        text += "; refused: " + ", ".join(str(v) for v in row.refuse)
+    return (text + (f"; {row.note}" if row.note else "")).replace("%", "%%")
+
+
+def add_megatron_only_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argparse action per no-effect or refused row of a training command line, with every
+    Megatron spelling the parser does not have yet; hidden from ``--help`` (``--help-all``
+    shows them, grouped by reason or capability)."""
+    groups: dict = {}
+    for mf in megatron_flags():
+        row = table().get(mf.name)
+        if row is None or row.kind == IMPLEMENTED:
+            continue
+        spellings = [s for s in mf.flags if s not in parser._option_string_actions]
+        if not spellings:
+            continue
+        title = (f"no effect in loom: {row.category}" if row.kind == NO_EFFECT_KIND
+                 else f"refused: {row.category}")
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+            groups[title].loom_description = (NO_EFFECT.get(row.category) or
+                                              REFUSED.get(row.category))
+        dest = DEST_PREFIX + mf.name
+        if not mf.takes_value:
+            off = mf.action == "storefalse"
+            values = {s: (s.startswith("--no-") is False) if mf.action == "booleanoptional"
+                      else not off for s in mf.flags}
+            action = groups[title].add_argument(*spellings, dest=dest, action=_Switch,
+                                                values_by_spelling=values, default=None,
+                                                help=argparse.SUPPRESS)
+        else:
+            nargs = mf.nargs if mf.nargs is not None else None
+            action = groups[title].add_argument(
+                *spellings, dest=dest, default=None, nargs=nargs, type=_converter(mf),
+                choices=mf.choice_values, help=argparse.SUPPRESS,
+                metavar=mf.dest.upper())
+        action.loom_help = help_text(mf)
+
+
+def megatron_given(args: argparse.Namespace) -> dict:
+    """``{first spelling: value}`` of the Megatron-only flags given (lists as tuples)."""
+    out = {}
+    for key, value in vars(args).items():
+        if key.startswith(DEST_PREFIX) and value is not None:
+            out[key[len(DEST_PREFIX):]] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: ``--help`` with the Megatron flags loom accepts without effect and the
+    ones it refuses, by reason."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:
+            if hasattr(action, "loom_help"):
+                action.help = action.loom_help
+        for group in parser._action_groups:
+            if hasattr(group, "loom_description"):
+                group.description = group.loom_description
+        parser.print_help()
+        parser.exit()
+
+
+def add_help_all(parser: argparse.ArgumentParser) -> None:
+    """``--help-all`` (once per parser)."""
+    if "--help-all" not in parser._option_string_actions:
+        parser.add_argument("--help-all", action=_HelpAll,
+                            help="also list the Megatron-LM flags loom accepts without effect "
+                                 "and those it refuses, with the reason of each")
