@@ -107,12 +107,12 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def _jsonable(value: Any) -> Any:
     """``value`` as JSON: plain values as they are, enums as ``{"enum": "Cls.name"}``, lists
     and tuples as lists, anything else as ``{"repr": ...}``."""
+    if isinstance(value, enum.Enum):  # before int: an IntEnum (signal.Signals) is an int
+        return {"enum": f"{type(value).__name__}.{value.name}", "value": _jsonable(value.value)}
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value if value == value and abs(value) != float("inf") else {"repr": repr(value)}
-    if isinstance(value, enum.Enum):
-        return {"enum": f"{type(value).__name__}.{value.name}", "value": _jsonable(value.value)}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):

@@ -19,7 +19,7 @@ from loom.config.core import LoomConfig, field_section, flag
 from loom.config.flag_args import (COMMON, add_help_all, add_megatron_only_arguments,
                                    megatron_given)
 from loom.config.flag_table import (check_field_value, field_spellings, refused_values,
-                                    resolve_megatron_only, yaml_key_flag)
+                                    resolve_megatron_only, yaml_key_flag, yaml_value)
 from loom.config.sections import GROUPS
 from loom.config.validate import base_type, check_bounds, choices_of, coerce
 from loom.errors import ConfigError, UnknownOptionError, did_you_mean
@@ -197,8 +197,8 @@ def read_yaml_config(path: str, lines: dict | None = None,
     lines = {} if lines is None else lines
     for key, node, line in _read_yaml_nodes(path):
         if key not in known and megatron is not None and yaml_key_flag(key):
-            raw = constructor.construct_object(node, deep=True)
-            megatron[yaml_key_flag(key)] = tuple(raw) if isinstance(raw, list) else raw
+            name = yaml_key_flag(key)
+            megatron[name] = yaml_value(name, constructor.construct_object(node, deep=True))
             continue
         if key not in known:
             hint = did_you_mean(key, known) or ": not supported by loom"

@@ -322,7 +322,7 @@ REFUSED_ROWS = (
     ("--decrease-batch-size-if-needed", refused("training_options", "elastic batch size")),
     ("--exit-signal", refused("training_options", "handler of other signals: "
                               "--exit-signal-handler catches SIGTERM and SIGINT",
-                              allow=(2,))),
+                              allow=("SIGINT",))),
     ("--gpu-sniff-test-interval", refused("extra_logs", "GPU sniff tests")),
     ("--no-pad-vocab-size", refused("training_options", "unpadded vocabulary switch: give "
                                     "--padded-vocab-size V")),

@@ -211,8 +211,44 @@ def no_effect_report(given: Mapping[str, Any]) -> Optional[str]:
     return "no effect in loom (Megatron-LM flags): " + "; ".join(parts)
 
 
+def yaml_value(name: str, raw: Any) -> Any:
+    """The value a YAML key of Megatron-only flag ``name`` stands for: a switch's ``true`` is
+    the flag given (what argparse stores for it), ``false`` not given (None); a list a
+    tuple."""
+    mf = by_spelling()[name]
+    if not mf.takes_value:
+        return (mf.action != "storefalse") if raw is True else None
+    return tuple(raw) if isinstance(raw, list) else raw
+
+
 def yaml_key_flag(key: str) -> Optional[str]:
     """The Megatron-only flag a YAML key names (``transformer_impl`` -> ``--transformer-impl``),
     or None."""
     mf, row = row_of("--" + key.replace("_", "-"))
     return mf.name if row is not None and row.kind != IMPLEMENTED else None
+
+
+def coverage(flags: tuple, row_pairs: tuple, field_names: set) -> dict:
+    """What is wrong with a table ``row_pairs`` over Megatron's ``flags`` and loom's config
+    ``field_names`` (each a sorted list, all empty for a sound table): ``missing`` (a flag
+    without a row), ``twice`` (a flag with two rows, or a no-effect / refused row for a flag a
+    config field also declares), ``unknown`` (a row for a flag Megatron lacks) and
+    ``no_field`` (an implemented row naming no config field)."""
+    spell = {s: f.name for f in flags for s in f.flags}
+    counts: dict = {}
+    unknown, no_field = [], []
+    for name, row in row_pairs:
+        if name not in spell:
+            unknown.append(name)
+            continue
+        counts[spell[name]] = counts.get(spell[name], 0) + 1
+        if row.kind == IMPLEMENTED and field_of(name, row) not in field_names:
+            no_field.append(name)
+    for f in flags:  # a field named like a no-effect / refused flag declares it a second time
+        row = dict(row_pairs).get(f.name)
+        if row is not None and row.kind != IMPLEMENTED and any(
+                s[2:].replace("-", "_") in field_names for s in f.flags):
+            counts[f.name] = counts.get(f.name, 0) + 1
+    return {"missing": sorted(f.name for f in flags if f.name not in counts),
+            "twice": sorted(n for n, c in counts.items() if c > 1),
+            "unknown": sorted(unknown), "no_field": sorted(no_field)}

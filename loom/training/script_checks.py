@@ -62,6 +62,14 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
     report = no_effect_report(cfg.megatron_no_effect)
     if report:
         out.append(report)
+    etp = given.get("expert_tensor_parallel_size")
+    if etp is not None and not m.num_experts:
+        out.append(f"--expert-tensor-parallel-size {etp} without --num-experts: no experts, no "
+                   f"effect (as in Megatron-LM)")
+    layers = given.get("num_layers")
+    if layers is not None and m.hybrid_override_pattern and layers != m.num_layers:
+        out.append(f"--num-layers {layers} ignored: --hybrid-override-pattern has {m.num_layers} "
+                   f"layers and sets the depth (Megatron-LM's rule)")
     g = given.get("num_query_groups")
     if g and g != m.num_attention_heads and not m.group_query_attention:
         out.append(f"--num-query-groups {g} without --group-query-attention: loom uses {g} "
