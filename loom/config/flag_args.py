@@ -8,6 +8,7 @@ and choices, from the snapshot), their values collected by :func:`megatron_given
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any, Callable
 
 from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT, NO_EFFECT_KIND, REFUSED
@@ -66,39 +67,49 @@ def help_text(mf: MegatronFlag) -> str:
     return (text + (f"; {row.note}" if row.note else "")).replace("%", "%%")
 
 
+@functools.lru_cache(maxsize=None)
+def _megatron_only_specs() -> tuple:
+    """``(group title, group description, spellings, argparse kwargs, --help-all text)`` of
+    every no-effect or refused row of a training command line (computed once)."""
+    out = []
+    for mf in megatron_flags():
+        row = table().get(mf.name)
+        if row is None or row.kind == IMPLEMENTED:
+            continue
+        title = (f"no effect in loom: {row.category}" if row.kind == NO_EFFECT_KIND
+                 else f"refused: {row.category}")
+        described = NO_EFFECT.get(row.category) or REFUSED.get(row.category)
+        kwargs: dict = {"dest": DEST_PREFIX + mf.name, "default": None,
+                        "help": argparse.SUPPRESS}
+        if not mf.takes_value:
+            off = mf.action == "storefalse"
+            kwargs.update(values_by_spelling={
+                s: (not s.startswith("--no-")) if mf.action == "booleanoptional" else not off
+                for s in mf.flags})
+        else:
+            kwargs.update(nargs=mf.nargs, type=_converter(mf), choices=mf.choice_values,
+                          metavar=mf.dest.upper())
+        cls = _Switch if not mf.takes_value else argparse._StoreAction
+        out.append((title, described, mf.flags, cls, kwargs, help_text(mf)))
+    return tuple(out)
+
+
 def add_megatron_only_arguments(parser: argparse.ArgumentParser) -> None:
     """One argparse action per no-effect or refused row of a training command line, with every
     Megatron spelling the parser does not have yet; hidden from ``--help`` (``--help-all``
     shows them, grouped by reason or capability)."""
     groups: dict = {}
-    for mf in megatron_flags():
-        row = table().get(mf.name)
-        if row is None or row.kind == IMPLEMENTED:
-            continue
-        spellings = [s for s in mf.flags if s not in parser._option_string_actions]
+    have = parser._option_string_actions
+    for title, described, flags, cls, kwargs, text in _megatron_only_specs():
+        spellings = [s for s in flags if s not in have]
         if not spellings:
             continue
-        title = (f"no effect in loom: {row.category}" if row.kind == NO_EFFECT_KIND
-                 else f"refused: {row.category}")
         if title not in groups:
             groups[title] = parser.add_argument_group(title)
-            groups[title].loom_description = (NO_EFFECT.get(row.category) or
-                                              REFUSED.get(row.category))
-        dest = DEST_PREFIX + mf.name
-        if not mf.takes_value:
-            off = mf.action == "storefalse"
-            values = {s: (s.startswith("--no-") is False) if mf.action == "booleanoptional"
-                      else not off for s in mf.flags}
-            action = groups[title].add_argument(*spellings, dest=dest, action=_Switch,
-                                                values_by_spelling=values, default=None,
-                                                help=argparse.SUPPRESS)
-        else:
-            nargs = mf.nargs if mf.nargs is not None else None
-            action = groups[title].add_argument(
-                *spellings, dest=dest, default=None, nargs=nargs, type=_converter(mf),
-                choices=mf.choice_values, help=argparse.SUPPRESS,
-                metavar=mf.dest.upper())
-        action.loom_help = help_text(mf)
+            groups[title].loom_description = described
+        action = cls(spellings, **kwargs)  # what add_argument builds, without re-deriving
+        action.loom_help = text            # names and dashes per parser (900 flags, each run)
+        groups[title]._add_action(action)
 
 
 def megatron_given(args: argparse.Namespace) -> dict:

@@ -7,6 +7,7 @@ fault_spec, fields, pipeline, split) and nothing of loom above :mod:`loom.config
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -93,13 +94,18 @@ def check_bounds(name: str, value: Any, meta: Any) -> None:
             raise ConfigError(f"{flag(name)} must be {word} {meta[key]:g}, got {value}")
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(section: type) -> dict:
+    return get_type_hints(section)
+
+
 def check_fields(cfg: Any) -> None:
     """Coerce every field of every section to its type and check its choices and bounds."""
     for section in dataclasses.fields(cfg):
         if section.name in ("derived", "megatron_no_effect"):  # not sections
             continue
         obj = getattr(cfg, section.name)
-        hints = get_type_hints(type(obj))
+        hints = _hints(type(obj))
         for f in dataclasses.fields(obj):
             if f.metadata.get("auto") and getattr(obj, f.name) == "auto":
                 continue  # an "N or auto" field (--save-interval)

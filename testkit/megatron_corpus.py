@@ -1,0 +1,124 @@
+"""The functional-test corpus of Megatron-LM d98e8a6 (tests/unit/megatron_corpus.json, written by
+``benchmarks/megatron_corpus.py``) as loom command lines, and the capabilities other branches
+are adding (issue 42): shared by tests/unit/test_megatron_corpus.py (every case through
+``loom train --dry-run``) and tests/integration/test_megatron_corpus_training.py (a sample
+trained on 2 CPU ranks).
+
+Placeholders (see the generator's docstring): ``{DATA}`` becomes ``--mock-data``, a tokenizer
+``{TOKENIZER:V}`` becomes ``--vocab-size V`` (what a run reads from it before the data), the
+directories temporary ones (``{LOAD}`` an empty directory, as Megatron's CI ``--load`` holds no
+checkpoint of the run), and the entry script ``--model-type``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+CORPUS = json.loads((Path(__file__).resolve().parents[1] / "tests" / "unit" /
+                     "megatron_corpus.json").read_text())
+COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+ENTRY_MODEL_TYPE = {"examples/bert/pretrain_bert.py": "bert", "pretrain_hybrid.py": "mamba",
+                    "megatron/elastification/pretrain_hybrid_flex.py": "mamba"}
+TRAINING = [c for c in CORPUS["cases"] if c["mode"] != "inference"]
+INFERENCE = [c for c in CORPUS["cases"] if c["mode"] == "inference"]
+
+# The capabilities other branches implement (issue 42), refused until they merge: flag ->
+# (capability, values it covers or None for any value other than Megatron's default, the value
+# that stands in when simulating it implemented, or None to drop the flag). When a branch
+# merges, its flags are accepted: delete its entries (the corpus test says which) and the
+# accepted share rises.
+PENDING = {
+    # branch modelcaps
+    "--moe-router-load-balancing-type": ("Sinkhorn load balancing", {"sinkhorn"}, "aux_loss"),
+    "--position-embedding-type": ("YaRN position embeddings", {"yarn"}, "rope"),
+    "--apply-query-key-layer-scaling": ("query-key layer scaling", None, None),
+    "--moe-per-layer-logging": ("per-layer MoE logging", None, None),
+    # branch traincaps
+    "--timing-log-level": ("timers by --timing-log-level", {"1", "2"}, "0"),
+    "--timing-log-option": ("timers by --timing-log-level", None, None),
+    "--log-timers-to-tensorboard": ("timers by --timing-log-level", None, None),
+    "--deterministic-mode": ("deterministic mode", None, None),
+    "--optimizer": ("the SGD optimizer", {"sgd"}, "adam"),
+    "--profile": ("profiling", None, None),
+    "--record-memory-history": ("CUDA memory-history snapshots", None, None),
+    # branch reliability
+    "--save-retain-interval": ("checkpoints kept every --save-retain-interval", None, None),
+    # branch megackpt
+    "--ckpt-format": ("Megatron's legacy torch checkpoints", {"torch"}, "torch_dist"),
+}
+PENDING_RULES = {  # refusals of validation rules the same branches relax (message -> capability)
+    "--multi-latent-attention applies RoPE": "MLA without RoPE (branch modelcaps)",
+    "--use-checkpoint-args needs a checkpoint": "--use-checkpoint-args falling back to the "
+                                                "flags (branch reliability)",
+    "--squared-relu with --num-experts": "squared-ReLU experts (branch modelcaps)",
+    "is not a multiple of --hidden-size": "Mamba heads independent of --hidden-size (branch "
+                                          "modelcaps)",
+}
+
+
+def groups(words: list[str]) -> list[list[str]]:
+    """``--a 1 --b`` -> ``[["--a", "1"], ["--b"]]``."""
+    out: list[list[str]] = []
+    for w in words:
+        if w.startswith("--"):
+            out.append([w])
+        else:
+            out[-1].append(w)
+    return out
+
+
+def argv_of(case: dict, tmp: Path) -> list[str]:
+    """The case's command line for ``loom train`` (placeholders resolved, under ``tmp``)."""
+    words = case["argv"]
+    given = {w for w in words if w.startswith("--")}
+    out: list[str] = []
+    vocab = None
+    for flag, *values in groups(words):
+        text = " ".join(values)
+        if text == "{DATA}":
+            if "--mock-data" not in given:
+                out.append("--mock-data")
+            continue
+        m = re.fullmatch(r"\{TOKENIZER(?::(\d+))?\}", text)
+        if m:
+            if m.group(1) and "--vocab-size" not in given and vocab is None:
+                vocab = m.group(1)
+                out += ["--vocab-size", vocab]
+            continue
+        for key, sub in (("SAVE", "save"), ("LOAD", "load"), ("TB", "tb"), ("CACHE", "cache"),
+                         ("OUT", "out"), ("CKPT", "ckpt"), ("FILE", "file")):
+            values = [v.replace("{" + key + "}", str(tmp / sub)) for v in values]
+        out += [flag, *[v.replace("{NAME}", "run") for v in values]]
+    if "--mock-data" in out and "--vocab-size" not in out:
+        out += ["--vocab-size", "50257"]
+    if case["entry"] in ENTRY_MODEL_TYPE:
+        out += ["--model-type", ENTRY_MODEL_TYPE[case["entry"]]]
+    return out
+
+
+def pending_in(argv: list[str]) -> set[str]:
+    """The pending capabilities a command line uses."""
+    out = set()
+    for flag, *values in groups(argv):
+        if flag in PENDING:
+            what, covered, _ = PENDING[flag]
+            if covered is None or " ".join(values) in covered:
+                out.add(what)
+    return out
+
+
+def with_pending_implemented(argv: list[str]) -> list[str]:
+    """The command line as it reads once the pending capabilities merge: their flags dropped,
+    or their values replaced by loom's (a stand-in: the rest of the flags are what is tested)."""
+    out: list[str] = []
+    for flag, *values in groups(argv):
+        if flag in PENDING:
+            _, covered, stand_in = PENDING[flag]
+            if covered is None or " ".join(values) in covered:
+                if stand_in is None:
+                    continue
+                values = [stand_in]
+        out += [flag, *values]
+    return out
