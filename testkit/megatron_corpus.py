@@ -41,8 +41,14 @@ PENDING = {
     "--log-timers-to-tensorboard": ("timers by --timing-log-level", None, None),
     "--deterministic-mode": ("deterministic mode", None, None),
     "--optimizer": ("the SGD optimizer", {"sgd"}, "adam"),
-    "--profile": ("profiling", None, None),
+    "--no-barrier-with-level-1-timing": ("timers by --timing-log-level", None, None),
+    "--sgd-momentum": ("the SGD optimizer", None, None),
+    **{f: ("profiling", None, None) for f in (
+        "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
+        "--use-pytorch-profiler", "--pytorch-profiler-collect-shapes", "--record-shapes",
+        "--pytorch-profiler-collect-callstack", "--pytorch-profiler-collect-chakra")},
     "--record-memory-history": ("CUDA memory-history snapshots", None, None),
+    "--memory-snapshot-path": ("CUDA memory-history snapshots", None, None),
     # branch reliability
     "--save-retain-interval": ("checkpoints kept every --save-retain-interval", None, None),
     # branch megackpt

@@ -26,6 +26,7 @@ import pytest
 
 from loom.cli import main
 from testkit import run_distributed
+from testkit.megatron_corpus import groups, pending_in, with_pending_implemented
 
 HERE = Path(__file__).resolve().parent / "megatron_scripts"
 COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
@@ -46,24 +47,13 @@ def load(name: str) -> tuple[dict, list[list[str]]]:
     return meta, lines
 
 
-def _groups(words: list[str]) -> list[list[str]]:
-    """``--a 1 --b`` -> ``[["--a", "1"], ["--b"]]``."""
-    out: list[list[str]] = []
-    for w in words:
-        if w.startswith("--"):
-            out.append([w])
-        else:
-            out[-1].append(w)
-    return out
-
-
 def argv_of(name: str, tmp: Path, tiny: dict | None = None) -> list[str]:
     """The script's command line with the paths replaced (and ``tiny``'s values of flags it
     gives, for the scaled-down copy)."""
     meta, lines = load(name)
     given = {words[0] for words in lines}
     out: list[str] = []
-    for words in lines + _groups(shlex.split(meta.get("launcher", ""))):
+    for words in lines + groups(shlex.split(meta.get("launcher", ""))):
         flag, values = words[0], words[1:]
         text = " ".join(values)
         if text == "{DATA}":
@@ -124,6 +114,14 @@ def test_dry_run_at_the_scripts_world_size(name, tmp_path, capsys, monkeypatch):
         assert e.value.code == 2 and expect in capsys.readouterr().err
         i = argv.index("--pipeline-model-parallel-size")
         argv[i + 1] = "8"
+    pending = pending_in(argv)
+    if pending:  # a capability another branch is adding (issue 42): refused, naming it, until
+        monkeypatch.delenv("WORLD_SIZE", raising=False)  # it merges; the rest accepted
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--dry-run", "--world-size", str(world), *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and any(p in err for p in pending), err
+        argv = with_pending_implemented(argv)
     out = _dry_run(argv, world, capsys, monkeypatch)
     n = int(re.search(r"^parameters: (\d+)", out, re.M).group(1))
     if meta["published_params"] != "none":
@@ -167,7 +165,7 @@ def _tiny(name: str, tmp: Path, drop: bool) -> list[str]:
     tiny = {**SMALL, **LAYOUT.get(name, {})}
     if drop:
         tiny.update({f: None for f in DROPPED_FOR_TRAINING})
-    return argv_of(name, tmp, tiny)
+    return with_pending_implemented(argv_of(name, tmp, tiny))  # refused until they merge
 
 
 def _parse(argv: list[str]):
