@@ -122,6 +122,8 @@ def _words(flag: str, value) -> list[str]:
 
 def _placeholder(flag: str, word: str) -> str:
     """``word`` with the CI's directories replaced (module docstring)."""
+    if flag == "--prompt-file":  # also the repository-relative files of three cases
+        return "{FILE}"
     if "$" not in word:
         return word
     for name, size in VOCAB:

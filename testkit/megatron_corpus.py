@@ -75,12 +75,13 @@ def groups(words: list[str]) -> list[list[str]]:
     return out
 
 
-def argv_of(case: dict, tmp: Path) -> list[str]:
-    """The case's command line for ``loom train`` (placeholders resolved, under ``tmp``)."""
+def argv_of(case: dict, tmp: Path, vocab: bool = True) -> list[str]:
+    """The case's command line (placeholders resolved, under ``tmp``); ``vocab``: a tokenizer
+    file stands for ``--vocab-size V`` (training; ``loom generate`` reads the checkpoint's)."""
     words = case["argv"]
     given = {w for w in words if w.startswith("--")}
     out: list[str] = []
-    vocab = None
+    size = None
     for flag, *values in groups(words):
         text = " ".join(values)
         if text == "{DATA}":
@@ -89,15 +90,15 @@ def argv_of(case: dict, tmp: Path) -> list[str]:
             continue
         m = re.fullmatch(r"\{TOKENIZER(?::(\d+))?\}", text)
         if m:
-            if m.group(1) and "--vocab-size" not in given and vocab is None:
-                vocab = m.group(1)
-                out += ["--vocab-size", vocab]
+            if vocab and m.group(1) and "--vocab-size" not in given and size is None:
+                size = m.group(1)
+                out += ["--vocab-size", size]
             continue
         for key, sub in (("SAVE", "save"), ("LOAD", "load"), ("TB", "tb"), ("CACHE", "cache"),
                          ("OUT", "out"), ("CKPT", "ckpt"), ("FILE", "file")):
             values = [v.replace("{" + key + "}", str(tmp / sub)) for v in values]
         out += [flag, *[v.replace("{NAME}", "run") for v in values]]
-    if "--mock-data" in out and "--vocab-size" not in out:
+    if vocab and "--mock-data" in out and "--vocab-size" not in out:
         out += ["--vocab-size", "50257"]
     if case["entry"] in ENTRY_MODEL_TYPE:
         out += ["--model-type", ENTRY_MODEL_TYPE[case["entry"]]]

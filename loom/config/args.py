@@ -11,7 +11,7 @@ import argparse
 import functools
 from types import MappingProxyType
 from dataclasses import MISSING, fields
-from typing import Any, Callable, Mapping, get_type_hints
+from typing import Any, Callable, Mapping, Optional, get_type_hints
 
 import yaml
 
@@ -84,62 +84,104 @@ def _help(f) -> str:
     return text.replace("%", "%%")  # argparse %-formats help when it renders it
 
 
-def _add_field(grp, parser, f, hint) -> None:
+def _add_field(grp, parser, f, hint, hidden: bool = False) -> None:
     """The argparse action of config field ``f`` (type hint ``hint``) in group ``grp``, with
-    Megatron's other spellings of it (flag table) and the Megatron values loom refuses
-    accepted by argparse (refused with their reason by :func:`config_from_args`)."""
+    Megatron's other spellings of it (flag table, or the field's ``spellings`` metadata) and
+    the Megatron values loom refuses accepted by argparse (refused with their reason by
+    :func:`config_from_args`); ``hidden``: listed by ``--help-all`` only."""
     on, off = field_spellings().get(f.name, ((), ()))
+    on = (*on, *f.metadata.get("spellings", ()))
     names = [n for n in (flag(f.name), *on, *off) if n not in parser._option_string_actions]
     if flag(f.name) not in names:  # the command's own (loom plan's --zero-stage 0-3)
         return
     text = _help(f)
+    kwargs: dict = {"dest": f.name, "default": None,
+                    "help": argparse.SUPPRESS if hidden else text}
+    choices = choices_of(hint)
     if base_type(hint)[0] is bool:
         no = "--no-" + flag(f.name)[2:]  # turns off a YAML `true`
         if not f.name.startswith("no_") and no not in parser._option_string_actions:
             names.append(no)
-        grp.add_argument(*names, dest=f.name, action=_OnOff, off=off, default=None, help=text)
-        return
-    choices = choices_of(hint)
-    if f.name in BLEND_FIELDS or f.metadata.get("words"):
-        grp.add_argument(*names, dest=f.name, nargs="+", action=_JoinWords, default=None,
-                         help=text, metavar="[W] PREFIX" if f.name in BLEND_FIELDS else "VALUE")
+        kwargs.update(action=_OnOff, off=off)
+    elif f.name in BLEND_FIELDS or f.metadata.get("words"):
+        kwargs.update(nargs="+", action=_JoinWords,
+                      metavar="[W] PREFIX" if f.name in BLEND_FIELDS else "VALUE")
     elif choices is not None:
         refused = tuple(v for v in refused_values(f.name) if v not in choices)
-        grp.add_argument(*names, dest=f.name, choices=choices + refused, default=None,
-                         help=text)
+        kwargs.update(choices=choices + refused)
     else:
-        grp.add_argument(*names, dest=f.name,
-                         type=_converter(hint, f.name, f.metadata.get("auto", False)),
-                         default=None, help=text,
-                         metavar={int: "N", float: "X"}.get(base_type(hint)[0],
-                                                            "STR" if f.name == "split"
-                                                            else "PATH"))
+        kwargs.update(type=_converter(hint, f.name, f.metadata.get("auto", False)),
+                      metavar=f.metadata.get("metavar") or {int: "N", float: "X"}.get(
+                          base_type(hint)[0], "STR" if f.name == "split" else "PATH"))
+        if f.metadata.get("many"):
+            kwargs["nargs"] = "+"
+    action = grp.add_argument(*names, **kwargs)
+    if hidden:
+        action.loom_help = text
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``;
-    each boolean ``--foo`` also gets ``--no-foo`` (False: turns off ``foo: true`` of the YAML).
-    Every other flag of Megatron-LM's command line comes from the flag table
-    (:mod:`loom.config.flag_args`): another spelling of a field, or a flag accepted without
-    effect or refused (hidden from ``--help``, listed by ``--help-all``).
+def add_config_arguments(parser: argparse.ArgumentParser, common: tuple = COMMON,
+                         shown: Optional[set] = None, config_file: bool = True) -> None:
+    """Add one ``--flag`` per config field (default None = "not given"), plus ``--config``
+    (``config_file``); each boolean ``--foo`` also gets ``--no-foo`` (False: turns off ``foo:
+    true`` of the YAML). Every other flag of Megatron-LM's command line comes from the flag
+    table (:mod:`loom.config.flag_args`): another spelling of a field, or a flag accepted
+    without effect or refused (hidden from ``--help``, listed by ``--help-all``).
 
-    ``--help`` lists the common flags (:data:`~loom.config.flag_args.COMMON`) first, then each
-    section. Help texts are the fields' ``help`` metadata written plainly (``80%``): ``%`` is
-    escaped here, the one place, since argparse %-formats help when it renders ``--help``."""
-    parser.add_argument("--config", default=None, metavar="FILE.yaml",
-                        help="YAML file of the same keys (flat, or grouped by section name); "
-                             "flags given on the command line override it")
+    ``--help`` lists the ``common`` flags first (default: training's,
+    :data:`~loom.config.flag_args.COMMON`), then each section; with ``shown`` (a command that
+    uses a few fields) only those, the rest behind ``--help-all``. Help texts are the fields'
+    ``help`` metadata written plainly (``80%``): ``%`` is escaped here, the one place, since
+    argparse %-formats help when it renders ``--help``."""
+    if config_file:
+        parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                            help="YAML file of the same keys (flat, or grouped by section "
+                                 "name); flags given on the command line override it")
     add_help_all(parser)
-    common = parser.add_argument_group("common flags")
     every = field_hints()
-    for name in COMMON:
-        _add_field(common, parser, *every[name])
+    if common:
+        grp = parser.add_argument_group("common flags")
+        for name in common:
+            _add_field(grp, parser, *every[name])
     for gname, dc in GROUPS.items():
         grp = parser.add_argument_group(gname, (dc.__doc__ or "").strip().splitlines()[0])
         for f in fields(dc):
-            if f.name not in COMMON:
-                _add_field(grp, parser, *every[f.name])
+            if f.name not in common:
+                _add_field(grp, parser, *every[f.name],
+                           hidden=shown is not None and f.name not in shown)
     add_megatron_only_arguments(parser)
+
+
+def add_options(parser: argparse.ArgumentParser, options: type, title: str) -> None:
+    """One ``--flag`` per field of a command's options dataclass (fields declared with
+    ``opt()`` as the config sections are: help, bounds, ``spellings``), in group ``title``."""
+    grp = parser.add_argument_group(title)
+    hints = get_type_hints(options)
+    for f in fields(options):
+        _add_field(grp, parser, f, hints[f.name])
+
+
+def options_from_args(args: argparse.Namespace, options: type) -> Any:
+    """The options dataclass of a command from its parsed flags (defaults where not given),
+    each value checked against its field's type, choices and bounds; ConfigError names the
+    flag (and its other spellings)."""
+    hints = get_type_hints(options)
+    values = {}
+    for f in fields(options):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        names = " / ".join((flag(f.name), *f.metadata.get("spellings", ())))
+        if f.metadata.get("many"):
+            value = [coerce(v, base_type(hints[f.name])[0], names) for v in value]
+        else:
+            value = coerce(value, hints[f.name], names)
+            try:
+                check_bounds(f.name, value, f.metadata)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace(flag(f.name), names, 1)) from None
+        values[f.name] = value
+    return options(**values)
 
 
 def _read_yaml_nodes(path: str) -> list[tuple[str, Any, int]]:

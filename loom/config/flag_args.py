@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
 from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT, NO_EFFECT_KIND, REFUSED
-from loom.config.flag_table import MegatronFlag, megatron_flags, table
+from loom.config.flag_table import TRAINING_PARSERS, MegatronFlag, megatron_flags, table
 
 DEST_PREFIX = "megatron:"
 """argparse dest of a Megatron-only flag: this prefix and its first spelling."""
@@ -57,9 +57,8 @@ def _converter(mf: MegatronFlag) -> Callable[[str], Any]:
     return convert
 
 
-def help_text(mf: MegatronFlag) -> str:
+def help_text(mf: MegatronFlag, row) -> str:
     """The ``--help-all`` line of a Megatron-only flag: its row's reason (and note)."""
-    row = table()[mf.name]
     text = ("no effect: " + NO_EFFECT[row.category]) if row.kind == NO_EFFECT_KIND \
         else "refused: " + row.why()
     if row.refuse:
@@ -67,13 +66,12 @@ def help_text(mf: MegatronFlag) -> str:
     return (text + (f"; {row.note}" if row.note else "")).replace("%", "%%")
 
 
-@functools.lru_cache(maxsize=None)
-def _megatron_only_specs() -> tuple:
-    """``(group title, group description, spellings, argparse kwargs, --help-all text)`` of
-    every no-effect or refused row of a training command line (computed once)."""
+def _specs(rows: Mapping, parsers: tuple) -> tuple:
+    """``(group title, group description, spellings, action class, kwargs, --help-all text)``
+    of every no-effect or refused row of ``rows`` among the snapshot's ``parsers``."""
     out = []
-    for mf in megatron_flags():
-        row = table().get(mf.name)
+    for mf in megatron_flags(parsers):
+        row = rows.get(mf.name)
         if row is None or row.kind == IMPLEMENTED:
             continue
         title = (f"no effect in loom: {row.category}" if row.kind == NO_EFFECT_KIND
@@ -90,17 +88,25 @@ def _megatron_only_specs() -> tuple:
             kwargs.update(nargs=mf.nargs, type=_converter(mf), choices=mf.choice_values,
                           metavar=mf.dest.upper())
         cls = _Switch if not mf.takes_value else argparse._StoreAction
-        out.append((title, described, mf.flags, cls, kwargs, help_text(mf)))
+        out.append((title, described, mf.flags, cls, kwargs, help_text(mf, row)))
     return tuple(out)
 
 
-def add_megatron_only_arguments(parser: argparse.ArgumentParser) -> None:
-    """One argparse action per no-effect or refused row of a training command line, with every
-    Megatron spelling the parser does not have yet; hidden from ``--help`` (``--help-all``
-    shows them, grouped by reason or capability)."""
+@functools.lru_cache(maxsize=None)
+def _training_specs() -> tuple:
+    return _specs(table(), TRAINING_PARSERS)
+
+
+def add_megatron_only_arguments(parser: argparse.ArgumentParser, rows: Optional[Mapping] = None,
+                                parsers: tuple = TRAINING_PARSERS) -> None:
+    """One argparse action per no-effect or refused row (of ``rows``, default the training
+    table, among the snapshot's ``parsers``), with every Megatron spelling the parser does not
+    have yet; hidden from ``--help`` (``--help-all`` shows them, grouped by reason or
+    capability)."""
     groups: dict = {}
     have = parser._option_string_actions
-    for title, described, flags, cls, kwargs, text in _megatron_only_specs():
+    specs = _training_specs() if rows is None else _specs(rows, parsers)
+    for title, described, flags, cls, kwargs, text in specs:
         spellings = [s for s in flags if s not in have]
         if not spellings:
             continue

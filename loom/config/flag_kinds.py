@@ -40,8 +40,9 @@ NO_EFFECT = MappingProxyType({
                "perplexity to stdout, TensorBoard and W&B; checks checkpoint checksums)",
     "validation": "Megatron's self-checks of its own implementation (loom checks every step's "
                   "gradient norm, skips and reports non-finite steps)",
-    "inference_engine": "settings of Megatron's inference engine, which a training run does "
-                        "not use",
+    "inference_engine": "settings of Megatron's inference engine (request batching, KV-cache "
+                        "memory, CUDA graphs, serving), which loom's training does not run and "
+                        "its generation does not have",
     "cluster": "launcher and cluster services (torchrun gives the ranks; no telemetry is sent)",
     "deprecated": "deprecated in Megatron-LM",
     "internal": "Megatron's code-path switches (layer-spec modules, experimental features, "

@@ -132,7 +132,7 @@ NO_EFFECT_ROWS = (
     *_block(no_effect("already"), """
         --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard --log-throughput
         --log-memory-interval --log-device-memory-used --verify-integrity
-        --exit-signal-handler-for-training"""),
+        --exit-signal-handler-for-training --no-yarn-correction-range-round-to-int"""),
     *_block(no_effect("validation"), """
         --no-check-for-nan-in-loss-and-grad --check-weight-hash-across-dp-replicas-interval
         --check-for-large-grads --check-for-spiky-loss --test-mode"""),
@@ -307,8 +307,7 @@ REFUSED_ROWS = (
     ("--yarn-correction-range-round-to-int",
      _no("YaRN correction range rounded to integers (loom's is not rounded, as Megatron's "
          "MLA default)")),
-    ("--no-yarn-correction-range-round-to-int",
-     _no("a choice of YaRN rounding (loom's range is not rounded)")),
+
     ("--rotary-seq-len-interpolation-factor", _no("RoPE position interpolation")),
     ("--use-rope-scaling", _no("Llama 3.1 RoPE frequency scaling")),
     ("--rope-scaling-factor", _no("Llama 3.1 RoPE frequency scaling")),

@@ -105,10 +105,23 @@ def table() -> Mapping[str, Row]:
     return MappingProxyType({spell[f].name if f in spell else f: row for f, row in ROW_PAIRS})
 
 
-def row_of(spelling: str) -> tuple[Optional[MegatronFlag], Optional[Row]]:
-    """``(MegatronFlag, Row)`` of one spelling (``(None, None)`` for a flag Megatron lacks)."""
+def rows_with(extra: tuple = (), overrides: Optional[Mapping] = None) -> Mapping[str, Row]:
+    """The table of a command other than ``loom train``: :func:`table`, the ``(flag, row)``
+    pairs of ``extra`` (rows of the inference scripts' own flags) and ``overrides`` (``{flag:
+    row}``: a row that reads otherwise for the command)."""
+    spell = by_spelling()
+    out = dict(table())
+    out.update({spell[f].name: row for f, row in extra})
+    out.update({spell[f].name: row for f, row in (overrides or {}).items()})
+    return MappingProxyType(out)
+
+
+def row_of(spelling: str, rows: Optional[Mapping] = None) -> tuple[Optional[MegatronFlag],
+                                                                   Optional[Row]]:
+    """``(MegatronFlag, Row)`` of one spelling in ``rows`` (default: :func:`table`); ``(None,
+    None)`` for a flag Megatron lacks."""
     mf = by_spelling().get(spelling)
-    return (mf, table().get(mf.name)) if mf else (None, None)
+    return (mf, (table() if rows is None else rows).get(mf.name)) if mf else (None, None)
 
 
 def field_of(name: str, row: Row) -> str:
@@ -172,7 +185,7 @@ def check_field_value(field_name: str, value: Any) -> None:
             raise ConfigError(f"--{field_name.replace('_', '-')} {value}: {refuse[key]}")
 
 
-def resolve_megatron_only(given: Mapping[str, Any]) -> dict:
+def resolve_megatron_only(given: Mapping[str, Any], rows: Optional[Mapping] = None) -> dict:
     """The Megatron-only flags of a command line ``{first spelling: value}`` (no-effect and
     refused rows): refuses, with a ConfigError naming the flag and the capability, a refused
     flag given another value than Megatron's default or an ``allow`` value, and a no-effect
@@ -180,7 +193,7 @@ def resolve_megatron_only(given: Mapping[str, Any]) -> dict:
     :func:`no_effect_report` names)."""
     kept = {}
     for name, value in given.items():
-        mf, row = row_of(name)
+        mf, row = row_of(name, rows)
         if row is None or value is None:
             continue
         if value in row.refuse:
@@ -194,13 +207,14 @@ def resolve_megatron_only(given: Mapping[str, Any]) -> dict:
     return kept
 
 
-def no_effect_report(given: Mapping[str, Any]) -> Optional[str]:
+def no_effect_report(given: Mapping[str, Any], rows: Optional[Mapping] = None,
+                     command: str = "loom") -> Optional[str]:
     """One line naming every no-effect flag of ``given`` (``{spelling: value}``, as
     :func:`resolve_megatron_only` returns) by reason, or None: what ``loom train`` prints once
     at start."""
     by_category: dict = {}
     for name, value in given.items():
-        mf, row = row_of(name)
+        mf, row = row_of(name, rows)
         if row is None or row.kind != NO_EFFECT_KIND:
             continue
         by_category.setdefault(row.category, []).append(_given(mf, value))
@@ -208,7 +222,7 @@ def no_effect_report(given: Mapping[str, Any]) -> Optional[str]:
         return None
     parts = [f"{', '.join(flags)} ({NO_EFFECT[cat].split(' (')[0]})"
              for cat, flags in by_category.items()]
-    return "no effect in loom (Megatron-LM flags): " + "; ".join(parts)
+    return f"no effect in {command} (Megatron-LM flags): " + "; ".join(parts)
 
 
 def yaml_value(name: str, raw: Any) -> Any:

@@ -248,3 +248,17 @@ def test_doc_is_rendered_from_the_table():
     assert DOC.read_text(encoding="utf-8") == render(), \
         "docs/megatron-defaults.md is stale: python -m loom.config.flag_docs " \
         "docs/megatron-defaults.md"
+
+
+def test_every_inference_flag_has_one_row_in_generate():
+    """The inference scripts' own flags (the snapshot's ``inference`` parser): each a
+    ``loom generate`` option (one of its spellings) or a row of loom.inference.options."""
+    from loom.config.fields import flag
+    from loom.inference.options import INFERENCE_ROWS, GenerateOptions
+    options = {s for f in dataclasses.fields(GenerateOptions)
+               for s in (flag(f.name), *f.metadata.get("spellings", ()))}
+    rows = [name for name, _ in INFERENCE_ROWS]
+    for mf in megatron_flags(("inference",)):
+        declared = [s for s in mf.flags if s in options] + [s for s in mf.flags if s in rows]
+        assert len(declared) == 1, (mf.flags, declared)
+    assert all(by_spelling()[r].parser == "inference" for r in rows)
