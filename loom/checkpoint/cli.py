@@ -13,11 +13,30 @@ import argparse
 import json
 import math
 import os
+from dataclasses import dataclass
 
+from loom.config.fields import opt
 from loom.errors import ConfigError
 
 
+@dataclass
+class CheckpointOptions:
+    """How ``loom checkpoint`` reads and writes."""
+
+    to_hf: bool = opt(False, "convert: write config.json + model.safetensors (GPT-2 / LLaMA / "
+                             "Gemma 3)")
+    from_hf: bool = opt(False, "convert: read a Hugging Face GPT-2 / LLaMA / Gemma 3 directory, "
+                               "or a Gemma 3 GGUF file, into a loom checkpoint (tokenizer "
+                               "included)")
+    json: bool = opt(False, "inspect: print one JSON object")
+    overwrite: bool = opt(False, "convert: replace files already in the output directory "
+                                 "(default: refuse; never into a training checkpoint directory)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``loom checkpoint ACTION DIR [OUT]``: the positionals, its options and ``--ckpt-step``
+    (the config field ``loom train`` declares)."""
+    from loom.config.args import add_fields, add_options
     parser.allow_abbrev = False
     parser.add_argument("action", choices=["inspect", "convert"],
                         help="inspect: list the checkpoint; convert: to or from Hugging Face "
@@ -25,18 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="checkpoint directory (as given to --save), or one iter_N/; "
                                     "with --from-hf the Hugging Face directory")
     parser.add_argument("out", nargs="?", help="convert: the output directory")
-    way = parser.add_mutually_exclusive_group()
-    way.add_argument("--to-hf", action="store_true",
-                     help="write config.json + model.safetensors (GPT-2 / LLaMA / Gemma 3)")
-    way.add_argument("--from-hf", action="store_true",
-                     help="read a Hugging Face GPT-2 / LLaMA / Gemma 3 directory, or a Gemma 3 "
-                          "GGUF file, into a loom checkpoint (tokenizer included)")
-    parser.add_argument("--ckpt-step", type=int, default=None,
-                        help="iteration to inspect (default: the latest)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="convert: replace files already in the output directory (default: "
-                             "refuse; never into a training checkpoint directory)")
+    add_options(parser, CheckpointOptions, "checkpoint")
+    add_fields(parser, ("ckpt_step",), "iteration")
 
 
 def inspect(path: str, step=None) -> dict:
@@ -85,6 +94,10 @@ def _integrity(ckpt: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ConfigError(f"--ckpt-step must be >= 0, got {args.ckpt_step}")
+    if args.to_hf and args.from_hf:
+        raise ConfigError("--to-hf and --from-hf go opposite ways: give one")
     if args.action == "convert":
         from loom.checkpoint.convert import from_hf, to_hf
         if not args.out or not (args.to_hf or args.from_hf):

@@ -109,6 +109,8 @@ def _add_field(grp, parser, f, hint, hidden: bool = False) -> None:
     elif choices is not None:
         refused = tuple(v for v in refused_values(f.name) if v not in choices)
         kwargs.update(choices=choices + refused)
+        if all(type(c) is int for c in choices):  # Literal[0, 1, 2, 3]
+            kwargs["type"] = int
     else:
         kwargs.update(type=_converter(hint, f.name, f.metadata.get("auto", False)),
                       metavar=f.metadata.get("metavar") or {int: "N", float: "X"}.get(
@@ -150,6 +152,28 @@ def add_config_arguments(parser: argparse.ArgumentParser, common: tuple = COMMON
                 _add_field(grp, parser, *every[f.name],
                            hidden=shown is not None and f.name not in shown)
     add_megatron_only_arguments(parser)
+
+
+def add_fields(parser: argparse.ArgumentParser, names: tuple, title: str) -> None:
+    """The flags of config fields ``names`` only, in group ``title`` (a command that takes a
+    few of them: ``loom evaluate``'s ``--load``, ``--seed``, ...): one declaration, the same
+    help, type, bounds and Megatron spellings as ``loom train``'s."""
+    grp = parser.add_argument_group(title)
+    every = field_hints()
+    for name in names:
+        _add_field(grp, parser, *every[name])
+
+
+def field_defaults(args: argparse.Namespace, names: tuple, **command: Any) -> None:
+    """Fill the fields ``names`` not given in ``args`` with their declared default (``command``:
+    the command's own default of a field, e.g. ``micro_batch_size=4`` where training requires
+    it), and check every value against its field's bounds (ConfigError naming the flag)."""
+    every = field_hints()
+    for name in names:
+        if getattr(args, name, None) is None:
+            f = every[name][0]
+            setattr(args, name, command.get(name, None if f.default is MISSING else f.default))
+        check_bounds(name, getattr(args, name), every[name][0].metadata)
 
 
 def add_options(parser: argparse.ArgumentParser, options: type, title: str) -> None:

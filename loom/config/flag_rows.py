@@ -84,6 +84,7 @@ _IMPLEMENTED = words("""
 --eval-interval --eval-iters --tensorboard-dir --save --load --save-interval --ckpt-step
 --finetune --no-load-optim --no-load-rng --exit-interval --async-save
 --distributed-timeout-minutes --exit-signal-handler --num-virtual-stages-per-pipeline-rank
+--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 

@@ -271,12 +271,6 @@ REFUSED_ROWS = (
     ("--mtp-detach-heads", _no("multi-token prediction with detached heads")),
     ("--mtp-hsm", _no("multi-token prediction with a hierarchical softmax")),
     ("--mtp-hybrid-override-pattern", _no("hybrid multi-token-prediction layers")),
-    ("--account-for-embedding-in-pipeline-split",
-     _no("pipeline split counting the embedding as a layer: give "
-         "--decoder-first-pipeline-num-layers")),
-    ("--account-for-loss-in-pipeline-split",
-     _no("pipeline split counting the loss as a layer: give "
-         "--decoder-last-pipeline-num-layers")),
     ("--pipeline-model-parallel-layout",
      _no("pipeline layout string: give --decoder-first/last-pipeline-num-layers or "
          "--num-layers-per-virtual-pipeline-stage")),

@@ -128,6 +128,32 @@ def _virtual_stages(cfg: Any) -> None:
     p.num_layers_per_virtual_pipeline_stage = L // (pp * v)
 
 
+def _account_in_split(p: Any, L: int) -> None:
+    """``--account-for-embedding/loss-in-pipeline-split`` (Megatron's rule): the embedding and
+    the loss count as layers, (L + e + l) / p "layers" a stage, the first stage e and the last
+    l real layers fewer: ``--decoder-first/last-pipeline-num-layers``."""
+    e, loss = int(bool(p.account_for_embedding_in_pipeline_split)), \
+        int(bool(p.account_for_loss_in_pipeline_split))
+    pp = p.pipeline_model_parallel_size
+    if not (e or loss) or pp == 1:
+        return
+    if p.num_layers_per_virtual_pipeline_stage is not None or \
+            p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
+        raise ConfigError("--account-for-embedding/loss-in-pipeline-split sets the stage split: "
+                          "not with interleaving (loom's model chunks hold equal numbers of "
+                          "layers) or --decoder-first/last-pipeline-num-layers")
+    if (L + e + loss) % pp:
+        raise ConfigError(f"--num-layers {L} plus the embedding / loss counted as layers "
+                          f"({L + e + loss}) is not divisible by --pipeline-model-parallel-size "
+                          f"{pp} (Megatron's rule)")
+    per = (L + e + loss) // pp
+    if per - e < 1 or per - loss < 1:
+        raise ConfigError(f"--account-for-embedding/loss-in-pipeline-split leaves a stage "
+                          f"without layers ({per} a stage): lower the pipeline size")
+    p.decoder_first_pipeline_num_layers = per - e if e else None
+    p.decoder_last_pipeline_num_layers = per - loss if loss else None
+
+
 def resolve_script_flags(cfg: Any, world_size: int) -> None:
     """Megatron's spellings into loom's fields (in place, inside validation): rotary-embedding
     aliases, schedules in samples -> iterations (B samples each, rounded up), the final batch
@@ -145,6 +171,7 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
             t.use_distributed_optimizer = False  # (prefetching the next layer's: Megatron
             t.overlap_param_gather = False       # FSDP's --overlap-param-gather)
     _virtual_stages(cfg)
+    _account_in_split(cfg.parallel, m.num_layers)
     if m.mamba_num_heads is not None and m.hidden_size:  # Megatron's MambaMixer
         width = m.mamba_num_heads * m.mamba_head_dim
         if width % m.hidden_size:

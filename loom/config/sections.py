@@ -179,6 +179,12 @@ class ParallelConfig(ContextParallelFields):
     num_virtual_stages_per_pipeline_rank: Optional[int] = opt(
         None, "model chunks per pipeline stage v (Megatron's other spelling: sets "
               "--num-layers-per-virtual-pipeline-stage L / (p v); 1: no interleaving)", ge=1)
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "count the input embedding as a layer when splitting the layers over pipeline "
+               "stages: the first stage holds one layer fewer ((L + 1) / p layers a stage)")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "count the loss as a layer when splitting the layers over pipeline stages: the "
+               "last stage holds one layer fewer")
     decoder_first_pipeline_num_layers: Optional[int] = opt(
         None, "layers on the first pipeline stage (the rest split evenly)", ge=1)
     decoder_last_pipeline_num_layers: Optional[int] = opt(

@@ -262,3 +262,27 @@ def test_every_inference_flag_has_one_row_in_generate():
         declared = [s for s in mf.flags if s in options] + [s for s in mf.flags if s in rows]
         assert len(declared) == 1, (mf.flags, declared)
     assert all(by_spelling()[r].parser == "inference" for r in rows)
+
+
+def test_commands_take_their_flags_from_the_declarations():
+    """``loom evaluate``, ``generate``, ``plan`` and ``checkpoint`` write no flag by hand: their
+    options are dataclass fields declared with ``opt()`` and the config fields they share come
+    from the one declaration (``--seed``: one default, 1234, Megatron's)."""
+    import importlib
+    import inspect as inspect_module
+    from loom.cli import SUBCOMMANDS
+    from loom.config.args import field_defaults
+    from loom.config.flag_table import by_spelling as spell
+    for name in ("evaluate", "generate", "plan", "checkpoint"):
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        assert 'add_argument("--' not in inspect_module.getsource(module), name
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        train = _parser()
+        for option, action in parser._option_string_actions.items():
+            if option in train._option_string_actions and option in ("--seed", "--load",
+                                                                      "--ckpt-step"):
+                assert action.help == train._option_string_actions[option].help, option
+    args = argparse.Namespace(seed=None)
+    field_defaults(args, ("seed",))
+    assert args.seed == 1234 == spell()["--seed"].megatron_default
