@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 CORPUS = json.loads((Path(__file__).resolve().parents[1] / "tests" / "unit" /
@@ -128,4 +129,49 @@ def with_pending_implemented(argv: list[str]) -> list[str]:
                     continue
                 values = [stand_in]
         out += [flag, *values]
+    return out
+
+
+def scaled(argv: list[str], tiny: dict) -> list[str]:
+    """``argv`` with the values of the flags of ``tiny`` replaced (``None``: the flag dropped;
+    a flag ``tiny`` names that ``argv`` lacks is not added)."""
+    out: list[str] = []
+    for flag, *values in groups(argv):
+        if flag in tiny:
+            if tiny[flag] is None:
+                continue
+            values = shlex.split(tiny[flag])
+        out += [flag, *values]
+    return out
+
+
+def parse_train(argv: list[str]):
+    """``loom train``'s parse of ``argv`` (argparse errors raised, not exited)."""
+    import argparse
+
+    from loom.training.cli import add_arguments
+    parser = argparse.ArgumentParser(prog="loom train", exit_on_error=False)
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def train_all(jobs: dict) -> dict:
+    """In each rank of a spawned world: every ``{name: argv}`` job in turn through ``loom
+    train``'s checks and trainer; ``{name: losses or the error}``."""
+    import time
+
+    import torch.distributed as dist
+
+    from loom.training.cli import prepare
+    from loom.training.trainer import Trainer
+    out = {}
+    for name, argv in jobs.items():
+        t0 = time.monotonic()
+        try:
+            cfg = prepare(parse_train(argv))
+            out[name] = [r["loss"] for r in Trainer(cfg).train()]
+            print(f"{name}: trained in {time.monotonic() - t0:.1f} s", flush=True)
+        except BaseException as e:  # noqa: BLE001 - reported per job
+            out[name] = f"{type(e).__name__}: {e}"
+        dist.barrier()
     return out

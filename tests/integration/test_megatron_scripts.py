@@ -19,14 +19,14 @@ import argparse
 import math
 import re
 import shlex
-import time
 from pathlib import Path
 
 import pytest
 
 from loom.cli import main
 from testkit import run_distributed
-from testkit.megatron_corpus import groups, pending_in, with_pending_implemented
+from testkit.megatron_corpus import (groups, parse_train, pending_in, train_all,
+                                     with_pending_implemented)
 
 HERE = Path(__file__).resolve().parent / "megatron_scripts"
 COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
@@ -168,32 +168,6 @@ def _tiny(name: str, tmp: Path, drop: bool) -> list[str]:
     return with_pending_implemented(argv_of(name, tmp, tiny))  # refused until they merge
 
 
-def _parse(argv: list[str]):
-    from loom.training.cli import add_arguments
-    parser = argparse.ArgumentParser(prog="loom train", exit_on_error=False)
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
-def _train_all(jobs: dict) -> dict:
-    """In each rank: every tiny copy in turn; ``{name: losses or the error}``."""
-    import torch.distributed as dist
-
-    from loom.training.cli import prepare
-    from loom.training.trainer import Trainer
-    out = {}
-    for name, argv in jobs.items():
-        t0 = time.monotonic()
-        try:
-            cfg = prepare(_parse(argv))
-            out[name] = [r["loss"] for r in Trainer(cfg).train()]
-            print(f"{name}: trained in {time.monotonic() - t0:.1f} s", flush=True)
-        except BaseException as e:  # noqa: BLE001 - reported per script
-            out[name] = f"{type(e).__name__}: {e}"
-        dist.barrier()
-    return out
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     import os
@@ -202,7 +176,7 @@ def trained(tmp_path_factory):
     for name in SCRIPTS:
         tmp = dirs[name] = tmp_path_factory.mktemp(name)
         try:
-            full = _parse(_tiny(name, tmp, drop=False))
+            full = parse_train(_tiny(name, tmp, drop=False))
             os.environ["WORLD_SIZE"] = str(WORLD)
             from loom.training.cli import prepare
             try:
@@ -212,11 +186,11 @@ def trained(tmp_path_factory):
             finally:
                 os.environ.pop("WORLD_SIZE", None)
             jobs[name] = _tiny(name, tmp, drop=True)
-            _parse(jobs[name])
+            parse_train(jobs[name])
         except (argparse.ArgumentError, SystemExit) as e:
             refused[name] = f"flags not accepted: {e}"
             jobs.pop(name, None)
-    results = run_distributed(WORLD, _train_all, jobs, timeout=400, start_method="fork")
+    results = run_distributed(WORLD, train_all, jobs, timeout=400, start_method="fork")
     return results[0], refused, dirs
 
 
