@@ -60,16 +60,16 @@ def reference_cfg(cfg: LoomConfig) -> LoomConfig:
 _REF_CACHE: dict = {}
 
 
-def _reference(cfg: LoomConfig) -> dict:
-    """Single-process run of the same model and global batch (cached per process: the
-    reference does not depend on the parallel layout or schedule)."""
+def _reference(cfg: LoomConfig, device: str = "cpu") -> dict:
+    """Single-process run of the same model and global batch on ``device`` (cached per process:
+    the reference does not depend on the parallel layout or schedule)."""
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
     rcfg = reference_cfg(cfg)
-    key = repr(rcfg)
+    key = (repr(rcfg), device)
     if key not in _REF_CACHE:
         from loom.training.step import grad_getter
-        ref = Trainer(rcfg, mesh=ParallelMesh.single())
+        ref = Trainer(rcfg, mesh=ParallelMesh.single(device))
         params = dict(ref.model_chunks[0].named_parameters())
         grad_of = grad_getter(ref.reducers)  # main gradients (e.g. ZeRO-1/2 flags at d = 1)
         steps = []
@@ -83,8 +83,9 @@ def _reference(cfg: LoomConfig) -> dict:
     return _REF_CACHE[key]
 
 
-def _parity_cases(cases: list[dict]) -> list[dict]:
-    """Run every case (a make_cfg kwargs dict) on this world; compare with the reference."""
+def _parity_cases(cases: list[dict], device: str = "cpu") -> list[dict]:
+    """Run every case (a make_cfg kwargs dict) on this world; compare with the reference (on
+    ``device``: tests/cuda runs these cases with two ranks on one GPU)."""
     import torch.distributed as dist
 
     from loom.parallel.mesh import ParallelMesh
@@ -106,10 +107,11 @@ def _parity_cases(cases: list[dict]) -> list[dict]:
         cfg = cfg.validate(world)
         key = (case.get("tp", 1), case.get("pp", 1), case.get("cp", 1))
         if key not in meshes:
-            meshes[key] = ParallelMesh.build(tp=key[0], pp=key[1], cp=key[2])
+            meshes[key] = ParallelMesh.build(tp=key[0], pp=key[1], cp=key[2],
+                                             device=torch.device(device))
         mesh = meshes[key]
         tr = Trainer(cfg, mesh=mesh)
-        ref = _reference(cfg)
+        ref = _reference(cfg, device)
         errors, n_compared, peaks, bubbles = [], 0, [], []
         grad_of = grad_getter(tr.reducers)  # main-gradient shards under ZeRO-1/2
         for step in range(STEPS):
