@@ -62,7 +62,7 @@ import gc
 import json
 import os
 import platform
-import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -529,25 +529,30 @@ def read_junit(path: str) -> list[dict]:
 def tier_command(xml: Path) -> list[str]:
     """``pytest -m cuda tests/cuda`` (the folder alone: other test modules import packages the
     GPU machine lacks), file order, junit XML to ``xml``."""
-    return [sys.executable, "-m", "pytest", "-m", "cuda", "tests/cuda", "-q", "-rs",
-            "-p", "no:randomly", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    return [sys.executable, "-m", "pytest", "-m", "cuda", "tests/cuda", "-v", "-rs",
+            "-p", "no:randomly", "-p", "no:cacheprovider", f"--junitxml={xml}",
+            "-o", "junit_family=xunit1"]  # xunit1: the tests' record_property values
 
 
 def cuda_tier(out_dir: Path, timeout: float) -> dict:
     """The CUDA tier in a subprocess (:func:`tier_command`); its junit XML and log go to
     ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     xml, log = out_dir / "cuda_tier.xml", out_dir / "cuda_tier.log"
+    xml.unlink(missing_ok=True)  # (a previous run's)
     cmd = tier_command(xml)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     t0 = time.monotonic()
-    try:
-        with open(log, "w") as fh:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                  timeout=timeout)
-        status = f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {timeout:.0f} s"
+    with open(log, "w") as fh:  # its own session: a timeout ends the spawned ranks too
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            status = f"exit {proc.wait(timeout=timeout)}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = f"timed out after {timeout:.0f} s (the log has the tests that finished)"
     res = {"command": " ".join(cmd[1:]), "status": status,
            "seconds": round(time.monotonic() - t0, 1), "tests": []}
     if xml.exists():
@@ -759,9 +764,7 @@ def main(argv: Optional[list] = None) -> int:
         return time.monotonic()
 
     if (t0 := start("tier")) is not None:
-        tier_dir = out_dir or results_dir
-        tier_dir.mkdir(parents=True, exist_ok=True)
-        res["tier"] = cuda_tier(tier_dir, timeout=min(2 * ALLOW["tier"],
+        res["tier"] = cuda_tier(out_dir or results_dir, timeout=min(2 * ALLOW["tier"],
                                                        max(30.0, clock.left() - 60.0)))
         done("tier", t0)
     mbs = args.mbs

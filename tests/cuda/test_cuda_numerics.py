@@ -149,7 +149,8 @@ def test_attention_runs_a_fused_sdpa_kernel(dropout, record_property):
 
 # -- fused cross-entropy ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)],
+                         ids=["fp32", "bf16"])
 def test_fused_cross_entropy_equals_plain(dtype, tol, record_property):
     from loom.parallel.cross_entropy import linear_cross_entropy
     S, B, H, V, VP = 512, 4, 256, 5000, 5120  # 120 padding rows with random values

@@ -134,7 +134,7 @@ def notes(tmp_path_factory) -> dict:
     path = str(tmp_path_factory.mktemp("two_ranks") / "notes")
     error = None
     try:
-        run_distributed(2, _world, path, timeout=300)
+        run_distributed(2, _world, path, timeout=150)
     except RuntimeError as e:  # a rank died or raised: the notes hold what it reached
         error = str(e).strip().splitlines()[-1][:500]
     return {"ranks": read_notes(path), "error": error}

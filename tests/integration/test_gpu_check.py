@@ -60,7 +60,8 @@ def test_without_cuda_one_line_and_exit_0(capsys, monkeypatch):
 def test_own_estimate_fits_six_minutes():
     est = gc.estimate()
     assert gc.BUDGET_S == 360 and est["total"] <= gc.BUDGET_S, est
-    assert est["gpu"] == "H100-80GB" and est["mbs"] == gc.FULL.mbs_cap  # the planner's start
+    # at the planner's largest fitting micro-batch (16 when this was written)
+    assert est["gpu"] == "H100-80GB" and est["mbs"] in gc.powers_of_two(gc.FULL.mbs_cap)
     parts = ("startup", "tier", "search", "speed", "rows", "compile")
     assert math.isclose(est["total"], sum(est[k] for k in parts), abs_tol=0.5)
     # steps x the planner's step time are in it: more steps cost more, by about that much
