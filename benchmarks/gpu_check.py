@@ -73,6 +73,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
+STARTED = time.monotonic()  # a script's budget counts from here, torch's import included
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python benchmarks/gpu_check.py` from the working tree
     sys.path.insert(0, str(ROOT))
@@ -83,10 +84,11 @@ BUDGET_S = 360.0  # six minutes on one H100, the issue's bound; a device command
 PARTS = ("tier", "speed", "rows", "compile")
 NO_CUDA = "no CUDA device: nothing measured"
 ANCHORS = [
-    ("nanochat, 1.88B (d32) on 8 x H100", "50.9% MFU",
-     "Karpathy, nanochat speedrun report (github.com/karpathy/nanochat)"),
-    ("Megatron-Core, GPT 1.7B-462B on 48-6144 H100", "41-47% MFU",
-     "Megatron-Core r0.8.0 weak-scaling table (loom.planner.validation.MCORE_H100)"),
+    ("nanochat, 1.88B on H100", "50.9% MFU",
+     "github.com/karpathy/nanochat, the figure issue 48 gives"),
+    ("Megatron-Core r0.8.0, GPT 1.7B (h 2048, 24 layers) to 462B on 48-6144 H100",
+     "41% MFU at 1.7B; 41-49% over the table",
+     "loom.planner.validation.MCORE_H100 (Megatron-LM README weak-scaling table)"),
 ]
 # seconds on the H100 host that steps x the planner's step time does not cover: process start
 # and imports, the whole CUDA tier (its own interpreter, two spawned ranks, one compilation),
@@ -505,6 +507,20 @@ def planner_rows(accel: Accel, sz: Sizes, mbs: int, first: Optional[dict], gpu: 
     return rows
 
 
+def same_shape_ratio(res: dict, sz: Sizes) -> None:
+    """When the plain loop ran at a smaller micro-batch than loom (out of memory), loom's
+    tokens/s at that micro-batch from the planner rows over the plain loop's:
+    ``speed["loom_over_plain_same_mbs"]`` (same shapes, not alternated)."""
+    sp = res.get("speed") or {}
+    plain, loom = sp.get("plain", {}), sp.get("loom", {})
+    if "tokens_per_s" not in plain or plain["mbs"] == loom.get("mbs"):
+        return
+    name = f"b{plain['mbs']} s{sz.seq} none"
+    row = next((r for r in res.get("rows") or [] if r["name"] == name and "measured" in r), None)
+    if row:
+        sp["loom_over_plain_same_mbs"] = row["measured"]["tokens_per_s"] / plain["tokens_per_s"]
+
+
 # -- the CUDA tier ---------------------------------------------------------------------------------
 
 def read_junit(path: str) -> list[dict]:
@@ -596,8 +612,9 @@ class Clock:
     """The run's time budget: a part is started only when the estimate of what it costs fits
     what is left (``fits``); a speed part's next round likewise (``fits_round``)."""
 
-    def __init__(self, budget: float, est: dict):
-        self.start, self.budget, self.est = time.monotonic(), budget, est
+    def __init__(self, budget: float, est: dict, start: Optional[float] = None):
+        self.start = time.monotonic() if start is None else start
+        self.budget, self.est = budget, est
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -665,6 +682,10 @@ def table(res: dict) -> str:
             lines.append(f"| speed | loom / plain {label} | "
                          f"{sp['loom_over_plain_tokens_per_s']:.3f} x tokens/s | A B x "
                          f"{sp['rounds']} rounds, medians |")
+        if "loom_over_plain_same_mbs" in sp:
+            lines.append(f"| speed | loom / plain {label} b{sp['plain']['mbs']} | "
+                         f"{sp['loom_over_plain_same_mbs']:.3f} x tokens/s | loom from the "
+                         f"planner row at the plain loop's micro-batch |")
         for note in sp.get("notes", []):
             lines.append(f"| speed | {label} note | {_cell(note)} | |")
     for row in res.get("rows") or []:
@@ -706,7 +727,8 @@ def write(res: dict, results_dir: Path, out_dir: Optional[Path]) -> list[Path]:
 
 # -- main -------------------------------------------------------------------------------------------
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: Optional[list] = None, started: Optional[float] = None) -> int:
+    """The command line (see the module); ``started``: when the budget began (default now)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda; without CUDA "
                                                    "the script measures nothing)")
@@ -737,7 +759,7 @@ def main(argv: Optional[list] = None) -> int:
     out_dir = Path(args.out) if args.out else None
     results_dir = Path(args.results_dir)
     est = estimate(sz, gpu, mbs=args.mbs)
-    clock = Clock(args.budget, est)
+    clock = Clock(args.budget, est, start=started)
     meta = {"device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
     res = {"gpu": gpu, "device_type": accel.device.type, **meta, "sizes": asdict(sz),
@@ -804,6 +826,7 @@ def main(argv: Optional[list] = None) -> int:
     if mbs and (t0 := start("rows")) is not None:
         res["rows"] = planner_rows(accel, sz, mbs, speed_loom, gpu, meta, peak, clock, "rows")
         done("rows", t0)
+    same_shape_ratio(res, sz)
     if mbs and (t0 := start("compile")) is not None:
         res["compile"] = speed(accel, sz, mbs, True, args.compile_backend, peak, clock,
                                "compile")
@@ -819,4 +842,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=STARTED))

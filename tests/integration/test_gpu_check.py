@@ -157,6 +157,19 @@ def test_an_arm_out_of_memory_halves_its_micro_batch(monkeypatch):
     assert sp["notes"] == ["loom b8: RuntimeError: Expected all tensors to be on the same device"]
 
 
+def test_same_shape_ratio_from_the_planner_rows():
+    res = {"speed": {"loom": {"mbs": 4, "tokens_per_s": 300.0},
+                     "plain": {"mbs": 2, "tokens_per_s": 100.0}},
+           "rows": [{"name": "b4 s64 none", "measured": {"tokens_per_s": 300.0}},
+                    {"name": "b2 s64 none", "measured": {"tokens_per_s": 150.0}}]}
+    gc.same_shape_ratio(res, gc.TINY)
+    assert res["speed"]["loom_over_plain_same_mbs"] == 1.5
+    res["speed"]["plain"]["mbs"] = 4
+    del res["speed"]["loom_over_plain_same_mbs"]
+    gc.same_shape_ratio(res, gc.TINY)  # same micro-batch: the A B ratio says it all
+    assert "loom_over_plain_same_mbs" not in res["speed"]
+
+
 def test_loom_failing_still_measures_the_plain_loop(tmp_path, monkeypatch, capsys):
     """loom's micro-batch probe fails (not out of memory): the speed part runs at the
     planner's micro-batch, the plain loop is measured and loom's error is in the table."""
