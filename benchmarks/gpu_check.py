@@ -11,9 +11,9 @@ Four parts, in this order (a part that no longer fits the time budget is skipped
    groups, SwiGLU FFN 8192, V 32000, s 2048, untied) in bf16, no dropout, the largest
    micro-batch that fits (a power of two up to 16, 32K tokens: the planner's largest fitting one
    first, then up while a 2-step probe fits, down while it runs out of memory), one micro-batch
-   per step:
-   loom and the plain PyTorch loop of ``benchmarks/plain_llama.py`` (SDPA, fused AdamW, bf16
-   autocast) alternate, A B A B, each run a fresh build with ``warmup`` + ``steps`` steps; the
+   per step: loom and the plain PyTorch loop of ``benchmarks/plain_llama.py`` (SDPA, fused
+   AdamW, bf16 autocast) alternate, A B A B, each run a fresh build with ``warmup`` + ``steps``
+   steps (an arm out of memory halves its own micro-batch); the
    median step, tokens/s and MFU (model FLOPs of :func:`loom.planner.flops.
    model_flops_per_iteration` over the step and the planner's peak of the GPU, 989 TFLOP/s for
    an H100 SXM), and the ratio. Weights are drawn on the GPU (normal 0.02, norms 1) instead of
