@@ -27,10 +27,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", nargs="?", help="convert: the output directory")
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--to-hf", action="store_true",
-                     help="write config.json + model.safetensors (GPT-2 / LLaMA / Gemma 3)")
+                     help="write a Hugging Face model directory (config.json, "
+                          "generation_config.json, tokenizer files, safetensors shards + "
+                          "index) that transformers and lm-evaluation-harness load as it is; "
+                          "every family: GPT-2, LLaMA, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                          "DeepSeek-V3, gpt-oss, Gemma 3, BERT, Mamba-2 / Nemotron-H")
     way.add_argument("--from-hf", action="store_true",
-                     help="read a Hugging Face GPT-2 / LLaMA / Gemma 3 directory, or a Gemma 3 "
-                          "GGUF file, into a loom checkpoint (tokenizer included)")
+                     help="read a Hugging Face directory of any of those model types, or a "
+                          "Gemma 3 GGUF file, into a loom checkpoint (tokenizer included)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="--to-hf: the weights' dtype (default: fp32)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="--to-hf: largest safetensors file, as transformers' "
+                             "max_shard_size (5GB, 500MB, 2GiB or bytes; default: 5GB); a "
+                             "larger export is split into model-0000x-of-0000N.safetensors "
+                             "with model.safetensors.index.json")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="iteration to inspect (default: the latest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -90,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.out or not (args.to_hf or args.from_hf):
             raise ConfigError("convert needs --to-hf or --from-hf and an output directory: "
                               "loom checkpoint convert --to-hf CKPT_DIR OUT_DIR")
-        done = to_hf(args.dir, args.out, args.ckpt_step, args.overwrite) if args.to_hf else \
+        done = to_hf(args.dir, args.out, args.ckpt_step, args.overwrite, args.dtype,
+                     args.max_shard_size) if args.to_hf else \
             from_hf(args.dir, args.out, args.overwrite)
         print(f"wrote {done}")
         return 0
