@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 from loom.errors import ConfigError
 
@@ -50,9 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "refuse; never into a training checkpoint directory)")
 
 
+def natural_key(name: str) -> list:
+    """Sort key of a parameter name with its numbers compared as numbers: ``layers.2.`` before
+    ``layers.10.``."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", name)]
+
+
 def inspect(path: str, step=None) -> dict:
     """``{iteration, layout, world_size, consumed_samples, parameters: {name: {shape, dtype,
-    bytes}}, total_parameters, total_bytes, config}``. Raises ConfigError for a directory
+    bytes}} (sorted by name, numbers as numbers), total_parameters, total_bytes, config}``. Raises ConfigError for a directory
     that holds no checkpoint."""
     from loom.checkpoint.io import open_checkpoint, read_common
     from loom.checkpoint.safety import resolve_checkpoint
@@ -73,7 +81,7 @@ def inspect(path: str, step=None) -> dict:
         saved = {}
     params = {name: {"shape": list(p["shape"]), "dtype": str(p["dtype"]).replace("torch.", ""),
                      "bytes": math.prod(p["shape"]) * p["dtype"].itemsize}
-              for name, p in saved.items()}
+              for name, p in sorted(saved.items(), key=lambda kv: natural_key(kv[0]))}
     return {"checkpoint": ckpt, "iteration": common["iteration"], "layout": meta.get("layout"),
             "world_size": meta.get("world_size"), "format": meta.get("format"),
             "consumed_samples": common.get("consumed_samples"), "parameters": params,
