@@ -1,6 +1,9 @@
 """lm-evaluation-harness scores a fresh ``loom checkpoint convert --to-hf`` export as it is
 (issue 45: it crashed on ``prefix_token_id`` without ``tokenizer_config.json``), and agrees
-with ``loom evaluate --task perplexity`` on the same text.
+with ``loom evaluate --task perplexity`` on the same text; ``loom evaluate --lm-eval-tasks``
+scores the checkpoint itself (no export) at TP 1 and TP 2 with ``HFLM``'s numbers: every
+``loglikelihood`` request (empty context, a context longer than the window) and the tasks'
+metrics.
 
 The task is local and offline: a one-document jsonl file read by ``datasets``' ``json``
 builder, ``loglikelihood_rolling`` (lm-eval's WikiText task without the download). The two
@@ -65,10 +68,20 @@ def scored(tmp_path_factory):
         f"    test: {root / 'doc.jsonl'}\ntest_split: test\n"
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
         "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
+    docs = [{"ctx": " ".join(f"w{rng.randrange(V - 4)}" for _ in range(n)),
+             "choices": [" ".join(f"w{rng.randrange(V - 4)}" for _ in range(k)) for k in (1, 2, 3)],
+             "gold": n % 3} for n in (3, 5, 20, 7, 9, 11)]
+    (root / "choice.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (root / "tasks" / "loom_choice.yaml").write_text(
+        "task: loom_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'choice.jsonl'}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{ctx}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
     lm = HFLM(pretrained=str(root / "hf"), batch_size=4, device="cpu", dtype="float32")
     res = lm_eval.simple_evaluate(
-        model=lm, tasks=["loom_text"], log_samples=False,
+        model=lm, tasks=["loom_text", "loom_choice"], log_samples=False,
         task_manager=TaskManager(include_path=str(root / "tasks"), include_defaults=False))
+    requests = [("", docs[0]["ctx"])] + [(d["ctx"], " " + c) for d in docs for c in d["choices"]]
     count = len(re.split(r"\s+", text))  # lm-eval's word count of the document
 
     def loom(data: str) -> dict:
@@ -78,9 +91,39 @@ def scored(tmp_path_factory):
         return evaluate(p.parse_args(["--load", str(root / "ckpt"), "--task", "perplexity",
                                       "--eval-data", str(root / "loom.txt"),
                                       "--seq-length", str(SEQ)]))
-    return {"lm_eval": -math.log(res["results"]["loom_text"]["word_perplexity,none"]) * count,
+    flags = ["--load", str(root / "ckpt"), "--lm-eval-tasks", "loom_text,loom_choice",
+             "--lm-eval-include-path", str(root / "tasks"), "--seq-length", str(SEQ)]
+    from testkit import run_distributed
+    return {"root": root,
+            "lm_eval": -math.log(res["results"]["loom_text"]["word_perplexity,none"]) * count,
             "loom": loom("<|endoftext|>" + text), "loom_unaligned": loom(text),
-            "prefix": lm.prefix_token_id, "max_length": lm.max_length}
+            "prefix": lm.prefix_token_id, "max_length": lm.max_length,
+            "hf_results": res["results"], "hf_requests": lm.loglikelihood(instances(requests)),
+            "loom_tp1": loom_lm_eval(flags, requests),
+            "loom_tp2": run_distributed(2, loom_lm_eval, flags + [
+                "--tensor-model-parallel-size", "2"], requests, start_method="fork")[0]}
+
+
+def instances(requests: list) -> list:
+    from lm_eval.api.instance import Instance
+    return [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i)
+            for i, r in enumerate(requests)]
+
+
+def loom_lm_eval(flags: list, requests: list) -> dict:
+    """``loom evaluate --lm-eval-tasks`` with ``flags`` (the results), and LoomLM's answers to
+    ``requests`` at the same layout."""
+    from loom.evaluation.cli import add_arguments, evaluate, prepare
+    from loom.evaluation.lm_harness import LoomLM
+    from loom.evaluation.runner import build_mesh, load_model
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(flags)
+    result = evaluate(args)
+    ckpt, cfg, _, tok = prepare(p.parse_args(flags))
+    model = load_model(ckpt, cfg, build_mesh(args.tensor_model_parallel_size, 1))
+    return {"results": result["results"], "layout": result["layout"],
+            "requests": LoomLM(model, tok, 4).loglikelihood(instances(requests))}
 
 
 def test_hflm_takes_the_export_as_it_is(scored):
@@ -93,3 +136,30 @@ def test_rolling_loglikelihood_equals_loom_evaluate(scored):
     assert abs(scored["lm_eval"] - ours) < 1e-5 * abs(ours), (scored["lm_eval"], ours)
     unaligned = -scored["loom_unaligned"]["loss"] * scored["loom_unaligned"]["targets"]
     assert abs(scored["lm_eval"] - unaligned) > 1e-3 * abs(ours)  # the check can fail
+
+
+@pytest.mark.parametrize("layout", ["loom_tp1", "loom_tp2"])
+def test_lm_eval_tasks_score_the_checkpoint_as_hflm_scores_the_export(scored, layout):
+    ours, hf = scored[layout], scored["hf_requests"]
+    assert ours["layout"]["tp"] == (2 if layout == "loom_tp2" else 1)
+    assert [g for _, g in ours["requests"]] == [g for _, g in hf]  # greedy or not
+    for (a, _), (b, _) in zip(ours["requests"], hf):
+        assert abs(a - b) < 1e-5 * max(1.0, abs(b)), (a, b)
+    r, h = ours["results"], scored["hf_results"]
+    assert r["loom_choice"]["acc,none"] == h["loom_choice"]["acc,none"]
+    assert r["loom_text"]["word_perplexity,none"] == pytest.approx(
+        h["loom_text"]["word_perplexity,none"], rel=1e-5)
+
+
+def test_lm_eval_tasks_refusals(scored, tmp_path, capsys):
+    from loom.cli import main
+    ckpt = str(scored["root"] / "ckpt")
+    for flags, needle in (([], "one of the two"),
+                          (["--task", "perplexity"], "--task perplexity needs --eval-data"),
+                          (["--task", "perplexity", "--eval-data", "x", "--lm-eval-tasks", "a"],
+                           "one of the two"),
+                          (["--lm-eval-tasks", "a", "--lm-eval-include-path", str(tmp_path / "n")],
+                           "no such directory")):
+        with pytest.raises(SystemExit) as e:
+            main(["evaluate", "--load", ckpt, *flags])
+        assert e.value.code == 2 and needle in capsys.readouterr().err, flags
