@@ -1,7 +1,7 @@
 """lm-evaluation-harness scores a fresh ``loom checkpoint convert --to-hf`` export as it is
 (issue 45: it crashed on ``prefix_token_id`` without ``tokenizer_config.json``), and agrees
 with ``loom evaluate --task perplexity`` on the same text; ``loom evaluate --lm-eval-tasks``
-scores the checkpoint itself (no export) at TP 1 and TP 2 with ``HFLM``'s numbers: every
+scores the checkpoint itself (no export) at TP 1, TP 2 and PP 2 with ``HFLM``'s numbers: every
 ``loglikelihood`` request (empty context, a context longer than the window) and the tasks'
 metrics.
 
@@ -100,8 +100,12 @@ def scored(tmp_path_factory):
             "prefix": lm.prefix_token_id, "max_length": lm.max_length,
             "hf_results": res["results"], "hf_requests": lm.loglikelihood(instances(requests)),
             "loom_tp1": loom_lm_eval(flags, requests),
-            "loom_tp2": run_distributed(2, loom_lm_eval, flags + [
-                "--tensor-model-parallel-size", "2"], requests, start_method="fork")[0]}
+            **run_distributed(2, two_layouts, flags, requests, start_method="fork")[0]}
+
+
+def two_layouts(flags: list, requests: list) -> dict:
+    return {"loom_tp2": loom_lm_eval(flags + ["--tensor-model-parallel-size", "2"], requests),
+            "loom_pp2": loom_lm_eval(flags + ["--pipeline-model-parallel-size", "2"], requests)}
 
 
 def instances(requests: list) -> list:
@@ -121,7 +125,8 @@ def loom_lm_eval(flags: list, requests: list) -> dict:
     args = p.parse_args(flags)
     result = evaluate(args)
     ckpt, cfg, _, tok = prepare(p.parse_args(flags))
-    model = load_model(ckpt, cfg, build_mesh(args.tensor_model_parallel_size, 1))
+    model = load_model(ckpt, cfg, build_mesh(args.tensor_model_parallel_size,
+                                             args.pipeline_model_parallel_size))
     return {"results": result["results"], "layout": result["layout"],
             "requests": LoomLM(model, tok, 4).loglikelihood(instances(requests))}
 
@@ -138,10 +143,11 @@ def test_rolling_loglikelihood_equals_loom_evaluate(scored):
     assert abs(scored["lm_eval"] - unaligned) > 1e-3 * abs(ours)  # the check can fail
 
 
-@pytest.mark.parametrize("layout", ["loom_tp1", "loom_tp2"])
+@pytest.mark.parametrize("layout", ["loom_tp1", "loom_tp2", "loom_pp2"])
 def test_lm_eval_tasks_score_the_checkpoint_as_hflm_scores_the_export(scored, layout):
     ours, hf = scored[layout], scored["hf_requests"]
-    assert ours["layout"]["tp"] == (2 if layout == "loom_tp2" else 1)
+    assert (ours["layout"]["tp"], ours["layout"]["pp"]) == {
+        "loom_tp1": (1, 1), "loom_tp2": (2, 1), "loom_pp2": (1, 2)}[layout]
     assert [g for _, g in ours["requests"]] == [g for _, g in hf]  # greedy or not
     for (a, _), (b, _) in zip(ours["requests"], hf):
         assert abs(a - b) < 1e-5 * max(1.0, abs(b)), (a, b)
