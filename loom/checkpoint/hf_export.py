@@ -38,26 +38,28 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default before v
 
 
 class GroupView(Mapping):
-    """Full loom tensors by name where ``real`` holds them, meta tensors of the saved shape
-    (``specs``: name -> {shape, dtype}, vocabulary padding included) everywhere else."""
+    """Full loom tensors by name where ``real`` holds them, else ``metas``' meta tensors of the
+    saved shapes (vocabulary padding included; :func:`meta_tensors`)."""
 
-    def __init__(self, specs: dict, real: Mapping[str, torch.Tensor]):
-        self.specs, self.real = specs, real
+    def __init__(self, metas: dict, real: Mapping[str, torch.Tensor]):
+        self.metas, self.real = metas, real
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self.real:
-            return self.real[name]
-        spec = self.specs[name]
-        return torch.empty(spec["shape"], dtype=spec["dtype"], device="meta")
+        return self.real[name] if name in self.real else self.metas[name]
 
     def __contains__(self, name) -> bool:
-        return name in self.specs
+        return name in self.metas
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.specs)
+        return iter(self.metas)
 
     def __len__(self) -> int:
-        return len(self.specs)
+        return len(self.metas)
+
+
+def meta_tensors(specs: dict) -> dict:
+    """``name -> meta tensor`` of a checkpoint's ``{name: {shape, dtype}}`` (no data)."""
+    return {n: torch.empty(s["shape"], dtype=s["dtype"], device="meta") for n, s in specs.items()}
 
 
 def tensor_group(name: str) -> tuple:
@@ -116,17 +118,17 @@ def export(ckpt: str, out_dir: str, model_cfg, family, dtype: str = "fp32",
     hf = family.hf
     config = dict(hf.export_config(model_cfg))  # refuses what HF cannot express, first
     index = open_checkpoint(ckpt)
-    specs = index.parameters()
-    planned = hf.from_loom(GroupView(specs, {}), model_cfg)
+    metas = meta_tensors(index.parameters())
+    planned = hf.from_loom(GroupView(metas, {}), model_cfg)
     if config.get("tie_word_embeddings"):
         planned.pop("lm_head.weight", None)  # tied: transformers ties it again on load
     shapes = {name: tuple(t.shape) for name, t in planned.items()}
     os.makedirs(out_dir, exist_ok=True)
     writer = ShardWriter(out_dir, plan_shards(shapes, torch_dtype, limit), torch_dtype)
     try:
-        for names in groups_of(specs).values():
+        for names in groups_of(metas).values():
             full, _, _ = index.load(names)
-            for name, tensor in hf.from_loom(GroupView(specs, full), model_cfg).items():
+            for name, tensor in hf.from_loom(GroupView(metas, full), model_cfg).items():
                 if name in shapes and not tensor.is_meta:
                     writer.write(name, tensor)
             del full
