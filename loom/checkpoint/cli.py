@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
                      args.max_shard_size) if args.to_hf else \
             from_hf(args.dir, args.out, args.overwrite)
         print(f"wrote {done}")
+        if args.to_hf and not os.path.exists(os.path.join(done, "tokenizer.json")):
+            print("note: no tokenizer files and no bos/eos ids were written: the checkpoint "
+                  "holds no tokenizer.json (trained on --mock-data?)")
         return 0
     info = inspect(args.dir, args.ckpt_step)
     bad = int(info["integrity"].startswith("CORRUPTED"))  # exit status 1: do not load it

@@ -136,12 +136,14 @@ def export(ckpt: str, out_dir: str, model_cfg, family, dtype: str = "fp32",
     except BaseException:
         writer.abort()
         raise
+    tokens = token_files(ckpt, model_cfg, family)
     stale = [SINGLE, INDEX] + [f for f in os.listdir(out_dir)
                                if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)]
+    if not tokens:  # an earlier export's tokenizer would describe another model
+        stale += ["tokenizer.json", "tokenizer_config.json"]
     for f in set(stale) - set(files):  # an earlier export's files (--overwrite)
         if os.path.exists(os.path.join(out_dir, f)):
             os.remove(os.path.join(out_dir, f))
-    tokens = token_files(ckpt, model_cfg, family)
     config.update(tokens.get("ids", {}), dtype=DTYPE_NAMES[torch_dtype])
     _write_json(config, os.path.join(out_dir, "config.json"))
     files.append("config.json")
