@@ -1,4 +1,5 @@
-"""One entry point: ``loom train | preprocess | generate | evaluate | plan | demo``.
+"""One entry point: ``loom train | preprocess | data | generate | evaluate | checkpoint | plot |
+plan | fetch-corpus | demo``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
 modules are imported only when their subcommand runs, so ``loom plan`` never imports torch's
@@ -34,7 +35,11 @@ SUBCOMMANDS = {
     "generate": ("loom.inference.cli", "generate text from a checkpoint"),
     "evaluate": ("loom.evaluation.cli", "zero-shot evaluation of a checkpoint: perplexity, "
                                         "cloze accuracy (any TP/PP layout)"),
-    "checkpoint": ("loom.checkpoint.cli", "inspect a checkpoint (iteration, layout, tensors)"),
+    "checkpoint": ("loom.checkpoint.cli", "inspect a checkpoint (iteration, layout, tensors), "
+                                          "or convert it to / from Hugging Face (--to-hf, "
+                                          "--from-hf)"),
+    "plot": ("loom.training.plot", "plot a --log-json file: loss, validation loss, lr, "
+                                   "throughput (PNG)"),
     "plan": ("loom.planner.cli", "predict memory and speed of parallel layouts; pick the best"),
     "fetch-corpus": ("loom.data.corpus", "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),
     "demo": ("loom.demo", "fetch, tokenize, train TP=2 x DP=2 on CPU, evaluate, generate"),

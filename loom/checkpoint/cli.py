@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 from loom.errors import ConfigError
 
@@ -27,10 +28,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", nargs="?", help="convert: the output directory")
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--to-hf", action="store_true",
-                     help="write config.json + model.safetensors (GPT-2 / LLaMA / Gemma 3)")
+                     help="write a Hugging Face model directory (config.json, "
+                          "generation_config.json, tokenizer files, safetensors shards + "
+                          "index) that transformers and lm-evaluation-harness load as it is; "
+                          "every family: GPT-2, LLaMA, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                          "DeepSeek-V3, gpt-oss, Gemma 3, BERT, Mamba-2 / Nemotron-H")
     way.add_argument("--from-hf", action="store_true",
-                     help="read a Hugging Face GPT-2 / LLaMA / Gemma 3 directory, or a Gemma 3 "
-                          "GGUF file, into a loom checkpoint (tokenizer included)")
+                     help="read a Hugging Face directory of any of those model types, or a "
+                          "Gemma 3 GGUF file, into a loom checkpoint (tokenizer included)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="--to-hf: the weights' dtype (default: fp32)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="--to-hf: largest safetensors file, as transformers' "
+                             "max_shard_size (5GB, 500MB, 2GiB or bytes; default: 5GB); a "
+                             "larger export is split into model-0000x-of-0000N.safetensors "
+                             "with model.safetensors.index.json")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="iteration to inspect (default: the latest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -39,9 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "refuse; never into a training checkpoint directory)")
 
 
+def natural_key(name: str) -> list:
+    """Sort key of a parameter name with its numbers compared as numbers: ``layers.2.`` before
+    ``layers.10.``."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", name)]
+
+
 def inspect(path: str, step=None) -> dict:
     """``{iteration, layout, world_size, consumed_samples, parameters: {name: {shape, dtype,
-    bytes}}, total_parameters, total_bytes, config}``. Raises ConfigError for a directory
+    bytes}} (sorted by name, numbers as numbers), total_parameters, total_bytes, config}``. Raises ConfigError for a directory
     that holds no checkpoint."""
     from loom.checkpoint.io import open_checkpoint, read_common
     from loom.checkpoint.safety import resolve_checkpoint
@@ -62,7 +81,7 @@ def inspect(path: str, step=None) -> dict:
         saved = {}
     params = {name: {"shape": list(p["shape"]), "dtype": str(p["dtype"]).replace("torch.", ""),
                      "bytes": math.prod(p["shape"]) * p["dtype"].itemsize}
-              for name, p in saved.items()}
+              for name, p in sorted(saved.items(), key=lambda kv: natural_key(kv[0]))}
     return {"checkpoint": ckpt, "iteration": common["iteration"], "layout": meta.get("layout"),
             "world_size": meta.get("world_size"), "format": meta.get("format"),
             "consumed_samples": common.get("consumed_samples"), "parameters": params,
@@ -90,9 +109,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.out or not (args.to_hf or args.from_hf):
             raise ConfigError("convert needs --to-hf or --from-hf and an output directory: "
                               "loom checkpoint convert --to-hf CKPT_DIR OUT_DIR")
-        done = to_hf(args.dir, args.out, args.ckpt_step, args.overwrite) if args.to_hf else \
+        done = to_hf(args.dir, args.out, args.ckpt_step, args.overwrite, args.dtype,
+                     args.max_shard_size) if args.to_hf else \
             from_hf(args.dir, args.out, args.overwrite)
         print(f"wrote {done}")
+        if args.to_hf and not os.path.exists(os.path.join(done, "tokenizer.json")):
+            print("note: no tokenizer files and no bos/eos ids were written: the checkpoint "
+                  "holds no tokenizer.json (trained on --mock-data?)")
         return 0
     info = inspect(args.dir, args.ckpt_step)
     bad = int(info["integrity"].startswith("CORRUPTED"))  # exit status 1: do not load it

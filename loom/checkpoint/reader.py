@@ -205,8 +205,9 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
                     optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
                     tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
     """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
-    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
-    or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
+    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``;
+    ``checkpoint_dir``, ``saved_layout``, ``optimizer_restored``, ``rng_restored``: what was
+    loaded), or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
     ``step`` (``--ckpt-step``) loads ``iter_{step}`` instead of the pointer's iteration; a broken
     pointer raises ConfigError naming the file.
 
@@ -240,4 +241,6 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     if rng is not None:
         set_rng_state(rng, tracker)
     common["checkpoint_dir"] = ckpt
+    common.update(saved_layout=meta.get("layout"), optimizer_restored=bool(optim_names),
+                  rng_restored=rng is not None)  # what the run's resume line says
     return common

@@ -1,6 +1,7 @@
 """``loom evaluate --load CKPT --task perplexity|cloze|mlm --eval-data FILE``: zero-shot
 evaluation of a checkpoint (Megatron-LM's ``tasks/zeroshot_gpt`` semantics; BERT's masked-LM
-accuracy), on one process or under
+accuracy), or ``--lm-eval-tasks NAMES``: lm-evaluation-harness tasks scored by the checkpoint
+itself (:mod:`loom.evaluation.lm_harness`), on one process or under
 torchrun at any ``--tensor-model-parallel-size`` x ``--pipeline-model-parallel-size`` (the
 remaining ranks split the samples as data-parallel replicas).
 
@@ -27,15 +28,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory (as given to --save); its latest checkpoint")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="load iteration N instead of the one the latest pointer names")
-    parser.add_argument("--task", required=True, choices=task_names(),
+    parser.add_argument("--task", default=None, choices=task_names(),
                         help="perplexity: token- and word-level perplexity of a text "
                              "(Megatron's WIKITEXT103); cloze: last-word accuracy on a "
                              "LAMBADA-format jsonl file (Megatron's LAMBADA); mlm (BERT): "
                              "masked-LM accuracy, loss and perplexity of held-out text")
-    parser.add_argument("--eval-data", required=True, metavar="PATH",
+    parser.add_argument("--eval-data", default=None, metavar="PATH",
                         help="perplexity, mlm: a text file (read whole), a .jsonl file "
                              "(--json-key) or an indexed dataset prefix; cloze: a .jsonl file of "
-                             "{\"text\": ...} lines")
+                             "{\"text\": ...} lines (required with --task)")
+    parser.add_argument("--lm-eval-tasks", default=None, metavar="NAMES",
+                        help="instead of --task: lm-evaluation-harness tasks, comma-separated "
+                             "(e.g. wikitext,hellaswag), scored by the checkpoint at this "
+                             "layout without exporting (log-likelihood tasks; generation "
+                             "tasks: export with `loom checkpoint convert --to-hf`)")
+    parser.add_argument("--lm-eval-include-path", default=None, metavar="DIR",
+                        help="--lm-eval-tasks: a directory of your own task YAML files")
+    parser.add_argument("--lm-eval-limit", type=int, default=None, metavar="N",
+                        help="--lm-eval-tasks: at most N documents per task")
     parser.add_argument("--json-key", default="text",
                         help="the field of a .jsonl line holding the text (default text)")
     parser.add_argument("--seq-length", type=int, default=None,
@@ -82,9 +92,45 @@ def _check_values(args: argparse.Namespace) -> None:
             ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
              args.pipeline_model_parallel_size >= 1, ">= 1"),
             ("--ckpt-step", args.ckpt_step, args.ckpt_step is None or args.ckpt_step >= 0,
-             ">= 0")):
+             ">= 0"),
+            ("--lm-eval-limit", args.lm_eval_limit,
+             args.lm_eval_limit is None or args.lm_eval_limit >= 1, ">= 1")):
         if not ok:
             raise ConfigError(f"{name} must be {rule}, got {value}")
+    if (args.task is None) == (args.lm_eval_tasks is None):
+        raise ConfigError("give --task perplexity|cloze|mlm (with --eval-data) or "
+                          "--lm-eval-tasks NAMES, one of the two")
+    if args.task is not None and args.eval_data is None:
+        raise ConfigError(f"--task {args.task} needs --eval-data PATH")
+
+
+def _check_lm_eval(args: argparse.Namespace, family):
+    """--lm-eval-tasks: lm-eval installed, a causal family, every task name known; returns
+    lm-eval's TaskManager (only the --lm-eval-include-path tasks indexed when every name is
+    one of them: indexing lm-eval's own ~15,000 takes seconds)."""
+    if "perplexity" not in family.evaluation_tasks:
+        raise ConfigError(f"--lm-eval-tasks scores causal language models; a "
+                          f"{family.name} checkpoint is not one")
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ConfigError("--lm-eval-tasks needs lm-evaluation-harness: pip install "
+                          "'lm-eval[hf]'") from None
+    if args.lm_eval_include_path and not os.path.isdir(args.lm_eval_include_path):
+        raise ConfigError(f"--lm-eval-include-path {args.lm_eval_include_path}: no such "
+                          f"directory")
+    names = [t.strip() for t in args.lm_eval_tasks.split(",") if t.strip()]
+    manager = None
+    if args.lm_eval_include_path:
+        manager = TaskManager(include_path=args.lm_eval_include_path, include_defaults=False)
+    if manager is None or set(names) - set(manager.all_tasks):
+        manager = TaskManager(include_path=args.lm_eval_include_path)
+    unknown = [t for t in names if t not in manager.all_tasks]
+    if unknown or not names:
+        raise ConfigError(f"--lm-eval-tasks {args.lm_eval_tasks}: unknown task(s) "
+                          f"{', '.join(unknown) or '(none given)'}; `lm_eval ls tasks` lists "
+                          f"them, --lm-eval-include-path adds your own")
+    return manager
 
 
 def _tokenizer(args: argparse.Namespace, ckpt: str):
@@ -100,8 +146,9 @@ def _tokenizer(args: argparse.Namespace, ckpt: str):
 
 
 def prepare(args: argparse.Namespace):
-    """Every check before a process group: returns ``(checkpoint dir, LoomConfig, Task,
-    tokenizer)``; ``args.seq_length`` is resolved. Raises ConfigError naming the flag."""
+    """Every check before a process group: returns ``(checkpoint dir, LoomConfig, Task (with
+    --lm-eval-tasks: lm-eval's TaskManager holding them), tokenizer)``; ``args.seq_length`` is resolved. Raises ConfigError
+    naming the flag."""
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     from loom.config import LoomConfig
@@ -127,7 +174,10 @@ def prepare(args: argparse.Namespace):
     except ValueError:
         raise ConfigError(f"--load {args.load}: model type {family} is not known to this loom "
                           f"(known: {', '.join(FamilyRegistry().names())})") from None
-    task = get_task(fam, args.task, f" (the checkpoint {ckpt} holds a {family} model)")
+    if args.lm_eval_tasks is not None:
+        task = _check_lm_eval(args, fam)  # lm-eval's TaskManager
+    else:
+        task = get_task(fam, args.task, f" (the checkpoint {ckpt} holds a {family} model)")
     cfg = LoomConfig.from_flat(flat, ignore_retired=True)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     args.seq_length = args.seq_length or cfg.model.seq_length
@@ -145,9 +195,21 @@ def prepare(args: argparse.Namespace):
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    """Run the evaluation ``args`` describes; the result (same on every rank)."""
+    """Run the evaluation ``args`` describes; the result (same on every rank; with
+    --lm-eval-tasks its ``results`` only on local rank 0, as lm-eval returns them)."""
     from loom.evaluation.runner import build_mesh, load_model, score
     ckpt, cfg, task, tok = prepare(args)
+    if args.lm_eval_tasks is not None:  # task: lm-eval's TaskManager
+        from loom.evaluation.lm_harness import run_tasks
+        mesh = build_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        model = load_model(ckpt, cfg, mesh)
+        start = time.perf_counter()
+        out = run_tasks(model, tok, args, task)  # None but on local rank 0 (lm-eval's rule)
+        return {"task": "lm-eval", "checkpoint": ckpt, "iteration": model.iteration,
+                "model_type": cfg.model.model_type, "lm_eval": out,
+                "results": out and out["results"], "seq_length": args.seq_length,
+                "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size},
+                "eval_time_s": round(time.perf_counter() - start, 3)}
     samples, info = task.samples(args, tok)
     mesh = build_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     model = load_model(ckpt, cfg, mesh)
@@ -180,6 +242,13 @@ def format_table(result: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     result = evaluate(args)
     if os.environ.get("RANK", "0") == "0":
-        print(format_table(result), flush=True)
-        print(json.dumps(result), flush=True)
+        if "lm_eval" in result:  # lm-eval's own table, then the results as one JSON line
+            from lm_eval.utils import make_table
+            lay = result["layout"]
+            print(f"loom evaluate: lm-eval tasks of {result['checkpoint']} at TP={lay['tp']} x "
+                  f"PP={lay['pp']} x DP={lay['dp']}\n{make_table(result.pop('lm_eval'))}",
+                  flush=True)
+        else:
+            print(format_table(result), flush=True)
+        print(json.dumps(result, default=str), flush=True)
     return 0

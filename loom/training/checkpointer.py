@@ -19,10 +19,15 @@ from loom.training.resume import reconcile_schedule
 @dataclass
 class Resumed:
     """What a load restored: the checkpoint's directory, and the iteration and consumed samples
-    the run continues from (None with ``--finetune``: the run keeps its own)."""
+    the run continues from (None with ``--finetune``: the run keeps its own); the layout it
+    was saved at (``{tp, pp, dp, ...}``, None if unknown) and whether the optimizer (Adam
+    states and LR schedule) and the generators came back."""
     path: str
     iteration: Optional[int]
     consumed_samples: Optional[int]
+    saved_layout: Optional[dict] = None
+    optimizer: bool = False
+    rng: bool = False
 
 
 class Checkpointer:
@@ -82,6 +87,9 @@ class Checkpointer:
         for group, lr in zip(opt.param_groups, lrs):
             group["lr"] = lr
         sched._last_lr = lrs
+        states = dict(saved_layout=common.get("saved_layout"),
+                      optimizer=common.get("optimizer_restored", False),
+                      rng=common.get("rng_restored", False))
         if ck.finetune:  # the weights only, from iteration 0
-            return Resumed(ckpt, None, None)
-        return Resumed(ckpt, common["iteration"], common["consumed_samples"])
+            return Resumed(ckpt, None, None, **states)
+        return Resumed(ckpt, common["iteration"], common["consumed_samples"], **states)

@@ -29,6 +29,7 @@ from loom.training.builder import TrainingParts, build_training
 from loom.training.metrics import MetricsLogger
 from loom.training.setup import held_numel, owned_parameters
 from loom.training.step import finish_gradients, finish_param_gather, optimizer_step
+from loom.training.story import resume_line, resume_record, run_summary, summary_line
 
 
 def _part(path: str, doc: str) -> property:
@@ -93,6 +94,8 @@ class Trainer:
         self.history: list[dict] = []
         self.evaluations: list[dict] = []  # {"kind": "valid" | "test", "valid_loss", ...}
         self.loaded_from: Optional[str] = None  # the checkpoint this run resumed from
+        self.resumed: Optional[dict] = None  # what it restored (story.resume_record)
+        self.last_saved: Optional[str] = None  # the latest checkpoint this run wrote
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
@@ -196,6 +199,7 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += self.global_batch
         rec = throughput.record(self.iteration, loss_avg, lr, norm, elapsed, m.device)
+        rec.update(self.consumed())
         rec.update({k.replace(" ", "_"): v for k, v in zip(keys, extra)})
         if self.scaler is not None:  # --fp16: the scale after this step's update
             rec["loss_scale"] = self.scaler.scale
@@ -233,7 +237,12 @@ class Trainer:
             c.train()
         loss = total / iters
         return {"iteration": self.iteration, "valid_loss": loss,
-                "valid_ppl": math.exp(min(loss, 50.0))}
+                "valid_ppl": math.exp(min(loss, 50.0)), **self.consumed()}
+
+    def consumed(self) -> dict:
+        """``consumed_samples`` and ``consumed_tokens`` (samples x s) so far, for the logs."""
+        return {"consumed_samples": self.consumed_samples,
+                "consumed_tokens": self.consumed_samples * self.cfg.model.seq_length}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self, save_dir: str, tokenizer_file: Optional[str] = None) -> str:
@@ -242,8 +251,9 @@ class Trainer:
         self.faults.mark(self.iteration, "checkpoint save")
         finish_param_gather(self.optimizer)
         hook = self.faults.save_hook(self.iteration)  # --inject-fault R:N:kill-in-save
-        return self.parts.checkpointer.save(save_dir, self.iteration, self.consumed_samples,
-                                            tokenizer_file, hook)
+        self.last_saved = self.parts.checkpointer.save(save_dir, self.iteration,
+                                                       self.consumed_samples, tokenizer_file, hook)
+        return self.last_saved
 
     def load(self, load_dir: str) -> bool:
         """Resume from ``load_dir`` (:meth:`~loom.training.checkpointer.Checkpointer.load`);
@@ -254,6 +264,9 @@ class Trainer:
         self.loaded_from = resumed.path
         if resumed.iteration is not None:  # --finetune: the weights only, from iteration 0
             self.iteration, self.consumed_samples = resumed.iteration, resumed.consumed_samples
+        self.resumed = resume_record(resumed.path, resumed.iteration, resumed.consumed_samples,
+                                     resumed.saved_layout, self.mesh.sizes, resumed.optimizer,
+                                     resumed.rng, self.cfg.model.seq_length)
         return True
 
     def _diverged(self, iteration: int) -> str:
@@ -292,10 +305,13 @@ class Trainer:
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
                   f"{self.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")
+        if self.resumed is not None:
+            log.event("resume", self.resumed, " " + resume_line(self.resumed))
         for name, ds in self.parts.data.sets():
             if hasattr(ds, "describe"):  # a blend: each dataset's share
                 log.print(f" {name} data blend: {ds.describe()}")
         window: list[dict] = []
+        start_iteration, first = self.iteration, len(self.history)  # the summary's
         started = time.monotonic()  # --exit-duration-in-mins counts from here
         try:
             if skip:
@@ -348,6 +364,7 @@ class Trainer:
                 if not self.history and self.saver.holds(self.loaded_from, ck.save, iters):
                     log.print(f" checkpoint {self.loaded_from} already holds iteration {iters}: "
                               f"not saved again")
+                    self.last_saved = self.loaded_from
                 else:
                     log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
             self.saver.finish(log.print)  # exit waits for a save in flight
@@ -358,6 +375,12 @@ class Trainer:
             if lg.timeline:
                 self.write_timeline()
                 log.print(f" wrote timeline {lg.timeline}")
+            summary = run_summary(
+                self.history[first:], self.evaluations, start_iteration, self.iteration,
+                self.consumed_samples, self.cfg.model.seq_length, time.monotonic() - started,
+                self.parts.throughput.tokens_per_iter, self.flops_per_iter, self.world_size,
+                self.peak_flops, self.last_saved)
+            log.event("summary", summary, " " + summary_line(summary))
         except NonFiniteError as e:  # --exit-on-nonfinite: name the checkpoint to go back to
             raise NonFiniteError(f"{e}; {self._diverged(self.nonfinite[0])}") from None
         finally:
