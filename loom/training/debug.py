@@ -101,7 +101,7 @@ class RunDebug:
         """Record allocator events (100,000 of them, with stacks) from now on, and dump a
         snapshot when the allocator runs out of memory (Megatron's
         ``start_memory_history_recording``)."""
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        torch.cuda.memory._record_memory_history(max_entries=100_000, device=self.device)
         self.recording = True
         oom_path = snapshot_path(self.cfg.logging.memory_snapshot_path, self.rank, oom=True)
 
@@ -203,7 +203,7 @@ class RunDebug:
         """End of training (also on an exception): the profiler and the memory recording."""
         self._stop_profiler()
         if self.recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
             self.recording = False
 
     def _stop_profiler(self) -> None:

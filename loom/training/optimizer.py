@@ -33,9 +33,12 @@ def optimizer_class(cfg: TrainingConfig, params: Sequence[torch.Tensor]) -> tupl
     ``torch.optim.AdamW`` (``--lr``, ``--adam-beta1/2``, ``--adam-eps``; Megatron's adam with
     decoupled weight decay), sgd ``torch.optim.SGD`` (``--lr``, ``--sgd-momentum``; weight
     decay added to the gradient, as Megatron's), fused where :func:`adamw_implementation`
-    says so. Weight decay is per parameter group."""
+    says so (foreach for SGD on FSDP2's DTensors: torch 2.13 has no DTensor rule for the fused
+    SGD kernel). Weight decay is per parameter group."""
     impl = adamw_implementation(params)
     if cfg.optimizer == "sgd":
+        if any(is_sharded(p) for p in params):  # DTensor has no sharding rule for fused SGD
+            impl = {"foreach": True}
         return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.sgd_momentum, **impl)
     return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                    eps=cfg.adam_eps, **impl)
