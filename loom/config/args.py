@@ -56,8 +56,9 @@ class _OnOff(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        # the field's own flag turns it on (also a field named no_*: --no-load-optim)
-        setattr(namespace, self.dest, option_string == flag(self.dest))
+        # the field's own flag (or an alias) turns it on (also a field named no_*:
+        # --no-load-optim); only --no-FIELD turns it off
+        setattr(namespace, self.dest, option_string != "--no-" + flag(self.dest)[2:])
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +84,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             if base_type(hint)[0] is bool:
                 off = "--no-" + flag(f.name)[2:]  # turns off a YAML `true`
                 offer = not f.name.startswith("no_") and off not in parser._option_string_actions
-                grp.add_argument(flag(f.name), *([off] if offer else []), dest=f.name,
+                grp.add_argument(flag(f.name), *([off] if offer else []),
+                                 *f.metadata.get("aliases", ()), dest=f.name,
                                  action=_OnOff, default=None, help=text)
                 continue
             choices = choices_of(hint)

@@ -24,7 +24,7 @@ GradDtype = Literal["fp32", "bf16", "fp16", "auto"]
 
 @dataclass
 class ImplementationSwitches:
-    """Megatron's kernel, memory, launcher and profiling switches (a mixin of TrainingConfig);
+    """Megatron's kernel, memory and launcher switches (a mixin of TrainingConfig);
     reported at start when set, changing nothing loom computes."""
 
     use_mcore_models: bool = opt(False, "Megatron: use Megatron-Core models (loom's models are "
@@ -86,15 +86,6 @@ class ImplementationSwitches:
     no_check_for_nan_in_loss_and_grad: bool = opt(
         False, "Megatron: do not stop on a NaN loss or gradient (no effect: loom skips and "
                "reports non-finite steps either way; --exit-on-nonfinite N stops)")
-    profile: bool = opt(False, "Megatron: nsys/torch profiling (no effect)")
-    profile_step_start: int = opt(10, "Megatron: first profiled step (no effect)", ge=0)
-    profile_step_end: int = opt(12, "Megatron: last profiled step (no effect)", ge=0)
-    profile_ranks: Optional[str] = opt(None, "Megatron: ranks to profile (no effect)",
-                                       words=True)
-    record_memory_history: bool = opt(False, "Megatron: CUDA memory history (no effect)")
-    log_timers_to_tensorboard: bool = opt(False, "Megatron: timers to TensorBoard (no effect)")
-    log_memory_to_tensorboard: bool = opt(False, "Megatron: memory to TensorBoard (no effect: "
-                                                 "loom logs peak memory always)")
     log_validation_ppl_to_tensorboard: bool = opt(
         False, "Megatron: validation perplexity to TensorBoard (no effect: loom logs it always)")
     log_throughput: bool = opt(False, "Megatron: log throughput (no effect: loom logs tokens/s "

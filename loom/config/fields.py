@@ -9,7 +9,8 @@ from typing import Any
 
 def opt(default: Any, help: str, **bounds: Any) -> Any:  # noqa: A002 - argparse's word
     """A dataclass field with its help text and numeric bounds (``ge``, ``gt``, ``lt``; and
-    ``auto=True`` where the flag also accepts the word ``auto``)."""
+    ``auto=True`` where the flag also accepts the word ``auto``; ``aliases``: more spellings
+    of a boolean flag, e.g. Megatron's ``--use-checkpoint-opt_param-scheduler``)."""
     return field(default=default, metadata={"help": help, **bounds})
 
 

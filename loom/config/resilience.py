@@ -45,11 +45,14 @@ class CheckpointConfig:
                                   "checkpoint.async_save): training continues; the latest "
                                   "pointer moves once every rank's files are written")
     override_opt_param_scheduler: bool = opt(
-        False, "on resume, take the learning-rate schedule from these flags even when they "
-               "differ from the checkpoint's")
+        False, "on resume, take the learning-rate and weight-decay schedule from these flags "
+               "even when they differ from the checkpoint's",
+        aliases=("--override-opt_param-scheduler",))
     use_checkpoint_opt_param_scheduler: bool = opt(
-        False, "on resume, take the learning-rate schedule from the checkpoint (ignoring "
-               "--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style)")
+        False, "on resume, take the learning-rate and weight-decay schedule from the "
+               "checkpoint (ignoring --lr, --min-lr, --lr-warmup-iters/-fraction/-samples, "
+               "--lr-decay-iters/-samples, --lr-decay-style, --weight-decay)",
+        aliases=("--use-checkpoint-opt_param-scheduler",))
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Literal, Optional
 from loom.config.fields import opt
 
 CkptFormat = Literal["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
+OptimizerName = Literal["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
+TimingLogOption = Literal["max", "minmax", "all"]
 ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TiktokenPattern = Literal["v1", "v2"]
 
@@ -99,6 +101,21 @@ class TrainingScriptFields:
     use_checkpoint_args: bool = opt(
         False, "take the model's architecture from the --load (else --pretrained-checkpoint) "
                "checkpoint, overriding the flags")
+    optimizer: OptimizerName = opt(
+        "adam", "adam: AdamW, decoupled weight decay (Megatron's adam); sgd: torch.optim.SGD "
+                "with --sgd-momentum and --weight-decay as L2 added to the gradient (Megatron's "
+                "sgd); both with the plain or distributed optimizer (ZeRO-1/2), FSDP2 (ZeRO-3), "
+                "fp32 master weights for --bf16/--fp16, states saved by parameter name. muon, "
+                "dist_muon, lion, soap, adaptive_muon: refused (not implemented)")
+    sgd_momentum: float = opt(0.9, "--optimizer sgd: momentum factor (0: plain SGD, no state)",
+                              ge=0)
+    deterministic_mode: bool = opt(
+        False, "bitwise-reproducible runs (what torch offers): "
+               "torch.use_deterministic_algorithms(True) (an op without a deterministic kernel "
+               "raises, naming itself), CUBLAS_WORKSPACE_CONFIG=:4096:8 and NCCL_ALGO=Ring "
+               "unless set (Megatron's values; nondeterministic values refused), "
+               "cudnn.benchmark off. loom's own reductions (gradient buckets, norms, "
+               "pipeline, loss) already run in a fixed order, with or without overlap")
 
 
 @dataclass
@@ -121,8 +138,59 @@ class DataScriptFields:
 
 
 @dataclass
-class LoggingScriptFields:
-    """Weights & Biases (a mixin of LoggingConfig)."""
+class DebugScriptFields:
+    """Megatron's timers, profiler and memory snapshots (docs/debugging.md); a mixin of
+    LoggingConfig through :class:`LoggingScriptFields`."""
+
+    timing_log_level: int = opt(
+        0, "timers, 0-2: 0 the iteration time only (no extra synchronization); 1 adds "
+           "forward-backward, the gradient reductions, the optimizer's phases, the parameter "
+           "all-gather (once per iteration each; a CUDA sync at each start and stop); 2 adds "
+           "batch-generator, forward/backward compute and pipeline send/recv (per micro-batch)",
+        ge=0, lt=3)
+    timing_log_option: TimingLogOption = opt(
+        "minmax", "timers over ranks: max, minmax (min and max) or all (every rank)")
+    log_timers_to_tensorboard: bool = opt(
+        False, "write each timer's max over ranks (NAME-time, ms per iteration) and "
+               "iteration-time (s) to --tensorboard-dir")
+    no_barrier_with_level_1_timing: bool = opt(
+        False, "no barrier before the level-1 timers forward-backward, all-grads-sync, "
+               "optimizer and params-all-gather (Megatron's default has one, so their times "
+               "exclude waiting for slower ranks)")
+    log_memory_to_tensorboard: bool = opt(
+        False, "CUDA: mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes and "
+               "mem-allocated-count (torch.cuda.memory_stats) to --tensorboard-dir at each "
+               "--log-interval; CPU: one line says so (peak resident memory is always logged)")
+    profile: bool = opt(
+        False, "profile iterations --profile-step-start..--profile-step-end on --profile-ranks: "
+               "with --use-pytorch-profiler a torch.profiler Chrome trace "
+               "(DIR/../torch_profile/rank-N.json.gz beside --tensorboard-dir DIR, else "
+               "./torch_profile/); without, Megatron's nsys capture range "
+               "(cudaProfilerStart/Stop, for nsys profile --capture-range=cudaProfilerApi; "
+               "needs CUDA, on CPU one line says nothing is captured)")
+    use_pytorch_profiler: bool = opt(False, "--profile with torch.profiler instead of nsys")
+    profile_step_start: int = opt(10, "--profile: first profiled iteration", ge=0)
+    profile_step_end: int = opt(12, "--profile: torch.profiler records iterations up to this "
+                                    "one, excluded; nsys stops after it", ge=0)
+    profile_ranks: Optional[str] = opt(None, "global ranks --profile and "
+                                             "--record-memory-history apply to (default: all)",
+                                       words=True)
+    pytorch_profiler_collect_shapes: bool = opt(False, "--use-pytorch-profiler: record tensor "
+                                                       "shapes")
+    pytorch_profiler_collect_callstack: bool = opt(False, "--use-pytorch-profiler: record "
+                                                          "Python call stacks")
+    record_memory_history: bool = opt(
+        False, "CUDA: record allocator history from the model build on (--profile-ranks) and "
+               "dump a snapshot (torch.cuda.memory._dump_snapshot, for pytorch.org/memory_viz) "
+               "to --memory-snapshot-path as BASE_RANK.EXT at every --log-interval, and "
+               "BASE_oom_rank_RANK.EXT on out-of-memory; CPU: one line says it needs CUDA")
+    memory_snapshot_path: str = opt("snapshot.pickle", "--record-memory-history: the "
+                                                       "snapshot file (the rank is appended)")
+
+
+@dataclass
+class LoggingScriptFields(DebugScriptFields):
+    """Weights & Biases, and Megatron's debugging flags (a mixin of LoggingConfig)."""
 
     wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
                                              "there too (WANDB_MODE=offline works offline)")

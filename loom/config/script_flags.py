@@ -9,6 +9,7 @@ import math
 import re
 from typing import Any, Optional
 
+from loom.config.debug_flags import check_debug_flags
 from loom.errors import ConfigError
 
 _SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
@@ -143,3 +144,4 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
                           "router score over capacity; give --moe-token-drop-policy probs")
     if t.decoupled_min_lr is not None and t.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
+    check_debug_flags(cfg, world_size)  # --optimizer, --profile*, --deterministic-mode

@@ -17,6 +17,7 @@ part               object
 ``checkpointer``   :class:`~loom.training.checkpointer.Checkpointer` (saves, ``--load``)
 ``faults``         :class:`~loom.training.fault.FaultTolerance` and the save interval
 ``throughput``     :class:`~loom.training.metrics.Throughput` (FLOPs, peak, prediction)
+``debug``          :class:`~loom.training.debug.RunDebug`: timers, profiler, memory snapshots
 =================  ==========================================================================
 """
 
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import datetime
 import functools
-
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -47,6 +48,7 @@ from loom.parallel.registry import ParamRegistry, named_parameters
 from loom.planner.flops import model_flops_per_iteration
 from loom.training.batches import BatchSource
 from loom.training.checkpointer import Checkpointer
+from loom.training.debug import RunDebug, enable_determinism
 from loom.training.fault import CheckpointInterval, FaultTolerance
 from loom.training.metrics import Throughput, peak_flops_per_rank
 from loom.training.optimizer import build_optimizer, build_scheduler
@@ -133,6 +135,8 @@ class TrainingParts:
     after_step: Callable[[], None] = lambda: None
     """Run after every optimizer step: the aux-loss-free expert-bias update from the
     step's global expert load (:func:`loom.parallel.expert.update_expert_bias`) for MoE models."""
+    debug: Optional[RunDebug] = None
+    """Timers, ``--profile``, ``--record-memory-history`` (:mod:`loom.training.debug`)."""
 
 
 def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
@@ -140,6 +144,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     """The parts of ``cfg``'s training on this rank. ``mesh`` None initializes
     ``torch.distributed`` (:func:`build_mesh`); ``family`` None is ``--model-type``'s."""
     derived = cfg.require_derived()  # a config cfg.validate(world_size) returned
+    if cfg.training.deterministic_mode:  # before any cuBLAS handle or NCCL communicator
+        enable_determinism(os.environ)
     mesh = mesh if mesh is not None else build_mesh(cfg)
     family = family or get_family(cfg.model.model_type)
     world_size = math.prod(mesh.sizes.values())
@@ -148,9 +154,11 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
                           f"{mesh.sizes} has {world_size}: validate it for {world_size}")
     global_rank = dist.get_rank() if dist.is_initialized() else 0
     t = cfg.training
+    debug = RunDebug(cfg, global_rank, world_size, mesh.device)  # memory history: from here
     model = build_model(cfg, mesh, family)
     reducers = [chunk_reducer(c, mesh, cfg) for c in model.chunks]
-    optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers)
+    optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers,
+                                debug.timers)
     scheduler = build_scheduler(optimizer, t)
     schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))
@@ -176,4 +184,4 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         if cfg.model.num_experts else (lambda: None)
     return TrainingParts(cfg, mesh, world_size, global_rank, model, reducers, optimizer,
                          scheduler, schedule, timeline, data, checkpointer, faults,
-                         save_interval, throughput, after_step)
+                         save_interval, throughput, after_step, debug)

@@ -221,6 +221,18 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.add_text(kind, line.strip(), record.get("iteration") or 0)
 
+    def extra(self, kind: Optional[str], record: dict, scalars: Optional[dict] = None) -> None:
+        """A record of another ``kind`` (``timers``, ``memory``; None: none) as a line of
+        ``--log-json``, and ``scalars`` (``{tag: value}``, Megatron's top-level tags such as
+        ``forward-backward-time``) in TensorBoard at ``record["iteration"]``."""
+        if not self.enabled:
+            return
+        if self.json_file and kind is not None:
+            self.json_file.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self.tb is not None:
+            for tag, value in (scalars or {}).items():
+                self.tb.add_scalar(tag, value, record["iteration"])
+
     def _stamp(self) -> str:
         """``[2026-11-22 12:00:00]`` (UTC) when timestamps are on, else empty."""
         if not self.timestamps:

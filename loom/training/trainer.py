@@ -80,6 +80,7 @@ class Trainer:
     flops_per_iter = _part("throughput.flops_per_iter", "model FLOPs per iteration")
     peak_flops = _part("throughput.peak_flops", "peak FLOP/s per rank, or None")
     predicted_step_s = _part("throughput.predicted_step_s", "the planner's step time, or None")
+    debug = _part("debug", "timers, --profile, --record-memory-history (training/debug.py)")
 
     def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
                  family: Optional[ModelFamily] = None, parts: Optional[TrainingParts] = None):
@@ -113,11 +114,14 @@ class Trainer:
     def forward_backward(self, batches: list[dict]) -> torch.Tensor:
         """Gradients of the global batch's mean loss, reduced over DP; returns this rank's loss
         (the loss stage's mean over its micro-batches, 0 on other stages)."""
-        result: ScheduleResult = self.schedule(
-            self.model_chunks, batches, self.forward_step, self.mesh,
-            p2p_shape=self.p2p_shape(batches), reducers=self.reducers, recorder=self.timeline)
-        # DP, then SP over TP and the tied embedding over its group
-        finish_gradients(self.reducers, self.model_chunks, self.mesh, self.sp_params)
+        timers = self.debug.timers
+        with timers("forward-backward"):
+            result: ScheduleResult = self.schedule(
+                self.model_chunks, batches, self.forward_step, self.mesh,
+                p2p_shape=self.p2p_shape(batches), reducers=self.reducers,
+                recorder=timers.recorder(self.timeline))
+            # DP, then SP over TP and the tied embedding over its group
+            finish_gradients(self.reducers, self.model_chunks, self.mesh, self.sp_params, timers)
         self.last_stats, self.last_metrics = result.stats, result.metrics
         return result.loss
 
@@ -125,9 +129,11 @@ class Trainer:
         """Unscale, clip, AdamW, LR schedule, non-finite guard
         (:func:`loom.training.step.optimizer_step`); returns the pre-clip grad norm."""
         t = self.cfg.training
-        norm = optimizer_step(self.optimizer, self.scheduler, self.reducers,
-                              self.parts.model.groups, self.mesh, t.clip_grad, self.scaler,
-                              self.nonfinite, self.iteration, t.exit_on_nonfinite)
+        with self.debug.timers("optimizer"):
+            norm = optimizer_step(self.optimizer, self.scheduler, self.reducers,
+                                  self.parts.model.groups, self.mesh, t.clip_grad, self.scaler,
+                                  self.nonfinite, self.iteration, t.exit_on_nonfinite,
+                                  self.debug.timers)
         self.parts.after_step()  # MoE: the aux-loss-free expert bias from the global load
         return norm
 
@@ -173,14 +179,17 @@ class Trainer:
         its record (loss averaged over DP x CP, lr, grad norm, throughput, memory)."""
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
-        loss = self.forward_backward(self.batches(self.train_ds, self.consumed_samples))
+        with self.debug.timers("batch-generator"):
+            batches = self.batches(self.train_ds, self.consumed_samples)
+        loss = self.forward_backward(batches)
         stats = {}
         if self.cfg.training.decoupled_lr is not None:  # its own group, the last (Megatron's)
             stats["decoupled_lr"] = self.optimizer.param_groups[-1]["lr"]
         if self.cfg.training.log_num_zeros_in_grad:  # before the step zeroes them (collective)
             from loom.training.param_stats import grad_zeros
-            stats["num_zeros_in_grad"] = grad_zeros(self.optimizer, self.parts.model.groups,
-                                                    self.mesh)
+            with self.debug.timers("optimizer-count-zeros"):
+                stats["num_zeros_in_grad"] = grad_zeros(self.optimizer, self.parts.model.groups,
+                                                        self.mesh)
         with self.timeline.span("optimizer"):
             norm = self.optimizer_step()
         if self.mesh.device.type == "cuda":
@@ -284,8 +293,10 @@ class Trainer:
     def _evaluate_sets(self, log: MetricsLogger, test: bool) -> None:
         """Log an evaluation of the validation set (and, with ``test``, of the test set)."""
         for kind, ds in (("valid", self.valid_ds), ("test", self.test_ds if test else None)):
-            rec = self.evaluate(dataset=ds) if ds is not None else None
+            with self.debug.timers("evaluate"):
+                rec = self.evaluate(dataset=ds) if ds is not None else None
             if rec is not None:
+                self.debug.timed_report("evaluate")  # Megatron's level-0 timer, each evaluation
                 log.log(rec, kind=kind)
                 self.evaluations.append({"kind": kind, **rec})
 
@@ -312,6 +323,7 @@ class Trainer:
                 log.print(f" {name} data blend: {ds.describe()}")
         window: list[dict] = []
         start_iteration, first = self.iteration, len(self.history)  # the summary's
+        self.debug.start(log.print, self.iteration, iters)
         started = time.monotonic()  # --exit-duration-in-mins counts from here
         try:
             if skip:
@@ -320,7 +332,9 @@ class Trainer:
             self.faults.start()
             while self.iteration < iters:
                 self.faults.before_iteration(self.iteration + 1)
+                self.debug.before_iteration(self.iteration)
                 rec = self.train_step()
+                self.debug.after_iteration(self.iteration, first=len(self.history) == 1)
                 self.saver.poll(log.print)  # finalizes a completed --async-save
                 if not math.isfinite(rec["grad_norm"]):
                     scale = f", loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else ""
@@ -331,7 +345,8 @@ class Trainer:
                 window.append(rec)
                 log.advance()
                 if self.iteration % lg.log_interval == 0 or self.iteration == iters:
-                    log.log(self.parts.throughput.average(window))
+                    log.log(avg := self.parts.throughput.average(window))
+                    self.debug.logged(self.iteration, len(window), avg["step_time_s"], log.extra)
                     window = []
                 periodic = bool(lg.eval_interval) and self.iteration % lg.eval_interval == 0
                 if periodic or self.iteration == iters:
@@ -348,9 +363,9 @@ class Trainer:
                 if self.save_interval.message:
                     log.print(f" {self.save_interval.take_message()}")
                 if ck.save and (due or exiting):
-                    t0 = time.perf_counter()
-                    log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
-                    (save_s,) = self._all_reduce([time.perf_counter() - t0], dist.ReduceOp.MAX)
+                    with self.debug.timers("save-checkpoint"):
+                        log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
+                    save_s = self.debug.timed_report("save-checkpoint")  # max over ranks
                     plan = self.save_interval.saved(self.iteration, save_s, rec["step_time_s"])
                     if plan:
                         log.print(f" {plan}")
@@ -384,6 +399,7 @@ class Trainer:
         except NonFiniteError as e:  # --exit-on-nonfinite: name the checkpoint to go back to
             raise NonFiniteError(f"{e}; {self._diverged(self.nonfinite[0])}") from None
         finally:
+            self.debug.stop()
             self.faults.stop()
             self.saver.close(log.print)
             log.close()
