@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 from torch import nn
 
 from loom.parallel import tensor
-from loom.parallel.context import wrap_context_parallel
+from loom.parallel.context.attention import wrap_context_parallel
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import ForkedDropout, RNGTracker
 from loom.parallel.registry import ParamMeta, ParamRegistry, ShardSpec

@@ -33,7 +33,7 @@ from loom.parallel.plan import (ColumnParallelLinear, ContextParallelCore, Parti
                                 ParallelStyle, PipelineShared, PlanContext, RowParallelLinear,
                                 SequenceParallelOutput, SequenceParallelParams,
                                 VocabParallelEmbedding, VocabParallelLMHead)
-from loom.parallel.context import gather_sequence, slice_for_cp
+from loom.parallel.context.split import gather_sequence, slice_for_cp
 from loom.parallel.registry import ShardSpec
 from loom.parallel.sequence import gather_from_sequence_parallel_region
 
