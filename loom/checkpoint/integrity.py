@@ -17,9 +17,10 @@ checked against their manifest when they have one; common.pt records the format 
 in, so a v3 checkpoint relabelled v2 in ``metadata.json`` is refused when ``common.pt`` is read
 (:func:`loom.checkpoint.reader.read_common`).
 
-Hashing happens where a file is read (:func:`verify_read`): each rank hashes the files it
-opens (blake2b: about 1 GB/s per core, one extra read of what it loads, once per process while
-the file is unchanged); the checks before a process group read only DCP's ``.metadata`` and
+Hashing happens where a file is read (:func:`verify_read`): each rank hashes the whole files
+it opens, several at once on up to 8 threads (blake2b: 0.4-0.5 GB/s per core measured on the
+2-core test machine; one extra pass over what it loads, once per process while the file is
+unchanged); the checks before a process group read only DCP's ``.metadata`` and
 ``metadata.json`` (hashed) and compare every other file's size with the manifest.
 :func:`check_descriptions` refuses a ``metadata.json`` that claims another iteration, format
 or layout than the directory name, the pointer and DCP's ``.metadata`` (its ``rng.RRRRR``
@@ -155,6 +156,24 @@ def _digest(path: str, stamp: tuple) -> str:
     return file_digest(path)
 
 
+def _prefetch_digests(ckpt_dir: str, names: list[str], threads: int = 8) -> None:
+    """Hash several files at once (hashlib releases the GIL: one core each, up to
+    ``threads``); the results land in :func:`_digest`'s cache. Errors are left to the caller's
+    own checks."""
+    todo = []
+    for name in names:
+        try:
+            todo.append((os.path.abspath(os.path.join(ckpt_dir, name)),
+                         _stamp(os.path.join(ckpt_dir, name))))
+        except OSError:
+            continue
+    if len(todo) < 2:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(min(threads, len(todo), os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda item: _digest(*item), todo))
+
+
 def verify_read(ckpt_dir: str, names: Iterable[str], again: Optional[str] = None) -> None:
     """Before reading ``names`` (files of ``ckpt_dir``): refuse any whose blake2b differs from
     the manifest (ConfigError naming the first). Each file is hashed once per process while its
@@ -166,7 +185,9 @@ def verify_read(ckpt_dir: str, names: Iterable[str], again: Optional[str] = None
         return
     tail = _fix(ckpt_dir, again)
     manifest = os.path.join(os.path.abspath(ckpt_dir), MANIFEST)
-    for name in sorted(set(names)):
+    names = sorted(set(names))
+    _prefetch_digests(ckpt_dir, [n for n in names if n in files])
+    for name in names:
         file = os.path.join(ckpt_dir, name)
         want = files.get(name)
         if want is None:
