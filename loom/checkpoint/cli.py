@@ -68,14 +68,20 @@ def inspect(path: str, step=None) -> dict:
         resolve_checkpoint(path, step)
     if ckpt is None:
         raise ConfigError(f"{path}: no checkpoint there (no latest_checkpointed_iteration.txt)")
-    with open(os.path.join(ckpt, "metadata.json")) as fh:
-        meta = json.load(fh)
-    common = read_common(ckpt)
     integrity = _integrity(ckpt)
+    damaged = integrity.startswith(("CORRUPTED", "MISSING"))
+    try:  # reported, not refused: a damaged checkpoint is described as far as it can be
+        with open(os.path.join(ckpt, "metadata.json")) as fh:
+            meta = json.load(fh)
+        common = read_common(ckpt, verify=not damaged)
+    except (OSError, ValueError) as e:
+        if not damaged:
+            raise
+        meta, common = {}, {"iteration": f"unreadable ({str(e).splitlines()[0][:100]})"}
     try:  # a file known damaged is not read (DCP would log its traceback)
-        saved = {} if integrity.startswith("CORRUPTED") else open_checkpoint(ckpt).parameters()
+        saved = {} if damaged else open_checkpoint(ckpt).parameters()
     except Exception as e:  # noqa: BLE001 - a damaged file: say so in one line
-        if not integrity.startswith("CORRUPTED"):
+        if not damaged:
             why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             integrity = f"CORRUPTED: its tensors cannot be read ({why[:200]})"
         saved = {}
@@ -91,12 +97,23 @@ def inspect(path: str, step=None) -> dict:
 
 
 def _integrity(ckpt: str) -> str:
-    """``ok (N files match manifest.json)``, ``CORRUPTED: ...`` naming each damaged file, or
-    ``unchecked`` for a checkpoint saved without a manifest."""
+    """``ok (N files match manifest.json)``, ``MISSING manifest.json`` (a current-format
+    checkpoint whose manifest is gone), ``CORRUPTED: ...`` naming each damaged, missing or
+    unlisted file, or ``unchecked`` for a checkpoint of a format saved before loom kept
+    checksums (its version named)."""
     from loom.checkpoint.integrity import MANIFEST, manifest_problems
-    problems = manifest_problems(ckpt)
-    if problems is None:
-        return f"unchecked (no {MANIFEST}: saved before loom kept checksums)"
+    from loom.checkpoint.safety import dcp_storage, integrity_note, needed_files
+    note = integrity_note(ckpt)
+    if note is not None:
+        return f"unchecked ({note})"
+    if not os.path.isfile(os.path.join(ckpt, MANIFEST)):
+        return f"MISSING {MANIFEST}: every loom-checkpoint-v3 checkpoint has one (deleted?)"
+    try:
+        needed = needed_files(ckpt, dcp_storage(ckpt)) if \
+            os.path.exists(os.path.join(ckpt, ".metadata")) else []
+    except ConfigError as e:
+        return f"CORRUPTED: {e}"
+    problems = manifest_problems(ckpt, needed)
     if problems:
         return "CORRUPTED: " + "; ".join(problems)
     with open(os.path.join(ckpt, MANIFEST), encoding="utf-8") as fh:
@@ -104,6 +121,20 @@ def _integrity(ckpt: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loom.checkpoint.holds import take_hold
+    hold = None
+    direct = os.path.exists(os.path.join(args.dir, "common.pt"))  # one iter_N/ given
+    if not (args.action == "convert" and args.from_hf) and not direct and \
+            os.path.isdir(args.dir):
+        _, hold = take_hold(args.dir, args.ckpt_step)  # never pruned while read
+    try:
+        return _run(args)
+    finally:
+        if hold is not None:
+            hold.release()
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.action == "convert":
         from loom.checkpoint.convert import from_hf, to_hf
         if not args.out or not (args.to_hf or args.from_hf):
@@ -118,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                   "holds no tokenizer.json (trained on --mock-data?)")
         return 0
     info = inspect(args.dir, args.ckpt_step)
-    bad = int(info["integrity"].startswith("CORRUPTED"))  # exit status 1: do not load it
+    bad = int(info["integrity"].startswith(("CORRUPTED", "MISSING")))  # 1: do not load it
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return bad

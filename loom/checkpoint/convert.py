@@ -28,8 +28,9 @@ def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False,
     directory, or a non-empty ``out_dir`` without ``overwrite`` (checked before anything is
     read or written)."""
     from loom.checkpoint.hf_export import DTYPES, export
+    from loom.checkpoint.integrity import verify_read
     from loom.checkpoint.io import read_common
-    from loom.checkpoint.safety import resolve_checkpoint
+    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     from loom.checkpoint.safetensors_shards import parse_size
     from loom.checkpoint.targets import check_output_dir
     from loom.config import LoomConfig
@@ -42,6 +43,10 @@ def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False,
         resolve_checkpoint(ckpt_path, step)
     if ckpt is None:
         raise ConfigError(f"{ckpt_path}: no checkpoint there")
+    check_checkpoint_files(ckpt)  # the shards are verified as they are read
+    tok = os.path.join(ckpt, "tokenizer.json")
+    if os.path.exists(tok):
+        verify_read(ckpt, ["tokenizer.json"])
     cfg = LoomConfig.from_flat(read_common(ckpt)["config"], ignore_retired=True).model
     family = get_family(cfg.model_type)  # its mapping: loom.models.<family>.hf
     if family.hf is None or family.hf.export_config is None:
@@ -51,24 +56,47 @@ def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False,
     return out_dir
 
 
-def _read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
-    """``(config.json, state dict)`` of a Hugging Face directory: ``model.safetensors`` or the
-    shards named by ``model.safetensors.index.json``."""
+def _read_json(path: str, hf_dir: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as e:
+        raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({path})") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"--from-hf {hf_dir}: {path} is not valid JSON ({e})") from None
+
+
+def _load_safetensors(path: str, hf_dir: str) -> dict:
     from safetensors.torch import load_file
     try:
-        with open(os.path.join(hf_dir, "config.json")) as fh:
-            hf = json.load(fh)
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.exists(index) and not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-            with open(index) as fh:
-                files = sorted(set(json.load(fh)["weight_map"].values()))
-            sd = {}
-            for f in files:
-                sd.update(load_file(os.path.join(hf_dir, f)))
-        else:
-            sd = load_file(os.path.join(hf_dir, "model.safetensors"))
+        return load_file(path)
     except OSError as e:
-        raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({e.filename})") from None
+        raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({path})") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: a damaged file
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ConfigError(f"--from-hf {hf_dir}: {path} is not a readable safetensors file "
+                          f"({why})") from None
+
+
+def _read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
+    """``(config.json, state dict)`` of a Hugging Face directory: ``model.safetensors`` or the
+    shards named by ``model.safetensors.index.json``. ConfigError naming the file that is
+    missing, not JSON (an object, for ``config.json``) or not safetensors."""
+    config = os.path.join(hf_dir, "config.json")
+    hf = _read_json(config, hf_dir)
+    if not isinstance(hf, dict):
+        raise ConfigError(f"--from-hf {hf_dir}: {config} is not a JSON object (a Hugging Face "
+                          f"config maps names to values)")
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index) and not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+        weight_map = _read_json(index, hf_dir)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise ConfigError(f"--from-hf {hf_dir}: {index} holds no weight_map object")
+        sd = {}
+        for f in sorted(set(map(str, weight_map["weight_map"].values()))):
+            sd.update(_load_safetensors(os.path.join(hf_dir, f), hf_dir))
+    else:
+        sd = _load_safetensors(os.path.join(hf_dir, "model.safetensors"), hf_dir)
     return hf, sd
 
 

@@ -1,9 +1,13 @@
-"""Reading checkpoints: :class:`DcpIndex` for ``loom-checkpoint-v2`` (DCP; keys described in
+"""Reading checkpoints: :class:`DcpIndex` for ``loom-checkpoint-v3`` / ``v2`` (DCP; keys described in
 :mod:`loom.checkpoint.io`), :func:`open_checkpoint` picks it or the read-only v1 reader
 (:class:`~loom.checkpoint.legacy.LegacyIndex`). Both answer ``names``, ``parameters()``,
 ``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)`` with full (unsharded)
 tensors; :func:`load_checkpoint` and :func:`load_model_weights` cut this rank's shards
 (``local_shard``) for the current layout. Also re-exported by :mod:`loom.checkpoint.io`.
+
+Every file is verified against the checkpoint's manifest when it is read, by the rank that
+reads it (:func:`loom.checkpoint.integrity.verify_read`): DCP's ``.metadata`` when the index
+opens, the ``.distcp`` files holding the entries a load asks for, ``common.pt``.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ class DcpIndex:
     checkpoint saved before a module was renamed loads into the renamed module)."""
 
     def __init__(self, ckpt_dir: str):
+        from loom.checkpoint.safety import dcp_storage
         self.path = ckpt_dir
-        self.metadata = FileSystemReader(ckpt_dir).read_metadata()  # DCP's .metadata
+        self.metadata = dcp_storage(ckpt_dir)  # DCP's .metadata, verified
         self.md = self.metadata.state_dict_metadata
         self.model: dict[str, dict[str, str]] = {}  # name -> {"RofT": key}
         self.optim: dict[str, dict[str, dict[str, str]]] = {}  # name -> {state: {"RofT": key}}
@@ -73,7 +78,9 @@ class DcpIndex:
 
     def _read(self, keys: Iterable[str]) -> dict[str, Any]:
         """One ``dcp.load`` of ``keys`` into empty tensors of the saved shapes (objects: as
-        saved); each rank reads only its own keys (no collective)."""
+        saved); each rank reads only its own keys (no collective), after verifying the files
+        that hold them."""
+        keys = list(keys)
         want: dict[str, dict[str, Any]] = {}
         for k in keys:
             m = self.md[k]
@@ -81,6 +88,10 @@ class DcpIndex:
             want.setdefault(kind, {})[rest] = torch.empty(m.size, dtype=m.properties.dtype) \
                 if isinstance(m, TensorStorageMetadata) else b""
         if want:
+            from loom.checkpoint.integrity import verify_read
+            asked = set(keys)
+            verify_read(self.path, {info.relative_path for index, info
+                                    in self.metadata.storage_data.items() if index.fqn in asked})
             with single_process_quiet():
                 dcp.load(want, storage_reader=FileSystemReader(self.path), no_dist=True)
         return {f"{kind}.{k}": v for kind, section in want.items() for k, v in section.items()}
@@ -153,10 +164,16 @@ def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str
     return resolve_checkpoint(load_dir, step)
 
 
-def read_common(ckpt_dir: str) -> dict:
-    """``common.pt`` of a checkpoint (iteration, consumed samples, scheduler, config). Raises
-    ConfigError naming the file when it is corrupt or unreadable (one line, no traceback)."""
+def read_common(ckpt_dir: str, verify: bool = True) -> dict:
+    """``common.pt`` of a checkpoint (iteration, consumed samples, scheduler, config), verified
+    against the manifest. Raises ConfigError naming the file when it is corrupt or unreadable
+    (one line, no traceback), or written in another format than ``metadata.json`` claims (a
+    checkpoint relabelled to skip the manifest). ``verify=False``: neither (``loom checkpoint
+    inspect`` describing a checkpoint it reports damaged)."""
+    from loom.checkpoint.integrity import _claimed_format, verify_read
     path = os.path.join(ckpt_dir, "common.pt")
+    if verify:
+        verify_read(ckpt_dir, ["common.pt"])
     try:
         common = torch.load(path, map_location="cpu", weights_only=False)
         if not isinstance(common, dict) or "iteration" not in common:
@@ -165,6 +182,11 @@ def read_common(ckpt_dir: str) -> dict:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"checkpoint file {path} is unreadable ({why}); it was truncated or "
                           f"overwritten: give --ckpt-step N to load another checkpoint") from None
+    written, claimed = common.get("format"), _claimed_format(ckpt_dir)
+    if verify and written is not None and claimed != written:
+        raise ConfigError(f"checkpoint file {os.path.join(ckpt_dir, 'metadata.json')} claims "
+                          f"format {claimed!r} but {path} was written as {written}: the files "
+                          f"were edited; restore the checkpoint")
     return common
 
 
@@ -222,8 +244,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     params = _named_params(model_chunks)
     optim_names = [] if optimizer is None else [n for n in params
                                                 if index.has_optimizer_state(n)]
-    with open(os.path.join(ckpt, "metadata.json")) as fh:
-        meta = json.load(fh)
+    from loom.checkpoint.integrity import read_metadata_json
+    meta = read_metadata_json(ckpt)
     world = dist.get_world_size() if dist.is_initialized() else 1
     same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
     full, states, rng = index.load(params, optim_names,

@@ -163,6 +163,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "save": (None, "megatron/training/config/training_config.py:395", ''),
     "load": (None, "megatron/training/config/training_config.py:430", ''),
     "save_interval": (None, "megatron/training/config/training_config.py:398", ''),
+    "save_retain_interval": (None, "megatron/training/config/training_config.py:416", 'checkpoints at its multiples are kept when older ones are deleted (megatron/training/checkpointing.py:1108)'),
     "ckpt_step": (None, "megatron/training/config/training_config.py:471", ''),
     "finetune": (False, "megatron/training/config/training_config.py:464", ''),
     "no_load_optim": (False, "megatron/training/arguments.py:3015", 'store_true with default None: off'),

@@ -19,6 +19,7 @@ from loom.config.model_gptoss import check_gptoss
 from loom.config.model_mla import check_mla
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import validate_pipeline
+from loom.config.resilience import check_pruning
 from loom.config.script_flags import resolve_script_flags
 from loom.config.split import parse_split
 from loom.config.limits import check_limits
@@ -307,6 +308,12 @@ def _check_precision(t: Any) -> None:
                           "parameter all-gather: add --use-distributed-optimizer")
     if t.loss_scale is not None and not t.fp16:
         raise ConfigError("--loss-scale scales the loss of --fp16 training: add --fp16")
+    top, tiny = 65504.0, 2.0 ** -24  # fp16's largest value and smallest subnormal
+    if t.loss_scale is not None and t.loss_scale * tiny > top:
+        raise ConfigError(f"--loss-scale {t.loss_scale:g} with --fp16: even fp16's smallest "
+                          f"gradient ({tiny:.2g}) times it exceeds fp16's largest value {top:g}, "
+                          f"so every step would overflow and be skipped; give at most "
+                          f"{top / tiny:.3g} (2**16 and below are usual), or drop --loss-scale")
 
 
 def validate_config(cfg: Any, world_size: int) -> None:
@@ -369,6 +376,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
     if ck.save_interval == "auto" and not (ck.mtbf_hours_per_node or ck.mtbf_hours):
         raise ConfigError("--save-interval auto needs the failure rate: give "
                           "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
+    check_pruning(ck)
     if ck.exit_interval and not ck.save:
         raise ConfigError("--exit-interval saves before exiting: give --save DIR")
     if ck.async_save and not ck.save:

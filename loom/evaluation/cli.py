@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import time
+from typing import Optional
 
 from loom.errors import ConfigError
 from loom.evaluation.tasks import get_task, task_names
@@ -142,12 +143,16 @@ def _tokenizer(args: argparse.Namespace, ckpt: str):
     if not os.path.isfile(path):
         raise ConfigError(f"--load {args.load}: {ckpt} has no tokenizer.json (trained on "
                           f"--mock-data?); give --tokenizer-type and its files")
+    from loom.checkpoint.integrity import verify_read
+    verify_read(ckpt, ["tokenizer.json"])
     return Tokenizer.load(path)
 
 
-def prepare(args: argparse.Namespace):
+def prepare(args: argparse.Namespace, ckpt: Optional[str] = None):
     """Every check before a process group: returns ``(checkpoint dir, LoomConfig, Task (with
-    --lm-eval-tasks: lm-eval's TaskManager holding them), tokenizer)``; ``args.seq_length`` is resolved. Raises ConfigError
+    --lm-eval-tasks: lm-eval's TaskManager holding them), tokenizer)``; ``args.seq_length`` is
+    resolved. ``ckpt``: the checkpoint already chosen (and held:
+    :func:`loom.checkpoint.holds.agreed_checkpoint`), else ``--load``'s. Raises ConfigError
     naming the flag."""
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
@@ -158,7 +163,7 @@ def prepare(args: argparse.Namespace):
     _check_values(args)
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load {args.load}: no such checkpoint directory")
-    ckpt = resolve_checkpoint(args.load, args.ckpt_step)
+    ckpt = ckpt or resolve_checkpoint(args.load, args.ckpt_step)
     if ckpt is None:
         raise ConfigError(f"--load {args.load}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
@@ -194,11 +199,12 @@ def prepare(args: argparse.Namespace):
     return ckpt, cfg, task, tok
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    """Run the evaluation ``args`` describes; the result (same on every rank; with
-    --lm-eval-tasks its ``results`` only on local rank 0, as lm-eval returns them)."""
+def evaluate(args: argparse.Namespace, ckpt: Optional[str] = None) -> dict:
+    """Run the evaluation ``args`` describes (on ``ckpt``, else ``--load``'s checkpoint); the
+    result (same on every rank; with --lm-eval-tasks its ``results`` only on local rank 0, as
+    lm-eval returns them)."""
     from loom.evaluation.runner import build_mesh, load_model, score
-    ckpt, cfg, task, tok = prepare(args)
+    ckpt, cfg, task, tok = prepare(args, ckpt)
     if args.lm_eval_tasks is not None:  # task: lm-eval's TaskManager
         from loom.evaluation.lm_harness import run_tasks
         mesh = build_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
@@ -240,7 +246,16 @@ def format_table(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = evaluate(args)
+    from loom.checkpoint.holds import agreed_checkpoint
+    _check_values(args)
+    if not os.path.isdir(args.load):
+        raise ConfigError(f"--load {args.load}: no such checkpoint directory")
+    ckpt, hold = agreed_checkpoint(args.load, args.ckpt_step)  # never pruned while read
+    try:
+        result = evaluate(args, ckpt)
+    finally:
+        if hold is not None:
+            hold.release()
     if os.environ.get("RANK", "0") == "0":
         if "lm_eval" in result:  # lm-eval's own table, then the results as one JSON line
             from lm_eval.utils import make_table

@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="t: ranks splitting the model (launch t ranks with torchrun)")
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse bad ``loom generate`` values before anything is loaded; ConfigError names the flag."""
+def _check_values(args: argparse.Namespace) -> None:
+    """Refuse bad values of the flags (before any file is read); ConfigError names the flag."""
     if not args.prompt:
         raise ConfigError("--prompt is empty: give the text to continue")
     for name, value, ok, rule in (
@@ -51,11 +51,17 @@ def check_arguments(args: argparse.Namespace) -> None:
              ">= 0")):
         if not ok:
             raise ConfigError(f"{name} must be {rule}, got {value}")
+
+
+def check_arguments(args: argparse.Namespace, ckpt: Optional[str] = None) -> None:
+    """Refuse bad ``loom generate`` values before anything is loaded (``ckpt``: the checkpoint
+    already chosen, else ``--load``'s); ConfigError names the flag."""
+    _check_values(args)
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load {args.load}: no such checkpoint directory; train with --save "
                           f"first")
-    ckpt = resolve_checkpoint(args.load, args.ckpt_step)
+    ckpt = ckpt or resolve_checkpoint(args.load, args.ckpt_step)
     if ckpt is None:
         raise ConfigError(f"--load {args.load}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
@@ -65,9 +71,11 @@ def check_arguments(args: argparse.Namespace) -> None:
                           f"--mock-data?); generation needs a run trained with --data-path")
 
 
-def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
-    """(model, tokenizer) from the latest checkpoint of ``load_dir`` (or ``iter_{step}``);
-    raises ConfigError if none, or if the ``latest`` pointer is broken."""
+def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None,
+                       ckpt: Optional[str] = None):
+    """(model, tokenizer) from the latest checkpoint of ``load_dir`` (or ``iter_{step}``, or
+    the checkpoint ``ckpt`` already chosen); raises ConfigError if none, or if the ``latest``
+    pointer is broken."""
     from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, read_common
     from loom.config import LoomConfig
     from loom.data.tokenizer import Tokenizer
@@ -75,7 +83,7 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
     from loom.parallel.mesh import ParallelMesh, init_distributed
     from loom.parallel.parallelize import build_model
 
-    ckpt = latest_checkpoint(load_dir, step)
+    ckpt = ckpt or latest_checkpoint(load_dir, step)
     if ckpt is None:
         raise ConfigError(f"--load {load_dir}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
@@ -98,14 +106,31 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
     tok_path = os.path.join(ckpt, "tokenizer.json")
     if not os.path.exists(tok_path):
         raise ConfigError(f"--load {load_dir}: checkpoint has no tokenizer.json")
+    from loom.checkpoint.integrity import verify_read
+    verify_read(ckpt, ["tokenizer.json"])
     return model, Tokenizer.load(tok_path)
 
 
 def run(args: argparse.Namespace) -> int:
-    check_arguments(args)
+    from loom.checkpoint.holds import agreed_checkpoint
+    _check_values(args)
+    if not os.path.isdir(args.load):
+        raise ConfigError(f"--load {args.load}: no such checkpoint directory; train with --save "
+                          f"first")
+    ckpt, hold = agreed_checkpoint(args.load, args.ckpt_step)  # never pruned while read
+    try:
+        return _generate(args, ckpt)
+    finally:
+        if hold is not None:
+            hold.release()
+
+
+def _generate(args: argparse.Namespace, ckpt: Optional[str]) -> int:
+    check_arguments(args, ckpt)
     from loom.inference.generate import SamplingConfig, generate
     from loom.models import get_family
-    model, tok = load_for_inference(args.load, args.tensor_model_parallel_size, args.ckpt_step)
+    model, tok = load_for_inference(args.load, args.tensor_model_parallel_size, args.ckpt_step,
+                                    ckpt)
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
     ids = tok.encode(args.prompt)

@@ -169,6 +169,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     checkpointer = Checkpointer(cfg, mesh, world_size, model.chunks, optimizer, scheduler,
                                 model.tracker, family)
     datasets = family.datasets(cfg)
+    checkpointer.saver.opened()  # the data's identity as opened, recorded by every save
     if cfg.data.eod_mask_loss:  # Megatron's loss mask at end-of-document input tokens
         from loom.data.loss_mask import EodLossMask, end_of_document_id
         eod = end_of_document_id(cfg.data, cfg.model.vocab_size)

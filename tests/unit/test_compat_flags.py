@@ -193,7 +193,7 @@ def test_exit_duration_pretrained_and_checkpoint_args(tmp_path, monkeypatch, cap
                                   "--use-checkpoint-args"], monkeypatch)
     assert cfg.model.swiglu is False and cfg.model.num_layers == 2  # the checkpoint's
     assert cfg.training.use_checkpoint_args
-    with pytest.raises(ConfigError, match="--use-checkpoint-args needs a checkpoint"):
+    with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load"):
         _prepare(BASE + ["--train-iters", "2", "--use-checkpoint-args"], monkeypatch)
 
 
