@@ -23,6 +23,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from loom.checkpoint.legacy import LegacyIndex, canonical_name, is_legacy
+from loom.checkpoint.megatron import common as megatron
+from loom.checkpoint.megatron.locate import locate
 from loom.checkpoint.optimizer_state import load_optimizer_state_by_name
 from loom.checkpoint.safety import resolve_checkpoint
 from loom.errors import ConfigError
@@ -138,10 +140,15 @@ class DcpIndex:
         return model, optim, rng
 
 
-def open_checkpoint(ckpt_dir: str):
-    """The reader of ``ckpt_dir``: :class:`DcpIndex` (v2) or the read-only v1
-    :class:`~loom.checkpoint.legacy.LegacyIndex`; both have ``names``, ``parameters()``,
+def open_checkpoint(ckpt_dir: str, model_cfg=None):
+    """The reader of ``ckpt_dir``: :class:`DcpIndex` (v2), the read-only v1
+    :class:`~loom.checkpoint.legacy.LegacyIndex`, or a Megatron checkpoint's
+    :class:`~loom.checkpoint.megatron.index.MegatronIndex` (for a model of ``model_cfg``,
+    default: its saved args'); all have ``names``, ``parameters()``,
     ``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)``."""
+    found = megatron.found_at(ckpt_dir)
+    if found is not None:
+        return megatron.open_index(found, model_cfg)
     return LegacyIndex(ckpt_dir) if is_legacy(ckpt_dir) else DcpIndex(ckpt_dir)
 
 
@@ -149,13 +156,19 @@ def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str
     """The directory named by ``latest_checkpointed_iteration.txt`` (or ``iter_{step}``), or
     None when ``load_dir`` holds no checkpoint. Raises ConfigError naming the pointer file when
     it is unreadable or names a missing iteration (see
-    :func:`loom.checkpoint.safety.resolve_checkpoint`)."""
-    return resolve_checkpoint(load_dir, step)
+    :func:`loom.checkpoint.safety.resolve_checkpoint`). A Megatron-LM checkpoint directory
+    (:func:`loom.checkpoint.megatron.locate.locate`) resolves the same way."""
+    found = locate(load_dir, step)
+    return found.path if found is not None else resolve_checkpoint(load_dir, step)
 
 
 def read_common(ckpt_dir: str) -> dict:
     """``common.pt`` of a checkpoint (iteration, consumed samples, scheduler, config). Raises
-    ConfigError naming the file when it is corrupt or unreadable (one line, no traceback)."""
+    ConfigError naming the file when it is corrupt or unreadable (one line, no traceback).
+    A Megatron checkpoint's: :func:`loom.checkpoint.megatron.common.read_common`."""
+    found = megatron.found_at(ckpt_dir)
+    if found is not None:
+        return megatron.read_common(found)
     path = os.path.join(ckpt_dir, "common.pt")
     try:
         common = torch.load(path, map_location="cpu", weights_only=False)
@@ -203,7 +216,8 @@ def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: 
 @torch.no_grad()
 def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
                     optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
-                    tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
+                    tracker: Optional[RNGTracker], step: Optional[int] = None,
+                    model_cfg=None) -> Optional[dict]:
     """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
     scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
     or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
@@ -213,10 +227,15 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     Works across layouts: weights and Adam states are resharded by name (also across DP sizes
     and with or without the distributed optimizer). RNG states are restored
     only when the world size and layout match (otherwise the generators keep their fresh seeds).
+    A Megatron checkpoint (read as a model of ``model_cfg``, default its saved args'):
+    :func:`loom.checkpoint.megatron.common.load_into`.
     """
     ckpt = latest_checkpoint(load_dir, step)
     if ckpt is None:
         return None
+    found = megatron.found_at(ckpt)
+    if found is not None:
+        return megatron.load_into(found, model_chunks, optimizer, scheduler, mesh, model_cfg)
     index = open_checkpoint(ckpt)
     params = _named_params(model_chunks)
     optim_names = [] if optimizer is None else [n for n in params
