@@ -156,3 +156,24 @@ def per_layer_key(name: str, attention: str = "mha") -> str:
         if not s.index and not s.parts and ".experts.experts." not in s.key:
             return s.key
     return sources(name, attention)[0].key
+
+
+def write_sources(name: str, attention: str, stacked: bool) -> list[Source]:
+    """The keys a writer gives loom's ``name``: Megatron-Core's own ``torch_dist`` spelling
+    first (``stacked``: the GPT ``TransformerBlock``'s ``[L, ...]`` keys, experts ``[L, E,
+    ...]``; else the Mamba stack's per-layer keys, its in-projection and conv in parts), then
+    the local layer spec's spelling where it differs (the MoE layers' pre-MLP norm, MLA's
+    latent norms), which the local spec's ``GPTModel`` asks for instead."""
+    m = _LAYER.match(name)
+    cands = sources(name, attention)
+    if not m:
+        return cands[:1]
+    per_layer = f"decoder.layers.{m[1]}."
+    split = bool(_parts(m[2]))
+    keep = [s for s in cands
+            if s.key.startswith(per_layer) != stacked and bool(s.parts) == (split and not stacked)
+            and (".experts." not in s.key or ".experts.experts." in s.key)]
+    if m[2].startswith(("pre_mlp_layernorm.", "self_attention.q_layernorm.",
+                        "self_attention.kv_layernorm.")) and attention != "mamba":
+        return keep[:2]
+    return keep[:1]
