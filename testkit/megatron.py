@@ -241,3 +241,55 @@ def save_megatron(model, path: str, extra: dict | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict(), **(extra or {})}, path)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|`` (tests/README.md's per-tensor relative error)."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def loom_full(model, what: str = "grad") -> dict:
+    """``{name: full tensor}`` of a loom model's gradients (``what="grad"``, parameters that
+    have one) or parameters (``"param"``), TP shards all-gathered and joined by the registry."""
+    import torch.distributed as dist
+
+    from loom.parallel.registry import full_from_shards
+    mesh, out = model.mesh, {}
+    for name, p in model.named_parameters():
+        local = p.grad if what == "grad" else p.detach()
+        if local is None:
+            continue
+        meta = model.registry[name]
+        if meta.shard is not None and mesh.tp_size > 1:
+            parts = [torch.empty_like(local) for _ in range(mesh.tp_size)]
+            dist.all_gather(parts, local.contiguous(), group=mesh.groups["tp"])
+            local = full_from_shards(parts, meta.shard)
+        out[name] = local.detach().clone()
+    return out
+
+
+def megatron_full(model, cfg, what: str = "grad") -> dict:
+    """``{loom name: full tensor in loom's layout}`` of a live Megatron-Core model's gradients
+    (``main_grad`` under its DDP, else ``grad``) or parameters: every TP rank's named tensors
+    gathered, then read as a ``--ckpt-format torch`` checkpoint held in memory (its
+    ``mp_rank_TT`` state dicts) by loom's Megatron reader."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from loom.checkpoint.megatron.index import MegatronIndex
+    from loom.checkpoint.megatron.locate import Found
+    from loom.checkpoint.megatron.stores import TorchStore
+    local = {}
+    for name, p in model.named_parameters():
+        t = p.detach() if what == "param" else getattr(p, "main_grad", None)
+        t = p.grad if t is None and what == "grad" else t
+        if t is not None:
+            local[name.removeprefix("module.")] = t.detach().clone()
+    group = ps.get_tensor_model_parallel_group()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    store = TorchStore("<live Megatron-Core model>",
+                       {(r, 0, 0): {"model": sd} for r, sd in enumerate(gathered)})
+    index = MegatronIndex(Found(store.path, "torch", None, ""), cfg, store)
+    full, _, _ = index.load(index.names)
+    return full

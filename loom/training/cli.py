@@ -131,8 +131,11 @@ def _check_checkpoints(cfg: LoomConfig, dry_run: bool = False) -> int:
     ck = cfg.checkpoint
     start, ckpt = 0, None
     if ck.load:
-        ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
-        if ckpt is not None:
+        found = _megatron(ck.load, ck.ckpt_step)
+        ckpt = found.path if found else resolve_checkpoint(ck.load, ck.ckpt_step)
+        if found is not None:
+            start = 0 if ck.finetune else _megatron_start(found, ck)
+        elif ckpt is not None:
             check_checkpoint_files(ckpt)
             start = int(os.path.basename(ckpt).split("_")[1])
         else:  # a wrong path is refused; a fresh start is said, never silent
@@ -169,11 +172,33 @@ def _stored_config(cfg: LoomConfig) -> Optional[tuple[str, dict]]:
         return None
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
+    found = _megatron(ck.load, ck.ckpt_step)
+    if found is not None:
+        return found.path, read_common(found.path)["config"]
     ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
     if ckpt is None:
         return None
     check_checkpoint_files(ckpt)
     return ckpt, read_common(ckpt)["config"]
+
+
+def _megatron(load: str, step: Optional[int]):
+    """The Megatron-LM checkpoint ``--load`` names (:func:`loom.checkpoint.megatron.locate.
+    locate`), or None for loom's own (or none)."""
+    from loom.checkpoint.megatron.locate import locate
+    return locate(load, step)
+
+
+def _megatron_start(found, ck) -> int:
+    """The iteration a Megatron checkpoint resumes at; refuses (one line) a checkpoint whose
+    optimizer state loom cannot take unless ``--no-load-optim`` (see
+    :func:`loom.checkpoint.megatron.common.optimizer_refusal`)."""
+    from loom.checkpoint.megatron.common import optimizer_refusal, read_common
+    if not ck.no_load_optim:
+        why = optimizer_refusal(found)
+        if why:
+            raise ConfigError(why)
+    return int(read_common(found.path)["iteration"])
 
 
 def model_from_checkpoint(cfg: LoomConfig, saved: dict, given: set[str]) -> dict:
@@ -209,9 +234,10 @@ def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
     if vocab is None and not cfg.data.mock_data:
         vocab = blend_vocab_size(cfg.data)
     if vocab is None and cfg.checkpoint.load:
-        ckpt = resolve_checkpoint(cfg.checkpoint.load, None)
+        found = _megatron(cfg.checkpoint.load, None)
+        ckpt = found.path if found else resolve_checkpoint(cfg.checkpoint.load, None)
         if ckpt:
-            vocab = read_common(ckpt)["config"]["vocab_size"]
+            vocab = read_common(ckpt)["config"].get("vocab_size")
     if vocab is None:
         raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
                           "`loom preprocess`) or --mock-data --vocab-size V")
@@ -250,6 +276,9 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         flat.update(model_from_checkpoint(flags, stored[1], given_fields(args)))
         if flags.training.use_checkpoint_args:
             import dataclasses
+            if not stored[1]:
+                raise ConfigError(f"--use-checkpoint-args: {stored[0]} holds no saved args (a "
+                                  f"bare Megatron-Core checkpoint): give the model flags")
 
             from loom.config import ModelConfig
             from loom.training.resume import checkpoint_model_args
@@ -267,10 +296,11 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     if not getattr(args, "dry_run", False):
         from loom.training.script_checks import refuse_unimplemented
         refuse_unimplemented(cfg)
-    if stored is not None:
+    if stored is not None and stored[1]:  # (a bare Megatron-Core checkpoint stores no config)
         schedule = _check_same_model(cfg, *stored)
         from loom.checkpoint.data_match import check_same_data
-        check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
+        if not _megatron(stored[0], None):  # Megatron stores no loom data identities
+            check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
             cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
     return cfg
@@ -285,7 +315,8 @@ def _pretrained(cfg: LoomConfig) -> LoomConfig:
     from loom.checkpoint.safety import resolve_checkpoint
     from loom.training.resume import pretrained_source
     load, finetune = pretrained_source(ck.load, cfg.training.pretrained_checkpoint,
-                                       lambda d: resolve_checkpoint(d, None) is not None)
+                                       lambda d: _megatron(d, None) is not None or
+                                       resolve_checkpoint(d, None) is not None)
     if not finetune:
         return cfg
     if os.environ.get("RANK", "0") == "0":

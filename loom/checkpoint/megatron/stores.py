@@ -124,14 +124,17 @@ class TorchStore:
 
     format = "torch"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, raw: Optional[dict] = None):
+        """``raw``: the files' contents ``{(tp, pp, ep): dict}`` when already in memory (e.g.
+        the state dicts of a live Megatron-Core model's ranks); else read from ``path``."""
         self.path = path
-        files = mp_rank_dirs(path)
-        self.tp = 1 + max(t for t, _, _ in files)
-        self.pp = 1 + max(p for _, p, _ in files)
-        self.ep = 1 + max(e for _, _, e in files)
-        raw = {rank: load_pickle(os.path.join(d, "model_optim_rng.pt"))
-               for rank, d in sorted(files.items())}
+        files = mp_rank_dirs(path) if raw is None else {}
+        if raw is None:
+            raw = {rank: load_pickle(os.path.join(d, "model_optim_rng.pt"))
+                   for rank, d in sorted(files.items())}
+        self.tp = 1 + max(t for t, _, _ in raw)
+        self.pp = 1 + max(p for _, p, _ in raw)
+        self.ep = 1 + max(e for _, _, e in raw)
         self.common = raw[min(raw)]
         self.has_optimizer = any("optimizer" in v for v in raw.values()) or any(
             os.path.exists(os.path.join(d, "distrib_optim.pt")) for d in files.values())
