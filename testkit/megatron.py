@@ -195,7 +195,7 @@ def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1):
               pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
               bias_activation_fusion=False, masked_softmax_fusion=False,
               bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-              persist_layer_norm=False, init_method_std=0.02)
+              persist_layer_norm=False, init_method_std=0.02, pipeline_dtype=torch.float32)
     if cfg.num_experts:
         kw.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                   moe_ffn_hidden_size=cfg.moe_ffn_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,

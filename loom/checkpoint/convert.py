@@ -36,17 +36,21 @@ def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False) -> s
     ``overwrite`` (checked before anything is read or written)."""
     from safetensors.torch import save_file
 
-    from loom.checkpoint.io import open_checkpoint, read_common
-    from loom.checkpoint.safety import resolve_checkpoint
+    from loom.checkpoint.io import latest_checkpoint, open_checkpoint, read_common
     from loom.checkpoint.targets import check_output_dir
     from loom.config import LoomConfig
     from loom.models import get_family
     check_output_dir(out_dir, f"--to-hf output {out_dir}", overwrite)
     ckpt = ckpt_path if os.path.exists(os.path.join(ckpt_path, "common.pt")) else \
-        resolve_checkpoint(ckpt_path, step)
+        latest_checkpoint(ckpt_path, step)  # (a Megatron-LM checkpoint too)
     if ckpt is None:
         raise ConfigError(f"{ckpt_path}: no checkpoint there")
-    cfg = LoomConfig.from_flat(read_common(ckpt)["config"], ignore_retired=True).model
+    flat = read_common(ckpt)["config"]
+    if not flat:  # a bare Megatron-Core checkpoint: no saved args
+        raise ConfigError(f"{ckpt}: no model config saved with it (a bare Megatron-Core "
+                          f"checkpoint): convert it with --from-megatron and the model flags "
+                          f"first")
+    cfg = LoomConfig.from_flat(flat, ignore_retired=True).model
     hf = get_family(cfg.model_type).hf  # the family's mapping: loom.models.<family>.hf
     if hf is None or hf.export_config is None:
         raise ConfigError(f"{ckpt}: a {cfg.model_type} model has no Hugging Face layout to "

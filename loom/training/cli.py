@@ -198,7 +198,7 @@ def _megatron_start(found, ck) -> int:
         why = optimizer_refusal(found)
         if why:
             raise ConfigError(why)
-    return int(read_common(found.path)["iteration"])
+    return int(read_common(found)["iteration"])
 
 
 def model_from_checkpoint(cfg: LoomConfig, saved: dict, given: set[str]) -> dict:

@@ -46,7 +46,10 @@ def _tp_from_chunks(store) -> int | None:
 def inspect_megatron(found: Found) -> dict:
     """``loom checkpoint inspect``'s dict for the Megatron checkpoint ``found``. Raises
     ConfigError (one line) when its files cannot be read."""
+    from loom.checkpoint.megatron.locate import diagnose
     from loom.checkpoint.megatron.stores import open_store
+    if diagnose(found.path):
+        raise ConfigError(diagnose(found.path))
     integrity = _files_ok(found.path) if found.format == "torch_dist" else \
         "ok (every mp_rank_*/model_optim_rng.pt read; Megatron keeps no checksums)"
     if integrity.startswith("CORRUPTED") and "unreadable" in integrity:

@@ -167,7 +167,9 @@ def diagnose(path: str) -> Optional[str]:
                 f"common.pt: Megatron's --ckpt-format torch_dcp / fsdp_dtensor, or another "
                 f"program's; loom reads Megatron's torch_dist and torch formats (re-save it "
                 f"with --ckpt-format torch_dist)")
-    if any(_MP_RANK.match(f) for f in files):
-        return (f"{path} holds mp_rank_* directories without model_optim_rng.pt: a damaged "
-                f"Megatron --ckpt-format torch checkpoint")
+    ranks = [f for f in files if _MP_RANK.match(f)]
+    empty = [f for f in ranks if not os.path.isfile(os.path.join(path, f, "model_optim_rng.pt"))]
+    if empty:
+        return (f"{path} holds {', '.join(sorted(empty)[:3])} without model_optim_rng.pt: a "
+                f"damaged Megatron --ckpt-format torch checkpoint")
     return None

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from loom.checkpoint.megatron.args import load_pickle
-from loom.checkpoint.megatron.locate import mp_rank_dirs
+from loom.checkpoint.megatron.locate import diagnose, mp_rank_dirs
 from loom.errors import ConfigError
 
 _OPT = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(\w+?)\.(.+)$")
@@ -231,5 +231,9 @@ class TorchStore:
 
 
 def open_store(path: str, fmt: str):
-    """The store of a located checkpoint directory (``fmt``: torch_dist or torch)."""
+    """The store of a located checkpoint directory (``fmt``: torch_dist or torch). Raises
+    ConfigError (one line, :func:`~.locate.diagnose`) for a directory missing its files."""
+    why = diagnose(path)
+    if why:
+        raise ConfigError(why)
     return DistStore(path) if fmt == "torch_dist" else TorchStore(path)
