@@ -227,23 +227,28 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     Works across layouts: weights and Adam states are resharded by name (also across DP sizes
     and with or without the distributed optimizer). RNG states are restored
     only when the world size and layout match (otherwise the generators keep their fresh seeds).
-    A Megatron checkpoint (read as a model of ``model_cfg``, default its saved args'):
-    :func:`loom.checkpoint.megatron.common.load_into`.
+    A Megatron checkpoint is read as a model of ``model_cfg`` (default: its saved args'):
+    weights, Adam states where its layout maps (else ConfigError unless ``optimizer`` is None),
+    the scheduler at its iteration; its generators are not loom's (fresh seeds).
     """
     ckpt = latest_checkpoint(load_dir, step)
     if ckpt is None:
         return None
     found = megatron.found_at(ckpt)
+    index = open_checkpoint(ckpt, model_cfg)
+    same_layout = False  # (a Megatron checkpoint's generators are not loom's)
     if found is not None:
-        return megatron.load_into(found, model_chunks, optimizer, scheduler, mesh, model_cfg)
-    index = open_checkpoint(ckpt)
+        index.check_complete()
+        if optimizer is not None and not index.optim_ok:
+            raise ConfigError(megatron.optimizer_refusal(found))
+    else:
+        with open(os.path.join(ckpt, "metadata.json")) as fh:
+            meta = json.load(fh)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
     params = _named_params(model_chunks)
     optim_names = [] if optimizer is None else [n for n in params
                                                 if index.has_optimizer_state(n)]
-    with open(os.path.join(ckpt, "metadata.json")) as fh:
-        meta = json.load(fh)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
     full, states, rng = index.load(params, optim_names,
                                    mesh.rank if tracker is not None and same_layout else None)
     for name, (p, pmeta) in params.items():  # ZeRO-3 (DTensor): this DP rank's slice
@@ -251,6 +256,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     if optimizer is not None:
         _restore_optimizer(optimizer, params, full, states, mesh)
     common = read_common(ckpt)
+    if scheduler is not None and found is not None:  # the schedule continues at its iteration
+        scheduler.last_epoch = common["iteration"]
     if scheduler is not None and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"])
         # load_state_dict restores the schedule, not the optimizer's current lr: set it too.

@@ -1,16 +1,15 @@
 """A located Megatron checkpoint as loom's checkpoint readers see one: :func:`read_common` (the
 ``common.pt`` loom keeps: iteration, consumed samples, the model config), :func:`open_index`
-(the tensors, :class:`~.index.MegatronIndex`) and :func:`load_into` (``loom train --load``:
-weights, Adam states where they map, iteration; the learning-rate schedule continues from the
-iteration with this run's flags; Megatron's generators are not loom's, so they start fresh).
+(the tensors, :class:`~.index.MegatronIndex`; :func:`loom.checkpoint.reader.load_checkpoint`
+resumes from it: weights, Adam states where they map, the iteration; the learning-rate
+schedule continues from the iteration with this run's flags; Megatron's generators are not
+loom's, so they start fresh) and :func:`optimizer_refusal`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
-
-import torch
+from typing import Optional
 
 from loom.checkpoint.megatron.args import args_of, consumed_samples, layout, model_fields, \
     model_flags
@@ -90,32 +89,6 @@ def optimizer_refusal(found: Found) -> Optional[str]:
     return (f"--load {found.root}: a Megatron {info['format']} checkpoint whose optimizer state "
             f"loom cannot take: {info['optimizer']}. Give --no-load-optim (its weights and "
             f"iteration, fresh Adam states) or --finetune (its weights only, from iteration 0)")
-
-
-@torch.no_grad()
-def load_into(found: Found, model_chunks: Sequence, optimizer, scheduler, mesh, cfg) -> dict:
-    """``loom train --load``: this rank's shards of the weights (and Adam states, unless
-    ``optimizer`` is None) from ``found``; the scheduler set to the checkpoint's iteration.
-    Returns the common state (:func:`read_common`) with ``checkpoint_dir``."""
-    from loom.checkpoint.reader import _named_params, _restore_optimizer
-    from loom.parallel.fsdp import shard_like
-    from loom.parallel.registry import local_shard
-    index = open_index(found, cfg)
-    index.check_complete()
-    common = read_common(found, index.store)
-    if optimizer is not None and not index.optim_ok:
-        raise ConfigError(optimizer_refusal(found))
-    params = _named_params(model_chunks)
-    optim_names = [] if optimizer is None else [n for n in params if index.has_optimizer_state(n)]
-    full, states, _ = index.load(params, optim_names)
-    for name, (p, meta) in params.items():
-        p.copy_(shard_like(p, local_shard(full[name], meta, mesh.tp_rank, mesh.tp_size, name)))
-    if optimizer is not None:
-        _restore_optimizer(optimizer, params, full, states, mesh)
-    if scheduler is not None:
-        scheduler.last_epoch = common["iteration"]
-    common["checkpoint_dir"] = found.path
-    return common
 
 
 def describe_dir(path: str) -> str:

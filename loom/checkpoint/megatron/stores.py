@@ -78,14 +78,15 @@ class DistStore:
 
     def read(self, keys: Iterable[str], spec_of=None) -> dict[str, torch.Tensor]:
         """``{key: full tensor}`` in one ``dcp.load`` (each key read once per store)."""
+        import warnings
+
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
-
-        from loom.checkpoint.reader import single_process_quiet
         want = {k: torch.zeros(self.tensors[k].size, dtype=self.dtype(k))
                 for k in dict.fromkeys(keys) if k not in self._cache}
         if want:
-            with single_process_quiet():
+            with warnings.catch_warnings():  # (one process reading alone is meant)
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(want, storage_reader=FileSystemReader(self.path), no_dist=True)
             self._cache.update(want)
         return {k: self._cache[k] for k in keys}
