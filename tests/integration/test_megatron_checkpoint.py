@@ -288,3 +288,62 @@ def test_foreign_and_damaged_directories_get_one_line(written, tmp_path, capsys)
             assert len(out.strip().splitlines()) == 1, out
     code, out = run(["checkpoint", "convert", "--to-hf", str(bare), str(tmp_path / "x")], capsys)
     assert code == 2 and "Traceback" not in out and "KeyError" not in out, out
+
+
+def _megatron_logits(ckpt: str, cfg: ModelConfig, tokens: torch.Tensor, tmp) -> torch.Tensor:
+    """Megatron-Core (one gloo rank in this process) loading ``ckpt``: its logits."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from testkit.megatron import init_megatron_parallel, megatron_gpt, megatron_on_cpu
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+    try:
+        with megatron_on_cpu():
+            init_megatron_parallel()
+            model = megatron_gpt(cfg).eval()
+            model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                                          ckpt)["model"])
+            with torch.no_grad():
+                return model(tokens, torch.arange(16).expand(len(tokens), 16), None)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_train_ckpt_format_torch_dist_writes_megatrons_format(written, tmp_path, capsys):
+    """``loom train --ckpt-format torch_dist --save``: Megatron-Core loads the checkpoint with
+    loom's logits, and loom resumes from it (weights, Adam states, iteration, schedule)."""
+    from loom.checkpoint.io import open_checkpoint
+    from loom.interop.hf import load_full_state_dict
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    data = ["--data-path", os.path.join(written[0], "zen")]
+    shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+             "--seq-length", "16", "--vocab-size", "256", "--normalization", "RMSNorm",
+             "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+             "--position-embedding-type", "rope", "--hidden-dropout", "0",
+             "--attention-dropout", "0"]
+    save = str(tmp_path / "ckpt")
+    train = [a if a != "9" else "3" for a in TRAIN]
+    code, out = run(["train", "--ckpt-format", "torch_dist", "--save", save, "--save-interval",
+                     "3"] + shape + data + train, capsys)
+    assert code == 0, out
+    ckpt = os.path.join(save, "iter_0000003")
+    with open(os.path.join(ckpt, "metadata.json")) as fh:
+        assert json.load(fh)["sharded_backend"] == "torch_dist"
+    model = build_model(get_family("gpt"), CFG, ParallelMesh.single()).eval()
+    index = open_checkpoint(ckpt)
+    load_full_state_dict(model, index.load(index.names)[0])
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(tokens)
+    got = _megatron_logits(ckpt, CFG, tokens, tmp_path)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    log = tmp_path / "again.jsonl"
+    code, out = run(["train", "--load", save, "--log-json", str(log)] + data +
+                    [a if a != "9" else "5" for a in TRAIN], capsys)
+    assert code == 0, out
+    assert sorted(logged_losses(log)) == [4, 5], out

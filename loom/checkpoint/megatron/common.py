@@ -41,19 +41,24 @@ def read_common(found: Found, store=None) -> dict:
     checkpoint without one), ``consumed_samples`` (``args.consumed_train_samples``, else 0),
     ``config`` (the flat model flags of its saved args, ``{}`` without args), ``scheduler``
     None, and ``megatron``: its format, the layout it was saved at, whether and why its
-    optimizer state maps."""
+    optimizer state maps. A checkpoint loom wrote (``--ckpt-format torch_dist``,
+    ``convert --to-megatron``) keeps loom's own flat config, schedule state and data
+    identities under ``loom``: those are returned instead."""
     store = store if store is not None else _store(found)
     common = store.common if isinstance(store.common, dict) else {}
     args = args_of(common)
     iteration = common.get("iteration", found.iteration)
     ok, why = store.optimizer_layout()
-    config = model_flags(args, model_fields(), _is_hybrid(args, store.listing()))
+    own = common.get("loom") if isinstance(common.get("loom"), dict) else {}
+    config = own.get("config") or model_flags(args, model_fields(),
+                                              _is_hybrid(args, store.listing()))
     saved_layout = layout(args)
     if store.format == "torch":
         saved_layout.update(tp=store.tp, pp=store.pp, ep=store.ep)
     return {"iteration": int(iteration) if isinstance(iteration, (int, float)) else 0,
-            "consumed_samples": consumed_samples(args) or 0, "config": config,
-            "scheduler": None, "has_args": args is not None,
+            "consumed_samples": own.get("consumed_samples", consumed_samples(args) or 0),
+            "config": config, "scheduler": own.get("scheduler"), "data": own.get("data"),
+            "has_args": args is not None or bool(own),
             "megatron": {"format": store.format, "layout": saved_layout,
                          "optimizer_maps": ok, "optimizer": why}}
 

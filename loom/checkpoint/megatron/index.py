@@ -85,8 +85,12 @@ class MegatronIndex:
 
     def unread(self) -> list[str]:
         """Megatron weights no loom parameter reads (optimizer states and ``_extra_state``
-        aside): a checkpoint of another model, or a part loom lacks."""
-        used = {src.key + p for src in self.where.values() for p in (src.parts or ("",))}
+        aside, and the other layer spec's spelling of a tensor read): a checkpoint of another
+        model, or a part loom lacks."""
+        pattern = getattr(self.cfg, "hybrid_layer_pattern", None)
+        used = {src.key + p for n in self.where for src in sources(
+            n, attention_kind(n, pattern, self.cfg.multi_latent_attention))
+            for p in (src.parts or ("",))}  # (another spelling of a tensor read: an alias)
         return sorted(k for k in self.store.listing() if k not in used
                       and not k.startswith(("optimizer.", "chained_")) and "_extra_state" not in k
                       and not k.endswith(("._amax", ".local_tokens_per_expert")))

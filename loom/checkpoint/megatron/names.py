@@ -158,12 +158,14 @@ def per_layer_key(name: str, attention: str = "mha") -> str:
     return sources(name, attention)[0].key
 
 
-def write_sources(name: str, attention: str, stacked: bool) -> list[Source]:
-    """The keys a writer gives loom's ``name``: Megatron-Core's own ``torch_dist`` spelling
-    first (``stacked``: the GPT ``TransformerBlock``'s ``[L, ...]`` keys, experts ``[L, E,
-    ...]``; else the Mamba stack's per-layer keys, its in-projection and conv in parts), then
-    the local layer spec's spelling where it differs (the MoE layers' pre-MLP norm, MLA's
-    latent norms), which the local spec's ``GPTModel`` asks for instead."""
+def write_sources(name: str, attention: str, stacked: bool, moe_layer: bool = False
+                  ) -> list[Source]:
+    """The keys a writer gives loom's ``name``: Megatron-Core's ``torch_dist`` spelling first
+    (``stacked``: the GPT ``TransformerBlock``'s ``[L, ...]`` keys, experts ``[L, E, ...]``;
+    else the Mamba stack's per-layer keys, its in-projection and conv in parts), then the other
+    spec's spelling where the two differ: an MoE layer's pre-MLP norm (``moe_layer``: the
+    Transformer Engine spec's ``pre_mlp_layernorm``, the local spec's fused-norm name) and
+    MLA's latent norms, so either layer spec's ``GPTModel`` finds its key."""
     m = _LAYER.match(name)
     cands = sources(name, attention)
     if not m:
@@ -173,7 +175,8 @@ def write_sources(name: str, attention: str, stacked: bool) -> list[Source]:
     keep = [s for s in cands
             if s.key.startswith(per_layer) != stacked and bool(s.parts) == (split and not stacked)
             and (".experts." not in s.key or ".experts.experts." in s.key)]
-    if m[2].startswith(("pre_mlp_layernorm.", "self_attention.q_layernorm.",
-                        "self_attention.kv_layernorm.")) and attention != "mamba":
+    if (m[2].startswith("pre_mlp_layernorm.") and moe_layer) or (
+            attention == "mla" and m[2].startswith(("self_attention.q_layernorm.",
+                                                    "self_attention.kv_layernorm."))):
         return keep[:2]
     return keep[:1]

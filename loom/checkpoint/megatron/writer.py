@@ -124,7 +124,9 @@ def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
                                cfg.num_kv_groups)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             t = _repad(t, rows)
-        for src in write_sources(name, attention, stacked=not mamba):
+        layer = re.match(r"^layers\.(\d+)\.", name)
+        moe = bool(layer) and cfg.is_moe_layer(int(layer[1]))
+        for src in write_sources(name, attention, stacked=not mamba, moe_layer=moe):
             dims = _put(chunks, sizes, src, t, L, E, cfg)
             if objects is not None and src.key.endswith(".weight"):
                 objects[extra_state_key(src.key[:-len(".weight")], src.index, dims)] = [None]
