@@ -81,7 +81,8 @@ def to_megatron(ckpt_path: str, out_dir: str, step: Optional[int] = None,
     common = read_common(ckpt)
     flat = common["config"]
     cfg = LoomConfig.from_flat(flat, ignore_retired=True).model
-    if cfg.model_type not in ("gpt", "mamba"):
+    from loom.models import get_family
+    if not get_family(cfg.model_type).megatron_checkpoints:
         raise ConfigError(f"--to-megatron: a {cfg.model_type} model has no Megatron-Core "
                           f"GPTModel / MambaModel layout (loom writes the gpt and mamba families)")
     index = open_checkpoint(ckpt)

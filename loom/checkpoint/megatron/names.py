@@ -57,7 +57,7 @@ def _norm_aliases(rest: str, attention: str) -> list[str]:
         which, w = m.groups()
         if which == "pre_mlp_layernorm":
             return [f"mlp.linear_fc1.layer_norm_{w}", rest]
-        if attention == "mamba":
+        if attention == "ssm":
             return [f"mixer.in_proj.layer_norm_{w}", f"norm.{w}", rest]
         if attention == "mla":
             return [rest, f"self_attention.linear_qkv.layer_norm_{w}"]
@@ -114,7 +114,7 @@ def _layer_sources(prefix: str, i: int, rest: str, attention: str,
 
 def sources(name: str, attention: str = "mha") -> list[Source]:
     """Where loom's parameter ``name`` may lie in a Megatron checkpoint, most likely first.
-    ``attention``: ``mha`` (GPT layers), ``mla`` (multi-latent attention) or ``mamba`` (the
+    ``attention``: ``mha`` (GPT layers), ``mla`` (multi-latent attention) or ``ssm`` (the
     layer is a Mamba layer: its norm is the in-projection's)."""
     m = _LAYER.match(name)
     if m:
@@ -136,11 +136,11 @@ def sources(name: str, attention: str = "mha") -> list[Source]:
 
 
 def attention_kind(name: str, pattern: Optional[str], mla: bool) -> str:
-    """``mamba`` when ``name`` is a parameter of a Mamba layer of the hybrid ``pattern``
+    """``ssm`` when ``name`` is a parameter of a Mamba layer of the hybrid ``pattern``
     (``--hybrid-override-pattern``), ``mla`` under multi-latent attention, else ``mha``."""
     m = _LAYER.match(name)
     if pattern and m and int(m[1]) < len(pattern) and pattern[int(m[1])] == "M":
-        return "mamba"
+        return "ssm"
     return "mla" if mla else "mha"
 
 

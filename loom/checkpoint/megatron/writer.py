@@ -115,7 +115,7 @@ def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
     chunks: Chunks = {}
     sizes: dict[str, tuple] = {}
     pattern = getattr(cfg, "hybrid_layer_pattern", None)
-    mamba = cfg.model_type == "mamba"
+    mamba = pattern is not None  # Megatron's Mamba stack keys each layer on its own
     rows = _vocab_rows(cfg, target_tp)
     L, E = cfg.num_layers, cfg.num_experts or 0
     for name, t in full.items():

@@ -8,4 +8,4 @@ from loom.models.mamba.model import MambaModel
 
 FAMILY = ModelFamily(name="mamba", build=MambaModel, plan=parallelize.plan,
                      init=parallelize.init, forward_step=forward_step, generation=Generation(),
-                     evaluation_tasks=("perplexity", "cloze"))
+                     evaluation_tasks=("perplexity", "cloze"), megatron_checkpoints=True)
