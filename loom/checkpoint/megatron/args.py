@@ -88,6 +88,17 @@ def _renamed(args: Any) -> dict:
     return out
 
 
+# Megatron-LM flags that change what the saved weights mean, which loom's layers lack.
+UNSUPPORTED = {"rotary_interleaved": "RoPE on interleaved pairs"}
+
+
+def zero_centered_gains(args) -> bool:
+    """Whether the checkpoint's norm weights are zero-centred gains (``--apply-layernorm-1p``:
+    gain = 1 + w), which loom reads as 1 + w (its norms multiply by w)."""
+    return bool(getattr(args, "apply_layernorm_1p", False) or
+                getattr(args, "layernorm_zero_centered_gamma", False))
+
+
 def model_flags(args: Any, model_fields: list[str], hybrid: bool) -> dict:
     """The flat loom values of the model fields ``model_fields`` (``ModelConfig``'s) that
     Megatron's saved ``args`` (a Namespace) holds, with ``model_type`` ``mamba`` for a hybrid
@@ -95,6 +106,11 @@ def model_flags(args: Any, model_fields: list[str], hybrid: bool) -> dict:
     are left out: loom's default or the flag given applies."""
     if args is None:
         return {}
+    for flag in UNSUPPORTED:
+        if getattr(args, flag, False):
+            raise ConfigError(f"a Megatron checkpoint trained with --{flag.replace('_', '-')} "
+                              f"({UNSUPPORTED[flag]}): loom has no such layer, so its weights "
+                              f"would mean something else")
     skip = {"model_type", "padded_vocab_size"}
     out = {f: getattr(args, f) for f in model_fields
            if f not in skip and hasattr(args, f) and _plain(getattr(args, f))}

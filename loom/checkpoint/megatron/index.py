@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 import torch
 
 from loom.checkpoint.megatron import layout
+from loom.checkpoint.megatron.args import args_of, zero_centered_gains
 from loom.checkpoint.megatron.names import Source, attention_kind, kind_of, sources
 from loom.checkpoint.megatron.stores import MASTER_STATES, open_store
 from loom.errors import ConfigError
@@ -34,6 +35,11 @@ def expected_parameters(cfg) -> dict:
     from loom.parallel.registry import named_parameters
     model = build_model(get_family(cfg.model_type), cfg, ParallelMesh.single(), seed=None)
     return {n: meta for n, _, meta in named_parameters([model])}
+
+
+def _is_norm_gain(name: str) -> bool:
+    """A norm's weight (its gain), which ``--apply-layernorm-1p`` stores zero-centred."""
+    return name.endswith("norm.weight") and "mixer.norm" not in name
 
 
 def _step_of(common) -> Optional[float]:
@@ -74,6 +80,7 @@ class MegatronIndex:
                     self.where[name] = src
                     break
         self.optim_ok, self.optim_layout = self.store.optimizer_layout()
+        self.gain_one = zero_centered_gains(args_of(self.store.common))
 
     @property
     def names(self) -> list[str]:
@@ -135,9 +142,10 @@ class MegatronIndex:
             return spec, full
         return spec_of
 
-    def _fetch(self, names: Iterable[str], key_of) -> dict[str, torch.Tensor]:
+    def _fetch(self, names: Iterable[str], key_of, values: bool = True) -> dict[str, torch.Tensor]:
         """``{name: loom tensor}`` from the keys ``key_of(model key)`` (the weights themselves,
-        or an optimizer state's) of each name's source."""
+        or an optimizer state's) of each name's source; ``values``: they are weights (a
+        zero-centred norm gain, ``--apply-layernorm-1p``, becomes loom's 1 + w)."""
         plan, key_to_name = {}, {}
         for n in names:
             src = self.where[n]
@@ -150,6 +158,8 @@ class MegatronIndex:
             pieces = [got[k][src.index] if src.index else got[k] for k in keys]
             t = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
             out[n] = layout.to_loom(t.clone(), kind_of(n), self.heads, self.groups)
+            if values and self.gain_one and _is_norm_gain(n):
+                out[n] = out[n] + 1
         return out
 
     def parameters(self) -> dict[str, dict]:
@@ -180,7 +190,8 @@ class MegatronIndex:
             for state in ("exp_avg", "exp_avg_sq") + MASTER_STATES:
                 have = [n for n in optim_names if self.store.optimizer_key(
                     state, self.where[n].key + (self.where[n].parts or ("",))[0])]
-                got = self._fetch(have, lambda k, s=state: self.store.optimizer_key(s, k))
+                got = self._fetch(have, lambda k, s=state: self.store.optimizer_key(s, k),
+                                  values=state in MASTER_STATES)
                 for n, t in got.items():
                     optim[n]["master_param" if state in MASTER_STATES else state] = t
             for n in optim_names:

@@ -168,8 +168,8 @@ def write_sources(name: str, attention: str, stacked: bool, moe_layer: bool = Fa
     MLA's latent norms, so either layer spec's ``GPTModel`` finds its key."""
     m = _LAYER.match(name)
     cands = sources(name, attention)
-    if not m:
-        return cands[:1]
+    if not m:  # the Mamba stack's final norm is ``final_norm``
+        return cands[1:2] if name.startswith("final_layernorm.") and not stacked else cands[:1]
     per_layer = f"decoder.layers.{m[1]}."
     split = bool(_parts(m[2]))
     keep = [s for s in cands
