@@ -121,14 +121,22 @@ class _Done:
         self.q.task_done()
 
 
+def _quiet() -> None:
+    """Megatron-Core's notes about what this machine lacks (Transformer Engine, Apex) and its
+    deprecations, inside the ``with`` block only."""
+    for message in (".*Transformer Engine and Apex are not installed", ".*Apex is not installed",
+                    ".*cuda_graph_scope"):
+        warnings.filterwarnings("ignore", message=message)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Inside: Megatron-Core's model, RNG tracker, optimizer and ``dist_checkpointing`` run on
     the CPU build of torch (see the module docstring for what is redirected)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning)
+        _quiet()
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from megatron.core.fusions import fused_softmax
         from megatron.core.tensor_parallel import random as mrandom
@@ -155,9 +163,7 @@ def megatron_on_cpu() -> Iterator[None]:
         stack.enter_context(mock.patch.object(writer, "write_preloaded_data_multiproc",
                                               staticmethod(_write_in_process(writer))))
         stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning)
+        _quiet()
         yield
 
 

@@ -293,13 +293,12 @@ def test_foreign_and_damaged_directories_get_one_line(written, tmp_path, capsys)
 def _megatron_logits(ckpt: str, cfg: ModelConfig, tokens: torch.Tensor, tmp) -> torch.Tensor:
     """Megatron-Core (one gloo rank in this process) loading ``ckpt``: its logits."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     from testkit.megatron import init_megatron_parallel, megatron_gpt, megatron_on_cpu
     dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
     try:
         with megatron_on_cpu():
+            from megatron.core import dist_checkpointing
             init_megatron_parallel()
             model = megatron_gpt(cfg).eval()
             model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()},
@@ -307,6 +306,7 @@ def _megatron_logits(ckpt: str, cfg: ModelConfig, tokens: torch.Tensor, tmp) -> 
             with torch.no_grad():
                 return model(tokens, torch.arange(16).expand(len(tokens), 16), None)
     finally:
+        from megatron.core import parallel_state as ps
         ps.destroy_model_parallel()
         dist.destroy_process_group()
 
