@@ -147,7 +147,8 @@ def _case(style: str, tp: int, tmp: str) -> dict:
     out["params after Adam"] = max(float((ours[n] - theirs[n]).abs().max()) /
                                    max(1.0, float(theirs[n].abs().max()))
                                    for n in theirs if n in ours)
-    out["Adam moved"] = max(rel_err(ours[n], before[n]) for n in theirs if n in ours)
+    out["Adam moved"] = max(float((ours[n] - before[n]).abs().max()) /
+                            max(1.0, float(before[n].abs().max())) for n in theirs if n in ours)
     return out
 
 
@@ -219,7 +220,7 @@ def test_logits_loss_grads_and_adam_step_match_megatron_core(results, case):
         assert r["grad names one side only"] == [], (rank, r)
         for what in ("logits", "loss", "grads", "params after Adam"):
             assert r[what] < RTOL, (rank, case, what, r)
-        assert r["Adam moved"] > 100 * RTOL, (rank, case, r)  # the step was taken
+        assert r["Adam moved"] > 10 * RTOL, (rank, case, r)  # the step was taken (~lr)
 
 
 def test_the_comparison_can_fail(results):
