@@ -28,13 +28,16 @@ from loom.errors import ConfigError
 
 
 def expected_parameters(cfg) -> dict:
-    """``{name: ParamMeta}`` of the whole unsharded loom model of ``cfg`` (meta device)."""
+    """``{name: ParamMeta}`` of the whole unsharded loom model of ``cfg``, built on the meta
+    device (no storage: a model of any size)."""
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
     from loom.parallel.registry import named_parameters
-    model = build_model(get_family(cfg.model_type), cfg, ParallelMesh.single(), seed=None)
-    return {n: meta for n, _, meta in named_parameters([model])}
+    meta = torch.device("meta")
+    with meta:
+        model = build_model(get_family(cfg.model_type), cfg, ParallelMesh.single(meta), seed=None)
+    return {n: m for n, _, m in named_parameters([model])}
 
 
 def _is_norm_gain(name: str) -> bool:
@@ -152,10 +155,11 @@ class MegatronIndex:
             keys = [key_of(src.key + p) for p in (src.parts or ("",))]
             plan[n] = (src, keys)
             key_to_name.update({k: n for k in keys})
-        got = self.store.read(key_to_name, self._spec(key_to_name))
+        got = self.store.read([(k, src.index) for src, keys in plan.values() for k in keys],
+                              self._spec(key_to_name))
         out = {}
         for n, (src, keys) in plan.items():
-            pieces = [got[k][src.index] if src.index else got[k] for k in keys]
+            pieces = [got[(k, src.index)] for k in keys]
             t = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
             out[n] = layout.to_loom(t.clone(), kind_of(n), self.heads, self.groups)
             if values and self.gain_one and _is_norm_gain(n):

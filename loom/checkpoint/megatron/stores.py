@@ -24,6 +24,11 @@ import re
 from typing import Any, Iterable, Optional
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from loom.checkpoint.megatron.args import load_pickle
 from loom.checkpoint.megatron.locate import diagnose, mp_rank_dirs
@@ -76,20 +81,28 @@ class DistStore:
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
-    def read(self, keys: Iterable[str], spec_of=None) -> dict[str, torch.Tensor]:
-        """``{key: full tensor}`` in one ``dcp.load`` (each key read once per store)."""
+    def read(self, wanted: Iterable[tuple], spec_of=None) -> dict[tuple, torch.Tensor]:
+        """``{(key, index): tensor}`` in one ``dcp.load``: for a stacked key only the rows
+        ``index`` (a layer, a layer's expert) are read, so a rank reads its own layers and a
+        whole stack is never in memory at once. Each region is read once per store."""
         import warnings
 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
-        want = {k: torch.zeros(self.tensors[k].size, dtype=self.dtype(k))
-                for k in dict.fromkeys(keys) if k not in self._cache}
+        want = {}
+        for key, index in dict.fromkeys(wanted):
+            if (key, index) in self._cache:
+                continue
+            size = self.tensors[key].size
+            region = (*(1,) * len(index), *size[len(index):])
+            want[(key, index)] = torch.zeros(region, dtype=self.dtype(key))
         if want:
             with warnings.catch_warnings():  # (one process reading alone is meant)
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(want, storage_reader=FileSystemReader(self.path), no_dist=True)
-            self._cache.update(want)
-        return {k: self._cache[k] for k in keys}
+                dcp.load({}, storage_reader=FileSystemReader(self.path), no_dist=True,
+                         planner=_RegionLoadPlanner(want))
+            self._cache.update({k: v.reshape(v.shape[len(k[1]):]) for k, v in want.items()})
+        return {k: self._cache[k] for k in dict.fromkeys(wanted)}
 
     def forget(self) -> None:
         self._cache.clear()
@@ -113,6 +126,31 @@ class DistStore:
     def listing(self) -> dict[str, tuple]:
         """``{key: (global shape, dtype)}`` of every tensor, for ``loom checkpoint inspect``."""
         return {k: (tuple(v.size), v.properties.dtype) for k, v in self.tensors.items()}
+
+
+class _RegionLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner over explicit regions ``{(key, index): tensor}``: the rows ``index``
+    of the stored global tensor ``key`` (all of it for ``()``), read into ``tensor``."""
+
+    def __init__(self, regions: dict):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.regions = regions
+        self.by_fqn: dict[str, list] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for (key, index), t in self.regions.items():
+            offsets = (*index, *([0] * (t.ndim - len(index))))
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.size())
+            for item in create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key],
+                                                         [chunk]):
+                items.append(item)
+                self.by_fqn.setdefault((key, tuple(item.dest_index.offset)), t)
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        t = self.by_fqn[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        return narrow_tensor_by_index(t, read_item.dest_offsets, read_item.lengths)
 
 
 _LAYER_KEY = re.compile(r"^(decoder\.layers\.|mtp\.layers\.)(\d+)\.(.+)$")
@@ -199,19 +237,20 @@ class TorchStore:
         shards = self.shards[key]
         return shards[min(shards)].dtype
 
-    def read(self, keys: Iterable[str], spec_of=None) -> dict[str, Any]:
-        """``{key: full tensor}``: the TP shards joined by ``spec_of(key) -> (ShardSpec or None,
-        full shape)`` (a shard already of the full shape is TP-replicated: rank 0's is used)."""
+    def read(self, wanted: Iterable[tuple], spec_of=None) -> dict[tuple, Any]:
+        """``{(key, ()): full tensor}``: the TP shards joined by ``spec_of(key) -> (ShardSpec
+        or None, full shape)`` (a shard already of the full shape is TP-replicated: rank 0's
+        is used); the ``torch`` format stacks nothing, so every index is ``()``."""
         from loom.parallel.registry import full_from_shards
         out = {}
-        for k in keys:
+        for k, _ in wanted:
             shards = [self.shards[k][t] for t in sorted(self.shards[k])]
             spec, full = spec_of(k) if spec_of else (None, None)
             if len(shards) == 1 or spec is None or (full is not None and tuple(
                     shards[0].shape[1:]) == tuple(full[1:]) and shards[0].shape[0] == full[0]):
-                out[k] = shards[0]
+                out[(k, ())] = shards[0]
             else:
-                out[k] = full_from_shards(shards, spec)
+                out[(k, ())] = full_from_shards(shards, spec)
         return out
 
     def forget(self) -> None:
