@@ -1,5 +1,12 @@
 """``loom checkpoint inspect DIR``: what a checkpoint holds, without building a model;
-``loom checkpoint convert --to-hf DIR OUT`` / ``--from-hf HF_DIR OUT`` (:mod:`.convert`).
+``loom checkpoint convert --to-hf DIR OUT`` / ``--from-hf HF_DIR OUT`` (:mod:`.convert`),
+``--to-megatron LOOM_CKPT --save OUT`` / ``--from-megatron DIR --save OUT [model flags]``
+(:mod:`.megatron.convert`).
+
+A Megatron-LM / Megatron-Core checkpoint is named as such (:mod:`.megatron.inspect`: its format,
+iteration, the TP / PP it was saved at, its tensors under Megatron's keys); a directory that is
+neither loom's nor a readable Megatron checkpoint gets one line saying what it is
+(:func:`loom.checkpoint.megatron.locate.diagnose`).
 
 Prints the iteration, the parallel layout it was saved at, consumed samples, every parameter
 under its layout-free name with its global (unsharded) shape, dtype and size, the totals, the
@@ -22,10 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.allow_abbrev = False
     parser.add_argument("action", choices=["inspect", "convert"],
                         help="inspect: list the checkpoint; convert: to or from Hugging Face "
-                             "(--to-hf / --from-hf)")
+                             "(--to-hf / --from-hf) or Megatron-LM (--to-megatron / "
+                             "--from-megatron)")
     parser.add_argument("dir", help="checkpoint directory (as given to --save), or one iter_N/; "
                                     "with --from-hf the Hugging Face directory")
-    parser.add_argument("out", nargs="?", help="convert: the output directory")
+    parser.add_argument("out", nargs="?", help="convert: the output directory (or --save OUT)")
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--to-hf", action="store_true",
                      help="write a Hugging Face model directory (config.json, "
@@ -43,12 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_shard_size (5GB, 500MB, 2GiB or bytes; default: 5GB); a "
                              "larger export is split into model-0000x-of-0000N.safetensors "
                              "with model.safetensors.index.json")
+    way.add_argument("--to-megatron", action="store_true",
+                     help="write a Megatron-LM checkpoint root (iter_N/ in the torch_dist "
+                          "format + latest_checkpointed_iteration.txt) that Megatron-Core's "
+                          "dist_checkpointing.load and Megatron-LM's --load read; the vocabulary "
+                          "is padded for --tensor-model-parallel-size (default 1)")
+    way.add_argument("--from-megatron", action="store_true",
+                     help="read a Megatron-LM / Megatron-Core checkpoint (torch_dist or torch "
+                          "format, any TP/PP/EP) into a loom checkpoint; the model is its saved "
+                          "args' unless model flags are given here")
     parser.add_argument("--ckpt-step", type=int, default=None,
                         help="iteration to inspect (default: the latest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--overwrite", action="store_true",
                         help="convert: replace files already in the output directory (default: "
                              "refuse; never into a training checkpoint directory)")
+    from loom.config import add_config_arguments
+    add_config_arguments(parser)  # the model flags of --from-megatron, --save, the target TP
 
 
 def natural_key(name: str) -> list:
@@ -63,9 +82,22 @@ def inspect(path: str, step=None) -> dict:
     bytes}} (sorted by name, numbers as numbers), total_parameters, total_bytes, config}``. Raises ConfigError for a directory
     that holds no checkpoint."""
     from loom.checkpoint.io import open_checkpoint, read_common
+    from loom.checkpoint.megatron.locate import diagnose, locate
     from loom.checkpoint.safety import resolve_checkpoint
-    ckpt = path if os.path.exists(os.path.join(path, "common.pt")) else \
-        resolve_checkpoint(path, step)
+    found = locate(path, step)
+    if found is not None:
+        from loom.checkpoint.megatron.inspect import inspect_megatron
+        return inspect_megatron(found)
+    if diagnose(path):
+        raise ConfigError(diagnose(path))
+    try:
+        ckpt = path if os.path.exists(os.path.join(path, "common.pt")) else \
+            resolve_checkpoint(path, step)
+    except ConfigError:
+        pointed = _pointed(path)
+        if pointed and diagnose(pointed):
+            raise ConfigError(diagnose(pointed)) from None
+        raise
     if ckpt is None:
         raise ConfigError(f"{path}: no checkpoint there (no latest_checkpointed_iteration.txt)")
     integrity = _integrity(ckpt)
@@ -96,6 +128,17 @@ def inspect(path: str, step=None) -> dict:
             "config": common.get("config", {}), "integrity": integrity}
 
 
+def _pointed(root: str):
+    """The directory the ``latest`` pointer of ``root`` names (None when there is none)."""
+    from loom.paths import LATEST
+    try:
+        with open(os.path.join(root, LATEST), encoding="utf-8") as fh:
+            text = fh.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return os.path.join(root, f"iter_{int(text):07d}") if text.isdigit() else None
+
+
 def _integrity(ckpt: str) -> str:
     """``ok (N files match manifest.json)``, ``MISSING manifest.json`` (a current-format
     checkpoint whose manifest is gone), ``CORRUPTED: ...`` naming each damaged, missing or
@@ -124,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     from loom.checkpoint.holds import take_hold
     hold = None
     direct = os.path.exists(os.path.join(args.dir, "common.pt"))  # one iter_N/ given
-    if not (args.action == "convert" and args.from_hf) and not direct and \
+    if not (args.action == "convert" and (args.from_hf or args.from_megatron)) and \
+            not direct and \
             os.path.isdir(args.dir):
         _, hold = take_hold(args.dir, args.ckpt_step)  # never pruned while read
     try:
@@ -136,13 +180,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.action == "convert":
-        from loom.checkpoint.convert import from_hf, to_hf
-        if not args.out or not (args.to_hf or args.from_hf):
-            raise ConfigError("convert needs --to-hf or --from-hf and an output directory: "
-                              "loom checkpoint convert --to-hf CKPT_DIR OUT_DIR")
-        done = to_hf(args.dir, args.out, args.ckpt_step, args.overwrite, args.dtype,
-                     args.max_shard_size) if args.to_hf else \
-            from_hf(args.dir, args.out, args.overwrite)
+        done = _convert(args)
         print(f"wrote {done}")
         if args.to_hf and not os.path.exists(os.path.join(done, "tokenizer.json")):
             print("note: no tokenizer files and no bos/eos ids were written: the checkpoint "
@@ -150,12 +188,15 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     info = inspect(args.dir, args.ckpt_step)
     bad = int(info["integrity"].startswith(("CORRUPTED", "MISSING")))  # 1: do not load it
+    if not info["parameters"] and not bad:
+        raise ConfigError(f"{info['checkpoint']} holds no tensor loom can read: not a loom or "
+                          f"Megatron checkpoint, or a damaged one")
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return bad
+    ranks = f" ({info['world_size']} ranks)" if info["world_size"] else ""
     print(f"{info['checkpoint']}: iteration {info['iteration']}, {info['format']}, saved at "
-          f"{info['layout']} ({info['world_size']} ranks), {info['consumed_samples']} samples "
-          f"consumed")
+          f"{info['layout']}{ranks}, {info['consumed_samples']} samples consumed")
     width = max(len(n) for n in info["parameters"]) if info["parameters"] else 10
     for name, p in info["parameters"].items():
         print(f"  {name:<{width}}  {'x'.join(map(str, p['shape'])):>14}  {p['dtype']:>8}  "
@@ -167,4 +208,24 @@ def _run(args: argparse.Namespace) -> int:
             "num_query_groups", "ffn_hidden_size", "vocab_size", "seq_length", "num_experts")
     print("model: " + ", ".join(f"{k}={cfg.get(k)}" for k in keys if k in cfg))
     print(f"checksums: {info['integrity']}")
+    if info.get("optimizer"):
+        print(f"optimizer state: {info['optimizer']}")
     return bad
+
+
+def _convert(args: argparse.Namespace) -> str:
+    """``loom checkpoint convert``: the written directory."""
+    out = args.out or args.save
+    if not out or not (args.to_hf or args.from_hf or args.to_megatron or args.from_megatron):
+        raise ConfigError("convert needs --to-hf, --from-hf, --to-megatron or --from-megatron "
+                          "and an output directory: loom checkpoint convert --to-hf CKPT_DIR "
+                          "OUT_DIR (or --save OUT_DIR)")
+    if args.to_megatron or args.from_megatron:
+        from loom.checkpoint.megatron.convert import from_megatron, to_megatron
+        if args.to_megatron:
+            return to_megatron(args.dir, out, args.ckpt_step, args.overwrite,
+                               args.tensor_model_parallel_size or 1)
+        return from_megatron(args.dir, out, vars(args), args.ckpt_step, args.overwrite)
+    from loom.checkpoint.convert import from_hf, to_hf
+    return to_hf(args.dir, out, args.ckpt_step, args.overwrite, args.dtype,
+                 args.max_shard_size) if args.to_hf else from_hf(args.dir, out, args.overwrite)

@@ -29,8 +29,9 @@ def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False,
     read or written)."""
     from loom.checkpoint.hf_export import DTYPES, export
     from loom.checkpoint.integrity import verify_read
-    from loom.checkpoint.io import read_common
-    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
+    from loom.checkpoint.io import latest_checkpoint, read_common
+    from loom.checkpoint.megatron import found_at
+    from loom.checkpoint.safety import check_checkpoint_files
     from loom.checkpoint.safetensors_shards import parse_size
     from loom.checkpoint.targets import check_output_dir
     from loom.config import LoomConfig
@@ -40,14 +41,19 @@ def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False,
     parse_size(max_shard_size)  # refused before anything is read
     check_output_dir(out_dir, f"--to-hf output {out_dir}", overwrite)
     ckpt = ckpt_path if os.path.exists(os.path.join(ckpt_path, "common.pt")) else \
-        resolve_checkpoint(ckpt_path, step)
+        latest_checkpoint(ckpt_path, step)  # (a Megatron-LM checkpoint too)
     if ckpt is None:
         raise ConfigError(f"{ckpt_path}: no checkpoint there")
-    check_checkpoint_files(ckpt)  # the shards are verified as they are read
-    tok = os.path.join(ckpt, "tokenizer.json")
-    if os.path.exists(tok):
-        verify_read(ckpt, ["tokenizer.json"])
-    cfg = LoomConfig.from_flat(read_common(ckpt)["config"], ignore_retired=True).model
+    if found_at(ckpt) is None:  # loom's: verified (a Megatron directory: read by its reader)
+        check_checkpoint_files(ckpt)  # the shards are verified as they are read
+        if os.path.exists(os.path.join(ckpt, "tokenizer.json")):
+            verify_read(ckpt, ["tokenizer.json"])
+    flat = read_common(ckpt)["config"]
+    if not flat:  # a bare Megatron-Core checkpoint: no saved args
+        raise ConfigError(f"{ckpt}: no model config saved with it (a bare Megatron-Core "
+                          f"checkpoint): convert it with --from-megatron and the model flags "
+                          f"first")
+    cfg = LoomConfig.from_flat(flat, ignore_retired=True).model
     family = get_family(cfg.model_type)  # its mapping: loom.models.<family>.hf
     if family.hf is None or family.hf.export_config is None:
         raise ConfigError(f"{ckpt}: a {cfg.model_type} model has no Hugging Face layout to "

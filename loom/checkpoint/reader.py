@@ -27,6 +27,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from loom.checkpoint.legacy import LegacyIndex, canonical_name, is_legacy
+from loom.checkpoint.megatron import common as megatron
+from loom.checkpoint.megatron.locate import locate
 from loom.checkpoint.optimizer_state import load_optimizer_state_by_name
 from loom.checkpoint.safety import resolve_checkpoint
 from loom.errors import ConfigError
@@ -149,10 +151,15 @@ class DcpIndex:
         return model, optim, rng
 
 
-def open_checkpoint(ckpt_dir: str):
-    """The reader of ``ckpt_dir``: :class:`DcpIndex` (v2) or the read-only v1
-    :class:`~loom.checkpoint.legacy.LegacyIndex`; both have ``names``, ``parameters()``,
+def open_checkpoint(ckpt_dir: str, model_cfg=None):
+    """The reader of ``ckpt_dir``: :class:`DcpIndex` (v2), the read-only v1
+    :class:`~loom.checkpoint.legacy.LegacyIndex`, or a Megatron checkpoint's
+    :class:`~loom.checkpoint.megatron.index.MegatronIndex` (for a model of ``model_cfg``,
+    default: its saved args'); all have ``names``, ``parameters()``,
     ``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)``."""
+    found = megatron.found_at(ckpt_dir)
+    if found is not None:
+        return megatron.open_index(found, model_cfg)
     return LegacyIndex(ckpt_dir) if is_legacy(ckpt_dir) else DcpIndex(ckpt_dir)
 
 
@@ -160,8 +167,10 @@ def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str
     """The directory named by ``latest_checkpointed_iteration.txt`` (or ``iter_{step}``), or
     None when ``load_dir`` holds no checkpoint. Raises ConfigError naming the pointer file when
     it is unreadable or names a missing iteration (see
-    :func:`loom.checkpoint.safety.resolve_checkpoint`)."""
-    return resolve_checkpoint(load_dir, step)
+    :func:`loom.checkpoint.safety.resolve_checkpoint`). A Megatron-LM checkpoint directory
+    (:func:`loom.checkpoint.megatron.locate.locate`) resolves the same way."""
+    found = locate(load_dir, step)
+    return found.path if found is not None else resolve_checkpoint(load_dir, step)
 
 
 def read_common(ckpt_dir: str, verify: bool = True) -> dict:
@@ -169,7 +178,11 @@ def read_common(ckpt_dir: str, verify: bool = True) -> dict:
     against the manifest. Raises ConfigError naming the file when it is corrupt or unreadable
     (one line, no traceback), or written in another format than ``metadata.json`` claims (a
     checkpoint relabelled to skip the manifest). ``verify=False``: neither (``loom checkpoint
-    inspect`` describing a checkpoint it reports damaged)."""
+    inspect`` describing a checkpoint it reports damaged). A Megatron checkpoint's:
+    :func:`loom.checkpoint.megatron.common.read_common`."""
+    found = megatron.found_at(ckpt_dir)
+    if found is not None:
+        return megatron.read_common(found)
     from loom.checkpoint.integrity import _claimed_format, verify_read
     path = os.path.join(ckpt_dir, "common.pt")
     if verify:
@@ -225,7 +238,8 @@ def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: 
 @torch.no_grad()
 def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
                     optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
-                    tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
+                    tracker: Optional[RNGTracker], step: Optional[int] = None,
+                    model_cfg=None) -> Optional[dict]:
     """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
     scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``;
     ``checkpoint_dir``, ``saved_layout``, ``optimizer_restored``, ``rng_restored``: what was
@@ -236,18 +250,28 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     Works across layouts: weights and Adam states are resharded by name (also across DP sizes
     and with or without the distributed optimizer). RNG states are restored
     only when the world size and layout match (otherwise the generators keep their fresh seeds).
+    A Megatron checkpoint is read as a model of ``model_cfg`` (default: its saved args'):
+    weights, Adam states where its layout maps (else ConfigError unless ``optimizer`` is None),
+    the scheduler at its iteration; its generators are not loom's (fresh seeds).
     """
     ckpt = latest_checkpoint(load_dir, step)
     if ckpt is None:
         return None
-    index = open_checkpoint(ckpt)
+    found = megatron.found_at(ckpt)
+    index = open_checkpoint(ckpt, model_cfg)
+    same_layout, meta = False, {}  # (a Megatron checkpoint's generators are not loom's)
+    if found is not None:
+        index.check_complete()
+        if optimizer is not None and not index.optim_ok:
+            raise ConfigError(megatron.optimizer_refusal(found))
+    else:
+        from loom.checkpoint.integrity import read_metadata_json
+        meta = read_metadata_json(ckpt)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
     params = _named_params(model_chunks)
     optim_names = [] if optimizer is None else [n for n in params
                                                 if index.has_optimizer_state(n)]
-    from loom.checkpoint.integrity import read_metadata_json
-    meta = read_metadata_json(ckpt)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
     full, states, rng = index.load(params, optim_names,
                                    mesh.rank if tracker is not None and same_layout else None)
     for name, (p, pmeta) in params.items():  # ZeRO-3 (DTensor): this DP rank's slice
@@ -255,6 +279,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     if optimizer is not None:
         _restore_optimizer(optimizer, params, full, states, mesh)
     common = read_common(ckpt)
+    if scheduler is not None and found is not None:  # the schedule continues at its iteration
+        scheduler.last_epoch = common["iteration"]
     if scheduler is not None and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"])
         # load_state_dict restores the schedule, not the optimizer's current lr: set it too.

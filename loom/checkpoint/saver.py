@@ -1,5 +1,7 @@
 """The trainer's checkpoint saves: synchronous, or ``--async-save`` (training continues while
 DCP writes; the rename and the ``latest`` pointer follow once every rank's files are written).
+``--ckpt-format torch_dist`` writes Megatron's format instead of loom's own ``loom_dcp``
+(:mod:`loom.checkpoint.megatron.train_save`, synchronous).
 
 An asynchronous save is finalized (rank 0 renames ``iter_N.tmp`` and moves the pointer) at the
 first step check that finds its write complete (:meth:`Saver.poll`), at the latest before the
@@ -84,11 +86,20 @@ class Saver:
             minutes = self.cfg.fault_tolerance.distributed_timeout_minutes
             self.group = dist.new_group(backend="gloo",
                                         timeout=datetime.timedelta(minutes=minutes))
-        job = start_save(save_dir, iteration, model_chunks, optimizer, scheduler, mesh, tracker,
-                         consumed_samples=consumed_samples, config=self.cfg.to_flat(),
-                         tokenizer_file=self._tokenizer(tokenizer_file),
-                         async_save=self.async_save, group=self.group,
-                         after_write=after_write, data=self._data())
+        if self.cfg.training.ckpt_format == "torch_dist":  # Megatron's format (synchronous)
+            from loom.checkpoint.megatron.train_save import start_megatron_save
+            job = start_megatron_save(save_dir, iteration, model_chunks, optimizer, scheduler,
+                                      mesh, consumed_samples=consumed_samples,
+                                      config=self.cfg.to_flat(), model_cfg=self.cfg.model,
+                                      tokenizer_file=self._tokenizer(tokenizer_file),
+                                      after_write=after_write, data=self._data())
+        else:
+            job = start_save(save_dir, iteration, model_chunks, optimizer, scheduler, mesh,
+                             tracker, consumed_samples=consumed_samples,
+                             config=self.cfg.to_flat(),
+                             tokenizer_file=self._tokenizer(tokenizer_file),
+                             async_save=self.async_save, group=self.group,
+                             after_write=after_write, data=self._data())
         if job.future is None:
             finalize_save(job)
             self._prune(job)

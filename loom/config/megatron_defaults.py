@@ -252,7 +252,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "log_params_norm": (False, "megatron/training/config/training_config.py:250", ''),
     "use_megatron_fsdp": (False, "megatron/training/config/common_config.py:92", 'loom: --zero-stage from the sharding strategy'),
     "data_parallel_sharding_strategy": ('optim_grads_params', "megatron/training/arguments.py:3190", ''),
-    "ckpt_format": ('torch_dist', "megatron/training/config/training_config.py:486", "torch refused; the others are loom's DCP"),
+    "ckpt_format": ('torch_dist', "megatron/training/config/training_config.py:486", "loom's default is its own loom_dcp (LOOM_OWN); torch_dist writes Megatron's format; torch_dcp / fsdp_dtensor write loom_dcp; torch refused (read by --load)"),
     "pretrained_checkpoint": (None, "megatron/training/config/training_config.py:468", ''),
     "use_checkpoint_args": (False, "megatron/training/config/training_config.py:474", ''),
     "tokenizer_model": (None, "megatron/training/config/training_config.py:714", ''),
@@ -290,3 +290,11 @@ SAME_MEANING = MappingProxyType({
                                       # loom's None, resolved), a without it (loom: None = a)
 })
 """``{field: loom default}`` where loom spells Megatron's default differently, same effect."""
+
+LOOM_OWN = MappingProxyType({
+    "ckpt_format": "loom_dcp",  # Megatron torch_dist: the run trains the same; only the files
+                                # differ (loom's own keep generators, data identities, checksums,
+                                # async saves); --ckpt-format torch_dist writes Megatron's
+})
+"""``{field: loom default}`` where loom's default differs from Megatron's on purpose without
+changing the run (what a save writes), each with its reason."""

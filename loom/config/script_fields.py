@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from loom.config.fields import opt
 
-CkptFormat = Literal["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
+CkptFormat = Literal["loom_dcp", "torch_dist", "torch", "torch_dcp", "fsdp_dtensor"]
 OptimizerName = Literal["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
 TimingLogOption = Literal["max", "minmax", "all"]
 ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -93,8 +93,11 @@ class TrainingScriptFields:
         "optim_grads_params", "with --use-megatron-fsdp: no_shard (ZeRO 0), optim (1), "
                               "optim_grads (2), optim_grads_params (3)")
     ckpt_format: CkptFormat = opt(
-        "torch_dist", "checkpoint format: torch_dist, torch_dcp and fsdp_dtensor are loom's "
-                      "DCP checkpoints; torch (pickled legacy) is refused")
+        "loom_dcp", "what --save writes: loom_dcp (loom's own; Megatron's default is torch_dist: "
+                    "the run trains the same) or torch_dist (Megatron's, which Megatron-LM "
+                    "--load reads: weights, Adam states, iteration, saved synchronously, no RNG "
+                    "state); torch_dcp / fsdp_dtensor write loom_dcp (said at start); torch is "
+                    "refused (--load reads every format, detected)")
     pretrained_checkpoint: Optional[str] = opt(
         None, "fine-tuning: when --load holds no checkpoint, load only the weights of this one "
               "and start at iteration 0 (Megatron's semantics)")

@@ -122,9 +122,13 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
             t.use_distributed_optimizer = False  # (prefetching the next layer's: Megatron
             t.overlap_param_gather = False       # FSDP's --overlap-param-gather)
     if t.ckpt_format == "torch":
-        raise ConfigError("--ckpt-format torch (Megatron's pickled legacy format) is not "
-                          "written or read by loom: give --ckpt-format torch_dist (loom's "
-                          "torch.distributed.checkpoint format)")
+        raise ConfigError("--ckpt-format torch (Megatron's pickled per-rank format) is read by "
+                          "--load (detected) but not written by loom: drop it (loom's own "
+                          "loom_dcp) or give --ckpt-format torch_dist (Megatron's format)")
+    if t.ckpt_format == "torch_dist" and m.model_type not in ("gpt", "mamba"):
+        raise ConfigError(f"--ckpt-format torch_dist (Megatron's format) is written for the gpt "
+                          f"and mamba families, not --model-type {m.model_type}: drop it "
+                          f"(loom's own loom_dcp)")
     if t.dataloader_type in ("cyclic", "external"):
         raise ConfigError(f"--dataloader-type {t.dataloader_type}: loom reads the data once in "
                           f"order (Megatron's single); give --dataloader-type single")

@@ -6,8 +6,28 @@ unless the run continues it."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from loom.errors import ConfigError
+
+
+def megatron_at(load: str, step: Optional[int]):
+    """The Megatron-LM checkpoint ``--load`` names (:func:`loom.checkpoint.megatron.locate.
+    locate`), or None for loom's own (or none)."""
+    from loom.checkpoint.megatron.locate import locate
+    return locate(load, step)
+
+
+def megatron_start(found, ck) -> int:
+    """The iteration a Megatron checkpoint resumes at; refuses (one line) a checkpoint whose
+    optimizer state loom cannot take unless ``--no-load-optim`` (see
+    :func:`loom.checkpoint.megatron.common.optimizer_refusal`)."""
+    from loom.checkpoint.megatron.common import optimizer_refusal, read_common
+    if not ck.no_load_optim:
+        why = optimizer_refusal(found)
+        if why:
+            raise ConfigError(why)
+    return int(read_common(found)["iteration"])
 
 
 def check_checkpoints(cfg, dry_run: bool = False) -> int:
@@ -26,8 +46,11 @@ def check_checkpoints(cfg, dry_run: bool = False) -> int:
     ck, rank0 = cfg.checkpoint, os.environ.get("RANK", "0") == "0"
     start, ckpt = 0, None
     if ck.load:
-        ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
-        if ckpt is not None:
+        found = megatron_at(ck.load, ck.ckpt_step)  # a Megatron-LM checkpoint: its own reader
+        ckpt = found.path if found else resolve_checkpoint(ck.load, ck.ckpt_step)
+        if found is not None:
+            start = 0 if ck.finetune else megatron_start(found, ck)
+        elif ckpt is not None:
             check_checkpoint_files(ckpt)
             note = integrity_note(ckpt)
             if note and rank0:

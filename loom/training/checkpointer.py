@@ -92,7 +92,8 @@ class Checkpointer:
         ckpt = latest_checkpoint(load_dir, ck.ckpt_step)
         if ckpt is not None:
             saved = read_common(ckpt)["config"]
-            check_same_model(saved, cfg.model, ckpt, self.family)
+            if saved:  # (a bare Megatron-Core checkpoint stores none: its shapes are checked)
+                check_same_model(saved, cfg.model, ckpt, self.family)
             unmerged = {k: v for k, v in reconcile_schedule(saved, cfg, ckpt).items()
                         if getattr(cfg.training, k) != v}
             if unmerged:  # loom.training.cli.prepare merges them before validation
@@ -103,7 +104,7 @@ class Checkpointer:
                                  None if weights_only else self.optimizer,
                                  None if weights_only else self.scheduler, self.mesh,
                                  None if ck.finetune or ck.no_load_rng else self.tracker,
-                                 step=ck.ckpt_step)
+                                 step=ck.ckpt_step, model_cfg=cfg.model)
         if common is None:
             return None
         self._refuse_nonfinite(common["checkpoint_dir"], load_dir)

@@ -17,7 +17,7 @@ from typing import Optional
 
 from loom.config import LoomConfig, add_config_arguments, config_from_args
 from loom.errors import ConfigError
-from loom.training.checkpoint_checks import check_checkpoints
+from loom.training.checkpoint_checks import check_checkpoints, megatron_at
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +142,9 @@ def _stored_config(cfg: LoomConfig) -> Optional[tuple[str, dict]]:
         return None
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
+    found = megatron_at(ck.load, ck.ckpt_step)
+    if found is not None:
+        return found.path, read_common(found.path)["config"]
     ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
     if ckpt is None:
         return None
@@ -182,9 +185,10 @@ def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
     if vocab is None and not cfg.data.mock_data:
         vocab = blend_vocab_size(cfg.data)
     if vocab is None and cfg.checkpoint.load:
-        ckpt = resolve_checkpoint(cfg.checkpoint.load, None)
+        found = megatron_at(cfg.checkpoint.load, None)
+        ckpt = found.path if found else resolve_checkpoint(cfg.checkpoint.load, None)
         if ckpt:
-            vocab = read_common(ckpt)["config"]["vocab_size"]
+            vocab = read_common(ckpt)["config"].get("vocab_size")
     if vocab is None:
         raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
                           "`loom preprocess`) or --mock-data --vocab-size V")
@@ -233,6 +237,9 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         flat.update(taken)
         if flags.training.use_checkpoint_args:
             import dataclasses
+            if not stored[1]:
+                raise ConfigError(f"--use-checkpoint-args: {stored[0]} holds no saved args (a "
+                                  f"bare Megatron-Core checkpoint): give the model flags")
 
             from loom.config import ModelConfig
             from loom.training.resume import checkpoint_model_args
@@ -253,10 +260,11 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     if not getattr(args, "dry_run", False):
         from loom.training.script_checks import refuse_unimplemented
         refuse_unimplemented(cfg)
-    if stored is not None:
+    if stored is not None and stored[1]:  # (a bare Megatron-Core checkpoint stores no config)
         schedule = _check_same_model(cfg, *stored)
         from loom.checkpoint.data_match import check_same_data
-        check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
+        if not megatron_at(stored[0], None):  # Megatron stores no loom data identities
+            check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
             cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
     return cfg
@@ -280,7 +288,8 @@ def _pretrained(cfg: LoomConfig) -> LoomConfig:
     from loom.checkpoint.safety import resolve_checkpoint
     from loom.training.resume import pretrained_source
     load, finetune = pretrained_source(ck.load, cfg.training.pretrained_checkpoint,
-                                       lambda d: resolve_checkpoint(d, None) is not None)
+                                       lambda d: megatron_at(d, None) is not None or
+                                       resolve_checkpoint(d, None) is not None)
     if not finetune:
         return cfg
     if os.environ.get("RANK", "0") == "0":

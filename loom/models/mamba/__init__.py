@@ -10,4 +10,5 @@ from loom.models.mamba.model import MambaModel
 
 FAMILY = ModelFamily(name="mamba", build=MambaModel, plan=parallelize.plan,
                      init=parallelize.init, forward_step=forward_step, generation=Generation(),
-                     evaluation_tasks=("perplexity", "cloze"), hf=HF)
+                     evaluation_tasks=("perplexity", "cloze"), hf=HF,
+                     megatron_checkpoints=True)
