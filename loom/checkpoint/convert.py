@@ -30,7 +30,7 @@ def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False,
     from loom.checkpoint.hf_export import DTYPES, export
     from loom.checkpoint.integrity import verify_read
     from loom.checkpoint.io import latest_checkpoint, read_common
-    from loom.checkpoint.megatron import found_at
+    from loom.checkpoint.megatron.common import found_at
     from loom.checkpoint.safety import check_checkpoint_files
     from loom.checkpoint.safetensors_shards import parse_size
     from loom.checkpoint.targets import check_output_dir
