@@ -95,8 +95,10 @@ def take_hold(root: str, step: Optional[int] = None) -> tuple[Optional[str], Opt
     ``--ckpt-step``), resolved and held in one step under :func:`root_guard`; hold None when
     the root is not writable. ``(None, None)`` when the root holds no checkpoint. Raises
     ConfigError as :func:`loom.paths.resolve_checkpoint`."""
+    from loom.checkpoint.megatron.locate import locate  # torch-free
     with root_guard(root):
-        ckpt = resolve_checkpoint(root, step)
+        found = locate(root, step)  # a Megatron-LM checkpoint: its own iteration layout
+        ckpt = found.path if found is not None else resolve_checkpoint(root, step)
         if ckpt is None:
             return None, None
         path = os.path.join(root, _hold_name(ckpt))

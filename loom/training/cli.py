@@ -224,6 +224,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
                                       "vocab_size": flags.model.vocab_size + 1})
     flat, stored = flags.to_flat(), _stored_config(flags)
     rank0 = os.environ.get("RANK", "0") == "0"
+    notes: list[str] = []  # said once every check has passed (a refusal stays one line)
     if stored is not None:
         taken = model_from_checkpoint(flags, stored[1], given_fields(args))
         would = dict(flat)  # what this command alone gives (V: the data's, when it names data)
@@ -231,9 +232,9 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
             from loom.data.blended import blend_vocab_size
             would["vocab_size"] = blend_vocab_size(flags.data)
         said = _taken_flags({k: v for k, v in taken.items() if would.get(k) != v})
-        if said and rank0:  # never silently: e.g. a LLaMA checkpoint under plain GPT flags
-            print(f"loom train: --load {flags.checkpoint.load}: the model flags not given here "
-                  f"are the checkpoint's: {said}", flush=True)
+        if said:  # never silently: e.g. a LLaMA checkpoint under plain GPT flags
+            notes.append(f"loom train: --load {flags.checkpoint.load}: the model flags not "
+                         f"given here are the checkpoint's: {said}")
         flat.update(taken)
         if flags.training.use_checkpoint_args:
             import dataclasses
@@ -267,6 +268,8 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
             check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
             cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
+    for note in notes if rank0 else ():
+        print(note, flush=True)
     return cfg
 
 

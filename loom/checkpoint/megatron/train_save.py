@@ -81,8 +81,9 @@ def start_megatron_save(save_dir: str, iteration: int, model_chunks: Sequence, o
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from loom.checkpoint.io import (PendingSave, _agree, _rank, _save_failed, _storage_writer,
+    from loom.checkpoint.io import (PendingSave, _agree, _rank, _storage_writer,
                                     single_process_quiet)
+    from loom.checkpoint.save_errors import save_failed
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     job = PendingSave(save_dir, iteration, final, final + ".tmp", device=mesh.device,
                       started=time.perf_counter())
@@ -111,7 +112,7 @@ def start_megatron_save(save_dir: str, iteration: int, model_chunks: Sequence, o
         _agree(failure, job.device)
         job.written_s = time.perf_counter() - job.started
     except (OSError, CheckpointException) as e:
-        raise _save_failed(save_dir, iteration, job.tmp, e) from e
+        raise save_failed(save_dir, iteration, job.tmp, e) from e
     return job
 
 
