@@ -70,7 +70,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "moe_z_loss_coeff": (None, "megatron/core/transformer/transformer_config.py:880", "no z-loss; loom's 0.0 means the same"),
     "moe_expert_capacity_factor": (None, "megatron/core/transformer/transformer_config.py:917", ''),
     "moe_shared_expert_gate": (False, "megatron/core/transformer/transformer_config.py:713", ''),
-    "moe_router_load_balancing_type": ('aux_loss', "megatron/core/transformer/transformer_config.py:743", 'one type (Megatron also takes a list; sinkhorn and quantile_balancing are not in loom)'),
+    "moe_router_load_balancing_type": ('aux_loss', "megatron/core/transformer/transformer_config.py:743", 'one type (Megatron also takes a list; quantile_balancing is not in loom)'),
     "moe_router_enable_expert_bias": (False, "megatron/core/transformer/transformer_config.py:816", ''),
     "moe_router_bias_update_rate": (0.001, "megatron/core/transformer/transformer_config.py:821", ''),
     "moe_router_num_groups": (None, "megatron/core/transformer/transformer_config.py:780", ''),

@@ -16,7 +16,8 @@ expert TP 1: wider expert GEMMs) and TP rank r runs every t-th of the routed (to
 pairs, starting at r; the same one all-reduce sums the pair outputs (each computed on exactly
 one TP rank), and the experts' gradients, partial over TP, are summed over it after backward
 (``ParamMeta.tp_partial_grad``). The shared expert stays sharded over TP.
-Under context parallelism the router's load statistics are summed over the CP group. Under
+Under context parallelism the router's load statistics (and sinkhorn routing's column sums) are
+summed over the CP group. Under
 sequence parallelism the layer all-gathers its ``[s/t, b, h]`` tokens first (every TP rank
 routes all of them, so the router's load statistics are the full micro-batch's) and keeps its
 own ``s/t`` slice of the output.
@@ -121,11 +122,21 @@ class ContextParallelRouterStats(nn.Module):
     whole sequence's (as on one rank): assignments and token counts all-reduced, the
     probability mass through an all-reduce whose backward is the identity (every CP rank then
     holds the same loss and differentiates it w.r.t. its own tokens). The MoE layer scales the
-    loss's gradient by c (``aux_scale``), since gradients are averaged over DP x CP."""
+    loss's gradient by c (``aux_scale``), since gradients are averaged over DP x CP. Sinkhorn
+    routing sums its per-expert column sums and token count through :meth:`sum`, so its
+    balanced assignment is the whole sequence's too."""
 
     def __init__(self, group):
         super().__init__()
         self.group = group
+
+    @torch.no_grad()
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the CP group (no gradient): sinkhorn routing's per-expert column
+        sums and token count (:func:`loom.models.moe_router.sinkhorn`)."""
+        out = t.detach().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
 
     def forward(self, routed, prob_mass, tokens):
         both = torch.cat([routed.detach(), tokens.detach().view(1)])
