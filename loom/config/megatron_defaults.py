@@ -227,7 +227,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "rotary_percent": (1.0, "megatron/training/arguments.py:2420", 'values below 1 refused'),
     "use_rotary_position_embeddings": (False, "megatron/training/arguments.py:2415", '= --position-embedding-type rope'),
     "no_position_embedding": (False, "megatron/training/arguments.py:2437", 'dest add_position_embedding=True'),
-    "squared_relu": (False, "megatron/training/arguments.py:2448", 'not with --swiglu (as Megatron) or MoE experts'),
+    "squared_relu": (False, "megatron/training/arguments.py:2448", 'not with --swiglu (as Megatron); the experts too'),
     "lr_warmup_samples": (0, "megatron/training/config/training_config.py:193", ''),
     "lr_decay_samples": (None, "megatron/training/config/training_config.py:178", ''),
     "lr_warmup_init": (0.0, "megatron/training/config/training_config.py:196", ''),

@@ -34,8 +34,8 @@ class ModelScriptFields:
         None, "Mamba-2 heads per layer: d_inner = heads x --mamba-head-dim (default: "
               "--mamba-expand x h / --mamba-head-dim); sets --mamba-expand, so it must be a "
               "multiple of h", ge=1)
-    squared_relu: bool = opt(False, "MLP activation relu(x)^2 instead of GeLU (So et al. "
-                                    "2021, Primer; not with --swiglu or MoE experts)")
+    squared_relu: bool = opt(False, "MLP and expert activation relu(x)^2 instead of GeLU (So "
+                                    "et al. 2021, Primer; not with --swiglu)")
     moe_token_drop_policy: Literal["probs", "position"] = opt(
         "probs", "with --moe-expert-capacity-factor: drop the tokens of lowest router score "
                  "(probs, loom's) or the last ones (position: refused)")

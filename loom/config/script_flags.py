@@ -134,10 +134,9 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
                               f"{m.mamba_head_dim} = {width} is not a multiple of --hidden-size "
                               f"{m.hidden_size}: loom's Mamba width is --mamba-expand x h")
         m.mamba_expand = width // m.hidden_size
-    if m.squared_relu and (m.swiglu or m.num_experts):  # Megatron: assert not args.swiglu
-        raise ConfigError("--squared-relu replaces GeLU in the dense MLP: drop --swiglu"
-                          if m.swiglu else "--squared-relu with --num-experts: loom's experts "
-                          "use GeLU or SwiGLU; drop --squared-relu")
+    if m.squared_relu and m.gated_linear_unit:  # Megatron: assert not args.swiglu
+        raise ConfigError("--squared-relu replaces GeLU in the MLP and the experts: drop "
+                          + ("--swiglu" if m.swiglu else "--quick-geglu"))
     if m.moe_token_drop_policy == "position" and m.moe_expert_capacity_factor is not None:
         raise ConfigError("--moe-token-drop-policy position: loom drops the tokens of lowest "
                           "router score over capacity; give --moe-token-drop-policy probs")

@@ -2,7 +2,8 @@
 Mixtral; DeepSeek-V3 for sigmoid routing and shared experts).
 
 ``x [s, b, h]`` -> tokens ``[T, h]`` (T = s b) -> router logits ``[T, E]`` (fp32) -> top-k
-experts per token with weights -> each expert (a GeLU or SwiGLU MLP) on its tokens -> the
+experts per token with weights -> each expert (a GeLU, SwiGLU, gated or squared-ReLU MLP) on
+its tokens -> the
 weighted sum over the k choices, plus an always-on shared expert. Dropless by default; with
 ``--moe-expert-capacity-factor`` f each expert keeps at most ``ceil(f T k / E)`` tokens (those
 with the highest router score) and the rest are dropped.
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.models.activation import gated_activation
+from loom.models.activation import expert_activation
 from loom.models.moe_router import Routing, TopKRouter, route  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,9 @@ def activate(y: torch.Tensor, swiglu: bool, act=None) -> torch.Tensor:
 
 
 class ExpertMLP(nn.Module):
-    """One expert: ``[n, h] -> [n, h]`` through ``f`` features, GeLU or SwiGLU. ``add_fc2_bias``:
+    """One expert: ``[n, h] -> [n, h]`` through ``f`` features, GeLU, SwiGLU or ``act`` (a gated
+    activation, or ``--squared-relu``: :func:`~loom.models.activation.expert_activation`;
+    FC1 is ``2f`` wide when ``swiglu``, the gate). ``add_fc2_bias``:
     whether this rank's (partial, TP-sharded) output carries FC2's bias (:class:`AddBias`)."""
 
     def __init__(self, h: int, f: int, swiglu: bool, bias: bool, act=None):
@@ -211,7 +214,7 @@ class MoELayer(nn.Module):
         bias = not cfg.disable_bias_linear
         self.layer_number, self.cfg = layer_number, cfg
         self.router = TopKRouter(cfg)
-        gated, act = cfg.gated_linear_unit, gated_activation(cfg)
+        gated, act = cfg.gated_linear_unit, expert_activation(cfg)
         self.experts = nn.ModuleDict({str(i): ExpertMLP(h, cfg.moe_ffn_size, gated, bias, act)
                                       for i in range(E)})
         self.shared_experts = None
