@@ -65,20 +65,21 @@ def check_mamba(m: Any, tp: int, cp: int) -> None:
     if m.model_type != "mamba":
         return
     pat = m.hybrid_override_pattern or "M" * m.num_layers
-    d_inner, hd, ng = m.mamba_expand * m.hidden_size, m.mamba_head_dim, m.mamba_num_groups
+    d_inner, hd, ng = m.mamba_d_inner, m.mamba_head_dim, m.mamba_num_groups
+    width = ("--mamba-num-heads x --mamba-head-dim" if m.mamba_num_heads is not None
+             else "--mamba-expand x --hidden-size")
     if len(pat) != m.num_layers or set(pat) - set("M*-"):
         raise ConfigError(f"--hybrid-override-pattern {pat!r} must have --num-layers "
                           f"{m.num_layers} characters of M (Mamba), * (attention), - (MLP)")
     if d_inner % hd or (d_inner // hd) % ng:
-        raise ConfigError(f"Mamba: --mamba-expand x --hidden-size = {d_inner} must split into "
-                          f"heads of --mamba-head-dim {hd}, a multiple of --mamba-num-groups {ng}")
+        raise ConfigError(f"Mamba: {width} = {d_inner} must split into heads of "
+                          f"--mamba-head-dim {hd}, a multiple of --mamba-num-groups {ng}")
     heads = d_inner // hd  # a multiple of ng (checked above): a fitting tp divides ng
     fix = (f"use a --tensor-model-parallel-size dividing --mamba-num-groups {ng} "
            f"({', '.join(str(d) for d in range(1, ng + 1) if ng % d == 0)})")
     if "M" in pat and heads % tp:
-        raise ConfigError(f"{heads} Mamba heads (--mamba-expand x --hidden-size / "
-                          f"--mamba-head-dim) not divisible by --tensor-model-parallel-size "
-                          f"{tp}: {fix}")
+        raise ConfigError(f"{heads} Mamba heads ({width} / --mamba-head-dim) not divisible "
+                          f"by --tensor-model-parallel-size {tp}: {fix}")
     if "M" in pat and ng % tp:
         raise ConfigError(f"--mamba-num-groups {ng} is not divisible by "
                           f"--tensor-model-parallel-size {tp}: {fix}")

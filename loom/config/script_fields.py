@@ -30,10 +30,6 @@ class ModelScriptFields:
                "changes nothing; otherwise refused, as Megatron refuses it (use "
                "--position-embedding-type)")
 
-    mamba_num_heads: Optional[int] = opt(
-        None, "Mamba-2 heads per layer: d_inner = heads x --mamba-head-dim (default: "
-              "--mamba-expand x h / --mamba-head-dim); sets --mamba-expand, so it must be a "
-              "multiple of h", ge=1)
     squared_relu: bool = opt(False, "MLP and expert activation relu(x)^2 instead of GeLU (So "
                                     "et al. 2021, Primer; not with --swiglu)")
     moe_token_drop_policy: Literal["probs", "position"] = opt(

@@ -127,13 +127,6 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
     if t.dataloader_type in ("cyclic", "external"):
         raise ConfigError(f"--dataloader-type {t.dataloader_type}: loom reads the data once in "
                           f"order (Megatron's single); give --dataloader-type single")
-    if m.mamba_num_heads is not None and m.hidden_size:  # Megatron's MambaMixer
-        width = m.mamba_num_heads * m.mamba_head_dim
-        if width % m.hidden_size:
-            raise ConfigError(f"--mamba-num-heads {m.mamba_num_heads} x --mamba-head-dim "
-                              f"{m.mamba_head_dim} = {width} is not a multiple of --hidden-size "
-                              f"{m.hidden_size}: loom's Mamba width is --mamba-expand x h")
-        m.mamba_expand = width // m.hidden_size
     if m.squared_relu and m.gated_linear_unit:  # Megatron: assert not args.swiglu
         raise ConfigError("--squared-relu replaces GeLU in the MLP and the experts: drop "
                           + ("--swiglu" if m.swiglu else "--quick-geglu"))
