@@ -29,16 +29,18 @@ def _other_family(name: str, what: str, model_type: str) -> ConfigError:
 def check_gemma3(m: Any) -> None:
     """--model-type gemma3 fixes the layout (RMSNorm (1 + w), RoPE, GeGLU, no biases, tied
     output): written into the config so checkpoints describe it. Its own flags with another
-    --model-type are refused with "drop it" (``--rotary-scaling-factor``: loom has Gemma 3's
-    linear RoPE scaling only, no YaRN / ``--rope-type``)."""
+    --model-type are refused with "drop it" (``--rotary-scaling-factor``: Gemma 3's linear
+    RoPE scaling there, YaRN's factor with ``--position-embedding-type yarn`` or MLA's
+    ``--rope-type yarn`` elsewhere)."""
     if m.model_type != "gemma3":
-        if m.rotary_scaling_factor is not None and not (
-                m.multi_latent_attention and m.effective_rope_type == "yarn"):
+        yarn = m.position_embedding_type == "yarn" or (m.multi_latent_attention and
+                                                        m.effective_rope_type == "yarn")
+        if m.rotary_scaling_factor is not None and not yarn:
             raise ConfigError(f"--rotary-scaling-factor: loom implements it as Gemma 3's "
-                              f"linear RoPE scaling and as YaRN in multi-latent attention "
-                              f"(--multi-latent-attention, --rope-type yarn); other scalings "
-                              f"are not supported yet for --model-type {m.model_type}: drop "
-                              f"--rotary-scaling-factor")
+                              f"linear RoPE scaling and as YaRN's factor (--position-embedding-"
+                              f"type yarn, or --multi-latent-attention with --rope-type yarn); "
+                              f"other scalings are not supported yet for --model-type "
+                              f"{m.model_type}: drop --rotary-scaling-factor")
         for name, what in GEMMA3_ONLY:
             if getattr(m, name) is not None:
                 raise _other_family(name, what, m.model_type)

@@ -49,7 +49,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "make_vocab_size_divisible_by": (128, "megatron/training/arguments.py:2441", ''),
     "normalization": ('LayerNorm', "megatron/core/transformer/transformer_config.py:256", ''),
     "norm_epsilon": (1e-05, "megatron/core/transformer/transformer_config.py:201", ''),
-    "position_embedding_type": ('learned_absolute', "megatron/training/arguments.py:2397", ''),
+    "position_embedding_type": ('learned_absolute', "megatron/training/arguments.py:2397", 'mrope and relative not in loom'),
     "rotary_base": (10000.0, "megatron/training/arguments.py:2418", 'an int in Megatron'),
     "swiglu": (False, "megatron/training/arguments.py:2450", ''),
     "openai_gelu": (False, "megatron/training/arguments.py:2444", ''),
@@ -82,7 +82,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "moe_shared_expert_overlap": (False, "megatron/core/transformer/transformer_config.py:717", ''),
     "moe_router_force_load_balancing": (False, "megatron/core/transformer/transformer_config.py:833", 'benchmarks only'),
     "qk_layernorm": (False, "megatron/core/transformer/transformer_config.py:259", ''),
-    "rotary_scaling_factor": (1.0, "megatron/training/arguments.py:3558", "no scaling; loom's None means the same (loom: gemma3's linear scaling)"),
+    "rotary_scaling_factor": (1.0, "megatron/training/arguments.py:3558", "no scaling; loom's None means the same (YaRN's factor; gemma3's linear scaling)"),
     "multi_latent_attention": (False, "megatron/core/transformer/transformer_config.py:288", ''),
     "q_lora_rank": (None, "megatron/training/arguments.py:3548", ''),
     "kv_lora_rank": (32, "megatron/training/arguments.py:3550", ''),
@@ -95,6 +95,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "yarn_original_max_position_embeddings": (None, "megatron/training/arguments.py:2400", 'None: 4096 (Megatron reads it for non-MLA YaRN; its MLA uses MLATransformerConfig.original_max_position_embeddings 4096, loom this flag)'),
     "yarn_beta_fast": (None, "megatron/training/arguments.py:2402", 'None: 32'),
     "yarn_beta_slow": (None, "megatron/training/arguments.py:2404", 'None: 1'),
+    "yarn_correction_range_round_to_int": (None, "megatron/training/arguments.py:2406", 'None: True (argument_utils.py:413); MLA always rounds'),
     "mtp_num_layers": (None, "megatron/core/transformer/transformer_config.py:68", ''),
     "mtp_loss_scaling_factor": (0.1, "megatron/core/transformer/transformer_config.py:75", ''),
     "hybrid_override_pattern": (None, "megatron/training/arguments.py:3660", ''),
@@ -273,6 +274,7 @@ SAME_MEANING = MappingProxyType({
     "moe_z_loss_coeff": 0.0,         # Megatron None: no z-loss
     "moe_layer_freq": "1",           # Megatron 1: the flag is a string (an int or a list)
     "rotary_scaling_factor": None,   # Megatron 1.0: positions not scaled
+    "yarn_correction_range_round_to_int": True,  # Megatron None, read as True
     "max_position_embeddings": None,  # Megatron requires it; loom infers --seq-length
     "cp_comm_type": "p2p",            # Megatron ['p2p']: the words joined by spaces
     "num_query_groups": None,         # Megatron 1 under --group-query-attention (so is

@@ -54,7 +54,7 @@ def _final_batch_size(t: Any) -> Optional[int]:
 def _positions(m: Any) -> None:
     if m.use_rotary_position_embeddings:
         m.position_embedding_type = "rope"  # Megatron: arguments.py, the deprecated spelling
-    if m.no_position_embedding and m.position_embedding_type != "rope":
+    if m.no_position_embedding and not m.rotary:
         raise ConfigError("--no-position-embedding is deprecated in Megatron-LM and refused "
                           "without rotary embeddings: give --position-embedding-type none "
                           "(or rope)")

@@ -20,6 +20,7 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.attention import rope_cos_sin
+from loom.models.yarn import yarn_cos_sin
 from loom.models.family import StageSpec
 
 
@@ -130,10 +131,15 @@ class LanguageModelChunk(nn.Module):
     def layer_inputs(self, position_ids: torch.Tensor, cache, extra: dict) -> tuple:
         """What every layer takes after ``x``; default ``(rope, positions, cache, moe)`` with
         ``rope`` the cos, sin ``[s, r]`` under ``--position-embedding-type rope`` (r = d, or
-        ``--rotary-percent`` of it), else None."""
-        rope = None
-        if self.cfg.position_embedding_type == "rope":
-            rope = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rotary_base)
+        ``--rotary-percent`` of it) or ``yarn`` (r = d: :func:`~loom.models.yarn.yarn_cos_sin`
+        with ``ModelConfig.yarn_args``, Megatron-Core's ``YarnRotaryEmbedding`` of GPTModel),
+        else None."""
+        rope, c = None, self.cfg
+        if c.position_embedding_type == "rope":
+            rope = rope_cos_sin(position_ids, c.rotary_dim, c.rotary_base)
+        elif c.position_embedding_type == "yarn":
+            rope = yarn_cos_sin(position_ids, c.head_dim, c.rotary_base, **c.yarn_args(),
+                                round_to_int=c.yarn_correction_range_round_to_int)
         return rope, position_ids, cache, extra.get("moe")
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -154,7 +154,7 @@ def test_mla_head_dims_are_its_own():
 @pytest.mark.parametrize("change,world,flag", [
     (dict(multi_latent_attention=False, rope_type="yarn"), 1, "--rope-type yarn"),
     (dict(group_query_attention=True, num_query_groups=2), 1, "--group-query-attention"),
-    (dict(position_embedding_type="learned_absolute"), 1, "--position-embedding-type rope"),
+    (dict(position_embedding_type="yarn"), 1, "--position-embedding-type rope --rope-type yarn"),
     (dict(qk_pos_emb_head_dim=5), 1, "--qk-pos-emb-head-dim 5"),
     (dict(mtp_num_layers=1, pp=2, multi_latent_attention=False, rope_type=None,
           position_embedding_type="learned_absolute", rotary_scaling_factor=None), 2,

@@ -236,6 +236,10 @@ def hf_config(cfg: ModelConfig) -> dict:
             and cfg.normalization == "RMSNorm"):
         raise ConfigError(f"{TITLE} export needs --multi-latent-attention, --qk-layernorm (the "
                           f"latent norms), --swiglu and RMSNorm")
+    if cfg.position_embedding_type == "learned_absolute":
+        raise ConfigError(f"{TITLE} has no learned position table: a model trained with "
+                          f"--multi-latent-attention --position-embedding-type learned_absolute "
+                          f"does not convert")
     k = _first_dense(cfg)
     f_moe = cfg.moe_ffn_size if cfg.num_experts else cfg.ffn_size
     shared = cfg.moe_shared_expert_intermediate_size or 0

@@ -1,0 +1,149 @@
+"""Issue 42's model capabilities, single process, each against a reference: YaRN as
+``--position-embedding-type yarn`` of standard attention (Megatron-Core 0.16.1's
+``YarnRotaryEmbedding`` and ``_apply_rotary_pos_emb_bshd``, the same code as Megatron-LM
+d98e8a6), multi-latent attention with learned or no model-level positions (Megatron trains
+it: its MLA keeps its own RoPE), and the refusals of what Megatron does not train. Parity rows
+(TP=2, PP=2 against one rank): tests/parallel/test_model_caps_parity.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from loom.config import LoomConfig, ModelConfig, add_config_arguments, config_from_args
+from loom.errors import ConfigError
+from loom.models import get_family
+from loom.models.attention import apply_rope, rope_cos_sin
+from loom.models.yarn import yarn_cos_sin
+from loom.parallel.mesh import ParallelMesh
+from loom.parallel.parallelize import build_model
+
+
+def gpt(**kw) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+    return ModelConfig.llama(**{**base, **kw})
+
+
+def validated(model: ModelConfig, world: int = 1, **parallel) -> LoomConfig:
+    cfg = LoomConfig(model=model)
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    t = cfg.training
+    t.micro_batch_size, t.train_iters, t.lr = 2, 10, 1e-3
+    return cfg.validate(world)
+
+
+def _parse(argv: list) -> LoomConfig:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters",
+            "5", "--vocab-size", "128"]
+    return config_from_args(parser.parse_args(base + argv)).validate(1)
+
+
+# -- YaRN as a position-embedding type ------------------------------------------------------------
+
+@pytest.mark.parametrize("round_to_int,factor,mscale,all_dim", [
+    (True, 4.0, 1.0, 0.0), (False, 32.0, 1.0, 0.0), (True, 8.0, 0.9, 0.5)])
+def test_yarn_rotation_matches_megatron_core(monkeypatch, round_to_int, factor, mscale,
+                                             all_dim):
+    """q, k rotated by loom's ``--position-embedding-type yarn`` equal Megatron-Core's
+    GPTModel path: ``YarnRotaryEmbedding(kv_channels, ...)`` frequencies applied by
+    ``_apply_rotary_pos_emb_bshd`` with the attention's concentration factor
+    ``_yarn_get_concentration_factor(factor, mscale, mscale_all_dim)`` (its ``mscale``
+    argument), over the whole head (YaRN ignores --rotary-percent)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as myarn
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    d, s, orig = 16, 40, 8
+    ref = myarn.YarnRotaryEmbedding(d, rotary_base=500.0, use_cpu_initialization=True,
+                                    scaling_factor=factor, original_max_position_embeddings=orig,
+                                    beta_fast=16.0, beta_slow=2.0, mscale=mscale,
+                                    mscale_all_dim=all_dim,
+                                    correction_range_round_to_int=round_to_int)
+    emb, m = ref.get_emb(s)
+    assert m == myarn._yarn_get_concentration_factor(factor, mscale, all_dim)
+    x = torch.randn(s, 2, 3, d, generator=torch.Generator().manual_seed(0))
+    want = rope_utils._apply_rotary_pos_emb_bshd(x, emb, mscale=m)
+    cfg = gpt(position_embedding_type="yarn", kv_channels=d, rotary_base=500.0,
+              rotary_scaling_factor=factor, yarn_original_max_position_embeddings=orig,
+              yarn_beta_fast=16.0, yarn_beta_slow=2.0, mscale=mscale, mscale_all_dim=all_dim,
+              yarn_correction_range_round_to_int=round_to_int)
+    model = build_model(get_family("gpt"), cfg, ParallelMesh.single())
+    cos, sin = model.layer_inputs(torch.arange(s), None, {})[0]
+    got = apply_rope(x, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    plain = apply_rope(x, *rope_cos_sin(torch.arange(s), d, 500.0))
+    assert (got - plain).abs().max() > 1e-2  # YaRN changed the rotation
+
+
+def test_yarn_of_factor_one_is_rope():
+    """Factor 1 (Megatron's --rotary-scaling-factor default): no interpolation, attention
+    factor 1: the same logits as --position-embedding-type rope."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = [build_model(get_family("gpt"), gpt(position_embedding_type=kind),
+                       ParallelMesh.single(), seed=3)(input_ids=ids)
+           for kind in ("rope", "yarn")]
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-6)
+
+
+def test_yarn_flags_parse_from_megatrons_command_line():
+    """The gpt-oss functional test's YaRN flags (Megatron-LM d98e8a6,
+    tests/functional_tests/test_cases/moe/gpt_dynamic_inference_tp2_pp2_ep2_gptoss_20b_swa)."""
+    cfg = _parse(["--position-embedding-type", "yarn", "--rotary-base", "150000",
+                  "--rotary-percent", "1.0", "--rotary-scaling-factor", "32.0",
+                  "--yarn-original-max-position-embeddings", "4096", "--yarn-beta-fast", "32.0",
+                  "--yarn-beta-slow", "1.0", "--mscale", "1.0", "--mscale-all-dim", "0.0",
+                  "--no-yarn-correction-range-round-to-int"]).model
+    assert cfg.position_embedding_type == "yarn" and cfg.rotary
+    assert cfg.yarn_correction_range_round_to_int is False
+    assert cfg.yarn_args() == dict(factor=32.0, original_max=4096, beta_fast=32.0,
+                                   beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0)
+    assert _parse(["--position-embedding-type", "yarn"]).model.yarn_correction_range_round_to_int
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(position_embedding_type="yarn", rotary_percent=0.5), "drop --rotary-percent"),
+    (dict(position_embedding_type="yarn", multi_latent_attention=True),
+     "--position-embedding-type rope --rope-type yarn"),
+    (dict(rotary_scaling_factor=4.0), "drop --rotary-scaling-factor"),
+])
+def test_yarn_refusals(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        validated(gpt(**changes))
+
+
+# -- multi-latent attention without model-level RoPE ---------------------------------------------
+
+def mla(**kw) -> ModelConfig:
+    return gpt(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8,
+               qk_pos_emb_head_dim=4, v_head_dim=6, **kw)
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "none"])
+def test_mla_without_rope_keeps_its_own_rope(positions):
+    """--multi-latent-attention with --position-embedding-type learned_absolute (Megatron's
+    default, its gpt3_mcore_te_tp2_pp2_mla functional test) or none: Megatron-Core's GPTModel
+    builds no model-level rotary embedding under MLA and the MLA layer applies its own
+    (--rope-type, default yarn) to the decoupled key; learned_absolute adds the position table
+    to the embedding as well. So: none gives the logits of rope; learned_absolute those of
+    rope plus the table (zeroing the table gives rope's again)."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    cfg = validated(mla(position_embedding_type=positions)).model
+    model = build_model(get_family("gpt"), cfg, ParallelMesh.single(), seed=5)
+    rope = build_model(get_family("gpt"), validated(mla(position_embedding_type="rope")).model,
+                       ParallelMesh.single(), seed=5)
+    table = model.embedding.position_embeddings
+    assert (table is not None) == (positions == "learned_absolute")
+    assert model.layer_inputs(torch.arange(16), None, {})[0] is not None  # MLA's own RoPE
+    with torch.no_grad():
+        got, want = model(input_ids=ids), rope(input_ids=ids)
+        if table is not None:
+            assert (got - want).abs().max() > 1e-3  # the table is added
+            table.weight.zero_()
+            got = model(input_ids=ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
