@@ -257,6 +257,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "moe_permute_fusion": (False, "megatron/core/transformer/transformer_config.py:941", 'no effect in loom'),
     "moe_flex_dispatcher_backend": ('deepep', "megatron/core/transformer/transformer_config.py:898", 'no effect in loom'),
     "moe_token_drop_policy": ('probs', "megatron/core/transformer/transformer_config.py:932", 'position refused'),
+    "moe_per_layer_logging": (False, "megatron/core/transformer/transformer_config.py:914", "moe/<loss>_layer_<i> to the JSON log, TensorBoard and W&B"),
     "mamba_num_heads": (None, "megatron/core/transformer/transformer_config.py:1268", "d_inner = heads x --mamba-head-dim, any h"),
     "quick_geglu": (False, "megatron/training/arguments.py:2452", ''),
     "glu_linear_offset": (0.0, "megatron/core/transformer/transformer_config.py:231", ''),

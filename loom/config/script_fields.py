@@ -118,8 +118,12 @@ class DataScriptFields:
 
 @dataclass
 class LoggingScriptFields:
-    """Weights & Biases (a mixin of LoggingConfig)."""
+    """Weights & Biases and per-layer MoE losses (a mixin of LoggingConfig)."""
 
+    moe_per_layer_logging: bool = opt(
+        False, "log each MoE layer's load-balancing and z losses every iteration (Megatron's "
+               "moe/<loss>_layer_<i>: without the coefficient, mean over the micro-batches "
+               "and data-parallel ranks) to the JSON log, TensorBoard and W&B")
     wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
                                              "there too (WANDB_MODE=offline works offline)")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name")

@@ -130,6 +130,9 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
     if m.squared_relu and m.gated_linear_unit:  # Megatron: assert not args.swiglu
         raise ConfigError("--squared-relu replaces GeLU in the MLP and the experts: drop "
                           + ("--swiglu" if m.swiglu else "--quick-geglu"))
+    if cfg.logging.moe_per_layer_logging and not m.num_experts:
+        raise ConfigError("--moe-per-layer-logging logs the losses of each MoE layer: this "
+                          "model has none (add --num-experts or drop --moe-per-layer-logging)")
     if m.moe_token_drop_policy == "position" and m.moe_expert_capacity_factor is not None:
         raise ConfigError("--moe-token-drop-policy position: loom drops the tokens of lowest "
                           "router score over capacity; give --moe-token-drop-policy probs")

@@ -184,6 +184,38 @@ def update_expert_bias(model_chunks: Sequence[nn.Module], group, rate: float) ->
     return len(biased)
 
 
+@torch.no_grad()
+def moe_layer_losses(model_chunks: Sequence[nn.Module], names: Sequence[str],
+                     num_layers: int, mesh) -> dict[str, float]:
+    """``--moe-per-layer-logging``: ``{"moe/<name>_layer_<i>": value}`` for every MoE layer i
+    (global 0-based index; MTP layers after the L decoder layers) and every ``names`` loss
+    (:func:`loom.models.moe.layer_loss_names`): what each layer summed since the last call
+    (:func:`loom.models.moe.enable_layer_loss_log`: the loss without its coefficient, mean
+    over the step's micro-batches), averaged over the DP x CP ranks. Megatron's values and
+    TensorBoard names (``MoEMetricsTracker.report`` with ``per_layer_logging``: summed over
+    the pipeline stages and the TP x CP reduce group, averaged over DP; loom's aux loss is
+    already the whole micro-batch's on every TP and CP rank, so their mean equals it). One
+    all-reduce over all ranks of a ``[len(names), num_layers]`` table (every rank holding a
+    layer adds its value; each layer is on the t d c ranks of one stage). Resets the sums."""
+    from loom.models.moe import MoELayer
+    layers = [m for c in model_chunks for m in c.modules()
+              if isinstance(m, MoELayer) and m.loss_log is not None]
+    table = torch.zeros(len(names), num_layers, dtype=torch.float64, device=mesh.device)
+    moe = torch.zeros(num_layers, dtype=torch.float64, device=mesh.device)
+    for m in layers:
+        moe[m.layer_number] = 1.0
+        for i, name in enumerate(names):
+            table[i, m.layer_number] = float(m.loss_log.get(name, 0.0))
+        m.loss_log = {}
+    both = torch.cat([table.view(-1), moe])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(both)
+    holders = mesh.tp_size * mesh.dp_size * mesh.sizes["cp"]
+    table, moe = both[:-num_layers].view(len(names), num_layers) / holders, both[-num_layers:]
+    return {f"moe/{name}_layer_{j}": float(table[i, j]) for i, name in enumerate(names)
+            for j in range(num_layers) if moe[j] > 0}
+
+
 class ReducerGroup:
     """Several gradient reducers acting as one (dense parameters over DP x CP, expert
     parameters over the expert-data-parallel group), with the reducer interface the schedules

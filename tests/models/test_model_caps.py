@@ -147,3 +147,44 @@ def test_mla_without_rope_keeps_its_own_rope(positions):
             table.weight.zero_()
             got = model(input_ids=ids)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# -- --moe-per-layer-logging ----------------------------------------------------------------------
+
+def _per_layer_record(balancing: str) -> dict:
+    from loom.training.trainer import Trainer
+    cfg = LoomConfig(model=gpt(num_layers=3, num_experts=4, moe_router_topk=2,
+                               moe_ffn_hidden_size=16, moe_layer_freq="[0,1,1]",
+                               moe_router_load_balancing_type=balancing,
+                               moe_aux_loss_coeff=0.0 if balancing == "sinkhorn" else 0.01,
+                               moe_z_loss_coeff=1e-3))
+    t = cfg.training
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr = 2, 4, 2, 1e-3
+    cfg.data.mock_data, cfg.logging.moe_per_layer_logging = True, True
+    tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
+    return tr.train_step()
+
+
+@pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss", "sinkhorn"])
+def test_moe_per_layer_logging_records_each_layers_losses(balancing):
+    """--moe-per-layer-logging: the step's record (the JSON log, TensorBoard ``train/<key>``,
+    W&B) holds Megatron's ``moe/<loss>_layer_<i>`` for each MoE layer i (layers 1 and 2 here;
+    the dense layer 0 has none): the loss without its coefficient, mean over the step's 2
+    micro-batches. Times the coefficients and summed over the layers they are the record's
+    ``moe_aux_loss`` / ``moe_z_loss`` (loom's totals); sinkhorn has no load-balancing loss."""
+    rec = _per_layer_record(balancing)
+    name = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+    names = ([name[balancing]] if balancing in name else []) + ["z_loss"]
+    keys = {f"moe/{n}_layer_{i}" for n in names for i in (1, 2)}
+    assert keys == {k for k in rec if k.startswith("moe/")}, rec
+    z = sum(rec[f"moe/z_loss_layer_{i}"] for i in (1, 2))
+    assert z > 0 and abs(z * 1e-3 - rec["moe_z_loss"]) < 1e-6 * rec["moe_z_loss"]
+    if balancing in name:
+        aux = sum(rec[f"moe/{name[balancing]}_layer_{i}"] for i in (1, 2))
+        assert abs(aux * 0.01 - rec["moe_aux_loss"]) < 1e-6 * rec["moe_aux_loss"]
+        assert 1.0 <= rec[f"moe/{name[balancing]}_layer_1"] <= 4.0  # E sum f_i P_i in [1, E]
+
+
+def test_moe_per_layer_logging_refused_without_experts():
+    with pytest.raises(ConfigError, match="--moe-per-layer-logging"):
+        _parse(["--moe-per-layer-logging"])
