@@ -192,6 +192,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "manual_gc_interval": (0, "megatron/training/config/training_config.py:97", 'no effect in loom'),
     "empty_unused_memory_level": (0, "megatron/training/config/training_config.py:48", 'no effect in loom'),
     "attention_softmax_in_fp32": (False, "megatron/training/arguments.py:3067", 'no effect in loom'),
+    "apply_query_key_layer_scaling": (False, "megatron/core/transformer/transformer_config.py:481", 'no effect in loom: its kernel computes scores and softmax in fp32'),
     "grad_reduce_in_bf16": (False, "megatron/training/arguments.py:3053", 'no effect: loom reduces gradients in fp32'),
     "fp8_format": (None, "megatron/core/transformer/transformer_config.py:587", "Megatron's field fp8; no effect in loom"),
     "fp8_amax_history_len": (1, "megatron/core/transformer/transformer_config.py:621", 'no effect in loom'),

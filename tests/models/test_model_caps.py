@@ -149,6 +149,79 @@ def test_mla_without_rope_keeps_its_own_rope(positions):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+# -- --apply-query-key-layer-scaling: what it changes, and why loom's attention needs none --------
+
+def _megatron_attention(monkeypatch, flag: bool, dtype, q, k, v, layer: int = 5):
+    """Megatron-Core's local ``DotProductAttention`` (layer ``layer``, causal, no dropout) on
+    ``q, k, v [s, b, n, d]`` -> ``[s, b, n d]`` (its CPU path: the unfused torch softmax)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker",
+                        lambda: SimpleNamespace(fork=contextlib.nullcontext))
+    monkeypatch.setattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    parallel_state._set_global_memory_buffer()
+    cfg = TransformerConfig(num_layers=8, hidden_size=q.shape[2] * q.shape[3],
+                            num_attention_heads=q.shape[2], use_cpu_initialization=True,
+                            apply_query_key_layer_scaling=flag, attention_dropout=0.0,
+                            masked_softmax_fusion=False, fp16=dtype == torch.float16,
+                            params_dtype=dtype)
+    tp = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1, rank=lambda: 0))
+    att = DotProductAttention(cfg, layer, AttnMaskType.causal, "self", pg_collection=tp)
+    s = q.shape[0]
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]  # True: masked
+    return att(q, k, v, mask), att
+
+
+def _loom_attention(q, k, v):
+    from loom.models.attention import DotProductAttention
+    s, b = q.shape[:2]
+    out = DotProductAttention()(*(x.permute(1, 2, 0, 3) for x in (q, k, v)))
+    return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def test_query_key_layer_scaling_changes_nothing_loom_computes(monkeypatch):
+    """Megatron-LM d98e8a6's --apply-query-key-layer-scaling (its local DotProductAttention):
+    the fp16 score matrix ``q k^T / (sqrt(d) L)`` (L the layer number), then, in fp32 (the flag
+    forces attention_softmax_in_fp32), times L, masked softmax. (s/L) L = s: in fp32 its output
+    equals the unflagged one and loom's to rounding. Its purpose is fp16: scores past 65504
+    overflow the unflagged score matrix (non-finite output); the flag keeps them finite but
+    rounds them to fp16. loom's attention (torch SDPA) computes scores and softmax in fp32
+    inside the kernel, so it is finite and exact to fp32 there: nothing for the flag to do,
+    hence a no-effect switch (as in Megatron's fused / flash attention)."""
+    g = torch.Generator().manual_seed(0)
+    s, b, n, d = 8, 1, 2, 64
+    q, k, v = (torch.randn(s, b, n, d, generator=g) for _ in range(3))
+    flagged, att = _megatron_attention(monkeypatch, True, torch.float32, q, k, v)
+    plain, _ = _megatron_attention(monkeypatch, False, torch.float32, q, k, v)
+    assert att.scale_mask_softmax.scale == 5 and att.scale_mask_softmax.softmax_in_fp32
+    assert abs(att.softmax_scale - 1 / (8 * 5)) < 1e-12
+    torch.testing.assert_close(flagged, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_loom_attention(q, k, v), flagged, rtol=1e-6, atol=1e-6)
+    q16, k16, v16 = (x.half() for x in (q * 250, k * 250, v))  # |scores| ~ 1e5 > 65504
+    exact = _loom_attention(*(x.float() for x in (q16, k16, v16)))
+    unflagged, _ = _megatron_attention(monkeypatch, False, torch.float16, q16, k16, v16)
+    flagged, _ = _megatron_attention(monkeypatch, True, torch.float16, q16, k16, v16)
+    ours = _loom_attention(q16, k16, v16)
+    assert not torch.isfinite(unflagged).all() and torch.isfinite(flagged).all()
+    assert torch.isfinite(ours).all()
+    err = float((ours.float() - exact).abs().max())
+    assert err <= float((flagged.float() - exact).abs().max()) and err < 1e-2, err
+
+
+def test_query_key_layer_scaling_is_reported_as_no_effect():
+    from loom.config.compat import no_effect_report
+    cfg = _parse(["--apply-query-key-layer-scaling"])
+    assert cfg.training.apply_query_key_layer_scaling
+    assert "--apply-query-key-layer-scaling" in no_effect_report(
+        {"apply_query_key_layer_scaling": True})
+
+
 # -- --moe-per-layer-logging ----------------------------------------------------------------------
 
 def _per_layer_record(balancing: str) -> dict:
