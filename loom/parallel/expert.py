@@ -26,6 +26,7 @@ own ``s/t`` slice of the output.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -188,7 +189,8 @@ def update_expert_bias(model_chunks: Sequence[nn.Module], group, rate: float) ->
 def moe_layer_losses(model_chunks: Sequence[nn.Module], names: Sequence[str],
                      num_layers: int, mesh) -> dict[str, float]:
     """``--moe-per-layer-logging``: ``{"moe/<name>_layer_<i>": value}`` for every MoE layer i
-    (global 0-based index; MTP layers after the L decoder layers) and every ``names`` loss
+    (a module of these chunks with a ``loss_log`` dict; i its global 0-based ``layer_number``,
+    MTP layers after the L decoder layers) and every ``names`` loss
     (:func:`loom.models.moe.layer_loss_names`): what each layer summed since the last call
     (:func:`loom.models.moe.enable_layer_loss_log`: the loss without its coefficient, mean
     over the step's micro-batches), averaged over the DP x CP ranks. Megatron's values and
@@ -197,9 +199,8 @@ def moe_layer_losses(model_chunks: Sequence[nn.Module], names: Sequence[str],
     already the whole micro-batch's on every TP and CP rank, so their mean equals it). One
     all-reduce over all ranks of a ``[len(names), num_layers]`` table (every rank holding a
     layer adds its value; each layer is on the t d c ranks of one stage). Resets the sums."""
-    from loom.models.moe import MoELayer
-    layers = [m for c in model_chunks for m in c.modules()
-              if isinstance(m, MoELayer) and m.loss_log is not None]
+    layers = [m for c in model_chunks for m in c.modules()  # MoE layers logging their losses
+              if getattr(m, "loss_log", None) is not None]
     table = torch.zeros(len(names), num_layers, dtype=torch.float64, device=mesh.device)
     moe = torch.zeros(num_layers, dtype=torch.float64, device=mesh.device)
     for m in layers:
@@ -208,7 +209,7 @@ def moe_layer_losses(model_chunks: Sequence[nn.Module], names: Sequence[str],
             table[i, m.layer_number] = float(m.loss_log.get(name, 0.0))
         m.loss_log = {}
     both = torch.cat([table.view(-1), moe])
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if math.prod(mesh.sizes.values()) > 1:  # the mesh spans the default group's ranks
         dist.all_reduce(both)
     holders = mesh.tp_size * mesh.dp_size * mesh.sizes["cp"]
     table, moe = both[:-num_layers].view(len(names), num_layers) / holders, both[-num_layers:]
