@@ -73,6 +73,12 @@ class ModelShapeFields:
               "PREFIX.meta.json or the checkpoint)", ge=1)
     make_vocab_size_divisible_by: int = opt(
         128, "pad V to a multiple of this times the tensor-parallel size", ge=1)
+    exclude_padded_vocab: bool = opt(
+        False, "loom's own: leave the padded vocabulary columns (ids >= V, from "
+               "--make-vocab-size-divisible-by or --padded-vocab-size) out of the softmax of "
+               "the loss and of evaluation, so the model's function does not depend on the "
+               "padding (hence on t); default: in the softmax, as Megatron-Core's output "
+               "layer has them")
     normalization: Normalization = opt("LayerNorm", "layer normalization: LayerNorm or RMSNorm")
     norm_epsilon: float = opt(1e-5, "epsilon added to the variance in the normalization", gt=0)
     position_embedding_type: PositionEmbedding = opt(
@@ -122,6 +128,14 @@ class ModelConfig(ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma
     def ffn_size(self) -> int:
         """MLP hidden size: ``--ffn-hidden-size`` or 4h."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def softmax_vocab_size(self) -> Optional[int]:
+        """Output columns the softmax of the loss and of evaluation spans: V with
+        ``--exclude-padded-vocab``, else None: all Vp, the padded ones included (Megatron-Core's
+        output layer and ``vocab_parallel_cross_entropy``). Generation never samples a padded
+        id either way."""
+        return self.vocab_size if self.exclude_padded_vocab else None
 
     @property
     def rotary(self) -> bool:

@@ -35,10 +35,12 @@ class LMHead(nn.Module):
     """The LM head every family shares: output GEMM, optional soft-capping
     ``cap * tanh(logits / cap)`` (Gemma 3's ``--final-logit-softcapping``), loss: ``x [s, b, h]``,
     ``weight [Vp, h]``; returns the per-token cross-entropy ``[b, s]`` (fp32) against
-    ``labels [b, s]``, or the logits ``[b, s, Vp]``. Padded vocabulary columns (``>= V``) are
-    excluded from the softmax. No parameters (the weight is the caller's)."""
+    ``labels [b, s]``, or the logits ``[b, s, Vp]``. The softmax spans the first
+    ``vocab_size`` columns (``ModelConfig.softmax_vocab_size``: V with
+    ``--exclude-padded-vocab``), or all Vp when it is None (the padded columns included, as
+    Megatron-Core computes it). No parameters (the weight is the caller's)."""
 
-    def __init__(self, vocab_size: int, softcap: Optional[float] = None):
+    def __init__(self, vocab_size: Optional[int], softcap: Optional[float] = None):
         super().__init__()
         self.vocab_size, self.softcap = vocab_size, softcap
 
@@ -49,8 +51,8 @@ class LMHead(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if labels is None:
             return logits.transpose(0, 1)
-        s, b, _ = logits.shape
-        V = self.vocab_size
+        s, b, Vp = logits.shape
+        V = self.vocab_size or Vp
         loss = F.cross_entropy(logits[..., :V].float().reshape(-1, V), labels.t().reshape(-1),
                                reduction="none")
         return loss.view(s, b).t()
@@ -106,7 +108,7 @@ class LanguageModelChunk(nn.Module):
         self.final_layernorm = build_norm(cfg)
         if not self.tied:
             self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab, bias=False)
-        self.head = LMHead(cfg.vocab_size)
+        self.head = LMHead(cfg.softmax_vocab_size)
 
     # ---- how to run ----------------------------------------------------------------------
 

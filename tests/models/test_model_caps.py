@@ -149,6 +149,72 @@ def test_mla_without_rope_keeps_its_own_rope(positions):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+# -- padded vocabulary in the softmax ------------------------------------------------------------
+
+def test_padded_vocab_loss_follows_megatron_core():
+    """V 250 padded to 256 (--make-vocab-size-divisible-by 128 at t 1): by default the loss
+    (and its gradient) is the cross-entropy over all 256 columns, Megatron-Core's
+    ``VocabParallelCrossEntropy`` arithmetic on the padded output layer (megatron-core 0.16.1:
+    no column mask); ``--exclude-padded-vocab`` (loom's own flag) leaves the 6 padded columns
+    out. The padded rows get a gradient only by default. The issue's numbers: 5.7224 (Megatron)
+    vs 5.7009 (loom's exclusion) on its model; here the same gap on random weights."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as MCE
+
+    from loom.models.chunk import LMHead
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 32, generator=g) * 0.5  # Megatron initializes the padded rows too
+    x = torch.randn(8, 2, 32, generator=g)
+    labels = torch.randint(0, 250, (2, 8), generator=g)
+    logits = torch.nn.functional.linear(x, w).transpose(0, 1)  # [b, s, Vp]
+    lg, mx = MCE.calculate_logits_max(logits.contiguous().clone())
+    _, _, pred, sum_exp, exp = MCE.calculate_predicted_logits(lg, labels, mx, 0, 256)
+    softmax, want = MCE.calculate_cross_entropy_loss(exp, pred, sum_exp)
+    losses = {}
+    for exclude in (False, True):
+        cfg = gpt(vocab_size=250, exclude_padded_vocab=exclude)
+        assert cfg.padded_vocab(1) == 256
+        wg = w.clone().requires_grad_(True)
+        loss = LMHead(cfg.softmax_vocab_size)(x, wg, labels)  # [b, s]
+        loss.sum().backward()
+        losses[exclude] = loss
+        assert (wg.grad[250:].abs().sum() > 0) != exclude
+        if not exclude:  # d loss / d logits = softmax - onehot over all 256 columns
+            onehot = torch.nn.functional.one_hot(labels, 256).float()
+            want_gw = torch.einsum("bsv,sbh->vh", softmax - onehot, x)
+            torch.testing.assert_close(wg.grad, want_gw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[False], want, rtol=1e-6, atol=1e-6)
+    ce_v = torch.nn.functional.cross_entropy(logits[..., :250].reshape(-1, 250),
+                                             labels.reshape(-1), reduction="none").view(2, 8)
+    torch.testing.assert_close(losses[True], ce_v, rtol=1e-6, atol=1e-6)
+    assert float(losses[False].mean()) > float(losses[True].mean()) + 1e-3
+
+
+def test_padded_vocab_in_the_model_loss_evaluation_and_generation():
+    """The built model's loss is the cross-entropy over its Vp logits (default) or the first V
+    (--exclude-padded-vocab); generation never samples a padded id, even when the padded
+    logits dominate."""
+    from loom.inference.generate import SamplingConfig, generate
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    labels = torch.roll(ids, -1, 1)
+    for exclude in (False, True):
+        cfg = validated(gpt(vocab_size=100, make_vocab_size_divisible_by=64,
+                            exclude_padded_vocab=exclude)).model
+        model = build_model(get_family("gpt"), cfg, ParallelMesh.single(), seed=4)
+        with torch.no_grad():
+            model.output_layer.weight[100:] = model.output_layer.weight[:28] * 3  # trained-like
+            logits = model(input_ids=ids)
+            assert logits.shape[-1] == 128
+            cols = 100 if exclude else 128
+            want = torch.nn.functional.cross_entropy(
+                logits[..., :cols].reshape(-1, cols), labels.reshape(-1), reduction="none")
+            torch.testing.assert_close(model(input_ids=ids, labels=labels).reshape(-1), want,
+                                       rtol=1e-5, atol=1e-5)
+            model.output_layer.weight[100:] = 50.0 * model.final_layernorm.weight.sign()
+            assert int(model(input_ids=ids)[0, -1].argmax()) >= 100  # a padded column wins
+        out = generate(model, ids[0, :4].tolist(), 5, SamplingConfig(greedy=True))
+        assert len(out) == 5 and max(out) < 100
+
+
 # -- --apply-query-key-layer-scaling: what it changes, and why loom's attention needs none --------
 
 def _megatron_attention(monkeypatch, flag: bool, dtype, q, k, v, layer: int = 5):

@@ -47,7 +47,7 @@ GLOBAL_AUX = dict(moe_router_load_balancing_type="global_aux_loss", moe_grouped_
 
 def make_cfg(tp=1, ep=1, sp=False, cp=1, **model) -> LoomConfig:
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-              seq_length=8, vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+              seq_length=8, vocab_size=100, padded_vocab_size=104, hidden_dropout=0.0,
               attention_dropout=0.0, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=24,
               moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     cfg = LoomConfig(model=ModelConfig.llama(**{**kw, **model}))

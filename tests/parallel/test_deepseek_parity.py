@@ -29,7 +29,7 @@ def model_cfg(kind: str) -> ModelConfig:
     ``mla_q``: a full query projection, no latent norms, MTP D=2; ``deepseek``: every issue-24
     flag."""
     common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                  vocab_size=100, make_vocab_size_divisible_by=8, ffn_hidden_size=48,
+                  vocab_size=100, padded_vocab_size=104, ffn_hidden_size=48,
                   hidden_dropout=0.0, attention_dropout=0.0, multi_latent_attention=True,
                   qk_layernorm=kind != "mla_q",
                   q_lora_rank=None if kind == "mla_q" else 16, kv_lora_rank=12, qk_head_dim=8,

@@ -98,6 +98,7 @@ def deepseek_v3_config(hf) -> ModelConfig:
         seq_length=_get(hf, "max_position_embeddings"),
         max_position_embeddings=_get(hf, "max_position_embeddings"),
         norm_epsilon=_get(hf, "rms_norm_eps"), hidden_dropout=0.0, attention_dropout=0.0,
+        exclude_padded_vocab=True,
         untie_embeddings_and_output_weights=not _get(hf, "tie_word_embeddings", False),
         multi_latent_attention=True, qk_layernorm=True, q_lora_rank=_get(hf, "q_lora_rank"),
         kv_lora_rank=_get(hf, "kv_lora_rank"), qk_head_dim=_get(hf, "qk_nope_head_dim"),
