@@ -13,12 +13,13 @@ spawned 4-rank world runs every row.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 
 from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
+
+from parity_helpers import step_mismatches
 
 RTOL = 1e-5
 STEPS = 3
@@ -98,18 +99,7 @@ def features(tr) -> dict:
 def mismatches(par: list, ref: list, mesh) -> list[str]:
     """Per step: loss and gradient norm (rtol), each gradient against the reference's shard
     (max error relative to the largest entry)."""
-    from loom.parallel.registry import local_shard
-    out = []
-    for step, (got, want) in enumerate(zip(par, ref)):
-        out += [f"step {step}: {what} {a} != {b}" for what, a, b in
-                (("loss", got[0], want[0]), ("grad norm", got[2], want[2]))
-                if not math.isclose(a, b, rel_tol=RTOL)]
-        for name, (g, meta) in got[1].items():
-            w = local_shard(want[1][name][0], meta, mesh.tp_rank, mesh.tp_size)
-            err = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
-            if err > RTOL:
-                out.append(f"step {step}: grad {name} relative error {err:.2e}")
-    return out
+    return step_mismatches(par, ref, mesh, RTOL)
 
 
 def parity(cases) -> list[dict]:
