@@ -55,6 +55,11 @@ class ImplementationSwitches:
                                             "0-2 (no effect)", ge=0, lt=3)
     attention_softmax_in_fp32: bool = opt(False, "Megatron: masking and softmax in fp32 (no "
                                                  "effect: loom's attention kernel chooses)")
+    apply_query_key_layer_scaling: bool = opt(
+        False, "Megatron: q k^T scaled by 1/layer number in the fp16 score matrix and back by "
+               "the layer number in an fp32 softmax (no effect: loom's attention kernel "
+               "computes scores and softmax in fp32 and (s/L) L = s; Megatron's fused kernels "
+               "ignore it too)")
     grad_reduce_in_bf16: bool = opt(False, "Megatron: reduce gradients in bf16 (no effect: "
                                            "loom reduces them in fp32)")
     fp8_format: Optional[Fp8Format] = opt(None, "Megatron: FP8 training recipe (no effect: "

@@ -49,7 +49,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "make_vocab_size_divisible_by": (128, "megatron/training/arguments.py:2441", ''),
     "normalization": ('LayerNorm', "megatron/core/transformer/transformer_config.py:256", ''),
     "norm_epsilon": (1e-05, "megatron/core/transformer/transformer_config.py:201", ''),
-    "position_embedding_type": ('learned_absolute', "megatron/training/arguments.py:2397", ''),
+    "position_embedding_type": ('learned_absolute', "megatron/training/arguments.py:2397", 'mrope and relative not in loom'),
     "rotary_base": (10000.0, "megatron/training/arguments.py:2418", 'an int in Megatron'),
     "swiglu": (False, "megatron/training/arguments.py:2450", ''),
     "openai_gelu": (False, "megatron/training/arguments.py:2444", ''),
@@ -70,7 +70,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "moe_z_loss_coeff": (None, "megatron/core/transformer/transformer_config.py:880", "no z-loss; loom's 0.0 means the same"),
     "moe_expert_capacity_factor": (None, "megatron/core/transformer/transformer_config.py:917", ''),
     "moe_shared_expert_gate": (False, "megatron/core/transformer/transformer_config.py:713", ''),
-    "moe_router_load_balancing_type": ('aux_loss', "megatron/core/transformer/transformer_config.py:743", 'one type (Megatron also takes a list; sinkhorn and quantile_balancing are not in loom)'),
+    "moe_router_load_balancing_type": ('aux_loss', "megatron/core/transformer/transformer_config.py:743", 'one type (Megatron also takes a list; quantile_balancing is not in loom)'),
     "moe_router_enable_expert_bias": (False, "megatron/core/transformer/transformer_config.py:816", ''),
     "moe_router_bias_update_rate": (0.001, "megatron/core/transformer/transformer_config.py:821", ''),
     "moe_router_num_groups": (None, "megatron/core/transformer/transformer_config.py:780", ''),
@@ -82,7 +82,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "moe_shared_expert_overlap": (False, "megatron/core/transformer/transformer_config.py:717", ''),
     "moe_router_force_load_balancing": (False, "megatron/core/transformer/transformer_config.py:833", 'benchmarks only'),
     "qk_layernorm": (False, "megatron/core/transformer/transformer_config.py:259", ''),
-    "rotary_scaling_factor": (1.0, "megatron/training/arguments.py:3558", "no scaling; loom's None means the same (loom: gemma3's linear scaling)"),
+    "rotary_scaling_factor": (1.0, "megatron/training/arguments.py:3558", "no scaling; loom's None means the same (YaRN's factor; gemma3's linear scaling)"),
     "multi_latent_attention": (False, "megatron/core/transformer/transformer_config.py:288", ''),
     "q_lora_rank": (None, "megatron/training/arguments.py:3548", ''),
     "kv_lora_rank": (32, "megatron/training/arguments.py:3550", ''),
@@ -95,6 +95,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "yarn_original_max_position_embeddings": (None, "megatron/training/arguments.py:2400", 'None: 4096 (Megatron reads it for non-MLA YaRN; its MLA uses MLATransformerConfig.original_max_position_embeddings 4096, loom this flag)'),
     "yarn_beta_fast": (None, "megatron/training/arguments.py:2402", 'None: 32'),
     "yarn_beta_slow": (None, "megatron/training/arguments.py:2404", 'None: 1'),
+    "yarn_correction_range_round_to_int": (None, "megatron/training/arguments.py:2406", 'None: True (argument_utils.py:413); MLA always rounds'),
     "mtp_num_layers": (None, "megatron/core/transformer/transformer_config.py:68", ''),
     "mtp_loss_scaling_factor": (0.1, "megatron/core/transformer/transformer_config.py:75", ''),
     "hybrid_override_pattern": (None, "megatron/training/arguments.py:3660", ''),
@@ -192,6 +193,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "manual_gc_interval": (0, "megatron/training/config/training_config.py:97", 'no effect in loom'),
     "empty_unused_memory_level": (0, "megatron/training/config/training_config.py:48", 'no effect in loom'),
     "attention_softmax_in_fp32": (False, "megatron/training/arguments.py:3067", 'no effect in loom'),
+    "apply_query_key_layer_scaling": (False, "megatron/core/transformer/transformer_config.py:481", 'no effect in loom: its kernel computes scores and softmax in fp32'),
     "grad_reduce_in_bf16": (False, "megatron/training/arguments.py:3053", 'no effect: loom reduces gradients in fp32'),
     "fp8_format": (None, "megatron/core/transformer/transformer_config.py:587", "Megatron's field fp8; no effect in loom"),
     "fp8_amax_history_len": (1, "megatron/core/transformer/transformer_config.py:621", 'no effect in loom'),
@@ -238,7 +240,7 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "rotary_percent": (1.0, "megatron/training/arguments.py:2420", 'values below 1 refused'),
     "use_rotary_position_embeddings": (False, "megatron/training/arguments.py:2415", '= --position-embedding-type rope'),
     "no_position_embedding": (False, "megatron/training/arguments.py:2437", 'dest add_position_embedding=True'),
-    "squared_relu": (False, "megatron/training/arguments.py:2448", 'not with --swiglu (as Megatron) or MoE experts'),
+    "squared_relu": (False, "megatron/training/arguments.py:2448", 'not with --swiglu (as Megatron); the experts too'),
     "lr_warmup_samples": (0, "megatron/training/config/training_config.py:193", ''),
     "lr_decay_samples": (None, "megatron/training/config/training_config.py:178", ''),
     "lr_warmup_init": (0.0, "megatron/training/config/training_config.py:196", ''),
@@ -267,7 +269,8 @@ MEGATRON_DEFAULTS = MappingProxyType({name: MegatronDefault(*row) for name, row 
     "moe_permute_fusion": (False, "megatron/core/transformer/transformer_config.py:941", 'no effect in loom'),
     "moe_flex_dispatcher_backend": ('deepep', "megatron/core/transformer/transformer_config.py:898", 'no effect in loom'),
     "moe_token_drop_policy": ('probs', "megatron/core/transformer/transformer_config.py:932", 'position refused'),
-    "mamba_num_heads": (None, "megatron/core/transformer/transformer_config.py:1268", "sets --mamba-expand (a multiple of h)"),
+    "moe_per_layer_logging": (False, "megatron/core/transformer/transformer_config.py:914", "moe/<loss>_layer_<i> to the JSON log, TensorBoard and W&B"),
+    "mamba_num_heads": (None, "megatron/core/transformer/transformer_config.py:1268", "d_inner = heads x --mamba-head-dim, any h"),
     "quick_geglu": (False, "megatron/training/arguments.py:2452", ''),
     "glu_linear_offset": (0.0, "megatron/core/transformer/transformer_config.py:231", ''),
     "activation_func_clamp_value": (None, "megatron/core/transformer/transformer_config.py:235", ''),
@@ -284,6 +287,7 @@ SAME_MEANING = MappingProxyType({
     "moe_z_loss_coeff": 0.0,         # Megatron None: no z-loss
     "moe_layer_freq": "1",           # Megatron 1: the flag is a string (an int or a list)
     "rotary_scaling_factor": None,   # Megatron 1.0: positions not scaled
+    "yarn_correction_range_round_to_int": True,  # Megatron None, read as True
     "max_position_embeddings": None,  # Megatron requires it; loom infers --seq-length
     "cp_comm_type": "p2p",            # Megatron ['p2p']: the words joined by spaces
     "num_query_groups": None,         # Megatron 1 under --group-query-attention (so is

@@ -32,12 +32,8 @@ class ModelScriptFields:
                "changes nothing; otherwise refused, as Megatron refuses it (use "
                "--position-embedding-type)")
 
-    mamba_num_heads: Optional[int] = opt(
-        None, "Mamba-2 heads per layer: d_inner = heads x --mamba-head-dim (default: "
-              "--mamba-expand x h / --mamba-head-dim); sets --mamba-expand, so it must be a "
-              "multiple of h", ge=1)
-    squared_relu: bool = opt(False, "MLP activation relu(x)^2 instead of GeLU (So et al. "
-                                    "2021, Primer; not with --swiglu or MoE experts)")
+    squared_relu: bool = opt(False, "MLP and expert activation relu(x)^2 instead of GeLU (So "
+                                    "et al. 2021, Primer; not with --swiglu)")
     moe_token_drop_policy: Literal["probs", "position"] = opt(
         "probs", "with --moe-expert-capacity-factor: drop the tokens of lowest router score "
                  "(probs, loom's) or the last ones (position: refused)")
@@ -193,8 +189,13 @@ class DebugScriptFields:
 
 @dataclass
 class LoggingScriptFields(DebugScriptFields):
-    """Weights & Biases, and Megatron's debugging flags (a mixin of LoggingConfig)."""
+    """Weights & Biases, per-layer MoE losses, and Megatron's debugging flags (a mixin of
+    LoggingConfig)."""
 
+    moe_per_layer_logging: bool = opt(
+        False, "log each MoE layer's load-balancing and z losses every iteration (Megatron's "
+               "moe/<loss>_layer_<i>: without the coefficient, mean over the micro-batches "
+               "and data-parallel ranks) to the JSON log, TensorBoard and W&B")
     wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
                                              "there too (WANDB_MODE=offline works offline)")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name")

@@ -191,7 +191,7 @@ def _check_model(m: Any, tp: int) -> None:
         raise ConfigError(
             f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
             f"{m.max_positions}: raise --max-position-embeddings or shorten --seq-length")
-    if m.position_embedding_type == "rope" and m.head_dim % 2 and not m.multi_latent_attention:
+    if m.rotary and m.head_dim % 2 and not m.multi_latent_attention:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}")
 
 

@@ -157,7 +157,7 @@ def prepare(args: argparse.Namespace, ckpt: Optional[str] = None):
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     from loom.config import LoomConfig
-    from loom.evaluation.runner import check_layout
+    from loom.evaluation.runner import check_layout, keep_trained_vocabulary
     from loom.models import FamilyRegistry, get_family
     from loom.training.cli import world_size_from_env
     _check_values(args)
@@ -192,6 +192,7 @@ def prepare(args: argparse.Namespace, ckpt: Optional[str] = None):
                           f"{args.seq_length}: tokens between windows would go unscored")
     check_layout(cfg, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                  world_size_from_env())
+    keep_trained_vocabulary(cfg, ckpt, args.tensor_model_parallel_size)
     tok = _tokenizer(args, ckpt)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model only "

@@ -6,10 +6,12 @@ initialization) and ``load_model_weights`` cuts this rank's shards from the save
 (any saved layout). Samples are split round-robin over the DP replicas; each replica drives
 its micro-batches through :func:`~loom.parallel.pipeline.schedules.forward_only` with the
 task's forward step. On the last stage the vocabulary-parallel logits are gathered over TP one
-sample at a time (``[1, s, Vp/t] -> [1, s, V]``, so at most one sample's full logits exist), the
-task scores it, and the per-sample statistics (float64, padding rows excluded) land in one
-``[samples, stats]`` table, all-reduced once at the end (:func:`score_each`; :func:`score` sums
-it, in sample order: the same sums at every layout).
+sample at a time (``[1, s, Vp/t] -> [1, s, Vp]``, so at most one sample's full logits exist;
+the padded columns kept, as the training loss keeps them, or cut to V with
+``--exclude-padded-vocab``: ``ModelConfig.softmax_vocab_size``), the task scores it, and the
+per-sample statistics (float64, padding rows excluded) land in one ``[samples, stats]`` table,
+all-reduced once at the end (:func:`score_each`; :func:`score` sums it, in sample order: the
+same sums at every layout).
 """
 
 from __future__ import annotations
@@ -52,6 +54,28 @@ def check_layout(cfg, tp: int, pp: int, world: int) -> None:
     if m.num_layers % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the "
                           f"checkpoint's {m.num_layers} layers: choose a PP size dividing it")
+
+
+def keep_trained_vocabulary(cfg, ckpt: str, tp: int) -> None:
+    """With the padded vocabulary columns in the softmax (Megatron's default, not
+    ``--exclude-padded-vocab``) the model's loss depends on its padded size Vp: evaluate with
+    the checkpoint's own (``--padded-vocab-size`` := the rows of its saved word embedding or
+    output layer, trained padded rows included), so every TP size gives the training
+    layout's numbers. Raises ConfigError when ``tp`` does not divide it."""
+    from loom.checkpoint.io import open_checkpoint
+    m = cfg.model
+    if m.exclude_padded_vocab or m.padded_vocab_size is not None:
+        return
+    shapes = open_checkpoint(ckpt).parameters()
+    rows = next((v["shape"][0] for n, v in sorted(shapes.items())
+                 if n.endswith(("word_embeddings.weight", "output_layer.weight"))), None)
+    if rows is None:
+        return
+    if rows % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the checkpoint's "
+                          f"{rows} vocabulary rows (its padded columns are in the softmax): "
+                          f"choose a TP size dividing {rows}")
+    m.padded_vocab_size = rows
 
 
 def build_mesh(tp: int, pp: int):
@@ -121,7 +145,7 @@ def score_each(model: EvalModel, task, samples, micro_batch: int) -> torch.Tenso
     from loom.parallel.mappings import gather_from_tensor_parallel_region
     from loom.parallel.pipeline.schedules import forward_only
     mesh, cfg = model.mesh, model.cfg
-    s, V = cfg.model.seq_length, cfg.model.vocab_size
+    s, V = cfg.model.seq_length, cfg.model.softmax_vocab_size  # None: every padded column
     mine = list(range(len(samples)))[mesh.dp_rank::mesh.dp_size]
     keys = list(task.stats)
     table = torch.zeros(len(samples), len(keys), dtype=torch.float64, device=mesh.device)

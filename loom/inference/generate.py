@@ -75,7 +75,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
         logits = model(input_ids=ids, cache=cache)  # [1, s, Vp/t]
         cache.length += ids.shape[1]
         last = gather_from_tensor_parallel_region(logits[:, -1].float(), mesh.groups["tp"])
-        nxt = sample_next(last[0, :cfg.vocab_size].cpu(), sampling, gen)
+        nxt = sample_next(last[0, :cfg.vocab_size].cpu(), sampling, gen)  # never a padded id
         out.append(nxt)
         if nxt in stop_ids:
             break

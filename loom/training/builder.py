@@ -38,7 +38,8 @@ from loom.config.parallel_cp import hierarchical_sizes
 from loom.errors import ConfigError
 from loom.models import get_family
 from loom.models.family import ModelFamily
-from loom.parallel.expert import update_expert_bias
+from loom.models.moe import enable_layer_loss_log, layer_loss_names
+from loom.parallel.expert import moe_layer_losses, update_expert_bias
 from loom.parallel.mesh import ParallelMesh, init_distributed
 from loom.parallel.parallelize import build_model_chunks
 from loom.parallel.pipeline.schedules import get_schedule
@@ -137,6 +138,9 @@ class TrainingParts:
     step's global expert load (:func:`loom.parallel.expert.update_expert_bias`) for MoE models."""
     debug: Optional[RunDebug] = None
     """Timers, ``--profile``, ``--record-memory-history`` (:mod:`loom.training.debug`)."""
+    layer_metrics: Callable[[], dict] = dict
+    """Per-layer values for the step's record (a collective on every rank):
+    ``--moe-per-layer-logging``'s losses (:func:`loom.parallel.expert.moe_layer_losses`)."""
 
 
 def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
@@ -183,6 +187,12 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     after_step = functools.partial(update_expert_bias, model.chunks, mesh.groups["dp_cp"],
                                    cfg.model.moe_router_bias_update_rate) \
         if cfg.model.num_experts else (lambda: None)
+    layer_metrics = dict
+    if cfg.logging.moe_per_layer_logging:
+        enable_layer_loss_log(model.chunks)
+        layer_metrics = functools.partial(
+            moe_layer_losses, model.chunks, layer_loss_names(cfg.model),
+            cfg.model.num_layers + (cfg.model.mtp_num_layers or 0), mesh)
     return TrainingParts(cfg, mesh, world_size, global_rank, model, reducers, optimizer,
                          scheduler, schedule, timeline, data, checkpointer, faults,
-                         save_interval, throughput, after_step, debug)
+                         save_interval, throughput, after_step, debug, layer_metrics)

@@ -216,6 +216,7 @@ class Trainer:
             rec["predicted_step_time_s"] = self.predicted_step_s
         if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
             rec["bubble_fraction"] = bubble_avg
+        rec.update(self.parts.layer_metrics())  # --moe-per-layer-logging (a collective)
         if self.cfg.training.log_params_norm:  # --log-params-norm (a collective)
             from loom.training.param_stats import params_norm
             rec["params_norm"] = params_norm(self.parts.model.groups, self.mesh)

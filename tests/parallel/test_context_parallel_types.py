@@ -153,8 +153,11 @@ def primitives(c: int) -> dict:
 # -- whole-model rows through the Trainer ---------------------------------------------------------
 
 def model_cfg(family: str, c: int, kind: str, tp: int = 1, hier=None) -> LoomConfig:
+    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
+    # (Megatron's), so every compared t needs the same ones
     common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                  seq_length=32, vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+                  seq_length=32, vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
+                  attention_dropout=0.0)
     if family == "llama":
         model = ModelConfig.llama(ffn_hidden_size=96, **common)
     else:  # gemma3: a local (sliding window 5) and a global layer

@@ -25,7 +25,8 @@ SWITCHES = [  # every field of loom/config/compat.py, each with a non-default va
     "--cross-entropy-loss-fusion", "--use-flash-attn", "--export-force-local-attention",
     "--cuda-graph-impl", "local",
     "--disable-gloo-process-groups", "--manual-gc", "--manual-gc-interval", "10",
-    "--empty-unused-memory-level", "1", "--attention-softmax-in-fp32", "--grad-reduce-in-bf16",
+    "--empty-unused-memory-level", "1", "--attention-softmax-in-fp32",
+    "--apply-query-key-layer-scaling", "--grad-reduce-in-bf16",
     "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
     "--fp8-param-gather", "--init-model-with-meta-device", "--use-nccl-ub",
     "--fsdp-double-buffer", "--fsdp-manual-registration", "--megatron-fsdp-grad-comm-dtype",
@@ -104,7 +105,11 @@ def test_megatron_spellings_resolve(monkeypatch):
     cfg = _prepare(BASE + ["--model-type", "mamba", "--hybrid-layer-pattern", "M*",
                            "--train-iters", "2", "--mamba-num-groups", "1", "--mamba-head-dim",
                            "16", "--mamba-num-heads", "6"], monkeypatch)
-    assert cfg.model.mamba_expand == 3 and cfg.model.mamba_num_heads == 6  # 6 x 16 = 3 x 32
+    assert cfg.model.mamba_d_inner == 96 and cfg.model.mamba_num_heads == 6  # 6 x 16
+    cfg = _prepare(BASE + ["--model-type", "mamba", "--hybrid-layer-pattern", "M*",
+                           "--train-iters", "2", "--mamba-num-groups", "1", "--mamba-head-dim",
+                           "10", "--mamba-num-heads", "5"], monkeypatch)
+    assert cfg.model.mamba_d_inner == 50  # not a multiple of h 32 (Nemotron-H's shapes)
     cfg = _prepare(BASE + ["--model-type", "bert", "--train-iters", "2", "--bert-binary-head",
                            "--bert-no-binary-head"], monkeypatch)
     assert cfg.model.bert_binary_head is False  # Megatron's --bert-no-binary-head
@@ -136,9 +141,10 @@ def test_megatron_spellings_resolve(monkeypatch):
     (["--train-iters", "2", "--ckpt-format", "torch"], "--ckpt-format torch_dist"),
     (["--train-iters", "2", "--dataloader-type", "cyclic"], "--dataloader-type single"),
     (["--train-iters", "2", "--decoupled-min-lr", "1e-5"], "--decoupled-lr"),
-    (["--train-iters", "2", "--model-type", "mamba", "--mamba-num-heads", "1",
+    (["--train-iters", "2", "--model-type", "mamba", "--mamba-num-heads", "3",
       "--mamba-head-dim", "48"],
-     "not a multiple of --hidden-size"),
+     "--mamba-num-heads x --mamba-head-dim = 144 must split into heads of --mamba-head-dim 48, "
+     "a multiple of --mamba-num-groups 8"),
     (["--train-iters", "2", "--num-experts", "2", "--moe-expert-capacity-factor", "1.0",
       "--moe-token-drop-policy", "position"], "--moe-token-drop-policy probs"),
 ])

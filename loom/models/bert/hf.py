@@ -37,7 +37,8 @@ def bert_config(hf_config, binary_head: bool = False) -> ModelConfig:
         seq_length=hf_config.max_position_embeddings,
         max_position_embeddings=hf_config.max_position_embeddings,
         vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.layer_norm_eps,
-        openai_gelu=hf_config.hidden_act != "gelu", hidden_dropout=0.0, attention_dropout=0.0)
+        openai_gelu=hf_config.hidden_act != "gelu", hidden_dropout=0.0, attention_dropout=0.0,
+        exclude_padded_vocab=True)
 
 
 def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:

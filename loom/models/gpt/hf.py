@@ -32,7 +32,7 @@ def gpt2_config(hf_config) -> ModelConfig:
         seq_length=hf_config.n_positions, max_position_embeddings=hf_config.n_positions,
         vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.layer_norm_epsilon,
         openai_gelu=hf_config.activation_function in ("gelu_new", "gelu_pytorch_tanh"),
-        hidden_dropout=0.0, attention_dropout=0.0)
+        hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
 
 def llama_config(hf_config) -> ModelConfig:
@@ -55,7 +55,7 @@ def llama_config(hf_config) -> ModelConfig:
         vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.rms_norm_eps,
         rotary_base=rope_theta(hf_config), add_qkv_bias=qwen2,
         untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
-        hidden_dropout=0.0, attention_dropout=0.0)
+        hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
 
 def gpt2_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

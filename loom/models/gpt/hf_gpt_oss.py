@@ -84,6 +84,7 @@ def gpt_oss_config(hf, where: str = "config.json") -> ModelConfig:
         untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
         quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=hf.swiglu_limit,
         softmax_type="learnable", hidden_dropout=0.0, attention_dropout=0.0,
+        exclude_padded_vocab=True,
         **window, **_rope_fields(hf, where))
 
 

@@ -34,7 +34,7 @@ def _common(hf_config) -> dict:
                 vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.rms_norm_eps,
                 rotary_base=rope_theta(hf_config),
                 untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
-                hidden_dropout=0.0, attention_dropout=0.0)
+                hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
 
 def mixtral_config(hf_config) -> ModelConfig:
