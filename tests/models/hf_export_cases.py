@@ -93,7 +93,8 @@ def build(name: str):
         m = T.NemotronHForCausalLM(T.NemotronHConfig(
             vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
             layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
-            head_dim=8, intermediate_size=48, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+            # 6 x 8 = 48 Mamba channels, not a multiple of h (as Nemotron-H 47B / 56B)
+            head_dim=8, intermediate_size=48, mamba_num_heads=6, mamba_head_dim=8, n_groups=2,
             ssm_state_size=8, expand=2, chunk_size=5))
         m.config.time_step_min = 0.0  # no dt floor in forward (loom has none; init is done)
         for layer in m.model.layers:

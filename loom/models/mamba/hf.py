@@ -53,9 +53,14 @@ def hf_config(cfg: ModelConfig) -> dict:
               "layer_norm_epsilon": cfg.norm_epsilon, "n_groups": cfg.mamba_num_groups,
               "conv_kernel": cfg.mamba_d_conv, "chunk_size": cfg.mamba_chunk_size,
               "use_bias": False, "use_conv_bias": True, "tie_word_embeddings": False,
-              "expand": cfg.mamba_expand}
-    heads = cfg.mamba_expand * cfg.hidden_size // cfg.mamba_head_dim
+              "expand": max(1, cfg.mamba_d_inner // cfg.hidden_size)}
+    heads = cfg.mamba_d_inner // cfg.mamba_head_dim
     if "*" not in pat and "-" not in pat:
+        if cfg.mamba_d_inner % cfg.hidden_size:  # Mamba2's mixer is expand x h wide
+            raise ConfigError(f"Mamba-2 export needs d_inner = --mamba-num-heads x "
+                              f"--mamba-head-dim ({cfg.mamba_d_inner}) a multiple of "
+                              f"--hidden-size {cfg.hidden_size} (transformers' Mamba2 has "
+                              f"expand x h channels): this model does not convert")
         return {"architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
                 "num_hidden_layers": cfg.num_layers, "num_heads": heads,
                 "head_dim": cfg.mamba_head_dim, "state_size": cfg.mamba_state_dim,
@@ -127,7 +132,7 @@ def hf_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 
 def mamba_config(hf: dict, where: str) -> ModelConfig:
     """loom's layout of a ``mamba2`` or ``nemotron_h`` ``config.json``. Raises ConfigError for
-    what loom does not express (Nemotron-H's MoE layers, biases, a width not expand x h)."""
+    what loom does not express (Nemotron-H's MoE layers, biases)."""
     nemotron = hf["model_type"] == "nemotron_h"
     h = hf["hidden_size"]
     heads, hd = (hf["mamba_num_heads"], hf["mamba_head_dim"]) if nemotron else \
@@ -139,8 +144,6 @@ def mamba_config(hf: dict, where: str) -> ModelConfig:
         ("use_bias / attention_bias / mlp_bias", any(hf.get(k) for k in (
             "use_bias", "attention_bias", "mlp_bias", "mamba_proj_bias"))),
         ("use_conv_bias false", hf.get("use_conv_bias") is False),
-        (f"mamba heads x head dim {heads * hd} not a multiple of hidden_size {h}",
-         (heads * hd) % h),
         (f"mlp_hidden_act {hf.get('mlp_hidden_act')!r}",
          nemotron and hf.get("mlp_hidden_act", "relu2") not in MLP_ACTS)) if on]
     if bad:
@@ -157,13 +160,13 @@ def mamba_config(hf: dict, where: str) -> ModelConfig:
         model_type="mamba", num_layers=len(pattern), hidden_size=h,
         hybrid_override_pattern=pattern if set(pattern) != {"M"} else None,
         mamba_state_dim=hf["ssm_state_size"] if nemotron else hf["state_size"],
-        mamba_head_dim=hd, mamba_num_groups=groups, mamba_expand=heads * hd // h,
+        mamba_head_dim=hd, mamba_num_groups=groups, mamba_num_heads=heads,
         mamba_d_conv=hf.get("conv_kernel", 4), mamba_chunk_size=hf.get("chunk_size", 128),
         vocab_size=hf["vocab_size"], seq_length=max_pos, max_position_embeddings=max_pos,
         normalization="RMSNorm", norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         position_embedding_type="none", disable_bias_linear=True,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        hidden_dropout=0.0, attention_dropout=0.0, **attention)
+        hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True, **attention)
 
 
 def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
