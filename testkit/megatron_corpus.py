@@ -29,40 +29,10 @@ INFERENCE = [c for c in CORPUS["cases"] if c["mode"] == "inference"]
 # (capability, values it covers or None for any value other than Megatron's default, the value
 # that stands in when simulating it implemented, or None to drop the flag). When a branch
 # merges, its flags are accepted: delete its entries (the corpus test says which) and the
-# accepted share rises.
-PENDING = {
-    # branch modelcaps
-    "--moe-router-load-balancing-type": ("Sinkhorn load balancing", {"sinkhorn"}, "aux_loss"),
-    "--position-embedding-type": ("YaRN position embeddings", {"yarn"}, "rope"),
-    "--apply-query-key-layer-scaling": ("query-key layer scaling", None, None),
-    "--moe-per-layer-logging": ("per-layer MoE logging", None, None),
-    # branch traincaps
-    "--timing-log-level": ("timers by --timing-log-level", {"1", "2"}, "0"),
-    "--timing-log-option": ("timers by --timing-log-level", None, None),
-    "--log-timers-to-tensorboard": ("timers by --timing-log-level", None, None),
-    "--deterministic-mode": ("deterministic mode", None, None),
-    "--optimizer": ("the SGD optimizer", {"sgd"}, "adam"),
-    "--no-barrier-with-level-1-timing": ("timers by --timing-log-level", None, None),
-    "--sgd-momentum": ("the SGD optimizer", None, None),
-    **{f: ("profiling", None, None) for f in (
-        "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
-        "--use-pytorch-profiler", "--pytorch-profiler-collect-shapes", "--record-shapes",
-        "--pytorch-profiler-collect-callstack", "--pytorch-profiler-collect-chakra")},
-    "--record-memory-history": ("CUDA memory-history snapshots", None, None),
-    "--memory-snapshot-path": ("CUDA memory-history snapshots", None, None),
-    # branch reliability
-    "--save-retain-interval": ("checkpoints kept every --save-retain-interval", None, None),
-    # branch megackpt
-    "--ckpt-format": ("Megatron's legacy torch checkpoints", {"torch"}, "torch_dist"),
-}
-PENDING_RULES = {  # refusals of validation rules the same branches relax (message -> capability)
-    "--multi-latent-attention applies RoPE": "MLA without RoPE (branch modelcaps)",
-    "--use-checkpoint-args needs a checkpoint": "--use-checkpoint-args falling back to the "
-                                                "flags (branch reliability)",
-    "--squared-relu with --num-experts": "squared-ReLU experts (branch modelcaps)",
-    "is not a multiple of --hidden-size": "Mamba heads independent of --hidden-size (branch "
-                                          "modelcaps)",
-}
+# accepted share rises. Empty since modelcaps, traincaps, reliability and megackpt merged.
+PENDING: dict = {}
+PENDING_RULES: dict = {}  # refusals of validation rules a pending branch relaxes (message ->
+#                           capability)
 
 
 def groups(words: list[str]) -> list[list[str]]:

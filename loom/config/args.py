@@ -100,7 +100,8 @@ def _add_field(grp, parser, f, hint, hidden: bool = False) -> None:
     choices = choices_of(hint)
     if base_type(hint)[0] is bool:
         no = "--no-" + flag(f.name)[2:]  # turns off a YAML `true`
-        if not f.name.startswith("no_") and no not in parser._option_string_actions:
+        if not f.name.startswith("no_") and no not in parser._option_string_actions and \
+                no not in names:  # (a Megatron spelling of its own: --no-yarn-correction-...)
             names.append(no)
         kwargs.update(action=_OnOff, off=off)
     elif f.name in BLEND_FIELDS or f.metadata.get("words"):

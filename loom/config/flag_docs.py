@@ -56,7 +56,9 @@ def _implemented_rows() -> list[str]:
         spellings = " ".join(f"`{s}`" for s in mf.flags)
         if flag(fname) not in mf.flags:
             spellings += f" (= `{flag(fname)}`)"
-        note = "; ".join(x for x in (row.note, f"required: `{row.required}`" if row.required
+        note = "; ".join(x for x in (f"**loom's own default, on purpose**: {row.own}" if row.own
+                                     else "", row.note,
+                                     f"required: `{row.required}`" if row.required
                                      else "", "refused: " + ", ".join(
                                          f"`{v}` ({why})" for v, why in row.refuse.items())
                                      if row.refuse else "") if x)
@@ -80,6 +82,8 @@ def _grouped(kind: str, titles: dict) -> list[str]:
             extra = [f"default `{mf.megatron_default!r}`", f"`{mf.source}`"]
             if row.reason:
                 extra.insert(0, row.reason)
+            if row.note:
+                extra.append(row.note)
             if row.allow:
                 extra.append("accepted: " + ", ".join(f"`{v}`" for v in row.allow))
             if row.refuse:
@@ -87,6 +91,33 @@ def _grouped(kind: str, titles: dict) -> list[str]:
                                                      row.refuse.items()))
             out.append(f"- `{mf.name}`: {'; '.join(extra).replace('|', '/')}")
     return out
+
+
+def _own_defaults() -> list[str]:
+    """The implemented flags whose loom default differs from Megatron's on purpose."""
+    return [f"- `{mf.name}`: Megatron `{mf.megatron_default!r}`, loom `{table()[mf.name].default!r}`"
+            f": {table()[mf.name].own}." for mf in megatron_flags()
+            if table().get(mf.name) is not None and table()[mf.name].own]
+
+
+PADDED_VOCABULARY = (
+    "**Padded vocabulary.** As Megatron-Core, loom builds the embedding and the output layer "
+    "with the padded vocabulary Vp (V rounded up to a multiple of "
+    "`--make-vocab-size-divisible-by` x t, or `--padded-vocab-size`) and, by default, keeps the "
+    "Vp - V padded logit columns in the softmax of the loss (Megatron-Core's "
+    "`vocab_parallel_cross_entropy` has no column mask): V 250 padded to 256 gives Megatron's "
+    "loss, not the 250-column one. The padded rows start at zero (loom's initialization is a "
+    "function of the name, not of t; Megatron draws them at random) and train like any other "
+    "row. Consequences of Megatron's semantics: the loss depends on Vp, hence on t unless "
+    "`--padded-vocab-size` fixes it, and a checkpoint loaded at a layout with another Vp has "
+    "its padded rows cut or zero-extended. `--exclude-padded-vocab` (loom's own flag, not "
+    "Megatron's) leaves the padded columns out of the softmax, so the function is independent "
+    "of the padding; models imported from Hugging Face (`loom checkpoint convert --from-hf`, "
+    "the families' `*_config` builders) set it, keeping HF's softmax over V. Evaluation "
+    "(`loom evaluate`, the validation loss) uses the training loss's columns; generation never "
+    "samples a padded id either way. `tests/models/test_model_caps.py` checks both against "
+    "Megatron-Core's cross-entropy arithmetic.")
+"""The semantics of Megatron's padded vocabulary in loom (a paragraph of the page)."""
 
 
 def render() -> str:
@@ -119,6 +150,14 @@ def render() -> str:
         "stack's depth is the length of its `--hybrid-override-pattern`; "
         "`--max-position-embeddings` is inferred from `--seq-length`; an evaluation-only run "
         "(`--skip-train`) needs no `--lr` or `--train-iters`.",
+        "",
+        "**Deliberate differences.** Every implemented flag takes Megatron's default (or "
+        "loom's spelling of the same default), except where loom's default differs on purpose "
+        "without changing what the run computes (checked by tests/unit/test_flag_table.py):",
+        "",
+        *_own_defaults(),
+        "",
+        PADDED_VOCABULARY,
         "",
         f"## Implemented ({count[IMPLEMENTED]})",
         "",

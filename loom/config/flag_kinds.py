@@ -2,8 +2,9 @@
 categories: every flag of Megatron-LM's ``parse_args()`` is, in loom, exactly one of
 
 - **implemented** (:func:`field`): a loom config field (declared with ``opt()`` in the config
-  sections) with Megatron's name, meaning and default; a few of Megatron's values may be
-  refused with a reason (``refuse``);
+  sections) with Megatron's name, meaning and default (or, where the row says why, ``own``,
+  loom's own default on purpose: ``--ckpt-format loom_dcp``); a few of Megatron's values may
+  be refused with a reason (``refuse``);
 - **accepted, no effect** (:func:`no_effect`): accepted with Megatron's type and choices and
   named once at start with its reason (:data:`NO_EFFECT`); not a config field, never stored in a
   checkpoint; some values may be refused (``refuse``);
@@ -58,7 +59,8 @@ REFUSED = MappingProxyType({
     "t5": "encoder-decoder (T5) models",
     "distillation": "knowledge distillation",
     "modelopt": "ModelOpt quantization, export and distillation",
-    "optimizers": "optimizers other than Adam (loom trains with Adam, decoupled weight decay)",
+    "optimizers": "optimizers other than Adam and SGD (loom trains with AdamW or SGD: "
+                  "--optimizer adam|sgd)",
     "linear_attention": "linear-attention layers (Gated DeltaNet, gated delta product)",
     "dsa": "DeepSeek sparse attention",
     "mup": "muP (maximal update) parametrization",
@@ -108,6 +110,7 @@ class Row:
     note: str = ""
     default: Any = None
     spelled: bool = False
+    own: str = ""
     required: Optional[str] = None
     pending: Optional[str] = None
 
@@ -126,13 +129,17 @@ class Row:
 
 
 def field(name: Optional[str] = None, *, note: str = "", refuse: Optional[dict] = None,
-          required: Optional[str] = None, **spelled: Any) -> Row:
+          required: Optional[str] = None, own: str = "", **spelled: Any) -> Row:
     """Implemented by loom config field ``name`` (default: the flag's name). ``default=X``:
-    loom spells Megatron's default as X (same meaning, e.g. ``None`` for "off"); ``required``:
-    Megatron refuses to run without the flag (its ``file:line``); ``refuse``: ``{Megatron value:
-    reason}`` loom refuses."""
+    loom spells Megatron's default as X (same meaning, e.g. ``None`` for "off"), or, with
+    ``own`` (the reason), loom's default differs from Megatron's on purpose without changing
+    what the run computes (``--ckpt-format loom_dcp``); ``required``: Megatron refuses to run
+    without the flag (its ``file:line``); ``refuse``: ``{Megatron value: reason}`` loom
+    refuses."""
+    assert not own or "default" in spelled, "own: loom's default is given as default="
     return Row(IMPLEMENTED, field=name, note=note, refuse=MappingProxyType(refuse or {}),
-               required=required, default=spelled.get("default"), spelled="default" in spelled)
+               required=required, default=spelled.get("default"), spelled="default" in spelled,
+               own=own)
 
 
 def no_effect(category: str, *, note: str = "", refuse: Optional[dict] = None) -> Row:

@@ -15,21 +15,8 @@ from __future__ import annotations
 
 from loom.config.flag_kinds import field, refused, words
 
-PENDING = {  # capabilities other branches implement; refused until then (issue 42)
-    "yarn": ("modelcaps", "YaRN position embeddings for standard attention "
-                          "(--position-embedding-type yarn)"),
-    "sinkhorn": ("modelcaps", "Sinkhorn load balancing (--moe-router-load-balancing-type "
-                              "sinkhorn)"),
-    "qk_scaling": ("modelcaps", "query-key layer scaling (--apply-query-key-layer-scaling)"),
-    "moe_logging": ("modelcaps", "per-layer MoE logging (--moe-per-layer-logging)"),
-    "timers": ("traincaps", "timers by --timing-log-level (and to TensorBoard)"),
-    "deterministic": ("traincaps", "deterministic mode (--deterministic-mode)"),
-    "sgd": ("traincaps", "the SGD optimizer (--optimizer sgd)"),
-    "profiler": ("traincaps", "profiling (torch.profiler traces of --profile)"),
-    "memory_history": ("traincaps", "CUDA memory-history snapshots "
-                                    "(--record-memory-history)"),
-    "retain": ("reliability", "checkpoints kept every --save-retain-interval"),
-    "torch_ckpt": ("megackpt", "Megatron's legacy torch checkpoints (--ckpt-format torch)"),
+PENDING: dict = {  # capability key -> (branch, text): refused until that branch merges
+    # (issue 42's modelcaps, traincaps, reliability and megackpt capabilities have all merged)
 }
 
 
@@ -85,6 +72,12 @@ _IMPLEMENTED = words("""
 --finetune --no-load-optim --no-load-rng --exit-interval --async-save
 --distributed-timeout-minutes --exit-signal-handler --num-virtual-stages-per-pipeline-rank
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+--moe-per-layer-logging --timing-log-level --timing-log-option --log-timers-to-tensorboard
+--no-barrier-with-level-1-timing --log-memory-to-tensorboard --deterministic-mode --sgd-momentum
+--profile --profile-step-start --profile-step-end --use-pytorch-profiler
+--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --record-memory-history
+--memory-snapshot-path --save-retain-interval --optimizer --profile-ranks
+--yarn-correction-range-round-to-int
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -113,10 +106,10 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                                 "expression such as ([0]*3+[1]*58))"),
     "--moe-z-loss-coeff": field(default=0.0, note="Megatron None: no z-loss"),
     "--moe-router-load-balancing-type": field(
-        note="one type (Megatron also takes a list)",
-        refuse={"sinkhorn": pending_text("sinkhorn"),
-                "quantile_balancing": "loom has no quantile load balancing: use aux_loss, "
-                                      "seq_aux_loss or global_aux_loss"}),
+        note="one type (Megatron also takes a list); sinkhorn: balanced picks in training, "
+             "top-k of the scores in evaluation, no aux loss (Megatron's)",
+        refuse={"quantile_balancing": "loom has no quantile load balancing: use aux_loss, "
+                                      "seq_aux_loss, global_aux_loss or sinkhorn"}),
     "--moe-router-score-function": field(refuse={
         "sqrtsoftplus": "loom has no sqrt-softplus router scores: use softmax or sigmoid"}),
     "--moe-router-dtype": field(note="Megatron None routes in the input dtype, loom None in "
@@ -124,14 +117,14 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--moe-token-dispatcher-type": field(note="flex (DeepEP / HybridEP kernels) runs as "
                                               "alltoall (the same numbers)"),
     "--moe-router-force-load-balancing": field(note="benchmarks only"),
-    "--rotary-scaling-factor": field(default=None, note="Megatron 1.0: no scaling (loom: "
-                                     "Gemma 3's linear scaling; YaRN's factor with MLA)"),
+    "--rotary-scaling-factor": field(default=None, note="Megatron 1.0: no scaling (YaRN's "
+                                     "factor; Gemma 3's linear scaling)"),
     "--rope-type": field(note="None: yarn with MLA (MLATransformerConfig), rope otherwise"),
     "--yarn-original-max-position-embeddings": field(note="None: 4096"),
     "--yarn-beta-fast": field(note="None: 32"),
     "--yarn-beta-slow": field(note="None: 1"),
-    "--position-embedding-type": field(refuse={
-        "yarn": pending_text("yarn"),
+    "--position-embedding-type": field(note="yarn: RoPE with YaRN scaling "
+                                       "(--rotary-scaling-factor, --yarn-*, --mscale*)", refuse={
         "mrope": "loom has no multimodal RoPE (vision-language models)",
         "relative": "loom has no relative position buckets (T5)"}),
     "--cp-comm-type": field(default="p2p", note="a list (one value or one per layer); loom "
@@ -151,18 +144,22 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
     "--use-rotary-position-embeddings": field(note="= --position-embedding-type rope"),
     "--no-position-embedding": field(note="dest add_position_embedding=True"),
-    "--squared-relu": field(note="not with --swiglu (as Megatron)"),
+    "--squared-relu": field(note="not with --swiglu (as Megatron); the experts too"),
     "--decoupled-lr": field(note="word embedding and output layer weights"),
     "--decoupled-min-lr": field(note="None: --min-lr"),
     "--exit-duration-in-mins": field(note="an int in Megatron"),
     "--rampup-batch-size": field(note="nargs 3; refused in training"),
     "--step-batch-size-schedule": field(note="one batch size accepted in training"),
     "--use-megatron-fsdp": field(note="loom: --zero-stage from the sharding strategy"),
-    "--ckpt-format": field(note="torch_dist, torch_dcp and fsdp_dtensor are loom's DCP "
-                                "checkpoints", refuse={"torch": pending_text("torch_ckpt")}),
+    "--ckpt-format": field(default="loom_dcp", own=(
+        "loom's own format keeps the generators, the data identities, checksums and async "
+        "saves; the run trains the same, only the files differ"),
+        note="torch_dist writes Megatron's format (Megatron-LM's --load reads it); torch, "
+             "torch_dcp and fsdp_dtensor write loom_dcp (said at start); --load reads every "
+             "format, detected"),
     "--eod-mask-loss": field(note="GPT-style families; input tokens == eod"),
     "--moe-token-drop-policy": field(note="position refused"),
-    "--mamba-num-heads": field(note="sets --mamba-expand (a multiple of h)"),
+    "--mamba-num-heads": field(note="d_inner = heads x --mamba-head-dim, any h"),
     "--window-size": field(note="loom holds the text 'LEFT,RIGHT'"),
     "--window-attn-skip-freq": field(note="loom holds the text (an int or a list)"),
     "--enable-gpt-oss": field(note="ModelOpt's flag: YaRN RoPE with gpt-oss's values"),
@@ -177,7 +174,25 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                         "`loom preprocess`"}),
     "--num-virtual-stages-per-pipeline-rank": field(
         note="sets --num-layers-per-virtual-pipeline-stage L / (p v)"),
+    "--yarn-correction-range-round-to-int": field(default=True, note=(
+        "None: True (megatron/training/argument_utils.py:413); MLA always rounds")),
+    "--optimizer": field(note="adam: AdamW (decoupled weight decay); sgd: torch SGD", refuse={
+        v: f"loom has no {name} optimizer: use --optimizer adam (AdamW) or --optimizer sgd"
+        for v, name in (("muon", "Muon"), ("dist_muon", "distributed Muon"), ("lion", "Lion"),
+                        ("soap", "SOAP"), ("adaptive_muon", "adaptive Muon"))}),
+    "--profile": field(note="Megatron's field use_nsys_profiler: nsys capture range unless "
+                            "--use-pytorch-profiler"),
+    "--profile-ranks": field(default=None, note="[] in Megatron: every rank; loom holds the "
+                                                "words"),
+    "--record-memory-history": field(note="needs CUDA (on CPU one line says so)"),
+    "--log-memory-to-tensorboard": field(note="CUDA allocator statistics"),
+    "--timing-log-level": field(note="an int 0-2 (bounds, not choices)"),
+    "--save-retain-interval": field(note="checkpoints at its multiples are kept when older ones "
+                                         "are deleted (megatron/training/checkpointing.py:1108)"),
+    "--moe-per-layer-logging": field(note="moe/<loss>_layer_<i> to the JSON log, TensorBoard "
+                                          "and W&B"),
     # -- another spelling of a loom field (a Megatron flag of its own, or an alias)
+    "--no-yarn-correction-range-round-to-int": field("yarn_correction_range_round_to_int"),
     "--hybrid-layer-pattern": field("hybrid_override_pattern",
                                     note="Megatron's current name of --hybrid-override-pattern"),
     "--bert-no-binary-head": field("bert_binary_head", note="turns BERT's sentence-order head "
@@ -190,25 +205,4 @@ IMPLEMENTED_ROWS = tuple((flag, _SPECIAL.get(flag) or field()) for flag in _IMPL
     tuple((flag, row) for flag, row in _SPECIAL.items() if flag not in _IMPLEMENTED)
 """``(Megatron flag, row)`` of every flag loom implements."""
 
-PENDING_ROWS = (  # Megatron-only flags whose capability another branch adds
-    ("--apply-query-key-layer-scaling", pending("qk_scaling")),
-    ("--moe-per-layer-logging", pending("moe_logging")),
-    ("--timing-log-level", pending("timers", allow=(0,))),
-    ("--timing-log-option", pending("timers")),
-    ("--log-timers-to-tensorboard", pending("timers")),
-    ("--no-barrier-with-level-1-timing", pending("timers")),
-    ("--deterministic-mode", pending("deterministic")),
-    ("--sgd-momentum", pending("sgd")),
-    ("--profile", pending("profiler")),
-    ("--profile-step-start", pending("profiler")),
-    ("--profile-step-end", pending("profiler")),
-    ("--profile-ranks", pending("profiler")),
-    ("--use-pytorch-profiler", pending("profiler")),
-    ("--pytorch-profiler-collect-shapes", pending("profiler")),
-    ("--pytorch-profiler-collect-callstack", pending("profiler")),
-    ("--pytorch-profiler-collect-chakra", pending("profiler")),
-    ("--record-shapes", pending("profiler")),
-    ("--record-memory-history", pending("memory_history")),
-    ("--memory-snapshot-path", pending("memory_history")),
-    ("--save-retain-interval", pending("retain")),
-)
+PENDING_ROWS: tuple = ()  # Megatron-only flags whose capability another branch adds

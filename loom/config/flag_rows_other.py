@@ -37,6 +37,11 @@ NO_EFFECT_ROWS = (
         --moe-shared-expert-glu-interleave-size --moe-mlp-glu-interleave-size
         --disable-mamba-mem-eff-path --mla-down-proj-fusion --no-gradient-reduce-div-fusion
         --onnx-safe --attention-softmax-in-fp32 --disable-jit-fuser"""),
+    ("--apply-query-key-layer-scaling", no_effect("kernel", note=(
+        "Megatron divides the fp16 scores by the layer number L and multiplies them by L "
+        "again in an fp32 softmax: (s/L) L = s; loom's attention computes scores and softmax "
+        "in fp32, so the flag changes nothing it computes (tests/models/test_model_caps.py::"
+        "test_query_key_layer_scaling_changes_nothing_loom_computes)"))),
     ("--transformer-impl", no_effect("kernel", refuse={
         "inference_optimized": "an inference-only layer implementation: train with local or "
                                "transformer_engine (both mean loom's layers)"})),
@@ -130,9 +135,8 @@ NO_EFFECT_ROWS = (
         --logging-level --tensorboard-log-interval --tensorboard-queue-size
         --no-log-loss-scale-to-tensorboard"""),
     *_block(no_effect("already"), """
-        --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard --log-throughput
-        --log-memory-interval --log-device-memory-used --verify-integrity
-        --exit-signal-handler-for-training --no-yarn-correction-range-round-to-int"""),
+        --log-validation-ppl-to-tensorboard --log-throughput --log-memory-interval
+        --log-device-memory-used --verify-integrity --exit-signal-handler-for-training"""),
     *_block(no_effect("validation"), """
         --no-check-for-nan-in-loss-and-grad --check-weight-hash-across-dp-replicas-interval
         --check-for-large-grads --check-for-spiky-loss --test-mode"""),
@@ -229,8 +233,6 @@ REFUSED_ROWS = (
         --export-quant-cfg --finetune-hf-dataset --finetune-data-split --finetune-data-files
         --qad-train-target --freeze-base-for-mtp --export-qk-l2-norm
         --export-moe-apply-probs-on-input --export-offline-model --modelopt-enabled"""),
-    ("--optimizer", refused("optimizers", allow=("adam",), refuse={
-        "sgd": "not implemented in loom yet: the SGD optimizer (--optimizer sgd)"})),
     *_block(refused("optimizers"), """
         --muon-momentum --muon-no-split-qkv --muon-nesterov --muon-scale-mode
         --muon-fp32-matmul-prec --muon-coefficient-type --muon-num-ns-steps --muon-tp-mode
@@ -298,9 +300,6 @@ REFUSED_ROWS = (
     ("--moe-upcycling-granularity", _no("MoE upcycling from a dense checkpoint")),
     ("--batch-invariant-mode", _no("batch-invariant kernels")),
     ("--batch-invariant-backend", _no("batch-invariant kernels")),
-    ("--yarn-correction-range-round-to-int",
-     _no("YaRN correction range rounded to integers (loom's is not rounded, as Megatron's "
-         "MLA default)")),
 
     ("--rotary-seq-len-interpolation-factor", _no("RoPE position interpolation")),
     ("--use-rope-scaling", _no("Llama 3.1 RoPE frequency scaling")),
@@ -364,6 +363,10 @@ REFUSED_ROWS = (
         --moe-routing-trace-path --moe-routing-trace-max-training-iters
         --moe-routing-trace-capture-logits --moe-routing-trace-capture-hidden-states
         --moe-routing-trace-dump-weights --nvtx-ranges"""),
+    ("--pytorch-profiler-collect-chakra", refused("extra_logs", "Chakra execution traces "
+                                                  "of the PyTorch profiler")),
+    ("--record-shapes", refused("extra_logs", "NVTX tensor-shape records for nsys "
+                                "(torch.autograd.profiler.emit_nvtx)")),
     ("--log-progress", refused("extra_logs", "progress.txt of processed tokens and FLOPs")),
     ("--log-max-attention-logit", refused("extra_logs", "log of the largest attention logit")),
     ("--log-world-size-to-tensorboard", refused("extra_logs", "world size in TensorBoard")),

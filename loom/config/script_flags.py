@@ -10,6 +10,7 @@ import math
 import re
 from typing import Any, Optional
 
+from loom.config.debug_flags import check_debug_flags
 from loom.errors import ConfigError
 
 _SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
@@ -55,7 +56,7 @@ def _final_batch_size(t: Any) -> Optional[int]:
 def _positions(m: Any) -> None:
     if m.use_rotary_position_embeddings:
         m.position_embedding_type = "rope"  # Megatron: arguments.py, the deprecated spelling
-    if m.no_position_embedding and m.position_embedding_type != "rope":
+    if m.no_position_embedding and not m.rotary:
         raise ConfigError("--no-position-embedding is deprecated in Megatron-LM and refused "
                           "without rotary embeddings: give --position-embedding-type none "
                           "(or rope)")
@@ -172,19 +173,19 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
             t.overlap_param_gather = False       # FSDP's --overlap-param-gather)
     _virtual_stages(cfg)
     _account_in_split(cfg.parallel, m.num_layers)
-    if m.mamba_num_heads is not None and m.hidden_size:  # Megatron's MambaMixer
-        width = m.mamba_num_heads * m.mamba_head_dim
-        if width % m.hidden_size:
-            raise ConfigError(f"--mamba-num-heads {m.mamba_num_heads} x --mamba-head-dim "
-                              f"{m.mamba_head_dim} = {width} is not a multiple of --hidden-size "
-                              f"{m.hidden_size}: loom's Mamba width is --mamba-expand x h")
-        m.mamba_expand = width // m.hidden_size
-    if m.squared_relu and (m.swiglu or m.num_experts):  # Megatron: assert not args.swiglu
-        raise ConfigError("--squared-relu replaces GeLU in the dense MLP: drop --swiglu"
-                          if m.swiglu else "--squared-relu with --num-experts: loom's experts "
-                          "use GeLU or SwiGLU; drop --squared-relu")
+    if t.ckpt_format == "torch_dist" and m.model_type not in ("gpt", "mamba"):
+        raise ConfigError(f"--ckpt-format torch_dist (Megatron's format) is written for the gpt "
+                          f"and mamba families, not --model-type {m.model_type}: drop it "
+                          f"(loom's own loom_dcp)")
+    if m.squared_relu and m.gated_linear_unit:  # Megatron: assert not args.swiglu
+        raise ConfigError("--squared-relu replaces GeLU in the MLP and the experts: drop "
+                          + ("--swiglu" if m.swiglu else "--quick-geglu"))
+    if cfg.logging.moe_per_layer_logging and not m.num_experts:
+        raise ConfigError("--moe-per-layer-logging logs the losses of each MoE layer: this "
+                          "model has none (add --num-experts or drop --moe-per-layer-logging)")
     if m.moe_token_drop_policy == "position" and m.moe_expert_capacity_factor is not None:
         raise ConfigError("--moe-token-drop-policy position: loom drops the tokens of lowest "
                           "router score over capacity; give --moe-token-drop-policy probs")
     if t.decoupled_min_lr is not None and t.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
+    check_debug_flags(cfg, world_size)  # --profile*, --deterministic-mode

@@ -25,7 +25,7 @@ from loom.config.script_fields import (DataScriptFields, LoggingScriptFields, Mo
                                        TrainingScriptFields)
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
-PositionEmbedding = Literal["learned_absolute", "rope", "none"]
+PositionEmbedding = Literal["learned_absolute", "rope", "yarn", "none"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble", "zbv"]
 DecayStyle = Literal["cosine", "linear", "constant"]
 Recompute = Literal["selective", "full"]
@@ -72,10 +72,18 @@ class ModelShapeFields:
               "PREFIX.meta.json or the checkpoint)", ge=1)
     make_vocab_size_divisible_by: int = opt(
         128, "pad V to a multiple of this times the tensor-parallel size", ge=1)
+    exclude_padded_vocab: bool = opt(
+        False, "loom's own: leave the padded vocabulary columns (ids >= V, from "
+               "--make-vocab-size-divisible-by or --padded-vocab-size) out of the softmax of "
+               "the loss and of evaluation, so the model's function does not depend on the "
+               "padding (hence on t); default: in the softmax, as Megatron-Core's output "
+               "layer has them")
     normalization: Normalization = opt("LayerNorm", "layer normalization: LayerNorm or RMSNorm")
     norm_epsilon: float = opt(1e-5, "epsilon added to the variance in the normalization", gt=0)
     position_embedding_type: PositionEmbedding = opt(
-        "learned_absolute", "positions: learned_absolute embeddings, rope (rotary) or none")
+        "learned_absolute", "positions: learned_absolute embeddings, rope (rotary), yarn "
+                            "(rotary with YaRN scaling: --rotary-scaling-factor, --yarn-*, "
+                            "--mscale, --mscale-all-dim) or none")
     rotary_base: float = opt(10000.0, "RoPE base period (theta)", gt=0)
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU")
     openai_gelu: bool = opt(False, "tanh-approximated GeLU, as GPT-2 uses")
@@ -119,6 +127,20 @@ class ModelConfig(ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma
     def ffn_size(self) -> int:
         """MLP hidden size: ``--ffn-hidden-size`` or 4h."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def softmax_vocab_size(self) -> Optional[int]:
+        """Output columns the softmax of the loss and of evaluation spans: V with
+        ``--exclude-padded-vocab``, else None: all Vp, the padded ones included (Megatron-Core's
+        output layer and ``vocab_parallel_cross_entropy``). Generation never samples a padded
+        id either way."""
+        return self.vocab_size if self.exclude_padded_vocab else None
+
+    @property
+    def rotary(self) -> bool:
+        """Whether standard attention rotates queries and keys: ``--position-embedding-type``
+        rope or yarn."""
+        return self.position_embedding_type in ("rope", "yarn")
 
     @property
     def max_positions(self) -> int:

@@ -21,6 +21,7 @@ from loom.config.model_gptoss import check_gptoss
 from loom.config.model_mla import check_mla
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import validate_pipeline
+from loom.config.resilience import check_pruning
 from loom.config.script_flags import resolve_script_flags
 from loom.config.split import parse_split
 from loom.config.limits import check_limits
@@ -190,7 +191,7 @@ def _check_model(m: Any, tp: int) -> None:
         raise ConfigError(
             f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
             f"{m.max_positions}: raise --max-position-embeddings or shorten --seq-length")
-    if m.position_embedding_type == "rope" and m.head_dim % 2 and not m.multi_latent_attention:
+    if m.rotary and m.head_dim % 2 and not m.multi_latent_attention:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.head_dim}")
 
 
@@ -309,6 +310,12 @@ def _check_precision(t: Any) -> None:
                           "parameter all-gather: add --use-distributed-optimizer")
     if t.loss_scale is not None and not t.fp16:
         raise ConfigError("--loss-scale scales the loss of --fp16 training: add --fp16")
+    top, tiny = 65504.0, 2.0 ** -24  # fp16's largest value and smallest subnormal
+    if t.loss_scale is not None and t.loss_scale * tiny > top:
+        raise ConfigError(f"--loss-scale {t.loss_scale:g} with --fp16: even fp16's smallest "
+                          f"gradient ({tiny:.2g}) times it exceeds fp16's largest value {top:g}, "
+                          f"so every step would overflow and be skipped; give at most "
+                          f"{top / tiny:.3g} (2**16 and below are usual), or drop --loss-scale")
 
 
 def validate_config(cfg: Any, world_size: int) -> None:
@@ -371,6 +378,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
     if ck.save_interval == "auto" and not (ck.mtbf_hours_per_node or ck.mtbf_hours):
         raise ConfigError("--save-interval auto needs the failure rate: give "
                           "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
+    check_pruning(ck)
     if t.lr is not None and t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
     if t.compile and p.device != "cuda" and not (

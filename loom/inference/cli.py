@@ -50,14 +50,13 @@ def _given_fields(args: argparse.Namespace) -> dict:
     return given
 
 
-def check_arguments(args: argparse.Namespace) -> tuple:
-    """Refuse bad ``loom generate`` input before anything is loaded; ConfigError names the flag.
-    Returns ``(GenerateOptions, checkpoint directory, lines to say at start)``."""
-    from loom.config import ModelConfig
+def _check_flags(args: argparse.Namespace) -> tuple:
+    """Refuse bad ``loom generate`` flags before any file is read; ConfigError names the flag.
+    Returns ``(GenerateOptions, the config fields given, lines to say at start)``."""
     from loom.config.args import options_from_args
     from loom.config.flag_args import megatron_given
     from loom.config.flag_table import no_effect_report, resolve_megatron_only
-    from loom.inference.options import USED_FIELDS, GenerateOptions
+    from loom.inference.options import GenerateOptions
     rows = generate_rows()
     notes = [no_effect_report(resolve_megatron_only(megatron_given(args), rows), rows,
                               "loom generate")]
@@ -75,7 +74,17 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         raise ConfigError("--prompts (or --prompt) TEXT or --prompt-file FILE.jsonl is required")
     if opts.prompts is not None and not all(opts.prompts):
         raise ConfigError("--prompts / --prompt: an empty prompt; give the text to continue")
-    ckpt = _checkpoint(given["load"], given.get("ckpt_step"))
+    return opts, given, notes
+
+
+def check_arguments(args: argparse.Namespace, ckpt: Optional[str] = None) -> tuple:
+    """Refuse bad ``loom generate`` input before anything is loaded (``ckpt``: the checkpoint
+    already chosen, else ``--load``'s); ConfigError names the flag. Returns
+    ``(GenerateOptions, checkpoint directory, lines to say at start)``."""
+    from loom.config import ModelConfig
+    from loom.inference.options import USED_FIELDS
+    opts, given, notes = _check_flags(args)
+    ckpt = _checkpoint(given["load"], given.get("ckpt_step"), ckpt)
     model_fields = {f for f in ModelConfig.__dataclass_fields__}
     shape = {k: v for k, v in given.items() if k in model_fields}
     if shape and not given.get("use_checkpoint_args"):
@@ -97,12 +106,12 @@ def check_arguments(args: argparse.Namespace) -> tuple:
     return opts, ckpt, [n for n in notes if n]
 
 
-def _checkpoint(load: str, step: Optional[int]) -> str:
+def _checkpoint(load: str, step: Optional[int], ckpt: Optional[str] = None) -> str:
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load}: no such checkpoint directory; train with --save "
                           f"first")
-    ckpt = resolve_checkpoint(load, step)
+    ckpt = ckpt or resolve_checkpoint(load, step)
     if ckpt is None:
         raise ConfigError(f"--load {load}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
@@ -113,9 +122,11 @@ def _checkpoint(load: str, step: Optional[int]) -> str:
     return ckpt
 
 
-def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
-    """(model, tokenizer) from the latest checkpoint of ``load_dir`` (or ``iter_{step}``);
-    raises ConfigError if none, or if the ``latest`` pointer is broken."""
+def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None,
+                       ckpt: Optional[str] = None):
+    """(model, tokenizer) from the latest checkpoint of ``load_dir`` (or ``iter_{step}``, or
+    the checkpoint ``ckpt`` already chosen); raises ConfigError if none, or if the ``latest``
+    pointer is broken."""
     from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, read_common
     from loom.config import LoomConfig
     from loom.data.tokenizer import Tokenizer
@@ -123,7 +134,7 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
     from loom.parallel.mesh import ParallelMesh, init_distributed
     from loom.parallel.parallelize import build_model
 
-    ckpt = latest_checkpoint(load_dir, step)
+    ckpt = ckpt or latest_checkpoint(load_dir, step)
     if ckpt is None:
         raise ConfigError(f"--load {load_dir}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
@@ -146,6 +157,8 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None):
     tok_path = os.path.join(ckpt, "tokenizer.json")
     if not os.path.exists(tok_path):
         raise ConfigError(f"--load {load_dir}: checkpoint has no tokenizer.json")
+    from loom.checkpoint.integrity import verify_read
+    verify_read(ckpt, ["tokenizer.json"])
     return model, Tokenizer.load(tok_path)
 
 
@@ -185,7 +198,21 @@ def stop_at_words(new: list[int], tok, stop_words) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts, _, notes = check_arguments(args)
+    from loom.checkpoint.holds import agreed_checkpoint
+    _check_flags(args)  # bad flags refused before a checkpoint is chosen and held
+    if not os.path.isdir(args.load):
+        raise ConfigError(f"--load {args.load}: no such checkpoint directory; train with --save "
+                          f"first")
+    ckpt, hold = agreed_checkpoint(args.load, args.ckpt_step)  # never pruned while read
+    try:
+        return _generate(args, ckpt)
+    finally:
+        if hold is not None:
+            hold.release()
+
+
+def _generate(args: argparse.Namespace, ckpt: Optional[str]) -> int:
+    opts, ckpt, notes = check_arguments(args, ckpt)
     from loom.inference.generate import SamplingConfig, generate
     from loom.models import get_family
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -194,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"loom generate: {line}", flush=True)
     prompts = read_prompts(opts)
     tp = args.tensor_model_parallel_size or 1
-    model, tok = load_for_inference(args.load, tp, args.ckpt_step)
+    model, tok = load_for_inference(args.load, tp, args.ckpt_step, ckpt)
     from loom.config import TrainingConfig
     seed = TrainingConfig().seed if args.seed is None else args.seed  # the one --seed default
     sampling = SamplingConfig(greedy=opts.greedy or opts.top_k == 1,

@@ -87,7 +87,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
                 1, ids[0, 1:, None]).squeeze(1).tolist()
             logprobs["generated_log_probs"] = []
         last = gather_from_tensor_parallel_region(logits[:, -1].float(), mesh.groups["tp"])
-        nxt = sample_next(last[0, :cfg.vocab_size].cpu(), sampling, gen)
+        nxt = sample_next(last[0, :cfg.vocab_size].cpu(), sampling, gen)  # never a padded id
         if logprobs is not None:
             lp = last[0, :cfg.vocab_size].log_softmax(-1)
             logprobs["generated_log_probs"].append(float(lp[nxt]))

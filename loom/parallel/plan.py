@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 from torch import nn
 
 from loom.parallel import tensor
-from loom.parallel.context import wrap_context_parallel
+from loom.parallel.context.attention import wrap_context_parallel
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import ForkedDropout, RNGTracker
 from loom.parallel.registry import ParamMeta, ParamRegistry, ShardSpec
@@ -121,10 +121,12 @@ class VocabParallelLMHead(ParallelStyle):
     """Turns the family's ``LMHead`` into :class:`loom.parallel.tensor.VocabParallelLMHead`: the
     output GEMM on vocabulary-parallel logits (input gathered from the SP region, or entered
     through ``f``) and the vocab-parallel cross-entropy (Megatron's ``output_layer`` +
-    ``vocab_parallel_cross_entropy``). ``softcap``: Gemma's final-logit soft-capping
-    (``softcap * tanh(logits / softcap)``; output GEMM and loss then run unfused)."""
+    ``vocab_parallel_cross_entropy``). ``vocab_size``: the columns the softmax spans
+    (``ModelConfig.softmax_vocab_size``; None: all Vp, the padded ones included).
+    ``softcap``: Gemma's final-logit soft-capping (``softcap * tanh(logits / softcap)``;
+    output GEMM and loss then run unfused)."""
 
-    vocab_size: int
+    vocab_size: Optional[int]
     softcap: Optional[float] = None
 
     def apply(self, module, ctx):

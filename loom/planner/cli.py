@@ -231,7 +231,7 @@ def run(args) -> int:
         attn, ffn = (attn if n_kind["*"] else ""), (ffn if n_kind["-"] else "")
         moe += (", layers " + " ".join(f"{k}{n}" for k, n in kind_counts(model).items() if n)
                 + f" (Mamba N={model.mamba_state_dim} P={model.mamba_head_dim} "
-                  f"G={model.mamba_num_groups} expand={model.mamba_expand} "
+                  f"G={model.mamba_num_groups} d_inner={model.mamba_d_inner} "
                   f"Q={model.mamba_chunk_size})")
     header = (f"loom plan: {name} ({total_params(model) / 1e9:.3g}B params{moe}, "
               f"L={model.num_layers} h={model.hidden_size} {attn}{ffn}"

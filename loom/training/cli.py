@@ -17,6 +17,7 @@ from typing import Optional
 
 from loom.config import LoomConfig, add_config_arguments, config_from_args
 from loom.errors import ConfigError
+from loom.training.checkpoint_checks import check_checkpoints, megatron_at
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,34 +115,6 @@ def _check_tokenizer_files(cfg: LoomConfig) -> None:
                               f"flags (loom reads the one stored with the data)")
 
 
-def _check_checkpoints(cfg: LoomConfig, dry_run: bool = False) -> int:
-    """Resolve ``--load`` and check ``--save``; returns the start iteration. ``dry_run``: the
-    ``--save`` of the predicted cluster is not this machine's disk, so it is not probed (no
-    write test, no free-space check, nothing created)."""
-    from loom.checkpoint.safety import (check_checkpoint_files, check_fresh_load, check_save_dir,
-                                        resolve_checkpoint)
-    from loom.planner.memory import total_params
-    ck = cfg.checkpoint
-    start, ckpt = 0, None
-    if ck.load:
-        ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
-        if ckpt is not None:
-            check_checkpoint_files(ckpt)
-            start = int(os.path.basename(ckpt).split("_")[1])
-        else:  # a wrong path is refused; a fresh start is said, never silent
-            check_fresh_load(ck.load, ck.save)
-        if ckpt is None and os.environ.get("RANK", "0") == "0":
-            print(f"loom train: --load {ck.load} holds no checkpoint yet: starting from "
-                  f"iteration 0", flush=True)
-    if ck.save and not dry_run:
-        weights_and_adam = 12  # bytes per parameter: fp32 weight + two fp32 Adam moments
-        same = bool(ck.load) and os.path.realpath(ck.load) == os.path.realpath(ck.save)
-        check_save_dir(ck.save, start, ck.overwrite_checkpoints,
-                       int(weights_and_adam * total_params(cfg.model)),
-                       resumed_from_pointer=same and ckpt is not None and ck.ckpt_step is None)
-    return start
-
-
 RUN_FIELDS = ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
 
 
@@ -162,6 +135,9 @@ def _stored_config(cfg: LoomConfig) -> Optional[tuple[str, dict]]:
         return None
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
+    found = megatron_at(ck.load, ck.ckpt_step)
+    if found is not None:
+        return found.path, read_common(found.path)["config"]
     ckpt = resolve_checkpoint(ck.load, ck.ckpt_step)
     if ckpt is None:
         return None
@@ -202,9 +178,10 @@ def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
     if vocab is None and not cfg.data.mock_data:
         vocab = blend_vocab_size(cfg.data)
     if vocab is None and cfg.checkpoint.load:
-        ckpt = resolve_checkpoint(cfg.checkpoint.load, None)
+        found = megatron_at(cfg.checkpoint.load, None)
+        ckpt = found.path if found else resolve_checkpoint(cfg.checkpoint.load, None)
         if ckpt:
-            vocab = read_common(ckpt)["config"]["vocab_size"]
+            vocab = read_common(ckpt)["config"].get("vocab_size")
     if vocab is None:
         raise ConfigError("vocabulary size unknown: give --data-path PREFIX (preprocessed with "
                           "`loom preprocess`) or --mock-data --vocab-size V")
@@ -240,35 +217,63 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         flags = LoomConfig.from_flat({**flags.to_flat(),
                                       "vocab_size": flags.model.vocab_size + 1})
     flat, stored = flags.to_flat(), _stored_config(flags)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    notes: list[str] = []  # said once every check has passed (a refusal stays one line)
     if stored is not None:
-        flat.update(model_from_checkpoint(flags, stored[1], given_fields(args)))
+        taken = model_from_checkpoint(flags, stored[1], given_fields(args))
+        would = dict(flat)  # what this command alone gives (V: the data's, when it names data)
+        if would.get("vocab_size") is None and not flags.data.mock_data:
+            from loom.data.blended import blend_vocab_size
+            would["vocab_size"] = blend_vocab_size(flags.data)
+        said = _taken_flags({k: v for k, v in taken.items() if would.get(k) != v})
+        if said:  # never silently: e.g. a LLaMA checkpoint under plain GPT flags
+            notes.append(f"loom train: --load {flags.checkpoint.load}: the model flags not "
+                         f"given here are the checkpoint's: {said}")
+        flat.update(taken)
         if flags.training.use_checkpoint_args:
             import dataclasses
-
+            if not stored[1]:
+                raise ConfigError(f"--use-checkpoint-args: {stored[0]} holds no saved args (a "
+                                  f"bare Megatron-Core checkpoint): give the model flags")
             from loom.config import ModelConfig
             from loom.training.resume import checkpoint_model_args
             flat.update(checkpoint_model_args(stored[1], given_fields(args),
                                               [f.name for f in dataclasses.fields(ModelConfig)]))
     elif flags.training.use_checkpoint_args:
-        raise ConfigError("--use-checkpoint-args needs a checkpoint to take the model's "
-                          "flags from: give --load DIR (or --pretrained-checkpoint DIR) "
-                          "holding one")
+        if not flags.checkpoint.load:
+            raise ConfigError("--use-checkpoint-args needs --load or --pretrained-checkpoint: "
+                              "the checkpoint to take the model's flags from")
+        if rank0:  # Megatron's load_args_from_checkpoint: the flags as given
+            print(f"loom train: --use-checkpoint-args: --load {flags.checkpoint.load} holds no "
+                  f"checkpoint yet: the model's flags are this command's", flush=True)
     flags = resolve_vocab(LoomConfig.from_flat(flat))
     cfg = flags.validate(world)
     if named and not d.mock_data:
         _check_data(cfg)
-    _check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
+    check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
     if not getattr(args, "dry_run", False):
         from loom.training.script_checks import refuse_unimplemented
         refuse_unimplemented(cfg)
-    if stored is not None:
+    if stored is not None and stored[1]:  # (a bare Megatron-Core checkpoint stores no config)
         schedule = _check_same_model(cfg, *stored)
         from loom.checkpoint.data_match import check_same_data
-        check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
+        if not megatron_at(stored[0], None):  # Megatron stores no loom data identities
+            check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
             cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
     cfg.megatron_no_effect = no_effect
+    for note in notes if rank0 else ():
+        print(note, flush=True)
     return cfg
+
+
+def _taken_flags(values: dict, shown: int = 8) -> str:
+    """``--normalization RMSNorm, --swiglu, ...`` of flat model ``values`` (at most ``shown``,
+    then a count of the rest); empty for none."""
+    from loom.config.fields import flag
+    words = [flag(k) if v is True else f"{flag(k)} {v}" for k, v in sorted(values.items())]
+    more = f" and {len(words) - shown} more" if len(words) > shown else ""
+    return ", ".join(words[:shown]) + more
 
 
 def _pretrained(cfg: LoomConfig) -> LoomConfig:
@@ -280,7 +285,8 @@ def _pretrained(cfg: LoomConfig) -> LoomConfig:
     from loom.checkpoint.safety import resolve_checkpoint
     from loom.training.resume import pretrained_source
     load, finetune = pretrained_source(ck.load, cfg.training.pretrained_checkpoint,
-                                       lambda d: resolve_checkpoint(d, None) is not None)
+                                       lambda d: megatron_at(d, None) is not None or
+                                       resolve_checkpoint(d, None) is not None)
     if not finetune:
         return cfg
     if os.environ.get("RANK", "0") == "0":
@@ -363,7 +369,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"loom train: removed the partial checkpoint {path} of an interrupted "
                       f"save", flush=True)
         from loom.training.trainer import Trainer
-        Trainer(cfg).train()
+        trainer = _load_held(cfg, rank0, lambda: Trainer(cfg))
+        trainer.train()
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -371,3 +378,23 @@ def run(args: argparse.Namespace) -> int:
         if lock is not None:
             lock.release()
     return 0
+
+
+def _load_held(cfg: LoomConfig, rank0: bool, build):
+    """``build()`` (the Trainer, which loads ``--load``) while rank 0 holds the checkpoint of
+    another run's directory (``--load`` not ``--save``: that run may prune it meanwhile,
+    :mod:`loom.checkpoint.holds`), until every rank has loaded."""
+    ck = cfg.checkpoint
+    if not ck.load or (ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save)):
+        return build()  # this job's own directory: its lock keeps every other writer out
+    from loom.checkpoint.holds import take_hold
+    hold = take_hold(ck.load, ck.ckpt_step)[1] if rank0 else None
+    try:
+        built = build()
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # every rank read its shards
+        return built
+    finally:
+        if hold is not None:
+            hold.release()

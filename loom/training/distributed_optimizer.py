@@ -13,8 +13,10 @@ optimizer; possibly empty). For that range the optimizer keeps a 1-D fp32 *maste
 copy for 16-bit parameters (4 bytes/element), a view of the parameter itself for fp32 ones (as
 Megatron; no copy). ``torch.optim.AdamW`` (fused where supported) steps the masters, in two
 groups: weight decay on matrices, none on biases and 1-D parameters (decided per parameter, so a
-range that spans several parameters is never decayed wrongly). The masters' gradients are the
-reducer's reduced fp32 main-gradient ranges (:meth:`shard_grad`, views: no copy).
+range that spans several parameters is never decayed wrongly); ``--optimizer sgd`` steps them
+with ``torch.optim.SGD`` instead (its momentum buffer is the one state, sharded the same way).
+The masters' gradients are the reducer's reduced fp32 main-gradient ranges (:meth:`shard_grad`,
+views: no copy).
 
 Sharded, the parameters move into flat per-bucket buffers of their gradient buckets' layout
 (:class:`ParamGather`). After the step the masters are copied into the (16-bit) parameters and
@@ -29,6 +31,7 @@ master, exp_avg, exp_avg_sq) = 6 + 12/d; ZeRO-2 keeps 4/d of the gradients: 2 + 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Collection, Iterable, Optional
@@ -43,6 +46,8 @@ from loom.parallel.registry import ParamMeta
 
 
 NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see _sum_of_squares)
+STATE_KEYS = {torch.optim.AdamW: ("exp_avg", "exp_avg_sq"), torch.optim.SGD: ("momentum_buffer",)}
+"""The parameter-shaped states of each inner optimizer class (saved by parameter name)."""
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -156,13 +161,19 @@ class DistributedOptimizer:
     ``sharded`` (the distributed optimizer: the norm is summed over the DP x CP shards),
     ``overlap_param_gather``, ``decoupled`` (``--decoupled-lr``: the extra keys of a third
     group, :func:`loom.training.optimizer.decoupled_group`, holding the parameters whose
-    ``id`` is in ``decoupled_params``).
-    ``optim`` is the inner ``torch.optim.AdamW`` (LR scheduler, ``param_groups``)."""
+    ``id`` is in ``decoupled_params``), ``optim_class`` (``torch.optim.AdamW`` or ``SGD``,
+    ``groups_kw`` its keyword arguments), ``timers`` (:class:`~loom.training.timers.Timers`:
+    the optimizer's level-1 phases).
+    ``optim`` is the inner ``torch.optim`` optimizer (LR scheduler, ``param_groups``)."""
 
     def __init__(self, named, reducers, groups_kw: dict, weight_decay: float, mesh: ParallelMesh,
                  sharded: bool, overlap_param_gather: bool = False,
-                 decoupled: Optional[dict] = None, decoupled_params: Collection[int] = ()):
+                 decoupled: Optional[dict] = None, decoupled_params: Collection[int] = (),
+                 optim_class: type = torch.optim.AdamW, timers=None):
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
+        self.timers = timers if timers is not None else (lambda name: contextlib.nullcontext())
+        # momentum 0: SGD keeps no state
+        self.state_keys = STATE_KEYS[optim_class] if groups_kw.get("momentum", 1) else ()
         self.reducers = flat_buffers(reducers)
         self.gathers = [ParamGather(r) for r in self.reducers if r.reduce_scatter]
         reducer_of = {id(p): r for r in self.reducers for p in r.params}
@@ -188,7 +199,7 @@ class DistributedOptimizer:
         if decoupled is not None:  # --decoupled-lr: the embedding / output weights' own group
             groups.append({"params": own or [torch.zeros(0, device=mesh.device)],
                            "weight_decay": weight_decay, **decoupled})
-        self.optim = torch.optim.AdamW(groups, **groups_kw)
+        self.optim = optim_class(groups, **groups_kw)
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
         self.steps = 0
@@ -244,22 +255,28 @@ class DistributedOptimizer:
         scale's inverse), clip them to global norm ``max_norm`` (<= 0: no clipping); returns the
         norm before clipping (inf/NaN when any gradient is)."""
         self.finish_param_gather()
-        grads = self._attach_grads(inv_scale)
-        norm = self.grad_norm()
-        value = float(norm)
-        if max_norm > 0 and math.isfinite(value) and max_norm / (value + 1e-6) < 1.0 and grads:
-            torch._foreach_mul_(grads, max_norm / (value + 1e-6))
+        with self.timers("optimizer-copy-to-main-grad"):
+            grads = self._attach_grads(inv_scale)
+        with self.timers("optimizer-clip-main-grad"):
+            norm = self.grad_norm()
+            value = float(norm)
+            if max_norm > 0 and math.isfinite(value) and max_norm / (value + 1e-6) < 1.0 and \
+                    grads:
+                torch._foreach_mul_(grads, max_norm / (value + 1e-6))
         return value
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the masters, masters -> parameters, parameter all-gather (asynchronous with
-        ``--overlap-param-gather``). Call :meth:`clip_grad_norm` first."""
-        self.optim.step()
+        """AdamW (or SGD) on the masters, masters -> parameters, parameter all-gather
+        (asynchronous with ``--overlap-param-gather``). Call :meth:`clip_grad_norm` first."""
+        with self.timers("optimizer-inner-step"):
+            self.optim.step()
         self.steps += 1
-        self.copy_masters_to_params()
-        for g in self.gathers:
-            g.start(async_op=self.overlap_param_gather)
+        with self.timers("optimizer-copy-main-to-model-params"):
+            self.copy_masters_to_params()
+        with self.timers("params-all-gather"):
+            for g in self.gathers:
+                g.start(async_op=self.overlap_param_gather)
         for rg in self.ranges:
             rg.master.grad = None
 
@@ -316,19 +333,22 @@ class DistributedOptimizer:
         return out
 
     def state_by_name(self, names: set) -> dict:
-        """``{name: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}}`` for ``names``, each
-        at the parameter's (TP-local) shape; collective over every reducer's group (all ranks
-        of the DP x CP group must call it). Empty before the first step."""
+        """``{name: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}}`` (SGD:
+        ``{"momentum_buffer"[, "master_param"]}``) for ``names``, each at the parameter's
+        (TP-local) shape; collective over every reducer's group (all ranks of the DP x CP group
+        must call it). Empty before the first step."""
         if self.steps == 0:
             return {}
-        keys = ["exp_avg", "exp_avg_sq"]
+        keys = list(self.state_keys)
         fulls = {k: self._full({id(rg): self.optim.state[rg.master][k] for rg in self.ranges
                                 if rg.hi > rg.lo}) for k in keys}
         if any(rg.copy for rg in self.ranges):
             keys.append("master_param")
             fulls["master_param"] = self._full({id(rg): rg.master for rg in self.ranges})
-        step = torch.tensor(float(self.steps))
-        return {n: {"step": step, **{k: fulls[k][n] for k in keys}} for n in fulls[keys[0]]
+        if not keys:
+            return {}
+        step = {"step": torch.tensor(float(self.steps))} if "exp_avg" in keys else {}
+        return {n: {**step, **{k: fulls[k][n] for k in keys}} for n in fulls[keys[0]]
                 if n in names}
 
     @torch.no_grad()
@@ -343,21 +363,24 @@ class DistributedOptimizer:
                 rg.master.copy_(src.reshape(-1)[rg.lo:rg.hi].to(rg.master))
             elif st and "master_param" in st:  # a 16-bit run's exact weights
                 rg.master.copy_(st["master_param"].reshape(-1)[rg.lo:rg.hi].to(rg.master))
-            if not st or "exp_avg" not in st:
+            if not st or not self.state_keys or self.state_keys[0] not in st:
                 continue
-            step = float(st.get("step", 0))
-            self.steps = int(step)
-            self.optim.state[rg.master] = {
-                "step": torch.tensor(step, dtype=torch.float32, device=rg.master.device),
-                **{k: st[k].reshape(-1)[rg.lo:rg.hi].to(rg.master).clone()
-                   for k in ("exp_avg", "exp_avg_sq")}}
+            state = {k: st[k].reshape(-1)[rg.lo:rg.hi].to(rg.master).clone()
+                     for k in self.state_keys}
+            if "exp_avg" in state:  # Adam's step count (SGD has none: loom counts its own)
+                step = float(st.get("step", 0))
+                state["step"] = torch.tensor(step, dtype=torch.float32, device=rg.master.device)
+                self.steps = int(step)
+            self.steps = max(self.steps, 1)
+            self.optim.state[rg.master] = state
         self.copy_masters_to_params()
 
 
 def param_bytes(optimizer: DistributedOptimizer) -> dict:
     """Bytes held on this rank by kind: ``params`` (the model's parameters), ``main_grads``
     (gradient buffers and ZeRO-2 shards), ``master`` (fp32 master copies; 0 for fp32
-    parameters, whose masters are views), ``optimizer`` (Adam's exp_avg and exp_avg_sq)."""
+    parameters, whose masters are views), ``optimizer`` (Adam's exp_avg and exp_avg_sq, SGD's
+    momentum buffer)."""
     params = {id(rg.param): rg.param for rg in optimizer.ranges}
     out = {"params": sum(p.numel() * p.element_size() for p in params.values()),
            "main_grads": sum(r.grad_bytes() for r in optimizer.reducers),
@@ -365,5 +388,5 @@ def param_bytes(optimizer: DistributedOptimizer) -> dict:
            "optimizer": 0}
     for st in optimizer.optim.state.values():
         out["optimizer"] += sum(v.numel() * v.element_size() for k, v in st.items()
-                                if k in ("exp_avg", "exp_avg_sq"))
+                                if k in optimizer.state_keys)
     return out

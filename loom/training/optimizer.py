@@ -1,6 +1,7 @@
-"""AdamW with Megatron's weight-decay grouping, global-norm clipping across TP/PP, LR schedule.
+"""AdamW (or SGD, ``--optimizer sgd``) with Megatron's weight-decay grouping, global-norm clipping
+across TP/PP, LR schedule.
 
-Per-step costs are kept out of Python loops: AdamW runs fused (one kernel per parameter on
+Per-step costs are kept out of Python loops: AdamW and SGD run fused (one kernel per parameter on
 devices ``torch.optim`` has fused kernels for, CPU included; else ``foreach``), the global norm
 is one ``torch._foreach_norm`` over gradient blocks, and clipping one ``torch._foreach_mul_``
 (``torch.nn.utils.clip_grads_with_norm_``), skipped when the norm is already within bounds.
@@ -8,6 +9,7 @@ is one ``torch._foreach_norm`` over gradient blocks, and clipping one ``torch._f
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable, Optional, Sequence
 
@@ -26,9 +28,26 @@ from loom.training.distributed_optimizer import (NORM_BLOCK, DistributedOptimize
                                                 _sum_of_squares)
 
 
+def optimizer_class(cfg: TrainingConfig, params: Sequence[torch.Tensor]) -> tuple[type, dict]:
+    """``(torch.optim class, keyword arguments)`` of ``--optimizer``: adam is
+    ``torch.optim.AdamW`` (``--lr``, ``--adam-beta1/2``, ``--adam-eps``; Megatron's adam with
+    decoupled weight decay), sgd ``torch.optim.SGD`` (``--lr``, ``--sgd-momentum``; weight
+    decay added to the gradient, as Megatron's), fused where :func:`adamw_implementation`
+    says so (foreach for SGD on FSDP2's DTensors: torch 2.13 has no DTensor rule for the fused
+    SGD kernel). Weight decay is per parameter group."""
+    impl = adamw_implementation(params)
+    if cfg.optimizer == "sgd":
+        if any(is_sharded(p) for p in params):  # DTensor has no sharding rule for fused SGD
+            impl = {"foreach": True}
+        return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.sgd_momentum, **impl)
+    return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                   eps=cfg.adam_eps, **impl)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainingConfig,
-                    mesh: Optional[ParallelMesh] = None, reducers=None):
-    """AdamW; no weight decay for biases and 1-D parameters (norms), as Megatron-LM.
+                    mesh: Optional[ParallelMesh] = None, reducers=None, timers=None):
+    """``--optimizer`` (AdamW or SGD, :func:`optimizer_class`); no weight decay for biases and
+    1-D parameters (norms), as Megatron-LM.
 
     fp32 parameters without ``--use-distributed-optimizer``: ``torch.optim.AdamW`` on the
     parameters. 16-bit parameters (``--bf16`` / ``--fp16``) or the distributed optimizer (ZeRO
@@ -41,11 +60,11 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
 
     With ``--overlap-param-gather`` the parameter all-gathers are waited for by forward
     pre-hooks on ``model``'s chunks. The update runs as :func:`adamw_implementation` picks
-    (fused where supported).
+    (fused where supported). ``timers``: the run's :class:`~loom.training.timers.Timers`
+    (the distributed optimizer times its phases).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-              **adamw_implementation([p for _, p in named]))
+    cls, kw = optimizer_class(cfg, [p for _, p in named])
     chunks = list(model.children()) if isinstance(model, nn.ModuleList) else [model]
     decoupled = decoupled_params(chunks) if cfg.decoupled_lr is not None else set()
     sixteen = any(p.dtype != torch.float32 for _, p in named)
@@ -55,7 +74,8 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
                              "gradient buffers (their fp32 main gradients) and the mesh")
         opt = DistributedOptimizer(list(named_parameters(chunks)), reducers, kw,
                                    cfg.weight_decay, mesh, cfg.use_distributed_optimizer,
-                                   cfg.overlap_param_gather, decoupled_group(cfg), decoupled)
+                                   cfg.overlap_param_gather, decoupled_group(cfg), decoupled,
+                                   optim_class=cls, timers=timers)
         if cfg.overlap_param_gather:  # each bucket's all-gather waited for before its first use
             opt.hook_param_gather(chunks)
         return opt
@@ -67,7 +87,10 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if cfg.decoupled_lr is not None:  # on every rank (perhaps empty): the same groups everywhere
         groups.append({"params": own, "weight_decay": cfg.weight_decay, **decoupled_group(cfg)})
-    return torch.optim.AdamW(groups, **kw)
+    return cls(groups, **kw)
+
+
+_untimed = contextlib.nullcontext
 
 
 def decoupled_params(chunks: Sequence[nn.Module]) -> set[int]:
@@ -109,12 +132,14 @@ def local_optimizer(optimizer) -> torch.optim.Optimizer:
 
 
 def clip_and_norm(optimizer, params, max_norm: float, mesh: ParallelMesh, norm_params,
-                  expert_norm_params, inv_scale: float = 1.0) -> float:
+                  expert_norm_params, inv_scale: float = 1.0, timers=None) -> float:
     """The pre-clip global gradient norm, clipping to ``max_norm``: the optimizer's own
-    (sharded, master-gradient) norm for a DistributedOptimizer, else :func:`clip_grad_norm`."""
+    (sharded, master-gradient) norm for a DistributedOptimizer, else :func:`clip_grad_norm`
+    (timed as ``optimizer-clip-main-grad`` by ``timers``)."""
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.clip_grad_norm(max_norm, inv_scale)
-    return clip_grad_norm(params, max_norm, mesh, norm_params, expert_norm_params)
+    with timers("optimizer-clip-main-grad") if timers is not None else _untimed():
+        return clip_grad_norm(params, max_norm, mesh, norm_params, expert_norm_params)
 
 
 def lr_at(iteration: int, cfg: TrainingConfig, max_lr: Optional[float] = None,

@@ -87,9 +87,13 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
                    "tokens, so the per-token and per-micro-batch averages are the same loss")
     if t.step_batch_size_schedule and b:
         out.append(f"--step-batch-size-schedule: global batch size {b} (its last step)")
-    if t.ckpt_format != "torch_dist":
-        out.append(f"--ckpt-format {t.ckpt_format}: loom writes and reads its "
-                   f"torch.distributed.checkpoint format (= torch_dist)")
+    if t.ckpt_format in ("torch", "torch_dcp", "fsdp_dtensor"):
+        out.append(f"--ckpt-format {t.ckpt_format}: loom writes its own format (loom_dcp) "
+                   f"instead (--load reads Megatron's torch and torch_dist checkpoints); "
+                   f"--ckpt-format torch_dist writes Megatron's")
+    if t.ckpt_format == "torch_dist" and cfg.checkpoint.async_save:
+        out.append("--async-save with --ckpt-format torch_dist: Megatron-format saves are "
+                   "written synchronously (loom_dcp saves asynchronously)")
     if t.use_megatron_fsdp:
         out.append(f"--use-megatron-fsdp --data-parallel-sharding-strategy "
                    f"{t.data_parallel_sharding_strategy}: ZeRO stage {t.zero_stage}"

@@ -29,6 +29,7 @@ from loom.training.builder import TrainingParts, build_training
 from loom.training.metrics import MetricsLogger
 from loom.training.setup import held_numel, owned_parameters
 from loom.training.step import finish_gradients, finish_param_gather, optimizer_step
+from loom.training.story import resume_line, resume_record, run_summary, summary_line
 
 
 def _part(path: str, doc: str) -> property:
@@ -79,6 +80,7 @@ class Trainer:
     flops_per_iter = _part("throughput.flops_per_iter", "model FLOPs per iteration")
     peak_flops = _part("throughput.peak_flops", "peak FLOP/s per rank, or None")
     predicted_step_s = _part("throughput.predicted_step_s", "the planner's step time, or None")
+    debug = _part("debug", "timers, --profile, --record-memory-history (training/debug.py)")
 
     def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
                  family: Optional[ModelFamily] = None, parts: Optional[TrainingParts] = None):
@@ -93,6 +95,8 @@ class Trainer:
         self.history: list[dict] = []
         self.evaluations: list[dict] = []  # {"kind": "valid" | "test", "valid_loss", ...}
         self.loaded_from: Optional[str] = None  # the checkpoint this run resumed from
+        self.resumed: Optional[dict] = None  # what it restored (story.resume_record)
+        self.last_saved: Optional[str] = None  # the latest checkpoint this run wrote
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
@@ -110,11 +114,14 @@ class Trainer:
     def forward_backward(self, batches: list[dict]) -> torch.Tensor:
         """Gradients of the global batch's mean loss, reduced over DP; returns this rank's loss
         (the loss stage's mean over its micro-batches, 0 on other stages)."""
-        result: ScheduleResult = self.schedule(
-            self.model_chunks, batches, self.forward_step, self.mesh,
-            p2p_shape=self.p2p_shape(batches), reducers=self.reducers, recorder=self.timeline)
-        # DP, then SP over TP and the tied embedding over its group
-        finish_gradients(self.reducers, self.model_chunks, self.mesh, self.sp_params)
+        timers = self.debug.timers
+        with timers("forward-backward"):
+            result: ScheduleResult = self.schedule(
+                self.model_chunks, batches, self.forward_step, self.mesh,
+                p2p_shape=self.p2p_shape(batches), reducers=self.reducers,
+                recorder=timers.recorder(self.timeline))
+            # DP, then SP over TP and the tied embedding over its group
+            finish_gradients(self.reducers, self.model_chunks, self.mesh, self.sp_params, timers)
         self.last_stats, self.last_metrics = result.stats, result.metrics
         return result.loss
 
@@ -122,9 +129,11 @@ class Trainer:
         """Unscale, clip, AdamW, LR schedule, non-finite guard
         (:func:`loom.training.step.optimizer_step`); returns the pre-clip grad norm."""
         t = self.cfg.training
-        norm = optimizer_step(self.optimizer, self.scheduler, self.reducers,
-                              self.parts.model.groups, self.mesh, t.clip_grad, self.scaler,
-                              self.nonfinite, self.iteration, t.exit_on_nonfinite)
+        with self.debug.timers("optimizer"):
+            norm = optimizer_step(self.optimizer, self.scheduler, self.reducers,
+                                  self.parts.model.groups, self.mesh, t.clip_grad, self.scaler,
+                                  self.nonfinite, self.iteration, t.exit_on_nonfinite,
+                                  self.debug.timers)
         self.parts.after_step()  # MoE: the aux-loss-free expert bias from the global load
         return norm
 
@@ -170,14 +179,17 @@ class Trainer:
         its record (loss averaged over DP x CP, lr, grad norm, throughput, memory)."""
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
-        loss = self.forward_backward(self.batches(self.train_ds, self.consumed_samples))
+        with self.debug.timers("batch-generator"):
+            batches = self.batches(self.train_ds, self.consumed_samples)
+        loss = self.forward_backward(batches)
         stats = {}
         if self.cfg.training.decoupled_lr is not None:  # its own group, the last (Megatron's)
             stats["decoupled_lr"] = self.optimizer.param_groups[-1]["lr"]
         if self.cfg.training.log_num_zeros_in_grad:  # before the step zeroes them (collective)
             from loom.training.param_stats import grad_zeros
-            stats["num_zeros_in_grad"] = grad_zeros(self.optimizer, self.parts.model.groups,
-                                                    self.mesh)
+            with self.debug.timers("optimizer-count-zeros"):
+                stats["num_zeros_in_grad"] = grad_zeros(self.optimizer, self.parts.model.groups,
+                                                        self.mesh)
         with self.timeline.span("optimizer"):
             norm = self.optimizer_step()
         if self.mesh.device.type == "cuda":
@@ -196,6 +208,7 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += self.global_batch
         rec = throughput.record(self.iteration, loss_avg, lr, norm, elapsed, m.device)
+        rec.update(self.consumed())
         rec.update({k.replace(" ", "_"): v for k, v in zip(keys, extra)})
         if self.scaler is not None:  # --fp16: the scale after this step's update
             rec["loss_scale"] = self.scaler.scale
@@ -203,6 +216,7 @@ class Trainer:
             rec["predicted_step_time_s"] = self.predicted_step_s
         if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
             rec["bubble_fraction"] = bubble_avg
+        rec.update(self.parts.layer_metrics())  # --moe-per-layer-logging (a collective)
         if self.cfg.training.log_params_norm:  # --log-params-norm (a collective)
             from loom.training.param_stats import params_norm
             rec["params_norm"] = params_norm(self.parts.model.groups, self.mesh)
@@ -233,7 +247,12 @@ class Trainer:
             c.train()
         loss = total / iters
         return {"iteration": self.iteration, "valid_loss": loss,
-                "valid_ppl": math.exp(min(loss, 50.0))}
+                "valid_ppl": math.exp(min(loss, 50.0)), **self.consumed()}
+
+    def consumed(self) -> dict:
+        """``consumed_samples`` and ``consumed_tokens`` (samples x s) so far, for the logs."""
+        return {"consumed_samples": self.consumed_samples,
+                "consumed_tokens": self.consumed_samples * self.cfg.model.seq_length}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self, save_dir: str, tokenizer_file: Optional[str] = None) -> str:
@@ -242,8 +261,9 @@ class Trainer:
         self.faults.mark(self.iteration, "checkpoint save")
         finish_param_gather(self.optimizer)
         hook = self.faults.save_hook(self.iteration)  # --inject-fault R:N:kill-in-save
-        return self.parts.checkpointer.save(save_dir, self.iteration, self.consumed_samples,
-                                            tokenizer_file, hook)
+        self.last_saved = self.parts.checkpointer.save(save_dir, self.iteration,
+                                                       self.consumed_samples, tokenizer_file, hook)
+        return self.last_saved
 
     def load(self, load_dir: str) -> bool:
         """Resume from ``load_dir`` (:meth:`~loom.training.checkpointer.Checkpointer.load`);
@@ -254,6 +274,9 @@ class Trainer:
         self.loaded_from = resumed.path
         if resumed.iteration is not None:  # --finetune: the weights only, from iteration 0
             self.iteration, self.consumed_samples = resumed.iteration, resumed.consumed_samples
+        self.resumed = resume_record(resumed.path, resumed.iteration, resumed.consumed_samples,
+                                     resumed.saved_layout, self.mesh.sizes, resumed.optimizer,
+                                     resumed.rng, self.cfg.model.seq_length)
         return True
 
     def _diverged(self, iteration: int) -> str:
@@ -271,8 +294,10 @@ class Trainer:
     def _evaluate_sets(self, log: MetricsLogger, test: bool) -> None:
         """Log an evaluation of the validation set (and, with ``test``, of the test set)."""
         for kind, ds in (("valid", self.valid_ds), ("test", self.test_ds if test else None)):
-            rec = self.evaluate(dataset=ds) if ds is not None else None
+            with self.debug.timers("evaluate"):
+                rec = self.evaluate(dataset=ds) if ds is not None else None
             if rec is not None:
+                self.debug.timed_report("evaluate")  # Megatron's level-0 timer, each evaluation
                 log.log(rec, kind=kind)
                 self.evaluations.append({"kind": kind, **rec})
 
@@ -292,10 +317,14 @@ class Trainer:
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
                   f"{self.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")
+        if self.resumed is not None:
+            log.event("resume", self.resumed, " " + resume_line(self.resumed))
         for name, ds in self.parts.data.sets():
             if hasattr(ds, "describe"):  # a blend: each dataset's share
                 log.print(f" {name} data blend: {ds.describe()}")
         window: list[dict] = []
+        start_iteration, first = self.iteration, len(self.history)  # the summary's
+        self.debug.start(log.print, self.iteration, iters)
         started = time.monotonic()  # --exit-duration-in-mins counts from here
         try:
             if skip:
@@ -304,7 +333,9 @@ class Trainer:
             self.faults.start()
             while self.iteration < iters:
                 self.faults.before_iteration(self.iteration + 1)
+                self.debug.before_iteration(self.iteration)
                 rec = self.train_step()
+                self.debug.after_iteration(self.iteration, first=len(self.history) == 1)
                 self.saver.poll(log.print)  # finalizes a completed --async-save
                 if not math.isfinite(rec["grad_norm"]):
                     scale = f", loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else ""
@@ -315,7 +346,8 @@ class Trainer:
                 window.append(rec)
                 log.advance()
                 if self.iteration % lg.log_interval == 0 or self.iteration == iters:
-                    log.log(self.parts.throughput.average(window))
+                    log.log(avg := self.parts.throughput.average(window))
+                    self.debug.logged(self.iteration, len(window), avg["step_time_s"], log.extra)
                     window = []
                 periodic = bool(lg.eval_interval) and self.iteration % lg.eval_interval == 0
                 if periodic or self.iteration == iters:
@@ -332,9 +364,9 @@ class Trainer:
                 if self.save_interval.message:
                     log.print(f" {self.save_interval.take_message()}")
                 if ck.save and (due or exiting):
-                    t0 = time.perf_counter()
-                    log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
-                    (save_s,) = self._all_reduce([time.perf_counter() - t0], dist.ReduceOp.MAX)
+                    with self.debug.timers("save-checkpoint"):
+                        log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
+                    save_s = self.debug.timed_report("save-checkpoint")  # max over ranks
                     plan = self.save_interval.saved(self.iteration, save_s, rec["step_time_s"])
                     if plan:
                         log.print(f" {plan}")
@@ -348,6 +380,7 @@ class Trainer:
                 if not self.history and self.saver.holds(self.loaded_from, ck.save, iters):
                     log.print(f" checkpoint {self.loaded_from} already holds iteration {iters}: "
                               f"not saved again")
+                    self.last_saved = self.loaded_from
                 else:
                     log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
             self.saver.finish(log.print)  # exit waits for a save in flight
@@ -358,9 +391,16 @@ class Trainer:
             if lg.timeline:
                 self.write_timeline()
                 log.print(f" wrote timeline {lg.timeline}")
+            summary = run_summary(
+                self.history[first:], self.evaluations, start_iteration, self.iteration,
+                self.consumed_samples, self.cfg.model.seq_length, time.monotonic() - started,
+                self.parts.throughput.tokens_per_iter, self.flops_per_iter, self.world_size,
+                self.peak_flops, self.last_saved)
+            log.event("summary", summary, " " + summary_line(summary))
         except NonFiniteError as e:  # --exit-on-nonfinite: name the checkpoint to go back to
             raise NonFiniteError(f"{e}; {self._diverged(self.nonfinite[0])}") from None
         finally:
+            self.debug.stop()
             self.faults.stop()
             self.saver.close(log.print)
             log.close()

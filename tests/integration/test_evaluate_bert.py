@@ -121,7 +121,7 @@ def _reference(ckpt: str, data: str, seed: int) -> dict:
     for k in range(len(ds)):
         d = ds[k]
         logits, _ = model(input_ids=d["tokens"][None], padding_mask=d["padding_mask"][None])
-        lp = logits[0, :, :V].double().log_softmax(-1)
+        lp = logits[0].double().log_softmax(-1)  # all Vp columns, as the training loss
         for i in d["loss_mask"].nonzero().flatten().tolist():
             label = int(d["labels"][i])
             targets += 1

@@ -20,7 +20,7 @@ def tiny(pattern=None, **kw) -> ModelConfig:
     """h 32, d_inner 64 = 8 heads of P 8 in 2 groups, N 8, chunk 5 (does not divide s 16)."""
     base = dict(model_type="mamba", num_layers=4, hidden_size=32, num_attention_heads=4,
                 num_query_groups=2, ffn_hidden_size=64, seq_length=16, vocab_size=100,
-                make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
+                padded_vocab_size=104, hidden_dropout=0.0, attention_dropout=0.0,
                 mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
                 mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern=pattern)
     base.update(kw)

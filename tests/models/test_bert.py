@@ -35,7 +35,8 @@ def bert_cfg(post: bool, tp: int = 1, dp: int = 1, pp: int = 1, sp: bool = False
              binary: bool = True) -> LoomConfig:
     model = ModelConfig(model_type="bert", num_layers=2, hidden_size=32, num_attention_heads=4,
                         seq_length=16, vocab_size=V, hidden_dropout=0.0, attention_dropout=0.0,
-                        post_layernorm=post, bert_binary_head=binary)
+                        post_layernorm=post, bert_binary_head=binary,
+                        padded_vocab_size=128)  # the same padded softmax columns at every t
     cfg = LoomConfig(model=model)
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp

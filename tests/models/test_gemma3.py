@@ -241,6 +241,7 @@ def gemma_cfg(tp: int, dp: int = 1, pp: int = 1, sp: bool = False, kv: int = 2,
     cfg = LoomConfig(model=ModelConfig(
         model_type="gemma3", num_layers=4, hidden_size=64, num_attention_heads=4,
         num_query_groups=kv, kv_channels=16, ffn_hidden_size=96, seq_length=16, vocab_size=300,
+        padded_vocab_size=384,  # the same padded softmax columns at every t
         sliding_window=5, layer_types="LLGL", openai_gelu=True, query_pre_attn_scalar=24,
         attn_logit_softcapping=20.0 if softcap else None,
         final_logit_softcapping=5.0 if softcap else None, hidden_dropout=0.0,

@@ -27,7 +27,7 @@ def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
              layers=2, experts=4, sp=False, cp=1, etp=None) -> LoomConfig:
     model = ModelConfig.llama(num_layers=layers, hidden_size=32, num_attention_heads=4,
                               num_query_groups=2, seq_length=8, vocab_size=100,
-                              make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                              padded_vocab_size=104, hidden_dropout=0.0,
                               attention_dropout=0.0, num_experts=experts, moe_router_topk=k,
                               moe_ffn_hidden_size=24, moe_router_score_function=score,
                               moe_shared_expert_intermediate_size=shared,

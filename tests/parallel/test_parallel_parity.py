@@ -32,8 +32,11 @@ RTOL = 1e-5
 
 
 def tiny(kind: str) -> ModelConfig:
+    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
+    # (Megatron's), so every compared t needs the same ones
     common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
+                  attention_dropout=0.0)
     if kind == "gpt":
         return ModelConfig.gpt2(**common)
     return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)

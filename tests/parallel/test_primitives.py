@@ -76,7 +76,8 @@ def _style(style, module, mesh):
 def styles_world() -> dict:
     import torch.distributed as dist
 
-    from loom.parallel.context import ContextParallelAttention, local_positions, slice_for_cp
+    from loom.parallel.context.attention import ContextParallelAttention
+    from loom.parallel.context.split import local_positions, slice_for_cp
     from loom.parallel.grad_buffer import GradBuffer
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.plan import (ColumnParallelLinear, RowParallelLinear,

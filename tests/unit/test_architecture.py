@@ -1,6 +1,6 @@
 """Guards of the layout (docs/architecture.md): no module-level mutable state anywhere in
 ``loom/`` (mutable containers at module level only as UPPER_CASE constants, no ``global``
-statements), no file over 400 lines, no import cycles between loom's modules, and plain model
+statements), no import cycles between loom's modules, and plain model
 code that imports of the parallel package only its interface (loom.parallel.interface). The
 layers between packages: tests/unit/test_layers.py.
 """
@@ -17,7 +17,6 @@ import loom
 from import_cycles import find_cycle
 
 ROOT = pathlib.Path(loom.__file__).parent
-MAX_LINES = 400
 
 
 def _modules() -> list[tuple[str, pathlib.Path]]:
@@ -51,12 +50,6 @@ def test_no_global_statements():
                  for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.Global)]
     assert not offenders, "`global` rebinds module state: " + ", ".join(offenders)
-
-
-def test_files_are_small():
-    long = {str(p.relative_to(ROOT.parent)): n for _, p in _modules()
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
 def import_graph() -> dict[str, set[str]]:

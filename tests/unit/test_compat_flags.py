@@ -26,7 +26,8 @@ SWITCHES = [  # Megatron flags loom accepts without effect (the flag table), non
     "--cross-entropy-loss-fusion", "--use-flash-attn", "--export-force-local-attention",
     "--cuda-graph-impl", "local",
     "--disable-gloo-process-groups", "--manual-gc", "--manual-gc-interval", "10",
-    "--empty-unused-memory-level", "1", "--attention-softmax-in-fp32", "--grad-reduce-in-bf16",
+    "--empty-unused-memory-level", "1", "--attention-softmax-in-fp32",
+    "--apply-query-key-layer-scaling", "--grad-reduce-in-bf16",
     "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
     "--fp8-param-gather", "--init-model-with-meta-device", "--use-nccl-ub",
     "--fsdp-double-buffer", "--fsdp-manual-registration", "--megatron-fsdp-grad-comm-dtype",
@@ -34,7 +35,6 @@ SWITCHES = [  # Megatron flags loom accepts without effect (the flag table), non
     "--moe-flex-dispatcher-backend", "hybridep", "--enable-experimental", "--spec",
     "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
     "--recompute-modules", "mlp", "moe", "--no-check-for-nan-in-loss-and-grad",
-    "--log-memory-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-throughput", "--logging-level", "20",
     "--num-workers", "6", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
     "--data-cache-path", "/tmp/cache", "--dataloader-type", "single", "--apply-layernorm-1p",
@@ -107,7 +107,11 @@ def test_megatron_spellings_resolve(monkeypatch):
     cfg = _prepare(BASE + ["--model-type", "mamba", "--hybrid-layer-pattern", "M*",
                            "--train-iters", "2", "--mamba-num-groups", "1", "--mamba-head-dim",
                            "16", "--mamba-num-heads", "6"], monkeypatch)
-    assert cfg.model.mamba_expand == 3 and cfg.model.mamba_num_heads == 6  # 6 x 16 = 3 x 32
+    assert cfg.model.mamba_d_inner == 96 and cfg.model.mamba_num_heads == 6  # 6 x 16
+    cfg = _prepare(BASE + ["--model-type", "mamba", "--hybrid-layer-pattern", "M*",
+                           "--train-iters", "2", "--mamba-num-groups", "1", "--mamba-head-dim",
+                           "10", "--mamba-num-heads", "5"], monkeypatch)
+    assert cfg.model.mamba_d_inner == 50  # not a multiple of h 32 (Nemotron-H's shapes)
     cfg = _prepare(BASE + ["--model-type", "bert", "--train-iters", "2", "--bert-binary-head",
                            "--bert-no-binary-head"], monkeypatch)
     assert cfg.model.bert_binary_head is False  # Megatron's --bert-no-binary-head
@@ -116,7 +120,7 @@ def test_megatron_spellings_resolve(monkeypatch):
         cfg = _prepare(BASE + ["--train-iters", "2", "--use-megatron-fsdp",
                                "--data-parallel-sharding-strategy", strategy], monkeypatch, 2)
         assert cfg.training.zero_stage == stage and cfg.training.use_megatron_fsdp
-    for fmt in ("torch_dist", "torch_dcp", "fsdp_dtensor"):
+    for fmt in ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor"):
         assert _prepare(BASE + ["--train-iters", "2", "--ckpt-format", fmt],
                         monkeypatch).training.ckpt_format == fmt
     cfg = config_from_args(_parse(BASE + ["--train-iters", "2", "--moe-token-drop-policy",
@@ -136,12 +140,14 @@ def test_megatron_spellings_resolve(monkeypatch):
       "0:1 1K:4"], "ends at 4"),
     (["--train-iters", "2", "--step-batch-size-schedule", "10:4"], "start at 0"),
     (["--train-iters", "2", "--rampup-batch-size", "2", "x", "9"], "three integers"),
-    (["--train-iters", "2", "--ckpt-format", "torch"], "--ckpt-format torch: not implemented"),
+    (["--train-iters", "2", "--model-type", "bert", "--ckpt-format", "torch_dist"],
+     "written for the gpt and mamba families"),
     (["--train-iters", "2", "--dataloader-type", "cyclic"], "--dataloader-type single"),
     (["--train-iters", "2", "--decoupled-min-lr", "1e-5"], "--decoupled-lr"),
-    (["--train-iters", "2", "--model-type", "mamba", "--mamba-num-heads", "1",
+    (["--train-iters", "2", "--model-type", "mamba", "--mamba-num-heads", "3",
       "--mamba-head-dim", "48"],
-     "not a multiple of --hidden-size"),
+     "--mamba-num-heads x --mamba-head-dim = 144 must split into heads of --mamba-head-dim 48, "
+     "a multiple of --mamba-num-groups 8"),
     (["--train-iters", "2", "--num-experts", "2", "--moe-expert-capacity-factor", "1.0",
       "--moe-token-drop-policy", "position"], "--moe-token-drop-policy probs"),
 ])
@@ -196,7 +202,7 @@ def test_exit_duration_pretrained_and_checkpoint_args(tmp_path, monkeypatch, cap
                                   "--use-checkpoint-args"], monkeypatch)
     assert cfg.model.swiglu is False and cfg.model.num_layers == 2  # the checkpoint's
     assert cfg.training.use_checkpoint_args
-    with pytest.raises(ConfigError, match="--use-checkpoint-args needs a checkpoint"):
+    with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load"):
         _prepare(BASE + ["--train-iters", "2", "--use-checkpoint-args"], monkeypatch)
 
 

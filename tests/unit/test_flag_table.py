@@ -180,19 +180,24 @@ def test_every_no_effect_flag_parses_like_megatron_and_is_reported():
 def test_value_refusals_of_implemented_and_no_effect_flags():
     parser = _parser()
     for argv, words in (
-            (["--position-embedding-type", "yarn"], "not implemented in loom yet: YaRN"),
+            (["--position-embedding-type", "mrope"], "loom has no multimodal RoPE"),
             (["--position-embedding-type", "relative"], "loom has no relative position"),
-            (["--moe-router-load-balancing-type", "sinkhorn"], "Sinkhorn"),
+            (["--moe-router-load-balancing-type", "quantile_balancing"], "quantile"),
             (["--transformer-impl", "inference_optimized"], "inference-only"),
             (["--dataloader-type", "cyclic"], "--dataloader-type single"),
-            (["--optimizer", "muon"], "loom has no optimizers other than Adam"),
-            (["--optimizer", "sgd"], "SGD"),
-            (["--timing-log-level", "2"], "timers"),
+            (["--optimizer", "muon"], r"--optimizer muon: loom has no Muon optimizer: use "
+                                      r"--optimizer adam \(AdamW\) or --optimizer sgd"),
+            (["--record-shapes"], "loom has no NVTX tensor-shape records"),
             (["--experimental-attention-variant", "dsa"], "DeepSeek sparse attention")):
         with pytest.raises(ConfigError, match=words):
             config_from_args(parser.parse_args(REQUIRED + argv))
     for ok in (["--optimizer", "adam"], ["--timing-log-level", "0"], ["--rerun-mode",
-               "validate_results"], ["--exit-signal", "SIGINT"]):  # what loom does
+               "validate_results"], ["--exit-signal", "SIGINT"],  # what loom does
+               # capabilities the other branches of issue 42 added (rows, no longer pending)
+               ["--optimizer", "sgd"], ["--timing-log-level", "2"],
+               ["--position-embedding-type", "yarn"], ["--ckpt-format", "torch"],
+               ["--moe-router-load-balancing-type", "sinkhorn"], ["--deterministic-mode"],
+               ["--save-retain-interval", "4"], ["--no-yarn-correction-range-round-to-int"]):
         assert config_from_args(parser.parse_args(REQUIRED + ok)).megatron_no_effect == {}
 
 
@@ -202,8 +207,8 @@ def test_yaml_takes_megatron_only_keys(tmp_path):
     cfg = config_from_args(_parser().parse_args(["--config", str(y)]))
     # a switch stores what Megatron's dest gets: --no-rope-fusion sets apply_rope_fusion False
     assert cfg.megatron_no_effect == {"--transformer-impl": "local", "--no-rope-fusion": False}
-    y.write_text("num_layers: 2\nposition_embedding_type: yarn\n")
-    with pytest.raises(ConfigError, match="c.yaml:2: --position-embedding-type yarn"):
+    y.write_text("num_layers: 2\nposition_embedding_type: mrope\n")
+    with pytest.raises(ConfigError, match="c.yaml:2: --position-embedding-type mrope"):
         config_from_args(_parser().parse_args(["--config", str(y)]))
     y.write_text("num_layers: 2\nperform_rl_step: true\n")
     with pytest.raises(ConfigError, match="--perform-rl-step: loom has no reinforcement"):
@@ -221,11 +226,13 @@ def test_megatron_spellings_of_fields():
 
 def test_old_checkpoint_configs_with_switches_still_load():
     old = {**LoomConfig().to_flat(), "transformer_impl": "local", "num_workers": 2,
-           "profile": False, "dry_run": False}
+           "profile": True, "dry_run": False, "apply_query_key_layer_scaling": True}
     with pytest.raises(ConfigError, match="--transformer-impl"):
         LoomConfig.from_flat(old)
     cfg = LoomConfig.from_flat(old, ignore_retired=True)
     assert "transformer_impl" not in cfg.to_flat()
+    assert "apply_query_key_layer_scaling" not in cfg.to_flat()  # a switch of modelcaps' time
+    assert cfg.logging.profile  # a switch once, a field again since traincaps: kept
 
 
 def test_help_lists_common_flags_first_and_hides_the_rest(capsys):
@@ -265,15 +272,15 @@ def test_every_inference_flag_has_one_row_in_generate():
 
 
 def test_commands_take_their_flags_from_the_declarations():
-    """``loom evaluate``, ``generate``, ``plan`` and ``checkpoint`` write no flag by hand: their
-    options are dataclass fields declared with ``opt()`` and the config fields they share come
-    from the one declaration (``--seed``: one default, 1234, Megatron's)."""
+    """``loom evaluate``, ``generate``, ``plan``, ``checkpoint`` and ``plot`` write no flag by
+    hand: their options are dataclass fields declared with ``opt()`` and the config fields they
+    share come from the one declaration (``--seed``: one default, 1234, Megatron's)."""
     import importlib
     import inspect as inspect_module
     from loom.cli import SUBCOMMANDS
     from loom.config.args import field_defaults
     from loom.config.flag_table import by_spelling as spell
-    for name in ("evaluate", "generate", "plan", "checkpoint"):
+    for name in ("evaluate", "generate", "plan", "checkpoint", "plot"):
         module = importlib.import_module(SUBCOMMANDS[name][0])
         assert 'add_argument("--' not in inspect_module.getsource(module), name
         parser = argparse.ArgumentParser()
@@ -282,7 +289,8 @@ def test_commands_take_their_flags_from_the_declarations():
         for option, action in parser._option_string_actions.items():
             if option in train._option_string_actions and option in ("--seed", "--load",
                                                                       "--ckpt-step"):
-                assert action.help == train._option_string_actions[option].help, option
+                shown = getattr(action, "loom_help", action.help)  # (--help-all's, if hidden)
+                assert shown == train._option_string_actions[option].help, option
     args = argparse.Namespace(seed=None)
     field_defaults(args, ("seed",))
     assert args.seed == 1234 == spell()["--seed"].megatron_default

@@ -125,5 +125,7 @@ def test_inference_cases_through_loom_generate(results, world):
             accepted += 1
     assert not wrong, "\n".join(wrong)
     assert accepted == len(results) - sum(len(c) for c in MISSING.values())
+    given = sum(v[0] == 0 for v in results.values())
+    assert given == accepted == 51, f"{given} accepted as given (of {len(results)})"
     outputs = list((world / "out").glob("*.json"))
     assert outputs and all(json.loads(p.read_text())[0]["generated_tokens"] for p in outputs)

@@ -65,7 +65,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
         ("layers.*.mlp.linear_fc1", ColumnParallelLinear(segments=(f, f) if cfg.swiglu else None)),
         ("layers.*.mlp.linear_fc2", RowParallelLinear()),
         ("output_layer", VocabParallelBias()),
-        ("head", VocabParallelLMHead(cfg.vocab_size)),
+        ("head", VocabParallelLMHead(cfg.softmax_vocab_size)),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),
         ("layers.*.*layernorm", SequenceParallelParams()),

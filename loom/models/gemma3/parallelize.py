@@ -86,7 +86,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     """``[(module pattern, style)]`` for one chunk of the model."""
     g, d, f, t = cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size, ctx.mesh.tp_size
     kv = ColumnParallelLinear(segments=(g * d, g * d)) if g % t == 0 else ReplicatedKV(g)
-    head = VocabParallelLMHead(cfg.vocab_size, softcap=cfg.final_logit_softcapping)
+    head = VocabParallelLMHead(cfg.softmax_vocab_size, softcap=cfg.final_logit_softcapping)
     out = [
         ("embedding.word_embeddings", VocabParallelEmbedding(cfg.vocab_size)),
         ("layers.*.self_attention.linear_q", ColumnParallelLinear()),

@@ -28,7 +28,7 @@ from torch import nn
 
 from loom.config.model_gptoss import GPT_OSS_YARN
 from loom.models.attention import DotProductAttention, window_causal_mask
-from loom.models.yarn import yarn_mscale
+from loom.models.yarn import yarn_cos_sin
 
 
 def sink_softmax(scores: torch.Tensor, sink: Optional[torch.Tensor]) -> torch.Tensor:
@@ -84,22 +84,8 @@ class SinkWindowAttention(DotProductAttention):
 
 def gpt_oss_rope(positions: torch.Tensor, dim: int, base: float) -> tuple[torch.Tensor,
                                                                          torch.Tensor]:
-    """cos, sin ``[s, dim]`` (halves layout) of ``--enable-gpt-oss``'s YaRN RoPE
-    (:data:`~loom.config.model_gptoss.GPT_OSS_YARN`; YaRN eq. 17-20 with real-valued
-    correction bounds, clamped to ``[0, dim/2 - 1]``; attention factor
+    """cos, sin ``[s, dim]`` (halves layout) of ``--enable-gpt-oss``'s YaRN RoPE:
+    :func:`loom.models.yarn.yarn_cos_sin` with :data:`~loom.config.model_gptoss.GPT_OSS_YARN`
+    and real-valued correction bounds (clamped to ``[0, dim - 1]``; attention factor
     ``m(factor, mscale) / m(factor, mscale_all_dim)``)."""
-    y = GPT_OSS_YARN
-    factor, original = y["factor"], y["original_max"]
-
-    def dim_of(rotations: float) -> float:
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-    low, high = max(dim_of(y["beta_fast"]), 0.0), min(dim_of(y["beta_slow"]), dim - 1.0)
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim
-    extra = 1.0 / base ** exponents
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=positions.device) - low)
-            / (high - low if high != low else 0.001)).clamp(0, 1)
-    inv_freq = extra / factor * ramp + extra * (1 - ramp)
-    freqs = torch.outer(positions.float(), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    attn = yarn_mscale(factor, y["mscale"]) / yarn_mscale(factor, y["mscale_all_dim"])
-    return emb.cos() * attn, emb.sin() * attn
+    return yarn_cos_sin(positions, dim, base, **GPT_OSS_YARN, round_to_int=False)

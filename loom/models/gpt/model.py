@@ -25,7 +25,7 @@ from torch import nn
 from loom.config import ModelConfig
 from loom.models.attention import DotProductAttention, KVCache, apply_rope
 from loom.models.chunk import LMHead, LanguageModelChunk, build_norm  # noqa: F401 (re-exported)
-from loom.models.activation import gated_activation
+from loom.models.activation import gated_activation, squared_relu
 from loom.models.gpt.gpt_oss_ops import SinkWindowAttention, gpt_oss_rope
 from loom.models.gpt.mla import MLASelfAttention, mla_rope
 from loom.models.gpt.mtp import MTPContext, MultiTokenPrediction, mtp_loss, mtp_metrics
@@ -101,7 +101,7 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         elif self.squared_relu:
-            y = F.relu(y).square()
+            y = squared_relu(y)
         else:
             y = F.gelu(y, approximate=self.gelu_approx)
         return self.linear_fc2(y)

@@ -33,7 +33,7 @@ from loom.parallel.plan import (ColumnParallelLinear, ContextParallelCore, Parti
                                 ParallelStyle, PipelineShared, PlanContext, RowParallelLinear,
                                 SequenceParallelOutput, SequenceParallelParams,
                                 VocabParallelEmbedding, VocabParallelLMHead)
-from loom.parallel.context import gather_sequence, slice_for_cp
+from loom.parallel.context.split import gather_sequence, slice_for_cp
 from loom.parallel.registry import ShardSpec
 from loom.parallel.sequence import gather_from_sequence_parallel_region
 
@@ -149,7 +149,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
             dispatcher="allgather" if cfg.moe_token_dispatcher_type == "allgather" else "alltoall",
             overlap_shared=cfg.moe_shared_expert_overlap)),
         ("output_layer", ColumnParallelLinear(vocab=True)),
-        ("head", VocabParallelLMHead(cfg.vocab_size)),
+        ("head", VocabParallelLMHead(cfg.softmax_vocab_size)),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),
         ("layers.*.input_layernorm", SequenceParallelParams()),
