@@ -224,7 +224,8 @@ def test_skip_train_evaluates_and_exits(tmp_path, monkeypatch):
         main(BASE + ["--load", str(tmp_path / "ck"), "--skip-train", "--log-json", str(log)])
     assert e.value.code == 0
     kinds = [(r["kind"], r.get("iteration")) for r in _records(log)]
-    assert kinds == [("run", None), ("valid", 2)]  # evaluated the iteration-2 model, no step
+    assert kinds == [("run", None), ("resume", 2), ("valid", 2)]  # what it loaded, evaluated the
+    # iteration-2 model, no step
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
         "iter_0000002", "latest_checkpointed_iteration.txt"]  # nothing saved
 
