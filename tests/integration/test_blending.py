@@ -265,7 +265,7 @@ def test_blend_from_command_line_and_yaml_list(data, tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert "train data blend: 30.0% " in out and "valid data blend: 30.0% " in out, out
-    assert [r["kind"] for r in _records(log)] == ["run", "train", "valid"]
+    assert [r["kind"] for r in _records(log)] == ["run", "train", "valid", "summary"]
 
 
 def test_blend_of_different_tokenizers_refused(data, tmp_path, monkeypatch, capsys):
