@@ -21,23 +21,43 @@ import argparse
 import importlib
 import os
 import sys
+from types import ModuleType
+from typing import Callable, NamedTuple
 
 from loom import __version__
 from loom.errors import (CheckpointWriteError, ConfigError, NonFiniteError,
                          UnknownOptionError, closest, did_you_mean)
 from loom.parallel.agent_store import agent_store
 
+
+class Subcommand(NamedTuple):
+    """A subcommand: ``load()`` imports its module (``add_arguments(parser)``, ``run(args)``),
+    by a literal name the layout guards can read; ``help`` is its line in ``loom --help``."""
+
+    load: Callable[[], ModuleType]
+    help: str
+
+
 SUBCOMMANDS = {
-    "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
-    "preprocess": ("loom.data.preprocess", "tokenize .txt/.jsonl into an indexed dataset"),
-    "data": ("loom.data.check_cli", "check a dataset: checksums, index, every token id < V"),
-    "generate": ("loom.inference.cli", "generate text from a checkpoint"),
-    "evaluate": ("loom.evaluation.cli", "zero-shot evaluation of a checkpoint: perplexity, "
-                                        "cloze accuracy (any TP/PP layout)"),
-    "checkpoint": ("loom.checkpoint.cli", "inspect a checkpoint (iteration, layout, tensors)"),
-    "plan": ("loom.planner.cli", "predict memory and speed of parallel layouts; pick the best"),
-    "fetch-corpus": ("loom.data.corpus", "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),
-    "demo": ("loom.demo", "fetch, tokenize, train TP=2 x DP=2 on CPU, evaluate, generate"),
+    "train": Subcommand(lambda: importlib.import_module("loom.training.cli"),
+                        "train a model (Megatron-style flags; torchrun for many ranks)"),
+    "preprocess": Subcommand(lambda: importlib.import_module("loom.data.preprocess"),
+                             "tokenize .txt/.jsonl into an indexed dataset"),
+    "data": Subcommand(lambda: importlib.import_module("loom.data.check_cli"),
+                       "check a dataset: checksums, index, every token id < V"),
+    "generate": Subcommand(lambda: importlib.import_module("loom.inference.cli"),
+                           "generate text from a checkpoint"),
+    "evaluate": Subcommand(lambda: importlib.import_module("loom.evaluation.cli"),
+                           "zero-shot evaluation of a checkpoint: perplexity, cloze accuracy "
+                           "(any TP/PP layout)"),
+    "checkpoint": Subcommand(lambda: importlib.import_module("loom.checkpoint.cli"),
+                             "inspect a checkpoint (iteration, layout, tensors)"),
+    "plan": Subcommand(lambda: importlib.import_module("loom.planner.cli"),
+                       "predict memory and speed of parallel layouts; pick the best"),
+    "fetch-corpus": Subcommand(lambda: importlib.import_module("loom.data.corpus"),
+                               "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),
+    "demo": Subcommand(lambda: importlib.import_module("loom.demo"),
+                       "fetch, tokenize, train TP=2 x DP=2 on CPU, evaluate, generate"),
 }
 
 
@@ -146,11 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv else None
     parsers = {}
-    for name, (module, help_) in SUBCOMMANDS.items():
+    for name, (load, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_module=module)
         if name == chosen:
-            importlib.import_module(module).add_arguments(p)
+            load().add_arguments(p)
         parsers[name] = p
     if chosen in parsers:  # an unknown flag first, before "required" or type errors
         known = parsers[chosen]._option_string_actions
@@ -167,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     if extras:  # the subcommand's parser names its own flags and usage
         parsers[args.command].unknown(extras)
     try:
-        rc = importlib.import_module(args._module).run(args)
+        rc = SUBCOMMANDS[args.command].load().run(args)
     except UnknownOptionError as e:  # a YAML key: the accepted keys are this command's flags
         refuse(f"loom {args.command}", f"{e} (see `loom {args.command} --help` for the "
                                        f"accepted flags)")

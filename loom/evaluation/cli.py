@@ -18,7 +18,7 @@ import os
 import time
 
 from loom.errors import ConfigError
-from loom.evaluation.tasks import get_task, task_names
+from loom.evaluation.registry import get_task, task_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
