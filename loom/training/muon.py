@@ -156,7 +156,7 @@ class MuonSettings:
                               u.split(list(rows), dim=-2)], dim=-2)
         bf16 = torch.get_float32_matmul_precision() == "medium"
         out = newton_schulz(u, self.steps, self.coefficients, bf16=bf16)
-        return out * (scale_factor(u.size(-2), u.size(-1), self.scale_mode) * self.extra_scale)
+        return out * scale_factor(u.size(-2), u.size(-1), self.scale_mode) * self.extra_scale
 
 
 @dataclass(frozen=True)
@@ -215,8 +215,10 @@ class Muon(torch.optim.Optimizer):
         self.settings = settings
         self.infos = infos or {}
         self._orthogonalize = orthogonalize or self._whole
-        self.adam = torch.optim.AdamW([g for g in self.param_groups if not g["muon"]], **adam)
-        self.adam.state = self.state  # one state dict: saved and loaded by parameter name
+        scalar = [g for g in self.param_groups if not g["muon"]]
+        self.adam = torch.optim.AdamW(scalar, **adam) if scalar else None
+        if self.adam is not None:
+            self.adam.state = self.state  # one state dict: saved and loaded by parameter name
 
     def _whole(self, items: list) -> list:
         return [self.infos.get(id(p), MatrixInfo()).orthogonalize(u.view_as(p), self.settings)
@@ -226,7 +228,8 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("Muon takes no closure")
-        self.adam.step()
+        if self.adam is not None:
+            self.adam.step()
         s, items, lrs = self.settings, [], []
         for group in self.param_groups:
             if not group["muon"]:
