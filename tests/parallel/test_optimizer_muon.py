@@ -324,3 +324,30 @@ def test_the_harness_fails_another_optimizer():
             setattr(cfg.training, k, v)
         b = reference(cfg, steps=1)
         assert max(rel_err(b["params"][n], a["params"][n]) for n in a["params"]) > 100 * RTOL
+
+
+def test_muon_resumes_from_megatrons_torch_dist_format(tmp_path):
+    """``--ckpt-format torch_dist`` (the corpus' Muon cases save it): Muon's momentum, with
+    AdamW's states, is written as Megatron's model-space ``optimizer.state.momentum_buffer.*``
+    and restored by a resume, equal to the saved run's."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.optimizer import optimizer_state_by_name
+    from loom.training.trainer import Trainer
+    cfg = single(make_cfg(1, tp=1, pp=1))
+    cfg.training.ckpt_format = "torch_dist"
+    tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
+    for _ in range(2):
+        tr.train_step()
+    tr.save(str(tmp_path))
+    params = dict(tr.model_chunks[0].named_parameters())
+    saved = optimizer_state_by_name(tr.optimizer, params)
+    cfg.checkpoint.load = str(tmp_path)
+    back = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
+    loaded = optimizer_state_by_name(back.optimizer, dict(back.model_chunks[0].named_parameters()))
+    assert back.iteration == 2 and set(loaded) == set(saved)
+    kinds = {k for st in loaded.values() for k in st}
+    assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds
+    for name, st in saved.items():
+        for key, value in st.items():
+            if torch.is_tensor(value) and value.ndim:
+                assert torch.equal(loaded[name][key], value), (name, key)
