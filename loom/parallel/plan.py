@@ -124,14 +124,16 @@ class VocabParallelLMHead(ParallelStyle):
     ``vocab_parallel_cross_entropy``). ``vocab_size``: the columns the softmax spans
     (``ModelConfig.softmax_vocab_size``; None: all Vp, the padded ones included).
     ``softcap``: Gemma's final-logit soft-capping (``softcap * tanh(logits / softcap)``;
-    output GEMM and loss then run unfused)."""
+    output GEMM and loss then run unfused); ``logit_scale``: the logits' multiplier (muP)."""
 
     vocab_size: Optional[int]
     softcap: Optional[float] = None
+    logit_scale: float = 1.0
 
     def apply(self, module, ctx):
         return tensor.VocabParallelLMHead(ctx.mesh, self.vocab_size, ctx.sp,
-                                          softcap=self.softcap), {}
+                                          softcap=self.softcap,
+                                          logit_scale=self.logit_scale), {}
 
 
 @dataclass(frozen=True)

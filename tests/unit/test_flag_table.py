@@ -185,8 +185,9 @@ def test_value_refusals_of_implemented_and_no_effect_flags():
             (["--moe-router-load-balancing-type", "quantile_balancing"], "quantile"),
             (["--transformer-impl", "inference_optimized"], "inference-only"),
             (["--dataloader-type", "cyclic"], "--dataloader-type single"),
-            (["--optimizer", "muon"], r"--optimizer muon: loom has no Muon optimizer: use "
-                                      r"--optimizer adam \(AdamW\) or --optimizer sgd"),
+            (["--optimizer", "soap"], r"--optimizer soap: loom has no SOAP optimizer: use "
+                                      r"--optimizer adam \(AdamW\), sgd or muon"),
+            (["--muon-scalar-optimizer", "lion"], "loom has no Lion optimizer"),
             (["--record-shapes"], "loom has no NVTX tensor-shape records"),
             (["--experimental-attention-variant", "dsa"], "DeepSeek sparse attention")):
         with pytest.raises(ConfigError, match=words):

@@ -15,6 +15,7 @@ first stage like tied embeddings.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -149,7 +150,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
             dispatcher="allgather" if cfg.moe_token_dispatcher_type == "allgather" else "alltoall",
             overlap_shared=cfg.moe_shared_expert_overlap)),
         ("output_layer", ColumnParallelLinear(vocab=True)),
-        ("head", VocabParallelLMHead(cfg.softmax_vocab_size)),
+        ("head", VocabParallelLMHead(cfg.softmax_vocab_size, logit_scale=cfg.logit_multiplier)),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),
         ("layers.*.input_layernorm", SequenceParallelParams()),
@@ -170,18 +171,24 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
 
 def init(cfg: ModelConfig) -> Callable:
     """``name -> InitFn``: N(0, std^2), output projections scaled by 1/sqrt(2L), zero biases,
-    unit norm weights, zero vocabulary padding rows (Megatron-LM's initialization)."""
+    unit norm weights, zero vocabulary padding rows (Megatron-LM's initialization). Under
+    ``--use-mup`` (width multiplier m) Megatron's ``init_method`` becomes N(0, std^2 / m) and
+    the output projections N(0, std^2 / (2 L m)); the embeddings (word and position) and the
+    output layer keep N(0, std^2) (its ``embedding_init_method``)."""
     std = cfg.init_method_std
     vocab = vocab_padded_init(normal_init(std), cfg.vocab_size)
+    hidden_std = std / math.sqrt(cfg.width_multiplier)
+    hidden = normal_init(hidden_std)
     return by_pattern([
-        ("*.router.bias", normal_init(std)),  # Megatron's TopKRouter: init_method
+        ("*.router.bias", hidden),  # Megatron's TopKRouter: init_method
         ("*.bias", zeros_init),
         ("*.router.expert_bias", zeros_init),
-        ("*.core_attention.softmax_offset", normal_init(std)),  # learnable sinks (Megatron)
+        ("*.core_attention.softmax_offset", hidden),  # learnable sinks (Megatron)
         ("*norm.weight", ones_init),
         ("embedding.word_embeddings.weight", vocab),
+        ("embedding.position_embeddings.weight", normal_init(std)),
         ("output_layer.weight", vocab),
-        ("*.linear_proj.weight", scaled_normal_init(std, cfg.num_layers)),
-        ("*.linear_fc2.weight", scaled_normal_init(std, cfg.num_layers)),
-        ("*.weight", normal_init(std)),
+        ("*.linear_proj.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
+        ("*.linear_fc2.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
+        ("*.weight", hidden),
     ])
