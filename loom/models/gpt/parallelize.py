@@ -30,10 +30,10 @@ from loom.models.gpt.mtp import roll_left
 from loom.models.moe import run_experts, run_experts_grouped
 from loom.parallel.expert import MoEParallel
 from loom.parallel.mappings import copy_to_tensor_parallel_region
-from loom.parallel.plan import (ColumnParallelLinear, ContextParallelCore, PartitionedRNG,
-                                ParallelStyle, PipelineShared, PlanContext, RowParallelLinear,
+from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, PartitionedRNG,
+                                ParallelStyle, PipelineShared, PlanContext, RowwiseParallel,
                                 SequenceParallelOutput, SequenceParallelParams,
-                                VocabParallelEmbedding, VocabParallelLMHead)
+                                VocabEmbeddingParallel, VocabHeadParallel)
 from loom.parallel.context.split import gather_sequence, slice_for_cp
 from loom.parallel.registry import ShardSpec
 from loom.parallel.sequence import gather_from_sequence_parallel_region
@@ -113,7 +113,7 @@ def mla_plan() -> list:
     down projections and their norms replicated (sequence-split under SP: gradients summed
     over TP), the shared RoPE key entering the TP region (Megatron-Core's MLA under TP)."""
     at = "layers.*.self_attention."
-    return [(at + n, ColumnParallelLinear()) for n in ("linear_q_proj", "linear_q_up_proj",
+    return [(at + n, ColwiseParallel()) for n in ("linear_q_proj", "linear_q_up_proj",
                                                        "linear_kv_up_proj")] + \
         [(at + n, SequenceParallelParams()) for n in ("linear_q_down_proj", "q_layernorm",
                                                       "linear_kv_down_proj", "kv_layernorm")] + \
@@ -134,23 +134,23 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     """``[(module pattern, style)]`` for one chunk of the model."""
     a, g, d, f = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size
     out = (mla_plan() if cfg.multi_latent_attention else []) + [
-        ("embedding.word_embeddings", VocabParallelEmbedding(cfg.vocab_size)),
+        ("embedding.word_embeddings", VocabEmbeddingParallel(cfg.vocab_size)),
         ("layers.*.self_attention.linear_qkv",
-         ColumnParallelLinear(segments=(a * d, g * d, g * d))),
-        ("layers.*.self_attention.linear_proj", RowParallelLinear()),
+         ColwiseParallel(segments=(a * d, g * d, g * d))),
+        ("layers.*.self_attention.linear_proj", RowwiseParallel()),
         ("layers.*.self_attention.core_attention", PartitionedRNG("tp")),
         ("layers.*.self_attention.core_attention", HeadShardedSinks()),  # --softmax-type
         ("layers.*.self_attention.core_attention", ContextParallelCore()),
-        ("layers.*.mlp.linear_fc1", ColumnParallelLinear(segments=(f, f) if cfg.gated_linear_unit
+        ("layers.*.mlp.linear_fc1", ColwiseParallel(segments=(f, f) if cfg.gated_linear_unit
                                                          else None)),
-        ("layers.*.mlp.linear_fc2", RowParallelLinear()),
+        ("layers.*.mlp.linear_fc2", RowwiseParallel()),
         ("layers.*.mlp", MoEParallel(  # MoE layers: EP, expert TP
             run_experts_grouped if cfg.moe_grouped_gemm else run_experts,
             swiglu=cfg.gated_linear_unit,
             dispatcher="allgather" if cfg.moe_token_dispatcher_type == "allgather" else "alltoall",
             overlap_shared=cfg.moe_shared_expert_overlap)),
-        ("output_layer", ColumnParallelLinear(vocab=True)),
-        ("head", VocabParallelLMHead(cfg.softmax_vocab_size, logit_scale=cfg.logit_multiplier)),
+        ("output_layer", ColwiseParallel(vocab=True)),
+        ("head", VocabHeadParallel(cfg.softmax_vocab_size, logit_scale=cfg.logit_multiplier)),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),
         ("layers.*.input_layernorm", SequenceParallelParams()),
