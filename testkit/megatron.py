@@ -252,11 +252,6 @@ def save_megatron(model, path: str, extra: dict | None = None) -> None:
     dist_checkpointing.save({"model": model.sharded_state_dict(), **(extra or {})}, path)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / max|b|`` (tests/README.md's per-tensor relative error)."""
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-
-
 def loom_full(model, what: str = "grad") -> dict:
     """``{name: full tensor}`` of a loom model's gradients (``what="grad"``, parameters that
     have one) or parameters (``"param"``), TP shards all-gathered and joined by the registry."""

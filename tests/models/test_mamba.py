@@ -33,7 +33,8 @@ from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
 
-from mamba_helpers import RTOL, check_parity, parity, rel_err, tiny
+from mamba_helpers import RTOL, check_parity, parity, tiny
+from testkit.numerics import rel_err
 
 ATOL = 1e-5
 

@@ -31,6 +31,7 @@ from loom.training.muon import COEFFICIENTS, MuonSettings, newton_schulz
 from testkit import run_distributed
 
 from parity_helpers import trainer_steps
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 STEPS = 3
@@ -213,10 +214,6 @@ def reference(cfg: LoomConfig, steps: int = STEPS) -> dict:
         out["states"] = optimizer_state_by_name(tr.optimizer, params)
         _REF[key] = out
     return _REF[key]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if a.numel() else 0.0
 
 
 def parity_case(ref: dict, save: str | None = None, **kw) -> dict:
