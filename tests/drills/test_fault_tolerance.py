@@ -50,7 +50,7 @@ def test_kill_drill_resumes_and_matches_the_straight_run(tmp_path):
 def test_hang_drill_names_rank_and_iteration(tmp_path):
     t0 = time.monotonic()
     r = torchrun_train(MODEL + ["--train-iters", "8", "--inject-fault", "1:4:hang",
-                          "--hang-timeout-s", "20"], timeout=120)
+                          "--hang-timeout-s", "10"], timeout=120)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
     assert elapsed < 60, elapsed
