@@ -17,7 +17,8 @@ and install the layer Megatron-LM's ``megatron.core.tensor_parallel`` names (loo
 ``VocabParallelLMHead`` (output GEMM + vocab-parallel cross-entropy). They install modules on
 plain tensors (PyTorch's DTensor styles shard into DTensors instead). Others:
 :class:`SequenceParallelParams` (norms on ``[s/t, b, h]``), :class:`SequenceParallelOutput`
-(scatter to the SP region), :class:`PartitionedRNG` (dropout on partitioned activations),
+(scatter to the SP region), :class:`PartialGradOverTP` (per-head norms on TP-split heads),
+:class:`PartitionedRNG` (dropout on partitioned activations),
 :class:`ContextParallelCore`, :class:`PipelineShared` (tied embeddings across stages).
 """
 
@@ -144,6 +145,16 @@ class SequenceParallelParams(ParallelStyle):
 
     def apply(self, module, ctx):
         return module, {n: dict(sequence_parallel=ctx.sp) for n, _ in module.named_parameters()}
+
+
+@dataclass(frozen=True)
+class PartialGradOverTP(ParallelStyle):
+    """The module's parameters see TP-split activations (per-head norms of queries and keys,
+    applied to this rank's a/t heads): each rank's gradient is a partial sum, summed over TP."""
+
+    def apply(self, module, ctx):
+        return module, {n: dict(tp_partial_grad=ctx.mesh.tp_size > 1)
+                        for n, _ in module.named_parameters()}
 
 
 @dataclass(frozen=True)

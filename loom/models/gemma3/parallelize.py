@@ -9,7 +9,8 @@ Gemma-specific pieces:
   heads read (Megatron's KV-head replication). Each rank's gradient of that weight is partial
   (its own heads), so the registry marks it to be summed over TP.
 * **QK-norm weights** act on per-head activations that TP splits: their gradients are partial
-  sums too, summed over TP the same way (``ParamMeta.tp_partial_grad``).
+  sums too, summed over TP the same way (``ParamMeta.tp_partial_grad``;
+  :class:`~loom.parallel.plan.PartialGradOverTP`).
 
 Final-logit soft-capping needs the logits, so with it the output GEMM and the vocab-parallel
 cross-entropy run unfused (:class:`~loom.parallel.plan.VocabParallelLMHead` with ``softcap``).
@@ -31,8 +32,8 @@ from loom.models.init import (by_pattern, normal_init, scaled_normal_init, vocab
 from loom.parallel.mappings import copy_to_tensor_parallel_region
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, ParallelStyle,
-                                PartitionedRNG, PipelineShared, PlanContext, RowwiseParallel,
-                                SequenceParallelOutput, SequenceParallelParams,
+                                PartialGradOverTP, PartitionedRNG, PipelineShared, PlanContext,
+                                RowwiseParallel, SequenceParallelOutput, SequenceParallelParams,
                                 VocabEmbeddingParallel, VocabHeadParallel)
 from loom.parallel.sequence import gather_from_sequence_parallel_region
 
@@ -70,16 +71,6 @@ class ReplicatedKV(ParallelStyle):
         out_f, in_f = module.weight.shape
         new = ReplicatedKVLinear(out_f, in_f, self.groups, ctx.mesh, ctx.sp)
         return new, {"weight": dict(tp_partial_grad=ctx.mesh.tp_size > 1)}
-
-
-@dataclass(frozen=True)
-class PartialGradOverTP(ParallelStyle):
-    """The module's parameters see TP-split activations (per-head norms): gradients summed
-    over TP."""
-
-    def apply(self, module, ctx):
-        return module, {n: dict(tp_partial_grad=ctx.mesh.tp_size > 1)
-                        for n, _ in module.named_parameters()}
 
 
 def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:

@@ -25,13 +25,13 @@ from loom.config import ModelConfig
 from loom.models.family import StageSpec
 from loom.models.init import (by_pattern, normal_init, ones_init, scaled_normal_init,
                               vocab_padded_init, zeros_init)
-from loom.models.gemma3.parallelize import PartialGradOverTP
 from loom.models.gpt.mtp import roll_left
 from loom.models.moe import run_experts, run_experts_grouped
 from loom.parallel.expert import MoEParallel
 from loom.parallel.mappings import copy_to_tensor_parallel_region
-from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, PartitionedRNG,
-                                ParallelStyle, PipelineShared, PlanContext, RowwiseParallel,
+from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, PartialGradOverTP,
+                                PartitionedRNG, ParallelStyle, PipelineShared, PlanContext,
+                                RowwiseParallel,
                                 SequenceParallelOutput, SequenceParallelParams,
                                 VocabEmbeddingParallel, VocabHeadParallel)
 from loom.parallel.context.split import gather_sequence, slice_for_cp
