@@ -1,5 +1,18 @@
 """Attention building blocks shared by model families, as plain math: rotary embeddings, the
-scaled dot-product core, and the KV cache of generation.
+scaled dot-product core (:class:`DotProductAttention`; with attention sinks and a sliding
+window, :class:`SinkWindowAttention`: gpt-oss's, Megatron-Core's ``DotProductAttention`` with
+``softmax_type`` and ``window_size``), the KV cache of generation, and the fused-QKV
+self-attention layer the GPT and Mamba families build from (:class:`SelfAttention`,
+Megatron-Core's ``transformer/attention.py``).
+
+* **Attention sinks** (``--softmax-type``): the softmax over a query's keys gets one more
+  logit in its denominator, ``p_j = exp(z_j) / (exp(sink_a) + sum_i exp(z_i))``: ``off-by-one``
+  fixes ``sink = 0`` (E. Miller, "Attention is off by one", 2023), ``learnable`` learns one
+  logit per head (Megatron's ``softmax_offset [a]``, initialized like the weights; its shards
+  follow the heads under TP). The weights of a row then sum to less than 1.
+* **Sliding window** (``--window-size LEFT,0``): the query at position p sees keys
+  ``p - LEFT .. p`` (Megatron's ``get_sliding_window_causal_mask``); with
+  ``--window-attn-skip-freq`` some layers stay full (``ModelConfig.is_window_layer``).
 
 Shapes: queries ``[b, heads, s_q, d]``, keys and values ``[b, groups, s_k, d]`` (GQA when
 groups < heads). The core knows nothing of parallelism: tensor parallelism gives it fewer heads,
@@ -11,6 +24,7 @@ the markers that activation recomputation looks for (:mod:`loom.parallel.interfa
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -18,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.config import ModelConfig
 from loom.parallel.interface import NeverRecompute, SelectiveRecompute
 
 
@@ -119,6 +134,59 @@ class DotProductAttention(nn.Module, SelectiveRecompute):
                 enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
 
 
+def sink_softmax(scores: torch.Tensor, sink: Optional[torch.Tensor]) -> torch.Tensor:
+    """Softmax of ``scores [b, heads, s_q, s_k]`` along keys with the per-head ``sink
+    [heads]`` logit added to the denominator (None: the plain softmax); computed in fp32
+    (or wider), returned in ``scores``' dtype (Megatron's ``SoftmaxOne``)."""
+    z = scores.to(torch.promote_types(scores.dtype, torch.float32))  # fp32 at least
+    if sink is None:
+        return torch.softmax(z, dim=-1).to(scores.dtype)
+    col = sink.to(z.dtype).reshape(1, -1, 1, 1).expand(z.shape[0], -1, z.shape[2], 1)
+    return torch.softmax(torch.cat([z, col], dim=-1), dim=-1)[..., :-1].to(scores.dtype)
+
+
+class SinkWindowAttention(DotProductAttention):
+    """``softmax_sink(q k^T / sqrt(d) + mask) v``: the causal (optionally sliding-window) core
+    with attention sinks; keys at positions ``0 .. s_k - 1``, queries at ``q_positions``
+    (default: the last s_q). ``softmax_offset [heads]``: the learnable sinks (a parameter), a
+    zero buffer for off-by-one, absent for vanilla. ``scale``: instead of ``1 / sqrt(d)``
+    (muP's)."""
+
+    def __init__(self, dropout: float, heads: int, softmax_type: str = "vanilla",
+                 window: Optional[int] = None, scale: Optional[float] = None):
+        super().__init__(dropout, scale=scale)
+        self.softmax_type, self.window = softmax_type, window
+        if softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.empty(heads))
+        elif softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads), persistent=False)
+        else:
+            self.softmax_offset = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                q_positions: Optional[torch.Tensor] = None,
+                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        s_q, s_k = q.shape[2], k.shape[2]
+        if q_positions is None:
+            q_positions = torch.arange(s_k - s_q, s_k, device=q.device)
+        mask = window_causal_mask(q_positions, s_k, self.window)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = scores / math.sqrt(q.shape[-1]) if self.scale is None else scores * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = self.softmax_offset
+        if sink is not None and sink.shape[0] != q.shape[1]:
+            raise ValueError(f"{sink.shape[0]} sink logits for {q.shape[1]} heads")
+        probs = sink_softmax(scores, sink)
+        p = self.dropout if self.training else 0.0
+        fork = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
+        with fork:
+            probs = F.dropout(probs, p)
+        return torch.matmul(probs, v)
+
+
 @dataclass
 class KVCache(NeverRecompute):
     """Keys and values of past positions, per layer: ``[b, g/t, s_max, d]`` each."""
@@ -138,3 +206,50 @@ class KVCache(NeverRecompute):
         self.keys[layer][:, :, start:start + s] = k
         self.values[layer][:, :, start:start + s] = v
         return self.keys[layer][:, :, :start + s], self.values[layer][:, :, :start + s]
+
+
+class SelfAttention(nn.Module):
+    """``x [s, b, h] -> [s, b, h]``: fused QKV projection (a query heads, g key/value groups of
+    dimension d), RoPE, the attention core, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int):
+        super().__init__()
+        a, g, d, h = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.hidden_size
+        self.layer_number, self.head_dim = layer_number, d
+        self.q_share = a / (a + 2 * g)  # share of the fused QKV width that is queries
+        bias = not cfg.disable_bias_linear
+        self.linear_qkv = nn.Linear(h, (a + 2 * g) * d, bias=bias or cfg.add_qkv_bias)
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:  # per-head norm of queries and keys before RoPE (Megatron, Qwen3)
+            norm = nn.RMSNorm if cfg.normalization == "RMSNorm" else nn.LayerNorm
+            self.q_layernorm, self.k_layernorm = (norm(d, eps=cfg.norm_epsilon) for _ in "qk")
+        if cfg.softmax_type != "vanilla" or cfg.is_window_layer(layer_number):  # gpt-oss
+            self.core_attention = SinkWindowAttention(
+                cfg.attention_dropout, a, cfg.softmax_type,
+                cfg.window[0] if cfg.is_window_layer(layer_number) else None,
+                scale=cfg.attention_softmax_scale)
+        else:
+            self.core_attention = DotProductAttention(cfg.attention_dropout,
+                                                      scale=cfg.attention_softmax_scale)
+        self.linear_proj = nn.Linear(a * d, h, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
+                positions: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        d = self.head_dim
+        qkv = self.linear_qkv(x)  # [s, b, (a + 2g) d]
+        s, b, width = qkv.shape
+        q_width = round(width * self.q_share)
+        kv_width = (width - q_width) // 2
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
+        if cache is not None:
+            k, v = cache.update(self.layer_number, k, v)
+        out = self.core_attention(q, k, v, positions)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.linear_proj(out)

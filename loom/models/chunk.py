@@ -6,8 +6,9 @@ then the final norm and the output head when it holds the last ones (``post_proc
 Families fill in hooks (what to build: ``build_embedding``, ``build_layer``, ``build_output``;
 how to run: ``embed``, ``layer_inputs``, ``final_norm``, ``output``) and keep their module
 names, so parameter names, and with them checkpoints and seeded initialization, are the
-family's own. :class:`LMHead` is the output GEMM + loss every family uses; :func:`build_norm`
-the ``--normalization`` choice. Activations are ``[s, b, h]``.
+family's own. :class:`Embedding` is the word (+ learned position) embedding of the GPT, Gemma 3
+and Mamba families (Megatron-Core's ``LanguageModelEmbedding``); :class:`LMHead` the output
+GEMM + loss every family uses; :func:`build_norm` the ``--normalization`` choice. Activations are ``[s, b, h]``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,28 @@ class LMHead(nn.Module):
         loss = F.cross_entropy(logits[..., :V].float().reshape(-1, V), labels.t().reshape(-1),
                                reduction="none")
         return loss.view(s, b).t()
+
+
+class Embedding(nn.Module):
+    """Word embeddings plus learned absolute positions: ``ids [b, s] -> [s, b, h]``, times
+    muP's ``--mup-embedding-mult`` (1 without ``--use-mup``)."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, with_positions: bool = True):
+        super().__init__()
+        self.multiplier = cfg.embedding_multiplier
+        self.word_embeddings = nn.Embedding(padded_vocab, cfg.hidden_size)
+        self.position_embeddings = None
+        if with_positions and cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(positions)[None]
+        if self.multiplier != 1.0:
+            x = x * self.multiplier
+        return self.dropout(x.transpose(0, 1).contiguous())  # [s, b, h]
 
 
 class LanguageModelChunk(nn.Module):

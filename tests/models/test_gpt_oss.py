@@ -18,7 +18,8 @@ from loom.config import LoomConfig, ModelConfig
 from loom.config.flag_table import no_effect_report
 from loom.errors import ConfigError
 from loom.models.activation import gated_activation
-from loom.models.gpt.gpt_oss_ops import SinkWindowAttention, gpt_oss_rope, sink_softmax
+from loom.models.attention import SinkWindowAttention, sink_softmax
+from loom.models.gpt.gpt_oss_ops import gpt_oss_rope
 from testkit import run_distributed
 
 transformers = pytest.importorskip("transformers")

@@ -20,7 +20,7 @@ from loom.errors import ConfigError
 from loom.models import get_family
 from loom.models.gpt.mla import MLASelfAttention, mla_softmax_scale
 from loom.models.gpt.model import forward_step
-from loom.models.gpt.mtp import roll_left
+from loom.models.mtp import roll_left
 from loom.models.yarn import yarn_cos_sin, yarn_inv_freq
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model

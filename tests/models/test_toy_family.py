@@ -6,7 +6,7 @@ through the real Trainer at 1 rank and at 2 (TP=2, DP=2; gloo) with equal losses
 1e-5).
 
 The family: embedding -> L x residual MLP blocks -> norm -> untied output layer -> loom's shared
-LM head (:class:`loom.models.gpt.model.LMHead`, vocabulary-parallel under TP).
+LM head (:class:`loom.models.chunk.LMHead`, vocabulary-parallel under TP).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from loom.config import LoomConfig, ModelConfig
 from loom.errors import ConfigError
 from loom.models import FamilyRegistry, get_family, register_family
 from loom.models.family import ModelFamily, StageSpec
-from loom.models.gpt.model import LMHead
+from loom.models.chunk import LMHead
 from testkit import run_distributed
 
 from toy_family_parts import Block, toy_init, toy_plan

@@ -143,7 +143,7 @@ def test_log_num_zeros_in_grad_counts_zero_entries():
 
 
 def test_squared_relu_mlp(monkeypatch):
-    from loom.models.gpt.model import MLP
+    from loom.models.mlp import MLP
     cfg = _prepare(BASE + ["--train-iters", "2", "--lr", "1e-3", "--squared-relu"],
                    monkeypatch).model
     assert cfg.squared_relu
@@ -193,7 +193,7 @@ def test_eod_mask_loss_masks_end_of_document_inputs(monkeypatch):
     ``sum(loss x mask) / max(sum(mask), 1)`` (Megatron's ``loss_func`` and schedule)."""
     from loom.data.gpt_dataset import MockGPTDataset
     from loom.data.loss_mask import EodLossMask, end_of_document_id
-    from loom.models.gpt.model import lm_loss
+    from loom.models.language_model import lm_loss
     argv = BASE + ["--train-iters", "2", "--lr", "1e-3", "--eod-mask-loss",
                    "--tokenizer-type", "NullTokenizer"]
     cfg = _prepare(argv, monkeypatch)

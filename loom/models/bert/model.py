@@ -14,7 +14,7 @@ Masked-LM head: dense h -> h, GeLU, LN, then the output GEMM tied to the word em
 vocabulary bias, and the cross-entropy. Binary head (``--bert-binary-head``, sentence-order
 prediction): pooler ``tanh(W x[CLS] + b)`` then a 2-way classifier.
 
-As in the GPT family, nothing here knows about parallelism (:mod:`.parallelize` holds the plan);
+As in the other families, nothing here knows about parallelism (:mod:`.parallelize` holds the plan);
 activations are ``[s, b, h]`` and parameter names carry the global layer index.
 """
 
@@ -30,7 +30,7 @@ from torch import nn
 from loom.config import ModelConfig
 from loom.models.attention import DotProductAttention
 from loom.models.chunk import LanguageModelChunk, LMHead, build_norm
-from loom.models.gpt.model import MLP
+from loom.models.mlp import MLP
 
 NUM_TOKENTYPES = 2
 

@@ -16,7 +16,8 @@ soft-capped. Layers are local (``L``: a sliding window of ``--sliding-window`` k
 (``ModelConfig.attention_layer_types``). The MLP is GeGLU: ``gelu_tanh(gate) * up``, gate and up
 fused in one projection.
 
-Reused from the GPT family: the word-embedding module, the LM head and the loss. Nothing here
+Shared with the other families (:mod:`loom.models.chunk`, :mod:`loom.models.language_model`):
+the word-embedding module, the LM head and the loss. Nothing here
 knows about parallelism (:mod:`loom.models.gemma3.parallelize`); sizes TP changes are read from
 tensors (``-1`` in views).
 """
@@ -33,8 +34,8 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.attention import KVCache, apply_rope, rope_cos_sin, window_causal_mask
-from loom.models.chunk import LanguageModelChunk, LMHead
-from loom.models.gpt.model import Embedding, lm_loss
+from loom.models.chunk import Embedding, LanguageModelChunk, LMHead
+from loom.models.language_model import lm_loss
 
 
 class GemmaRMSNorm(nn.Module):

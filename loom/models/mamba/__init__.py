@@ -1,9 +1,10 @@
 """The Mamba-2 / hybrid family (``--model-type mamba``): plain model (:mod:`.model`, scan in
 :mod:`.ssd`), plan and initializers (:mod:`.parallelize`), Hugging Face mapping (:mod:`.hf`: Mamba2 /
-Nemotron-H); the forward step is GPT's."""
+Nemotron-H); the forward step is the shared language-model step
+(:mod:`loom.models.language_model`, GPT's too)."""
 
 from loom.models.family import Generation, ModelFamily
-from loom.models.gpt.model import forward_step
+from loom.models.language_model import forward_step
 from loom.models.mamba import parallelize
 from loom.models.mamba.hf import HF
 from loom.models.mamba.model import MambaModel

@@ -4,8 +4,10 @@
 Layer i is chosen by character i of ``--hybrid-override-pattern`` (Megatron's string): ``M`` a
 Mamba-2 layer ``x + drop(mixer(norm(x)))``, ``*`` an attention layer
 ``x + drop(attn(norm(x)))``, ``-`` an MLP layer ``x + drop(mlp(norm(x)))`` (attention and MLP
-are the GPT family's blocks). A pure Mamba model is all ``M`` (the default). Embedding, final
-norm, output layer, loss and the forward step are the GPT family's; activations are ``[s, b, h]``.
+are the shared blocks of :mod:`loom.models.attention` and :mod:`loom.models.mlp`, as in the GPT
+family). A pure Mamba model is all ``M`` (the default). Embedding, final norm, output layer, loss
+and the forward step are the shared ones (:mod:`loom.models.chunk`,
+:mod:`loom.models.language_model`); activations are ``[s, b, h]``.
 
 The Mamba-2 mixer (fig. 6, right), ``d_inner = H P`` wide (``--mamba-num-heads H``, else
 ``--mamba-expand x h``: Nemotron-H's heads x head dim need not be a multiple of h): one
@@ -31,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.models.attention import KVCache
+from loom.models.attention import KVCache, SelfAttention
+from loom.models.chunk import Embedding, LanguageModelChunk, build_norm
 from loom.models.family import StageSpec
-from loom.models.chunk import LanguageModelChunk, build_norm
-from loom.models.gpt.model import MLP, Embedding, SelfAttention
+from loom.models.mlp import MLP
 from loom.models.mamba.ssd import ssd_chunked, ssd_step
 
 
@@ -167,7 +169,7 @@ class MambaMixer(nn.Module):
 
 class MambaLayer(nn.Module):
     """``x + drop(mixer(norm(x)))`` (Megatron's MambaLayer; the norm is named ``input_layernorm`` as
-    in the attention layer, so the GPT plan's sequence-parallel entry covers it)."""
+    in the attention layer, so the shared plan's sequence-parallel entry covers it)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
@@ -180,7 +182,7 @@ class MambaLayer(nn.Module):
 
 
 class AttentionLayer(nn.Module):
-    """``x + drop(attn(norm(x)))``: the GPT family's self-attention (``*`` in the pattern)."""
+    """``x + drop(attn(norm(x)))``: the shared self-attention (``*`` in the pattern)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
@@ -194,7 +196,7 @@ class AttentionLayer(nn.Module):
 
 
 class MLPLayer(nn.Module):
-    """``x + drop(mlp(norm(x)))``: the GPT family's MLP (``-`` in the pattern)."""
+    """``x + drop(mlp(norm(x)))``: the shared MLP (``-`` in the pattern)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
@@ -211,8 +213,8 @@ LAYER_TYPES = {"M": MambaLayer, "*": AttentionLayer, "-": MLPLayer}
 
 class MambaModel(LanguageModelChunk):
     """A hybrid stack (or one pipeline chunk of it): the shared chunk skeleton
-    (:class:`~loom.models.chunk.LanguageModelChunk`) with GPT's embedding, output layer, loss
-    and forward inputs (``moe``), and layer i of type ``layer_pattern(cfg)[i]``. Positions:
+    (:class:`~loom.models.chunk.LanguageModelChunk`) with the shared embedding, output layer,
+    loss and forward inputs (``moe``), and layer i of type ``layer_pattern(cfg)[i]``. Positions:
     learned absolute embeddings or RoPE in the attention layers, as
     ``--position-embedding-type`` says (Mamba layers need none)."""
 

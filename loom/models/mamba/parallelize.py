@@ -7,8 +7,8 @@ with each fused block ``(z, x, B, C, dt)`` split over TP (rank r holds heads
 norm (normalized per group) run on those heads alone; the out-projection is row-parallel. One
 all-reduce forward (out-projection ``g``) and one backward (in-projection ``f``) per Mamba
 layer, like an MLP; a Mamba + MLP pair costs 2 + 2, like a transformer layer. Attention and MLP
-layers of a hybrid stack, the embedding, output layer and sequence parallelism use the GPT
-family's plan unchanged.
+layers of a hybrid stack, the embedding, output layer and sequence parallelism use the shared
+decoder plan unchanged (:mod:`loom.models.parallelize`, GPT's too).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
-from loom.models.gpt import parallelize as gpt_parallelize
 from loom.models.init import by_pattern, ones_init, scaled_normal_init, zeros_init
 from loom.models.mamba.model import mamba_sizes
+from loom.models.parallelize import decoder_init, decoder_plan
 from loom.parallel.mamba_styles import ChannelParallelParams
 from loom.parallel.plan import ColwiseParallel, PlanContext, RowwiseParallel
 
@@ -31,10 +31,10 @@ A_INIT_RANGE = (1.0, 16.0)
 
 
 def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
-    """``[(module pattern, style)]``: the GPT plan (attention, MLP, vocabulary, SP) plus the
-    Mamba mixers'."""
+    """``[(module pattern, style)]``: the shared decoder plan (attention, MLP, vocabulary, SP)
+    plus the Mamba mixers'."""
     z = mamba_sizes(cfg)
-    return gpt_parallelize.plan(cfg, stage, ctx) + [
+    return decoder_plan(cfg, stage, ctx) + [
         ("layers.*.mixer.in_proj", ColwiseParallel(segments=z["in_segments"])),
         ("layers.*.mixer.conv1d", ChannelParallelParams((("weight", z["conv_segments"]),
                                                          ("bias", z["conv_segments"])))),
@@ -42,7 +42,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
                                                   ("dt_bias", None)))),
         ("layers.*.mixer.norm", ChannelParallelParams((("weight", None),))),
         ("layers.*.mixer.out_proj", RowwiseParallel()),
-    ]  # the pre-mixer norm is "layers.*.input_layernorm": sequence-parallel by the GPT plan
+    ]  # the pre-mixer norm is "layers.*.input_layernorm": sequence-parallel by the shared plan
 
 
 def a_log_init(shape, g):
@@ -65,7 +65,8 @@ def conv_init(shape, g):
 
 def init(cfg: ModelConfig) -> Callable:
     """``name -> InitFn``: the Mamba parameters as mamba_ssm initializes them, the
-    out-projection scaled by 1/sqrt(2L) like Megatron's output projections, the rest as GPT."""
+    out-projection scaled by 1/sqrt(2L) like Megatron's output projections, the rest as the
+    shared decoder (:func:`loom.models.parallelize.decoder_init`)."""
     mamba = by_pattern([
         ("*.mixer.A_log", a_log_init),
         ("*.mixer.D", ones_init),
@@ -74,11 +75,11 @@ def init(cfg: ModelConfig) -> Callable:
         ("*.mixer.conv1d.bias", zeros_init),
         ("*.mixer.out_proj.weight", scaled_normal_init(cfg.init_method_std, cfg.num_layers)),
     ])
-    gpt = gpt_parallelize.init(cfg)
+    decoder = decoder_init(cfg)
 
     def lookup(name: str):
         try:
             return mamba(name)
         except KeyError:
-            return gpt(name)
+            return decoder(name)
     return lookup
