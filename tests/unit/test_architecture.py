@@ -12,8 +12,6 @@ import importlib
 import pathlib
 import pkgutil
 
-import pytest
-
 import loom
 
 from import_cycles import find_cycle
@@ -86,8 +84,6 @@ def family_violations(root: pathlib.Path) -> list[str]:
                   if family(src) and family(dst) and family(src) != family(dst))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: the blocks families share still live in "
-                                       "gpt/ and gemma3/ (moved in the family step)")
 def test_no_family_imports_another():
     bad = family_violations(ROOT)
     assert not bad, "a family imports another family's folder (move the shared piece under " \
