@@ -77,7 +77,7 @@ _IMPLEMENTED = words("""
 --profile --profile-step-start --profile-step-end --use-pytorch-profiler
 --pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --record-memory-history
 --memory-snapshot-path --save-retain-interval --optimizer --profile-ranks
---yarn-correction-range-round-to-int
+--yarn-correction-range-round-to-int --eval-global-batch-size --eval-micro-batch-size
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -135,6 +135,10 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                                        "(arguments.py:1216)"),
     "--initial-loss-scale": field(note="2**32"),
     "--split": field(note="None: the legacy '969, 30, 1' with --data-path (so in loom)"),
+    "--eval-global-batch-size": field(note="None: --global-batch-size (b x d with "
+                                           "--step-batch-size-schedule, Megatron's); a "
+                                           "multiple of --eval-micro-batch-size x d"),
+    "--eval-micro-batch-size": field(note="None: --micro-batch-size"),
     "--eval-interval": field(note="no periodic evaluation (megatron/training/training.py:4915)"
                                   "; one at the end"),
     "--no-load-optim": field(default=False, note="store_true with default None: off"),

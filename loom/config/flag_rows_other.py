@@ -319,10 +319,6 @@ REFUSED_ROWS = (
     ("--no-pad-vocab-size", refused("training_options", "unpadded vocabulary switch: give "
                                     "--padded-vocab-size V")),
     ("--start-eval-at-iter", refused("evaluation", "delayed first evaluation")),
-    ("--eval-global-batch-size", refused("evaluation", "evaluation batch size of its own "
-                                         "(loom evaluates batches of --global-batch-size)")),
-    ("--eval-micro-batch-size", refused("evaluation", "evaluation micro-batch size of its own "
-                                        "(loom evaluates with --micro-batch-size)")),
     ("--full-validation", refused("evaluation", "full-validation-set evaluation (loom "
                                   "evaluates --eval-iters batches)")),
     ("--multiple-validation-sets", refused("evaluation", "several named validation sets")),

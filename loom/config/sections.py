@@ -346,7 +346,14 @@ class LoggingConfig(LoggingScriptFields):
     eval_interval: Optional[int] = opt(None, "iterations between evaluations on the validation "
                                              "set (default: only one, at the end of training)",
                                        ge=1)
-    eval_iters: int = opt(100, "global batches per evaluation (0: no evaluation)", ge=0)
+    eval_iters: int = opt(100, "evaluation iterations per evaluation, each of "
+                               "--eval-global-batch-size samples (0: no evaluation)", ge=0)
+    eval_global_batch_size: Optional[int] = opt(
+        None, "samples per evaluation iteration (default: --global-batch-size; with "
+              "--step-batch-size-schedule, --eval-micro-batch-size x data-parallel size, as "
+              "Megatron); a multiple of --eval-micro-batch-size x data-parallel size", ge=1)
+    eval_micro_batch_size: Optional[int] = opt(
+        None, "samples per evaluation micro-batch (default: --micro-batch-size)", ge=1)
     log_json: Optional[str] = opt(None, "append every logged record as a JSON line to this file")
     tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars to this directory")
     peak_tflops: Optional[float] = opt(
