@@ -260,9 +260,6 @@ def _check_zero(cfg: Any) -> None:
                           f"--recompute-method uniform --recompute-num-layers "
                           f"{t.recompute_num_layers} bypasses: use --recompute-num-layers 1 or "
                           f"--recompute-method block")
-    if t.fp16:
-        raise ConfigError(f"{flag} with --fp16 has no loss scaler wired to FSDP2 yet: use --bf16 "
-                          f"(FSDP2 mixed precision), or --fp16 with --use-distributed-optimizer")
     if t.compile:
         raise ConfigError(f"{flag} with --compile is not tested yet (the compiled layer call "
                           f"would trace FSDP2's gather hooks): drop --compile, or use "
