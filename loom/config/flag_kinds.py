@@ -66,7 +66,6 @@ REFUSED = MappingProxyType({
     "mup": "muP (maximal update) parametrization",
     "mhc": "manifold-constrained hyper-connections",
     "heterogeneous": "heterogeneous per-layer configurations",
-    "fim": "fill-in-the-middle data",
     "sft": "supervised fine-tuning data (conversations, chat templates)",
     "doc_masking": "document-boundary masking (positions and attention reset at end of "
                    "document)",

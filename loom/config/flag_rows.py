@@ -78,6 +78,8 @@ _IMPLEMENTED = words("""
 --pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --record-memory-history
 --memory-snapshot-path --save-retain-interval --optimizer --profile-ranks
 --yarn-correction-range-round-to-int --eval-global-batch-size --eval-micro-batch-size
+--fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
+--fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -139,6 +141,9 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                            "--step-batch-size-schedule, Megatron's); a "
                                            "multiple of --eval-micro-batch-size x d"),
     "--eval-micro-batch-size": field(note="None: --micro-batch-size"),
+    "--fim-data": field(note="Megatron's FIM GPT dataset (loom/data/fim.py; the same draws in "
+                             "the same order), sample k drawn from its own stream seeded "
+                             "(--seed, k) instead of one stream per dataset in reading order"),
     "--eval-interval": field(note="no periodic evaluation (megatron/training/training.py:4915)"
                                   "; one at the end"),
     "--no-load-optim": field(default=False, note="store_true with default None: off"),

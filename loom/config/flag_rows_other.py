@@ -258,10 +258,6 @@ REFUSED_ROWS = (
         --mhc-init-gating-factor --mhc-recompute-layer-num"""),
     *_block(refused("heterogeneous"), """
         --heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"""),
-    *_block(refused("fim"), """
-        --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate
-        --fim-no-prefix --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token
-        --fim-eod-token"""),
     *_block(refused("sft"), "--sft --sft-tokenizer-prompt-format --chat-template"),
     *_block(refused("doc_masking"), """
         --reset-position-ids --reset-attention-mask --dataloader-inter-document-masking"""),
