@@ -339,7 +339,11 @@ REFUSED_ROWS = (
         --fault-injector-fault-probabilities --fault-injector-fault-delay
         --fault-injector-delay-start-iteration --fault-injector-mtti-seconds
         --fault-injector-offset-seconds --fault-injector-seed"""),
-    *_block(refused("rerun"), """
+    *_block(refused("rerun", "Megatron's rerun state machine (it reruns an iteration whose "
+                             "loss check failed to tell a transient from a persistent GPU fault; "
+                             "error injection tests that): loom skips a step with a non-finite "
+                             "gradient norm on every rank, --exit-on-nonfinite N stops, "
+                             "--inject-fault drills failures"), """
         --error-injection-rate --error-injection-type --result-rejected-tracker-filename"""),
     *_block(refused("nonpersistent"), """
         --non-persistent-save-interval --non-persistent-ckpt-type
