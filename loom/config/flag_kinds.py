@@ -59,11 +59,10 @@ REFUSED = MappingProxyType({
     "t5": "encoder-decoder (T5) models",
     "distillation": "knowledge distillation",
     "modelopt": "ModelOpt quantization, export and distillation",
-    "optimizers": "optimizers other than Adam and SGD (loom trains with AdamW or SGD: "
-                  "--optimizer adam|sgd)",
+    "optimizers": "optimizers other than Adam, SGD and Muon (loom trains with AdamW, SGD or "
+                  "Muon: --optimizer adam|sgd|muon)",
     "linear_attention": "linear-attention layers (Gated DeltaNet, gated delta product)",
     "dsa": "DeepSeek sparse attention",
-    "mup": "muP (maximal update) parametrization",
     "mhc": "manifold-constrained hyper-connections",
     "heterogeneous": "heterogeneous per-layer configurations",
     "sft": "supervised fine-tuning data (conversations, chat templates)",

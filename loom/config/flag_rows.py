@@ -77,7 +77,11 @@ _IMPLEMENTED = words("""
 --profile --profile-step-start --profile-step-end --use-pytorch-profiler
 --pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --record-memory-history
 --memory-snapshot-path --save-retain-interval --optimizer --profile-ranks
---yarn-correction-range-round-to-int --eval-global-batch-size --eval-micro-batch-size
+--yarn-correction-range-round-to-int --rotary-interleaved --use-mup --mup-base-hidden-size
+--mup-embedding-mult --mup-output-mult --mup-base-head-dim --mup-attn-scale-power --muon-momentum
+--muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec --muon-coefficient-type
+--muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
+--eval-global-batch-size --eval-micro-batch-size
 --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
 --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 """)
@@ -151,6 +155,9 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--exit-signal-handler": field(note="SIGTERM: finish the iteration, save (with --save), "
                                         "exit; loom also takes SIGINT"),
     "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
+    "--rotary-interleaved": field(note="pairs (2i, 2i+1) rotate (Megatron's _rotate_half with "
+                                       "rotary_interleaved); refused with YaRN and MLA, as "
+                                       "Megatron refuses them"),
     "--use-rotary-position-embeddings": field(note="= --position-embedding-type rope"),
     "--no-position-embedding": field(note="dest add_position_embedding=True"),
     "--squared-relu": field(note="not with --swiglu (as Megatron); the experts too"),
@@ -185,10 +192,25 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
         note="sets --num-layers-per-virtual-pipeline-stage L / (p v)"),
     "--yarn-correction-range-round-to-int": field(default=True, note=(
         "None: True (megatron/training/argument_utils.py:413); MLA always rounds")),
-    "--optimizer": field(note="adam: AdamW (decoupled weight decay); sgd: torch SGD", refuse={
-        v: f"loom has no {name} optimizer: use --optimizer adam (AdamW) or --optimizer sgd"
-        for v, name in (("muon", "Muon"), ("dist_muon", "distributed Muon"), ("lion", "Lion"),
-                        ("soap", "SOAP"), ("adaptive_muon", "adaptive Muon"))}),
+    "--optimizer": field(note="adam: AdamW (decoupled weight decay); sgd: torch SGD; muon: "
+                              "Megatron's Muon with AdamW for the rest; dist_muon: muon with "
+                              "--use-distributed-optimizer", refuse={
+        v: f"loom has no {name} optimizer: use --optimizer adam (AdamW), sgd or muon"
+        for v, name in (("lion", "Lion"), ("soap", "SOAP"), ("adaptive_muon", "adaptive Muon"))}),
+    "--use-mup": field(note="muP for --model-type gpt: width-scaled init, attention scale, "
+                            "embedding and logit multipliers, per-group LR and Adam epsilon"),
+    "--mup-base-hidden-size": field(note="None: --hidden-size (width multiplier 1)"),
+    "--mup-output-mult": field(note="1.0 means 1 / width multiplier (Megatron's automatic "
+                                    "value)"),
+    "--muon-fp32-matmul-prec": field(note="medium: Newton-Schulz in bf16; high: fp32 (TF32 on "
+                                          "CUDA); low: fp32 (torch ignores 'low')"),
+    "--muon-coefficient-type": field(note="a str in Megatron, validated against "
+                                          "emerging_optimizers 0.3.0's sets (custom needs "
+                                          "coefficients Megatron never passes)"),
+    "--muon-tp-mode": field(note="distributed computes duplicated's function (loom gathers)"),
+    "--muon-scalar-optimizer": field(refuse={
+        "lion": "loom has no Lion optimizer: use --muon-scalar-optimizer adam"}),
+    "--muon-no-split-qkv": field("muon_split_qkv"),
     "--profile": field(note="Megatron's field use_nsys_profiler: nsys capture range unless "
                             "--use-pytorch-profiler"),
     "--profile-ranks": field(default=None, note="[] in Megatron: every rank; loom holds the "

@@ -42,6 +42,10 @@ NO_EFFECT_ROWS = (
         "again in an fp32 softmax: (s/L) L = s; loom's attention computes scores and softmax "
         "in fp32, so the flag changes nothing it computes (tests/models/test_model_caps.py::"
         "test_query_key_layer_scaling_changes_nothing_loom_computes)"))),
+    ("--muon-use-syrk", no_effect("kernel", note="Triton SYRK kernel of Muon's Gram matrix")),
+    ("--mup-width-mult", no_effect("internal", note=(
+        "Megatron sets it to --hidden-size / --mup-base-hidden-size under --use-mup and reads "
+        "it nowhere else"))),
     ("--transformer-impl", no_effect("kernel", refuse={
         "inference_optimized": "an inference-only layer implementation: train with local or "
                                "transformer_engine (both mean loom's layers)"})),
@@ -233,11 +237,7 @@ REFUSED_ROWS = (
         --export-quant-cfg --finetune-hf-dataset --finetune-data-split --finetune-data-files
         --qad-train-target --freeze-base-for-mtp --export-qk-l2-norm
         --export-moe-apply-probs-on-input --export-offline-model --modelopt-enabled"""),
-    *_block(refused("optimizers"), """
-        --muon-momentum --muon-no-split-qkv --muon-nesterov --muon-scale-mode
-        --muon-fp32-matmul-prec --muon-coefficient-type --muon-num-ns-steps --muon-tp-mode
-        --muon-use-syrk --muon-extra-scale-factor --muon-scalar-optimizer --lion-beta1
-        --lion-beta2"""),
+    *_block(refused("optimizers"), "--lion-beta1 --lion-beta2"),
     *_block(refused("linear_attention"), """
         --linear-conv-kernel-dim --linear-key-head-dim
         --linear-value-head-dim --linear-num-key-heads --linear-num-value-heads
@@ -250,9 +250,6 @@ REFUSED_ROWS = (
         --dsa-indexer-skip-topk-offset --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
         --dsa-kernel-backend --dsa-indexer-rope-interleaved --no-dsa-indexer-rotate-activation
         --no-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon --dsa-indexer-k-norm-fp32"""),
-    *_block(refused("mup"), """
-        --use-mup --mup-width-mult --mup-base-hidden-size --mup-embedding-mult
-        --mup-output-mult --mup-base-head-dim --mup-attn-scale-power"""),
     *_block(refused("mhc"), """
         --enable-mhc-connections --mhc-num-residual-streams --mhc-sinkhorn-iterations
         --mhc-init-gating-factor --mhc-recompute-layer-num"""),
@@ -277,7 +274,6 @@ REFUSED_ROWS = (
     ("--fp32-residual-connection", _no("fp32 residual stream under --bf16 / --fp16")),
     ("--apply-residual-connection-post-layernorm",
      _no("residual taken after the LayerNorm (loom's BERT has --post-layernorm)")),
-    ("--rotary-interleaved", _no("interleaved RoPE (loom rotates halves, Megatron's default)")),
     ("--qk-l2-norm", _no("L2 normalization of queries and keys")),
     ("--qk-clip", _no("QK-clip of attention logits (MuonClip)")),
     ("--qk-clip-alpha", _no("QK-clip of attention logits (MuonClip)")),

@@ -11,6 +11,7 @@ import re
 from typing import Any, Optional
 
 from loom.config.debug_flags import check_debug_flags
+from loom.config.optimizer_muon import check_muon
 from loom.errors import ConfigError
 
 _SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
@@ -60,6 +61,8 @@ def _positions(m: Any) -> None:
         raise ConfigError("--no-position-embedding is deprecated in Megatron-LM and refused "
                           "without rotary embeddings: give --position-embedding-type none "
                           "(or rope)")
+    if m.rotary_interleaved:
+        _interleaved_rope(m)
     if m.rotary_percent > 1:
         raise ConfigError(f"--rotary-percent {m.rotary_percent} must lie in (0, 1]")
     if m.rotary_percent < 1 and m.position_embedding_type == "rope" and (
@@ -67,6 +70,23 @@ def _positions(m: Any) -> None:
         raise ConfigError(f"--rotary-percent {m.rotary_percent} rotates {m.rotary_dim} channels "
                           f"of each head (of {m.head_dim}): RoPE needs an even number; choose "
                           f"a percent giving one")
+
+
+def _interleaved_rope(m: Any) -> None:
+    """``--rotary-interleaved``: refused where Megatron refuses it (multi-latent attention:
+    ``TransformerConfig`` raises; YaRN, gpt-oss's included: ``YarnRotaryEmbedding`` asserts)
+    and for Gemma 3, whose own RoPE rotates halves; without rotary embeddings it rotates
+    nothing (as in Megatron)."""
+    drop = ": drop --rotary-interleaved"
+    if m.multi_latent_attention:
+        raise ConfigError("--rotary-interleaved does not work with --multi-latent-attention "
+                          "(Megatron's rule: MLA lays out its own RoPE key)" + drop)
+    if m.position_embedding_type == "yarn" or m.enable_gpt_oss:
+        raise ConfigError("--rotary-interleaved: YaRN RoPE rotates halves (Megatron's "
+                          "YarnRotaryEmbedding asserts it is not interleaved)" + drop)
+    if m.model_type == "gemma3":
+        raise ConfigError("--rotary-interleaved: --model-type gemma3 has Gemma 3's RoPE, "
+                          "which rotates halves" + drop)
 
 
 def _samples(cfg: Any, world_size: int) -> None:
@@ -195,6 +215,7 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
         elif t.zero_stage == 3:  # FSDP2 shards the optimizer and gathers parameters itself
             t.use_distributed_optimizer = False  # (prefetching the next layer's: Megatron
             t.overlap_param_gather = False       # FSDP's --overlap-param-gather)
+    check_muon(t)  # --optimizer dist_muon: muon with --use-distributed-optimizer
     _virtual_stages(cfg)
     _account_in_split(cfg.parallel, m.num_layers)
     if t.ckpt_format == "torch_dist" and m.model_type not in ("gpt", "mamba"):

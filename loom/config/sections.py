@@ -19,6 +19,8 @@ from loom.config.model_gptoss import GptOssFields
 from loom.config.model_mamba import MambaFields
 from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
+from loom.config.model_mup import MupFields
+from loom.config.optimizer_muon import MuonFields
 from loom.config.parallel_cp import ContextParallelFields
 from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
 from loom.config.script_fields import (DataScriptFields, LoggingScriptFields, ModelScriptFields,
@@ -101,15 +103,15 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
-                  BertFields, MoEFields, ModelShapeFields):
+class ModelConfig(MupFields, ModelScriptFields, GptOssFields, MLAFields, MambaFields,
+                  Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
     The fields every family has (:class:`ModelShapeFields`), then each family's own, in its own
     module: mixture of experts (:mod:`~loom.config.model_moe`), BERT
     (:mod:`~loom.config.model_bert`), Gemma 3 (:mod:`~loom.config.model_gemma3`), Mamba-2
     (:mod:`~loom.config.model_mamba`), multi-latent attention, YaRN and multi-token prediction
-    (:mod:`~loom.config.model_mla`). One flat section all the same: ``cfg.model.<field>``,
+    (:mod:`~loom.config.model_mla`), muP (:mod:`~loom.config.model_mup`). One flat section all the same: ``cfg.model.<field>``,
     the flag ``--<field>`` and the YAML key, in this order.
     """
 
@@ -233,7 +235,7 @@ class ParallelConfig(ContextParallelFields):
 
 
 @dataclass
-class TrainingConfig(TrainingScriptFields):
+class TrainingConfig(TrainingScriptFields, MuonFields):
     """Batch sizes, iterations, optimizer and learning-rate schedule."""
 
     micro_batch_size: Optional[int] = opt(None, "b: samples per micro-batch per data-parallel "

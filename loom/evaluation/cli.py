@@ -22,9 +22,9 @@ from typing import Literal, Optional
 
 from loom.config.fields import opt
 from loom.errors import ConfigError
-from loom.evaluation.tasks import get_task
+from loom.evaluation.registry import get_task
 
-Task = Literal["perplexity", "cloze", "mlm"]  # loom.evaluation.tasks.task_names()
+Task = Literal["perplexity", "cloze", "mlm"]  # loom.evaluation.registry.task_names()
 
 
 @dataclass

@@ -43,7 +43,7 @@ class Recording:
 def _evaluate(**logging) -> tuple[float, list[int], int]:
     from loom.training.trainer import Trainer
     tr = Trainer(make_cfg(**logging).validate(1), mesh=ParallelMesh.single())
-    seen = Recording(tr.valid_ds)
+    seen = Recording(tr.parts.data.valid_ds)
     rec = tr.evaluate(dataset=seen)
     return rec["valid_loss"], seen.read, tr.parts.data.eval_num_microbatches
 

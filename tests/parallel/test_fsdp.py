@@ -266,7 +266,7 @@ def _fp16_steps(tr, poison) -> dict:
         poison(step)
         out["norms"].append(tr.optimizer_step())
         out["losses"].append(loss)
-        out["scales"].append(tr.scaler.scale)
+        out["scales"].append(tr.parts.model.scaler.scale)
         tr.consumed_samples += tr.global_batch
     return out
 

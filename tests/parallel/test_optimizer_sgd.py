@@ -24,6 +24,7 @@ import torch
 
 from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 STEPS = 3
@@ -88,10 +89,6 @@ def _reference(cfg: LoomConfig, steps: int) -> dict:
     out["momentum"] = {n: st["momentum_buffer"] for n, st in
                        optimizer_state_by_name(ref.optimizer, params).items()}
     return out
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if a.numel() else 0.0
 
 
 def parity_case(ref: dict, save: str | None = None, **kw) -> dict:

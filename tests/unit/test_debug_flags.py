@@ -48,8 +48,9 @@ def test_output_flags_are_real_fields_not_switches():
 
 
 @pytest.mark.parametrize("argv, world, message", [
-    (["--optimizer", "muon"], 1, "--optimizer muon: loom has no Muon optimizer"),
-    (["--optimizer", "lion"], 1, r"use --optimizer adam \(AdamW\) or --optimizer sgd"),
+    (["--optimizer", "adaptive_muon"], 1, "--optimizer adaptive_muon: loom has no adaptive "
+                                          "Muon optimizer"),
+    (["--optimizer", "lion"], 1, r"use --optimizer adam \(AdamW\), sgd or muon"),
     (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], 1,
      "--profile-step-end 5 must exceed --profile-step-start 5"),
     (["--profile-ranks", "0", "2"], 2, "'2' is not a global rank of this run"),

@@ -185,8 +185,9 @@ def test_value_refusals_of_implemented_and_no_effect_flags():
             (["--moe-router-load-balancing-type", "quantile_balancing"], "quantile"),
             (["--transformer-impl", "inference_optimized"], "inference-only"),
             (["--dataloader-type", "cyclic"], "--dataloader-type single"),
-            (["--optimizer", "muon"], r"--optimizer muon: loom has no Muon optimizer: use "
-                                      r"--optimizer adam \(AdamW\) or --optimizer sgd"),
+            (["--optimizer", "soap"], r"--optimizer soap: loom has no SOAP optimizer: use "
+                                      r"--optimizer adam \(AdamW\), sgd or muon"),
+            (["--muon-scalar-optimizer", "lion"], "loom has no Lion optimizer"),
             (["--record-shapes"], "loom has no NVTX tensor-shape records"),
             (["--experimental-attention-variant", "dsa"], "DeepSeek sparse attention")):
         with pytest.raises(ConfigError, match=words):
@@ -275,13 +276,12 @@ def test_commands_take_their_flags_from_the_declarations():
     """``loom evaluate``, ``generate``, ``plan``, ``checkpoint`` and ``plot`` write no flag by
     hand: their options are dataclass fields declared with ``opt()`` and the config fields they
     share come from the one declaration (``--seed``: one default, 1234, Megatron's)."""
-    import importlib
     import inspect as inspect_module
     from loom.cli import SUBCOMMANDS
     from loom.config.args import field_defaults
     from loom.config.flag_table import by_spelling as spell
     for name in ("evaluate", "generate", "plan", "checkpoint", "plot"):
-        module = importlib.import_module(SUBCOMMANDS[name][0])
+        module = SUBCOMMANDS[name].load()
         assert 'add_argument("--' not in inspect_module.getsource(module), name
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
