@@ -195,6 +195,13 @@ class KVCache(NeverRecompute):
     values: dict = field(default_factory=dict)
     length: int = 0  # positions already cached
 
+    def allocate(self, layer: int, shapes: tuple[tuple, tuple], like: torch.Tensor,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        """Zero key and value buffers of ``shapes`` (an attention module's ``cache_shapes``)
+        for ``layer``, on ``like``'s device, in ``dtype`` (default: ``like``'s)."""
+        self.keys[layer] = torch.zeros(shapes[0], dtype=dtype or like.dtype, device=like.device)
+        self.values[layer] = torch.zeros(shapes[1], dtype=dtype or like.dtype, device=like.device)
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v [b, g, s, d]`` at the current length; return every cached position's.
         Raises RuntimeError if the layer's cache was not allocated."""
@@ -232,6 +239,13 @@ class SelfAttention(nn.Module):
             self.core_attention = DotProductAttention(cfg.attention_dropout,
                                                       scale=cfg.attention_softmax_scale)
         self.linear_proj = nn.Linear(a * d, h, bias=bias)
+
+    def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple, tuple]:
+        """Shapes of this rank's key and value caches of ``batch`` sequences:
+        ``[b, g/t, max_len, d]`` each (g/t read from the fused QKV width)."""
+        w, d = self.linear_qkv.weight, self.head_dim
+        shape = (batch, round(w.shape[0] * (1 - self.q_share) / 2) // d, max_len, d)
+        return shape, shape
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
                 positions: Optional[torch.Tensor] = None,

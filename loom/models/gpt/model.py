@@ -97,20 +97,10 @@ class GPTModel(LanguageModelChunk):
         latent and the rotated shared key, :class:`~loom.models.gpt.mla.MLASelfAttention`)."""
         cache = KVCache()
         for name, layer in self.layers.items():
-            if isinstance(layer.self_attention, MLASelfAttention):
-                w = layer.self_attention.linear_kv_down_proj.weight
-                kshape, vshape = layer.self_attention.cache_shapes(batch, max_len)
-                cache.keys[int(name)] = torch.zeros(kshape, dtype=dtype or w.dtype,
-                                                    device=w.device)
-                cache.values[int(name)] = torch.zeros(vshape, dtype=dtype or w.dtype,
-                                                      device=w.device)
-                continue
-            w = layer.self_attention.linear_qkv.weight
-            d = layer.self_attention.head_dim
-            groups = round(w.shape[0] * (1 - layer.self_attention.q_share) / 2) // d
-            shape = (batch, groups, max_len, d)
-            cache.keys[int(name)] = torch.zeros(shape, dtype=dtype or w.dtype, device=w.device)
-            cache.values[int(name)] = torch.zeros(shape, dtype=dtype or w.dtype, device=w.device)
+            attn = layer.self_attention
+            w = attn.linear_kv_down_proj.weight if isinstance(attn, MLASelfAttention) \
+                else attn.linear_qkv.weight
+            cache.allocate(int(name), attn.cache_shapes(batch, max_len), w, dtype)
         return cache
 
 

@@ -237,10 +237,6 @@ class MambaModel(LanguageModelChunk):
         for name, layer in self.layers.items():
             if isinstance(layer, AttentionLayer):
                 attn = layer.self_attention
-                w, d = attn.linear_qkv.weight, attn.head_dim
-                groups = round(w.shape[0] * (1 - attn.q_share) / 2) // d
-                shape = (batch, groups, max_len, d)
-                cache.keys[int(name)] = torch.zeros(shape, dtype=dtype or w.dtype, device=w.device)
-                cache.values[int(name)] = torch.zeros(shape, dtype=dtype or w.dtype,
-                                                      device=w.device)
+                cache.allocate(int(name), attn.cache_shapes(batch, max_len),
+                               attn.linear_qkv.weight, dtype)
         return cache
