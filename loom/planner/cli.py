@@ -28,6 +28,7 @@ from loom.config import (ConfigError, ModelConfig, add_config_arguments, config_
 from loom.planner.hardware import DEVICES, GB, Cluster, make_cluster
 from loom.planner.cost import (NODE_POWER_OVERHEAD, PUE, RESTART_S, format_estimate,
                                parse_count, training_estimate)
+from loom.planner.cli_args import cp_comm_type_of, fixed_from_args
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
@@ -62,9 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "unfused (as in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
     o.add_argument("--allow-tp-across-nodes", action="store_true",
                    help="let TP groups span nodes")
-    o.add_argument("--allow-uneven-interleaved", action="store_true",
-                   help="also search virtual stages with uneven first/last stages (Megatron-Core, "
-                        "Llama 3; loom train refuses it)")
+    o.add_argument("--allow-uneven-interleaved", action="store_true",  # the default now
+                   help="kept for old scripts: uneven stages with virtual stages are searched")
     if not any("--cp-comm-type" in a.option_strings for a in parser._actions):
         o.add_argument("--cp-comm-type", default=None,
                        choices=("p2p", "allgather", "a2a", "a2a+p2p"),
@@ -110,6 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"time to restart after a failure (default {RESTART_S / 60:.0f})")
     add_config_arguments(parser)
     have = parser._option_string_actions  # the pipeline-split flags, unless config adds them
+    if "--pipeline-model-parallel-layout" not in have:
+        o.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                       help="Megatron's layout string, p x v stages split by '|' (E embedding, "
+                            "t layer, m MTP layer, L loss; X*n, (...)*n), e.g. 'Et*7|(t*8|)*14,"
+                            "t*7L'; needs --pipeline-model-parallel-size")
     for name in ("--account-for-embedding-in-pipeline-split",
                  "--account-for-loss-in-pipeline-split"):
         if name not in have:
@@ -177,64 +182,6 @@ def _cluster_from_args(args) -> Cluster:
                         inter_bw=bw(args.inter_node_bandwidth))
 
 
-def _fixed_from_args(args, model: ModelConfig) -> dict:
-    fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-             "cp": args.context_parallel_size, "dp": args.data_parallel_size,
-             "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
-             "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage,
-             "ep": args.expert_model_parallel_size}
-    if args.use_distributed_optimizer:
-        fixed["zero"] = 1
-    if args.use_torch_fsdp2:
-        fixed["zero"] = 3
-    if fixed["zero"] not in (None, 0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage {fixed['zero']} must be 0, 1, 2 or 3")
-    if args.expert_model_parallel_size and args.expert_model_parallel_size > 1 and \
-            not model.num_experts:
-        raise ConfigError("--expert-model-parallel-size needs an MoE model: give --num-experts E "
-                          "or an MoE preset (mixtral-8x7b, deepseek-v3, ...)")
-    fixed["first_layers"] = getattr(args, "decoder_first_pipeline_num_layers", None)
-    fixed["last_layers"] = getattr(args, "decoder_last_pipeline_num_layers", None)
-    fixed["account_embedding"] = bool(getattr(args, "account_for_embedding_in_pipeline_split",
-                                              False)) or None
-    fixed["account_loss"] = bool(getattr(args, "account_for_loss_in_pipeline_split", False)) or None
-    if (fixed["account_embedding"] or fixed["account_loss"]) and \
-            (fixed["first_layers"] is not None or fixed["last_layers"] is not None):
-        raise ConfigError("--account-for-*-in-pipeline-split and --decoder-first/last-pipeline-"
-                          "num-layers both set the first/last stage: give one of them")
-    if args.num_layers_per_virtual_pipeline_stage:
-        if not args.pipeline_model_parallel_size:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
-                              "--pipeline-model-parallel-size in loom plan")
-        from loom.planner.stages import accounted_split, given_split
-        pp, per_chunk = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
-        split = (accounted_split(model.num_layers, pp, fixed["account_embedding"],
-                                 fixed["account_loss"])
-                 if fixed["account_embedding"] or fixed["account_loss"] else
-                 given_split(model.num_layers, pp, fixed["first_layers"], fixed["last_layers"]))
-        lf, ll = split or (0, 0)
-        # uneven first/last stages: N layers per chunk of a middle stage (Megatron-Core)
-        stage = ((model.num_layers - lf - ll) // (pp - 2) if pp > 2 else max(lf, ll)) if lf \
-            else model.num_layers // pp
-        fixed["vp"] = stage // per_chunk
-    sched = getattr(args, "pipeline_schedule", None)
-    if sched in ("zero-bubble", "zbv"):  # ZB-H1 / ZB-V (1F1B, interleaved: searched as 0)
-        fixed["zb"] = 1 if sched == "zero-bubble" else 2
-    elif sched in ("1f1b", "interleaved"):
-        fixed["zb"] = 0
-    elif sched == "gpipe":
-        fixed["zb"] = 3
-    if args.recompute_granularity not in (None, "none", "selective", "full"):
-        raise ConfigError("--recompute-granularity must be selective or full")
-    return {k: v for k, v in fixed.items() if v is not None}
-
-
-def _cp_comm_type(args) -> str:
-    """``--cp-comm-type`` (the first entry when the config gives one per layer)."""
-    v = getattr(args, "cp_comm_type", None) or "p2p"  # config: words, one per layer allowed
-    return (v[0] if isinstance(v, (list, tuple)) else str(v).split()[0])
-
-
 def run(args) -> int:
     if args.calibrate:
         from loom.planner.calibrate import calibrate_local
@@ -272,11 +219,11 @@ def run(args) -> int:
                           f"busiest rank's expert tokens over the mean; 1 = perfect balance)")
     opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
                    max_zero_stage=args.max_zero_stage,
-                   uneven_interleaved=args.allow_uneven_interleaved,
+                   uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
                    moe_load_imbalance=args.moe_load_imbalance,
-                   cp_comm_type=_cp_comm_type(args))
-    fixed = _fixed_from_args(args, model)
+                   cp_comm_type=cp_comm_type_of(args))
+    fixed = fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])
     elapsed = time.perf_counter() - t0

@@ -7,7 +7,10 @@ stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer lay
 / last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`; ``ep`` the
 expert-parallel size, part of ``dp``: 1 for dense models; a layout without it means 1; ``zb`` the
 pipeline schedule, :data:`SCHEDULES`: 0 1F1B / interleaved, 1 ZB-H1 (``--pipeline-schedule
-zero-bubble``), 2 ZB-V (``zbv``, two chunks per stage in a V)). Every model
+zero-bubble``), 2 ZB-V (``zbv``, two chunks per stage in a V)). An optional ``split`` entry
+(object array) holds a row's :class:`~loom.parallel.pipeline.layout.PipelineLayout` (Megatron's
+``--pipeline-model-parallel-layout``: any layers on any virtual stage; None = derived from
+``pp, vp, lf, ll, zb``, :func:`loom.planner.stage_table.row_layout`). Every model
 function takes such a dict and returns
 arrays, so the search evaluates tens of thousands of layouts in one numpy pass and
 :func:`loom.planner.predict.predict_layout` evaluates one layout with the same code.
@@ -40,8 +43,8 @@ class Options:
     (Megatron-Core ``--overlap-grad-reduce``).
     ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
     bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
-    ``uneven_interleaved``: also search virtual stages with uneven first/last stages (what
-    Megatron-Core and Llama 3 run; ``loom train`` refuses it, so off by default).
+    ``uneven_interleaved``: also search virtual stages with uneven stages (what Megatron-Core
+    and Llama 3 run; ``loom train`` runs them from a ``--pipeline-model-parallel-layout``).
     ``straggler_jitter``: relative std. dev. of a node's step time; adds the expected wait for
     the slowest node (:func:`loom.planner.timing.straggler_factor`); 0 = none.
     ``overlap_tp_comm``: backward TP all-reduces overlapped with the weight-gradient GEMMs
@@ -96,7 +99,7 @@ class Options:
     overlap_grad_reduce: bool = True
     overlap_tp_comm: bool = True
     overlap_cp_comm: bool = True
-    uneven_interleaved: bool = False
+    uneven_interleaved: bool = True
     straggler_jitter: float = 0.0
     ddp_bucket_elems: float = 40e6
     reserve_bytes: float = 2e9
@@ -120,6 +123,9 @@ def make_layouts(rows: list[dict] | dict) -> dict:
     if isinstance(rows, dict):
         rows = [rows]
     out = {}
+    if any(r.get("split") is not None for r in rows):  # a --pipeline-model-parallel-layout
+        rows = [_with_split(r) for r in rows]
+        out["split"] = np.array([r.get("split") for r in rows] + [None], dtype=object)[:-1]
     for k in KEYS:
         vals = []
         for r in rows:
@@ -131,24 +137,38 @@ def make_layouts(rows: list[dict] | dict) -> dict:
     return out
 
 
+def _with_split(row: dict) -> dict:
+    """``row`` with its ``split`` as a PipelineLayout (a string is parsed at the row's ``pp``)
+    and ``pp``, ``vp``, ``lf``, ``ll`` read from it."""
+    from loom.parallel.pipeline.layout import parse_layout
+    lay = row.get("split")
+    if lay is None:
+        return row
+    if isinstance(lay, str):
+        lay = parse_layout(lay, int(row.get("pp", 1)))
+    c = lay.rank_layer_counts()
+    return dict(row, split=lay, pp=lay.pp, vp=lay.vp, lf=c[0], ll=c[-1])
+
+
 def num_microbatches(L: dict, global_batch_size: int) -> np.ndarray:
     """m = B / (b d) micro-batches per iteration (per pipeline)."""
     return global_batch_size / (L["mbs"] * L["dp"])
 
 
 def stage_layers(num_layers: int, L: dict) -> tuple:
-    """Transformer layers ``(first, middle, last)`` per pipeline stage (arrays).
-
-    ``lf = ll = 0``: the even split ``L / p`` everywhere. Otherwise the first stage holds ``lf``,
-    the last ``ll`` and each of the ``p - 2`` middle stages ``(L - lf - ll) / (p - 2)``
-    (Megatron-LM's ``--decoder-first/last-pipeline-num-layers``; Llama 3 405B: 7 + 14 x 8 + 7).
-    With ``p = 1`` all three are ``L``; with ``p = 2`` there is no middle stage (returned as the
-    larger of the two so that it never decides a maximum)."""
-    p = L["pp"]
-    even = num_layers / p
-    uneven = (L["lf"] > 0) & (p > 1)
-    lf = np.where(uneven, L["lf"], even)
-    ll = np.where(uneven, L["ll"], even)
-    lm = np.where(uneven & (p > 2), (num_layers - lf - ll) / np.maximum(p - 2, 1),
-                  np.where(uneven, np.maximum(lf, ll), even))
-    return lf, lm, ll
+    """Transformer layers ``(first, middle, last)`` per pipeline stage (arrays): the first
+    rank's, the largest middle rank's (with ``p <= 2`` the larger of the two ends, so that it
+    never decides a maximum) and the last rank's, of the row's split
+    (:func:`loom.planner.stage_table.layout_of_row`: ``lf = ll = 0`` the even split, balanced
+    when p does not divide L; Llama 3 405B's 7 + 14 x 8 + 7 from ``lf = ll = 7``)."""
+    from loom.planner.stage_table import row_layout
+    split = L.get("split")
+    keys = np.stack([L["pp"], L["vp"], L["lf"], L["ll"], L.get("zb", 0 * L["pp"])], axis=1)
+    out = np.zeros((len(keys), 3))
+    for i, key in enumerate(keys):
+        lay = (split[i] if split is not None and split[i] is not None
+               else row_layout(num_layers, *key))
+        c = lay.rank_layer_counts()
+        mid = max(c[1:-1]) if len(c) > 2 else max(c[0], c[-1])
+        out[i] = (c[0], mid, c[-1])
+    return out[:, 0], out[:, 1], out[:, 2]

@@ -19,8 +19,8 @@ from loom.planner.hardware import Cluster
 # baseline/SP/full/selective/selective+SP x fwd/bwd (10, ms per 22B layer), Megatron-Core
 # r0.8.0 H100 weak scaling rows 1.7B-462B (9, model TFLOP/s per GPU; constrains h0 through the
 # ridge scaling). Tables: loom/planner/presets.py, loom/planner/validation.py.
-GEMM_EFFICIENCY = 0.812
-GEMM_HALF_DIM = 108.0
+GEMM_EFFICIENCY = 0.815
+GEMM_HALF_DIM = 103.4
 A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
 
 

@@ -31,9 +31,11 @@ from loom.config.sections import PipelineSchedule
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microbatches
 from loom.planner.context_parallel import a2a_divides
-from loom.planner.mamba import check_supported, refuses_cp, tp_divides
+from loom.planner.mamba import check_supported, is_hybrid, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
-from loom.planner.stages import accounted_split, describe_split, given_split, uneven_splits
+from loom.planner.stage_table import stage_slots
+from loom.planner.stages import (accounted_split, describe_counts, given_split,
+                                 interleave_options, search_splits)
 from loom.planner.flops import throughput
 from loom.planner.timing import time_terms
 
@@ -61,13 +63,28 @@ def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[int] | None:
     return [e for e in _divisors(d) if model.num_experts % e == 0]
 
 
+def _given_layout(model: ModelConfig, text: str, pp):
+    """The ``--pipeline-model-parallel-layout`` string parsed at ``--pipeline-model-parallel-
+    size`` (required) and checked against the model; ConfigError naming the flag otherwise."""
+    from loom.config import ConfigError
+    from loom.parallel.pipeline.layout import LayoutError, parse_layout
+    if not pp:
+        raise ConfigError("--pipeline-model-parallel-layout needs --pipeline-model-parallel-size "
+                          "(the layout's stages are p x v virtual stages)")
+    try:
+        return parse_layout(text, int(pp)).validate(model.num_layers, model.mtp_num_layers or 0)
+    except LayoutError as e:
+        raise ConfigError(f"--pipeline-model-parallel-layout: {e}") from None
+
+
 def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
              cluster: Cluster, opts: Options | None = None) -> dict:
     """Memory (``mem_*``, bytes), time (``time_*``, seconds) and throughput of every layout in
     ``L`` (arrays), plus ``fits`` (total memory <= the GPU's HBM) and ``m``."""
     opts = opts or Options()
-    mem = memory_terms(model, L, global_batch_size, seq_length, opts)
-    tim = time_terms(model, L, global_batch_size, seq_length, cluster, opts)
+    slots = stage_slots(model, L, num_microbatches(L, global_batch_size))
+    mem = memory_terms(model, L, global_batch_size, seq_length, opts, slots)
+    tim = time_terms(model, L, global_batch_size, seq_length, cluster, opts, slots)
     thr = throughput(model, L, global_batch_size, seq_length, cluster, tim["iteration"])
     out = dict(L)
     out.update({f"mem_{k}": v for k, v in mem.items()})
@@ -75,6 +92,7 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     out.update(thr)
     out["m"] = num_microbatches(L, global_batch_size)
     out["num_layers"] = model.num_layers
+    out["mtp_layers"] = 0 if is_hybrid(model) else (model.mtp_num_layers or 0)
     out["fits"] = mem["total"] <= cluster.hbm_bytes
     return out
 
@@ -88,9 +106,11 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     first, last = fixed.pop("first_layers", None), fixed.pop("last_layers", None)
     acc_e, acc_l = fixed.pop("account_embedding", False), fixed.pop("account_loss", False)
+    given = fixed.pop("layout", None)  # --pipeline-model-parallel-layout (a string)
     n, B, s = cluster.num_gpus, global_batch_size, seq_length
     nl = model.num_layers
     check_supported(model, fixed.get("cp"))
+    lay = _given_layout(model, given, fixed.get("pp")) if given else None
     base = []
     for t in _divisors(n):
         if not tp_divides(model, t):
@@ -100,12 +120,14 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         for p in _divisors(n // t):
             if "pp" in fixed and p != fixed["pp"]:
                 continue
-            if first is not None or last is not None:
+            if lay is not None:
+                splits = [(0, 0)] if p == lay.pp else []
+            elif first is not None or last is not None:
                 splits = [given_split(nl, p, first, last)] if p <= nl else []
             elif acc_e or acc_l:
                 splits = [accounted_split(nl, p, acc_e, acc_l)]
             else:
-                splits = uneven_splits(nl, p)
+                splits = search_splits(nl, p)
             splits = [sp for sp in splits if sp is not None]
             if not splits:
                 continue
@@ -127,12 +149,13 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                     m = B // (b * d)
                     for lf, ll in splits:
                         vs = [1]
-                        if p > 1 and m % p == 0 and not lf:
-                            vs += [v for v in _divisors(nl // p) if v > 1]
-                        elif p > 1 and m % p == 0 and opts.uneven_interleaved:
-                            # equal chunk counts per stage, chunk sizes may differ by stage
-                            lm = (nl - lf - ll) // max(p - 2, 1) if p > 2 else max(lf, ll)
-                            vs += [v for v in _divisors(lm) if 1 < v <= min(lf, ll)]
+                        if lay is not None:  # the given layout decides the chunks
+                            vs = [lay.vp] if lay.vp == 1 or m % p == 0 else []
+                        elif p > 1 and m % p == 0 and (opts.uneven_interleaved or (
+                                not lf and nl % p == 0)):
+                            # v chunks per rank; with uneven ranks each rank's layers split
+                            # over its chunks as evenly as possible (Megatron's layout string)
+                            vs += list(interleave_options(nl, p, lf, ll))
                         for v, e in itertools.product(vs, eps):
                             base.append((t, p, d, c, v, b, lf, ll, e))
     rows = []
@@ -142,20 +165,28 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         sps = (0, 1) if t > 1 and s % t == 0 and not moe else (0,)
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
-        zs = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d * c > 1 else (0,)
+        # ZeRO-2 with PP: loom's (Megatron's) gradient buffer reduce-scatters every
+        # micro-batch's gradients into the kept shard (timing.py prices m reduce-scatters)
+        zs = ((0, 1, 2, 3) if p == 1 else (0, 1, 2)) if d * c > 1 else (0,)
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
         if e > 1 and not fixed.get("zero"):  # loom train refuses the distributed optimizer
             zs = (0,)  # with EP > 1 (Megatron-Core runs it: a given --zero-stage is evaluated)
         # zero-bubble schedules (Qi et al. 2024): ZB-H1 on one chunk per stage, ZB-V on two
         # (searched when loom train's --pipeline-schedule accepts it, or when it is given)
         zbs = (0, 1) if p > 1 and v == 1 else (
-            (0, 2) if p > 1 and v == 2 and not lf and (zbv_ok or fixed.get("zb") == 2) else (0,))
+            (0, 2) if p > 1 and v == 2 and not lf and nl % (2 * p) == 0 and lay is None
+            and (zbv_ok or fixed.get("zb") == 2) else (0,))
         if fixed.get("zb") == 3 and p > 1 and v == 1:  # GPipe: only when given
             zbs = (3,)
         for rc, sp, z, zb in itertools.product((0, 1, 2), sps, zs, zbs):
             rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
+    if lay is not None:
+        c = lay.rank_layer_counts()
+        L["lf"][:], L["ll"][:] = c[0], c[-1]
+        L["split"] = np.empty(len(arr), dtype=object)
+        L["split"][:] = [lay] * len(arr)
     keep = np.ones(len(arr), dtype=bool)
     for k, v in fixed.items():
         if k == "recompute" and isinstance(v, str):
@@ -189,8 +220,10 @@ def record(res: dict, i: int) -> dict:
     size, part of ``dp``), options, ``memory_gb`` and
     ``memory_terms_gb`` (GB = 1e9 bytes), ``time_terms_s`` (seconds), ``iteration_time_s``,
     ``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute),
-    ``mfu``, ``first_stage_layers`` / ``last_stage_layers`` (0 = even split) and
-    ``pipeline_split`` (e.g. ``"7+14x8+7"``)."""
+    ``mfu``, ``first_stage_layers`` / ``last_stage_layers`` (0 = even split),
+    ``pipeline_split`` (layers per rank, e.g. ``"7+14x8+7"``), ``pipeline_layout`` (Megatron's
+    ``--pipeline-model-parallel-layout`` string of the split, e.g. ``"Et*7|(t*8|)*14,t*7L"``),
+    ``chunk_layers`` (layers per virtual stage, pipeline order) and ``layout_given``."""
     rc = RECOMPUTE[int(res["recompute"][i])]
     rec = {
         "tp": int(res["tp"][i]), "pp": int(res["pp"][i]), "dp": int(res["dp"][i]),
@@ -212,6 +245,20 @@ def record(res: dict, i: int) -> dict:
     }
     rec["dominant"] = dominant_parallelism(rec)
     if "num_layers" in res:
-        rec["pipeline_split"] = describe_split(int(res["num_layers"]), rec["pp"],
-                                               rec["first_stage_layers"], rec["last_stage_layers"])
+        lay = layout_record(res, i)
+        rec["pipeline_split"] = describe_counts(lay.rank_layer_counts())
+        rec["pipeline_layout"] = lay.to_string()
+        rec["chunk_layers"] = list(lay.counts())
+        rec["layout_given"] = res.get("split") is not None and res["split"][i] is not None
     return rec
+
+
+def layout_record(res: dict, i: int):
+    """The PipelineLayout of row ``i`` of an :func:`evaluate` result."""
+    from loom.planner.stage_table import row_layout
+    split = res.get("split")
+    if split is not None and split[i] is not None:
+        return split[i]
+    return row_layout(int(res["num_layers"]), res["pp"][i], res["vp"][i], res["lf"][i],
+                      res["ll"][i], res["zb"][i] if "zb" in res else 0,
+                      int(res.get("mtp_layers", 0)))

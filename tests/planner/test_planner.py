@@ -194,20 +194,30 @@ def test_recompute_and_sp_ordering():
 # -- search ----------------------------------------------------------------------------------------
 
 def test_search_layouts_pass_loom_validation():
+    """The command of every sampled layout (:func:`loom.planner.command.train_command`) is one
+    loom train's config accepts at that world size, with the searched data-parallel size; a
+    split only Megatron's --pipeline-model-parallel-layout expresses says so while loom's
+    config lacks the flag (24 layers over 16 stages, balanced)."""
+    from loom.planner.command import command_config, loom_takes_layout_string, train_command
     m = gpt(24, 2304, 24)
     cl = make_cluster("A100-80GB", 32)
     L = enumerate_layouts(m, cl, 512, 2048)
+    res = evaluate(m, L, 512, 2048, cl)
     idx = np.random.default_rng(0).choice(len(L["tp"]), 200, replace=False)
+    needs_layout = 0
     for i in idx:
-        cfg = LoomConfig.from_flat(dict(
-            num_layers=24, hidden_size=2304, num_attention_heads=24, vocab_size=51200,
-            seq_length=2048, tensor_model_parallel_size=int(L["tp"][i]),
-            pipeline_model_parallel_size=int(L["pp"][i]), context_parallel_size=int(L["cp"][i]),
-            micro_batch_size=int(L["mbs"][i]), global_batch_size=512,
-            sequence_parallel=bool(L["sp"][i]), lr=3e-4, train_iters=1))
-        cfg = cfg.validate(32)
-        assert cfg.data_parallel_size(32) == int(L["dp"][i])
+        rec = record(res, int(i))
+        text = train_command(rec, m, 512, 2048, 32, 8)
+        if "--pipeline-model-parallel-layout" in text and not loom_takes_layout_string():
+            assert text.startswith("# this split needs --pipeline-model-parallel-layout")
+            assert 24 % rec["pp"] or rec["vp"] > 1 and len(set(rec["chunk_layers"])) > 1
+            needs_layout += 1
+            continue
+        cfg = command_config(text, 32)
+        assert cfg.data_parallel_size(32) == rec["dp"]
+    assert 0 < needs_layout < len(idx) // 2
     assert np.all(L["tp"] <= 8)
+    assert {16.0, 8.0} <= set(L["pp"])  # 24 over 16 stages plans (balanced), 24 over 8 evenly
 
 
 def test_search_fixed_dims_and_ranking():

@@ -18,20 +18,21 @@ import pytest
 from loom.planner.constants import FIT_SETS, SHIPPED, Constants
 from loom.planner.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_points
 
-# held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26)
+# held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26;
+# MC-H100 strong and Llama 3 re-measured in issue 47: exact per-rank pipeline memory and refit)
 HELDOUT_BOUNDS = {
     "NAR t1": (0.045, 0.09),
     "NAR t2": (0.06, 0.29),
     "KOR": (0.05, 0.105),
     "SHO": (0.05, 0.16),
     "MC-H100 weak": (0.04, 0.11),
-    "MC-H100 strong": (0.02, 0.03),
+    "MC-H100 strong": (0.02, 0.035),
     "BLOOM": (0.11, 0.11),
     "OPT": (0.20, 0.20),
     "TT": (0.025, 0.04),
     "LF-H100": (0.10, 0.24),
     "LF-A100": (0.045, 0.30),
-    "Llama 3": (0.06, 0.29),
+    "Llama 3": (0.065, 0.29),
     "MC-H100 weak + MC-H100 strong": (0.04, 0.11),
 }
 OVERALL_BOUNDS = (0.05, 0.30)
