@@ -64,12 +64,18 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
         fixed["zb"] = 0
     elif sched == "gpipe":
         fixed["zb"] = 3
+    if getattr(args, "recompute_method", None) == "block" and \
+            getattr(args, "recompute_num_layers", None):
+        fixed["recompute"], fixed["rcl"] = "full", args.recompute_num_layers
     if args.recompute_granularity not in (None, "none", "selective", "full"):
         raise ConfigError("--recompute-granularity must be selective or full")
     return {k: v for k, v in fixed.items() if v is not None}
 
 
-def cp_comm_type_of(args) -> str:
-    """``--cp-comm-type`` (the first entry when the config gives one per layer)."""
-    v = getattr(args, "cp_comm_type", None) or "p2p"  # config: words, one per layer allowed
+def cp_comm_type_of(args) -> str | None:
+    """``--cp-comm-type`` (the first entry when the config gives one per layer); None when not
+    given: the search tries every type (:func:`loom.planner.refine.cp_types`)."""
+    v = getattr(args, "cp_comm_type", None)  # config: words, one per layer allowed
+    if not v:
+        return None
     return (v[0] if isinstance(v, (list, tuple)) else str(v).split()[0])

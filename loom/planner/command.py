@@ -102,8 +102,16 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[
         out.append("--sequence-parallel")
     if rec["recompute"] != "none":
         out += ["--recompute-granularity", rec["recompute"]]
-    if rec["recompute"] == "full":  # what the planner models (each layer's input kept); Megatron
-        out += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]  # needs both
+    if rec["recompute"] == "full" and rec.get("recompute_num_layers"):  # the first N of a chunk
+        out += ["--recompute-method", "block", "--recompute-num-layers",
+                str(rec["recompute_num_layers"])]
+    elif rec["recompute"] == "full":  # what the planner models (each layer's input kept);
+        out += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]  # Megatron: both
+    if rec["cp"] > 1 and rec.get("cp_comm_type", "p2p") != "p2p":
+        out += ["--cp-comm-type", rec["cp_comm_type"]]
+        if rec["cp_comm_type"] == "a2a+p2p":  # all-to-all inside the node, ring across
+            k = rec.get("cp_a2a_size", 1)
+            out += ["--hierarchical-context-parallel-sizes", str(k), str(rec["cp"] // k)]
     if rec["zero"] >= 2:
         out += ["--zero-stage", str(rec["zero"])]  # 2: gradients sharded; 3: FSDP2
     elif rec["zero"] == 1:
@@ -132,8 +140,10 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     words = [shlex.quote(w) for w in
              model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size)]
     pairs, i = [], 0
-    while i < len(words):  # "--flag value" together on one line
-        take = 2 if i + 1 < len(words) and not words[i + 1].startswith("--") else 1
+    while i < len(words):  # "--flag value [value ...]" together on one line
+        take = 1
+        while i + take < len(words) and not words[i + take].startswith("--"):
+            take += 1
         pairs.append(" ".join(words[i:i + take]))
         i += take
     lines = [" ".join(launch) + " -m loom train"] + pairs

@@ -7,7 +7,11 @@ stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer lay
 / last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`; ``ep`` the
 expert-parallel size, part of ``dp``: 1 for dense models; a layout without it means 1; ``zb`` the
 pipeline schedule, :data:`SCHEDULES`: 0 1F1B / interleaved, 1 ZB-H1 (``--pipeline-schedule
-zero-bubble``), 2 ZB-V (``zbv``, two chunks per stage in a V)). An optional ``split`` entry
+zero-bubble``), 2 ZB-V (``zbv``, two chunks per stage in a V); ``rcl`` with full recompute
+the layers per chunk recomputed (``--recompute-method block --recompute-num-layers rcl``; 0 =
+every layer, ``uniform 1``); ``cpt`` the CP communication type, an index into
+:data:`loom.planner.context_parallel.CP_COMM_TYPES` (-1 = ``Options.cp_comm_type``, p2p when
+that is None)). An optional ``split`` entry
 (object array) holds a row's :class:`~loom.parallel.pipeline.layout.PipelineLayout` (Megatron's
 ``--pipeline-model-parallel-layout``: any layers on any virtual stage; None = derived from
 ``pp, vp, lf, ll, zb``, :func:`loom.planner.stage_table.row_layout`). Every model
@@ -25,7 +29,8 @@ import numpy as np
 from loom.planner.moe import MOE_LOAD_IMBALANCE
 
 RECOMPUTE = ("none", "selective", "full")
-KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep", "zb")
+KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep", "zb",
+        "rcl", "cpt")
 # pipeline schedule code ``zb``: 0 1F1B (interleaved when vp > 1), 1 ZB-H1, 2 ZB-V (vp = 2),
 # 3 GPipe (evaluated when given, never searched: 1F1B's time at m micro-batches of memory)
 SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
@@ -60,7 +65,8 @@ class Options:
     ``zero3_overlap`` / ``zero3_link_efficiency``: override the ZeRO-3 constants of
     :mod:`loom.planner.timing` (the first fitted, used by the fit itself; the second assumed).
     ``cp_comm_type``: Megatron-Core's ``--cp-comm-type`` (p2p, allgather, a2a, a2a+p2p), the
-    CP communication and K/V memory of :mod:`loom.planner.context_parallel`.
+    CP communication and K/V memory of :mod:`loom.planner.context_parallel`; None: every type
+    is searched (rows carry ``cpt``; a row without one is p2p).
     ``moe_load_imbalance``: busiest EP rank's expert tokens over the mean (>= 1), applied to the
     expert compute and activations (:data:`loom.planner.moe.MOE_LOAD_IMBALANCE`).
     ``runtime``: whose layer and loss the activation memory counts
@@ -109,7 +115,7 @@ class Options:
     zero3_overlap: float | None = None  # None = timing.ZERO3_OVERLAP (fitted)
     zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (assumed)
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str | None = None
     runtime: str = "loom"
     distribute_saved_activations: bool = False
     zero1_all_reduce_grads: bool = False
@@ -129,9 +135,13 @@ def make_layouts(rows: list[dict] | dict) -> dict:
     for k in KEYS:
         vals = []
         for r in rows:
-            v = r.get(k, 1 if k in ("tp", "pp", "dp", "cp", "vp", "mbs", "ep") else 0)
+            v = r.get(k, 1 if k in ("tp", "pp", "dp", "cp", "vp", "mbs", "ep") else
+                      -1 if k == "cpt" else 0)
             if k == "recompute":
                 v = RECOMPUTE.index(v or "none") if not isinstance(v, (int, float)) else v
+            if k == "cpt" and isinstance(v, str):
+                from loom.planner.context_parallel import CP_COMM_TYPES
+                v = CP_COMM_TYPES.index(v)
             vals.append(float(v))
         out[k] = np.asarray(vals, dtype=np.float64)
     return out

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import ModelConfig
-from loom.planner.context_parallel import cp_memory
+from loom.planner.context_parallel import cp_memory, row_comm_types
 from loom.planner.layout import Options, num_microbatches
 from loom.planner.mamba import KINDS, is_hybrid, kind_activation_bytes, kind_counts, kind_params
 from loom.planner.activations import (activation_bytes_per_layer,  # noqa: F401 - re-exported
@@ -246,14 +246,15 @@ def stage_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_
 def layer_activation_kinds(model: ModelConfig, seq_length: int, L: dict,
                            opts: Options) -> tuple:
     """Per layer kind (:func:`loom.planner.stage_table.layer_kinds`): the bytes one layer keeps
-    per micro-batch under the row's recompute (arrays), and the working memory of one
-    recomputed layer (``(per_kind list, working)``): full recompute's whole layer, selective's
-    attention scores; the runtime's extra tensors (:mod:`loom.planner.memory_runtime`) for
-    dense models."""
+    per micro-batch when it is not fully recomputed (``base``: all of them, or selective's
+    without the attention scores) and when it is (``full``: its input), and the working
+    memory of one recomputed layer (``(base list, full list, working)``): full recompute's
+    whole layer, selective's attention scores; the runtime's extra tensors
+    (:mod:`loom.planner.memory_runtime`) for dense models."""
     s, rc = seq_length, L["recompute"]
 
-    def pick(a):
-        return np.where(rc == 2, a["full"], np.where(rc == 1, a["selective"], a["none"]))
+    def base(a):
+        return np.where(rc == 1, a["selective"], a["none"])
 
     def work(a):
         return np.where(rc == 2, a["none"], np.where(rc == 1, a["scores"], 0.0))
@@ -262,19 +263,19 @@ def layer_activation_kinds(model: ModelConfig, seq_length: int, L: dict,
                                  L, opts) for k in KINDS]
         n_kind = kind_counts(model)
         working = np.max([work(a) for k, a in zip(KINDS, acts) if n_kind[k]], axis=0)
-        return [pick(a) for a in acts], working
+        return [base(a) for a in acts], [a["full"] for a in acts], working
     if model.num_experts:
         acts = [distribute_saved(activation_bytes_per_layer(
             model, s, L, flash_attention=opts.flash_attention,
             moe_load_imbalance=opts.moe_load_imbalance, moe_share=share), L, opts)
             for share in (0.0, 1.0)]
-        return [pick(a) for a in acts], work(acts[1])
+        return [base(a) for a in acts], [a["full"] for a in acts], work(acts[1])
     act = distribute_saved(activation_bytes_per_layer(
         model, s, L, flash_attention=opts.flash_attention,
         moe_load_imbalance=opts.moe_load_imbalance), L, opts)
     extra = layer_extra_bytes(model, s * L["mbs"] / L["cp"], L["tp"], opts.runtime,
                               opts.flash_attention)
-    return [pick(act) + np.where(rc == 2, 0.0, extra)], work(act) + np.where(rc == 2, extra, 0.0)
+    return [base(act) + extra], [act["full"]], work(act) + np.where(rc == 2, extra, 0.0)
 
 
 def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
@@ -301,11 +302,11 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes)
     xw, xg, xo = model_state_bytes_per_param(L["zero"], L["dp"] * c / L.get("ep", 1.0),
                                              opts.grad_bytes)
-    per_kind, working = layer_activation_kinds(model, s, L, opts)
+    base_k, full_k, working = layer_activation_kinds(model, s, L, opts)
     kv_w = (model.num_attention_heads * (model.q_head_dim + model.v_head_dim)
             if getattr(model, "multi_latent_attention", False)
             else 2 * model.num_kv_groups * model.head_dim)
-    cp_extra = cp_memory(opts.cp_comm_type, s * b / c, t, c,
+    cp_extra = cp_memory(row_comm_types(L, opts.cp_comm_type), s * b / c, t, c,
                          model.num_attention_heads * model.head_dim, kv_w)
     S = s * b / c
     drop = 1.0 if model.hidden_dropout > 0 else 0.0
@@ -319,9 +320,12 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     loss_peak = logits + loss_transient_bytes(model, S, Vp, t, opts.runtime)
     bwd_out = np.maximum(bwd, loss_peak) - logits
     n_layers = slots["layers"].sum(axis=0)
-    held = sum(slots["held"][k] * per_kind[k] for k in range(len(per_kind)))
-    mtp_kind = per_kind[-1] if model.num_experts and model.is_moe_layer(model.num_layers - 1) \
-        else per_kind[0]
+    # held layer-micro-batches of each kind: the recomputed ones keep their input, the others
+    # all their activations (Megatron's block method recomputes the first N of every chunk)
+    held = sum(slots["held_rc"][k] * full_k[k] + (slots["held"][k] - slots["held_rc"][k])
+               * base_k[k] for k in range(len(base_k)))
+    j = -1 if model.num_experts and model.is_moe_layer(model.num_layers - 1) else 0
+    mtp_kind = np.where(slots["mtp_rc"] > 0, full_k[j], base_k[j])
     busy = (n_layers + slots["mtp"]) > 0
     acts = (held + slots["mtp_held"] * mtp_kind + busy * (working + cp_extra)
             + np.where(slots["out"] > 0, bwd_out, busy * bwd))

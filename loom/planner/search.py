@@ -30,12 +30,14 @@ from loom.config import ModelConfig
 from loom.config.sections import PipelineSchedule
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microbatches
-from loom.planner.context_parallel import a2a_divides
+from loom.planner.context_parallel import CP_COMM_TYPES
 from loom.planner.mamba import check_supported, is_hybrid, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
-from loom.planner.stage_table import stage_slots
-from loom.planner.stages import (accounted_split, describe_counts, given_split,
-                                 interleave_options, search_splits)
+from loom.planner.refine import REFINE_TOP, cp_types, refine  # noqa: F401 - REFINE_TOP
+from loom.planner.stage_table import recomputed_share, stage_slots
+from loom.planner.stages import (accounted_split, block_recompute_options, describe_counts,
+                                 given_split, interleave_options, max_chunk_layers,
+                                 search_splits)
 from loom.planner.flops import throughput
 from loom.planner.timing import time_terms
 
@@ -85,7 +87,8 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     slots = stage_slots(model, L, num_microbatches(L, global_batch_size))
     mem = memory_terms(model, L, global_batch_size, seq_length, opts, slots)
     tim = time_terms(model, L, global_batch_size, seq_length, cluster, opts, slots)
-    thr = throughput(model, L, global_batch_size, seq_length, cluster, tim["iteration"])
+    thr = throughput(model, L, global_batch_size, seq_length, cluster, tim["iteration"],
+                     recomputed_share(model, L))
     out = dict(L)
     out.update({f"mem_{k}": v for k, v in mem.items()})
     out.update({f"time_{k}": v for k, v in tim.items()})
@@ -93,14 +96,20 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     out["m"] = num_microbatches(L, global_batch_size)
     out["num_layers"] = model.num_layers
     out["mtp_layers"] = 0 if is_hybrid(model) else (model.mtp_num_layers or 0)
+    out["cp_comm_default"] = opts.cp_comm_type
+    # a2a+p2p: the all-to-all over the CP ranks of a node (context_parallel.cp_layer_cost)
+    out["cp_a2a"] = np.clip(np.floor(cluster.gpus_per_node / L["tp"]), 1.0,
+                            np.maximum(L["cp"], 1.0))
     out["fits"] = mem["total"] <= cluster.hbm_bytes
     return out
 
 
 def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: int,
                       seq_length: int, fixed: dict | None = None, opts: Options | None = None,
-                      max_micro_batch: int = 16) -> dict:
-    """All valid layouts as arrays (see module docstring). ``fixed`` maps layout keys
+                      max_micro_batch: int = 16, variants: bool = True) -> dict:
+    """All valid layouts as arrays (see module docstring); ``variants=False``: without the CP
+    types other than the default and without block recompute counts (what :func:`search`
+    evaluates first, then refines, :func:`refine`). ``fixed`` maps layout keys
     (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero, ep``) to a required value."""
     opts = opts or Options()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
@@ -134,11 +143,11 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
             for c in _divisors(n // (t * p)):
                 if c > 1 and (s % (2 * c) or refuses_cp(model, c)):
                     continue
-                k_a2a = c if opts.cp_comm_type == "a2a" else min(c, max(1, cluster.gpus_per_node
-                                                                      // t))
-                if c > 1 and not a2a_divides(opts.cp_comm_type, model.num_attention_heads,
-                                             model.num_kv_groups, t, k_a2a):
+                cpts = cp_types(model, cluster, opts, t, c)
+                if not cpts:
                     continue
+                if not variants:
+                    cpts = cpts[:1]
                 d = n // (t * p * c)
                 eps = _moe_rules(model, t, c, d)
                 if B % d or eps is None:
@@ -157,17 +166,18 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                             # over its chunks as evenly as possible (Megatron's layout string)
                             vs += list(interleave_options(nl, p, lf, ll))
                         for v, e in itertools.product(vs, eps):
-                            base.append((t, p, d, c, v, b, lf, ll, e))
+                            base.append((t, p, d, c, v, b, lf, ll, e, cpts))
     rows = []
     moe = bool(model.num_experts)
     zbv_ok = "zbv" in get_args(PipelineSchedule)
-    for (t, p, d, c, v, b, lf, ll, e) in base:
+    for (t, p, d, c, v, b, lf, ll, e, cpts) in base:
         sps = (0, 1) if t > 1 and s % t == 0 and not moe else (0,)
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
         # ZeRO-2 with PP: loom's (Megatron's) gradient buffer reduce-scatters every
         # micro-batch's gradients into the kept shard (timing.py prices m reduce-scatters)
-        zs = ((0, 1, 2, 3) if p == 1 else (0, 1, 2)) if d * c > 1 else (0,)
+        zs = ((0, 1, 2, 3) if p == 1 else (0, 1, 2) if variants else (0, 1)) \
+            if d * c > 1 else (0,)
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
         if e > 1 and not fixed.get("zero"):  # loom train refuses the distributed optimizer
             zs = (0,)  # with EP > 1 (Megatron-Core runs it: a given --zero-stage is evaluated)
@@ -178,8 +188,13 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
             and (zbv_ok or fixed.get("zb") == 2) else (0,))
         if fixed.get("zb") == 3 and p > 1 and v == 1:  # GPipe: only when given
             zbs = (3,)
-        for rc, sp, z, zb in itertools.product((0, 1, 2), sps, zs, zbs):
-            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb))
+        # full recompute of every layer (uniform 1) or of the first rcl layers of each chunk
+        # (--recompute-method block --recompute-num-layers rcl), the others keeping theirs
+        rcs = [(0, 0), (1, 0), (2, 0)] + ([(2, k) for k in block_recompute_options(
+            max(lay.counts()) if lay is not None else max_chunk_layers(nl, p, v, lf, ll))]
+            if variants else [])
+        for (rc, rcl), sp, z, zb, cpt in itertools.product(rcs, sps, zs, zbs, cpts):
+            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb, rcl, cpt))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
     if lay is not None:
@@ -187,12 +202,22 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         L["lf"][:], L["ll"][:] = c[0], c[-1]
         L["split"] = np.empty(len(arr), dtype=object)
         L["split"][:] = [lay] * len(arr)
-    keep = np.ones(len(arr), dtype=bool)
+    return _apply_fixed(L, fixed)
+
+
+def _apply_fixed(L: dict, fixed: dict) -> dict:
+    """The rows of ``L`` whose layout keys equal ``fixed``'s values (names of recompute,
+    schedule and CP type allowed; other entries ignored)."""
+    keep = np.ones(len(L["tp"]), dtype=bool)
     for k, v in fixed.items():
+        if k not in KEYS or v is None:
+            continue
         if k == "recompute" and isinstance(v, str):
             v = RECOMPUTE.index(v)
         if k == "zb" and isinstance(v, str):
             v = SCHEDULES.index(v)
+        if k == "cpt" and isinstance(v, str):
+            v = CP_COMM_TYPES.index(v)
         keep &= L[k] == float(v)
     return {k: vv[keep] for k, vv in L.items()}
 
@@ -201,8 +226,22 @@ def search(model: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len
            fixed: dict | None = None, opts: Options | None = None) -> dict:
     """Evaluate every valid layout; returns the evaluation arrays (see :func:`evaluate`) and
     ``order``: indices of the layouts that fit, fastest first (ties: less memory)."""
-    L = enumerate_layouts(model, cluster, global_batch_size, seq_length, fixed, opts)
+    fixed = dict(fixed or {})
+    if fixed.get("recompute") in ("full", 2) and fixed.get("rcl") is None:
+        fixed["rcl"] = 0  # full recompute given: of every layer unless a block count is
+    exact = any(fixed.get(k) is not None for k in ("cpt", "rcl")) or fixed.get("zero") == 2
+    L = enumerate_layouts(model, cluster, global_batch_size, seq_length, fixed, opts,
+                          variants=exact)
     res = evaluate(model, L, global_batch_size, seq_length, cluster, opts)
+    if not exact:
+        for kind in ("zero2", "cp", "block"):
+            more = refine(model, cluster, res, opts, kind, global_batch_size, seq_length,
+                          evaluate)
+            more = None if more is None else _apply_fixed(more, fixed)
+            if more is not None and len(more["tp"]):
+                new = evaluate(model, more, global_batch_size, seq_length, cluster, opts)
+                res = {k: (np.concatenate([v, new[k]]) if isinstance(v, np.ndarray)
+                           and v.shape[:1] == res["tp"].shape else v) for k, v in res.items()}
     idx = np.nonzero(res["fits"])[0]
     order = idx[np.lexsort((res["mem_total"][idx], res["time_iteration"][idx]))]
     res["order"] = order
@@ -233,6 +272,10 @@ def record(res: dict, i: int) -> dict:
         "first_stage_layers": int(res["lf"][i]), "last_stage_layers": int(res["ll"][i]),
         "micro_batch_size": int(res["mbs"][i]), "num_microbatches": int(round(res["m"][i])),
         "recompute": rc, "sequence_parallel": bool(res["sp"][i]), "zero": int(res["zero"][i]),
+        "recompute_num_layers": int(res["rcl"][i]) if "rcl" in res else 0,
+        "cp_comm_type": CP_COMM_TYPES[int(res["cpt"][i])] if "cpt" in res and res["cpt"][i] >= 0
+        else (res.get("cp_comm_default") or "p2p"),
+        "cp_a2a_size": int(res["cp_a2a"][i]) if "cp_a2a" in res else 1,
         "memory_gb": float(res["mem_total"][i] / GB),
         "memory_terms_gb": {k: float(res[f"mem_{k}"][i] / GB) for k in MEMORY_TERMS},
         "time_terms_s": {k: float(res[f"time_{k}"][i]) for k in TIME_TERMS},

@@ -165,32 +165,36 @@ def layer_kinds(model: ModelConfig) -> tuple[tuple[str, ...], list[int]]:
 
 
 def _rank_candidates(lay: PipelineLayout, kinds: tuple, n_kinds: int, schedule: str,
-                     m: int) -> list[dict]:
+                     m: int, nrc: int = 0) -> list[dict]:
     """Slot candidates of every rank: its layers per kind, whether it holds the embedding
     (``emb``) / the output layer and loss (``out``), its MTP layers (``mtp``), and for each of
     its peak held vectors the layer-micro-batches held per kind (``held``), the micro-batches
     of the embedding's / the loss's / the MTP layers' activations held (``emb_held``,
-    ``out_held``, ``mtp_held``); candidates dominated by another of the same stage content
-    (same layers, ends and MTP) are dropped."""
+    ``out_held``, ``mtp_held``), and of those the fully recomputed ones (``layers_rc``,
+    ``held_rc``: the first ``nrc`` layers of every chunk, Megatron's block method; MTP layers
+    with the rest when every layer is); candidates dominated by another of the same stage
+    content (same layers, ends and MTP) are dropped."""
     vs = lay.virtual_stage_layers()
     kinds_arr = np.asarray(kinds, dtype=np.int64)
     groups: dict = {}
     for r in range(lay.pp):
         chunks = lay.rank_chunks(r)
         # per chunk: layers of each kind, then E, L, MTP layers (matrix v x (K + 3))
-        C = np.zeros((len(chunks), n_kinds + 3), dtype=np.int64)
+        K = n_kinds
+        C = np.zeros((len(chunks), 2 * K + 3), dtype=np.int64)
         for i, j in enumerate(chunks):
             if vs[j]:
-                C[i, :n_kinds] = np.bincount(kinds_arr[vs[j]], minlength=n_kinds)
+                C[i, :K] = np.bincount(kinds_arr[vs[j]], minlength=K)
+                C[i, K + 3:] = np.bincount(kinds_arr[vs[j][:nrc]], minlength=K)
             st = lay.stages[j]
-            C[i, n_kinds:] = ("E" in st, "L" in st, st.count("m"))
+            C[i, K:K + 3] = ("E" in st, "L" in st, st.count("m"))
         tot = C.sum(axis=0)
-        content = (tuple(int(x) for x in tot[:n_kinds]), int(tot[n_kinds] > 0),
-                   int(tot[n_kinds + 1] > 0), int(tot[n_kinds + 2]))
+        content = (tuple(int(x) for x in tot[:K]), int(tot[K] > 0), int(tot[K + 1] > 0),
+                   int(tot[K + 2]), tuple(int(x) for x in tot[K + 3:]))
         H = np.asarray(held_microbatches(schedule, lay.pp, m, len(chunks), r), dtype=np.int64)
         groups.setdefault(content, []).append((H @ C, r))
     out = []
-    for (layers, emb, end, mtp), mems in groups.items():
+    for (layers, emb, end, mtp, layers_rc), mems in groups.items():
         allm = np.concatenate([mm for mm, _ in mems])
         ranks = np.concatenate([[r] * len(mm) for mm, r in mems])
         # the first (lowest) rank of each distinct memory row, then the undominated ones
@@ -201,11 +205,13 @@ def _rank_candidates(lay: PipelineLayout, kinds: tuple, n_kinds: int, schedule: 
             mem = [int(x) for x in allm[i]]
             out.append(dict(rank=int(ranks[i]), layers=layers, emb=emb, out=end, mtp=mtp,
                             held=tuple(mem[:n_kinds]), emb_held=mem[n_kinds],
-                            out_held=mem[n_kinds + 1], mtp_held=mem[n_kinds + 2]))
+                            out_held=mem[n_kinds + 1], mtp_held=mem[n_kinds + 2],
+                            layers_rc=layers_rc, held_rc=tuple(mem[n_kinds + 3:])))
     return out
 
 
 SLOT_SCALARS = ("rank", "emb", "out", "mtp", "emb_held", "out_held", "mtp_held")
+SLOT_KINDS = ("layers", "held", "layers_rc", "held_rc")
 _SCHED_CODES = (ONE_F_ONE_B, "interleaved", ZB_H1, ZB_V, GPIPE)
 
 
@@ -226,16 +232,28 @@ def _m_keys(code: np.ndarray, p: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=4096)
 def _cached_candidates(lay: PipelineLayout, kinds: tuple, n_kinds: int, schedule: str,
-                       m: int) -> tuple:
-    return tuple(_rank_candidates(lay, kinds, n_kinds, schedule, m))
+                       m: int, nrc: int) -> tuple:
+    return tuple(_rank_candidates(lay, kinds, n_kinds, schedule, m, nrc))
+
+
+ALL_LAYERS = 1 << 20  # "every layer of the chunk" for the recompute count
+
+
+def recomputed_per_chunk(L: dict) -> np.ndarray:
+    """Layers per chunk fully recomputed on every row: 0 without full recompute, the
+    ``rcl`` of ``--recompute-method block``, or every layer (``rcl`` 0: uniform 1)."""
+    rc = np.asarray(L["recompute"])
+    rcl = np.asarray(L.get("rcl", 0 * rc))
+    return np.where(rc == 2, np.where(rcl > 0, rcl, ALL_LAYERS), 0).astype(np.int64)
 
 
 def stage_slots(model: ModelConfig, L: dict, m) -> dict:
     """The stage slots of every row of ``L`` (``m``: micro-batches per row), as arrays of shape
     ``(R, N)`` (R the most slots of any row; rows with fewer repeat their slot 0):
     ``rank``, ``emb``, ``out``, ``mtp``, ``emb_held``, ``out_held``, ``mtp_held`` and
-    ``layers`` / ``held`` of shape ``(K, R, N)`` per layer kind (:func:`layer_kinds`), plus
-    ``kinds`` (names) and ``pp`` (N,)."""
+    ``layers`` / ``held`` and their recomputed parts ``layers_rc`` / ``held_rc`` (the row's
+    :func:`recomputed_per_chunk`) of shape ``(K, R, N)`` per layer kind (:func:`layer_kinds`),
+    plus ``kinds`` (names), ``pp`` and ``mtp_rc`` (N,: 1 when MTP layers are recomputed)."""
     from loom.planner.mla import mtp_depth
     from loom.planner.mamba import is_hybrid
     names, kinds = layer_kinds(model)
@@ -259,10 +277,14 @@ def stage_slots(model: ModelConfig, L: dict, m) -> dict:
     code = _sched_codes(zb, vp)
     mk = _m_keys(code, pp, m).astype(np.int64)
     lf, ll = np.asarray(L["lf"], np.int64), np.asarray(L["ll"], np.int64)
+    nrc = recomputed_per_chunk(L)
+    nrc_code = np.unique(nrc, return_inverse=True)[1].reshape(-1)
     split_code = ((((sid * 4096 + pp) * 256 + vp) * 1024 + lf) * 1024 + ll) * 8 + code
     u1, inv1 = np.unique(split_code, return_inverse=True)
-    u2, inv = np.unique(inv1.reshape(-1) * (int(mk.max(initial=0)) + 1) + mk,
-                        return_inverse=True)
+    key = inv1.reshape(-1) * (int(mk.max(initial=0)) + 1) + mk
+    key = np.unique(key, return_inverse=True)[1].reshape(-1) * (int(nrc_code.max(initial=0))
+                                                                + 1) + nrc_code
+    u2, inv = np.unique(key, return_inverse=True)
     inv = inv.reshape(-1)
     first = np.zeros(len(u2), dtype=np.int64)
     first[inv[::-1]] = np.arange(N)[::-1]  # a row of every group
@@ -272,20 +294,20 @@ def stage_slots(model: ModelConfig, L: dict, m) -> dict:
         sc = _SCHED_CODES[code[i]]
         lay = by_obj[int(sid[i])] if sid[i] else row_layout(model.num_layers, pp[i], vp[i],
                                                              lf[i], ll[i], zb[i], mtp)
-        groups.append(_cached_candidates(lay, kinds, K, sc, int(mk[i])))
+        groups.append(_cached_candidates(lay, kinds, K, sc, int(mk[i]), int(nrc[i])))
     R = max(len(g) for g in groups) if groups else 1
     table = {k: np.zeros((R, len(groups))) for k in SLOT_SCALARS}
-    lay_k = np.zeros((K, R, len(groups)))
-    held_k = np.zeros((K, R, len(groups)))
+    per_kind = {k: np.zeros((K, R, len(groups))) for k in SLOT_KINDS}
     for g, cands in enumerate(groups):
         for r in range(R):
             c = cands[r if r < len(cands) else 0]
             for k in SLOT_SCALARS:
                 table[k][r, g] = c[k]
-            lay_k[:, r, g] = c["layers"]
-            held_k[:, r, g] = c["held"]
+            for k in SLOT_KINDS:
+                per_kind[k][:, r, g] = c[k]
     out = {k: table[k][:, inv] for k in SLOT_SCALARS}
-    out["layers"], out["held"] = lay_k[:, :, inv], held_k[:, :, inv]
+    out.update({k: v[:, :, inv] for k, v in per_kind.items()})
+    out["mtp_rc"] = (nrc >= ALL_LAYERS).astype(np.float64)  # MTP recomputed with every layer
     out["kinds"] = names
     out["pp"] = np.asarray(L["pp"], dtype=np.float64)
     return out
@@ -301,3 +323,24 @@ def layout_of_row(model: ModelConfig, L: dict, i: int) -> PipelineLayout:
     zb = L["zb"][i] if "zb" in L else 0
     return row_layout(model.num_layers, L["pp"][i], L["vp"][i], L["lf"][i], L["ll"][i], zb,
                       0 if is_hybrid(model) else mtp_depth(model))
+
+
+def recomputed_share(model: ModelConfig, L: dict) -> np.ndarray:
+    """Share of all transformer layers fully recomputed on every row (1 with full recompute of
+    every layer, 0 without; block: ``sum_j min(rcl, n_j) / L`` over the virtual stages)."""
+    nrc = recomputed_per_chunk(L)
+    out = np.where(nrc >= ALL_LAYERS, 1.0, 0.0)
+    block = np.nonzero((nrc > 0) & (nrc < ALL_LAYERS))[0]
+    if not len(block):
+        return out
+    split = L.get("split")
+    sid = np.array([0 if split is None or split[i] is None else id(split[i]) for i in block],
+                   dtype=np.float64)
+    keys = np.stack([sid] + [np.asarray(L[k], np.float64)[block]
+                             for k in ("pp", "vp", "lf", "ll", "zb")] + [nrc[block]], axis=1)
+    _, first, inv = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    share = np.array([sum(min(int(nrc[block[i]]), n)
+                          for n in layout_of_row(model, L, int(block[i])).counts())
+                      for i in first]) / model.num_layers
+    out[block] = share[inv.reshape(-1)]
+    return out

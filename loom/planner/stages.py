@@ -133,3 +133,18 @@ def interleave_options(num_layers: int, pp: int, lf: int, ll: int) -> tuple[int,
     mid = counts[1:-1] if pp > 2 else [max(counts)]
     mode = max(set(mid), key=lambda c: (mid.count(c), c))
     return tuple(v for v in range(2, mode + 1) if mode % v == 0 and v <= min(counts))
+
+
+@lru_cache(maxsize=4096)
+def max_chunk_layers(num_layers: int, pp: int, vp: int, lf: int, ll: int) -> int:
+    """Layers of the largest chunk of the split ``(lf, ll)`` at ``vp`` chunks per rank."""
+    from loom.planner.stage_table import row_layout
+    return max(row_layout(num_layers, pp, vp, lf, ll, 0).counts())
+
+
+def block_recompute_options(chunk_layers: int) -> tuple[int, ...]:
+    """``--recompute-num-layers`` searched with ``--recompute-method block`` (full recompute of
+    the first N layers of every chunk, Megatron-LM): about a quarter, a half and three quarters
+    of the largest chunk, strictly between none and all of it."""
+    n = int(chunk_layers)
+    return tuple(sorted({k for k in (-(-n // 4), -(-n // 2), -(-3 * n // 4)) if 0 < k < n}))

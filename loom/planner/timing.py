@@ -64,7 +64,7 @@ from loom.planner.memory import activation_bytes_per_layer, padded_vocab, slot_p
 from loom.planner.mamba import KINDS, is_hybrid, kind_layer_times
 from loom.planner.stage_table import stage_slots
 from loom.planner.mla import attention_flops_per_token, mtp_depth
-from loom.planner.context_parallel import cp_layer_cost
+from loom.planner.context_parallel import cp_layer_cost_rows, row_comm_types
 from loom.planner.moe import moe_fraction, moe_layer_times
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_latency, all_reduce_time,
@@ -183,8 +183,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
     kv = (a * (model.q_head_dim + model.v_head_dim) if model.multi_latent_attention
           else 2 * g * d)  # K and V widths per token (MLA: the expanded heads)
-    cpc = cp_layer_cost(opts.cp_comm_type, S, t, c, a * d, kv,
-                        attn if opts.overlap_cp_comm else 0.0 * attn, cluster)
+    cpc = cp_layer_cost_rows(row_comm_types(L, opts.cp_comm_type), S, t, c, a * d, kv,
+                             attn if opts.overlap_cp_comm else 0.0 * attn, cluster)
     cp_fwd, cp_bwd = cpc["fwd"], cpc["bwd"]
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "saved_ag": saved_ag,
@@ -220,15 +220,15 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     s = seq_length
     h = model.hidden_size
     t, p, c, v, b, d, sp = L["tp"], L["pp"], L["cp"], L["vp"], L["mbs"], L["dp"], L["sp"]
-    rc = L["recompute"]
     m = num_microbatches(L, global_batch_size)
     S = s * b / c
     peak = cluster.peak_flops
     k = _mem_traffic(cluster)
-    full = rc == 2
 
-    def per_layer(lt):
-        """Terms of one layer and micro-batch; its backward (+ recompute) and forward time."""
+    def one_layer(lt, rc):
+        """Terms of one layer and micro-batch under recompute codes ``rc``; its backward (+
+        recompute) and forward time."""
+        full = rc == 2
         comp_f = lt["gemm"] + lt["attn"]
         rec, rec_elem = recompute_work(model, lt, rc, opts)
         layer = {
@@ -246,6 +246,14 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         # the forward GEMMs; attention and element-wise backward are input-gradient work, B)
         return (layer, 2 * comp_f + rec + 2 * lt["elem"] + rec_elem, comp_f + lt["elem"],
                 lt["gemm"])
+
+    # a layer is fully recomputed or not (the block method recomputes the first N of every
+    # chunk, stage_table.recomputed_per_chunk); not: the row's selective or none
+    rc_base = np.where(L["recompute"] == 2, 0.0, L["recompute"])
+    rc_full = 0.0 * rc_base + 2.0
+
+    def per_layer(lt):
+        return [one_layer(lt, rc_base), one_layer(lt, rc_full)]
 
     moe = bool(model.num_experts)
     hybrid = is_hybrid(model)
@@ -265,8 +273,13 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         slots = stage_slots(model, L, m)
     D = 0 if hybrid else mtp_depth(model)  # MTP: D layers of the last one's kind with the loss
     j_mtp = 1 if moe and model.is_moe_layer(model.num_layers - 1) else 0
-    counts = [slots["layers"][i] + (slots["mtp"] if (D and i == j_mtp) else 0.0)
-              for i in range(len(kinds))]
+    # each kind twice: its layers not fully recomputed, then the recomputed ones
+    counts = []
+    for i in range(len(kinds)):
+        mtp = slots["mtp"] if (D and i == j_mtp) else 0.0
+        counts += [slots["layers"][i] - slots["layers_rc"][i] + mtp * (1 - slots["mtp_rc"]),
+                   slots["layers_rc"][i] + mtp * slots["mtp_rc"]]
+    kinds = [variant for kd in kinds for variant in kd]
     layer = kinds[0][0]
 
     def mix(cnt, j, key=None):
