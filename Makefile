@@ -1,11 +1,12 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`
 # (`make test-fast`: the single-process tier alone, tests/unit and tests/planner, ~1 minute).
+# On a CUDA machine, `make gpu-check` measures loom on its GPU in <= 6 minutes, with no install.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast gpu-check install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +32,14 @@ test: $(STAMP)
 # tests/conftest.py), in random order too: about 1 minute on 2 cores.
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED)) -m fast tests
+
+# loom on one CUDA GPU (benchmarks/gpu_check.py, <= 6 minutes on an H100): the CUDA tests
+# (pytest -m cuda tests/cuda), speed against a plain PyTorch loop, the planner against the GPU;
+# results in benchmarks/results/gpu_check_<gpu>.json (and $OUT when set). No venv, no install:
+# the python3 on PATH (the machine's own CUDA torch) on this working tree. Without CUDA it prints
+# one line and exits 0.
+gpu-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(PYTHON) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -15,7 +15,7 @@ Peak memory: per (type, c, s) a fresh forked world runs one step; the figure is 
 the peak resident set (``ru_maxrss``) over what the rank held before the step, the largest over
 ranks, in MiB (activations, K/V buffers and the attention's temporaries; allocator slack
 included). Next to it ``kv_MiB``: the K/V a rank holds for attention by the cost model
-(:func:`loom.parallel.context_cost.kv_elements`).
+(:func:`loom.parallel.context.cost.kv_elements`).
 
     OMP_NUM_THREADS=1 python -m benchmarks.long_context [--seq 8192 16384] [--cp 2 4]
         [--model-seq 8192] [--reps 2] [--out benchmarks/results/long_context.json]
@@ -56,7 +56,8 @@ def _rss_mib() -> float:
 
 def _layer(kind: str, s: int, mesh):
     from loom.models.attention import DotProductAttention
-    from loom.parallel.context import ContextParallelAttention, local_positions
+    from loom.parallel.context.attention import ContextParallelAttention
+    from loom.parallel.context.split import local_positions
     c, r = mesh.size("cp"), mesh.coords["cp"]
     gen = torch.Generator().manual_seed(r)
     q = torch.randn(1, A, s // c, D, generator=gen, requires_grad=True)
@@ -135,7 +136,7 @@ def memory_world(what: str, kind: str, c: int, s: int) -> float:
 
 
 def main() -> None:
-    from loom.parallel.context_cost import AttentionShape, cp_cost
+    from loom.parallel.context.cost import AttentionShape, cp_cost
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="*", default=[8192, 16384])
     ap.add_argument("--model-seq", type=int, nargs="*", default=[8192])

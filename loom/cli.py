@@ -1,4 +1,5 @@
-"""One entry point: ``loom train | preprocess | generate | evaluate | plan | demo``.
+"""One entry point: ``loom train | preprocess | data | generate | evaluate | checkpoint | plot |
+plan | fetch-corpus | demo``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
 modules are imported only when their subcommand runs, so ``loom plan`` never imports torch's
@@ -11,33 +12,62 @@ one "did you mean" (:func:`~loom.errors.closest`: a typo only) or "not supported
 unknown YAML key (:class:`~loom.errors.UnknownOptionError`) ends with "see `loom COMMAND
 --help`" naming the command that ran. Under torchrun every rank validates before any process group
 starts, only rank 0 prints, and every rank exits 2. A checkpoint the filesystem refuses
-(:class:`~loom.errors.CheckpointWriteError`) prints its message and exits 1. Any other exception
-keeps its traceback.
+(:class:`~loom.errors.CheckpointWriteError`) prints its message and exits 1, and so does a
+path the filesystem refuses (an ``OSError`` naming a file: exit 2 for a path that cannot be
+used, such as one too long). A collective that fails because another rank died is one line
+from every surviving rank naming the dead one (:mod:`loom.training.peers`), exit 1. Any
+other exception keeps its traceback. A process group the command started is ended before
+it exits (:func:`teardown_process_group`).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
+from types import ModuleType
+from typing import Callable, NamedTuple
 
 from loom import __version__
 from loom.errors import (CheckpointWriteError, ConfigError, NonFiniteError,
                          UnknownOptionError, closest, did_you_mean)
 from loom.parallel.agent_store import agent_store
 
+
+class Subcommand(NamedTuple):
+    """A subcommand: ``load()`` imports its module (``add_arguments(parser)``, ``run(args)``),
+    by a literal name the layout guards can read; ``help`` is its line in ``loom --help``."""
+
+    load: Callable[[], ModuleType]
+    help: str
+
+
 SUBCOMMANDS = {
-    "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
-    "preprocess": ("loom.data.preprocess", "tokenize .txt/.jsonl into an indexed dataset"),
-    "data": ("loom.data.check_cli", "check a dataset: checksums, index, every token id < V"),
-    "generate": ("loom.inference.cli", "generate text from a checkpoint"),
-    "evaluate": ("loom.evaluation.cli", "zero-shot evaluation of a checkpoint: perplexity, "
-                                        "cloze accuracy (any TP/PP layout)"),
-    "checkpoint": ("loom.checkpoint.cli", "inspect a checkpoint (iteration, layout, tensors)"),
-    "plan": ("loom.planner.cli", "predict memory and speed of parallel layouts; pick the best"),
-    "fetch-corpus": ("loom.data.corpus", "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),
-    "demo": ("loom.demo", "fetch, tokenize, train TP=2 x DP=2 on CPU, evaluate, generate"),
+    "train": Subcommand(lambda: importlib.import_module("loom.training.cli"),
+                        "train a model (Megatron-style flags; torchrun for many ranks)"),
+    "preprocess": Subcommand(lambda: importlib.import_module("loom.data.preprocess"),
+                             "tokenize .txt/.jsonl into an indexed dataset"),
+    "data": Subcommand(lambda: importlib.import_module("loom.data.check_cli"),
+                       "check a dataset: checksums, index, every token id < V"),
+    "generate": Subcommand(lambda: importlib.import_module("loom.inference.cli"),
+                           "generate text from a checkpoint"),
+    "evaluate": Subcommand(lambda: importlib.import_module("loom.evaluation.cli"),
+                           "zero-shot evaluation of a checkpoint: perplexity, cloze accuracy, "
+                           "lm-evaluation-harness tasks (any TP/PP layout)"),
+    "checkpoint": Subcommand(lambda: importlib.import_module("loom.checkpoint.cli"),
+                             "inspect a checkpoint (iteration, layout, tensors), or convert it "
+                             "to / from Hugging Face (--to-hf, --from-hf) and Megatron-LM "
+                             "(--to-megatron, --from-megatron)"),
+    "plot": Subcommand(lambda: importlib.import_module("loom.training.plot"),
+                       "plot a --log-json file: loss, validation loss, lr, throughput (PNG)"),
+    "plan": Subcommand(lambda: importlib.import_module("loom.planner.cli"),
+                       "predict memory and speed of parallel layouts; pick the best"),
+    "fetch-corpus": Subcommand(lambda: importlib.import_module("loom.data.corpus"),
+                               "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),
+    "demo": Subcommand(lambda: importlib.import_module("loom.demo"),
+                       "fetch, tokenize, train TP=2 x DP=2 on CPU, evaluate, generate"),
 }
 
 
@@ -146,11 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv else None
     parsers = {}
-    for name, (module, help_) in SUBCOMMANDS.items():
+    for name, (load, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_module=module)
         if name == chosen:
-            importlib.import_module(module).add_arguments(p)
+            load().add_arguments(p)
         parsers[name] = p
     if chosen in parsers:  # an unknown flag first, before "required" or type errors
         known = parsers[chosen]._option_string_actions
@@ -166,23 +195,75 @@ def main(argv: list[str] | None = None) -> None:
     args, extras = parser.parse_known_args(argv)
     if extras:  # the subcommand's parser names its own flags and usage
         parsers[args.command].unknown(extras)
+    prog = f"loom {args.command}"
+    owned = not _group_initialized()  # a process group the command starts is its to end
+    clean = False
     try:
-        rc = importlib.import_module(args._module).run(args)
+        rc = SUBCOMMANDS[args.command].load().run(args)
+        clean = True
     except UnknownOptionError as e:  # a YAML key: the accepted keys are this command's flags
-        refuse(f"loom {args.command}", f"{e} (see `loom {args.command} --help` for the "
-                                       f"accepted flags)")
+        refuse(prog, f"{e} (see `loom {args.command} --help` for the accepted flags)")
     except ConfigError as e:
-        refuse(f"loom {args.command}", str(e))
+        refuse(prog, str(e))
     except (CheckpointWriteError, NonFiniteError) as e:
-        refuse(f"loom {args.command}", str(e), code=1)
+        refuse(prog, str(e), code=1)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        if not out_of_memory(e):
+        if out_of_memory(e):
+            refuse(prog, f"out of memory ({str(e).splitlines()[0][:200]}): the model or batch "
+                         f"does not fit this machine; see the memory per rank with `{prog} ... "
+                         f"--dry-run` or pick a layout with `loom plan`", code=1)
+        from loom.training.peers import is_peer_failure, peer_failure_message
+        if not (_group_initialized() and is_peer_failure(e)):
             raise
-        refuse(f"loom {args.command}", f"out of memory ({str(e).splitlines()[0][:200]}): the "
-                                       f"model or batch does not fit this machine; see the "
-                                       f"memory per rank with `loom {args.command} ... "
-                                       f"--dry-run` or pick a layout with `loom plan`", code=1)
+        # every survivor says it (rank 0 may be the one that died)
+        print(f"{prog}: error (rank {os.environ.get('RANK', '0')}): "
+              f"{peer_failure_message(e)}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except OSError as e:  # a path the filesystem refused: name it (CheckpointWriteError above)
+        if e.filename is None:
+            raise
+        refuse(prog, f"{e.strerror or e}: {e.filename}",
+               code=2 if e.errno in USER_PATH_ERRORS else 1)
+    finally:
+        if owned:
+            teardown_process_group(clean)
     sys.exit(rc or 0)
+
+
+# errno values of a path the user gave that cannot be used (exit status 2, as bad input)
+USER_PATH_ERRORS = (errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EROFS,
+                    errno.ENOENT, errno.EEXIST, errno.ELOOP)
+
+
+def _group_initialized() -> bool:
+    """Whether a default process group exists (without importing torch when no command did)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def teardown_process_group(clean: bool) -> None:
+    """End the default process group a command started, before the interpreter exits (left
+    to exit, gloo's threads can abort the process after its result was printed: "terminate
+    called without an active exception", exit 1). ``clean``: the command succeeded on this
+    rank, so every rank reaches this point: they first meet in a barrier (monitored, 60 s, on
+    gloo), so no rank closes its connections while another still uses them. Never raises."""
+    if not _group_initialized():
+        return
+    import datetime
+
+    import torch.distributed as dist
+    try:
+        if clean and dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+            else:
+                dist.barrier()
+    except Exception:  # noqa: BLE001 - a rank that already failed: end this one anyway
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def out_of_memory(e: BaseException) -> bool:

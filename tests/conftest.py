@@ -57,18 +57,21 @@ def _restore_process_state():
 
 
 # The folders (tests/README.md) and the markers of their tests (registered in pyproject.toml):
-# `-m fast` is `make test-fast`; `-m "not drill"`, `-m distributed` select the other tiers.
+# `-m fast` is `make test-fast`; `-m "not drill"`, `-m distributed` select the other tiers;
+# `-m cuda` (tests/cuda) needs a CUDA device and is skipped without one (`make gpu-check` runs it).
 FOLDER_MARKERS = {
     "unit": "fast", "planner": "fast",
     "parallel": "distributed", "models": "distributed", "integration": "distributed",
-    "drills": "drill",
+    "drills": "drill", "cuda": "cuda",
 }
 _TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test by its folder: tests/unit/test_x.py's tests are ``fast``, and so on. A
-    test file directly under tests/ or in a folder missing from FOLDER_MARKERS is an error."""
+    test file directly under tests/ or in a folder missing from FOLDER_MARKERS is an error.
+    Without a CUDA device the ``cuda`` tests are collected and skipped."""
+    no_cuda = pytest.mark.skip(reason="no CUDA device (the tier runs on a GPU: make gpu-check)")
     for item in items:
         try:
             folder = Path(str(item.path)).resolve().relative_to(_TESTS).parts[0]
@@ -78,6 +81,8 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of the folders "
                                     f"{sorted(FOLDER_MARKERS)} of tests/ (tests/README.md)")
         item.add_marker(FOLDER_MARKERS[folder])
+        if folder == "cuda" and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
 
 
 def _seed(config):

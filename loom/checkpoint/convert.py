@@ -1,9 +1,10 @@
-"""``loom checkpoint convert``: loom checkpoints to and from Hugging Face safetensors for the
-GPT-2, LLaMA and Gemma 3 layouts, so a model trained in loom leaves it (``--to-hf``:
-``config.json`` + ``model.safetensors``, loadable by ``transformers``' ``from_pretrained``)
-and a Hugging Face model (or a Gemma 3 GGUF file) can be trained further (``--from-hf``: a loom
-checkpoint at iteration 0 with the model's ``tokenizer.json``, no optimizer state, that
-``loom train --load`` resumes at any layout).
+"""``loom checkpoint convert``: loom checkpoints to and from Hugging Face for every family's
+``transformers`` layout (each family's mapping: ``loom/models/<family>/hf.py``), so a model
+trained in loom leaves it (``--to-hf``: a directory ``from_pretrained`` and lm-evaluation-
+harness load as it is, :mod:`loom.checkpoint.hf_export`) and a Hugging Face model (or a
+Gemma 3 GGUF file) can be trained further (``--from-hf``: a loom checkpoint at iteration 0 with
+the model's ``tokenizer.json``, no optimizer state, that ``loom train --load`` resumes at any
+layout).
 """
 
 from __future__ import annotations
@@ -11,92 +12,104 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 
 import torch
 
 from loom.errors import ConfigError
 
 
-def _replace_file(write, path: str) -> None:
-    """``write(tmp)`` then rename over ``path``: a replaced export is never half-written."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False) -> str:
-    """Write ``out_dir/config.json`` and ``model.safetensors`` from a loom checkpoint; returns
-    ``out_dir``. Raises ConfigError for a missing checkpoint, a layout HF cannot express, an
-    ``out_dir`` inside a training checkpoint directory, or a non-empty ``out_dir`` without
-    ``overwrite`` (checked before anything is read or written)."""
-    from safetensors.torch import save_file
-
-    from loom.checkpoint.io import open_checkpoint, read_common
-    from loom.checkpoint.safety import resolve_checkpoint
+def to_hf(ckpt_path: str, out_dir: str, step=None, overwrite: bool = False,
+          dtype: str = "fp32", max_shard_size="5GB") -> str:
+    """Write the Hugging Face directory of a loom checkpoint (saved at any layout) into
+    ``out_dir`` (:func:`loom.checkpoint.hf_export.export`: config, generation config,
+    tokenizer files, safetensors in ``dtype`` sharded at ``max_shard_size``, streamed one
+    tensor group at a time); returns ``out_dir``. Raises ConfigError for a missing checkpoint,
+    a family or layout HF cannot express, an ``out_dir`` inside a training checkpoint
+    directory, or a non-empty ``out_dir`` without ``overwrite`` (checked before anything is
+    read or written)."""
+    from loom.checkpoint.hf_export import DTYPES, export
+    from loom.checkpoint.integrity import verify_read
+    from loom.checkpoint.io import latest_checkpoint, read_common
+    from loom.checkpoint.megatron.common import found_at
+    from loom.checkpoint.safety import check_checkpoint_files
+    from loom.checkpoint.safetensors_shards import parse_size
     from loom.checkpoint.targets import check_output_dir
     from loom.config import LoomConfig
     from loom.models import get_family
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
+    parse_size(max_shard_size)  # refused before anything is read
     check_output_dir(out_dir, f"--to-hf output {out_dir}", overwrite)
     ckpt = ckpt_path if os.path.exists(os.path.join(ckpt_path, "common.pt")) else \
-        resolve_checkpoint(ckpt_path, step)
+        latest_checkpoint(ckpt_path, step)  # (a Megatron-LM checkpoint too)
     if ckpt is None:
         raise ConfigError(f"{ckpt_path}: no checkpoint there")
-    cfg = LoomConfig.from_flat(read_common(ckpt)["config"], ignore_retired=True).model
-    hf = get_family(cfg.model_type).hf  # the family's mapping: loom.models.<family>.hf
-    if hf is None or hf.export_config is None:
+    if found_at(ckpt) is None:  # loom's: verified (a Megatron directory: read by its reader)
+        check_checkpoint_files(ckpt)  # the shards are verified as they are read
+        if os.path.exists(os.path.join(ckpt, "tokenizer.json")):
+            verify_read(ckpt, ["tokenizer.json"])
+    flat = read_common(ckpt)["config"]
+    if not flat:  # a bare Megatron-Core checkpoint: no saved args
+        raise ConfigError(f"{ckpt}: no model config saved with it (a bare Megatron-Core "
+                          f"checkpoint): convert it with --from-megatron and the model flags "
+                          f"first")
+    cfg = LoomConfig.from_flat(flat, ignore_retired=True).model
+    family = get_family(cfg.model_type)  # its mapping: loom.models.<family>.hf
+    if family.hf is None or family.hf.export_config is None:
         raise ConfigError(f"{ckpt}: a {cfg.model_type} model has no Hugging Face layout to "
                           f"convert to")
-    config = hf.export_config(cfg)  # refuses a layout HF cannot express before reading
-    index = open_checkpoint(ckpt)
-    full, _, _ = index.load(index.names)
-    sd = hf.from_loom(full, cfg)
-    if config["tie_word_embeddings"]:
-        sd.pop("lm_head.weight", None)  # tied: transformers re-ties it on load
-    os.makedirs(out_dir, exist_ok=True)
-    tensors = {k: v.contiguous().clone() for k, v in sd.items()}
-    _replace_file(lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
-                  os.path.join(out_dir, "model.safetensors"))
-
-    def write_config(tmp: str) -> None:
-        with open(tmp, "w") as fh:
-            json.dump(config, fh, indent=1)
-    _replace_file(write_config, os.path.join(out_dir, "config.json"))
-    tok = os.path.join(ckpt, "tokenizer.json")
-    if os.path.exists(tok):
-        _replace_file(lambda tmp: shutil.copyfile(tok, tmp), os.path.join(out_dir, "tokenizer.json"))
+    export(ckpt, out_dir, cfg, family, dtype, max_shard_size)
     return out_dir
+
+
+def _read_json(path: str, hf_dir: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as e:
+        raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({path})") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"--from-hf {hf_dir}: {path} is not valid JSON ({e})") from None
+
+
+def _load_safetensors(path: str, hf_dir: str) -> dict:
+    from safetensors.torch import load_file
+    try:
+        return load_file(path)
+    except OSError as e:
+        raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({path})") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: a damaged file
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ConfigError(f"--from-hf {hf_dir}: {path} is not a readable safetensors file "
+                          f"({why})") from None
 
 
 def _read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     """``(config.json, state dict)`` of a Hugging Face directory: ``model.safetensors`` or the
-    shards named by ``model.safetensors.index.json``."""
-    from safetensors.torch import load_file
-    try:
-        with open(os.path.join(hf_dir, "config.json")) as fh:
-            hf = json.load(fh)
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.exists(index) and not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-            with open(index) as fh:
-                files = sorted(set(json.load(fh)["weight_map"].values()))
-            sd = {}
-            for f in files:
-                sd.update(load_file(os.path.join(hf_dir, f)))
-        else:
-            sd = load_file(os.path.join(hf_dir, "model.safetensors"))
-    except OSError as e:
-        raise ConfigError(f"--from-hf {hf_dir}: {e.strerror or e} ({e.filename})") from None
+    shards named by ``model.safetensors.index.json``. ConfigError naming the file that is
+    missing, not JSON (an object, for ``config.json``) or not safetensors."""
+    config = os.path.join(hf_dir, "config.json")
+    hf = _read_json(config, hf_dir)
+    if not isinstance(hf, dict):
+        raise ConfigError(f"--from-hf {hf_dir}: {config} is not a JSON object (a Hugging Face "
+                          f"config maps names to values)")
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index) and not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+        weight_map = _read_json(index, hf_dir)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise ConfigError(f"--from-hf {hf_dir}: {index} holds no weight_map object")
+        sd = {}
+        for f in sorted(set(map(str, weight_map["weight_map"].values()))):
+            sd.update(_load_safetensors(os.path.join(hf_dir, f), hf_dir))
+    else:
+        sd = _load_safetensors(os.path.join(hf_dir, "model.safetensors"), hf_dir)
     return hf, sd
 
 
 def from_hf(src: str, out_dir: str, overwrite: bool = False) -> str:
-    """A loom checkpoint (iteration 0) in ``out_dir`` from a Hugging Face GPT-2, LLaMA or
-    Gemma 3 directory (``config.json`` + safetensors), or a Gemma 3 GGUF file (or a directory
-    holding one); the tokenizer (``tokenizer.json``, or the GGUF's) is saved with it. Returns
+    """A loom checkpoint (iteration 0) in ``out_dir`` from a Hugging Face directory
+    (``config.json`` + safetensors, one file or shards) of a ``model_type`` some family's
+    mapping reads, or a Gemma 3 GGUF file (or a directory holding one); the tokenizer (``tokenizer.json``, or the GGUF's) is saved with it. Returns
     the checkpoint path. Raises ConfigError for another model type or a non-Gemma-3 GGUF, and,
     before reading anything, for an ``out_dir`` inside a training checkpoint directory (even
     with ``overwrite``; an earlier import, iteration 0 alone, may be replaced) or a non-empty

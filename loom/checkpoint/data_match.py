@@ -13,6 +13,7 @@ not checked.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from loom.errors import ConfigError
@@ -31,6 +32,45 @@ def data_identities(data_cfg) -> dict:
     return out
 
 
+DATA_FILES = (".bin", ".idx", ".meta.json")  # what a dataset's identity rests on
+
+
+def data_files(data_cfg) -> dict:
+    """``{(flag, prefix): {ext: (inode, size, mtime_ns) or None}}`` of every dataset
+    ``data_cfg`` names: what :func:`changed_data` compares (no file is read)."""
+    from loom.data.blended import data_prefixes
+    out = {}
+    if getattr(data_cfg, "mock_data", False):
+        return out
+    for flag, prefix in data_prefixes(data_cfg):
+        stamps = {}
+        for ext in DATA_FILES:
+            try:
+                st = os.stat(prefix + ext)
+                stamps[ext] = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except OSError:
+                stamps[ext] = None
+        out[(flag, prefix)] = stamps
+    return out
+
+
+def changed_data(opened: dict) -> list[tuple[str, str]]:
+    """``(flag, prefix)`` of the datasets of ``opened`` (:func:`data_files` when the data was
+    opened) whose files were replaced or modified since."""
+    out = []
+    for (flag, prefix), stamps in opened.items():
+        for ext, then in stamps.items():
+            try:
+                st = os.stat(prefix + ext)
+                now = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except OSError:
+                now = None
+            if now != then:
+                out.append((flag, prefix))
+                break
+    return out
+
+
 def data_differences(saved_common: dict, cfg) -> list[str]:
     """What differs between the checkpoint's data (``saved_common``: its ``common.pt``) and
     ``cfg``'s (a LoomConfig): ``--split``, ``--seed``, and each dataset's content and
@@ -44,6 +84,7 @@ def data_differences(saved_common: dict, cfg) -> list[str]:
     if not saved:
         return out
     now_ids = data_identities(cfg.data)
+    out += _blend_differences(saved_cfg, saved, cfg.data, now_ids)
     for flag in sorted(set(saved) | set(now_ids)):
         old, new = saved.get(flag, {}), now_ids.get(flag, {})
         old_c = {v["content"] for v in old.values() if v}
@@ -59,6 +100,41 @@ def data_differences(saved_common: dict, cfg) -> list[str]:
         if old_t and new_t and old_t != new_t:
             out.append(f"{flag} {' '.join(new)}: tokenized with another tokenizer than the "
                        f"checkpoint's data (the same ids would mean other text)")
+    return out
+
+
+BLEND_FIELDS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def _blend(text, ids: dict, flag: str) -> list[tuple]:
+    """``[(weight rounded, dataset)]`` of a ``--data-path`` value, a dataset named by its
+    content identity when known (else its absolute prefix); weights None: by size."""
+    from loom.data.blended import parse_blend
+    out = []
+    for w, prefix in parse_blend(text, flag) or []:
+        ident = ids.get(prefix)
+        out.append((None if w is None else round(w, 9),
+                    ident["content"] if ident else os.path.abspath(prefix)))
+    return out
+
+
+def _blend_differences(saved_cfg: dict, saved: dict, data_cfg, now_ids: dict) -> list[str]:
+    """A blend of the same datasets in another order or with other weights: the sample order
+    changes (each blended sample is chosen by the weights and the dataset's position)."""
+    out = []
+    for field in BLEND_FIELDS:
+        flag = "--" + field.replace("_", "-")
+        then_text, now_text = saved_cfg.get(field), getattr(data_cfg, field, None)
+        if then_text is None or now_text is None:
+            continue
+        try:
+            then = _blend(then_text, saved.get(flag, {}), flag)
+        except ConfigError:
+            continue  # a value this loom cannot parse: the content check still runs
+        now = _blend(now_text, now_ids.get(flag, {}), flag)
+        if then != now and sorted(d for _, d in then) == sorted(d for _, d in now):
+            out.append(f"{flag}: the blend differs from the checkpoint's (there: {then_text}; "
+                       f"here: {now_text}): the order of the samples would change")
     return out
 
 

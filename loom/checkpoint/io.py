@@ -1,11 +1,13 @@
 """Checkpoints on ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards in
 parallel, keyed by global parameter names, so they load at any layout.
 
-Layout of ``--save DIR`` (format ``loom-checkpoint-v2``; Megatron's names where they exist)::
+Layout of ``--save DIR`` (format ``loom-checkpoint-v3``: v2's layout with ``manifest.json``
+mandatory; Megatron's names where they exist)::
 
     DIR/latest_checkpointed_iteration.txt      written last, atomically (os.replace)
     DIR/iter_0000100/metadata.json             format, iteration, parallel layout
-    DIR/iter_0000100/common.pt                 iteration, consumed samples, LR scheduler, config
+    DIR/iter_0000100/common.pt                 iteration, consumed samples, LR scheduler, config,
+                                               format, the data's identity
     DIR/iter_0000100/.metadata                 DCP's index: every key, its shape, dtype, file
     DIR/iter_0000100/__R_0.distcp              the entries rank R wrote (FileSystemWriter)
     DIR/iter_0000100/tokenizer.json            so `loom generate` needs no tokenizer flags
@@ -64,7 +66,7 @@ from loom.checkpoint.reader import (DcpIndex, latest_checkpoint, load_checkpoint
                                    load_model_weights, open_checkpoint, read_common,
                                    single_process_quiet)
 from loom.checkpoint.safety import DCP_FORMAT, LATEST
-from loom.errors import CheckpointWriteError
+from loom.checkpoint.save_errors import save_failed
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.random import RNGTracker, get_rng_state
 from loom.parallel.registry import named_parameters
@@ -152,32 +154,6 @@ def _storage_writer(path: str, after_write: Optional[Callable[[], None]] = None)
     return _Writer(path, after_write)
 
 
-def _os_error(err: BaseException) -> Optional[OSError]:
-    """The OSError behind ``err`` (DCP wraps each rank's failure in a CheckpointException)."""
-    if isinstance(err, OSError):
-        return err
-    if isinstance(err, CheckpointException):
-        for exc, _ in err.failures.values():
-            found = _os_error(exc)
-            if found is not None:
-                return found
-    cause = err.__cause__ or err.__context__
-    return _os_error(cause) if cause is not None else None
-
-
-def _save_failed(save_dir: str, iteration: int, tmp: str,
-                 err: BaseException) -> CheckpointWriteError:
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    os_err = _os_error(err)
-    where = f" ({os_err.filename})" if os_err is not None and os_err.filename else ""
-    why = (os_err.strerror or str(os_err)) if os_err is not None else str(err).splitlines()[0]
-    return CheckpointWriteError(
-        f"saving the checkpoint of iteration {iteration} to {save_dir} failed: "
-        f"{why}{where}; removed the partial {tmp}, the previous checkpoint is "
-        f"intact. Free space or choose another --save directory")
-
-
 def optimizer_states(optimizer: Optional[torch.optim.Optimizer],
                      params: dict[str, tuple]) -> dict[str, dict]:
     """``name -> {state key: value}``: the Adam states (and, for 16-bit parameters, the fp32
@@ -233,7 +209,8 @@ def _write_common(job: PendingSave, scheduler, mesh: ParallelMesh, consumed_samp
     os.makedirs(job.tmp)
     _torch_save({"iteration": job.iteration, "consumed_samples": consumed_samples,
                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "config": config, "data": data}, os.path.join(job.tmp, "common.pt"))
+                 "config": config, "data": data, "format": FORMAT},
+                os.path.join(job.tmp, "common.pt"))
     meta = {"format": FORMAT, "iteration": job.iteration, "layout": mesh.sizes,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
     with _open_for_write(os.path.join(job.tmp, "metadata.json")) as fh:
@@ -277,7 +254,7 @@ def start_save(save_dir: str, iteration: int, model_chunks: Sequence[nn.Module],
                 dcp.save(state, storage_writer=writer, no_dist=single)
             job.written_s = time.perf_counter() - job.started
     except (OSError, CheckpointException) as e:
-        raise _save_failed(save_dir, iteration, job.tmp, e) from e
+        raise save_failed(save_dir, iteration, job.tmp, e) from e
     return job
 
 
@@ -345,7 +322,7 @@ def finalize_save(job: PendingSave, barrier: bool = True) -> str:
         elif failure is not None:
             raise failure
     except (OSError, CheckpointException) as e:
-        raise _save_failed(job.save_dir, job.iteration, job.tmp, e) from e
+        raise save_failed(job.save_dir, job.iteration, job.tmp, e) from e
     return job.final
 
 

@@ -18,7 +18,8 @@ from loom.errors import ConfigError
 NOT_ARCHITECTURE = frozenset({
     "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
     "seq_length", "max_position_embeddings", "group_query_attention", "moe_aux_loss_coeff",
-    "moe_z_loss_coeff", "moe_expert_capacity_factor", "mamba_chunk_size"})
+    "moe_z_loss_coeff", "moe_expert_capacity_factor", "mamba_chunk_size",
+    "exclude_padded_vocab"})  # the loss's softmax columns, not the weights (issue 42)
 
 
 def model_differences(saved: dict, model: ModelConfig, family) -> list[str]:

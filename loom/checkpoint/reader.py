@@ -1,9 +1,13 @@
-"""Reading checkpoints: :class:`DcpIndex` for ``loom-checkpoint-v2`` (DCP; keys described in
+"""Reading checkpoints: :class:`DcpIndex` for ``loom-checkpoint-v3`` / ``v2`` (DCP; keys described in
 :mod:`loom.checkpoint.io`), :func:`open_checkpoint` picks it or the read-only v1 reader
 (:class:`~loom.checkpoint.legacy.LegacyIndex`). Both answer ``names``, ``parameters()``,
 ``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)`` with full (unsharded)
 tensors; :func:`load_checkpoint` and :func:`load_model_weights` cut this rank's shards
 (``local_shard``) for the current layout. Also re-exported by :mod:`loom.checkpoint.io`.
+
+Every file is verified against the checkpoint's manifest when it is read, by the rank that
+reads it (:func:`loom.checkpoint.integrity.verify_read`): DCP's ``.metadata`` when the index
+opens, the ``.distcp`` files holding the entries a load asks for, ``common.pt``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from loom.checkpoint.legacy import LegacyIndex, canonical_name, is_legacy
+from loom.checkpoint.megatron import common as megatron
+from loom.checkpoint.megatron.locate import locate
 from loom.checkpoint.optimizer_state import load_optimizer_state_by_name
 from loom.checkpoint.safety import resolve_checkpoint
 from loom.errors import ConfigError
@@ -47,8 +53,9 @@ class DcpIndex:
     checkpoint saved before a module was renamed loads into the renamed module)."""
 
     def __init__(self, ckpt_dir: str):
+        from loom.checkpoint.safety import dcp_storage
         self.path = ckpt_dir
-        self.metadata = FileSystemReader(ckpt_dir).read_metadata()  # DCP's .metadata
+        self.metadata = dcp_storage(ckpt_dir)  # DCP's .metadata, verified
         self.md = self.metadata.state_dict_metadata
         self.model: dict[str, dict[str, str]] = {}  # name -> {"RofT": key}
         self.optim: dict[str, dict[str, dict[str, str]]] = {}  # name -> {state: {"RofT": key}}
@@ -73,7 +80,9 @@ class DcpIndex:
 
     def _read(self, keys: Iterable[str]) -> dict[str, Any]:
         """One ``dcp.load`` of ``keys`` into empty tensors of the saved shapes (objects: as
-        saved); each rank reads only its own keys (no collective)."""
+        saved); each rank reads only its own keys (no collective), after verifying the files
+        that hold them."""
+        keys = list(keys)
         want: dict[str, dict[str, Any]] = {}
         for k in keys:
             m = self.md[k]
@@ -81,6 +90,10 @@ class DcpIndex:
             want.setdefault(kind, {})[rest] = torch.empty(m.size, dtype=m.properties.dtype) \
                 if isinstance(m, TensorStorageMetadata) else b""
         if want:
+            from loom.checkpoint.integrity import verify_read
+            asked = set(keys)
+            verify_read(self.path, {info.relative_path for index, info
+                                    in self.metadata.storage_data.items() if index.fqn in asked})
             with single_process_quiet():
                 dcp.load(want, storage_reader=FileSystemReader(self.path), no_dist=True)
         return {f"{kind}.{k}": v for kind, section in want.items() for k, v in section.items()}
@@ -138,10 +151,15 @@ class DcpIndex:
         return model, optim, rng
 
 
-def open_checkpoint(ckpt_dir: str):
-    """The reader of ``ckpt_dir``: :class:`DcpIndex` (v2) or the read-only v1
-    :class:`~loom.checkpoint.legacy.LegacyIndex`; both have ``names``, ``parameters()``,
+def open_checkpoint(ckpt_dir: str, model_cfg=None):
+    """The reader of ``ckpt_dir``: :class:`DcpIndex` (v2), the read-only v1
+    :class:`~loom.checkpoint.legacy.LegacyIndex`, or a Megatron checkpoint's
+    :class:`~loom.checkpoint.megatron.index.MegatronIndex` (for a model of ``model_cfg``,
+    default: its saved args'); all have ``names``, ``parameters()``,
     ``has_optimizer_state(name)`` and ``load(names, optim_names, rng_rank)``."""
+    found = megatron.found_at(ckpt_dir)
+    if found is not None:
+        return megatron.open_index(found, model_cfg)
     return LegacyIndex(ckpt_dir) if is_legacy(ckpt_dir) else DcpIndex(ckpt_dir)
 
 
@@ -149,14 +167,26 @@ def latest_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[str
     """The directory named by ``latest_checkpointed_iteration.txt`` (or ``iter_{step}``), or
     None when ``load_dir`` holds no checkpoint. Raises ConfigError naming the pointer file when
     it is unreadable or names a missing iteration (see
-    :func:`loom.checkpoint.safety.resolve_checkpoint`)."""
-    return resolve_checkpoint(load_dir, step)
+    :func:`loom.checkpoint.safety.resolve_checkpoint`). A Megatron-LM checkpoint directory
+    (:func:`loom.checkpoint.megatron.locate.locate`) resolves the same way."""
+    found = locate(load_dir, step)
+    return found.path if found is not None else resolve_checkpoint(load_dir, step)
 
 
-def read_common(ckpt_dir: str) -> dict:
-    """``common.pt`` of a checkpoint (iteration, consumed samples, scheduler, config). Raises
-    ConfigError naming the file when it is corrupt or unreadable (one line, no traceback)."""
+def read_common(ckpt_dir: str, verify: bool = True) -> dict:
+    """``common.pt`` of a checkpoint (iteration, consumed samples, scheduler, config), verified
+    against the manifest. Raises ConfigError naming the file when it is corrupt or unreadable
+    (one line, no traceback), or written in another format than ``metadata.json`` claims (a
+    checkpoint relabelled to skip the manifest). ``verify=False``: neither (``loom checkpoint
+    inspect`` describing a checkpoint it reports damaged). A Megatron checkpoint's:
+    :func:`loom.checkpoint.megatron.common.read_common`."""
+    found = megatron.found_at(ckpt_dir)
+    if found is not None:
+        return megatron.read_common(found)
+    from loom.checkpoint.integrity import _claimed_format, verify_read
     path = os.path.join(ckpt_dir, "common.pt")
+    if verify:
+        verify_read(ckpt_dir, ["common.pt"])
     try:
         common = torch.load(path, map_location="cpu", weights_only=False)
         if not isinstance(common, dict) or "iteration" not in common:
@@ -165,6 +195,11 @@ def read_common(ckpt_dir: str) -> dict:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"checkpoint file {path} is unreadable ({why}); it was truncated or "
                           f"overwritten: give --ckpt-step N to load another checkpoint") from None
+    written, claimed = common.get("format"), _claimed_format(ckpt_dir)
+    if verify and written is not None and claimed != written:
+        raise ConfigError(f"checkpoint file {os.path.join(ckpt_dir, 'metadata.json')} claims "
+                          f"format {claimed!r} but {path} was written as {written}: the files "
+                          f"were edited; restore the checkpoint")
     return common
 
 
@@ -203,28 +238,40 @@ def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: 
 @torch.no_grad()
 def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
                     optimizer: Optional[torch.optim.Optimizer], scheduler, mesh: ParallelMesh,
-                    tracker: Optional[RNGTracker], step: Optional[int] = None) -> Optional[dict]:
+                    tracker: Optional[RNGTracker], step: Optional[int] = None,
+                    model_cfg=None) -> Optional[dict]:
     """Restore the latest checkpoint of ``load_dir`` into this rank's model (and optimizer,
-    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``),
-    or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
+    scheduler, RNG); returns the common state (``iteration``, ``consumed_samples``, ``config``;
+    ``checkpoint_dir``, ``saved_layout``, ``optimizer_restored``, ``rng_restored``: what was
+    loaded), or None when ``load_dir`` holds no checkpoint yet (the run then starts from scratch).
     ``step`` (``--ckpt-step``) loads ``iter_{step}`` instead of the pointer's iteration; a broken
     pointer raises ConfigError naming the file.
 
     Works across layouts: weights and Adam states are resharded by name (also across DP sizes
     and with or without the distributed optimizer). RNG states are restored
     only when the world size and layout match (otherwise the generators keep their fresh seeds).
+    A Megatron checkpoint is read as a model of ``model_cfg`` (default: its saved args'):
+    weights, Adam states where its layout maps (else ConfigError unless ``optimizer`` is None),
+    the scheduler at its iteration; its generators are not loom's (fresh seeds).
     """
     ckpt = latest_checkpoint(load_dir, step)
     if ckpt is None:
         return None
-    index = open_checkpoint(ckpt)
+    found = megatron.found_at(ckpt)
+    index = open_checkpoint(ckpt, model_cfg)
+    same_layout, meta = False, {}  # (a Megatron checkpoint's generators are not loom's)
+    if found is not None:
+        index.check_complete()
+        if optimizer is not None and not index.optim_ok:
+            raise ConfigError(megatron.optimizer_refusal(found))
+    else:
+        from loom.checkpoint.integrity import read_metadata_json
+        meta = read_metadata_json(ckpt)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
     params = _named_params(model_chunks)
     optim_names = [] if optimizer is None else [n for n in params
                                                 if index.has_optimizer_state(n)]
-    with open(os.path.join(ckpt, "metadata.json")) as fh:
-        meta = json.load(fh)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    same_layout = meta.get("world_size") == world and meta.get("layout") == mesh.sizes
     full, states, rng = index.load(params, optim_names,
                                    mesh.rank if tracker is not None and same_layout else None)
     for name, (p, pmeta) in params.items():  # ZeRO-3 (DTensor): this DP rank's slice
@@ -232,6 +279,8 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     if optimizer is not None:
         _restore_optimizer(optimizer, params, full, states, mesh)
     common = read_common(ckpt)
+    if scheduler is not None and found is not None:  # the schedule continues at its iteration
+        scheduler.last_epoch = common["iteration"]
     if scheduler is not None and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"])
         # load_state_dict restores the schedule, not the optimizer's current lr: set it too.
@@ -240,4 +289,6 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     if rng is not None:
         set_rng_state(rng, tracker)
     common["checkpoint_dir"] = ckpt
+    common.update(saved_layout=meta.get("layout"), optimizer_restored=bool(optim_names),
+                  rng_restored=rng is not None)  # what the run's resume line says
     return common

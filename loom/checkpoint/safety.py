@@ -23,29 +23,56 @@ import tempfile
 import zipfile
 from typing import Optional
 
+from loom.checkpoint.integrity import FORMAT as DCP_FORMAT  # noqa: F401 - re-exported
+from loom.checkpoint.integrity import OLD_FORMATS
 from loom.errors import ConfigError
 from loom.paths import (LATEST, available_checkpoints, is_complete,  # noqa: F401 - re-exported
                         iteration_dir, read_pointer, resolve_checkpoint, saved_iterations)
 
 _PARTIAL = re.compile(r"^iter_\d+\.tmp$")
-DCP_FORMAT = "loom-checkpoint-v2"  # loom.checkpoint.io.FORMAT (imported there: torch-free here)
+
+
+def _again(path: str) -> str:
+    return (f"give --ckpt-step N to load another checkpoint "
+            f"({available_checkpoints(os.path.dirname(os.path.abspath(path)))})")
+
+
+def dcp_storage(path: str, again: str = ""):
+    """DCP's ``.metadata`` of the checkpoint ``path`` (verified against the manifest first);
+    ConfigError naming it when unreadable."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from loom.checkpoint.integrity import verify_read
+    verify_read(path, [".metadata"], again)
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling error means a damaged file
+        raise ConfigError(f"checkpoint file {os.path.join(path, '.metadata')} is unreadable "
+                          f"({e}); it was truncated or overwritten"
+                          + (f": {again}" if again else "")) from None
+
+
+def needed_files(path: str, metadata) -> list[str]:
+    """The files a reader of the checkpoint ``path`` may open: DCP's ``.metadata``,
+    ``common.pt``, ``metadata.json``, every file ``metadata`` (DCP's index) references, and
+    ``tokenizer.json`` when there: what its manifest must list."""
+    from loom.checkpoint.integrity import CORE
+    refs = sorted({info.relative_path for info in metadata.storage_data.values()})
+    tok = ["tokenizer.json"] if os.path.isfile(os.path.join(path, "tokenizer.json")) else []
+    return list(CORE) + refs + tok
 
 
 def _check_dcp_files(path: str) -> None:
-    """A v2 (DCP) checkpoint: ``.metadata`` readable, and every ``.distcp`` file it names holds
-    the byte ranges it records; ConfigError names the file."""
-    from torch.distributed.checkpoint import FileSystemReader
-    again = (f"give --ckpt-step N to load another checkpoint "
-             f"({available_checkpoints(os.path.dirname(path))})")
-    meta = os.path.join(path, ".metadata")
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-        storage = metadata.storage_data
-    except Exception as e:  # noqa: BLE001 - any unpickling error means a damaged file
-        raise ConfigError(f"checkpoint file {meta} is unreadable ({e}); it was truncated or "
-                          f"overwritten: {again}") from None
+    """A DCP checkpoint: its manifest present (format v3) and listing every file a reader
+    opens; ``.metadata`` readable and matching its checksum; every ``.distcp`` file it names
+    holds the byte ranges it records and has the manifest's size; ``metadata.json`` agrees
+    with the directory and ``.metadata``. ConfigError names the file. The shards are hashed
+    when they are read (:func:`loom.checkpoint.integrity.verify_read`)."""
+    from loom.checkpoint.integrity import check_coverage, check_descriptions
+    again = _again(path)
+    metadata = dcp_storage(path, again)
     need: dict[str, int] = {}
-    for info in storage.values():
+    for info in metadata.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel, size in sorted(need.items()):
         file = os.path.join(path, rel)
@@ -53,22 +80,26 @@ def _check_dcp_files(path: str) -> None:
         if have < size:
             what = "missing" if have < 0 else f"truncated ({have} of {size} bytes)"
             raise ConfigError(f"checkpoint file {file} is {what}: {again}")
-    from loom.checkpoint.integrity import check_descriptions, verify_manifest
-    check_descriptions(path, (DCP_FORMAT,), metadata.state_dict_metadata)
-    verify_manifest(path, again)
+    check_coverage(path, needed_files(path, metadata), again)
+    check_descriptions(path, (DCP_FORMAT,) + OLD_FORMATS, metadata.state_dict_metadata)
 
 
 def check_checkpoint_files(path: str) -> None:
-    """Refuse a checkpoint whose files are truncated or unreadable; ConfigError names the file.
-    v2 (DCP): see :func:`_check_dcp_files`, then ``metadata.json`` against the directory and
-    ``.metadata`` and every file against its checksum (:mod:`loom.checkpoint.integrity`); v1: each ``.pt`` file must be a readable zip with
-    its central directory."""
+    """Refuse a checkpoint whose files are truncated, unreadable or not covered by its
+    manifest; ConfigError names the file. DCP: see :func:`_check_dcp_files`; v1: each ``.pt``
+    file must be a readable zip with its central directory."""
     dcp = os.path.exists(os.path.join(path, ".metadata"))
     names = sorted(n for n in os.listdir(path) if n.endswith(".pt"))
     if not dcp and not any(n.startswith("model_") for n in names):
+        from loom.checkpoint.integrity import MANIFEST
+        if os.path.isfile(os.path.join(path, MANIFEST)):  # v2/v3 whose .metadata is gone
+            raise ConfigError(f"checkpoint file {os.path.join(path, '.metadata')} is missing "
+                              f"({MANIFEST} lists it): {_again(path)}")
         raise ConfigError(f"checkpoint {path} holds neither DCP's .metadata nor a "
-                          f"model_tp*_pp*.pt shard; give --ckpt-step N to load another one "
-                          f"({available_checkpoints(os.path.dirname(path))})")
+                          f"model_tp*_pp*.pt shard; {_again(path)}")
+    if dcp:
+        _check_dcp_files(path)
+        return
     for name in names:
         file = os.path.join(path, name)
         try:
@@ -77,16 +108,28 @@ def check_checkpoint_files(path: str) -> None:
         except (OSError, zipfile.BadZipFile) as e:
             raise ConfigError(
                 f"checkpoint file {file} is unreadable ({e}); it was truncated or overwritten: "
-                f"give --ckpt-step N to load another checkpoint "
-                f"({available_checkpoints(os.path.dirname(path))})") from None
-    if dcp:
-        _check_dcp_files(path)
+                f"{_again(path)}") from None
+
+
+def integrity_note(path: str) -> Optional[str]:
+    """One line for a checkpoint whose files cannot be verified because its format predates
+    the mandatory manifest (v1, or v2 without one); None otherwise (a current-format checkpoint
+    without its manifest is refused: :func:`loom.checkpoint.integrity.manifest_of`)."""
+    from loom.checkpoint.integrity import MANIFEST, UNVERIFIED, _claimed_format
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return None
+    fmt = _claimed_format(path) or "loom-checkpoint-v1"
+    if fmt not in UNVERIFIED:
+        return None
+    return (f"checkpoint {path} is format {fmt}, saved before loom kept checksums "
+            f"({MANIFEST}): its file sizes are checked, their contents cannot be")
 
 
 def check_fresh_load(load: str, save: Optional[str]) -> None:
     """``--load`` names no checkpoint: allowed (a fresh start, said by the caller) only for an
     empty or absent directory that is also ``--save`` (a job that resumes itself) or an empty
-    directory. Refused, with ConfigError naming ``--load``: a path that does not exist (a typo;
+    directory; partial ``iter_N.tmp`` directories of a first save cut short do not count (the
+    start removes them from ``--save``: :func:`remove_partial_checkpoints`). Refused, with ConfigError naming ``--load``: a path that does not exist (a typo;
     unless it is ``--save``), a symlink loop or unreadable path, and a directory holding other
     files (a dataset directory, say), so a wrong path never silently starts from scratch."""
     try:
@@ -103,7 +146,8 @@ def check_fresh_load(load: str, save: Optional[str]) -> None:
                           f"scratch, drop --load, or give the same directory as --save)") from None
     if not os.path.isdir(load):
         return  # resolve_checkpoint refuses a file
-    others = sorted(n for n in os.listdir(load) if not n.startswith("."))
+    others = sorted(n for n in os.listdir(load) if not n.startswith(".") and not
+                    _PARTIAL.match(n) and n != LATEST + ".tmp")  # a first save cut short
     if others:
         raise ConfigError(f"--load {load} holds no checkpoint (no {LATEST}, no iter_*) but other "
                           f"files ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): "
@@ -197,28 +241,41 @@ def last_checkpoint_before(save_dir: str, iteration: int) -> Optional[int]:
     return older[-1] if older else None
 
 
-def prune_checkpoints(save_dir: str, keep_last: int,
-                      keep_before: Optional[int] = None) -> list[str]:
+def prune_checkpoints(save_dir: str, keep_last: Optional[int],
+                      keep_before: Optional[int] = None,
+                      retain_interval: Optional[int] = None) -> list[str]:
     """Delete all but the newest ``keep_last`` complete ``iter_NNNNNNN`` directories
-    (``--keep-last``), never the one the ``latest`` pointer names, and never the newest complete
-    one below ``keep_before`` (the run's first non-finite iteration: the last checkpoint
-    before training diverged); returns the removed paths. Call on rank 0 after a save
-    completed."""
+    (``--keep-last``; None with ``retain_interval``: 1, Megatron's ``--save-retain-interval``
+    alone keeps only the latest besides its multiples), never the one the ``latest`` pointer
+    names, never an iteration divisible by ``retain_interval``, never the newest complete one
+    below ``keep_before`` (the run's first non-finite iteration: the last checkpoint before
+    training diverged), and never one a reader holds (:mod:`loom.checkpoint.holds`; pruning
+    runs under the same lock as a reader's choice). Returns the removed paths. Call on rank 0
+    after a save completed."""
+    from loom.checkpoint.holds import held_checkpoints, root_guard
+    if keep_last is None:
+        if retain_interval is None:
+            return []
+        keep_last = 1
     pointer = os.path.join(save_dir, LATEST)
     try:
         with open(pointer) as fh:
             latest = int(fh.read().strip())
     except (OSError, ValueError):
         return []
-    iters = sorted(int(n[5:]) for n in os.listdir(save_dir)
-                   if n.startswith("iter_") and n[5:].isdigit()
-                   and os.path.isdir(os.path.join(save_dir, n)))
-    good = last_checkpoint_before(save_dir, keep_before) if keep_before is not None else None
     removed = []
-    for it in iters[:-keep_last] if len(iters) > keep_last else []:
-        if it in (latest, good):
-            continue
-        path = os.path.join(save_dir, f"iter_{it:07d}")
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+    with root_guard(save_dir):
+        iters = sorted(int(n[5:]) for n in os.listdir(save_dir)
+                       if n.startswith("iter_") and n[5:].isdigit()
+                       and os.path.isdir(os.path.join(save_dir, n)))
+        good = last_checkpoint_before(save_dir, keep_before) if keep_before is not None else None
+        held = held_checkpoints(save_dir)
+        for it in iters[:-keep_last] if len(iters) > keep_last else []:
+            name = f"iter_{it:07d}"
+            if it in (latest, good) or name in held or (retain_interval and
+                                                        it % retain_interval == 0):
+                continue
+            path = os.path.join(save_dir, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     return removed

@@ -1,5 +1,7 @@
 """The trainer's checkpoint saves: synchronous, or ``--async-save`` (training continues while
 DCP writes; the rename and the ``latest`` pointer follow once every rank's files are written).
+``--ckpt-format torch_dist`` writes Megatron's format instead of loom's own ``loom_dcp``
+(:mod:`loom.checkpoint.megatron.train_save`, synchronous).
 
 An asynchronous save is finalized (rank 0 renames ``iter_N.tmp`` and moves the pointer) at the
 first step check that finds its write complete (:meth:`Saver.poll`), at the latest before the
@@ -32,7 +34,9 @@ class Saver:
         self.blocked_s = 0.0  # time the step loop spent in the latest save call
         self.say: Optional[Callable[[str], None]] = None  # the log's print, once given
         self.first_nonfinite: Optional[int] = None  # the run's first skipped iteration
-        self.data: Optional[dict] = None  # the datasets' identities (data_match)
+        self.data: Optional[dict] = None  # the datasets' identities (data_match), at open
+        self.data_files: dict = {}  # their files' (inode, size, mtime) when opened
+        self.data_changed: set = set()  # datasets already said to have changed on disk
 
     @property
     def verb(self) -> str:
@@ -43,11 +47,29 @@ class Saver:
         first = blend_prefixes(self.cfg.data.data_path or self.cfg.data.train_data_path)
         return tokenizer_file or (first[0] + ".tokenizer.json" if first else None)
 
+    def opened(self) -> None:
+        """Record the identities of the datasets (``meta.json``'s checksums) and their files'
+        inode, size and modification time: call right after the datasets were opened, so a
+        checkpoint records the data the run trains on, not what lies on disk at its first
+        save."""
+        from loom.checkpoint.data_match import data_files, data_identities
+        self.data, self.data_files = data_identities(self.cfg.data), data_files(self.cfg.data)
+
     def _data(self) -> dict:
-        """The datasets' identities, recorded in every checkpoint (read once per run)."""
+        """The datasets' identities when they were opened, recorded in every checkpoint; at each
+        save the files are compared again and a dataset replaced on disk since (``loom
+        preprocess --overwrite`` while the job runs) is said once: the run goes on with the
+        files it opened, and a resume on the new ones will be refused."""
+        from loom.checkpoint.data_match import changed_data
         if self.data is None:
-            from loom.checkpoint.data_match import data_identities
-            self.data = data_identities(self.cfg.data)
+            self.opened()
+        for flag, prefix in changed_data(self.data_files):
+            if (flag, prefix) not in self.data_changed and self.say is not None:
+                self.say(f" {flag} {prefix}: its files changed on disk since this run opened "
+                         f"them (`loom preprocess --overwrite`?): this run trains on the files "
+                         f"it opened and its checkpoints record those, so a resume on the new "
+                         f"files will be refused (--override-data-change accepts them)")
+            self.data_changed.add((flag, prefix))
         return self.data
 
     def save(self, save_dir: str, *, iteration: int, consumed_samples: int, model_chunks,
@@ -64,11 +86,20 @@ class Saver:
             minutes = self.cfg.fault_tolerance.distributed_timeout_minutes
             self.group = dist.new_group(backend="gloo",
                                         timeout=datetime.timedelta(minutes=minutes))
-        job = start_save(save_dir, iteration, model_chunks, optimizer, scheduler, mesh, tracker,
-                         consumed_samples=consumed_samples, config=self.cfg.to_flat(),
-                         tokenizer_file=self._tokenizer(tokenizer_file),
-                         async_save=self.async_save, group=self.group,
-                         after_write=after_write, data=self._data())
+        if self.cfg.training.ckpt_format == "torch_dist":  # Megatron's format (synchronous)
+            from loom.checkpoint.megatron.train_save import start_megatron_save
+            job = start_megatron_save(save_dir, iteration, model_chunks, optimizer, scheduler,
+                                      mesh, consumed_samples=consumed_samples,
+                                      config=self.cfg.to_flat(), model_cfg=self.cfg.model,
+                                      tokenizer_file=self._tokenizer(tokenizer_file),
+                                      after_write=after_write, data=self._data())
+        else:
+            job = start_save(save_dir, iteration, model_chunks, optimizer, scheduler, mesh,
+                             tracker, consumed_samples=consumed_samples,
+                             config=self.cfg.to_flat(),
+                             tokenizer_file=self._tokenizer(tokenizer_file),
+                             async_save=self.async_save, group=self.group,
+                             after_write=after_write, data=self._data())
         if job.future is None:
             finalize_save(job)
             self._prune(job)
@@ -78,9 +109,11 @@ class Saver:
         return job.final
 
     def _prune(self, job: PendingSave) -> None:
-        keep = self.cfg.checkpoint.keep_last
-        if keep and (not dist.is_initialized() or dist.get_rank() == 0):
-            prune_checkpoints(job.save_dir, keep, keep_before=self.first_nonfinite)
+        ck = self.cfg.checkpoint
+        if (ck.keep_last or ck.save_retain_interval) and (not dist.is_initialized()
+                                                          or dist.get_rank() == 0):
+            prune_checkpoints(job.save_dir, ck.keep_last, keep_before=self.first_nonfinite,
+                              retain_interval=ck.save_retain_interval)
 
     @staticmethod
     def holds(loaded: Optional[str], save_dir: str, iteration: int) -> bool:

@@ -140,6 +140,6 @@ def check_gptoss(m: Any, tp: int, cp: int) -> None:
         if m.padded_vocab_size % tp:
             raise ConfigError(f"--padded-vocab-size {m.padded_vocab_size} is not divisible by "
                               f"--tensor-model-parallel-size {tp}: give a multiple of {tp}")
-    if m.enable_gpt_oss and (m.position_embedding_type != "rope" or m.multi_latent_attention):
+    if m.enable_gpt_oss and (not m.rotary or m.multi_latent_attention):
         raise ConfigError("--enable-gpt-oss sets YaRN on RoPE: add --position-embedding-type "
                           "rope (without --multi-latent-attention)")

@@ -46,6 +46,9 @@ class MLAFields:
                                                 "range (default 32)", gt=0)
     yarn_beta_slow: Optional[float] = opt(None, "YaRN: beta slow of the frequency correction "
                                                 "range (default 1)", gt=0)
+    yarn_correction_range_round_to_int: bool = opt(
+        True, "YaRN of --position-embedding-type yarn: the correction range's bounds rounded "
+              "to whole dimensions (multi-latent attention always rounds, as Megatron's)")
     # -- multi-token prediction (DeepSeek-V3 sec. 2.2; Megatron's --mtp-*) ---------------------
     mtp_num_layers: Optional[int] = opt(None, "multi-token prediction depth D: D sequential "
                                               "modules on the last pipeline stage predict "
@@ -58,6 +61,16 @@ class MLAFields:
         """``rope`` or ``yarn``: ``--rope-type``, or Megatron's default (yarn for MLA)."""
         return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
 
+    def yarn_args(self) -> dict:
+        """The YaRN keywords of :func:`loom.models.yarn.yarn_cos_sin` these flags give:
+        ``factor`` (``--rotary-scaling-factor``, default 1), ``original_max`` (default 4096),
+        ``beta_fast`` (32), ``beta_slow`` (1), ``mscale``, ``mscale_all_dim`` (Megatron's
+        ``_apply_yarn_config_from_args`` defaults)."""
+        return dict(factor=self.rotary_scaling_factor or 1.0,
+                    original_max=self.yarn_original_max_position_embeddings or 4096,
+                    beta_fast=self.yarn_beta_fast or 32.0, beta_slow=self.yarn_beta_slow or 1.0,
+                    mscale=self.mscale, mscale_all_dim=self.mscale_all_dim)
+
     @property
     def q_head_dim(self) -> int:
         """MLA's per-head query/key width: ``--qk-head-dim + --qk-pos-emb-head-dim``."""
@@ -66,9 +79,18 @@ class MLAFields:
 
 def check_mla(m: Any, tp: int, cp: int, pp: int) -> None:
     """Refuse MLA / YaRN / MTP flags that do not fit: MLA with grouped-query attention
-    (Megatron's rule) or without RoPE, --rope-type yarn without MLA, --mtp-num-layers with
-    learned positions under pipelining (``tp``, ``cp``, ``pp``: the parallel sizes). Raises
-    ConfigError naming the flag and a fix for this model."""
+    (Megatron's rule) or with --position-embedding-type yarn (Megatron asserts that no
+    model-level rotary embedding reaches MLA), --rope-type yarn without MLA, YaRN with a
+    partial rotary percent, --mtp-num-layers with learned positions under pipelining (``tp``,
+    ``cp``, ``pp``: the parallel sizes). Raises ConfigError naming the flag and a fix for this
+    model.
+
+    MLA applies its own RoPE (``--rope-type``) to the decoupled key whatever
+    ``--position-embedding-type`` is: ``rope`` and ``none`` add nothing else, and
+    ``learned_absolute`` (Megatron's default, e.g. its ``gpt3_mcore_te_tp2_pp2_mla`` functional
+    test) adds the learned position table to the embedding as well (Megatron-Core's GPTModel
+    builds no model-level rotary embedding under MLA, and its ``LanguageModelEmbedding`` adds
+    the table for ``learned_absolute``)."""
     if m.rope_type == "yarn" and not m.multi_latent_attention:
         raise ConfigError("--rope-type yarn: loom (like Megatron) applies YaRN only in "
                           "multi-latent attention; add --multi-latent-attention or drop "
@@ -82,12 +104,18 @@ def check_mla(m: Any, tp: int, cp: int, pp: int) -> None:
             raise ConfigError("--group-query-attention excludes --multi-latent-attention (the "
                               "latent is shared by every head already): drop "
                               "--group-query-attention")
-        if m.position_embedding_type != "rope":
-            raise ConfigError("--multi-latent-attention applies RoPE to its decoupled key: add "
-                              "--position-embedding-type rope")
+        if m.position_embedding_type == "yarn":
+            raise ConfigError("--position-embedding-type yarn with --multi-latent-attention: "
+                              "MLA applies its own YaRN to the decoupled key (Megatron asserts "
+                              "no other rotary embedding reaches it): give "
+                              "--position-embedding-type rope --rope-type yarn")
         if m.qk_pos_emb_head_dim % 2:
             raise ConfigError(f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim}: RoPE needs an "
                               f"even dimension; use {m.qk_pos_emb_head_dim + 1}")
+    if m.position_embedding_type == "yarn" and m.rotary_percent < 1:
+        raise ConfigError(f"--position-embedding-type yarn rotates every channel of a head "
+                          f"(Megatron's YarnRotaryEmbedding ignores --rotary-percent "
+                          f"{m.rotary_percent}): drop --rotary-percent")
     if m.mtp_num_layers:
         if m.model_type != "gpt":
             raise ConfigError(f"--mtp-num-layers is multi-token prediction of --model-type gpt, "

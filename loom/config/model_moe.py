@@ -11,7 +11,7 @@ from loom.config.fields import opt
 from loom.errors import ConfigError
 
 RouterScore = Literal["softmax", "sigmoid"]
-LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
+LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
 RouterDtype = Literal["fp32", "fp64"]
 Dispatcher = Literal["allgather", "alltoall", "flex"]
 
@@ -91,9 +91,11 @@ class MoEFields:
     moe_shared_expert_gate: bool = opt(False, "scale the shared expert's output by "
                                               "sigmoid(x w) (Qwen2-MoE)")
     moe_router_load_balancing_type: LoadBalancing = opt(
-        "aux_loss", "load-balancing loss: aux_loss (per micro-batch), seq_aux_loss (per "
-                    "sequence, DeepSeek-V3), global_aux_loss (load over all DP ranks and the "
-                    "step's micro-batches) or none")
+        "aux_loss", "load balancing: the loss aux_loss (per micro-batch), seq_aux_loss (per "
+                    "sequence, DeepSeek-V3) or global_aux_loss (load over all DP ranks and the "
+                    "step's micro-batches); sinkhorn (S-BASE: experts from the Sinkhorn-"
+                    "balanced assignment in training, weights sigmoid (k = 1) or softmax, no "
+                    "aux loss); or none")
     moe_router_enable_expert_bias: bool = opt(
         False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the sigmoid "
                "scores for the top-k choice, updated after each step from the global load")
@@ -138,6 +140,27 @@ class MoEFields:
             return layer_number % int(text) == 0
         return bool(parse_moe_layer_freq(text, self.num_layers)[layer_number])
 
+    def _check_sinkhorn(self) -> None:
+        """Megatron's sinkhorn routing takes no aux loss (it asserts the coefficient is 0) and
+        picks its own scores (sigmoid for k = 1, softmax otherwise): the router options it
+        would silently ignore are refused."""
+        if self.moe_aux_loss_coeff:
+            raise ConfigError("--moe-router-load-balancing-type sinkhorn balances the load "
+                              "itself and takes no auxiliary loss (Megatron asserts "
+                              "--moe-aux-loss-coeff 0): drop --moe-aux-loss-coeff")
+        ignored = [f for f, on in (
+            ("--moe-router-score-function sigmoid", self.moe_router_score_function != "softmax"),
+            ("--moe-router-pre-softmax", self.moe_router_pre_softmax),
+            ("--moe-router-enable-expert-bias", self.moe_router_enable_expert_bias),
+            ("--moe-router-num-groups", self.moe_router_num_groups is not None),
+            ("--moe-router-topk-scaling-factor", self.moe_router_topk_scaling_factor))
+            if on]
+        if ignored:
+            raise ConfigError(f"{ignored[0]}: sinkhorn routing (--moe-router-load-balancing-"
+                              f"type sinkhorn) chooses by the balanced assignment and weighs by "
+                              f"sigmoid (top-1) or softmax scores, without it (Megatron ignores "
+                              f"it): drop {ignored[0].split()[0]}")
+
     def check_moe_fields(self, tensor_parallel: int, recompute: bool, zero3: bool = False) -> None:
         """The router / dispatcher flags' own rules (Megatron's TransformerConfig checks).
         Raises ConfigError naming the flag and a fix."""
@@ -162,6 +185,8 @@ class MoEFields:
                                                not self.moe_shared_expert_intermediate_size):
             raise ConfigError("--moe-shared-expert-overlap needs --moe-token-dispatcher-type "
                               "alltoall and --moe-shared-expert-intermediate-size")
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            self._check_sinkhorn()
         if self.moe_router_load_balancing_type == "global_aux_loss" and recompute:
             raise ConfigError("--moe-router-load-balancing-type global_aux_loss keeps a running "
                               "load that a recomputed forward would not replay: drop "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from loom.config.fields import opt
+from loom.errors import ConfigError
 
 
 @dataclass
@@ -39,17 +40,24 @@ class CheckpointConfig:
     no_load_rng: bool = opt(False, "do not load the random-generator states")
     keep_last: Optional[int] = opt(None, "keep only the newest N checkpoints in --save "
                                          "(default: keep all)", ge=1)
+    save_retain_interval: Optional[int] = opt(
+        None, "never prune the checkpoints of iterations divisible by N (a multiple of "
+              "--save-interval): with --keep-last they stay beside the newest; alone, every "
+              "other checkpoint but the latest is deleted as new ones are saved (Megatron's "
+              "meaning)", ge=1)
     exit_interval: Optional[int] = opt(None, "save and exit cleanly after an iteration divisible "
                                              "by N", ge=1)
     async_save: bool = opt(False, "write checkpoints in the background (torch.distributed."
                                   "checkpoint.async_save): training continues; the latest "
                                   "pointer moves once every rank's files are written")
     override_opt_param_scheduler: bool = opt(
-        False, "on resume, take the learning-rate schedule from these flags even when they "
-               "differ from the checkpoint's")
+        False, "on resume, take the learning-rate and weight-decay schedule from these flags "
+               "even when they differ from the checkpoint's",
+        aliases=("--override-opt_param-scheduler",))
     use_checkpoint_opt_param_scheduler: bool = opt(
-        False, "on resume, take the learning-rate schedule from the checkpoint (ignoring "
-               "--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style)")
+        False, "on resume, take the learning-rate and weight-decay schedule from the "
+               "checkpoint (ignoring --lr, --min-lr, --lr-warmup-iters/-fraction/-samples, "
+               "--lr-decay-iters/-samples, --lr-decay-style, --weight-decay)")
 
 
 @dataclass
@@ -73,3 +81,19 @@ class FaultToleranceConfig:
         False, "on SIGTERM or SIGINT, finish the current iteration, save a checkpoint (with "
                "--save) and exit 0 (Megatron's meaning); without it a signal ends the rank at "
                "once with one line, status 128+signal, no save")
+
+
+def check_pruning(ck: CheckpointConfig) -> None:
+    """``--keep-last`` / ``--save-retain-interval`` prune the checkpoints of ``--save``: refused
+    without it (they would silently do nothing), and a retain interval that is not a multiple
+    of ``--save-interval`` (Megatron asserts the same: no save would fall on it)."""
+    for name, value in (("--keep-last", ck.keep_last),
+                        ("--save-retain-interval", ck.save_retain_interval)):
+        if value and not ck.save:
+            raise ConfigError(f"{name} {value} prunes the checkpoints of --save, but no --save "
+                              f"is given: add --save DIR or drop {name}")
+    if ck.save_retain_interval and isinstance(ck.save_interval, int) and \
+            ck.save_retain_interval % ck.save_interval:
+        raise ConfigError(f"--save-retain-interval {ck.save_retain_interval} is not a multiple "
+                          f"of --save-interval {ck.save_interval}: no checkpoint would be saved "
+                          f"at its multiples; give a multiple of {ck.save_interval}")

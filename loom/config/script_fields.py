@@ -1,6 +1,6 @@
 """Megatron-LM flags its example scripts use that change what loom trains, logs or loads: mixins
 of the sections (Megatron's names, meanings and defaults; rows in
-:mod:`loom.config.megatron_defaults`). Their resolution into loom's own fields is
+:mod:`loom.config.flag_rows`). Their resolution into loom's own fields is
 :func:`loom.config.script_flags.resolve_script_flags`.
 """
 
@@ -11,7 +11,9 @@ from typing import Literal, Optional
 
 from loom.config.fields import opt
 
-CkptFormat = Literal["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
+CkptFormat = Literal["loom_dcp", "torch_dist", "torch", "torch_dcp", "fsdp_dtensor"]
+OptimizerName = Literal["adam", "sgd", "muon", "dist_muon"]  # others: refused by the table
+TimingLogOption = Literal["max", "minmax", "all"]
 ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TiktokenPattern = Literal["v1", "v2"]
 
@@ -23,6 +25,11 @@ class ModelScriptFields:
     rotary_percent: float = opt(1.0, "share of each head's channels RoPE rotates, in (0, 1]: "
                                      "the first int(d x p) rotate, the rest pass (GPT-NeoX)",
                                 gt=0)
+    rotary_interleaved: bool = opt(
+        False, "RoPE rotates channel pairs (2i, 2i+1) instead of (i, i+r/2), the halves of "
+               "each head's rotated channels (GPT-J's layout); with --rotary-percent within "
+               "the rotated channels; not with YaRN or --multi-latent-attention (Megatron's "
+               "rules)")
     use_rotary_position_embeddings: bool = opt(
         False, "= --position-embedding-type rope (Megatron's deprecated spelling)")
     no_position_embedding: bool = opt(
@@ -30,12 +37,8 @@ class ModelScriptFields:
                "changes nothing; otherwise refused, as Megatron refuses it (use "
                "--position-embedding-type)")
 
-    mamba_num_heads: Optional[int] = opt(
-        None, "Mamba-2 heads per layer: d_inner = heads x --mamba-head-dim (default: "
-              "--mamba-expand x h / --mamba-head-dim); sets --mamba-expand, so it must be a "
-              "multiple of h", ge=1)
-    squared_relu: bool = opt(False, "MLP activation relu(x)^2 instead of GeLU (So et al. "
-                                    "2021, Primer; not with --swiglu or MoE experts)")
+    squared_relu: bool = opt(False, "MLP and expert activation relu(x)^2 instead of GeLU (So "
+                                    "et al. 2021, Primer; not with --swiglu)")
     moe_token_drop_policy: Literal["probs", "position"] = opt(
         "probs", "with --moe-expert-capacity-factor: drop the tokens of lowest router score "
                  "(probs, loom's) or the last ones (position: refused)")
@@ -91,14 +94,35 @@ class TrainingScriptFields:
         "optim_grads_params", "with --use-megatron-fsdp: no_shard (ZeRO 0), optim (1), "
                               "optim_grads (2), optim_grads_params (3)")
     ckpt_format: CkptFormat = opt(
-        "torch_dist", "checkpoint format: torch_dist, torch_dcp and fsdp_dtensor are loom's "
-                      "DCP checkpoints; torch (pickled legacy) is refused")
+        "loom_dcp", "what --save writes: loom_dcp (loom's own; Megatron's default is torch_dist: "
+                    "the run trains the same) or torch_dist (Megatron's, which Megatron-LM "
+                    "--load reads: weights, Adam states, iteration, saved synchronously, no RNG "
+                    "state); torch, torch_dcp and fsdp_dtensor write loom_dcp (said at start); "
+                    "--load reads every format, Megatron's torch and torch_dist included "
+                    "(detected)")
     pretrained_checkpoint: Optional[str] = opt(
         None, "fine-tuning: when --load holds no checkpoint, load only the weights of this one "
               "and start at iteration 0 (Megatron's semantics)")
     use_checkpoint_args: bool = opt(
         False, "take the model's architecture from the --load (else --pretrained-checkpoint) "
                "checkpoint, overriding the flags")
+    optimizer: OptimizerName = opt(
+        "adam", "adam: AdamW, decoupled weight decay (Megatron's adam); sgd: torch.optim.SGD "
+                "with --sgd-momentum and --weight-decay as L2 added to the gradient (Megatron's "
+                "sgd); both with the plain or distributed optimizer (ZeRO-1/2), FSDP2 (ZeRO-3), "
+                "fp32 master weights for --bf16/--fp16, states saved by parameter name; muon: "
+                "Megatron's Muon (momentum, Newton-Schulz orthogonalized updates of the 2-D "
+                "weights, AdamW for the rest; --muon-*), plain or distributed (ZeRO-1/2); "
+                "dist_muon: muon with --use-distributed-optimizer (Megatron's old spelling)")
+    sgd_momentum: float = opt(0.9, "--optimizer sgd: momentum factor (0: plain SGD, no state)",
+                              ge=0)
+    deterministic_mode: bool = opt(
+        False, "bitwise-reproducible runs (what torch offers): "
+               "torch.use_deterministic_algorithms(True) (an op without a deterministic kernel "
+               "raises, naming itself), CUBLAS_WORKSPACE_CONFIG=:4096:8 and NCCL_ALGO=Ring "
+               "unless set (Megatron's values; nondeterministic values refused), "
+               "cudnn.benchmark off. loom's own reductions (gradient buckets, norms, "
+               "pipeline, loss) already run in a fixed order, with or without overlap")
 
 
 @dataclass
@@ -121,9 +145,65 @@ class DataScriptFields:
 
 
 @dataclass
-class LoggingScriptFields:
-    """Weights & Biases (a mixin of LoggingConfig)."""
+class DebugScriptFields:
+    """Megatron's timers, profiler and memory snapshots (docs/debugging.md); a mixin of
+    LoggingConfig through :class:`LoggingScriptFields`."""
 
+    timing_log_level: int = opt(
+        0, "timers, 0-2: 0 the iteration time only (no extra synchronization); 1 adds "
+           "forward-backward, the gradient reductions, the optimizer's phases, the parameter "
+           "all-gather (once per iteration each; a CUDA sync at each start and stop); 2 adds "
+           "batch-generator, forward/backward compute and pipeline send/recv (per micro-batch)",
+        ge=0, lt=3)
+    timing_log_option: TimingLogOption = opt(
+        "minmax", "timers over ranks: max, minmax (min and max) or all (every rank)")
+    log_timers_to_tensorboard: bool = opt(
+        False, "write each timer's max over ranks (NAME-time, ms per iteration) and "
+               "iteration-time (s) to --tensorboard-dir")
+    no_barrier_with_level_1_timing: bool = opt(
+        False, "no barrier before the level-1 timers forward-backward, all-grads-sync, "
+               "optimizer and params-all-gather (Megatron's default has one, so their times "
+               "exclude waiting for slower ranks)")
+    log_memory_to_tensorboard: bool = opt(
+        False, "CUDA: mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes and "
+               "mem-allocated-count (torch.cuda.memory_stats) to --tensorboard-dir at each "
+               "--log-interval; CPU: one line says so (peak resident memory is always logged)")
+    profile: bool = opt(
+        False, "profile iterations --profile-step-start..--profile-step-end on --profile-ranks: "
+               "with --use-pytorch-profiler a torch.profiler Chrome trace "
+               "(DIR/../torch_profile/rank-N.json.gz beside --tensorboard-dir DIR, else "
+               "./torch_profile/); without, Megatron's nsys capture range "
+               "(cudaProfilerStart/Stop, for nsys profile --capture-range=cudaProfilerApi; "
+               "needs CUDA, on CPU one line says nothing is captured)")
+    use_pytorch_profiler: bool = opt(False, "--profile with torch.profiler instead of nsys")
+    profile_step_start: int = opt(10, "--profile: first profiled iteration", ge=0)
+    profile_step_end: int = opt(12, "--profile: torch.profiler records iterations up to this "
+                                    "one, excluded; nsys stops after it", ge=0)
+    profile_ranks: Optional[str] = opt(None, "global ranks --profile and "
+                                             "--record-memory-history apply to (default: all)",
+                                       words=True)
+    pytorch_profiler_collect_shapes: bool = opt(False, "--use-pytorch-profiler: record tensor "
+                                                       "shapes")
+    pytorch_profiler_collect_callstack: bool = opt(False, "--use-pytorch-profiler: record "
+                                                          "Python call stacks")
+    record_memory_history: bool = opt(
+        False, "CUDA: record allocator history from the model build on (--profile-ranks) and "
+               "dump a snapshot (torch.cuda.memory._dump_snapshot, for pytorch.org/memory_viz) "
+               "to --memory-snapshot-path as BASE_RANK.EXT at every --log-interval, and "
+               "BASE_oom_rank_RANK.EXT on out-of-memory; CPU: one line says it needs CUDA")
+    memory_snapshot_path: str = opt("snapshot.pickle", "--record-memory-history: the "
+                                                       "snapshot file (the rank is appended)")
+
+
+@dataclass
+class LoggingScriptFields(DebugScriptFields):
+    """Weights & Biases, per-layer MoE losses, and Megatron's debugging flags (a mixin of
+    LoggingConfig)."""
+
+    moe_per_layer_logging: bool = opt(
+        False, "log each MoE layer's load-balancing and z losses every iteration (Megatron's "
+               "moe/<loss>_layer_<i>: without the coefficient, mean over the micro-batches "
+               "and data-parallel ranks) to the JSON log, TensorBoard and W&B")
     wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
                                              "there too (WANDB_MODE=offline works offline)")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name")

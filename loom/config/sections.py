@@ -19,14 +19,15 @@ from loom.config.model_gptoss import GptOssFields
 from loom.config.model_mamba import MambaFields
 from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
+from loom.config.model_mup import MupFields
+from loom.config.optimizer_muon import MuonFields
 from loom.config.parallel_cp import ContextParallelFields
 from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
-from loom.config.compat import ImplementationSwitches
 from loom.config.script_fields import (DataScriptFields, LoggingScriptFields, ModelScriptFields,
                                        TrainingScriptFields)
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
-PositionEmbedding = Literal["learned_absolute", "rope", "none"]
+PositionEmbedding = Literal["learned_absolute", "rope", "yarn", "none"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble", "zbv"]
 DecayStyle = Literal["cosine", "linear", "constant"]
 Recompute = Literal["selective", "full"]
@@ -73,10 +74,18 @@ class ModelShapeFields:
               "PREFIX.meta.json or the checkpoint)", ge=1)
     make_vocab_size_divisible_by: int = opt(
         128, "pad V to a multiple of this times the tensor-parallel size", ge=1)
+    exclude_padded_vocab: bool = opt(
+        False, "loom's own: leave the padded vocabulary columns (ids >= V, from "
+               "--make-vocab-size-divisible-by or --padded-vocab-size) out of the softmax of "
+               "the loss and of evaluation, so the model's function does not depend on the "
+               "padding (hence on t); default: in the softmax, as Megatron-Core's output "
+               "layer has them")
     normalization: Normalization = opt("LayerNorm", "layer normalization: LayerNorm or RMSNorm")
     norm_epsilon: float = opt(1e-5, "epsilon added to the variance in the normalization", gt=0)
     position_embedding_type: PositionEmbedding = opt(
-        "learned_absolute", "positions: learned_absolute embeddings, rope (rotary) or none")
+        "learned_absolute", "positions: learned_absolute embeddings, rope (rotary), yarn "
+                            "(rotary with YaRN scaling: --rotary-scaling-factor, --yarn-*, "
+                            "--mscale, --mscale-all-dim) or none")
     rotary_base: float = opt(10000.0, "RoPE base period (theta)", gt=0)
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU")
     openai_gelu: bool = opt(False, "tanh-approximated GeLU, as GPT-2 uses")
@@ -94,15 +103,15 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
-                  BertFields, MoEFields, ModelShapeFields):
+class ModelConfig(MupFields, ModelScriptFields, GptOssFields, MLAFields, MambaFields,
+                  Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
     The fields every family has (:class:`ModelShapeFields`), then each family's own, in its own
     module: mixture of experts (:mod:`~loom.config.model_moe`), BERT
     (:mod:`~loom.config.model_bert`), Gemma 3 (:mod:`~loom.config.model_gemma3`), Mamba-2
     (:mod:`~loom.config.model_mamba`), multi-latent attention, YaRN and multi-token prediction
-    (:mod:`~loom.config.model_mla`). One flat section all the same: ``cfg.model.<field>``,
+    (:mod:`~loom.config.model_mla`), muP (:mod:`~loom.config.model_mup`). One flat section all the same: ``cfg.model.<field>``,
     the flag ``--<field>`` and the YAML key, in this order.
     """
 
@@ -120,6 +129,20 @@ class ModelConfig(ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma
     def ffn_size(self) -> int:
         """MLP hidden size: ``--ffn-hidden-size`` or 4h."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def softmax_vocab_size(self) -> Optional[int]:
+        """Output columns the softmax of the loss and of evaluation spans: V with
+        ``--exclude-padded-vocab``, else None: all Vp, the padded ones included (Megatron-Core's
+        output layer and ``vocab_parallel_cross_entropy``). Generation never samples a padded
+        id either way."""
+        return self.vocab_size if self.exclude_padded_vocab else None
+
+    @property
+    def rotary(self) -> bool:
+        """Whether standard attention rotates queries and keys: ``--position-embedding-type``
+        rope or yarn."""
+        return self.position_embedding_type in ("rope", "yarn")
 
     @property
     def max_positions(self) -> int:
@@ -177,6 +200,15 @@ class ParallelConfig(ContextParallelFields):
               "two chunks per stage in a V, L divisible by 2p); loom's own names for the last "
               "two, not Megatron values; default: interleaved when "
               "--num-layers-per-virtual-pipeline-stage is given, else 1f1b)")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = opt(
+        None, "model chunks per pipeline stage v (Megatron's other spelling: sets "
+              "--num-layers-per-virtual-pipeline-stage L / (p v); 1: no interleaving)", ge=1)
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "count the input embedding as a layer when splitting the layers over pipeline "
+               "stages: the first stage holds one layer fewer ((L + 1) / p layers a stage)")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "count the loss as a layer when splitting the layers over pipeline stages: the "
+               "last stage holds one layer fewer")
     decoder_first_pipeline_num_layers: Optional[int] = opt(
         None, "layers on the first pipeline stage (the rest split evenly)", ge=1)
     decoder_last_pipeline_num_layers: Optional[int] = opt(
@@ -203,7 +235,7 @@ class ParallelConfig(ContextParallelFields):
 
 
 @dataclass
-class TrainingConfig(ImplementationSwitches, TrainingScriptFields):
+class TrainingConfig(TrainingScriptFields, MuonFields):
     """Batch sizes, iterations, optimizer and learning-rate schedule."""
 
     micro_batch_size: Optional[int] = opt(None, "b: samples per micro-batch per data-parallel "

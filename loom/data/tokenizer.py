@@ -17,6 +17,12 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrai
                    "NullTokenizer")
 SENTENCEPIECE_TYPES = ("Llama2Tokenizer", "GPTSentencePieceTokenizer", "SentencePieceTokenizer")
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# Hugging Face's tokenizer roles and the spellings that fill them, first found wins
+# (``Tokenizer.special_tokens``); eos is loom's end-of-document token, always
+SPECIAL_ROLES = {"bos_token": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
+                 "pad_token": ("<pad>", "[PAD]", "<|pad|>"), "unk_token": ("<unk>", "[UNK]"),
+                 "cls_token": ("[CLS]", "<cls>"), "sep_token": ("[SEP]", "<sep>"),
+                 "mask_token": ("[MASK]", "<mask>")}
 
 
 class Tokenizer:
@@ -77,6 +83,34 @@ class Tokenizer:
         tmp = f"{path}.tmp{os.getpid()}"
         self.hf.save(tmp)
         os.replace(tmp, path)
+
+    def special_tokens(self, bos_token: Optional[str] = None, generative: bool = True) -> dict:
+        """The Hugging Face roles of this tokenizer's tokens (``tokenizer_config.json``):
+        ``{"eos_token": the end-of-document token, "bos_token": ..., "pad_token": ..., ...}``.
+        A role is filled by the first of its :data:`SPECIAL_ROLES` spellings that is a special
+        (added) token. With ``generative`` (a causal model) the BOS is ``bos_token`` when given
+        and present (the family's: Gemma's ``<bos>``), else a special BOS token, else the
+        end-of-document token as GPT-2 does: loom's documents follow an end-of-document token,
+        so that is what a first token is conditioned on. Encoders (``generative`` False) get
+        no BOS / EOS."""
+        try:
+            special = {t.content for t in self.hf.get_added_tokens_decoder().values()
+                       if t.special}
+        except AttributeError:  # tokenizers < 0.14
+            special = set()
+        roles = {}
+        for role, spellings in SPECIAL_ROLES.items():
+            found = next((t for t in spellings if t in special), None)
+            if found is not None:
+                roles[role] = found
+        if not generative:
+            roles.pop("bos_token", None)
+            return roles
+        roles["eos_token"] = self.hf.id_to_token(self.eod)
+        if bos_token is not None and self.hf.token_to_id(bos_token) is not None:
+            roles["bos_token"] = bos_token
+        roles.setdefault("bos_token", roles["eos_token"])
+        return roles
 
     def differs_from(self, other: "Tokenizer") -> Optional[str]:
         """What tells this tokenizer from ``other`` (vocabulary size, end-of-document id, the

@@ -1,6 +1,7 @@
 """``loom evaluate --load CKPT --task perplexity|cloze|mlm --eval-data FILE``: zero-shot
 evaluation of a checkpoint (Megatron-LM's ``tasks/zeroshot_gpt`` semantics; BERT's masked-LM
-accuracy), on one process or under
+accuracy), or ``--lm-eval-tasks NAMES``: lm-evaluation-harness tasks scored by the checkpoint
+itself (:mod:`loom.evaluation.lm_harness`), on one process or under
 torchrun at any ``--tensor-model-parallel-size`` x ``--pipeline-model-parallel-size`` (the
 remaining ranks split the samples as data-parallel replicas).
 
@@ -16,75 +17,110 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
+from typing import Literal, Optional
 
+from loom.config.fields import opt
 from loom.errors import ConfigError
-from loom.evaluation.tasks import get_task, task_names
+from loom.evaluation.registry import get_task
+
+Task = Literal["perplexity", "cloze", "mlm"]  # loom.evaluation.registry.task_names()
+
+
+@dataclass
+class EvaluateOptions:
+    """What to evaluate (Megatron's names where ``tasks/main.py`` has them)."""
+
+    task: Optional[Task] = opt(
+        None, "perplexity: token- and word-level perplexity of a text (Megatron's "
+              "WIKITEXT103); cloze: last-word accuracy on a LAMBADA-format jsonl file "
+              "(Megatron's LAMBADA); mlm (BERT): masked-LM accuracy, loss and perplexity of "
+              "held-out text (this or --lm-eval-tasks)")
+    eval_data: Optional[str] = opt(
+        None, "perplexity, mlm: a text file (read whole), a .jsonl file (--json-key) or an "
+              "indexed dataset prefix; cloze: a .jsonl file of {\"text\": ...} lines "
+              "(required with --task)")
+    lm_eval_tasks: Optional[str] = opt(
+        None, "instead of --task: lm-evaluation-harness tasks, comma-separated (e.g. "
+              "wikitext,hellaswag), scored by the checkpoint at this layout without exporting "
+              "(log-likelihood tasks; generation tasks: export with `loom checkpoint convert "
+              "--to-hf`)", metavar="NAMES")
+    lm_eval_include_path: Optional[str] = opt(
+        None, "--lm-eval-tasks: a directory of your own task YAML files", metavar="DIR")
+    lm_eval_limit: Optional[int] = opt(None, "--lm-eval-tasks: at most N documents per task",
+                                       ge=1)
+    json_key: str = opt("text", "the field of a .jsonl line holding the text")
+    overlapping_eval: Optional[int] = opt(
+        None, "perplexity: windows start STRIDE tokens apart and each after the first scores "
+              "only its last STRIDE tokens, 1 <= STRIDE <= --seq-length (default: "
+              "--seq-length, no overlap)", ge=1, metavar="STRIDE")
+    strict_lambada: bool = opt(False, "cloze: predict the last whitespace word (all its "
+                                      "tokens), not only the last token (Megatron's flag)")
+
+
+USED_FIELDS = ("load", "ckpt_step", "seq_length", "seed", "mask_prob",
+               "micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "model_type",
+               "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+"""The config fields ``loom evaluate`` takes (declared once, in loom.config): the checkpoint,
+the window length (default: the checkpoint's), the masking seed and share (BERT), the batch,
+the layout, and a tokenizer instead of the checkpoint's; ``--model-type`` refuses a checkpoint
+of another family."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``loom evaluate`` flags (Megatron's names where ``tasks/main.py`` has them)."""
-    parser.add_argument("--load", required=True,
-                        help="checkpoint directory (as given to --save); its latest checkpoint")
-    parser.add_argument("--ckpt-step", type=int, default=None,
-                        help="load iteration N instead of the one the latest pointer names")
-    parser.add_argument("--task", required=True, choices=task_names(),
-                        help="perplexity: token- and word-level perplexity of a text "
-                             "(Megatron's WIKITEXT103); cloze: last-word accuracy on a "
-                             "LAMBADA-format jsonl file (Megatron's LAMBADA); mlm (BERT): "
-                             "masked-LM accuracy, loss and perplexity of held-out text")
-    parser.add_argument("--eval-data", required=True, metavar="PATH",
-                        help="perplexity, mlm: a text file (read whole), a .jsonl file "
-                             "(--json-key) or an indexed dataset prefix; cloze: a .jsonl file of "
-                             "{\"text\": ...} lines")
-    parser.add_argument("--json-key", default="text",
-                        help="the field of a .jsonl line holding the text (default text)")
-    parser.add_argument("--seq-length", type=int, default=None,
-                        help="tokens per window, >= 1 (default: the checkpoint's)")
-    parser.add_argument("--overlapping-eval", type=int, default=None, metavar="STRIDE",
-                        help="perplexity: windows start STRIDE tokens apart and each after the "
-                             "first scores only its last STRIDE tokens, 1 <= STRIDE <= "
-                             "--seq-length (default: --seq-length, no overlap)")
-    parser.add_argument("--strict-lambada", action="store_true",
-                        help="cloze: predict the last whitespace word (all its tokens), "
-                             "not only the last token (Megatron's flag)")
-    parser.add_argument("--seed", type=int, default=1234,
-                        help="mlm: the seed of the masking (same seed, same masked positions; "
-                             "default 1234)")
-    parser.add_argument("--mask-prob", type=float, default=0.15,
-                        help="mlm: fraction of each sample's tokens masked, whole words "
-                             "(default 0.15, BERT's)")
-    parser.add_argument("--micro-batch-size", type=int, default=4,
-                        help="windows / examples per forward pass, >= 1 (default 4)")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                        help="t: ranks splitting each layer (launch with torchrun)")
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                        help="p: pipeline stages (world size / (t p) data-parallel replicas)")
-    parser.add_argument("--model-type", default=None,
-                        help="refuse a checkpoint of another model type (e.g. gpt, mamba)")
-    parser.add_argument("--tokenizer-type", default=None,
-                        choices=("GPT2BPETokenizer", "HuggingFaceTokenizer"),
-                        help="tokenizer instead of the checkpoint's tokenizer.json")
-    parser.add_argument("--tokenizer-model", default=None,
-                        help="a tokenizer.json (HuggingFaceTokenizer)")
-    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    """``loom evaluate`` flags: its options and the config fields it uses."""
+    from loom.config.args import add_fields, add_options
+    add_options(parser, EvaluateOptions, "evaluate")
+    add_fields(parser, USED_FIELDS, "checkpoint, layout, tokenizer")
 
 
 def _check_values(args: argparse.Namespace) -> None:
-    for name, value, ok, rule in (
-            ("--seq-length", args.seq_length, args.seq_length is None or args.seq_length >= 1,
-             ">= 1"),
-            ("--overlapping-eval", args.overlapping_eval,
-             args.overlapping_eval is None or args.overlapping_eval >= 1, ">= 1"),
-            ("--micro-batch-size", args.micro_batch_size, args.micro_batch_size >= 1, ">= 1"),
-            ("--tensor-model-parallel-size", args.tensor_model_parallel_size,
-             args.tensor_model_parallel_size >= 1, ">= 1"),
-            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
-             args.pipeline_model_parallel_size >= 1, ">= 1"),
-            ("--ckpt-step", args.ckpt_step, args.ckpt_step is None or args.ckpt_step >= 0,
-             ">= 0")):
-        if not ok:
-            raise ConfigError(f"{name} must be {rule}, got {value}")
+    from loom.config.args import field_defaults
+    from loom.config.validate import check_bounds
+    if args.load is None:
+        raise ConfigError("--load is required: the checkpoint directory")
+    field_defaults(args, tuple(f for f in USED_FIELDS if f not in ("model_type",
+                                                                    "seq_length")),
+                   micro_batch_size=4)  # windows per forward pass (training requires it)
+    args.json_key = args.json_key or "text"
+    args.strict_lambada = bool(args.strict_lambada)
+    for name in ("overlapping_eval", "lm_eval_limit"):
+        check_bounds(name, getattr(args, name), EvaluateOptions.__dataclass_fields__[name]
+                     .metadata)
+    if (args.task is None) == (args.lm_eval_tasks is None):
+        raise ConfigError("give --task perplexity|cloze|mlm (with --eval-data) or "
+                          "--lm-eval-tasks NAMES, one of the two")
+    if args.task is not None and args.eval_data is None:
+        raise ConfigError(f"--task {args.task} needs --eval-data PATH")
+
+
+def _check_lm_eval(args: argparse.Namespace, family):
+    """--lm-eval-tasks: lm-eval installed, a causal family, every task name known; returns
+    lm-eval's TaskManager (only the --lm-eval-include-path tasks indexed when every name is
+    one of them: indexing lm-eval's own ~15,000 takes seconds)."""
+    if "perplexity" not in family.evaluation_tasks:
+        raise ConfigError(f"--lm-eval-tasks scores causal language models; a "
+                          f"{family.name} checkpoint is not one")
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ConfigError("--lm-eval-tasks needs lm-evaluation-harness: pip install "
+                          "'lm-eval[hf]'") from None
+    if args.lm_eval_include_path and not os.path.isdir(args.lm_eval_include_path):
+        raise ConfigError(f"--lm-eval-include-path {args.lm_eval_include_path}: no such "
+                          f"directory")
+    names = [t.strip() for t in args.lm_eval_tasks.split(",") if t.strip()]
+    manager = None
+    if args.lm_eval_include_path:
+        manager = TaskManager(include_path=args.lm_eval_include_path, include_defaults=False)
+    if manager is None or set(names) - set(manager.all_tasks):
+        manager = TaskManager(include_path=args.lm_eval_include_path)
+    unknown = [t for t in names if t not in manager.all_tasks]
+    if unknown or not names:
+        raise ConfigError(f"--lm-eval-tasks {args.lm_eval_tasks}: unknown task(s) "
+                          f"{', '.join(unknown) or '(none given)'}; `lm_eval ls tasks` lists "
+                          f"them, --lm-eval-include-path adds your own")
+    return manager
 
 
 def _tokenizer(args: argparse.Namespace, ckpt: str):
@@ -96,22 +132,27 @@ def _tokenizer(args: argparse.Namespace, ckpt: str):
     if not os.path.isfile(path):
         raise ConfigError(f"--load {args.load}: {ckpt} has no tokenizer.json (trained on "
                           f"--mock-data?); give --tokenizer-type and its files")
+    from loom.checkpoint.integrity import verify_read
+    verify_read(ckpt, ["tokenizer.json"])
     return Tokenizer.load(path)
 
 
-def prepare(args: argparse.Namespace):
-    """Every check before a process group: returns ``(checkpoint dir, LoomConfig, Task,
-    tokenizer)``; ``args.seq_length`` is resolved. Raises ConfigError naming the flag."""
+def prepare(args: argparse.Namespace, ckpt: Optional[str] = None):
+    """Every check before a process group: returns ``(checkpoint dir, LoomConfig, Task (with
+    --lm-eval-tasks: lm-eval's TaskManager holding them), tokenizer)``; ``args.seq_length`` is
+    resolved. ``ckpt``: the checkpoint already chosen (and held:
+    :func:`loom.checkpoint.holds.agreed_checkpoint`), else ``--load``'s. Raises ConfigError
+    naming the flag."""
     from loom.checkpoint.io import read_common
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     from loom.config import LoomConfig
-    from loom.evaluation.runner import check_layout
+    from loom.evaluation.runner import check_layout, keep_trained_vocabulary
     from loom.models import FamilyRegistry, get_family
     from loom.training.cli import world_size_from_env
     _check_values(args)
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load {args.load}: no such checkpoint directory")
-    ckpt = resolve_checkpoint(args.load, args.ckpt_step)
+    ckpt = ckpt or resolve_checkpoint(args.load, args.ckpt_step)
     if ckpt is None:
         raise ConfigError(f"--load {args.load}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
@@ -127,7 +168,10 @@ def prepare(args: argparse.Namespace):
     except ValueError:
         raise ConfigError(f"--load {args.load}: model type {family} is not known to this loom "
                           f"(known: {', '.join(FamilyRegistry().names())})") from None
-    task = get_task(fam, args.task, f" (the checkpoint {ckpt} holds a {family} model)")
+    if args.lm_eval_tasks is not None:
+        task = _check_lm_eval(args, fam)  # lm-eval's TaskManager
+    else:
+        task = get_task(fam, args.task, f" (the checkpoint {ckpt} holds a {family} model)")
     cfg = LoomConfig.from_flat(flat, ignore_retired=True)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     args.seq_length = args.seq_length or cfg.model.seq_length
@@ -137,6 +181,7 @@ def prepare(args: argparse.Namespace):
                           f"{args.seq_length}: tokens between windows would go unscored")
     check_layout(cfg, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                  world_size_from_env())
+    keep_trained_vocabulary(cfg, ckpt, args.tensor_model_parallel_size)
     tok = _tokenizer(args, ckpt)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model only "
@@ -144,10 +189,23 @@ def prepare(args: argparse.Namespace):
     return ckpt, cfg, task, tok
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    """Run the evaluation ``args`` describes; the result (same on every rank)."""
+def evaluate(args: argparse.Namespace, ckpt: Optional[str] = None) -> dict:
+    """Run the evaluation ``args`` describes (on ``ckpt``, else ``--load``'s checkpoint); the
+    result (same on every rank; with --lm-eval-tasks its ``results`` only on local rank 0, as
+    lm-eval returns them)."""
     from loom.evaluation.runner import build_mesh, load_model, score
-    ckpt, cfg, task, tok = prepare(args)
+    ckpt, cfg, task, tok = prepare(args, ckpt)
+    if args.lm_eval_tasks is not None:  # task: lm-eval's TaskManager
+        from loom.evaluation.lm_harness import run_tasks
+        mesh = build_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        model = load_model(ckpt, cfg, mesh)
+        start = time.perf_counter()
+        out = run_tasks(model, tok, args, task)  # None but on local rank 0 (lm-eval's rule)
+        return {"task": "lm-eval", "checkpoint": ckpt, "iteration": model.iteration,
+                "model_type": cfg.model.model_type, "lm_eval": out,
+                "results": out and out["results"], "seq_length": args.seq_length,
+                "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size},
+                "eval_time_s": round(time.perf_counter() - start, 3)}
     samples, info = task.samples(args, tok)
     mesh = build_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     model = load_model(ckpt, cfg, mesh)
@@ -178,8 +236,24 @@ def format_table(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = evaluate(args)
+    from loom.checkpoint.holds import agreed_checkpoint
+    _check_values(args)
+    if not os.path.isdir(args.load):
+        raise ConfigError(f"--load {args.load}: no such checkpoint directory")
+    ckpt, hold = agreed_checkpoint(args.load, args.ckpt_step)  # never pruned while read
+    try:
+        result = evaluate(args, ckpt)
+    finally:
+        if hold is not None:
+            hold.release()
     if os.environ.get("RANK", "0") == "0":
-        print(format_table(result), flush=True)
-        print(json.dumps(result), flush=True)
+        if "lm_eval" in result:  # lm-eval's own table, then the results as one JSON line
+            from lm_eval.utils import make_table
+            lay = result["layout"]
+            print(f"loom evaluate: lm-eval tasks of {result['checkpoint']} at TP={lay['tp']} x "
+                  f"PP={lay['pp']} x DP={lay['dp']}\n{make_table(result.pop('lm_eval'))}",
+                  flush=True)
+        else:
+            print(format_table(result), flush=True)
+        print(json.dumps(result, default=str), flush=True)
     return 0

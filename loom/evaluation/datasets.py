@@ -128,14 +128,14 @@ def read_stream(path: str, tokenizer, json_key: str = "text",
 
 
 def _indexed_stream(prefix: str, tokenizer, flag: str) -> TextStream:
-    from loom.data.indexed import IndexedDataset
+    from loom.data.checks import check_dataset
     from loom.data.tokenizer import Tokenizer
     stored = prefix + ".tokenizer.json"
     if os.path.isfile(stored) and Tokenizer.load(stored).to_str() != tokenizer.to_str():
         raise ConfigError(f"{flag} {prefix}: the dataset was tokenized with {stored}, not the "
                           f"model's tokenizer; its token ids would mean other words. Re-run "
                           f"`loom preprocess` with the checkpoint's tokenizer.json")
-    ds = IndexedDataset(prefix, flag=flag)
+    ds = check_dataset(prefix, tokenizer.vocab_size, flag)  # an edited .bin: one line
     tokens, words = [], 0
     for i in range(len(ds)):
         doc = [int(t) for t in ds[i]]

@@ -6,9 +6,12 @@ initialization) and ``load_model_weights`` cuts this rank's shards from the save
 (any saved layout). Samples are split round-robin over the DP replicas; each replica drives
 its micro-batches through :func:`~loom.parallel.pipeline.schedules.forward_only` with the
 task's forward step. On the last stage the vocabulary-parallel logits are gathered over TP one
-sample at a time (``[1, s, Vp/t] -> [1, s, V]``, so at most one sample's full logits exist), the
-task scores it, and the per-sample statistics (float64, padding rows excluded) are summed over
-every rank at the end.
+sample at a time (``[1, s, Vp/t] -> [1, s, Vp]``, so at most one sample's full logits exist;
+the padded columns kept, as the training loss keeps them, or cut to V with
+``--exclude-padded-vocab``: ``ModelConfig.softmax_vocab_size``), the task scores it, and the
+per-sample statistics (float64, padding rows excluded) land in one ``[samples, stats]`` table,
+all-reduced once at the end (:func:`score_each`; :func:`score` sums it, in sample order: the
+same sums at every layout).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from loom.errors import ConfigError
 
 FLUSH_MICROBATCHES = 16  # micro-batches per forward_only call (bounds in-flight sends)
-ROW_KEYS = ("tokens", "labels", "loss_mask", "valid", "padding_mask")  # the batch entries with a row per sample
+ROW_KEYS = ("tokens", "labels", "loss_mask", "valid", "padding_mask", "index")  # a row per sample
 
 
 @dataclass
@@ -51,6 +54,28 @@ def check_layout(cfg, tp: int, pp: int, world: int) -> None:
     if m.num_layers % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the "
                           f"checkpoint's {m.num_layers} layers: choose a PP size dividing it")
+
+
+def keep_trained_vocabulary(cfg, ckpt: str, tp: int) -> None:
+    """With the padded vocabulary columns in the softmax (Megatron's default, not
+    ``--exclude-padded-vocab``) the model's loss depends on its padded size Vp: evaluate with
+    the checkpoint's own (``--padded-vocab-size`` := the rows of its saved word embedding or
+    output layer, trained padded rows included), so every TP size gives the training
+    layout's numbers. Raises ConfigError when ``tp`` does not divide it."""
+    from loom.checkpoint.io import open_checkpoint
+    m = cfg.model
+    if m.exclude_padded_vocab or m.padded_vocab_size is not None:
+        return
+    shapes = open_checkpoint(ckpt).parameters()
+    rows = next((v["shape"][0] for n, v in sorted(shapes.items())
+                 if n.endswith(("word_embeddings.weight", "output_layer.weight"))), None)
+    if rows is None:
+        return
+    if rows % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the checkpoint's "
+                          f"{rows} vocabulary rows (its padded columns are in the softmax): "
+                          f"choose a TP size dividing {rows}")
+    m.padded_vocab_size = rows
 
 
 def build_mesh(tp: int, pp: int):
@@ -92,13 +117,15 @@ def _stack(rows, field: str, dtype, device) -> torch.Tensor:
                                                                              dtype=dtype)
 
 
-def _batches(samples, micro_batch: int, seq_length: int, device) -> list[dict]:
+def _batches(samples, indices, micro_batch: int, seq_length: int, device) -> list[dict]:
     out = []
     for i in range(0, len(samples), micro_batch):
-        rows = list(samples[i:i + micro_batch])
+        rows, index = list(samples[i:i + micro_batch]), list(indices[i:i + micro_batch])
         valid = [1.0] * len(rows) + [0.0] * (micro_batch - len(rows))
+        index += [index[0]] * (micro_batch - len(rows))
         rows += [rows[0]] * (micro_batch - len(rows))  # padding rows, weighted 0
         batch = {
+            "index": torch.tensor(index, dtype=torch.long, device=device),
             "tokens": _stack(rows, "inputs", torch.long, device),
             "labels": _stack(rows, "labels", torch.long, device),
             "loss_mask": _stack(rows, "mask", torch.float32, device),
@@ -112,15 +139,16 @@ def _batches(samples, micro_batch: int, seq_length: int, device) -> list[dict]:
 
 
 @torch.no_grad()
-def score(model: EvalModel, task, samples, micro_batch: int) -> dict:
-    """``{statistic: sum over samples}`` for each of ``task.stats``, of ``task.score`` over
-    ``samples`` (every rank passes the same list and gets the same sums)."""
+def score_each(model: EvalModel, task, samples, micro_batch: int) -> torch.Tensor:
+    """``[len(samples), len(task.stats)]`` float64: ``task.score`` of each sample (every rank
+    passes the same list and gets the whole table; each sample is scored by one DP replica)."""
     from loom.parallel.mappings import gather_from_tensor_parallel_region
     from loom.parallel.pipeline.schedules import forward_only
     mesh, cfg = model.mesh, model.cfg
-    s, V = cfg.model.seq_length, cfg.model.vocab_size
-    mine = samples[mesh.dp_rank::mesh.dp_size]
-    sums: dict = {}  # statistic -> float64 tensor on the device (no host sync per sample)
+    s, V = cfg.model.seq_length, cfg.model.softmax_vocab_size  # None: every padded column
+    mine = list(range(len(samples)))[mesh.dp_rank::mesh.dp_size]
+    keys = list(task.stats)
+    table = torch.zeros(len(samples), len(keys), dtype=torch.float64, device=mesh.device)
 
     def forward_step(chunk, batch, hidden_states):
         out = task.forward(chunk, batch, hidden_states)
@@ -130,20 +158,26 @@ def score(model: EvalModel, task, samples, micro_batch: int) -> dict:
                 full = gather_from_tensor_parallel_region(logits[i:i + 1].float().contiguous(),
                                                           mesh.groups["tp"])[..., :V]
                 row = {k: v[i:i + 1] if k in ROW_KEYS else v for k, v in batch.items()}
-                for k, v in task.score(full, row).items():
-                    sums[k] = sums.get(k, 0.0) + (v.double() * row["valid"]).sum()
+                stats = task.score(full, row)
+                values = torch.stack([stats[k].double().reshape(1) for k in keys], dim=-1)
+                table.index_add_(0, row["index"], values * row["valid"][:, None])
             return torch.zeros((), device=logits.device), {}
         return out, loss_fn
 
     step = FLUSH_MICROBATCHES * micro_batch  # built and run a group at a time
     for i in range(0, len(mine), step):
-        forward_only(model.chunks, _batches(mine[i:i + step], micro_batch, s, mesh.device),
+        group = mine[i:i + step]
+        forward_only(model.chunks, _batches([samples[j] for j in group], group, micro_batch, s,
+                                            mesh.device),
                      forward_step, mesh, p2p_shape=(s, micro_batch, cfg.model.hidden_size))
-    keys = list(task.stats)
-    owner = mesh.is_last_stage and mesh.tp_rank == 0
-    local = [float(sums.get(k, 0.0)) if owner else 0.0 for k in keys]
+    if not (mesh.is_last_stage and mesh.tp_rank == 0):
+        table.zero_()  # one owner of each sample's numbers
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor(local, dtype=torch.float64, device=mesh.device)
-        dist.all_reduce(t)
-        local = t.tolist()
-    return dict(zip(keys, local))
+        dist.all_reduce(table)
+    return table
+
+
+def score(model: EvalModel, task, samples, micro_batch: int) -> dict:
+    """``{statistic: sum over samples}`` for each of ``task.stats``, of ``task.score`` over
+    ``samples`` (:func:`score_each`, summed)."""
+    return dict(zip(task.stats, score_each(model, task, samples, micro_batch).sum(0).tolist()))

@@ -17,6 +17,12 @@ import torch
 import torch.nn.functional as F
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x)^2`` (So et al. 2021, "Primer", arXiv 2109.08668, sec. 4; Megatron's
+    ``squared_relu``, ``--squared-relu``)."""
+    return F.relu(x).pow(2)
+
+
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """``x sigmoid(1.702 x)`` (Megatron's ``quick_gelu``)."""
     return x * torch.sigmoid(1.702 * x)
@@ -31,6 +37,13 @@ def glu(y: torch.Tensor, act: Callable = F.silu, linear_offset: float = 0.0,
     if clamp is not None:
         gate, linear = gate.clamp(max=clamp), linear.clamp(-clamp, clamp)
     return act(gate) * (linear + linear_offset)
+
+
+def expert_activation(cfg: Any) -> Optional[Callable]:
+    """The experts' (and shared expert's) activation other than plain SwiGLU / GeLU: the
+    gated one (:func:`gated_activation`), or :func:`squared_relu` with ``--squared-relu`` (an
+    ungated FC1, as Megatron's experts take ``config.activation_func``); None otherwise."""
+    return gated_activation(cfg) or (squared_relu if cfg.squared_relu else None)
 
 
 def gated_activation(cfg: Any) -> Optional[Callable]:

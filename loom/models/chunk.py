@@ -20,6 +20,7 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.attention import rope_cos_sin
+from loom.models.yarn import yarn_cos_sin
 from loom.models.family import StageSpec
 
 
@@ -34,22 +35,29 @@ class LMHead(nn.Module):
     """The LM head every family shares: output GEMM, optional soft-capping
     ``cap * tanh(logits / cap)`` (Gemma 3's ``--final-logit-softcapping``), loss: ``x [s, b, h]``,
     ``weight [Vp, h]``; returns the per-token cross-entropy ``[b, s]`` (fp32) against
-    ``labels [b, s]``, or the logits ``[b, s, Vp]``. Padded vocabulary columns (``>= V``) are
-    excluded from the softmax. No parameters (the weight is the caller's)."""
+    ``labels [b, s]``, or the logits ``[b, s, Vp]``. The softmax spans the first
+    ``vocab_size`` columns (``ModelConfig.softmax_vocab_size``: V with
+    ``--exclude-padded-vocab``), or all Vp when it is None (the padded columns included, as
+    Megatron-Core computes it). ``logit_scale``: the logits' multiplier (muP's
+    ``--mup-output-mult``; applied to ``x``, the same product). No parameters (the weight is
+    the caller's)."""
 
-    def __init__(self, vocab_size: int, softcap: Optional[float] = None):
+    def __init__(self, vocab_size: Optional[int], softcap: Optional[float] = None,
+                 logit_scale: float = 1.0):
         super().__init__()
-        self.vocab_size, self.softcap = vocab_size, softcap
+        self.vocab_size, self.softcap, self.logit_scale = vocab_size, softcap, logit_scale
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.logit_scale != 1.0:
+            x = x * self.logit_scale
         logits = F.linear(x, weight)  # [s, b, Vp]
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if labels is None:
             return logits.transpose(0, 1)
-        s, b, _ = logits.shape
-        V = self.vocab_size
+        s, b, Vp = logits.shape
+        V = self.vocab_size or Vp
         loss = F.cross_entropy(logits[..., :V].float().reshape(-1, V), labels.t().reshape(-1),
                                reduction="none")
         return loss.view(s, b).t()
@@ -105,7 +113,7 @@ class LanguageModelChunk(nn.Module):
         self.final_layernorm = build_norm(cfg)
         if not self.tied:
             self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab, bias=False)
-        self.head = LMHead(cfg.vocab_size)
+        self.head = LMHead(cfg.softmax_vocab_size, logit_scale=cfg.logit_multiplier)
 
     # ---- how to run ----------------------------------------------------------------------
 
@@ -130,10 +138,19 @@ class LanguageModelChunk(nn.Module):
     def layer_inputs(self, position_ids: torch.Tensor, cache, extra: dict) -> tuple:
         """What every layer takes after ``x``; default ``(rope, positions, cache, moe)`` with
         ``rope`` the cos, sin ``[s, r]`` under ``--position-embedding-type rope`` (r = d, or
-        ``--rotary-percent`` of it), else None."""
-        rope = None
-        if self.cfg.position_embedding_type == "rope":
-            rope = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rotary_base)
+        ``--rotary-percent`` of it; with ``--rotary-interleaved`` the triple (cos, sin, True):
+        pairs (2i, 2i + 1), :func:`~loom.models.attention.apply_rope`'s third argument) or
+        ``yarn`` (r = d: :func:`~loom.models.yarn.yarn_cos_sin` with ``ModelConfig.yarn_args``,
+        Megatron-Core's ``YarnRotaryEmbedding`` of GPTModel), else None."""
+        rope, c = None, self.cfg
+        if c.position_embedding_type == "rope":
+            rope = rope_cos_sin(position_ids, c.rotary_dim, c.rotary_base,
+                                interleaved=c.rotary_interleaved)
+            if c.rotary_interleaved:
+                rope = (*rope, True)
+        elif c.position_embedding_type == "yarn":
+            rope = yarn_cos_sin(position_ids, c.head_dim, c.rotary_base, **c.yarn_args(),
+                                round_to_int=c.yarn_correction_range_round_to_int)
         return rope, position_ids, cache, extra.get("moe")
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -84,12 +84,15 @@ class ModelFamily:
     * ``logged_metrics(model_cfg) -> names``: ``loss_fn`` metrics a training record carries;
     * ``generation``: a :class:`Generation`, or None for a family that does not generate text;
     * ``evaluation_tasks``: the ``loom evaluate --task`` names it supports
-      (:mod:`loom.evaluation.tasks`);
+      (:mod:`loom.evaluation.registry`);
     * ``hf``: a :class:`HFConversion`, or None for a family without a Hugging Face layout;
     * ``checkpoint_differences(saved: dict, model_cfg) -> [message]``: shape facts a checkpoint
       must share beyond the architecture flags (e.g. the size of learned position tables);
     * ``wordpiece_data``: whether it trains on WordPiece-tokenized data (BERT's [CLS], [SEP],
-      [MASK]); a family without it refuses such data."""
+      [MASK]); a family without it refuses such data;
+    * ``megatron_checkpoints``: whether its names are Megatron-Core's ``GPTModel`` /
+      ``MambaModel``'s, so Megatron checkpoints are read and written for it
+      (:mod:`loom.checkpoint.megatron`)."""
 
     name: str
     build: Callable
@@ -103,3 +106,4 @@ class ModelFamily:
     hf: Optional[HFConversion] = None
     checkpoint_differences: Callable = no_differences
     wordpiece_data: bool = False
+    megatron_checkpoints: bool = False

@@ -2,7 +2,8 @@
 Mixtral; DeepSeek-V3 for sigmoid routing and shared experts).
 
 ``x [s, b, h]`` -> tokens ``[T, h]`` (T = s b) -> router logits ``[T, E]`` (fp32) -> top-k
-experts per token with weights -> each expert (a GeLU or SwiGLU MLP) on its tokens -> the
+experts per token with weights -> each expert (a GeLU, SwiGLU, gated or squared-ReLU MLP) on
+its tokens -> the
 weighted sum over the k choices, plus an always-on shared expert. Dropless by default; with
 ``--moe-expert-capacity-factor`` f each expert keeps at most ``ceil(f T k / E)`` tokens (those
 with the highest router score) and the rest are dropped.
@@ -11,7 +12,9 @@ Auxiliary losses: the load-balancing loss ``aux = coeff * E * sum_i f_i P_i`` (`
 the T k assignments routed to expert i, ``P_i``: mean routing probability of expert i; Switch
 eq. 4 / GShard with top-k) and the z-loss ``coeff * mean_t logsumexp(logits_t)^2`` (ST-MoE
 eq. 5). They reach the gradient through :class:`AuxLossScaler` (identity on the layer's output,
-injecting ``d aux = scale`` in backward) and are reported in ``MoEContext.metrics``.
+injecting ``d aux = scale`` in backward) and are reported in ``MoEContext.metrics``; with
+``--moe-per-layer-logging`` each layer also sums them over the step's training micro-batches
+(:func:`enable_layer_loss_log`, read by :func:`loom.parallel.expert.moe_layer_losses`).
 
 Where the experts run is a strategy: :class:`LocalDispatcher` runs every expert here; the
 parallel plan swaps in an expert-parallel one (all-to-all over EP) and tensor-parallel
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.models.activation import gated_activation
+from loom.models.activation import expert_activation
 from loom.models.moe_router import Routing, TopKRouter, route  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -102,7 +105,9 @@ def activate(y: torch.Tensor, swiglu: bool, act=None) -> torch.Tensor:
 
 
 class ExpertMLP(nn.Module):
-    """One expert: ``[n, h] -> [n, h]`` through ``f`` features, GeLU or SwiGLU. ``add_fc2_bias``:
+    """One expert: ``[n, h] -> [n, h]`` through ``f`` features, GeLU, SwiGLU or ``act`` (a gated
+    activation, or ``--squared-relu``: :func:`~loom.models.activation.expert_activation`;
+    FC1 is ``2f`` wide when ``swiglu``, the gate). ``add_fc2_bias``:
     whether this rank's (partial, TP-sharded) output carries FC2's bias (:class:`AddBias`)."""
 
     def __init__(self, h: int, f: int, swiglu: bool, bias: bool, act=None):
@@ -201,6 +206,30 @@ class LocalDispatcher(nn.Module):
         return full.view(T, k, -1), (shared(tokens) if shared is not None else None)
 
 
+LAYER_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                    "global_aux_loss": "global_load_balancing_loss"}
+"""Megatron's per-layer metric name of each load-balancing loss type (its router's
+``attach_and_log_load_balancing_loss``); the z-loss is ``z_loss``."""
+
+
+def layer_loss_names(cfg) -> tuple[str, ...]:
+    """The per-layer losses Megatron's training log tracks for a model config: the
+    load-balancing loss of ``--moe-router-load-balancing-type`` (none for sinkhorn / none),
+    and ``z_loss`` with a z-loss coefficient."""
+    names = [LAYER_LOSS_NAMES[cfg.moe_router_load_balancing_type]] \
+        if cfg.moe_router_load_balancing_type in LAYER_LOSS_NAMES else []
+    return tuple(names + (["z_loss"] if cfg.moe_z_loss_coeff else []))
+
+
+def enable_layer_loss_log(model_chunks) -> list:
+    """Make every MoE layer of these chunks sum its losses per step (``loss_log``, read and
+    reset by :func:`loom.parallel.expert.moe_layer_losses`); returns the layers."""
+    layers = [m for c in model_chunks for m in c.modules() if isinstance(m, MoELayer)]
+    for m in layers:
+        m.loss_log = {}
+    return layers
+
+
 class MoELayer(nn.Module):
     """``x [s, b, h] -> [s, b, h]``: router (:class:`~loom.models.moe_router.TopKRouter`), top-k
     experts, weighted combine, shared expert."""
@@ -211,7 +240,7 @@ class MoELayer(nn.Module):
         bias = not cfg.disable_bias_linear
         self.layer_number, self.cfg = layer_number, cfg
         self.router = TopKRouter(cfg)
-        gated, act = cfg.gated_linear_unit, gated_activation(cfg)
+        gated, act = cfg.gated_linear_unit, expert_activation(cfg)
         self.experts = nn.ModuleDict({str(i): ExpertMLP(h, cfg.moe_ffn_size, gated, bias, act)
                                       for i in range(E)})
         self.shared_experts = None
@@ -224,6 +253,7 @@ class MoELayer(nn.Module):
         self.dispatcher = LocalDispatcher(run_experts_grouped if cfg.moe_grouped_gemm
                                           else run_experts)
         self.aux_scale = 1.0  # the aux loss's gradient multiplier (c under context parallelism)
+        self.loss_log: Optional[dict] = None  # {name: sum over the step}: enable_layer_loss_log
 
     def forward(self, x: torch.Tensor, moe: Optional[MoEContext] = None) -> torch.Tensor:
         s, b, h = x.shape
@@ -245,4 +275,17 @@ class MoELayer(nn.Module):
             moe.metrics[f"moe z loss/{n}"] = routing.z_loss.detach().float()
             moe.metrics[f"moe load/{n}"] = routing.counts.detach()
             moe.metrics[f"moe dropped/{n}"] = (~routing.kept).sum().detach()
+            if self.loss_log is not None and self.router._counting():
+                self._log_losses(routing, moe.scale)
         return y
+
+    def _log_losses(self, routing: Routing, scale: float) -> None:
+        """Add this training micro-batch's losses without their coefficients, times ``scale``
+        (1/m: the step's mean), under Megatron's names (the value it records); 0 for a
+        tracked loss whose coefficient is 0 (Megatron logs its zeros)."""
+        c = self.cfg
+        for name in layer_loss_names(c):
+            loss, coeff = ((routing.z_loss, c.moe_z_loss_coeff) if name == "z_loss"
+                           else (routing.aux_loss, c.moe_aux_loss_coeff))
+            value = loss.detach().float() / coeff * scale if coeff else loss.new_zeros(())
+            self.loss_log[name] = self.loss_log.get(name, 0.0) + value

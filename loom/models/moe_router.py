@@ -20,6 +20,13 @@ Formulas:
   the (normalized) scores, without bias or groups.
 * the expert bias update (after the optimizer step, :func:`loom.parallel.expert.
   update_expert_bias`): ``b_i += rate * sign(mean(n) - n_i)`` with ``n`` the step's global load.
+* sinkhorn routing (``--moe-router-load-balancing-type sinkhorn``; S-BASE, Clark et al. 2022,
+  "Unified Scaling Laws for Routed Language Models", arXiv 2202.01169, sec. 2.2 / app. A.2;
+  Megatron-Core's ``TopKRouter.sinkhorn_load_balancing``): in training the experts are the top k
+  of the Sinkhorn-Knopp balanced ``exp(logits)`` (:func:`sinkhorn`, no gradient), in evaluation
+  the top k of the scores; the combine weights are the scores at the chosen experts, not
+  renormalized: ``sigmoid(logits)`` for k = 1, ``softmax(logits)`` over all E for k > 1. No
+  auxiliary loss (Megatron asserts its coefficient is 0); the z-loss applies.
 """
 
 from __future__ import annotations
@@ -78,13 +85,61 @@ def _capacity_keep(experts: torch.Tensor, top: torch.Tensor, capacity: int) -> t
     return (rank_in_expert < capacity).view(T, k)
 
 
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4, sum_tokens=None) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of ``exp(cost)`` ``[T, E]`` (fp32): per-token scales ``d0 [T]``
+    and per-expert scales ``d1 [E]`` are alternately set so that the rows of
+    ``d0 exp(cost) d1`` sum to 1/T and its columns to 1/E (``+ 1e-8`` in each denominator),
+    until the mean change of ``d1`` is at most ``tol``; returns ``d0 exp(cost) d1`` ``[T, E]``
+    (Megatron-Core's ``moe_utils.sinkhorn``: the same updates, order and stopping rule).
+
+    ``sum_tokens(t)``: sums ``t`` over the ranks holding the other tokens of the same
+    sequences (context parallelism), so that the column sums and T are the whole
+    micro-batch's, as on one rank, and every rank stops at the same iteration; None on one
+    rank."""
+    k = torch.exp(cost)
+    T, E = k.shape
+    if sum_tokens is not None:
+        T = float(sum_tokens(torch.tensor([float(T)], dtype=k.dtype, device=k.device)))
+    eps = 1e-8
+    d1 = torch.ones(E, dtype=k.dtype, device=k.device)
+    error = float("inf")
+    while error > tol:
+        d0 = (1 / T) * 1 / (torch.sum(d1 * k, 1) + eps)
+        col = torch.sum(d0.unsqueeze(1) * k, 0)
+        if sum_tokens is not None:
+            col = sum_tokens(col)
+        new = (1 / E) * 1 / (col + eps)
+        error = torch.mean(torch.abs(d1 - new))
+        d1 = new
+    return d1 * k * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, k: int, training: bool, sum_tokens=None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(experts [T, k], weights [T, k], scores [T, E])`` of sinkhorn routing (module
+    docstring): the experts are the top k of :func:`sinkhorn` of the fp32 logits in training
+    (no gradient), of the scores otherwise; the scores are ``sigmoid(logits)`` for k = 1, else
+    ``softmax(logits)`` in fp32 cast back to the logits' dtype."""
+    if k == 1:
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+    if training:
+        with torch.no_grad():
+            experts = sinkhorn(logits.float(), sum_tokens=sum_tokens).topk(k, dim=1).indices
+    else:
+        experts = scores.topk(k, dim=1).indices
+    return experts, scores.gather(1, experts), scores
+
+
 def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
           aux_coeff: float = 0.0, z_coeff: float = 0.0,
           capacity_factor: Optional[float] = None, pre_softmax: bool = False,
           stats=None, *, expert_bias: Optional[torch.Tensor] = None,
           num_groups: Optional[int] = None, group_topk: Optional[int] = None,
           scaling_factor: Optional[float] = None, balancing: str = "aux_loss",
-          seq_batch: Optional[tuple[int, int]] = None, global_load=None) -> Routing:
+          seq_batch: Optional[tuple[int, int]] = None, global_load=None,
+          training: bool = True) -> Routing:
     """Route ``logits [T, E]`` (fp32 or fp64) to the top ``k`` experts (module docstring).
 
     softmax: the top-k probabilities renormalized to sum 1 (Megatron's default, = softmax over
@@ -93,10 +148,34 @@ def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
     choice only), top-k normalized to sum 1 when k > 1. ``balancing``: ``aux_loss``,
     ``seq_aux_loss`` (needs ``seq_batch = (s, b)``, tokens ordered ``[s, b]``),
     ``global_aux_loss`` (needs ``global_load(n [E]) -> (running mean of the global n [E],
-    the global token count)``) or ``none``. ``stats``: a strategy summing the statistics over the
-    ranks sharing a sequence (context parallelism), or None.
+    the global token count)``), ``none`` or ``sinkhorn`` (:func:`sinkhorn_routing`, which
+    ignores the score function and the options above but the capacity; ``training``: whether
+    the experts come from the balanced assignment). ``stats``: a strategy summing the
+    statistics over the ranks sharing a sequence (context parallelism), or None.
     """
     T, E = logits.shape
+    if balancing == "sinkhorn":
+        experts, top, scores = sinkhorn_routing(logits, k, training, getattr(stats, "sum", None))
+        weights = top
+    else:
+        experts, top, weights, scores = _topk(logits, k, score_function, pre_softmax,
+                                              expert_bias, num_groups, group_topk)
+    if scaling_factor:
+        weights = weights * scaling_factor
+    kept = torch.ones_like(experts, dtype=torch.bool)
+    if capacity_factor is not None:
+        kept = _capacity_keep(experts, top, math.ceil(capacity_factor * T * k / E))
+        weights = weights * kept
+    counts = torch.bincount(experts[kept], minlength=E)
+    aux = _balancing_loss(logits, scores, k, score_function, aux_coeff, balancing, stats,
+                          seq_batch, global_load)
+    z = z_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return Routing(experts, weights, kept, counts, aux, z)
+
+
+def _topk(logits, k, score_function, pre_softmax, expert_bias, num_groups, group_topk):
+    """``(experts [T, k], their scores [T, k], combine weights [T, k], scores [T, E])`` of
+    softmax / sigmoid top-k routing (:func:`route`)."""
     if score_function == "softmax":
         scores = logits.softmax(-1)
         choose = scores if pre_softmax or not group_topk else logits
@@ -112,24 +191,14 @@ def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
         weights = top if pre_softmax else top / top.sum(-1, keepdim=True)
     else:
         weights = top / (top.sum(-1, keepdim=True) + 1e-20) if k > 1 else top
-    if scaling_factor:
-        weights = weights * scaling_factor
-    kept = torch.ones_like(experts, dtype=torch.bool)
-    if capacity_factor is not None:
-        kept = _capacity_keep(experts, top, math.ceil(capacity_factor * T * k / E))
-        weights = weights * kept
-    counts = torch.bincount(experts[kept], minlength=E)
-    aux = _balancing_loss(logits, scores, k, score_function, aux_coeff, balancing, stats,
-                          seq_batch, global_load)
-    z = z_coeff * torch.logsumexp(logits, dim=-1).pow(2).mean()
-    return Routing(experts, weights, kept, counts, aux, z)
+    return experts, top, weights, scores
 
 
 def _balancing_loss(logits, scores, k, score_function, coeff, balancing, stats, seq_batch,
                     global_load) -> torch.Tensor:
     T, E = logits.shape
     zero = logits.new_zeros(())
-    if balancing == "none" or coeff == 0:
+    if balancing in ("none", "sinkhorn") or coeff == 0:
         return zero
     probs = scores if score_function == "softmax" else scores / (scores.sum(-1, keepdim=True)
                                                                  + 1e-20)
@@ -231,7 +300,7 @@ class TopKRouter(nn.Module):
                   num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
                   scaling_factor=c.moe_router_topk_scaling_factor,
                   balancing=c.moe_router_load_balancing_type, seq_batch=seq_batch,
-                  global_load=self._global_load)
+                  global_load=self._global_load, training=self.training)
         if self.expert_bias is not None and self._counting():
             n = r.counts.detach().float()
             self.tokens_per_expert = n if self.tokens_per_expert is None \

@@ -204,12 +204,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             all-gather, so the gradient returned here is this rank's partial sum and the caller's
             collective reduces it.
         weight: ``[Vp/t, h]``, this rank's rows ``[vocab_start, vocab_start + Vp/t)`` of the
-            (padded) output embedding; rows at or past ``vocab_size`` are padding and excluded.
+            (padded) output embedding; rows at or past ``vocab_size`` are left out of the
+            softmax.
         target: ``[...]`` (``hidden.shape[:-1]``, e.g. ``[s, b]``), global token ids
             ``< vocab_size``.
         group: the TP process group, or None for one rank (no collective).
         vocab_start: first global vocabulary row held here (``tp_rank * Vp/t``).
-        vocab_size: the true V.
+        vocab_size: the columns the softmax spans: the true V to leave the padded rows out
+            (``--exclude-padded-vocab``), Vp to keep them in (Megatron-Core's default).
         chunk_tokens: tokens per chunk; None = :func:`default_chunk_tokens`.
 
     Returns: the loss per token ``[...]`` (= ``target.shape``), fp32, in nats.

@@ -16,7 +16,8 @@ expert TP 1: wider expert GEMMs) and TP rank r runs every t-th of the routed (to
 pairs, starting at r; the same one all-reduce sums the pair outputs (each computed on exactly
 one TP rank), and the experts' gradients, partial over TP, are summed over it after backward
 (``ParamMeta.tp_partial_grad``). The shared expert stays sharded over TP.
-Under context parallelism the router's load statistics are summed over the CP group. Under
+Under context parallelism the router's load statistics (and sinkhorn routing's column sums) are
+summed over the CP group. Under
 sequence parallelism the layer all-gathers its ``[s/t, b, h]`` tokens first (every TP rank
 routes all of them, so the router's load statistics are the full micro-batch's) and keeps its
 own ``s/t`` slice of the output.
@@ -25,6 +26,7 @@ own ``s/t`` slice of the output.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -121,11 +123,21 @@ class ContextParallelRouterStats(nn.Module):
     whole sequence's (as on one rank): assignments and token counts all-reduced, the
     probability mass through an all-reduce whose backward is the identity (every CP rank then
     holds the same loss and differentiates it w.r.t. its own tokens). The MoE layer scales the
-    loss's gradient by c (``aux_scale``), since gradients are averaged over DP x CP."""
+    loss's gradient by c (``aux_scale``), since gradients are averaged over DP x CP. Sinkhorn
+    routing sums its per-expert column sums and token count through :meth:`sum`, so its
+    balanced assignment is the whole sequence's too."""
 
     def __init__(self, group):
         super().__init__()
         self.group = group
+
+    @torch.no_grad()
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the CP group (no gradient): sinkhorn routing's per-expert column
+        sums and token count (:func:`loom.models.moe_router.sinkhorn`)."""
+        out = t.detach().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
 
     def forward(self, routed, prob_mass, tokens):
         both = torch.cat([routed.detach(), tokens.detach().view(1)])
@@ -171,6 +183,38 @@ def update_expert_bias(model_chunks: Sequence[nn.Module], group, rate: float) ->
     for r in routers:
         r.reset_load()
     return len(biased)
+
+
+@torch.no_grad()
+def moe_layer_losses(model_chunks: Sequence[nn.Module], names: Sequence[str],
+                     num_layers: int, mesh) -> dict[str, float]:
+    """``--moe-per-layer-logging``: ``{"moe/<name>_layer_<i>": value}`` for every MoE layer i
+    (a module of these chunks with a ``loss_log`` dict; i its global 0-based ``layer_number``,
+    MTP layers after the L decoder layers) and every ``names`` loss
+    (:func:`loom.models.moe.layer_loss_names`): what each layer summed since the last call
+    (:func:`loom.models.moe.enable_layer_loss_log`: the loss without its coefficient, mean
+    over the step's micro-batches), averaged over the DP x CP ranks. Megatron's values and
+    TensorBoard names (``MoEMetricsTracker.report`` with ``per_layer_logging``: summed over
+    the pipeline stages and the TP x CP reduce group, averaged over DP; loom's aux loss is
+    already the whole micro-batch's on every TP and CP rank, so their mean equals it). One
+    all-reduce over all ranks of a ``[len(names), num_layers]`` table (every rank holding a
+    layer adds its value; each layer is on the t d c ranks of one stage). Resets the sums."""
+    layers = [m for c in model_chunks for m in c.modules()  # MoE layers logging their losses
+              if getattr(m, "loss_log", None) is not None]
+    table = torch.zeros(len(names), num_layers, dtype=torch.float64, device=mesh.device)
+    moe = torch.zeros(num_layers, dtype=torch.float64, device=mesh.device)
+    for m in layers:
+        moe[m.layer_number] = 1.0
+        for i, name in enumerate(names):
+            table[i, m.layer_number] = float(m.loss_log.get(name, 0.0))
+        m.loss_log = {}
+    both = torch.cat([table.view(-1), moe])
+    if math.prod(mesh.sizes.values()) > 1:  # the mesh spans the default group's ranks
+        dist.all_reduce(both)
+    holders = mesh.tp_size * mesh.dp_size * mesh.sizes["cp"]
+    table, moe = both[:-num_layers].view(len(names), num_layers) / holders, both[-num_layers:]
+    return {f"moe/{name}_layer_{j}": float(table[i, j]) for i, name in enumerate(names)
+            for j in range(num_layers) if moe[j] > 0}
 
 
 class ReducerGroup:

@@ -176,8 +176,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mes
     """Per-token cross-entropy from vocabulary-parallel logits, never gathering the vocabulary.
 
     ``logits``: ``[..., Vp/t]`` (this rank's vocabulary shard, any float dtype; computed in fp32);
-    ``target``: ``[...]`` global token ids; ``vocab_size``: the true V (padded columns are
-    excluded from the softmax). Returns the loss per token ``[...]`` (fp32). Forward runs 2
+    ``target``: ``[...]`` global token ids; ``vocab_size``: the columns the softmax spans (the
+    true V: padded columns excluded; Vp or more: all included, Megatron's default). Returns
+    the loss per token ``[...]`` (fp32). Forward runs 2
     all-reduces on the TP group (max, then [target logit, sum of exp]); backward none
     (Megatron-LM's ``vocab_parallel_cross_entropy``).
     """
@@ -191,35 +192,41 @@ class VocabParallelLMHead(nn.Module):
     under sequence parallelism: all-gathered; otherwise entered through ``f``), ``weight``
     ``[Vp/t, h]``. Returns the per-token loss ``[b, s]`` (fp32) against ``labels [b, s]``
     (:func:`~loom.parallel.cross_entropy.linear_cross_entropy`: the full logits never exist),
-    or this rank's logits ``[b, s, Vp/t]``.
+    or this rank's logits ``[b, s, Vp/t]``. ``vocab_size``: the columns the softmax spans (V
+    with ``--exclude-padded-vocab``), None for all Vp (Megatron-Core's default).
 
     With ``softcap`` (Gemma's final-logit soft-capping) the logits ``[s, b, Vp/t]`` become
     ``softcap * tanh(logits / softcap)``, so the output GEMM and the vocab-parallel
-    cross-entropy run unfused (:func:`vocab_parallel_cross_entropy`)."""
+    cross-entropy run unfused (:func:`vocab_parallel_cross_entropy`). ``logit_scale``: the
+    logits' multiplier (muP's ``--mup-output-mult``), applied to ``x`` (the same product)."""
 
-    def __init__(self, mesh: ParallelMesh, vocab_size: int, sequence_parallel: bool = False,
-                 softcap: Optional[float] = None):
+    def __init__(self, mesh: ParallelMesh, vocab_size: Optional[int],
+                 sequence_parallel: bool = False, softcap: Optional[float] = None,
+                 logit_scale: float = 1.0):
         super().__init__()
         self.mesh, self.vocab_size, self.softcap = mesh, vocab_size, softcap
+        self.logit_scale = logit_scale
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         group = self.mesh.groups["tp"]
+        columns = self.vocab_size or weight.shape[0] * self.mesh.tp_size
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, group)
         else:
             x = copy_to_tensor_parallel_region(x, group)
+        if self.logit_scale != 1.0:
+            x = x * self.logit_scale
         if self.softcap is not None:
             logits = torch.tanh(F.linear(x, weight) / self.softcap) * self.softcap  # [s, b, Vp/t]
             if labels is None:
                 return logits.transpose(0, 1)
-            return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh,
-                                                self.vocab_size).t()
+            return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, columns).t()
         if labels is None:
             return F.linear(x, weight).transpose(0, 1)  # [b, s, Vp/t]
         # training: the output GEMM and the loss fused, chunked over tokens, in [s, b] order
         loss = linear_cross_entropy(x, weight, labels.t(), group=group,
                                     vocab_start=self.mesh.tp_rank * weight.shape[0],
-                                    vocab_size=self.vocab_size)
+                                    vocab_size=columns)
         return loss.t()

@@ -1,6 +1,6 @@
 """Context parallelism (CP) cost per transformer layer and micro-batch, per communication type
 (Megatron-Core's ``--cp-comm-type``), vectorized over layouts. The bytes follow
-:mod:`loom.parallel.context_cost` (what loom's CP implementation sends and holds; a test checks
+:mod:`loom.parallel.context.cost` (what loom's CP implementation sends and holds; a test checks
 p2p and allgather against ``cp_cost``); not taken from it: a2a's repetition of K/V groups to
 ``lcm(g, c)`` (here ``g d`` per group, a2a needing ``c t`` to divide ``a`` and ``g``) and a
 single-replica K/V when ``g < t`` (here ``g/t``).

@@ -55,7 +55,7 @@ def host_overlap_options(ranks: int, cores: int | None = None) -> dict:
     rank's compute, so nothing is hidden: ``overlap_tp_comm`` off (loom's TP collectives are
     synchronous anyway, loom/parallel/mappings.py), ``overlap_grad_reduce`` off,
     ``overlap_cp_comm`` off (the ring's ``isend``/``irecv`` of the next K/V block,
-    loom/parallel/context_ring.py, progress on gloo's thread) and ``zero3_overlap`` 0
+    loom/parallel/context/ring.py, progress on gloo's thread) and ``zero3_overlap`` 0
     (FSDP2's prefetched all-gathers run on gloo's thread, which has no free core). With more
     cores than ranks: no override (the planner's GPU overlap model)."""
     cores = cores or os.cpu_count() or 1

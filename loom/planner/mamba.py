@@ -12,7 +12,8 @@ an attention layer plus an MLP layer equal one transformer layer term by term
 (``tests/planner/test_planner_mamba.py``).
 
 Symbols of the Mamba-2 layer (Dao & Gu 2024, "Transformers are SSMs", sec. 6-7): ``h`` hidden,
-``d_i = expand h`` inner width, ``P`` head dim, ``H = d_i / P`` heads, ``G`` groups of B/C,
+``d_i`` inner width (``H P`` with ``--mamba-num-heads H``, else ``expand h``), ``P`` head dim,
+``H = d_i / P`` heads, ``G`` groups of B/C,
 ``N`` state size, ``k`` conv kernel, ``Q`` chunk length, ``S = s b`` tokens per micro-batch,
 ``t`` TP. Per layer:
 
@@ -82,7 +83,7 @@ def kind_counts(model: ModelConfig) -> dict:
 
 def mamba_dims(model: ModelConfig) -> tuple:
     """``(d_inner, H, G, N, P, k, Q)`` of the Mamba-2 layer (module docstring)."""
-    d_i = model.mamba_expand * model.hidden_size
+    d_i = model.mamba_d_inner
     P = model.mamba_head_dim
     return (d_i, d_i // P, model.mamba_num_groups, model.mamba_state_dim, P,
             model.mamba_d_conv, model.mamba_chunk_size)

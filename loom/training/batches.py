@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from loom.data.sampler import get_batch, microbatch_indices
-from loom.parallel.context import local_positions, slice_for_cp
+from loom.parallel.context.split import local_positions, slice_for_cp
 from loom.parallel.mesh import ParallelMesh
 
 

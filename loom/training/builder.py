@@ -17,6 +17,7 @@ part               object
 ``checkpointer``   :class:`~loom.training.checkpointer.Checkpointer` (saves, ``--load``)
 ``faults``         :class:`~loom.training.fault.FaultTolerance` and the save interval
 ``throughput``     :class:`~loom.training.metrics.Throughput` (FLOPs, peak, prediction)
+``debug``          :class:`~loom.training.debug.RunDebug`: timers, profiler, memory snapshots
 =================  ==========================================================================
 """
 
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import datetime
 import functools
-
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -37,7 +38,8 @@ from loom.config.parallel_cp import hierarchical_sizes
 from loom.errors import ConfigError
 from loom.models import get_family
 from loom.models.family import ModelFamily
-from loom.parallel.expert import update_expert_bias
+from loom.models.moe import enable_layer_loss_log, layer_loss_names
+from loom.parallel.expert import moe_layer_losses, update_expert_bias
 from loom.parallel.mesh import ParallelMesh, init_distributed
 from loom.parallel.parallelize import build_model_chunks
 from loom.parallel.pipeline.schedules import get_schedule
@@ -47,6 +49,7 @@ from loom.parallel.registry import ParamRegistry, named_parameters
 from loom.planner.flops import model_flops_per_iteration
 from loom.training.batches import BatchSource
 from loom.training.checkpointer import Checkpointer
+from loom.training.debug import RunDebug, enable_determinism
 from loom.training.fault import CheckpointInterval, FaultTolerance
 from loom.training.metrics import Throughput, peak_flops_per_rank
 from loom.training.optimizer import build_optimizer, build_scheduler
@@ -133,6 +136,11 @@ class TrainingParts:
     after_step: Callable[[], None] = lambda: None
     """Run after every optimizer step: the aux-loss-free expert-bias update from the
     step's global expert load (:func:`loom.parallel.expert.update_expert_bias`) for MoE models."""
+    debug: Optional[RunDebug] = None
+    """Timers, ``--profile``, ``--record-memory-history`` (:mod:`loom.training.debug`)."""
+    layer_metrics: Callable[[], dict] = dict
+    """Per-layer values for the step's record (a collective on every rank):
+    ``--moe-per-layer-logging``'s losses (:func:`loom.parallel.expert.moe_layer_losses`)."""
 
 
 def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
@@ -140,6 +148,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     """The parts of ``cfg``'s training on this rank. ``mesh`` None initializes
     ``torch.distributed`` (:func:`build_mesh`); ``family`` None is ``--model-type``'s."""
     derived = cfg.require_derived()  # a config cfg.validate(world_size) returned
+    if cfg.training.deterministic_mode:  # before any cuBLAS handle or NCCL communicator
+        enable_determinism(os.environ)
     mesh = mesh if mesh is not None else build_mesh(cfg)
     family = family or get_family(cfg.model.model_type)
     world_size = math.prod(mesh.sizes.values())
@@ -148,9 +158,11 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
                           f"{mesh.sizes} has {world_size}: validate it for {world_size}")
     global_rank = dist.get_rank() if dist.is_initialized() else 0
     t = cfg.training
+    debug = RunDebug(cfg, global_rank, world_size, mesh.device)  # memory history: from here
     model = build_model(cfg, mesh, family)
     reducers = [chunk_reducer(c, mesh, cfg) for c in model.chunks]
-    optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers)
+    optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers,
+                                debug.timers, model_cfg=cfg.model)
     scheduler = build_scheduler(optimizer, t)
     schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))
@@ -161,6 +173,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     checkpointer = Checkpointer(cfg, mesh, world_size, model.chunks, optimizer, scheduler,
                                 model.tracker, family)
     datasets = family.datasets(cfg)
+    checkpointer.saver.opened()  # the data's identity as opened, recorded by every save
     if cfg.data.eod_mask_loss:  # Megatron's loss mask at end-of-document input tokens
         from loom.data.loss_mask import EodLossMask, end_of_document_id
         eod = end_of_document_id(cfg.data, cfg.model.vocab_size)
@@ -174,6 +187,12 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     after_step = functools.partial(update_expert_bias, model.chunks, mesh.groups["dp_cp"],
                                    cfg.model.moe_router_bias_update_rate) \
         if cfg.model.num_experts else (lambda: None)
+    layer_metrics = dict
+    if cfg.logging.moe_per_layer_logging:
+        enable_layer_loss_log(model.chunks)
+        layer_metrics = functools.partial(
+            moe_layer_losses, model.chunks, layer_loss_names(cfg.model),
+            cfg.model.num_layers + (cfg.model.mtp_num_layers or 0), mesh)
     return TrainingParts(cfg, mesh, world_size, global_rank, model, reducers, optimizer,
                          scheduler, schedule, timeline, data, checkpointer, faults,
-                         save_interval, throughput, after_step)
+                         save_interval, throughput, after_step, debug, layer_metrics)

@@ -4,6 +4,7 @@ scheduler and RNG tracker (Megatron's ``save_checkpoint`` / ``load_checkpoint``)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -19,10 +20,15 @@ from loom.training.resume import reconcile_schedule
 @dataclass
 class Resumed:
     """What a load restored: the checkpoint's directory, and the iteration and consumed samples
-    the run continues from (None with ``--finetune``: the run keeps its own)."""
+    the run continues from (None with ``--finetune``: the run keeps its own); the layout it
+    was saved at (``{tp, pp, dp, ...}``, None if unknown) and whether the optimizer (Adam
+    states and LR schedule) and the generators came back."""
     path: str
     iteration: Optional[int]
     consumed_samples: Optional[int]
+    saved_layout: Optional[dict] = None
+    optimizer: bool = False
+    rng: bool = False
 
 
 class Checkpointer:
@@ -48,6 +54,33 @@ class Checkpointer:
                                scheduler=self.scheduler, mesh=self.mesh, tracker=self.tracker,
                                tokenizer_file=tokenizer_file, after_write=after_write)
 
+    def _refuse_nonfinite(self, ckpt: str, load_dir: str) -> None:
+        """Refuse loaded weights holding a NaN or inf on any rank (a checkpoint saved after the
+        weights diverged, or damaged before its manifest was written): training on it would
+        only skip steps, and the log would name it the last good checkpoint. Collective."""
+        import torch
+        import torch.distributed as dist
+
+        from loom.checkpoint.safety import last_checkpoint_before
+        from loom.parallel.registry import named_parameters
+        def local(p):  # ZeRO-3: this rank's rows of a DTensor
+            t = p.detach()
+            return t.to_local() if hasattr(t, "to_local") else t
+        bad = next((n for n, p, _ in named_parameters(self.model_chunks)
+                    if not bool(torch.isfinite(local(p)).all())), None)
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.mesh.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        it = int(os.path.basename(os.path.normpath(ckpt)).split("_")[1])
+        before = last_checkpoint_before(load_dir, it)
+        fix = f"give --ckpt-step {before} to resume the one before it" if before is not None \
+            else "no earlier checkpoint is there to resume instead"
+        where = f"parameter {bad}" if bad is not None else "on another rank"
+        raise ConfigError(f"checkpoint {ckpt} holds non-finite weights (NaN or inf; {where}): "
+                          f"training on it would skip every step; {fix}")
+
     def load(self, load_dir: str) -> Optional[Resumed]:
         """Resume from ``load_dir`` (its latest checkpoint, or ``--ckpt-step``); None when it
         holds none. ``--finetune``: weights only, from iteration 0; ``--no-load-optim``: no Adam
@@ -59,7 +92,8 @@ class Checkpointer:
         ckpt = latest_checkpoint(load_dir, ck.ckpt_step)
         if ckpt is not None:
             saved = read_common(ckpt)["config"]
-            check_same_model(saved, cfg.model, ckpt, self.family)
+            if saved:  # (a bare Megatron-Core checkpoint stores none: its shapes are checked)
+                check_same_model(saved, cfg.model, ckpt, self.family)
             unmerged = {k: v for k, v in reconcile_schedule(saved, cfg, ckpt).items()
                         if getattr(cfg.training, k) != v}
             if unmerged:  # loom.training.cli.prepare merges them before validation
@@ -70,9 +104,10 @@ class Checkpointer:
                                  None if weights_only else self.optimizer,
                                  None if weights_only else self.scheduler, self.mesh,
                                  None if ck.finetune or ck.no_load_rng else self.tracker,
-                                 step=ck.ckpt_step)
+                                 step=ck.ckpt_step, model_cfg=cfg.model)
         if common is None:
             return None
+        self._refuse_nonfinite(common["checkpoint_dir"], load_dir)
         if weights_only and hasattr(self.optimizer, "copy_params_to_masters"):
             self.optimizer.copy_params_to_masters()  # fp32 masters from the loaded weights
         t, opt, sched = cfg.training, self.optimizer, self.scheduler
@@ -82,6 +117,9 @@ class Checkpointer:
         for group, lr in zip(opt.param_groups, lrs):
             group["lr"] = lr
         sched._last_lr = lrs
+        states = dict(saved_layout=common.get("saved_layout"),
+                      optimizer=common.get("optimizer_restored", False),
+                      rng=common.get("rng_restored", False))
         if ck.finetune:  # the weights only, from iteration 0
-            return Resumed(ckpt, None, None)
-        return Resumed(ckpt, common["iteration"], common["consumed_samples"])
+            return Resumed(ckpt, None, None, **states)
+        return Resumed(ckpt, common["iteration"], common["consumed_samples"], **states)

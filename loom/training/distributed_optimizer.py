@@ -13,8 +13,10 @@ optimizer; possibly empty). For that range the optimizer keeps a 1-D fp32 *maste
 copy for 16-bit parameters (4 bytes/element), a view of the parameter itself for fp32 ones (as
 Megatron; no copy). ``torch.optim.AdamW`` (fused where supported) steps the masters, in two
 groups: weight decay on matrices, none on biases and 1-D parameters (decided per parameter, so a
-range that spans several parameters is never decayed wrongly). The masters' gradients are the
-reducer's reduced fp32 main-gradient ranges (:meth:`shard_grad`, views: no copy).
+range that spans several parameters is never decayed wrongly); ``--optimizer sgd`` steps them
+with ``torch.optim.SGD`` instead (its momentum buffer is the one state, sharded the same way).
+The masters' gradients are the reducer's reduced fp32 main-gradient ranges (:meth:`shard_grad`,
+views: no copy).
 
 Sharded, the parameters move into flat per-bucket buffers of their gradient buckets' layout
 (:class:`ParamGather`). After the step the masters are copied into the (16-bit) parameters and
@@ -29,6 +31,7 @@ master, exp_avg, exp_avg_sq) = 6 + 12/d; ZeRO-2 keeps 4/d of the gradients: 2 + 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Collection, Iterable, Optional
@@ -40,9 +43,15 @@ from torch import nn
 from loom.parallel.grad_buffer import GradBuffer, flat_buffers
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta
+from loom.training.muon import MatrixInfo, Muon, matrix_info
+from loom.training.param_groups import GroupPlan, build_groups
 
 
 NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see _sum_of_squares)
+STATE_KEYS = {torch.optim.AdamW: ("exp_avg", "exp_avg_sq"), torch.optim.SGD: ("momentum_buffer",),
+              Muon: ("exp_avg", "exp_avg_sq")}
+"""The parameter-shaped states of each inner optimizer class (saved by parameter name; Muon's
+own matrices keep ``momentum_buffer``, :meth:`DistributedOptimizer.keys_of`)."""
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -144,6 +153,7 @@ class _Range:
     master: torch.Tensor  # 1-D fp32, hi - lo elements
     copy: bool  # the master is a copy (16-bit parameter), not a view of the parameter
     expert: bool  # reduced (and sharded) over the expert-data-parallel group
+    muon: Optional[MatrixInfo] = None  # orthogonalized by Muon: how its update is whole
 
 
 class DistributedOptimizer:
@@ -156,19 +166,26 @@ class DistributedOptimizer:
     ``sharded`` (the distributed optimizer: the norm is summed over the DP x CP shards),
     ``overlap_param_gather``, ``decoupled`` (``--decoupled-lr``: the extra keys of a third
     group, :func:`loom.training.optimizer.decoupled_group`, holding the parameters whose
-    ``id`` is in ``decoupled_params``).
-    ``optim`` is the inner ``torch.optim.AdamW`` (LR scheduler, ``param_groups``)."""
+    ``id`` is in ``decoupled_params``), ``optim_class`` (``torch.optim.AdamW`` or ``SGD``,
+    ``groups_kw`` its keyword arguments), ``timers`` (:class:`~loom.training.timers.Timers`:
+    the optimizer's level-1 phases).
+    ``optim`` is the inner ``torch.optim`` optimizer (LR scheduler, ``param_groups``)."""
 
-    def __init__(self, named, reducers, groups_kw: dict, weight_decay: float, mesh: ParallelMesh,
-                 sharded: bool, overlap_param_gather: bool = False,
-                 decoupled: Optional[dict] = None, decoupled_params: Collection[int] = ()):
+    def __init__(self, named, reducers, mesh: ParallelMesh, sharded: bool,
+                 overlap_param_gather: bool = False, *, plan: GroupPlan,
+                 decoupled_params: Collection[int] = (), optim_class: type = torch.optim.AdamW,
+                 optim_kw: Optional[dict] = None, timers=None):
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
+        self.timers = timers if timers is not None else (lambda name: contextlib.nullcontext())
+        optim_kw = dict(optim_kw or {})
+        # momentum 0: SGD keeps no state
+        self.state_keys = STATE_KEYS[optim_class] if optim_kw.get("momentum", 1) else ()
         self.reducers = flat_buffers(reducers)
         self.gathers = [ParamGather(r) for r in self.reducers if r.reduce_scatter]
         reducer_of = {id(p): r for r in self.reducers for p in r.params}
         ep = mesh.ep_size > 1
         self.ranges: list[_Range] = []
-        decay, no_decay, own = [], [], []
+        placed = []
         for name, p, meta in named:
             if not p.requires_grad:
                 continue
@@ -177,21 +194,49 @@ class DistributedOptimizer:
             flat = p.detach().view(-1)[lo:hi]
             copy = p.dtype != torch.float32
             master = flat.float().clone() if copy else flat
+            index = plan.index(name, p, id(p) in decoupled_params)
+            muon = matrix_info(name, meta, mesh) if plan.kinds[index].muon else None
             self.ranges.append(_Range(name, p, meta, r, lo, hi, master, copy,
-                                      ep and meta.expert_parallel))
-            (own if id(p) in decoupled_params else
-             no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(master)
-        groups = [{"params": decay or [torch.zeros(0, device=mesh.device)],
-                   "weight_decay": weight_decay},
-                  {"params": no_decay or [torch.zeros(0, device=mesh.device)],
-                   "weight_decay": 0.0}]
-        if decoupled is not None:  # --decoupled-lr: the embedding / output weights' own group
-            groups.append({"params": own or [torch.zeros(0, device=mesh.device)],
-                           "weight_decay": weight_decay, **decoupled})
-        self.optim = torch.optim.AdamW(groups, **groups_kw)
+                                      ep and meta.expert_parallel, muon))
+            placed.append((index, master))
+        groups = build_groups(plan, placed, mesh.device)
+        if optim_class is Muon:  # whole-matrix updates from the ranges (_orthogonalize)
+            optim_kw["orthogonalize"] = self._orthogonalize
+        self.optim = optim_class(groups, **optim_kw)
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
         self.steps = 0
+
+    def keys_of(self, rg: _Range) -> tuple:
+        """The parameter-shaped states of ``rg``'s parameter (Muon's momentum, or the other
+        optimizer's)."""
+        return ("momentum_buffer",) if rg.muon is not None else self.state_keys
+
+    def _orthogonalize(self, items: list) -> list:
+        """:class:`~loom.training.muon.Muon`'s step 3 on master ranges: ``[(master, update
+        range)]`` -> this rank's range of each orthogonalized whole matrix (None where it holds
+        none). A matrix split over the DP shards is summed from its ranges (zeros elsewhere:
+        exact) by one all-reduce over the reducer's group; one inside this rank's shard needs
+        no communication. Collective over the DP (and TP) groups: every rank passes every
+        Muon range, in the same order."""
+        by_master = {id(rg.master): rg for rg in self.ranges}
+        out = []
+        for master, u in items:
+            rg = by_master[id(master)]
+            p, r = rg.param, rg.reducer
+            whole = u
+            if r.reduce_scatter and r.group is not None:
+                owners = r.shard_owners(p)
+                if len(owners) > 1:
+                    whole = torch.zeros(p.numel(), dtype=u.dtype, device=u.device)
+                    whole[rg.lo:rg.hi] = u
+                    dist.all_reduce(whole, group=r.group)
+            if rg.hi == rg.lo:
+                out.append(None)
+                continue
+            orth = rg.muon.orthogonalize(whole.view(p.shape), self.optim.settings)
+            out.append(orth.reshape(-1)[rg.lo:rg.hi])
+        return out
 
     # -- one step ---------------------------------------------------------------------------------
     def _attach_grads(self, inv_scale: float) -> list[torch.Tensor]:
@@ -244,22 +289,28 @@ class DistributedOptimizer:
         scale's inverse), clip them to global norm ``max_norm`` (<= 0: no clipping); returns the
         norm before clipping (inf/NaN when any gradient is)."""
         self.finish_param_gather()
-        grads = self._attach_grads(inv_scale)
-        norm = self.grad_norm()
-        value = float(norm)
-        if max_norm > 0 and math.isfinite(value) and max_norm / (value + 1e-6) < 1.0 and grads:
-            torch._foreach_mul_(grads, max_norm / (value + 1e-6))
+        with self.timers("optimizer-copy-to-main-grad"):
+            grads = self._attach_grads(inv_scale)
+        with self.timers("optimizer-clip-main-grad"):
+            norm = self.grad_norm()
+            value = float(norm)
+            if max_norm > 0 and math.isfinite(value) and max_norm / (value + 1e-6) < 1.0 and \
+                    grads:
+                torch._foreach_mul_(grads, max_norm / (value + 1e-6))
         return value
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the masters, masters -> parameters, parameter all-gather (asynchronous with
-        ``--overlap-param-gather``). Call :meth:`clip_grad_norm` first."""
-        self.optim.step()
+        """AdamW (or SGD) on the masters, masters -> parameters, parameter all-gather
+        (asynchronous with ``--overlap-param-gather``). Call :meth:`clip_grad_norm` first."""
+        with self.timers("optimizer-inner-step"):
+            self.optim.step()
         self.steps += 1
-        self.copy_masters_to_params()
-        for g in self.gathers:
-            g.start(async_op=self.overlap_param_gather)
+        with self.timers("optimizer-copy-main-to-model-params"):
+            self.copy_masters_to_params()
+        with self.timers("params-all-gather"):
+            for g in self.gathers:
+                g.start(async_op=self.overlap_param_gather)
         for rg in self.ranges:
             rg.master.grad = None
 
@@ -293,17 +344,23 @@ class DistributedOptimizer:
                 g.hook(chunk)
 
     # -- checkpoints: states by parameter name at TP-local full shape -----------------------------
-    def _full(self, values: dict) -> dict:
+    def _full(self, values: dict, wanted=None) -> dict:
         """``{id(range): 1-D tensor}`` -> ``{name: full flat fp32 tensor}``: the DP shards
-        gathered per bucket (one ``all_gather_single`` per bucket over the reducer's group)."""
+        gathered per bucket (one ``all_gather_single`` per bucket over the reducer's group)
+        for the ranges ``wanted(range)`` selects (default all; a bucket holding none is
+        skipped: the choice is a parameter's, the same on every rank of the group)."""
         out = {}
         by_param = {id(rg.param): rg for rg in self.ranges}
         for r in self.reducers:
             for b in r.buckets:
+                mine = [(p, o) for p, o in zip(b.params, b.offsets)
+                        if wanted is None or wanted(by_param[id(p)])]
+                if not mine:
+                    continue
                 per = b.buffer.numel() // r.size if r.reduce_scatter else b.buffer.numel()
                 base = r.rank * per if r.reduce_scatter else 0
                 local = torch.zeros(per, dtype=torch.float32, device=b.buffer.device)
-                for p, o in zip(b.params, b.offsets):
+                for p, o in mine:
                     rg = by_param[id(p)]
                     if rg.hi > rg.lo:
                         local[o + rg.lo - base:o + rg.hi - base] = values[id(rg)]
@@ -311,25 +368,34 @@ class DistributedOptimizer:
                 if r.reduce_scatter and r.group is not None:
                     full = torch.empty(per * r.size, dtype=torch.float32, device=local.device)
                     _all_gather(full, local, r.group, async_op=False)
-                for p, o in zip(b.params, b.offsets):
+                for p, o in mine:
                     out[by_param[id(p)].name] = full[o:o + p.numel()].view_as(p).cpu()
         return out
 
     def state_by_name(self, names: set) -> dict:
-        """``{name: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}}`` for ``names``, each
-        at the parameter's (TP-local) shape; collective over every reducer's group (all ranks
-        of the DP x CP group must call it). Empty before the first step."""
+        """``{name: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}}`` (SGD's and Muon's
+        matrices: ``{"momentum_buffer"[, "master_param"]}``) for ``names``, each at the
+        parameter's (TP-local) shape; collective over every reducer's group (all ranks of the DP
+        x CP group must call it). Empty before the first step."""
         if self.steps == 0:
             return {}
-        keys = ["exp_avg", "exp_avg_sq"]
+        keys = sorted({k for rg in self.ranges for k in self.keys_of(rg)})
         fulls = {k: self._full({id(rg): self.optim.state[rg.master][k] for rg in self.ranges
-                                if rg.hi > rg.lo}) for k in keys}
-        if any(rg.copy for rg in self.ranges):
-            keys.append("master_param")
-            fulls["master_param"] = self._full({id(rg): rg.master for rg in self.ranges})
-        step = torch.tensor(float(self.steps))
-        return {n: {"step": step, **{k: fulls[k][n] for k in keys}} for n in fulls[keys[0]]
-                if n in names}
+                                if rg.hi > rg.lo and k in self.keys_of(rg)},
+                               lambda rg, k=k: k in self.keys_of(rg)) for k in keys}
+        masters = self._full({id(rg): rg.master for rg in self.ranges}) \
+            if any(rg.copy for rg in self.ranges) else {}
+        out = {}
+        for rg in self.ranges:
+            if rg.name not in names or not (self.keys_of(rg) or masters):
+                continue
+            st = {k: fulls[k][rg.name] for k in self.keys_of(rg)}
+            if "exp_avg" in st:
+                st["step"] = torch.tensor(float(self.steps))
+            if masters:
+                st["master_param"] = masters[rg.name]
+            out[rg.name] = st
+        return out
 
     @torch.no_grad()
     def load_state_by_name(self, states: dict) -> None:
@@ -343,21 +409,24 @@ class DistributedOptimizer:
                 rg.master.copy_(src.reshape(-1)[rg.lo:rg.hi].to(rg.master))
             elif st and "master_param" in st:  # a 16-bit run's exact weights
                 rg.master.copy_(st["master_param"].reshape(-1)[rg.lo:rg.hi].to(rg.master))
-            if not st or "exp_avg" not in st:
+            keys = self.keys_of(rg)
+            if not st or not keys or keys[0] not in st:
                 continue
-            step = float(st.get("step", 0))
-            self.steps = int(step)
-            self.optim.state[rg.master] = {
-                "step": torch.tensor(step, dtype=torch.float32, device=rg.master.device),
-                **{k: st[k].reshape(-1)[rg.lo:rg.hi].to(rg.master).clone()
-                   for k in ("exp_avg", "exp_avg_sq")}}
+            state = {k: st[k].reshape(-1)[rg.lo:rg.hi].to(rg.master).clone() for k in keys}
+            if "exp_avg" in state:  # Adam's step count (SGD has none: loom counts its own)
+                step = float(st.get("step", 0))
+                state["step"] = torch.tensor(step, dtype=torch.float32, device=rg.master.device)
+                self.steps = int(step)
+            self.steps = max(self.steps, 1)
+            self.optim.state[rg.master] = state
         self.copy_masters_to_params()
 
 
 def param_bytes(optimizer: DistributedOptimizer) -> dict:
     """Bytes held on this rank by kind: ``params`` (the model's parameters), ``main_grads``
     (gradient buffers and ZeRO-2 shards), ``master`` (fp32 master copies; 0 for fp32
-    parameters, whose masters are views), ``optimizer`` (Adam's exp_avg and exp_avg_sq)."""
+    parameters, whose masters are views), ``optimizer`` (Adam's exp_avg and exp_avg_sq, SGD's
+    momentum buffer)."""
     params = {id(rg.param): rg.param for rg in optimizer.ranges}
     out = {"params": sum(p.numel() * p.element_size() for p in params.values()),
            "main_grads": sum(r.grad_bytes() for r in optimizer.reducers),
@@ -365,5 +434,5 @@ def param_bytes(optimizer: DistributedOptimizer) -> dict:
            "optimizer": 0}
     for st in optimizer.optim.state.values():
         out["optimizer"] += sum(v.numel() * v.element_size() for k, v in st.items()
-                                if k in ("exp_avg", "exp_avg_sq"))
+                                if k in optimizer.state_keys or k == "momentum_buffer")
     return out

@@ -191,6 +191,8 @@ class MetricsLogger:
                 + (f" | mlm {record['mlm_loss']:.4f}" if "mlm_loss" in record else "")
                 + (f" | sop {record['sop_loss']:.4f}" if "sop_loss" in record else "")
                 + (f" | mtp {record['mtp_loss']:.4f}" if "mtp_loss" in record else "")
+                + (f" | consumed samples {record['consumed_samples']:,} tokens "
+                   f"{record['consumed_tokens']:,}" if "consumed_tokens" in record else "")
                 + self._eta(it))
         else:
             what = "validation" if kind == "valid" else kind
@@ -199,11 +201,37 @@ class MetricsLogger:
         if self.json_file:
             self.json_file.write(json.dumps({"kind": kind, **record}) + "\n")
         if self.tb is not None:
+            samples = record.get("consumed_samples")
             for k, v in record.items():
                 if k != "iteration" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{kind}/{k}", v, it)
+                    if samples is not None and not k.startswith("consumed"):  # Megatron's
+                        self.tb.add_scalar(f"{kind}/{k} vs samples", v, samples)
         if self.wandb is not None:
             self.wandb.log(record, kind)
+
+    def event(self, kind: str, record: dict, line: str) -> None:
+        """A record that is not an iteration's (``resume``, ``summary``): ``line`` on the
+        console, ``{"kind": kind, **record}`` in ``--log-json``, ``line`` as TensorBoard text."""
+        if not self.enabled:
+            return
+        self.print(line)
+        if self.json_file:
+            self.json_file.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self.tb is not None:
+            self.tb.add_text(kind, line.strip(), record.get("iteration") or 0)
+
+    def extra(self, kind: Optional[str], record: dict, scalars: Optional[dict] = None) -> None:
+        """A record of another ``kind`` (``timers``, ``memory``; None: none) as a line of
+        ``--log-json``, and ``scalars`` (``{tag: value}``, Megatron's top-level tags such as
+        ``forward-backward-time``) in TensorBoard at ``record["iteration"]``."""
+        if not self.enabled:
+            return
+        if self.json_file and kind is not None:
+            self.json_file.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self.tb is not None:
+            for tag, value in (scalars or {}).items():
+                self.tb.add_scalar(tag, value, record["iteration"])
 
     def _stamp(self) -> str:
         """``[2026-11-22 12:00:00]`` (UTC) when timestamps are on, else empty."""

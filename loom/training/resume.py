@@ -1,12 +1,18 @@
 """Resume means resume: the learning-rate schedule of a resumed run is the checkpoint's.
 
-If the schedule these flags define (``--lr``, ``--min-lr``, ``--lr-warmup-iters``,
-``--lr-decay-style``, and where the decay ends: ``--lr-decay-iters``, default ``--train-iters``)
-or the global batch differs from the checkpoint's stored config, the run is refused naming each
-difference (a longer ``--train-iters`` with the same decay end, or a constant schedule, resumes), unless ``--override-opt-param-scheduler`` (these flags win) or
-``--use-checkpoint-opt-param-scheduler`` (the checkpoint's schedule wins) is given, as in
-Megatron-LM. The checkpoint's schedule is merged into the flags before validation, by the same
-path as the checkpoint's model fields (:func:`loom.training.cli.prepare`). Torch-free.
+If the schedule these flags define (``--lr``, ``--min-lr``, the warm-up length: ``--lr-warmup-iters``
+or ``--lr-warmup-fraction`` of the decay, ``--lr-decay-style``, where the decay ends:
+``--lr-decay-iters``, default ``--train-iters``, and ``--weight-decay``: Megatron's
+``OptimizerParamScheduler`` state ``max_lr, min_lr, lr_warmup_steps, lr_decay_steps,
+lr_decay_style, start_wd, end_wd``) or the global batch differs from the checkpoint's stored
+config, the run is refused naming each difference (a longer ``--train-iters`` with the same
+decay end, or a constant schedule, resumes), unless ``--override-opt-param-scheduler`` (these
+flags win) or ``--use-checkpoint-opt-param-scheduler`` (the checkpoint's schedule wins; both
+also spelled ``--..-opt_param-scheduler``, Megatron's names) is given, as in Megatron-LM
+(``_check_and_set``). The checkpoint's schedule is merged into the flags before validation, by
+the same path as the checkpoint's model fields (:func:`loom.training.cli.prepare`). A
+checkpoint of another ``--optimizer`` is refused unless its states are not loaded
+(``--no-load-optim``, ``--finetune``). Torch-free.
 """
 
 from __future__ import annotations
@@ -15,16 +21,20 @@ from typing import Any
 
 from loom.errors import ConfigError
 
-FROM_CHECKPOINT = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style")
+FROM_CHECKPOINT = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay")
 
 
 def _schedule(values: dict) -> dict:
-    """The parameters that define the learning rate at every step: peak and minimum lr, warmup,
-    decay style and, unless the style is constant, where the decay ends (``--lr-decay-iters``,
-    default ``--train-iters``)."""
+    """The parameters that define the learning rate and weight decay at every step: peak and
+    minimum lr, warm-up iterations (``--lr-warmup-fraction`` x the decay iterations when given,
+    as :func:`loom.training.optimizer.lr_at` takes it), decay style, weight decay and, unless the
+    style is constant, where the decay ends (``--lr-decay-iters``, default ``--train-iters``)."""
     out = {k: values.get(k) for k in FROM_CHECKPOINT}
+    decay_end = values.get("lr_decay_iters") or values.get("train_iters")
+    if values.get("lr_warmup_fraction") is not None and decay_end:
+        out["lr_warmup_iters"] = int(values["lr_warmup_fraction"] * decay_end)
     if values.get("lr_decay_style") != "constant":
-        out["lr_decay_iters"] = values.get("lr_decay_iters") or values.get("train_iters")
+        out["lr_decay_iters"] = decay_end
     return out
 
 
@@ -55,12 +65,22 @@ def reconcile_schedule(saved: dict, cfg: Any, ckpt_dir: str) -> dict:
     ck = cfg.checkpoint
     if cfg.training.skip_train or ck.finetune or ck.no_load_optim:
         return {}  # only evaluating, or the checkpoint's schedule is not loaded at all
+    # a training checkpoint from before --optimizer: AdamW; a converted one (no training
+    # section) holds no optimizer states
+    have = saved.get("optimizer", "adam" if "lr" in saved else None)
+    if have is not None and have != cfg.training.optimizer:
+        raise ConfigError(f"--load: the checkpoint {ckpt_dir} holds --optimizer {have} states, "
+                          f"this run uses --optimizer {cfg.training.optimizer}: give "
+                          f"--optimizer {have}, or --no-load-optim to start the optimizer fresh")
     diff = schedule_differences(saved, cfg)
     if not diff or ck.override_opt_param_scheduler:
         return {}
     if ck.use_checkpoint_opt_param_scheduler:
-        out = {name: saved[name] for name in FROM_CHECKPOINT if name in saved}
+        sched = _schedule(saved)  # the warm-up as iterations, the decay end resolved
+        out = {name: sched[name] for name in FROM_CHECKPOINT if name in saved}
         out["lr_decay_iters"] = saved.get("lr_decay_iters") or saved.get("train_iters")
+        # the checkpoint's warm-up and decay are iterations: drop the flags' other spellings
+        out.update(lr_warmup_fraction=None, lr_warmup_samples=0, lr_decay_samples=None)
         return out
     raise ConfigError(f"--load: the learning-rate schedule differs from the checkpoint "
                       f"{ckpt_dir}: " + "; ".join(diff) + ". Give "

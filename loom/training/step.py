@@ -4,6 +4,7 @@ the global-norm clipping and the non-finite guard (the trainer's ``forward_backw
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -29,18 +30,26 @@ def grad_getter(reducers):
     return grad_of
 
 
+def _untimed(name: str):
+    return contextlib.nullcontext()
+
+
 def finish_gradients(reducers: Sequence, model_chunks: Sequence, mesh: ParallelMesh,
-                     sp_params: Sequence) -> None:
+                     sp_params: Sequence, timers=_untimed) -> None:
     """Wait for the DP reductions of the chunks' gradient buffers ``reducers``, then sum the
     gradients of ``sp_params`` (sequence-parallel, replicated over TP) over the TP group and the
     tied embedding's over the embedding group (on the owned ranges with the distributed
-    optimizer: their layouts agree across those groups)."""
-    for r in reducers:
-        r.finish_grad_sync()
+    optimizer: their layouts agree across those groups). ``timers``: the run's
+    :class:`~loom.training.timers.Timers` (Megatron's names of the three phases)."""
+    with timers("all-grads-sync"):
+        for r in reducers:
+            r.finish_grad_sync()
     grad_of = grad_getter(reducers)
     if sp_params:
-        allreduce_sequence_parallel_grads(sp_params, mesh.groups["tp"], grad_of)
-    allreduce_embedding_grads(model_chunks, mesh, grad_of)
+        with timers("layernorm-grads-all-reduce"):
+            allreduce_sequence_parallel_grads(sp_params, mesh.groups["tp"], grad_of)
+    with timers("embedding-grads-all-reduce"):
+        allreduce_embedding_grads(model_chunks, mesh, grad_of)
 
 
 @dataclass
@@ -58,16 +67,17 @@ class ParamGroups:
 def optimizer_step(optimizer, scheduler, reducers: Sequence, groups: ParamGroups,
                    mesh: ParallelMesh, clip_grad: float, scaler=None,
                    nonfinite: Optional[list] = None, iteration: int = 0,
-                   exit_on_nonfinite: int = 0) -> float:
+                   exit_on_nonfinite: int = 0, timers=_untimed) -> float:
     """Unscale (``scaler``: ``--fp16``), clip by the global norm to ``clip_grad``, AdamW step,
     LR ``scheduler`` step, gradients zeroed in ``reducers``; returns the pre-clip grad norm (of
     the unscaled gradients). A non-finite norm skips the step (gradients dropped, LR schedule
     held; the fp16 loss scale backs off) and appends ``iteration + 1`` to ``nonfinite`` (cleared
-    in place by a finite step); raises NonFiniteError after ``exit_on_nonfinite`` in a row."""
+    in place by a finite step); raises NonFiniteError after ``exit_on_nonfinite`` in a row.
+    ``timers``: the run's :class:`~loom.training.timers.Timers` (clip, inner step)."""
     nonfinite = [] if nonfinite is None else nonfinite
     norm = clip_and_norm(optimizer, groups.params, clip_grad, mesh, groups.norm_params,
                          groups.expert_norm_params,
-                         1.0 / scaler.scale if scaler is not None else 1.0)
+                         1.0 / scaler.scale if scaler is not None else 1.0, timers)
     finite = math.isfinite(norm)
     if scaler is not None:
         scaler.update(not finite)
@@ -80,7 +90,11 @@ def optimizer_step(optimizer, scheduler, reducers: Sequence, groups: ParamGroups
                                  f"norm in iterations {nonfinite}; stopping")
         return norm
     nonfinite.clear()
-    optimizer.step()
+    if isinstance(optimizer, DistributedOptimizer):  # it times its own phases
+        optimizer.step()
+    else:
+        with timers("optimizer-inner-step"):
+            optimizer.step()
     scheduler.step()
     for r in reducers:
         r.zero_grad()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from loom.checkpoint.integrity import MANIFEST
+from loom.checkpoint.integrity import MANIFEST, write_manifest
 from loom.checkpoint.safety import LATEST
 from test_never_overwrite import TRAIN, cli, hashes, one_rank, refused  # noqa: F401
 
@@ -68,14 +68,15 @@ def test_a_flipped_shard_is_refused_and_inspect_reports_it(ckpt, tmp_path, capsy
 def test_metadata_json_must_agree_with_the_checkpoint(ckpt, tmp_path, capsys, claim, words):
     meta = ckpt / "iter_0000002" / "metadata.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), **claim}))
+    write_manifest(str(meta.parent))  # an edit the checksums would refuse otherwise
     refused(TRAIN + ["--train-iters", "3", "--load", str(ckpt), "--save", str(tmp_path / "o")],
             capsys, tmp_path, words)
 
 
 def test_a_corrupt_common_pt_is_one_line(ckpt, tmp_path, capsys):
     it2 = ckpt / "iter_0000002"
-    (it2 / MANIFEST).unlink()  # a checkpoint from before the manifest: the reader itself refuses
     (it2 / "common.pt").write_bytes(b"PK\x03\x04" + b"\x00garbage" * 100)
+    write_manifest(str(it2))  # a manifest that vouches for it: the reader itself refuses
     refused(TRAIN + ["--train-iters", "3", "--load", str(ckpt), "--save", str(tmp_path / "o")],
             capsys, tmp_path, f"checkpoint file {it2 / 'common.pt'} is unreadable")
     from loom.checkpoint.io import read_common

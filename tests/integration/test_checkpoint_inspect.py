@@ -1,5 +1,5 @@
-"""``loom checkpoint inspect``: iteration, layout, every tensor under its global shape, totals
-equal to the trainer's parameter count; a directory without a checkpoint is refused (exit 2)."""
+"""``loom checkpoint inspect``: iteration, layout, every tensor under its global shape (sorted by
+name, ``layers.2`` before ``layers.10``), totals equal to the trainer's parameter count; a directory without a checkpoint is refused (exit 2)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from loom.checkpoint.cli import natural_key
 from loom.cli import main
 
 TRAIN = ["train",  # pinned: loom's defaults before Megatron's (issue 21)
@@ -35,8 +36,12 @@ def test_inspect_lists_global_shapes_and_totals(tmp_path, capsys):
     assert info["iteration"] == 3 and info["consumed_samples"] == 6
     assert info["total_parameters"] == total
     assert info["parameters"]["layers.1.mlp.experts.3.linear_fc1.weight"]["shape"] == [256, 32]
+    names = list(info["parameters"])  # sorted, numbers as numbers
+    assert names == sorted(names, key=natural_key) and names[0].startswith("embedding.")
     code, out = run(["checkpoint", "inspect", str(tmp_path)], capsys)
     assert code == 0 and "iteration 3" in out and f"{total:,} parameters" in out
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert listed == names
 
 
 def test_inspect_refuses_an_empty_directory(tmp_path, capsys):

@@ -107,8 +107,9 @@ def _model(ckpt: str):
 
 @torch.no_grad()
 def _log_probs(model, ids: list[int]) -> torch.Tensor:
-    """``[n, V]`` float64 log-probabilities of the next token after each of ``ids``."""
-    logits = model(input_ids=torch.tensor([ids]))[0, :, :len(WORDS)]
+    """``[n, Vp]`` float64 log-probabilities of the next token after each of ``ids`` (the
+    padded vocabulary columns in the softmax, as the training loss has them: Megatron's)."""
+    logits = model(input_ids=torch.tensor([ids]))[0]
     return logits.double().log_softmax(-1)
 
 

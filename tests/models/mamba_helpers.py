@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-import torch
 
 from loom.config import LoomConfig, ModelConfig
 from loom.parallel.mesh import ParallelMesh
@@ -20,7 +19,7 @@ def tiny(pattern=None, **kw) -> ModelConfig:
     """h 32, d_inner 64 = 8 heads of P 8 in 2 groups, N 8, chunk 5 (does not divide s 16)."""
     base = dict(model_type="mamba", num_layers=4, hidden_size=32, num_attention_heads=4,
                 num_query_groups=2, ffn_hidden_size=64, seq_length=16, vocab_size=100,
-                make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
+                padded_vocab_size=104, hidden_dropout=0.0, attention_dropout=0.0,
                 mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
                 mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern=pattern)
     base.update(kw)
@@ -52,11 +51,6 @@ def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,
 # relative to max(|ref|, GRAD_FLOOR): still 1e-5 of every tensor whose gradient exceeds 1e-5,
 # and a real error in a tiny gradient (O(its size), ~1e-7) is ~1e-2 of the floor: caught.
 GRAD_FLOOR = 1e-5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
-    """max |a - b| / max(max |b|, floor)."""
-    return float((a - b).abs().max() / b.abs().max().clamp_min(floor))
 
 
 def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) -> dict:

@@ -37,6 +37,7 @@ from loom.parallel.mesh import ParallelMesh  # noqa: E402
 from loom.parallel.parallelize import build_model  # noqa: E402
 from loom.parallel.registry import local_shard  # noqa: E402
 from testkit import run_distributed  # noqa: E402
+from testkit.numerics import rel_err
 
 V = 100
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -241,6 +242,7 @@ def gemma_cfg(tp: int, dp: int = 1, pp: int = 1, sp: bool = False, kv: int = 2,
     cfg = LoomConfig(model=ModelConfig(
         model_type="gemma3", num_layers=4, hidden_size=64, num_attention_heads=4,
         num_query_groups=kv, kv_channels=16, ffn_hidden_size=96, seq_length=16, vocab_size=300,
+        padded_vocab_size=384,  # the same padded softmax columns at every t
         sliding_window=5, layer_types="LLGL", openai_gelu=True, query_pre_attn_scalar=24,
         attn_logit_softcapping=20.0 if softcap else None,
         final_logit_softcapping=5.0 if softcap else None, hidden_dropout=0.0,
@@ -254,10 +256,6 @@ def gemma_cfg(tp: int, dp: int = 1, pp: int = 1, sp: bool = False, kv: int = 2,
     t.train_iters, t.adam_beta2, t.lr_decay_style = 100, 0.95, "cosine"  # loom's old defaults
     cfg.logging.log_interval = 10**9
     return cfg.validate(tp * dp * pp * cp)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def parity_case(**kw) -> dict:

@@ -11,8 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from loom.interop.hf import load_full_state_dict  # noqa: E402
-from loom.interop.hf_moe import (mixtral_config, mixtral_to_loom, qwen2_moe_config,  # noqa: E402
-                                 qwen2_moe_to_loom)
+from loom.models.gpt.hf_moe import (mixtral_config, mixtral_to_loom,  # noqa: E402
+                                    qwen2_moe_config, qwen2_moe_to_loom)
 from testkit import run_distributed  # noqa: E402
 
 ATOL = 1e-5

@@ -15,8 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from loom.interop.hf import load_full_state_dict  # noqa: E402
-from loom.interop.hf_qwen3_moe import (loom_to_qwen3_moe, qwen3_moe_config,  # noqa: E402
-                                       qwen3_moe_hf_config, qwen3_moe_to_loom)
+from loom.models.gpt.hf_qwen3_moe import (loom_to_qwen3_moe, qwen3_moe_config,  # noqa: E402
+                                          qwen3_moe_hf_config, qwen3_moe_to_loom)
 from testkit import run_distributed  # noqa: E402
 
 ATOL = 1e-5
@@ -82,7 +82,8 @@ def test_export_roundtrip_matches_transformers():
     full = {n: p.detach() for n, p in model.named_parameters()}
     exported = transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(**qwen3_moe_hf_config(cfg))).eval()
-    missing, unexpected = exported.load_state_dict(loom_to_qwen3_moe(full, cfg), strict=False)
+    missing, unexpected = exported.load_state_dict(loom_to_qwen3_moe(full, cfg, fused=True),
+                                                  strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     with torch.no_grad():
         err = float((exported(ids()).logits - hf(ids()).logits).abs().max())

@@ -33,7 +33,8 @@ from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
 
-from mamba_helpers import RTOL, check_parity, parity, rel_err, tiny
+from mamba_helpers import RTOL, check_parity, parity, tiny
+from testkit.numerics import rel_err
 
 ATOL = 1e-5
 
@@ -140,11 +141,51 @@ def test_generate_runs_on_hybrid_and_matches_greedy_without_cache():
     assert out == ids[len(prompt):]
 
 
+HEADS = dict(mamba_num_heads=6, mamba_head_dim=6)  # d_inner 36, h 32: independent of h
+
+
+def test_mamba_heads_independent_of_hidden_size_match_nemotron_h():
+    """--mamba-num-heads H x --mamba-head-dim P with H P not a multiple of h (Nemotron-H 47B /
+    56B, Nemotron-Nano-9B-v2; Megatron's ``MambaMixer``: d_inner = H P): loom's mixer equals
+    ``transformers``' ``NemotronHMamba2Mixer`` (its PyTorch path, d_inner = H P by
+    construction) with the same weights, h 20 and d_inner 6 x 4 = 24."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    from loom.models.mamba.model import MambaMixer
+    cfg = tiny(num_layers=1, hidden_size=20, mamba_num_heads=6, mamba_head_dim=4,
+               norm_epsilon=1e-5)
+    assert cfg.mamba_d_inner == 24 and cfg.mamba_d_inner % cfg.hidden_size
+    hf_cfg = transformers.NemotronHConfig(
+        hidden_size=20, mamba_num_heads=6, mamba_head_dim=4, n_groups=2, ssm_state_size=8,
+        conv_kernel=4, chunk_size=5, layer_norm_epsilon=1e-5, use_bias=False,
+        use_conv_bias=True, time_step_min=0.0,  # dt clamped to >= 0 only: no clamp
+        num_hidden_layers=1, layers_block_type=["mamba"], vocab_size=64, num_attention_heads=4,
+        num_key_value_heads=4)
+    torch.manual_seed(0)
+    hf = NemotronHMamba2Mixer(hf_cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        hf.A_log.copy_(torch.rand(6) + 0.1)
+    mine = MambaMixer(cfg, 0)
+    mine.load_state_dict({k: v.squeeze(1) if k == "conv1d.weight" else v
+                          for k, v in hf.state_dict().items()})
+    x = torch.randn(2, 12, 20)
+    with torch.no_grad():
+        want = hf(x)
+        got = mine(x.transpose(0, 1)).transpose(0, 1)
+    assert rel_err(got, want) < 1e-5
+    mine.D.data += 0.1  # the check can fail
+    with torch.no_grad():
+        assert rel_err(mine(x.transpose(0, 1)).transpose(0, 1), want) > 1e-3
+
+
 @pytest.mark.parametrize("changes,flag", [
     (dict(tp=2, model=dict(mamba_num_groups=1)), "--mamba-num-groups"),
     (dict(tp=2, model=dict(mamba_expand=3, mamba_head_dim=32, mamba_num_groups=1)),
      r"3 Mamba heads .* not divisible by --tensor-model-parallel-size 2"),
-    (dict(model=dict(hybrid_override_pattern="M*M")), "--hybrid-override-pattern"),
+    (dict(model=dict(hybrid_override_pattern="M*E")), "--hybrid-override-pattern"),  # MoE (E)
     (dict(model=dict(hybrid_override_pattern="M*MX")), "--hybrid-override-pattern"),
     (dict(model=dict(model_type="gpt", hybrid_override_pattern="MMMM")),
      "--hybrid-override-pattern"),
@@ -219,6 +260,8 @@ def world2() -> dict:
     res["parity-hybrid"] = parity(tiny("M*M-"), {"tp2": (2, 1, 1, False),
                                                  "tp2sp": (2, 1, 1, True),
                                                  "pp2": (1, 2, 1, False)})
+    res["parity-heads"] = parity(tiny("M*M-", **HEADS), {"tp2": (2, 1, 1, False),
+                                                         "pp2": (1, 2, 1, False)})
     mesh = ParallelMesh.build(tp=2)
     res["decode-tp2"] = decode_errors(build_model(get_family("mamba"), tiny("M*M-"), mesh))
     return res
@@ -253,8 +296,11 @@ def test_mamba_layer_tp2_equals_tp1_and_counts_collectives(results2):
 @pytest.mark.parametrize("model,layout", [("parity-mamba", "tp2"), ("parity-mamba", "tp2sp"),
                                           ("parity-mamba", "dp2"), ("parity-mamba", "pp2"),
                                           ("parity-hybrid", "tp2"), ("parity-hybrid", "tp2sp"),
-                                          ("parity-hybrid", "pp2")])
+                                          ("parity-hybrid", "pp2"), ("parity-heads", "tp2"),
+                                          ("parity-heads", "pp2")])
 def test_training_parity_two_ranks(results2, model, layout):
+    """``parity-heads``: --mamba-num-heads 6 x --mamba-head-dim 6 = d_inner 36 with h 32 (not a
+    multiple of h, as Nemotron-H's shapes), 3 heads and 1 group per TP rank."""
     for r in results2:
         case = r[model][layout]
         assert case["compared"] > 10, case

@@ -98,8 +98,9 @@ def test_mtp_loss_is_the_weighted_mean_of_shifted_predictions():
         for k, layer in enumerate(model.mtp.layers):
             tok, lab, pos = roll_left(tok), roll_left(lab), roll_left(pos)
             x = layer(x, model.embedding(tok, pos), model.layer_inputs(torch.arange(16), None, {}))
-            logits = F.linear(x, model.output_layer.weight)[..., :100].transpose(0, 1)
-            ce = F.cross_entropy(logits[:, :15 - k].reshape(-1, 100), lab[:, :15 - k].reshape(-1))
+            logits = F.linear(x, model.output_layer.weight).transpose(0, 1)  # [b, s, Vp]
+            vp = logits.shape[-1]  # the padded columns are in the softmax (Megatron's default)
+            ce = F.cross_entropy(logits[:, :15 - k].reshape(-1, vp), lab[:, :15 - k].reshape(-1))
             want.append(ce)
             assert math.isclose(float(metrics[f"mtp_{k + 1} loss"]), float(ce), rel_tol=1e-5)
     assert math.isclose(float(metrics["mtp loss"]), float(sum(want) / 2), rel_tol=1e-5)
@@ -154,7 +155,7 @@ def test_mla_head_dims_are_its_own():
 @pytest.mark.parametrize("change,world,flag", [
     (dict(multi_latent_attention=False, rope_type="yarn"), 1, "--rope-type yarn"),
     (dict(group_query_attention=True, num_query_groups=2), 1, "--group-query-attention"),
-    (dict(position_embedding_type="learned_absolute"), 1, "--position-embedding-type rope"),
+    (dict(position_embedding_type="yarn"), 1, "--position-embedding-type rope --rope-type yarn"),
     (dict(qk_pos_emb_head_dim=5), 1, "--qk-pos-emb-head-dim 5"),
     (dict(mtp_num_layers=1, pp=2, multi_latent_attention=False, rope_type=None,
           position_embedding_type="learned_absolute", rotary_scaling_factor=None), 2,

@@ -27,7 +27,7 @@ def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
              layers=2, experts=4, sp=False, cp=1, etp=None) -> LoomConfig:
     model = ModelConfig.llama(num_layers=layers, hidden_size=32, num_attention_heads=4,
                               num_query_groups=2, seq_length=8, vocab_size=100,
-                              make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                              padded_vocab_size=104, hidden_dropout=0.0,
                               attention_dropout=0.0, num_experts=experts, moe_router_topk=k,
                               moe_ffn_hidden_size=24, moe_router_score_function=score,
                               moe_shared_expert_intermediate_size=shared,
@@ -233,7 +233,7 @@ def test_checkpoint_moves_between_ep_sizes(tmp_path):
     (dict(ep=4), 2, "--expert-model-parallel-size 4 must divide the data-parallel size 2"),
     (dict(k=5), 1, "--moe-router-topk 5 must lie in"),
     (dict(tp=2, etp=4), 2, "--expert-tensor-parallel-size 4 must be 1"),
-    (dict(experts=None, etp=1), 1, "--expert-tensor-parallel-size needs --num-experts"),
+    (dict(experts=None, ep=2), 2, "--expert-model-parallel-size needs --num-experts"),
 ])
 def test_bad_moe_layouts_refused(change, world, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -47,7 +47,7 @@ GLOBAL_AUX = dict(moe_router_load_balancing_type="global_aux_loss", moe_grouped_
 
 def make_cfg(tp=1, ep=1, sp=False, cp=1, **model) -> LoomConfig:
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-              seq_length=8, vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+              seq_length=8, vocab_size=100, padded_vocab_size=104, hidden_dropout=0.0,
               attention_dropout=0.0, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=24,
               moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     cfg = LoomConfig(model=ModelConfig.llama(**{**kw, **model}))
@@ -363,3 +363,74 @@ def test_force_load_balancing_randomizes_logits_straight_through():
     assert int(r.counts.min()) > 0 and int(r.counts.max()) < 256
     r.weights.sum().backward()
     assert router.weight.grad is not None
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_sinkhorn_routing_matches_megatron_core(k):
+    """--moe-router-load-balancing-type sinkhorn against Megatron-Core's own
+    ``TopKRouter.sinkhorn_load_balancing`` (megatron-core 0.16.1, the same code as d98e8a6):
+    in training the experts of the Sinkhorn-balanced assignment, in evaluation the top k of
+    the scores; the weights sigmoid (k = 1) or softmax scores, unnormalized. Experts equal,
+    weights and the logits' gradient equal; training picks differ from the plain top k (the
+    balancing ran), and the balanced matrix's rows and columns sum to 1/T and 1/E."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter as MegatronRouter
+
+    from loom.models.moe_router import sinkhorn
+    g = torch.Generator().manual_seed(k)
+    logits = torch.randn(64, 8, generator=g) * 2 + torch.linspace(0, 3, 8)  # skewed load
+    picks = {}
+    for training in (True, False):
+        fake = SimpleNamespace(topk=k, training=training,
+                               config=SimpleNamespace(moe_aux_loss_coeff=0))
+        ref_in = logits.clone().requires_grad_(True)
+        ref_w, ref_map = MegatronRouter.sinkhorn_load_balancing(fake, ref_in)
+        got_in = logits.clone().requires_grad_(True)
+        r = route(got_in, k, balancing="sinkhorn", training=training)
+        got_w = torch.zeros(64, 8).scatter(1, r.experts, r.weights)
+        assert torch.equal(torch.zeros(64, 8, dtype=torch.bool).scatter(1, r.experts, True),
+                           ref_map)
+        torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=0)
+        upstream = torch.randn(64, 8, generator=g)
+        (ref_w * upstream).sum().backward()
+        (got_w * upstream).sum().backward()
+        torch.testing.assert_close(got_in.grad, ref_in.grad, rtol=1e-6, atol=1e-9)
+        assert float(r.aux_loss) == 0.0
+        picks[training] = ref_map
+    assert not torch.equal(picks[True], picks[False])  # the balanced assignment differs
+    balanced = sinkhorn(logits)
+    torch.testing.assert_close(balanced, moe_utils.sinkhorn(logits), rtol=1e-6, atol=0)
+    torch.testing.assert_close(balanced.sum(0), torch.full((8,), 1 / 8), rtol=1e-3, atol=0)
+    torch.testing.assert_close(balanced.sum(1), torch.full((64,), 1 / 64), rtol=1e-2, atol=0)
+
+
+def test_sinkhorn_router_module_follows_train_and_eval():
+    """The router module picks the balanced experts in training and the plain top k in
+    evaluation (Megatron's ``self.training``); the z-loss still applies."""
+    from loom.models.moe_router import TopKRouter
+    cfg = make_cfg(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0,
+                   moe_router_topk=2).validate(1).model
+    router = TopKRouter(cfg)
+    torch.nn.init.normal_(router.weight, std=0.2)
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(0)) + 1.0
+    train = router(x, (48, 1))
+    router.eval()
+    evaluation = router(x, (48, 1))
+    assert not torch.equal(train.experts, evaluation.experts)
+    assert train.counts.max() < evaluation.counts.max()  # balanced: a flatter load
+    assert float(train.z_loss.detach()) > 0
+
+
+@pytest.mark.parametrize("change,flag", [
+    (dict(moe_aux_loss_coeff=0.01), "--moe-aux-loss-coeff"),
+    (dict(moe_router_score_function="sigmoid"), "--moe-router-score-function"),
+    (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
+    (dict(moe_router_num_groups=4, moe_router_group_topk=2), "--moe-router-num-groups"),
+    (dict(moe_router_topk_scaling_factor=2.0), "--moe-router-topk-scaling-factor"),
+])
+def test_sinkhorn_refuses_what_it_would_ignore(change, flag):
+    kw = dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0)
+    with pytest.raises(ConfigError, match=flag):
+        make_cfg(**{**kw, **change}).validate(1)

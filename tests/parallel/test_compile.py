@@ -29,8 +29,11 @@ TOL = 5e-5
 
 
 def _cfg(kind: str, tp: int, pp: int, dp: int, sp: bool) -> LoomConfig:
+    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
+    # (Megatron's), so every compared t needs the same ones
     common = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
+                  attention_dropout=0.0)
     model = ModelConfig.gpt2(**common) if kind == "gpt" else \
         ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
     cfg = LoomConfig(model=model)

@@ -52,7 +52,8 @@ def _hier_groups(c: int, a: int):
 
 
 def primitive_case(make_core, kind: str, groups, g: int, dv: int = 8, s: int = 32) -> dict:
-    from loom.parallel.context import ContextParallelAttention, local_positions, slice_for_cp
+    from loom.parallel.context.attention import ContextParallelAttention
+    from loom.parallel.context.split import local_positions, slice_for_cp
     cp, a2a, p2p = groups
     c, r = dist.get_world_size(cp), dist.get_rank(cp)
     gen = torch.Generator().manual_seed(7)
@@ -85,8 +86,8 @@ def primitive_case(make_core, kind: str, groups, g: int, dv: int = 8, s: int = 3
 def tiled_ring_case(groups, window) -> float:
     """Ring attention with query tiles of 3 rows (runs cut mid-chunk: a tile sees the keys
     before it whole and its own square causally), with and without a sliding window."""
-    from loom.parallel.context import all_positions, local_positions, slice_for_cp
-    from loom.parallel.context_ring import CoreMath, ring_attention
+    from loom.parallel.context.split import all_positions, local_positions, slice_for_cp
+    from loom.parallel.context.ring import CoreMath, ring_attention
     from loom.models.gemma3.model import GemmaAttentionCore
     cp = groups[0]
     c, r = dist.get_world_size(cp), dist.get_rank(cp)
@@ -105,7 +106,8 @@ def dropout_case(groups) -> dict:
     """p2p with attention dropout: deterministic per seed, and backward is the gradient of
     what forward computed (directional central difference, fp64)."""
     from loom.models.attention import DotProductAttention
-    from loom.parallel.context import ContextParallelAttention, local_positions
+    from loom.parallel.context.attention import ContextParallelAttention
+    from loom.parallel.context.split import local_positions
     cp = groups[0]
     c, r = dist.get_world_size(cp), dist.get_rank(cp)
     gen = torch.Generator().manual_seed(3 + r)
@@ -151,8 +153,11 @@ def primitives(c: int) -> dict:
 # -- whole-model rows through the Trainer ---------------------------------------------------------
 
 def model_cfg(family: str, c: int, kind: str, tp: int = 1, hier=None) -> LoomConfig:
+    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
+    # (Megatron's), so every compared t needs the same ones
     common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                  seq_length=32, vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+                  seq_length=32, vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
+                  attention_dropout=0.0)
     if family == "llama":
         model = ModelConfig.llama(ffn_hidden_size=96, **common)
     else:  # gemma3: a local (sliding window 5) and a global layer
@@ -280,7 +285,7 @@ def _check_world(results: list, c: int) -> None:
 
 
 def _check_cost(kind: str, c: int, case: dict) -> None:
-    from loom.parallel.context_cost import AttentionShape, cp_cost
+    from loom.parallel.context.cost import AttentionShape, cp_cost
     shape = AttentionShape(s=32, b=2, a=4, g=case["g"], d_qk=8, d_v=case["dv"])
     hier = (2, 2) if kind == "a2a+p2p" else None
     cost = cp_cost(shape, c, kind, hier, bytes_per_element=8)
@@ -291,7 +296,7 @@ def _check_cost(kind: str, c: int, case: dict) -> None:
 
 def test_cost_model_memory_and_overlap():
     """p2p holds O(s/c) of K/V, allgather O(s); a2a+p2p in between; p2p overlaps everything."""
-    from loom.parallel.context_cost import AttentionShape, cp_cost, kv_elements
+    from loom.parallel.context.cost import AttentionShape, cp_cost, kv_elements
     shape = AttentionShape(s=131072, b=1, a=128, g=128, d_qk=192, d_v=128, t=8)  # MLA-like
     full = kv_elements(shape, 1, "p2p")
     assert kv_elements(shape, 8, "allgather") == full

@@ -13,12 +13,13 @@ spawned 4-rank world runs every row.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 
 from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
+
+from parity_helpers import step_mismatches
 
 RTOL = 1e-5
 STEPS = 3
@@ -29,7 +30,7 @@ def model_cfg(kind: str) -> ModelConfig:
     ``mla_q``: a full query projection, no latent norms, MTP D=2; ``deepseek``: every issue-24
     flag."""
     common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                  vocab_size=100, make_vocab_size_divisible_by=8, ffn_hidden_size=48,
+                  vocab_size=100, padded_vocab_size=104, ffn_hidden_size=48,
                   hidden_dropout=0.0, attention_dropout=0.0, multi_latent_attention=True,
                   qk_layernorm=kind != "mla_q",
                   q_lora_rank=None if kind == "mla_q" else 16, kv_lora_rank=12, qk_head_dim=8,
@@ -98,18 +99,7 @@ def features(tr) -> dict:
 def mismatches(par: list, ref: list, mesh) -> list[str]:
     """Per step: loss and gradient norm (rtol), each gradient against the reference's shard
     (max error relative to the largest entry)."""
-    from loom.parallel.registry import local_shard
-    out = []
-    for step, (got, want) in enumerate(zip(par, ref)):
-        out += [f"step {step}: {what} {a} != {b}" for what, a, b in
-                (("loss", got[0], want[0]), ("grad norm", got[2], want[2]))
-                if not math.isclose(a, b, rel_tol=RTOL)]
-        for name, (g, meta) in got[1].items():
-            w = local_shard(want[1][name][0], meta, mesh.tp_rank, mesh.tp_size)
-            err = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
-            if err > RTOL:
-                out.append(f"step {step}: grad {name} relative error {err:.2e}")
-    return out
+    return step_mismatches(par, ref, mesh, RTOL)
 
 
 def parity(cases) -> list[dict]:

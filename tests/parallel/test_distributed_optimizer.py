@@ -29,14 +29,18 @@ from loom.config import LoomConfig, ModelConfig
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 
 
 def make_cfg(world: int, tp=1, pp=1, ep=1, zero=1, og=False, opg=False, m=None, moe=False,
              bf16=False, layers=2) -> LoomConfig:
+    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
+    # (Megatron's), so every compared t needs the same ones
     common = dict(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
+                  attention_dropout=0.0)
     if moe:
         model = ModelConfig.llama(num_query_groups=2, num_experts=4, moe_router_topk=2,
                                   moe_ffn_hidden_size=48, moe_layer_freq=1,
@@ -58,12 +62,6 @@ def make_cfg(world: int, tp=1, pp=1, ep=1, zero=1, og=False, opg=False, m=None, 
     cfg.data.mock_data = True
     cfg.logging.log_interval = 10**9
     return cfg.validate(world)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    return float((a - b).abs().max() / scale.abs().max().clamp_min(1e-12))
 
 
 def parity_case(**kw) -> dict:

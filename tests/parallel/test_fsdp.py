@@ -39,13 +39,16 @@ STEPS = 3
 
 
 def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
+    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
+    # (Megatron's), so every compared t needs the same ones
     common = dict(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
+                  attention_dropout=0.0)
     if kind == "hybrid":  # Mamba-2, attention, Mamba-2, MLP (tests/models/test_mamba.py's tiny stack)
         return ModelConfig.llama(
             model_type="mamba", num_layers=4, hidden_size=32, num_attention_heads=4,
             num_query_groups=2, ffn_hidden_size=64, seq_length=16, vocab_size=100,
-            make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
+            padded_vocab_size=104, hidden_dropout=0.0, attention_dropout=0.0,
             mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
             mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern="M*M-")
     if kind in ("moe", "moe-bias"):  # tests/models/test_moe.py's: 4 experts, top-2, aux and
@@ -56,7 +59,7 @@ def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
                     ) if kind == "moe-bias" else {}
         return ModelConfig.llama(
             num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-            seq_length=8, vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+            seq_length=8, vocab_size=100, padded_vocab_size=104, hidden_dropout=0.0,
             attention_dropout=0.0, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
             moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_layer_freq=1, **bias)
     if kind == "gpt":

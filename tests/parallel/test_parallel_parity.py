@@ -27,13 +27,17 @@ from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from loom.parallel.tensor import vocab_parallel_cross_entropy
 from testkit import count_collectives, run_distributed
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 
 
 def tiny(kind: str) -> ModelConfig:
+    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
+    # (Megatron's), so every compared t needs the same ones
     common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
+                  attention_dropout=0.0)
     if kind == "gpt":
         return ModelConfig.gpt2(**common)
     return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
@@ -62,11 +66,6 @@ def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
 
 def reference_shard(ref: torch.Tensor, meta, mesh: ParallelMesh) -> torch.Tensor:
     return local_shard(ref, meta, mesh.tp_rank, mesh.tp_size)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (elementwise rtol is meaningless for entries that are ~0)."""
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,

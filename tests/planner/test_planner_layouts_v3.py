@@ -84,10 +84,10 @@ def test_cp_comm_types_memory_and_exposed_time():
     bare = time_terms(model, L, 8, 65536, cl, Options(flash_attention=True,
                                                       overlap_cp_comm=False))["cp_comm"][0]
     assert bare > t_p2p
-    # bytes as loom's CP sends them (loom.parallel.context_cost), via the exposed time at 0
+    # bytes as loom's CP sends them (loom.parallel.context.cost), via the exposed time at 0
     # attention and links of 1 B/s without latency
     from dataclasses import replace as _r
-    from loom.parallel.context_cost import AttentionShape, cp_cost
+    from loom.parallel.context.cost import AttentionShape, cp_cost
     from loom.planner.context_parallel import cp_layer_cost
     unit = _r(fitted_cluster("H100-80GB", 8), intra_bw=1.0, inter_bw=1.0, intra_alpha=0.0,
               inter_alpha=0.0)

@@ -291,3 +291,21 @@ def test_nemotron_h_search_and_tp_diagnosis(capsys):
         main(["plan", "mamba2-1.3b", "--num-gpus", "8", "--tensor-model-parallel-size", "2"])
     assert e.value.code != 0
     assert "Mamba heads H=64 and groups G=1" in capsys.readouterr().err
+
+
+def test_mamba_num_heads_sets_the_width_in_the_parameter_count():
+    """--mamba-num-heads H: d_inner = H P whatever h is (Nemotron-H: 128 heads of 64 next to
+    h 4480 in the 56B model). The planner's count (``mamba_dims``) equals the parameters of
+    loom's own model of that shape, built on the meta device."""
+    import torch
+
+    from loom.models import get_family
+    from loom.models.family import StageSpec
+    from loom.planner.mamba import mamba_dims
+    m = _tiny(num_layers=2, hybrid_override_pattern="M-", mamba_num_heads=5, mamba_head_dim=12,
+              mamba_num_groups=1, vocab_size=1024)  # unpadded: the planner counts V rows
+    assert m.mamba_d_inner == 60 and mamba_dims(m)[:2] == (60, 5)
+    with torch.device("meta"):
+        model = get_family("mamba").build(m, StageSpec([0, 1], True, True))
+    assert total_params(m) == sum(p.numel() for p in model.parameters())
+    assert total_params(m) != total_params(dataclasses.replace(m, mamba_num_heads=None))

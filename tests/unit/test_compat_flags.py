@@ -8,6 +8,7 @@ ramps, checkpoint formats), the ones loom does not train yet refused for trainin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -18,23 +19,22 @@ from testkit import run_distributed
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data",
         "--vocab-size", "96"]
-SWITCHES = [  # every field of loom/config/compat.py, each with a non-default value
+SWITCHES = [  # Megatron flags loom accepts without effect (the flag table), non-default values
     "--use-mcore-models", "--transformer-impl", "local", "--attention-backend", "flash",
     "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-bias-swiglu-fusion",
     "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
     "--cross-entropy-loss-fusion", "--use-flash-attn", "--export-force-local-attention",
     "--cuda-graph-impl", "local",
     "--disable-gloo-process-groups", "--manual-gc", "--manual-gc-interval", "10",
-    "--empty-unused-memory-level", "1", "--attention-softmax-in-fp32", "--grad-reduce-in-bf16",
+    "--empty-unused-memory-level", "1", "--attention-softmax-in-fp32",
+    "--apply-query-key-layer-scaling", "--grad-reduce-in-bf16",
     "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
     "--fp8-param-gather", "--init-model-with-meta-device", "--use-nccl-ub",
     "--fsdp-double-buffer", "--fsdp-manual-registration", "--megatron-fsdp-grad-comm-dtype",
     "bf16", "--megatron-fsdp-main-grads-dtype", "bf16", "--moe-permute-fusion",
     "--moe-flex-dispatcher-backend", "hybridep", "--enable-experimental", "--spec",
     "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
-    "--recompute-modules", "mlp", "moe", "--no-check-for-nan-in-loss-and-grad", "--profile",
-    "--profile-step-start", "4", "--profile-step-end", "6", "--profile-ranks", "0", "1",
-    "--record-memory-history", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+    "--recompute-modules", "mlp", "moe", "--no-check-for-nan-in-loss-and-grad",
     "--log-validation-ppl-to-tensorboard", "--log-throughput", "--logging-level", "20",
     "--num-workers", "6", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
     "--data-cache-path", "/tmp/cache", "--dataloader-type", "single", "--apply-layernorm-1p",
@@ -63,16 +63,17 @@ def _prepare(argv, monkeypatch, world=1):
 
 
 def test_switches_are_accepted_and_named_once(capsys, monkeypatch):
-    from loom.config.compat import SWITCHES as FIELDS
+    from loom.config import GROUPS
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert _main(["train", "--dry-run", "--world-size", "1", *BASE, "--train-iters", "2",
                  *SWITCHES]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "no effect in loom" in ln]
     assert len(lines) == 1
-    given = {w[2:].replace("-", "_") for w in SWITCHES if w.startswith("--")}
-    assert given == set(FIELDS)
-    for name in FIELDS:
-        assert f"--{name.replace('_', '-')}" in lines[0], name
+    given = [w for w in SWITCHES if w.startswith("--")]
+    fields = {f.name for dc in GROUPS.values() for f in dataclasses.fields(dc)}
+    for name in given:
+        assert f"{name}" in lines[0], name
+        assert name[2:].replace("-", "_") not in fields  # not a config field (issue 42)
     assert "--spec megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec" in lines[0]
     assert _main(["train", "--dry-run", "--world-size", "1", *BASE, "--train-iters", "2",
                   "--num-query-groups", "2"]) == 0  # loom keeps it; Megatron's rule is said
@@ -106,7 +107,11 @@ def test_megatron_spellings_resolve(monkeypatch):
     cfg = _prepare(BASE + ["--model-type", "mamba", "--hybrid-layer-pattern", "M*",
                            "--train-iters", "2", "--mamba-num-groups", "1", "--mamba-head-dim",
                            "16", "--mamba-num-heads", "6"], monkeypatch)
-    assert cfg.model.mamba_expand == 3 and cfg.model.mamba_num_heads == 6  # 6 x 16 = 3 x 32
+    assert cfg.model.mamba_d_inner == 96 and cfg.model.mamba_num_heads == 6  # 6 x 16
+    cfg = _prepare(BASE + ["--model-type", "mamba", "--hybrid-layer-pattern", "M*",
+                           "--train-iters", "2", "--mamba-num-groups", "1", "--mamba-head-dim",
+                           "10", "--mamba-num-heads", "5"], monkeypatch)
+    assert cfg.model.mamba_d_inner == 50  # not a multiple of h 32 (Nemotron-H's shapes)
     cfg = _prepare(BASE + ["--model-type", "bert", "--train-iters", "2", "--bert-binary-head",
                            "--bert-no-binary-head"], monkeypatch)
     assert cfg.model.bert_binary_head is False  # Megatron's --bert-no-binary-head
@@ -115,7 +120,7 @@ def test_megatron_spellings_resolve(monkeypatch):
         cfg = _prepare(BASE + ["--train-iters", "2", "--use-megatron-fsdp",
                                "--data-parallel-sharding-strategy", strategy], monkeypatch, 2)
         assert cfg.training.zero_stage == stage and cfg.training.use_megatron_fsdp
-    for fmt in ("torch_dist", "torch_dcp", "fsdp_dtensor"):
+    for fmt in ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor"):
         assert _prepare(BASE + ["--train-iters", "2", "--ckpt-format", fmt],
                         monkeypatch).training.ckpt_format == fmt
     cfg = config_from_args(_parse(BASE + ["--train-iters", "2", "--moe-token-drop-policy",
@@ -135,12 +140,14 @@ def test_megatron_spellings_resolve(monkeypatch):
       "0:1 1K:4"], "ends at 4"),
     (["--train-iters", "2", "--step-batch-size-schedule", "10:4"], "start at 0"),
     (["--train-iters", "2", "--rampup-batch-size", "2", "x", "9"], "three integers"),
-    (["--train-iters", "2", "--ckpt-format", "torch"], "--ckpt-format torch_dist"),
+    (["--train-iters", "2", "--model-type", "bert", "--ckpt-format", "torch_dist"],
+     "written for the gpt and mamba families"),
     (["--train-iters", "2", "--dataloader-type", "cyclic"], "--dataloader-type single"),
     (["--train-iters", "2", "--decoupled-min-lr", "1e-5"], "--decoupled-lr"),
-    (["--train-iters", "2", "--model-type", "mamba", "--mamba-num-heads", "1",
+    (["--train-iters", "2", "--model-type", "mamba", "--mamba-num-heads", "3",
       "--mamba-head-dim", "48"],
-     "not a multiple of --hidden-size"),
+     "--mamba-num-heads x --mamba-head-dim = 144 must split into heads of --mamba-head-dim 48, "
+     "a multiple of --mamba-num-groups 8"),
     (["--train-iters", "2", "--num-experts", "2", "--moe-expert-capacity-factor", "1.0",
       "--moe-token-drop-policy", "position"], "--moe-token-drop-policy probs"),
 ])
@@ -195,7 +202,7 @@ def test_exit_duration_pretrained_and_checkpoint_args(tmp_path, monkeypatch, cap
                                   "--use-checkpoint-args"], monkeypatch)
     assert cfg.model.swiglu is False and cfg.model.num_layers == 2  # the checkpoint's
     assert cfg.training.use_checkpoint_args
-    with pytest.raises(ConfigError, match="--use-checkpoint-args needs a checkpoint"):
+    with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load"):
         _prepare(BASE + ["--train-iters", "2", "--use-checkpoint-args"], monkeypatch)
 
 

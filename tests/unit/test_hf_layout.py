@@ -1,6 +1,8 @@
-"""A GPT model converts to Hugging Face only when GPT2LMHeadModel or LlamaForCausalLM expresses
-every option it sets: a squared-ReLU, q/k-normed, partial-RoPE, gpt-oss or MTP model is refused
-naming the flag, instead of being written as a plain GPT-2 / LLaMA with other math."""
+"""A GPT model converts to Hugging Face only when the ``transformers`` class its layout picks
+expresses every option it sets: a squared-ReLU, q/k-normed (dense), partial-RoPE, windowed or
+MTP model is refused naming the flag, a model with gpt-oss's activation or sinks goes to
+GptOssForCausalLM (refused there naming what it lacks), instead of being written as a plain
+GPT-2 / LLaMA with other math."""
 
 from __future__ import annotations
 
@@ -8,24 +10,41 @@ import pytest
 
 from loom.config import ModelConfig
 from loom.errors import ConfigError
-from loom.models.gpt.hf import PLAIN_LAYOUT, layout_of
+from loom.models.gpt.hf import hf_config, layout_of
+from loom.models.gpt.hf_parts import PLAIN_LAYOUT
 
 GPT2 = dict(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=50)
 LLAMA = dict(GPT2, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
              disable_bias_linear=True)
+MOE = dict(LLAMA, num_experts=4, moe_router_topk=2)
 
 
-def test_plain_layouts_convert():
+def test_each_layout_is_picked():
     assert layout_of(ModelConfig(**GPT2)) == "gpt2"
     assert layout_of(ModelConfig(**LLAMA, openai_gelu=False)) == "llama"
+    assert layout_of(ModelConfig(**LLAMA, add_qkv_bias=True)) == "qwen2"
+    assert layout_of(ModelConfig(**MOE)) == "mixtral"
+    assert layout_of(ModelConfig(**MOE, qk_layernorm=True)) == "qwen3_moe"
+    assert layout_of(ModelConfig(**MOE, moe_shared_expert_intermediate_size=8)) == "qwen2_moe"
+    assert layout_of(ModelConfig(**{**MOE, "quick_geglu": True, "swiglu": False})) == "gpt_oss"
 
 
 @pytest.mark.parametrize("name,value", [("squared_relu", True), ("qk_layernorm", True),
-                                        ("rotary_percent", 0.5), ("quick_geglu", True),
-                                        ("softmax_type", "learnable"), ("window_size", "4,0"),
+                                        ("rotary_percent", 0.5), ("window_size", "4,0"),
                                         ("mtp_num_layers", 1)])
 def test_an_option_hf_cannot_express_is_refused_naming_it(name, value):
     assert name in dict(PLAIN_LAYOUT)
     base = LLAMA if name in ("rotary_percent", "qk_layernorm") else GPT2
     with pytest.raises(ConfigError, match="--" + name.replace("_", "-")):
-        layout_of(ModelConfig(**base, **{name: value}))
+        hf_config(ModelConfig(**base, **{name: value}))
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (dict(quick_geglu=True), "gpt-oss export needs --glu-linear-offset 1"),
+    (dict(softmax_type="learnable"), "gpt-oss export needs --quick-geglu"),
+    (dict(num_experts=4, moe_router_score_function="sigmoid"), "sigmoid has no Mixtral"),
+    (dict(num_experts=4, moe_router_pre_softmax=True), "Mixtral has no QKV bias"),
+    (dict(num_experts=4, moe_shared_expert_intermediate_size=8), "Qwen2-MoE needs")])
+def test_a_layout_refuses_what_its_class_lacks(flags, needle):
+    with pytest.raises(ConfigError, match=needle):
+        hf_config(ModelConfig(**{**LLAMA, **flags}))

@@ -66,7 +66,7 @@ def test_json_run_header_and_tensorboard_config(tmp_path, monkeypatch):
     assert runs[0] == 0 and len(runs) == 2
     assert [records[i]["config"]["lr"] for i in runs] == [1e-3, 2e-3]
     assert records[0]["config"]["hidden_size"] == 32 and "start_utc" in records[0]
-    assert [r["kind"] for r in records[runs[0]:runs[1]]] == ["run", "train", "valid"]
+    assert [r["kind"] for r in records[runs[0]:runs[1]]] == ["run", "train", "valid", "summary"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb), size_guidance={"tensors": 0})
     acc.Reload()

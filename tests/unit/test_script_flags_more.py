@@ -153,10 +153,38 @@ def test_squared_relu_mlp(monkeypatch):
     want = mlp.linear_fc2(torch.relu(mlp.linear_fc1(x)) ** 2)  # Megatron's squared_relu
     torch.testing.assert_close(mlp(x), want)
     for extra, match in ((["--swiglu"], "drop --swiglu"),
-                         (["--num-experts", "2"], "drop --squared-relu")):
+                         (["--quick-geglu"], "drop --quick-geglu")):
         with pytest.raises(ConfigError, match=match):
             _prepare(BASE + ["--train-iters", "2", "--lr", "1e-3", "--squared-relu", *extra],
                      monkeypatch)
+
+
+def test_squared_relu_experts(monkeypatch):
+    """--squared-relu with --num-experts: each routed expert and the shared expert is
+    ``fc2(relu(fc1 x)^2)`` (Megatron's experts take ``config.activation_func``), on the per-expert
+    loop and the grouped GEMM alike."""
+    from loom.models.moe import MoELayer
+    argv = BASE + ["--train-iters", "2", "--lr", "1e-3", "--squared-relu", "--num-experts", "4",
+                   "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "8"]
+    for grouped in ([], ["--moe-grouped-gemm"]):
+        cfg = _prepare(argv + grouped, monkeypatch).model
+        torch.manual_seed(0)
+        layer = MoELayer(cfg, 0)
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        x = torch.randn(5, 2, 32)
+        tokens = x.reshape(10, 32)
+        r = layer.router(tokens, (5, 2))
+
+        def mlp(m, t):
+            return m.linear_fc2(torch.relu(m.linear_fc1(t)) ** 2)  # Megatron's squared_relu
+        want = mlp(layer.shared_experts, tokens)
+        for j in range(r.experts.shape[1]):
+            want = want + torch.stack([r.weights[i, j] * mlp(layer.experts[str(int(e))],
+                                                             tokens[i])
+                                       for i, e in enumerate(r.experts[:, j])])
+        assert layer.experts["0"].linear_fc1.weight.shape == (16, 32)  # ungated FC1
+        torch.testing.assert_close(layer(x), want.view(5, 2, 32), rtol=1e-5, atol=1e-6)
 
 
 def test_eod_mask_loss_masks_end_of_document_inputs(monkeypatch):

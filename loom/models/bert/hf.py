@@ -1,5 +1,5 @@
-"""Hugging Face ``transformers`` BERT (``BertForMaskedLM`` / ``BertForPreTraining``) -> loom's
-post-LN BERT, at any tensor-parallel size.
+"""Hugging Face ``transformers`` BERT (``BertForMaskedLM`` / ``BertForPreTraining``) <-> loom's
+post-LN BERT, at any tensor-parallel size, both ways.
 
 ``transformers``' BERT is the original post-LN order, so it maps onto ``--model-type bert
 --post-layernorm``: embeddings (word, position, token type, LayerNorm), per layer the separate
@@ -19,6 +19,7 @@ from typing import Mapping
 import torch
 
 from loom.config import ModelConfig
+from loom.errors import ConfigError
 from loom.models.family import HFConversion
 
 
@@ -36,46 +37,90 @@ def bert_config(hf_config, binary_head: bool = False) -> ModelConfig:
         seq_length=hf_config.max_position_embeddings,
         max_position_embeddings=hf_config.max_position_embeddings,
         vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.layer_norm_eps,
-        openai_gelu=hf_config.hidden_act != "gelu", hidden_dropout=0.0, attention_dropout=0.0)
+        openai_gelu=hf_config.hidden_act != "gelu", hidden_dropout=0.0, attention_dropout=0.0,
+        exclude_padded_vocab=True)
 
 
-def _ln(sd, src: str, dst: str) -> dict:
-    return {f"{dst}.weight": sd[f"{src}.weight"], f"{dst}.bias": sd[f"{src}.bias"]}
+def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(HF name, loom name) of every tensor copied unchanged: all but the fused QKV and the
+    (vocabulary-padded) output bias."""
+    e = "bert.embeddings."
+    pairs = [(e + "word_embeddings.weight", "embedding.word_embeddings.weight"),
+             (e + "position_embeddings.weight", "embedding.position_embeddings.weight"),
+             (e + "token_type_embeddings.weight", "embedding.tokentype_embeddings.weight"),
+             (e + "LayerNorm", "embedding.norm"),
+             ("cls.predictions.transform.dense", "lm_head.dense"),
+             ("cls.predictions.transform.LayerNorm", "lm_head.layer_norm")]
+    for i in range(cfg.num_layers):
+        h, l = f"bert.encoder.layer.{i}.", f"layers.{i}."
+        pairs += [(h + a, l + b) for a, b in (
+            ("attention.output.dense", "self_attention.linear_proj"),
+            ("intermediate.dense", "mlp.linear_fc1"), ("output.dense", "mlp.linear_fc2"),
+            ("attention.output.LayerNorm", "post_self_attn_layernorm"),
+            ("output.LayerNorm", "post_mlp_layernorm"))]
+    if cfg.bert_binary_head:
+        pairs += [("bert.pooler.dense", "pooler.dense"), ("cls.seq_relationship", "binary_head")]
+    out = []
+    for a, b in pairs:  # a module: its weight and bias
+        out += [(a, b)] if a.endswith(".weight") else [(a + ".weight", b + ".weight"),
+                                                        (a + ".bias", b + ".bias")]
+    return out
+
+
+def _qkv(layer: int) -> tuple[str, str]:
+    return f"bert.encoder.layer.{layer}.attention.self.", f"layers.{layer}.self_attention."
 
 
 def bert_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """``BertForMaskedLM`` / ``BertForPreTraining`` state dict -> full tensors under loom's
     names. Raises KeyError naming a tensor the state dict lacks."""
-    e = "bert.embeddings."
-    out = {"embedding.word_embeddings.weight": sd[e + "word_embeddings.weight"],
-           "embedding.position_embeddings.weight": sd[e + "position_embeddings.weight"],
-           "embedding.tokentype_embeddings.weight": sd[e + "token_type_embeddings.weight"]}
-    out.update(_ln(sd, e + "LayerNorm", "embedding.norm"))
+    out = {loom: sd[hf] for hf, loom in _pairs(cfg)}
     for i in range(cfg.num_layers):
-        h, l = f"bert.encoder.layer.{i}.", f"layers.{i}."
-        att = h + "attention.self."
-        out[l + "self_attention.linear_qkv.weight"] = torch.cat(
-            [sd[att + f"{x}.weight"] for x in ("query", "key", "value")], dim=0)
-        out[l + "self_attention.linear_qkv.bias"] = torch.cat(
-            [sd[att + f"{x}.bias"] for x in ("query", "key", "value")], dim=0)
-        for src, dst in (("attention.output.dense", "self_attention.linear_proj"),
-                         ("intermediate.dense", "mlp.linear_fc1"),
-                         ("output.dense", "mlp.linear_fc2")):
-            out[l + dst + ".weight"] = sd[h + src + ".weight"]
-            out[l + dst + ".bias"] = sd[h + src + ".bias"]
-        out.update(_ln(sd, h + "attention.output.LayerNorm", l + "post_self_attn_layernorm"))
-        out.update(_ln(sd, h + "output.LayerNorm", l + "post_mlp_layernorm"))
+        att, s = _qkv(i)
+        for kind in ("weight", "bias"):
+            out[s + f"linear_qkv.{kind}"] = torch.cat(
+                [sd[att + f"{x}.{kind}"] for x in ("query", "key", "value")], dim=0)
     p = "cls.predictions."
-    out["lm_head.dense.weight"] = sd[p + "transform.dense.weight"]
-    out["lm_head.dense.bias"] = sd[p + "transform.dense.bias"]
-    out.update(_ln(sd, p + "transform.LayerNorm", "lm_head.layer_norm"))
     out["output_layer.bias"] = sd.get(p + "bias", sd.get(p + "decoder.bias"))
-    if cfg.bert_binary_head:
-        out["pooler.dense.weight"] = sd["bert.pooler.dense.weight"]
-        out["pooler.dense.bias"] = sd["bert.pooler.dense.bias"]
-        out["binary_head.weight"] = sd["cls.seq_relationship.weight"]
-        out["binary_head.bias"] = sd["cls.seq_relationship.bias"]
     return out
+
+
+def bert_hf_config(cfg: ModelConfig) -> dict:
+    """``config.json`` of ``BertForMaskedLM`` (``BertForPreTraining`` with the binary head)
+    for a post-LN loom BERT. Raises ConfigError for pre-LN (no HF class computes it)."""
+    if not cfg.post_layernorm:
+        raise ConfigError("transformers' BERT is post-LN: only a --post-layernorm BERT converts "
+                          "to Hugging Face")
+    if cfg.num_kv_groups != cfg.num_attention_heads or cfg.head_dim * cfg.num_attention_heads \
+            != cfg.hidden_size:
+        raise ConfigError("transformers' BERT has h / a channels per head and no GQA: this "
+                          "model does not convert to Hugging Face")
+    return {"architectures": ["BertForPreTraining" if cfg.bert_binary_head else
+                              "BertForMaskedLM"], "model_type": "bert",
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+            "intermediate_size": cfg.ffn_size,
+            "hidden_act": "gelu_pytorch_tanh" if cfg.openai_gelu else "gelu",
+            "max_position_embeddings": cfg.max_positions, "type_vocab_size": 2,
+            "layer_norm_eps": cfg.norm_epsilon, "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0, "tie_word_embeddings": True}
+
+
+def loom_to_bert(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full loom tensors (vocabulary padding dropped) -> the ``BertForMaskedLM`` /
+    ``BertForPreTraining`` state dict (the decoder weight tied: not written); the inverse of
+    :func:`bert_to_loom`."""
+    V, h = cfg.vocab_size, cfg.hidden_size
+    out = {hf: full[loom] for hf, loom in _pairs(cfg)}
+    out["bert.embeddings.word_embeddings.weight"] = full["embedding.word_embeddings.weight"][:V]
+    for i in range(cfg.num_layers):
+        att, s = _qkv(i)
+        for kind in ("weight", "bias"):
+            for x, part in zip(("query", "key", "value"),
+                               full[s + f"linear_qkv.{kind}"].split([h, h, h])):
+                out[att + f"{x}.{kind}"] = part
+    out["cls.predictions.bias"] = full["output_layer.bias"][:V]
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
@@ -85,4 +130,5 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     return cfg, bert_to_loom(sd, cfg)
 
 
-HF = HFConversion(model_types=("bert",), to_loom=to_loom, title="BERT")
+HF = HFConversion(model_types=("bert",), to_loom=to_loom, export_config=bert_hf_config,
+                  from_loom=loom_to_bert, title="BERT")

@@ -171,7 +171,7 @@ class BertModel(LanguageModelChunk):
             self.final_layernorm = build_norm(cfg)
         self.lm_head = MaskedLMHead(cfg)
         self.output_layer = VocabBias(padded_vocab)
-        self.head = LMHead(cfg.vocab_size)
+        self.head = LMHead(cfg.softmax_vocab_size)
         if cfg.bert_binary_head:
             self.pooler = Pooler(cfg)
             self.binary_head = nn.Linear(cfg.hidden_size, 2)

@@ -81,7 +81,8 @@ def gemma3_config(hf: dict, where: str = "config.json") -> ModelConfig:
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
         attn_logit_softcapping=hf.get("attn_logit_softcapping"),
         final_logit_softcapping=hf.get("final_logit_softcapping"),
-        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout") or 0.0))
+        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout") or 0.0),
+        exclude_padded_vocab=True)
 
 
 def hf_gemma3_config(cfg: ModelConfig) -> dict:

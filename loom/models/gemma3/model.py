@@ -180,7 +180,7 @@ class Gemma3Model(LanguageModelChunk):
 
     def build_output(self, cfg: ModelConfig, padded_vocab: int) -> None:
         self.final_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.head = LMHead(cfg.vocab_size, cfg.final_logit_softcapping)  # shared
+        self.head = LMHead(cfg.softmax_vocab_size, cfg.final_logit_softcapping)  # shared
 
     def ropes(self, positions: torch.Tensor) -> dict:
         """cos, sin ``[s, d]`` per layer kind: local and global RoPE bases."""

@@ -27,4 +27,5 @@ FAMILY = ModelFamily(name="gpt", build=GPTModel, plan=parallelize.plan, init=par
                      forward_step=forward_step, generation=Generation(),
                      logged_metrics=logged_metrics,
                      evaluation_tasks=("perplexity", "cloze"), hf=HF,
-                     checkpoint_differences=learned_positions_differ)
+                     checkpoint_differences=learned_positions_differ,
+                     megatron_checkpoints=True)

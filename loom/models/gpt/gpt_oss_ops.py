@@ -28,7 +28,7 @@ from torch import nn
 
 from loom.config.model_gptoss import GPT_OSS_YARN
 from loom.models.attention import DotProductAttention, window_causal_mask
-from loom.models.yarn import yarn_mscale
+from loom.models.yarn import yarn_cos_sin
 
 
 def sink_softmax(scores: torch.Tensor, sink: Optional[torch.Tensor]) -> torch.Tensor:
@@ -46,11 +46,12 @@ class SinkWindowAttention(DotProductAttention):
     """``softmax_sink(q k^T / sqrt(d) + mask) v``: the causal (optionally sliding-window) core
     with attention sinks; keys at positions ``0 .. s_k - 1``, queries at ``q_positions``
     (default: the last s_q). ``softmax_offset [heads]``: the learnable sinks (a parameter), a
-    zero buffer for off-by-one, absent for vanilla."""
+    zero buffer for off-by-one, absent for vanilla. ``scale``: instead of ``1 / sqrt(d)``
+    (muP's)."""
 
     def __init__(self, dropout: float, heads: int, softmax_type: str = "vanilla",
-                 window: Optional[int] = None):
-        super().__init__(dropout)
+                 window: Optional[int] = None, scale: Optional[float] = None):
+        super().__init__(dropout, scale=scale)
         self.softmax_type, self.window = softmax_type, window
         if softmax_type == "learnable":
             self.softmax_offset = nn.Parameter(torch.empty(heads))
@@ -69,7 +70,8 @@ class SinkWindowAttention(DotProductAttention):
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = scores / math.sqrt(q.shape[-1]) if self.scale is None else scores * self.scale
         scores = scores.masked_fill(~mask, float("-inf"))
         sink = self.softmax_offset
         if sink is not None and sink.shape[0] != q.shape[1]:
@@ -84,22 +86,8 @@ class SinkWindowAttention(DotProductAttention):
 
 def gpt_oss_rope(positions: torch.Tensor, dim: int, base: float) -> tuple[torch.Tensor,
                                                                          torch.Tensor]:
-    """cos, sin ``[s, dim]`` (halves layout) of ``--enable-gpt-oss``'s YaRN RoPE
-    (:data:`~loom.config.model_gptoss.GPT_OSS_YARN`; YaRN eq. 17-20 with real-valued
-    correction bounds, clamped to ``[0, dim/2 - 1]``; attention factor
+    """cos, sin ``[s, dim]`` (halves layout) of ``--enable-gpt-oss``'s YaRN RoPE:
+    :func:`loom.models.yarn.yarn_cos_sin` with :data:`~loom.config.model_gptoss.GPT_OSS_YARN`
+    and real-valued correction bounds (clamped to ``[0, dim - 1]``; attention factor
     ``m(factor, mscale) / m(factor, mscale_all_dim)``)."""
-    y = GPT_OSS_YARN
-    factor, original = y["factor"], y["original_max"]
-
-    def dim_of(rotations: float) -> float:
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-    low, high = max(dim_of(y["beta_fast"]), 0.0), min(dim_of(y["beta_slow"]), dim - 1.0)
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim
-    extra = 1.0 / base ** exponents
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=positions.device) - low)
-            / (high - low if high != low else 0.001)).clamp(0, 1)
-    inv_freq = extra / factor * ramp + extra * (1 - ramp)
-    freqs = torch.outer(positions.float(), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    attn = yarn_mscale(factor, y["mscale"]) / yarn_mscale(factor, y["mscale_all_dim"])
-    return emb.cos() * attn, emb.sin() * attn
+    return yarn_cos_sin(positions, dim, base, **GPT_OSS_YARN, round_to_int=False)

@@ -1,7 +1,11 @@
-"""Hugging Face ``transformers`` GPT-2 / LLaMA <-> loom for the GPT family: full (unsharded)
-tensors under loom's parameter names, both ways (``loom checkpoint convert``; resharding to a
-layout is :func:`loom.interop.hf.load_full_state_dict`), and the ``config.json`` of the
-matching ``transformers`` class.
+"""Hugging Face ``transformers`` <-> loom for the GPT family: full (unsharded) tensors under
+loom's parameter names, both ways (``loom checkpoint convert``; resharding to a layout is
+:func:`loom.interop.hf.load_full_state_dict`), and the ``config.json`` of the matching
+``transformers`` class. The dense layouts live here (GPT2LMHeadModel, LlamaForCausalLM,
+Qwen2ForCausalLM: LLaMA with QKV biases); :func:`layout_of` picks the class a model exports
+to, :data:`IMPORTS` the reader of a ``model_type``: Mixtral / Qwen2-MoE (:mod:`.hf_moe`),
+Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V3 (:mod:`.hf_deepseek`), gpt-oss
+(:mod:`.hf_gpt_oss`), the shared pieces in :mod:`.hf_parts`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ import torch
 from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
-from loom.models.gpt import hf_deepseek, hf_gpt_oss
+from loom.models.gpt import hf_deepseek, hf_gpt_oss, hf_moe, hf_qwen3_moe
+from loom.models.gpt.hf_parts import (attention_to_hf, attention_to_loom, check_plain,
+                                      outer_to_hf, outer_to_loom, rope_theta, swiglu_to_hf,
+                                      swiglu_to_loom)
 
 
 def gpt2_config(hf_config) -> ModelConfig:
@@ -25,22 +32,30 @@ def gpt2_config(hf_config) -> ModelConfig:
         seq_length=hf_config.n_positions, max_position_embeddings=hf_config.n_positions,
         vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.layer_norm_epsilon,
         openai_gelu=hf_config.activation_function in ("gelu_new", "gelu_pytorch_tanh"),
-        hidden_dropout=0.0, attention_dropout=0.0)
+        hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
 
 def llama_config(hf_config) -> ModelConfig:
-    """loom's LLaMA layout for a ``transformers.LlamaConfig``."""
+    """loom's LLaMA layout for a ``transformers.LlamaConfig`` (``Qwen2Config``: with
+    ``--add-qkv-bias``)."""
+    qwen2 = getattr(hf_config, "model_type", "llama") == "qwen2"
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise ConfigError("LLaMA with attention_bias / mlp_bias (o_proj or MLP biases) has no "
+                          "loom layout")
+    if qwen2 and getattr(hf_config, "use_sliding_window", False):
+        raise ConfigError("Qwen2 with use_sliding_window is not supported")
     return ModelConfig.llama(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=getattr(hf_config, "head_dim", None),
         ffn_hidden_size=hf_config.intermediate_size,
         seq_length=hf_config.max_position_embeddings,
         max_position_embeddings=hf_config.max_position_embeddings,
         vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.rms_norm_eps,
-        rotary_base=getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"],
+        rotary_base=rope_theta(hf_config), add_qkv_bias=qwen2,
         untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
-        hidden_dropout=0.0, attention_dropout=0.0)
+        hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
 
 def gpt2_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -70,56 +85,51 @@ def gpt2_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 
 def llama_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM state dict -> loom names (q, k, v fused; gate, up fused)."""
-    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-           "final_layernorm.weight": sd["model.norm.weight"]}
-    out["output_layer.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    """LlamaForCausalLM / Qwen2ForCausalLM state dict -> loom names (q, k, v fused with their
+    biases if any; gate, up fused)."""
+    out = outer_to_loom(sd)
     for i in range(cfg.num_layers):
         h, l = f"model.layers.{i}.", f"layers.{i}."
-        out.update({
-            l + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
-            l + "self_attention.linear_qkv.weight": torch.cat(
-                [sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0),
-            l + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
-            l + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
-            l + "mlp.linear_fc1.weight": torch.cat(
-                [sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]], dim=0),
-            l + "mlp.linear_fc2.weight": sd[h + "mlp.down_proj.weight"],
-        })
+        out.update(attention_to_loom(sd, h, l))
+        out.update(swiglu_to_loom(sd, h + "mlp.", l + "mlp."))
     return out
 
 
-# Options neither GPT2LMHeadModel nor LlamaForCausalLM expresses: at these values or refused.
-PLAIN_LAYOUT = (("squared_relu", False), ("qk_layernorm", False), ("rotary_percent", 1.0),
-                ("quick_geglu", False), ("softmax_type", "vanilla"), ("window_size", None),
-                ("mtp_num_layers", None))
-
-
-def layout_of(cfg: ModelConfig) -> str:
-    """``gpt2`` or ``llama``; raises ConfigError for a model neither HF class expresses
-    (naming the first option in :data:`PLAIN_LAYOUT` the model sets)."""
-    for name, plain in PLAIN_LAYOUT:
-        if getattr(cfg, name) != plain:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} has no "
-                              f"Hugging Face GPT-2 or LLaMA equivalent: this model does not "
-                              f"convert to Hugging Face")
+def dense_layout(cfg: ModelConfig) -> str:
+    """``gpt2``, ``llama`` or ``qwen2`` (LLaMA with QKV biases); raises ConfigError for a dense
+    model none of those HF classes expresses (naming the first option in
+    :data:`~loom.models.gpt.hf_parts.PLAIN_LAYOUT` it sets)."""
+    check_plain(cfg, "GPT-2 or LLaMA")
     gpt2 = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
             and not cfg.swiglu and not cfg.disable_bias_linear
             and not cfg.untie_embeddings_and_output_weights)
     llama = (cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope"
-             and cfg.swiglu and cfg.disable_bias_linear and not cfg.add_qkv_bias)
-    if cfg.num_experts or not (gpt2 or llama):
+             and cfg.swiglu and cfg.disable_bias_linear)
+    if not (gpt2 or llama):
         raise ConfigError("only the GPT-2 layout (LayerNorm, learned positions, GeLU, biases, "
-                          "tied embeddings) and the LLaMA layout (RMSNorm, RoPE, SwiGLU, no "
-                          "biases) convert to Hugging Face")
-    return "gpt2" if gpt2 else "llama"
+                          "tied embeddings) and the LLaMA / Qwen2 layout (RMSNorm, RoPE, "
+                          "SwiGLU, no biases but --add-qkv-bias) convert to Hugging Face")
+    return "gpt2" if gpt2 else "qwen2" if cfg.add_qkv_bias else "llama"
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """``config.json`` of the matching ``transformers`` class (MLA: DeepseekV3ForCausalLM)."""
+def layout_of(cfg: ModelConfig) -> str:
+    """The ``transformers`` class family a GPT-family model exports to (a key of
+    :data:`LAYOUTS`): DeepSeek-V3 for MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE /
+    Mixtral for MoE models (Q/K norms / a shared expert / neither), else the dense ones."""
     if cfg.multi_latent_attention:
-        return hf_deepseek.hf_config(cfg)
-    if layout_of(cfg) == "gpt2":
+        return "deepseek_v3"
+    if cfg.quick_geglu or cfg.softmax_type != "vanilla" or cfg.enable_gpt_oss:
+        return "gpt_oss"
+    if cfg.num_experts:
+        return "qwen3_moe" if cfg.qk_layernorm else \
+            "qwen2_moe" if cfg.moe_shared_expert_intermediate_size else "mixtral"
+    return dense_layout(cfg)
+
+
+def dense_hf_config(cfg: ModelConfig) -> dict:
+    """``config.json`` of GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM."""
+    layout = dense_layout(cfg)
+    if layout == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 "vocab_size": cfg.vocab_size, "n_positions": cfg.max_positions,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
@@ -127,24 +137,26 @@ def hf_config(cfg: ModelConfig) -> dict:
                 "activation_function": "gelu_new" if cfg.openai_gelu else "gelu",
                 "layer_norm_epsilon": cfg.norm_epsilon, "tie_word_embeddings": True,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+              "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+              "num_attention_heads": cfg.num_attention_heads,
+              "num_key_value_heads": cfg.num_kv_groups, "head_dim": cfg.head_dim,
+              "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
+              "rope_theta": cfg.rotary_base, "hidden_act": "silu",
+              "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
+    if layout == "qwen2":
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                "use_sliding_window": False, **common}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_kv_groups, "head_dim": cfg.head_dim,
-            "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
-            "rope_theta": cfg.rotary_base,
-            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
-            "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+            "attention_bias": False, "mlp_bias": False, **common}
 
 
-def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Full loom tensors (vocabulary padding dropped here) -> the HF state dict."""
-    if cfg.multi_latent_attention:
-        return hf_deepseek.loom_to_deepseek_v3(full, cfg)
+def loom_to_dense(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full loom tensors (vocabulary padding dropped here) -> the GPT-2 / LLaMA / Qwen2 state
+    dict."""
     V = cfg.vocab_size
     out: dict[str, torch.Tensor] = {}
-    if layout_of(cfg) == "gpt2":
+    if dense_layout(cfg) == "gpt2":
         p = "transformer."
         out.update({p + "wte.weight": full["embedding.word_embeddings.weight"][:V],
                     p + "wpe.weight": full["embedding.position_embeddings.weight"],
@@ -163,40 +175,71 @@ def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
                 out[h + hf_name + ".bias"] = full[l + loom_name + ".bias"]
         out["lm_head.weight"] = out[p + "wte.weight"]
         return out
-    a, g, d, f = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size
-    out.update({"model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:V],
-                "model.norm.weight": full["final_layernorm.weight"]})
-    out["lm_head.weight"] = (full["output_layer.weight"][:V]
-                             if cfg.untie_embeddings_and_output_weights
-                             else out["model.embed_tokens.weight"])
+    out = outer_to_hf(full, cfg)
     for i in range(cfg.num_layers):
         h, l = f"model.layers.{i}.", f"layers.{i}."
-        q, k, v = full[l + "self_attention.linear_qkv.weight"].split([a * d, g * d, g * d])
-        gate, up = full[l + "mlp.linear_fc1.weight"].split([f, f])
-        out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
-                    h + "self_attn.v_proj.weight": v,
-                    h + "self_attn.o_proj.weight": full[l + "self_attention.linear_proj.weight"],
-                    h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
-                    h + "mlp.down_proj.weight": full[l + "mlp.linear_fc2.weight"],
-                    h + "input_layernorm.weight": full[l + "input_layernorm.weight"],
-                    h + "post_attention_layernorm.weight": full[l + "pre_mlp_layernorm.weight"]})
+        out.update(attention_to_hf(full, l, h, cfg))
+        out.update(swiglu_to_hf(full, l + "mlp.", h + "mlp."))
     return {k: v.contiguous() for k, v in out.items()}
 
 
+# layout -> (config.json of the transformers class, full loom tensors -> its state dict)
+LAYOUTS = {
+    "gpt2": (dense_hf_config, loom_to_dense), "llama": (dense_hf_config, loom_to_dense),
+    "qwen2": (dense_hf_config, loom_to_dense),
+    "mixtral": (hf_moe.mixtral_hf_config, hf_moe.loom_to_mixtral),
+    "qwen2_moe": (hf_moe.qwen2_moe_hf_config, hf_moe.loom_to_qwen2_moe),
+    "qwen3_moe": (hf_qwen3_moe.qwen3_moe_hf_config, hf_qwen3_moe.loom_to_qwen3_moe),
+    "deepseek_v3": (hf_deepseek.hf_config, hf_deepseek.loom_to_deepseek_v3),
+    "gpt_oss": (hf_gpt_oss.gpt_oss_hf_config, hf_gpt_oss.loom_to_gpt_oss)}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """``config.json`` of the ``transformers`` class :func:`layout_of` picks. Raises
+    ConfigError for a model it does not express."""
+    return LAYOUTS[layout_of(cfg)][0](cfg)
+
+
+def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full loom tensors (vocabulary padding dropped here) -> the state dict of the class
+    :func:`layout_of` picks, as its checkpoints store it."""
+    return LAYOUTS[layout_of(cfg)][1](full, cfg)
+
+
+def _moe_import(to_cfg, convert):
+    def read(hf: dict, sd: Mapping, where: str) -> tuple:
+        try:
+            cfg = to_cfg(SimpleNamespace(**{"tie_word_embeddings": False, **hf}))
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        return cfg, convert(sd, cfg)
+    return read
+
+
+# config.json model_type -> (hf config dict, state dict, where) -> (ModelConfig, full tensors)
+IMPORTS = {"deepseek_v3": hf_deepseek.to_loom, "gpt_oss": hf_gpt_oss.to_loom,
+           "mixtral": _moe_import(hf_moe.mixtral_config, hf_moe.mixtral_to_loom),
+           "qwen2_moe": _moe_import(hf_moe.qwen2_moe_config, hf_moe.qwen2_moe_to_loom),
+           "qwen3_moe": _moe_import(hf_qwen3_moe.qwen3_moe_config,
+                                    hf_qwen3_moe.qwen3_moe_to_loom)}
+
+
 def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
-    """``(ModelConfig, full loom tensors)`` of a GPT-2 or LLaMA ``config.json`` dict and state
-    dict (``where``: the source, for messages; the layouts need no refusal beyond
-    ``model_types``); ``deepseek_v3``: :mod:`loom.models.gpt.hf_deepseek`."""
-    if hf.get("model_type") == "deepseek_v3":
-        return hf_deepseek.to_loom(hf, sd, where)
-    if hf.get("model_type") == "gpt_oss":  # import only (loom/models/gpt/hf_gpt_oss.py)
-        return hf_gpt_oss.to_loom(hf, sd, where)
+    """``(ModelConfig, full loom tensors)`` of a ``config.json`` dict and state dict of any
+    ``model_type`` in :data:`HF` (``where``: the source, for messages)."""
+    if hf.get("model_type") in IMPORTS:
+        return IMPORTS[hf["model_type"]](hf, sd, where)
     gpt2 = hf.get("model_type") == "gpt2"
     ns = SimpleNamespace(**{"n_inner": None, "tie_word_embeddings": gpt2, **hf})
-    cfg = gpt2_config(ns) if gpt2 else llama_config(ns)
+    try:
+        cfg = gpt2_config(ns) if gpt2 else llama_config(ns)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     return cfg, (gpt2_to_loom if gpt2 else llama_to_loom)(sd, cfg)
 
 
-HF = HFConversion(model_types=("gpt2", "llama", "deepseek_v3", "gpt_oss"), to_loom=to_loom,
-                  export_config=hf_config, from_loom=loom_to_hf,
-                  title="GPT-2 / LLaMA / DeepSeek-V3")
+HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe",
+                               "deepseek_v3", "gpt_oss"),
+                  to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
+                  title="GPT-2 / LLaMA / Qwen2 / Mixtral / Qwen2-MoE / Qwen3-MoE / "
+                        "DeepSeek-V3 / gpt-oss")

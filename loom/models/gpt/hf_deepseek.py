@@ -98,6 +98,7 @@ def deepseek_v3_config(hf) -> ModelConfig:
         seq_length=_get(hf, "max_position_embeddings"),
         max_position_embeddings=_get(hf, "max_position_embeddings"),
         norm_epsilon=_get(hf, "rms_norm_eps"), hidden_dropout=0.0, attention_dropout=0.0,
+        exclude_padded_vocab=True,
         untie_embeddings_and_output_weights=not _get(hf, "tie_word_embeddings", False),
         multi_latent_attention=True, qk_layernorm=True, q_lora_rank=_get(hf, "q_lora_rank"),
         kv_lora_rank=_get(hf, "kv_lora_rank"), qk_head_dim=_get(hf, "qk_nope_head_dim"),
@@ -236,6 +237,10 @@ def hf_config(cfg: ModelConfig) -> dict:
             and cfg.normalization == "RMSNorm"):
         raise ConfigError(f"{TITLE} export needs --multi-latent-attention, --qk-layernorm (the "
                           f"latent norms), --swiglu and RMSNorm")
+    if cfg.position_embedding_type == "learned_absolute":
+        raise ConfigError(f"{TITLE} has no learned position table: a model trained with "
+                          f"--multi-latent-attention --position-embedding-type learned_absolute "
+                          f"does not convert")
     k = _first_dense(cfg)
     f_moe = cfg.moe_ffn_size if cfg.num_experts else cfg.ffn_size
     shared = cfg.moe_shared_expert_intermediate_size or 0

@@ -62,10 +62,7 @@ def mla_rope(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, t
     dr = cfg.qk_pos_emb_head_dim
     if cfg.effective_rope_type == "rope":
         return rope_cos_sin(positions, dr, cfg.rotary_base)
-    return yarn_cos_sin(positions, dr, cfg.rotary_base, yarn_factor(cfg),
-                        cfg.yarn_original_max_position_embeddings or 4096,
-                        cfg.yarn_beta_fast or 32.0, cfg.yarn_beta_slow or 1.0,
-                        cfg.mscale, cfg.mscale_all_dim)
+    return yarn_cos_sin(positions, dr, cfg.rotary_base, **cfg.yarn_args())
 
 
 class MLASelfAttention(nn.Module):

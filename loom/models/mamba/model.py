@@ -7,7 +7,9 @@ Mamba-2 layer ``x + drop(mixer(norm(x)))``, ``*`` an attention layer
 are the GPT family's blocks). A pure Mamba model is all ``M`` (the default). Embedding, final
 norm, output layer, loss and the forward step are the GPT family's; activations are ``[s, b, h]``.
 
-The Mamba-2 mixer (fig. 6, right): one in-projection to ``z [d_inner]``, ``x [d_inner]``,
+The Mamba-2 mixer (fig. 6, right), ``d_inner = H P`` wide (``--mamba-num-heads H``, else
+``--mamba-expand x h``: Nemotron-H's heads x head dim need not be a multiple of h): one
+in-projection to ``z [d_inner]``, ``x [d_inner]``,
 ``B, C [G N]``, ``dt [H]``; causal depthwise conv1d + SiLU over ``(x, B, C)``;
 ``dt = softplus(dt + dt_bias)``, ``A = -exp(A_log)``; the SSD scan (:mod:`.ssd`) plus ``D x``;
 gated RMSNorm ``rmsnorm(y * silu(z))`` normalized per group of ``d_inner / G`` channels
@@ -37,10 +39,11 @@ from loom.models.mamba.ssd import ssd_chunked, ssd_step
 
 
 def mamba_sizes(cfg: ModelConfig) -> dict:
-    """Full (unsharded) sizes: ``d_inner = expand h``, heads ``H = d_inner / P``, groups ``G``,
-    state ``N``, conv channels ``d_inner + 2 G N``, fused in-projection segments
+    """Full (unsharded) sizes: ``d_inner`` (``--mamba-num-heads x P``, else ``expand h``:
+    ``ModelConfig.mamba_d_inner``), heads ``H = d_inner / P``, groups ``G``, state ``N``, conv
+    channels ``d_inner + 2 G N``, fused in-projection segments
     ``(z, x, B, C, dt) = (d_inner, d_inner, G N, G N, H)``."""
-    d_inner = cfg.mamba_expand * cfg.hidden_size
+    d_inner = cfg.mamba_d_inner
     H, G, N = d_inner // cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim
     return dict(d_inner=d_inner, heads=H, groups=G, state=N, conv_dim=d_inner + 2 * G * N,
                 in_segments=(d_inner, d_inner, G * N, G * N, H),

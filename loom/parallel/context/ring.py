@@ -16,11 +16,11 @@ after one last hop. Memory per rank: the local K/V plus one block in flight, ``O
 
 The mask is built from global positions, so any token layout works (the causal load-balanced
 two chunks of :mod:`loom.parallel.context`, or the a2a groups' tokens of ``a2a+p2p``); the
-block arithmetic (:mod:`loom.parallel.context_blocks`) skips key runs a query tile cannot see
+block arithmetic (:mod:`loom.parallel.context.blocks`) skips key runs a query tile cannot see
 (with the two-chunk layout every step after the first computes half a block).
 
 The attention core's math is read from the core it replaces (:func:`core_math`,
-:class:`~loom.parallel.context_blocks.CoreMath`: scale, sliding window, soft-cap, dropout and
+:class:`~loom.parallel.context.blocks.CoreMath`: scale, sliding window, soft-cap, dropout and
 its generator). Keys may have fewer heads than queries (GQA: head h uses
 group ``h // (a / g)``) and values a different head dim than queries and keys (MLA).
 """
@@ -32,7 +32,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from loom.parallel.context_blocks import (NEG, CoreMath, block_backward, block_forward,
+from loom.parallel.context.blocks import (NEG, CoreMath, block_backward, block_forward,
                                           plan_block)
 
 

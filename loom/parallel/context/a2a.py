@@ -12,7 +12,7 @@ Queries heads must be divisible by A; key/value groups g are too, or are repeate
 Per rank it holds K/V of the whole sequence for ``g/A`` groups: ``O(s / A)`` elements.
 
 a2a+p2p: the a2a inside each group of A consecutive CP ranks, then ring attention
-(:mod:`loom.parallel.context_ring`) across the B groups on the head-sharded tokens.
+(:mod:`loom.parallel.context.ring`) across the B groups on the head-sharded tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from loom.parallel.context_ring import CoreMath, ring_attention
+from loom.parallel.context.ring import CoreMath, ring_attention
 from loom.parallel.mappings import ConjugateCollective
 
 

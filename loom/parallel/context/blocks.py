@@ -1,5 +1,5 @@
 """Blockwise causal attention with log-sum-exp, the arithmetic of ring attention
-(:mod:`loom.parallel.context_ring`): one block of keys at a time, exact merging (the online
+(:mod:`loom.parallel.context.ring`): one block of keys at a time, exact merging (the online
 softmax of Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, whose backward
 ``dS = P (dP - D)``, ``D = rowsum(dO O)`` recomputes each block's probabilities from the final
 log-sum-exp).

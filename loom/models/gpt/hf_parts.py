@@ -1,0 +1,111 @@
+"""The pieces the GPT family's LLaMA-like Hugging Face layouts share (LLaMA, Qwen2, Mixtral,
+Qwen2-MoE, Qwen3-MoE): embeddings / final norm / output layer, an attention block (q, k, v
+separate in HF, fused ``[q; k; v]`` rows in loom's ``linear_qkv``; optional QKV biases and
+per-head Q/K norms), a SwiGLU MLP (``gate_proj`` / ``up_proj`` in HF, ``[gate; up]`` rows in
+loom's ``linear_fc1``), and the check that a model sets no option these classes lack.
+Each ``*_to_loom`` reads an HF state dict (prefix ``h``) into loom names (prefix ``l``);
+each ``*_to_hf`` is its inverse on full loom tensors (vocabulary padding dropped).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from loom.config import ModelConfig
+from loom.errors import ConfigError
+
+# Options no LLaMA-like HF class expresses: a model must have these values, unless the layout
+# exporting it names the option as its own (``check_plain``'s ``allowed``).
+PLAIN_LAYOUT = (("squared_relu", False), ("qk_layernorm", False), ("rotary_percent", 1.0),
+                ("quick_geglu", False), ("softmax_type", "vanilla"), ("window_size", None),
+                ("mtp_num_layers", None), ("rotary_scaling_factor", None),
+                ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None),
+                ("enable_gpt_oss", False), ("multi_latent_attention", False),
+                ("rotary_interleaved", False), ("use_mup", False))
+
+
+def check_plain(cfg: ModelConfig, title: str, allowed: tuple = ()) -> None:
+    """Raise ConfigError naming the first :data:`PLAIN_LAYOUT` option ``cfg`` sets that the
+    ``title`` layout does not express (``allowed``: the options it does)."""
+    for name, plain in PLAIN_LAYOUT:
+        if name not in allowed and getattr(cfg, name) != plain:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} has no Hugging "
+                              f"Face {title} equivalent: this model does not convert to "
+                              f"Hugging Face")
+
+
+def rope_theta(hf_config) -> float:
+    """The RoPE base of a config (``rope_theta``, or transformers 5's ``rope_parameters``)."""
+    theta = getattr(hf_config, "rope_theta", None)
+    return theta or (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+
+
+def outer_to_loom(sd: Mapping) -> dict:
+    """Embeddings, final norm and output layer (the embeddings when tied)."""
+    return {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+            "final_layernorm.weight": sd["model.norm.weight"],
+            "output_layer.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+
+
+def outer_to_hf(full: Mapping, cfg: ModelConfig) -> dict:
+    """The inverse of :func:`outer_to_loom` (``lm_head`` is the embeddings when tied)."""
+    V = cfg.vocab_size
+    out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:V],
+           "model.norm.weight": full["final_layernorm.weight"]}
+    out["lm_head.weight"] = (full["output_layer.weight"][:V]
+                             if cfg.untie_embeddings_and_output_weights
+                             else out["model.embed_tokens.weight"])
+    return out
+
+
+def attention_to_loom(sd: Mapping, h: str, l: str) -> dict:
+    """Self-attention and the two norms of HF layer ``h`` (biases and Q/K norms if present)."""
+    a = h + "self_attn."
+    out = {l + "self_attention.linear_qkv.weight": torch.cat(
+               [sd[a + f"{x}_proj.weight"] for x in "qkv"], dim=0),
+           l + "self_attention.linear_proj.weight": sd[a + "o_proj.weight"],
+           l + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
+           l + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"]}
+    if a + "q_proj.bias" in sd:
+        out[l + "self_attention.linear_qkv.bias"] = torch.cat(
+            [sd[a + f"{x}_proj.bias"] for x in "qkv"], dim=0)
+    if a + "q_norm.weight" in sd:
+        out[l + "self_attention.q_layernorm.weight"] = sd[a + "q_norm.weight"]
+        out[l + "self_attention.k_layernorm.weight"] = sd[a + "k_norm.weight"]
+    return out
+
+
+def attention_to_hf(full: Mapping, l: str, h: str, cfg: ModelConfig) -> dict:
+    """The inverse of :func:`attention_to_loom` (biases with ``--add-qkv-bias``, Q/K norms
+    with ``--qk-layernorm``)."""
+    a, g, d = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim
+    s = l + "self_attention."
+    out = {}
+    for kind in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
+        q, k, v = full[s + f"linear_qkv.{kind}"].split([a * d, g * d, g * d], dim=0)
+        out.update({h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k,
+                    h + f"self_attn.v_proj.{kind}": v})
+    out.update({h + "self_attn.o_proj.weight": full[s + "linear_proj.weight"],
+                h + "input_layernorm.weight": full[l + "input_layernorm.weight"],
+                h + "post_attention_layernorm.weight": full[l + "pre_mlp_layernorm.weight"]})
+    if cfg.qk_layernorm:
+        out[h + "self_attn.q_norm.weight"] = full[s + "q_layernorm.weight"]
+        out[h + "self_attn.k_norm.weight"] = full[s + "k_layernorm.weight"]
+    return out
+
+
+def swiglu_to_loom(sd: Mapping, src: str, dst: str) -> dict:
+    """HF ``gate_proj`` / ``up_proj`` / ``down_proj`` under ``src`` -> loom ``linear_fc1``
+    (``[gate; up]``) / ``linear_fc2`` under ``dst``."""
+    return {dst + "linear_fc1.weight": torch.cat([sd[src + "gate_proj.weight"],
+                                                  sd[src + "up_proj.weight"]], dim=0),
+            dst + "linear_fc2.weight": sd[src + "down_proj.weight"]}
+
+
+def swiglu_to_hf(full: Mapping, src: str, dst: str) -> dict:
+    """The inverse of :func:`swiglu_to_loom` (loom prefix ``src``, HF prefix ``dst``)."""
+    gate, up = full[src + "linear_fc1.weight"].chunk(2, dim=0)
+    return {dst + "gate_proj.weight": gate, dst + "up_proj.weight": up,
+            dst + "down_proj.weight": full[src + "linear_fc2.weight"]}

@@ -1,0 +1,230 @@
+"""``loom checkpoint convert --to-hf`` for every family loom imports (issue 45): a random
+``transformers`` model of each class (tests/models/hf_export_cases.py) is saved as the Hub
+keeps it, imported (``--from-hf``) and exported again; then
+
+* the round trip is bit-equal: the same file names, tensor names, dtypes and values;
+* ``transformers`` loads the export and its logits equal loom's from the imported checkpoint
+  (fp32, atol 1e-5 x max(1, max |logit|));
+* the directory is complete: ``tokenizer.json``, ``tokenizer_config.json`` naming the special
+  tokens loom's tokenizer knows, their ids in ``config.json`` and ``generation_config.json``,
+  files readable by group and others (umask 022);
+* ``--dtype bf16`` and ``--max-shard-size`` give bf16 shards + ``model.safetensors.index.json``
+  that ``transformers`` loads, and the export reads the checkpoint one layer at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_export_cases import CASES, V, build, word_tokenizer  # noqa: E402
+from loom.checkpoint.convert import from_hf, to_hf  # noqa: E402
+
+ROLES = {"gemma3": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
+         "bert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
+                  "sep_token": "[SEP]", "mask_token": "[MASK]"}}
+GPT_ROLES = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<pad>"}
+
+
+def loom_logits(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[b, s, V]`` of the loom checkpoint ``ckpt`` (iteration dir), one process."""
+    from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, \
+        read_common
+    from loom.config import LoomConfig
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    path = latest_checkpoint(ckpt)
+    cfg = LoomConfig.from_flat(read_common(path)["config"]).model
+    mesh = ParallelMesh.single()
+    model = build_model(get_family(cfg.model_type), cfg, mesh, seed=None).eval()
+    load_model_weights(open_checkpoint(path), [model], mesh)
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return (out[0] if isinstance(out, tuple) else out)[..., :V]
+
+
+def hf_model(path: str, name: str):
+    auto = transformers.AutoModelForMaskedLM if name == "bert" else \
+        transformers.AutoModelForCausalLM
+    return auto.from_pretrained(path, attn_implementation="eager").eval()
+
+
+def export_case(name: str, root) -> dict:
+    from safetensors.torch import load_file
+    hf, specials = build(name)
+    src, ck, out = root / f"{name}-hf", root / f"{name}-ck", root / f"{name}-out"
+    hf.save_pretrained(src)
+    word_tokenizer(specials).save(str(src / "tokenizer.json"))
+    from_hf(str(src), str(ck))
+    to_hf(str(ck), str(out))
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    ids = torch.randint(5, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    ours = loom_logits(str(ck), ids)
+    with torch.no_grad():
+        theirs = hf_model(str(out), name)(ids).logits
+    return {"names": sorted(a) == sorted(b), "unequal": [k for k in a if k in b and not (
+                a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))],
+            "logits": float((ours - theirs).abs().max() / max(1.0, float(theirs.abs().max()))),
+            "scale": float(theirs.abs().max()),
+            "files": sorted(os.listdir(out)),
+            "modes": {f: stat.S_IMODE(os.stat(out / f).st_mode) for f in os.listdir(out)},
+            "tokenizer_config": json.loads((out / "tokenizer_config.json").read_text()),
+            "config": json.loads((out / "config.json").read_text()),
+            "generation": json.loads((out / "generation_config.json").read_text())
+            if (out / "generation_config.json").exists() else None,
+            "tokenizer": transformers.AutoTokenizer.from_pretrained(str(out))}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    old = os.umask(0o022)
+    try:
+        return {name: export_case(name, root) for name in CASES}
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_round_trip_is_bit_equal(exports, name):
+    assert exports[name]["names"] and not exports[name]["unequal"], exports[name]["unequal"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_transformers_logits_equal_looms(exports, name):
+    r = exports[name]
+    assert r["logits"] < 1e-5 and r["scale"] > 0.1, (r["logits"], r["scale"])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_export_is_complete_and_readable(exports, name):
+    r = exports[name]
+    assert {"config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(r["files"])
+    assert all(mode & 0o044 == 0o044 for mode in r["modes"].values()), r["modes"]
+    roles = ROLES.get(name, GPT_ROLES)
+    assert {k: r["tokenizer_config"].get(k) for k in roles} == roles
+    tok = r["tokenizer"]
+    for role, text in roles.items():  # transformers reads the roles back
+        assert getattr(tok, role) == text
+    if name == "bert":
+        assert r["generation"] is None and "eos_token_id" not in r["config"]
+        return
+    ids = {k: tok.convert_tokens_to_ids(roles[k.replace("_id", "")])
+           for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    assert {k: r["config"][k] for k in ids} == ids
+    assert {k: r["generation"][k] for k in ids} == ids
+
+
+def test_perturbed_weights_are_seen(tmp_path):
+    """The logit comparison fails for a mapping mistake: gate and up of one layer swapped."""
+    from safetensors.torch import load_file, save_file
+    hf, specials = build("llama")
+    src, ck, out = tmp_path / "hf", tmp_path / "ck", tmp_path / "out"
+    hf.save_pretrained(src)
+    from_hf(str(src), str(ck))
+    to_hf(str(ck), str(out))
+    sd = load_file(out / "model.safetensors")
+    m = "model.layers.1.mlp."
+    sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"] = sd[m + "up_proj.weight"], \
+        sd[m + "gate_proj.weight"]
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(5, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        err = float((loom_logits(str(ck), ids) - hf_model(str(out), "llama")(ids).logits)
+                    .abs().max())
+    assert err > 1e-4  # 40x the tolerance
+
+
+def test_bf16_sharded_export_streams_one_layer_at_a_time(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from loom.checkpoint.reader import DcpIndex
+    hf, specials = build("mixtral")
+    src, ck, out = tmp_path / "hf", tmp_path / "ck", tmp_path / "out"
+    hf.save_pretrained(src)
+    from_hf(str(src), str(ck))
+    reads = []
+    real = DcpIndex.load
+    monkeypatch.setattr(DcpIndex, "load", lambda self, names, *a, **k: (
+        reads.append(sorted({n.split(".")[1] if n.startswith("layers.") else "rest"
+                             for n in names})), real(self, names, *a, **k))[1])
+    to_hf(str(ck), str(out), dtype="bf16", max_shard_size="20KB")
+    assert sorted(map(tuple, reads)) == [("0",), ("1",), ("rest",)]  # one group per read
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n > 2 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (out / "model.safetensors").exists()
+    a = load_file(src / "model.safetensors")
+    got = {}
+    for f in files:
+        assert os.path.getsize(out / f) < 20_000 + 2_000  # the limit, plus its header
+        got.update(load_file(out / f))
+    assert sorted(got) == sorted(index["weight_map"]) == sorted(a)
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, a[k].bfloat16())
+               for k, v in got.items())
+    assert index["metadata"]["total_size"] == 2 * sum(v.numel() for v in got.values())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    again = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert next(again.parameters()).dtype == torch.bfloat16
+    to_hf(str(ck), str(out), overwrite=True)  # one shard again: the old shards go
+    assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"]
+
+
+def test_bad_dtype_and_shard_size_are_refused(tmp_path, capsys):
+    from loom.cli import main
+    for flags, needle in ((["--max-shard-size", "5 parsecs"], "--max-shard-size"),
+                          (["--dtype", "fp8"], "--dtype")):
+        with pytest.raises(SystemExit) as e:
+            main(["checkpoint", "convert", "--to-hf", str(tmp_path), str(tmp_path / "o")]
+                 + flags)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def layout_cfg(tp: int = 1, pp: int = 1, ep: int = 1):
+    """A tiny LLaMA-MoE (Mixtral layout: GQA, 4 experts, top-2) on mock data at t x p x e; V 100
+    is padded to 128 x t rows, which the export drops."""
+    from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainingConfig
+    model = ModelConfig.llama(num_layers=4, hidden_size=32, num_attention_heads=4,
+                              num_query_groups=2, seq_length=16, vocab_size=V,
+                              num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                              ffn_hidden_size=24, hidden_dropout=0.0, attention_dropout=0.0)
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         expert_model_parallel_size=ep)
+    cfg = LoomConfig(model=model, parallel=par, training=TrainingConfig(
+        micro_batch_size=1, global_batch_size=4, train_iters=1, seed=7, lr=1e-3))
+    cfg.data.mock_data = True
+    cfg.logging.no_progress_bar = True
+    return cfg.validate(max(tp * pp, ep))
+
+
+def save_layouts(root: str) -> None:
+    """Two ranks save the same initial weights at TP 2, PP 2 and EP 2 (a checkpoint each)."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    for name, kw in (("tp2", dict(tp=2)), ("pp2", dict(pp=2)), ("ep2", dict(ep=2))):
+        Trainer(layout_cfg(**kw), mesh=ParallelMesh.build(**kw)).save(os.path.join(root, name))
+
+
+def test_export_from_tp_pp_ep_checkpoints_is_the_same(tmp_path):
+    """The export reads any layout: checkpoints of the same weights saved at TP 2, PP 2 and
+    EP 2 export to the very bytes of the one-process checkpoint's export."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    from testkit import run_distributed
+    run_distributed(2, save_layouts, str(tmp_path), timeout=300, start_method="fork")
+    Trainer(layout_cfg(), mesh=ParallelMesh.single()).save(str(tmp_path / "one"))
+    files = {}
+    for name in ("one", "tp2", "pp2", "ep2"):
+        to_hf(str(tmp_path / name), str(tmp_path / f"{name}-hf"))
+        files[name] = (tmp_path / f"{name}-hf" / "model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "one-hf" / "config.json").read_text())["model_type"] == \
+        "mixtral"
+    assert all(files[name] == files["one"] for name in ("tp2", "pp2", "ep2"))

@@ -1,0 +1,178 @@
+"""loom's reading and writing of Megatron's checkpoint layout, without Megatron-Core (the
+reference tests are tests/models/test_megatron_reference.py and
+tests/integration/test_megatron_checkpoint.py): the QKV interleave in Megatron-Core's order,
+loom -> Megatron ``torch_dist`` -> loom bit-equal for the families Megatron-Core cannot build on
+this CPU (MLA with the local spec of 0.16.1, Mamba / hybrid without ``mamba_ssm``) and MoE with
+dense layers, under Megatron-Core's key names; zero-centred norm gains; which directory is
+Megatron's; Megatron's pickles read without Megatron."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+import sys
+import types
+
+import pytest
+import torch
+
+from loom.checkpoint.megatron import layout
+from loom.checkpoint.megatron.locate import diagnose, locate
+from loom.config import ModelConfig
+from loom.errors import ConfigError
+
+TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+            vocab_size=128, seq_length=8, max_position_embeddings=8, hidden_dropout=0.0,
+            attention_dropout=0.0)
+FAMILIES = {
+    "mla": ("gpt", ModelConfig.llama(**TINY, multi_latent_attention=True, q_lora_rank=16,
+                                     kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                                     v_head_dim=8, qk_layernorm=True),
+            ["decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight",
+             "decoder.layers.self_attention.q_layernorm.weight",  # the local spec's spelling
+             "decoder.layers.self_attention.linear_kv_down_proj.weight",
+             "decoder.layers.input_layernorm.weight"]),
+    "moe": ("gpt", ModelConfig.llama(**TINY, num_query_groups=2, num_experts=4,
+                                     moe_router_topk=2, moe_layer_freq="[0,1,1,1]",
+                                     moe_shared_expert_intermediate_size=32,
+                                     moe_router_enable_expert_bias=True,
+                                     moe_router_score_function="sigmoid"),
+            ["decoder.layers.mlp.experts.experts.linear_fc1.weight",
+             "decoder.layers.mlp.router.expert_bias", "decoder.layers.pre_mlp_layernorm.weight",
+             "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+             "decoder.layers.mlp.shared_experts.linear_fc2.weight"]),
+    "hybrid": ("mamba", ModelConfig.llama(**{**TINY, "num_layers": 4}, model_type="mamba",
+                                          num_query_groups=2, hybrid_override_pattern="M*-M",
+                                          mamba_state_dim=8, mamba_head_dim=8,
+                                          mamba_num_groups=2, mamba_expand=2, mamba_d_conv=4,
+                                          make_vocab_size_divisible_by=8),
+               ["decoder.layers.0.mixer.in_proj.weight.z", "decoder.layers.0.mixer.conv1d.weight.B",
+                "decoder.layers.0.mixer.in_proj.layer_norm_weight",
+                "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+                "decoder.layers.2.mlp.linear_fc1.layer_norm_weight", "decoder.final_norm.weight"]),
+}
+
+
+def test_qkv_interleave_is_megatron_cores_order():
+    """a 4 heads in g 2 groups, d 1: loom ``[q0 q1 q2 q3 k0 k1 v0 v1]``; Megatron-Core's
+    ``get_query_key_value_tensors`` reads ``[q0 q1 k0 v0 | q2 q3 k1 v1]``."""
+    loom = torch.arange(8.0)
+    meg = layout.qkv_to_megatron(loom, 4, 2)
+    assert meg.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    assert torch.equal(layout.qkv_to_loom(meg, 4, 2), loom)
+    assert layout.qkv_to_megatron(torch.arange(6.0), 2, 2).tolist() == [0, 2, 4, 1, 3, 5]
+
+
+def _loom_checkpoint(path: str, family: str, cfg: ModelConfig) -> dict:
+    from loom.checkpoint.io import save_checkpoint
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    from loom.parallel.random import RNGTracker
+    mesh = ParallelMesh.single()
+    tracker = RNGTracker(mesh.device)
+    tracker.seed(0)
+    model = build_model(get_family(family), cfg, mesh, tracker, seed=3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    save_checkpoint(path, 4, [model], torch.optim.AdamW(model.parameters()), None, mesh,
+                    tracker, consumed_samples=16, config=dataclasses.asdict(cfg))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_loom_to_megatron_to_loom_is_bit_equal(name, tmp_path):
+    from loom.checkpoint.io import open_checkpoint, read_common
+    from loom.checkpoint.megatron.convert import from_megatron, to_megatron
+    from loom.checkpoint.megatron.stores import DistStore
+    family, cfg, keys = FAMILIES[name]
+    want = _loom_checkpoint(str(tmp_path / "loom"), family, cfg)
+    meg = to_megatron(str(tmp_path / "loom"), str(tmp_path / "meg"))
+    assert set(keys) <= set(DistStore(meg).tensors), sorted(DistStore(meg).tensors)
+    back = from_megatron(str(tmp_path / "meg"), str(tmp_path / "back"), {})
+    assert read_common(back)["iteration"] == 4 and read_common(back)["consumed_samples"] == 16
+    index = open_checkpoint(back)
+    got, _, _ = index.load(index.names)
+    assert set(got) == set(want)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+
+def test_zero_centred_gains_read_as_one_plus_w(tmp_path):
+    """A checkpoint trained with ``--apply-layernorm-1p`` stores gain - 1."""
+    from loom.checkpoint.io import open_checkpoint
+    from loom.checkpoint.megatron.convert import to_megatron
+    _, cfg, _ = FAMILIES["moe"]
+    want = _loom_checkpoint(str(tmp_path / "loom"), "gpt", cfg)
+    meg = to_megatron(str(tmp_path / "loom"), str(tmp_path / "meg"))
+    common = torch.load(os.path.join(meg, "common.pt"), weights_only=False)
+    common["args"].apply_layernorm_1p = True
+    torch.save(common, os.path.join(meg, "common.pt"))
+    got, _, _ = open_checkpoint(meg).load(["final_layernorm.weight", "layers.0.mlp.linear_fc1.weight"])
+    assert torch.equal(got["final_layernorm.weight"], want["final_layernorm.weight"] + 1)
+    assert torch.equal(got["layers.0.mlp.linear_fc1.weight"], want["layers.0.mlp.linear_fc1.weight"])
+
+
+def _dist_dir(path, iteration=None) -> None:
+    os.makedirs(path)
+    with open(os.path.join(path, "metadata.json"), "w") as fh:
+        fh.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+
+
+def test_which_directory_is_megatrons(tmp_path):
+    root = tmp_path / "root"
+    _dist_dir(root / "release")
+    (root / "latest_checkpointed_iteration.txt").write_text("release")
+    found = locate(str(root))
+    assert found.path.endswith("release") and found.iteration is None
+    _dist_dir(root / "iter_0000007")
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    assert locate(str(root)).iteration == 7 and locate(str(root), 7).format == "torch_dist"
+    with pytest.raises(ConfigError, match="--ckpt-step 8"):
+        locate(str(root), 8)
+    (root / "latest_checkpointed_iteration.txt").write_text("9")
+    with pytest.raises(ConfigError, match="names '9'"):
+        locate(str(root))
+    assert locate(str(root / "iter_0000007")).iteration == 7  # one iteration directory
+    (tmp_path / "loom").mkdir()
+    (tmp_path / "loom" / "metadata.json").write_text('{"format": "loom-checkpoint-v2"}')
+    assert locate(str(tmp_path / "loom")) is None and diagnose(str(tmp_path / "loom")) is None
+    assert "missing .metadata, common.pt" in diagnose(str(root / "iter_0000007"))
+    (tmp_path / "mp" / "mp_rank_00").mkdir(parents=True)
+    assert "mp_rank_00 without model_optim_rng.pt" in diagnose(str(tmp_path / "mp"))
+
+
+def test_megatrons_pickles_read_without_megatron(tmp_path, monkeypatch):
+    """Megatron's own classes inside ``args`` (enums, ...) become inert stand-ins; nothing of
+    the module they name is imported."""
+    from loom.checkpoint.megatron.args import Foreign, load_pickle, model_flags, model_fields
+    mod = types.ModuleType("megatron_lookalike")
+
+    class Backend:
+        def __init__(self, v):
+            self.v = v
+
+        def __reduce__(self):
+            return (Backend, (self.v,))
+    Backend.__module__ = mod.__name__
+    Backend.__qualname__ = "Backend"
+    mod.Backend = Backend
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    args = argparse.Namespace(num_layers=3, add_bias_linear=False, attention_backend=Backend(5),
+                              group_query_attention=False, num_query_groups=1)
+    torch.save({"args": args, "iteration": 2}, tmp_path / "common.pt")
+    monkeypatch.delitem(sys.modules, mod.__name__)
+    loaded = load_pickle(str(tmp_path / "common.pt"))
+    assert isinstance(loaded["args"].attention_backend, Foreign)
+    assert loaded["args"].attention_backend.args == (5,)
+    flags = model_flags(loaded["args"], model_fields(), hybrid=False)
+    assert flags["disable_bias_linear"] is True and flags["num_query_groups"] is None
+    assert flags["num_layers"] == 3 and "attention_backend" not in flags
+    with open(tmp_path / "bad.pt", "wb") as fh:
+        pickle.dump("x", fh)
+        fh.write(b"\x00garbage")
+    with pytest.raises(ConfigError, match="unreadable"):
+        load_pickle(str(tmp_path / "bad.pt"))
