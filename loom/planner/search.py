@@ -120,9 +120,13 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
     nl = model.num_layers
     check_supported(model, fixed.get("cp"))
     lay = _given_layout(model, given, fixed.get("pp")) if given else None
+
+    def want(k: str, v) -> bool:  # pruning early what _apply_fixed would drop at the end
+        return k not in fixed or float(fixed[k]) == float(v)
+
     base = []
     for t in _divisors(n):
-        if not tp_divides(model, t):
+        if not want("tp", t) or not tp_divides(model, t):
             continue
         if t > cluster.gpus_per_node and not opts.allow_tp_across_nodes:
             continue
@@ -141,7 +145,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
             if not splits:
                 continue
             for c in _divisors(n // (t * p)):
-                if c > 1 and (s % (2 * c) or refuses_cp(model, c)):
+                if not want("cp", c) or c > 1 and (s % (2 * c) or refuses_cp(model, c)):
                     continue
                 cpts = cp_types(model, cluster, opts, t, c)
                 if not cpts:
@@ -150,12 +154,15 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                     cpts = cpts[:1]
                 d = n // (t * p * c)
                 eps = _moe_rules(model, t, c, d)
-                if B % d or eps is None:
+                if B % d or eps is None or not want("dp", d):
                     continue
+                eps = [e for e in eps if want("ep", e)]
                 for b in _divisors(B // d):
                     if b > max(max_micro_batch, fixed.get("mbs", 0)):
                         break
                     m = B // (b * d)
+                    if not want("mbs", b):
+                        continue
                     for lf, ll in splits:
                         vs = [1]
                         if lay is not None:  # the given layout decides the chunks
@@ -165,7 +172,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                             # v chunks per rank; with uneven ranks each rank's layers split
                             # over its chunks as evenly as possible (Megatron's layout string)
                             vs += list(interleave_options(nl, p, lf, ll))
-                        for v, e in itertools.product(vs, eps):
+                        for v, e in itertools.product([v for v in vs if want("vp", v)], eps):
                             base.append((t, p, d, c, v, b, lf, ll, e, cpts))
     rows = []
     moe = bool(model.num_experts)
@@ -229,12 +236,19 @@ def search(model: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len
     fixed = dict(fixed or {})
     if fixed.get("recompute") in ("full", 2) and fixed.get("rcl") is None:
         fixed["rcl"] = 0  # full recompute given: of every layer unless a block count is
-    exact = any(fixed.get(k) is not None for k in ("cpt", "rcl")) or fixed.get("zero") == 2
+    # a fixed variant (a CP type, a block count, ZeRO-2) is enumerated with the base space;
+    # otherwise the variants are refined, only those the fixed keys leave (rcl 0: full
+    # recompute of every layer, no block counts; a fixed ZeRO stage: no ZeRO-2 variants)
+    exact = fixed.get("cpt") is not None or bool(fixed.get("rcl")) or fixed.get("zero") == 2
+    kinds = [k for k in ("zero2", "cp", "block")
+             if not (k == "zero2" and fixed.get("zero") is not None)
+             and not (k == "block" and (fixed.get("rcl") == 0 or fixed.get("recompute")
+                                        not in (None, "full", 2)))]
     L = enumerate_layouts(model, cluster, global_batch_size, seq_length, fixed, opts,
                           variants=exact)
     res = evaluate(model, L, global_batch_size, seq_length, cluster, opts)
     if not exact:
-        for kind in ("zero2", "cp", "block"):
+        for kind in kinds:
             more = refine(model, cluster, res, opts, kind, global_batch_size, seq_length,
                           evaluate)
             more = None if more is None else _apply_fixed(more, fixed)
