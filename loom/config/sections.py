@@ -354,7 +354,8 @@ class LoggingConfig(LoggingScriptFields):
     peak_tflops: Optional[float] = opt(
         None, "peak TFLOP/s per rank for MFU (default: from the device table)", gt=0)
     planner_cluster: Optional[str] = opt(
-        None, "cluster JSON from `loom plan --calibrate` for step-time predictions")
+        None, "compare the step time with the planner's prediction for this layout on this "
+              "cluster: a JSON file from `loom plan --calibrate` or a GPU name (H100-80GB)")
     timeline: Optional[str] = opt(None, "write a Chrome trace of the pipeline schedule here")
     no_progress_bar: bool = opt(False, "no progress bar on rank 0")
 

@@ -183,7 +183,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         data.global_batch * cfg.model.seq_length,
         model_flops_per_iteration(cfg.model, data.global_batch, cfg.model.seq_length),
         world_size, peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops),
-        predict_step_time(cfg, world_size, mesh.device), logged_metrics(cfg.model, family))
+        predict_step_time(cfg, world_size), logged_metrics(cfg.model, family))
     after_step = functools.partial(update_expert_bias, model.chunks, mesh.groups["dp_cp"],
                                    cfg.model.moe_router_bias_update_rate) \
         if cfg.model.num_experts else (lambda: None)

@@ -86,13 +86,18 @@ def checkpoint_interval(cfg, world_size: int, params) -> CheckpointInterval:
     return CheckpointInterval(ck.save_interval, mtbf_s, 12 * held_numel(params))
 
 
-def predict_step_time(cfg, world_size: int, device: torch.device) -> Optional[float]:
-    """The planner's iteration time for this exact layout (seconds), when it knows the
-    hardware: a ``--planner-cluster`` file (``loom plan --calibrate``) or a known GPU."""
+def predict_step_time(cfg, world_size: int) -> Optional[float]:
+    """The planner's iteration time for this exact layout (seconds), only when asked with
+    ``--planner-cluster`` (a cluster file from ``loom plan --calibrate`` or a GPU name such as
+    H100-80GB): building a trainer does not run the cost model otherwise. A prediction that
+    fails is said in one warning line (the run goes on without it)."""
     cluster = cfg.logging.planner_cluster
-    if cluster is None and device.type != "cuda":
+    if cluster is None:
         return None
     try:
         return predict_layout(cfg, world_size, cluster=cluster)["time_s"]["iteration"]
-    except Exception:  # noqa: BLE001 - a prediction must never stop training
+    except Exception as e:  # noqa: BLE001 - a prediction must never stop training
+        import warnings
+        warnings.warn(f"--planner-cluster {cluster}: no step-time prediction "
+                      f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
         return None

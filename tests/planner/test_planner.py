@@ -321,3 +321,24 @@ def test_planner_does_not_import_distributed():
             "print('torch.distributed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_trainer_predicts_the_step_only_when_asked(monkeypatch):
+    """Building a trainer runs the cost model only with --planner-cluster (issue 46): without it
+    no prediction is made (predict_layout is not called); with a GPU name it is the planner's
+    iteration time; a failing prediction is one RuntimeWarning naming the flag, not silence."""
+    import loom.training.setup as setup
+    cfg = LoomConfig.from_flat(dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                    vocab_size=128, seq_length=32, micro_batch_size=1,
+                                    global_batch_size=8))
+    called = []
+    real = setup.predict_layout
+    monkeypatch.setattr(setup, "predict_layout", lambda *a, **k: called.append(1) or real(*a, **k))
+    assert setup.predict_step_time(cfg, 2) is None and not called
+    cfg.logging.planner_cluster = "H100-80GB"
+    assert setup.predict_step_time(cfg, 2) == pytest.approx(
+        predict_layout(cfg, 2, "H100-80GB")["time_s"]["iteration"])
+    assert called
+    cfg.logging.planner_cluster = "no-such-cluster.json"
+    with pytest.warns(RuntimeWarning, match="--planner-cluster no-such-cluster.json: no step-time"):
+        assert setup.predict_step_time(cfg, 2) is None
