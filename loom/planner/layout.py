@@ -4,7 +4,7 @@ A *layout* is a dict of equal-length numpy arrays, one entry per candidate, with
 ``tp, pp, dp, cp, vp, mbs, recompute, sp, zero, lf, ll, ep`` (float64; ``recompute`` coded by
 :data:`RECOMPUTE`: 0 none, 1 selective, 2 full; ``sp`` 0/1; ``zero`` the ZeRO stage 0-3, where
 stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer layers of the first
-/ last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`; ``ep`` the
+/ last pipeline stage, 0 = the even split ``L / p``, see :func:`loom.planner.stage_table.stage_layers`; ``ep`` the
 expert-parallel size, part of ``dp``: 1 for dense models; a layout without it means 1; ``zb`` the
 pipeline schedule, :data:`SCHEDULES`: 0 1F1B / interleaved, 1 ZB-H1 (``--pipeline-schedule
 zero-bubble``), 2 ZB-V (``zbv``, two chunks per stage in a V); ``rcl`` with full recompute
@@ -163,22 +163,3 @@ def _with_split(row: dict) -> dict:
 def num_microbatches(L: dict, global_batch_size: int) -> np.ndarray:
     """m = B / (b d) micro-batches per iteration (per pipeline)."""
     return global_batch_size / (L["mbs"] * L["dp"])
-
-
-def stage_layers(num_layers: int, L: dict) -> tuple:
-    """Transformer layers ``(first, middle, last)`` per pipeline stage (arrays): the first
-    rank's, the largest middle rank's (with ``p <= 2`` the larger of the two ends, so that it
-    never decides a maximum) and the last rank's, of the row's split
-    (:func:`loom.planner.stage_table.layout_of_row`: ``lf = ll = 0`` the even split, balanced
-    when p does not divide L; Llama 3 405B's 7 + 14 x 8 + 7 from ``lf = ll = 7``)."""
-    from loom.planner.stage_table import row_layout
-    split = L.get("split")
-    keys = np.stack([L["pp"], L["vp"], L["lf"], L["ll"], L.get("zb", 0 * L["pp"])], axis=1)
-    out = np.zeros((len(keys), 3))
-    for i, key in enumerate(keys):
-        lay = (split[i] if split is not None and split[i] is not None
-               else row_layout(num_layers, *key))
-        c = lay.rank_layer_counts()
-        mid = max(c[1:-1]) if len(c) > 2 else max(c[0], c[-1])
-        out[i] = (c[0], mid, c[-1])
-    return out[:, 0], out[:, 1], out[:, 2]

@@ -344,3 +344,21 @@ def recomputed_share(model: ModelConfig, L: dict) -> np.ndarray:
                       for i in first]) / model.num_layers
     out[block] = share[inv.reshape(-1)]
     return out
+
+
+def stage_layers(num_layers: int, L: dict) -> tuple:
+    """Transformer layers ``(first, middle, last)`` per pipeline stage (arrays): the first
+    rank's, the largest middle rank's (with ``p <= 2`` the larger of the two ends, so that it
+    never decides a maximum) and the last rank's, of the row's split
+    (:func:`layout_of_row`: ``lf = ll = 0`` the even split, balanced
+    when p does not divide L; Llama 3 405B's 7 + 14 x 8 + 7 from ``lf = ll = 7``)."""
+    split = L.get("split")
+    keys = np.stack([L["pp"], L["vp"], L["lf"], L["ll"], L.get("zb", 0 * L["pp"])], axis=1)
+    out = np.zeros((len(keys), 3))
+    for i, key in enumerate(keys):
+        lay = (split[i] if split is not None and split[i] is not None
+               else row_layout(num_layers, *key))
+        c = lay.rank_layer_counts()
+        mid = max(c[1:-1]) if len(c) > 2 else max(c[0], c[-1])
+        out[i] = (c[0], mid, c[-1])
+    return out[:, 0], out[:, 1], out[:, 2]

@@ -69,7 +69,7 @@ def test_deepseek_v3_first_three_layers_dense():
 
 
 def test_moe_layers_per_pipeline_stage():
-    from loom.planner.layout import stage_layers
+    from loom.planner.stage_table import stage_layers
     from loom.planner.memory import stage_params
     from loom.planner.moe import stage_moe_layers
     from loom.planner.presets import PlannerModelConfig

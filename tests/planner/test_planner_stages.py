@@ -9,7 +9,8 @@ import pytest
 from loom.config import LoomConfig
 from loom.planner.diagnose import explain_no_layout, explain_nothing_fits
 from loom.planner.hardware import make_cluster
-from loom.planner.layout import Options, make_layouts, stage_layers
+from loom.planner.layout import Options, make_layouts
+from loom.planner.stage_table import stage_layers
 from loom.planner.memory import layer_params, memory_terms, stage_params
 from loom.planner.presets import get_preset, gpt
 from loom.planner.search import enumerate_layouts, evaluate, record, search
