@@ -1,7 +1,7 @@
 """Refit the planner's constants from the published tables, and test them out of sample.
 
 Sources (:data:`SOURCES`; tables in :mod:`loom.planner.presets` and
-:mod:`loom.planner.validation`, copied from the papers), each compared on its published quantity:
+:mod:`benchmarks.planner_sources.validation`, copied from the papers), each compared on its published quantity:
 
 * ``NAR t1``: NAR table 1, hardware TFLOP/s per GPU (10 rows).
 * ``NAR t2``: NAR table 2, days for 300B tokens (6 ZeRO-3 + 6 PTD-P rows).
@@ -12,7 +12,7 @@ Sources (:data:`SOURCES`; tables in :mod:`loom.planner.presets` and
 * ``BLOOM``: BLOOM 176B, hardware TFLOP/s per GPU ("about 150", 1 row).
 * ``OPT``: OPT-175B, hardware TFLOP/s per GPU ("up to 147", 1 row; metaseq's layout).
 * ``TT``, ``LF-H100``, ``LF-A100``, ``Llama 3``: torchtitan, llm-foundry (H100, A100) and the
-  Llama 3 paper (:mod:`loom.planner.published`: tokens/s per GPU; Llama 3: model TFLOP/s).
+  Llama 3 paper (:mod:`benchmarks.planner_sources.published`: tokens/s per GPU; Llama 3: model TFLOP/s).
 
 The fit (:func:`fit`) follows :data:`loom.planner.constants.FIT_SETS`, in order:
 
@@ -44,8 +44,8 @@ from dataclasses import asdict, replace
 import numpy as np
 
 from loom.planner.constants import FALLBACK_SETS, FIT_SETS, PRIORS, SHIPPED, Constants
-from loom.planner import published as P
-from loom.planner import validation as V
+from benchmarks.planner_sources import published as P
+from benchmarks.planner_sources import validation as V
 
 SOURCES = ("NAR t1", "NAR t2", "KOR", "SHO", "MC-H100 weak", "MC-H100 strong", "BLOOM", "OPT",
            "TT", "LF-H100", "LF-A100", "Llama 3")

@@ -115,7 +115,7 @@ def plot_breakdown(records: list[dict], path: str, title: str = "") -> None:
 
 
 # Median |error| of the planner on published runs it was not fitted on: leave-one-source-out,
-# all 59 held-out rows (loom.planner.fit.leave_one_source_out; docs/planner.md). Not in-sample.
+# all 59 held-out rows (benchmarks.planner_sources.fit.leave_one_source_out; docs/planner.md). Not in-sample.
 VALIDATED_ERROR = 0.10
 
 

@@ -46,10 +46,10 @@ All collectives use the alpha-beta ring formulas of references.md (:func:`all_re
 :mod:`loom.planner.primitives` with :func:`gemm_efficiency`).
 The constants of the compute model, ``GEMM_EFFICIENCY`` (large-GEMM fraction of peak),
 ``GEMM_HALF_DIM`` (GEMM dimension at which the efficiency halves), ``MEM_TRAFFIC`` and the
-Hopper efficiency, are fitted once by least squares (:func:`loom.planner.fit.fit_compute`) to
+Hopper efficiency, are fitted once by least squares (:func:`benchmarks.planner_sources.fit.fit_compute`) to
 NAR table 1, KOR tables 3 and 4 and Megatron-Core's H100 weak scaling together, never per row;
 a cluster file may override them. Their out-of-sample errors (leave one source out):
-:func:`loom.planner.fit.leave_one_source_out`, docs/planner.md.
+:func:`benchmarks.planner_sources.fit.leave_one_source_out`, docs/planner.md.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,
                                      reduce_scatter_time)
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
-# tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, loom.planner.fit).
+# tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, benchmarks.planner_sources.fit).
 MEM_TRAFFIC = 2.49
-# Fitted (minimax of the log error of the days for 300B tokens, loom.planner.fit.fit_zero3) to the
+# Fitted (minimax of the log error of the days for 300B tokens, benchmarks.planner_sources.fit.fit_zero3) to the
 # six ZeRO-3 rows of NAR table 2: 174.6B on 384/768/1536 GPUs, 529.6B on 640/1120/2240 GPUs.
 ZERO3_OVERLAP = 0.727
 # Not fitted: an assumption (DeepSpeed's flat ring at the full per-GPU NIC bandwidth).

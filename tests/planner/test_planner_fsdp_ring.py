@@ -16,7 +16,7 @@ def _rows(variant):
 def test_the_table_is_the_readme_s_and_in_no_fit():
     """52 rows, all FULL_SHARD on 8-64 GPUs; none of them is a row of a fitted or LOSO source
     (LF-H100 is the >= 128 GPU table)."""
-    from loom.planner.published import LF_ROWS
+    from benchmarks.planner_sources.published import LF_ROWS
     assert len(bench.ROWS) == 52 and {r[0] for r in bench.ROWS} == {"H100"}
     assert {r[7] for r in bench.ROWS} == {3}
     assert {n for _, _, _, n, *_ in bench.ROWS} == {8, 16, 32, 64}

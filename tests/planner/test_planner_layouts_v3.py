@@ -24,7 +24,7 @@ from loom.planner.layout import Options, make_layouts
 from loom.planner.memory import memory_terms, padded_vocab, stage_memory_terms
 from loom.planner.memory_runtime import loss_transient_bytes
 from loom.planner.primitives import inter_node_latency
-from loom.planner.published import PUBLISHED_LAYOUTS, llama, plan_published
+from benchmarks.planner_sources.published import PUBLISHED_LAYOUTS, llama, plan_published
 from loom.planner.search import search, record
 from loom.planner.timing import pipeline_bubble
 

@@ -1,5 +1,5 @@
 """Out-of-sample validation of the planner's cost model (issue 26): leave one published source
-out, refit every constant on the rest, predict it (loom.planner.fit.leave_one_source_out).
+out, refit every constant on the rest, predict it (benchmarks.planner_sources.fit.leave_one_source_out).
 
 The bounds are what the protocol measures now (rounded up by about a point), not targets: they
 fail when a change makes a held-out source worse. The issue's median targets (pooled <= 8%, every
@@ -16,7 +16,7 @@ import math
 import pytest
 
 from loom.planner.constants import FIT_SETS, SHIPPED, Constants
-from loom.planner.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_points
+from benchmarks.planner_sources.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_points
 
 # held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26;
 # MC-H100 strong and Llama 3 re-measured in issue 47: exact per-rank pipeline memory and refit)
