@@ -158,6 +158,11 @@ def run(args) -> int:
                    straggler_jitter=args.straggler_jitter,
                    moe_load_imbalance=args.moe_load_imbalance,
                    cp_comm_type=cp_comm_type_of(args))
+    calibration = None
+    if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve
+        from loom.planner.calibrate_runs import calibrate, read_runs
+        cluster, opts, calibration = calibrate(model, cluster, read_runs(args.calibrate_from),
+                                               B, s, opts)
     fixed = fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])
@@ -199,12 +204,17 @@ def run(args) -> int:
                "params": total_params(model), "active_params": total_params(model, active=True)}
         if why:
             doc["error"] = why
+        if calibration:
+            doc["calibration"] = calibration
         if not n_fit and n_eval:  # the given layout still gets its predicted time
             doc["closest"] = record(res, int(res["mem_total"].argmin()))
         for r in recs:
             r["command"] = train_command(r, model, B, s, cluster.num_gpus, cluster.gpus_per_node)
         print(to_json(recs, doc))
     else:
+        if calibration:
+            from loom.planner.calibrate_runs import format_report
+            print("\n".join(format_report(calibration, args.calibrate_from)))
         print(format_table(recs, header) if recs else header)
         if recs:
             print(format_breakdown(recs[:min(len(recs), 5)]))
