@@ -43,6 +43,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
+from loom.planner.calibrate_runs import least_squares
 from loom.planner.constants import FALLBACK_SETS, FIT_SETS, PRIORS, SHIPPED, Constants
 from benchmarks.planner_sources import published as P
 from benchmarks.planner_sources import validation as V
@@ -115,24 +116,7 @@ def fit_compute(sources, start=COMPUTE_START, iters: int = 40) -> Constants:
 
     def res(x):
         return _log_residuals(sources, const(x))
-    x = np.log(np.asarray(x0, dtype=np.float64))
-    r = res(x)
-    loss, lam, eye = float(r @ r), 1e-2, np.eye(len(names))
-    for _ in range(iters):
-        J = np.stack([(res(x + dx) - r) / 1e-4 for dx in eye * 1e-4], axis=1)
-        A, g = J.T @ J, J.T @ r
-        while lam < 1e8:
-            step = -np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), g)
-            r2 = res(x + step)
-            if float(r2 @ r2) < loss:
-                x, r, loss, lam = x + step, r2, float(r2 @ r2), max(lam / 4, 1e-6)
-                break
-            lam *= 4
-        else:
-            break
-        if np.max(np.abs(step)) < 1e-5:
-            break
-    return const(x)
+    return const(least_squares(res, np.log(np.asarray(x0, dtype=np.float64)), iters))
 
 
 def _grid_fit(loss, lo: float, hi: float) -> float:

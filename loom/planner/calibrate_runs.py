@@ -70,6 +70,32 @@ def read_runs(path: str) -> list[dict]:
     return runs
 
 
+def least_squares(res, x: np.ndarray, iters: int = 40, lam: float = 1e-2,
+                  tol: float = 1e-5) -> np.ndarray:
+    """``x`` minimizing ``|res(x)|^2`` (``res``: residual vector of the parameters ``x``):
+    Levenberg-Marquardt with a forward-difference Jacobian (step 1e-4), the damping divided by 4
+    after a step that lowers the loss and multiplied by 4 until one does; stops after ``iters``
+    steps, a step below ``tol`` or a damping of 1e8. Shared with the published-table fit
+    (benchmarks/planner_sources/fit.py)."""
+    r = res(x)
+    loss, eye = float(r @ r), np.eye(len(x))
+    for _ in range(iters):
+        J = np.stack([(res(x + dx) - r) / 1e-4 for dx in eye * 1e-4], axis=1)
+        A, g = J.T @ J, J.T @ r
+        while lam < 1e8:
+            step = -np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), g)
+            r2 = res(x + step)
+            if float(r2 @ r2) < loss:
+                x, r, loss, lam = x + step, r2, float(r2 @ r2), max(lam / 4, 1e-6)
+                break
+            lam *= 4
+        else:
+            break
+        if np.max(np.abs(step)) < tol:
+            break
+    return x
+
+
 def _predict(model: ModelConfig, cluster: Cluster, runs: list[dict], B: int, s: int,
              opts: Options) -> list[dict]:
     """The planner's evaluation of every run (one row each)."""
@@ -106,23 +132,7 @@ def calibrate(model: ModelConfig, cluster: Cluster, runs: list[dict], global_bat
 
     def res(x):
         return np.log(times(x) / meas)
-    x = np.log(np.array([start[k] for k in names]))
-    r0 = res(x)
-    r, loss, lam = r0, float(r0 @ r0), 1e-3
-    for _ in range(iters):
-        J = np.stack([(res(x + d) - r) / 1e-4 for d in np.eye(len(names)) * 1e-4], axis=1)
-        A, g = J.T @ J, J.T @ r
-        while lam < 1e8:
-            step = -np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), g)
-            r2 = res(x + step)
-            if float(r2 @ r2) < loss:
-                x, r, loss, lam = x + step, r2, float(r2 @ r2), max(lam / 4, 1e-8)
-                break
-            lam *= 4
-        else:
-            break
-        if np.max(np.abs(step)) < 1e-6:
-            break
+    x = least_squares(res, np.log(np.array([start[k] for k in names])), iters)
     fitted = {k: float(v) for k, v in zip(names, np.exp(x))}
     cl = _with(cluster, fitted)
     report = {"fitted": {k: (float(start[k]), fitted[k]) for k in names}}
