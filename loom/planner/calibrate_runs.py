@@ -11,7 +11,7 @@ layout in :data:`loom.planner.layout.KEYS` names (``tp``, ``pp``, ``dp``, ``cp``
 Fitted, each by name (:func:`calibrate`):
 
 * ``gemm_efficiency`` (``e`` of :func:`loom.planner.primitives.gemm_efficiency`: the large-GEMM
-  fraction of peak on this cluster) and, from 3 runs on, ``mem_traffic`` (``k`` of
+  fraction of peak on this cluster) and, from :data:`K_FROM_RUNS` runs on, ``mem_traffic`` (``k`` of
   :mod:`loom.planner.timing`: element-wise HBM traffic per activation byte): least squares of
   ``log(predicted / measured)`` step time (Gauss-Newton on the logs, Levenberg damping).
 * ``reserve_bytes`` (:class:`loom.planner.layout.Options`: context, workspaces and allocator
@@ -37,6 +37,9 @@ from loom.planner.primitives import GEMM_EFFICIENCY
 from loom.planner.timing import MEM_TRAFFIC
 
 PARAMS = ("gemm_efficiency", "mem_traffic")
+# k is fitted from this many runs on: with 3 it overfits (the 3-shot protocol on published
+# tables, benchmarks/planner_sources/three_shot.py: KOR worst 8% -> 29%, LF-A100 22% -> 24%)
+K_FROM_RUNS = 5
 
 
 def read_runs(path: str) -> list[dict]:
@@ -120,7 +123,7 @@ def calibrate(model: ModelConfig, cluster: Cluster, runs: list[dict], global_bat
     ``fitted`` (name -> (before, after)), ``rows`` (per run: measured, predicted before and
     after, seconds; and memory, GB, when measured), ``median_before`` / ``median_after`` (the
     runs' median absolute step-time error)."""
-    names = list(PARAMS[:1] if len(runs) < 3 else PARAMS)
+    names = list(PARAMS[:1] if len(runs) < K_FROM_RUNS else PARAMS)
     start = {"gemm_efficiency": cluster.gemm_efficiency or GEMM_EFFICIENCY,
              "mem_traffic": cluster.mem_traffic or MEM_TRAFFIC}
     meas = np.array([float(r["step_time_s"]) for r in runs])

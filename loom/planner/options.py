@@ -73,7 +73,7 @@ class PlannerOptions:
         None, "your own measured runs, one JSON line each ({\"layout\": {\"tp\": 2, \"pp\": "
               "1, \"dp\": 4, \"mbs\": 2, \"recompute\": \"selective\"}, \"step_time_s\": 1.9, "
               "\"peak_memory_gb\": 61.2}): fits the GEMM efficiency, the element-wise traffic "
-              "(3+ runs) and the memory reserve, then plans with them", metavar="RUNS.jsonl")
+              "(5+ runs) and the memory reserve, then plans with them", metavar="RUNS.jsonl")
 
 
 @dataclass
