@@ -26,8 +26,8 @@ def cp_types(model: ModelConfig, cluster: Cluster, opts: Options, t: int, c: int
     out = []
     for name in names:
         k_a2a = c if name == "a2a" else min(c, max(1, cluster.gpus_per_node // t))
-        if name == "a2a+p2p" and (c % k_a2a or k_a2a == c):  # A x B = c, B > 1 (else a2a)
-            continue
+        if name == "a2a+p2p" and (c % k_a2a or k_a2a in (1, c)):  # A x B = c with A, B > 1
+            continue  # (A = 1 is p2p, B = 1 is a2a: the same layout twice)
         if a2a_divides(name, model.num_attention_heads, model.num_kv_groups, t, k_a2a):
             out.append(CP_COMM_TYPES.index(name))
     return tuple(out)

@@ -102,3 +102,15 @@ def test_every_ranked_row_prints_a_command_loom_accepts():
             continue
         cfg = command_config(text, 64)
         assert cfg.data_parallel_size(64) == rec["dp"]
+
+
+def test_a2a_p2p_only_where_both_levels_exist():
+    """a2a+p2p needs all-to-all groups of A > 1 CP ranks inside a node and B > 1 of them: at
+    t 8 on 8-GPU nodes A would be 1 (the p2p ring again), at c <= GPUs per node / t B would be 1
+    (a2a); neither is searched as a2a+p2p (no layout listed twice under two names)."""
+    from loom.planner.context_parallel import CP_COMM_TYPES
+    from loom.planner.refine import cp_types
+    m, cl, o = get_preset("llama3-405b"), make_cluster("H100-80GB", 64), Options()
+    names = lambda t, c: {CP_COMM_TYPES[k] for k in cp_types(m, cl, o, t, c)}  # noqa: E731
+    assert "a2a+p2p" not in names(8, 2) and "a2a+p2p" not in names(2, 4)
+    assert "a2a+p2p" in names(2, 8) and "p2p" in names(8, 2)
