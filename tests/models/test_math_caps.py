@@ -218,7 +218,8 @@ def _case(kind: str, tp: int, tmp: str) -> dict:
     from loom.models.gpt.model import forward_step
     from loom.parallel.mappings import gather_from_tensor_parallel_region
     from testkit.megatron import (init_megatron_parallel, loom_full, megatron_full, megatron_gpt,
-                                  rel_err, save_megatron)
+                                  save_megatron)
+    from testkit.numerics import rel_err
     cfg = _config(kind)
     s = cfg.seq_length
     g = torch.Generator().manual_seed(3)
