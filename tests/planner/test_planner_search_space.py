@@ -55,6 +55,8 @@ def test_every_cp_comm_type_is_searched_and_its_command_runs():
         assert cfg.parallel.context_parallel_size == 8
         if kind == "a2a+p2p":
             assert "--hierarchical-context-parallel-sizes 4 2 " in text
+        from loom.planner.report import format_table
+        assert (f"  cp {kind}" in format_table([rec], "header")) == (kind != "p2p")
 
 
 def test_block_recompute_counts_fill_the_memory():
@@ -84,6 +86,8 @@ def test_block_recompute_counts_fill_the_memory():
         in words
     cfg = command_config(text, 128)
     assert cfg.training.recompute_method == "block"
+    from loom.planner.report import format_table
+    assert f" block {best['recompute_num_layers']} " in format_table([best], "header")
 
 
 def test_every_ranked_row_prints_a_command_loom_accepts():
