@@ -93,7 +93,7 @@ def parity(cases) -> list[dict]:
             if not math.isclose(norm, rnorm, rel_tol=RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             for name, (g, meta) in grads.items():
-                want = local_shard(rgrads[name][0], meta, mesh.tp_rank, mesh.tp_size)
+                want = local_shard(rgrads[name][0], meta, *mesh.shard_of(meta))
                 compared += 1
                 if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {name} max err "
@@ -230,9 +230,10 @@ def test_checkpoint_moves_between_ep_sizes(tmp_path):
 
 @pytest.mark.parametrize("change,world,flag", [
     (dict(experts=3, ep=2), 2, "--num-experts 3 is not divisible by --expert-model-parallel"),
-    (dict(ep=4), 2, "--expert-model-parallel-size 4 must divide the data-parallel size 2"),
+    (dict(ep=4), 2, "--expert-model-parallel-size 4 must divide the 2 ranks of a pipeline"),
+    (dict(tp=2, ep=4, etp=1, pp=2), 4, "--expert-model-parallel-size 4 must divide the 2 ranks"),
     (dict(k=5), 1, "--moe-router-topk 5 must lie in"),
-    (dict(tp=2, etp=4), 2, "--expert-tensor-parallel-size 4 must be 1"),
+    (dict(tp=2, etp=4), 8, "--expert-tensor-parallel-size 4 must divide --tensor-model-paral"),
     (dict(experts=None, etp=1), 1, "--expert-tensor-parallel-size needs --num-experts"),
 ])
 def test_bad_moe_layouts_refused(change, world, flag):
