@@ -142,7 +142,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes for loom")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (TP=1, HF)")
     ap.add_argument("--json", default=None, help="write the results here (benchmarks/results/gemma3_real.json is the "
-                    "one README.md quotes)")
+                    "one docs/benchmarks.md quotes)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:

@@ -26,7 +26,7 @@ def reference_config(tp: int, dp: int, micro_batch: int) -> LoomConfig:
                                             ffn_hidden_size=1024, seq_length=256, vocab_size=8192,
                                             hidden_dropout=0.0, attention_dropout=0.0))
     cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.overlap_grad_reduce = True  # the README table was measured with overlap
+    cfg.parallel.overlap_grad_reduce = True  # docs/benchmarks.md's table was measured with overlap
     cfg.training.micro_batch_size = micro_batch
     cfg.training.global_batch_size = 8
     cfg.training.train_iters = WARMUP + MEASURED

@@ -27,27 +27,47 @@ import errno
 import importlib
 import os
 import sys
+from types import ModuleType
+from typing import Callable, NamedTuple
 
 from loom import __version__
 from loom.errors import (CheckpointWriteError, ConfigError, NonFiniteError,
                          UnknownOptionError, closest, did_you_mean)
 from loom.parallel.agent_store import agent_store
 
+
+class Subcommand(NamedTuple):
+    """A subcommand: ``load()`` imports its module (``add_arguments(parser)``, ``run(args)``),
+    by a literal name the layout guards can read; ``help`` is its line in ``loom --help``."""
+
+    load: Callable[[], ModuleType]
+    help: str
+
+
 SUBCOMMANDS = {
-    "train": ("loom.training.cli", "train a model (Megatron-style flags; torchrun for many ranks)"),
-    "preprocess": ("loom.data.preprocess", "tokenize .txt/.jsonl into an indexed dataset"),
-    "data": ("loom.data.check_cli", "check a dataset: checksums, index, every token id < V"),
-    "generate": ("loom.inference.cli", "generate text from a checkpoint"),
-    "evaluate": ("loom.evaluation.cli", "zero-shot evaluation of a checkpoint: perplexity, "
-                                        "cloze accuracy (any TP/PP layout)"),
-    "checkpoint": ("loom.checkpoint.cli", "inspect a checkpoint (iteration, layout, tensors), "
-                                          "or convert it to / from Hugging Face (--to-hf, "
-                                          "--from-hf)"),
-    "plot": ("loom.training.plot", "plot a --log-json file: loss, validation loss, lr, "
-                                   "throughput (PNG)"),
-    "plan": ("loom.planner.cli", "predict memory and speed of parallel layouts; pick the best"),
-    "fetch-corpus": ("loom.data.corpus", "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),
-    "demo": ("loom.demo", "fetch, tokenize, train TP=2 x DP=2 on CPU, evaluate, generate"),
+    "train": Subcommand(lambda: importlib.import_module("loom.training.cli"),
+                        "train a model (Megatron-style flags; torchrun for many ranks)"),
+    "preprocess": Subcommand(lambda: importlib.import_module("loom.data.preprocess"),
+                             "tokenize .txt/.jsonl into an indexed dataset"),
+    "data": Subcommand(lambda: importlib.import_module("loom.data.check_cli"),
+                       "check a dataset: checksums, index, every token id < V"),
+    "generate": Subcommand(lambda: importlib.import_module("loom.inference.cli"),
+                           "generate text from a checkpoint"),
+    "evaluate": Subcommand(lambda: importlib.import_module("loom.evaluation.cli"),
+                           "zero-shot evaluation of a checkpoint: perplexity, cloze accuracy, "
+                           "lm-evaluation-harness tasks (any TP/PP layout)"),
+    "checkpoint": Subcommand(lambda: importlib.import_module("loom.checkpoint.cli"),
+                             "inspect a checkpoint (iteration, layout, tensors), or convert it "
+                             "to / from Hugging Face (--to-hf, --from-hf) and Megatron-LM "
+                             "(--to-megatron, --from-megatron)"),
+    "plot": Subcommand(lambda: importlib.import_module("loom.training.plot"),
+                       "plot a --log-json file: loss, validation loss, lr, throughput (PNG)"),
+    "plan": Subcommand(lambda: importlib.import_module("loom.planner.cli"),
+                       "predict memory and speed of parallel layouts; pick the best"),
+    "fetch-corpus": Subcommand(lambda: importlib.import_module("loom.data.corpus"),
+                               "fetch the offline demo corpus (Wikipedia, C4, TinyStories)"),
+    "demo": Subcommand(lambda: importlib.import_module("loom.demo"),
+                       "fetch, tokenize, train TP=2 x DP=2 on CPU, evaluate, generate"),
 }
 
 
@@ -156,11 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv else None
     parsers = {}
-    for name, (module, help_) in SUBCOMMANDS.items():
+    for name, (load, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_module=module)
         if name == chosen:
-            importlib.import_module(module).add_arguments(p)
+            load().add_arguments(p)
         parsers[name] = p
     if chosen in parsers:  # an unknown flag first, before "required" or type errors
         known = parsers[chosen]._option_string_actions
@@ -180,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     owned = not _group_initialized()  # a process group the command starts is its to end
     clean = False
     try:
-        rc = importlib.import_module(args._module).run(args)
+        rc = SUBCOMMANDS[args.command].load().run(args)
         clean = True
     except UnknownOptionError as e:  # a YAML key: the accepted keys are this command's flags
         refuse(prog, f"{e} (see `loom {args.command} --help` for the accepted flags)")

@@ -177,10 +177,10 @@ def init_megatron_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1):
+def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
     """Megatron-Core's ``TransformerConfig`` of the loom ``ModelConfig`` ``cfg`` (GPT family:
-    GPT-2 / LLaMA layouts, QK-layernorm, MoE with the allgather dispatcher), fp32, no dropout,
-    CPU initialization."""
+    GPT-2 / LLaMA layouts, QK-layernorm, interleaved RoPE, MoE with the allgather dispatcher),
+    fp32, no dropout, CPU initialization; ``extra``: more ``TransformerConfig`` fields."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
     if cfg.swiglu:
@@ -201,7 +201,8 @@ def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1):
               pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
               bias_activation_fusion=False, masked_softmax_fusion=False,
               bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-              persist_layer_norm=False, init_method_std=0.02, pipeline_dtype=torch.float32)
+              persist_layer_norm=False, init_method_std=0.02, pipeline_dtype=torch.float32,
+              rotary_interleaved=cfg.rotary_interleaved)
     if cfg.num_experts:
         kw.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                   moe_ffn_hidden_size=cfg.moe_ffn_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
@@ -213,25 +214,27 @@ def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1):
                   moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
                   moe_router_dtype="fp32" if cfg.moe_router_dtype == "fp32" else None,
                   moe_grouped_gemm=False)
-    return TransformerConfig(**kw)
+    return TransformerConfig(**{**kw, **extra})
 
 
-def megatron_gpt(cfg, tp: int = 1, pp: int = 1, ep: int = 1, vocab: int | None = None):
+def megatron_gpt(cfg, tp: int = 1, pp: int = 1, ep: int = 1, vocab: int | None = None,
+                 **extra):
     """Megatron-Core's ``GPTModel`` (local layer spec) of the loom ``ModelConfig`` ``cfg`` on
-    this rank (``vocab``: the embedding's rows, default ``cfg.padded_vocab(tp)``); its model
-    parallel groups must be set up (:func:`init_megatron_parallel`)."""
+    this rank (``vocab``: the embedding's rows, default ``cfg.padded_vocab(tp)``; ``extra``:
+    more ``TransformerConfig`` fields); its model parallel groups must be set up
+    (:func:`init_megatron_parallel`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, qk_layernorm=cfg.qk_layernorm,
                                     normalization=cfg.normalization)
-    return GPTModel(megatron_config(cfg, tp, pp, ep), spec,
+    return GPTModel(megatron_config(cfg, tp, pp, ep, **extra), spec,
                     vocab_size=vocab or cfg.padded_vocab(tp),
                     max_sequence_length=cfg.max_positions,
                     pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(),
                     position_embedding_type=cfg.position_embedding_type,
-                    rotary_base=int(cfg.rotary_base),
+                    rotary_base=int(cfg.rotary_base), rotary_percent=cfg.rotary_percent,
                     share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights)
 
 
@@ -247,11 +250,6 @@ def save_megatron(model, path: str, extra: dict | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict(), **(extra or {})}, path)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / max|b|`` (tests/README.md's per-tensor relative error)."""
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 def loom_full(model, what: str = "grad") -> dict:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"latest_checkpoint": "io", "load_checkpoint": "io", "read_common": "io",
-            "save_checkpoint": "io", "check_save_dir": "safety",
-            "remove_partial_checkpoints": "safety", "resolve_checkpoint": "safety"}
-__all__ = sorted(_EXPORTS)
+_IO = ("latest_checkpoint", "load_checkpoint", "read_common", "save_checkpoint")
+_SAFETY = ("check_save_dir", "remove_partial_checkpoints", "resolve_checkpoint")
+__all__ = sorted(_IO + _SAFETY)
 
 
 def __getattr__(name: str):
     """``loom.checkpoint.NAME`` for the names of ``__all__`` (imported on first use)."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"loom.checkpoint.{_EXPORTS[name]}"), name)
+    if name in _IO:
+        return getattr(importlib.import_module("loom.checkpoint.io"), name)
+    if name in _SAFETY:
+        return getattr(importlib.import_module("loom.checkpoint.safety"), name)
     raise AttributeError(f"module 'loom.checkpoint' has no attribute {name!r}")

@@ -21,11 +21,56 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
+from typing import Literal
 
+from loom.config.fields import opt
 from loom.errors import ConfigError
 
 
+@dataclass
+class CheckpointOptions:
+    """How ``loom checkpoint`` reads and writes."""
+
+    to_hf: bool = opt(False, "convert: write a Hugging Face model directory (config.json, "
+                             "generation_config.json, tokenizer files, safetensors shards + "
+                             "index) that transformers and lm-evaluation-harness load as it is; "
+                             "every family: GPT-2, LLaMA, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                             "DeepSeek-V3, gpt-oss, Gemma 3, BERT, Mamba-2 / Nemotron-H")
+    from_hf: bool = opt(False, "convert: read a Hugging Face directory of any of those model "
+                               "types, or a Gemma 3 GGUF file, into a loom checkpoint "
+                               "(tokenizer included)")
+    to_megatron: bool = opt(False, "convert: write a Megatron-LM checkpoint root (iter_N/ in "
+                                   "the torch_dist format + latest_checkpointed_iteration.txt) "
+                                   "that Megatron-Core's dist_checkpointing.load and "
+                                   "Megatron-LM's --load read; the vocabulary is padded for "
+                                   "--tensor-model-parallel-size (default 1)")
+    from_megatron: bool = opt(False, "convert: read a Megatron-LM / Megatron-Core checkpoint "
+                                     "(torch_dist or torch format, any TP/PP/EP) into a loom "
+                                     "checkpoint; the model is its saved args' unless model "
+                                     "flags are given here (listed by --help-all)")
+    dtype: Literal["fp32", "bf16"] = opt("fp32", "--to-hf: the weights' dtype")
+    max_shard_size: str = opt("5GB", "--to-hf: largest safetensors file, as transformers' "
+                                     "max_shard_size (5GB, 500MB, 2GiB or bytes); a larger "
+                                     "export is split into model-0000x-of-0000N.safetensors "
+                                     "with model.safetensors.index.json", metavar="SIZE")
+    json: bool = opt(False, "inspect: print one JSON object")
+    overwrite: bool = opt(False, "convert: replace files already in the output directory "
+                                 "(default: refuse; never into a training checkpoint directory)")
+
+
+WAYS = ("to_hf", "from_hf", "to_megatron", "from_megatron")
+"""The directions of ``convert`` (one at a time)."""
+SHOWN_FIELDS = ("ckpt_step", "save", "tensor_model_parallel_size")
+"""Config fields ``loom checkpoint`` uses beside the model's (``--from-megatron``)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``loom checkpoint ACTION DIR [OUT]``: the positionals, its options and the config
+    fields it takes (``--ckpt-step``, ``--save``, ``--tensor-model-parallel-size``, the model's
+    flags for ``--from-megatron``), declared where ``loom train`` declares them."""
+    from loom.config import add_config_arguments
+    from loom.config.args import add_options
     parser.allow_abbrev = False
     parser.add_argument("action", choices=["inspect", "convert"],
                         help="inspect: list the checkpoint; convert: to or from Hugging Face "
@@ -34,40 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="checkpoint directory (as given to --save), or one iter_N/; "
                                     "with --from-hf the Hugging Face directory")
     parser.add_argument("out", nargs="?", help="convert: the output directory (or --save OUT)")
-    way = parser.add_mutually_exclusive_group()
-    way.add_argument("--to-hf", action="store_true",
-                     help="write a Hugging Face model directory (config.json, "
-                          "generation_config.json, tokenizer files, safetensors shards + "
-                          "index) that transformers and lm-evaluation-harness load as it is; "
-                          "every family: GPT-2, LLaMA, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                          "DeepSeek-V3, gpt-oss, Gemma 3, BERT, Mamba-2 / Nemotron-H")
-    way.add_argument("--from-hf", action="store_true",
-                     help="read a Hugging Face directory of any of those model types, or a "
-                          "Gemma 3 GGUF file, into a loom checkpoint (tokenizer included)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                        help="--to-hf: the weights' dtype (default: fp32)")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="--to-hf: largest safetensors file, as transformers' "
-                             "max_shard_size (5GB, 500MB, 2GiB or bytes; default: 5GB); a "
-                             "larger export is split into model-0000x-of-0000N.safetensors "
-                             "with model.safetensors.index.json")
-    way.add_argument("--to-megatron", action="store_true",
-                     help="write a Megatron-LM checkpoint root (iter_N/ in the torch_dist "
-                          "format + latest_checkpointed_iteration.txt) that Megatron-Core's "
-                          "dist_checkpointing.load and Megatron-LM's --load read; the vocabulary "
-                          "is padded for --tensor-model-parallel-size (default 1)")
-    way.add_argument("--from-megatron", action="store_true",
-                     help="read a Megatron-LM / Megatron-Core checkpoint (torch_dist or torch "
-                          "format, any TP/PP/EP) into a loom checkpoint; the model is its saved "
-                          "args' unless model flags are given here")
-    parser.add_argument("--ckpt-step", type=int, default=None,
-                        help="iteration to inspect (default: the latest)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="convert: replace files already in the output directory (default: "
-                             "refuse; never into a training checkpoint directory)")
-    from loom.config import add_config_arguments
-    add_config_arguments(parser)  # the model flags of --from-megatron, --save, the target TP
+    add_options(parser, CheckpointOptions, "checkpoint")
+    # the model flags of --from-megatron, --save, the target TP: the same declarations as
+    # loom train's (shown: SHOWN_FIELDS; the model's and the rest: --help-all)
+    add_config_arguments(parser, common=SHOWN_FIELDS, shown=set(SHOWN_FIELDS),
+                         config_file=False)
 
 
 def natural_key(name: str) -> list:
@@ -164,7 +180,10 @@ def _integrity(ckpt: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
     from loom.checkpoint.holds import take_hold
+    from loom.config.args import options_from_args
+    vars(args).update(asdict(options_from_args(args, CheckpointOptions)))  # defaults, checked
     hold = None
     direct = os.path.exists(os.path.join(args.dir, "common.pt"))  # one iter_N/ given
     if not (args.action == "convert" and (args.from_hf or args.from_megatron)) and \
@@ -179,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ConfigError(f"--ckpt-step must be >= 0, got {args.ckpt_step}")
+    ways = [w for w in WAYS if getattr(args, w)]
+    if len(ways) > 1:
+        raise ConfigError(" and ".join("--" + w.replace("_", "-") for w in ways)
+                          + ": convert goes one way; give one")
     if args.action == "convert":
         done = _convert(args)
         print(f"wrote {done}")

@@ -20,8 +20,28 @@ def field_section() -> dict[str, str]:
     return {f.name: g for g, dc in GROUPS.items() for f in fields(dc)}
 
 
-# Fields that older loom versions kept elsewhere; a checkpoint's stored config may still hold them.
-RETIRED_FIELDS = ("dry_run", "num_workers")
+# Fields that older loom versions stored; a checkpoint's stored config may still hold them: the
+# Megatron flags loom accepts without effect were config fields before issue 42 (they are rows
+# of loom.config.flag_table now, never stored). A name that is a field again is kept.
+RETIRED_FIELDS = ("dry_run",
+    "use_mcore_models", "transformer_impl", "attention_backend", "no_masked_softmax_fusion",
+    "no_rope_fusion", "no_bias_swiglu_fusion", "no_bias_gelu_fusion",
+    "no_bias_dropout_fusion", "no_gradient_accumulation_fusion",
+    "cross_entropy_loss_fusion", "use_flash_attn", "export_force_local_attention",
+    "cuda_graph_impl", "disable_gloo_process_groups", "manual_gc", "manual_gc_interval",
+    "empty_unused_memory_level", "attention_softmax_in_fp32", "grad_reduce_in_bf16",
+    "apply_query_key_layer_scaling",
+    "fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather",
+    "init_model_with_meta_device", "use_nccl_ub", "fsdp_double_buffer",
+    "fsdp_manual_registration", "megatron_fsdp_grad_comm_dtype",
+    "megatron_fsdp_main_grads_dtype", "moe_permute_fusion", "moe_flex_dispatcher_backend",
+    "enable_experimental", "spec", "recompute_modules", "no_check_for_nan_in_loss_and_grad",
+    "profile", "profile_step_start", "profile_step_end", "profile_ranks",
+    "record_memory_history", "log_timers_to_tensorboard", "log_memory_to_tensorboard",
+    "log_validation_ppl_to_tensorboard", "log_throughput", "logging_level", "num_workers",
+    "no_create_attention_mask_in_dataloader", "no_mmap_bin_files", "data_cache_path",
+    "dataloader_type", "apply_layernorm_1p", "auto_detect_ckpt_format",
+    "dist_ckpt_strictness")
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,10 @@ class LoomConfig:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     derived: Optional[Derived] = field(default=None, compare=False, repr=False)
     """The sizes of the world this config was resolved for; None until :meth:`validate`."""
+    megatron_no_effect: dict = field(default_factory=dict, compare=False, repr=False)
+    """The Megatron flags of the command line that loom accepts without effect, ``{flag:
+    value}`` (:func:`loom.config.flag_table.no_effect_report` names them once at start); not
+    options of the run: never stored in a checkpoint."""
 
     # -- flat (Megatron-style) access -------------------------------------------------------
     def to_flat(self) -> dict:
@@ -69,9 +93,9 @@ class LoomConfig:
         config was filed by concern).
         """
         values = {k.replace("-", "_"): v for k, v in values.items()}
-        if ignore_retired:
-            values = {k: v for k, v in values.items() if k not in RETIRED_FIELDS}
         known = field_section()
+        if ignore_retired:
+            values = {k: v for k, v in values.items() if k not in RETIRED_FIELDS or k in known}
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ConfigError(f"unknown option(s): {', '.join(flag(u) for u in unknown)}")

@@ -1,6 +1,6 @@
-"""Rules of Megatron's debugging and optimizer flags (:class:`~loom.config.script_fields.
-DebugScriptFields`, ``--optimizer``, ``--deterministic-mode``), checked inside the one
-validation pass (:func:`loom.config.script_flags.resolve_script_flags`). Torch-free.
+"""Rules of Megatron's debugging flags (:class:`~loom.config.script_fields.DebugScriptFields`,
+``--deterministic-mode``; ``--optimizer``'s refused values are rows of the flag table), checked
+inside the one validation pass (:func:`loom.config.script_flags.resolve_script_flags`). Torch-free.
 """
 
 from __future__ import annotations
@@ -9,9 +9,6 @@ import os
 from typing import Any, Mapping, Optional
 
 from loom.errors import ConfigError
-
-IMPLEMENTED_OPTIMIZERS = ("adam", "sgd")
-"""``--optimizer`` values loom trains; Megatron's others (muon, lion, soap, ...) are refused."""
 
 DETERMINISM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
 """What ``--deterministic-mode`` sets in the environment when not already set (Megatron-LM's
@@ -54,13 +51,10 @@ def check_determinism_env(env: Mapping[str, str]) -> None:
 
 
 def check_debug_flags(cfg: Any, world_size: int) -> None:
-    """``--optimizer`` one loom trains, a non-empty ``--profile`` window, ``--profile-ranks``
-    inside the world, and (``--deterministic-mode``) a deterministic environment. Raises
-    ConfigError naming the flag."""
+    """A non-empty ``--profile`` window, ``--profile-ranks`` inside the world, and
+    (``--deterministic-mode``) a deterministic environment. Raises ConfigError naming the
+    flag."""
     t, lg = cfg.training, cfg.logging
-    if t.optimizer not in IMPLEMENTED_OPTIMIZERS:
-        raise ConfigError(f"--optimizer {t.optimizer} is not implemented in loom: use "
-                          f"--optimizer adam (AdamW) or --optimizer sgd")
     if lg.profile and lg.profile_step_end <= lg.profile_step_start:
         raise ConfigError(f"--profile-step-end {lg.profile_step_end} must exceed "
                           f"--profile-step-start {lg.profile_step_start}")

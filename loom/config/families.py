@@ -58,6 +58,54 @@ def check_gemma3(m: Any) -> None:
     m.normalization, m.position_embedding_type, m.disable_bias_linear = "RMSNorm", "rope", True
 
 
+HYBRID_SYMBOLS = {"G": "Gated DeltaNet layers (G)", "D": "DeepSeek sparse-attention layers (D)",
+                  "+": "multi-latent-attention layers (+)", "E": "MoE layers (E)",
+                  "/": "multi-token-prediction layers (/)"}
+"""Symbols of Megatron's hybrid patterns loom's Mamba stack does not build (it builds M, *, -)."""
+
+
+def resolve_hybrid_pattern(m: Any, p: Any) -> None:
+    """Megatron's ``--hybrid-override-pattern`` / ``--hybrid-layer-pattern`` (``m``: model,
+    ``p``: parallel section, changed in place): the pattern sets the depth (a different
+    ``--num-layers`` is ignored, as Megatron ignores it; said at start), and ``|`` splits it
+    into pipeline segments: ``p`` segments of equal length are loom's even split, unequal
+    first/last ones set ``--decoder-first/last-pipeline-num-layers``, ``v x p`` equal segments
+    set ``--num-layers-per-virtual-pipeline-stage``. Raises ConfigError (Megatron's rules, or a
+    layout loom's pipeline does not have)."""
+    pat = m.hybrid_override_pattern
+    if m.model_type != "mamba" or pat is None:
+        return
+    missing = [what for sym, what in HYBRID_SYMBOLS.items() if sym in pat]
+    if missing:
+        raise ConfigError(f"--hybrid-override-pattern {pat!r}: loom's hybrid stack has no "
+                          f"{', '.join(missing)}; it builds M (Mamba), * (attention), - (MLP)")
+    segments = pat.split("|")
+    m.hybrid_override_pattern = "".join(segments)
+    m.num_layers = len(m.hybrid_override_pattern)
+    if len(segments) == 1:
+        return
+    pp, lengths = p.pipeline_model_parallel_size, [len(s) for s in segments]
+    if len(segments) % pp:
+        raise ConfigError(f"--hybrid-override-pattern {pat!r} has {len(segments)} pipeline "
+                          f"segments (|), not a multiple of --pipeline-model-parallel-size {pp}")
+    if p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers or \
+            p.num_layers_per_virtual_pipeline_stage:
+        raise ConfigError("--hybrid-override-pattern with | sets the pipeline layout: drop "
+                          "--decoder-first/last-pipeline-num-layers and "
+                          "--num-layers-per-virtual-pipeline-stage (Megatron's rule)")
+    if len(set(lengths)) == 1:
+        if len(segments) > pp:
+            p.num_layers_per_virtual_pipeline_stage = lengths[0]
+        return
+    if len(segments) == pp and len(set(lengths[1:-1])) <= 1:
+        p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = \
+            lengths[0], lengths[-1]
+        return
+    raise ConfigError(f"--hybrid-override-pattern {pat!r}: pipeline segments of {lengths} layers; "
+                      f"loom's stages hold equal numbers of layers but the first and the last "
+                      f"(and equal model chunks when interleaved)")
+
+
 def check_mamba(m: Any, tp: int, cp: int) -> None:
     """Mamba-2 / hybrid stacks: the layer pattern, SSM heads and groups against the shape and
     the tensor-parallel size ``tp`` (a fix changes ``tp``), no context parallelism ``cp``."""

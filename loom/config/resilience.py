@@ -57,8 +57,7 @@ class CheckpointConfig:
     use_checkpoint_opt_param_scheduler: bool = opt(
         False, "on resume, take the learning-rate and weight-decay schedule from the "
                "checkpoint (ignoring --lr, --min-lr, --lr-warmup-iters/-fraction/-samples, "
-               "--lr-decay-iters/-samples, --lr-decay-style, --weight-decay)",
-        aliases=("--use-checkpoint-opt_param-scheduler",))
+               "--lr-decay-iters/-samples, --lr-decay-style, --weight-decay)")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Megatron-LM flags its example scripts use that change what loom trains, logs or loads: mixins
 of the sections (Megatron's names, meanings and defaults; rows in
-:mod:`loom.config.megatron_defaults`). Their resolution into loom's own fields is
+:mod:`loom.config.flag_rows`). Their resolution into loom's own fields is
 :func:`loom.config.script_flags.resolve_script_flags`.
 """
 
@@ -12,7 +12,7 @@ from typing import Literal, Optional
 from loom.config.fields import opt
 
 CkptFormat = Literal["loom_dcp", "torch_dist", "torch", "torch_dcp", "fsdp_dtensor"]
-OptimizerName = Literal["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
+OptimizerName = Literal["adam", "sgd", "muon", "dist_muon"]  # others: refused by the table
 TimingLogOption = Literal["max", "minmax", "all"]
 ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TiktokenPattern = Literal["v1", "v2"]
@@ -25,6 +25,11 @@ class ModelScriptFields:
     rotary_percent: float = opt(1.0, "share of each head's channels RoPE rotates, in (0, 1]: "
                                      "the first int(d x p) rotate, the rest pass (GPT-NeoX)",
                                 gt=0)
+    rotary_interleaved: bool = opt(
+        False, "RoPE rotates channel pairs (2i, 2i+1) instead of (i, i+r/2), the halves of "
+               "each head's rotated channels (GPT-J's layout); with --rotary-percent within "
+               "the rotated channels; not with YaRN or --multi-latent-attention (Megatron's "
+               "rules)")
     use_rotary_position_embeddings: bool = opt(
         False, "= --position-embedding-type rope (Megatron's deprecated spelling)")
     no_position_embedding: bool = opt(
@@ -92,8 +97,9 @@ class TrainingScriptFields:
         "loom_dcp", "what --save writes: loom_dcp (loom's own; Megatron's default is torch_dist: "
                     "the run trains the same) or torch_dist (Megatron's, which Megatron-LM "
                     "--load reads: weights, Adam states, iteration, saved synchronously, no RNG "
-                    "state); torch_dcp / fsdp_dtensor write loom_dcp (said at start); torch is "
-                    "refused (--load reads every format, detected)")
+                    "state); torch, torch_dcp and fsdp_dtensor write loom_dcp (said at start); "
+                    "--load reads every format, Megatron's torch and torch_dist included "
+                    "(detected)")
     pretrained_checkpoint: Optional[str] = opt(
         None, "fine-tuning: when --load holds no checkpoint, load only the weights of this one "
               "and start at iteration 0 (Megatron's semantics)")
@@ -104,8 +110,10 @@ class TrainingScriptFields:
         "adam", "adam: AdamW, decoupled weight decay (Megatron's adam); sgd: torch.optim.SGD "
                 "with --sgd-momentum and --weight-decay as L2 added to the gradient (Megatron's "
                 "sgd); both with the plain or distributed optimizer (ZeRO-1/2), FSDP2 (ZeRO-3), "
-                "fp32 master weights for --bf16/--fp16, states saved by parameter name. muon, "
-                "dist_muon, lion, soap, adaptive_muon: refused (not implemented)")
+                "fp32 master weights for --bf16/--fp16, states saved by parameter name; muon: "
+                "Megatron's Muon (momentum, Newton-Schulz orthogonalized updates of the 2-D "
+                "weights, AdamW for the rest; --muon-*), plain or distributed (ZeRO-1/2); "
+                "dist_muon: muon with --use-distributed-optimizer (Megatron's old spelling)")
     sgd_momentum: float = opt(0.9, "--optimizer sgd: momentum factor (0: plain SGD, no state)",
                               ge=0)
     deterministic_mode: bool = opt(

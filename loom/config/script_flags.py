@@ -1,6 +1,7 @@
-"""Resolution of the Megatron flags of :mod:`loom.config.script_fields` and
-:mod:`loom.config.compat` into loom's own fields, inside the one validation pass
-(:func:`loom.config.validate.validate_config`), and the refusals of values loom cannot honour.
+"""Resolution of the Megatron flags of :mod:`loom.config.script_fields` into loom's own fields,
+inside the one validation pass (:func:`loom.config.validate.validate_config`), and the refusals
+that depend on several flags (a single value loom refuses is a row of the flag table,
+:mod:`loom.config.flag_rows`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 from typing import Any, Optional
 
 from loom.config.debug_flags import check_debug_flags
+from loom.config.optimizer_muon import check_muon
 from loom.errors import ConfigError
 
 _SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
@@ -59,6 +61,8 @@ def _positions(m: Any) -> None:
         raise ConfigError("--no-position-embedding is deprecated in Megatron-LM and refused "
                           "without rotary embeddings: give --position-embedding-type none "
                           "(or rope)")
+    if m.rotary_interleaved:
+        _interleaved_rope(m)
     if m.rotary_percent > 1:
         raise ConfigError(f"--rotary-percent {m.rotary_percent} must lie in (0, 1]")
     if m.rotary_percent < 1 and m.position_embedding_type == "rope" and (
@@ -66,6 +70,23 @@ def _positions(m: Any) -> None:
         raise ConfigError(f"--rotary-percent {m.rotary_percent} rotates {m.rotary_dim} channels "
                           f"of each head (of {m.head_dim}): RoPE needs an even number; choose "
                           f"a percent giving one")
+
+
+def _interleaved_rope(m: Any) -> None:
+    """``--rotary-interleaved``: refused where Megatron refuses it (multi-latent attention:
+    ``TransformerConfig`` raises; YaRN, gpt-oss's included: ``YarnRotaryEmbedding`` asserts)
+    and for Gemma 3, whose own RoPE rotates halves; without rotary embeddings it rotates
+    nothing (as in Megatron)."""
+    drop = ": drop --rotary-interleaved"
+    if m.multi_latent_attention:
+        raise ConfigError("--rotary-interleaved does not work with --multi-latent-attention "
+                          "(Megatron's rule: MLA lays out its own RoPE key)" + drop)
+    if m.position_embedding_type == "yarn" or m.enable_gpt_oss:
+        raise ConfigError("--rotary-interleaved: YaRN RoPE rotates halves (Megatron's "
+                          "YarnRotaryEmbedding asserts it is not interleaved)" + drop)
+    if m.model_type == "gemma3":
+        raise ConfigError("--rotary-interleaved: --model-type gemma3 has Gemma 3's RoPE, "
+                          "which rotates halves" + drop)
 
 
 def _samples(cfg: Any, world_size: int) -> None:
@@ -104,12 +125,61 @@ def _batch_ramp(t: Any) -> None:
                           f"sets it) or make them agree")
 
 
+def _virtual_stages(cfg: Any) -> None:
+    """``--num-virtual-stages-per-pipeline-rank v`` (Megatron's other spelling of interleaving):
+    ``--num-layers-per-virtual-pipeline-stage L / (p v)``; v = 1 is no interleaving, and so is
+    ``--num-layers-per-virtual-pipeline-stage L / p`` (one chunk per stage, as in Megatron)."""
+    p, L = cfg.parallel, cfg.model.num_layers
+    v, pp = p.num_virtual_stages_per_pipeline_rank, p.pipeline_model_parallel_size
+    lpv = p.num_layers_per_virtual_pipeline_stage
+    if v is None:
+        if lpv is not None and lpv * pp == L and p.pipeline_schedule is None:
+            p.num_layers_per_virtual_pipeline_stage = None  # one chunk per stage: Megatron's
+        return                                           # virtual size 1, not interleaved
+    if lpv is not None:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
+                          "--num-virtual-stages-per-pipeline-rank both set the interleaving: "
+                          "give one (Megatron's rule)")
+    if v == 1:
+        return
+    if L % (pp * v):
+        raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {v}: --num-layers {L} is not "
+                          f"divisible by --pipeline-model-parallel-size {pp} x {v} (loom's "
+                          f"model chunks hold equal numbers of layers)")
+    p.num_layers_per_virtual_pipeline_stage = L // (pp * v)
+
+
+def _account_in_split(p: Any, L: int) -> None:
+    """``--account-for-embedding/loss-in-pipeline-split`` (Megatron's rule): the embedding and
+    the loss count as layers, (L + e + l) / p "layers" a stage, the first stage e and the last
+    l real layers fewer: ``--decoder-first/last-pipeline-num-layers``."""
+    e, loss = int(bool(p.account_for_embedding_in_pipeline_split)), \
+        int(bool(p.account_for_loss_in_pipeline_split))
+    pp = p.pipeline_model_parallel_size
+    if not (e or loss) or pp == 1:
+        return
+    if p.num_layers_per_virtual_pipeline_stage is not None or \
+            p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
+        raise ConfigError("--account-for-embedding/loss-in-pipeline-split sets the stage split: "
+                          "not with interleaving (loom's model chunks hold equal numbers of "
+                          "layers) or --decoder-first/last-pipeline-num-layers")
+    if (L + e + loss) % pp:
+        raise ConfigError(f"--num-layers {L} plus the embedding / loss counted as layers "
+                          f"({L + e + loss}) is not divisible by --pipeline-model-parallel-size "
+                          f"{pp} (Megatron's rule)")
+    per = (L + e + loss) // pp
+    if per - e < 1 or per - loss < 1:
+        raise ConfigError(f"--account-for-embedding/loss-in-pipeline-split leaves a stage "
+                          f"without layers ({per} a stage): lower the pipeline size")
+    p.decoder_first_pipeline_num_layers = per - e if e else None
+    p.decoder_last_pipeline_num_layers = per - loss if loss else None
+
+
 def resolve_script_flags(cfg: Any, world_size: int) -> None:
     """Megatron's spellings into loom's fields (in place, inside validation): rotary-embedding
     aliases, schedules in samples -> iterations (B samples each, rounded up), the final batch
     size of a ramp, ``--use-megatron-fsdp`` -> ``--zero-stage``. Raises ConfigError naming the
-    flag for values loom refuses (``--ckpt-format torch``, ``--dataloader-type cyclic``, partial
-    rotary embeddings, ...)."""
+    flag for values loom refuses (partial rotary embeddings of an odd width, ...)."""
     m, t = cfg.model, cfg.training
     _positions(m)
     _batch_ramp(t)
@@ -121,17 +191,13 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
         elif t.zero_stage == 3:  # FSDP2 shards the optimizer and gathers parameters itself
             t.use_distributed_optimizer = False  # (prefetching the next layer's: Megatron
             t.overlap_param_gather = False       # FSDP's --overlap-param-gather)
-    if t.ckpt_format == "torch":
-        raise ConfigError("--ckpt-format torch (Megatron's pickled per-rank format) is read by "
-                          "--load (detected) but not written by loom: drop it (loom's own "
-                          "loom_dcp) or give --ckpt-format torch_dist (Megatron's format)")
+    check_muon(t)  # --optimizer dist_muon: muon with --use-distributed-optimizer
+    _virtual_stages(cfg)
+    _account_in_split(cfg.parallel, m.num_layers)
     if t.ckpt_format == "torch_dist" and m.model_type not in ("gpt", "mamba"):
         raise ConfigError(f"--ckpt-format torch_dist (Megatron's format) is written for the gpt "
                           f"and mamba families, not --model-type {m.model_type}: drop it "
                           f"(loom's own loom_dcp)")
-    if t.dataloader_type in ("cyclic", "external"):
-        raise ConfigError(f"--dataloader-type {t.dataloader_type}: loom reads the data once in "
-                          f"order (Megatron's single); give --dataloader-type single")
     if m.squared_relu and m.gated_linear_unit:  # Megatron: assert not args.swiglu
         raise ConfigError("--squared-relu replaces GeLU in the MLP and the experts: drop "
                           + ("--swiglu" if m.swiglu else "--quick-geglu"))
@@ -143,4 +209,4 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
                           "router score over capacity; give --moe-token-drop-policy probs")
     if t.decoupled_min_lr is not None and t.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
-    check_debug_flags(cfg, world_size)  # --optimizer, --profile*, --deterministic-mode
+    check_debug_flags(cfg, world_size)  # --profile*, --deterministic-mode

@@ -19,9 +19,10 @@ from loom.config.model_gptoss import GptOssFields
 from loom.config.model_mamba import MambaFields
 from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
+from loom.config.model_mup import MupFields
+from loom.config.optimizer_muon import MuonFields
 from loom.config.parallel_cp import ContextParallelFields
 from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
-from loom.config.compat import ImplementationSwitches
 from loom.config.script_fields import (DataScriptFields, LoggingScriptFields, ModelScriptFields,
                                        TrainingScriptFields)
 
@@ -102,15 +103,15 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
-                  BertFields, MoEFields, ModelShapeFields):
+class ModelConfig(MupFields, ModelScriptFields, GptOssFields, MLAFields, MambaFields,
+                  Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
     The fields every family has (:class:`ModelShapeFields`), then each family's own, in its own
     module: mixture of experts (:mod:`~loom.config.model_moe`), BERT
     (:mod:`~loom.config.model_bert`), Gemma 3 (:mod:`~loom.config.model_gemma3`), Mamba-2
     (:mod:`~loom.config.model_mamba`), multi-latent attention, YaRN and multi-token prediction
-    (:mod:`~loom.config.model_mla`). One flat section all the same: ``cfg.model.<field>``,
+    (:mod:`~loom.config.model_mla`), muP (:mod:`~loom.config.model_mup`). One flat section all the same: ``cfg.model.<field>``,
     the flag ``--<field>`` and the YAML key, in this order.
     """
 
@@ -199,6 +200,15 @@ class ParallelConfig(ContextParallelFields):
               "two chunks per stage in a V, L divisible by 2p); loom's own names for the last "
               "two, not Megatron values; default: interleaved when "
               "--num-layers-per-virtual-pipeline-stage is given, else 1f1b)")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = opt(
+        None, "model chunks per pipeline stage v (Megatron's other spelling: sets "
+              "--num-layers-per-virtual-pipeline-stage L / (p v); 1: no interleaving)", ge=1)
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "count the input embedding as a layer when splitting the layers over pipeline "
+               "stages: the first stage holds one layer fewer ((L + 1) / p layers a stage)")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "count the loss as a layer when splitting the layers over pipeline stages: the "
+               "last stage holds one layer fewer")
     decoder_first_pipeline_num_layers: Optional[int] = opt(
         None, "layers on the first pipeline stage (the rest split evenly)", ge=1)
     decoder_last_pipeline_num_layers: Optional[int] = opt(
@@ -226,7 +236,7 @@ class ParallelConfig(ContextParallelFields):
 
 
 @dataclass
-class TrainingConfig(ImplementationSwitches, TrainingScriptFields):
+class TrainingConfig(TrainingScriptFields, MuonFields):
     """Batch sizes, iterations, optimizer and learning-rate schedule."""
 
     micro_batch_size: Optional[int] = opt(None, "b: samples per micro-batch per data-parallel "

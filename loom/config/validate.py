@@ -7,16 +7,19 @@ fault_spec, fields, pipeline, split) and nothing of loom above :mod:`loom.config
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
-from loom.config.families import check_bert, check_gemma3, check_mamba
+from loom.config.families import (check_bert, check_gemma3, check_mamba,
+                                  resolve_hybrid_pattern)
 from loom.config.fault_spec import parse_fault
 from loom.config.fields import flag
 from loom.config.model_gptoss import check_gptoss
 from loom.config.model_mla import check_mla
+from loom.config.model_mup import check_mup
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import validate_pipeline
 from loom.config.resilience import check_pruning
@@ -93,13 +96,18 @@ def check_bounds(name: str, value: Any, meta: Any) -> None:
             raise ConfigError(f"{flag(name)} must be {word} {meta[key]:g}, got {value}")
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(section: type) -> dict:
+    return get_type_hints(section)
+
+
 def check_fields(cfg: Any) -> None:
     """Coerce every field of every section to its type and check its choices and bounds."""
     for section in dataclasses.fields(cfg):
-        if section.name == "derived":  # computed after this pass (LoomConfig.validate)
+        if section.name in ("derived", "megatron_no_effect"):  # not sections
             continue
         obj = getattr(cfg, section.name)
-        hints = get_type_hints(type(obj))
+        hints = _hints(type(obj))
         for f in dataclasses.fields(obj):
             if f.metadata.get("auto") and getattr(obj, f.name) == "auto":
                 continue  # an "N or auto" field (--save-interval)
@@ -109,7 +117,7 @@ def check_fields(cfg: Any) -> None:
 
 
 # Flags Megatron-LM refuses to run without (megatron/training/arguments.py validate_args; see
-# loom.config.megatron_defaults): no silent toy default stands in for them.
+# the flag table, loom.config.flag_rows): no silent toy default stands in for them.
 REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
@@ -124,16 +132,9 @@ def resolve_megatron(cfg: Any) -> None:
     ``--hybrid-override-pattern``; ``--num-query-groups`` 1 under ``--group-query-attention``;
     ``--split`` "969, 30, 1"; fp32 gradient accumulation under ``--bf16``; ``--lr`` and
     ``--train-iters`` not needed under ``--skip-train``. Raises ConfigError
-    naming a missing required flag, or a pattern whose length disagrees with ``--num-layers``."""
+    naming a missing required flag (or a hybrid pattern loom cannot lay out)."""
     m, t = cfg.model, cfg.training
-    pat = m.hybrid_override_pattern
-    if m.model_type == "mamba" and pat is not None:
-        if m.num_layers is None:
-            m.num_layers = len(pat)
-        elif len(pat) != m.num_layers:
-            raise ConfigError(f"--hybrid-override-pattern {pat!r} has {len(pat)} layers but "
-                              f"--num-layers is {m.num_layers}: drop --num-layers (the pattern "
-                              f"sets the depth) or give {m.num_layers} pattern characters")
+    resolve_hybrid_pattern(m, cfg.parallel)
     for name in REQUIRED_MODEL:
         if getattr(m, name) is None:
             hint = " (or --hybrid-override-pattern, one character per layer)" if \
@@ -200,10 +201,10 @@ def _check_moe(cfg: Any, world_size: int) -> None:
     e = p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size
     if not m.num_experts:
-        if e > 1 or etp is not None:
-            raise ConfigError(f"--expert-{'model' if e > 1 else 'tensor'}-parallel-size needs "
-                              f"--num-experts E")
-        return
+        if e > 1:
+            raise ConfigError("--expert-model-parallel-size needs --num-experts E")
+        p.expert_tensor_parallel_size = None  # no experts: no effect (Megatron's too; said at
+        return                                # start, loom.training.script_checks.start_notes)
     E, k = m.num_experts, m.moe_router_topk
     if k > E:
         raise ConfigError(f"--moe-router-topk {k} must lie in [1, --num-experts {E}]")
@@ -339,6 +340,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
     check_gemma3(m)
     check_mla(m, tp, cp, pp)
     check_gptoss(m, tp, cp)
+    check_mup(m)
     check_context_parallel(m, p)
     if world_size % (tp * pp * cp):
         raise ConfigError(
@@ -379,10 +381,6 @@ def validate_config(cfg: Any, world_size: int) -> None:
         raise ConfigError("--save-interval auto needs the failure rate: give "
                           "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
     check_pruning(ck)
-    if ck.exit_interval and not ck.save:
-        raise ConfigError("--exit-interval saves before exiting: give --save DIR")
-    if ck.async_save and not ck.save:
-        raise ConfigError("--async-save writes the checkpoints of --save: give --save DIR")
     if t.lr is not None and t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
     if t.compile and p.device != "cuda" and not (

@@ -17,87 +17,76 @@ import argparse
 import json
 import os
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
+from loom.config.fields import opt
 from loom.errors import ConfigError
-from loom.evaluation.tasks import get_task, task_names
+from loom.evaluation.registry import get_task
+
+Task = Literal["perplexity", "cloze", "mlm"]  # loom.evaluation.registry.task_names()
+
+
+@dataclass
+class EvaluateOptions:
+    """What to evaluate (Megatron's names where ``tasks/main.py`` has them)."""
+
+    task: Optional[Task] = opt(
+        None, "perplexity: token- and word-level perplexity of a text (Megatron's "
+              "WIKITEXT103); cloze: last-word accuracy on a LAMBADA-format jsonl file "
+              "(Megatron's LAMBADA); mlm (BERT): masked-LM accuracy, loss and perplexity of "
+              "held-out text (this or --lm-eval-tasks)")
+    eval_data: Optional[str] = opt(
+        None, "perplexity, mlm: a text file (read whole), a .jsonl file (--json-key) or an "
+              "indexed dataset prefix; cloze: a .jsonl file of {\"text\": ...} lines "
+              "(required with --task)")
+    lm_eval_tasks: Optional[str] = opt(
+        None, "instead of --task: lm-evaluation-harness tasks, comma-separated (e.g. "
+              "wikitext,hellaswag), scored by the checkpoint at this layout without exporting "
+              "(log-likelihood tasks; generation tasks: export with `loom checkpoint convert "
+              "--to-hf`)", metavar="NAMES")
+    lm_eval_include_path: Optional[str] = opt(
+        None, "--lm-eval-tasks: a directory of your own task YAML files", metavar="DIR")
+    lm_eval_limit: Optional[int] = opt(None, "--lm-eval-tasks: at most N documents per task",
+                                       ge=1)
+    json_key: str = opt("text", "the field of a .jsonl line holding the text")
+    overlapping_eval: Optional[int] = opt(
+        None, "perplexity: windows start STRIDE tokens apart and each after the first scores "
+              "only its last STRIDE tokens, 1 <= STRIDE <= --seq-length (default: "
+              "--seq-length, no overlap)", ge=1, metavar="STRIDE")
+    strict_lambada: bool = opt(False, "cloze: predict the last whitespace word (all its "
+                                      "tokens), not only the last token (Megatron's flag)")
+
+
+USED_FIELDS = ("load", "ckpt_step", "seq_length", "seed", "mask_prob",
+               "micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "model_type",
+               "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+"""The config fields ``loom evaluate`` takes (declared once, in loom.config): the checkpoint,
+the window length (default: the checkpoint's), the masking seed and share (BERT), the batch,
+the layout, and a tokenizer instead of the checkpoint's; ``--model-type`` refuses a checkpoint
+of another family."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``loom evaluate`` flags (Megatron's names where ``tasks/main.py`` has them)."""
-    parser.add_argument("--load", required=True,
-                        help="checkpoint directory (as given to --save); its latest checkpoint")
-    parser.add_argument("--ckpt-step", type=int, default=None,
-                        help="load iteration N instead of the one the latest pointer names")
-    parser.add_argument("--task", default=None, choices=task_names(),
-                        help="perplexity: token- and word-level perplexity of a text "
-                             "(Megatron's WIKITEXT103); cloze: last-word accuracy on a "
-                             "LAMBADA-format jsonl file (Megatron's LAMBADA); mlm (BERT): "
-                             "masked-LM accuracy, loss and perplexity of held-out text")
-    parser.add_argument("--eval-data", default=None, metavar="PATH",
-                        help="perplexity, mlm: a text file (read whole), a .jsonl file "
-                             "(--json-key) or an indexed dataset prefix; cloze: a .jsonl file of "
-                             "{\"text\": ...} lines (required with --task)")
-    parser.add_argument("--lm-eval-tasks", default=None, metavar="NAMES",
-                        help="instead of --task: lm-evaluation-harness tasks, comma-separated "
-                             "(e.g. wikitext,hellaswag), scored by the checkpoint at this "
-                             "layout without exporting (log-likelihood tasks; generation "
-                             "tasks: export with `loom checkpoint convert --to-hf`)")
-    parser.add_argument("--lm-eval-include-path", default=None, metavar="DIR",
-                        help="--lm-eval-tasks: a directory of your own task YAML files")
-    parser.add_argument("--lm-eval-limit", type=int, default=None, metavar="N",
-                        help="--lm-eval-tasks: at most N documents per task")
-    parser.add_argument("--json-key", default="text",
-                        help="the field of a .jsonl line holding the text (default text)")
-    parser.add_argument("--seq-length", type=int, default=None,
-                        help="tokens per window, >= 1 (default: the checkpoint's)")
-    parser.add_argument("--overlapping-eval", type=int, default=None, metavar="STRIDE",
-                        help="perplexity: windows start STRIDE tokens apart and each after the "
-                             "first scores only its last STRIDE tokens, 1 <= STRIDE <= "
-                             "--seq-length (default: --seq-length, no overlap)")
-    parser.add_argument("--strict-lambada", action="store_true",
-                        help="cloze: predict the last whitespace word (all its tokens), "
-                             "not only the last token (Megatron's flag)")
-    parser.add_argument("--seed", type=int, default=1234,
-                        help="mlm: the seed of the masking (same seed, same masked positions; "
-                             "default 1234)")
-    parser.add_argument("--mask-prob", type=float, default=0.15,
-                        help="mlm: fraction of each sample's tokens masked, whole words "
-                             "(default 0.15, BERT's)")
-    parser.add_argument("--micro-batch-size", type=int, default=4,
-                        help="windows / examples per forward pass, >= 1 (default 4)")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                        help="t: ranks splitting each layer (launch with torchrun)")
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                        help="p: pipeline stages (world size / (t p) data-parallel replicas)")
-    parser.add_argument("--model-type", default=None,
-                        help="refuse a checkpoint of another model type (e.g. gpt, mamba)")
-    parser.add_argument("--tokenizer-type", default=None,
-                        choices=("GPT2BPETokenizer", "HuggingFaceTokenizer"),
-                        help="tokenizer instead of the checkpoint's tokenizer.json")
-    parser.add_argument("--tokenizer-model", default=None,
-                        help="a tokenizer.json (HuggingFaceTokenizer)")
-    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    """``loom evaluate`` flags: its options and the config fields it uses."""
+    from loom.config.args import add_fields, add_options
+    add_options(parser, EvaluateOptions, "evaluate")
+    add_fields(parser, USED_FIELDS, "checkpoint, layout, tokenizer")
 
 
 def _check_values(args: argparse.Namespace) -> None:
-    for name, value, ok, rule in (
-            ("--seq-length", args.seq_length, args.seq_length is None or args.seq_length >= 1,
-             ">= 1"),
-            ("--overlapping-eval", args.overlapping_eval,
-             args.overlapping_eval is None or args.overlapping_eval >= 1, ">= 1"),
-            ("--micro-batch-size", args.micro_batch_size, args.micro_batch_size >= 1, ">= 1"),
-            ("--tensor-model-parallel-size", args.tensor_model_parallel_size,
-             args.tensor_model_parallel_size >= 1, ">= 1"),
-            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
-             args.pipeline_model_parallel_size >= 1, ">= 1"),
-            ("--ckpt-step", args.ckpt_step, args.ckpt_step is None or args.ckpt_step >= 0,
-             ">= 0"),
-            ("--lm-eval-limit", args.lm_eval_limit,
-             args.lm_eval_limit is None or args.lm_eval_limit >= 1, ">= 1")):
-        if not ok:
-            raise ConfigError(f"{name} must be {rule}, got {value}")
+    from loom.config.args import field_defaults
+    from loom.config.validate import check_bounds
+    if args.load is None:
+        raise ConfigError("--load is required: the checkpoint directory")
+    field_defaults(args, tuple(f for f in USED_FIELDS if f not in ("model_type",
+                                                                    "seq_length")),
+                   micro_batch_size=4)  # windows per forward pass (training requires it)
+    args.json_key = args.json_key or "text"
+    args.strict_lambada = bool(args.strict_lambada)
+    for name in ("overlapping_eval", "lm_eval_limit"):
+        check_bounds(name, getattr(args, name), EvaluateOptions.__dataclass_fields__[name]
+                     .metadata)
     if (args.task is None) == (args.lm_eval_tasks is None):
         raise ConfigError("give --task perplexity|cloze|mlm (with --eval-data) or "
                           "--lm-eval-tasks NAMES, one of the two")

@@ -12,24 +12,14 @@ A :class:`Task` states what one evaluation is, independently of the layout it ru
   and DP ranks;
 * ``report(sums, info) -> dict``: the metrics, from the summed statistics.
 
-:data:`TASKS` names each task's implementation (``"module:ATTRIBUTE"``, imported only when
-used); a model family says which tasks it supports (``ModelFamily.evaluation_tasks``, e.g.
-BERT's ``("mlm",)``). Asking for a task its family lacks is a ConfigError naming both.
+Each task's module (perplexity, cloze, mlm) defines its ``TASK``; the registry of task names
+is :mod:`loom.evaluation.registry`.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
-
-from loom.errors import ConfigError
-
-TASKS = {
-    "perplexity": "loom.evaluation.perplexity:TASK",  # causal LMs (GPT-style forward)
-    "cloze": "loom.evaluation.cloze:TASK",
-    "mlm": "loom.evaluation.mlm:TASK",  # masked LMs (BERT-style forward)
-}
 
 
 @dataclass(frozen=True)
@@ -42,27 +32,3 @@ class Task:
     forward: Callable
     score: Callable
     report: Callable
-
-
-def task_names() -> list[str]:
-    """Every task loom implements, sorted (the choices of ``--task``)."""
-    return sorted(TASKS)
-
-
-def supported_tasks(family) -> list[str]:
-    """The tasks ``family`` (a :class:`~loom.models.family.ModelFamily`) supports, sorted."""
-    return sorted(t for t in family.evaluation_tasks if t in TASKS)
-
-
-def get_task(family, task: str, where: str = "") -> Task:
-    """The :class:`Task` ``task`` of ``family`` (a ModelFamily). Raises ConfigError "task X is
-    not supported for model type Y" (``where``: e.g. the checkpoint, named in the message)."""
-    if task not in supported_tasks(family):
-        have = supported_tasks(family)
-        raise ConfigError(
-            f"--task {task} is not supported for model type {family.name}{where}; "
-            + (f"tasks for {family.name}: {', '.join(have)}" if have else
-               f"no evaluation task is supported by {family.name} yet "
-               f"(ModelFamily.evaluation_tasks)"))
-    module, attr = TASKS[task].split(":")
-    return getattr(importlib.import_module(module), attr)

@@ -1,12 +1,18 @@
-"""``loom generate --load DIR --prompt TEXT``: text from a checkpoint, on one rank or TP ranks.
+"""``loom generate --load DIR --prompts TEXT ...``: text from a checkpoint, on one rank or TP ranks.
 
 The checkpoint (saved at any TP/PP layout) is loaded at ``--tensor-model-parallel-size``
-(default 1) with the tokenizer stored beside it.
+(default 1) with the tokenizer stored beside it. The flags are Megatron-LM's inference flags
+(:mod:`loom.inference.options`, with their defaults: ``--top_k 1`` greedy,
+``--num-tokens-to-generate 30``) and any flag of Megatron's training command line, as
+Megatron's inference scripts take them: the model's shape flags must agree with the checkpoint
+(or are taken from it with ``--use-checkpoint-args``), the rest is said once to have no effect
+on generation; what loom cannot honour is refused in one line before anything loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Optional
 
@@ -14,61 +20,106 @@ from loom.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``loom generate`` flags."""
-    parser.add_argument("--load", required=True,
-                        help="checkpoint directory (as given to --save); its latest checkpoint")
-    parser.add_argument("--ckpt-step", type=int, default=None,
-                        help="load iteration N instead of the one the latest pointer names")
-    parser.add_argument("--prompt", required=True, help="text to continue (non-empty)")
-    parser.add_argument("--max-new-tokens", type=int, default=64,
-                        help="tokens to generate after the prompt, >= 1 (default 64)")
-    parser.add_argument("--greedy", action="store_true", help="take the most likely token")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="divide the logits by this before sampling, > 0 (default 1.0)")
-    parser.add_argument("--top-k", type=int, default=0,
-                        help="sample among the k most likely tokens; 0 = all (default 0)")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="nucleus sampling: the smallest set of tokens with this much "
-                             "probability, in (0, 1] (default 1.0)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed, >= 0 (default 0)")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                        help="t: ranks splitting the model (launch t ranks with torchrun)")
+    """``loom generate`` flags: its options, the config fields (those it uses shown by
+    ``--help``, every other by ``--help-all``) and the rest of Megatron's command line."""
+    from loom.config import add_config_arguments
+    from loom.config.args import add_options
+    from loom.config.flag_args import add_megatron_only_arguments
+    from loom.inference.options import USED_FIELDS, GenerateOptions
+    add_options(parser, GenerateOptions, "generate")
+    add_config_arguments(parser, common=USED_FIELDS, shown=set(USED_FIELDS), config_file=False)
+    add_megatron_only_arguments(parser, rows=generate_rows(), parsers=("inference",))
 
 
-def _check_values(args: argparse.Namespace) -> None:
-    """Refuse bad values of the flags (before any file is read); ConfigError names the flag."""
-    if not args.prompt:
-        raise ConfigError("--prompt is empty: give the text to continue")
-    for name, value, ok, rule in (
-            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
-            ("--temperature", args.temperature, args.temperature > 0, "> 0"),
-            ("--top-k", args.top_k, args.top_k >= 0, ">= 0"),
-            ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-            ("--seed", args.seed, args.seed >= 0, ">= 0"),
-            ("--tensor-model-parallel-size", args.tensor_model_parallel_size,
-             args.tensor_model_parallel_size >= 1, ">= 1"),
-            ("--ckpt-step", args.ckpt_step, args.ckpt_step is None or args.ckpt_step >= 0,
-             ">= 0")):
-        if not ok:
-            raise ConfigError(f"{name} must be {rule}, got {value}")
+def generate_rows():
+    """The flag table as ``loom generate`` reads it (:mod:`loom.inference.options`)."""
+    from loom.config.flag_table import rows_with
+    from loom.inference.options import GENERATE_OVERRIDES, INFERENCE_ROWS
+    return rows_with(INFERENCE_ROWS, GENERATE_OVERRIDES)
 
 
-def check_arguments(args: argparse.Namespace, ckpt: Optional[str] = None) -> None:
-    """Refuse bad ``loom generate`` values before anything is loaded (``ckpt``: the checkpoint
-    already chosen, else ``--load``'s); ConfigError names the flag."""
-    _check_values(args)
+def _given_fields(args: argparse.Namespace) -> dict:
+    from loom.config.args import field_metadata
+    from loom.config.core import field_section
+    from loom.config.flag_table import check_field_value
+    from loom.config.validate import check_bounds
+    given = {k: v for k, v in vars(args).items() if k in field_section() and v is not None}
+    for k, v in given.items():
+        check_field_value(k, v)
+        check_bounds(k, v, field_metadata(k))
+    return given
+
+
+def _check_flags(args: argparse.Namespace) -> tuple:
+    """Refuse bad ``loom generate`` flags before any file is read; ConfigError names the flag.
+    Returns ``(GenerateOptions, the config fields given, lines to say at start)``."""
+    from loom.config.args import options_from_args
+    from loom.config.flag_args import megatron_given
+    from loom.config.flag_table import no_effect_report, resolve_megatron_only
+    from loom.inference.options import GenerateOptions
+    rows = generate_rows()
+    notes = [no_effect_report(resolve_megatron_only(megatron_given(args), rows), rows,
+                              "loom generate")]
+    opts = options_from_args(args, GenerateOptions)
+    if opts.top_p > 1:
+        raise ConfigError(f"--top-p / --top_p {opts.top_p} must lie in [0, 1] (0: off)")
+    given = _given_fields(args)
+    if given.get("pipeline_model_parallel_size", 1) > 1:
+        raise ConfigError("--pipeline-model-parallel-size: loom generate runs the whole model on "
+                          "each rank (any checkpoint layout loads): give 1, and "
+                          "--tensor-model-parallel-size to split it")
+    if not given.get("load"):
+        raise ConfigError("--load is required: the checkpoint directory to generate from")
+    if opts.prompts is None and opts.prompt_file is None:
+        raise ConfigError("--prompts (or --prompt) TEXT or --prompt-file FILE.jsonl is required")
+    if opts.prompts is not None and not all(opts.prompts):
+        raise ConfigError("--prompts / --prompt: an empty prompt; give the text to continue")
+    return opts, given, notes
+
+
+def check_arguments(args: argparse.Namespace, ckpt: Optional[str] = None) -> tuple:
+    """Refuse bad ``loom generate`` input before anything is loaded (``ckpt``: the checkpoint
+    already chosen, else ``--load``'s); ConfigError names the flag. Returns
+    ``(GenerateOptions, checkpoint directory, lines to say at start)``."""
+    from loom.config import ModelConfig
+    from loom.inference.options import USED_FIELDS
+    opts, given, notes = _check_flags(args)
+    ckpt = _checkpoint(given["load"], given.get("ckpt_step"), ckpt)
+    model_fields = {f for f in ModelConfig.__dataclass_fields__}
+    shape = {k: v for k, v in given.items() if k in model_fields}
+    if shape and not given.get("use_checkpoint_args"):
+        from loom.checkpoint.io import read_common
+        saved = read_common(ckpt).get("config") or {}
+        for k, v in shape.items():
+            if k in saved and saved[k] != v and not (isinstance(v, float) and
+                                                     saved[k] == v):
+                raise ConfigError(f"--{k.replace('_', '-')} {v}: the checkpoint {ckpt} holds "
+                                  f"{saved[k]} (drop the flag, or give --use-checkpoint-args "
+                                  f"to take the model from the checkpoint)")
+    rest = sorted(f"--{k.replace('_', '-')}" for k in given if k not in USED_FIELDS and
+                  k not in model_fields and k != "use_checkpoint_args")
+    if shape and given.get("use_checkpoint_args"):
+        notes.append("--use-checkpoint-args: the model's flags are the checkpoint's ("
+                     + ", ".join(sorted(f"--{k.replace('_', '-')}" for k in shape)) + " unused)")
+    if rest:
+        notes.append("no effect on generation (training flags): " + ", ".join(rest))
+    return opts, ckpt, [n for n in notes if n]
+
+
+def _checkpoint(load: str, step: Optional[int], ckpt: Optional[str] = None) -> str:
     from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
-    if not os.path.isdir(args.load):
-        raise ConfigError(f"--load {args.load}: no such checkpoint directory; train with --save "
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load}: no such checkpoint directory; train with --save "
                           f"first")
-    ckpt = ckpt or resolve_checkpoint(args.load, args.ckpt_step)
+    ckpt = ckpt or resolve_checkpoint(load, step)
     if ckpt is None:
-        raise ConfigError(f"--load {args.load}: no checkpoint there (no "
+        raise ConfigError(f"--load {load}: no checkpoint there (no "
                           f"latest_checkpointed_iteration.txt); train with --save first")
     check_checkpoint_files(ckpt)
     if not os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
-        raise ConfigError(f"--load {args.load}: {ckpt} has no tokenizer.json (trained on "
+        raise ConfigError(f"--load {load}: {ckpt} has no tokenizer.json (trained on "
                           f"--mock-data?); generation needs a run trained with --data-path")
+    return ckpt
 
 
 def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None,
@@ -111,9 +162,44 @@ def load_for_inference(load_dir: str, tp: int = 1, step: Optional[int] = None,
     return model, Tokenizer.load(tok_path)
 
 
+def read_prompts(opts) -> list[str]:
+    """``--prompts``, or the ``text`` of each line of ``--prompt-file`` (the first
+    ``--prompt-file-num-truncate``). Raises ConfigError naming the file for a bad line."""
+    if opts.prompts is not None:
+        return list(opts.prompts)
+    out = []
+    try:
+        with open(opts.prompt_file, encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        out.append(str(json.loads(line)["text"]))
+                    except (ValueError, KeyError, TypeError):
+                        raise ConfigError(f"--prompt-file {opts.prompt_file}:{i}: not a JSON "
+                                          f"object with a \"text\" field") from None
+                if opts.prompt_file_num_truncate and len(out) >= opts.prompt_file_num_truncate:
+                    break
+    except OSError as e:
+        raise ConfigError(f"--prompt-file {opts.prompt_file}: {e.strerror}") from None
+    if not out:
+        raise ConfigError(f"--prompt-file {opts.prompt_file}: no prompts in it")
+    return out
+
+
+def stop_at_words(new: list[int], tok, stop_words) -> list[int]:
+    """``new`` cut after the first token whose text completes one of ``stop_words``
+    (``--stop-words``: the generation ends there, the word kept)."""
+    if not stop_words:
+        return new
+    for k in range(1, len(new) + 1):
+        if any(w in tok.decode(new[:k]) for w in stop_words):
+            return new[:k]
+    return new
+
+
 def run(args: argparse.Namespace) -> int:
     from loom.checkpoint.holds import agreed_checkpoint
-    _check_values(args)
+    _check_flags(args)  # bad flags refused before a checkpoint is chosen and held
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load {args.load}: no such checkpoint directory; train with --save "
                           f"first")
@@ -126,19 +212,43 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, ckpt: Optional[str]) -> int:
-    check_arguments(args, ckpt)
+    opts, ckpt, notes = check_arguments(args, ckpt)
     from loom.inference.generate import SamplingConfig, generate
     from loom.models import get_family
-    model, tok = load_for_inference(args.load, args.tensor_model_parallel_size, args.ckpt_step,
-                                    ckpt)
-    sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed)
-    ids = tok.encode(args.prompt)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    for line in notes:
+        if rank0:
+            print(f"loom generate: {line}", flush=True)
+    prompts = read_prompts(opts)
+    tp = args.tensor_model_parallel_size or 1
+    model, tok = load_for_inference(args.load, tp, args.ckpt_step, ckpt)
+    from loom.config import TrainingConfig
+    seed = TrainingConfig().seed if args.seed is None else args.seed  # the one --seed default
+    sampling = SamplingConfig(greedy=opts.greedy or opts.top_k == 1,
+                              temperature=opts.temperature, top_k=opts.top_k,
+                              top_p=opts.top_p or 1.0, seed=seed)
     bos_token = get_family(model.cfg.model_type).generation.bos_token
     bos = tok.hf.token_to_id(bos_token) if bos_token else None
-    if bos is not None:  # e.g. Gemma, trained with <bos> first
-        ids = [bos] + ids
-    new = generate(model, ids, args.max_new_tokens, sampling, stop_ids=[tok.eod])
-    if model.mesh.rank == 0:
-        print(args.prompt + tok.decode(new), flush=True)
+    stop = [tok.eod] if opts.termination_id is None else [opts.termination_id]
+    results = []
+    for i, prompt in enumerate(prompts):
+        ids = tok.encode(prompt)
+        if bos is not None:  # e.g. Gemma, trained with <bos> first
+            ids = [bos] + ids
+        logprobs: Optional[dict] = {} if opts.return_log_probs or opts.top_n_logprobs else None
+        new = generate(model, ids, opts.num_tokens_to_generate, sampling, stop_ids=stop,
+                       logprobs=logprobs, top_n=opts.top_n_logprobs)
+        new = stop_at_words(new, tok, opts.stop_words or ())
+        text = tok.decode(new)
+        if model.mesh.rank == 0:
+            print(prompt + text, flush=True)
+        if i % opts.output_every_n_results == 0:
+            kept = {k: v[:len(new)] if k != "prompt_log_probs" else v
+                    for k, v in (logprobs or {}).items()}
+            results.append({"id": i, "input_prompt": prompt, "generated_text": text,
+                            "generated_tokens": new, **kept})
+    if opts.output_path and model.mesh.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.output_path)), exist_ok=True)
+        with open(opts.output_path, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=1)
     return 0

@@ -48,8 +48,14 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
-             sampling: Optional[SamplingConfig] = None, stop_ids: Sequence[int] = ()) -> list[int]:
+             sampling: Optional[SamplingConfig] = None, stop_ids: Sequence[int] = (),
+             logprobs: Optional[dict] = None, top_n: int = 0) -> list[int]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; returns only the new ids.
+    ``logprobs`` (a dict, filled in): ``prompt_log_probs`` (log p of each prompt token after
+    the first, given the ones before) and ``generated_log_probs`` (of each new token), the
+    model's raw log-softmax over the vocabulary (Megatron's ``--return-log-probs``); with
+    ``top_n`` also ``top_n_logprobs``: the ``top_n`` most likely ids and their log p at each
+    generated position (``--top-n-logprobs``).
 
     Raises ConfigError (a ValueError: ``loom generate`` prints it as one line) if the prompt
     plus the new tokens exceed ``--max-position-embeddings`` with learned positions, or if the
@@ -71,11 +77,24 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
     cache = model.allocate_cache(1, total)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=mesh.device)
     out: list[int] = []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = model(input_ids=ids, cache=cache)  # [1, s, Vp/t]
         cache.length += ids.shape[1]
+        if logprobs is not None and step == 0:
+            whole = gather_from_tensor_parallel_region(logits[0, :-1].float(),
+                                                       mesh.groups["tp"])[:, :cfg.vocab_size]
+            logprobs["prompt_log_probs"] = whole.log_softmax(-1).gather(
+                1, ids[0, 1:, None]).squeeze(1).tolist()
+            logprobs["generated_log_probs"] = []
         last = gather_from_tensor_parallel_region(logits[:, -1].float(), mesh.groups["tp"])
         nxt = sample_next(last[0, :cfg.vocab_size].cpu(), sampling, gen)  # never a padded id
+        if logprobs is not None:
+            lp = last[0, :cfg.vocab_size].log_softmax(-1)
+            logprobs["generated_log_probs"].append(float(lp[nxt]))
+            if top_n:
+                best = torch.topk(lp, min(top_n, lp.numel()))
+                logprobs.setdefault("top_n_logprobs", []).append(
+                    [[int(i), float(v)] for v, i in zip(best.values, best.indices)])
         out.append(nxt)
         if nxt in stop_ids:
             break

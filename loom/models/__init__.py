@@ -7,12 +7,17 @@ for what is family-specific instead of branching on ``--model-type``."""
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 from typing import Iterable, Optional
 
 from loom.models.family import ModelFamily
 
-FAMILY_MODULES = {"gpt": "loom.models.gpt", "mamba": "loom.models.mamba",  # --model-type -> FAMILY
-                  "bert": "loom.models.bert", "gemma3": "loom.models.gemma3"}
+FAMILY_MODULES = MappingProxyType({  # --model-type -> its package (FAMILY), imported when asked
+    "gpt": lambda: importlib.import_module("loom.models.gpt"),
+    "mamba": lambda: importlib.import_module("loom.models.mamba"),
+    "bert": lambda: importlib.import_module("loom.models.bert"),
+    "gemma3": lambda: importlib.import_module("loom.models.gemma3"),
+})
 
 
 class FamilyRegistry:
@@ -41,7 +46,7 @@ class FamilyRegistry:
             return self._extra[name]
         if name not in FAMILY_MODULES:
             raise ValueError(f"unknown model family {name!r}; known: {', '.join(self.names())}")
-        return importlib.import_module(FAMILY_MODULES[name]).FAMILY
+        return FAMILY_MODULES[name]().FAMILY
 
     def families(self) -> list[ModelFamily]:
         """Every family (imports the built-in ones)."""

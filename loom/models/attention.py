@@ -22,27 +22,38 @@ from loom.parallel.interface import NeverRecompute, SelectiveRecompute
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
-                 scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[s, d]`` of rotary embeddings (Su et al. 2021), halves layout (``rotate_half``);
-    ``scaling_factor``: linear position interpolation (frequencies / factor)."""
+                 scaling_factor: float = 1.0,
+                 interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[s, d]`` of rotary embeddings (Su et al. 2021); ``scaling_factor``: linear
+    position interpolation (frequencies / factor). Frequency i (``base^(-2i/d)``) sits at
+    channels i and i + d/2 (the halves layout of ``rotate_half``, Megatron's default), or at
+    channels 2i and 2i + 1 with ``interleaved`` (``--rotary-interleaved``: Megatron-Core's
+    ``RotaryEmbedding.get_emb``, GPT-J's and the original LLaMA's pairs)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                             device=positions.device) / head_dim))
     if scaling_factor != 1.0:
         inv_freq = inv_freq / scaling_factor
     freqs = torch.outer(positions.float(), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool = False) -> torch.Tensor:
     """Rotate ``x [s, b, heads, d]`` by position; ``cos``/``sin`` are ``[s, r]``: the first r
     channels rotate, the rest pass (r < d: ``--rotary-percent``, Megatron-LM's
-    ``_apply_rotary_pos_emb_bshd``; GPT-NeoX's partial rotary)."""
+    ``_apply_rotary_pos_emb_bshd``; GPT-NeoX's partial rotary). The rotated pairs are channels
+    (i, i + r/2) (halves), or (2i, 2i + 1) with ``interleaved`` (``--rotary-interleaved``,
+    Megatron's ``_rotate_half(x, rotary_interleaved=True)``: ``[-x1, x0, -x3, x2, ...]``);
+    ``cos``/``sin`` must be in the same layout (:func:`rope_cos_sin`)."""
     r = cos.shape[-1]
     if r < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
+        return torch.cat([apply_rope(x[..., :r], cos, sin, interleaved), x[..., r:]], dim=-1)
+    if interleaved:
+        rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
     cos, sin = cos[:, None, None, :].to(x.dtype), sin[:, None, None, :].to(x.dtype)
     return x * cos + rotated * sin
 
@@ -70,12 +81,16 @@ class DotProductAttention(nn.Module, SelectiveRecompute):
     key; otherwise the mask is built from ``q_positions [s_q]``.
 
     ``causal=False`` (a bidirectional encoder, BERT): every query sees every key, except the
-    keys that ``key_padding_mask [b, s_k]`` (True = a real token) marks as padding."""
+    keys that ``key_padding_mask [b, s_k]`` (True = a real token) marks as padding. ``scale``:
+    the scores' factor instead of ``1 / sqrt(d)`` (muP's ``1 / d``: Megatron's
+    ``softmax_scale``; context parallelism reads it too)."""
 
-    def __init__(self, dropout: float = 0.0, causal: bool = True):
+    def __init__(self, dropout: float = 0.0, causal: bool = True,
+                 scale: Optional[float] = None):
         super().__init__()
         self.dropout = dropout
         self.causal = causal
+        self.scale = scale
         self.rng = None  # per-TP-rank generator (RNGTracker) for dropout over partitioned heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -90,7 +105,8 @@ class DotProductAttention(nn.Module, SelectiveRecompute):
             ctx = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
             with ctx:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                      enable_gqa=q.shape[1] != k.shape[1])
+                                                      enable_gqa=q.shape[1] != k.shape[1],
+                                                      scale=self.scale)
         if s_q != s_k and s_q > 1:
             if q_positions is None:
                 raise ValueError(f"{s_q} queries against {s_k} keys need their positions")
@@ -100,7 +116,7 @@ class DotProductAttention(nn.Module, SelectiveRecompute):
         with ctx:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=s_q == s_k and s_q > 1,
-                enable_gqa=q.shape[1] != k.shape[1])
+                enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
 
 
 @dataclass

@@ -38,14 +38,19 @@ class LMHead(nn.Module):
     ``labels [b, s]``, or the logits ``[b, s, Vp]``. The softmax spans the first
     ``vocab_size`` columns (``ModelConfig.softmax_vocab_size``: V with
     ``--exclude-padded-vocab``), or all Vp when it is None (the padded columns included, as
-    Megatron-Core computes it). No parameters (the weight is the caller's)."""
+    Megatron-Core computes it). ``logit_scale``: the logits' multiplier (muP's
+    ``--mup-output-mult``; applied to ``x``, the same product). No parameters (the weight is
+    the caller's)."""
 
-    def __init__(self, vocab_size: Optional[int], softcap: Optional[float] = None):
+    def __init__(self, vocab_size: Optional[int], softcap: Optional[float] = None,
+                 logit_scale: float = 1.0):
         super().__init__()
-        self.vocab_size, self.softcap = vocab_size, softcap
+        self.vocab_size, self.softcap, self.logit_scale = vocab_size, softcap, logit_scale
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.logit_scale != 1.0:
+            x = x * self.logit_scale
         logits = F.linear(x, weight)  # [s, b, Vp]
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -108,7 +113,7 @@ class LanguageModelChunk(nn.Module):
         self.final_layernorm = build_norm(cfg)
         if not self.tied:
             self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab, bias=False)
-        self.head = LMHead(cfg.softmax_vocab_size)
+        self.head = LMHead(cfg.softmax_vocab_size, logit_scale=cfg.logit_multiplier)
 
     # ---- how to run ----------------------------------------------------------------------
 
@@ -133,12 +138,16 @@ class LanguageModelChunk(nn.Module):
     def layer_inputs(self, position_ids: torch.Tensor, cache, extra: dict) -> tuple:
         """What every layer takes after ``x``; default ``(rope, positions, cache, moe)`` with
         ``rope`` the cos, sin ``[s, r]`` under ``--position-embedding-type rope`` (r = d, or
-        ``--rotary-percent`` of it) or ``yarn`` (r = d: :func:`~loom.models.yarn.yarn_cos_sin`
-        with ``ModelConfig.yarn_args``, Megatron-Core's ``YarnRotaryEmbedding`` of GPTModel),
-        else None."""
+        ``--rotary-percent`` of it; with ``--rotary-interleaved`` the triple (cos, sin, True):
+        pairs (2i, 2i + 1), :func:`~loom.models.attention.apply_rope`'s third argument) or
+        ``yarn`` (r = d: :func:`~loom.models.yarn.yarn_cos_sin` with ``ModelConfig.yarn_args``,
+        Megatron-Core's ``YarnRotaryEmbedding`` of GPTModel), else None."""
         rope, c = None, self.cfg
         if c.position_embedding_type == "rope":
-            rope = rope_cos_sin(position_ids, c.rotary_dim, c.rotary_base)
+            rope = rope_cos_sin(position_ids, c.rotary_dim, c.rotary_base,
+                                interleaved=c.rotary_interleaved)
+            if c.rotary_interleaved:
+                rope = (*rope, True)
         elif c.position_embedding_type == "yarn":
             rope = yarn_cos_sin(position_ids, c.head_dim, c.rotary_base, **c.yarn_args(),
                                 round_to_int=c.yarn_correction_range_round_to_int)

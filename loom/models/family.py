@@ -84,7 +84,7 @@ class ModelFamily:
     * ``logged_metrics(model_cfg) -> names``: ``loss_fn`` metrics a training record carries;
     * ``generation``: a :class:`Generation`, or None for a family that does not generate text;
     * ``evaluation_tasks``: the ``loom evaluate --task`` names it supports
-      (:mod:`loom.evaluation.tasks`);
+      (:mod:`loom.evaluation.registry`);
     * ``hf``: a :class:`HFConversion`, or None for a family without a Hugging Face layout;
     * ``checkpoint_differences(saved: dict, model_cfg) -> [message]``: shape facts a checkpoint
       must share beyond the architecture flags (e.g. the size of learned position tables);

@@ -167,6 +167,16 @@ class GradBuffer:
         hi = max(min((self.rank + 1) * per, o + p.numel()), o) - o
         return lo, max(lo, hi)
 
+    def shard_owners(self, p: torch.Tensor) -> range:
+        """The ranks of the group whose :meth:`shard_range` of ``p`` is not empty (this rank
+        alone without sharding)."""
+        if not self.reduce_scatter or id(p) not in self._bucket_of or p.numel() == 0:
+            return range(self.rank, self.rank + 1)
+        b = self._bucket_of[id(p)]
+        o = b.offsets[self._index_of[id(p)]]
+        per = b.buffer.numel() // self.size if not self.shard_gradients else b.shard.numel()
+        return range(o // per, (o + p.numel() - 1) // per + 1)
+
     def main_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """``p``'s gradient buffer slice (shape of ``p``; fp32 main gradient), or ``p.grad``
         without buffers; None under ZeRO-2 (the full buffer is freed)."""

@@ -8,15 +8,17 @@ parameters relate to the unsharded model; :func:`apply_plan` collects that into 
 device, so no rank ever allocates the full model; parameters are materialized on the mesh's
 device and then initialized from the registry.
 
-Styles named for the layer they install (Megatron-LM's ``megatron.core.tensor_parallel``
-layer names; the layers are :mod:`loom.parallel.tensor`'s): :class:`ColumnParallelLinear` and
-:class:`RowParallelLinear` (an ``nn.Linear``), :class:`VocabParallelEmbedding` (an
-``nn.Embedding``), :class:`VocabParallelLMHead` (output GEMM + vocab-parallel
-cross-entropy). They install Megatron's modules on plain tensors (PyTorch's DTensor styles,
-with other names, shard into DTensors instead). Others: :class:`SequenceParallelParams`
-(norms on ``[s/t, b, h]``), :class:`SequenceParallelOutput` (scatter to the SP region),
-:class:`PartitionedRNG` (dropout on partitioned activations), :class:`ContextParallelCore`,
-:class:`PipelineShared` (tied embeddings across stages).
+Styles are named as in a torchtitan plan (PyTorch's ``ColwiseParallel`` / ``RowwiseParallel``),
+and install the layer Megatron-LM's ``megatron.core.tensor_parallel`` names (loom's
+:mod:`loom.parallel.tensor`: the styles and the ``nn.Module`` s keep distinct names):
+:class:`ColwiseParallel` installs ``ColumnParallelLinear`` and :class:`RowwiseParallel`
+``RowParallelLinear`` (on an ``nn.Linear``), :class:`VocabEmbeddingParallel`
+``VocabParallelEmbedding`` (on an ``nn.Embedding``), :class:`VocabHeadParallel`
+``VocabParallelLMHead`` (output GEMM + vocab-parallel cross-entropy). They install modules on
+plain tensors (PyTorch's DTensor styles shard into DTensors instead). Others:
+:class:`SequenceParallelParams` (norms on ``[s/t, b, h]``), :class:`SequenceParallelOutput`
+(scatter to the SP region), :class:`PartitionedRNG` (dropout on partitioned activations),
+:class:`ContextParallelCore`, :class:`PipelineShared` (tied embeddings across stages).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class ParallelStyle:
 
 
 @dataclass(frozen=True)
-class ColumnParallelLinear(ParallelStyle):
+class ColwiseParallel(ParallelStyle):
     """Turns an ``nn.Linear(in, out)`` into Megatron's ``ColumnParallelLinear``
     (:class:`loom.parallel.tensor.ColumnParallelLinear`): output features (each fused
     block of ``segments``) split over TP; ``vocab``: the output dimension is the padded
@@ -87,7 +89,7 @@ class ColumnParallelLinear(ParallelStyle):
 
 
 @dataclass(frozen=True)
-class RowParallelLinear(ParallelStyle):
+class RowwiseParallel(ParallelStyle):
     """Turns an ``nn.Linear(in, out)`` into Megatron's ``RowParallelLinear``
     (:class:`loom.parallel.tensor.RowParallelLinear`): input features split over TP,
     partial sums all-reduced (reduce-scattered along s under SP). The bias is replicated and,
@@ -104,7 +106,7 @@ class RowParallelLinear(ParallelStyle):
 
 
 @dataclass(frozen=True)
-class VocabParallelEmbedding(ParallelStyle):
+class VocabEmbeddingParallel(ParallelStyle):
     """Turns an ``nn.Embedding(Vp, h)`` into Megatron's ``VocabParallelEmbedding``
     (:class:`loom.parallel.tensor.VocabParallelEmbedding`: rows split over TP)."""
 
@@ -117,21 +119,23 @@ class VocabParallelEmbedding(ParallelStyle):
 
 
 @dataclass(frozen=True)
-class VocabParallelLMHead(ParallelStyle):
+class VocabHeadParallel(ParallelStyle):
     """Turns the family's ``LMHead`` into :class:`loom.parallel.tensor.VocabParallelLMHead`: the
     output GEMM on vocabulary-parallel logits (input gathered from the SP region, or entered
     through ``f``) and the vocab-parallel cross-entropy (Megatron's ``output_layer`` +
     ``vocab_parallel_cross_entropy``). ``vocab_size``: the columns the softmax spans
     (``ModelConfig.softmax_vocab_size``; None: all Vp, the padded ones included).
     ``softcap``: Gemma's final-logit soft-capping (``softcap * tanh(logits / softcap)``;
-    output GEMM and loss then run unfused)."""
+    output GEMM and loss then run unfused); ``logit_scale``: the logits' multiplier (muP)."""
 
     vocab_size: Optional[int]
     softcap: Optional[float] = None
+    logit_scale: float = 1.0
 
     def apply(self, module, ctx):
         return tensor.VocabParallelLMHead(ctx.mesh, self.vocab_size, ctx.sp,
-                                          softcap=self.softcap), {}
+                                          softcap=self.softcap,
+                                          logit_scale=self.logit_scale), {}
 
 
 @dataclass(frozen=True)

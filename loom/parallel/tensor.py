@@ -197,12 +197,15 @@ class VocabParallelLMHead(nn.Module):
 
     With ``softcap`` (Gemma's final-logit soft-capping) the logits ``[s, b, Vp/t]`` become
     ``softcap * tanh(logits / softcap)``, so the output GEMM and the vocab-parallel
-    cross-entropy run unfused (:func:`vocab_parallel_cross_entropy`)."""
+    cross-entropy run unfused (:func:`vocab_parallel_cross_entropy`). ``logit_scale``: the
+    logits' multiplier (muP's ``--mup-output-mult``), applied to ``x`` (the same product)."""
 
     def __init__(self, mesh: ParallelMesh, vocab_size: Optional[int],
-                 sequence_parallel: bool = False, softcap: Optional[float] = None):
+                 sequence_parallel: bool = False, softcap: Optional[float] = None,
+                 logit_scale: float = 1.0):
         super().__init__()
         self.mesh, self.vocab_size, self.softcap = mesh, vocab_size, softcap
+        self.logit_scale = logit_scale
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor,
@@ -213,6 +216,8 @@ class VocabParallelLMHead(nn.Module):
             x = gather_from_sequence_parallel_region(x, group)
         else:
             x = copy_to_tensor_parallel_region(x, group)
+        if self.logit_scale != 1.0:
+            x = x * self.logit_scale
         if self.softcap is not None:
             logits = torch.tanh(F.linear(x, weight) / self.softcap) * self.softcap  # [s, b, Vp/t]
             if labels is None:

@@ -25,97 +25,35 @@ from dataclasses import fields, replace
 
 from loom.config import (ConfigError, ModelConfig, add_config_arguments, config_from_args,
                          read_yaml_config)
-from loom.planner.hardware import DEVICES, GB, Cluster, make_cluster
-from loom.planner.cost import (NODE_POWER_OVERHEAD, PUE, RESTART_S, format_estimate,
-                               parse_count, training_estimate)
+from loom.planner.options import PLAN_OPTIONS
+from loom.planner.hardware import GB, Cluster, make_cluster
+from loom.planner.cost import format_estimate, parse_count, training_estimate
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
 from loom.planner.mamba import is_hybrid, kind_counts
-from loom.planner.moe import MOE_LOAD_IMBALANCE
 from loom.planner.presets import PRESETS, get_preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``loom plan`` flags: a model preset, its own options (declared above with ``opt()``, as
+    the config sections are) and every config flag of ``loom train``."""
+    from loom.config.args import add_options
     parser.allow_abbrev = False  # --num-gpu must not silently mean --num-gpus
     parser.add_argument("model", nargs="?", default=None,
                         help=f"model preset: {', '.join(PRESETS)} (or give the model flags)")
-    c = parser.add_argument_group("cluster")
-    c.add_argument("--gpu", default=None, help=f"accelerator: {', '.join(DEVICES)} "
-                   "(default A100-80GB)")
-    c.add_argument("--num-gpus", type=int, default=None, help="GPUs in the job (default 8)")
-    c.add_argument("--gpus-per-node", type=int, default=None, help="default: 8 (DGX/HGX)")
-    c.add_argument("--intra-node-bandwidth", type=float, default=None,
-                   help="GB/s per GPU, achievable NVLink bus bandwidth (default per GPU type)")
-    c.add_argument("--inter-node-bandwidth", type=float, default=None,
-                   help="GB/s per GPU between nodes (default per GPU type)")
-    c.add_argument("--cluster", default=None, help="cluster JSON (from --calibrate); "
-                   "--gpu/--num-gpus/... override it")
-    o = parser.add_argument_group("planner")
-    # --zero-stage N (fix the ZeRO stage) and --use-torch-fsdp2 (= 3) come with the config flags
-    o.add_argument("--max-zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
-                   help="highest ZeRO stage searched (default 3: loom train runs 1, "
-                        "--use-distributed-optimizer, and 3, --zero-stage 3 with FSDP2; "
-                        "2 is a what-if)")
-    o.add_argument("--attention", choices=("fused", "unfused"), default=None,
-                   help="fused (flash/SDPA, loom's default; Mamba: mamba_ssm's chunk scan) or "
-                        "unfused (as in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
-    o.add_argument("--allow-tp-across-nodes", action="store_true",
-                   help="let TP groups span nodes")
-    o.add_argument("--allow-uneven-interleaved", action="store_true",
-                   help="also search virtual stages with uneven first/last stages (Megatron-Core, "
-                        "Llama 3; loom train refuses it)")
-    if not any("--cp-comm-type" in a.option_strings for a in parser._actions):
-        o.add_argument("--cp-comm-type", default=None,
-                       choices=("p2p", "allgather", "a2a", "a2a+p2p"),
-                       help="context-parallel communication (Megatron-Core; default p2p: "
-                            "ring attention)")
-    o.add_argument("--straggler-jitter", type=float, default=0.0, metavar="SIGMA",
-                   help="relative std. dev. of one node's step time: adds SIGMA x sqrt(2 ln "
-                        "nodes) of waiting for the slowest node (default 0)")
-    o.add_argument("--moe-load-imbalance", type=float, default=MOE_LOAD_IMBALANCE, metavar="X",
-                   help="MoE: busiest EP rank's expert tokens over the mean, >= 1 (default "
-                        f"{MOE_LOAD_IMBALANCE}); scales the expert compute and activations")
-    o.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
-    o.add_argument("--command-for", type=int, default=1, metavar="N",
-                   help="print the torchrun command of row N of the table (default 1: the "
-                        "chosen layout)")
-    parser.add_argument("--from-hf", default=None, metavar="config.json",
-                        help="the model of a Hugging Face config.json (gpt2, llama, mistral, "
-                             "mixtral, qwen2); model flags given override it")
-    o.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
-    o.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="MFU against memory per GPU for every feasible layout")
-    o.add_argument("--plot-breakdown", default=None, metavar="FILE.png",
-                   help="stacked bars: iteration time by term for the chosen layout and runner-ups")
-    o.add_argument("--calibrate", action="store_true",
-                   help="measure this machine (GEMM FLOP/s, gloo all-reduce alpha/beta) and "
-                        "write a cluster file")
-    o.add_argument("--calibrate-output", default="cluster.json",
-                   help="where --calibrate writes (default cluster.json)")
-    e = parser.add_argument_group("time to train, energy, cost, failures")
-    e.add_argument("--train-tokens", default=None, metavar="N",
-                   help="tokens to train on (300B, 15T, 2.5e9): days, GPU-hours, energy, cost")
-    e.add_argument("--gpu-hour-price", type=float, default=None, help="price per GPU-hour")
-    e.add_argument("--gpu-tdp-watts", type=float, default=None,
-                   help="GPU board power, W (default per GPU type)")
-    e.add_argument("--node-power-overhead", type=float, default=NODE_POWER_OVERHEAD,
-                   help=f"node power / GPU power (default {NODE_POWER_OVERHEAD})")
-    e.add_argument("--pue", type=float, default=PUE, help=f"data-centre PUE (default {PUE})")
-    # --mtbf-hours-per-node (node MTBF, hours; Llama 3: ~6300) comes with the config flags (the
-    # same flag sizes `loom train --save-interval auto`): Young/Daly interval, time lost.
-    e.add_argument("--checkpoint-write-bandwidth", type=float, default=None,
-                   help="aggregate checkpoint write bandwidth, GB/s (default 1 per GPU)")
-    e.add_argument("--restart-minutes", type=float, default=RESTART_S / 60,
-                   help=f"time to restart after a failure (default {RESTART_S / 60:.0f})")
+    for title, options in PLAN_OPTIONS:
+        add_options(parser, options, title)
     add_config_arguments(parser)
-    have = parser._option_string_actions  # the pipeline-split flags, unless config adds them
-    for name in ("--account-for-embedding-in-pipeline-split",
-                 "--account-for-loss-in-pipeline-split"):
-        if name not in have:
-            o.add_argument(name, action="store_true",
-                           help="count the embedding / loss as one layer in the pipeline split "
-                                "(Megatron semantics: first / last stage one layer fewer)")
+
+
+def plan_options(args) -> None:
+    """The plan options not given take their declared defaults (in ``args``), checked against
+    their bounds (ConfigError naming the flag)."""
+    from loom.config.args import options_from_args
+    for _, options in PLAN_OPTIONS:
+        for k, v in vars(options_from_args(args, options)).items():
+            setattr(args, k, v)
 
 
 _MODEL_FIELDS = {f.name for f in fields(ModelConfig)}
@@ -236,6 +174,7 @@ def _cp_comm_type(args) -> str:
 
 
 def run(args) -> int:
+    plan_options(args)
     if args.calibrate:
         from loom.planner.calibrate import calibrate_local
         cl = calibrate_local(args.calibrate_output)

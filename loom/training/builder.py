@@ -162,7 +162,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     model = build_model(cfg, mesh, family)
     reducers = [chunk_reducer(c, mesh, cfg) for c in model.chunks]
     optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers,
-                                debug.timers)
+                                debug.timers, model_cfg=cfg.model)
     scheduler = build_scheduler(optimizer, t)
     schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))

@@ -7,29 +7,41 @@ checkpoints a fresh run would overwrite, an unwritable or full ``--save``). A re
 nothing and is printed once, by rank 0. Then rank 0 locks ``--save`` for the whole run (one job
 per directory: :mod:`loom.checkpoint.lock`). ``--dry-run`` prints the planner's memory and time
 prediction for exactly these flags and exits.
+
+Only the modules that import torch (the model families, the checkpoint reader, the planner,
+the trainer) are imported inside the functions that need them: ``--help`` and a refusal stay
+fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Optional
 
-from loom.config import LoomConfig, add_config_arguments, config_from_args
+from loom.checkpoint.data_match import check_same_data
+from loom.checkpoint.holds import take_hold
+from loom.checkpoint.lock import lock_for_job
+from loom.checkpoint.model_match import check_same_model
+from loom.checkpoint.safety import (check_checkpoint_files, remove_partial_checkpoints,
+                                    resolve_checkpoint)
+from loom.config import LoomConfig, ModelConfig, add_config_arguments, config_from_args
+from loom.config.args import read_yaml_config
+from loom.config.fields import flag as flag_of
+from loom.data.blended import blend_vocab_size, build_datasets, data_prefixes
+from loom.data.checks import check_dataset, check_model_family
+from loom.data.preprocess import load_tokenizer_for, read_meta
+from loom.data.tokenizer import build_tokenizer
 from loom.errors import ConfigError
 from loom.training.checkpoint_checks import check_checkpoints, megatron_at
+from loom.training.resume import checkpoint_model_args, pretrained_source, reconcile_schedule
+from loom.training.script_checks import refuse_unimplemented, start_notes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every config flag, plus the ``--dry-run`` action; Megatron's multi-word flags and
-    ``--hybrid-layer-pattern`` (Megatron's current name of ``--hybrid-override-pattern``)."""
-    parser.add_argument("--hybrid-layer-pattern", dest="hybrid_override_pattern", default=None,
-                        metavar="PATTERN", help="= --hybrid-override-pattern (Megatron's "
-                                                "current name)")
-    parser.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_const",
-                        const=False, default=None, help="= --no-bert-binary-head (Megatron's "
-                        "spelling; loom's BERT has no sentence-order head unless "
-                        "--bert-binary-head)")
+    """Every config flag and every other flag of Megatron-LM's command line (the flag table:
+    :func:`loom.config.add_config_arguments`), plus ``--dry-run``."""
     add_config_arguments(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the planner's memory and time prediction for these flags "
@@ -67,8 +79,6 @@ def world_size_from_env() -> int:
 
 def _check_data(cfg: LoomConfig) -> None:
     """Every dataset of every blend cross-checked; the training set non-empty."""
-    from loom.data.blended import build_datasets, data_prefixes
-    from loom.data.checks import check_dataset, check_model_family
     from loom.models import get_family
     d, m = cfg.data, cfg.model
     wordpiece = get_family(m.model_type).wordpiece_data
@@ -76,7 +86,6 @@ def _check_data(cfg: LoomConfig) -> None:
         check_dataset(prefix, m.vocab_size, flag=flag)
         check_model_family(prefix, m.model_type, wordpiece, flag=flag)
         if d.tokenizer_type:
-            from loom.data.preprocess import read_meta
             stored = read_meta(prefix).get("tokenizer_type")
             if stored and stored != d.tokenizer_type:
                 raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {flag} {prefix} was "
@@ -99,13 +108,10 @@ def _check_tokenizer_files(cfg: LoomConfig) -> None:
     """The tokenizer the flags name (``--tokenizer-model``, ``--vocab-file`` / ``--merge-file``,
     ``NullTokenizer``) against each dataset's stored one (``PREFIX.tokenizer.json``): a
     mismatch is refused (the ids would mean other words)."""
-    from loom.data.blended import data_prefixes
     d = cfg.data
     if not d.tokenizer_type or not (d.tokenizer_model or d.vocab_file or
                                     d.tokenizer_type == "NullTokenizer"):
         return
-    from loom.data.preprocess import load_tokenizer_for
-    from loom.data.tokenizer import build_tokenizer
     vocab = cfg.model.vocab_size
     if d.tokenizer_type == "NullTokenizer" and vocab:
         vocab -= 1  # the end-of-document id V was added to the --vocab-size given
@@ -129,7 +135,6 @@ def given_fields(args: argparse.Namespace) -> set[str]:
     """Config fields set on the command line or in the ``--config`` YAML."""
     given = {k for k, v in vars(args).items() if v is not None}
     if getattr(args, "config", None):
-        from loom.config.args import read_yaml_config
         given |= set(read_yaml_config(args.config))
     return given
 
@@ -141,7 +146,6 @@ def _stored_config(cfg: LoomConfig) -> Optional[tuple[str, dict]]:
     if not ck.load:
         return None
     from loom.checkpoint.io import read_common
-    from loom.checkpoint.safety import check_checkpoint_files, resolve_checkpoint
     found = megatron_at(ck.load, ck.ckpt_step)
     if found is not None:
         return found.path, read_common(found.path)["config"]
@@ -160,9 +164,7 @@ def model_from_checkpoint(cfg: LoomConfig, saved: dict, given: set[str]) -> dict
     sequence length and the vocabulary padding stay this run's (taken from the checkpoint only
     when not given at all). Without a vocabulary size and a dataset to read it from, V is the
     checkpoint's."""
-    import dataclasses
 
-    from loom.config import ModelConfig
     out = {f.name: saved[f.name] for f in dataclasses.fields(ModelConfig)
            if f.name in saved and f.name not in given and (
                f.name not in RUN_FIELDS or getattr(cfg.model, f.name) is None)}
@@ -179,8 +181,6 @@ def resolve_vocab(cfg: LoomConfig) -> LoomConfig:
 
     Raises ConfigError when it stays unknown, or when blended datasets disagree on it."""
     from loom.checkpoint.io import read_common
-    from loom.checkpoint.safety import resolve_checkpoint
-    from loom.data.blended import blend_vocab_size
     vocab = cfg.model.vocab_size
     if vocab is None and not cfg.data.mock_data:
         vocab = blend_vocab_size(cfg.data)
@@ -205,6 +205,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     :meth:`LoomConfig.validate`. Raises ConfigError naming the flag, key or file and the fix.
     """
     flags = config_from_args(args)
+    no_effect = flags.megatron_no_effect  # said at start (start_notes), not an option of the run
     world = dry_run_world(args, flags) if getattr(args, "dry_run", False) else \
         world_size_from_env()
     d = flags.data
@@ -229,7 +230,6 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         taken = model_from_checkpoint(flags, stored[1], given_fields(args))
         would = dict(flat)  # what this command alone gives (V: the data's, when it names data)
         if would.get("vocab_size") is None and not flags.data.mock_data:
-            from loom.data.blended import blend_vocab_size
             would["vocab_size"] = blend_vocab_size(flags.data)
         said = _taken_flags({k: v for k, v in taken.items() if would.get(k) != v})
         if said:  # never silently: e.g. a LLaMA checkpoint under plain GPT flags
@@ -237,13 +237,9 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
                          f"given here are the checkpoint's: {said}")
         flat.update(taken)
         if flags.training.use_checkpoint_args:
-            import dataclasses
             if not stored[1]:
                 raise ConfigError(f"--use-checkpoint-args: {stored[0]} holds no saved args (a "
                                   f"bare Megatron-Core checkpoint): give the model flags")
-
-            from loom.config import ModelConfig
-            from loom.training.resume import checkpoint_model_args
             flat.update(checkpoint_model_args(stored[1], given_fields(args),
                                               [f.name for f in dataclasses.fields(ModelConfig)]))
     elif flags.training.use_checkpoint_args:
@@ -259,15 +255,14 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         _check_data(cfg)
     check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
     if not getattr(args, "dry_run", False):
-        from loom.training.script_checks import refuse_unimplemented
         refuse_unimplemented(cfg)
     if stored is not None and stored[1]:  # (a bare Megatron-Core checkpoint stores no config)
         schedule = _check_same_model(cfg, *stored)
-        from loom.checkpoint.data_match import check_same_data
         if not megatron_at(stored[0], None):  # Megatron stores no loom data identities
             check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
             cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
+    cfg.megatron_no_effect = no_effect
     for note in notes if rank0 else ():
         print(note, flush=True)
     return cfg
@@ -276,8 +271,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
 def _taken_flags(values: dict, shown: int = 8) -> str:
     """``--normalization RMSNorm, --swiglu, ...`` of flat model ``values`` (at most ``shown``,
     then a count of the rest); empty for none."""
-    from loom.config.fields import flag
-    words = [flag(k) if v is True else f"{flag(k)} {v}" for k, v in sorted(values.items())]
+    words = [flag_of(k) if v is True else f"{flag_of(k)} {v}" for k, v in sorted(values.items())]
     more = f" and {len(words) - shown} more" if len(words) > shown else ""
     return ", ".join(words[:shown]) + more
 
@@ -288,8 +282,6 @@ def _pretrained(cfg: LoomConfig) -> LoomConfig:
     ck = cfg.checkpoint
     if cfg.training.pretrained_checkpoint is None:
         return cfg
-    from loom.checkpoint.safety import resolve_checkpoint
-    from loom.training.resume import pretrained_source
     load, finetune = pretrained_source(ck.load, cfg.training.pretrained_checkpoint,
                                        lambda d: megatron_at(d, None) is not None or
                                        resolve_checkpoint(d, None) is not None)
@@ -306,9 +298,7 @@ def _check_same_model(cfg: LoomConfig, ckpt: str, saved: dict) -> dict:
     """Refuse a --load checkpoint ``ckpt`` (stored config ``saved``) of another architecture
     or learning-rate schedule (names each differing flag); returns the flat schedule values to
     take from it (:func:`loom.training.resume.reconcile_schedule`)."""
-    from loom.checkpoint.model_match import check_same_model
     from loom.models import get_family
-    from loom.training.resume import reconcile_schedule
     check_same_model(saved, cfg.model, ckpt, get_family(cfg.model.model_type))
     return reconcile_schedule(saved, cfg, ckpt)
 
@@ -327,6 +317,17 @@ def dry_run_world(args: argparse.Namespace, cfg: LoomConfig) -> int:
             * p.context_parallel_size * (p.data_parallel_size or 1))
 
 
+def padded_model(cfg: LoomConfig):
+    """``cfg.model`` with the vocabulary the model is built with (``--padded-vocab-size``, else
+    V padded to ``--make-vocab-size-divisible-by`` x t): what the headline parameter count of a
+    dry run counts, as Megatron does (the embedding and output layer hold the padded rows)."""
+    m = cfg.model
+    if m.vocab_size is None and m.padded_vocab_size is None:
+        return m
+    tp = cfg.parallel.tensor_model_parallel_size
+    return dataclasses.replace(m, vocab_size=m.padded_vocab(tp))
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``loom train``; returns the exit status."""
     if (args.world_size is not None or args.gpu) and not args.dry_run:
@@ -334,7 +335,6 @@ def run(args: argparse.Namespace) -> int:
                           "(a training run takes its size from torchrun)")
     cfg = prepare(args)
     if os.environ.get("RANK", "0") == "0":
-        from loom.training.script_checks import start_notes
         for line in start_notes(cfg, vars(args)):  # said once, never silently dropped
             print(f"loom train: {line}", flush=True)
     if args.dry_run:
@@ -344,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         from loom.planner.predict import format_prediction, predict_layout
         pred = predict_layout(cfg, dry_run_world(args, cfg), cluster=args.gpu)
         assumed = "" if args.gpu else " (assumed: no --gpu given; pass --gpu NAME)"
-        n = int(total_params(cfg.model))
+        n = int(total_params(padded_model(cfg)))
         print(f"parameters: {n} ({n / 1e9:.2f} B)")
         print(format_prediction(pred) + f"\ndevice: {pred['cluster']}{assumed}")
         if cfg.model.vocab_size:  # exact per-rank counts of the real model (meta device)
@@ -354,12 +354,10 @@ def run(args: argparse.Namespace) -> int:
     check_launcher_env()
     lock, rank0 = None, os.environ.get("RANK", "0") == "0"
     if cfg.checkpoint.save:  # one job per --save, held to the end (loom.checkpoint.lock)
-        from loom.checkpoint.lock import lock_for_job
         lock = lock_for_job(cfg.checkpoint.save, 0 if rank0 else 1,
                             lambda m: print(m, flush=True))
     try:
         if cfg.checkpoint.save and rank0:
-            from loom.checkpoint.safety import remove_partial_checkpoints
             for path in remove_partial_checkpoints(cfg.checkpoint.save):
                 print(f"loom train: removed the partial checkpoint {path} of an interrupted "
                       f"save", flush=True)
@@ -382,7 +380,6 @@ def _load_held(cfg: LoomConfig, rank0: bool, build):
     ck = cfg.checkpoint
     if not ck.load or (ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save)):
         return build()  # this job's own directory: its lock keeps every other writer out
-    from loom.checkpoint.holds import take_hold
     hold = take_hold(ck.load, ck.ckpt_step)[1] if rank0 else None
     try:
         built = build()

@@ -43,11 +43,15 @@ from torch import nn
 from loom.parallel.grad_buffer import GradBuffer, flat_buffers
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta
+from loom.training.muon import MatrixInfo, Muon, matrix_info
+from loom.training.param_groups import GroupPlan, build_groups
 
 
 NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see _sum_of_squares)
-STATE_KEYS = {torch.optim.AdamW: ("exp_avg", "exp_avg_sq"), torch.optim.SGD: ("momentum_buffer",)}
-"""The parameter-shaped states of each inner optimizer class (saved by parameter name)."""
+STATE_KEYS = {torch.optim.AdamW: ("exp_avg", "exp_avg_sq"), torch.optim.SGD: ("momentum_buffer",),
+              Muon: ("exp_avg", "exp_avg_sq")}
+"""The parameter-shaped states of each inner optimizer class (saved by parameter name; Muon's
+own matrices keep ``momentum_buffer``, :meth:`DistributedOptimizer.keys_of`)."""
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -178,6 +182,7 @@ class _Range:
     master: torch.Tensor  # 1-D fp32, hi - lo elements
     copy: bool  # the master is a copy (16-bit parameter), not a view of the parameter
     expert: bool  # reduced (and sharded) over the expert-data-parallel group
+    muon: Optional[MatrixInfo] = None  # orthogonalized by Muon: how its update is whole
 
 
 class DistributedOptimizer:
@@ -195,20 +200,21 @@ class DistributedOptimizer:
     the optimizer's level-1 phases).
     ``optim`` is the inner ``torch.optim`` optimizer (LR scheduler, ``param_groups``)."""
 
-    def __init__(self, named, reducers, groups_kw: dict, weight_decay: float, mesh: ParallelMesh,
-                 sharded: bool, overlap_param_gather: bool = False,
-                 decoupled: Optional[dict] = None, decoupled_params: Collection[int] = (),
-                 optim_class: type = torch.optim.AdamW, timers=None):
+    def __init__(self, named, reducers, mesh: ParallelMesh, sharded: bool,
+                 overlap_param_gather: bool = False, *, plan: GroupPlan,
+                 decoupled_params: Collection[int] = (), optim_class: type = torch.optim.AdamW,
+                 optim_kw: Optional[dict] = None, timers=None):
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
         self.timers = timers if timers is not None else (lambda name: contextlib.nullcontext())
+        optim_kw = dict(optim_kw or {})
         # momentum 0: SGD keeps no state
-        self.state_keys = STATE_KEYS[optim_class] if groups_kw.get("momentum", 1) else ()
+        self.state_keys = STATE_KEYS[optim_class] if optim_kw.get("momentum", 1) else ()
         self.reducers = flat_buffers(reducers)
         self.gathers = [ParamGather(r) for r in self.reducers if r.reduce_scatter]
         reducer_of = {id(p): r for r in self.reducers for p in r.params}
         apart = mesh.experts_apart
         self.ranges: list[_Range] = []
-        decay, no_decay, own = [], [], []
+        placed = []
         for name, p, meta in named:
             if not p.requires_grad:
                 continue
@@ -217,21 +223,49 @@ class DistributedOptimizer:
             flat = p.detach().view(-1)[lo:hi]
             copy = p.dtype != torch.float32
             master = flat.float().clone() if copy else flat
+            index = plan.index(name, p, id(p) in decoupled_params)
+            muon = matrix_info(name, meta, mesh) if plan.kinds[index].muon else None
             self.ranges.append(_Range(name, p, meta, r, lo, hi, master, copy,
-                                      apart and meta.expert_parallel))
-            (own if id(p) in decoupled_params else
-             no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(master)
-        groups = [{"params": decay or [torch.zeros(0, device=mesh.device)],
-                   "weight_decay": weight_decay},
-                  {"params": no_decay or [torch.zeros(0, device=mesh.device)],
-                   "weight_decay": 0.0}]
-        if decoupled is not None:  # --decoupled-lr: the embedding / output weights' own group
-            groups.append({"params": own or [torch.zeros(0, device=mesh.device)],
-                           "weight_decay": weight_decay, **decoupled})
-        self.optim = optim_class(groups, **groups_kw)
+                                      apart and meta.expert_parallel, muon))
+            placed.append((index, master))
+        groups = build_groups(plan, placed, mesh.device)
+        if optim_class is Muon:  # whole-matrix updates from the ranges (_orthogonalize)
+            optim_kw["orthogonalize"] = self._orthogonalize
+        self.optim = optim_class(groups, **optim_kw)
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
         self.steps = 0
+
+    def keys_of(self, rg: _Range) -> tuple:
+        """The parameter-shaped states of ``rg``'s parameter (Muon's momentum, or the other
+        optimizer's)."""
+        return ("momentum_buffer",) if rg.muon is not None else self.state_keys
+
+    def _orthogonalize(self, items: list) -> list:
+        """:class:`~loom.training.muon.Muon`'s step 3 on master ranges: ``[(master, update
+        range)]`` -> this rank's range of each orthogonalized whole matrix (None where it holds
+        none). A matrix split over the DP shards is summed from its ranges (zeros elsewhere:
+        exact) by one all-reduce over the reducer's group; one inside this rank's shard needs
+        no communication. Collective over the DP (and TP) groups: every rank passes every
+        Muon range, in the same order."""
+        by_master = {id(rg.master): rg for rg in self.ranges}
+        out = []
+        for master, u in items:
+            rg = by_master[id(master)]
+            p, r = rg.param, rg.reducer
+            whole = u
+            if r.reduce_scatter and r.group is not None:
+                owners = r.shard_owners(p)
+                if len(owners) > 1:
+                    whole = torch.zeros(p.numel(), dtype=u.dtype, device=u.device)
+                    whole[rg.lo:rg.hi] = u
+                    dist.all_reduce(whole, group=r.group)
+            if rg.hi == rg.lo:
+                out.append(None)
+                continue
+            orth = rg.muon.orthogonalize(whole.view(p.shape), self.optim.settings)
+            out.append(orth.reshape(-1)[rg.lo:rg.hi])
+        return out
 
     # -- one step ---------------------------------------------------------------------------------
     def _attach_grads(self, inv_scale: float) -> list[torch.Tensor]:
@@ -328,17 +362,23 @@ class DistributedOptimizer:
                 g.hook(chunk)
 
     # -- checkpoints: states by parameter name at TP-local full shape -----------------------------
-    def _full(self, values: dict) -> dict:
+    def _full(self, values: dict, wanted=None) -> dict:
         """``{id(range): 1-D tensor}`` -> ``{name: full flat fp32 tensor}``: the DP shards
-        gathered per bucket (one ``all_gather_single`` per bucket over the reducer's group)."""
+        gathered per bucket (one ``all_gather_single`` per bucket over the reducer's group)
+        for the ranges ``wanted(range)`` selects (default all; a bucket holding none is
+        skipped: the choice is a parameter's, the same on every rank of the group)."""
         out = {}
         by_param = {id(rg.param): rg for rg in self.ranges}
         for r in self.reducers:
             for b in r.buckets:
+                mine = [(p, o) for p, o in zip(b.params, b.offsets)
+                        if wanted is None or wanted(by_param[id(p)])]
+                if not mine:
+                    continue
                 per = b.buffer.numel() // r.size if r.reduce_scatter else b.buffer.numel()
                 base = r.rank * per if r.reduce_scatter else 0
                 local = torch.zeros(per, dtype=torch.float32, device=b.buffer.device)
-                for p, o in zip(b.params, b.offsets):
+                for p, o in mine:
                     rg = by_param[id(p)]
                     if rg.hi > rg.lo:
                         local[o + rg.lo - base:o + rg.hi - base] = values[id(rg)]
@@ -346,28 +386,34 @@ class DistributedOptimizer:
                 if r.reduce_scatter and r.group is not None:
                     full = torch.empty(per * r.size, dtype=torch.float32, device=local.device)
                     _all_gather(full, local, r.group, async_op=False)
-                for p, o in zip(b.params, b.offsets):
+                for p, o in mine:
                     out[by_param[id(p)].name] = full[o:o + p.numel()].view_as(p).cpu()
         return out
 
     def state_by_name(self, names: set) -> dict:
-        """``{name: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}}`` (SGD:
-        ``{"momentum_buffer"[, "master_param"]}``) for ``names``, each at the parameter's
-        (TP-local) shape; collective over every reducer's group (all ranks of the DP x CP group
-        must call it). Empty before the first step."""
+        """``{name: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}}`` (SGD's and Muon's
+        matrices: ``{"momentum_buffer"[, "master_param"]}``) for ``names``, each at the
+        parameter's (TP-local) shape; collective over every reducer's group (all ranks of the DP
+        x CP group must call it). Empty before the first step."""
         if self.steps == 0:
             return {}
-        keys = list(self.state_keys)
+        keys = sorted({k for rg in self.ranges for k in self.keys_of(rg)})
         fulls = {k: self._full({id(rg): self.optim.state[rg.master][k] for rg in self.ranges
-                                if rg.hi > rg.lo}) for k in keys}
-        if any(rg.copy for rg in self.ranges):
-            keys.append("master_param")
-            fulls["master_param"] = self._full({id(rg): rg.master for rg in self.ranges})
-        if not keys:
-            return {}
-        step = {"step": torch.tensor(float(self.steps))} if "exp_avg" in keys else {}
-        return {n: {**step, **{k: fulls[k][n] for k in keys}} for n in fulls[keys[0]]
-                if n in names}
+                                if rg.hi > rg.lo and k in self.keys_of(rg)},
+                               lambda rg, k=k: k in self.keys_of(rg)) for k in keys}
+        masters = self._full({id(rg): rg.master for rg in self.ranges}) \
+            if any(rg.copy for rg in self.ranges) else {}
+        out = {}
+        for rg in self.ranges:
+            if rg.name not in names or not (self.keys_of(rg) or masters):
+                continue
+            st = {k: fulls[k][rg.name] for k in self.keys_of(rg)}
+            if "exp_avg" in st:
+                st["step"] = torch.tensor(float(self.steps))
+            if masters:
+                st["master_param"] = masters[rg.name]
+            out[rg.name] = st
+        return out
 
     @torch.no_grad()
     def load_state_by_name(self, states: dict) -> None:
@@ -381,10 +427,10 @@ class DistributedOptimizer:
                 rg.master.copy_(src.reshape(-1)[rg.lo:rg.hi].to(rg.master))
             elif st and "master_param" in st:  # a 16-bit run's exact weights
                 rg.master.copy_(st["master_param"].reshape(-1)[rg.lo:rg.hi].to(rg.master))
-            if not st or not self.state_keys or self.state_keys[0] not in st:
+            keys = self.keys_of(rg)
+            if not st or not keys or keys[0] not in st:
                 continue
-            state = {k: st[k].reshape(-1)[rg.lo:rg.hi].to(rg.master).clone()
-                     for k in self.state_keys}
+            state = {k: st[k].reshape(-1)[rg.lo:rg.hi].to(rg.master).clone() for k in keys}
             if "exp_avg" in state:  # Adam's step count (SGD has none: loom counts its own)
                 step = float(st.get("step", 0))
                 state["step"] = torch.tensor(step, dtype=torch.float32, device=rg.master.device)
@@ -406,5 +452,5 @@ def param_bytes(optimizer: DistributedOptimizer) -> dict:
            "optimizer": 0}
     for st in optimizer.optim.state.values():
         out["optimizer"] += sum(v.numel() * v.element_size() for k, v in st.items()
-                                if k in optimizer.state_keys)
+                                if k in optimizer.state_keys or k == "momentum_buffer")
     return out

@@ -1,5 +1,5 @@
-"""AdamW (or SGD, ``--optimizer sgd``) with Megatron's weight-decay grouping, global-norm clipping
-across TP/PP, LR schedule.
+"""AdamW (or SGD, ``--optimizer sgd``, or Muon, ``--optimizer muon``) with Megatron's parameter
+groups (:mod:`loom.training.param_groups`), global-norm clipping across TP/PP, LR schedule.
 
 Per-step costs are kept out of Python loops: AdamW and SGD run fused (one kernel per parameter on
 devices ``torch.optim`` has fused kernels for, CPU included; else ``foreach``), the global norm
@@ -20,37 +20,45 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from loom.checkpoint.optimizer_state import (  # noqa: F401 - moved, re-exported
     load_optimizer_state_by_name, optimizer_state_by_name)
-from loom.config import TrainingConfig
+from loom.config import ModelConfig, TrainingConfig
 from loom.parallel.fsdp import is_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta, named_parameters
 from loom.training.distributed_optimizer import (NORM_BLOCK, DistributedOptimizer,  # noqa: F401
-                                                _sum_of_squares, reduce_grad_sums)
+                                                _sum_of_squares)
+from loom.training.muon import Muon, MuonSettings, matrix_info
+from loom.training.param_groups import build_groups, group_plan
 
 
 def optimizer_class(cfg: TrainingConfig, params: Sequence[torch.Tensor]) -> tuple[type, dict]:
-    """``(torch.optim class, keyword arguments)`` of ``--optimizer``: adam is
+    """``(optimizer class, keyword arguments)`` of ``--optimizer``: adam is
     ``torch.optim.AdamW`` (``--lr``, ``--adam-beta1/2``, ``--adam-eps``; Megatron's adam with
     decoupled weight decay), sgd ``torch.optim.SGD`` (``--lr``, ``--sgd-momentum``; weight
-    decay added to the gradient, as Megatron's), fused where :func:`adamw_implementation`
-    says so (foreach for SGD on FSDP2's DTensors: torch 2.13 has no DTensor rule for the fused
-    SGD kernel). Weight decay is per parameter group."""
+    decay added to the gradient, as Megatron's), muon :class:`~loom.training.muon.Muon`
+    (``settings``: the ``--muon-*`` flags; ``adam``: its AdamW's keywords), fused where
+    :func:`adamw_implementation` says so (foreach for SGD on FSDP2's DTensors: torch 2.13 has
+    no DTensor rule for the fused SGD kernel). Weight decay is per parameter group."""
     impl = adamw_implementation(params)
     if cfg.optimizer == "sgd":
         if any(is_sharded(p) for p in params):  # DTensor has no sharding rule for fused SGD
             impl = {"foreach": True}
         return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.sgd_momentum, **impl)
-    return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                   eps=cfg.adam_eps, **impl)
+    adam = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **impl)
+    if cfg.optimizer == "muon":
+        return Muon, dict(settings=MuonSettings.of(cfg), adam=adam)
+    return torch.optim.AdamW, adam
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig,
-                    mesh: Optional[ParallelMesh] = None, reducers=None, timers=None):
-    """``--optimizer`` (AdamW or SGD, :func:`optimizer_class`); no weight decay for biases and
-    1-D parameters (norms), as Megatron-LM.
+                    mesh: Optional[ParallelMesh] = None, reducers=None, timers=None,
+                    model_cfg: Optional[ModelConfig] = None):
+    """``--optimizer`` (AdamW, SGD or Muon, :func:`optimizer_class`) over the parameter groups
+    of :func:`loom.training.param_groups.group_plan` (no weight decay for biases and 1-D
+    parameters, as Megatron-LM; ``--decoupled-lr``; muP's per-group learning rates and epsilon
+    with ``model_cfg``'s ``--use-mup``; Muon's matrices).
 
-    fp32 parameters without ``--use-distributed-optimizer``: ``torch.optim.AdamW`` on the
-    parameters. 16-bit parameters (``--bf16`` / ``--fp16``) or the distributed optimizer (ZeRO
+    fp32 parameters without ``--use-distributed-optimizer``: the optimizer on the parameters.
+    16-bit parameters (``--bf16`` / ``--fp16``) or the distributed optimizer (ZeRO
     stage 1/2 over DP x CP, Rajbhandari et al. 2020 sec. 5.1-5.2; Megatron's design: 18 -> 6 +
     12/d bytes per parameter in bf16): a
     :class:`~loom.training.distributed_optimizer.DistributedOptimizer`
@@ -66,27 +74,27 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     cls, kw = optimizer_class(cfg, [p for _, p in named])
     chunks = list(model.children()) if isinstance(model, nn.ModuleList) else [model]
-    decoupled = decoupled_params(chunks) if cfg.decoupled_lr is not None else set()
+    decoupled = decoupled_params(chunks) if cfg.decoupled_lr is not None or \
+        cfg.optimizer == "muon" else set()  # Megatron's is_embedding_or_output_parameter
+    plan = group_plan(cfg, model_cfg, decoupled_group(cfg))
     sixteen = any(p.dtype != torch.float32 for _, p in named)
     if cfg.use_distributed_optimizer or sixteen:
         if reducers is None or mesh is None:
             raise ValueError("16-bit parameters and --use-distributed-optimizer need the "
                              "gradient buffers (their fp32 main gradients) and the mesh")
-        opt = DistributedOptimizer(list(named_parameters(chunks)), reducers, kw,
-                                   cfg.weight_decay, mesh, cfg.use_distributed_optimizer,
-                                   cfg.overlap_param_gather, decoupled_group(cfg), decoupled,
-                                   optim_class=cls, timers=timers)
+        opt = DistributedOptimizer(list(named_parameters(chunks)), reducers, mesh,
+                                   cfg.use_distributed_optimizer, cfg.overlap_param_gather,
+                                   plan=plan, decoupled_params=decoupled, optim_class=cls,
+                                   optim_kw=kw, timers=timers)
         if cfg.overlap_param_gather:  # each bucket's all-gather waited for before its first use
             opt.hook_param_gather(chunks)
         return opt
-    decay, no_decay, own = [], [], []
-    for name, p in named:
-        (own if id(p) in decoupled else
-         no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    if cfg.decoupled_lr is not None:  # on every rank (perhaps empty): the same groups everywhere
-        groups.append({"params": own, "weight_decay": cfg.weight_decay, **decoupled_group(cfg)})
+    device = named[0][1].device if named else torch.device("cpu")
+    groups = build_groups(plan, [(plan.index(n, p, id(p) in decoupled), p) for n, p in named],
+                          device)
+    if cls is Muon:
+        infos = {id(p): matrix_info(n, meta, mesh) for n, p, meta in named_parameters(chunks)}
+        return Muon(groups, infos=infos, **kw)
     return cls(groups, **kw)
 
 

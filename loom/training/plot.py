@@ -13,18 +13,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
+from typing import Literal, Optional
 
+from loom.config.fields import opt
 from loom.errors import ConfigError
 
 X_KEYS = {"iteration": "iteration", "tokens": "consumed_tokens", "samples": "consumed_samples"}
 
 
+@dataclass
+class PlotOptions:
+    """What ``loom plot`` draws and where."""
+
+    output: Optional[str] = opt(None, "the PNG to write (default: LOG with .png for .jsonl)",
+                                spellings=("-o",), metavar="OUT.png")
+    x: Literal["iteration", "tokens", "samples"] = opt(
+        "iteration", "horizontal axis: iteration, consumed tokens or samples")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``loom plot LOG.jsonl``: the positional and :class:`PlotOptions`."""
+    from loom.config.args import add_options
     parser.add_argument("log", metavar="LOG.jsonl", help="a --log-json file of loom train")
-    parser.add_argument("-o", "--output", default=None,
-                        help="the PNG to write (default: LOG with .png for .jsonl)")
-    parser.add_argument("--x", choices=sorted(X_KEYS), default="iteration",
-                        help="horizontal axis: iteration (default), consumed tokens or samples")
+    add_options(parser, PlotOptions, "plot")
 
 
 def read_runs(path: str) -> list[dict]:
@@ -112,6 +124,8 @@ def plot(path: str, output: str, x: str = "iteration") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = args.output or (os.path.splitext(args.log)[0] + ".png")
-    print(f"wrote {plot(args.log, out, args.x)}")
+    from loom.config.args import options_from_args
+    opts = options_from_args(args, PlotOptions)
+    out = opts.output or (os.path.splitext(args.log)[0] + ".png")
+    print(f"wrote {plot(args.log, out, opts.x)}")
     return 0

@@ -7,7 +7,7 @@ predicts). Nothing is dropped silently.
 from __future__ import annotations
 
 from loom.config import LoomConfig
-from loom.config.compat import no_effect_report
+from loom.config.flag_table import no_effect_report
 from loom.config.script_flags import parse_step_schedule
 from loom.errors import ConfigError
 
@@ -53,14 +53,23 @@ def refuse_unimplemented(cfg: LoomConfig) -> None:
 
 
 def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
-    """Lines ``loom train`` prints once (rank 0) before anything else: the implementation
-    switches set (:func:`loom.config.compat.no_effect_report`), and Megatron's rules that
+    """Lines ``loom train`` prints once (rank 0) before anything else: the Megatron flags
+    given that loom accepts without effect
+    (:func:`loom.config.flag_table.no_effect_report`), and Megatron's rules that
     changed a given value. ``given``: the parsed command line (``vars(args)``)."""
     t, m = cfg.training, cfg.model
     out = []
-    report = no_effect_report(cfg.to_flat())
+    report = no_effect_report(cfg.megatron_no_effect)
     if report:
         out.append(report)
+    etp = given.get("expert_tensor_parallel_size")
+    if etp is not None and not m.num_experts:
+        out.append(f"--expert-tensor-parallel-size {etp} without --num-experts: no experts, no "
+                   f"effect (as in Megatron-LM)")
+    layers = given.get("num_layers")
+    if layers is not None and m.hybrid_override_pattern and layers != m.num_layers:
+        out.append(f"--num-layers {layers} ignored: --hybrid-override-pattern has {m.num_layers} "
+                   f"layers and sets the depth (Megatron-LM's rule)")
     g = given.get("num_query_groups")
     if g and g != m.num_attention_heads and not m.group_query_attention:
         out.append(f"--num-query-groups {g} without --group-query-attention: loom uses {g} "
@@ -78,9 +87,10 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
                    "tokens, so the per-token and per-micro-batch averages are the same loss")
     if t.step_batch_size_schedule and b:
         out.append(f"--step-batch-size-schedule: global batch size {b} (its last step)")
-    if t.ckpt_format in ("torch_dcp", "fsdp_dtensor"):
+    if t.ckpt_format in ("torch", "torch_dcp", "fsdp_dtensor"):
         out.append(f"--ckpt-format {t.ckpt_format}: loom writes its own format (loom_dcp) "
-                   f"instead; --ckpt-format torch_dist writes Megatron's")
+                   f"instead (--load reads Megatron's torch and torch_dist checkpoints); "
+                   f"--ckpt-format torch_dist writes Megatron's")
     if t.ckpt_format == "torch_dist" and cfg.checkpoint.async_save:
         out.append("--async-save with --ckpt-format torch_dist: Megatron-format saves are "
                    "written synchronously (loom_dcp saves asynchronously)")

@@ -104,3 +104,12 @@ def summary_line(s: dict) -> str:
             f"{s['iteration']}) in {_clock(s['wall_time_s'])}, {s['tokens']:,} tokens "
             f"({s['consumed_tokens']:,} consumed in all){speed}{mfu} | {loss} | checkpoint "
             f"{s['checkpoint'] or 'none saved'}")
+
+
+def prediction_line(predicted_s: float, records: list[dict]) -> str:
+    """The planner's predicted step time (seconds) against the median measured ``step_time_s``
+    of ``records`` (the iterations after the first, which pays for warm-up)."""
+    times = sorted(r["step_time_s"] for r in records)
+    measured = times[len(times) // 2]
+    return (f"step time: planner predicted {predicted_s:.4g} s, measured median "
+            f"{measured:.4g} s ({100 * (predicted_s / measured - 1):+.0f}%)")

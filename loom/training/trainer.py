@@ -23,13 +23,13 @@ from loom.errors import NonFiniteError
 from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.pipeline.schedules import ScheduleResult, forward_only
-from loom.parallel.pipeline.timeline import merge
 from loom.parallel.pipeline.zero_bubble import is_v_shaped, loss_stage
 from loom.training.builder import TrainingParts, build_training
 from loom.training.metrics import MetricsLogger
 from loom.training.setup import held_numel, owned_parameters
 from loom.training.step import finish_gradients, finish_param_gather, optimizer_step
-from loom.training.story import resume_line, resume_record, run_summary, summary_line
+from loom.training.story import (prediction_line, resume_line, resume_record, run_summary,
+                                 summary_line)
 
 
 def _part(path: str, doc: str) -> property:
@@ -52,34 +52,18 @@ class Trainer:
     (already built) replaces the build. With ``--load`` the latest checkpoint is loaded."""
 
     mesh = _part("mesh", "the ParallelMesh")
-    world_size = _part("world_size", "ranks in the job")
-    global_rank = _part("global_rank", "this rank in the job")
-    family = _part("model.family", "the ModelFamily")
     tracker = _part("model.tracker", "the RNG tracker (model-parallel streams)")
     model_chunks = _part("model.chunks", "this rank's model chunks")
     registry = _part("model.registry", "name -> ParamMeta of every chunk's parameters")
-    scaler = _part("model.scaler", "the fp16 loss scaler, or None")
-    forward_step = _part("model.forward_step", "the family's forward step in this precision")
     params = _part("model.groups.params", "this rank's trainable parameters")
-    norm_params = _part("model.groups.norm_params", "dense parameters in the global norm")
-    expert_norm_params = _part("model.groups.expert_norm_params", "expert ones in the norm")
     sp_params = _part("model.groups.sp_params", "parameters whose gradients sum over TP")
     reducers = _part("reducers", "one gradient buffer per chunk")
     optimizer = _part("optimizer", "AdamW or the distributed optimizer")
     scheduler = _part("scheduler", "the LR schedule")
-    schedule = _part("schedule", "the pipeline schedule")
     timeline = _part("timeline", "the --timeline recorder")
     train_ds = _part("data.train_ds", "the training set")
-    valid_ds = _part("data.valid_ds", "the validation set, or None")
-    test_ds = _part("data.test_ds", "the test set, or None")
     global_batch = _part("data.global_batch", "samples per iteration (B)")
-    num_microbatches = _part("data.num_microbatches", "micro-batches per DP rank (m)")
-    faults = _part("faults", "progress marks, watchdog, injected faults")
-    save_interval = _part("save_interval", "the (possibly MTBF-derived) save interval")
     saver = _part("checkpointer.saver", "the checkpoint Saver (sync or --async-save)")
-    flops_per_iter = _part("throughput.flops_per_iter", "model FLOPs per iteration")
-    peak_flops = _part("throughput.peak_flops", "peak FLOP/s per rank, or None")
-    predicted_step_s = _part("throughput.predicted_step_s", "the planner's step time, or None")
     debug = _part("debug", "timers, --profile, --record-memory-history (training/debug.py)")
 
     def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
@@ -116,8 +100,8 @@ class Trainer:
         (the loss stage's mean over its micro-batches, 0 on other stages)."""
         timers = self.debug.timers
         with timers("forward-backward"):
-            result: ScheduleResult = self.schedule(
-                self.model_chunks, batches, self.forward_step, self.mesh,
+            result: ScheduleResult = self.parts.schedule(
+                self.model_chunks, batches, self.parts.model.forward_step, self.mesh,
                 p2p_shape=self.p2p_shape(batches), reducers=self.reducers,
                 recorder=timers.recorder(self.timeline))
             # DP, then SP over TP and the tied embedding over its group
@@ -131,7 +115,8 @@ class Trainer:
         t = self.cfg.training
         with self.debug.timers("optimizer"):
             norm = optimizer_step(self.optimizer, self.scheduler, self.reducers,
-                                  self.parts.model.groups, self.mesh, t.clip_grad, self.scaler,
+                                  self.parts.model.groups, self.mesh, t.clip_grad,
+                                  self.parts.model.scaler,
                                   self.nonfinite, self.iteration, t.exit_on_nonfinite,
                                   self.debug.timers)
         self.parts.after_step()  # MoE: the aux-loss-free expert bias from the global load
@@ -139,7 +124,7 @@ class Trainer:
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         """Reduce a few host scalars over every rank in one collective (identity on 1 rank)."""
-        if not dist.is_initialized() or self.world_size == 1:
+        if not dist.is_initialized() or self.parts.world_size == 1:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
         dist.all_reduce(t, op=op)
@@ -161,18 +146,15 @@ class Trainer:
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Mean loss over DP and CP ranks, taken from the last pipeline stage."""
-        if not dist.is_initialized() or self.world_size == 1:
+        if not dist.is_initialized() or self.parts.world_size == 1:
             return float(local)
         return self._all_reduce([self._owned_loss(local)])[0]
 
     def write_timeline(self) -> None:
         """Each rank writes ``PATH.rank{N}.json``; rank 0 merges them into ``PATH``."""
-        path = self.cfg.logging.timeline
-        self.timeline.write_rank(path, stage=self.mesh.pp_rank)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()
-        if self.global_rank == 0:
-            merge(path)
+        many = dist.is_initialized() and self.parts.world_size > 1
+        self.timeline.write(self.cfg.logging.timeline, stage=self.mesh.pp_rank,
+                            barrier=dist.barrier if many else None)
 
     def train_step(self) -> dict:
         """One iteration: forward/backward of the next global batch, the optimizer step; returns
@@ -196,8 +178,9 @@ class Trainer:
             torch.cuda.synchronize(self.mesh.device)
         (elapsed,) = self._all_reduce([time.perf_counter() - start], dist.ReduceOp.MAX)
         # loss (and, pipelined, the bubble fraction) summed over ranks in one collective
-        bubble = self.last_stats.bubble_fraction / self.world_size if self.mesh.pp_size > 1 else 0.0
-        local = self._owned_loss(loss) if self.world_size > 1 else float(loss)
+        bubble = self.last_stats.bubble_fraction / self.parts.world_size \
+            if self.mesh.pp_size > 1 else 0.0
+        local = self._owned_loss(loss) if self.parts.world_size > 1 else float(loss)
         throughput = self.parts.throughput
         keys = throughput.logged  # MoE or the family's loss_fn metrics
         m = self.mesh
@@ -210,10 +193,10 @@ class Trainer:
         rec = throughput.record(self.iteration, loss_avg, lr, norm, elapsed, m.device)
         rec.update(self.consumed())
         rec.update({k.replace(" ", "_"): v for k, v in zip(keys, extra)})
-        if self.scaler is not None:  # --fp16: the scale after this step's update
-            rec["loss_scale"] = self.scaler.scale
-        if self.predicted_step_s is not None:
-            rec["predicted_step_time_s"] = self.predicted_step_s
+        if self.parts.model.scaler is not None:  # --fp16: the scale after this step's update
+            rec["loss_scale"] = self.parts.model.scaler.scale
+        if self.parts.throughput.predicted_step_s is not None:
+            rec["predicted_step_time_s"] = self.parts.throughput.predicted_step_s
         if self.mesh.pp_size > 1:  # measured bubble: idle / flush time, mean over ranks
             rec["bubble_fraction"] = bubble_avg
         rec.update(self.parts.layer_metrics())  # --moe-per-layer-logging (a collective)
@@ -230,7 +213,7 @@ class Trainer:
         """Mean loss and perplexity over the first ``--eval-iters`` global batches of the
         validation set, or of ``dataset`` (the same samples at every evaluation, so values are
         comparable); None without such a set or with ``--eval-iters 0``."""
-        dataset = self.valid_ds if dataset is None else dataset
+        dataset = self.parts.data.valid_ds if dataset is None else dataset
         iters = iters or self.cfg.logging.eval_iters
         if dataset is None or not iters:
             return None
@@ -239,8 +222,8 @@ class Trainer:
         total = 0.0
         for i in range(iters):
             batches = self.batches(dataset, i * self.global_batch)
-            result = forward_only(self.model_chunks, batches, self.forward_step, self.mesh,
-                                  p2p_shape=self.p2p_shape(batches), v_shape=is_v_shaped(
+            result = forward_only(self.model_chunks, batches, self.parts.model.forward_step,
+                                  self.mesh, p2p_shape=self.p2p_shape(batches), v_shape=is_v_shaped(
                                       self.cfg.parallel.pipeline_schedule, self.mesh.pp_size))
             total += self.global_loss(result.loss)
         for c in self.model_chunks:
@@ -258,9 +241,9 @@ class Trainer:
     def save(self, save_dir: str, tokenizer_file: Optional[str] = None) -> str:
         """Checkpoint to ``save_dir`` (:class:`~loom.training.checkpointer.Checkpointer`); its
         final path."""
-        self.faults.mark(self.iteration, "checkpoint save")
+        self.parts.faults.mark(self.iteration, "checkpoint save")
         finish_param_gather(self.optimizer)
-        hook = self.faults.save_hook(self.iteration)  # --inject-fault R:N:kill-in-save
+        hook = self.parts.faults.save_hook(self.iteration)  # --inject-fault R:N:kill-in-save
         self.last_saved = self.parts.checkpointer.save(save_dir, self.iteration,
                                                        self.consumed_samples, tokenizer_file, hook)
         return self.last_saved
@@ -293,7 +276,8 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
     def _evaluate_sets(self, log: MetricsLogger, test: bool) -> None:
         """Log an evaluation of the validation set (and, with ``test``, of the test set)."""
-        for kind, ds in (("valid", self.valid_ds), ("test", self.test_ds if test else None)):
+        data = self.parts.data
+        for kind, ds in (("valid", data.valid_ds), ("test", data.test_ds if test else None)):
             with self.debug.timers("evaluate"):
                 rec = self.evaluate(dataset=ds) if ds is not None else None
             if rec is not None:
@@ -308,14 +292,14 @@ class Trainer:
         lg, ck, iters = self.cfg.logging, self.cfg.checkpoint, self.cfg.training.train_iters
         skip = self.cfg.training.skip_train
         self.evaluations: list[dict] = []  # {"kind": "valid" | "test", "valid_loss", ...}
-        log = MetricsLogger(self.global_rank == 0, lg.log_json, lg.tensorboard_dir,
+        log = MetricsLogger(self.parts.global_rank == 0, lg.log_json, lg.tensorboard_dir,
                             0 if skip else iters - self.iteration, not lg.no_progress_bar,
                             config=self.cfg.to_flat(), start_iteration=self.iteration)
         total, local = self.count_parameters()
         log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, {total:,} parameters "
                   f"({local:,} on rank 0), "
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
-                  f"{self.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
+                  f"{self.parts.data.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")
         if self.resumed is not None:
             log.event("resume", self.resumed, " " + resume_line(self.resumed))
@@ -330,9 +314,9 @@ class Trainer:
             if skip:
                 self._evaluate_sets(log, test=True)
                 return self.history
-            self.faults.start()
+            self.parts.faults.start()
             while self.iteration < iters:
-                self.faults.before_iteration(self.iteration + 1)
+                self.parts.faults.before_iteration(self.iteration + 1)
                 self.debug.before_iteration(self.iteration)
                 rec = self.train_step()
                 self.debug.after_iteration(self.iteration, first=len(self.history) == 1)
@@ -351,23 +335,24 @@ class Trainer:
                     window = []
                 periodic = bool(lg.eval_interval) and self.iteration % lg.eval_interval == 0
                 if periodic or self.iteration == iters:
-                    self.faults.mark(self.iteration, "evaluation")
+                    self.parts.faults.mark(self.iteration, "evaluation")
                     self._evaluate_sets(log, test=self.iteration == iters)
-                signalled = self.faults.stop_requested(  # --exit-signal-handler: all agree
+                signalled = self.parts.faults.stop_requested(  # --exit-signal-handler: all agree
                     lambda v: self._all_reduce(v, dist.ReduceOp.MAX))
                 limit = self.cfg.training.exit_duration_in_mins  # Megatron's: all ranks agree
                 timed_out = bool(limit) and self._all_reduce(
                     [float(time.monotonic() - started > 60 * limit)], dist.ReduceOp.MAX)[0] > 0
                 exiting = signalled is not None or timed_out or (
                     bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0)
-                due = self.save_interval.due(self.iteration, rec["step_time_s"])
-                if self.save_interval.message:
-                    log.print(f" {self.save_interval.take_message()}")
+                due = self.parts.save_interval.due(self.iteration, rec["step_time_s"])
+                if self.parts.save_interval.message:
+                    log.print(f" {self.parts.save_interval.take_message()}")
                 if ck.save and (due or exiting):
                     with self.debug.timers("save-checkpoint"):
                         log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
                     save_s = self.debug.timed_report("save-checkpoint")  # max over ranks
-                    plan = self.save_interval.saved(self.iteration, save_s, rec["step_time_s"])
+                    plan = self.parts.save_interval.saved(self.iteration, save_s,
+                                                          rec["step_time_s"])
                     if plan:
                         log.print(f" {plan}")
                 if exiting:
@@ -376,7 +361,7 @@ class Trainer:
                         f"--exit-interval {ck.exit_interval}"
                     log.print(f" {why}: exiting after iteration {self.iteration}")
                     break
-            if ck.save and self.iteration == iters and self.save_interval.last_save != iters:
+            if ck.save and self.iteration == iters and self.parts.save_interval.last_save != iters:
                 if not self.history and self.saver.holds(self.loaded_from, ck.save, iters):
                     log.print(f" checkpoint {self.loaded_from} already holds iteration {iters}: "
                               f"not saved again")
@@ -384,24 +369,23 @@ class Trainer:
                 else:
                     log.print(f" {self.saver.verb} checkpoint {self.save(ck.save)}")
             self.saver.finish(log.print)  # exit waits for a save in flight
-            if self.predicted_step_s is not None and len(self.history) > 1:
-                measured = sorted(r["step_time_s"] for r in self.history[1:])[len(self.history[1:]) // 2]
-                log.print(f" step time: planner predicted {self.predicted_step_s:.4g} s, measured "
-                          f"median {measured:.4g} s ({100 * (self.predicted_step_s / measured - 1):+.0f}%)")
+            throughput = self.parts.throughput
+            if throughput.predicted_step_s is not None and len(self.history) > 1:
+                log.print(" " + prediction_line(throughput.predicted_step_s, self.history[1:]))
             if lg.timeline:
                 self.write_timeline()
                 log.print(f" wrote timeline {lg.timeline}")
             summary = run_summary(
                 self.history[first:], self.evaluations, start_iteration, self.iteration,
                 self.consumed_samples, self.cfg.model.seq_length, time.monotonic() - started,
-                self.parts.throughput.tokens_per_iter, self.flops_per_iter, self.world_size,
-                self.peak_flops, self.last_saved)
+                throughput.tokens_per_iter, throughput.flops_per_iter, self.parts.world_size,
+                throughput.peak_flops, self.last_saved)
             log.event("summary", summary, " " + summary_line(summary))
         except NonFiniteError as e:  # --exit-on-nonfinite: name the checkpoint to go back to
             raise NonFiniteError(f"{e}; {self._diverged(self.nonfinite[0])}") from None
         finally:
             self.debug.stop()
-            self.faults.stop()
+            self.parts.faults.stop()
             self.saver.close(log.print)
             log.close()
         return self.history

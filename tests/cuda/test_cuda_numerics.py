@@ -34,6 +34,7 @@ from torch import nn
 from cpu_twins import twin
 from loom.config import LoomConfig, ModelConfig
 from loom.parallel.mesh import ParallelMesh
+from testkit.numerics import rel_err
 
 # what the aten ops SDPA dispatches to are called, by backend: aten::_scaled_dot_product_
 # flash_attention (its backward: ..._backward), ..._cudnn_attention, ..._efficient_attention,
@@ -50,12 +51,6 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| over the tensor (tests/README.md)."""
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def tiny_llama(**kw) -> ModelConfig:

@@ -129,7 +129,6 @@ CASES = [
     ("heads-not-dividing-hidden", BASE + ["--hidden-size", "30"], ["--hidden-size"]),
     ("split-text", BASE + ["--split", "most,some"], ["--split"]),
     ("ckpt-step-without-load", BASE + ["--ckpt-step", "2"], ["--ckpt-step", "--load"]),
-    ("async-save-without-save", BASE + ["--async-save"], ["--async-save", "--save"]),
     # -- choices and flags ---------------------------------------------------------------------
     ("normalization-choice", BASE + ["--normalization", "BatchNorm"], ["--normalization"]),
     ("decay-style-choice", BASE + ["--lr-decay-style", "exponential"], ["--lr-decay-style"]),
@@ -357,7 +356,7 @@ def _lines(argv, monkeypatch, capsys) -> list[str]:
 @pytest.mark.parametrize("flag,answer", [
     # guesses that would change the model (-> --post-layernorm, --no-swiglu, --vocab-size)
     *[(f, "not supported by loom") for f in ("--retro-add-retriever", "--use-legacy-models",
-                                              "--retro-workdir", "--vision-pretraining")],
+                                              "--retro-workdir", "--encoder-attn-mask-type")],
     ("--num-layer", "did you mean --num-layers?"), ("--hiden-size", "did you mean --hidden-size?"),
     ("--pipeline-parallel-size", "did you mean --pipeline-model-parallel-size?"),
 ])

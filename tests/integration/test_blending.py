@@ -224,7 +224,8 @@ def test_skip_train_evaluates_and_exits(tmp_path, monkeypatch):
         main(BASE + ["--load", str(tmp_path / "ck"), "--skip-train", "--log-json", str(log)])
     assert e.value.code == 0
     kinds = [(r["kind"], r.get("iteration")) for r in _records(log)]
-    assert kinds == [("run", None), ("valid", 2)]  # evaluated the iteration-2 model, no step
+    assert kinds == [("run", None), ("resume", 2), ("valid", 2)]  # what it loaded, evaluated the
+    # iteration-2 model, no step
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
         "iter_0000002", "latest_checkpointed_iteration.txt"]  # nothing saved
 
@@ -264,7 +265,7 @@ def test_blend_from_command_line_and_yaml_list(data, tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert "train data blend: 30.0% " in out and "valid data blend: 30.0% " in out, out
-    assert [r["kind"] for r in _records(log)] == ["run", "train", "valid"]
+    assert [r["kind"] for r in _records(log)] == ["run", "train", "valid", "summary"]
 
 
 def test_blend_of_different_tokenizers_refused(data, tmp_path, monkeypatch, capsys):

@@ -36,6 +36,7 @@ def small_cfg(tp: int, dp: int, iters: int, dropout: float = 0.1) -> LoomConfig:
     cfg.training.lr, cfg.training.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21,
     cfg.training.lr_decay_style = "cosine"  # pinned
     cfg.logging.log_interval = 10**6
+    cfg.logging.eval_iters = 0  # no validation pass (Megatron's default is 100 batches)
     cfg.logging.no_progress_bar = True
     return cfg.validate(tp * dp)
 

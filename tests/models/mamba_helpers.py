@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-import torch
 
 from loom.config import LoomConfig, ModelConfig
 from loom.parallel.mesh import ParallelMesh
@@ -52,11 +51,6 @@ def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,
 # relative to max(|ref|, GRAD_FLOOR): still 1e-5 of every tensor whose gradient exceeds 1e-5,
 # and a real error in a tiny gradient (O(its size), ~1e-7) is ~1e-2 of the floor: caught.
 GRAD_FLOOR = 1e-5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
-    """max |a - b| / max(max |b|, floor)."""
-    return float((a - b).abs().max() / b.abs().max().clamp_min(floor))
 
 
 def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) -> dict:

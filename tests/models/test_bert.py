@@ -26,6 +26,7 @@ from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 V = 100
@@ -49,10 +50,6 @@ def bert_cfg(post: bool, tp: int = 1, dp: int = 1, pp: int = 1, sp: bool = False
     cfg.data.short_seq_prob = 0.5  # many padded samples: the padding mask matters
     cfg.parallel.ddp_bucket_size = 5_000
     return cfg.validate(tp * dp * pp)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def parity_case(post: bool, tp: int = 1, dp: int = 1, pp: int = 1, sp: bool = False,

@@ -37,6 +37,7 @@ from loom.parallel.mesh import ParallelMesh  # noqa: E402
 from loom.parallel.parallelize import build_model  # noqa: E402
 from loom.parallel.registry import local_shard  # noqa: E402
 from testkit import run_distributed  # noqa: E402
+from testkit.numerics import rel_err
 
 V = 100
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -255,10 +256,6 @@ def gemma_cfg(tp: int, dp: int = 1, pp: int = 1, sp: bool = False, kv: int = 2,
     t.train_iters, t.adam_beta2, t.lr_decay_style = 100, 0.95, "cosine"  # loom's old defaults
     cfg.logging.log_interval = 10**9
     return cfg.validate(tp * dp * pp * cp)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def parity_case(**kw) -> dict:

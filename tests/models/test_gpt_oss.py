@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loom.config import LoomConfig, ModelConfig
-from loom.config.compat import no_effect_report
+from loom.config.flag_table import no_effect_report
 from loom.errors import ConfigError
 from loom.models.activation import gated_activation
 from loom.models.gpt.gpt_oss_ops import SinkWindowAttention, gpt_oss_rope, sink_softmax
@@ -130,7 +130,7 @@ def test_config_rules_and_switches():
         _validate(tiny(num_attention_heads=6, num_query_groups=3), tp=3)
     with pytest.raises(ConfigError, match="--context-parallel-size 1"):
         _validate(tiny(), cp=2)
-    report = no_effect_report({"export_force_local_attention": True})
+    report = no_effect_report({"--export-force-local-attention": True})
     assert report and "--export-force-local-attention" in report
 
 

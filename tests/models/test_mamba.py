@@ -33,7 +33,8 @@ from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
 
-from mamba_helpers import RTOL, check_parity, parity, rel_err, tiny
+from mamba_helpers import RTOL, check_parity, parity, tiny
+from testkit.numerics import rel_err
 
 ATOL = 1e-5
 
@@ -184,7 +185,7 @@ def test_mamba_heads_independent_of_hidden_size_match_nemotron_h():
     (dict(tp=2, model=dict(mamba_num_groups=1)), "--mamba-num-groups"),
     (dict(tp=2, model=dict(mamba_expand=3, mamba_head_dim=32, mamba_num_groups=1)),
      r"3 Mamba heads .* not divisible by --tensor-model-parallel-size 2"),
-    (dict(model=dict(hybrid_override_pattern="M*M")), "--hybrid-override-pattern"),
+    (dict(model=dict(hybrid_override_pattern="M*E")), "--hybrid-override-pattern"),  # MoE (E)
     (dict(model=dict(hybrid_override_pattern="M*MX")), "--hybrid-override-pattern"),
     (dict(model=dict(model_type="gpt", hybrid_override_pattern="MMMM")),
      "--hybrid-override-pattern"),

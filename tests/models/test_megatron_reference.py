@@ -32,6 +32,7 @@ pytest.importorskip("megatron.core")
 
 from loom.config import LoomConfig, ModelConfig  # noqa: E402
 from testkit import run_distributed  # noqa: E402
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
@@ -68,11 +69,6 @@ def _errors(ours: dict, ref: dict) -> tuple[float, list]:
     """(largest per-tensor relative error, names only one side has)."""
     odd = sorted(set(ours) ^ set(ref))
     return max(rel_err(ours[n], ref[n]) for n in ours if n in ref), odd
-
-
-def rel_err(a, b):
-    from testkit.megatron import rel_err as err
-    return err(a, b)
 
 
 def _case(style: str, tp: int, tmp: str) -> dict:

@@ -281,11 +281,12 @@ def test_query_key_layer_scaling_changes_nothing_loom_computes(monkeypatch):
 
 
 def test_query_key_layer_scaling_is_reported_as_no_effect():
-    from loom.config.compat import no_effect_report
+    """A no-effect row of the flag table: accepted, named once at start, never stored."""
+    from loom.config.flag_table import no_effect_report
     cfg = _parse(["--apply-query-key-layer-scaling"])
-    assert cfg.training.apply_query_key_layer_scaling
-    assert "--apply-query-key-layer-scaling" in no_effect_report(
-        {"apply_query_key_layer_scaling": True})
+    assert cfg.megatron_no_effect == {"--apply-query-key-layer-scaling": True}
+    assert "--apply-query-key-layer-scaling" in no_effect_report(cfg.megatron_no_effect)
+    assert "apply_query_key_layer_scaling" not in cfg.to_flat()
 
 
 # -- --moe-per-layer-logging ----------------------------------------------------------------------

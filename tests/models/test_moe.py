@@ -234,7 +234,7 @@ def test_checkpoint_moves_between_ep_sizes(tmp_path):
     (dict(tp=2, ep=4, etp=1, pp=2), 4, "--expert-model-parallel-size 4 must divide the 2 ranks"),
     (dict(k=5), 1, "--moe-router-topk 5 must lie in"),
     (dict(tp=2, etp=4), 8, "--expert-tensor-parallel-size 4 must divide --tensor-model-paral"),
-    (dict(experts=None, etp=1), 1, "--expert-tensor-parallel-size needs --num-experts"),
+    (dict(experts=None, ep=2), 2, "--expert-model-parallel-size needs --num-experts"),
 ])
 def test_bad_moe_layouts_refused(change, world, flag):
     with pytest.raises(ConfigError, match=flag):

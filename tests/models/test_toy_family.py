@@ -136,7 +136,7 @@ def test_registry_is_a_value():
 def test_hooks_have_defaults():
     """A family of only build / plan / init / forward_step: no generation, no evaluation task,
     no Hugging Face layout, next-token windows, no extra metric."""
-    from loom.evaluation.tasks import get_task
+    from loom.evaluation.registry import get_task
     bare = ModelFamily(name="bare", build=MlpLM, plan=toy_plan, init=toy_init,
                        forward_step=toy_forward_step)
     assert bare.generation is None and bare.hf is None and bare.logged_metrics(None) == ()

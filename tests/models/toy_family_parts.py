@@ -11,8 +11,8 @@ from torch import nn
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
 from loom.models.init import by_pattern, normal_init, ones_init, vocab_padded_init, zeros_init
-from loom.parallel.plan import (ColumnParallelLinear, PlanContext, RowParallelLinear,
-                                VocabParallelEmbedding, VocabParallelLMHead)
+from loom.parallel.plan import (ColwiseParallel, PlanContext, RowwiseParallel,
+                                VocabEmbeddingParallel, VocabHeadParallel)
 
 
 class Block(nn.Module):
@@ -27,11 +27,11 @@ class Block(nn.Module):
 
 
 def toy_plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
-    return [("embed", VocabParallelEmbedding(cfg.vocab_size)),
-            ("layers.*.fc1", ColumnParallelLinear()),
-            ("layers.*.fc2", RowParallelLinear()),
-            ("out", ColumnParallelLinear(vocab=True)),
-            ("head", VocabParallelLMHead(cfg.vocab_size))]
+    return [("embed", VocabEmbeddingParallel(cfg.vocab_size)),
+            ("layers.*.fc1", ColwiseParallel()),
+            ("layers.*.fc2", RowwiseParallel()),
+            ("out", ColwiseParallel(vocab=True)),
+            ("head", VocabHeadParallel(cfg.vocab_size))]
 
 
 def toy_init(cfg: ModelConfig):

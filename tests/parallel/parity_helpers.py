@@ -22,3 +22,17 @@ def step_mismatches(par: list, ref: list, mesh, rtol: float = 1e-5) -> list[str]
             if err > rtol:
                 out.append(f"step {step}: grad {name} relative error {err:.2e}")
     return out
+
+
+def trainer_steps(tr, steps: int) -> list:
+    """``steps`` training steps of the Trainer ``tr`` run piecewise (not ``train_step``), each
+    ``(global loss, {name: (gradient, ParamMeta)}, clipped gradient norm)``: what
+    :func:`step_mismatches` compares."""
+    out = []
+    for _ in range(steps):
+        loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))
+        grads = {n: (p.grad.detach().clone(), tr.registry[n])
+                 for c in tr.model_chunks for n, p in c.named_parameters() if p.requires_grad}
+        out.append((loss, grads, tr.optimizer_step()))
+        tr.consumed_samples += tr.global_batch
+    return out

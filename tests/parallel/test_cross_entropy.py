@@ -20,14 +20,11 @@ import torch.nn.functional as F
 from loom.config import ModelConfig
 from loom.parallel.cross_entropy import default_chunk_tokens, linear_cross_entropy
 from testkit import run_distributed
+from testkit.numerics import rel_err
 
 S, B, H, V = 6, 5, 16, 300
 CHUNKS = (None, 7, 10, 1, 64)  # N = 30: default (1 chunk), non-divisor, divisor, 1 token, > N
 RTOL = 1e-5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def inputs(t: int):

@@ -29,6 +29,7 @@ from loom.config import LoomConfig, ModelConfig
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 
@@ -61,12 +62,6 @@ def make_cfg(world: int, tp=1, pp=1, ep=1, zero=1, og=False, opg=False, m=None, 
     cfg.data.mock_data = True
     cfg.logging.log_interval = 10**9
     return cfg.validate(world)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    return float((a - b).abs().max() / scale.abs().max().clamp_min(1e-12))
 
 
 def parity_case(**kw) -> dict:

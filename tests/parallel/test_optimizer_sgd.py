@@ -24,6 +24,7 @@ import torch
 
 from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 STEPS = 3
@@ -32,8 +33,9 @@ STEPS = 3
 def make_cfg(world: int, tp: int = 2, pp: int = 2, zero: int = 0, og: bool = False,
              opg: bool = False, deterministic: bool = False) -> LoomConfig:
     cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                            seq_length=16, vocab_size=300, hidden_dropout=0.0,
-                                            attention_dropout=0.0))
+                                            seq_length=16, vocab_size=300,
+                                            padded_vocab_size=384,  # the same Vp at every t
+                                            hidden_dropout=0.0, attention_dropout=0.0))
     p, t = cfg.parallel, cfg.training
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     p.overlap_grad_reduce, p.ddp_bucket_size = og, 20_000  # several buckets
@@ -87,10 +89,6 @@ def _reference(cfg: LoomConfig, steps: int) -> dict:
     out["momentum"] = {n: st["momentum_buffer"] for n, st in
                        optimizer_state_by_name(ref.optimizer, params).items()}
     return out
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if a.numel() else 0.0
 
 
 def parity_case(ref: dict, save: str | None = None, **kw) -> dict:

@@ -27,6 +27,7 @@ from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from loom.parallel.tensor import vocab_parallel_cross_entropy
 from testkit import count_collectives, run_distributed
+from testkit.numerics import rel_err
 
 RTOL = 1e-5
 
@@ -65,11 +66,6 @@ def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
 
 def reference_shard(ref: torch.Tensor, meta, mesh: ParallelMesh) -> torch.Tensor:
     return local_shard(ref, meta, mesh.tp_rank, mesh.tp_size)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (elementwise rtol is meaningless for entries that are ~0)."""
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,

@@ -80,8 +80,8 @@ def styles_world() -> dict:
     from loom.parallel.context.split import local_positions, slice_for_cp
     from loom.parallel.grad_buffer import GradBuffer
     from loom.parallel.mesh import ParallelMesh
-    from loom.parallel.plan import (ColumnParallelLinear, RowParallelLinear,
-                                    VocabParallelEmbedding, VocabParallelLMHead)
+    from loom.parallel.plan import (ColwiseParallel, RowwiseParallel,
+                                    VocabEmbeddingParallel, VocabHeadParallel)
     from loom.parallel.sequence import (gather_from_sequence_parallel_region,
                                         scatter_to_sequence_parallel_region)
     mesh = ParallelMesh.build(tp=2)
@@ -89,10 +89,10 @@ def styles_world() -> dict:
     torch.manual_seed(0)  # the reference modules are identical on every rank
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 2, 8, generator=g)
-    # ColumnParallelLinear with fused segments (3, 5) -> rows split per segment
+    # ColwiseParallel with fused segments (3, 5) -> rows split per segment
     ref = nn.Linear(8, 16)
     meta_ref = nn.Linear(8, 16, device="meta")
-    col, fields = _style(ColumnParallelLinear(segments=(6, 10)), meta_ref, mesh)
+    col, fields = _style(ColwiseParallel(segments=(6, 10)), meta_ref, mesh)
     meta = ParamMeta(full_shape=fields["weight"]["full_shape"], init=None,
                      shard=fields["weight"]["shard"])
     with torch.no_grad():
@@ -100,23 +100,23 @@ def styles_world() -> dict:
         col.bias.copy_(local_shard(ref.bias, ParamMeta((16,), None, meta.shard), r, 2))
     out["colwise"] = float((col(x) - local_shard(ref(x).transpose(0, 2), ParamMeta(
         (16, 2, 5), None, ShardSpec(0, (6, 10))), r, 2).transpose(0, 2)).abs().max())
-    # RowParallelLinear: full output on every rank
+    # RowwiseParallel: full output on every rank
     ref = nn.Linear(16, 8)
-    row, fields = _style(RowParallelLinear(), nn.Linear(16, 8, device="meta"), mesh)
+    row, fields = _style(RowwiseParallel(), nn.Linear(16, 8, device="meta"), mesh)
     with torch.no_grad():
         row.weight.copy_(ref.weight.chunk(2, dim=1)[r])
         row.bias.copy_(ref.bias)
     xin = torch.randn(5, 2, 16, generator=g)
     out["rowwise"] = float((row(xin.chunk(2, dim=-1)[r]) - ref(xin)).abs().max())
-    # VocabParallelEmbedding embedding
+    # VocabEmbeddingParallel embedding
     emb_ref = nn.Embedding(16, 4)
-    emb, _ = _style(VocabParallelEmbedding(vocab_size=13), nn.Embedding(16, 4, device="meta"), mesh)
+    emb, _ = _style(VocabEmbeddingParallel(vocab_size=13), nn.Embedding(16, 4, device="meta"), mesh)
     with torch.no_grad():
         emb.weight.copy_(emb_ref.weight.chunk(2, dim=0)[r])
     ids = torch.randint(0, 13, (2, 5), generator=g)
     out["vocab_embedding"] = float((emb(ids) - emb_ref(ids)).abs().max())
-    # VocabParallelLMHead: loss and input gradient equal F.cross_entropy on full logits
-    head, _ = _style(VocabParallelLMHead(vocab_size=13), nn.Identity(), mesh)
+    # VocabHeadParallel: loss and input gradient equal F.cross_entropy on full logits
+    head, _ = _style(VocabHeadParallel(vocab_size=13), nn.Identity(), mesh)
     w = torch.randn(16, 8, generator=g)
     w[13:] = 0
     hx = x.clone().requires_grad_(True)

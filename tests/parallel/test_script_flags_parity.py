@@ -73,6 +73,9 @@ def test_decoupled_lr_squared_relu_and_zero_count_match_one_rank():
         assert [r[2] for r in recs] == pytest.approx([r[2] for r in records]), layout
         full = _full(got)
         assert set(full) == set(ref), layout
-        for name, w in ref.items():
-            torch.testing.assert_close(full[name], w, rtol=1e-5, atol=1e-6,
+        for name, w in ref.items():  # weights after 3 Adam steps: Adam divides by sqrt(v) + eps,
+            # so an entry whose gradient is near zero (squared ReLU's zeros) carries the rounding
+            # of another summation order into its update at up to lr scale (seen: 1.2e-6 on one
+            # of 4096 entries at TP2 x DP2); atol 1e-5 is 0.2% of one 5e-3 step
+            torch.testing.assert_close(full[name], w, rtol=1e-5, atol=1e-5,
                                        msg=f"{layout} {name}")

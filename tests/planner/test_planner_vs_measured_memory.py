@@ -3,7 +3,7 @@ measurements recorded in ``benchmarks/results/planner_vs_measured.json`` (loom's
 this machine: model states + the peak of autograd's saved tensors, max over ranks; step times;
 see docs/planner-validation.md). Re-measuring takes minutes (``python -m
 benchmarks.planner_vs_measured``); re-predicting takes a second, so a planner change that moves
-a prediction away from what loom measured, or away from the README's table, fails here.
+a prediction away from what loom measured, or away from docs/benchmarks.md's table, fails here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_memory_predictions_match_recorded_measurements():
             continue
         pred = _fp32_peak_bytes(make_config(ranks, tp, pp, cp, mbs, rc, sched, extra), ranks)
         r = rec[name]
-        # the recorded table (README, docs/planner-validation.md) is still what the planner says
+        # the recorded tables (docs/benchmarks.md, docs/planner-validation.md): the planner's
         assert pred == pytest.approx(r["pred_mem_fp32_bytes"], rel=1e-3), name
         errors[name] = pred / r["meas_tensor_bytes"] - 1
     assert len(errors) >= 12, sorted(errors)
@@ -42,7 +42,7 @@ def test_memory_predictions_match_recorded_measurements():
 
 
 def test_time_predictions_are_the_current_planners():
-    """The recorded step-time predictions (README's table) are what the current planner says for
+    """The recorded step-time predictions (docs/benchmarks.md) are what the current planner says for
     the recorded calibration and host (``--rescore``: same cores, same calibration), and >= 12
     of them are within issue 26's +-15% of the measured steps."""
     from benchmarks.planner_vs_measured import rescore

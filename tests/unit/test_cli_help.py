@@ -86,10 +86,10 @@ def _help_argvs() -> list[list[str]]:
     """``--help`` of ``loom``, of every subcommand, and of every sub-subcommand (a positional
     with choices, like ``loom checkpoint inspect``, or a nested subparser)."""
     argvs = [["--help"]]
-    for name, (module, _) in SUBCOMMANDS.items():
+    for name, (load, _) in SUBCOMMANDS.items():
         argvs.append([name, "--help"])
         p = argparse.ArgumentParser()
-        importlib.import_module(module).add_arguments(p)
+        load().add_arguments(p)
         for a in p._actions:
             if not a.option_strings and a.choices:
                 argvs += [[name, str(c), "--help"] for c in a.choices]

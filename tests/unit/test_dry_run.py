@@ -56,3 +56,22 @@ def test_dry_run_never_touches_the_local_disk(capsys, tmp_path, monkeypatch):
 def test_save_interval_without_save_is_no_saves(capsys):
     code, out = run(FLAGS + ["--dry-run", "--save-interval", "5"], capsys)
     assert code == 0, out
+
+
+def test_headline_parameter_count_uses_the_padded_vocabulary(capsys):
+    """Issue 42: the ``parameters:`` line counts the embedding and output rows the model is
+    built with (``--padded-vocab-size``, else V padded to ``--make-vocab-size-divisible-by`` x
+    t), as the exact per-rank count and Megatron do (Qwen2.5-7B said 6.89 B for 7.62 B)."""
+    import re
+    base = FLAGS[:-2]  # one rank: no tensor parallelism
+    counts = {}
+    for extra in ([], ["--padded-vocab-size", "512"], ["--untie-embeddings-and-output-weights",
+                                                       "--padded-vocab-size", "512"]):
+        code, out = run(base + extra + ["--dry-run", "--world-size", "1"], capsys)
+        assert code == 0, out
+        counts[len(extra)] = int(re.search(r"^parameters: (\d+)", out, re.M).group(1))
+        exact = re.search(r"rank 0 .*?: ([\d,]+) params", out)
+        assert exact and int(exact.group(1).replace(",", "")) == counts[len(extra)], out
+    h = 32
+    assert counts[2] - counts[0] == (512 - 128) * h  # V = 128 is already a multiple of 128
+    assert counts[3] - counts[2] == 512 * h  # the untied output layer, padded too

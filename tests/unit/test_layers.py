@@ -1,25 +1,23 @@
 """Layers that only point down (docs/architecture.md): every import between loom's packages goes
 to a lower layer of :data:`LAYERS`, or sideways within one layer without a cycle.
 
-Every ``import`` / ``from ... import`` counts, at module level or inside a function (relative
-ones resolved), and so does a string naming a loom module: an ``importlib.import_module`` /
-``__import__`` argument (a constant, or an f-string's constant prefix) and any string constant
-that is exactly a loom module path (``"loom.models.gpt"``, ``"loom.evaluation.mlm:TASK"``: the
-registries resolved with ``importlib``). A module's package is the first name under ``loom.``;
+Every reference counts, as the one parser of the guards reads it (tests/unit/import_graph.py:
+imports anywhere, relative ones resolved, ``import_module`` / ``__import__`` / ``sys.modules``
+with a literal under any alias, strings that are exactly a loom module path); a module name
+built at run time is refused. A module's package is the first name under ``loom.``;
 a top-level module (``loom/errors.py``, ``loom/cli.py``) is its own package, ``loom/__init__.py``
 is ``loom``.
 """
 
 from __future__ import annotations
 
-import ast
 import pathlib
-import re
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import loom
 
 from import_cycles import find_cycle
+from import_graph import all_imports, computed_names, modules_of
 
 ROOT = pathlib.Path(loom.__file__).parent
 
@@ -34,8 +32,6 @@ LAYERS = {
     "cli": 6, "demo": 6, "__main__": 6,  # (the test helpers are testkit/, outside the package)
 }
 
-_MODULE_STRING = re.compile(r"^loom(\.\w+)+(:\w+)?$")
-
 
 class Edge(NamedTuple):
     """``source`` package imports ``target`` package at ``where`` (``file:line``)."""
@@ -45,18 +41,6 @@ class Edge(NamedTuple):
     where: str
 
 
-def modules_of(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """``{dotted module name: path}`` of every ``.py`` file under ``root`` (a package dir named
-    e.g. ``loom``); ``pkg/__init__.py`` is ``pkg``."""
-    out = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = list(path.relative_to(root.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
-
-
 def package_of(module: str) -> str:
     """``loom.models.gpt.model`` -> ``models``; ``loom.errors`` -> ``errors``; ``loom`` ->
     ``loom``."""
@@ -64,79 +48,22 @@ def package_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def _resolve(name: str, modules: dict) -> Optional[str]:
-    """The longest prefix of ``name`` that is a module of the tree (None when none is)."""
-    parts = name.split(".")
-    for n in range(len(parts), 0, -1):
-        if ".".join(parts[:n]) in modules:
-            return ".".join(parts[:n])
-    return None
-
-
-def _string_target(node: ast.AST) -> Optional[str]:
-    """The module an ``import_module`` / ``__import__`` argument names: a constant, or the
-    dotted prefix of an f-string's leading constant; None otherwise."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value.split(":")[0]
-    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
-        prefix = str(node.values[0].value)
-        return prefix.rsplit(".", 1)[0] if "." in prefix else prefix
-    return None
-
-
-def imported_modules(module: str, path: pathlib.Path, modules: dict) -> list[tuple[str, int]]:
-    """``[(imported loom module, line)]`` of one file: imports anywhere in it (relative ones
-    resolved against ``module``), ``import_module`` / ``__import__`` strings, and string
-    constants that are exactly a loom module path."""
-    is_package = path.name == "__init__.py"
-    here = module.split(".") if is_package else module.split(".")[:-1]
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                stem = here[:len(here) - node.level + 1]
-                base = ".".join(stem + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                     for a in node.names]
-        elif isinstance(node, ast.Call) and node.args:
-            func = node.func
-            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if fname in ("import_module", "__import__"):
-                target = _string_target(node.args[0])
-                names = [target] if target else []
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
-                _MODULE_STRING.match(node.value):
-            names = [node.value.split(":")[0]]
-        for name in names:
-            resolved = _resolve(name, modules) if name.split(".")[0] == "loom" else None
-            if resolved is not None:
-                out.append((resolved, getattr(node, "lineno", 0)))
-    return out
-
-
 def package_edges(root: pathlib.Path) -> list[Edge]:
     """Every import from one package of the tree at ``root`` into another, with its place."""
-    modules = modules_of(root)
     edges: dict[Edge, None] = {}  # in order, each once
-    for module, path in modules.items():
-        src = package_of(module)
-        for target, line in imported_modules(module, path, modules):
-            if package_of(target) != src:
-                where = f"{path.relative_to(root.parent)}:{line}"
-                edges[Edge(src, package_of(target), where)] = None
+    for i in all_imports(root):
+        if i.target is not None and package_of(i.target) != package_of(i.source):
+            edges[Edge(package_of(i.source), package_of(i.target), i.where(root))] = None
     return list(edges)
 
 
 def layer_violations(root: pathlib.Path, layers: dict[str, int]) -> list[str]:
-    """One line per broken rule: a package missing from ``layers``, an edge up the layers, a
-    ``parallel`` import of ``models`` or above, a cycle among packages (each naming
-    ``file:line`` and the edge)."""
+    """One line per broken rule: a package missing from ``layers``, a module name the parser
+    cannot read (:func:`import_graph.computed_names`), an edge up the layers, a ``parallel``
+    import of ``models`` or above, a cycle among packages (each naming ``file:line`` and the
+    edge)."""
     edges = package_edges(root)
-    out = []
+    out = computed_names(root)
     for pkg in sorted({package_of(m) for m in modules_of(root)} - set(layers)):
         out.append(f"package {pkg} has no layer in LAYERS")
     for e in edges:
@@ -203,9 +130,9 @@ def test_checker_catches_relative_and_string_imports(tmp_path):
         "training/__init__.py": "", "training/step.py": "",
     })
     bad = "\n".join(layer_violations(root, _LOW_HIGH))
-    for where, target in (("a.py:1", "training"), ("b.py:2", "models"), ("c.py:4", "training"),
-                          ("d.py:1", "models")):
+    for where, target in (("a.py:1", "training"), ("b.py:2", "models"), ("d.py:1", "models")):
         assert f"loom/parallel/{where}: parallel (layer 2) -> {target}" in bad, bad
+    assert "loom/parallel/c.py:4: import_module of a name built at run time" in bad, bad
 
 
 def test_checker_passes_a_downward_tree_and_names_unknown_packages(tmp_path):

@@ -1,32 +1,30 @@
-"""Issue 21 items 3 and 5: every loom flag named like Megatron-LM's takes Megatron-LM's default
-(loom/config/megatron_defaults.py, rendered in docs/megatron-defaults.md); Megatron's required
-flags are refused when omitted."""
+"""Issue 21 items 3 and 5, issue 42: every loom flag named like Megatron-LM's takes Megatron-LM's
+default (read from the snapshot of Megatron's parser, loom/config/megatron_flags.json, through the
+flag table; rendered in docs/megatron-defaults.md: tests/unit/test_flag_table.py); Megatron's
+required flags are refused when omitted."""
 
 import argparse
 import math
-from dataclasses import fields
-from pathlib import Path
 
 import pytest
 
-from loom.config import GROUPS, LoomConfig, add_config_arguments, config_from_args
-from loom.config.megatron_defaults import LOOM_OWN, MEGATRON_DEFAULTS, REQUIRED, SAME_MEANING
+from loom.config import LoomConfig, add_config_arguments, config_from_args
+from loom.config.flag_docs import expected_default
+from loom.config.flag_kinds import IMPLEMENTED
+from loom.config.flag_table import field_of, table
 from loom.errors import ConfigError
 
 REQUIRED_GIVEN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                   "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
                   "--train-iters", "5"]
-DOC = Path(__file__).resolve().parents[2] / "docs" / "megatron-defaults.md"
+IMPLEMENTED_ROWS = {name: row for name, row in table().items()
+                    if row.kind == IMPLEMENTED and row.field is None}
 
 
-def _dataclass_defaults() -> dict:
-    return {f.name: f.default for dc in GROUPS.values() for f in fields(dc)}
-
-
-def _resolved(argv: list) -> LoomConfig:
+def _resolved(argv: list, world: int = 1) -> LoomConfig:
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    return config_from_args(parser.parse_args(argv)).validate(1)
+    return config_from_args(parser.parse_args(argv)).validate(world)
 
 
 def _same(loom_value, megatron_value) -> bool:
@@ -37,30 +35,6 @@ def _same(loom_value, megatron_value) -> bool:
         (loom_value is None and megatron_value is None)
 
 
-def _expected(name: str):
-    """What loom must hold for the row: Megatron's value, or loom's spelling of it."""
-    row = MEGATRON_DEFAULTS[name]
-    if name in SAME_MEANING:
-        return SAME_MEANING[name]
-    if name in LOOM_OWN:  # loom's own on purpose, the run unchanged (the checkpoint format)
-        return LOOM_OWN[name]
-    return None if row.default is REQUIRED else row.default
-
-
-def test_every_megatron_named_flag_is_in_the_table():
-    loom = _dataclass_defaults()
-    assert set(MEGATRON_DEFAULTS) <= set(loom)
-    for must in ("adam_beta2", "lr_decay_style", "log_interval", "eval_iters", "num_layers",
-                 "split", "accumulate_allreduce_grads_in_fp32", "recompute_method"):
-        assert must in MEGATRON_DEFAULTS
-
-
-@pytest.mark.parametrize("name", sorted(MEGATRON_DEFAULTS))
-def test_dataclass_default_is_megatrons(name):
-    assert _same(_dataclass_defaults()[name], _expected(name)), \
-        f"--{name}: loom {_dataclass_defaults()[name]!r}, Megatron {MEGATRON_DEFAULTS[name]}"
-
-
 RESOLVED = {"split": "969, 30, 1", "max_position_embeddings": 16}  # validation fills these in
 
 
@@ -69,14 +43,15 @@ def test_omitted_flags_resolve_to_megatrons_defaults():
     flat = cfg.to_flat()
     given = {a[2:].replace("-", "_") for a in REQUIRED_GIVEN + ["--vocab-size"]
              if a.startswith("--")}
-    for name in MEGATRON_DEFAULTS:
-        if name in given or name == "mock_data":
+    for name, row in IMPLEMENTED_ROWS.items():
+        field = field_of(name, row)
+        if field in given or field == "mock_data":
             continue
-        want = RESOLVED.get(name, _expected(name))
-        if name == "max_position_embeddings":  # inferred from --seq-length
+        want = RESOLVED.get(field, expected_default(name)[1])
+        if field == "max_position_embeddings":  # inferred from --seq-length
             assert cfg.model.max_positions == want
             continue
-        assert _same(flat[name], want), f"--{name} resolves to {flat[name]!r}, want {want!r}"
+        assert _same(flat[field], want), f"{name} resolves to {flat[field]!r}, want {want!r}"
     assert cfg.model.num_kv_groups == 4  # no --group-query-attention: a, as Megatron
 
 
@@ -114,8 +89,14 @@ def test_mamba_depth_from_the_hybrid_pattern():
                                  "--mamba-head-dim", "16", "--mamba-num-groups", "1"]
     cfg = _resolved(base + ["--hybrid-override-pattern", "M*M-M"])
     assert cfg.model.num_layers == 5
-    with pytest.raises(ConfigError, match="--hybrid-override-pattern 'M\\*M' has 3 layers"):
-        _resolved(base + ["--hybrid-override-pattern", "M*M", "--num-layers", "4"])
+    # the pattern sets the depth; a different --num-layers is ignored, as Megatron ignores it
+    assert _resolved(base + ["--hybrid-override-pattern", "M*M", "--num-layers", "4"]
+                     ).model.num_layers == 3
+    cfg = _resolved(base + ["--hybrid-override-pattern", "M*|MM|M-|*M",
+                            "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
+                    world=2)  # | splits the stages
+    assert cfg.model.hybrid_override_pattern == "M*MMM-*M"
+    assert cfg.parallel.num_layers_per_virtual_pipeline_stage == 2  # 4 segments on 2 stages
     with pytest.raises(ConfigError, match="--num-layers is required.*--hybrid-override-pattern"):
         _resolved(base)
 
@@ -129,18 +110,6 @@ def test_full_recompute_needs_method_and_count():
         _resolved(base + ["--recompute-method", "uniform"])
     cfg = _resolved(base + ["--recompute-method", "block", "--recompute-num-layers", "1"])
     assert cfg.training.recompute_method == "block"
-
-
-def test_doc_lists_every_row():
-    text = DOC.read_text(encoding="utf-8")
-    rows = {line.split("|")[1].strip().strip("`"): line for line in text.splitlines()
-            if line.startswith("| `--")}
-    for name, row in MEGATRON_DEFAULTS.items():
-        flag = "--" + name.replace("_", "-")
-        assert flag in rows, f"docs/megatron-defaults.md lacks {flag}"
-        assert row.source in rows[flag]
-        shown = "required" if row.default is REQUIRED else f"`{row.default!r}`"
-        assert shown in rows[flag], f"{flag}: the doc does not show Megatron's {shown}"
 
 
 def test_skip_train_needs_no_lr_or_train_iters():

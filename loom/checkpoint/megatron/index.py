@@ -9,8 +9,8 @@ the Megatron keys :func:`~loom.checkpoint.megatron.names.sources` lists, the fir
 and is brought into loom's layout (:mod:`~loom.checkpoint.megatron.layout`). A name found at
 none is missing (an error naming it at load); a Megatron weight no loom name reads is refused
 (:meth:`MegatronIndex.unread`), so nothing of the checkpoint is dropped silently. Adam states
-(``exp_avg``, ``exp_avg_sq``, the fp32 master weights as loom's ``master_param``, ``step`` from
-``common.pt``) come with the same mapping when the checkpoint's optimizer layout maps
+(``exp_avg``, ``exp_avg_sq``, SGD's and Muon's ``momentum_buffer``, the fp32 master weights as
+loom's ``master_param``, ``step`` from ``common.pt``) come with the same mapping when the checkpoint's optimizer layout maps
 (:meth:`~loom.checkpoint.megatron.stores.DistStore.optimizer_layout`).
 """
 
@@ -25,6 +25,9 @@ from loom.checkpoint.megatron.args import args_of, zero_centered_gains
 from loom.checkpoint.megatron.names import Source, attention_kind, kind_of, sources
 from loom.checkpoint.megatron.stores import MASTER_STATES, open_store
 from loom.errors import ConfigError
+
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+"""Parameter-shaped optimizer states read by name (Adam's; SGD's and Muon's momentum)."""
 
 
 def expected_parameters(cfg) -> dict:
@@ -123,8 +126,9 @@ class MegatronIndex:
 
     def has_optimizer_state(self, name: str) -> bool:
         src = self.where.get(name)
-        return bool(self.optim_ok and src and
-                    self.store.optimizer_key("exp_avg", src.key + (src.parts[0] if src.parts else "")))
+        key = src.key + (src.parts[0] if src.parts else "") if src else None
+        return bool(self.optim_ok and src and any(self.store.optimizer_key(state, key)
+                                                  for state in OPTIMIZER_STATES))
 
     def _spec(self, key_to_name: dict):
         """``spec_of(key)`` for :meth:`TorchStore.read`: loom's ShardSpec (QKV: Megatron's
@@ -191,7 +195,7 @@ class MegatronIndex:
         optim: dict[str, dict] = {n: {} for n in optim_names}
         if optim_names:
             step = _step_of(self.store.common.get("optimizer"))
-            for state in ("exp_avg", "exp_avg_sq") + MASTER_STATES:
+            for state in OPTIMIZER_STATES + MASTER_STATES:
                 have = [n for n in optim_names if self.store.optimizer_key(
                     state, self.where[n].key + (self.where[n].parts or ("",))[0])]
                 got = self._fetch(have, lambda k, s=state: self.store.optimizer_key(s, k),

@@ -112,9 +112,10 @@ class DistStore:
 
     def optimizer_layout(self) -> tuple[bool, str]:
         """(whether the Adam states map to parameters, the one-line description)."""
-        if "exp_avg" in self.opt:
-            return True, ("Adam states by parameter (Megatron's non-distributed optimizer, or "
-                          "the distributed one saved fully reshardable)")
+        if "exp_avg" in self.opt or "momentum_buffer" in self.opt:
+            return True, ("optimizer states by parameter (Adam's, SGD's or Muon's momentum: "
+                          "Megatron's non-distributed optimizer, or the distributed one saved "
+                          "fully reshardable)")
         if any(k.startswith(("optimizer.distributed.", "chained_")) and ".distributed." in k
                or k.startswith("optimizer.distributed.") for k in self.md):
             return False, ("its Adam states are the distributed optimizer's dp_reshardable "

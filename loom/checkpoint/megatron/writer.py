@@ -172,13 +172,13 @@ def _part_sizes(parts: tuple[str, ...], cfg) -> list[int]:
 
 
 def optimizer_chunks(states: dict, cfg, target_tp: int = 1) -> tuple[Chunks, dict]:
-    """Adam states ``{name: {exp_avg, exp_avg_sq, master_param, step}}`` as the
-    non-distributed optimizer's model-space keys ``optimizer.state.<state>.<key>`` (the fp32
-    master weights as ``fp32_param``)."""
+    """Optimizer states ``{name: {exp_avg, exp_avg_sq, momentum_buffer, master_param, step}}``
+    (Adam's; SGD's and Muon's momentum) as the non-distributed optimizer's model-space keys
+    ``optimizer.state.<state>.<key>`` (the fp32 master weights as ``fp32_param``)."""
     chunks: Chunks = {}
     sizes: dict = {}
     for state, meg in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"),
-                       ("master_param", "fp32_param")):
+                       ("momentum_buffer", "momentum_buffer"), ("master_param", "fp32_param")):
         full = {n: st[state] for n, st in states.items() if torch.is_tensor(st.get(state))}
         c, sz = megatron_chunks(full, cfg, target_tp)
         chunks.update({f"optimizer.state.{meg}.{k}": v for k, v in c.items()})

@@ -19,9 +19,9 @@ from loom.config import ModelConfig
 from loom.models.family import StageSpec
 from loom.models.init import (by_pattern, normal_init, ones_init, scaled_normal_init,
                               vocab_padded_init, zeros_init)
-from loom.parallel.plan import (ColumnParallelLinear, ParallelStyle, PartitionedRNG, PipelineShared,
-                                PlanContext, RowParallelLinear, SequenceParallelOutput,
-                                SequenceParallelParams, VocabParallelEmbedding, VocabParallelLMHead)
+from loom.parallel.plan import (ColwiseParallel, ParallelStyle, PartitionedRNG, PipelineShared,
+                                PlanContext, RowwiseParallel, SequenceParallelOutput,
+                                SequenceParallelParams, VocabEmbeddingParallel, VocabHeadParallel)
 from loom.parallel.registry import ShardSpec
 from loom.parallel.sequence import gather_sequence_replicated_grad
 
@@ -57,15 +57,15 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     a, g, d = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim
     f = cfg.ffn_size
     out = [
-        ("embedding.word_embeddings", VocabParallelEmbedding(cfg.vocab_size)),
+        ("embedding.word_embeddings", VocabEmbeddingParallel(cfg.vocab_size)),
         ("layers.*.self_attention.linear_qkv",
-         ColumnParallelLinear(segments=(a * d, g * d, g * d))),
-        ("layers.*.self_attention.linear_proj", RowParallelLinear()),
+         ColwiseParallel(segments=(a * d, g * d, g * d))),
+        ("layers.*.self_attention.linear_proj", RowwiseParallel()),
         ("layers.*.self_attention.core_attention", PartitionedRNG("tp")),
-        ("layers.*.mlp.linear_fc1", ColumnParallelLinear(segments=(f, f) if cfg.swiglu else None)),
-        ("layers.*.mlp.linear_fc2", RowParallelLinear()),
+        ("layers.*.mlp.linear_fc1", ColwiseParallel(segments=(f, f) if cfg.swiglu else None)),
+        ("layers.*.mlp.linear_fc2", RowwiseParallel()),
         ("output_layer", VocabParallelBias()),
-        ("head", VocabParallelLMHead(cfg.softmax_vocab_size)),
+        ("head", VocabHeadParallel(cfg.softmax_vocab_size)),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),
         ("layers.*.*layernorm", SequenceParallelParams()),

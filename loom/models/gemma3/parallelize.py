@@ -30,10 +30,10 @@ from loom.models.init import (by_pattern, normal_init, scaled_normal_init, vocab
                               zeros_init)
 from loom.parallel.mappings import copy_to_tensor_parallel_region
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.plan import (ColumnParallelLinear, ContextParallelCore, ParallelStyle,
-                                PartitionedRNG, PipelineShared, PlanContext, RowParallelLinear,
+from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, ParallelStyle,
+                                PartitionedRNG, PipelineShared, PlanContext, RowwiseParallel,
                                 SequenceParallelOutput, SequenceParallelParams,
-                                VocabParallelEmbedding, VocabParallelLMHead)
+                                VocabEmbeddingParallel, VocabHeadParallel)
 from loom.parallel.sequence import gather_from_sequence_parallel_region
 
 
@@ -85,19 +85,19 @@ class PartialGradOverTP(ParallelStyle):
 def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     """``[(module pattern, style)]`` for one chunk of the model."""
     g, d, f, t = cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size, ctx.mesh.tp_size
-    kv = ColumnParallelLinear(segments=(g * d, g * d)) if g % t == 0 else ReplicatedKV(g)
-    head = VocabParallelLMHead(cfg.softmax_vocab_size, softcap=cfg.final_logit_softcapping)
+    kv = ColwiseParallel(segments=(g * d, g * d)) if g % t == 0 else ReplicatedKV(g)
+    head = VocabHeadParallel(cfg.softmax_vocab_size, softcap=cfg.final_logit_softcapping)
     out = [
-        ("embedding.word_embeddings", VocabParallelEmbedding(cfg.vocab_size)),
-        ("layers.*.self_attention.linear_q", ColumnParallelLinear()),
+        ("embedding.word_embeddings", VocabEmbeddingParallel(cfg.vocab_size)),
+        ("layers.*.self_attention.linear_q", ColwiseParallel()),
         ("layers.*.self_attention.linear_kv", kv),
         ("layers.*.self_attention.q_layernorm", PartialGradOverTP()),
         ("layers.*.self_attention.k_layernorm", PartialGradOverTP()),
-        ("layers.*.self_attention.linear_proj", RowParallelLinear()),
+        ("layers.*.self_attention.linear_proj", RowwiseParallel()),
         ("layers.*.self_attention.core_attention", PartitionedRNG("tp")),
         ("layers.*.self_attention.core_attention", ContextParallelCore()),
-        ("layers.*.mlp.linear_fc1", ColumnParallelLinear(segments=(f, f))),
-        ("layers.*.mlp.linear_fc2", RowParallelLinear()),
+        ("layers.*.mlp.linear_fc1", ColwiseParallel(segments=(f, f))),
+        ("layers.*.mlp.linear_fc2", RowwiseParallel()),
         ("head", head),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),

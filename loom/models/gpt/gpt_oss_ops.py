@@ -46,11 +46,12 @@ class SinkWindowAttention(DotProductAttention):
     """``softmax_sink(q k^T / sqrt(d) + mask) v``: the causal (optionally sliding-window) core
     with attention sinks; keys at positions ``0 .. s_k - 1``, queries at ``q_positions``
     (default: the last s_q). ``softmax_offset [heads]``: the learnable sinks (a parameter), a
-    zero buffer for off-by-one, absent for vanilla."""
+    zero buffer for off-by-one, absent for vanilla. ``scale``: instead of ``1 / sqrt(d)``
+    (muP's)."""
 
     def __init__(self, dropout: float, heads: int, softmax_type: str = "vanilla",
-                 window: Optional[int] = None):
-        super().__init__(dropout)
+                 window: Optional[int] = None, scale: Optional[float] = None):
+        super().__init__(dropout, scale=scale)
         self.softmax_type, self.window = softmax_type, window
         if softmax_type == "learnable":
             self.softmax_offset = nn.Parameter(torch.empty(heads))
@@ -69,7 +70,8 @@ class SinkWindowAttention(DotProductAttention):
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = scores / math.sqrt(q.shape[-1]) if self.scale is None else scores * self.scale
         scores = scores.masked_fill(~mask, float("-inf"))
         sink = self.softmax_offset
         if sink is not None and sink.shape[0] != q.shape[1]:

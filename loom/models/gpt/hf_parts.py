@@ -22,7 +22,8 @@ PLAIN_LAYOUT = (("squared_relu", False), ("qk_layernorm", False), ("rotary_perce
                 ("quick_geglu", False), ("softmax_type", "vanilla"), ("window_size", None),
                 ("mtp_num_layers", None), ("rotary_scaling_factor", None),
                 ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None),
-                ("enable_gpt_oss", False), ("multi_latent_attention", False))
+                ("enable_gpt_oss", False), ("multi_latent_attention", False),
+                ("rotary_interleaved", False), ("use_mup", False))
 
 
 def check_plain(cfg: ModelConfig, title: str, allowed: tuple = ()) -> None:

@@ -50,9 +50,11 @@ class SelfAttention(nn.Module):
         if cfg.softmax_type != "vanilla" or cfg.is_window_layer(layer_number):  # gpt-oss
             self.core_attention = SinkWindowAttention(
                 cfg.attention_dropout, a, cfg.softmax_type,
-                cfg.window[0] if cfg.is_window_layer(layer_number) else None)
+                cfg.window[0] if cfg.is_window_layer(layer_number) else None,
+                scale=cfg.attention_softmax_scale)
         else:
-            self.core_attention = DotProductAttention(cfg.attention_dropout)
+            self.core_attention = DotProductAttention(cfg.attention_dropout,
+                                                      scale=cfg.attention_softmax_scale)
         self.linear_proj = nn.Linear(a * d, h, bias=bias)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
@@ -129,10 +131,12 @@ class TransformerLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Word embeddings plus learned absolute positions: ``ids [b, s] -> [s, b, h]``."""
+    """Word embeddings plus learned absolute positions: ``ids [b, s] -> [s, b, h]``, times
+    muP's ``--mup-embedding-mult`` (1 without ``--use-mup``)."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int, with_positions: bool = True):
         super().__init__()
+        self.multiplier = cfg.embedding_multiplier
         self.word_embeddings = nn.Embedding(padded_vocab, cfg.hidden_size)
         self.position_embeddings = None
         if with_positions and cfg.position_embedding_type == "learned_absolute":
@@ -143,6 +147,8 @@ class Embedding(nn.Module):
         x = self.word_embeddings(ids)  # [b, s, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(positions)[None]
+        if self.multiplier != 1.0:
+            x = x * self.multiplier
         return self.dropout(x.transpose(0, 1).contiguous())  # [s, b, h]
 
 

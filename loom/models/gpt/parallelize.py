@@ -15,6 +15,7 @@ first stage like tied embeddings.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -29,10 +30,10 @@ from loom.models.gpt.mtp import roll_left
 from loom.models.moe import run_experts, run_experts_grouped
 from loom.parallel.expert import MoEParallel
 from loom.parallel.mappings import copy_to_tensor_parallel_region
-from loom.parallel.plan import (ColumnParallelLinear, ContextParallelCore, PartitionedRNG,
-                                ParallelStyle, PipelineShared, PlanContext, RowParallelLinear,
+from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, PartitionedRNG,
+                                ParallelStyle, PipelineShared, PlanContext, RowwiseParallel,
                                 SequenceParallelOutput, SequenceParallelParams,
-                                VocabParallelEmbedding, VocabParallelLMHead)
+                                VocabEmbeddingParallel, VocabHeadParallel)
 from loom.parallel.context.split import gather_sequence, slice_for_cp
 from loom.parallel.registry import ShardSpec
 from loom.parallel.sequence import gather_from_sequence_parallel_region
@@ -112,7 +113,7 @@ def mla_plan() -> list:
     down projections and their norms replicated (sequence-split under SP: gradients summed
     over TP), the shared RoPE key entering the TP region (Megatron-Core's MLA under TP)."""
     at = "layers.*.self_attention."
-    return [(at + n, ColumnParallelLinear()) for n in ("linear_q_proj", "linear_q_up_proj",
+    return [(at + n, ColwiseParallel()) for n in ("linear_q_proj", "linear_q_up_proj",
                                                        "linear_kv_up_proj")] + \
         [(at + n, SequenceParallelParams()) for n in ("linear_q_down_proj", "q_layernorm",
                                                       "linear_kv_down_proj", "kv_layernorm")] + \
@@ -133,23 +134,23 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     """``[(module pattern, style)]`` for one chunk of the model."""
     a, g, d, f = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size
     out = (mla_plan() if cfg.multi_latent_attention else []) + [
-        ("embedding.word_embeddings", VocabParallelEmbedding(cfg.vocab_size)),
+        ("embedding.word_embeddings", VocabEmbeddingParallel(cfg.vocab_size)),
         ("layers.*.self_attention.linear_qkv",
-         ColumnParallelLinear(segments=(a * d, g * d, g * d))),
-        ("layers.*.self_attention.linear_proj", RowParallelLinear()),
+         ColwiseParallel(segments=(a * d, g * d, g * d))),
+        ("layers.*.self_attention.linear_proj", RowwiseParallel()),
         ("layers.*.self_attention.core_attention", PartitionedRNG("tp")),
         ("layers.*.self_attention.core_attention", HeadShardedSinks()),  # --softmax-type
         ("layers.*.self_attention.core_attention", ContextParallelCore()),
-        ("layers.*.mlp.linear_fc1", ColumnParallelLinear(segments=(f, f) if cfg.gated_linear_unit
+        ("layers.*.mlp.linear_fc1", ColwiseParallel(segments=(f, f) if cfg.gated_linear_unit
                                                          else None)),
-        ("layers.*.mlp.linear_fc2", RowParallelLinear()),
+        ("layers.*.mlp.linear_fc2", RowwiseParallel()),
         ("layers.*.mlp", MoEParallel(  # MoE layers: EP, expert TP
             run_experts_grouped if cfg.moe_grouped_gemm else run_experts,
             swiglu=cfg.gated_linear_unit,
             dispatcher="allgather" if cfg.moe_token_dispatcher_type == "allgather" else "alltoall",
             overlap_shared=cfg.moe_shared_expert_overlap)),
-        ("output_layer", ColumnParallelLinear(vocab=True)),
-        ("head", VocabParallelLMHead(cfg.softmax_vocab_size)),
+        ("output_layer", ColwiseParallel(vocab=True)),
+        ("head", VocabHeadParallel(cfg.softmax_vocab_size, logit_scale=cfg.logit_multiplier)),
         # sequence parallelism (no-ops unless --sequence-parallel with t > 1)
         ("embedding", SequenceParallelOutput()),
         ("layers.*.input_layernorm", SequenceParallelParams()),
@@ -170,18 +171,24 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
 
 def init(cfg: ModelConfig) -> Callable:
     """``name -> InitFn``: N(0, std^2), output projections scaled by 1/sqrt(2L), zero biases,
-    unit norm weights, zero vocabulary padding rows (Megatron-LM's initialization)."""
+    unit norm weights, zero vocabulary padding rows (Megatron-LM's initialization). Under
+    ``--use-mup`` (width multiplier m) Megatron's ``init_method`` becomes N(0, std^2 / m) and
+    the output projections N(0, std^2 / (2 L m)); the embeddings (word and position) and the
+    output layer keep N(0, std^2) (its ``embedding_init_method``)."""
     std = cfg.init_method_std
     vocab = vocab_padded_init(normal_init(std), cfg.vocab_size)
+    hidden_std = std / math.sqrt(cfg.width_multiplier)
+    hidden = normal_init(hidden_std)
     return by_pattern([
-        ("*.router.bias", normal_init(std)),  # Megatron's TopKRouter: init_method
+        ("*.router.bias", hidden),  # Megatron's TopKRouter: init_method
         ("*.bias", zeros_init),
         ("*.router.expert_bias", zeros_init),
-        ("*.core_attention.softmax_offset", normal_init(std)),  # learnable sinks (Megatron)
+        ("*.core_attention.softmax_offset", hidden),  # learnable sinks (Megatron)
         ("*norm.weight", ones_init),
         ("embedding.word_embeddings.weight", vocab),
+        ("embedding.position_embeddings.weight", normal_init(std)),
         ("output_layer.weight", vocab),
-        ("*.linear_proj.weight", scaled_normal_init(std, cfg.num_layers)),
-        ("*.linear_fc2.weight", scaled_normal_init(std, cfg.num_layers)),
-        ("*.weight", normal_init(std)),
+        ("*.linear_proj.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
+        ("*.linear_fc2.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
+        ("*.weight", hidden),
     ])

@@ -24,7 +24,7 @@ from loom.models.gpt import parallelize as gpt_parallelize
 from loom.models.init import by_pattern, ones_init, scaled_normal_init, zeros_init
 from loom.models.mamba.model import mamba_sizes
 from loom.parallel.mamba_styles import ChannelParallelParams
-from loom.parallel.plan import ColumnParallelLinear, PlanContext, RowParallelLinear
+from loom.parallel.plan import ColwiseParallel, PlanContext, RowwiseParallel
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # mamba_ssm's dt initialization range
 A_INIT_RANGE = (1.0, 16.0)
@@ -35,13 +35,13 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     Mamba mixers'."""
     z = mamba_sizes(cfg)
     return gpt_parallelize.plan(cfg, stage, ctx) + [
-        ("layers.*.mixer.in_proj", ColumnParallelLinear(segments=z["in_segments"])),
+        ("layers.*.mixer.in_proj", ColwiseParallel(segments=z["in_segments"])),
         ("layers.*.mixer.conv1d", ChannelParallelParams((("weight", z["conv_segments"]),
                                                          ("bias", z["conv_segments"])))),
         ("layers.*.mixer", ChannelParallelParams((("A_log", None), ("D", None),
                                                   ("dt_bias", None)))),
         ("layers.*.mixer.norm", ChannelParallelParams((("weight", None),))),
-        ("layers.*.mixer.out_proj", RowParallelLinear()),
+        ("layers.*.mixer.out_proj", RowwiseParallel()),
     ]  # the pre-mixer norm is "layers.*.input_layernorm": sequence-parallel by the GPT plan
 
 

@@ -65,6 +65,16 @@ class Timeline:
             json.dump({"traceEvents": meta + self.events}, fh)
         return out
 
+    def write(self, path: str, stage: Optional[int] = None, barrier=None) -> None:
+        """Every rank writes its file (:meth:`write_rank`), waits at ``barrier`` (a callable,
+        e.g. ``dist.barrier``; None on one rank), then rank 0 merges them into ``PATH``
+        (:func:`merge`)."""
+        self.write_rank(path, stage)
+        if barrier is not None:
+            barrier()
+        if self.rank == 0:
+            merge(path)
+
 
 def merge(path: str) -> str:
     """Merge ``PATH.rank*.json`` into one trace ``PATH`` (and remove the per-rank files)."""

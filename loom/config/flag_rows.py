@@ -1,0 +1,229 @@
+"""The Megatron flag table, part 1: the flags loom implements (each a config field declared with
+``opt()`` in the config sections, with Megatron's name, meaning and default), the Megatron
+values of those flags loom refuses, and the capabilities still pending. Part 2, the flags
+accepted without effect and the ones refused: :mod:`loom.config.flag_rows_other`. The table
+as a whole, and the one place a Megatron flag is declared: :mod:`loom.config.flag_table`.
+
+Megatron's defaults and source lines are not repeated here: they are read from the snapshot
+``loom/config/megatron_flags.json`` (``benchmarks/megatron_flag_snapshot.py``);
+tests/unit/test_flag_table.py checks each field's default against it. A row's ``default=``
+is loom's spelling of the same default (``None`` for "off" and the like), ``required=`` the
+line where Megatron refuses to run without the flag.
+"""
+
+from __future__ import annotations
+
+from loom.config.flag_kinds import field, refused, words
+
+PENDING: dict = {  # capability key -> (branch, text): refused until that branch merges
+    # (issue 42's modelcaps, traincaps, reliability and megackpt capabilities have all merged)
+}
+
+
+def pending(key: str, **kw) -> object:
+    """A refused row naming a pending capability of :data:`PENDING`."""
+    branch, text = PENDING[key]
+    return refused("pending", text, pending=branch, **kw)
+
+
+def pending_text(key: str) -> str:
+    """The refusal reason of pending capability ``key`` (for a refused value of a field)."""
+    return f"not implemented in loom yet: {PENDING[key][1]}"
+
+
+_IMPLEMENTED = words("""
+--num-layers --hidden-size --num-attention-heads --num-query-groups --group-query-attention
+--ffn-hidden-size --kv-channels --seq-length --max-position-embeddings --vocab-size
+--make-vocab-size-divisible-by --normalization --norm-epsilon --position-embedding-type
+--rotary-base --swiglu --openai-gelu --untie-embeddings-and-output-weights --disable-bias-linear
+--hidden-dropout --attention-dropout --init-method-std --add-qkv-bias --num-experts
+--moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size --moe-layer-freq
+--moe-router-score-function --moe-router-pre-softmax --moe-aux-loss-coeff --moe-z-loss-coeff
+--moe-expert-capacity-factor --moe-shared-expert-gate --moe-router-load-balancing-type
+--moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-num-groups
+--moe-router-group-topk --moe-router-topk-scaling-factor --moe-router-dtype
+--moe-token-dispatcher-type --moe-grouped-gemm --moe-shared-expert-overlap
+--moe-router-force-load-balancing --qk-layernorm --rotary-scaling-factor --hybrid-override-pattern
+--mamba-state-dim --mamba-head-dim --mamba-num-groups --multi-latent-attention --q-lora-rank
+--kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rope-type --mscale
+--mscale-all-dim --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
+--mtp-num-layers --mtp-loss-scaling-factor --quick-geglu --glu-linear-offset
+--activation-func-clamp-value --softmax-type --window-size --window-attn-skip-freq
+--padded-vocab-size --enable-gpt-oss --rotary-percent --use-rotary-position-embeddings
+--no-position-embedding --mamba-num-heads --squared-relu --moe-token-drop-policy --cp-comm-type
+--hierarchical-context-parallel-sizes --tensor-model-parallel-size --pipeline-model-parallel-size
+--context-parallel-size --num-layers-per-virtual-pipeline-stage
+--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --sequence-parallel
+--expert-model-parallel-size --expert-tensor-parallel-size --ddp-bucket-size --overlap-grad-reduce
+--distributed-backend --lr-warmup-samples --lr-decay-samples --lr-warmup-init --decoupled-lr
+--decoupled-min-lr --exit-duration-in-mins --calculate-per-token-loss --rampup-batch-size
+--step-batch-size-schedule --log-num-zeros-in-grad --log-params-norm --use-megatron-fsdp
+--data-parallel-sharding-strategy --ckpt-format --pretrained-checkpoint --use-checkpoint-args
+--micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-warmup-iters
+--lr-decay-iters --lr-decay-style --weight-decay --adam-beta1 --adam-beta2 --adam-eps --clip-grad
+--use-distributed-optimizer --use-torch-fsdp2 --overlap-param-gather --seed --bf16 --fp16
+--accumulate-allreduce-grads-in-fp32 --loss-scale --initial-loss-scale --min-loss-scale
+--loss-scale-window --hysteresis --recompute-granularity --recompute-method --recompute-num-layers
+--train-samples --lr-warmup-fraction --recompute-activations --skip-train --tokenizer-model
+--vocab-file --merge-file --tiktoken-pattern --eod-mask-loss --data-path --valid-data-path
+--train-data-path --test-data-path --split --tokenizer-type --mask-prob --short-seq-prob
+--mock-data --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity --log-interval
+--eval-interval --eval-iters --tensorboard-dir --save --load --save-interval --ckpt-step
+--finetune --no-load-optim --no-load-rng --exit-interval --async-save
+--distributed-timeout-minutes --exit-signal-handler --num-virtual-stages-per-pipeline-rank
+--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+--moe-per-layer-logging --timing-log-level --timing-log-option --log-timers-to-tensorboard
+--no-barrier-with-level-1-timing --log-memory-to-tensorboard --deterministic-mode --sgd-momentum
+--profile --profile-step-start --profile-step-end --use-pytorch-profiler
+--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --record-memory-history
+--memory-snapshot-path --save-retain-interval --optimizer --profile-ranks
+--yarn-correction-range-round-to-int --rotary-interleaved --use-mup --mup-base-hidden-size
+--mup-embedding-mult --mup-output-mult --mup-base-head-dim --mup-attn-scale-power --muon-momentum
+--muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec --muon-coefficient-type
+--muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
+""")
+"""Flags implemented by the loom field of the same name, Megatron's default and meaning."""
+
+_ARGS = "megatron/training/arguments.py"
+_SPECIAL = {  # implemented flags with a note, a spelled default, a requirement or refusals
+    "--num-layers": field(required=f"{_ARGS}:1314", note="a hybrid stack's depth is the "
+                          "length of --hybrid-override-pattern"),
+    "--hidden-size": field(required=f"{_ARGS}:1314"),
+    "--num-attention-heads": field(required=f"{_ARGS}:1314"),
+    "--seq-length": field(required=f"{_ARGS}:1350"),
+    "--micro-batch-size": field(required=f"{_ARGS}:693"),
+    "--train-iters": field(required="megatron/training/training.py:2174",
+                           note="this or --train-samples; not needed with --skip-train"),
+    "--lr": field(required=f"{_ARGS}:2984", note="default None, which the LR scheduler cannot "
+                  "use (megatron/training/training.py:2591); not needed with --skip-train"),
+    "--max-position-embeddings": field(required=f"{_ARGS}:1314", default=None,
+                                       note="loom infers --seq-length when omitted (every "
+                                            "Megatron command line gives it)"),
+    "--num-query-groups": field(default=None, note="used only with --group-query-attention "
+                                "(then 1 by default); without it a "
+                                "(megatron/training/argument_utils.py:330)"),
+    "--rotary-base": field(note="an int in Megatron"),
+    "--disable-bias-linear": field(note="Megatron's dest add_bias_linear defaults to True: "
+                                        "the flag is off"),
+    "--moe-layer-freq": field(default="1", note="loom holds the text (an int, or a list "
+                                                "expression such as ([0]*3+[1]*58))"),
+    "--moe-z-loss-coeff": field(default=0.0, note="Megatron None: no z-loss"),
+    "--moe-router-load-balancing-type": field(
+        note="one type (Megatron also takes a list); sinkhorn: balanced picks in training, "
+             "top-k of the scores in evaluation, no aux loss (Megatron's)",
+        refuse={"quantile_balancing": "loom has no quantile load balancing: use aux_loss, "
+                                      "seq_aux_loss, global_aux_loss or sinkhorn"}),
+    "--moe-router-score-function": field(refuse={
+        "sqrtsoftplus": "loom has no sqrt-softplus router scores: use softmax or sigmoid"}),
+    "--moe-router-dtype": field(note="Megatron None routes in the input dtype, loom None in "
+                                     "fp32 (the same under fp32 training)"),
+    "--moe-token-dispatcher-type": field(note="flex (DeepEP / HybridEP kernels) runs as "
+                                              "alltoall (the same numbers)"),
+    "--moe-router-force-load-balancing": field(note="benchmarks only"),
+    "--rotary-scaling-factor": field(default=None, note="Megatron 1.0: no scaling (YaRN's "
+                                     "factor; Gemma 3's linear scaling)"),
+    "--rope-type": field(note="None: yarn with MLA (MLATransformerConfig), rope otherwise"),
+    "--yarn-original-max-position-embeddings": field(note="None: 4096"),
+    "--yarn-beta-fast": field(note="None: 32"),
+    "--yarn-beta-slow": field(note="None: 1"),
+    "--position-embedding-type": field(note="yarn: RoPE with YaRN scaling "
+                                       "(--rotary-scaling-factor, --yarn-*, --mscale*)", refuse={
+        "mrope": "loom has no multimodal RoPE (vision-language models)",
+        "relative": "loom has no relative position buckets (T5)"}),
+    "--cp-comm-type": field(default="p2p", note="a list (one value or one per layer); loom "
+                                                "stores the words joined by spaces"),
+    "--hierarchical-context-parallel-sizes": field(note="a list [A, B]; loom stores \"A B\""),
+    "--distributed-backend": field(note="loom's --device cpu (which Megatron lacks) uses gloo"),
+    "--accumulate-allreduce-grads-in-fp32": field(note="forced on with --bf16 "
+                                                       "(arguments.py:1216)"),
+    "--initial-loss-scale": field(note="2**32"),
+    "--split": field(note="None: the legacy '969, 30, 1' with --data-path (so in loom)"),
+    "--eval-interval": field(note="no periodic evaluation (megatron/training/training.py:4915)"
+                                  "; one at the end"),
+    "--no-load-optim": field(default=False, note="store_true with default None: off"),
+    "--no-load-rng": field(default=False, note="store_true with default None: off"),
+    "--exit-signal-handler": field(note="SIGTERM: finish the iteration, save (with --save), "
+                                        "exit; loom also takes SIGINT"),
+    "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
+    "--rotary-interleaved": field(note="pairs (2i, 2i+1) rotate (Megatron's _rotate_half with "
+                                       "rotary_interleaved); refused with YaRN and MLA, as "
+                                       "Megatron refuses them"),
+    "--use-rotary-position-embeddings": field(note="= --position-embedding-type rope"),
+    "--no-position-embedding": field(note="dest add_position_embedding=True"),
+    "--squared-relu": field(note="not with --swiglu (as Megatron); the experts too"),
+    "--decoupled-lr": field(note="word embedding and output layer weights"),
+    "--decoupled-min-lr": field(note="None: --min-lr"),
+    "--exit-duration-in-mins": field(note="an int in Megatron"),
+    "--rampup-batch-size": field(note="nargs 3; refused in training"),
+    "--step-batch-size-schedule": field(note="one batch size accepted in training"),
+    "--use-megatron-fsdp": field(note="loom: --zero-stage from the sharding strategy"),
+    "--ckpt-format": field(default="loom_dcp", own=(
+        "loom's own format keeps the generators, the data identities, checksums and async "
+        "saves; the run trains the same, only the files differ"),
+        note="torch_dist writes Megatron's format (Megatron-LM's --load reads it); torch, "
+             "torch_dcp and fsdp_dtensor write loom_dcp (said at start); --load reads every "
+             "format, detected"),
+    "--eod-mask-loss": field(note="GPT-style families; input tokens == eod"),
+    "--moe-token-drop-policy": field(note="position refused"),
+    "--mamba-num-heads": field(note="d_inner = heads x --mamba-head-dim, any h"),
+    "--window-size": field(note="loom holds the text 'LEFT,RIGHT'"),
+    "--window-attn-skip-freq": field(note="loom holds the text (an int or a list)"),
+    "--enable-gpt-oss": field(note="ModelOpt's flag: YaRN RoPE with gpt-oss's values"),
+    "--lr-decay-style": field(refuse={
+        "inverse-square-root": "loom has no inverse-square-root decay: use cosine, linear or "
+                               "constant",
+        "WSD": "loom has no warmup-stable-decay schedule: use cosine, linear or constant"}),
+    "--tokenizer-type": field(refuse={
+        "MultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)",
+        "NullMultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)",
+        "SFTTokenizer": "loom has no SFT (chat-template) tokenizer: tokenize the data with "
+                        "`loom preprocess`"}),
+    "--num-virtual-stages-per-pipeline-rank": field(
+        note="sets --num-layers-per-virtual-pipeline-stage L / (p v)"),
+    "--yarn-correction-range-round-to-int": field(default=True, note=(
+        "None: True (megatron/training/argument_utils.py:413); MLA always rounds")),
+    "--optimizer": field(note="adam: AdamW (decoupled weight decay); sgd: torch SGD; muon: "
+                              "Megatron's Muon with AdamW for the rest; dist_muon: muon with "
+                              "--use-distributed-optimizer", refuse={
+        v: f"loom has no {name} optimizer: use --optimizer adam (AdamW), sgd or muon"
+        for v, name in (("lion", "Lion"), ("soap", "SOAP"), ("adaptive_muon", "adaptive Muon"))}),
+    "--use-mup": field(note="muP for --model-type gpt: width-scaled init, attention scale, "
+                            "embedding and logit multipliers, per-group LR and Adam epsilon"),
+    "--mup-base-hidden-size": field(note="None: --hidden-size (width multiplier 1)"),
+    "--mup-output-mult": field(note="1.0 means 1 / width multiplier (Megatron's automatic "
+                                    "value)"),
+    "--muon-fp32-matmul-prec": field(note="medium: Newton-Schulz in bf16; high: fp32 (TF32 on "
+                                          "CUDA); low: fp32 (torch ignores 'low')"),
+    "--muon-coefficient-type": field(note="a str in Megatron, validated against "
+                                          "emerging_optimizers 0.3.0's sets (custom needs "
+                                          "coefficients Megatron never passes)"),
+    "--muon-tp-mode": field(note="distributed computes duplicated's function (loom gathers)"),
+    "--muon-scalar-optimizer": field(refuse={
+        "lion": "loom has no Lion optimizer: use --muon-scalar-optimizer adam"}),
+    "--muon-no-split-qkv": field("muon_split_qkv"),
+    "--profile": field(note="Megatron's field use_nsys_profiler: nsys capture range unless "
+                            "--use-pytorch-profiler"),
+    "--profile-ranks": field(default=None, note="[] in Megatron: every rank; loom holds the "
+                                                "words"),
+    "--record-memory-history": field(note="needs CUDA (on CPU one line says so)"),
+    "--log-memory-to-tensorboard": field(note="CUDA allocator statistics"),
+    "--timing-log-level": field(note="an int 0-2 (bounds, not choices)"),
+    "--save-retain-interval": field(note="checkpoints at its multiples are kept when older ones "
+                                         "are deleted (megatron/training/checkpointing.py:1108)"),
+    "--moe-per-layer-logging": field(note="moe/<loss>_layer_<i> to the JSON log, TensorBoard "
+                                          "and W&B"),
+    # -- another spelling of a loom field (a Megatron flag of its own, or an alias)
+    "--no-yarn-correction-range-round-to-int": field("yarn_correction_range_round_to_int"),
+    "--hybrid-layer-pattern": field("hybrid_override_pattern",
+                                    note="Megatron's current name of --hybrid-override-pattern"),
+    "--bert-no-binary-head": field("bert_binary_head", note="turns BERT's sentence-order head "
+                                   "off (loom's BERT has none unless --bert-binary-head)"),
+    "--use-checkpoint-opt_param-scheduler": field("use_checkpoint_opt_param_scheduler"),
+    "--override-opt_param-scheduler": field("override_opt_param_scheduler"),
+}
+
+IMPLEMENTED_ROWS = tuple((flag, _SPECIAL.get(flag) or field()) for flag in _IMPLEMENTED) + \
+    tuple((flag, row) for flag, row in _SPECIAL.items() if flag not in _IMPLEMENTED)
+"""``(Megatron flag, row)`` of every flag loom implements."""
+
+PENDING_ROWS: tuple = ()  # Megatron-only flags whose capability another branch adds

@@ -1,0 +1,147 @@
+"""The functional-test corpus of Megatron-LM d98e8a6 (tests/unit/megatron_corpus.json, written by
+``benchmarks/megatron_corpus.py``) as loom command lines, and the capabilities other branches
+are adding (issue 42): shared by tests/unit/test_megatron_corpus.py (every case through
+``loom train --dry-run``) and tests/integration/test_megatron_corpus_training.py (a sample
+trained on 2 CPU ranks).
+
+Placeholders (see the generator's docstring): ``{DATA}`` becomes ``--mock-data``, a tokenizer
+``{TOKENIZER:V}`` becomes ``--vocab-size V`` (what a run reads from it before the data), the
+directories temporary ones (``{LOAD}`` an empty directory, as Megatron's CI ``--load`` holds no
+checkpoint of the run), and the entry script ``--model-type``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+CORPUS = json.loads((Path(__file__).resolve().parents[1] / "tests" / "unit" /
+                     "megatron_corpus.json").read_text())
+COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+ENTRY_MODEL_TYPE = {"examples/bert/pretrain_bert.py": "bert", "pretrain_hybrid.py": "mamba",
+                    "megatron/elastification/pretrain_hybrid_flex.py": "mamba"}
+TRAINING = [c for c in CORPUS["cases"] if c["mode"] != "inference"]
+INFERENCE = [c for c in CORPUS["cases"] if c["mode"] == "inference"]
+
+# The capabilities other branches implement (issue 42), refused until they merge: flag ->
+# (capability, values it covers or None for any value other than Megatron's default, the value
+# that stands in when simulating it implemented, or None to drop the flag). When a branch
+# merges, its flags are accepted: delete its entries (the corpus test says which) and the
+# accepted share rises. Empty since modelcaps, traincaps, reliability and megackpt merged.
+PENDING: dict = {}
+PENDING_RULES: dict = {}  # refusals of validation rules a pending branch relaxes (message ->
+#                           capability)
+
+
+def groups(words: list[str]) -> list[list[str]]:
+    """``--a 1 --b`` -> ``[["--a", "1"], ["--b"]]``."""
+    out: list[list[str]] = []
+    for w in words:
+        if w.startswith("--"):
+            out.append([w])
+        else:
+            out[-1].append(w)
+    return out
+
+
+def argv_of(case: dict, tmp: Path, vocab: bool = True) -> list[str]:
+    """The case's command line (placeholders resolved, under ``tmp``); ``vocab``: a tokenizer
+    file stands for ``--vocab-size V`` (training; ``loom generate`` reads the checkpoint's)."""
+    words = case["argv"]
+    given = {w for w in words if w.startswith("--")}
+    out: list[str] = []
+    size = None
+    for flag, *values in groups(words):
+        text = " ".join(values)
+        if text == "{DATA}":
+            if "--mock-data" not in given:
+                out.append("--mock-data")
+            continue
+        m = re.fullmatch(r"\{TOKENIZER(?::(\d+))?\}", text)
+        if m:
+            if vocab and m.group(1) and "--vocab-size" not in given and size is None:
+                size = m.group(1)
+                out += ["--vocab-size", size]
+            continue
+        for key, sub in (("SAVE", "save"), ("LOAD", "load"), ("TB", "tb"), ("CACHE", "cache"),
+                         ("OUT", "out"), ("CKPT", "ckpt"), ("FILE", "file")):
+            values = [v.replace("{" + key + "}", str(tmp / sub)) for v in values]
+        out += [flag, *[v.replace("{NAME}", "run") for v in values]]
+    if vocab and "--mock-data" in out and "--vocab-size" not in out:
+        out += ["--vocab-size", "50257"]
+    if case["entry"] in ENTRY_MODEL_TYPE:
+        out += ["--model-type", ENTRY_MODEL_TYPE[case["entry"]]]
+    return out
+
+
+def pending_in(argv: list[str]) -> set[str]:
+    """The pending capabilities a command line uses."""
+    out = set()
+    for flag, *values in groups(argv):
+        if flag in PENDING:
+            what, covered, _ = PENDING[flag]
+            if covered is None or " ".join(values) in covered:
+                out.add(what)
+    return out
+
+
+def with_pending_implemented(argv: list[str]) -> list[str]:
+    """The command line as it reads once the pending capabilities merge: their flags dropped,
+    or their values replaced by loom's (a stand-in: the rest of the flags are what is tested)."""
+    out: list[str] = []
+    for flag, *values in groups(argv):
+        if flag in PENDING:
+            _, covered, stand_in = PENDING[flag]
+            if covered is None or " ".join(values) in covered:
+                if stand_in is None:
+                    continue
+                values = [stand_in]
+        out += [flag, *values]
+    return out
+
+
+def scaled(argv: list[str], tiny: dict) -> list[str]:
+    """``argv`` with the values of the flags of ``tiny`` replaced (``None``: the flag dropped;
+    a flag ``tiny`` names that ``argv`` lacks is not added)."""
+    out: list[str] = []
+    for flag, *values in groups(argv):
+        if flag in tiny:
+            if tiny[flag] is None:
+                continue
+            values = shlex.split(tiny[flag])
+        out += [flag, *values]
+    return out
+
+
+def parse_train(argv: list[str]):
+    """``loom train``'s parse of ``argv`` (argparse errors raised, not exited)."""
+    import argparse
+
+    from loom.training.cli import add_arguments
+    parser = argparse.ArgumentParser(prog="loom train", exit_on_error=False)
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def train_all(jobs: dict) -> dict:
+    """In each rank of a spawned world: every ``{name: argv}`` job in turn through ``loom
+    train``'s checks and trainer; ``{name: losses or the error}``."""
+    import time
+
+    import torch.distributed as dist
+
+    from loom.training.cli import prepare
+    from loom.training.trainer import Trainer
+    out = {}
+    for name, argv in jobs.items():
+        t0 = time.monotonic()
+        try:
+            cfg = prepare(parse_train(argv))
+            out[name] = [r["loss"] for r in Trainer(cfg).train()]
+            print(f"{name}: trained in {time.monotonic() - t0:.1f} s", flush=True)
+        except BaseException as e:  # noqa: BLE001 - reported per job
+            out[name] = f"{type(e).__name__}: {e}"
+        dist.barrier()
+    return out
