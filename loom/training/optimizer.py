@@ -25,7 +25,7 @@ from loom.parallel.fsdp import is_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta, named_parameters
 from loom.training.distributed_optimizer import (NORM_BLOCK, DistributedOptimizer,  # noqa: F401
-                                                _sum_of_squares)
+                                                _sum_of_squares, reduce_grad_sums)
 from loom.training.muon import Muon, MuonSettings, matrix_info
 from loom.training.param_groups import build_groups, group_plan
 
