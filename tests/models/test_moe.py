@@ -214,17 +214,26 @@ def resume_world(tmp: str) -> dict:
     tr.save(tmp)
     want = [tr.train_step()["loss"] for _ in range(2)]
     out = {"want": want}
-    for ep in (1, 4):
-        c = make_cfg(ep=ep).validate(world)
-        t2 = Trainer(c, mesh=ParallelMesh.build(ep=ep))
+    for name, kw in (("ep1", dict(ep=1)),
+                     ("tp2-ep4-etp1", dict(tp=2, ep=4, etp=1))):  # EP over TP x DP ranks
+        c = make_cfg(**kw).validate(world)
+        t2 = Trainer(c, mesh=ParallelMesh.build(tp=kw.get("tp", 1), ep=kw["ep"],
+                                                etp=kw.get("etp")))
         t2.load(tmp)
-        out[f"ep{ep}"] = [t2.train_step()["loss"] for _ in range(2)]
+        if name == "tp2-ep4-etp1":  # saved from Megatron's expert grid, read back at EP 2
+            out["grid_ep_tp"] = sorted(r % 2 for r in t2.mesh.ranks["ep"])
+            t2.save(tmp + "-grid")
+        out[name] = [t2.train_step()["loss"] for _ in range(2)]
+    t3 = Trainer(cfg, mesh=ParallelMesh.build(ep=2))
+    t3.load(tmp + "-grid")
+    out["from-grid"] = [t3.train_step()["loss"] for _ in range(2)]
     return out
 
 
 def test_checkpoint_moves_between_ep_sizes(tmp_path):
     for r in run_distributed(4, resume_world, str(tmp_path), timeout=600):
-        for ep in ("ep1", "ep4"):
+        assert r["grid_ep_tp"] == [0, 0, 1, 1], r  # the EP group held both TP ranks
+        for ep in ("ep1", "tp2-ep4-etp1", "from-grid"):
             assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(r[ep], r["want"])), r
 
 
