@@ -4,10 +4,11 @@ are adding (issue 42): shared by tests/unit/test_megatron_corpus.py (every case 
 ``loom train --dry-run``) and tests/integration/test_megatron_corpus_training.py (a sample
 trained on 2 CPU ranks).
 
-Placeholders (see the generator's docstring): ``{DATA}`` becomes ``--mock-data``, a tokenizer
-``{TOKENIZER:V}`` becomes ``--vocab-size V`` (what a run reads from it before the data), the
-directories temporary ones (``{LOAD}`` an empty directory, as Megatron's CI ``--load`` holds no
-checkpoint of the run), and the entry script ``--model-type``.
+Placeholders (see the generator's docstring): ``{DATA}`` becomes ``--mock-data`` (for a
+``--fim-data`` case, which needs text to cut, a small real dataset: :func:`fim_dataset`), a
+tokenizer ``{TOKENIZER:V}`` becomes ``--vocab-size V`` (what a run reads from it before the
+data), the directories temporary ones (``{LOAD}`` an empty directory, as Megatron's CI
+``--load`` holds no checkpoint of the run), and the entry script ``--model-type``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def argv_of(case: dict, tmp: Path, vocab: bool = True) -> list[str]:
     for flag, *values in groups(words):
         text = " ".join(values)
         if text == "{DATA}":
-            if "--mock-data" not in given:
+            if "--fim-data" in given:
+                out += [flag, fim_dataset(tmp)]
+            elif "--mock-data" not in given:
                 out.append("--mock-data")
             continue
         m = re.fullmatch(r"\{TOKENIZER(?::(\d+))?\}", text)
@@ -74,6 +77,26 @@ def argv_of(case: dict, tmp: Path, vocab: bool = True) -> list[str]:
     if case["entry"] in ENTRY_MODEL_TYPE:
         out += ["--model-type", ENTRY_MODEL_TYPE[case["entry"]]]
     return out
+
+
+def fim_dataset(tmp: Path) -> str:
+    """The prefix of a small dataset under ``tmp`` (written once: 40 documents of ~1,500
+    characters, a byte-level BPE of 300 ids plus Megatron's default FIM tokens), enough for
+    --seq-length 1024 windows in each part of --split 949,50,1."""
+    prefix = tmp / "fim" / "data"
+    if not Path(f"{prefix}.idx").exists():
+        from loom.data.preprocess import preprocess
+        from loom.data.tokenizer import Tokenizer, train_byte_level_bpe
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        docs = [" ".join(f"def f{d}_{i}(x): return x * {i} + {d}" for i in range(50))
+                for d in range(40)]
+        tok = train_byte_level_bpe(docs, 300)
+        tok.hf.add_special_tokens(["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"])
+        tok = Tokenizer(tok.hf, eod=tok.eod)
+        src = prefix.parent / "docs.jsonl"
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        preprocess([str(src)], str(prefix), tok)
+    return str(prefix)
 
 
 def pending_in(argv: list[str]) -> set[str]:

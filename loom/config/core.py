@@ -49,13 +49,17 @@ class Derived:
     """The sizes a resolved config derives from its world size, computed once by
     :meth:`LoomConfig.validate` (Megatron's ``args.data_parallel_size``,
     ``get_num_microbatches()``): d = world / (t p c), B = ``--global-batch-size`` or b d,
-    m = B / (b d), and the pipeline schedule ``--pipeline-schedule`` resolves to."""
+    m = B / (b d), and the pipeline schedule ``--pipeline-schedule`` resolves to; evaluation's
+    own: B_eval = ``--eval-global-batch-size`` samples an evaluation iteration, in m_eval =
+    B_eval / (b_eval d) micro-batches of ``--eval-micro-batch-size`` b_eval per DP rank."""
 
     world_size: int
     data_parallel_size: int
     global_batch_size: int
     num_microbatches: int
     pipeline_schedule: str
+    eval_global_batch_size: int = 0
+    eval_num_microbatches: int = 0
 
 
 @dataclass
@@ -132,13 +136,16 @@ class LoomConfig:
         resolved = copy.deepcopy(self)
         resolved.derived = None
         validate_config(resolved, world_size)
-        t = resolved.training
+        t, lg = resolved.training, resolved.logging
         dp = resolved.data_parallel_size(world_size)
         gbs = resolved.global_batch_size(world_size)
         resolved.derived = Derived(world_size=world_size, data_parallel_size=dp,
                                    global_batch_size=gbs,
                                    num_microbatches=gbs // (t.micro_batch_size * dp),
-                                   pipeline_schedule=resolved.parallel.pipeline_schedule)
+                                   pipeline_schedule=resolved.parallel.pipeline_schedule,
+                                   eval_global_batch_size=lg.eval_global_batch_size,
+                                   eval_num_microbatches=lg.eval_global_batch_size // (
+                                       lg.eval_micro_batch_size * dp))
         return resolved
 
     def require_derived(self) -> Derived:

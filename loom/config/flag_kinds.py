@@ -65,7 +65,6 @@ REFUSED = MappingProxyType({
     "dsa": "DeepSeek sparse attention",
     "mhc": "manifold-constrained hyper-connections",
     "heterogeneous": "heterogeneous per-layer configurations",
-    "fim": "fill-in-the-middle data",
     "sft": "supervised fine-tuning data (conversations, chat templates)",
     "doc_masking": "document-boundary masking (positions and attention reset at end of "
                    "document)",
@@ -86,8 +85,8 @@ REFUSED = MappingProxyType({
              "configs) every N iterations",
     "extra_logs": "extra logs and traces",
     "data_options": "data-pipeline options",
-    "evaluation": "evaluation options (loom evaluates --eval-iters global batches of "
-                  "--global-batch-size every --eval-interval)",
+    "evaluation": "evaluation options (loom evaluates --eval-iters batches of "
+                  "--eval-global-batch-size every --eval-interval)",
     "training_options": "training-loop options",
     "deprecated": "no longer accepted by Megatron-LM either",
     "inference": "options of Megatron's inference engine and servers",

@@ -81,6 +81,9 @@ _IMPLEMENTED = words("""
 --mup-embedding-mult --mup-output-mult --mup-base-head-dim --mup-attn-scale-power --muon-momentum
 --muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec --muon-coefficient-type
 --muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
+--eval-global-batch-size --eval-micro-batch-size
+--fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
+--fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -138,6 +141,13 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                                        "(arguments.py:1216)"),
     "--initial-loss-scale": field(note="2**32"),
     "--split": field(note="None: the legacy '969, 30, 1' with --data-path (so in loom)"),
+    "--eval-global-batch-size": field(note="None: --global-batch-size (b x d with "
+                                           "--step-batch-size-schedule, Megatron's); a "
+                                           "multiple of --eval-micro-batch-size x d"),
+    "--eval-micro-batch-size": field(note="None: --micro-batch-size"),
+    "--fim-data": field(note="Megatron's FIM GPT dataset (loom/data/fim.py; the same draws in "
+                             "the same order), sample k drawn from its own stream seeded "
+                             "(--seed, k) instead of one stream per dataset in reading order"),
     "--eval-interval": field(note="no periodic evaluation (megatron/training/training.py:4915)"
                                   "; one at the end"),
     "--no-load-optim": field(default=False, note="store_true with default None: off"),

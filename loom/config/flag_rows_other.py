@@ -255,10 +255,6 @@ REFUSED_ROWS = (
         --mhc-init-gating-factor --mhc-recompute-layer-num"""),
     *_block(refused("heterogeneous"), """
         --heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"""),
-    *_block(refused("fim"), """
-        --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate
-        --fim-no-prefix --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token
-        --fim-eod-token"""),
     *_block(refused("sft"), "--sft --sft-tokenizer-prompt-format --chat-template"),
     *_block(refused("doc_masking"), """
         --reset-position-ids --reset-attention-mask --dataloader-inter-document-masking"""),
@@ -315,10 +311,6 @@ REFUSED_ROWS = (
     ("--no-pad-vocab-size", refused("training_options", "unpadded vocabulary switch: give "
                                     "--padded-vocab-size V")),
     ("--start-eval-at-iter", refused("evaluation", "delayed first evaluation")),
-    ("--eval-global-batch-size", refused("evaluation", "evaluation batch size of its own "
-                                         "(loom evaluates batches of --global-batch-size)")),
-    ("--eval-micro-batch-size", refused("evaluation", "evaluation micro-batch size of its own "
-                                        "(loom evaluates with --micro-batch-size)")),
     ("--full-validation", refused("evaluation", "full-validation-set evaluation (loom "
                                   "evaluates --eval-iters batches)")),
     ("--multiple-validation-sets", refused("evaluation", "several named validation sets")),
@@ -343,7 +335,11 @@ REFUSED_ROWS = (
         --fault-injector-fault-probabilities --fault-injector-fault-delay
         --fault-injector-delay-start-iteration --fault-injector-mtti-seconds
         --fault-injector-offset-seconds --fault-injector-seed"""),
-    *_block(refused("rerun"), """
+    *_block(refused("rerun", "Megatron's rerun state machine (it reruns an iteration whose "
+                             "loss check failed to tell a transient from a persistent GPU fault; "
+                             "error injection tests that): loom skips a step with a non-finite "
+                             "gradient norm on every rank, --exit-on-nonfinite N stops, "
+                             "--inject-fault drills failures"), """
         --error-injection-rate --error-injection-type --result-rejected-tracker-filename"""),
     *_block(refused("nonpersistent"), """
         --non-persistent-save-interval --non-persistent-ckpt-type

@@ -108,6 +108,29 @@ def _samples(cfg: Any, world_size: int) -> None:
         t.lr_decay_iters = max(1, math.ceil(t.lr_decay_samples / gbs))
 
 
+def _eval_batches(cfg: Any, world_size: int) -> None:
+    """Evaluation batch sizes (Megatron's ``arguments.py`` rule): ``--eval-micro-batch-size``
+    defaults to ``--micro-batch-size``, ``--eval-global-batch-size`` to the global batch size
+    as Megatron holds it (given, or the final one of ``--rampup-batch-size``; with
+    ``--step-batch-size-schedule`` Megatron's ``--global-batch-size`` is b x d), and must be a
+    multiple of the evaluation micro-batch times d. Run before the schedule sets B."""
+    lg, t = cfg.logging, cfg.training
+    if lg.eval_micro_batch_size is None:
+        lg.eval_micro_batch_size = t.micro_batch_size
+    dp = cfg.data_parallel_size(world_size)
+    if dp < 1 or not t.micro_batch_size:  # a layout the main validation refuses
+        return
+    if lg.eval_global_batch_size is None:
+        lg.eval_global_batch_size = t.micro_batch_size * dp if (
+            t.step_batch_size_schedule and t.global_batch_size is None) else \
+            cfg.global_batch_size(world_size)
+    if lg.eval_global_batch_size % (lg.eval_micro_batch_size * dp):
+        raise ConfigError(f"--eval-global-batch-size {lg.eval_global_batch_size} is not "
+                          f"divisible by --eval-micro-batch-size {lg.eval_micro_batch_size} x "
+                          f"data-parallel size {dp} = {lg.eval_micro_batch_size * dp}: use a "
+                          f"multiple of {lg.eval_micro_batch_size * dp}")
+
+
 def _batch_ramp(t: Any) -> None:
     if t.rampup_batch_size and t.step_batch_size_schedule:
         raise ConfigError("--rampup-batch-size and --step-batch-size-schedule both ramp the "
@@ -182,6 +205,7 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
     flag for values loom refuses (partial rotary embeddings of an odd width, ...)."""
     m, t = cfg.model, cfg.training
     _positions(m)
+    _eval_batches(cfg, world_size)
     _batch_ramp(t)
     _samples(cfg, world_size)
     if t.use_megatron_fsdp and not t.zero_stage and not t.use_torch_fsdp2:

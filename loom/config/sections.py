@@ -339,6 +339,27 @@ class DataConfig(DataScriptFields):
                                 ge=0, lt=1)
     mock_data: bool = opt(False, "train on random tokens (needs --vocab-size; tests, "
                                  "benchmarks)")
+    # -- fill-in-the-middle (Megatron's FIM GPT dataset: loom.data.fim) ---------------------------
+    fim_data: bool = opt(False, "fill-in-the-middle: reorder documents of the samples into "
+                                "prefix/suffix/middle (SPM or PSM) around the FIM tokens")
+    fim_rate: float = opt(0.5, "--fim-data: probability that a document is transformed", ge=0)
+    fim_spm_rate: float = opt(0.5, "--fim-data: probability that a transformed document is in "
+                                   "SPM order (else PSM)", ge=0)
+    fim_split_sample: Optional[str] = opt(
+        None, "--fim-data: a token at which documents are cut into fragments, each transformed "
+              "on its own (with --fim-fragment-rate)")
+    fim_fragment_rate: Optional[float] = opt(
+        None, "--fim-data with --fim-split-sample: probability that a fragment is transformed",
+        ge=0)
+    fim_no_prefix: Optional[str] = opt(
+        None, "--fim-data: documents (fragments) whose text starts with this are kept as they are")
+    fim_prefix_token: str = opt("<fim_prefix>", "--fim-data: the prefix sentinel token")
+    fim_middle_token: str = opt("<fim_middle>", "--fim-data: the middle sentinel token")
+    fim_suffix_token: str = opt("<fim_suffix>", "--fim-data: the suffix sentinel token")
+    fim_pad_token: str = opt("<fim_pad>", "--fim-data: the token that pads a sample the "
+                                          "transform shortened")
+    fim_eod_token: str = opt("<|endoftext|>", "--fim-data: the end-of-document token at which "
+                                              "samples are cut into documents")
 
 
 @dataclass
@@ -349,7 +370,14 @@ class LoggingConfig(LoggingScriptFields):
     eval_interval: Optional[int] = opt(None, "iterations between evaluations on the validation "
                                              "set (default: only one, at the end of training)",
                                        ge=1)
-    eval_iters: int = opt(100, "global batches per evaluation (0: no evaluation)", ge=0)
+    eval_iters: int = opt(100, "evaluation iterations per evaluation, each of "
+                               "--eval-global-batch-size samples (0: no evaluation)", ge=0)
+    eval_global_batch_size: Optional[int] = opt(
+        None, "samples per evaluation iteration (default: --global-batch-size; with "
+              "--step-batch-size-schedule, --eval-micro-batch-size x data-parallel size, as "
+              "Megatron); a multiple of --eval-micro-batch-size x data-parallel size", ge=1)
+    eval_micro_batch_size: Optional[int] = opt(
+        None, "samples per evaluation micro-batch (default: --micro-batch-size)", ge=1)
     log_json: Optional[str] = opt(None, "append every logged record as a JSON line to this file")
     tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars to this directory")
     peak_tflops: Optional[float] = opt(

@@ -261,9 +261,6 @@ def _check_zero(cfg: Any) -> None:
                           f"--recompute-method uniform --recompute-num-layers "
                           f"{t.recompute_num_layers} bypasses: use --recompute-num-layers 1 or "
                           f"--recompute-method block")
-    if t.fp16:
-        raise ConfigError(f"{flag} with --fp16 has no loss scaler wired to FSDP2 yet: use --bf16 "
-                          f"(FSDP2 mixed precision), or --fp16 with --use-distributed-optimizer")
     if t.compile:
         raise ConfigError(f"{flag} with --compile is not tested yet (the compiled layer call "
                           f"would trace FSDP2's gather hooks): drop --compile, or use "
@@ -299,6 +296,29 @@ def _resolve_training(cfg: Any, world_size: int) -> None:
     if d.data_path and d.train_data_path:
         raise ConfigError("--data-path and --train-data-path both give the training data: use "
                           "--data-path with --split, or the separate --train/valid/test-data-path")
+    _check_fim(d)
+
+
+def _check_fim(data: Any) -> None:
+    """Megatron's rules for ``--fim-data`` (megatron/training/arguments.py:1684): real data
+    (a tokenizer to cut text with), nonzero ``--fim-rate`` and ``--fim-spm-rate``; and
+    ``--fim-split-sample`` needs ``--fim-fragment-rate`` (Megatron would fail drawing with
+    none). ConfigError naming the flag. The transform: :mod:`loom.data.fim`."""
+    if not data.fim_data:
+        return
+    if data.mock_data:
+        raise ConfigError("--fim-data with --mock-data: fill-in-the-middle cuts the text of "
+                          "real documents (Megatron refuses it too); give --data-path")
+    for flag, value in (("--fim-rate", data.fim_rate), ("--fim-spm-rate", data.fim_spm_rate),
+                        ("--fim-fragment-rate", data.fim_fragment_rate)):
+        if value is not None and not 0 <= value <= 1:
+            raise ConfigError(f"{flag} {value}: a probability, in [0, 1]")
+        if not value and flag != "--fim-fragment-rate":
+            raise ConfigError(f"{flag} {value}: --fim-data needs a nonzero {flag} (as Megatron; "
+                              f"for no FIM drop --fim-data)")
+    if data.fim_split_sample is not None and data.fim_fragment_rate is None:
+        raise ConfigError("--fim-split-sample needs --fim-fragment-rate (the FIM rate of each "
+                          "fragment)")
 
 
 def _check_precision(t: Any) -> None:
@@ -372,6 +392,9 @@ def validate_config(cfg: Any, world_size: int) -> None:
     _check_zero(cfg)
     _check_moe(cfg, world_size)
     _check_precision(t)
+    if cfg.data.fim_data and m.model_type == "bert":
+        raise ConfigError("--fim-data with --model-type bert: fill-in-the-middle reorders "
+                          "next-token samples (Megatron's GPT dataset); BERT masks tokens instead")
     parse_fault(cfg.fault_tolerance.inject_fault)
     ck = cfg.checkpoint
     if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:

@@ -41,8 +41,11 @@ Composition with loom's own parallelism:
   top of ZeRO-3), uniform full recomputation of groups of layers (the group's first layer calls
   the others' ``forward`` directly, bypassing their FSDP hooks).
 
-Mixed precision (``--bf16``): ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
-sharded parameters, gradients and Adam states stay fp32.
+Mixed precision (``--bf16`` / ``--fp16``): ``MixedPrecisionPolicy(param_dtype=bf16 or fp16,
+reduce_dtype=fp32)``; sharded parameters (the fp32 master weights), gradients and Adam states
+stay fp32. ``--fp16``'s loss scale multiplies the loss as without ZeRO-3; the step divides it
+out of the fp32 gradient shards and skips when any rank's shard holds an inf or NaN (the check
+all-reduced over every rank: :func:`loom.training.step.unscale_sharded`).
 
 A mesh whose DP x CP group is one rank shards nothing (ZeRO-3 at d = 1 is plain training).
 """
@@ -164,17 +167,27 @@ def unsharded_parameters(chunk: nn.Module) -> set:
             if isinstance(getattr(m, "expert_bias", None), nn.Parameter)}
 
 
-def shard_model_chunks(chunks: Sequence[nn.Module], mesh, bf16: bool = False) -> None:
+def shard_model_chunks(chunks: Sequence[nn.Module], mesh, bf16: bool = False,
+                       fp16: bool = False) -> None:
     """``fully_shard`` each transformer layer of each chunk, then the chunk (the root of its
+<<<<<<< HEAD
     own FSDP tree), in place; parameter names do not change. With the experts on a grid of their
     own the local experts of each MoE layer are sharded first, over the expert-DP group
     (:func:`expert_device_mesh`). A no-op on a one-rank DP x CP group."""
+=======
+    own FSDP tree), in place; parameter names do not change. With expert parallelism the local
+    experts of each MoE layer are sharded first, over the expert-DP x CP group
+    (:func:`expert_device_mesh`). ``bf16`` / ``fp16``: the gathered parameters are cast to
+    that dtype for compute, the shards and reduced gradients stay fp32. A no-op on a one-rank
+    DP x CP group."""
+>>>>>>> main
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device_mesh = fsdp_device_mesh(mesh)
     if device_mesh is None:
         return
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if bf16 else MixedPrecisionPolicy()
+    compute = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) \
+        if compute is not None else MixedPrecisionPolicy()
     expert_mesh = expert_device_mesh(mesh)
     # The last chunk returns the per-token loss as a view ([s, b] -> [b, s]); FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook. lm_loss only reads it (out of place),

@@ -86,5 +86,5 @@ def build_model_chunks(family: FamilyParts, cfg: LoomConfig, mesh: ParallelMesh,
             compile_layers(chunk)
         chunks.append(chunk)
     if fsdp_enabled(t):  # ZeRO-3: fully_shard per layer and per chunk over DP x CP
-        shard_model_chunks(chunks, mesh, bf16=t.bf16)
+        shard_model_chunks(chunks, mesh, bf16=t.bf16, fp16=t.fp16)
     return chunks

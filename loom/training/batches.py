@@ -3,7 +3,7 @@ of a global batch (Megatron's ``get_batch`` over its pretraining sampler)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -22,31 +22,38 @@ class BatchSource:
 
     def __init__(self, datasets: tuple[Any, Any, Any], mesh: ParallelMesh, micro_batch_size: int,
                  global_batch: int, num_microbatches: int, seq_length: int, hidden_size: int,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, eval_sizes: Optional[tuple[int, int, int]] = None):
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.mesh, self.micro_batch_size = mesh, micro_batch_size
         self.global_batch, self.num_microbatches = global_batch, num_microbatches
         self.seq_length, self.hidden_size = seq_length, hidden_size
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
+        self.eval_micro_batch_size, self.eval_global_batch, self.eval_num_microbatches = \
+            eval_sizes or (micro_batch_size, global_batch, num_microbatches)
 
     @classmethod
     def from_config(cls, cfg, mesh: ParallelMesh, datasets: tuple[Any, Any, Any]) -> "BatchSource":
         """Sizes from a resolved LoomConfig: ``--micro-batch-size``, B and m of its ``derived``,
-        ``--seq-length``, ``--hidden-size`` and ``--sequence-parallel``."""
+        ``--seq-length``, ``--hidden-size`` and ``--sequence-parallel``; evaluation's
+        ``--eval-micro-batch-size``, B_eval and m_eval."""
         t, m, d = cfg.training, cfg.model, cfg.require_derived()
+        evals = (cfg.logging.eval_micro_batch_size, d.eval_global_batch_size,
+                 d.eval_num_microbatches) if d.eval_num_microbatches else None
         return cls(datasets, mesh, t.micro_batch_size, d.global_batch_size, d.num_microbatches,
-                   m.seq_length, m.hidden_size, cfg.parallel.sequence_parallel)
+                   m.seq_length, m.hidden_size, cfg.parallel.sequence_parallel, evals)
 
     def sets(self) -> tuple[tuple[str, Any], ...]:
         """``(("train", ds), ("valid", ds), ("test", ds))``."""
         return (("train", self.train_ds), ("valid", self.valid_ds), ("test", self.test_ds))
 
-    def batches(self, dataset, consumed: int) -> list[dict]:
+    def batches(self, dataset, consumed: int, evaluation: bool = False) -> list[dict]:
         """This DP rank's m micro-batches of the global batch starting at sample ``consumed``:
         ``tokens``/``labels`` ``[b, s/c]`` and ``position_ids [s/c]`` (this CP rank's
-        load-balanced chunks, :mod:`loom.parallel.context`), on the mesh's device."""
-        idx = microbatch_indices(consumed, self.micro_batch_size, self.num_microbatches,
-                                 self.mesh.dp_rank, self.mesh.dp_size)
+        load-balanced chunks, :mod:`loom.parallel.context`), on the mesh's device.
+        ``evaluation``: m_eval micro-batches of b_eval samples (an evaluation iteration)."""
+        b, m = (self.eval_micro_batch_size, self.eval_num_microbatches) if evaluation else \
+            (self.micro_batch_size, self.num_microbatches)
+        idx = microbatch_indices(consumed, b, m, self.mesh.dp_rank, self.mesh.dp_size)
         dev, cp, cp_rank = self.mesh.device, self.mesh.sizes["cp"], self.mesh.coords["cp"]
         s = self.seq_length
         positions = (local_positions(s, cp_rank, cp) if cp > 1 else torch.arange(s)).to(dev)
@@ -55,7 +62,7 @@ class BatchSource:
             batch = {k: slice_for_cp(v, cp_rank, cp).to(dev, non_blocking=True)
                      for k, v in get_batch(dataset, i).items()}
             batch["position_ids"] = positions
-            batch["num_microbatches"] = self.num_microbatches
+            batch["num_microbatches"] = m
             out.append(batch)
         return out
 

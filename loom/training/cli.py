@@ -93,6 +93,11 @@ def _check_data(cfg: LoomConfig) -> None:
                                   f"would mean other words. Give --tokenizer-type {stored} (or "
                                   f"drop the flag: loom reads the tokenizer stored with the data)")
     _check_tokenizer_files(cfg)
+    if d.fim_data:  # the FIM tokens are ids of the data's tokenizer
+        from loom.data.fim import fim_spec
+        from loom.data.preprocess import load_tokenizer_for
+        for flag, prefix in data_prefixes(d):
+            fim_spec(d, load_tokenizer_for(prefix), f"{flag} {prefix}")
     train, _, _ = build_datasets(d, m.seq_length, cfg.training.seed)
     mbs = cfg.training.micro_batch_size
     if train is not None and len(train) < mbs:

@@ -64,20 +64,45 @@ class ParamGroups:
     sp_params: list = field(default_factory=list)
 
 
+def unscale_sharded(params: Sequence, inv_scale: float, device) -> bool:
+    """``--fp16`` without the distributed optimizer (ZeRO-3: FSDP2 keeps fp32 gradient shards):
+    multiply this rank's gradient shards of ``params`` by ``inv_scale`` in place and say
+    whether any rank's shard holds an inf or NaN (Megatron's ``found_inf``, all-reduced over
+    every rank, so each DP x CP shard is seen and all ranks skip together)."""
+    import torch
+    import torch.distributed as dist
+
+    from loom.parallel.fsdp import local_tensor
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    found = torch.zeros(1, device=device)
+    if grads:
+        torch._foreach_mul_(grads, inv_scale)
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        found = (~finite).to(found.dtype).reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
 def optimizer_step(optimizer, scheduler, reducers: Sequence, groups: ParamGroups,
                    mesh: ParallelMesh, clip_grad: float, scaler=None,
                    nonfinite: Optional[list] = None, iteration: int = 0,
                    exit_on_nonfinite: int = 0, timers=_untimed) -> float:
-    """Unscale (``scaler``: ``--fp16``), clip by the global norm to ``clip_grad``, AdamW step,
+    """Unscale (``scaler``: ``--fp16``; ZeRO-3's shards by :func:`unscale_sharded`), clip by
+    the global norm to ``clip_grad``, AdamW step,
     LR ``scheduler`` step, gradients zeroed in ``reducers``; returns the pre-clip grad norm (of
     the unscaled gradients). A non-finite norm skips the step (gradients dropped, LR schedule
     held; the fp16 loss scale backs off) and appends ``iteration + 1`` to ``nonfinite`` (cleared
     in place by a finite step); raises NonFiniteError after ``exit_on_nonfinite`` in a row.
     ``timers``: the run's :class:`~loom.training.timers.Timers` (clip, inner step)."""
     nonfinite = [] if nonfinite is None else nonfinite
-    norm = clip_and_norm(optimizer, groups.params, clip_grad, mesh, groups.norm_params,
-                         groups.expert_norm_params,
-                         1.0 / scaler.scale if scaler is not None else 1.0, timers)
+    inv_scale, found_inf = 1.0 / scaler.scale if scaler is not None else 1.0, False
+    if scaler is not None and not isinstance(optimizer, DistributedOptimizer):  # fp16 ZeRO-3
+        found_inf = unscale_sharded(groups.params, inv_scale, mesh.device)
+        inv_scale = 1.0
+    norm = float("inf") if found_inf else \
+        clip_and_norm(optimizer, groups.params, clip_grad, mesh, groups.norm_params,
+                      groups.expert_norm_params, inv_scale, timers)
     finite = math.isfinite(norm)
     if scaler is not None:
         scaler.update(not finite)

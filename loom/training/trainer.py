@@ -85,10 +85,11 @@ class Trainer:
             self.load(cfg.checkpoint.load)
 
     # -- data ------------------------------------------------------------------------------------
-    def batches(self, dataset, consumed: int) -> list[dict]:
+    def batches(self, dataset, consumed: int, evaluation: bool = False) -> list[dict]:
         """This DP rank's micro-batches of the global batch starting at sample ``consumed``
-        (:meth:`~loom.training.batches.BatchSource.batches`)."""
-        return self.parts.data.batches(dataset, consumed)
+        (:meth:`~loom.training.batches.BatchSource.batches`; ``evaluation``: of an evaluation
+        iteration, ``--eval-global-batch-size`` samples)."""
+        return self.parts.data.batches(dataset, consumed, evaluation)
 
     def p2p_shape(self, batches: list[dict]) -> tuple[int, int, int]:
         """``[s, b, h]`` exchanged between pipeline stages."""
@@ -210,18 +211,20 @@ class Trainer:
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, iters: Optional[int] = None, dataset=None) -> Optional[dict]:
-        """Mean loss and perplexity over the first ``--eval-iters`` global batches of the
-        validation set, or of ``dataset`` (the same samples at every evaluation, so values are
-        comparable); None without such a set or with ``--eval-iters 0``."""
+        """Mean loss and perplexity over the first ``--eval-iters`` x
+        ``--eval-global-batch-size`` samples of the validation set, or of ``dataset`` (the same
+        samples at every evaluation, so values are comparable: the mean over those samples,
+        whatever the evaluation batch sizes); None without such a set or with
+        ``--eval-iters 0``."""
         dataset = self.parts.data.valid_ds if dataset is None else dataset
         iters = iters or self.cfg.logging.eval_iters
         if dataset is None or not iters:
             return None
         for c in self.model_chunks:
             c.eval()
-        total = 0.0
+        total, per_iter = 0.0, self.parts.data.eval_global_batch
         for i in range(iters):
-            batches = self.batches(dataset, i * self.global_batch)
+            batches = self.batches(dataset, i * per_iter, evaluation=True)
             result = forward_only(self.model_chunks, batches, self.parts.model.forward_step,
                                   self.mesh, p2p_shape=self.p2p_shape(batches), v_shape=is_v_shaped(
                                       self.cfg.parallel.pipeline_schedule, self.mesh.pp_size))

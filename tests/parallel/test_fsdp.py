@@ -14,6 +14,9 @@ CPU, gloo, fp32, no dropout.
   save loads at EP=1 without ZeRO-3 with equal parameters.
 * --bf16: FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 shards, gradients and Adam
   moments); the loss tracks fp32's.
+* --fp16: the same policy in fp16 with dynamic loss scaling: DP=2 tracks one rank's fp16 run
+  (fp16 parameters, fp32 masters); an inf in one rank's gradient shard skips the step
+  everywhere.
 * Memory: this rank's parameters + gradients + Adam moments are 16/d bytes per parameter
   (fp32) within 1% for d in {1, 2, 4}, as the planner's ZeRO-3 term says.
 * Checkpoints: a ZeRO-3 DP=2 save resumes at DP=1 without ZeRO-3, a plain DP=2 save resumes
@@ -254,8 +257,64 @@ def bf16_case() -> dict:
     return out
 
 
+def _fp16_steps(tr, poison) -> dict:
+    """4 steps of ``tr`` (mean loss, grad norm, loss scale after each); ``poison(step)`` runs
+    between backward and the optimizer step."""
+    out = {"losses": [], "norms": [], "scales": []}
+    for step in range(4):
+        loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))
+        poison(step)
+        out["norms"].append(tr.optimizer_step())
+        out["losses"].append(loss)
+        out["scales"].append(tr.parts.model.scaler.scale)
+        tr.consumed_samples += tr.global_batch
+    return out
+
+
+def fp16_case() -> dict:
+    """ZeRO-3 DP=2 with --fp16 (FSDP2 computes on fp16 gathered weights, keeps fp32 shards; the
+    dynamic loss scale is divided out of the gradient shards) next to one rank's --fp16
+    (16-bit parameters, fp32 masters, the same global batch); at the third step an inf is put
+    into rank 1's gradient shard only (one parameter's gradient on one rank, in the reference):
+    every rank must skip that step and halve the scale."""
+    import torch.distributed as dist
+
+    from loom.parallel.fsdp import is_sharded, local_tensor
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+
+    def fp16(cfg):
+        cfg.training.fp16, cfg.training.initial_loss_scale = True, 1024.0
+        cfg.training.hysteresis = 1
+        return cfg
+    tr = Trainer(fp16(make_cfg(dp=2, validate=False)).validate(2), mesh=ParallelMesh.build())
+    seen = set()
+    tr.model_chunks[0].layers["0"].mlp.linear_fc1.register_forward_hook(
+        lambda m, i, o: seen.add(str(m.weight.dtype)))
+    first = tr.params[0]
+
+    def poison_shard(step):
+        if step == 2 and dist.get_rank() == 1:
+            local_tensor(first.grad).view(-1)[0] = float("inf")
+    zero3 = _fp16_steps(tr, poison_shard)
+    zero3["compute"], zero3["sharded"] = seen, all(is_sharded(p) for p in tr.params)
+    zero3["kept"] = {str(t.dtype) for p in tr.params for t in [p, *[
+        v for v in tr.optimizer.state[p].values() if v.ndim > 0]]}
+    ref = Trainer(fp16(make_cfg(dp=1, zero=0, m=4, validate=False)).validate(1),
+                  mesh=ParallelMesh.single())
+    flag = {"on": False}
+    ref.params[0].register_hook(lambda g: g * float("inf") if flag["on"] else g)
+
+    def poison_ref(step):  # the hook fired in this step's backward if on: switch for the next
+        flag["on"] = step == 1
+    single = _fp16_steps(ref, poison_ref)
+    single["dtypes"] = {str(p.dtype) for p in ref.params}
+    return {"zero3": zero3, "single": single}
+
+
 def world2(tmp: str) -> dict:
-    return {"bf16": bf16_case(), "dp2-gpt": parity_case(), "dp2-llama": parity_case(kind="llama"),
+    return {"fp16": fp16_case(), "bf16": bf16_case(), "dp2-gpt": parity_case(),
+            "dp2-llama": parity_case(kind="llama"),
             "dp2-m3": parity_case(m=3), "dp2-recompute-full": parity_case(recompute="full"),
             "dp2-recompute-selective": parity_case(recompute="selective"),
             "cp2": parity_case(cp=2), "dp2-hybrid": parity_case(kind="hybrid"),
@@ -386,6 +445,25 @@ def test_zero3_bf16_mixed_precision(results2):
         assert fp32["kept"] == bf16["kept"] == {"torch.float32"}
         assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
         assert bf16["losses"] != fp32["losses"]  # bf16 did run
+
+
+def test_zero3_fp16_dynamic_loss_scaling(results2):
+    """fp16 ZeRO-3 at DP=2 trains like fp16 on one rank (losses and norms within the fp16
+    tolerance of tests/parallel/test_mixed_precision.py: 1e-2), computing on fp16 gathered
+    weights with fp32 shards and Adam moments; an inf in one rank's shard skips the step on
+    both ranks (found_inf all-reduced) and halves the scale, as on one rank."""
+    for r in results2:
+        z3, one = r["fp16"]["zero3"], r["fp16"]["single"]
+        assert z3["sharded"], "FSDP2 did not shard the parameters"  # ZeRO-3 was active
+        assert z3["compute"] == {"torch.float16"} and z3["kept"] == {"torch.float32"}, z3
+        assert one["dtypes"] == {"torch.float16"}, one
+        assert z3["scales"] == one["scales"] == [1024.0, 1024.0, 512.0, 512.0], (z3, one)
+        assert not math.isfinite(z3["norms"][2]) and not math.isfinite(one["norms"][2])
+        assert z3["losses"] == pytest.approx(one["losses"], rel=1e-2)
+        finite = [0, 1, 3]
+        assert [z3["norms"][i] for i in finite] == pytest.approx(
+            [one["norms"][i] for i in finite], rel=1e-2)
+        assert z3["losses"][3] != z3["losses"][0]  # it trained
 
 
 def test_zero3_checkpoint_loads_at_any_layout(results2, ckpt_dir):

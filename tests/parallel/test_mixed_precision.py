@@ -205,7 +205,6 @@ def test_bf16_checkpoint_resumes_fp32_from_the_masters(tmp_path):
 
 @pytest.mark.parametrize("change, flag", [
     (dict(bf16=True, fp16=True), "--bf16 and --fp16"),
-    (dict(zero_stage=3, fp16=True), "--zero-stage 3 / --use-torch-fsdp2 with --fp16"),
     (dict(overlap_param_gather=True), "--overlap-param-gather"),
     (dict(loss_scale=128.0), "--loss-scale")])
 def test_bad_precision_flags_refused(change, flag):

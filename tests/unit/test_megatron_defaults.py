@@ -35,7 +35,8 @@ def _same(loom_value, megatron_value) -> bool:
         (loom_value is None and megatron_value is None)
 
 
-RESOLVED = {"split": "969, 30, 1", "max_position_embeddings": 16}  # validation fills these in
+RESOLVED = {"split": "969, 30, 1", "max_position_embeddings": 16,  # validation fills these in
+            "eval_global_batch_size": 2, "eval_micro_batch_size": 2}  # Megatron's: b x d, b
 
 
 def test_omitted_flags_resolve_to_megatrons_defaults():
