@@ -170,17 +170,11 @@ def unsharded_parameters(chunk: nn.Module) -> set:
 def shard_model_chunks(chunks: Sequence[nn.Module], mesh, bf16: bool = False,
                        fp16: bool = False) -> None:
     """``fully_shard`` each transformer layer of each chunk, then the chunk (the root of its
-<<<<<<< HEAD
     own FSDP tree), in place; parameter names do not change. With the experts on a grid of their
     own the local experts of each MoE layer are sharded first, over the expert-DP group
-    (:func:`expert_device_mesh`). A no-op on a one-rank DP x CP group."""
-=======
-    own FSDP tree), in place; parameter names do not change. With expert parallelism the local
-    experts of each MoE layer are sharded first, over the expert-DP x CP group
     (:func:`expert_device_mesh`). ``bf16`` / ``fp16``: the gathered parameters are cast to
     that dtype for compute, the shards and reduced gradients stay fp32. A no-op on a one-rank
     DP x CP group."""
->>>>>>> main
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device_mesh = fsdp_device_mesh(mesh)
     if device_mesh is None:
