@@ -44,7 +44,8 @@ def build_chunk(family: FamilyParts, cfg: ModelConfig, stage: StageSpec, mesh: P
     chunk.registry = apply_plan(chunk, family.plan(cfg, stage, ctx), ctx, family.init(cfg))
     chunk.mesh = mesh
     if seed is not None:
-        initialize(chunk, chunk.registry, seed, mesh.tp_rank, mesh.tp_size)
+        initialize(chunk, chunk.registry, seed, mesh.tp_rank, mesh.tp_size,
+                   (mesh.etp_rank, mesh.etp_size))
     return chunk
 
 

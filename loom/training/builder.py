@@ -104,13 +104,13 @@ def build_model(cfg: LoomConfig, mesh: ParallelMesh, family: ModelFamily) -> Mod
     forward_step = precision_forward_step(family.forward_step,
                                           cast_parameters(chunks, param_dtype(t)), scaler)
     named = list(named_parameters(chunks))
-    ep = mesh.ep_size > 1
+    apart = mesh.experts_apart  # experts on a grid of their own: their norm summed apart
     groups = ParamGroups(
         params=[p for _, p, _ in named],
-        norm_params=[p for _, p, m in named if m.counts_for_norm(mesh.tp_rank)
-                     and not (ep and m.expert_parallel)],
-        expert_norm_params=[p for _, p, m in named if ep and m.expert_parallel
-                            and m.counts_for_norm(mesh.tp_rank)],
+        norm_params=[p for _, p, m in named if mesh.counts_for_norm(m)
+                     and not (apart and m.expert_parallel)],
+        expert_norm_params=[p for _, p, m in named if apart and m.expert_parallel
+                            and mesh.counts_for_norm(m)],
         sp_params=[p for _, p, m in named if m.grad_summed_over_tp])
     return ModelParts(family, tracker, chunks, registry, scaler, forward_step, groups)
 
