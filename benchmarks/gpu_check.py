@@ -88,7 +88,7 @@ ANCHORS = [
      "github.com/karpathy/nanochat, the figure issue 48 gives"),
     ("Megatron-Core r0.8.0, GPT 1.7B (h 2048, 24 layers) to 462B on 48-6144 H100",
      "41% MFU at 1.7B; 41-49% over the table",
-     "loom.planner.validation.MCORE_H100 (Megatron-LM README weak-scaling table)"),
+     "benchmarks.planner_sources.validation.MCORE_H100 (Megatron-LM README weak-scaling table)"),
 ]
 # seconds on the H100 host that steps x the planner's step time does not cover: process start
 # and imports, the whole CUDA tier (its own interpreter, two spawned ranks, one compilation),

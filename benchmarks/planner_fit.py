@@ -1,5 +1,5 @@
 """Refit the planner's constants from the published tables and print them next to the shipped
-values, as JSON (the fit: loom/planner/fit.py; the rows: loom/planner/constants.py).
+values, as JSON (the fit: benchmarks/planner_sources/fit.py; the rows: loom/planner/constants.py).
 
     OMP_NUM_THREADS=1 python -m benchmarks.planner_fit          # ~5 s
     OMP_NUM_THREADS=1 python -m benchmarks.planner_fit --exclude "NAR t1"
@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 
 from loom.planner.constants import FIT_SETS, SHIPPED
-from loom.planner.fit import SOURCES, fit
+from benchmarks.planner_sources.fit import SOURCES, fit
 
 
 def main(argv=None) -> dict:

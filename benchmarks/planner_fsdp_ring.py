@@ -32,13 +32,13 @@ from __future__ import annotations
 import json
 import statistics
 
-from loom.planner import published as P
+from benchmarks.planner_sources import published as P
 from loom.planner.layout import Options
 
 SOURCE = dict(repo="mosaicml/llm-foundry", commit="8c8dd48f72168c5d51e2f7b151595892a8fba43d",
               path="scripts/train/benchmarking/README.md",
               table="'H100 80GB BF16' (8-64 GPUs), every row amp_bf16, FULL_SHARD")
-# loom.planner.published.LF_ROWS' format: GPU, model, s, GPUs, micro-batch, global batch
+# benchmarks.planner_sources.published.LF_ROWS' format: GPU, model, s, GPUs, micro-batch, global batch
 # (sequences), tokens/s/GPU, ZeRO stage (FULL_SHARD: 3), recompute (activation checkpointing)
 ROWS = (
     ("H100", "70b", 2048, 64, 8, 2048, 1039, 3, "full"),
@@ -113,7 +113,7 @@ def _errors(points) -> list[dict]:
 
 def predict(variant: str) -> list[dict]:
     """Per row of :data:`ROWS` (``row``: its name in
-    :func:`loom.planner.published.llm_foundry_points`): published and predicted tokens/s/GPU
+    :func:`benchmarks.planner_sources.published.llm_foundry_points`): published and predicted tokens/s/GPU
     and the error ``predicted / published - 1`` under ``variant``."""
     return _errors(P.llm_foundry_points("H100", rows=ROWS,
                                         options=lambda n: options(variant, n)))

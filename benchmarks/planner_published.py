@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from loom.planner.calibrate import validation_points
-from loom.planner.validation import (bloom_176b, mcore_h100, nar_table2, opt_175b,
+from benchmarks.planner_sources.validation import validation_points
+from benchmarks.planner_sources.validation import (bloom_176b, mcore_h100, nar_table2, opt_175b,
                                      sho_weak_scaling)
 
 
@@ -71,7 +71,7 @@ def tables() -> None:
 
 def published_tables() -> None:
     """torchtitan, llm-foundry and Llama 3 rows (never fitted) and every published layout."""
-    from loom.planner import published as P
+    from benchmarks.planner_sources import published as P
     for title, pts in (("torchtitan (tokens/s/GPU)", P.torchtitan_points()),
                        ("llm-foundry H100 (tokens/s/GPU)", P.llm_foundry_points("H100")),
                        ("llm-foundry A100 (tokens/s/GPU)", P.llm_foundry_points("A100")),

@@ -1,5 +1,5 @@
 """Leave-one-source-out validation of the planner's cost model against published runs: for each
-source, refit every constant without it and predict it (loom.planner.fit.leave_one_source_out).
+source, refit every constant without it and predict it (benchmarks.planner_sources.fit.leave_one_source_out).
 Prints JSON, or with --markdown the table of docs/planner.md.
 
     OMP_NUM_THREADS=1 python -m benchmarks.planner_validation             # ~20-30 s
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from loom.planner.fit import leave_one_source_out
+from benchmarks.planner_sources.fit import leave_one_source_out
 
 
 def markdown(res: dict) -> str:

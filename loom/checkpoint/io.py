@@ -102,9 +102,10 @@ def _spec_of(meta) -> Optional[dict]:
 
 
 def _shard_id(meta, mesh: ParallelMesh) -> str:
-    """``RofT``: which TP shard this rank holds (``0of1`` for a TP-replicated parameter)."""
-    return f"{mesh.tp_rank}of{mesh.tp_size}" if meta.shard is not None and mesh.tp_size > 1 \
-        else "0of1"
+    """``RofT``: which TP shard this rank holds (``0of1`` for a TP-replicated parameter; an
+    expert's: its expert-TP shard)."""
+    rank, size = mesh.shard_of(meta)
+    return f"{rank}of{size}" if meta.shard is not None and size > 1 else "0of1"
 
 
 def _open_for_write(path: str):

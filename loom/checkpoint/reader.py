@@ -214,7 +214,7 @@ def load_model_weights(index, model_chunks: Sequence[nn.Module], mesh: ParallelM
     params = _named_params(model_chunks)
     full, _, _ = index.load(params)
     for name, (p, meta) in params.items():
-        p.copy_(shard_like(p, local_shard(full[name], meta, mesh.tp_rank, mesh.tp_size, name)))
+        p.copy_(shard_like(p, local_shard(full[name], meta, *mesh.shard_of(meta), name)))
 
 
 def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: dict,
@@ -229,7 +229,7 @@ def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: 
         state = {}
         for k, v in saved.items():
             if torch.is_tensor(v) and v.ndim > 0 and v.shape == full[name].shape:
-                v = shard_like(p, local_shard(v, meta, mesh.tp_rank, mesh.tp_size, name))
+                v = shard_like(p, local_shard(v, meta, *mesh.shard_of(meta), name))
             state[k] = v
         local_states[name] = state
     load_optimizer_state_by_name(optimizer, {n: p for n, (p, _) in params.items()}, local_states)
@@ -275,7 +275,7 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     full, states, rng = index.load(params, optim_names,
                                    mesh.rank if tracker is not None and same_layout else None)
     for name, (p, pmeta) in params.items():  # ZeRO-3 (DTensor): this DP rank's slice
-        p.copy_(shard_like(p, local_shard(full[name], pmeta, mesh.tp_rank, mesh.tp_size, name)))
+        p.copy_(shard_like(p, local_shard(full[name], pmeta, *mesh.shard_of(pmeta), name)))
     if optimizer is not None:
         _restore_optimizer(optimizer, params, full, states, mesh)
     common = read_common(ckpt)

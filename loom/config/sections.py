@@ -215,12 +215,13 @@ class ParallelConfig(ContextParallelFields):
         None, "layers on the last pipeline stage (the rest split evenly)", ge=1)
     sequence_parallel: bool = opt(False, "shard norms and dropout over the sequence across the "
                                          "tensor-parallel ranks")
-    expert_model_parallel_size: int = opt(1, "e: ranks of the data-parallel dimension the "
-                                             "experts are split over", ge=1)
+    expert_model_parallel_size: int = opt(1, "e: ranks the experts are split over, on "
+                                             "Megatron's expert grid (TP, CP and DP ranks "
+                                             "re-folded as expert TP x EP x expert DP)", ge=1)
     expert_tensor_parallel_size: Optional[int] = opt(
-        None, "TP size inside the experts: 1 (each expert whole on every TP rank, the routed "
-              "tokens split over the TP ranks: wider expert GEMMs) or "
-              "--tensor-model-parallel-size (experts sharded like the MLP; the default)", ge=1)
+        None, "u: ranks each expert is sharded over, dividing --tensor-model-parallel-size "
+              "(1: experts whole, the routed tokens split over the TP ranks; default: the TP "
+              "size, experts sharded like the MLP)", ge=1)
     ddp_bucket_size: Optional[int] = opt(
         None, "gradient elements per data-parallel reduction bucket (default: "
               "clamp(ceil(P / 4), 250,000 x d, 40M) for P gradient elements and d DP ranks)",
@@ -382,7 +383,8 @@ class LoggingConfig(LoggingScriptFields):
     peak_tflops: Optional[float] = opt(
         None, "peak TFLOP/s per rank for MFU (default: from the device table)", gt=0)
     planner_cluster: Optional[str] = opt(
-        None, "cluster JSON from `loom plan --calibrate` for step-time predictions")
+        None, "compare the step time with the planner's prediction for this layout on this "
+              "cluster: a JSON file from `loom plan --calibrate` or a GPU name (H100-80GB)")
     timeline: Optional[str] = opt(None, "write a Chrome trace of the pipeline schedule here")
     no_progress_bar: bool = opt(False, "no progress bar on rank 0")
 

@@ -213,20 +213,20 @@ def _check_moe(cfg: Any, world_size: int) -> None:
                           f"{e}: choose an EP size dividing the expert count")
     t, c = p.tensor_model_parallel_size, p.context_parallel_size
     d = cfg.data_parallel_size(world_size)
-    if d % e:
-        raise ConfigError(f"--expert-model-parallel-size {e} must divide the data-parallel size "
-                          f"{d}: loom splits experts over data-parallel ranks only (Megatron "
-                          f"also over tensor/context-parallel ranks); launch more ranks or lower "
-                          f"EP")
-    if etp is not None and etp not in (1, t):
-        raise ConfigError(f"--expert-tensor-parallel-size {etp} must be 1 (experts whole, tokens "
-                          f"split over TP) or --tensor-model-parallel-size {t} (experts sharded)")
+    u = t if etp is None else etp  # Megatron's expert grid: u x e x expert-DP = t c d
+    if (t * c * d) % (u * e):
+        raise ConfigError(f"--expert-tensor-parallel-size {u} x --expert-model-parallel-size {e} "
+                          f"must divide the {t * c * d} ranks of a pipeline stage (TP {t} x CP "
+                          f"{c} x DP {d}; Megatron's rule): launch more ranks or lower EP")
+    if t % u:
+        raise ConfigError(f"--expert-tensor-parallel-size {u} must divide "
+                          f"--tensor-model-parallel-size {t}: loom shards an expert only over "
+                          f"ranks holding the same tokens (Megatron also across TP groups)")
     shared = m.moe_shared_expert_intermediate_size or 0
-    sharded_experts = etp is None or etp == t
-    if (sharded_experts and m.moe_ffn_size % t) or shared % t:
-        raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} (unless "
-                          f"--expert-tensor-parallel-size 1) and "
-                          f"--moe-shared-expert-intermediate-size must be divisible by "
+    if m.moe_ffn_size % u or shared % t:
+        raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_size} must be divisible by "
+                          f"--expert-tensor-parallel-size {u} and "
+                          f"--moe-shared-expert-intermediate-size {shared} by "
                           f"--tensor-model-parallel-size {t}")
     m.check_moe_fields(t, cfg.training.recompute_granularity is not None,
                        cfg.training.zero_stage == 3 or cfg.training.use_torch_fsdp2)

@@ -26,5 +26,5 @@ def load_full_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor]) -> 
     for name, p in model.named_parameters():
         if name not in full:
             raise KeyError(f"{name} missing from the converted state dict")
-        p.copy_(local_shard(full[name].float(), model.registry[name], mesh.tp_rank, mesh.tp_size,
-                            name))
+        meta = model.registry[name]
+        p.copy_(local_shard(full[name].float(), meta, *mesh.shard_of(meta), name))

@@ -1,26 +1,34 @@
 """Expert parallelism (EP) and tensor parallelism inside mixture-of-experts layers.
 
-The E experts are split over the e ranks of the EP group, which is carved out of the
-data-parallel dimension (Megatron-Core: ``--expert-model-parallel-size``; EP rank = DP rank mod
-e). Each rank routes its own tokens and dispatches them to the ranks holding their experts
-(:mod:`loom.parallel.expert_dispatch`: all-to-all or all-gather / reduce-scatter). Expert gradients are summed over the EP group by the all-to-all's
-backward and reduced over the expert-data-parallel group (DP ranks holding the same experts).
+The experts live on Megatron-Core's expert grid (:mod:`loom.parallel.mesh`): the ranks of a
+pipeline stage re-folded as expert TP ``u`` x EP ``e`` x expert-DP, so an EP group may span TP,
+CP and DP ranks (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``; e.g. TP2
+EP2 ETP1 on 4 ranks: the EP groups are the TP groups). The E experts are split over the e
+ranks of the EP group (the ``ep_rank``-th E/e on each) and every expert is sharded over the u
+ranks of its ``etp`` group like an MLP (FC1 by columns with its bias, FC2 by rows, its bias
+added by expert-TP rank 0 only: :class:`~loom.models.moe.AddBias`); loom needs u to divide t,
+so an expert's shards sit on ranks holding the same tokens.
 
-Under TP the experts are sharded like an MLP (FC1 by columns with its bias, FC2 by rows, its
-bias added by TP rank 0 only: :class:`~loom.models.moe.AddBias`) and the
-partial expert outputs of all k choices and the shared expert are summed over TP in ONE
-all-reduce before the router weights combine them, so the router's gradient is exact and
-identical on every TP rank: 1 all-reduce forward and 1 backward per MoE layer, like a dense MLP.
-With ``--expert-tensor-parallel-size 1`` the experts stay whole on every TP rank (Megatron-Core's
-expert TP 1: wider expert GEMMs) and TP rank r runs every t-th of the routed (token, expert)
-pairs, starting at r; the same one all-reduce sums the pair outputs (each computed on exactly
-one TP rank), and the experts' gradients, partial over TP, are summed over it after backward
-(``ParamMeta.tp_partial_grad``). The shared expert stays sharded over TP.
-Under context parallelism the router's load statistics (and sinkhorn routing's column sums) are
-summed over the CP group. Under
-sequence parallelism the layer all-gathers its ``[s/t, b, h]`` tokens first (every TP rank
-routes all of them, so the router's load statistics are the full micro-batch's) and keeps its
-own ``s/t`` slice of the output.
+Tokens. Every TP rank routes all of its micro-batch's tokens (under sequence parallelism the
+layer all-gathers its ``[s/t, b, h]`` tokens first and keeps its own ``s/t`` slice of the
+output), so the router, its load statistics and losses are exactly the single-process ones and
+identical on the TP ranks. The kept (token, expert) pairs, sorted by expert, are then split over
+the t/u expert-TP groups inside the TP group: the ranks of the j-th own every (t/u)-th pair
+starting at j, and each rank dispatches its own pairs to the EP ranks holding their experts
+(:mod:`loom.parallel.expert_dispatch`: all-to-all or all-gather / reduce-scatter), so each
+pair meets each shard of its expert exactly once. The partial pair outputs of all k choices
+and the shared expert's (sharded over TP) are summed over TP in ONE all-reduce before the router
+weights combine them, so the router's gradient is exact and identical on every TP rank: 1
+all-reduce forward and 1 backward per MoE layer, like a dense MLP. With u = t (the default) no
+pair is split and this is expert TP as Megatron-Core's default; with u = 1 each expert is whole
+and TP rank r runs every t-th pair.
+
+Gradients. An expert shard's gradient on a rank is the sum over the pairs it ran; summed over
+the expert-data-parallel group ``edp`` (the ranks holding the same shard) it covers every token
+once. The gradient buffer averages over ``edp`` (n / (u e) ranks of the n = t c d in a stage)
+and multiplies by n / (u e) / (d c) = t / (u e), giving the mean over the d c DP x CP ranks'
+tokens like the dense gradients (:func:`expert_grad_scale`). Under context parallelism the
+router's load statistics (and sinkhorn routing's column sums) are summed over the CP group.
 """
 
 from __future__ import annotations
@@ -43,10 +51,11 @@ from loom.parallel.sequence import (gather_sequence_replicated_grad,
 
 
 def _shard_mlp(mlp: nn.Module, t: int, tp_rank: int, swiglu: bool, expert: bool) -> dict:
-    """Replace an expert MLP's linears by this TP rank's shards (on the meta device) and
-    return their registry fields. Biases: FC1's is split like its columns; FC2's stays whole
-    and only TP rank 0's partial output carries it (``add_fc2_bias``; every rank gets its full
-    gradient), so the one all-reduce after the combine adds it once."""
+    """Replace an expert MLP's linears by shard ``tp_rank`` of ``t`` (on the meta device: the
+    expert-TP rank and size for a routed expert, the TP ones for the shared expert) and return
+    their registry fields. Biases: FC1's is split like its columns; FC2's stays whole and only
+    shard 0's partial output carries it (``add_fc2_bias``; every shard gets its full gradient),
+    so the one all-reduce after the combine adds it once."""
     f1_out, h = mlp.linear_fc1.weight.shape
     bias = mlp.linear_fc1.bias is not None
     f = f1_out // 2 if swiglu else f1_out
@@ -68,9 +77,10 @@ def _shard_mlp(mlp: nn.Module, t: int, tp_rank: int, swiglu: bool, expert: bool)
 @dataclass(frozen=True)
 class MoEParallel(ParallelStyle):
     """For a module with ``experts`` (a ModuleDict keyed by global expert index): keep only this
-    EP rank's experts, shard experts and the shared expert over TP, install the
-    :class:`ParallelDispatcher`. Other modules are left alone. ``run_experts``: the family's
-    expert runner handed to the dispatcher (e.g. :func:`loom.models.moe.run_experts`)."""
+    EP rank's experts, shard them over expert TP and the shared expert over TP, install the
+    :class:`ParallelDispatcher` (this rank's share of the pairs: the module docstring). Other
+    modules are left alone. ``run_experts``: the family's expert runner handed to the
+    dispatcher (e.g. :func:`loom.models.moe.run_experts`)."""
 
     run_experts: Callable
     swiglu: bool = False
@@ -81,19 +91,16 @@ class MoEParallel(ParallelStyle):
         if not hasattr(module, "experts"):
             return module, {}
         mesh, fields = ctx.mesh, {}
-        E, e, t = len(module.experts), mesh.ep_size, mesh.tp_size
-        whole = t > 1 and mesh.etp_size == 1  # experts unsharded, pairs split over TP
+        E, e, t, u = len(module.experts), mesh.ep_size, mesh.tp_size, mesh.etp_size
         local = E // e
         first = mesh.ep_rank * local
         for i in range(E):
             if not first <= i < first + local:
                 del module.experts[str(i)]
         for name, mlp in module.experts.items():
-            shards = _shard_mlp(mlp, t, mesh.tp_rank, self.swiglu, True) \
-                if t > 1 and not whole else {}
+            shards = _shard_mlp(mlp, u, mesh.etp_rank, self.swiglu, True) if u > 1 else {}
             for p, _ in mlp.named_parameters():
-                fields[f"experts.{name}.{p}"] = dict(shards.get(p, {}), expert_parallel=True,
-                                                     tp_partial_grad=whole)
+                fields[f"experts.{name}.{p}"] = dict(shards.get(p, {}), expert_parallel=True)
         if module.shared_experts is not None and t > 1:
             for p, kw in _shard_mlp(module.shared_experts, t, mesh.tp_rank, self.swiglu,
                                    False).items():
@@ -101,7 +108,7 @@ class MoEParallel(ParallelStyle):
         if t > 1 or e > 1:
             module.dispatcher = ParallelDispatcher(
                 E, mesh.groups["tp"], mesh.groups.get("ep"), mesh.ep_rank, e,
-                (mesh.tp_rank, t) if whole else (0, 1), run_experts=self.run_experts,
+                (mesh.tp_rank // u, t // u), run_experts=self.run_experts,
                 kind=self.dispatcher, overlap_shared=self.overlap_shared)
         cp_group = mesh.groups["cp"]
         if cp_group is not None:  # the load-balancing loss over the whole sequence
@@ -217,12 +224,18 @@ def moe_layer_losses(model_chunks: Sequence[nn.Module], names: Sequence[str],
             for j in range(num_layers) if moe[j] > 0}
 
 
+def expert_grad_scale(mesh) -> float:
+    """The factor on the expert gradients after their mean over ``edp``: that group's size over
+    d c (= t / (u e); the module docstring), so they are the mean over the DP x CP ranks'
+    tokens like the dense gradients. 1 on the dense grid (u = t, e = 1)."""
+    return len(mesh.ranks["edp"]) / (mesh.sizes["dp"] * mesh.sizes["cp"])
+
+
 class ReducerGroup:
     """Several gradient reducers acting as one (dense parameters over DP x CP, expert
     parameters over the expert-data-parallel group), with the reducer interface the schedules
-    use. ``expert_scale`` multiplies the expert gradients after their reduction: they hold the
-    sum over the EP group's tokens averaged over d/e ranks, and the mean over all d DP ranks'
-    tokens is wanted, hence 1/e."""
+    use. ``expert_scale`` multiplies the expert gradients after their reduction (the expert
+    buffer usually applies :func:`expert_grad_scale` itself and this stays 1)."""
 
     def __init__(self, reducers: Sequence, expert_grads_of=None, expert_scale: float = 1.0):
         self.reducers = list(reducers)

@@ -6,12 +6,16 @@
   forward and 2 backward per MoE layer. With ``--moe-shared-expert-overlap`` the dispatch
   all-to-all is started asynchronously and the shared expert computes while it is in flight.
 * ``allgather``: every EP rank all-gathers the EP group's tokens and routing (all ranks have
-  the same T), runs its local experts on the pairs routed to them, and reduce-scatters the
-  ``[e T k, h]`` outputs back (each pair is non-zero on exactly one rank, so the sum is that
-  rank's output): more bytes than all-to-all when k < e, but no count exchange and fixed
-  sizes. Backward: reduce-scatter of the token gradients, all-gather of the output gradients.
+  the same T; of the routing only the pairs each rank owns), runs its local experts on the
+  pairs routed to them, and reduce-scatters the ``[e T k, h]`` outputs back (each pair is
+  non-zero on exactly one rank, so the sum is that rank's output): more bytes than all-to-all
+  when k < e, but no count exchange and fixed sizes. Backward: reduce-scatter of the token
+  gradients, all-gather of the output gradients.
 
-Both return the same numbers (the same pairs reach the same experts in the same order).
+Both return the same numbers (the same pairs reach the same experts in the same order). A
+rank dispatches only the pairs it owns (``pair_split``: with expert TP u < t the kept pairs,
+sorted by expert, are split over the t/u expert-TP groups of the TP group; the EP group may
+then hold TP ranks with the same tokens, each sending its own share: :mod:`loom.parallel.expert`).
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ class ParallelDispatcher(nn.Module):
     dropped) and the shared expert's ``[T, h]`` (or None), summed over TP.
     ``run_experts(tokens [n, h], ids [n], experts, first) -> [n, h]`` runs tokens, sorted by
     their global expert id, through ``experts[str(id)]`` (the family's, e.g.
-    :func:`loom.models.moe.run_experts`). ``kind``: ``alltoall`` or ``allgather``;
+    :func:`loom.models.moe.run_experts`). ``pair_split``: ``(j, n)``, this rank owns every n-th
+    kept pair (sorted by expert) starting at j. ``kind``: ``alltoall`` or ``allgather``;
     ``overlap_shared``: compute the shared expert during the dispatch all-to-all. ``trace``:
     None, or a list that receives the order of events (tests)."""
 
@@ -110,7 +115,7 @@ class ParallelDispatcher(nn.Module):
         self.E, self.tp_group, self.ep_group = num_experts, tp_group, ep_group
         self.e, self.local = ep_size, num_experts // ep_size
         self.first = ep_rank * self.local
-        self.pair_rank, self.pair_stride = pair_split  # expert TP 1: this TP rank's pairs
+        self.pair_rank, self.pair_stride = pair_split  # expert TP u < t: this rank's pairs
         self.kind, self.overlap_shared = kind, overlap_shared
         self.trace: Optional[list] = None
 
@@ -119,11 +124,21 @@ class ParallelDispatcher(nn.Module):
             self.trace.append(event)
 
     def _pairs(self, flat: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """Indices into the ``[T k]`` pairs of those this rank owns, sorted by expert."""
         pairs = kept.reshape(-1).nonzero().squeeze(-1)
         pairs = pairs[torch.argsort(flat[pairs], stable=True)]
         if self.pair_stride > 1:  # still sorted by expert
             pairs = pairs[self.pair_rank::self.pair_stride]
         return pairs
+
+    def _owned(self, routing) -> torch.Tensor:
+        """``[T, k]`` bool: the kept pairs this rank owns."""
+        T, k = routing.experts.shape
+        if self.pair_stride == 1:
+            return routing.kept
+        pairs = self._pairs(routing.experts.reshape(-1), routing.kept)
+        return torch.zeros(T * k, dtype=torch.bool, device=pairs.device).index_fill_(
+            0, pairs, True).view(T, k)
 
     def _alltoall(self, x, routing, experts, shared):
         """Returns the ``[T k, h]`` pair outputs and the shared expert's output (or None)."""
@@ -169,10 +184,12 @@ class ParallelDispatcher(nn.Module):
         experts_all = torch.empty((self.e * T, k), dtype=routing.experts.dtype, device=x.device)
         kept_all = torch.empty((self.e * T, k), dtype=torch.uint8, device=x.device)
         all_gather_into(experts_all, routing.experts.contiguous(), g)
-        all_gather_into(kept_all, routing.kept.to(torch.uint8).contiguous(), g)
+        all_gather_into(kept_all, self._owned(routing).to(torch.uint8).contiguous(), g)
         flat = experts_all.reshape(-1)
         local = (flat >= self.first) & (flat < self.first + self.local)
-        pairs = self._pairs(flat, kept_all.bool() & local.view(-1, k))
+        kept = kept_all.bool() & local.view(-1, k)  # pairs owned by their sender
+        pairs = kept.reshape(-1).nonzero().squeeze(-1)
+        pairs = pairs[torch.argsort(flat[pairs], stable=True)]
         done = self.run_experts(xs[pairs // k], flat[pairs], experts, self.first)
         full = x.new_zeros(self.e * T * k, x.shape[-1]).index_copy(0, pairs, done)
         return reduce_scatter_to_sequence_parallel_region(full, g)  # [T k, h]

@@ -22,17 +22,18 @@ Composition with loom's own parallelism:
 * Pipeline parallelism: each chunk is its own FSDP root; the tied embedding's copies on the first
   and last stage are sharded alike (same full shape, same DP group size), so their gradients are
   summed over the embedding group shard by shard.
-* Expert parallelism (as torchtitan composes FSDP2 with EP): each MoE layer's local experts (its
-  ``experts`` ModuleDict, made a :class:`ShardedExperts` FSDP unit) are ``fully_shard``-ed
-  first, over the expert-data-parallel x CP group (``edp_cp``: the (d/e) c ranks holding the
-  same experts; a one-rank group gets its own process group), so the layer's and chunk's FSDP
-  units leave them out. Their gradients are reduce-scattered over ``edp_cp`` and divided by
-  d c (the mean over every DP x CP rank's tokens: the plain run's expert-DP average times 1/e).
-  MoE layers without EP are sharded like any layer.
+* Expert parallelism (as torchtitan composes FSDP2 with EP): when the experts have a grid of
+  their own (EP > 1 or expert TP != t, :mod:`loom.parallel.mesh`), each MoE layer's local
+  experts (its ``experts`` ModuleDict, made a :class:`ShardedExperts` FSDP unit) are
+  ``fully_shard``-ed first, over the expert-data-parallel group (``edp``: the t c d / (u e)
+  ranks holding the same expert shards; a one-rank group gets its own process group), so the
+  layer's and chunk's FSDP units leave them out. Their gradients are reduce-scattered over
+  ``edp`` and divided by d c (the mean over every DP x CP rank's tokens, like the dense ones).
+  MoE layers on the dense grid are sharded like any layer.
 * The aux-loss-free ``router.expert_bias`` (no gradient, updated in place from the global load
   after each step) is left unsharded (``ignored_params``): whole and identical on every rank.
 * The gradient norm sums squares of the local shards and all-reduces them over DP x CP as well
-  (expert shards over ``edp_cp``, then EP: each element once); AdamW (fused) runs on the
+  (expert shards too: each element once); AdamW (fused) runs on the
   DTensor shards of both meshes.
 * Checkpoints stay layout-free: :func:`full_tensor` gathers each parameter (and Adam state) at
   save, :func:`shard_like` cuts this rank's shard at load (experts over their own mesh).
@@ -104,21 +105,22 @@ def fsdp_device_mesh(mesh):
 
 
 def expert_device_mesh(mesh):
-    """The 1-D ``DeviceMesh`` over this rank's expert-data-parallel x CP group (the ranks
-    holding the same experts, ``edp_cp``), or None without expert parallelism. A one-rank
-    group (d = e, c = 1) gets a process group of its own (``new_group`` is collective: every
-    rank creates every rank's), so experts are DTensors like every other parameter."""
-    if mesh.ep_size == 1:
+    """The 1-D ``DeviceMesh`` over this rank's expert-data-parallel group (the ranks holding
+    the same expert shards, ``edp``), or None when the experts share the dense grid. A
+    one-rank group (t c d = u e) gets a process group of its own (``new_group`` is
+    collective: every rank creates every rank's), so experts are DTensors like every other
+    parameter."""
+    if not mesh.experts_apart:
         return None
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    group = mesh.groups.get("edp_cp")
+    group = mesh.groups.get("edp")
     if group is None:
         rank = dist.get_rank()
         for r in range(dist.get_world_size()):
             g = dist.new_group([r], timeout=getattr(mesh, "timeout", None))
             group = g if r == rank else group
-    return DeviceMesh.from_group(group, mesh.device.type, mesh_dim_names=("edp_cp",))
+    return DeviceMesh.from_group(group, mesh.device.type, mesh_dim_names=("edp",))
 
 
 class ShardedExperts(nn.ModuleDict):
@@ -136,13 +138,13 @@ def _call_experts(tokens, ids, experts: ShardedExperts, first: int = 0) -> torch
     return experts(tokens, ids, first)  # the dispatcher's run_experts: through FSDP's hooks
 
 
-def _shard_experts(chunk: nn.Module, device_mesh, policy, ep_size: int) -> None:
+def _shard_experts(chunk: nn.Module, device_mesh, policy, divide_by: int) -> None:
     """``fully_shard`` the local experts of each MoE module of ``chunk`` (as
-    :class:`ShardedExperts`) over the expert-DP x CP mesh; the dispatcher, which calls
+    :class:`ShardedExperts`) over the expert-DP mesh; the dispatcher, which calls
     ``run_experts(tokens, ids, experts, first)`` once per forward on every rank, then calls
-    them as a module. Gradients are divided by (d/e) c x e = d c: the mean over all DP x CP
-    ranks' tokens, like the dense gradients (:class:`loom.parallel.expert.ReducerGroup`'s
-    1/e)."""
+    them as a module. Gradients (summed over the mesh) are divided by ``divide_by`` = d c: the
+    mean over all DP x CP ranks' tokens, like the dense gradients
+    (:func:`loom.parallel.expert.expert_grad_scale`)."""
     from torch.distributed.fsdp import fully_shard
     for moe in list(chunk.modules()):
         experts, dispatcher = getattr(moe, "experts", None), getattr(moe, "dispatcher", None)
@@ -152,7 +154,7 @@ def _shard_experts(chunk: nn.Module, device_mesh, policy, ep_size: int) -> None:
         experts.run_experts = dispatcher.run_experts
         dispatcher.run_experts = _call_experts
         fully_shard(experts, mesh=device_mesh, mp_policy=policy)
-        experts.set_gradient_divide_factor(float(device_mesh.size() * ep_size))
+        experts.set_gradient_divide_factor(float(divide_by))
         # sum, then divide (gloo has no PREMUL_SUM); on a one-rank mesh torch 2.13 divides by
         # the factor in its copy and again after a forced sum, so that case keeps the default
         experts.set_force_sum_reduction_for_comms(device_mesh.size() > 1)
@@ -168,8 +170,8 @@ def unsharded_parameters(chunk: nn.Module) -> set:
 def shard_model_chunks(chunks: Sequence[nn.Module], mesh, bf16: bool = False,
                        fp16: bool = False) -> None:
     """``fully_shard`` each transformer layer of each chunk, then the chunk (the root of its
-    own FSDP tree), in place; parameter names do not change. With expert parallelism the local
-    experts of each MoE layer are sharded first, over the expert-DP x CP group
+    own FSDP tree), in place; parameter names do not change. With the experts on a grid of their
+    own the local experts of each MoE layer are sharded first, over the expert-DP group
     (:func:`expert_device_mesh`). ``bf16`` / ``fp16``: the gathered parameters are cast to
     that dtype for compute, the shards and reduced gradients stay fp32. A no-op on a one-rank
     DP x CP group."""
@@ -189,7 +191,7 @@ def shard_model_chunks(chunks: Sequence[nn.Module], mesh, bf16: bool = False,
         layers = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
         kept = unsharded_parameters(chunk)
         if expert_mesh is not None:  # every MoE module of the chunk (MTP layers too)
-            _shard_experts(chunk, expert_mesh, policy, mesh.ep_size)
+            _shard_experts(chunk, expert_mesh, policy, mesh.sizes["dp"] * mesh.sizes["cp"])
         for layer in layers:
             fully_shard(layer, mesh=device_mesh, mp_policy=policy, ignored_params=kept)
         fully_shard(chunk, mesh=device_mesh, mp_policy=policy, ignored_params=kept)

@@ -11,9 +11,20 @@ the trainer and the optimizer; loom has no module-level process-group globals.
 
 Groups: ``tp``, ``cp``, ``dp``, ``pp`` (one axis each); ``dp_cp`` (gradient reduction);
 ``mp`` (model parallel = tp x pp, for the gradient norm); ``embedding`` (first and last pipeline
-stage, for tied input/output embeddings); ``ep`` / ``edp`` (expert parallel: e consecutive DP
-ranks; expert data parallel: the DP ranks holding the same experts; ``edp_cp``: those times
-CP, over which expert gradients are reduced).
+stage, for tied input/output embeddings).
+
+The experts re-fold the same ranks as Megatron-Core does (``parallel_state.py``: its expert
+rank generator, order ``tp-ep-dp-pp`` with no CP axis): inside each pipeline stage's
+``n = t c d`` consecutive ranks, stage rank ``q`` is
+
+    q = etp_rank + u * (ep_rank + e * edp_rank)
+
+with ``u`` the expert TP size (``--expert-tensor-parallel-size``, default t), ``e`` the EP size
+and ``n / (u e)`` the expert-data-parallel size. Groups ``etp`` (u consecutive ranks: the
+shards of one expert), ``ep`` (e ranks at stride u: the ranks splitting the experts; they may
+differ in TP, CP and DP coordinates) and ``edp`` (the ranks holding the same expert shards,
+over which expert gradients are reduced; it spans CP, and TP ranks when u < t). With u = t
+and e = 1 the expert grid is the dense one (``etp`` = ``tp``, ``edp`` = ``dp_cp``).
 """
 
 from __future__ import annotations
@@ -53,6 +64,30 @@ def rank_groups(sizes: dict[str, int], axes: Sequence[str]) -> list[list[int]]:
     return groups
 
 
+def expert_rank_groups(sizes: dict[str, int], etp: int, ep: int, kind: str) -> list[list[int]]:
+    """Every ``kind`` group (``etp``, ``ep`` or ``edp``) of Megatron-Core's expert grid (the
+    module docstring: stage rank ``q = etp_rank + u (ep_rank + e edp_rank)``, pipeline stages
+    of ``n = t c d`` consecutive ranks). Pure. Example: t=2, d=2, u=1, e=2 -> ep groups
+    [[0,1],[2,3]] (the TP groups), edp groups [[0,2],[1,3]]. Raises ValueError when u e does
+    not divide n."""
+    n = sizes["tp"] * sizes["cp"] * sizes["dp"]
+    if n % (etp * ep):
+        raise ValueError(f"expert TP {etp} x EP {ep} does not divide t c d = {n}")
+    m = n // (etp * ep)
+    groups = []
+    for stage in range(sizes["pp"]):
+        at = lambda i, k, j: stage * n + i + etp * (k + ep * j)  # noqa: E731
+        if kind == "etp":
+            groups += [[at(i, k, j) for i in range(etp)] for j in range(m) for k in range(ep)]
+        elif kind == "ep":
+            groups += [[at(i, k, j) for k in range(ep)] for j in range(m) for i in range(etp)]
+        elif kind == "edp":
+            groups += [[at(i, k, j) for j in range(m)] for k in range(ep) for i in range(etp)]
+        else:
+            raise ValueError(f"unknown expert group {kind!r}")
+    return groups
+
+
 @dataclass
 class ParallelMesh:
     """A rank's view of the parallel layout.
@@ -68,8 +103,8 @@ class ParallelMesh:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     ranks: dict[str, list[int]] = field(default_factory=dict)
-    ep_size: int = 1  # e: expert-parallel ranks, carved out of DP (EP rank = DP rank mod e)
-    etp_size: int = 1  # expert TP: 1 (experts whole, tokens split over TP) or t (experts sharded)
+    ep_size: int = 1  # e: expert-parallel ranks (Megatron's expert grid, the module docstring)
+    etp_size: int = 1  # u: expert TP, dividing t (1: experts whole; t: sharded like the MLP)
     timeout: Optional[datetime.timedelta] = None  # of every group made here (None: torch's)
 
     # -- construction --------------------------------------------------------------------------
@@ -77,7 +112,7 @@ class ParallelMesh:
     def single(cls, device: str | torch.device = "cpu") -> "ParallelMesh":
         """A one-rank mesh (the single-process reference); needs no process group."""
         mesh = cls(sizes={a: 1 for a in AXES}, rank=0, device=torch.device(device))
-        for name in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding", "ep", "edp", "edp_cp"):
+        for name in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding", "etp", "ep", "edp"):
             mesh.groups[name] = None
             mesh.ranks[name] = [0]
         return mesh
@@ -88,9 +123,10 @@ class ParallelMesh:
               etp: Optional[int] = None,
               timeout: Optional[datetime.timedelta] = None,
               hierarchical_cp: Optional[tuple[int, int]] = None) -> "ParallelMesh":
-        """Create every group on an initialized default process group. ``etp``: the experts'
-        TP size (``--expert-tensor-parallel-size``, default t): t shards every expert over the
-        TP group, 1 keeps experts whole and splits the (token, expert) pairs over it.
+        """Create every group on an initialized default process group. ``ep`` / ``etp``: the
+        experts' grid (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``,
+        default t; the module docstring): every expert sharded over ``etp`` ranks, the experts
+        split over ``ep`` ranks, which may differ in TP, CP and DP coordinates.
         ``timeout``: the collectives' timeout of every group (``--distributed-timeout-minutes``;
         ``new_group`` does not inherit the default group's, it falls back to torch's 30 min).
         ``hierarchical_cp``: ``(A, B)`` of ``--hierarchical-context-parallel-sizes`` (a2a+p2p):
@@ -100,7 +136,9 @@ class ParallelMesh:
         ``dist.new_group`` is collective over all ranks, so every rank creates every group in
         the same order and keeps the ones it belongs to.
 
-        Raises ValueError if the world size is not ``t * c * d * p``, or ``etp`` is not 1 or t.
+        Raises ValueError if the world size is not ``t * c * d * p``, ``etp x ep`` does not
+        divide ``t c d`` (Megatron's rule), or ``etp`` does not divide t (loom's: an expert's
+        shards are on ranks that hold the same tokens, :mod:`loom.parallel.expert`).
         """
         world = dist.get_world_size()
         if dp is None:
@@ -110,28 +148,25 @@ class ParallelMesh:
         sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
         rank = dist.get_rank()
         mesh = cls(sizes=sizes, rank=rank, device=device or torch.device("cpu"), timeout=timeout)
-        mesh.etp_size = tp if etp is None else etp
-        if mesh.etp_size not in (1, tp):
-            raise ValueError(f"expert tensor-parallel size {etp} must be 1 or t = {tp}")
+        mesh.etp_size, mesh.ep_size = (tp if etp is None else etp), ep
+        if tp % mesh.etp_size:
+            raise ValueError(f"expert tensor-parallel size {etp} must divide t = {tp}")
+        if (tp * cp * dp) % (mesh.etp_size * ep):
+            raise ValueError(f"expert TP {mesh.etp_size} x EP {ep} does not divide t c d = "
+                             f"{tp * cp * dp}")
         named = {"tp": ["tp"], "cp": ["cp"], "dp": ["dp"], "pp": ["pp"],
                  "dp_cp": ["cp", "dp"], "mp": ["tp", "pp"]}
         for name, axes in named.items():
             for members in rank_groups(sizes, axes):
                 mesh._maybe_keep(name, members)
-        # Expert parallelism inside each DP group: EP = e consecutive DP ranks, expert-DP =
-        # the DP ranks with the same EP rank.
-        if dp % ep:
-            raise ValueError(f"expert-parallel size {ep} does not divide the DP size {dp}")
-        mesh.ep_size = ep
-        for members in rank_groups(sizes, ["dp"]):
-            for j in range(dp // ep):
-                mesh._maybe_keep("ep", members[j * ep:(j + 1) * ep])
-            for j in range(ep):
-                mesh._maybe_keep("edp", members[j::ep])
-        for members in rank_groups(sizes, ["cp", "dp"]):  # expert gradients: edp x cp
-            for j in range(ep):
-                mesh._maybe_keep("edp_cp", [r for r in members
-                                            if (r // (tp * cp)) % dp % ep == j])
+        if mesh.experts_apart:  # Megatron's expert grid (module docstring)
+            for name in ("etp", "ep", "edp"):
+                for members in expert_rank_groups(sizes, mesh.etp_size, ep, name):
+                    mesh._maybe_keep(name, members)
+        else:  # the dense grid: the same groups
+            for name, same in (("etp", "tp"), ("edp", "dp_cp")):
+                mesh.groups[name], mesh.ranks[name] = mesh.groups[same], mesh.ranks[same]
+            mesh.groups["ep"], mesh.ranks["ep"] = None, [rank]
         if hierarchical_cp is not None:  # a2a+p2p context parallelism
             a2a, ring = hierarchical_cp
             if a2a * ring != cp:
@@ -183,9 +218,46 @@ class ParallelMesh:
         return self.coords["dp"]
 
     @property
+    def expert_coords(self) -> dict[str, int]:
+        """``etp``, ``ep``, ``edp``: this rank's place in the expert grid (module docstring)."""
+        q = self.rank % (self.sizes["tp"] * self.sizes["cp"] * self.sizes["dp"])
+        u, e = self.etp_size, self.ep_size
+        return {"etp": q % u, "ep": q // u % e, "edp": q // (u * e)}
+
+    @property
     def ep_rank(self) -> int:
-        """This rank's index in its expert-parallel group (DP rank mod e)."""
-        return self.coords["dp"] % self.ep_size
+        """This rank's index in its expert-parallel group: its experts are the ``ep_rank``-th
+        E/e of them."""
+        return self.expert_coords["ep"]
+
+    @property
+    def etp_rank(self) -> int:
+        """This rank's shard of its experts (0 .. u-1)."""
+        return self.expert_coords["etp"]
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the experts have a grid of their own (EP > 1 or expert TP != t): their
+        gradients are then reduced over ``edp``, not with the dense ones over ``dp_cp``."""
+        return self.ep_size > 1 or self.etp_size != self.sizes["tp"]
+
+    def shard_of(self, meta) -> tuple[int, int]:
+        """``(rank, size)`` of the group a parameter is sharded over (a
+        :class:`~loom.parallel.registry.ParamMeta`): an expert's over ``etp``, any other over
+        ``tp`` (the arguments of :func:`~loom.parallel.registry.local_shard`)."""
+        if getattr(meta, "expert_parallel", False):
+            return self.etp_rank, self.etp_size
+        return self.tp_rank, self.tp_size
+
+    def shard_group(self, meta) -> str:
+        """The name of the group :meth:`shard_of` refers to (``etp`` or ``tp``)."""
+        return "etp" if getattr(meta, "expert_parallel", False) else "tp"
+
+    def counts_for_norm(self, meta) -> bool:
+        """Whether this rank's gradient of a parameter enters the global norm within its
+        stage's model-parallel group: :meth:`ParamMeta.counts_for_norm` at this rank's index in
+        the group the parameter is sharded over (:meth:`shard_of`)."""
+        return meta.counts_for_norm(self.shard_of(meta)[0])
 
     @property
     def pp_size(self) -> int:

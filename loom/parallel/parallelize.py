@@ -44,7 +44,8 @@ def build_chunk(family: FamilyParts, cfg: ModelConfig, stage: StageSpec, mesh: P
     chunk.registry = apply_plan(chunk, family.plan(cfg, stage, ctx), ctx, family.init(cfg))
     chunk.mesh = mesh
     if seed is not None:
-        initialize(chunk, chunk.registry, seed, mesh.tp_rank, mesh.tp_size)
+        initialize(chunk, chunk.registry, seed, mesh.tp_rank, mesh.tp_size,
+                   (mesh.etp_rank, mesh.etp_size))
     return chunk
 
 
@@ -69,7 +70,8 @@ def build_model_chunks(family: FamilyParts, cfg: LoomConfig, mesh: ParallelMesh,
     v_shape = is_v_shaped(par.pipeline_schedule, p)
     layers: Sequence[list[int]] = v_chunk_layers(cfg.model.num_layers, p, r) if v_shape else \
         chunk_layers(cfg.model.num_layers, p, r, par.num_layers_per_virtual_pipeline_stage,
-                     par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+                     par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
+                     getattr(par, "pipeline_model_parallel_layout", None))
     v, t = len(layers), cfg.training
     last = 0 if v_shape else p - 1  # the stage holding the last virtual stage
     chunks = []

@@ -58,10 +58,10 @@ class ParamMeta:
     is summed over TP. ``pipeline_shared``: the same weight lives on the first and the last
     pipeline stage (tied embeddings) and their gradients are summed over the embedding group;
     ``duplicate``: this rank's copy is not the owner (kept out of the gradient norm).
-    ``expert_parallel``: an expert's weight, held by one rank of the EP group only (gradients
-    reduced over the expert-data-parallel group; norm summed over EP). ``tp_partial_grad``:
-    replicated over TP, but each TP rank's gradient is partial (experts under
-    ``--expert-tensor-parallel-size 1``: its share of the tokens; Gemma 3's replicated KV
+    ``expert_parallel``: a routed expert's weight, on Megatron's expert grid
+    (:mod:`loom.parallel.mesh`): held by one rank of the EP group, ``shard`` over the expert-TP
+    group (not TP), gradients reduced over the expert-data-parallel group. ``tp_partial_grad``:
+    replicated over TP, but each TP rank's gradient is partial (Gemma 3's replicated KV
     projection and QK-norms: its own heads), so it is summed over TP like a sequence-parallel
     parameter's.
     """
@@ -190,14 +190,17 @@ def param_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def initialize(module: nn.Module, registry: ParamRegistry, seed: int, tp_rank: int,
-               tp_size: int) -> None:
+               tp_size: int, expert_tp: Optional[tuple[int, int]] = None) -> None:
     """Fill every parameter from its registered initializer with a generator seeded by its name.
 
     The full tensor is built (on CPU) and this rank's shard copied in, so the weights do not
     depend on t, on the pipeline stage that holds the parameter, or on recomputation.
+    ``expert_tp``: ``(rank, size)`` of the expert-TP group the experts are sharded over
+    (default: the TP one).
     """
     for name, p in module.named_parameters():
         meta = registry[name]
         g = torch.Generator().manual_seed(param_seed(seed, name))
         full = meta.init(tuple(meta.full_shape), g)
-        p.copy_(local_shard(full, meta, tp_rank, tp_size, name).to(p.dtype))
+        rank, size = expert_tp if expert_tp and meta.expert_parallel else (tp_rank, tp_size)
+        p.copy_(local_shard(full, meta, rank, size, name).to(p.dtype))

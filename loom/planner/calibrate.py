@@ -1,9 +1,7 @@
-"""Calibration: fit the compute model to published runs, and measure this machine.
+"""Calibration: measure this machine (the fit of the compute model to published runs, and its
+leave-one-source-out test, are research outside the package: :mod:`benchmarks.planner_sources`,
+``python -m benchmarks.planner_fit``).
 
-* :func:`validation_points`: the published rows the three compute constants
-  (``GEMM_EFFICIENCY``, ``GEMM_HALF_DIM``, ``MEM_TRAFFIC``) are fitted on; the fit, and the
-  leave-one-source-out test of it, is :mod:`loom.planner.fit`
-  (``python -m benchmarks.planner_fit``).
 * :func:`calibrate_local` (``loom plan --calibrate``) measures this machine, one thread (one
   rank's share of a CPU host), in ~10-20 s, and fits every constant of the time model:
 
@@ -34,23 +32,6 @@ import time
 import numpy as np
 
 from loom.planner.hardware import Cluster, make_cluster
-
-
-# -- published measurements ---------------------------------------------------------------------
-
-def validation_points(cluster_kw: dict | None = None):
-    """``(name, predicted, published)`` for NAR table 1, KOR table 3 and KOR table 4 (the rows
-    the compute constants are fitted on; :func:`loom.planner.validation.nar_table1_points` and
-    :func:`~loom.planner.validation.kor_points`), with the compute constants of ``cluster_kw``
-    (``gemm_efficiency``, ``gemm_half_dim``, ``mem_traffic``; missing = shipped). The fit itself
-    and its leave-one-source-out check are in :mod:`loom.planner.fit`."""
-    from dataclasses import replace
-
-    from loom.planner.constants import SHIPPED
-    from loom.planner.validation import kor_points, nar_table1_points
-
-    c = replace(SHIPPED, **(cluster_kw or {})) if cluster_kw else None
-    return nar_table1_points(c) + kor_points(c)
 
 
 # -- measure this machine -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from loom.config import (ConfigError, ModelConfig, add_config_arguments, config_
 from loom.planner.options import PLAN_OPTIONS
 from loom.planner.hardware import GB, Cluster, make_cluster
 from loom.planner.cost import format_estimate, parse_count, training_estimate
+from loom.planner.cli_args import cp_comm_type_of, fixed_from_args
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
@@ -115,64 +116,6 @@ def _cluster_from_args(args) -> Cluster:
                         inter_bw=bw(args.inter_node_bandwidth))
 
 
-def _fixed_from_args(args, model: ModelConfig) -> dict:
-    fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-             "cp": args.context_parallel_size, "dp": args.data_parallel_size,
-             "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
-             "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage,
-             "ep": args.expert_model_parallel_size}
-    if args.use_distributed_optimizer:
-        fixed["zero"] = 1
-    if args.use_torch_fsdp2:
-        fixed["zero"] = 3
-    if fixed["zero"] not in (None, 0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage {fixed['zero']} must be 0, 1, 2 or 3")
-    if args.expert_model_parallel_size and args.expert_model_parallel_size > 1 and \
-            not model.num_experts:
-        raise ConfigError("--expert-model-parallel-size needs an MoE model: give --num-experts E "
-                          "or an MoE preset (mixtral-8x7b, deepseek-v3, ...)")
-    fixed["first_layers"] = getattr(args, "decoder_first_pipeline_num_layers", None)
-    fixed["last_layers"] = getattr(args, "decoder_last_pipeline_num_layers", None)
-    fixed["account_embedding"] = bool(getattr(args, "account_for_embedding_in_pipeline_split",
-                                              False)) or None
-    fixed["account_loss"] = bool(getattr(args, "account_for_loss_in_pipeline_split", False)) or None
-    if (fixed["account_embedding"] or fixed["account_loss"]) and \
-            (fixed["first_layers"] is not None or fixed["last_layers"] is not None):
-        raise ConfigError("--account-for-*-in-pipeline-split and --decoder-first/last-pipeline-"
-                          "num-layers both set the first/last stage: give one of them")
-    if args.num_layers_per_virtual_pipeline_stage:
-        if not args.pipeline_model_parallel_size:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
-                              "--pipeline-model-parallel-size in loom plan")
-        from loom.planner.stages import accounted_split, given_split
-        pp, per_chunk = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
-        split = (accounted_split(model.num_layers, pp, fixed["account_embedding"],
-                                 fixed["account_loss"])
-                 if fixed["account_embedding"] or fixed["account_loss"] else
-                 given_split(model.num_layers, pp, fixed["first_layers"], fixed["last_layers"]))
-        lf, ll = split or (0, 0)
-        # uneven first/last stages: N layers per chunk of a middle stage (Megatron-Core)
-        stage = ((model.num_layers - lf - ll) // (pp - 2) if pp > 2 else max(lf, ll)) if lf \
-            else model.num_layers // pp
-        fixed["vp"] = stage // per_chunk
-    sched = getattr(args, "pipeline_schedule", None)
-    if sched in ("zero-bubble", "zbv"):  # ZB-H1 / ZB-V (1F1B, interleaved: searched as 0)
-        fixed["zb"] = 1 if sched == "zero-bubble" else 2
-    elif sched in ("1f1b", "interleaved"):
-        fixed["zb"] = 0
-    elif sched == "gpipe":
-        fixed["zb"] = 3
-    if args.recompute_granularity not in (None, "none", "selective", "full"):
-        raise ConfigError("--recompute-granularity must be selective or full")
-    return {k: v for k, v in fixed.items() if v is not None}
-
-
-def _cp_comm_type(args) -> str:
-    """``--cp-comm-type`` (the first entry when the config gives one per layer)."""
-    v = getattr(args, "cp_comm_type", None) or "p2p"  # config: words, one per layer allowed
-    return (v[0] if isinstance(v, (list, tuple)) else str(v).split()[0])
-
-
 def run(args) -> int:
     plan_options(args)
     if args.calibrate:
@@ -211,11 +154,16 @@ def run(args) -> int:
                           f"busiest rank's expert tokens over the mean; 1 = perfect balance)")
     opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
                    max_zero_stage=args.max_zero_stage,
-                   uneven_interleaved=args.allow_uneven_interleaved,
+                   uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
                    moe_load_imbalance=args.moe_load_imbalance,
-                   cp_comm_type=_cp_comm_type(args))
-    fixed = _fixed_from_args(args, model)
+                   cp_comm_type=cp_comm_type_of(args))
+    calibration = None
+    if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve
+        from loom.planner.calibrate_runs import calibrate, read_runs
+        cluster, opts, calibration = calibrate(model, cluster, read_runs(args.calibrate_from),
+                                               B, s, opts)
+    fixed = fixed_from_args(args, model)
     res = search(model, cluster, B, s, fixed, opts)
     n_eval, n_fit = len(res["tp"]), len(res["order"])
     elapsed = time.perf_counter() - t0
@@ -256,12 +204,17 @@ def run(args) -> int:
                "params": total_params(model), "active_params": total_params(model, active=True)}
         if why:
             doc["error"] = why
+        if calibration:
+            doc["calibration"] = calibration
         if not n_fit and n_eval:  # the given layout still gets its predicted time
             doc["closest"] = record(res, int(res["mem_total"].argmin()))
         for r in recs:
             r["command"] = train_command(r, model, B, s, cluster.num_gpus, cluster.gpus_per_node)
         print(to_json(recs, doc))
     else:
+        if calibration:
+            from loom.planner.calibrate_runs import format_report
+            print("\n".join(format_report(calibration, args.calibrate_from)))
         print(format_table(recs, header) if recs else header)
         if recs:
             print(format_breakdown(recs[:min(len(recs), 5)]))

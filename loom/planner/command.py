@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from dataclasses import fields
 from typing import Any
 
@@ -49,6 +50,44 @@ def model_flags(model: ModelConfig, seq_length: int) -> list[str]:
     return out
 
 
+def loom_takes_layout_string() -> bool:
+    """Whether ``loom train``'s config has ``--pipeline-model-parallel-layout`` (the placement,
+    :mod:`loom.parallel.pipeline.layout`, runs any split; the flag and its validation belong
+    to :mod:`loom.config`)."""
+    from loom.config import ParallelConfig
+    return "pipeline_model_parallel_layout" in {f.name for f in fields(ParallelConfig)}
+
+
+def split_flags(rec: dict, model: ModelConfig) -> list[str]:
+    """The pipeline-split flags of a record: none for the even split;
+    ``--num-layers-per-virtual-pipeline-stage N`` for even chunks; ``--decoder-first/last-
+    pipeline-num-layers`` for uneven ends with even middle ranks and one chunk; otherwise (any
+    other split, or one given as a layout) Megatron's ``--pipeline-model-parallel-layout``."""
+    p, v = rec["pp"], rec["vp"]
+    chunks = rec.get("chunk_layers")
+    if p == 1 or rec.get("pipeline_schedule") == "zbv":
+        return []
+    if chunks is None:  # a record without its layout: the even split or the first/last flags
+        chunks = [model.num_layers // (p * v)] * (p * v)
+        if rec.get("first_stage_layers"):
+            return ["--decoder-first-pipeline-num-layers", str(rec["first_stage_layers"]),
+                    "--decoder-last-pipeline-num-layers", str(rec["last_stage_layers"])]
+    if not rec.get("layout_given"):
+        if len(set(chunks)) == 1:
+            return ["--num-layers-per-virtual-pipeline-stage", str(chunks[0])] if v > 1 else []
+        ranks = [sum(chunks[k * p + r] for k in range(v)) for r in range(p)]
+        middle = set(ranks[1:-1])
+        if v == 1 and len(middle) <= 1:
+            mid = middle.pop() if middle else None
+            out = []
+            if ranks[0] != mid:
+                out += ["--decoder-first-pipeline-num-layers", str(ranks[0])]
+            if ranks[-1] != mid:
+                out += ["--decoder-last-pipeline-num-layers", str(ranks[-1])]
+            return out
+    return ["--pipeline-model-parallel-layout", rec["pipeline_layout"]]
+
+
 def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[str]:
     """``loom train`` flags of one planner record (:func:`loom.planner.search.record`)."""
     out = ["--tensor-model-parallel-size", str(rec["tp"]),
@@ -56,24 +95,26 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[
            "--context-parallel-size", str(rec["cp"])]
     if rec.get("ep", 1) > 1:
         out += ["--expert-model-parallel-size", str(rec["ep"])]
-    if rec["vp"] > 1:
-        out += ["--num-layers-per-virtual-pipeline-stage",
-                str(model.num_layers // (rec["pp"] * rec["vp"]))]
+    out += split_flags(rec, model)
     if rec.get("pipeline_schedule", "1f1b") != "1f1b":  # ZB-H1 / ZB-V (loom's names)
         out += ["--pipeline-schedule", rec["pipeline_schedule"]]
-    if rec.get("first_stage_layers"):
-        out += ["--decoder-first-pipeline-num-layers", str(rec["first_stage_layers"])]
-    if rec.get("last_stage_layers"):
-        out += ["--decoder-last-pipeline-num-layers", str(rec["last_stage_layers"])]
     if rec["sequence_parallel"]:
         out.append("--sequence-parallel")
     if rec["recompute"] != "none":
         out += ["--recompute-granularity", rec["recompute"]]
-    if rec["recompute"] == "full":  # what the planner models (each layer's input kept); Megatron
-        out += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]  # needs both
-    if rec["zero"] == 3:
-        out += ["--zero-stage", "3"]  # FSDP2 (loom.parallel.fsdp)
-    elif rec["zero"] >= 1:
+    if rec["recompute"] == "full" and rec.get("recompute_num_layers"):  # the first N of a chunk
+        out += ["--recompute-method", "block", "--recompute-num-layers",
+                str(rec["recompute_num_layers"])]
+    elif rec["recompute"] == "full":  # what the planner models (each layer's input kept);
+        out += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]  # Megatron: both
+    if rec["cp"] > 1 and rec.get("cp_comm_type", "p2p") != "p2p":
+        out += ["--cp-comm-type", rec["cp_comm_type"]]
+        if rec["cp_comm_type"] == "a2a+p2p":  # all-to-all inside the node, ring across
+            k = rec.get("cp_a2a_size", 1)
+            out += ["--hierarchical-context-parallel-sizes", str(k), str(rec["cp"] // k)]
+    if rec["zero"] >= 2:
+        out += ["--zero-stage", str(rec["zero"])]  # 2: gradients sharded; 3: FSDP2
+    elif rec["zero"] == 1:
         out.append("--use-distributed-optimizer")
     return out + ["--micro-batch-size", str(rec["micro_batch_size"]),
                   "--global-batch-size", str(global_batch_size)]
@@ -85,8 +126,9 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500] -m loom train FLAGS``, one flag per
     continued line; data, length and learning rate (``--data-path`` / ``--train-iters`` /
     ``--lr``, which Megatron requires) are for the user to
-    add. ZeRO-2, which loom train does not run, is said in a comment line (ZeRO-3 runs as
-    ``--zero-stage 3``)."""
+    add. A split that only ``--pipeline-model-parallel-layout`` expresses is given as that
+    flag; while loom train's config lacks it (:func:`loom_takes_layout_string`) a comment line
+    says so."""
     per_node = min(num_gpus, gpus_per_node)
     nodes = math.ceil(num_gpus / per_node)
     launch = ["torchrun", "--nproc-per-node", str(per_node)]
@@ -95,18 +137,38 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     else:
         launch += ["--nnodes", str(nodes), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", "$MASTER_ADDR:29500"]
-    words = model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size)
+    words = [shlex.quote(w) for w in
+             model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size)]
     pairs, i = [], 0
-    while i < len(words):  # "--flag value" together on one line
-        take = 2 if i + 1 < len(words) and not words[i + 1].startswith("--") else 1
+    while i < len(words):  # "--flag value [value ...]" together on one line
+        take = 1
+        while i + take < len(words) and not words[i + take].startswith("--"):
+            take += 1
         pairs.append(" ".join(words[i:i + take]))
         i += take
     lines = [" ".join(launch) + " -m loom train"] + pairs
     text = " \\\n    ".join(lines)
-    if rec["zero"] == 2:
-        text = (f"# ZeRO-{rec['zero']} is not run by loom train; this command uses ZeRO-1 "
-                f"(--use-distributed-optimizer), which needs more memory\n") + text
+    if "--pipeline-model-parallel-layout" in words and not loom_takes_layout_string():
+        text = ("# this split needs --pipeline-model-parallel-layout, which Megatron-LM takes and "
+                "loom train's config does not yet (loom.parallel.pipeline.layout places it)\n"
+                + text)
     return text
+
+
+def command_config(text: str, num_gpus: int):
+    """The validated :class:`~loom.config.LoomConfig` that ``loom train`` would build from a
+    :func:`train_command` text (its flags after ``-m loom train`` plus ``--mock-data``,
+    ``--train-iters 1``, ``--lr 3e-4``) at ``num_gpus`` ranks; raises ConfigError as loom train
+    would. How the tests check that every ranked row's command runs."""
+    import argparse
+    from loom.config import add_config_arguments, config_from_args
+    words = shlex.split("\n".join(ln for ln in text.splitlines()
+                                   if not ln.startswith("#")).replace("\\\n", " "))
+    argv = words[words.index("train") + 1:] + ["--mock-data", "--train-iters", "1",
+                                                "--lr", "3e-4"]
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_config_arguments(parser)
+    return config_from_args(parser.parse_args(argv)).validate(num_gpus)
 
 
 # Hugging Face config.json keys -> loom fields, per layout (LLaMA family, GPT-2)

@@ -12,9 +12,9 @@ The shipped values live next to the code that uses them (each with a comment nam
 * ``ZERO3_OVERLAP`` (:mod:`loom.planner.timing`): minimax of the log error of the days for 300B
   tokens over the 6 ZeRO-3 rows of NAR table 2.
 
-:data:`FIT_SETS` is the machine-readable form of that list (what :mod:`loom.planner.fit` refits);
+:data:`FIT_SETS` is the machine-readable form of that list (what :mod:`benchmarks.planner_sources.fit` refits);
 :data:`PRIORS` is what a constant falls back to when every row it is fitted on is held out (the
-leave-one-source-out protocol of :func:`loom.planner.fit.leave_one_source_out`). Not fitted:
+leave-one-source-out protocol of :func:`benchmarks.planner_sources.fit.leave_one_source_out`). Not fitted:
 ``ZERO3_LINK_EFFICIENCY`` (1.0), link bandwidths and latencies (``hardware.py``: nccl-tests-style
 achievable figures), ``MOE_LOAD_IMBALANCE`` (``moe.py``), the optimizer's 30 bytes/param.
 """
@@ -47,7 +47,7 @@ class Constants:
 
 SHIPPED = Constants()
 
-# Which published sources (loom.planner.fit.SOURCES) each group of constants is fitted on.
+# Which published sources (benchmarks.planner_sources.fit.SOURCES) each group of constants is fitted on.
 # "NAR t2" contributes its ZeRO-3 rows only; "KOR" is KOR tables 3 and 4.
 FIT_SETS = MappingProxyType({
     # gemm_efficiency, gemm_half_dim, mem_traffic, hopper_gemm_efficiency: one joint fit

@@ -88,12 +88,15 @@ def cp_layer_cost(comm_type: str, S, t, c, q_width: int, kv_width: int, attn_s,
             "mem": np.where(c > 1, 2 * q + kv + k_n * kv, zero)}
 
 
-def cp_memory(comm_type: str, S, t, c, q_width: int, kv_width: int,
+def cp_memory(comm_type, S, t, c, q_width: int, kv_width: int,
               gpus_per_node: int = 8):
     """The transient extra memory (bytes) of :func:`cp_layer_cost` without a cluster (its
-    ``mem``; ``a2a+p2p`` with ``gpus_per_node`` GPUs per node)."""
+    ``mem``; ``a2a+p2p`` with ``gpus_per_node`` GPUs per node); ``comm_type`` a name or an
+    array of row codes (:func:`row_comm_types`)."""
     from loom.planner.hardware import make_cluster
     cl = make_cluster("A100-80GB", None, gpus_per_node)
+    if not isinstance(comm_type, str):
+        return cp_layer_cost_rows(comm_type, S, t, c, q_width, kv_width, 0.0 * S, cl)["mem"]
     return cp_layer_cost(comm_type, S, t, c, q_width, kv_width, 0.0 * S, cl)["mem"]
 
 
@@ -104,3 +107,23 @@ def a2a_divides(comm_type: str, heads: int, groups: int, t: int, c: int) -> bool
     if comm_type not in ("a2a", "a2a+p2p"):
         return True
     return heads % (c * t) == 0 and groups % (c * t) == 0
+
+
+def row_comm_types(L: dict, default: str | None) -> np.ndarray:
+    """Index into :data:`CP_COMM_TYPES` of every row: its ``cpt`` when set (>= 0), else
+    ``default`` (p2p when None)."""
+    base = CP_COMM_TYPES.index(default or "p2p")
+    cpt = L.get("cpt")
+    if cpt is None:
+        return np.full(np.shape(L["tp"]), base)
+    return np.where(np.asarray(cpt) >= 0, np.asarray(cpt), base).astype(int)
+
+
+def cp_layer_cost_rows(codes: np.ndarray, S, t, c, q_width: int, kv_width: int, attn_s,
+                       cluster: Cluster) -> dict:
+    """:func:`cp_layer_cost` with each row's own type (``codes``, :func:`row_comm_types`)."""
+    out = None
+    for k in np.unique(codes) if np.size(codes) else [0]:
+        got = cp_layer_cost(CP_COMM_TYPES[int(k)], S, t, c, q_width, kv_width, attn_s, cluster)
+        out = got if out is None else {n: np.where(codes == k, got[n], out[n]) for n in got}
+    return out

@@ -104,16 +104,19 @@ def hardware_flops_per_iteration(cfg: ModelConfig, global_batch_size: int, recom
 
 
 def throughput(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
-               cluster, iteration_s) -> dict:
+               cluster, iteration_s, recompute_share=None) -> dict:
     """Tokens/s, model TFLOP/s per GPU (KOR eq 7 convention, MFU numerator), hardware TFLOP/s
     per GPU (with recompute, NAR eq 3 / KOR eq 8 convention) and MFU (model FLOPs / (time x
-    GPUs x peak))."""
+    GPUs x peak)). ``recompute_share``: the share of layers fully recomputed under full
+    recompute (block method; default all)."""
     n = L["tp"] * L["pp"] * L["dp"] * L["cp"]
     model_f = model_flops_per_iteration(model, global_batch_size, seq_length)
     rc = L["recompute"]
     hw = {name: hardware_flops_per_iteration(model, global_batch_size, name, seq_length)
           for name in ("none", "selective", "full")}
-    hw_f = np.where(rc == 2, hw["full"], np.where(rc == 1, hw["selective"], hw["none"]))
+    share = 1.0 if recompute_share is None else recompute_share
+    hw_f = np.where(rc == 2, hw["none"] + share * (hw["full"] - hw["none"]),
+                    np.where(rc == 1, hw["selective"], hw["none"]))
     it = np.asarray(iteration_s, dtype=np.float64)
     return {
         "tokens_per_s": global_batch_size * seq_length / it,

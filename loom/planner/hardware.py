@@ -54,10 +54,10 @@ class GPU:
 
 T = 1e12
 # Large-GEMM efficiency of Hopper (H100/H200/GH200). Fitted jointly with the A100 compute
-# constants (primitives.GEMM_EFFICIENCY, loom.planner.fit.fit_compute); the rows that determine
+# constants (primitives.GEMM_EFFICIENCY, benchmarks.planner_sources.fit.fit_compute); the rows that determine
 # it are the nine of Megatron-Core r0.8.0's H100 weak-scaling table, 1.7B-462B on 48-6144 GPUs
-# (loom.planner.validation.MCORE_H100). The strong-scaling rows (MCORE_H100_STRONG) are not fitted.
-HOPPER_GEMM_EFFICIENCY = 0.734
+# (benchmarks.planner_sources.validation.MCORE_H100). The strong-scaling rows (MCORE_H100_STRONG) are not fitted.
+HOPPER_GEMM_EFFICIENCY = 0.735
 DEVICES: dict[str, GPU] = {g.name: g for g in [
     GPU("A100-80GB", 312 * T, 80 * GB, 2.039e12, 240e9, 23e9, tdp_w=400),
     GPU("A100-40GB", 312 * T, 40 * GB, 1.555e12, 240e9, 23e9, tdp_w=400),

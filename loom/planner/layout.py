@@ -4,10 +4,17 @@ A *layout* is a dict of equal-length numpy arrays, one entry per candidate, with
 ``tp, pp, dp, cp, vp, mbs, recompute, sp, zero, lf, ll, ep`` (float64; ``recompute`` coded by
 :data:`RECOMPUTE`: 0 none, 1 selective, 2 full; ``sp`` 0/1; ``zero`` the ZeRO stage 0-3, where
 stage 1 is Megatron's distributed optimizer; ``lf`` / ``ll`` the transformer layers of the first
-/ last pipeline stage, 0 = the even split ``L / p``, see :func:`stage_layers`; ``ep`` the
+/ last pipeline stage, 0 = the even split ``L / p``, see :func:`loom.planner.stage_table.stage_layers`; ``ep`` the
 expert-parallel size, part of ``dp``: 1 for dense models; a layout without it means 1; ``zb`` the
 pipeline schedule, :data:`SCHEDULES`: 0 1F1B / interleaved, 1 ZB-H1 (``--pipeline-schedule
-zero-bubble``), 2 ZB-V (``zbv``, two chunks per stage in a V)). Every model
+zero-bubble``), 2 ZB-V (``zbv``, two chunks per stage in a V); ``rcl`` with full recompute
+the layers per chunk recomputed (``--recompute-method block --recompute-num-layers rcl``; 0 =
+every layer, ``uniform 1``); ``cpt`` the CP communication type, an index into
+:data:`loom.planner.context_parallel.CP_COMM_TYPES` (-1 = ``Options.cp_comm_type``, p2p when
+that is None)). An optional ``split`` entry
+(object array) holds a row's :class:`~loom.parallel.pipeline.layout.PipelineLayout` (Megatron's
+``--pipeline-model-parallel-layout``: any layers on any virtual stage; None = derived from
+``pp, vp, lf, ll, zb``, :func:`loom.planner.stage_table.row_layout`). Every model
 function takes such a dict and returns
 arrays, so the search evaluates tens of thousands of layouts in one numpy pass and
 :func:`loom.planner.predict.predict_layout` evaluates one layout with the same code.
@@ -22,7 +29,8 @@ import numpy as np
 from loom.planner.moe import MOE_LOAD_IMBALANCE
 
 RECOMPUTE = ("none", "selective", "full")
-KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep", "zb")
+KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep", "zb",
+        "rcl", "cpt")
 # pipeline schedule code ``zb``: 0 1F1B (interleaved when vp > 1), 1 ZB-H1, 2 ZB-V (vp = 2),
 # 3 GPipe (evaluated when given, never searched: 1F1B's time at m micro-batches of memory)
 SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
@@ -40,8 +48,8 @@ class Options:
     (Megatron-Core ``--overlap-grad-reduce``).
     ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
     bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
-    ``uneven_interleaved``: also search virtual stages with uneven first/last stages (what
-    Megatron-Core and Llama 3 run; ``loom train`` refuses it, so off by default).
+    ``uneven_interleaved``: also search virtual stages with uneven stages (what Megatron-Core
+    and Llama 3 run; ``loom train`` runs them from a ``--pipeline-model-parallel-layout``).
     ``straggler_jitter``: relative std. dev. of a node's step time; adds the expected wait for
     the slowest node (:func:`loom.planner.timing.straggler_factor`); 0 = none.
     ``overlap_tp_comm``: backward TP all-reduces overlapped with the weight-gradient GEMMs
@@ -57,7 +65,8 @@ class Options:
     ``zero3_overlap`` / ``zero3_link_efficiency``: override the ZeRO-3 constants of
     :mod:`loom.planner.timing` (the first fitted, used by the fit itself; the second assumed).
     ``cp_comm_type``: Megatron-Core's ``--cp-comm-type`` (p2p, allgather, a2a, a2a+p2p), the
-    CP communication and K/V memory of :mod:`loom.planner.context_parallel`.
+    CP communication and K/V memory of :mod:`loom.planner.context_parallel`; None: every type
+    is searched (rows carry ``cpt``; a row without one is p2p).
     ``moe_load_imbalance``: busiest EP rank's expert tokens over the mean (>= 1), applied to the
     expert compute and activations (:data:`loom.planner.moe.MOE_LOAD_IMBALANCE`).
     ``runtime``: whose layer and loss the activation memory counts
@@ -96,7 +105,7 @@ class Options:
     overlap_grad_reduce: bool = True
     overlap_tp_comm: bool = True
     overlap_cp_comm: bool = True
-    uneven_interleaved: bool = False
+    uneven_interleaved: bool = True
     straggler_jitter: float = 0.0
     ddp_bucket_elems: float = 40e6
     reserve_bytes: float = 2e9
@@ -106,7 +115,7 @@ class Options:
     zero3_overlap: float | None = None  # None = timing.ZERO3_OVERLAP (fitted)
     zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (assumed)
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str | None = None
     runtime: str = "loom"
     distribute_saved_activations: bool = False
     zero1_all_reduce_grads: bool = False
@@ -120,35 +129,37 @@ def make_layouts(rows: list[dict] | dict) -> dict:
     if isinstance(rows, dict):
         rows = [rows]
     out = {}
+    if any(r.get("split") is not None for r in rows):  # a --pipeline-model-parallel-layout
+        rows = [_with_split(r) for r in rows]
+        out["split"] = np.array([r.get("split") for r in rows] + [None], dtype=object)[:-1]
     for k in KEYS:
         vals = []
         for r in rows:
-            v = r.get(k, 1 if k in ("tp", "pp", "dp", "cp", "vp", "mbs", "ep") else 0)
+            v = r.get(k, 1 if k in ("tp", "pp", "dp", "cp", "vp", "mbs", "ep") else
+                      -1 if k == "cpt" else 0)
             if k == "recompute":
                 v = RECOMPUTE.index(v or "none") if not isinstance(v, (int, float)) else v
+            if k == "cpt" and isinstance(v, str):
+                from loom.planner.context_parallel import CP_COMM_TYPES
+                v = CP_COMM_TYPES.index(v)
             vals.append(float(v))
         out[k] = np.asarray(vals, dtype=np.float64)
     return out
 
 
+def _with_split(row: dict) -> dict:
+    """``row`` with its ``split`` as a PipelineLayout (a string is parsed at the row's ``pp``)
+    and ``pp``, ``vp``, ``lf``, ``ll`` read from it."""
+    from loom.parallel.pipeline.layout import parse_layout
+    lay = row.get("split")
+    if lay is None:
+        return row
+    if isinstance(lay, str):
+        lay = parse_layout(lay, int(row.get("pp", 1)))
+    c = lay.rank_layer_counts()
+    return dict(row, split=lay, pp=lay.pp, vp=lay.vp, lf=c[0], ll=c[-1])
+
+
 def num_microbatches(L: dict, global_batch_size: int) -> np.ndarray:
     """m = B / (b d) micro-batches per iteration (per pipeline)."""
     return global_batch_size / (L["mbs"] * L["dp"])
-
-
-def stage_layers(num_layers: int, L: dict) -> tuple:
-    """Transformer layers ``(first, middle, last)`` per pipeline stage (arrays).
-
-    ``lf = ll = 0``: the even split ``L / p`` everywhere. Otherwise the first stage holds ``lf``,
-    the last ``ll`` and each of the ``p - 2`` middle stages ``(L - lf - ll) / (p - 2)``
-    (Megatron-LM's ``--decoder-first/last-pipeline-num-layers``; Llama 3 405B: 7 + 14 x 8 + 7).
-    With ``p = 1`` all three are ``L``; with ``p = 2`` there is no middle stage (returned as the
-    larger of the two so that it never decides a maximum)."""
-    p = L["pp"]
-    even = num_layers / p
-    uneven = (L["lf"] > 0) & (p > 1)
-    lf = np.where(uneven, L["lf"], even)
-    ll = np.where(uneven, L["ll"], even)
-    lm = np.where(uneven & (p > 2), (num_layers - lf - ll) / np.maximum(p - 2, 1),
-                  np.where(uneven, np.maximum(lf, ll), even))
-    return lf, lm, ll

@@ -141,12 +141,9 @@ def kind_activation_bytes(model: ModelConfig, seq_length: int, L: dict, kind: st
     :func:`loom.planner.memory.activation_bytes_per_layer` returns them (``none, selective,
     full, scores``): the attention / MLP halves of the transformer layer's terms, or the Mamba
     layer's (module docstring; ``fused`` = the ``mamba_ssm`` path, also fused attention)."""
+    from loom.planner.activations import layer_dims
     s = seq_length
-    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
-                     model.head_dim, model.ffn_size)
-    t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
-    S = s * b / c
-    drop = 1.0 if model.hidden_dropout > 0 else 0.0
+    h, a, g, d, f, t, c, sp, S, drop = layer_dims(model, s, L)
     repl = S * h * (2 + 2 + drop)  # norm input, block input, dropout mask
     scores = 0.0 * t
     if kind == "*":
@@ -155,7 +152,7 @@ def kind_activation_bytes(model: ModelConfig, seq_length: int, L: dict, kind: st
             scores = 4.0 * a * S / t
         else:
             per_score = 2 + (3 if model.attention_dropout > 0 else 0)
-            scores = per_score * a * (s / c) * s * b / t
+            scores = per_score * a * S * s / t
     elif kind == "-":
         split = S * f * (6 if model.gated_linear_unit else 4)
     else:

@@ -75,7 +75,7 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
             if getattr(meta, "expert_parallel", False):
                 nx += local.numel()
         dp = mesh.dp_size * mesh.sizes["cp"]
-        edp = max(1, dp // max(1, mesh.ep_size))
+        edp = len(mesh.ranks["edp"])  # Megatron's expert-DP group (may span TP and CP ranks)
         coords = dict(pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
     finally:
         dist.destroy_process_group()

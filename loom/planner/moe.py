@@ -103,7 +103,7 @@ def moe_layer_params(model: ModelConfig, dense_layer: tuple[int, int]) -> tuple[
 
 def stage_moe_layers(model: ModelConfig, L: dict, lf, lm, ll) -> tuple:
     """MoE layers ``(first, middle, last)`` of the pipeline stages (arrays) whose transformer
-    layers are ``lf, lm, ll`` (:func:`loom.planner.layout.stage_layers`; 0 for a dense model).
+    layers are ``lf, lm, ll`` (:func:`loom.planner.stage_table.stage_layers`; 0 for a dense model).
 
     Without interleaving the first stage holds layers ``[0, lf)`` and the last ``[L - ll, L)``;
     with ``v`` virtual stages (even split) stage i holds chunks ``j p + i`` of ``L / (p v)``

@@ -41,8 +41,13 @@ class PlannerOptions:
               "in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
     allow_tp_across_nodes: bool = opt(False, "let TP groups span nodes")
     allow_uneven_interleaved: bool = opt(
-        False, "also search virtual stages with uneven first/last stages (Megatron-Core, Llama "
-               "3; loom train refuses it)")
+        False, "kept for old scripts: virtual stages with uneven first/last stages are searched "
+               "by default (Megatron-Core, Llama 3)")
+    pipeline_model_parallel_layout: Optional[str] = opt(
+        None, "Megatron's layout string, p x v stages split by '|' (E embedding, t layer, m MTP "
+              "layer, L loss; X*n, (...)*n), e.g. 'Et*7|(t*8|)*14,t*7L'; needs "
+              "--pipeline-model-parallel-size (loom train's config does not take it yet: the "
+              "printed command says so)", metavar="LAYOUT")
     straggler_jitter: float = opt(
         0.0, "relative std. dev. of one node's step time: adds SIGMA x sqrt(2 ln nodes) of "
              "waiting for the slowest node", ge=0, metavar="SIGMA")
@@ -64,6 +69,11 @@ class PlannerOptions:
     calibrate: bool = opt(False, "measure this machine (GEMM FLOP/s, gloo all-reduce "
                                  "alpha/beta) and write a cluster file")
     calibrate_output: str = opt("cluster.json", "where --calibrate writes")
+    calibrate_from: Optional[str] = opt(
+        None, "your own measured runs, one JSON line each ({\"layout\": {\"tp\": 2, \"pp\": "
+              "1, \"dp\": 4, \"mbs\": 2, \"recompute\": \"selective\"}, \"step_time_s\": 1.9, "
+              "\"peak_memory_gb\": 61.2}): fits the GEMM efficiency, the element-wise traffic "
+              "(5+ runs) and the memory reserve, then plans with them", metavar="RUNS.jsonl")
 
 
 @dataclass

@@ -45,7 +45,8 @@ def _detect_cluster(world_size: int) -> Cluster:
 
 def layout_of(cfg: LoomConfig, world_size: int) -> dict:
     """The layout dict (:data:`loom.planner.layout.KEYS`) of a config at ``world_size``
-    (uneven first/last stages from ``--decoder-first/last-pipeline-num-layers``)."""
+    (uneven first/last stages from ``--decoder-first/last-pipeline-num-layers``; any split
+    from ``--pipeline-model-parallel-layout`` where the config has it: ``split``)."""
     p = cfg.parallel
     pp = p.pipeline_model_parallel_size
     vp = 1
@@ -56,8 +57,16 @@ def layout_of(cfg: LoomConfig, world_size: int) -> dict:
     last = getattr(p, "decoder_last_pipeline_num_layers", None)
     if pp > 1 and (first is not None or last is not None):
         lf, ll = given_split(cfg.model.num_layers, pp, first, last) or (0, 0)
+    layout = getattr(p, "pipeline_model_parallel_layout", None)
+    split = {}
+    if layout and pp > 1:  # --pipeline-model-parallel-layout (once loom's config takes it)
+        from loom.parallel.pipeline.layout import parse_layout
+        lay = parse_layout(layout, pp)
+        counts = lay.rank_layer_counts()
+        split = dict(split=lay)
+        vp, lf, ll = lay.vp, counts[0], counts[-1]
     return dict(tp=p.tensor_model_parallel_size, pp=pp, cp=p.context_parallel_size,
-                lf=lf, ll=ll,
+                lf=lf, ll=ll, **split,
                 dp=cfg.data_parallel_size(world_size), vp=vp,
                 mbs=cfg.training.micro_batch_size,
                 recompute=cfg.training.recompute_granularity or "none",
@@ -99,6 +108,8 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
     mem["total"] = one("mem_total")
     tim = {k: one(f"time_{k}") for k in TIME_TERMS}
     tim["iteration"] = one("time_iteration")
+    if "split" in lay:
+        lay["split"] = lay["split"].to_string()
     lay["recompute"] = RECOMPUTE[int(res["recompute"][0])]
     lay["num_microbatches"] = int(round(one("m")))
     return {

@@ -12,15 +12,15 @@ import numpy as np
 from loom.planner.hardware import Cluster
 
 # Fitted (with MEM_TRAFFIC in timing.py and HOPPER_GEMM_EFFICIENCY in hardware.py) by one least
-# squares of the log error over 37 published numbers (loom.planner.fit.fit_compute; reproduce
+# squares of the log error over 37 published numbers (benchmarks.planner_sources.fit.fit_compute; reproduce
 # with `python -m benchmarks.planner_fit`): NAR table 1 rows 1.7B-1008B (10, hardware TFLOP/s
 # per GPU, at the authors' layouts: validation.NAR_TABLE1_SCRIPT), KOR table 3 rows
 # 22B/175B/530B/1T x full / SP+selective (8, iteration s), KOR table 4
 # baseline/SP/full/selective/selective+SP x fwd/bwd (10, ms per 22B layer), Megatron-Core
 # r0.8.0 H100 weak scaling rows 1.7B-462B (9, model TFLOP/s per GPU; constrains h0 through the
-# ridge scaling). Tables: loom/planner/presets.py, loom/planner/validation.py.
-GEMM_EFFICIENCY = 0.812
-GEMM_HALF_DIM = 108.0
+# ridge scaling). Tables: loom/planner/presets.py, benchmarks/planner_sources/validation.py.
+GEMM_EFFICIENCY = 0.815
+GEMM_HALF_DIM = 103.4
 A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
 
 

@@ -39,18 +39,27 @@ def format_table(records: list[dict], header: str = "") -> str:
         lines.append(
             f"{i:<2} {r['tp']:>2} {r['pp']:>2} {r['dp']:>4} {r.get('ep', 1):>2} {r['cp']:>2} "
             f"{r['vp']:>2} "
-            f"{r['micro_batch_size']:>3} {r['recompute']:<9} "
+            f"{r['micro_batch_size']:>3} {_recompute_label(r):<9} "
             f"{'y' if r['sequence_parallel'] else 'n'}"
             f"  {r['zero']} |{mem} {r['memory_gb']:6.1f} | {r['iteration_time_s']:8.3f} "
             f"{r['tokens_per_s']:8.0f} {r['tflops_per_gpu']:8.1f} {r['hw_tflops_per_gpu']:5.0f} "
             f"{100 * r['mfu']:4.1f}%"
-            + (f"  split {r['pipeline_split']}" if r.get("first_stage_layers") else ""))
+            + (f"  split {r['pipeline_split']}" if r.get("first_stage_layers") else "")
+            + (f"  cp {r['cp_comm_type']}" if r['cp'] > 1 and r.get("cp_comm_type", "p2p")
+               != "p2p" else ""))
     if records:
         best = records[0]
         tt = best["time_terms_s"]
         lines.append("best layout, time per iteration (s): " + ", ".join(
             f"{k} {v:.3g}" for k, v in tt.items() if v > 0))
     return "\n".join(lines)
+
+
+def _recompute_label(r: dict) -> str:
+    """``none`` / ``selective`` / ``full``, or ``block N`` for full recompute of the first N
+    layers of every chunk (``--recompute-method block --recompute-num-layers N``)."""
+    n = r.get("recompute_num_layers") or 0
+    return f"block {n}" if r["recompute"] == "full" and n else r["recompute"]
 
 
 _TIME_SHORT = [("compute", "comp"), ("recompute", "recomp"), ("elementwise", "elem"),
@@ -115,7 +124,7 @@ def plot_breakdown(records: list[dict], path: str, title: str = "") -> None:
 
 
 # Median |error| of the planner on published runs it was not fitted on: leave-one-source-out,
-# all 59 held-out rows (loom.planner.fit.leave_one_source_out; docs/planner.md). Not in-sample.
+# all 59 held-out rows (benchmarks.planner_sources.fit.leave_one_source_out; docs/planner.md). Not in-sample.
 VALIDATED_ERROR = 0.10
 
 

@@ -30,10 +30,14 @@ from loom.config import ModelConfig
 from loom.config.sections import PipelineSchedule
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microbatches
-from loom.planner.context_parallel import a2a_divides
-from loom.planner.mamba import check_supported, refuses_cp, tp_divides
+from loom.planner.context_parallel import CP_COMM_TYPES
+from loom.planner.mamba import check_supported, is_hybrid, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
-from loom.planner.stages import accounted_split, describe_split, given_split, uneven_splits
+from loom.planner.refine import REFINE_TOP, cp_types, refine  # noqa: F401 - REFINE_TOP
+from loom.planner.stage_table import recomputed_share, stage_slots
+from loom.planner.stages import (accounted_split, block_recompute_options, describe_counts,
+                                 given_split, interleave_options, max_chunk_layers,
+                                 search_splits)
 from loom.planner.flops import throughput
 from loom.planner.timing import time_terms
 
@@ -61,107 +65,166 @@ def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[int] | None:
     return [e for e in _divisors(d) if model.num_experts % e == 0]
 
 
+def _given_layout(model: ModelConfig, text: str, pp):
+    """The ``--pipeline-model-parallel-layout`` string parsed at ``--pipeline-model-parallel-
+    size`` (required) and checked against the model; ConfigError naming the flag otherwise."""
+    from loom.config import ConfigError
+    from loom.parallel.pipeline.layout import LayoutError, parse_layout
+    if not pp:
+        raise ConfigError("--pipeline-model-parallel-layout needs --pipeline-model-parallel-size "
+                          "(the layout's stages are p x v virtual stages)")
+    try:
+        return parse_layout(text, int(pp)).validate(model.num_layers, model.mtp_num_layers or 0)
+    except LayoutError as e:
+        raise ConfigError(f"--pipeline-model-parallel-layout: {e}") from None
+
+
 def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
              cluster: Cluster, opts: Options | None = None) -> dict:
     """Memory (``mem_*``, bytes), time (``time_*``, seconds) and throughput of every layout in
     ``L`` (arrays), plus ``fits`` (total memory <= the GPU's HBM) and ``m``."""
     opts = opts or Options()
-    mem = memory_terms(model, L, global_batch_size, seq_length, opts)
-    tim = time_terms(model, L, global_batch_size, seq_length, cluster, opts)
-    thr = throughput(model, L, global_batch_size, seq_length, cluster, tim["iteration"])
+    slots = stage_slots(model, L, num_microbatches(L, global_batch_size))
+    mem = memory_terms(model, L, global_batch_size, seq_length, opts, slots)
+    tim = time_terms(model, L, global_batch_size, seq_length, cluster, opts, slots)
+    thr = throughput(model, L, global_batch_size, seq_length, cluster, tim["iteration"],
+                     recomputed_share(model, L))
     out = dict(L)
     out.update({f"mem_{k}": v for k, v in mem.items()})
     out.update({f"time_{k}": v for k, v in tim.items()})
     out.update(thr)
     out["m"] = num_microbatches(L, global_batch_size)
     out["num_layers"] = model.num_layers
+    out["mtp_layers"] = 0 if is_hybrid(model) else (model.mtp_num_layers or 0)
+    out["cp_comm_default"] = opts.cp_comm_type
+    # a2a+p2p: the all-to-all over the CP ranks of a node (context_parallel.cp_layer_cost)
+    out["cp_a2a"] = np.clip(np.floor(cluster.gpus_per_node / L["tp"]), 1.0,
+                            np.maximum(L["cp"], 1.0))
     out["fits"] = mem["total"] <= cluster.hbm_bytes
     return out
 
 
 def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: int,
                       seq_length: int, fixed: dict | None = None, opts: Options | None = None,
-                      max_micro_batch: int = 16) -> dict:
-    """All valid layouts as arrays (see module docstring). ``fixed`` maps layout keys
+                      max_micro_batch: int = 16, variants: bool = True) -> dict:
+    """All valid layouts as arrays (see module docstring); ``variants=False``: without the CP
+    types other than the default and without block recompute counts (what :func:`search`
+    evaluates first, then refines, :func:`refine`). ``fixed`` maps layout keys
     (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero, ep``) to a required value."""
     opts = opts or Options()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     first, last = fixed.pop("first_layers", None), fixed.pop("last_layers", None)
     acc_e, acc_l = fixed.pop("account_embedding", False), fixed.pop("account_loss", False)
+    given = fixed.pop("layout", None)  # --pipeline-model-parallel-layout (a string)
     n, B, s = cluster.num_gpus, global_batch_size, seq_length
     nl = model.num_layers
     check_supported(model, fixed.get("cp"))
+    lay = _given_layout(model, given, fixed.get("pp")) if given else None
+
+    def want(k: str, v) -> bool:  # pruning early what _apply_fixed would drop at the end
+        return k not in fixed or float(fixed[k]) == float(v)
+
     base = []
     for t in _divisors(n):
-        if not tp_divides(model, t):
+        if not want("tp", t) or not tp_divides(model, t):
             continue
         if t > cluster.gpus_per_node and not opts.allow_tp_across_nodes:
             continue
         for p in _divisors(n // t):
             if "pp" in fixed and p != fixed["pp"]:
                 continue
-            if first is not None or last is not None:
+            if lay is not None:
+                splits = [(0, 0)] if p == lay.pp else []
+            elif first is not None or last is not None:
                 splits = [given_split(nl, p, first, last)] if p <= nl else []
             elif acc_e or acc_l:
                 splits = [accounted_split(nl, p, acc_e, acc_l)]
             else:
-                splits = uneven_splits(nl, p)
+                splits = search_splits(nl, p)
             splits = [sp for sp in splits if sp is not None]
             if not splits:
                 continue
             for c in _divisors(n // (t * p)):
-                if c > 1 and (s % (2 * c) or refuses_cp(model, c)):
+                if not want("cp", c) or c > 1 and (s % (2 * c) or refuses_cp(model, c)):
                     continue
-                k_a2a = c if opts.cp_comm_type == "a2a" else min(c, max(1, cluster.gpus_per_node
-                                                                      // t))
-                if c > 1 and not a2a_divides(opts.cp_comm_type, model.num_attention_heads,
-                                             model.num_kv_groups, t, k_a2a):
+                cpts = cp_types(model, cluster, opts, t, c)
+                if not cpts:
                     continue
+                if not variants:
+                    cpts = cpts[:1]
                 d = n // (t * p * c)
                 eps = _moe_rules(model, t, c, d)
-                if B % d or eps is None:
+                if B % d or eps is None or not want("dp", d):
                     continue
+                eps = [e for e in eps if want("ep", e)]
                 for b in _divisors(B // d):
                     if b > max(max_micro_batch, fixed.get("mbs", 0)):
                         break
                     m = B // (b * d)
+                    if not want("mbs", b):
+                        continue
                     for lf, ll in splits:
                         vs = [1]
-                        if p > 1 and m % p == 0 and not lf:
-                            vs += [v for v in _divisors(nl // p) if v > 1]
-                        elif p > 1 and m % p == 0 and opts.uneven_interleaved:
-                            # equal chunk counts per stage, chunk sizes may differ by stage
-                            lm = (nl - lf - ll) // max(p - 2, 1) if p > 2 else max(lf, ll)
-                            vs += [v for v in _divisors(lm) if 1 < v <= min(lf, ll)]
-                        for v, e in itertools.product(vs, eps):
-                            base.append((t, p, d, c, v, b, lf, ll, e))
+                        if lay is not None:  # the given layout decides the chunks
+                            vs = [lay.vp] if lay.vp == 1 or m % p == 0 else []
+                        elif p > 1 and m % p == 0 and (opts.uneven_interleaved or (
+                                not lf and nl % p == 0)):
+                            # v chunks per rank; with uneven ranks each rank's layers split
+                            # over its chunks as evenly as possible (Megatron's layout string)
+                            vs += list(interleave_options(nl, p, lf, ll))
+                        for v, e in itertools.product([v for v in vs if want("vp", v)], eps):
+                            base.append((t, p, d, c, v, b, lf, ll, e, cpts))
     rows = []
     moe = bool(model.num_experts)
     zbv_ok = "zbv" in get_args(PipelineSchedule)
-    for (t, p, d, c, v, b, lf, ll, e) in base:
+    for (t, p, d, c, v, b, lf, ll, e, cpts) in base:
         sps = (0, 1) if t > 1 and s % t == 0 and not moe else (0,)
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
-        zs = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d * c > 1 else (0,)
+        # ZeRO-2 with PP: loom's (Megatron's) gradient buffer reduce-scatters every
+        # micro-batch's gradients into the kept shard (timing.py prices m reduce-scatters)
+        zs = ((0, 1, 2, 3) if p == 1 else (0, 1, 2) if variants else (0, 1)) \
+            if d * c > 1 else (0,)
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
         if e > 1 and not fixed.get("zero"):  # loom train refuses the distributed optimizer
             zs = (0,)  # with EP > 1 (Megatron-Core runs it: a given --zero-stage is evaluated)
         # zero-bubble schedules (Qi et al. 2024): ZB-H1 on one chunk per stage, ZB-V on two
         # (searched when loom train's --pipeline-schedule accepts it, or when it is given)
         zbs = (0, 1) if p > 1 and v == 1 else (
-            (0, 2) if p > 1 and v == 2 and not lf and (zbv_ok or fixed.get("zb") == 2) else (0,))
+            (0, 2) if p > 1 and v == 2 and not lf and nl % (2 * p) == 0 and lay is None
+            and (zbv_ok or fixed.get("zb") == 2) else (0,))
         if fixed.get("zb") == 3 and p > 1 and v == 1:  # GPipe: only when given
             zbs = (3,)
-        for rc, sp, z, zb in itertools.product((0, 1, 2), sps, zs, zbs):
-            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb))
+        # full recompute of every layer (uniform 1) or of the first rcl layers of each chunk
+        # (--recompute-method block --recompute-num-layers rcl), the others keeping theirs
+        rcs = [(0, 0), (1, 0), (2, 0)] + ([(2, k) for k in block_recompute_options(
+            max(lay.counts()) if lay is not None else max_chunk_layers(nl, p, v, lf, ll))]
+            if variants else [])
+        for (rc, rcl), sp, z, zb, cpt in itertools.product(rcs, sps, zs, zbs, cpts):
+            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb, rcl, cpt))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
-    keep = np.ones(len(arr), dtype=bool)
+    if lay is not None:
+        c = lay.rank_layer_counts()
+        L["lf"][:], L["ll"][:] = c[0], c[-1]
+        L["split"] = np.empty(len(arr), dtype=object)
+        L["split"][:] = [lay] * len(arr)
+    return _apply_fixed(L, fixed)
+
+
+def _apply_fixed(L: dict, fixed: dict) -> dict:
+    """The rows of ``L`` whose layout keys equal ``fixed``'s values (names of recompute,
+    schedule and CP type allowed; other entries ignored)."""
+    keep = np.ones(len(L["tp"]), dtype=bool)
     for k, v in fixed.items():
+        if k not in KEYS or v is None:
+            continue
         if k == "recompute" and isinstance(v, str):
             v = RECOMPUTE.index(v)
         if k == "zb" and isinstance(v, str):
             v = SCHEDULES.index(v)
+        if k == "cpt" and isinstance(v, str):
+            v = CP_COMM_TYPES.index(v)
         keep &= L[k] == float(v)
     return {k: vv[keep] for k, vv in L.items()}
 
@@ -170,8 +233,29 @@ def search(model: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len
            fixed: dict | None = None, opts: Options | None = None) -> dict:
     """Evaluate every valid layout; returns the evaluation arrays (see :func:`evaluate`) and
     ``order``: indices of the layouts that fit, fastest first (ties: less memory)."""
-    L = enumerate_layouts(model, cluster, global_batch_size, seq_length, fixed, opts)
+    fixed = dict(fixed or {})
+    if fixed.get("recompute") in ("full", 2) and fixed.get("rcl") is None:
+        fixed["rcl"] = 0  # full recompute given: of every layer unless a block count is
+    # a fixed variant (a CP type, a block count, ZeRO-2) is enumerated with the base space;
+    # otherwise the variants are refined, only those the fixed keys leave (rcl 0: full
+    # recompute of every layer, no block counts; a fixed ZeRO stage: no ZeRO-2 variants)
+    exact = fixed.get("cpt") is not None or bool(fixed.get("rcl")) or fixed.get("zero") == 2
+    kinds = [k for k in ("zero2", "cp", "block")
+             if not (k == "zero2" and fixed.get("zero") is not None)
+             and not (k == "block" and (fixed.get("rcl") == 0 or fixed.get("recompute")
+                                        not in (None, "full", 2)))]
+    L = enumerate_layouts(model, cluster, global_batch_size, seq_length, fixed, opts,
+                          variants=exact)
     res = evaluate(model, L, global_batch_size, seq_length, cluster, opts)
+    if not exact:
+        for kind in kinds:
+            more = refine(model, cluster, res, opts, kind, global_batch_size, seq_length,
+                          evaluate)
+            more = None if more is None else _apply_fixed(more, fixed)
+            if more is not None and len(more["tp"]):
+                new = evaluate(model, more, global_batch_size, seq_length, cluster, opts)
+                res = {k: (np.concatenate([v, new[k]]) if isinstance(v, np.ndarray)
+                           and v.shape[:1] == res["tp"].shape else v) for k, v in res.items()}
     idx = np.nonzero(res["fits"])[0]
     order = idx[np.lexsort((res["mem_total"][idx], res["time_iteration"][idx]))]
     res["order"] = order
@@ -189,8 +273,10 @@ def record(res: dict, i: int) -> dict:
     size, part of ``dp``), options, ``memory_gb`` and
     ``memory_terms_gb`` (GB = 1e9 bytes), ``time_terms_s`` (seconds), ``iteration_time_s``,
     ``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``hw_tflops_per_gpu`` (with recompute),
-    ``mfu``, ``first_stage_layers`` / ``last_stage_layers`` (0 = even split) and
-    ``pipeline_split`` (e.g. ``"7+14x8+7"``)."""
+    ``mfu``, ``first_stage_layers`` / ``last_stage_layers`` (0 = even split),
+    ``pipeline_split`` (layers per rank, e.g. ``"7+14x8+7"``), ``pipeline_layout`` (Megatron's
+    ``--pipeline-model-parallel-layout`` string of the split, e.g. ``"Et*7|(t*8|)*14,t*7L"``),
+    ``chunk_layers`` (layers per virtual stage, pipeline order) and ``layout_given``."""
     rc = RECOMPUTE[int(res["recompute"][i])]
     rec = {
         "tp": int(res["tp"][i]), "pp": int(res["pp"][i]), "dp": int(res["dp"][i]),
@@ -200,6 +286,10 @@ def record(res: dict, i: int) -> dict:
         "first_stage_layers": int(res["lf"][i]), "last_stage_layers": int(res["ll"][i]),
         "micro_batch_size": int(res["mbs"][i]), "num_microbatches": int(round(res["m"][i])),
         "recompute": rc, "sequence_parallel": bool(res["sp"][i]), "zero": int(res["zero"][i]),
+        "recompute_num_layers": int(res["rcl"][i]) if "rcl" in res else 0,
+        "cp_comm_type": CP_COMM_TYPES[int(res["cpt"][i])] if "cpt" in res and res["cpt"][i] >= 0
+        else (res.get("cp_comm_default") or "p2p"),
+        "cp_a2a_size": int(res["cp_a2a"][i]) if "cp_a2a" in res else 1,
         "memory_gb": float(res["mem_total"][i] / GB),
         "memory_terms_gb": {k: float(res[f"mem_{k}"][i] / GB) for k in MEMORY_TERMS},
         "time_terms_s": {k: float(res[f"time_{k}"][i]) for k in TIME_TERMS},
@@ -212,6 +302,20 @@ def record(res: dict, i: int) -> dict:
     }
     rec["dominant"] = dominant_parallelism(rec)
     if "num_layers" in res:
-        rec["pipeline_split"] = describe_split(int(res["num_layers"]), rec["pp"],
-                                               rec["first_stage_layers"], rec["last_stage_layers"])
+        lay = layout_record(res, i)
+        rec["pipeline_split"] = describe_counts(lay.rank_layer_counts())
+        rec["pipeline_layout"] = lay.to_string()
+        rec["chunk_layers"] = list(lay.counts())
+        rec["layout_given"] = res.get("split") is not None and res["split"][i] is not None
     return rec
+
+
+def layout_record(res: dict, i: int):
+    """The PipelineLayout of row ``i`` of an :func:`evaluate` result."""
+    from loom.planner.stage_table import row_layout
+    split = res.get("split")
+    if split is not None and split[i] is not None:
+        return split[i]
+    return row_layout(int(res["num_layers"]), res["pp"][i], res["vp"][i], res["lf"][i],
+                      res["ll"][i], res["zb"][i] if "zb" in res else 0,
+                      int(res.get("mtp_layers", 0)))

@@ -22,6 +22,7 @@ A split is ``(lf, ll)``: layers of the first and the last stage; the ``p - 2`` m
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 
 def uneven_splits(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -79,13 +80,71 @@ def accounted_split(num_layers: int, pp: int, embedding: bool, loss: bool):
     return (0, 0) if e == lo == 0 else (k - e, k - lo)
 
 
+def describe_counts(counts) -> str:
+    """Layers per pipeline rank, runs of equal ranks as ``n x k``: ``"7+14x8+7"``,
+    ``"16x8"``, ``"126"`` (one rank), ``"3x1+12x2+1"`` (28 layers over 16 ranks)."""
+    counts = [int(c) for c in counts]
+    parts, i = [], 0
+    while i < len(counts):
+        j = i
+        while j + 1 < len(counts) and counts[j + 1] == counts[i]:
+            j += 1
+        parts.append(str(counts[i]) if j == i else f"{j - i + 1}x{counts[i]}")
+        i = j + 1
+    return "+".join(parts)
+
+
 def describe_split(num_layers: int, pp: int, lf: int, ll: int) -> str:
-    """``"7+14x8+7"`` (uneven) or ``"16x8"`` (even) or ``"126"`` (p = 1)."""
+    """``"7+14x8+7"`` (uneven) or ``"16x8"`` (even) or ``"126"`` (p = 1): the layers per rank
+    of the split ``(lf, ll)`` (:func:`loom.planner.stage_table.row_layout`; p not dividing L
+    with ``lf = ll = 0``: balanced)."""
+    from loom.planner.stage_table import row_layout
+    return describe_counts(row_layout(num_layers, pp, 1, lf, ll, 0).rank_layer_counts())
+
+
+@lru_cache(maxsize=1024)
+def search_splits(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """The ``(lf, ll)`` splits searched at pipeline size ``pp``: ``(0, 0)``, the even split,
+    when p divides L; otherwise the balanced split (:func:`loom.planner.stage_table.
+    balanced_counts`: any L over any p, e.g. 28 layers over 16 stages as ``1+1+1+12x2+1``) and
+    :func:`uneven_splits` (first / last stage uneven, the middle even), each as its first and
+    last rank's layers (the middle by :func:`loom.planner.stage_table.middle_counts`), no
+    split twice; none when ``p > L``."""
+    from loom.planner.stage_table import balanced_counts
+    if pp > num_layers:
+        return ()
+    if pp == 1 or num_layers % pp == 0:
+        return ((0, 0),)
+    c = balanced_counts(num_layers, pp)
+    out = [(c[0], c[-1])]
+    return tuple(out + [sp for sp in uneven_splits(num_layers, pp) if sp not in out])
+
+
+@lru_cache(maxsize=4096)
+def interleave_options(num_layers: int, pp: int, lf: int, ll: int) -> tuple[int, ...]:
+    """Chunks per rank ``v > 1`` searched with the split ``(lf, ll)``: the divisors of the most
+    common rank size (the middle ranks'; the larger end with ``p = 2``) that leave every rank
+    at least one layer per chunk (each rank's layers over v chunks as evenly as possible,
+    :func:`loom.parallel.pipeline.layout.rank_counts_to_chunks`)."""
+    from loom.planner.stage_table import row_layout
     if pp == 1:
-        return str(num_layers)
-    if not lf:
-        return f"{pp}x{num_layers // pp}"
-    if pp == 2:
-        return f"{lf}+{ll}"
-    mid = (num_layers - lf - ll) // (pp - 2)
-    return f"{lf}+{pp - 2}x{mid}+{ll}"
+        return ()
+    counts = row_layout(num_layers, pp, 1, lf, ll, 0).rank_layer_counts()
+    mid = counts[1:-1] if pp > 2 else [max(counts)]
+    mode = max(set(mid), key=lambda c: (mid.count(c), c))
+    return tuple(v for v in range(2, mode + 1) if mode % v == 0 and v <= min(counts))
+
+
+@lru_cache(maxsize=4096)
+def max_chunk_layers(num_layers: int, pp: int, vp: int, lf: int, ll: int) -> int:
+    """Layers of the largest chunk of the split ``(lf, ll)`` at ``vp`` chunks per rank."""
+    from loom.planner.stage_table import row_layout
+    return max(row_layout(num_layers, pp, vp, lf, ll, 0).counts())
+
+
+def block_recompute_options(chunk_layers: int) -> tuple[int, ...]:
+    """``--recompute-num-layers`` searched with ``--recompute-method block`` (full recompute of
+    the first N layers of every chunk, Megatron-LM): about a quarter, a half and three quarters
+    of the largest chunk, strictly between none and all of it."""
+    n = int(chunk_layers)
+    return tuple(sorted({k for k in (-(-n // 4), -(-n // 2), -(-3 * n // 4)) if 0 < k < n}))

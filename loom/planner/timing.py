@@ -29,7 +29,8 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   embeddings: one all-reduce of the word embedding's gradients (``V h / t`` elements) between
   the first and the last stage per iteration, exposed.
 * DP: gradient all-reduce (ZeRO-1/2: reduce-scatter of the gradients + all-gather of the bf16
-  weights, the latter behind the next forward) of the largest stage's gradients over the
+  weights, the latter behind the next forward; ZeRO-2 reduce-scatters every micro-batch's
+  gradients, ``m`` times per iteration) of the largest stage's gradients over the
   ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
   there, ring across nodes on ``1/k`` of the bytes; overlapped under the bucket schedule
   (:func:`exposed_grad_sync`). ZeRO-3 gathers weights (forward and backward) and
@@ -45,10 +46,10 @@ All collectives use the alpha-beta ring formulas of references.md (:func:`all_re
 :mod:`loom.planner.primitives` with :func:`gemm_efficiency`).
 The constants of the compute model, ``GEMM_EFFICIENCY`` (large-GEMM fraction of peak),
 ``GEMM_HALF_DIM`` (GEMM dimension at which the efficiency halves), ``MEM_TRAFFIC`` and the
-Hopper efficiency, are fitted once by least squares (:func:`loom.planner.fit.fit_compute`) to
+Hopper efficiency, are fitted once by least squares (:func:`benchmarks.planner_sources.fit.fit_compute`) to
 NAR table 1, KOR tables 3 and 4 and Megatron-Core's H100 weak scaling together, never per row;
 a cluster file may override them. Their out-of-sample errors (leave one source out):
-:func:`loom.planner.fit.leave_one_source_out`, docs/planner.md.
+:func:`benchmarks.planner_sources.fit.leave_one_source_out`, docs/planner.md.
 """
 
 from __future__ import annotations
@@ -58,12 +59,13 @@ import numpy as np
 from loom.config import ModelConfig
 from loom.planner.flops import op_sac_recompute_share
 from loom.planner.hardware import Cluster
-from loom.planner.layout import Options, num_microbatches, stage_layers
-from loom.planner.memory import activation_bytes_per_layer, padded_vocab, stage_params
-from loom.planner.mamba import KINDS, is_hybrid, kind_layer_times, stage_kind_layers
+from loom.planner.layout import Options, num_microbatches
+from loom.planner.memory import activation_bytes_per_layer, padded_vocab, slot_params
+from loom.planner.mamba import KINDS, is_hybrid, kind_layer_times
+from loom.planner.stage_table import stage_slots
 from loom.planner.mla import attention_flops_per_token, mtp_depth
-from loom.planner.context_parallel import cp_layer_cost
-from loom.planner.moe import moe_fraction, moe_layer_times, stage_moe_layers
+from loom.planner.context_parallel import cp_layer_cost_rows, row_comm_types
+from loom.planner.moe import moe_fraction, moe_layer_times
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_latency, all_reduce_time,
                                      attention_efficiency, gemm_efficiency,
@@ -71,11 +73,11 @@ from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,
                                      reduce_scatter_time)
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
-# tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, loom.planner.fit).
-MEM_TRAFFIC = 2.41
-# Fitted (minimax of the log error of the days for 300B tokens, loom.planner.fit.fit_zero3) to the
+# tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, benchmarks.planner_sources.fit).
+MEM_TRAFFIC = 2.49
+# Fitted (minimax of the log error of the days for 300B tokens, benchmarks.planner_sources.fit.fit_zero3) to the
 # six ZeRO-3 rows of NAR table 2: 174.6B on 384/768/1536 GPUs, 529.6B on 640/1120/2240 GPUs.
-ZERO3_OVERLAP = 0.728
+ZERO3_OVERLAP = 0.727
 # Not fitted: an assumption (DeepSpeed's flat ring at the full per-GPU NIC bandwidth).
 ZERO3_LINK_EFFICIENCY = 1.0
 
@@ -181,8 +183,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
     kv = (a * (model.q_head_dim + model.v_head_dim) if model.multi_latent_attention
           else 2 * g * d)  # K and V widths per token (MLA: the expanded heads)
-    cpc = cp_layer_cost(opts.cp_comm_type, S, t, c, a * d, kv,
-                        attn if opts.overlap_cp_comm else 0.0 * attn, cluster)
+    cpc = cp_layer_cost_rows(row_comm_types(L, opts.cp_comm_type), S, t, c, a * d, kv,
+                             attn if opts.overlap_cp_comm else 0.0 * attn, cluster)
     cp_fwd, cp_bwd = cpc["fwd"], cpc["bwd"]
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "saved_ag": saved_ag,
@@ -205,7 +207,7 @@ def recompute_work(model: ModelConfig, lt: dict, rc, opts: Options) -> tuple:
 
 
 def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: int,
-               cluster: Cluster, opts: Options | None = None) -> dict:
+               cluster: Cluster, opts: Options | None = None, slots: dict | None = None) -> dict:
     """Time of one iteration, seconds, term by term (arrays).
 
     Terms: ``compute`` (forward + backward GEMMs and attention of all micro-batches on the slowest
@@ -218,15 +220,15 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     s = seq_length
     h = model.hidden_size
     t, p, c, v, b, d, sp = L["tp"], L["pp"], L["cp"], L["vp"], L["mbs"], L["dp"], L["sp"]
-    rc = L["recompute"]
     m = num_microbatches(L, global_batch_size)
     S = s * b / c
     peak = cluster.peak_flops
     k = _mem_traffic(cluster)
-    full = rc == 2
 
-    def per_layer(lt):
-        """Terms of one layer and micro-batch; its backward (+ recompute) and forward time."""
+    def one_layer(lt, rc):
+        """Terms of one layer and micro-batch under recompute codes ``rc``; its backward (+
+        recompute) and forward time."""
+        full = rc == 2
         comp_f = lt["gemm"] + lt["attn"]
         rec, rec_elem = recompute_work(model, lt, rc, opts)
         layer = {
@@ -245,69 +247,70 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         return (layer, 2 * comp_f + rec + 2 * lt["elem"] + rec_elem, comp_f + lt["elem"],
                 lt["gemm"])
 
-    lf, lm, ll = stage_layers(model.num_layers, L)
+    # a layer is fully recomputed or not (the block method recomputes the first N of every
+    # chunk, stage_table.recomputed_per_chunk); not: the row's selective or none
+    rc_base = np.where(L["recompute"] == 2, 0.0, L["recompute"])
+    rc_full = 0.0 * rc_base + 2.0
+
+    def per_layer(lt):
+        return [one_layer(lt, rc_base), one_layer(lt, rc_full)]
+
     moe = bool(model.num_experts)
-    # layer kinds, each with its layers per stage (first, middle, last): one dense kind; MoE:
-    # dense and MoE layers (moe.stage_moe_layers); hybrid: Mamba, attention, MLP (mamba.py)
-    if is_hybrid(model):
+    hybrid = is_hybrid(model)
+    # layer kinds (stage_table.layer_kinds): one dense kind; MoE: dense and MoE layers
+    # (moe.py); hybrid: Mamba, attention, MLP (mamba.py); each slot holds its layers of each
+    if hybrid:
         lts = kind_layer_times(model, s, L, cluster, opts.flash_attention, k,
                                opts.overlap_tp_comm)
         kinds = [per_layer(lts[kind]) for kind in KINDS]
-        cnt = stage_kind_layers(model, L, lf, lm, ll)
-        counts = [tuple(cnt[kind][i] for kind in KINDS) for i in range(3)]
         lt = lts["M"]
     else:
         lt = layer_times(model, s, L, cluster, opts, moe_share=0.0 if moe else None)
         kinds = [per_layer(lt)]
-        counts = [(lf,), (lm,), (ll,)]
     if moe:
         kinds.append(per_layer(layer_times(model, s, L, cluster, opts, moe_share=1.0)))
-        nf, nmid, nl = stage_moe_layers(model, L, lf, lm, ll)
-        counts = [(lf - nf, nf), (lm - nmid, nmid), (ll - nl, nl)]
-    D = mtp_depth(model)  # MTP: D more layers of the last one's kind on the last stage
-    if D and not is_hybrid(model):
-        j = 1 if moe and model.is_moe_layer(model.num_layers - 1) else 0
-        counts[2] = tuple(n + D * (i == j) for i, n in enumerate(counts[2]))
-        counts[0] = tuple(n + D * (i == j) * (p == 1) for i, n in enumerate(counts[0]))
+    if slots is None:  # the stages of every row (stage_table.py)
+        slots = stage_slots(model, L, m)
+    D = 0 if hybrid else mtp_depth(model)  # MTP: D layers of the last one's kind with the loss
+    j_mtp = 1 if moe and model.is_moe_layer(model.num_layers - 1) else 0
+    # each kind twice: its layers not fully recomputed, then the recomputed ones
+    counts = []
+    for i in range(len(kinds)):
+        mtp = slots["mtp"] if (D and i == j_mtp) else 0.0
+        counts += [slots["layers"][i] - slots["layers_rc"][i] + mtp * (1 - slots["mtp_rc"]),
+                   slots["layers_rc"][i] + mtp * slots["mtp_rc"]]
+    kinds = [variant for kd in kinds for variant in kd]
     layer = kinds[0][0]
 
     def mix(cnt, j, key=None):
         """Sum over the kinds of ``cnt`` layers of each: item ``j`` of :func:`per_layer`."""
         return sum(n * (kd[j] if key is None else kd[j][key]) for n, kd in zip(cnt, kinds))
-    # output layer + cross-entropy on the last stage; embedding all-reduce on the first
+    # output layer + cross-entropy with the loss; embedding all-reduce with the embedding
     Vp = padded_vocab(model, t)
     out_flops = 2 * h * Vp * S / t * (1 + D)  # + the MTP modules' output layers
     out_comp = 3 * out_flops / (peak * gemm_efficiency(h, S, cluster))
     out_elem = 3 * k * 4 * S * Vp / t / cluster.hbm_bw
     emb_comm = lt["tp_ar"]
-    single = p == 1
-    stage_first = {kk: mix(counts[0], 0, kk) for kk in layer}
-    stage_first["tp_comm"] = stage_first["tp_comm"] + emb_comm
-    stage_last = {kk: mix(counts[2], 0, kk) for kk in layer}
-    stage_last["compute"] = stage_last["compute"] + out_comp
-    stage_last["elementwise"] = stage_last["elementwise"] + out_elem
-    stage_mid = {kk: mix(counts[1], 0, kk) for kk in layer}
     # gradient accumulation outside the weight-gradient GEMM: every micro-batch's backward ends
     # with an element-wise pass over the stage's gradients (opts.grad_accum_bytes of HBM traffic
     # per parameter; 0 with Megatron-Core's fused accumulation), on the stage's critical path
-    P = stage_params(model, L, s)
-    acc = {kk: opts.grad_accum_bytes * P[kk] / cluster.hbm_bw for kk in ("first", "middle", "last")}
-    stage_first["elementwise"] = stage_first["elementwise"] + acc["first"]
-    stage_last["elementwise"] = stage_last["elementwise"] + np.where(single, 0.0, acc["last"])
-    stage_mid["elementwise"] = stage_mid["elementwise"] + acc["middle"]
-    tf = sum(stage_first.values()) + np.where(single, out_comp + out_elem, 0.0)
-    tl = sum(stage_last.values()) + np.where(single, emb_comm, 0.0)
-    tm = np.where(p > 2, sum(stage_mid.values()), 0.0)
-    last_slower = (tl > tf) & (tl >= tm) & ~single
-    mid_slower = (tm > tf) & (tm > tl) & ~single
-    stage = {kk: np.where(mid_slower, stage_mid[kk],
-                          np.where(last_slower, stage_last[kk], stage_first[kk])) for kk in layer}
-    stage["compute"] = stage["compute"] + np.where(single, out_comp, 0.0)
-    stage["elementwise"] = stage["elementwise"] + np.where(single, out_elem, 0.0)
-    stage["tp_comm"] = stage["tp_comm"] + np.where(single, emb_comm, 0.0)
-    t_mb = np.maximum(np.maximum(tf, tl), tm)
-    slow = tuple(np.where(mid_slower, cm, np.where(last_slower, cl, cf))
-                 for cf, cm, cl in zip(*counts))
+    P_slot, X_slot = slot_params(model, L, s, slots)
+    per_slot = {kk: mix(counts, 0, kk) for kk in layer}
+    # TP: the vocab-parallel embedding's forward all-reduce (SP: reduce-scatter) on the rank
+    # with E, the output layer's input all-reduce in backward (SP: its all-gather forward,
+    # reduce-scatter backward) on the rank with L: one S h all-reduce each (SHO sec 3)
+    per_slot["tp_comm"] = per_slot["tp_comm"] + (slots["emb"] + slots["out"]) * emb_comm
+    per_slot["compute"] = per_slot["compute"] + slots["out"] * out_comp
+    per_slot["elementwise"] = (per_slot["elementwise"] + slots["out"] * out_elem
+                               + opts.grad_accum_bytes * P_slot / cluster.hbm_bw)
+    t_slot = sum(per_slot.values())
+    i_slow = np.argmax(t_slot, axis=0)[None, :]
+
+    def at_slow(x):
+        return np.take_along_axis(np.broadcast_to(x, t_slot.shape), i_slow, axis=0)[0]
+    stage = {kk: at_slow(vv) for kk, vv in per_slot.items()}
+    t_mb = at_slow(t_slot)
+    slow = tuple(at_slow(cn) for cn in counts)
     # backward share of one micro-batch on the stage (for DP overlap): 2/3 of compute etc.
     t_bwd_mb = mix(slow, 1)
 
@@ -327,7 +330,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         terms["pp_comm"] = terms["pp_comm"] + np.where(p > 1, tied, 0.0)
 
     # data parallel (over the dp x cp group; ranks t apart, so gpus_per_node / t share a node)
-    params = np.maximum(np.maximum(P["first"], P["last"]), P["middle"])
+    i_par = np.argmax(P_slot, axis=0)[None, :]
+    params = np.take_along_axis(P_slot, i_par, axis=0)[0]
     n_dp = d * c
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
     z = L["zero"]
@@ -336,8 +340,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     e = L.get("ep", 1.0)
     ex = 0.0
     if model.num_experts:
-        ex = np.where(params == P["first"], P["expert_first"],
-                      np.where(params == P["last"], P["expert_last"], P["expert_middle"]))
+        ex = np.take_along_axis(X_slot, i_par, axis=0)[0]
     per_node_x = np.where(t * e >= cluster.gpus_per_node, 1.0,
                           np.floor(cluster.gpus_per_node / (t * e)))
 
@@ -376,13 +379,16 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     # (DeepSpeed's BF16_Optimizer, BLOOM's ZeRO-1: the full fp32 all-reduce instead)
     rs_h = grad_sync if opts.zero1_all_reduce_grads else 0.5 * grad_sync
     ag_h = 0.5 * dp_collective(hier, 2)
-    z12 = exposed_grad_sync(rs_h, t_bwd_mb, params, opts) + \
+    # ZeRO-2 (loom's gradient buffer with shard_gradients, ZERO sec 5.2): every micro-batch's
+    # gradients are reduce-scattered into the kept shard behind that micro-batch's backward
+    n_rs = np.where(z == 2, m, 1.0)
+    z12 = n_rs * exposed_grad_sync(rs_h, t_bwd_mb, params, opts) + \
         exposed_grad_sync(ag_h, t_fwd_mb, params, opts)
     dp_exposed = np.where(z >= 3, z3, np.where(
         z >= 1, z12, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts)))
     terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0)
     terms["dp_comm_total"] = np.where(n_dp > 1, np.where(
-        z >= 3, m * (2 * ag_w + rs_g), np.where(z >= 1, rs_h + ag_h, grad_sync)), 0.0)
+        z >= 3, m * (2 * ag_w + rs_g), np.where(z >= 1, n_rs * rs_h + ag_h, grad_sync)), 0.0)
     shard = np.where(z >= 1, n_dp, 1.0)
     terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
     if model.num_experts:

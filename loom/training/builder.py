@@ -104,13 +104,13 @@ def build_model(cfg: LoomConfig, mesh: ParallelMesh, family: ModelFamily) -> Mod
     forward_step = precision_forward_step(family.forward_step,
                                           cast_parameters(chunks, param_dtype(t)), scaler)
     named = list(named_parameters(chunks))
-    ep = mesh.ep_size > 1
+    apart = mesh.experts_apart  # experts on a grid of their own: their norm summed apart
     groups = ParamGroups(
         params=[p for _, p, _ in named],
-        norm_params=[p for _, p, m in named if m.counts_for_norm(mesh.tp_rank)
-                     and not (ep and m.expert_parallel)],
-        expert_norm_params=[p for _, p, m in named if ep and m.expert_parallel
-                            and m.counts_for_norm(mesh.tp_rank)],
+        norm_params=[p for _, p, m in named if mesh.counts_for_norm(m)
+                     and not (apart and m.expert_parallel)],
+        expert_norm_params=[p for _, p, m in named if apart and m.expert_parallel
+                            and mesh.counts_for_norm(m)],
         sp_params=[p for _, p, m in named if m.grad_summed_over_tp])
     return ModelParts(family, tracker, chunks, registry, scaler, forward_step, groups)
 
@@ -183,7 +183,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         data.global_batch * cfg.model.seq_length,
         model_flops_per_iteration(cfg.model, data.global_batch, cfg.model.seq_length),
         world_size, peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops),
-        predict_step_time(cfg, world_size, mesh.device), logged_metrics(cfg.model, family))
+        predict_step_time(cfg, world_size), logged_metrics(cfg.model, family))
     after_step = functools.partial(update_expert_bias, model.chunks, mesh.groups["dp_cp"],
                                    cfg.model.moe_router_bias_update_rate) \
         if cfg.model.num_experts else (lambda: None)

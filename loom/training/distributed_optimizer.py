@@ -73,6 +73,35 @@ def count_zero_entries(grads: list[torch.Tensor], device: torch.device) -> torch
     return torch.tensor(float(total), dtype=torch.float64, device=device)
 
 
+def reduce_grad_sums(dense: torch.Tensor, experts: Optional[torch.Tensor], mesh: ParallelMesh,
+                     dense_sharded: bool, experts_sharded: bool) -> torch.Tensor:
+    """A per-element statistic's sums (0-d fp64, e.g. squares) of this rank's gradients that
+    count (:meth:`~loom.parallel.mesh.ParallelMesh.counts_for_norm`) -> its value over the
+    whole model, each element once (a collective). ``dense``: of the dense parameters (and of
+    the experts on the dense grid); ``experts``: of the experts on their own grid
+    (:attr:`~loom.parallel.mesh.ParallelMesh.experts_apart`; None otherwise). ``*_sharded``:
+    whether this rank holds a shard of the reduced gradients (distributed optimizer, ZeRO-3;
+    dense over DP x CP, experts over ``edp``), every rank then adding its own; else only the
+    first replica adds (the dense sums need no DP x CP reduction, the experts' one over the
+    stage's DP x CP ranks: their expert-DP replicas cut across TP, CP and DP). Then summed over
+    the model-parallel group (TP x PP): the expert shards of a stage sit on its t c d ranks,
+    so DP x CP then TP x PP covers each once. At most one all-reduce on ``dp_cp`` and one on
+    ``mp``."""
+    if experts is not None:
+        if not (experts_sharded or mesh.expert_coords["edp"] == 0):
+            experts = torch.zeros_like(experts)
+        if not dense_sharded:  # dense replicas hold equal sums: the first one's
+            first = mesh.coords["cp"] == 0 and mesh.coords["dp"] == 0
+            dense = dense if first else torch.zeros_like(dense)
+        dense = dense + experts
+    groups = mesh.groups
+    if (dense_sharded or experts is not None) and groups.get("dp_cp") is not None:
+        dist.all_reduce(dense, group=groups["dp_cp"])
+    if groups["mp"] is not None:
+        dist.all_reduce(dense, group=groups["mp"])
+    return dense
+
+
 def buffer_mode(training) -> dict:
     """The gradient-buffer mode this optimizer needs under the training config ``training``:
     ``reduce_scatter`` (``--use-distributed-optimizer``: each rank keeps 1/d of every bucket)
@@ -183,7 +212,7 @@ class DistributedOptimizer:
         self.reducers = flat_buffers(reducers)
         self.gathers = [ParamGather(r) for r in self.reducers if r.reduce_scatter]
         reducer_of = {id(p): r for r in self.reducers for p in r.params}
-        ep = mesh.ep_size > 1
+        apart = mesh.experts_apart
         self.ranges: list[_Range] = []
         placed = []
         for name, p, meta in named:
@@ -197,7 +226,7 @@ class DistributedOptimizer:
             index = plan.index(name, p, id(p) in decoupled_params)
             muon = matrix_info(name, meta, mesh) if plan.kinds[index].muon else None
             self.ranges.append(_Range(name, p, meta, r, lo, hi, master, copy,
-                                      ep and meta.expert_parallel, muon))
+                                      apart and meta.expert_parallel, muon))
             placed.append((index, master))
         groups = build_groups(plan, placed, mesh.device)
         if optim_class is Muon:  # whole-matrix updates from the ranges (_orthogonalize)
@@ -252,8 +281,9 @@ class DistributedOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients, each element once: squares of the masters'
         gradient ranges that count (:meth:`ParamMeta.counts_for_norm`), summed over the DP x
-        CP shards (expert ranges over the expert-data-parallel shards and the EP group) and
-        the model-parallel group; fp64 sums, one scalar all-reduce per group. 0-d fp32."""
+        CP shards (expert ranges over their expert-data-parallel shards) and the
+        model-parallel group (:func:`reduce_grad_sums`); fp64 sums, one scalar all-reduce per
+        group. 0-d fp32."""
         return self._summed(lambda r: r.master.grad, _sum_of_squares).sqrt().float()
 
     def count_zeros(self) -> int:
@@ -264,25 +294,13 @@ class DistributedOptimizer:
     def _summed(self, grad_of, stat) -> torch.Tensor:
         """``stat(gradients, device)`` (a 0-d fp64 sum) over the ranges that count, reduced
         over the DP x CP shards, the expert groups and the model-parallel group."""
-        dev, tp = self.mesh.device, self.mesh.tp_rank
+        dev, counts = self.mesh.device, self.mesh.counts_for_norm
         dense = [grad_of(r) for r in self.ranges if not r.expert
-                 and r.meta.counts_for_norm(tp) and r.hi > r.lo]
+                 and counts(r.meta) and r.hi > r.lo]
         experts = [grad_of(r) for r in self.ranges if r.expert
-                   and r.meta.counts_for_norm(tp) and r.hi > r.lo]
-        groups = self.mesh.groups
-        sq = stat(dense, dev)
-        if self.sharded and groups["dp_cp"] is not None:
-            dist.all_reduce(sq, group=groups["dp_cp"])
-        if self.mesh.ep_size > 1:
-            esq = stat(experts, dev)
-            if self.sharded and groups.get("edp_cp") is not None:
-                dist.all_reduce(esq, group=groups["edp_cp"])
-            if groups.get("ep") is not None:
-                dist.all_reduce(esq, group=groups["ep"])
-            sq = sq + esq
-        if groups["mp"] is not None:
-            dist.all_reduce(sq, group=groups["mp"])
-        return sq
+                   and counts(r.meta) and r.hi > r.lo]
+        experts = stat(experts, dev) if self.mesh.experts_apart else None
+        return reduce_grad_sums(stat(dense, dev), experts, self.mesh, self.sharded, False)
 
     def clip_grad_norm(self, max_norm: float, inv_scale: float = 1.0) -> float:
         """Attach the reduced main gradients to the masters (times ``inv_scale``: the fp16 loss

@@ -25,7 +25,7 @@ from loom.parallel.fsdp import is_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta, named_parameters
 from loom.training.distributed_optimizer import (NORM_BLOCK, DistributedOptimizer,  # noqa: F401
-                                                _sum_of_squares)
+                                                _sum_of_squares, reduce_grad_sums)
 from loom.training.muon import Muon, MuonSettings, matrix_info
 from loom.training.param_groups import build_groups, group_plan
 
@@ -198,20 +198,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
 
 def counts_for_norm(meta: ParamMeta, mesh: ParallelMesh) -> bool:
     """A gradient enters the global norm once: TP-sharded parameters on every TP rank,
-    replicated ones on TP rank 0 only, pipeline duplicates (tied embedding on the last stage)
-    never (the registry's :meth:`~loom.parallel.registry.ParamMeta.counts_for_norm`)."""
-    return meta.counts_for_norm(mesh.tp_rank)
+    replicated ones on TP rank 0 only (an expert's: expert-TP shards, expert-TP rank 0),
+    pipeline duplicates (tied embedding on the last stage) never (the registry's
+    :meth:`~loom.parallel.registry.ParamMeta.counts_for_norm`)."""
+    return mesh.counts_for_norm(meta)
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], mesh: ParallelMesh,
                      expert_params: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """L2 norm of the gradients of ``params`` (those that count, see :func:`counts_for_norm`:
     each element once), summed over the model-parallel (TP x PP) group; ``expert_params``
-    (expert-parallel weights, each held by one rank of the EP group) are summed over the EP
-    group first. Data-parallel replicas hold identical gradients after reduction, so DP is not
-    summed, except under ZeRO-3 (DTensor gradients): each DP x CP rank holds a different shard,
-    summed over ``dp_cp`` too (expert shards over ``edp_cp``, then ``ep``). One all-reduce (fp64
-    scalar) on ``mesh.groups["mp"]`` (and one on ``ep``, ``dp_cp`` or ``edp_cp``).
+    (the experts' on their own grid, each shard held by the ranks of one expert-DP group) are
+    taken from the first expert-DP replica and summed over the stage's DP x CP ranks first.
+    Data-parallel replicas hold identical gradients after reduction, so DP is not summed,
+    except under ZeRO-3 (DTensor gradients): each rank holds a different shard, summed over
+    ``dp_cp`` too (:func:`~loom.training.distributed_optimizer.reduce_grad_sums`). One
+    all-reduce (fp64 scalar) on ``mesh.groups["mp"]`` (and one on ``dp_cp``).
     Returns a 0-d fp32 tensor (unitless, the gradients' L2 norm)."""
     return global_grad_sum(params, mesh, expert_params, _sum_of_squares).sqrt().float()
 
@@ -224,19 +226,10 @@ def global_grad_sum(params: Iterable[torch.Tensor], mesh: ParallelMesh,
     params, expert_params = list(params), list(expert_params)
     device = (params or expert_params)[0].device if (params or expert_params) else mesh.device
     sq = stat([local_tensor(p.grad) for p in params if p.grad is not None], device)
-    if any(is_sharded(p.grad) for p in params) and mesh.groups.get("dp_cp") is not None:
-        dist.all_reduce(sq, group=mesh.groups["dp_cp"])  # ZeRO-3: the DP shards, each once
-    if expert_params:
-        esq = stat([local_tensor(p.grad) for p in expert_params if p.grad is not None], device)
-        if any(is_sharded(p.grad) for p in expert_params) and \
-                mesh.groups.get("edp_cp") is not None:  # ZeRO-3: the expert-DP x CP shards
-            dist.all_reduce(esq, group=mesh.groups["edp_cp"])
-        if mesh.groups.get("ep") is not None:
-            dist.all_reduce(esq, group=mesh.groups["ep"])
-        sq = sq + esq
-    if mesh.groups["mp"] is not None:
-        dist.all_reduce(sq, group=mesh.groups["mp"])
-    return sq
+    esq = stat([local_tensor(p.grad) for p in expert_params if p.grad is not None], device) \
+        if mesh.experts_apart else None
+    return reduce_grad_sums(sq, esq, mesh, any(is_sharded(p.grad) for p in params),
+                            any(is_sharded(p.grad) for p in expert_params))
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: ParallelMesh,

@@ -15,8 +15,8 @@ from loom.training.optimizer import global_grad_norm, global_grad_sum
 def params_norm(groups, mesh: ParallelMesh) -> float:
     """L2 norm of the parameters (unitless) of ``groups`` (:class:`loom.training.step.ParamGroups`):
     the dense ones that count once (TP-sharded on every TP rank, replicated ones on TP rank 0,
-    pipeline duplicates never) summed over TP x PP, expert ones over EP, ZeRO-3 shards over
-    DP x CP: the counting of the gradient norm (:func:`~loom.training.optimizer.global_grad_norm`),
+    pipeline duplicates never) summed over TP x PP, expert ones over their grid, ZeRO-3 shards
+    over DP x CP: the counting of the gradient norm (:func:`~loom.training.optimizer.global_grad_norm`),
     applied to the weights. A collective: every rank calls it."""
     def as_grads(params):
         return [SimpleNamespace(grad=p.detach(), device=p.device) for p in params]

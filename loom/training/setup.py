@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from loom.parallel.grad_buffer import GradBuffer
-from loom.parallel.expert import ReducerGroup
+from loom.parallel.expert import ReducerGroup, expert_grad_scale
 from loom.parallel.fsdp import FSDPGradients, is_fully_sharded, local_tensor
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import named_parameters
@@ -31,9 +31,10 @@ def logged_metrics(model, family) -> tuple[str, ...]:
 
 
 def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, cfg):
-    """Gradient reduction of one chunk: over DP x CP; with expert parallelism the experts'
-    gradients over the expert-data-parallel group instead (:mod:`loom.parallel.expert`), scaled
-    by 1/e. ``cfg`` (a LoomConfig) gives ``--ddp-bucket-size``, ``--overlap-grad-reduce``, the
+    """Gradient reduction of one chunk: over DP x CP; when the experts have a grid of their own
+    (EP > 1 or expert TP != t) their gradients over the expert-data-parallel group ``edp``
+    instead, scaled by :func:`~loom.parallel.expert.expert_grad_scale`
+    (:mod:`loom.parallel.expert`). ``cfg`` (a LoomConfig) gives ``--ddp-bucket-size``, ``--overlap-grad-reduce``, the
     distributed optimizer's buffer mode (:func:`~loom.training.distributed_optimizer.buffer_mode`:
     reduce-scatter into shards; ZeRO-2 keeps them) and the gradient
     dtype (fp32 main gradients, or the 16-bit parameters' dtype without
@@ -49,25 +50,25 @@ def chunk_reducer(chunk: nn.Module, mesh: ParallelMesh, cfg):
               own_bucket=[p for n, p in chunk.named_parameters()
                           if chunk.registry[n].pipeline_shared],
               **buffer_mode(t))  # the distributed optimizer's: reduce-scatter, ZeRO-2 shards
-    if mesh.ep_size == 1:
+    if not mesh.experts_apart:
         return GradBuffer(chunk.parameters(), mesh.groups["dp_cp"], **kw)
     named = [(p, chunk.registry[n].expert_parallel) for n, p in chunk.named_parameters()]
     experts = [p for p, is_expert in named if is_expert]
     return ReducerGroup([GradBuffer([p for p, e in named if not e], mesh.groups["dp_cp"], **kw),
-                         GradBuffer(experts, mesh.groups["edp_cp"], scale=1.0 / mesh.ep_size,
+                         GradBuffer(experts, mesh.groups["edp"], scale=expert_grad_scale(mesh),
                                     **kw)], experts, 1.0)
 
 
 def owned_parameters(model_chunks, mesh: ParallelMesh) -> int:
     """Parameters this rank owns, so that the sum over all ranks counts each parameter of the
-    model once: TP shards on each TP rank, replicated ones on TP rank 0, the first DP replica
-    (experts on their EP rank), pipeline duplicates never."""
-    first_replica = mesh.coords["cp"] == 0 and mesh.coords["dp"] < mesh.ep_size
-    if not first_replica:
-        return 0
+    model once: TP shards on each TP rank, replicated ones on TP rank 0, the first DP x CP
+    replica; experts on the first expert-DP replica (their shards on each expert-TP rank);
+    pipeline duplicates never."""
+    first = {"dense": mesh.coords["cp"] == 0 and mesh.coords["dp"] == 0,
+             "experts": mesh.expert_coords["edp"] == 0}
     return sum(p.numel() for _, p, meta in named_parameters(model_chunks)
-               if meta.counts_for_norm(mesh.tp_rank)
-               and (meta.expert_parallel or mesh.ep_rank == 0))
+               if mesh.counts_for_norm(meta)
+               and first["experts" if meta.expert_parallel else "dense"])
 
 
 def held_numel(params) -> int:
@@ -86,13 +87,18 @@ def checkpoint_interval(cfg, world_size: int, params) -> CheckpointInterval:
     return CheckpointInterval(ck.save_interval, mtbf_s, 12 * held_numel(params))
 
 
-def predict_step_time(cfg, world_size: int, device: torch.device) -> Optional[float]:
-    """The planner's iteration time for this exact layout (seconds), when it knows the
-    hardware: a ``--planner-cluster`` file (``loom plan --calibrate``) or a known GPU."""
+def predict_step_time(cfg, world_size: int) -> Optional[float]:
+    """The planner's iteration time for this exact layout (seconds), only when asked with
+    ``--planner-cluster`` (a cluster file from ``loom plan --calibrate`` or a GPU name such as
+    H100-80GB): building a trainer does not run the cost model otherwise. A prediction that
+    fails is said in one warning line (the run goes on without it)."""
     cluster = cfg.logging.planner_cluster
-    if cluster is None and device.type != "cuda":
+    if cluster is None:
         return None
     try:
         return predict_layout(cfg, world_size, cluster=cluster)["time_s"]["iteration"]
-    except Exception:  # noqa: BLE001 - a prediction must never stop training
+    except Exception as e:  # noqa: BLE001 - a prediction must never stop training
+        import warnings
+        warnings.warn(f"--planner-cluster {cluster}: no step-time prediction "
+                      f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
         return None

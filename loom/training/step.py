@@ -56,7 +56,7 @@ def finish_gradients(reducers: Sequence, model_chunks: Sequence, mesh: ParallelM
 class ParamGroups:
     """The parameter lists the step reads: ``params`` (every trainable parameter of this rank),
     ``norm_params`` (dense parameters whose gradient enters the global norm, each element once),
-    ``expert_norm_params`` (expert-parallel ones, summed over the EP group), ``sp_params``
+    ``expert_norm_params`` (experts on their own grid, summed over it), ``sp_params``
     (gradients summed over TP: sequence-parallel norms and biases)."""
     params: list
     norm_params: list

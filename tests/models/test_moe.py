@@ -93,7 +93,7 @@ def parity(cases) -> list[dict]:
             if not math.isclose(norm, rnorm, rel_tol=RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             for name, (g, meta) in grads.items():
-                want = local_shard(rgrads[name][0], meta, mesh.tp_rank, mesh.tp_size)
+                want = local_shard(rgrads[name][0], meta, *mesh.shard_of(meta))
                 compared += 1
                 if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {name} max err "
@@ -214,25 +214,35 @@ def resume_world(tmp: str) -> dict:
     tr.save(tmp)
     want = [tr.train_step()["loss"] for _ in range(2)]
     out = {"want": want}
-    for ep in (1, 4):
-        c = make_cfg(ep=ep).validate(world)
-        t2 = Trainer(c, mesh=ParallelMesh.build(ep=ep))
+    for name, kw in (("ep1", dict(ep=1)),
+                     ("tp2-ep4-etp1", dict(tp=2, ep=4, etp=1))):  # EP over TP x DP ranks
+        c = make_cfg(**kw).validate(world)
+        t2 = Trainer(c, mesh=ParallelMesh.build(tp=kw.get("tp", 1), ep=kw["ep"],
+                                                etp=kw.get("etp")))
         t2.load(tmp)
-        out[f"ep{ep}"] = [t2.train_step()["loss"] for _ in range(2)]
+        if name == "tp2-ep4-etp1":  # saved from Megatron's expert grid, read back at EP 2
+            out["grid_ep_tp"] = sorted(r % 2 for r in t2.mesh.ranks["ep"])
+            t2.save(tmp + "-grid")
+        out[name] = [t2.train_step()["loss"] for _ in range(2)]
+    t3 = Trainer(cfg, mesh=ParallelMesh.build(ep=2))
+    t3.load(tmp + "-grid")
+    out["from-grid"] = [t3.train_step()["loss"] for _ in range(2)]
     return out
 
 
 def test_checkpoint_moves_between_ep_sizes(tmp_path):
     for r in run_distributed(4, resume_world, str(tmp_path), timeout=600):
-        for ep in ("ep1", "ep4"):
+        assert r["grid_ep_tp"] == [0, 0, 1, 1], r  # the EP group held both TP ranks
+        for ep in ("ep1", "tp2-ep4-etp1", "from-grid"):
             assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(r[ep], r["want"])), r
 
 
 @pytest.mark.parametrize("change,world,flag", [
     (dict(experts=3, ep=2), 2, "--num-experts 3 is not divisible by --expert-model-parallel"),
-    (dict(ep=4), 2, "--expert-model-parallel-size 4 must divide the data-parallel size 2"),
+    (dict(ep=4), 2, "--expert-model-parallel-size 4 must divide the 2 ranks of a pipeline"),
+    (dict(tp=2, ep=4, etp=1, pp=2), 4, "--expert-model-parallel-size 4 must divide the 2 ranks"),
     (dict(k=5), 1, "--moe-router-topk 5 must lie in"),
-    (dict(tp=2, etp=4), 2, "--expert-tensor-parallel-size 4 must be 1"),
+    (dict(tp=2, etp=4), 8, "--expert-tensor-parallel-size 4 must divide --tensor-model-paral"),
     (dict(experts=None, ep=2), 2, "--expert-model-parallel-size needs --num-experts"),
 ])
 def test_bad_moe_layouts_refused(change, world, flag):

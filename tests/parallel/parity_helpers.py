@@ -17,7 +17,7 @@ def step_mismatches(par: list, ref: list, mesh, rtol: float = 1e-5) -> list[str]
                 (("loss", got[0], want[0]), ("grad norm", got[2], want[2]))
                 if not math.isclose(a, b, rel_tol=rtol)]
         for name, (g, meta) in got[1].items():
-            w = local_shard(want[1][name][0], meta, mesh.tp_rank, mesh.tp_size)
+            w = local_shard(want[1][name][0], meta, *mesh.shard_of(meta))
             err = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
             if err > rtol:
                 out.append(f"step {step}: grad {name} relative error {err:.2e}")

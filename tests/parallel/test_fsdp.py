@@ -405,10 +405,11 @@ def test_zero3_parity_four_ranks(results4, name):
 
 
 @pytest.mark.parametrize("name, expert_mesh, dense_mesh", [
-    ("dp4xep2-moe", 2, 4), ("tp2xdp2xep2-moe", 1, 2), ("tp2xdp2xep2-etp1-moe", 1, 2),
+    ("dp4xep2-moe", 2, 4), ("tp2xdp2xep2-moe", 1, 2), ("tp2xdp2xep2-etp1-moe", 2, 2),
     ("cp2xdp2xep2-moe", 2, 4)])
 def test_zero3_with_expert_parallelism(results4, name, expert_mesh, dense_mesh):
-    """Experts sharded over their expert-DP x CP group ((d/e) c ranks), the rest over DP x CP;
+    """Experts sharded over their expert-DP group (t c d / (u e) ranks: with expert TP 1 it
+    spans the TP ranks, Megatron's expert grid), the rest over DP x CP;
     loss, gradients, norm and parameters as on one rank; the EP all-to-alls ran."""
     for r in results4:
         _check(r[name])

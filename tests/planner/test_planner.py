@@ -194,20 +194,30 @@ def test_recompute_and_sp_ordering():
 # -- search ----------------------------------------------------------------------------------------
 
 def test_search_layouts_pass_loom_validation():
+    """The command of every sampled layout (:func:`loom.planner.command.train_command`) is one
+    loom train's config accepts at that world size, with the searched data-parallel size; a
+    split only Megatron's --pipeline-model-parallel-layout expresses says so while loom's
+    config lacks the flag (24 layers over 16 stages, balanced)."""
+    from loom.planner.command import command_config, loom_takes_layout_string, train_command
     m = gpt(24, 2304, 24)
     cl = make_cluster("A100-80GB", 32)
     L = enumerate_layouts(m, cl, 512, 2048)
+    res = evaluate(m, L, 512, 2048, cl)
     idx = np.random.default_rng(0).choice(len(L["tp"]), 200, replace=False)
+    needs_layout = 0
     for i in idx:
-        cfg = LoomConfig.from_flat(dict(
-            num_layers=24, hidden_size=2304, num_attention_heads=24, vocab_size=51200,
-            seq_length=2048, tensor_model_parallel_size=int(L["tp"][i]),
-            pipeline_model_parallel_size=int(L["pp"][i]), context_parallel_size=int(L["cp"][i]),
-            micro_batch_size=int(L["mbs"][i]), global_batch_size=512,
-            sequence_parallel=bool(L["sp"][i]), lr=3e-4, train_iters=1))
-        cfg = cfg.validate(32)
-        assert cfg.data_parallel_size(32) == int(L["dp"][i])
+        rec = record(res, int(i))
+        text = train_command(rec, m, 512, 2048, 32, 8)
+        if "--pipeline-model-parallel-layout" in text and not loom_takes_layout_string():
+            assert text.startswith("# this split needs --pipeline-model-parallel-layout")
+            assert 24 % rec["pp"] or rec["vp"] > 1 and len(set(rec["chunk_layers"])) > 1
+            needs_layout += 1
+            continue
+        cfg = command_config(text, 32)
+        assert cfg.data_parallel_size(32) == rec["dp"]
+    assert 0 < needs_layout < len(idx) // 2
     assert np.all(L["tp"] <= 8)
+    assert {16.0, 8.0} <= set(L["pp"])  # 24 over 16 stages plans (balanced), 24 over 8 evenly
 
 
 def test_search_fixed_dims_and_ranking():
@@ -311,3 +321,24 @@ def test_planner_does_not_import_distributed():
             "print('torch.distributed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_trainer_predicts_the_step_only_when_asked(monkeypatch):
+    """Building a trainer runs the cost model only with --planner-cluster (issue 46): without it
+    no prediction is made (predict_layout is not called); with a GPU name it is the planner's
+    iteration time; a failing prediction is one RuntimeWarning naming the flag, not silence."""
+    import loom.training.setup as setup
+    cfg = LoomConfig.from_flat(dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                    vocab_size=128, seq_length=32, micro_batch_size=1,
+                                    global_batch_size=8))
+    called = []
+    real = setup.predict_layout
+    monkeypatch.setattr(setup, "predict_layout", lambda *a, **k: called.append(1) or real(*a, **k))
+    assert setup.predict_step_time(cfg, 2) is None and not called
+    cfg.logging.planner_cluster = "H100-80GB"
+    assert setup.predict_step_time(cfg, 2) == pytest.approx(
+        predict_layout(cfg, 2, "H100-80GB")["time_s"]["iteration"])
+    assert called
+    cfg.logging.planner_cluster = "no-such-cluster.json"
+    with pytest.warns(RuntimeWarning, match="--planner-cluster no-such-cluster.json: no step-time"):
+        assert setup.predict_step_time(cfg, 2) is None

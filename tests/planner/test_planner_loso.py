@@ -1,5 +1,5 @@
 """Out-of-sample validation of the planner's cost model (issue 26): leave one published source
-out, refit every constant on the rest, predict it (loom.planner.fit.leave_one_source_out).
+out, refit every constant on the rest, predict it (benchmarks.planner_sources.fit.leave_one_source_out).
 
 The bounds are what the protocol measures now (rounded up by about a point), not targets: they
 fail when a change makes a held-out source worse. The issue's median targets (pooled <= 8%, every
@@ -16,22 +16,23 @@ import math
 import pytest
 
 from loom.planner.constants import FIT_SETS, SHIPPED, Constants
-from loom.planner.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_points
+from benchmarks.planner_sources.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_points
 
-# held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26)
+# held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26;
+# MC-H100 strong and Llama 3 re-measured in issue 47: exact per-rank pipeline memory and refit)
 HELDOUT_BOUNDS = {
     "NAR t1": (0.045, 0.09),
     "NAR t2": (0.06, 0.29),
     "KOR": (0.05, 0.105),
     "SHO": (0.05, 0.16),
     "MC-H100 weak": (0.04, 0.11),
-    "MC-H100 strong": (0.02, 0.03),
+    "MC-H100 strong": (0.02, 0.035),
     "BLOOM": (0.11, 0.11),
     "OPT": (0.20, 0.20),
     "TT": (0.025, 0.04),
     "LF-H100": (0.10, 0.24),
     "LF-A100": (0.045, 0.30),
-    "Llama 3": (0.06, 0.29),
+    "Llama 3": (0.065, 0.29),
     "MC-H100 weak + MC-H100 strong": (0.04, 0.11),
 }
 OVERALL_BOUNDS = (0.05, 0.30)
@@ -131,7 +132,7 @@ def test_constants_change_predictions():
 
 @pytest.mark.xfail(strict=True, reason="issue 26 target (worst held-out row <= 20%) not met: "
                    "NAR t2's ZeRO-3 b = 4 rows, llm-foundry's 1B-7B H100 and 30B s = 8192 A100 "
-                   "rows, Llama 3's 128K row; the one rows of BLOOM (10.4%) and OPT (19.4%) "
+                   "rows, Llama 3's 128K row; the one rows of BLOOM (10.6%) and OPT (19.6%) "
                    "(median <= 10%); see docs/planner.md, leave-one-source-out")
 def test_issue_26_target_worst_row_and_bloom(loso):
     for held, r in loso["sources"].items():

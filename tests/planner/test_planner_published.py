@@ -1,6 +1,6 @@
 """Planner v2 against published runs (issue 14): NAR table 1 median, NAR table 2 (days for 300B
 tokens, PTD-P and ZeRO-3), SHO weak scaling, Megatron-Core H100, BLOOM. Numbers copied from the
-papers (see loom/planner/presets.py and loom/planner/validation.py for the tables and their
+papers (see loom/planner/presets.py and benchmarks/planner_sources/validation.py for the tables and their
 sources).
 
 ``test_in_sample_fit_*``: rows the constants are fitted on (loom/planner/constants.py): how well
@@ -14,10 +14,10 @@ import statistics
 import numpy as np
 import pytest
 
-from loom.planner.calibrate import validation_points
+from benchmarks.planner_sources.validation import validation_points
 from loom.planner.layout import Options, make_layouts
 from loom.planner.presets import NAR_TABLE1
-from loom.planner.validation import mcore_h100, nar_table2, sho_weak_scaling
+from benchmarks.planner_sources.validation import mcore_h100, nar_table2, sho_weak_scaling
 
 
 def test_in_sample_fit_nar_table1_median_within_8_percent():
@@ -89,7 +89,7 @@ def test_mcore_h100_strong_scaling_endpoints():
     on 96 H100 falling to 42% on 4608 (t = 8, p = 6 as in the weak-scaling table's 177B row).
     Not in any fit set (but the Hopper constant is fitted on the weak-scaling table of the same
     README); within 3 points, and the drop predicted."""
-    from loom.planner.validation import mcore_h100_strong
+    from benchmarks.planner_sources.validation import mcore_h100_strong
     mfu = {}
     for r in mcore_h100_strong():
         mfu[r["gpus"]] = r["mfu"]
@@ -102,7 +102,7 @@ def test_opt_175b_fits_with_distributed_saved_activations_and_within_20_percent(
     --distribute-checkpointed-activations): it fits in 80 GB only because the saved layer
     inputs are split over the 8 TP ranks (without the option the same layout needs ~99 GB),
     at the price of one all-gather per layer in backward; hardware TFLOP/s within 20% of the published "up to 147" (held out of every fit)."""
-    from loom.planner.validation import opt_175b
+    from benchmarks.planner_sources.validation import opt_175b
     got = opt_175b()
     lay = got["layout"]
     assert (lay["tp"], lay["pp"], lay["dp"], lay["zero"], lay["micro_batch_size"]) == (
@@ -135,7 +135,7 @@ def test_opt_175b_published_lies_between_no_and_full_fsdp_overlap():
     with fairscale's design overlap (the default) none is. The published "up to 147" TFLOP/s
     lies between the two predictions (docs/planner.md, "Why the worst rows miss", OPT-175B)."""
     from loom.planner.constants import fitted_cluster
-    from loom.planner.validation import opt_175b
+    from benchmarks.planner_sources.validation import opt_175b
     hidden, exposed = opt_175b(), opt_175b(dp_overlap=False)
     cl = fitted_cluster("A100-80GB", 992)
     P = 96 * 12 * 12288 ** 2 + (50272 + 2048) * 12288
@@ -176,7 +176,7 @@ def test_distribute_saved_activations_splits_only_the_full_recompute_input():
 def test_bloom_176b_plans_uneven_and_within_20_percent():
     """BLOOM 176B: 70 layers on p = 12 plan only with an uneven split; hardware TFLOP/s within
     20% of the published "about 150" (the published figure is itself rounded)."""
-    from loom.planner.validation import bloom_176b
+    from benchmarks.planner_sources.validation import bloom_176b
     got = bloom_176b()
     lay = got["layout"]
     assert lay is not None and lay["first_stage_layers"] > 0
@@ -223,7 +223,7 @@ def test_deepspeed_bf16_optimizer_all_reduces_the_gradients():
     from loom.planner.hardware import make_cluster
     from loom.planner.presets import gpt
     from loom.planner.timing import time_terms
-    from loom.planner.validation import MEGATRON_DEEPSPEED_2022
+    from benchmarks.planner_sources.validation import MEGATRON_DEEPSPEED_2022
     m = gpt(8, 1024, 16)
     L = make_layouts([dict(tp=2, dp=8, mbs=1, zero=0), dict(tp=2, dp=8, mbs=1, zero=1)])
     cl = make_cluster("A100-80GB", 16)
@@ -245,7 +245,7 @@ def test_unfused_gradient_accumulation_costs_a_pass_over_the_stage_per_micro_bat
     from loom.planner.memory import stage_params
     from loom.planner.presets import gpt
     from loom.planner.timing import time_terms
-    from loom.planner.validation import MEGATRON_2021, MEGATRON_2022, MEGATRON_DEEPSPEED_2022
+    from benchmarks.planner_sources.validation import MEGATRON_2021, MEGATRON_2022, MEGATRON_DEEPSPEED_2022
     m = gpt(8, 1024, 16)
     cl = make_cluster("A100-80GB", 8)
     one = make_layouts(dict(tp=2, dp=4, mbs=1))  # m = 64 / 4 = 16 micro-batches
@@ -311,7 +311,7 @@ def test_fused_attention_efficiency_is_the_kernels_q_tile_not_the_head_dim():
     from loom.planner.hardware import make_cluster
     from loom.planner.presets import gpt
     from loom.planner.primitives import FLASH_Q_TILE, attention_efficiency, gemm_efficiency
-    from loom.planner.published import llm_foundry_points
+    from benchmarks.planner_sources.published import llm_foundry_points
     from loom.planner.timing import layer_times
     cl = make_cluster("A100-80GB", 8)
     assert FLASH_Q_TILE == 128

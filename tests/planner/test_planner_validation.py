@@ -18,7 +18,7 @@ import statistics
 import numpy as np
 import pytest
 
-from loom.planner.calibrate import validation_points
+from benchmarks.planner_sources.validation import validation_points
 from loom.planner.hardware import GB, make_cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.memory import activation_bytes_per_layer
@@ -48,7 +48,7 @@ def test_nar_table1_is_predicted_at_the_authors_layouts():
     (Megatron-LM examples/academic_paper_scripts/sc21): the prediction is that layout's, it fits
     in 80 GB, PyTorch DDP's rows (1.7B-18.4B) hide part of their all-reduce behind the backward
     and Megatron's local DDP rows expose all of it."""
-    from loom.planner.validation import nar_table1_points, nar_table1_search
+    from benchmarks.planner_sources.validation import nar_table1_points, nar_table1_search
 
     # the script's MBS and layers per virtual stage, read as v = layers / p / that (1 if unset)
     script_b = (16, 16, 16, 8, 4, 2, 2, 1, 1, 1)

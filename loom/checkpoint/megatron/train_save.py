@@ -35,14 +35,16 @@ from loom.checkpoint.megatron.writer import (METADATA, ChunkSavePlanner, adam_st
 
 
 def _full(t: torch.Tensor, meta, mesh) -> torch.Tensor:
-    """The whole tensor of this rank's TP shard ``t`` (ZeRO-3: gathered over DP x CP first)."""
+    """The whole tensor of this rank's TP shard ``t`` (an expert's: expert-TP shard; ZeRO-3:
+    gathered over DP x CP first)."""
     from loom.parallel.fsdp import full_tensor
     from loom.parallel.registry import full_from_shards
     t = full_tensor(t).detach()
-    if meta.shard is None or mesh.tp_size == 1:
+    size = mesh.shard_of(meta)[1]
+    if meta.shard is None or size == 1:
         return t.cpu().clone()
-    parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
-    dist.all_gather(parts, t.contiguous(), group=mesh.groups["tp"])
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=mesh.groups[mesh.shard_group(meta)])
     return full_from_shards([p.cpu() for p in parts], meta.shard)
 
 

@@ -2,7 +2,7 @@
 :mod:`loom.planner.presets`). Every pipelined run here used 1F1B or the interleaved schedule
 (they predate the zero-bubble schedules), so ``zb = 0`` is fixed. Every function takes ``constants`` (a
 :class:`loom.planner.constants.Constants`; None = the shipped values), so that
-:mod:`loom.planner.fit` can refit and hold sources out.
+:mod:`benchmarks.planner_sources.fit` can refit and hold sources out.
 
 * :func:`nar_table1_points` -- NAR table 1 (hardware TFLOP/s per GPU at the published t, p, d,
   full recompute, the micro-batch, virtual stages and DDP of the authors' script
@@ -314,3 +314,17 @@ def sho_weak_scaling(recompute: str = "full", overlap: bool = True,
         out.append(dict(params_b=P, mp=mp, published_mp=pub_mp, published_mp_dp=pub_dp,
                         pred_mp=got["mp"] / base, pred_mp_dp=got["mp_dp"] / base))
     return out
+
+
+def validation_points(cluster_kw: dict | None = None):
+    """``(name, predicted, published)`` for NAR table 1, KOR table 3 and KOR table 4 (the rows
+    the compute constants are fitted on; :func:`nar_table1_points` and
+    :func:`kor_points`), with the compute constants of ``cluster_kw``
+    (``gemm_efficiency``, ``gemm_half_dim``, ``mem_traffic``; missing = shipped). The fit itself
+    and its leave-one-source-out check are in :mod:`benchmarks.planner_sources.fit`."""
+    from dataclasses import replace
+
+    from loom.planner.constants import SHIPPED
+
+    c = replace(SHIPPED, **(cluster_kw or {})) if cluster_kw else None
+    return nar_table1_points(c) + kor_points(c)

@@ -1,8 +1,8 @@
-"""Published runs outside the 2019-2022 papers of :mod:`loom.planner.validation`: tables with
+"""Published runs outside the 2019-2022 papers of :mod:`benchmarks.planner_sources.validation`: tables with
 their provenance, the planner's predictions of them, and every published layout the planner
 must be able to plan (:data:`PUBLISHED_LAYOUTS`).
 
-Throughput sources (bf16 only; held out of every fit, :mod:`loom.planner.fit`):
+Throughput sources (bf16 only; held out of every fit, :mod:`benchmarks.planner_sources.fit`):
 
 * ``TT`` -- torchtitan, :data:`TORCHTITAN` (``benchmarks/llama3_h100_202412_torchtitan.md``,
   tables 1 and 3): Llama 3.1 8B, s = 8192, local batch 2, FSDP2 (ZeRO-3), selective activation

@@ -1,7 +1,7 @@
 """Refit the planner's constants from the published tables, and test them out of sample.
 
 Sources (:data:`SOURCES`; tables in :mod:`loom.planner.presets` and
-:mod:`loom.planner.validation`, copied from the papers), each compared on its published quantity:
+:mod:`benchmarks.planner_sources.validation`, copied from the papers), each compared on its published quantity:
 
 * ``NAR t1``: NAR table 1, hardware TFLOP/s per GPU (10 rows).
 * ``NAR t2``: NAR table 2, days for 300B tokens (6 ZeRO-3 + 6 PTD-P rows).
@@ -12,7 +12,7 @@ Sources (:data:`SOURCES`; tables in :mod:`loom.planner.presets` and
 * ``BLOOM``: BLOOM 176B, hardware TFLOP/s per GPU ("about 150", 1 row).
 * ``OPT``: OPT-175B, hardware TFLOP/s per GPU ("up to 147", 1 row; metaseq's layout).
 * ``TT``, ``LF-H100``, ``LF-A100``, ``Llama 3``: torchtitan, llm-foundry (H100, A100) and the
-  Llama 3 paper (:mod:`loom.planner.published`: tokens/s per GPU; Llama 3: model TFLOP/s).
+  Llama 3 paper (:mod:`benchmarks.planner_sources.published`: tokens/s per GPU; Llama 3: model TFLOP/s).
 
 The fit (:func:`fit`) follows :data:`loom.planner.constants.FIT_SETS`, in order:
 
@@ -43,9 +43,10 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
+from loom.planner.calibrate_runs import least_squares
 from loom.planner.constants import FALLBACK_SETS, FIT_SETS, PRIORS, SHIPPED, Constants
-from loom.planner import published as P
-from loom.planner import validation as V
+from benchmarks.planner_sources import published as P
+from benchmarks.planner_sources import validation as V
 
 SOURCES = ("NAR t1", "NAR t2", "KOR", "SHO", "MC-H100 weak", "MC-H100 strong", "BLOOM", "OPT",
            "TT", "LF-H100", "LF-A100", "Llama 3")
@@ -115,24 +116,7 @@ def fit_compute(sources, start=COMPUTE_START, iters: int = 40) -> Constants:
 
     def res(x):
         return _log_residuals(sources, const(x))
-    x = np.log(np.asarray(x0, dtype=np.float64))
-    r = res(x)
-    loss, lam, eye = float(r @ r), 1e-2, np.eye(len(names))
-    for _ in range(iters):
-        J = np.stack([(res(x + dx) - r) / 1e-4 for dx in eye * 1e-4], axis=1)
-        A, g = J.T @ J, J.T @ r
-        while lam < 1e8:
-            step = -np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), g)
-            r2 = res(x + step)
-            if float(r2 @ r2) < loss:
-                x, r, loss, lam = x + step, r2, float(r2 @ r2), max(lam / 4, 1e-6)
-                break
-            lam *= 4
-        else:
-            break
-        if np.max(np.abs(step)) < 1e-5:
-            break
-    return const(x)
+    return const(least_squares(res, np.log(np.asarray(x0, dtype=np.float64)), iters))
 
 
 def _grid_fit(loss, lo: float, hi: float) -> float:

@@ -1,0 +1,81 @@
+"""``loom plan``'s flags -> the search's fixed dimensions (:func:`fixed_from_args`) and the CP
+communication type (:func:`cp_comm_type_of`); ConfigError naming the flag for a contradiction.
+"""
+
+from __future__ import annotations
+
+from loom.config import ConfigError, ModelConfig
+
+
+def fixed_from_args(args, model: ModelConfig) -> dict:
+    """The layout dimensions the flags fix (:func:`loom.planner.search.enumerate_layouts`'s
+    ``fixed``): sizes, micro-batch, recompute, SP, ZeRO stage, EP, the pipeline split
+    (first/last layers, accounting, a layout string, virtual stages) and the schedule."""
+    fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+             "cp": args.context_parallel_size, "dp": args.data_parallel_size,
+             "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
+             "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage,
+             "ep": args.expert_model_parallel_size}
+    if args.use_distributed_optimizer:
+        fixed["zero"] = 1
+    if args.use_torch_fsdp2:
+        fixed["zero"] = 3
+    if fixed["zero"] not in (None, 0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage {fixed['zero']} must be 0, 1, 2 or 3")
+    if args.expert_model_parallel_size and args.expert_model_parallel_size > 1 and \
+            not model.num_experts:
+        raise ConfigError("--expert-model-parallel-size needs an MoE model: give --num-experts E "
+                          "or an MoE preset (mixtral-8x7b, deepseek-v3, ...)")
+    fixed["first_layers"] = getattr(args, "decoder_first_pipeline_num_layers", None)
+    fixed["last_layers"] = getattr(args, "decoder_last_pipeline_num_layers", None)
+    fixed["account_embedding"] = bool(getattr(args, "account_for_embedding_in_pipeline_split",
+                                              False)) or None
+    fixed["account_loss"] = bool(getattr(args, "account_for_loss_in_pipeline_split", False)) or None
+    if (fixed["account_embedding"] or fixed["account_loss"]) and \
+            (fixed["first_layers"] is not None or fixed["last_layers"] is not None):
+        raise ConfigError("--account-for-*-in-pipeline-split and --decoder-first/last-pipeline-"
+                          "num-layers both set the first/last stage: give one of them")
+    fixed["layout"] = getattr(args, "pipeline_model_parallel_layout", None)
+    if fixed["layout"] and (fixed["first_layers"] is not None or fixed["last_layers"] is not None
+                            or fixed["account_embedding"] or fixed["account_loss"]
+                            or args.num_layers_per_virtual_pipeline_stage):
+        raise ConfigError("--pipeline-model-parallel-layout places every layer itself: drop "
+                          "--decoder-first/last-pipeline-num-layers, --account-for-*-in-"
+                          "pipeline-split and --num-layers-per-virtual-pipeline-stage")
+    if args.num_layers_per_virtual_pipeline_stage:
+        if not args.pipeline_model_parallel_size:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
+                              "--pipeline-model-parallel-size in loom plan")
+        from loom.planner.stages import accounted_split, given_split
+        pp, per_chunk = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+        split = (accounted_split(model.num_layers, pp, fixed["account_embedding"],
+                                 fixed["account_loss"])
+                 if fixed["account_embedding"] or fixed["account_loss"] else
+                 given_split(model.num_layers, pp, fixed["first_layers"], fixed["last_layers"]))
+        lf, ll = split or (0, 0)
+        # uneven first/last stages: N layers per chunk of a middle stage (Megatron-Core)
+        stage = ((model.num_layers - lf - ll) // (pp - 2) if pp > 2 else max(lf, ll)) if lf \
+            else model.num_layers // pp
+        fixed["vp"] = stage // per_chunk
+    sched = getattr(args, "pipeline_schedule", None)
+    if sched in ("zero-bubble", "zbv"):  # ZB-H1 / ZB-V (1F1B, interleaved: searched as 0)
+        fixed["zb"] = 1 if sched == "zero-bubble" else 2
+    elif sched in ("1f1b", "interleaved"):
+        fixed["zb"] = 0
+    elif sched == "gpipe":
+        fixed["zb"] = 3
+    if getattr(args, "recompute_method", None) == "block" and \
+            getattr(args, "recompute_num_layers", None):
+        fixed["recompute"], fixed["rcl"] = "full", args.recompute_num_layers
+    if args.recompute_granularity not in (None, "none", "selective", "full"):
+        raise ConfigError("--recompute-granularity must be selective or full")
+    return {k: v for k, v in fixed.items() if v is not None}
+
+
+def cp_comm_type_of(args) -> str | None:
+    """``--cp-comm-type`` (the first entry when the config gives one per layer); None when not
+    given: the search tries every type (:func:`loom.planner.refine.cp_types`)."""
+    v = getattr(args, "cp_comm_type", None)  # config: words, one per layer allowed
+    if not v:
+        return None
+    return (v[0] if isinstance(v, (list, tuple)) else str(v).split()[0])
