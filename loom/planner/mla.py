@@ -1,6 +1,6 @@
 """Multi-latent attention and multi-token prediction terms of the planner: parameters, FLOPs,
 activations, communication (issue 24; the layer structure of ``loom/models/gpt/mla.py`` and
-``loom/models/gpt/mtp.py``).
+``loom/models/mtp.py``).
 
 Symbols: h hidden, a heads, ``q`` = ``--q-lora-rank`` (0: a full query projection), ``r`` =
 ``--kv-lora-rank``, ``dn`` / ``dr`` / ``dv`` = ``--qk-head-dim`` / ``--qk-pos-emb-head-dim`` /
