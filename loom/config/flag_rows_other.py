@@ -76,7 +76,7 @@ NO_EFFECT_ROWS = (
         --delay-wgrad-compute --overlap-dispatch-backward-with-experts-wgrad
         --ep-overlap-early-attn-memory-release --use-ring-exchange-p2p
         --defer-embedding-wgrad-compute --wgrad-deferral-limit
-        --overlap-p2p-communication-warmup-flush --microbatch-group-size-per-virtual-pipeline-stage
+        --overlap-p2p-communication-warmup-flush
         --high-priority-a2a-comm-stream --enable-cuda-graph --cuda-graph-warmup-steps
         --external-cuda-graph --cuda-graph-impl --cuda-graph-scope --cuda-graph-modules
         --optimizer-cuda-graph --no-align-grad-reduce --lazy-mpu-init

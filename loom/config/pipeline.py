@@ -11,6 +11,8 @@ evenly over the remaining stages. With interleaving (``--num-layers-per-virtual-
 
 from __future__ import annotations
 
+from typing import Optional
+
 from loom.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zbv")
@@ -91,14 +93,10 @@ def validate_pipeline(cfg, world_size: int) -> None:
                 f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {pp} x "
                 f"--num-layers-per-virtual-pipeline-stage {lpv} = {pp * lpv}: choose a "
                 f"virtual-stage size with L / (p x N) an integer")
-        m = cfg.num_microbatches(world_size)
-        if m % pp:
-            raise _config_error(
-                f"the interleaved schedule needs the number of micro-batches m = "
-                f"--global-batch-size / (--micro-batch-size x DP) = {m} to be divisible by "
-                f"--pipeline-model-parallel-size {pp}: set --global-batch-size to a multiple of "
-                f"{pp * cfg.training.micro_batch_size * cfg.data_parallel_size(world_size)}, "
-                f"or use --pipeline-schedule 1f1b")
+        check_microbatch_groups(cfg.num_microbatches(world_size), pp,
+                                par.microbatch_group_size_per_virtual_pipeline_stage,
+                                pp * cfg.training.micro_batch_size
+                                * cfg.data_parallel_size(world_size))
         return
     for name, val in (("decoder_first_pipeline_num_layers", first),
                       ("decoder_last_pipeline_num_layers", last)):
@@ -176,3 +174,27 @@ def _check_zbv(cfg, L: int, pp: int, lpv, first, last) -> None:
             f"choose a pipeline size p with L / (2p) an integer"
             + (f" (e.g. {pp // 2})" if pp % 2 == 0 and L % pp == 0 and pp > 2 else "")
             + ", or use --pipeline-schedule zero-bubble")
+
+
+def check_microbatch_groups(m: int, pp: int, group: Optional[int], batch_unit: int) -> None:
+    """Megatron-Core's rules for the interleaved schedule's micro-batch groups (``group`` N:
+    ``--microbatch-group-size-per-virtual-pipeline-stage``, default p): p <= N <= m, and the
+    last group (m mod N micro-batches) is empty or holds at least p, otherwise the pipeline
+    waits on its own dependencies. ``batch_unit``: p x b x d, the global-batch step that keeps
+    m a multiple of p. Raises ConfigError naming the flags and a fix."""
+    n = pp if group is None else group
+    fix = (f"set --global-batch-size to a multiple of {batch_unit}, or use "
+           f"--pipeline-schedule 1f1b")
+    if n < pp or n > m:
+        raise _config_error(
+            f"the interleaved schedule runs micro-batches in groups of N = "
+            f"--microbatch-group-size-per-virtual-pipeline-stage {n} (default "
+            f"--pipeline-model-parallel-size), which must lie in [p = {pp}, m = {m}] (m = "
+            f"--global-batch-size / (--micro-batch-size x DP)): " + fix)
+    if 0 < m % n < pp:
+        raise _config_error(
+            f"the interleaved schedule's last micro-batch group holds m mod N = {m} mod {n} = "
+            f"{m % n} micro-batches, fewer than --pipeline-model-parallel-size {pp} (Megatron-"
+            f"Core refuses it: the pipeline would wait on itself): set "
+            f"--microbatch-group-size-per-virtual-pipeline-stage to a divisor of {m} (>= {pp}), "
+            + fix)

@@ -200,6 +200,10 @@ class ParallelConfig(ContextParallelFields):
               "two chunks per stage in a V, L divisible by 2p); loom's own names for the last "
               "two, not Megatron values; default: interleaved when "
               "--num-layers-per-virtual-pipeline-stage is given, else 1f1b)")
+    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = opt(
+        None, "interleaved 1F1B: micro-batches N each stage runs through one model chunk before "
+              "the next (Megatron-Core's schedule table; p <= N <= m, and the last group, m mod "
+              "N, is 0 or at least p); default p", ge=1)
     num_virtual_stages_per_pipeline_rank: Optional[int] = opt(
         None, "model chunks per pipeline stage v (Megatron's other spelling: sets "
               "--num-layers-per-virtual-pipeline-stage L / (p v); 1: no interleaving)", ge=1)

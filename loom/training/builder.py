@@ -164,7 +164,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers,
                                 debug.timers, model_cfg=cfg.model)
     scheduler = build_scheduler(optimizer, t)
-    schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size)
+    schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size,
+                            cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))
     ft = cfg.fault_tolerance
     faults = FaultTolerance(global_rank, ft.inject_fault, ft.hang_timeout_s, world_size,

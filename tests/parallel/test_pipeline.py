@@ -25,7 +25,7 @@ STEPS = 3
 
 
 def make_cfg(layout="gpt2", layers=4, tp=1, pp=1, dp=1, m=1, schedule="1f1b", lpv=None,
-             first=None, last=None, b=2, iters=3, cp=1, sp=False) -> LoomConfig:
+             first=None, last=None, b=2, iters=3, cp=1, sp=False, group=None) -> LoomConfig:
     mk = ModelConfig.gpt2 if layout == "gpt2" else ModelConfig.llama
     extra = {} if layout == "gpt2" else {"num_query_groups": 2}
     model = mk(num_layers=layers, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -35,7 +35,8 @@ def make_cfg(layout="gpt2", layers=4, tp=1, pp=1, dp=1, m=1, schedule="1f1b", lp
                          pipeline_schedule=schedule, num_layers_per_virtual_pipeline_stage=lpv,
                          decoder_first_pipeline_num_layers=first,
                          decoder_last_pipeline_num_layers=last, context_parallel_size=cp,
-                         sequence_parallel=sp)
+                         sequence_parallel=sp,
+                         microbatch_group_size_per_virtual_pipeline_stage=group)
     train = TrainingConfig(micro_batch_size=b, global_batch_size=b * m * dp, train_iters=iters,
                            lr=1e-3, lr_decay_style="constant", seed=1234,
                            adam_eps=1e-4)  # eps 1e-8: Adam amplifies 1e-9 TP reordering noise in
@@ -194,6 +195,9 @@ def _pp2_cases():
                 cases.append(dict(layout=layout, pp=2, m=m, schedule=sched))
         cases.append(dict(layout=layout, pp=2, m=2, schedule="interleaved", lpv=1))
         cases.append(dict(layout=layout, pp=2, m=4, schedule="interleaved", lpv=1))
+    # m = 5 not a multiple of p: Megatron-Core's micro-batch groups of N = 3 (then 2)
+    cases.append(dict(layout="gpt2", pp=2, m=5, schedule="interleaved", lpv=1,
+                      extra={"parallel.microbatch_group_size_per_virtual_pipeline_stage": 3}))
     # uneven split: 6 layers as 1 + 5, and 4 + 2
     cases.append(dict(layout="gpt2", layers=6, pp=2, m=3, schedule="1f1b", first=1))
     cases.append(dict(layout="llama", layers=6, pp=2, m=3, schedule="1f1b", last=2))
@@ -221,6 +225,8 @@ def _pp4_cases():
                 cases.append(dict(layout=layout, pp=4, m=m, schedule=sched))
         cases.append(dict(layout=layout, layers=8, pp=4, m=4, schedule="interleaved", lpv=1))
     cases.append(dict(layout="gpt2", layers=8, pp=4, m=8, schedule="interleaved", lpv=1))
+    cases.append(dict(layout="llama", layers=8, pp=4, m=5, schedule="interleaved", lpv=1,
+                      extra={"parallel.microbatch_group_size_per_virtual_pipeline_stage": 5}))  # m = 5 in one group of N = 5 (Megatron's --micro...)
     cases.append(dict(layout="gpt2", layers=8, pp=4, m=5, schedule="1f1b", first=1, last=3))
     # PP=2 x DP=2 and TP=2 x PP=2 on the same 4 ranks
     cases.append(dict(layout="gpt2", pp=2, m=3, schedule="1f1b"))
@@ -304,9 +310,19 @@ def test_op_lists_cover_every_microbatch():
                 ops = interleaved_ops(m, p, r, 2)
                 assert sorted(ops) == sorted([(k, c, j) for k in "FB" for c in range(2)
                                               for j in range(m)])
+    for m, p, v, n in ((5, 2, 2, 3), (10, 4, 3, 5), (7, 2, 2, 7)):  # groups of N, m % p != 0
+        for r in range(p):
+            ops = interleaved_ops(m, p, r, v, n)
+            assert sorted(ops) == sorted([(k, c, j) for k in "FB" for c in range(v)
+                                          for j in range(m)])
+    # Megatron-Core's schedule table: each group of N through chunk 0, then chunk 1
+    assert [op for op in interleaved_ops(5, 2, 0, 2, 3) if op[0] == "F"] == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 1, 0), ("F", 1, 1), ("F", 1, 2),
+        ("F", 0, 3), ("F", 0, 4), ("F", 1, 3), ("F", 1, 4)]
     assert one_f_one_b_ops(4, 4, 0)[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 0, 3)]
-    with pytest.raises(ValueError):
-        interleaved_ops(3, 2, 0, 2)
+    for m, n in ((3, None), (5, 2), (5, 6), (4, 1)):  # m mod N < p; N > m; N < p
+        with pytest.raises(ValueError):
+            interleaved_ops(m, 2, 0, 2, n)
 
 
 @pytest.mark.parametrize("kw, world, words", [
@@ -316,6 +332,9 @@ def test_op_lists_cover_every_microbatch():
     (dict(pp=2, schedule="interleaved"), 2, ["--num-layers-per-virtual-pipeline-stage"]),
     (dict(pp=2, lpv=1), 2, ["--pipeline-schedule interleaved"]),
     (dict(pp=2, m=3, schedule="interleaved", lpv=1), 2, ["micro-batches", "--global-batch-size"]),
+    (dict(pp=2, m=5, schedule="interleaved", lpv=1, group=2), 2,
+     ["m mod N = 5 mod 2 = 1", "--microbatch-group-size-per-virtual-pipeline-stage"]),
+    (dict(pp=2, m=4, schedule="interleaved", lpv=1, group=6), 2, ["[p = 2, m = 4]"]),
     (dict(pp=2, layers=6, schedule="interleaved", lpv=2), 2,
      ["--num-layers-per-virtual-pipeline-stage", "divisible"]),
     (dict(pp=2, layers=5), 2, ["--num-layers", "--decoder-first-pipeline-num-layers"]),
@@ -337,7 +356,8 @@ def test_valid_configs_pass():
     for kw, world in [(dict(pp=2, m=4, schedule="interleaved", lpv=1), 2),
                       (dict(pp=4, layers=8, first=1, last=3), 4),
                       (dict(pp=2, layers=6, first=1, dp=2), 4),
-                      (dict(pp=2, m=5, schedule="gpipe"), 2)]:
+                      (dict(pp=2, m=5, schedule="gpipe"), 2),
+                      (dict(pp=2, m=5, schedule="interleaved", lpv=1, group=3), 2)]:
         make_cfg(**kw).validate(world)
     import subprocess
     import sys

@@ -60,20 +60,27 @@ def one_f_one_b_ops(m: int, p: int, rank: int, v: int = 1) -> list[Op]:
     return ops
 
 
-def interleaved_ops(m: int, p: int, rank: int, v: int) -> list[Op]:
-    """Megatron-LM's interleaved 1F1B over v model chunks (needs ``m % p == 0``)."""
-    if m % p:
-        raise ValueError(f"the interleaved schedule needs the number of micro-batches ({m}) to be "
-                         f"divisible by the pipeline size ({p})")
+def interleaved_ops(m: int, p: int, rank: int, v: int, group: Optional[int] = None) -> list[Op]:
+    """Megatron-LM's interleaved 1F1B over v model chunks. Micro-batches run in groups of
+    ``group`` N (``--microbatch-group-size-per-virtual-pipeline-stage``, default p): each group
+    goes through chunk 0, then chunk 1, ... (Megatron-Core's ``get_schedule_table``; the last
+    group holds the m mod N left over); backwards visit the chunks in reverse. Warm-up:
+    (p - rank - 1) 2 + (v - 1) N forwards (every forward when m = p). Raises ValueError unless
+    p <= N <= m and m mod N is 0 or at least p (Megatron-Core's rules; config/pipeline.py
+    refuses such flags first)."""
+    n = p if group is None else group
+    if not p <= n <= m or 0 < m % n < p:
+        raise ValueError(f"the interleaved schedule needs micro-batch groups of N = {n} with "
+                         f"p = {p} <= N <= m = {m} and m mod N = 0 or >= p")
+    table = [(c, j) for lo in range(0, m, n) for c in range(v)
+             for j in range(lo, min(lo + n, m) if lo + n < m else m)]
     total = m * v
 
     def chunk_mb(k: int, forward: bool) -> tuple[int, int]:
-        c = (k % (p * v)) // p
-        if not forward:
-            c = v - 1 - c
-        return c, (k // (p * v)) * p + k % p
+        c, j = table[k]
+        return (c if forward else v - 1 - c), j
 
-    warm = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    warm = total if m == p else min((p - rank - 1) * 2 + (v - 1) * n, total)
     ops: list[Op] = [("F",) + chunk_mb(k, True) for k in range(warm)]
     for i in range(total - warm):
         ops += [("F",) + chunk_mb(warm + i, True), ("B",) + chunk_mb(i, False)]
@@ -353,12 +360,13 @@ def run_ops(ops: Sequence[Op], model_chunks, batches, forward_step: ForwardStep,
                           if owns_loss else {}, stats=stats)
 
 
-def get_schedule(name: str, pipeline_size: int = 2) -> Callable:
+def get_schedule(name: str, pipeline_size: int = 2, group: Optional[int] = None) -> Callable:
     """``fn(model_chunks, batches, forward_step, mesh, **run_ops kwargs) -> ScheduleResult`` for
     ``--pipeline-schedule`` (``gpipe``, ``1f1b``, ``interleaved``, ``zero-bubble``; ``zbv``:
     two chunks per stage placed in a V, run with ``v_shape=True``; the chunk builder lays them
     out under the flag). With one stage every schedule is one forward and one
-    backward per micro-batch (1F1B at p = 1). Raises ValueError for an unknown name."""
+    backward per micro-batch (1F1B at p = 1). ``group``: the interleaved schedule's micro-batch
+    group (:func:`interleaved_ops`). Raises ValueError for an unknown name."""
     if name not in OP_LISTS:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(OP_LISTS)}")
     make_ops = OP_LISTS["1f1b" if pipeline_size == 1 else name]
@@ -367,7 +375,8 @@ def get_schedule(name: str, pipeline_size: int = 2) -> Callable:
         p, v, m = mesh.pp_size, len(model_chunks), len(batches)
         if name not in MULTI_CHUNK and v != 1:
             raise ValueError(f"--pipeline-schedule {name} runs one model chunk per stage, got {v}")
-        ops = make_ops(m, p, mesh.pp_rank, v)
+        ops = make_ops(m, p, mesh.pp_rank, v, group) if make_ops is interleaved_ops else \
+            make_ops(m, p, mesh.pp_rank, v)
         if name in V_SHAPED and p > 1:
             kw["v_shape"] = True
         return run_ops(ops, model_chunks, batches, forward_step, mesh, train=True, **kw)
