@@ -189,14 +189,15 @@ def weights_on_device():
     real = par.initialize
 
     @torch.no_grad()
-    def on_device(module, registry, seed, tp_rank, tp_size):
+    def on_device(module, registry, seed, tp_rank, tp_size, expert_tp=None):
         for name, p in module.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02)
                 continue
             meta = registry[name]
             full = meta.init(tuple(meta.full_shape), torch.Generator().manual_seed(seed))
-            p.copy_(local_shard(full, meta, tp_rank, tp_size, name).to(p.dtype))
+            rank, size = expert_tp if expert_tp and meta.expert_parallel else (tp_rank, tp_size)
+            p.copy_(local_shard(full, meta, rank, size, name).to(p.dtype))
     par.initialize = on_device
     try:
         yield

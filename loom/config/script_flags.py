@@ -124,6 +124,8 @@ def _eval_batches(cfg: Any, world_size: int) -> None:
         lg.eval_global_batch_size = t.micro_batch_size * dp if (
             t.step_batch_size_schedule and t.global_batch_size is None) else \
             cfg.global_batch_size(world_size)
+        if lg.eval_global_batch_size % (t.micro_batch_size * dp):
+            return  # the training batch itself does not divide: refused naming its own flag
     if lg.eval_global_batch_size % (lg.eval_micro_batch_size * dp):
         raise ConfigError(f"--eval-global-batch-size {lg.eval_global_batch_size} is not "
                           f"divisible by --eval-micro-batch-size {lg.eval_micro_batch_size} x "
