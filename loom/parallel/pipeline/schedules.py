@@ -72,8 +72,7 @@ def interleaved_ops(m: int, p: int, rank: int, v: int, group: Optional[int] = No
     if not p <= n <= m or 0 < m % n < p:
         raise ValueError(f"the interleaved schedule needs micro-batch groups of N = {n} with "
                          f"p = {p} <= N <= m = {m} and m mod N = 0 or >= p")
-    table = [(c, j) for lo in range(0, m, n) for c in range(v)
-             for j in range(lo, min(lo + n, m) if lo + n < m else m)]
+    table = [(c, j) for lo in range(0, m, n) for c in range(v) for j in range(lo, min(lo + n, m))]
     total = m * v
 
     def chunk_mb(k: int, forward: bool) -> tuple[int, int]:
