@@ -53,7 +53,7 @@ _IMPLEMENTED = words("""
 --no-position-embedding --mamba-num-heads --squared-relu --moe-token-drop-policy --cp-comm-type
 --hierarchical-context-parallel-sizes --tensor-model-parallel-size --pipeline-model-parallel-size
 --context-parallel-size --num-layers-per-virtual-pipeline-stage
---microbatch-group-size-per-virtual-pipeline-stage
+--microbatch-group-size-per-virtual-pipeline-stage --pipeline-model-parallel-layout
 --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --sequence-parallel
 --expert-model-parallel-size --expert-tensor-parallel-size --ddp-bucket-size --overlap-grad-reduce
 --distributed-backend --lr-warmup-samples --lr-decay-samples --lr-warmup-init --decoupled-lr

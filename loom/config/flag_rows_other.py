@@ -266,9 +266,6 @@ REFUSED_ROWS = (
     ("--mtp-detach-heads", _no("multi-token prediction with detached heads")),
     ("--mtp-hsm", _no("multi-token prediction with a hierarchical softmax")),
     ("--mtp-hybrid-override-pattern", _no("hybrid multi-token-prediction layers")),
-    ("--pipeline-model-parallel-layout",
-     _no("pipeline layout string: give --decoder-first/last-pipeline-num-layers or "
-         "--num-layers-per-virtual-pipeline-stage")),
     ("--max-seqlen-per-dp-cp-rank", _no("dynamic context parallelism by sequence length")),
     ("--hybrid-context-parallel", _no("hybrid (dynamic) context parallelism")),
     ("--fp32-residual-connection", _no("fp32 residual stream under --bf16 / --fp16")),

@@ -58,6 +58,9 @@ def validate_pipeline(cfg, world_size: int) -> None:
     if par.pipeline_schedule not in SCHEDULES + (None,):
         raise _config_error(f"--pipeline-schedule {par.pipeline_schedule!r} is unknown: choose "
                             f"one of {', '.join(SCHEDULES)}")
+    if par.pipeline_model_parallel_layout:
+        _check_layout(cfg, world_size)
+        return
     zbv = par.pipeline_schedule == "zbv"  # its two chunks: --num-layers-per-virtual-... L/(2p)
     interleaved = par.pipeline_schedule == "interleaved" or (lpv is not None and not zbv)
     if par.pipeline_schedule in ZERO_BUBBLE:
@@ -198,3 +201,43 @@ def check_microbatch_groups(m: int, pp: int, group: Optional[int], batch_unit: i
             f"Core refuses it: the pipeline would wait on itself): set "
             f"--microbatch-group-size-per-virtual-pipeline-stage to a divisor of {m} (>= {pp}), "
             + fix)
+
+
+def layout_virtual_stages(par, model) -> int:
+    """v of ``--pipeline-model-parallel-layout`` (its stages / p). Raises ConfigError naming the
+    flag when the string does not parse or does not hold this model (:mod:`.pipeline_layout`)."""
+    from loom.config.pipeline_layout import LayoutError, parse_layout
+    text = par.pipeline_model_parallel_layout
+    try:
+        lay = parse_layout(text, par.pipeline_model_parallel_size)
+        lay.validate(model.num_layers, getattr(model, "mtp_num_layers", 0) or 0)
+    except LayoutError as e:
+        raise _config_error(f"--pipeline-model-parallel-layout {text!r}: {e}") from None
+    return lay.vp
+
+
+def _check_layout(cfg, world_size: int) -> None:
+    """``--pipeline-model-parallel-layout`` places every layer itself: no other split flag, no
+    ZB-V; v > 1 virtual stages run the interleaved schedule (its micro-batch groups checked)."""
+    par = cfg.parallel
+    pp = par.pipeline_model_parallel_size
+    others = [f for f, val in (
+        ("--num-layers-per-virtual-pipeline-stage", par.num_layers_per_virtual_pipeline_stage),
+        ("--num-virtual-stages-per-pipeline-rank", par.num_virtual_stages_per_pipeline_rank),
+        ("--decoder-first-pipeline-num-layers", par.decoder_first_pipeline_num_layers),
+        ("--decoder-last-pipeline-num-layers", par.decoder_last_pipeline_num_layers)) if val]
+    if others:
+        raise _config_error(f"--pipeline-model-parallel-layout places every layer itself: drop "
+                            f"{', '.join(others)} (Megatron's rule)")
+    v = layout_virtual_stages(par, cfg.model)
+    want = "interleaved" if v > 1 else None
+    if par.pipeline_schedule in ZERO_BUBBLE or (v > 1 and par.pipeline_schedule not in (
+            None, "interleaved")) or (v == 1 and par.pipeline_schedule == "interleaved"):
+        raise _config_error(f"--pipeline-model-parallel-layout with {v} virtual stage(s) per "
+                            f"rank runs " + (want or "1f1b or gpipe") + f", not --pipeline-"
+                            f"schedule {par.pipeline_schedule}")
+    if v > 1:
+        check_microbatch_groups(cfg.num_microbatches(world_size), pp,
+                                par.microbatch_group_size_per_virtual_pipeline_stage,
+                                pp * cfg.training.micro_batch_size
+                                * cfg.data_parallel_size(world_size))

@@ -167,6 +167,8 @@ def _virtual_stages(cfg: Any) -> None:
                           "give one (Megatron's rule)")
     if v == 1:
         return
+    if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:
+        return  # the embedding / loss count as layers: _account_in_split lays the stages out
     if L % (pp * v):
         raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {v}: --num-layers {L} is not "
                           f"divisible by --pipeline-model-parallel-size {pp} x {v} (loom's "
@@ -174,25 +176,40 @@ def _virtual_stages(cfg: Any) -> None:
     p.num_layers_per_virtual_pipeline_stage = L // (pp * v)
 
 
-def _account_in_split(p: Any, L: int) -> None:
+def _account_in_split(p: Any, L: int, mtp: int = 0) -> None:
     """``--account-for-embedding/loss-in-pipeline-split`` (Megatron's rule): the embedding and
-    the loss count as layers, (L + e + l) / p "layers" a stage, the first stage e and the last
-    l real layers fewer: ``--decoder-first/last-pipeline-num-layers``."""
+    the loss count as layers, (L + e + l) / (p v) "layers" a virtual stage, the first one e and
+    the last l real layers fewer. Without interleaving that is
+    ``--decoder-first/last-pipeline-num-layers``; with v > 1 virtual stages
+    (``--num-virtual-stages-per-pipeline-rank``) a ``--pipeline-model-parallel-layout`` (a
+    virtual stage may then hold only the embedding or the loss)."""
     e, loss = int(bool(p.account_for_embedding_in_pipeline_split)), \
         int(bool(p.account_for_loss_in_pipeline_split))
     pp = p.pipeline_model_parallel_size
     if not (e or loss) or pp == 1:
         return
-    if p.num_layers_per_virtual_pipeline_stage is not None or \
-            p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
+    v = p.num_virtual_stages_per_pipeline_rank or 1
+    if p.num_layers_per_virtual_pipeline_stage is not None or p.pipeline_model_parallel_layout \
+            or p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
         raise ConfigError("--account-for-embedding/loss-in-pipeline-split sets the stage split: "
-                          "not with interleaving (loom's model chunks hold equal numbers of "
-                          "layers) or --decoder-first/last-pipeline-num-layers")
-    if (L + e + loss) % pp:
+                          "not with --num-layers-per-virtual-pipeline-stage (give "
+                          "--num-virtual-stages-per-pipeline-rank), "
+                          "--pipeline-model-parallel-layout or "
+                          "--decoder-first/last-pipeline-num-layers")
+    if (L + e + loss) % (pp * v):
         raise ConfigError(f"--num-layers {L} plus the embedding / loss counted as layers "
                           f"({L + e + loss}) is not divisible by --pipeline-model-parallel-size "
-                          f"{pp} (Megatron's rule)")
-    per = (L + e + loss) // pp
+                          f"{pp}" + (f" x --num-virtual-stages-per-pipeline-rank {v}" if v > 1
+                                     else "") + " (Megatron's rule)")
+    per = (L + e + loss) // (pp * v)
+    if v > 1:
+        from loom.config.pipeline_layout import layout_from_counts
+        counts = [per] * (pp * v)
+        counts[0] -= e
+        counts[-1] -= loss
+        p.pipeline_model_parallel_layout = layout_from_counts(counts, pp, mtp).to_string()
+        p.num_virtual_stages_per_pipeline_rank = None
+        return
     if per - e < 1 or per - loss < 1:
         raise ConfigError(f"--account-for-embedding/loss-in-pipeline-split leaves a stage "
                           f"without layers ({per} a stage): lower the pipeline size")
@@ -219,7 +236,7 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
             t.overlap_param_gather = False       # FSDP's --overlap-param-gather)
     check_muon(t)  # --optimizer dist_muon: muon with --use-distributed-optimizer
     _virtual_stages(cfg)
-    _account_in_split(cfg.parallel, m.num_layers)
+    _account_in_split(cfg.parallel, m.num_layers, m.mtp_num_layers or 0)
     if t.ckpt_format == "torch_dist" and m.model_type not in ("gpt", "mamba"):
         raise ConfigError(f"--ckpt-format torch_dist (Megatron's format) is written for the gpt "
                           f"and mamba families, not --model-type {m.model_type}: drop it "

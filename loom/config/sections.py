@@ -200,6 +200,11 @@ class ParallelConfig(ContextParallelFields):
               "two chunks per stage in a V, L divisible by 2p); loom's own names for the last "
               "two, not Megatron values; default: interleaved when "
               "--num-layers-per-virtual-pipeline-stage is given, else 1f1b)")
+    pipeline_model_parallel_layout: Optional[str] = opt(
+        None, "Megatron's layout string: what every virtual stage holds, p x v stages split by "
+              "'|' in pipeline order (E embedding, t layer, m MTP layer, L loss; X*n, (...)*n), "
+              "e.g. 'Et*7|(t*8|)*14,t*7L'; v > 1 runs the interleaved schedule",
+        metavar="LAYOUT")
     microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = opt(
         None, "interleaved 1F1B: micro-batches N each stage runs through one model chunk before "
               "the next (Megatron-Core's schedule table; p <= N <= m, and the last group, m mod "

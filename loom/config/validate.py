@@ -21,7 +21,7 @@ from loom.config.model_gptoss import check_gptoss
 from loom.config.model_mla import check_mla
 from loom.config.model_mup import check_mup
 from loom.config.parallel_cp import check_context_parallel
-from loom.config.pipeline import validate_pipeline
+from loom.config.pipeline import layout_virtual_stages, validate_pipeline
 from loom.config.resilience import check_pruning
 from loom.config.script_flags import resolve_script_flags
 from loom.config.split import parse_split
@@ -372,7 +372,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"--data-parallel-size {p.data_parallel_size} disagrees with the "
                           f"world size {world_size} / (t p c) = {dp}")
     if m.num_layers % pp and p.decoder_first_pipeline_num_layers is None and \
-            p.decoder_last_pipeline_num_layers is None:
+            p.decoder_last_pipeline_num_layers is None and not p.pipeline_model_parallel_layout:
         raise ConfigError(
             f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
             f"{pp}: choose a PP size dividing L, or set --decoder-first-pipeline-num-layers")
@@ -417,7 +417,9 @@ def validate_config(cfg: Any, world_size: int) -> None:
         raise ConfigError("--ckpt-step needs --load DIR")
     if p.pipeline_schedule is None:  # Megatron: the virtual-stage size alone selects interleaving
         lpv = p.num_layers_per_virtual_pipeline_stage
-        p.pipeline_schedule = "interleaved" if lpv is not None else "1f1b"
+        many = lpv is not None or (p.pipeline_model_parallel_layout is not None
+                                   and layout_virtual_stages(p, cfg.model) > 1)
+        p.pipeline_schedule = "interleaved" if many else "1f1b"
     if pp > 1 or p.num_layers_per_virtual_pipeline_stage is not None or \
-            p.pipeline_schedule != "1f1b":
+            p.pipeline_schedule != "1f1b" or p.pipeline_model_parallel_layout:
         validate_pipeline(cfg, world_size)

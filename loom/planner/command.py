@@ -52,7 +52,7 @@ def model_flags(model: ModelConfig, seq_length: int) -> list[str]:
 
 def loom_takes_layout_string() -> bool:
     """Whether ``loom train``'s config has ``--pipeline-model-parallel-layout`` (the placement,
-    :mod:`loom.parallel.pipeline.layout`, runs any split; the flag and its validation belong
+    :mod:`loom.config.pipeline_layout`, runs any split; the flag and its validation belong
     to :mod:`loom.config`)."""
     from loom.config import ParallelConfig
     return "pipeline_model_parallel_layout" in {f.name for f in fields(ParallelConfig)}
@@ -150,7 +150,7 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     text = " \\\n    ".join(lines)
     if "--pipeline-model-parallel-layout" in words and not loom_takes_layout_string():
         text = ("# this split needs --pipeline-model-parallel-layout, which Megatron-LM takes and "
-                "loom train's config does not yet (loom.parallel.pipeline.layout places it)\n"
+                "loom train's config does not yet (loom.config.pipeline_layout places it)\n"
                 + text)
     return text
 

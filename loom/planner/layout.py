@@ -12,7 +12,7 @@ the layers per chunk recomputed (``--recompute-method block --recompute-num-laye
 every layer, ``uniform 1``); ``cpt`` the CP communication type, an index into
 :data:`loom.planner.context_parallel.CP_COMM_TYPES` (-1 = ``Options.cp_comm_type``, p2p when
 that is None)). An optional ``split`` entry
-(object array) holds a row's :class:`~loom.parallel.pipeline.layout.PipelineLayout` (Megatron's
+(object array) holds a row's :class:`~loom.config.pipeline_layout.PipelineLayout` (Megatron's
 ``--pipeline-model-parallel-layout``: any layers on any virtual stage; None = derived from
 ``pp, vp, lf, ll, zb``, :func:`loom.planner.stage_table.row_layout`). Every model
 function takes such a dict and returns
@@ -150,7 +150,7 @@ def make_layouts(rows: list[dict] | dict) -> dict:
 def _with_split(row: dict) -> dict:
     """``row`` with its ``split`` as a PipelineLayout (a string is parsed at the row's ``pp``)
     and ``pp``, ``vp``, ``lf``, ``ll`` read from it."""
-    from loom.parallel.pipeline.layout import parse_layout
+    from loom.config.pipeline_layout import parse_layout
     lay = row.get("split")
     if lay is None:
         return row

@@ -43,11 +43,6 @@ class PlannerOptions:
     allow_uneven_interleaved: bool = opt(
         False, "kept for old scripts: virtual stages with uneven first/last stages are searched "
                "by default (Megatron-Core, Llama 3)")
-    pipeline_model_parallel_layout: Optional[str] = opt(
-        None, "Megatron's layout string, p x v stages split by '|' (E embedding, t layer, m MTP "
-              "layer, L loss; X*n, (...)*n), e.g. 'Et*7|(t*8|)*14,t*7L'; needs "
-              "--pipeline-model-parallel-size (loom train's config does not take it yet: the "
-              "printed command says so)", metavar="LAYOUT")
     straggler_jitter: float = opt(
         0.0, "relative std. dev. of one node's step time: adds SIGMA x sqrt(2 ln nodes) of "
              "waiting for the slowest node", ge=0, metavar="SIGMA")

@@ -60,7 +60,7 @@ def layout_of(cfg: LoomConfig, world_size: int) -> dict:
     layout = getattr(p, "pipeline_model_parallel_layout", None)
     split = {}
     if layout and pp > 1:  # --pipeline-model-parallel-layout (once loom's config takes it)
-        from loom.parallel.pipeline.layout import parse_layout
+        from loom.config.pipeline_layout import parse_layout
         lay = parse_layout(layout, pp)
         counts = lay.rank_layer_counts()
         split = dict(split=lay)

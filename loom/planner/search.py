@@ -69,7 +69,7 @@ def _given_layout(model: ModelConfig, text: str, pp):
     """The ``--pipeline-model-parallel-layout`` string parsed at ``--pipeline-model-parallel-
     size`` (required) and checked against the model; ConfigError naming the flag otherwise."""
     from loom.config import ConfigError
-    from loom.parallel.pipeline.layout import LayoutError, parse_layout
+    from loom.config.pipeline_layout import LayoutError, parse_layout
     if not pp:
         raise ConfigError("--pipeline-model-parallel-layout needs --pipeline-model-parallel-size "
                           "(the layout's stages are p x v virtual stages)")

@@ -1,7 +1,7 @@
 """Pipeline stages of a layout, rank by rank: the layers each pipeline rank holds (by kind), and
 how many micro-batches of each of its chunks it holds at its memory peak, per schedule.
 
-A layout row's split is a :class:`~loom.parallel.pipeline.layout.PipelineLayout` (Megatron's
+A layout row's split is a :class:`~loom.config.pipeline_layout.PipelineLayout` (Megatron's
 ``--pipeline-model-parallel-layout``: any number of layers on every virtual stage), given in the
 row's optional ``split`` entry (an object array) or derived from ``pp, vp, lf, ll, zb``
 (:func:`row_layout`). The memory and time models evaluate one *slot* per distinct stage: a rank's
@@ -30,7 +30,7 @@ from functools import lru_cache
 import numpy as np
 
 from loom.config import ModelConfig
-from loom.parallel.pipeline.layout import (LayoutError, PipelineLayout, layout_from_counts,
+from loom.config.pipeline_layout import (LayoutError, PipelineLayout, layout_from_counts,
                                            rank_counts_to_chunks)
 
 GPIPE, ONE_F_ONE_B, ZB_H1, ZB_V = "gpipe", "1f1b", "zb-h1", "zbv"
@@ -133,7 +133,7 @@ def row_layout(num_layers: int, pp: int, vp: int, lf: int, ll: int, zb: int,
     """The layout of a row without a ``split``: ``lf = ll = 0`` the even split (``L / p``;
     :func:`balanced_counts` when p does not divide L), else ``lf`` / ``ll`` layers on the first /
     last rank and the rest over the middle ranks by :func:`middle_counts`; each rank's layers over ``vp`` chunks by
-    :func:`~loom.parallel.pipeline.layout.rank_counts_to_chunks`; ZB-V (``zb`` 2) its V."""
+    :func:`~loom.config.pipeline_layout.rank_counts_to_chunks`; ZB-V (``zb`` 2) its V."""
     pp, vp, lf, ll = int(pp), max(1, int(vp)), int(lf), int(ll)
     if pp == 1:
         return layout_from_counts([num_layers] * 1 if vp == 1 else

@@ -125,7 +125,7 @@ def interleave_options(num_layers: int, pp: int, lf: int, ll: int) -> tuple[int,
     """Chunks per rank ``v > 1`` searched with the split ``(lf, ll)``: the divisors of the most
     common rank size (the middle ranks'; the larger end with ``p = 2``) that leave every rank
     at least one layer per chunk (each rank's layers over v chunks as evenly as possible,
-    :func:`loom.parallel.pipeline.layout.rank_counts_to_chunks`)."""
+    :func:`loom.config.pipeline_layout.rank_counts_to_chunks`)."""
     from loom.planner.stage_table import row_layout
     if pp == 1:
         return ()

@@ -198,6 +198,13 @@ def _pp2_cases():
     # m = 5 not a multiple of p: Megatron-Core's micro-batch groups of N = 3 (then 2)
     cases.append(dict(layout="gpt2", pp=2, m=5, schedule="interleaved", lpv=1,
                       extra={"parallel.microbatch_group_size_per_virtual_pipeline_stage": 3}))
+    # Megatron's --pipeline-model-parallel-layout: uneven virtual stages, and virtual stages
+    # holding only the embedding or only the loss (--account-for-*-in-pipeline-split's split)
+    lay = "parallel.pipeline_model_parallel_layout"
+    cases.append(dict(layout="llama", layers=6, pp=2, m=2, schedule="interleaved",
+                      extra={lay: "Et|tt|t|ttL"}))
+    cases.append(dict(layout="gpt2", layers=2, pp=2, m=2, schedule="interleaved",
+                      extra={lay: "E|t|t|L"}))
     # uneven split: 6 layers as 1 + 5, and 4 + 2
     cases.append(dict(layout="gpt2", layers=6, pp=2, m=3, schedule="1f1b", first=1))
     cases.append(dict(layout="llama", layers=6, pp=2, m=3, schedule="1f1b", last=2))
@@ -213,7 +220,12 @@ def test_parity_pp2():
             assert r0["layers"] == [0] and r1["layers"] == [1, 2, 3, 4, 5]
         if r0["case"].get("last") == 2:
             assert r0["layers"] == [0, 1, 2, 3] and r1["layers"] == [4, 5]
-        if r0["case"]["schedule"] == "interleaved":
+        lay = r0["case"].get("extra", {}).get("parallel.pipeline_model_parallel_layout")
+        if lay == "Et|tt|t|ttL":
+            assert r0["chunks"] == [[0], [3]] and r1["chunks"] == [[1, 2], [4, 5]]
+        elif lay == "E|t|t|L":  # the first chunk only embeds, the last only has the loss
+            assert r0["chunks"] == [[], [1]] and r1["chunks"] == [[0], []]
+        elif r0["case"]["schedule"] == "interleaved":
             assert r0["chunks"] == [[0], [2]] and r1["chunks"] == [[1], [3]]
 
 

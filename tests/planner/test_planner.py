@@ -196,9 +196,10 @@ def test_recompute_and_sp_ordering():
 def test_search_layouts_pass_loom_validation():
     """The command of every sampled layout (:func:`loom.planner.command.train_command`) is one
     loom train's config accepts at that world size, with the searched data-parallel size; a
-    split only Megatron's --pipeline-model-parallel-layout expresses says so while loom's
-    config lacks the flag (24 layers over 16 stages, balanced)."""
+    split only Megatron's --pipeline-model-parallel-layout expresses (24 layers over 16 stages,
+    balanced) is given as that flag, which loom train takes."""
     from loom.planner.command import command_config, loom_takes_layout_string, train_command
+    assert loom_takes_layout_string()
     m = gpt(24, 2304, 24)
     cl = make_cluster("A100-80GB", 32)
     L = enumerate_layouts(m, cl, 512, 2048)
@@ -208,11 +209,9 @@ def test_search_layouts_pass_loom_validation():
     for i in idx:
         rec = record(res, int(i))
         text = train_command(rec, m, 512, 2048, 32, 8)
-        if "--pipeline-model-parallel-layout" in text and not loom_takes_layout_string():
-            assert text.startswith("# this split needs --pipeline-model-parallel-layout")
+        if "--pipeline-model-parallel-layout" in text:
             assert 24 % rec["pp"] or rec["vp"] > 1 and len(set(rec["chunk_layers"])) > 1
             needs_layout += 1
-            continue
         cfg = command_config(text, 32)
         assert cfg.data_parallel_size(32) == rec["dp"]
     assert 0 < needs_layout < len(idx) // 2

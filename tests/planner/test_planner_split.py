@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from loom.config import ConfigError
-from loom.parallel.pipeline.layout import (LayoutError, layout_from_counts, parse_layout,
+from loom.config.pipeline_layout import (LayoutError, layout_from_counts, parse_layout,
                                            rank_counts_to_chunks, standard_layout)
 from loom.parallel.pipeline.placement import chunk_layers
 from loom.planner.hardware import make_cluster

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from loom.config.pipeline import (SCHEDULES, stage_layer_counts,  # noqa: F401 - re-exported
                                   validate_pipeline)
-from loom.parallel.pipeline.layout import parse_layout
+from loom.config.pipeline_layout import parse_layout
 
 
 def virtual_stage_layers(num_layers: int, pp: int, layers_per_virtual_stage=None, first=None,
