@@ -47,6 +47,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from loom.parallel.sequence import all_gather_into
+
 LEVEL1 = ("forward-backward", "layernorm-grads-all-reduce", "embedding-grads-all-reduce",
           "all-grads-sync", "params-all-gather", "optimizer-copy-to-main-grad",
           "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
@@ -116,7 +118,7 @@ class Timers:
             return [local.tolist()]
         out = torch.zeros(dist.get_world_size() * len(names), dtype=torch.float64,
                           device=self.device)
-        dist.all_gather_into_tensor(out, local)
+        all_gather_into(out, local, None)  # all_gather_single (the old name warns)
         return out.view(-1, len(names)).tolist()
 
     def report(self, names: list[str], normalizer: float = 1.0) -> tuple[list[str], dict]:
