@@ -4,7 +4,8 @@ keeps it, imported (``--from-hf``) and exported again; then
 
 * the round trip is bit-equal: the same file names, tensor names, dtypes and values;
 * ``transformers`` loads the export and its logits equal loom's from the imported checkpoint
-  (fp32, atol 1e-5 x max(1, max |logit|));
+  (fp32, atol 1e-5 x max(1, max |logit|)); lm-evaluation-harness's ``HFLM`` takes every causal
+  family's export as written and its log-likelihoods equal ``transformers``';
 * the directory is complete: ``tokenizer.json``, ``tokenizer_config.json`` naming the special
   tokens loom's tokenizer knows, their ids in ``config.json`` and ``generation_config.json``,
   files readable by group and others (umask 022);
@@ -15,6 +16,7 @@ keeps it, imported (``--from-hf``) and exported again; then
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 
@@ -69,7 +71,7 @@ def export_case(name: str, root) -> dict:
     ours = loom_logits(str(ck), ids)
     with torch.no_grad():
         theirs = hf_model(str(out), name)(ids).logits
-    return {"names": sorted(a) == sorted(b), "unequal": [k for k in a if k in b and not (
+    return {"hflm": None if name == "bert" else hflm_scores(out),"names": sorted(a) == sorted(b), "unequal": [k for k in a if k in b and not (
                 a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))],
             "logits": float((ours - theirs).abs().max() / max(1.0, float(theirs.abs().max()))),
             "scale": float(theirs.abs().max()),
@@ -80,6 +82,31 @@ def export_case(name: str, root) -> dict:
             "generation": json.loads((out / "generation_config.json").read_text())
             if (out / "generation_config.json").exists() else None,
             "tokenizer": transformers.AutoTokenizer.from_pretrained(str(out))}
+
+
+def hflm_scores(out) -> tuple:
+    """lm-evaluation-harness's ``HFLM`` on the export as written (no edit of its files): its
+    log-likelihood of a continuation, and the same sum from ``transformers``' logits (the
+    context's ids after the BOS token where HFLM adds one, e.g. Gemma). The tokenizer is the
+    class the export's ``tokenizer_config.json`` names (``PreTrainedTokenizerFast``):
+    transformers 5 maps some model types to their own tokenizer class first (a qwen2 config to
+    ``Qwen2Tokenizer``, which rebuilds a BPE and drops this test's word-level tokenizer; a real
+    Qwen2 export carries Qwen's BPE)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(out))
+    lm = HFLM(pretrained=str(out), tokenizer=tok, batch_size=1, device="cpu", dtype="float32")
+    ctx, cont = "w3 w9 w4 w7", " w5 w8"
+    ((ll, _),) = lm.loglikelihood([Instance(request_type="loglikelihood", doc={},
+                                            arguments=(ctx, cont), idx=0)])
+    head = [tok.bos_token_id] if getattr(lm, "add_bos_token", False) else []
+    c_ids = head + tok.encode(ctx, add_special_tokens=False)
+    t_ids = tok.encode(cont, add_special_tokens=False)
+    with torch.no_grad():
+        logp = lm.model(torch.tensor([c_ids + t_ids])).logits.float().log_softmax(-1)[0]
+    want = sum(float(logp[len(c_ids) - 1 + i, t]) for i, t in enumerate(t_ids))
+    return ll, want, lm_eval.__version__
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +128,12 @@ def test_round_trip_is_bit_equal(exports, name):
 def test_transformers_logits_equal_looms(exports, name):
     r = exports[name]
     assert r["logits"] < 1e-5 and r["scale"] > 0.1, (r["logits"], r["scale"])
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if c != "bert"])  # HFLM: causal LMs
+def test_lm_eval_scores_the_export_as_written(exports, name):
+    ll, want, _ = exports[name]["hflm"]
+    assert math.isfinite(ll) and ll == pytest.approx(want, rel=1e-5, abs=1e-5), (ll, want)
 
 
 @pytest.mark.parametrize("name", CASES)
