@@ -196,6 +196,7 @@ class HangWatchdog(threading.Thread):
                 time.sleep(HANG_GRACE_S)
                 self.end_stopped(lag, beats)
                 os._exit(HANG_EXIT_CODE)
+                return  # reached only where os._exit is replaced (a test): fire once
 
     def end_stopped(self, lag: list[int], beats: dict[int, dict]) -> None:
         """SIGKILL the laggards stopped on this host (SIGSTOP), as this rank exits: a stopped
@@ -257,7 +258,11 @@ class HangWatchdog(threading.Thread):
         return lag, beats
 
     def stop(self) -> None:
+        """Stop polling and wait for the thread to finish the poll it is in, so that nothing
+        it does (a report, an exit) happens after ``stop`` returns."""
         self.stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join()
 
 
 class FaultTolerance:
