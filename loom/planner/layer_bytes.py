@@ -1,0 +1,105 @@
+"""Activation bytes of one loom transformer layer, term by term, read off the code it runs.
+
+Where :func:`loom.planner.activations.activation_bytes_per_layer` counts what a layer *needs*
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+KOR table 2 and sec 4.2), this module counts what loom's own layer (``loom/models/gpt/model.py``
+``TransformerLayer``: ``SelfAttention`` of ``loom/models/attention.py``, ``MLP`` of
+``loom/models/mlp.py``, ``torch.nn.RMSNorm`` / ``LayerNorm``, the TP / SP plan of
+``loom/parallel/tensor.py`` and ``sequence.py``) hands to autograd, storage by storage. The
+CPU form is checked byte for byte against ``torch.autograd.graph.saved_tensors_hooks`` on the
+real modules (``benchmarks/layer_memory.py``, ``tests/planner/test_planner_layer_memory.py``);
+the CUDA form differs only in the three kernels PyTorch dispatches differently by device
+(marked *device* below; PyTorch ``aten/src/ATen/native/layer_norm.cpp`` ``rms_norm_symint``,
+``tools/autograd/derivatives.yaml`` ``_fused_rms_norm`` / ``native_layer_norm`` /
+``native_dropout``, ``aten/src/ATen/native/Dropout.cpp`` ``dropout``).
+
+Symbols: ``S = s b / c`` tokens of the rank's micro-batch, ``Sn`` the tokens of the
+norm / residual region (``S / t`` with sequence parallelism, else ``S``), ``e`` bytes per
+activation element (2 bf16/fp16, 4 fp32), ``h, a, g, d, f, r`` hidden, heads, KV groups, head
+dimension, FFN width, rotary dimension; heads and FFN columns split over ``t``.
+
+Terms of :func:`loom_layer_terms` (bytes):
+
+* ``norms`` (2 per layer), *device*: RMSNorm on CPU is PyTorch's composite, upcast to fp32: its
+  fp32 input ``4 Sn h`` (the input itself in fp32, a copy in bf16), the fp32 normalized
+  ``4 Sn h`` and ``rstd`` ``4 Sn``; on CUDA the fused ``_fused_rms_norm`` keeps its input
+  ``e Sn h`` and ``rstd`` ``4 Sn``. LayerNorm (``native_layer_norm``): input ``e Sn h``, mean and
+  rstd ``Sn`` each (``e`` bytes on CPU, fp32 on CUDA). KOR: the ``2 s b h`` LayerNorm input.
+* ``linear_inputs``: the QKV and FC1 inputs (the norms' outputs) ``2 x e S h``. With sequence
+  parallelism loom all-gathers before the column-parallel GEMM and the GEMM saves the *gathered*
+  ``[s, b, h]`` (KOR table 2 and Megatron-Core save the ``1/t`` shard and gather it again in
+  backward, the ``4 s b h / t`` of KOR's ``34/t``).
+* ``qkv``: the fused QKV output ``e S (a + 2 g) d / t`` (KOR's Q, K, V): V is a view of it, so
+  the attention core keeps the whole storage alive.
+* ``rope``: RoPE's rotated Q and K are new tensors: ``e S (a + g) d / t``; and in a 16-bit layer
+  each ``apply_rope`` casts the fp32 cos / sin tables: ``4 x e (s / c) r`` per layer (no ``b``).
+* ``attention_out``: the attention core's output ``e S a d / t``, saved by SDPA and (the same
+  storage) by the output projection (KOR's ``2 s b h`` projection input).
+* ``softmax_lse``: the fused attention's fp32 log-sum-exp ``4 S a / t`` (KOR's ``5 a s^2 b``
+  becomes this with flash attention). Selective recompute drops it only: the recomputed core's
+  inputs Q, K, V and output are kept anyway.
+* ``mlp``: FC1's output ``e S (2f | f) / t`` and what FC2 saves ``e S f / t``; the SwiGLU
+  ``silu(gate) * up`` also keeps the SiLU output ``e S f / t`` (Megatron's fused bias-SwiGLU does
+  not): ``4 e S f / t`` gated, ``2 e S f / t`` GeLU (KOR's ``19 s b h`` at ``f = 4h``, 16-bit).
+* ``dropout_masks``: with ``hidden_dropout > 0`` two masks ``Sn h``, *device*: ``e`` bytes on
+  CPU (``dropout``'s multiply by a noise tensor), 1 on CUDA (``native_dropout``'s bool mask).
+
+Full recompute (``--recompute-method uniform``, N layers per group) keeps the group input
+``e Sn h / N`` per layer. Not covered (the test names what is): attention dropout, QK
+layernorm, MLA, MoE, Mamba and CP's ring buffers (:mod:`loom.planner.context_parallel`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loom.config import ModelConfig
+
+DEVICES = ("cpu", "cuda")
+
+
+def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1, sp=0,
+                     elem_bytes: int = 2, device: str = "cuda") -> dict:
+    """The named terms of one loom layer's saved activations (bytes; the module docstring),
+    for the mode without recomputation. ``t``, ``cp``, ``sp``, ``micro_batch`` may be arrays."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
+                     model.head_dim, model.ffn_size)
+    e, cpu = float(elem_bytes), device == "cpu"
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
+    Sn = np.where(np.asarray(sp) > 0, S / t, S)
+    if model.normalization == "RMSNorm":
+        norm = (8.0 * h + 4.0) * Sn if cpu else (e * h + 4.0) * Sn
+    else:
+        norm = (e * h + 2.0 * (e if cpu else 4.0)) * Sn
+    rope = model.position_embedding_type in ("rope", "yarn")
+    r = getattr(model, "rotary_dim", d) or d
+    terms = {
+        "norms": 2 * norm,
+        "linear_inputs": 2 * e * S * h,
+        "qkv": e * S * (a + 2 * g) * d / t,
+        "rope": (e * S * (a + g) * d / t + (4 * e * seq_length / cp * r if e != 4 else 0.0)
+                 if rope else 0.0 * S),
+        "attention_out": e * S * a * d / t,
+        "softmax_lse": 4.0 * S * a / t,
+        "mlp": e * S * f * (4 if model.gated_linear_unit else 2) / t,
+        "dropout_masks": (2 * Sn * h * (e if cpu else 1.0) if model.hidden_dropout > 0
+                          else 0.0 * S),
+    }
+    return terms
+
+
+def loom_layer_bytes(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1, sp=0,
+                     elem_bytes: int = 2, device: str = "cuda", recompute_group: int = 1) -> dict:
+    """``{"none", "selective", "full", "scores"}``: bytes one loom layer keeps per micro-batch
+    without recomputation, with selective recompute (all but ``softmax_lse``), with full
+    recompute (the group input ``e Sn h`` shared by ``recompute_group`` layers), and the
+    selective working memory (``softmax_lse``)."""
+    terms = loom_layer_terms(model, seq_length, micro_batch, t, cp, sp, elem_bytes, device)
+    none = sum(terms.values())
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
+    Sn = np.where(np.asarray(sp) > 0, S / t, S)
+    return {"none": none, "selective": none - terms["softmax_lse"],
+            "full": elem_bytes * Sn * model.hidden_size / recompute_group,
+            "scores": terms["softmax_lse"]}

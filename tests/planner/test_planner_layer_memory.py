@@ -1,0 +1,88 @@
+"""The planner's per-layer activation bytes of loom's own layer (:mod:`loom.planner.layer_bytes`)
+equal, byte for byte, what loom's real modules hand to autograd (``saved_tensors_hooks``, one
+count per storage; ``benchmarks/layer_memory.py``), on CPU, for every recompute mode, fp32 and
+bf16, TP with and without sequence parallelism (rank 0 of a 2-rank ``fake`` world), RMSNorm /
+LayerNorm, RoPE / learned positions, SwiGLU / GeLU, hidden dropout, at three shapes; and every
+named term matters in at least one of the cases (dropping it breaks an equality).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.layer_memory import fake_world, layer_saved_bytes, resolve
+from loom.config import ModelConfig
+from loom.planner.layer_bytes import loom_layer_bytes, loom_layer_terms
+
+# (name, model, s, b): three shapes, two layer styles
+SHAPES = {
+    "llama-a": (dict(style="llama", hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=96), 32, 2),
+    "llama-b": (dict(style="llama", hidden_size=96, num_attention_heads=6, num_query_groups=6,
+                     ffn_hidden_size=160), 24, 1),
+    "gpt-a": (dict(style="gpt", hidden_size=64, num_attention_heads=4, hidden_dropout=0.1), 32, 2),
+}
+
+
+def _model(style: str, s: int, **kw) -> ModelConfig:
+    kw.setdefault("hidden_dropout", 0.0)
+    make = ModelConfig.llama if style == "llama" else ModelConfig.gpt2
+    return resolve(make(num_layers=2, vocab_size=128, attention_dropout=0.0, **kw), s)
+
+
+# (shape, t, sp, recompute, uniform group N, dtype)
+CASES = [(name, 1, False, rc, 1, dt) for name in SHAPES
+         for rc in (None, "selective", "full") for dt in (torch.float32, torch.bfloat16)]
+CASES += [(name, 1, False, "full", 2, torch.bfloat16) for name in ("llama-a", "gpt-a")]
+CASES += [(name, 2, sp, rc, 1, torch.bfloat16) for name in ("llama-a", "gpt-a")
+          for sp in (False, True) for rc in (None, "selective", "full")]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """Every case measured once; the t = 2 ones inside one fake 2-rank world, torn down after."""
+    torch.set_num_threads(1)
+    out = {}
+    for world in (1, 2):
+        with fake_world(world):
+            for case in CASES:
+                name, t, sp, rc, n, dt = case
+                if t != world:
+                    continue
+                kw, s, b = SHAPES[name]
+                kw = dict(kw)
+                model = _model(kw.pop("style"), s, **kw)
+                out[case] = layer_saved_bytes(model, s, b, tp=t, sp=sp, recompute=rc,
+                                              num_layers=n, base_layers=n, extra_layers=n,
+                                              dtype=dt)
+    return out
+
+
+def _predicted(case) -> tuple[float, dict]:
+    name, t, sp, rc, n, dt = case
+    kw, s, b = SHAPES[name]
+    kw = dict(kw)
+    model = _model(kw.pop("style"), s, **kw)
+    e = torch.finfo(dt).bits // 8
+    got = loom_layer_bytes(model, s, b, t=t, sp=int(sp), elem_bytes=e, device="cpu",
+                           recompute_group=n)
+    terms = loom_layer_terms(model, s, b, t=t, sp=int(sp), elem_bytes=e, device="cpu")
+    return float(got[rc or "none"]), {k: float(v) for k, v in terms.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-t{c[1]}{'-sp' if c[2] else ''}"
+                         f"-{c[3]}{c[4] if c[4] > 1 else ''}-{str(c[5])[6:]}")
+def test_formula_equals_saved_bytes(measured, case):
+    assert _predicted(case)[0] == measured[case]
+
+
+def test_every_term_is_needed(measured):
+    """For each named term, a case where it is non-zero and the formula without it is wrong."""
+    needed = set()
+    for case in CASES:
+        if case[3] == "full":
+            continue
+        total, terms = _predicted(case)
+        needed |= {k for k, v in terms.items() if v and total - v != measured[case]}
+    assert needed == set(terms), set(terms) - needed
