@@ -31,8 +31,9 @@ Terms of :func:`loom_layer_terms` (bytes):
   backward, the ``4 s b h / t`` of KOR's ``34/t``).
 * ``qkv``: the fused QKV output ``e S (a + 2 g) d / t`` (KOR's Q, K, V): V is a view of it, so
   the attention core keeps the whole storage alive.
-* ``rope``: RoPE's rotated Q and K are new tensors: ``e S (a + g) d / t``; and in a 16-bit layer
-  each ``apply_rope`` casts the fp32 cos / sin tables: ``4 x e (s / c) r`` per layer (no ``b``).
+* ``rope``: RoPE's rotated Q and K are new tensors: ``e S (a + g) d / t``; ``rope_tables``: in
+  a 16-bit layer each ``apply_rope`` casts the fp32 cos / sin tables: ``4 x e (s / c) r`` per
+  layer (no ``b``).
 * ``attention_out``: the attention core's output ``e S a d / t``, saved by SDPA and (the same
   storage) by the output projection (KOR's ``2 s b h`` projection input).
 * ``softmax_lse``: the fused attention's fp32 log-sum-exp ``4 S a / t`` (KOR's ``5 a s^2 b``
@@ -41,12 +42,14 @@ Terms of :func:`loom_layer_terms` (bytes):
 * ``mlp``: FC1's output ``e S (2f | f) / t`` and what FC2 saves ``e S f / t``; the SwiGLU
   ``silu(gate) * up`` also keeps the SiLU output ``e S f / t`` (Megatron's fused bias-SwiGLU does
   not): ``4 e S f / t`` gated, ``2 e S f / t`` GeLU (KOR's ``19 s b h`` at ``f = 4h``, 16-bit).
+* ``cp_core``: with ``cp > 1``, what the CP attention core adds (:func:`cp_core_terms`).
 * ``dropout_masks``: with ``hidden_dropout > 0`` two masks ``Sn h``, *device*: ``e`` bytes on
   CPU (``dropout``'s multiply by a noise tensor), 1 on CUDA (``native_dropout``'s bool mask).
 
 Full recompute (``--recompute-method uniform``, N layers per group) keeps the group input
 ``e Sn h / N`` per layer. Not covered (the test names what is): attention dropout, QK
-layernorm, MLA, MoE, Mamba and CP's ring buffers (:mod:`loom.planner.context_parallel`).
+layernorm, MLA, MoE, Mamba, ``a2a+p2p``; the CP communication buffers are
+:mod:`loom.planner.context_parallel`'s.
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ DEVICES = ("cpu", "cuda")
 
 
 def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1, sp=0,
-                     elem_bytes: int = 2, device: str = "cuda") -> dict:
+                     elem_bytes: int = 2, device: str = "cuda", cp_comm_type: str = "p2p") -> dict:
     """The named terms of one loom layer's saved activations (bytes; the module docstring),
-    for the mode without recomputation. ``t``, ``cp``, ``sp``, ``micro_batch`` may be arrays."""
+    for the mode without recomputation, with ``cp_comm_type``'s attention core when ``cp > 1``
+    (:func:`cp_core_terms`). ``t``, ``sp``, ``micro_batch`` may be arrays."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
@@ -79,27 +83,82 @@ def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
         "norms": 2 * norm,
         "linear_inputs": 2 * e * S * h,
         "qkv": e * S * (a + 2 * g) * d / t,
-        "rope": (e * S * (a + g) * d / t + (4 * e * seq_length / cp * r if e != 4 else 0.0)
-                 if rope else 0.0 * S),
+        "rope": e * S * (a + g) * d / t if rope else 0.0 * S,
+        "rope_tables": 4 * e * seq_length / cp * r + 0.0 * S if rope and e != 4 else 0.0 * S,
         "attention_out": e * S * a * d / t,
         "softmax_lse": 4.0 * S * a / t,
         "mlp": e * S * f * (4 if model.gated_linear_unit else 2) / t,
         "dropout_masks": (2 * Sn * h * (e if cpu else 1.0) if model.hidden_dropout > 0
                           else 0.0 * S),
+        "cp_core": 0.0 * S,
     }
+    if cp > 1:
+        terms.update(cp_core_terms(model, seq_length, micro_batch, t, cp, elem_bytes,
+                                   cp_comm_type))
     return terms
 
 
+def cp_core_terms(model: ModelConfig, seq_length: int, micro_batch, t, cp: int,
+                  elem_bytes: int, cp_comm_type: str) -> dict:
+    """The terms a context-parallel attention core (``loom/parallel/context``) changes in
+    :func:`loom_layer_terms`' ``terms``, with ``S = s b / c`` local tokens:
+
+    * ``p2p`` (``ring.py`` ``RingAttention``): saves Q, K, V as given (``qkv``, ``rope``
+      unchanged), its fp32 output accumulator ``4 S a d / t`` and log-sum-exp, and the ring's
+      int64 positions ``[c, s / c]`` (``8 s``); the output projection saves its own copy of the
+      output (``e S a d / t``: ``[b, a, s, d]`` re-laid-out to ``[s, b, a d]``).
+    * ``allgather`` (``attention.py``): the core runs on the gathered keys: K and V
+      ``2 e s b g d / t`` replace the local QKV storage and rotated K (``qkv`` and ``rope``
+      keep only the rotated Q), plus the additive causal mask ``e (s / c) s`` of the fused
+      kernel (``[s / c, s]``, no ``b``).
+    * ``a2a`` (``a2a.py`` ``ulysses_attention``): Q, K, V after the all-to-all (``e S (a + 2g) d
+      / t``, the fused storage's size; the local ones are not saved: ``rope`` keeps only the
+      tables), the core's output and its all-to-all'd copy (``2 e S a d / t``), and the
+      ``order`` / ``inverse`` permutations, int64 ``[s]`` each (``16 s``). Assumes ``c``
+      divides ``g / t`` (else ``expand_groups`` repeats K, V)."""
+    a, g, d = model.num_attention_heads, model.num_kv_groups, model.head_dim
+    e = float(elem_bytes)
+    s = seq_length
+    S = s * np.asarray(micro_batch, dtype=np.float64) / cp
+    rope = model.position_embedding_type in ("rope", "yarn")
+    if cp_comm_type == "p2p":
+        return {"attention_out": (e + 4.0) * S * a * d / t,
+                "cp_core": 8.0 * s + 0.0 * S}
+    if cp_comm_type == "allgather":
+        return {"qkv": 2 * e * S * cp * g * d / t,
+                "rope": e * S * a * d / t if rope else 0.0 * S,
+                "cp_core": e * (s / cp) * s + 0.0 * S}
+    if cp_comm_type == "a2a":
+        return {"rope": 0.0 * S, "attention_out": 2 * e * S * a * d / t,
+                "cp_core": 16.0 * s + 0.0 * S}
+    raise ValueError(f"cp_comm_type must be p2p, allgather or a2a, got {cp_comm_type!r}")
+
+
 def loom_layer_bytes(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1, sp=0,
-                     elem_bytes: int = 2, device: str = "cuda", recompute_group: int = 1) -> dict:
+                     elem_bytes: int = 2, device: str = "cuda", recompute_group: int = 1,
+                     cp_comm_type: str = "p2p") -> dict:
     """``{"none", "selective", "full", "scores"}``: bytes one loom layer keeps per micro-batch
-    without recomputation, with selective recompute (all but ``softmax_lse``), with full
-    recompute (the group input ``e Sn h`` shared by ``recompute_group`` layers), and the
-    selective working memory (``softmax_lse``)."""
-    terms = loom_layer_terms(model, seq_length, micro_batch, t, cp, sp, elem_bytes, device)
+    without recomputation, with selective recompute, with full recompute (the group input
+    ``e Sn h`` shared by ``recompute_group`` layers), and the selective working memory.
+
+    Selective recompute checkpoints the attention core (``SelectiveRecompute`` modules), which
+    keeps its inputs: without CP it drops only ``softmax_lse`` (Q, K, V and the output are
+    saved by their neighbours anyway); ``allgather`` also drops the mask (``cp_core``); ``a2a``
+    drops the core's output copy ``e S a d / t`` but stores the core's ``arange(s)`` positions
+    (int64, ``8 s``); ``p2p``'s ``RingAttention`` is no such module: nothing is recomputed."""
+    terms = loom_layer_terms(model, seq_length, micro_batch, t, cp, sp, elem_bytes, device,
+                             cp_comm_type)
     none = sum(terms.values())
     S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
     Sn = np.where(np.asarray(sp) > 0, S / t, S)
-    return {"none": none, "selective": none - terms["softmax_lse"],
+    dropped = terms["softmax_lse"]
+    if cp > 1 and cp_comm_type == "p2p":
+        dropped = 0.0 * S
+    elif cp > 1 and cp_comm_type == "allgather":
+        dropped = dropped + terms["cp_core"]
+    elif cp > 1 and cp_comm_type == "a2a":
+        a, d = model.num_attention_heads, model.head_dim
+        dropped = dropped + elem_bytes * S * a * d / t - 8.0 * seq_length
+    return {"none": none, "selective": none - dropped,
             "full": elem_bytes * Sn * model.hidden_size / recompute_group,
-            "scores": terms["softmax_lse"]}
+            "scores": dropped}

@@ -31,12 +31,16 @@ def _model(style: str, s: int, **kw) -> ModelConfig:
     return resolve(make(num_layers=2, vocab_size=128, attention_dropout=0.0, **kw), s)
 
 
-# (shape, t, sp, recompute, uniform group N, dtype)
-CASES = [(name, 1, False, rc, 1, dt) for name in SHAPES
+# (shape, t, sp, recompute, uniform group N, dtype, c, cp comm type)
+CASES = [(name, 1, False, rc, 1, dt, 1, "p2p") for name in SHAPES
          for rc in (None, "selective", "full") for dt in (torch.float32, torch.bfloat16)]
-CASES += [(name, 1, False, "full", 2, torch.bfloat16) for name in ("llama-a", "gpt-a")]
-CASES += [(name, 2, sp, rc, 1, torch.bfloat16) for name in ("llama-a", "gpt-a")
+CASES += [(name, 1, False, "full", 2, torch.bfloat16, 1, "p2p") for name in ("llama-a", "gpt-a")]
+CASES += [(name, 2, sp, rc, 1, torch.bfloat16, 1, "p2p") for name in ("llama-a", "gpt-a")
           for sp in (False, True) for rc in (None, "selective", "full")]
+CASES += [(name, 1, False, rc, 1, dt, 2, cpt) for name in ("llama-a", "llama-b")
+          for cpt in ("p2p", "allgather", "a2a") for rc in (None, "selective", "full")
+          for dt in (torch.float32, torch.bfloat16)]
+CASES += [("llama-a", 2, True, None, 1, torch.bfloat16, 2, cpt) for cpt in ("p2p", "allgather")]
 
 
 @pytest.fixture(scope="module")
@@ -44,34 +48,36 @@ def measured() -> dict:
     """Every case measured once; the t = 2 ones inside one fake 2-rank world, torn down after."""
     torch.set_num_threads(1)
     out = {}
-    for world in (1, 2):
+    for world in (1, 2, 4):
         with fake_world(world):
             for case in CASES:
-                name, t, sp, rc, n, dt = case
-                if t != world:
+                name, t, sp, rc, n, dt, c, cpt = case
+                if t * c != world:
                     continue
                 kw, s, b = SHAPES[name]
                 kw = dict(kw)
                 model = _model(kw.pop("style"), s, **kw)
-                out[case] = layer_saved_bytes(model, s, b, tp=t, sp=sp, recompute=rc,
-                                              num_layers=n, base_layers=n, extra_layers=n,
-                                              dtype=dt)
+                out[case] = layer_saved_bytes(model, s, b, tp=t, sp=sp, cp=c, cp_comm_type=cpt,
+                                              recompute=rc, num_layers=n, base_layers=n,
+                                              extra_layers=n, dtype=dt)
     return out
 
 
 def _predicted(case) -> tuple[float, dict]:
-    name, t, sp, rc, n, dt = case
+    name, t, sp, rc, n, dt, c, cpt = case
     kw, s, b = SHAPES[name]
     kw = dict(kw)
     model = _model(kw.pop("style"), s, **kw)
     e = torch.finfo(dt).bits // 8
-    got = loom_layer_bytes(model, s, b, t=t, sp=int(sp), elem_bytes=e, device="cpu",
-                           recompute_group=n)
-    terms = loom_layer_terms(model, s, b, t=t, sp=int(sp), elem_bytes=e, device="cpu")
+    got = loom_layer_bytes(model, s, b, t=t, cp=c, sp=int(sp), elem_bytes=e, device="cpu",
+                           recompute_group=n, cp_comm_type=cpt)
+    terms = loom_layer_terms(model, s, b, t=t, cp=c, sp=int(sp), elem_bytes=e, device="cpu",
+                             cp_comm_type=cpt)
     return float(got[rc or "none"]), {k: float(v) for k, v in terms.items()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-t{c[1]}{'-sp' if c[2] else ''}"
+                         f"{f'-c{c[6]}-{c[7]}' if c[6] > 1 else ''}"
                          f"-{c[3]}{c[4] if c[4] > 1 else ''}-{str(c[5])[6:]}")
 def test_formula_equals_saved_bytes(measured, case):
     assert _predicted(case)[0] == measured[case]
