@@ -92,13 +92,14 @@ def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
                           else 0.0 * S),
         "cp_core": 0.0 * S,
     }
-    if cp > 1:
-        terms.update(cp_core_terms(model, seq_length, micro_batch, t, cp, elem_bytes,
-                                   cp_comm_type))
+    ring = np.asarray(cp) > 1
+    for k, v in cp_core_terms(model, seq_length, micro_batch, t, cp, elem_bytes,
+                              cp_comm_type).items():
+        terms[k] = np.where(ring, v, terms[k])
     return terms
 
 
-def cp_core_terms(model: ModelConfig, seq_length: int, micro_batch, t, cp: int,
+def cp_core_terms(model: ModelConfig, seq_length: int, micro_batch, t, cp,
                   elem_bytes: int, cp_comm_type: str) -> dict:
     """The terms a context-parallel attention core (``loom/parallel/context``) changes in
     :func:`loom_layer_terms`' ``terms``, with ``S = s b / c`` local tokens:
@@ -152,13 +153,40 @@ def loom_layer_bytes(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
     S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
     Sn = np.where(np.asarray(sp) > 0, S / t, S)
     dropped = terms["softmax_lse"]
-    if cp > 1 and cp_comm_type == "p2p":
-        dropped = 0.0 * S
-    elif cp > 1 and cp_comm_type == "allgather":
-        dropped = dropped + terms["cp_core"]
-    elif cp > 1 and cp_comm_type == "a2a":
+    if cp_comm_type == "p2p":
+        ring_dropped = 0.0 * S
+    elif cp_comm_type == "allgather":
+        ring_dropped = dropped + terms["cp_core"]
+    else:  # a2a
         a, d = model.num_attention_heads, model.head_dim
-        dropped = dropped + elem_bytes * S * a * d / t - 8.0 * seq_length
+        ring_dropped = dropped + elem_bytes * S * a * d / t - 8.0 * seq_length
+    dropped = np.where(np.asarray(cp) > 1, ring_dropped, dropped)
     return {"none": none, "selective": none - dropped,
             "full": elem_bytes * Sn * model.hidden_size / recompute_group,
             "scores": dropped}
+
+
+def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
+                        mlp: bool = True) -> dict:
+    """``{"none", "selective"}`` (bytes, arrays over the rows of layout ``L``): what loom's layer
+    keeps on a GPU (:func:`loom_layer_bytes`, CUDA, 16-bit) beyond the planner's KOR count with
+    flash attention (:func:`loom.planner.activations.activation_bytes_per_layer`), per mode;
+    ``cp_codes`` each row's CP type (:data:`loom.planner.context_parallel.CP_COMM_TYPES`
+    index; a2a+p2p counted as p2p, its ring). ``mlp`` False: the attention side only (the
+    SiLU output ``2 S f / t`` of a gated dense MLP left out, for a layer whose MLP is
+    counted elsewhere). Full recompute keeps the same input in both (no extra)."""
+    from loom.planner.activations import activation_bytes_per_layer
+    from loom.planner.context_parallel import CP_COMM_TYPES
+    t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
+    kor = activation_bytes_per_layer(model, seq_length, L, flash_attention=True, moe_share=0.0)
+    codes = np.asarray(cp_codes)
+    out = {"none": 0.0 * t, "selective": 0.0 * t}
+    for k, name in enumerate(CP_COMM_TYPES[:3]):
+        got = loom_layer_bytes(model, seq_length, b, t=t, cp=c, sp=sp, cp_comm_type=name)
+        rows = (codes == k) | ((codes == 3) & (k == 0))
+        for mode in out:
+            out[mode] = np.where(rows, got[mode] - kor[mode], out[mode])
+    if not mlp and model.gated_linear_unit:
+        silu = 2.0 * seq_length * b / c * model.ffn_size / t
+        out = {k: v - silu for k, v in out.items()}
+    return out

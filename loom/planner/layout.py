@@ -74,6 +74,11 @@ class Options:
     ``loom train`` runs), ``"megatron-core"`` or ``"megatron-legacy"`` (Megatron-LM 2023, what
     Megatron-LM PR 482 measured): the extra saved tensors, the loss's logits copies and the
     backward transient of each.
+    ``layer_memory``: ``"kor"`` (default) counts a layer's activations as KOR table 2 (what the
+    layer needs; Megatron-Core keeps about that: the layer of the published sources); ``"loom"``
+    (``loom plan``'s default, and the trainer's prediction) what loom's own layer saves, measured
+    (:func:`loom.planner.memory_runtime.loom_layer_extra`; with ``runtime = "loom"`` and fused
+    attention).
     ``distribute_saved_activations``: Megatron's ``--distribute-saved-activations`` (default
     off): with full recompute and no SP, each layer's saved input ``2 S h`` is split over the TP
     ranks (``2 S h / t``), as OPT-175B trained (metaseq ``--distribute-checkpointed-
@@ -117,6 +122,7 @@ class Options:
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
     cp_comm_type: str | None = None
     runtime: str = "loom"
+    layer_memory: str = "kor"
     distribute_saved_activations: bool = False
     zero1_all_reduce_grads: bool = False
     grad_accum_bytes: float = 0.0

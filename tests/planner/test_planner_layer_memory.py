@@ -92,3 +92,27 @@ def test_every_term_is_needed(measured):
         total, terms = _predicted(case)
         needed |= {k for k, v in terms.items() if v and total - v != measured[case]}
     assert needed == set(terms), set(terms) - needed
+
+
+def test_planner_counts_loom_layer_when_asked():
+    """``Options(layer_memory="loom")`` makes the planner's per-layer bytes (what every held
+    layer-micro-batch costs) the CUDA form of the measured formula, per recompute mode and CP
+    type; the default ``"kor"`` keeps KOR table 2 (the published sources' layer)."""
+    import numpy as np
+    from loom.planner.layout import Options, make_layouts
+    from loom.planner.memory import layer_activation_kinds
+    from loom.planner.context_parallel import CP_COMM_TYPES
+    kw, s, b = SHAPES["llama-a"]
+    kw = dict(kw)
+    model = _model(kw.pop("style"), s, **kw)
+    rows = [dict(tp=t, sp=sp, cp=c, cpt=k, mbs=b, recompute=rc)
+            for t, sp in ((1, 0), (2, 0), (2, 1)) for c in (1, 2) for k in range(3)
+            for rc in ("none", "selective")]
+    L = make_layouts(rows)
+    base = layer_activation_kinds(model, s, L, Options(flash_attention=True, layer_memory="loom"))
+    kor = layer_activation_kinds(model, s, L, Options(flash_attention=True))
+    for i, r in enumerate(rows):
+        want = loom_layer_bytes(model, s, b, t=r["tp"], cp=r["cp"], sp=r["sp"],
+                                cp_comm_type=CP_COMM_TYPES[r["cpt"]])[r["recompute"]]
+        assert float(base[0][0][i]) == pytest.approx(float(want), rel=1e-12), r
+    assert np.all(base[0][0] > kor[0][0])  # loom's layer keeps more than KOR's count
