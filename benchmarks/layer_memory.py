@@ -1,11 +1,11 @@
 """Activation bytes one transformer layer saves for its backward, measured on loom's real modules.
 
-What autograd keeps between a layer's forward and its backward is exactly the set of tensors
-handed to ``torch.autograd.graph.saved_tensors_hooks``' pack hook (every ``save_for_backward``,
-every ``SavedVariable``; ``torch.utils.checkpoint``'s stored inputs included, its recomputed
-region's saves hidden by its own inner hooks). :func:`saved_bytes` counts them once per
-storage (a view of a saved tensor adds nothing; a parameter, or a view of one, is a model
-state and is not counted).
+What autograd keeps between a layer's forward and its backward is the set of tensors handed to
+``torch.autograd.graph.saved_tensors_hooks``' pack hook (every ``save_for_backward``, every
+``SavedVariable``; ``torch.utils.checkpoint``'s stored inputs included, its recomputed
+region's saves hidden by its own inner hooks) whose holders are still alive when the forward
+returns. :func:`saved_bytes` counts them once per storage (a view of a saved tensor adds
+nothing; a parameter, or a view of one, is a model state and is not counted).
 
 :func:`layer_saved_bytes` builds a chunk of ``n`` and of ``n + 1`` layers (no embedding, no
 output layer) on the ranks' real parallel plan and returns the difference: the bytes per
@@ -32,24 +32,27 @@ from loom.config import LoomConfig, ModelConfig
 
 
 def saved_bytes(fn, params=()) -> tuple[int, list]:
-    """``(bytes, rows)``: the distinct storages autograd saves while ``fn()`` runs (each once,
-    whatever views of it are saved), parameters' storages (``params``) excluded; ``rows`` are
-    ``(nbytes, shape, dtype)`` of each storage's first saved view."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict = {}
+    """``(bytes, rows)``: the distinct storages autograd still holds for backward when ``fn()``
+    has returned (each once, whatever views of it are saved; a storage saved in a branch of the
+    graph that is dropped during the forward is released again), parameters' storages
+    (``params``) excluded: :class:`benchmarks.planner_vs_measured.SavedBytes`' live count.
+    ``rows``: ``(nbytes, shape, dtype)`` of each held storage's first saved view."""
+    from benchmarks.planner_vs_measured import SavedBytes, _storage_key
+    counter = SavedBytes(skip=[_storage_key(p) for p in params])
+    shapes: dict = {}
 
     def pack(t):
-        t0 = t.to_local() if hasattr(t, "to_local") else t
-        st = t0.untyped_storage()
-        key = st.data_ptr()
-        if key and key not in skip and not isinstance(t, torch.nn.Parameter):
-            seen.setdefault(key, (st.nbytes(), tuple(t0.shape), t0.dtype))
-        return t
+        key = _storage_key(t)
+        if key:
+            shapes.setdefault(key[0], (tuple(t.shape), t.dtype))
+        return counter.pack(t)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, counter.unpack):
         out = fn()
+    rows = [(n, *shapes[k]) for k, n in counter.size.items()]
+    held = counter.live
     del out
-    return sum(v[0] for v in seen.values()), list(seen.values())
+    return held, rows
 
 
 @contextlib.contextmanager

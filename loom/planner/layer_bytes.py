@@ -25,7 +25,7 @@ Terms of :func:`loom_layer_terms` (bytes):
   ``4 Sn h`` and ``rstd`` ``4 Sn``; on CUDA the fused ``_fused_rms_norm`` keeps its input
   ``e Sn h`` and ``rstd`` ``4 Sn``. LayerNorm (``native_layer_norm``): input ``e Sn h``, mean and
   rstd ``Sn`` each (``e`` bytes on CPU, fp32 on CUDA). KOR: the ``2 s b h`` LayerNorm input.
-* ``linear_inputs``: the QKV and FC1 inputs (the norms' outputs) ``2 x e S h``. With sequence
+* ``qkv_input``, ``fc1_input``: the QKV and FC1 inputs (the norms' outputs) ``e S h`` each. With sequence
   parallelism loom all-gathers before the column-parallel GEMM and the GEMM saves the *gathered*
   ``[s, b, h]`` (KOR table 2 and Megatron-Core save the ``1/t`` shard and gather it again in
   backward, the ``4 s b h / t`` of KOR's ``34/t``).
@@ -81,7 +81,8 @@ def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
     r = getattr(model, "rotary_dim", d) or d
     terms = {
         "norms": 2 * norm,
-        "linear_inputs": 2 * e * S * h,
+        "qkv_input": e * S * h,
+        "fc1_input": e * S * h,
         "qkv": e * S * (a + 2 * g) * d / t,
         "rope": e * S * (a + g) * d / t if rope else 0.0 * S,
         "rope_tables": 4 * e * seq_length / cp * r + 0.0 * S if rope and e != 4 else 0.0 * S,
@@ -190,3 +191,41 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
         silu = 2.0 * seq_length * b / c * model.ffn_size / t
         out = {k: v - silu for k, v in out.items()}
     return out
+
+
+def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch,
+                       elem_bytes: int = 2) -> dict:
+    """The named terms (bytes) of what loom's MoE MLP (``loom/models/moe.py``, router of
+    ``moe_router.py``) saves for ``S = s b`` tokens on one rank holding every expert (``t = e =
+    1``), Megatron's default router (softmax top-k renormalized, the load-balancing aux loss,
+    no z-loss, dropless), ``E`` experts, ``k`` per token, ``f_e`` wide; it replaces the dense
+    ``mlp`` and ``fc1_input`` terms of :func:`loom_layer_terms` (the second norm's 16-bit
+    output is not saved: the router keeps its fp32 copy, the experts their sorted copy):
+
+    * ``router``: its fp32 GEMM keeps the fp32 copies of its input ``4 S h`` and weight
+      ``4 E h``; the fp32 probabilities, twice (the choice and the aux loss) ``2 x 4 S E``;
+      the top-k values ``4 S k``, their sum ``4 S``, the int64 indices ``8 S k``, the aux
+      loss's per-token sum ``4 S`` (what its count of tokens per expert saves is freed with
+      its branch during the forward).
+    * ``dispatch``: the tokens sorted by expert ``e S k h`` and the sort / unsort
+      permutations, int64 ``2 x 8 S k``.
+    * ``experts``: per routed row FC1's output, the SiLU output and the product (gated:
+      ``4 e f_e`` per row; GeLU ``2 e f_e``), ``S k`` rows.
+    * ``combine``: the experts' outputs, scattered back ``[S k, h]`` and viewed ``[S, k, h]``
+      (two storages: ``2 e S k h``), and the 16-bit routing weights ``e S k``.
+    * ``shared_expert``: a dense MLP of ``moe_shared_expert_intermediate_size`` (``mlp``
+      of :func:`loom_layer_terms`'s form) when the model has one.
+    """
+    h, E, k, fe = (model.hidden_size, model.num_experts, model.moe_router_topk,
+                   model.moe_ffn_size)
+    e = float(elem_bytes)
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64)
+    gated = 4 if model.gated_linear_unit else 2
+    f_sh = model.moe_shared_expert_intermediate_size or 0
+    return {
+        "router": 4 * S * h + 4 * E * h + 8 * S * E + 4 * S * k + 8 * S * k + 8 * S,
+        "dispatch": e * S * k * h + 16 * S * k,
+        "experts": e * S * k * gated * fe,
+        "combine": 2 * e * S * k * h + e * S * k,
+        "shared_expert": e * S * gated * f_sh,
+    }

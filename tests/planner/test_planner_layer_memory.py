@@ -116,3 +116,29 @@ def test_planner_counts_loom_layer_when_asked():
                                 cp_comm_type=CP_COMM_TYPES[r["cpt"]])[r["recompute"]]
         assert float(base[0][0][i]) == pytest.approx(float(want), rel=1e-12), r
     assert np.all(base[0][0] > kor[0][0])  # loom's layer keeps more than KOR's count
+
+
+MOE_SHAPES = {"moe-a": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                             num_experts=4), 32, 2),
+              "moe-b": (dict(hidden_size=96, num_attention_heads=6, ffn_hidden_size=64,
+                             num_experts=8, moe_router_topk=3), 24, 1)}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_SHAPES))
+def test_moe_layer_formula_equals_saved_bytes(name):
+    """loom's MoE layer (one rank holding every expert, Megatron's default router): the dense
+    layer's attention side plus :func:`loom_moe_mlp_terms` instead of the dense MLP and its
+    input, exactly;
+    every MoE term non-zero here, so dropping one breaks the equality."""
+    from loom.planner.layer_bytes import loom_moe_mlp_terms
+    torch.set_num_threads(1)
+    kw, s, b = MOE_SHAPES[name]
+    model = resolve(ModelConfig.mixtral(num_layers=2, vocab_size=128, hidden_dropout=0.0,
+                                        attention_dropout=0.0, **kw), s)
+    got = layer_saved_bytes(model, s, b, dtype=torch.bfloat16)
+    att = loom_layer_terms(model, s, b, elem_bytes=2, device="cpu")
+    moe = loom_moe_mlp_terms(model, s, b, elem_bytes=2)
+    want = (sum(float(v) for n, v in att.items() if n not in ("mlp", "fc1_input"))
+            + sum(map(float, moe.values())))
+    assert want == got
+    assert all(float(v) > 0 for n, v in moe.items() if n != "shared_expert")
