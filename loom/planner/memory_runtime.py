@@ -55,6 +55,7 @@ from loom.config import ModelConfig
 from loom.parallel.cross_entropy_cost import forward_transient_bytes, saved_bytes
 
 RUNTIMES = ("loom", "megatron-core", "megatron-legacy")
+
 # bytes per logit element at the forward peak of the loss (see the module docstring); "loom":
 # its unfused loss only (final-logit soft-capping)
 LOGITS_BYTES = {"loom": 4.0, "megatron-core": 6.0, "megatron-legacy": 10.0}
