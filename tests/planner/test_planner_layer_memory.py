@@ -142,3 +142,25 @@ def test_moe_layer_formula_equals_saved_bytes(name):
             + sum(map(float, moe.values())))
     assert want == got
     assert all(float(v) > 0 for n, v in moe.items() if n != "shared_expert")
+
+
+def test_loom_plan_names_the_activations_term_under_either_layer(capsys):
+    """``loom plan`` at Llama 3 405B's published 8K layout without full recompute: it does not
+    fit under KOR's layer (``--layer-memory kor``: activations 82.1 GB, 28.9 GB too much) nor,
+    by more, under loom's own (the default: 178.0 GB), and says so by term."""
+    from loom.cli import main
+    argv = ["plan", "llama3-405b", "--gpu", "H100-80GB", "--num-gpus", "8192",
+            "--global-batch-size", "2048", "--tensor-model-parallel-size", "8",
+            "--pipeline-model-parallel-size", "16", "--context-parallel-size", "1",
+            "--micro-batch-size", "1", "--recompute-granularity", "selective",
+            "--sequence-parallel", "--decoder-first-pipeline-num-layers", "7",
+            "--decoder-last-pipeline-num-layers", "7",
+            "--num-layers-per-virtual-pipeline-stage", "2"]
+    got = {}
+    for lm in ("kor", "loom"):
+        with pytest.raises(SystemExit):
+            main(argv + ["--layer-memory", lm])
+        out = capsys.readouterr()
+        got[lm] = out.out + out.err
+    assert "largest term is activations 82.1 GB" in got["kor"] and "28.9 GB too much" in got["kor"]
+    assert "largest term is activations 178.0 GB" in got["loom"]
