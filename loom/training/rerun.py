@@ -228,7 +228,8 @@ class RerunStateMachine:
                      ("" if fatal else "; continuing (a non-fatal check)"))
         return False
 
-    def is_unexpectedly_large(self, value: float, context: str, threshold: float = SPIKY_LOSS_FACTOR,
+    def is_unexpectedly_large(self, value: float, context: str,
+                              threshold: float = SPIKY_LOSS_FACTOR,
                               num_samples: int = SPIKY_SAMPLES) -> bool:
         """Whether ``|value|`` is >= ``threshold`` x the largest of the first ``num_samples``
         values of ``context`` (False while sampling, and for NaN or inf: checked apart)."""
@@ -257,6 +258,10 @@ class RerunStateMachine:
                 if self.validate(loss, reject, message, fatal) and stop is None:
                     stop = f"{message} (loss {loss})"
         return stop
+
+    def recording(self, forward_step: Callable, losses: list) -> Callable:
+        """:func:`recording` (for the trainer, which holds the machine as a part)."""
+        return recording(forward_step, losses)
 
     def exit_message(self, code: int) -> str:
         """The one line a run that stops with ``code`` ends with (the same on every rank)."""
@@ -295,11 +300,12 @@ def recording(forward_step: Callable, losses: list) -> Callable:
     return step
 
 
-def rerun_machine(cfg, parts, chunks: Sequence[torch.nn.Module], tracker, reducers
-                  ) -> RerunStateMachine:
-    """The trainer's state machine from ``cfg.fault_tolerance``: a rerun restores every
-    generator (:func:`loom.parallel.random.get_rng_state`), the MoE routers' loads of the step
-    so far and their per-layer loss logs, and zeroes the gradients of ``reducers``."""
+def rerun_machine(cfg, pp_rank: int, rank: int, chunks: Sequence[torch.nn.Module], tracker,
+                  reducers) -> RerunStateMachine:
+    """The training loop's state machine from ``cfg.fault_tolerance`` on global rank ``rank``
+    (pipeline rank ``pp_rank``): a rerun restores every generator
+    (:func:`loom.parallel.random.get_rng_state`), the MoE routers' loads of the step so far and
+    their per-layer loss logs, and zeroes the gradients of ``reducers``."""
     from loom.parallel.random import get_rng_state, set_rng_state
     ft = cfg.fault_tolerance
     modules = [m for c in chunks for m in c.modules()]
@@ -321,9 +327,8 @@ def rerun_machine(cfg, parts, chunks: Sequence[torch.nn.Module], tracker, reduce
         for r in reducers:
             r.zero_grad()
 
-    rank = parts.global_rank
     injector = ErrorInjector(ft.error_injection_rate, ft.error_injection_type,
-                             random.Random(cfg.training.seed + 100 * parts.mesh.pp_rank), rank)
+                             random.Random(cfg.training.seed + 100 * pp_rank), rank)
     return RerunStateMachine(ft.rerun_mode, injector, ft.result_rejected_tracker_filename, rank,
                              save, restore,
                              lambda line: print(f" rank {rank}: {line}", flush=True))

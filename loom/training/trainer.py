@@ -26,7 +26,6 @@ from loom.parallel.pipeline.schedules import ScheduleResult, forward_only
 from loom.parallel.pipeline.zero_bubble import is_v_shaped, loss_stage
 from loom.training.builder import TrainingParts, build_training
 from loom.training.metrics import MetricsLogger
-from loom.training.rerun import recording, rerun_machine
 from loom.training.setup import held_numel, owned_parameters
 from loom.training.step import finish_gradients, finish_param_gather, optimizer_step
 from loom.training.story import (prediction_line, resume_line, resume_record, run_summary,
@@ -66,6 +65,7 @@ class Trainer:
     global_batch = _part("data.global_batch", "samples per iteration (B)")
     saver = _part("checkpointer.saver", "the checkpoint Saver (sync or --async-save)")
     debug = _part("debug", "timers, --profile, --record-memory-history (training/debug.py)")
+    rerun = _part("rerun", "Megatron's rerun state machine, --rerun-mode (training/rerun.py)")
 
     def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
                  family: Optional[ModelFamily] = None, parts: Optional[TrainingParts] = None):
@@ -82,8 +82,6 @@ class Trainer:
         self.loaded_from: Optional[str] = None  # the checkpoint this run resumed from
         self.resumed: Optional[dict] = None  # what it restored (story.resume_record)
         self.last_saved: Optional[str] = None  # the latest checkpoint this run wrote
-        self.rerun = rerun_machine(cfg, self.parts, self.model_chunks, self.tracker,
-                                   self.reducers)  # Megatron's --rerun-mode (training/rerun.py)
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
@@ -106,10 +104,11 @@ class Trainer:
         each micro-batch loss of this rank is appended to."""
         timers = self.debug.timers
         step = self.parts.model.forward_step
+        if losses is not None:
+            step = self.rerun.recording(step, losses)
         with timers("forward-backward"):
             result: ScheduleResult = self.parts.schedule(
-                self.model_chunks, batches, step if losses is None else recording(step, losses),
-                self.mesh,
+                self.model_chunks, batches, step, self.mesh,
                 p2p_shape=self.p2p_shape(batches), reducers=self.reducers,
                 recorder=timers.recorder(self.timeline))
             # DP, then SP over TP and the tied embedding over its group
