@@ -334,17 +334,17 @@ def test_bad_router_flags_refused(change, flag):
         make_cfg(**change).validate(1)
 
 
-def _global_aux_run(recompute: bool, replay: bool = True):
-    """3 steps of a 4-micro-batch global_aux_loss run, with full recomputation of every layer
-    or none; the router's replay switched off with ``replay`` False (the recomputation then
-    reads its micro-batch alone: the behaviour before the replay). Returns the steps and the
-    routers' ``replay_mode`` at each forward."""
+def _global_aux_run(method=None, layers=1, replay: bool = True):
+    """3 steps of a 4-micro-batch global_aux_loss run, with full recomputation (``method``
+    uniform or block, ``layers`` per group) or none; the router's replay switched off with
+    ``replay`` False (the recomputation then reads its micro-batch alone: the behaviour before
+    the replay). Returns the steps and the routers' ``replay_mode`` at each forward."""
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
     cfg = make_cfg(**GLOBAL_AUX)
-    if recompute:
-        cfg.training.recompute_granularity, cfg.training.recompute_method = "full", "uniform"
-        cfg.training.recompute_num_layers = 1
+    if method:
+        cfg.training.recompute_granularity, cfg.training.recompute_method = "full", method
+        cfg.training.recompute_num_layers = layers
     cfg = cfg.validate(1)
     assert cfg.derived.num_microbatches == 4
     tr = Trainer(cfg, mesh=ParallelMesh.single())
@@ -361,22 +361,23 @@ def test_global_aux_loss_with_recomputation_parity():
     """Parity row: --recompute-granularity full with global_aux_loss (a load running over the
     step's micro-batches) gives the loss and every gradient of the run without recomputation
     (fp32, rtol 1e-5, 3 steps): the recomputed forward replays the load of its first run.
-    Active: every router forward was recorded once and replayed once, the global aux loss is
-    in the metrics; without the replay the gradients differ (the check can fail)."""
-    plain, plain_modes = _global_aux_run(False)
-    again, modes = _global_aux_run(True)
-    assert set(plain_modes) == {None}
-    assert modes.count("record") == modes.count("replay") == len(plain_modes) > 0
-    assert float(plain[0][4]["moe aux loss"]) > 0
-    for (l0, g0, n0, _, m0), (l1, g1, n1, _, m1) in zip(plain, again):
-        assert math.isclose(l0, l1, rel_tol=RTOL) and math.isclose(n0, n1, rel_tol=RTOL)
-        assert float(m0["moe aux loss"]) == pytest.approx(float(m1["moe aux loss"]), rel=RTOL)
-        assert g0.keys() == g1.keys()
-        for name, (g, _) in g0.items():
-            torch.testing.assert_close(g1[name][0], g, rtol=RTOL, atol=1e-7, msg=name)
-    unreplayed, _ = _global_aux_run(True, replay=False)
+    Uniform groups of 2 layers (the second layer's router runs inside the first's checkpoint)
+    and block. Active: every router forward was recorded once and replayed once, the global aux
+    loss is in the metrics; without the replay the gradients differ (the check can fail)."""
+    plain, plain_modes = _global_aux_run()
+    assert set(plain_modes) == {None} and float(plain[0][4]["moe aux loss"]) > 0
+    for method, layers in (("uniform", 2), ("block", 2)):
+        again, modes = _global_aux_run(method, layers)
+        assert modes.count("record") == modes.count("replay") == len(plain_modes) > 0
+        for (l0, g0, n0, _, m0), (l1, g1, n1, _, m1) in zip(plain, again):
+            assert math.isclose(l0, l1, rel_tol=RTOL) and math.isclose(n0, n1, rel_tol=RTOL)
+            assert float(m1["moe aux loss"]) == pytest.approx(float(m0["moe aux loss"]), rel=RTOL)
+            assert g0.keys() == g1.keys()
+            for name, (g, _) in g0.items():
+                torch.testing.assert_close(g1[name][0], g, rtol=RTOL, atol=1e-7, msg=name)
+    unreplayed, _ = _global_aux_run("uniform", 2, replay=False)
     router_grads = [n for n in plain[0][1] if n.endswith("router.weight")]
-    assert router_grads and any(
+    assert len(router_grads) == 2 and any(
         not torch.allclose(unreplayed[0][1][n][0], plain[0][1][n][0], rtol=RTOL, atol=1e-7)
         for n in router_grads)
 
