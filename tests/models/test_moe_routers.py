@@ -382,6 +382,30 @@ def test_global_aux_loss_with_recomputation_parity():
         for n in router_grads)
 
 
+def test_rerun_restores_the_routers_running_load():
+    """Megatron's rerun state machine (loom/training/rerun.py) reruns an iteration from the
+    routers' loads at its start: with global_aux_loss and the aux-loss-free bias, a transient
+    fault injected into every validated iteration (spike check, non-fatal) leaves the losses
+    and expert biases of the run without it (a load counted twice would change the average)."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    runs = []
+    for ft in ({}, dict(no_check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=True,
+                        error_injection_rate=1)):
+        cfg = make_cfg(**GLOBAL_AUX, moe_router_score_function="sigmoid",
+                       moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01)
+        cfg.training.train_iters, cfg.logging.eval_iters = 3, 0
+        for k, v in ft.items():
+            setattr(cfg.fault_tolerance, k, v)
+        tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
+        losses = [r["loss"] for r in tr.train()]
+        runs.append((losses, [r.expert_bias.clone() for r in routers(tr).values()],
+                     tr.rerun.reruns))
+    (l0, b0, n0), (l1, b1, n1) = runs
+    assert (n0, n1) == (0, 2) and l0 == l1 and len(b0) == 2
+    assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(b0, b1))
+
+
 def test_expert_bias_accepted_under_zero3():
     """FSDP2 keeps the bias whole (tests/parallel/test_fsdp.py: parity with EP and a bias)."""
     cfg = make_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
