@@ -125,12 +125,17 @@ def test_injector_and_comparison_follow_megatron():
     assert relative_difference(1.0, 3.0) == 1.0
 
 
-def test_report_stats_refused_in_one_line(capsys):
+def test_bad_values_refused_in_one_line(capsys, tmp_path):
+    """report_stats (Megatron d98e8a6 itself cannot start with it) and a tracker file in a
+    directory that does not exist: one line, status 2, before training."""
     from loom.cli import main
-    with pytest.raises(SystemExit) as e:
-        main(["train", "--dry-run", *TINY, "--rerun-mode", "report_stats"])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "\n" not in err and "report_stats" in err
+    for argv, words in ((["--dry-run", "--rerun-mode", "report_stats"], "report_stats"),
+                        (["--result-rejected-tracker-filename", str(tmp_path / "no" / "t.txt")],
+                         "--result-rejected-tracker-filename")):
+        with pytest.raises(SystemExit) as e:
+            main(["train", *TINY, *argv])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and "\n" not in err and words in err, err
 
 
 def _pp2_injected() -> dict:
