@@ -130,7 +130,7 @@ class RerunStateMachine:
         self.saved = None
         self.max_values: dict[str, float] = {}
         self.samples: dict[str, int] = {}
-        self.verdict = ""  # what the rerun established (for the exit message)
+        self.verdict = ""  # what the rerun established (said by the rank that compared)
         self.reruns = 0  # iterations rerun in this job (for tests and the summary)
         if tracker_file is not None:
             with open(tracker_file, "a", encoding="utf-8"):
