@@ -142,10 +142,7 @@ NO_EFFECT_ROWS = (
         --log-validation-ppl-to-tensorboard --log-throughput --log-memory-interval
         --log-device-memory-used --verify-integrity --exit-signal-handler-for-training"""),
     *_block(no_effect("validation"), """
-        --no-check-for-nan-in-loss-and-grad --check-weight-hash-across-dp-replicas-interval
-        --check-for-large-grads --check-for-spiky-loss --test-mode"""),
-    ("--rerun-mode", no_effect("validation", refuse={
-        "report_stats": "loom has no rerun statistics of non-deterministic kernels"})),
+        --check-weight-hash-across-dp-replicas-interval --check-for-large-grads --test-mode"""),
     *_block(no_effect("inference_engine"), """
         --inference-cuda-graph-scope --flash-decode --symmetric-ar-type
         --nccl-all-reduce-for-prefill --inference-fuse-tp-communication
@@ -332,12 +329,6 @@ REFUSED_ROWS = (
         --fault-injector-fault-probabilities --fault-injector-fault-delay
         --fault-injector-delay-start-iteration --fault-injector-mtti-seconds
         --fault-injector-offset-seconds --fault-injector-seed"""),
-    *_block(refused("rerun", "Megatron's rerun state machine (it reruns an iteration whose "
-                             "loss check failed to tell a transient from a persistent GPU fault; "
-                             "error injection tests that): loom skips a step with a non-finite "
-                             "gradient norm on every rank, --exit-on-nonfinite N stops, "
-                             "--inject-fault drills failures"), """
-        --error-injection-rate --error-injection-type --result-rejected-tracker-filename"""),
     *_block(refused("nonpersistent"), """
         --non-persistent-save-interval --non-persistent-ckpt-type
         --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir

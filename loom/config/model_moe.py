@@ -161,7 +161,7 @@ class MoEFields:
                               f"sigmoid (top-1) or softmax scores, without it (Megatron ignores "
                               f"it): drop {ignored[0].split()[0]}")
 
-    def check_moe_fields(self, tensor_parallel: int, recompute: bool, zero3: bool = False) -> None:
+    def check_moe_fields(self, tensor_parallel: int, zero3: bool = False) -> None:
         """The router / dispatcher flags' own rules (Megatron's TransformerConfig checks).
         Raises ConfigError naming the flag and a fix."""
         parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
@@ -187,7 +187,3 @@ class MoEFields:
                               "alltoall and --moe-shared-expert-intermediate-size")
         if self.moe_router_load_balancing_type == "sinkhorn":
             self._check_sinkhorn()
-        if self.moe_router_load_balancing_type == "global_aux_loss" and recompute:
-            raise ConfigError("--moe-router-load-balancing-type global_aux_loss keeps a running "
-                              "load that a recomputed forward would not replay: drop "
-                              "--recompute-granularity or use aux_loss / seq_aux_loss")

@@ -228,8 +228,7 @@ def _check_moe(cfg: Any, world_size: int) -> None:
                           f"--expert-tensor-parallel-size {u} and "
                           f"--moe-shared-expert-intermediate-size {shared} by "
                           f"--tensor-model-parallel-size {t}")
-    m.check_moe_fields(t, cfg.training.recompute_granularity is not None,
-                       cfg.training.zero_stage == 3 or cfg.training.use_torch_fsdp2)
+    m.check_moe_fields(t, cfg.training.zero_stage == 3 or cfg.training.use_torch_fsdp2)
     if c > 1 and m.moe_expert_capacity_factor is not None:
         raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1 would "
                           "drop tokens per sequence shard: use dropless routing (omit the "
