@@ -41,7 +41,9 @@ MISSING = {
     "global_aux_loss keeps a running load that a recomputed forward would not replay": [
         "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph_1node",
         "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph"],
-    "--attention-output-gate: loom has no gated attention output": [  # Qwen3-Next with GDN
+    # Qwen3-Next: the gate and Gated DeltaNet layers train (tests/models/test_qwen3_next.py);
+    # the cases ask Megatron's checkpoint format, whose GDN layout loom does not write
+    "--ckpt-format torch_dist: loom does not write Megatron's Gated DeltaNet layout": [
         "gpt3_mcore_te_tp2_pp1_gdn", "gpt3_mcore_te_tp2_pp1_gdn_1node",
         "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_async", "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_async_mcore",
         "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_sync"],
