@@ -70,12 +70,12 @@ class GatedDeltaNetFields:
                                          "--linear-attention-freq")[layer_number])
 
 
-def check_gdn(m: Any, tp: int, cp: int, ckpt_format: str) -> None:
+def check_gdn(m: Any, tp: int, cp: int) -> None:
     """Refuse output-gate / Gated DeltaNet flags that do not fit (``tp``, ``cp``: the parallel
-    sizes; ``ckpt_format``: ``--ckpt-format``): Megatron's own rules (a layer pattern is
-    needed, value heads a multiple of key heads, both divisible by t x c; no gate with MLA),
-    and what loom lacks (GDN2, GDN under context parallelism or in another family, Megatron's
-    checkpoint layout of these layers). Raises ConfigError naming the flag and a fix."""
+    sizes): Megatron's own rules (a layer pattern is needed, value heads a multiple of key
+    heads, both divisible by t x c; no gate with MLA; SiLU), and what loom lacks (GDN2, GDN
+    under context parallelism, with MTP or in another family). Raises ConfigError naming the
+    flag and a fix."""
     if m.apply_wd_to_qk_layernorm and m.qk_layernorm:
         raise ConfigError("--apply-wd-to-qk-layernorm with --qk-layernorm: loom decays no norm "
                           "weights; drop --apply-wd-to-qk-layernorm")
@@ -96,9 +96,6 @@ def check_gdn(m: Any, tp: int, cp: int, ckpt_format: str) -> None:
         if m.linear_attention_freq is not None:
             raise ConfigError("--linear-attention-freq places Gated DeltaNet layers: add "
                               "--experimental-attention-variant gdn or drop it")
-        if m.attention_output_gate and ckpt_format == "torch_dist":
-            raise ConfigError("--ckpt-format torch_dist: loom does not write Megatron's gated "
-                              "QKV layout yet: drop --ckpt-format (loom_dcp)")
         return
     if m.model_type != "gpt":
         raise ConfigError(f"--experimental-attention-variant {variant} builds GPT layers; "
@@ -132,6 +129,3 @@ def check_gdn(m: Any, tp: int, cp: int, ckpt_format: str) -> None:
     if cp > 1:
         raise ConfigError("--context-parallel-size > 1 with Gated DeltaNet layers: loom has no "
                           "context-parallel delta rule; use --context-parallel-size 1")
-    if ckpt_format == "torch_dist":
-        raise ConfigError("--ckpt-format torch_dist: loom does not write Megatron's Gated "
-                          "DeltaNet layout yet: drop --ckpt-format (loom_dcp)")

@@ -360,7 +360,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
     check_bert(m, cp)
     check_gemma3(m)
     check_mla(m, tp, cp, pp)
-    check_gdn(m, tp, cp, t.ckpt_format)
+    check_gdn(m, tp, cp)
     check_gptoss(m, tp, cp)
     check_mup(m)
     check_context_parallel(m, p)

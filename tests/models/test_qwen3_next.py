@@ -120,14 +120,13 @@ def test_gated_delta_net_matches_transformers():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _validate(model: ModelConfig, tp: int = 1, **training):
+def _validate(model: ModelConfig, tp: int = 1, cp: int = 1):
     cfg = LoomConfig(model=model)
     cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.context_parallel_size = cp
     cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, 2
     cfg.training.lr, cfg.training.train_iters = 1e-3, 3
-    for k, v in training.items():
-        setattr(cfg.training, k, v)
-    return cfg.validate(tp)
+    return cfg.validate(tp * cp)
 
 
 def test_layer_pattern_and_config_rules():
@@ -148,8 +147,8 @@ def test_layer_pattern_and_config_rules():
             _validate(tiny(**{**GDN, **bad}))
     with pytest.raises(ConfigError, match="--linear-num-key-heads 2 must be a multiple"):
         _validate(tiny(**GDN, num_query_groups=4), tp=4)
-    with pytest.raises(ConfigError, match="torch_dist"):
-        _validate(tiny(**GDN), ckpt_format="torch_dist")
+    with pytest.raises(ConfigError, match="--context-parallel-size 1"):
+        _validate(tiny(**GDN), cp=2)
     with pytest.raises(ConfigError, match="--apply-wd-to-qk-layernorm"):
         _validate(tiny(qk_layernorm=True, apply_wd_to_qk_layernorm=True))
     with pytest.raises(ConfigError, match="--experimental-attention-variant gdn"):
