@@ -3,7 +3,8 @@
 
 One spawned world of 2 gloo ranks runs every case: for GPT-2 (LayerNorm, learned positions,
 GeLU, biases, tied embeddings), LLaMA with GQA (RMSNorm, RoPE, SwiGLU, untied), LLaMA with
-QK-layernorm, at TP=1 and TP=2, and MoE (4 experts, top-2, auxiliary load-balancing loss,
+QK-layernorm, LLaMA with the gated attention output (``--attention-output-gate``, Qwen3-Next's; at TP=2 only),
+at TP=1 and TP=2, and MoE (4 experts, top-2, auxiliary load-balancing loss,
 shared expert) at TP=1, Megatron-Core builds ``GPTModel`` (local layer spec), saves it with
 ``dist_checkpointing`` and loom reads that checkpoint into its own model at the same TP; then
 logits, loss and every gradient (Megatron's gathered over TP and read into loom's layout) agree
@@ -42,11 +43,14 @@ STYLES = {
     "gpt2": ModelConfig.gpt2(**BASE),
     "llama_gqa": ModelConfig.llama(**BASE, num_query_groups=2),
     "qk_layernorm": ModelConfig.llama(**BASE, num_query_groups=2, qk_layernorm=True),
+    "gated": ModelConfig.llama(**BASE, num_query_groups=2, attention_output_gate=True),
     "moe": ModelConfig.llama(**BASE, num_query_groups=2, num_experts=4, moe_router_topk=2,
                              moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01,
                              moe_shared_expert_intermediate_size=32),
 }
-CASES = [(s, tp) for tp in (1, 2) for s in STYLES if not (s == "moe" and tp == 2)]
+CASES = [(s, tp) for tp in (1, 2) for s in STYLES
+         if not (s == "moe" and tp == 2) and not (s == "gated" and tp == 1)]  # (gate: TP=2's
+#                                               per-group split is the layout to check)
 # eps 1e-5, not Megatron's default 1e-8: Adam's first step is lr g / (|g| + eps), and where a
 # gradient is zero in exact arithmetic (the key bias: softmax ignores a constant added to every
 # score; QK-normed keys' directions) both sides hold rounding residues ~1e-9, which eps 1e-8
