@@ -53,7 +53,8 @@ FAMILIES = {
              "decoder.layers.0.self_attention.conv1d.weight.value",
              "decoder.layers.0.self_attention.A_log", "decoder.layers.0.self_attention.out_norm.weight",
              "decoder.layers.1.self_attention.linear_qkv.weight",
-             "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"]),
+             "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+             "decoder.final_layernorm.weight"]),  # a GPT stack's name, though per layer
     "hybrid": ("mamba", ModelConfig.llama(**{**TINY, "num_layers": 4}, model_type="mamba",
                                           num_query_groups=2, hybrid_override_pattern="M*-M",
                                           mamba_state_dim=8, mamba_head_dim=8,

@@ -180,18 +180,23 @@ def per_layer_key(name: str, attention: str = "mha") -> str:
     return sources(name, attention)[0].key
 
 
-def write_sources(name: str, attention: str, stacked: bool, moe_layer: bool = False
-                  ) -> list[Source]:
+def write_sources(name: str, attention: str, stacked: bool, moe_layer: bool = False,
+                  mamba_stack: Optional[bool] = None) -> list[Source]:
     """The keys a writer gives loom's ``name``: Megatron-Core's ``torch_dist`` spelling first
     (``stacked``: the GPT ``TransformerBlock``'s ``[L, ...]`` keys, experts ``[L, E, ...]``;
     else the Mamba stack's per-layer keys, its in-projection and conv in parts), then the other
     spec's spelling where the two differ: an MoE layer's pre-MLP norm (``moe_layer``: the
     Transformer Engine spec's ``pre_mlp_layernorm``, the local spec's fused-norm name) and
-    MLA's latent norms, so either layer spec's ``GPTModel`` finds its key."""
+    MLA's latent norms, so either layer spec's ``GPTModel`` finds its key. ``mamba_stack``
+    (default: not ``stacked``): the stack is Megatron's Mamba stack, whose final norm is
+    ``final_norm`` (a GPT stack keyed per layer, with Gated DeltaNet layers, keeps
+    ``final_layernorm``)."""
     m = _LAYER.match(name)
     cands = sources(name, attention)
+    if mamba_stack is None:
+        mamba_stack = not stacked
     if not m:  # the Mamba stack's final norm is ``final_norm``
-        return cands[1:2] if name.startswith("final_layernorm.") and not stacked else cands[:1]
+        return cands[1:2] if name.startswith("final_layernorm.") and mamba_stack else cands[:1]
     per_layer = f"decoder.layers.{m[1]}."
     split = bool(_parts(m[2]))
     keep = [s for s in cands

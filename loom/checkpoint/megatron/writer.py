@@ -130,7 +130,8 @@ def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
             t = _repad(t, rows)
         layer = re.match(r"^layers\.(\d+)\.", name)
         moe = bool(layer) and cfg.is_moe_layer(int(layer[1]))
-        for src in write_sources(name, attention, stacked=not per_layer, moe_layer=moe):
+        for src in write_sources(name, attention, stacked=not per_layer, moe_layer=moe,
+                                 mamba_stack=pattern is not None):
             dims = _put(chunks, sizes, src, t, L, E, cfg)
             if objects is not None and src.key.endswith(".weight"):
                 objects[extra_state_key(src.key[:-len(".weight")], src.index, dims)] = [None]
