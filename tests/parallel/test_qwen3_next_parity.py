@@ -1,7 +1,8 @@
 """Parity rows of Qwen3-Next's attention (tests/models/test_qwen3_next.py has the math against
 transformers): TP=2 + SP equals one rank, loss and every gradient over 3 steps (fp32, rtol
 1e-5), for the gated attention output alone and for Gated DeltaNet layers between gated
-attention layers; one spawned 2-rank world for both."""
+attention layers; one spawned 2-rank world for both (Megatron-Core's own GatedDeltaNet against
+loom's: tests/models/test_megatron_reference.py)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,4 @@ def test_tp2_sp_parity_gated_delta_net(results):
         assert r["shapes"]["layers.0.self_attention.conv1d.weight"] == (28, 1, 3)
         assert not r["errors"], r["errors"][:5]
         assert r["compared"] > 20, r
+
