@@ -74,16 +74,36 @@ def test_gated_attention_matches_transformers():
     assert ungated.linear_qkv.weight.shape[0] == loom.linear_qkv.weight.shape[0] - a * d
 
 
-def test_delta_rule_matches_transformers_fallbacks():
-    """loom's token-by-token gated delta rule equals transformers' recurrent and chunked
-    torch fallbacks (GQA-style value heads, L2-normalized queries and keys)."""
+def _token_by_token(q, k, v, g, beta):
+    """The recurrence as written (the test's own reference)."""
+    state = torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    out = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state)) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("chunk", [64, 4, 5])
+def test_delta_rule_matches_transformers_fallbacks(chunk):
+    """loom's chunked gated delta rule (one chunk, or several with padding) equals the
+    token-by-token recurrence and transformers' recurrent and chunked torch fallbacks (GQA-style
+    value heads, L2-normalized queries and keys), gradients included."""
     torch.manual_seed(1)
     b, s, h, dk, dv = 2, 11, 3, 5, 4
     q, k = (l2_normalize(torch.randn(b, s, h, dk)) for _ in "qk")
     v = torch.randn(b, s, h, dv)
     g = -torch.rand(b, s, h) * 2
     beta = torch.rand(b, s, h)
-    got = gated_delta_rule(q * dk ** -0.5, k, v, g, beta)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    got = gated_delta_rule(q * dk ** -0.5, k, v, g, beta, chunk_size=chunk)
+    mine = _token_by_token(q * dk ** -0.5, k, v, g, beta)
+    torch.testing.assert_close(got, mine, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(got.square().sum(), leaves)
+    for want_g, got_g in zip(torch.autograd.grad(mine.square().sum(), leaves), grads):
+        torch.testing.assert_close(got_g, want_g, rtol=1e-5, atol=1e-6)
     for ref in (hf_next.torch_recurrent_gated_delta_rule, hf_next.torch_chunk_gated_delta_rule):
         want, _ = ref(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=False,
                       **({"chunk_size": 4} if "chunk" in ref.__name__ else {}))

@@ -17,7 +17,7 @@ Sizes: ``nk`` key heads of ``dk`` (``--linear-num-key-heads``, ``--linear-key-he
    strength ``beta_t = sigmoid(beta_t)`` (fp32);
 5. the gated delta rule on a state ``S [dk, dv]`` from zero:
    ``S <- exp(g_t) S``, ``S <- S + beta_t k_t (v_t - S^T k_t)^T``, ``o_t = S^T q_t``
-   (:func:`gated_delta_rule`);
+   (:func:`gated_delta_rule`, in chunks of 64 tokens as Megatron's kernels);
 6. ``o`` normalized per head (``out_norm`` over dv: ``--normalization``, weight shared by the
    heads) times ``silu(Z)`` (fp32, cast back), then ``out_proj`` (``nv dv -> h``).
 
@@ -54,23 +54,49 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule, token by token in fp32: ``q, k [b, s, H, dk]`` (q already scaled),
-    ``v [b, s, H, dv]``, ``g`` (log-decay) and ``beta [b, s, H]`` -> ``o [b, s, H, dv]`` in
-    v's dtype. The state ``S [b, H, dk, dv]`` starts at zero; per token
-    ``S <- exp(g) S``, ``S <- S + beta k (v - S^T k)^T``, ``o = S^T q``."""
+                     beta: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """The gated delta rule, computed in float64: ``q, k [b, s, H, dk]`` (q already scaled), ``v [b, s, H,
+    dv]``, ``g`` (log-decay) and ``beta [b, s, H]`` -> ``o [b, s, H, dv]`` in v's dtype. The
+    state ``S [dk, dv]`` starts at zero; per token ``S <- exp(g) S``,
+    ``S <- S + beta k (v - S^T k)^T``, ``o = S^T q``.
+
+    Computed a chunk of C tokens at a time (C = ``chunk_size``; Yang et al. 2024, sec. 3.3):
+    with ``G`` the cumulative log-decay inside the chunk, ``D_tj = exp(G_t - G_j)`` (j <= t)
+    and ``S0`` the state entering it, the writes ``u_j = beta_j (v_j - S_{j}'^T k_j)`` solve
+    the unit lower-triangular system ``(I + A) U = beta V - beta exp(G) K S0`` with
+    ``A_tj = beta_t D_tj k_t.k_j`` (j < t); then ``O = exp(G) Q S0 + (D * Q K^T) U`` and the
+    state leaving is ``exp(G_C) S0 + (exp(G_C - G) K)^T U``: the token-by-token recurrence
+    exactly, with C times fewer sequential steps."""
     dtype = v.dtype
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    b, s, heads, dk = k.shape
+    q, k, v, g, beta = (t.double().transpose(1, 2) for t in (q, k, v, g, beta))  # [b, H, s, .]
+    b, heads, s, dk = k.shape
+    c = min(chunk_size, s)
+    pad = -s % c
+    if pad:  # zero tokens at the end: nothing written, outputs dropped
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (s + pad) // c
+    q, k, v = (t.reshape(b, heads, n, c, -1) for t in (q, k, v))
+    cum = g.reshape(b, heads, n, c).cumsum(-1)  # G
+    beta = beta.reshape(b, heads, n, c, 1)
+    ones = torch.ones(c, c, dtype=torch.bool, device=k.device)
+    diff = cum[..., :, None] - cum[..., None, :]  # G_t - G_j
+    decay = diff.masked_fill(~ones.tril(), float("-inf")).exp()  # D, zero above the diagonal
+    a = (beta * (k @ k.transpose(-1, -2)) * decay).masked_fill(~ones.tril(-1), 0.0)
+    eye = torch.eye(c, dtype=k.dtype, device=k.device)
+    w = torch.linalg.solve_triangular(eye + a, beta * v, upper=False, unitriangular=True)
+    kw = torch.linalg.solve_triangular(eye + a, beta * cum.exp()[..., None] * k, upper=False,
+                                       unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    leave = (cum[..., -1:] - cum).exp()[..., None] * k  # exp(G_C - G_j) k_j
     state = k.new_zeros(b, heads, dk, v.shape[-1])
     out = []
-    for t in range(s):
-        state = state * g[:, t].exp()[..., None, None]
-        remembered = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
-        delta = (v[:, t] - remembered) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    return torch.stack(out, dim=1).to(dtype)
+    for i in range(n):
+        u = w[:, :, i] - kw[:, :, i] @ state
+        out.append(cum[:, :, i, :, None].exp() * (q[:, :, i] @ state) + qk[:, :, i] @ u)
+        state = cum[:, :, i, -1, None, None].exp() * state + leave[:, :, i].transpose(-1, -2) @ u
+    o = torch.stack(out, dim=2).reshape(b, heads, n * c, -1)[:, :, :s]
+    return o.transpose(1, 2).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
