@@ -173,3 +173,15 @@ def test_layer_pattern_and_config_rules():
         _validate(tiny(qk_layernorm=True, apply_wd_to_qk_layernorm=True))
     with pytest.raises(ConfigError, match="--experimental-attention-variant gdn"):
         _validate(tiny(linear_attention_freq="2"))
+
+
+def test_muon_splits_the_gated_qkv_in_four():
+    """--optimizer muon (--muon-split-qkv): the gated fused projection is orthogonalized per
+    block [Q; G; K; V], as Megatron's split shapes [q, gate, k, v] with the output gate."""
+    from types import SimpleNamespace
+
+    from loom.parallel.registry import ShardSpec
+    from loom.training.muon import matrix_info
+    segs = (32, 32, 16, 16)
+    meta = SimpleNamespace(shard=ShardSpec(0, segs))
+    assert matrix_info("layers.0.self_attention.linear_qkv.weight", meta, None).qkv == segs
