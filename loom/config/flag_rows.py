@@ -82,7 +82,9 @@ _IMPLEMENTED = words("""
 --mup-embedding-mult --mup-output-mult --mup-base-head-dim --mup-attn-scale-power --muon-momentum
 --muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec --muon-coefficient-type
 --muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
---eval-global-batch-size --eval-micro-batch-size
+--eval-global-batch-size --eval-micro-batch-size --attention-output-gate --linear-attention-freq
+--linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim --linear-num-key-heads
+--linear-num-value-heads --apply-wd-to-qk-layernorm
 --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
 --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 --rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename
@@ -202,6 +204,14 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--no-check-for-nan-in-loss-and-grad": field(note="dest check_for_nan_in_loss_and_grad="
                                                       "True; the loss check (gradients: "
                                                       "the non-finite norm skips the step)"),
+    "--experimental-attention-variant": field(
+        note="gated_delta_net is Megatron's deprecated spelling of gdn", refuse={
+            "dsa": "loom has no DeepSeek sparse attention",
+            "gdn2": "loom has no Gated DeltaNet-2 (channel-wise decay): use gdn"}),
+    "--linear-attention-freq": field(note="loom holds the text (an int N, or a list such as "
+                                          "([1]*3+[0])*2)"),
+    "--apply-wd-to-qk-layernorm": field(note="refused with --qk-layernorm (loom decays no norm "
+                                             "weights); without it there are none to decay"),
     "--optimizer": field(note="adam: AdamW (decoupled weight decay); sgd: torch SGD; muon: "
                               "Megatron's Muon with AdamW for the rest; dist_muon: muon with "
                               "--use-distributed-optimizer", refuse={

@@ -236,12 +236,7 @@ REFUSED_ROWS = (
         --export-moe-apply-probs-on-input --export-offline-model --modelopt-enabled"""),
     *_block(refused("optimizers"), "--lion-beta1 --lion-beta2"),
     *_block(refused("linear_attention"), """
-        --linear-conv-kernel-dim --linear-key-head-dim
-        --linear-value-head-dim --linear-num-key-heads --linear-num-value-heads
-        --linear-attention-freq --gdp-num-householder --gdp-cutedsl-kernel
-        --gdp-num-chunk-states-to-recompute"""),
-    ("--experimental-attention-variant", refused("linear_attention", refuse={
-        "dsa": "loom has no DeepSeek sparse attention"})),
+        --gdp-num-householder --gdp-cutedsl-kernel --gdp-num-chunk-states-to-recompute"""),
     *_block(refused("dsa"), """
         --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-topk-freq
         --dsa-indexer-skip-topk-offset --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
@@ -272,7 +267,6 @@ REFUSED_ROWS = (
     ("--qk-clip", _no("QK-clip of attention logits (MuonClip)")),
     ("--qk-clip-alpha", _no("QK-clip of attention logits (MuonClip)")),
     ("--qk-clip-threshold", _no("QK-clip of attention logits (MuonClip)")),
-    ("--attention-output-gate", _no("gated attention output (Qwen3-Next)")),
     ("--embedding-init-method-std", _no("separate initialization std of the embeddings")),
     ("--init-method-xavier-uniform", _no("Xavier-uniform initialization")),
     ("--data-parallel-random-init", _no("different initial weights per data-parallel replica")),
@@ -291,8 +285,6 @@ REFUSED_ROWS = (
     ("--use-rope-scaling", _no("Llama 3.1 RoPE frequency scaling")),
     ("--rope-scaling-factor", _no("Llama 3.1 RoPE frequency scaling")),
     ("--no-rope-freq", _no("NoPE layers (RoPE skipped every N-th layer)")),
-    ("--apply-wd-to-qk-layernorm", _no("weight decay on the QK-LayerNorm weights (loom "
-                                       "decays no norm weights)")),
     ("--no-weight-decay-cond-type", _no("another weight-decay rule (loom decays no norms or "
                                         "biases)")),
     ("--freeze-all-layers", refused("training_options", "frozen layers")),

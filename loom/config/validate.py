@@ -18,6 +18,7 @@ from loom.config.families import (check_bert, check_gemma3, check_mamba,
 from loom.config.fault_spec import parse_fault
 from loom.config.fields import flag
 from loom.config.model_gptoss import check_gptoss
+from loom.config.model_gdn import check_gdn
 from loom.config.model_mla import check_mla
 from loom.config.model_mup import check_mup
 from loom.config.parallel_cp import check_context_parallel
@@ -358,6 +359,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
     check_bert(m, cp)
     check_gemma3(m)
     check_mla(m, tp, cp, pp)
+    check_gdn(m, tp, cp)
     check_gptoss(m, tp, cp)
     check_mup(m)
     check_context_parallel(m, p)
