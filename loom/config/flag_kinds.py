@@ -65,7 +65,8 @@ REFUSED = MappingProxyType({
     "dsa": "DeepSeek sparse attention",
     "mhc": "manifold-constrained hyper-connections",
     "heterogeneous": "heterogeneous per-layer configurations",
-    "sft": "supervised fine-tuning data (conversations, chat templates)",
+    "sft": "chat template given as text (SFTTokenizer's template is "
+           "--sft-tokenizer-prompt-format's)",
     "doc_masking": "document-boundary masking (positions and attention reset at end of "
                    "document)",
     "schedules": "warmup-stable-decay and inverse-square-root learning-rate schedules, "

@@ -77,7 +77,8 @@ _IMPLEMENTED = words("""
 --no-barrier-with-level-1-timing --log-memory-to-tensorboard --deterministic-mode --sgd-momentum
 --profile --profile-step-start --profile-step-end --use-pytorch-profiler
 --pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --record-memory-history
---memory-snapshot-path --save-retain-interval --optimizer --profile-ranks
+--memory-snapshot-path --save-retain-interval --optimizer --profile-ranks --sft
+--sft-tokenizer-prompt-format
 --yarn-correction-range-round-to-int --rotary-interleaved --use-mup --mup-base-hidden-size
 --mup-embedding-mult --mup-output-mult --mup-base-head-dim --mup-attn-scale-power --muon-momentum
 --muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec --muon-coefficient-type
@@ -179,6 +180,9 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
              "torch_dcp and fsdp_dtensor write loom_dcp (said at start); --load reads every "
              "format, detected"),
     "--eod-mask-loss": field(note="GPT-style families; input tokens == eod"),
+    "--sft": field(note="loom.data.sft: one conversation per JSONL line (a line of "
+                        "several is refused: loom has no per-conversation attention)"),
+    "--sft-tokenizer-prompt-format": field(note="a str in Megatron; its four formats"),
     "--moe-token-drop-policy": field(note="position refused"),
     "--mamba-num-heads": field(note="d_inner = heads x --mamba-head-dim, any h"),
     "--window-size": field(note="loom holds the text 'LEFT,RIGHT'"),
@@ -190,9 +194,8 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
         "WSD": "loom has no warmup-stable-decay schedule: use cosine, linear or constant"}),
     "--tokenizer-type": field(refuse={
         "MultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)",
-        "NullMultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)",
-        "SFTTokenizer": "loom has no SFT (chat-template) tokenizer: tokenize the data with "
-                        "`loom preprocess`"}),
+        "NullMultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)"},
+        note="SFTTokenizer: with --sft (loom.data.sft)"),
     "--num-virtual-stages-per-pipeline-rank": field(
         note="sets --num-layers-per-virtual-pipeline-stage L / (p v)"),
     "--yarn-correction-range-round-to-int": field(default=True, note=(

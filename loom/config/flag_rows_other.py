@@ -247,7 +247,7 @@ REFUSED_ROWS = (
         --mhc-init-gating-factor --mhc-recompute-layer-num"""),
     *_block(refused("heterogeneous"), """
         --heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"""),
-    *_block(refused("sft"), "--sft --sft-tokenizer-prompt-format --chat-template"),
+    ("--chat-template", refused("sft")),
     *_block(refused("doc_masking"), """
         --reset-position-ids --reset-attention-mask --dataloader-inter-document-masking"""),
     *_block(refused("schedules"), """

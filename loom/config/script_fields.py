@@ -142,6 +142,14 @@ class DataScriptFields:
     eod_mask_loss: bool = opt(False, "no loss where the input token is the end-of-document id "
                                      "(Megatron's rule; each micro-batch averages over the "
                                      "rest); GPT-style families")
+    sft: bool = opt(False, "supervised fine-tuning: --data-path is a JSONL file of conversations "
+                           "({\"messages\": [{\"role\", \"content\"}]}, one per line), "
+                           "tokenized by --tokenizer-type SFTTokenizer; the loss covers the "
+                           "assistant turns only (loom.data.sft)")
+    sft_tokenizer_prompt_format: str = opt(
+        "nemotron-h-aligned", "SFTTokenizer's chat template: nemotron-h-aligned, "
+                              "nemotron-nano-v2, identity, or default (the tokenizer's own, "
+                              "every token in the loss)")
 
 
 @dataclass

@@ -39,7 +39,7 @@ RecomputeMethod = Literal["uniform", "block"]
 TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
                         "BertWordPieceLowerCase", "BertWordPieceCase", "Llama2Tokenizer",
                         "GPTSentencePieceTokenizer", "SentencePieceTokenizer", "TikTokenizer",
-                        "NullTokenizer"]
+                        "NullTokenizer", "SFTTokenizer"]
 
 
 @dataclass

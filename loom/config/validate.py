@@ -297,6 +297,32 @@ def _resolve_training(cfg: Any, world_size: int) -> None:
         raise ConfigError("--data-path and --train-data-path both give the training data: use "
                           "--data-path with --split, or the separate --train/valid/test-data-path")
     _check_fim(d)
+    check_sft(d)
+
+
+SFT_PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "default")
+"""Megatron-LM d98e8a6's SFTTokenizer prompt formats (their templates: loom.data.sft)."""
+
+
+def check_sft(data: Any) -> None:
+    """Megatron's ``--sft`` pairing: the SFT dataset tokenizes conversations with
+    ``--tokenizer-type SFTTokenizer`` (no other tokenizer can), from a JSONL file (no mock
+    conversations at d98e8a6), with a known ``--sft-tokenizer-prompt-format``. ConfigError
+    naming the flag. The data: :mod:`loom.data.sft`."""
+    if data.sft_tokenizer_prompt_format not in SFT_PROMPT_FORMATS:
+        raise ConfigError(f"--sft-tokenizer-prompt-format {data.sft_tokenizer_prompt_format}: "
+                          f"unknown; choose one of {', '.join(SFT_PROMPT_FORMATS)}")
+    sft_tok = data.tokenizer_type == "SFTTokenizer"
+    if data.sft and not sft_tok:
+        raise ConfigError("--sft needs --tokenizer-type SFTTokenizer --tokenizer-model DIR (the "
+                          "chat template that tokenizes the conversations)")
+    if sft_tok and not data.sft:
+        raise ConfigError("--tokenizer-type SFTTokenizer tokenizes conversations: give --sft "
+                          "with a JSONL --data-path (pretraining data: --tokenizer-type "
+                          "HuggingFaceTokenizer)")
+    if data.sft and data.mock_data:
+        raise ConfigError("--sft with --mock-data: the SFT dataset reads conversations "
+                          "(Megatron has no mock ones either); give --data-path FILE.jsonl")
 
 
 def _check_fim(data: Any) -> None:

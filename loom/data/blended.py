@@ -210,6 +210,9 @@ def blend_vocab_size(data: Any) -> Optional[int]:
     of different sizes (a blend needs one tokenizer).
     """
     from loom.data.preprocess import read_meta
+    if getattr(data, "sft", False):  # JSONL conversations: V is the SFT tokenizer's
+        from loom.data.sft import sft_tokenizer
+        return sft_tokenizer(data).vocab_size
     seen: dict[int, str] = {}
     for flag, p in data_prefixes(data):
         try:

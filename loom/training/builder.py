@@ -176,7 +176,11 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     save_interval = checkpoint_interval(cfg, world_size, model.groups.params)
     checkpointer = Checkpointer(cfg, mesh, world_size, model.chunks, optimizer, scheduler,
                                 model.tracker, family)
-    datasets = family.datasets(cfg)
+    if cfg.data.sft:  # conversations, loss on the assistant turns (loom.data.sft)
+        from loom.data.sft import sft_datasets
+        datasets = sft_datasets(cfg.data, cfg.model.seq_length)
+    else:
+        datasets = family.datasets(cfg)
     checkpointer.saver.opened()  # the data's identity as opened, recorded by every save
     if cfg.data.eod_mask_loss:  # Megatron's loss mask at end-of-document input tokens
         from loom.data.loss_mask import EodLossMask, end_of_document_id

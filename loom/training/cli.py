@@ -29,6 +29,7 @@ from loom.checkpoint.safety import (check_checkpoint_files, remove_partial_check
 from loom.config import LoomConfig, ModelConfig, add_config_arguments, config_from_args
 from loom.config.args import read_yaml_config
 from loom.config.fields import flag as flag_of
+from loom.config.validate import check_sft
 from loom.data.blended import blend_vocab_size, build_datasets, data_prefixes
 from loom.data.checks import check_dataset, check_model_family
 from loom.data.preprocess import load_tokenizer_for, read_meta
@@ -107,6 +108,19 @@ def _check_data(cfg: LoomConfig) -> None:
     if train is None and not cfg.training.skip_train:
         raise ConfigError(f"--split {d.split} leaves no training documents of --data-path "
                           f"{d.data_path}: give the first (train) weight a positive share")
+
+
+def _check_sft_data(cfg: LoomConfig) -> None:
+    """``--sft``: every JSONL file read (loom.data.sft.read_conversations' refusals), the
+    first training conversation tokenized, the training set non-empty."""
+    from loom.data.sft import sft_datasets
+    train, _, _ = sft_datasets(cfg.data, cfg.model.seq_length)
+    if train is None and not cfg.training.skip_train:
+        raise ConfigError(f"--split {cfg.data.split} leaves no training conversations of "
+                          f"--data-path {cfg.data.data_path}: give the first (train) weight a "
+                          f"positive share")
+    if train is not None:
+        train[0]
 
 
 def _check_tokenizer_files(cfg: LoomConfig) -> None:
@@ -214,6 +228,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     world = dry_run_world(args, flags) if getattr(args, "dry_run", False) else \
         world_size_from_env()
     d = flags.data
+    check_sft(d)  # before the data is read as an indexed dataset
     named = d.data_path or d.train_data_path or (flags.training.skip_train and (
         d.valid_data_path or d.test_data_path))
     if not d.mock_data and not named:
@@ -257,7 +272,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     flags = resolve_vocab(LoomConfig.from_flat(flat))
     cfg = flags.validate(world)
     if named and not d.mock_data:
-        _check_data(cfg)
+        _check_sft_data(cfg) if d.sft else _check_data(cfg)
     check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
     if not getattr(args, "dry_run", False):
         refuse_unimplemented(cfg)

@@ -16,8 +16,9 @@ def refuse_unimplemented(cfg: LoomConfig) -> None:
     """Refuse a training run with a Megatron flag whose effect loom does not implement
     (a batch-size ramp: ``--rampup-batch-size``, a ``--step-batch-size-schedule`` of several
     sizes; ``--calculate-per-token-loss`` for a family whose micro-batches hold different
-    numbers of loss tokens; ``--eod-mask-loss`` for a family whose forward step is not GPT's,
-    or with multi-token prediction, or without a known end-of-document id). Raises
+    numbers of loss tokens; ``--eod-mask-loss`` or ``--sft`` for a family whose forward step is
+    not GPT's, or with multi-token prediction; ``--eod-mask-loss`` without a known
+    end-of-document id, or with ``--sft``). Raises
     ConfigError naming the flag and what to do."""
     from loom.models import get_family
     from loom.models.family import next_token_windows
@@ -33,19 +34,23 @@ def refuse_unimplemented(cfg: LoomConfig) -> None:
     if t.calculate_per_token_loss and family.datasets is not next_token_windows:
         todo.append(f"--calculate-per-token-loss with --model-type {cfg.model.model_type}, "
                     f"whose micro-batches hold different numbers of loss tokens (drop it)")
-    if cfg.data.eod_mask_loss:
+    masked = "--sft" if cfg.data.sft else "--eod-mask-loss" if cfg.data.eod_mask_loss else None
+    if masked:
         from loom.data.loss_mask import end_of_document_id
         from loom.models.gpt.model import forward_step as gpt_step
         if family.forward_step is not gpt_step:  # the step that hands loss_mask to lm_loss
-            todo.append(f"--eod-mask-loss with --model-type {cfg.model.model_type}, whose "
+            todo.append(f"{masked} with --model-type {cfg.model.model_type}, whose "
                         f"forward step does not read the loss mask (drop it)")
         elif t.calculate_per_token_loss:
-            todo.append("--calculate-per-token-loss with --eod-mask-loss: micro-batches then "
-                        "hold different numbers of loss tokens (drop one)")
+            todo.append(f"--calculate-per-token-loss with {masked}: micro-batches then "
+                        f"hold different numbers of loss tokens (drop one)")
         elif cfg.model.mtp_num_layers:
-            todo.append("--eod-mask-loss with --mtp-num-layers: the multi-token prediction "
-                        "loss is not masked (drop one)")
-        else:
+            todo.append(f"{masked} with --mtp-num-layers: the multi-token prediction "
+                        f"loss is not masked (drop one)")
+        elif cfg.data.sft and cfg.data.eod_mask_loss:
+            todo.append("--eod-mask-loss with --sft: the SFT loss mask is the conversations' "
+                        "(drop --eod-mask-loss)")
+        elif not cfg.data.sft:
             end_of_document_id(cfg.data, cfg.model.vocab_size)  # refused without one
     if todo:
         raise ConfigError("not implemented in loom yet (a --dry-run accepts them): "

@@ -1,6 +1,6 @@
 """``loom train --tokenizer-type`` (Megatron's flag at train time) is checked against the
 tokenizer stored with the data: accepted when it agrees, refused naming both when it does not
-(issue 15 item 5); the config's choices are preprocess's."""
+(issue 15 item 5); the config's choices are preprocess's (and SFTTokenizer)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def run(argv, capsys):
 
 
 def test_choices_are_preprocess_choices():
-    assert typing.get_args(TokenizerType) == TOKENIZER_TYPES
+    """Plus SFTTokenizer: it tokenizes --sft's conversations as training reads them
+    (loom.data.sft), not a `loom preprocess` tokenizer."""
+    assert typing.get_args(TokenizerType) == TOKENIZER_TYPES + ("SFTTokenizer",)
 
 
 def test_train_time_tokenizer_type_checked_against_the_data(tmp_path, capsys):
