@@ -149,7 +149,7 @@ class DataScriptFields:
     sft_tokenizer_prompt_format: str = opt(
         "nemotron-h-aligned", "SFTTokenizer's chat template: nemotron-h-aligned, "
                               "nemotron-nano-v2, identity, or default (the tokenizer's own, "
-                              "every token in the loss)")
+                              "every token in the loss)", metavar="FORMAT")
 
 
 @dataclass
