@@ -28,8 +28,8 @@ import torch
 from loom.config import LoomConfig
 from testkit import logged_losses, run_distributed, torchrun_train
 from testkit.config import PRE_ISSUE_21, tiny_config
+from testkit.numerics import PARITY_RTOL
 
-RTOL = 1e-5
 SAVED_AT, MORE = 4, 4
 
 
@@ -99,11 +99,11 @@ def test_resharding_through_dcp(tmp_path):
     res["2,1,1"] = run_distributed(2, _resume_world, str(tmp_path), 2, 1, 1,
                                    start_method="fork")[0]
     for layout in ("4,1,2", "1,2,4", "1,4,2", "1,1,8,zero", "2,1,1"):
-        assert res[layout] == pytest.approx(ref, rel=RTOL), (layout, res[layout], ref)
+        assert res[layout] == pytest.approx(ref, rel=PARITY_RTOL), (layout, res[layout], ref)
     for ckpt in ("a", "b"):
         single = Trainer(make_cfg(), mesh=ParallelMesh.single())
         assert single.load(str(tmp_path / ckpt)) and single.iteration == SAVED_AT
-        assert _losses(single, MORE) == pytest.approx(ref, rel=RTOL), ckpt
+        assert _losses(single, MORE) == pytest.approx(ref, rel=PARITY_RTOL), ckpt
         if ckpt == "a":  # the run's resume line says where the checkpoint came from
             from loom.training.story import resume_line
             assert resume_line(single.resumed).startswith(

@@ -37,7 +37,7 @@ from loom.parallel.mesh import ParallelMesh  # noqa: E402
 from loom.parallel.parallelize import build_model  # noqa: E402
 from loom.parallel.registry import local_shard  # noqa: E402
 from testkit import run_distributed  # noqa: E402
-from testkit.numerics import rel_err
+from testkit.numerics import PARAM_RTOL, rel_err
 
 V = 100
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -307,7 +307,7 @@ def test_parity_tp2_sp_pp2_cp2():
             assert case["nparams"] > 10, (name, case)
             for key in ("loss", "grad", "norm"):
                 assert case[key] < 1e-5, (name, key, case)
-            assert case["param"] < 1e-4, (name, case)
+            assert case["param"] < PARAM_RTOL, (name, case)
 
 
 # -- fine-tuning the imported model at TP=2 x DP=2 ---------------------------------------------

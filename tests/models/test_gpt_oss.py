@@ -21,6 +21,7 @@ from loom.models.activation import gated_activation
 from loom.models.attention import SinkWindowAttention, sink_softmax
 from loom.models.gpt.gpt_oss_ops import gpt_oss_rope
 from testkit import run_distributed
+from testkit.numerics import rel_err
 
 transformers = pytest.importorskip("transformers")
 hf_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
@@ -188,8 +189,7 @@ def parity_tp2() -> dict:
         for name, p in chunk.named_parameters():
             want = local_shard(ref_params[name].grad, par.registry[name], mesh.tp_rank, 2)
             got = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-            err = float((got.reshape(-1) - want.reshape(-1)).abs().max()
-                        / want.abs().max().clamp_min(1e-12))
+            err = rel_err(got.reshape(-1), want.reshape(-1))
             out["grad"] = max(out["grad"], err)
             if name.endswith("softmax_offset"):  # the sinks learn
                 out["sink_grad"] = max(out.get("sink_grad", 0.0), float(got.abs().max()))

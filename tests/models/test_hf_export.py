@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_export_cases import CASES, V, build, word_tokenizer  # noqa: E402
 from loom.checkpoint.convert import from_hf, to_hf  # noqa: E402
+from testkit.numerics import rel_err
 
 ROLES = {"gemma3": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
          "bert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
@@ -73,7 +74,7 @@ def export_case(name: str, root) -> dict:
         theirs = hf_model(str(out), name)(ids).logits
     return {"hflm": None if name == "bert" else hflm_scores(out),"names": sorted(a) == sorted(b), "unequal": [k for k in a if k in b and not (
                 a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))],
-            "logits": float((ours - theirs).abs().max() / max(1.0, float(theirs.abs().max()))),
+            "logits": rel_err(ours, theirs, floor=1.0),
             "scale": float(theirs.abs().max()),
             "files": sorted(os.listdir(out)),
             "modes": {f: stat.S_IMODE(os.stat(out / f).st_mode) for f in os.listdir(out)},

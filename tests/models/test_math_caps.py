@@ -29,8 +29,7 @@ from loom.models.attention import apply_rope, rope_cos_sin
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model
 from testkit import run_distributed
-
-RTOL = 1e-5
+from testkit.numerics import PARITY_RTOL
 
 
 def llama(**kw) -> ModelConfig:
@@ -286,5 +285,5 @@ def test_logits_loss_and_grads_match_megatron_core(megatron_results, case):
         r = res[case]
         assert r["names"] == [], (rank, r)
         for what in ("logits", "loss", "grads"):
-            assert r[what] < RTOL, (rank, case, what, r)
-        assert r["without"] > 100 * RTOL, (rank, case, r)  # the comparison can fail
+            assert r[what] < PARITY_RTOL, (rank, case, what, r)
+        assert r["without"] > 100 * PARITY_RTOL, (rank, case, r)  # the comparison can fail

@@ -21,8 +21,7 @@ from loom.models.family import ModelFamily, StageSpec
 from testkit import run_distributed
 
 from toy_family_parts import Block, toy_init, toy_plan
-
-RTOL = 1e-5
+from testkit.numerics import PARITY_RTOL
 
 
 class Head(nn.Module):
@@ -114,16 +113,17 @@ def layouts() -> dict:
         errors, compared = [], 0
         for step, ((loss, grads, metrics, norm), (rloss, rgrads, rmetrics, rnorm)) in \
                 enumerate(zip(steps(cfg, mesh), ref)):
-            if not math.isclose(loss, rloss, rel_tol=RTOL):
+            if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: loss {loss} != {rloss}")
-            if not math.isclose(norm, rnorm, rel_tol=RTOL):
+            if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             if mesh.is_last_stage and "toy tokens" not in metrics:
                 errors.append(f"step {step}: the loss function's metrics did not arrive")
             for pname, (g, meta) in grads.items():
                 want = local_shard(rgrads[pname][0], meta, mesh.tp_rank, mesh.tp_size)
                 compared += 1
-                if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
+                if not torch.allclose(g, want, rtol=PARITY_RTOL,
+                                      atol=PARITY_RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {pname} differs")
         res[name] = {"errors": errors, "compared": compared}
     return res

@@ -18,8 +18,8 @@ import torch
 from loom.config import ConfigError, LoomConfig, ModelConfig
 from loom.models.moe import route
 from testkit import run_distributed
+from testkit.numerics import PARITY_RTOL
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -88,14 +88,15 @@ def parity(cases) -> list[dict]:
         _, par = run_steps(cfg, mesh)
         errors, compared = [], 0
         for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(par, ref)):
-            if not math.isclose(loss, rloss, rel_tol=RTOL):
+            if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: loss {loss} != {rloss}")
-            if not math.isclose(norm, rnorm, rel_tol=RTOL):
+            if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             for name, (g, meta) in grads.items():
                 want = local_shard(rgrads[name][0], meta, *mesh.shard_of(meta))
                 compared += 1
-                if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
+                if not torch.allclose(g, want, rtol=PARITY_RTOL,
+                                      atol=PARITY_RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {name} max err "
                                   f"{(g - want).abs().max().item():.2e}")
         results.append({"case": case, "errors": errors, "compared": compared})
@@ -234,7 +235,7 @@ def test_checkpoint_moves_between_ep_sizes(tmp_path):
     for r in run_distributed(4, resume_world, str(tmp_path), timeout=600):
         assert r["grid_ep_tp"] == [0, 0, 1, 1], r  # the EP group held both TP ranks
         for ep in ("ep1", "tp2-ep4-etp1", "from-grid"):
-            assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(r[ep], r["want"])), r
+            assert all(math.isclose(a, b, rel_tol=PARITY_RTOL) for a, b in zip(r[ep], r["want"])), r
 
 
 @pytest.mark.parametrize("change,world,flag", [

@@ -23,8 +23,8 @@ from loom.config import ConfigError, LoomConfig, ModelConfig
 from loom.config.model_moe import parse_moe_layer_freq
 from loom.models.moe import route
 from testkit import run_distributed
+from testkit.numerics import PARITY_RTOL
 
-RTOL = 1e-5
 STEPS = 3
 
 # DeepSeek-V3-style: every router option of item 3 at once, allgather + grouped GEMM
@@ -148,16 +148,17 @@ def parity(cases: list, refs: list) -> list[dict]:
         errors, compared = activity(cfg, tr, seen, par), 0
         for step, (a, b) in enumerate(zip(par, ref)):
             (loss, grads, norm, bias, _), (rloss, rgrads, rnorm, rbias) = a, b
-            if not math.isclose(loss, rloss, rel_tol=RTOL):
+            if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: loss {loss} != {rloss}")
-            if not math.isclose(norm, rnorm, rel_tol=RTOL):
+            if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             if set(grads) - set(rgrads):
                 errors.append(f"unknown grads {sorted(set(grads) - set(rgrads))}")
             for name, (g, meta) in grads.items():
                 want = local_shard(rgrads[name], meta, mesh.tp_rank, mesh.tp_size)
                 compared += 1
-                if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
+                if not torch.allclose(g, want, rtol=PARITY_RTOL,
+                                      atol=PARITY_RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {name} max err "
                                   f"{(g - want).abs().max().item():.2e}")
             for name, b in bias.items():
@@ -220,7 +221,8 @@ def test_router_parity_and_bias_checkpoint(tmp_path):
         assert any(any(v != 0 for v in b) for b in c["saved"].values())
         for ep in (1, 4):
             assert c[f"bias{ep}"] == c["saved"], ep
-            assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(c[f"ep{ep}"], c["want"]))
+            assert all(math.isclose(a, b, rel_tol=PARITY_RTOL)
+                       for a, b in zip(c[f"ep{ep}"], c["want"]))
 
 
 # ---------------------------------------------------------------- single process ----------

@@ -26,8 +26,8 @@ from loom.models.chunk import LMHead
 from testkit import run_distributed
 
 from toy_family_parts import Block, toy_init, toy_plan
+from testkit.numerics import PARITY_RTOL
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -154,6 +154,6 @@ def test_toy_family_trains_at_one_and_two_ranks():
         assert set(res) == {"tp2", "dp2"}
         for name, steps in res.items():
             for step, (loss, toy_loss, ref) in enumerate(steps):
-                assert math.isclose(loss, ref, rel_tol=RTOL), (rank, name, step, loss, ref)
-                assert math.isclose(toy_loss, loss, rel_tol=RTOL), (rank, name, step)
+                assert math.isclose(loss, ref, rel_tol=PARITY_RTOL), (rank, name, step, loss, ref)
+                assert math.isclose(toy_loss, loss, rel_tol=PARITY_RTOL), (rank, name, step)
         assert res["tp2"][-1][0] < res["tp2"][0][0]  # it learns

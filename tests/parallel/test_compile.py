@@ -24,6 +24,7 @@ from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
+from testkit.numerics import rel_err
 
 TOL = 5e-5
 
@@ -49,10 +50,6 @@ def _cfg(kind: str, tp: int, pp: int, dp: int, sp: bool) -> LoomConfig:
     cfg.training.train_iters = 100
     cfg.logging.log_interval = 10**9
     return cfg.validate(tp * pp * dp)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def compiled_case(kind: str, tp: int, pp: int, dp: int, sp: bool) -> dict:
@@ -85,7 +82,7 @@ def compiled_case(kind: str, tp: int, pp: int, dp: int, sp: bool) -> dict:
             for name, p in chunk.named_parameters():
                 want = local_shard(ref_params[name].grad, par.registry[name], mesh.tp_rank,
                                    mesh.tp_size)
-                out["grad"] = max(out["grad"], _rel(p.grad, want))
+                out["grad"] = max(out["grad"], rel_err(p.grad, want))
                 out["checked"] += 1
         np_, nr = par.optimizer_step(), ref.optimizer_step()
         out["norm"] = max(out["norm"], abs(np_ - nr) / nr)
@@ -168,7 +165,7 @@ def compiled_collectives() -> dict:
             y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1 + rank)))
             runs.append([y.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t)
                                         for t in leaves])
-        out[name] = {"err": max(_rel(c, e) for e, c in zip(*runs)),
+        out[name] = {"err": max(rel_err(c, e) for e, c in zip(*runs)),
                      "frames_ok": counters["frames"]["ok"]}
     torch._dynamo.reset()
     counters.clear()

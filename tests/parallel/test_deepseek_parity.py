@@ -20,8 +20,8 @@ from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
 
 from parity_helpers import step_mismatches
+from testkit.numerics import PARITY_RTOL
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -99,7 +99,7 @@ def features(tr) -> dict:
 def mismatches(par: list, ref: list, mesh) -> list[str]:
     """Per step: loss and gradient norm (rtol), each gradient against the reference's shard
     (max error relative to the largest entry)."""
-    return step_mismatches(par, ref, mesh, RTOL)
+    return step_mismatches(par, ref, mesh, PARITY_RTOL)
 
 
 def parity(cases) -> list[dict]:
@@ -123,7 +123,7 @@ def parity(cases) -> list[dict]:
         for c in tr.model_chunks:
             for n, prm in c.named_parameters():
                 if n.endswith("expert_bias") and not torch.allclose(prm, ref_params[n],
-                                                                    rtol=RTOL, atol=1e-7):
+                                                                    rtol=PARITY_RTOL, atol=1e-7):
                     errors.append(f"{n} {prm.tolist()} != {ref_params[n].tolist()}")
         results.append({"case": (kind, layout), "errors": errors, "compared": compared,
                         "features": features(tr), "last": mesh.is_last_stage,

@@ -25,8 +25,8 @@ import torch
 
 from loom.config import ConfigError, LoomConfig, ModelConfig
 from testkit import run_distributed
+from testkit.numerics import PARAM_RTOL, PARITY_RTOL, rel_err
 
-RTOL = 1e-5
 STEPS = 3
 CLIP = 0.05  # below every step's gradient norm here: clipping is active
 
@@ -113,7 +113,7 @@ def parity_case(case: dict, ref: dict) -> dict:
     for step in range(STEPS):
         loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))
         rloss, rgrads, rnorm = ref["steps"][step]
-        if not math.isclose(loss, rloss, rel_tol=RTOL):
+        if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
             errors.append(f"step {step}: loss {loss} != {rloss}")
         for chunk in tr.model_chunks:
             for name, q in chunk.named_parameters():
@@ -123,21 +123,20 @@ def parity_case(case: dict, ref: dict) -> dict:
                 lo, hi = owner[id(q)].shard_range(q)
                 got = grad_of(q).reshape(-1)
                 compared += 1
-                err = float((got - want[lo:hi]).abs().max() / want.abs().max().clamp_min(1e-12)) \
-                    if hi > lo else 0.0
-                if err > RTOL:
+                err = rel_err(got, want[lo:hi], scale=want) if hi > lo else 0.0
+                if err > PARITY_RTOL:
                     errors.append(f"step {step}: grad {name} relative error {err:.2e}")
         norm = tr.optimizer_step()
         norms.append(norm)
-        if not math.isclose(norm, rnorm, rel_tol=RTOL):
+        if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
             errors.append(f"step {step}: grad norm {norm} != {rnorm}")
         tr.consumed_samples += tr.global_batch
     finish_param_gather(tr.optimizer)
     for chunk in tr.model_chunks:
         for name, q in chunk.named_parameters():
             want = shard(ref["params"][name], name)
-            err = float((q.detach() - want).abs().max() / want.abs().max().clamp_min(1e-12))
-            if err > 1e-4:  # 3 Adam steps: see tests/parallel/test_parallel_parity.py
+            err = rel_err(q, want)
+            if err > PARAM_RTOL:  # 3 Adam steps
                 errors.append(f"parameter {name} after the steps: relative error {err:.2e}")
     return {"errors": errors, "compared": compared, "norms": norms,
             "optimizer": type(tr.optimizer).__name__,

@@ -21,8 +21,8 @@ from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
 
 from parity_helpers import step_mismatches, trainer_steps
+from testkit.numerics import PARITY_RTOL
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -74,7 +74,7 @@ def world2(cases) -> list[dict]:
                                   pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size)
         tr, par = run_steps(cfg, mesh)
         results.append({"case": (kind, layout), "errors": step_mismatches(par, refs[kind], mesh,
-                                                                          RTOL),
+                                                                          PARITY_RTOL),
                         "compared": sum(len(s[1]) for s in par), "features": features(tr, kind)})
     return results
 

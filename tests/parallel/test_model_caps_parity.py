@@ -25,8 +25,8 @@ from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
 
 from parity_helpers import step_mismatches
+from testkit.numerics import PARITY_RTOL
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -118,12 +118,12 @@ def features(tr, kind: str, routed: dict) -> dict:
 
 def mismatches(par: list, ref: list, mesh) -> list[str]:
     """:func:`parity_helpers.step_mismatches`, and the per-layer MoE losses (rtol)."""
-    out = step_mismatches(par, ref, mesh, RTOL)
+    out = step_mismatches(par, ref, mesh, PARITY_RTOL)
     for step, (got, want) in enumerate(zip(par, ref)):
         if set(got[3]) != set(want[3]):
             out.append(f"step {step}: per-layer keys {sorted(got[3])} != {sorted(want[3])}")
         out += [f"step {step}: {k} {v} != {want[3][k]}" for k, v in got[3].items()
-                if k in want[3] and not math.isclose(v, want[3][k], rel_tol=RTOL)]
+                if k in want[3] and not math.isclose(v, want[3][k], rel_tol=PARITY_RTOL)]
     return out
 
 

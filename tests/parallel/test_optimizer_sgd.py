@@ -24,9 +24,8 @@ import torch
 
 from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
-from testkit.numerics import rel_err
+from testkit.numerics import PARITY_RTOL, rel_err
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -184,8 +183,8 @@ def test_sgd_parity_at_tp2_pp2_dp2(results, case, kind):
     for r in results[0]:
         c = r[case]
         assert c["optimizer"] == (kind, "SGD") and c["momentum_norm"] > 0, c
-        assert c["compared"] > 0 and c["loss"] < RTOL and c["grad"] < RTOL, c
-        assert c["norm"] < RTOL and c["param"] < RTOL, c
+        assert c["compared"] > 0 and c["loss"] < PARITY_RTOL and c["grad"] < PARITY_RTOL, c
+        assert c["norm"] < PARITY_RTOL and c["param"] < PARITY_RTOL, c
 
 
 def test_sgd_momentum_saved_sharded_loads_on_one_rank(results):
@@ -204,8 +203,8 @@ def test_sgd_momentum_saved_sharded_loads_on_one_rank(results):
     loaded = optimizer_state_by_name(tr.optimizer, params)
     assert set(loaded) == set(ref["momentum"])
     for name, st in loaded.items():
-        assert rel_err(st["momentum_buffer"], ref["momentum"][name]) < RTOL, name
-        assert rel_err(params[name].detach(), ref["params"][name]) < RTOL, name
+        assert rel_err(st["momentum_buffer"], ref["momentum"][name]) < PARITY_RTOL, name
+        assert rel_err(params[name].detach(), ref["params"][name]) < PARITY_RTOL, name
 
 
 def test_the_harness_fails_a_wrong_momentum():
@@ -214,7 +213,7 @@ def test_the_harness_fails_a_wrong_momentum():
     cfg = make_cfg(8)
     cfg.training.sgd_momentum = 0.5
     b = reference(cfg, steps=2)
-    assert max(rel_err(b["params"][n], a["params"][n]) for n in a["params"]) > 100 * RTOL
+    assert max(rel_err(b["params"][n], a["params"][n]) for n in a["params"]) > 100 * PARITY_RTOL
 
 
 def test_deterministic_mode_runs_are_bitwise_equal(results):

@@ -24,8 +24,8 @@ from torch import nn
 
 from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
+from testkit.numerics import PARITY_RTOL, rel_err
 
-RTOL = 1e-5
 VARIANTS = [("full", "uniform", 1), ("full", "uniform", 2), ("full", "block", 1),
             ("selective", "uniform", 1)]
 
@@ -193,12 +193,12 @@ def compare(base: dict, other: dict) -> list[str]:
         if n in other["init"] and not torch.equal(w, other["init"][n]):
             errors.append(f"initial weight {n} differs")
     for step, (a, b) in enumerate(zip(base["losses"], other["losses"])):
-        if abs(a - b) > RTOL * abs(a):
+        if abs(a - b) > PARITY_RTOL * abs(a):
             errors.append(f"step {step}: loss {b} != {a}")
     for step, (ga, gb) in enumerate(zip(base["grads"], other["grads"])):
         for n, g in ga.items():
-            err = float((gb[n] - g).abs().max() / g.abs().max().clamp_min(1e-12))
-            if err > RTOL:
+            err = rel_err(gb[n], g)
+            if err > PARITY_RTOL:
                 errors.append(f"step {step}: grad {n} rel err {err:.2e}")
     return errors
 
