@@ -47,6 +47,12 @@ aux and z losses (tests/models/test_moe.py's; s 8, Vp 104 fixed so that every t 
 padded columns). mamba: a Mamba-2 stack (h 32, d_inner 64 = 8 heads of P 8 in 2 groups, N 8,
 conv 4, chunk 5, which does not divide s 16); give ``hybrid_override_pattern`` for a hybrid."""
 
+PARITY_SHAPE: dict = dict(hidden_size=64, vocab_size=300, padded_vocab_size=384)
+"""The parallel parity rows' width and vocabulary: h 64, V 300 with Vp 384 fixed
+(``--padded-vocab-size``): the padded columns are in the softmax by default (Megatron's), so
+every compared t needs the same ones (V padded to a multiple of 128 t is 384 at t = 1, 512
+at t = 2)."""
+
 TINY_RUN: dict = dict(mock_data=True, micro_batch_size=2, lr=1e-3, train_iters=100)
 """The run every tiny config starts from: mock data, b 2, lr 1e-3 (Megatron requires
 ``--lr`` and ``--train-iters``; 100 iterations make the LR schedule's first steps nearly

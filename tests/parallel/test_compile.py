@@ -25,31 +25,18 @@ from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
 from testkit.numerics import rel_err
+from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_model
 
 TOL = 5e-5
 
 
 def _cfg(kind: str, tp: int, pp: int, dp: int, sp: bool) -> LoomConfig:
-    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
-    # (Megatron's), so every compared t needs the same ones
-    common = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
-                  attention_dropout=0.0)
-    model = ModelConfig.gpt2(**common) if kind == "gpt" else \
-        ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
-    cfg = LoomConfig(model=model)
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.parallel.sequence_parallel = sp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8
-    cfg.training.lr = 1e-3
-    cfg.training.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py
-    cfg.training.clip_grad = 0.5
-    cfg.training.compile = True
-    cfg.training.train_iters = 100
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * pp * dp)
+    model = tiny_model("gpt", PARITY_SHAPE, num_layers=4) if kind == "gpt" else \
+        tiny_model("llama", PARITY_SHAPE, num_layers=4, ffn_hidden_size=96)
+    return tiny_config(model=model, mock_data=False, tensor_model_parallel_size=tp,
+                       pipeline_model_parallel_size=pp, sequence_parallel=sp,
+                       global_batch_size=8, adam_eps=PARITY_ADAM_EPS, clip_grad=0.5,
+                       compile=True, log_interval=10**9, world=tp * pp * dp)
 
 
 def compiled_case(kind: str, tp: int, pp: int, dp: int, sp: bool) -> dict:

@@ -25,11 +25,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
 from testkit import count_collectives, run_distributed
 from testkit.numerics import PARAM_RTOL, PARITY_RTOL, rel_err
+from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_model
 
 
 # -- primitives against the unsharded core -------------------------------------------------------
@@ -151,25 +152,18 @@ def primitives(c: int) -> dict:
 # -- whole-model rows through the Trainer ---------------------------------------------------------
 
 def model_cfg(family: str, c: int, kind: str, tp: int = 1, hier=None) -> LoomConfig:
-    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
-    # (Megatron's), so every compared t needs the same ones
-    common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                  seq_length=32, vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
-                  attention_dropout=0.0)
     if family == "llama":
-        model = ModelConfig.llama(ffn_hidden_size=96, **common)
+        model = tiny_model("llama", PARITY_SHAPE, seq_length=32, ffn_hidden_size=96)
     else:  # gemma3: a local (sliding window 5) and a global layer
-        model = ModelConfig(model_type="gemma3", kv_channels=16, ffn_hidden_size=96,
-                            sliding_window=5, layer_types="LG", query_pre_attn_scalar=24,
-                            init_method_std=0.05, **common)
-    cfg = LoomConfig(model=model)
-    p, t = cfg.parallel, cfg.training
-    p.tensor_model_parallel_size, p.context_parallel_size, p.cp_comm_type = tp, c, kind
-    p.hierarchical_context_parallel_sizes = hier
-    t.micro_batch_size, t.global_batch_size, t.lr, t.adam_eps, t.clip_grad = 2, 4, 1e-3, 1e-4, 0.5
-    t.train_iters = 100
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * c)
+        model = tiny_model("gpt", PARITY_SHAPE, num_query_groups=2, seq_length=32,
+                           model_type="gemma3", kv_channels=16, ffn_hidden_size=96,
+                           sliding_window=5, layer_types="LG", query_pre_attn_scalar=24,
+                           init_method_std=0.05)
+    return tiny_config(model=model, mock_data=False, tensor_model_parallel_size=tp,
+                       context_parallel_size=c, cp_comm_type=kind,
+                       hierarchical_context_parallel_sizes=hier, global_batch_size=4,
+                       adam_eps=PARITY_ADAM_EPS, clip_grad=0.5, log_interval=10**9,
+                       world=tp * c)
 
 
 def trainer_row(family: str, c: int, kind: str, tp: int = 1, hier=None) -> dict:

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.config import ModelConfig
 from loom.parallel.cross_entropy import default_chunk_tokens, linear_cross_entropy
 from testkit import run_distributed
 from testkit.numerics import PARITY_RTOL, rel_err
+from testkit.config import tiny_model
 
 S, B, H, V = 6, 5, 16, 300
 CHUNKS = (None, 7, 10, 1, 64)  # N = 30: default (1 chunk), non-divisor, divisor, 1 token, > N
@@ -29,7 +29,7 @@ CHUNKS = (None, 7, 10, 1, 64)  # N = 30: default (1 chunk), non-divisor, divisor
 def inputs(t: int):
     """Full padded weight ``[Vp, h]`` (random padding rows), hidden ``[s, b, h]``, target and
     per-token weights ``[s, b]``."""
-    vp = ModelConfig(vocab_size=V).padded_vocab(t)
+    vp = tiny_model(vocab_size=V).padded_vocab(t)
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(vp, H, generator=g)
     hidden = torch.randn(S, B, H, generator=g) * 2.0

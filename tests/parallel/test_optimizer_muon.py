@@ -32,6 +32,7 @@ from testkit import run_distributed
 
 from parity_helpers import trainer_steps
 from testkit.numerics import PARITY_RTOL, rel_err
+from testkit.config import tiny_config, tiny_model
 
 STEPS = 3
 
@@ -78,11 +79,9 @@ def test_newton_schulz_in_bf16_under_medium_precision():
 
 
 def _tiny_moe(**kw) -> ModelConfig:
-    return ModelConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4,
-                             num_query_groups=2, group_query_attention=True, ffn_hidden_size=48,
-                             seq_length=16, vocab_size=300, padded_vocab_size=384,
-                             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-                             hidden_dropout=0.0, attention_dropout=0.0, **kw)
+    return tiny_model("llama", group_query_attention=True, ffn_hidden_size=48,
+                      vocab_size=300, padded_vocab_size=384, num_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=24, **kw)
 
 
 def _megatron_muon_update(w, g, buf, name, meta, s: MuonSettings, lr, wd):
@@ -171,19 +170,14 @@ def test_refusals():
 
 def make_cfg(world: int, tp: int = 2, pp: int = 2, optimizer: str = "muon", og: bool = False,
              opg: bool = False) -> LoomConfig:
-    cfg = LoomConfig(model=_tiny_moe())
-    p, t = cfg.parallel, cfg.training
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    p.expert_model_parallel_size = 2 if world // (tp * pp) >= 2 else 1
-    p.overlap_grad_reduce, p.ddp_bucket_size = og, 6_000  # matrices across bucket shards
-    t.optimizer, t.overlap_param_gather = optimizer, opg
-    t.muon_fp32_matmul_prec, t.muon_nesterov, t.muon_extra_scale_factor = "high", True, 0.2
-    t.weight_decay, t.micro_batch_size, t.train_iters, t.lr, t.clip_grad = 0.1, 2, 10, 0.01, 0.5
-    t.global_batch_size = 2 * 2 * (world // (tp * pp))
-    cfg.data.mock_data = True
-    cfg.logging.log_interval = 10**9
-    cfg.logging.no_progress_bar = True
-    return cfg.validate(world)
+    return tiny_config(
+        model=_tiny_moe(), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=2 if world // (tp * pp) >= 2 else 1,
+        overlap_grad_reduce=og, ddp_bucket_size=6_000,  # matrices across bucket shards
+        optimizer=optimizer, overlap_param_gather=opg, muon_fp32_matmul_prec="high",
+        muon_nesterov=True, muon_extra_scale_factor=0.2, weight_decay=0.1, train_iters=10,
+        lr=0.01, clip_grad=0.5, global_batch_size=2 * 2 * (world // (tp * pp)),
+        log_interval=10**9, no_progress_bar=True, world=world)
 
 
 def single(cfg: LoomConfig) -> LoomConfig:
