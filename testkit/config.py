@@ -34,7 +34,7 @@ FAMILIES: dict[str, tuple[Callable[..., ModelConfig], dict]] = {
     "moe": (ModelConfig.llama, dict(
         num_query_groups=2, seq_length=8, padded_vocab_size=104, num_experts=4,
         moe_router_topk=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01,
-        moe_z_loss_coeff=0.001, moe_layer_freq=1)),
+        moe_z_loss_coeff=0.001)),
     "mamba": (ModelConfig.llama, dict(
         model_type="mamba", num_layers=4, num_query_groups=2, ffn_hidden_size=64,
         padded_vocab_size=104, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
@@ -42,10 +42,11 @@ FAMILIES: dict[str, tuple[Callable[..., ModelConfig], dict]] = {
 }
 """``{family: (ModelConfig preset, its fields over TINY_SHAPE)}``. gpt: GPT-2's layout
 (LayerNorm, learned positions, GeLU). llama: RMSNorm, RoPE, SwiGLU, GQA with 2 query groups
-(2 KV heads: one per rank at t = 2). moe: llama with every MLP 4 experts of width 24, top-2,
-aux and z losses (tests/models/test_moe.py's; s 8, Vp 104 fixed so that every t has the same
-padded columns). mamba: a Mamba-2 stack (h 32, d_inner 64 = 8 heads of P 8 in 2 groups, N 8,
-conv 4, chunk 5, which does not divide s 16); give ``hybrid_override_pattern`` for a hybrid."""
+(2 KV heads: one per rank at t = 2). moe: llama with every MLP (Megatron's default
+``--moe-layer-freq``) 4 experts of width 24, top-2, aux and z losses (tests/models/test_moe.py's;
+s 8, Vp 104 fixed so that every t has the same padded columns). mamba: a Mamba-2 stack (h 32,
+d_inner 64 = 8 heads of P 8 in 2 groups, N 8, conv 4, chunk 5, which does not divide s 16);
+give ``hybrid_override_pattern`` for a hybrid."""
 
 PARITY_SHAPE: dict = dict(hidden_size=64, vocab_size=300, padded_vocab_size=384)
 """The parallel parity rows' width and vocabulary: h 64, V 300 with Vp 384 fixed

@@ -30,22 +30,16 @@ from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model
 from testkit import run_distributed
 from testkit.numerics import PARITY_RTOL
+from testkit.config import tiny_config, tiny_model
 
 
 def llama(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                group_query_attention=True, ffn_hidden_size=64, vocab_size=256, seq_length=16,
-                max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
-    return ModelConfig.llama(**{**base, **kw})
+    return tiny_model("llama", dict(group_query_attention=True, ffn_hidden_size=64,
+                                    vocab_size=256, max_position_embeddings=16), kw)
 
 
 def validated(model: ModelConfig, world: int = 1, **training) -> LoomConfig:
-    cfg = LoomConfig(model=model)
-    t = cfg.training
-    t.micro_batch_size, t.train_iters, t.lr = 2, 10, 1e-3
-    for k, v in training.items():
-        setattr(t, k, v)
-    return cfg.validate(world)
+    return tiny_config(model=model, mock_data=False, train_iters=10, **training, world=world)
 
 
 # -- interleaved RoPE ---------------------------------------------------------------------------

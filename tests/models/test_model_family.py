@@ -22,6 +22,7 @@ from testkit import run_distributed
 
 from toy_family_parts import Block, toy_init, toy_plan
 from testkit.numerics import PARITY_RTOL
+from testkit.config import MEGATRON_DROPOUT, PARITY_ADAM_EPS, tiny_config
 
 
 class Head(nn.Module):
@@ -72,19 +73,12 @@ TOY = ModelFamily(name="toy", build=ToyLM, plan=toy_plan, init=toy_init,
 
 
 def make_cfg(tp: int = 1, pp: int = 1) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
-                                       ffn_hidden_size=64, seq_length=8, vocab_size=100,
-                                       make_vocab_size_divisible_by=8))
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8
-    cfg.training.lr = 1e-3
-    cfg.training.adam_eps = 1e-4
-    cfg.training.train_iters = 100  # loom's defaults before issue 21 (now Megatron's), pinned
-    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"
-    cfg.data.mock_data = True
-    return cfg
+    return tiny_config("gpt", MEGATRON_DROPOUT, num_layers=4, ffn_hidden_size=64, seq_length=8,
+                       make_vocab_size_divisible_by=8, tensor_model_parallel_size=tp,
+                       pipeline_model_parallel_size=pp, global_batch_size=8,
+                       adam_eps=PARITY_ADAM_EPS,
+                       adam_beta2=0.95, lr_decay_style="cosine")  # loom's defaults before
+    # issue 21 (now Megatron's), pinned
 
 
 def steps(cfg: LoomConfig, mesh, n: int = 3) -> list:

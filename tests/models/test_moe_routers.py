@@ -19,11 +19,12 @@ import math
 import pytest
 import torch
 
-from loom.config import ConfigError, LoomConfig, ModelConfig
+from loom.config import ConfigError, LoomConfig
 from loom.config.model_moe import parse_moe_layer_freq
 from loom.models.moe import route
 from testkit import run_distributed
 from testkit.numerics import PARITY_RTOL
+from testkit.config import PARITY_ADAM_EPS, tiny_config
 
 STEPS = 3
 
@@ -46,18 +47,10 @@ GLOBAL_AUX = dict(moe_router_load_balancing_type="global_aux_loss", moe_grouped_
 
 
 def make_cfg(tp=1, ep=1, sp=False, cp=1, **model) -> LoomConfig:
-    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-              seq_length=8, vocab_size=100, padded_vocab_size=104, hidden_dropout=0.0,
-              attention_dropout=0.0, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=24,
-              moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    cfg = LoomConfig(model=ModelConfig.llama(**{**kw, **model}))
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.expert_model_parallel_size = tp, ep
-    p.sequence_parallel, p.context_parallel_size = sp, cp
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.lr, t.adam_eps, t.train_iters = 2, 8, 1e-3, 1e-4, 100
-    cfg.data.mock_data = True
-    return cfg
+    return tiny_config("moe", {"num_experts": 8, "moe_router_topk": 4, **model},
+                       tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                       sequence_parallel=sp, context_parallel_size=cp, global_batch_size=8,
+                       adam_eps=PARITY_ADAM_EPS)
 
 
 def routers(tr) -> dict:

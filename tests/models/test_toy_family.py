@@ -27,6 +27,7 @@ from testkit import run_distributed
 
 from toy_family_parts import Block, toy_init, toy_plan
 from testkit.numerics import PARITY_RTOL
+from testkit.config import MEGATRON_DROPOUT, tiny_config
 
 STEPS = 3
 
@@ -88,15 +89,9 @@ TOY = ModelFamily(name="toy", build=MlpLM, plan=toy_plan, init=toy_init,
 
 
 def make_cfg(tp: int = 1) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                       ffn_hidden_size=64, seq_length=8, vocab_size=100,
-                                       make_vocab_size_divisible_by=8))
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8
-    cfg.training.lr = 1e-3
-    cfg.training.train_iters = 100
-    return cfg
+    return tiny_config("gpt", MEGATRON_DROPOUT, ffn_hidden_size=64, seq_length=8,
+                       make_vocab_size_divisible_by=8, mock_data=False,
+                       tensor_model_parallel_size=tp, global_batch_size=8)
 
 
 def train(cfg: LoomConfig, mesh) -> list[dict]:

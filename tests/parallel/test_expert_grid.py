@@ -41,7 +41,7 @@ CASES = {  # name: layout on 4 ranks (d = 1: Megatron's grid is the only way to 
 def make_cfg(tp=1, pp=1, cp=1, ep=1, etp=None, kind="alltoall", zero=0, world=4) -> LoomConfig:
     return tiny_config(
         "moe", num_query_groups=4, seq_length=16, padded_vocab_size=128, num_experts=8,
-        moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=16,
+        moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=16, moe_layer_freq=1,
         moe_token_dispatcher_type=kind, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, context_parallel_size=cp, sequence_parallel=tp > 1,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,

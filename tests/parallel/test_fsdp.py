@@ -51,7 +51,7 @@ def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
         bias = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                     moe_router_bias_update_rate=0.01, moe_token_dispatcher_type="alltoall"
                     ) if kind == "moe-bias" else {}
-        return tiny_model("moe", bias, num_layers=layers)
+        return tiny_model("moe", bias, num_layers=layers, moe_layer_freq=1)
     if kind == "gpt":
         return tiny_model("gpt", PARITY_SHAPE, num_layers=layers)
     return tiny_model("llama", PARITY_SHAPE, num_layers=layers, ffn_hidden_size=96)

@@ -79,9 +79,9 @@ def test_newton_schulz_in_bf16_under_medium_precision():
 
 
 def _tiny_moe(**kw) -> ModelConfig:
-    return tiny_model("llama", group_query_attention=True, ffn_hidden_size=48,
-                      vocab_size=300, padded_vocab_size=384, num_experts=4, moe_router_topk=2,
-                      moe_ffn_hidden_size=24, **kw)
+    return tiny_model("llama", dict(group_query_attention=True, ffn_hidden_size=48,
+                                    vocab_size=300, padded_vocab_size=384, num_experts=4,
+                                    moe_router_topk=2, moe_ffn_hidden_size=24), kw)
 
 
 def _megatron_muon_update(w, g, buf, name, meta, s: MuonSettings, lr, wd):
