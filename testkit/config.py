@@ -9,7 +9,7 @@ unique across the sections, as in ``LoomConfig.from_flat``)::
 ``family`` picks the model's preset and its tiny shape (:data:`FAMILIES`); the positional
 dicts (bundles such as :data:`PRE_ISSUE_21`) are applied in order, then the keywords: a later
 value wins. Model fields go to the preset's constructor (as ``ModelConfig.llama(**kw)`` would
-get them), the other fields to their section. tests/unit/test_testkit_config.py refuses test
+get them), the other fields to their section. tests/unit/test_testkit_guard.py refuses test
 files that build a config any other way in a helper.
 """
 

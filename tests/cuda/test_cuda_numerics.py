@@ -61,9 +61,10 @@ def tiny_llama(**kw) -> ModelConfig:
 
 
 def cuda_cfg(model: ModelConfig, **training) -> LoomConfig:
-    return tiny_config(model=model, device="cuda", global_batch_size=8,
-                       adam_eps=PARITY_ADAM_EPS, clip_grad=0.5,  # as tests/parallel/test_compile.py
-                       **training, log_interval=10**9, no_progress_bar=True, world=1)
+    return tiny_config(model=model, world=1, **{
+        "device": "cuda", "global_batch_size": 8, "adam_eps": PARITY_ADAM_EPS,
+        "clip_grad": 0.5,  # as tests/parallel/test_compile.py
+        "log_interval": 10**9, "no_progress_bar": True, **training})
 
 
 def trainer(cfg: LoomConfig):

@@ -167,7 +167,7 @@ def test_finetune_and_no_load_optim_rng(tmp_path):
     from loom.training.trainer import Trainer
 
     def cfg(**ck) -> LoomConfig:
-        return tiny_config("gpt", TINY_DRILL, train_iters=10, lr=3e-4, **ck, world=1)
+        return tiny_config("gpt", TINY_DRILL, dict(train_iters=10, lr=3e-4), ck, world=1)
     tr = Trainer(cfg(), mesh=ParallelMesh.single())
     for _ in range(3):
         tr.train_step()

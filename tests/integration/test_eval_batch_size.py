@@ -15,8 +15,8 @@ from testkit.config import tiny_config
 
 
 def make_cfg(**logging) -> LoomConfig:
-    return tiny_config("gpt", seq_length=16, vocab_size=96, global_batch_size=4, train_iters=2,
-                       no_progress_bar=True, **logging)
+    return tiny_config("gpt", dict(vocab_size=96, global_batch_size=4, train_iters=2,
+                                   no_progress_bar=True), logging)
 
 
 class Recording:

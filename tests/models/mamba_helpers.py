@@ -15,7 +15,7 @@ from testkit.numerics import PARITY_RTOL, rel_err
 
 def tiny(pattern=None, **kw) -> ModelConfig:
     """h 32, d_inner 64 = 8 heads of P 8 in 2 groups, N 8, chunk 5 (does not divide s 16)."""
-    return tiny_model("mamba", kw, hybrid_override_pattern=pattern)
+    return tiny_model("mamba", {"hybrid_override_pattern": pattern}, kw)
 
 
 def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,

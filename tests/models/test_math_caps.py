@@ -39,7 +39,8 @@ def llama(**kw) -> ModelConfig:
 
 
 def validated(model: ModelConfig, world: int = 1, **training) -> LoomConfig:
-    return tiny_config(model=model, mock_data=False, train_iters=10, **training, world=world)
+    return tiny_config(model=model, world=world,
+                       **{"mock_data": False, "train_iters": 10, **training})
 
 
 # -- interleaved RoPE ---------------------------------------------------------------------------

@@ -27,7 +27,8 @@ def gpt(**kw) -> ModelConfig:
 
 
 def validated(model: ModelConfig, world: int = 1, **parallel) -> LoomConfig:
-    return tiny_config(model=model, mock_data=False, train_iters=10, **parallel, world=world)
+    return tiny_config(model=model, world=world,
+                       **{"mock_data": False, "train_iters": 10, **parallel})
 
 
 def _parse(argv: list) -> LoomConfig:

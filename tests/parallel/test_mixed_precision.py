@@ -26,10 +26,10 @@ from testkit.config import PRE_ISSUE_21, tiny_config
 
 
 def make_cfg(vocab=300, **training) -> LoomConfig:
-    return tiny_config("gpt", PRE_ISSUE_21, hidden_size=64, vocab_size=vocab,
-                       global_batch_size=4, lr_decay_style="constant",
-                       accumulate_allreduce_grads_in_fp32=True, eval_iters=10, log_interval=1,
-                       no_progress_bar=True, **training)
+    return tiny_config("gpt", PRE_ISSUE_21, dict(
+        hidden_size=64, vocab_size=vocab, global_batch_size=4, lr_decay_style="constant",
+        accumulate_allreduce_grads_in_fp32=True, eval_iters=10, log_interval=1,
+        no_progress_bar=True), training)
 
 
 # a bf16 run's loss against the fp32 run's, per step: 8 mantissa bits (~4e-3 per rounding);

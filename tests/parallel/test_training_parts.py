@@ -32,8 +32,8 @@ MAX_TRAINER_IMPORTS = 12
 
 
 def make_cfg(**training) -> LoomConfig:
-    return tiny_config("gpt", vocab_size=128, global_batch_size=4, train_iters=4,
-                       no_progress_bar=True, **training, world=1)
+    return tiny_config("gpt", dict(vocab_size=128, global_batch_size=4, train_iters=4,
+                                   no_progress_bar=True), training, world=1)
 
 
 def loom_imports(path: pathlib.Path) -> set[str]:

@@ -173,9 +173,9 @@ def test_stage_memory_and_gpipe_last_stage():
 
 
 def _cfg(world, tp, pp, model, **kw):
-    return tiny_config(model=model, tensor_model_parallel_size=tp,
-                       pipeline_model_parallel_size=pp, micro_batch_size=1, global_batch_size=64,
-                       lr=3e-4, train_iters=10, **kw, world=world)
+    return tiny_config(model=model, world=world, **{
+        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+        "micro_batch_size": 1, "global_batch_size": 64, "lr": 3e-4, "train_iters": 10, **kw})
 
 
 CASES = {

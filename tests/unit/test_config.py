@@ -204,7 +204,7 @@ def test_single_process_group_needs_no_port(monkeypatch):
 
 
 def _tiny(**kw) -> LoomConfig:
-    return tiny_config("gpt", MEGATRON_DROPOUT, micro_batch_size=1, train_iters=1, **kw)
+    return tiny_config("gpt", MEGATRON_DROPOUT, dict(micro_batch_size=1, train_iters=1), kw)
 
 
 def test_megatron_forms_accepted():

@@ -160,3 +160,21 @@ def test_the_guard_accepts_what_tests_may_do():
           "def test_norm():\n"
           "    assert x.abs().max() < 1.0\n")
     assert offences(ok) == []
+
+
+def test_tiny_config_routes_flat_names_and_a_later_value_wins():
+    from testkit.config import PRE_ISSUE_21, tiny_config, tiny_model
+    cfg = tiny_config("llama", PRE_ISSUE_21, {"lr": 2e-3}, lr=5e-3, tensor_model_parallel_size=2,
+                      num_layers=4, save="ck")
+    assert (cfg.training.lr, cfg.training.adam_beta2, cfg.parallel.tensor_model_parallel_size,
+            cfg.checkpoint.save, cfg.data.mock_data) == (5e-3, 0.95, 2, "ck", True)
+    assert (cfg.model.num_layers, cfg.model.num_query_groups, cfg.model.normalization) == \
+        (4, 2, "RMSNorm") and cfg.derived is None
+    assert tiny_config(world=1).derived.world_size == 1
+    model = tiny_model("gpt")
+    again = tiny_config(model=model, num_layers=3)
+    assert again.model.num_layers == 3 and model.num_layers == 2  # the given model is copied
+    with pytest.raises(TypeError, match="no_such_flag"):
+        tiny_config(no_such_flag=1)
+    with pytest.raises(TypeError, match="not model fields"):
+        tiny_model("gpt", lr=1e-3)
