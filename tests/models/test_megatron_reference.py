@@ -234,7 +234,7 @@ def megatron_gdn() -> dict:
     theirs = {k for k in keys if not k.endswith(("in_proj.weight", "conv1d.weight",
                                                  "._extra_state"))} | \
         {"decoder.layers.0.self_attention." + k[2:] for k in built}
-    return {"error": float((got - want).abs().max() / want.abs().max()),
+    return {"error": rel_err(got, want),
             "ours - theirs": sorted(ours - theirs), "theirs - ours": sorted(theirs - ours),
             "gdn_of": gdn_of(cfg) is not None}
 
