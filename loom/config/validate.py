@@ -18,6 +18,7 @@ from loom.config.families import (check_bert, check_gemma3, check_mamba,
 from loom.config.fault_spec import parse_fault
 from loom.config.fields import flag
 from loom.config.model_gptoss import check_gptoss
+from loom.config.model_gdn import check_gdn
 from loom.config.model_mla import check_mla
 from loom.config.model_mup import check_mup
 from loom.config.parallel_cp import check_context_parallel
@@ -228,8 +229,7 @@ def _check_moe(cfg: Any, world_size: int) -> None:
                           f"--expert-tensor-parallel-size {u} and "
                           f"--moe-shared-expert-intermediate-size {shared} by "
                           f"--tensor-model-parallel-size {t}")
-    m.check_moe_fields(t, cfg.training.recompute_granularity is not None,
-                       cfg.training.zero_stage == 3 or cfg.training.use_torch_fsdp2)
+    m.check_moe_fields(t, cfg.training.zero_stage == 3 or cfg.training.use_torch_fsdp2)
     if c > 1 and m.moe_expert_capacity_factor is not None:
         raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1 would "
                           "drop tokens per sequence shard: use dropless routing (omit the "
@@ -359,6 +359,7 @@ def validate_config(cfg: Any, world_size: int) -> None:
     check_bert(m, cp)
     check_gemma3(m)
     check_mla(m, tp, cp, pp)
+    check_gdn(m, tp, cp)
     check_gptoss(m, tp, cp)
     check_mup(m)
     check_context_parallel(m, p)
