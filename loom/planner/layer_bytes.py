@@ -25,10 +25,10 @@ Terms of :func:`loom_layer_terms` (bytes):
   ``4 Sn h`` and ``rstd`` ``4 Sn``; on CUDA the fused ``_fused_rms_norm`` keeps its input
   ``e Sn h`` and ``rstd`` ``4 Sn``. LayerNorm (``native_layer_norm``): input ``e Sn h``, mean and
   rstd ``Sn`` each (``e`` bytes on CPU, fp32 on CUDA). KOR: the ``2 s b h`` LayerNorm input.
-* ``qkv_input``, ``fc1_input``: the QKV and FC1 inputs (the norms' outputs) ``e S h`` each.
-  With sequence parallelism loom all-gathers before the column-parallel GEMM and the GEMM
-  saves the *gathered* ``[s, b, h]`` (KOR table 2 and Megatron-Core save the ``1/t`` shard
-  and gather it again in backward, the ``4 s b h / t`` of KOR's ``34/t``).
+* ``qkv_input``, ``fc1_input``: the QKV and FC1 inputs (the norms' outputs) ``e Sn h`` each.
+  With sequence parallelism the column-parallel GEMM saves its ``1/t`` sequence shard and
+  all-gathers it again in backward (``loom/parallel/tensor.py`` ``_SequenceGatherLinear``; KOR
+  sec. 4.2.2 and Megatron-Core alike: the ``4 s b h / t`` of KOR's ``34/t``).
 * ``qkv``: the fused QKV output ``e S (a + 2 g) d / t`` (KOR's Q, K, V): V is a view of it, so
   the attention core keeps the whole storage alive.
 * ``rope``: RoPE's rotated Q and K are new tensors: ``e S (a + g) d / t``; ``rope_tables``: in
@@ -81,8 +81,8 @@ def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
     r = getattr(model, "rotary_dim", d) or d
     terms = {
         "norms": 2 * norm,
-        "qkv_input": e * S * h,
-        "fc1_input": e * S * h,
+        "qkv_input": e * Sn * h,
+        "fc1_input": e * Sn * h,
         "qkv": e * S * (a + 2 * g) * d / t,
         "rope": e * S * (a + g) * d / t if rope else 0.0 * S,
         "rope_tables": 4 * e * seq_length / cp * r + 0.0 * S if rope and e != 4 else 0.0 * S,
