@@ -208,8 +208,8 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch,
       its branch during the forward).
     * ``dispatch``: the tokens sorted by expert ``e S k h`` and the sort / unsort
       permutations, int64 ``2 x 8 S k``.
-    * ``experts``: per routed row FC1's output, the SiLU output and the product (gated:
-      ``4 e f_e`` per row; GeLU ``2 e f_e``), ``S k`` rows.
+    * ``experts``: per routed row FC1's output and the product (gated: ``3 e f_e`` per row,
+      the SwiGLU recomputing its SiLU in backward; GeLU ``2 e f_e``), ``S k`` rows.
     * ``combine``: the experts' outputs, scattered back ``[S k, h]`` and viewed ``[S, k, h]``
       (two storages: ``2 e S k h``), and the 16-bit routing weights ``e S k``.
     * ``shared_expert``: a dense MLP of ``moe_shared_expert_intermediate_size`` (``mlp``
@@ -219,7 +219,7 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch,
                    model.moe_ffn_size)
     e = float(elem_bytes)
     S = seq_length * np.asarray(micro_batch, dtype=np.float64)
-    gated = 4 if model.gated_linear_unit else 2
+    gated = 3 if model.gated_linear_unit else 2
     f_sh = model.moe_shared_expert_intermediate_size or 0
     return {
         "router": 4 * S * h + 4 * E * h + 8 * S * E + 4 * S * k + 8 * S * k + 8 * S,
