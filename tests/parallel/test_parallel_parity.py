@@ -28,41 +28,28 @@ from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from loom.parallel.tensor import vocab_parallel_cross_entropy
 from testkit import count_collectives, run_distributed
-from testkit.numerics import rel_err
-
-RTOL = 1e-5
+from testkit.numerics import PARAM_RTOL, PARITY_RTOL, rel_err
+from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_model
 
 
 def tiny(kind: str) -> ModelConfig:
-    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
-    # (Megatron's), so every compared t needs the same ones
-    common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
-                  attention_dropout=0.0)
     if kind == "gpt":
-        return ModelConfig.gpt2(**common)
-    return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
+        return tiny_model("gpt", PARITY_SHAPE)
+    return tiny_model("llama", PARITY_SHAPE, ffn_hidden_size=96)
 
 
 def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
              zero: bool = False) -> LoomConfig:
-    cfg = LoomConfig(model=tiny(kind))
-    cfg.training.use_distributed_optimizer = zero
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.context_parallel_size = cp
-    cfg.parallel.cp_comm_type = "allgather"  # the other types: test_context_parallel_types.py
-    cfg.parallel.sequence_parallel = sp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8  # m = 4 / dp micro-batches: exercises accumulation
-    cfg.training.lr, cfg.training.train_iters = 1e-3, 100
-    # Adam's first steps are ~lr * sign(g): with eps 1e-8, a gradient entry that is ~1e-10 of
-    # rounding noise moves by ~lr in one run and not in the other. eps 1e-4 keeps the comparison
-    # about the parallel math, not about amplified float noise.
-    cfg.training.adam_eps = 1e-4
-    cfg.training.clip_grad = 0.5  # active: the global norm must be right across groups
-    cfg.parallel.ddp_bucket_size = 20_000  # several buckets
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * dp * cp)
+    return tiny_config(
+        model=tiny(kind), mock_data=False, use_distributed_optimizer=zero,
+        tensor_model_parallel_size=tp, context_parallel_size=cp,
+        cp_comm_type="allgather",  # the other types: test_context_parallel_types.py
+        sequence_parallel=sp,
+        global_batch_size=8,  # m = 4 / dp micro-batches: exercises accumulation
+        adam_eps=PARITY_ADAM_EPS,
+        clip_grad=0.5,  # active: the global norm must be right across groups
+        ddp_bucket_size=20_000,  # several buckets
+        log_interval=10**9, world=tp * dp * cp)
 
 
 def reference_shard(ref: torch.Tensor, meta, mesh: ParallelMesh) -> torch.Tensor:
@@ -102,8 +89,7 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
             lo, hi = owner[id(p)].shard_range(p) if id(p) in owner else (0, p.numel())
             got = grad_of(p).reshape(-1)
             if got.numel():  # a rank may own none of a parameter
-                out["grad"] = max(out["grad"], float((got - want[lo:hi]).abs().max()
-                                                     / want.abs().max().clamp_min(1e-12)))
+                out["grad"] = max(out["grad"], rel_err(got, want[lo:hi], scale=want))
         out["nparams"] = len(ref_params)
         with count_collectives() as records:
             np_ = par.optimizer_step()
@@ -167,7 +153,7 @@ def count_layer_collectives(tp: int) -> dict:
 def cross_entropy_case() -> dict:
     mesh = ParallelMesh.build(tp=dist.get_world_size())
     t, V = mesh.tp_size, 300
-    Vp = ModelConfig(vocab_size=V).padded_vocab(t)
+    Vp = tiny_model(vocab_size=V).padded_vocab(t)
     g = torch.Generator().manual_seed(3)
     full = torch.randn(2, 5, Vp, generator=g)
     target = torch.randint(0, V, (2, 5), generator=g)
@@ -279,13 +265,13 @@ def _check_mechanism(name: str, case: dict):
 
 def _check_parity(case: dict):
     assert case["nparams"] > 10
-    assert case["loss"] < RTOL, case
-    assert case["grad"] < RTOL, case
-    assert case["norm"] < RTOL, case
+    assert case["loss"] < PARITY_RTOL, case
+    assert case["grad"] < PARITY_RTOL, case
+    assert case["norm"] < PARITY_RTOL, case
     # Parameters after 3 AdamW steps: Adam divides each entry by its own sqrt(v), so zero-init
     # biases (|b| ~ 1e-3 after 3 steps) carry ~1e-5 relative rounding; 1e-4 still catches any
     # real error (a wrong gradient shifts parameters by O(lr), i.e. relative O(1) for biases).
-    assert case["param"] < 1e-4, case
+    assert case["param"] < PARAM_RTOL, case
 
 
 @pytest.mark.parametrize("name", ["tp2-gpt", "tp2-llama", "dp2-gpt", "dp2-llama",
@@ -335,4 +321,4 @@ def test_parity_check_can_fail():
     a = torch.randn(10)
     b = a.clone()
     b[3] += 1e-3 * a.abs().max()
-    assert rel_err(b, a) > RTOL
+    assert rel_err(b, a) > PARITY_RTOL

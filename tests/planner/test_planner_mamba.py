@@ -22,18 +22,17 @@ from loom.planner.presets import get_preset, gpt
 from loom.planner.primitives import all_reduce_time
 from loom.planner.search import enumerate_layouts, record, search
 from loom.planner.timing import layer_times, time_terms
+from testkit.config import tiny_model
 
 H100_8 = make_cluster("H100-80GB", 8)
 
 
 def _tiny(**kw) -> ModelConfig:
     """h 64, d_inner 128, P 32 -> H 4, G 2, N 16, conv 4, Q 8 (numbers worked by hand below)."""
-    cfg = dict(model_type="mamba", num_layers=8, hidden_size=64, num_attention_heads=4,
-               seq_length=16, vocab_size=1000, mamba_expand=2, mamba_head_dim=32,
-               mamba_num_groups=2, mamba_state_dim=16, mamba_d_conv=4, mamba_chunk_size=8,
-               hidden_dropout=0.0, attention_dropout=0.0)
-    cfg.update(kw)
-    return ModelConfig.llama(**cfg)
+    return tiny_model("mamba", dict(num_layers=8, hidden_size=64, vocab_size=1000,
+                                    num_query_groups=None, ffn_hidden_size=None,
+                                    padded_vocab_size=None, mamba_head_dim=32,
+                                    mamba_state_dim=16, mamba_chunk_size=8), kw)
 
 
 # -- parameters -----------------------------------------------------------------------------------
