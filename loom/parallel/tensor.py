@@ -36,8 +36,8 @@ from loom.parallel.sequence import (gather_from_sequence_parallel_region,
 class _SequenceGatherLinear(torch.autograd.Function):
     """``F.linear(all_gather_s(x), weight, bias)`` for ``x [s/t, b, in]`` (this rank's sequence
     shard) that saves the *shard* for backward, not the gathered ``[s, b, in]``: ``1/t`` of the
-    bytes (Korthikanti et al. 2022, sec. 4.2.2: "we store the sequence-parallel input and
-    all-gather it again in backward"; Megatron-Core's column-parallel GEMM does the same).
+    bytes (Korthikanti et al. 2022, sec. 4.2.2, store the sequence-parallel input and
+    all-gather it again in backward; Megatron-Core's column-parallel GEMM does the same).
 
     Backward, in order: start the all-gather of the saved shard; compute the input gradient
     ``dY W`` ``[s, b, in]`` while it runs; start its reduce-scatter to ``[s/t, b, in]``; wait for
