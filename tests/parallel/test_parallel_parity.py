@@ -8,7 +8,8 @@ tests/parallel/test_distributed_optimizer.py has the rest); each row asserts tha
 reduce-scatters, CP's key/value all-gathers, one gradient all-reduce, or with ZeRO-1 one
 reduce-scatter and one all-gather, per bucket per step); each TP layer runs exactly 2
 all-reduces forward and 2 backward; the vocab-parallel
-cross-entropy equals ``F.cross_entropy`` on gathered logits. Two spawned worlds (2 and 4 ranks)
+cross-entropy equals ``F.cross_entropy`` on gathered logits; under SP the column-parallel GEMM
+saves only its input's sequence shard. Two spawned worlds (2 and 4 ranks)
 run all the checks.
 """
 
@@ -167,6 +168,35 @@ def cross_entropy_case() -> dict:
             "grad": float((local.grad - ref_grad).abs().max())}
 
 
+def sp_saved_case() -> dict:
+    """What a sequence-parallel ``ColumnParallelLinear`` hands to autograd (counted with
+    ``saved_tensors_hooks``, once per storage): the ``[s/t, b, h]`` input shard, not the
+    gathered ``[s, b, h]``; and the old path (all-gather, then ``F.linear``), which saves the
+    gathered input, measured the same way (so the count can tell the two apart)."""
+    from loom.parallel.sequence import gather_from_sequence_parallel_region
+    from loom.parallel.tensor import ColumnParallelLinear
+    mesh = ParallelMesh.build(tp=dist.get_world_size())
+    s, b, h, out = 8, 2, 6, 4 * mesh.tp_size
+    layer = ColumnParallelLinear(h, out, mesh, bias=False, sequence_parallel=True)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(s // mesh.tp_size, b, h, requires_grad=True)
+
+    def saved(fn) -> int:
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn()
+        y.sum().backward()
+        return sum(storages.values()) - layer.weight.numel() * layer.weight.element_size()
+    return {"shard": saved(lambda: layer(x)),
+            "gathered_path": saved(lambda: F.linear(gather_from_sequence_parallel_region(
+                x, mesh.groups["tp"]), layer.weight)),
+            "shard_bytes": x.numel() * x.element_size()}
+
+
 def world2() -> dict:
     res = {}
     for kind in ("gpt", "llama"):
@@ -178,6 +208,7 @@ def world2() -> dict:
     res["comm-tp2"] = count_layer_collectives(2)
     res["comm-tp1"] = count_layer_collectives(1)
     res["ce"] = cross_entropy_case()
+    res["sp-saved"] = sp_saved_case()
     return res
 
 
@@ -268,6 +299,16 @@ def test_two_allreduces_forward_two_backward_per_layer(results2):
         # each message is one [s, b, h] activation (SHO sec. 3)
         assert all(n == comm["sbh"] for n in comm["forward"] + comm["backward"]), comm
         assert r["comm-tp1"]["forward"] == [] and r["comm-tp1"]["backward"] == []
+
+
+def test_sequence_parallel_linear_saves_the_shard(results2):
+    """Under SP the column-parallel GEMM saves its ``[s/t, b, h]`` input (1/t of the gathered
+    bytes) and gathers it again in backward (Korthikanti et al. 2022, sec. 4.2.2); the
+    gather-then-linear path it replaced saves ``t`` times as much (the count can fail)."""
+    for r in results2:
+        c = r["sp-saved"]
+        assert c["shard"] == c["shard_bytes"], c
+        assert c["gathered_path"] == 2 * c["shard_bytes"], c
 
 
 def test_vocab_parallel_cross_entropy(results2, results4):
