@@ -127,22 +127,18 @@ class SFTTokenizer:
 
     def tokenize_conversation(self, conversation: list) -> tuple[np.ndarray, np.ndarray]:
         """``(tokens, targets)`` int64 of one conversation (see the module docstring). Raises
-        ValueError for an empty assistant turn, one not after a user or tool turn, an unknown
-        role, or a template whose turns do not tokenize apart."""
+        ValueError for what :func:`conversation_error` finds, or a template whose turns do not
+        tokenize apart."""
         tokens = np.asarray(self._ids(conversation), dtype=np.int64)
         targets = tokens.copy()
         if not self.format.masks:
             return tokens, targets
         at = 0
+        why = conversation_error(conversation)
+        if why:
+            raise ValueError(why)
         for i, turn in enumerate(conversation):
-            role = str(turn["role"]).lower()
-            if role == "assistant":
-                if not turn["content"]:
-                    raise ValueError("an empty assistant turn")
-                if i == 0 or str(conversation[i - 1]["role"]).lower() not in ("user", "tool"):
-                    raise ValueError("an assistant turn not after a user or tool turn")
-            elif role not in ("system", "user", "tool"):
-                raise ValueError(f"role {turn['role']!r} (system, user, tool or assistant)")
+            role = turn["role"].lower()
             own = self._ids([turn])
             if tokens[at:at + len(own)].tolist() != own:
                 raise ValueError(f"turn {i} tokenizes differently inside the conversation")
@@ -156,11 +152,27 @@ class SFTTokenizer:
         return tokens, targets
 
 
+def conversation_error(conversation: list) -> Optional[str]:
+    """What Megatron's SFTTokenizer refuses in a conversation (an empty assistant turn, one
+    not after a user or tool turn, a role other than system, user, tool, assistant), or None."""
+    for i, turn in enumerate(conversation):
+        role = turn["role"].lower()
+        if role == "assistant":
+            if not turn["content"]:
+                return f"turn {i} is an empty assistant turn"
+            if i == 0 or conversation[i - 1]["role"].lower() not in ("user", "tool"):
+                return f"turn {i}, an assistant turn, does not follow a user or tool turn"
+        elif role not in ("system", "user", "tool"):
+            return f"turn {i} has role {turn['role']!r} (system, user, tool or assistant)"
+    return None
+
+
 def read_conversations(path: str, flag: str = "--data-path") -> list[list[dict]]:
     """The conversations of JSONL file ``path``, one per line (blank lines skipped). Raises
     ConfigError naming ``flag``, the file and the line for a missing file, a line that is not
-    JSON, lacks a ``messages`` list of ``{"role", "content"}`` objects, or packs more than one
-    conversation (a second ``system`` message)."""
+    JSON, lacks a ``messages`` list of ``{"role", "content"}`` objects, holds a turn Megatron
+    refuses (:func:`conversation_error`) or packs more than one conversation (a second
+    ``system`` message)."""
     if not os.path.isfile(path):
         raise ConfigError(f"{flag} {path}: no such file (--sft reads a JSONL file of "
                           f"{{\"messages\": [...]}} lines)")
@@ -179,6 +191,9 @@ def read_conversations(path: str, flag: str = "--data-path") -> list[list[dict]]
                     and isinstance(m.get("content"), str) for m in msgs):
                 raise ConfigError(f"{flag} {path}: line {n} is not an object with a "
                                   f"\"messages\" list of {{\"role\", \"content\"}} strings")
+            why = conversation_error(msgs)
+            if why:
+                raise ConfigError(f"{flag} {path}: line {n}: {why}")
             starts = sum(m["role"] == "system" and i > 0 for i, m in enumerate(msgs))
             if starts:
                 raise ConfigError(f"{flag} {path}: line {n} packs {starts + 1} conversations "

@@ -136,6 +136,9 @@ def test_bad_sft_input_is_one_line(files, tmp_path, monkeypatch):
     tok, data = files
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": CONVS[1]}) + "\n{not json\n")
+    orphan = tmp_path / "orphan.jsonl"
+    orphan.write_text(json.dumps({"messages": CONVS[1]}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "hi"}, CONVS[1][1]]}) + "\n")
     packed = tmp_path / "packed.jsonl"
     packed.write_text(json.dumps({"messages": CONVS[0] + CONVS[2]}) + "\n")
     base = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
@@ -146,6 +149,7 @@ def test_bad_sft_input_is_one_line(files, tmp_path, monkeypatch):
             (["--data-path", str(tmp_path / "missing.jsonl")], "missing.jsonl: no such file"),
             (["--data-path", str(bad)], "line 2 is not JSON"),
             (["--data-path", str(packed)], "line 1 packs 2 conversations"),
+            (["--data-path", str(orphan)], "line 2: turn 1, an assistant turn, does not follow"),
             (["--data-path", data, "--sft-tokenizer-prompt-format", "chatml"],
              "--sft-tokenizer-prompt-format chatml: unknown"),
             (["--data-path", data, "--tokenizer-model", str(tmp_path)],
@@ -156,3 +160,21 @@ def test_bad_sft_input_is_one_line(files, tmp_path, monkeypatch):
         assert words in err, err
     code, err = _train([a for a in base if a != "--sft"] + ["--data-path", data])
     assert code == 2 and "give --sft" in err, err
+
+
+def test_prompt_format_default_is_the_tokenizers_template_without_masking(files, tmp_path):
+    """Megatron's ``default``: the tokenizer's own chat template, pad = its pad (else eos),
+    every token a target; a tokenizer without a template is refused for it."""
+    from transformers import AutoTokenizer
+
+    from loom.data.sft import SFTTokenizer
+    from loom.errors import ConfigError
+    with pytest.raises(ConfigError, match="has no chat template"):
+        SFTTokenizer(files[0], "default")
+    hf = AutoTokenizer.from_pretrained(files[0], local_files_only=True)
+    hf.chat_template = "{% for m in messages %}{{ m['content'] + '\n' }}{% endfor %}"
+    hf.save_pretrained(str(tmp_path / "tok"))
+    tok = SFTTokenizer(str(tmp_path / "tok"), "default")
+    tokens, targets = tok.tokenize_conversation(CONVS[1])
+    assert tok.pad == tok.eod == hf.eos_token_id and targets.tolist() == tokens.tolist()
+    assert hf.convert_ids_to_tokens(tokens.tolist())[:2] == ["why", " "]
