@@ -193,3 +193,32 @@ def test_megatrons_pickles_read_without_megatron(tmp_path, monkeypatch):
         fh.write(b"\x00garbage")
     with pytest.raises(ConfigError, match="unreadable"):
         load_pickle(str(tmp_path / "bad.pt"))
+
+
+def test_from_megatron_cuts_a_tp2_runs_optimizer_states_like_the_weights(tmp_path):
+    """A loom ``torch_dist`` save of a TP=2 16-bit run pads the embedding, its Adam states and
+    its fp32 main weights to Vp(t=2) = 256 rows (V 128, divisible by 128 x t);
+    ``--from-megatron`` reads at t=1 (Vp 128) and cuts the states as it cuts the weights."""
+    from loom.checkpoint.io import open_checkpoint
+    from loom.checkpoint.megatron.convert import from_megatron, write_megatron_checkpoint
+    from loom.checkpoint.megatron.stores import DistStore
+    cfg = ModelConfig.llama(**TINY, num_query_groups=2)
+    full = _loom_checkpoint(str(tmp_path / "loom"), "gpt", cfg)
+    g = torch.Generator().manual_seed(0)
+    states = {n: {"exp_avg": torch.randn(t.shape, generator=g),
+                  "exp_avg_sq": torch.rand(t.shape, generator=g),
+                  "master_param": t + torch.randn(t.shape, generator=g) * 1e-3,
+                  "step": torch.tensor(3.0)} for n, t in full.items()}
+    meg = write_megatron_checkpoint(str(tmp_path / "meg"), 5, {n: t.bfloat16() for n, t in
+                                                                full.items()},
+                                    states, cfg, dataclasses.asdict(cfg), 20, target_tp=2)
+    emb = "embedding.word_embeddings.weight"
+    for key in (emb, f"optimizer.state.exp_avg.{emb}", f"optimizer.state.fp32_param.{emb}"):
+        assert DistStore(meg).shape(key) == (256, 32), key
+    back = from_megatron(str(tmp_path / "meg"), str(tmp_path / "back"), {})
+    index = open_checkpoint(back)
+    got, optim, _ = index.load(index.names, index.names)
+    for n in (emb, "output_layer.weight", "layers.0.mlp.linear_fc1.weight"):
+        assert torch.equal(got[n], states[n]["master_param"]), n  # the fp32 main weights
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim[n][k], states[n][k]), (n, k)
