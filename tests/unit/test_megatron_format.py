@@ -39,10 +39,16 @@ FAMILIES = {
                                      moe_shared_expert_intermediate_size=32,
                                      moe_router_enable_expert_bias=True,
                                      moe_router_score_function="sigmoid"),
-            ["decoder.layers.mlp.experts.experts.linear_fc1.weight",
-             "decoder.layers.mlp.router.expert_bias", "decoder.layers.pre_mlp_layernorm.weight",
-             "decoder.layers.mlp.linear_fc1.layer_norm_weight",
-             "decoder.layers.mlp.shared_experts.linear_fc2.weight"]),
+            # a list --moe-layer-freq makes Megatron-Core's TransformerBlock key every layer on
+            # its own (non_homogeneous_layers), dense and MoE alike; experts [E, ...] per layer
+            # (Megatron-Core 0.16.1's own keys: tests/models/test_megatron_reference.py)
+            ["decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
+             "decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.pre_mlp_layernorm.weight",
+             "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+             "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+             "decoder.layers.0.self_attention.linear_qkv.weight",
+             "decoder.layers.3.mlp.shared_experts.linear_fc2.weight",
+             "decoder.final_layernorm.weight"]),
     "gdn": ("gpt", ModelConfig.llama(**TINY, num_query_groups=2, attention_output_gate=True,
                                      experimental_attention_variant="gated_delta_net",
                                      linear_attention_freq="2", linear_key_head_dim=8,

@@ -83,8 +83,12 @@ def _renamed(args: Any) -> dict:
         out["vocab_size"] = int(args.padded_vocab_size)  # the tokenizer's V is not saved
     if getattr(args, "num_experts", None) in (0,):
         out["num_experts"] = None
-    if isinstance(getattr(args, "moe_layer_freq", None), list):
-        out["moe_layer_freq"] = "[" + ",".join(str(int(v)) for v in args.moe_layer_freq) + "]"
+    for key in ("moe_layer_freq", "linear_attention_freq"):  # Megatron's int or list: text
+        value = getattr(args, key, None)
+        if isinstance(value, list):
+            out[key] = "[" + ",".join(str(int(v)) for v in value) + "]"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out[key] = str(value)
     return out
 
 

@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
 
 from loom.checkpoint.megatron import layout
 from loom.checkpoint.megatron.names import (CONV_PARTS, GDN_CONV_PARTS, GDN_IN_PROJ_PARTS,
-                                            IN_PROJ_PARTS, attention_kind, gdn_of, kind_of,
-                                            write_sources)
+                                            IN_PROJ_PARTS, attention_kind, gdn_of,
+                                            keyed_per_layer, kind_of, write_sources)
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}
@@ -117,9 +117,9 @@ def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
     sizes: dict[str, tuple] = {}
     pattern = getattr(cfg, "hybrid_layer_pattern", None)
     gdn = gdn_of(cfg)
-    # Megatron's Mamba stack keys each layer on its own, and so does a GPT stack with Gated
-    # DeltaNet layers (TransformerBlock's non_homogeneous_layers)
-    per_layer = pattern is not None or gdn is not None
+    # Megatron's Mamba stack keys each layer on its own, and so does a GPT stack whose layers
+    # differ (TransformerBlock's non_homogeneous_layers: Gated DeltaNet, dense and MoE layers)
+    per_layer = keyed_per_layer(cfg)
     rows = _vocab_rows(cfg, target_tp)
     L, E = cfg.num_layers, cfg.num_experts or 0
     for name, t in full.items():
@@ -221,11 +221,12 @@ def megatron_args(cfg, flat: dict, iteration: int, consumed: int, target_tp: int
               kv_channels=cfg.head_dim, group_query_attention=cfg.num_kv_groups !=
               cfg.num_attention_heads)
     ns.pop("model_type", None)
-    if ns.get("linear_attention_freq") is not None:  # Megatron's la_freq_type: int or list
-        from loom.config.model_moe import parse_moe_layer_freq
-        text = str(ns["linear_attention_freq"]).strip()
-        ns["linear_attention_freq"] = int(text) if text.isdigit() else \
-            parse_moe_layer_freq(text, cfg.num_layers, "--linear-attention-freq")
+    from loom.config.model_moe import parse_moe_layer_freq
+    for key in ("moe_layer_freq", "linear_attention_freq"):  # Megatron's types: int or list
+        if ns.get(key) is not None:
+            text = str(ns[key]).strip()
+            ns[key] = int(text) if text.isdigit() else \
+                parse_moe_layer_freq(text, cfg.num_layers, "--" + key.replace("_", "-"))
     if ns.get("experimental_attention_variant") == "gated_delta_net":
         ns["experimental_attention_variant"] = "gdn"  # Megatron's canonical name
     return argparse.Namespace(**ns)
