@@ -79,6 +79,12 @@ def _norm_aliases(rest: str, attention: str) -> list[str]:
     return [rest]
 
 
+def is_norm_gain(name: str) -> bool:
+    """A norm's weight (its gain), which ``--apply-layernorm-1p`` stores zero-centred (every
+    Transformer Engine norm; not the Mamba mixer's gated norm, which is mamba_ssm's)."""
+    return name.endswith("norm.weight") and "mixer.norm" not in name
+
+
 def kind_of(name: str) -> str:
     """How loom's tensor ``name`` differs in layout from Megatron's (:data:`KINDS`)."""
     if re.search(r"self_attention\.linear_qkv\.(weight|bias)$", name):
