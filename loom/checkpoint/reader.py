@@ -217,6 +217,19 @@ def load_model_weights(index, model_chunks: Sequence[nn.Module], mesh: ParallelM
         p.copy_(shard_like(p, local_shard(full[name], meta, *mesh.shard_of(meta), name)))
 
 
+@torch.no_grad()
+def restore_model_and_optimizer(model_chunks: Sequence[nn.Module], optimizer, mesh: ParallelMesh,
+                                full: dict, states: dict) -> None:
+    """Copy this rank's shard of the full weights ``full`` (``{name: tensor}``) into the model
+    and install the full Adam states ``states`` (:func:`_restore_optimizer`): the vocabulary
+    rows of both re-padded to this layout's (``local_shard``)."""
+    params = _named_params(model_chunks)
+    for name, (p, meta) in params.items():
+        p.copy_(shard_like(p, local_shard(full[name], meta, *mesh.shard_of(meta), name)))
+    _restore_optimizer(optimizer, params, full, {n: s for n, s in states.items() if n in params},
+                       mesh)
+
+
 def _restore_optimizer(optimizer, params: dict[str, tuple], full: dict, states: dict,
                        mesh: ParallelMesh) -> None:
     """Install the loaded Adam states (and fp32 ``master_param``), resharded for this layout:

@@ -40,7 +40,7 @@ RETIRED_FIELDS = ("dry_run",
     "record_memory_history", "log_timers_to_tensorboard", "log_memory_to_tensorboard",
     "log_validation_ppl_to_tensorboard", "log_throughput", "logging_level", "num_workers",
     "no_create_attention_mask_in_dataloader", "no_mmap_bin_files", "data_cache_path",
-    "dataloader_type", "apply_layernorm_1p", "auto_detect_ckpt_format",
+    "dataloader_type", "auto_detect_ckpt_format",
     "dist_ckpt_strictness")
 
 

@@ -213,6 +213,10 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
             "gdn2": "loom has no Gated DeltaNet-2 (channel-wise decay): use gdn"}),
     "--linear-attention-freq": field(note="loom holds the text (an int N, or a list such as "
                                           "([1]*3+[0])*2)"),
+    "--apply-layernorm-1p": field(note="Megatron's norms hold w, gain 1 + w; loom's hold the gain "
+                                      "g = 1 + w itself (the same function and, as no norm "
+                                      "weight is decayed, the same training); a torch_dist "
+                                      "checkpoint stores g - 1 under it and reads w + 1"),
     "--apply-wd-to-qk-layernorm": field(note="refused with --qk-layernorm (loom decays no norm "
                                              "weights); without it there are none to decay"),
     "--optimizer": field(note="adam: AdamW (decoupled weight decay); sgd: torch SGD; muon: "

@@ -181,7 +181,7 @@ NO_EFFECT_ROWS = (
     *_block(no_effect("internal"), """
         --enable-experimental --spec --is-hybrid-model --config-logger-dir"""),
     *_block(no_effect("equivalent"), """
-        --apply-layernorm-1p --use-tp-pp-dp-mapping --num-distributed-optimizer-instances
+        --use-tp-pp-dp-mapping --num-distributed-optimizer-instances
         --outer-dp-sharding-strategy"""),
 )
 """``(Megatron flag, row)`` of every flag accepted without effect."""

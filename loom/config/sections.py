@@ -83,6 +83,10 @@ class ModelShapeFields:
                "layer has them")
     normalization: Normalization = opt("LayerNorm", "layer normalization: LayerNorm or RMSNorm")
     norm_epsilon: float = opt(1e-5, "epsilon added to the variance in the normalization", gt=0)
+    apply_layernorm_1p: bool = opt(
+        False, "zero-centred norm gains (Megatron's layernorm_zero_centered_gamma: gain 1 + w): "
+               "loom's norms hold the gain itself, the same math; Megatron-format (torch_dist) "
+               "checkpoints store gain - 1")
     position_embedding_type: PositionEmbedding = opt(
         "learned_absolute", "positions: learned_absolute embeddings, rope (rotary), yarn "
                             "(rotary with YaRN scaling: --rotary-scaling-factor, --yarn-*, "

@@ -47,6 +47,9 @@ STYLES = {
                              moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01,
                              moe_shared_expert_intermediate_size=32),
 }
+MOE_LIST = ModelConfig.llama(**BASE, num_query_groups=2, num_experts=4, moe_router_topk=2,
+                             moe_ffn_hidden_size=16, moe_layer_freq="[0,1]",
+                             moe_shared_expert_intermediate_size=32)  # layer 0 dense, 1 MoE
 GDN_CFG = ModelConfig.llama(**BASE, experimental_attention_variant="gdn", linear_attention_freq="2",
                             linear_conv_kernel_dim=3, linear_key_head_dim=8,
                             linear_value_head_dim=6, linear_num_key_heads=2,
@@ -174,6 +177,45 @@ def _megatron_loads_loom(ckpt: str, cfg: ModelConfig, want: torch.Tensor) -> dic
     return out
 
 
+def _megatron_loads_loom_moe_list(ckpt: str, cfg: ModelConfig, want: torch.Tensor) -> dict:
+    """Megatron-Core's ``GPTModel`` with dense and MoE layers (``moe_layer_freq`` a list, its
+    decoder block spec): the keys and shapes of its ``sharded_state_dict`` (every layer keyed
+    on its own) against those of loom's ``--to-megatron`` directory, and its logits after
+    ``dist_checkpointing.load`` of it against loom's ``want``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from loom.checkpoint.megatron.stores import DistStore
+    from testkit.megatron import init_megatron_parallel, megatron_config
+    init_megatron_parallel(tp=1)
+    tc = megatron_config(cfg, moe_layer_freq=[0, 1])
+    ref = GPTModel(tc, get_gpt_decoder_block_spec(tc, use_transformer_engine=False,
+                                                  normalization=cfg.normalization),
+                   vocab_size=cfg.padded_vocab(1), max_sequence_length=cfg.max_positions,
+                   position_embedding_type=cfg.position_embedding_type,
+                   rotary_base=int(cfg.rotary_base),
+                   share_embeddings_and_output_weights=False).eval()
+    sharded = ref.sharded_state_dict()
+    theirs = {}
+    for v in sharded.values():
+        v = v if isinstance(v, ShardedTensor) else v.build() if hasattr(v, "build") else v
+        for t in (v if isinstance(v, list) else [v]):
+            if isinstance(t, ShardedTensor):
+                theirs[t.key] = tuple(t.global_shape)
+    ours = DistStore(ckpt).listing()
+    loaded = dist_checkpointing.load({"model": sharded}, ckpt)
+    ref.load_state_dict(loaded["model"])
+    tokens, _ = _batch(cfg)
+    s = cfg.seq_length
+    with torch.no_grad():
+        got = ref(tokens, torch.arange(s).expand(2, s), None)
+    return {"logits": rel_err(got, want), "theirs - ours": sorted(set(theirs) - set(ours)),
+            "shapes differ": sorted(k for k in theirs if k in ours and ours[k][0] != theirs[k]),
+            "per layer": "decoder.layers.1.mlp.experts.experts.linear_fc2.weight" in theirs}
+
+
 def megatron_gdn() -> dict:
     """Megatron-Core's GatedDeltaNet (TP=2, this rank's shards) and loom's from the gathered
     full tensors (loom's TP segments: :func:`loom.models.gpt.gdn.gdn_blocks`) on the same
@@ -239,26 +281,28 @@ def megatron_gdn() -> dict:
             "gdn_of": gdn_of(cfg) is not None}
 
 
-def world(tmp: str, loom_ckpt: str, loom_logits: torch.Tensor) -> dict:
+def world(tmp: str, loom_ckpt: str, loom_logits: torch.Tensor, moe_ckpt: str,
+          moe_logits: torch.Tensor) -> dict:
     from testkit.megatron import megatron_on_cpu
     with megatron_on_cpu():
         out = {case: _case(*case, tmp) for case in CASES}
         out["megatron loads loom"] = _megatron_loads_loom(loom_ckpt, STYLES["llama_gqa"],
                                                           loom_logits)
+        out["moe list"] = _megatron_loads_loom_moe_list(moe_ckpt, MOE_LIST, moe_logits)
         out["gdn"] = megatron_gdn()
     return out
 
 
-def _loom_checkpoint(tmp: str) -> tuple[str, torch.Tensor]:
-    """A loom checkpoint of the LLaMA/GQA style (norm weights moved off 1) as Megatron's
-    torch_dist (``convert --to-megatron``), and loom's logits of it."""
+def _loom_checkpoint(tmp: str, cfg: ModelConfig = STYLES["llama_gqa"],
+                     name: str = "loom") -> tuple[str, torch.Tensor]:
+    """A loom checkpoint of ``cfg`` (default: the LLaMA/GQA style; norm weights moved off 1)
+    as Megatron's torch_dist (``convert --to-megatron``), and loom's logits of it."""
     from loom.checkpoint.io import save_checkpoint
     from loom.checkpoint.megatron.convert import to_megatron
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
     from loom.parallel.random import RNGTracker
-    cfg = STYLES["llama_gqa"]
     mesh = ParallelMesh.single()
     tracker = RNGTracker(mesh.device)
     tracker.seed(0)
@@ -266,18 +310,19 @@ def _loom_checkpoint(tmp: str) -> tuple[str, torch.Tensor]:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    save_checkpoint(os.path.join(tmp, "loom"), 7, [model], torch.optim.AdamW(model.parameters()),
+    save_checkpoint(os.path.join(tmp, name), 7, [model], torch.optim.AdamW(model.parameters()),
                     None, mesh, tracker, consumed_samples=56, config=dataclasses.asdict(cfg))
     with torch.no_grad():
         logits = model.eval()(_batch(cfg)[0])
-    return to_megatron(os.path.join(tmp, "loom"), os.path.join(tmp, "loom_as_megatron")), logits
+    return to_megatron(os.path.join(tmp, name), os.path.join(tmp, f"{name}_as_megatron")), logits
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("megatron_reference"))
     ckpt, logits = _loom_checkpoint(tmp)
-    return tmp, run_distributed(2, world, tmp, ckpt, logits, timeout=600)
+    moe_ckpt, moe_logits = _loom_checkpoint(tmp, MOE_LIST, "loom_moe_list")
+    return tmp, run_distributed(2, world, tmp, ckpt, logits, moe_ckpt, moe_logits, timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{s}-tp{t}" for s, t in CASES])
@@ -337,3 +382,14 @@ def test_gated_delta_net_matches_megatron_core(results):
         r = rank["gdn"]
         assert r["error"] < 1e-5, r
         assert not r["ours - theirs"] and not r["theirs - ours"] and r["gdn_of"], r
+
+
+def test_megatron_core_keys_and_loads_a_dense_and_moe_stack_as_loom_writes_it(results):
+    """``--moe-layer-freq`` a list (layer 0 dense, 1 MoE): Megatron-Core keys every layer on
+    its own (``decoder.layers.<i>.``, experts ``[E, ...]`` per layer); loom's ``--to-megatron``
+    writes each of those keys at Megatron's shape, and Megatron-Core loads it with loom's
+    logits."""
+    for rank in results[1]:
+        r = rank["moe list"]
+        assert r["per layer"] and not r["theirs - ours"] and not r["shapes differ"], r
+        assert r["logits"] < PARITY_RTOL, r

@@ -37,7 +37,7 @@ SWITCHES = [  # Megatron flags loom accepts without effect (the flag table), non
     "--recompute-modules", "mlp", "moe",
     "--log-validation-ppl-to-tensorboard", "--log-throughput", "--logging-level", "20",
     "--num-workers", "6", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
-    "--data-cache-path", "/tmp/cache", "--dataloader-type", "single", "--apply-layernorm-1p",
+    "--data-cache-path", "/tmp/cache", "--dataloader-type", "single",
     "--auto-detect-ckpt-format", "--dist-ckpt-strictness", "log_all"]
 
 

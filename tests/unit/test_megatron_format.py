@@ -39,10 +39,16 @@ FAMILIES = {
                                      moe_shared_expert_intermediate_size=32,
                                      moe_router_enable_expert_bias=True,
                                      moe_router_score_function="sigmoid"),
-            ["decoder.layers.mlp.experts.experts.linear_fc1.weight",
-             "decoder.layers.mlp.router.expert_bias", "decoder.layers.pre_mlp_layernorm.weight",
-             "decoder.layers.mlp.linear_fc1.layer_norm_weight",
-             "decoder.layers.mlp.shared_experts.linear_fc2.weight"]),
+            # a list --moe-layer-freq makes Megatron-Core's TransformerBlock key every layer on
+            # its own (non_homogeneous_layers), dense and MoE alike; experts [E, ...] per layer
+            # (Megatron-Core 0.16.1's own keys: tests/models/test_megatron_reference.py)
+            ["decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
+             "decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.pre_mlp_layernorm.weight",
+             "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+             "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+             "decoder.layers.0.self_attention.linear_qkv.weight",
+             "decoder.layers.3.mlp.shared_experts.linear_fc2.weight",
+             "decoder.final_layernorm.weight"]),
     "gdn": ("gpt", ModelConfig.llama(**TINY, num_query_groups=2, attention_output_gate=True,
                                      experimental_attention_variant="gated_delta_net",
                                      linear_attention_freq="2", linear_key_head_dim=8,
@@ -193,3 +199,84 @@ def test_megatrons_pickles_read_without_megatron(tmp_path, monkeypatch):
         fh.write(b"\x00garbage")
     with pytest.raises(ConfigError, match="unreadable"):
         load_pickle(str(tmp_path / "bad.pt"))
+
+
+def test_from_megatron_cuts_a_tp2_runs_optimizer_states_like_the_weights(tmp_path):
+    """A loom ``torch_dist`` save of a TP=2 16-bit run pads the embedding, its Adam states and
+    its fp32 main weights to Vp(t=2) = 256 rows (V 128, divisible by 128 x t);
+    ``--from-megatron`` reads at t=1 (Vp 128) and cuts the states as it cuts the weights."""
+    from loom.checkpoint.io import open_checkpoint
+    from loom.checkpoint.megatron.convert import from_megatron, write_megatron_checkpoint
+    from loom.checkpoint.megatron.stores import DistStore
+    cfg = ModelConfig.llama(**TINY, num_query_groups=2)
+    full = _loom_checkpoint(str(tmp_path / "loom"), "gpt", cfg)
+    g = torch.Generator().manual_seed(0)
+    states = {n: {"exp_avg": torch.randn(t.shape, generator=g),
+                  "exp_avg_sq": torch.rand(t.shape, generator=g),
+                  "master_param": t + torch.randn(t.shape, generator=g) * 1e-3,
+                  "step": torch.tensor(3.0)} for n, t in full.items()}
+    meg = write_megatron_checkpoint(str(tmp_path / "meg"), 5, {n: t.bfloat16() for n, t in
+                                                                full.items()},
+                                    states, cfg, dataclasses.asdict(cfg), 20, target_tp=2)
+    emb = "embedding.word_embeddings.weight"
+    for key in (emb, f"optimizer.state.exp_avg.{emb}", f"optimizer.state.fp32_param.{emb}"):
+        assert DistStore(meg).shape(key) == (256, 32), key
+    back = from_megatron(str(tmp_path / "meg"), str(tmp_path / "back"), {})
+    index = open_checkpoint(back)
+    got, optim, _ = index.load(index.names, index.names)
+    for n in (emb, "output_layer.weight", "layers.0.mlp.linear_fc1.weight"):
+        assert torch.equal(got[n], states[n]["master_param"]), n  # the fp32 main weights
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim[n][k], states[n][k]), (n, k)
+
+
+def test_apply_layernorm_1p_writes_gain_minus_one_and_reads_it_back(tmp_path):
+    """``--apply-layernorm-1p``: Megatron's norm weight is w with gain 1 + w (Transformer
+    Engine's ``zero_centered_gamma``; Megatron-Core's local spec refuses it, torch_norm.py, so
+    no CPU reference builds one), loom's norm holds the gain g. A ``torch_dist`` write stores
+    g - 1 for every norm gain (the weights and the fp32 main weights; Adam's moments as they are,
+    since the gradient by w is the gradient by g) with the flag in the args, which Megatron-LM
+    reads back as gain 1 + (g - 1) = g; ``--from-megatron`` reads w + 1; loom's own format
+    keeps g. Other weights are untouched."""
+    from loom.checkpoint.io import open_checkpoint
+    from loom.checkpoint.megatron.convert import from_megatron, write_megatron_checkpoint
+    from loom.checkpoint.megatron.stores import DistStore
+    cfg = ModelConfig.llama(**TINY, num_query_groups=2, qk_layernorm=True, apply_layernorm_1p=True)
+    full = _loom_checkpoint(str(tmp_path / "loom"), "gpt", cfg)
+    own, _, _ = open_checkpoint(str(tmp_path / "loom" / "iter_0000004")).load(
+        ["final_layernorm.weight"])
+    assert torch.equal(own["final_layernorm.weight"], full["final_layernorm.weight"])  # g
+    g = torch.Generator().manual_seed(1)
+    states = {n: {"exp_avg": torch.randn(t.shape, generator=g),
+                  "exp_avg_sq": torch.rand(t.shape, generator=g),
+                  "master_param": t + torch.randn(t.shape, generator=g) * 1e-3,
+                  "step": torch.tensor(2.0)} for n, t in full.items()}
+    meg = write_megatron_checkpoint(str(tmp_path / "meg"), 4, full, states, cfg,
+                                    dataclasses.asdict(cfg), 16)
+    store = DistStore(meg)
+    gains = {"decoder.final_layernorm.weight": ((), "final_layernorm.weight"),
+             "decoder.layers.self_attention.linear_qkv.layer_norm_weight":
+                 ((1,), "layers.1.input_layernorm.weight"),
+             "decoder.layers.mlp.linear_fc1.layer_norm_weight":
+                 ((0,), "layers.0.pre_mlp_layernorm.weight"),
+             "decoder.layers.self_attention.q_layernorm.weight":
+                 ((2,), "layers.2.self_attention.q_layernorm.weight")}
+    wanted = [(k, i) for k, (i, _) in gains.items()] + [
+        (f"optimizer.state.{s}.{k}", i) for s in ("fp32_param", "exp_avg") for k, (i, _) in
+        gains.items()] + [("decoder.layers.mlp.linear_fc2.weight", (0,))]
+    got = store.read(wanted)
+    for key, (index, name) in gains.items():
+        assert torch.equal(got[(key, index)], full[name] - 1), key
+        assert torch.equal(got[(f"optimizer.state.fp32_param.{key}", index)],
+                           states[name]["master_param"] - 1), key
+        assert torch.equal(got[(f"optimizer.state.exp_avg.{key}", index)],
+                           states[name]["exp_avg"]), key
+    assert torch.equal(got[("decoder.layers.mlp.linear_fc2.weight", (0,))],
+                       full["layers.0.mlp.linear_fc2.weight"])
+    args = torch.load(os.path.join(meg, "common.pt"), weights_only=False)["args"]
+    assert args.layernorm_zero_centered_gamma and args.apply_layernorm_1p
+    back = from_megatron(str(tmp_path / "meg"), str(tmp_path / "back"), {})
+    index = open_checkpoint(back)
+    loaded, _, _ = index.load(index.names)
+    for n in full:  # (g - 1) + 1 is g up to one rounding of g - 1
+        torch.testing.assert_close(loaded[n], states[n]["master_param"], rtol=0, atol=1e-6)

@@ -81,10 +81,16 @@ def _renamed(args: Any) -> dict:
         out["num_query_groups"] = None  # Megatron keeps a default it does not use
     if getattr(args, "vocab_size", None) is None and getattr(args, "padded_vocab_size", None):
         out["vocab_size"] = int(args.padded_vocab_size)  # the tokenizer's V is not saved
+    if zero_centered_gains(args):  # Megatron-LM's dest: layernorm_zero_centered_gamma
+        out["apply_layernorm_1p"] = True
     if getattr(args, "num_experts", None) in (0,):
         out["num_experts"] = None
-    if isinstance(getattr(args, "moe_layer_freq", None), list):
-        out["moe_layer_freq"] = "[" + ",".join(str(int(v)) for v in args.moe_layer_freq) + "]"
+    for key in ("moe_layer_freq", "linear_attention_freq"):  # Megatron's int or list: text
+        value = getattr(args, key, None)
+        if isinstance(value, list):
+            out[key] = "[" + ",".join(str(int(v)) for v in value) + "]"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out[key] = str(value)
     return out
 
 
@@ -94,7 +100,7 @@ UNSUPPORTED = {"rotary_interleaved": "RoPE on interleaved pairs"}
 
 def zero_centered_gains(args) -> bool:
     """Whether the checkpoint's norm weights are zero-centred gains (``--apply-layernorm-1p``:
-    gain = 1 + w), which loom reads as 1 + w (its norms multiply by w)."""
+    gain = 1 + w), which loom reads as 1 + w (its norms multiply by their weight, the gain)."""
     return bool(getattr(args, "apply_layernorm_1p", False) or
                 getattr(args, "layernorm_zero_centered_gamma", False))
 

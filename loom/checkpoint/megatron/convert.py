@@ -110,10 +110,9 @@ def from_megatron(src: str, out_dir: str, flags: dict, step: Optional[int] = Non
     from loom.checkpoint.io import save_checkpoint
     from loom.checkpoint.megatron.common import open_index, read_common
     from loom.checkpoint.megatron.locate import diagnose, locate
-    from loom.checkpoint.optimizer_state import load_optimizer_state_by_name
+    from loom.checkpoint.reader import restore_model_and_optimizer
     from loom.checkpoint.targets import check_output_dir
     from loom.config import LoomConfig, ModelConfig
-    from loom.interop.hf import load_full_state_dict
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
@@ -140,10 +139,10 @@ def from_megatron(src: str, out_dir: str, flags: dict, step: Optional[int] = Non
     tracker = RNGTracker(mesh.device)
     tracker.seed(0)
     model = build_model(get_family(cfg.model_type), cfg, mesh, tracker, seed=None)
-    named = dict(model.named_parameters())
-    load_full_state_dict(model, {n: full[n] for n in named})
     optimizer = torch.optim.AdamW(model.parameters())
-    load_optimizer_state_by_name(optimizer, named, states)
+    # weights and Adam states alike re-padded to this model's vocabulary (a TP=2 run saved
+    # Vp(t=2) rows of the embedding, its states and its fp32 main weights)
+    restore_model_and_optimizer([model], optimizer, mesh, full, states)
     return save_checkpoint(out_dir, common["iteration"], [model], optimizer, None, mesh,
                            tracker, consumed_samples=common["consumed_samples"],
                            config=dataclasses.asdict(cfg))

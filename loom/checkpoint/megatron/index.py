@@ -22,7 +22,8 @@ import torch
 
 from loom.checkpoint.megatron import layout
 from loom.checkpoint.megatron.args import args_of, zero_centered_gains
-from loom.checkpoint.megatron.names import Source, attention_kind, gdn_of, kind_of, sources
+from loom.checkpoint.megatron.names import (Source, attention_kind, gdn_of, is_norm_gain,
+                                            kind_of, sources)
 from loom.checkpoint.megatron.stores import MASTER_STATES, open_store
 from loom.errors import ConfigError
 
@@ -41,11 +42,6 @@ def expected_parameters(cfg) -> dict:
     with meta:
         model = build_model(get_family(cfg.model_type), cfg, ParallelMesh.single(meta), seed=None)
     return {n: m for n, _, m in named_parameters([model])}
-
-
-def _is_norm_gain(name: str) -> bool:
-    """A norm's weight (its gain), which ``--apply-layernorm-1p`` stores zero-centred."""
-    return name.endswith("norm.weight") and "mixer.norm" not in name
 
 
 def _step_of(common) -> Optional[float]:
@@ -87,7 +83,11 @@ class MegatronIndex:
                     self.where[name] = src
                     break
         self.optim_ok, self.optim_layout = self.store.optimizer_layout()
-        self.gain_one = zero_centered_gains(args_of(self.store.common))
+        # zero-centred norm gains (--apply-layernorm-1p): as the saved args say, else as the
+        # model flags given for a bare Megatron-Core checkpoint say
+        args = args_of(self.store.common)
+        self.gain_one = zero_centered_gains(args) if args is not None else \
+            bool(getattr(cfg, "apply_layernorm_1p", False))
 
     @property
     def names(self) -> list[str]:
@@ -168,7 +168,7 @@ class MegatronIndex:
             t = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
             out[n] = layout.to_loom(t.clone(), kind_of(n), self.heads, self.groups,
                                     getattr(self.cfg, "attention_output_gate", False))
-            if values and self.gain_one and _is_norm_gain(n):
+            if values and self.gain_one and is_norm_gain(n):
                 out[n] = out[n] + 1
         return out
 

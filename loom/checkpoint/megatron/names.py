@@ -16,8 +16,10 @@ loom's modules carry Megatron-Core's names (``self_attention.linear_qkv``, ``mlp
   (SequentialMLP / TEGroupedMLP / GroupedMLP all save this), ``mlp.experts.<E>.`` with
   ``singleton_local_shards``, ``mlp.experts.local_experts.<e>.`` in the ``torch`` format;
 - the final norm: ``decoder.final_layernorm`` (``final_norm`` in the Mamba stack);
-- Gated DeltaNet layers (Qwen3-Next): a stack with them is not homogeneous, so Megatron keys
-  each layer on its own (``decoder.layers.<i>.``); the layer's norm is
+- a stack whose layers differ (Gated DeltaNet layers, Qwen3-Next; dense and MoE layers, a
+  ``--moe-layer-freq`` list or int above 1) is not homogeneous, so Megatron keys each layer on
+  its own (``decoder.layers.<i>.``, experts ``decoder.layers.<i>.mlp.experts.experts.`` on
+  ``[E, ...]``: :func:`keyed_per_layer`); a Gated DeltaNet layer's norm is
   ``self_attention.in_proj.layer_norm_weight``, its ``in_proj`` and ``conv1d`` are stored in
   parts (``in_proj.weight.query/.key/.value/.z/.beta/.alpha``, ``conv1d.weight.query/.key/
   .value``) concatenated in loom's order.
@@ -75,6 +77,12 @@ def _norm_aliases(rest: str, attention: str) -> list[str]:
     if m and attention == "mla":
         return [f"self_attention.linear_{m[1]}_up_proj.layer_norm_{m[2]}", rest]
     return [rest]
+
+
+def is_norm_gain(name: str) -> bool:
+    """A norm's weight (its gain), which ``--apply-layernorm-1p`` stores zero-centred (every
+    Transformer Engine norm; not the Mamba mixer's gated norm, which is mamba_ssm's)."""
+    return name.endswith("norm.weight") and "mixer.norm" not in name
 
 
 def kind_of(name: str) -> str:
@@ -164,6 +172,21 @@ def attention_kind(name: str, pattern: Optional[str], mla: bool,
 def gdn_of(cfg) -> Optional[Callable[[int], bool]]:
     """``ModelConfig.is_gdn_layer`` of a model with Gated DeltaNet layers, else None."""
     return cfg.is_gdn_layer if getattr(cfg, "gated_delta_net", False) else None
+
+
+def keyed_per_layer(cfg) -> bool:
+    """Whether Megatron-Core's ``torch_dist`` keys each layer of the GPT stack of ``cfg`` on its
+    own (``decoder.layers.<i>.``; experts ``decoder.layers.<i>.mlp.experts.experts.`` on
+    ``[E, ...]``) instead of stacking them on ``[L, ...]``: ``TransformerBlock.
+    sharded_state_dict``'s ``non_homogeneous_layers``, set when the layers differ: a
+    ``--moe-layer-freq`` list or int above 1 (dense and MoE layers), Gated DeltaNet layers
+    (``--linear-attention-freq``), a hybrid (Mamba) pattern."""
+    if getattr(cfg, "hybrid_layer_pattern", None) is not None or gdn_of(cfg) is not None:
+        return True
+    if not getattr(cfg, "num_experts", None):
+        return False
+    text = str(cfg.moe_layer_freq).strip()
+    return "[" in text or int(text) > 1
 
 
 def primary_key(name: str, attention: str = "mha") -> Source:

@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
 
 from loom.checkpoint.megatron import layout
 from loom.checkpoint.megatron.names import (CONV_PARTS, GDN_CONV_PARTS, GDN_IN_PROJ_PARTS,
-                                            IN_PROJ_PARTS, attention_kind, gdn_of, kind_of,
+                                            IN_PROJ_PARTS, attention_kind, gdn_of,
+                                            is_norm_gain, keyed_per_layer, kind_of,
                                             write_sources)
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -107,20 +108,23 @@ def _repad(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
-                    objects: Optional[dict] = None) -> tuple[Chunks, dict]:
+                    objects: Optional[dict] = None, values: bool = True) -> tuple[Chunks, dict]:
     """``(chunks, sizes)`` of loom's full tensors ``full`` (``{name: tensor}``) of a model of
     ``cfg`` under Megatron's keys and layouts; the GPT stack's layers stacked on ``[L, ...]``
     (experts ``[L, E, ...]``), a Mamba / hybrid stack's per layer with its in-projection and conv
     in parts. ``objects`` (when given) receives the ``_extra_state`` entry of each module with a
-    weight (:func:`extra_state_key`), which Megatron-Core's load asks for."""
+    weight (:func:`extra_state_key`), which Megatron-Core's load asks for. ``values``: the
+    tensors are weights (or fp32 main weights), not Adam's moments: under
+    ``--apply-layernorm-1p`` a norm's gain g is stored as Megatron's w = g - 1."""
     chunks: Chunks = {}
     sizes: dict[str, tuple] = {}
     pattern = getattr(cfg, "hybrid_layer_pattern", None)
     gdn = gdn_of(cfg)
-    # Megatron's Mamba stack keys each layer on its own, and so does a GPT stack with Gated
-    # DeltaNet layers (TransformerBlock's non_homogeneous_layers)
-    per_layer = pattern is not None or gdn is not None
+    # Megatron's Mamba stack keys each layer on its own, and so does a GPT stack whose layers
+    # differ (TransformerBlock's non_homogeneous_layers: Gated DeltaNet, dense and MoE layers)
+    per_layer = keyed_per_layer(cfg)
     rows = _vocab_rows(cfg, target_tp)
+    zero_centred = bool(getattr(cfg, "apply_layernorm_1p", False))
     L, E = cfg.num_layers, cfg.num_experts or 0
     for name, t in full.items():
         attention = attention_kind(name, pattern, cfg.multi_latent_attention, gdn)
@@ -128,6 +132,8 @@ def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
                                cfg.num_kv_groups, getattr(cfg, "attention_output_gate", False))
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             t = _repad(t, rows)
+        if values and zero_centred and is_norm_gain(name):
+            t = t - 1
         layer = re.match(r"^layers\.(\d+)\.", name)
         moe = bool(layer) and cfg.is_moe_layer(int(layer[1]))
         for src in write_sources(name, attention, stacked=not per_layer, moe_layer=moe,
@@ -190,7 +196,7 @@ def optimizer_chunks(states: dict, cfg, target_tp: int = 1) -> tuple[Chunks, dic
     for state, meg in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"),
                        ("momentum_buffer", "momentum_buffer"), ("master_param", "fp32_param")):
         full = {n: st[state] for n, st in states.items() if torch.is_tensor(st.get(state))}
-        c, sz = megatron_chunks(full, cfg, target_tp)
+        c, sz = megatron_chunks(full, cfg, target_tp, values=state == "master_param")
         chunks.update({f"optimizer.state.{meg}.{k}": v for k, v in c.items()})
         sizes.update({f"optimizer.state.{meg}.{k}": v for k, v in sz.items()})
     return chunks, sizes
@@ -219,13 +225,17 @@ def megatron_args(cfg, flat: dict, iteration: int, consumed: int, target_tp: int
               no_save_optim=not optimizer, no_save_rng=True, params_dtype=torch.float32,
               num_query_groups=cfg.num_kv_groups, ffn_hidden_size=cfg.ffn_size,
               kv_channels=cfg.head_dim, group_query_attention=cfg.num_kv_groups !=
-              cfg.num_attention_heads)
+              cfg.num_attention_heads,
+              # --apply-layernorm-1p under Megatron-LM's dest (its older dest,
+              # apply_layernorm_1p, comes from ``flat``)
+              layernorm_zero_centered_gamma=bool(getattr(cfg, "apply_layernorm_1p", False)))
     ns.pop("model_type", None)
-    if ns.get("linear_attention_freq") is not None:  # Megatron's la_freq_type: int or list
-        from loom.config.model_moe import parse_moe_layer_freq
-        text = str(ns["linear_attention_freq"]).strip()
-        ns["linear_attention_freq"] = int(text) if text.isdigit() else \
-            parse_moe_layer_freq(text, cfg.num_layers, "--linear-attention-freq")
+    from loom.config.model_moe import parse_moe_layer_freq
+    for key in ("moe_layer_freq", "linear_attention_freq"):  # Megatron's types: int or list
+        if ns.get(key) is not None:
+            text = str(ns[key]).strip()
+            ns[key] = int(text) if text.isdigit() else \
+                parse_moe_layer_freq(text, cfg.num_layers, "--" + key.replace("_", "-"))
     if ns.get("experimental_attention_variant") == "gated_delta_net":
         ns["experimental_attention_variant"] = "gdn"  # Megatron's canonical name
     return argparse.Namespace(**ns)
