@@ -8,7 +8,10 @@ import copy
 from typing import Optional
 
 
+import torch.distributed as dist
+
 from loom.config import LoomConfig, ModelConfig
+from loom.parallel.context.mamba import ContextParallelScan
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 
@@ -27,10 +30,11 @@ def tiny(pattern=None, **kw) -> ModelConfig:
 
 
 def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,
-             sp: bool = False) -> LoomConfig:
+             sp: bool = False, cp: int = 1) -> LoomConfig:
     cfg = LoomConfig(model=copy.deepcopy(model))
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.pipeline_model_parallel_size = pp
+    cfg.parallel.context_parallel_size = cp
     cfg.parallel.sequence_parallel = sp
     cfg.training.micro_batch_size = 2
     cfg.training.global_batch_size = 8  # 4 / dp micro-batches: gradient accumulation
@@ -42,7 +46,7 @@ def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,
     cfg.training.clip_grad = 0.5
     cfg.data.mock_data = True
     cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * pp * dp)
+    return cfg.validate(tp * pp * dp * cp)
 
 
 # Near initialization dt ~ 1e-3..1e-1 makes every decay exp(dt A) ~ 1, so the gradients of
@@ -54,9 +58,10 @@ GRAD_FLOOR = 1e-5
 
 
 def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) -> dict:
-    """3 steps of each layout ``name -> (tp, pp, dp, sp)`` (``overrides[name]``: training
-    options, e.g. recompute) vs the single-process run: worst relative error of the loss and
-    the grad norm, and of every gradient per step."""
+    """3 steps of each layout ``name -> (tp, pp, dp, sp[, cp])`` (``overrides[name]``:
+    training options, e.g. recompute) vs the single-process run: worst relative error of the
+    loss and the grad norm, and of every gradient per step; ``cp_scans``: the Mamba scans
+    wrapped for context parallelism, ``a2a``: the all-to-alls the parallel run called."""
     from loom.parallel.grad_buffer import flat_buffers
     from loom.training.step import grad_getter
     from loom.training.trainer import Trainer
@@ -77,15 +82,27 @@ def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) 
 
     ref, _ = run(make_cfg(model), ParallelMesh.single())
     res = {}
-    for name, (tp, pp, dp, sp) in layouts.items():
-        cfg = make_cfg(model, tp, pp, dp, sp)
+    for name, (tp, pp, dp, sp, *cp) in layouts.items():
+        cp = cp[0] if cp else 1
+        cfg = make_cfg(model, tp, pp, dp, sp, cp)
         for key, value in (overrides or {}).get(name, {}).items():  # training or parallel
             setattr(cfg.training if hasattr(cfg.training, key) else cfg.parallel, key, value)
-        cfg = cfg.validate(tp * pp * dp)
-        steps, tr = run(cfg, ParallelMesh.build(tp=tp, pp=pp))
+        cfg = cfg.validate(tp * pp * dp * cp)
+        a2a, original = [0], dist.all_to_all_single
+
+        def counting(*args, **kwargs):
+            a2a[0] += 1
+            return original(*args, **kwargs)
+        dist.all_to_all_single = counting
+        try:
+            steps, tr = run(cfg, ParallelMesh.build(tp=tp, pp=pp, cp=cp))
+        finally:
+            dist.all_to_all_single = original
         mesh = tr.mesh
         r = {"loss": 0.0, "norm": 0.0, "grad": [0.0] * 3, "compared": 0,
-             "sp_params": len(tr.sp_params)}  # > 0 iff sequence parallelism is active
+             "sp_params": len(tr.sp_params),  # > 0 iff sequence parallelism is active
+             "cp_scans": sum(isinstance(m, ContextParallelScan) for c in tr.model_chunks
+                             for m in c.modules()), "a2a": a2a[0]}
         for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(steps, ref)):
             r["loss"] = max(r["loss"], abs(loss - rloss) / abs(rloss))
             r["norm"] = max(r["norm"], abs(norm - rnorm) / rnorm)
