@@ -13,10 +13,11 @@ import math
 import pytest
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.errors import NonFiniteError, RerunExit
 from loom.training.rerun import (EXIT_FAILED_ON_RESULT_VALIDATION, EXIT_RESUME_TO_DISAMBIGUATE,
                                  ErrorInjector, relative_difference)
+from testkit.config import MEGATRON_DROPOUT, tiny_config
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "8", "--max-position-embeddings", "8", "--vocab-size", "64",
@@ -25,16 +26,9 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def make_cfg(pp: int = 1, **ft) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig(num_layers=pp, hidden_size=32, num_attention_heads=4,
-                                       seq_length=8, vocab_size=64))
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.data.mock_data = True
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.lr, t.train_iters = 2, 4, 1e-3, 3
-    cfg.logging.eval_iters = 0
-    for k, v in ft.items():
-        setattr(cfg.fault_tolerance, k, v)
-    return cfg.validate(pp)
+    return tiny_config("gpt", MEGATRON_DROPOUT, dict(
+        num_layers=pp, seq_length=8, vocab_size=64, pipeline_model_parallel_size=pp,
+        global_batch_size=4, train_iters=3, eval_iters=0), ft, world=pp)
 
 
 def train(**ft):

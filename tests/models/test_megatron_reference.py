@@ -33,9 +33,8 @@ pytest.importorskip("megatron.core")
 
 from loom.config import LoomConfig, ModelConfig  # noqa: E402
 from testkit import run_distributed  # noqa: E402
-from testkit.numerics import rel_err
+from testkit.numerics import PARITY_RTOL, rel_err
 
-RTOL = 1e-5
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
             vocab_size=256, seq_length=16, max_position_embeddings=16, hidden_dropout=0.0,
             attention_dropout=0.0)
@@ -148,11 +147,9 @@ def _case(style: str, tp: int, tmp: str) -> dict:
     # atol 1e-5 x max(1, max|ref|) (tests/README.md: a parameter's scale is O(1), and a wrong
     # step - lr, betas, bias correction, weight decay - is off by O(lr) = 1e-3). Not rtol:
     # zero-initialized biases hold nothing but the step (see ADAM's eps).
-    out["params after Adam"] = max(float((ours[n] - theirs[n]).abs().max()) /
-                                   max(1.0, float(theirs[n].abs().max()))
+    out["params after Adam"] = max(rel_err(ours[n], theirs[n], floor=1.0)
                                    for n in theirs if n in ours)
-    out["Adam moved"] = max(float((ours[n] - before[n]).abs().max()) /
-                            max(1.0, float(before[n].abs().max())) for n in theirs if n in ours)
+    out["Adam moved"] = max(rel_err(ours[n], before[n], floor=1.0) for n in theirs if n in ours)
     return out
 
 
@@ -237,7 +234,7 @@ def megatron_gdn() -> dict:
     theirs = {k for k in keys if not k.endswith(("in_proj.weight", "conv1d.weight",
                                                  "._extra_state"))} | \
         {"decoder.layers.0.self_attention." + k[2:] for k in built}
-    return {"error": float((got - want).abs().max() / want.abs().max()),
+    return {"error": rel_err(got, want),
             "ours - theirs": sorted(ours - theirs), "theirs - ours": sorted(theirs - ours),
             "gdn_of": gdn_of(cfg) is not None}
 
@@ -289,19 +286,19 @@ def test_logits_loss_grads_and_adam_step_match_megatron_core(results, case):
         r = res[case]
         assert r["grad names one side only"] == [], (rank, r)
         for what in ("logits", "loss", "grads", "params after Adam"):
-            assert r[what] < RTOL, (rank, case, what, r)
-        assert r["Adam moved"] > 10 * RTOL, (rank, case, r)  # the step was taken (~lr)
+            assert r[what] < PARITY_RTOL, (rank, case, what, r)
+        assert r["Adam moved"] > 10 * PARITY_RTOL, (rank, case, r)  # the step was taken (~lr)
 
 
 def test_the_comparison_can_fail(results):
     for res in results[1]:
         r = res[("llama_gqa", 2)]
-        assert r["logits"] < RTOL < r["perturbed logits"], r
+        assert r["logits"] < PARITY_RTOL < r["perturbed logits"], r
 
 
 def test_megatron_core_loads_a_loom_checkpoint_at_tp1_and_tp2(results):
     for res in results[1]:
-        assert all(err < RTOL for err in res["megatron loads loom"].values()), res
+        assert all(err < PARITY_RTOL for err in res["megatron loads loom"].values()), res
 
 
 def test_megatron_to_loom_to_megatron_is_bit_equal(results, tmp_path):

@@ -19,12 +19,13 @@ import math
 import pytest
 import torch
 
-from loom.config import ConfigError, LoomConfig, ModelConfig
+from loom.config import ConfigError, LoomConfig
 from loom.config.model_moe import parse_moe_layer_freq
 from loom.models.moe import route
 from testkit import run_distributed
+from testkit.numerics import PARITY_RTOL
+from testkit.config import PARITY_ADAM_EPS, tiny_config
 
-RTOL = 1e-5
 STEPS = 3
 
 # DeepSeek-V3-style: every router option of item 3 at once, allgather + grouped GEMM
@@ -46,18 +47,10 @@ GLOBAL_AUX = dict(moe_router_load_balancing_type="global_aux_loss", moe_grouped_
 
 
 def make_cfg(tp=1, ep=1, sp=False, cp=1, **model) -> LoomConfig:
-    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-              seq_length=8, vocab_size=100, padded_vocab_size=104, hidden_dropout=0.0,
-              attention_dropout=0.0, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=24,
-              moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    cfg = LoomConfig(model=ModelConfig.llama(**{**kw, **model}))
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.expert_model_parallel_size = tp, ep
-    p.sequence_parallel, p.context_parallel_size = sp, cp
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.lr, t.adam_eps, t.train_iters = 2, 8, 1e-3, 1e-4, 100
-    cfg.data.mock_data = True
-    return cfg
+    return tiny_config("moe", {"num_experts": 8, "moe_router_topk": 4, **model},
+                       tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                       sequence_parallel=sp, context_parallel_size=cp, global_batch_size=8,
+                       adam_eps=PARITY_ADAM_EPS)
 
 
 def routers(tr) -> dict:
@@ -149,16 +142,17 @@ def parity(cases: list, refs: list) -> list[dict]:
         errors, compared = activity(cfg, tr, seen, par), 0
         for step, (a, b) in enumerate(zip(par, ref)):
             (loss, grads, norm, bias, _), (rloss, rgrads, rnorm, rbias) = a, b
-            if not math.isclose(loss, rloss, rel_tol=RTOL):
+            if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: loss {loss} != {rloss}")
-            if not math.isclose(norm, rnorm, rel_tol=RTOL):
+            if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             if set(grads) - set(rgrads):
                 errors.append(f"unknown grads {sorted(set(grads) - set(rgrads))}")
             for name, (g, meta) in grads.items():
                 want = local_shard(rgrads[name], meta, mesh.tp_rank, mesh.tp_size)
                 compared += 1
-                if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
+                if not torch.allclose(g, want, rtol=PARITY_RTOL,
+                                      atol=PARITY_RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {name} max err "
                                   f"{(g - want).abs().max().item():.2e}")
             for name, b in bias.items():
@@ -221,7 +215,8 @@ def test_router_parity_and_bias_checkpoint(tmp_path):
         assert any(any(v != 0 for v in b) for b in c["saved"].values())
         for ep in (1, 4):
             assert c[f"bias{ep}"] == c["saved"], ep
-            assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(c[f"ep{ep}"], c["want"]))
+            assert all(math.isclose(a, b, rel_tol=PARITY_RTOL)
+                       for a, b in zip(c[f"ep{ep}"], c["want"]))
 
 
 # ---------------------------------------------------------------- single process ----------
@@ -370,15 +365,17 @@ def test_global_aux_loss_with_recomputation_parity():
         again, modes = _global_aux_run(method, layers)
         assert modes.count("record") == modes.count("replay") == len(plain_modes) > 0
         for (l0, g0, n0, _, m0), (l1, g1, n1, _, m1) in zip(plain, again):
-            assert math.isclose(l0, l1, rel_tol=RTOL) and math.isclose(n0, n1, rel_tol=RTOL)
-            assert float(m1["moe aux loss"]) == pytest.approx(float(m0["moe aux loss"]), rel=RTOL)
+            assert math.isclose(l0, l1, rel_tol=PARITY_RTOL) \
+                and math.isclose(n0, n1, rel_tol=PARITY_RTOL)
+            assert float(m1["moe aux loss"]) == pytest.approx(float(m0["moe aux loss"]),
+                                                              rel=PARITY_RTOL)
             assert g0.keys() == g1.keys()
             for name, (g, _) in g0.items():
-                torch.testing.assert_close(g1[name][0], g, rtol=RTOL, atol=1e-7, msg=name)
+                torch.testing.assert_close(g1[name][0], g, rtol=PARITY_RTOL, atol=1e-7, msg=name)
     unreplayed, _ = _global_aux_run("uniform", 2, replay=False)
     router_grads = [n for n in plain[0][1] if n.endswith("router.weight")]
     assert len(router_grads) == 2 and any(
-        not torch.allclose(unreplayed[0][1][n][0], plain[0][1][n][0], rtol=RTOL, atol=1e-7)
+        not torch.allclose(unreplayed[0][1][n][0], plain[0][1][n][0], rtol=PARITY_RTOL, atol=1e-7)
         for n in router_grads)
 
 

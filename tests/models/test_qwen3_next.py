@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.attention import SelfAttention
 from loom.models.gpt.gdn import GatedDeltaNet, gated_delta_rule, l2_normalize
 
 hf_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig  # noqa: E402
+from testkit.config import tiny_config, tiny_model
 
 GDN = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq="2",
            linear_conv_kernel_dim=3, linear_key_head_dim=8, linear_value_head_dim=6,
@@ -23,12 +24,11 @@ GDN = dict(experimental_attention_variant="gated_delta_net", linear_attention_fr
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                group_query_attention=True, kv_channels=8, ffn_hidden_size=48, seq_length=16,
-                vocab_size=100, padded_vocab_size=128, normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
-                position_embedding_type="rope", untie_embeddings_and_output_weights=True,
-                hidden_dropout=0.0, attention_dropout=0.0, attention_output_gate=True)
-    return ModelConfig(**{**base, **kw})
+    return tiny_model("gpt", dict(
+        num_layers=4, num_query_groups=2, group_query_attention=True, kv_channels=8,
+        ffn_hidden_size=48, padded_vocab_size=128, normalization="RMSNorm", swiglu=True,
+        disable_bias_linear=True, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True, attention_output_gate=True), kw)
 
 
 def hf_cfg(m: ModelConfig) -> Qwen3NextConfig:
@@ -141,12 +141,9 @@ def test_gated_delta_net_matches_transformers():
 
 
 def _validate(model: ModelConfig, tp: int = 1, cp: int = 1):
-    cfg = LoomConfig(model=model)
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.context_parallel_size = cp
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, 2
-    cfg.training.lr, cfg.training.train_iters = 1e-3, 3
-    return cfg.validate(tp * cp)
+    return tiny_config(model=model, mock_data=False, tensor_model_parallel_size=tp,
+                       context_parallel_size=cp, micro_batch_size=1, global_batch_size=2,
+                       train_iters=3, world=tp * cp)
 
 
 def test_layer_pattern_and_config_rules():

@@ -18,28 +18,18 @@ import math
 import pytest
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.parallel.mesh import ParallelMesh
 from loom.training.precision import LossScaler
+from testkit.config import PRE_ISSUE_21, tiny_config
 
 
 
 def make_cfg(vocab=300, **training) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                            seq_length=16, vocab_size=vocab, hidden_dropout=0.0,
-                                            attention_dropout=0.0))
-    cfg.data.mock_data = True
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 4
-    cfg.training.lr_decay_style = "constant"
-    t = cfg.training  # loom's defaults before issue 21 (now Megatron's), pinned
-    t.lr, t.train_iters, t.adam_beta2, t.accumulate_allreduce_grads_in_fp32 = 3e-4, 100, 0.95, True
-    cfg.logging.eval_iters = 10
-    cfg.logging.log_interval = 1
-    cfg.logging.no_progress_bar = True
-    for k, v in training.items():
-        setattr(cfg.training, k, v)
-    return cfg
+    return tiny_config("gpt", PRE_ISSUE_21, dict(
+        hidden_size=64, vocab_size=vocab, global_batch_size=4, lr_decay_style="constant",
+        accumulate_allreduce_grads_in_fp32=True, eval_iters=10, log_interval=1,
+        no_progress_bar=True), training)
 
 
 # a bf16 run's loss against the fp32 run's, per step: 8 mantissa bits (~4e-3 per rounding);

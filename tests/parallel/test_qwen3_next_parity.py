@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from testkit import run_distributed
+from testkit.config import PARITY_ADAM_EPS, tiny_config
 
 from parity_helpers import step_mismatches, trainer_steps
 
@@ -20,18 +21,12 @@ CASES = {"gate": {}, "gdn": GDN}
 
 
 def make_cfg(kind: str, tp: int) -> LoomConfig:
-    model = ModelConfig.llama(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        group_query_attention=True, kv_channels=8, ffn_hidden_size=48, seq_length=16,
-        vocab_size=100, make_vocab_size_divisible_by=32,  # Vp 128 at t = 1 and 2
-        hidden_dropout=0.0, attention_dropout=0.0, attention_output_gate=True, **CASES[kind])
-    cfg = LoomConfig(model=model)
-    cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = tp, tp > 1
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.lr, t.train_iters = 2, 4, 1e-3, 10
-    t.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py: float noise, not math
-    cfg.data.mock_data = True
-    return cfg.validate(tp)
+    return tiny_config(
+        "llama", dict(group_query_attention=True, kv_channels=8, ffn_hidden_size=48,
+                      make_vocab_size_divisible_by=32,  # Vp 128 at t = 1 and 2
+                      attention_output_gate=True), CASES[kind],
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1, global_batch_size=4,
+        train_iters=10, adam_eps=PARITY_ADAM_EPS, world=tp)
 
 
 def world2() -> dict:
