@@ -108,7 +108,9 @@ def resolve_hybrid_pattern(m: Any, p: Any) -> None:
 
 def check_mamba(m: Any, tp: int, cp: int) -> None:
     """Mamba-2 / hybrid stacks: the layer pattern, SSM heads and groups against the shape and
-    the tensor-parallel size ``tp`` (a fix changes ``tp``), no context parallelism ``cp``."""
+    the tensor-parallel size ``tp`` (a fix changes ``tp``) and the context-parallel size
+    ``cp`` (heads divisible by ``tp cp``; groups per TP rank divisible by ``cp`` or dividing it:
+    :mod:`loom.parallel.context.mamba`)."""
     if m.hybrid_override_pattern is not None and m.model_type != "mamba":
         raise _other_family("hybrid_override_pattern", "the layer kinds of a Mamba hybrid stack",
                             m.model_type)
@@ -133,9 +135,12 @@ def check_mamba(m: Any, tp: int, cp: int) -> None:
     if "M" in pat and ng % tp:
         raise ConfigError(f"--mamba-num-groups {ng} is not divisible by "
                           f"--tensor-model-parallel-size {tp}: {fix}")
-    if "M" in pat and cp > 1:
-        raise ConfigError("--context-parallel-size > 1 is not supported with Mamba layers "
-                          "(the scan would need the state passed between CP ranks): use 1")
+    g_t = ng // tp  # CP: each rank scans H/(t c) heads of the whole sequence (Megatron's rules)
+    if "M" in pat and cp > 1 and (heads % (tp * cp) or (g_t % cp and cp % g_t)):
+        raise ConfigError(f"--context-parallel-size {cp} with Mamba layers: {heads} heads must "
+                          f"be divisible by --tensor-model-parallel-size x "
+                          f"--context-parallel-size = {tp * cp}, and {g_t} groups per TP rank "
+                          f"(--mamba-num-groups / TP) divisible by {cp} or dividing it")
 
 
 def check_bert(m: Any, cp: int) -> None:

@@ -6,6 +6,9 @@ over TP without replacing the module: the Mamba-2 conv weights and bias (channel
 norm's weight (channels of ``x``). The model reads its local sizes from these parameters, so no
 communication is added: a Mamba layer keeps the in-projection's ``f`` and the out-projection's
 ``g`` as its only TP collectives (Megatron-LM's MambaMixer split).
+
+:class:`ContextParallelMambaScan` wraps a mixer's parameterless scan core to run over the CP
+group (:mod:`loom.parallel.context.mamba`: all-to-all from sequence to head sharding and back).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from loom.parallel.context.mamba import wrap_context_parallel_scan
 from loom.parallel.plan import ParallelStyle
 from loom.parallel.registry import ShardSpec
 
@@ -49,3 +53,13 @@ class ChannelParallelParams(ParallelStyle):
                     leaf, nn.Parameter(local))
             fields[name] = dict(full_shape=full, shard=ShardSpec(0, segments))
         return module, fields
+
+
+@dataclass(frozen=True)
+class ContextParallelMambaScan(ParallelStyle):
+    """Wrap a Mamba scan core (``layers.<i>.mixer.scan``) in
+    :class:`~loom.parallel.context.mamba.ContextParallelScan` when the mesh has a CP group
+    (unchanged otherwise); no parameters."""
+
+    def apply(self, module, ctx):
+        return wrap_context_parallel_scan(module, ctx.mesh), {}

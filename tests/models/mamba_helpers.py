@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch.distributed as dist
+
 from loom.config import LoomConfig, ModelConfig
+from loom.parallel.context.mamba import ContextParallelScan
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit.config import PARITY_ADAM_EPS, tiny_config, tiny_model
@@ -19,16 +22,16 @@ def tiny(pattern=None, **kw) -> ModelConfig:
 
 
 def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,
-             sp: bool = False) -> LoomConfig:
+             sp: bool = False, cp: int = 1) -> LoomConfig:
     return tiny_config(
         model=model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        sequence_parallel=sp,
+        sequence_parallel=sp, context_parallel_size=cp,
         global_batch_size=8,  # 4 / dp micro-batches: gradient accumulation
         # lr 3e-4: each AdamW step still moves every weight by ~1.5% of its size, and the two
         # runs' weights drift apart by rounding only ~3e-6 of a gradient by step 3 (1e-3 gave
         # 9.3e-6 on this CPU: too close to the 1e-5 bound to hold on every CPU)
         lr=3e-4, adam_eps=PARITY_ADAM_EPS, clip_grad=0.5, log_interval=10**9,
-        world=tp * pp * dp)
+        world=tp * pp * dp * cp)
 
 
 # Near initialization dt ~ 1e-3..1e-1 makes every decay exp(dt A) ~ 1, so the gradients of
@@ -40,9 +43,10 @@ GRAD_FLOOR = 1e-5
 
 
 def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) -> dict:
-    """3 steps of each layout ``name -> (tp, pp, dp, sp)`` (``overrides[name]``: training
-    options, e.g. recompute) vs the single-process run: worst relative error of the loss and
-    the grad norm, and of every gradient per step."""
+    """3 steps of each layout ``name -> (tp, pp, dp, sp[, cp])`` (``overrides[name]``:
+    training options, e.g. recompute) vs the single-process run: worst relative error of the
+    loss and the grad norm, and of every gradient per step; ``cp_scans``: the Mamba scans
+    wrapped for context parallelism, ``a2a``: the all-to-alls the parallel run called."""
     from loom.parallel.grad_buffer import flat_buffers
     from loom.training.step import grad_getter
     from loom.training.trainer import Trainer
@@ -63,15 +67,27 @@ def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) 
 
     ref, _ = run(make_cfg(model), ParallelMesh.single())
     res = {}
-    for name, (tp, pp, dp, sp) in layouts.items():
-        cfg = make_cfg(model, tp, pp, dp, sp)
+    for name, (tp, pp, dp, sp, *cp) in layouts.items():
+        cp = cp[0] if cp else 1
+        cfg = make_cfg(model, tp, pp, dp, sp, cp)
         for key, value in (overrides or {}).get(name, {}).items():  # training or parallel
             setattr(cfg.training if hasattr(cfg.training, key) else cfg.parallel, key, value)
-        cfg = cfg.validate(tp * pp * dp)
-        steps, tr = run(cfg, ParallelMesh.build(tp=tp, pp=pp))
+        cfg = cfg.validate(tp * pp * dp * cp)
+        a2a, original = [0], dist.all_to_all_single
+
+        def counting(*args, **kwargs):
+            a2a[0] += 1
+            return original(*args, **kwargs)
+        dist.all_to_all_single = counting
+        try:
+            steps, tr = run(cfg, ParallelMesh.build(tp=tp, pp=pp, cp=cp))
+        finally:
+            dist.all_to_all_single = original
         mesh = tr.mesh
         r = {"loss": 0.0, "norm": 0.0, "grad": [0.0] * 3, "compared": 0,
-             "sp_params": len(tr.sp_params)}  # > 0 iff sequence parallelism is active
+             "sp_params": len(tr.sp_params),  # > 0 iff sequence parallelism is active
+             "cp_scans": sum(isinstance(m, ContextParallelScan) for c in tr.model_chunks
+                             for m in c.modules()), "a2a": a2a[0]}
         for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(steps, ref)):
             r["loss"] = max(r["loss"], abs(loss - rloss) / abs(rloss))
             r["norm"] = max(r["norm"], abs(norm - rnorm) / rnorm)

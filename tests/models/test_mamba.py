@@ -187,7 +187,9 @@ def test_mamba_heads_independent_of_hidden_size_match_nemotron_h():
     (dict(model=dict(hybrid_override_pattern="M*MX")), "--hybrid-override-pattern"),
     (dict(model=dict(model_type="gpt", hybrid_override_pattern="MMMM")),
      "--hybrid-override-pattern"),
-    (dict(cp=2), "--context-parallel-size"),
+    (dict(cp=16), "--context-parallel-size"),  # 8 heads: not divisible by t c
+    (dict(cp=2, model=dict(mamba_num_heads=6, mamba_num_groups=3)),  # 3 groups vs CP 2
+     "--context-parallel-size"),
     (dict(model=dict(mamba_head_dim=24)), "--mamba-head-dim"),
 ])
 def test_bad_configs_are_refused_before_any_process_group(changes, flag):
@@ -266,8 +268,12 @@ def world2() -> dict:
 
 
 def world4() -> dict:
+    # cp2xdp2: 2 groups per rank split over CP; tp2xcp2: 1 group per TP rank, copied to both CP
+    # ranks (each takes 2 of its 4 heads); tokens in the load-balanced CP order for attention
     return {"parity-hybrid": parity(tiny("M*M-"), {"tp2xpp2": (2, 2, 1, False),
-                                                   "tp2xdp2": (2, 1, 2, False)})}
+                                                   "tp2xdp2": (2, 1, 2, False),
+                                                   "cp2xdp2": (1, 1, 2, False, 2),
+                                                   "tp2xcp2": (2, 1, 1, False, 2)})}
 
 
 @pytest.fixture(scope="module")
@@ -312,8 +318,16 @@ def test_recurrent_decoding_tp2(results2):
         assert r["decode-tp2"]["err"] < UNIT_ATOL and r["decode-tp2"]["mamba_states"] == 2, r
 
 
-def test_hybrid_tp2_x_pp2_and_tp2_x_dp2_four_ranks():
+def test_hybrid_tp2_x_pp2_tp2_x_dp2_and_context_parallel_four_ranks():
+    """Context parallelism (CP 2, and TP 2 x CP 2): the Mamba scans run over CP (2 layers
+    wrapped; 2 all-to-alls forward and 2 backward per Mamba layer, micro-batch and step), loss
+    and every gradient equal to one process."""
     for r in run_distributed(4, world4):
-        for case in r["parity-hybrid"].values():
+        for name, case in r["parity-hybrid"].items():
             assert case["compared"] > 5, case
             check_parity(case)
+            cp = "cp2" in name
+            assert case["cp_scans"] == (2 if cp else 0), (name, case)
+            # 3 steps x 4 micro-batches / dp x 2 Mamba layers x (2 forward + 2 backward)
+            assert case["a2a"] == (3 * (4 // (2 if "dp2" in name else 1)) * 2 * 4 if cp
+                                   else 0), (name, case)

@@ -20,7 +20,8 @@ gated RMSNorm ``rmsnorm(y * silu(z))`` normalized per group of ``d_inner / G`` c
 Nothing here knows about parallelism. Sizes that tensor parallelism changes (local heads,
 groups, conv channels) are read from the parameters, and the gated norm's group size does not
 change with t, so the same code runs on each rank's heads and groups
-(:mod:`loom.models.mamba.parallelize`).
+(:mod:`loom.models.mamba.parallelize`). The conv + scan part is a parameterless core
+(:class:`MambaScan`, the parameters passed in) that the plan wraps for context parallelism.
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ class HybridCache(KVCache):
     ssm: dict = field(default_factory=dict)
 
 
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """:class:`CausalConv1d`'s math with the parameters passed in: ``x [b, s, c]``,
+    ``weight [c, k]``, ``bias [c]`` -> ``[b, s, c]``."""
+    c, k = weight.shape
+    y = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), weight[:, None, :], bias, groups=c)
+    return y.transpose(1, 2)
+
+
 class CausalConv1d(nn.Module):
     """Depthwise causal convolution over time: ``x [b, s, c] -> [b, s, c]``,
     ``out[t] = bias + sum_j weight[:, j] x[t - k + 1 + j]`` (zeros before position 0);
@@ -78,10 +87,7 @@ class CausalConv1d(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, k = self.weight.shape
-        y = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), self.weight[:, None, :], self.bias,
-                     groups=c)
-        return y.transpose(1, 2)
+        return causal_conv1d(x, self.weight, self.bias)
 
     def step(self, state: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One position: ``state [b, c, k]`` (last k inputs), ``x [b, c]`` -> (out, state)."""
@@ -109,6 +115,40 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view(y.shape).to(dtype)
 
 
+class MambaScan(nn.Module):
+    """The sequence part of the mixer, parameterless (the mixer's parameters passed in, so the
+    plan can wrap it to run over context parallelism without moving them,
+    :mod:`loom.parallel.context.mamba`): causal conv + SiLU over ``(x, B, C)``,
+    ``dt = softplus(dt + dt_bias)``, ``A = -exp(A_log)``, the SSD scan and ``D x``.
+
+    ``xbc [b, s, H P + 2 G N]`` and ``dt [b, s, H]`` (in-projection outputs), ``conv_weight
+    [H P + 2 G N, k]``, ``conv_bias``, ``dt_bias``, ``A_log``, ``D [H]`` (H, G: the heads and
+    groups given, read from the shapes) -> ``(y [b, s, H P], final state [b, H, P, N] or None
+    unless need_state)``."""
+
+    def __init__(self, head_dim: int, state_dim: int, chunk_size: int):
+        super().__init__()
+        self.head_dim, self.state_dim, self.chunk_size = head_dim, state_dim, chunk_size
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, state_dim={self.state_dim}, chunk={self.chunk_size}"
+
+    def forward(self, xbc, dt, conv_weight, conv_bias, dt_bias, A_log, D, need_state=False):
+        H, P = A_log.shape[0], self.head_dim
+        d_inner = H * P
+        gn = (xbc.shape[-1] - d_inner) // 2
+        b, s, _ = xbc.shape
+        dt = F.softplus(dt.float() + dt_bias.float())  # [b, s, H]
+        A = -torch.exp(A_log.float())
+        x, B, C = F.silu(causal_conv1d(xbc, conv_weight, conv_bias)).split([d_inner, gn, gn],
+                                                                              dim=-1)
+        x = x.reshape(b, s, H, P)
+        B, C = B.reshape(b, s, -1, self.state_dim), C.reshape(b, s, -1, self.state_dim)
+        y, final = ssd_chunked(x.float(), dt, A, B.float(), C.float(), self.chunk_size)
+        y = (y + D.float()[:, None] * x.float()).to(x.dtype).reshape(b, s, d_inner)
+        return y, final if need_state else None
+
+
 class MambaMixer(nn.Module):
     """The Mamba-2 block (module docstring): ``x [s, b, h] -> [s, b, h]``. With a
     :class:`HybridCache`, the prompt fills the layer's conv and SSM state and a single token
@@ -118,8 +158,7 @@ class MambaMixer(nn.Module):
         super().__init__()
         z = mamba_sizes(cfg)
         self.layer_number = layer_number
-        self.head_dim, self.state_dim, self.chunk_size = (cfg.mamba_head_dim, z["state"],
-                                                          cfg.mamba_chunk_size)
+        self.head_dim, self.state_dim = cfg.mamba_head_dim, z["state"]
         bias = not cfg.disable_bias_linear
         self.in_proj = nn.Linear(cfg.hidden_size, sum(z["in_segments"]), bias=bias)
         self.conv1d = CausalConv1d(z["conv_dim"], cfg.mamba_d_conv)
@@ -127,44 +166,47 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(z["heads"]))
         self.D = nn.Parameter(torch.empty(z["heads"]))
         self.norm = GatedRMSNorm(z["d_inner"], z["d_inner"] // z["groups"], cfg.norm_epsilon)
+        self.scan = MambaScan(cfg.mamba_head_dim, z["state"], cfg.mamba_chunk_size)
         self.out_proj = nn.Linear(z["d_inner"], cfg.hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor, cache: Optional[HybridCache] = None) -> torch.Tensor:
         H, P = self.A_log.shape[0], self.head_dim  # local heads under TP
         d_inner, conv_dim = H * P, self.conv1d.weight.shape[0]
-        gn = (conv_dim - d_inner) // 2  # local G N
         zxbcdt = self.in_proj(hidden).transpose(0, 1)  # [b, s, W]
         b, s, _ = zxbcdt.shape
         z, xbc, dt = zxbcdt.split([d_inner, conv_dim, H], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, H]
-        A = -torch.exp(self.A_log.float())
-        step = cache is not None and cache.length > 0
-        if step:
+        if cache is not None and cache.length > 0:
             if s != 1:
                 raise ValueError("after the prompt, decode one token at a time")
-            conv_out, cache.conv[self.layer_number] = self.conv1d.step(
-                cache.conv[self.layer_number], xbc[:, 0])
-            xbc = F.silu(conv_out)[:, None]
+            y = self._step(cache, xbc[:, 0], dt[:, 0])[:, None]
         else:
             if cache is not None:
                 k = self.conv1d.weight.shape[1]
                 last = F.pad(xbc.transpose(1, 2), (max(k - s, 0), 0))[..., -k:]
                 cache.conv[self.layer_number] = last  # [b, conv_dim, k]: the last k inputs
-            xbc = F.silu(self.conv1d(xbc))
-        x, B, C = xbc.split([d_inner, gn, gn], dim=-1)
-        x = x.reshape(b, s, H, P)
-        B, C = B.reshape(b, s, -1, self.state_dim), C.reshape(b, s, -1, self.state_dim)
-        if step:
-            y, cache.ssm[self.layer_number] = ssd_step(
-                cache.ssm[self.layer_number], x[:, 0].float(), dt[:, 0], A, B[:, 0].float(),
-                C[:, 0].float())
-            y = y[:, None]
-        else:
-            y, final = ssd_chunked(x.float(), dt, A, B.float(), C.float(), self.chunk_size)
+            y, final = self.scan(xbc, dt, self.conv1d.weight, self.conv1d.bias, self.dt_bias,
+                                 self.A_log, self.D, need_state=cache is not None)
             if cache is not None:
                 cache.ssm[self.layer_number] = final
-        y = (y + self.D.float()[:, None] * x.float()).to(x.dtype).reshape(b, s, d_inner)
         return self.out_proj(self.norm(y, z).transpose(0, 1))
+
+    def _step(self, cache: HybridCache, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """One decoded position: ``xbc [b, conv_dim]``, ``dt [b, H]`` (before softplus) ->
+        ``y [b, d_inner]`` (``D x`` included), the layer's conv and SSM state advanced."""
+        H, P = self.A_log.shape[0], self.head_dim
+        d_inner = H * P
+        gn = (xbc.shape[-1] - d_inner) // 2
+        conv_out, cache.conv[self.layer_number] = self.conv1d.step(
+            cache.conv[self.layer_number], xbc)
+        x, B, C = F.silu(conv_out).split([d_inner, gn, gn], dim=-1)
+        b = x.shape[0]
+        x = x.reshape(b, H, P)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        A = -torch.exp(self.A_log.float())
+        y, cache.ssm[self.layer_number] = ssd_step(
+            cache.ssm[self.layer_number], x.float(), dt, A,
+            B.reshape(b, -1, self.state_dim).float(), C.reshape(b, -1, self.state_dim).float())
+        return (y + self.D.float()[:, None] * x.float()).to(x.dtype).reshape(b, d_inner)
 
 
 class MambaLayer(nn.Module):

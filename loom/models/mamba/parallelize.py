@@ -6,7 +6,9 @@ with each fused block ``(z, x, B, C, dt)`` split over TP (rank r holds heads
 ``H/G`` heads share a group); the conv, the scan, ``A_log``, ``D``, ``dt_bias`` and the gated
 norm (normalized per group) run on those heads alone; the out-projection is row-parallel. One
 all-reduce forward (out-projection ``g``) and one backward (in-projection ``f``) per Mamba
-layer, like an MLP; a Mamba + MLP pair costs 2 + 2, like a transformer layer. Attention and MLP
+layer, like an MLP; a Mamba + MLP pair costs 2 + 2, like a transformer layer. Context
+parallelism: the mixer's scan core runs on the whole sequence of ``H/(t c)`` heads between two
+all-to-alls over CP (:mod:`loom.parallel.context.mamba`). Attention and MLP
 layers of a hybrid stack, the embedding, output layer and sequence parallelism use the shared
 decoder plan unchanged (:mod:`loom.models.parallelize`, GPT's too).
 """
@@ -24,7 +26,7 @@ from loom.models.init import (a_log_init, by_pattern, conv_init, ones_init, scal
                               zeros_init)
 from loom.models.mamba.model import mamba_sizes
 from loom.models.parallelize import decoder_init, decoder_plan
-from loom.parallel.mamba_styles import ChannelParallelParams
+from loom.parallel.mamba_styles import ChannelParallelParams, ContextParallelMambaScan
 from loom.parallel.plan import ColwiseParallel, PlanContext, RowwiseParallel
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # mamba_ssm's dt initialization range
@@ -41,6 +43,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
         ("layers.*.mixer", ChannelParallelParams((("A_log", None), ("D", None),
                                                   ("dt_bias", None)))),
         ("layers.*.mixer.norm", ChannelParallelParams((("weight", None),))),
+        ("layers.*.mixer.scan", ContextParallelMambaScan()),
         ("layers.*.mixer.out_proj", RowwiseParallel()),
     ]  # the pre-mixer norm is "layers.*.input_layernorm": sequence-parallel by the shared plan
 

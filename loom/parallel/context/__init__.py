@@ -20,5 +20,6 @@ The modules: :mod:`~loom.parallel.context.split` (the chunks and positions),
 :mod:`~loom.parallel.context.attention` (the per-layer dispatch), :mod:`~loom.parallel.context.ring`,
 :mod:`~loom.parallel.context.a2a`, :mod:`~loom.parallel.context.blocks` (the per-block attention
 arithmetic ring and a2a share), :mod:`~loom.parallel.context.cost` (bytes and K/V memory of each
-type: pure, for the planner).
+type: pure, for the planner), :mod:`~loom.parallel.context.mamba` (Mamba layers: all-to-all from
+sequence to head sharding around the conv and scan, whatever ``--cp-comm-type`` says).
 """
