@@ -2,7 +2,8 @@
 :mod:`loom.models.family`). :func:`get_family` looks one up by name in a
 :class:`FamilyRegistry`: the built-in families (:data:`FAMILY_MODULES`), plus any registered on
 that registry (:func:`register_family`). Code outside ``loom/models/<family>`` asks the family
-for what is family-specific instead of branching on ``--model-type``."""
+for what is family-specific instead of branching on ``--model-type``; :func:`resolve_config`
+validates a config with its family's own rules (:class:`loom.config.validate.FamilyRules`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import importlib
 from types import MappingProxyType
 from typing import Iterable, Optional
 
+from loom.config.validate import FamilyRules
+from loom.errors import ConfigError
 from loom.models.family import ModelFamily
 
 FAMILY_MODULES = MappingProxyType({  # --model-type -> its package (FAMILY), imported when asked
@@ -52,6 +55,20 @@ class FamilyRegistry:
         """Every family (imports the built-in ones)."""
         return [self.get(n) for n in self.names()]
 
+    def rules(self, name: str) -> FamilyRules:
+        """What the validation pass runs of family ``name``: its ``check``, every other
+        family's ``refuse_own_flags`` (registry order) and ``replicates_kv_heads``; raises
+        ConfigError naming ``--model-type`` for an unknown name."""
+        try:
+            family = self.get(name)
+        except ValueError:
+            raise ConfigError(f"--model-type: {name!r} is not one of "
+                              f"{', '.join(self.names())}") from None
+        return FamilyRules(name=family.name, check=family.check,
+                           others=tuple(f.refuse_own_flags for f in self.families()
+                                        if f.name != family.name),
+                           replicates_kv_heads=family.replicates_kv_heads)
+
     def for_hf(self, model_type: str) -> Optional[ModelFamily]:
         """The family whose Hugging Face mapping imports ``config.json``'s ``model_type``, or
         None."""
@@ -70,3 +87,12 @@ def get_family(name: str = "gpt", registry: Optional[FamilyRegistry] = None) -> 
     """The :class:`ModelFamily` registered as ``name`` in ``registry`` (default: the built-in
     families); raises ValueError for an unknown one."""
     return (registry or FamilyRegistry()).get(name)
+
+
+def resolve_config(cfg, world_size: int, registry: Optional[FamilyRegistry] = None):
+    """``cfg.validate(world_size)`` (a LoomConfig, resolved on a copy) with the rules of its
+    ``--model-type``'s family in ``registry`` (default: the built-in families): the family's
+    ``check`` and the other families' ``refuse_own_flags`` run inside the one validation pass.
+    Every command resolves its config here before any process group; raises ConfigError."""
+    registry = registry or FamilyRegistry()
+    return cfg.validate(world_size, registry.rules(cfg.model.model_type))

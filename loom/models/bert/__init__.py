@@ -3,7 +3,7 @@ step (masked-LM and sentence-order losses), samples (:mod:`loom.data.bert_datase
 Face import (:mod:`.hf`)."""
 
 from loom.data.bert_dataset import build_bert_datasets
-from loom.models.bert import parallelize
+from loom.models.bert import config, parallelize
 from loom.models.bert.hf import HF
 from loom.models.bert.model import BertModel, forward_step  # noqa: F401
 from loom.models.family import ModelFamily
@@ -17,4 +17,5 @@ def logged_metrics(model) -> tuple[str, ...]:
 FAMILY = ModelFamily(name="bert", build=BertModel, plan=parallelize.plan, init=parallelize.init,
                      forward_step=forward_step, datasets=build_bert_datasets,
                      logged_metrics=logged_metrics, evaluation_tasks=("mlm",), hf=HF,
-                     wordpiece_data=True)  # no generation: a masked-LM encoder
+                     wordpiece_data=True, check=config.check,
+                     refuse_own_flags=config.refuse_own_flags)  # no generation: a masked-LM encoder

@@ -5,11 +5,12 @@ Nemotron-H); the forward step is the shared language-model step
 
 from loom.models.family import Generation, ModelFamily
 from loom.models.language_model import forward_step
-from loom.models.mamba import parallelize
+from loom.models.mamba import config, parallelize
 from loom.models.mamba.hf import HF
 from loom.models.mamba.model import MambaModel
 
 FAMILY = ModelFamily(name="mamba", build=MambaModel, plan=parallelize.plan,
                      init=parallelize.init, forward_step=forward_step, generation=Generation(),
                      evaluation_tasks=("perplexity", "cloze"), hf=HF,
-                     megatron_checkpoints=True)
+                     megatron_checkpoints=True, check=config.check,
+                     refuse_own_flags=config.refuse_own_flags, layer_kinds=config.layer_kinds)
