@@ -24,7 +24,6 @@ from loom.config.fields import flag
 from loom.config.hybrid_pattern import resolve_hybrid_pattern
 from loom.config.model_gptoss import check_gptoss
 from loom.config.model_mla import check_mla
-from loom.config.model_mup import check_mup
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
 from loom.config.resilience import check_pruning
@@ -388,7 +387,6 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
         family.check(cfg, world_size)
     check_mla(m, tp, cp, pp)
     check_gptoss(m, tp, cp)
-    check_mup(m)
     check_context_parallel(m, p)
     if world_size % (tp * pp * cp):
         raise ConfigError(

@@ -8,6 +8,7 @@ validates a config with its family's own rules (:class:`loom.config.validate.Fam
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from types import MappingProxyType
 from typing import Iterable, Optional
 
@@ -64,7 +65,8 @@ class FamilyRegistry:
         except ValueError:
             raise ConfigError(f"--model-type: {name!r} is not one of "
                               f"{', '.join(self.names())}") from None
-        return FamilyRules(name=family.name, check=family.check,
+        return FamilyRules(name=family.name, check=partial(_declared_then_check, family,
+                                                           self.families()),
                            others=tuple(f.refuse_own_flags for f in self.families()
                                         if f.name != family.name),
                            replicates_kv_heads=family.replicates_kv_heads)
@@ -87,6 +89,18 @@ def get_family(name: str = "gpt", registry: Optional[FamilyRegistry] = None) -> 
     """The :class:`ModelFamily` registered as ``name`` in ``registry`` (default: the built-in
     families); raises ValueError for an unknown one."""
     return (registry or FamilyRegistry()).get(name)
+
+
+def _declared_then_check(family: ModelFamily, families: list, cfg, world_size: int) -> None:
+    """What ``family`` declares, checked generically (``--ckpt-format torch_dist`` needs
+    ``megatron_checkpoints``), then its own ``check``."""
+    if cfg.training.ckpt_format == "torch_dist" and not family.megatron_checkpoints:
+        names = [f.name for f in families if f.megatron_checkpoints]
+        which = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        raise ConfigError(f"--ckpt-format torch_dist (Megatron's format) is written for the "
+                          f"{which} families, not --model-type {family.name}: drop it (loom's "
+                          f"own loom_dcp)")
+    family.check(cfg, world_size)
 
 
 def resolve_config(cfg, world_size: int, registry: Optional[FamilyRegistry] = None):

@@ -24,7 +24,7 @@ import torch
 
 from loom.config import LoomConfig, ModelConfig
 from loom.errors import ConfigError
-from loom.models import get_family
+from loom.models import get_family, resolve_config
 from loom.models.attention import apply_rope, rope_cos_sin
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model
@@ -46,7 +46,7 @@ def validated(model: ModelConfig, world: int = 1, **training) -> LoomConfig:
     t.micro_batch_size, t.train_iters, t.lr = 2, 10, 1e-3
     for k, v in training.items():
         setattr(t, k, v)
-    return cfg.validate(world)
+    return resolve_config(cfg, world)  # with the family's own rules (muP: GPT's only)
 
 
 # -- interleaved RoPE ---------------------------------------------------------------------------

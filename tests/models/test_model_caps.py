@@ -14,7 +14,7 @@ import torch
 
 from loom.config import LoomConfig, ModelConfig, add_config_arguments, config_from_args
 from loom.errors import ConfigError
-from loom.models import get_family
+from loom.models import get_family, resolve_config
 from loom.models.attention import apply_rope, rope_cos_sin
 from loom.models.yarn import yarn_cos_sin
 from loom.parallel.mesh import ParallelMesh
@@ -33,7 +33,7 @@ def validated(model: ModelConfig, world: int = 1, **parallel) -> LoomConfig:
         setattr(cfg.parallel, k, v)
     t = cfg.training
     t.micro_batch_size, t.train_iters, t.lr = 2, 10, 1e-3
-    return cfg.validate(world)
+    return resolve_config(cfg, world)  # with the families' rules (--rotary-scaling-factor)
 
 
 def _parse(argv: list) -> LoomConfig:

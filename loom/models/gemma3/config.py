@@ -39,8 +39,8 @@ def refuse_own_flags(m: Any) -> None:
 
 def check(cfg: Any, world_size: int) -> None:
     """--model-type gemma3 fixes the layout (RMSNorm (1 + w), RoPE, GeGLU, no biases, tied
-    output): written into the config so checkpoints describe it; ``--layer-types`` has one L or
-    G per layer."""
+    output, RoPE rotating halves): written into the config so checkpoints describe it;
+    ``--layer-types`` has one L or G per layer."""
     m = cfg.model
     for bad, flag in ((m.num_experts, "--num-experts"), (m.swiglu, "--swiglu"),
                       (m.untie_embeddings_and_output_weights,
@@ -48,6 +48,9 @@ def check(cfg: Any, world_size: int) -> None:
         if bad:
             raise ConfigError(f"{flag}: --model-type gemma3 has a fixed layout (GeGLU MLP, tied "
                               f"output, no biases): drop {flag}")
+    if m.rotary_interleaved:
+        raise ConfigError("--rotary-interleaved: --model-type gemma3 has Gemma 3's RoPE, "
+                          "which rotates halves: drop --rotary-interleaved")
     kinds = m.attention_layer_types
     if len(kinds) != m.num_layers or set(kinds) - set("LG"):
         raise ConfigError(f"--layer-types {kinds!r} must have --num-layers {m.num_layers} "

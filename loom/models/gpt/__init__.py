@@ -2,7 +2,7 @@
 (:mod:`.parallelize`), forward step, Hugging Face GPT-2 / LLaMA mapping (:mod:`.hf`)."""
 
 from loom.models.family import Generation, ModelFamily
-from loom.models.gpt import parallelize
+from loom.models.gpt import config, parallelize
 from loom.models.gpt.hf import HF
 from loom.models.gpt.model import GPTModel, forward_step  # noqa: F401
 
@@ -28,4 +28,4 @@ FAMILY = ModelFamily(name="gpt", build=GPTModel, plan=parallelize.plan, init=par
                      logged_metrics=logged_metrics,
                      evaluation_tasks=("perplexity", "cloze"), hf=HF,
                      checkpoint_differences=learned_positions_differ,
-                     megatron_checkpoints=True)
+                     megatron_checkpoints=True, refuse_own_flags=config.refuse_own_flags)
