@@ -70,11 +70,17 @@ KINDS = ("M", "*", "-")  # Mamba-2, attention, MLP (Megatron's hybrid pattern ch
 
 
 def declared_kinds(model: ModelConfig) -> Optional[str]:
-    """The layer kinds ``model``'s family declares (``ModelFamily.layer_kinds`` of the built-in
-    family ``--model-type`` names): one of ``M``, ``*``, ``-`` per layer, or None for transformer
-    layers. Imports the family (and torch) when a model is first priced, not at import."""
-    from loom.models import get_family
-    return get_family(model.model_type).layer_kinds(model)
+    """The layer kinds ``model``'s family declares (``ModelFamily.layer_kinds`` of the family
+    ``--model-type`` names among the built-in ones, ``loom.models.FAMILY_MODULES``): one of
+    ``M``, ``*``, ``-`` per layer, or None for transformer layers. A family registered only on
+    a registry value (``register_family``) is not among them: priced as transformer layers
+    (e.g. the trainer's logged MFU). Imports the family (and torch) when a model is first
+    priced, not at import."""
+    from loom.models import FamilyRegistry
+    families = FamilyRegistry()
+    if model.model_type not in families.names():
+        return None
+    return families.get(model.model_type).layer_kinds(model)
 
 
 def is_hybrid(model: ModelConfig) -> bool:
