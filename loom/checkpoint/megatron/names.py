@@ -135,6 +135,14 @@ def sources(name: str, attention: str = "mha") -> list[Source]:
     return [Source(name)]
 
 
+def layer_pattern(cfg) -> Optional[str]:
+    """The layer kinds the family of ``cfg`` (a ModelConfig) declares
+    (``ModelFamily.layer_kinds``: the Mamba stack's hybrid pattern, ``M`` per Mamba layer), None
+    for a stack of transformer layers."""
+    from loom.models import get_family  # the family, not a model_type branch
+    return get_family(cfg.model_type).layer_kinds(cfg)
+
+
 def attention_kind(name: str, pattern: Optional[str], mla: bool) -> str:
     """``ssm`` when ``name`` is a parameter of a Mamba layer of the hybrid ``pattern``
     (``--hybrid-override-pattern``), ``mla`` under multi-latent attention, else ``mha``."""

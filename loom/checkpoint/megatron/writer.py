@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
 
 from loom.checkpoint.megatron import layout
 from loom.checkpoint.megatron.names import (CONV_PARTS, IN_PROJ_PARTS, attention_kind, kind_of,
-                                            write_sources)
+                                            layer_pattern, write_sources)
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}
@@ -114,7 +114,7 @@ def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
     weight (:func:`extra_state_key`), which Megatron-Core's load asks for."""
     chunks: Chunks = {}
     sizes: dict[str, tuple] = {}
-    pattern = getattr(cfg, "hybrid_layer_pattern", None)
+    pattern = layer_pattern(cfg)
     mamba = pattern is not None  # Megatron's Mamba stack keys each layer on its own
     rows = _vocab_rows(cfg, target_tp)
     L, E = cfg.num_layers, cfg.num_experts or 0
