@@ -157,7 +157,7 @@ def run(args) -> int:
                    uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
                    moe_load_imbalance=args.moe_load_imbalance,
-                   cp_comm_type=cp_comm_type_of(args))
+                   cp_comm_type=cp_comm_type_of(args), layer_memory=args.layer_memory)
     calibration = None
     if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve
         from loom.planner.calibrate_runs import calibrate, read_runs

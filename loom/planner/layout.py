@@ -35,6 +35,25 @@ KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "l
 # 3 GPipe (evaluated when given, never searched: 1F1B's time at m micro-batches of memory)
 SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
 
+# The memory a training process holds beyond its tensors, as the planner's ``reserve`` term
+# (``Options.reserve_bytes + Options.reserve_fraction`` x the counted terms), named:
+#
+# WORKSPACE_BYTES, fixed per GPU: the CUDA context and the libraries' module images; the
+#   cuBLAS / cuBLASLt workspaces, 32 MiB per handle and stream on Hopper and 4 MiB on the
+#   others (PyTorch aten/src/ATen/cuda/CUDABlas.cpp since PR 120925, after the cuBLAS guide's
+#   cublasSetWorkspace recommendation); NCCL's buffers, NCCL_BUFFSIZE (4 MiB by default, NCCL
+#   environment-variable docs) per channel and peer of every communicator a rank joins (TP, CP,
+#   DP, PP, EP groups). Their sum depends on the driver, the libraries and the groups; 2 GB is
+#   the planner's assumption (not a measurement here: no GPU), which `loom plan
+#   --calibrate-from` refits from a user's measured peaks (calibrate_runs.py).
+# FRAGMENTATION_FRACTION of the counted terms: what PyTorch's caching allocator reserves but
+#   cannot hand out (blocks rounded to 512 B / 2 MiB, split blocks that no later request
+#   fits; ZeRO, Rajbhandari et al. 2020, sec 3.2 and 6.3, names it as a cause of running out of
+#   memory with memory still free, which ZeRO-R's contiguous buffers and Megatron's contiguous
+#   gradient buffer reduce). 5% is the planner's assumption for such a run.
+WORKSPACE_BYTES = 2e9
+FRAGMENTATION_FRACTION = 0.05
+
 
 @dataclass
 class Options:
@@ -58,7 +77,8 @@ class Options:
     (:func:`loom.planner.context_parallel.cp_layer_cost`); off where no engine progresses
     them beside the compute (CPU ranks without a spare core, host_sharing.host_overlap_options).
     ``reserve_bytes`` + ``reserve_fraction`` x (all other terms): CUDA context, NCCL and cuBLAS
-    workspaces, allocator fragmentation (bytes).
+    workspaces, allocator fragmentation (bytes; the named constants and their sources:
+    :data:`WORKSPACE_BYTES`, :data:`FRAGMENTATION_FRACTION`).
     ``allow_tp_across_nodes``: let TP groups span nodes (loom train refuses it by default).
     ``max_zero_stage``: highest ZeRO stage searched (``loom train`` runs 0, 1, the
     distributed optimizer, and 3, FSDP2; 2 is a what-if analysis).
@@ -74,6 +94,11 @@ class Options:
     ``loom train`` runs), ``"megatron-core"`` or ``"megatron-legacy"`` (Megatron-LM 2023, what
     Megatron-LM PR 482 measured): the extra saved tensors, the loss's logits copies and the
     backward transient of each.
+    ``layer_memory``: ``"kor"`` (default) counts a layer's activations as KOR table 2 (what the
+    layer needs; Megatron-Core keeps about that: the layer of the published sources); ``"loom"``
+    (``loom plan``'s default, and the trainer's prediction) what loom's own layer saves, measured
+    (:func:`loom.planner.memory_runtime.loom_layer_extra`; with ``runtime = "loom"`` and fused
+    attention).
     ``distribute_saved_activations``: Megatron's ``--distribute-saved-activations`` (default
     off): with full recompute and no SP, each layer's saved input ``2 S h`` is split over the TP
     ranks (``2 S h / t``), as OPT-175B trained (metaseq ``--distribute-checkpointed-
@@ -108,8 +133,8 @@ class Options:
     uneven_interleaved: bool = True
     straggler_jitter: float = 0.0
     ddp_bucket_elems: float = 40e6
-    reserve_bytes: float = 2e9
-    reserve_fraction: float = 0.05
+    reserve_bytes: float = WORKSPACE_BYTES
+    reserve_fraction: float = FRAGMENTATION_FRACTION
     allow_tp_across_nodes: bool = False
     max_zero_stage: int = 3
     zero3_overlap: float | None = None  # None = timing.ZERO3_OVERLAP (fitted)
@@ -117,6 +142,7 @@ class Options:
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
     cp_comm_type: str | None = None
     runtime: str = "loom"
+    layer_memory: str = "kor"
     distribute_saved_activations: bool = False
     zero1_all_reduce_grads: bool = False
     grad_accum_bytes: float = 0.0

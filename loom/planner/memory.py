@@ -46,7 +46,7 @@ from loom.planner.mamba import KINDS, is_hybrid, kind_activation_bytes, kind_cou
 from loom.planner.activations import (activation_bytes_per_layer,  # noqa: F401 - re-exported
                                       distribute_saved, inflight_microbatches)
 from loom.planner.memory_runtime import (backward_working_bytes, layer_extra_bytes, logits_bytes,
-                                        loss_transient_bytes)
+                                        loom_layer_extra, loss_transient_bytes)
 from loom.planner.mla import attention_params, mtp_params, mtp_stage_params
 from loom.planner.moe import layer_param_totals, moe_layer_params
 
@@ -273,8 +273,9 @@ def layer_activation_kinds(model: ModelConfig, seq_length: int, L: dict,
     act = distribute_saved(activation_bytes_per_layer(
         model, s, L, flash_attention=opts.flash_attention,
         moe_load_imbalance=opts.moe_load_imbalance), L, opts)
+    lx = loom_layer_extra(model, s, L, opts)
     extra = layer_extra_bytes(model, s * L["mbs"] / L["cp"], L["tp"], opts.runtime,
-                              opts.flash_attention)
+                              opts.flash_attention) + np.where(rc == 1, lx["selective"], lx["none"])
     return [base(act) + extra], [act["full"]], work(act) + np.where(rc == 2, extra, 0.0)
 
 

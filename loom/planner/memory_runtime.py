@@ -5,8 +5,11 @@ Models") counts the tensors a transformer layer *needs* for its backward pass. A
 some more, and its peak (``torch.cuda.max_memory_allocated``) also holds the largest transient.
 :attr:`loom.planner.layout.Options.runtime` names the runtime:
 
-* ``"loom"``: loom's own layer, the KOR count (the planner's terms before runtimes were named;
-  ``loom train --dry-run`` and ``benchmarks/planner_vs_measured.py`` use it). Loss: loom's
+* ``"loom"``: loom's own layer (``loom train --dry-run`` and ``benchmarks/planner_vs_measured.py``
+  use it): the KOR count plus what loom's modules keep beyond it, measured with
+  ``saved_tensors_hooks`` (:mod:`loom.planner.layer_bytes`, :func:`loom_layer_extra`: the
+  gathered sequence-parallel GEMM inputs, RoPE's rotated Q / K, the SwiGLU's SiLU output, the
+  norms' statistics, the CP cores' own tensors). Loss: loom's
   fused linear cross-entropy (``loom/parallel/cross_entropy.py``) never holds the logits; it
   saves ``dL/dx`` ``[S, h]``, ``dL/dw`` ``[Vp/t, h]`` and the log-sum-exp ``[S]`` (fp32) per
   micro-batch, ``4 S h + 4 Vp h / t + 4 S``, and its forward peaks with one chunk's logits,
@@ -52,6 +55,7 @@ from loom.config import ModelConfig
 from loom.parallel.cross_entropy_cost import forward_transient_bytes, saved_bytes
 
 RUNTIMES = ("loom", "megatron-core", "megatron-legacy")
+
 # bytes per logit element at the forward peak of the loss (see the module docstring); "loom":
 # its unfused loss only (final-logit soft-capping)
 LOGITS_BYTES = {"loom": 4.0, "megatron-core": 6.0, "megatron-legacy": 10.0}
@@ -73,6 +77,24 @@ def layer_extra_bytes(model: ModelConfig, S, t, runtime: str, flash_attention: b
     flash = 2.0 * S * model.num_attention_heads * model.head_dim if flash_attention else 0.0
     gated = 2.0 * S * model.ffn_size if model.gated_linear_unit else 0.0
     return (flash + gated) / t
+
+
+def loom_layer_extra(model: ModelConfig, seq_length: int, L: dict, opts,
+                     mlp: bool = True) -> dict:
+    """``{"none", "selective"}``: bytes loom's own layer keeps per micro-batch beyond KOR table 2
+    with flash attention, per recompute mode (:func:`loom.planner.layer_bytes.loom_extra_over_kor`,
+    measured on loom's modules), when ``opts`` (:class:`~loom.planner.layout.Options`) asks for
+    it: ``layer_memory = "loom"``, ``runtime = "loom"``, fused attention (loom's only
+    attention); 0 otherwise and for MLA and hybrid (Mamba) layers, whose loom forms are not
+    derived yet. ``mlp`` False: the attention side only (an MoE layer's)."""
+    from loom.planner.context_parallel import row_comm_types
+    from loom.planner.layer_bytes import loom_extra_over_kor
+    from loom.planner.mamba import is_hybrid
+    zero = 0.0 * L["tp"]
+    if (opts.layer_memory != "loom" or check_runtime(opts.runtime) != "loom"
+            or not opts.flash_attention or model.multi_latent_attention or is_hybrid(model)):
+        return {"none": zero, "selective": zero}
+    return loom_extra_over_kor(model, seq_length, L, row_comm_types(L, opts.cp_comm_type), mlp)
 
 
 def _fused(model: ModelConfig, runtime: str) -> bool:

@@ -39,6 +39,10 @@ class PlannerOptions:
     attention: Optional[Literal["fused", "unfused"]] = opt(
         None, "fused (flash/SDPA, loom's default; Mamba: mamba_ssm's chunk scan) or unfused (as "
               "in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
+    layer_memory: Literal["loom", "kor"] = opt(
+        "loom", "activation bytes per layer: loom (what loom's own layer saves, measured with "
+                "saved_tensors_hooks) or kor (KOR table 2: what the layer needs, as Megatron-Core "
+                "keeps it)")
     allow_tp_across_nodes: bool = opt(False, "let TP groups span nodes")
     allow_uneven_interleaved: bool = opt(
         False, "kept for old scripts: virtual stages with uneven first/last stages are searched "

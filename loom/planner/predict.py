@@ -100,7 +100,7 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
     if cluster.num_gpus != world_size:
         from dataclasses import replace
         cluster = replace(cluster, num_gpus=world_size)
-    opts = opts or Options(flash_attention=True)
+    opts = opts or Options(flash_attention=True, layer_memory="loom")
     lay = layout_of(cfg, world_size)
     B = cfg.global_batch_size(world_size)
     s = cfg.model.seq_length

@@ -1,0 +1,148 @@
+"""Activation bytes one transformer layer saves for its backward, measured on loom's real modules.
+
+What autograd keeps between a layer's forward and its backward is the set of tensors handed to
+``torch.autograd.graph.saved_tensors_hooks``' pack hook (every ``save_for_backward``, every
+``SavedVariable``; ``torch.utils.checkpoint``'s stored inputs included, its recomputed
+region's saves hidden by its own inner hooks) whose holders are still alive when the forward
+returns. :func:`saved_bytes` counts them once per storage (a view of a saved tensor adds
+nothing; a parameter, or a view of one, is a model state and is not counted).
+
+:func:`layer_saved_bytes` builds a chunk of ``n`` and of ``n + 1`` layers (no embedding, no
+output layer) on the ranks' real parallel plan and returns the difference: the bytes per
+layer, with what a chunk saves once (the RoPE tables, the chunk input) cancelled. Tensor,
+sequence and context parallelism run as rank 0 of a ``t x c`` world on torch's ``fake``
+process-group backend (collectives are no-ops that keep their output shapes: the *sizes* of
+what rank 0 saves are exact, its values are not), inside :func:`fake_world`, which tears the
+default group down again. The planner's formulas (:mod:`loom.planner.activations`) are
+checked against these numbers in ``tests/planner/test_planner_layer_memory.py``.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.layer_memory
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from loom.config import LoomConfig, ModelConfig
+
+
+def saved_bytes(fn, params=()) -> tuple[int, list]:
+    """``(bytes, rows)``: the distinct storages autograd still holds for backward when ``fn()``
+    has returned (each once, whatever views of it are saved; a storage saved in a branch of the
+    graph that is dropped during the forward is released again), parameters' storages
+    (``params``) excluded: :class:`benchmarks.planner_vs_measured.SavedBytes`' live count.
+    ``rows``: ``(nbytes, shape, dtype)`` of each held storage's first saved view."""
+    from benchmarks.planner_vs_measured import SavedBytes, _storage_key
+    counter = SavedBytes(skip=[_storage_key(p) for p in params])
+    shapes: dict = {}
+
+    def pack(t):
+        key = _storage_key(t)
+        if key:
+            shapes.setdefault(key[0], (tuple(t.shape), t.dtype))
+        return counter.pack(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, counter.unpack):
+        out = fn()
+    rows = [(n, *shapes[k]) for k, n in counter.size.items()]
+    held = counter.live
+    del out
+    return held, rows
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A default process group of ``world_size`` ranks in this one process, this process rank 0
+    (torch's ``fake`` backend: collectives return at once, buffers keep their shapes);
+    destroyed on exit. ``world_size`` 1: no group at all."""
+    import torch.distributed as dist
+    if world_size == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("fake_world needs a process without a default process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def resolve(model: ModelConfig, seq_length: int, micro_batch: int = 1, **training) -> ModelConfig:
+    """``model`` completed by loom's validation (derived widths, kinds), for one rank."""
+    cfg = LoomConfig(model=replace(model, seq_length=seq_length))
+    cfg.training.micro_batch_size, cfg.training.lr, cfg.training.train_iters = micro_batch, 1e-4, 1
+    return cfg.validate(1).model
+
+
+def _build(model: ModelConfig, layers: list, mesh, sp: bool, cp_comm_type: str, recompute,
+           method: str, num_layers: int, dtype):
+    from loom.models import get_family
+    from loom.models.family import StageSpec
+    from loom.parallel.parallelize import build_chunk
+    from loom.parallel.random import RNGTracker
+    from loom.parallel.recompute import apply_recompute
+    tracker = RNGTracker(mesh.device)
+    tracker.seed(0)
+    chunk = build_chunk(get_family(model.model_type), model, StageSpec(layers, False, False), mesh,
+                        tracker, sequence_parallel=sp, cp_comm_type=(cp_comm_type,))
+    apply_recompute(chunk, recompute, tracker, method, num_layers)
+    return chunk.to(dtype).train()
+
+
+def layer_saved_bytes(model: ModelConfig, seq_length: int, micro_batch: int = 1, *, tp: int = 1,
+                      sp: bool = False, cp: int = 1, cp_comm_type: str = "p2p",
+                      recompute: Optional[str] = None, method: str = "uniform",
+                      num_layers: int = 1, dtype=torch.float32, base_layers: int = 1,
+                      extra_layers: int = 1, rows: bool = False):
+    """Bytes one layer of ``model`` saves for backward per micro-batch of ``micro_batch``
+    sequences of ``seq_length`` tokens on rank 0 of TP ``tp`` (sequence parallel ``sp``) x CP
+    ``cp`` (``cp_comm_type``), with ``--recompute-granularity recompute`` (None, selective,
+    full; ``method`` / ``num_layers`` as ``--recompute-method`` / ``--recompute-num-layers``),
+    parameters and activations in ``dtype``: (chunk(``base_layers + extra_layers`` layers) -
+    chunk(``base_layers``)) / ``extra_layers`` (a uniform group of N layers: both multiples of
+    N). Call it inside :func:`fake_world` of ``tp x cp`` ranks when either is > 1.
+    ``rows``: also return the saved storages of the larger chunk."""
+    from loom.parallel.mesh import ParallelMesh
+    mesh = ParallelMesh.single() if tp * cp == 1 else ParallelMesh.build(tp=tp, cp=cp)
+    s_local = seq_length // cp // (tp if sp else 1)
+    got = []
+    for n in (base_layers, base_layers + extra_layers):
+        torch.manual_seed(0)
+        chunk = _build(model, list(range(n)), mesh, sp, cp_comm_type, recompute, method,
+                       num_layers, dtype)
+        x = torch.randn(s_local, micro_batch, model.hidden_size, dtype=dtype, requires_grad=True)
+        pos = _positions(seq_length, cp)
+        got.append(saved_bytes(lambda: chunk(hidden_states=x, position_ids=pos),
+                               chunk.parameters()))
+    per_layer = (got[1][0] - got[0][0]) / extra_layers
+    return (per_layer, got[1][1]) if rows else per_layer
+
+
+def _positions(s: int, cp: int) -> torch.Tensor:
+    """Rank 0's token positions under CP's load-balanced split (chunks 0 and 2c - 1)."""
+    if cp == 1:
+        return torch.arange(s)
+    n = s // (2 * cp)
+    return torch.cat([torch.arange(0, n), torch.arange(s - n, s)])
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    m = resolve(ModelConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                  ffn_hidden_size=96, vocab_size=128, hidden_dropout=0.0,
+                                  attention_dropout=0.0), 32)
+    for rc in (None, "selective", "full"):
+        for dtype in (torch.float32, torch.bfloat16):
+            print(json.dumps({"recompute": rc, "dtype": str(dtype),
+                              "bytes": layer_saved_bytes(m, 32, 2, recompute=rc, dtype=dtype)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Activation bytes of one loom transformer layer, term by term, read off the code it runs.
+
+Where :func:`loom.planner.activations.activation_bytes_per_layer` counts what a layer *needs*
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+KOR table 2 and sec 4.2), this module counts what loom's own layer (``loom/models/gpt/model.py``
+``TransformerLayer``: ``SelfAttention`` of ``loom/models/attention.py``, ``MLP`` of
+``loom/models/mlp.py``, ``torch.nn.RMSNorm`` / ``LayerNorm``, the TP / SP plan of
+``loom/parallel/tensor.py`` and ``sequence.py``) hands to autograd, storage by storage. The
+CPU form is checked byte for byte against ``torch.autograd.graph.saved_tensors_hooks`` on the
+real modules (``benchmarks/layer_memory.py``, ``tests/planner/test_planner_layer_memory.py``);
+the CUDA form differs only in the three kernels PyTorch dispatches differently by device
+(marked *device* below; PyTorch ``aten/src/ATen/native/layer_norm.cpp`` ``rms_norm_symint``,
+``tools/autograd/derivatives.yaml`` ``_fused_rms_norm`` / ``native_layer_norm`` /
+``native_dropout``, ``aten/src/ATen/native/Dropout.cpp`` ``dropout``).
+
+Symbols: ``S = s b / c`` tokens of the rank's micro-batch, ``Sn`` the tokens of the
+norm / residual region (``S / t`` with sequence parallelism, else ``S``), ``e`` bytes per
+activation element (2 bf16/fp16, 4 fp32), ``h, a, g, d, f, r`` hidden, heads, KV groups, head
+dimension, FFN width, rotary dimension; heads and FFN columns split over ``t``.
+
+Terms of :func:`loom_layer_terms` (bytes):
+
+* ``norms`` (2 per layer), *device*: RMSNorm on CPU is PyTorch's composite, upcast to fp32: its
+  fp32 input ``4 Sn h`` (the input itself in fp32, a copy in bf16), the fp32 normalized
+  ``4 Sn h`` and ``rstd`` ``4 Sn``; on CUDA the fused ``_fused_rms_norm`` keeps its input
+  ``e Sn h`` and ``rstd`` ``4 Sn``. LayerNorm (``native_layer_norm``): input ``e Sn h``, mean and
+  rstd ``Sn`` each (``e`` bytes on CPU, fp32 on CUDA). KOR: the ``2 s b h`` LayerNorm input.
+* ``qkv_input``, ``fc1_input``: the QKV and FC1 inputs (the norms' outputs) ``e S h`` each.
+  With sequence parallelism loom all-gathers before the column-parallel GEMM and the GEMM
+  saves the *gathered* ``[s, b, h]`` (KOR table 2 and Megatron-Core save the ``1/t`` shard
+  and gather it again in backward, the ``4 s b h / t`` of KOR's ``34/t``).
+* ``qkv``: the fused QKV output ``e S (a + 2 g) d / t`` (KOR's Q, K, V): V is a view of it, so
+  the attention core keeps the whole storage alive.
+* ``rope``: RoPE's rotated Q and K are new tensors: ``e S (a + g) d / t``; ``rope_tables``: in
+  a 16-bit layer each ``apply_rope`` casts the fp32 cos / sin tables: ``4 x e (s / c) r`` per
+  layer (no ``b``).
+* ``attention_out``: the attention core's output ``e S a d / t``, saved by SDPA and (the same
+  storage) by the output projection (KOR's ``2 s b h`` projection input).
+* ``softmax_lse``: the fused attention's fp32 log-sum-exp ``4 S a / t`` (KOR's ``5 a s^2 b``
+  becomes this with flash attention). Selective recompute drops it only: the recomputed core's
+  inputs Q, K, V and output are kept anyway.
+* ``mlp``: FC1's output ``e S (2f | f) / t`` and what FC2 saves ``e S f / t``; the SwiGLU
+  ``silu(gate) * up`` also keeps the SiLU output ``e S f / t`` (Megatron's fused bias-SwiGLU does
+  not): ``4 e S f / t`` gated, ``2 e S f / t`` GeLU (KOR's ``19 s b h`` at ``f = 4h``, 16-bit).
+* ``cp_core``: with ``cp > 1``, what the CP attention core adds (:func:`cp_core_terms`).
+* ``dropout_masks``: with ``hidden_dropout > 0`` two masks ``Sn h``, *device*: ``e`` bytes on
+  CPU (``dropout``'s multiply by a noise tensor), 1 on CUDA (``native_dropout``'s bool mask).
+
+Full recompute (``--recompute-method uniform``, N layers per group) keeps the group input
+``e Sn h / N`` per layer. Not covered (the test names what is): attention dropout, QK
+layernorm, MLA, MoE, Mamba, ``a2a+p2p``; the CP communication buffers are
+:mod:`loom.planner.context_parallel`'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loom.config import ModelConfig
+
+DEVICES = ("cpu", "cuda")
+
+
+def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1, sp=0,
+                     elem_bytes: int = 2, device: str = "cuda", cp_comm_type: str = "p2p") -> dict:
+    """The named terms of one loom layer's saved activations (bytes; the module docstring),
+    for the mode without recomputation, with ``cp_comm_type``'s attention core when ``cp > 1``
+    (:func:`cp_core_terms`). ``t``, ``sp``, ``micro_batch`` may be arrays."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
+                     model.head_dim, model.ffn_size)
+    e, cpu = float(elem_bytes), device == "cpu"
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
+    Sn = np.where(np.asarray(sp) > 0, S / t, S)
+    if model.normalization == "RMSNorm":
+        norm = (8.0 * h + 4.0) * Sn if cpu else (e * h + 4.0) * Sn
+    else:
+        norm = (e * h + 2.0 * (e if cpu else 4.0)) * Sn
+    rope = model.position_embedding_type in ("rope", "yarn")
+    r = getattr(model, "rotary_dim", d) or d
+    terms = {
+        "norms": 2 * norm,
+        "qkv_input": e * S * h,
+        "fc1_input": e * S * h,
+        "qkv": e * S * (a + 2 * g) * d / t,
+        "rope": e * S * (a + g) * d / t if rope else 0.0 * S,
+        "rope_tables": 4 * e * seq_length / cp * r + 0.0 * S if rope and e != 4 else 0.0 * S,
+        "attention_out": e * S * a * d / t,
+        "softmax_lse": 4.0 * S * a / t,
+        "mlp": e * S * f * (4 if model.gated_linear_unit else 2) / t,
+        "dropout_masks": (2 * Sn * h * (e if cpu else 1.0) if model.hidden_dropout > 0
+                          else 0.0 * S),
+        "cp_core": 0.0 * S,
+    }
+    ring = np.asarray(cp) > 1
+    for k, v in cp_core_terms(model, seq_length, micro_batch, t, cp, elem_bytes,
+                              cp_comm_type).items():
+        terms[k] = np.where(ring, v, terms[k])
+    return terms
+
+
+def cp_core_terms(model: ModelConfig, seq_length: int, micro_batch, t, cp,
+                  elem_bytes: int, cp_comm_type: str) -> dict:
+    """The terms a context-parallel attention core (``loom/parallel/context``) changes in
+    :func:`loom_layer_terms`' ``terms``, with ``S = s b / c`` local tokens:
+
+    * ``p2p`` (``ring.py`` ``RingAttention``): saves Q, K, V as given (``qkv``, ``rope``
+      unchanged), its fp32 output accumulator ``4 S a d / t`` and log-sum-exp, and the ring's
+      int64 positions ``[c, s / c]`` (``8 s``); the output projection saves its own copy of the
+      output (``e S a d / t``: ``[b, a, s, d]`` re-laid-out to ``[s, b, a d]``).
+    * ``allgather`` (``attention.py``): the core runs on the gathered keys: K and V
+      ``2 e s b g d / t`` replace the local QKV storage and rotated K (``qkv`` and ``rope``
+      keep only the rotated Q), plus the additive causal mask ``e (s / c) s`` of the fused
+      kernel (``[s / c, s]``, no ``b``).
+    * ``a2a`` (``a2a.py`` ``ulysses_attention``): Q, K, V after the all-to-all (``e S (a + 2g) d
+      / t``, the fused storage's size; the local ones are not saved: ``rope`` keeps only the
+      tables), the core's output and its all-to-all'd copy (``2 e S a d / t``), and the
+      ``order`` / ``inverse`` permutations, int64 ``[s]`` each (``16 s``). Assumes ``c``
+      divides ``g / t`` (else ``expand_groups`` repeats K, V)."""
+    a, g, d = model.num_attention_heads, model.num_kv_groups, model.head_dim
+    e = float(elem_bytes)
+    s = seq_length
+    S = s * np.asarray(micro_batch, dtype=np.float64) / cp
+    rope = model.position_embedding_type in ("rope", "yarn")
+    if cp_comm_type == "p2p":
+        return {"attention_out": (e + 4.0) * S * a * d / t,
+                "cp_core": 8.0 * s + 0.0 * S}
+    if cp_comm_type == "allgather":
+        return {"qkv": 2 * e * S * cp * g * d / t,
+                "rope": e * S * a * d / t if rope else 0.0 * S,
+                "cp_core": e * (s / cp) * s + 0.0 * S}
+    if cp_comm_type == "a2a":
+        return {"rope": 0.0 * S, "attention_out": 2 * e * S * a * d / t,
+                "cp_core": 16.0 * s + 0.0 * S}
+    raise ValueError(f"cp_comm_type must be p2p, allgather or a2a, got {cp_comm_type!r}")
+
+
+def loom_layer_bytes(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1, sp=0,
+                     elem_bytes: int = 2, device: str = "cuda", recompute_group: int = 1,
+                     cp_comm_type: str = "p2p") -> dict:
+    """``{"none", "selective", "full", "scores"}``: bytes one loom layer keeps per micro-batch
+    without recomputation, with selective recompute, with full recompute (the group input
+    ``e Sn h`` shared by ``recompute_group`` layers), and the selective working memory.
+
+    Selective recompute checkpoints the attention core (``SelectiveRecompute`` modules), which
+    keeps its inputs: without CP it drops only ``softmax_lse`` (Q, K, V and the output are
+    saved by their neighbours anyway); ``allgather`` also drops the mask (``cp_core``); ``a2a``
+    drops the core's output copy ``e S a d / t`` but stores the core's ``arange(s)`` positions
+    (int64, ``8 s``); ``p2p``'s ``RingAttention`` is no such module: nothing is recomputed."""
+    terms = loom_layer_terms(model, seq_length, micro_batch, t, cp, sp, elem_bytes, device,
+                             cp_comm_type)
+    none = sum(terms.values())
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
+    Sn = np.where(np.asarray(sp) > 0, S / t, S)
+    dropped = terms["softmax_lse"]
+    if cp_comm_type == "p2p":
+        ring_dropped = 0.0 * S
+    elif cp_comm_type == "allgather":
+        ring_dropped = dropped + terms["cp_core"]
+    else:  # a2a
+        a, d = model.num_attention_heads, model.head_dim
+        ring_dropped = dropped + elem_bytes * S * a * d / t - 8.0 * seq_length
+    dropped = np.where(np.asarray(cp) > 1, ring_dropped, dropped)
+    return {"none": none, "selective": none - dropped,
+            "full": elem_bytes * Sn * model.hidden_size / recompute_group,
+            "scores": dropped}
+
+
+def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
+                        mlp: bool = True) -> dict:
+    """``{"none", "selective"}`` (bytes, arrays over the rows of layout ``L``): what loom's layer
+    keeps on a GPU (:func:`loom_layer_bytes`, CUDA, 16-bit) beyond the planner's KOR count with
+    flash attention (:func:`loom.planner.activations.activation_bytes_per_layer`), per mode;
+    ``cp_codes`` each row's CP type (:data:`loom.planner.context_parallel.CP_COMM_TYPES`
+    index; a2a+p2p counted as p2p, its ring). ``mlp`` False: the attention side only (the
+    SiLU output ``2 S f / t`` of a gated dense MLP left out, for a layer whose MLP is
+    counted elsewhere). Full recompute keeps the same input in both (no extra)."""
+    from loom.planner.activations import activation_bytes_per_layer
+    from loom.planner.context_parallel import CP_COMM_TYPES
+    t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
+    kor = activation_bytes_per_layer(model, seq_length, L, flash_attention=True, moe_share=0.0)
+    codes = np.asarray(cp_codes)
+    out = {"none": 0.0 * t, "selective": 0.0 * t}
+    for k, name in enumerate(CP_COMM_TYPES[:3]):
+        got = loom_layer_bytes(model, seq_length, b, t=t, cp=c, sp=sp, cp_comm_type=name)
+        rows = (codes == k) | ((codes == 3) & (k == 0))
+        for mode in out:
+            out[mode] = np.where(rows, got[mode] - kor[mode], out[mode])
+    if not mlp and model.gated_linear_unit:
+        silu = 2.0 * seq_length * b / c * model.ffn_size / t
+        out = {k: v - silu for k, v in out.items()}
+    return out
+
+
+def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch,
+                       elem_bytes: int = 2) -> dict:
+    """The named terms (bytes) of what loom's MoE MLP (``loom/models/moe.py``, router of
+    ``moe_router.py``) saves for ``S = s b`` tokens on one rank holding every expert (``t = e =
+    1``), Megatron's default router (softmax top-k renormalized, the load-balancing aux loss,
+    no z-loss, dropless), ``E`` experts, ``k`` per token, ``f_e`` wide; it replaces the dense
+    ``mlp`` and ``fc1_input`` terms of :func:`loom_layer_terms` (the second norm's 16-bit
+    output is not saved: the router keeps its fp32 copy, the experts their sorted copy):
+
+    * ``router``: its fp32 GEMM keeps the fp32 copies of its input ``4 S h`` and weight
+      ``4 E h``; the fp32 probabilities, twice (the choice and the aux loss) ``2 x 4 S E``;
+      the top-k values ``4 S k``, their sum ``4 S``, the int64 indices ``8 S k``, the aux
+      loss's per-token sum ``4 S`` (what its count of tokens per expert saves is freed with
+      its branch during the forward).
+    * ``dispatch``: the tokens sorted by expert ``e S k h`` and the sort / unsort
+      permutations, int64 ``2 x 8 S k``.
+    * ``experts``: per routed row FC1's output, the SiLU output and the product (gated:
+      ``4 e f_e`` per row; GeLU ``2 e f_e``), ``S k`` rows.
+    * ``combine``: the experts' outputs, scattered back ``[S k, h]`` and viewed ``[S, k, h]``
+      (two storages: ``2 e S k h``), and the 16-bit routing weights ``e S k``.
+    * ``shared_expert``: a dense MLP of ``moe_shared_expert_intermediate_size`` (``mlp``
+      of :func:`loom_layer_terms`'s form) when the model has one.
+    """
+    h, E, k, fe = (model.hidden_size, model.num_experts, model.moe_router_topk,
+                   model.moe_ffn_size)
+    e = float(elem_bytes)
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64)
+    gated = 4 if model.gated_linear_unit else 2
+    f_sh = model.moe_shared_expert_intermediate_size or 0
+    return {
+        "router": 4 * S * h + 4 * E * h + 8 * S * E + 4 * S * k + 8 * S * k + 8 * S,
+        "dispatch": e * S * k * h + 16 * S * k,
+        "experts": e * S * k * gated * fe,
+        "combine": 2 * e * S * k * h + e * S * k,
+        "shared_expert": e * S * gated * f_sh,
+    }

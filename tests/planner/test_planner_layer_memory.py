@@ -1,0 +1,166 @@
+"""The planner's per-layer activation bytes of loom's own layer (:mod:`loom.planner.layer_bytes`)
+equal, byte for byte, what loom's real modules hand to autograd (``saved_tensors_hooks``, one
+count per storage; ``benchmarks/layer_memory.py``), on CPU, for every recompute mode, fp32 and
+bf16, TP with and without sequence parallelism (rank 0 of a 2-rank ``fake`` world), RMSNorm /
+LayerNorm, RoPE / learned positions, SwiGLU / GeLU, hidden dropout, at three shapes; and every
+named term matters in at least one of the cases (dropping it breaks an equality).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.layer_memory import fake_world, layer_saved_bytes, resolve
+from loom.config import ModelConfig
+from loom.planner.layer_bytes import loom_layer_bytes, loom_layer_terms
+
+# (name, model, s, b): three shapes, two layer styles
+SHAPES = {
+    "llama-a": (dict(style="llama", hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=96), 32, 2),
+    "llama-b": (dict(style="llama", hidden_size=96, num_attention_heads=6, num_query_groups=6,
+                     ffn_hidden_size=160), 24, 1),
+    "gpt-a": (dict(style="gpt", hidden_size=64, num_attention_heads=4, hidden_dropout=0.1), 32, 2),
+}
+
+
+def _model(style: str, s: int, **kw) -> ModelConfig:
+    kw.setdefault("hidden_dropout", 0.0)
+    make = ModelConfig.llama if style == "llama" else ModelConfig.gpt2
+    return resolve(make(num_layers=2, vocab_size=128, attention_dropout=0.0, **kw), s)
+
+
+# (shape, t, sp, recompute, uniform group N, dtype, c, cp comm type)
+CASES = [(name, 1, False, rc, 1, dt, 1, "p2p") for name in SHAPES
+         for rc in (None, "selective", "full") for dt in (torch.float32, torch.bfloat16)]
+CASES += [(name, 1, False, "full", 2, torch.bfloat16, 1, "p2p") for name in ("llama-a", "gpt-a")]
+CASES += [(name, 2, sp, rc, 1, torch.bfloat16, 1, "p2p") for name in ("llama-a", "gpt-a")
+          for sp in (False, True) for rc in (None, "selective", "full")]
+CASES += [(name, 1, False, rc, 1, dt, 2, cpt) for name in ("llama-a", "llama-b")
+          for cpt in ("p2p", "allgather", "a2a") for rc in (None, "selective", "full")
+          for dt in (torch.float32, torch.bfloat16)]
+CASES += [("llama-a", 2, True, None, 1, torch.bfloat16, 2, cpt) for cpt in ("p2p", "allgather")]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """Every case measured once; the t = 2 ones inside one fake 2-rank world, torn down after."""
+    torch.set_num_threads(1)
+    out = {}
+    for world in (1, 2, 4):
+        with fake_world(world):
+            for case in CASES:
+                name, t, sp, rc, n, dt, c, cpt = case
+                if t * c != world:
+                    continue
+                kw, s, b = SHAPES[name]
+                kw = dict(kw)
+                model = _model(kw.pop("style"), s, **kw)
+                out[case] = layer_saved_bytes(model, s, b, tp=t, sp=sp, cp=c, cp_comm_type=cpt,
+                                              recompute=rc, num_layers=n, base_layers=n,
+                                              extra_layers=n, dtype=dt)
+    return out
+
+
+def _predicted(case) -> tuple[float, dict]:
+    name, t, sp, rc, n, dt, c, cpt = case
+    kw, s, b = SHAPES[name]
+    kw = dict(kw)
+    model = _model(kw.pop("style"), s, **kw)
+    e = torch.finfo(dt).bits // 8
+    got = loom_layer_bytes(model, s, b, t=t, cp=c, sp=int(sp), elem_bytes=e, device="cpu",
+                           recompute_group=n, cp_comm_type=cpt)
+    terms = loom_layer_terms(model, s, b, t=t, cp=c, sp=int(sp), elem_bytes=e, device="cpu",
+                             cp_comm_type=cpt)
+    return float(got[rc or "none"]), {k: float(v) for k, v in terms.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-t{c[1]}{'-sp' if c[2] else ''}"
+                         f"{f'-c{c[6]}-{c[7]}' if c[6] > 1 else ''}"
+                         f"-{c[3]}{c[4] if c[4] > 1 else ''}-{str(c[5])[6:]}")
+def test_formula_equals_saved_bytes(measured, case):
+    assert _predicted(case)[0] == measured[case]
+
+
+def test_every_term_is_needed(measured):
+    """For each named term, a case where it is non-zero and the formula without it is wrong."""
+    needed = set()
+    for case in CASES:
+        if case[3] == "full":
+            continue
+        total, terms = _predicted(case)
+        needed |= {k for k, v in terms.items() if v and total - v != measured[case]}
+    assert needed == set(terms), set(terms) - needed
+
+
+def test_planner_counts_loom_layer_when_asked():
+    """``Options(layer_memory="loom")`` makes the planner's per-layer bytes (what every held
+    layer-micro-batch costs) the CUDA form of the measured formula, per recompute mode and CP
+    type; the default ``"kor"`` keeps KOR table 2 (the published sources' layer)."""
+    import numpy as np
+    from loom.planner.layout import Options, make_layouts
+    from loom.planner.memory import layer_activation_kinds
+    from loom.planner.context_parallel import CP_COMM_TYPES
+    kw, s, b = SHAPES["llama-a"]
+    kw = dict(kw)
+    model = _model(kw.pop("style"), s, **kw)
+    rows = [dict(tp=t, sp=sp, cp=c, cpt=k, mbs=b, recompute=rc)
+            for t, sp in ((1, 0), (2, 0), (2, 1)) for c in (1, 2) for k in range(3)
+            for rc in ("none", "selective")]
+    L = make_layouts(rows)
+    base = layer_activation_kinds(model, s, L, Options(flash_attention=True, layer_memory="loom"))
+    kor = layer_activation_kinds(model, s, L, Options(flash_attention=True))
+    for i, r in enumerate(rows):
+        want = loom_layer_bytes(model, s, b, t=r["tp"], cp=r["cp"], sp=r["sp"],
+                                cp_comm_type=CP_COMM_TYPES[r["cpt"]])[r["recompute"]]
+        assert float(base[0][0][i]) == pytest.approx(float(want), rel=1e-12), r
+    assert np.all(base[0][0] > kor[0][0])  # loom's layer keeps more than KOR's count
+
+
+MOE_SHAPES = {"moe-a": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                             num_experts=4), 32, 2),
+              "moe-b": (dict(hidden_size=96, num_attention_heads=6, ffn_hidden_size=64,
+                             num_experts=8, moe_router_topk=3), 24, 1)}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_SHAPES))
+def test_moe_layer_formula_equals_saved_bytes(name):
+    """loom's MoE layer (one rank holding every expert, Megatron's default router): the dense
+    layer's attention side plus :func:`loom_moe_mlp_terms` instead of the dense MLP and its
+    input, exactly;
+    every MoE term non-zero here, so dropping one breaks the equality."""
+    from loom.planner.layer_bytes import loom_moe_mlp_terms
+    torch.set_num_threads(1)
+    kw, s, b = MOE_SHAPES[name]
+    model = resolve(ModelConfig.mixtral(num_layers=2, vocab_size=128, hidden_dropout=0.0,
+                                        attention_dropout=0.0, **kw), s)
+    got = layer_saved_bytes(model, s, b, dtype=torch.bfloat16)
+    att = loom_layer_terms(model, s, b, elem_bytes=2, device="cpu")
+    moe = loom_moe_mlp_terms(model, s, b, elem_bytes=2)
+    want = (sum(float(v) for n, v in att.items() if n not in ("mlp", "fc1_input"))
+            + sum(map(float, moe.values())))
+    assert want == got
+    assert all(float(v) > 0 for n, v in moe.items() if n != "shared_expert")
+
+
+def test_loom_plan_names_the_activations_term_under_either_layer(capsys):
+    """``loom plan`` at Llama 3 405B's published 8K layout without full recompute: it does not
+    fit under KOR's layer (``--layer-memory kor``: activations 82.1 GB, 28.9 GB too much) nor,
+    by more, under loom's own (the default: 178.0 GB), and says so by term."""
+    from loom.cli import main
+    argv = ["plan", "llama3-405b", "--gpu", "H100-80GB", "--num-gpus", "8192",
+            "--global-batch-size", "2048", "--tensor-model-parallel-size", "8",
+            "--pipeline-model-parallel-size", "16", "--context-parallel-size", "1",
+            "--micro-batch-size", "1", "--recompute-granularity", "selective",
+            "--sequence-parallel", "--decoder-first-pipeline-num-layers", "7",
+            "--decoder-last-pipeline-num-layers", "7",
+            "--num-layers-per-virtual-pipeline-stage", "2"]
+    got = {}
+    for lm in ("kor", "loom"):
+        with pytest.raises(SystemExit):
+            main(argv + ["--layer-memory", lm])
+        out = capsys.readouterr()
+        got[lm] = out.out + out.err
+    assert "largest term is activations 82.1 GB" in got["kor"] and "28.9 GB too much" in got["kor"]
+    assert "largest term is activations 178.0 GB" in got["loom"]
