@@ -10,17 +10,33 @@ from __future__ import annotations
 import importlib
 from functools import partial
 from types import MappingProxyType
-from typing import Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 from loom.config.validate import FamilyRules
 from loom.errors import ConfigError
 from loom.models.family import ModelFamily
 
-FAMILY_MODULES = MappingProxyType({  # --model-type -> its package (FAMILY), imported when asked
-    "gpt": lambda: importlib.import_module("loom.models.gpt"),
-    "mamba": lambda: importlib.import_module("loom.models.mamba"),
-    "bert": lambda: importlib.import_module("loom.models.bert"),
-    "gemma3": lambda: importlib.import_module("loom.models.gemma3"),
+
+
+class FamilyRow(NamedTuple):
+    """A built-in family's row: ``family()`` imports the module holding its ``FAMILY`` (model,
+    plan, forward step: torch); ``config()`` its torch-free config module (``check``,
+    ``refuse_own_flags``, ``layer_kinds``: what validation and the planner read without building
+    anything). Both imported when asked."""
+
+    family: Callable
+    config: Callable
+
+
+FAMILY_MODULES = MappingProxyType({  # --model-type -> its row: one line per built-in family
+    "gpt": FamilyRow(lambda: importlib.import_module("loom.models.gpt.family"),
+                     lambda: importlib.import_module("loom.models.gpt.config")),
+    "mamba": FamilyRow(lambda: importlib.import_module("loom.models.mamba.family"),
+                       lambda: importlib.import_module("loom.models.mamba.config")),
+    "bert": FamilyRow(lambda: importlib.import_module("loom.models.bert.family"),
+                      lambda: importlib.import_module("loom.models.bert.config")),
+    "gemma3": FamilyRow(lambda: importlib.import_module("loom.models.gemma3.family"),
+                        lambda: importlib.import_module("loom.models.gemma3.config")),
 })
 
 
@@ -50,7 +66,15 @@ class FamilyRegistry:
             return self._extra[name]
         if name not in FAMILY_MODULES:
             raise ValueError(f"unknown model family {name!r}; known: {', '.join(self.names())}")
-        return FAMILY_MODULES[name]().FAMILY
+        return FAMILY_MODULES[name].family().FAMILY
+
+    def layer_kinds(self, name: str) -> Optional[Callable]:
+        """Family ``name``'s ``layer_kinds`` (``model_cfg -> None | str``, what the planner
+        prices) without importing its model (a built-in family's config module: no torch);
+        None for a name not registered here."""
+        if name in self._extra:
+            return self._extra[name].layer_kinds
+        return FAMILY_MODULES[name].config().layer_kinds if name in FAMILY_MODULES else None
 
     def families(self) -> list[ModelFamily]:
         """Every family (imports the built-in ones)."""

@@ -16,7 +16,19 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from loom.errors import ConfigError
-from loom.parallel.interface import ForwardStep, LossFn, StageSpec  # noqa: F401 - re-exported
+
+REEXPORTED = ("ForwardStep", "LossFn", "StageSpec")  # of loom.parallel.interface
+
+
+def __getattr__(name: str):
+    """The forward-step types and :class:`StageSpec` of :mod:`loom.parallel.interface`,
+    re-exported when asked: this module stays torch-free, so a family's declarations and config
+    rules (``loom/models/<family>/config.py``, read by validation and the planner) import no
+    torch."""
+    if name in REEXPORTED:
+        from loom.parallel import interface
+        return getattr(interface, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,7 @@ class ModelFamily:
     build: Callable
     plan: Callable
     init: Callable
-    forward_step: ForwardStep
+    forward_step: "ForwardStep"
     datasets: Callable = next_token_windows
     logged_metrics: Callable = no_metrics
     generation: Optional[Generation] = None

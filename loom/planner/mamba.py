@@ -62,6 +62,7 @@ from typing import Optional
 import numpy as np
 
 from loom.config import ConfigError, ModelConfig
+from loom.models import FamilyRegistry
 from loom.planner.moe import mlp_params, stage_flag_layers
 from loom.planner.primitives import (all_reduce_time, attention_efficiency, gemm_efficiency, link,
                                      p2p_time)
@@ -74,13 +75,10 @@ def declared_kinds(model: ModelConfig) -> Optional[str]:
     ``--model-type`` names among the built-in ones, ``loom.models.FAMILY_MODULES``): one of
     ``M``, ``*``, ``-`` per layer, or None for transformer layers. A family registered only on
     a registry value (``register_family``) is not among them: priced as transformer layers
-    (e.g. the trainer's logged MFU). Imports the family (and torch) when a model is first
-    priced, not at import."""
-    from loom.models import FamilyRegistry
-    families = FamilyRegistry()
-    if model.model_type not in families.names():
-        return None
-    return families.get(model.model_type).layer_kinds(model)
+    (e.g. the trainer's logged MFU). Reads the family's torch-free config module: pricing
+    imports no torch."""
+    kinds = FamilyRegistry().layer_kinds(model.model_type)
+    return kinds(model) if kinds is not None else None
 
 
 def is_hybrid(model: ModelConfig) -> bool:

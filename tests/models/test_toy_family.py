@@ -106,7 +106,7 @@ TOY = ModelFamily(name="toy", build=MlpLM, plan=toy_plan, init=toy_init,
                   forward_step=toy_forward_step, datasets=toy_datasets,
                   logged_metrics=lambda model_cfg: ("toy loss",), check=toy_check,
                   layer_kinds=mlp_layers)
-FAMILY = TOY  # what a FAMILY_MODULES row reads of the module it imports
+FAMILY = TOY  # what a FAMILY_MODULES row's family() module holds
 
 
 def make_cfg(tp: int = 1, vocab_size: int = 100) -> LoomConfig:
@@ -197,7 +197,8 @@ def test_planner_prices_the_declared_layer_kinds(monkeypatch):
     declaration would do) the count is off, so this fails if the planner needed a toy branch."""
     from loom.planner.meta_count import count_rank_states, planner_stage_params
     from loom.planner.predict import predict_layout
-    rows = {**loom.models.FAMILY_MODULES, "toy": lambda: sys.modules[__name__]}
+    rows = {**loom.models.FAMILY_MODULES,
+            "toy": loom.models.FamilyRow(lambda: sys.modules[__name__], lambda: TOY)}
     monkeypatch.setattr(loom.models, "FAMILY_MODULES", MappingProxyType(rows))
     cfg = resolve_config(make_cfg(vocab_size=96), 1)  # V = Vp: the formula counts V rows
     exact = count_rank_states(cfg, 1)["params"]

@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from loom.errors import ConfigError
-from loom.models.family import other_family_flag
+from loom.models.family import other_family_flag, transformer_layers
+
+layer_kinds = transformer_layers  # what the planner prices: transformer layers
 
 # What each family-specific flag is, for the refusal when --model-type is another family.
 GEMMA3_ONLY = (

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from loom.errors import ConfigError
-from loom.models.family import other_family_flag
+from loom.models.family import other_family_flag, transformer_layers
+
+layer_kinds = transformer_layers  # what the planner prices: transformer layers
 
 
 def refuse_own_flags(m: Any) -> None:
