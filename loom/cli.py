@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Callable, NamedTuple
 
 from loom import __version__
-from loom.errors import (CheckpointWriteError, ConfigError, NonFiniteError,
+from loom.errors import (CheckpointWriteError, ConfigError, NonFiniteError, RerunExit,
                          UnknownOptionError, closest, did_you_mean)
 from loom.parallel.agent_store import agent_store
 
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         refuse(prog, str(e))
     except (CheckpointWriteError, NonFiniteError) as e:
         refuse(prog, str(e), code=1)
+    except RerunExit as e:  # Megatron's rerun state machine: status 16 or 17
+        refuse(prog, str(e), code=e.code)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if out_of_memory(e):
             refuse(prog, f"out of memory ({str(e).splitlines()[0][:200]}): the model or batch "

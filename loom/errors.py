@@ -6,7 +6,8 @@ know, also points at the command's ``--help``). :func:`closest` picks the one fl
 flag is a typo of, if any. A :class:`CheckpointWriteError` is a checkpoint the
 filesystem refused; ``loom`` prints its message (naming the directory and the OS error) and
 exits with status 1. A :class:`NonFiniteError` stops training that keeps producing NaN/inf
-(status 1).
+(status 1). A :class:`RerunExit` ends a run after Megatron's rerun state machine attributed a
+rejected result (status 16 or 17, Megatron's codes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ class CheckpointWriteError(OSError):
 class NonFiniteError(RuntimeError):
     """``--exit-on-nonfinite N`` consecutive iterations had a non-finite loss or gradient norm;
     the message names the iterations. ``loom`` prints it and exits with status 1."""
+
+
+class RerunExit(RuntimeError):
+    """``--rerun-mode validate_results`` stops the run after rerunning an iteration whose loss
+    was rejected (loom/training/rerun.py): ``code`` 16 (reproduced: the iteration's starting
+    state checkpointed, resume on other hardware) or 17 (not reproduced: a transient fault);
+    ``checkpoint``: whether that state is to be saved first. ``loom`` prints the message and
+    exits with ``code``."""
+
+    def __init__(self, message: str, code: int, checkpoint: bool = False):
+        super().__init__(message)
+        self.code, self.checkpoint = code, checkpoint
 
 
 class UnknownOptionError(ConfigError):

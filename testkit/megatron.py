@@ -179,7 +179,8 @@ def init_megatron_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1)
 
 def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
     """Megatron-Core's ``TransformerConfig`` of the loom ``ModelConfig`` ``cfg`` (GPT family:
-    GPT-2 / LLaMA layouts, QK-layernorm, interleaved RoPE, MoE with the allgather dispatcher),
+    GPT-2 / LLaMA layouts, QK-layernorm, interleaved RoPE, the gated attention output, MoE with
+    the allgather dispatcher),
     fp32, no dropout, CPU initialization; ``extra``: more ``TransformerConfig`` fields."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -202,7 +203,8 @@ def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
               bias_activation_fusion=False, masked_softmax_fusion=False,
               bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
               persist_layer_norm=False, init_method_std=0.02, pipeline_dtype=torch.float32,
-              rotary_interleaved=cfg.rotary_interleaved)
+              rotary_interleaved=cfg.rotary_interleaved,
+              attention_output_gate=cfg.attention_output_gate)
     if cfg.num_experts:
         kw.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                   moe_ffn_hidden_size=cfg.moe_ffn_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,

@@ -6,6 +6,23 @@ from typing import Optional
 
 import torch
 
+PARITY_RTOL = 1e-5
+"""fp32 parity (a parallel layout against the single-process run from the same seed: loss,
+every gradient, grad norm, several steps): the bound on :func:`rel_err` per tensor. Parallel
+runs sum in other orders, so fp32 rounding (~6e-8 per operation, grown by the depth of the
+sums) differs; 1e-5 is ~100x that and ~1000x below what a wrong shard, a missing reduction or
+a wrong scale gives (tests/README.md, "Tolerances")."""
+
+PARAM_RTOL = 1e-4
+"""Parameters after several AdamW steps, per tensor: Adam divides each entry by its own
+sqrt(v), amplifying rounding on entries whose gradient is ~0; a real error is O(1)
+(tests/README.md, "Tolerances")."""
+
+UNIT_ATOL = 1e-5
+"""An absolute bound, only for tensors whose scale is known and O(1) (logits, normalized
+activations, the SSD scan's output): the same 1e-5 as :data:`PARITY_RTOL` at scale 1
+(tests/README.md: ``atol = 1e-5 x max(1, max|ref|)``)."""
+
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = None,
             floor: float = 1e-12) -> float:

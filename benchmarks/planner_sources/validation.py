@@ -128,7 +128,8 @@ KOR_TABLE4 = (("baseline", "none", 0, 7.7, 11.9), ("sp", "none", 1, 7.2, 11.8),
 NAR_TABLE1_SCRIPT = ((16, 0, "torch"), (16, 0, "torch"), (16, 0, "torch"), (8, 0, "torch"),
                      (4, 0, "local"), (2, 5, "local"), (2, 5, "local"), (1, 3, "local"),
                      (1, 1, "local"), (1, 0, "local"))
-TORCH_DDP_2021 = replace(MEGATRON_2021, overlap_grad_reduce=True, ddp_bucket_elems=25e6 / 2)
+TORCH_DDP_2021 = replace(MEGATRON_2021, overlap_grad_reduce=True, ddp_bucket_elems=25e6 / 2,
+                         ddp_bucket_per_rank=0.0)  # fixed 25 MB buckets
 
 
 def nar_table1_search(i: int, constants: Constants | None = None) -> dict:

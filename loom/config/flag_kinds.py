@@ -76,7 +76,6 @@ REFUSED = MappingProxyType({
                   "(--max-restarts) and resumes from --save",
     "fault_injection": "Megatron's fault injector (loom's drills: --inject-fault "
                        "RANK:ITERATION:KIND)",
-    "rerun": "Megatron's rerun state machine (error injection, result statistics)",
     "nonpersistent": "non-persistent (local or in-memory) checkpoints",
     "ckpt_variants": "checkpoint variants (no optimizer or RNG state, converted at start, "
                      "iteration overridden): loom writes full checkpoints; convert with "

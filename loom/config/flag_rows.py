@@ -82,9 +82,13 @@ _IMPLEMENTED = words("""
 --mup-embedding-mult --mup-output-mult --mup-base-head-dim --mup-attn-scale-power --muon-momentum
 --muon-nesterov --muon-scale-mode --muon-fp32-matmul-prec --muon-coefficient-type
 --muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
---eval-global-batch-size --eval-micro-batch-size
+--eval-global-batch-size --eval-micro-batch-size --attention-output-gate --linear-attention-freq
+--linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim --linear-num-key-heads
+--linear-num-value-heads --apply-wd-to-qk-layernorm
 --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
 --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
+--rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename
+--check-for-spiky-loss --no-check-for-nan-in-loss-and-grad
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -193,6 +197,21 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
         note="sets --num-layers-per-virtual-pipeline-stage L / (p v)"),
     "--yarn-correction-range-round-to-int": field(default=True, note=(
         "None: True (megatron/training/argument_utils.py:413); MLA always rounds")),
+    "--rerun-mode": field(note="loom/training/rerun.py: the in-place rerun, exit 16 / 17; a "
+                          "restarted job does not rerun the step a second time", refuse={
+        "report_stats": "Megatron-LM d98e8a6 itself cannot start with it (its RerunMode has no "
+                        "value 'report_stats'): use validate_results or disabled"}),
+    "--no-check-for-nan-in-loss-and-grad": field(note="dest check_for_nan_in_loss_and_grad="
+                                                      "True; the loss check (gradients: "
+                                                      "the non-finite norm skips the step)"),
+    "--experimental-attention-variant": field(
+        note="gated_delta_net is Megatron's deprecated spelling of gdn", refuse={
+            "dsa": "loom has no DeepSeek sparse attention",
+            "gdn2": "loom has no Gated DeltaNet-2 (channel-wise decay): use gdn"}),
+    "--linear-attention-freq": field(note="loom holds the text (an int N, or a list such as "
+                                          "([1]*3+[0])*2)"),
+    "--apply-wd-to-qk-layernorm": field(note="refused with --qk-layernorm (loom decays no norm "
+                                             "weights); without it there are none to decay"),
     "--optimizer": field(note="adam: AdamW (decoupled weight decay); sgd: torch SGD; muon: "
                               "Megatron's Muon with AdamW for the rest; dist_muon: muon with "
                               "--use-distributed-optimizer", refuse={

@@ -142,10 +142,7 @@ NO_EFFECT_ROWS = (
         --log-validation-ppl-to-tensorboard --log-throughput --log-memory-interval
         --log-device-memory-used --verify-integrity --exit-signal-handler-for-training"""),
     *_block(no_effect("validation"), """
-        --no-check-for-nan-in-loss-and-grad --check-weight-hash-across-dp-replicas-interval
-        --check-for-large-grads --check-for-spiky-loss --test-mode"""),
-    ("--rerun-mode", no_effect("validation", refuse={
-        "report_stats": "loom has no rerun statistics of non-deterministic kernels"})),
+        --check-weight-hash-across-dp-replicas-interval --check-for-large-grads --test-mode"""),
     *_block(no_effect("inference_engine"), """
         --inference-cuda-graph-scope --flash-decode --symmetric-ar-type
         --nccl-all-reduce-for-prefill --inference-fuse-tp-communication
@@ -239,12 +236,7 @@ REFUSED_ROWS = (
         --export-moe-apply-probs-on-input --export-offline-model --modelopt-enabled"""),
     *_block(refused("optimizers"), "--lion-beta1 --lion-beta2"),
     *_block(refused("linear_attention"), """
-        --linear-conv-kernel-dim --linear-key-head-dim
-        --linear-value-head-dim --linear-num-key-heads --linear-num-value-heads
-        --linear-attention-freq --gdp-num-householder --gdp-cutedsl-kernel
-        --gdp-num-chunk-states-to-recompute"""),
-    ("--experimental-attention-variant", refused("linear_attention", refuse={
-        "dsa": "loom has no DeepSeek sparse attention"})),
+        --gdp-num-householder --gdp-cutedsl-kernel --gdp-num-chunk-states-to-recompute"""),
     *_block(refused("dsa"), """
         --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-topk-freq
         --dsa-indexer-skip-topk-offset --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
@@ -275,7 +267,6 @@ REFUSED_ROWS = (
     ("--qk-clip", _no("QK-clip of attention logits (MuonClip)")),
     ("--qk-clip-alpha", _no("QK-clip of attention logits (MuonClip)")),
     ("--qk-clip-threshold", _no("QK-clip of attention logits (MuonClip)")),
-    ("--attention-output-gate", _no("gated attention output (Qwen3-Next)")),
     ("--embedding-init-method-std", _no("separate initialization std of the embeddings")),
     ("--init-method-xavier-uniform", _no("Xavier-uniform initialization")),
     ("--data-parallel-random-init", _no("different initial weights per data-parallel replica")),
@@ -294,8 +285,6 @@ REFUSED_ROWS = (
     ("--use-rope-scaling", _no("Llama 3.1 RoPE frequency scaling")),
     ("--rope-scaling-factor", _no("Llama 3.1 RoPE frequency scaling")),
     ("--no-rope-freq", _no("NoPE layers (RoPE skipped every N-th layer)")),
-    ("--apply-wd-to-qk-layernorm", _no("weight decay on the QK-LayerNorm weights (loom "
-                                       "decays no norm weights)")),
     ("--no-weight-decay-cond-type", _no("another weight-decay rule (loom decays no norms or "
                                         "biases)")),
     ("--freeze-all-layers", refused("training_options", "frozen layers")),
@@ -332,12 +321,6 @@ REFUSED_ROWS = (
         --fault-injector-fault-probabilities --fault-injector-fault-delay
         --fault-injector-delay-start-iteration --fault-injector-mtti-seconds
         --fault-injector-offset-seconds --fault-injector-seed"""),
-    *_block(refused("rerun", "Megatron's rerun state machine (it reruns an iteration whose "
-                             "loss check failed to tell a transient from a persistent GPU fault; "
-                             "error injection tests that): loom skips a step with a non-finite "
-                             "gradient norm on every rank, --exit-on-nonfinite N stops, "
-                             "--inject-fault drills failures"), """
-        --error-injection-rate --error-injection-type --result-rejected-tracker-filename"""),
     *_block(refused("nonpersistent"), """
         --non-persistent-save-interval --non-persistent-ckpt-type
         --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir

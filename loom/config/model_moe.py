@@ -34,20 +34,21 @@ def _pattern_value(node: ast.AST):
     raise ValueError(ast.dump(node)[:60])
 
 
-def parse_moe_layer_freq(value, num_layers: int) -> list[int]:
+def parse_moe_layer_freq(value, num_layers: int, flag: str = "--moe-layer-freq") -> list[int]:
     """``--moe-layer-freq`` (Megatron's ``moe_freq_type``) as one 0/1 per layer (1 = MoE): an
     int N (layer i is MoE when i % N == 0), or a list expression such as ``"[1,0,1]"`` or
     ``"([0]*3+[1]*58)"`` of length ``num_layers``, parsed with :mod:`ast` (int literals, lists,
-    ``+`` and ``*`` only). Raises ConfigError naming the flag."""
+    ``+`` and ``*`` only). Raises ConfigError naming the flag (``flag``: another flag of this
+    form, e.g. ``--linear-attention-freq``)."""
     text = str(value).strip()
     if "[" not in text:
         try:
             n = int(text)
         except ValueError:
-            raise ConfigError(f"--moe-layer-freq {text!r}: give an int N >= 1 or a list such as "
+            raise ConfigError(f"{flag} {text!r}: give an int N >= 1 or a list such as "
                               f"'([0]*3+[1]*{max(num_layers - 3, 1)})'") from None
         if n < 1:
-            raise ConfigError(f"--moe-layer-freq must be >= 1, got {n}")
+            raise ConfigError(f"{flag} must be >= 1, got {n}")
         return [int(i % n == 0) for i in range(num_layers)]
     try:
         pattern = _pattern_value(ast.parse(text, mode="eval").body)
@@ -55,10 +56,10 @@ def parse_moe_layer_freq(value, num_layers: int) -> list[int]:
         pattern = None
     if not isinstance(pattern, list) or any(v not in (0, 1) or type(v) is not int
                                             for v in pattern):
-        raise ConfigError(f"--moe-layer-freq {text!r}: a list expression of 0s and 1s (lists, "
+        raise ConfigError(f"{flag} {text!r}: a list expression of 0s and 1s (lists, "
                           f"+ and * by an int), e.g. '([0]*3+[1]*{max(num_layers - 3, 1)})'")
     if len(pattern) != num_layers:
-        raise ConfigError(f"--moe-layer-freq {text!r} has {len(pattern)} entries; "
+        raise ConfigError(f"{flag} {text!r} has {len(pattern)} entries; "
                           f"--num-layers is {num_layers}: give one 0/1 per layer")
     return pattern
 
@@ -161,7 +162,7 @@ class MoEFields:
                               f"sigmoid (top-1) or softmax scores, without it (Megatron ignores "
                               f"it): drop {ignored[0].split()[0]}")
 
-    def check_moe_fields(self, tensor_parallel: int, recompute: bool, zero3: bool = False) -> None:
+    def check_moe_fields(self, tensor_parallel: int, zero3: bool = False) -> None:
         """The router / dispatcher flags' own rules (Megatron's TransformerConfig checks).
         Raises ConfigError naming the flag and a fix."""
         parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
@@ -187,7 +188,3 @@ class MoEFields:
                               "alltoall and --moe-shared-expert-intermediate-size")
         if self.moe_router_load_balancing_type == "sinkhorn":
             self._check_sinkhorn()
-        if self.moe_router_load_balancing_type == "global_aux_loss" and recompute:
-            raise ConfigError("--moe-router-load-balancing-type global_aux_loss keeps a running "
-                              "load that a recomputed forward would not replay: drop "
-                              "--recompute-granularity or use aux_loss / seq_aux_loss")

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from loom.config.fields import opt
 from loom.errors import ConfigError
@@ -81,6 +81,25 @@ class FaultToleranceConfig:
         False, "on SIGTERM or SIGINT, finish the current iteration, save a checkpoint (with "
                "--save) and exit 0 (Megatron's meaning); without it a signal ends the rank at "
                "once with one line, status 128+signal, no save")
+    # -- Megatron's rerun state machine (loom/training/rerun.py) ---------------------------------
+    rerun_mode: Literal["disabled", "validate_results"] = opt(
+        "validate_results", "validate_results: a rejected micro-batch loss (NaN, inf, a spike) "
+        "reruns the iteration in place to tell a transient fault (not reproduced: exit 17, or "
+        "continue for a non-fatal check) from a reproducible result (checkpoint with --save and "
+        "exit 16); disabled: a NaN or inf loss stops the run (status 1)")
+    error_injection_rate: int = opt(
+        0, "inject a rejected result into about 1 in N loss validations (0: never)", ge=0)
+    error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = opt(
+        "transient_error", "what an injected rejection behaves as: transient_error (the rerun "
+        "differs), persistent_error or correct_result (the rerun reproduces it)")
+    result_rejected_tracker_filename: Optional[str] = opt(
+        None, "file to append a line to for every rejected result (Megatron's format)")
+    check_for_spiky_loss: bool = opt(
+        False, "reject a micro-batch loss >= 10x the largest of the first 100 (non-fatal: a "
+               "transient spike continues)")
+    no_check_for_nan_in_loss_and_grad: bool = opt(
+        False, "do not validate the micro-batch losses for NaN and inf (a non-finite gradient "
+               "norm still skips the step)")
 
 
 def check_pruning(ck: CheckpointConfig) -> None:

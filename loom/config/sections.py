@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 
 from loom.config.fields import opt
 from loom.config.model_bert import BertFields
+from loom.config.model_gdn import GatedDeltaNetFields
 from loom.config.model_gemma3 import Gemma3Fields
 from loom.config.model_gptoss import GptOssFields
 from loom.config.model_mamba import MambaFields
@@ -103,15 +104,16 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(MupFields, ModelScriptFields, GptOssFields, MLAFields, MambaFields,
-                  Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
+class ModelConfig(GatedDeltaNetFields, MupFields, ModelScriptFields, GptOssFields, MLAFields,
+                  MambaFields, Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
     The fields every family has (:class:`ModelShapeFields`), then each family's own, in its own
     module: mixture of experts (:mod:`~loom.config.model_moe`), BERT
     (:mod:`~loom.config.model_bert`), Gemma 3 (:mod:`~loom.config.model_gemma3`), Mamba-2
     (:mod:`~loom.config.model_mamba`), multi-latent attention, YaRN and multi-token prediction
-    (:mod:`~loom.config.model_mla`), muP (:mod:`~loom.config.model_mup`). One flat section all the same: ``cfg.model.<field>``,
+    (:mod:`~loom.config.model_mla`), muP (:mod:`~loom.config.model_mup`), the gated attention
+    output and Gated DeltaNet layers (:mod:`~loom.config.model_gdn`). One flat section all the same: ``cfg.model.<field>``,
     the flag ``--<field>`` and the YAML key, in this order.
     """
 

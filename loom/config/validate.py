@@ -23,6 +23,7 @@ from loom.config.fault_spec import parse_fault
 from loom.config.fields import flag
 from loom.config.hybrid_pattern import resolve_hybrid_pattern
 from loom.config.model_gptoss import check_gptoss
+from loom.config.model_gdn import check_gdn
 from loom.config.model_mla import check_mla
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
@@ -253,8 +254,7 @@ def _check_moe(cfg: Any, world_size: int) -> None:
                           f"--expert-tensor-parallel-size {u} and "
                           f"--moe-shared-expert-intermediate-size {shared} by "
                           f"--tensor-model-parallel-size {t}")
-    m.check_moe_fields(t, cfg.training.recompute_granularity is not None,
-                       cfg.training.zero_stage == 3 or cfg.training.use_torch_fsdp2)
+    m.check_moe_fields(t, cfg.training.zero_stage == 3 or cfg.training.use_torch_fsdp2)
     if c > 1 and m.moe_expert_capacity_factor is not None:
         raise ConfigError("--moe-expert-capacity-factor with --context-parallel-size > 1 would "
                           "drop tokens per sequence shard: use dropless routing (omit the "
@@ -386,6 +386,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
             refuse_own_flags(m)
         family.check(cfg, world_size)
     check_mla(m, tp, cp, pp)
+    check_gdn(m, tp, cp)
     check_gptoss(m, tp, cp)
     check_context_parallel(m, p)
     if world_size % (tp * pp * cp):

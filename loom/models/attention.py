@@ -217,15 +217,23 @@ class KVCache(NeverRecompute):
 
 class SelfAttention(nn.Module):
     """``x [s, b, h] -> [s, b, h]``: fused QKV projection (a query heads, g key/value groups of
-    dimension d), RoPE, the attention core, output projection."""
+    dimension d), RoPE, the attention core, output projection.
+
+    ``--attention-output-gate`` (Qwen3-Next; Megatron-Core's ``attention_output_gate``): the
+    fused projection also yields a gate ``G [s, b, a d]`` (loom's rows ``[Q; G; K; V]``, each
+    block split over TP), and the attention output ``o [s, b, a d]`` becomes
+    ``o * sigmoid(G)`` (computed in fp32, cast back) before the output projection. Megatron
+    interleaves the same rows per query group, ``[g][a/g q heads, a/g gate heads, k, v][d]``."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         a, g, d, h = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.hidden_size
         self.layer_number, self.head_dim = layer_number, d
-        self.q_share = a / (a + 2 * g)  # share of the fused QKV width that is queries
+        self.gated = cfg.attention_output_gate
+        blocks = (a, a, g, g) if self.gated else (a, g, g)  # heads of [Q; (G;) K; V]
+        self.shares = tuple(n / sum(blocks) for n in blocks)  # shares of the fused width
         bias = not cfg.disable_bias_linear
-        self.linear_qkv = nn.Linear(h, (a + 2 * g) * d, bias=bias or cfg.add_qkv_bias)
+        self.linear_qkv = nn.Linear(h, sum(blocks) * d, bias=bias or cfg.add_qkv_bias)
         self.q_layernorm = self.k_layernorm = None
         if cfg.qk_layernorm:  # per-head norm of queries and keys before RoPE (Megatron, Qwen3)
             norm = nn.RMSNorm if cfg.normalization == "RMSNorm" else nn.LayerNorm
@@ -240,22 +248,25 @@ class SelfAttention(nn.Module):
                                                       scale=cfg.attention_softmax_scale)
         self.linear_proj = nn.Linear(a * d, h, bias=bias)
 
+    def _widths(self, width: int) -> list[int]:
+        """This rank's widths of the fused blocks (TP splits each block alike)."""
+        return [round(width * share) for share in self.shares]
+
     def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple, tuple]:
         """Shapes of this rank's key and value caches of ``batch`` sequences:
         ``[b, g/t, max_len, d]`` each (g/t read from the fused QKV width)."""
         w, d = self.linear_qkv.weight, self.head_dim
-        shape = (batch, round(w.shape[0] * (1 - self.q_share) / 2) // d, max_len, d)
+        shape = (batch, self._widths(w.shape[0])[-1] // d, max_len, d)
         return shape, shape
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
                 positions: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
         d = self.head_dim
-        qkv = self.linear_qkv(x)  # [s, b, (a + 2g) d]
+        qkv = self.linear_qkv(x)  # [s, b, (a (+ a) + 2g) d]
         s, b, width = qkv.shape
-        q_width = round(width * self.q_share)
-        kv_width = (width - q_width) // 2
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        parts = qkv.split(self._widths(width), dim=-1)
+        (q, gate, k, v) = parts if self.gated else (parts[0], None, *parts[1:])
         q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
@@ -266,4 +277,6 @@ class SelfAttention(nn.Module):
             k, v = cache.update(self.layer_number, k, v)
         out = self.core_attention(q, k, v, positions)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if gate is not None:  # Megatron's _apply_output_gate: the sigmoid in fp32
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         return self.linear_proj(out)

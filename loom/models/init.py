@@ -44,6 +44,19 @@ def ones_init(shape, g):
     return torch.ones(shape)
 
 
+def a_log_init(shape, g):
+    """``log(A0)``, ``A0 ~ U[1, 16]`` per head (mamba_ssm's and Megatron's GatedDeltaNet's
+    ``A_init_range``; the decay rate is ``-exp(A_log)``)."""
+    return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+
+
+def conv_init(shape, g):
+    """PyTorch's Conv1d default bound ``1/sqrt(k)`` (fan-in of a depthwise kernel of width
+    k, the last dimension)."""
+    bound = 1.0 / math.sqrt(shape[-1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=g)
+
+
 def by_pattern(rules: Sequence[tuple[str, InitFn]]) -> Callable[[str], InitFn]:
     """``name -> InitFn`` from ``(fnmatch pattern, init)`` rules; the first match wins.
     Raises KeyError naming a parameter that no rule covers."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.models.activation import gated_activation, squared_relu
+from loom.models.activation import gated_activation, squared_relu, swiglu
 from loom.models.moe import MoEContext
 
 
@@ -38,8 +38,7 @@ class MLP(nn.Module):
         if self.act is not None:
             y = self.act(y)
         elif self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = swiglu(y)  # saves y only: silu(gate) is recomputed in backward
         elif self.squared_relu:
             y = squared_relu(y)
         else:

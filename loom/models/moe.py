@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.models.activation import expert_activation
+from loom.models.activation import expert_activation, swiglu as _swiglu
 from loom.models.moe_router import Routing, TopKRouter, route  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,7 @@ def activate(y: torch.Tensor, swiglu: bool, act=None) -> torch.Tensor:
     if act is not None:
         return act(y)
     if swiglu:
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _swiglu(y)  # saves y only: silu(gate) is recomputed in backward
     return F.gelu(y)
 
 

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.parallel.interface import RecomputeReplay
+
 ROUTER_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -234,7 +236,7 @@ class _RandomLogits(torch.autograd.Function):
         return grad
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(nn.Module, RecomputeReplay):
     """``tokens [T, h] -> Routing``: the gating linear ``weight [E, h]`` (+ ``bias [E]`` with
     linear biases) in the router dtype
     (``--moe-router-dtype``: fp32, the default, or fp64), then :func:`route` with the
@@ -244,7 +246,10 @@ class TopKRouter(nn.Module):
     a recomputation or without grad), which :func:`loom.parallel.expert.update_expert_bias`
     turns into the bias update after the optimizer step and resets. ``stats`` (CP) and
     ``global_stats`` (sum over DP x CP, for ``global_aux_loss``) are strategies the parallel
-    plan installs; None on one rank."""
+    plan installs; None on one rank. ``global_aux_loss``'s running load is updated once per
+    micro-batch: a recomputed forward (activation recomputation) replays the load its first run
+    used (:class:`~loom.parallel.interface.RecomputeReplay`), so recomputation changes no
+    value."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -274,10 +279,13 @@ class TopKRouter(nn.Module):
                 and torch._C._current_graph_task_id() == -1)
 
     def _global_load(self, local: torch.Tensor):
+        return self.replayed(lambda: self._update_global_load(local))
+
+    def _update_global_load(self, local: torch.Tensor):
         n, ranks = local, 1
         if self.global_stats is not None:
             n, ranks = self.global_stats(local)
-        if not self._counting():  # evaluation / recomputation: this micro-batch alone
+        if not self._counting():  # evaluation: this micro-batch alone
             return n, float(self.T * ranks)
         self.global_tokens = n if self.global_tokens is None else self.global_tokens + n
         self.global_steps += 1

@@ -60,8 +60,9 @@ def decoder_plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext,
     a, g, d, f = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.ffn_size
     out = [
         ("embedding.word_embeddings", VocabEmbeddingParallel(cfg.vocab_size)),
-        ("layers.*.self_attention.linear_qkv",
-         ColwiseParallel(segments=(a * d, g * d, g * d))),
+        ("layers.*.self_attention.linear_qkv",  # [Q; (gate;) K; V]
+         ColwiseParallel(segments=((a * d,) * (2 if cfg.attention_output_gate else 1)
+                                   + (g * d, g * d)))),
         ("layers.*.self_attention.linear_proj", RowwiseParallel()),
         ("layers.*.self_attention.core_attention", PartitionedRNG("tp")),
         ("layers.*.self_attention.core_attention", HeadShardedSinks()),  # --softmax-type

@@ -13,24 +13,33 @@ divides the chunk's layers into groups of N and keeps only each group's input; `
 recomputes the first N layers of each chunk and keeps the rest's activations.
 
 Dropout masks replay exactly: the default generator is restored by ``checkpoint`` and the
-per-TP-rank generator (:class:`~loom.parallel.random.RNGTracker`) by :func:`checkpointed`.
+per-TP-rank generator (:class:`~loom.parallel.random.RNGTracker`) by :func:`checkpointed`. So
+does state a module keeps across calls (:class:`~loom.parallel.interface.RecomputeReplay`: the
+MoE router's ``global_aux_loss`` running load): the first run records what it read, the
+recomputation takes it back instead of updating the state a second time.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from loom.parallel.interface import NeverRecompute, SelectiveRecompute
+from loom.parallel.interface import NeverRecompute, RecomputeReplay, SelectiveRecompute
 from loom.parallel.random import RNGTracker
 
 
-def checkpointed(fn: Callable, tracker: RNGTracker, module: nn.Module) -> Callable:
+def checkpointed(fn: Callable, tracker: RNGTracker, module: nn.Module,
+                 scope: Sequence[nn.Module] = ()) -> Callable:
     """``fn`` run under activation checkpointing while ``module`` trains with gradients; the
-    per-TP-rank generator state at the first run is restored for the recomputation."""
+    per-TP-rank generator state at the first run is restored for the recomputation, and the
+    :class:`~loom.parallel.interface.RecomputeReplay` modules inside ``module`` and ``scope``
+    (the other layers ``fn`` runs) replay what their first run recorded."""
+    replaying = [m for top in (module, *scope) for m in top.modules()
+                 if isinstance(m, RecomputeReplay)]
+
     def run(*args, **kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return fn(*args, **kwargs)
@@ -38,16 +47,24 @@ def checkpointed(fn: Callable, tracker: RNGTracker, module: nn.Module) -> Callab
             return fn(*args, **kwargs)  # generation with a KV cache is never recomputed
         saved = None if tracker.state is None else tracker.state.clone()
         calls = [0]
+        logs: list[list] = [[] for _ in replaying]  # this call's records, one list per module
 
         def replay(*a):
             calls[0] += 1
-            if calls[0] == 1 or saved is None:
-                return fn(*a, **kwargs)
-            current, tracker.state = tracker.state, saved.clone()
+            first = calls[0] == 1
+            for m, log in zip(replaying, logs):
+                m.replay_mode, m.replay_log = ("record", log) if first else ("replay", list(log))
             try:
-                return fn(*a, **kwargs)
+                if first or saved is None:
+                    return fn(*a, **kwargs)
+                current, tracker.state = tracker.state, saved.clone()
+                try:
+                    return fn(*a, **kwargs)
+                finally:
+                    tracker.state = current
             finally:
-                tracker.state = current
+                for m in replaying:
+                    m.replay_mode, m.replay_log = None, None
         return checkpoint(replay, *args, use_reentrant=False)
     return run
 
@@ -83,7 +100,7 @@ def apply_recompute(chunk: nn.Module, granularity: Optional[str], tracker: RNGTr
                 for f in _forwards:
                     x = f(x, *args, **kwargs)
                 return x
-            group[0].forward = checkpointed(run_group, tracker, group[0])
+            group[0].forward = checkpointed(run_group, tracker, group[0], group[1:])
             for layer in group[1:]:  # computed by the group's first layer
                 layer.forward = _pass_through
     else:

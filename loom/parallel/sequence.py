@@ -15,7 +15,7 @@ bytes); NCCL uses ``reduce_scatter_single``.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,46 @@ def _gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_into(out, x.contiguous(), group)
     return out
+
+
+def start_gather_dim0(x: torch.Tensor, group) -> Callable[[], torch.Tensor]:
+    """Start the all-gather of ``x [n/t, ...]`` along dim 0 over ``group`` without waiting;
+    returns ``finish() -> [n, ...]``. Under ``torch.compile`` the collective runs at once (an
+    async handle is not traced)."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if torch.compiler.is_compiling():
+        all_gather_into(out, x.contiguous(), group)
+        return lambda: out
+    work = (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        out, x.contiguous(), group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out
+    return finish
+
+
+def start_reduce_scatter_dim0(x: torch.Tensor, group) -> Callable[[], torch.Tensor]:
+    """:func:`reduce_scatter_dim0` started without waiting; returns ``finish() -> [n/t, ...]``
+    (gloo: an async all-reduce, then this rank's slice). Under ``torch.compile``: at once."""
+    if torch.compiler.is_compiling():
+        out = reduce_scatter_dim0(x, group)
+        return lambda: out
+    x = x.contiguous()
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]),
+                          dtype=x.dtype, device=x.device)
+        work = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+            out, x, group=group, async_op=True)
+    else:
+        out = x.clone()
+        work = dist.all_reduce(out, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out if dist.get_backend(group) == "nccl" else _split_dim0(out, group)
+    return finish
 
 
 def _split_dim0(x: torch.Tensor, group) -> torch.Tensor:

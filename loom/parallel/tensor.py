@@ -27,7 +27,52 @@ from loom.parallel.mappings import (copy_to_tensor_parallel_region,
                                     scatter_to_tensor_parallel_region)
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.sequence import (gather_from_sequence_parallel_region,
-                                    reduce_scatter_to_sequence_parallel_region)
+                                    reduce_scatter_to_sequence_parallel_region,
+                                    start_gather_dim0, start_reduce_scatter_dim0)
+
+
+# -- the sequence-parallel column GEMM -------------------------------------------------------------------
+
+class _SequenceGatherLinear(torch.autograd.Function):
+    """``F.linear(all_gather_s(x), weight, bias)`` for ``x [s/t, b, in]`` (this rank's sequence
+    shard) that saves the *shard* for backward, not the gathered ``[s, b, in]``: ``1/t`` of the
+    bytes (Korthikanti et al. 2022, sec. 4.2.2, store the sequence-parallel input and
+    all-gather it again in backward; Megatron-Core's column-parallel GEMM does the same).
+
+    Backward, in order: start the all-gather of the saved shard; compute the input gradient
+    ``dY W`` ``[s, b, in]`` while it runs; start its reduce-scatter to ``[s/t, b, in]``; wait for
+    the gather and compute ``dW = dY^T X`` ``[out/t, in]`` and ``db`` while the reduce-scatter
+    runs; wait. The math is F.linear's backward followed by the SP region's reduce-scatter: the
+    same products, one extra all-gather of ``s b in`` elements per backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(start_gather_dim0(x, group)(), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad = grad.contiguous()
+        gathered = start_gather_dim0(x, ctx.group) if need_w else None
+        grad_x = start_reduce_scatter_dim0(grad.matmul(weight), ctx.group) if need_x else None
+        grad_w = grad_b = None
+        flat = grad.reshape(-1, grad.shape[-1])
+        if need_w:
+            full = gathered()
+            grad_w = flat.t().matmul(full.reshape(-1, full.shape[-1]))
+        if need_b and ctx.has_bias:
+            grad_b = flat.sum(dim=0)
+        return grad_x() if need_x else None, grad_w, grad_b, None
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             group) -> torch.Tensor:
+    """``x [s/t, b, in]`` all-gathered along the sequence, times ``weight [out/t, in]``: ``[s, b,
+    out/t]``, saving only the shard for backward (:class:`_SequenceGatherLinear`)."""
+    return _SequenceGatherLinear.apply(x, weight, bias, group)
 
 
 # -- layers --------------------------------------------------------------------------------------------
@@ -39,7 +84,8 @@ class ColumnParallelLinear(nn.Module):
     Args: ``input_size``, ``output_size`` (full sizes), ``mesh``, ``bias``, ``gather_output``
     (all-gather the output to ``[..., out]``), ``segments`` (fused blocks, each split t ways,
     see :class:`~loom.parallel.registry.ShardSpec`), ``sequence_parallel`` (input is
-    ``[s/t, b, in]``, all-gathered along the sequence instead of ``f``).
+    ``[s/t, b, in]``, all-gathered along the sequence instead of ``f``; backward gathers it
+    again, so only the shard is saved: :func:`sequence_parallel_linear`).
     Raises ValueError when a block is not divisible by t.
     Forward input ``[..., in]`` (replicated over TP); output ``[..., out/t]`` or ``[..., out]``.
     """
@@ -63,10 +109,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.group)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 

@@ -53,11 +53,26 @@ class GPU:
 
 
 T = 1e12
+# Relative standard deviation of one GPU's sustained speed against the others of the same SKU:
+# chips differ in how fast they run under the same power cap (manufacturing variability + power
+# management). Sinha et al., "Not All GPUs Are Created Equal: Characterizing Variability in
+# Large-Scale, Accelerator-Rich Systems", SC22 (arXiv 2208.11035): 8% average performance
+# variation (max 22%) between GPUs of one SKU across clusters of hundreds to tens of thousands
+# of GPUs, outliers up to 1.5x slower. Read as the spread of ~1000 normal draws, about
+# ``2 sigma sqrt(2 ln 1000) = 7.4 sigma``: sigma = 8% / 7.4 ~ 1%. The outliers are not in it
+# (a job scheduler drains 1.5x-slow nodes; MegaScale sec 5.1 excluded its ~0.5% slow
+# machines). Used by timing.straggler_factor through ``Cluster.speed_sigma``, which is 0 by
+# default: turned on for every GPU, the term (2-4% of the GPU-bound time, growing with N) moved
+# the refit (e 0.815 -> 0.874, h0 103 -> 143, Hopper 0.735 -> 0.836) and made held-out
+# predictions worse where it should help (LF-H100 9.4% -> 10.4%, LF-A100 2.9% -> 5.5%, the 3-shot
+# medians of NAR t1, NAR t2, KOR, MC-H100 up 0.2-1.1 points) for 1.5 points on MegaScale
+# (docs/planner.md, "Scale"). A cluster file with ``"speed_sigma": 0.01`` turns it on.
+GPU_SPEED_SIGMA = 0.01
 # Large-GEMM efficiency of Hopper (H100/H200/GH200). Fitted jointly with the A100 compute
 # constants (primitives.GEMM_EFFICIENCY, benchmarks.planner_sources.fit.fit_compute); the rows that determine
 # it are the nine of Megatron-Core r0.8.0's H100 weak-scaling table, 1.7B-462B on 48-6144 GPUs
 # (benchmarks.planner_sources.validation.MCORE_H100). The strong-scaling rows (MCORE_H100_STRONG) are not fitted.
-HOPPER_GEMM_EFFICIENCY = 0.735
+HOPPER_GEMM_EFFICIENCY = 0.746
 DEVICES: dict[str, GPU] = {g.name: g for g in [
     GPU("A100-80GB", 312 * T, 80 * GB, 2.039e12, 240e9, 23e9, tdp_w=400),
     GPU("A100-40GB", 312 * T, 40 * GB, 1.555e12, 240e9, 23e9, tdp_w=400),
@@ -124,7 +139,10 @@ class Cluster:
     """A homogeneous cluster: ``num_gpus`` GPUs in nodes of ``gpus_per_node``.
 
     Units: ``peak_flops`` FLOP/s per GPU, ``hbm_bytes`` bytes, ``hbm_bw`` / ``intra_bw`` /
-    ``inter_bw`` bytes/s per GPU, alphas seconds. ``gemm_efficiency`` and ``gemm_half_dim`` are the
+    ``inter_bw`` bytes/s per GPU, alphas seconds. ``speed_sigma``: relative standard deviation of
+    one GPU's sustained speed (0 = no straggler wait; :data:`GPU_SPEED_SIGMA` the measured one).
+    ``gemm_efficiency`` and
+    ``gemm_half_dim`` are the
     two constants of the achievable-FLOP/s model (see :func:`loom.planner.timing.gemm_efficiency`);
     ``mem_traffic`` the HBM-traffic multiplier of the element-wise model (bytes moved per byte of
     stored activation). Defaults are the values fitted to the published A100 runs.
@@ -144,6 +162,7 @@ class Cluster:
     gemm_half_dim: float = 0.0  # 0 = the fitted default of timing.py
     mem_traffic: float = 0.0  # 0 = the fitted default of timing.py
     tdp_w: float = 400.0  # watts per GPU (energy estimate)
+    speed_sigma: float = 0.0  # per-GPU speed std. dev. (straggler term; GPU_SPEED_SIGMA); 0 = off
     notes: dict = field(default_factory=dict)
 
     @property

@@ -25,10 +25,10 @@ Terms of :func:`loom_layer_terms` (bytes):
   ``4 Sn h`` and ``rstd`` ``4 Sn``; on CUDA the fused ``_fused_rms_norm`` keeps its input
   ``e Sn h`` and ``rstd`` ``4 Sn``. LayerNorm (``native_layer_norm``): input ``e Sn h``, mean and
   rstd ``Sn`` each (``e`` bytes on CPU, fp32 on CUDA). KOR: the ``2 s b h`` LayerNorm input.
-* ``qkv_input``, ``fc1_input``: the QKV and FC1 inputs (the norms' outputs) ``e S h`` each.
-  With sequence parallelism loom all-gathers before the column-parallel GEMM and the GEMM
-  saves the *gathered* ``[s, b, h]`` (KOR table 2 and Megatron-Core save the ``1/t`` shard
-  and gather it again in backward, the ``4 s b h / t`` of KOR's ``34/t``).
+* ``qkv_input``, ``fc1_input``: the QKV and FC1 inputs (the norms' outputs) ``e Sn h`` each.
+  With sequence parallelism the column-parallel GEMM saves its ``1/t`` sequence shard and
+  all-gathers it again in backward (``loom/parallel/tensor.py`` ``_SequenceGatherLinear``; KOR
+  sec. 4.2.2 and Megatron-Core alike: the ``4 s b h / t`` of KOR's ``34/t``).
 * ``qkv``: the fused QKV output ``e S (a + 2 g) d / t`` (KOR's Q, K, V): V is a view of it, so
   the attention core keeps the whole storage alive.
 * ``rope``: RoPE's rotated Q and K are new tensors: ``e S (a + g) d / t``; ``rope_tables``: in
@@ -39,9 +39,11 @@ Terms of :func:`loom_layer_terms` (bytes):
 * ``softmax_lse``: the fused attention's fp32 log-sum-exp ``4 S a / t`` (KOR's ``5 a s^2 b``
   becomes this with flash attention). Selective recompute drops it only: the recomputed core's
   inputs Q, K, V and output are kept anyway.
-* ``mlp``: FC1's output ``e S (2f | f) / t`` and what FC2 saves ``e S f / t``; the SwiGLU
-  ``silu(gate) * up`` also keeps the SiLU output ``e S f / t`` (Megatron's fused bias-SwiGLU does
-  not): ``4 e S f / t`` gated, ``2 e S f / t`` GeLU (KOR's ``19 s b h`` at ``f = 4h``, 16-bit).
+* ``mlp``: FC1's output ``e S (2f | f) / t`` and what FC2 saves ``e S f / t``: ``3 e S f / t``
+  gated, ``2 e S f / t`` GeLU (KOR's ``19 s b h`` at ``f = 4h``, 16-bit). The SwiGLU
+  (``loom/models/activation.py`` ``swiglu``) saves only FC1's output and recomputes the SiLU in
+  backward, as Megatron's fused bias-SwiGLU does (autograd's unfused ``silu(gate) * up`` kept
+  the SiLU output ``e S f / t`` too).
 * ``cp_core``: with ``cp > 1``, what the CP attention core adds (:func:`cp_core_terms`).
 * ``dropout_masks``: with ``hidden_dropout > 0`` two masks ``Sn h``, *device*: ``e`` bytes on
   CPU (``dropout``'s multiply by a noise tensor), 1 on CUDA (``native_dropout``'s bool mask).
@@ -81,14 +83,14 @@ def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
     r = getattr(model, "rotary_dim", d) or d
     terms = {
         "norms": 2 * norm,
-        "qkv_input": e * S * h,
-        "fc1_input": e * S * h,
+        "qkv_input": e * Sn * h,
+        "fc1_input": e * Sn * h,
         "qkv": e * S * (a + 2 * g) * d / t,
         "rope": e * S * (a + g) * d / t if rope else 0.0 * S,
         "rope_tables": 4 * e * seq_length / cp * r + 0.0 * S if rope and e != 4 else 0.0 * S,
         "attention_out": e * S * a * d / t,
         "softmax_lse": 4.0 * S * a / t,
-        "mlp": e * S * f * (4 if model.gated_linear_unit else 2) / t,
+        "mlp": e * S * f * (3 if model.gated_linear_unit else 2) / t,
         "dropout_masks": (2 * Sn * h * (e if cpu else 1.0) if model.hidden_dropout > 0
                           else 0.0 * S),
         "cp_core": 0.0 * S,
@@ -173,9 +175,9 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
     keeps on a GPU (:func:`loom_layer_bytes`, CUDA, 16-bit) beyond the planner's KOR count with
     flash attention (:func:`loom.planner.activations.activation_bytes_per_layer`), per mode;
     ``cp_codes`` each row's CP type (:data:`loom.planner.context_parallel.CP_COMM_TYPES`
-    index; a2a+p2p counted as p2p, its ring). ``mlp`` False: the attention side only (the
-    SiLU output ``2 S f / t`` of a gated dense MLP left out, for a layer whose MLP is
-    counted elsewhere). Full recompute keeps the same input in both (no extra)."""
+    index; a2a+p2p counted as p2p, its ring). ``mlp`` False: the attention side only, for a
+    layer whose MLP is counted elsewhere (the dense MLP keeps nothing beyond KOR's count, so
+    the same numbers). Full recompute keeps the same input in both (no extra)."""
     from loom.planner.activations import activation_bytes_per_layer
     from loom.planner.context_parallel import CP_COMM_TYPES
     t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
@@ -187,9 +189,6 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
         rows = (codes == k) | ((codes == 3) & (k == 0))
         for mode in out:
             out[mode] = np.where(rows, got[mode] - kor[mode], out[mode])
-    if not mlp and model.gated_linear_unit:
-        silu = 2.0 * seq_length * b / c * model.ffn_size / t
-        out = {k: v - silu for k, v in out.items()}
     return out
 
 
@@ -209,8 +208,8 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch,
       its branch during the forward).
     * ``dispatch``: the tokens sorted by expert ``e S k h`` and the sort / unsort
       permutations, int64 ``2 x 8 S k``.
-    * ``experts``: per routed row FC1's output, the SiLU output and the product (gated:
-      ``4 e f_e`` per row; GeLU ``2 e f_e``), ``S k`` rows.
+    * ``experts``: per routed row FC1's output and the product (gated: ``3 e f_e`` per row,
+      the SwiGLU recomputing its SiLU in backward; GeLU ``2 e f_e``), ``S k`` rows.
     * ``combine``: the experts' outputs, scattered back ``[S k, h]`` and viewed ``[S, k, h]``
       (two storages: ``2 e S k h``), and the 16-bit routing weights ``e S k``.
     * ``shared_expert``: a dense MLP of ``moe_shared_expert_intermediate_size`` (``mlp``
@@ -220,7 +219,7 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch,
                    model.moe_ffn_size)
     e = float(elem_bytes)
     S = seq_length * np.asarray(micro_batch, dtype=np.float64)
-    gated = 4 if model.gated_linear_unit else 2
+    gated = 3 if model.gated_linear_unit else 2
     f_sh = model.moe_shared_expert_intermediate_size or 0
     return {
         "router": 4 * S * h + 4 * E * h + 8 * S * E + 4 * S * k + 8 * S * k + 8 * S,

@@ -67,6 +67,10 @@ class Options:
     (Megatron-Core ``--overlap-grad-reduce``).
     ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
     bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
+    ``ddp_bucket_per_rank``: the bucket grows to at least this many elements per DP rank:
+    Megatron-Core's default ``max(40M, 1M x dp_size)`` (``distributed_data_parallel.py``, commit
+    0fda386c04, 2024-04, "Tune DDP bucket size to improve speed at large DP counts": a ring's
+    per-hop latency is paid ``d - 1`` times per bucket); 0: the fixed ``ddp_bucket_elems``.
     ``uneven_interleaved``: also search virtual stages with uneven stages (what Megatron-Core
     and Llama 3 run; ``loom train`` runs them from a ``--pipeline-model-parallel-layout``).
     ``straggler_jitter``: relative std. dev. of a node's step time; adds the expected wait for
@@ -133,6 +137,7 @@ class Options:
     uneven_interleaved: bool = True
     straggler_jitter: float = 0.0
     ddp_bucket_elems: float = 40e6
+    ddp_bucket_per_rank: float = 1e6
     reserve_bytes: float = WORKSPACE_BYTES
     reserve_fraction: float = FRAGMENTATION_FRACTION
     allow_tp_across_nodes: bool = False

@@ -19,8 +19,8 @@ from loom.planner.hardware import Cluster
 # baseline/SP/full/selective/selective+SP x fwd/bwd (10, ms per 22B layer), Megatron-Core
 # r0.8.0 H100 weak scaling rows 1.7B-462B (9, model TFLOP/s per GPU; constrains h0 through the
 # ridge scaling). Tables: loom/planner/presets.py, benchmarks/planner_sources/validation.py.
-GEMM_EFFICIENCY = 0.815
-GEMM_HALF_DIM = 103.4
+GEMM_EFFICIENCY = 0.817
+GEMM_HALF_DIM = 105.6
 A100_RIDGE = 312e12 / 2.039e12  # FLOP per HBM byte of the GPU GEMM_HALF_DIM was fitted on
 
 
@@ -80,6 +80,45 @@ def all_reduce_latency(n, per_node, cluster: Cluster):
     k = np.maximum(1.0, np.minimum(n, per_node))
     return (np.where(k > 1, 2 * (k - 1) * cluster.intra_alpha, 0.0)
             + inter_node_latency(n / k, cluster.inter_alpha))
+
+
+def hierarchical_reduce_scatter_time(n, per_node, nbytes, cluster: Cluster):
+    """Reduce-scatter (or all-gather: the same steps reversed) of ``nbytes`` over ``n`` ranks of
+    which ``per_node`` share a node (seconds), on the rail-optimized two-level network of a DGX
+    cluster (one NIC per GPU, NIC ``i`` of every node on rail switch ``i``: NVIDIA DGX SuperPOD
+    reference architecture; MegaScale sec 3.6 "eight 200G NICs ... multi-rail"):
+
+    * bandwidth: ``(k - 1)/k M / intra_bw`` inside the node, then every GPU moves its ``1/k``
+      share across the ``N = n/k`` nodes on its own rail, ``(N - 1)/N (M/k) / inter_bw`` (half
+      of :func:`hierarchical_all_reduce_time`'s bandwidth terms: a ring all-reduce is a
+      reduce-scatter followed by an all-gather, Patarasuk and Yuan 2009);
+    * latency: :func:`reduce_scatter_latency`, ring hops only: NCCL runs ReduceScatter and
+      AllGather as rings (its double binary tree serves AllReduce; NVLS and CollNet need
+      NVSwitch/SHARP hardware; the PAT algorithm for one GPU per node came with NCCL 2.23,
+      after the runs modelled here), so the latency grows as ``N - 1`` hops, not ``log2 N``:
+      at 192 nodes 191 hops of ~10 us, 1.9 ms per collective and per bucket."""
+    k = np.maximum(1.0, np.minimum(n, per_node))
+    nodes = n / k
+    intra = all_gather_time(k, nbytes, cluster.intra_bw, 0.0)
+    inter = all_gather_time(nodes, nbytes / k, cluster.inter_bw, 0.0)
+    return intra + inter + reduce_scatter_latency(n, per_node, cluster)
+
+
+def reduce_scatter_latency(n, per_node, cluster: Cluster):
+    """Latency (s) of one ring reduce-scatter / all-gather over ``n`` ranks, ``per_node`` to a
+    node: ``NCCL_BASE_LATENCY + (k - 1) intra_alpha + (N - 1) inter_alpha``. The per-hop
+    latencies are the cluster's alphas (NCCL's own tuning model, ``src/graph/tuning.cc``, uses
+    5.7 us per NVLink hop and 6.6 us per network hop for Ring/Simple, plus ``NCCL_BASE_LATENCY``
+    per collective)."""
+    k = np.maximum(1.0, np.minimum(n, per_node))
+    nodes = n / k
+    return np.where(n > 1, NCCL_BASE_LATENCY + (k - 1) * cluster.intra_alpha
+                    + np.maximum(nodes - 1, 0.0) * cluster.inter_alpha, 0.0)
+
+
+# NCCL's fixed cost of one collective (launch and protocol set-up), Ring/Simple: ``baseLat`` of
+# NCCL's tuning model (src/graph/tuning.cc, NCCL 2.4-2.18: 8.4 us).
+NCCL_BASE_LATENCY = 8.4e-6
 
 
 # -- compute --------------------------------------------------------------------------------------

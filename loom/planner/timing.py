@@ -69,8 +69,9 @@ from loom.planner.moe import moe_fraction, moe_layer_times
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_latency, all_reduce_time,
                                      attention_efficiency, gemm_efficiency,
-                                     hierarchical_all_reduce_time, link, p2p_time,
-                                     reduce_scatter_time)
+                                     hierarchical_all_reduce_time,
+                                     hierarchical_reduce_scatter_time, link, p2p_time,
+                                     reduce_scatter_latency, reduce_scatter_time)
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
 # tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, benchmarks.planner_sources.fit).
@@ -82,14 +83,21 @@ ZERO3_OVERLAP = 0.727
 ZERO3_LINK_EFFICIENCY = 1.0
 
 
-def straggler_factor(num_nodes, jitter: float):
-    """Expected extra fraction of a synchronous step waiting for the slowest of ``N`` nodes
-    whose step times vary independently with relative standard deviation ``jitter``: the
-    expected maximum of N normal variables, ``jitter x sqrt(2 ln N)`` (leading term of the
-    Gumbel limit of normal order statistics, Cramer 1946 sec 28.6). 0 for one node or no
-    jitter. ``jitter`` is an input (``--straggler-jitter``), not fitted: the published runs used
-    here (NAR, KOR, Megatron-Core H100, strong scaling to 4608 GPUs) are reproduced with 0."""
-    n = np.asarray(num_nodes, dtype=np.float64)
+def straggler_factor(num_ranks, jitter: float):
+    """Expected extra fraction of a synchronous step waiting for the slowest of ``N`` ranks
+    whose speeds vary independently with relative standard deviation ``jitter``: the expected
+    maximum of N normal variables, ``mu + sigma sqrt(2 ln N)`` (leading term of the Gumbel limit
+    of normal order statistics, Cramer 1946 sec 28.6; an upper bound for every N, since
+    ``E max <= sigma sqrt(2 ln N)`` for centred normals), as a fraction of ``mu``:
+    ``jitter x sqrt(2 ln N)``. 0 for one rank or no jitter.
+
+    Two uses in :func:`time_terms`: every GPU's own speed (``cluster.speed_sigma``, the hardware
+    constant :data:`loom.planner.hardware.GPU_SPEED_SIGMA`, over the job's GPUs: TP, PP and DP
+    synchronise every GPU with every other within a step, so the step runs at the slowest
+    chip's pace: 3.3% at 256 GPUs, 4.3% at 12,288 with sigma = 1%; 0 by default, see
+    hardware.py), and a node-level jitter the user states (``--straggler-jitter``, over the
+    nodes; default 0)."""
+    n = np.asarray(num_ranks, dtype=np.float64)
     return jitter * np.sqrt(2.0 * np.log(np.maximum(n, 1.0)))
 
 
@@ -116,7 +124,13 @@ def pipeline_bubble(L: dict, t_mb, w_mb, f_mb, m):
     return np.where(zb == 1, h1, np.where(zb == 2, zbv, classic))
 
 
-def exposed_grad_sync(sync_s, backward_s, params, opts: Options):
+def bucket_elems(n_dp, opts: Options):
+    """Elements per DP bucket: ``max(ddp_bucket_elems, ddp_bucket_per_rank x n_dp)`` (Megatron-
+    Core's ``max(40M, 1M d)``, :class:`loom.planner.layout.Options`)."""
+    return np.maximum(opts.ddp_bucket_elems, opts.ddp_bucket_per_rank * n_dp)
+
+
+def exposed_grad_sync(sync_s, backward_s, params, opts: Options, n_dp=1.0):
     """Exposed time (s) of the DP gradient reduction ``sync_s`` (s) behind the last micro-batch's
     backward ``backward_s`` (s) under the bucket schedule: ``K = ceil(params / bucket)`` equal
     buckets become ready uniformly during backward and are reduced one after another, so the
@@ -126,7 +140,7 @@ def exposed_grad_sync(sync_s, backward_s, params, opts: Options):
     ``sync_s``."""
     if not opts.overlap_grad_reduce:
         return np.asarray(sync_s, dtype=np.float64)
-    K = np.maximum(1.0, np.ceil(params / opts.ddp_bucket_elems))
+    K = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts)))
     return np.maximum(sync_s / K, sync_s - backward_s * (1 - 1 / K))
 
 
@@ -351,7 +365,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
             out = out + fn(n_dp / e, per_node_x, ex * bytes_per_param)
         return out
 
-    n_buckets = np.maximum(1.0, np.ceil(params / opts.ddp_bucket_elems))
+    n_buckets = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts)))
 
     def hier(n, k_node, nbytes):
         # every bucket is its own collective and pays the latency once more (ring inside the
@@ -377,15 +391,21 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
     # --overlap-grad-reduce / --overlap-param-gather), each under the bucket schedule
     # (DeepSpeed's BF16_Optimizer, BLOOM's ZeRO-1: the full fp32 all-reduce instead)
-    rs_h = grad_sync if opts.zero1_all_reduce_grads else 0.5 * grad_sync
-    ag_h = 0.5 * dp_collective(hier, 2)
+    def hier_rs(n, k_node, nbytes):
+        # reduce-scatter / all-gather: ring only (primitives.hierarchical_reduce_scatter_time),
+        # every bucket its own collective
+        return (hierarchical_reduce_scatter_time(n, k_node, nbytes, cluster)
+                + (n_buckets - 1) * reduce_scatter_latency(n, k_node, cluster))
+
+    rs_h = grad_sync if opts.zero1_all_reduce_grads else dp_collective(hier_rs, opts.grad_bytes)
+    ag_h = dp_collective(hier_rs, 2)
     # ZeRO-2 (loom's gradient buffer with shard_gradients, ZERO sec 5.2): every micro-batch's
     # gradients are reduce-scattered into the kept shard behind that micro-batch's backward
     n_rs = np.where(z == 2, m, 1.0)
-    z12 = n_rs * exposed_grad_sync(rs_h, t_bwd_mb, params, opts) + \
-        exposed_grad_sync(ag_h, t_fwd_mb, params, opts)
+    z12 = n_rs * exposed_grad_sync(rs_h, t_bwd_mb, params, opts, n_dp) + \
+        exposed_grad_sync(ag_h, t_fwd_mb, params, opts, n_dp)
     dp_exposed = np.where(z >= 3, z3, np.where(
-        z >= 1, z12, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts)))
+        z >= 1, z12, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts, n_dp)))
     terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0)
     terms["dp_comm_total"] = np.where(n_dp > 1, np.where(
         z >= 3, m * (2 * ag_w + rs_g), np.where(z >= 1, n_rs * rs_h + ag_h, grad_sync)), 0.0)
@@ -398,7 +418,13 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
             + terms["tp_comm"] + terms["cp_comm"] + terms["ep_comm"] + terms["pp_bubble"]
             + terms["pp_comm"] + terms["dp_comm"] + terms["optimizer"])
     nodes = np.maximum(1.0, np.ceil(t * p * c * d / cluster.gpus_per_node))
-    terms["straggler"] = busy * straggler_factor(nodes, opts.straggler_jitter)
+    # the slowest chip sets the pace of the GPU-bound terms (compute, element-wise, the bubble
+    # they make, the optimizer step); communication runs at the network's pace
+    gpu_bound = (terms["compute"] + terms["recompute"] + terms["elementwise"]
+                 + terms["pp_bubble"] + terms["optimizer"])
+    terms["straggler"] = (gpu_bound * straggler_factor(t * p * c * d,
+                                                       getattr(cluster, "speed_sigma", 0.0))
+                          + busy * straggler_factor(nodes, opts.straggler_jitter))
     terms["iteration"] = busy + terms["straggler"]
     terms["microbatch_time"] = t_mb
     return terms

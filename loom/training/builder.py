@@ -55,6 +55,7 @@ from loom.training.metrics import Throughput, peak_flops_per_rank
 from loom.training.optimizer import build_optimizer, build_scheduler
 from loom.training.precision import (cast_parameters, loss_scaler, param_dtype,
                                      precision_forward_step)
+from loom.training.rerun import RerunStateMachine, rerun_machine
 from loom.training.setup import (checkpoint_interval, chunk_reducer, logged_metrics,
                                  predict_step_time)
 from loom.training.step import ParamGroups
@@ -141,6 +142,8 @@ class TrainingParts:
     layer_metrics: Callable[[], dict] = dict
     """Per-layer values for the step's record (a collective on every rank):
     ``--moe-per-layer-logging``'s losses (:func:`loom.parallel.expert.moe_layer_losses`)."""
+    rerun: Optional[RerunStateMachine] = None
+    """Megatron's rerun state machine (``--rerun-mode``, :mod:`loom.training.rerun`)."""
 
 
 def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
@@ -194,6 +197,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         layer_metrics = functools.partial(
             moe_layer_losses, model.chunks, layer_loss_names(cfg.model),
             cfg.model.num_layers + (cfg.model.mtp_num_layers or 0), mesh)
+    rerun = rerun_machine(cfg, mesh.pp_rank, global_rank, model.chunks, model.tracker, reducers)
     return TrainingParts(cfg, mesh, world_size, global_rank, model, reducers, optimizer,
                          scheduler, schedule, timeline, data, checkpointer, faults,
-                         save_interval, throughput, after_step, debug, layer_metrics)
+                         save_interval, throughput, after_step, debug, layer_metrics, rerun)

@@ -263,6 +263,11 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
     if not getattr(args, "dry_run", False):
         refuse_unimplemented(cfg)
+        tracker = cfg.fault_tolerance.result_rejected_tracker_filename
+        if tracker and not os.path.isdir(os.path.dirname(os.path.abspath(tracker))):
+            raise ConfigError(f"--result-rejected-tracker-filename {tracker}: its directory "
+                              f"does not exist (the file is appended to): create it or give "
+                              f"another path")
     if stored is not None and stored[1]:  # (a bare Megatron-Core checkpoint stores no config)
         schedule = _check_same_model(cfg, *stored)
         if not megatron_at(stored[0], None):  # Megatron stores no loom data identities

@@ -193,7 +193,7 @@ def matrix_info(name: str, meta: Any, mesh: Any) -> MatrixInfo:
     (expert weights split over TP gather over the expert-TP group when the mesh has one)."""
     qkv = None
     if name.endswith("linear_qkv.weight") and meta.shard is not None and \
-            len(meta.shard.segments or ()) == 3:
+            len(meta.shard.segments or ()) in (3, 4):  # [Q; (gate;) K; V]
         qkv = tuple(meta.shard.segments)
     if meta.shard is None or mesh is None or mesh.tp_size == 1:
         return MatrixInfo(qkv=qkv)

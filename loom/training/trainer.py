@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
-from loom.errors import NonFiniteError
+from loom.errors import NonFiniteError, RerunExit
 from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.pipeline.schedules import ScheduleResult, forward_only
@@ -65,6 +65,7 @@ class Trainer:
     global_batch = _part("data.global_batch", "samples per iteration (B)")
     saver = _part("checkpointer.saver", "the checkpoint Saver (sync or --async-save)")
     debug = _part("debug", "timers, --profile, --record-memory-history (training/debug.py)")
+    rerun = _part("rerun", "Megatron's rerun state machine, --rerun-mode (training/rerun.py)")
 
     def __init__(self, cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
                  family: Optional[ModelFamily] = None, parts: Optional[TrainingParts] = None):
@@ -96,19 +97,50 @@ class Trainer:
         return self.parts.data.p2p_shape(batches)
 
     # -- one step ----------------------------------------------------------------------------------
-    def forward_backward(self, batches: list[dict]) -> torch.Tensor:
+    def forward_backward(self, batches: list[dict], losses: Optional[list] = None
+                         ) -> torch.Tensor:
         """Gradients of the global batch's mean loss, reduced over DP; returns this rank's loss
-        (the loss stage's mean over its micro-batches, 0 on other stages)."""
+        (the loss stage's mean over its micro-batches, 0 on other stages). ``losses``: a list
+        each micro-batch loss of this rank is appended to."""
         timers = self.debug.timers
+        step = self.parts.model.forward_step
+        if losses is not None:
+            step = self.rerun.recording(step, losses)
         with timers("forward-backward"):
             result: ScheduleResult = self.parts.schedule(
-                self.model_chunks, batches, self.parts.model.forward_step, self.mesh,
+                self.model_chunks, batches, step, self.mesh,
                 p2p_shape=self.p2p_shape(batches), reducers=self.reducers,
                 recorder=timers.recorder(self.timeline))
             # DP, then SP over TP and the tied embedding over its group
             finish_gradients(self.reducers, self.model_chunks, self.mesh, self.sp_params, timers)
         self.last_stats, self.last_metrics = result.stats, result.metrics
         return result.loss
+
+    def _any(self, flags) -> list:
+        """Each flag true on any rank (one all-reduce)."""
+        return [v > 0 for v in self._all_reduce([float(f) for f in flags], dist.ReduceOp.MAX)]
+
+    def validated_forward_backward(self, batches: list[dict]) -> torch.Tensor:
+        """:meth:`forward_backward` under Megatron's rerun state machine (``--rerun-mode``,
+        :mod:`loom.training.rerun`): each micro-batch loss validated, the iteration rerun from
+        the same state when a rank rejected one. Raises RerunExit (16 / 17) when the
+        attribution ends the run, NonFiniteError for a NaN / inf loss under ``--rerun-mode
+        disabled``."""
+        ft, rerun, losses = self.cfg.fault_tolerance, self.rerun, []
+        checks = not ft.no_check_for_nan_in_loss_and_grad, ft.check_for_spiky_loss
+        loss = None
+        while rerun.should_run(self.iteration + 1, self._any):
+            losses.clear()
+            loss = self.forward_backward(batches, losses if any(checks) else None)
+            stop = rerun.validate_losses([float(v) for v in losses], *checks)
+            if rerun.mode == "disabled" and any(checks) and self._any([stop is not None])[0]:
+                raise NonFiniteError(f"iteration {self.iteration + 1}: "
+                                     f"{stop or 'a rejected loss on another rank'} "
+                                     f"(--rerun-mode disabled stops here)")
+        checkpoint, stop, code = rerun.should_checkpoint_and_exit()
+        if stop:
+            raise RerunExit(rerun.exit_message(code), code, checkpoint)
+        return loss
 
     def optimizer_step(self) -> float:
         """Unscale, clip, AdamW, LR schedule, non-finite guard
@@ -164,7 +196,7 @@ class Trainer:
         start = time.perf_counter()
         with self.debug.timers("batch-generator"):
             batches = self.batches(self.train_ds, self.consumed_samples)
-        loss = self.forward_backward(batches)
+        loss = self.validated_forward_backward(batches)
         stats = {}
         if self.cfg.training.decoupled_lr is not None:  # its own group, the last (Megatron's)
             stats["decoupled_lr"] = self.optimizer.param_groups[-1]["lr"]
@@ -265,6 +297,21 @@ class Trainer:
                                      resumed.rng, self.cfg.model.seq_length)
         return True
 
+    def _rerun_exit(self, e: RerunExit, log: MetricsLogger) -> RerunExit:
+        """The state machine's exit, after saving the iteration's starting state when it asks
+        (to ``--save``, unless its latest checkpoint is already of this iteration)."""
+        if not e.checkpoint:
+            return e
+        ck = self.cfg.checkpoint
+        if not ck.save:
+            return RerunExit(f"{e}; no checkpoint saved (no --save)", e.code)
+        if self.parts.save_interval.last_save == self.iteration and self.last_saved:
+            path = self.last_saved
+        else:
+            path = self.save(ck.save)
+            self.saver.finish(log.print)
+        return RerunExit(f"{e}; checkpoint of iteration {self.iteration}: {path}", e.code)
+
     def _diverged(self, iteration: int) -> str:
         """Record the run's first non-finite ``iteration`` (``--keep-last`` keeps the last
         checkpoint before it); the words naming that checkpoint."""
@@ -321,7 +368,10 @@ class Trainer:
             while self.iteration < iters:
                 self.parts.faults.before_iteration(self.iteration + 1)
                 self.debug.before_iteration(self.iteration)
-                rec = self.train_step()
+                try:
+                    rec = self.train_step()
+                except RerunExit as e:  # 16: the iteration's starting state saved first
+                    raise self._rerun_exit(e, log) from None
                 self.debug.after_iteration(self.iteration, first=len(self.history) == 1)
                 self.saver.poll(log.print)  # finalizes a completed --async-save
                 if not math.isfinite(rec["grad_norm"]):
@@ -384,8 +434,9 @@ class Trainer:
                 throughput.tokens_per_iter, throughput.flops_per_iter, self.parts.world_size,
                 throughput.peak_flops, self.last_saved)
             log.event("summary", summary, " " + summary_line(summary))
-        except NonFiniteError as e:  # --exit-on-nonfinite: name the checkpoint to go back to
-            raise NonFiniteError(f"{e}; {self._diverged(self.nonfinite[0])}") from None
+        except NonFiniteError as e:  # --exit-on-nonfinite, or a NaN loss under --rerun-mode
+            first = self.nonfinite[0] if self.nonfinite else self.iteration + 1  # disabled
+            raise NonFiniteError(f"{e}; {self._diverged(first)}") from None
         finally:
             self.debug.stop()
             self.parts.faults.stop()

@@ -35,6 +35,7 @@ from cpu_twins import twin
 from loom.config import LoomConfig, ModelConfig
 from loom.parallel.mesh import ParallelMesh
 from testkit.numerics import rel_err
+from testkit.config import PARITY_ADAM_EPS, tiny_config, tiny_model
 
 # what the aten ops SDPA dispatches to are called, by backend: aten::_scaled_dot_product_
 # flash_attention (its backward: ..._backward), ..._cudnn_attention, ..._efficient_attention,
@@ -55,24 +56,15 @@ def _no_tf32():
 
 def tiny_llama(**kw) -> ModelConfig:
     """The CPU tests' tiny LLaMA (GQA: 4 heads, 2 groups)."""
-    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                ffn_hidden_size=96, seq_length=16, vocab_size=300, hidden_dropout=0.0,
-                attention_dropout=0.0)
-    return ModelConfig.llama(**{**base, **kw})
+    return tiny_model("llama", dict(num_layers=4, hidden_size=64, ffn_hidden_size=96,
+                                    vocab_size=300), kw)
 
 
 def cuda_cfg(model: ModelConfig, **training) -> LoomConfig:
-    cfg = LoomConfig(model=model)
-    cfg.parallel.device = "cuda"
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.train_iters = 2, 8, 100
-    t.lr, t.adam_eps, t.clip_grad = 1e-3, 1e-4, 0.5  # as tests/parallel/test_compile.py
-    for k, v in training.items():
-        setattr(t, k, v)
-    cfg.data.mock_data = True
-    cfg.logging.log_interval = 10**9
-    cfg.logging.no_progress_bar = True
-    return cfg.validate(1)
+    return tiny_config(model=model, world=1, **{
+        "device": "cuda", "global_batch_size": 8, "adam_eps": PARITY_ADAM_EPS,
+        "clip_grad": 0.5,  # as tests/parallel/test_compile.py
+        "log_interval": 10**9, "no_progress_bar": True, **training})
 
 
 def trainer(cfg: LoomConfig):
@@ -267,15 +259,9 @@ def test_async_checkpoint_of_cuda_tensors_loads_bit_equal(tmp_path, monkeypatch)
     monkeypatch.setattr(ckio, "_storage_writer", lambda path, after=None: HeldWriter(path, after))
 
     def cfg(async_save: bool) -> LoomConfig:
-        c = LoomConfig(model=tiny_llama())
-        c.parallel.device = "cuda"
-        t = c.training
-        t.bf16, t.micro_batch_size, t.global_batch_size, t.lr, t.train_iters = \
-            True, 2, 4, 1e-3, 10
-        c.checkpoint.async_save = async_save
-        c.checkpoint.save = str(tmp_path) if async_save else None
-        c.data.mock_data = True
-        return c.validate(1)
+        return tiny_config(model=tiny_llama(), device="cuda", bf16=True, global_batch_size=4,
+                           train_iters=10, async_save=async_save,
+                           save=str(tmp_path) if async_save else None, world=1)
 
     tr = trainer(cfg(True))
     for _ in range(2):

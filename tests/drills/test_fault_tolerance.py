@@ -15,6 +15,9 @@ import torch
 
 from loom.cli import main
 from testkit import logged_losses, torchrun_train
+from testkit.config import MEGATRON_DROPOUT, tiny_config
+
+TINY_DRILL = dict(MEGATRON_DROPOUT, num_layers=1, seq_length=8, vocab_size=64, micro_batch_size=4)
 
 MODEL = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -99,19 +102,14 @@ def test_changed_schedule_refused_unless_overridden(tmp_path, capsys):
 def test_resumed_lr_follows_the_new_schedule_from_the_first_step(tmp_path):
     """Override: the first resumed step already uses the new schedule (was: the checkpoint's
     learning rate for one step)."""
-    from loom.config import LoomConfig, ModelConfig
+    from loom.config import LoomConfig
     from loom.parallel.mesh import ParallelMesh
     from loom.training.optimizer import lr_at
     from loom.training.trainer import Trainer
 
     def cfg(iters: int) -> LoomConfig:
-        c = LoomConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
-                                         seq_length=8, vocab_size=64))
-        c.data.mock_data = True
-        c.training.train_iters, c.training.lr = iters, 1e-3
-        c.training.micro_batch_size = 4
-        c.checkpoint.override_opt_param_scheduler = True
-        return c.validate(1)
+        return tiny_config("gpt", TINY_DRILL, train_iters=iters, lr=1e-3,
+                           override_opt_param_scheduler=True, world=1)
     tr = Trainer(cfg(4), mesh=ParallelMesh.single())
     for _ in range(2):
         tr.train_step()
@@ -164,18 +162,12 @@ def test_finetune_and_no_load_optim_rng(tmp_path):
     """--finetune: the checkpoint's weights, iteration 0, fresh Adam states; --no-load-optim:
     resumes the iteration but not the Adam states; --no-load-rng: weights and optimizer, fresh
     generators (Megatron's flags)."""
-    from loom.config import LoomConfig, ModelConfig
+    from loom.config import LoomConfig
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
 
     def cfg(**ck) -> LoomConfig:
-        c = LoomConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
-                                         seq_length=8, vocab_size=64))
-        c.data.mock_data = True
-        c.training.train_iters, c.training.lr, c.training.micro_batch_size = 10, 3e-4, 4
-        for k, v in ck.items():
-            setattr(c.checkpoint, k, v)
-        return c.validate(1)
+        return tiny_config("gpt", TINY_DRILL, dict(train_iters=10, lr=3e-4), ck, world=1)
     tr = Trainer(cfg(), mesh=ParallelMesh.single())
     for _ in range(3):
         tr.train_step()

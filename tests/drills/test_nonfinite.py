@@ -9,21 +9,15 @@ import math
 import pytest
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.errors import NonFiniteError
 from testkit import run_distributed
+from testkit.config import MEGATRON_DROPOUT, PRE_ISSUE_21, tiny_config
 
 
 def make_cfg(limit=None) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
-                                       seq_length=8, vocab_size=64))
-    cfg.data.mock_data = True
-    cfg.training.micro_batch_size = 2
-    cfg.training.lr, cfg.training.train_iters = 3e-4, 100  # loom's defaults before issue 21,
-    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"  # pinned
-    cfg.logging.log_interval, cfg.logging.eval_iters = 10, 10
-    cfg.training.exit_on_nonfinite = limit
-    return cfg
+    return tiny_config("gpt", PRE_ISSUE_21, MEGATRON_DROPOUT, num_layers=1, seq_length=8,
+                       vocab_size=64, log_interval=10, eval_iters=10, exit_on_nonfinite=limit)
 
 
 def poison(trainer, when: set, rank_ok=True):

@@ -24,6 +24,7 @@ from loom.data.indexed import IndexedDatasetBuilder
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.parallel.mesh import ParallelMesh
 from testkit import run_distributed
+from testkit.config import PRE_ISSUE_21, tiny_config
 from loom.training.optimizer import lr_at
 
 SEQ = 8
@@ -135,17 +136,10 @@ def test_unweighted_prefixes_weigh_by_size(data):
 
 
 def _cfg(data_path: str, iters: int) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                       seq_length=SEQ, vocab_size=100, hidden_dropout=0.0,
-                                       attention_dropout=0.0))
-    cfg.data.data_path, cfg.data.split = data_path, "90,10,0"
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 4
-    cfg.training.train_iters, cfg.training.lr_decay_iters = iters, 4  # one LR schedule
-    cfg.training.lr, cfg.training.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21,
-    cfg.training.lr_decay_style = "cosine"  # pinned
-    cfg.logging.log_interval, cfg.logging.eval_iters = 1, 1
-    cfg.logging.no_progress_bar = True
-    return cfg
+    return tiny_config("gpt", PRE_ISSUE_21, seq_length=SEQ, mock_data=False, data_path=data_path,
+                       split="90,10,0", global_batch_size=4, train_iters=iters,
+                       lr_decay_iters=4,  # one LR schedule
+                       log_interval=1, eval_iters=1, no_progress_bar=True)
 
 
 def _losses(cfg: LoomConfig, world: int, load: str | None = None, save: str | None = None):

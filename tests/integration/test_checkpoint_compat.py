@@ -13,19 +13,14 @@ import os
 
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.parallel.mesh import ParallelMesh
+from testkit.config import MEGATRON_DROPOUT, PRE_ISSUE_21, tiny_config
 
 
 def make_cfg() -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                            seq_length=8, vocab_size=100,
-                                            make_vocab_size_divisible_by=8))
-    cfg.training.micro_batch_size = 2
-    cfg.training.lr, cfg.training.train_iters = 3e-4, 100  # loom's defaults before issue 21,
-    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"  # pinned
-    cfg.data.mock_data = True
-    return cfg.validate(1)
+    return tiny_config("gpt", PRE_ISSUE_21, MEGATRON_DROPOUT, seq_length=8,
+                       make_vocab_size_divisible_by=8, world=1)
 
 
 def _write_v1(tr, root: str) -> str:

@@ -25,27 +25,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainingConfig
+from loom.config import LoomConfig
 from testkit import logged_losses, run_distributed, torchrun_train
+from testkit.config import PRE_ISSUE_21, tiny_config
+from testkit.numerics import PARITY_RTOL
 
-RTOL = 1e-5
 SAVED_AT, MORE = 4, 4
 
 
 def make_cfg(tp=1, pp=1, dp=1, zero=False, async_save=False) -> LoomConfig:
-    model = ModelConfig.gpt2(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                             vocab_size=128, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
-                             attention_dropout=0.0)
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    train = TrainingConfig(micro_batch_size=1, global_batch_size=8,
-                           train_iters=SAVED_AT + MORE, lr=1e-3, lr_warmup_iters=2, seed=1234,
-                           adam_eps=1e-6, use_distributed_optimizer=zero,
-                           adam_beta2=0.95, lr_decay_style="cosine")  # loom's old defaults
-    cfg = LoomConfig(model=model, parallel=par, training=train)
-    cfg.data.mock_data = True
-    cfg.logging.no_progress_bar = True
-    cfg.checkpoint.async_save = async_save
-    return cfg.validate(tp * pp * dp)
+    return tiny_config("gpt", num_layers=4, vocab_size=128, make_vocab_size_divisible_by=8,
+                       tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                       micro_batch_size=1, global_batch_size=8, train_iters=SAVED_AT + MORE,
+                       lr_warmup_iters=2, adam_eps=1e-6, use_distributed_optimizer=zero,
+                       adam_beta2=0.95, lr_decay_style="cosine",  # loom's old defaults
+                       no_progress_bar=True, async_save=async_save, world=tp * pp * dp)
 
 
 def _losses(tr, n: int) -> list[float]:
@@ -105,11 +99,11 @@ def test_resharding_through_dcp(tmp_path):
     res["2,1,1"] = run_distributed(2, _resume_world, str(tmp_path), 2, 1, 1,
                                    start_method="fork")[0]
     for layout in ("4,1,2", "1,2,4", "1,4,2", "1,1,8,zero", "2,1,1"):
-        assert res[layout] == pytest.approx(ref, rel=RTOL), (layout, res[layout], ref)
+        assert res[layout] == pytest.approx(ref, rel=PARITY_RTOL), (layout, res[layout], ref)
     for ckpt in ("a", "b"):
         single = Trainer(make_cfg(), mesh=ParallelMesh.single())
         assert single.load(str(tmp_path / ckpt)) and single.iteration == SAVED_AT
-        assert _losses(single, MORE) == pytest.approx(ref, rel=RTOL), ckpt
+        assert _losses(single, MORE) == pytest.approx(ref, rel=PARITY_RTOL), ckpt
         if ckpt == "a":  # the run's resume line says where the checkpoint came from
             from loom.training.story import resume_line
             assert resume_line(single.resumed).startswith(
@@ -130,16 +124,10 @@ def test_resharding_through_dcp(tmp_path):
 # -- --async-save -------------------------------------------------------------------------------
 
 def _small_cfg(async_save: bool, world: int = 1) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                            seq_length=8, vocab_size=64, hidden_dropout=0.0,
-                                            attention_dropout=0.0))
-    cfg.data.mock_data = True
-    cfg.training.train_iters = 10
-    t = cfg.training  # loom's defaults before issue 21 (now Megatron's or required), pinned
-    t.micro_batch_size, t.lr, t.adam_beta2, t.lr_decay_style = 4, 3e-4, 0.95, "cosine"
-    cfg.checkpoint.async_save = async_save
-    cfg.checkpoint.save = "ck" if async_save else None  # (the tests pass their directory)
-    return cfg.validate(world)
+    return tiny_config("gpt", PRE_ISSUE_21, seq_length=8, vocab_size=64, train_iters=10,
+                       micro_batch_size=4, async_save=async_save,
+                       save="ck" if async_save else None,  # (the tests pass their directory)
+                       world=world)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group

@@ -8,22 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
+from testkit.config import tiny_config
 
 
 def make_cfg(**logging) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                            seq_length=16, vocab_size=96, hidden_dropout=0.0,
-                                            attention_dropout=0.0))
-    cfg.data.mock_data = True
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr = 2, 4, 2, 1e-3
-    cfg.logging.no_progress_bar = True
-    for k, v in logging.items():
-        setattr(cfg.logging, k, v)
-    return cfg
+    return tiny_config("gpt", dict(vocab_size=96, global_batch_size=4, train_iters=2,
+                                   no_progress_bar=True), logging)
 
 
 class Recording:

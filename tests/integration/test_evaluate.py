@@ -30,6 +30,7 @@ from loom.evaluation.cli import add_arguments, evaluate
 from loom.evaluation.datasets import lm_windows, megatron_word_count
 from testkit import run_distributed
 from testkit.cli import refusal
+from testkit.config import tiny_config, tiny_model
 
 WORDS = ["<|endoftext|>", "[UNK]"] + [f"w{i}" for i in range(40)]
 SEQ = 8
@@ -43,24 +44,15 @@ def _tokenizer(path) -> None:
 
 
 def _checkpoint(root, model_type: str) -> str:
-    from loom.config import LoomConfig, ModelConfig
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
-    common = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ,
-                  max_position_embeddings=32, vocab_size=len(WORDS), hidden_dropout=0.0,
-                  attention_dropout=0.0, init_method_std=0.3)  # far from uniform predictions
+    common = dict(num_layers=2, seq_length=SEQ, max_position_embeddings=32,
+                  vocab_size=len(WORDS), init_method_std=0.3)  # far from uniform predictions
     if model_type == "mamba":
-        m = ModelConfig.llama(model_type="mamba", hybrid_override_pattern="M*",
-                              num_query_groups=2, ffn_hidden_size=64, mamba_state_dim=8,
-                              mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
-                              mamba_chunk_size=5, **common)
+        m = tiny_model("mamba", common, hybrid_override_pattern="M*", padded_vocab_size=None)
     else:
-        m = ModelConfig.gpt2(**common)
-    cfg = LoomConfig(model=m)
-    cfg.data.mock_data = True
-    cfg.training.micro_batch_size = 2
-    cfg.training.lr, cfg.training.train_iters = 3e-4, 100  # (never trained: any valid values)
-    cfg = cfg.validate(1)
+        m = tiny_model("gpt", common)
+    cfg = tiny_config(model=m, lr=3e-4, world=1)  # (never trained: any valid values)
     save = str(root / f"ckpt_{model_type}")
     Trainer(cfg, mesh=ParallelMesh.single()).save(save, tokenizer_file=str(root / "tok.json"))
     return save

@@ -25,6 +25,7 @@ import random
 import re
 
 import pytest
+from testkit.config import tiny_config
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -38,7 +39,6 @@ def scored(tmp_path_factory):
     from lm_eval.tasks import TaskManager
 
     from loom.checkpoint.convert import to_hf
-    from loom.config import LoomConfig, ModelConfig
     from loom.evaluation.cli import add_arguments, evaluate
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
@@ -48,15 +48,11 @@ def scored(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(words[:2])
     tok.save(str(root / "tok.json"))
-    model = ModelConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4,
-                              num_query_groups=2, seq_length=SEQ, vocab_size=V,
-                              hidden_dropout=0.0, attention_dropout=0.0,
-                              init_method_std=0.3,  # peaked predictions: not uniform
-                              exclude_padded_vocab=True)  # HF's softmax over V (the export's)
-    cfg = LoomConfig(model=model)
-    cfg.data.mock_data = True
-    cfg.training.micro_batch_size, cfg.training.lr, cfg.training.train_iters = 2, 3e-4, 10
-    Trainer(cfg.validate(1), mesh=ParallelMesh.single()).save(
+    cfg = tiny_config("llama", seq_length=SEQ, vocab_size=V,
+                      init_method_std=0.3,  # peaked predictions: not uniform
+                      exclude_padded_vocab=True,  # HF's softmax over V (the export's)
+                      lr=3e-4, train_iters=10, world=1)
+    Trainer(cfg, mesh=ParallelMesh.single()).save(
         str(root / "ckpt"), tokenizer_file=str(root / "tok.json"))
     to_hf(str(root / "ckpt"), str(root / "hf"))
 

@@ -1,4 +1,4 @@
-"""Twelve functional-test training cases of Megatron-LM d98e8a6, of different families and
+"""Thirteen functional-test training cases of Megatron-LM d98e8a6, of different families and
 layouts, scaled down (the same flags, tiny sizes, a 2-rank layout of the same kind) train 3
 iterations on 2 CPU ranks, in one spawned world (issue 42; the full cases through the dry run:
 tests/unit/test_megatron_corpus.py). Flags of capabilities other branches are adding are
@@ -49,6 +49,12 @@ CASES = {  # case -> its 2-rank layout (the kind of parallelism it tests)
     "hybrid_mr_mcore_te_tp1_pp2_vpp2_cp1_dgx_a100_1N8G": {
         "--pipeline-model-parallel-size": "2", "--hybrid-layer-pattern": "M*|M-|*M|-M"},
     "gpt3_mcore_tp1_pp1_fsdp2_resume_torch_dist_te": {},  # FSDP2 (DP=2) with --fp16
+    # Qwen3-Next: Gated DeltaNet + gated attention + MoE, saved as Megatron's torch_dist
+    "gpt3_mcore_te_tp2_pp1_gdn": {"--tensor-model-parallel-size": "2",
+                                  "--linear-key-head-dim": "8", "--linear-value-head-dim": "8",
+                                  "--linear-num-key-heads": "2", "--linear-num-value-heads": "4",
+                                  "--moe-router-topk": "2",
+                                  "--moe-shared-expert-intermediate-size": "16"},
     # fill-in-the-middle over testkit's small dataset (byte-level BPE, 304 ids)
     "gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset": {"--vocab-size": "320"},
 }

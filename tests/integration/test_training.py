@@ -18,27 +18,20 @@ import torch
 import torch.distributed as dist
 
 from loom.cli import main
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.parallel.mesh import ParallelMesh
 from testkit import run_distributed
+from testkit.config import PRE_ISSUE_21, tiny_config
 from loom.training.optimizer import lr_at
 
 
 def small_cfg(tp: int, dp: int, iters: int, dropout: float = 0.1) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                             num_query_groups=2, seq_length=16, vocab_size=200,
-                                             hidden_dropout=dropout, attention_dropout=dropout))
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8
-    cfg.training.train_iters = iters
-    cfg.training.lr_warmup_iters = 2
-    cfg.training.lr, cfg.training.adam_beta2 = 3e-4, 0.95  # loom's defaults before issue 21,
-    cfg.training.lr_decay_style = "cosine"  # pinned
-    cfg.logging.log_interval = 10**6
-    cfg.logging.eval_iters = 0  # no validation pass (Megatron's default is 100 batches)
-    cfg.logging.no_progress_bar = True
-    return cfg.validate(tp * dp)
+    return tiny_config("llama", PRE_ISSUE_21, vocab_size=200, mock_data=False,
+                       hidden_dropout=dropout, attention_dropout=dropout,
+                       tensor_model_parallel_size=tp, global_batch_size=8, train_iters=iters,
+                       lr_warmup_iters=2, log_interval=10**6,
+                       eval_iters=0,  # no validation pass (Megatron's default is 100 batches)
+                       no_progress_bar=True, world=tp * dp)
 
 
 def resume_world(tmp: str, zero: bool) -> dict:

@@ -4,45 +4,31 @@ them, not a test file: pytest puts this folder on ``sys.path`` and spawned ranks
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
-
 
 from loom.config import LoomConfig, ModelConfig
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
-
-RTOL = 1e-5
+from testkit.config import PARITY_ADAM_EPS, tiny_config, tiny_model
+from testkit.numerics import PARITY_RTOL, rel_err
 
 
 def tiny(pattern=None, **kw) -> ModelConfig:
     """h 32, d_inner 64 = 8 heads of P 8 in 2 groups, N 8, chunk 5 (does not divide s 16)."""
-    base = dict(model_type="mamba", num_layers=4, hidden_size=32, num_attention_heads=4,
-                num_query_groups=2, ffn_hidden_size=64, seq_length=16, vocab_size=100,
-                padded_vocab_size=104, hidden_dropout=0.0, attention_dropout=0.0,
-                mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
-                mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern=pattern)
-    base.update(kw)
-    return ModelConfig.llama(**base)
+    return tiny_model("mamba", {"hybrid_override_pattern": pattern}, kw)
 
 
 def make_cfg(model: ModelConfig, tp: int = 1, pp: int = 1, dp: int = 1,
              sp: bool = False) -> LoomConfig:
-    cfg = LoomConfig(model=copy.deepcopy(model))
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.parallel.sequence_parallel = sp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8  # 4 / dp micro-batches: gradient accumulation
-    # lr 3e-4: each AdamW step still moves every weight by ~1.5% of its size, and the two
-    # runs' weights drift apart by rounding only ~3e-6 of a gradient by step 3 (1e-3 gave
-    # 9.3e-6 on this CPU: too close to the 1e-5 bound to hold on every CPU)
-    cfg.training.lr, cfg.training.train_iters = 3e-4, 100
-    cfg.training.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py
-    cfg.training.clip_grad = 0.5
-    cfg.data.mock_data = True
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * pp * dp)
+    return tiny_config(
+        model=model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        sequence_parallel=sp,
+        global_batch_size=8,  # 4 / dp micro-batches: gradient accumulation
+        # lr 3e-4: each AdamW step still moves every weight by ~1.5% of its size, and the two
+        # runs' weights drift apart by rounding only ~3e-6 of a gradient by step 3 (1e-3 gave
+        # 9.3e-6 on this CPU: too close to the 1e-5 bound to hold on every CPU)
+        lr=3e-4, adam_eps=PARITY_ADAM_EPS, clip_grad=0.5, log_interval=10**9,
+        world=tp * pp * dp)
 
 
 # Near initialization dt ~ 1e-3..1e-1 makes every decay exp(dt A) ~ 1, so the gradients of
@@ -92,9 +78,8 @@ def parity(model: ModelConfig, layouts: dict, overrides: Optional[dict] = None) 
             for n, (g, meta, (lo, hi)) in grads.items():
                 want = local_shard(rgrads[n][0], meta, mesh.tp_rank, mesh.tp_size)
                 if hi > lo:
-                    r["grad"][step] = max(r["grad"][step], float(
-                        (g.reshape(-1) - want.reshape(-1)[lo:hi]).abs().max()
-                        / want.abs().max().clamp_min(GRAD_FLOOR)))
+                    r["grad"][step] = max(r["grad"][step], rel_err(
+                        g.reshape(-1), want.reshape(-1)[lo:hi], scale=want, floor=GRAD_FLOOR))
                 r["compared"] += 1
         res[name] = r
     return res
@@ -106,5 +91,5 @@ def check_parity(case: dict):
     (same weights on both sides); steps 2-3 also the optimizer step, whose rounding drift
     AdamW amplifies on near-zero gradients: measured at most 2.9e-6 with ``make_cfg``'s lr
     3e-4 (1.2e-6 at step 1). A wrong gradient is off by O(1)."""
-    assert case["loss"] < RTOL and case["norm"] < RTOL, case
-    assert max(case["grad"]) < RTOL, case
+    assert case["loss"] < PARITY_RTOL and case["norm"] < PARITY_RTOL, case
+    assert max(case["grad"]) < PARITY_RTOL, case

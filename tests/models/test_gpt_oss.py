@@ -21,6 +21,8 @@ from loom.models.activation import gated_activation
 from loom.models.attention import SinkWindowAttention, sink_softmax
 from loom.models.gpt.gpt_oss_ops import gpt_oss_rope
 from testkit import run_distributed
+from testkit.numerics import rel_err
+from testkit.config import PARITY_ADAM_EPS, tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")
 hf_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
@@ -31,12 +33,10 @@ GPT_OSS = dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_va
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(
-        num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        kv_channels=8, ffn_hidden_size=48, seq_length=16, vocab_size=100,
-        normalization="RMSNorm", untie_embeddings_and_output_weights=True,
-        hidden_dropout=0.0, attention_dropout=0.0, rotary_base=150000.0)
-    return ModelConfig(**{**base, **GPT_OSS, **kw})
+    return tiny_model("gpt", dict(num_layers=4, num_query_groups=2, kv_channels=8,
+                                  ffn_hidden_size=48, normalization="RMSNorm",
+                                  untie_embeddings_and_output_weights=True,
+                                  rotary_base=150000.0), GPT_OSS, **kw)
 
 
 def test_quick_geglu_matches_transformers_experts_gate():
@@ -108,12 +108,9 @@ def test_window_layers_follow_megatron():
 
 
 def _validate(model: ModelConfig, tp: int = 1, cp: int = 1):
-    cfg = LoomConfig(model=model)
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.context_parallel_size = cp
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, 2
-    cfg.training.lr, cfg.training.train_iters = 1e-3, 3
-    return cfg.validate(tp * cp)
+    return tiny_config(model=model, mock_data=False, tensor_model_parallel_size=tp,
+                       context_parallel_size=cp, micro_batch_size=1, global_batch_size=2,
+                       train_iters=3, world=tp * cp)
 
 
 def test_config_rules_and_switches():
@@ -156,13 +153,10 @@ def test_gpt_oss_yarn_matches_transformers():
 
 # -- TP=2 + SP parity: loss and every gradient equal to one rank's -------------------------------
 def _parity_cfg(tp: int) -> LoomConfig:
-    cfg = LoomConfig(model=tiny(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2))
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.sequence_parallel = tp > 1
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 4
-    cfg.training.lr, cfg.training.train_iters, cfg.training.adam_eps = 1e-3, 10, 1e-4
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(tp)
+    return tiny_config(model=tiny(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2),
+                       mock_data=False, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                       global_batch_size=4, train_iters=10, adam_eps=PARITY_ADAM_EPS,
+                       log_interval=10**9, world=tp)
 
 
 def parity_tp2() -> dict:
@@ -188,8 +182,7 @@ def parity_tp2() -> dict:
         for name, p in chunk.named_parameters():
             want = local_shard(ref_params[name].grad, par.registry[name], mesh.tp_rank, 2)
             got = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-            err = float((got.reshape(-1) - want.reshape(-1)).abs().max()
-                        / want.abs().max().clamp_min(1e-12))
+            err = rel_err(got.reshape(-1), want.reshape(-1))
             out["grad"] = max(out["grad"], err)
             if name.endswith("softmax_offset"):  # the sinks learn
                 out["sink_grad"] = max(out.get("sink_grad", 0.0), float(got.abs().max()))

@@ -27,6 +27,8 @@ transformers = pytest.importorskip("transformers")
 
 from hf_export_cases import CASES, V, build, word_tokenizer  # noqa: E402
 from loom.checkpoint.convert import from_hf, to_hf  # noqa: E402
+from testkit.numerics import rel_err
+from testkit.config import tiny_config
 
 ROLES = {"gemma3": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
          "bert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
@@ -73,7 +75,7 @@ def export_case(name: str, root) -> dict:
         theirs = hf_model(str(out), name)(ids).logits
     return {"hflm": None if name == "bert" else hflm_scores(out),"names": sorted(a) == sorted(b), "unequal": [k for k in a if k in b and not (
                 a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))],
-            "logits": float((ours - theirs).abs().max() / max(1.0, float(theirs.abs().max()))),
+            "logits": rel_err(ours, theirs, floor=1.0),
             "scale": float(theirs.abs().max()),
             "files": sorted(os.listdir(out)),
             "modes": {f: stat.S_IMODE(os.stat(out / f).st_mode) for f in os.listdir(out)},
@@ -224,18 +226,11 @@ def test_bad_dtype_and_shard_size_are_refused(tmp_path, capsys):
 def layout_cfg(tp: int = 1, pp: int = 1, ep: int = 1):
     """A tiny LLaMA-MoE (Mixtral layout: GQA, 4 experts, top-2) on mock data at t x p x e; V 100
     is padded to 128 x t rows, which the export drops."""
-    from loom.config import LoomConfig, ModelConfig, ParallelConfig, TrainingConfig
-    model = ModelConfig.llama(num_layers=4, hidden_size=32, num_attention_heads=4,
-                              num_query_groups=2, seq_length=16, vocab_size=V,
-                              num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-                              ffn_hidden_size=24, hidden_dropout=0.0, attention_dropout=0.0)
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         expert_model_parallel_size=ep)
-    cfg = LoomConfig(model=model, parallel=par, training=TrainingConfig(
-        micro_batch_size=1, global_batch_size=4, train_iters=1, seed=7, lr=1e-3))
-    cfg.data.mock_data = True
-    cfg.logging.no_progress_bar = True
-    return cfg.validate(max(tp * pp, ep))
+    return tiny_config("llama", num_layers=4, vocab_size=V, num_experts=4, moe_router_topk=2,
+                       moe_ffn_hidden_size=24, ffn_hidden_size=24,
+                       tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                       expert_model_parallel_size=ep, micro_batch_size=1, global_batch_size=4,
+                       train_iters=1, seed=7, no_progress_bar=True, world=max(tp * pp, ep))
 
 
 def save_layouts(root: str) -> None:

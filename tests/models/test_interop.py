@@ -18,8 +18,7 @@ from loom.parallel.mappings import gather_from_tensor_parallel_region  # noqa: E
 from loom.parallel.mesh import ParallelMesh  # noqa: E402
 from loom.parallel.parallelize import build_model  # noqa: E402
 from testkit import run_distributed  # noqa: E402
-
-ATOL = 1e-5
+from testkit.numerics import UNIT_ATOL
 
 
 def hf_models():
@@ -54,10 +53,10 @@ def compare_tp2() -> dict:
 
 def test_logits_match_transformers_single_process():
     for name, err in compare(ParallelMesh.single()).items():
-        assert err < ATOL, (name, err)
+        assert err < UNIT_ATOL, (name, err)
 
 
 def test_logits_match_transformers_tp2():
     for rank in run_distributed(2, compare_tp2):
         for name, err in rank.items():
-            assert err < ATOL, (name, err)
+            assert err < UNIT_ATOL, (name, err)

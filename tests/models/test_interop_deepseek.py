@@ -17,8 +17,7 @@ from loom.interop.hf import load_full_state_dict  # noqa: E402
 from loom.models.gpt.hf_deepseek import (deepseek_v3_config, deepseek_v3_to_loom,  # noqa: E402
                                          hf_config, loom_to_deepseek_v3, to_loom)
 from testkit import run_distributed  # noqa: E402
-
-ATOL = 1e-5
+from testkit.numerics import UNIT_ATOL
 
 
 def hf_models() -> dict:
@@ -102,7 +101,7 @@ def test_logits_match_transformers(world):
     """One rank, then TP=2 and EP=2 in one spawned 2-rank world."""
     ranks = [{"single": compare()}] if world == 1 else run_distributed(2, parallel_cases)
     bad = [(layout, name, err) for rank in ranks for layout, errs in rank.items()
-           for name, err in errs.items() if not err < ATOL]
+           for name, err in errs.items() if not err < UNIT_ATOL]
     assert not bad, bad
 
 
@@ -123,7 +122,7 @@ def test_export_loads_into_transformers_and_mtp_round_trips():
     assert not missing and all(k.startswith("model.layers.3.") for k in unexpected)
     ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert float((back(ids).logits - model(ids)[..., :100]).abs().max()) < ATOL
+        assert float((back(ids).logits - model(ids)[..., :100]).abs().max()) < UNIT_ATOL
     for fused in (True, False):  # in-memory and checkpoint (per-expert) layouts read back
         cfg2, full2 = to_loom(config, loom_to_deepseek_v3(full, cfg, fused), "export")
         assert cfg2.mtp_num_layers == 1 and set(full2) == set(full)

@@ -14,8 +14,7 @@ from loom.interop.hf import load_full_state_dict  # noqa: E402
 from loom.models.gpt.hf_moe import (mixtral_config, mixtral_to_loom,  # noqa: E402
                                     qwen2_moe_config, qwen2_moe_to_loom)
 from testkit import run_distributed  # noqa: E402
-
-ATOL = 1e-5
+from testkit.numerics import UNIT_ATOL
 
 
 def hf_models():
@@ -69,7 +68,7 @@ def test_qwen2_moe_import_sets_its_router_and_shared_expert_flags():
 
 def test_moe_logits_match_transformers_single_process():
     for name, err in compare().items():
-        assert err < ATOL, (name, err)
+        assert err < UNIT_ATOL, (name, err)
 
 
 def parallel_cases() -> dict:
@@ -80,4 +79,4 @@ def test_moe_logits_match_transformers_ep2_tp2():
     for rank in run_distributed(2, parallel_cases):
         for layout, errs in rank.items():
             for name, err in errs.items():
-                assert err < ATOL, (layout, name, err)
+                assert err < UNIT_ATOL, (layout, name, err)

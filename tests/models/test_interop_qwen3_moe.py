@@ -18,8 +18,8 @@ from loom.interop.hf import load_full_state_dict  # noqa: E402
 from loom.models.gpt.hf_qwen3_moe import (loom_to_qwen3_moe, qwen3_moe_config,  # noqa: E402
                                           qwen3_moe_hf_config, qwen3_moe_to_loom)
 from testkit import run_distributed  # noqa: E402
+from testkit.numerics import UNIT_ATOL
 
-ATOL = 1e-5
 V = 100
 _ = transformers.Qwen3MoeForCausalLM  # the modeling import, once here: forked ranks reuse it
 
@@ -74,7 +74,7 @@ def test_import_sets_qwen3_flags_and_matches_transformers():
     assert "layers.0.self_attention.q_layernorm.weight" in dict(model.named_parameters())
     with torch.no_grad():
         err = float((model(ids())[..., :V] - hf(ids()).logits).abs().max())
-    assert err < ATOL, err
+    assert err < UNIT_ATOL, err
 
 
 def test_export_roundtrip_matches_transformers():
@@ -87,7 +87,7 @@ def test_export_roundtrip_matches_transformers():
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     with torch.no_grad():
         err = float((exported(ids()).logits - hf(ids()).logits).abs().max())
-    assert err < ATOL, err
+    assert err < UNIT_ATOL, err
 
 
 def parallel_errors() -> dict:
@@ -97,7 +97,7 @@ def parallel_errors() -> dict:
 def test_logits_match_transformers_tp2_ep2():
     for rank in run_distributed(2, parallel_errors, timeout=300, start_method="fork"):
         for layout, err in rank.items():
-            assert err < ATOL, (layout, err)
+            assert err < UNIT_ATOL, (layout, err)
 
 
 def test_qwen3_30b_a3b_parameter_count():

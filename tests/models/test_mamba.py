@@ -33,10 +33,8 @@ from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
 
-from mamba_helpers import RTOL, check_parity, parity, tiny
-from testkit.numerics import rel_err
-
-ATOL = 1e-5
+from mamba_helpers import check_parity, parity, tiny
+from testkit.numerics import PARITY_RTOL, UNIT_ATOL, rel_err
 
 
 # -- single process ---------------------------------------------------------------------------
@@ -67,7 +65,7 @@ def test_chunked_scan_equals_sequential_recurrence(s, chunk):
                            "grad h0"), (y, h, *grads), (y_ref, h_ref, *ref_grads)):
         a, b = a.detach(), b.detach()
         err = float((a - b).abs().max())
-        assert err <= ATOL * max(1.0, float(b.abs().max())), (name, err, float(b.abs().max()))
+        assert err <= UNIT_ATOL * max(1.0, float(b.abs().max())), (name, err, float(b.abs().max()))
 
 
 def test_scan_check_can_fail():
@@ -75,7 +73,7 @@ def test_scan_check_can_fail():
     x, dt, A, B, C, h0 = scan_inputs(13)
     y_ref, _ = ssd_sequential(x, dt, A, B, C, initial_state=h0)
     y, _ = ssd_chunked(x, dt, A * 1.01, B, C, 5, initial_state=h0)
-    assert (y - y_ref).abs().max() > 100 * ATOL
+    assert (y - y_ref).abs().max() > 100 * UNIT_ATOL
 
 
 def test_gated_norm_of_each_group_shard_equals_unsharded():
@@ -126,7 +124,7 @@ def test_recurrent_decoding_equals_full_forward(pattern):
     r = decode_errors(model)
     assert r["mamba_states"] == (4 if pattern is None else 2)
     assert r["kv"] == (0 if pattern is None else 1)
-    assert r["err"] < ATOL and r["scale"] > 0.1, r
+    assert r["err"] < UNIT_ATOL and r["scale"] > 0.1, r
 
 
 def test_generate_runs_on_hybrid_and_matches_greedy_without_cache():
@@ -281,7 +279,8 @@ def test_mamba_layer_tp2_equals_tp1_and_counts_collectives(results2):
     for r in results2:
         one, pair = r["layer-M"], r["layer-M-"]
         for case in (one, pair):
-            assert case["out"] < RTOL and case["dx"] < RTOL and case["grad"] < RTOL, case
+            assert case["out"] < PARITY_RTOL and case["dx"] < PARITY_RTOL \
+                and case["grad"] < PARITY_RTOL, case
         # the per-channel parameters are registered as TP shards, not replicated
         assert {"layers.0.mixer.A_log", "layers.0.mixer.D", "layers.0.mixer.dt_bias",
                 "layers.0.mixer.conv1d.weight", "layers.0.mixer.conv1d.bias",
@@ -310,7 +309,7 @@ def test_training_parity_two_ranks(results2, model, layout):
 
 def test_recurrent_decoding_tp2(results2):
     for r in results2:
-        assert r["decode-tp2"]["err"] < ATOL and r["decode-tp2"]["mamba_states"] == 2, r
+        assert r["decode-tp2"]["err"] < UNIT_ATOL and r["decode-tp2"]["mamba_states"] == 2, r
 
 
 def test_hybrid_tp2_x_pp2_and_tp2_x_dp2_four_ranks():

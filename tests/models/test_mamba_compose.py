@@ -18,7 +18,8 @@ import torch
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import full_from_shards
 from testkit import run_distributed
-from mamba_helpers import RTOL, check_parity, make_cfg, parity, tiny
+from mamba_helpers import check_parity, make_cfg, parity, tiny
+from testkit.numerics import PARITY_RTOL
 
 
 def world2(save_dir: str) -> dict:
@@ -70,12 +71,12 @@ def test_recompute_zero1_and_checkpoint_resharding(tmp_path):
                                                                  tr.consumed_samples))))
         tr.optimizer_step()
         tr.consumed_samples += tr.global_batch
-    assert all(math.isclose(g, w, rel_tol=RTOL) for g, w in zip(got, want[2:])), (got, want)
+    assert all(math.isclose(g, w, rel_tol=PARITY_RTOL) for g, w in zip(got, want[2:])), (got, want)
     # the match needs the loaded state: untrained weights on the same batch are far off
     fresh = Trainer(make_cfg(tiny("M*M-")), mesh=ParallelMesh.single())
     loss = fresh.global_loss(fresh.forward_backward(fresh.batches(fresh.train_ds,
                                                                   2 * fresh.global_batch)))
-    assert abs(loss - want[2]) > 10 * RTOL * abs(want[2]), (loss, want)
+    assert abs(loss - want[2]) > 10 * PARITY_RTOL * abs(want[2]), (loss, want)
 
 
 def test_full_from_shards_inverts_the_conv_segments():

@@ -16,6 +16,7 @@ from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
+from testkit.numerics import rel_err
 from mamba_helpers import tiny
 
 def hf_logits_case(tp: int, perturb: bool = False) -> dict:
@@ -54,7 +55,7 @@ def hf_logits_case(tp: int, perturb: bool = False) -> dict:
             got = model(input_ids=ids)
     Vp = got.shape[-1] * mesh.tp_size
     want_shard = F.pad(want, (0, Vp - cfg.vocab_size)).chunk(mesh.tp_size, -1)[mesh.tp_rank]
-    return {"err": float((got - want_shard).abs().max() / want.abs().max()),
+    return {"err": rel_err(got, want_shard, scale=want),
             "scale": float(want.abs().max())}
 
 

@@ -29,24 +29,18 @@ from loom.models.attention import apply_rope, rope_cos_sin
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model
 from testkit import run_distributed
-
-RTOL = 1e-5
+from testkit.numerics import PARITY_RTOL
+from testkit.config import tiny_config, tiny_model
 
 
 def llama(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                group_query_attention=True, ffn_hidden_size=64, vocab_size=256, seq_length=16,
-                max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
-    return ModelConfig.llama(**{**base, **kw})
+    return tiny_model("llama", dict(group_query_attention=True, ffn_hidden_size=64,
+                                    vocab_size=256, max_position_embeddings=16), kw)
 
 
 def validated(model: ModelConfig, world: int = 1, **training) -> LoomConfig:
-    cfg = LoomConfig(model=model)
-    t = cfg.training
-    t.micro_batch_size, t.train_iters, t.lr = 2, 10, 1e-3
-    for k, v in training.items():
-        setattr(t, k, v)
-    return resolve_config(cfg, world)  # with the family's own rules (muP: GPT's only)
+    return tiny_config(model=model, world=world,
+                       **{"mock_data": False, "train_iters": 10, **training})
 
 
 # -- interleaved RoPE ---------------------------------------------------------------------------
@@ -286,5 +280,5 @@ def test_logits_loss_and_grads_match_megatron_core(megatron_results, case):
         r = res[case]
         assert r["names"] == [], (rank, r)
         for what in ("logits", "loss", "grads"):
-            assert r[what] < RTOL, (rank, case, what, r)
-        assert r["without"] > 100 * RTOL, (rank, case, r)  # the comparison can fail
+            assert r[what] < PARITY_RTOL, (rank, case, what, r)
+        assert r["without"] > 100 * PARITY_RTOL, (rank, case, r)  # the comparison can fail

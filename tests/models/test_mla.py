@@ -24,16 +24,15 @@ from loom.models.mtp import roll_left
 from loom.models.yarn import yarn_cos_sin, yarn_inv_freq
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model
+from testkit.config import tiny_model
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0,
-                multi_latent_attention=True, qk_layernorm=True, q_lora_rank=16,
-                kv_lora_rank=12, qk_head_dim=8,
-                qk_pos_emb_head_dim=4, v_head_dim=6, rotary_scaling_factor=4.0,
-                mscale=0.8, mscale_all_dim=0.8, yarn_original_max_position_embeddings=8)
-    return ModelConfig.llama(**{**base, **kw})
+    return tiny_model("llama", dict(
+        num_query_groups=None, multi_latent_attention=True, qk_layernorm=True, q_lora_rank=16,
+        kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+        rotary_scaling_factor=4.0, mscale=0.8, mscale_all_dim=0.8,
+        yarn_original_max_position_embeddings=8), kw)
 
 
 @pytest.mark.parametrize("factor,mscale,all_dim,beta", [(4.0, 1.0, 1.0, (32.0, 1.0)),

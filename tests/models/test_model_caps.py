@@ -19,21 +19,16 @@ from loom.models.attention import apply_rope, rope_cos_sin
 from loom.models.yarn import yarn_cos_sin
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model
+from testkit.config import tiny_config, tiny_model
 
 
 def gpt(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
-    return ModelConfig.llama(**{**base, **kw})
+    return tiny_model("llama", dict(num_query_groups=None, vocab_size=128), kw)
 
 
 def validated(model: ModelConfig, world: int = 1, **parallel) -> LoomConfig:
-    cfg = LoomConfig(model=model)
-    for k, v in parallel.items():
-        setattr(cfg.parallel, k, v)
-    t = cfg.training
-    t.micro_batch_size, t.train_iters, t.lr = 2, 10, 1e-3
-    return resolve_config(cfg, world)  # with the families' rules (--rotary-scaling-factor)
+    return tiny_config(model=model, world=world,
+                       **{"mock_data": False, "train_iters": 10, **parallel})
 
 
 def _parse(argv: list) -> LoomConfig:
@@ -293,15 +288,13 @@ def test_query_key_layer_scaling_is_reported_as_no_effect():
 
 def _per_layer_record(balancing: str) -> dict:
     from loom.training.trainer import Trainer
-    cfg = LoomConfig(model=gpt(num_layers=3, num_experts=4, moe_router_topk=2,
-                               moe_ffn_hidden_size=16, moe_layer_freq="[0,1,1]",
-                               moe_router_load_balancing_type=balancing,
-                               moe_aux_loss_coeff=0.0 if balancing == "sinkhorn" else 0.01,
-                               moe_z_loss_coeff=1e-3))
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr = 2, 4, 2, 1e-3
-    cfg.data.mock_data, cfg.logging.moe_per_layer_logging = True, True
-    tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
+    model = gpt(num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                moe_layer_freq="[0,1,1]", moe_router_load_balancing_type=balancing,
+                moe_aux_loss_coeff=0.0 if balancing == "sinkhorn" else 0.01,
+                moe_z_loss_coeff=1e-3)
+    cfg = tiny_config(model=model, global_batch_size=4, train_iters=2,
+                      moe_per_layer_logging=True, world=1)
+    tr = Trainer(cfg, mesh=ParallelMesh.single())
     return tr.train_step()
 
 

@@ -21,8 +21,8 @@ from loom.models.family import ModelFamily, StageSpec
 from testkit import run_distributed
 
 from toy_family_parts import Block, toy_init, toy_plan
-
-RTOL = 1e-5
+from testkit.numerics import PARITY_RTOL
+from testkit.config import MEGATRON_DROPOUT, PARITY_ADAM_EPS, tiny_config
 
 
 class Head(nn.Module):
@@ -73,19 +73,12 @@ TOY = ModelFamily(name="toy", build=ToyLM, plan=toy_plan, init=toy_init,
 
 
 def make_cfg(tp: int = 1, pp: int = 1) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
-                                       ffn_hidden_size=64, seq_length=8, vocab_size=100,
-                                       make_vocab_size_divisible_by=8))
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8
-    cfg.training.lr = 1e-3
-    cfg.training.adam_eps = 1e-4
-    cfg.training.train_iters = 100  # loom's defaults before issue 21 (now Megatron's), pinned
-    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"
-    cfg.data.mock_data = True
-    return cfg
+    return tiny_config("gpt", MEGATRON_DROPOUT, num_layers=4, ffn_hidden_size=64, seq_length=8,
+                       make_vocab_size_divisible_by=8, tensor_model_parallel_size=tp,
+                       pipeline_model_parallel_size=pp, global_batch_size=8,
+                       adam_eps=PARITY_ADAM_EPS,
+                       adam_beta2=0.95, lr_decay_style="cosine")  # loom's defaults before
+    # issue 21 (now Megatron's), pinned
 
 
 def steps(cfg: LoomConfig, mesh, n: int = 3) -> list:
@@ -114,16 +107,17 @@ def layouts() -> dict:
         errors, compared = [], 0
         for step, ((loss, grads, metrics, norm), (rloss, rgrads, rmetrics, rnorm)) in \
                 enumerate(zip(steps(cfg, mesh), ref)):
-            if not math.isclose(loss, rloss, rel_tol=RTOL):
+            if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: loss {loss} != {rloss}")
-            if not math.isclose(norm, rnorm, rel_tol=RTOL):
+            if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             if mesh.is_last_stage and "toy tokens" not in metrics:
                 errors.append(f"step {step}: the loss function's metrics did not arrive")
             for pname, (g, meta) in grads.items():
                 want = local_shard(rgrads[pname][0], meta, mesh.tp_rank, mesh.tp_size)
                 compared += 1
-                if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
+                if not torch.allclose(g, want, rtol=PARITY_RTOL,
+                                      atol=PARITY_RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {pname} differs")
         res[name] = {"errors": errors, "compared": compared}
     return res

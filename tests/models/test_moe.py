@@ -15,40 +15,26 @@ import math
 import pytest
 import torch
 
-from loom.config import ConfigError, LoomConfig, ModelConfig
+from loom.config import ConfigError, LoomConfig
 from loom.models.moe import route
 from testkit import run_distributed
+from testkit.numerics import PARITY_RTOL
+from testkit.config import PARITY_ADAM_EPS, tiny_config
 
-RTOL = 1e-5
 STEPS = 3
 
 
 def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
              layers=2, experts=4, sp=False, cp=1, etp=None) -> LoomConfig:
-    model = ModelConfig.llama(num_layers=layers, hidden_size=32, num_attention_heads=4,
-                              num_query_groups=2, seq_length=8, vocab_size=100,
-                              padded_vocab_size=104, hidden_dropout=0.0,
-                              attention_dropout=0.0, num_experts=experts, moe_router_topk=k,
-                              moe_ffn_hidden_size=24, moe_router_score_function=score,
-                              moe_shared_expert_intermediate_size=shared,
-                              moe_expert_capacity_factor=capacity, moe_aux_loss_coeff=0.01,
-                              moe_z_loss_coeff=0.001, moe_layer_freq=1,
-                              moe_token_dispatcher_type="alltoall")  # its all-to-alls counted
-    cfg = LoomConfig(model=model)
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.parallel.expert_model_parallel_size = ep
-    cfg.parallel.expert_tensor_parallel_size = etp
-    cfg.parallel.sequence_parallel = sp
-    cfg.parallel.context_parallel_size = cp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8
-    cfg.training.lr = 1e-3
-    cfg.training.adam_eps = 1e-4
-    cfg.training.train_iters = 100  # loom's defaults before issue 21 (now Megatron's), pinned
-    cfg.training.adam_beta2, cfg.training.lr_decay_style = 0.95, "cosine"
-    cfg.data.mock_data = True
-    return cfg
+    return tiny_config(
+        "moe", num_layers=layers, num_experts=experts, moe_router_topk=k,
+        moe_router_score_function=score, moe_shared_expert_intermediate_size=shared,
+        moe_expert_capacity_factor=capacity, moe_layer_freq=1,
+        moe_token_dispatcher_type="alltoall",  # its all-to-alls counted
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, sequence_parallel=sp,
+        context_parallel_size=cp, global_batch_size=8, adam_eps=PARITY_ADAM_EPS,
+        adam_beta2=0.95, lr_decay_style="cosine")  # loom's defaults before issue 21, pinned
 
 
 def run_steps(cfg, mesh, steps=STEPS):
@@ -88,14 +74,15 @@ def parity(cases) -> list[dict]:
         _, par = run_steps(cfg, mesh)
         errors, compared = [], 0
         for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(par, ref)):
-            if not math.isclose(loss, rloss, rel_tol=RTOL):
+            if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: loss {loss} != {rloss}")
-            if not math.isclose(norm, rnorm, rel_tol=RTOL):
+            if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             for name, (g, meta) in grads.items():
                 want = local_shard(rgrads[name][0], meta, *mesh.shard_of(meta))
                 compared += 1
-                if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
+                if not torch.allclose(g, want, rtol=PARITY_RTOL,
+                                      atol=PARITY_RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {name} max err "
                                   f"{(g - want).abs().max().item():.2e}")
         results.append({"case": case, "errors": errors, "compared": compared})
@@ -234,7 +221,7 @@ def test_checkpoint_moves_between_ep_sizes(tmp_path):
     for r in run_distributed(4, resume_world, str(tmp_path), timeout=600):
         assert r["grid_ep_tp"] == [0, 0, 1, 1], r  # the EP group held both TP ranks
         for ep in ("ep1", "tp2-ep4-etp1", "from-grid"):
-            assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(r[ep], r["want"])), r
+            assert all(math.isclose(a, b, rel_tol=PARITY_RTOL) for a, b in zip(r[ep], r["want"])), r
 
 
 @pytest.mark.parametrize("change,world,flag", [

@@ -19,12 +19,13 @@ import math
 import pytest
 import torch
 
-from loom.config import ConfigError, LoomConfig, ModelConfig
+from loom.config import ConfigError, LoomConfig
 from loom.config.model_moe import parse_moe_layer_freq
 from loom.models.moe import route
 from testkit import run_distributed
+from testkit.numerics import PARITY_RTOL
+from testkit.config import PARITY_ADAM_EPS, tiny_config
 
-RTOL = 1e-5
 STEPS = 3
 
 # DeepSeek-V3-style: every router option of item 3 at once, allgather + grouped GEMM
@@ -46,18 +47,10 @@ GLOBAL_AUX = dict(moe_router_load_balancing_type="global_aux_loss", moe_grouped_
 
 
 def make_cfg(tp=1, ep=1, sp=False, cp=1, **model) -> LoomConfig:
-    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-              seq_length=8, vocab_size=100, padded_vocab_size=104, hidden_dropout=0.0,
-              attention_dropout=0.0, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=24,
-              moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    cfg = LoomConfig(model=ModelConfig.llama(**{**kw, **model}))
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.expert_model_parallel_size = tp, ep
-    p.sequence_parallel, p.context_parallel_size = sp, cp
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.lr, t.adam_eps, t.train_iters = 2, 8, 1e-3, 1e-4, 100
-    cfg.data.mock_data = True
-    return cfg
+    return tiny_config("moe", {"num_experts": 8, "moe_router_topk": 4, **model},
+                       tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                       sequence_parallel=sp, context_parallel_size=cp, global_batch_size=8,
+                       adam_eps=PARITY_ADAM_EPS)
 
 
 def routers(tr) -> dict:
@@ -65,11 +58,12 @@ def routers(tr) -> dict:
             if n.endswith("mlp.router")}
 
 
-def run_steps(cfg, mesh, steps=STEPS):
+def run_steps(cfg, mesh, steps=STEPS, tr=None):
     """Loss, gradients (by name, with their ParamMeta), grad norm and every router's expert
-    bias per step; plus what the routers produced (recorded by forward hooks)."""
+    bias per step; plus what the routers produced (recorded by forward hooks). ``tr``: a
+    trainer already built (then ``cfg`` and ``mesh`` are its)."""
     from loom.training.trainer import Trainer
-    tr = Trainer(cfg, mesh=mesh)
+    tr = Trainer(cfg, mesh=mesh) if tr is None else tr
     seen = []
     for r in routers(tr).values():
         r.register_forward_hook(lambda mod, args, out: seen.append(out))
@@ -148,16 +142,17 @@ def parity(cases: list, refs: list) -> list[dict]:
         errors, compared = activity(cfg, tr, seen, par), 0
         for step, (a, b) in enumerate(zip(par, ref)):
             (loss, grads, norm, bias, _), (rloss, rgrads, rnorm, rbias) = a, b
-            if not math.isclose(loss, rloss, rel_tol=RTOL):
+            if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: loss {loss} != {rloss}")
-            if not math.isclose(norm, rnorm, rel_tol=RTOL):
+            if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: grad norm {norm} != {rnorm}")
             if set(grads) - set(rgrads):
                 errors.append(f"unknown grads {sorted(set(grads) - set(rgrads))}")
             for name, (g, meta) in grads.items():
                 want = local_shard(rgrads[name], meta, mesh.tp_rank, mesh.tp_size)
                 compared += 1
-                if not torch.allclose(g, want, rtol=RTOL, atol=RTOL * want.abs().max().item()):
+                if not torch.allclose(g, want, rtol=PARITY_RTOL,
+                                      atol=PARITY_RTOL * want.abs().max().item()):
                     errors.append(f"step {step}: grad {name} max err "
                                   f"{(g - want).abs().max().item():.2e}")
             for name, b in bias.items():
@@ -220,7 +215,8 @@ def test_router_parity_and_bias_checkpoint(tmp_path):
         assert any(any(v != 0 for v in b) for b in c["saved"].values())
         for ep in (1, 4):
             assert c[f"bias{ep}"] == c["saved"], ep
-            assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(c[f"ep{ep}"], c["want"]))
+            assert all(math.isclose(a, b, rel_tol=PARITY_RTOL)
+                       for a, b in zip(c[f"ep{ep}"], c["want"]))
 
 
 # ---------------------------------------------------------------- single process ----------
@@ -333,12 +329,78 @@ def test_bad_router_flags_refused(change, flag):
         make_cfg(**change).validate(1)
 
 
-def test_global_aux_loss_refused_with_recomputation():
-    cfg = make_cfg(moe_router_load_balancing_type="global_aux_loss")
-    cfg.training.recompute_granularity, cfg.training.recompute_method = "full", "uniform"
-    cfg.training.recompute_num_layers = 1
-    with pytest.raises(ConfigError, match="global_aux_loss"):
-        cfg.validate(1)
+def _global_aux_run(method=None, layers=1, replay: bool = True):
+    """3 steps of a 4-micro-batch global_aux_loss run, with full recomputation (``method``
+    uniform or block, ``layers`` per group) or none; the router's replay switched off with
+    ``replay`` False (the recomputation then reads its micro-batch alone: the behaviour before
+    the replay). Returns the steps and the routers' ``replay_mode`` at each forward."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    cfg = make_cfg(**GLOBAL_AUX)
+    if method:
+        cfg.training.recompute_granularity, cfg.training.recompute_method = "full", method
+        cfg.training.recompute_num_layers = layers
+    cfg = cfg.validate(1)
+    assert cfg.derived.num_microbatches == 4
+    tr = Trainer(cfg, mesh=ParallelMesh.single())
+    modes = []
+    for r in routers(tr).values():
+        r.register_forward_hook(lambda mod, args, out: modes.append(mod.replay_mode))
+        if not replay:
+            r.replayed = lambda compute: compute()
+    _, steps, _ = run_steps(cfg, None, tr=tr)
+    return steps, modes
+
+
+def test_global_aux_loss_with_recomputation_parity():
+    """Parity row: --recompute-granularity full with global_aux_loss (a load running over the
+    step's micro-batches) gives the loss and every gradient of the run without recomputation
+    (fp32, rtol 1e-5, 3 steps): the recomputed forward replays the load of its first run.
+    Uniform groups of 2 layers (the second layer's router runs inside the first's checkpoint)
+    and block. Active: every router forward was recorded once and replayed once, the global aux
+    loss is in the metrics; without the replay the gradients differ (the check can fail)."""
+    plain, plain_modes = _global_aux_run()
+    assert set(plain_modes) == {None} and float(plain[0][4]["moe aux loss"]) > 0
+    for method, layers in (("uniform", 2), ("block", 2)):
+        again, modes = _global_aux_run(method, layers)
+        assert modes.count("record") == modes.count("replay") == len(plain_modes) > 0
+        for (l0, g0, n0, _, m0), (l1, g1, n1, _, m1) in zip(plain, again):
+            assert math.isclose(l0, l1, rel_tol=PARITY_RTOL) \
+                and math.isclose(n0, n1, rel_tol=PARITY_RTOL)
+            assert float(m1["moe aux loss"]) == pytest.approx(float(m0["moe aux loss"]),
+                                                              rel=PARITY_RTOL)
+            assert g0.keys() == g1.keys()
+            for name, (g, _) in g0.items():
+                torch.testing.assert_close(g1[name][0], g, rtol=PARITY_RTOL, atol=1e-7, msg=name)
+    unreplayed, _ = _global_aux_run("uniform", 2, replay=False)
+    router_grads = [n for n in plain[0][1] if n.endswith("router.weight")]
+    assert len(router_grads) == 2 and any(
+        not torch.allclose(unreplayed[0][1][n][0], plain[0][1][n][0], rtol=PARITY_RTOL, atol=1e-7)
+        for n in router_grads)
+
+
+def test_rerun_restores_the_routers_running_load():
+    """Megatron's rerun state machine (loom/training/rerun.py) reruns an iteration from the
+    routers' loads at its start: with global_aux_loss and the aux-loss-free bias, a transient
+    fault injected into every validated iteration (spike check, non-fatal) leaves the losses
+    and expert biases of the run without it (a load counted twice would change the average)."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    runs = []
+    for ft in ({}, dict(no_check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=True,
+                        error_injection_rate=1)):
+        cfg = make_cfg(**GLOBAL_AUX, moe_router_score_function="sigmoid",
+                       moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01)
+        cfg.training.train_iters, cfg.logging.eval_iters = 3, 0
+        for k, v in ft.items():
+            setattr(cfg.fault_tolerance, k, v)
+        tr = Trainer(cfg.validate(1), mesh=ParallelMesh.single())
+        losses = [r["loss"] for r in tr.train()]
+        runs.append((losses, [r.expert_bias.clone() for r in routers(tr).values()],
+                     tr.rerun.reruns))
+    (l0, b0, n0), (l1, b1, n1) = runs
+    assert (n0, n1) == (0, 2) and l0 == l1 and len(b0) == 2
+    assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(b0, b1))
 
 
 def test_expert_bias_accepted_under_zero3():

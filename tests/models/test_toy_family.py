@@ -31,8 +31,9 @@ from loom.models.chunk import LMHead
 from testkit import run_distributed
 
 from toy_family_parts import Block, toy_init, toy_plan
+from testkit.numerics import PARITY_RTOL
+from testkit.config import MEGATRON_DROPOUT, tiny_config
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -110,16 +111,9 @@ FAMILY = TOY  # what a FAMILY_MODULES row's family() module holds
 
 
 def make_cfg(tp: int = 1, vocab_size: int = 100) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                       ffn_hidden_size=64, seq_length=8, vocab_size=vocab_size,
-                                       make_vocab_size_divisible_by=8))
-    cfg.model.model_type = "toy"
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8
-    cfg.training.lr = 1e-3
-    cfg.training.train_iters = 100
-    return cfg
+    return tiny_config("gpt", MEGATRON_DROPOUT, model_type="toy", ffn_hidden_size=64,
+                       seq_length=8, vocab_size=vocab_size, make_vocab_size_divisible_by=8,
+                       mock_data=False, tensor_model_parallel_size=tp, global_batch_size=8)
 
 
 def train(cfg: LoomConfig, mesh) -> list[dict]:
@@ -217,6 +211,6 @@ def test_toy_family_trains_at_one_and_two_ranks():
         assert set(res) == {"tp2", "dp2"}
         for name, steps in res.items():
             for step, (loss, toy_loss, ref) in enumerate(steps):
-                assert math.isclose(loss, ref, rel_tol=RTOL), (rank, name, step, loss, ref)
-                assert math.isclose(toy_loss, loss, rel_tol=RTOL), (rank, name, step)
+                assert math.isclose(loss, ref, rel_tol=PARITY_RTOL), (rank, name, step, loss, ref)
+                assert math.isclose(toy_loss, loss, rel_tol=PARITY_RTOL), (rank, name, step)
         assert res["tp2"][-1][0] < res["tp2"][0][0]  # it learns

@@ -4,6 +4,7 @@ them, not a test file: pytest puts this folder on ``sys.path`` and spawned ranks
 from __future__ import annotations
 
 import math
+from testkit.numerics import rel_err
 
 
 def step_mismatches(par: list, ref: list, mesh, rtol: float = 1e-5) -> list[str]:
@@ -18,7 +19,7 @@ def step_mismatches(par: list, ref: list, mesh, rtol: float = 1e-5) -> list[str]
                 if not math.isclose(a, b, rel_tol=rtol)]
         for name, (g, meta) in got[1].items():
             w = local_shard(want[1][name][0], meta, *mesh.shard_of(meta))
-            err = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
+            err = rel_err(g, w)
             if err > rtol:
                 out.append(f"step {step}: grad {name} relative error {err:.2e}")
     return out

@@ -24,35 +24,19 @@ from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
+from testkit.numerics import rel_err
+from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_model
 
 TOL = 5e-5
 
 
 def _cfg(kind: str, tp: int, pp: int, dp: int, sp: bool) -> LoomConfig:
-    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
-    # (Megatron's), so every compared t needs the same ones
-    common = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
-                  attention_dropout=0.0)
-    model = ModelConfig.gpt2(**common) if kind == "gpt" else \
-        ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
-    cfg = LoomConfig(model=model)
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.parallel.sequence_parallel = sp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8
-    cfg.training.lr = 1e-3
-    cfg.training.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py
-    cfg.training.clip_grad = 0.5
-    cfg.training.compile = True
-    cfg.training.train_iters = 100
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * pp * dp)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+    model = tiny_model("gpt", PARITY_SHAPE, num_layers=4) if kind == "gpt" else \
+        tiny_model("llama", PARITY_SHAPE, num_layers=4, ffn_hidden_size=96)
+    return tiny_config(model=model, mock_data=False, tensor_model_parallel_size=tp,
+                       pipeline_model_parallel_size=pp, sequence_parallel=sp,
+                       global_batch_size=8, adam_eps=PARITY_ADAM_EPS, clip_grad=0.5,
+                       compile=True, log_interval=10**9, world=tp * pp * dp)
 
 
 def compiled_case(kind: str, tp: int, pp: int, dp: int, sp: bool) -> dict:
@@ -85,7 +69,7 @@ def compiled_case(kind: str, tp: int, pp: int, dp: int, sp: bool) -> dict:
             for name, p in chunk.named_parameters():
                 want = local_shard(ref_params[name].grad, par.registry[name], mesh.tp_rank,
                                    mesh.tp_size)
-                out["grad"] = max(out["grad"], _rel(p.grad, want))
+                out["grad"] = max(out["grad"], rel_err(p.grad, want))
                 out["checked"] += 1
         np_, nr = par.optimizer_step(), ref.optimizer_step()
         out["norm"] = max(out["norm"], abs(np_ - nr) / nr)
@@ -168,7 +152,7 @@ def compiled_collectives() -> dict:
             y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1 + rank)))
             runs.append([y.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t)
                                         for t in leaves])
-        out[name] = {"err": max(_rel(c, e) for e, c in zip(*runs)),
+        out[name] = {"err": max(rel_err(c, e) for e, c in zip(*runs)),
                      "frames_ok": counters["frames"]["ok"]}
     torch._dynamo.reset()
     counters.clear()

@@ -25,12 +25,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
 from testkit import count_collectives, run_distributed
-
-RTOL = 1e-5
+from testkit.numerics import PARAM_RTOL, PARITY_RTOL, rel_err
+from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_model
 
 
 # -- primitives against the unsharded core -------------------------------------------------------
@@ -70,7 +70,7 @@ def primitive_case(make_core, kind: str, groups, g: int, dv: int = 8, s: int = 3
     with count_collectives(p2p=True) as bwd:
         (out * slice_for_cp(go, r, c, 2)).sum().backward()
     want = [make_core()(*ref)] + [t.grad for t in ref]
-    err = max(float((x - slice_for_cp(w, r, c, 2)).abs().max() / w.abs().max())
+    err = max(rel_err(x, slice_for_cp(w, r, c, 2), scale=w)
               for x, w in zip([out.detach()] + [t.grad for t in mine], [w.detach() for w in want]))
 
     def ops(records):
@@ -98,8 +98,7 @@ def tiled_ring_case(groups, window) -> float:
     got = ring_attention(*mine, all_positions(40, c), cp,
                          CoreMath(scale=0.5, window=window, tile=3))
     assert torch.equal(all_positions(40, c)[r], local_positions(40, r, c))
-    w = slice_for_cp(want, r, c, 2)
-    return float((got - w).abs().max() / w.abs().max())
+    return rel_err(got, slice_for_cp(want, r, c, 2))
 
 
 def dropout_case(groups) -> dict:
@@ -153,25 +152,18 @@ def primitives(c: int) -> dict:
 # -- whole-model rows through the Trainer ---------------------------------------------------------
 
 def model_cfg(family: str, c: int, kind: str, tp: int = 1, hier=None) -> LoomConfig:
-    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
-    # (Megatron's), so every compared t needs the same ones
-    common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                  seq_length=32, vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
-                  attention_dropout=0.0)
     if family == "llama":
-        model = ModelConfig.llama(ffn_hidden_size=96, **common)
+        model = tiny_model("llama", PARITY_SHAPE, seq_length=32, ffn_hidden_size=96)
     else:  # gemma3: a local (sliding window 5) and a global layer
-        model = ModelConfig(model_type="gemma3", kv_channels=16, ffn_hidden_size=96,
-                            sliding_window=5, layer_types="LG", query_pre_attn_scalar=24,
-                            init_method_std=0.05, **common)
-    cfg = LoomConfig(model=model)
-    p, t = cfg.parallel, cfg.training
-    p.tensor_model_parallel_size, p.context_parallel_size, p.cp_comm_type = tp, c, kind
-    p.hierarchical_context_parallel_sizes = hier
-    t.micro_batch_size, t.global_batch_size, t.lr, t.adam_eps, t.clip_grad = 2, 4, 1e-3, 1e-4, 0.5
-    t.train_iters = 100
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * c)
+        model = tiny_model("gpt", PARITY_SHAPE, num_query_groups=2, seq_length=32,
+                           model_type="gemma3", kv_channels=16, ffn_hidden_size=96,
+                           sliding_window=5, layer_types="LG", query_pre_attn_scalar=24,
+                           init_method_std=0.05)
+    return tiny_config(model=model, mock_data=False, tensor_model_parallel_size=tp,
+                       context_parallel_size=c, cp_comm_type=kind,
+                       hierarchical_context_parallel_sizes=hier, global_batch_size=4,
+                       adam_eps=PARITY_ADAM_EPS, clip_grad=0.5, log_interval=10**9,
+                       world=tp * c)
 
 
 def trainer_row(family: str, c: int, kind: str, tp: int = 1, hier=None) -> dict:
@@ -188,9 +180,6 @@ def trainer_row(family: str, c: int, kind: str, tp: int = 1, hier=None) -> dict:
     ref_cfg.parallel.hierarchical_context_parallel_sizes = None
     ref_cfg.parallel.cp_comm_type = "p2p"
     ref = Trainer(ref_cfg.validate(1), mesh=ParallelMesh.single())
-
-    def err(x, w):
-        return float((x - w).abs().max() / w.abs().max().clamp_min(1e-12))
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "nparams": 0, "comm": {}}
     cp_groups = {mesh.groups.get(n) for n in ("cp", "cp_a2a", "cp_p2p")} - {None}
     for _ in range(3):
@@ -205,7 +194,7 @@ def trainer_row(family: str, c: int, kind: str, tp: int = 1, hier=None) -> dict:
         ref_params = dict(ref.model_chunks[0].named_parameters())
         for name, prm in par.model_chunks[0].named_parameters():
             want = local_shard(ref_params[name].grad, par.registry[name], mesh.tp_rank, tp)
-            out["grad"] = max(out["grad"], err(prm.grad, want))
+            out["grad"] = max(out["grad"], rel_err(prm.grad, want))
         out["nparams"] = len(ref_params)
         par.optimizer_step(), ref.optimizer_step()
         par.consumed_samples += par.global_batch
@@ -213,7 +202,7 @@ def trainer_row(family: str, c: int, kind: str, tp: int = 1, hier=None) -> dict:
     ref_params = dict(ref.model_chunks[0].named_parameters())
     for name, prm in par.model_chunks[0].named_parameters():
         want = local_shard(ref_params[name].detach(), par.registry[name], mesh.tp_rank, tp)
-        out["param"] = max(out["param"], err(prm.detach(), want))
+        out["param"] = max(out["param"], rel_err(prm.detach(), want))
     out["types"] = sorted({m.comm_type for m in par.model_chunks[0].modules()
                            if type(m).__name__ == "ContextParallelAttention"})
     return out
@@ -267,8 +256,8 @@ def _check_world(results: list, c: int) -> None:
                     _check_cost(kind, c, case)
             else:
                 for key in ("loss", "grad"):
-                    assert case[key] < RTOL, (name, key, case)
-                assert case["param"] < 1e-4 and case["nparams"] > 5, (name, case)
+                    assert case[key] < PARITY_RTOL, (name, key, case)
+                assert case["param"] < PARAM_RTOL and case["nparams"] > 5, (name, case)
                 kinds = name.split("/")[2].split("(")[0]
                 want = ["a2a", "p2p"] if kinds == "per-layer" else [kinds]
                 assert case["types"] == want, (name, case)  # the type was used ...

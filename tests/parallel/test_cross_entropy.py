@@ -17,20 +17,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.config import ModelConfig
 from loom.parallel.cross_entropy import default_chunk_tokens, linear_cross_entropy
 from testkit import run_distributed
-from testkit.numerics import rel_err
+from testkit.numerics import PARITY_RTOL, rel_err
+from testkit.config import tiny_model
 
 S, B, H, V = 6, 5, 16, 300
 CHUNKS = (None, 7, 10, 1, 64)  # N = 30: default (1 chunk), non-divisor, divisor, 1 token, > N
-RTOL = 1e-5
 
 
 def inputs(t: int):
     """Full padded weight ``[Vp, h]`` (random padding rows), hidden ``[s, b, h]``, target and
     per-token weights ``[s, b]``."""
-    vp = ModelConfig(vocab_size=V).padded_vocab(t)
+    vp = tiny_model(vocab_size=V).padded_vocab(t)
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(vp, H, generator=g)
     hidden = torch.randn(S, B, H, generator=g) * 2.0
@@ -128,13 +127,13 @@ def worlds():
 
 def test_tp1_matches_f_cross_entropy():
     errs = tp_case(None, 0, 1)
-    assert max(errs.values()) < RTOL, errs
+    assert max(errs.values()) < PARITY_RTOL, errs
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_vocab_parallel_matches_gathered_logits(worlds, t):
     for rank, res in enumerate(worlds[t]):
-        assert max(res["errors"].values()) < RTOL, (t, rank, res["errors"])
+        assert max(res["errors"].values()) < PARITY_RTOL, (t, rank, res["errors"])
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -176,7 +175,7 @@ def test_no_grad_computes_loss_only():
     with torch.no_grad():
         loss = linear_cross_entropy(x, weight, target, group=None, vocab_start=0, vocab_size=V,
                                     chunk_tokens=7)
-    assert loss.grad_fn is None and rel_err(loss, ref_loss) < RTOL
+    assert loss.grad_fn is None and rel_err(loss, ref_loss) < PARITY_RTOL
 
 
 def test_backward_twice_raises_and_bad_shapes():
@@ -256,7 +255,7 @@ def test_vocab_tiles_and_extreme_logits(monkeypatch, scale):
         assert ref.max() > 200  # the case the old target-probability route could not represent
     # logits of ~500 carry fp32 rounding of 500 * 2^-24 = 3e-5 into exp(): any fp32
     # softmax is that far from fp64 there
-    tol = RTOL if scale == 1 else 1e-4
+    tol = PARITY_RTOL if scale == 1 else 1e-4
     assert rel_err(loss.detach().double(), ref.detach()) < tol
     assert rel_err(x.grad.double(), x64.grad) < tol
     assert rel_err(w.grad.double(), w64.grad) < tol

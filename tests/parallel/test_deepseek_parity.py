@@ -20,8 +20,9 @@ from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
 
 from parity_helpers import step_mismatches
+from testkit.numerics import PARITY_RTOL
+from testkit.config import PARITY_ADAM_EPS, tiny_config, tiny_model
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -29,20 +30,19 @@ def model_cfg(kind: str) -> ModelConfig:
     """``mla``: dense LLaMA-style layers with MLA + YaRN (low-rank queries, latent norms);
     ``mla_q``: a full query projection, no latent norms, MTP D=2; ``deepseek``: every issue-24
     flag."""
-    common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                  vocab_size=100, padded_vocab_size=104, ffn_hidden_size=48,
-                  hidden_dropout=0.0, attention_dropout=0.0, multi_latent_attention=True,
+    common = dict(num_layers=4, num_query_groups=None, padded_vocab_size=104,
+                  ffn_hidden_size=48, multi_latent_attention=True,
                   qk_layernorm=kind != "mla_q",
                   q_lora_rank=None if kind == "mla_q" else 16, kv_lora_rank=12, qk_head_dim=8,
                   qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="yarn",
                   rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
                   yarn_original_max_position_embeddings=8)
     if kind == "mla_q":  # + MTP (two depths): at TP=2 and across the CP chunks
-        return ModelConfig.llama(**common, mtp_num_layers=2)
+        return tiny_model("llama", common, mtp_num_layers=2)
     if kind != "deepseek":
-        return ModelConfig.llama(**common)
-    return ModelConfig.llama(
-        **common, mtp_num_layers=1, mtp_loss_scaling_factor=0.3, num_experts=8,
+        return tiny_model("llama", common)
+    return tiny_model(
+        "llama", common, mtp_num_layers=1, mtp_loss_scaling_factor=0.3, num_experts=8,
         moe_router_topk=4, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
         moe_layer_freq="([0]*1+[1]*3)", moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01,
@@ -52,15 +52,10 @@ def model_cfg(kind: str) -> ModelConfig:
 
 
 def make_cfg(kind: str, tp=1, pp=1, cp=1, ep=1, sp=False) -> LoomConfig:
-    cfg = LoomConfig(model=model_cfg(kind))
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    p.context_parallel_size, p.expert_model_parallel_size, p.sequence_parallel = cp, ep, sp
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.lr, t.train_iters = 2, 8, 1e-3, 100
-    t.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py: float noise, not math
-    cfg.data.mock_data = True
-    return cfg
+    return tiny_config(model=model_cfg(kind), tensor_model_parallel_size=tp,
+                       pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                       expert_model_parallel_size=ep, sequence_parallel=sp,
+                       global_batch_size=8, adam_eps=PARITY_ADAM_EPS)
 
 
 def run_steps(cfg, mesh):
@@ -99,7 +94,7 @@ def features(tr) -> dict:
 def mismatches(par: list, ref: list, mesh) -> list[str]:
     """Per step: loss and gradient norm (rtol), each gradient against the reference's shard
     (max error relative to the largest entry)."""
-    return step_mismatches(par, ref, mesh, RTOL)
+    return step_mismatches(par, ref, mesh, PARITY_RTOL)
 
 
 def parity(cases) -> list[dict]:
@@ -123,7 +118,7 @@ def parity(cases) -> list[dict]:
         for c in tr.model_chunks:
             for n, prm in c.named_parameters():
                 if n.endswith("expert_bias") and not torch.allclose(prm, ref_params[n],
-                                                                    rtol=RTOL, atol=1e-7):
+                                                                    rtol=PARITY_RTOL, atol=1e-7):
                     errors.append(f"{n} {prm.tolist()} != {ref_params[n].tolist()}")
         results.append({"case": (kind, layout), "errors": errors, "compared": compared,
                         "features": features(tr), "last": mesh.is_last_stage,

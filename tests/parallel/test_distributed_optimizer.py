@@ -25,43 +25,30 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
-from testkit.numerics import rel_err
-
-RTOL = 1e-5
+from testkit.numerics import PARAM_RTOL, PARITY_RTOL, rel_err
+from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_model
 
 
 def make_cfg(world: int, tp=1, pp=1, ep=1, zero=1, og=False, opg=False, m=None, moe=False,
              bf16=False, layers=2) -> LoomConfig:
-    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
-    # (Megatron's), so every compared t needs the same ones
-    common = dict(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
-                  attention_dropout=0.0)
     if moe:
-        model = ModelConfig.llama(num_query_groups=2, num_experts=4, moe_router_topk=2,
-                                  moe_ffn_hidden_size=48, moe_layer_freq=1,
-                                  moe_aux_loss_coeff=0.01, **common)
+        model = tiny_model("llama", PARITY_SHAPE, num_layers=layers, num_experts=4,
+                           moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=1,
+                           moe_aux_loss_coeff=0.01)
     else:
-        model = ModelConfig.gpt2(**common)
-    cfg = LoomConfig(model=model)
-    p, t = cfg.parallel, cfg.training
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    p.expert_model_parallel_size, p.overlap_grad_reduce = ep, og
-    p.ddp_bucket_size = 20_000  # several buckets
-    t.zero_stage = zero or 0
-    t.overlap_param_gather = opg
-    t.bf16 = bf16
+        model = tiny_model("gpt", PARITY_SHAPE, num_layers=layers)
     dp = world // (tp * pp)
-    t.micro_batch_size, t.train_iters = 2, 100
-    t.global_batch_size = 2 * dp * (m or 1)
-    t.lr, t.adam_eps, t.clip_grad = 1e-3, 1e-4, 0.5  # see test_parallel_parity
-    cfg.data.mock_data = True
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(world)
+    return tiny_config(
+        model=model, mock_data=True, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, overlap_grad_reduce=og,
+        ddp_bucket_size=20_000,  # several buckets
+        zero_stage=zero or 0, overlap_param_gather=opg, bf16=bf16,
+        global_batch_size=2 * dp * (m or 1), adam_eps=PARITY_ADAM_EPS, clip_grad=0.5,
+        log_interval=10**9, world=world)
 
 
 def parity_case(**kw) -> dict:
@@ -243,8 +230,9 @@ def results4():
 
 def _check(case: dict) -> None:
     assert case["kind"] == "DistributedOptimizer" and case["compared"] > 10, case
-    assert case["loss"] < RTOL and case["grad"] < RTOL and case["norm"] < RTOL, case
-    assert case["param"] < 1e-4, case
+    assert case["loss"] < PARITY_RTOL and case["grad"] < PARITY_RTOL \
+        and case["norm"] < PARITY_RTOL, case
+    assert case["param"] < PARAM_RTOL, case
 
 
 @pytest.mark.parametrize("name", ["dp2", "dp2-overlap", "dp2-m3", "dp2-zero2", "dp2-zero2-m3",

@@ -23,10 +23,11 @@ import math
 import pytest
 import torch
 
-from loom.config import ConfigError, LoomConfig, ModelConfig
+from loom.config import ConfigError, LoomConfig
 from testkit import run_distributed
+from testkit.numerics import PARAM_RTOL, PARITY_RTOL, rel_err
+from testkit.config import PARITY_ADAM_EPS, tiny_config
 
-RTOL = 1e-5
 STEPS = 3
 CLIP = 0.05  # below every step's gradient norm here: clipping is active
 
@@ -38,25 +39,15 @@ CASES = {  # name: layout on 4 ranks (d = 1: Megatron's grid is the only way to 
 
 
 def make_cfg(tp=1, pp=1, cp=1, ep=1, etp=None, kind="alltoall", zero=0, world=4) -> LoomConfig:
-    model = ModelConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4,
-                              num_query_groups=4, seq_length=16, vocab_size=100,
-                              padded_vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0,
-                              num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
-                              moe_shared_expert_intermediate_size=16, moe_aux_loss_coeff=0.01,
-                              moe_z_loss_coeff=0.001, moe_layer_freq=1,
-                              moe_token_dispatcher_type=kind)
-    cfg = LoomConfig(model=model)
-    p, t = cfg.parallel, cfg.training
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    p.context_parallel_size, p.sequence_parallel = cp, tp > 1
-    p.expert_model_parallel_size, p.expert_tensor_parallel_size = ep, etp
-    p.ddp_bucket_size = 5_000  # several buckets per reducer
-    t.zero_stage = zero
-    t.micro_batch_size, t.global_batch_size, t.train_iters = 2, 8, 100
-    t.lr, t.adam_eps, t.clip_grad = 1e-3, 1e-4, CLIP
-    cfg.data.mock_data = True
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(world)
+    return tiny_config(
+        "moe", num_query_groups=4, seq_length=16, padded_vocab_size=128, num_experts=8,
+        moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=16, moe_layer_freq=1,
+        moe_token_dispatcher_type=kind, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, context_parallel_size=cp, sequence_parallel=tp > 1,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        ddp_bucket_size=5_000,  # several buckets per reducer
+        zero_stage=zero, global_batch_size=8, adam_eps=PARITY_ADAM_EPS, clip_grad=CLIP,
+        log_interval=10**9, world=world)
 
 
 def reference(case: dict) -> dict:
@@ -113,7 +104,7 @@ def parity_case(case: dict, ref: dict) -> dict:
     for step in range(STEPS):
         loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))
         rloss, rgrads, rnorm = ref["steps"][step]
-        if not math.isclose(loss, rloss, rel_tol=RTOL):
+        if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
             errors.append(f"step {step}: loss {loss} != {rloss}")
         for chunk in tr.model_chunks:
             for name, q in chunk.named_parameters():
@@ -123,21 +114,20 @@ def parity_case(case: dict, ref: dict) -> dict:
                 lo, hi = owner[id(q)].shard_range(q)
                 got = grad_of(q).reshape(-1)
                 compared += 1
-                err = float((got - want[lo:hi]).abs().max() / want.abs().max().clamp_min(1e-12)) \
-                    if hi > lo else 0.0
-                if err > RTOL:
+                err = rel_err(got, want[lo:hi], scale=want) if hi > lo else 0.0
+                if err > PARITY_RTOL:
                     errors.append(f"step {step}: grad {name} relative error {err:.2e}")
         norm = tr.optimizer_step()
         norms.append(norm)
-        if not math.isclose(norm, rnorm, rel_tol=RTOL):
+        if not math.isclose(norm, rnorm, rel_tol=PARITY_RTOL):
             errors.append(f"step {step}: grad norm {norm} != {rnorm}")
         tr.consumed_samples += tr.global_batch
     finish_param_gather(tr.optimizer)
     for chunk in tr.model_chunks:
         for name, q in chunk.named_parameters():
             want = shard(ref["params"][name], name)
-            err = float((q.detach() - want).abs().max() / want.abs().max().clamp_min(1e-12))
-            if err > 1e-4:  # 3 Adam steps: see tests/parallel/test_parallel_parity.py
+            err = rel_err(q, want)
+            if err > PARAM_RTOL:  # 3 Adam steps
                 errors.append(f"parameter {name} after the steps: relative error {err:.2e}")
     return {"errors": errors, "compared": compared, "norms": norms,
             "optimizer": type(tr.optimizer).__name__,

@@ -36,68 +36,41 @@ import torch
 
 from loom.config import ConfigError, LoomConfig, ModelConfig, add_config_arguments, config_from_args
 from testkit import run_distributed
+from testkit.numerics import PARAM_RTOL, PARITY_RTOL, rel_err
+from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_model
 
-RTOL = 1e-5
 STEPS = 3
 
 
 def tiny(kind: str = "gpt", layers: int = 2) -> ModelConfig:
-    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
-    # (Megatron's), so every compared t needs the same ones
-    common = dict(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
-                  attention_dropout=0.0)
     if kind == "hybrid":  # Mamba-2, attention, Mamba-2, MLP (tests/models/test_mamba.py's tiny stack)
-        return ModelConfig.llama(
-            model_type="mamba", num_layers=4, hidden_size=32, num_attention_heads=4,
-            num_query_groups=2, ffn_hidden_size=64, seq_length=16, vocab_size=100,
-            padded_vocab_size=104, hidden_dropout=0.0, attention_dropout=0.0,
-            mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_expand=2,
-            mamba_d_conv=4, mamba_chunk_size=5, hybrid_override_pattern="M*M-")
+        return tiny_model("mamba", hybrid_override_pattern="M*M-")
     if kind in ("moe", "moe-bias"):  # tests/models/test_moe.py's: 4 experts, top-2, aux and
         # z losses, every layer; moe-bias: sigmoid scores with the aux-loss-free expert bias,
         # tokens dispatched by all-to-all under EP
         bias = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                     moe_router_bias_update_rate=0.01, moe_token_dispatcher_type="alltoall"
                     ) if kind == "moe-bias" else {}
-        return ModelConfig.llama(
-            num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-            seq_length=8, vocab_size=100, padded_vocab_size=104, hidden_dropout=0.0,
-            attention_dropout=0.0, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-            moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_layer_freq=1, **bias)
+        return tiny_model("moe", bias, num_layers=layers, moe_layer_freq=1)
     if kind == "gpt":
-        return ModelConfig.gpt2(**common)
-    return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
+        return tiny_model("gpt", PARITY_SHAPE, num_layers=layers)
+    return tiny_model("llama", PARITY_SHAPE, num_layers=layers, ffn_hidden_size=96)
 
 
 def make_cfg(kind: str = "gpt", tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, m: int = 2,
              zero: int = 3, recompute=None, iters: int = 4, validate: bool = True,
              layers: int = 2, lpv=None, ep: int = 1, etp=None) -> LoomConfig:
-    cfg = LoomConfig(model=tiny(kind, layers))
-    cfg.parallel.expert_model_parallel_size = ep
-    cfg.parallel.expert_tensor_parallel_size = etp
-    cfg.parallel.num_layers_per_virtual_pipeline_stage = lpv
-    cfg.training.zero_stage = zero
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.parallel.context_parallel_size = cp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 2 * m * dp
-    cfg.training.train_iters = iters
-    cfg.training.lr = 1e-3
-    cfg.training.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py: no amplified float noise
-    cfg.training.clip_grad = 0.5  # active: the norm must sum the DP shards
-    cfg.training.recompute_granularity = recompute
-    cfg.training.recompute_method = "uniform"  # loom's defaults before issue 21, pinned
-    cfg.training.recompute_num_layers = 1
-    cfg.data.mock_data = True
-    cfg.logging.log_interval = 10**9
-    cfg.logging.no_progress_bar = True
-    return cfg.validate(tp * dp * pp * cp) if validate else cfg
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+    return tiny_config(
+        model=tiny(kind, layers), expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, num_layers_per_virtual_pipeline_stage=lpv,
+        zero_stage=zero, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        context_parallel_size=cp, global_batch_size=2 * m * dp, train_iters=iters,
+        adam_eps=PARITY_ADAM_EPS,
+        clip_grad=0.5,  # active: the norm must sum the DP shards
+        recompute_granularity=recompute,
+        recompute_method="uniform",  # loom's defaults before issue 21, pinned
+        recompute_num_layers=1, log_interval=10**9, no_progress_bar=True,
+        world=tp * dp * pp * cp if validate else None)
 
 
 _REF: dict = {}
@@ -382,11 +355,11 @@ def results4(tmp_path_factory):
 def _check(case: dict) -> None:
     assert case["sharded"], case  # every parameter is a DTensor shard
     assert case["nparams"] > 10
-    assert case["loss"] < RTOL, case
-    assert case["grad"] < RTOL, case
-    assert case["norm"] < RTOL, case
-    assert case["eval"] < RTOL, case  # forward_only (evaluation) gathers the shards too
-    assert case["param"] < 1e-4, case  # 3 Adam steps: see tests/parallel/test_parallel_parity.py
+    assert case["loss"] < PARITY_RTOL, case
+    assert case["grad"] < PARITY_RTOL, case
+    assert case["norm"] < PARITY_RTOL, case
+    assert case["eval"] < PARITY_RTOL, case  # forward_only (evaluation) gathers the shards too
+    assert case["param"] < PARAM_RTOL, case  # 3 Adam steps
 
 
 @pytest.mark.parametrize("name", ["dp2-gpt", "dp2-llama", "dp2-m3", "dp2-recompute-full",
@@ -472,11 +445,11 @@ def test_zero3_checkpoint_loads_at_any_layout(results2, ckpt_dir):
     assert ck["saved_shape"] == ck["saved_state_shape"] == (256, 64)
     # plain DP=2 and ZeRO-3 DP=2 train alike; the ZeRO-3 run resumed from the plain save
     # continues both
-    assert ck["z3"] == pytest.approx(ck["plain"], rel=RTOL)
-    assert ck["z3_from_plain"] == pytest.approx(ck["plain"][2:], rel=RTOL)
+    assert ck["z3"] == pytest.approx(ck["plain"], rel=PARITY_RTOL)
+    assert ck["z3_from_plain"] == pytest.approx(ck["plain"][2:], rel=PARITY_RTOL)
     one = checkpoint_world1(ckpt_dir)  # one process, no process group
-    assert one["resumed"] == pytest.approx(ck["z3"][2:], rel=RTOL)
-    assert one["resumed"] == pytest.approx(one["uninterrupted"][2:], rel=RTOL)
+    assert one["resumed"] == pytest.approx(ck["z3"][2:], rel=PARITY_RTOL)
+    assert one["resumed"] == pytest.approx(one["uninterrupted"][2:], rel=PARITY_RTOL)
 
 
 def test_zero3_flags_parse():

@@ -17,30 +17,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from testkit import run_distributed
 
 from parity_helpers import step_mismatches, trainer_steps
+from testkit.numerics import PARITY_RTOL
+from testkit.config import PARITY_ADAM_EPS, tiny_config
 
-RTOL = 1e-5
 STEPS = 3
 
 
 def make_cfg(kind: str, tp=1, pp=1, cp=1) -> LoomConfig:
-    common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                  vocab_size=100, make_vocab_size_divisible_by=32, ffn_hidden_size=48,
-                  hidden_dropout=0.0, attention_dropout=0.0)  # Vp 128 at t = 1 and 2
     extra = dict(rotary_interleaved=True, rotary_percent=0.5) if kind == "interleaved" else \
         dict(use_mup=True, mup_base_hidden_size=8, mup_embedding_mult=2.0)
-    cfg = LoomConfig(model=ModelConfig.llama(**common, **extra))
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    p.context_parallel_size = cp
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.lr, t.train_iters = 2, 4, 1e-3, 100
-    t.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py: float noise, not math
-    cfg.data.mock_data = True
-    return cfg
+    return tiny_config("llama", extra, num_layers=4, num_query_groups=None,
+                       make_vocab_size_divisible_by=32,  # Vp 128 at t = 1 and 2
+                       ffn_hidden_size=48, tensor_model_parallel_size=tp,
+                       pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                       global_batch_size=4, adam_eps=PARITY_ADAM_EPS)
 
 
 def run_steps(cfg, mesh):
@@ -74,7 +68,7 @@ def world2(cases) -> list[dict]:
                                   pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size)
         tr, par = run_steps(cfg, mesh)
         results.append({"case": (kind, layout), "errors": step_mismatches(par, refs[kind], mesh,
-                                                                          RTOL),
+                                                                          PARITY_RTOL),
                         "compared": sum(len(s[1]) for s in par), "features": features(tr, kind)})
     return results
 

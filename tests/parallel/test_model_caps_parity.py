@@ -25,43 +25,37 @@ from loom.config import LoomConfig, ModelConfig
 from testkit import run_distributed
 
 from parity_helpers import step_mismatches
+from testkit.numerics import PARITY_RTOL
+from testkit.config import PARITY_ADAM_EPS, tiny_config, tiny_model
 
-RTOL = 1e-5
 STEPS = 3
 
 
 def model_cfg(kind: str) -> ModelConfig:
-    common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                  vocab_size=100, make_vocab_size_divisible_by=32, ffn_hidden_size=48,
-                  hidden_dropout=0.0, attention_dropout=0.0)
+    common = dict(num_layers=4, num_query_groups=None, make_vocab_size_divisible_by=32,
+                  ffn_hidden_size=48)
     if kind == "moe":
-        return ModelConfig.llama(**common, swiglu=False, squared_relu=True, num_experts=4,
-                                 moe_router_topk=2, moe_ffn_hidden_size=24,
-                                 moe_shared_expert_intermediate_size=16,
-                                 moe_layer_freq="[0,1,1,1]",
-                                 moe_router_load_balancing_type="sinkhorn",
-                                 moe_z_loss_coeff=1e-3)
+        return tiny_model("llama", common, swiglu=False, squared_relu=True, num_experts=4,
+                          moe_router_topk=2, moe_ffn_hidden_size=24,
+                          moe_shared_expert_intermediate_size=16,
+                          moe_layer_freq="[0,1,1,1]",
+                          moe_router_load_balancing_type="sinkhorn",
+                          moe_z_loss_coeff=1e-3)
     if kind == "yarn":
-        return ModelConfig.llama(**common, position_embedding_type="yarn",
-                                 rotary_scaling_factor=4.0, mscale=0.9, mscale_all_dim=0.5,
-                                 yarn_original_max_position_embeddings=8,
-                                 yarn_correction_range_round_to_int=False)
-    return ModelConfig.llama(**common, multi_latent_attention=True,
-                             position_embedding_type="learned_absolute", q_lora_rank=16,
-                             kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
+        return tiny_model("llama", common, position_embedding_type="yarn",
+                          rotary_scaling_factor=4.0, mscale=0.9, mscale_all_dim=0.5,
+                          yarn_original_max_position_embeddings=8,
+                          yarn_correction_range_round_to_int=False)
+    return tiny_model("llama", common, multi_latent_attention=True,
+                      position_embedding_type="learned_absolute", q_lora_rank=16,
+                      kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
 
 
 def make_cfg(kind: str, tp=1, pp=1, cp=1, sp=False) -> LoomConfig:
-    cfg = LoomConfig(model=model_cfg(kind))
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    p.context_parallel_size, p.sequence_parallel = cp, sp
-    t = cfg.training
-    t.micro_batch_size, t.global_batch_size, t.lr, t.train_iters = 2, 4, 1e-3, 100
-    t.adam_eps = 1e-4  # see tests/parallel/test_parallel_parity.py: float noise, not math
-    cfg.data.mock_data = True
-    cfg.logging.moe_per_layer_logging = kind == "moe"
-    return cfg
+    return tiny_config(model=model_cfg(kind), tensor_model_parallel_size=tp,
+                       pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                       sequence_parallel=sp, global_batch_size=4, adam_eps=PARITY_ADAM_EPS,
+                       moe_per_layer_logging=kind == "moe")
 
 
 def run_steps(cfg, mesh):
@@ -118,12 +112,12 @@ def features(tr, kind: str, routed: dict) -> dict:
 
 def mismatches(par: list, ref: list, mesh) -> list[str]:
     """:func:`parity_helpers.step_mismatches`, and the per-layer MoE losses (rtol)."""
-    out = step_mismatches(par, ref, mesh, RTOL)
+    out = step_mismatches(par, ref, mesh, PARITY_RTOL)
     for step, (got, want) in enumerate(zip(par, ref)):
         if set(got[3]) != set(want[3]):
             out.append(f"step {step}: per-layer keys {sorted(got[3])} != {sorted(want[3])}")
         out += [f"step {step}: {k} {v} != {want[3][k]}" for k, v in got[3].items()
-                if k in want[3] and not math.isclose(v, want[3][k], rel_tol=RTOL)]
+                if k in want[3] and not math.isclose(v, want[3][k], rel_tol=PARITY_RTOL)]
     return out
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from loom.config import ModelConfig
 from loom.models.moe import ExpertMLP, run_experts, run_experts_grouped
 from testkit import count_collectives, run_distributed
+from testkit.config import MEGATRON_DROPOUT, tiny_model
 
 
 def experts(n: int, h: int, f: int, bias: bool, seed: int = 0) -> nn.ModuleDict:
@@ -73,11 +73,10 @@ def moe_layer(kind: str, overlap: bool):
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_chunk
     from loom.parallel.random import RNGTracker
-    cfg = ModelConfig.llama(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
-                            vocab_size=100, num_experts=4, moe_router_topk=2,
-                            moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=16,
-                            moe_token_dispatcher_type=kind, moe_shared_expert_overlap=overlap,
-                            moe_aux_loss_coeff=0.01)
+    cfg = tiny_model("llama", MEGATRON_DROPOUT, num_layers=1, num_query_groups=None,
+                     seq_length=8, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                     moe_shared_expert_intermediate_size=16, moe_token_dispatcher_type=kind,
+                     moe_shared_expert_overlap=overlap, moe_aux_loss_coeff=0.01)
     mesh = ParallelMesh.build(ep=2)
     tracker = RNGTracker(mesh.device)
     tracker.seed(0)

@@ -31,9 +31,9 @@ from loom.training.muon import COEFFICIENTS, MuonSettings, newton_schulz
 from testkit import run_distributed
 
 from parity_helpers import trainer_steps
-from testkit.numerics import rel_err
+from testkit.numerics import PARITY_RTOL, rel_err
+from testkit.config import tiny_config, tiny_model
 
-RTOL = 1e-5
 STEPS = 3
 
 
@@ -62,7 +62,7 @@ def test_newton_schulz_is_the_iteration(kind):
         x = torch.randn(*shape, generator=g)
         want = ns_reference(x, 7, kind)
         got = newton_schulz(x, 7, kind, bf16=False)
-        assert float((got - want).abs().max() / want.abs().max()) < RTOL, (kind, shape)
+        assert rel_err(got, want) < PARITY_RTOL, (kind, shape)
 
 
 def test_newton_schulz_in_bf16_under_medium_precision():
@@ -71,7 +71,7 @@ def test_newton_schulz_in_bf16_under_medium_precision():
     singular values land in quintic's band around 1, like fp32's)."""
     x = torch.randn(16, 24, generator=torch.Generator().manual_seed(0))
     full, half = newton_schulz(x, 5, bf16=False), newton_schulz(x, 5, bf16=True)
-    err = float((half - full).abs().max() / full.abs().max())
+    err = rel_err(half, full)
     assert 1e-4 < err < 0.1, err
     for out in (full, half):
         sv = torch.linalg.svdvals(out)
@@ -79,11 +79,9 @@ def test_newton_schulz_in_bf16_under_medium_precision():
 
 
 def _tiny_moe(**kw) -> ModelConfig:
-    return ModelConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4,
-                             num_query_groups=2, group_query_attention=True, ffn_hidden_size=48,
-                             seq_length=16, vocab_size=300, padded_vocab_size=384,
-                             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-                             hidden_dropout=0.0, attention_dropout=0.0, **kw)
+    return tiny_model("llama", dict(group_query_attention=True, ffn_hidden_size=48,
+                                    vocab_size=300, padded_vocab_size=384, num_experts=4,
+                                    moe_router_topk=2, moe_ffn_hidden_size=24), kw)
 
 
 def _megatron_muon_update(w, g, buf, name, meta, s: MuonSettings, lr, wd):
@@ -143,11 +141,11 @@ def test_one_step_is_megatrons_update(nesterov):
         opt.step()
         adam.step()
     for n, p, _ in named:
-        err = float((p.detach() - ref[n]).abs().max() / ref[n].abs().max())
-        assert err < RTOL, (n, err)
+        err = rel_err(p, ref[n])
+        assert err < PARITY_RTOL, (n, err)
         if n in muon:
             got = opt.state[p]["momentum_buffer"]
-            assert float((got - bufs[n]).abs().max() / bufs[n].abs().max()) < RTOL, n
+            assert rel_err(got, bufs[n]) < PARITY_RTOL, n
 
 
 def test_refusals():
@@ -172,19 +170,14 @@ def test_refusals():
 
 def make_cfg(world: int, tp: int = 2, pp: int = 2, optimizer: str = "muon", og: bool = False,
              opg: bool = False) -> LoomConfig:
-    cfg = LoomConfig(model=_tiny_moe())
-    p, t = cfg.parallel, cfg.training
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    p.expert_model_parallel_size = 2 if world // (tp * pp) >= 2 else 1
-    p.overlap_grad_reduce, p.ddp_bucket_size = og, 6_000  # matrices across bucket shards
-    t.optimizer, t.overlap_param_gather = optimizer, opg
-    t.muon_fp32_matmul_prec, t.muon_nesterov, t.muon_extra_scale_factor = "high", True, 0.2
-    t.weight_decay, t.micro_batch_size, t.train_iters, t.lr, t.clip_grad = 0.1, 2, 10, 0.01, 0.5
-    t.global_batch_size = 2 * 2 * (world // (tp * pp))
-    cfg.data.mock_data = True
-    cfg.logging.log_interval = 10**9
-    cfg.logging.no_progress_bar = True
-    return cfg.validate(world)
+    return tiny_config(
+        model=_tiny_moe(), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=2 if world // (tp * pp) >= 2 else 1,
+        overlap_grad_reduce=og, ddp_bucket_size=6_000,  # matrices across bucket shards
+        optimizer=optimizer, overlap_param_gather=opg, muon_fp32_matmul_prec="high",
+        muon_nesterov=True, muon_extra_scale_factor=0.2, weight_decay=0.1, train_iters=10,
+        lr=0.01, clip_grad=0.5, global_batch_size=2 * 2 * (world // (tp * pp)),
+        log_interval=10**9, no_progress_bar=True, world=world)
 
 
 def single(cfg: LoomConfig) -> LoomConfig:
@@ -281,8 +274,8 @@ def test_muon_parity_at_tp2_pp2_dp2(results, case, kind):
         c = r[case]
         assert c["optimizer"] == (kind, "Muon") and c["muon_tensors"] > 0, c
         assert c["momentum_norm"] > 0, c
-        assert c["compared"] > 0 and c["loss"] < RTOL and c["grad"] < RTOL, c
-        assert c["norm"] < RTOL and c["param"] < RTOL, c
+        assert c["compared"] > 0 and c["loss"] < PARITY_RTOL and c["grad"] < PARITY_RTOL, c
+        assert c["norm"] < PARITY_RTOL and c["param"] < PARITY_RTOL, c
     assert any(r["dist_muon"]["split"] for r in results[0])  # a matrix over two DP shards
 
 
@@ -306,8 +299,8 @@ def test_muon_states_saved_sharded_load_on_one_rank(results):
         for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
             if key in ref["states"][name]:
                 kinds.add(key)
-                assert rel_err(st[key], ref["states"][name][key]) < RTOL, (name, key)
-        assert rel_err(params[name].detach(), ref["params"][name]) < RTOL, name
+                assert rel_err(st[key], ref["states"][name][key]) < PARITY_RTOL, (name, key)
+        assert rel_err(params[name].detach(), ref["params"][name]) < PARITY_RTOL, name
     assert kinds == {"momentum_buffer", "exp_avg", "exp_avg_sq"}
 
 
@@ -320,7 +313,7 @@ def test_the_harness_fails_another_optimizer():
         for k, v in change.items():
             setattr(cfg.training, k, v)
         b = reference(cfg, steps=1)
-        assert max(rel_err(b["params"][n], a["params"][n]) for n in a["params"]) > 100 * RTOL
+        assert max(rel_err(b["params"][n], a["params"][n]) for n in a["params"]) > 100 * PARITY_RTOL
 
 
 def test_muon_resumes_from_megatrons_torch_dist_format(tmp_path):

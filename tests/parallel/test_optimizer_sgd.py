@@ -22,32 +22,24 @@ import copy
 import pytest
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from testkit import run_distributed
-from testkit.numerics import rel_err
+from testkit.numerics import PARITY_RTOL, rel_err
+from testkit.config import PARITY_SHAPE, tiny_config
 
-RTOL = 1e-5
 STEPS = 3
 
 
 def make_cfg(world: int, tp: int = 2, pp: int = 2, zero: int = 0, og: bool = False,
              opg: bool = False, deterministic: bool = False) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                            seq_length=16, vocab_size=300,
-                                            padded_vocab_size=384,  # the same Vp at every t
-                                            hidden_dropout=0.0, attention_dropout=0.0))
-    p, t = cfg.parallel, cfg.training
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    p.overlap_grad_reduce, p.ddp_bucket_size = og, 20_000  # several buckets
-    t.zero_stage, t.overlap_param_gather = zero, opg
-    t.optimizer, t.sgd_momentum, t.weight_decay = "sgd", 0.9, 0.1
-    t.deterministic_mode = deterministic
-    t.micro_batch_size, t.train_iters, t.lr, t.clip_grad = 2, 10, 0.05, 0.5
-    t.global_batch_size = 2 * 2 * (world // (tp * pp))  # two micro-batches per DP rank
-    cfg.data.mock_data = True
-    cfg.logging.log_interval = 10**9
-    cfg.logging.no_progress_bar = True
-    return cfg.validate(world)
+    return tiny_config(
+        "gpt", PARITY_SHAPE, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        overlap_grad_reduce=og, ddp_bucket_size=20_000,  # several buckets
+        zero_stage=zero, overlap_param_gather=opg, optimizer="sgd", sgd_momentum=0.9,
+        weight_decay=0.1, deterministic_mode=deterministic, train_iters=10, lr=0.05,
+        clip_grad=0.5,
+        global_batch_size=2 * 2 * (world // (tp * pp)),  # two micro-batches per DP rank
+        log_interval=10**9, no_progress_bar=True, world=world)
 
 
 def single(cfg: LoomConfig) -> LoomConfig:
@@ -184,8 +176,8 @@ def test_sgd_parity_at_tp2_pp2_dp2(results, case, kind):
     for r in results[0]:
         c = r[case]
         assert c["optimizer"] == (kind, "SGD") and c["momentum_norm"] > 0, c
-        assert c["compared"] > 0 and c["loss"] < RTOL and c["grad"] < RTOL, c
-        assert c["norm"] < RTOL and c["param"] < RTOL, c
+        assert c["compared"] > 0 and c["loss"] < PARITY_RTOL and c["grad"] < PARITY_RTOL, c
+        assert c["norm"] < PARITY_RTOL and c["param"] < PARITY_RTOL, c
 
 
 def test_sgd_momentum_saved_sharded_loads_on_one_rank(results):
@@ -204,8 +196,8 @@ def test_sgd_momentum_saved_sharded_loads_on_one_rank(results):
     loaded = optimizer_state_by_name(tr.optimizer, params)
     assert set(loaded) == set(ref["momentum"])
     for name, st in loaded.items():
-        assert rel_err(st["momentum_buffer"], ref["momentum"][name]) < RTOL, name
-        assert rel_err(params[name].detach(), ref["params"][name]) < RTOL, name
+        assert rel_err(st["momentum_buffer"], ref["momentum"][name]) < PARITY_RTOL, name
+        assert rel_err(params[name].detach(), ref["params"][name]) < PARITY_RTOL, name
 
 
 def test_the_harness_fails_a_wrong_momentum():
@@ -214,7 +206,7 @@ def test_the_harness_fails_a_wrong_momentum():
     cfg = make_cfg(8)
     cfg.training.sgd_momentum = 0.5
     b = reference(cfg, steps=2)
-    assert max(rel_err(b["params"][n], a["params"][n]) for n in a["params"]) > 100 * RTOL
+    assert max(rel_err(b["params"][n], a["params"][n]) for n in a["params"]) > 100 * PARITY_RTOL
 
 
 def test_deterministic_mode_runs_are_bitwise_equal(results):

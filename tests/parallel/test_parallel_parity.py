@@ -8,7 +8,8 @@ tests/parallel/test_distributed_optimizer.py has the rest); each row asserts tha
 reduce-scatters, CP's key/value all-gathers, one gradient all-reduce, or with ZeRO-1 one
 reduce-scatter and one all-gather, per bucket per step); each TP layer runs exactly 2
 all-reduces forward and 2 backward; the vocab-parallel
-cross-entropy equals ``F.cross_entropy`` on gathered logits. Two spawned worlds (2 and 4 ranks)
+cross-entropy equals ``F.cross_entropy`` on gathered logits; under SP the column-parallel GEMM
+saves only its input's sequence shard. Two spawned worlds (2 and 4 ranks)
 run all the checks.
 """
 
@@ -27,41 +28,28 @@ from loom.parallel.random import RNGTracker
 from loom.parallel.registry import local_shard
 from loom.parallel.tensor import vocab_parallel_cross_entropy
 from testkit import count_collectives, run_distributed
-from testkit.numerics import rel_err
-
-RTOL = 1e-5
+from testkit.numerics import PARAM_RTOL, PARITY_RTOL, rel_err
+from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_model
 
 
 def tiny(kind: str) -> ModelConfig:
-    # Vp fixed (--padded-vocab-size): the padded columns are in the softmax by default
-    # (Megatron's), so every compared t needs the same ones
-    common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, padded_vocab_size=384, hidden_dropout=0.0,
-                  attention_dropout=0.0)
     if kind == "gpt":
-        return ModelConfig.gpt2(**common)
-    return ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common)
+        return tiny_model("gpt", PARITY_SHAPE)
+    return tiny_model("llama", PARITY_SHAPE, ffn_hidden_size=96)
 
 
 def make_cfg(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
              zero: bool = False) -> LoomConfig:
-    cfg = LoomConfig(model=tiny(kind))
-    cfg.training.use_distributed_optimizer = zero
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.context_parallel_size = cp
-    cfg.parallel.cp_comm_type = "allgather"  # the other types: test_context_parallel_types.py
-    cfg.parallel.sequence_parallel = sp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 8  # m = 4 / dp micro-batches: exercises accumulation
-    cfg.training.lr, cfg.training.train_iters = 1e-3, 100
-    # Adam's first steps are ~lr * sign(g): with eps 1e-8, a gradient entry that is ~1e-10 of
-    # rounding noise moves by ~lr in one run and not in the other. eps 1e-4 keeps the comparison
-    # about the parallel math, not about amplified float noise.
-    cfg.training.adam_eps = 1e-4
-    cfg.training.clip_grad = 0.5  # active: the global norm must be right across groups
-    cfg.parallel.ddp_bucket_size = 20_000  # several buckets
-    cfg.logging.log_interval = 10**9
-    return cfg.validate(tp * dp * cp)
+    return tiny_config(
+        model=tiny(kind), mock_data=False, use_distributed_optimizer=zero,
+        tensor_model_parallel_size=tp, context_parallel_size=cp,
+        cp_comm_type="allgather",  # the other types: test_context_parallel_types.py
+        sequence_parallel=sp,
+        global_batch_size=8,  # m = 4 / dp micro-batches: exercises accumulation
+        adam_eps=PARITY_ADAM_EPS,
+        clip_grad=0.5,  # active: the global norm must be right across groups
+        ddp_bucket_size=20_000,  # several buckets
+        log_interval=10**9, world=tp * dp * cp)
 
 
 def reference_shard(ref: torch.Tensor, meta, mesh: ParallelMesh) -> torch.Tensor:
@@ -101,8 +89,7 @@ def parity_case(kind: str, tp: int, dp: int, cp: int = 1, sp: bool = False,
             lo, hi = owner[id(p)].shard_range(p) if id(p) in owner else (0, p.numel())
             got = grad_of(p).reshape(-1)
             if got.numel():  # a rank may own none of a parameter
-                out["grad"] = max(out["grad"], float((got - want[lo:hi]).abs().max()
-                                                     / want.abs().max().clamp_min(1e-12)))
+                out["grad"] = max(out["grad"], rel_err(got, want[lo:hi], scale=want))
         out["nparams"] = len(ref_params)
         with count_collectives() as records:
             np_ = par.optimizer_step()
@@ -166,7 +153,7 @@ def count_layer_collectives(tp: int) -> dict:
 def cross_entropy_case() -> dict:
     mesh = ParallelMesh.build(tp=dist.get_world_size())
     t, V = mesh.tp_size, 300
-    Vp = ModelConfig(vocab_size=V).padded_vocab(t)
+    Vp = tiny_model(vocab_size=V).padded_vocab(t)
     g = torch.Generator().manual_seed(3)
     full = torch.randn(2, 5, Vp, generator=g)
     target = torch.randint(0, V, (2, 5), generator=g)
@@ -181,6 +168,35 @@ def cross_entropy_case() -> dict:
             "grad": float((local.grad - ref_grad).abs().max())}
 
 
+def sp_saved_case() -> dict:
+    """What a sequence-parallel ``ColumnParallelLinear`` hands to autograd (counted with
+    ``saved_tensors_hooks``, once per storage): the ``[s/t, b, h]`` input shard, not the
+    gathered ``[s, b, h]``; and the old path (all-gather, then ``F.linear``), which saves the
+    gathered input, measured the same way (so the count can tell the two apart)."""
+    from loom.parallel.sequence import gather_from_sequence_parallel_region
+    from loom.parallel.tensor import ColumnParallelLinear
+    mesh = ParallelMesh.build(tp=dist.get_world_size())
+    s, b, h, out = 8, 2, 6, 4 * mesh.tp_size
+    layer = ColumnParallelLinear(h, out, mesh, bias=False, sequence_parallel=True)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(s // mesh.tp_size, b, h, requires_grad=True)
+
+    def saved(fn) -> int:
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn()
+        y.sum().backward()
+        return sum(storages.values()) - layer.weight.numel() * layer.weight.element_size()
+    return {"shard": saved(lambda: layer(x)),
+            "gathered_path": saved(lambda: F.linear(gather_from_sequence_parallel_region(
+                x, mesh.groups["tp"]), layer.weight)),
+            "shard_bytes": x.numel() * x.element_size()}
+
+
 def world2() -> dict:
     res = {}
     for kind in ("gpt", "llama"):
@@ -192,6 +208,7 @@ def world2() -> dict:
     res["comm-tp2"] = count_layer_collectives(2)
     res["comm-tp1"] = count_layer_collectives(1)
     res["ce"] = cross_entropy_case()
+    res["sp-saved"] = sp_saved_case()
     return res
 
 
@@ -248,13 +265,13 @@ def _check_mechanism(name: str, case: dict):
 
 def _check_parity(case: dict):
     assert case["nparams"] > 10
-    assert case["loss"] < RTOL, case
-    assert case["grad"] < RTOL, case
-    assert case["norm"] < RTOL, case
+    assert case["loss"] < PARITY_RTOL, case
+    assert case["grad"] < PARITY_RTOL, case
+    assert case["norm"] < PARITY_RTOL, case
     # Parameters after 3 AdamW steps: Adam divides each entry by its own sqrt(v), so zero-init
     # biases (|b| ~ 1e-3 after 3 steps) carry ~1e-5 relative rounding; 1e-4 still catches any
     # real error (a wrong gradient shifts parameters by O(lr), i.e. relative O(1) for biases).
-    assert case["param"] < 1e-4, case
+    assert case["param"] < PARAM_RTOL, case
 
 
 @pytest.mark.parametrize("name", ["tp2-gpt", "tp2-llama", "dp2-gpt", "dp2-llama",
@@ -284,6 +301,16 @@ def test_two_allreduces_forward_two_backward_per_layer(results2):
         assert r["comm-tp1"]["forward"] == [] and r["comm-tp1"]["backward"] == []
 
 
+def test_sequence_parallel_linear_saves_the_shard(results2):
+    """Under SP the column-parallel GEMM saves its ``[s/t, b, h]`` input (1/t of the gathered
+    bytes) and gathers it again in backward (Korthikanti et al. 2022, sec. 4.2.2); the
+    gather-then-linear path it replaced saves ``t`` times as much (the count can fail)."""
+    for r in results2:
+        c = r["sp-saved"]
+        assert c["shard"] == c["shard_bytes"], c
+        assert c["gathered_path"] == 2 * c["shard_bytes"], c
+
+
 def test_vocab_parallel_cross_entropy(results2, results4):
     for r in results2 + results4:
         assert r["ce"]["loss"] < 1e-5 and r["ce"]["grad"] < 1e-6, r["ce"]
@@ -294,4 +321,4 @@ def test_parity_check_can_fail():
     a = torch.randn(10)
     b = a.clone()
     b[3] += 1e-3 * a.abs().max()
-    assert rel_err(b, a) > RTOL
+    assert rel_err(b, a) > PARITY_RTOL

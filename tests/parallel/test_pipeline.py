@@ -15,39 +15,32 @@ import os
 import pytest
 import torch
 
-from loom.config import ConfigError, LoomConfig, ModelConfig, ParallelConfig, TrainingConfig
+from loom.config import ConfigError, LoomConfig, ParallelConfig
 from loom.parallel.pipeline.placement import chunk_layers, stage_layer_counts, validate_pipeline
 from loom.parallel.pipeline.schedules import gpipe_ops, interleaved_ops, one_f_one_b_ops
 from testkit import run_distributed
+from testkit.numerics import PARITY_RTOL
+from testkit.config import PARITY_ADAM_EPS, tiny_config
 
-RTOL, ATOL = 1e-5, 1e-7
+ATOL = 1e-7  # added to PARITY_RTOL x max|want| (a gradient that is all ~0)
 STEPS = 3
 
 
 def make_cfg(layout="gpt2", layers=4, tp=1, pp=1, dp=1, m=1, schedule="1f1b", lpv=None,
              first=None, last=None, b=2, iters=3, cp=1, sp=False, group=None) -> LoomConfig:
-    mk = ModelConfig.gpt2 if layout == "gpt2" else ModelConfig.llama
-    extra = {} if layout == "gpt2" else {"num_query_groups": 2}
-    model = mk(num_layers=layers, hidden_size=32, num_attention_heads=4, seq_length=16,
-               vocab_size=300, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
-               attention_dropout=0.0, **extra)
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         pipeline_schedule=schedule, num_layers_per_virtual_pipeline_stage=lpv,
-                         decoder_first_pipeline_num_layers=first,
-                         decoder_last_pipeline_num_layers=last, context_parallel_size=cp,
-                         sequence_parallel=sp,
-                         microbatch_group_size_per_virtual_pipeline_stage=group)
-    train = TrainingConfig(micro_batch_size=b, global_batch_size=b * m * dp, train_iters=iters,
-                           lr=1e-3, lr_decay_style="constant", seed=1234,
-                           adam_eps=1e-4)  # eps 1e-8: Adam amplifies 1e-9 TP reordering noise in
-    # near-zero grads to ~lr sign flips (also seen at TP=2 without pipelining); 1e-6 still
-    # let it reach 1.5e-5 of a gradient by step 3 once the padded vocabulary columns train
-    # (issue 42; as tests/parallel/test_parallel_parity.py, eps 1e-4)
-    cfg = LoomConfig(model=model, parallel=par, training=train)
-    cfg.data.mock_data = True
-    cfg.logging.no_progress_bar = True
-    cfg.logging.log_interval = 1
-    return cfg
+    return tiny_config(
+        "gpt" if layout == "gpt2" else "llama", num_layers=layers, vocab_size=300,
+        make_vocab_size_divisible_by=8, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_schedule=schedule,
+        num_layers_per_virtual_pipeline_stage=lpv, decoder_first_pipeline_num_layers=first,
+        decoder_last_pipeline_num_layers=last, context_parallel_size=cp, sequence_parallel=sp,
+        microbatch_group_size_per_virtual_pipeline_stage=group, micro_batch_size=b,
+        global_batch_size=b * m * dp, train_iters=iters, lr_decay_style="constant", seed=1234,
+        adam_eps=PARITY_ADAM_EPS,  # eps 1e-8: Adam amplifies 1e-9 TP reordering noise in
+        # near-zero grads to ~lr sign flips (also seen at TP=2 without pipelining); 1e-6 still
+        # let it reach 1.5e-5 of a gradient by step 3 once the padded vocabulary columns train
+        # (issue 42; as tests/parallel/test_parallel_parity.py, eps 1e-4)
+        no_progress_bar=True, log_interval=1)
 
 
 def reference_cfg(cfg: LoomConfig) -> LoomConfig:
@@ -122,7 +115,7 @@ def _parity_cases(cases: list[dict], device: str = "cpu") -> list[dict]:
             peaks.append(tr.last_stats.peak_in_flight)
             bubbles.append(tr.last_stats.bubble_fraction)
             ref_loss, ref_grads, ref_norm = ref["steps"][step]
-            if not math.isclose(loss, ref_loss, rel_tol=RTOL, abs_tol=1e-6):
+            if not math.isclose(loss, ref_loss, rel_tol=PARITY_RTOL, abs_tol=1e-6):
                 errors.append(f"step {step}: loss {loss} != reference {ref_loss}")
             for chunk in tr.model_chunks:
                 for name, p in chunk.named_parameters():
@@ -139,8 +132,8 @@ def _parity_cases(cases: list[dict], device: str = "cpu") -> list[dict]:
                         continue
                     # atol: a small fraction of the tensor's scale (TP's reordered reductions
                     # differ from the reference by ~1e-9 absolute, with or without pipelining)
-                    atol = ATOL + RTOL * want.abs().max().item()
-                    if not torch.allclose(got, want, rtol=RTOL, atol=atol):
+                    atol = ATOL + PARITY_RTOL * want.abs().max().item()
+                    if not torch.allclose(got, want, rtol=PARITY_RTOL, atol=atol):
                         err = (got - want).abs().max().item()
                         errors.append(f"step {step}: grad {name} max err {err:.3e}")
             tr_norm = tr.optimizer_step()
@@ -149,7 +142,7 @@ def _parity_cases(cases: list[dict], device: str = "cpu") -> list[dict]:
             tr.consumed_samples += tr.global_batch
         # evaluation (forward_only) matches the reference too
         ev = tr.evaluate(iters=1)
-        if not math.isclose(ev["valid_loss"], ref["eval"], rel_tol=RTOL):
+        if not math.isclose(ev["valid_loss"], ref["eval"], rel_tol=PARITY_RTOL):
             errors.append(f"eval loss {ev['valid_loss']} != reference {ref['eval']}")
         layers = sorted({int(n.split(".")[1]) for c in tr.model_chunks
                          for n, _ in c.named_parameters() if n.startswith("layers.")})

@@ -16,8 +16,7 @@ from loom.models.init import normal_init
 from loom.parallel.mesh import rank_groups
 from loom.parallel.registry import ParamMeta, ShardSpec, full_from_shards, local_shard
 from testkit import run_distributed
-
-ATOL = 1e-5
+from testkit.numerics import UNIT_ATOL
 
 
 # -- pure functions (no process group) ---------------------------------------------------------------
@@ -172,7 +171,7 @@ def styles():
                                   "sp_scatter", "sp_gather", "cp_core", "reducer"])
 def test_primitive_matches_unsharded_reference(styles, name):
     for rank in styles:
-        assert rank[name] < ATOL, (name, rank[name])
+        assert rank[name] < UNIT_ATOL, (name, rank[name])
 
 
 def test_reducer_used_several_buckets(styles):

@@ -22,27 +22,21 @@ import os
 import torch
 from torch import nn
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from testkit import run_distributed
+from testkit.numerics import PARITY_RTOL, rel_err
+from testkit.config import MEGATRON_DROPOUT, tiny_config, tiny_model
 
-RTOL = 1e-5
 VARIANTS = [("full", "uniform", 1), ("full", "uniform", 2), ("full", "block", 1),
             ("selective", "uniform", 1)]
 
 
 def make_cfg(kind: str, tp: int, sp: bool = False) -> LoomConfig:
-    common = dict(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, hidden_dropout=0.1, attention_dropout=0.1)
-    model = (ModelConfig.gpt2(**common) if kind == "gpt"
-             else ModelConfig.llama(num_query_groups=2, ffn_hidden_size=96, **common))
-    cfg = LoomConfig(model=model)
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.sequence_parallel = sp
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 4
-    cfg.training.lr, cfg.training.train_iters = 1e-3, 100
-    cfg.data.mock_data = True
-    return cfg.validate(tp)
+    common = dict(MEGATRON_DROPOUT, num_layers=3, hidden_size=64, vocab_size=300)
+    model = tiny_model("gpt", common) if kind == "gpt" else \
+        tiny_model("llama", common, ffn_hidden_size=96)
+    return tiny_config(model=model, tensor_model_parallel_size=tp, sequence_parallel=sp,
+                       global_batch_size=4, world=tp)
 
 
 def _phase() -> str:
@@ -193,12 +187,12 @@ def compare(base: dict, other: dict) -> list[str]:
         if n in other["init"] and not torch.equal(w, other["init"][n]):
             errors.append(f"initial weight {n} differs")
     for step, (a, b) in enumerate(zip(base["losses"], other["losses"])):
-        if abs(a - b) > RTOL * abs(a):
+        if abs(a - b) > PARITY_RTOL * abs(a):
             errors.append(f"step {step}: loss {b} != {a}")
     for step, (ga, gb) in enumerate(zip(base["grads"], other["grads"])):
         for n, g in ga.items():
-            err = float((gb[n] - g).abs().max() / g.abs().max().clamp_min(1e-12))
-            if err > RTOL:
+            err = rel_err(gb[n], g)
+            if err > PARITY_RTOL:
                 errors.append(f"step {step}: grad {n} rel err {err:.2e}")
     return errors
 

@@ -23,25 +23,17 @@ import pathlib
 
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.parallel.mesh import ParallelMesh
+from testkit.config import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "loom"
 MAX_TRAINER_IMPORTS = 12
 
 
 def make_cfg(**training) -> LoomConfig:
-    cfg = LoomConfig(model=ModelConfig.gpt2(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                            seq_length=16, vocab_size=128, hidden_dropout=0.0,
-                                            attention_dropout=0.0))
-    cfg.data.mock_data = True
-    cfg.training.micro_batch_size = 2
-    cfg.training.global_batch_size = 4
-    cfg.training.train_iters, cfg.training.lr = 4, 1e-3
-    cfg.logging.no_progress_bar = True
-    for k, v in training.items():
-        setattr(cfg.training, k, v)
-    return cfg.validate(1)
+    return tiny_config("gpt", dict(vocab_size=128, global_batch_size=4, train_iters=4,
+                                   no_progress_bar=True), training, world=1)
 
 
 def loom_imports(path: pathlib.Path) -> set[str]:

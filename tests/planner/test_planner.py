@@ -230,12 +230,12 @@ def test_search_fixed_dims_and_ranking():
     assert np.all(res["mem_total"][res["order"]] <= cl.hbm_bytes)
 
 
-def test_search_175b_is_fast():
-    import time
+def test_search_175b_enumerates_the_space():
+    """The default search scores every layout of 175B on 1,024 GPUs in one vectorized pass; how
+    fast is a benchmark (``python -m benchmarks.planner_search_speed``), not a timed test."""
     m = get_preset("gpt3-175b")
-    t0 = time.perf_counter()
     res = search(m, make_cluster("A100-80GB", 1024), 1536, 2048)
-    assert time.perf_counter() - t0 < 2.0 and len(res["tp"]) > 10000
+    assert len(res["tp"]) > 10000
 
 
 # -- predict_layout (loom train --dry-run) ---------------------------------------------------------

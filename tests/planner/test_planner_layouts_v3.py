@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import ModelConfig
 from loom.planner.constants import fitted_cluster
 from loom.planner.context_parallel import CP_COMM_TYPES, cp_memory
 from loom.planner.diagnose import overflow
@@ -27,6 +27,7 @@ from loom.planner.primitives import inter_node_latency
 from benchmarks.planner_sources.published import PUBLISHED_LAYOUTS, llama, plan_published
 from loom.planner.search import search, record
 from loom.planner.timing import pipeline_bubble
+from testkit.config import tiny_config
 
 
 @pytest.mark.parametrize("entry", PUBLISHED_LAYOUTS, ids=[e[0] for e in PUBLISHED_LAYOUTS])
@@ -172,18 +173,9 @@ def test_stage_memory_and_gpipe_last_stage():
 
 
 def _cfg(world, tp, pp, model, **kw):
-    c = LoomConfig(model=model)
-    c.parallel.tensor_model_parallel_size, c.parallel.pipeline_model_parallel_size = tp, pp
-    for k in ("expert_model_parallel_size", "decoder_first_pipeline_num_layers",
-              "decoder_last_pipeline_num_layers", "num_layers_per_virtual_pipeline_stage"):
-        if k in kw:
-            setattr(c.parallel, k, kw.pop(k))
-    c.training.micro_batch_size, c.training.global_batch_size = 1, 64
-    c.training.lr, c.training.train_iters = 3e-4, 10
-    c.data.mock_data = True
-    for k, v in kw.items():
-        setattr(c.training, k, v)
-    return c.validate(world)
+    return tiny_config(model=model, world=world, **{
+        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+        "micro_batch_size": 1, "global_batch_size": 64, "lr": 3e-4, "train_iters": 10, **kw})
 
 
 CASES = {

@@ -19,21 +19,23 @@ from loom.planner.constants import FIT_SETS, SHIPPED, Constants
 from benchmarks.planner_sources.fit import HOLDOUTS, SOURCES, leave_one_source_out, source_points
 
 # held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26;
-# MC-H100 strong and Llama 3 re-measured in issue 47: exact per-rank pipeline memory and refit)
+# MC-H100 strong and Llama 3 re-measured in issue 47: exact per-rank pipeline memory and refit;
+# MC-H100 and Llama 3 again with issue 47's scale terms, ring latency per DP bucket; MegaScale new)
 HELDOUT_BOUNDS = {
     "NAR t1": (0.045, 0.09),
     "NAR t2": (0.06, 0.29),
     "KOR": (0.05, 0.105),
     "SHO": (0.05, 0.16),
-    "MC-H100 weak": (0.04, 0.11),
-    "MC-H100 strong": (0.02, 0.035),
+    "MC-H100 weak": (0.05, 0.11),
+    "MC-H100 strong": (0.03, 0.045),
     "BLOOM": (0.11, 0.11),
     "OPT": (0.20, 0.20),
     "TT": (0.025, 0.04),
     "LF-H100": (0.10, 0.24),
     "LF-A100": (0.045, 0.30),
-    "Llama 3": (0.065, 0.29),
-    "MC-H100 weak + MC-H100 strong": (0.04, 0.11),
+    "Llama 3": (0.075, 0.29),
+    "MegaScale": (0.10, 0.16),
+    "MC-H100 weak + MC-H100 strong": (0.05, 0.11),
 }
 OVERALL_BOUNDS = (0.05, 0.30)
 ISSUE_TARGET = (0.08, 0.20, 0.10)  # pooled median, worst row, every source's own median
@@ -82,7 +84,7 @@ def test_overall_held_out_errors(loso):
 
 def test_issue_26_median_targets(loso):
     """The pooled held-out median meets the issue's 8% and every source's own held-out median
-    its 10% (LF-H100 is the closest, 8.9%) except the single rows of BLOOM (10.4%) and OPT-175B
+    its 10% (LF-H100 is the closest, 9.4%; MegaScale 9.1%) except the single rows of BLOOM (10.4%) and OPT-175B
     (19.4%), in the strict xfail below with the worst-row target."""
     assert loso["overall"]["median"] <= ISSUE_TARGET[0], loso["overall"]
     for held, r in loso["sources"].items():
@@ -132,7 +134,7 @@ def test_constants_change_predictions():
 
 @pytest.mark.xfail(strict=True, reason="issue 26 target (worst held-out row <= 20%) not met: "
                    "NAR t2's ZeRO-3 b = 4 rows, llm-foundry's 1B-7B H100 and 30B s = 8192 A100 "
-                   "rows, Llama 3's 128K row; the one rows of BLOOM (10.6%) and OPT (19.6%) "
+                   "rows, Llama 3's 128K row; the one rows of BLOOM (10.7%) and OPT (19.5%) "
                    "(median <= 10%); see docs/planner.md, leave-one-source-out")
 def test_issue_26_target_worst_row_and_bloom(loso):
     for held, r in loso["sources"].items():

@@ -22,18 +22,17 @@ from loom.planner.presets import get_preset, gpt
 from loom.planner.primitives import all_reduce_time
 from loom.planner.search import enumerate_layouts, record, search
 from loom.planner.timing import layer_times, time_terms
+from testkit.config import tiny_model
 
 H100_8 = make_cluster("H100-80GB", 8)
 
 
 def _tiny(**kw) -> ModelConfig:
     """h 64, d_inner 128, P 32 -> H 4, G 2, N 16, conv 4, Q 8 (numbers worked by hand below)."""
-    cfg = dict(model_type="mamba", num_layers=8, hidden_size=64, num_attention_heads=4,
-               seq_length=16, vocab_size=1000, mamba_expand=2, mamba_head_dim=32,
-               mamba_num_groups=2, mamba_state_dim=16, mamba_d_conv=4, mamba_chunk_size=8,
-               hidden_dropout=0.0, attention_dropout=0.0)
-    cfg.update(kw)
-    return ModelConfig.llama(**cfg)
+    return tiny_model("mamba", dict(num_layers=8, hidden_size=64, vocab_size=1000,
+                                    num_query_groups=None, ffn_hidden_size=None,
+                                    padded_vocab_size=None, mamba_head_dim=32,
+                                    mamba_state_dim=16, mamba_chunk_size=8), kw)
 
 
 # -- parameters -----------------------------------------------------------------------------------
@@ -241,15 +240,16 @@ def test_moe_search_unchanged():
     unfused gradient accumulation (Options.grad_accum_bytes; e 0.812, h0 108, k 2.41, Hopper
     0.734, ZeRO-3 0.728; the previous constants give 48732.165422444115 and 7.068134612100989
     again). Re-recorded in issue 47 (test_planner_moe.py::test_dense_search_unchanged says
-    why: more layouts searched, every rank's own memory, the refit)."""
+    why: more layouts searched, every rank's own memory, the refit; again for issue 47's scale
+    terms)."""
     o = Options(flash_attention=True, max_zero_stage=3)
     res = search(get_preset("mixtral-8x7b"), make_cluster("H100-80GB", 64), 512, 4096,
                  dict(zb=0), o)
-    assert len(res["tp"]) == 4294 and len(res["order"]) == 1545
-    assert float(res["time_iteration"].sum()) == pytest.approx(55814.917346941096, rel=1e-12)
-    assert float(res["mem_total"].sum()) == pytest.approx(700378098360757.8, rel=1e-12)
+    assert len(res["tp"]) == 4292 and len(res["order"]) == 1543
+    assert float(res["time_iteration"].sum()) == pytest.approx(55564.09419866757, rel=1e-12)
+    assert float(res["mem_total"].sum()) == pytest.approx(700323333221117.5, rel=1e-12)
     best = record(res, int(res["order"][0]))
-    assert best["iteration_time_s"] == pytest.approx(6.837255979893197, rel=1e-12)
+    assert best["iteration_time_s"] == pytest.approx(6.793346174336169, rel=1e-12)
 
 
 def test_cli_mamba_table_and_plot(capsys, tmp_path):

@@ -140,7 +140,11 @@ def test_opt_175b_published_lies_between_no_and_full_fsdp_overlap():
     cl = fitted_cluster("A100-80GB", 992)
     P = 96 * 12 * 12288 ** 2 + (50272 + 2048) * 12288
     dp = exposed["layout"]["time_terms_s"]["dp_comm"]
-    assert dp == pytest.approx(2 * 123 / 124 * 2 * P / 8 / cl.inter_bw, rel=0.03)
+    # + NCCL's ring latency, 123 network hops per bucket, K = P/t / max(40M, 1M d) buckets each
+    from loom.planner.primitives import reduce_scatter_latency
+    K = -(-P / 8 // max(40e6, 1e6 * 124))
+    lat = 2 * K * float(reduce_scatter_latency(124, 1, cl))
+    assert dp == pytest.approx(2 * 123 / 124 * 2 * P / 8 / cl.inter_bw + lat, rel=0.03)
     assert hidden["layout"]["time_terms_s"]["dp_comm"] < 0.01 * dp
     assert exposed["hw_tflops"] < hidden["published_tflops"] < hidden["hw_tflops"]
 
@@ -231,7 +235,8 @@ def test_deepspeed_bf16_optimizer_all_reduces_the_gradients():
     ds = time_terms(m, L, 32, 2048, cl, Options(overlap_grad_reduce=False,
                                                  zero1_all_reduce_grads=True))["dp_comm_total"]
     assert ds[0] == pytest.approx(plain[0], rel=1e-12)  # ZeRO-0: an all-reduce either way
-    assert ds[1] - plain[1] == pytest.approx(0.5 * plain[0], rel=1e-12) and plain[0] > 0
+    # half an all-reduce's bytes; the latencies differ (ring reduce-scatter, tree all-reduce)
+    assert ds[1] - plain[1] == pytest.approx(0.5 * plain[0], rel=0.01) and plain[0] > 0
     assert MEGATRON_DEEPSPEED_2022.zero1_all_reduce_grads
 
 

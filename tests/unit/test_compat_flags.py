@@ -34,7 +34,7 @@ SWITCHES = [  # Megatron flags loom accepts without effect (the flag table), non
     "bf16", "--megatron-fsdp-main-grads-dtype", "bf16", "--moe-permute-fusion",
     "--moe-flex-dispatcher-backend", "hybridep", "--enable-experimental", "--spec",
     "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
-    "--recompute-modules", "mlp", "moe", "--no-check-for-nan-in-loss-and-grad",
+    "--recompute-modules", "mlp", "moe",
     "--log-validation-ppl-to-tensorboard", "--log-throughput", "--logging-level", "20",
     "--num-workers", "6", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
     "--data-cache-path", "/tmp/cache", "--dataloader-type", "single", "--apply-layernorm-1p",

@@ -20,6 +20,7 @@ from loom.config import (GROUPS, CheckpointConfig, ConfigError, LoggingConfig, L
                          ModelConfig, ParallelConfig, TrainingConfig, add_config_arguments,
                          config_from_args)
 from loom.config.validate import choices_of, coerce
+from testkit.config import MEGATRON_DROPOUT, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,12 +84,9 @@ def test_coerce_to_the_field_type():
 
 def test_virtual_stage_size_alone_selects_interleaving():
     def cfg(**par):
-        c = LoomConfig(model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
-                                         seq_length=16, vocab_size=100),
-                       parallel=ParallelConfig(pipeline_model_parallel_size=2, **par),
-                       training=TrainingConfig(micro_batch_size=1, global_batch_size=4,
-                                               lr=1e-3, train_iters=1))
-        return c.validate(2)
+        return tiny_config("gpt", MEGATRON_DROPOUT, num_layers=4, mock_data=False,
+                           pipeline_model_parallel_size=2, **par, micro_batch_size=1,
+                           global_batch_size=4, train_iters=1, world=2)
     assert cfg(num_layers_per_virtual_pipeline_stage=1).parallel.pipeline_schedule == "interleaved"
     assert cfg().parallel.pipeline_schedule == "1f1b"
     assert cfg(pipeline_schedule="gpipe").parallel.pipeline_schedule == "gpipe"
@@ -206,9 +204,7 @@ def test_single_process_group_needs_no_port(monkeypatch):
 
 
 def _tiny(**kw) -> LoomConfig:
-    flat = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                micro_batch_size=1, lr=1e-3, train_iters=1, vocab_size=100, mock_data=True)
-    return LoomConfig.from_flat({**flat, **kw})
+    return tiny_config("gpt", MEGATRON_DROPOUT, dict(micro_batch_size=1, train_iters=1), kw)
 
 
 def test_megatron_forms_accepted():

@@ -19,6 +19,7 @@ import pytest
 from loom.cli import main
 from loom.errors import ConfigError
 from testkit.megatron_corpus import INFERENCE, argv_of, pending_in, with_pending_implemented
+from testkit.config import tiny_config
 
 MISSING = {  # refused with the pending capabilities merged: the words and the cases
     "--pipeline-model-parallel-size: loom generate runs the whole model on each rank": [
@@ -44,17 +45,13 @@ def _tokenizer(path) -> None:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny GPT checkpoint with a tokenizer (``{CKPT}``) and a prompt file (``{FILE}``)."""
-    from loom.config import LoomConfig, ModelConfig
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
     root = tmp_path_factory.mktemp("inference")
     _tokenizer(root / "tok.json")
-    m = ModelConfig.llama(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                          vocab_size=42, hidden_dropout=0.0, attention_dropout=0.0)
-    cfg = LoomConfig(model=m)
-    cfg.data.mock_data = True
-    cfg.training.micro_batch_size, cfg.training.lr, cfg.training.train_iters = 1, 1e-3, 1
-    Trainer(cfg.validate(1), mesh=ParallelMesh.single()).save(
+    cfg = tiny_config("llama", num_query_groups=None, vocab_size=42, micro_batch_size=1,
+                      train_iters=1, world=1)
+    Trainer(cfg, mesh=ParallelMesh.single()).save(
         str(root / "ckpt"), tokenizer_file=str(root / "tok.json"))
     (root / "file").write_text("".join(json.dumps({"text": f"w{i} w{i + 1}"}) + "\n"
                                        for i in range(3)))

@@ -43,6 +43,18 @@ FAMILIES = {
              "decoder.layers.mlp.router.expert_bias", "decoder.layers.pre_mlp_layernorm.weight",
              "decoder.layers.mlp.linear_fc1.layer_norm_weight",
              "decoder.layers.mlp.shared_experts.linear_fc2.weight"]),
+    "gdn": ("gpt", ModelConfig.llama(**TINY, num_query_groups=2, attention_output_gate=True,
+                                     experimental_attention_variant="gated_delta_net",
+                                     linear_attention_freq="2", linear_key_head_dim=8,
+                                     linear_value_head_dim=4, linear_num_key_heads=2,
+                                     linear_num_value_heads=4),
+            ["decoder.layers.0.self_attention.in_proj.weight.alpha",  # per layer (non-
+             "decoder.layers.0.self_attention.in_proj.layer_norm_weight",  # homogeneous)
+             "decoder.layers.0.self_attention.conv1d.weight.value",
+             "decoder.layers.0.self_attention.A_log", "decoder.layers.0.self_attention.out_norm.weight",
+             "decoder.layers.1.self_attention.linear_qkv.weight",
+             "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+             "decoder.final_layernorm.weight"]),  # a GPT stack's name, though per layer
     "hybrid": ("mamba", ModelConfig.llama(**{**TINY, "num_layers": 4}, model_type="mamba",
                                           num_query_groups=2, hybrid_override_pattern="M*-M",
                                           mamba_state_dim=8, mamba_head_dim=8,
@@ -63,6 +75,11 @@ def test_qkv_interleave_is_megatron_cores_order():
     assert meg.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
     assert torch.equal(layout.qkv_to_loom(meg, 4, 2), loom)
     assert layout.qkv_to_megatron(torch.arange(6.0), 2, 2).tolist() == [0, 2, 4, 1, 3, 5]
+    # --attention-output-gate: loom [q0 q1 q2 q3 g0 g1 g2 g3 k0 k1 v0 v1], Megatron per group
+    # [q0 q1 g0 g1 k0 v0 | q2 q3 g2 g3 k1 v1] (get_query_key_value_tensors(output_gate=True))
+    gated = layout.qkv_to_megatron(torch.arange(12.0), 4, 2, gated=True)
+    assert gated.tolist() == [0, 1, 4, 5, 8, 10, 2, 3, 6, 7, 9, 11]
+    assert torch.equal(layout.qkv_to_loom(gated, 4, 2, gated=True), torch.arange(12.0))
 
 
 def _loom_checkpoint(path: str, family: str, cfg: ModelConfig) -> dict:

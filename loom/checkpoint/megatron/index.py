@@ -22,8 +22,8 @@ import torch
 
 from loom.checkpoint.megatron import layout
 from loom.checkpoint.megatron.args import args_of, zero_centered_gains
-from loom.checkpoint.megatron.names import (Source, attention_kind, kind_of, layer_pattern,
-                                            sources)
+from loom.checkpoint.megatron.names import (Source, attention_kind, gdn_of, kind_of,
+                                            layer_pattern, sources)
 from loom.checkpoint.megatron.stores import MASTER_STATES, open_store
 from loom.errors import ConfigError
 
@@ -81,7 +81,8 @@ class MegatronIndex:
         pattern = layer_pattern(cfg)
         self.where: dict[str, Source] = {}
         for name in self.metas:
-            for src in sources(name, attention_kind(name, pattern, cfg.multi_latent_attention)):
+            for src in sources(name, attention_kind(name, pattern, cfg.multi_latent_attention,
+                                                    gdn_of(cfg))):
                 keys = [src.key + p for p in src.parts] or [src.key]
                 if all(self.store.covers(k, src.index) for k in keys):
                     self.where[name] = src
@@ -103,7 +104,7 @@ class MegatronIndex:
         model, or a part loom lacks."""
         pattern = layer_pattern(self.cfg)
         used = {src.key + p for n in self.where for src in sources(
-            n, attention_kind(n, pattern, self.cfg.multi_latent_attention))
+            n, attention_kind(n, pattern, self.cfg.multi_latent_attention, gdn_of(self.cfg)))
             for p in (src.parts or ("",))}  # (another spelling of a tensor read: an alias)
         return sorted(k for k in self.store.listing() if k not in used
                       and not k.startswith(("optimizer.", "chained_")) and "_extra_state" not in k
@@ -166,7 +167,8 @@ class MegatronIndex:
         for n, (src, keys) in plan.items():
             pieces = [got[(k, src.index)] for k in keys]
             t = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
-            out[n] = layout.to_loom(t.clone(), kind_of(n), self.heads, self.groups)
+            out[n] = layout.to_loom(t.clone(), kind_of(n), self.heads, self.groups,
+                                    getattr(self.cfg, "attention_output_gate", False))
             if values and self.gain_one and _is_norm_gain(n):
                 out[n] = out[n] + 1
         return out

@@ -15,7 +15,12 @@ loom's modules carry Megatron-Core's names (``self_attention.linear_qkv``, ``mlp
 - the experts: loom ``mlp.experts.<E>.`` is ``mlp.experts.experts.`` stacked on ``[L, E, ...]``
   (SequentialMLP / TEGroupedMLP / GroupedMLP all save this), ``mlp.experts.<E>.`` with
   ``singleton_local_shards``, ``mlp.experts.local_experts.<e>.`` in the ``torch`` format;
-- the final norm: ``decoder.final_layernorm`` (``final_norm`` in the Mamba stack).
+- the final norm: ``decoder.final_layernorm`` (``final_norm`` in the Mamba stack);
+- Gated DeltaNet layers (Qwen3-Next): a stack with them is not homogeneous, so Megatron keys
+  each layer on its own (``decoder.layers.<i>.``); the layer's norm is
+  ``self_attention.in_proj.layer_norm_weight``, its ``in_proj`` and ``conv1d`` are stored in
+  parts (``in_proj.weight.query/.key/.value/.z/.beta/.alpha``, ``conv1d.weight.query/.key/
+  .value``) concatenated in loom's order.
 
 Tensors that differ in layout (:data:`KINDS`): the fused QKV weight and bias (Megatron
 interleaves them per query group, ``[g][a/g q heads, k, v][d]``; loom stores ``[Q; K; V]``), the
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 KINDS = ("plain", "qkv", "conv")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -36,6 +41,8 @@ _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 IN_PROJ_PARTS = ("z", "x", "B", "C", "dt")
 CONV_PARTS = ("x", "B", "C")
+GDN_IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")  # GatedDeltaNet's in_proj
+GDN_CONV_PARTS = ("query", "key", "value")
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ def _norm_aliases(rest: str, attention: str) -> list[str]:
             return [f"mlp.linear_fc1.layer_norm_{w}", rest]
         if attention == "ssm":
             return [f"mixer.in_proj.layer_norm_{w}", f"norm.{w}", rest]
+        if attention == "gdn":  # fused into GatedDeltaNet's in_proj (TE's LayerNormLinear)
+            return [f"self_attention.in_proj.layer_norm_{w}", rest]
         if attention == "mla":
             return [rest, f"self_attention.linear_qkv.layer_norm_{w}"]
         return [f"self_attention.linear_qkv.layer_norm_{w}", rest]
@@ -82,6 +91,10 @@ def _parts(rest: str) -> tuple[str, ...]:
         return IN_PROJ_PARTS
     if rest in ("mixer.conv1d.weight", "mixer.conv1d.bias"):
         return CONV_PARTS
+    if rest == "self_attention.in_proj.weight":
+        return GDN_IN_PROJ_PARTS
+    if rest in ("self_attention.conv1d.weight", "self_attention.conv1d.bias"):
+        return GDN_CONV_PARTS
     return ()
 
 
@@ -143,13 +156,22 @@ def layer_pattern(cfg) -> Optional[str]:
     return get_family(cfg.model_type).layer_kinds(cfg)
 
 
-def attention_kind(name: str, pattern: Optional[str], mla: bool) -> str:
+def attention_kind(name: str, pattern: Optional[str], mla: bool,
+                   gdn: Optional[Callable[[int], bool]] = None) -> str:
     """``ssm`` when ``name`` is a parameter of a Mamba layer of the hybrid ``pattern``
-    (``--hybrid-override-pattern``), ``mla`` under multi-latent attention, else ``mha``."""
+    (``--hybrid-override-pattern``), ``gdn`` of a Gated DeltaNet layer (``gdn(layer)``:
+    ``ModelConfig.is_gdn_layer``), ``mla`` under multi-latent attention, else ``mha``."""
     m = _LAYER.match(name)
     if pattern and m and int(m[1]) < len(pattern) and pattern[int(m[1])] == "M":
         return "ssm"
+    if gdn is not None and m and gdn(int(m[1])):
+        return "gdn"
     return "mla" if mla else "mha"
+
+
+def gdn_of(cfg) -> Optional[Callable[[int], bool]]:
+    """``ModelConfig.is_gdn_layer`` of a model with Gated DeltaNet layers, else None."""
+    return cfg.is_gdn_layer if getattr(cfg, "gated_delta_net", False) else None
 
 
 def primary_key(name: str, attention: str = "mha") -> Source:
@@ -166,18 +188,23 @@ def per_layer_key(name: str, attention: str = "mha") -> str:
     return sources(name, attention)[0].key
 
 
-def write_sources(name: str, attention: str, stacked: bool, moe_layer: bool = False
-                  ) -> list[Source]:
+def write_sources(name: str, attention: str, stacked: bool, moe_layer: bool = False,
+                  mamba_stack: Optional[bool] = None) -> list[Source]:
     """The keys a writer gives loom's ``name``: Megatron-Core's ``torch_dist`` spelling first
     (``stacked``: the GPT ``TransformerBlock``'s ``[L, ...]`` keys, experts ``[L, E, ...]``;
     else the Mamba stack's per-layer keys, its in-projection and conv in parts), then the other
     spec's spelling where the two differ: an MoE layer's pre-MLP norm (``moe_layer``: the
     Transformer Engine spec's ``pre_mlp_layernorm``, the local spec's fused-norm name) and
-    MLA's latent norms, so either layer spec's ``GPTModel`` finds its key."""
+    MLA's latent norms, so either layer spec's ``GPTModel`` finds its key. ``mamba_stack``
+    (default: not ``stacked``): the stack is Megatron's Mamba stack, whose final norm is
+    ``final_norm`` (a GPT stack keyed per layer, with Gated DeltaNet layers, keeps
+    ``final_layernorm``)."""
     m = _LAYER.match(name)
     cands = sources(name, attention)
+    if mamba_stack is None:
+        mamba_stack = not stacked
     if not m:  # the Mamba stack's final norm is ``final_norm``
-        return cands[1:2] if name.startswith("final_layernorm.") and not stacked else cands[:1]
+        return cands[1:2] if name.startswith("final_layernorm.") and mamba_stack else cands[:1]
     per_layer = f"decoder.layers.{m[1]}."
     split = bool(_parts(m[2]))
     keep = [s for s in cands

@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
                                                   WriteItemType)
 
 from loom.checkpoint.megatron import layout
-from loom.checkpoint.megatron.names import (CONV_PARTS, IN_PROJ_PARTS, attention_kind, kind_of,
+from loom.checkpoint.megatron.names import (CONV_PARTS, GDN_CONV_PARTS, GDN_IN_PROJ_PARTS,
+                                            IN_PROJ_PARTS, attention_kind, gdn_of, kind_of,
                                             layer_pattern, write_sources)
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -115,18 +116,22 @@ def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
     chunks: Chunks = {}
     sizes: dict[str, tuple] = {}
     pattern = layer_pattern(cfg)
-    mamba = pattern is not None  # Megatron's Mamba stack keys each layer on its own
+    gdn = gdn_of(cfg)
+    # Megatron's Mamba stack keys each layer on its own, and so does a GPT stack with Gated
+    # DeltaNet layers (TransformerBlock's non_homogeneous_layers)
+    per_layer = pattern is not None or gdn is not None
     rows = _vocab_rows(cfg, target_tp)
     L, E = cfg.num_layers, cfg.num_experts or 0
     for name, t in full.items():
-        attention = attention_kind(name, pattern, cfg.multi_latent_attention)
+        attention = attention_kind(name, pattern, cfg.multi_latent_attention, gdn)
         t = layout.to_megatron(t.detach().cpu(), kind_of(name), cfg.num_attention_heads,
-                               cfg.num_kv_groups)
+                               cfg.num_kv_groups, getattr(cfg, "attention_output_gate", False))
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             t = _repad(t, rows)
         layer = re.match(r"^layers\.(\d+)\.", name)
         moe = bool(layer) and cfg.is_moe_layer(int(layer[1]))
-        for src in write_sources(name, attention, stacked=not mamba, moe_layer=moe):
+        for src in write_sources(name, attention, stacked=not per_layer, moe_layer=moe,
+                                 mamba_stack=pattern is not None):
             dims = _put(chunks, sizes, src, t, L, E, cfg)
             if objects is not None and src.key.endswith(".weight"):
                 objects[extra_state_key(src.key[:-len(".weight")], src.index, dims)] = [None]
@@ -162,7 +167,12 @@ def _put(chunks: Chunks, sizes: dict, src, t: torch.Tensor, L: int, E: int, cfg)
 
 
 def _part_sizes(parts: tuple[str, ...], cfg) -> list[int]:
+    from loom.models.gpt.gdn import gdn_blocks
     from loom.models.mamba.model import mamba_sizes
+    if parts == tuple("." + p for p in GDN_IN_PROJ_PARTS):
+        return list(gdn_blocks(cfg))
+    if parts == tuple("." + p for p in GDN_CONV_PARTS):
+        return list(gdn_blocks(cfg)[:3])
     s = mamba_sizes(cfg)
     if parts == tuple("." + p for p in IN_PROJ_PARTS):
         return list(s["in_segments"])
@@ -211,6 +221,13 @@ def megatron_args(cfg, flat: dict, iteration: int, consumed: int, target_tp: int
               kv_channels=cfg.head_dim, group_query_attention=cfg.num_kv_groups !=
               cfg.num_attention_heads)
     ns.pop("model_type", None)
+    if ns.get("linear_attention_freq") is not None:  # Megatron's la_freq_type: int or list
+        from loom.config.model_moe import parse_moe_layer_freq
+        text = str(ns["linear_attention_freq"]).strip()
+        ns["linear_attention_freq"] = int(text) if text.isdigit() else \
+            parse_moe_layer_freq(text, cfg.num_layers, "--linear-attention-freq")
+    if ns.get("experimental_attention_variant") == "gated_delta_net":
+        ns["experimental_attention_variant"] = "gdn"  # Megatron's canonical name
     return argparse.Namespace(**ns)
 
 

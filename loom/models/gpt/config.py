@@ -1,6 +1,6 @@
 """GPT's config rules (its ``refuse_own_flags`` hook, :mod:`loom.models.family`): the features
 only the GPT family builds (multi-latent attention, multi-token prediction, muP, gpt-oss's
-sliding-window / sink attention) refused in another family's config with "drop it". The rules
+sliding-window / sink attention, Qwen3-Next's attention output gate and Gated DeltaNet) refused in another family's config with "drop it". The rules
 of the features themselves stay with their flags in :mod:`loom.config` (``model_mla``,
 ``model_mup``, ``model_gptoss``): a GPT config has no further family rule."""
 
@@ -28,3 +28,10 @@ def refuse_own_flags(m: Any) -> None:
     if m.use_mup:
         raise ConfigError(f"--use-mup: loom implements muP for --model-type gpt (Megatron's "
                           f"GPTModel), not --model-type {m.model_type}: drop --use-mup")
+    if m.attention_output_gate:
+        raise ConfigError(f"--attention-output-gate: loom gates the attention of --model-type "
+                          f"gpt only, not {m.model_type}: drop it")
+    if m.gated_delta_net:
+        raise ConfigError(f"--experimental-attention-variant "
+                          f"{m.experimental_attention_variant} builds GPT layers; --model-type "
+                          f"{m.model_type} has none: use --model-type gpt")

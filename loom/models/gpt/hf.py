@@ -116,6 +116,9 @@ def layout_of(cfg: ModelConfig) -> str:
     """The ``transformers`` class family a GPT-family model exports to (a key of
     :data:`LAYOUTS`): DeepSeek-V3 for MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE /
     Mixtral for MoE models (Q/K norms / a shared expert / neither), else the dense ones."""
+    if cfg.attention_output_gate or cfg.gated_delta_net:
+        raise ConfigError("Qwen3-Next's gated attention output and Gated DeltaNet layers have "
+                          "no Hugging Face export in loom yet")
     if cfg.multi_latent_attention:
         return "deepseek_v3"
     if cfg.quick_geglu or cfg.softmax_type != "vanilla" or cfg.enable_gpt_oss:

@@ -4,7 +4,9 @@ Embedding (+ learned positions for GPT-2) -> L pre-LN layers -> final norm -> ou
 (tied to the embedding, or untied for LLaMA) -> cross-entropy. Activations are ``[s, b, h]``
 (Megatron-LM's layout). Every layer is ``x + drop(attn(norm1(x)))`` then
 ``x + drop(mlp(norm2(x)))``; attention is MHA or GQA (``--num-query-groups``) with optional
-RoPE; the MLP is GeLU or SwiGLU.
+RoPE; the MLP is GeLU or SwiGLU. With ``--experimental-attention-variant gdn`` the layers that
+``--linear-attention-freq`` picks replace attention with Gated DeltaNet
+(:mod:`loom.models.gpt.gdn`; Qwen3-Next's hybrid stack).
 
 Nothing here knows about parallelism: :mod:`loom.models.gpt.parallelize` swaps the linear
 layers for tensor-parallel ones, installs sequence-parallel regions and the context-parallel
@@ -21,9 +23,11 @@ import torch
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.errors import ConfigError
 from loom.models.attention import KVCache, SelfAttention
 from loom.models.chunk import Embedding, LanguageModelChunk, build_norm
 from loom.models.language_model import forward_step  # noqa: F401 (the family's step)
+from loom.models.gpt.gdn import GatedDeltaNet
 from loom.models.gpt.gpt_oss_ops import gpt_oss_rope
 from loom.models.gpt.mla import MLASelfAttention, mla_rope
 from loom.models.mlp import MLP
@@ -37,7 +41,8 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, moe: Optional[bool] = None):
         super().__init__()
         self.input_layernorm = build_norm(cfg)
-        attention = MLASelfAttention if cfg.multi_latent_attention else SelfAttention
+        attention = MLASelfAttention if cfg.multi_latent_attention else \
+            GatedDeltaNet if cfg.is_gdn_layer(layer_number) else SelfAttention
         self.self_attention = attention(cfg, layer_number)
         self.pre_mlp_layernorm = build_norm(cfg)
         moe = cfg.is_moe_layer(layer_number) if moe is None else moe  # MTP: the last layer's
@@ -96,6 +101,9 @@ class GPTModel(LanguageModelChunk):
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` positions (MLA: the
         latent and the rotated shared key, :class:`~loom.models.gpt.mla.MLASelfAttention`)."""
         cache = KVCache()
+        if self.cfg.gated_delta_net:
+            raise ConfigError("generation with Gated DeltaNet layers: loom keeps no recurrent "
+                              "state for them yet")
         for name, layer in self.layers.items():
             attn = layer.self_attention
             w = attn.linear_kv_down_proj.weight if isinstance(attn, MLASelfAttention) \

@@ -16,11 +16,15 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
+from loom.models.gpt.gdn import gdn_blocks
+from loom.models.init import a_log_init, by_pattern, conv_init, ones_init
 from loom.models.mtp import roll_left
 from loom.models.parallelize import decoder_init, decoder_plan
 from loom.parallel.context.split import gather_sequence, slice_for_cp
 from loom.parallel.mappings import copy_to_tensor_parallel_region
-from loom.parallel.plan import ColwiseParallel, ParallelStyle, PlanContext, SequenceParallelParams
+from loom.parallel.mamba_styles import ChannelParallelParams
+from loom.parallel.plan import (ColwiseParallel, ParallelStyle, PartialGradOverTP, PlanContext,
+                                RowwiseParallel, SequenceParallelParams)
 from loom.parallel.sequence import gather_from_sequence_parallel_region
 
 
@@ -90,6 +94,24 @@ def mla_plan() -> list:
         [(at + "k_pos_emb_region", TensorParallelInput())]
 
 
+def gdn_plan(cfg: ModelConfig) -> list:
+    """Gated DeltaNet layers (:mod:`loom.models.gpt.gdn`), split by heads: ``in_proj``
+    column-parallel (each of its six blocks split t ways), the convolution channels of
+    ``[Q; K; V]``, ``A_log`` and ``dt_bias`` split alike, ``out_proj`` row-parallel; the output
+    norm's weight, shared by the heads, sees this rank's heads (gradient summed over TP)."""
+    qk, _, v, *_ = gdn_blocks(cfg)
+    out = []
+    for i in range(cfg.num_layers):
+        if cfg.is_gdn_layer(i):
+            at = f"layers.{i}.self_attention"
+            out += [(at + ".in_proj", ColwiseParallel(segments=gdn_blocks(cfg))),
+                    (at + ".conv1d", ChannelParallelParams((("weight", (qk, qk, v)),))),
+                    (at, ChannelParallelParams((("A_log", None), ("dt_bias", None)))),
+                    (at + ".out_norm", PartialGradOverTP()),
+                    (at + ".out_proj", RowwiseParallel())]
+    return out
+
+
 def mtp_plan(layer_plan: list) -> list:
     """Multi-token prediction (last chunk): each module's transformer layer takes the decoder
     layers' styles; its norms and ``eh_proj`` are replicated (sequence-split under SP)."""
@@ -105,7 +127,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     (:func:`loom.models.parallelize.decoder_plan`) with multi-latent attention's entries first
     and, on the last chunk, the multi-token prediction modules' (the embedding then lives on
     the last stage too)."""
-    out = (mla_plan() if cfg.multi_latent_attention else []) + decoder_plan(
+    out = (mla_plan() if cfg.multi_latent_attention else []) + gdn_plan(cfg) + decoder_plan(
         cfg, stage, ctx, tied=not cfg.untie_embeddings_and_output_weights
         or bool(cfg.mtp_num_layers))  # MTP embeds tokens on the last stage
     if cfg.mtp_num_layers and stage.post_process:
@@ -113,4 +135,23 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     return out
 
 
-init = decoder_init  # Megatron-LM's initialization (loom.models.parallelize)
+def init(cfg: ModelConfig):
+    """``name -> InitFn``: Megatron-LM's initialization (:func:`loom.models.parallelize.
+    decoder_init`), and Gated DeltaNet's own parameters as Megatron's ``GatedDeltaNet``
+    initializes them: ``A_log = log U[1, 16]``, ``dt_bias`` ones, the convolution PyTorch's
+    default (``U(+-1/sqrt(K))``); its projections are ``init_method`` and the scaled
+    ``output_layer_init_method`` like attention's."""
+    decoder = decoder_init(cfg)
+    if not cfg.gated_delta_net:
+        return decoder
+    gdn = by_pattern([("*.self_attention.A_log", a_log_init),
+                      ("*.self_attention.dt_bias", ones_init),
+                      ("*.self_attention.conv1d.weight", conv_init),
+                      ("*.self_attention.out_proj.weight", decoder("*.linear_proj.weight"))])
+
+    def lookup(name: str):
+        try:
+            return gdn(name)
+        except KeyError:
+            return decoder(name)
+    return lookup

@@ -20,14 +20,14 @@ import torch
 
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
-from loom.models.init import by_pattern, ones_init, scaled_normal_init, zeros_init
+from loom.models.init import (a_log_init, by_pattern, conv_init, ones_init, scaled_normal_init,
+                              zeros_init)
 from loom.models.mamba.model import mamba_sizes
 from loom.models.parallelize import decoder_init, decoder_plan
 from loom.parallel.mamba_styles import ChannelParallelParams
 from loom.parallel.plan import ColwiseParallel, PlanContext, RowwiseParallel
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # mamba_ssm's dt initialization range
-A_INIT_RANGE = (1.0, 16.0)
 
 
 def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
@@ -45,22 +45,11 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     ]  # the pre-mixer norm is "layers.*.input_layernorm": sequence-parallel by the shared plan
 
 
-def a_log_init(shape, g):
-    """``log(A0)``, ``A0 ~ U[1, 16]`` per head (mamba_ssm; A = -exp(A_log))."""
-    return torch.empty(shape).uniform_(*A_INIT_RANGE, generator=g).log()
-
-
 def dt_bias_init(shape, g):
     """softplus^-1 of ``dt ~ exp(U[log 1e-3, log 1e-1])`` floored at 1e-4 (mamba_ssm)."""
     u = torch.rand(shape, generator=g)
     dt = torch.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)).clamp(min=DT_FLOOR)
     return dt + torch.log(-torch.expm1(-dt))
-
-
-def conv_init(shape, g):
-    """PyTorch's Conv1d default bound ``1/sqrt(k)`` (fan-in of a depthwise kernel)."""
-    bound = 1.0 / math.sqrt(shape[-1])
-    return torch.empty(shape).uniform_(-bound, bound, generator=g)
 
 
 def init(cfg: ModelConfig) -> Callable:
