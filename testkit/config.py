@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from loom.config import LoomConfig, ModelConfig, field_section
+from loom.models import resolve_config
 
 TINY_SHAPE: dict = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                         vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0)
@@ -110,8 +111,9 @@ def tiny_config(family: str = "gpt", *bundles: dict, model: Optional[ModelConfig
     ``bundles`` (dicts of flag names, in order), then ``flat``; a later value wins.
 
     ``model``: start from this ModelConfig (copied) instead of the family's; model fields in
-    ``bundles``/``flat`` then replace its values. ``world``: return ``cfg.validate(world)``
-    (the resolved config), else the unresolved one.
+    ``bundles``/``flat`` then replace its values. ``world``: return
+    ``loom.models.resolve_config(cfg, world)`` (the resolved config, the family's own rules
+    included), else the unresolved one.
     """
     kw = dict(TINY_RUN)
     for b in bundles:
@@ -126,4 +128,4 @@ def tiny_config(family: str = "gpt", *bundles: dict, model: Optional[ModelConfig
     for name, values in sections.items():
         for k, v in values.items():
             setattr(getattr(cfg, name), k, v)
-    return cfg if world is None else cfg.validate(world)
+    return cfg if world is None else resolve_config(cfg, world)

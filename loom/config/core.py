@@ -126,16 +126,18 @@ class LoomConfig:
             self.training.micro_batch_size * self.data_parallel_size(world_size))
 
     # -- validation ----------------------------------------------------------------------------
-    def validate(self, world_size: int) -> "LoomConfig":
+    def validate(self, world_size: int, family=None) -> "LoomConfig":
         """The resolved config for ``world_size`` ranks: a new object (this one is not
         changed) with every value checked, every Megatron inference filled in (required flags,
         ``--pipeline-schedule``, ``--zero-stage``, ``--train-iters`` from ``--train-samples``,
         ...) and :attr:`derived` computed. Raises :class:`ConfigError` naming the flag and the
         fix. Validating a resolved config again (e.g. for another world size) resolves anew.
+        ``family``: the model family's own rules (:class:`loom.config.validate.FamilyRules`);
+        :func:`loom.models.resolve_config` passes those of ``--model-type``'s family.
         """
         resolved = copy.deepcopy(self)
         resolved.derived = None
-        validate_config(resolved, world_size)
+        validate_config(resolved, world_size, family)
         t, lg = resolved.training, resolved.logging
         dp = resolved.data_parallel_size(world_size)
         gbs = resolved.global_batch_size(world_size)

@@ -126,7 +126,7 @@ def check_gptoss(m: Any, tp: int, cp: int) -> None:
             raise ConfigError(f"--window-size {m.window_size}: a causal model sees no later "
                               f"key: give LEFT,0 with LEFT >= 0 (e.g. {max(left, 0)},0)")
     special = m.window is not None or m.softmax_type != "vanilla"
-    if special and (m.model_type != "gpt" or m.multi_latent_attention):
+    if special and m.multi_latent_attention:  # another family: loom.models.gpt.config
         raise ConfigError("--window-size / --softmax-type apply to --model-type gpt's standard "
                           "attention: drop them (gemma3: --sliding-window)")
     if special and cp > 1:

@@ -37,10 +37,3 @@ class MambaFields:
         if self.mamba_num_heads is not None:
             return self.mamba_num_heads * self.mamba_head_dim
         return self.mamba_expand * self.hidden_size
-
-    @property
-    def hybrid_layer_pattern(self) -> Optional[str]:
-        """mamba: ``--hybrid-override-pattern`` or ``"M" * L`` (``M`` Mamba-2, ``*`` attention,
-        ``-`` MLP per layer); None for a family without Mamba layers."""
-        is_mamba = self.model_type == "mamba"
-        return (self.hybrid_override_pattern or "M" * self.num_layers) if is_mamba else None

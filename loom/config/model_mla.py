@@ -95,11 +95,7 @@ def check_mla(m: Any, tp: int, cp: int, pp: int) -> None:
         raise ConfigError("--rope-type yarn: loom (like Megatron) applies YaRN only in "
                           "multi-latent attention; add --multi-latent-attention or drop "
                           "--rope-type")
-    if m.multi_latent_attention:
-        if m.model_type != "gpt":
-            raise ConfigError(f"--multi-latent-attention is an attention of --model-type gpt, "
-                              f"which --model-type {m.model_type} does not have: drop "
-                              f"--multi-latent-attention")
+    if m.multi_latent_attention:  # another family refuses it (loom.models.gpt.config)
         if m.group_query_attention:
             raise ConfigError("--group-query-attention excludes --multi-latent-attention (the "
                               "latent is shared by every head already): drop "
@@ -116,11 +112,7 @@ def check_mla(m: Any, tp: int, cp: int, pp: int) -> None:
         raise ConfigError(f"--position-embedding-type yarn rotates every channel of a head "
                           f"(Megatron's YarnRotaryEmbedding ignores --rotary-percent "
                           f"{m.rotary_percent}): drop --rotary-percent")
-    if m.mtp_num_layers:
-        if m.model_type != "gpt":
-            raise ConfigError(f"--mtp-num-layers is multi-token prediction of --model-type gpt, "
-                              f"which --model-type {m.model_type} does not have: drop "
-                              f"--mtp-num-layers")
+    if m.mtp_num_layers:  # another family refuses it (loom.models.gpt.config)
         if pp > 1 and m.position_embedding_type == "learned_absolute":
             raise ConfigError("--mtp-num-layers on a later pipeline stage has no learned "
                               "position table: use --position-embedding-type rope or "

@@ -1,8 +1,10 @@
 """muP (maximal update parametrization; Yang et al. 2022, "Tensor Programs V", table 8 with
 Adam) fields of :class:`~loom.config.sections.ModelConfig`, Megatron-LM's ``--use-mup`` and its
 companions (names, meanings and defaults of ``TransformerConfig``'s MuP block at d98e8a6), the
-multipliers they resolve to, and their check (:func:`check_mup`, part of the one validation
-pass).
+multipliers they resolve to. loom implements muP for the GPT family only (Megatron also for
+BERT and, experimentally, hybrid stacks): another family refuses ``--use-mup``
+(:mod:`loom.models.gpt.config`); its companions without ``--use-mup`` change nothing, as in
+Megatron (which reads them only with it).
 
 With ``--use-mup`` and width multiplier ``m = --hidden-size / --mup-base-hidden-size``
 (Megatron's ``TransformerConfig.__post_init__``, ``get_mup_config_overrides``):
@@ -22,10 +24,9 @@ With ``--use-mup`` and width multiplier ``m = --hidden-size / --mup-base-hidden-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from loom.config.fields import opt
-from loom.errors import ConfigError
 
 
 @dataclass
@@ -78,12 +79,3 @@ class MupFields:
     def embedding_multiplier(self) -> float:
         """The embedding output's multiplier (1 without ``--use-mup``)."""
         return self.mup_embedding_mult if self.use_mup else 1.0
-
-
-def check_mup(m: Any) -> None:
-    """Refuse ``--use-mup`` where loom does not implement it: families other than gpt (Megatron
-    also has muP for BERT and, experimentally, hybrid stacks). Its companions without
-    ``--use-mup`` change nothing, as in Megatron (which reads them only with it)."""
-    if m.use_mup and m.model_type != "gpt":
-        raise ConfigError(f"--use-mup: loom implements muP for --model-type gpt (Megatron's "
-                          f"GPTModel), not --model-type {m.model_type}: drop --use-mup")

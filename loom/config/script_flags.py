@@ -75,8 +75,8 @@ def _positions(m: Any) -> None:
 def _interleaved_rope(m: Any) -> None:
     """``--rotary-interleaved``: refused where Megatron refuses it (multi-latent attention:
     ``TransformerConfig`` raises; YaRN, gpt-oss's included: ``YarnRotaryEmbedding`` asserts)
-    and for Gemma 3, whose own RoPE rotates halves; without rotary embeddings it rotates
-    nothing (as in Megatron)."""
+    and for Gemma 3, whose own RoPE rotates halves (its check, :mod:`loom.models.gemma3.config`);
+    without rotary embeddings it rotates nothing (as in Megatron)."""
     drop = ": drop --rotary-interleaved"
     if m.multi_latent_attention:
         raise ConfigError("--rotary-interleaved does not work with --multi-latent-attention "
@@ -84,9 +84,6 @@ def _interleaved_rope(m: Any) -> None:
     if m.position_embedding_type == "yarn" or m.enable_gpt_oss:
         raise ConfigError("--rotary-interleaved: YaRN RoPE rotates halves (Megatron's "
                           "YarnRotaryEmbedding asserts it is not interleaved)" + drop)
-    if m.model_type == "gemma3":
-        raise ConfigError("--rotary-interleaved: --model-type gemma3 has Gemma 3's RoPE, "
-                          "which rotates halves" + drop)
 
 
 def _samples(cfg: Any, world_size: int) -> None:
@@ -237,10 +234,6 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
     check_muon(t)  # --optimizer dist_muon: muon with --use-distributed-optimizer
     _virtual_stages(cfg)
     _account_in_split(cfg.parallel, m.num_layers, m.mtp_num_layers or 0)
-    if t.ckpt_format == "torch_dist" and m.model_type not in ("gpt", "mamba"):
-        raise ConfigError(f"--ckpt-format torch_dist (Megatron's format) is written for the gpt "
-                          f"and mamba families, not --model-type {m.model_type}: drop it "
-                          f"(loom's own loom_dcp)")
     if m.squared_relu and m.gated_linear_unit:  # Megatron: assert not args.swiglu
         raise ConfigError("--squared-relu replaces GeLU in the MLP and the experts: drop "
                           + ("--swiglu" if m.swiglu else "--quick-geglu"))

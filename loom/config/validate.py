@@ -1,7 +1,11 @@
 """The one validation pass: every field's type, choices and bounds (from its ``Literal`` type and
 ``metadata``), then the cross-field and layout rules. Torch-free; reads the sections from the
-config object itself (it imports only the rule modules of :mod:`loom.config`: families,
-fault_spec, fields, pipeline, split) and nothing of loom above :mod:`loom.config`.
+config object itself (it imports only the rule modules of :mod:`loom.config`: fault_spec,
+fields, hybrid_pattern, pipeline, split, ...) and nothing of loom above :mod:`loom.config`.
+
+A model family's own rules live in its folder (``loom/models/<family>/config.py``), above this
+layer: they are handed in as a :class:`FamilyRules` (built by
+:func:`loom.models.resolve_config` from the family registry) and run inside this same pass.
 """
 
 from __future__ import annotations
@@ -11,16 +15,16 @@ import functools
 import math
 import os
 import shutil
-from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import (Any, Callable, Literal, Optional, Union, get_args, get_origin,
+                    get_type_hints)
 
-from loom.config.families import (check_bert, check_gemma3, check_mamba,
-                                  resolve_hybrid_pattern)
 from loom.config.fault_spec import parse_fault
 from loom.config.fields import flag
+from loom.config.hybrid_pattern import resolve_hybrid_pattern
 from loom.config.model_gptoss import check_gptoss
 from loom.config.model_gdn import check_gdn
 from loom.config.model_mla import check_mla
-from loom.config.model_mup import check_mup
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
 from loom.config.resilience import check_pruning
@@ -102,8 +106,25 @@ def _hints(section: type) -> dict:
     return get_type_hints(section)
 
 
-def check_fields(cfg: Any) -> None:
-    """Coerce every field of every section to its type and check its choices and bounds."""
+@dataclass(frozen=True)
+class FamilyRules:
+    """What the validation pass runs of the model family (config sits below
+    :mod:`loom.models`, so the family's rules are handed in; built by
+    :meth:`loom.models.FamilyRegistry.rules`): ``name``, its ``--model-type`` (a family
+    registered outside the built-in choices is accepted by that name); ``check(cfg,
+    world_size)``, its own rules (may fill in values its layout fixes); ``others``, every other
+    registered family's ``refuse_own_flags(model_cfg)``; ``replicates_kv_heads``: TP may exceed
+    and be a multiple of ``--num-query-groups`` (the family replicates K/V heads)."""
+
+    name: str
+    check: Callable[[Any, int], None]
+    others: tuple = ()
+    replicates_kv_heads: bool = False
+
+
+def check_fields(cfg: Any, model_type: Optional[str] = None) -> None:
+    """Coerce every field of every section to its type and check its choices and bounds;
+    ``model_type``: a family name accepted besides the built-in ``--model-type`` choices."""
     for section in dataclasses.fields(cfg):
         if section.name in ("derived", "megatron_no_effect"):  # not sections
             continue
@@ -112,6 +133,8 @@ def check_fields(cfg: Any) -> None:
         for f in dataclasses.fields(obj):
             if f.metadata.get("auto") and getattr(obj, f.name) == "auto":
                 continue  # an "N or auto" field (--save-interval)
+            if f.name == "model_type" and model_type is not None and obj.model_type == model_type:
+                continue  # a registered family's name (FamilyRules.name)
             value = coerce(getattr(obj, f.name), hints[f.name], flag(f.name))
             check_bounds(f.name, value, f.metadata)
             setattr(obj, f.name, value)
@@ -138,8 +161,8 @@ def resolve_megatron(cfg: Any) -> None:
     resolve_hybrid_pattern(m, cfg.parallel)
     for name in REQUIRED_MODEL:
         if getattr(m, name) is None:
-            hint = " (or --hybrid-override-pattern, one character per layer)" if \
-                name == "num_layers" and m.model_type == "mamba" else ""
+            hint = " (or, for a hybrid stack, --hybrid-override-pattern, one character per " \
+                "layer)" if name == "num_layers" else ""
             raise _required(name, "N", hint)
     if t.micro_batch_size is None:
         raise _required("micro_batch_size", "N")
@@ -168,7 +191,9 @@ def resolve_megatron(cfg: Any) -> None:
                                   f"(Megatron's rule; no default): give {flag(name)} {example}")
 
 
-def _check_model(m: Any, tp: int) -> None:
+def _check_model(m: Any, tp: int, replicates_kv_heads: bool = False) -> None:
+    """The shape against TP: heads, query groups (unless the family replicates K/V heads and TP
+    is a multiple of the groups), FFN, positions, RoPE's even head dimension."""
     if m.num_attention_heads % m.num_kv_groups:
         raise ConfigError(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
@@ -182,7 +207,7 @@ def _check_model(m: Any, tp: int) -> None:
         raise ConfigError(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}: choose a TP size dividing the head count")
-    if m.num_kv_groups % tp and not (m.model_type == "gemma3" and tp % m.num_kv_groups == 0):
+    if m.num_kv_groups % tp and not (replicates_kv_heads and tp % m.num_kv_groups == 0):
         raise ConfigError(
             f"--num-query-groups {m.num_kv_groups} is not divisible by "
             f"--tensor-model-parallel-size {tp}: use a TP size that divides the query groups")
@@ -365,29 +390,30 @@ def _check_precision(t: Any) -> None:
                           f"{top / tiny:.3g} (2**16 and below are usual), or drop --loss-scale")
 
 
-def validate_config(cfg: Any, world_size: int) -> None:
+def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = None) -> None:
     """Refuse bad values and impossible layouts of a LoomConfig for ``world_size`` ranks.
 
     Raises :class:`ConfigError` naming the flag and the fix. Fills the resolved values
     (``--pipeline-schedule``, ``--zero-stage``, ...) into ``cfg`` itself: call it on a copy, as
-    :meth:`LoomConfig.validate` does, which returns that copy.
+    :meth:`LoomConfig.validate` does, which returns that copy. ``family``: the model family's
+    own rules (:class:`FamilyRules`), run after the shape rules; None runs none of them.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
-    check_fields(cfg)
+    check_fields(cfg, family.name if family else None)
     resolve_megatron(cfg)
     resolve_script_flags(cfg, world_size)  # Megatron's script flags (config/script_flags.py)
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.context_parallel_size)
-    _check_model(m, tp)
-    check_mamba(m, tp, cp)
-    check_bert(m, cp)
-    check_gemma3(m)
+    _check_model(m, tp, family is not None and family.replicates_kv_heads)
+    if family is not None:
+        for refuse_own_flags in family.others:  # another family's flags: "drop it"
+            refuse_own_flags(m)
+        family.check(cfg, world_size)
     check_mla(m, tp, cp, pp)
     check_gdn(m, tp, cp)
     check_gptoss(m, tp, cp)
-    check_mup(m)
     check_context_parallel(m, p)
     if world_size % (tp * pp * cp):
         raise ConfigError(
@@ -419,9 +445,6 @@ def validate_config(cfg: Any, world_size: int) -> None:
     _check_zero(cfg)
     _check_moe(cfg, world_size)
     _check_precision(t)
-    if cfg.data.fim_data and m.model_type == "bert":
-        raise ConfigError("--fim-data with --model-type bert: fill-in-the-middle reorders "
-                          "next-token samples (Megatron's GPT dataset); BERT masks tokens instead")
     parse_fault(cfg.fault_tolerance.inject_fault)
     ck = cfg.checkpoint
     if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:

@@ -16,6 +16,7 @@ same sums at every layout).
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -42,15 +43,18 @@ class EvalModel:
 
 def check_layout(cfg, tp: int, pp: int, world: int) -> None:
     """Refuse a layout this model cannot take, naming the flag (before any process group)."""
-    from loom.config.families import check_mamba
     from loom.config.validate import _check_model
+    from loom.models import get_family
     if world % (tp * pp):
         raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size "
                           f"{tp} x --pipeline-model-parallel-size {pp}: launch a multiple of "
                           f"{tp * pp} ranks")
     m = cfg.model
-    _check_model(m, tp)
-    check_mamba(m, tp, 1)
+    family = get_family(m.model_type)
+    _check_model(m, tp, family.replicates_kv_heads)
+    at = copy.deepcopy(cfg)  # the family's own rules at this layout (e.g. Mamba heads over TP)
+    at.parallel.tensor_model_parallel_size, at.parallel.context_parallel_size = tp, 1
+    family.check(at, world)
     if m.num_layers % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the "
                           f"checkpoint's {m.num_layers} layers: choose a PP size dividing it")

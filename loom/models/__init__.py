@@ -2,21 +2,41 @@
 :mod:`loom.models.family`). :func:`get_family` looks one up by name in a
 :class:`FamilyRegistry`: the built-in families (:data:`FAMILY_MODULES`), plus any registered on
 that registry (:func:`register_family`). Code outside ``loom/models/<family>`` asks the family
-for what is family-specific instead of branching on ``--model-type``."""
+for what is family-specific instead of branching on ``--model-type``; :func:`resolve_config`
+validates a config with its family's own rules (:class:`loom.config.validate.FamilyRules`)."""
 
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from types import MappingProxyType
-from typing import Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
+from loom.config.validate import FamilyRules
+from loom.errors import ConfigError
 from loom.models.family import ModelFamily
 
-FAMILY_MODULES = MappingProxyType({  # --model-type -> its package (FAMILY), imported when asked
-    "gpt": lambda: importlib.import_module("loom.models.gpt"),
-    "mamba": lambda: importlib.import_module("loom.models.mamba"),
-    "bert": lambda: importlib.import_module("loom.models.bert"),
-    "gemma3": lambda: importlib.import_module("loom.models.gemma3"),
+
+
+class FamilyRow(NamedTuple):
+    """A built-in family's row: ``family()`` imports the module holding its ``FAMILY`` (model,
+    plan, forward step: torch); ``config()`` its torch-free config module (``check``,
+    ``refuse_own_flags``, ``layer_kinds``: what validation and the planner read without building
+    anything). Both imported when asked."""
+
+    family: Callable
+    config: Callable
+
+
+FAMILY_MODULES = MappingProxyType({  # --model-type -> its row: one line per built-in family
+    "gpt": FamilyRow(lambda: importlib.import_module("loom.models.gpt.family"),
+                     lambda: importlib.import_module("loom.models.gpt.config")),
+    "mamba": FamilyRow(lambda: importlib.import_module("loom.models.mamba.family"),
+                       lambda: importlib.import_module("loom.models.mamba.config")),
+    "bert": FamilyRow(lambda: importlib.import_module("loom.models.bert.family"),
+                      lambda: importlib.import_module("loom.models.bert.config")),
+    "gemma3": FamilyRow(lambda: importlib.import_module("loom.models.gemma3.family"),
+                        lambda: importlib.import_module("loom.models.gemma3.config")),
 })
 
 
@@ -46,11 +66,34 @@ class FamilyRegistry:
             return self._extra[name]
         if name not in FAMILY_MODULES:
             raise ValueError(f"unknown model family {name!r}; known: {', '.join(self.names())}")
-        return FAMILY_MODULES[name]().FAMILY
+        return FAMILY_MODULES[name].family().FAMILY
+
+    def layer_kinds(self, name: str) -> Optional[Callable]:
+        """Family ``name``'s ``layer_kinds`` (``model_cfg -> None | str``, what the planner
+        prices) without importing its model (a built-in family's config module: no torch);
+        None for a name not registered here."""
+        if name in self._extra:
+            return self._extra[name].layer_kinds
+        return FAMILY_MODULES[name].config().layer_kinds if name in FAMILY_MODULES else None
 
     def families(self) -> list[ModelFamily]:
         """Every family (imports the built-in ones)."""
         return [self.get(n) for n in self.names()]
+
+    def rules(self, name: str) -> FamilyRules:
+        """What the validation pass runs of family ``name``: its ``check``, every other
+        family's ``refuse_own_flags`` (registry order) and ``replicates_kv_heads``; raises
+        ConfigError naming ``--model-type`` for an unknown name."""
+        try:
+            family = self.get(name)
+        except ValueError:
+            raise ConfigError(f"--model-type: {name!r} is not one of "
+                              f"{', '.join(self.names())}") from None
+        return FamilyRules(name=family.name, check=partial(_declared_then_check, family,
+                                                           self.families()),
+                           others=tuple(f.refuse_own_flags for f in self.families()
+                                        if f.name != family.name),
+                           replicates_kv_heads=family.replicates_kv_heads)
 
     def for_hf(self, model_type: str) -> Optional[ModelFamily]:
         """The family whose Hugging Face mapping imports ``config.json``'s ``model_type``, or
@@ -70,3 +113,24 @@ def get_family(name: str = "gpt", registry: Optional[FamilyRegistry] = None) -> 
     """The :class:`ModelFamily` registered as ``name`` in ``registry`` (default: the built-in
     families); raises ValueError for an unknown one."""
     return (registry or FamilyRegistry()).get(name)
+
+
+def _declared_then_check(family: ModelFamily, families: list, cfg, world_size: int) -> None:
+    """What ``family`` declares, checked generically (``--ckpt-format torch_dist`` needs
+    ``megatron_checkpoints``), then its own ``check``."""
+    if cfg.training.ckpt_format == "torch_dist" and not family.megatron_checkpoints:
+        names = [f.name for f in families if f.megatron_checkpoints]
+        which = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        raise ConfigError(f"--ckpt-format torch_dist (Megatron's format) is written for the "
+                          f"{which} families, not --model-type {family.name}: drop it (loom's "
+                          f"own loom_dcp)")
+    family.check(cfg, world_size)
+
+
+def resolve_config(cfg, world_size: int, registry: Optional[FamilyRegistry] = None):
+    """``cfg.validate(world_size)`` (a LoomConfig, resolved on a copy) with the rules of its
+    ``--model-type``'s family in ``registry`` (default: the built-in families): the family's
+    ``check`` and the other families' ``refuse_own_flags`` run inside the one validation pass.
+    Every command resolves its config here before any process group; raises ConfigError."""
+    registry = registry or FamilyRegistry()
+    return cfg.validate(world_size, registry.rules(cfg.model.model_type))

@@ -15,7 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from loom.parallel.interface import ForwardStep, LossFn, StageSpec  # noqa: F401 - re-exported
+from loom.errors import ConfigError
+
+REEXPORTED = ("ForwardStep", "LossFn", "StageSpec")  # of loom.parallel.interface
+
+
+def __getattr__(name: str):
+    """The forward-step types and :class:`StageSpec` of :mod:`loom.parallel.interface`,
+    re-exported when asked: this module stays torch-free, so a family's declarations and config
+    rules (``loom/models/<family>/config.py``, read by validation and the planner) import no
+    torch."""
+    if name in REEXPORTED:
+        from loom.parallel import interface
+        return getattr(interface, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,28 @@ def no_differences(saved: dict, model_cfg) -> list:
     return []
 
 
+def no_checks(cfg, world_size: int) -> None:
+    """The default ``check``: no rule beyond the config's own (:mod:`loom.config.validate`)."""
+
+
+def no_own_flags(model_cfg) -> None:
+    """The default ``refuse_own_flags``: the family reads no flag another family lacks."""
+
+
+def transformer_layers(model_cfg) -> None:
+    """The default ``layer_kinds``: None, every layer a transformer layer (attention, or MLA
+    with ``--multi-latent-attention``; an MLP, or MoE on ``--moe-layer-freq``'s layers)."""
+    return None
+
+
+def other_family_flag(name: str, what: str, model_type: str) -> ConfigError:
+    """``--NAME is WHAT, which --model-type MODEL_TYPE does not have: drop --NAME``: a family's
+    own flag in another family's config (``refuse_own_flags``); the fix keeps the user's family
+    (never "use --model-type X", which would make another model)."""
+    f = "--" + name.replace("_", "-")
+    return ConfigError(f"{f} is {what}, which --model-type {model_type} does not have: drop {f}")
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """``build(model_cfg, stage) -> nn.Module`` (plain math, built on the meta device by loom);
@@ -92,13 +127,26 @@ class ModelFamily:
       [MASK]); a family without it refuses such data;
     * ``megatron_checkpoints``: whether its names are Megatron-Core's ``GPTModel`` /
       ``MambaModel``'s, so Megatron checkpoints are read and written for it
-      (:mod:`loom.checkpoint.megatron`)."""
+      (:mod:`loom.checkpoint.megatron`);
+    * ``check(cfg, world_size)``: its own config rules, run inside the one validation pass on
+      the copy being resolved (after the shape rules, :func:`loom.config.validate.validate_config`;
+      reached through :func:`loom.models.resolve_config`, before any process group): raises a
+      one-line ConfigError naming the flag and a fix that keeps the family, and may write the
+      values its layout fixes into ``cfg`` (Gemma 3's RMSNorm, RoPE, no biases);
+    * ``refuse_own_flags(model_cfg)``: raises ConfigError ("drop it") when a config of *another*
+      family sets a flag only this family reads (the flags themselves are declared once, in
+      :mod:`loom.config`, as Megatron's are);
+    * ``replicates_kv_heads``: its plan replicates K/V heads when TP exceeds the query groups
+      (Gemma 3's ``ReplicatedKV``), so TP need not divide ``--num-query-groups``;
+    * ``layer_kinds(model_cfg) -> str | None``: what the planner prices, one character per
+      layer: ``M`` a Mamba-2 mixer, ``*`` attention, ``-`` an MLP (:mod:`loom.planner.mamba`);
+      None (the default): every layer a transformer layer (attention or MLA + MLP or MoE)."""
 
     name: str
     build: Callable
     plan: Callable
     init: Callable
-    forward_step: ForwardStep
+    forward_step: "ForwardStep"
     datasets: Callable = next_token_windows
     logged_metrics: Callable = no_metrics
     generation: Optional[Generation] = None
@@ -107,3 +155,7 @@ class ModelFamily:
     checkpoint_differences: Callable = no_differences
     wordpiece_data: bool = False
     megatron_checkpoints: bool = False
+    check: Callable = no_checks
+    refuse_own_flags: Callable = no_own_flags
+    replicates_kv_heads: bool = False
+    layer_kinds: Callable = transformer_layers

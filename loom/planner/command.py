@@ -162,13 +162,14 @@ def command_config(text: str, num_gpus: int):
     would. How the tests check that every ranked row's command runs."""
     import argparse
     from loom.config import add_config_arguments, config_from_args
+    from loom.models import resolve_config
     words = shlex.split("\n".join(ln for ln in text.splitlines()
                                    if not ln.startswith("#")).replace("\\\n", " "))
     argv = words[words.index("train") + 1:] + ["--mock-data", "--train-iters", "1",
                                                 "--lr", "3e-4"]
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_config_arguments(parser)
-    return config_from_args(parser.parse_args(argv)).validate(num_gpus)
+    return resolve_config(config_from_args(parser.parse_args(argv)), num_gpus)
 
 
 # Hugging Face config.json keys -> loom fields, per layout (LLaMA family, GPT-2)

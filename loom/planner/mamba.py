@@ -1,10 +1,13 @@
 """Mamba-2 and hybrid Mamba / attention / MLP terms of the planner: parameters, FLOPs,
 activations and TP communication per layer kind, and the kinds each pipeline stage holds.
 
-A hybrid model (``model_type == "mamba"``) is a stack of three layer kinds, one character per
-layer of ``--hybrid-override-pattern`` (all ``M`` by default; ``loom/models/mamba/model.py``):
-``M`` a Mamba-2 layer ``x + mixer(norm(x))``, ``*`` an attention layer ``x + attn(norm(x))``,
-``-`` an MLP layer ``x + mlp(norm(x))``. The attention and MLP kinds are the two halves of the
+The planner prices layers by kind, as the model's family declares them
+(``ModelFamily.layer_kinds``, looked up by ``--model-type``: :func:`declared_kinds`): None for a
+stack of transformer layers (attention or MLA + MLP or MoE: :mod:`loom.planner.memory`,
+:mod:`loom.planner.moe`, :mod:`loom.planner.mla`), else one character per layer of three kinds
+(the Mamba family: ``--hybrid-override-pattern``, all ``M`` by default): ``M`` a Mamba-2 layer
+``x + mixer(norm(x))``, ``*`` an attention layer ``x + attn(norm(x))``, ``-`` an MLP layer
+``x + mlp(norm(x))``. No planner code names a family. The attention and MLP kinds are the two halves of the
 planner's transformer layer (:func:`loom.planner.memory.layer_params`,
 :func:`loom.planner.memory.activation_bytes_per_layer`, :mod:`loom.planner.timing`): each holds
 its own norm, half of the replicated activations and one TP all-reduce forward and one backward;
@@ -54,9 +57,12 @@ tokens; the scan's batched ``Q x Q`` matmuls at that of width ``min(N, P)`` and 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from loom.config import ConfigError, ModelConfig
+from loom.models import FamilyRegistry
 from loom.planner.moe import mlp_params, stage_flag_layers
 from loom.planner.primitives import (all_reduce_time, attention_efficiency, gemm_efficiency, link,
                                      p2p_time)
@@ -64,15 +70,26 @@ from loom.planner.primitives import (all_reduce_time, attention_efficiency, gemm
 KINDS = ("M", "*", "-")  # Mamba-2, attention, MLP (Megatron's hybrid pattern characters)
 
 
+def declared_kinds(model: ModelConfig) -> Optional[str]:
+    """The layer kinds ``model``'s family declares (``ModelFamily.layer_kinds`` of the family
+    ``--model-type`` names among the built-in ones, ``loom.models.FAMILY_MODULES``): one of
+    ``M``, ``*``, ``-`` per layer, or None for transformer layers. A family registered only on
+    a registry value (``register_family``) is not among them: priced as transformer layers
+    (e.g. the trainer's logged MFU). Reads the family's torch-free config module: pricing
+    imports no torch."""
+    kinds = FamilyRegistry().layer_kinds(model.model_type)
+    return kinds(model) if kinds is not None else None
+
+
 def is_hybrid(model: ModelConfig) -> bool:
-    """Whether the model has Mamba layers (pure Mamba or a hybrid pattern: the config's
-    ``hybrid_layer_pattern``)."""
-    return model.hybrid_layer_pattern is not None
+    """Whether the family declares per-layer kinds (Mamba / attention / MLP layers) rather than
+    transformer layers (:func:`declared_kinds`)."""
+    return declared_kinds(model) is not None
 
 
 def layer_pattern(model: ModelConfig) -> str:
-    """``--hybrid-override-pattern`` or ``"M" * L`` (``loom/models/mamba/model.py``)."""
-    return model.hybrid_override_pattern or "M" * model.num_layers
+    """The declared kinds, one character per layer ("" for transformer layers)."""
+    return declared_kinds(model) or ""
 
 
 def kind_counts(model: ModelConfig) -> dict:
@@ -237,8 +254,8 @@ def check_supported(model: ModelConfig, cp) -> None:
     layers, or for a Mamba / hybrid model with experts (the planner models no MoE layers in a
     hybrid stack)."""
     if is_hybrid(model) and model.num_experts:
-        raise ConfigError("--num-experts with --model-type mamba: the planner does not model "
-                          "mixture-of-experts layers in a Mamba / hybrid stack")
+        raise ConfigError(f"--num-experts with --model-type {model.model_type}: the planner "
+                          f"does not model mixture-of-experts layers in a Mamba / hybrid stack")
     if refuses_cp(model, cp):
         raise ConfigError(f"--context-parallel-size {cp}: context parallelism is not supported "
                           f"for Mamba layers (loom train refuses it); patterns of only '*' and "

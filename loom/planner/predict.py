@@ -3,7 +3,8 @@
 :func:`predict_layout` reads the layout from a :class:`~loom.config.LoomConfig` (t, p, c, d from
 the world size, v from ``--num-layers-per-virtual-pipeline-stage``, b, recompute, SP, EP, and the
 distributed optimizer / ZeRO stage when the config carries one) and evaluates the same memory and
-time models as the search; :func:`format_prediction` renders it. No torch import.
+time models as the search; :func:`format_prediction` renders it. No torch import (a family's
+layer kinds come from its torch-free config module).
 """
 
 from __future__ import annotations

@@ -221,8 +221,10 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
 
     One path: flags or YAML -> flat values, the ``--load`` checkpoint's model fields (and, with
     ``--use-checkpoint-opt-param-scheduler``, its schedule) merged into them -> sections ->
-    :meth:`LoomConfig.validate`. Raises ConfigError naming the flag, key or file and the fix.
+    :meth:`LoomConfig.validate` with the family's own rules (:func:`loom.models.resolve_config`).
+    Raises ConfigError naming the flag, key or file and the fix.
     """
+    from loom.models import resolve_config  # torch: not at this module's import
     flags = config_from_args(args)
     no_effect = flags.megatron_no_effect  # said at start (start_notes), not an option of the run
     world = dry_run_world(args, flags) if getattr(args, "dry_run", False) else \
@@ -270,7 +272,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
             print(f"loom train: --use-checkpoint-args: --load {flags.checkpoint.load} holds no "
                   f"checkpoint yet: the model's flags are this command's", flush=True)
     flags = resolve_vocab(LoomConfig.from_flat(flat))
-    cfg = flags.validate(world)
+    cfg = resolve_config(flags, world)  # with the family's own rules (its check hook)
     if named and not d.mock_data:
         _check_sft_data(cfg) if d.sft else _check_data(cfg)
     check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
@@ -286,7 +288,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         if not megatron_at(stored[0], None):  # Megatron stores no loom data identities
             check_same_data(cfg, stored[0])  # the same datasets, --split and --seed
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
-            cfg = LoomConfig.from_flat({**flags.to_flat(), **schedule}).validate(world)
+            cfg = resolve_config(LoomConfig.from_flat({**flags.to_flat(), **schedule}), world)
     cfg.megatron_no_effect = no_effect
     for note in notes if rank0 else ():
         print(note, flush=True)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from loom.config import LoomConfig, ModelConfig
 from loom.errors import ConfigError
+from loom.models import resolve_config
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import local_shard
 from testkit import run_distributed
@@ -352,7 +353,7 @@ def test_refused(flags, needle):
     cfg.parallel.context_parallel_size = cp
     cfg.training.micro_batch_size, cfg.training.lr, cfg.training.train_iters = 4, 3e-4, 100
     with pytest.raises(ConfigError, match=needle):
-        cfg.validate(cp)
+        resolve_config(cfg, cp)
 
 
 def test_convert_from_hf_then_train_loads_it(tmp_path):

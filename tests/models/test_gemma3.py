@@ -31,7 +31,7 @@ from loom.cli import main  # noqa: E402
 from loom.config import LoomConfig, ModelConfig  # noqa: E402
 from loom.interop.hf import load_full_state_dict  # noqa: E402
 from loom.models.gemma3.hf import gemma3_config, gemma3_to_loom  # noqa: E402
-from loom.models import get_family  # noqa: E402
+from loom.models import get_family, resolve_config  # noqa: E402
 from loom.parallel.mappings import gather_from_tensor_parallel_region  # noqa: E402
 from loom.parallel.mesh import ParallelMesh  # noqa: E402
 from loom.parallel.parallelize import build_model  # noqa: E402
@@ -265,7 +265,7 @@ def parity_case(**kw) -> dict:
     ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.pipeline_model_parallel_size = 1
     ref_cfg.parallel.sequence_parallel = False
     ref_cfg.parallel.context_parallel_size = 1
-    ref = Trainer(ref_cfg.validate(1), mesh=ParallelMesh.single())
+    ref = Trainer(resolve_config(ref_cfg, 1), mesh=ParallelMesh.single())
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "nparams": 0}
     for _ in range(3):
         lp = par.global_loss(par.forward_backward(par.batches(par.train_ds, par.consumed_samples)))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.config import ConfigError, LoomConfig, ModelConfig
-from loom.models import get_family
+from loom.models import get_family, resolve_config
 from loom.models.family import StageSpec
 from loom.models.mamba.model import GatedRMSNorm
 from loom.models.mamba.ssd import ssd_chunked, ssd_sequential
@@ -200,7 +200,7 @@ def test_bad_configs_are_refused_before_any_process_group(changes, flag):
     world = changes.get("tp", 1) * changes.get("cp", 1)
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match=flag):
-        cfg.validate(world)
+        resolve_config(cfg, world)
 
 
 def test_attention_and_mlp_only_pattern_allows_context_parallelism():

@@ -24,7 +24,7 @@ import torch
 
 from loom.config import LoomConfig, ModelConfig
 from loom.errors import ConfigError
-from loom.models import get_family
+from loom.models import get_family, resolve_config
 from loom.models.attention import apply_rope, rope_cos_sin
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.parallelize import build_model

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from loom.config import LoomConfig, ModelConfig, add_config_arguments, config_from_args
 from loom.errors import ConfigError
-from loom.models import get_family
+from loom.models import get_family, resolve_config
 from loom.models.gpt.mla import MLASelfAttention, mla_softmax_scale
 from loom.models.gpt.model import forward_step
 from loom.models.mtp import roll_left
@@ -170,4 +170,4 @@ def test_layouts_mla_and_mtp_cannot_take_are_refused(change, world, flag):
     t = cfg.training
     t.micro_batch_size, t.lr, t.train_iters = 2, 1e-3, 2
     with pytest.raises(ConfigError, match=flag):
-        cfg.validate(world)
+        resolve_config(cfg, world)

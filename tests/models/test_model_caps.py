@@ -14,7 +14,7 @@ import torch
 
 from loom.config import LoomConfig, ModelConfig, add_config_arguments, config_from_args
 from loom.errors import ConfigError
-from loom.models import get_family
+from loom.models import get_family, resolve_config
 from loom.models.attention import apply_rope, rope_cos_sin
 from loom.models.yarn import yarn_cos_sin
 from loom.parallel.mesh import ParallelMesh

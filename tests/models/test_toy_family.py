@@ -1,9 +1,11 @@
 """A new model family plugs in without touching ``loom/``: defined entirely in tests (here: the
-model, forward step, and its own samples and logged metric through the family hooks; block,
-plan and initializers in toy_family_parts.py, shared with test_model_family.py), registered
-with :func:`loom.models.register_family` (no global state: the registry is a value), it trains
-through the real Trainer at 1 rank and at 2 (TP=2, DP=2; gloo) with equal losses (fp32, rtol
-1e-5).
+model, forward step, its own samples and logged metric, its config rules (``check``) and the
+layer kinds the planner prices (``layer_kinds``) through the family hooks; block, plan and
+initializers in toy_family_parts.py, shared with test_model_family.py), registered with
+:func:`loom.models.register_family` (no global state: the registry is a value), its config is
+resolved with its own rules, it trains through the real Trainer at 1 rank and at 2 (TP=2, DP=2;
+gloo) with equal losses (fp32, rtol 1e-5), and the planner prices it (``loom train --dry-run``'s
+prediction and parameter counts) with no planner line naming it.
 
 The family: embedding -> L x residual MLP blocks -> norm -> untied output layer -> loom's shared
 LM head (:class:`loom.models.chunk.LMHead`, vocabulary-parallel under TP).
@@ -12,6 +14,8 @@ LM head (:class:`loom.models.chunk.LMHead`, vocabulary-parallel under TP).
 from __future__ import annotations
 
 import math
+import sys
+from types import MappingProxyType
 from typing import Optional
 
 import pytest
@@ -20,7 +24,8 @@ from torch import nn
 
 from loom.config import LoomConfig, ModelConfig
 from loom.errors import ConfigError
-from loom.models import FamilyRegistry, get_family, register_family
+import loom.models
+from loom.models import FamilyRegistry, get_family, register_family, resolve_config
 from loom.models.family import ModelFamily, StageSpec
 from loom.models.chunk import LMHead
 from testkit import run_distributed
@@ -83,23 +88,38 @@ def toy_datasets(cfg: LoomConfig) -> tuple:
     return Counting(m.vocab_size, m.seq_length, 0), Counting(m.vocab_size, m.seq_length, 7), None
 
 
+def toy_check(cfg: LoomConfig, world_size: int) -> None:
+    """The toy's own config rules: its block is a GeLU MLP (``--swiglu`` refused), and what
+    its layout fixes is written into the config (no position table, an untied output layer),
+    so checkpoints and the planner describe the model it builds."""
+    m = cfg.model
+    if m.swiglu:
+        raise ConfigError("--swiglu: --model-type toy has GeLU MLP blocks: drop --swiglu")
+    m.position_embedding_type, m.untie_embeddings_and_output_weights = "none", True
+
+
+def mlp_layers(model_cfg: ModelConfig) -> str:
+    """The toy's layer kinds for the planner: every layer a residual MLP (``-``)."""
+    return "-" * model_cfg.num_layers
+
+
 TOY = ModelFamily(name="toy", build=MlpLM, plan=toy_plan, init=toy_init,
                   forward_step=toy_forward_step, datasets=toy_datasets,
-                  logged_metrics=lambda model_cfg: ("toy loss",))
+                  logged_metrics=lambda model_cfg: ("toy loss",), check=toy_check,
+                  layer_kinds=mlp_layers)
+FAMILY = TOY  # what a FAMILY_MODULES row's family() module holds
 
 
-def make_cfg(tp: int = 1) -> LoomConfig:
-    return tiny_config("gpt", MEGATRON_DROPOUT, ffn_hidden_size=64, seq_length=8,
-                       make_vocab_size_divisible_by=8, mock_data=False,
-                       tensor_model_parallel_size=tp, global_batch_size=8)
+def make_cfg(tp: int = 1, vocab_size: int = 100) -> LoomConfig:
+    return tiny_config("gpt", MEGATRON_DROPOUT, model_type="toy", ffn_hidden_size=64,
+                       seq_length=8, vocab_size=vocab_size, make_vocab_size_divisible_by=8,
+                       mock_data=False, tensor_model_parallel_size=tp, global_batch_size=8)
 
 
 def train(cfg: LoomConfig, mesh) -> list[dict]:
     """``STEPS`` training records of the toy family, looked up by name in a registry."""
     from loom.training.trainer import Trainer
-    registry = register_family(TOY)
-    cfg.model.model_type = "toy"  # after validate(): the CLI's --model-type lists built-ins
-    trainer = Trainer(cfg, mesh=mesh, family=get_family("toy", registry))
+    trainer = Trainer(cfg, mesh=mesh, family=get_family("toy", register_family(TOY)))
     return [trainer.train_step() for _ in range(STEPS)]
 
 
@@ -107,11 +127,12 @@ def layouts() -> dict:
     import torch.distributed as dist
 
     from loom.parallel.mesh import ParallelMesh
-    ref = train(make_cfg().validate(1), ParallelMesh.single())
+    registry = register_family(TOY)
+    ref = train(resolve_config(make_cfg(), 1, registry), ParallelMesh.single())
     out = {}
     for name, tp in {"tp2": 2, "dp2": 1}.items():
         mesh = ParallelMesh.build(tp=tp)
-        recs = train(make_cfg(tp).validate(dist.get_world_size()), mesh)
+        recs = train(resolve_config(make_cfg(tp), dist.get_world_size(), registry), mesh)
         out[name] = [(r["loss"], r["toy_loss"], rr["loss"]) for r, rr in zip(recs, ref)]
     return out
 
@@ -142,6 +163,47 @@ def test_hooks_have_defaults():
     assert train_ds[0]["tokens"].shape == (8,) and valid_ds is not None
     with pytest.raises(ConfigError, match="not supported for model type bare"):
         get_task(bare, "perplexity")
+
+
+def test_resolved_with_its_own_rules():
+    """The toy's check runs inside the validation pass, by its registered name (not a built-in
+    --model-type): its refusal is one ConfigError, its derived values are in the config."""
+    registry = register_family(TOY)
+    cfg = resolve_config(make_cfg(), 1, registry)
+    assert cfg.model.model_type == "toy" and cfg.model.position_embedding_type == "none"
+    assert cfg.model.untie_embeddings_and_output_weights and cfg.derived is not None
+    bad = make_cfg()
+    bad.model.swiglu = True
+    with pytest.raises(ConfigError, match="--model-type toy has GeLU MLP blocks: drop --swiglu"):
+        resolve_config(bad, 1, registry)
+    bad.model.model_type = "nope"
+    with pytest.raises(ConfigError, match="--model-type: 'nope' is not one of gpt, mamba, bert, "
+                                          "gemma3, toy"):
+        resolve_config(bad, 1, registry)
+
+
+def test_planner_prices_the_declared_layer_kinds(monkeypatch):
+    """One registry row (the line a built-in family adds to ``FAMILY_MODULES``; undone after the
+    test) and ``loom train --dry-run``'s planner works on the toy: its prediction runs and the
+    planner's parameter formula equals the count of the model the toy really builds (the
+    dry-run's meta-device count), because the planner prices the kinds the family declares (MLP
+    layers). Priced as a transformer layer (attention + MLP: what a planner without the
+    declaration would do) the count is off, so this fails if the planner needed a toy branch."""
+    from loom.planner.meta_count import count_rank_states, planner_stage_params
+    from loom.planner.predict import predict_layout
+    rows = {**loom.models.FAMILY_MODULES,
+            "toy": loom.models.FamilyRow(lambda: sys.modules[__name__], lambda: TOY)}
+    monkeypatch.setattr(loom.models, "FAMILY_MODULES", MappingProxyType(rows))
+    cfg = resolve_config(make_cfg(vocab_size=96), 1)  # V = Vp: the formula counts V rows
+    exact = count_rank_states(cfg, 1)["params"]
+    planned = planner_stage_params(cfg, 1)
+    assert exact == 2 * 96 * 32 + 2 * (2 * 32 + 2 * 32 * 64 + 64 + 32) + 2 * 32  # by hand
+    assert planned["first"] == exact, (planned, exact)  # one stage holds the whole model
+    pred = predict_layout(cfg, 1, cluster="H100-80GB")
+    assert pred["fits"] and pred["time_s"]["iteration"] > 0 and pred["mfu"] > 0
+    as_transformer = resolve_config(make_cfg(vocab_size=96), 1)
+    as_transformer.model.model_type = "gpt"  # the same shape priced as GPT layers
+    assert planner_stage_params(as_transformer, 1)["first"] != exact
 
 
 def test_toy_family_trains_at_one_and_two_ranks():

@@ -137,3 +137,22 @@ def test_model_math_does_not_import_parallelism():
     bad = {m: sorted(t for t in graph[m] if t.startswith("loom.parallel")
                      and t not in ("loom.parallel", "loom.parallel.interface")) for m in plain}
     assert not any(bad.values()), bad
+
+
+def test_a_familys_declarations_import_no_torch():
+    """The planner's layer kinds come from each family's torch-free ``config.py`` (its
+    ``FAMILY_MODULES`` row's ``config``), so pricing every built-in family imports no torch
+    (``loom plan`` stays a torch-free command)."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from loom.config import LoomConfig, ModelConfig\n"
+            "from loom.models import FamilyRegistry\n"
+            "from loom.planner.memory import total_params\n"
+            "shape = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=96, "
+            "seq_length=16)\n"
+            "print([total_params(ModelConfig(model_type=n, **shape)) > 0 "
+            "for n in FamilyRegistry().names()], 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=pathlib.Path(loom.__file__).parents[1])
+    assert out.stdout.strip() == "[True, True, True, True] False", out.stdout + out.stderr

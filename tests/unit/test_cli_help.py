@@ -194,7 +194,7 @@ def test_family_flag_refusal_keeps_the_family(monkeypatch, capsys, extra, words)
 
 def test_mamba_tp_refusal_changes_the_layout_not_the_model():
     from loom.config import ConfigError, ModelConfig
-    from loom.config.families import check_mamba
+    from loom.models.mamba.config import check_heads as check_mamba
     m = ModelConfig(model_type="mamba", num_layers=2, hidden_size=64, num_attention_heads=4,
                     vocab_size=100, seq_length=16, mamba_head_dim=16, mamba_num_groups=2)
     check_mamba(m, 2, 1)
@@ -207,12 +207,13 @@ def test_mamba_tp_refusal_changes_the_layout_not_the_model():
 
 def test_bert_refusals_name_the_fix():
     from loom.config import ConfigError, ModelConfig
-    from loom.config.families import check_bert
+    from loom.config import LoomConfig
+    from loom.models.bert.config import check
     base = dict(model_type="bert", num_layers=2, hidden_size=32, num_attention_heads=4,
                 vocab_size=100, seq_length=16)
     for changes, fix in ((dict(num_experts=4), "drop --num-experts"),
                          (dict(position_embedding_type="rope"), "drop --position-embedding-type"),
                          (dict(seq_length=2), "use --seq-length 3 or more")):
         with pytest.raises(ConfigError) as e:
-            check_bert(ModelConfig(**{**base, **changes}), 1)
+            check(LoomConfig(model=ModelConfig(**{**base, **changes})), 1)
         assert str(e.value).endswith(fix), str(e.value)

@@ -180,13 +180,14 @@ def test_fim_dataset_over_a_preprocessed_dataset(tmp_path):
     ({"fim_data": True, "model_type": "bert"}, "--fim-data with --model-type bert")])
 def test_fim_flags_refused(flat, words):
     from loom.config import LoomConfig
+    from loom.models import resolve_config
     base = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
             "vocab_size": 64, "micro_batch_size": 1, "global_batch_size": 1, "lr": 1e-3,
             "train_iters": 1, "data_path": "x"}
     if flat.get("mock_data"):
         base.pop("data_path")
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
-        LoomConfig.from_flat({**base, **flat}).validate(1)
+        resolve_config(LoomConfig.from_flat({**base, **flat}), 1)
 
 
 def test_a_tokenizer_without_the_fim_tokens_is_refused_naming_the_flag(tmp_path):

@@ -23,7 +23,7 @@ import torch
 from loom.checkpoint.megatron import layout
 from loom.checkpoint.megatron.args import args_of, zero_centered_gains
 from loom.checkpoint.megatron.names import (Source, attention_kind, gdn_of, is_norm_gain,
-                                            kind_of, sources)
+                                            kind_of, layer_pattern, sources)
 from loom.checkpoint.megatron.stores import MASTER_STATES, open_store
 from loom.errors import ConfigError
 
@@ -73,7 +73,7 @@ class MegatronIndex:
         self.metas = expected_parameters(cfg)
         heads, groups = cfg.num_attention_heads, cfg.num_kv_groups
         self.heads, self.groups = heads, groups
-        pattern = getattr(cfg, "hybrid_layer_pattern", None)
+        pattern = layer_pattern(cfg)
         self.where: dict[str, Source] = {}
         for name in self.metas:
             for src in sources(name, attention_kind(name, pattern, cfg.multi_latent_attention,
@@ -101,7 +101,7 @@ class MegatronIndex:
         """Megatron weights no loom parameter reads (optimizer states and ``_extra_state``
         aside, and the other layer spec's spelling of a tensor read): a checkpoint of another
         model, or a part loom lacks."""
-        pattern = getattr(self.cfg, "hybrid_layer_pattern", None)
+        pattern = layer_pattern(self.cfg)
         used = {src.key + p for n in self.where for src in sources(
             n, attention_kind(n, pattern, self.cfg.multi_latent_attention, gdn_of(self.cfg)))
             for p in (src.parts or ("",))}  # (another spelling of a tensor read: an alias)

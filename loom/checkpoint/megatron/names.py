@@ -156,6 +156,14 @@ def sources(name: str, attention: str = "mha") -> list[Source]:
     return [Source(name)]
 
 
+def layer_pattern(cfg) -> Optional[str]:
+    """The layer kinds the family of ``cfg`` (a ModelConfig) declares
+    (``ModelFamily.layer_kinds``: the Mamba stack's hybrid pattern, ``M`` per Mamba layer), None
+    for a stack of transformer layers."""
+    from loom.models import get_family  # the family, not a model_type branch
+    return get_family(cfg.model_type).layer_kinds(cfg)
+
+
 def attention_kind(name: str, pattern: Optional[str], mla: bool,
                    gdn: Optional[Callable[[int], bool]] = None) -> str:
     """``ssm`` when ``name`` is a parameter of a Mamba layer of the hybrid ``pattern``
@@ -181,7 +189,7 @@ def keyed_per_layer(cfg) -> bool:
     sharded_state_dict``'s ``non_homogeneous_layers``, set when the layers differ: a
     ``--moe-layer-freq`` list or int above 1 (dense and MoE layers), Gated DeltaNet layers
     (``--linear-attention-freq``), a hybrid (Mamba) pattern."""
-    if getattr(cfg, "hybrid_layer_pattern", None) is not None or gdn_of(cfg) is not None:
+    if layer_pattern(cfg) is not None or gdn_of(cfg) is not None:
         return True
     if not getattr(cfg, "num_experts", None):
         return False

@@ -42,7 +42,7 @@ from loom.checkpoint.megatron import layout
 from loom.checkpoint.megatron.names import (CONV_PARTS, GDN_CONV_PARTS, GDN_IN_PROJ_PARTS,
                                             IN_PROJ_PARTS, attention_kind, gdn_of,
                                             is_norm_gain, keyed_per_layer, kind_of,
-                                            write_sources)
+                                            layer_pattern, write_sources)
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}
@@ -118,7 +118,7 @@ def megatron_chunks(full: dict[str, torch.Tensor], cfg, target_tp: int = 1,
     ``--apply-layernorm-1p`` a norm's gain g is stored as Megatron's w = g - 1."""
     chunks: Chunks = {}
     sizes: dict[str, tuple] = {}
-    pattern = getattr(cfg, "hybrid_layer_pattern", None)
+    pattern = layer_pattern(cfg)
     gdn = gdn_of(cfg)
     # Megatron's Mamba stack keys each layer on its own, and so does a GPT stack whose layers
     # differ (TransformerBlock's non_homogeneous_layers: Gated DeltaNet, dense and MoE layers)

@@ -2,19 +2,6 @@
 step (masked-LM and sentence-order losses), samples (:mod:`loom.data.bert_dataset`), Hugging
 Face import (:mod:`.hf`)."""
 
-from loom.data.bert_dataset import build_bert_datasets
-from loom.models.bert import parallelize
-from loom.models.bert.hf import HF
-from loom.models.bert.model import BertModel, forward_step  # noqa: F401
-from loom.models.family import ModelFamily
-
-
-def logged_metrics(model) -> tuple[str, ...]:
-    """The masked-LM loss, and the sentence-order loss with ``--bert-binary-head``."""
-    return ("mlm loss", "sop loss") if model.bert_binary_head else ("mlm loss",)
-
-
-FAMILY = ModelFamily(name="bert", build=BertModel, plan=parallelize.plan, init=parallelize.init,
-                     forward_step=forward_step, datasets=build_bert_datasets,
-                     logged_metrics=logged_metrics, evaluation_tasks=("mlm",), hf=HF,
-                     wordpiece_data=True)  # no generation: a masked-LM encoder
+# The family itself (FAMILY: model, plan, forward step: torch) is in .family; its config rules
+# and layer kinds (torch-free: validation and the planner read them) in .config. Nothing is
+# imported here, so reading the config rules imports no torch.

@@ -2,11 +2,6 @@
 (:mod:`.parallelize`), forward step. Weights come from Hugging Face or a GGUF file through
 ``loom checkpoint convert --from-hf`` (mapping in :mod:`.hf`)."""
 
-from loom.models.family import Generation, ModelFamily
-from loom.models.gemma3 import parallelize
-from loom.models.gemma3.hf import HF
-from loom.models.gemma3.model import Gemma3Model, forward_step  # noqa: F401
-
-FAMILY = ModelFamily(name="gemma3", build=Gemma3Model, plan=parallelize.plan,
-                     init=parallelize.init, forward_step=forward_step,
-                     generation=Generation(bos_token="<bos>"), hf=HF)  # trained with <bos> first
+# The family itself (FAMILY: model, plan, forward step: torch) is in .family; its config rules
+# and layer kinds (torch-free: validation and the planner read them) in .config. Nothing is
+# imported here, so reading the config rules imports no torch.

@@ -3,13 +3,6 @@
 Nemotron-H); the forward step is the shared language-model step
 (:mod:`loom.models.language_model`, GPT's too)."""
 
-from loom.models.family import Generation, ModelFamily
-from loom.models.language_model import forward_step
-from loom.models.mamba import parallelize
-from loom.models.mamba.hf import HF
-from loom.models.mamba.model import MambaModel
-
-FAMILY = ModelFamily(name="mamba", build=MambaModel, plan=parallelize.plan,
-                     init=parallelize.init, forward_step=forward_step, generation=Generation(),
-                     evaluation_tasks=("perplexity", "cloze"), hf=HF,
-                     megatron_checkpoints=True)
+# The family itself (FAMILY: model, plan, forward step: torch) is in .family; its config rules
+# and layer kinds (torch-free: validation and the planner read them) in .config. Nothing is
+# imported here, so reading the config rules imports no torch.

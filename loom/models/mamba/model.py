@@ -38,6 +38,7 @@ from loom.models.attention import KVCache, SelfAttention
 from loom.models.chunk import Embedding, LanguageModelChunk, build_norm
 from loom.models.family import StageSpec
 from loom.models.mlp import MLP
+from loom.models.mamba.config import layer_kinds as layer_pattern
 from loom.models.mamba.ssd import ssd_chunked, ssd_step
 
 
@@ -51,11 +52,6 @@ def mamba_sizes(cfg: ModelConfig) -> dict:
     return dict(d_inner=d_inner, heads=H, groups=G, state=N, conv_dim=d_inner + 2 * G * N,
                 in_segments=(d_inner, d_inner, G * N, G * N, H),
                 conv_segments=(d_inner, G * N, G * N))
-
-
-def layer_pattern(cfg: ModelConfig) -> str:
-    """``--hybrid-override-pattern``, or ``"M" * L`` for a pure Mamba model."""
-    return cfg.hybrid_override_pattern or "M" * cfg.num_layers
 
 
 @dataclass

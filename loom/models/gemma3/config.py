@@ -1,0 +1,60 @@
+"""Gemma 3's config rules (its ``check`` and ``refuse_own_flags`` hooks, :mod:`loom.models.family`):
+the fixed layout written into the config, the local/global layer pattern, and its own flags
+refused in another family's config. Its fields are declared in
+:mod:`loom.config.model_gemma3` (Megatron's flag surface is one, as in Megatron)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.errors import ConfigError
+from loom.models.family import other_family_flag, transformer_layers
+
+layer_kinds = transformer_layers  # what the planner prices: transformer layers
+
+# What each family-specific flag is, for the refusal when --model-type is another family.
+GEMMA3_ONLY = (
+    ("sliding_window", "Gemma 3's local attention window"),
+    ("layer_types", "Gemma 3's local/global layer pattern"),
+    ("query_pre_attn_scalar", "Gemma 3's attention scale"),
+    ("attn_logit_softcapping", "Gemma 3's attention-score soft-capping"),
+    ("final_logit_softcapping", "Gemma 3's output-logit soft-capping"),
+)
+
+
+def refuse_own_flags(m: Any) -> None:
+    """Gemma 3's own flags in another family's model config ``m`` are refused with "drop it"
+    (``--rotary-scaling-factor``: Gemma 3's linear RoPE scaling here, YaRN's factor with
+    ``--position-embedding-type yarn`` or MLA's ``--rope-type yarn`` elsewhere)."""
+    yarn = m.position_embedding_type == "yarn" or (m.multi_latent_attention and
+                                                    m.effective_rope_type == "yarn")
+    if m.rotary_scaling_factor is not None and not yarn:
+        raise ConfigError(f"--rotary-scaling-factor: loom implements it as Gemma 3's "
+                          f"linear RoPE scaling and as YaRN's factor (--position-embedding-"
+                          f"type yarn, or --multi-latent-attention with --rope-type yarn); "
+                          f"other scalings are not supported yet for --model-type "
+                          f"{m.model_type}: drop --rotary-scaling-factor")
+    for name, what in GEMMA3_ONLY:
+        if getattr(m, name) is not None:
+            raise other_family_flag(name, what, m.model_type)
+
+
+def check(cfg: Any, world_size: int) -> None:
+    """--model-type gemma3 fixes the layout (RMSNorm (1 + w), RoPE, GeGLU, no biases, tied
+    output, RoPE rotating halves): written into the config so checkpoints describe it;
+    ``--layer-types`` has one L or G per layer."""
+    m = cfg.model
+    for bad, flag in ((m.num_experts, "--num-experts"), (m.swiglu, "--swiglu"),
+                      (m.untie_embeddings_and_output_weights,
+                       "--untie-embeddings-and-output-weights"), (m.add_qkv_bias, "--add-qkv-bias")):
+        if bad:
+            raise ConfigError(f"{flag}: --model-type gemma3 has a fixed layout (GeGLU MLP, tied "
+                              f"output, no biases): drop {flag}")
+    if m.rotary_interleaved:
+        raise ConfigError("--rotary-interleaved: --model-type gemma3 has Gemma 3's RoPE, "
+                          "which rotates halves: drop --rotary-interleaved")
+    kinds = m.attention_layer_types
+    if len(kinds) != m.num_layers or set(kinds) - set("LG"):
+        raise ConfigError(f"--layer-types {kinds!r} must have --num-layers {m.num_layers} "
+                          f"characters of L (local, sliding window) and G (global)")
+    m.normalization, m.position_embedding_type, m.disable_bias_linear = "RMSNorm", "rope", True

@@ -1,0 +1,37 @@
+"""GPT's config rules (its ``refuse_own_flags`` hook, :mod:`loom.models.family`): the features
+only the GPT family builds (multi-latent attention, multi-token prediction, muP, gpt-oss's
+sliding-window / sink attention, Qwen3-Next's attention output gate and Gated DeltaNet) refused in another family's config with "drop it". The rules
+of the features themselves stay with their flags in :mod:`loom.config` (``model_mla``,
+``model_mup``, ``model_gptoss``): a GPT config has no further family rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.errors import ConfigError
+from loom.models.family import other_family_flag, transformer_layers
+
+layer_kinds = transformer_layers  # what the planner prices: transformer layers
+
+
+def refuse_own_flags(m: Any) -> None:
+    """GPT's own features in another family's model config ``m``: refused, "drop it"."""
+    if m.multi_latent_attention:
+        raise other_family_flag("multi_latent_attention", "an attention of --model-type gpt",
+                                m.model_type)
+    if m.mtp_num_layers:
+        raise other_family_flag("mtp_num_layers", "multi-token prediction of --model-type gpt",
+                                m.model_type)
+    if m.window is not None or m.softmax_type != "vanilla":
+        raise ConfigError("--window-size / --softmax-type apply to --model-type gpt's standard "
+                          "attention: drop them (gemma3: --sliding-window)")
+    if m.use_mup:
+        raise ConfigError(f"--use-mup: loom implements muP for --model-type gpt (Megatron's "
+                          f"GPTModel), not --model-type {m.model_type}: drop --use-mup")
+    if m.attention_output_gate:
+        raise ConfigError(f"--attention-output-gate: loom gates the attention of --model-type "
+                          f"gpt only, not {m.model_type}: drop it")
+    if m.gated_delta_net:
+        raise ConfigError(f"--experimental-attention-variant "
+                          f"{m.experimental_attention_variant} builds GPT layers; --model-type "
+                          f"{m.model_type} has none: use --model-type gpt")
