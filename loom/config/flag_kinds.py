@@ -62,7 +62,9 @@ REFUSED = MappingProxyType({
     "optimizers": "optimizers other than Adam, SGD and Muon (loom trains with AdamW, SGD or "
                   "Muon: --optimizer adam|sgd|muon)",
     "linear_attention": "linear-attention layers (Gated DeltaNet, gated delta product)",
-    "dsa": "DeepSeek sparse attention",
+    "dsa": "DeepSeek sparse attention's cross-layer top-k sharing, fused kernels and "
+           "interleaved indexer RoPE (loom's DSA computes the top-k in every layer, in "
+           "PyTorch, with RoPE in halves)",
     "mhc": "manifold-constrained hyper-connections",
     "heterogeneous": "heterogeneous per-layer configurations",
     "sft": "chat template given as text (SFTTokenizer's template is "

@@ -85,7 +85,10 @@ _IMPLEMENTED = words("""
 --muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --muon-scalar-optimizer
 --eval-global-batch-size --eval-micro-batch-size --attention-output-gate --linear-attention-freq
 --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim --linear-num-key-heads
---linear-num-value-heads --apply-wd-to-qk-layernorm
+--linear-num-value-heads --apply-wd-to-qk-layernorm --dsa-indexer-n-heads --dsa-indexer-head-dim
+--dsa-indexer-topk --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
+--no-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon
+--dsa-indexer-k-norm-fp32
 --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
 --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 --rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename
@@ -209,7 +212,6 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                                       "the non-finite norm skips the step)"),
     "--experimental-attention-variant": field(
         note="gated_delta_net is Megatron's deprecated spelling of gdn", refuse={
-            "dsa": "loom has no DeepSeek sparse attention",
             "gdn2": "loom has no Gated DeltaNet-2 (channel-wise decay): use gdn"}),
     "--linear-attention-freq": field(note="loom holds the text (an int N, or a list such as "
                                           "([1]*3+[0])*2)"),

@@ -238,10 +238,8 @@ REFUSED_ROWS = (
     *_block(refused("linear_attention"), """
         --gdp-num-householder --gdp-cutedsl-kernel --gdp-num-chunk-states-to-recompute"""),
     *_block(refused("dsa"), """
-        --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-topk-freq
-        --dsa-indexer-skip-topk-offset --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
-        --dsa-kernel-backend --dsa-indexer-rope-interleaved --no-dsa-indexer-rotate-activation
-        --no-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon --dsa-indexer-k-norm-fp32"""),
+        --dsa-indexer-topk-freq --dsa-indexer-skip-topk-offset --dsa-kernel-backend
+        --dsa-indexer-rope-interleaved"""),
     *_block(refused("mhc"), """
         --enable-mhc-connections --mhc-num-residual-streams --mhc-sinkhorn-iterations
         --mhc-init-gating-factor --mhc-recompute-layer-num"""),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from loom.config.fields import opt
+from loom.config.model_dsa import check_dsa
 from loom.config.model_moe import parse_moe_layer_freq
 from loom.errors import ConfigError
 
@@ -36,7 +37,7 @@ class GatedDeltaNetFields:
                                              "projection (Qwen3-Next)")
     experimental_attention_variant: Optional[AttentionVariant] = opt(
         None, "gdn (or gated_delta_net): Gated DeltaNet linear-attention layers, placed by "
-              "--linear-attention-freq")
+              "--linear-attention-freq; dsa: DeepSeek sparse attention on MLA layers")
     linear_attention_freq: Optional[str] = opt(
         None, "which layers are Gated DeltaNet: an int N (of every N layers the first N - 1; "
               "the N-th is standard attention), or a list such as ([1]*3+[0])*2 (1: Gated "
@@ -86,9 +87,7 @@ def check_gdn(m: Any, tp: int, cp: int) -> None:
     if variant == "gdn2":
         raise ConfigError("--experimental-attention-variant gdn2: loom has no Gated "
                           "DeltaNet-2 (channel-wise decay): use gdn")
-    if variant == "dsa":
-        raise ConfigError("--experimental-attention-variant dsa: loom has no DeepSeek sparse "
-                          "attention")
+    check_dsa(m, cp)
     if not m.gated_delta_net:
         if m.linear_attention_freq is not None:
             raise ConfigError("--linear-attention-freq places Gated DeltaNet layers: add "

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 
 from loom.config.fields import opt
 from loom.config.model_bert import BertFields
+from loom.config.model_dsa import DSAFields
 from loom.config.model_gdn import GatedDeltaNetFields
 from loom.config.model_gemma3 import Gemma3Fields
 from loom.config.model_gptoss import GptOssFields
@@ -108,7 +109,7 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(GatedDeltaNetFields, MupFields, ModelScriptFields, GptOssFields, MLAFields,
+class ModelConfig(DSAFields, GatedDeltaNetFields, MupFields, ModelScriptFields, GptOssFields, MLAFields,
                   MambaFields, Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
@@ -117,7 +118,8 @@ class ModelConfig(GatedDeltaNetFields, MupFields, ModelScriptFields, GptOssField
     (:mod:`~loom.config.model_bert`), Gemma 3 (:mod:`~loom.config.model_gemma3`), Mamba-2
     (:mod:`~loom.config.model_mamba`), multi-latent attention, YaRN and multi-token prediction
     (:mod:`~loom.config.model_mla`), muP (:mod:`~loom.config.model_mup`), the gated attention
-    output and Gated DeltaNet layers (:mod:`~loom.config.model_gdn`). One flat section all the same: ``cfg.model.<field>``,
+    output and Gated DeltaNet layers (:mod:`~loom.config.model_gdn`), DeepSeek sparse attention
+    (:mod:`~loom.config.model_dsa`). One flat section all the same: ``cfg.model.<field>``,
     the flag ``--<field>`` and the YAML key, in this order.
     """
 

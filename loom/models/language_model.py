@@ -49,7 +49,7 @@ def forward_step(chunk: LanguageModelChunk, batch: dict, hidden_states: Optional
     ``position_ids [s]`` and ``num_microbatches`` (m: MoE auxiliary losses are scaled by 1/m
     like the LM loss); returns ``(output, loss_fn)``."""
     moe = mtp = None
-    if chunk.cfg.num_experts:
+    if chunk.cfg.num_experts or chunk.cfg.dsa:  # MoE's / DSA's auxiliary-loss scale
         moe = MoEContext(scale=1.0 / batch.get("num_microbatches", 1))
     if chunk.cfg.mtp_num_layers and chunk.post_process:
         s = batch["tokens"].shape[1]

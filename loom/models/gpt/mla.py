@@ -18,6 +18,8 @@ norms stay replicated, the up projections are column-parallel (a/t heads per ran
 row-parallel; ``k_pos_emb_region`` (an identity here) becomes the tensor-parallel input region
 of the shared key (``f``, or the sequence all-gather under SP). Generation caches the latent
 ``c`` and the rotated ``k_r`` (``[b, 1, s, r]`` and ``[b, 1, s, dr]``), not the keys and values.
+Under ``--experimental-attention-variant dsa`` the core attention is DeepSeek Sparse Attention
+(:mod:`loom.models.gpt.dsa`), fed the layer input and the query latent.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ import torch
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.errors import ConfigError
 from loom.models.attention import DotProductAttention, KVCache, apply_rope, rope_cos_sin
+from loom.models.gpt.dsa import DSAttention
+from loom.models.moe import MoEContext
 from loom.models.yarn import yarn_cos_sin, yarn_mscale
 
 
@@ -84,7 +89,9 @@ class MLASelfAttention(nn.Module):
         self.kv_layernorm = _norm(cfg, r)
         self.linear_kv_up_proj = nn.Linear(r, a * (dn + dv), bias=False)
         self.k_pos_emb_region = nn.Identity()  # the plan's TP input region of the shared key
-        self.core_attention = DotProductAttention(cfg.attention_dropout)
+        self.dsa = cfg.dsa
+        self.core_attention = DSAttention(cfg) if self.dsa else \
+            DotProductAttention(cfg.attention_dropout)
         self.linear_proj = nn.Linear(a * dv, h, bias=not cfg.disable_bias_linear)
         # the core scales by 1/sqrt(dn + dr); YaRN's extra mscale^2 goes into the queries
         m = yarn_mscale(yarn_factor(cfg), cfg.mscale_all_dim) \
@@ -95,18 +102,20 @@ class MLASelfAttention(nn.Module):
         """Shapes of the latent and rotated-key caches of ``batch`` sequences."""
         return (batch, 1, max_len, self.r), (batch, 1, max_len, self.dr)
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h] -> [s', b, a/t, dn + dr]`` (s' the full sequence under SP)."""
+    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[s, b, h] -> [s', b, a/t, dn + dr]`` (s' the full sequence under SP), and the
+        normalized query latent ``[s(/t), b, r_q]`` (``x`` without ``--q-lora-rank``)."""
         if hasattr(self, "linear_q_proj"):
-            q = self.linear_q_proj(x)
+            q, latent = self.linear_q_proj(x), x
         else:
-            q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
-        return q.view(q.shape[0], q.shape[1], -1, self.dn + self.dr)
+            latent = self.q_layernorm(self.linear_q_down_proj(x))
+            q = self.linear_q_up_proj(latent)
+        return q.view(q.shape[0], q.shape[1], -1, self.dn + self.dr), latent
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
                 positions: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
-        q = self.queries(x)
+                cache: Optional[KVCache] = None, moe: Optional[MoEContext] = None) -> torch.Tensor:
+        q, q_latent = self.queries(x)
         latent, k_pe = self.linear_kv_down_proj(x).split([self.r, self.dr], dim=-1)
         latent = self.kv_layernorm(latent)  # [s(/t), b, r]
         k_pe = self.k_pos_emb_region(k_pe)  # [s, b, dr]
@@ -126,6 +135,12 @@ class MLASelfAttention(nn.Module):
             q = q * self.q_scale
         s = q.shape[0]
         q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
-        out = self.core_attention(q, k, v, positions)
+        if self.dsa:
+            if cache is not None:
+                raise ConfigError("generation with --experimental-attention-variant dsa: loom "
+                                  "has no sparse attention over a KV cache yet")
+            out = self.core_attention(q, k, v, x, q_latent, rope, moe)
+        else:
+            out = self.core_attention(q, k, v, positions)
         out = out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
         return self.linear_proj(out)

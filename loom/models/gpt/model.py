@@ -52,8 +52,9 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
                 positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 moe: Optional[MoEContext] = None) -> torch.Tensor:
+        kw = {"moe": moe} if getattr(self.self_attention, "dsa", False) else {}
         x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), rope, positions,
-                                                        cache))
+                                                        cache, **kw))
         return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x), moe))
 
 

@@ -82,12 +82,39 @@ class MTPContextParallel(ParallelStyle):
         return module, {}
 
 
-def mla_plan() -> list:
+class TensorParallelSum(ParallelStyle):
+    """An identity module becomes the sum over TP of a no-gradient tensor (DSA's target:
+    attention probabilities summed over this rank's heads, then over all heads)."""
+
+    def apply(self, module, ctx):
+        if ctx.mesh.tp_size == 1:
+            return module, {}
+        return _TensorParallelSum(ctx.mesh.groups["tp"]), {}
+
+
+class _TensorParallelSum(nn.Module):
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        import torch.distributed as dist
+        x = x.detach().clone()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+def mla_plan(dsa: bool = False) -> list:
     """Multi-latent attention: the up projections column-parallel (a/t heads per rank), the
     down projections and their norms replicated (sequence-split under SP: gradients summed
-    over TP), the shared RoPE key entering the TP region (Megatron-Core's MLA under TP)."""
+    over TP), the shared RoPE key entering the TP region (Megatron-Core's MLA under TP). With
+    ``dsa`` (:mod:`loom.models.gpt.dsa`): the replicated indexer reads the whole sequence
+    (gathered under SP; it reads detached inputs, so nothing flows back) and the target's
+    head sum is summed over TP."""
     at = "layers.*.self_attention."
-    return [(at + n, ColwiseParallel()) for n in ("linear_q_proj", "linear_q_up_proj",
+    core = at + "core_attention."
+    return ([(core + "input_region", TensorParallelInput()),
+             (core + "head_sum_region", TensorParallelSum())] if dsa else []) + [(at + n, ColwiseParallel()) for n in ("linear_q_proj", "linear_q_up_proj",
                                                        "linear_kv_up_proj")] + \
         [(at + n, SequenceParallelParams()) for n in ("linear_q_down_proj", "q_layernorm",
                                                       "linear_kv_down_proj", "kv_layernorm")] + \
@@ -127,7 +154,7 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
     (:func:`loom.models.parallelize.decoder_plan`) with multi-latent attention's entries first
     and, on the last chunk, the multi-token prediction modules' (the embedding then lives on
     the last stage too)."""
-    out = (mla_plan() if cfg.multi_latent_attention else []) + gdn_plan(cfg) + decoder_plan(
+    out = (mla_plan(cfg.dsa) if cfg.multi_latent_attention else []) + gdn_plan(cfg) + decoder_plan(
         cfg, stage, ctx, tied=not cfg.untie_embeddings_and_output_weights
         or bool(cfg.mtp_num_layers))  # MTP embeds tokens on the last stage
     if cfg.mtp_num_layers and stage.post_process:
