@@ -20,6 +20,10 @@ Symbols: h hidden, a heads, ``q`` = ``--q-lora-rank`` (0: a full query projectio
   SP the all-gathers carry the latents ``S (q + r + dr)`` instead of ``S h``, smaller for
   DeepSeek-V3) plus the gradient all-reduce of the shared RoPE key ``S dr`` without SP; CP
   gathers K ``a dq`` and V ``a dv`` per token (the expanded keys and values, not the latent).
+* DSA (``--experimental-attention-variant dsa``, n = ``--dsa-indexer-n-heads``, d =
+  ``--dsa-indexer-head-dim``): the lightning indexer, replicated over TP: ``(q | h) n d + h d +
+  2 d + h n`` parameters, ``2 ((q | h) n d + h d + h n)`` GEMM FLOPs per token and ``2 s n d``
+  for its scores; the attention itself is counted dense (loom masks it).
 * MTP (DeepSeek-V3 sec. 2.2): D modules on the last pipeline stage, each ``3`` norms ``h``,
   ``eh_proj`` ``2 h^2`` (replicated over TP) and one transformer layer of the last layer's kind;
   per token the module's layer, ``2 (2 h) h`` and one more output layer ``2 h V``.
@@ -43,6 +47,9 @@ def mla_attention_params(model: ModelConfig) -> tuple[int, int]:
     sharded = (q * a * dq if q else h * a * dq) + r * a * (dn + dv) + a * dv * h
     norms = (q + r) if model.qk_layernorm else 0  # the latents' norms (--qk-layernorm)
     replicated = h * q + h * (r + dr) + norms
+    if model.dsa:  # the lightning indexer: W_qb, W_k, k's LayerNorm, head weights
+        n, d = model.dsa_indexer_n_heads, model.dsa_indexer_head_dim
+        replicated += (q or h) * n * d + h * d + 2 * d + h * n
     if not model.disable_bias_linear:
         replicated += h
     return sharded, replicated
@@ -54,7 +61,12 @@ def mla_forward_flops_per_token(model: ModelConfig, seq_length: int) -> tuple[fl
     dq, s = dn + dr, seq_length
     q_flops = 2 * (h * q + q * a * dq) if q else 2 * h * a * dq
     gemm = q_flops + 2 * h * (r + dr) + 2 * r * a * (dn + dv) + 2 * a * dv * h
-    return float(gemm), float(2 * s * a * dq + 2 * s * a * dv)
+    scores = 2 * s * a * dq + 2 * s * a * dv
+    if model.dsa:  # the indexer's projections and scores
+        n, d = model.dsa_indexer_n_heads, model.dsa_indexer_head_dim
+        gemm += 2 * ((q or h) * n * d + h * d + h * n)
+        scores += 2 * s * n * d
+    return float(gemm), float(scores)
 
 
 def mla_activation_bytes(model: ModelConfig, S) -> tuple:

@@ -54,7 +54,10 @@ def _count_built(cfg: ModelConfig) -> int:
                                              qk_layernorm=True),
                                 dict(num_experts=4, moe_ffn_hidden_size=16, mtp_num_layers=1,
                                      moe_shared_expert_intermediate_size=16,
-                                     moe_layer_freq="([0]*1+[1]*2)")])
+                                     moe_layer_freq="([0]*1+[1]*2)"),
+                                dict(experimental_attention_variant="dsa",  # + the indexer
+                                     disable_bias_linear=True, dsa_indexer_n_heads=4,
+                                     dsa_indexer_head_dim=8, dsa_indexer_topk=4)])
 def test_planner_counts_what_loom_builds(kw):
     cfg = ModelConfig.llama(**{**dict(
         num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=96, seq_length=16,
