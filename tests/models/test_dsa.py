@@ -170,3 +170,13 @@ def test_indexer_loss_trains_only_the_indexer_and_the_model_not_through_it():
 def test_dsa_settings_loom_cannot_take_are_refused_in_one_line(change, words):
     with pytest.raises(ConfigError, match=words):
         tiny_config("llama", MLA, DSA, change, world=2)
+
+
+def test_generation_and_hugging_face_export_are_refused_in_one_line():
+    from loom.models.gpt.hf import layout_of
+    model = _model().eval()
+    with pytest.raises(ConfigError, match="Hugging Face export"):
+        layout_of(model.cfg)
+    cache = model.allocate_cache(1, 8)
+    with pytest.raises(ConfigError, match="generation with --experimental-attention-variant"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), cache=cache)

@@ -189,7 +189,8 @@ def test_value_refusals_of_implemented_and_no_effect_flags():
                                       r"--optimizer adam \(AdamW\), sgd or muon"),
             (["--muon-scalar-optimizer", "lion"], "loom has no Lion optimizer"),
             (["--record-shapes"], "loom has no NVTX tensor-shape records"),
-            (["--experimental-attention-variant", "dsa"], "DeepSeek sparse attention")):
+            (["--experimental-attention-variant", "gdn2"], "loom has no Gated DeltaNet-2"),
+            (["--dsa-indexer-topk-freq", "2"], "cross-layer top-k sharing")):
         with pytest.raises(ConfigError, match=words):
             config_from_args(parser.parse_args(REQUIRED + argv))
     for ok in (["--optimizer", "adam"], ["--timing-log-level", "0"], ["--rerun-mode",

@@ -119,6 +119,9 @@ def layout_of(cfg: ModelConfig) -> str:
     if cfg.attention_output_gate or cfg.gated_delta_net:
         raise ConfigError("Qwen3-Next's gated attention output and Gated DeltaNet layers have "
                           "no Hugging Face export in loom yet")
+    if cfg.dsa:
+        raise ConfigError("DeepSeek sparse attention (--experimental-attention-variant dsa) "
+                          "has no Hugging Face export in loom yet (DeepseekV32's indexer)")
     if cfg.multi_latent_attention:
         return "deepseek_v3"
     if cfg.quick_geglu or cfg.softmax_type != "vanilla" or cfg.enable_gpt_oss:
