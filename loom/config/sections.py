@@ -112,8 +112,9 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(DSAFields, GatedDeltaNetFields, MupFields, ModelScriptFields, GptOssFields, MLAFields,
-                  MambaFields, Gemma3Fields, BertFields, MoEFields, ModelShapeFields):
+class ModelConfig(DSAFields, GatedDeltaNetFields, MupFields, ModelScriptFields, GptOssFields,
+                  MLAFields, MambaFields, Gemma3Fields, BertFields, MoEFields,
+                  ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
     The fields every family has (:class:`ModelShapeFields`), then each family's own, in its own
