@@ -1,4 +1,4 @@
-"""Thirteen functional-test training cases of Megatron-LM d98e8a6, of different families and
+"""Fourteen functional-test training cases of Megatron-LM d98e8a6, of different families and
 layouts, scaled down (the same flags, tiny sizes, a 2-rank layout of the same kind) train 3
 iterations on 2 CPU ranks, in one spawned world (issue 42; the full cases through the dry run:
 tests/unit/test_megatron_corpus.py). Flags of capabilities other branches are adding are
@@ -55,6 +55,10 @@ CASES = {  # case -> its 2-rank layout (the kind of parallelism it tests)
                                   "--linear-num-key-heads": "2", "--linear-num-value-heads": "4",
                                   "--moe-router-topk": "2",
                                   "--moe-shared-expert-intermediate-size": "16"},
+    # DeepSeek sparse attention on MLA (top-4 of 16 keys) at TP=2 + SP, bf16, torch_dist save
+    "gpt3_mcore_te_tp2_pp2_dsa": {"--tensor-model-parallel-size": "2",
+                                  "--dsa-indexer-n-heads": "4", "--dsa-indexer-head-dim": "8",
+                                  "--dsa-indexer-topk": "4"},
     # fill-in-the-middle over testkit's small dataset (byte-level BPE, 304 ids)
     "gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset": {"--vocab-size": "320"},
 }
