@@ -60,11 +60,13 @@ def check_distillation(cfg) -> None:
     m, p = cfg.model, cfg.parallel
     why = ("--model-type " + m.model_type if m.model_type != "gpt" else
            "--pipeline-model-parallel-size > 1" if p.pipeline_model_parallel_size > 1 else
+           "--context-parallel-size > 1" if p.context_parallel_size > 1 else
            "--mtp-num-layers" if m.mtp_num_layers else
            "ZeRO-3 (FSDP)" if getattr(t, "zero_stage", 0) == 3 else None)
     if why:
         raise ConfigError(f"--export-kd-teacher-load with {why}: loom distills GPT models on "
-                          f"one pipeline stage without multi-token prediction or ZeRO-3")
+                          f"one pipeline stage without context parallelism, multi-token prediction "
+                          f"or ZeRO-3")
 
 
 def read_kd_cfg(path: Optional[str]) -> KDConfig:
@@ -176,7 +178,8 @@ def distillation_step(teacher_chunks: list, kd: KDConfig):
     forward_step`, on logits): the student's logits ``[b, s, Vp/t]``, the LM loss from them
     (the vocab-parallel cross-entropy) and the KD loss against the frozen teacher's logits of
     the same tokens; the loss is ``kd`` (``skip_lm_loss``) or ``lm + kd_loss_scale x kd``, each
-    the masked mean over this micro-batch's tokens. Metrics: ``lm loss``, ``kd loss``."""
+    the masked mean over this micro-batch's tokens; in evaluation, the LM loss (Megatron's
+    ``loss_func``). Metrics: ``lm loss``, ``kd loss``."""
     import torch
 
     from loom.models.language_model import lm_loss
@@ -210,5 +213,7 @@ def _kd_loss(logits, *, chunk, batch, t_logits, kd: KDConfig, moe, lm_loss):
     kd_tok = kd_logits_kl(logits, t_logits, kd.logit_kl_temperature, group, start, columns)
     kd_mean, _ = lm_loss(kd_tok, loss_mask=batch.get("loss_mask"))
     metrics["kd loss"] = kd_mean.detach()
+    if not chunk.training:  # evaluation reports the LM loss (Megatron's loss_func)
+        return lm, metrics
     loss = kd_mean if kd.skip_lm_loss else lm + kd.kd_loss_scale * kd_mean
     return loss, metrics

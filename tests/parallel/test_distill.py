@@ -6,7 +6,7 @@ loom.parallel.distill_loss):
 - a student distilled from a teacher equal to it (a loom or a Megatron checkpoint) has zero KD
   loss, and with ``skip_lm_loss:
   false`` trains with the LM loss alone (loss and every gradient of the plain run); a different
-  teacher gives a KD loss > 0;
+  teacher gives a KD loss > 0; evaluation reports the LM loss (Megatron's);
 - TP=2 with sequence parallelism against the single process (one spawned 2-rank world): loss, gradient norm and every
   gradient within rtol 1e-5 for 3 steps (fp32), KD active (its loss > 0 each step);
 - refusals, one line each: a missing teacher directory in a real run, an unknown YAML key,
@@ -121,6 +121,16 @@ def test_an_equal_teacher_leaves_the_lm_loss(teachers):
     assert min(kd) > 1e-3, kd  # KD active: another teacher
 
 
+def test_evaluation_reports_the_lm_loss(teachers):
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    tmp, _, other = teachers
+    got, want = (Trainer(c.validate(1), mesh=ParallelMesh.single()).evaluate(
+        2, dataset=None) for c in (_cfg(tmp, other), _cfg(tmp)))
+    assert got is not None and got["valid_loss"] == pytest.approx(want["valid_loss"],
+                                                                   rel=PARITY_RTOL)
+
+
 def test_refusals(teachers, tmp_path, monkeypatch, capsys):
     tmp, same, _ = teachers
     base = ["train", "--mock-data", "--vocab-size", "100", "--num-layers", "2",
@@ -142,6 +152,9 @@ def test_refusals(teachers, tmp_path, monkeypatch, capsys):
     assert "intermediate_layer_pairs" in line, line
     line = refusal([*base, "--export-kd-cfg", str(bad)], monkeypatch, capsys)
     assert "--export-kd-cfg needs --export-kd-teacher-load" in line, line
+    line = refusal([*base, "--dry-run", "--world-size", "2", "--context-parallel-size", "2",
+                    "--export-kd-teacher-load", gone], monkeypatch, capsys)
+    assert "--export-kd-teacher-load with --context-parallel-size > 1" in line, line
     from loom.cli import main
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit) as e:  # --dry-run reads nothing: a missing teacher passes
