@@ -34,7 +34,9 @@ DecayStyle = Literal["cosine", "linear", "constant"]
 Recompute = Literal["selective", "full"]
 Backend = Literal["nccl", "gloo"]
 Device = Literal["cpu", "cuda"]
-ModelType = Literal["gpt", "mamba", "bert", "gemma3"]  # families in loom.models.FAMILY_MODULES
+# --model-type names a family of loom.models.FAMILY_MODULES (or one registered on a registry):
+# checked by the registry (loom.models.resolve_config), so a new family adds no line here
+ModelType = str
 RecomputeMethod = Literal["uniform", "block"]
 TokenizerType = Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPETrained",
                         "BertWordPieceLowerCase", "BertWordPieceCase", "Llama2Tokenizer",
@@ -50,7 +52,8 @@ class ModelShapeFields:
     model_type: ModelType = opt("gpt", "model family: gpt (GPT-2 and LLaMA layouts, dense or "
                                        "mixture-of-experts), mamba (Mamba-2 and hybrid "
                                        "Mamba/attention/MLP stacks), bert (bidirectional "
-                                       "encoder, masked-LM pretraining) or gemma3 (Gemma 3 text)")
+                                       "encoder, masked-LM pretraining) or gemma3 (Gemma 3 text)",
+                                metavar="FAMILY")
     num_layers: Optional[int] = opt(None, "L: number of transformer layers (required; mamba: "
                                           "default the length of --hybrid-override-pattern)",
                                     ge=1)

@@ -204,6 +204,19 @@ def test_planner_prices_the_declared_layer_kinds(monkeypatch):
     as_transformer = resolve_config(make_cfg(vocab_size=96), 1)
     as_transformer.model.model_type = "gpt"  # the same shape priced as GPT layers
     assert planner_stage_params(as_transformer, 1)["first"] != exact
+    # the row alone makes it a --model-type of the command line (no choices list to extend)
+    from loom.cli import main
+    argv = ["train", "--dry-run", "--world-size", "1", "--model-type", "toy", "--num-layers",
+            "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+            "--seq-length", "8", "--vocab-size", "96", "--micro-batch-size", "1", "--lr", "1e-3",
+            "--train-iters", "2", "--mock-data", "--position-embedding-type", "none",
+            "--untie-embeddings-and-output-weights"]
+    with pytest.raises(SystemExit) as e:
+        main(argv[:5] + ["toi"] + argv[6:])
+    assert e.value.code == 2  # an unknown name is one line naming --model-type
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
 
 
 def test_toy_family_trains_at_one_and_two_ranks():
