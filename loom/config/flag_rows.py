@@ -93,6 +93,7 @@ _IMPLEMENTED = words("""
 --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 --rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename
 --check-for-spiky-loss --no-check-for-nan-in-loss-and-grad
+--export-kd-teacher-load --export-kd-cfg
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -251,6 +252,10 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                          "are deleted (megatron/training/checkpointing.py:1108)"),
     "--moe-per-layer-logging": field(note="moe/<loss>_layer_<i> to the JSON log, TensorBoard "
                                           "and W&B"),
+    "--export-kd-teacher-load": field(note="ModelOpt's flag: logits KD from a frozen teacher "
+                                      "(loom.training.distill); its existence is checked "
+                                      "in a real run, not at --dry-run"),
+    "--export-kd-cfg": field(note="ModelOpt's YAML; intermediate_layer_pairs refused"),
     # -- another spelling of a loom field (a Megatron flag of its own, or an alias)
     "--no-yarn-correction-range-round-to-int": field("yarn_correction_range_round_to_int"),
     "--hybrid-layer-pattern": field("hybrid_override_pattern",

@@ -42,6 +42,9 @@ NO_EFFECT_ROWS = (
         "again in an fp32 softmax: (s/L) L = s; loom's attention computes scores and softmax "
         "in fp32, so the flag changes nothing it computes (tests/models/test_model_caps.py::"
         "test_query_key_layer_scaling_changes_nothing_loom_computes)"))),
+    ("--export-te-mcore-model", no_effect("te", note=(
+        "ModelOpt's model built with Transformer Engine layers: loom has one layer "
+        "implementation, so the flag picks nothing"))),
     ("--muon-use-syrk", no_effect("kernel", note="Triton SYRK kernel of Muon's Gram matrix")),
     ("--mup-width-mult", no_effect("internal", note=(
         "Megatron sets it to --hidden-size / --mup-base-hidden-size under --use-mup and reads "
@@ -226,10 +229,10 @@ REFUSED_ROWS = (
         --logits-save-top-k --logits-save-top-p --logits-save-top-p-min-k --logits-save-dir
         --logits-save-dtype --logits-load-dir --logits-load-decode-threads
         --logits-load-prefetch-factor --logits-load-msc-prefetch-depth --logits-load-kd-loss-alpha
-        --logits-load-ignore-errors --export-kd-teacher-load --export-kd-teacher-model-config
-        --export-kd-teacher-ckpt-format --export-kd-cfg"""),
+        --logits-load-ignore-errors --export-kd-teacher-model-config
+        --export-kd-teacher-ckpt-format"""),
     *_block(refused("modelopt"), """
-        --export-model-type --export-legacy-megatron --export-te-mcore-model
+        --export-model-type --export-legacy-megatron
         --export-default-te-spec --export-kv-cache-quant --export-real-quant-cfg
         --export-quant-cfg --finetune-hf-dataset --finetune-data-split --finetune-data-files
         --qad-train-target --freeze-base-for-mtp --export-qk-l2-norm

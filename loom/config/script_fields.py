@@ -123,6 +123,16 @@ class TrainingScriptFields:
                "unless set (Megatron's values; nondeterministic values refused), "
                "cudnn.benchmark off. loom's own reductions (gradient buckets, norms, "
                "pipeline, loss) already run in a fixed order, with or without overlap")
+    export_kd_teacher_load: Optional[str] = opt(
+        None, "knowledge distillation: the teacher's checkpoint directory (loom or Megatron; "
+              "its shape from its saved config, the vocabulary and sequence length this "
+              "run's); the teacher runs frozen in forward on every micro-batch and the loss "
+              "is --export-kd-cfg's (loom.training.distill); GPT, one pipeline stage")
+    export_kd_cfg: Optional[str] = opt(
+        None, "distillation YAML: skip_lm_loss (default true: the KD loss alone; false: LM "
+              "loss + kd_loss_scale x KD loss), kd_loss_scale (1.0), logit_kl_temperature "
+              "(1.0), logit_layers [output_layer, output_layer]; intermediate_layer_pairs "
+              "refused. Without it: logits KL only at temperature 1")
 
 
 @dataclass

@@ -102,8 +102,12 @@ def build_model(cfg: LoomConfig, mesh: ParallelMesh, family: ModelFamily) -> Mod
     chunks = build_model_chunks(family, cfg, mesh, tracker)
     registry = ParamRegistry.merged(c.registry for c in chunks)
     scaler = loss_scaler(t)  # --fp16; 16-bit parameters: loom.training.precision
-    forward_step = precision_forward_step(family.forward_step,
-                                          cast_parameters(chunks, param_dtype(t)), scaler)
+    step = family.forward_step
+    if t.export_kd_teacher_load:  # knowledge distillation: a frozen teacher's logits
+        from loom.training.distill import build_teacher, distillation_step, read_kd_cfg
+        step = distillation_step(build_teacher(cfg, mesh, family, tracker, param_dtype(t)),
+                                 read_kd_cfg(t.export_kd_cfg))
+    forward_step = precision_forward_step(step, cast_parameters(chunks, param_dtype(t)), scaler)
     named = list(named_parameters(chunks))
     apart = mesh.experts_apart  # experts on a grid of their own: their norm summed apart
     groups = ParamGroups(
@@ -191,7 +195,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         data.global_batch * cfg.model.seq_length,
         model_flops_per_iteration(cfg.model, data.global_batch, cfg.model.seq_length),
         world_size, peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops),
-        predict_step_time(cfg, world_size), logged_metrics(cfg.model, family))
+        predict_step_time(cfg, world_size), logged_metrics(cfg.model, family)
+        + (("kd loss",) if t.export_kd_teacher_load else ()))
     after_step = functools.partial(update_expert_bias, model.chunks, mesh.groups["dp_cp"],
                                    cfg.model.moe_router_bias_update_rate) \
         if cfg.model.num_experts else (lambda: None)

@@ -36,6 +36,7 @@ from loom.data.preprocess import load_tokenizer_for, read_meta
 from loom.data.tokenizer import build_tokenizer
 from loom.errors import ConfigError
 from loom.training.checkpoint_checks import check_checkpoints, megatron_at
+from loom.training.distill import check_distillation, read_kd_cfg, teacher_checkpoint
 from loom.training.resume import checkpoint_model_args, pretrained_source, reconcile_schedule
 from loom.training.script_checks import refuse_unimplemented, start_notes
 
@@ -276,8 +277,12 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     if named and not d.mock_data:
         _check_sft_data(cfg) if d.sft else _check_data(cfg)
     check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
+    check_distillation(cfg)
     if not getattr(args, "dry_run", False):
         refuse_unimplemented(cfg)
+        if cfg.training.export_kd_teacher_load:  # files: a real run only
+            teacher_checkpoint(cfg.training.export_kd_teacher_load)
+            read_kd_cfg(cfg.training.export_kd_cfg)
         tracker = cfg.fault_tolerance.result_rejected_tracker_filename
         if tracker and not os.path.isdir(os.path.dirname(os.path.abspath(tracker))):
             raise ConfigError(f"--result-rejected-tracker-filename {tracker}: its directory "
