@@ -277,7 +277,11 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     if named and not d.mock_data:
         _check_sft_data(cfg) if d.sft else _check_data(cfg)
     check_checkpoints(cfg, dry_run=bool(getattr(args, "dry_run", False)))
-    check_distillation(cfg)
+    if cfg.training.export_kd_teacher_load:  # the family's forward step: imports its model
+        from loom.models import get_family
+        check_distillation(cfg, get_family(cfg.model.model_type))
+    else:
+        check_distillation(cfg)
     if not getattr(args, "dry_run", False):
         refuse_unimplemented(cfg)
         if cfg.training.export_kd_teacher_load:  # files: a real run only

@@ -48,9 +48,11 @@ class KDConfig:
     logit_kl_temperature: float = 1.0
 
 
-def check_distillation(cfg) -> None:
+def check_distillation(cfg, family=None) -> None:
     """The rules that need no file (run at ``--dry-run`` too): raises a one-line ConfigError
-    naming the flag."""
+    naming the flag. ``family`` (the run's ModelFamily): distillation replaces its forward step
+    by the shared language-model step on logits (:func:`distillation_step`), so a family with a
+    forward step of its own (BERT's masked LM, Gemma 3's) is refused."""
     t = cfg.training
     if t.export_kd_cfg and not t.export_kd_teacher_load:
         raise ConfigError("--export-kd-cfg needs --export-kd-teacher-load (the teacher to "
@@ -58,14 +60,20 @@ def check_distillation(cfg) -> None:
     if not t.export_kd_teacher_load:
         return
     m, p = cfg.model, cfg.parallel
-    why = ("--model-type " + m.model_type if m.model_type != "gpt" else
+    if family is not None:
+        from loom.models.language_model import forward_step
+        if family.forward_step is not forward_step:
+            raise ConfigError(f"--export-kd-teacher-load with --model-type {m.model_type}: "
+                              f"distillation runs the shared language-model forward step, "
+                              f"which this family replaces with its own: drop the flag")
+    why = (
            "--pipeline-model-parallel-size > 1" if p.pipeline_model_parallel_size > 1 else
            "--context-parallel-size > 1" if p.context_parallel_size > 1 else
            "--mtp-num-layers" if m.mtp_num_layers else
            "ZeRO-3 (FSDP)" if getattr(t, "zero_stage", 0) == 3 else None)
     if why:
-        raise ConfigError(f"--export-kd-teacher-load with {why}: loom distills GPT models on "
-                          f"one pipeline stage without context parallelism, multi-token prediction "
+        raise ConfigError(f"--export-kd-teacher-load with {why}: loom distills language "
+                          f"models on one pipeline stage without context parallelism, multi-token prediction "
                           f"or ZeRO-3")
 
 

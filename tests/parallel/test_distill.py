@@ -155,6 +155,9 @@ def test_refusals(teachers, tmp_path, monkeypatch, capsys):
     line = refusal([*base, "--dry-run", "--world-size", "2", "--context-parallel-size", "2",
                     "--export-kd-teacher-load", gone], monkeypatch, capsys)
     assert "--export-kd-teacher-load with --context-parallel-size > 1" in line, line
+    line = refusal([*base, "--dry-run", "--model-type", "bert", "--export-kd-teacher-load",
+                    gone], monkeypatch, capsys)  # a family with its own forward step
+    assert "--export-kd-teacher-load with --model-type bert" in line, line
     from loom.cli import main
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit) as e:  # --dry-run reads nothing: a missing teacher passes
