@@ -30,7 +30,7 @@ from typing import get_args
 
 import numpy as np
 
-from loom.config import ModelConfig
+from loom.config import ConfigError, ModelConfig
 from loom.config.sections import PipelineSchedule
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microbatches
@@ -264,6 +264,14 @@ def search(model: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len
 
     L = enumerate_layouts(model, cluster, global_batch_size, seq_length, fixed, opts,
                           variants=exact)
+    if group and not len(L["tp"]) and len(enumerate_layouts(
+            model, cluster, global_batch_size, seq_length,
+            {k: v for k, v in fixed.items() if k != "vpg"}, opts, variants=False)["tp"]):
+        raise ConfigError(
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group}: no layout's "
+            f"micro-batch count m = B / (b d) takes groups of N = {group} (Megatron-Core needs "
+            f"p <= N <= m and m mod N = 0 or >= p): choose N dividing m, or another "
+            f"--global-batch-size / --micro-batch-size")
     res = evaluate_group(model, L, global_batch_size, seq_length, cluster, opts)
     if not exact:
         for kind in kinds:

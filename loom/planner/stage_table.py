@@ -10,7 +10,7 @@ layout is the largest slot's, its micro-batch time the slowest slot's.
 
 Micro-batches held (activations kept from a chunk's forward to the end of its backward, W
 included for the zero-bubble schedules), rank ``r`` of ``p``, ``m`` micro-batches, ``v`` chunks
-(:func:`held_microbatches`; tests/planner/test_planner_split.py replays loom's op lists,
+(:func:`held_microbatches`; tests/planner/test_planner_vp_group.py replays loom's op lists,
 ``loom.parallel.pipeline.schedules`` / ``zero_bubble``, and finds the same peaks):
 
 * GPipe: ``m``; 1F1B: ``min(p - r, m)`` (PipeDream-Flush, Narayanan et al. 2021 sec 2.2);

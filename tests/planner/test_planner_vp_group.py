@@ -235,7 +235,8 @@ def test_plan_fixes_the_group_and_prints_a_command_loom_train_takes():
     """--microbatch-group-size-per-virtual-pipeline-stage N fixes the interleaved rows' group:
     they hold more micro-batches than at N = p (rank 0: 2 (p - 1) + (v - 1) N + 1 chunk
     micro-batches), rows whose m breaks Megatron-Core's group rules are dropped, and the printed
-    command carries N, which loom train's config accepts; N < p is refused by name."""
+    command carries N, which loom train's config accepts; N < p, or an N that no m takes when
+    only interleaved rows are asked for, is refused by name."""
     model = gpt(16, 512, 8, V=1024)
     cl = make_cluster("H100-80GB", 8)
     B, s = 32, 512
@@ -264,6 +265,8 @@ def test_plan_fixes_the_group_and_prints_a_command_loom_train_takes():
     cfg = command_config(text, 8)
     assert cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage == 8
     assert "--microbatch-group-size" not in train_command(record(base, i), model, B, s, 8, 8)
+    with pytest.raises(ConfigError, match="groups of N = 5"):  # m = 32, 16, 8, 4: none fits
+        plan(5)
     with pytest.raises(ConfigError, match="--microbatch-group-size-per-virtual-pipeline-stage 3"):
         fixed_from_args(_plan_args(pipeline_model_parallel_size=4,
                                    microbatch_group_size_per_virtual_pipeline_stage=3), model)
