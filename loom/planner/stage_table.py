@@ -67,8 +67,9 @@ def held_microbatches(schedule: str, p: int, m: int, v: int, rank: int, group=No
     """Peak micro-batches held per chunk of pipeline rank ``rank``: a tuple of the
     non-dominated vectors ``(held chunk 0, ..., held chunk v-1)`` (one vector when the chunks
     are interchangeable). ``group``: the interleaved schedule's micro-batch group N (None or 0:
-    p); raises ValueError where :func:`group_size_ok` refuses it. See the module docstring for
-    each schedule."""
+    p; the search plans only those :func:`group_size_ok` accepts, as loom train runs only
+    those, but any N >= 1 is evaluated, e.g. a published layout's). See the module docstring
+    for each schedule."""
     p, m, v, r = int(p), int(m), int(v), int(rank)
     if p == 1:
         return ((1,) * v,) if schedule != GPIPE else ((m,),)
@@ -81,9 +82,6 @@ def held_microbatches(schedule: str, p: int, m: int, v: int, rank: int, group=No
     if schedule == ZB_V:
         return _replay_zbv(p, m, r)
     n = int(group or p)  # interleaved
-    if not group_size_ok(m, p, n):
-        raise ValueError(f"interleaved: micro-batch groups of N = {n} need p = {p} <= N <= "
-                         f"m = {m} and m mod N = 0 or >= p")
     total = m * v
     warm = total if m == p else min(2 * (p - r - 1) + (v - 1) * n, total)
     if warm >= total:

@@ -74,8 +74,6 @@ def test_interleaved_groups_held_equal_a_replay():
         for m in (p, p + 1, 2 * p, 2 * p + 1, 3 * p + 2):
             for n in range(p, m + 1):
                 if not group_size_ok(m, p, n):
-                    with pytest.raises(ValueError, match="groups of N"):
-                        held_microbatches("interleaved", p, m, v, 0, n)
                     continue
                 for r in range(p):
                     ops = interleaved_ops(m, p, r, v, n)
@@ -270,3 +268,31 @@ def test_plan_fixes_the_group_and_prints_a_command_loom_train_takes():
     with pytest.raises(ConfigError, match="--microbatch-group-size-per-virtual-pipeline-stage 3"):
         fixed_from_args(_plan_args(pipeline_model_parallel_size=4,
                                    microbatch_group_size_per_virtual_pipeline_stage=3), model)
+
+
+def test_uneven_interleaved_plan_prints_its_layout_and_group():
+    """--decoder-first/last-pipeline-num-layers with virtual stages and a group N: the row's
+    memory is its own layout's (the replay of loom's op list with its chunks' layers as
+    weights) and the printed command, a layout string plus N, is one loom train accepts with
+    that same layout (loom train refuses the first/last flags with interleaving)."""
+    model = gpt(26, 512, 8, V=1024)
+    fixed = fixed_from_args(_plan_args(
+        pipeline_model_parallel_size=4, tensor_model_parallel_size=2, micro_batch_size=1,
+        num_layers_per_virtual_pipeline_stage=5, pipeline_schedule="interleaved",
+        decoder_first_pipeline_num_layers=4, decoder_last_pipeline_num_layers=2,
+        microbatch_group_size_per_virtual_pipeline_stage=6), model)
+    res = search(model, make_cluster("H100-80GB", 8), 48, 512, fixed,
+                 Options(flash_attention=True))
+    rec = record(res, int(res["order"][0]))
+    assert rec["pipeline_split"] == "4+2x10+2" and rec["microbatch_group_size"] == 6
+    assert set(res["vpg"]) == {6.0} and set(res["vp"]) == {2.0}
+    lay = row_layout(26, 4, 2, 4, 2, 0)
+    assert rec["chunk_layers"] == list(lay.counts())
+    m = rec["num_microbatches"]
+    want = max(_peak(interleaved_ops(m, 4, r, 2, 6), [len(c) for c in lay.chunk_layers(r)])
+               for r in range(4))
+    assert _slots_peak(model, dict(pp=4, vp=2, lf=4, ll=2, dp=1, mbs=1), m, 6) == want
+    text = train_command(rec, model, 48, 512, 8, 8)
+    cfg = command_config(text, 8)
+    assert cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage == 6
+    assert cfg.parallel.pipeline_model_parallel_layout == rec["pipeline_layout"]
