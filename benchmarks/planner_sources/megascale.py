@@ -60,6 +60,7 @@ from dataclasses import replace
 
 from loom.planner.constants import Constants, fitted_cluster
 from loom.planner.layout import Options
+from benchmarks.planner_sources.software import source_options
 from loom.planner.presets import gpt
 from loom.planner.primitives import all_reduce_latency, all_reduce_time
 from loom.planner.search import record, search
@@ -91,7 +92,7 @@ def megatron_lm_2023(model=None) -> Options:
     model = model or megascale_model()
     h, L = model.hidden_size, model.num_layers
     chunk_params = 12 * h * h * (L // (PP * VP)) / TP  # a chunk's transformer weights per GPU
-    return Options(flash_attention=False, overlap_grad_reduce=False, overlap_tp_comm=True,
+    return source_options(flash_attention=False, overlap_grad_reduce=False, overlap_tp_comm=True,
                    grad_bytes=4, grad_accum_bytes=0.0, max_zero_stage=1, runtime="megatron-legacy",
                    ddp_bucket_elems=chunk_params)
 

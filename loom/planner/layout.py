@@ -121,6 +121,11 @@ class Options:
     micro-batch's missing add stands for the per-iteration gradient copies), 18 for DeepSpeed's
     2022 BF16_Optimizer (``hp_grad.add_(lp_grad.to(fp32))`` after every micro-batch: a 4-byte
     copy of the 2-byte gradient, then read, read, write 4 bytes).
+    ``legacy_interleaved_warmup``: the interleaved schedule of Megatron-LM before 2024-11 (merge
+    request !2117, commit 4295be1a6c, dropped the rule): at ``m = p`` every rank runs all its
+    ``m v`` forwards before the first backward, so it holds them all. Megatron-Core since, and
+    ``loom train``, warm up ``2 (p - r - 1) + (v - 1) p`` (:mod:`loom.planner.stage_table`).
+    The published runs' software (benchmarks/planner_sources) ran the old rule. Planner only.
     ``selective_ac_op``: selective recompute is torchtitan's op-level policy
     (``selective_ac_option = 'op'``) instead of Megatron's attention-core recompute: backward
     recomputes every second GEMM of the block and all its element-wise work, not the attention
@@ -152,6 +157,7 @@ class Options:
     zero1_all_reduce_grads: bool = False
     grad_accum_bytes: float = 0.0
     selective_ac_op: bool = False
+    legacy_interleaved_warmup: bool = False
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

@@ -298,7 +298,7 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
     m = num_microbatches(L, global_batch_size)
     if slots is None:
-        slots = stage_slots(model, L, m)
+        slots = stage_slots(model, L, m, opts.legacy_interleaved_warmup)
     P, X = slot_params(model, L, s, slots)
     wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes)
     xw, xg, xo = model_state_bytes_per_param(L["zero"], L["dp"] * c / L.get("ep", 1.0),

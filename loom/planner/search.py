@@ -88,7 +88,8 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     """Memory (``mem_*``, bytes), time (``time_*``, seconds) and throughput of every layout in
     ``L`` (arrays), plus ``fits`` (total memory <= the GPU's HBM) and ``m``."""
     opts = opts or Options()
-    slots = stage_slots(model, L, num_microbatches(L, global_batch_size))
+    slots = stage_slots(model, L, num_microbatches(L, global_batch_size),
+                        opts.legacy_interleaved_warmup)
     mem = memory_terms(model, L, global_batch_size, seq_length, opts, slots)
     tim = time_terms(model, L, global_batch_size, seq_length, cluster, opts, slots)
     thr = throughput(model, L, global_batch_size, seq_length, cluster, tim["iteration"],

@@ -20,8 +20,8 @@ included for the zero-bubble schedules), rank ``r`` of ``p``, ``m`` micro-batche
   stage``, default p; Megatron-Core's ``get_schedule_table``: each group of N micro-batches runs
   through chunk 0, then chunk 1, ..., the last group holding the ``m mod N`` left over; backward
   ``k`` runs the mirror chunk of forward ``k``), ``w = min(2 (p - r - 1) + (v - 1) N, m v)``
-  warm-up forwards (Megatron-Core's ``get_pp_rank_microbatches``; loom's op list also runs all
-  ``m v`` forwards first when ``m = p``, which Megatron-Core 0.16 does not): every steady-state
+  warm-up forwards (Megatron-Core's ``get_pp_rank_microbatches``, m = p included, as loom's op
+  list runs it): every steady-state
   step's held counts per chunk, the non-dominated ones kept (with uneven chunks the peak depends
   on which chunks are in flight). A larger N holds more: rank r's warm-up grows by
   ``(v - 1)(N - p)`` chunk micro-batches;
@@ -83,7 +83,7 @@ def held_microbatches(schedule: str, p: int, m: int, v: int, rank: int, group=No
         return _replay_zbv(p, m, r)
     n = int(group or p)  # interleaved
     total = m * v
-    warm = total if m == p else min(2 * (p - r - 1) + (v - 1) * n, total)
+    warm = min(2 * (p - r - 1) + (v - 1) * n, total)  # schedules.interleaved_ops' warm-up
     if warm >= total:
         return ((m,) * v,)
     # done[k, j]: forwards of chunk j among the first k of the order; backward k runs the
@@ -274,7 +274,7 @@ def recomputed_per_chunk(L: dict) -> np.ndarray:
     return np.where(rc == 2, np.where(rcl > 0, rcl, ALL_LAYERS), 0).astype(np.int64)
 
 
-def stage_slots(model: ModelConfig, L: dict, m) -> dict:
+def stage_slots(model: ModelConfig, L: dict, m, legacy_warmup: bool = False) -> dict:
     """The stage slots of every row of ``L`` (``m``: micro-batches per row), as arrays of shape
     ``(R, N)`` (R the most slots of any row; rows with fewer repeat their slot 0):
     ``rank``, ``emb``, ``out``, ``mtp``, ``emb_held``, ``out_held``, ``mtp_held`` and
@@ -282,7 +282,11 @@ def stage_slots(model: ModelConfig, L: dict, m) -> dict:
     :func:`recomputed_per_chunk`) of shape ``(K, R, N)`` per layer kind (:func:`layer_kinds`),
     plus ``kinds`` (names), ``pp`` and ``mtp_rc`` (N,: 1 when MTP layers are recomputed).
     An optional ``L["vpg"]`` holds each row's interleaved micro-batch group
-    (``--microbatch-group-size-per-virtual-pipeline-stage``; 0 or absent: p)."""
+    (``--microbatch-group-size-per-virtual-pipeline-stage``; 0 or absent: p).
+    ``legacy_warmup``: the interleaved schedule of Megatron-LM before 2024-11 (merge request
+    !2117, commit 4295be1a6c, removed the rule): at ``m = p`` every rank runs all ``m v``
+    forwards before its first backward (``Options.legacy_interleaved_warmup``; the published
+    runs of that software)."""
     from loom.planner.mla import mtp_depth
     from loom.planner.mamba import is_hybrid
     names, kinds = layer_kinds(model)
@@ -305,6 +309,9 @@ def stage_slots(model: ModelConfig, L: dict, m) -> dict:
     pp, vp = np.asarray(L["pp"], np.int64), np.asarray(L["vp"], np.int64)
     code = _sched_codes(zb, vp)
     grp = np.where(code == 1, np.asarray(L.get("vpg", np.zeros(N)), np.int64), 0)
+    if legacy_warmup:  # all m v forwards first at m = p: one group of m v (warm-up = all)
+        m_int = np.round(m).astype(np.int64)
+        grp = np.where((code == 1) & (m_int == pp), m_int * vp, grp)
     mk = _m_keys(code, pp, m, grp).astype(np.int64)
     lf, ll = np.asarray(L["lf"], np.int64), np.asarray(L["ll"], np.int64)
     nrc = recomputed_per_chunk(L)

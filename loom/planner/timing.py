@@ -286,7 +286,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     if moe:
         kinds.append(per_layer(layer_times(model, s, L, cluster, opts, moe_share=1.0)))
     if slots is None:  # the stages of every row (stage_table.py)
-        slots = stage_slots(model, L, m)
+        slots = stage_slots(model, L, m, opts.legacy_interleaved_warmup)
     D = 0 if hybrid else mtp_depth(model)  # MTP: D layers of the last one's kind with the loss
     j_mtp = 1 if moe and model.is_moe_layer(model.num_layers - 1) else 0
     # each kind twice: its layers not fully recomputed, then the recomputed ones

@@ -112,11 +112,14 @@ def test_given_layout_is_evaluated_exactly():
 
 def test_interleaved_last_stage_holds_more_than_one_micro_batch():
     """The interleaved schedule's last rank holds (v - 1) p + 1 chunk micro-batches at its
-    peak, not 1 (what the planner counted before), and all m v when m = p; the memory model
-    counts them (Llama 3 405B's layout, v = 4)."""
-    # 2 (p - r - 1) + (v - 1) p + 1 = 49 chunk micro-batches on the last rank; m = p: all m v
+    peak, not 1 (what the planner counted before), m = p included (Megatron-Core's warm-up; the
+    first rank then holds all m v); the memory model counts them (Llama 3 405B's layout,
+    v = 4)."""
+    # 2 (p - r - 1) + (v - 1) p + 1 = 49 chunk micro-batches on the last rank; m = p: the same
+    # on the last rank (its chunks 0-2 full, one of chunk 3), all m v on the first
     assert max(sum(h) for h in held_microbatches("interleaved", 16, 32, 4, 15)) == 49
-    assert held_microbatches("interleaved", 16, 16, 4, 15) == ((16,) * 4,)
+    assert held_microbatches("interleaved", 16, 16, 4, 15) == ((16, 16, 16, 1),)
+    assert held_microbatches("interleaved", 16, 16, 4, 0) == ((16,) * 4,)
     m = get_preset("llama3-405b")
     L = make_layouts([dict(tp=8, pp=16, dp=64, mbs=1, sp=1, vp=4, lf=7, ll=7, zero=1)])
     st = stage_memory_terms(m, L, 2048, 8192, Options(flash_attention=True))

@@ -99,19 +99,18 @@ MEGATRON_TABLE_N3_M5 = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), 
 
 
 def test_loom_s_interleaved_order_is_megatron_core_s():
-    """loom's op list runs Megatron-Core's schedule table and warm-up, except at m = p, where
-    loom runs every forward first (an older Megatron-LM rule; 0.16.1 does not): the planner
-    follows loom's op list, which it plans for."""
+    """loom's op list runs Megatron-Core 0.16.1's schedule table and warm-up, m = p included
+    (Megatron-LM before 2024 ran every forward first at m = p; Megatron-Core dropped that
+    rule, and so did loom): the planner follows loom's op list, which it plans for."""
     fwd = [(j, c) for kind, c, j in interleaved_ops(5, 2, 1, 2, 3) if kind == "F"]
     assert fwd == MEGATRON_TABLE_N3_M5
     for (p, v, n, m), warm in MEGATRON_WARMUP.items():
-        # forwards before the first backward: the warm-up and the first steady step's forward
-        loom = [next(i for i, op in enumerate(interleaved_ops(m, p, r, v, n)) if op[0] == "B")
-                for r in range(p)]
-        if m == p:
-            assert loom == [m * v] * p and warm != loom  # loom: all m v forwards first
-            continue
-        assert [k - 1 for k in loom] == warm, (p, v, n, m)
+        # forwards before the first backward: the warm-up, plus the first steady step's forward
+        # unless the warm-up is every forward (m v)
+        first_b = [next(i for i, op in enumerate(interleaved_ops(m, p, r, v, n)) if op[0] == "B")
+                   for r in range(p)]
+        loom = [k if k == m * v else k - 1 for k in first_b]
+        assert loom == warm, (p, v, n, m)
     # 1F1B: min(p - r - 1, m) warm-up forwards (Megatron-Core's non-interleaved schedule),
     # then one forward and one backward per step
     for p, m, r in itertools.product((4,), (2, 8), range(4)):
