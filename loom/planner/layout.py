@@ -63,8 +63,22 @@ class Options:
     loses its ``5as/h`` term); the paper runs (NAR, KOR) predate it.
     ``grad_bytes``: bytes per gradient element (4: Megatron's fp32 ``main_grad`` -> 18 bytes per
     parameter; 2: the ZeRO paper's fp16 gradients -> 16 bytes per parameter).
-    ``overlap_grad_reduce``: DP gradient reduction overlapped with the last micro-batch's backward
-    (Megatron-Core ``--overlap-grad-reduce``).
+    ``overlap_grad_reduce``: DP gradient reduction (all-reduce; ZeRO-1/2 reduce-scatter)
+    overlapped with the last micro-batch's backward under the bucket schedule (Megatron-Core
+    ``--overlap-grad-reduce``: ``DistributedDataParallel``'s backward hooks launch each bucket
+    when its last gradient is ready; loom's ``GradBuffer`` with ``overlap``, loom/parallel/
+    grad_buffer.py); False: every bucket is reduced after the backward, exposed (both
+    trainers' default). ZeRO-3 does not read it (FSDP prefetches by design: ``zero3_overlap``).
+    ``overlap_param_gather``: ZeRO-1/2's all-gather of the updated 16-bit weights overlapped
+    with the next iteration's first forward under the bucket schedule (Megatron-Core
+    ``--overlap-param-gather``: ``DistributedOptimizer.zero_grad`` launches the first bucket's
+    gather, each forward pre-hook waits for its bucket and launches the next; loom's
+    ``ParamGather``: every bucket launched after the step in the forward's order, each waited
+    for by the pre-hook of its first module, loom/training/distributed_optimizer.py); False:
+    all-gathered right after the optimizer step, exposed (both trainers' default). None
+    (default): as ``overlap_grad_reduce`` (on unless a source says its software reduced after
+    the backward: the DP overlap of a published source is stated once; ``loom plan --dp-overlap``
+    and :func:`loom.planner.predict.predict_layout` set both).
     ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
     bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
     ``ddp_bucket_per_rank``: the bucket grows to at least this many elements per DP rank:
@@ -132,6 +146,7 @@ class Options:
     flash_attention: bool = False
     grad_bytes: int = 4
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool | None = None  # None: as overlap_grad_reduce
     overlap_tp_comm: bool = True
     overlap_cp_comm: bool = True
     uneven_interleaved: bool = True
@@ -152,6 +167,13 @@ class Options:
     zero1_all_reduce_grads: bool = False
     grad_accum_bytes: float = 0.0
     selective_ac_op: bool = False
+
+
+def param_gather_overlapped(opts: Options) -> bool:
+    """Whether the ZeRO-1/2 weight all-gather is overlapped: ``opts.overlap_param_gather``, or
+    ``opts.overlap_grad_reduce`` when that is None (:class:`Options`)."""
+    return opts.overlap_grad_reduce if opts.overlap_param_gather is None \
+        else bool(opts.overlap_param_gather)
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:
