@@ -105,11 +105,26 @@ def dp_overlap_flags(rec: dict, opts=None) -> list[str]:
     return out
 
 
+def bucket_flags(rec: dict, opts=None) -> list[str]:
+    """``--ddp-bucket-size N``: the gradient bucket the plan's DP time assumed (the overlap's
+    exposed last bucket, one latency per bucket), where loom's gradient buffer reduces (``d x c
+    > 1``, ZeRO 0-2) and the plan used Megatron-Core's ``max(40M, 1M d)`` rather than loom
+    train's own default (``Options.ddp_bucket_count``; :func:`loom.planner.timing.bucket_elems`)."""
+    from loom.planner.layout import Options
+    from loom.planner.timing import bucket_elems
+    opts = opts or Options()
+    n_dp = rec.get("dp", 1) * rec["cp"]
+    if n_dp <= 1 or rec["zero"] >= 3 or opts.ddp_bucket_count:
+        return []
+    return ["--ddp-bucket-size", str(int(bucket_elems(n_dp, opts)))]
+
+
 def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int,
                  opts=None) -> list[str]:
     """``loom train`` flags of one planner record (:func:`loom.planner.search.record`), planned
     under ``opts`` (:class:`~loom.planner.layout.Options`, None: the defaults): its DP overlap
-    flags too (:func:`dp_overlap_flags`), so the command runs what the plan timed."""
+    flags and bucket size too (:func:`dp_overlap_flags`, :func:`bucket_flags`), so the command
+    runs what the plan timed."""
     out = ["--tensor-model-parallel-size", str(rec["tp"]),
            "--pipeline-model-parallel-size", str(rec["pp"]),
            "--context-parallel-size", str(rec["cp"])]
@@ -136,7 +151,7 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int,
         out += ["--zero-stage", str(rec["zero"])]  # 2: gradients sharded; 3: FSDP2
     elif rec["zero"] == 1:
         out.append("--use-distributed-optimizer")
-    out += dp_overlap_flags(rec, opts)
+    out += dp_overlap_flags(rec, opts) + bucket_flags(rec, opts)
     return out + ["--micro-batch-size", str(rec["micro_batch_size"]),
                   "--global-batch-size", str(global_batch_size)]
 

@@ -51,6 +51,10 @@ SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
 #   fits; ZeRO, Rajbhandari et al. 2020, sec 3.2 and 6.3, names it as a cause of running out of
 #   memory with memory still free, which ZeRO-R's contiguous buffers and Megatron's contiguous
 #   gradient buffer reduce). 5% is the planner's assumption for such a run.
+# loom train's gradient buckets without --ddp-bucket-size (loom/parallel/grad_buffer.py
+# default_bucket_size: TARGET_BUCKETS, MIN_BUCKET_PER_RANK, MAX_BUCKET; the planner stays
+# torch-free, a test checks they agree) as Options fields
+LOOM_BUCKETS = dict(ddp_bucket_count=4, ddp_bucket_per_rank=250_000, ddp_bucket_elems=40e6)
 WORKSPACE_BYTES = 2e9
 FRAGMENTATION_FRACTION = 0.05
 
@@ -85,6 +89,10 @@ class Options:
     Megatron-Core's default ``max(40M, 1M x dp_size)`` (``distributed_data_parallel.py``, commit
     0fda386c04, 2024-04, "Tune DDP bucket size to improve speed at large DP counts": a ring's
     per-hop latency is paid ``d - 1`` times per bucket); 0: the fixed ``ddp_bucket_elems``.
+    ``ddp_bucket_count``: 0 (default) the rule above; ``n`` > 0: loom train's default without
+    ``--ddp-bucket-size``, ``clamp(ceil(P / n), ddp_bucket_per_rank x d, ddp_bucket_elems)`` for
+    the stage's P parameters (loom/parallel/grad_buffer.py ``default_bucket_size``: n 4, 250k,
+    40M; :data:`LOOM_BUCKETS`).
     ``uneven_interleaved``: also search virtual stages with uneven stages (what Megatron-Core
     and Llama 3 run; ``loom train`` runs them from a ``--pipeline-model-parallel-layout``).
     ``straggler_jitter``: relative std. dev. of a node's step time; adds the expected wait for
@@ -153,6 +161,7 @@ class Options:
     straggler_jitter: float = 0.0
     ddp_bucket_elems: float = 40e6
     ddp_bucket_per_rank: float = 1e6
+    ddp_bucket_count: int = 0
     reserve_bytes: float = WORKSPACE_BYTES
     reserve_fraction: float = FRAGMENTATION_FRACTION
     allow_tp_across_nodes: bool = False

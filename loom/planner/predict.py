@@ -13,7 +13,8 @@ import sys
 
 from loom.config import LoomConfig
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
-from loom.planner.layout import RECOMPUTE, Options, make_layouts, param_gather_overlapped
+from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, make_layouts,
+                                 param_gather_overlapped)
 from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate
 from loom.planner.stages import given_split
 
@@ -84,10 +85,14 @@ def run_options(cfg: LoomConfig) -> Options:
     bucket in backward only then, loom/training/setup.py ``chunk_reducer``),
     ``overlap_param_gather`` from ``--overlap-param-gather`` (the distributed optimizer's
     asynchronous all-gather waited for by forward pre-hooks, loom/training/optimizer.py);
-    both default off (Megatron's defaults)."""
+    both default off (Megatron's defaults); its gradient buckets: ``--ddp-bucket-size`` or
+    else loom's default size (:data:`loom.planner.layout.LOOM_BUCKETS`)."""
+    size = cfg.parallel.ddp_bucket_size
+    buckets = (dict(ddp_bucket_elems=float(size), ddp_bucket_per_rank=0.0) if size
+               else LOOM_BUCKETS)  # --ddp-bucket-size, or loom's default_bucket_size
     return Options(flash_attention=True, layer_memory="loom",
                    overlap_grad_reduce=bool(cfg.parallel.overlap_grad_reduce),
-                   overlap_param_gather=bool(cfg.training.overlap_param_gather))
+                   overlap_param_gather=bool(cfg.training.overlap_param_gather), **buckets)
 
 
 def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,

@@ -126,9 +126,16 @@ def pipeline_bubble(L: dict, t_mb, w_mb, f_mb, m):
     return np.where(zb == 1, h1, np.where(zb == 2, zbv, classic))
 
 
-def bucket_elems(n_dp, opts: Options):
+def bucket_elems(n_dp, opts: Options, params=None):
     """Elements per DP bucket: ``max(ddp_bucket_elems, ddp_bucket_per_rank x n_dp)`` (Megatron-
-    Core's ``max(40M, 1M d)``, :class:`loom.planner.layout.Options`)."""
+    Core's ``max(40M, 1M d)``, :class:`loom.planner.layout.Options`); with
+    ``opts.ddp_bucket_count`` ``n`` and the stage's ``params``, loom train's default
+    ``max(ddp_bucket_per_rank x n_dp, min(ddp_bucket_elems, ceil(params / n)))``
+    (``loom.parallel.grad_buffer.default_bucket_size``: ``clamp(ceil(P / 4), 250k d, 40M)``)."""
+    if opts.ddp_bucket_count and params is not None:
+        return np.maximum(opts.ddp_bucket_per_rank * n_dp,
+                          np.minimum(opts.ddp_bucket_elems,
+                                     np.ceil(params / opts.ddp_bucket_count)))
     return np.maximum(opts.ddp_bucket_elems, opts.ddp_bucket_per_rank * n_dp)
 
 
@@ -144,7 +151,7 @@ def exposed_grad_sync(sync_s, backward_s, params, opts: Options, n_dp=1.0, overl
     it is overlapped (None: ``opts.overlap_grad_reduce``); without overlap: ``sync_s``."""
     if not (opts.overlap_grad_reduce if overlap is None else overlap):
         return np.asarray(sync_s, dtype=np.float64)
-    K = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts)))
+    K = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts, params)))
     return np.maximum(sync_s / K, sync_s - backward_s * (1 - 1 / K))
 
 
@@ -369,7 +376,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
             out = out + fn(n_dp / e, per_node_x, ex * bytes_per_param)
         return out
 
-    n_buckets = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts)))
+    n_buckets = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts, params)))
 
     def hier(n, k_node, nbytes):
         # every bucket is its own collective and pays the latency once more (ring inside the

@@ -186,3 +186,23 @@ def test_param_gather_starts_with_the_bucket_the_forward_needs_first(monkeypatch
         assert order == [3, 2, 1, 0]
         o = next(o for q, o in zip(first.params, first.offsets) if q is model[0].weight)
         assert model[0].weight.data_ptr() == gather.buffers[id(first)][o:].data_ptr()
+
+
+@pytest.mark.parametrize("P,d", [(1e6, 2), (100e6, 8), (1e9, 8), (4e9, 256), (20e9, 1024)])
+def test_loom_bucket_rule_is_loom_trains(P, d):
+    """The trainer's prediction of a run without --ddp-bucket-size uses loom's own bucket size
+    (LOOM_BUCKETS, the torch-free copy of grad_buffer.default_bucket_size's constants); with
+    it, that size; loom plan prints the Megatron-Core size its plan timed."""
+    from loom.parallel.grad_buffer import default_bucket_size
+    from loom.planner.command import bucket_flags
+    from loom.planner.layout import LOOM_BUCKETS
+    from loom.planner.predict import run_options
+    from loom.planner.timing import bucket_elems
+    assert float(bucket_elems(d, Options(**LOOM_BUCKETS), P)) == default_bucket_size(int(P), d)
+    cfg = _config(d, 1)
+    assert run_options(cfg).ddp_bucket_count == 4
+    cfg.parallel.ddp_bucket_size = 12345
+    assert float(bucket_elems(d, run_options(cfg), P)) == 12345
+    rec = dict(dp=d, cp=1, zero=1)
+    assert bucket_flags(rec) == ["--ddp-bucket-size", str(int(max(40e6, 1e6 * d)))]
+    assert bucket_flags(dict(rec, zero=3)) == [] and bucket_flags(dict(rec, dp=1)) == []
