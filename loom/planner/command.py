@@ -133,6 +133,9 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int,
     out += split_flags(rec, model)
     if rec.get("pipeline_schedule", "1f1b") != "1f1b":  # ZB-H1 / ZB-V (loom's names)
         out += ["--pipeline-schedule", rec["pipeline_schedule"]]
+    if rec.get("microbatch_group_size", rec["pp"]) != rec["pp"]:  # interleaved, N > p
+        out += ["--microbatch-group-size-per-virtual-pipeline-stage",
+                str(rec["microbatch_group_size"])]
     if rec["sequence_parallel"]:
         out.append("--sequence-parallel")
     if rec["recompute"] != "none":

@@ -109,7 +109,9 @@ def pipeline_bubble(L: dict, t_mb, w_mb, f_mb, m):
     ``w_mb`` (W), and ``m`` micro-batches: the formulas of
     :mod:`loom.parallel.pipeline.bubble` (the schedules loom runs), vectorized:
 
-    * 1F1B / interleaved (``zb`` 0): ``(p - 1) / v x t_mb`` (NAR sec 2.2);
+    * 1F1B / interleaved (``zb`` 0): ``(p - 1) / v x t_mb`` (NAR sec 2.2), whatever the
+      interleaved micro-batch group N (a no-latency simulation of loom's op list,
+      tests/planner/test_planner_vp_group.py);
     * ZB-H1 (``zb`` 1, ``--pipeline-schedule zero-bubble``): ``(p - 1)(F + B - W)`` for
       ``m >= p`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec 3.1), else 1F1B's
       minus the ``m`` W passes that fill it;
