@@ -35,7 +35,8 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   overlapped with the backward under the bucket schedule (:func:`exposed_grad_sync`) with
   ``--overlap-grad-reduce`` (``Options.overlap_grad_reduce``), the all-gather with the next
   forward with ``--overlap-param-gather`` (``Options.overlap_param_gather``); each exposed in
-  full without its flag (Megatron's and loom train's defaults). ZeRO-3 gathers weights (forward and backward) and
+  full without its flag (Megatron's and loom train's defaults). ZeRO-3 gathers weights
+  (forward and backward) and
   reduce-scatters gradients every micro-batch as a flat ring (each GPU's bytes cross its own NIC, ``(n-1)/n M`` at
   ``ZERO3_LINK_EFFICIENCY x inter_bw``: DeepSpeed's per-partition collectives do not get the
   node-aggregated bandwidth of a hierarchical ring), of which ``ZERO3_OVERLAP x`` the

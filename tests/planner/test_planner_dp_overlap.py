@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from loom.cli import main
-from loom.config import ConfigError, LoomConfig
+from loom.config import LoomConfig
 from loom.planner.command import command_config, train_command
 from loom.planner.hardware import make_cluster
 from loom.planner.layout import Options, make_layouts, param_gather_overlapped
