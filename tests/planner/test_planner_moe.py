@@ -17,7 +17,7 @@ from loom.planner.hardware import make_cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.memory import memory_terms, total_params
 from loom.planner.moe import all_to_all_time, moe_layer_times, num_moe_layers
-from loom.planner.predict import predict_layout
+from loom.planner.predict import predict_layout, run_options
 from loom.planner.presets import get_preset
 from loom.planner.primitives import gemm_efficiency
 from loom.planner.search import enumerate_layouts, record, search
@@ -312,7 +312,7 @@ def test_predict_layout_reads_ep():
     assert pred["layout"]["ep"] == 2 and pred["time_s"]["ep_comm"] > 0
     res = search(cfg.model, make_cluster("H100-80GB", 4), 16, 256,
                  fixed=dict(tp=1, pp=1, ep=2, mbs=2, recompute="none", zero=0),
-                 opts=Options(flash_attention=True))
+                 opts=run_options(cfg))  # the run's own DP overlap and buckets
     assert record(res, int(res["order"][0]))["iteration_time_s"] == pytest.approx(
         pred["time_s"]["iteration"])
 
