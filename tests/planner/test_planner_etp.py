@@ -40,24 +40,27 @@ def _tiny_moe_cfg(etp: int, **kw):
 
 
 @pytest.mark.parametrize("etp", [1, 2])
-@pytest.mark.parametrize("distopt", [False, True])
-def test_model_states_per_rank_equal_the_meta_device_count(etp, distopt):
-    """TP 2 x EP 2 on 4 ranks (d 2), expert TP 1 and 2: the planner's weight, gradient and
-    optimizer bytes per rank equal loom's real model built on the meta device under a fake
-    process group (loom/planner/meta_count.py), on every rank; the expert-DP size too (4 / (u
-    e)). At u = 1 each rank holds E/e = 2 whole experts: twice the expert bytes of u = 2."""
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_model_states_per_rank_equal_the_meta_device_count(etp, zero):
+    """TP 2 x EP 2 on 4 ranks (d 2), expert TP 1 and 2, ZeRO 0, 1 (distributed optimizer) and 3
+    (FSDP2): the planner's weight, gradient and optimizer bytes per rank equal loom's real model
+    built on the meta device under a fake process group (loom/planner/meta_count.py), on every
+    rank; the expert-DP size too (4 / (u e)). At u = 1 each rank holds E/e = 2 whole experts:
+    twice the expert parameters of u = 2."""
     from loom.planner.meta_count import count_rank_states
-    cfg = _tiny_moe_cfg(etp, use_distributed_optimizer=distopt)
+    cfg = _tiny_moe_cfg(etp, zero_stage=zero)
     L = make_layouts(layout_of(cfg, 4))
     assert float(L["etp"][0]) == etp and float(L["ep"][0]) == 2
     mt = memory_terms(cfg.model, L, 8, 32, Options(flash_attention=True))
     for rank in range(4):
         got = count_rank_states(cfg, 4, rank)
-        assert got["edp"] == float(expert_dp(L)[0]) == 4 // (etp * 2)
-        assert got["params"] == float(mt["params_per_gpu"][0])
+        assert got["edp"] == float(expert_dp(L)[0]) == 4 // (etp * 2) and got["zero"] == zero
+        if zero < 3:  # FSDP2 counts its shards: dense over d c, experts over the expert DP
+            assert got["params"] == float(mt["params_per_gpu"][0])
         for term in ("weights", "gradients", "optimizer"):
-            assert got[f"{term}_bytes"] == float(mt[term][0]), (etp, distopt, rank, term)
-    assert got["expert_params"] == 2 * 2 * 3 * 64 * 64 // etp  # layers x E/e x SwiGLU 3 h f_e / u
+            assert got[f"{term}_bytes"] == float(mt[term][0]), (etp, zero, rank, term)
+    if zero < 3:  # layers x E/e x SwiGLU 3 h f_e / u
+        assert got["expert_params"] == 2 * 2 * 3 * 64 * 64 // etp
 
 
 def test_expert_tp_terms_by_hand():
@@ -132,18 +135,23 @@ def test_expert_tp_equal_to_tp_leaves_the_moe_search_as_it_was(monkeypatch):
 
 
 def test_every_moe_row_prints_a_command_loom_accepts():
-    """A small MoE model on 16 A100: the top rows and every expert TP the search ranks print a
-    command loom train's config accepts, carrying --expert-tensor-parallel-size exactly when
-    u != t, and the config's expert grid is the row's."""
+    """A small MoE model on 16 A100: the fastest fitting row of every (t, u, e, ZeRO, PP > 1)
+    the search ranks (68 of them: u < t with ZeRO 0-3 and with EP up to 8 across the TP ranks
+    among them) prints a command loom train's config accepts, carrying
+    --expert-tensor-parallel-size exactly when u != t, and the config's expert grid is the
+    row's."""
     m = dataclasses.replace(get_preset("mixtral-8x7b"), num_layers=8, hidden_size=1024,
                             num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2048,
                             moe_ffn_hidden_size=2048, seq_length=2048,
                             max_position_embeddings=2048)
     cl = make_cluster("A100-80GB", 16)
-    res = search(m, cl, 64, 2048, fixed=dict(tp=4), opts=Options(flash_attention=True))
-    order = [int(i) for i in res["order"]]
-    picks = order[:10] + [next(i for i in order if res["etp"][i] == u) for u in (1, 2)]
-    for i in picks:
+    res = search(m, cl, 64, 2048, opts=Options(flash_attention=True))
+    picks = {}
+    for i in res["order"]:
+        key = tuple(int(res[k][i]) for k in ("tp", "etp", "ep", "zero")) + (res["pp"][i] > 1,)
+        picks.setdefault(key, int(i))
+    assert len(picks) == 68 and {(4, 1, 8, 0), (2, 1, 1, 3)} <= {k[:4] for k in picks}
+    for i in picks.values():
         rec = record(res, i)
         text = train_command(rec, m, 64, 2048, 16, 8)
         assert ("--expert-tensor-parallel-size" in text) == (rec["etp"] != rec["tp"])
