@@ -19,6 +19,9 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
              "ep": args.expert_model_parallel_size}
     if model.num_experts:
         fixed["etp"] = getattr(args, "expert_tensor_parallel_size", None)
+        if fixed["etp"] and fixed["tp"] and fixed["tp"] % fixed["etp"]:
+            raise ConfigError(f"--expert-tensor-parallel-size {fixed['etp']} must divide "
+                              f"--tensor-model-parallel-size {fixed['tp']} (loom train's rule)")
     if args.use_distributed_optimizer:
         fixed["zero"] = 1
     if args.use_torch_fsdp2:

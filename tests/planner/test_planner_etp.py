@@ -163,7 +163,8 @@ def test_every_moe_row_prints_a_command_loom_accepts():
 
 def test_cli_fixes_expert_tp(capsys):
     """``loom plan --expert-tensor-parallel-size 1`` holds u = 1 on every row, says so in the
-    table and the command; a dense model ignores it (loom train does)."""
+    table and the command; a dense model ignores it (loom train does); a u not dividing the
+    given t is refused (exit 2, naming both flags)."""
     from loom.cli import main
     args = ["mixtral-8x7b", "--gpu", "H100-80GB", "--num-gpus", "64",
             "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
@@ -181,3 +182,7 @@ def test_cli_fixes_expert_tp(capsys):
               "--json", "--top", "1"])
     doc = json.loads(capsys.readouterr().out)
     assert e.value.code == 0 and doc["layouts"][0]["etp"] == 2
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *args[:-1], "4"])
+    assert e.value.code == 2 and "must divide --tensor-model-parallel-size 2" in \
+        capsys.readouterr().err
