@@ -95,8 +95,10 @@ def expert_shards(L: dict):
 def expert_dp(L: dict):
     """Expert-data-parallel size ``t c d / (u e)`` (array): the ranks of a pipeline stage
     holding the same expert shard, over which expert gradients are reduced and (ZeRO) the
-    expert optimizer states sharded (Megatron-Core ``parallel_state``'s expert-data-parallel
-    group, loom's ``edp`` group, ``loom/parallel/mesh.py``); ``d c / e`` when u = t, and larger
+    expert optimizer states sharded (Megatron-Core 0.16.1 ``parallel_state.
+    initialize_model_parallel``: ``expert_data_parallel_size = world_size // (u e p)``, its
+    expert rank generator having no CP axis; loom's ``edp`` group, ``loom/parallel/mesh.py``;
+    counted by ``meta_count.count_rank_states``' ``edp``); ``d c / e`` when u = t, and larger
     than the dense ``d c`` when u < t (it then spans TP ranks)."""
     return L["tp"] * L["cp"] * L["dp"] / expert_shards(L)
 
