@@ -122,7 +122,9 @@ def test_search_covers_every_expert_tp_loom_accepts():
 
 def test_expert_tp_equal_to_tp_leaves_the_moe_search_as_it_was(monkeypatch):
     """With the search held to u = t (the planner before expert TP) the mixtral-8x7b search of
-    test_planner_mamba.py::test_moe_search_unchanged gives its sums of before, bit for bit."""
+    test_planner_mamba.py::test_moe_search_unchanged gives its sums of before expert TP, bit for
+    bit (a change to the time or memory model moves both tests: re-record them together, this
+    one from the same search with ``_moe_rules`` held to u = t as below)."""
     import loom.planner.search as S
     rules = S._moe_rules
     monkeypatch.setattr(S, "_moe_rules", lambda model, t, c, d: None if rules(model, t, c, d)
