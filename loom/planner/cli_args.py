@@ -9,7 +9,8 @@ from loom.config import ConfigError, ModelConfig
 
 def fixed_from_args(args, model: ModelConfig) -> dict:
     """The layout dimensions the flags fix (:func:`loom.planner.search.enumerate_layouts`'s
-    ``fixed``): sizes, micro-batch, recompute, SP, ZeRO stage, EP, the pipeline split
+    ``fixed``): sizes, micro-batch, recompute, SP, ZeRO stage, EP, expert TP (MoE models
+    only: loom train ignores it for a dense model, as Megatron does), the pipeline split
     (first/last layers, accounting, a layout string, virtual stages), the schedule and the
     interleaved schedule's micro-batch group (``vpg``)."""
     fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
@@ -17,6 +18,11 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
              "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
              "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage,
              "ep": args.expert_model_parallel_size}
+    if model.num_experts:
+        fixed["etp"] = getattr(args, "expert_tensor_parallel_size", None)
+        if fixed["etp"] and fixed["tp"] and fixed["tp"] % fixed["etp"]:
+            raise ConfigError(f"--expert-tensor-parallel-size {fixed['etp']} must divide "
+                              f"--tensor-model-parallel-size {fixed['tp']} (loom train's rule)")
     if args.use_distributed_optimizer:
         fixed["zero"] = 1
     if args.use_torch_fsdp2:

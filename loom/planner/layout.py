@@ -30,7 +30,9 @@ from loom.planner.moe import MOE_LOAD_IMBALANCE
 
 RECOMPUTE = ("none", "selective", "full")
 KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep", "zb",
-        "rcl", "cpt")
+        "rcl", "cpt", "etp")
+# ``etp``: the expert TP size u (``--expert-tensor-parallel-size``; 0 or absent = t, Megatron-
+# Core's default; dense models 0): loom.planner.moe.expert_tp
 # pipeline schedule code ``zb``: 0 1F1B (interleaved when vp > 1), 1 ZB-H1, 2 ZB-V (vp = 2),
 # 3 GPipe (evaluated when given, never searched: 1F1B's time at m micro-batches of memory)
 SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")

@@ -74,6 +74,7 @@ def layout_of(cfg: LoomConfig, world_size: int) -> dict:
                 recompute=cfg.training.recompute_granularity or "none",
                 sp=int(bool(p.sequence_parallel)), zero=_zero_stage(cfg),
                 ep=getattr(p, "expert_model_parallel_size", 1),
+                etp=getattr(p, "expert_tensor_parallel_size", None) or 0,  # 0: = t
                 zb={"zero-bubble": 1, "zbv": 2, "gpipe": 3}.get(
                     getattr(p, "pipeline_schedule", None), 0))
 

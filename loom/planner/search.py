@@ -10,7 +10,8 @@ stages ``v`` (divides L/p; interleaving needs Megatron-Core's micro-batch groups
 default, which no larger ``N`` beats in the model: same bubble, more micro-batches held),
 micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1),
 ZeRO stage 0-3 (with d c > 1; stage 1 = Megatron distributed optimizer; stages 2-3 only
-without PP), and for MoE models EP ``e`` (divides d and E; :func:`_moe_rules`); Mamba / hybrid
+without PP), and for MoE models expert TP ``u`` and EP ``e`` (u divides t, u e divides t d, e
+divides E; :func:`_moe_rules`); Mamba / hybrid
 models: t divides the Mamba heads and groups and the heads / FFN of the kinds present, no CP with
 Mamba layers (:func:`loom.planner.mamba.tp_divides`, :func:`loom.planner.mamba.refuses_cp`;
 a given ``--context-parallel-size`` > 1 is refused with a ConfigError). The rules are
@@ -37,6 +38,7 @@ from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microba
 from loom.planner.context_parallel import CP_COMM_TYPES
 from loom.planner.mamba import check_supported, is_hybrid, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
+from loom.planner.moe import expert_tp
 from loom.planner.refine import REFINE_TOP, cp_types, refine  # noqa: F401 - REFINE_TOP
 from loom.planner.stage_table import group_size_ok, recomputed_share, stage_slots
 from loom.planner.stages import (accounted_split, block_recompute_options, describe_counts,
@@ -54,19 +56,22 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[int] | None:
-    """EP sizes allowed at (t, c, d) for an MoE model, None when (t, c) is refused; ``[1]`` for a
-    dense model. loom train's rules (``loom/config/validate.py``): e divides d (EP is carved
-    out of the data-parallel dimension) and E; experts and the shared expert split over TP (their
-    widths divisible by t, no biases under TP). loom train also runs MoE with SP (tokens
-    all-gathered into each MoE layer) and with CP (router statistics summed over CP); the planner
-    does not model those yet and searches MoE models without SP and CP."""
+def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[tuple[int, int]] | None:
+    """``(u, e)`` expert TP and EP sizes allowed at (t, c, d) for an MoE model, None when
+    (t, c) is refused; ``[(0, 1)]`` for a dense model (no expert grid). loom train's rules
+    (``loom/config/validate.py::_check_moe``, Megatron's expert grid ``u x e x expert-DP = t c
+    d``): u divides t and the expert width, ``u e`` divides ``t c d``, e divides E; the shared
+    expert splits over TP (its width divisible by t), no biases under TP. At u = t this is e
+    dividing ``c d``; at u < t EP may also span the TP ranks. loom train also runs MoE with SP
+    (tokens all-gathered into each MoE layer) and with CP (router statistics summed over CP);
+    the planner does not model those yet and searches MoE models without SP and CP."""
     if not model.num_experts:
-        return [1]
-    widths = (model.moe_ffn_size, model.moe_shared_expert_intermediate_size or 0)
-    if c > 1 or any(w % t for w in widths) or (t > 1 and not model.disable_bias_linear):
+        return [(0, 1)]
+    if c > 1 or (model.moe_shared_expert_intermediate_size or 0) % t or (
+            t > 1 and not model.disable_bias_linear):
         return None
-    return [e for e in _divisors(d) if model.num_experts % e == 0]
+    return [(u, e) for u in _divisors(t) if model.moe_ffn_size % u == 0
+            for e in _divisors(t * c * d // u) if model.num_experts % e == 0]
 
 
 def _given_layout(model: ModelConfig, text: str, pp):
@@ -115,7 +120,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
     """All valid layouts as arrays (see module docstring); ``variants=False``: without the CP
     types other than the default and without block recompute counts (what :func:`search`
     evaluates first, then refines, :func:`refine`). ``fixed`` maps layout keys
-    (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero, ep``) to a required value."""
+    (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero, ep, etp``) to a required value."""
     opts = opts or Options()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     first, last = fixed.pop("first_layers", None), fixed.pop("last_layers", None)
@@ -162,7 +167,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                 eps = _moe_rules(model, t, c, d)
                 if B % d or eps is None or not want("dp", d):
                     continue
-                eps = [e for e in eps if want("ep", e)]
+                eps = [(u, e) for u, e in eps if want("ep", e) and (u == 0 or want("etp", u))]
                 for b in _divisors(B // d):
                     if b > max(max_micro_batch, fixed.get("mbs", 0)):
                         break
@@ -178,12 +183,13 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                             # v chunks per rank; with uneven ranks each rank's layers split
                             # over its chunks as evenly as possible (Megatron's layout string)
                             vs += list(interleave_options(nl, p, lf, ll))
-                        for v, e in itertools.product([v for v in vs if want("vp", v)], eps):
-                            base.append((t, p, d, c, v, b, lf, ll, e, cpts))
+                        for v, (u, e) in itertools.product([v for v in vs if want("vp", v)],
+                                                           eps):
+                            base.append((t, p, d, c, v, b, lf, ll, e, cpts, u))
     rows = []
     moe = bool(model.num_experts)
     zbv_ok = "zbv" in get_args(PipelineSchedule)
-    for (t, p, d, c, v, b, lf, ll, e, cpts) in base:
+    for (t, p, d, c, v, b, lf, ll, e, cpts, u) in base:
         sps = (0, 1) if t > 1 and s % t == 0 and not moe else (0,)
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
@@ -207,7 +213,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
             max(lay.counts()) if lay is not None else max_chunk_layers(nl, p, v, lf, ll))]
             if variants else [])
         for (rc, rcl), sp, z, zb, cpt in itertools.product(rcs, sps, zs, zbs, cpts):
-            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb, rcl, cpt))
+            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb, rcl, cpt, u))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
     if lay is not None:
@@ -310,6 +316,7 @@ def record(res: dict, i: int) -> dict:
     rec = {
         "tp": int(res["tp"][i]), "pp": int(res["pp"][i]), "dp": int(res["dp"][i]),
         "ep": int(res["ep"][i]) if "ep" in res else 1,
+        "etp": int(expert_tp(res)[i]),  # expert TP u (t when the row has none)
         "cp": int(res["cp"][i]), "vp": int(res["vp"][i]),
         "pipeline_schedule": SCHEDULES[int(res["zb"][i])] if "zb" in res else "1f1b",
         "first_stage_layers": int(res["lf"][i]), "last_stage_layers": int(res["ll"][i]),

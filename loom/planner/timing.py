@@ -68,7 +68,7 @@ from loom.planner.mamba import KINDS, is_hybrid, kind_layer_times
 from loom.planner.stage_table import stage_slots
 from loom.planner.mla import attention_flops_per_token, mtp_depth
 from loom.planner.context_parallel import cp_layer_cost_rows, row_comm_types
-from loom.planner.moe import moe_fraction, moe_layer_times
+from loom.planner.moe import expert_dp, expert_shards, moe_fraction, moe_layer_times
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_latency, all_reduce_time,
                                      attention_efficiency, gemm_efficiency,
@@ -364,19 +364,20 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
     z = L["zero"]
     # MoE: expert parameters (ex of the stage) reduce over the expert-data-parallel group
-    # n_dp / e, whose ranks are t e apart; the rest over the whole group as for a dense model
-    e = L.get("ep", 1.0)
+    # n_x = t c d / (u e) (moe.expert_dp; n_dp / e at u = t), whose ranks are u e apart
+    # (moe.expert_shards); the rest over the whole group as for a dense model
+    n_x, ue = expert_dp(L), expert_shards(L)
     ex = 0.0
     if model.num_experts:
         ex = np.take_along_axis(X_slot, i_par, axis=0)[0]
-    per_node_x = np.where(t * e >= cluster.gpus_per_node, 1.0,
-                          np.floor(cluster.gpus_per_node / (t * e)))
+    per_node_x = np.where(ue >= cluster.gpus_per_node, 1.0,
+                          np.floor(cluster.gpus_per_node / ue))
 
     def dp_collective(fn, bytes_per_param):
         """``fn(ranks, ranks_per_node, bytes)`` over the DP group (+ the expert-DP group)."""
         out = fn(n_dp, per_node, (params - ex) * bytes_per_param)
         if model.num_experts:
-            out = out + fn(n_dp / e, per_node_x, ex * bytes_per_param)
+            out = out + fn(n_x, per_node_x, ex * bytes_per_param)
         return out
 
     n_buckets = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts, params)))
@@ -428,7 +429,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     shard = np.where(z >= 1, n_dp, 1.0)
     terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
     if model.num_experts:
-        shard_x = np.where(z >= 1, n_dp / e, 1.0)
+        shard_x = np.where(z >= 1, n_x, 1.0)
         terms["optimizer"] = 30.0 * ((params - ex) / shard + ex / shard_x) / cluster.hbm_bw
     busy = (terms["compute"] + terms["recompute"] + terms["elementwise"]
             + terms["tp_comm"] + terms["cp_comm"] + terms["ep_comm"] + terms["pp_bubble"]
