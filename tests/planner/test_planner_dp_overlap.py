@@ -19,6 +19,7 @@ from loom.planner.predict import predict_layout
 from loom.planner.presets import get_preset, gpt
 from loom.planner.search import record, search
 from loom.planner.timing import time_terms
+from testkit.config import tiny_config
 
 EXAMPLE = ["plan", "llama3-8b", "--gpu", "H100-80GB", "--num-gpus", "512",
            "--global-batch-size", "256", "--seq-length", "4096"]
@@ -128,13 +129,11 @@ def test_dp_overlap_off_with_an_overlap_flag_is_refused(capsys):
 
 
 def _config(d: int, zero: int, **flags) -> LoomConfig:
-    cfg = LoomConfig(model=get_preset("llama3-8b"))
-    cfg.parallel.tensor_model_parallel_size = 2
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, 2 * d
-    cfg.training.lr, cfg.training.train_iters, cfg.training.zero_stage = 1e-4, 1, zero
-    cfg.parallel.overlap_grad_reduce = flags.get("grad", False)
-    cfg.training.overlap_param_gather = flags.get("param", False)
-    return cfg
+    return tiny_config(model=get_preset("llama3-8b"), mock_data=False,
+                       tensor_model_parallel_size=2, micro_batch_size=1,
+                       global_batch_size=2 * d, lr=1e-4, train_iters=1, zero_stage=zero,
+                       overlap_grad_reduce=flags.get("grad", False),
+                       overlap_param_gather=flags.get("param", False))
 
 
 @pytest.mark.parametrize("zero", [0, 1])

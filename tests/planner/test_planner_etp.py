@@ -12,7 +12,6 @@ import json
 import numpy as np
 import pytest
 
-from loom.config import ModelConfig
 from loom.planner.command import command_config, train_command
 from loom.planner.hardware import make_cluster
 from loom.planner.layout import Options, make_layouts
@@ -23,16 +22,16 @@ from loom.planner.presets import get_preset
 from loom.planner.primitives import gemm_efficiency
 from loom.planner.search import enumerate_layouts, record, search
 from loom.planner.timing import time_terms
-from testkit.config import tiny_config
+from testkit.config import tiny_config, tiny_model
 
 H100 = make_cluster("H100-80GB", 64)
 
 
 def _tiny_moe_cfg(etp: int, **kw):
-    model = ModelConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4,
-                              num_query_groups=2, group_query_attention=True, ffn_hidden_size=128,
-                              seq_length=32, vocab_size=1000, num_experts=4,
-                              moe_ffn_hidden_size=64, moe_router_topk=2)
+    model = tiny_model("llama", num_layers=2, hidden_size=64, num_attention_heads=4,
+                       num_query_groups=2, group_query_attention=True, ffn_hidden_size=128,
+                       seq_length=32, vocab_size=1000, num_experts=4, moe_ffn_hidden_size=64,
+                       moe_router_topk=2)
     return tiny_config(model=model, world=4, **{
         "tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
         "expert_tensor_parallel_size": etp, "micro_batch_size": 1, "global_batch_size": 8,
