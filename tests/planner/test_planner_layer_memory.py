@@ -165,3 +165,101 @@ def test_loom_plan_names_the_activations_term_under_either_layer(capsys):
         got[lm] = out.out + out.err
     assert "largest term is activations 82.1 GB" in got["kor"] and "28.9 GB too much" in got["kor"]
     assert "largest term is activations 88.8 GB" in got["loom"]
+
+
+# -- MLA and Mamba-2 layers ---------------------------------------------------------------------
+
+def _mla(q: int = 16, ln: bool = True, **kw) -> ModelConfig:
+    """h 32, a 4, q 16 (0: a full query projection), r 12, dn 8, dr 4, dv 6 (dq != dv)."""
+    return ModelConfig.llama(**{**dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, ffn_hidden_size=48,
+        num_query_groups=None, multi_latent_attention=True, qk_layernorm=ln,
+        q_lora_rank=q or None, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4,
+        v_head_dim=6, hidden_dropout=0.0, attention_dropout=0.0), **kw})
+
+
+def _mamba(**kw) -> ModelConfig:
+    """h 32, P 8, d_inner 64 -> H 8, G 2, N 4, k 4, Q 8 (s 16: two chunks)."""
+    return ModelConfig.llama(**{**dict(
+        model_type="mamba", num_layers=2, hybrid_override_pattern="MM", hidden_size=32,
+        vocab_size=128, num_attention_heads=4, num_query_groups=None, ffn_hidden_size=None,
+        mamba_head_dim=8, mamba_state_dim=4, mamba_num_groups=2, mamba_chunk_size=8,
+        hidden_dropout=0.0, attention_dropout=0.0), **kw})
+
+
+YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+            yarn_original_max_position_embeddings=8)
+FAMILY_SHAPES = {
+    "mla": (_mla, {}),
+    "mla-noq-noln": (_mla, dict(q=0, ln=False)),
+    "mla-yarn": (_mla, YARN),
+    "mamba": (_mamba, {}),
+    "mamba-g1": (_mamba, dict(mamba_num_groups=1, mamba_state_dim=8, mamba_chunk_size=4)),
+    "mamba-h6-1chunk": (_mamba, dict(mamba_num_heads=6, mamba_head_dim=4, mamba_chunk_size=16)),
+}
+BF, FP = torch.bfloat16, torch.float32
+# (shape, t, sp, recompute, dtype); s 16, b 2
+FAMILY_CASES = [
+    ("mla", 1, False, None, BF), ("mla", 1, False, None, FP), ("mla", 1, False, "selective", BF),
+    ("mla", 1, False, "full", BF), ("mla", 2, False, None, BF), ("mla", 2, True, "selective", BF),
+    ("mla-noq-noln", 1, False, None, FP), ("mla-noq-noln", 2, True, None, BF),
+    ("mla-yarn", 1, False, "selective", BF),
+    ("mamba", 1, False, None, BF), ("mamba", 1, False, None, FP),
+    ("mamba", 1, False, "selective", BF), ("mamba", 1, False, "full", BF),
+    ("mamba", 2, True, None, BF), ("mamba", 2, False, None, FP),
+    ("mamba-g1", 1, False, None, BF), ("mamba-h6-1chunk", 1, False, None, FP),
+]
+
+
+def _family_bytes(case) -> tuple[float, dict, ModelConfig]:
+    from loom.planner.layer_bytes import (mamba_layer_bytes, mamba_layer_terms,
+                                          mla_layer_bytes, mla_layer_terms)
+    name, t, sp, rc, dt = case
+    make, kw = FAMILY_SHAPES[name]
+    model = resolve(make(**kw), 16)
+    mla = name.startswith("mla")
+    e = torch.finfo(dt).bits // 8
+    got = (mla_layer_bytes if mla else mamba_layer_bytes)(model, 16, 2, t=t, sp=int(sp),
+                                                          elem_bytes=e, device="cpu")
+    terms = (mla_layer_terms if mla else mamba_layer_terms)(model, 16, 2, t=t, sp=int(sp),
+                                                            elem_bytes=e, device="cpu")
+    return float(got[rc or "none"]), {k: float(v) for k, v in terms.items()}, model
+
+
+@pytest.fixture(scope="module")
+def family_measured() -> dict:
+    """Every MLA / Mamba case measured once (the t = 2 ones in one fake 2-rank world)."""
+    torch.set_num_threads(1)
+    out = {}
+    for world in (1, 2):
+        with fake_world(world):
+            for case in FAMILY_CASES:
+                if case[1] == world:
+                    name, t, sp, rc, dt = case
+                    out[case] = layer_saved_bytes(_family_bytes(case)[2], 16, 2, tp=t, sp=sp,
+                                                  recompute=rc, dtype=dt)
+    return out
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: f"{c[0]}-t{c[1]}"
+                         f"{'-sp' if c[2] else ''}-{c[3]}-{str(c[4])[6:]}")
+def test_mla_and_mamba_formula_equals_saved_bytes(family_measured, case):
+    """:func:`mla_layer_bytes` / :func:`mamba_layer_bytes` (CPU form) equal what loom's MLA
+    layer (low-rank and full queries, latent norms or none, YaRN's scaled queries) and Mamba-2
+    layer (groups 2 and 1, one and two chunks) save, byte for byte."""
+    assert _family_bytes(case)[0] == family_measured[case]
+
+
+def test_every_mla_and_mamba_term_is_needed(family_measured):
+    """For each named MLA and Mamba term, a case where it is non-zero and the formula without
+    it is wrong."""
+    needed, names = set(), set()
+    for case in FAMILY_CASES:
+        total, terms, _ = _family_bytes(case)
+        prefix = "mla:" if case[0].startswith("mla") else "mamba:"
+        names |= {prefix + k for k in terms if k != "dropout_masks"}  # no dropout here
+        if case[3] == "full":
+            continue
+        needed |= {prefix + k for k, v in terms.items()
+                   if v and total - v != family_measured[case]}
+    assert needed == names, names - needed
