@@ -278,7 +278,8 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
                         mlp: bool = True) -> dict:
     """``{"none", "selective"}`` (bytes, arrays over the rows of layout ``L``): what loom's layer
     keeps on a GPU (:func:`loom_layer_bytes`, CUDA, 16-bit) beyond the planner's KOR count with
-    flash attention (:func:`loom.planner.activations.activation_bytes_per_layer`), per mode;
+    flash attention (:func:`loom.planner.activations.activation_bytes_per_layer`, with
+    :mod:`loom.planner.mla`'s terms for MLA: :func:`mla_layer_bytes` there; 0 on CP rows), per mode;
     ``cp_codes`` each row's CP type (:data:`loom.planner.context_parallel.CP_COMM_TYPES`
     index; a2a+p2p counted as p2p, its ring). ``mlp`` False: the attention side only, for a
     layer whose MLP is counted elsewhere (the dense MLP keeps nothing beyond KOR's count, so
@@ -289,6 +290,9 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
     kor = activation_bytes_per_layer(model, seq_length, L, flash_attention=True, moe_share=0.0)
     codes = np.asarray(cp_codes)
     out = {"none": 0.0 * t, "selective": 0.0 * t}
+    if model.multi_latent_attention:  # MLA (:func:`mla_layer_terms`); its CP forms not derived
+        got = mla_layer_bytes(model, seq_length, b, t=t, sp=sp)
+        return {mode: np.where(c > 1, 0.0, got[mode] - kor[mode]) for mode in out}
     for k, name in enumerate(CP_COMM_TYPES[:3]):
         got = loom_layer_bytes(model, seq_length, b, t=t, cp=c, sp=sp, cp_comm_type=name)
         rows = (codes == k) | ((codes == 3) & (k == 0))
@@ -428,3 +432,38 @@ def mamba_layer_bytes(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=
     Sn = np.where(np.asarray(sp) > 0, S / t, S)
     return {"none": none, "selective": none,
             "full": elem_bytes * Sn * model.hidden_size / recompute_group, "scores": 0.0 * S}
+
+
+def loom_kind_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
+                             fused: bool = True) -> dict:
+    """``{kind: {"none", "selective"}}`` (bytes, arrays over the rows of layout ``L``): what
+    loom's layer of each kind of a hybrid stack (``M`` Mamba-2, ``*`` attention, ``-`` MLP;
+    :mod:`loom.planner.mamba`) keeps on a GPU (CUDA, 16-bit) beyond the planner's count
+    :func:`loom.planner.mamba.kind_activation_bytes` (``fused``). ``M``:
+    :func:`mamba_layer_bytes`; ``*`` and ``-``: the two halves of :func:`loom_layer_bytes`'
+    dense layer (the MLP half its second norm, ``fc1_input``, ``mlp`` and one dropout mask; the
+    attention half the rest, with ``cp_codes``' attention core as
+    :func:`loom_extra_over_kor`). Kinds the pattern lacks are 0."""
+    from loom.planner.context_parallel import CP_COMM_TYPES
+    from loom.planner.mamba import kind_activation_bytes, kind_counts
+    t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
+    n = kind_counts(model)
+    zero = {"none": 0.0 * t, "selective": 0.0 * t}
+    out = {k: dict(zero) for k in n}
+    if n["M"]:
+        got = mamba_layer_bytes(model, seq_length, b, t=t, sp=sp)
+        kor = kind_activation_bytes(model, seq_length, L, "M", fused)
+        out["M"] = {mode: got[mode] - kor[mode] for mode in zero}
+    if not (n["*"] or n["-"]):
+        return out
+    codes = np.asarray(cp_codes)
+    kor = {k: kind_activation_bytes(model, seq_length, L, k, fused) for k in ("*", "-")}
+    for k, name in enumerate(CP_COMM_TYPES[:3]):
+        rows = (codes == k) | ((codes == 3) & (k == 0))
+        terms = loom_layer_terms(model, seq_length, b, t, c, sp, cp_comm_type=name)
+        mlp = terms["norms"] / 2 + terms["fc1_input"] + terms["mlp"] + terms["dropout_masks"] / 2
+        got = loom_layer_bytes(model, seq_length, b, t=t, cp=c, sp=sp, cp_comm_type=name)
+        for mode in zero:
+            out["*"][mode] = np.where(rows, got[mode] - mlp - kor["*"][mode], out["*"][mode])
+            out["-"][mode] = np.where(rows, mlp - kor["-"][mode], out["-"][mode])
+    return out

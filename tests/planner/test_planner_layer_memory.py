@@ -263,3 +263,36 @@ def test_every_mla_and_mamba_term_is_needed(family_measured):
         needed |= {prefix + k for k, v in terms.items()
                    if v and total - v != family_measured[case]}
     assert needed == names, names - needed
+
+
+def test_planner_counts_loom_mla_and_mamba_layers_when_asked():
+    """``Options(layer_memory="loom")``: the planner's per-layer bytes of an MLA layer are
+    :func:`mla_layer_bytes`' CUDA form (KOR's count on CP rows, whose MLA form is not
+    derived), of a hybrid stack's Mamba layer :func:`mamba_layer_bytes`', and its attention
+    and MLP layers add up to loom's dense layer; ``"kor"`` keeps the planner's own counts."""
+    import numpy as np
+    from loom.planner.layer_bytes import mamba_layer_bytes, mla_layer_bytes
+    from loom.planner.layout import Options, make_layouts
+    from loom.planner.memory import layer_activation_kinds
+    loom, kor = Options(flash_attention=True, layer_memory="loom"), Options(flash_attention=True)
+    rows = [dict(tp=t, sp=sp, cp=1, mbs=2, recompute=rc) for t, sp in ((1, 0), (2, 0), (2, 1))
+            for rc in ("none", "selective")]
+    L = make_layouts(rows)
+    mla = resolve(_mla(**YARN), 16)
+    got = layer_activation_kinds(mla, 16, L, loom)[0][0]
+    for i, r in enumerate(rows):
+        want = mla_layer_bytes(mla, 16, 2, t=r["tp"], sp=r["sp"])[r["recompute"]]
+        assert float(got[i]) == pytest.approx(float(want), rel=1e-12), r
+    Lc = make_layouts([dict(tp=1, sp=0, cp=2, mbs=2, recompute="none")])
+    assert float(layer_activation_kinds(mla, 16, Lc, loom)[0][0][0]) == \
+        float(layer_activation_kinds(mla, 16, Lc, kor)[0][0][0])
+    hybrid = resolve(_mamba(hybrid_override_pattern="M*-M", ffn_hidden_size=48,
+                            num_query_groups=2), 16)
+    mine = layer_activation_kinds(hybrid, 16, L, loom)[0]  # kinds M, *, -
+    theirs = layer_activation_kinds(hybrid, 16, L, kor)[0]
+    for i, r in enumerate(rows):
+        want = mamba_layer_bytes(hybrid, 16, 2, t=r["tp"], sp=r["sp"])[r["recompute"]]
+        assert float(mine[0][i]) == pytest.approx(float(want), rel=1e-12), r
+        dense = loom_layer_bytes(hybrid, 16, 2, t=r["tp"], sp=r["sp"])[r["recompute"]]
+        assert float(mine[1][i] + mine[2][i]) == pytest.approx(float(dense), rel=1e-12), r
+    assert np.all(mine[0] > theirs[0])  # loom's plain-PyTorch scan keeps more than the count
