@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.layer_memory import fake_world, layer_saved_bytes, resolve
+from benchmarks.layer_memory import (fake_world, layer_saved_bytes, mamba_model, mla_model,
+                                     resolve)
 from loom.config import ModelConfig
 from loom.planner.layer_bytes import loom_layer_bytes, loom_layer_terms
 
@@ -171,20 +172,12 @@ def test_loom_plan_names_the_activations_term_under_either_layer(capsys):
 
 def _mla(q: int = 16, ln: bool = True, **kw) -> ModelConfig:
     """h 32, a 4, q 16 (0: a full query projection), r 12, dn 8, dr 4, dv 6 (dq != dv)."""
-    return ModelConfig.llama(**{**dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, ffn_hidden_size=48,
-        num_query_groups=None, multi_latent_attention=True, qk_layernorm=ln,
-        q_lora_rank=q or None, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4,
-        v_head_dim=6, hidden_dropout=0.0, attention_dropout=0.0), **kw})
+    return mla_model(q_lora_rank=q or None, qk_layernorm=ln, **kw)
 
 
 def _mamba(**kw) -> ModelConfig:
     """h 32, P 8, d_inner 64 -> H 8, G 2, N 4, k 4, Q 8 (s 16: two chunks)."""
-    return ModelConfig.llama(**{**dict(
-        model_type="mamba", num_layers=2, hybrid_override_pattern="MM", hidden_size=32,
-        vocab_size=128, num_attention_heads=4, num_query_groups=None, ffn_hidden_size=None,
-        mamba_head_dim=8, mamba_state_dim=4, mamba_num_groups=2, mamba_chunk_size=8,
-        hidden_dropout=0.0, attention_dropout=0.0), **kw})
+    return mamba_model(**kw)
 
 
 YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
