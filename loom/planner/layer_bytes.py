@@ -137,10 +137,10 @@ def mla_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,
       ``e Sn r`` (the normed latent), or without the norm the down projection's whole output
       ``e Sn (r + dr)`` (the latent is a view of it).
     * ``core_inputs``: the core's Q (``torch.cat`` of the content and rotated parts, or its
-      YaRN-scaled copy), K (``torch.cat``) and V (a view of ``linear_kv_up_proj``'s output
-      ``[S, a/t, dn + dv]``): ``e S a (2 dq + dn + dv) / t`` when the core saves them (CUDA's
-      fused kernel; the CPU math path only in fp32, where its fp32 ``q k^T`` reads K and V
-      as they are).
+      YaRN-scaled copy), K (``torch.cat``) and V (made contiguous: as a view of
+      ``linear_kv_up_proj``'s output it kept all ``dn + dv`` channels alive):
+      ``e S a (2 dq + dv) / t`` when the core saves them (CUDA's fused kernel; the CPU math
+      path only in fp32, where its fp32 ``q k^T`` reads K and V as they are).
     * ``core``, *device*: what the core keeps beyond its inputs, dropped by selective
       recompute: on CUDA (``dq != dv``: the memory-efficient SDPA kernel, flash needs equal
       head dims) the fp32 log-sum-exp ``4 S a / t``; on CPU the math path (PyTorch
@@ -166,12 +166,11 @@ def mla_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,
         latent_norms = norm_bytes(model, Sn, r, r + dr, e, cpu)
         if q:
             latent_norms = latent_norms + norm_bytes(model, Sn, q, q, e, cpu)
-    inputs = e * S * a * (2 * dq + dn + dv) / t
     if cpu:
         core = 4.0 * S * a * s / t + 4.0 * S * a * (dq if e == 4 else 2 * dq + dv) / t
-        core_inputs = e * S * a * (dq + dn + dv) / t if e == 4 else 0.0 * S
+        core_inputs = e * S * a * (dq + dv) / t if e == 4 else 0.0 * S
     else:
-        core, core_inputs = 4.0 * S * a / t, inputs
+        core, core_inputs = 4.0 * S * a / t, e * S * a * (2 * dq + dv) / t
     return {
         "norms": 2 * norm_bytes(model, Sn, h, h, e, cpu),
         "down_input": e * Sn * h,
@@ -193,15 +192,14 @@ def mla_layer_bytes(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,
                     elem_bytes: int = 2, device: str = "cuda", recompute_group: int = 1) -> dict:
     """:func:`loom_layer_bytes`' ``{"none", "selective", "full", "scores"}`` of an MLA layer
     (:func:`mla_layer_terms`): selective recompute checkpoints the core
-    (``DotProductAttention``), which drops ``core`` and keeps its inputs Q, K and the
-    up projection's output (``e S a (2 dq + dn + dv) / t``)."""
+    (``DotProductAttention``), which drops ``core`` and keeps its inputs Q, K, V
+    (``e S a (2 dq + dv) / t``)."""
     terms = mla_layer_terms(model, seq_length, micro_batch, t, sp, elem_bytes, device)
     none = sum(terms.values())
-    a, dn, dr, dv = (model.num_attention_heads, model.qk_head_dim, model.qk_pos_emb_head_dim,
-                     model.v_head_dim)
+    a, dq, dv = model.num_attention_heads, model.q_head_dim, model.v_head_dim
     S = seq_length * np.asarray(micro_batch, dtype=np.float64)
     Sn = np.where(np.asarray(sp) > 0, S / t, S)
-    kept = elem_bytes * S * a * (2 * (dn + dr) + dn + dv) / t
+    kept = elem_bytes * S * a * (2 * dq + dv) / t
     return {"none": none, "selective": none - terms["core"] - terms["core_inputs"] + kept,
             "full": elem_bytes * Sn * model.hidden_size / recompute_group,
             "scores": terms["core"]}
