@@ -50,8 +50,9 @@ Terms of :func:`loom_layer_terms` (bytes):
 
 Full recompute (``--recompute-method uniform``, N layers per group) keeps the group input
 ``e Sn h / N`` per layer. Not covered (the test names what is): attention dropout, QK
-layernorm, MLA, MoE, Mamba, ``a2a+p2p``; the CP communication buffers are
-:mod:`loom.planner.context_parallel`'s.
+layernorm, ``a2a+p2p``; the CP communication buffers are :mod:`loom.planner.context_parallel`'s.
+MLA layers (:func:`mla_layer_terms`), Mamba-2 layers (:func:`mamba_layer_terms`) and the MoE
+MLP (:func:`loom_moe_mlp_terms`) have their own terms.
 """
 
 from __future__ import annotations

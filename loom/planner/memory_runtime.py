@@ -9,7 +9,8 @@ some more, and its peak (``torch.cuda.max_memory_allocated``) also holds the lar
   use it): the KOR count plus what loom's modules keep beyond it, measured with
   ``saved_tensors_hooks`` (:mod:`loom.planner.layer_bytes`, :func:`loom_layer_extra`: the
   gathered sequence-parallel GEMM inputs, RoPE's rotated Q / K, the SwiGLU's SiLU output, the
-  norms' statistics, the CP cores' own tensors). Loss: loom's
+  norms' statistics, the CP cores' own tensors; MLA's and, per kind, a Mamba hybrid stack's
+  layers by their own formulas). Loss: loom's
   fused linear cross-entropy (``loom/parallel/cross_entropy.py``) never holds the logits; it
   saves ``dL/dx`` ``[S, h]``, ``dL/dw`` ``[Vp/t, h]`` and the log-sum-exp ``[S]`` (fp32) per
   micro-batch, ``4 S h + 4 Vp h / t + 4 S``, and its forward peaks with one chunk's logits,
