@@ -360,8 +360,9 @@ def mamba_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=
       (the conv output) ``e S cd``.
     * ``dt``: ``softplus``'s fp32 input and output ``2 x 4 S Hl``; ``A_D``: ``-exp(A_log)``'s
       ``exp`` output and ``A`` (saved by ``dt * A``), and in 16-bit ``D.float()``: ``4 Hl`` each.
-    * ``x_fp32``: the scan input x in fp32, saved by ``x * dt`` and by ``D x``: two new copies
-      ``2 x 4 S d`` in 16-bit; in fp32 ``x`` is a view of the SiLU output, ``4 S cd``.
+    * ``x_fp32``: the scan input x in fp32, saved by ``x * dt`` and by ``D x``: one new copy
+      ``4 S d`` in 16-bit (two before ``MambaScan`` shared it); in fp32 ``x`` is a view of the
+      SiLU output, ``4 S cd``.
     * ``decay``: ``exp(segsum(dt A))`` ``[b, Hl, C, Q, Q]`` ``4 S Hl Q`` and ``segsum``'s two
       bool masks ``2 Q^2``; ``exp`` of the decays to each chunk's end and of the cumulative
       decays ``2 x 4 S Hl``; the chunk recurrence's ``exp(segsum)`` ``4 b Hl (C + 1)^2`` and its
@@ -407,7 +408,7 @@ def mamba_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=
         "conv": e * b * cd * (s + k - 1) + e * S * cd,
         "dt": 8.0 * S * Hl,
         "A_D": 4.0 * Hl * (2 if f32 else 3) + 0.0 * S,
-        "x_fp32": 4.0 * S * cd if f32 else 8.0 * S * d,
+        "x_fp32": 4.0 * S * cd if f32 else 4.0 * S * d,
         "decay": (4.0 * S * Hl * Q + 2 * Q * Q + 8.0 * S * Hl
                   + 4.0 * b * Hl * (C + 1) ** 2 + 2 * (C + 1) ** 2),
         "y_diag": 8.0 * S * Hl * N + 8.0 * S * Hl * Q + 4.0 * S * d,
