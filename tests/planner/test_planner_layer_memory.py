@@ -2,8 +2,9 @@
 equal, byte for byte, what loom's real modules hand to autograd (``saved_tensors_hooks``, one
 count per storage; ``benchmarks/layer_memory.py``), on CPU, for every recompute mode, fp32 and
 bf16, TP with and without sequence parallelism (rank 0 of a 2-rank ``fake`` world), RMSNorm /
-LayerNorm, RoPE / learned positions, SwiGLU / GeLU, hidden dropout, at three shapes; and every
-named term matters in at least one of the cases (dropping it breaks an equality).
+LayerNorm, RoPE / learned positions, SwiGLU / GeLU, hidden dropout, at three shapes; likewise
+loom's MLA layer and Mamba-2 layer (their own terms); and every named term matters in at least
+one of the cases (dropping it breaks an equality).
 """
 
 from __future__ import annotations
