@@ -16,7 +16,11 @@ what rank 0 saves are exact, its values are not), inside :func:`fake_world`, whi
 default group down again. The planner's formulas (:mod:`loom.planner.activations`) are
 checked against these numbers in ``tests/planner/test_planner_layer_memory.py``.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.layer_memory
+    OMP_NUM_THREADS=1 python -m benchmarks.layer_memory [--sites]
+
+The MLA (``loom/models/gpt/mla.py``) and Mamba-2 (``loom/models/mamba``) layers are measured
+the same way (:func:`mla_model`, :func:`mamba_model`); :func:`saved_sites` names the loom line
+that saved each storage.
 """
 
 from __future__ import annotations
@@ -125,6 +129,61 @@ def layer_saved_bytes(model: ModelConfig, seq_length: int, micro_batch: int = 1,
     return (per_layer, got[1][1]) if rows else per_layer
 
 
+def saved_sites(model: ModelConfig, seq_length: int, micro_batch: int = 1, *, tp: int = 1,
+                sp: bool = False, recompute: Optional[str] = None, dtype=torch.float32) -> list:
+    """``[(nbytes, shape, dtype, site)]``, largest first: the storages a one-layer chunk of
+    ``model`` still holds for backward when its forward returns (as :func:`saved_bytes`
+    counts them), each with the loom source line (``path:line code``) that first saved it:
+    how :mod:`loom.planner.layer_bytes`' terms were read off the code. No CP; call it inside
+    :func:`fake_world` of ``tp`` ranks when ``tp > 1``."""
+    import traceback
+    from benchmarks.planner_vs_measured import SavedBytes, _storage_key
+    from loom.parallel.mesh import ParallelMesh
+    mesh = ParallelMesh.single() if tp == 1 else ParallelMesh.build(tp=tp, cp=1)
+    torch.manual_seed(0)
+    chunk = _build(model, [0], mesh, sp, "p2p", recompute, "uniform", 1, dtype)
+    x = torch.randn(seq_length // (tp if sp else 1), micro_batch, model.hidden_size,
+                    dtype=dtype, requires_grad=True)
+    counter = SavedBytes(skip=[_storage_key(p) for p in chunk.parameters()])
+    site: dict = {}
+
+    def pack(t):
+        key = _storage_key(t)
+        if key and key[0] not in site:
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/loom/" in f.filename and "benchmarks" not in f.filename]
+            where = (f"{frames[-1].filename.split('/loom/')[-1]}:{frames[-1].lineno} "
+                     f"{(frames[-1].line or '').strip()[:60]}") if frames else "?"
+            site[key[0]] = (tuple(t.shape), t.dtype, where)
+        return counter.pack(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, counter.unpack):
+        out = chunk(hidden_states=x, position_ids=_positions(seq_length, 1))
+    rows = [(n, *site[k]) for k, n in counter.size.items() if counter.refs[k] > 0]
+    del out
+    return sorted(rows, key=lambda r: -r[0])
+
+
+def mla_model(**kw) -> ModelConfig:
+    """A tiny MLA model (h 32, 4 heads, q-lora 16, kv-lora 12, dn 8, dr 4, dv 6, latent norms;
+    ``kw`` overrides), the shape of ``tests/planner/test_planner_layer_memory.py``."""
+    return ModelConfig.llama(**{**dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, ffn_hidden_size=48,
+        num_query_groups=None, multi_latent_attention=True, qk_layernorm=True, q_lora_rank=16,
+        kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, hidden_dropout=0.0,
+        attention_dropout=0.0), **kw})
+
+
+def mamba_model(**kw) -> ModelConfig:
+    """A tiny Mamba-2 stack (h 32, H 8 heads of P 8, G 2, N 4, conv 4, chunk 8; ``kw``
+    overrides), the shape of ``tests/planner/test_planner_layer_memory.py``."""
+    return ModelConfig.llama(**{**dict(
+        model_type="mamba", num_layers=2, hybrid_override_pattern="MM", hidden_size=32,
+        vocab_size=128, num_attention_heads=4, num_query_groups=None, ffn_hidden_size=None,
+        mamba_head_dim=8, mamba_state_dim=4, mamba_num_groups=2, mamba_chunk_size=8,
+        hidden_dropout=0.0, attention_dropout=0.0), **kw})
+
+
 def _positions(s: int, cp: int) -> torch.Tensor:
     """Rank 0's token positions under CP's load-balanced split (chunks 0 and 2c - 1)."""
     if cp == 1:
@@ -133,15 +192,26 @@ def _positions(s: int, cp: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, n), torch.arange(s - n, s)])
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    """Per-layer bytes of a tiny Llama, MLA and Mamba-2 layer per recompute mode and dtype;
+    ``--sites``: the saved storages of each, with the loom line that saved them."""
+    import argparse
+    args = argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_known_args(argv)[1]
     torch.set_num_threads(1)
-    m = resolve(ModelConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                  ffn_hidden_size=96, vocab_size=128, hidden_dropout=0.0,
-                                  attention_dropout=0.0), 32)
-    for rc in (None, "selective", "full"):
-        for dtype in (torch.float32, torch.bfloat16):
-            print(json.dumps({"recompute": rc, "dtype": str(dtype),
-                              "bytes": layer_saved_bytes(m, 32, 2, recompute=rc, dtype=dtype)}))
+    models = {"llama": (resolve(ModelConfig.llama(num_layers=2, hidden_size=64,
+                                                  num_attention_heads=4, ffn_hidden_size=96,
+                                                  vocab_size=128, hidden_dropout=0.0,
+                                                  attention_dropout=0.0), 32), 32),
+              "mla": (resolve(mla_model(), 16), 16), "mamba": (resolve(mamba_model(), 16), 16)}
+    for name, (m, s) in models.items():
+        for rc in (None, "selective", "full"):
+            for dtype in (torch.float32, torch.bfloat16):
+                print(json.dumps({"layer": name, "recompute": rc, "dtype": str(dtype),
+                                  "bytes": layer_saved_bytes(m, s, 2, recompute=rc,
+                                                             dtype=dtype)}))
+        if "--sites" in args:
+            for row in saved_sites(m, s, 2, dtype=torch.bfloat16):
+                print(f"  {row[0]:8d} {str(row[1]):20s} {str(row[2])[6:]:9s} {row[3]}")
 
 
 if __name__ == "__main__":

@@ -50,8 +50,9 @@ Terms of :func:`loom_layer_terms` (bytes):
 
 Full recompute (``--recompute-method uniform``, N layers per group) keeps the group input
 ``e Sn h / N`` per layer. Not covered (the test names what is): attention dropout, QK
-layernorm, MLA, MoE, Mamba, ``a2a+p2p``; the CP communication buffers are
-:mod:`loom.planner.context_parallel`'s.
+layernorm, ``a2a+p2p``; the CP communication buffers are :mod:`loom.planner.context_parallel`'s.
+MLA layers (:func:`mla_layer_terms`), Mamba-2 layers (:func:`mamba_layer_terms`) and the MoE
+MLP (:func:`loom_moe_mlp_terms`) have their own terms.
 """
 
 from __future__ import annotations
@@ -75,10 +76,7 @@ def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
     e, cpu = float(elem_bytes), device == "cpu"
     S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
     Sn = np.where(np.asarray(sp) > 0, S / t, S)
-    if model.normalization == "RMSNorm":
-        norm = (8.0 * h + 4.0) * Sn if cpu else (e * h + 4.0) * Sn
-    else:
-        norm = (e * h + 2.0 * (e if cpu else 4.0)) * Sn
+    norm = norm_bytes(model, Sn, h, h, e, cpu)
     rope = model.position_embedding_type in ("rope", "yarn")
     r = getattr(model, "rotary_dim", d) or d
     terms = {
@@ -100,6 +98,112 @@ def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
                               cp_comm_type).items():
         terms[k] = np.where(ring, v, terms[k])
     return terms
+
+
+def norm_bytes(model: ModelConfig, Sn, width: int, stored: int, e: float, cpu: bool):
+    """Bytes one norm of ``width`` channels saves for ``Sn`` tokens (the ``norms`` term of the
+    module docstring), its input a view of a storage ``stored`` channels wide (MLA's key latent
+    is the first ``r`` of the down projection's ``r + dr``): RMSNorm on CPU (PyTorch's fp32
+    composite) its input's storage in fp32 (``4 stored``; a 16-bit input is upcast to a new
+    ``4 width`` copy), the normalized ``4 width`` and ``rstd`` 4; on CUDA (``_fused_rms_norm``)
+    its input's storage ``e stored`` and ``rstd`` 4; LayerNorm (``native_layer_norm``) its input
+    ``e stored``, mean and rstd (``e`` bytes each on CPU, 4 on CUDA)."""
+    if model.normalization == "RMSNorm":
+        if cpu:
+            return (4.0 * (stored if e == 4 else width) + 4.0 * width + 4.0) * Sn
+        return (e * stored + 4.0) * Sn
+    return (e * stored + 2.0 * (e if cpu else 4.0)) * Sn
+
+
+def mla_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,
+                    elem_bytes: int = 2, device: str = "cuda") -> dict:
+    """The named terms (bytes) of one loom layer with multi-latent attention
+    (``loom/models/gpt/mla.py`` ``MLASelfAttention``; ``--experimental-attention-variant dsa``
+    and context parallelism not covered) and the dense MLP, without recomputation; symbols
+    of the module docstring and ``q, r, dn, dr, dv`` = ``--q-lora-rank`` (0: none),
+    ``--kv-lora-rank``, ``--qk-head-dim``, ``--qk-pos-emb-head-dim``, ``--v-head-dim``,
+    ``dq = dn + dr``. The down projections and their latents' norms are replicated over TP and
+    run on the ``Sn`` tokens (the shard under SP); the up projections and the core on ``a / t``
+    heads of all ``S`` tokens:
+
+    * ``norms``, ``fc1_input``, ``mlp``, ``dropout_masks``, ``rope_tables`` (``r = dr``): as
+      :func:`loom_layer_terms`'.
+    * ``down_input``: the input norm's output ``e Sn h``, saved (one storage) by the query
+      (``linear_q_down_proj`` | ``linear_q_proj``) and key-value down projections.
+    * ``latent_norms`` (``--qk-layernorm``), *device*: the query latent's norm
+      (``q_layernorm``, ``q`` wide) and the key latent's (``kv_layernorm``, ``r`` wide; its
+      input is a view of the ``[Sn, r + dr]`` down projection output) (:func:`norm_bytes`).
+    * ``q_up_input``: ``linear_q_up_proj``'s input, the query latent ``e Sn q`` (the SP
+      column-parallel GEMM saves its shard); ``kv_up_input``: ``linear_kv_up_proj``'s,
+      ``e Sn r`` (the normed latent), or without the norm the down projection's whole output
+      ``e Sn (r + dr)`` (the latent is a view of it).
+    * ``core_inputs``: the core's Q (``torch.cat`` of the content and rotated parts, or its
+      YaRN-scaled copy), K (``torch.cat``) and V (made contiguous: as a view of
+      ``linear_kv_up_proj``'s output it kept all ``dn + dv`` channels alive):
+      ``e S a (2 dq + dv) / t`` when the core saves them (CUDA's fused kernel; the CPU math
+      path only in fp32, where its fp32 ``q k^T`` reads K and V as they are).
+    * ``core``, *device*: what the core keeps beyond its inputs, dropped by selective
+      recompute: on CUDA (``dq != dv``: the memory-efficient SDPA kernel, flash needs equal
+      head dims) the fp32 log-sum-exp ``4 S a / t``; on CPU the math path (PyTorch
+      ``_scaled_dot_product_attention_math``) its fp32 softmax ``4 S a s / t`` and, in 16-bit,
+      its fp32 copies of Q, K, V ``4 S a (2 dq + dv) / t`` (in fp32: the scaled Q, new,
+      ``4 S a dq / t``; K and V are ``core_inputs``).
+    * ``attention_out``: ``linear_proj``'s input ``e S a dv / t``.
+    The decoupled RoPE key ``k_pe`` ``[S, 1, dr]`` and the rotated query part are consumed by
+    ``torch.cat`` (which saves nothing)."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    h, a, f = model.hidden_size, model.num_attention_heads, model.ffn_size
+    q, r = model.q_lora_rank or 0, model.kv_lora_rank
+    dn, dr, dv = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
+    dq = dn + dr
+    e, cpu = float(elem_bytes), device == "cpu"
+    s = seq_length
+    S = s * np.asarray(micro_batch, dtype=np.float64)
+    Sn = np.where(np.asarray(sp) > 0, S / t, S)
+    ln = model.qk_layernorm
+    latent_norms = 0.0 * S
+    if ln:
+        latent_norms = norm_bytes(model, Sn, r, r + dr, e, cpu)
+        if q:
+            latent_norms = latent_norms + norm_bytes(model, Sn, q, q, e, cpu)
+    if cpu:
+        core = 4.0 * S * a * s / t + 4.0 * S * a * (dq if e == 4 else 2 * dq + dv) / t
+        core_inputs = e * S * a * (dq + dv) / t if e == 4 else 0.0 * S
+    else:
+        core, core_inputs = 4.0 * S * a / t, e * S * a * (2 * dq + dv) / t
+    return {
+        "norms": 2 * norm_bytes(model, Sn, h, h, e, cpu),
+        "down_input": e * Sn * h,
+        "latent_norms": latent_norms,
+        "q_up_input": e * Sn * q,
+        "kv_up_input": e * Sn * (r if ln else r + dr),
+        "rope_tables": 4 * e * s * dr + 0.0 * S if e != 4 else 0.0 * S,
+        "core_inputs": core_inputs,
+        "core": core,
+        "attention_out": e * S * a * dv / t,
+        "fc1_input": e * Sn * h,
+        "mlp": e * S * f * (3 if model.gated_linear_unit else 2) / t,
+        "dropout_masks": (2 * Sn * h * (e if cpu else 1.0) if model.hidden_dropout > 0
+                          else 0.0 * S),
+    }
+
+
+def mla_layer_bytes(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,
+                    elem_bytes: int = 2, device: str = "cuda", recompute_group: int = 1) -> dict:
+    """:func:`loom_layer_bytes`' ``{"none", "selective", "full", "scores"}`` of an MLA layer
+    (:func:`mla_layer_terms`): selective recompute checkpoints the core
+    (``DotProductAttention``), which drops ``core`` and keeps its inputs Q, K, V
+    (``e S a (2 dq + dv) / t``)."""
+    terms = mla_layer_terms(model, seq_length, micro_batch, t, sp, elem_bytes, device)
+    none = sum(terms.values())
+    a, dq, dv = model.num_attention_heads, model.q_head_dim, model.v_head_dim
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64)
+    Sn = np.where(np.asarray(sp) > 0, S / t, S)
+    kept = elem_bytes * S * a * (2 * dq + dv) / t
+    return {"none": none, "selective": none - terms["core"] - terms["core_inputs"] + kept,
+            "full": elem_bytes * Sn * model.hidden_size / recompute_group,
+            "scores": terms["core"]}
 
 
 def cp_core_terms(model: ModelConfig, seq_length: int, micro_batch, t, cp,
@@ -173,7 +277,8 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
                         mlp: bool = True) -> dict:
     """``{"none", "selective"}`` (bytes, arrays over the rows of layout ``L``): what loom's layer
     keeps on a GPU (:func:`loom_layer_bytes`, CUDA, 16-bit) beyond the planner's KOR count with
-    flash attention (:func:`loom.planner.activations.activation_bytes_per_layer`), per mode;
+    flash attention (:func:`loom.planner.activations.activation_bytes_per_layer`, with
+    :mod:`loom.planner.mla`'s terms for MLA: :func:`mla_layer_bytes` there; 0 on CP rows), per mode;
     ``cp_codes`` each row's CP type (:data:`loom.planner.context_parallel.CP_COMM_TYPES`
     index; a2a+p2p counted as p2p, its ring). ``mlp`` False: the attention side only, for a
     layer whose MLP is counted elsewhere (the dense MLP keeps nothing beyond KOR's count, so
@@ -184,6 +289,9 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
     kor = activation_bytes_per_layer(model, seq_length, L, flash_attention=True, moe_share=0.0)
     codes = np.asarray(cp_codes)
     out = {"none": 0.0 * t, "selective": 0.0 * t}
+    if model.multi_latent_attention:  # MLA (:func:`mla_layer_terms`); its CP forms not derived
+        got = mla_layer_bytes(model, seq_length, b, t=t, sp=sp)
+        return {mode: np.where(c > 1, 0.0, got[mode] - kor[mode]) for mode in out}
     for k, name in enumerate(CP_COMM_TYPES[:3]):
         got = loom_layer_bytes(model, seq_length, b, t=t, cp=c, sp=sp, cp_comm_type=name)
         rows = (codes == k) | ((codes == 3) & (k == 0))
@@ -228,3 +336,134 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch,
         "combine": 2 * e * S * k * h + e * S * k,
         "shared_expert": e * S * gated * f_sh,
     }
+
+
+def mamba_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,
+                      elem_bytes: int = 2, device: str = "cuda") -> dict:
+    """The named terms (bytes) of what one loom Mamba-2 layer (``loom/models/mamba/model.py``
+    ``MambaLayer``: ``x + drop(mixer(norm(x)))``, ``MambaMixer``, ``MambaScan``,
+    ``GatedRMSNorm``, the plain-PyTorch SSD scan ``ssd.py`` ``ssd_chunked``) saves for
+    backward, without recomputation; selective recompute changes nothing (no module of the
+    layer is a ``SelectiveRecompute``). Symbols: ``S = s b`` tokens (no CP: Mamba layers refuse
+    it), ``Sn`` the norm / residual tokens (``S / t`` with SP), heads ``H``, groups ``G``,
+    head dim ``P``, state ``N``, conv kernel ``k``, chunk ``Q`` (``C = s / Q`` chunks; the
+    scan pads ``s`` to a multiple of ``Q`` and this counts the unpadded case, ``Q | s``); per
+    TP rank ``d = H P / t``, ``Hl = H / t``, ``Gl = G / t``, conv channels ``cd = d + 2 Gl N``,
+    in-projection width ``W = 2 d + 2 Gl N + Hl``. The scan's fp32 einsums contract left to
+    right (PyTorch without ``opt_einsum``); each pairwise contraction without a summed index is
+    a ``mul`` (saving both operands), one with is a ``bmm`` saving its two operands permuted
+    into new fp32 copies:
+
+    * ``norm``: the layer's input norm (:func:`norm_bytes`), *device*; ``in_proj_input``:
+      ``e Sn h`` (the SP column-parallel GEMM saves its shard).
+    * ``conv``: ``F.conv1d``'s left-padded input ``e b cd (s + k - 1)`` and the SiLU's input
+      (the conv output) ``e S cd``.
+    * ``dt``: ``softplus``'s fp32 input and output ``2 x 4 S Hl``; ``A_D``: ``-exp(A_log)``'s
+      ``exp`` output and ``A`` (saved by ``dt * A``), and in 16-bit ``D.float()``: ``4 Hl`` each.
+    * ``x_fp32``: the scan input x in fp32, saved by ``x * dt`` and by ``D x``: one new copy
+      ``4 S d`` in 16-bit (two before ``MambaScan`` shared it); in fp32 ``x`` is a view of the
+      SiLU output, ``4 S cd``.
+    * ``decay``: ``exp(segsum(dt A))`` ``[b, Hl, C, Q, Q]`` ``4 S Hl Q`` and ``segsum``'s two
+      bool masks ``2 Q^2``; ``exp`` of the decays to each chunk's end and of the cumulative
+      decays ``2 x 4 S Hl``; the chunk recurrence's ``exp(segsum)`` ``4 b Hl (C + 1)^2`` and its
+      masks ``2 (C + 1)^2``.
+    * ``y_diag`` (``einsum("bclhn,bcmhn,bhclm,bcmhp->bclhp")``): C and B per head copied for
+      the ``bmm`` ``2 x 4 S Hl N``, ``C B^T`` and its product with the decays ``2 x 4 S Hl Q``,
+      X ``4 S d``.
+    * ``states`` (``einsum("bclhn,bhcl,bclhp->bchpn")``): B per head (``repeat_interleave``'s
+      output, saved by the ``mul``) and the ``mul``'s output copied ``2 x 4 S Hl N``, X
+      ``4 S d``; the recurrence's ``einsum("bhzc,bchpn->bzhpn")``: the states copied
+      ``4 b (C + 1) Hl P N``. With one chunk (``s <= Q``) neither this copy nor ``y_off``'s
+      entering states are saved (measured).
+    * ``y_off`` (``einsum("bclhn,bchpn,bhcl->bclhp")``): C per head ``4 S Hl N``, the entering
+      states ``4 b C Hl P N``, their product ``4 S d``.
+    * ``gated_norm`` (``GatedRMSNorm``, fp32): ``y``, ``silu(z)`` and ``y silu(z)`` ``3 x 4 S d``,
+      ``z`` (a new fp32 copy ``4 S d`` in 16-bit, in fp32 a view of the in-projection output
+      ``4 S W``), ``rsqrt`` ``4 S Gl``, and the weight's ``mul`` input (the normalized output
+      cast to ``e``: ``e S d``).
+    * ``out_proj_input``: the row-parallel out-projection's input ``e S d`` (a copy:
+      ``[b, s, d]`` transposed).
+    * ``dropout_masks``: one mask ``Sn h`` with ``hidden_dropout > 0``, *device* as the dense
+      layer's.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    h = model.hidden_size
+    e, cpu = float(elem_bytes), device == "cpu"
+    P, N, k, Q = (model.mamba_head_dim, model.mamba_state_dim, model.mamba_d_conv,
+                  model.mamba_chunk_size)
+    H, G = model.mamba_d_inner // P, model.mamba_num_groups
+    s = seq_length
+    b = np.asarray(micro_batch, dtype=np.float64)
+    S = s * b
+    Sn = np.where(np.asarray(sp) > 0, S / t, S)
+    d, Hl, Gl = H * P / t, H / t, G / t
+    cd = d + 2 * Gl * N
+    W = 2 * d + 2 * Gl * N + Hl
+    C = -(-s // Q)
+    f32 = e == 4
+    return {
+        "norm": norm_bytes(model, Sn, h, h, e, cpu),
+        "in_proj_input": e * Sn * h,
+        "conv": e * b * cd * (s + k - 1) + e * S * cd,
+        "dt": 8.0 * S * Hl,
+        "A_D": 4.0 * Hl * (2 if f32 else 3) + 0.0 * S,
+        "x_fp32": 4.0 * S * cd if f32 else 4.0 * S * d,
+        "decay": (4.0 * S * Hl * Q + 2 * Q * Q + 8.0 * S * Hl
+                  + 4.0 * b * Hl * (C + 1) ** 2 + 2 * (C + 1) ** 2),
+        "y_diag": 8.0 * S * Hl * N + 8.0 * S * Hl * Q + 4.0 * S * d,
+        "states": 8.0 * S * Hl * N + 4.0 * S * d + (C > 1) * 4.0 * b * (C + 1) * Hl * P * N,
+        "y_off": 4.0 * S * Hl * N + (C > 1) * 4.0 * b * C * Hl * P * N + 4.0 * S * d,
+        "gated_norm": 12.0 * S * d + (4.0 * S * W if f32 else 4.0 * S * d) + 4.0 * S * Gl
+        + e * S * d,
+        "out_proj_input": e * S * d,
+        "dropout_masks": Sn * h * (e if cpu else 1.0) if model.hidden_dropout > 0 else 0.0 * S,
+    }
+
+
+def mamba_layer_bytes(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,
+                      elem_bytes: int = 2, device: str = "cuda", recompute_group: int = 1) -> dict:
+    """:func:`loom_layer_bytes`' ``{"none", "selective", "full", "scores"}`` of a Mamba-2 layer
+    (:func:`mamba_layer_terms`): selective = none (nothing to checkpoint), full keeps the
+    group input ``e Sn h / N``."""
+    none = sum(mamba_layer_terms(model, seq_length, micro_batch, t, sp, elem_bytes,
+                                 device).values())
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64)
+    Sn = np.where(np.asarray(sp) > 0, S / t, S)
+    return {"none": none, "selective": none,
+            "full": elem_bytes * Sn * model.hidden_size / recompute_group, "scores": 0.0 * S}
+
+
+def loom_kind_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
+                             fused: bool = True) -> dict:
+    """``{kind: {"none", "selective"}}`` (bytes, arrays over the rows of layout ``L``): what
+    loom's layer of each kind of a hybrid stack (``M`` Mamba-2, ``*`` attention, ``-`` MLP;
+    :mod:`loom.planner.mamba`) keeps on a GPU (CUDA, 16-bit) beyond the planner's count
+    :func:`loom.planner.mamba.kind_activation_bytes` (``fused``). ``M``:
+    :func:`mamba_layer_bytes`; ``*`` and ``-``: the two halves of :func:`loom_layer_bytes`'
+    dense layer (the MLP half its second norm, ``fc1_input``, ``mlp`` and one dropout mask; the
+    attention half the rest, with ``cp_codes``' attention core as
+    :func:`loom_extra_over_kor`). Kinds the pattern lacks are 0."""
+    from loom.planner.context_parallel import CP_COMM_TYPES
+    from loom.planner.mamba import kind_activation_bytes, kind_counts
+    t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
+    n = kind_counts(model)
+    zero = {"none": 0.0 * t, "selective": 0.0 * t}
+    out = {k: dict(zero) for k in n}
+    if n["M"]:
+        got = mamba_layer_bytes(model, seq_length, b, t=t, sp=sp)
+        kor = kind_activation_bytes(model, seq_length, L, "M", fused)
+        out["M"] = {mode: got[mode] - kor[mode] for mode in zero}
+    if not (n["*"] or n["-"]):
+        return out
+    codes = np.asarray(cp_codes)
+    kor = {k: kind_activation_bytes(model, seq_length, L, k, fused) for k in ("*", "-")}
+    for k, name in enumerate(CP_COMM_TYPES[:3]):
+        rows = (codes == k) | ((codes == 3) & (k == 0))
+        terms = loom_layer_terms(model, seq_length, b, t, c, sp, cp_comm_type=name)
+        mlp = terms["norms"] / 2 + terms["fc1_input"] + terms["mlp"] + terms["dropout_masks"] / 2
+        got = loom_layer_bytes(model, seq_length, b, t=t, cp=c, sp=sp, cp_comm_type=name)
+        for mode in zero:
+            out["*"][mode] = np.where(rows, got[mode] - mlp - kor["*"][mode], out["*"][mode])
+            out["-"][mode] = np.where(rows, mlp - kor["-"][mode], out["-"][mode])
+    return out

@@ -44,7 +44,9 @@ Symbols of the Mamba-2 layer (Dao & Gu 2024, "Transformers are SSMs", sec. 6-7):
   input) ``2 d_i``, fp32 norm statistics ``4 G``. Without fused kernels (``fused=False``, loom's
   plain-PyTorch ``ssd.py``) autograd also keeps fp32 copies of x, B, C ``4 (d_i + 2 G N)`` and
   three fp32 ``[Q, Q]`` per-head chunk intermediates (``exp(segsum)``, ``C B^T``, their
-  product, ``docs/mamba.md``) ``12 Q H``. Full recompute keeps the layer input ``2 h``
+  product, ``docs/mamba.md``) ``12 Q H``: a sketch; what loom's scan saves, measured term by
+  term, is :func:`loom.planner.layer_bytes.mamba_layer_terms` (``--layer-memory loom``; 2.0x
+  this ``fused=False`` count for mamba2-1.3b). Full recompute keeps the layer input ``2 h``
   (``/t`` with SP); selective recompute drops nothing from a Mamba layer.
 * TP: one all-reduce of ``[s, b, h]`` forward (out-projection) and one backward
   (in-projection), exactly as an MLP (``docs/mamba.md``); with SP an all-gather + a

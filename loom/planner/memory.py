@@ -47,7 +47,8 @@ from loom.planner.mamba import KINDS, is_hybrid, kind_activation_bytes, kind_cou
 from loom.planner.activations import (activation_bytes_per_layer,  # noqa: F401 - re-exported
                                       distribute_saved, inflight_microbatches)
 from loom.planner.memory_runtime import (backward_working_bytes, layer_extra_bytes, logits_bytes,
-                                        loom_layer_extra, loss_transient_bytes)
+                                        loom_kind_extra, loom_layer_extra,
+                                        loss_transient_bytes)
 from loom.planner.mla import attention_params, mtp_params, mtp_stage_params
 from loom.planner.moe import expert_dp, expert_shards, layer_param_totals, moe_layer_params
 
@@ -261,21 +262,26 @@ def layer_activation_kinds(model: ModelConfig, seq_length: int, L: dict,
     def work(a):
         return np.where(rc == 2, a["none"], np.where(rc == 1, a["scores"], 0.0))
     if is_hybrid(model):
+        kx = loom_kind_extra(model, s, L, opts)
         acts = [distribute_saved(kind_activation_bytes(model, s, L, k, opts.flash_attention),
                                  L, opts) for k in KINDS]
+        extra = [np.where(rc == 1, kx[k]["selective"], kx[k]["none"]) for k in KINDS]
         n_kind = kind_counts(model)
-        working = np.max([work(a) for k, a in zip(KINDS, acts) if n_kind[k]], axis=0)
-        return [base(a) for a in acts], [a["full"] for a in acts], working
-    if model.num_experts:
+        working = np.max([work(a) + np.where(rc == 2, kx[k]["none"], 0.0)
+                          for k, a in zip(KINDS, acts) if n_kind[k]], axis=0)
+        return [base(a) + x for a, x in zip(acts, extra)], [a["full"] for a in acts], working
+    lx = loom_layer_extra(model, s, L, opts, mlp=not model.num_experts)
+    if model.num_experts:  # loom's extra: the attention side, in dense and MoE layers alike
         acts = [distribute_saved(activation_bytes_per_layer(
             model, s, L, flash_attention=opts.flash_attention,
             moe_load_imbalance=opts.moe_load_imbalance, moe_share=share), L, opts)
             for share in (0.0, 1.0)]
-        return [base(a) for a in acts], [a["full"] for a in acts], work(acts[1])
+        extra = np.where(rc == 1, lx["selective"], lx["none"])
+        return ([base(a) + extra for a in acts], [a["full"] for a in acts],
+                work(acts[1]) + np.where(rc == 2, extra, 0.0))
     act = distribute_saved(activation_bytes_per_layer(
         model, s, L, flash_attention=opts.flash_attention,
         moe_load_imbalance=opts.moe_load_imbalance), L, opts)
-    lx = loom_layer_extra(model, s, L, opts)
     extra = layer_extra_bytes(model, s * L["mbs"] / L["cp"], L["tp"], opts.runtime,
                               opts.flash_attention) + np.where(rc == 1, lx["selective"], lx["none"])
     return [base(act) + extra], [act["full"]], work(act) + np.where(rc == 2, extra, 0.0)

@@ -9,7 +9,8 @@ some more, and its peak (``torch.cuda.max_memory_allocated``) also holds the lar
   use it): the KOR count plus what loom's modules keep beyond it, measured with
   ``saved_tensors_hooks`` (:mod:`loom.planner.layer_bytes`, :func:`loom_layer_extra`: the
   gathered sequence-parallel GEMM inputs, RoPE's rotated Q / K, the SwiGLU's SiLU output, the
-  norms' statistics, the CP cores' own tensors). Loss: loom's
+  norms' statistics, the CP cores' own tensors; MLA's and, per kind, a Mamba hybrid stack's
+  layers by their own formulas). Loss: loom's
   fused linear cross-entropy (``loom/parallel/cross_entropy.py``) never holds the logits; it
   saves ``dL/dx`` ``[S, h]``, ``dL/dw`` ``[Vp/t, h]`` and the log-sum-exp ``[S]`` (fp32) per
   micro-batch, ``4 S h + 4 Vp h / t + 4 S``, and its forward peaks with one chunk's logits,
@@ -85,16 +86,39 @@ def loom_layer_extra(model: ModelConfig, seq_length: int, L: dict, opts,
     with flash attention, per recompute mode (:func:`loom.planner.layer_bytes.loom_extra_over_kor`,
     measured on loom's modules), when ``opts`` (:class:`~loom.planner.layout.Options`) asks for
     it: ``layer_memory = "loom"``, ``runtime = "loom"``, fused attention (loom's only
-    attention); 0 otherwise and for MLA and hybrid (Mamba) layers, whose loom forms are not
-    derived yet. ``mlp`` False: the attention side only (an MoE layer's)."""
+    attention); MLA layers by their own formula (0 on CP rows and under DSA, whose loom forms
+    are not derived); 0 otherwise and for hybrid stacks (:func:`loom_kind_extra`). ``mlp``
+    False (a model with MoE layers): the attention side only, for MLA (the same numbers, the
+    dense MLP keeping nothing beyond KOR's count); 0 for a GQA MoE model, whose loom count
+    waits for the MoE MLP's (:func:`loom.planner.layer_bytes.loom_moe_mlp_terms`, measured,
+    not wired)."""
     from loom.planner.context_parallel import row_comm_types
     from loom.planner.layer_bytes import loom_extra_over_kor
     from loom.planner.mamba import is_hybrid
     zero = 0.0 * L["tp"]
-    if (opts.layer_memory != "loom" or check_runtime(opts.runtime) != "loom"
-            or not opts.flash_attention or model.multi_latent_attention or is_hybrid(model)):
+    if (not _counts_loom(opts) or model.dsa or is_hybrid(model)
+            or (not mlp and not model.multi_latent_attention)):
         return {"none": zero, "selective": zero}
     return loom_extra_over_kor(model, seq_length, L, row_comm_types(L, opts.cp_comm_type), mlp)
+
+
+def _counts_loom(opts) -> bool:
+    return (opts.layer_memory == "loom" and check_runtime(opts.runtime) == "loom"
+            and opts.flash_attention)
+
+
+def loom_kind_extra(model: ModelConfig, seq_length: int, L: dict, opts) -> dict:
+    """``{kind: {"none", "selective"}}``: bytes loom's own layer of each kind of a hybrid
+    (Mamba) stack keeps per micro-batch beyond :func:`loom.planner.mamba.kind_activation_bytes`
+    (:func:`loom.planner.layer_bytes.loom_kind_extra_over_kor`, measured on loom's modules)
+    under the conditions of :func:`loom_layer_extra`; 0 otherwise."""
+    from loom.planner.context_parallel import row_comm_types
+    from loom.planner.layer_bytes import loom_kind_extra_over_kor
+    from loom.planner.mamba import KINDS
+    zero = 0.0 * L["tp"]
+    if not _counts_loom(opts):
+        return {k: {"none": zero, "selective": zero} for k in KINDS}
+    return loom_kind_extra_over_kor(model, seq_length, L, row_comm_types(L, opts.cp_comm_type))
 
 
 def _fused(model: ModelConfig, runtime: str) -> bool:

@@ -15,7 +15,9 @@ Symbols: h hidden, a heads, ``q`` = ``--q-lora-rank`` (0: a full query projectio
   value product, no causal discount, as the dense count).
 * MLA activations (16-bit): split by TP: Q and K ``2 S a dq`` each, V ``2 S a dv``, the output
   projection input ``2 S a dv``; replicated (the down projections' outputs and norm inputs):
-  ``2 S (2 q + 2 r + dr)`` (without SP: on every TP rank).
+  ``2 S (2 q + 2 r + dr)`` (without SP: on every TP rank). What loom's own MLA layer saves,
+  term by term and measured, is :func:`loom.planner.layer_bytes.mla_layer_terms` (within 0.2%
+  of this count for DeepSeek-V3; ``--layer-memory loom``).
 * MLA communication: as a dense layer's (2 all-reduces of ``[S, h]`` forward and backward; under
   SP the all-gathers carry the latents ``S (q + r + dr)`` instead of ``S h``, smaller for
   DeepSeek-V3) plus the gradient all-reduce of the shared RoPE key ``S dr`` without SP; CP

@@ -2,8 +2,9 @@
 equal, byte for byte, what loom's real modules hand to autograd (``saved_tensors_hooks``, one
 count per storage; ``benchmarks/layer_memory.py``), on CPU, for every recompute mode, fp32 and
 bf16, TP with and without sequence parallelism (rank 0 of a 2-rank ``fake`` world), RMSNorm /
-LayerNorm, RoPE / learned positions, SwiGLU / GeLU, hidden dropout, at three shapes; and every
-named term matters in at least one of the cases (dropping it breaks an equality).
+LayerNorm, RoPE / learned positions, SwiGLU / GeLU, hidden dropout, at three shapes; likewise
+loom's MLA layer and Mamba-2 layer (their own terms); and every named term matters in at least
+one of the cases (dropping it breaks an equality).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.layer_memory import fake_world, layer_saved_bytes, resolve
+from benchmarks.layer_memory import (fake_world, layer_saved_bytes, mamba_model, mla_model,
+                                     resolve)
 from loom.config import ModelConfig
 from loom.planner.layer_bytes import loom_layer_bytes, loom_layer_terms
 
@@ -165,3 +167,126 @@ def test_loom_plan_names_the_activations_term_under_either_layer(capsys):
         got[lm] = out.out + out.err
     assert "largest term is activations 82.1 GB" in got["kor"] and "28.9 GB too much" in got["kor"]
     assert "largest term is activations 88.8 GB" in got["loom"]
+
+
+# -- MLA and Mamba-2 layers ---------------------------------------------------------------------
+
+def _mla(q: int = 16, ln: bool = True, **kw) -> ModelConfig:
+    """h 32, a 4, q 16 (0: a full query projection), r 12, dn 8, dr 4, dv 6 (dq != dv)."""
+    return mla_model(q_lora_rank=q or None, qk_layernorm=ln, **kw)
+
+
+def _mamba(**kw) -> ModelConfig:
+    """h 32, P 8, d_inner 64 -> H 8, G 2, N 4, k 4, Q 8 (s 16: two chunks)."""
+    return mamba_model(**kw)
+
+
+YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+            yarn_original_max_position_embeddings=8)
+FAMILY_SHAPES = {
+    "mla": (_mla, {}),
+    "mla-noq-noln": (_mla, dict(q=0, ln=False)),
+    "mla-yarn": (_mla, YARN),
+    "mamba": (_mamba, {}),
+    "mamba-g1": (_mamba, dict(mamba_num_groups=1, mamba_state_dim=8, mamba_chunk_size=4)),
+    "mamba-h6-1chunk": (_mamba, dict(mamba_num_heads=6, mamba_head_dim=4, mamba_chunk_size=16)),
+}
+BF, FP = torch.bfloat16, torch.float32
+# (shape, t, sp, recompute, dtype); s 16, b 2
+FAMILY_CASES = [
+    ("mla", 1, False, None, BF), ("mla", 1, False, None, FP), ("mla", 1, False, "selective", BF),
+    ("mla", 1, False, "full", BF), ("mla", 2, False, None, BF), ("mla", 2, True, "selective", BF),
+    ("mla-noq-noln", 1, False, None, FP), ("mla-noq-noln", 2, True, None, BF),
+    ("mla-yarn", 1, False, "selective", BF),
+    ("mamba", 1, False, None, BF), ("mamba", 1, False, None, FP),
+    ("mamba", 1, False, "selective", BF), ("mamba", 1, False, "full", BF),
+    ("mamba", 2, True, None, BF), ("mamba", 2, False, None, FP),
+    ("mamba-g1", 1, False, None, BF), ("mamba-h6-1chunk", 1, False, None, FP),
+]
+
+
+def _family_bytes(case) -> tuple[float, dict, ModelConfig]:
+    from loom.planner.layer_bytes import (mamba_layer_bytes, mamba_layer_terms,
+                                          mla_layer_bytes, mla_layer_terms)
+    name, t, sp, rc, dt = case
+    make, kw = FAMILY_SHAPES[name]
+    model = resolve(make(**kw), 16)
+    mla = name.startswith("mla")
+    e = torch.finfo(dt).bits // 8
+    got = (mla_layer_bytes if mla else mamba_layer_bytes)(model, 16, 2, t=t, sp=int(sp),
+                                                          elem_bytes=e, device="cpu")
+    terms = (mla_layer_terms if mla else mamba_layer_terms)(model, 16, 2, t=t, sp=int(sp),
+                                                            elem_bytes=e, device="cpu")
+    return float(got[rc or "none"]), {k: float(v) for k, v in terms.items()}, model
+
+
+@pytest.fixture(scope="module")
+def family_measured() -> dict:
+    """Every MLA / Mamba case measured once (the t = 2 ones in one fake 2-rank world)."""
+    torch.set_num_threads(1)
+    out = {}
+    for world in (1, 2):
+        with fake_world(world):
+            for case in FAMILY_CASES:
+                if case[1] == world:
+                    name, t, sp, rc, dt = case
+                    out[case] = layer_saved_bytes(_family_bytes(case)[2], 16, 2, tp=t, sp=sp,
+                                                  recompute=rc, dtype=dt)
+    return out
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: f"{c[0]}-t{c[1]}"
+                         f"{'-sp' if c[2] else ''}-{c[3]}-{str(c[4])[6:]}")
+def test_mla_and_mamba_formula_equals_saved_bytes(family_measured, case):
+    """:func:`mla_layer_bytes` / :func:`mamba_layer_bytes` (CPU form) equal what loom's MLA
+    layer (low-rank and full queries, latent norms or none, YaRN's scaled queries) and Mamba-2
+    layer (groups 2 and 1, one and two chunks) save, byte for byte."""
+    assert _family_bytes(case)[0] == family_measured[case]
+
+
+def test_every_mla_and_mamba_term_is_needed(family_measured):
+    """For each named MLA and Mamba term, a case where it is non-zero and the formula without
+    it is wrong."""
+    needed, names = set(), set()
+    for case in FAMILY_CASES:
+        total, terms, _ = _family_bytes(case)
+        prefix = "mla:" if case[0].startswith("mla") else "mamba:"
+        names |= {prefix + k for k in terms if k != "dropout_masks"}  # no dropout here
+        if case[3] == "full":
+            continue
+        needed |= {prefix + k for k, v in terms.items()
+                   if v and total - v != family_measured[case]}
+    assert needed == names, names - needed
+
+
+def test_planner_counts_loom_mla_and_mamba_layers_when_asked():
+    """``Options(layer_memory="loom")``: the planner's per-layer bytes of an MLA layer are
+    :func:`mla_layer_bytes`' CUDA form (KOR's count on CP rows, whose MLA form is not
+    derived), of a hybrid stack's Mamba layer :func:`mamba_layer_bytes`', and its attention
+    and MLP layers add up to loom's dense layer; ``"kor"`` keeps the planner's own counts."""
+    import numpy as np
+    from loom.planner.layer_bytes import mamba_layer_bytes, mla_layer_bytes
+    from loom.planner.layout import Options, make_layouts
+    from loom.planner.memory import layer_activation_kinds
+    loom, kor = Options(flash_attention=True, layer_memory="loom"), Options(flash_attention=True)
+    rows = [dict(tp=t, sp=sp, cp=1, mbs=2, recompute=rc) for t, sp in ((1, 0), (2, 0), (2, 1))
+            for rc in ("none", "selective")]
+    L = make_layouts(rows)
+    mla = resolve(_mla(**YARN), 16)
+    got = layer_activation_kinds(mla, 16, L, loom)[0][0]
+    for i, r in enumerate(rows):
+        want = mla_layer_bytes(mla, 16, 2, t=r["tp"], sp=r["sp"])[r["recompute"]]
+        assert float(got[i]) == pytest.approx(float(want), rel=1e-12), r
+    Lc = make_layouts([dict(tp=1, sp=0, cp=2, mbs=2, recompute="none")])
+    assert float(layer_activation_kinds(mla, 16, Lc, loom)[0][0][0]) == \
+        float(layer_activation_kinds(mla, 16, Lc, kor)[0][0][0])
+    hybrid = resolve(_mamba(hybrid_override_pattern="M*-M", ffn_hidden_size=48,
+                            num_query_groups=2), 16)
+    mine = layer_activation_kinds(hybrid, 16, L, loom)[0]  # kinds M, *, -
+    theirs = layer_activation_kinds(hybrid, 16, L, kor)[0]
+    for i, r in enumerate(rows):
+        want = mamba_layer_bytes(hybrid, 16, 2, t=r["tp"], sp=r["sp"])[r["recompute"]]
+        assert float(mine[0][i]) == pytest.approx(float(want), rel=1e-12), r
+        dense = loom_layer_bytes(hybrid, 16, 2, t=r["tp"], sp=r["sp"])[r["recompute"]]
+        assert float(mine[1][i] + mine[2][i]) == pytest.approx(float(dense), rel=1e-12), r
+    assert np.all(mine[0] > theirs[0])  # loom's plain-PyTorch scan keeps more than the count

@@ -129,6 +129,9 @@ class MLASelfAttention(nn.Module):
         kv = self.linear_kv_up_proj(latent)
         kv = kv.view(kv.shape[0], kv.shape[1], -1, self.dn + self.dv)
         k_c, v = kv.split([self.dn, self.dv], dim=-1)
+        # V's own storage: as a view it kept the whole [s, b, a/t, dn + dv] up projection alive
+        # for backward (K's part is copied by the cat below): e s b a dn / t bytes per layer
+        v = v.contiguous()
         k = torch.cat([k_c, k_pe.expand(-1, -1, k_c.shape[2], -1)], dim=-1)
         q = torch.cat([q_c, q_r], dim=-1)
         if self.q_scale != 1.0:

@@ -140,8 +140,9 @@ class MambaScan(nn.Module):
                                                                               dim=-1)
         x = x.reshape(b, s, H, P)
         B, C = B.reshape(b, s, -1, self.state_dim), C.reshape(b, s, -1, self.state_dim)
-        y, final = ssd_chunked(x.float(), dt, A, B.float(), C.float(), self.chunk_size)
-        y = (y + D.float()[:, None] * x.float()).to(x.dtype).reshape(b, s, d_inner)
+        xf = x.float()  # one fp32 copy for the scan and D x: two kept 4 s b H P bytes for backward
+        y, final = ssd_chunked(xf, dt, A, B.float(), C.float(), self.chunk_size)
+        y = (y + D.float()[:, None] * xf).to(x.dtype).reshape(b, s, d_inner)
         return y, final if need_state else None
 
 
