@@ -15,7 +15,7 @@ from loom.config import LoomConfig
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
 from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, make_layouts,
                                  param_gather_overlapped)
-from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate
+from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate, with_group
 from loom.planner.stages import given_split
 
 
@@ -125,7 +125,9 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
     lay = layout_of(cfg, world_size)
     B = cfg.global_batch_size(world_size)
     s = cfg.model.seq_length
-    res = evaluate(cfg.model, make_layouts(lay), B, s, cluster, opts)
+    L = with_group(make_layouts(lay),  # the run's interleaved micro-batch group N
+                   cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage)
+    res = evaluate(cfg.model, L, B, s, cluster, opts)
     one = lambda k: float(res[k][0])  # noqa: E731
     mem = {k: one(f"mem_{k}") for k in MEMORY_TERMS}
     mem["total"] = one("mem_total")

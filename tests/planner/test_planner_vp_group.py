@@ -20,7 +20,7 @@ from loom.planner.cli_args import fixed_from_args
 from loom.planner.command import command_config, train_command
 from loom.planner.hardware import make_cluster
 from loom.planner.layout import Options, make_layouts
-from loom.planner.presets import gpt
+from loom.planner.presets import get_preset, gpt
 from loom.planner.search import record, search, with_group
 from loom.planner.stage_table import (_m_keys, group_size_ok, held_microbatches, row_layout,
                                       stage_slots)
@@ -295,3 +295,22 @@ def test_uneven_interleaved_plan_prints_its_layout_and_group():
     cfg = command_config(text, 8)
     assert cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage == 6
     assert cfg.parallel.pipeline_model_parallel_layout == rec["pipeline_layout"]
+
+
+def test_trainer_prediction_holds_the_runs_group():
+    """``loom train --dry-run``'s prediction (predict_layout) reads the run's own
+    ``--microbatch-group-size-per-virtual-pipeline-stage``: a larger N holds more activations,
+    the same step time (the bubble does not depend on N)."""
+    from loom.planner.predict import predict_layout
+    from testkit.config import tiny_config
+
+    def run(n):
+        cfg = tiny_config(model=get_preset("llama3-8b"), mock_data=False,
+                          tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+                          num_layers_per_virtual_pipeline_stage=4, micro_batch_size=1,
+                          global_batch_size=16, lr=1e-4, train_iters=1,
+                          microbatch_group_size_per_virtual_pipeline_stage=n)
+        return predict_layout(cfg, 8, "H100-80GB")
+    p4, p8 = run(4), run(8)
+    assert p8["memory_bytes"]["activations"] > p4["memory_bytes"]["activations"]
+    assert p8["time_s"]["iteration"] == pytest.approx(p4["time_s"]["iteration"], rel=1e-12)
