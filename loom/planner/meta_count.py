@@ -35,6 +35,18 @@ def _rank_coords(cfg: LoomConfig, world_size: int) -> dict:
                 etp=p.expert_tensor_parallel_size)
 
 
+def forget_fake_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches (the Python one and the C++ fast path's).
+    They are keyed by the ``DeviceMesh``'s ranks and dimension names, not by its process
+    groups, and keep the output specs of every op FSDP2 ran on the fake world's meshes: a later
+    run of this process, or a process forked from it, whose mesh has the same ranks would reuse
+    those specs and reach the fake world's destroyed groups ("Could not resolve the process
+    group registered under the name N"). Found by tests/planner/test_planner_etp.py's ZeRO-3
+    count running before a forked 8-rank ZeRO-3 world in one pytest worker."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
+
+
 def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
                       grad_bytes: int = 4) -> dict:
     """Parameters and model-state bytes of global rank ``rank`` of a ``world_size``-rank run
@@ -79,6 +91,7 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
         coords = dict(pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
     finally:
         dist.destroy_process_group()
+        forget_fake_meshes()
     t = cfg.training
     zero = 3 if (getattr(t, "use_torch_fsdp2", False) or (t.zero_stage or 0) >= 3) else \
         (1 if t.use_distributed_optimizer or (t.zero_stage or 0) >= 1 else 0)

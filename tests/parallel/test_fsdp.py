@@ -485,3 +485,34 @@ def test_zero3_refusals_name_the_flag_and_the_fix(change, words):
         cfg.validate(2)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def _fresh_mesh_case() -> dict:
+    """A ZeRO-3 trainer at d 2 in a world forked after the parent counted a ZeRO-3 model on
+    the fake world (loom/planner/meta_count.py), with one extra group first so that its group
+    names differ from the fake world's: its DTensors must be on its own DP group."""
+    import torch.distributed as dist
+
+    from loom.parallel.fsdp import full_tensor
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    dist.new_group([0, 1])  # shifts every later group's name by one
+    tr = Trainer(make_cfg(dp=2), mesh=ParallelMesh.build(tp=1, pp=1))
+    tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples))
+    own = tr.mesh.groups["dp_cp"].group_name
+    names = {n for q in tr.params for n in q.device_mesh._dim_group_names}
+    return {"own": own, "names": sorted(names),
+            "gathered": all(full_tensor(q.grad).shape == q.shape for q in tr.params)}
+
+
+def test_a_zero3_count_on_the_fake_world_leaves_no_mesh_behind():
+    """count_rank_states forgets DTensor's sharding caches, which are keyed by a mesh's ranks
+    and names, not its process groups (meta_count.forget_fake_meshes): without that, a world
+    forked afterwards (or a later run of the process) reused the fake world's specs and its
+    destroyed groups ("Could not resolve the process group registered under the name N";
+    seen when test_planner_etp.py's ZeRO-3 count ran before test_optimizer_sgd.py's world in one
+    pytest worker)."""
+    from loom.planner.meta_count import count_rank_states
+    count_rank_states(make_cfg(dp=2), 2, 0)
+    for res in run_distributed(2, _fresh_mesh_case, start_method="fork"):
+        assert res["names"] == [res["own"]] and res["gathered"], res
