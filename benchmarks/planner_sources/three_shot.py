@@ -16,11 +16,13 @@ Reported per source (:func:`three_shot`, :func:`markdown`), error = ``|pred / pu
 * ``old``: the rule before issue 47's robustness pass (always fit the GEMM efficiency alone,
   ``select_fit(..., sizes=(1,))``) on the first, middle and last rows of the table;
 * ``after``: the rule on the same first/middle/last rows;
-* ``robust``: the rule on every choice of 3 rows (a fixed-seed sample of :data:`SAMPLE` of them
-  where there are more): the median over the choices of their median error, the worst choice's
-  median, and how many choices end worse than no calibration on the same predicted rows.
+* ``robust`` / ``robust_old``: the rule / the old rule on every choice of 3 rows (a fixed-seed
+  sample of :data:`SAMPLE` of them where there are more): the median over the choices of their
+  median error, the worst choice's median, and how many choices end worse than no calibration on
+  the same predicted rows.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.planner_sources.three_shot [--markdown]   # ~2-4 min
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_sources.three_shot [--markdown] [--sample 0]
+    # ~12 min on 2 shared cores; --sample 0 (no robustness columns): ~1 min
 """
 
 from __future__ import annotations
