@@ -134,8 +134,8 @@ def three_shot(sources=SOURCES, sample: int = SAMPLE) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = ["| source | predicted rows | uncalibrated: median / worst | old 3-shot (e alone, least "
-             "squares): median / worst | 3-shot (LOO rule): median / worst | fitted | any 3 rows, "
+    lines = ["| source | predicted rows | uncalibrated: median / worst | old 3-shot (e alone, "
+             "least squares): median / worst | 3-shot (LOO rule): median / worst | fitted | any 3 rows, "
              "old: median of medians / worst / worse than uncalibrated | any 3 rows, LOO rule: "
              "same |", "|---|---|---|---|---|---|---|---|"]
 
