@@ -135,9 +135,9 @@ def three_shot(sources=SOURCES, sample: int = SAMPLE) -> dict:
 
 def markdown(res: dict) -> str:
     lines = ["| source | predicted rows | uncalibrated: median / worst | old 3-shot (e alone, "
-             "least squares): median / worst | 3-shot (LOO rule): median / worst | fitted | any 3 rows, "
-             "old: median of medians / worst / worse than uncalibrated | any 3 rows, LOO rule: "
-             "same |", "|---|---|---|---|---|---|---|---|"]
+             "least squares): median / worst | 3-shot (LOO rule): median / worst | fitted | "
+             "any 3 rows, old: median of medians / worst / worse than uncalibrated | any 3 rows, "
+             "LOO rule: same |", "|---|---|---|---|---|---|---|---|"]
 
     def rob(r):
         return (f"{100 * r['median']:.1f}% / {100 * r['worst']:.1f}% / {r['worse']} of {r['n']}"
