@@ -24,8 +24,13 @@ demo: $(STAMP)
 # Random order (pytest-randomly), a new seed each run, printed first and last; a failing run
 # prints `make test SEED=N`, which runs the same order again. No -x: one run reports every
 # failure of its order (a random order is worth reading in full; tests/README.md).
+# WORKERS pytest-xdist processes share the modules (--dist loadscope: a module's tests stay in
+# one worker, so a module-scoped world is spawned once); the serial suite kept 2 cores only
+# ~0.75 busy (spawned ranks wait on each other, drills wait on timeouts). WORKERS=0: one process.
+WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED)) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p randomly $(if $(SEED),--randomly-seed=$(SEED)) \
+		$(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadscope) tests
 
 # The fast tier: the tests marked `fast` (tests/unit, tests/planner: in-process, no spawned
 # ranks but the one torchrun run of `loom plan`'s printed command; markers set by folder in

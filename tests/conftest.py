@@ -100,9 +100,11 @@ def _say_seed(config, terminal, failed: bool) -> None:
     terminal.write_line(f"random test order: --randomly-seed={seed}")
     if failed:
         terminal.write_line(
-            f"reproduce this order: `make test SEED={seed}`, or `OMP_NUM_THREADS=1 "
-            f".venv/bin/python -m pytest -p randomly -p no:cacheprovider --randomly-seed={seed} "
-            f"tests` (the same seed on a subset of the files keeps their relative order)",
+            f"reproduce this order: `make test SEED={seed}` (the same modules on the same worker "
+            f"only when their speeds repeat: `make test SEED={seed} WORKERS=0` runs the order in "
+            f"one process), or `OMP_NUM_THREADS=1 .venv/bin/python -m pytest -p randomly -p "
+            f"no:cacheprovider --randomly-seed={seed} tests` (the same seed on a subset of the "
+            f"files keeps their relative order)",
             red=True, bold=True)
 
 

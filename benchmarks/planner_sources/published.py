@@ -33,6 +33,7 @@ from dataclasses import replace
 from loom.config import ModelConfig
 from loom.planner.constants import Constants, fitted_cluster
 from loom.planner.layout import Options
+from benchmarks.planner_sources.software import source_options
 from loom.planner.presets import get_preset, moe_llama
 from loom.planner.search import enumerate_layouts, evaluate, record, search
 
@@ -144,7 +145,7 @@ def plan_fixed(model: ModelConfig, cluster, global_batch_size: int, seq_length: 
 def _fsdp_options(c: Constants | None) -> Options:
     """Flash attention, and the ZeRO-3 overlap of the constants ``c`` (a refit's own, so that a
     held-out prediction uses no shipped value; None: the shipped one)."""
-    return Options(flash_attention=True, zero3_overlap=c.zero3_overlap if c else None)
+    return source_options(flash_attention=True, zero3_overlap=c.zero3_overlap if c else None)
 
 
 def torchtitan_points(c: Constants | None = None, rows=TT_ROWS,

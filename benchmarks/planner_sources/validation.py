@@ -60,6 +60,7 @@ import numpy as np
 from loom.config import ModelConfig
 from loom.planner.constants import Constants, fitted_cluster
 from loom.planner.layout import Options, make_layouts
+from benchmarks.planner_sources.software import source_options
 from loom.planner.presets import KOR_TABLE3, NAR_TABLE1, NAR_TABLE2, gpt
 from loom.planner.search import evaluate, record, search
 from loom.planner.timing import layer_times, recompute_work
@@ -78,10 +79,10 @@ from loom.planner.timing import layer_times, recompute_work
 # code (synchronous), DeepSpeed's pipeline engine reduces gradients (fp32, all-reduced in full:
 # see bloom_176b) after the last micro-batch, and its BF16_Optimizer copies every micro-batch's
 # bf16 gradients into the fp32 accumulator (18 bytes per parameter, Options.grad_accum_bytes).
-MEGATRON_2021 = Options(overlap_grad_reduce=False, overlap_tp_comm=False, grad_bytes=2,
+MEGATRON_2021 = source_options(overlap_grad_reduce=False, overlap_tp_comm=False, grad_bytes=2,
                         grad_accum_bytes=6)
-MEGATRON_2022 = Options(overlap_grad_reduce=False)
-MEGATRON_DEEPSPEED_2022 = Options(overlap_grad_reduce=False, overlap_tp_comm=False,
+MEGATRON_2022 = source_options(overlap_grad_reduce=False)
+MEGATRON_DEEPSPEED_2022 = source_options(overlap_grad_reduce=False, overlap_tp_comm=False,
                                   zero1_all_reduce_grads=True, grad_accum_bytes=18)
 
 # DGX-2H: 8 x 100 Gb/s InfiniBand for 16 GPUs = 100 GB/s per node (SHO sec 5) = 6.25 GB/s per GPU.
@@ -160,7 +161,7 @@ def layer_fwd_bwd(model: ModelConfig, seq_length: int, L: dict, cluster,
     """Forward and backward time (seconds) of one transformer layer for one micro-batch, as KOR
     table 4 measures them (backward includes the recompute it triggers). Transformer layers
     only: a Mamba / hybrid model's kinds are in :func:`loom.planner.mamba.kind_layer_times`."""
-    opts = opts or Options()
+    opts = opts or source_options()
     lt = layer_times(model, seq_length, L, cluster, opts)
     rc = L["recompute"]
     comp_f = lt["gemm"] + lt["attn"]
@@ -209,7 +210,7 @@ def mcore_h100(constants: Constants | None = None) -> list[dict]:
     for P, a, h, nl, t, p, n, B, tflops, _mfu in MCORE_H100:
         model = _mcore_model(nl, h, a)
         cl = fitted_cluster("H100-80GB", n, constants)
-        res = search(model, cl, B, 4096, opts=Options(flash_attention=True),
+        res = search(model, cl, B, 4096, opts=source_options(flash_attention=True),
                      fixed=dict(tp=t, pp=p, cp=1, zero=1 if n // (t * p) > 1 else 0,
                                 sp=1 if t > 1 else 0, zb=0))
         r = record(res, int(res["order"][0])) if len(res["order"]) else None
@@ -224,7 +225,7 @@ def mcore_h100_strong(constants: Constants | None = None) -> list[dict]:
     out = []
     for n, pub in MCORE_H100_STRONG:
         res = search(_mcore_model(96, 12288, 96), fitted_cluster("H100-80GB", n, constants),
-                     1152, 4096, opts=Options(flash_attention=True),
+                     1152, 4096, opts=source_options(flash_attention=True),
                      fixed=dict(tp=8, pp=6, cp=1, zero=1, sp=1, zb=0))
         mfu = record(res, int(res["order"][0]))["mfu"] if len(res["order"]) else float("nan")
         out.append(dict(gpus=n, published_mfu=pub, mfu=mfu))
@@ -236,7 +237,7 @@ def nar_table2(constants: Constants | None = None, schemes=("ZeRO-3", "PTD-P"),
     """One dict per NAR table 2 row of ``schemes``: ``scheme, params_b, gpus, b,
     published_tflops, published_days, tflops, days`` (predicted hardware TFLOP/s per GPU and
     days)."""
-    opts = Options(flash_attention=False, max_zero_stage=3,
+    opts = source_options(flash_attention=False, max_zero_stage=3,
                    zero3_overlap=constants.zero3_overlap if constants else None,
                    zero3_link_efficiency=zero3_link_efficiency)
     out = []
@@ -282,7 +283,7 @@ def opt_175b(constants: Constants | None = None, distribute_saved: bool = True,
     and gradient reduce-scatters not hidden behind the compute (fairscale overlaps both by
     design: its ``all_gather`` and ``post_backward`` streams)."""
     model = gpt(96, 12288, 96, V=50272)
-    opts = Options(overlap_tp_comm=False, grad_bytes=2, max_zero_stage=3,
+    opts = source_options(overlap_tp_comm=False, grad_bytes=2, max_zero_stage=3,
                    distribute_saved_activations=distribute_saved,
                    overlap_grad_reduce=dp_overlap)
     L = make_layouts(dict(tp=8, pp=1, cp=1, dp=124, mbs=8, zero=2, recompute="full"))
@@ -297,7 +298,7 @@ def sho_weak_scaling(recompute: str = "full", overlap: bool = True,
     predicted ``mp``, ``mp_dp`` efficiencies (per-GPU model FLOP/s over the 1-GPU 1.2B run's),
     V100-32GB, 16 GPUs per node, s = 1024, unfused attention, no recompute, b = 8 (SHO sec 5:
     batch 8 per model-parallel group... per GPU global 512 at 64-way DP)."""
-    opts = Options(flash_attention=False, max_zero_stage=0, overlap_grad_reduce=overlap,
+    opts = source_options(flash_attention=False, max_zero_stage=0, overlap_grad_reduce=overlap,
                    overlap_tp_comm=False, grad_bytes=2)
     base = None
     out = []

@@ -11,7 +11,7 @@ import numpy as np
 from loom.config import ModelConfig
 from loom.planner.layout import Options
 from loom.planner.mla import mla_activation_bytes
-from loom.planner.moe import MOE_LOAD_IMBALANCE, moe_activation_bytes, moe_fraction
+from loom.planner.moe import MOE_LOAD_IMBALANCE, expert_tp, moe_activation_bytes, moe_fraction
 
 
 def layer_dims(model: ModelConfig, seq_length: int, L: dict) -> tuple:
@@ -58,7 +58,8 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
         repl = repl + mla_repl
     if model.num_experts:
         fm = moe_fraction(model) if moe_share is None else moe_share
-        moe_split, moe_repl = moe_activation_bytes(model, S, moe_load_imbalance)
+        moe_split, moe_repl = moe_activation_bytes(model, S, moe_load_imbalance,
+                                                   expert_tp(L) / t)
         split = split + fm * (moe_split - S * f * (6 if model.gated_linear_unit else 4))
         repl = repl + fm * moe_repl
     if flash_attention:

@@ -152,7 +152,9 @@ def run(args) -> int:
     if args.moe_load_imbalance < 1:
         raise ConfigError(f"--moe-load-imbalance {args.moe_load_imbalance}: must be >= 1 (the "
                           f"busiest rank's expert tokens over the mean; 1 = perfect balance)")
+    overlap = dp_overlap_of(args)
     opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
+                   overlap_grad_reduce=overlap, overlap_param_gather=overlap,
                    max_zero_stage=args.max_zero_stage,
                    uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
@@ -209,7 +211,8 @@ def run(args) -> int:
         if not n_fit and n_eval:  # the given layout still gets its predicted time
             doc["closest"] = record(res, int(res["mem_total"].argmin()))
         for r in recs:
-            r["command"] = train_command(r, model, B, s, cluster.num_gpus, cluster.gpus_per_node)
+            r["command"] = train_command(r, model, B, s, cluster.num_gpus, cluster.gpus_per_node,
+                                         opts)
         print(to_json(recs, doc))
     else:
         if calibration:
@@ -228,7 +231,7 @@ def run(args) -> int:
             print(f"command for row {n}{' (the chosen layout)' if n == 1 else ''}; add "
                   f"--data-path PREFIX (or --mock-data to try it), --train-iters N and --lr X:")
             print(train_command(recs[n - 1], model, B, s, cluster.num_gpus,
-                                cluster.gpus_per_node))
+                                cluster.gpus_per_node, opts))
     if why:
         print(f"loom plan: {why}", file=sys.stderr)
     if args.plot:
@@ -242,6 +245,19 @@ def run(args) -> int:
         if not args.json:
             print(f"wrote {args.plot_breakdown}")
     return 0 if n_fit else 1
+
+
+def dp_overlap_of(args) -> bool:
+    """``--dp-overlap on|off`` as a bool (both ``Options.overlap_grad_reduce`` and
+    ``overlap_param_gather``). ``--overlap-grad-reduce`` / ``--overlap-param-gather`` given
+    (flags or ``--config``) agree with on; with off they are a contradiction (ConfigError)."""
+    given = [f for f, k in (("--overlap-grad-reduce", "overlap_grad_reduce"),
+                            ("--overlap-param-gather", "overlap_param_gather"))
+             if getattr(args, k, None)]
+    if args.dp_overlap == "off" and given:
+        raise ConfigError(f"--dp-overlap off plans exposed data-parallel communication, but "
+                          f"{' and '.join(given)} overlaps it: drop one of them")
+    return args.dp_overlap == "on"
 
 
 MAX_TRAIN_TOKENS = 1e18  # a million times the largest published pre-training runs (~1e13)

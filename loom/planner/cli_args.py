@@ -9,13 +9,20 @@ from loom.config import ConfigError, ModelConfig
 
 def fixed_from_args(args, model: ModelConfig) -> dict:
     """The layout dimensions the flags fix (:func:`loom.planner.search.enumerate_layouts`'s
-    ``fixed``): sizes, micro-batch, recompute, SP, ZeRO stage, EP, the pipeline split
-    (first/last layers, accounting, a layout string, virtual stages) and the schedule."""
+    ``fixed``): sizes, micro-batch, recompute, SP, ZeRO stage, EP, expert TP (MoE models
+    only: loom train ignores it for a dense model, as Megatron does), the pipeline split
+    (first/last layers, accounting, a layout string, virtual stages), the schedule and the
+    interleaved schedule's micro-batch group (``vpg``)."""
     fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
              "cp": args.context_parallel_size, "dp": args.data_parallel_size,
              "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
              "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage,
              "ep": args.expert_model_parallel_size}
+    if model.num_experts:
+        fixed["etp"] = getattr(args, "expert_tensor_parallel_size", None)
+        if fixed["etp"] and fixed["tp"] and fixed["tp"] % fixed["etp"]:
+            raise ConfigError(f"--expert-tensor-parallel-size {fixed['etp']} must divide "
+                              f"--tensor-model-parallel-size {fixed['tp']} (loom train's rule)")
     if args.use_distributed_optimizer:
         fixed["zero"] = 1
     if args.use_torch_fsdp2:
@@ -57,6 +64,14 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
         stage = ((model.num_layers - lf - ll) // (pp - 2) if pp > 2 else max(lf, ll)) if lf \
             else model.num_layers // pp
         fixed["vp"] = stage // per_chunk
+    group = getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None)
+    if group is not None:  # the interleaved rows' micro-batch group N (loom train's flag)
+        pp = args.pipeline_model_parallel_size
+        if pp and group < pp:
+            raise ConfigError(f"--microbatch-group-size-per-virtual-pipeline-stage {group} is "
+                              f"below --pipeline-model-parallel-size {pp}: the interleaved "
+                              f"schedule needs N >= p (Megatron-Core); raise N or drop it")
+        fixed["vpg"] = group
     sched = getattr(args, "pipeline_schedule", None)
     if sched in ("zero-bubble", "zbv"):  # ZB-H1 / ZB-V (1F1B, interleaved: searched as 0)
         fixed["zb"] = 1 if sched == "zero-bubble" else 2

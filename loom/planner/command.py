@@ -18,7 +18,8 @@ LEGEND = """\
 columns: #  rank (best first; --command-for N prints row N's command)
   tp   --tensor-model-parallel-size t        pp   --pipeline-model-parallel-size p
   dp   data-parallel replicas d = GPUs / (t p c), derived from the world size
-  ep   --expert-model-parallel-size (MoE; splits the dp ranks, not extra GPUs)
+  ep   --expert-model-parallel-size (MoE; re-folds the tp x dp ranks, not extra GPUs);
+       "etp u" after a row: --expert-tensor-parallel-size u (each expert over u ranks; else t)
   cp   --context-parallel-size c
   vp   model chunks per pipeline stage (interleaved 1F1B when > 1); loom train takes it as
        --num-layers-per-virtual-pipeline-stage = L / (p x vp) LAYERS per chunk
@@ -88,16 +89,56 @@ def split_flags(rec: dict, model: ModelConfig) -> list[str]:
     return ["--pipeline-model-parallel-layout", rec["pipeline_layout"]]
 
 
-def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[str]:
-    """``loom train`` flags of one planner record (:func:`loom.planner.search.record`)."""
+def dp_overlap_flags(rec: dict, opts=None) -> list[str]:
+    """The data-parallel overlap flags the planner's time of ``rec`` assumed under ``opts`` (a
+    :class:`~loom.planner.layout.Options`; None: its defaults, both overlapped):
+    ``--overlap-grad-reduce`` where a gradient reduction exists (``d x c > 1``) and loom's
+    gradient buffer runs it (ZeRO 0-2; FSDP2 overlaps its own, ZeRO-3 ignores the flag),
+    ``--overlap-param-gather`` where the distributed optimizer all-gathers the weights (ZeRO 1
+    and 2, ``d x c > 1``; loom train refuses it without that optimizer)."""
+    from loom.planner.layout import Options, param_gather_overlapped
+    opts = opts or Options()
+    if rec.get("dp", 1) * rec["cp"] <= 1 or rec["zero"] >= 3:
+        return []
+    out = ["--overlap-grad-reduce"] if opts.overlap_grad_reduce else []
+    if rec["zero"] >= 1 and param_gather_overlapped(opts):
+        out.append("--overlap-param-gather")
+    return out
+
+
+def bucket_flags(rec: dict, opts=None) -> list[str]:
+    """``--ddp-bucket-size N``: the gradient bucket the plan's DP time assumed (the overlap's
+    exposed last bucket, one latency per bucket), where loom's gradient buffer reduces (``d x c
+    > 1``, ZeRO 0-2) and the plan used Megatron-Core's ``max(40M, 1M d)`` rather than loom
+    train's own default (``Options.ddp_bucket_count``; :func:`loom.planner.timing.bucket_elems`)."""
+    from loom.planner.layout import Options
+    from loom.planner.timing import bucket_elems
+    opts = opts or Options()
+    n_dp = rec.get("dp", 1) * rec["cp"]
+    if n_dp <= 1 or rec["zero"] >= 3 or opts.ddp_bucket_count:
+        return []
+    return ["--ddp-bucket-size", str(int(bucket_elems(n_dp, opts)))]
+
+
+def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int,
+                 opts=None) -> list[str]:
+    """``loom train`` flags of one planner record (:func:`loom.planner.search.record`), planned
+    under ``opts`` (:class:`~loom.planner.layout.Options`, None: the defaults): its DP overlap
+    flags and bucket size too (:func:`dp_overlap_flags`, :func:`bucket_flags`), so the command
+    runs what the plan timed."""
     out = ["--tensor-model-parallel-size", str(rec["tp"]),
            "--pipeline-model-parallel-size", str(rec["pp"]),
            "--context-parallel-size", str(rec["cp"])]
     if rec.get("ep", 1) > 1:
         out += ["--expert-model-parallel-size", str(rec["ep"])]
+    if rec.get("etp", rec["tp"]) != rec["tp"]:  # expert TP other than Megatron's default t
+        out += ["--expert-tensor-parallel-size", str(rec["etp"])]
     out += split_flags(rec, model)
     if rec.get("pipeline_schedule", "1f1b") != "1f1b":  # ZB-H1 / ZB-V (loom's names)
         out += ["--pipeline-schedule", rec["pipeline_schedule"]]
+    if rec.get("microbatch_group_size", rec["pp"]) != rec["pp"]:  # interleaved, N > p
+        out += ["--microbatch-group-size-per-virtual-pipeline-stage",
+                str(rec["microbatch_group_size"])]
     if rec["sequence_parallel"]:
         out.append("--sequence-parallel")
     if rec["recompute"] != "none":
@@ -116,19 +157,23 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int) -> list[
         out += ["--zero-stage", str(rec["zero"])]  # 2: gradients sharded; 3: FSDP2
     elif rec["zero"] == 1:
         out.append("--use-distributed-optimizer")
+    out += dp_overlap_flags(rec, opts) + bucket_flags(rec, opts)
     return out + ["--micro-batch-size", str(rec["micro_batch_size"]),
                   "--global-batch-size", str(global_batch_size)]
 
 
 def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_length: int,
-                  num_gpus: int, gpus_per_node: int) -> str:
+                  num_gpus: int, gpus_per_node: int, opts=None) -> str:
     """The shell command that runs layout ``rec``: ``torchrun [--standalone] --nproc-per-node G [--nnodes N
     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500] -m loom train FLAGS``, one flag per
     continued line; data, length and learning rate (``--data-path`` / ``--train-iters`` /
     ``--lr``, which Megatron requires) are for the user to
     add. A split that only ``--pipeline-model-parallel-layout`` expresses is given as that
     flag; while loom train's config lacks it (:func:`loom_takes_layout_string`) a comment line
-    says so."""
+    says so. ``opts``: the :class:`~loom.planner.layout.Options` the plan used (its DP
+    overlap flags, :func:`dp_overlap_flags`; None: the defaults)."""
+    if "dp" not in rec:  # a hand-made record: d from the world size
+        rec = dict(rec, dp=num_gpus // (rec["tp"] * rec["pp"] * rec["cp"]))
     per_node = min(num_gpus, gpus_per_node)
     nodes = math.ceil(num_gpus / per_node)
     launch = ["torchrun", "--nproc-per-node", str(per_node)]
@@ -138,7 +183,7 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
         launch += ["--nnodes", str(nodes), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", "$MASTER_ADDR:29500"]
     words = [shlex.quote(w) for w in
-             model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size)]
+             model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size, opts)]
     pairs, i = [], 0
     while i < len(words):  # "--flag value [value ...]" together on one line
         take = 1

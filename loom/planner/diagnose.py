@@ -24,7 +24,7 @@ from loom.planner.search import MEMORY_TERMS, enumerate_layouts, record, search
 
 FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
          "cp": "--context-parallel-size", "dp": "--data-parallel-size",
-         "ep": "--expert-model-parallel-size",
+         "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size",
          "mbs": "--micro-batch-size", "recompute": "--recompute-granularity",
          "sp": "--sequence-parallel", "zero": "--zero-stage", "vp":
          "--num-layers-per-virtual-pipeline-stage",
@@ -55,7 +55,8 @@ def explain_no_layout(model: ModelConfig, cluster: Cluster, global_batch_size: i
         if len(enumerate_layouts(model, cluster, B, seq_length, rest, opts)["tp"]):
             return (f"{head}: {FLAGS.get(k, k)} {v} admits no layout with the other sizes "
                     f"(it must divide the {n} GPUs, and for TP the heads, query groups and FFN"
-                    f"{mamba}; PP needs p <= L; EP must divide d and the experts): change or drop "
+                    f"{mamba}; PP needs p <= L; EP must divide the experts and, times the expert "
+                    f"TP (which divides TP), t x d): change or drop "
                     f"{FLAGS.get(k, k)}")
     if not any(B % d == 0 for d in range(1, n + 1) if n % d == 0):
         return f"{head}: --global-batch-size {B} has no divisor d dividing the GPU count"
@@ -101,7 +102,7 @@ def explain_nothing_fits(model: ModelConfig, cluster: Cluster, global_batch_size
                       replace(opts, max_zero_stage=3), cluster))
     if "zero" in fixed and fixed["zero"] < 3:
         tries.append(("--zero-stage 3", {**fixed, "zero": 3}, opts, cluster))
-    for k in ("cp", "mbs", "tp", "pp", "dp", "ep", "sp", "vp", "recompute"):
+    for k in ("cp", "mbs", "tp", "pp", "dp", "ep", "etp", "sp", "vp", "recompute"):
         if k in fixed:
             rest = {kk: vv for kk, vv in fixed.items() if kk != k}
             tries.append((f"drop {FLAGS[k]} {fixed[k]} (let the planner choose)", rest, opts,

@@ -30,7 +30,9 @@ from loom.planner.moe import MOE_LOAD_IMBALANCE
 
 RECOMPUTE = ("none", "selective", "full")
 KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep", "zb",
-        "rcl", "cpt")
+        "rcl", "cpt", "etp")
+# ``etp``: the expert TP size u (``--expert-tensor-parallel-size``; 0 or absent = t, Megatron-
+# Core's default; dense models 0): loom.planner.moe.expert_tp
 # pipeline schedule code ``zb``: 0 1F1B (interleaved when vp > 1), 1 ZB-H1, 2 ZB-V (vp = 2),
 # 3 GPipe (evaluated when given, never searched: 1F1B's time at m micro-batches of memory)
 SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
@@ -51,6 +53,10 @@ SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
 #   fits; ZeRO, Rajbhandari et al. 2020, sec 3.2 and 6.3, names it as a cause of running out of
 #   memory with memory still free, which ZeRO-R's contiguous buffers and Megatron's contiguous
 #   gradient buffer reduce). 5% is the planner's assumption for such a run.
+# loom train's gradient buckets without --ddp-bucket-size (loom/parallel/grad_buffer.py
+# default_bucket_size: TARGET_BUCKETS, MIN_BUCKET_PER_RANK, MAX_BUCKET; the planner stays
+# torch-free, a test checks they agree) as Options fields
+LOOM_BUCKETS = dict(ddp_bucket_count=4, ddp_bucket_per_rank=250_000, ddp_bucket_elems=40e6)
 WORKSPACE_BYTES = 2e9
 FRAGMENTATION_FRACTION = 0.05
 
@@ -63,14 +69,32 @@ class Options:
     loses its ``5as/h`` term); the paper runs (NAR, KOR) predate it.
     ``grad_bytes``: bytes per gradient element (4: Megatron's fp32 ``main_grad`` -> 18 bytes per
     parameter; 2: the ZeRO paper's fp16 gradients -> 16 bytes per parameter).
-    ``overlap_grad_reduce``: DP gradient reduction overlapped with the last micro-batch's backward
-    (Megatron-Core ``--overlap-grad-reduce``).
+    ``overlap_grad_reduce``: DP gradient reduction (all-reduce; ZeRO-1/2 reduce-scatter)
+    overlapped with the last micro-batch's backward under the bucket schedule (Megatron-Core
+    ``--overlap-grad-reduce``: ``DistributedDataParallel``'s backward hooks launch each bucket
+    when its last gradient is ready; loom's ``GradBuffer`` with ``overlap``, loom/parallel/
+    grad_buffer.py); False: every bucket is reduced after the backward, exposed (both
+    trainers' default). ZeRO-3 does not read it (FSDP prefetches by design: ``zero3_overlap``).
+    ``overlap_param_gather``: ZeRO-1/2's all-gather of the updated 16-bit weights overlapped
+    with the next iteration's first forward under the bucket schedule (Megatron-Core
+    ``--overlap-param-gather``: ``DistributedOptimizer.zero_grad`` launches the first bucket's
+    gather, each forward pre-hook waits for its bucket and launches the next; loom's
+    ``ParamGather``: every bucket launched after the step in the forward's order, each waited
+    for by the pre-hook of its first module, loom/training/distributed_optimizer.py); False:
+    all-gathered right after the optimizer step, exposed (both trainers' default). None
+    (default): as ``overlap_grad_reduce`` (on unless a source says its software reduced after
+    the backward: the DP overlap of a published source is stated once; ``loom plan --dp-overlap``
+    and :func:`loom.planner.predict.predict_layout` set both).
     ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
     bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
     ``ddp_bucket_per_rank``: the bucket grows to at least this many elements per DP rank:
     Megatron-Core's default ``max(40M, 1M x dp_size)`` (``distributed_data_parallel.py``, commit
     0fda386c04, 2024-04, "Tune DDP bucket size to improve speed at large DP counts": a ring's
     per-hop latency is paid ``d - 1`` times per bucket); 0: the fixed ``ddp_bucket_elems``.
+    ``ddp_bucket_count``: 0 (default) the rule above; ``n`` > 0: loom train's default without
+    ``--ddp-bucket-size``, ``clamp(ceil(P / n), ddp_bucket_per_rank x d, ddp_bucket_elems)`` for
+    the stage's P parameters (loom/parallel/grad_buffer.py ``default_bucket_size``: n 4, 250k,
+    40M; :data:`LOOM_BUCKETS`).
     ``uneven_interleaved``: also search virtual stages with uneven stages (what Megatron-Core
     and Llama 3 run; ``loom train`` runs them from a ``--pipeline-model-parallel-layout``).
     ``straggler_jitter``: relative std. dev. of a node's step time; adds the expected wait for
@@ -121,6 +145,11 @@ class Options:
     micro-batch's missing add stands for the per-iteration gradient copies), 18 for DeepSpeed's
     2022 BF16_Optimizer (``hp_grad.add_(lp_grad.to(fp32))`` after every micro-batch: a 4-byte
     copy of the 2-byte gradient, then read, read, write 4 bytes).
+    ``legacy_interleaved_warmup``: the interleaved schedule of Megatron-LM before 2024-11 (merge
+    request !2117, commit 4295be1a6c, dropped the rule): at ``m = p`` every rank runs all its
+    ``m v`` forwards before the first backward, so it holds them all. Megatron-Core since, and
+    ``loom train``, warm up ``2 (p - r - 1) + (v - 1) p`` (:mod:`loom.planner.stage_table`).
+    The published runs' software (benchmarks/planner_sources) ran the old rule. Planner only.
     ``selective_ac_op``: selective recompute is torchtitan's op-level policy
     (``selective_ac_option = 'op'``) instead of Megatron's attention-core recompute: backward
     recomputes every second GEMM of the block and all its element-wise work, not the attention
@@ -132,12 +161,14 @@ class Options:
     flash_attention: bool = False
     grad_bytes: int = 4
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool | None = None  # None: as overlap_grad_reduce
     overlap_tp_comm: bool = True
     overlap_cp_comm: bool = True
     uneven_interleaved: bool = True
     straggler_jitter: float = 0.0
     ddp_bucket_elems: float = 40e6
     ddp_bucket_per_rank: float = 1e6
+    ddp_bucket_count: int = 0
     reserve_bytes: float = WORKSPACE_BYTES
     reserve_fraction: float = FRAGMENTATION_FRACTION
     allow_tp_across_nodes: bool = False
@@ -152,6 +183,14 @@ class Options:
     zero1_all_reduce_grads: bool = False
     grad_accum_bytes: float = 0.0
     selective_ac_op: bool = False
+    legacy_interleaved_warmup: bool = False
+
+
+def param_gather_overlapped(opts: Options) -> bool:
+    """Whether the ZeRO-1/2 weight all-gather is overlapped: ``opts.overlap_param_gather``, or
+    ``opts.overlap_grad_reduce`` when that is None (:class:`Options`)."""
+    return opts.overlap_grad_reduce if opts.overlap_param_gather is None \
+        else bool(opts.overlap_param_gather)
 
 
 def make_layouts(rows: list[dict] | dict) -> dict:

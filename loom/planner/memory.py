@@ -26,8 +26,9 @@ Terms (all bytes, of the pipeline stage that needs the most):
 * ``reserve``: ``reserve_bytes + reserve_fraction x`` the other terms (context, workspaces,
   fragmentation).
 * mixture of experts (:mod:`loom.planner.moe`): expert weights, gradients and optimizer states
-  are split over ``t x e`` GPUs and their ZeRO sharding runs over the expert-data-parallel group
-  ``d c / e``; everything else as for a dense model. The MoE MLP's activations replace the dense
+  are split over ``u x e`` GPUs (u the expert TP size, t by default) and their ZeRO sharding
+  runs over the expert-data-parallel group ``t c d / (u e)`` (:func:`loom.planner.moe.expert_dp`;
+  ``d c / e`` at u = t); everything else as for a dense model. The MoE MLP's activations replace the dense
   MLP's (:func:`loom.planner.moe.moe_activation_bytes`).
   Dense and MoE layers are counted per stage (:func:`loom.planner.moe.stage_moe_layers`).
 * Mamba-2 / hybrid stacks (:mod:`loom.planner.mamba`): parameters and activations per layer
@@ -48,7 +49,7 @@ from loom.planner.activations import (activation_bytes_per_layer,  # noqa: F401 
 from loom.planner.memory_runtime import (backward_working_bytes, layer_extra_bytes, logits_bytes,
                                         loom_layer_extra, loss_transient_bytes)
 from loom.planner.mla import attention_params, mtp_params, mtp_stage_params
-from loom.planner.moe import layer_param_totals, moe_layer_params
+from loom.planner.moe import expert_dp, expert_shards, layer_param_totals, moe_layer_params
 
 
 def padded_vocab(model: ModelConfig, tp):
@@ -106,7 +107,7 @@ def total_params(model: ModelConfig, seq_length: int | None = None,
 def kind_layer_params(model: ModelConfig, L: dict) -> list[tuple]:
     """``(per_gpu, expert_per_gpu)`` parameters (count, arrays) of one layer of each kind of
     :func:`loom.planner.stage_table.layer_kinds`: sharded over ``t`` plus replicated; MoE
-    experts over ``t x e`` (:func:`loom.planner.moe.moe_layer_params`); hybrid kinds
+    experts over ``u x e`` (:func:`loom.planner.moe.moe_layer_params`, :func:`expert_shards`); hybrid kinds
     (:func:`loom.planner.mamba.kind_params`)."""
     t = L["tp"]
     sh, rep = layer_params(model)
@@ -118,7 +119,7 @@ def kind_layer_params(model: ModelConfig, L: dict) -> list[tuple]:
     if not model.num_experts:
         return [dense]
     sh_m, rep_m, ex = moe_layer_params(model, (sh, rep))
-    expert = ex / (t * L.get("ep", 1.0))
+    expert = ex / expert_shards(L)
     return [dense, (sh_m / t + rep_m + expert, expert)]
 
 
@@ -145,7 +146,8 @@ def slot_params(model: ModelConfig, L: dict, seq_length: int, slots: dict) -> tu
     out_w = Vp * h / t * np.where(untied, 1.0, 1.0 - slots["emb"])
     params = params + slots["emb"] * emb + slots["out"] * (final_norm + out_w)
     if model.mtp_num_layers:
-        w_mtp, x_mtp = mtp_stage_params(model, layer_params(model), t, L.get("ep", 1.0))
+        # mtp_stage_params divides the experts by t x ep: ep' = u e / t gives u e
+        w_mtp, x_mtp = mtp_stage_params(model, layer_params(model), t, expert_shards(L) / t)
         share = slots["mtp"] / model.mtp_num_layers
         mtp_emb = Vp * h / t * untied * (1.0 - slots["emb"])
         params = params + share * w_mtp + (slots["mtp"] > 0) * mtp_emb
@@ -283,7 +285,8 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
                       opts: Options | None = None, slots: dict | None = None) -> tuple[dict, dict]:
     """Memory terms (bytes, arrays ``(R, N)``) of every stage slot of every row, and the slots
     (:func:`loom.planner.stage_table.stage_slots`, computed unless given). Per slot: model states of its parameters
-    (:func:`slot_params`; experts' ZeRO over the expert-data-parallel group ``d c / e``); its
+    (:func:`slot_params`; experts' ZeRO over the expert-data-parallel group
+    :func:`loom.planner.moe.expert_dp`); its
     held layer-micro-batches of each kind times that kind's bytes per layer
     (:func:`layer_activation_kinds`), one recomputed layer's working memory, the CP K/V
     transient and the runtime's backward transient; the embedding's dropout mask per held
@@ -298,11 +301,10 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
     m = num_microbatches(L, global_batch_size)
     if slots is None:
-        slots = stage_slots(model, L, m)
+        slots = stage_slots(model, L, m, opts.legacy_interleaved_warmup)
     P, X = slot_params(model, L, s, slots)
     wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes)
-    xw, xg, xo = model_state_bytes_per_param(L["zero"], L["dp"] * c / L.get("ep", 1.0),
-                                             opts.grad_bytes)
+    xw, xg, xo = model_state_bytes_per_param(L["zero"], expert_dp(L), opts.grad_bytes)
     base_k, full_k, working = layer_activation_kinds(model, s, L, opts)
     kv_w = (model.num_attention_heads * (model.q_head_dim + model.v_head_dim)
             if getattr(model, "multi_latent_attention", False)

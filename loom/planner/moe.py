@@ -2,36 +2,58 @@
 activations, expert GEMM time and the expert-parallel all-to-all.
 
 Symbols: E experts of width ``f_e`` (``--moe-ffn-hidden-size``), top-k routing, shared expert of
-width ``f_sh`` (0 without one), ``e`` the EP size (carved out of the data-parallel dimension),
-``t`` TP (experts are sharded over TP like an MLP: the default expert TP size t; the planner
-does not model ``--expert-tensor-parallel-size 1``, whose experts are whole on every TP rank:
-t times the expert memory, the same expert FLOPs per rank), ``S = s b / c``
-tokens per GPU and micro-batch, ``lambda`` the load-imbalance factor
+width ``f_sh`` (0 without one), ``t`` TP, ``u`` expert TP (``--expert-tensor-parallel-size``,
+layout key ``etp``; Megatron-Core's default u = t; :func:`expert_tp`), ``e`` the EP size,
+``S = s b / c`` tokens per GPU and micro-batch, ``lambda`` the load-imbalance factor
 (``Options.moe_load_imbalance``, ``--moe-load-imbalance``, default :data:`MOE_LOAD_IMBALANCE`).
 
+Expert grid (``loom/parallel/mesh.py`` module docstring, Megatron-Core's ``parallel_state``
+expert rank generator): the ``n = t c d`` ranks of a pipeline stage re-fold as
+``u x e x n/(u e)``, stage rank ``q = etp_rank + u (ep_rank + e edp_rank)``. loom train's rules
+(``loom/config/validate.py::_check_moe``): u divides t, ``u e`` divides ``t c d``, e divides E,
+u divides ``f_e``. So EP is not only "carved out of DP": with u < t an EP group may hold the
+ranks of one TP group (TP2 ETP1 EP2 on 2 GPUs).
+
+Expert TP u < t (``loom/parallel/expert.py`` module docstring, ``expert_dispatch.py``
+``ParallelDispatcher._pairs``): every TP rank routes all S tokens, the kept (token, expert)
+pairs sorted by expert are split over the ``t/u`` expert-TP groups of the TP group (each rank
+owns every ``(t/u)``-th pair), so a rank dispatches and runs a share ``u/t`` of the ``S k``
+pairs, each on an expert shard of width ``f_e / u``: the same expert FLOPs per rank
+(``S k f_e / t``), on ``u/t`` as many rows of ``t/u`` times the width. The split is local
+indexing: loom has no token gather / scatter between the TP and the expert-TP layouts (the
+one TP all-reduce after the combine sums every rank's partial pair outputs as for u = t).
 The layer structure is that of ``loom/models/moe.py`` / ``loom/parallel/expert.py``:
 
 * parameters of an MoE layer: attention and norms as a dense layer; router ``h E`` (replicated
   across TP, no bias); E experts of ``h mlp_in + f_e h`` (``mlp_in = 2 f_e`` with SwiGLU, biases
-  ``mlp_in + h`` when the model has them), each split over ``t x e`` GPUs; a shared expert like a
-  dense MLP of width ``f_sh`` (split over t), its gate ``h`` (``--moe-shared-expert-gate``).
+  ``mlp_in + h`` when the model has them), each split over ``u x e`` GPUs (their weights,
+  gradients and optimizer states; ZeRO shards the latter over the expert-DP group ``t c d /
+  (u e)``, :func:`expert_dp`); a shared expert like a dense MLP of width ``f_sh`` (split over
+  t), its gate ``h`` (``--moe-shared-expert-gate``).
 * FLOPs per token (multiply-add = 2): ``k (6|4) h f_e + (6|4) h f_sh + 2 h E`` instead of the dense
   MLP's ``(6|4) h f`` (6 with SwiGLU): the *active* parameters (Switch sec 2, Mixtral sec 2).
-* time: the k S assignments of a GPU's tokens land, on average, on ``S k`` expert rows of each
-  EP rank (``lambda S k`` on the busiest), spread over its ``E/e`` experts: ``S k e / E`` tokens
-  per expert GEMM, whose efficiency falls with that count (:func:`gemm_efficiency`).
+* time: the k S assignments of a GPU's tokens land, on average, on ``S k u / t`` expert rows of
+  each EP rank (``lambda S k u / t`` on the busiest), spread over its ``E/e`` experts:
+  ``S k e u / (t E)`` tokens per expert GEMM of inner width ``min(h, f_e) / u``, whose
+  efficiency falls with that count (:func:`gemm_efficiency`).
 * dispatcher (``--moe-token-dispatcher-type``), 4 collectives per MoE layer and micro-batch
   (dispatch and combine forward, their transposes backward; ``docs/moe.md``), the ``a2a`` term
-  being their mean. ``alltoall``: each moves ``2 S k h`` bytes (bf16) of which ``(e-1)/e``
-  leave the GPU; EP ranks are ``t c`` ranks apart, so ``gpus_per_node / (t c)`` of them share a
-  node. ``allgather``: an all-gather of the EP group's tokens (``2 e S h`` bytes gathered) and
-  a reduce-scatter of the ``[e S k, h]`` outputs (``2 e S k h`` bytes), ring collectives on the
-  slowest link the group crosses: about ``e (1 + 1/k) / 2`` times the all-to-all's bytes.
-* ``--moe-grouped-gemm``: the local experts' GEMMs run as one grouped GEMM of all ``lambda S k``
-  rows, whose efficiency is that of the whole row count instead of ``S k e / E`` per expert.
+  being their mean. ``alltoall``: each moves the rank's own pairs, ``2 S k h u / t`` bytes
+  (bf16), of which ``(e-1)/e`` leave the GPU; EP ranks are ``u`` ranks apart (the expert grid),
+  so ``gpus_per_node / u`` of them share a node (:func:`ep_members_per_node`). ``allgather``:
+  an all-gather of the EP group's tokens (``2 e S h`` bytes gathered: every rank's whole
+  ``[T, h]``, whatever u) and a reduce-scatter of the ``[e S k, h]`` outputs (``2 e S k h``
+  bytes; ``ParallelDispatcher._allgather``), ring collectives on the slowest link the group
+  crosses: about ``e (1 + 1/k) / 2`` times the all-to-all's bytes at u = t.
+* ``--moe-grouped-gemm``: the local experts' GEMMs run as one grouped GEMM of all
+  ``lambda S k u / t`` rows, whose efficiency is that of the whole row count instead of
+  ``S k e u / (t E)`` per expert.
 * TP: loom sums the k expert partial outputs and the shared expert's over TP in ONE all-reduce
   of ``[T (k + 1_sh), h]`` before the router weights combine them (``loom/parallel/expert.py``),
-  instead of the dense MLP's ``[T, h]``; backward still one ``[T, h]`` all-reduce.
+  instead of the dense MLP's ``[T, h]``; backward still one ``[T, h]`` all-reduce. The same
+  for any u (the pair outputs of the u < t groups are partial sums like the shards').
+* expert-DP gradient reduction: over the ``t c d / (u e)`` ranks holding the same expert shard,
+  ``u e`` ranks apart (:func:`expert_dp`; ``loom/parallel/expert.py`` "Gradients").
 
 Models mixing MoE and dense layers (``--moe-layer-freq``, DeepSeek-V3's leading dense layers)
 are modelled per pipeline stage with the MoE layers that stage holds
@@ -52,6 +74,33 @@ from loom.planner.primitives import all_gather_time, all_reduce_time, gemm_effic
 # sec 2.1.2) balancing keeps the busiest rank near the mean; 1.1 is in that range.
 MOE_LOAD_IMBALANCE = 1.1
 BYTES_PER_ELEMENT = 2  # bf16 tokens in the all-to-all
+
+
+def expert_tp(L: dict):
+    """u, the expert TP size of each row of layout ``L`` (array): its ``etp`` where > 0, else t
+    (a layout without ``etp``, or 0: Megatron-Core's default, ``--expert-tensor-parallel-size``
+    equal to ``--tensor-model-parallel-size``; ``loom/parallel/mesh.py``
+    ``ParallelMesh.build(etp=None)``)."""
+    t = L["tp"]
+    u = L.get("etp")
+    return t if u is None else np.where(np.asarray(u) > 0, u, t)
+
+
+def expert_shards(L: dict):
+    """``u e``: the GPUs one MoE layer's experts are split over (array): E/e experts per EP
+    rank, each sharded over u expert-TP ranks (``loom/parallel/expert.py::MoEParallel``)."""
+    return expert_tp(L) * L.get("ep", 1.0)
+
+
+def expert_dp(L: dict):
+    """Expert-data-parallel size ``t c d / (u e)`` (array): the ranks of a pipeline stage
+    holding the same expert shard, over which expert gradients are reduced and (ZeRO) the
+    expert optimizer states sharded (Megatron-Core 0.16.1 ``parallel_state.
+    initialize_model_parallel``: ``expert_data_parallel_size = world_size // (u e p)``, its
+    expert rank generator having no CP axis; loom's ``edp`` group, ``loom/parallel/mesh.py``;
+    counted by ``meta_count.count_rank_states``' ``edp``); ``d c / e`` when u = t, and larger
+    than the dense ``d c`` when u < t (it then spans TP ranks)."""
+    return L["tp"] * L["cp"] * L["dp"] / expert_shards(L)
 
 
 def num_moe_layers(model: ModelConfig) -> int:
@@ -168,20 +217,23 @@ def moe_mlp_flops_per_token(model: ModelConfig) -> float:
                  + 2 * h * model.num_experts)
 
 
-def moe_activation_bytes(model: ModelConfig, S, imbalance: float) -> tuple:
+def moe_activation_bytes(model: ModelConfig, S, imbalance: float, pair_share=1.0) -> tuple:
     """Activation bytes of one MoE MLP for ``S`` tokens: ``(tp_split, replicated)``, 16-bit
-    except the fp32 router, counted from the tensors autograd keeps in ``loom/models/moe.py``:
+    except the fp32 router, counted from the tensors autograd keeps in ``loom/models/moe.py``;
+    ``pair_share`` = u / t, the share of the pairs a rank runs (module docstring; 1 at u = t):
 
-    * split by TP: per expert row ``(6|4) f_e`` (fc1 output and activation, as KOR's MLP), on
-      ``lambda S k`` rows (the busiest rank); the shared expert ``(6|4) S f_sh``;
-    * not split: the dispatched expert inputs ``2 h`` per row (``lambda S k`` rows), the expert
-      outputs kept for the weighted combine ``2 S k h``, router logits and probabilities
-      ``8 S E`` (fp32)."""
+    * split by TP (the caller divides by t): per expert row ``(6|4) f_e`` (fc1 output and
+      activation, as KOR's MLP), on ``lambda S k`` rows (the busiest rank); with u < t a rank
+      holds ``u / t`` of the rows at ``t / u`` times the width ``f_e / t``: the same bytes; the
+      shared expert ``(6|4) S f_sh``;
+    * not split: the dispatched expert inputs ``2 h`` per row (``lambda S k u / t`` rows: the
+      rank's own pairs), the expert outputs kept for the weighted combine ``2 S k h`` (after the
+      TP all-reduce, every pair), router logits and probabilities ``8 S E`` (fp32)."""
     h, c, k = model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk
     f_sh = model.moe_shared_expert_intermediate_size or 0
     rows = imbalance * S * k
     split = rows * c * model.moe_ffn_size + S * c * f_sh
-    repl = rows * 2 * h + 2 * S * k * h + 8 * S * model.num_experts
+    repl = rows * pair_share * 2 * h + 2 * S * k * h + 8 * S * model.num_experts
     return split, repl
 
 
@@ -199,14 +251,18 @@ def all_to_all_time(n, per_node, nbytes, cluster: Cluster):
     return np.where(n > 1, np.maximum(intra, inter) + (n - 1) * alpha, 0.0)
 
 
-def dispatch_time(kind: str, e, per_node, pair_elems, token_elems, cluster: Cluster):
+def dispatch_time(kind: str, e, per_node, pair_elems, token_elems, cluster: Cluster,
+                  pair_share=1.0):
     """Mean time of the 4 dispatcher collectives of one MoE layer and micro-batch (seconds) over
     ``e`` EP ranks, ``per_node`` of them per node, for ``pair_elems = S k h`` routed elements
     and ``token_elems = S h`` token elements per GPU (bf16): ``alltoall``: one all-to-all of the
-    pairs; ``allgather``: the mean of an all-gather of ``e S h`` and a reduce-scatter of
-    ``e S k h`` elements (ring, on the slowest link the group crosses)."""
+    rank's own pairs, ``pair_share`` (u / t) of them; ``allgather``: the mean of an all-gather
+    of ``e S h`` and a reduce-scatter of ``e S k h`` elements (ring, on the slowest link the
+    group crosses; every rank gathers whole ``[T, h]`` tokens and ``[e T k, h]`` outputs
+    whatever u: ``expert_dispatch.py::ParallelDispatcher._allgather``)."""
     if kind != "allgather":
-        return all_to_all_time(e, per_node, BYTES_PER_ELEMENT * pair_elems, cluster)
+        return all_to_all_time(e, per_node, BYTES_PER_ELEMENT * pair_elems * pair_share,
+                               cluster)
     e = np.asarray(e, dtype=np.float64)
     bw, alpha = link(e > np.clip(per_node, 1.0, None), cluster)
     gather = all_gather_time(e, BYTES_PER_ELEMENT * e * token_elems, bw, alpha)
@@ -215,8 +271,10 @@ def dispatch_time(kind: str, e, per_node, pair_elems, token_elems, cluster: Clus
 
 
 def ep_members_per_node(L: dict, cluster: Cluster):
-    """EP ranks sharing a node: EP groups are ``t c`` ranks apart (consecutive DP ranks)."""
-    stride = L["tp"] * L["cp"]
+    """EP ranks sharing a node: an EP group's ranks are ``u`` apart (the expert grid's
+    ``q = etp_rank + u (ep_rank + e edp_rank)``, ``loom/parallel/mesh.py``; at u = t
+    consecutive DP ranks, or CP ranks first under CP)."""
+    stride = expert_tp(L)
     return np.where(stride >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / stride))
 
 
@@ -227,18 +285,20 @@ def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
     all-reduce time beyond the dense MLP's), ``tokens_per_expert``."""
     h, c, k, E = (model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk,
                   model.num_experts)
-    t, e = L["tp"], L.get("ep", 1.0)
+    t, e, u = L["tp"], L.get("ep", 1.0), expert_tp(L)
+    share = u / t  # the pairs this rank owns (module docstring)
     f_e, f_sh = model.moe_ffn_size, model.moe_shared_expert_intermediate_size or 0
     peak = cluster.peak_flops
-    per_expert = S * k * e / E
-    rows = imbalance * S * k if model.moe_grouped_gemm else per_expert  # rows per GEMM call
+    per_expert = S * k * e * share / E
+    # rows per GEMM call
+    rows = imbalance * S * k * share if model.moe_grouped_gemm else per_expert
     expert = imbalance * S * k * c * h * f_e / t / (
-        peak * gemm_efficiency(min(h, f_e) / t, rows, cluster))
+        peak * gemm_efficiency(min(h, f_e) / u, rows, cluster))
     shared = (S * c * h * f_sh / t / (peak * gemm_efficiency(min(h, f_sh) / t, S, cluster))
               if f_sh else 0.0)
     router = 2 * h * E * S / (peak * gemm_efficiency(min(h, E), S, cluster))
     a2a = dispatch_time(model.moe_token_dispatcher_type, e, ep_members_per_node(L, cluster),
-                        S * k * h, S * h, cluster)
+                        S * k * h, S * h, cluster, share)
     tp_bw, tp_alpha = link(t > cluster.gpus_per_node, cluster)
     tp_rows = k + (1 if f_sh else 0)
     tp_extra = (all_reduce_time(t, 2 * S * h * tp_rows, tp_bw, tp_alpha)

@@ -53,6 +53,11 @@ class PlannerOptions:
     moe_load_imbalance: float = opt(
         MOE_LOAD_IMBALANCE, "MoE: busiest EP rank's expert tokens over the mean, >= 1; scales "
                             "the expert compute and activations", ge=1, metavar="X")
+    dp_overlap: Literal["on", "off"] = opt(
+        "on", "data-parallel communication: on (overlapped, each command then carries "
+              "--overlap-grad-reduce and, with the distributed optimizer, --overlap-param-gather) "
+              "or off (reduced after the backward and gathered after the step, exposed: Megatron's "
+              "and loom train's default without those flags)")
     top: int = opt(10, "rows of the table", ge=1)
     command_for: int = opt(1, "print the torchrun command of row N of the table (1: the chosen "
                               "layout)", ge=1, metavar="N")

@@ -13,7 +13,8 @@ import sys
 
 from loom.config import LoomConfig
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
-from loom.planner.layout import RECOMPUTE, Options, make_layouts
+from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, make_layouts,
+                                 param_gather_overlapped)
 from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate
 from loom.planner.stages import given_split
 
@@ -73,8 +74,26 @@ def layout_of(cfg: LoomConfig, world_size: int) -> dict:
                 recompute=cfg.training.recompute_granularity or "none",
                 sp=int(bool(p.sequence_parallel)), zero=_zero_stage(cfg),
                 ep=getattr(p, "expert_model_parallel_size", 1),
+                etp=getattr(p, "expert_tensor_parallel_size", None) or 0,  # 0: = t
                 zb={"zero-bubble": 1, "zbv": 2, "gpipe": 3}.get(
                     getattr(p, "pipeline_schedule", None), 0))
+
+
+def run_options(cfg: LoomConfig) -> Options:
+    """The planner :class:`Options` of the run ``cfg`` configures: fused attention, loom's
+    measured layer memory, and its data-parallel overlap as loom train runs it:
+    ``overlap_grad_reduce`` from ``--overlap-grad-reduce`` (loom's ``GradBuffer`` launches each
+    bucket in backward only then, loom/training/setup.py ``chunk_reducer``),
+    ``overlap_param_gather`` from ``--overlap-param-gather`` (the distributed optimizer's
+    asynchronous all-gather waited for by forward pre-hooks, loom/training/optimizer.py);
+    both default off (Megatron's defaults); its gradient buckets: ``--ddp-bucket-size`` or
+    else loom's default size (:data:`loom.planner.layout.LOOM_BUCKETS`)."""
+    size = cfg.parallel.ddp_bucket_size
+    buckets = (dict(ddp_bucket_elems=float(size), ddp_bucket_per_rank=0.0) if size
+               else LOOM_BUCKETS)  # --ddp-bucket-size, or loom's default_bucket_size
+    return Options(flash_attention=True, layer_memory="loom",
+                   overlap_grad_reduce=bool(cfg.parallel.overlap_grad_reduce),
+                   overlap_param_gather=bool(cfg.training.overlap_param_gather), **buckets)
 
 
 def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
@@ -83,7 +102,10 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
 
     ``cluster``: a :class:`Cluster`, a GPU name (``"H100-80GB"``, ``"NVIDIA A100-SXM4-80GB"``), a
     cluster JSON path, or None (the CUDA device when torch is loaded, else A100-80GB). ``opts``
-    default: fused attention (loom uses ``scaled_dot_product_attention``).
+    default: fused attention (loom uses ``scaled_dot_product_attention``), loom's measured layer
+    memory, and the run's own data-parallel overlap (:func:`run_options`: the config's
+    ``--overlap-grad-reduce`` / ``--overlap-param-gather``, off unless given, as loom train
+    runs it; not the search's default, which assumes both).
     Returns ``layout``, ``memory_bytes`` (weights, gradients, optimizer, activations,
     embedding_output, reserve, total), ``time_s`` (compute, recompute, elementwise, tp_comm,
     cp_comm, ep_comm, pp_bubble, pp_comm, dp_comm, optimizer, straggler, iteration),
@@ -99,7 +121,7 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
     if cluster.num_gpus != world_size:
         from dataclasses import replace
         cluster = replace(cluster, num_gpus=world_size)
-    opts = opts or Options(flash_attention=True, layer_memory="loom")
+    opts = opts or run_options(cfg)
     lay = layout_of(cfg, world_size)
     B = cfg.global_batch_size(world_size)
     s = cfg.model.seq_length
@@ -120,7 +142,15 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
         "fits": bool(res["fits"][0]), "hbm_bytes": cluster.hbm_bytes, "cluster": cluster.gpu,
         "world_size": world_size, "global_batch_size": B, "seq_length": s,
         "vocab_known": bool(cfg.model.vocab_size),
+        "overlap": {"grad_reduce": opts.overlap_grad_reduce,
+                    "param_gather": param_gather_overlapped(opts)},
     }
+
+
+def _overlap_words(overlap: dict | None) -> str:
+    """`` overlapped: grad-reduce, param-gather`` (those the prediction assumed) or ``''``."""
+    on = [k.replace("_", "-") for k, v in (overlap or {}).items() if v]
+    return f" overlapped: {', '.join(on)}" if on else ""
 
 
 def format_prediction(pred: dict) -> str:
@@ -130,7 +160,8 @@ def format_prediction(pred: dict) -> str:
         f"planner prediction on {pred['world_size']} x {pred['cluster']} "
         f"(B={pred['global_batch_size']}, s={pred['seq_length']}, m={lay['num_microbatches']}):",
         f"  layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} cp={lay['cp']} vp={lay['vp']} "
-        f"mbs={lay['mbs']} recompute={lay['recompute']} sp={bool(lay['sp'])} zero={lay['zero']}",
+        f"mbs={lay['mbs']} recompute={lay['recompute']} sp={bool(lay['sp'])} zero={lay['zero']}"
+        + _overlap_words(pred.get("overlap")),
         "  memory per GPU (GB): " + ", ".join(
             f"{k} {v / GB:.2f}" for k, v in pred["memory_bytes"].items() if k != "total")
         + f"; total {pred['memory_bytes']['total'] / GB:.2f} of {pred['hbm_bytes'] / GB:.0f}"

@@ -26,6 +26,11 @@ def to_json(records: list[dict], header: dict | None = None) -> str:
     return json.dumps(doc, indent=1)
 
 
+def _etp_label(prefix: str, rec: dict) -> str:
+    """``prefix + u`` for a record whose expert TP u is not its t (MoE), else empty."""
+    return f"{prefix}{rec['etp']}" if rec.get("etp", rec["tp"]) != rec["tp"] else ""
+
+
 def format_table(records: list[dict], header: str = "") -> str:
     """A ranked text table: layout (``ep``: expert-parallel size, part of ``dp``), memory GB by term (W weights, G gradients, O optimizer,
     A activations, E embedding/output activations, R reserve), iteration time (s), tokens/s,
@@ -46,7 +51,8 @@ def format_table(records: list[dict], header: str = "") -> str:
             f"{100 * r['mfu']:4.1f}%"
             + (f"  split {r['pipeline_split']}" if r.get("first_stage_layers") else "")
             + (f"  cp {r['cp_comm_type']}" if r['cp'] > 1 and r.get("cp_comm_type", "p2p")
-               != "p2p" else ""))
+               != "p2p" else "")
+            + _etp_label("  etp ", r))
     if records:
         best = records[0]
         tt = best["time_terms_s"]
@@ -82,7 +88,7 @@ def format_breakdown(records: list[dict]) -> str:
     lines = ["breakdown of one iteration (s), chosen layout first:", head, "-" * len(head)]
     best = records[0]["iteration_time_s"]
     for i, r in enumerate(records, 1):
-        ep = f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""
+        ep = (f" ep{r['ep']}" if r.get("ep", 1) > 1 else "") + _etp_label(" etp", r)
         lay = (f"tp{r['tp']} pp{r['pp']} dp{r['dp']}{ep} cp{r['cp']} vp{r['vp']} "
                f"b{r['micro_batch_size']} "
                f"{r['recompute'][:4]}{' sp' if r['sequence_parallel'] else ''} z{r['zero']}")
@@ -130,7 +136,7 @@ VALIDATED_ERROR = 0.10
 
 def chosen_label(rec: dict) -> str:
     """The chosen layout's full label: t, p, d, c, (e), v, b, recompute, SP, ZeRO stage."""
-    ep = f" e{rec['ep']}" if rec.get("ep", 1) > 1 else ""
+    ep = (f" e{rec['ep']}" if rec.get("ep", 1) > 1 else "") + _etp_label(" u", rec)
     return (f"t{rec['tp']} p{rec['pp']} d{rec['dp']} c{rec['cp']}{ep} v{rec['vp']} "
             f"b{rec['micro_batch_size']} recompute {rec['recompute']} "
             f"SP {'on' if rec['sequence_parallel'] else 'off'} ZeRO-{rec['zero']}")

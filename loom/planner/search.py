@@ -5,10 +5,13 @@ Search space: TP ``t`` (divides heads, query groups, FFN; within a node unless a
 (``p <= L``; when ``p`` does not divide L, the uneven first/last-stage splits of
 :mod:`loom.planner.stages`, without interleaving unless ``Options.uneven_interleaved``), CP
 ``c`` (``s`` divisible by ``2c``), DP ``d = n / (t p c)`` (divides B), virtual
-stages ``v`` (divides L/p; interleaving needs ``m`` divisible by ``p``, as Megatron requires),
+stages ``v`` (divides L/p; interleaving needs Megatron-Core's micro-batch groups of ``N``
+(default ``p``): ``p <= N <= m`` and ``m mod N`` 0 or ``>= p``; ``N`` is searched only at its
+default, which no larger ``N`` beats in the model: same bubble, more micro-batches held),
 micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1),
 ZeRO stage 0-3 (with d c > 1; stage 1 = Megatron distributed optimizer; stages 2-3 only
-without PP), and for MoE models EP ``e`` (divides d and E; :func:`_moe_rules`); Mamba / hybrid
+without PP), and for MoE models expert TP ``u`` and EP ``e`` (u divides t, u e divides t d, e
+divides E; :func:`_moe_rules`); Mamba / hybrid
 models: t divides the Mamba heads and groups and the heads / FFN of the kinds present, no CP with
 Mamba layers (:func:`loom.planner.mamba.tp_divides`, :func:`loom.planner.mamba.refuses_cp`;
 a given ``--context-parallel-size`` > 1 is refused with a ConfigError). The rules are
@@ -16,7 +19,9 @@ those of
 :meth:`loom.config.LoomConfig.validate`. Any dimension given in ``fixed`` is held at that value;
 ``fixed`` may also carry the split constraints ``first_layers`` / ``last_layers``
 (``--decoder-first/last-pipeline-num-layers``) and ``account_embedding`` / ``account_loss``
-(``--account-for-embedding/loss-in-pipeline-split``).
+(``--account-for-embedding/loss-in-pipeline-split``) and ``vpg``
+(``--microbatch-group-size-per-virtual-pipeline-stage``: the interleaved rows' micro-batch
+group, carried as the column ``L["vpg"]``, :func:`loom.planner.stage_table.stage_slots`).
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ from typing import get_args
 
 import numpy as np
 
-from loom.config import ModelConfig
+from loom.config import ConfigError, ModelConfig
 from loom.config.sections import PipelineSchedule
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microbatches
 from loom.planner.context_parallel import CP_COMM_TYPES
 from loom.planner.mamba import check_supported, is_hybrid, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
+from loom.planner.moe import expert_tp
 from loom.planner.refine import REFINE_TOP, cp_types, refine  # noqa: F401 - REFINE_TOP
-from loom.planner.stage_table import recomputed_share, stage_slots
+from loom.planner.stage_table import group_size_ok, recomputed_share, stage_slots
 from loom.planner.stages import (accounted_split, block_recompute_options, describe_counts,
                                  given_split, interleave_options, max_chunk_layers,
                                  search_splits)
@@ -50,19 +56,22 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[int] | None:
-    """EP sizes allowed at (t, c, d) for an MoE model, None when (t, c) is refused; ``[1]`` for a
-    dense model. loom train's rules (``loom/config/validate.py``): e divides d (EP is carved
-    out of the data-parallel dimension) and E; experts and the shared expert split over TP (their
-    widths divisible by t, no biases under TP). loom train also runs MoE with SP (tokens
-    all-gathered into each MoE layer) and with CP (router statistics summed over CP); the planner
-    does not model those yet and searches MoE models without SP and CP."""
+def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[tuple[int, int]] | None:
+    """``(u, e)`` expert TP and EP sizes allowed at (t, c, d) for an MoE model, None when
+    (t, c) is refused; ``[(0, 1)]`` for a dense model (no expert grid). loom train's rules
+    (``loom/config/validate.py::_check_moe``, Megatron's expert grid ``u x e x expert-DP = t c
+    d``): u divides t and the expert width, ``u e`` divides ``t c d``, e divides E; the shared
+    expert splits over TP (its width divisible by t), no biases under TP. At u = t this is e
+    dividing ``c d``; at u < t EP may also span the TP ranks. loom train also runs MoE with SP
+    (tokens all-gathered into each MoE layer) and with CP (router statistics summed over CP);
+    the planner does not model those yet and searches MoE models without SP and CP."""
     if not model.num_experts:
-        return [1]
-    widths = (model.moe_ffn_size, model.moe_shared_expert_intermediate_size or 0)
-    if c > 1 or any(w % t for w in widths) or (t > 1 and not model.disable_bias_linear):
+        return [(0, 1)]
+    if c > 1 or (model.moe_shared_expert_intermediate_size or 0) % t or (
+            t > 1 and not model.disable_bias_linear):
         return None
-    return [e for e in _divisors(d) if model.num_experts % e == 0]
+    return [(u, e) for u in _divisors(t) if model.moe_ffn_size % u == 0
+            for e in _divisors(t * c * d // u) if model.num_experts % e == 0]
 
 
 def _given_layout(model: ModelConfig, text: str, pp):
@@ -84,7 +93,8 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     """Memory (``mem_*``, bytes), time (``time_*``, seconds) and throughput of every layout in
     ``L`` (arrays), plus ``fits`` (total memory <= the GPU's HBM) and ``m``."""
     opts = opts or Options()
-    slots = stage_slots(model, L, num_microbatches(L, global_batch_size))
+    slots = stage_slots(model, L, num_microbatches(L, global_batch_size),
+                        opts.legacy_interleaved_warmup)
     mem = memory_terms(model, L, global_batch_size, seq_length, opts, slots)
     tim = time_terms(model, L, global_batch_size, seq_length, cluster, opts, slots)
     thr = throughput(model, L, global_batch_size, seq_length, cluster, tim["iteration"],
@@ -110,12 +120,13 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
     """All valid layouts as arrays (see module docstring); ``variants=False``: without the CP
     types other than the default and without block recompute counts (what :func:`search`
     evaluates first, then refines, :func:`refine`). ``fixed`` maps layout keys
-    (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero, ep``) to a required value."""
+    (``tp, pp, cp, dp, vp, mbs, recompute, sp, zero, ep, etp``) to a required value."""
     opts = opts or Options()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     first, last = fixed.pop("first_layers", None), fixed.pop("last_layers", None)
     acc_e, acc_l = fixed.pop("account_embedding", False), fixed.pop("account_loss", False)
     given = fixed.pop("layout", None)  # --pipeline-model-parallel-layout (a string)
+    group = fixed.pop("vpg", None)  # --microbatch-group-size-per-virtual-pipeline-stage
     n, B, s = cluster.num_gpus, global_batch_size, seq_length
     nl = model.num_layers
     check_supported(model, fixed.get("cp"))
@@ -156,7 +167,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                 eps = _moe_rules(model, t, c, d)
                 if B % d or eps is None or not want("dp", d):
                     continue
-                eps = [e for e in eps if want("ep", e)]
+                eps = [(u, e) for u, e in eps if want("ep", e) and (u == 0 or want("etp", u))]
                 for b in _divisors(B // d):
                     if b > max(max_micro_batch, fixed.get("mbs", 0)):
                         break
@@ -166,18 +177,19 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                     for lf, ll in splits:
                         vs = [1]
                         if lay is not None:  # the given layout decides the chunks
-                            vs = [lay.vp] if lay.vp == 1 or m % p == 0 else []
-                        elif p > 1 and m % p == 0 and (opts.uneven_interleaved or (
+                            vs = [lay.vp] if lay.vp == 1 or group_size_ok(m, p, group) else []
+                        elif p > 1 and group_size_ok(m, p, group) and (opts.uneven_interleaved or (
                                 not lf and nl % p == 0)):
                             # v chunks per rank; with uneven ranks each rank's layers split
                             # over its chunks as evenly as possible (Megatron's layout string)
                             vs += list(interleave_options(nl, p, lf, ll))
-                        for v, e in itertools.product([v for v in vs if want("vp", v)], eps):
-                            base.append((t, p, d, c, v, b, lf, ll, e, cpts))
+                        for v, (u, e) in itertools.product([v for v in vs if want("vp", v)],
+                                                           eps):
+                            base.append((t, p, d, c, v, b, lf, ll, e, cpts, u))
     rows = []
     moe = bool(model.num_experts)
     zbv_ok = "zbv" in get_args(PipelineSchedule)
-    for (t, p, d, c, v, b, lf, ll, e, cpts) in base:
+    for (t, p, d, c, v, b, lf, ll, e, cpts, u) in base:
         sps = (0, 1) if t > 1 and s % t == 0 and not moe else (0,)
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
@@ -201,7 +213,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
             max(lay.counts()) if lay is not None else max_chunk_layers(nl, p, v, lf, ll))]
             if variants else [])
         for (rc, rcl), sp, z, zb, cpt in itertools.product(rcs, sps, zs, zbs, cpts):
-            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb, rcl, cpt))
+            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb, rcl, cpt, u))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
     if lay is not None:
@@ -209,7 +221,15 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         L["lf"][:], L["ll"][:] = c[0], c[-1]
         L["split"] = np.empty(len(arr), dtype=object)
         L["split"][:] = [lay] * len(arr)
-    return _apply_fixed(L, fixed)
+    return _apply_fixed(with_group(L, group), fixed)
+
+
+def with_group(L: dict, group) -> dict:
+    """``L`` with the column ``vpg`` = ``group`` (the interleaved micro-batch group) on every
+    row; ``L`` itself when ``group`` is None (the default, p)."""
+    if not group:
+        return L
+    return dict(L, vpg=np.full(len(L["tp"]), float(group)))
 
 
 def _apply_fixed(L: dict, fixed: dict) -> dict:
@@ -244,16 +264,29 @@ def search(model: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len
              if not (k == "zero2" and fixed.get("zero") is not None)
              and not (k == "block" and (fixed.get("rcl") == 0 or fixed.get("recompute")
                                         not in (None, "full", 2)))]
+    group = fixed.get("vpg")
+
+    def evaluate_group(model, L, *args, **kw):  # the refined rows carry the fixed group too
+        return evaluate(model, with_group(L, group), *args, **kw)
+
     L = enumerate_layouts(model, cluster, global_batch_size, seq_length, fixed, opts,
                           variants=exact)
-    res = evaluate(model, L, global_batch_size, seq_length, cluster, opts)
+    if group and not len(L["tp"]) and len(enumerate_layouts(
+            model, cluster, global_batch_size, seq_length,
+            {k: v for k, v in fixed.items() if k != "vpg"}, opts, variants=False)["tp"]):
+        raise ConfigError(
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group}: no layout's "
+            f"micro-batch count m = B / (b d) takes groups of N = {group} (Megatron-Core needs "
+            f"p <= N <= m and m mod N = 0 or >= p): choose N dividing m, or another "
+            f"--global-batch-size / --micro-batch-size")
+    res = evaluate_group(model, L, global_batch_size, seq_length, cluster, opts)
     if not exact:
         for kind in kinds:
             more = refine(model, cluster, res, opts, kind, global_batch_size, seq_length,
-                          evaluate)
+                          evaluate_group)
             more = None if more is None else _apply_fixed(more, fixed)
             if more is not None and len(more["tp"]):
-                new = evaluate(model, more, global_batch_size, seq_length, cluster, opts)
+                new = evaluate_group(model, more, global_batch_size, seq_length, cluster, opts)
                 res = {k: (np.concatenate([v, new[k]]) if isinstance(v, np.ndarray)
                            and v.shape[:1] == res["tp"].shape else v) for k, v in res.items()}
     idx = np.nonzero(res["fits"])[0]
@@ -276,11 +309,14 @@ def record(res: dict, i: int) -> dict:
     ``mfu``, ``first_stage_layers`` / ``last_stage_layers`` (0 = even split),
     ``pipeline_split`` (layers per rank, e.g. ``"7+14x8+7"``), ``pipeline_layout`` (Megatron's
     ``--pipeline-model-parallel-layout`` string of the split, e.g. ``"Et*7|(t*8|)*14,t*7L"``),
-    ``chunk_layers`` (layers per virtual stage, pipeline order) and ``layout_given``."""
+    ``chunk_layers`` (layers per virtual stage, pipeline order), ``layout_given`` and
+    ``microbatch_group_size`` (the interleaved schedule's micro-batch group N, p by default;
+    absent on one chunk per stage)."""
     rc = RECOMPUTE[int(res["recompute"][i])]
     rec = {
         "tp": int(res["tp"][i]), "pp": int(res["pp"][i]), "dp": int(res["dp"][i]),
         "ep": int(res["ep"][i]) if "ep" in res else 1,
+        "etp": int(expert_tp(res)[i]),  # expert TP u (t when the row has none)
         "cp": int(res["cp"][i]), "vp": int(res["vp"][i]),
         "pipeline_schedule": SCHEDULES[int(res["zb"][i])] if "zb" in res else "1f1b",
         "first_stage_layers": int(res["lf"][i]), "last_stage_layers": int(res["ll"][i]),
@@ -301,6 +337,9 @@ def record(res: dict, i: int) -> dict:
         "fits": bool(res["fits"][i]),
     }
     rec["dominant"] = dominant_parallelism(rec)
+    if rec["vp"] > 1 and rec["pipeline_schedule"] == "1f1b":  # interleaved
+        g = res["vpg"][i] if "vpg" in res else 0
+        rec["microbatch_group_size"] = int(g) if g else rec["pp"]
     if "num_layers" in res:
         lay = layout_record(res, i)
         rec["pipeline_split"] = describe_counts(lay.rank_layer_counts())

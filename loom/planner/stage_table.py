@@ -10,16 +10,21 @@ layout is the largest slot's, its micro-batch time the slowest slot's.
 
 Micro-batches held (activations kept from a chunk's forward to the end of its backward, W
 included for the zero-bubble schedules), rank ``r`` of ``p``, ``m`` micro-batches, ``v`` chunks
-(:func:`held_microbatches`; tests/planner/test_planner_split.py replays loom's op lists,
+(:func:`held_microbatches`; tests/planner/test_planner_vp_group.py replays loom's op lists,
 ``loom.parallel.pipeline.schedules`` / ``zero_bubble``, and finds the same peaks):
 
 * GPipe: ``m``; 1F1B: ``min(p - r, m)`` (PipeDream-Flush, Narayanan et al. 2021 sec 2.2);
 * ZB-H1: ``min(p, m)`` on every rank (W lags B by ``r`` micro-batches on rank ``r``; Qi et al.
   2024 sec 3.1), counted as whole micro-batches although after B only W's inputs remain;
-* interleaved (Megatron's order: forward ``k`` runs chunk ``(k mod p v) div p``, backward the
-  mirror, ``w = min(2 (p - r - 1) + (v - 1) p, m v)`` warm-up forwards, all ``m v`` when
-  ``m = p``): every steady-state step's held counts per chunk, the non-dominated ones kept (with
-  uneven chunks the peak depends on which chunks are in flight);
+* interleaved, micro-batch groups of ``N`` (``--microbatch-group-size-per-virtual-pipeline-
+  stage``, default p; Megatron-Core's ``get_schedule_table``: each group of N micro-batches runs
+  through chunk 0, then chunk 1, ..., the last group holding the ``m mod N`` left over; backward
+  ``k`` runs the mirror chunk of forward ``k``), ``w = min(2 (p - r - 1) + (v - 1) N, m v)``
+  warm-up forwards (Megatron-Core's ``get_pp_rank_microbatches``, m = p included, as loom's op
+  list runs it): every steady-state
+  step's held counts per chunk, the non-dominated ones kept (with uneven chunks the peak depends
+  on which chunks are in flight). A larger N holds more: rank r's warm-up grows by
+  ``(v - 1)(N - p)`` chunk micro-batches;
 * ZB-V: loom's op list (:func:`loom.parallel.pipeline.zero_bubble.zbv_ops`) replayed.
 """
 
@@ -42,16 +47,29 @@ def schedule_name(zb: int, v: int) -> str:
     return {1: ZB_H1, 2: ZB_V, 3: GPIPE}.get(int(zb), "interleaved" if v > 1 else ONE_F_ONE_B)
 
 
-def _cf(j: int, n, p: int, v: int):
-    """Forwards among the first ``n`` of the interleaved order that run chunk ``j``."""
-    return (n // (p * v)) * p + np.minimum(np.maximum(n % (p * v) - j * p, 0), p)
+def group_size_ok(m: int, p: int, group=None) -> bool:
+    """Whether the interleaved schedule takes micro-batch groups of ``group`` N (None or 0: p)
+    at ``m`` micro-batches and pipeline size ``p``: ``p <= N <= m`` and ``m mod N`` 0 or at
+    least p (Megatron-Core's rules, :func:`loom.config.pipeline.check_microbatch_groups`)."""
+    n = int(group or p)
+    return p <= n <= m and not 0 < m % n < p
+
+
+def chunk_table(m: int, v: int, group: int) -> np.ndarray:
+    """Chunk of each of the ``m v`` forwards of the interleaved order (micro-batch groups of
+    ``group``; the module docstring)."""
+    return np.concatenate([np.repeat(np.arange(v), min(group, m - lo))
+                           for lo in range(0, m, group)])
 
 
 @lru_cache(maxsize=4096)
-def held_microbatches(schedule: str, p: int, m: int, v: int, rank: int) -> tuple:
+def held_microbatches(schedule: str, p: int, m: int, v: int, rank: int, group=None) -> tuple:
     """Peak micro-batches held per chunk of pipeline rank ``rank``: a tuple of the
     non-dominated vectors ``(held chunk 0, ..., held chunk v-1)`` (one vector when the chunks
-    are interchangeable). See the module docstring for each schedule."""
+    are interchangeable). ``group``: the interleaved schedule's micro-batch group N (None or 0:
+    p; the search plans only those :func:`group_size_ok` accepts, as loom train runs only
+    those, but any N >= 1 is evaluated, e.g. a published layout's). See the module docstring
+    for each schedule."""
     p, m, v, r = int(p), int(m), int(v), int(rank)
     if p == 1:
         return ((1,) * v,) if schedule != GPIPE else ((m,),)
@@ -63,13 +81,17 @@ def held_microbatches(schedule: str, p: int, m: int, v: int, rank: int) -> tuple
         return ((min(p, m),),)
     if schedule == ZB_V:
         return _replay_zbv(p, m, r)
-    total = m * v  # interleaved
-    warm = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
+    n = int(group or p)  # interleaved
+    total = m * v
+    warm = min(2 * (p - r - 1) + (v - 1) * n, total)  # schedules.interleaved_ops' warm-up
     if warm >= total:
         return ((m,) * v,)
-    k = np.arange(min(p * v, total - warm))[:, None]
-    j = np.arange(v)[None, :]
-    held = _cf(j, warm + k + 1, p, v) - _cf(v - 1 - j, k, p, v)
+    # done[k, j]: forwards of chunk j among the first k of the order; backward k runs the
+    # mirror chunk v - 1 - c of forward k, so backwards of chunk j = done[k, v - 1 - j]
+    done = np.zeros((total + 1, v), dtype=np.int64)
+    done[1:] = np.cumsum(np.eye(v, dtype=np.int64)[chunk_table(m, v, n)], axis=0)
+    k = np.arange(total - warm)  # steady step k: forward warm + k done, backward k not yet
+    held = done[warm + k + 1] - done[k][:, ::-1]
     return _non_dominated(held)
 
 
@@ -165,7 +187,7 @@ def layer_kinds(model: ModelConfig) -> tuple[tuple[str, ...], list[int]]:
 
 
 def _rank_candidates(lay: PipelineLayout, kinds: tuple, n_kinds: int, schedule: str,
-                     m: int, nrc: int = 0) -> list[dict]:
+                     m: int, nrc: int = 0, group: int = 0) -> list[dict]:
     """Slot candidates of every rank: its layers per kind, whether it holds the embedding
     (``emb``) / the output layer and loss (``out``), its MTP layers (``mtp``), and for each of
     its peak held vectors the layer-micro-batches held per kind (``held``), the micro-batches
@@ -173,7 +195,8 @@ def _rank_candidates(lay: PipelineLayout, kinds: tuple, n_kinds: int, schedule: 
     ``out_held``, ``mtp_held``), and of those the fully recomputed ones (``layers_rc``,
     ``held_rc``: the first ``nrc`` layers of every chunk, Megatron's block method; MTP layers
     with the rest when every layer is); candidates dominated by another of the same stage
-    content (same layers, ends and MTP) are dropped."""
+    content (same layers, ends and MTP) are dropped. ``group``: the interleaved schedule's
+    micro-batch group N (0: p)."""
     vs = lay.virtual_stage_layers()
     kinds_arr = np.asarray(kinds, dtype=np.int64)
     groups: dict = {}
@@ -191,7 +214,8 @@ def _rank_candidates(lay: PipelineLayout, kinds: tuple, n_kinds: int, schedule: 
         tot = C.sum(axis=0)
         content = (tuple(int(x) for x in tot[:K]), int(tot[K] > 0), int(tot[K + 1] > 0),
                    int(tot[K + 2]), tuple(int(x) for x in tot[K + 3:]))
-        H = np.asarray(held_microbatches(schedule, lay.pp, m, len(chunks), r), dtype=np.int64)
+        H = np.asarray(held_microbatches(schedule, lay.pp, m, len(chunks), r, group or None),
+                       dtype=np.int64)
         groups.setdefault(content, []).append((H @ C, r))
     out = []
     for (layers, emb, end, mtp, layers_rc), mems in groups.items():
@@ -221,19 +245,22 @@ def _sched_codes(zb, vp) -> np.ndarray:
     return np.select([zb == 1, zb == 2, zb == 3, vp > 1], [2, 3, 4, 1], 0)
 
 
-def _m_keys(code: np.ndarray, p: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """The smallest micro-batch count with the same held vectors as ``m`` (module docstring:
-    1F1B and ZB-H1 saturate at p, the interleaved steady state at 3p, ZB-V's replay at 4p)."""
+def _m_keys(code: np.ndarray, p: np.ndarray, m: np.ndarray, group=None) -> np.ndarray:
+    """A micro-batch count with the same held vectors as ``m`` (module docstring: 1F1B and ZB-H1
+    saturate at p, ZB-V's replay at 4p; the interleaved schedule with groups of N (``group``, 0:
+    p) at ``3 N + m mod N``: past three groups every steady step's vector repeats one of the
+    first groups', tests/planner/test_planner_vp_group.py checks it)."""
     m = np.round(m)
+    n = p if group is None else np.where(np.asarray(group) > 0, group, p)
+    inter = np.where(m >= 4 * n, 3 * n + np.mod(m, n), m)
     return np.select([code == 0, code == 2, code == 1, code == 3],
-                     [np.minimum(m, p), np.minimum(m, p), np.minimum(m, 3 * p),
-                      np.minimum(m, 4 * p)], m)
+                     [np.minimum(m, p), np.minimum(m, p), inter, np.minimum(m, 4 * p)], m)
 
 
 @lru_cache(maxsize=4096)
 def _cached_candidates(lay: PipelineLayout, kinds: tuple, n_kinds: int, schedule: str,
-                       m: int, nrc: int) -> tuple:
-    return tuple(_rank_candidates(lay, kinds, n_kinds, schedule, m, nrc))
+                       m: int, nrc: int, group: int = 0) -> tuple:
+    return tuple(_rank_candidates(lay, kinds, n_kinds, schedule, m, nrc, group))
 
 
 ALL_LAYERS = 1 << 20  # "every layer of the chunk" for the recompute count
@@ -247,13 +274,19 @@ def recomputed_per_chunk(L: dict) -> np.ndarray:
     return np.where(rc == 2, np.where(rcl > 0, rcl, ALL_LAYERS), 0).astype(np.int64)
 
 
-def stage_slots(model: ModelConfig, L: dict, m) -> dict:
+def stage_slots(model: ModelConfig, L: dict, m, legacy_warmup: bool = False) -> dict:
     """The stage slots of every row of ``L`` (``m``: micro-batches per row), as arrays of shape
     ``(R, N)`` (R the most slots of any row; rows with fewer repeat their slot 0):
     ``rank``, ``emb``, ``out``, ``mtp``, ``emb_held``, ``out_held``, ``mtp_held`` and
     ``layers`` / ``held`` and their recomputed parts ``layers_rc`` / ``held_rc`` (the row's
     :func:`recomputed_per_chunk`) of shape ``(K, R, N)`` per layer kind (:func:`layer_kinds`),
-    plus ``kinds`` (names), ``pp`` and ``mtp_rc`` (N,: 1 when MTP layers are recomputed)."""
+    plus ``kinds`` (names), ``pp`` and ``mtp_rc`` (N,: 1 when MTP layers are recomputed).
+    An optional ``L["vpg"]`` holds each row's interleaved micro-batch group
+    (``--microbatch-group-size-per-virtual-pipeline-stage``; 0 or absent: p).
+    ``legacy_warmup``: the interleaved schedule of Megatron-LM before 2024-11 (merge request
+    !2117, commit 4295be1a6c, removed the rule): at ``m = p`` every rank runs all ``m v``
+    forwards before its first backward (``Options.legacy_interleaved_warmup``; the published
+    runs of that software)."""
     from loom.planner.mla import mtp_depth
     from loom.planner.mamba import is_hybrid
     names, kinds = layer_kinds(model)
@@ -275,11 +308,17 @@ def stage_slots(model: ModelConfig, L: dict, m) -> dict:
     zb = np.asarray(L.get("zb", np.zeros(N)), dtype=np.int64)
     pp, vp = np.asarray(L["pp"], np.int64), np.asarray(L["vp"], np.int64)
     code = _sched_codes(zb, vp)
-    mk = _m_keys(code, pp, m).astype(np.int64)
+    grp = np.where(code == 1, np.asarray(L.get("vpg", np.zeros(N)), np.int64), 0)
+    if legacy_warmup:  # all m v forwards first at m = p: one group of m v (warm-up = all)
+        m_int = np.round(m).astype(np.int64)
+        grp = np.where((code == 1) & (m_int == pp), m_int * vp, grp)
+    mk = _m_keys(code, pp, m, grp).astype(np.int64)
     lf, ll = np.asarray(L["lf"], np.int64), np.asarray(L["ll"], np.int64)
     nrc = recomputed_per_chunk(L)
     nrc_code = np.unique(nrc, return_inverse=True)[1].reshape(-1)
     split_code = ((((sid * 4096 + pp) * 256 + vp) * 1024 + lf) * 1024 + ll) * 8 + code
+    split_code = np.unique(np.stack([split_code, grp], axis=1), axis=0,
+                           return_inverse=True)[1].reshape(-1)
     u1, inv1 = np.unique(split_code, return_inverse=True)
     key = inv1.reshape(-1) * (int(mk.max(initial=0)) + 1) + mk
     key = np.unique(key, return_inverse=True)[1].reshape(-1) * (int(nrc_code.max(initial=0))
@@ -294,7 +333,8 @@ def stage_slots(model: ModelConfig, L: dict, m) -> dict:
         sc = _SCHED_CODES[code[i]]
         lay = by_obj[int(sid[i])] if sid[i] else row_layout(model.num_layers, pp[i], vp[i],
                                                              lf[i], ll[i], zb[i], mtp)
-        groups.append(_cached_candidates(lay, kinds, K, sc, int(mk[i]), int(nrc[i])))
+        groups.append(_cached_candidates(lay, kinds, K, sc, int(mk[i]), int(nrc[i]),
+                                         int(grp[i])))
     R = max(len(g) for g in groups) if groups else 1
     table = {k: np.zeros((R, len(groups))) for k in SLOT_SCALARS}
     per_kind = {k: np.zeros((K, R, len(groups))) for k in SLOT_KINDS}

@@ -29,11 +29,14 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   embeddings: one all-reduce of the word embedding's gradients (``V h / t`` elements) between
   the first and the last stage per iteration, exposed.
 * DP: gradient all-reduce (ZeRO-1/2: reduce-scatter of the gradients + all-gather of the bf16
-  weights, the latter behind the next forward; ZeRO-2 reduce-scatters every micro-batch's
-  gradients, ``m`` times per iteration) of the largest stage's gradients over the
-  ``d x c`` group, hierarchical: ring inside the node over the ``k`` members
-  there, ring across nodes on ``1/k`` of the bytes; overlapped under the bucket schedule
-  (:func:`exposed_grad_sync`). ZeRO-3 gathers weights (forward and backward) and
+  weights; ZeRO-2 reduce-scatters every micro-batch's gradients, ``m`` times per iteration) of
+  the largest stage's gradients over the ``d x c`` group, hierarchical: ring inside the node
+  over the ``k`` members there, ring across nodes on ``1/k`` of the bytes; the reduction
+  overlapped with the backward under the bucket schedule (:func:`exposed_grad_sync`) with
+  ``--overlap-grad-reduce`` (``Options.overlap_grad_reduce``), the all-gather with the next
+  forward with ``--overlap-param-gather`` (``Options.overlap_param_gather``); each exposed in
+  full without its flag (Megatron's and loom train's defaults). ZeRO-3 gathers weights
+  (forward and backward) and
   reduce-scatters gradients every micro-batch as a flat ring (each GPU's bytes cross its own NIC, ``(n-1)/n M`` at
   ``ZERO3_LINK_EFFICIENCY x inter_bw``: DeepSpeed's per-partition collectives do not get the
   node-aggregated bandwidth of a hierarchical ring), of which ``ZERO3_OVERLAP x`` the
@@ -59,13 +62,13 @@ import numpy as np
 from loom.config import ModelConfig
 from loom.planner.flops import op_sac_recompute_share
 from loom.planner.hardware import Cluster
-from loom.planner.layout import Options, num_microbatches
+from loom.planner.layout import Options, num_microbatches, param_gather_overlapped
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, slot_params
 from loom.planner.mamba import KINDS, is_hybrid, kind_layer_times
 from loom.planner.stage_table import stage_slots
 from loom.planner.mla import attention_flops_per_token, mtp_depth
 from loom.planner.context_parallel import cp_layer_cost_rows, row_comm_types
-from loom.planner.moe import moe_fraction, moe_layer_times
+from loom.planner.moe import expert_dp, expert_shards, moe_fraction, moe_layer_times
 from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,  # noqa: F401
                                      all_gather_time, all_reduce_latency, all_reduce_time,
                                      attention_efficiency, gemm_efficiency,
@@ -107,7 +110,9 @@ def pipeline_bubble(L: dict, t_mb, w_mb, f_mb, m):
     ``w_mb`` (W), and ``m`` micro-batches: the formulas of
     :mod:`loom.parallel.pipeline.bubble` (the schedules loom runs), vectorized:
 
-    * 1F1B / interleaved (``zb`` 0): ``(p - 1) / v x t_mb`` (NAR sec 2.2);
+    * 1F1B / interleaved (``zb`` 0): ``(p - 1) / v x t_mb`` (NAR sec 2.2), whatever the
+      interleaved micro-batch group N (a no-latency simulation of loom's op list,
+      tests/planner/test_planner_vp_group.py);
     * ZB-H1 (``zb`` 1, ``--pipeline-schedule zero-bubble``): ``(p - 1)(F + B - W)`` for
       ``m >= p`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec 3.1), else 1F1B's
       minus the ``m`` W passes that fill it;
@@ -124,23 +129,32 @@ def pipeline_bubble(L: dict, t_mb, w_mb, f_mb, m):
     return np.where(zb == 1, h1, np.where(zb == 2, zbv, classic))
 
 
-def bucket_elems(n_dp, opts: Options):
+def bucket_elems(n_dp, opts: Options, params=None):
     """Elements per DP bucket: ``max(ddp_bucket_elems, ddp_bucket_per_rank x n_dp)`` (Megatron-
-    Core's ``max(40M, 1M d)``, :class:`loom.planner.layout.Options`)."""
+    Core's ``max(40M, 1M d)``, :class:`loom.planner.layout.Options`); with
+    ``opts.ddp_bucket_count`` ``n`` and the stage's ``params``, loom train's default
+    ``max(ddp_bucket_per_rank x n_dp, min(ddp_bucket_elems, ceil(params / n)))``
+    (``loom.parallel.grad_buffer.default_bucket_size``: ``clamp(ceil(P / 4), 250k d, 40M)``)."""
+    if opts.ddp_bucket_count and params is not None:
+        return np.maximum(opts.ddp_bucket_per_rank * n_dp,
+                          np.minimum(opts.ddp_bucket_elems,
+                                     np.ceil(params / opts.ddp_bucket_count)))
     return np.maximum(opts.ddp_bucket_elems, opts.ddp_bucket_per_rank * n_dp)
 
 
-def exposed_grad_sync(sync_s, backward_s, params, opts: Options, n_dp=1.0):
+def exposed_grad_sync(sync_s, backward_s, params, opts: Options, n_dp=1.0, overlap=None):
     """Exposed time (s) of the DP gradient reduction ``sync_s`` (s) behind the last micro-batch's
     backward ``backward_s`` (s) under the bucket schedule: ``K = ceil(params / bucket)`` equal
     buckets become ready uniformly during backward and are reduced one after another, so the
     last one (``sync/K``) is always exposed and the rest only when reduction is slower than
     backward: ``max(sync/K, sync - backward (1 - 1/K))`` (PyTorch DDP / Megatron-Core
-    ``--overlap-grad-reduce``, bucket ``opts.ddp_bucket_elems`` elements). Without overlap:
-    ``sync_s``."""
-    if not opts.overlap_grad_reduce:
+    ``--overlap-grad-reduce``, bucket ``opts.ddp_bucket_elems`` elements). The same schedule
+    mirrored serves the weight all-gather behind the next forward (``backward_s`` = that
+    forward; the first bucket is waited for before the first layer runs). ``overlap``: whether
+    it is overlapped (None: ``opts.overlap_grad_reduce``); without overlap: ``sync_s``."""
+    if not (opts.overlap_grad_reduce if overlap is None else overlap):
         return np.asarray(sync_s, dtype=np.float64)
-    K = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts)))
+    K = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts, params)))
     return np.maximum(sync_s / K, sync_s - backward_s * (1 - 1 / K))
 
 
@@ -284,7 +298,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     if moe:
         kinds.append(per_layer(layer_times(model, s, L, cluster, opts, moe_share=1.0)))
     if slots is None:  # the stages of every row (stage_table.py)
-        slots = stage_slots(model, L, m)
+        slots = stage_slots(model, L, m, opts.legacy_interleaved_warmup)
     D = 0 if hybrid else mtp_depth(model)  # MTP: D layers of the last one's kind with the loss
     j_mtp = 1 if moe and model.is_moe_layer(model.num_layers - 1) else 0
     # each kind twice: its layers not fully recomputed, then the recomputed ones
@@ -350,22 +364,23 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     per_node = np.where(t >= cluster.gpus_per_node, 1.0, np.floor(cluster.gpus_per_node / t))
     z = L["zero"]
     # MoE: expert parameters (ex of the stage) reduce over the expert-data-parallel group
-    # n_dp / e, whose ranks are t e apart; the rest over the whole group as for a dense model
-    e = L.get("ep", 1.0)
+    # n_x = t c d / (u e) (moe.expert_dp; n_dp / e at u = t), whose ranks are u e apart
+    # (moe.expert_shards); the rest over the whole group as for a dense model
+    n_x, ue = expert_dp(L), expert_shards(L)
     ex = 0.0
     if model.num_experts:
         ex = np.take_along_axis(X_slot, i_par, axis=0)[0]
-    per_node_x = np.where(t * e >= cluster.gpus_per_node, 1.0,
-                          np.floor(cluster.gpus_per_node / (t * e)))
+    per_node_x = np.where(ue >= cluster.gpus_per_node, 1.0,
+                          np.floor(cluster.gpus_per_node / ue))
 
     def dp_collective(fn, bytes_per_param):
         """``fn(ranks, ranks_per_node, bytes)`` over the DP group (+ the expert-DP group)."""
         out = fn(n_dp, per_node, (params - ex) * bytes_per_param)
         if model.num_experts:
-            out = out + fn(n_dp / e, per_node_x, ex * bytes_per_param)
+            out = out + fn(n_x, per_node_x, ex * bytes_per_param)
         return out
 
-    n_buckets = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts)))
+    n_buckets = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts, params)))
 
     def hier(n, k_node, nbytes):
         # every bucket is its own collective and pays the latency once more (ring inside the
@@ -387,10 +402,12 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
                          opts.grad_bytes)
     t_fwd_mb = mix(slow, 2)
     z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
-    # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward, then
-    # all-gather of the bf16 weights behind the next iteration's first forward (Megatron-Core
-    # --overlap-grad-reduce / --overlap-param-gather), each under the bucket schedule
-    # (DeepSpeed's BF16_Optimizer, BLOOM's ZeRO-1: the full fp32 all-reduce instead)
+    # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward
+    # (--overlap-grad-reduce, opts.overlap_grad_reduce; else after it), then all-gather of the
+    # bf16 weights behind the next iteration's first forward (--overlap-param-gather,
+    # layout.param_gather_overlapped; else right after the optimizer step, exposed), each under
+    # the bucket schedule (DeepSpeed's BF16_Optimizer, BLOOM's ZeRO-1: the full fp32 all-reduce
+    # instead)
     def hier_rs(n, k_node, nbytes):
         # reduce-scatter / all-gather: ring only (primitives.hierarchical_reduce_scatter_time),
         # every bucket its own collective
@@ -403,7 +420,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     # gradients are reduce-scattered into the kept shard behind that micro-batch's backward
     n_rs = np.where(z == 2, m, 1.0)
     z12 = n_rs * exposed_grad_sync(rs_h, t_bwd_mb, params, opts, n_dp) + \
-        exposed_grad_sync(ag_h, t_fwd_mb, params, opts, n_dp)
+        exposed_grad_sync(ag_h, t_fwd_mb, params, opts, n_dp, param_gather_overlapped(opts))
     dp_exposed = np.where(z >= 3, z3, np.where(
         z >= 1, z12, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts, n_dp)))
     terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0)
@@ -412,7 +429,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     shard = np.where(z >= 1, n_dp, 1.0)
     terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
     if model.num_experts:
-        shard_x = np.where(z >= 1, n_dp / e, 1.0)
+        shard_x = np.where(z >= 1, n_x, 1.0)
         terms["optimizer"] = 30.0 * ((params - ex) / shard + ex / shard_x) / cluster.hbm_bw
     busy = (terms["compute"] + terms["recompute"] + terms["elementwise"]
             + terms["tp_comm"] + terms["cp_comm"] + terms["ep_comm"] + terms["pp_bubble"]

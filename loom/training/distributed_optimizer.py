@@ -136,13 +136,17 @@ class ParamGather:
             self.buffers[id(b)] = buf
 
     def start(self, async_op: bool) -> None:
-        """All-gather every bucket's parameter buffer from the shards the ranks updated;
-        ``async_op``: return at once (``--overlap-param-gather``), :meth:`wait` or the forward
-        pre-hooks of :meth:`hook` wait."""
+        """All-gather every bucket's parameter buffer from the shards the ranks updated, in the
+        order the next forward uses them (the reverse of the buckets', which follow backward):
+        a group's collectives run one after another, so the first layer's bucket arrives first
+        and the later ones behind the forward (Megatron-Core's order: its first all-gather is
+        the first-used bucket's, ``DistributedOptimizer.zero_grad``); ``async_op``: return at
+        once (``--overlap-param-gather``), :meth:`wait` or the forward pre-hooks of :meth:`hook`
+        wait."""
         g = self.grads
         if g.group is None:
             return
-        for b in g.buckets:
+        for b in reversed(g.buckets):
             buf = self.buffers[id(b)]
             per = buf.numel() // g.size
             mine = buf[g.rank * per:(g.rank + 1) * per].clone()

@@ -207,8 +207,11 @@ class Trainer:
                                                         self.mesh)
         with self.timeline.span("optimizer"):
             norm = self.optimizer_step()
-        if self.mesh.device.type == "cuda":
-            torch.cuda.synchronize(self.mesh.device)
+        if self.mesh.device.type == "cuda":  # this step's compute stream, not the device: an
+            # --overlap-param-gather all-gather still running on the communication stream
+            # belongs to the next forward, which its pre-hooks make wait (a device-wide
+            # synchronize would expose it here)
+            torch.cuda.current_stream(self.mesh.device).synchronize()
         (elapsed,) = self._all_reduce([time.perf_counter() - start], dist.ReduceOp.MAX)
         # loss (and, pipelined, the bubble fraction) summed over ranks in one collective
         bubble = self.last_stats.bubble_fraction / self.parts.world_size \

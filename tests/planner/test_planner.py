@@ -245,7 +245,8 @@ def test_predict_layout_matches_search():
         num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=51200,
         seq_length=2048, tensor_model_parallel_size=8, pipeline_model_parallel_size=8,
         num_layers_per_virtual_pipeline_stage=3, micro_batch_size=1, global_batch_size=1536,
-        recompute_granularity="full", sequence_parallel=True))
+        recompute_granularity="full", sequence_parallel=True,
+        overlap_grad_reduce=True))  # as the search times it: the DP reduction overlapped
     pred = predict_layout(cfg, 1024, "A100-80GB")
     assert pred["layout"]["vp"] == 4 and pred["layout"]["dp"] == 16
     assert set(pred["memory_bytes"]) >= {"weights", "gradients", "optimizer", "activations",

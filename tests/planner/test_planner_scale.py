@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.planner_sources.megascale import MEGASCALE_ROWS, megascale_rows, trend
+from benchmarks.planner_sources.megascale import (MEGASCALE_ROWS, ablation_seconds, candidates,
+                                                  counterfactuals, fixed_cost, megascale_rows,
+                                                  trend)
 from loom.planner.constants import FIT_SETS
 from loom.planner.hardware import make_cluster
 from loom.planner.primitives import (NCCL_BASE_LATENCY, all_reduce_latency,
@@ -65,9 +67,13 @@ def test_megascale_rows_and_trend_within_16_percent(rows):
     assert rows[0]["mfu"] > rows[3]["mfu"] and rows[4]["mfu"] > rows[-1]["mfu"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 47's 10%: the model lacks ~1 s per iteration "
-                   "that MegaScale's Megatron-LM rows pay at every DP size (4..192): a fixed, "
-                   "d-independent cost, not DP, p2p or straggler (docs/planner.md, Scale)")
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 47's 10%: at 256 GPUs (d 4, table 2 + table 3) the published iteration is 0.197 s per "
+    "micro-batch + 2.22 s, the model 0.201 s + 0.82 s: 1.40 s per iteration is missing at a "
+    "fixed DP size. Priced and excluded (test_megascale_missing_cost_candidates_priced): "
+    "no distributed optimizer +0.22..0.26 s, optimizer bytes 0.06 s, warm-up exchanges 0.01 s, "
+    "tied embedding 0.02 s (in), A800 NVLink and the straggler grow with m, half the NICs "
+    "contradicts sec 3.6, no interleaving (1.38 s) contradicts sec 6.1 (docs/planner.md, Scale)"))
 def test_megascale_trend_within_10_percent(rows):
     assert abs(trend(rows)["error"]) <= 0.10
     for r in rows:
@@ -89,3 +95,65 @@ def test_megatron_2023_blocking_p2p_adds_no_interleaved_bubble():
     extra = overhead_steps(4, 2, 8, extra_last=0.25) - 3
     assert 8 * 0.25 <= extra <= 8 * 0.25 + 1.0
     assert overhead_steps(4, 2, 8, x=0.1) > overhead_steps(4, 2, 8)
+
+
+def test_megascale_missing_cost_is_per_iteration_at_256_gpus():
+    """The two published points at d = 4 (table 2's 256-GPU row, batch 768, m 192; table 3's
+    baseline, batch 256, m 64, 47.7%): same GPUs, DP size and per-micro-batch work, so their line
+    ``a m + c`` separates per-micro-batch from per-iteration cost with no scale term in it. The
+    per-micro-batch part agrees (0.197 vs 0.201 s); the per-iteration part is 2.22 s published,
+    0.82 s predicted (bubble 0.23 + DP 0.56 + optimizer 0.01): 1.40 s missing, equal to a bubble
+    without interleaving, ``(p - 1) a`` = 1.38 s. MegaScale's own system (table 2 + its LAMB row)
+    pays 0.77 s where its interleaved bubble is 0.19 s: the paper's own fixed costs exceed
+    ``(p - 1) / v`` in both systems."""
+    f = fixed_cost()
+    pub, mod = f["published"], f["model"]
+    assert pub["per_microbatch_s"] == pytest.approx(mod["per_microbatch_s"], rel=0.03)
+    assert pub["fixed_s"] == pytest.approx(2.22, abs=0.01)
+    assert 1.3 <= f["gap_s"] <= 1.5
+    assert f["gap_s"] == pytest.approx(f["flat_bubble_s"], abs=0.1)
+    assert f["interleaved_bubble_s"] == pytest.approx(mod["terms_s"]["pp_bubble"], rel=0.02)
+    assert f["megascale_own"]["fixed_s"] > 3 * f["megascale_interleaved_bubble_s"]
+
+
+def test_megascale_missing_cost_candidates_priced():
+    """Each candidate for the missing per-iteration cost, in seconds at d 4 m 192 / d 4 m 64 /
+    d 192 m 32 (``python -m benchmarks.planner_sources.megascale --evidence``), against the gap
+    there (0.54 / 1.12 / 1.11 s): none that the paper and 285068c8 support is a fixed ~1.1 s."""
+    c = candidates()
+    at = ("768/256", "256/256", "6144/12288")
+    assert [round(c["gap_s"][k], 2) for k in at] == pytest.approx([0.54, 1.12, 1.11], abs=0.02)
+    # 285068c8's default DDP (--use-distributed-optimizer is opt-in): fp32 all-reduce + the
+    # unsharded optimizer: a fifth of the gap
+    assert all(0.2 <= c["no_distributed_optimizer"][k] <= 0.27 for k in at)
+    # small fixed costs: every optimizer byte unsharded, the warm-up / cool-down exchanges the
+    # max-plus schedule adds beyond the model's, the tied embedding all-reduce (already priced)
+    assert c["optimizer_unsharded_all_bytes_s"] < 0.07
+    assert c["warmup_exchanges_s"] < 0.02 and c["tied_embedding_allreduce_s"] < 0.02
+    # per-micro-batch terms, not a fixed cost: they grow with m at d 4
+    for k in ("a800_nvlink", "straggler_sigma_1pct"):
+        assert c[k]["768/256"] > 2.5 * c[k]["256/256"]
+    # the two that would close it contradict the paper: half the NICs (sec 3.6: eight 200G per
+    # server) and no interleaving (sec 6.1: six interleaving stages for the 175B)
+    assert all(0.75 <= c["nics_halved"][k] for k in at)
+    assert all(0.85 * c["gap_s"][k] <= c["no_interleaving"][k] <= c["gap_s"][k] for k in at[1:])
+
+
+def test_megascale_counterfactuals_and_the_papers_own_prices():
+    """What the two trend-moving changes give over all 8 rows, and table 3's seconds at m 64.
+    285068c8's default DDP (no distributed optimizer): trend -9.3% (inside 10%) but rows up to
+    +12.0% (outside); no interleaving: trend -0.8%, rows -0.4..+5.5%, against the paper's text.
+    Table 3: PP overlap 0.55 s, DP overlap 0.31 s, misc 0.20 s; even wholly per iteration they
+    leave 2.22 s - 0.77 s (MegaScale's own) short by 0.35-0.4 s."""
+    cf = counterfactuals()
+    z0, v1 = cf["no_distributed_optimizer"], cf["no_interleaving"]
+    assert -0.10 < z0["trend_error"] < -0.09
+    assert 0.11 < max(z0["row_errors"]) < 0.125 and min(z0["row_errors"]) > 0.0
+    assert abs(v1["trend_error"]) < 0.01 and max(map(abs, v1["row_errors"])) < 0.06
+    t3 = ablation_seconds()
+    assert (t3["PP overlap"], t3["DP overlap"], t3["misc (data pipeline, sec 6.3 code)"]) == \
+        pytest.approx((0.55, 0.31, 0.20), abs=0.01)
+    f = fixed_cost()
+    left = f["published"]["fixed_s"] - f["megascale_own"]["fixed_s"] - (
+        t3["PP overlap"] + t3["DP overlap"] + t3["misc (data pipeline, sec 6.3 code)"])
+    assert 0.3 < left < 0.45

@@ -65,7 +65,9 @@ def interleaved_ops(m: int, p: int, rank: int, v: int, group: Optional[int] = No
     ``group`` N (``--microbatch-group-size-per-virtual-pipeline-stage``, default p): each group
     goes through chunk 0, then chunk 1, ... (Megatron-Core's ``get_schedule_table``; the last
     group holds the m mod N left over); backwards visit the chunks in reverse. Warm-up:
-    (p - rank - 1) 2 + (v - 1) N forwards (every forward when m = p). Raises ValueError unless
+    (p - rank - 1) 2 + (v - 1) N forwards, at most m v (Megatron-Core 0.16's
+    ``get_pp_rank_microbatches``; Megatron-LM before 2024 ran every forward first when m = p,
+    which Megatron-Core dropped). Raises ValueError unless
     p <= N <= m and m mod N is 0 or at least p (Megatron-Core's rules; config/pipeline.py
     refuses such flags first)."""
     n = p if group is None else group
@@ -79,7 +81,7 @@ def interleaved_ops(m: int, p: int, rank: int, v: int, group: Optional[int] = No
         c, j = table[k]
         return (c if forward else v - 1 - c), j
 
-    warm = total if m == p else min((p - rank - 1) * 2 + (v - 1) * n, total)
+    warm = min((p - rank - 1) * 2 + (v - 1) * n, total)
     ops: list[Op] = [("F",) + chunk_mb(k, True) for k in range(warm)]
     for i in range(total - warm):
         ops += [("F",) + chunk_mb(warm + i, True), ("B",) + chunk_mb(i, False)]
