@@ -11,12 +11,29 @@ layout in :data:`loom.planner.layout.KEYS` names (``tp``, ``pp``, ``dp``, ``cp``
 Fitted, each by name (:func:`calibrate`):
 
 * ``gemm_efficiency`` (``e`` of :func:`loom.planner.primitives.gemm_efficiency`: the large-GEMM
-  fraction of peak on this cluster) and, from :data:`K_FROM_RUNS` runs on, ``mem_traffic`` (``k`` of
-  :mod:`loom.planner.timing`: element-wise HBM traffic per activation byte): least squares of
-  ``log(predicted / measured)`` step time (Gauss-Newton on the logs, Levenberg damping).
+  fraction of peak on this cluster) and ``mem_traffic`` (``k`` of :mod:`loom.planner.timing`:
+  element-wise HBM traffic per activation byte), in that order (:data:`PARAMS`): least squares of
+  ``log(predicted / measured)`` step time (Levenberg-Marquardt on the logs,
+  :func:`least_squares`), **how many of them chosen by leave-one-out cross-validation over the
+  runs** (:func:`select_fit`). The candidates are the nested models "none" (the shipped
+  constants), "e", "e and k", each with at most ``n - 1`` parameters for ``n`` runs (every leave-
+  one-out fit then has at least as many runs as parameters). Each candidate is refitted ``n``
+  times, each time without one run, and scored by the mean squared log error of the left-out run's
+  prediction (the PRESS statistic, Allen 1974; model choice by leave-one-out cross-validation,
+  Stone 1974; Hastie, Tibshirani & Friedman, "The Elements of Statistical Learning", 2nd ed., sec.
+  7.10). The smallest score wins; a tie (within :data:`LOO_TIE`) keeps fewer parameters. So a
+  calibration is kept only where it predicts runs it was not fitted on better than the shipped
+  constants do: a parameter the runs cannot pin down, or a fit that follows one unusual run,
+  predicts the left-out runs worse and is not chosen ("none" keeps the shipped values). When the
+  runs determine the parameters (noise-free, more runs than parameters) the full model's score is
+  ~0, it is chosen, and its fit is plain least squares: nothing is shrunk. One run cannot be
+  cross-validated: it fits e alone.
 * ``reserve_bytes`` (:class:`loom.planner.layout.Options`: context, workspaces and allocator
   fragmentation beyond the counted tensors): the median over the runs of measured peak minus the
   counted terms (``(1 + reserve_fraction)`` x weights, gradients, optimizer, activations), >= 0.
+
+The same :func:`select_fit` serves the 3-shot protocol on the published tables
+(``benchmarks/planner_sources/three_shot.py``).
 
 Everything else (links, overlap, the layout arithmetic) stays the shipped model.
 """
@@ -37,9 +54,12 @@ from loom.planner.primitives import GEMM_EFFICIENCY
 from loom.planner.timing import MEM_TRAFFIC
 
 PARAMS = ("gemm_efficiency", "mem_traffic")
-# k is fitted from this many runs on: with 3 it overfits (the 3-shot protocol on published
-# tables, benchmarks/planner_sources/three_shot.py: KOR worst 8% -> 29%, LF-A100 22% -> 24%)
-K_FROM_RUNS = 5
+# Where a fitted parameter may go (its log is clipped): a GEMM runs at most at peak (e <= 1) and
+# above 5% of it; k from 0.1 (less traffic than one read per activation byte: everything fused)
+# to 100. The bounds stop a fit of as many parameters as runs from running off to 0 or infinity.
+BOUNDS = {"gemm_efficiency": (0.05, 1.0), "mem_traffic": (0.1, 100.0)}
+BAD_RESIDUAL = 1e3  # log error standing in for a prediction that is not finite (rejects a step)
+LOO_TIE = 1e-9  # leave-one-out scores this close (mean squared log error) are a tie
 
 
 def read_runs(path: str) -> list[dict]:
@@ -99,17 +119,81 @@ def least_squares(res, x: np.ndarray, iters: int = 40, lam: float = 1e-2,
     return x
 
 
+def select_fit(log_errors, start: dict, order=PARAMS, iters: int = 30, sizes=None,
+               bounds=None) -> dict:
+    """Fit the first ``m`` parameters of ``order`` to ``n`` runs, ``m`` chosen by leave-one-out
+    cross-validation (the rule and its sources: module docstring).
+
+    ``log_errors(values)`` -> array ``(n,)`` of ``log(predicted / measured)`` per run, given
+    ``values`` (name -> value, every name of ``start``); a run not finite at ``start`` takes no
+    part, a non-finite value elsewhere counts as :data:`BAD_RESIDUAL`. ``start``: the shipped
+    value of every name of ``order``. ``sizes``: the candidate ``m``s (default
+    ``0..min(len(order), n - 1)``, ``(1,)`` for one run; a single size skips the
+    cross-validation). Parameters are fitted on their logs (:func:`least_squares`, ``iters``
+    steps, stopping at a step below 1e-4), each clipped to ``bounds[name]`` (default
+    :data:`BOUNDS`; a name not in it is not clipped).
+
+    Returns ``names`` (the chosen ones), ``values`` (``start`` with them fitted), ``loo``
+    (``m`` -> the mean squared log error of the left-out runs; empty when not
+    cross-validated), ``runs`` (indices of the runs that took part)."""
+    start = {k: float(start[k]) for k in order}
+    bounds = BOUNDS if bounds is None else bounds
+    lo, hi = (np.log([bounds.get(k, (0.0, math.inf))[j] or 1e-300 for k in order])
+              for j in (0, 1))
+    memo: dict = {}
+
+    def errs(names, x):
+        x = np.clip(x, lo[:len(x)], hi[:len(x)])
+        key = (names, tuple(np.round(x, 12)))
+        if key not in memo:
+            r = np.asarray(log_errors({**start, **dict(zip(names, map(float, np.exp(x))))}),
+                           dtype=float)
+            memo[key] = np.where(np.isfinite(r), r, BAD_RESIDUAL)
+        return memo[key]
+
+    r0 = np.asarray(log_errors(dict(start)), dtype=float)
+    used = np.flatnonzero(np.isfinite(r0))
+    n = len(used)
+    if sizes is None:
+        sizes = (1,) if n == 1 else tuple(range(min(len(order), n - 1) + 1))
+
+    def fit(m, rows):
+        names = tuple(order[:m])
+        x0 = np.log([start[k] for k in names])
+        if not m or not len(rows):
+            return names, x0
+        return names, least_squares(lambda x: errs(names, x)[rows], x0, iters, tol=1e-4)
+
+    loo = {}
+    if len(sizes) > 1:
+        for m in sizes:
+            loo[m] = float(np.mean([errs(*fit(m, used[used != i]))[i] ** 2 for i in used]))
+    best = min(loo.values(), default=0.0)
+    m = min(k for k in sizes if loo.get(k, 0.0) <= best + LOO_TIE)  # a tie keeps fewer
+    names, x = fit(m, used)
+    x = np.clip(x, lo[:m], hi[:m])
+    return dict(names=names, values={**start, **dict(zip(names, map(float, np.exp(x))))},
+                loo=loo, runs=[int(i) for i in used])
+
+
 def _predict(model: ModelConfig, cluster: Cluster, runs: list[dict], B: int, s: int,
              opts: Options) -> list[dict]:
-    """The planner's evaluation of every run (one row each)."""
+    """The planner's evaluation of every run (one row each: arrays of length 1); runs with the
+    same GPU count, global batch and sequence length are evaluated together, as the search
+    evaluates its layouts."""
     from loom.planner.search import evaluate
-    out = []
-    for r in runs:
-        n = int(r.get("num_gpus") or cluster.num_gpus)
-        lay = dict(r["layout"])
-        cl = replace(cluster, num_gpus=n)
-        out.append(evaluate(model, make_layouts([lay]), int(r.get("global_batch_size") or B),
-                            int(r.get("seq_length") or s), cl, opts))
+    groups: dict = {}
+    for i, r in enumerate(runs):
+        key = (int(r.get("num_gpus") or cluster.num_gpus), int(r.get("global_batch_size") or B),
+               int(r.get("seq_length") or s))
+        groups.setdefault(key, []).append(i)
+    out: list = [None] * len(runs)
+    for (n, b, sq), idx in groups.items():
+        e = evaluate(model, make_layouts([dict(runs[i]["layout"]) for i in idx]), b, sq,
+                     replace(cluster, num_gpus=n), opts)
+        for j, i in enumerate(idx):
+            out[i] = {k: (v[j:j + 1] if isinstance(v, np.ndarray) and v.ndim and
+                          len(v) == len(idx) else v) for k, v in e.items()}
     return out
 
 
@@ -120,31 +204,33 @@ def _with(cluster: Cluster, x: dict) -> Cluster:
 def calibrate(model: ModelConfig, cluster: Cluster, runs: list[dict], global_batch_size: int,
               seq_length: int, opts: Options, iters: int = 30) -> tuple[Cluster, Options, dict]:
     """The cluster and options with the fitted parameters (module docstring) and a report:
-    ``fitted`` (name -> (before, after)), ``rows`` (per run: measured, predicted before and
+    ``fitted`` (name -> (before, after)), ``kept`` (name -> shipped value: the parameters
+    :func:`select_fit` left out), ``loo`` (candidate, e.g. ``"none"``, ``"gemm_efficiency"``,
+    ``"gemm_efficiency+mem_traffic"`` -> mean squared leave-one-out log error), ``rows`` (per
+    run: measured, predicted before and
     after, seconds; and memory, GB, when measured), ``median_before`` / ``median_after`` (the
     runs' median absolute step-time error)."""
-    names = list(PARAMS[:1] if len(runs) < K_FROM_RUNS else PARAMS)
     start = {"gemm_efficiency": cluster.gemm_efficiency or GEMM_EFFICIENCY,
              "mem_traffic": cluster.mem_traffic or MEM_TRAFFIC}
     meas = np.array([float(r["step_time_s"]) for r in runs])
 
-    def times(x):
-        cl = _with(cluster, dict(zip(names, np.exp(x))))
-        return np.array([float(e["time_iteration"][0]) for e in
-                         _predict(model, cl, runs, global_batch_size, seq_length, opts)])
-
-    def res(x):
-        return np.log(times(x) / meas)
-    x = least_squares(res, np.log(np.array([start[k] for k in names])), iters)
-    fitted = {k: float(v) for k, v in zip(names, np.exp(x))}
+    def log_errors(values):
+        t = [float(e["time_iteration"][0]) for e in
+             _predict(model, _with(cluster, values), runs, global_batch_size, seq_length, opts)]
+        return np.log(np.array(t) / meas)
+    sel = select_fit(log_errors, start, PARAMS, iters)
+    fitted = {k: sel["values"][k] for k in sel["names"]}
     cl = _with(cluster, fitted)
-    report = {"fitted": {k: (float(start[k]), fitted[k]) for k in names}}
+    report = {"fitted": {k: (float(start[k]), fitted[k]) for k in sel["names"]},
+              "kept": {k: float(start[k]) for k in PARAMS if k not in sel["names"]},
+              "loo": {"+".join(PARAMS[:m]) or "none": v for m, v in sel["loo"].items()}}
     after = _predict(model, cl, runs, global_batch_size, seq_length, opts)
     new_opts = opts
     mem_runs = [(i, float(r["peak_memory_gb"]) * GB) for i, r in enumerate(runs)
                 if isinstance(r.get("peak_memory_gb"), (int, float))]
     if mem_runs:
-        counted = [float(after[i]["mem_total"][0] - after[i]["mem_reserve"][0]) for i, _ in mem_runs]
+        counted = [float(after[i]["mem_total"][0] - after[i]["mem_reserve"][0])
+                   for i, _ in mem_runs]
         extra = [m - (1 + opts.reserve_fraction) * c for (_, m), c in zip(mem_runs, counted)]
         reserve = max(0.0, statistics.median(extra))
         report["fitted"]["reserve_bytes"] = (opts.reserve_bytes, reserve)
@@ -173,9 +259,16 @@ def format_report(report: dict, path: str) -> list[str]:
     f = report["fitted"]
     parts = [f"{k} {a:.4g} -> {b:.4g}" if k != "reserve_bytes" else
              f"reserve {a / GB:.3g} -> {b / GB:.3g} GB" for k, (a, b) in f.items()]
-    lines = [f"calibrated from {len(report['rows'])} runs of {path}: " + ", ".join(parts)
+    lines = [f"calibrated from {len(report['rows'])} runs of {path}: "
+             + (", ".join(parts) or "nothing fitted")
              + f"; step time error median {100 * report['median_before']:.1f}% -> "
                f"{100 * report['median_after']:.1f}%"]
+    if report.get("loo"):
+        kept = ", ".join(f"{k} {v:.4g}" for k, v in report.get("kept", {}).items())
+        lines.append("  chosen by leave-one-out over the runs (rms log error of the left-out "
+                     "run: " + ", ".join(f"{k} {100 * math.sqrt(v):.2g}%"
+                                          for k, v in report["loo"].items())
+                     + ")" + (f"; kept at the shipped value: {kept}" if kept else ""))
     if any(not math.isfinite(row["predicted_after_s"]) for row in report["rows"]):
         lines.append("  (some runs could not be predicted: check their layouts)")
     return lines
