@@ -198,8 +198,6 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         zs = ((0, 1, 2, 3) if p == 1 else (0, 1, 2) if variants else (0, 1)) \
             if d * c > 1 else (0,)
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
-        if e > 1 and not fixed.get("zero"):  # loom train refuses the distributed optimizer
-            zs = (0,)  # with EP > 1 (Megatron-Core runs it: a given --zero-stage is evaluated)
         # zero-bubble schedules (Qi et al. 2024): ZB-H1 on one chunk per stage, ZB-V on two
         # (searched when loom train's --pipeline-schedule accepts it, or when it is given)
         zbs = (0, 1) if p > 1 and v == 1 else (

@@ -125,22 +125,24 @@ def test_expert_tp_equal_to_tp_leaves_the_moe_search_as_it_was(monkeypatch):
     bit (a change to the time or memory model moves both tests: re-record them together, this
     one from the same search with ``_moe_rules`` held to u = t as below).
     Re-recorded when the interleaved schedule's warm-up at m = p became Megatron-Core's
-    (Options.legacy_interleaved_warmup=True, the old rule, gives the previous sums again)."""
+    (Options.legacy_interleaved_warmup=True, the old rule, gives the previous sums again).
+    Re-recorded when the search added ZeRO 1-3 with EP > 1 (loom train and Megatron-Core run
+    the distributed optimizer with expert parallelism; the old search kept EP > 1 at ZeRO 0)."""
     import loom.planner.search as S
     rules = S._moe_rules
     monkeypatch.setattr(S, "_moe_rules", lambda model, t, c, d: None if rules(model, t, c, d)
                         is None else [(u, e) for u, e in rules(model, t, c, d) if u == t])
     res = S.search(get_preset("mixtral-8x7b"), H100, 512, 4096, dict(zb=0),
                    Options(flash_attention=True, max_zero_stage=3))
-    assert len(res["tp"]) == 4293 and len(res["order"]) == 1556
-    assert float(res["time_iteration"].sum()) == pytest.approx(55572.63181351248, rel=1e-12)
-    assert float(res["mem_total"].sum()) == pytest.approx(697265427892861.5, rel=1e-12)
+    assert len(res["tp"]) == 6553 and len(res["order"]) == 2756
+    assert float(res["time_iteration"].sum()) == pytest.approx(96461.3935082132, rel=1e-12)
+    assert float(res["mem_total"].sum()) == pytest.approx(969537630203732.5, rel=1e-12)
 
 
 def test_every_moe_row_prints_a_command_loom_accepts():
     """A small MoE model on 16 A100: the fastest fitting row of every (t, u, e, ZeRO, PP > 1)
-    the search ranks (68 of them: u < t with ZeRO 0-3 and with EP up to 8 across the TP ranks
-    among them) prints a command loom train's config accepts, carrying
+    the search ranks (133 of them: u < t with ZeRO 0-3 and with EP up to 8 across the TP ranks
+    among them, EP > 1 with the distributed optimizer and FSDP2 too) prints a command loom train's config accepts, carrying
     --expert-tensor-parallel-size exactly when u != t, and the config's expert grid is the
     row's."""
     m = dataclasses.replace(get_preset("mixtral-8x7b"), num_layers=8, hidden_size=1024,
@@ -153,7 +155,8 @@ def test_every_moe_row_prints_a_command_loom_accepts():
     for i in res["order"]:
         key = tuple(int(res[k][i]) for k in ("tp", "etp", "ep", "zero")) + (res["pp"][i] > 1,)
         picks.setdefault(key, int(i))
-    assert len(picks) == 68 and {(4, 1, 8, 0), (2, 1, 1, 3)} <= {k[:4] for k in picks}
+    assert len(picks) == 133 and {(4, 1, 8, 0), (2, 1, 1, 3), (2, 2, 2, 1), (1, 1, 8, 3)} <= \
+        {k[:4] for k in picks}
     for i in picks.values():
         rec = record(res, i)
         text = train_command(rec, m, 64, 2048, 16, 8)

@@ -219,7 +219,8 @@ def test_ep_constraints_in_the_search():
     assert np.all((tp * dp) % (u * ep) == 0) and np.all(tp % u == 0) and np.all(8 % ep == 0)
     assert np.all(dp[u == tp] % ep[u == tp] == 0)  # at u = t: EP carved out of DP
     assert np.all(lay["cp"] == 1) and np.all(lay["sp"] == 0)  # SP / CP with MoE: not modelled by the planner
-    assert np.all(lay["zero"][ep > 1] == 0)  # and the distributed optimizer with EP > 1
+    # EP > 1 with the distributed optimizer and ZeRO-2/3, as Megatron-Core and loom train run it
+    assert {0, 1, 2, 3} <= set(lay["zero"][ep > 1])
     # every admissible e appears for every (t, p, d, u)
     for t, p, d, v in {tuple(int(x) for x in r) for r in zip(tp, lay["pp"], dp, u)}:
         got = set(ep[(tp == t) & (lay["pp"] == p) & (dp == d) & (u == v)])
