@@ -93,8 +93,8 @@ def megatron_lm_2023(model=None) -> Options:
     h, L = model.hidden_size, model.num_layers
     chunk_params = 12 * h * h * (L // (PP * VP)) / TP  # a chunk's transformer weights per GPU
     return source_options(flash_attention=False, overlap_grad_reduce=False, overlap_tp_comm=True,
-                   grad_bytes=4, grad_accum_bytes=0.0, max_zero_stage=1, runtime="megatron-legacy",
-                   ddp_bucket_elems=chunk_params)
+                          grad_bytes=4, grad_accum_bytes=0.0, max_zero_stage=1,
+                          runtime="megatron-legacy", ddp_bucket_elems=chunk_params)
 
 
 MEGATRON_LM_2023 = megatron_lm_2023()

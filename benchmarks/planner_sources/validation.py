@@ -80,10 +80,10 @@ from loom.planner.timing import layer_times, recompute_work
 # see bloom_176b) after the last micro-batch, and its BF16_Optimizer copies every micro-batch's
 # bf16 gradients into the fp32 accumulator (18 bytes per parameter, Options.grad_accum_bytes).
 MEGATRON_2021 = source_options(overlap_grad_reduce=False, overlap_tp_comm=False, grad_bytes=2,
-                        grad_accum_bytes=6)
+                               grad_accum_bytes=6)
 MEGATRON_2022 = source_options(overlap_grad_reduce=False)
 MEGATRON_DEEPSPEED_2022 = source_options(overlap_grad_reduce=False, overlap_tp_comm=False,
-                                  zero1_all_reduce_grads=True, grad_accum_bytes=18)
+                                         zero1_all_reduce_grads=True, grad_accum_bytes=18)
 
 # DGX-2H: 8 x 100 Gb/s InfiniBand for 16 GPUs = 100 GB/s per node (SHO sec 5) = 6.25 GB/s per GPU.
 DGX2H_INTER_BW = 6.25e9
@@ -238,8 +238,8 @@ def nar_table2(constants: Constants | None = None, schemes=("ZeRO-3", "PTD-P"),
     published_tflops, published_days, tflops, days`` (predicted hardware TFLOP/s per GPU and
     days)."""
     opts = source_options(flash_attention=False, max_zero_stage=3,
-                   zero3_overlap=constants.zero3_overlap if constants else None,
-                   zero3_link_efficiency=zero3_link_efficiency)
+                          zero3_overlap=constants.zero3_overlap if constants else None,
+                          zero3_link_efficiency=zero3_link_efficiency)
     out = []
     for scheme, P, mp, B, n, b, tflops, days in NAR_TABLE2:
         if scheme not in schemes:
@@ -284,8 +284,8 @@ def opt_175b(constants: Constants | None = None, distribute_saved: bool = True,
     design: its ``all_gather`` and ``post_backward`` streams)."""
     model = gpt(96, 12288, 96, V=50272)
     opts = source_options(overlap_tp_comm=False, grad_bytes=2, max_zero_stage=3,
-                   distribute_saved_activations=distribute_saved,
-                   overlap_grad_reduce=dp_overlap)
+                          distribute_saved_activations=distribute_saved,
+                          overlap_grad_reduce=dp_overlap)
     L = make_layouts(dict(tp=8, pp=1, cp=1, dp=124, mbs=8, zero=2, recompute="full"))
     res = evaluate(model, L, 992, 2048, fitted_cluster("A100-80GB", 992, constants), opts)
     r = record(res, 0)
@@ -299,7 +299,7 @@ def sho_weak_scaling(recompute: str = "full", overlap: bool = True,
     V100-32GB, 16 GPUs per node, s = 1024, unfused attention, no recompute, b = 8 (SHO sec 5:
     batch 8 per model-parallel group... per GPU global 512 at 64-way DP)."""
     opts = source_options(flash_attention=False, max_zero_stage=0, overlap_grad_reduce=overlap,
-                   overlap_tp_comm=False, grad_bytes=2)
+                          overlap_tp_comm=False, grad_bytes=2)
     base = None
     out = []
     for h, a, nl, P, mp, pub_mp, pub_dp in SHO_TABLE1:
