@@ -78,7 +78,12 @@ def _model_from_args(args) -> tuple[ModelConfig, str]:
         name = "custom"
     if not model.vocab_size:
         raise ConfigError("--vocab-size is required for the planner (or use a preset)")
+    model = _hybrid_depth(model, args)
     h, a, g = model.hidden_size, model.num_attention_heads, model.num_kv_groups
+    if None in (a, h, model.num_layers):
+        raise ConfigError("--num-layers, --hidden-size and --num-attention-heads are required "
+                          "for the planner (or use a preset, --from-hf or "
+                          "--hybrid-layer-pattern for the depth)")
     if a < 1 or h < 1 or model.num_layers < 1:
         raise ConfigError("--num-layers, --hidden-size and --num-attention-heads must be >= 1")
     if not model.kv_channels and h % a:
@@ -89,6 +94,24 @@ def _model_from_args(args) -> tuple[ModelConfig, str]:
         raise ConfigError(f"--num-query-groups {g} does not divide --num-attention-heads {a}: "
                           f"choose a divisor of {a}")
     return model, name
+
+
+def _hybrid_depth(model: ModelConfig, args) -> ModelConfig:
+    """``model`` with the depth its ``--hybrid-layer-pattern`` sets (as loom train reads it,
+    :func:`loom.config.hybrid_pattern.resolve_hybrid_pattern`: ``--num-layers`` is then
+    ignored); ``|`` pipeline segments set ``args``' split flags as they set loom train's.
+    ConfigError for segments without ``--pipeline-model-parallel-size``."""
+    from loom.config.hybrid_pattern import resolve_hybrid_pattern
+    pat = model.hybrid_override_pattern
+    if not pat:
+        return model
+    if "|" in pat and not args.pipeline_model_parallel_size:
+        raise ConfigError(f"--hybrid-layer-pattern {pat!r} cuts {pat.count('|') + 1} pipeline "
+                          f"segments (|): give --pipeline-model-parallel-size (a divisor of "
+                          f"{pat.count('|') + 1}) or drop the |")
+    model = replace(model)
+    resolve_hybrid_pattern(model, args)
+    return model
 
 
 def _near_divisor(n: int, k: int) -> int:

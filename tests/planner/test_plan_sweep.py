@@ -21,6 +21,14 @@ LLAMA = ("--num-layers 12 --hidden-size 512 --num-attention-heads 8 --seq-length
 REGRESSIONS = [
     # --json with a flag given twice: the warning went to stdout, before the JSON
     ("json-warning-to-stderr", f"{LLAMA} --num-gpus 8 --num-layers 12", 8, "ok", ""),
+    # a hybrid model's depth from --hybrid-layer-pattern (no --num-layers): TypeError
+    ("hybrid-depth-from-pattern", "--model-type mamba --hybrid-layer-pattern M-M*-M-M*-M- "
+     "--hidden-size 1024 --num-attention-heads 8 --mamba-num-heads 32 --vocab-size 50257 "
+     "--seq-length 1024 --gpu H100-80GB --num-gpus 8 --global-batch-size 64", 8, "ok", ""),
+    ("hybrid-segments-need-pp", "--model-type mamba --hybrid-layer-pattern M-M*|M-M* "
+     "--hidden-size 1024 --num-attention-heads 8 --mamba-num-heads 32 --vocab-size 50257 "
+     "--seq-length 1024 --gpu H100-80GB --num-gpus 8", 8, "refused",
+     "--pipeline-model-parallel-size"),
 ]
 
 
