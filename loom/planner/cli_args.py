@@ -16,7 +16,9 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
              "cp": args.context_parallel_size, "dp": args.data_parallel_size,
              "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
-             "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage,
+             # Megatron turns --sequence-parallel off at TP 1 (arguments.py): not a constraint
+             "sp": 1 if args.sequence_parallel and args.tensor_model_parallel_size != 1
+             else None, "zero": args.zero_stage,
              "ep": args.expert_model_parallel_size}
     if model.num_experts:
         fixed["etp"] = getattr(args, "expert_tensor_parallel_size", None)

@@ -29,6 +29,9 @@ REGRESSIONS = [
      "--hidden-size 1024 --num-attention-heads 8 --mamba-num-heads 32 --vocab-size 50257 "
      "--seq-length 1024 --gpu H100-80GB --num-gpus 8", 8, "refused",
      "--pipeline-model-parallel-size"),
+    # --sequence-parallel at TP 1 (Megatron turns it off): "admits no layout"
+    ("sp-at-tp1", f"{LLAMA} --num-gpus 8 --tensor-model-parallel-size 1 --pipeline-model-"
+     "parallel-size 2 --sequence-parallel", 8, "ok", ""),
 ]
 
 
@@ -42,3 +45,19 @@ def test_regression_rows(name, flags, gpus, kind, text, tmp_path):
     got, detail = check(_case(flags, gpus), tmp_path)
     assert got == kind and text in detail, (got, detail)
 
+
+def test_megatron_scripts_sample(tmp_path):
+    """A seeded sample of Megatron-LM's example scripts and functional-test cases, at their
+    published layout and with their model flags only: no crash, dropped flag or bad command."""
+    cases = script_cases()
+    sample = random.Random(0).sample(cases, 12)
+    bad = [(c.name, c.klass, *check(c, tmp_path)) for c in sample]
+    assert not [b for b in bad if is_failure(b[2])], bad
+
+
+def test_grid_sample(tmp_path):
+    """Every ``--gpu`` once and seeded random GPU counts (non-powers of two), odd layer counts,
+    tiny and huge batches and given layouts."""
+    cases = grid_cases(seed=1, n=12)
+    bad = [(c.name, " ".join(c.argv), *check(c, tmp_path)) for c in cases]
+    assert not [b for b in bad if is_failure(b[2])], bad
