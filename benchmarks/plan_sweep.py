@@ -510,8 +510,9 @@ def check(case: Case, tmp: Path) -> tuple:
         return "stderr", "\n".join(lines)[:300]
     given = _flag_words(argv)
     lw, lg = layout_of(want, case.num_gpus), layout_of(got, case.num_gpus)
-    for lay in (lw, lg):  # Megatron and loom: SP is off at TP 1 (arguments.py)
+    for lay in (lw, lg):  # Megatron and loom: SP is off at TP 1 (arguments.py); expert TP 0: t
         lay["sp"] = int(bool(lay["sp"]) and lay["tp"] > 1)
+        lay["etp"] = lay["etp"] or lay["tp"]
     for f, keys in LAYOUT_KEYS.items():
         if f in given:
             for k in keys:
@@ -519,6 +520,8 @@ def check(case: Case, tmp: Path) -> tuple:
                     return f"dropped:{k}", f"{f}: given {lw[k]}, command {lg[k]}"
     flat_w, flat_g = _flat(want), _flat(got)
     for f, name in SAME_FIELDS.items():
+        if name.startswith("recompute_") and flat_w["recompute_granularity"] != "full":
+            continue  # the method and layer count of full recomputation only
         if f in given and flat_w[name] != flat_g[name]:
             return f"dropped:{name}", f"{f}: given {flat_w[name]!r}, command {flat_g[name]!r}"
     mw, mg = asdict(want.model), asdict(got.model)

@@ -32,6 +32,16 @@ REGRESSIONS = [
     # --sequence-parallel at TP 1 (Megatron turns it off): "admits no layout"
     ("sp-at-tp1", f"{LLAMA} --num-gpus 8 --tensor-model-parallel-size 1 --pipeline-model-"
      "parallel-size 2 --sequence-parallel", 8, "ok", ""),
+    # Megatron's spellings loom train resolves, dropped by the plan: --use-megatron-fsdp's
+    # sharding strategy (ZeRO 3 planned as 1), --num-virtual-stages-per-pipeline-rank (as 1)
+    ("megatron-fsdp-zero-stage", f"{LLAMA} --num-gpus 8 --tensor-model-parallel-size 2 "
+     "--use-megatron-fsdp --use-distributed-optimizer", 8, "ok", ""),
+    ("virtual-stages-per-rank", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
+     "--num-virtual-stages-per-pipeline-rank 3", 8, "ok", ""),
+    ("accounted-split-interleaved", f"{LLAMA} --num-layers 6 --num-gpus 8 "
+     "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+     "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 8, "ok",
+     ""),
 ]
 
 
