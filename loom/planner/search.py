@@ -196,7 +196,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         # ZeRO-2 with PP: loom's (Megatron's) gradient buffer reduce-scatters every
         # micro-batch's gradients into the kept shard (timing.py prices m reduce-scatters)
         zs = ((0, 1, 2, 3) if p == 1 else (0, 1, 2) if variants else (0, 1)) \
-            if d * c > 1 else (0,)
+            if d * c > 1 else tuple({0, fixed.get("zero", 0)})  # a given stage at d c = 1: 0's
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
         # zero-bubble schedules (Qi et al. 2024): ZB-H1 on one chunk per stage, ZB-V on two
         # (searched when loom train's --pipeline-schedule accepts it, or when it is given)

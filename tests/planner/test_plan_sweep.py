@@ -42,6 +42,9 @@ REGRESSIONS = [
      "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
      "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 8, "ok",
      ""),
+    # --use-distributed-optimizer at d = 1 (Megatron runs it; the Adam states of one rank)
+    ("distributed-optimizer-at-d1", f"{LLAMA} --num-gpus 4 --tensor-model-parallel-size 4 "
+     "--use-distributed-optimizer", 4, "ok", ""),
 ]
 
 
