@@ -505,7 +505,7 @@ def check(case: Case, tmp: Path) -> tuple:
     try:
         want = _given_config(argv, case.num_gpus)
     except (ConfigError, SystemExit) as e:  # loom train refuses the given flags themselves
-        return "ok-train-refuses-input", str(e)[:300]
+        return "ok:given-refused-by-train", str(e)[:300]
     if lines:
         return "stderr", "\n".join(lines)[:300]
     given = _flag_words(argv)
@@ -565,7 +565,7 @@ def sweep(cases: list) -> dict:
             if is_failure(kind):
                 r["failed"] += 1
                 r["failures"].append(row)
-            elif kind in ("refused", "nofit", "ok-train-refuses-input"):
+            elif kind in ("refused", "nofit", "ok:given-refused-by-train"):
                 r["refusals"].append(row)
     return report
 

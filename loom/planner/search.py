@@ -200,7 +200,9 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
         # zero-bubble schedules (Qi et al. 2024): ZB-H1 on one chunk per stage, ZB-V on two
         # (searched when loom train's --pipeline-schedule accepts it, or when it is given)
-        zbs = (0, 1) if p > 1 and v == 1 else (
+        # (ZB-H1 where loom train runs it: a split its flags give, not a layout string)
+        flag_split = lay is None and (not lf or p <= 2 or (nl - lf - ll) % (p - 2) == 0)
+        zbs = (0, 1) if p > 1 and v == 1 and flag_split else (
             (0, 2) if p > 1 and v == 2 and not lf and nl % (2 * p) == 0 and lay is None
             and (zbv_ok or fixed.get("zb") == 2) else (0,))
         if fixed.get("zb") == 3 and p > 1 and v == 1:  # GPipe: only when given

@@ -45,6 +45,12 @@ REGRESSIONS = [
     # --use-distributed-optimizer at d = 1 (Megatron runs it; the Adam states of one rank)
     ("distributed-optimizer-at-d1", f"{LLAMA} --num-gpus 4 --tensor-model-parallel-size 4 "
      "--use-distributed-optimizer", 4, "ok", ""),
+    # ZB-H1 picked on a split only a layout string gives (28 layers over 16 stages), which
+    # loom train runs with 1F1B only: the command was refused (loom train also refuses the
+    # flags as given, 16 not dividing 28: the plan's command carries the layout)
+    ("zero-bubble-not-with-layout-string", f"{LLAMA} --num-layers 28 --num-gpus 16 "
+     "--pipeline-model-parallel-size 16 --global-batch-size 256", 16,
+     "ok:given-refused-by-train", ""),
 ]
 
 
