@@ -280,9 +280,9 @@ def example_cases() -> list:
 
 
 # -- Hugging Face configs from transformers' own classes ----------------------------------------
-def hf_configs() -> dict:
+def hf_configs(names=None) -> dict:
     """``{name: config dict}`` from ``transformers`` config classes at published sizes (no
-    network: the classes' defaults plus the sizes)."""
+    network: the classes' defaults plus the sizes); ``names``: those only."""
     import transformers as tf
     made = {
         "llama2-7b": lambda: tf.LlamaConfig(hidden_size=4096, intermediate_size=11008,
@@ -342,13 +342,20 @@ def hf_configs() -> dict:
         "mamba2-2.7b": lambda: tf.Mamba2Config(hidden_size=2560, num_hidden_layers=64,
                                                num_heads=80, head_dim=64, vocab_size=50288,
                                                n_groups=1, state_size=128),
-        "nemotron-h-8b": lambda: tf.NemotronHConfig(),
+        "nemotron-h-8b": lambda: tf.NemotronHConfig(  # Nemotron-H 8B: 52 layers, no MoE
+            hidden_size=4096, intermediate_size=21504, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, mamba_num_heads=128, mamba_head_dim=64,
+            n_groups=8, ssm_state_size=128, vocab_size=131072,
+            layers_block_type=[NEMOTRON_KINDS[ch] for ch in
+                               "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"]),
         "bert-large": lambda: tf.BertConfig(hidden_size=1024, num_hidden_layers=24,
                                             num_attention_heads=16, intermediate_size=4096),
         "gpt2-xl": lambda: tf.GPT2Config(n_embd=1600, n_layer=48, n_head=25),
     }
     out = {}
     for name, make in made.items():
+        if names is not None and name not in names:
+            continue
         try:
             out[name] = make().to_dict()
         except (AttributeError, TypeError, ValueError) as e:  # a class this transformers lacks
@@ -356,13 +363,14 @@ def hf_configs() -> dict:
     return out
 
 
+NEMOTRON_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
 HF_SCALES = ((8, 256), (96, 768), (1024, 2048))
 
 
-def hf_cases() -> list:
+def hf_cases(names=None, scales=HF_SCALES) -> list:
     out = []
-    for name, cfg in hf_configs().items():
-        for n, B in HF_SCALES:
+    for name, cfg in hf_configs(names).items():
+        for n, B in scales:
             out.append(Case("from-hf", f"{name}@{n}", ["--from-hf", "{DIR}/" + name +
                                                         "/config.json", "--gpu", "H100-80GB",
                                                         "--num-gpus", str(n),
@@ -503,7 +511,16 @@ def check(case: Case, tmp: Path) -> tuple:
     except SystemExit as e:
         return "bad-command", f"flags refused (exit {e.code})"
     try:
-        want = _given_config(argv, case.num_gpus)
+        if argv[0].startswith("--") and "--from-hf" not in argv:
+            want = _given_config(argv, case.num_gpus)
+        else:  # a preset or a config.json: the plan's model with the layout flags given
+            model = [w for g in groups(_words(rec["command"])) if g[0] not in LAYOUT_FLAGS
+                     and g[0] not in ("--global-batch-size", "--ddp-bucket-size",
+                                      "--overlap-grad-reduce", "--overlap-param-gather")
+                     for w in g]
+            layout = [w for g in groups(argv) if g[0] in LAYOUT_FLAGS | {"--global-batch-size"}
+                      for w in g]
+            want = _given_config(model + layout, case.num_gpus)
     except (ConfigError, SystemExit) as e:  # loom train refuses the given flags themselves
         return "ok:given-refused-by-train", str(e)[:300]
     if lines:
@@ -531,6 +548,13 @@ def check(case: Case, tmp: Path) -> tuple:
                 continue
             return "dropped:model", f"{k}: given {mw[k]!r}, command {mg[k]!r}"
     return "ok", f"{rec['tp']}/{rec['pp']}/{rec['cp']}/{rec.get('ep', 1)} mfu {rec['mfu']:.3f}"
+
+
+def _words(command: str) -> list:
+    """The flags of a printed ``loom train`` command."""
+    words = shlex.split("\n".join(ln for ln in command.splitlines()
+                                   if not ln.startswith("#")).replace("\\\n", " "))
+    return words[words.index("train") + 1:]
 
 
 def _flat(cfg) -> dict:
