@@ -527,6 +527,8 @@ def check(case: Case, tmp: Path) -> tuple:
         return "stderr", "\n".join(lines)[:300]
     given = _flag_words(argv)
     lw, lg = layout_of(want, case.num_gpus), layout_of(got, case.num_gpus)
+    if "--tensor-model-parallel-size" not in given:  # SP given, TP searched: SP where t > 1
+        lw["tp"] = lg["tp"]
     for lay in (lw, lg):  # Megatron and loom: SP is off at TP 1 (arguments.py); expert TP 0: t
         lay["sp"] = int(bool(lay["sp"]) and lay["tp"] > 1)
         lay["etp"] = lay["etp"] or lay["tp"]

@@ -51,6 +51,12 @@ REGRESSIONS = [
     ("zero-bubble-not-with-layout-string", f"{LLAMA} --num-layers 28 --num-gpus 16 "
      "--pipeline-model-parallel-size 16 --global-batch-size 256", 16,
      "ok:given-refused-by-train", ""),
+    # fixed sizes that cannot tile the GPUs, a pipeline longer than the model: the message
+    # blamed the batch ("every (t, p, c) ... leaves a data-parallel size d that does not divide")
+    ("sizes-do-not-tile-the-gpus", f"{LLAMA} --num-gpus 3 --tensor-model-parallel-size 2 "
+     "--pipeline-model-parallel-size 3", 3, "nofit", "= 6 ranks does not divide the 3 GPUs"),
+    ("pipeline-longer-than-the-model", f"{LLAMA} --num-layers 2 --num-gpus 8 "
+     "--pipeline-model-parallel-size 4", 8, "nofit", "exceeds --num-layers 2"),
 ]
 
 
