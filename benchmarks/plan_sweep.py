@@ -104,6 +104,7 @@ LAYOUT_KEYS = {"--tensor-model-parallel-size": ("tp",), "--pipeline-model-parall
 SAME_FIELDS = {"--recompute-method": "recompute_method",
                "--recompute-num-layers": "recompute_num_layers",
                "--cp-comm-type": "cp_comm_type",
+               "--hierarchical-context-parallel-sizes": "hierarchical_context_parallel_sizes",
                "--microbatch-group-size-per-virtual-pipeline-stage":
                    "microbatch_group_size_per_virtual_pipeline_stage",
                "--global-batch-size": "global_batch_size"}

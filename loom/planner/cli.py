@@ -28,7 +28,7 @@ from loom.config import (ConfigError, ModelConfig, add_config_arguments, config_
 from loom.planner.options import PLAN_OPTIONS
 from loom.planner.hardware import GB, Cluster, make_cluster
 from loom.planner.cost import format_estimate, parse_count, training_estimate
-from loom.planner.cli_args import cp_comm_type_of, fixed_from_args
+from loom.planner.cli_args import cp_a2a_size_of, cp_comm_type_of, fixed_from_args
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
@@ -182,7 +182,8 @@ def run(args) -> int:
                    uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
                    moe_load_imbalance=args.moe_load_imbalance,
-                   cp_comm_type=cp_comm_type_of(args), layer_memory=args.layer_memory)
+                   cp_comm_type=cp_comm_type_of(args), cp_a2a_size=cp_a2a_size_of(args),
+                   layer_memory=args.layer_memory)
     calibration = None
     if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve
         from loom.planner.calibrate_runs import calibrate, read_runs

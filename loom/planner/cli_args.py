@@ -131,3 +131,22 @@ def cp_comm_type_of(args) -> str | None:
     if not v:
         return None
     return (v[0] if isinstance(v, (list, tuple)) else str(v).split()[0])
+
+
+def cp_a2a_size_of(args) -> int:
+    """a2a+p2p's all-to-all group A of ``--hierarchical-context-parallel-sizes A B`` (0 when
+    not given: the planner takes a node's CP ranks), which fixes ``--context-parallel-size``
+    to A x B where it is not given (``args`` changed in place); ConfigError naming the flags
+    when a given CP size differs."""
+    from loom.config.parallel_cp import hierarchical_sizes
+    sizes = hierarchical_sizes(args)
+    if sizes is None:
+        return 0
+    a, b = sizes
+    cp = args.context_parallel_size
+    if cp is None:
+        args.context_parallel_size = a * b
+    elif cp != a * b:
+        raise ConfigError(f"--hierarchical-context-parallel-sizes {a} {b} multiply to {a * b}, "
+                          f"not --context-parallel-size {cp}: give sizes whose product is {cp}")
+    return a

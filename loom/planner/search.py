@@ -35,7 +35,7 @@ from loom.config import ConfigError, ModelConfig
 from loom.config.sections import PipelineSchedule
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microbatches
-from loom.planner.context_parallel import CP_COMM_TYPES
+from loom.planner.context_parallel import CP_COMM_TYPES, a2a_ranks
 from loom.planner.mamba import check_supported, is_hybrid, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
 from loom.planner.moe import expert_tp
@@ -108,8 +108,7 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     out["mtp_layers"] = 0 if is_hybrid(model) else (model.mtp_num_layers or 0)
     out["cp_comm_default"] = opts.cp_comm_type
     # a2a+p2p: the all-to-all over the CP ranks of a node (context_parallel.cp_layer_cost)
-    out["cp_a2a"] = np.clip(np.floor(cluster.gpus_per_node / L["tp"]), 1.0,
-                            np.maximum(L["cp"], 1.0))
+    out["cp_a2a"] = a2a_ranks(cluster.gpus_per_node, L["tp"], L["cp"], opts.cp_a2a_size)
     out["fits"] = mem["total"] <= cluster.hbm_bytes
     return out
 

@@ -57,6 +57,14 @@ REGRESSIONS = [
      "--pipeline-model-parallel-size 3", 3, "nofit", "= 6 ranks does not divide the 3 GPUs"),
     ("pipeline-longer-than-the-model", f"{LLAMA} --num-layers 2 --num-gpus 8 "
      "--pipeline-model-parallel-size 4", 8, "nofit", "exceeds --num-layers 2"),
+    # a2a+p2p with --hierarchical-context-parallel-sizes: the planner took the node's CP ranks
+    # as the all-to-all group (4 at TP 1), found A = c, dropped the type ("admits no layout")
+    ("hierarchical-cp-sizes", f"{LLAMA} --num-gpus 8 --tensor-model-parallel-size 1 "
+     "--pipeline-model-parallel-size 2 --context-parallel-size 4 --cp-comm-type a2a+p2p "
+     "--hierarchical-context-parallel-sizes 2 2", 8, "ok", ""),
+    ("hierarchical-cp-sizes-product", f"{LLAMA} --num-gpus 8 --context-parallel-size 2 "
+     "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2", 8, "refused",
+     "multiply to 4, not --context-parallel-size 2"),
 ]
 
 
