@@ -493,7 +493,7 @@ def check(case: Case, tmp: Path) -> tuple:
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("loom plan: warning: ")]
     if code == 2:  # one error line (unknown flags: one indented line more each), no output
         if out.strip() or not lines or not lines[0].startswith("loom plan: error: ") or \
-                any(not ln.startswith("  --") for ln in lines[1:]):
+                any(not ln.startswith(("  --", "  ... and ")) for ln in lines[1:]):
             return "messy-refusal", (out[-300:] + " | " + err[-600:]).strip()
         return "refused", "\n".join(lines)[len("loom plan: error: "):]
     if code not in (0, 1):

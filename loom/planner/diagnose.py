@@ -63,6 +63,8 @@ def explain_no_layout(model: ModelConfig, cluster: Cluster, global_batch_size: i
                 f"{model.num_layers} (each stage holds at least one layer): lower it")
     for k, v in fixed.items():
         rest = {kk: vv for kk, vv in fixed.items() if kk != k}
+        if k == "pp" and rest.get("layout"):  # the layout string needs its pipeline size
+            continue
         if len(enumerate_layouts(model, cluster, B, seq_length, rest, opts)["tp"]):
             return (f"{head}: {FLAGS.get(k, k)} {v} admits no layout with the other sizes "
                     f"(it must divide the {n} GPUs, and for TP the heads, query groups and FFN"

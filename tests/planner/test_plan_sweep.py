@@ -65,6 +65,11 @@ REGRESSIONS = [
     ("hierarchical-cp-sizes-product", f"{LLAMA} --num-gpus 8 --context-parallel-size 2 "
      "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2", 8, "refused",
      "multiply to 4, not --context-parallel-size 2"),
+    # the no-layout diagnosis dropped the pipeline size a given layout string needs and
+    # refused "--pipeline-model-parallel-layout needs --pipeline-model-parallel-size"
+    ("diagnosis-keeps-the-layouts-pp", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
+     "--pipeline-model-parallel-layout Et*6|t*6L --micro-batch-size 64", 8, "nofit",
+     "--micro-batch-size 64 admits no layout"),
 ]
 
 
