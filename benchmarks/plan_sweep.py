@@ -394,8 +394,8 @@ def grid_cases(seed: int = 0, n: int = 300) -> list:
     gpus = list(DEVICES)
     out = []
     for gpu in gpus:  # every GPU once, default search
-        out.append(Case("grid", f"gpu:{gpu}", ["llama3-8b", "--gpu", gpu, "--num-gpus", "64",
-                                                "--global-batch-size", "512"], 64))
+        out.append(Case("grid", f"gpu:{gpu}", ["llama3-8b", "--gpu", gpu, "--num-gpus", "24",
+                                                "--global-batch-size", "96"], 24))
     for i in range(n):
         model = rng.choice(MODELS)
         gpu = rng.choice(gpus)
