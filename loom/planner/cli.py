@@ -216,6 +216,9 @@ def run(args) -> int:
               f"{' and Mamba scan' if is_hybrid(model) else ''}; "
               f"{n_fit} of {n_eval} layouts fit ({elapsed:.2f} s)")
     recs = top_records(res, None if (args.json and args.top <= 0) else max(args.top, 1))
+    if recs and not args.json and not 1 <= args.command_for <= len(recs):  # before any output
+        raise ConfigError(f"--command-for {args.command_for}: the table has rows "
+                          f"1..{len(recs)} (raise --top to see more)")
     if train_tokens:
         for r in recs:
             r["training"] = _estimate(args, r, cluster, train_tokens, total_params(model))
@@ -249,9 +252,6 @@ def run(args) -> int:
                 print("chosen layout: " + format_estimate(recs[0]["training"]))
             print(LEGEND)
             n = args.command_for
-            if not 1 <= n <= len(recs):
-                raise ConfigError(f"--command-for {n}: the table has rows 1..{len(recs)} (raise "
-                                  f"--top to see more)")
             print(f"command for row {n}{' (the chosen layout)' if n == 1 else ''}; add "
                   f"--data-path PREFIX (or --mock-data to try it), --train-iters N and --lr X:")
             print(train_command(recs[n - 1], model, B, s, cluster.num_gpus,

@@ -123,3 +123,10 @@ def test_from_hf_every_family(tmp_path):
     m = hf_model_config(str(path))
     assert (m.num_layers, m.num_experts, m.multi_latent_attention, m.mtp_num_layers,
             m.seq_length) == (61, 256, True, 1, 4096)
+
+
+def test_refusal_after_the_search_prints_nothing_else():
+    """``--command-for N`` beyond the table was refused after the table had been printed."""
+    from benchmarks.plan_sweep import call
+    code, out, err, exc = call(shlex.split(f"{LLAMA} --num-gpus 8 --top 2 --command-for 3"))
+    assert (code, out, exc) == (2, "", None) and err.count("\n") == 1 and "--command-for 3" in err
