@@ -227,3 +227,18 @@ def test_moe_search_plans_sp_and_cp():
     assert ((lay["ep"] > lay["dp"]) & (lay["etp"] == t)).any()  # EP over DP x CP ranks
     capped = dataclasses.replace(m, moe_expert_capacity_factor=1.0)
     assert set(enumerate_layouts(capped, make_cluster("H100-80GB", 16), 64, 4096)["cp"]) == {1}
+
+
+def test_loom_train_runs_without_sp_are_still_predicted():
+    """A loom train MoE run at TP 2 without SP (which loom accepts; Megatron-Core does not) and
+    one with SP and CP 2: ``predict_layout`` evaluates each at its own layout."""
+    from loom.planner.predict import predict_layout
+    for sp, cp in ((False, 1), (True, 2)):
+        cfg = LoomConfig.from_flat(dict(
+            num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=1024,
+            seq_length=256, num_experts=4, moe_router_topk=2, tensor_model_parallel_size=2,
+            sequence_parallel=sp, context_parallel_size=cp, expert_model_parallel_size=2,
+            micro_batch_size=2, global_batch_size=16, normalization="RMSNorm", swiglu=True))
+        pred = predict_layout(cfg, 8, "H100-80GB")
+        assert (pred["layout"]["sp"], pred["layout"]["cp"]) == (int(sp), cp)
+        assert pred["time_s"]["ep_comm"] > 0
