@@ -337,12 +337,17 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp
       split over t) when the model has one (its gate, ``--moe-shared-expert-gate``, not
       covered).
 
-    EP ``ep`` > 1 (derived from ``ParallelDispatcher._alltoall``, not measured: the fake
-    process group leaves the exchanged counts unset): the rank runs the pairs it receives,
-    ``lambda S k r`` on the busiest rank (``imbalance``), so the experts' rows and the sorted
-    inputs / outputs scale by ``lambda``; the experts' outputs sent back (``e S k r h``, the
-    final ``index_copy``'s source) and the received rows' int64 expert order (``8 lambda S k
-    r``) are added to ``dispatch``; the ``allgather`` dispatcher is counted the same.
+    EP ``ep`` > 1 (derived from ``loom/parallel/expert_dispatch.py``, not measured: the fake
+    process group leaves the exchanged counts and gathered routing unset): the rank runs the
+    pairs it receives, ``lambda S k r`` on the busiest rank (``imbalance``), so ``experts``
+    scales by ``lambda`` and ``dispatch`` becomes, per ``--moe-token-dispatcher-type``:
+    ``alltoall`` (``ParallelDispatcher._alltoall``) the received rows sorted by local expert
+    and the experts' outputs ``2 lambda e S k r h``, the outputs returned by the reverse
+    all-to-all (the last ``index_copy``'s source) ``e S k r h``, the int64 sorted pairs ``8 S
+    k``, the owned pairs' tokens ``8 S k r`` and the received rows' order ``8 lambda S k r``;
+    ``allgather`` (``_allgather``: the EP group's tokens gathered, the rows of the local
+    experts picked) the picked rows and the experts' outputs ``2 lambda e S k r h`` and their
+    int64 pair indices and tokens ``16 lambda S k r``.
     """
     h, E, k, fe = (model.hidden_size, model.num_experts, model.moe_router_topk,
                    model.moe_ffn_size)
@@ -356,8 +361,11 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp
     lam = np.where(many, imbalance, 1.0)
     return {
         "router": 4 * S * h + 4 * E * h + 8 * S * E + 4 * S * k + 8 * S * k + 8 * S,
-        "dispatch": (e * S * k * r * h * (2 * lam + many) + 8 * S * k * (1 + r)
-                     + many * 8 * lam * S * k * r),
+        "dispatch": np.where(
+            many & (model.moe_token_dispatcher_type == "allgather"),
+            2 * lam * e * S * k * r * h + 16 * lam * S * k * r,
+            e * S * k * r * h * (2 * lam + many) + 8 * S * k * (1 + r)
+            + many * 8 * lam * S * k * r),
         "experts": lam * e * S * k * gated * fe / t,
         "combine": e * S * k * h + e * S * k,
         "shared_expert": (e * S * h * (1 + (t > 1)) + e * S * gated * f_sh / t) if f_sh

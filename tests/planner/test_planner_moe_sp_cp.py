@@ -242,3 +242,22 @@ def test_loom_train_runs_without_sp_are_still_predicted():
         pred = predict_layout(cfg, 8, "H100-80GB")
         assert (pred["layout"]["sp"], pred["layout"]["cp"]) == (int(sp), cp)
         assert pred["time_s"]["ep_comm"] > 0
+
+
+def test_loom_moe_dispatch_terms_at_ep_by_hand():
+    """EP > 1 (derived from expert_dispatch.py, not measurable on the fake process group): the
+    busiest rank's received rows are lambda times the mean; all-to-all keeps the received and
+    the returned rows, all-gather only the picked ones. EP 1 is the measured form."""
+    model, s, b = _model("moe-a")
+    S, k, h, e = s * b, 2, 64, 2
+    lam = 1.1
+    a2a = loom_moe_mlp_terms(dataclasses.replace(model, moe_token_dispatcher_type="alltoall"),
+                             s, b, ep=4, imbalance=lam)
+    one = loom_moe_mlp_terms(model, s, b, ep=1, imbalance=lam)
+    assert float(a2a["dispatch"]) == pytest.approx((2 * lam + 1) * e * S * k * h + 16 * S * k
+                                                   + 8 * lam * S * k)
+    assert float(a2a["experts"]) == pytest.approx(lam * float(one["experts"]))
+    assert float(one["dispatch"]) == 2 * e * S * k * h + 16 * S * k
+    ag = loom_moe_mlp_terms(dataclasses.replace(model, moe_token_dispatcher_type="allgather"),
+                            s, b, ep=4, imbalance=lam)
+    assert float(ag["dispatch"]) == pytest.approx(2 * lam * e * S * k * h + 16 * lam * S * k)
