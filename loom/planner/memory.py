@@ -29,7 +29,8 @@ Terms (all bytes, of the pipeline stage that needs the most):
   are split over ``u x e`` GPUs (u the expert TP size, t by default) and their ZeRO sharding
   runs over the expert-data-parallel group ``t c d / (u e)`` (:func:`loom.planner.moe.expert_dp`;
   ``d c / e`` at u = t); everything else as for a dense model. The MoE MLP's activations replace the dense
-  MLP's (:func:`loom.planner.moe.moe_activation_bytes`).
+  MLP's (:func:`loom.planner.moe.moe_activation_bytes`, Megatron-Core's layer; with
+  ``layer_memory = "loom"`` loom's own, measured: :func:`loom.planner.memory_runtime.loom_moe_extra`).
   Dense and MoE layers are counted per stage (:func:`loom.planner.moe.stage_moe_layers`).
 * Mamba-2 / hybrid stacks (:mod:`loom.planner.mamba`): parameters and activations per layer
   kind (Mamba, attention, MLP), each stage summing the kinds of its slice of the pattern
