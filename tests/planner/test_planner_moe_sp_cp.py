@@ -216,17 +216,19 @@ def test_planner_moe_rules_equal_loom_train_validation():
 
 
 def test_moe_search_plans_sp_and_cp():
-    """Mixtral 8x7B on 64 H100: every t > 1 row has SP on, CP 2-8 rows exist with every CP type
-    loom runs, and EP spans CP ranks (u e dividing t c d)."""
+    """Mixtral 8x7B on 64 H100: every t > 1 row has SP on and no t = 1 row does, CP 2-64 rows
+    exist, EP spans CP ranks (u e dividing t c d, e > d at u = t); with a capacity factor
+    (tokens dropped per sequence shard) no CP."""
     m = get_preset("mixtral-8x7b")
-    lay = enumerate_layouts(m, make_cluster("H100-80GB", 64), 1024, 4096)
+    lay = enumerate_layouts(m, make_cluster("H100-80GB", 64), 1024, 4096, variants=False)
     t, c, sp = lay["tp"], lay["cp"], lay["sp"]
     assert np.all(sp[t > 1] == 1) and np.all(sp[t == 1] == 0) and (t > 1).any()
     assert set(c) == {1, 2, 4, 8, 16, 32, 64}
     assert np.all((t * c * lay["dp"]) % (lay["etp"] * lay["ep"]) == 0)
     assert ((lay["ep"] > lay["dp"]) & (lay["etp"] == t)).any()  # EP over DP x CP ranks
     capped = dataclasses.replace(m, moe_expert_capacity_factor=1.0)
-    assert set(enumerate_layouts(capped, make_cluster("H100-80GB", 16), 64, 4096)["cp"]) == {1}
+    assert set(enumerate_layouts(capped, make_cluster("H100-80GB", 16), 64, 4096,
+                                 variants=False)["cp"]) == {1}
 
 
 def test_loom_train_runs_without_sp_are_still_predicted():
