@@ -70,6 +70,11 @@ REGRESSIONS = [
     ("diagnosis-keeps-the-layouts-pp", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
      "--pipeline-model-parallel-layout Et*6|t*6L --micro-batch-size 64", 8, "nofit",
      "--micro-batch-size 64 admits no layout"),
+    # CP planned for a model loom train runs without it (gpt-oss's --window-size /
+    # --softmax-type; BERT, Gated DeltaNet, DSA): the command was refused (gpt-oss-120b at 256
+    # GPUs picked CP once main searched MoE models with CP)
+    ("no-cp-for-window-attention", f"{LLAMA} --num-gpus 8 --window-size 127,0 "
+     "--context-parallel-size 2", 8, "refused", "not supported for --window-size"),
 ]
 
 
