@@ -7,8 +7,10 @@ starting point: the planner has never seen this cluster), calibrate on 3 of its 
 the other rows. The calibration is ``--calibrate-from``'s own rule,
 :func:`loom.planner.calibrate_runs.select_fit`: the GEMM efficiency of the source's GPU
 generation (``gemm_efficiency`` on A100/V100, ``hopper_gemm_efficiency`` on H100), then the
-element-wise traffic ``mem_traffic``, fitted by least squares of the log error, how many of them
-(0, 1 or 2) chosen by the smallest leave-one-out error over the 3 rows.
+element-wise traffic ``mem_traffic``, each set without and with the network's
+``dp_net_efficiency`` (the data-parallel collectives' share of the inter-node bandwidth),
+fitted by least squares of the log error, which set (none, e, net, e+k, e+net) chosen by the
+smallest leave-one-out error over the 3 rows.
 
 Reported per source (:func:`three_shot`, :func:`markdown`), error = ``|pred / pub - 1|``:
 
@@ -37,7 +39,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from loom.planner.calibrate_runs import BOUNDS, select_fit
+from loom.planner.calibrate_runs import BOUNDS, NETWORK, select_fit
 from benchmarks.planner_sources.fit import SOURCES, fit, source_points
 
 H100 = ("MC-H100 weak", "MC-H100 strong", "TT", "LF-H100", "Llama 3")
@@ -65,8 +67,10 @@ def _errors(rows) -> dict:
 
 
 def order_of(source: str) -> tuple[str, ...]:
-    """The parameters ``--calibrate-from`` fits (:data:`loom.planner.calibrate_runs.PARAMS`),
-    named as :class:`loom.planner.constants.Constants` names them for ``source``'s GPU."""
+    """The compute chain ``--calibrate-from`` fits (:data:`loom.planner.calibrate_runs.PARAMS`),
+    named as :class:`loom.planner.constants.Constants` names them for ``source``'s GPU (the
+    network parameter, :data:`loom.planner.calibrate_runs.NETWORK`, has one name on every
+    GPU)."""
     return ("hopper_gemm_efficiency" if source in H100 else "gemm_efficiency", "mem_traffic")
 
 
@@ -75,7 +79,7 @@ def calibrate_source(source: str, start, shots=None, old: bool = False) -> dict:
     ``shots`` (indices; default :func:`shot_rows`) with ``--calibrate-from``'s rule
     (:func:`loom.planner.calibrate_runs.select_fit`; ``old``: the rule before, the GEMM
     efficiency alone, always): ``params`` (name -> (start, fitted), the chosen ones), ``loo``
-    (number of parameters -> leave-one-out score), ``shots`` (the calibration rows' names),
+    (candidate label, e.g. ``"none"``, ``"dp_net_efficiency"`` -> leave-one-out score), ``shots`` (the calibration rows' names),
     ``before`` / ``after`` (errors of the other rows with ``start`` / the calibrated
     constants)."""
     pts = source_points(source, start)
@@ -87,9 +91,11 @@ def calibrate_source(source: str, start, shots=None, old: bool = False) -> dict:
         got = {n: (p, q) for n, p, q in source_points(source, replace(start, **values))}
         return np.array([math.log(got[n][0] / got[n][1]) if got[n][0] == got[n][0] else math.nan
                          for n in shot_names])
-    bounds = {k: BOUNDS["gemm_efficiency" if k == "hopper_gemm_efficiency" else k] for k in order}
-    sel = select_fit(log_errors, {k: getattr(start, k) for k in order}, order, ITERS,
-                     sizes=(1,) if old else None, bounds=bounds)
+    free = () if old else NETWORK
+    bounds = {k: BOUNDS["gemm_efficiency" if k == "hopper_gemm_efficiency" else k]
+              for k in order + free}
+    sel = select_fit(log_errors, {k: getattr(start, k) for k in order + free}, order, ITERS,
+                     sizes=(1,) if old else None, bounds=bounds, free=free)
     c = replace(start, **sel["values"])
     held = set(shot_names)
     others = [p for p in pts if p[0] not in held]
