@@ -12,29 +12,32 @@ Fitted, each by name (:func:`calibrate`):
 
 * ``gemm_efficiency`` (``e`` of :func:`loom.planner.primitives.gemm_efficiency`: the large-GEMM
   fraction of peak on this cluster) and ``mem_traffic`` (``k`` of :mod:`loom.planner.timing`:
-  element-wise HBM traffic per activation byte), in that order (:data:`PARAMS`: k only with e),
-  and the network's ``dp_net_efficiency`` (:data:`NETWORK`; :attr:`loom.planner.hardware.
-  Cluster.dp_net_efficiency`: the fraction of the inter-node bandwidth the data-parallel
-  collectives get, so it moves only runs whose DP or ZeRO-3 traffic crosses nodes): least
-  squares of ``log(predicted / measured)`` step time (Levenberg-Marquardt on the logs,
-  :func:`least_squares`), **which of them chosen by leave-one-out cross-validation over the
-  runs** (:func:`select_fit`). The candidates (:func:`candidates`) are "none" (the shipped
-  constants), "e", "e and k", each without and with the network parameter, each with at most
-  ``n - 1`` parameters for ``n`` runs (every leave-one-out fit then has at least as many runs as
-  parameters; 3 runs: none, e, net, e+k, e+net). Each candidate is refitted ``n``
-  times, each time without one run, and scored by the mean squared log error of the left-out run's
-  prediction (the PRESS statistic, Allen 1974; model choice by leave-one-out cross-validation,
-  Stone 1974; Hastie, Tibshirani & Friedman, "The Elements of Statistical Learning", 2nd ed., sec.
-  7.10). The smallest score wins; a tie (within :data:`LOO_TIE`) keeps fewer parameters, then the
-  compute chain. So a
-  calibration is kept only where it predicts runs it was not fitted on better than the shipped
-  constants do: a parameter the runs cannot pin down, or a fit that follows one unusual run,
-  predicts the left-out runs worse and is not chosen ("none" keeps the shipped values); a network
-  parameter no run's DP traffic sees ties with "none" and is not fitted. When the
-  runs determine the parameters (noise-free, more runs than parameters) the full model's score is
-  ~0, it is chosen, and its fit is plain least squares: nothing is shrunk. One run cannot be
-  cross-validated: it fits e alone. Bounds (:data:`BOUNDS`): e and the network fraction at
-  most 1 (peak, the link).
+  element-wise HBM traffic per activation byte), in that order (:data:`PARAMS`: k only with e):
+  least squares of ``log(predicted / measured)`` step time (Levenberg-Marquardt on the logs,
+  :func:`least_squares`), **how many of them chosen by leave-one-out cross-validation over the
+  runs** (:func:`select_fit`). The candidates (:func:`candidates`) are the nested models "none"
+  (the shipped constants), "e", "e and k", each with at most ``n - 1`` parameters for ``n`` runs
+  (every leave-one-out fit then has at least as many runs as parameters). Each candidate is
+  refitted ``n`` times, each time without one run, and scored by the mean squared log error of
+  the left-out run's prediction (the PRESS statistic, Allen 1974; model choice by leave-one-out
+  cross-validation, Stone 1974; Hastie, Tibshirani & Friedman, "The Elements of Statistical
+  Learning", 2nd ed., sec. 7.10). The smallest score wins; a tie (within :data:`LOO_TIE`) keeps
+  fewer parameters, then the compute chain. So a calibration is kept only where it predicts runs
+  it was not fitted on better than the shipped constants do: a parameter the runs cannot pin
+  down, or a fit that follows one unusual run, predicts the left-out runs worse and is not chosen
+  ("none" keeps the shipped values). When the runs determine the parameters (noise-free, more
+  runs than parameters) the full model's score is ~0, it is chosen, and its fit is plain least
+  squares: nothing is shrunk. One run cannot be cross-validated: it fits e alone. Bounds
+  (:data:`BOUNDS`): e at most 1 (peak).
+* Not among the default candidates (:data:`FREE` is empty), on the same code path when asked
+  for (``free=NETWORK``, :func:`calibrate`'s ``free``; the 3-shot protocol's ``--network``): the
+  network's ``dp_net_efficiency`` (:data:`NETWORK`; :attr:`loom.planner.hardware.Cluster.
+  dp_net_efficiency`: the fraction of the inter-node bandwidth the data-parallel collectives
+  get, <= 1, so it moves only runs whose DP or ZeRO-3 traffic crosses nodes), each compute
+  candidate without and with it (3 runs: none, e, net, e+k, e+net). On the published tables'
+  3-shot protocol it helped MegaScale (2.8% -> 1.4%) but, over 20 choices of 3 rows, gave
+  worst choices of 369% (NAR t2), 88% (LF-H100) and 39% (SHO), where an overlapped or ZeRO-3
+  collective crosses from hidden to exposed: docs/planner.md, "3-shot calibration".
 * ``reserve_bytes`` (:class:`loom.planner.layout.Options`: context, workspaces and allocator
   fragmentation beyond the counted tensors): the median over the runs of measured peak minus the
   counted terms (``(1 + reserve_fraction)`` x weights, gradients, optimizer, activations), >= 0.
@@ -63,7 +66,8 @@ from loom.planner.primitives import GEMM_EFFICIENCY
 from loom.planner.timing import MEM_TRAFFIC
 
 PARAMS = ("gemm_efficiency", "mem_traffic")  # the compute chain: k only with e
-NETWORK = ("dp_net_efficiency",)  # fitted with or without any of the chain
+NETWORK = ("dp_net_efficiency",)  # fitted with or without any of the chain, when asked for
+FREE = ()  # the default: no network parameter (tried, worse over any 3 rows: module docstring)
 # Where a fitted parameter may go (its log is clipped): a GEMM runs at most at peak (e <= 1) and
 # above 5% of it; k from 0.1 (less traffic than one read per activation byte: everything fused)
 # to 100; the DP collectives get at most the whole inter-node link (dp_net_efficiency <= 1: the
@@ -245,8 +249,11 @@ def _with(cluster: Cluster, x: dict) -> Cluster:
 
 
 def calibrate(model: ModelConfig, cluster: Cluster, runs: list[dict], global_batch_size: int,
-              seq_length: int, opts: Options, iters: int = 30) -> tuple[Cluster, Options, dict]:
-    """The cluster and options with the fitted parameters (module docstring) and a report:
+              seq_length: int, opts: Options, iters: int = 30,
+              free=FREE) -> tuple[Cluster, Options, dict]:
+    """The cluster and options with the fitted parameters (module docstring; ``free``: the
+    parameters :func:`select_fit` may add to each compute candidate, :data:`NETWORK` or the
+    default none) and a report:
     ``fitted`` (name -> (before, after)), ``kept`` (name -> shipped value: the parameters
     :func:`select_fit` left out), ``loo`` (candidate, e.g. ``"none"``, ``"gemm_efficiency"``,
     ``"dp_net_efficiency"``, ``"gemm_efficiency+mem_traffic"`` -> mean squared leave-one-out log
@@ -263,11 +270,12 @@ def calibrate(model: ModelConfig, cluster: Cluster, runs: list[dict], global_bat
         t = [float(e["time_iteration"][0]) for e in
              _predict(model, _with(cluster, values), runs, global_batch_size, seq_length, opts)]
         return np.log(np.array(t) / meas)
-    sel = select_fit(log_errors, start, PARAMS, iters, free=NETWORK)
+    sel = select_fit(log_errors, start, PARAMS, iters, free=tuple(free))
     fitted = {k: sel["values"][k] for k in sel["names"]}
     cl = _with(cluster, fitted)
     report = {"fitted": {k: (float(start[k]), fitted[k]) for k in sel["names"]},
-              "kept": {k: float(start[k]) for k in PARAMS + NETWORK if k not in sel["names"]},
+              "kept": {k: float(start[k]) for k in PARAMS + tuple(free)
+                       if k not in sel["names"]},
               "loo": sel["loo"]}
     after = _predict(model, cl, runs, global_batch_size, seq_length, opts)
     new_opts = opts

@@ -161,7 +161,7 @@ def run(args) -> int:
                    moe_load_imbalance=args.moe_load_imbalance,
                    cp_comm_type=cp_comm_type_of(args), layer_memory=args.layer_memory)
     calibration = None
-    if args.calibrate_from:  # the user's measured runs fit e, k, the DP network, the reserve
+    if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve
         from loom.planner.calibrate_runs import calibrate, read_runs
         cluster, opts, calibration = calibrate(model, cluster, read_runs(args.calibrate_from),
                                                B, s, opts)
