@@ -78,6 +78,19 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
+def measure_in_worlds(cases, world_of, measure) -> dict:
+    """``{case: measure(case)}`` for every case, each measured inside :func:`fake_world` of
+    ``world_of(case)`` ranks, every world built once (1, 2, 4, then any larger size)."""
+    cases = list(cases)
+    out = {}
+    for world in sorted({world_of(c) for c in cases}):
+        with fake_world(world):
+            for case in cases:
+                if world_of(case) == world:
+                    out[case] = measure(case)
+    return out
+
+
 def resolve(model: ModelConfig, seq_length: int, micro_batch: int = 1, **training) -> ModelConfig:
     """``model`` completed by loom's validation (derived widths, kinds), for one rank."""
     cfg = LoomConfig(model=replace(model, seq_length=seq_length))
@@ -104,7 +117,7 @@ def layer_saved_bytes(model: ModelConfig, seq_length: int, micro_batch: int = 1,
                       sp: bool = False, cp: int = 1, cp_comm_type: str = "p2p",
                       recompute: Optional[str] = None, method: str = "uniform",
                       num_layers: int = 1, dtype=torch.float32, base_layers: int = 1,
-                      extra_layers: int = 1, rows: bool = False):
+                      extra_layers: int = 1, rows: bool = False, etp: Optional[int] = None):
     """Bytes one layer of ``model`` saves for backward per micro-batch of ``micro_batch``
     sequences of ``seq_length`` tokens on rank 0 of TP ``tp`` (sequence parallel ``sp``) x CP
     ``cp`` (``cp_comm_type``), with ``--recompute-granularity recompute`` (None, selective,
@@ -112,9 +125,10 @@ def layer_saved_bytes(model: ModelConfig, seq_length: int, micro_batch: int = 1,
     parameters and activations in ``dtype``: (chunk(``base_layers + extra_layers`` layers) -
     chunk(``base_layers``)) / ``extra_layers`` (a uniform group of N layers: both multiples of
     N). Call it inside :func:`fake_world` of ``tp x cp`` ranks when either is > 1.
-    ``rows``: also return the saved storages of the larger chunk."""
+    ``rows``: also return the saved storages of the larger chunk. ``etp``: an MoE model's
+    expert TP size (``--expert-tensor-parallel-size``, dividing ``tp``; default ``tp``)."""
     from loom.parallel.mesh import ParallelMesh
-    mesh = ParallelMesh.single() if tp * cp == 1 else ParallelMesh.build(tp=tp, cp=cp)
+    mesh = ParallelMesh.single() if tp * cp == 1 else ParallelMesh.build(tp=tp, cp=cp, etp=etp)
     s_local = seq_length // cp // (tp if sp else 1)
     got = []
     for n in (base_layers, base_layers + extra_layers):

@@ -46,10 +46,12 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
     ``s b h (34/t + 5 a s/(h t))``, selective ``s b h (10 + 24/t)``, full ``2 s b h``.
     MoE: in a share ``moe_share`` of the layers (1 = an MoE layer, 0 = a dense one; default the
     model's share :func:`loom.planner.moe.moe_fraction`) the MLP's ``(6|4) S f`` is replaced by
-    :func:`loom.planner.moe.moe_activation_bytes` (``moe_load_imbalance``).
+    :func:`loom.planner.moe.moe_activation_bytes` (``moe_load_imbalance``): its replicated
+    part divided by t under SP as the dense layer's, the experts' gathered inputs never.
     """
     s = seq_length
     h, a, g, d, f, t, c, sp, S, drop = layer_dims(model, s, L)
+    kept = 0.0
     repl = S * h * (4 + 2 + 2 + 2 * drop)
     split = S * (2 * a * d + 4 * g * d + 2 * a * d) + S * f * (6 if model.gated_linear_unit else 4)
     if model.multi_latent_attention:  # loom.planner.mla: Q, K, V, latents
@@ -58,16 +60,17 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
         repl = repl + mla_repl
     if model.num_experts:
         fm = moe_fraction(model) if moe_share is None else moe_share
-        moe_split, moe_repl = moe_activation_bytes(model, S, moe_load_imbalance,
-                                                   expert_tp(L) / t)
+        moe_split, moe_repl, gathered = moe_activation_bytes(model, S, moe_load_imbalance,
+                                                             expert_tp(L) / t)
         split = split + fm * (moe_split - S * f * (6 if model.gated_linear_unit else 4))
         repl = repl + fm * moe_repl
+        kept = fm * gathered  # the experts' inputs: not divided by t, with or without SP
     if flash_attention:
         scores = 4.0 * a * S / t
     else:
         per_score = 2 + (3 if model.attention_dropout > 0 else 0)
         scores = per_score * a * S * s / t
-    repl_t = np.where(sp > 0, repl / t, repl)
+    repl_t = np.where(sp > 0, repl / t, repl) + kept
     selective = repl_t + split / t + (scores if flash_attention else 0.0)
     none = repl_t + split / t + scores
     full = np.where(sp > 0, 2 * S * h / t, 2 * S * h)

@@ -300,42 +300,107 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
     return out
 
 
-def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch,
-                       elem_bytes: int = 2) -> dict:
+def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1, etp=None,
+                       elem_bytes: int = 2, ep=1, imbalance: float = 1.0) -> dict:
     """The named terms (bytes) of what loom's MoE MLP (``loom/models/moe.py``, router of
-    ``moe_router.py``) saves for ``S = s b`` tokens on one rank holding every expert (``t = e =
-    1``), Megatron's default router (softmax top-k renormalized, the load-balancing aux loss,
-    no z-loss, dropless), ``E`` experts, ``k`` per token, ``f_e`` wide; it replaces the dense
-    ``mlp`` and ``fc1_input`` terms of :func:`loom_layer_terms` (the second norm's 16-bit
-    output is not saved: the router keeps its fp32 copy, the experts their sorted copy):
+    ``moe_router.py``, under TP the dispatcher of ``loom/parallel/expert_dispatch.py``) saves
+    on one rank of TP ``t`` (expert TP ``u`` = ``etp``, default t; ``r = u / t`` the share of
+    the kept pairs the rank owns) x CP ``cp``, EP 1, for ``S = s b / c`` tokens (the rank's CP
+    shard: routing is per token), Megatron's default router (softmax top-k renormalized, the
+    load-balancing aux loss, no z-loss, dropless), ``E`` experts, ``k`` per token, ``f_e``
+    wide. Sequence parallelism changes none of them: the layer all-gathers its ``[s/t, b, h]``
+    tokens first and every TP rank routes all S (``loom/parallel/expert.py``; the gather and
+    the final split save nothing). They replace the dense ``mlp`` and ``fc1_input`` terms of
+    :func:`loom_layer_terms` (the second norm's 16-bit output is saved only by a shared
+    expert's FC1; the router keeps its fp32 copy, the experts their sorted copy):
 
     * ``router``: its fp32 GEMM keeps the fp32 copies of its input ``4 S h`` and weight
       ``4 E h``; the fp32 probabilities, twice (the choice and the aux loss) ``2 x 4 S E``;
       the top-k values ``4 S k``, their sum ``4 S``, the int64 indices ``8 S k``, the aux
       loss's per-token sum ``4 S`` (what its count of tokens per expert saves is freed with
       its branch during the forward).
-    * ``dispatch``: the tokens sorted by expert ``e S k h`` and the sort / unsort
-      permutations, int64 ``2 x 8 S k``.
-    * ``experts``: per routed row FC1's output and the product (gated: ``3 e f_e`` per row,
-      the SwiGLU recomputing its SiLU in backward; GeLU ``2 e f_e``), ``S k`` rows.
-    * ``combine``: the experts' outputs, scattered back ``[S k, h]`` and viewed ``[S, k, h]``
-      (two storages: ``2 e S k h``), and the 16-bit routing weights ``e S k``.
-    * ``shared_expert``: a dense MLP of ``moe_shared_expert_intermediate_size`` (``mlp``
-      of :func:`loom_layer_terms`'s form) when the model has one.
+    * ``dispatch``: the rank's own pairs' tokens sorted by expert ``e S k r h`` (saved by the
+      experts' FC1) and the experts' outputs in that order ``e S k r h`` (the source of the
+      ``index_copy`` back to ``[S k, h]``), the kept pairs' int64 indices sorted by expert
+      ``8 S k`` (the owned ones a strided view of them) and the owned pairs' tokens
+      ``8 S k r``.
+    * ``experts``: per routed row FC1's output and the product (gated: ``3 e f_e / u`` per row,
+      the SwiGLU recomputing its SiLU in backward; GeLU ``2 e f_e / u``), ``S k r`` rows:
+      ``(3|2) e S k f_e / t`` whatever u.
+    * ``combine``: the ``[S, k, h]`` outputs the weighted sum multiplies (``e S k h``: at
+      t = 1 the scattered-back storage, under TP the all-reduced one) and the 16-bit routing
+      weights ``e S k``.
+    * ``shared_expert``: its input ``e S h``; under TP its output's rows in the combine's
+      all-reduced storage ``e S h`` (the dispatcher concatenates both for its one all-reduce);
+      and a dense MLP of
+      ``moe_shared_expert_intermediate_size`` (``mlp`` of :func:`loom_layer_terms`'s form,
+      split over t) when the model has one (its gate, ``--moe-shared-expert-gate``, not
+      covered).
+
+    EP ``ep`` > 1 (derived from ``loom/parallel/expert_dispatch.py``, not measured: the fake
+    process group leaves the exchanged counts and gathered routing unset): the rank runs the
+    pairs it receives, ``lambda S k r`` on the busiest rank (``imbalance``), so ``experts``
+    scales by ``lambda`` and ``dispatch`` becomes, per ``--moe-token-dispatcher-type``:
+    ``alltoall`` (``ParallelDispatcher._alltoall``) the received rows sorted by local expert
+    and the experts' outputs ``2 lambda e S k r h``, the outputs returned by the reverse
+    all-to-all (the last ``index_copy``'s source) ``e S k r h``, the int64 sorted pairs ``8 S
+    k``, the owned pairs' tokens ``8 S k r`` and the received rows' order ``8 lambda S k r``;
+    ``allgather`` (``_allgather``: the EP group's tokens gathered, the rows of the local
+    experts picked) the picked rows and the experts' outputs ``2 lambda e S k r h`` and their
+    int64 pair indices and tokens ``16 lambda S k r``.
     """
     h, E, k, fe = (model.hidden_size, model.num_experts, model.moe_router_topk,
                    model.moe_ffn_size)
     e = float(elem_bytes)
-    S = seq_length * np.asarray(micro_batch, dtype=np.float64)
+    S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
+    t = np.asarray(t, dtype=np.float64)
+    r = (t if etp is None else np.asarray(etp, dtype=np.float64)) / t
     gated = 3 if model.gated_linear_unit else 2
     f_sh = model.moe_shared_expert_intermediate_size or 0
+    many = np.asarray(ep) > 1
+    lam = np.where(many, imbalance, 1.0)
     return {
         "router": 4 * S * h + 4 * E * h + 8 * S * E + 4 * S * k + 8 * S * k + 8 * S,
-        "dispatch": e * S * k * h + 16 * S * k,
-        "experts": e * S * k * gated * fe,
-        "combine": 2 * e * S * k * h + e * S * k,
-        "shared_expert": e * S * gated * f_sh,
+        "dispatch": np.where(
+            many & (model.moe_token_dispatcher_type == "allgather"),
+            2 * lam * e * S * k * r * h + 16 * lam * S * k * r,
+            e * S * k * r * h * (2 * lam + many) + 8 * S * k * (1 + r)
+            + many * 8 * lam * S * k * r),
+        "experts": lam * e * S * k * gated * fe / t,
+        "combine": e * S * k * h + e * S * k,
+        "shared_expert": (e * S * h * (1 + (t > 1)) + e * S * gated * f_sh / t) if f_sh
+        else 0.0 * S,
     }
+
+
+def loom_moe_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
+                            imbalance: float) -> dict:
+    """``{"none", "selective"}`` (bytes, arrays over the rows of layout ``L``): what loom's MoE
+    layer keeps on a GPU beyond the planner's KOR count of an MoE layer
+    (:func:`loom.planner.activations.activation_bytes_per_layer` with ``moe_share = 1``, flash
+    attention): :func:`loom_layer_bytes`' CUDA form without the dense ``mlp`` and
+    ``fc1_input``, plus :func:`loom_moe_mlp_terms` at the row's TP, CP, expert TP and EP
+    (``imbalance`` on the received rows at EP > 1), per CP type as
+    :func:`loom_extra_over_kor`. Negative where Megatron-Core's layer, as the KOR count
+    prices it, keeps more (``imbalance`` on every expert row, even at EP 1)."""
+    from loom.planner.activations import activation_bytes_per_layer
+    from loom.planner.context_parallel import CP_COMM_TYPES
+    from loom.planner.moe import expert_tp
+    t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
+    kor = activation_bytes_per_layer(model, seq_length, L, flash_attention=True,
+                                     moe_load_imbalance=imbalance, moe_share=1.0)
+    moe = sum(loom_moe_mlp_terms(model, seq_length, b, t=t, cp=c, etp=expert_tp(L),
+                                 ep=L.get("ep", 1.0), imbalance=imbalance).values())
+    codes = np.asarray(cp_codes)
+    out = {"none": 0.0 * t, "selective": 0.0 * t}
+    for k, name in enumerate(CP_COMM_TYPES[:3]):
+        terms = loom_layer_terms(model, seq_length, b, t, c, sp, cp_comm_type=name)
+        got = loom_layer_bytes(model, seq_length, b, t=t, cp=c, sp=sp, cp_comm_type=name)
+        dense_mlp = terms["mlp"] + terms["fc1_input"]
+        rows = (codes == k) | ((codes == 3) & (k == 0))
+        for mode in out:
+            out[mode] = np.where(rows, got[mode] - dense_mlp + moe - kor[mode], out[mode])
+    return out
 
 
 def mamba_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,

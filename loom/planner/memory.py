@@ -29,7 +29,8 @@ Terms (all bytes, of the pipeline stage that needs the most):
   are split over ``u x e`` GPUs (u the expert TP size, t by default) and their ZeRO sharding
   runs over the expert-data-parallel group ``t c d / (u e)`` (:func:`loom.planner.moe.expert_dp`;
   ``d c / e`` at u = t); everything else as for a dense model. The MoE MLP's activations replace the dense
-  MLP's (:func:`loom.planner.moe.moe_activation_bytes`).
+  MLP's (:func:`loom.planner.moe.moe_activation_bytes`, Megatron-Core's layer; with
+  ``layer_memory = "loom"`` loom's own, measured: :func:`loom.planner.memory_runtime.loom_moe_extra`).
   Dense and MoE layers are counted per stage (:func:`loom.planner.moe.stage_moe_layers`).
 * Mamba-2 / hybrid stacks (:mod:`loom.planner.mamba`): parameters and activations per layer
   kind (Mamba, attention, MLP), each stage summing the kinds of its slice of the pattern
@@ -48,7 +49,7 @@ from loom.planner.activations import (activation_bytes_per_layer,  # noqa: F401 
                                       distribute_saved, inflight_microbatches)
 from loom.planner.memory_runtime import (backward_working_bytes, layer_extra_bytes, logits_bytes,
                                         loom_kind_extra, loom_layer_extra,
-                                        loss_transient_bytes)
+                                        loom_moe_extra, loss_transient_bytes)
 from loom.planner.mla import attention_params, mtp_params, mtp_stage_params
 from loom.planner.moe import expert_dp, expert_shards, layer_param_totals, moe_layer_params
 
@@ -277,8 +278,13 @@ def layer_activation_kinds(model: ModelConfig, seq_length: int, L: dict,
             moe_load_imbalance=opts.moe_load_imbalance, moe_share=share), L, opts)
             for share in (0.0, 1.0)]
         extra = np.where(rc == 1, lx["selective"], lx["none"])
-        return ([base(a) + extra for a in acts], [a["full"] for a in acts],
-                work(acts[1]) + np.where(rc == 2, extra, 0.0))
+        extras = [extra, extra]
+        mx = loom_moe_extra(model, s, L, opts)  # loom's own dense and MoE layers (GQA)
+        if mx is not None:
+            extras = [np.where(rc == 1, mx[k]["selective"], mx[k]["none"])
+                      for k in ("dense", "moe")]
+        return ([base(a) + x for a, x in zip(acts, extras)], [a["full"] for a in acts],
+                work(acts[1]) + np.where(rc == 2, extras[1], 0.0))
     act = distribute_saved(activation_bytes_per_layer(
         model, s, L, flash_attention=opts.flash_attention,
         moe_load_imbalance=opts.moe_load_imbalance), L, opts)

@@ -89,9 +89,8 @@ def loom_layer_extra(model: ModelConfig, seq_length: int, L: dict, opts,
     attention); MLA layers by their own formula (0 on CP rows and under DSA, whose loom forms
     are not derived); 0 otherwise and for hybrid stacks (:func:`loom_kind_extra`). ``mlp``
     False (a model with MoE layers): the attention side only, for MLA (the same numbers, the
-    dense MLP keeping nothing beyond KOR's count); 0 for a GQA MoE model, whose loom count
-    waits for the MoE MLP's (:func:`loom.planner.layer_bytes.loom_moe_mlp_terms`, measured,
-    not wired)."""
+    dense MLP keeping nothing beyond KOR's count); 0 for a GQA MoE model, whose layers of
+    both kinds are :func:`loom_moe_extra`'s."""
     from loom.planner.context_parallel import row_comm_types
     from loom.planner.layer_bytes import loom_extra_over_kor
     from loom.planner.mamba import is_hybrid
@@ -100,6 +99,25 @@ def loom_layer_extra(model: ModelConfig, seq_length: int, L: dict, opts,
             or (not mlp and not model.multi_latent_attention)):
         return {"none": zero, "selective": zero}
     return loom_extra_over_kor(model, seq_length, L, row_comm_types(L, opts.cp_comm_type), mlp)
+
+
+def loom_moe_extra(model: ModelConfig, seq_length: int, L: dict, opts) -> dict | None:
+    """``{"dense": {"none", "selective"}, "moe": {...}}``: bytes loom's own dense and MoE
+    layers of a GQA MoE model keep per micro-batch beyond the planner's KOR counts
+    (:func:`loom.planner.layer_bytes.loom_extra_over_kor`,
+    :func:`loom.planner.layer_bytes.loom_moe_extra_over_kor`, measured on loom's modules),
+    under the conditions of :func:`loom_layer_extra`; None otherwise (MLA: the attention side
+    of :func:`loom_layer_extra` in both kinds)."""
+    from loom.planner.context_parallel import row_comm_types
+    from loom.planner.layer_bytes import loom_extra_over_kor, loom_moe_extra_over_kor
+    from loom.planner.mamba import is_hybrid
+    if (not model.num_experts or not _counts_loom(opts) or model.dsa or is_hybrid(model)
+            or model.multi_latent_attention):
+        return None
+    codes = row_comm_types(L, opts.cp_comm_type)
+    return {"dense": loom_extra_over_kor(model, seq_length, L, codes),
+            "moe": loom_moe_extra_over_kor(model, seq_length, L, codes,
+                                           opts.moe_load_imbalance)}
 
 
 def _counts_loom(opts) -> bool:

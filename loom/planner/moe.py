@@ -218,23 +218,34 @@ def moe_mlp_flops_per_token(model: ModelConfig) -> float:
 
 
 def moe_activation_bytes(model: ModelConfig, S, imbalance: float, pair_share=1.0) -> tuple:
-    """Activation bytes of one MoE MLP for ``S`` tokens: ``(tp_split, replicated)``, 16-bit
-    except the fp32 router, counted from the tensors autograd keeps in ``loom/models/moe.py``;
-    ``pair_share`` = u / t, the share of the pairs a rank runs (module docstring; 1 at u = t):
+    """Activation bytes of one MoE MLP for ``S = s b / c`` tokens (the rank's CP shard of the
+    micro-batch: routing, experts and combine are per token, so CP divides them all by c):
+    ``(tp_split, replicated, gathered)``, 16-bit except the fp32 router; ``pair_share`` = u / t,
+    the share of the pairs a rank runs (module docstring; 1 at u = t). What Megatron-Core's MoE
+    layer needs (the ``kor`` layer memory, :func:`loom.planner.activations.
+    activation_bytes_per_layer`); loom's own layer, measured, is :func:`loom.planner.
+    layer_bytes.loom_moe_mlp_terms`.
 
-    * split by TP (the caller divides by t): per expert row ``(6|4) f_e`` (fc1 output and
+    * ``tp_split`` (the caller divides by t): per expert row ``(6|4) f_e`` (fc1 output and
       activation, as KOR's MLP), on ``lambda S k`` rows (the busiest rank); with u < t a rank
       holds ``u / t`` of the rows at ``t / u`` times the width ``f_e / t``: the same bytes; the
       shared expert ``(6|4) S f_sh``;
-    * not split: the dispatched expert inputs ``2 h`` per row (``lambda S k u / t`` rows: the
-      rank's own pairs), the expert outputs kept for the weighted combine ``2 S k h`` (after the
-      TP all-reduce, every pair), router logits and probabilities ``8 S E`` (fp32)."""
+    * ``replicated`` (divided by t under sequence parallelism, like KOR's ``10 s b h``): the k
+      expert outputs kept for the weighted combine ``2 S k h`` and the router's logits and
+      probabilities ``8 S E`` (fp32). Under SP Megatron-Core routes, permutes and combines
+      each TP rank's own ``S / t`` tokens (``megatron/core/transformer/moe/token_dispatcher.py``,
+      ``MoEAlltoAllTokenDispatcher``: the hidden states enter the layer as ``[s/t, b, h]``);
+    * ``gathered`` (never divided by t): the experts' inputs ``2 h`` per row on the rank's
+      ``lambda S k u / t`` rows. Under SP each TP rank dispatches its ``S k / t`` pairs over EP
+      and Megatron-Core all-gathers the received rows over the u expert-TP ranks
+      (``dispatch_postprocess``: ``gather_from_sequence_parallel_region`` over the expert TP
+      group) before the expert GEMMs: ``lambda S k u / t`` rows with or without SP."""
     h, c, k = model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk
     f_sh = model.moe_shared_expert_intermediate_size or 0
     rows = imbalance * S * k
     split = rows * c * model.moe_ffn_size + S * c * f_sh
-    repl = rows * pair_share * 2 * h + 2 * S * k * h + 8 * S * model.num_experts
-    return split, repl
+    repl = 2 * S * k * h + 8 * S * model.num_experts
+    return split, repl, rows * pair_share * 2 * h
 
 
 def all_to_all_time(n, per_node, nbytes, cluster: Cluster):
@@ -281,8 +292,25 @@ def ep_members_per_node(L: dict, cluster: Cluster):
 def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
                     imbalance: float) -> dict:
     """Per MoE layer and micro-batch on one GPU (seconds): ``gemm`` (experts on the busiest rank,
-    shared expert, router; forward), ``a2a`` (one all-to-all), ``tp_extra`` (forward TP
-    all-reduce time beyond the dense MLP's), ``tokens_per_expert``."""
+    shared expert, router; forward), ``a2a`` (one all-to-all), ``tp_extra`` / ``tp_extra_bwd``
+    (forward / backward TP collective time beyond the dense MLP's), ``cp_extra`` (the router's
+    load statistics summed over CP), ``tokens_per_expert``. ``S = s b / c``: the rank's tokens.
+
+    Sequence parallelism (loom's layer, ``loom/parallel/expert.py::MoEParallel``): the layer
+    all-gathers its ``[s/t, b, h]`` tokens (``2 S h`` bytes gathered) and keeps its own slice of
+    the output (a local split, no collective: the reduction is the dispatcher's one all-reduce),
+    where a dense SP MLP all-gathers and reduce-scatters ``2 S h``: forward ``AG(2 S h) +
+    AR(2 S h (k + 1_sh))`` against the dense ``AG + RS``, i.e. the no-SP ``tp_extra`` plus one
+    ``AG(2 S h)``; backward the split's all-gather and the input copy's all-reduce against the
+    dense ``AG + RS``: one ``AG(2 S h)`` more. Every TP rank routes all S tokens and
+    dispatches its ``u / t`` share of the pairs whether SP is on or not, so the router and the
+    EP all-to-all do not change with SP. (Megatron-Core instead routes each TP rank's ``S / t``
+    tokens, dispatches their ``S k / t`` pairs over EP and all-gathers / reduce-scatters the
+    received rows over the expert-TP group: ``token_dispatcher.py``; not what ``loom train``
+    runs.) Context parallelism: S is already the CP shard; the router's load statistics
+    (``ContextParallelRouterStats``: assignments and token count, then the probability mass,
+    ``E + 1`` and ``E`` fp32) are two all-reduces over the c CP ranks (``t`` apart, latency
+    bound) per MoE layer forward."""
     h, c, k, E = (model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk,
                   model.num_experts)
     t, e, u = L["tp"], L.get("ep", 1.0), expert_tp(L)
@@ -301,7 +329,13 @@ def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
                         S * k * h, S * h, cluster, share)
     tp_bw, tp_alpha = link(t > cluster.gpus_per_node, cluster)
     tp_rows = k + (1 if f_sh else 0)
+    sp_gather = np.where(np.asarray(L.get("sp", 0.0)) > 0,
+                         all_gather_time(t, 2 * S * h, tp_bw, tp_alpha), 0.0)
     tp_extra = (all_reduce_time(t, 2 * S * h * tp_rows, tp_bw, tp_alpha)
-                - all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha))
+                - all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)) + sp_gather
+    cp = L.get("cp", 1.0)
+    cp_bw, cp_alpha = link(t * cp > cluster.gpus_per_node, cluster)
+    cp_extra = (all_reduce_time(cp, 4 * (E + 1), cp_bw, cp_alpha)
+                + all_reduce_time(cp, 4 * E, cp_bw, cp_alpha))
     return {"gemm": expert + shared + router, "a2a": a2a, "tp_extra": tp_extra,
-            "tokens_per_expert": per_expert}
+            "tp_extra_bwd": sp_gather, "cp_extra": cp_extra, "tokens_per_expert": per_expert}

@@ -8,10 +8,11 @@ Search space: TP ``t`` (divides heads, query groups, FFN; within a node unless a
 stages ``v`` (divides L/p; interleaving needs Megatron-Core's micro-batch groups of ``N``
 (default ``p``): ``p <= N <= m`` and ``m mod N`` 0 or ``>= p``; ``N`` is searched only at its
 default, which no larger ``N`` beats in the model: same bubble, more micro-batches held),
-micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1),
+micro-batch ``b`` (divides B/d), recompute none/selective/full, sequence parallel (with t > 1 and
+``t c`` dividing s; MoE models with t > 1 only with it, Megatron-Core's rule: :func:`sp_options`),
 ZeRO stage 0-3 (with d c > 1; stage 1 = Megatron distributed optimizer; stages 2-3 only
-without PP), and for MoE models expert TP ``u`` and EP ``e`` (u divides t, u e divides t d, e
-divides E; :func:`_moe_rules`); Mamba / hybrid
+without PP), and for MoE models expert TP ``u`` and EP ``e`` (u divides t, u e divides t c d, e
+divides E; CP with dropless routing; :func:`_moe_rules`); Mamba / hybrid
 models: t divides the Mamba heads and groups and the heads / FFN of the kinds present, no CP with
 Mamba layers (:func:`loom.planner.mamba.tp_divides`, :func:`loom.planner.mamba.refuses_cp`;
 a given ``--context-parallel-size`` > 1 is refused with a ConfigError). The rules are
@@ -58,20 +59,38 @@ def _divisors(n: int) -> list[int]:
 
 def _moe_rules(model: ModelConfig, t: int, c: int, d: int) -> list[tuple[int, int]] | None:
     """``(u, e)`` expert TP and EP sizes allowed at (t, c, d) for an MoE model, None when
-    (t, c) is refused; ``[(0, 1)]`` for a dense model (no expert grid). loom train's rules
-    (``loom/config/validate.py::_check_moe``, Megatron's expert grid ``u x e x expert-DP = t c
-    d``): u divides t and the expert width, ``u e`` divides ``t c d``, e divides E; the shared
-    expert splits over TP (its width divisible by t), no biases under TP. At u = t this is e
-    dividing ``c d``; at u < t EP may also span the TP ranks. loom train also runs MoE with SP
-    (tokens all-gathered into each MoE layer) and with CP (router statistics summed over CP);
-    the planner does not model those yet and searches MoE models without SP and CP."""
+    (t, c) is refused; ``[(0, 1)]`` for a dense model (no expert grid). loom train's rules,
+    exactly (``loom/config/validate.py::_check_moe``, Megatron's expert grid ``u x e x
+    expert-DP = t c d``; ``tests/planner/test_planner_moe_sp_cp.py`` checks them against loom's
+    validation on a grid): u divides t and the expert width, ``u e`` divides ``t c d``, e
+    divides E; the shared expert splits over TP (its width divisible by t); CP only with
+    dropless routing (no ``--moe-expert-capacity-factor``: a capacity per sequence shard would
+    drop other tokens than one rank). At u = t this is e dividing ``c d``; at u < t EP may also
+    span the TP ranks. Biases under TP are loom train's too (``AddBias``: only expert-TP rank 0
+    adds FC2's). Sequence parallelism: :func:`sp_options`."""
     if not model.num_experts:
         return [(0, 1)]
-    if c > 1 or (model.moe_shared_expert_intermediate_size or 0) % t or (
-            t > 1 and not model.disable_bias_linear):
+    if (model.moe_shared_expert_intermediate_size or 0) % t or (
+            c > 1 and model.moe_expert_capacity_factor is not None):
         return None
     return [(u, e) for u in _divisors(t) if model.moe_ffn_size % u == 0
             for e in _divisors(t * c * d // u) if model.num_experts % e == 0]
+
+
+def sp_options(model: ModelConfig, t: int, c: int, seq_length: int, given=None) -> tuple:
+    """The sequence-parallel settings searched at TP ``t``, CP ``c``: none at t = 1 or when
+    ``t c`` does not divide the sequence (loom train's ``--sequence-parallel`` rule,
+    ``loom/config/validate.py``); off and on for a dense model; for an MoE model on only, since
+    Megatron-Core refuses MoE training with TP > 1 without SP (``megatron/core/transformer/
+    moe/moe_layer.py``, ``MoELayer.forward`` raises a ValueError in training when the attention
+    TP group is larger than 1 and ``sequence_parallel`` is off) -- unless ``given`` is 0 (a loom train run's own layout, which loom accepts:
+    ``loom.planner.predict``)."""
+    if t == 1:
+        return (0,)
+    sp_ok = seq_length % (t * c) == 0
+    if model.num_experts and given != 0:
+        return (1,) if sp_ok else ()
+    return (0, 1) if sp_ok else (0,)
 
 
 def _given_layout(model: ModelConfig, text: str, pp):
@@ -187,10 +206,9 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                                                            eps):
                             base.append((t, p, d, c, v, b, lf, ll, e, cpts, u))
     rows = []
-    moe = bool(model.num_experts)
     zbv_ok = "zbv" in get_args(PipelineSchedule)
     for (t, p, d, c, v, b, lf, ll, e, cpts, u) in base:
-        sps = (0, 1) if t > 1 and s % t == 0 and not moe else (0,)
+        sps = sp_options(model, t, c, s, fixed.get("sp"))
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
         # ZeRO-2 with PP: loom's (Megatron's) gradient buffer reduce-scatters every

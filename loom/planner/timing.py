@@ -183,8 +183,9 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     scores), ``tp_fwd``/``tp_bwd`` collective times, ``cp_fwd``/``cp_bwd`` exposed ring time,
     ``a2a``: one EP all-to-all (0 for dense models). MoE models: in a share ``moe_share`` of the
     layer (1 = an MoE layer, 0 = a dense one; default the model's share of MoE layers) the dense
-    MLP's GEMM time is replaced by :func:`moe_layer_times`' ``gemm`` and the forward TP
-    all-reduce grows by its ``tp_extra``."""
+    MLP's GEMM time is replaced by :func:`moe_layer_times`' ``gemm``, the TP collectives grow
+    by its ``tp_extra`` (forward) and ``tp_extra_bwd`` (backward, SP's gather) and the CP
+    time by the router's statistics ``cp_extra``."""
     s = seq_length
     h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
                      model.head_dim, model.ffn_size)
@@ -195,13 +196,14 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     attn_flops = att_scores * S / t
     peak = cluster.peak_flops
     gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
-    a2a = tp_extra = 0.0
+    a2a = tp_extra = tp_extra_bwd = cp_extra = 0.0
     if model.num_experts:
         fm = moe_fraction(model) if moe_share is None else moe_share
         mo = moe_layer_times(model, S, L, cluster, opts.moe_load_imbalance)
         mlp_flops = (6 if model.swiglu else 4) * h * f * S / t
         gemm = gemm + fm * (mo["gemm"] - mlp_flops / (peak * gemm_efficiency(h / t, S, cluster)))
         a2a, tp_extra = fm * mo["a2a"], fm * mo["tp_extra"]
+        tp_extra_bwd, cp_extra = fm * mo["tp_extra_bwd"], fm * mo["cp_extra"]
     # per ring block with CP
     attn = attn_flops / (peak * attention_efficiency(d, s / c, opts.flash_attention, cluster))
     act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
@@ -220,12 +222,13 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
                 if opts.distribute_saved_activations else 0.0 * ar)
     tp_fwd = 2 * ar + tp_extra
     # overlapped with the weight-gradient GEMMs (Megatron's asynchronous TP all-reduce, 2021+)
-    tp_bwd = np.maximum(0.0, 2 * ar - gemm) if opts.overlap_tp_comm else 2 * ar
+    tp_bwd = 2 * ar + tp_extra_bwd
+    tp_bwd = np.maximum(0.0, tp_bwd - gemm) if opts.overlap_tp_comm else tp_bwd
     kv = (a * (model.q_head_dim + model.v_head_dim) if model.multi_latent_attention
           else 2 * g * d)  # K and V widths per token (MLA: the expanded heads)
     cpc = cp_layer_cost_rows(row_comm_types(L, opts.cp_comm_type), S, t, c, a * d, kv,
                              attn if opts.overlap_cp_comm else 0.0 * attn, cluster)
-    cp_fwd, cp_bwd = cpc["fwd"], cpc["bwd"]
+    cp_fwd, cp_bwd = cpc["fwd"] + cp_extra, cpc["bwd"]
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "saved_ag": saved_ag,
             "cp_fwd": cp_fwd, "cp_bwd": cp_bwd,

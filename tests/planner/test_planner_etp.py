@@ -102,14 +102,15 @@ def test_expert_tp_terms_by_hand():
 
 def test_search_covers_every_expert_tp_loom_accepts():
     """Mixtral on 64 H100: every u dividing t appears at t = 8 (1, 2, 4, 8), every row is on
-    Megatron's expert grid (u | t, u e | t d, e | E), EP larger than d exists only with u < t
-    (EP across the TP ranks), and a dense model has no expert grid (etp 0, recorded as t)."""
+    Megatron's expert grid (u | t, u e | t c d, e | E), EP larger than c d exists only with
+    u < t (EP across the TP ranks), and a dense model has no expert grid (etp 0, recorded as
+    t)."""
     m = get_preset("mixtral-8x7b")
     lay = enumerate_layouts(m, H100, 1024, 4096)
-    t, d, u, e = lay["tp"], lay["dp"], lay["etp"], lay["ep"]
+    t, d, u, e, c = lay["tp"], lay["dp"], lay["etp"], lay["ep"], lay["cp"]
     assert set(u[t == 8]) == {1, 2, 4, 8} and set(u[t == 2]) == {1, 2}
-    assert np.all(t % u == 0) and np.all((t * d) % (u * e) == 0) and np.all(8 % e == 0)
-    assert np.any(e > d) and np.all(u[e > d] < t[e > d])
+    assert np.all(t % u == 0) and np.all((t * c * d) % (u * e) == 0) and np.all(8 % e == 0)
+    assert np.any(e > c * d) and np.all(u[e > c * d] < t[e > c * d])
     assert np.any((t == 8) & (d == 1) & (u == 1) & (e == 8))  # EP 8 inside one TP 8 group
     dense = enumerate_layouts(get_preset("llama3-8b"), make_cluster("H100-80GB", 8), 64, 4096,
                               variants=False)
@@ -127,44 +128,57 @@ def test_expert_tp_equal_to_tp_leaves_the_moe_search_as_it_was(monkeypatch):
     Re-recorded when the interleaved schedule's warm-up at m = p became Megatron-Core's
     (Options.legacy_interleaved_warmup=True, the old rule, gives the previous sums again).
     Re-recorded when the search added ZeRO 1-3 with EP > 1 (loom train and Megatron-Core run
-    the distributed optimizer with expert parallelism; the old search kept EP > 1 at ZeRO 0)."""
+    the distributed optimizer with expert parallelism; the old search kept EP > 1 at ZeRO 0).
+    Re-recorded when MoE models were searched with SP and CP (held to c = 1 and SP off: 6553
+    layouts, 2756 fitting, 96461.3935082132 s, 969537630203732.5 B again)."""
     import loom.planner.search as S
     rules = S._moe_rules
     monkeypatch.setattr(S, "_moe_rules", lambda model, t, c, d: None if rules(model, t, c, d)
                         is None else [(u, e) for u, e in rules(model, t, c, d) if u == t])
     res = S.search(get_preset("mixtral-8x7b"), H100, 512, 4096, dict(zb=0),
                    Options(flash_attention=True, max_zero_stage=3))
-    assert len(res["tp"]) == 6553 and len(res["order"]) == 2756
-    assert float(res["time_iteration"].sum()) == pytest.approx(96461.3935082132, rel=1e-12)
-    assert float(res["mem_total"].sum()) == pytest.approx(969537630203732.5, rel=1e-12)
+    assert len(res["tp"]) == 29208 and len(res["order"]) == 14784
+    assert float(res["time_iteration"].sum()) == pytest.approx(653776.5978292045, rel=1e-12)
+    assert float(res["mem_total"].sum()) == pytest.approx(3544352904919768.5, rel=1e-12)
 
 
 def test_every_moe_row_prints_a_command_loom_accepts():
     """A small MoE model on 16 A100: the fastest fitting row of every (t, u, e, ZeRO, PP > 1)
-    the search ranks (133 of them: u < t with ZeRO 0-3 and with EP up to 8 across the TP ranks
-    among them, EP > 1 with the distributed optimizer and FSDP2 too) prints a command loom train's config accepts, carrying
-    --expert-tensor-parallel-size exactly when u != t, and the config's expert grid is the
-    row's."""
+    the search ranks with CP 1 (132 of them: u < t with ZeRO 0-3 and with EP up to 8 across
+    the TP ranks among them, EP > 1 with the distributed optimizer and FSDP2 too; 133 while
+    MoE rows at t > 1 ran without SP), and of every (t, c, e) with CP > 1 (EP over CP ranks
+    among them), prints a command loom train's config accepts, carrying
+    --expert-tensor-parallel-size exactly when u != t, --sequence-parallel exactly at t > 1
+    (Megatron-Core refuses MoE with TP > 1 without SP) and the row's --context-parallel-size;
+    the config's expert grid, SP and CP are the row's."""
     m = dataclasses.replace(get_preset("mixtral-8x7b"), num_layers=8, hidden_size=1024,
                             num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2048,
                             moe_ffn_hidden_size=2048, seq_length=2048,
                             max_position_embeddings=2048)
     cl = make_cluster("A100-80GB", 16)
     res = search(m, cl, 64, 2048, opts=Options(flash_attention=True))
-    picks = {}
+    picks, cp_picks = {}, {}
     for i in res["order"]:
+        if res["cp"][i] > 1:
+            cp_picks.setdefault(tuple(int(res[k][i]) for k in ("tp", "cp", "ep")), int(i))
+            continue
         key = tuple(int(res[k][i]) for k in ("tp", "etp", "ep", "zero")) + (res["pp"][i] > 1,)
         picks.setdefault(key, int(i))
-    assert len(picks) == 133 and {(4, 1, 8, 0), (2, 1, 1, 3), (2, 2, 2, 1), (1, 1, 8, 3)} <= \
+    assert len(picks) == 132 and {(4, 1, 8, 0), (2, 1, 1, 3), (2, 2, 2, 1), (1, 1, 8, 3)} <= \
         {k[:4] for k in picks}
-    for i in picks.values():
+    assert len(cp_picks) > 20 and {(1, 2, 8), (2, 4, 8), (4, 4, 1)} <= set(cp_picks)
+    for i in list(picks.values()) + list(cp_picks.values()):
         rec = record(res, i)
         text = train_command(rec, m, 64, 2048, 16, 8)
         assert ("--expert-tensor-parallel-size" in text) == (rec["etp"] != rec["tp"])
+        assert ("--sequence-parallel" in text) == rec["sequence_parallel"] == (rec["tp"] > 1)
+        assert f"--context-parallel-size {rec['cp']} " in text
         cfg = command_config(text, 16)
         p = cfg.parallel
         assert (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) == rec["etp"]
         assert p.expert_model_parallel_size == rec["ep"] and cfg.data_parallel_size(16) == rec["dp"]
+        assert p.sequence_parallel == rec["sequence_parallel"]
+        assert p.context_parallel_size == rec["cp"]
 
 
 def test_cli_fixes_expert_tp(capsys):

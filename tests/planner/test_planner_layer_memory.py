@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.layer_memory import (fake_world, layer_saved_bytes, mamba_model, mla_model,
-                                     resolve)
+from benchmarks.layer_memory import (fake_world, layer_saved_bytes, mamba_model,
+                                     measure_in_worlds, mla_model, resolve)
 from loom.config import ModelConfig
 from loom.planner.layer_bytes import loom_layer_bytes, loom_layer_terms
 
@@ -49,20 +49,16 @@ CASES += [("llama-a", 2, True, None, 1, torch.bfloat16, 2, cpt) for cpt in ("p2p
 def measured() -> dict:
     """Every case measured once; the t = 2 ones inside one fake 2-rank world, torn down after."""
     torch.set_num_threads(1)
-    out = {}
-    for world in (1, 2, 4):
-        with fake_world(world):
-            for case in CASES:
-                name, t, sp, rc, n, dt, c, cpt = case
-                if t * c != world:
-                    continue
-                kw, s, b = SHAPES[name]
-                kw = dict(kw)
-                model = _model(kw.pop("style"), s, **kw)
-                out[case] = layer_saved_bytes(model, s, b, tp=t, sp=sp, cp=c, cp_comm_type=cpt,
-                                              recompute=rc, num_layers=n, base_layers=n,
-                                              extra_layers=n, dtype=dt)
-    return out
+
+    def measure(case):
+        name, t, sp, rc, n, dt, c, cpt = case
+        kw, s, b = SHAPES[name]
+        kw = dict(kw)
+        model = _model(kw.pop("style"), s, **kw)
+        return layer_saved_bytes(model, s, b, tp=t, sp=sp, cp=c, cp_comm_type=cpt,
+                                 recompute=rc, num_layers=n, base_layers=n, extra_layers=n,
+                                 dtype=dt)
+    return measure_in_worlds(CASES, lambda case: case[1] * case[6], measure)
 
 
 def _predicted(case) -> tuple[float, dict]:

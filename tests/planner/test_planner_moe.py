@@ -212,22 +212,26 @@ def test_ep_divides_expert_states_only():
 
 def test_ep_constraints_in_the_search():
     m = get_preset("mixtral-8x7b")
-    lay = enumerate_layouts(m, H100, 1024, 4096)
-    ep, dp, u, tp = lay["ep"], lay["dp"], lay["etp"], lay["tp"]
+    lay = enumerate_layouts(m, H100, 1024, 4096, variants=False)  # the grid
+    ep, dp, u, tp, cp = lay["ep"], lay["dp"], lay["etp"], lay["tp"], lay["cp"]
     assert set(ep) == {1, 2, 4, 8}
     # Megatron's expert grid (u e divides t c d, u divides t; test_planner_etp.py)
-    assert np.all((tp * dp) % (u * ep) == 0) and np.all(tp % u == 0) and np.all(8 % ep == 0)
-    assert np.all(dp[u == tp] % ep[u == tp] == 0)  # at u = t: EP carved out of DP
-    assert np.all(lay["cp"] == 1) and np.all(lay["sp"] == 0)  # SP / CP with MoE: not modelled by the planner
+    assert np.all((tp * cp * dp) % (u * ep) == 0) and np.all(tp % u == 0) and np.all(8 % ep == 0)
+    at_t = u == tp
+    assert np.all((cp * dp)[at_t] % ep[at_t] == 0)  # at u = t: EP carved out of DP x CP
+    # SP exactly at t > 1 (Megatron-Core's MoE rule), CP searched (test_planner_moe_sp_cp.py)
+    assert np.all(lay["sp"] == (tp > 1)) and cp.max() > 1
     # EP > 1 with the distributed optimizer and ZeRO-2/3, as Megatron-Core and loom train run it
     assert {0, 1, 2, 3} <= set(lay["zero"][ep > 1])
-    # every admissible e appears for every (t, p, d, u)
-    for t, p, d, v in {tuple(int(x) for x in r) for r in zip(tp, lay["pp"], dp, u)}:
-        got = set(ep[(tp == t) & (lay["pp"] == p) & (dp == d) & (u == v)])
-        assert got == {e for e in (1, 2, 4, 8) if (t * d) % (v * e) == 0}
-    q = enumerate_layouts(get_preset("qwen3-30b-a3b"), H100, 1024, 4096)
+    # every admissible e appears for every (t, p, c, d, u)
+    got: dict = {}
+    for *key, e in np.unique(np.stack([tp, lay["pp"], cp, dp, u, ep], 1), axis=0).astype(int):
+        got.setdefault(tuple(key), set()).add(e)
+    for (t, p, c, d, v), es in got.items():
+        assert es == {e for e in (1, 2, 4, 8) if (t * c * d) % (v * e) == 0}
+    q = enumerate_layouts(get_preset("qwen3-30b-a3b"), H100, 1024, 4096, variants=False)
     assert q["ep"].max() == 64 and np.all(128 % q["ep"] == 0)
-    assert np.all((q["tp"] * q["dp"]) % (q["etp"] * q["ep"]) == 0)
+    assert np.all((q["tp"] * q["cp"] * q["dp"]) % (q["etp"] * q["ep"]) == 0)
     fixed = search(m, H100, 1024, 4096, fixed=dict(ep=4))
     assert np.all(fixed["ep"] == 4) and len(fixed["order"])
 
