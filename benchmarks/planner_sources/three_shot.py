@@ -8,7 +8,10 @@ the other rows. The calibration is ``--calibrate-from``'s own rule,
 :func:`loom.planner.calibrate_runs.select_fit`: the GEMM efficiency of the source's GPU
 generation (``gemm_efficiency`` on A100/V100, ``hopper_gemm_efficiency`` on H100), then the
 element-wise traffic ``mem_traffic``, fitted by least squares of the log error, how many of them
-(0, 1 or 2) chosen by the smallest leave-one-out error over the 3 rows.
+(0, 1 or 2) chosen by the smallest leave-one-out error over the 3 rows. ``--network``: the same
+with each set also without and with the network's ``dp_net_efficiency`` (the data-parallel
+collectives' share of the inter-node bandwidth; candidates none, e, net, e+k, e+net), as
+``calibrate(..., free=NETWORK)`` does: tried, not the default (docs/planner.md).
 
 Reported per source (:func:`three_shot`, :func:`markdown`), error = ``|pred / pub - 1|``:
 
@@ -22,7 +25,8 @@ Reported per source (:func:`three_shot`, :func:`markdown`), error = ``|pred / pu
   the same predicted rows.
 
     OMP_NUM_THREADS=1 python -m benchmarks.planner_sources.three_shot [--markdown] [--sample 0]
-    # ~12 min on 2 shared cores; --sample 0 (no robustness columns): ~1 min
+        [--network]
+    # ~12 min on 2 shared cores (--network: ~18 min); --sample 0 (no robustness columns): ~1 min
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from loom.planner.calibrate_runs import BOUNDS, select_fit
+from loom.planner.calibrate_runs import BOUNDS, FREE, NETWORK, select_fit
 from benchmarks.planner_sources.fit import SOURCES, fit, source_points
 
 H100 = ("MC-H100 weak", "MC-H100 strong", "TT", "LF-H100", "Llama 3")
@@ -65,17 +69,21 @@ def _errors(rows) -> dict:
 
 
 def order_of(source: str) -> tuple[str, ...]:
-    """The parameters ``--calibrate-from`` fits (:data:`loom.planner.calibrate_runs.PARAMS`),
-    named as :class:`loom.planner.constants.Constants` names them for ``source``'s GPU."""
+    """The compute chain ``--calibrate-from`` fits (:data:`loom.planner.calibrate_runs.PARAMS`),
+    named as :class:`loom.planner.constants.Constants` names them for ``source``'s GPU (the
+    network parameter, :data:`loom.planner.calibrate_runs.NETWORK`, has one name on every
+    GPU)."""
     return ("hopper_gemm_efficiency" if source in H100 else "gemm_efficiency", "mem_traffic")
 
 
-def calibrate_source(source: str, start, shots=None, old: bool = False) -> dict:
+def calibrate_source(source: str, start, shots=None, old: bool = False, free=FREE) -> dict:
     """The 3-shot protocol on one source from the constants ``start``, calibrating on the rows
     ``shots`` (indices; default :func:`shot_rows`) with ``--calibrate-from``'s rule
     (:func:`loom.planner.calibrate_runs.select_fit`; ``old``: the rule before, the GEMM
-    efficiency alone, always): ``params`` (name -> (start, fitted), the chosen ones), ``loo``
-    (number of parameters -> leave-one-out score), ``shots`` (the calibration rows' names),
+    efficiency alone, always; ``free``: :func:`select_fit`'s, e.g.
+    :data:`loom.planner.calibrate_runs.NETWORK`): ``params`` (name -> (start, fitted), the
+    chosen ones), ``loo``
+    (candidate label, e.g. ``"none"``, ``"dp_net_efficiency"`` -> leave-one-out score), ``shots`` (the calibration rows' names),
     ``before`` / ``after`` (errors of the other rows with ``start`` / the calibrated
     constants)."""
     pts = source_points(source, start)
@@ -87,9 +95,11 @@ def calibrate_source(source: str, start, shots=None, old: bool = False) -> dict:
         got = {n: (p, q) for n, p, q in source_points(source, replace(start, **values))}
         return np.array([math.log(got[n][0] / got[n][1]) if got[n][0] == got[n][0] else math.nan
                          for n in shot_names])
-    bounds = {k: BOUNDS["gemm_efficiency" if k == "hopper_gemm_efficiency" else k] for k in order}
-    sel = select_fit(log_errors, {k: getattr(start, k) for k in order}, order, ITERS,
-                     sizes=(1,) if old else None, bounds=bounds)
+    free = () if old else tuple(free)
+    bounds = {k: BOUNDS["gemm_efficiency" if k == "hopper_gemm_efficiency" else k]
+              for k in order + free}
+    sel = select_fit(log_errors, {k: getattr(start, k) for k in order + free}, order, ITERS,
+                     sizes=(1,) if old else None, bounds=bounds, free=free)
     c = replace(start, **sel["values"])
     held = set(shot_names)
     others = [p for p in pts if p[0] not in held]
@@ -99,23 +109,25 @@ def calibrate_source(source: str, start, shots=None, old: bool = False) -> dict:
                 after=_errors(after))
 
 
-def robustness(source: str, start, sample: int = SAMPLE, old: bool = False) -> dict:
+def robustness(source: str, start, sample: int = SAMPLE, old: bool = False,
+               free=FREE) -> dict:
     """:func:`calibrate_source` (``old``) on each of :func:`shot_choices`: ``n`` choices,
     ``median``
     (over the choices, of each one's median error), ``worst`` (the largest such median),
     ``worse`` (choices whose median exceeds the uncalibrated median of the same rows)."""
     meds, worse = [], 0
     for shots in shot_choices(len(source_points(source, start)), sample):
-        r = calibrate_source(source, start, shots, old)
+        r = calibrate_source(source, start, shots, old, free)
         meds.append(r["after"]["median"])
         worse += r["after"]["median"] > r["before"]["median"]
     return dict(n=len(meds), median=statistics.median(meds), worst=max(meds), worse=worse)
 
 
-def three_shot(sources=SOURCES, sample: int = SAMPLE) -> dict:
+def three_shot(sources=SOURCES, sample: int = SAMPLE, free=FREE) -> dict:
     """Per source with more than ``SHOTS`` rows, from its held-out constants: the rule on the
     first/middle/last rows (:func:`calibrate_source`), the old rule (``old``) on the same rows,
     and :func:`robustness` of both (``robust``, ``robust_old``; ``sample`` 0: skipped);
+    ``free``: the rule's extra candidates (:func:`calibrate_source`);
     ``skipped``: the sources with too few rows to hold any out."""
     cache: dict = {}
     out, skipped = {}, []
@@ -124,10 +136,10 @@ def three_shot(sources=SOURCES, sample: int = SAMPLE) -> dict:
         if len(source_points(s, start)) <= SHOTS:
             skipped.append(s)
             continue
-        r = calibrate_source(s, start)
+        r = calibrate_source(s, start, free=free)
         r["old"] = calibrate_source(s, start, old=True)["after"]
         if sample:
-            r["robust"] = robustness(s, start, sample)
+            r["robust"] = robustness(s, start, sample, free=free)
             r["robust_old"] = robustness(s, start, sample, old=True)
         out[s] = r
     return dict(sources=out, skipped=skipped)
@@ -158,8 +170,11 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--sample", type=int, default=SAMPLE,
                     help="choices of 3 rows per source for the robustness column (0: skip it)")
+    ap.add_argument("--network", action="store_true",
+                    help="the rule with the DP network fraction among its candidates "
+                         "(calibrate_runs.NETWORK; not the default)")
     args = ap.parse_args()
-    res = three_shot(sample=args.sample)
+    res = three_shot(sample=args.sample, free=NETWORK if args.network else FREE)
     print(markdown(res) if args.markdown else json.dumps(res, indent=1))
 
 

@@ -12,22 +12,32 @@ Fitted, each by name (:func:`calibrate`):
 
 * ``gemm_efficiency`` (``e`` of :func:`loom.planner.primitives.gemm_efficiency`: the large-GEMM
   fraction of peak on this cluster) and ``mem_traffic`` (``k`` of :mod:`loom.planner.timing`:
-  element-wise HBM traffic per activation byte), in that order (:data:`PARAMS`): least squares of
-  ``log(predicted / measured)`` step time (Levenberg-Marquardt on the logs,
+  element-wise HBM traffic per activation byte), in that order (:data:`PARAMS`: k only with e):
+  least squares of ``log(predicted / measured)`` step time (Levenberg-Marquardt on the logs,
   :func:`least_squares`), **how many of them chosen by leave-one-out cross-validation over the
-  runs** (:func:`select_fit`). The candidates are the nested models "none" (the shipped
-  constants), "e", "e and k", each with at most ``n - 1`` parameters for ``n`` runs (every leave-
-  one-out fit then has at least as many runs as parameters). Each candidate is refitted ``n``
-  times, each time without one run, and scored by the mean squared log error of the left-out run's
-  prediction (the PRESS statistic, Allen 1974; model choice by leave-one-out cross-validation,
-  Stone 1974; Hastie, Tibshirani & Friedman, "The Elements of Statistical Learning", 2nd ed., sec.
-  7.10). The smallest score wins; a tie (within :data:`LOO_TIE`) keeps fewer parameters. So a
-  calibration is kept only where it predicts runs it was not fitted on better than the shipped
-  constants do: a parameter the runs cannot pin down, or a fit that follows one unusual run,
-  predicts the left-out runs worse and is not chosen ("none" keeps the shipped values). When the
-  runs determine the parameters (noise-free, more runs than parameters) the full model's score is
-  ~0, it is chosen, and its fit is plain least squares: nothing is shrunk. One run cannot be
-  cross-validated: it fits e alone.
+  runs** (:func:`select_fit`). The candidates (:func:`candidates`) are the nested models "none"
+  (the shipped constants), "e", "e and k", each with at most ``n - 1`` parameters for ``n`` runs
+  (every leave-one-out fit then has at least as many runs as parameters). Each candidate is
+  refitted ``n`` times, each time without one run, and scored by the mean squared log error of
+  the left-out run's prediction (the PRESS statistic, Allen 1974; model choice by leave-one-out
+  cross-validation, Stone 1974; Hastie, Tibshirani & Friedman, "The Elements of Statistical
+  Learning", 2nd ed., sec. 7.10). The smallest score wins; a tie (within :data:`LOO_TIE`) keeps
+  fewer parameters, then the compute chain. So a calibration is kept only where it predicts runs
+  it was not fitted on better than the shipped constants do: a parameter the runs cannot pin
+  down, or a fit that follows one unusual run, predicts the left-out runs worse and is not chosen
+  ("none" keeps the shipped values). When the runs determine the parameters (noise-free, more
+  runs than parameters) the full model's score is ~0, it is chosen, and its fit is plain least
+  squares: nothing is shrunk. One run cannot be cross-validated: it fits e alone. Bounds
+  (:data:`BOUNDS`): e at most 1 (peak).
+* Not among the default candidates (:data:`FREE` is empty), on the same code path when asked
+  for (``free=NETWORK``, :func:`calibrate`'s ``free``; the 3-shot protocol's ``--network``): the
+  network's ``dp_net_efficiency`` (:data:`NETWORK`; :attr:`loom.planner.hardware.Cluster.
+  dp_net_efficiency`: the fraction of the inter-node bandwidth the data-parallel collectives
+  get, <= 1, so it moves only runs whose DP or ZeRO-3 traffic crosses nodes), each compute
+  candidate without and with it (3 runs: none, e, net, e+k, e+net). On the published tables'
+  3-shot protocol it helped MegaScale (2.8% -> 1.4%) but, over 20 choices of 3 rows, gave
+  worst choices of 369% (NAR t2), 88% (LF-H100) and 39% (SHO), where an overlapped or ZeRO-3
+  collective crosses from hidden to exposed: docs/planner.md, "3-shot calibration".
 * ``reserve_bytes`` (:class:`loom.planner.layout.Options`: context, workspaces and allocator
   fragmentation beyond the counted tensors): the median over the runs of measured peak minus the
   counted terms (``(1 + reserve_fraction)`` x weights, gradients, optimizer, activations), >= 0.
@@ -35,11 +45,13 @@ Fitted, each by name (:func:`calibrate`):
 The same :func:`select_fit` serves the 3-shot protocol on the published tables
 (``benchmarks/planner_sources/three_shot.py``).
 
-Everything else (links, overlap, the layout arithmetic) stays the shipped model.
+Everything else (the links' bandwidths and latencies outside the DP collectives, overlap, the
+layout arithmetic) stays the shipped model.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -53,11 +65,16 @@ from loom.planner.layout import KEYS, Options, make_layouts
 from loom.planner.primitives import GEMM_EFFICIENCY
 from loom.planner.timing import MEM_TRAFFIC
 
-PARAMS = ("gemm_efficiency", "mem_traffic")
+PARAMS = ("gemm_efficiency", "mem_traffic")  # the compute chain: k only with e
+NETWORK = ("dp_net_efficiency",)  # fitted with or without any of the chain, when asked for
+FREE = ()  # the default: no network parameter (tried, worse over any 3 rows: module docstring)
 # Where a fitted parameter may go (its log is clipped): a GEMM runs at most at peak (e <= 1) and
 # above 5% of it; k from 0.1 (less traffic than one read per activation byte: everything fused)
-# to 100. The bounds stop a fit of as many parameters as runs from running off to 0 or infinity.
-BOUNDS = {"gemm_efficiency": (0.05, 1.0), "mem_traffic": (0.1, 100.0)}
+# to 100; the DP collectives get at most the whole inter-node link (dp_net_efficiency <= 1: the
+# shipped inter_bw is already the achieved, nccl-tests-style figure) and at least 5% of it.
+# The bounds stop a fit of as many parameters as runs from running off to 0 or infinity.
+BOUNDS = {"gemm_efficiency": (0.05, 1.0), "mem_traffic": (0.1, 100.0),
+          "dp_net_efficiency": (0.05, 1.0)}
 BAD_RESIDUAL = 1e3  # log error standing in for a prediction that is not finite (rejects a step)
 LOO_TIE = 1e-9  # leave-one-out scores this close (mean squared log error) are a tie
 
@@ -119,31 +136,59 @@ def least_squares(res, x: np.ndarray, iters: int = 40, lam: float = 1e-2,
     return x
 
 
+def candidates(n: int, order=PARAMS, free=(), sizes=None) -> list[tuple[str, ...]]:
+    """The parameter sets :func:`select_fit` chooses among for ``n`` runs: every prefix of the
+    chain ``order`` (none, e, e+k: k is fitted only with e), each without and with the
+    parameters ``free`` (a network parameter, :data:`NETWORK`: independent of the compute chain),
+    at most ``n - 1`` parameters; ordered by size, then chain first (the order a tie resolves
+    in). One run: ``order[0]`` alone. ``sizes``: keep only candidates of these sizes."""
+    if n == 1:
+        return [tuple(order[:1])]
+    out = []
+    for m in range(len(order) + 1):
+        for j in range(len(free) + 1):
+            for extra in itertools.combinations(free, j):
+                c = tuple(order[:m]) + extra
+                if len(c) <= n - 1 and (sizes is None or len(c) in sizes):
+                    out.append(c)
+    return sorted(out, key=lambda c: (len(c), len(set(c) & set(free))))  # chain first
+
+
+def label(names) -> str:
+    """A candidate's name in reports: ``"none"`` or its parameters joined by ``+``."""
+    return "+".join(names) or "none"
+
+
 def select_fit(log_errors, start: dict, order=PARAMS, iters: int = 30, sizes=None,
-               bounds=None) -> dict:
-    """Fit the first ``m`` parameters of ``order`` to ``n`` runs, ``m`` chosen by leave-one-out
-    cross-validation (the rule and its sources: module docstring).
+               bounds=None, free=()) -> dict:
+    """Fit one of :func:`candidates` (the prefixes of ``order``, each without and with
+    ``free``) to ``n`` runs, chosen by leave-one-out cross-validation (the rule and its sources:
+    module docstring).
 
     ``log_errors(values)`` -> array ``(n,)`` of ``log(predicted / measured)`` per run, given
     ``values`` (name -> value, every name of ``start``); a run not finite at ``start`` takes no
     part, a non-finite value elsewhere counts as :data:`BAD_RESIDUAL`. ``start``: the shipped
-    value of every name of ``order``. ``sizes``: the candidate ``m``s (default
-    ``0..min(len(order), n - 1)``, ``(1,)`` for one run; a single size skips the
-    cross-validation). Parameters are fitted on their logs (:func:`least_squares`, ``iters``
-    steps, stopping at a step below 1e-4), each clipped to ``bounds[name]`` (default
-    :data:`BOUNDS`; a name not in it is not clipped).
+    value of every name of ``order`` and ``free``. ``sizes``: keep only candidates with these
+    numbers of parameters (a single candidate skips the cross-validation; one run: ``order[0]``
+    alone). Parameters are fitted on their logs (:func:`least_squares`, ``iters`` steps,
+    stopping at a step below 1e-4), each clipped to ``bounds[name]`` (default :data:`BOUNDS`; a
+    name not in it is not clipped).
 
     Returns ``names`` (the chosen ones), ``values`` (``start`` with them fitted), ``loo``
-    (``m`` -> the mean squared log error of the left-out runs; empty when not
-    cross-validated), ``runs`` (indices of the runs that took part)."""
-    start = {k: float(start[k]) for k in order}
+    (:func:`label` of each candidate -> the mean squared log error of the left-out runs; empty
+    when not cross-validated), ``runs`` (indices of the runs that took part)."""
+    names_all = tuple(order) + tuple(free)
+    start = {k: float(start[k]) for k in names_all}
     bounds = BOUNDS if bounds is None else bounds
-    lo, hi = (np.log([bounds.get(k, (0.0, math.inf))[j] or 1e-300 for k in order])
-              for j in (0, 1))
+    lim = {k: np.log([bounds.get(k, (0.0, math.inf))[j] or 1e-300 for j in (0, 1)])
+           for k in names_all}
     memo: dict = {}
 
+    def clip(names, x):
+        return np.clip(x, [lim[k][0] for k in names], [lim[k][1] for k in names])
+
     def errs(names, x):
-        x = np.clip(x, lo[:len(x)], hi[:len(x)])
+        x = clip(names, x)
         key = (names, tuple(np.round(x, 12)))
         if key not in memo:
             r = np.asarray(log_errors({**start, **dict(zip(names, map(float, np.exp(x))))}),
@@ -154,26 +199,28 @@ def select_fit(log_errors, start: dict, order=PARAMS, iters: int = 30, sizes=Non
     r0 = np.asarray(log_errors(dict(start)), dtype=float)
     used = np.flatnonzero(np.isfinite(r0))
     n = len(used)
-    if sizes is None:
-        sizes = (1,) if n == 1 else tuple(range(min(len(order), n - 1) + 1))
+    cands = candidates(max(n, 1), order, free, sizes)
 
-    def fit(m, rows):
-        names = tuple(order[:m])
+    def fit(names, rows):
         x0 = np.log([start[k] for k in names])
-        if not m or not len(rows):
+        if not names or not len(rows):
             return names, x0
+        # a start on its bound (the network fraction's shipped 1.0) would see a zero forward-
+        # difference derivative (the step is clipped away): start 2 steps inside
+        x0 = np.clip(x0, [lim[k][0] + 2e-4 for k in names], [lim[k][1] - 2e-4 for k in names])
         return names, least_squares(lambda x: errs(names, x)[rows], x0, iters, tol=1e-4)
 
     loo = {}
-    if len(sizes) > 1:
-        for m in sizes:
-            loo[m] = float(np.mean([errs(*fit(m, used[used != i]))[i] ** 2 for i in used]))
+    if len(cands) > 1:
+        for c in cands:
+            loo[c] = float(np.mean([errs(*fit(c, used[used != i]))[i] ** 2 for i in used]))
     best = min(loo.values(), default=0.0)
-    m = min(k for k in sizes if loo.get(k, 0.0) <= best + LOO_TIE)  # a tie keeps fewer
-    names, x = fit(m, used)
-    x = np.clip(x, lo[:m], hi[:m])
+    # a tie keeps fewer parameters (cands is ordered by size)
+    names = next(c for c in cands if loo.get(c, 0.0) <= best + LOO_TIE)
+    names, x = fit(names, used)
+    x = clip(names, x)
     return dict(names=names, values={**start, **dict(zip(names, map(float, np.exp(x))))},
-                loo=loo, runs=[int(i) for i in used])
+                loo={label(c): v for c, v in loo.items()}, runs=[int(i) for i in used])
 
 
 def _predict(model: ModelConfig, cluster: Cluster, runs: list[dict], B: int, s: int,
@@ -202,28 +249,34 @@ def _with(cluster: Cluster, x: dict) -> Cluster:
 
 
 def calibrate(model: ModelConfig, cluster: Cluster, runs: list[dict], global_batch_size: int,
-              seq_length: int, opts: Options, iters: int = 30) -> tuple[Cluster, Options, dict]:
-    """The cluster and options with the fitted parameters (module docstring) and a report:
+              seq_length: int, opts: Options, iters: int = 30,
+              free=FREE) -> tuple[Cluster, Options, dict]:
+    """The cluster and options with the fitted parameters (module docstring; ``free``: the
+    parameters :func:`select_fit` may add to each compute candidate, :data:`NETWORK` or the
+    default none) and a report:
     ``fitted`` (name -> (before, after)), ``kept`` (name -> shipped value: the parameters
     :func:`select_fit` left out), ``loo`` (candidate, e.g. ``"none"``, ``"gemm_efficiency"``,
-    ``"gemm_efficiency+mem_traffic"`` -> mean squared leave-one-out log error), ``rows`` (per
+    ``"dp_net_efficiency"``, ``"gemm_efficiency+mem_traffic"`` -> mean squared leave-one-out log
+    error), ``rows`` (per
     run: measured, predicted before and
     after, seconds; and memory, GB, when measured), ``median_before`` / ``median_after`` (the
     runs' median absolute step-time error)."""
     start = {"gemm_efficiency": cluster.gemm_efficiency or GEMM_EFFICIENCY,
-             "mem_traffic": cluster.mem_traffic or MEM_TRAFFIC}
+             "mem_traffic": cluster.mem_traffic or MEM_TRAFFIC,
+             "dp_net_efficiency": cluster.dp_net_efficiency}
     meas = np.array([float(r["step_time_s"]) for r in runs])
 
     def log_errors(values):
         t = [float(e["time_iteration"][0]) for e in
              _predict(model, _with(cluster, values), runs, global_batch_size, seq_length, opts)]
         return np.log(np.array(t) / meas)
-    sel = select_fit(log_errors, start, PARAMS, iters)
+    sel = select_fit(log_errors, start, PARAMS, iters, free=tuple(free))
     fitted = {k: sel["values"][k] for k in sel["names"]}
     cl = _with(cluster, fitted)
     report = {"fitted": {k: (float(start[k]), fitted[k]) for k in sel["names"]},
-              "kept": {k: float(start[k]) for k in PARAMS if k not in sel["names"]},
-              "loo": {"+".join(PARAMS[:m]) or "none": v for m, v in sel["loo"].items()}}
+              "kept": {k: float(start[k]) for k in PARAMS + tuple(free)
+                       if k not in sel["names"]},
+              "loo": sel["loo"]}
     after = _predict(model, cl, runs, global_batch_size, seq_length, opts)
     new_opts = opts
     mem_runs = [(i, float(r["peak_memory_gb"]) * GB) for i, r in enumerate(runs)

@@ -35,7 +35,10 @@ class Constants:
     peak), ``gemm_half_dim`` (GEMM dimension at which efficiency halves, on the A100's ridge
     point; scaled by ``peak / hbm_bw`` on other GPUs), ``mem_traffic`` (HBM bytes moved per
     activation byte), ``hopper_gemm_efficiency`` (H100/H200/GH200 large-GEMM fraction of peak),
-    ``zero3_overlap`` (fraction of a micro-batch's compute hiding ZeRO-3 communication).
+    ``zero3_overlap`` (fraction of a micro-batch's compute hiding ZeRO-3 communication),
+    ``dp_net_efficiency`` (:attr:`loom.planner.hardware.Cluster.dp_net_efficiency`: the data-
+    parallel collectives' share of the inter-node bandwidth; fitted to no published table, 1.0:
+    only the 3-shot protocol calibrates it, as ``--calibrate-from`` does).
     Defaults: the shipped values."""
 
     gemm_efficiency: float = GEMM_EFFICIENCY
@@ -43,6 +46,7 @@ class Constants:
     mem_traffic: float = MEM_TRAFFIC
     hopper_gemm_efficiency: float = HOPPER_GEMM_EFFICIENCY
     zero3_overlap: float = ZERO3_OVERLAP
+    dp_net_efficiency: float = 1.0
 
 
 SHIPPED = Constants()
@@ -83,4 +87,5 @@ def fitted_cluster(gpu: str, num_gpus: int, constants: Constants | None = None,
     hopper = lookup_gpu(gpu).gemm_efficiency > 0  # only the Hopper entries carry their own
     e = constants.hopper_gemm_efficiency if hopper else constants.gemm_efficiency
     h0 = constants.gemm_half_dim * (cl.peak_flops / cl.hbm_bw) / A100_RIDGE
-    return replace(cl, gemm_efficiency=e, gemm_half_dim=h0, mem_traffic=constants.mem_traffic)
+    return replace(cl, gemm_efficiency=e, gemm_half_dim=h0, mem_traffic=constants.mem_traffic,
+                   dp_net_efficiency=constants.dp_net_efficiency)

@@ -146,6 +146,13 @@ class Cluster:
     two constants of the achievable-FLOP/s model (see :func:`loom.planner.timing.gemm_efficiency`);
     ``mem_traffic`` the HBM-traffic multiplier of the element-wise model (bytes moved per byte of
     stored activation). Defaults are the values fitted to the published A100 runs.
+    ``dp_net_efficiency``: the fraction of ``inter_bw`` that the data-parallel collectives get
+    across nodes (:func:`loom.planner.timing.time_terms`: the inter-node bandwidth term of the
+    gradient all-reduce / reduce-scatter, the weight all-gather and ZeRO-3's ring; TP, CP, EP,
+    PP and every latency keep ``inter_bw`` and the alphas). 1.0 = ``inter_bw`` itself (the
+    shipped, nccl-tests-style achieved figure); at most 1, a collective cannot beat the link.
+    Not fitted to any published table: ``loom plan --calibrate-from`` fits it to a user's own
+    runs when leave-one-out says it helps (:mod:`loom.planner.calibrate_runs`).
     """
 
     gpu: str = "A100-80GB"
@@ -163,6 +170,7 @@ class Cluster:
     mem_traffic: float = 0.0  # 0 = the fitted default of timing.py
     tdp_w: float = 400.0  # watts per GPU (energy estimate)
     speed_sigma: float = 0.0  # per-GPU speed std. dev. (straggler term; GPU_SPEED_SIGMA); 0 = off
+    dp_net_efficiency: float = 1.0  # DP collectives' share of inter_bw (see above)
     notes: dict = field(default_factory=dict)
 
     @property

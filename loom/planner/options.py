@@ -77,8 +77,9 @@ class PlannerOptions:
     calibrate_from: Optional[str] = opt(
         None, "your own measured runs, one JSON line each ({\"layout\": {\"tp\": 2, \"pp\": "
               "1, \"dp\": 4, \"mbs\": 2, \"recompute\": \"selective\"}, \"step_time_s\": 1.9, "
-              "\"peak_memory_gb\": 61.2}): fits the GEMM efficiency, the element-wise traffic "
-              "(5+ runs) and the memory reserve, then plans with them", metavar="RUNS.jsonl")
+              "\"peak_memory_gb\": 61.2}): fits the memory reserve and, how many of them "
+              "by leave-one-out over the runs, the GEMM efficiency and the element-wise "
+              "traffic, then plans with them", metavar="RUNS.jsonl")
 
 
 @dataclass

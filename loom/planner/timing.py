@@ -35,7 +35,9 @@ Model (per GPU, per micro-batch, per transformer layer; ``S = s b / c`` tokens p
   overlapped with the backward under the bucket schedule (:func:`exposed_grad_sync`) with
   ``--overlap-grad-reduce`` (``Options.overlap_grad_reduce``), the all-gather with the next
   forward with ``--overlap-param-gather`` (``Options.overlap_param_gather``); each exposed in
-  full without its flag (Megatron's and loom train's defaults). ZeRO-3 gathers weights
+  full without its flag (Megatron's and loom train's defaults). Across nodes these
+  collectives (ZeRO-3's ring too) get ``Cluster.dp_net_efficiency x inter_bw``
+  (:func:`dp_network`; 1.0 unless ``--calibrate-from`` fitted it). ZeRO-3 gathers weights
   (forward and backward) and
   reduce-scatters gradients every micro-batch as a flat ring (each GPU's bytes cross its own NIC, ``(n-1)/n M`` at
   ``ZERO3_LINK_EFFICIENCY x inter_bw``: DeepSpeed's per-partition collectives do not get the
@@ -56,6 +58,8 @@ a cluster file may override them. Their out-of-sample errors (leave one source o
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -156,6 +160,14 @@ def exposed_grad_sync(sync_s, backward_s, params, opts: Options, n_dp=1.0, overl
         return np.asarray(sync_s, dtype=np.float64)
     K = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts, params)))
     return np.maximum(sync_s / K, sync_s - backward_s * (1 - 1 / K))
+
+
+def dp_network(cluster: Cluster) -> Cluster:
+    """The cluster as the data-parallel collectives see it: ``inter_bw`` x
+    ``cluster.dp_net_efficiency`` (the achieved fraction of the inter-node bandwidth, fitted by
+    ``--calibrate-from``; 1.0 shipped), everything else (intra-node bandwidth, alphas) as is."""
+    eff = getattr(cluster, "dp_net_efficiency", 1.0)
+    return cluster if eff == 1.0 else replace(cluster, inter_bw=cluster.inter_bw * eff)
 
 
 # -- compute --------------------------------------------------------------------------------------
@@ -385,18 +397,19 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         return out
 
     n_buckets = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts, params)))
+    net = dp_network(cluster)  # the DP collectives' share of the inter-node bandwidth
 
     def hier(n, k_node, nbytes):
         # every bucket is its own collective and pays the latency once more (ring inside the
         # node, ring or tree across nodes: primitives.inter_node_latency)
-        return (hierarchical_all_reduce_time(n, k_node, nbytes, cluster)
+        return (hierarchical_all_reduce_time(n, k_node, nbytes, net)
                 + (n_buckets - 1) * all_reduce_latency(n, k_node, cluster))
 
     grad_sync = dp_collective(hier, opts.grad_bytes)
     # ZeRO-3: per micro-batch weight all-gathers (fwd + bwd) and gradient reduce-scatter, a flat
     # ring whose every byte crosses the GPU's own link; ZERO3_OVERLAP of the micro-batch's
     # compute hides it (both fitted to NAR table 2, see the module docstring)
-    z_link_bw, z_alpha = link(n_dp * t > cluster.gpus_per_node, cluster)
+    z_link_bw, z_alpha = link(n_dp * t > cluster.gpus_per_node, net)
     z_eff = ZERO3_LINK_EFFICIENCY if opts.zero3_link_efficiency is None \
         else opts.zero3_link_efficiency
     z_ov = ZERO3_OVERLAP if opts.zero3_overlap is None else opts.zero3_overlap
@@ -415,7 +428,7 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     def hier_rs(n, k_node, nbytes):
         # reduce-scatter / all-gather: ring only (primitives.hierarchical_reduce_scatter_time),
         # every bucket its own collective
-        return (hierarchical_reduce_scatter_time(n, k_node, nbytes, cluster)
+        return (hierarchical_reduce_scatter_time(n, k_node, nbytes, net)
                 + (n_buckets - 1) * reduce_scatter_latency(n, k_node, cluster))
 
     rs_h = grad_sync if opts.zero1_all_reduce_grads else dp_collective(hier_rs, opts.grad_bytes)
