@@ -209,10 +209,12 @@ def test_tp2_sp_parity_with_sinks_windows_and_biased_experts():
 
 
 # -- HF GptOssForCausalLM import: logits equal to transformers' --------------------------------
-def hf_model():
+def hf_model(original_max: int = 131072):
+    """A tiny GptOssForCausalLM with YaRN (``original_max``: 131072 is --enable-gpt-oss's
+    value, 4096 the published checkpoints')."""
     torch.manual_seed(0)
     yarn = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
-                beta_slow=1.0, original_max_position_embeddings=131072, truncate=False)
+                beta_slow=1.0, original_max_position_embeddings=original_max, truncate=False)
     hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(
         vocab_size=100, hidden_size=32, intermediate_size=16, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
@@ -224,10 +226,11 @@ def hf_model():
     return hf.eval()
 
 
-def hf_logit_error(tp: int = 1, generation: bool = False) -> float:
+def hf_logit_error(tp: int = 1, generation: bool = False, original_max: int = 131072,
+                   cfg_of=None) -> float:
     """Largest logit difference of the imported model to transformers' at TP ``tp``; with
     ``generation``: inf unless greedy KV-cached generation (past the window) picks
-    transformers' tokens."""
+    transformers' tokens. ``cfg_of``: the loom config of the HF config (default: the reader)."""
     import torch.distributed as dist
 
     from loom.interop.hf import load_full_state_dict
@@ -236,9 +239,9 @@ def hf_logit_error(tp: int = 1, generation: bool = False) -> float:
     from loom.parallel.mappings import gather_from_tensor_parallel_region
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
-    hf = hf_model()
+    hf = hf_model(original_max)
     mesh = ParallelMesh.build(tp=tp) if dist.is_initialized() else ParallelMesh.single()
-    cfg = gpt_oss_config(hf.config)
+    cfg = (cfg_of or gpt_oss_config)(hf.config)
     model = build_model(get_family("gpt"), cfg, mesh, seed=None).eval()
     full = gpt_oss_to_loom(hf.state_dict(), cfg)
     load_full_state_dict(model, {n: full[n] for n, _ in model.named_parameters()})
@@ -263,8 +266,33 @@ def test_hf_import_config():
     assert cfg.enable_gpt_oss and cfg.quick_geglu and cfg.activation_func_clamp_value == 7.0
     published = copy.deepcopy(hf)  # the released checkpoints' YaRN: original context 4096
     published.rope_parameters = {**hf.rope_parameters, "original_max_position_embeddings": 4096}
-    with pytest.raises(ConfigError, match="enable-gpt-oss"):
-        gpt_oss_config(published)
+    yarn = gpt_oss_config(published)  # Megatron's generic YaRN flags, not --enable-gpt-oss
+    assert not yarn.enable_gpt_oss and yarn.position_embedding_type == "yarn"
+    assert yarn.yarn_args() == dict(factor=32.0, original_max=4096, beta_fast=32.0,
+                                    beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0)
+    assert not yarn.yarn_correction_range_round_to_int
+    for bad in ({"attention_factor": 1.5}, {"truncate": True}, {"rope_type": "linear"}):
+        other = copy.deepcopy(hf)
+        other.rope_parameters = {**hf.rope_parameters, **bad}
+        with pytest.raises(ConfigError, match="rope_parameters"):
+            gpt_oss_config(other)
+
+
+def test_hf_import_published_yarn_matches_transformers_and_exports_back():
+    """The released checkpoints' YaRN (original context 4096, where Megatron-LM's
+    --enable-gpt-oss sets 131072): imported as --position-embedding-type yarn with
+    --yarn-original-max-position-embeddings 4096, logits equal to transformers'; read as
+    --enable-gpt-oss instead they are not (the test can fail); exported back unchanged."""
+    from dataclasses import replace
+
+    from loom.models.gpt.hf_gpt_oss import gpt_oss_config, gpt_oss_hf_config
+    assert hf_logit_error(original_max=4096) < 1e-5
+    as_megatron = lambda hf: replace(gpt_oss_config(hf), enable_gpt_oss=True,  # noqa: E731
+                                     position_embedding_type="rope", rotary_scaling_factor=None)
+    assert hf_logit_error(original_max=4096, cfg_of=as_megatron) > 1e-3
+    rope = gpt_oss_hf_config(gpt_oss_config(hf_model(4096).config))["rope_parameters"]
+    assert rope == dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                        beta_slow=1.0, original_max_position_embeddings=4096, truncate=False)
 
 
 def test_hf_import_logits_match_transformers():

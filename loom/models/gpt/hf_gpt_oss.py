@@ -12,10 +12,16 @@ Layout differences handled here:
 * Sliding windows: HF's ``sliding_window`` W counts the query itself; Megatron's
   ``--window-size`` counts the keys before it: ``W - 1,0``. HF's ``layer_types`` become a
   ``--window-attn-skip-freq`` list (1 = sliding).
-* RoPE: the default RoPE, or YaRN with exactly ``--enable-gpt-oss``'s values
-  (:data:`~loom.config.model_gptoss.GPT_OSS_YARN`, unrounded correction range); other YaRN
-  parameters (the published checkpoints' original context 4096) have no loom flag and are
-  refused.
+* RoPE: the default RoPE; YaRN with exactly ``--enable-gpt-oss``'s values
+  (:data:`~loom.config.model_gptoss.GPT_OSS_YARN`, unrounded correction range) as that flag;
+  any other YaRN without ``truncate`` (the published checkpoints: original context 4096, where
+  Megatron-LM's ``--enable-gpt-oss`` sets 131072, a value NeMo's gpt-oss config corrected to
+  the checkpoints' 4096, NVIDIA-NeMo issue 14686) as Megatron's generic YaRN flags,
+  ``--position-embedding-type yarn --rotary-scaling-factor F
+  --yarn-original-max-position-embeddings N --yarn-beta-fast B --yarn-beta-slow b
+  --no-yarn-correction-range-round-to-int`` (HF's attention factor ``0.1 ln F + 1`` is YaRN's
+  ``--mscale 1 --mscale-all-dim 0``, the defaults). A given ``attention_factor`` or ``mscale``
+  has no loom flag here and is refused.
 """
 
 from __future__ import annotations
@@ -41,17 +47,25 @@ def _rope_fields(hf, where: str) -> dict:
     if kind == "default":
         return dict(rotary_base=float(theta))
     y = GPT_OSS_YARN
-    same = (kind == "yarn" and params.get("truncate", True) is False
-            and float(params.get("factor", 0)) == y["factor"]
-            and int(params.get("original_max_position_embeddings", 0)) == y["original_max"]
-            and float(params.get("beta_fast", 32.0)) == y["beta_fast"]
-            and float(params.get("beta_slow", 1.0)) == y["beta_slow"]
-            and params.get("attention_factor") is None)
-    if not same:
-        raise ConfigError(f"{where}: {TITLE} rope_parameters {params}: loom has the default RoPE "
-                          f"and --enable-gpt-oss's YaRN (factor {y['factor']:g}, original "
-                          f"context {y['original_max']}, beta {y['beta_fast']:g}/"
-                          f"{y['beta_slow']:g}, truncate false) only")
+    if kind != "yarn" or params.get("truncate", True) is not False or any(
+            params.get(k) is not None for k in ("attention_factor", "mscale", "mscale_all_dim")):
+        raise ConfigError(f"{where}: {TITLE} rope_parameters {params}: loom reads the default "
+                          f"RoPE, or YaRN with truncate false and no attention_factor / "
+                          f"mscale (HF's attention factor 0.1 ln(factor) + 1)")
+    orig = int(params.get("original_max_position_embeddings", 0))
+    factor = params.get("factor")  # HF: absent = max_position_embeddings / original
+    factor = float(factor if factor is not None else
+                   getattr(hf, "max_position_embeddings", 0) / max(orig, 1))
+    fast, slow = float(params.get("beta_fast", 32.0)), float(params.get("beta_slow", 1.0))
+    if (factor, orig, fast, slow) != (y["factor"], y["original_max"], y["beta_fast"],
+                                      y["beta_slow"]):
+        if orig <= 0:
+            raise ConfigError(f"{where}: {TITLE} rope_parameters {params}: YaRN needs "
+                              f"original_max_position_embeddings")
+        return dict(rotary_base=float(theta), position_embedding_type="yarn",
+                    rotary_scaling_factor=factor, yarn_original_max_position_embeddings=orig,
+                    yarn_beta_fast=fast, yarn_beta_slow=slow,
+                    yarn_correction_range_round_to_int=False)
     return dict(rotary_base=float(theta), enable_gpt_oss=True)
 
 
@@ -78,14 +92,14 @@ def gpt_oss_config(hf, where: str = "config.json") -> ModelConfig:
         kv_channels=hf.head_dim, ffn_hidden_size=hf.intermediate_size,
         num_experts=hf.num_local_experts, moe_ffn_hidden_size=hf.intermediate_size,
         moe_router_topk=hf.num_experts_per_tok, normalization="RMSNorm",
-        norm_epsilon=hf.rms_norm_eps, position_embedding_type="rope",
+        norm_epsilon=hf.rms_norm_eps,
         seq_length=hf.max_position_embeddings, max_position_embeddings=hf.max_position_embeddings,
         vocab_size=hf.vocab_size,
         untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
         quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=hf.swiglu_limit,
         softmax_type="learnable", hidden_dropout=0.0, attention_dropout=0.0,
         exclude_padded_vocab=True,
-        **window, **_rope_fields(hf, where))
+        **window, **{"position_embedding_type": "rope", **_rope_fields(hf, where)})
 
 
 def gpt_oss_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -140,14 +154,19 @@ def gpt_oss_hf_config(cfg: ModelConfig) -> dict:
     ConfigError for what it does not express."""
     check_plain(cfg, TITLE, allowed=("quick_geglu", "softmax_type", "window_size",
                                      "glu_linear_offset", "activation_func_clamp_value",
-                                     "enable_gpt_oss"))
+                                     "enable_gpt_oss", "rotary_scaling_factor"))
     needs = [flag for flag, ok in (
         ("--quick-geglu", cfg.quick_geglu), ("--glu-linear-offset 1", cfg.glu_linear_offset == 1.0),
         ("--activation-func-clamp-value", cfg.activation_func_clamp_value is not None),
         ("--softmax-type learnable", cfg.softmax_type == "learnable"),
         ("biases (no --disable-bias-linear)", not cfg.disable_bias_linear),
         ("RMSNorm", cfg.normalization == "RMSNorm"),
-        ("--position-embedding-type rope", cfg.position_embedding_type == "rope"),
+        ("--position-embedding-type rope, or yarn with --no-yarn-correction-range-round-to-int "
+         "--mscale 1 --mscale-all-dim 0", cfg.position_embedding_type == "rope" or (
+             cfg.position_embedding_type == "yarn" and not cfg.yarn_correction_range_round_to_int
+             and (cfg.mscale, cfg.mscale_all_dim) == (1.0, 0.0))),
+        ("no --rotary-scaling-factor without YaRN", cfg.rotary_scaling_factor is None
+         or cfg.position_embedding_type == "yarn"),
         ("--num-experts with every layer MoE", bool(cfg.num_experts) and all(
             cfg.is_moe_layer(i) for i in range(cfg.num_layers))),
         ("a softmax top-k router renormalized over k (no --moe-router-pre-softmax, no expert "
@@ -164,6 +183,11 @@ def gpt_oss_hf_config(cfg: ModelConfig) -> dict:
         rope.update(rope_type="yarn", factor=y["factor"],
                     original_max_position_embeddings=y["original_max"],
                     beta_fast=y["beta_fast"], beta_slow=y["beta_slow"], truncate=False)
+    elif cfg.position_embedding_type == "yarn":
+        a = cfg.yarn_args()
+        rope.update(rope_type="yarn", factor=a["factor"],
+                    original_max_position_embeddings=a["original_max"],
+                    beta_fast=a["beta_fast"], beta_slow=a["beta_slow"], truncate=False)
     window = cfg.window
     return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
