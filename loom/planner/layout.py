@@ -156,6 +156,11 @@ class Options:
     (:func:`loom.planner.flops.op_sac_recompute_share`). Time only: the memory stays the
     selective one of :mod:`loom.planner.memory`, and ``hw_tflops_per_gpu`` keeps KOR eq 8's
     selective count. Planner only.
+    ``overlap_interference``: a DP collective hidden behind compute slows that compute: NCCL's
+    CTAs (one per channel, :data:`loom.planner.timing.NCCL_CHANNELS`) hold their SMs while it
+    runs, so ``dp_comm`` gains the hidden DP time x
+    :func:`loom.planner.timing.nccl_sm_fraction` (term ``dp_interference``; HBM contention is
+    not priced). Planner only.
     """
 
     flash_attention: bool = False
@@ -184,6 +189,7 @@ class Options:
     grad_accum_bytes: float = 0.0
     selective_ac_op: bool = False
     legacy_interleaved_warmup: bool = False
+    overlap_interference: bool = False
 
 
 def param_gather_overlapped(opts: Options) -> bool:

@@ -1,0 +1,50 @@
+"""The overlap-interference term (``Options.overlap_interference``, issue 47 item 3): a DP
+collective hidden behind compute costs that compute the SMs NCCL's CTAs hold while it runs,
+``hidden x NCCL_CHANNELS / SMs``. Single process, well under a second."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.planner.hardware import make_cluster
+from loom.planner.layout import Options, make_layouts
+from loom.planner.presets import get_preset
+from loom.planner.timing import (NCCL_CHANNELS, nccl_sm_fraction, overlap_interference,
+                                 time_terms)
+
+
+def test_fraction_and_hand_case():
+    """16 channels over the data-sheet SM counts; 2.0 s of collectives, 0.5 s exposed, on an
+    A100: 1.5 s hidden x 16/108 = 0.2222 s; nothing hidden or the option off: 0."""
+    assert NCCL_CHANNELS == 16
+    assert nccl_sm_fraction(make_cluster("A100-80GB", 8)) == pytest.approx(16 / 108)
+    assert nccl_sm_fraction(make_cluster("H100-80GB", 8)) == pytest.approx(16 / 132)
+    assert nccl_sm_fraction(make_cluster("H100-PCIe", 8)) == pytest.approx(16 / 114)
+    a100 = make_cluster("A100-80GB", 16)
+    assert float(overlap_interference(2.0, 0.5, a100)) == pytest.approx(1.5 * 16 / 108)
+    assert float(overlap_interference(2.0, 0.5, a100)) == pytest.approx(0.22222, abs=1e-5)
+    assert float(overlap_interference(2.0, 2.0, a100)) == 0.0
+    assert float(overlap_interference(2.0, 0.5, a100, on=False)) == 0.0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_time_terms_add_the_hidden_dp_time_times_the_fraction(zero):
+    """llama3-8b, t 2, 64 replicas on 128 H100: the option adds exactly (total - exposed) x
+    16/132 to dp_comm and to the iteration, nothing else moves; without overlap (ZeRO 0-2)
+    nothing is hidden, so nothing is added."""
+    model = get_preset("llama3-8b")
+    L = make_layouts(dict(tp=2, pp=1, cp=1, dp=64, mbs=1, zero=zero, sp=1))
+    cl = make_cluster("H100-80GB", 128)
+    off = time_terms(model, L, 128, 4096, cl, Options())
+    on = time_terms(model, L, 128, 4096, cl, Options(overlap_interference=True))
+    hidden = float(off["dp_comm_total"][0] - off["dp_comm"][0])
+    assert hidden > 0.0 and float(off["dp_interference"][0]) == 0.0
+    added = hidden * 16 / 132
+    assert float(on["dp_interference"][0]) == pytest.approx(added, rel=1e-12)
+    assert float(on["dp_comm"][0] - off["dp_comm"][0]) == pytest.approx(added, rel=1e-12)
+    assert float(on["iteration"][0] - off["iteration"][0]) == pytest.approx(added, rel=1e-9)
+    assert float(on["compute"][0]) == float(off["compute"][0])
+    if zero < 3:
+        plain = time_terms(model, L, 128, 4096, cl,
+                           Options(overlap_grad_reduce=False, overlap_interference=True))
+        assert float(plain["dp_interference"][0]) == 0.0
