@@ -161,6 +161,10 @@ class Options:
     runs, so ``dp_comm`` gains the hidden DP time x
     :func:`loom.planner.timing.nccl_sm_fraction` (term ``dp_interference``; HBM contention is
     not priced). Planner only.
+    ``zero3_prefetch``: ZeRO-3 exposes what PyTorch FSDP's per-layer prefetch cannot hide
+    (:func:`loom.planner.timing.fsdp_exposed`: the first all-gather, the last reduce-scatter,
+    and per layer the excess of communication over compute) instead of the
+    ``ZERO3_OVERLAP`` fitted on DeepSpeed (NAR table 2). Planner only.
     """
 
     flash_attention: bool = False
@@ -190,6 +194,7 @@ class Options:
     selective_ac_op: bool = False
     legacy_interleaved_warmup: bool = False
     overlap_interference: bool = False
+    zero3_prefetch: bool = False
 
 
 def param_gather_overlapped(opts: Options) -> bool:

@@ -192,6 +192,20 @@ def overlap_interference(total_s, exposed_s, cluster: Cluster, on: bool = True):
     return np.maximum(0.0, np.asarray(total_s, dtype=np.float64) - exposed_s) * frac
 
 
+def fsdp_exposed(ag_s, rs_s, fwd_s, bwd_s, n_layers):
+    """Exposed ZeRO-3 time (s) of one micro-batch under PyTorch FSDP's per-layer prefetch
+    (``Options.zero3_prefetch``; FSDP/FSDP2 ``forward_prefetch`` / ``backward_prefetch``: the next
+    layer's all-gather is issued while this layer computes). ``n_layers`` equal layers; ``ag_s``
+    one all-gather of all of them, ``rs_s`` one reduce-scatter, ``fwd_s`` / ``bwd_s`` the
+    micro-batch's forward / backward compute. Forward: the first layer's all-gather is waited
+    for, each later one hides behind a layer's forward, ``ag/n + (1 - 1/n) max(0, ag - fwd)``;
+    backward: the layer all-gathers again and its gradients are reduce-scattered behind the
+    next layer's backward, the last one exposed, ``rs/n + (1 - 1/n) max(0, ag + rs - bwd)``."""
+    k = 1.0 - 1.0 / n_layers
+    return (ag_s / n_layers + k * np.maximum(0.0, ag_s - fwd_s)
+            + rs_s / n_layers + k * np.maximum(0.0, ag_s + rs_s - bwd_s))
+
+
 def dp_network(cluster: Cluster) -> Cluster:
     """The cluster as the data-parallel collectives see it: ``inter_bw`` x
     ``cluster.dp_net_efficiency`` (the achieved fraction of the inter-node bandwidth, fitted by
@@ -448,6 +462,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
                          opts.grad_bytes)
     t_fwd_mb = mix(slow, 2)
     z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
+    if opts.zero3_prefetch:  # PyTorch FSDP's per-layer prefetch instead of ZERO3_OVERLAP
+        z3 = m * fsdp_exposed(ag_w, rs_g, t_fwd_mb, t_bwd_mb, np.maximum(1.0, sum(slow)))
     # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward
     # (--overlap-grad-reduce, opts.overlap_grad_reduce; else after it), then all-gather of the
     # bf16 weights behind the next iteration's first forward (--overlap-param-gather,

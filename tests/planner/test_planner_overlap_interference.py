@@ -9,8 +9,8 @@ import pytest
 from loom.planner.hardware import make_cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.presets import get_preset
-from loom.planner.timing import (NCCL_CHANNELS, nccl_sm_fraction, overlap_interference,
-                                 time_terms)
+from loom.planner.timing import (NCCL_CHANNELS, fsdp_exposed, nccl_sm_fraction,
+                                 overlap_interference, time_terms)
 
 
 def test_fraction_and_hand_case():
@@ -48,3 +48,20 @@ def test_time_terms_add_the_hidden_dp_time_times_the_fraction(zero):
         plain = time_terms(model, L, 128, 4096, cl,
                            Options(overlap_grad_reduce=False, overlap_interference=True))
         assert float(plain["dp_interference"][0]) == 0.0
+
+
+def test_fsdp_per_layer_prefetch_by_hand():
+    """``fsdp_exposed``: 4 layers, all-gather 1.0 s and reduce-scatter 1.0 s per micro-batch,
+    forward 0.5 s, backward 3.0 s: forward 1/4 + 3/4 x (1.0 - 0.5) = 0.625, backward 1/4 + 3/4
+    x max(0, 2.0 - 3.0) = 0.25, 0.875 s; with the communication under the compute only the
+    first all-gather and the last reduce-scatter show (8 layers: 0.05 + 0.05)."""
+    assert float(fsdp_exposed(1.0, 1.0, 0.5, 3.0, 4)) == pytest.approx(0.875)
+    assert float(fsdp_exposed(0.4, 0.4, 1.0, 2.0, 8)) == pytest.approx(0.1)
+    model = get_preset("llama3-8b")
+    L = make_layouts(dict(tp=1, pp=1, cp=1, dp=64, mbs=1, zero=3, sp=0))
+    cl = make_cluster("H100-80GB", 64)
+    fit = time_terms(model, L, 64, 4096, cl, Options())
+    pre = time_terms(model, L, 64, 4096, cl, Options(zero3_prefetch=True))
+    assert float(pre["dp_comm_total"][0]) == float(fit["dp_comm_total"][0])
+    assert 0.0 < float(pre["dp_comm"][0]) < float(pre["dp_comm_total"][0])
+    assert float(pre["dp_comm"][0]) != float(fit["dp_comm"][0])
