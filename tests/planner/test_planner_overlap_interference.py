@@ -65,3 +65,15 @@ def test_fsdp_per_layer_prefetch_by_hand():
     assert float(pre["dp_comm_total"][0]) == float(fit["dp_comm_total"][0])
     assert 0.0 < float(pre["dp_comm"][0]) < float(pre["dp_comm_total"][0])
     assert float(pre["dp_comm"][0]) != float(fit["dp_comm"][0])
+
+
+def test_whatif_defaults_are_restored():
+    """The what-if of docs/planner.md flips the default for every source (module-level options
+    too) inside its block only."""
+    from benchmarks.planner_sources import validation
+    from benchmarks.planner_sources.overlap_whatif import option_defaults
+    with option_defaults(overlap_interference=True):
+        assert Options().overlap_interference and validation.TORCH_DDP_2021.overlap_interference
+        assert not Options().zero3_prefetch
+    assert not Options().overlap_interference
+    assert not validation.TORCH_DDP_2021.overlap_interference
