@@ -4,7 +4,8 @@ leave-one-source-out with :attr:`Options.overlap_interference` on for every sour
 torchtitan: ``published._fsdp_options``). The constants are refitted as the protocol does.
 docs/planner.md, "3-shot calibration", "Tried and not kept", quotes its output.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.planner_sources.overlap_whatif [--prefetch]   # ~1 min
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_sources.overlap_whatif [--prefetch]   # ~1.5 min
+    ... --three-shot [--prefetch]: the 3-shot table (three_shot --sample 0) with them, ~1 min
 """
 
 from __future__ import annotations
@@ -41,16 +42,21 @@ def option_defaults(**kw):
             Options.__init__.__defaults__ = old
 
 
-def run(prefetch: bool = False) -> dict:
-    """``leave_one_source_out()`` before and with the terms: ``{"before": .., "after": ..}``."""
-    before = leave_one_source_out()
+def with_terms(fn, prefetch: bool = False):
+    """``fn()`` with the interference on for every source (and FSDP's prefetch for the
+    llm-foundry and torchtitan rows when ``prefetch``)."""
     fsdp = published._fsdp_options
     patch = mock.patch.object(published, "_fsdp_options",
                               lambda c: Options(**{**vars(fsdp(c)), "zero3_prefetch": True})) \
         if prefetch else contextlib.nullcontext()
     with option_defaults(overlap_interference=True), patch:
-        after = leave_one_source_out()
-    return {"before": before, "after": after}
+        return fn()
+
+
+def run(prefetch: bool = False) -> dict:
+    """``leave_one_source_out()`` before and with the terms: ``{"before": .., "after": ..}``."""
+    return {"before": leave_one_source_out(),
+            "after": with_terms(leave_one_source_out, prefetch)}
 
 
 def markdown(res: dict) -> str:
@@ -71,4 +77,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--prefetch", action="store_true",
                     help="also FSDP's per-layer prefetch for llm-foundry and torchtitan")
-    print(markdown(run(ap.parse_args().prefetch)))
+    ap.add_argument("--three-shot", action="store_true",
+                    help="the 3-shot table (three_shot --sample 0) with the terms instead")
+    args = ap.parse_args()
+    if args.three_shot:
+        from benchmarks.planner_sources import three_shot as T
+        print(T.markdown(with_terms(lambda: T.three_shot(sample=0), args.prefetch)))
+    else:
+        print(markdown(run(args.prefetch)))
