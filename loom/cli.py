@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         twice = sorted({f for f in given if given.count(f) > 1})
         if twice and reporting_rank():  # argparse keeps the last silently: say so
             print(f"loom {chosen}: warning: {', '.join(twice)} given more than once: the last "
-                  f"value counts", flush=True)  # stdout: a refusal stays stderr's one line
+                  f"value counts", flush=True,  # stdout: a refusal stays stderr's one line,
+                  file=sys.stderr if "--json" in given else sys.stdout)  # --json: stdout parses
     args, extras = parser.parse_known_args(argv)
     if extras:  # the subcommand's parser names its own flags and usage
         parsers[args.command].unknown(extras)

@@ -55,6 +55,9 @@ class HFConversion:
       ``transformers`` class expresses (checked before any weight is read);
     * ``from_loom(full, model_cfg) -> HF state dict``: the inverse of ``to_loom``, vocabulary
       padding dropped;
+    * ``read_config(hf_config: dict, where: str) -> ModelConfig``: the model alone, no weights
+      (``loom plan --from-hf``; ``to_loom`` builds the same config); raises ConfigError naming
+      ``where``; None: the family's config needs its weights;
     * ``gguf_architectures``: GGUF ``general.architecture`` values it imports (via
       ``transformers``' GGUF reader into the ``to_loom`` path);
     * ``title``: the layout's name in messages (e.g. "Gemma 3")."""
@@ -65,6 +68,7 @@ class HFConversion:
     from_loom: Optional[Callable] = None
     gguf_architectures: tuple = ()
     title: str = ""
+    read_config: Optional[Callable] = None
 
 
 def next_token_windows(cfg) -> tuple:

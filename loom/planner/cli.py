@@ -28,7 +28,7 @@ from loom.config import (ConfigError, ModelConfig, add_config_arguments, config_
 from loom.planner.options import PLAN_OPTIONS
 from loom.planner.hardware import GB, Cluster, make_cluster
 from loom.planner.cost import format_estimate, parse_count, training_estimate
-from loom.planner.cli_args import cp_comm_type_of, fixed_from_args
+from loom.planner.cli_args import cp_a2a_size_of, cp_comm_type_of, fixed_from_args
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
@@ -78,7 +78,12 @@ def _model_from_args(args) -> tuple[ModelConfig, str]:
         name = "custom"
     if not model.vocab_size:
         raise ConfigError("--vocab-size is required for the planner (or use a preset)")
+    model = _hybrid_depth(model, args)
     h, a, g = model.hidden_size, model.num_attention_heads, model.num_kv_groups
+    if None in (a, h, model.num_layers):
+        raise ConfigError("--num-layers, --hidden-size and --num-attention-heads are required "
+                          "for the planner (or use a preset, --from-hf or "
+                          "--hybrid-layer-pattern for the depth)")
     if a < 1 or h < 1 or model.num_layers < 1:
         raise ConfigError("--num-layers, --hidden-size and --num-attention-heads must be >= 1")
     if not model.kv_channels and h % a:
@@ -89,6 +94,24 @@ def _model_from_args(args) -> tuple[ModelConfig, str]:
         raise ConfigError(f"--num-query-groups {g} does not divide --num-attention-heads {a}: "
                           f"choose a divisor of {a}")
     return model, name
+
+
+def _hybrid_depth(model: ModelConfig, args) -> ModelConfig:
+    """``model`` with the depth its ``--hybrid-layer-pattern`` sets (as loom train reads it,
+    :func:`loom.config.hybrid_pattern.resolve_hybrid_pattern`: ``--num-layers`` is then
+    ignored); ``|`` pipeline segments set ``args``' split flags as they set loom train's.
+    ConfigError for segments without ``--pipeline-model-parallel-size``."""
+    from loom.config.hybrid_pattern import resolve_hybrid_pattern
+    pat = model.hybrid_override_pattern
+    if not pat:
+        return model
+    if "|" in pat and not args.pipeline_model_parallel_size:
+        raise ConfigError(f"--hybrid-layer-pattern {pat!r} cuts {pat.count('|') + 1} pipeline "
+                          f"segments (|): give --pipeline-model-parallel-size (a divisor of "
+                          f"{pat.count('|') + 1}) or drop the |")
+    model = replace(model)
+    resolve_hybrid_pattern(model, args)
+    return model
 
 
 def _near_divisor(n: int, k: int) -> int:
@@ -159,7 +182,8 @@ def run(args) -> int:
                    uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
                    moe_load_imbalance=args.moe_load_imbalance,
-                   cp_comm_type=cp_comm_type_of(args), layer_memory=args.layer_memory)
+                   cp_comm_type=cp_comm_type_of(args), cp_a2a_size=cp_a2a_size_of(args),
+                   layer_memory=args.layer_memory)
     calibration = None
     if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve
         from loom.planner.calibrate_runs import calibrate, read_runs
@@ -192,6 +216,9 @@ def run(args) -> int:
               f"{' and Mamba scan' if is_hybrid(model) else ''}; "
               f"{n_fit} of {n_eval} layouts fit ({elapsed:.2f} s)")
     recs = top_records(res, None if (args.json and args.top <= 0) else max(args.top, 1))
+    if recs and not args.json and not 1 <= args.command_for <= len(recs):  # before any output
+        raise ConfigError(f"--command-for {args.command_for}: the table has rows "
+                          f"1..{len(recs)} (raise --top to see more)")
     if train_tokens:
         for r in recs:
             r["training"] = _estimate(args, r, cluster, train_tokens, total_params(model))
@@ -225,9 +252,6 @@ def run(args) -> int:
                 print("chosen layout: " + format_estimate(recs[0]["training"]))
             print(LEGEND)
             n = args.command_for
-            if not 1 <= n <= len(recs):
-                raise ConfigError(f"--command-for {n}: the table has rows 1..{len(recs)} (raise "
-                                  f"--top to see more)")
             print(f"command for row {n}{' (the chosen layout)' if n == 1 else ''}; add "
                   f"--data-path PREFIX (or --mock-data to try it), --train-iters N and --lr X:")
             print(train_command(recs[n - 1], model, B, s, cluster.num_gpus,

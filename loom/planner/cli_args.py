@@ -16,7 +16,9 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
              "cp": args.context_parallel_size, "dp": args.data_parallel_size,
              "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
-             "sp": 1 if args.sequence_parallel else None, "zero": args.zero_stage,
+             # Megatron turns --sequence-parallel off at TP 1 (arguments.py): not a constraint
+             "sp": 1 if args.sequence_parallel and args.tensor_model_parallel_size != 1
+             else None, "zero": args.zero_stage,
              "ep": args.expert_model_parallel_size}
     if model.num_experts:
         fixed["etp"] = getattr(args, "expert_tensor_parallel_size", None)
@@ -27,6 +29,11 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
         fixed["zero"] = 1
     if args.use_torch_fsdp2:
         fixed["zero"] = 3
+    if getattr(args, "use_megatron_fsdp", False) and not args.zero_stage and \
+            not args.use_torch_fsdp2:  # its sharding strategy is a ZeRO stage (loom train's map)
+        from loom.config.script_flags import SHARDING_TO_ZERO
+        fixed["zero"] = SHARDING_TO_ZERO[getattr(args, "data_parallel_sharding_strategy", None)
+                                         or "optim_grads_params"]
     if fixed["zero"] not in (None, 0, 1, 2, 3):
         raise ConfigError(f"--zero-stage {fixed['zero']} must be 0, 1, 2 or 3")
     if args.expert_model_parallel_size and args.expert_model_parallel_size > 1 and \
@@ -49,6 +56,18 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
         raise ConfigError("--pipeline-model-parallel-layout places every layer itself: drop "
                           "--decoder-first/last-pipeline-num-layers, --account-for-*-in-"
                           "pipeline-split and --num-layers-per-virtual-pipeline-stage")
+    chunks = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if chunks is not None:  # Megatron's other spelling of interleaving: v chunks per rank
+        if args.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
+                              "--num-virtual-stages-per-pipeline-rank both set the "
+                              "interleaving: give one (Megatron's rule)")
+        fixed["vp"] = chunks
+    if chunks and chunks > 1 and (fixed["account_embedding"] or fixed["account_loss"]) and \
+            args.pipeline_model_parallel_size:  # a chunk may hold only the embedding / loss
+        fixed["layout"] = accounted_layout(args, model, chunks)
+        for k in ("account_embedding", "account_loss", "vp"):
+            fixed.pop(k)
     if args.num_layers_per_virtual_pipeline_stage:
         if not args.pipeline_model_parallel_size:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
@@ -87,6 +106,24 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     return {k: v for k, v in fixed.items() if v is not None}
 
 
+def accounted_layout(args, model: ModelConfig, chunks: int) -> str:
+    """The ``--pipeline-model-parallel-layout`` loom train lays out for
+    ``--account-for-embedding/loss-in-pipeline-split`` with ``chunks`` > 1 virtual stages per
+    rank (:mod:`loom.config.script_flags`, Megatron's rule); ConfigError where it does not
+    divide."""
+    from types import SimpleNamespace
+    from loom.config.script_flags import _account_in_split
+    par = SimpleNamespace(
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_virtual_stages_per_pipeline_rank=chunks, num_layers_per_virtual_pipeline_stage=None,
+        pipeline_model_parallel_layout=None, decoder_first_pipeline_num_layers=None,
+        decoder_last_pipeline_num_layers=None)
+    _account_in_split(par, model.num_layers, model.mtp_num_layers or 0)
+    return par.pipeline_model_parallel_layout
+
+
 def cp_comm_type_of(args) -> str | None:
     """``--cp-comm-type`` (the first entry when the config gives one per layer); None when not
     given: the search tries every type (:func:`loom.planner.refine.cp_types`)."""
@@ -94,3 +131,22 @@ def cp_comm_type_of(args) -> str | None:
     if not v:
         return None
     return (v[0] if isinstance(v, (list, tuple)) else str(v).split()[0])
+
+
+def cp_a2a_size_of(args) -> int:
+    """a2a+p2p's all-to-all group A of ``--hierarchical-context-parallel-sizes A B`` (0 when
+    not given: the planner takes a node's CP ranks), which fixes ``--context-parallel-size``
+    to A x B where it is not given (``args`` changed in place); ConfigError naming the flags
+    when a given CP size differs."""
+    from loom.config.parallel_cp import hierarchical_sizes
+    sizes = hierarchical_sizes(args)
+    if sizes is None:
+        return 0
+    a, b = sizes
+    cp = args.context_parallel_size
+    if cp is None:
+        args.context_parallel_size = a * b
+    elif cp != a * b:
+        raise ConfigError(f"--hierarchical-context-parallel-sizes {a} {b} multiply to {a * b}, "
+                          f"not --context-parallel-size {cp}: give sizes whose product is {cp}")
+    return a

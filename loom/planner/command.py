@@ -229,15 +229,17 @@ _LLAMA_KEYS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
 _GPT2_KEYS = {"n_layer": "num_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads",
               "n_inner": "ffn_hidden_size", "vocab_size": "vocab_size",
               "n_positions": "max_position_embeddings", "layer_norm_epsilon": "norm_epsilon"}
-LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3")  # qwen3: with --qk-layernorm
 HF_SEQ_LENGTH_CAP = 4096  # tokens: s when the config's context is longer (give --seq-length)
 
 
 def hf_model_config(path: str) -> ModelConfig:
-    """A :class:`ModelConfig` from a Hugging Face ``config.json`` (``model_type`` gpt2, llama,
-    mistral, mixtral or qwen2). ``seq_length`` is the context length, capped at
-    ``HF_SEQ_LENGTH_CAP`` tokens. Raises ConfigError naming ``--from-hf`` for an unreadable
-    file, another model type or a missing key."""
+    """A :class:`ModelConfig` from a Hugging Face ``config.json``: ``model_type`` gpt2, llama,
+    mistral, mixtral, qwen2 or qwen3 read here (torch-free), any other type a loom family
+    imports by that family's reader (``HFConversion.read_config``: Qwen2/3-MoE, DeepSeek-V3,
+    gpt-oss, Gemma 3, Mamba-2, Nemotron-H, BERT; imports torch). ``seq_length`` is the context
+    length, capped at ``HF_SEQ_LENGTH_CAP`` tokens. Raises ConfigError naming ``--from-hf`` for
+    an unreadable file, another model type or a missing key."""
     try:
         with open(path, encoding="utf-8") as fh:
             hf: dict[str, Any] = json.load(fh)
@@ -245,8 +247,7 @@ def hf_model_config(path: str) -> ModelConfig:
         raise ConfigError(f"--from-hf {path}: cannot read it as JSON ({e})") from None
     kind = str(hf.get("model_type", "")).lower()
     if kind not in LLAMA_LIKE + ("gpt2",):
-        raise ConfigError(f"--from-hf {path}: model_type {kind!r} is not one of "
-                          f"{', '.join(LLAMA_LIKE + ('gpt2',))}; give the model flags instead")
+        return _family_model_config(hf, kind, path)
     keys = _GPT2_KEYS if kind == "gpt2" else _LLAMA_KEYS
     kw = {ours: hf[theirs] for theirs, ours in keys.items() if hf.get(theirs) is not None}
     for need in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
@@ -267,6 +268,31 @@ def hf_model_config(path: str) -> ModelConfig:
     kw["untie_embeddings_and_output_weights"] = not hf.get("tie_word_embeddings", False)
     if kind == "qwen2":
         kw["add_qkv_bias"] = True
+    if kind == "qwen3":  # Qwen3: RMSNorm on each head's query and key, no QKV biases
+        kw["qk_layernorm"] = True
     if "num_experts" in kw:
         kw["moe_ffn_hidden_size"] = kw.get("ffn_hidden_size")
     return ModelConfig.llama(**kw)
+
+
+def _family_model_config(hf: dict, kind: str, path: str) -> ModelConfig:
+    """The model of a ``config.json`` whose ``model_type`` a loom family imports (its
+    ``HFConversion.read_config``), at ``HF_SEQ_LENGTH_CAP`` tokens at most, no dropout."""
+    from dataclasses import replace
+    from loom.models import FamilyRegistry
+    families = FamilyRegistry()
+    family = families.for_hf(kind)
+    if family is None or family.hf.read_config is None:
+        known = list(LLAMA_LIKE + ("gpt2",)) + [
+            t for f in families.families() if f.hf and f.hf.read_config
+            for t in f.hf.model_types if t not in LLAMA_LIKE + ("gpt2",)]
+        raise ConfigError(f"--from-hf {path}: model_type {kind!r} is not one of "
+                          f"{', '.join(known)}; give the model flags instead")
+    try:
+        model = family.hf.read_config(hf, f"--from-hf {path}")
+    except (KeyError, AttributeError) as e:  # a key the reader needs is missing
+        name = e.args[0] if isinstance(e, KeyError) else getattr(e, "name", None) or e
+        raise ConfigError(f"--from-hf {path}: no {name!r} in this {kind} config.json") from None
+    length = model.max_position_embeddings or model.seq_length or 1024
+    return replace(model, seq_length=min(int(length), HF_SEQ_LENGTH_CAP), hidden_dropout=0.0,
+                   attention_dropout=0.0)

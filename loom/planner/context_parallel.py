@@ -49,7 +49,7 @@ def _a2a(n, nbytes, bw, alpha):
 
 
 def cp_layer_cost(comm_type: str, S, t, c, q_width: int, kv_width: int, attn_s,
-                  cluster: Cluster) -> dict:
+                  cluster: Cluster, a2a_size: int = 0) -> dict:
     """Exposed CP communication of one layer and micro-batch, ``fwd`` and ``bwd`` (seconds),
     and its transient extra memory ``mem`` (bytes), for arrays ``S`` (local tokens), ``t``,
     ``c``, the query width ``q_width = a d`` and the K plus V width ``kv_width`` (``2 g d``;
@@ -76,7 +76,7 @@ def cp_layer_cost(comm_type: str, S, t, c, q_width: int, kv_width: int, attn_s,
         fwd = _a2a(c, 2 * q + kv, bw, alpha)
         return {"fwd": fwd, "bwd": fwd, "mem": np.where(c > 1, 2 * q + kv, zero)}
     # a2a+p2p: all-to-all inside the node, ring across node groups
-    k_n = np.clip(np.floor(cluster.gpus_per_node / t), 1.0, np.maximum(c, 1.0))
+    k_n = a2a_ranks(cluster.gpus_per_node, t, c, a2a_size)
     outer = np.maximum(c / k_n, 1.0)
     bw_in, a_in = _link(t * k_n, cluster)
     bw_out, a_out = _link(t * c, cluster)
@@ -88,16 +88,26 @@ def cp_layer_cost(comm_type: str, S, t, c, q_width: int, kv_width: int, attn_s,
             "mem": np.where(c > 1, 2 * q + kv + k_n * kv, zero)}
 
 
+def a2a_ranks(gpus_per_node: int, t, c, a2a_size: int = 0):
+    """a2a+p2p's all-to-all group: ``a2a_size`` when given (``--hierarchical-context-parallel-
+    sizes A B``: A), else the CP ranks of a node ``min(c, gpus_per_node / t)`` (at least 1)."""
+    if a2a_size:
+        return np.minimum(float(a2a_size), np.maximum(np.asarray(c, dtype=np.float64), 1.0))
+    return np.clip(np.floor(gpus_per_node / np.asarray(t, dtype=np.float64)), 1.0,
+                   np.maximum(c, 1.0))
+
+
 def cp_memory(comm_type, S, t, c, q_width: int, kv_width: int,
-              gpus_per_node: int = 8):
+              gpus_per_node: int = 8, a2a_size: int = 0):
     """The transient extra memory (bytes) of :func:`cp_layer_cost` without a cluster (its
     ``mem``; ``a2a+p2p`` with ``gpus_per_node`` GPUs per node); ``comm_type`` a name or an
     array of row codes (:func:`row_comm_types`)."""
     from loom.planner.hardware import make_cluster
     cl = make_cluster("A100-80GB", None, gpus_per_node)
     if not isinstance(comm_type, str):
-        return cp_layer_cost_rows(comm_type, S, t, c, q_width, kv_width, 0.0 * S, cl)["mem"]
-    return cp_layer_cost(comm_type, S, t, c, q_width, kv_width, 0.0 * S, cl)["mem"]
+        return cp_layer_cost_rows(comm_type, S, t, c, q_width, kv_width, 0.0 * S, cl,
+                                  a2a_size)["mem"]
+    return cp_layer_cost(comm_type, S, t, c, q_width, kv_width, 0.0 * S, cl, a2a_size)["mem"]
 
 
 def a2a_divides(comm_type: str, heads: int, groups: int, t: int, c: int) -> bool:
@@ -120,10 +130,11 @@ def row_comm_types(L: dict, default: str | None) -> np.ndarray:
 
 
 def cp_layer_cost_rows(codes: np.ndarray, S, t, c, q_width: int, kv_width: int, attn_s,
-                       cluster: Cluster) -> dict:
+                       cluster: Cluster, a2a_size: int = 0) -> dict:
     """:func:`cp_layer_cost` with each row's own type (``codes``, :func:`row_comm_types`)."""
     out = None
     for k in np.unique(codes) if np.size(codes) else [0]:
-        got = cp_layer_cost(CP_COMM_TYPES[int(k)], S, t, c, q_width, kv_width, attn_s, cluster)
+        got = cp_layer_cost(CP_COMM_TYPES[int(k)], S, t, c, q_width, kv_width, attn_s, cluster,
+                            a2a_size)
         out = got if out is None else {n: np.where(codes == k, got[n], out[n]) for n in got}
     return out

@@ -50,14 +50,35 @@ def explain_no_layout(model: ModelConfig, cluster: Cluster, global_batch_size: i
     if is_hybrid(model):
         _, H, G, *_ = mamba_dims(model)
         mamba = f", the Mamba heads H={H} and groups G={G} (--mamba-num-groups)"
+    sizes = [(k, int(fixed[k])) for k in ("tp", "pp", "cp", "dp") if fixed.get(k)]
+    product = 1
+    for _, v in sizes:
+        product *= v
+    if n % product:  # the given sizes alone cannot tile the GPUs
+        given = " x ".join(f"{FLAGS[k]} {v}" for k, v in sizes)
+        return (f"{head}: {given} = {product} ranks does not divide the {n} GPUs: give sizes "
+                f"whose product divides --num-gpus {n}, or --num-gpus a multiple of {product}")
+    if fixed.get("pp", 1) > model.num_layers:
+        return (f"{head}: --pipeline-model-parallel-size {fixed['pp']} exceeds --num-layers "
+                f"{model.num_layers} (each stage holds at least one layer): lower it")
     for k, v in fixed.items():
         rest = {kk: vv for kk, vv in fixed.items() if kk != k}
+        if k == "pp" and rest.get("layout"):  # the layout string needs its pipeline size
+            continue
         if len(enumerate_layouts(model, cluster, B, seq_length, rest, opts)["tp"]):
             return (f"{head}: {FLAGS.get(k, k)} {v} admits no layout with the other sizes "
                     f"(it must divide the {n} GPUs, and for TP the heads, query groups and FFN"
                     f"{mamba}; PP needs p <= L; EP must divide the experts and, times the expert "
                     f"TP (which divides TP), t x d): change or drop "
                     f"{FLAGS.get(k, k)}")
+    layout_keys = {k: v for k, v in fixed.items() if k in FLAGS}
+    if len(layout_keys) > 1 and len(enumerate_layouts(model, cluster, B, seq_length, {},
+                                                      opts)["tp"]):
+        given = ", ".join(f"{FLAGS[k]} {v}" for k, v in layout_keys.items())
+        return (f"{head}: the given {given} admit no layout together (each size must divide "
+                f"the {n} GPUs, and for TP the heads, query groups and FFN; PP needs p <= L; "
+                f"d = GPUs / (t p c) must divide the batch into micro-batches): drop some of "
+                f"them and let the planner choose")
     if not any(B % d == 0 for d in range(1, n + 1) if n % d == 0):
         return f"{head}: --global-batch-size {B} has no divisor d dividing the GPU count"
     return (f"{head}: every (t, p, c) dividing the GPUs leaves a data-parallel size d that does "

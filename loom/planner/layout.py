@@ -115,6 +115,8 @@ class Options:
     ``cp_comm_type``: Megatron-Core's ``--cp-comm-type`` (p2p, allgather, a2a, a2a+p2p), the
     CP communication and K/V memory of :mod:`loom.planner.context_parallel`; None: every type
     is searched (rows carry ``cpt``; a row without one is p2p).
+    ``cp_a2a_size``: a2a+p2p's all-to-all group A (``--hierarchical-context-parallel-sizes A
+    B``); 0: the CP ranks of a node, ``min(c, gpus_per_node / t)``.
     ``moe_load_imbalance``: busiest EP rank's expert tokens over the mean (>= 1), applied to the
     expert compute and activations (:data:`loom.planner.moe.MOE_LOAD_IMBALANCE`).
     ``runtime``: whose layer and loss the activation memory counts
@@ -186,6 +188,7 @@ class Options:
     zero3_link_efficiency: float | None = None  # None = timing.ZERO3_LINK_EFFICIENCY (assumed)
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE
     cp_comm_type: str | None = None
+    cp_a2a_size: int = 0
     runtime: str = "loom"
     layer_memory: str = "kor"
     distribute_saved_activations: bool = False

@@ -246,9 +246,26 @@ def tp_divides(model: ModelConfig, t: int) -> bool:
                 or (n["M"] and (H % t or G % t)))
 
 
+def cp_refusal(model: ModelConfig) -> str | None:
+    """What in ``model`` ``loom train`` refuses context parallelism for (its validation's rules:
+    Mamba layers, BERT, Gated DeltaNet and DSA layers, gpt-oss's ``--window-size`` /
+    ``--softmax-type``), or None."""
+    window = getattr(model, "window_size", None) is not None or \
+        getattr(model, "softmax_type", "vanilla") != "vanilla"
+    for why, on in (("Mamba layers", is_hybrid(model) and kind_counts(model)["M"]),
+                    ("--model-type bert", model.model_type == "bert"),
+                    ("Gated DeltaNet layers", getattr(model, "gated_delta_net", False)),
+                    ("--experimental-attention-variant dsa",
+                     getattr(model, "experimental_attention_variant", None) == "dsa"),
+                    ("--window-size / --softmax-type", window)):
+        if on:
+            return why
+    return None
+
+
 def refuses_cp(model: ModelConfig, cp) -> bool:
-    """Whether CP ``cp`` > 1 is refused: the model has Mamba layers (as ``loom train``)."""
-    return bool(is_hybrid(model) and kind_counts(model)["M"] and cp and cp > 1)
+    """Whether CP ``cp`` > 1 is refused for ``model`` (:func:`cp_refusal`, as ``loom train``)."""
+    return bool(cp and cp > 1 and cp_refusal(model))
 
 
 def check_supported(model: ModelConfig, cp) -> None:
@@ -259,6 +276,8 @@ def check_supported(model: ModelConfig, cp) -> None:
         raise ConfigError(f"--num-experts with --model-type {model.model_type}: the planner "
                           f"does not model mixture-of-experts layers in a Mamba / hybrid stack")
     if refuses_cp(model, cp):
+        why = cp_refusal(model)
         raise ConfigError(f"--context-parallel-size {cp}: context parallelism is not supported "
-                          f"for Mamba layers (loom train refuses it); patterns of only '*' and "
-                          f"'-' accept it")
+                          f"for {why} (loom train refuses it)"
+                          + ("; patterns of only '*' and '-' accept it" if why == "Mamba layers"
+                             else ": use --context-parallel-size 1"))

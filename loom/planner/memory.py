@@ -322,7 +322,8 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
             if getattr(model, "multi_latent_attention", False)
             else 2 * model.num_kv_groups * model.head_dim)
     cp_extra = cp_memory(row_comm_types(L, opts.cp_comm_type), s * b / c, t, c,
-                         model.num_attention_heads * model.head_dim, kv_w)
+                         model.num_attention_heads * model.head_dim, kv_w,
+                         a2a_size=opts.cp_a2a_size)
     S = s * b / c
     drop = 1.0 if model.hidden_dropout > 0 else 0.0
     sp_div = np.where(sp > 0, t, 1.0)

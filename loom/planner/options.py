@@ -62,7 +62,8 @@ class PlannerOptions:
     command_for: int = opt(1, "print the torchrun command of row N of the table (1: the chosen "
                               "layout)", ge=1, metavar="N")
     from_hf: Optional[str] = opt(None, "the model of a Hugging Face config.json (gpt2, llama, "
-                                       "mistral, mixtral, qwen2); model flags given override it",
+                                       "mistral, mixtral, qwen2, qwen3 and every model_type a "
+                                       "loom family converts); model flags given override it",
                                  metavar="config.json")
     json: bool = opt(False, 'print {"layouts": [...]} best first')
     plot: Optional[str] = opt(None, "MFU against memory per GPU for every feasible layout",

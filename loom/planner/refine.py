@@ -25,7 +25,8 @@ def cp_types(model: ModelConfig, cluster: Cluster, opts: Options, t: int, c: int
     names = (opts.cp_comm_type,) if opts.cp_comm_type else CP_COMM_TYPES
     out = []
     for name in names:
-        k_a2a = c if name == "a2a" else min(c, max(1, cluster.gpus_per_node // t))
+        k_a2a = c if name == "a2a" else (min(c, opts.cp_a2a_size) if opts.cp_a2a_size else
+                                         min(c, max(1, cluster.gpus_per_node // t)))
         if name == "a2a+p2p" and (c % k_a2a or k_a2a in (1, c)):  # A x B = c with A, B > 1
             continue  # (A = 1 is p2p, B = 1 is a2a: the same layout twice)
         if a2a_divides(name, model.num_attention_heads, model.num_kv_groups, t, k_a2a):

@@ -36,7 +36,7 @@ from loom.config import ConfigError, ModelConfig
 from loom.config.sections import PipelineSchedule
 from loom.planner.hardware import GB, Cluster
 from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microbatches
-from loom.planner.context_parallel import CP_COMM_TYPES
+from loom.planner.context_parallel import CP_COMM_TYPES, a2a_ranks
 from loom.planner.mamba import check_supported, is_hybrid, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
 from loom.planner.moe import expert_tp
@@ -127,8 +127,7 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     out["mtp_layers"] = 0 if is_hybrid(model) else (model.mtp_num_layers or 0)
     out["cp_comm_default"] = opts.cp_comm_type
     # a2a+p2p: the all-to-all over the CP ranks of a node (context_parallel.cp_layer_cost)
-    out["cp_a2a"] = np.clip(np.floor(cluster.gpus_per_node / L["tp"]), 1.0,
-                            np.maximum(L["cp"], 1.0))
+    out["cp_a2a"] = a2a_ranks(cluster.gpus_per_node, L["tp"], L["cp"], opts.cp_a2a_size)
     out["fits"] = mem["total"] <= cluster.hbm_bytes
     return out
 
@@ -214,11 +213,13 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         # ZeRO-2 with PP: loom's (Megatron's) gradient buffer reduce-scatters every
         # micro-batch's gradients into the kept shard (timing.py prices m reduce-scatters)
         zs = ((0, 1, 2, 3) if p == 1 else (0, 1, 2) if variants else (0, 1)) \
-            if d * c > 1 else (0,)
+            if d * c > 1 else tuple({0, fixed.get("zero", 0)})  # a given stage at d c = 1: 0's
         zs = tuple(z for z in zs if z <= max(opts.max_zero_stage, fixed.get("zero", 0)))
         # zero-bubble schedules (Qi et al. 2024): ZB-H1 on one chunk per stage, ZB-V on two
         # (searched when loom train's --pipeline-schedule accepts it, or when it is given)
-        zbs = (0, 1) if p > 1 and v == 1 else (
+        # (ZB-H1 where loom train runs it: a split its flags give, not a layout string)
+        flag_split = lay is None and (not lf or p <= 2 or (nl - lf - ll) % (p - 2) == 0)
+        zbs = (0, 1) if p > 1 and v == 1 and flag_split else (
             (0, 2) if p > 1 and v == 2 and not lf and nl % (2 * p) == 0 and lay is None
             and (zbv_ok or fixed.get("zb") == 2) else (0,))
         if fixed.get("zb") == 3 and p > 1 and v == 1:  # GPipe: only when given

@@ -271,7 +271,8 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     kv = (a * (model.q_head_dim + model.v_head_dim) if model.multi_latent_attention
           else 2 * g * d)  # K and V widths per token (MLA: the expanded heads)
     cpc = cp_layer_cost_rows(row_comm_types(L, opts.cp_comm_type), S, t, c, a * d, kv,
-                             attn if opts.overlap_cp_comm else 0.0 * attn, cluster)
+                             attn if opts.overlap_cp_comm else 0.0 * attn, cluster,
+                             opts.cp_a2a_size)
     cp_fwd, cp_bwd = cpc["fwd"] + cp_extra, cpc["bwd"]
     return {"gemm": gemm, "attn": attn, "elem": elem, "scores_elem": scores_elem,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "tp_ar": ar, "saved_ag": saved_ag,

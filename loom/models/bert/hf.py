@@ -130,5 +130,15 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     return cfg, bert_to_loom(sd, cfg)
 
 
+def read_config(hf: dict, where: str) -> ModelConfig:
+    """loom's BERT of a ``config.json`` dict, the binary head where its architecture is
+    ``BertForPreTraining`` (the NSP classifier)."""
+    try:
+        return bert_config(SimpleNamespace(**hf), binary_head="BertForPreTraining" in
+                           (hf.get("architectures") or []))
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 HF = HFConversion(model_types=("bert",), to_loom=to_loom, export_config=bert_hf_config,
-                  from_loom=loom_to_bert, title="BERT")
+                  from_loom=loom_to_bert, title="BERT", read_config=read_config)

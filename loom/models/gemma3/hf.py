@@ -171,4 +171,5 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 
 HF = HFConversion(model_types=GEMMA3_TYPES, to_loom=to_loom, export_config=hf_gemma3_config,
-                  from_loom=loom_to_gemma3, gguf_architectures=("gemma3",), title="Gemma 3")
+                  from_loom=loom_to_gemma3, gguf_architectures=("gemma3",), title="Gemma 3",
+                  read_config=gemma3_config)

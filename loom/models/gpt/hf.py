@@ -212,22 +212,52 @@ def loom_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
     return LAYOUTS[layout_of(cfg)][1](full, cfg)
 
 
-def _moe_import(to_cfg, convert):
-    def read(hf: dict, sd: Mapping, where: str) -> tuple:
+def _moe_config(to_cfg):
+    def read(hf: dict, where: str) -> ModelConfig:
         try:
-            cfg = to_cfg(SimpleNamespace(**{"tie_word_embeddings": False, **hf}))
+            return to_cfg(SimpleNamespace(**{"tie_word_embeddings": False, **hf}))
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-        return cfg, convert(sd, cfg)
     return read
 
 
+def _moe_import(read, convert):
+    def imports(hf: dict, sd: Mapping, where: str) -> tuple:
+        cfg = read(hf, where)
+        return cfg, convert(sd, cfg)
+    return imports
+
+
+# config.json model_type -> (hf config dict, where) -> ModelConfig, for the types imported
+# by their own readers (the rest: GPT-2 or LLaMA, :func:`read_config`)
+CONFIGS = {"deepseek_v3": hf_deepseek.read_config, "gpt_oss": hf_gpt_oss.read_config,
+           "mixtral": _moe_config(hf_moe.mixtral_config),
+           "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
+           "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
 # config.json model_type -> (hf config dict, state dict, where) -> (ModelConfig, full tensors)
 IMPORTS = {"deepseek_v3": hf_deepseek.to_loom, "gpt_oss": hf_gpt_oss.to_loom,
-           "mixtral": _moe_import(hf_moe.mixtral_config, hf_moe.mixtral_to_loom),
-           "qwen2_moe": _moe_import(hf_moe.qwen2_moe_config, hf_moe.qwen2_moe_to_loom),
-           "qwen3_moe": _moe_import(hf_qwen3_moe.qwen3_moe_config,
-                                    hf_qwen3_moe.qwen3_moe_to_loom)}
+           "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
+           "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
+           "qwen3_moe": _moe_import(CONFIGS["qwen3_moe"], hf_qwen3_moe.qwen3_moe_to_loom)}
+
+
+def read_config(hf: dict, where: str) -> ModelConfig:
+    """The :class:`ModelConfig` of a ``config.json`` dict of any ``model_type`` in :data:`HF`,
+    without weights (``loom plan --from-hf``; DeepSeek-V3 with the MTP depth the file
+    declares, which :func:`to_loom` imports when the weights hold it). ConfigError naming
+    ``where`` for what loom does not express."""
+    kind = hf.get("model_type")
+    if kind in CONFIGS:
+        cfg = CONFIGS[kind](hf, where)
+        if kind == "deepseek_v3" and hf_deepseek.mtp_depth(hf):
+            cfg.mtp_num_layers = hf_deepseek.mtp_depth(hf)
+        return cfg
+    gpt2 = kind == "gpt2"
+    ns = SimpleNamespace(**{"n_inner": None, "tie_word_embeddings": gpt2, **hf})
+    try:
+        return gpt2_config(ns) if gpt2 else llama_config(ns)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
@@ -235,17 +265,13 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     ``model_type`` in :data:`HF` (``where``: the source, for messages)."""
     if hf.get("model_type") in IMPORTS:
         return IMPORTS[hf["model_type"]](hf, sd, where)
-    gpt2 = hf.get("model_type") == "gpt2"
-    ns = SimpleNamespace(**{"n_inner": None, "tie_word_embeddings": gpt2, **hf})
-    try:
-        cfg = gpt2_config(ns) if gpt2 else llama_config(ns)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    return cfg, (gpt2_to_loom if gpt2 else llama_to_loom)(sd, cfg)
+    cfg = read_config(hf, where)
+    return cfg, (gpt2_to_loom if hf.get("model_type") == "gpt2" else llama_to_loom)(sd, cfg)
 
 
 HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe",
                                "deepseek_v3", "gpt_oss"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
+                  read_config=read_config,
                   title="GPT-2 / LLaMA / Qwen2 / Mixtral / Qwen2-MoE / Qwen3-MoE / "
                         "DeepSeek-V3 / gpt-oss")

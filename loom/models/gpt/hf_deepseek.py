@@ -300,16 +300,26 @@ def loom_to_deepseek_v3(full: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def mtp_depth(hf: dict) -> int:
+    """The MTP depth a DeepSeek-V3 ``config.json`` declares (0: none)."""
+    return hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
+
+
+def read_config(hf: dict, where: str) -> ModelConfig:
+    """loom's layout of a DeepSeek-V3 ``config.json`` dict without its MTP layers (``where``:
+    the source, for messages); ConfigError for what loom does not express."""
+    try:
+        return deepseek_v3_config(SimpleNamespace(**hf))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     """``(ModelConfig, full loom tensors)`` of a DeepSeek-V3 ``config.json`` dict and state dict
     (``where``: the source, for messages). MTP depths are imported when their weights are
     present."""
-    ns = SimpleNamespace(**hf)
-    try:
-        cfg = deepseek_v3_config(ns)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    depth = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
+    cfg = read_config(hf, where)
+    depth = mtp_depth(hf)
     if depth and f"model.layers.{cfg.num_layers}.eh_proj.weight" in sd:
         cfg.mtp_num_layers = depth
     return cfg, deepseek_v3_to_loom(sd, cfg, interleaved=hf.get("rope_interleave", True))

@@ -122,11 +122,16 @@ def gpt_oss_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
-    """``(ModelConfig, full loom tensors)`` of a gpt_oss ``config.json`` dict and state dict."""
+def read_config(hf: dict, where: str) -> ModelConfig:
+    """loom's flags of a gpt_oss ``config.json`` dict (its keys' defaults where absent)."""
     ns = SimpleNamespace(**{"tie_word_embeddings": False, "layer_types": None,
                             "swiglu_alpha": 1.702, "attention_bias": True, **hf})
-    cfg = gpt_oss_config(ns, where)
+    return gpt_oss_config(ns, where)
+
+
+def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
+    """``(ModelConfig, full loom tensors)`` of a gpt_oss ``config.json`` dict and state dict."""
+    cfg = read_config(hf, where)
     return cfg, gpt_oss_to_loom(sd, cfg)
 
 

@@ -176,4 +176,4 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 
 HF = HFConversion(model_types=("mamba2", "nemotron_h"), to_loom=to_loom, export_config=hf_config,
-                  from_loom=loom_to_hf, title="Mamba-2 / Nemotron-H")
+                  from_loom=loom_to_hf, title="Mamba-2 / Nemotron-H", read_config=mamba_config)
