@@ -158,6 +158,15 @@ class Options:
     (:func:`loom.planner.flops.op_sac_recompute_share`). Time only: the memory stays the
     selective one of :mod:`loom.planner.memory`, and ``hw_tflops_per_gpu`` keeps KOR eq 8's
     selective count. Planner only.
+    ``overlap_interference``: a DP collective hidden behind compute slows that compute: NCCL's
+    CTAs (one per channel, :data:`loom.planner.timing.NCCL_CHANNELS`) hold their SMs while it
+    runs, so ``dp_comm`` gains the hidden DP time x
+    :func:`loom.planner.timing.nccl_sm_fraction` (term ``dp_interference``; HBM contention is
+    not priced). Planner only.
+    ``zero3_prefetch``: ZeRO-3 exposes what PyTorch FSDP's per-layer prefetch cannot hide
+    (:func:`loom.planner.timing.fsdp_exposed`: the first all-gather, the last reduce-scatter,
+    and per layer the excess of communication over compute) instead of the
+    ``ZERO3_OVERLAP`` fitted on DeepSpeed (NAR table 2). Planner only.
     """
 
     flash_attention: bool = False
@@ -187,6 +196,8 @@ class Options:
     grad_accum_bytes: float = 0.0
     selective_ac_op: bool = False
     legacy_interleaved_warmup: bool = False
+    overlap_interference: bool = False
+    zero3_prefetch: bool = False
 
 
 def param_gather_overlapped(opts: Options) -> bool:

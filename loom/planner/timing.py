@@ -88,6 +88,17 @@ MEM_TRAFFIC = 2.49
 ZERO3_OVERLAP = 0.727
 # Not fitted: an assumption (DeepSpeed's flat ring at the full per-GPU NIC bandwidth).
 ZERO3_LINK_EFFICIENCY = 1.0
+# Not fitted: SMs a data-parallel NCCL collective occupies while it runs. NCCL launches one CTA
+# per channel and a CTA holds its SM exclusively ("NCCL CTAs won't share an SM with compute
+# kernels"); on a DGX with 8 NICs NCCL "would use 16 SMs" (S. Jeaugey, NCCL maintainer,
+# NVIDIA/nccl#689); a 3-node H100 run logs 16 ring channels (NVIDIA/nccl#1453). Of the same
+# order: DeepSeek-V3 (technical report sec 3.2.2) gives 20 of 132 SMs to its all-to-all.
+NCCL_CHANNELS = 16
+# Streaming multiprocessors per GPU (NVIDIA data sheets / whitepapers: A100 108, H100 SXM and
+# the Hopper parts on its die 132, H100 PCIe 114, B200 148 over its two dies, V100 80, L40S 142;
+# MI300X: 304 compute units, which RCCL uses the same way). Name prefix -> count, first match.
+SM_COUNTS = (("A100", 108), ("H100-PCIe", 114), ("H100", 132), ("H200", 132), ("GH200", 132),
+             ("B200", 148), ("V100", 80), ("L40S", 142), ("MI300X", 304))
 
 
 def straggler_factor(num_ranks, jitter: float):
@@ -160,6 +171,39 @@ def exposed_grad_sync(sync_s, backward_s, params, opts: Options, n_dp=1.0, overl
         return np.asarray(sync_s, dtype=np.float64)
     K = np.maximum(1.0, np.ceil(params / bucket_elems(n_dp, opts, params)))
     return np.maximum(sync_s / K, sync_s - backward_s * (1 - 1 / K))
+
+
+def nccl_sm_fraction(cluster: Cluster) -> float:
+    """Fraction of the GPU's SMs that a running NCCL collective takes from the compute it
+    overlaps: :data:`NCCL_CHANNELS` / the SM count of ``cluster.gpu`` (:data:`SM_COUNTS`; A100
+    0.148, H100 0.121). 0 for a GPU not in the table."""
+    for prefix, sms in SM_COUNTS:
+        if cluster.gpu.upper().startswith(prefix.upper()):
+            return NCCL_CHANNELS / sms
+    return 0.0
+
+
+def overlap_interference(total_s, exposed_s, cluster: Cluster, on: bool = True):
+    """Time (s) a hidden collective adds to the compute it overlaps: the hidden part
+    ``max(0, total_s - exposed_s)`` runs on :func:`nccl_sm_fraction` of the SMs, which that
+    compute loses for as long (``Options.overlap_interference``; 0 when ``on`` is false). E.g.
+    2.0 s of DP collectives of which 0.5 s exposed on an A100: 1.5 x 16 / 108 = 0.222 s."""
+    frac = nccl_sm_fraction(cluster) if on else 0.0
+    return np.maximum(0.0, np.asarray(total_s, dtype=np.float64) - exposed_s) * frac
+
+
+def fsdp_exposed(ag_s, rs_s, fwd_s, bwd_s, n_layers):
+    """Exposed ZeRO-3 time (s) of one micro-batch under PyTorch FSDP's per-layer prefetch
+    (``Options.zero3_prefetch``; FSDP/FSDP2 ``forward_prefetch`` / ``backward_prefetch``: the next
+    layer's all-gather is issued while this layer computes). ``n_layers`` equal layers; ``ag_s``
+    one all-gather of all of them, ``rs_s`` one reduce-scatter, ``fwd_s`` / ``bwd_s`` the
+    micro-batch's forward / backward compute. Forward: the first layer's all-gather is waited
+    for, each later one hides behind a layer's forward, ``ag/n + (1 - 1/n) max(0, ag - fwd)``;
+    backward: the layer all-gathers again and its gradients are reduce-scattered behind the
+    next layer's backward, the last one exposed, ``rs/n + (1 - 1/n) max(0, ag + rs - bwd)``."""
+    k = 1.0 - 1.0 / n_layers
+    return (ag_s / n_layers + k * np.maximum(0.0, ag_s - fwd_s)
+            + rs_s / n_layers + k * np.maximum(0.0, ag_s + rs_s - bwd_s))
 
 
 def dp_network(cluster: Cluster) -> Cluster:
@@ -419,6 +463,8 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
                          opts.grad_bytes)
     t_fwd_mb = mix(slow, 2)
     z3 = m * np.maximum(0.0, 2 * ag_w + rs_g - z_ov * (t_fwd_mb + t_bwd_mb))
+    if opts.zero3_prefetch:  # PyTorch FSDP's per-layer prefetch instead of ZERO3_OVERLAP
+        z3 = m * fsdp_exposed(ag_w, rs_g, t_fwd_mb, t_bwd_mb, np.maximum(1.0, sum(slow)))
     # ZeRO-1/2 (distributed optimizer): reduce-scatter of the gradients behind the backward
     # (--overlap-grad-reduce, opts.overlap_grad_reduce; else after it), then all-gather of the
     # bf16 weights behind the next iteration's first forward (--overlap-param-gather,
@@ -440,9 +486,14 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         exposed_grad_sync(ag_h, t_fwd_mb, params, opts, n_dp, param_gather_overlapped(opts))
     dp_exposed = np.where(z >= 3, z3, np.where(
         z >= 1, z12, exposed_grad_sync(grad_sync, t_bwd_mb, params, opts, n_dp)))
-    terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0)
     terms["dp_comm_total"] = np.where(n_dp > 1, np.where(
         z >= 3, m * (2 * ag_w + rs_g), np.where(z >= 1, n_rs * rs_h + ag_h, grad_sync)), 0.0)
+    # the hidden part is not free (Options.overlap_interference): while it runs, NCCL's CTAs hold
+    # nccl_sm_fraction of the SMs that the overlapped compute would use
+    terms["dp_interference"] = overlap_interference(
+        terms["dp_comm_total"], np.where(n_dp > 1, dp_exposed, 0.0), cluster,
+        opts.overlap_interference)
+    terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0) + terms["dp_interference"]
     shard = np.where(z >= 1, n_dp, 1.0)
     terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
     if model.num_experts:
