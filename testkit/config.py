@@ -32,6 +32,7 @@ the same seed draw no random masks). Forward and backward of such a model take ~
 FAMILIES: dict[str, tuple[Callable[..., ModelConfig], dict]] = {
     "gpt": (ModelConfig.gpt2, {}),
     "llama": (ModelConfig.llama, dict(num_query_groups=2)),
+    "mixtral": (ModelConfig.mixtral, {}),  # Megatron's Mixtral defaults (the planner's MoE)
     "moe": (ModelConfig.llama, dict(
         num_query_groups=2, seq_length=8, padded_vocab_size=104, num_experts=4,
         moe_router_topk=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01,

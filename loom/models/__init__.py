@@ -76,6 +76,18 @@ class FamilyRegistry:
             return self._extra[name].layer_kinds
         return FAMILY_MODULES[name].config().layer_kinds if name in FAMILY_MODULES else None
 
+    def cp_refusal(self, model_cfg) -> Optional[str]:
+        """Why family ``model_cfg.model_type`` refuses ``--context-parallel-size`` > 1 for this
+        model (its config module's ``cp_refusal``, the rule its ``check`` raises on; no torch
+        imported), or None when it runs CP or the family is not registered here."""
+        name = model_cfg.model_type
+        if name in self._extra:
+            fn = getattr(self._extra[name], "cp_refusal", None)
+        else:
+            fn = getattr(FAMILY_MODULES[name].config(), "cp_refusal", None) \
+                if name in FAMILY_MODULES else None
+        return fn(model_cfg) if fn else None
+
     def families(self) -> list[ModelFamily]:
         """Every family (imports the built-in ones)."""
         return [self.get(n) for n in self.names()]

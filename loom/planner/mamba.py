@@ -248,12 +248,13 @@ def tp_divides(model: ModelConfig, t: int) -> bool:
 
 def cp_refusal(model: ModelConfig) -> str | None:
     """What in ``model`` ``loom train`` refuses context parallelism for (its validation's rules:
-    Mamba layers, BERT, Gated DeltaNet and DSA layers, gpt-oss's ``--window-size`` /
-    ``--softmax-type``), or None."""
+    Mamba layers, the family's own ``cp_refusal`` (BERT), Gated DeltaNet and DSA layers,
+    gpt-oss's ``--window-size`` / ``--softmax-type``), or None."""
     window = getattr(model, "window_size", None) is not None or \
         getattr(model, "softmax_type", "vanilla") != "vanilla"
+    family = FamilyRegistry().cp_refusal(model)  # the family's own rule (BERT's)
     for why, on in (("Mamba layers", is_hybrid(model) and kind_counts(model)["M"]),
-                    ("--model-type bert", model.model_type == "bert"),
+                    (family, bool(family)),
                     ("Gated DeltaNet layers", getattr(model, "gated_delta_net", False)),
                     ("--experimental-attention-variant dsa",
                      getattr(model, "experimental_attention_variant", None) == "dsa"),

@@ -25,6 +25,7 @@ from loom.planner.moe import moe_layer_times
 from loom.planner.presets import get_preset
 from loom.planner.primitives import all_gather_time, all_reduce_time
 from loom.planner.search import _moe_rules, enumerate_layouts, sp_options
+from testkit.config import tiny_model
 
 SHAPES = {"moe-a": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
                          num_experts=4), 32, 2),
@@ -42,8 +43,7 @@ CASES += [("moe-a", 2, True, 1, None, rc) for rc in ("selective", "full")]
 
 def _model(name: str) -> tuple[ModelConfig, int, int]:
     kw, s, b = SHAPES[name]
-    return resolve(ModelConfig.mixtral(num_layers=2, vocab_size=128, hidden_dropout=0.0,
-                                       attention_dropout=0.0, **kw), s), s, b
+    return resolve(tiny_model("mixtral", vocab_size=128, **kw), s), s, b
 
 
 def _predicted(case) -> tuple[float, dict]:

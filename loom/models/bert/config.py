@@ -22,14 +22,20 @@ def refuse_own_flags(m: Any) -> None:
             raise other_family_flag(name, what, m.model_type)
 
 
+def cp_refusal(model_cfg: Any) -> str:
+    """Why BERT runs no context parallelism (the planner asks this through
+    ``FamilyRegistry.cp_refusal``; :func:`check` refuses the flag with it)."""
+    return ("--model-type bert (the padding mask and the [CLS] pooler would need the sequence "
+            "gathered over CP)")
+
+
 def check(cfg: Any, world_size: int) -> None:
     """BERT's rules on ``cfg`` (a LoomConfig being validated): no CP, dense MLPs, learned
     positions, a tied output, room for [CLS] A [SEP] (B [SEP]), no fill-in-the-middle."""
     m = cfg.model
     if cfg.parallel.context_parallel_size > 1:
-        raise ConfigError("--context-parallel-size > 1 is not supported with --model-type bert "
-                          "(the padding mask and the [CLS] pooler would need the sequence "
-                          "gathered over CP): use 1, and TP/SP/PP/DP to scale")
+        raise ConfigError(f"--context-parallel-size > 1 is not supported with "
+                          f"{cp_refusal(m)}: use 1, and TP/SP/PP/DP to scale")
     if m.num_experts:
         raise ConfigError("--num-experts: --model-type bert has dense MLPs only: drop "
                           "--num-experts")
