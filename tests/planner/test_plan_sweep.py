@@ -135,3 +135,19 @@ def test_refusal_after_the_search_prints_nothing_else():
     from benchmarks.plan_sweep import call
     code, out, err, exc = call(shlex.split(f"{LLAMA} --num-gpus 8 --top 2 --command-for 3"))
     assert (code, out, exc) == (2, "", None) and err.count("\n") == 1 and "--command-for 3" in err
+
+
+def test_cp_refused_where_the_family_says():
+    """The planner's CP refusal for BERT is the family's own rule (``cp_refusal`` in its config
+    module, the words its ``check`` raises with), not a branch on the family's name."""
+    from loom.models import FamilyRegistry
+    from loom.planner.mamba import cp_refusal, refuses_cp
+    from dataclasses import replace
+
+    from testkit.config import tiny_model
+    gpt = tiny_model("gpt")
+    bert = replace(gpt, model_type="bert")
+    assert cp_refusal(bert) == FamilyRegistry().cp_refusal(bert)
+    assert cp_refusal(bert).startswith("--model-type bert")
+    assert refuses_cp(bert, 2) and not refuses_cp(bert, 1)
+    assert FamilyRegistry().cp_refusal(gpt) is None and not refuses_cp(gpt, 2)
