@@ -12,7 +12,6 @@ import io
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -85,20 +84,33 @@ def test_readers_hold_what_they_read_while_a_run_prunes(data_run, run_copy, one_
     assert sorted(os.listdir(run_copy)) == ["iter_0000006", LATEST]
 
 
-def _commands_then_group_state(ck: str, text: str, ports: list[int]) -> dict:
-    """Each command under a process group it starts itself (env://, as torchrun's); after it,
-    whether a group is still initialized."""
+def _commands_then_group_state(ck: str, text: str) -> dict:
+    """Each command under a process group it starts itself (env://, as torchrun's, on an agent
+    store as torchrun's: rank 0 serves a ``TCPStore`` on a port the OS gave it and the commands
+    join it as clients, so no port is picked free and bound later, which another test's sockets
+    could take meanwhile; each command a new ``TORCHELASTIC_RESTART_COUNT``, its own keys);
+    after it, whether a group is still initialized."""
+    import time
+
     import torch.distributed as dist
+    from torch.distributed import TCPStore
 
     from loom.cli import main
+    rank = dist.get_rank()
+    store = TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else None]
+    dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()  # the harness's group: the commands start their own
+    store = store or TCPStore("127.0.0.1", port[0], 2, False)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     out = {}
-    for port, argv in zip(ports, (
+    for attempt, argv in enumerate((
             ["evaluate", "--load", ck, "--task", "perplexity", "--eval-data", text,
              "--tensor-model-parallel-size", "2"],
             ["generate", "--load", ck, "--prompt", "alpha", "--max-new-tokens", "2",
              "--tensor-model-parallel-size", "2"])):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
         with contextlib.redirect_stdout(io.StringIO()):
             try:
                 main(argv)
@@ -108,23 +120,19 @@ def _commands_then_group_state(ck: str, text: str, ports: list[int]) -> dict:
         out[argv[0]] = (code, dist.is_initialized())
         if dist.is_initialized():
             dist.destroy_process_group()
+    store.add("done", 1)  # rank 0's store serves until both ranks are through
+    deadline = time.monotonic() + 60
+    while rank == 0 and store.add("done", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_commands_tear_down_their_process_group(data_run):
     """TP=2 ``evaluate`` (1 run in 10) and ``generate`` (1 in 3) printed their result, then
     died with ``terminate called without an active exception``, exit 1: the process group was
     left to the interpreter's exit."""
-    ports = [_free_port(), _free_port()]
     for rank in run_distributed(2, _commands_then_group_state, str(data_run["ckpt"]),
-                                str(data_run["text"]), ports, timeout=240,
-                                start_method="fork"):
+                                str(data_run["text"]), timeout=240, start_method="fork"):
         assert rank == {"evaluate": (0, False), "generate": (0, False)}, rank
 
 
