@@ -110,6 +110,20 @@ _NAME_PATTERNS = [
 ]
 
 
+# Streaming multiprocessors per GPU (NVIDIA data sheets / whitepapers: A100 108, H100 SXM and
+# the Hopper parts on its die 132, H100 PCIe 114, B200 148 over its two dies, V100 80, L40S 142;
+# MI300X: 304 compute units, which RCCL uses the same way). Name prefix -> count, first match.
+SM_COUNTS = (("A100", 108), ("H100-PCIe", 114), ("H100", 132), ("H200", 132), ("GH200", 132),
+             ("B200", 148), ("V100", 80), ("L40S", 142), ("MI300X", 304))
+
+
+def sm_count(name: str) -> Optional[int]:
+    """Streaming multiprocessors of the GPU named ``name`` (a planner name, :data:`SM_COUNTS`
+    by prefix, case-insensitive), or None when unknown."""
+    return next((sms for prefix, sms in SM_COUNTS if name.upper().startswith(prefix.upper())),
+                None)
+
+
 def lookup_gpu(name: str) -> Optional[GPU]:
     """The table entry for a planner name (``A100-80GB``, case-insensitive) or a torch device
     name (``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``); None when unknown."""

@@ -65,7 +65,7 @@ import numpy as np
 
 from loom.config import ModelConfig
 from loom.planner.flops import op_sac_recompute_share
-from loom.planner.hardware import Cluster
+from loom.planner.hardware import Cluster, sm_count
 from loom.planner.layout import Options, num_microbatches, param_gather_overlapped
 from loom.planner.memory import activation_bytes_per_layer, padded_vocab, slot_params
 from loom.planner.mamba import KINDS, is_hybrid, kind_layer_times
@@ -94,11 +94,6 @@ ZERO3_LINK_EFFICIENCY = 1.0
 # NVIDIA/nccl#689); a 3-node H100 run logs 16 ring channels (NVIDIA/nccl#1453). Of the same
 # order: DeepSeek-V3 (technical report sec 3.2.2) gives 20 of 132 SMs to its all-to-all.
 NCCL_CHANNELS = 16
-# Streaming multiprocessors per GPU (NVIDIA data sheets / whitepapers: A100 108, H100 SXM and
-# the Hopper parts on its die 132, H100 PCIe 114, B200 148 over its two dies, V100 80, L40S 142;
-# MI300X: 304 compute units, which RCCL uses the same way). Name prefix -> count, first match.
-SM_COUNTS = (("A100", 108), ("H100-PCIe", 114), ("H100", 132), ("H200", 132), ("GH200", 132),
-             ("B200", 148), ("V100", 80), ("L40S", 142), ("MI300X", 304))
 
 
 def straggler_factor(num_ranks, jitter: float):
@@ -176,11 +171,10 @@ def exposed_grad_sync(sync_s, backward_s, params, opts: Options, n_dp=1.0, overl
 def nccl_sm_fraction(cluster: Cluster) -> float:
     """Fraction of the GPU's SMs that a running NCCL collective takes from the compute it
     overlaps: :data:`NCCL_CHANNELS` / the SM count of ``cluster.gpu`` (:data:`SM_COUNTS`; A100
-    0.148, H100 0.121). 0 for a GPU not in the table."""
-    for prefix, sms in SM_COUNTS:
-        if cluster.gpu.upper().startswith(prefix.upper()):
-            return NCCL_CHANNELS / sms
-    return 0.0
+    0.148, H100 0.121; :func:`loom.planner.hardware.sm_count`). 0 for a GPU of unknown SM
+    count."""
+    sms = sm_count(cluster.gpu)
+    return NCCL_CHANNELS / sms if sms else 0.0
 
 
 def overlap_interference(total_s, exposed_s, cluster: Cluster, on: bool = True):
