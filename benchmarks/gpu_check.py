@@ -250,6 +250,11 @@ class Accel:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def allocated(self) -> Optional[int]:
+        """Bytes allocated now (CUDA only): a run's peak counts from here, so what an earlier
+        run left allocated shows up instead of inflating the peak unseen."""
+        return torch.cuda.memory_allocated(self.device) if self.cuda else None
+
     def peaks(self) -> dict:
         if not self.cuda:
             return {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
@@ -294,6 +299,7 @@ def run_loom(accel: Accel, flags: dict, warmup: int, steps: int, backend: str = 
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
     accel.free()
+    at_start = accel.allocated()
     t0 = time.monotonic()
     cfg = loom_config(flags)
     with weights_on_device(), compile_backend(backend):
@@ -303,7 +309,8 @@ def run_loom(accel: Accel, flags: dict, warmup: int, steps: int, backend: str = 
     times = [r["step_time_s"] for r in recs]
     out = {"build_s": round(build_s, 2), "warmup_step_s": [round(t, 4) for t in times[:warmup]],
            "step_times_s": [round(t, 5) for t in times[warmup:]],
-           "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"], **accel.peaks()}
+           "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"], **accel.peaks(),
+           "allocated_at_start_bytes": at_start}
     del tr, recs
     return out
 
@@ -312,6 +319,7 @@ def run_plain(accel: Accel, flags: dict, warmup: int, steps: int, backend: str =
     """The plain PyTorch loop at the same model and shapes (fresh build, random tokens)."""
     from benchmarks.plain_llama import PlainRunner
     accel.free()
+    at_start = accel.allocated()
     t0 = time.monotonic()
     cfg = loom_config(flags)
     runner = PlainRunner(cfg.model, accel.device, compile_blocks=bool(flags.get("compile")),
@@ -329,7 +337,8 @@ def run_plain(accel: Accel, flags: dict, warmup: int, steps: int, backend: str =
         times.append(time.perf_counter() - start)
     out = {"build_s": round(build_s, 2), "warmup_step_s": [round(t, 4) for t in times[:warmup]],
            "step_times_s": [round(t, 5) for t in times[warmup:]],
-           "loss_first": losses[0], "loss_last": losses[-1], **accel.peaks()}
+           "loss_first": losses[0], "loss_last": losses[-1], **accel.peaks(),
+           "allocated_at_start_bytes": at_start}
     del runner, data
     return out
 
