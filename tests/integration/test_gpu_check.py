@@ -228,3 +228,25 @@ def test_sdpa_backend_reader(cuda_numerics):
                                                   "backward": ["flash"]}
     assert cuda_numerics.sdpa_backends(["aten::_scaled_dot_product_cudnn_attention_backward"]) \
         == {"forward": [], "backward": ["cudnn"]}
+
+
+def test_docs_gpu_table_equals_the_recorded_run():
+    """docs/benchmarks.md's H200 row and README's GPU paragraph quote
+    benchmarks/results/gpu_check_h200.json (the committed `make gpu-check` run)."""
+    res = json.loads((ROOT / "benchmarks/results/gpu_check_h200.json").read_text())
+    row = next(line for line in (ROOT / "docs/benchmarks.md").read_text().splitlines()
+               if line.startswith("| H200 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    for col, part in ((3, "speed"), (6, "compile")):
+        for off, arm in ((0, "loom"), (1, "plain")):
+            a = res[part][arm]
+            assert cells[col + off] == f"{a['tokens_per_s']:,.0f} ({100 * a['mfu']:.1f}%)", \
+                (cells[col + off], part, arm)
+        assert cells[col + 2] == f"{res[part]['loom_over_plain_tokens_per_s']:.3f}"
+    errs = [r["error_pct"]["step_time"] for r in res["rows"]]
+    assert cells[9].startswith(f"{min(errs):.0f}% to {max(errs):+.0f}%"), (cells[9], errs)
+    tier = [t["outcome"] for t in res["tier"]["tests"]]
+    assert cells[11] == f"{tier.count('passed')} passed, {tier.count('skipped')} skipped", tier
+    readme = (ROOT / "README.md").read_text()
+    loom = res["speed"]["loom"]
+    assert f"{loom['tokens_per_s']:,.0f} tokens/s at {100 * loom['mfu']:.1f}% MFU" in readme
