@@ -28,6 +28,7 @@ import dataclasses
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -89,6 +90,11 @@ def live_at_peak(events: Iterable[dict], top: int = 25) -> dict:
             "groups": [{"where": k, "bytes": v[0], "count": v[1]} for k, v in ranked[:top]],
             "rest_bytes": sum(v[0] for _, v in ranked[top:])}
 
+
+SIZES = {**gc_.SIZES,
+         # GPT-2 small's shape (125M with V 32000): where the host's per-step work shows first
+         "small": dataclasses.replace(gc_.FULL, num_layers=12, hidden_size=768, heads=12, groups=4,
+                                      ffn=3072, seq=1024)}
 
 ROWS = {"b16-none": (16, None, 1), "b8-none": (8, None, 1), "b16-selective": (16, "selective", 1),
         "b16-full": (16, "full", 1), "b8-s4096-none": (8, None, 2)}
@@ -180,17 +186,32 @@ def profile_arms(accel, sz, b: int, steps: int) -> dict:
     return out
 
 
+def speed(accel, sz, b: int, steps: int, rounds: int = 2) -> dict:
+    """loom and the plain loop at micro-batch ``b``, A B A B (``benchmarks.gpu_check``'s arms,
+    no profiler): median step of each arm and loom's tokens/s over the plain loop's."""
+    flags = gc_.loom_flags(sz, b, sz.seq, device=accel.device.type)
+    times: dict = {"loom": [], "plain": []}
+    for _ in range(rounds):
+        for arm, run in gc_.ARMS.items():
+            times[arm] += run(accel, flags, 3, steps)["step_times_s"]
+    med = {arm: statistics.median(t) for arm, t in times.items()}
+    return {"mbs": b, "median_step_s": med, "step_times_s": times,
+            "loom_over_plain_tokens_per_s": med["plain"] / med["loom"]}
+
+
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None)
-    ap.add_argument("--sizes", choices=sorted(gc_.SIZES), default=None)
+    ap.add_argument("--sizes", choices=sorted(SIZES), default=None)
     ap.add_argument("--rows", default="b16-none,b16-full,b8-none,b16-selective")
     ap.add_argument("--profile-mbs", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--speed", action="store_true",
+                    help="also time loom and the plain loop A B A B at --profile-mbs, unprofiled")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    sz = gc_.SIZES[args.sizes or ("full" if device.type == "cuda" else "tiny")]
+    sz = SIZES[args.sizes or ("full" if device.type == "cuda" else "tiny")]
     accel = gc_.Accel(device)
     gpu = gc_.planner_gpu(accel.name() if accel.cuda else "")
     res: dict = {"device_name": accel.name(), "gpu": gpu, "torch": torch.__version__,
@@ -204,6 +225,9 @@ def main(argv: Optional[list] = None) -> int:
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "top_cpu"}
                       for k, v in (res["profile"] or {}).items() if isinstance(v, dict)},
                      default=str)[:6000])
+    if args.speed:
+        res["speed"] = speed(accel, sz, b, args.steps)
+        print(json.dumps(res["speed"]))
     if accel.cuda:
         for name in [r for r in args.rows.split(",") if r]:
             try:
@@ -212,7 +236,9 @@ def main(argv: Optional[list] = None) -> int:
                 row = {"row": name, "error": gc_.one_line(e)}
             res["memory"].append(row)
             print(json.dumps(row, default=str)[:4000])
-    name = f"gpu_profile_{gpu.lower().split('-')[0]}.json" if accel.cuda else "gpu_profile_cpu.json"
+    tag = "" if args.sizes in (None, "full" if accel.cuda else "tiny") else f"_{args.sizes}"
+    name = f"gpu_profile_{gpu.lower().split('-')[0]}{tag}.json" if accel.cuda else \
+        f"gpu_profile_cpu{tag}.json"
     text = json.dumps(res, indent=1, default=str)
     for d in [args.out, str(ROOT / "benchmarks" / "results") if accel.cuda else None]:
         if d:

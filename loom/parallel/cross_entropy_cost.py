@@ -13,21 +13,32 @@ import numpy as np
 
 MIN_CHUNK_ELEMENTS = 1 << 22  # 4 Mi logits = 16 MiB fp32: keeps the chunk GEMMs efficient
 MIN_CHUNK_TOKENS = 128
+MAX_CHUNKS = 8  # chunks a call is cut into at most, while a chunk's logits fit CAP_CHUNK_ELEMENTS
+CAP_CHUNK_ELEMENTS = 1 << 25  # 32 Mi logits = 128 MiB fp32
 
 
 def default_chunk_tokens(num_tokens, hidden_size, local_vocab):
-    """Tokens per chunk: enough that the chunk's logits hold ``max(N h, 2^22)`` elements, i.e.
-    as many as the hidden states ``[N, h]`` (so the loss never needs more memory than its input,
-    Liger's rule) but at least 4 Mi (16 MiB fp32), and at least ``MIN_CHUNK_TOKENS`` = 128
-    tokens so the GEMMs keep a useful height; clamped to ``[1, N]``. Measured on this CPU
-    (``linear_cross_entropy`` forward + backward, N = 2048, h = 256, 1 thread): at V = 8192,
-    512-token chunks take 345 ms against 363 ms for 1024 and 391 ms for the previous rule's
-    1024 without the reused buffer; at V = 131072, 128 tokens take 6.4 s against 8.3 s for 32.
-    Returns an int for scalar inputs, an array otherwise."""
+    """Tokens per chunk, clamped to ``[1, N]``: the largest of
+    - enough that the chunk's logits hold ``max(N h, 2^22)`` elements, i.e. as many as the
+      hidden states ``[N, h]`` (so the loss never needs more memory than its input, Liger's
+      rule) but at least 4 Mi (16 MiB fp32);
+    - ``MIN_CHUNK_TOKENS`` = 128 tokens, so the GEMMs keep a useful height;
+    - ``N / MAX_CHUNKS`` (8 chunks) while the chunk's logits stay within
+      ``CAP_CHUNK_ELEMENTS`` (32 Mi, 128 MiB fp32): the first rule alone cuts every call into
+      ``v / h`` chunks (42 for V 32000, h 768), about 20 kernel launches each, and on one H200
+      a GPT-2-small-shaped model spent 33-46 ms of host time per step in the loss forward
+      alone, more than the plain PyTorch loop's whole step (``python3 -m
+      benchmarks.gpu_profile --sizes small --speed``). Models with ``N h >= 32 Mi`` keep the
+      first rule's chunks.
+    Measured on this CPU (``linear_cross_entropy`` forward + backward, N = 2048, h = 256,
+    1 thread): at V = 8192, 512-token chunks take 345 ms against 363 ms for 1024 and 391 ms for
+    an earlier rule's 1024 without the reused buffer; at V = 131072, 128 tokens take 6.4 s
+    against 8.3 s for 32. Returns an int for scalar inputs, an array otherwise."""
     n = np.asarray(num_tokens, dtype=np.float64)
+    v = np.maximum(np.asarray(local_vocab, np.float64), 1)
     elements = np.maximum(n * np.asarray(hidden_size, dtype=np.float64), MIN_CHUNK_ELEMENTS)
-    tokens = np.maximum(MIN_CHUNK_TOKENS,
-                        np.ceil(elements / np.maximum(np.asarray(local_vocab, np.float64), 1)))
+    few = np.minimum(np.ceil(n / MAX_CHUNKS), np.floor(CAP_CHUNK_ELEMENTS / v))
+    tokens = np.maximum(np.maximum(MIN_CHUNK_TOKENS, np.ceil(elements / v)), few)
     out = np.maximum(1.0, np.minimum(n, tokens))
     return int(out) if out.ndim == 0 else out
 

@@ -194,10 +194,16 @@ def test_backward_twice_raises_and_bad_shapes():
 def test_default_chunk_rule():
     # logits chunk holds max(N h, 4 Mi) elements and >= 128 tokens, clamped to [1, N]
     assert default_chunk_tokens(2048, 256, 8192) == 512
-    assert default_chunk_tokens(2048, 256, 131072) == 128
     assert default_chunk_tokens(2048, 256, 1 << 20) == 128
     assert default_chunk_tokens(8192, 4096, 65536) == 512
     assert default_chunk_tokens(30, 16, 384) == 30
+    # or N / 8 tokens while their logits fit 32 Mi elements: GPT-2 small's shape, 42 chunks
+    # under the first rule, is cut into 8 (b 8, s 1024) and 16 (b 16)
+    assert default_chunk_tokens(8192, 768, 32000) == 1024
+    assert default_chunk_tokens(16384, 768, 32000) == (1 << 25) // 32000
+    assert default_chunk_tokens(2048, 256, 131072) == 256
+    # models whose hidden states exceed 32 Mi elements keep the first rule (Llama 3 8B, s 8192)
+    assert default_chunk_tokens(8192, 4096, 128256) == 262
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
