@@ -15,6 +15,8 @@ Sources (:data:`SOURCES`; tables in :mod:`loom.planner.presets` and
   Llama 3 paper (:mod:`benchmarks.planner_sources.published`: tokens/s per GPU; Llama 3: model TFLOP/s).
 * ``MegaScale``: MegaScale's Megatron-LM baseline, 175B on 256-12,288 A100, MFU (8 rows;
   :mod:`benchmarks.planner_sources.megascale`).
+* ``loom H200``: loom itself measured by ``make gpu-check`` on one H200, step seconds (5 rows:
+  micro-batch, recompute, sequence length; :mod:`benchmarks.planner_sources.loom_gpu`).
 
 The fit (:func:`fit`) follows :data:`loom.planner.constants.FIT_SETS`, in order:
 
@@ -32,7 +34,7 @@ The fit (:func:`fit`) follows :data:`loom.planner.constants.FIT_SETS`, in order:
 :func:`leave_one_source_out` removes one source from every fit set, refits (a group left with no
 rows takes its prior, :data:`loom.planner.constants.PRIORS`) and predicts the removed source:
 the only errors here that measure prediction. Sources in no fit set (SHO, MC-H100 strong,
-BLOOM, OPT, MegaScale, NAR t2's PTD-P rows) are held out in every fit; MC-H100 strong shares the Hopper
+BLOOM, OPT, MegaScale, loom H200, NAR t2's PTD-P rows) are held out in every fit; MC-H100 strong shares the Hopper
 constant, the 177B shape and the README with MC-H100 weak, so the two are also held out
 together. Cost: ~1-4 s per fit on one core, ~12 s for the whole protocol.
 """
@@ -49,10 +51,11 @@ from loom.planner.calibrate_runs import least_squares
 from loom.planner.constants import FALLBACK_SETS, FIT_SETS, PRIORS, SHIPPED, Constants
 from benchmarks.planner_sources import published as P
 from benchmarks.planner_sources import validation as V
+from benchmarks.planner_sources.loom_gpu import SOURCE as LOOM_GPU, loom_gpu_points
 from benchmarks.planner_sources.megascale import megascale_points
 
 SOURCES = ("NAR t1", "NAR t2", "KOR", "SHO", "MC-H100 weak", "MC-H100 strong", "BLOOM", "OPT",
-           "TT", "LF-H100", "LF-A100", "Llama 3", "MegaScale")
+           "TT", "LF-H100", "LF-A100", "Llama 3", "MegaScale", "loom H200")
 H100_SOURCES = ("MC-H100 weak", "MC-H100 strong")
 COMPUTE_PARAMS = ("gemm_efficiency", "gemm_half_dim", "mem_traffic")
 COMPUTE_START = (0.7, 50.0, 2.0)  # e, h0, k (and Hopper e = 0.7): round numbers, not the fit
@@ -96,6 +99,8 @@ def source_points(source: str, c: Constants | None = None) -> list[tuple]:
         return P.llama3_points(c)
     if source == "MegaScale":
         return megascale_points(c)
+    if source == LOOM_GPU:
+        return loom_gpu_points(c)
     raise ValueError(f"unknown source {source!r}; one of {SOURCES}")
 
 

@@ -20,7 +20,8 @@ from benchmarks.planner_sources.fit import HOLDOUTS, SOURCES, leave_one_source_o
 
 # held-out set -> (median, worst) absolute relative error bounds, measured 2026 (issue 26;
 # MC-H100 strong and Llama 3 re-measured in issue 47: exact per-rank pipeline memory and refit;
-# MC-H100 and Llama 3 again with issue 47's scale terms, ring latency per DP bucket; MegaScale new)
+# MC-H100 and Llama 3 again with issue 47's scale terms, ring latency per DP bucket; MegaScale new;
+# loom H200 new: issue 47 item 5, in no fit set, so every other bound is unchanged)
 HELDOUT_BOUNDS = {
     "NAR t1": (0.045, 0.09),
     "NAR t2": (0.06, 0.29),
@@ -35,6 +36,7 @@ HELDOUT_BOUNDS = {
     "LF-A100": (0.045, 0.30),
     "Llama 3": (0.075, 0.29),
     "MegaScale": (0.10, 0.16),
+    "loom H200": (0.065, 0.14),  # loom's own make gpu-check rows, 2026-11-28 (5.8%, 13.0%)
     "MC-H100 weak + MC-H100 strong": (0.05, 0.11),
 }
 OVERALL_BOUNDS = (0.05, 0.30)
