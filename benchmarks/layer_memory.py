@@ -143,6 +143,42 @@ def layer_saved_bytes(model: ModelConfig, seq_length: int, micro_batch: int = 1,
     return (per_layer, got[1][1]) if rows else per_layer
 
 
+def moe_ep_layer_saved(model: ModelConfig, seq_length: int, micro_batch: int = 1, *, ep: int,
+                       tp: int = 1, etp: Optional[int] = None, sp: bool = False,
+                       dtype=torch.float32) -> dict:
+    """One MoE layer's saved bytes on *this* rank of a real (gloo) world of ``t d`` ranks at
+    EP ``ep`` (expert TP ``etp``, default ``tp``), where the fake process group of
+    :func:`fake_world` cannot measure: the all-to-all's row counts and the all-gathered routing
+    are data. Measured as :func:`layer_saved_bytes` (chunk of 2 layers - chunk of 1), every
+    rank's tokens drawn from its own seed so that the ranks receive different rows. Returns
+    ``{"bytes": per-layer bytes, "rows": the rows this rank's experts ran in that layer}``
+    (``rows / (S k u / t)`` is this rank's load over the mean, the ``imbalance`` of
+    :func:`loom.planner.layer_bytes.loom_moe_mlp_terms`). Call it on every rank of an
+    initialized default process group (e.g. ``testkit.run_distributed``)."""
+    import torch.distributed as dist
+    from loom.parallel.mesh import ParallelMesh
+    mesh = ParallelMesh.build(tp=tp, ep=ep, etp=etp)
+    s_local = seq_length // (tp if sp else 1)
+    got, rows = [], []
+    for n in (1, 2):
+        torch.manual_seed(0)
+        chunk = _build(model, list(range(n)), mesh, sp, "p2p", None, "uniform", 1, dtype)
+        seen: list = []
+        for layer in chunk.layers.values():
+            d = layer.mlp.dispatcher
+
+            def counted(x, *args, _run=d.run_experts, **kw):
+                seen.append(x.shape[0])
+                return _run(x, *args, **kw)
+            d.run_experts = counted
+        torch.manual_seed(1000 + dist.get_rank() // tp)  # the TP group shares its tokens
+        x = torch.randn(s_local, micro_batch, model.hidden_size, dtype=dtype, requires_grad=True)
+        got.append(saved_bytes(lambda: chunk(hidden_states=x, position_ids=_positions(
+            seq_length, 1)), chunk.parameters())[0])
+        rows.append(seen[-1])
+    return {"bytes": got[1] - got[0], "rows": rows[1]}
+
+
 def saved_sites(model: ModelConfig, seq_length: int, micro_batch: int = 1, *, tp: int = 1,
                 sp: bool = False, recompute: Optional[str] = None, dtype=torch.float32) -> list:
     """``[(nbytes, shape, dtype, site)]``, largest first: the storages a one-layer chunk of

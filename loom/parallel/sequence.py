@@ -81,12 +81,19 @@ def start_reduce_scatter_dim0(x: torch.Tensor, group) -> Callable[[], torch.Tens
 
     def finish() -> torch.Tensor:
         work.wait()
-        return out if dist.get_backend(group) == "nccl" else _split_dim0(out, group)
+        return out if dist.get_backend(group) == "nccl" else _own_slice_dim0(out, group)
     return finish
 
 
 def _split_dim0(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+
+
+def _own_slice_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's ``1/n`` of dim 0 of a summed buffer, in storage of its own: what
+    ``reduce_scatter_tensor`` returns on NCCL. A view would keep the whole ``[n, ...]`` buffer
+    alive for as long as the slice is (autograd saves it for the backward: n times the bytes)."""
+    return _split_dim0(x, group).clone()
 
 
 def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
@@ -99,7 +106,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
         return out
     x = x.clone()
     dist.all_reduce(x, group=group)
-    return _split_dim0(x, group)
+    return _own_slice_dim0(x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:

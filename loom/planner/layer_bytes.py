@@ -337,8 +337,10 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp
       split over t) when the model has one (its gate, ``--moe-shared-expert-gate``, not
       covered).
 
-    EP ``ep`` > 1 (derived from ``loom/parallel/expert_dispatch.py``, not measured: the fake
-    process group leaves the exchanged counts and gathered routing unset): the rank runs the
+    EP ``ep`` > 1 (read off ``loom/parallel/expert_dispatch.py``; equal to the bytes saved on
+    every rank of a real gloo world, ``imbalance`` being that rank's rows over the mean:
+    ``tests/planner/test_planner_moe_sp_cp.py::test_moe_layer_formula_equals_saved_bytes_at_ep``):
+    the rank runs the
     pairs it receives, ``lambda S k r`` on the busiest rank (``imbalance``), so ``experts``
     scales by ``lambda`` and ``dispatch`` becomes, per ``--moe-token-dispatcher-type``:
     ``alltoall`` (``ParallelDispatcher._alltoall``) the received rows sorted by local expert

@@ -2,7 +2,8 @@
 bytes equal its formula on loom's real modules (TP with and without SP, expert TP below t, CP,
 a shared expert); the planner's MoE rules equal loom train's validation on a grid; the search
 plans MoE with SP (Megatron-Core's rule at t > 1) and CP, its commands carry the flags; the
-terms that move with SP and CP against hand-computed values. Single process, ~4 s."""
+terms that move with SP and CP against hand-computed values; EP 2 and 4 measured on 4 real
+gloo ranks. ~4 s single-process, ~4 s for the spawned world."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.layer_memory import layer_saved_bytes, measure_in_worlds, resolve
+from benchmarks.layer_memory import (layer_saved_bytes, measure_in_worlds, moe_ep_layer_saved,
+                                     resolve)
 from loom.config import ConfigError, LoomConfig, ModelConfig
 from loom.planner.activations import activation_bytes_per_layer
 from loom.planner.hardware import make_cluster
@@ -25,6 +27,7 @@ from loom.planner.moe import moe_layer_times
 from loom.planner.presets import get_preset
 from loom.planner.primitives import all_gather_time, all_reduce_time
 from loom.planner.search import _moe_rules, enumerate_layouts, sp_options
+from testkit import run_distributed
 from testkit.config import tiny_model
 
 SHAPES = {"moe-a": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
@@ -41,9 +44,10 @@ CASES += [(n, 2, True, 2, None, None) for n in ("moe-a", "moe-sh")]
 CASES += [("moe-a", 2, True, 1, None, rc) for rc in ("selective", "full")]
 
 
-def _model(name: str) -> tuple[ModelConfig, int, int]:
+def _model(name: str, kind: str = "alltoall") -> tuple[ModelConfig, int, int]:
     kw, s, b = SHAPES[name]
-    return resolve(tiny_model("mixtral", vocab_size=128, **kw), s), s, b
+    return resolve(tiny_model("mixtral", vocab_size=128, moe_token_dispatcher_type=kind, **kw),
+                   s), s, b
 
 
 def _predicted(case) -> tuple[float, dict]:
@@ -246,8 +250,55 @@ def test_loom_train_runs_without_sp_are_still_predicted():
         assert pred["time_s"]["ep_comm"] > 0
 
 
+# (shape, dispatcher, e, t, expert TP u (None: t), sp) on 4 gloo ranks (d = 4 / t)
+EP_CASES = [(n, kind, e, t, u, sp) for n in SHAPES for kind in ("alltoall", "allgather")
+            for e, t, u, sp in ((4, 1, None, False), (2, 2, None, True))]
+EP_CASES += [(n, kind, e, 2, 1, sp) for kind in ("alltoall", "allgather")
+             for n, e, sp in (("moe-a", 4, True), ("moe-b", 2, False))]
+
+
+def _ep_world(cases) -> dict:
+    """Each EP case on this rank (:func:`benchmarks.layer_memory.moe_ep_layer_saved`), and
+    whether the gloo reduce-scatter's output owns its storage (as NCCL's does)."""
+    import torch.distributed as dist
+    from loom.parallel.sequence import reduce_scatter_dim0
+    torch.set_num_threads(1)
+    out = reduce_scatter_dim0(torch.ones(8, 3), dist.group.WORLD)
+    own = out.untyped_storage().nbytes() == out.numel() * out.element_size() and out.shape[0] == 2
+    got = [moe_ep_layer_saved(*_model(n, kind), ep=e, tp=t, etp=u, sp=sp, dtype=torch.bfloat16)
+           for n, kind, e, t, u, sp in cases]
+    return {"own": own, "got": got}
+
+
+def test_moe_layer_formula_equals_saved_bytes_at_ep():
+    """EP > 1, measured on 4 real gloo ranks (the fake process group cannot: the exchanged
+    counts and gathered routing are data): every rank's MoE layer saves exactly the attention
+    side of :func:`loom_layer_bytes` plus :func:`loom_moe_mlp_terms` at ``imbalance`` = the
+    rows its experts ran over the mean ``S k u / t``, for both dispatchers, EP 4 and 2, TP 2
+    with SP and expert TP 1, a shared expert, top-3 of 8. Each rank draws its own tokens, so
+    the loads differ and the formula at ``imbalance`` 1 is wrong on some rank. ~10 s."""
+    ranks = run_distributed(4, _ep_world, EP_CASES, start_method="fork")
+    assert all(r["own"] for r in ranks)  # without it gloo's all-gather dispatch keeps e x more
+    off_balance = 0
+    for i, (name, kind, e, t, u, sp) in enumerate(EP_CASES):
+        model, s, b = _model(name, kind)
+        att = loom_layer_terms(model, s, b, t=t, sp=int(sp), elem_bytes=2, device="cpu")
+        dense = float(loom_layer_bytes(model, s, b, t=t, sp=int(sp), elem_bytes=2,
+                                       device="cpu")["none"] - att["mlp"] - att["fc1_input"])
+        for rank in ranks:
+            got = rank["got"][i]
+            lam = got["rows"] / (s * b * model.moe_router_topk * (u or t) / t)
+
+            def predicted(imbalance):
+                return dense + sum(float(v) for v in loom_moe_mlp_terms(
+                    model, s, b, t=t, etp=u, ep=e, imbalance=imbalance).values())
+            assert predicted(lam) == got["bytes"], (EP_CASES[i], lam)
+            off_balance += predicted(1.0) != got["bytes"]
+    assert off_balance >= len(EP_CASES)
+
+
 def test_loom_moe_dispatch_terms_at_ep_by_hand():
-    """EP > 1 (derived from expert_dispatch.py, not measurable on the fake process group): the
+    """EP > 1 (measured on real ranks in test_moe_layer_formula_equals_saved_bytes_at_ep): the
     busiest rank's received rows are lambda times the mean; all-to-all keeps the received and
     the returned rows, all-gather only the picked ones. EP 1 is the measured form."""
     model, s, b = _model("moe-a")
