@@ -86,7 +86,7 @@ LAYOUT_FIELDS = (
     "recompute_num_layers", "recompute_activations", "use_megatron_fsdp",
     "data_parallel_sharding_strategy")
 BATCH_FIELDS = ("global_batch_size", "rampup_batch_size", "step_batch_size_schedule")
-LAYOUT_FLAGS = {"--" + f.replace("_", "-") for f in LAYOUT_FIELDS}
+LAYOUT_FLAGS = {"--" + f.replace("_", "-") for f in LAYOUT_FIELDS} | {"--no-sequence-parallel"}
 # what the search fixes from each given flag, compared on layout_of() of both configs
 LAYOUT_KEYS = {"--tensor-model-parallel-size": ("tp",), "--pipeline-model-parallel-size": ("pp",),
                "--context-parallel-size": ("cp",), "--expert-model-parallel-size": ("ep",),
@@ -97,9 +97,11 @@ LAYOUT_KEYS = {"--tensor-model-parallel-size": ("tp",), "--pipeline-model-parall
                "--decoder-first-pipeline-num-layers": ("lf",),
                "--decoder-last-pipeline-num-layers": ("ll",),
                "--micro-batch-size": ("mbs",), "--sequence-parallel": ("sp",),
+               "--no-sequence-parallel": ("sp",),
                "--use-distributed-optimizer": ("zero",), "--zero-stage": ("zero",),
                "--use-torch-fsdp2": ("zero",), "--recompute-granularity": ("recompute",),
-               "--recompute-activations": ("recompute",), "--pipeline-schedule": ("zb",)}
+               "--recompute-activations": ("recompute",),
+               "--pipeline-schedule": ("zb", "vp")}  # 1f1b: one chunk, interleaved: more
 # config fields compared directly when their flag is given (the same value must come back)
 SAME_FIELDS = {"--recompute-method": "recompute_method",
                "--recompute-num-layers": "recompute_num_layers",
@@ -426,6 +428,12 @@ def grid_cases(seed: int = 0, n: int = 300) -> list:
             argv += ["--decoder-first-pipeline-num-layers", str(rng.choice((1, 3, 7)))]
         if rng.random() < 0.15 and model in ("mixtral-8x7b", "deepseek-v3"):
             argv += ["--expert-model-parallel-size", str(rng.choice((2, 8, 64)))]
+        more = random.Random(f"{seed}:{i}")  # later flags: the draws above stay as they were
+        if more.random() < 0.1 and "--sequence-parallel" not in argv:
+            argv += ["--no-sequence-parallel"]
+        if more.random() < 0.2:
+            argv += ["--pipeline-schedule", more.choice(("1f1b", "interleaved", "gpipe",
+                                                         "zero-bubble", "zbv"))]
         out.append(Case("grid", f"grid:{i}", argv, g))
     return out
 

@@ -12,12 +12,16 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     ``fixed``): sizes, micro-batch, recompute, SP, ZeRO stage, EP, expert TP (MoE models
     only: loom train ignores it for a dense model, as Megatron does), the pipeline split
     (first/last layers, accounting, a layout string, virtual stages), the schedule and the
-    interleaved schedule's micro-batch group (``vpg``)."""
+    interleaved schedule's micro-batch group (``vpg``); ``--pipeline-schedule 1f1b`` fixes one
+    chunk per rank (``vp`` 1), ``interleaved`` more than one (``interleaved``), as loom train
+    reads them."""
     fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
              "cp": args.context_parallel_size, "dp": args.data_parallel_size,
              "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
-             # Megatron turns --sequence-parallel off at TP 1 (arguments.py): not a constraint
-             "sp": 1 if args.sequence_parallel and args.tensor_model_parallel_size != 1
+             # Megatron turns --sequence-parallel off at TP 1 (arguments.py): not a constraint;
+             # --no-sequence-parallel (False, not None) fixes it off
+             "sp": 0 if args.sequence_parallel is False else
+             1 if args.sequence_parallel and args.tensor_model_parallel_size != 1
              else None, "zero": args.zero_stage,
              "ep": args.expert_model_parallel_size}
     if model.num_experts:
@@ -94,8 +98,21 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     sched = getattr(args, "pipeline_schedule", None)
     if sched in ("zero-bubble", "zbv"):  # ZB-H1 / ZB-V (1F1B, interleaved: searched as 0)
         fixed["zb"] = 1 if sched == "zero-bubble" else 2
-    elif sched in ("1f1b", "interleaved"):
+    elif sched in ("1f1b", "interleaved"):  # loom train: 1f1b one chunk, interleaved > 1
         fixed["zb"] = 0
+        vp = fixed.get("vp") or (fixed.get("layout") and "layout")
+        if sched == "1f1b" and vp not in (None, 1):
+            raise ConfigError("--pipeline-schedule 1f1b runs one model chunk per rank, which "
+                              "conflicts with the virtual stages given: drop "
+                              "--pipeline-schedule (or set it to interleaved), or drop the "
+                              "virtual-stage flag (loom train's rule)")
+        if sched == "1f1b" and vp is None:
+            fixed["vp"] = 1
+        if sched == "interleaved":
+            if args.pipeline_model_parallel_size == 1:
+                raise ConfigError("--pipeline-schedule interleaved needs "
+                                  "--pipeline-model-parallel-size > 1 (loom train's rule)")
+            fixed["interleaved"] = True  # v > 1 (enumerate_layouts)
     elif sched == "gpipe":
         fixed["zb"] = 3
     if getattr(args, "recompute_method", None) == "block" and \

@@ -201,8 +201,9 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                             # v chunks per rank; with uneven ranks each rank's layers split
                             # over its chunks as evenly as possible (Megatron's layout string)
                             vs += list(interleave_options(nl, p, lf, ll))
-                        for v, (u, e) in itertools.product([v for v in vs if want("vp", v)],
-                                                           eps):
+                        vs = [v for v in vs if want("vp", v)
+                              and (v > 1 or not fixed.get("interleaved"))]
+                        for v, (u, e) in itertools.product(vs, eps):
                             base.append((t, p, d, c, v, b, lf, ll, e, cpts, u))
     rows = []
     zbv_ok = "zbv" in get_args(PipelineSchedule)

@@ -21,6 +21,17 @@ LLAMA = ("--num-layers 12 --hidden-size 512 --num-attention-heads 8 --seq-length
 REGRESSIONS = [
     # --json with a flag given twice: the warning went to stdout, before the JSON
     ("json-warning-to-stderr", f"{LLAMA} --num-gpus 8 --num-layers 12", 8, "ok", ""),
+    # --no-sequence-parallel and --pipeline-schedule 1f1b were read as "not given": the plan
+    # came back with SP on, and with 16 virtual stages
+    ("no-sp-fixes-sp-off", f"{LLAMA} --num-gpus 8 --tensor-model-parallel-size 2 "
+     "--no-sequence-parallel", 8, "ok", ""),
+    ("1f1b-fixes-one-chunk", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
+     "--pipeline-schedule 1f1b", 8, "ok", ""),
+    ("interleaved-needs-chunks", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
+     "--pipeline-schedule interleaved --num-layers-per-virtual-pipeline-stage 3", 8, "ok", ""),
+    ("1f1b-conflicts-with-chunks", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
+     "--pipeline-schedule 1f1b --num-layers-per-virtual-pipeline-stage 3", 8, "refused",
+     "--pipeline-schedule 1f1b"),
     # a hybrid model's depth from --hybrid-layer-pattern (no --num-layers): TypeError
     ("hybrid-depth-from-pattern", "--model-type mamba --hybrid-layer-pattern M-M*-M-M*-M- "
      "--hidden-size 1024 --num-attention-heads 8 --mamba-num-heads 32 --vocab-size 50257 "

@@ -286,6 +286,29 @@ def test_cli_json_and_fixed(capsys):
     assert doc["layouts"][0]["iteration_time_s"] <= doc["layouts"][-1]["iteration_time_s"]
 
 
+def test_cli_schedule_and_no_sp_fix_their_dimension(capsys):
+    """``--pipeline-schedule 1f1b`` plans one chunk per rank, ``interleaved`` more than one (as
+    loom train reads them), ``--no-sequence-parallel`` SP off: every row, not just the top."""
+    base = ["--num-layers", "12", "--hidden-size", "512", "--num-attention-heads", "8",
+            "--seq-length", "1024", "--vocab-size", "50257", "--global-batch-size", "32",
+            "--gpu", "H100-80GB", "--num-gpus", "8", "--json", "--top", "1000"]
+    rows = {}
+    for extra in (["--pipeline-schedule", "1f1b"], ["--pipeline-schedule", "interleaved"],
+                  ["--no-sequence-parallel"], []):
+        code, out = _plan(base + extra, capsys)
+        assert code == 0, out.err
+        rows[" ".join(extra)] = json.loads(out.out)["layouts"]
+    assert {r["vp"] for r in rows[""]} > {1} and {r["sequence_parallel"] for r in rows[""]} \
+        == {False, True}  # searched when not given
+    assert {r["vp"] for r in rows["--pipeline-schedule 1f1b"]} == {1}
+    inter = rows["--pipeline-schedule interleaved"]
+    assert inter and min(r["vp"] for r in inter) > 1 and min(r["pp"] for r in inter) > 1
+    assert not any(r["sequence_parallel"] for r in rows["--no-sequence-parallel"])
+    code, out = _plan(base + ["--pipeline-schedule", "interleaved",
+                              "--pipeline-model-parallel-size", "1"], capsys)
+    assert code == 2 and "--pipeline-schedule interleaved needs" in out.err
+
+
 def test_cli_table_custom_model_and_plot(capsys, tmp_path):
     png = tmp_path / "p.png"
     code, out = _plan(["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads",
