@@ -28,7 +28,8 @@ from loom.config import (ConfigError, ModelConfig, add_config_arguments, config_
 from loom.planner.options import PLAN_OPTIONS
 from loom.planner.hardware import GB, Cluster, make_cluster
 from loom.planner.cost import format_estimate, parse_count, training_estimate
-from loom.planner.cli_args import cp_a2a_size_of, cp_comm_type_of, fixed_from_args
+from loom.planner.cli_args import (cp_a2a_size_of, cp_comm_type_of, fixed_from_args,
+                                   unmodelled_note)
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
@@ -60,7 +61,9 @@ def plan_options(args) -> None:
 _MODEL_FIELDS = {f.name for f in fields(ModelConfig)}
 
 
-def _model_from_args(args) -> tuple[ModelConfig, str]:
+def _model_from_args(args) -> tuple[ModelConfig, str, dict]:
+    """The model, its name and the no-effect Megatron flags given
+    (``LoomConfig.megatron_no_effect``)."""
     cfg = config_from_args(args)  # YAML + flags
     if args.model or args.from_hf:
         base = hf_model_config(args.from_hf) if args.from_hf else get_preset(args.model)
@@ -79,6 +82,7 @@ def _model_from_args(args) -> tuple[ModelConfig, str]:
     if not model.vocab_size:
         raise ConfigError("--vocab-size is required for the planner (or use a preset)")
     model = _hybrid_depth(model, args)
+    no_effect = cfg.megatron_no_effect
     h, a, g = model.hidden_size, model.num_attention_heads, model.num_kv_groups
     if None in (a, h, model.num_layers):
         raise ConfigError("--num-layers, --hidden-size and --num-attention-heads are required "
@@ -93,7 +97,7 @@ def _model_from_args(args) -> tuple[ModelConfig, str]:
     if a % g:
         raise ConfigError(f"--num-query-groups {g} does not divide --num-attention-heads {a}: "
                           f"choose a divisor of {a}")
-    return model, name
+    return model, name, no_effect
 
 
 def _hybrid_depth(model: ModelConfig, args) -> ModelConfig:
@@ -161,7 +165,7 @@ def run(args) -> int:
         for key, value in read_yaml_config(args.config).items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
-    model, name = _model_from_args(args)
+    model, name, no_effect = _model_from_args(args)
     cluster = _cluster_from_args(args)
     B = args.global_batch_size
     if B is not None and B < 1:
@@ -183,7 +187,11 @@ def run(args) -> int:
                    straggler_jitter=args.straggler_jitter,
                    moe_load_imbalance=args.moe_load_imbalance,
                    cp_comm_type=cp_comm_type_of(args), cp_a2a_size=cp_a2a_size_of(args),
-                   layer_memory=args.layer_memory)
+                   layer_memory=args.layer_memory,
+                   **({"ddp_bucket_elems": float(args.ddp_bucket_size), "ddp_bucket_per_rank": 0.0}
+                      if args.ddp_bucket_size else {}))  # as loom train's buckets (predict.py)
+    for note in unmodelled_note(args, no_effect):
+        print(f"loom plan: warning: {note}", file=sys.stderr)
     calibration = None
     if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve
         from loom.planner.calibrate_runs import calibrate, read_runs

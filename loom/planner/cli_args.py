@@ -17,7 +17,10 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     reads them."""
     fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
              "cp": args.context_parallel_size, "dp": args.data_parallel_size,
-             "mbs": args.micro_batch_size, "recompute": args.recompute_granularity,
+             "mbs": args.micro_batch_size,
+             # --recompute-activations: Megatron's selective recompute (arguments.py)
+             "recompute": args.recompute_granularity or (
+                 "selective" if getattr(args, "recompute_activations", None) else None),
              # Megatron turns --sequence-parallel off at TP 1 (arguments.py): not a constraint;
              # --no-sequence-parallel (False, not None) fixes it off
              "sp": 0 if args.sequence_parallel is False else
@@ -167,3 +170,75 @@ def cp_a2a_size_of(args) -> int:
         raise ConfigError(f"--hierarchical-context-parallel-sizes {a} {b} multiply to {a * b}, "
                           f"not --context-parallel-size {cp}: give sizes whose product is {cp}")
     return a
+
+
+# -- what loom plan does with each of loom train's flags ---------------------------------------
+# Every config field outside the model section is in exactly one of these (the model section is
+# the model: every field reaches the planner's ModelConfig). tests/planner/test_plan_flag_
+# coverage.py checks the partition against the config, so a new field needs a decision here.
+PLAN_READS = frozenset({
+    # the layout: fixed_from_args, cp_comm_type_of, cp_a2a_size_of
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "data_parallel_size", "num_layers_per_virtual_pipeline_stage", "pipeline_schedule",
+    "pipeline_model_parallel_layout", "microbatch_group_size_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "sequence_parallel", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes",
+    "micro_batch_size", "global_batch_size", "use_distributed_optimizer", "zero_stage",
+    "use_torch_fsdp2", "use_megatron_fsdp", "data_parallel_sharding_strategy",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
+    # data-parallel overlap and buckets (loom.planner.cli: dp_overlap_of, plan_options_of)
+    "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size",
+    # 16-bit weights and fp32 gradient buffers and optimizer states are what it counts
+    "bf16", "fp16", "accumulate_allreduce_grads_in_fp32",
+})
+NO_STEP_COST = frozenset({
+    # the schedule of values, not the cost of a step
+    "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_samples",
+    "lr_decay_samples", "lr_warmup_init", "lr_warmup_fraction", "decoupled_lr",
+    "decoupled_min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+    "seed", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+    "hysteresis", "calculate_per_token_loss", "sgd_momentum", "muon_momentum", "muon_split_qkv",
+    "muon_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec", "muon_coefficient_type",
+    "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor", "muon_scalar_optimizer",
+    # how long, from where, and what happens around the steps (the step itself is unchanged;
+    # a batch ramp-up's smaller first batches are before the planned step)
+    "train_iters", "train_samples", "exit_duration_in_mins", "exit_on_nonfinite", "skip_train",
+    "rampup_batch_size", "step_batch_size_schedule", "ckpt_format", "pretrained_checkpoint",
+    "use_checkpoint_args", "log_num_zeros_in_grad", "log_params_norm",
+    "distributed_backend", "device",
+})
+NO_STEP_COST_SECTIONS = ("data", "logging", "checkpoint", "fault_tolerance")
+"""Sections whose every field is outside the step's time and memory (data, logging, checkpoint
+and failure handling; profiling and memory history slow only the steps they record)."""
+UNMODELLED = {
+    "optimizer": "priced as Adam: 12 bytes of states per parameter",
+    "compile": "priced as eager PyTorch kernels",
+    "deterministic_mode": "priced at the default kernels' speed",
+    "export_kd_teacher_load": "the distillation teacher's forward and weights are not priced",
+    "export_kd_cfg": "the distillation losses are not priced",
+}
+"""Config fields that change a step's time or memory and that the planner does not price:
+named once on stderr when given (:func:`unmodelled_note`)."""
+def unmodelled_note(args, no_effect: dict) -> list[str]:
+    """The lines loom plan prints on stderr (``loom plan: warning: ...``) for flags given that
+    its prediction does not include: loom train's own no-effect report of the Megatron flags
+    (:func:`loom.config.flag_table.no_effect_report`: the plan is for loom train, which runs
+    without them, e.g. ``--distribute-saved-activations``, which the planner prices only for
+    published Megatron runs), and the config fields of :data:`UNMODELLED` (``--optimizer
+    adam`` is the planner's own)."""
+    from loom.config.flag_table import no_effect_report
+    out = []
+    report = no_effect_report(no_effect, command="loom plan")
+    if report:
+        out.append(report)
+    given = [(name, why) for name, why in UNMODELLED.items()
+             if getattr(args, name, None) not in (None, False)
+             and not (name == "optimizer" and getattr(args, name) == "adam")]
+    if given:
+        out.append("not in the prediction: " + "; ".join(
+            f"--{name.replace('_', '-')}"
+            + ("" if getattr(args, name) is True else f" {getattr(args, name)}") + f" ({why})"
+            for name, why in given))
+    return out

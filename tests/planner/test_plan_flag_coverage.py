@@ -1,0 +1,152 @@
+"""What ``loom plan`` does with every flag of ``loom train`` (loom/planner/cli_args.py): each
+config field outside the model section is read by the planner, costs nothing in a step, or is
+named on stderr as not in the prediction; so is every Megatron flag loom train takes without
+effect. No flag given to loom plan changes nothing silently. Single process, ~2 s."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from loom.config import LoomConfig
+from loom.planner.cli_args import (NO_STEP_COST, NO_STEP_COST_SECTIONS, PLAN_READS, UNMODELLED,
+                                   fixed_from_args)
+
+SMALL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
+         "--seq-length", "512", "--vocab-size", "32000", "--gpu", "H100-80GB", "--num-gpus", "8",
+         "--global-batch-size", "64"]
+
+# a read field -> (flags giving it, the fixed dimension it sets), against SMALL + BASE
+BASE = ["--pipeline-model-parallel-size", "2"]
+FIXES = {
+    "tensor_model_parallel_size": (["--tensor-model-parallel-size", "2"], "tp"),
+    "pipeline_model_parallel_size": (["--pipeline-model-parallel-size", "4"], "pp"),
+    "context_parallel_size": (["--context-parallel-size", "2"], "cp"),
+    "data_parallel_size": (["--data-parallel-size", "2"], "dp"),
+    "num_layers_per_virtual_pipeline_stage": (["--num-layers-per-virtual-pipeline-stage", "2"],
+                                              "vp"),
+    "num_virtual_stages_per_pipeline_rank": (["--num-virtual-stages-per-pipeline-rank", "2"],
+                                             "vp"),
+    "pipeline_schedule": (["--pipeline-schedule", "1f1b"], "vp"),
+    "pipeline_model_parallel_layout": (["--pipeline-model-parallel-layout", "Et*3|t*5L"],
+                                       "layout"),
+    "microbatch_group_size_per_virtual_pipeline_stage": (
+        ["--microbatch-group-size-per-virtual-pipeline-stage", "4"], "vpg"),
+    "account_for_embedding_in_pipeline_split": (["--account-for-embedding-in-pipeline-split"],
+                                                "account_embedding"),
+    "account_for_loss_in_pipeline_split": (["--account-for-loss-in-pipeline-split"],
+                                           "account_loss"),
+    "decoder_first_pipeline_num_layers": (["--decoder-first-pipeline-num-layers", "3"],
+                                          "first_layers"),
+    "decoder_last_pipeline_num_layers": (["--decoder-last-pipeline-num-layers", "3"],
+                                         "last_layers"),
+    "sequence_parallel": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "sp"),
+    "expert_model_parallel_size": (["--num-experts", "4", "--expert-model-parallel-size", "2"],
+                                   "ep"),
+    "expert_tensor_parallel_size": (["--num-experts", "4", "--tensor-model-parallel-size", "2",
+                                     "--expert-tensor-parallel-size", "1"], "etp"),
+    "micro_batch_size": (["--micro-batch-size", "2"], "mbs"),
+    "use_distributed_optimizer": (["--use-distributed-optimizer"], "zero"),
+    "zero_stage": (["--zero-stage", "2"], "zero"),
+    "use_torch_fsdp2": (["--use-torch-fsdp2"], "zero"),
+    "use_megatron_fsdp": (["--use-megatron-fsdp"], "zero"),
+    "data_parallel_sharding_strategy": (["--use-megatron-fsdp",
+                                         "--data-parallel-sharding-strategy", "optim"], "zero"),
+    "recompute_granularity": (["--recompute-granularity", "selective"], "recompute"),
+    "recompute_activations": (["--recompute-activations"], "recompute"),
+    "recompute_method": (["--recompute-granularity", "full", "--recompute-method", "block",
+                          "--recompute-num-layers", "2"], "rcl"),
+    "recompute_num_layers": (["--recompute-granularity", "full", "--recompute-method", "block",
+                              "--recompute-num-layers", "2"], "rcl"),
+}
+# read elsewhere than the fixed dimensions: the CP type, DP overlap, buckets (a plan run shows
+# them); and what the planner counts anyway (16-bit weights, fp32 gradient buffers)
+OTHER_READS = {"cp_comm_type", "hierarchical_context_parallel_sizes", "global_batch_size",
+               "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size"}
+ASSUMED = {"bf16", "fp16", "accumulate_allreduce_grads_in_fp32"}
+
+
+def _args(argv: list) -> argparse.Namespace:
+    from loom.planner.cli import add_arguments, plan_options
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    plan_options(args)
+    return args
+
+
+def _plan(argv, capsys) -> tuple[int, str, str]:
+    from loom.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_every_config_field_has_one_planner_class():
+    """Every field of every section but the model is read, step-free or named as not in the
+    prediction: exactly one of them, and no class lists a field the config lacks."""
+    cfg = LoomConfig()
+    sections = {f.name: [g.name for g in dataclasses.fields(getattr(cfg, f.name))]
+                for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    classes = (PLAN_READS, NO_STEP_COST, set(UNMODELLED))
+    everything = set()
+    for section, names in sections.items():
+        if section == "model":
+            continue
+        for name in names:
+            hits = sum(name in c for c in classes) + (section in NO_STEP_COST_SECTIONS)
+            assert hits == 1, (section, name, hits)
+        everything |= set(names)
+    assert set().union(*classes) <= everything, set().union(*classes) - everything
+    assert set(FIXES) | OTHER_READS | ASSUMED == PLAN_READS
+
+
+@pytest.mark.parametrize("name", sorted(FIXES))
+def test_each_read_layout_flag_fixes_its_dimension(name):
+    from loom.planner.cli import _model_from_args
+    argv, key = FIXES[name]
+    args = _args(SMALL + BASE + argv)
+    model = _model_from_args(args)[0]
+    base = fixed_from_args(_args(SMALL + BASE), model)
+    got = fixed_from_args(args, model)
+    assert key in got and got.get(key) != base.get(key), (name, got)
+
+
+def test_assumed_and_step_free_flags_change_nothing_and_unmodelled_ones_are_named(capsys):
+    """``--bf16``, ``--lr``, ``--save`` ...: the same plan, no warning. ``--optimizer sgd``,
+    ``--compile``, and a Megatron flag loom train takes without effect (``--fp8-format``,
+    ``--tp-comm-overlap``, ``--distribute-saved-activations``): the same plan, one warning line
+    each kind, naming every flag; ``--json`` stays parseable on stdout."""
+    runs = []
+    for extra in ([], ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--lr", "1e-4",
+                       "--train-iters", "10", "--save", "/tmp/never-written", "--seed", "7",
+                       "--log-interval", "5", "--optimizer", "adam"],
+                  ["--optimizer", "sgd", "--compile", "--fp8-format", "hybrid",
+                   "--tp-comm-overlap", "--distribute-saved-activations"]):
+        code, out, err = _plan(SMALL + extra + ["--json", "--top", "3"], capsys)
+        assert code == 0, err
+        runs.append((json.loads(out)["layouts"], err))
+    plain, step_free, named = runs
+    assert step_free == plain and named[0] == plain[0] and plain[1] == ""
+    lines = named[1].strip().splitlines()
+    assert len(lines) == 2 and all(ln.startswith("loom plan: warning: ") for ln in lines)
+    for flag in ("--optimizer sgd", "--compile", "--fp8-format hybrid", "--tp-comm-overlap",
+                 "--distribute-saved-activations"):
+        assert flag in named[1], flag
+
+
+def test_bucket_size_is_planned_and_carried_to_the_command(capsys):
+    """``--ddp-bucket-size`` was accepted and ignored: the plan now times the given buckets and
+    its command carries them."""
+    argv = SMALL + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                    "--zero-stage", "1", "--json", "--top", "1"]
+    _, out, _ = _plan(argv, capsys)
+    _, small, _ = _plan(argv + ["--ddp-bucket-size", "100000"], capsys)
+    a, b = json.loads(out)["layouts"][0], json.loads(small)["layouts"][0]
+    assert "--ddp-bucket-size 100000" in b["command"] and "--ddp-bucket-size 100000" \
+        not in a["command"]
+    assert b["time_terms_s"]["dp_comm"] > a["time_terms_s"]["dp_comm"]
