@@ -29,7 +29,7 @@ from loom.planner.options import PLAN_OPTIONS
 from loom.planner.hardware import GB, Cluster, make_cluster
 from loom.planner.cost import format_estimate, parse_count, training_estimate
 from loom.planner.cli_args import (cp_a2a_size_of, cp_comm_type_of, fixed_from_args,
-                                   unmodelled_note)
+                                   optimizer_option, unmodelled_note)
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options
 from loom.planner.memory import total_params
@@ -189,7 +189,8 @@ def run(args) -> int:
                    cp_comm_type=cp_comm_type_of(args), cp_a2a_size=cp_a2a_size_of(args),
                    layer_memory=args.layer_memory,
                    **({"ddp_bucket_elems": float(args.ddp_bucket_size), "ddp_bucket_per_rank": 0.0}
-                      if args.ddp_bucket_size else {}))  # as loom train's buckets (predict.py)
+                      if args.ddp_bucket_size else {}),  # as loom train's buckets (predict.py)
+                   **optimizer_option(args))
     for note in unmodelled_note(args, no_effect):
         print(f"loom plan: warning: {note}", file=sys.stderr)
     calibration = None

@@ -213,7 +213,7 @@ NO_STEP_COST_SECTIONS = ("data", "logging", "checkpoint", "fault_tolerance")
 """Sections whose every field is outside the step's time and memory (data, logging, checkpoint
 and failure handling; profiling and memory history slow only the steps they record)."""
 UNMODELLED = {
-    "optimizer": "priced as Adam: 12 bytes of states per parameter",
+    "optimizer": "Muon's states are priced as Adam's: 12 bytes per parameter",
     "compile": "priced as eager PyTorch kernels",
     "deterministic_mode": "priced at the default kernels' speed",
     "export_kd_teacher_load": "the distillation teacher's forward and weights are not priced",
@@ -226,8 +226,8 @@ def unmodelled_note(args, no_effect: dict) -> list[str]:
     its prediction does not include: loom train's own no-effect report of the Megatron flags
     (:func:`loom.config.flag_table.no_effect_report`: the plan is for loom train, which runs
     without them, e.g. ``--distribute-saved-activations``, which the planner prices only for
-    published Megatron runs), and the config fields of :data:`UNMODELLED` (``--optimizer
-    adam`` is the planner's own)."""
+    published Megatron runs), and the config fields of :data:`UNMODELLED` (``--optimizer adam``
+    and ``sgd`` are priced: :func:`optimizer_option`)."""
     from loom.config.flag_table import no_effect_report
     out = []
     report = no_effect_report(no_effect, command="loom plan")
@@ -235,10 +235,21 @@ def unmodelled_note(args, no_effect: dict) -> list[str]:
         out.append(report)
     given = [(name, why) for name, why in UNMODELLED.items()
              if getattr(args, name, None) not in (None, False)
-             and not (name == "optimizer" and getattr(args, name) == "adam")]
+             and not (name == "optimizer" and optimizer_option(args))]
     if given:
         out.append("not in the prediction: " + "; ".join(
             f"--{name.replace('_', '-')}"
             + ("" if getattr(args, name) is True else f" {getattr(args, name)}") + f" ({why})"
             for name, why in given))
     return out
+
+
+def optimizer_option(args) -> dict:
+    """``{"optimizer_state_bytes": bytes}`` for ``--optimizer`` adam (the default) or sgd (with
+    ``--sgd-momentum``, Megatron's default 0.9): :func:`loom.planner.memory.
+    optimizer_state_bytes`; ``{}`` for Muon (not priced, named by :func:`unmodelled_note`)."""
+    from loom.planner.memory import optimizer_state_bytes
+    momentum = getattr(args, "sgd_momentum", None)
+    state = optimizer_state_bytes(getattr(args, "optimizer", None) or "adam",
+                                  0.9 if momentum is None else momentum)
+    return {} if state is None else {"optimizer_state_bytes": state}

@@ -58,6 +58,8 @@ SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
 # torch-free, a test checks they agree) as Options fields
 LOOM_BUCKETS = dict(ddp_bucket_count=4, ddp_bucket_per_rank=250_000, ddp_bucket_elems=40e6)
 WORKSPACE_BYTES = 2e9
+ADAM_STATE_BYTES = 8.0  # Adam's fp32 exp_avg and exp_avg_sq per parameter (ZERO sec 3.1: K = 12
+# with the fp32 master copy)
 FRAGMENTATION_FRACTION = 0.05
 
 
@@ -134,6 +136,9 @@ class Options:
     ranks (``2 S h / t``), as OPT-175B trained (metaseq ``--distribute-checkpointed-
     activations``). Planner only: ``loom train`` does not implement it; its time is one
     all-gather of the saved input per layer in backward (:func:`loom.planner.timing.layer_times`).
+    ``optimizer_state_bytes``: the optimizer's states per parameter beside the fp32 master
+    copy (:func:`loom.planner.memory.optimizer_state_bytes`: Adam 8, SGD 4 with momentum, 0
+    without).
     ``zero1_all_reduce_grads``: ZeRO-1 all-reduces the gradients in full instead of
     reduce-scattering them, then all-gathers the updated weights (DeepSpeed's 2022
     BF16_Optimizer, BLOOM's optimizer; Megatron's distributed optimizer reduce-scatters).
@@ -171,6 +176,7 @@ class Options:
 
     flash_attention: bool = False
     grad_bytes: int = 4
+    optimizer_state_bytes: float = ADAM_STATE_BYTES
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool | None = None  # None: as overlap_grad_reduce
     overlap_tp_comm: bool = True

@@ -43,7 +43,7 @@ import numpy as np
 
 from loom.config import ModelConfig
 from loom.planner.context_parallel import cp_memory, row_comm_types
-from loom.planner.layout import Options, num_microbatches
+from loom.planner.layout import ADAM_STATE_BYTES, Options, num_microbatches
 from loom.planner.mamba import KINDS, is_hybrid, kind_activation_bytes, kind_counts, kind_params
 from loom.planner.activations import (activation_bytes_per_layer,  # noqa: F401 - re-exported
                                       distribute_saved, inflight_microbatches)
@@ -196,15 +196,30 @@ def stage_params(model: ModelConfig, L: dict, seq_length: int, m=None) -> dict:
     return out
 
 
-def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2, bf16: bool = True) -> tuple:
+def optimizer_state_bytes(optimizer: str = "adam", sgd_momentum: float = 0.9) -> float | None:
+    """Bytes per parameter an optimizer keeps beside the fp32 master copy: ``--optimizer adam``
+    8 (fp32 ``exp_avg``, ``exp_avg_sq``; ZERO sec 3.1), ``sgd`` 4 (fp32 ``momentum_buffer``)
+    with ``--sgd-momentum`` > 0, else 0 (``torch.optim.SGD`` keeps no state). None for Muon
+    (a momentum for the 2-D weights it manages, Adam's two for the rest: not priced)."""
+    if optimizer == "adam":
+        return ADAM_STATE_BYTES
+    if optimizer == "sgd":
+        return 4.0 if sgd_momentum else 0.0
+    return None
+
+
+def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2, bf16: bool = True,
+                                state_bytes: float = ADAM_STATE_BYTES) -> tuple:
     """Bytes per parameter ``(weights, gradients, optimizer)`` at ZeRO stage ``zero`` and
     data-parallel size ``dp`` (ZERO sec 3.1/5: 2 + 2 + 12 = 16 with fp16 gradients). ZeRO-3
     (``loom train --zero-stage 3``, FSDP2) with fp32 gradients: 18/d. ``bf16=False``: fp32
     training, the weights are the master copy: 4 + 4 + 8 (Adam's moments) = 16, 16/d at
-    ZeRO-3 (what ``tests/parallel/test_fsdp.py`` measures on the trainer)."""
+    ZeRO-3 (what ``tests/parallel/test_fsdp.py`` measures on the trainer). ``state_bytes``:
+    the optimizer's own states per parameter (:func:`optimizer_state_bytes`; Adam's 8)."""
     zero = np.asarray(zero, dtype=np.float64)
     dp = np.asarray(dp, dtype=np.float64)
-    weight_bytes, grad_bytes, optim_bytes = (2.0, grad_bytes, 12.0) if bf16 else (4.0, 4.0, 8.0)
+    weight_bytes, grad_bytes, optim_bytes = ((2.0, grad_bytes, 4.0 + state_bytes) if bf16
+                                             else (4.0, 4.0, state_bytes))
     w = weight_bytes / np.where(zero >= 3, dp, 1.0)
     g = grad_bytes / np.where(zero >= 2, dp, 1.0)
     o = optim_bytes / np.where(zero >= 1, dp, 1.0)
@@ -315,8 +330,11 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     if slots is None:
         slots = stage_slots(model, L, m, opts.legacy_interleaved_warmup)
     P, X = slot_params(model, L, s, slots)
-    wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes)
-    xw, xg, xo = model_state_bytes_per_param(L["zero"], expert_dp(L), opts.grad_bytes)
+    k = opts.optimizer_state_bytes
+    wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes,
+                                             state_bytes=k)
+    xw, xg, xo = model_state_bytes_per_param(L["zero"], expert_dp(L), opts.grad_bytes,
+                                             state_bytes=k)
     base_k, full_k, working = layer_activation_kinds(model, s, L, opts)
     kv_w = (model.num_attention_heads * (model.q_head_dim + model.v_head_dim)
             if getattr(model, "multi_latent_attention", False)

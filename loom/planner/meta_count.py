@@ -9,7 +9,9 @@ collective returns at once; what Megatron-LM's ``--fake-process-group`` does), t
 rank's parameters element by element. Bytes follow Megatron-style mixed precision (the
 planner's convention, :func:`loom.planner.memory.model_state_bytes_per_param`): 2 bytes per
 bf16 weight (4 in fp32 runs), ``grad_bytes`` per gradient (Megatron's fp32 ``main_grad``: 4),
-12 of fp32 master + Adam m, v, the last split over the data-parallel x context-parallel group
+12 of fp32 master + Adam m, v (SGD: 8 with momentum, 4 without; Muon's states are not counted:
+``optimizer_bytes`` None; :func:`loom.planner.memory.optimizer_state_bytes`), the last split
+over the data-parallel x context-parallel group
 by the distributed optimizer (ZeRO-1: ``ceil(N / (d c))`` elements per rank; expert
 parameters over the expert-data-parallel group). With FSDP2 the counted local shards already
 are the per-rank weights.
@@ -66,6 +68,7 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     from loom.parallel.parallelize import build_model_chunks
     from loom.parallel.random import RNGTracker
     from loom.parallel.registry import named_parameters
+    from loom.planner.memory import optimizer_state_bytes
 
     if dist.is_initialized():
         raise RuntimeError("count_rank_states: a process group already exists; the fake one "
@@ -97,15 +100,14 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
         (1 if t.use_distributed_optimizer or (t.zero_stage or 0) >= 1 else 0)
     wb = 2 if (t.bf16 or t.fp16) else 4
     dense = n - nx
-    if zero == 3:  # FSDP2: the local shards above; fp32 master + moments of the shard
-        opt = 12 * n if wb == 2 else 8 * n
-        return dict(params=n, expert_params=nx, dp=dp, edp=edp, zero=zero, **coords,
-                    weights_bytes=wb * n, gradients_bytes=grad_bytes * n, optimizer_bytes=opt)
-    opt_elems = (math.ceil(dense / dp) + math.ceil(nx / edp)) if zero == 1 else n
-    opt_per = 12 if wb == 2 else 8  # fp32 runs: the weights are the master copy
+    state = optimizer_state_bytes(t.optimizer, t.sgd_momentum)  # None: Muon, not counted
+    # 16-bit runs keep an fp32 master copy; fp32 runs' weights are the master copy
+    opt_per = None if state is None else (4 + state if wb == 2 else state)
+    # FSDP2: the local shards above; ZeRO-1: ceil shares of the dense and expert elements
+    opt_elems = n if zero != 1 else math.ceil(dense / dp) + math.ceil(nx / edp)
     return dict(params=n, expert_params=nx, dp=dp, edp=edp, zero=zero, **coords,
                 weights_bytes=wb * n, gradients_bytes=grad_bytes * n,
-                optimizer_bytes=opt_per * opt_elems)
+                optimizer_bytes=None if opt_per is None else opt_per * opt_elems)
 
 
 def representative_ranks(cfg: LoomConfig, world_size: int) -> list[int]:
@@ -141,6 +143,7 @@ def format_counts(cfg: LoomConfig, world_size: int) -> str:
         lines.append(
             f"  rank {r} (pp stage {c['pp_rank']}, tp rank {c['tp_rank']}): {c['params']:,} params "
             f"(planner formula {f:,.0f}, {100 * (f / max(c['params'], 1) - 1):+.2f}%); weights "
-            f"{c['weights_bytes'] / GB:.3f}, grads {c['gradients_bytes'] / GB:.3f}, optimizer "
-            f"{c['optimizer_bytes'] / GB:.3f} GB")
+            f"{c['weights_bytes'] / GB:.3f}, grads {c['gradients_bytes'] / GB:.3f}"
+            + (f", optimizer {c['optimizer_bytes'] / GB:.3f} GB" if c["optimizer_bytes"] is not None
+               else f" GB; optimizer states not counted (--optimizer {cfg.training.optimizer})"))
     return "\n".join(lines)

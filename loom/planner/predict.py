@@ -15,6 +15,7 @@ from loom.config import LoomConfig
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
 from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, make_layouts,
                                  param_gather_overlapped)
+from loom.planner.memory import optimizer_state_bytes
 from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate, with_group
 from loom.planner.stages import given_split
 
@@ -87,13 +88,17 @@ def run_options(cfg: LoomConfig) -> Options:
     ``overlap_param_gather`` from ``--overlap-param-gather`` (the distributed optimizer's
     asynchronous all-gather waited for by forward pre-hooks, loom/training/optimizer.py);
     both default off (Megatron's defaults); its gradient buckets: ``--ddp-bucket-size`` or
-    else loom's default size (:data:`loom.planner.layout.LOOM_BUCKETS`)."""
+    else loom's default size (:data:`loom.planner.layout.LOOM_BUCKETS`); its optimizer's
+    states (``--optimizer``, ``--sgd-momentum``: :func:`loom.planner.memory.optimizer_state_bytes`;
+    Muon's are priced as Adam's)."""
     size = cfg.parallel.ddp_bucket_size
     buckets = (dict(ddp_bucket_elems=float(size), ddp_bucket_per_rank=0.0) if size
                else LOOM_BUCKETS)  # --ddp-bucket-size, or loom's default_bucket_size
+    state = optimizer_state_bytes(cfg.training.optimizer, cfg.training.sgd_momentum)
     return Options(flash_attention=True, layer_memory="loom",
                    overlap_grad_reduce=bool(cfg.parallel.overlap_grad_reduce),
-                   overlap_param_gather=bool(cfg.training.overlap_param_gather), **buckets)
+                   overlap_param_gather=bool(cfg.training.overlap_param_gather), **buckets,
+                   **({} if state is None else {"optimizer_state_bytes": state}))
 
 
 def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,

@@ -200,6 +200,14 @@ def fsdp_exposed(ag_s, rs_s, fwd_s, bwd_s, n_layers):
             + rs_s / n_layers + k * np.maximum(0.0, ag_s + rs_s - bwd_s))
 
 
+def optimizer_traffic(state_bytes: float) -> float:
+    """HBM bytes per parameter one optimizer step moves: the fp32 master copy read and written
+    (8), the fp32 gradient read (4), the 16-bit weights written (2), and each state read and
+    written (``2 x state_bytes``): 30 for Adam (its two fp32 moments), 22 for SGD with
+    momentum, 14 without."""
+    return 14.0 + 2.0 * state_bytes
+
+
 def dp_network(cluster: Cluster) -> Cluster:
     """The cluster as the data-parallel collectives see it: ``inter_bw`` x
     ``cluster.dp_net_efficiency`` (the achieved fraction of the inter-node bandwidth, fitted by
@@ -489,10 +497,11 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
         opts.overlap_interference)
     terms["dp_comm"] = np.where(n_dp > 1, dp_exposed, 0.0) + terms["dp_interference"]
     shard = np.where(z >= 1, n_dp, 1.0)
-    terms["optimizer"] = 30.0 * params / shard / cluster.hbm_bw
+    traffic = optimizer_traffic(opts.optimizer_state_bytes)
+    terms["optimizer"] = traffic * params / shard / cluster.hbm_bw
     if model.num_experts:
         shard_x = np.where(z >= 1, n_x, 1.0)
-        terms["optimizer"] = 30.0 * ((params - ex) / shard + ex / shard_x) / cluster.hbm_bw
+        terms["optimizer"] = traffic * ((params - ex) / shard + ex / shard_x) / cluster.hbm_bw
     busy = (terms["compute"] + terms["recompute"] + terms["elementwise"]
             + terms["tp_comm"] + terms["cp_comm"] + terms["ep_comm"] + terms["pp_bubble"]
             + terms["pp_comm"] + terms["dp_comm"] + terms["optimizer"])

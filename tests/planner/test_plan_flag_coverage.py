@@ -117,7 +117,7 @@ def test_each_read_layout_flag_fixes_its_dimension(name):
 
 
 def test_assumed_and_step_free_flags_change_nothing_and_unmodelled_ones_are_named(capsys):
-    """``--bf16``, ``--lr``, ``--save`` ...: the same plan, no warning. ``--optimizer sgd``,
+    """``--bf16``, ``--lr``, ``--save`` ...: the same plan, no warning. ``--optimizer muon``,
     ``--compile``, and a Megatron flag loom train takes without effect (``--fp8-format``,
     ``--tp-comm-overlap``, ``--distribute-saved-activations``): the same plan, one warning line
     each kind, naming every flag; ``--json`` stays parseable on stdout."""
@@ -125,7 +125,7 @@ def test_assumed_and_step_free_flags_change_nothing_and_unmodelled_ones_are_name
     for extra in ([], ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--lr", "1e-4",
                        "--train-iters", "10", "--save", "/tmp/never-written", "--seed", "7",
                        "--log-interval", "5", "--optimizer", "adam"],
-                  ["--optimizer", "sgd", "--compile", "--fp8-format", "hybrid",
+                  ["--optimizer", "muon", "--compile", "--fp8-format", "hybrid",
                    "--tp-comm-overlap", "--distribute-saved-activations"]):
         code, out, err = _plan(SMALL + extra + ["--json", "--top", "3"], capsys)
         assert code == 0, err
@@ -134,9 +134,23 @@ def test_assumed_and_step_free_flags_change_nothing_and_unmodelled_ones_are_name
     assert step_free == plain and named[0] == plain[0] and plain[1] == ""
     lines = named[1].strip().splitlines()
     assert len(lines) == 2 and all(ln.startswith("loom plan: warning: ") for ln in lines)
-    for flag in ("--optimizer sgd", "--compile", "--fp8-format hybrid", "--tp-comm-overlap",
+    for flag in ("--optimizer muon", "--compile", "--fp8-format hybrid", "--tp-comm-overlap",
                  "--distribute-saved-activations"):
         assert flag in named[1], flag
+
+
+def test_sgd_is_priced_without_a_warning(capsys):
+    """``--optimizer sgd``: SGD's states (8 bytes per parameter with the master copy, 4 without
+    momentum) instead of Adam's 12, and no warning."""
+    argv = SMALL + ["--zero-stage", "0", "--tensor-model-parallel-size", "1",
+                    "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1",
+                    "--json", "--top", "1"]
+    got = {}
+    for extra in ([], ["--optimizer", "sgd"], ["--optimizer", "sgd", "--sgd-momentum", "0"]):
+        code, out, err = _plan(argv + extra, capsys)
+        assert code == 0 and err == "", err
+        got[len(extra)] = json.loads(out)["layouts"][0]["memory_terms_gb"]["optimizer"]
+    assert got[2] == pytest.approx(got[0] * 8 / 12) and got[4] == pytest.approx(got[0] * 4 / 12)
 
 
 def test_bucket_size_is_planned_and_carried_to_the_command(capsys):
