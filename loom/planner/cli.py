@@ -191,6 +191,7 @@ def run(args) -> int:
                    **({"ddp_bucket_elems": float(args.ddp_bucket_size), "ddp_bucket_per_rank": 0.0}
                       if args.ddp_bucket_size else {}),  # as loom train's buckets (predict.py)
                    **optimizer_option(args))
+    precision = "fp16" if args.fp16 else "bf16"  # what the planner prices; the command says it
     for note in unmodelled_note(args, no_effect):
         print(f"loom plan: warning: {note}", file=sys.stderr)
     calibration = None
@@ -248,7 +249,7 @@ def run(args) -> int:
             doc["closest"] = record(res, int(res["mem_total"].argmin()))
         for r in recs:
             r["command"] = train_command(r, model, B, s, cluster.num_gpus, cluster.gpus_per_node,
-                                         opts)
+                                         opts, precision)
         print(to_json(recs, doc))
     else:
         if calibration:
@@ -264,7 +265,7 @@ def run(args) -> int:
             print(f"command for row {n}{' (the chosen layout)' if n == 1 else ''}; add "
                   f"--data-path PREFIX (or --mock-data to try it), --train-iters N and --lr X:")
             print(train_command(recs[n - 1], model, B, s, cluster.num_gpus,
-                                cluster.gpus_per_node, opts))
+                                cluster.gpus_per_node, opts, precision))
     if why:
         print(f"loom plan: {why}", file=sys.stderr)
     if args.plot:

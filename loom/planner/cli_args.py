@@ -190,8 +190,9 @@ PLAN_READS = frozenset({
     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
     # data-parallel overlap and buckets (loom.planner.cli: dp_overlap_of, plan_options_of)
     "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size",
-    # 16-bit weights and fp32 gradient buffers and optimizer states are what it counts
-    "bf16", "fp16", "accumulate_allreduce_grads_in_fp32",
+    # 16-bit weights and fp32 gradient buffers and optimizer states are what it counts (the
+    # printed command carries --bf16, or --fp16 when given); --optimizer adam / sgd's states
+    "bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "sgd_momentum",
 })
 NO_STEP_COST = frozenset({
     # the schedule of values, not the cost of a step
@@ -199,7 +200,7 @@ NO_STEP_COST = frozenset({
     "lr_decay_samples", "lr_warmup_init", "lr_warmup_fraction", "decoupled_lr",
     "decoupled_min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-    "hysteresis", "calculate_per_token_loss", "sgd_momentum", "muon_momentum", "muon_split_qkv",
+    "hysteresis", "calculate_per_token_loss", "muon_momentum", "muon_split_qkv",
     "muon_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec", "muon_coefficient_type",
     "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor", "muon_scalar_optimizer",
     # how long, from where, and what happens around the steps (the step itself is unchanged;

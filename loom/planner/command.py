@@ -163,7 +163,7 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int,
 
 
 def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_length: int,
-                  num_gpus: int, gpus_per_node: int, opts=None) -> str:
+                  num_gpus: int, gpus_per_node: int, opts=None, precision: str = "bf16") -> str:
     """The shell command that runs layout ``rec``: ``torchrun [--standalone] --nproc-per-node G [--nnodes N
     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500] -m loom train FLAGS``, one flag per
     continued line; data, length and learning rate (``--data-path`` / ``--train-iters`` /
@@ -171,7 +171,11 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     add. A split that only ``--pipeline-model-parallel-layout`` expresses is given as that
     flag; while loom train's config lacks it (:func:`loom_takes_layout_string`) a comment line
     says so. ``opts``: the :class:`~loom.planner.layout.Options` the plan used (its DP
-    overlap flags, :func:`dp_overlap_flags`; None: the defaults)."""
+    overlap flags, :func:`dp_overlap_flags`; None: the defaults). ``precision``: ``--bf16``
+    or ``--fp16``, the 16-bit training the planner prices (loom train, as Megatron, trains in
+    fp32 without either)."""
+    if precision not in ("bf16", "fp16"):
+        raise ValueError(f"precision {precision!r}: the planner prices bf16 or fp16")
     if "dp" not in rec:  # a hand-made record: d from the world size
         rec = dict(rec, dp=num_gpus // (rec["tp"] * rec["pp"] * rec["cp"]))
     per_node = min(num_gpus, gpus_per_node)
@@ -183,7 +187,8 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
         launch += ["--nnodes", str(nodes), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", "$MASTER_ADDR:29500"]
     words = [shlex.quote(w) for w in
-             model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size, opts)]
+             model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size, opts)
+             + [f"--{precision}"]]
     pairs, i = [], 0
     while i < len(words):  # "--flag value [value ...]" together on one line
         take = 1

@@ -66,7 +66,7 @@ FIXES = {
 # them); and what the planner counts anyway (16-bit weights, fp32 gradient buffers)
 OTHER_READS = {"cp_comm_type", "hierarchical_context_parallel_sizes", "global_batch_size",
                "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size"}
-ASSUMED = {"bf16", "fp16", "accumulate_allreduce_grads_in_fp32"}
+ASSUMED = {"bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "sgd_momentum"}
 
 
 def _args(argv: list) -> argparse.Namespace:
@@ -151,6 +151,17 @@ def test_sgd_is_priced_without_a_warning(capsys):
         assert code == 0 and err == "", err
         got[len(extra)] = json.loads(out)["layouts"][0]["memory_terms_gb"]["optimizer"]
     assert got[2] == pytest.approx(got[0] * 8 / 12) and got[4] == pytest.approx(got[0] * 4 / 12)
+
+
+def test_command_trains_in_the_precision_planned(capsys):
+    """The planner prices 16-bit training; loom train (as Megatron) trains in fp32 without
+    ``--bf16`` / ``--fp16``, so the printed command carries the one planned: ``--bf16`` by
+    default, ``--fp16`` when given."""
+    from loom.planner.command import command_config
+    for extra, want in (([], "bf16"), (["--fp16"], "fp16")):
+        code, out, _ = _plan(SMALL + extra + ["--json", "--top", "1"], capsys)
+        cfg = command_config(json.loads(out)["layouts"][0]["command"], 8)
+        assert code == 0 and getattr(cfg.training, want), (extra, want)
 
 
 def test_bucket_size_is_planned_and_carried_to_the_command(capsys):
