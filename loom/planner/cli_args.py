@@ -234,15 +234,23 @@ def unmodelled_note(args, no_effect: dict) -> list[str]:
     report = no_effect_report(no_effect, command="loom plan")
     if report:
         out.append(report)
+    unpriced = unpriced_note(args)
+    return out + ([unpriced] if unpriced else [])
+
+
+def unpriced_note(values) -> str | None:
+    """``not in the prediction: --flag value (why); ...`` for the :data:`UNMODELLED` fields set
+    in ``values`` (loom plan's parsed flags, or a config's ``training`` section: the same
+    names), or None."""
     given = [(name, why) for name, why in UNMODELLED.items()
-             if getattr(args, name, None) not in (None, False)
-             and not (name == "optimizer" and optimizer_option(args))]
-    if given:
-        out.append("not in the prediction: " + "; ".join(
-            f"--{name.replace('_', '-')}"
-            + ("" if getattr(args, name) is True else f" {getattr(args, name)}") + f" ({why})"
-            for name, why in given))
-    return out
+             if getattr(values, name, None) not in (None, False)
+             and not (name == "optimizer" and optimizer_option(values))]
+    if not given:
+        return None
+    return "not in the prediction: " + "; ".join(
+        f"--{name.replace('_', '-')}"
+        + ("" if getattr(values, name) is True else f" {getattr(values, name)}") + f" ({why})"
+        for name, why in given)
 
 
 def optimizer_option(args) -> dict:

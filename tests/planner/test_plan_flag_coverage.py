@@ -175,3 +175,13 @@ def test_bucket_size_is_planned_and_carried_to_the_command(capsys):
     assert "--ddp-bucket-size 100000" in b["command"] and "--ddp-bucket-size 100000" \
         not in a["command"]
     assert b["time_terms_s"]["dp_comm"] > a["time_terms_s"]["dp_comm"]
+
+
+def test_dry_run_prediction_names_what_it_does_not_price():
+    """``loom train --dry-run``'s planner prediction says the same of the run's own config."""
+    from loom.planner.predict import format_prediction, predict_layout
+    from testkit.config import tiny_config
+    plain = predict_layout(tiny_config("llama").validate(1), 1, "H100-80GB")
+    assert plain["unpriced"] is None
+    pred = predict_layout(tiny_config("llama", compile=True).validate(1), 1, "H100-80GB")
+    assert "--compile (priced as eager PyTorch kernels)" in format_prediction(pred)
