@@ -192,7 +192,7 @@ def run(args) -> int:
                       if args.ddp_bucket_size else {}),  # as loom train's buckets (predict.py)
                    **optimizer_option(args))
     precision = "fp16" if args.fp16 else "bf16"  # what the planner prices; the command says it
-    for note in unmodelled_note(args, no_effect):
+    for note in unmodelled_note(args, no_effect, model):
         print(f"loom plan: warning: {note}", file=sys.stderr)
     calibration = None
     if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve

@@ -4,7 +4,7 @@ communication type (:func:`cp_comm_type_of`); ConfigError naming the flag for a 
 
 from __future__ import annotations
 
-from loom.config import ConfigError, ModelConfig
+from loom.config import ConfigError, ModelConfig, flag
 
 
 def fixed_from_args(args, model: ModelConfig) -> dict:
@@ -222,7 +222,65 @@ UNMODELLED = {
 }
 """Config fields that change a step's time or memory and that the planner does not price:
 named once on stderr when given (:func:`unmodelled_note`)."""
-def unmodelled_note(args, no_effect: dict) -> list[str]:
+UNPRICED_MODEL = {
+    "window_size": "sliding-window attention, priced as full causal attention",
+    "sliding_window": "Gemma 3's sliding-window layers, priced as full causal attention",
+    "attn_logit_softcapping": "attention soft-capping, priced as fused attention",
+    "attention_output_gate": "the attention output gate's projection",
+    "linear_attention_freq": "Gated DeltaNet layers, priced as attention layers",
+    "experimental_attention_variant": "sparse attention, priced as dense attention",
+    "moe_shared_expert_overlap": "the shared expert's overlap with the dispatch",
+}
+"""Model fields that change a step's time or memory and that the planner does not price:
+named once on stderr when they differ from the default (:func:`unpriced_note`)."""
+NO_STEP_COST_MODEL = frozenset({
+    # initialization, losses' scales, router details and numerics of the same shapes
+    "init_method_std", "exclude_padded_vocab", "apply_layernorm_1p", "post_layernorm",
+    "moe_router_pre_softmax", "moe_z_loss_coeff", "moe_router_load_balancing_type",
+    "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_force_load_balancing",
+    "moe_token_drop_policy", "mtp_loss_scaling_factor", "bert_binary_head",
+    "query_pre_attn_scalar", "apply_wd_to_qk_layernorm",
+    "use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
+    "mup_base_head_dim", "mup_attn_scale_power",
+    # positions: elementwise work the elementwise term already counts
+    "rotary_base_local", "rotary_percent", "rotary_interleaved", "yarn_beta_fast",
+    "yarn_beta_slow", "yarn_correction_range_round_to_int",
+    # activations of the same widths (the gated / ungated choice itself is priced)
+    "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "squared_relu",
+    # spellings resolved into priced fields by loom's config (a bundle, a head count, ...)
+    "enable_gpt_oss", "mamba_num_heads", "use_rotary_position_embeddings",
+    "no_position_embedding",
+    # details of layers that are themselves named as not priced
+    "sliding_window_pattern", "layer_types", "window_attn_skip_freq", "linear_conv_kernel_dim",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
+    "dsa_indexer_use_sparse_loss", "no_dsa_indexer_rotate_activation",
+    "no_dsa_indexer_scoring_relu", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32",
+})
+"""Model fields outside the planner's formulas that cost nothing it prices; every other model
+field is read by them (``tests/planner/test_plan_flag_coverage.py`` checks both)."""
+
+
+def unpriced_model_note(model) -> str | None:
+    """``model not priced: --flag value (why); ...`` for the :data:`UNPRICED_MODEL` fields of
+    ``model`` (a ModelConfig) that differ from the default, or None."""
+    from loom.config import ModelConfig
+    default = ModelConfig()
+    given = [(name, why) for name, why in UNPRICED_MODEL.items()
+             if getattr(model, name, None) not in (None, False, getattr(default, name, None))]
+    return _not_priced(model, given)
+
+
+def _not_priced(values, given: list) -> str | None:
+    """``not in the prediction: --flag [value] (why); ...`` of ``given`` ``[(field, why)]``."""
+    if not given:
+        return None
+    return "not in the prediction: " + "; ".join(
+        flag(name) + ("" if getattr(values, name) is True else f" {getattr(values, name)}")
+        + f" ({why})" for name, why in given)
+
+
+def unmodelled_note(args, no_effect: dict, model=None) -> list[str]:
     """The lines loom plan prints on stderr (``loom plan: warning: ...``) for flags given that
     its prediction does not include: loom train's own no-effect report of the Megatron flags
     (:func:`loom.config.flag_table.no_effect_report`: the plan is for loom train, which runs
@@ -234,23 +292,17 @@ def unmodelled_note(args, no_effect: dict) -> list[str]:
     report = no_effect_report(no_effect, command="loom plan")
     if report:
         out.append(report)
-    unpriced = unpriced_note(args)
-    return out + ([unpriced] if unpriced else [])
+    notes = (unpriced_note(args), None if model is None else unpriced_model_note(model))
+    return out + [n for n in notes if n]
 
 
 def unpriced_note(values) -> str | None:
     """``not in the prediction: --flag value (why); ...`` for the :data:`UNMODELLED` fields set
     in ``values`` (loom plan's parsed flags, or a config's ``training`` section: the same
     names), or None."""
-    given = [(name, why) for name, why in UNMODELLED.items()
-             if getattr(values, name, None) not in (None, False)
-             and not (name == "optimizer" and optimizer_option(values))]
-    if not given:
-        return None
-    return "not in the prediction: " + "; ".join(
-        f"--{name.replace('_', '-')}"
-        + ("" if getattr(values, name) is True else f" {getattr(values, name)}") + f" ({why})"
-        for name, why in given)
+    return _not_priced(values, [(name, why) for name, why in UNMODELLED.items()
+                                if getattr(values, name, None) not in (None, False)
+                                and not (name == "optimizer" and optimizer_option(values))])
 
 
 def optimizer_option(args) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from loom.config import LoomConfig
-from loom.planner.cli_args import unpriced_note
+from loom.planner.cli_args import unpriced_model_note, unpriced_note
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
 from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, make_layouts,
                                  param_gather_overlapped)
@@ -148,7 +148,8 @@ def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
         "tokens_per_s": one("tokens_per_s"), "tflops_per_gpu": one("tflops_per_gpu"),
         "hw_tflops_per_gpu": one("hw_tflops_per_gpu"), "mfu": one("mfu"),
         "fits": bool(res["fits"][0]), "hbm_bytes": cluster.hbm_bytes, "cluster": cluster.gpu,
-        "unpriced": unpriced_note(cfg.training),
+        "unpriced": "; ".join(n for n in (unpriced_note(cfg.training),
+                                          unpriced_model_note(cfg.model)) if n) or None,
         "world_size": world_size, "global_batch_size": B, "seq_length": s,
         "vocab_known": bool(cfg.model.vocab_size),
         "overlap": {"grad_reduce": opts.overlap_grad_reduce,

@@ -12,8 +12,8 @@ import json
 import pytest
 
 from loom.config import LoomConfig
-from loom.planner.cli_args import (NO_STEP_COST, NO_STEP_COST_SECTIONS, PLAN_READS, UNMODELLED,
-                                   fixed_from_args)
+from loom.planner.cli_args import (NO_STEP_COST, NO_STEP_COST_MODEL, NO_STEP_COST_SECTIONS,
+                                   PLAN_READS, UNMODELLED, UNPRICED_MODEL, fixed_from_args)
 
 SMALL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
          "--seq-length", "512", "--vocab-size", "32000", "--gpu", "H100-80GB", "--num-gpus", "8",
@@ -175,6 +175,42 @@ def test_bucket_size_is_planned_and_carried_to_the_command(capsys):
     assert "--ddp-bucket-size 100000" in b["command"] and "--ddp-bucket-size 100000" \
         not in a["command"]
     assert b["time_terms_s"]["dp_comm"] > a["time_terms_s"]["dp_comm"]
+
+
+def test_every_model_field_is_priced_free_or_named():
+    """Every ModelConfig field is in one of: named as not priced (:data:`UNPRICED_MODEL`), free
+    in a step (:data:`NO_STEP_COST_MODEL`), or read by the planner's code (its name appears in
+    loom/planner outside the table itself): a new model field the planner ignores fails here
+    until it is priced or classed."""
+    import pathlib
+    import re
+    import loom.planner as planner
+    from loom.config import ModelConfig
+    src = "".join(p.read_text() for p in pathlib.Path(planner.__file__).parent.glob("*.py")
+                  if p.name != "cli_args.py")
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(UNPRICED_MODEL) <= names and NO_STEP_COST_MODEL <= names
+    assert not set(UNPRICED_MODEL) & NO_STEP_COST_MODEL
+    for name in names - set(UNPRICED_MODEL) - NO_STEP_COST_MODEL:
+        assert re.search(rf"\b{name}\b", src), f"{name}: not read by the planner; class it"
+    for name in NO_STEP_COST_MODEL:  # a free field the planner does read belongs to neither
+        assert not re.search(rf"\b{name}\b", src), name
+
+
+def test_unpriced_model_fields_are_named(capsys):
+    """``--attention-output-gate``, ``--window-size``, Gated DeltaNet layers: planned as the
+    layers the planner prices, and said so on stderr (and under the dry-run's prediction)."""
+    from loom.planner.predict import format_prediction, predict_layout
+    from testkit.config import tiny_config
+    for extra, flag in ((["--attention-output-gate"], "--attention-output-gate"),
+                        (["--window-size", "128,0"], "--window-size 128,0")):
+        code, out, err = _plan(SMALL + extra + ["--json", "--top", "1"], capsys)
+        assert code == 0 and json.loads(out)["layouts"], err
+        assert err.startswith("loom plan: warning: not in the prediction: " + flag), err
+    pred = predict_layout(tiny_config("llama", attention_output_gate=True).validate(1), 1,
+                          "H100-80GB")
+    assert "--attention-output-gate (the attention output gate's projection)" in \
+        format_prediction(pred)
 
 
 def test_dry_run_prediction_names_what_it_does_not_price():
