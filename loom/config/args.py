@@ -115,12 +115,23 @@ def _add_field(grp, parser, f, hint, hidden: bool = False) -> None:
     else:
         kwargs.update(type=_converter(hint, f.name, f.metadata.get("auto", False)),
                       metavar=f.metadata.get("metavar") or {int: "N", float: "X"}.get(
-                          base_type(hint)[0], "STR" if f.name == "split" else "PATH"))
+                          base_type(hint)[0], _text_metavar(f.name)))
         if f.metadata.get("many"):
             kwargs["nargs"] = "+"
     action = grp.add_argument(*names, **kwargs)
     if hidden:
         action.loom_help = text
+
+
+_PATH_WORDS = ("path", "dir", "file", "load", "save", "checkpoint", "model", "timeline", "json",
+               "fault", "cluster", "schedule", "cfg")
+
+
+def _text_metavar(name: str) -> str:
+    """``PATH`` for a text field that names a file or directory (``--save``, ``--data-path``,
+    ``--tokenizer-model``, ...), else ``STR`` (``--window-size``, ``--wandb-project``, a
+    pattern, a token)."""
+    return "PATH" if any(w in name for w in _PATH_WORDS) else "STR"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, common: tuple = COMMON,
