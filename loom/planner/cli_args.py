@@ -103,13 +103,13 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
         fixed["zb"] = 1 if sched == "zero-bubble" else 2
     elif sched in ("1f1b", "interleaved"):  # loom train: 1f1b one chunk, interleaved > 1
         fixed["zb"] = 0
-        vp = fixed.get("vp") or (fixed.get("layout") and "layout")
+        vp = fixed.get("vp")  # a layout string places its own chunks: left to it
         if sched == "1f1b" and vp not in (None, 1):
             raise ConfigError("--pipeline-schedule 1f1b runs one model chunk per rank, which "
                               "conflicts with the virtual stages given: drop "
                               "--pipeline-schedule (or set it to interleaved), or drop the "
                               "virtual-stage flag (loom train's rule)")
-        if sched == "1f1b" and vp is None:
+        if sched == "1f1b" and vp is None and not fixed.get("layout"):
             fixed["vp"] = 1
         if sched == "interleaved":
             if args.pipeline_model_parallel_size == 1:

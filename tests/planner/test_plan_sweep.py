@@ -29,6 +29,8 @@ REGRESSIONS = [
      "--pipeline-schedule 1f1b", 8, "ok", ""),
     ("interleaved-needs-chunks", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
      "--pipeline-schedule interleaved --num-layers-per-virtual-pipeline-stage 3", 8, "ok", ""),
+    ("1f1b-with-a-layout-string", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
+     "--pipeline-model-parallel-layout Et*5|t*7L --pipeline-schedule 1f1b", 8, "ok", ""),
     ("1f1b-conflicts-with-chunks", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
      "--pipeline-schedule 1f1b --num-layers-per-virtual-pipeline-stage 3", 8, "refused",
      "--pipeline-schedule 1f1b"),
