@@ -80,12 +80,15 @@ LOO_TIE = 1e-9  # leave-one-out scores this close (mean squared log error) are a
 
 
 def read_runs(path: str) -> list[dict]:
-    """The runs of a JSONL file (module docstring); ConfigError naming the line of a bad one."""
+    """The runs of a JSONL file (module docstring), or of a ``loom train --log-json`` file
+    (:func:`runs_from_loom_log`); ConfigError naming the line of a bad one."""
     runs = []
     try:
         lines = open(path).read().splitlines()
     except OSError as e:
         raise ConfigError(f"--calibrate-from {path}: {e.strerror}") from None
+    if _is_loom_log(next((ln for ln in lines if ln.strip()), "")):
+        return runs_from_loom_log(path)
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -108,6 +111,65 @@ def read_runs(path: str) -> list[dict]:
     if not runs:
         raise ConfigError(f"--calibrate-from {path}: no runs (one JSON line per measured run)")
     return runs
+
+
+def _is_loom_log(first_line: str) -> bool:
+    """Whether a file's first line is a ``loom train --log-json`` run header."""
+    try:
+        rec = json.loads(first_line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(rec, dict) and rec.get("kind") == "run" and "config" in rec
+
+
+LOG_WARMUP = 1
+"""Iterations of each run in a ``--log-json`` file left out of its step time (the first one
+builds kernels, caches and the allocator's pools)."""
+RUN_OPTIONS = ("flash_attention", "layer_memory", "overlap_grad_reduce", "overlap_param_gather",
+               "ddp_bucket_elems", "ddp_bucket_per_rank", "ddp_bucket_count",
+               "optimizer_state_bytes")
+"""The :class:`~loom.planner.layout.Options` fields a logged run fixes for itself
+(:func:`loom.planner.predict.run_options`): it is predicted as it ran, not as the plan's
+defaults would run it."""
+
+
+def runs_from_loom_log(path: str) -> list[dict]:
+    """The runs of a ``loom train --log-json`` file (:func:`loom.config.run_log.read_run_log`;
+    one or more runs appended to it): per ``{"kind": "run", "config": ..., "world_size": W}``
+    header, its layout at W (:func:`loom.planner.predict.layout_of`), the median
+    ``step_time_s`` of its training records after the first :data:`LOG_WARMUP`, its global
+    batch, sequence length and GPU count, the options it ran with (:data:`RUN_OPTIONS`) and
+    its model's shape (checked against the plan's by :func:`calibrate`). No
+    ``peak_memory_gb``: the log's peak is the allocated one, the reserve is fitted on the
+    reserved peak. ConfigError naming the run (1-based, with its start time) whose header has
+    no world size (a log of an older loom)."""
+    from loom.config import LoomConfig
+    from loom.config.run_log import read_run_log
+    from loom.planner.predict import layout_of, run_options
+    runs = []
+    for i, logged in enumerate(read_run_log(path), 1):
+        header, times = logged["header"], [float(r["step_time_s"]) for r in logged["train"]
+                                           if "step_time_s" in r]
+        where = f"--calibrate-from {path}: run {i} ({header.get('start_utc', 'no header')})"
+        if not isinstance(header.get("world_size"), int):
+            raise ConfigError(f"{where} has no world_size in its header (a log of an older "
+                              f"loom): give the runs as JSON lines (layout, step_time_s)")
+        if not times:
+            continue  # an evaluation-only run
+        cfg = LoomConfig.from_flat(header["config"])
+        w, m, opts = header["world_size"], cfg.model, run_options(cfg)
+        runs.append({"layout": layout_of(cfg, w),
+                     "step_time_s": statistics.median(times[LOG_WARMUP:] or times),
+                     "global_batch_size": cfg.training.global_batch_size,
+                     "seq_length": m.seq_length, "num_gpus": w,
+                     "options": {k: getattr(opts, k) for k in RUN_OPTIONS},
+                     "model_shape": {k: getattr(m, k) for k in MODEL_SHAPE}, "source": where})
+    return runs
+
+
+MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_groups", "ffn_size",
+               "vocab_size", "num_experts", "moe_router_topk")
+"""The model fields a logged run must share with the plan to calibrate it."""
 
 
 def least_squares(res, x: np.ndarray, iters: int = 40, lam: float = 1e-2,
@@ -225,19 +287,20 @@ def select_fit(log_errors, start: dict, order=PARAMS, iters: int = 30, sizes=Non
 
 def _predict(model: ModelConfig, cluster: Cluster, runs: list[dict], B: int, s: int,
              opts: Options) -> list[dict]:
-    """The planner's evaluation of every run (one row each: arrays of length 1); runs with the
-    same GPU count, global batch and sequence length are evaluated together, as the search
-    evaluates its layouts."""
+    """The planner's evaluation of every run (one row each: arrays of length 1), under the
+    run's own ``options`` where it has them (a logged run, :data:`RUN_OPTIONS`); runs with the
+    same GPU count, global batch, sequence length and options are evaluated together, as the
+    search evaluates its layouts."""
     from loom.planner.search import evaluate
     groups: dict = {}
     for i, r in enumerate(runs):
         key = (int(r.get("num_gpus") or cluster.num_gpus), int(r.get("global_batch_size") or B),
-               int(r.get("seq_length") or s))
+               int(r.get("seq_length") or s), tuple(sorted((r.get("options") or {}).items())))
         groups.setdefault(key, []).append(i)
     out: list = [None] * len(runs)
-    for (n, b, sq), idx in groups.items():
+    for (n, b, sq, own), idx in groups.items():
         e = evaluate(model, make_layouts([dict(runs[i]["layout"]) for i in idx]), b, sq,
-                     replace(cluster, num_gpus=n), opts)
+                     replace(cluster, num_gpus=n), replace(opts, **dict(own)))
         for j, i in enumerate(idx):
             out[i] = {k: (v[j:j + 1] if isinstance(v, np.ndarray) and v.ndim and
                           len(v) == len(idx) else v) for k, v in e.items()}
@@ -261,6 +324,12 @@ def calibrate(model: ModelConfig, cluster: Cluster, runs: list[dict], global_bat
     run: measured, predicted before and
     after, seconds; and memory, GB, when measured), ``median_before`` / ``median_after`` (the
     runs' median absolute step-time error)."""
+    for r in runs:  # a logged run carries its model: it must be the planned one
+        for k, v in (r.get("model_shape") or {}).items():
+            if getattr(model, k) != v:
+                raise ConfigError(f"{r.get('source', '--calibrate-from')}: its model has {k} "
+                                  f"{v}, the plan's {getattr(model, k)}: calibrate with runs "
+                                  f"of the planned model")
     start = {"gemm_efficiency": cluster.gemm_efficiency or GEMM_EFFICIENCY,
              "mem_traffic": cluster.mem_traffic or MEM_TRAFFIC,
              "dp_net_efficiency": cluster.dp_net_efficiency}

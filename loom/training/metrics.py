@@ -106,7 +106,8 @@ class MetricsLogger:
     """Writes metrics on rank 0 only; all other ranks hold a silent logger.
 
     ``config`` (the flat run config) is the first record of ``--log-json`` (``kind: "run"``,
-    with the UTC start time, so runs appended to one file are told apart) and TensorBoard text.
+    with the UTC start time, so runs appended to one file are told apart, and ``world_size``)
+    and TensorBoard text.
     When stdout is not a terminal (a file, a pipe, a batch job) every iteration line starts
     with the UTC time and ends with the elapsed time and the ETA of the remaining
     ``total_iters`` iterations (or always, with ``timestamps=True``).
@@ -115,7 +116,8 @@ class MetricsLogger:
     def __init__(self, enabled: bool, log_json: Optional[str] = None,
                  tensorboard_dir: Optional[str] = None, total_iters: int = 0,
                  progress_bar: bool = True, config: Optional[dict] = None,
-                 start_iteration: int = 0, timestamps: Optional[bool] = None):
+                 start_iteration: int = 0, timestamps: Optional[bool] = None,
+                 world_size: Optional[int] = None):
         self.enabled = enabled
         self.json_file = None
         self.tb = None
@@ -128,6 +130,8 @@ class MetricsLogger:
             return
         header = {"kind": "run", "start_utc": datetime.now(timezone.utc).isoformat(
             timespec="seconds"), "start_iteration": start_iteration, "config": config or {}}
+        if world_size is not None:  # with the config: the run's layout (loom plan
+            header["world_size"] = world_size  # --calibrate-from reads a --log-json file)
         if log_json:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
             self.json_file = open(log_json, "a", buffering=1)

@@ -11,12 +11,12 @@ matplotlib's Agg canvas (no display, no pyplot state).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 from loom.config.fields import opt
+from loom.config.run_log import read_run_log
 from loom.errors import ConfigError
 
 X_KEYS = {"iteration": "iteration", "tokens": "consumed_tokens", "samples": "consumed_samples"}
@@ -39,36 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, PlotOptions, "plot")
 
 
-def read_runs(path: str) -> list[dict]:
-    """The runs of a ``--log-json`` file: ``[{"header": run record or {}, "train": [...],
-    "valid": [...]}]`` in file order. Raises ConfigError for a missing file, a line that is
-    not JSON, or a file without training records."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    runs: list[dict] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: line {n} is not JSON ({e.msg}); give the file "
-                              f"`loom train --log-json` wrote") from None
-        kind = rec.get("kind") if isinstance(rec, dict) else None
-        if kind == "run" or not runs:
-            runs.append({"header": rec if kind == "run" else {}, "train": [], "valid": []})
-        if kind in ("train", "valid"):
-            runs[-1][kind].append(rec)
-    runs = [r for r in runs if r["train"] or r["valid"]]
-    if not any(r["train"] for r in runs):
-        raise ConfigError(f"{path}: no training records (kind \"train\"); give the file "
-                          f"`loom train --log-json` wrote")
-    return runs
-
-
 def _title(path: str, header: dict) -> str:
     c = header.get("config") or {}
     shape = " ".join(f"{k}{c[f]}" for k, f in (("L", "num_layers"), ("h", "hidden_size"),
@@ -78,11 +48,11 @@ def _title(path: str, header: dict) -> str:
 
 
 def plot(path: str, output: str, x: str = "iteration") -> str:
-    """Write the PNG of ``path``'s runs to ``output`` (:func:`read_runs`); returns
+    """Write the PNG of ``path``'s runs to ``output`` (:func:`loom.config.run_log.read_run_log`); returns
     ``output``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    runs, key = read_runs(path), X_KEYS[x]
+    runs, key = read_run_log(path), X_KEYS[x]
     fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     (loss, lr), (speed, norm) = fig.subplots(2, 2, sharex=True)

@@ -347,7 +347,8 @@ class Trainer:
         self.evaluations: list[dict] = []  # {"kind": "valid" | "test", "valid_loss", ...}
         log = MetricsLogger(self.parts.global_rank == 0, lg.log_json, lg.tensorboard_dir,
                             0 if skip else iters - self.iteration, not lg.no_progress_bar,
-                            config=self.cfg.to_flat(), start_iteration=self.iteration)
+                            config=self.cfg.to_flat(), start_iteration=self.iteration,
+                            world_size=self.parts.world_size)
         total, local = self.count_parameters()
         log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, {total:,} parameters "
                   f"({local:,} on rank 0), "

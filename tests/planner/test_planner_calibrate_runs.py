@@ -228,3 +228,68 @@ def test_three_shot_is_not_worse_than_no_calibration(source):
             r["before"]["median"] + 0.05
     else:
         assert set(r["params"]) == {"gemm_efficiency"} and r["after"]["median"] <= 0.05
+
+
+def _log_run(path, cfg, world: int, step_times: list) -> None:
+    """``loom train --log-json``'s records of one run (MetricsLogger's header and train lines)."""
+    from loom.training.metrics import MetricsLogger
+    log = MetricsLogger(True, str(path), None, len(step_times), False, config=cfg.to_flat(),
+                        world_size=world, timestamps=False)
+    for i, t in enumerate(step_times, 1):
+        log.log(dict(iteration=i, loss=3.0, lr=1e-4, grad_norm=1.0, tokens_per_s=1.0,
+                     tflops_per_rank=1.0, mfu=None, step_time_s=t, peak_memory_bytes=1))
+    log.close()
+
+
+def test_loom_train_logs_calibrate_like_runs_files(tmp_path, capsys):
+    """``--calibrate-from`` takes a ``loom train --log-json`` file (runs appended to one file):
+    each run's layout from its own config and world size, its step time the median after the
+    first step, its own DP overlap, buckets and optimizer; three such runs made by the planner
+    under a slower cluster recover its GEMM efficiency. A run of another model, or a header
+    without the world size, is refused naming the line."""
+    from loom.planner.calibrate_runs import read_runs
+    from loom.planner.predict import layout_of, run_options
+    from testkit.config import tiny_config
+    world, cl = 8, make_cluster("A100-80GB", 8)
+    shape = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256,
+                 max_position_embeddings=256, vocab_size=1024, ffn_hidden_size=1024,
+                 num_query_groups=8)
+    flags = [dict(tensor_model_parallel_size=2, micro_batch_size=2),
+             dict(pipeline_model_parallel_size=2, micro_batch_size=1, overlap_grad_reduce=True),
+             dict(tensor_model_parallel_size=4, sequence_parallel=True, micro_batch_size=4,
+                  recompute_granularity="full", recompute_method="uniform",
+                  recompute_num_layers=1)]
+    cfgs = [tiny_config("llama", **shape, global_batch_size=32, **f).validate(world)
+            for f in flags]
+    model = cfgs[0].model
+    slow = replace(cl, gemm_efficiency=0.4)
+    path = tmp_path / "runs.jsonl"
+    truths = []
+    for cfg in cfgs:
+        e = evaluate(model, make_layouts([layout_of(cfg, world)]), 32, 256, slow,
+                     run_options(cfg))
+        t = float(e["time_iteration"][0])
+        truths.append(t)
+        _log_run(path, cfg, world, [10 * t, t, t])  # the first step: warm-up, left out
+    from loom.planner.calibrate_runs import RUN_OPTIONS
+    for cfg in cfgs:  # every option a run fixes travels with it
+        own = run_options(cfg)
+        assert replace(Options(), **{k: getattr(own, k) for k in RUN_OPTIONS}) == own
+    runs = read_runs(str(path))
+    assert [r["step_time_s"] for r in runs] == pytest.approx(truths, rel=1e-12)
+    assert [r["layout"]["tp"] for r in runs] == [2, 1, 4] and runs[1]["layout"]["pp"] == 2
+    assert runs[1]["options"]["overlap_grad_reduce"] and not runs[0]["options"][
+        "overlap_grad_reduce"]
+    fitted, _, rep = calibrate(model, cl, runs, 32, 256, Options(flash_attention=True))
+    assert fitted.gemm_efficiency == pytest.approx(0.4, rel=1e-6) and rep["median_after"] < 1e-6
+    assert set(rep["fitted"]) == {"gemm_efficiency"}  # e alone explains them: k is kept
+    other = tiny_config("llama", **{**shape, "hidden_size": 512}).validate(world).model
+    with pytest.raises(ConfigError, match=r"runs.jsonl: run 1 \(.*\): its model has hidden_size"):
+        calibrate(other, cl, runs, 32, 256, Options(flash_attention=True))
+    old = tmp_path / "old.jsonl"
+    rec = json.loads(path.read_text().splitlines()[0])
+    rec.pop("world_size")
+    old.write_text(json.dumps(rec) + "\n")
+    old.write_text(old.read_text() + path.read_text().splitlines()[1] + "\n")  # + a step
+    with pytest.raises(ConfigError, match=r"old.jsonl: run 1 \(.*\) has no world_size"):
+        read_runs(str(old))
