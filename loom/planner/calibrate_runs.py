@@ -160,7 +160,7 @@ def runs_from_loom_log(path: str) -> list[dict]:
         w, m, opts = header["world_size"], cfg.model, run_options(cfg)
         runs.append({"layout": layout_of(cfg, w),
                      "step_time_s": statistics.median(times[LOG_WARMUP:] or times),
-                     "global_batch_size": cfg.training.global_batch_size,
+                     "global_batch_size": cfg.global_batch_size(w),
                      "seq_length": m.seq_length, "num_gpus": w,
                      "options": {k: getattr(opts, k) for k in RUN_OPTIONS},
                      "model_shape": {k: getattr(m, k) for k in MODEL_SHAPE}, "source": where})

@@ -293,3 +293,34 @@ def test_loom_train_logs_calibrate_like_runs_files(tmp_path, capsys):
     old.write_text(old.read_text() + path.read_text().splitlines()[1] + "\n")  # + a step
     with pytest.raises(ConfigError, match=r"old.jsonl: run 1 \(.*\) has no world_size"):
         read_runs(str(old))
+
+
+def test_a_real_loom_train_log_is_read(tmp_path, capsys):
+    """The file a real (single-rank) loom train writes: one run, its layout and step time;
+    ``loom plan --calibrate-from`` plans with it."""
+    import statistics
+    import torch
+    from loom.cli import main
+    from loom.config.run_log import read_run_log
+    from loom.parallel.mesh import ParallelMesh
+    from loom.planner.calibrate_runs import read_runs
+    from loom.training.trainer import Trainer
+    from testkit.config import tiny_config
+    log = tmp_path / "log.jsonl"
+    cfg = tiny_config("llama", log_json=str(log), train_iters=3, log_interval=1,
+                      eval_iters=0).validate(1)
+    Trainer(cfg, mesh=ParallelMesh.single(torch.device("cpu"))).train()
+    runs = read_runs(str(log))
+    steps = [r["step_time_s"] for r in read_run_log(str(log))[0]["train"]]
+    assert len(runs) == 1 and runs[0]["num_gpus"] == 1 and runs[0]["layout"]["dp"] == 1
+    assert runs[0]["step_time_s"] == pytest.approx(statistics.median(steps[1:]))
+    m = cfg.model
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+              "--num-attention-heads", str(m.num_attention_heads),
+              "--num-query-groups", str(m.num_kv_groups), "--ffn-hidden-size", str(m.ffn_size),
+              "--vocab-size", str(m.vocab_size), "--seq-length", str(m.seq_length),
+              "--global-batch-size", str(runs[0]["global_batch_size"]), "--num-gpus", "1",
+              "--calibrate-from", str(log), "--top", "1"])
+    out = capsys.readouterr()
+    assert e.value.code == 0 and f"calibrated from 1 runs of {log}" in out.out, out.err
