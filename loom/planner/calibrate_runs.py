@@ -139,10 +139,11 @@ def runs_from_loom_log(path: str) -> list[dict]:
     header, its layout at W (:func:`loom.planner.predict.layout_of`), the median
     ``step_time_s`` of its training records after the first :data:`LOG_WARMUP`, its global
     batch, sequence length and GPU count, the options it ran with (:data:`RUN_OPTIONS`) and
-    its model's shape (checked against the plan's by :func:`calibrate`). No
-    ``peak_memory_gb``: the log's peak is the allocated one, the reserve is fitted on the
-    reserved peak. ConfigError naming the run (1-based, with its start time) whose header has
-    no world size (a log of an older loom)."""
+    its model's shape (checked against the plan's by :func:`calibrate`), and
+    ``peak_memory_gb`` from the records' ``peak_memory_reserved_bytes`` (CUDA runs) when the
+    run has no pipeline (the log is rank 0's, and without pipelining every rank holds the
+    same; with it the neediest stage may be another). ConfigError naming the run (1-based,
+    with its start time) whose header has no world size (a log of an older loom)."""
     from loom.config import LoomConfig
     from loom.config.run_log import read_run_log
     from loom.planner.predict import layout_of, run_options
@@ -158,12 +159,16 @@ def runs_from_loom_log(path: str) -> list[dict]:
             continue  # an evaluation-only run
         cfg = LoomConfig.from_flat(header["config"])
         w, m, opts = header["world_size"], cfg.model, run_options(cfg)
-        runs.append({"layout": layout_of(cfg, w),
-                     "step_time_s": statistics.median(times[LOG_WARMUP:] or times),
-                     "global_batch_size": cfg.global_batch_size(w),
-                     "seq_length": m.seq_length, "num_gpus": w,
-                     "options": {k: getattr(opts, k) for k in RUN_OPTIONS},
-                     "model_shape": {k: getattr(m, k) for k in MODEL_SHAPE}, "source": where})
+        lay = layout_of(cfg, w)
+        run = {"layout": lay, "step_time_s": statistics.median(times[LOG_WARMUP:] or times),
+               "global_batch_size": cfg.global_batch_size(w), "seq_length": m.seq_length,
+               "num_gpus": w, "options": {k: getattr(opts, k) for k in RUN_OPTIONS},
+               "model_shape": {k: getattr(m, k) for k in MODEL_SHAPE}, "source": where}
+        reserved = [r["peak_memory_reserved_bytes"] for r in logged["train"]
+                    if "peak_memory_reserved_bytes" in r]
+        if reserved and lay["pp"] == 1:  # rank 0's peak is every rank's without pipelining
+            run["peak_memory_gb"] = max(reserved) / GB
+        runs.append(run)
     return runs
 
 

@@ -81,13 +81,17 @@ class Throughput:
     def record(self, iteration: int, loss: float, lr: float, grad_norm: float, elapsed: float,
                device: torch.device) -> dict:
         """One training record: ``tokens_per_s``, ``step_time_s`` (s), ``tflops_per_rank``,
-        ``mfu`` (None without a peak) and ``peak_memory_bytes``."""
+        ``mfu`` (None without a peak) and ``peak_memory_bytes``; on CUDA also
+        ``peak_memory_reserved_bytes`` (``torch.cuda.max_memory_reserved``: the caching
+        allocator's peak, which ``loom plan --calibrate-from`` fits its reserve on)."""
         tflops = self.flops_per_iter / elapsed / self.world_size / 1e12
         rec = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": self.tokens_per_iter / elapsed, "step_time_s": elapsed,
                "tflops_per_rank": tflops,
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_memory_bytes": peak_memory_bytes(device)}
+        if device.type == "cuda":  # what the planner's memory is compared with (the reserve)
+            rec["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         return rec
 
     def average(self, window: list[dict]) -> dict:

@@ -230,14 +230,17 @@ def test_three_shot_is_not_worse_than_no_calibration(source):
         assert set(r["params"]) == {"gemm_efficiency"} and r["after"]["median"] <= 0.05
 
 
-def _log_run(path, cfg, world: int, step_times: list) -> None:
-    """``loom train --log-json``'s records of one run (MetricsLogger's header and train lines)."""
+def _log_run(path, cfg, world: int, step_times: list, reserved: float = 0.0) -> None:
+    """``loom train --log-json``'s records of one run (MetricsLogger's header and train lines;
+    ``reserved``: a CUDA run's ``peak_memory_reserved_bytes``, growing to it)."""
     from loom.training.metrics import MetricsLogger
     log = MetricsLogger(True, str(path), None, len(step_times), False, config=cfg.to_flat(),
                         world_size=world, timestamps=False)
     for i, t in enumerate(step_times, 1):
         log.log(dict(iteration=i, loss=3.0, lr=1e-4, grad_norm=1.0, tokens_per_s=1.0,
-                     tflops_per_rank=1.0, mfu=None, step_time_s=t, peak_memory_bytes=1))
+                     tflops_per_rank=1.0, mfu=None, step_time_s=t, peak_memory_bytes=1,
+                     **({"peak_memory_reserved_bytes": reserved * i / len(step_times)}
+                        if reserved else {})))
     log.close()
 
 
@@ -270,7 +273,8 @@ def test_loom_train_logs_calibrate_like_runs_files(tmp_path, capsys):
                      run_options(cfg))
         t = float(e["time_iteration"][0])
         truths.append(t)
-        _log_run(path, cfg, world, [10 * t, t, t])  # the first step: warm-up, left out
+        reserved = float(e["mem_total"][0] - e["mem_reserve"][0]) * 1.05 + 3e9  # as on a GPU
+        _log_run(path, cfg, world, [10 * t, t, t], reserved)  # the first step: left out
     from loom.planner.calibrate_runs import RUN_OPTIONS
     for cfg in cfgs:  # every option a run fixes travels with it
         own = run_options(cfg)
@@ -280,9 +284,12 @@ def test_loom_train_logs_calibrate_like_runs_files(tmp_path, capsys):
     assert [r["layout"]["tp"] for r in runs] == [2, 1, 4] and runs[1]["layout"]["pp"] == 2
     assert runs[1]["options"]["overlap_grad_reduce"] and not runs[0]["options"][
         "overlap_grad_reduce"]
-    fitted, _, rep = calibrate(model, cl, runs, 32, 256, Options(flash_attention=True))
+    # the reserved peak (the last, largest record) where every rank holds the same: not PP
+    assert ["peak_memory_gb" in r for r in runs] == [True, False, True]
+    fitted, fitted_opts, rep = calibrate(model, cl, runs, 32, 256, Options(flash_attention=True))
     assert fitted.gemm_efficiency == pytest.approx(0.4, rel=1e-6) and rep["median_after"] < 1e-6
-    assert set(rep["fitted"]) == {"gemm_efficiency"}  # e alone explains them: k is kept
+    assert fitted_opts.reserve_bytes == pytest.approx(3e9, rel=1e-6)  # 1.05 = 1 + the fraction
+    assert set(rep["fitted"]) == {"gemm_efficiency", "reserve_bytes"}  # e alone: k is kept
     other = tiny_config("llama", **{**shape, "hidden_size": 512}).validate(world).model
     with pytest.raises(ConfigError, match=r"runs.jsonl: run 1 \(.*\): its model has hidden_size"):
         calibrate(other, cl, runs, 32, 256, Options(flash_attention=True))
