@@ -1,5 +1,7 @@
 """``loom plan``'s flags -> the search's fixed dimensions (:func:`fixed_from_args`) and the CP
 communication type (:func:`cp_comm_type_of`); ConfigError naming the flag for a contradiction.
+And what loom plan does with every other flag of loom train: read, free in a step, or named on
+stderr as not in the prediction (:data:`PLAN_READS` ... :func:`unmodelled_note`).
 """
 
 from __future__ import annotations
@@ -173,9 +175,10 @@ def cp_a2a_size_of(args) -> int:
 
 
 # -- what loom plan does with each of loom train's flags ---------------------------------------
-# Every config field outside the model section is in exactly one of these (the model section is
-# the model: every field reaches the planner's ModelConfig). tests/planner/test_plan_flag_
-# coverage.py checks the partition against the config, so a new field needs a decision here.
+# Every config field outside the model section is in exactly one of PLAN_READS, NO_STEP_COST (or
+# a NO_STEP_COST_SECTIONS section) and UNMODELLED; every model field is read by the planner's
+# formulas, or in NO_STEP_COST_MODEL or UNPRICED_MODEL. tests/planner/test_plan_flag_coverage.py
+# checks both partitions against the config, so a new field needs a decision here.
 PLAN_READS = frozenset({
     # the layout: fixed_from_args, cp_comm_type_of, cp_a2a_size_of
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -188,7 +191,7 @@ PLAN_READS = frozenset({
     "micro_batch_size", "global_batch_size", "use_distributed_optimizer", "zero_stage",
     "use_torch_fsdp2", "use_megatron_fsdp", "data_parallel_sharding_strategy",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
-    # data-parallel overlap and buckets (loom.planner.cli: dp_overlap_of, plan_options_of)
+    # data-parallel overlap and buckets (loom.planner.cli: dp_overlap_of and run's Options)
     "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size",
     # 16-bit weights and fp32 gradient buffers and optimizer states are what it counts (the
     # printed command carries --bf16, or --fp16 when given); --optimizer adam / sgd's states
@@ -232,7 +235,7 @@ UNPRICED_MODEL = {
     "moe_shared_expert_overlap": "the shared expert's overlap with the dispatch",
 }
 """Model fields that change a step's time or memory and that the planner does not price:
-named once on stderr when they differ from the default (:func:`unpriced_note`)."""
+named once on stderr when they differ from the default (:func:`unpriced_model_note`)."""
 NO_STEP_COST_MODEL = frozenset({
     # initialization, losses' scales, router details and numerics of the same shapes
     "init_method_std", "exclude_padded_vocab", "apply_layernorm_1p", "post_layernorm",
@@ -262,7 +265,7 @@ field is read by them (``tests/planner/test_plan_flag_coverage.py`` checks both)
 
 
 def unpriced_model_note(model) -> str | None:
-    """``model not priced: --flag value (why); ...`` for the :data:`UNPRICED_MODEL` fields of
+    """``not in the prediction: --flag value (why); ...`` for the :data:`UNPRICED_MODEL` fields of
     ``model`` (a ModelConfig) that differ from the default, or None."""
     from loom.config import ModelConfig
     default = ModelConfig()
