@@ -181,7 +181,9 @@ def run(args) -> int:
                           f"busiest rank's expert tokens over the mean; 1 = perfect balance)")
     overlap = dp_overlap_of(args)
     opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
-                   overlap_grad_reduce=overlap, overlap_param_gather=overlap,
+                   # --no-overlap-grad-reduce / --no-overlap-param-gather turn one of them off
+                   overlap_grad_reduce=overlap and args.overlap_grad_reduce is not False,
+                   overlap_param_gather=overlap and args.overlap_param_gather is not False,
                    max_zero_stage=args.max_zero_stage,
                    uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
@@ -284,7 +286,8 @@ def run(args) -> int:
 def dp_overlap_of(args) -> bool:
     """``--dp-overlap on|off`` as a bool (both ``Options.overlap_grad_reduce`` and
     ``overlap_param_gather``). ``--overlap-grad-reduce`` / ``--overlap-param-gather`` given
-    (flags or ``--config``) agree with on; with off they are a contradiction (ConfigError)."""
+    (flags or ``--config``) agree with on; with off they are a contradiction (ConfigError);
+    their ``--no-`` spellings turn that one off under on (:func:`run`)."""
     given = [f for f, k in (("--overlap-grad-reduce", "overlap_grad_reduce"),
                             ("--overlap-param-gather", "overlap_param_gather"))
              if getattr(args, k, None)]

@@ -36,6 +36,9 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
                               f"--tensor-model-parallel-size {fixed['tp']} (loom train's rule)")
     if args.use_distributed_optimizer:
         fixed["zero"] = 1
+    elif args.use_distributed_optimizer is False and fixed["zero"] is None and not (
+            args.use_torch_fsdp2 or getattr(args, "use_megatron_fsdp", False)):
+        fixed["zero"] = 0  # --no-use-distributed-optimizer: plain data parallelism
     if args.use_torch_fsdp2:
         fixed["zero"] = 3
     if getattr(args, "use_megatron_fsdp", False) and not args.zero_stage and \

@@ -139,6 +139,32 @@ def test_assumed_and_step_free_flags_change_nothing_and_unmodelled_ones_are_name
         assert flag in named[1], flag
 
 
+def test_the_no_spellings_fix_their_setting_off(capsys):
+    """A switch given off is a choice, not "not given": ``--no-use-distributed-optimizer``
+    plans ZeRO 0; ``--no-overlap-grad-reduce`` / ``--no-overlap-param-gather`` plan that
+    collective exposed and leave its flag out of the command (both were searched or assumed
+    on)."""
+    from loom.planner.cli import _model_from_args
+    args = _args(SMALL + ["--no-use-distributed-optimizer"])
+    assert fixed_from_args(args, _model_from_args(args)[0])["zero"] == 0
+    argv = ["llama3-8b", "--gpu", "H100-80GB", "--num-gpus", "64", "--global-batch-size", "256",
+            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--context-parallel-size", "1", "--zero-stage", "1", "--micro-batch-size", "1",
+            "--recompute-granularity", "full", "--json", "--top", "1"]  # many buckets
+    rows = {}
+    for extra in ([], ["--no-overlap-grad-reduce"], ["--no-overlap-param-gather"]):
+        code, out, err = _plan(argv + extra, capsys)
+        assert code == 0, err
+        rows[" ".join(extra)] = json.loads(out)["layouts"][0]
+    on, grad, param = rows[""], rows["--no-overlap-grad-reduce"], rows["--no-overlap-param-gather"]
+    assert "--overlap-grad-reduce" in on["command"] and "--overlap-param-gather" in on["command"]
+    assert "--overlap-grad-reduce" not in grad["command"]
+    assert "--overlap-param-gather" not in param["command"]
+    assert "--overlap-grad-reduce" in param["command"]
+    for off in (grad, param):
+        assert off["time_terms_s"]["dp_comm"] > on["time_terms_s"]["dp_comm"]
+
+
 def test_sgd_is_priced_without_a_warning(capsys):
     """``--optimizer sgd``: SGD's states (8 bytes per parameter with the master copy, 4 without
     momentum) instead of Adam's 12, and no warning."""
