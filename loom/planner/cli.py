@@ -193,7 +193,8 @@ def run(args) -> int:
                    **({"ddp_bucket_elems": float(args.ddp_bucket_size), "ddp_bucket_per_rank": 0.0}
                       if args.ddp_bucket_size else {}),  # as loom train's buckets (predict.py)
                    **optimizer_option(args))
-    precision = "fp16" if args.fp16 else "bf16"  # what the planner prices; the command says it
+    # what the planner prices, and the command says it; --no-bf16 alone asks for fp32 (named)
+    precision = "fp16" if args.fp16 else (None if args.bf16 is False else "bf16")
     for note in unmodelled_note(args, no_effect, model):
         print(f"loom plan: warning: {note}", file=sys.stderr)
     calibration = None

@@ -272,18 +272,20 @@ def unpriced_model_note(model) -> str | None:
     ``model`` (a ModelConfig) that differ from the default, or None."""
     from loom.config import ModelConfig
     default = ModelConfig()
-    given = [(name, why) for name, why in UNPRICED_MODEL.items()
-             if getattr(model, name, None) not in (None, False, getattr(default, name, None))]
-    return _not_priced(model, given)
+    return _not_priced([_given(model, name, why) for name, why in UNPRICED_MODEL.items()
+                        if getattr(model, name, None) not in (None, False,
+                                                              getattr(default, name, None))])
 
 
-def _not_priced(values, given: list) -> str | None:
-    """``not in the prediction: --flag [value] (why); ...`` of ``given`` ``[(field, why)]``."""
-    if not given:
-        return None
-    return "not in the prediction: " + "; ".join(
-        flag(name) + ("" if getattr(values, name) is True else f" {getattr(values, name)}")
-        + f" ({why})" for name, why in given)
+def _given(values, name: str, why: str) -> str:
+    """``--flag [value] (why)`` of field ``name`` as ``values`` holds it."""
+    v = getattr(values, name)
+    return flag(name) + ("" if v is True else f" {v}") + f" ({why})"
+
+
+def _not_priced(items: list) -> str | None:
+    """``not in the prediction: item; ...``, or None without items."""
+    return "not in the prediction: " + "; ".join(items) if items else None
 
 
 def unmodelled_note(args, no_effect: dict, model=None) -> list[str]:
@@ -305,10 +307,14 @@ def unmodelled_note(args, no_effect: dict, model=None) -> list[str]:
 def unpriced_note(values) -> str | None:
     """``not in the prediction: --flag value (why); ...`` for the :data:`UNMODELLED` fields set
     in ``values`` (loom plan's parsed flags, or a config's ``training`` section: the same
-    names), or None."""
-    return _not_priced(values, [(name, why) for name, why in UNMODELLED.items()
-                                if getattr(values, name, None) not in (None, False)
-                                and not (name == "optimizer" and optimizer_option(values))])
+    names) and for fp32 training (``bf16`` False, not None: ``--no-bf16`` given to loom plan,
+    or a run's config without ``--bf16`` / ``--fp16``), or None."""
+    items = [_given(values, name, why) for name, why in UNMODELLED.items()
+             if getattr(values, name, None) not in (None, False)
+             and not (name == "optimizer" and optimizer_option(values))]
+    if getattr(values, "bf16", None) is False and not getattr(values, "fp16", None):
+        items.append("fp32, no --bf16 / --fp16 (priced as 16-bit training)")
+    return _not_priced(items)
 
 
 def optimizer_option(args) -> dict:

@@ -173,9 +173,11 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     says so. ``opts``: the :class:`~loom.planner.layout.Options` the plan used (its DP
     overlap flags, :func:`dp_overlap_flags`; None: the defaults). ``precision``: ``--bf16``
     or ``--fp16``, the 16-bit training the planner prices (loom train, as Megatron, trains in
-    fp32 without either)."""
-    if precision not in ("bf16", "fp16"):
-        raise ValueError(f"precision {precision!r}: the planner prices bf16 or fp16")
+    fp32 without either); None when the user asked for fp32 (``--no-bf16``), which the plan
+    names as not priced."""
+    if precision not in ("bf16", "fp16", None):
+        raise ValueError(f"precision {precision!r}: the planner prices bf16 or fp16 (None: the "
+                         f"user asked for fp32, no flag)")
     if "dp" not in rec:  # a hand-made record: d from the world size
         rec = dict(rec, dp=num_gpus // (rec["tp"] * rec["pp"] * rec["cp"]))
     per_node = min(num_gpus, gpus_per_node)
@@ -188,7 +190,7 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
                    "--rdzv-endpoint", "$MASTER_ADDR:29500"]
     words = [shlex.quote(w) for w in
              model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size, opts)
-             + [f"--{precision}"]]
+             + ([f"--{precision}"] if precision else [])]
     pairs, i = [], 0
     while i < len(words):  # "--flag value [value ...]" together on one line
         take = 1

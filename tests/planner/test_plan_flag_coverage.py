@@ -182,12 +182,16 @@ def test_sgd_is_priced_without_a_warning(capsys):
 def test_command_trains_in_the_precision_planned(capsys):
     """The planner prices 16-bit training; loom train (as Megatron) trains in fp32 without
     ``--bf16`` / ``--fp16``, so the printed command carries the one planned: ``--bf16`` by
-    default, ``--fp16`` when given."""
+    default, ``--fp16`` when given; none after ``--no-bf16``, which is named as not priced."""
     from loom.planner.command import command_config
     for extra, want in (([], "bf16"), (["--fp16"], "fp16")):
         code, out, _ = _plan(SMALL + extra + ["--json", "--top", "1"], capsys)
         cfg = command_config(json.loads(out)["layouts"][0]["command"], 8)
         assert code == 0 and getattr(cfg.training, want), (extra, want)
+    # --no-bf16 asks for fp32: the command keeps it, the plan says it priced 16-bit
+    code, out, err = _plan(SMALL + ["--no-bf16", "--json", "--top", "1"], capsys)
+    cfg = command_config(json.loads(out)["layouts"][0]["command"], 8)
+    assert not (cfg.training.bf16 or cfg.training.fp16) and "priced as 16-bit" in err
 
 
 def test_bucket_size_is_planned_and_carried_to_the_command(capsys):
@@ -243,7 +247,10 @@ def test_dry_run_prediction_names_what_it_does_not_price():
     """``loom train --dry-run``'s planner prediction says the same of the run's own config."""
     from loom.planner.predict import format_prediction, predict_layout
     from testkit.config import tiny_config
-    plain = predict_layout(tiny_config("llama").validate(1), 1, "H100-80GB")
+    plain = predict_layout(tiny_config("llama", bf16=True).validate(1), 1, "H100-80GB")
     assert plain["unpriced"] is None
-    pred = predict_layout(tiny_config("llama", compile=True).validate(1), 1, "H100-80GB")
+    fp32 = predict_layout(tiny_config("llama").validate(1), 1, "H100-80GB")  # the planner's
+    assert "fp32, no --bf16 / --fp16 (priced as 16-bit training)" in fp32["unpriced"]  # bytes
+    pred = predict_layout(tiny_config("llama", bf16=True, compile=True).validate(1), 1,
+                          "H100-80GB")
     assert "--compile (priced as eager PyTorch kernels)" in format_prediction(pred)
