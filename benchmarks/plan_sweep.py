@@ -86,7 +86,9 @@ LAYOUT_FIELDS = (
     "recompute_num_layers", "recompute_activations", "use_megatron_fsdp",
     "data_parallel_sharding_strategy")
 BATCH_FIELDS = ("global_batch_size", "rampup_batch_size", "step_batch_size_schedule")
-LAYOUT_FLAGS = {"--" + f.replace("_", "-") for f in LAYOUT_FIELDS} | {"--no-sequence-parallel"}
+LAYOUT_FLAGS = {"--" + f.replace("_", "-") for f in LAYOUT_FIELDS} | {
+    "--no-sequence-parallel", "--no-use-distributed-optimizer", "--no-overlap-grad-reduce",
+    "--no-overlap-param-gather"}
 # what the search fixes from each given flag, compared on layout_of() of both configs
 LAYOUT_KEYS = {"--tensor-model-parallel-size": ("tp",), "--pipeline-model-parallel-size": ("pp",),
                "--context-parallel-size": ("cp",), "--expert-model-parallel-size": ("ep",),
@@ -97,7 +99,7 @@ LAYOUT_KEYS = {"--tensor-model-parallel-size": ("tp",), "--pipeline-model-parall
                "--decoder-first-pipeline-num-layers": ("lf",),
                "--decoder-last-pipeline-num-layers": ("ll",),
                "--micro-batch-size": ("mbs",), "--sequence-parallel": ("sp",),
-               "--no-sequence-parallel": ("sp",),
+               "--no-sequence-parallel": ("sp",), "--no-use-distributed-optimizer": ("zero",),
                "--use-distributed-optimizer": ("zero",), "--zero-stage": ("zero",),
                "--use-torch-fsdp2": ("zero",), "--recompute-granularity": ("recompute",),
                "--recompute-activations": ("recompute",),
@@ -109,7 +111,9 @@ SAME_FIELDS = {"--recompute-method": "recompute_method",
                "--hierarchical-context-parallel-sizes": "hierarchical_context_parallel_sizes",
                "--microbatch-group-size-per-virtual-pipeline-stage":
                    "microbatch_group_size_per_virtual_pipeline_stage",
-               "--global-batch-size": "global_batch_size"}
+               "--global-batch-size": "global_batch_size",
+               "--no-overlap-grad-reduce": "overlap_grad_reduce",  # off: not in the command
+               "--no-overlap-param-gather": "overlap_param_gather"}
 
 
 def groups(words: list) -> list:
@@ -434,6 +438,10 @@ def grid_cases(seed: int = 0, n: int = 300) -> list:
         if more.random() < 0.2:
             argv += ["--pipeline-schedule", more.choice(("1f1b", "interleaved", "gpipe",
                                                          "zero-bubble", "zbv"))]
+        if more.random() < 0.1 and "--use-distributed-optimizer" not in argv:
+            argv += ["--no-use-distributed-optimizer"]
+        if more.random() < 0.1:
+            argv += [more.choice(("--no-overlap-grad-reduce", "--no-overlap-param-gather"))]
         out.append(Case("grid", f"grid:{i}", argv, g))
     return out
 

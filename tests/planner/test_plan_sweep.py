@@ -29,6 +29,11 @@ REGRESSIONS = [
      "--pipeline-schedule 1f1b", 8, "ok", ""),
     ("interleaved-needs-chunks", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
      "--pipeline-schedule interleaved --num-layers-per-virtual-pipeline-stage 3", 8, "ok", ""),
+    # the other --no- spellings: searched / assumed on before
+    ("no-distributed-optimizer-is-zero-0", f"{LLAMA} --num-gpus 8 "
+     "--no-use-distributed-optimizer", 8, "ok", ""),
+    ("no-overlap-grad-reduce", f"{LLAMA} --num-gpus 8 --tensor-model-parallel-size 1 "
+     "--pipeline-model-parallel-size 1 --zero-stage 1 --no-overlap-grad-reduce", 8, "ok", ""),
     ("1f1b-with-a-layout-string", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
      "--pipeline-model-parallel-layout Et*5|t*7L --pipeline-schedule 1f1b", 8, "ok", ""),
     ("1f1b-conflicts-with-chunks", f"{LLAMA} --num-gpus 8 --pipeline-model-parallel-size 2 "
