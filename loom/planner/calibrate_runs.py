@@ -6,7 +6,8 @@ layout in :data:`loom.planner.layout.KEYS` names (``tp``, ``pp``, ``dp``, ``cp``
 ``recompute`` none/selective/full, ``sp``, ``zero``, ``ep``, ...; missing keys take
 :func:`~loom.planner.layout.make_layouts`' defaults, ``dp`` is required) and optionally its own
 ``global_batch_size``, ``seq_length`` and ``num_gpus`` (default: the plan's). ``peak_memory_gb``
-(``torch.cuda.max_memory_reserved``, GB = 1e9 bytes) may be left out.
+(``torch.cuda.max_memory_reserved``, GB = 1e9 bytes) may be left out. Or ``loom train``'s own
+``--log-json`` file: :mod:`loom.planner.measured_runs` reads both.
 
 Fitted, each by name (:func:`calibrate`):
 
@@ -52,7 +53,6 @@ layout arithmetic) stays the shipped model.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 from dataclasses import replace
@@ -61,7 +61,7 @@ import numpy as np
 
 from loom.config import ConfigError, ModelConfig
 from loom.planner.hardware import GB, Cluster
-from loom.planner.layout import KEYS, Options, make_layouts
+from loom.planner.layout import Options, make_layouts
 from loom.planner.primitives import GEMM_EFFICIENCY
 from loom.planner.timing import MEM_TRAFFIC
 
@@ -77,104 +77,6 @@ BOUNDS = {"gemm_efficiency": (0.05, 1.0), "mem_traffic": (0.1, 100.0),
           "dp_net_efficiency": (0.05, 1.0)}
 BAD_RESIDUAL = 1e3  # log error standing in for a prediction that is not finite (rejects a step)
 LOO_TIE = 1e-9  # leave-one-out scores this close (mean squared log error) are a tie
-
-
-def read_runs(path: str) -> list[dict]:
-    """The runs of a JSONL file (module docstring), or of a ``loom train --log-json`` file
-    (:func:`runs_from_loom_log`); ConfigError naming the line of a bad one."""
-    runs = []
-    try:
-        lines = open(path).read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"--calibrate-from {path}: {e.strerror}") from None
-    if _is_loom_log(next((ln for ln in lines if ln.strip()), "")):
-        return runs_from_loom_log(path)
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--calibrate-from {path}:{n}"
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not JSON ({e.msg})") from None
-        lay = r.get("layout") if isinstance(r, dict) else None
-        if not isinstance(lay, dict) or "dp" not in lay:
-            raise ConfigError(f"{where}: needs \"layout\": {{\"tp\": .., \"pp\": .., \"dp\": .., "
-                              f"...}} (dp required)")
-        bad = sorted(set(lay) - set(KEYS))
-        if bad:
-            raise ConfigError(f"{where}: unknown layout key(s) {bad}; known: {', '.join(KEYS)}")
-        t = r.get("step_time_s")
-        if not isinstance(t, (int, float)) or t <= 0:
-            raise ConfigError(f"{where}: needs \"step_time_s\" > 0 (seconds per iteration)")
-        runs.append(r)
-    if not runs:
-        raise ConfigError(f"--calibrate-from {path}: no runs (one JSON line per measured run)")
-    return runs
-
-
-def _is_loom_log(first_line: str) -> bool:
-    """Whether a file's first line is a ``loom train --log-json`` run header."""
-    try:
-        rec = json.loads(first_line)
-    except json.JSONDecodeError:
-        return False
-    return isinstance(rec, dict) and rec.get("kind") == "run" and "config" in rec
-
-
-LOG_WARMUP = 1
-"""Iterations of each run in a ``--log-json`` file left out of its step time (the first one
-builds kernels, caches and the allocator's pools)."""
-RUN_OPTIONS = ("flash_attention", "layer_memory", "overlap_grad_reduce", "overlap_param_gather",
-               "ddp_bucket_elems", "ddp_bucket_per_rank", "ddp_bucket_count",
-               "optimizer_state_bytes")
-"""The :class:`~loom.planner.layout.Options` fields a logged run fixes for itself
-(:func:`loom.planner.predict.run_options`): it is predicted as it ran, not as the plan's
-defaults would run it."""
-
-
-def runs_from_loom_log(path: str) -> list[dict]:
-    """The runs of a ``loom train --log-json`` file (:func:`loom.config.run_log.read_run_log`;
-    one or more runs appended to it): per ``{"kind": "run", "config": ..., "world_size": W}``
-    header, its layout at W (:func:`loom.planner.predict.layout_of`), the median
-    ``step_time_s`` of its training records after the first :data:`LOG_WARMUP`, its global
-    batch, sequence length and GPU count, the options it ran with (:data:`RUN_OPTIONS`) and
-    its model's shape (checked against the plan's by :func:`calibrate`), and
-    ``peak_memory_gb`` from the records' ``peak_memory_reserved_bytes`` (CUDA runs) when the
-    run has no pipeline (the log is rank 0's, and without pipelining every rank holds the
-    same; with it the neediest stage may be another). ConfigError naming the run (1-based,
-    with its start time) whose header has no world size (a log of an older loom)."""
-    from loom.config import LoomConfig
-    from loom.config.run_log import read_run_log
-    from loom.planner.predict import layout_of, run_options
-    runs = []
-    for i, logged in enumerate(read_run_log(path), 1):
-        header, times = logged["header"], [float(r["step_time_s"]) for r in logged["train"]
-                                           if "step_time_s" in r]
-        where = f"--calibrate-from {path}: run {i} ({header.get('start_utc', 'no header')})"
-        if not isinstance(header.get("world_size"), int):
-            raise ConfigError(f"{where} has no world_size in its header (a log of an older "
-                              f"loom): give the runs as JSON lines (layout, step_time_s)")
-        if not times:
-            continue  # an evaluation-only run
-        cfg = LoomConfig.from_flat(header["config"])
-        w, m, opts = header["world_size"], cfg.model, run_options(cfg)
-        lay = layout_of(cfg, w)
-        run = {"layout": lay, "step_time_s": statistics.median(times[LOG_WARMUP:] or times),
-               "global_batch_size": cfg.global_batch_size(w), "seq_length": m.seq_length,
-               "num_gpus": w, "options": {k: getattr(opts, k) for k in RUN_OPTIONS},
-               "model_shape": {k: getattr(m, k) for k in MODEL_SHAPE}, "source": where}
-        reserved = [r["peak_memory_reserved_bytes"] for r in logged["train"]
-                    if "peak_memory_reserved_bytes" in r]
-        if reserved and lay["pp"] == 1:  # rank 0's peak is every rank's without pipelining
-            run["peak_memory_gb"] = max(reserved) / GB
-        runs.append(run)
-    return runs
-
-
-MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_groups", "ffn_size",
-               "vocab_size", "num_experts", "moe_router_topk")
-"""The model fields a logged run must share with the plan to calibrate it."""
 
 
 def least_squares(res, x: np.ndarray, iters: int = 40, lam: float = 1e-2,

@@ -199,7 +199,8 @@ def run(args) -> int:
         print(f"loom plan: warning: {note}", file=sys.stderr)
     calibration = None
     if args.calibrate_from:  # the user's measured runs fit e, k and the memory reserve
-        from loom.planner.calibrate_runs import calibrate, read_runs
+        from loom.planner.calibrate_runs import calibrate
+        from loom.planner.measured_runs import read_runs
         cluster, opts, calibration = calibrate(model, cluster, read_runs(args.calibrate_from),
                                                B, s, opts)
     fixed = fixed_from_args(args, model)

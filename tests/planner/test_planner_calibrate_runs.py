@@ -20,9 +20,10 @@ import pytest
 
 from loom.config import ConfigError
 from loom.planner.calibrate_runs import (BOUNDS, NETWORK, PARAMS, calibrate, candidates,
-                                         read_runs, select_fit)
+                                         select_fit)
 from loom.planner.hardware import GB, make_cluster
 from loom.planner.layout import Options, make_layouts
+from loom.planner.measured_runs import read_runs
 from loom.planner.presets import gpt
 from loom.planner.search import evaluate
 
@@ -250,7 +251,6 @@ def test_loom_train_logs_calibrate_like_runs_files(tmp_path, capsys):
     first step, its own DP overlap, buckets and optimizer; three such runs made by the planner
     under a slower cluster recover its GEMM efficiency. A run of another model, or a header
     without the world size, is refused naming the line."""
-    from loom.planner.calibrate_runs import read_runs
     from loom.planner.predict import layout_of, run_options
     from testkit.config import tiny_config
     world, cl = 8, make_cluster("A100-80GB", 8)
@@ -275,7 +275,7 @@ def test_loom_train_logs_calibrate_like_runs_files(tmp_path, capsys):
         truths.append(t)
         reserved = float(e["mem_total"][0] - e["mem_reserve"][0]) * 1.05 + 3e9  # as on a GPU
         _log_run(path, cfg, world, [10 * t, t, t], reserved)  # the first step: left out
-    from loom.planner.calibrate_runs import RUN_OPTIONS
+    from loom.planner.measured_runs import RUN_OPTIONS
     for cfg in cfgs:  # every option a run fixes travels with it
         own = run_options(cfg)
         assert replace(Options(), **{k: getattr(own, k) for k in RUN_OPTIONS}) == own
@@ -310,7 +310,6 @@ def test_a_real_loom_train_log_is_read(tmp_path, capsys):
     from loom.cli import main
     from loom.config.run_log import read_run_log
     from loom.parallel.mesh import ParallelMesh
-    from loom.planner.calibrate_runs import read_runs
     from loom.training.trainer import Trainer
     from testkit.config import tiny_config
     log = tmp_path / "log.jsonl"
