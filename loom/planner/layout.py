@@ -57,6 +57,13 @@ SCHEDULES = ("1f1b", "zero-bubble", "zbv", "gpipe")
 # default_bucket_size: TARGET_BUCKETS, MIN_BUCKET_PER_RANK, MAX_BUCKET; the planner stays
 # torch-free, a test checks they agree) as Options fields
 LOOM_BUCKETS = dict(ddp_bucket_count=4, ddp_bucket_per_rank=250_000, ddp_bucket_elems=40e6)
+
+
+def given_buckets(ddp_bucket_size) -> dict:
+    """The :class:`Options` bucket fields of ``--ddp-bucket-size N`` (N elements per bucket,
+    whatever the DP size), or ``{}`` when not given."""
+    return {"ddp_bucket_elems": float(ddp_bucket_size), "ddp_bucket_per_rank": 0.0} \
+        if ddp_bucket_size else {}
 WORKSPACE_BYTES = 2e9
 ADAM_STATE_BYTES = 8.0  # Adam's fp32 exp_avg and exp_avg_sq per parameter (ZERO sec 3.1: K = 12
 # with the fp32 master copy)

@@ -12,11 +12,10 @@ from __future__ import annotations
 import sys
 
 from loom.config import LoomConfig
-from loom.planner.cli_args import unpriced_model_note, unpriced_note
+from loom.planner.cli_args import optimizer_option, unpriced_model_note, unpriced_note
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
-from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, make_layouts,
+from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, given_buckets, make_layouts,
                                  param_gather_overlapped)
-from loom.planner.memory import optimizer_state_bytes
 from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate, with_group
 from loom.planner.stages import given_split
 
@@ -90,16 +89,14 @@ def run_options(cfg: LoomConfig) -> Options:
     asynchronous all-gather waited for by forward pre-hooks, loom/training/optimizer.py);
     both default off (Megatron's defaults); its gradient buckets: ``--ddp-bucket-size`` or
     else loom's default size (:data:`loom.planner.layout.LOOM_BUCKETS`); its optimizer's
-    states (``--optimizer``, ``--sgd-momentum``: :func:`loom.planner.memory.optimizer_state_bytes`;
+    states (``--optimizer``, ``--sgd-momentum``: :func:`loom.planner.cli_args.optimizer_option`;
     Muon's are priced as Adam's)."""
-    size = cfg.parallel.ddp_bucket_size
-    buckets = (dict(ddp_bucket_elems=float(size), ddp_bucket_per_rank=0.0) if size
-               else LOOM_BUCKETS)  # --ddp-bucket-size, or loom's default_bucket_size
-    state = optimizer_state_bytes(cfg.training.optimizer, cfg.training.sgd_momentum)
+    # --ddp-bucket-size, or loom's default_bucket_size
+    buckets = given_buckets(cfg.parallel.ddp_bucket_size) or LOOM_BUCKETS
     return Options(flash_attention=True, layer_memory="loom",
                    overlap_grad_reduce=bool(cfg.parallel.overlap_grad_reduce),
                    overlap_param_gather=bool(cfg.training.overlap_param_gather), **buckets,
-                   **({} if state is None else {"optimizer_state_bytes": state}))
+                   **optimizer_option(cfg.training))
 
 
 def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,
