@@ -179,6 +179,13 @@ class Options:
     (:func:`loom.planner.timing.fsdp_exposed`: the first all-gather, the last reduce-scatter,
     and per layer the excess of communication over compute) instead of the
     ``ZERO3_OVERLAP`` fitted on DeepSpeed (NAR table 2). Planner only.
+    ``causal_skip``: fused attention under a causal mask computes only the key blocks on and
+    below the diagonal, about half the score FLOPs (Dao 2023, FlashAttention-2, sec. 3.1.1,
+    "Causal masking"; cuDNN's fused attention the same), where the default counts them all, as
+    Megatron-LM's FLOP count and the fitted constants do. A what-if for the held-out NeMo rows
+    (:mod:`benchmarks.planner_sources.dgxc`), off by default: turned on for every source it moves
+    torchtitan's rows 13-17% too fast (docs/planner.md). Time only; needs ``flash_attention``; not for BERT (bidirectional).
+    Planner only.
     """
 
     flash_attention: bool = False
@@ -211,6 +218,7 @@ class Options:
     legacy_interleaved_warmup: bool = False
     overlap_interference: bool = False
     zero3_prefetch: bool = False
+    causal_skip: bool = False
 
 
 def param_gather_overlapped(opts: Options) -> bool:

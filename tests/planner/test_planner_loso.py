@@ -37,9 +37,12 @@ HELDOUT_BOUNDS = {
     "Llama 3": (0.075, 0.29),
     "MegaScale": (0.10, 0.16),
     "loom H200": (0.065, 0.14),  # loom's own make gpu-check rows, 2026-11-28 (5.8%, 13.0%)
+    # NeMo 24.09 / 24.11 on 8-2,304 H100, 2026-11-29 (11.0%, 26.3%; in no fit set): its cuDNN
+    # attention rows are 8-26% too slow (benchmarks/planner_sources/dgxc.py)
+    "DGX-C": (0.115, 0.27),
     "MC-H100 weak + MC-H100 strong": (0.05, 0.11),
 }
-OVERALL_BOUNDS = (0.05, 0.30)
+OVERALL_BOUNDS = (0.06, 0.30)  # 5.7% over 156 rows with DGX-C (5.0% over 121 before)
 ISSUE_TARGET = (0.08, 0.20, 0.10)  # pooled median, worst row, every source's own median
 
 
@@ -87,11 +90,19 @@ def test_overall_held_out_errors(loso):
 def test_issue_26_median_targets(loso):
     """The pooled held-out median meets the issue's 8% and every source's own held-out median
     its 10% (LF-H100 is the closest, 9.4%; MegaScale 9.1%) except the single rows of BLOOM (10.4%) and OPT-175B
-    (19.4%), in the strict xfail below with the worst-row target."""
+    (19.4%), in the strict xfail below with the worst-row target, and DGX-C (11.0%), in its own
+    strict xfail."""
     assert loso["overall"]["median"] <= ISSUE_TARGET[0], loso["overall"]
     for held, r in loso["sources"].items():
-        if held not in ("BLOOM", "OPT"):
+        if held not in ("BLOOM", "OPT", "DGX-C"):
             assert r["heldout"]["median"] <= ISSUE_TARGET[2], (held, r["heldout"]["median"])
+
+
+@pytest.mark.xfail(strict=True, reason="issue 26's per-source 10% median is missed on DGX-C "
+                   "(11.0%): NeMo's cuDNN attention skips the causal half, which the planner "
+                   "does not price (tests/planner/test_planner_dgxc.py, docs/planner.md)")
+def test_dgxc_median_within_the_per_source_target(loso):
+    assert loso["sources"]["DGX-C"]["heldout"]["median"] <= ISSUE_TARGET[2]
 
 
 def test_mc_h100_held_out_uses_the_other_h100_sources(loso):

@@ -1,0 +1,238 @@
+"""NVIDIA's DGX Cloud benchmarking recipes on H100 (a held-out source, issue 47): step seconds
+of NeMo 24.09 / 24.11 (Megatron-Core with Transformer Engine) at 8-2,304 H100, weak scaling, at
+each recipe's own layout. In no fit set: every prediction here is out of sample.
+
+Source: ``NVIDIA/dgxc-benchmarking`` at 35a9aecc8d (2025-06-09), the BF16 H100 tables of
+``llama3.1/README_{8b,70b,405b}.md``, ``nemotron/README_{15b,340b}.md`` and
+``nemo_megatron/README_175b.md`` ("Training step time (seconds per step)", the last step of a
+50-100 step run), and each recipe's own files at that commit:
+
+* the layout (t, p, c, v, b) from the table's header, the per-GPU-count global batch and, for
+  Llama 3.1 405B's proxy rows under 576 GPUs, the layers and p from its table and
+  ``llama3.1/configure.sh``;
+* the model from the recipe's YAML (``llama3.1/llama3.1_*.yaml``,
+  ``nemotron/nemotron4-*-synth.yaml``, ``nemo_megatron/gpt3_175b_hydra.yaml``): 405B with 16
+  query groups as its YAML has them; Nemotron-4: squared ReLU, no biases, LayerNorm-1p, RoPE,
+  untied, V 256,000; GPT-3: GeLU, biases, learned positions, tied, dropout 0.1, GPT-2 BPE;
+* the software: ``distributed_fused_adam`` (sharded optimizer states: ZeRO-1) with
+  ``grad_sync_dtype: bf16`` (2-byte gradient buffer and reduce-scatter), ``overlap_grad_sync``
+  and ``overlap_param_sync``; no recompute except Nemotron-4 340B (``activations_checkpoint_
+  granularity: selective``); sequence parallelism wherever t > 1; fused attention everywhere:
+  cuDNN's (``NVTE_FUSED_ATTN=1``: Llama 3.1, Nemotron-4 15B) or the flash-attn package's
+  (``NVTE_FUSED_ATTN=0``: Nemotron-4 340B, GPT-3 175B). NeMo 24.09 (Llama 3.1) ships
+  Megatron-Core 0.9 (before !2117's interleaved warm-up change), 24.11 (Nemotron-4, GPT-3) 0.10;
+  every interleaved row has m != p, where the two rules agree.
+
+What the planner does not price here: TP communication overlapped with the GEMMs by userbuffers
+(``ub_tp_comm_overlap``, on for the 405B, 70B and 175B recipes; the planner hides only the
+backward's TP collectives), the 340B recipe's bf16 optimizer states (``optim.dtype: bf16``), and
+the attention kernel's skipping of the masked half (:data:`CAUSAL_SKIP` what-if).
+
+    OMP_NUM_THREADS=1 python -m benchmarks.planner_sources.dgxc [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass, replace
+
+from loom.config import ModelConfig
+from loom.planner.constants import Constants, fitted_cluster
+from loom.planner.layout import make_layouts
+from loom.planner.presets import gpt
+from loom.planner.search import evaluate, record
+from benchmarks.planner_sources.software import source_options
+
+SOURCE = "DGX-C"
+COMMIT = "35a9aecc8d"
+
+
+def _llama31(L: int, h: int, a: int, g: int, ffn: int) -> ModelConfig:
+    return ModelConfig.llama(num_layers=L, hidden_size=h, num_attention_heads=a,
+                             num_query_groups=g, group_query_attention=True, ffn_hidden_size=ffn,
+                             seq_length=8192, max_position_embeddings=8192, vocab_size=128256,
+                             rotary_base=500000.0, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _nemotron4(L: int, h: int, a: int, g: int, ffn: int) -> ModelConfig:
+    return ModelConfig.gpt2(num_layers=L, hidden_size=h, num_attention_heads=a,
+                            num_query_groups=g, group_query_attention=True, ffn_hidden_size=ffn,
+                            seq_length=4096, max_position_embeddings=4096, vocab_size=256000,
+                            squared_relu=True, disable_bias_linear=True,
+                            untie_embeddings_and_output_weights=True,
+                            position_embedding_type="rope", apply_layernorm_1p=True,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One model's recipe: its model at full depth, layout and the software it ran."""
+
+    model: ModelConfig
+    tp: int
+    pp: int
+    cp: int
+    vp: int
+    mbs: int
+    recompute: str
+    nemo: str  # container version: 24.09 or 24.11
+    cudnn_attention: bool  # NVTE_FUSED_ATTN=1 (else the flash-attn package)
+
+
+RECIPES = {
+    "llama3.1-8b": Recipe(_llama31(32, 4096, 32, 8, 14336), 1, 1, 2, 1, 1, "none", "24.09", True),
+    "llama3.1-70b": Recipe(_llama31(80, 8192, 64, 8, 28672), 4, 4, 2, 5, 1, "none", "24.09",
+                           True),
+    "llama3.1-405b": Recipe(_llama31(126, 16384, 128, 16, 53248), 8, 9, 2, 7, 1, "none", "24.09",
+                            True),
+    "nemotron4-15b": Recipe(_nemotron4(32, 6144, 48, 8, 24576), 4, 1, 1, 1, 4, "none", "24.11",
+                            True),
+    "nemotron4-340b": Recipe(_nemotron4(96, 18432, 96, 8, 73728), 8, 8, 1, 12, 1, "selective",
+                             "24.11", False),
+    "gpt3-175b": Recipe(replace(gpt(96, 12288, 96, V=50257), hidden_dropout=0.1,
+                                attention_dropout=0.1), 4, 8, 1, 12, 1, "none", "24.11", False),
+}
+
+# (recipe, GPUs, global batch, published seconds per step, layers, p): layers / p None = the
+# recipe's. Llama 3.1 405B under 576 GPUs are the README's proxy configs (7 / 21 / 42 layers).
+ROWS = (
+    ("llama3.1-8b", 8, 128, 12.91, None, None),
+    ("llama3.1-8b", 16, 256, 13.00, None, None),
+    ("llama3.1-8b", 32, 512, 13.05, None, None),
+    ("llama3.1-8b", 64, 1024, 13.08, None, None),
+    ("llama3.1-8b", 128, 2048, 13.10, None, None),
+    ("llama3.1-70b", 64, 128, 14.72, None, None),
+    ("llama3.1-70b", 128, 256, 14.73, None, None),
+    ("llama3.1-70b", 256, 512, 14.8, None, None),
+    ("llama3.1-70b", 512, 1024, 14.89, None, None),
+    ("llama3.1-70b", 1024, 2048, 14.92, None, None),
+    ("llama3.1-70b", 2048, 4096, 14.98, None, None),
+    ("llama3.1-405b", 32, 126, 8.85, 7, 1),
+    ("llama3.1-405b", 96, 126, 8.75, 21, 3),  # the table prints "8.7  5"
+    ("llama3.1-405b", 192, 252, 16.93, 42, 3),
+    ("llama3.1-405b", 576, 252, 17.20, None, None),
+    ("llama3.1-405b", 1152, 504, 17.52, None, None),
+    ("llama3.1-405b", 2304, 1008, 17.62, None, None),
+    ("nemotron4-15b", 16, 64, 2.83, None, None),
+    ("nemotron4-15b", 32, 128, 2.86, None, None),
+    ("nemotron4-15b", 64, 256, 2.86, None, None),
+    ("nemotron4-15b", 128, 512, 2.89, None, None),
+    ("nemotron4-15b", 256, 1024, 2.88, None, None),
+    ("nemotron4-15b", 512, 2048, 2.92, None, None),
+    ("nemotron4-15b", 1024, 4096, 2.92, None, None),
+    ("nemotron4-15b", 2048, 8192, 2.96, None, None),
+    ("nemotron4-340b", 128, 32, 4.61, None, None),
+    ("nemotron4-340b", 256, 64, 4.67, None, None),
+    ("nemotron4-340b", 512, 128, 4.7, None, None),
+    ("nemotron4-340b", 1024, 256, 4.73, None, None),
+    ("nemotron4-340b", 2048, 512, 4.84, None, None),
+    ("gpt3-175b", 128, 256, 8.91, None, None),
+    ("gpt3-175b", 256, 512, 8.95, None, None),
+    ("gpt3-175b", 512, 1024, 9.09, None, None),
+    ("gpt3-175b", 1024, 2048, 9.01, None, None),
+    ("gpt3-175b", 2048, 4096, 9.02, None, None),
+)
+
+
+def row_options(recipe: Recipe, causal_skip: bool = False):
+    """The planner Options of a recipe (module docstring): fused attention, 2-byte gradients,
+    DP overlap on; ``causal_skip`` the what-if (:class:`loom.planner.layout.Options`)."""
+    return source_options(flash_attention=True, grad_bytes=2, causal_skip=causal_skip,
+                          legacy_interleaved_warmup=recipe.nemo == "24.09")
+
+
+def row_record(i: int, constants: Constants | None = None, causal_skip: bool = False) -> dict:
+    """The planner's record (:func:`loom.planner.search.record`) of :data:`ROWS` row ``i`` at its
+    recipe's layout, fitting in 80 GB or not."""
+    name, n, B, _pub, layers, pp = ROWS[i]
+    r = RECIPES[name]
+    model = replace(r.model, num_layers=layers) if layers else r.model
+    p = pp or r.pp
+    v = r.vp if p > 1 else 1
+    d = n // (r.tp * p * r.cp)
+    L = make_layouts(dict(tp=r.tp, pp=p, cp=r.cp, dp=d, mbs=r.mbs, vp=v, recompute=r.recompute,
+                          sp=int(r.tp > 1), zero=1 if d > 1 else 0, zb=0))
+    res = evaluate(model, L, B, model.seq_length, fitted_cluster("H100-80GB", n, constants),
+                   row_options(r, causal_skip))
+    return record(res, 0)
+
+
+def dgxc_points(constants: Constants | None = None,
+                causal_skip: bool = False) -> list[tuple]:
+    """``(name, predicted, published)`` seconds per step of every :data:`ROWS` row."""
+    return [(f"{SOURCE} {row[0]} {row[1]} GPUs s/step",
+             row_record(i, constants, causal_skip)["iteration_time_s"], row[3])
+            for i, row in enumerate(ROWS)]
+
+
+def trends(constants: Constants | None = None) -> dict:
+    """Per recipe, the weak-scaling trend: step seconds on the most GPUs over the fewest (full-
+    depth rows only), published and predicted."""
+    out = {}
+    for name in RECIPES:
+        idx = [i for i, r in enumerate(ROWS) if r[0] == name and r[4] is None]
+        lo, hi = idx[0], idx[-1]
+        pub = ROWS[hi][3] / ROWS[lo][3]
+        pred = (row_record(hi, constants)["iteration_time_s"]
+                / row_record(lo, constants)["iteration_time_s"])
+        out[name] = dict(gpus=(ROWS[lo][1], ROWS[hi][1]), published=round(pub, 4),
+                         predicted=round(pred, 4), error=round(pred / pub - 1, 4))
+    return out
+
+
+def table(constants: Constants | None = None) -> list[dict]:
+    """Every row: published and predicted seconds (as shipped, and with the causal what-if),
+    the predicted memory (GB) and whether it fits in 80 GB."""
+    out = []
+    for i, (name, n, B, pub, layers, pp) in enumerate(ROWS):
+        rec = row_record(i, constants)
+        skip = row_record(i, constants, causal_skip=True)["iteration_time_s"]
+        out.append(dict(recipe=name, gpus=n, global_batch=B, layers=layers, published_s=pub,
+                        predicted_s=round(rec["iteration_time_s"], 3),
+                        error=round(rec["iteration_time_s"] / pub - 1, 4),
+                        causal_skip_s=round(skip, 3), causal_skip_error=round(skip / pub - 1, 4),
+                        memory_gb=round(rec["memory_gb"], 1), fits=rec["fits"],
+                        cudnn_attention=RECIPES[name].cudnn_attention))
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    """Median and worst |error| over ``rows`` (of :func:`table`), as shipped and with the
+    causal what-if, overall and per attention kernel."""
+    def stats(sel, key):
+        errs = sorted(abs(r[key]) for r in sel)
+        return dict(n=len(errs), median=round(statistics.median(errs), 4),
+                    worst=round(errs[-1], 4)) if errs else None
+    groups = {"all": rows, "cuDNN attention": [r for r in rows if r["cudnn_attention"]],
+              "flash-attn": [r for r in rows if not r["cudnn_attention"]]}
+    return {g: dict(shipped=stats(sel, "error"), causal_skip=stats(sel, "causal_skip_error"))
+            for g, sel in groups.items()}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| recipe | GPUs | B | published s | predicted | error | causal half skipped | "
+             "memory GB |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = r["recipe"] + (f" ({r['layers']} layers)" if r["layers"] else "")
+        name += " (cuDNN)" if r["cudnn_attention"] else " (flash-attn)"
+        fit = "" if r["fits"] else " (over 80)"
+        lines.append(f"| {name} | {r['gpus']} | {r['global_batch']} | {r['published_s']} | "
+                     f"{r['predicted_s']:.2f} | {r['error']:+.1%} | {r['causal_skip_error']:+.1%}"
+                     f" | {r['memory_gb']:.1f}{fit} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--markdown", action="store_true", help="print the docs table")
+    args = ap.parse_args(argv)
+    rows = table()
+    out = dict(source=SOURCE, commit=COMMIT, summary=summary(rows), trends=trends(), rows=rows)
+    print(markdown(rows) if args.markdown else json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
