@@ -184,7 +184,9 @@ class Options:
     "Causal masking"; cuDNN's fused attention the same), where the default counts them all, as
     Megatron-LM's FLOP count and the fitted constants do. A what-if for the held-out NeMo rows
     (:mod:`benchmarks.planner_sources.dgxc`), off by default: turned on for every source it moves
-    torchtitan's rows 13-17% too fast (docs/planner.md). Time only; needs ``flash_attention``; not for BERT (bidirectional).
+    torchtitan's rows 13-17% too fast (docs/planner.md). Time only; needs ``flash_attention``;
+    a statement about a causal (decoder) model's run, for its caller to make (a bidirectional
+    encoder computes every block).
     Planner only.
     """
 

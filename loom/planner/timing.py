@@ -251,7 +251,7 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
         a2a, tp_extra = fm * mo["a2a"], fm * mo["tp_extra"]
         tp_extra_bwd, cp_extra = fm * mo["tp_extra_bwd"], fm * mo["cp_extra"]
     # per ring block with CP; Options.causal_skip: the fused kernel skips the masked half
-    if opts.causal_skip and opts.flash_attention and model.model_type != "bert":
+    if opts.causal_skip and opts.flash_attention:
         attn_flops = attn_flops / 2
     attn = attn_flops / (peak * attention_efficiency(d, s / c, opts.flash_attention, cluster))
     act = activation_bytes_per_layer(model, s, L, flash_attention=opts.flash_attention,
