@@ -63,7 +63,7 @@ _IMPLEMENTED = words("""
 --micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-warmup-iters
 --lr-decay-iters --lr-decay-style --weight-decay --adam-beta1 --adam-beta2 --adam-eps --clip-grad
 --use-distributed-optimizer --use-torch-fsdp2 --overlap-param-gather --seed --bf16 --fp16
---accumulate-allreduce-grads-in-fp32 --loss-scale --initial-loss-scale --min-loss-scale
+--accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 --loss-scale --initial-loss-scale --min-loss-scale
 --loss-scale-window --hysteresis --recompute-granularity --recompute-method --recompute-num-layers
 --train-samples --lr-warmup-fraction --recompute-activations --skip-train --tokenizer-model
 --vocab-file --merge-file --tiktoken-pattern --eod-mask-loss --data-path --valid-data-path
@@ -147,8 +147,9 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                                 "stores the words joined by spaces"),
     "--hierarchical-context-parallel-sizes": field(note="a list [A, B]; loom stores \"A B\""),
     "--distributed-backend": field(note="loom's --device cpu (which Megatron lacks) uses gloo"),
-    "--accumulate-allreduce-grads-in-fp32": field(note="forced on with --bf16 "
-                                                       "(arguments.py:1216)"),
+    "--accumulate-allreduce-grads-in-fp32": field(note="forced on with --bf16 unless "
+                                                       "--grad-reduce-in-bf16 "
+                                                       "(arguments.py:1213-1216)"),
     "--initial-loss-scale": field(note="2**32"),
     "--split": field(note="None: the legacy '969, 30, 1' with --data-path (so in loom)"),
     "--eval-global-batch-size": field(note="None: --global-batch-size (b x d with "

@@ -63,7 +63,7 @@ NO_EFFECT_ROWS = (
         --moe-dispatch-fwd-dtype --moe-combine-bwd-dtype --reuse-grad-buf-for-mxfp8-param-ag
         --keep-fp8-transpose-cache"""),
     *_block(no_effect("precision"), """
-        --grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype
+        --megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype
         --megatron-fsdp-main-params-dtype --use-precision-aware-optimizer --main-grads-dtype
         --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype --fp16-lm-cross-entropy
         --output-logit-dtype --mamba-training-ssm-states-dtype

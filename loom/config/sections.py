@@ -298,7 +298,12 @@ class TrainingConfig(TrainingScriptFields, MuonFields):
                             "loss scaling")
     accumulate_allreduce_grads_in_fp32: bool = opt(
         False, "--fp16: accumulate and reduce gradients in fp32 main-gradient buffers (always "
-               "on with --bf16)")
+               "on with --bf16 unless --grad-reduce-in-bf16)")
+    grad_reduce_in_bf16: bool = opt(
+        False, "--bf16: accumulate and reduce gradients in bf16 buffers instead of fp32 main "
+               "gradients (half the gradient memory and data-parallel traffic, sums rounded to "
+               "bf16; the optimizer still steps fp32 masters); no effect without --bf16, as in "
+               "Megatron")
     loss_scale: Optional[float] = opt(None, "--fp16: static loss scale (default: dynamic)", gt=0)
     initial_loss_scale: float = opt(2.0 ** 32, "--fp16: initial dynamic loss scale", gt=0)
     min_loss_scale: float = opt(1.0, "--fp16: lowest dynamic loss scale", gt=0)

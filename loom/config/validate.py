@@ -181,8 +181,8 @@ def resolve_megatron(cfg: Any) -> None:
         m.num_query_groups = 1  # Megatron's default of --num-query-groups
     if cfg.data.split is None:
         cfg.data.split = "969, 30, 1"  # Megatron's (legacy) default with --data-path
-    if t.bf16:
-        t.accumulate_allreduce_grads_in_fp32 = True  # Megatron: bf16 reduces in fp32
+    if t.bf16:  # Megatron (arguments.py:1213-1216): bf16 reduces in fp32 unless asked not to
+        t.accumulate_allreduce_grads_in_fp32 = not t.grad_reduce_in_bf16
     if t.recompute_granularity == "full":
         for name, example in (("recompute_method", "uniform (or block)"),
                               ("recompute_num_layers", "1")):

@@ -29,7 +29,7 @@ from loom.planner.options import PLAN_OPTIONS
 from loom.planner.hardware import GB, Cluster, make_cluster
 from loom.planner.cost import format_estimate, parse_count, training_estimate
 from loom.planner.cli_args import (cp_a2a_size_of, cp_comm_type_of, fixed_from_args,
-                                   optimizer_option, unmodelled_note)
+                                   gradient_option, optimizer_option, unmodelled_note)
 from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options, given_buckets
 from loom.planner.memory import total_params
@@ -190,7 +190,8 @@ def run(args) -> int:
                    moe_load_imbalance=args.moe_load_imbalance,
                    cp_comm_type=cp_comm_type_of(args), cp_a2a_size=cp_a2a_size_of(args),
                    layer_memory=args.layer_memory,
-                   **given_buckets(args.ddp_bucket_size), **optimizer_option(args))
+                   **given_buckets(args.ddp_bucket_size), **optimizer_option(args),
+                   **gradient_option(args))
     # what the planner prices, and the command says it; --no-bf16 alone asks for fp32 (named)
     precision = "fp16" if args.fp16 else (None if args.bf16 is False else "bf16")
     for note in unmodelled_note(args, no_effect, model):

@@ -196,9 +196,10 @@ PLAN_READS = frozenset({
     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
     # data-parallel overlap and buckets (loom.planner.cli: dp_overlap_of and run's Options)
     "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size",
-    # 16-bit weights and fp32 gradient buffers and optimizer states are what it counts (the
-    # printed command carries --bf16, or --fp16 when given); --optimizer adam / sgd's states
-    "bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "sgd_momentum",
+    # 16-bit weights, the gradient buffer's dtype (gradient_option) and the optimizer's states
+    # are what it counts (the printed command carries --bf16, or --fp16 when given, and the flag
+    # that sets the gradients' dtype); --optimizer adam / sgd's states
+    "bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16", "sgd_momentum",
 })
 NO_STEP_COST = frozenset({
     # the schedule of values, not the cost of a step
@@ -315,6 +316,19 @@ def unpriced_note(values) -> str | None:
     if getattr(values, "bf16", None) is False and not getattr(values, "fp16", None):
         items.append("fp32, no --bf16 / --fp16 (priced as 16-bit training)")
     return _not_priced(items)
+
+
+def gradient_option(values) -> dict:
+    """``{"grad_bytes": 2 or 4}``: the gradient buffer's bytes per parameter under Megatron's
+    rule (arguments.py:1204-1216), from ``values`` (loom plan's parsed flags, or a run's
+    TrainingConfig): with bf16 (the planner's 16-bit default when neither ``--bf16`` nor
+    ``--fp16`` is given) fp32 unless ``--grad-reduce-in-bf16``; with ``--fp16`` fp16 unless
+    ``--accumulate-allreduce-grads-in-fp32``; in an fp32 run fp32 (4)."""
+    fp16 = bool(getattr(values, "fp16", False))
+    bf16 = getattr(values, "bf16", None) is not False and not fp16
+    in_fp32 = (not getattr(values, "grad_reduce_in_bf16", False) if bf16
+               else bool(getattr(values, "accumulate_allreduce_grads_in_fp32", False)))
+    return {"grad_bytes": 4 if in_fp32 or not (bf16 or fp16) else 2}
 
 
 def optimizer_option(args) -> dict:

@@ -162,6 +162,19 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int,
                   "--global-batch-size", str(global_batch_size)]
 
 
+def grad_dtype_flags(opts, precision: str | None) -> list[str]:
+    """The flag that makes loom train keep the gradient buffer the plan priced
+    (``opts.grad_bytes``; :func:`loom.planner.cli_args.gradient_option`): ``--grad-reduce-in-bf16``
+    for 2-byte gradients under bf16, ``--accumulate-allreduce-grads-in-fp32`` for 4-byte ones
+    under fp16; none where the precision's default already is it."""
+    grad = opts.grad_bytes if opts is not None else 4
+    if precision == "bf16" and grad == 2:
+        return ["--grad-reduce-in-bf16"]
+    if precision == "fp16" and grad == 4:
+        return ["--accumulate-allreduce-grads-in-fp32"]
+    return []
+
+
 def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_length: int,
                   num_gpus: int, gpus_per_node: int, opts=None, precision: str = "bf16") -> str:
     """The shell command that runs layout ``rec``: ``torchrun [--standalone] --nproc-per-node G [--nnodes N
@@ -171,7 +184,8 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     add. A split that only ``--pipeline-model-parallel-layout`` expresses is given as that
     flag; while loom train's config lacks it (:func:`loom_takes_layout_string`) a comment line
     says so. ``opts``: the :class:`~loom.planner.layout.Options` the plan used (its DP
-    overlap flags, :func:`dp_overlap_flags`; None: the defaults). ``precision``: ``--bf16``
+    overlap flags, :func:`dp_overlap_flags`, and gradient dtype, :func:`grad_dtype_flags`; None:
+    the defaults). ``precision``: ``--bf16``
     or ``--fp16``, the 16-bit training the planner prices (loom train, as Megatron, trains in
     fp32 without either); None when the user asked for fp32 (``--no-bf16``), which the plan
     names as not priced."""
@@ -190,7 +204,7 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
                    "--rdzv-endpoint", "$MASTER_ADDR:29500"]
     words = [shlex.quote(w) for w in
              model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size, opts)
-             + ([f"--{precision}"] if precision else [])]
+             + ([f"--{precision}"] if precision else []) + grad_dtype_flags(opts, precision)]
     pairs, i = [], 0
     while i < len(words):  # "--flag value [value ...]" together on one line
         take = 1

@@ -8,7 +8,9 @@ shards, the embedding on the first stage, the output layer on the last, FSDP2 sh
 collective returns at once; what Megatron-LM's ``--fake-process-group`` does), then counts the
 rank's parameters element by element. Bytes follow Megatron-style mixed precision (the
 planner's convention, :func:`loom.planner.memory.model_state_bytes_per_param`): 2 bytes per
-bf16 weight (4 in fp32 runs), ``grad_bytes`` per gradient (Megatron's fp32 ``main_grad``: 4),
+bf16 weight (4 in fp32 runs), ``grad_bytes`` per gradient (the run's gradient buffer:
+Megatron's fp32 ``main_grad``, 4, or 2 with ``--grad-reduce-in-bf16`` or ``--fp16``;
+:func:`loom.planner.cli_args.gradient_option`),
 12 of fp32 master + Adam m, v (SGD: 8 with momentum, 4 without; Muon's states are not counted:
 ``optimizer_bytes`` None; :func:`loom.planner.memory.optimizer_state_bytes`), the last split
 over the data-parallel x context-parallel group
@@ -50,14 +52,15 @@ def forget_fake_meshes() -> None:
 
 
 def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
-                      grad_bytes: int = 4) -> dict:
+                      grad_bytes: int | None = None) -> dict:
     """Parameters and model-state bytes of global rank ``rank`` of a ``world_size``-rank run
     of ``cfg`` (a validated :class:`~loom.config.LoomConfig`), counted on the meta device.
 
     Returns ``params`` (elements held by this rank), ``expert_params`` (of which expert-parallel),
     ``pp_rank``, ``tp_rank``, ``dp`` (d x c: the distributed optimizer's group), ``edp``
     (expert-data-parallel size), ``zero`` (0, 1 = distributed optimizer, 3 = FSDP2), and
-    ``weights_bytes``, ``gradients_bytes``, ``optimizer_bytes`` (see the module docstring).
+    ``weights_bytes``, ``gradients_bytes``, ``optimizer_bytes`` (see the module docstring;
+    ``grad_bytes`` None: the config's own).
     Raises RuntimeError when a process group is already initialized."""
     import torch
     import torch.distributed as dist
@@ -68,6 +71,7 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     from loom.parallel.parallelize import build_model_chunks
     from loom.parallel.random import RNGTracker
     from loom.parallel.registry import named_parameters
+    from loom.planner.cli_args import gradient_option
     from loom.planner.memory import optimizer_state_bytes
 
     if dist.is_initialized():
@@ -99,6 +103,8 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     zero = 3 if (getattr(t, "use_torch_fsdp2", False) or (t.zero_stage or 0) >= 3) else \
         (1 if t.use_distributed_optimizer or (t.zero_stage or 0) >= 1 else 0)
     wb = 2 if (t.bf16 or t.fp16) else 4
+    if grad_bytes is None:
+        grad_bytes = gradient_option(t)["grad_bytes"]
     dense = n - nx
     state = optimizer_state_bytes(t.optimizer, t.sgd_momentum)  # None: Muon, not counted
     # 16-bit runs keep an fp32 master copy; fp32 runs' weights are the master copy

@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 
 from loom.config import LoomConfig
-from loom.planner.cli_args import optimizer_option, unpriced_model_note, unpriced_note
+from loom.planner.cli_args import (gradient_option, optimizer_option, unpriced_model_note,
+                                   unpriced_note)
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
 from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, given_buckets, make_layouts,
                                  param_gather_overlapped)
@@ -90,13 +91,14 @@ def run_options(cfg: LoomConfig) -> Options:
     both default off (Megatron's defaults); its gradient buckets: ``--ddp-bucket-size`` or
     else loom's default size (:data:`loom.planner.layout.LOOM_BUCKETS`); its optimizer's
     states (``--optimizer``, ``--sgd-momentum``: :func:`loom.planner.cli_args.optimizer_option`;
-    Muon's are priced as Adam's)."""
+    Muon's are priced as Adam's); its gradient buffer's dtype
+    (:func:`loom.planner.cli_args.gradient_option`: ``--grad-reduce-in-bf16``, ...)."""
     # --ddp-bucket-size, or loom's default_bucket_size
     buckets = given_buckets(cfg.parallel.ddp_bucket_size) or LOOM_BUCKETS
     return Options(flash_attention=True, layer_memory="loom",
                    overlap_grad_reduce=bool(cfg.parallel.overlap_grad_reduce),
                    overlap_param_gather=bool(cfg.training.overlap_param_gather), **buckets,
-                   **optimizer_option(cfg.training))
+                   **optimizer_option(cfg.training), **gradient_option(cfg.training))
 
 
 def predict_layout(cfg: LoomConfig, world_size: int, cluster=None,

@@ -80,6 +80,10 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
         out.append(f"--num-query-groups {g} without --group-query-attention: loom uses {g} "
                    f"key/value groups; Megatron-LM would ignore it (multi-head attention, "
                    f"argument_utils.py:330): add --group-query-attention to say so")
+    if t.grad_reduce_in_bf16 and not t.bf16:
+        dtype = "fp16" if t.fp16 and not t.accumulate_allreduce_grads_in_fp32 else "fp32"
+        out.append(f"--grad-reduce-in-bf16 without --bf16: no effect (as in Megatron-LM, "
+                   f"arguments.py:1213): gradients are reduced in {dtype}")
     b = cfg.derived.global_batch_size if cfg.derived else None
     for name, iters in (("lr_warmup_samples", t.lr_warmup_iters),
                         ("lr_decay_samples", t.lr_decay_iters)):

@@ -34,7 +34,7 @@ from testkit.config import PARITY_ADAM_EPS, PARITY_SHAPE, tiny_config, tiny_mode
 
 
 def make_cfg(world: int, tp=1, pp=1, ep=1, zero=1, og=False, opg=False, m=None, moe=False,
-             bf16=False, layers=2) -> LoomConfig:
+             bf16=False, layers=2, **flags) -> LoomConfig:
     if moe:
         model = tiny_model("llama", PARITY_SHAPE, num_layers=layers, num_experts=4,
                            moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=1,
@@ -48,7 +48,7 @@ def make_cfg(world: int, tp=1, pp=1, ep=1, zero=1, og=False, opg=False, m=None, 
         ddp_bucket_size=20_000,  # several buckets
         zero_stage=zero or 0, overlap_param_gather=opg, bf16=bf16,
         global_batch_size=2 * dp * (m or 1), adam_eps=PARITY_ADAM_EPS, clip_grad=0.5,
-        log_interval=10**9, world=world)
+        log_interval=10**9, world=world, **flags)
 
 
 def parity_case(**kw) -> dict:
@@ -161,12 +161,12 @@ COMM2 = {"comm-plain": dict(zero=0), "comm-plain-og-m3": dict(zero=0, og=True, m
 COMM4 = {"comm-zero1-og-m2": dict(zero=1, og=True, m=2), "comm-zero2-m2": dict(zero=2, m=2)}
 
 
-def memory_case(world: int, zero: int, bf16: bool = True) -> dict:
+def memory_case(world: int, zero: int, bf16: bool = True, **flags) -> dict:
     """Bytes of params + main grads + fp32 masters + Adam states on this rank after one step,
     per parameter of the model."""
     from loom.training.distributed_optimizer import param_bytes
     from loom.training.trainer import Trainer
-    cfg = make_cfg(world, zero=zero, bf16=bf16, layers=4)
+    cfg = make_cfg(world, zero=zero, bf16=bf16, layers=4, **flags)
     cfg.parallel.ddp_bucket_size = None
     mesh = ParallelMesh.build() if world > 1 else ParallelMesh.single()
     tr = Trainer(cfg, mesh=mesh)
@@ -175,6 +175,35 @@ def memory_case(world: int, zero: int, bf16: bool = True) -> dict:
     n = sum(p.numel() for p in tr.params)
     b = param_bytes(tr.optimizer)
     return {"per_param": sum(b.values()) / n, "bytes": b, "n": n}
+
+
+def bf16_grads_case() -> dict:
+    """``--bf16 --grad-reduce-in-bf16`` at DP 2 with the distributed optimizer, beside the same
+    run with fp32 main gradients, 3 steps: the bucket dtypes, the loss, and each owned gradient
+    shard (bf16 sums of bf16 gradients against fp32 sums: bf16's 8-bit mantissa)."""
+    from loom.parallel.grad_buffer import flat_buffers
+    from loom.training.step import grad_getter
+    from loom.training.trainer import Trainer
+    runs = {k: Trainer(make_cfg(2, bf16=True, grad_reduce_in_bf16=k == "bf16"),
+                       mesh=ParallelMesh.build()) for k in ("bf16", "fp32")}
+    out = {"dtypes": {k: sorted({str(b.buffer.dtype) for r in flat_buffers(t.reducers)
+                                 for b in r.buckets}) for k, t in runs.items()},
+           "loss": 0.0, "grad": 0.0, "compared": 0}
+    for _ in range(3):
+        got = {}
+        for k, t in runs.items():
+            loss = t.global_loss(t.forward_backward(t.batches(t.train_ds, t.consumed_samples)))
+            grad_of = grad_getter(t.reducers)
+            got[k] = (loss, [grad_of(q).float().clone() for c in t.model_chunks
+                             for q in c.parameters()])
+        out["loss"] = max(out["loss"], abs(got["bf16"][0] - got["fp32"][0]) / got["fp32"][0])
+        for a, b in zip(got["bf16"][1], got["fp32"][1]):
+            out["grad"] = max(out["grad"], rel_err(a, b, b))
+            out["compared"] += 1
+        for t in runs.values():
+            t.optimizer_step()
+            t.consumed_samples += t.global_batch
+    return out
 
 
 def expected_bytes(zero: int, d: int) -> float:
@@ -203,6 +232,8 @@ def world2(tmp: str) -> dict:
     res |= {name: comm_case(2, **kw) for name, kw in COMM2.items()}
     for zero in (0, 1, 2):
         res[f"mem-zero{zero}"] = memory_case(2, zero)
+    res["mem-zero1-bf16-grads"] = memory_case(2, 1, grad_reduce_in_bf16=True)
+    res["bf16-grads"] = bf16_grads_case()
     for zero in (1, 2):
         res[f"save{zero}"] = save_world(f"{tmp}/zero{zero}", zero)
     return res
@@ -332,3 +363,18 @@ def test_plain_checkpoint_resumes_with_zero2_at_dp2(tmp_path):
     for resumed in run_distributed(2, resume_world, str(tmp_path), 2, timeout=600):
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(resumed, want)), \
             (resumed, want)
+
+
+def test_grad_reduce_in_bf16_keeps_and_reduces_bf16_gradients(results2):
+    """``--grad-reduce-in-bf16`` (Megatron's flag, arguments.py:1213): the buckets are bf16
+    (the fp32 run's fp32), the main gradients take 2 bytes per parameter (ZeRO-1 at d 2:
+    2 + 2 + 12/2 = 10 bytes), and loss and gradient shards stay within bf16's rounding of the
+    fp32-reduced run's."""
+    for r in results2[0]:
+        c = r["bf16-grads"]
+        assert c["dtypes"] == {"bf16": ["torch.bfloat16"], "fp32": ["torch.float32"]}, c
+        assert c["compared"] > 10 and c["loss"] < 1e-2 and 0 < c["grad"] < 5e-2, c
+        m = r["mem-zero1-bf16-grads"]
+        assert abs(m["per_param"] / 10.0 - 1) < 0.01, m
+        assert m["bytes"]["main_grads"] < 1.01 * 2 * m["n"], m
+

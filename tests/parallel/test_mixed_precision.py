@@ -212,16 +212,17 @@ def test_zero_stage_implies_the_distributed_optimizer():
     assert make_cfg(use_distributed_optimizer=True).validate(1).training.zero_stage == 1
 
 
-def test_bf16_gradient_buffers_without_accumulate_in_fp32():
-    """``--no-accumulate-allreduce-grads-in-fp32``: 16-bit gradient buckets; the masters still
-    step in fp32 (the 16-bit gradient range is upcast) and training proceeds. Under ``--bf16``
-    Megatron (and loom, issue 21) always accumulates in fp32, so the validated config runs with
-    the flag turned back on; the 16-bit-bucket path is exercised on the unvalidated config."""
+def test_bf16_gradient_buffers_with_grad_reduce_in_bf16():
+    """``--bf16 --grad-reduce-in-bf16``: 16-bit gradient buckets; the masters still step in
+    fp32 (the 16-bit gradient range is upcast) and training proceeds. Without the flag Megatron
+    (and loom, issue 21) accumulates bf16 runs in fp32, even when
+    ``--no-accumulate-allreduce-grads-in-fp32`` is given. At DP 2:
+    tests/parallel/test_distributed_optimizer.py."""
     resolved = make_cfg(bf16=True, accumulate_allreduce_grads_in_fp32=False).validate(1)
     assert resolved.training.accumulate_allreduce_grads_in_fp32  # forced on, as in Megatron
     from loom.training.trainer import Trainer
-    cfg = make_cfg(bf16=True, zero_stage=1).validate(1)
-    cfg.training.accumulate_allreduce_grads_in_fp32 = False
+    cfg = make_cfg(bf16=True, zero_stage=1, grad_reduce_in_bf16=True).validate(1)
+    assert not cfg.training.accumulate_allreduce_grads_in_fp32
     tr = Trainer(cfg, mesh=ParallelMesh.single())
     assert all(b.buffer.dtype == torch.bfloat16 for b in tr.reducers[0].buckets)
     recs = [tr.train_step() for _ in range(2)]

@@ -62,11 +62,12 @@ FIXES = {
     "recompute_num_layers": (["--recompute-granularity", "full", "--recompute-method", "block",
                               "--recompute-num-layers", "2"], "rcl"),
 }
-# read elsewhere than the fixed dimensions: the CP type, DP overlap, buckets (a plan run shows
-# them); and what the planner counts anyway (16-bit weights, fp32 gradient buffers)
+# read elsewhere than the fixed dimensions: the CP type, DP overlap, buckets, the gradient
+# buffer's dtype (a plan run shows them); and what the planner counts anyway (16-bit weights)
 OTHER_READS = {"cp_comm_type", "hierarchical_context_parallel_sizes", "global_batch_size",
-               "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size"}
-ASSUMED = {"bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "sgd_momentum"}
+               "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size",
+               "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16"}
+ASSUMED = {"bf16", "fp16", "sgd_momentum"}
 
 
 def _args(argv: list) -> argparse.Namespace:
@@ -192,6 +193,47 @@ def test_command_trains_in_the_precision_planned(capsys):
     code, out, err = _plan(SMALL + ["--no-bf16", "--json", "--top", "1"], capsys)
     cfg = command_config(json.loads(out)["layouts"][0]["command"], 8)
     assert not (cfg.training.bf16 or cfg.training.fp16) and "priced as 16-bit" in err
+
+
+def test_gradient_dtype_is_priced_and_carried_to_the_command(capsys):
+    """The gradient buffer's bytes follow Megatron's rule (``gradient_option``): bf16 keeps fp32
+    main gradients unless ``--grad-reduce-in-bf16`` (half the G term, and the command carries
+    the flag); ``--fp16`` reduces in fp16 unless ``--accumulate-allreduce-grads-in-fp32``
+    (carried). Each printed command makes loom train keep the buffer that was priced."""
+    from loom.planner.command import command_config
+    argv = SMALL + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                    "--zero-stage", "1", "--json", "--top", "1"]
+    got = {}
+    for name, extra, flag, in_fp32 in (
+            ("bf16", [], None, True),
+            ("bf16-grads", ["--bf16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16", False),
+            ("fp16", ["--fp16"], None, False),
+            ("fp16-fp32", ["--fp16", "--accumulate-allreduce-grads-in-fp32"],
+             "--accumulate-allreduce-grads-in-fp32", True)):
+        code, out, err = _plan(argv + extra, capsys)
+        rec = json.loads(out)["layouts"][0]
+        got[name] = rec["memory_terms_gb"]["gradients"]
+        assert code == 0 and (flag is None or flag in rec["command"]), (name, rec["command"])
+        cfg = command_config(rec["command"], 8)
+        assert cfg.training.accumulate_allreduce_grads_in_fp32 is in_fp32, name
+    assert got["bf16-grads"] == pytest.approx(got["bf16"] / 2)
+    assert got["fp16"] == pytest.approx(got["bf16"] / 2)
+    assert got["fp16-fp32"] == pytest.approx(got["bf16"])
+
+
+def test_dry_run_and_exact_count_use_the_run_s_gradient_dtype():
+    """``loom train --dry-run``: the planner's prediction (``run_options``) and the exact
+    meta-device count both price a ``--grad-reduce-in-bf16`` run's gradients at 2 bytes."""
+    from loom.planner.meta_count import count_rank_states
+    from loom.planner.predict import predict_layout, run_options
+    from testkit.config import tiny_config
+    fp32, bf16 = (tiny_config("llama", bf16=True, grad_reduce_in_bf16=g).validate(1)
+                  for g in (False, True))
+    assert (run_options(fp32).grad_bytes, run_options(bf16).grad_bytes) == (4, 2)
+    a, b = count_rank_states(fp32, 1), count_rank_states(bf16, 1)
+    assert a["gradients_bytes"] == 4 * a["params"] and b["gradients_bytes"] == 2 * b["params"]
+    ga, gb = (predict_layout(c, 1, "H100-80GB")["memory_bytes"]["gradients"] for c in (fp32, bf16))
+    assert gb == pytest.approx(ga / 2, rel=1e-12)
 
 
 def test_bucket_size_is_planned_and_carried_to_the_command(capsys):

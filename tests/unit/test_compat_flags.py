@@ -27,7 +27,7 @@ SWITCHES = [  # Megatron flags loom accepts without effect (the flag table), non
     "--cuda-graph-impl", "local",
     "--disable-gloo-process-groups", "--manual-gc", "--manual-gc-interval", "10",
     "--empty-unused-memory-level", "1", "--attention-softmax-in-fp32",
-    "--apply-query-key-layer-scaling", "--grad-reduce-in-bf16",
+    "--apply-query-key-layer-scaling",
     "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
     "--fp8-param-gather", "--init-model-with-meta-device", "--use-nccl-ub",
     "--fsdp-double-buffer", "--fsdp-manual-registration", "--megatron-fsdp-grad-comm-dtype",
@@ -78,6 +78,10 @@ def test_switches_are_accepted_and_named_once(capsys, monkeypatch):
     assert _main(["train", "--dry-run", "--world-size", "1", *BASE, "--train-iters", "2",
                   "--num-query-groups", "2"]) == 0  # loom keeps it; Megatron's rule is said
     assert "Megatron-LM would ignore it" in capsys.readouterr().out
+    assert _main(["train", "--dry-run", "--world-size", "1", *BASE, "--train-iters", "2",
+                  "--grad-reduce-in-bf16"]) == 0  # a field now, whose effect needs --bf16
+    assert ("--grad-reduce-in-bf16 without --bf16: no effect (as in Megatron-LM, "
+            "arguments.py:1213): gradients are reduced in fp32") in capsys.readouterr().out
     assert _main(["train", "--dry-run", "--world-size", "1", *BASE, "--train-iters", "2"]) == 0
     assert "no effect in loom" not in capsys.readouterr().out  # defaults say nothing
 

@@ -61,6 +61,15 @@ def test_megatron_inferences():
     assert _resolved(base + ["--group-query-attention"]).model.num_query_groups == 1
     assert _resolved(base + ["--bf16"]).training.accumulate_allreduce_grads_in_fp32 is True
     assert _resolved(base + ["--fp16"]).training.accumulate_allreduce_grads_in_fp32 is False
+    # --grad-reduce-in-bf16 wins over fp32 accumulation under bf16 only (arguments.py:1213)
+    for extra in ([], ["--accumulate-allreduce-grads-in-fp32"]):
+        assert _resolved(base + ["--bf16", "--grad-reduce-in-bf16", *extra]) \
+            .training.accumulate_allreduce_grads_in_fp32 is False
+    assert _resolved(base + ["--fp16", "--grad-reduce-in-bf16"]) \
+        .training.accumulate_allreduce_grads_in_fp32 is False
+    assert _resolved(base + ["--fp16", "--grad-reduce-in-bf16",
+                             "--accumulate-allreduce-grads-in-fp32"]) \
+        .training.accumulate_allreduce_grads_in_fp32 is True
     assert _resolved(base).training.adam_beta2 == pytest.approx(0.999)
     assert _resolved(base).training.lr_decay_style == "linear"
 
