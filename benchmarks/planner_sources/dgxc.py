@@ -24,9 +24,9 @@ Source: ``NVIDIA/dgxc-benchmarking`` at 35a9aecc8d (2025-06-09), the BF16 H100 t
   every interleaved row has m != p, where the two rules agree.
 
 What the planner does not price here: TP communication overlapped with the GEMMs by userbuffers
-(``ub_tp_comm_overlap``, on for the 405B, 70B and 175B recipes; the planner hides only the
+(``ub_tp_comm_overlap``, on for the 405B, 70B, 15B and 175B recipes; the planner hides only the
 backward's TP collectives), the 340B recipe's bf16 optimizer states (``optim.dtype: bf16``), and
-the attention kernel's skipping of the masked half (:data:`CAUSAL_SKIP` what-if).
+the attention kernel's skipping of the masked half (the ``Options.causal_skip`` what-if).
 
     OMP_NUM_THREADS=1 python -m benchmarks.planner_sources.dgxc [--markdown]
 """
