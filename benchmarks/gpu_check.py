@@ -1,6 +1,6 @@
 """``make gpu-check``: loom measured on one CUDA GPU in at most six minutes (issue 48).
 
-Four parts, in this order (a part that no longer fits the time budget is skipped and says so):
+Five parts, in this order (a part that no longer fits the time budget is skipped and says so):
 
 1. ``tier``: the CUDA correctness tier, ``pytest -m cuda tests/cuda`` in a subprocess (bf16
    tracks fp32; a fused SDPA kernel runs; fused cross-entropy equals the plain loss;
@@ -23,7 +23,11 @@ Four parts, in this order (a part that no longer fits the time budget is skipped
    the peak memory (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` from the
    build on) against :func:`loom.planner.predict.predict_layout` (what ``loom train --dry-run``
    prints) on the GPU's row of ``loom/planner/hardware.py``.
-4. ``compile``: part 2 again with ``--compile`` (loom: each layer ``torch.compile``'d; plain:
+4. ``attention``: causal ``scaled_dot_product_attention`` forward + backward per SDPA backend
+   (flash, cuDNN, memory-efficient, math, and the default choice) at three shapes (s 2048 to
+   8192, head dim 128) against the planner's attention time, all blocks and the causal half
+   (:mod:`benchmarks.attention_kernels`; the question of docs/planner.md, "DGX Cloud").
+5. ``compile``: part 2 again with ``--compile`` (loom: each layer ``torch.compile``'d; plain:
    each block), A B A B.
 
 Without CUDA (and no ``--device``) it prints one line, ``no CUDA device: nothing measured``,
@@ -81,7 +85,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/gpu_check.py` from the worki
 import torch  # noqa: E402
 
 BUDGET_S = 360.0  # six minutes on one H100, the issue's bound; a device command may run 10
-PARTS = ("tier", "speed", "rows", "compile")
+PARTS = ("tier", "speed", "rows", "attention", "compile")
 NO_CUDA = "no CUDA device: nothing measured"
 ANCHORS = [
     ("nanochat, 1.88B on H100", "50.9% MFU",
@@ -96,7 +100,7 @@ ANCHORS = [
 # selection, allocator growth), a first torch.compile of one layer or block (fwd + bwd), and a
 # rebuild's compiled-code lookup. Guesses until measured: the JSON records the real ones.
 ALLOW = {"startup": 20.0, "tier": 90.0, "build": 4.0, "first_step": 2.0, "compile": 45.0,
-         "recompile": 5.0}
+         "recompile": 5.0, "attention": 15.0}
 
 
 @dataclass(frozen=True)
@@ -612,6 +616,7 @@ def estimate(sz: Sizes = FULL, gpu: str = "H100-80GB", mbs: Optional[int] = None
              "speed": sz.rounds * rounds["speed"],
              "rows": sum(run(b, sz.row_warmup + sz.row_steps, s, rc)
                          for _, b, s, rc in row_configs(sz, mbs)[1:]),
+             "attention": ALLOW["attention"],
              "compile": 2 * ALLOW["compile"] + sz.rounds * rounds["compile"]}
     parts["total"] = sum(parts.values())
     return {k: round(v, 1) for k, v in parts.items()} | {
@@ -712,6 +717,20 @@ def table(res: dict) -> str:
                      f" | {ptxt}; step {_pc(e['step_time'])}, alloc "
                      f"{_pc(e['allocated_vs_total_less_reserve'])}, reserved "
                      f"{_pc(e['reserved_vs_total'])} |")
+    att = res.get("attention")
+    if isinstance(att, dict):
+        lines.append(f"| attention | causal SDPA | {_cell(att.get('error'))} | |")
+    for r in att if isinstance(att, list) else []:
+        case = f"{r['backend']} b{r['b']} a{r['heads']} s{r['s']} d{r['d']}"
+        plan = r["planner_ms"]
+        ptxt = (f"{plan['shipped']:.3f} ms all blocks, {plan['causal_skip']:.3f} ms causal "
+                f"half")
+        if r["status"] != "ok":
+            lines.append(f"| attention | {case} | {_cell(r['status'], 120)} | {ptxt} |")
+            continue
+        ratio = r["measured_over_planner"]
+        lines.append(f"| attention | {case} | {r['ms']:.3f} ms fwd+bwd | {ptxt}; measured / "
+                     f"planner {ratio['shipped']:.2f} / {ratio['causal_skip']:.2f} |")
     for what, value, source in ANCHORS:
         lines.append(f"| anchor | {what} | {value} | {source} |")
     for part, why in res.get("skipped", {}).items():
@@ -837,6 +856,14 @@ def main(argv: Optional[list] = None, started: Optional[float] = None) -> int:
         res["rows"] = planner_rows(accel, sz, mbs, speed_loom, gpu, meta, peak, clock, "rows")
         done("rows", t0)
     same_shape_ratio(res, sz)
+    if (t0 := start("attention")) is not None:
+        from benchmarks.attention_kernels import FULL_SHAPES, TINY_SHAPES, measure
+        try:
+            res["attention"] = measure(accel.device, TINY_SHAPES if sz is TINY else FULL_SHAPES,
+                                       gpu)
+        except Exception as e:  # noqa: BLE001 - a broken part is recorded, the rest still runs
+            res["attention"] = {"error": one_line(e)}
+        done("attention", t0)
     if mbs and (t0 := start("compile")) is not None:
         res["compile"] = speed(accel, sz, mbs, True, args.compile_backend, peak, clock,
                                "compile")

@@ -62,7 +62,7 @@ def test_own_estimate_fits_six_minutes():
     assert gc.BUDGET_S == 360 and est["total"] <= gc.BUDGET_S, est
     # at the planner's largest fitting micro-batch (16 when this was written)
     assert est["gpu"] == "H100-80GB" and est["mbs"] in gc.powers_of_two(gc.FULL.mbs_cap)
-    parts = ("startup", "tier", "search", "speed", "rows", "compile")
+    parts = ("startup", "tier", "search", "speed", "rows", "attention", "compile")
     assert math.isclose(est["total"], sum(est[k] for k in parts), abs_tol=0.5)
     # steps x the planner's step time are in it: more steps cost more, by about that much
     more = gc.estimate(replace(gc.FULL, steps=gc.FULL.steps + 4))
@@ -73,7 +73,7 @@ def test_own_estimate_fits_six_minutes():
 
 def test_whole_script_on_cpu_tiny(tmp_path):
     results, out = tmp_path / "results", tmp_path / "out"
-    argv = ["--device", "cpu", "--sizes", "tiny", "--parts", "speed,rows,compile",
+    argv = ["--device", "cpu", "--sizes", "tiny", "--parts", "speed,rows,attention,compile",
             "--compile-backend", "eager", "--results-dir", str(results), "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", RUN,
@@ -112,8 +112,21 @@ def test_whole_script_on_cpu_tiny(tmp_path):
     table = (out / "gpu_check_h100-80gb_cpu.md").read_text()
     assert table in proc.stdout  # the table is printed last
     for words in ("| speed | loom eager b4 |", "| speed | loom / plain --compile |",
-                  "| planner | b4 s64 full |", "| anchor | nanochat"):
+                  "| planner | b4 s64 full |", "| anchor | nanochat",
+                  "| attention | MATH b1 a2 s128 d16 |"):
         assert words in table, table
+    # causal SDPA per backend: CPU runs the default, flash and math kernels, not the CUDA ones
+    att = {(r["s"], r["backend"]): r for r in res["attention"]}
+    assert len(att) == len(gc_attention_cases())
+    for (s, backend), r in att.items():
+        cuda_only = backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+        assert r["status"].startswith("unavailable") if cuda_only else r["ms"] > 0, r
+        assert r["planner_ms"]["causal_skip"] == pytest.approx(r["planner_ms"]["shipped"] / 2)
+
+
+def gc_attention_cases() -> list:
+    from benchmarks.attention_kernels import BACKENDS, TINY_SHAPES
+    return [(shape[2], b) for shape in TINY_SHAPES for b in BACKENDS]
 
 
 def test_micro_batch_search():
