@@ -7,9 +7,9 @@ records. Read by ``loom plot`` (:mod:`loom.training.plot`) and ``loom plan --cal
 
 from __future__ import annotations
 
-import json
 
 from loom.errors import ConfigError
+from loom.jsonl import json_lines
 
 
 def read_run_log(path: str) -> list[dict]:
@@ -22,14 +22,8 @@ def read_run_log(path: str) -> list[dict]:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     runs: list[dict] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: line {n} is not JSON ({e.msg}); give the file "
-                              f"`loom train --log-json` wrote") from None
+    for _n, rec in json_lines(enumerate(lines, 1), path,
+                              "; give the file `loom train --log-json` wrote"):
         kind = rec.get("kind") if isinstance(rec, dict) else None
         if kind == "run" or not runs:
             runs.append({"header": rec if kind == "run" else {}, "train": [], "valid": []})

@@ -10,11 +10,11 @@ the line.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from typing import Iterator, Sequence
 
 from loom.errors import ConfigError
+from loom.jsonl import json_lines
 
 EOD_TOKEN = "<|endoftext|>"
 MAX_DOCUMENT_BYTES = 8 << 20  # one line (document) at most; --max-document-bytes
@@ -80,14 +80,8 @@ def read_documents(path: str, json_keys: Sequence[str] = ("text",),
     if not os.path.isfile(path):
         raise ConfigError(f"--input {path}: no such file")
     if path.endswith(".jsonl") or path.endswith(".json"):
-        for n, line in _lines(path, max_bytes):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--input {path}: line {n} is not JSON ({e}); give one JSON object "
-                                  f"per line") from None
+        for n, obj in json_lines(_lines(path, max_bytes), f"--input {path}",
+                                 "; give one JSON object per line"):
             if not isinstance(obj, dict):
                 kind = "null" if obj is None else type(obj).__name__
                 raise ConfigError(f"--input {path}: line {n} is a JSON {kind}, not an object "

@@ -28,7 +28,6 @@ and its trailing pads) and the positions (0..s-1) are Megatron's, at any context
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -39,6 +38,7 @@ import torch
 
 from loom.config.validate import SFT_PROMPT_FORMATS, check_sft
 from loom.errors import ConfigError
+from loom.jsonl import json_lines
 
 IGNORE_INDEX = -100
 """Megatron's target of a token outside the loss (system, user and tool turns)."""
@@ -178,13 +178,7 @@ def read_conversations(path: str, flag: str = "--data-path") -> list[list[dict]]
                           f"{{\"messages\": [...]}} lines)")
     out = []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{flag} {path}: line {n} is not JSON ({e})") from None
+        for n, obj in json_lines(enumerate(f, 1), f"{flag} {path}"):
             msgs = obj.get("messages") if isinstance(obj, dict) else None
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str)

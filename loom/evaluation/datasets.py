@@ -19,7 +19,6 @@ Semantics follow Megatron-LM's ``tasks/zeroshot_gpt/datasets.py``:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from loom.errors import ConfigError
+from loom.jsonl import json_lines
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,8 @@ def read_jsonl(path: str, key: str, flag: str = "--eval-data",
                what: str = "") -> Iterator[tuple[int, str]]:
     """``(line number, obj[key])`` of each non-blank line of a jsonl file. Raises ConfigError
     naming the file and the line: not JSON, not an object, ``key`` missing or not a string."""
-    for n, line in enumerate(_read_text(path, flag).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag} {path}: line {n} is not JSON ({e.msg}); give one JSON "
-                              f"object per line") from None
+    for n, obj in json_lines(enumerate(_read_text(path, flag).splitlines(), 1),
+                             f"{flag} {path}", "; give one JSON object per line"):
         if not isinstance(obj, dict) or key not in obj:
             keys = list(obj) if isinstance(obj, dict) else type(obj).__name__
             raise ConfigError(f"{flag} {path}: line {n} has no {key!r} key (it has {keys}){what}")

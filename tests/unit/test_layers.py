@@ -23,7 +23,8 @@ ROOT = pathlib.Path(loom.__file__).parent
 
 # Lowest first. A package may import its own layer (if that makes no cycle) and those below.
 LAYERS = {
-    "loom": 0, "errors": 0, "paths": 0,  # the version; exceptions; the on-disk layout rules
+    "loom": 0, "errors": 0, "paths": 0,  # the version; exceptions; the on-disk layout rules;
+    "jsonl": 0,                          # reading JSON Lines inputs
     "config": 1,                         # pure data and validation
     "data": 2, "parallel": 2,            # primitives (parallel knows families by its interface)
     "models": 3,                         # the families
