@@ -13,6 +13,7 @@ import json
 import statistics
 
 from loom.config import ConfigError
+from loom.jsonl import json_lines
 from loom.planner.hardware import GB
 from loom.planner.layout import KEYS
 
@@ -22,19 +23,15 @@ def read_runs(path: str) -> list[dict]:
     (:func:`runs_from_loom_log`); ConfigError naming the line of a bad one."""
     runs = []
     try:
-        lines = open(path).read().splitlines()
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
     except OSError as e:
         raise ConfigError(f"--calibrate-from {path}: {e.strerror}") from None
     if _is_loom_log(next((ln for ln in lines if ln.strip()), "")):
         return runs_from_loom_log(path)
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for n, r in json_lines(enumerate(lines, 1), f"--calibrate-from {path}",
+                           " (one JSON object per measured run)"):
         where = f"--calibrate-from {path}:{n}"
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not JSON ({e.msg})") from None
         lay = r.get("layout") if isinstance(r, dict) else None
         if not isinstance(lay, dict) or "dp" not in lay:
             raise ConfigError(f"{where}: needs \"layout\": {{\"tp\": .., \"pp\": .., \"dp\": .., "
