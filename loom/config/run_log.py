@@ -7,7 +7,6 @@ records. Read by ``loom plot`` (:mod:`loom.training.plot`) and ``loom plan --cal
 
 from __future__ import annotations
 
-
 from loom.errors import ConfigError
 from loom.jsonl import json_lines
 
