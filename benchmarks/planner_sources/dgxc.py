@@ -136,6 +136,37 @@ ROWS = (
 )
 
 
+# Grok-1 314B on 512 H100 (``grok1/README.md`` at 1f6d9f40e4, 2025-09-04: BF16, 15.933 s per
+# step; TP 4, PP 8, CP 2, EP 8, ETP 1, VP 8, b 1, B 1024, s 8192, 64 layers): one MoE row, not
+# among :data:`ROWS`. Its software is NeMo's ``scripts/performance/llm/pretrain_grok1_314b.py``
+# (read at NVIDIA/NeMo 01b83a7ce, not necessarily the benchmark's commit): MixtralConfig8x7B
+# resized (h 6144, 48 heads, 8 query groups, expert FFN 32768, 8 experts, top-2), its
+# MegatronTokenDropCallback (capacity factor 1.0, padded: every expert gets the same rows, load
+# imbalance 1), the all-to-all dispatcher with grouped GEMM (NeMo's Mixtral), bf16 gradients
+# (``grad_reduce_in_fp32 = False``), DP overlap, TP communication overlap (not priced).
+GROK1 = dict(gpus=512, global_batch=1024, published_s=15.933)
+
+
+def grok1_record(constants: Constants | None = None, dispatcher: str = "alltoall",
+                 imbalance: float = 1.0) -> dict:
+    """The planner's record of the Grok-1 row (:data:`GROK1`) at its recipe's layout;
+    ``dispatcher`` / ``imbalance``: what-ifs (loom's default all-gather dispatcher, the
+    planner's default imbalance 1.1)."""
+    model = ModelConfig.llama(num_layers=64, hidden_size=6144, num_attention_heads=48,
+                              num_query_groups=8, group_query_attention=True,
+                              ffn_hidden_size=32768, seq_length=8192,
+                              max_position_embeddings=8192, vocab_size=131072, num_experts=8,
+                              moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
+                              moe_grouped_gemm=True, hidden_dropout=0.0, attention_dropout=0.0)
+    L = make_layouts(dict(tp=4, pp=8, cp=2, dp=8, ep=8, etp=1, mbs=1, vp=8, recompute="none",
+                          sp=1, zero=1, zb=0))
+    opts = source_options(flash_attention=True, grad_bytes=2, moe_load_imbalance=imbalance,
+                          legacy_interleaved_warmup=False)
+    res = evaluate(model, L, GROK1["global_batch"], 8192,
+                   fitted_cluster("H100-80GB", GROK1["gpus"], constants), opts)
+    return record(res, 0)
+
+
 def row_options(recipe: Recipe, causal_skip: bool = False):
     """The planner Options of a recipe (module docstring): fused attention, 2-byte gradients,
     DP overlap on; ``causal_skip`` the what-if (:class:`loom.planner.layout.Options`)."""
@@ -257,8 +288,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", action="store_true", help="print the docs table")
     args = ap.parse_args(argv)
     rows = table()
+    grok = grok1_record()
     out = dict(source=SOURCE, commit=COMMIT, summary=summary(rows), trends=trends(),
-               published_rank=published_rank(), rows=rows)
+               published_rank=published_rank(), rows=rows,
+               grok1=dict(published_s=GROK1["published_s"],
+                          predicted_s=round(grok["iteration_time_s"], 3),
+                          error=round(grok["iteration_time_s"] / GROK1["published_s"] - 1, 4),
+                          time_terms_s={k: round(v, 3) for k, v in grok["time_terms_s"].items()
+                                        if v}))
     print(markdown(rows) if args.markdown else json.dumps(out, indent=1))
     return out
 
