@@ -34,6 +34,7 @@ from loom.planner.command import LEGEND, hf_model_config, train_command
 from loom.planner.layout import Options, given_buckets
 from loom.planner.memory import total_params
 from loom.planner.mamba import is_hybrid, kind_counts
+from loom.planner.moe import load_imbalance
 from loom.planner.presets import PRESETS, get_preset
 
 
@@ -187,7 +188,7 @@ def run(args) -> int:
                    max_zero_stage=args.max_zero_stage,
                    uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
-                   moe_load_imbalance=args.moe_load_imbalance,
+                   moe_load_imbalance=load_imbalance(model, args.moe_load_imbalance),
                    cp_comm_type=cp_comm_type_of(args), cp_a2a_size=cp_a2a_size_of(args),
                    layer_memory=args.layer_memory,
                    **given_buckets(args.ddp_bucket_size), **optimizer_option(args),
@@ -210,7 +211,10 @@ def run(args) -> int:
            f"k={model.moe_router_topk} expert ffn={model.moe_ffn_size}"
            + (f" shared={model.moe_shared_expert_intermediate_size}"
               if model.moe_shared_expert_intermediate_size else "")
-           + f" imbalance {args.moe_load_imbalance:g}" if model.num_experts else "")
+           + f" imbalance {opts.moe_load_imbalance:g}"
+           + (" (--moe-expert-capacity-factor)"
+              if opts.moe_load_imbalance < args.moe_load_imbalance else "")
+           if model.num_experts else "")
     attn = f"a={model.num_attention_heads} g={model.num_kv_groups} "
     ffn = f"ffn={model.ffn_size} "
     if is_hybrid(model):  # layers of each kind and the Mamba-2 sizes (a, g, ffn if used)

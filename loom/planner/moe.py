@@ -76,6 +76,16 @@ MOE_LOAD_IMBALANCE = 1.1
 BYTES_PER_ELEMENT = 2  # bf16 tokens in the all-to-all
 
 
+def load_imbalance(model: ModelConfig, imbalance: float) -> float:
+    """The busiest EP rank's expert tokens over the mean for ``model``: ``imbalance``
+    (``--moe-load-imbalance``), capped by ``--moe-expert-capacity-factor`` F where one is set:
+    each expert keeps at most ``F T k / E`` of its tokens and drops the rest
+    (``loom/models/moe.py``, Megatron's token dropping; Fedus et al. 2021, sec 2.2), so no
+    rank holds more than F times the mean (below 1, every expert is cut to F)."""
+    cap = model.moe_expert_capacity_factor
+    return imbalance if cap is None else min(imbalance, cap)
+
+
 def expert_tp(L: dict):
     """u, the expert TP size of each row of layout ``L`` (array): its ``etp`` where > 0, else t
     (a layout without ``etp``, or 0: Megatron-Core's default, ``--expert-tensor-parallel-size``

@@ -17,6 +17,7 @@ from loom.planner.cli_args import (gradient_option, optimizer_option, unpriced_m
 from loom.planner.hardware import GB, Cluster, lookup_gpu, make_cluster
 from loom.planner.layout import (LOOM_BUCKETS, RECOMPUTE, Options, given_buckets, make_layouts,
                                  param_gather_overlapped)
+from loom.planner.moe import MOE_LOAD_IMBALANCE, load_imbalance
 from loom.planner.search import MEMORY_TERMS, TIME_TERMS, evaluate, with_group
 from loom.planner.stages import given_split
 
@@ -92,12 +93,15 @@ def run_options(cfg: LoomConfig) -> Options:
     else loom's default size (:data:`loom.planner.layout.LOOM_BUCKETS`); its optimizer's
     states (``--optimizer``, ``--sgd-momentum``: :func:`loom.planner.cli_args.optimizer_option`;
     Muon's are priced as Adam's); its gradient buffer's dtype
-    (:func:`loom.planner.cli_args.gradient_option`: ``--grad-reduce-in-bf16``, ...)."""
+    (:func:`loom.planner.cli_args.gradient_option`: ``--grad-reduce-in-bf16``, ...); its
+    experts' load imbalance, the planner's default capped by its
+    ``--moe-expert-capacity-factor`` (:func:`loom.planner.moe.load_imbalance`)."""
     # --ddp-bucket-size, or loom's default_bucket_size
     buckets = given_buckets(cfg.parallel.ddp_bucket_size) or LOOM_BUCKETS
     return Options(flash_attention=True, layer_memory="loom",
                    overlap_grad_reduce=bool(cfg.parallel.overlap_grad_reduce),
                    overlap_param_gather=bool(cfg.training.overlap_param_gather), **buckets,
+                   moe_load_imbalance=load_imbalance(cfg.model, MOE_LOAD_IMBALANCE),
                    **optimizer_option(cfg.training), **gradient_option(cfg.training))
 
 

@@ -361,3 +361,32 @@ def test_cli_moe_errors(capsys):
     assert code == 2 and "--moe-load-imbalance" in out.err
     code, out = _plan(["llama3-8b", "--expert-model-parallel-size", "2"], capsys)
     assert code == 2 and "--num-experts" in out.err
+
+
+def test_capacity_factor_caps_the_load_imbalance(capsys):
+    """``--moe-expert-capacity-factor F`` drops an expert's tokens beyond ``F T k / E``, so no
+    rank holds more than F times the mean: the plan prices ``min(imbalance, F)`` (named in the
+    header), as it would with that imbalance given; its command keeps the factor; a factor
+    above the imbalance changes nothing; the dry run's prediction does the same."""
+    base = ["mixtral-8x7b", "--gpu", "H100-80GB", "--num-gpus", "64", "--json", "--top", "1"]
+
+    def best(extra):
+        code, out = _plan(base + extra, capsys)
+        assert code == 0, out.err
+        return json.loads(out.out)["layouts"][0]
+    plain, capped = best([]), best(["--moe-expert-capacity-factor", "1.0"])
+    even = best(["--moe-load-imbalance", "1.0"])
+    assert "--moe-expert-capacity-factor 1" in capped["command"]
+    assert capped["iteration_time_s"] == pytest.approx(even["iteration_time_s"])
+    assert capped["memory_gb"] == pytest.approx(even["memory_gb"])
+    assert capped["iteration_time_s"] < plain["iteration_time_s"]
+    loose = best(["--moe-expert-capacity-factor", "1.25"])
+    assert loose["iteration_time_s"] == pytest.approx(plain["iteration_time_s"])
+    code, out = _plan(base[:-3] + ["--moe-expert-capacity-factor", "1.0"], capsys)
+    assert "imbalance 1 (--moe-expert-capacity-factor)" in out.out
+    cfg = LoomConfig.from_flat(dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                    num_experts=4, moe_router_topk=2, seq_length=32,
+                                    micro_batch_size=1, lr=1e-3, train_iters=1,
+                                    mock_data=True, vocab_size=128,
+                                    moe_expert_capacity_factor=1.05)).validate(1)
+    assert run_options(cfg).moe_load_imbalance == pytest.approx(1.05)
