@@ -6,7 +6,8 @@ at hand, as ``make gpu-check``'s ``attention`` part.
 
 For each shape ``(b, heads, s, d)`` and each backend of ``torch.nn.attention.SDPBackend``
 (flash, cuDNN, memory-efficient, math, and the default choice with none forced, which is what
-loom's ``scaled_dot_product_attention`` gets): forward + backward of
+loom's ``scaled_dot_product_attention`` gets, named by the dispatcher's own pick): forward +
+backward of
 ``scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``[b, heads, s, d]`` tensors
 (bf16 on CUDA, fp32 on CPU), ``warmup`` untimed then the median of ``iters`` timed
 (synchronized), or ``unavailable: <reason>`` where the backend cannot run the case. Beside each:
@@ -82,6 +83,18 @@ def time_case(shape: tuple, backend: str, device: torch.device, warmup: int,
     return {"status": "ok", "ms": 1e3 * statistics.median(times)}
 
 
+def default_choice(shape: tuple, device: torch.device) -> str:
+    """The backend ``scaled_dot_product_attention`` picks for a causal call on ``shape`` with
+    none forced (``torch._fused_sdp_choice``, the dispatcher's own choice), by name."""
+    from torch.nn.attention import SDPBackend
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.empty(shape, device=device, dtype=dtype)
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
+    except (RuntimeError, ValueError, AttributeError) as e:  # a private API: say why not
+        return f"unknown ({type(e).__name__})"
+
+
 def measure(device: torch.device, shapes=FULL_SHAPES, gpu: str = "H100-80GB",
             warmup: int = 3, iters: int = 10) -> list[dict]:
     """One row per shape and backend: the shape, the backend, the measured milliseconds (or
@@ -91,7 +104,9 @@ def measure(device: torch.device, shapes=FULL_SHAPES, gpu: str = "H100-80GB",
         plan = planner_ms(shape, gpu)
         for backend in BACKENDS:
             row = {"b": shape[0], "heads": shape[1], "s": shape[2], "d": shape[3],
-                   "backend": backend, **time_case(shape, backend, device, warmup, iters),
+                   "backend": backend if backend != "default"
+                   else f"default ({default_choice(shape, device)})",
+                   **time_case(shape, backend, device, warmup, iters),
                    "planner_ms": plan}
             if row["status"] == "ok":
                 row["measured_over_planner"] = {k: round(row["ms"] / v, 3)
