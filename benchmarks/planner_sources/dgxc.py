@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from loom.config import ModelConfig
 from loom.planner.constants import Constants, fitted_cluster
 from loom.planner.layout import make_layouts
+from loom.planner.moe import MOE_LOAD_IMBALANCE, load_imbalance
 from loom.planner.presets import gpt
 from loom.planner.search import evaluate, record, search
 from benchmarks.planner_sources.software import source_options
@@ -148,19 +149,22 @@ GROK1 = dict(gpus=512, global_batch=1024, published_s=15.933)
 
 
 def grok1_record(constants: Constants | None = None, dispatcher: str = "alltoall",
-                 imbalance: float = 1.0) -> dict:
-    """The planner's record of the Grok-1 row (:data:`GROK1`) at its recipe's layout;
-    ``dispatcher`` / ``imbalance``: what-ifs (loom's default all-gather dispatcher, the
-    planner's default imbalance 1.1)."""
+                 capacity: float | None = 1.0) -> dict:
+    """The planner's record of the Grok-1 row (:data:`GROK1`) at its recipe's layout, the
+    recipe's token dropping (``--moe-expert-capacity-factor`` 1.0) capping the load imbalance
+    (:func:`loom.planner.moe.load_imbalance`); ``dispatcher`` / ``capacity``: what-ifs (loom's
+    default all-gather dispatcher; dropless, the planner's default imbalance 1.1)."""
     model = ModelConfig.llama(num_layers=64, hidden_size=6144, num_attention_heads=48,
                               num_query_groups=8, group_query_attention=True,
                               ffn_hidden_size=32768, seq_length=8192,
                               max_position_embeddings=8192, vocab_size=131072, num_experts=8,
                               moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
-                              moe_grouped_gemm=True, hidden_dropout=0.0, attention_dropout=0.0)
+                              moe_grouped_gemm=True, moe_expert_capacity_factor=capacity,
+                              hidden_dropout=0.0, attention_dropout=0.0)
     L = make_layouts(dict(tp=4, pp=8, cp=2, dp=8, ep=8, etp=1, mbs=1, vp=8, recompute="none",
                           sp=1, zero=1, zb=0))
-    opts = source_options(flash_attention=True, grad_bytes=2, moe_load_imbalance=imbalance,
+    opts = source_options(flash_attention=True, grad_bytes=2,
+                          moe_load_imbalance=load_imbalance(model, MOE_LOAD_IMBALANCE),
                           legacy_interleaved_warmup=False)
     res = evaluate(model, L, GROK1["global_batch"], 8192,
                    fitted_cluster("H100-80GB", GROK1["gpus"], constants), opts)
