@@ -64,8 +64,7 @@ NO_EFFECT_ROWS = (
         --keep-fp8-transpose-cache"""),
     *_block(no_effect("precision"), """
         --megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype
-        --megatron-fsdp-main-params-dtype --use-precision-aware-optimizer --main-grads-dtype
-        --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype --fp16-lm-cross-entropy
+        --megatron-fsdp-main-params-dtype --fp16-lm-cross-entropy
         --output-logit-dtype --mamba-training-ssm-states-dtype
         --ddp-reduce-scatter-with-fp32-accumulation
         --gtp-remat-reduce-scatter-with-fp32-accumulation

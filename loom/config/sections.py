@@ -23,6 +23,7 @@ from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
 from loom.config.model_mup import MupFields
 from loom.config.optimizer_muon import MuonFields
+from loom.config.optimizer_precision import PrecisionAwareFields
 from loom.config.parallel_cp import ContextParallelFields
 from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
 from loom.config.script_fields import (DataScriptFields, LoggingScriptFields, ModelScriptFields,
@@ -257,7 +258,7 @@ class ParallelConfig(ContextParallelFields):
 
 
 @dataclass
-class TrainingConfig(TrainingScriptFields, MuonFields):
+class TrainingConfig(TrainingScriptFields, MuonFields, PrecisionAwareFields):
     """Batch sizes, iterations, optimizer and learning-rate schedule."""
 
     micro_batch_size: Optional[int] = opt(None, "b: samples per micro-batch per data-parallel "

@@ -28,6 +28,7 @@ from loom.config.model_mla import check_mla
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
 from loom.config.resilience import check_pruning
+from loom.config.optimizer_precision import check_precision_aware
 from loom.config.script_flags import resolve_script_flags
 from loom.config.split import parse_split
 from loom.config.limits import check_limits
@@ -181,8 +182,13 @@ def resolve_megatron(cfg: Any) -> None:
         m.num_query_groups = 1  # Megatron's default of --num-query-groups
     if cfg.data.split is None:
         cfg.data.split = "969, 30, 1"  # Megatron's (legacy) default with --data-path
-    if t.bf16:  # Megatron (arguments.py:1213-1216): bf16 reduces in fp32 unless asked not to
-        t.accumulate_allreduce_grads_in_fp32 = not t.grad_reduce_in_bf16
+    if t.bf16:  # Megatron (arguments.py:1209-1216): bf16 reduces in fp32 unless asked not to
+        if t.accumulate_allreduce_grads_in_fp32 and t.main_grads_dtype != "fp32":
+            raise ConfigError("--main-grads-dtype bf16 with --accumulate-allreduce-grads-in-fp32: "
+                              "the main gradients cannot be both bf16 and fp32; drop one "
+                              "(Megatron-LM arguments.py:1210)")
+        t.accumulate_allreduce_grads_in_fp32 = not t.grad_reduce_in_bf16 and (
+            t.accumulate_allreduce_grads_in_fp32 or t.main_grads_dtype == "fp32")
     if t.recompute_granularity == "full":
         for name, example in (("recompute_method", "uniform (or block)"),
                               ("recompute_num_layers", "1")):
@@ -443,6 +449,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}: "
             f"use a multiple of {t.micro_batch_size * dp}")
     _check_zero(cfg)
+    check_precision_aware(t)  # after --zero-stage resolved --use-distributed-optimizer
     _check_moe(cfg, world_size)
     _check_precision(t)
     parse_fault(cfg.fault_tolerance.inject_fault)

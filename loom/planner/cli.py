@@ -30,7 +30,7 @@ from loom.planner.hardware import GB, Cluster, make_cluster
 from loom.planner.cost import format_estimate, parse_count, training_estimate
 from loom.planner.cli_args import (cp_a2a_size_of, cp_comm_type_of, fixed_from_args,
                                    gradient_option, optimizer_option, unmodelled_note)
-from loom.planner.command import LEGEND, hf_model_config, train_command
+from loom.planner.command import LEGEND, hf_model_config, optimizer_flags, train_command
 from loom.planner.layout import Options, given_buckets
 from loom.planner.memory import total_params
 from loom.planner.mamba import is_hybrid, kind_counts
@@ -256,7 +256,7 @@ def run(args) -> int:
             doc["closest"] = record(res, int(res["mem_total"].argmin()))
         for r in recs:
             r["command"] = train_command(r, model, B, s, cluster.num_gpus, cluster.gpus_per_node,
-                                         opts, precision)
+                                         opts, precision, optimizer_flags(args))
         print(to_json(recs, doc))
     else:
         if calibration:
@@ -272,7 +272,7 @@ def run(args) -> int:
             print(f"command for row {n}{' (the chosen layout)' if n == 1 else ''}; add "
                   f"--data-path PREFIX (or --mock-data to try it), --train-iters N and --lr X:")
             print(train_command(recs[n - 1], model, B, s, cluster.num_gpus,
-                                cluster.gpus_per_node, opts, precision))
+                                cluster.gpus_per_node, opts, precision, optimizer_flags(args)))
     if why:
         print(f"loom plan: {why}", file=sys.stderr)
     if args.plot:

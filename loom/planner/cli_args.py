@@ -6,7 +6,10 @@ stderr as not in the prediction (:data:`PLAN_READS` ... :func:`unmodelled_note`)
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from loom.config import ConfigError, ModelConfig, flag
+from loom.config.optimizer_precision import STATE_DTYPE_FLAGS, check_precision_aware
 
 
 def fixed_from_args(args, model: ModelConfig) -> dict:
@@ -48,6 +51,14 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
                                          or "optim_grads_params"]
     if fixed["zero"] not in (None, 0, 1, 2, 3):
         raise ConfigError(f"--zero-stage {fixed['zero']} must be 0, 1, 2 or 3")
+    if getattr(args, "use_precision_aware_optimizer", False) and fixed["zero"] is None:
+        fixed["zero"] = 1  # Megatron: it needs --use-distributed-optimizer
+    check_precision_aware(SimpleNamespace(  # loom train's check on the plan's flags
+        **{name: getattr(args, name, None) or "fp32" for name, _ in STATE_DTYPE_FLAGS},
+        use_precision_aware_optimizer=bool(getattr(args, "use_precision_aware_optimizer", False)),
+        optimizer=getattr(args, "optimizer", None) or "adam", zero_stage=fixed["zero"],
+        use_torch_fsdp2=bool(args.use_torch_fsdp2),
+        use_distributed_optimizer=fixed["zero"] in (1, 2)))
     if args.expert_model_parallel_size and args.expert_model_parallel_size > 1 and \
             not model.num_experts:
         raise ConfigError("--expert-model-parallel-size needs an MoE model: give --num-experts E "
@@ -200,6 +211,9 @@ PLAN_READS = frozenset({
     # are what it counts (the printed command carries --bf16, or --fp16 when given, and the flag
     # that sets the gradients' dtype); --optimizer adam / sgd's states
     "bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16", "sgd_momentum",
+    # the precision-aware optimizer's stored bytes (optimizer_option, gradient_option)
+    "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
+    "exp_avg_sq_dtype",
 })
 NO_STEP_COST = frozenset({
     # the schedule of values, not the cost of a step
@@ -322,21 +336,34 @@ def gradient_option(values) -> dict:
     """``{"grad_bytes": 2 or 4}``: the gradient buffer's bytes per parameter under Megatron's
     rule (arguments.py:1204-1216), from ``values`` (loom plan's parsed flags, or a run's
     TrainingConfig): with bf16 (the planner's 16-bit default when neither ``--bf16`` nor
-    ``--fp16`` is given) fp32 unless ``--grad-reduce-in-bf16``; with ``--fp16`` fp16 unless
-    ``--accumulate-allreduce-grads-in-fp32``; in an fp32 run fp32 (4)."""
+    ``--fp16`` is given) fp32 unless ``--grad-reduce-in-bf16`` or ``--main-grads-dtype bf16``;
+    with ``--fp16`` fp16 unless ``--accumulate-allreduce-grads-in-fp32``; in an fp32 run fp32
+    (4)."""
     fp16 = bool(getattr(values, "fp16", False))
     bf16 = getattr(values, "bf16", None) is not False and not fp16
-    in_fp32 = (not getattr(values, "grad_reduce_in_bf16", False) if bf16
+    in_fp32 = (not getattr(values, "grad_reduce_in_bf16", False) and
+               (getattr(values, "main_grads_dtype", None) or "fp32") == "fp32" if bf16
                else bool(getattr(values, "accumulate_allreduce_grads_in_fp32", False)))
     return {"grad_bytes": 4 if in_fp32 or not (bf16 or fp16) else 2}
 
 
 def optimizer_option(args) -> dict:
-    """``{"optimizer_state_bytes": bytes}`` for ``--optimizer`` adam (the default) or sgd (with
-    ``--sgd-momentum``, Megatron's default 0.9): :func:`loom.planner.memory.
-    optimizer_state_bytes`; ``{}`` for Muon (not priced, named by :func:`unmodelled_note`)."""
-    from loom.planner.memory import optimizer_state_bytes
+    """``{"optimizer_state_bytes": bytes, "master_bytes": bytes}`` for ``--optimizer`` adam (the
+    default) or sgd (with ``--sgd-momentum``, Megatron's default 0.9):
+    :func:`loom.planner.memory.optimizer_state_bytes`, and with
+    ``--use-precision-aware-optimizer`` the stored bytes of its dtypes
+    (:func:`loom.planner.memory.precision_aware_bytes`); ``{}`` for Muon (not priced, named by
+    :func:`unmodelled_note`)."""
+    from loom.planner.memory import optimizer_state_bytes, precision_aware_bytes
     momentum = getattr(args, "sgd_momentum", None)
     state = optimizer_state_bytes(getattr(args, "optimizer", None) or "adam",
                                   0.9 if momentum is None else momentum)
-    return {} if state is None else {"optimizer_state_bytes": state}
+    if state is None:
+        return {}
+    if not getattr(args, "use_precision_aware_optimizer", False):
+        return {"optimizer_state_bytes": state}
+    fp16 = bool(getattr(args, "fp16", False))
+    return precision_aware_bytes(
+        *(getattr(args, name, None) or "fp32" for name in ("exp_avg_dtype", "exp_avg_sq_dtype",
+                                                           "main_params_dtype")),
+        bf16=getattr(args, "bf16", None) is not False and not fp16)

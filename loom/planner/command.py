@@ -10,7 +10,7 @@ import json
 import math
 import shlex
 from dataclasses import fields
-from typing import Any
+from typing import Any, Sequence
 
 from loom.config import ConfigError, ModelConfig, flag
 
@@ -175,8 +175,30 @@ def grad_dtype_flags(opts, precision: str | None) -> list[str]:
     return []
 
 
+def optimizer_flags(args) -> list[str]:
+    """The optimizer flags of ``args`` (loom plan's) whose states the plan priced
+    (:func:`loom.planner.cli_args.optimizer_option`), for loom train to keep the same:
+    ``--optimizer`` other than adam (with ``--sgd-momentum`` when given), and
+    ``--use-precision-aware-optimizer`` with its dtypes other than fp32."""
+    from loom.config.optimizer_precision import STATE_DTYPE_FLAGS
+    out = []
+    name = getattr(args, "optimizer", None)
+    if name and name != "adam":
+        out += ["--optimizer", name]
+        if getattr(args, "sgd_momentum", None) is not None and name == "sgd":
+            out += ["--sgd-momentum", str(args.sgd_momentum)]
+    if getattr(args, "use_precision_aware_optimizer", False):
+        out.append("--use-precision-aware-optimizer")
+        for field, flag_name in STATE_DTYPE_FLAGS:
+            value = getattr(args, field, None)
+            if value and value != "fp32":
+                out += [flag_name, value]
+    return out
+
+
 def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_length: int,
-                  num_gpus: int, gpus_per_node: int, opts=None, precision: str = "bf16") -> str:
+                  num_gpus: int, gpus_per_node: int, opts=None, precision: str = "bf16",
+                  optimizer: Sequence[str] = ()) -> str:
     """The shell command that runs layout ``rec``: ``torchrun [--standalone] --nproc-per-node G [--nnodes N
     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500] -m loom train FLAGS``, one flag per
     continued line; data, length and learning rate (``--data-path`` / ``--train-iters`` /
@@ -188,7 +210,8 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
     the defaults). ``precision``: ``--bf16``
     or ``--fp16``, the 16-bit training the planner prices (loom train, as Megatron, trains in
     fp32 without either); None when the user asked for fp32 (``--no-bf16``), which the plan
-    names as not priced."""
+    names as not priced. ``optimizer``: the optimizer flags the plan priced
+    (:func:`optimizer_flags`)."""
     if precision not in ("bf16", "fp16", None):
         raise ValueError(f"precision {precision!r}: the planner prices bf16 or fp16 (None: the "
                          f"user asked for fp32, no flag)")
@@ -204,7 +227,8 @@ def train_command(rec: dict, model: ModelConfig, global_batch_size: int, seq_len
                    "--rdzv-endpoint", "$MASTER_ADDR:29500"]
     words = [shlex.quote(w) for w in
              model_flags(model, seq_length) + layout_flags(rec, model, global_batch_size, opts)
-             + ([f"--{precision}"] if precision else []) + grad_dtype_flags(opts, precision)]
+             + ([f"--{precision}"] if precision else []) + grad_dtype_flags(opts, precision)
+             + list(optimizer)]
     pairs, i = [], 0
     while i < len(words):  # "--flag value [value ...]" together on one line
         take = 1

@@ -145,7 +145,10 @@ class Options:
     all-gather of the saved input per layer in backward (:func:`loom.planner.timing.layer_times`).
     ``optimizer_state_bytes``: the optimizer's states per parameter beside the fp32 master
     copy (:func:`loom.planner.memory.optimizer_state_bytes`: Adam 8, SGD 4 with momentum, 0
-    without).
+    without; as stored under ``--use-precision-aware-optimizer``,
+    :func:`loom.planner.memory.precision_aware_bytes`).
+    ``master_bytes``: the master copy of a 16-bit run's parameters, per parameter: 4 (fp32), 2
+    under ``--use-precision-aware-optimizer`` (:func:`loom.planner.memory.precision_aware_bytes`).
     ``zero1_all_reduce_grads``: ZeRO-1 all-reduces the gradients in full instead of
     reduce-scattering them, then all-gathers the updated weights (DeepSpeed's 2022
     BF16_Optimizer, BLOOM's optimizer; Megatron's distributed optimizer reduce-scatters).
@@ -193,6 +196,7 @@ class Options:
     flash_attention: bool = False
     grad_bytes: int = 4
     optimizer_state_bytes: float = ADAM_STATE_BYTES
+    master_bytes: float = 4.0
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool | None = None  # None: as overlap_grad_reduce
     overlap_tp_comm: bool = True

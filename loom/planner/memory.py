@@ -208,17 +208,38 @@ def optimizer_state_bytes(optimizer: str = "adam", sgd_momentum: float = 0.9) ->
     return None
 
 
+STORED_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+"""Bytes per element of the precision-aware optimizer's storage dtypes (Megatron's names)."""
+
+
+def precision_aware_bytes(exp_avg: str = "fp32", exp_avg_sq: str = "fp32",
+                          main_params: str = "fp32", bf16: bool = True) -> dict:
+    """``{"optimizer_state_bytes", "master_bytes"}`` per parameter under Megatron's
+    ``--use-precision-aware-optimizer`` (Transformer Engine's FusedAdam storage,
+    :mod:`loom.training.state_precision`): Adam's moments at their dtypes' sizes
+    (:data:`STORED_BYTES`; the per-tensor fp32 scales of fp16/fp8 are negligible), the master
+    copy 2 bytes as fp16 (``--main-params-dtype fp16``) or, under bf16, as the 16-bit remainder
+    of the fp32 master (TE's ``store_param_remainders``, Megatron's default), else 4. E.g.
+    bf16 with bf16 moments: 2 + 2 + 2 = 6 bytes beside the weights, against 12."""
+    master = 2.0 if main_params != "fp32" or bf16 else 4.0
+    return {"optimizer_state_bytes": STORED_BYTES[exp_avg] + STORED_BYTES[exp_avg_sq],
+            "master_bytes": master}
+
+
 def model_state_bytes_per_param(zero, dp, grad_bytes: int = 2, bf16: bool = True,
-                                state_bytes: float = ADAM_STATE_BYTES) -> tuple:
+                                state_bytes: float = ADAM_STATE_BYTES,
+                                master_bytes: float = 4.0) -> tuple:
     """Bytes per parameter ``(weights, gradients, optimizer)`` at ZeRO stage ``zero`` and
     data-parallel size ``dp`` (ZERO sec 3.1/5: 2 + 2 + 12 = 16 with fp16 gradients). ZeRO-3
     (``loom train --zero-stage 3``, FSDP2) with fp32 gradients: 18/d. ``bf16=False``: fp32
     training, the weights are the master copy: 4 + 4 + 8 (Adam's moments) = 16, 16/d at
     ZeRO-3 (what ``tests/parallel/test_fsdp.py`` measures on the trainer). ``state_bytes``:
-    the optimizer's own states per parameter (:func:`optimizer_state_bytes`; Adam's 8)."""
+    the optimizer's own states per parameter (:func:`optimizer_state_bytes`; Adam's 8);
+    ``master_bytes``: the 16-bit run's master copy (4: fp32; 2 under
+    :func:`precision_aware_bytes`)."""
     zero = np.asarray(zero, dtype=np.float64)
     dp = np.asarray(dp, dtype=np.float64)
-    weight_bytes, grad_bytes, optim_bytes = ((2.0, grad_bytes, 4.0 + state_bytes) if bf16
+    weight_bytes, grad_bytes, optim_bytes = ((2.0, grad_bytes, master_bytes + state_bytes) if bf16
                                              else (4.0, 4.0, state_bytes))
     w = weight_bytes / np.where(zero >= 3, dp, 1.0)
     g = grad_bytes / np.where(zero >= 2, dp, 1.0)
@@ -332,9 +353,9 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     P, X = slot_params(model, L, s, slots)
     k = opts.optimizer_state_bytes
     wb, gb, ob = model_state_bytes_per_param(L["zero"], L["dp"] * c, opts.grad_bytes,
-                                             state_bytes=k)
+                                             state_bytes=k, master_bytes=opts.master_bytes)
     xw, xg, xo = model_state_bytes_per_param(L["zero"], expert_dp(L), opts.grad_bytes,
-                                             state_bytes=k)
+                                             state_bytes=k, master_bytes=opts.master_bytes)
     base_k, full_k, working = layer_activation_kinds(model, s, L, opts)
     kv_w = (model.num_attention_heads * (model.q_head_dim + model.v_head_dim)
             if getattr(model, "multi_latent_attention", False)

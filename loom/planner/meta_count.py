@@ -71,8 +71,7 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     from loom.parallel.parallelize import build_model_chunks
     from loom.parallel.random import RNGTracker
     from loom.parallel.registry import named_parameters
-    from loom.planner.cli_args import gradient_option
-    from loom.planner.memory import optimizer_state_bytes
+    from loom.planner.cli_args import gradient_option, optimizer_option
 
     if dist.is_initialized():
         raise RuntimeError("count_rank_states: a process group already exists; the fake one "
@@ -106,9 +105,12 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     if grad_bytes is None:
         grad_bytes = gradient_option(t)["grad_bytes"]
     dense = n - nx
-    state = optimizer_state_bytes(t.optimizer, t.sgd_momentum)  # None: Muon, not counted
-    # 16-bit runs keep an fp32 master copy; fp32 runs' weights are the master copy
-    opt_per = None if state is None else (4 + state if wb == 2 else state)
+    priced = optimizer_option(t)  # {} for Muon: not counted
+    state = priced.get("optimizer_state_bytes")
+    # 16-bit runs keep a master copy (fp32, or 2 bytes with the precision-aware optimizer);
+    # fp32 runs' weights are the master copy
+    opt_per = None if state is None else (
+        priced.get("master_bytes", 4.0) + state if wb == 2 else state)
     # FSDP2: the local shards above; ZeRO-1: ceil shares of the dense and expert elements
     opt_elems = n if zero != 1 else math.ceil(dense / dp) + math.ceil(nx / edp)
     return dict(params=n, expert_params=nx, dp=dp, edp=edp, zero=zero, **coords,

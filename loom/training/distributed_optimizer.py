@@ -27,6 +27,13 @@ forward pre-hook of the first module that uses it in the next forward
 
 Memory per parameter in bf16 (fp32 main gradients): 2 (weights) + 4 (main grads) + 12/d (fp32
 master, exp_avg, exp_avg_sq) = 6 + 12/d; ZeRO-2 keeps 4/d of the gradients: 2 + 16/d.
+
+``--use-precision-aware-optimizer`` (``precision``, :class:`~loom.training.state_precision.
+StatePrecision`): between steps the masters and Adam's moments are stored in lower precision
+(the fp32 master of a bf16 parameter as its 2-byte remainder, lossless; the moments as
+``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``), unpacked to fp32 for the step
+(:meth:`DistributedOptimizer.clip_grad_norm`) and packed again after it: bf16 with bf16 moments
+keeps 2 + 4 + 6/d bytes per parameter.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta
 from loom.training.muon import MatrixInfo, Muon, matrix_info
 from loom.training.param_groups import GroupPlan, build_groups
+from loom.training.state_precision import (Packed, StatePrecision, join_remainder, pack,
+                                           split_remainder, unpack)
 
 
 NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see _sum_of_squares)
@@ -199,6 +208,7 @@ class _Range:
     copy: bool  # the master is a copy (16-bit parameter), not a view of the parameter
     expert: bool  # reduced (and sharded) over the expert-data-parallel group
     muon: Optional[MatrixInfo] = None  # orthogonalized by Muon: how its update is whole
+    keep: str = "fp32"  # the master between steps: fp32, remainder or scaled (StatePrecision)
 
 
 class DistributedOptimizer:
@@ -213,14 +223,21 @@ class DistributedOptimizer:
     group, :func:`loom.training.optimizer.decoupled_group`, holding the parameters whose
     ``id`` is in ``decoupled_params``), ``optim_class`` (``torch.optim.AdamW`` or ``SGD``,
     ``groups_kw`` its keyword arguments), ``timers`` (:class:`~loom.training.timers.Timers`:
-    the optimizer's level-1 phases).
+    the optimizer's level-1 phases), ``precision`` (``--use-precision-aware-optimizer``'s
+    storage, AdamW only; None: fp32).
     ``optim`` is the inner ``torch.optim`` optimizer (LR scheduler, ``param_groups``)."""
 
     def __init__(self, named, reducers, mesh: ParallelMesh, sharded: bool,
                  overlap_param_gather: bool = False, *, plan: GroupPlan,
                  decoupled_params: Collection[int] = (), optim_class: type = torch.optim.AdamW,
-                 optim_kw: Optional[dict] = None, timers=None):
+                 optim_kw: Optional[dict] = None, timers=None,
+                 precision: Optional[StatePrecision] = None):
+        if precision is not None and optim_class is not torch.optim.AdamW:
+            raise ValueError("--use-precision-aware-optimizer stores AdamW's states only")
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
+        self.precision = precision
+        self.packed: dict[int, dict[str, Packed]] = {}  # id(range) -> its stored tensors
+        self.is_packed = False
         self.timers = timers if timers is not None else (lambda name: contextlib.nullcontext())
         optim_kw = dict(optim_kw or {})
         # momentum 0: SGD keeps no state
@@ -241,8 +258,9 @@ class DistributedOptimizer:
             master = flat.float().clone() if copy else flat
             index = plan.index(name, p, id(p) in decoupled_params)
             muon = matrix_info(name, meta, mesh) if plan.kinds[index].muon else None
+            keep = precision.master_mode(p.dtype) if precision is not None and copy else "fp32"
             self.ranges.append(_Range(name, p, meta, r, lo, hi, master, copy,
-                                      apart and meta.expert_parallel, muon))
+                                      apart and meta.expert_parallel, muon, keep))
             placed.append((index, master))
         groups = build_groups(plan, placed, mesh.device)
         if optim_class is Muon:  # whole-matrix updates from the ranges (_orthogonalize)
@@ -251,6 +269,58 @@ class DistributedOptimizer:
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
         self.steps = 0
+        self.pack()
+
+    # -- lower-precision storage between steps (--use-precision-aware-optimizer) -----------------
+    def pack(self) -> None:
+        """Store the masters and AdamW's moments in :attr:`precision`'s dtypes (no-op without
+        it, or when packed): a remainder-kept master writes its bf16 value into the parameter
+        (:func:`~loom.training.state_precision.split_remainder`) and keeps the int16 rest."""
+        if self.precision is None or self.is_packed:
+            return
+        for rg in self.ranges:
+            slot = {}
+            st = self.optim.state.get(rg.master)
+            for k in self.state_keys if st else ():
+                if k in st:
+                    slot[k] = pack(st.pop(k), self.precision.state_dtype(k))
+            if rg.keep == "remainder":
+                value, rest = split_remainder(rg.master.data)
+                rg.param.detach().view(-1)[rg.lo:rg.hi].copy_(value)
+                slot["master"] = Packed(rest)
+            elif rg.keep == "scaled":
+                slot["master"] = pack(rg.master.data, self.precision.master)
+            if rg.keep != "fp32":
+                rg.master.data = rg.master.data.new_empty(0)
+            self.packed[id(rg)] = slot
+        self.is_packed = True
+
+    def unpack(self) -> None:
+        """fp32 masters and moments back from :meth:`pack`'s storage (no-op when unpacked)."""
+        if not self.is_packed:
+            return
+        for rg in self.ranges:
+            slot = self.packed.pop(id(rg), {})
+            kept = slot.pop("master", None)
+            if rg.keep == "remainder":
+                rg.master.data = join_remainder(rg.param.detach().view(-1)[rg.lo:rg.hi],
+                                                kept.data)
+            elif rg.keep == "scaled":
+                rg.master.data = unpack(kept)
+            if slot:
+                self.optim.state[rg.master].update({k: unpack(v) for k, v in slot.items()})
+        self.is_packed = False
+
+    @contextlib.contextmanager
+    def unpacked(self):
+        """The fp32 masters and moments inside the block, stored as before after it."""
+        was = self.is_packed
+        self.unpack()
+        try:
+            yield
+        finally:
+            if was:
+                self.pack()
 
     def keys_of(self, rg: _Range) -> tuple:
         """The parameter-shaped states of ``rg``'s parameter (Muon's momentum, or the other
@@ -323,6 +393,7 @@ class DistributedOptimizer:
         scale's inverse), clip them to global norm ``max_norm`` (<= 0: no clipping); returns the
         norm before clipping (inf/NaN when any gradient is)."""
         self.finish_param_gather()
+        self.unpack()  # --use-precision-aware-optimizer: fp32 masters and moments for the step
         with self.timers("optimizer-copy-to-main-grad"):
             grads = self._attach_grads(inv_scale)
         with self.timers("optimizer-clip-main-grad"):
@@ -342,6 +413,7 @@ class DistributedOptimizer:
         self.steps += 1
         with self.timers("optimizer-copy-main-to-model-params"):
             self.copy_masters_to_params()
+            self.pack()
         with self.timers("params-all-gather"):
             for g in self.gathers:
                 g.start(async_op=self.overlap_param_gather)
@@ -354,16 +426,19 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
+        """Parameters from the (unpacked) masters; a remainder-kept master's parameter is
+        written by :meth:`pack`."""
         for rg in self.ranges:
-            if rg.copy and rg.hi > rg.lo:
+            if rg.copy and rg.hi > rg.lo and rg.keep != "remainder":
                 rg.param.detach().view(-1)[rg.lo:rg.hi].copy_(rg.master)
 
     @torch.no_grad()
     def copy_params_to_masters(self) -> None:
         """Masters from the parameters (after loading weights without optimizer states)."""
-        for rg in self.ranges:
-            if rg.copy:
-                rg.master.copy_(rg.param.detach().view(-1)[rg.lo:rg.hi])
+        with self.unpacked():
+            for rg in self.ranges:
+                if rg.copy:
+                    rg.master.copy_(rg.param.detach().view(-1)[rg.lo:rg.hi])
 
     def finish_param_gather(self) -> None:
         """Wait for every pending parameter all-gather (before reading the parameters)."""
@@ -413,6 +488,10 @@ class DistributedOptimizer:
         x CP group must call it). Empty before the first step."""
         if self.steps == 0:
             return {}
+        with self.unpacked():
+            return self._state_by_name(names)
+
+    def _state_by_name(self, names: set) -> dict:
         keys = sorted({k for rg in self.ranges for k in self.keys_of(rg)})
         fulls = {k: self._full({id(rg): self.optim.state[rg.master][k] for rg in self.ranges
                                 if rg.hi > rg.lo and k in self.keys_of(rg)},
@@ -435,6 +514,7 @@ class DistributedOptimizer:
     def load_state_by_name(self, states: dict) -> None:
         """Adam states (and fp32 masters) from ``{name: {key: tensor at the parameter's shape}}``;
         a parameter without ``master_param`` takes its master from its (loaded) weights."""
+        self.unpack()
         for rg in self.ranges:
             st = states.get(rg.name)
             if rg.copy:
@@ -454,19 +534,26 @@ class DistributedOptimizer:
             self.steps = max(self.steps, 1)
             self.optim.state[rg.master] = state
         self.copy_masters_to_params()
+        self.pack()
 
 
 def param_bytes(optimizer: DistributedOptimizer) -> dict:
     """Bytes held on this rank by kind: ``params`` (the model's parameters), ``main_grads``
     (gradient buffers and ZeRO-2 shards), ``master`` (fp32 master copies; 0 for fp32
     parameters, whose masters are views), ``optimizer`` (Adam's exp_avg and exp_avg_sq, SGD's
-    momentum buffer)."""
+    momentum buffer), each as stored (``--use-precision-aware-optimizer``: between steps, in its
+    storage dtype; the per-tensor fp32 scales aside)."""
     params = {id(rg.param): rg.param for rg in optimizer.ranges}
     out = {"params": sum(p.numel() * p.element_size() for p in params.values()),
            "main_grads": sum(r.grad_bytes() for r in optimizer.reducers),
-           "master": sum(rg.master.numel() * 4 for rg in optimizer.ranges if rg.copy),
-           "optimizer": 0}
-    for st in optimizer.optim.state.values():
+           "master": 0, "optimizer": 0}
+    for rg in optimizer.ranges:
+        slot = optimizer.packed.get(id(rg), {})
+        if rg.copy:
+            out["master"] += slot["master"].nbytes() if "master" in slot \
+                else rg.master.numel() * 4
+        out["optimizer"] += sum(v.nbytes() for k, v in slot.items() if k != "master")
+        st = optimizer.optim.state.get(rg.master, {})
         out["optimizer"] += sum(v.numel() * v.element_size() for k, v in st.items()
                                 if k in optimizer.state_keys or k == "momentum_buffer")
     return out

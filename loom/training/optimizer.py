@@ -28,6 +28,7 @@ from loom.training.distributed_optimizer import (NORM_BLOCK, DistributedOptimize
                                                 _sum_of_squares, reduce_grad_sums)
 from loom.training.muon import Muon, MuonSettings, matrix_info
 from loom.training.param_groups import build_groups, group_plan
+from loom.training.state_precision import StatePrecision
 
 
 def optimizer_class(cfg: TrainingConfig, params: Sequence[torch.Tensor]) -> tuple[type, dict]:
@@ -85,7 +86,8 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
         opt = DistributedOptimizer(list(named_parameters(chunks)), reducers, mesh,
                                    cfg.use_distributed_optimizer, cfg.overlap_param_gather,
                                    plan=plan, decoupled_params=decoupled, optim_class=cls,
-                                   optim_kw=kw, timers=timers)
+                                   optim_kw=kw, timers=timers,
+                                   precision=StatePrecision.of(cfg))
         if cfg.overlap_param_gather:  # each bucket's all-gather waited for before its first use
             opt.hook_param_gather(chunks)
         return opt

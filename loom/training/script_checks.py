@@ -84,6 +84,12 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
         dtype = "fp16" if t.fp16 and not t.accumulate_allreduce_grads_in_fp32 else "fp32"
         out.append(f"--grad-reduce-in-bf16 without --bf16: no effect (as in Megatron-LM, "
                    f"arguments.py:1213): gradients are reduced in {dtype}")
+    if t.main_grads_dtype != "fp32" and not t.bf16:
+        out.append(f"--main-grads-dtype {t.main_grads_dtype} without --bf16: no effect (as in "
+                   f"Megatron-LM, arguments.py:1209): the gradient buffers keep their dtype")
+    if t.main_params_dtype != "fp32" and not (t.bf16 or t.fp16):
+        out.append(f"--main-params-dtype {t.main_params_dtype} in an fp32 run: no effect (the "
+                   f"fp32 parameters are their own master weights)")
     b = cfg.derived.global_batch_size if cfg.derived else None
     for name, iters in (("lr_warmup_samples", t.lr_warmup_iters),
                         ("lr_decay_samples", t.lr_decay_iters)):

@@ -66,7 +66,9 @@ FIXES = {
 # buffer's dtype (a plan run shows them); and what the planner counts anyway (16-bit weights)
 OTHER_READS = {"cp_comm_type", "hierarchical_context_parallel_sizes", "global_batch_size",
                "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size",
-               "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16"}
+               "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16",
+               "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype",
+               "exp_avg_dtype", "exp_avg_sq_dtype"}
 ASSUMED = {"bf16", "fp16", "sgd_momentum"}
 
 
@@ -121,7 +123,8 @@ def test_assumed_and_step_free_flags_change_nothing_and_unmodelled_ones_are_name
     """``--bf16``, ``--lr``, ``--save`` ...: the same plan, no warning. ``--optimizer muon``,
     ``--compile``, and a Megatron flag loom train takes without effect (``--fp8-format``,
     ``--tp-comm-overlap``, ``--distribute-saved-activations``): the same plan, one warning line
-    each kind, naming every flag; ``--json`` stays parseable on stdout."""
+    each kind, naming every flag, and the command carries ``--optimizer muon``; ``--json`` stays
+    parseable on stdout."""
     runs = []
     for extra in ([], ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--lr", "1e-4",
                        "--train-iters", "10", "--save", "/tmp/never-written", "--seed", "7",
@@ -132,7 +135,9 @@ def test_assumed_and_step_free_flags_change_nothing_and_unmodelled_ones_are_name
         assert code == 0, err
         runs.append((json.loads(out)["layouts"], err))
     plain, step_free, named = runs
-    assert step_free == plain and named[0] == plain[0] and plain[1] == ""
+    drop = lambda recs: [{k: v for k, v in r.items() if k != "command"} for r in recs]  # noqa
+    assert step_free == plain and drop(named[0]) == drop(plain[0]) and plain[1] == ""
+    assert "--optimizer muon" in named[0][0]["command"]  # what loom train is to run
     lines = named[1].strip().splitlines()
     assert len(lines) == 2 and all(ln.startswith("loom plan: warning: ") for ln in lines)
     for flag in ("--optimizer muon", "--compile", "--fp8-format hybrid", "--tp-comm-overlap",
@@ -219,6 +224,60 @@ def test_gradient_dtype_is_priced_and_carried_to_the_command(capsys):
     assert got["bf16-grads"] == pytest.approx(got["bf16"] / 2)
     assert got["fp16"] == pytest.approx(got["bf16"] / 2)
     assert got["fp16-fp32"] == pytest.approx(got["bf16"])
+
+
+def test_precision_aware_optimizer_is_priced_and_carried_to_the_command(capsys):
+    """``--use-precision-aware-optimizer``: the O term holds the stored bytes (bf16 moments and
+    the 2-byte remainder of the fp32 master: 6 of 12 bytes per parameter; fp8 / fp16 moments
+    and fp16 masters: 5), the search keeps to the distributed optimizer Megatron requires, and
+    the printed command carries the flags; loom train's checks refuse what it refuses."""
+    from loom.planner.command import command_config
+    argv = SMALL + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                    "--json", "--top", "3"]
+    got = {}
+    for name, extra in (("adam", ["--zero-stage", "1"]),
+                        ("bf16", ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                                  "--exp-avg-sq-dtype", "bf16"]),
+                        ("low", ["--use-precision-aware-optimizer", "--exp-avg-dtype", "fp8",
+                                 "--exp-avg-sq-dtype", "fp16", "--main-params-dtype", "fp16"])):
+        code, out, err = _plan(argv + extra, capsys)
+        recs = json.loads(out)["layouts"]
+        assert code == 0 and err == "" and all(r["zero"] == 1 for r in recs), (name, err)
+        got[name] = recs[0]["memory_terms_gb"]["optimizer"]
+        cfg = command_config(recs[0]["command"], 8)
+        t = cfg.training
+        assert t.use_precision_aware_optimizer is (name != "adam") and \
+            t.use_distributed_optimizer, recs[0]["command"]
+        if name == "low":
+            assert (t.exp_avg_dtype, t.exp_avg_sq_dtype, t.main_params_dtype) == \
+                ("fp8", "fp16", "fp16")
+    assert got["bf16"] == pytest.approx(got["adam"] * 6 / 12)
+    assert got["low"] == pytest.approx(got["adam"] * 5 / 12)
+    for extra, words in ((["--exp-avg-dtype", "bf16"], "needs --use-precision-aware-optimizer"),
+                         (["--use-precision-aware-optimizer", "--optimizer", "sgd"],
+                          "--optimizer adam"),
+                         (["--use-precision-aware-optimizer", "--zero-stage", "0"],
+                          "needs --use-distributed-optimizer")):
+        code, out, err = _plan(argv + extra, capsys)
+        assert code != 0 and words in err, (extra, err)
+
+
+def test_dry_run_and_exact_count_price_the_precision_aware_states():
+    """``loom train --dry-run`` with ``--use-precision-aware-optimizer --exp-avg-dtype bf16
+    --exp-avg-sq-dtype bf16``: the prediction's options and the exact meta-device count hold 2
+    (remainder) + 2 + 2 bytes per parameter of optimizer states, half of the 12 without it."""
+    from loom.planner.meta_count import count_rank_states
+    from loom.planner.predict import run_options
+    from testkit.config import tiny_config
+    flags = dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                 exp_avg_sq_dtype="bf16")
+    plain, aware = (tiny_config("llama", bf16=True, use_distributed_optimizer=True,
+                                **kw).validate(1) for kw in ({}, flags))
+    o = run_options(aware)
+    assert (o.master_bytes, o.optimizer_state_bytes) == (2.0, 4.0)
+    assert (run_options(plain).master_bytes, run_options(plain).optimizer_state_bytes) == (4.0, 8.0)
+    a, b = count_rank_states(plain, 1), count_rank_states(aware, 1)
+    assert a["optimizer_bytes"] == 12 * a["params"] and b["optimizer_bytes"] == 6 * b["params"]
 
 
 def test_dry_run_and_exact_count_use_the_run_s_gradient_dtype():
