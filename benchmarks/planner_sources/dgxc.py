@@ -23,10 +23,13 @@ Source: ``NVIDIA/dgxc-benchmarking`` at 35a9aecc8d (2025-06-09), the BF16 H100 t
   Megatron-Core 0.9 (before !2117's interleaved warm-up change), 24.11 (Nemotron-4, GPT-3) 0.10;
   every interleaved row has m != p, where the two rules agree.
 
+The 340B recipe's bf16 optimizer states (``optim.dtype: bf16``) are priced as Megatron's
+precision-aware optimizer with bf16 moments (:func:`row_options`).
+
 What the planner does not price here: TP communication overlapped with the GEMMs by userbuffers
 (``ub_tp_comm_overlap``, on for the 405B, 70B, 15B and 175B recipes; the planner hides only the
-backward's TP collectives), the 340B recipe's bf16 optimizer states (``optim.dtype: bf16``), and
-the attention kernel's skipping of the masked half (the ``Options.causal_skip`` what-if).
+backward's TP collectives), and the attention kernel's skipping of the masked half (the
+``Options.causal_skip`` what-if).
 
     OMP_NUM_THREADS=1 python -m benchmarks.planner_sources.dgxc [--markdown]
 """
@@ -41,6 +44,7 @@ from dataclasses import dataclass, replace
 from loom.config import ModelConfig
 from loom.planner.constants import Constants, fitted_cluster
 from loom.planner.layout import make_layouts
+from loom.planner.memory import precision_aware_bytes
 from loom.planner.moe import MOE_LOAD_IMBALANCE, load_imbalance
 from loom.planner.presets import gpt
 from loom.planner.search import evaluate, record, search
@@ -80,6 +84,7 @@ class Recipe:
     recompute: str
     nemo: str  # container version: 24.09 or 24.11
     cudnn_attention: bool  # NVTE_FUSED_ATTN=1 (else the flash-attn package)
+    bf16_optimizer: bool = False  # optim.dtype: bf16 (Apex's DistributedFusedAdam)
 
 
 RECIPES = {
@@ -91,7 +96,7 @@ RECIPES = {
     "nemotron4-15b": Recipe(_nemotron4(32, 6144, 48, 8, 24576), 4, 1, 1, 1, 4, "none", "24.11",
                             True),
     "nemotron4-340b": Recipe(_nemotron4(96, 18432, 96, 8, 73728), 8, 8, 1, 12, 1, "selective",
-                             "24.11", False),
+                             "24.11", False, bf16_optimizer=True),
     "gpt3-175b": Recipe(replace(gpt(96, 12288, 96, V=50257), hidden_dropout=0.1,
                                 attention_dropout=0.1), 4, 8, 1, 12, 1, "none", "24.11", False),
 }
@@ -173,9 +178,15 @@ def grok1_record(constants: Constants | None = None, dispatcher: str = "alltoall
 
 def row_options(recipe: Recipe, causal_skip: bool = False):
     """The planner Options of a recipe (module docstring): fused attention, 2-byte gradients,
-    DP overlap on; ``causal_skip`` the what-if (:class:`loom.planner.layout.Options`)."""
+    DP overlap on; bf16 optimizer states where the recipe keeps them (``optim.dtype: bf16``:
+    Apex's DistributedFusedAdam holds exp_avg, exp_avg_sq and its parameter copy in bf16, 6
+    bytes per parameter, priced as Megatron's ``--use-precision-aware-optimizer --exp-avg-dtype
+    bf16 --exp-avg-sq-dtype bf16``, whose master is the same 2 bytes:
+    :func:`loom.planner.memory.precision_aware_bytes`); ``causal_skip`` the what-if
+    (:class:`loom.planner.layout.Options`)."""
+    states = precision_aware_bytes("bf16", "bf16") if recipe.bf16_optimizer else {}
     return source_options(flash_attention=True, grad_bytes=2, causal_skip=causal_skip,
-                          legacy_interleaved_warmup=recipe.nemo == "24.09")
+                          legacy_interleaved_warmup=recipe.nemo == "24.09", **states)
 
 
 def row_record(i: int, constants: Constants | None = None, causal_skip: bool = False) -> dict:
