@@ -35,3 +35,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor] = No
     dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
     ref = (b if scale is None else scale.detach()).to(dtype)
     return float((a.to(dtype) - b.to(dtype)).abs().max() / ref.abs().max().clamp_min(floor))
+
+
+def held_optimizer_bytes(trainer) -> int:
+    """Bytes ``trainer``'s optimizer holds beyond the model's own parameters (its states and, in
+    a 16-bit run, the master copies; each storage counted once): what the planner's optimizer
+    term prices (tests/planner/test_planner_optimizer_bytes.py, test_planner_muon.py)."""
+    model = {p.untyped_storage().data_ptr()
+             for m in trainer.parts.model.chunks for p in m.parameters()}
+    tensors = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    tensors += [t for s in trainer.optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0]
+    seen, held = set(), 0
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in model and ptr not in seen:
+            seen.add(ptr)
+            held += t.untyped_storage().nbytes()
+    return held

@@ -211,6 +211,8 @@ PLAN_READS = frozenset({
     # are what it counts (the printed command carries --bf16, or --fp16 when given, and the flag
     # that sets the gradients' dtype); --optimizer adam / sgd's states
     "bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16", "sgd_momentum",
+    # --optimizer and Muon's step (optimizer_option: its states and Newton-Schulz iterations)
+    "optimizer", "muon_num_ns_steps", "muon_split_qkv", "muon_fp32_matmul_prec", "muon_tp_mode",
     # the precision-aware optimizer's stored bytes (optimizer_option, gradient_option)
     "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
     "exp_avg_sq_dtype",
@@ -221,9 +223,9 @@ NO_STEP_COST = frozenset({
     "lr_decay_samples", "lr_warmup_init", "lr_warmup_fraction", "decoupled_lr",
     "decoupled_min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-    "hysteresis", "calculate_per_token_loss", "muon_momentum", "muon_split_qkv",
-    "muon_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec", "muon_coefficient_type",
-    "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor", "muon_scalar_optimizer",
+    "hysteresis", "calculate_per_token_loss", "muon_momentum",
+    "muon_nesterov", "muon_scale_mode", "muon_coefficient_type",
+    "muon_extra_scale_factor", "muon_scalar_optimizer",
     # how long, from where, and what happens around the steps (the step itself is unchanged;
     # a batch ramp-up's smaller first batches are before the planned step)
     "train_iters", "train_samples", "exit_duration_in_mins", "exit_on_nonfinite", "skip_train",
@@ -235,7 +237,6 @@ NO_STEP_COST_SECTIONS = ("data", "logging", "checkpoint", "fault_tolerance")
 """Sections whose every field is outside the step's time and memory (data, logging, checkpoint
 and failure handling; profiling and memory history slow only the steps they record)."""
 UNMODELLED = {
-    "optimizer": "Muon's states are priced as Adam's: 12 bytes per parameter",
     "compile": "priced as eager PyTorch kernels",
     "deterministic_mode": "priced at the default kernels' speed",
     "export_kd_teacher_load": "the distillation teacher's forward and weights are not priced",
@@ -325,8 +326,7 @@ def unpriced_note(values) -> str | None:
     names) and for fp32 training (``bf16`` False, not None: ``--no-bf16`` given to loom plan,
     or a run's config without ``--bf16`` / ``--fp16``), or None."""
     items = [_given(values, name, why) for name, why in UNMODELLED.items()
-             if getattr(values, name, None) not in (None, False)
-             and not (name == "optimizer" and optimizer_option(values))]
+             if getattr(values, name, None) not in (None, False)]
     if getattr(values, "bf16", None) is False and not getattr(values, "fp16", None):
         items.append("fp32, no --bf16 / --fp16 (priced as 16-bit training)")
     return _not_priced(items)
@@ -352,14 +352,22 @@ def optimizer_option(args) -> dict:
     default) or sgd (with ``--sgd-momentum``, Megatron's default 0.9):
     :func:`loom.planner.memory.optimizer_state_bytes`, and with
     ``--use-precision-aware-optimizer`` the stored bytes of its dtypes
-    (:func:`loom.planner.memory.precision_aware_bytes`); ``{}`` for Muon (not priced, named by
-    :func:`unmodelled_note`)."""
+    (:func:`loom.planner.memory.precision_aware_bytes`); for Muon (``muon`` / ``dist_muon``)
+    AdamW's states, which its embeddings, output layer and vectors keep, and its step
+    (``muon_ns_steps`` from ``--muon-num-ns-steps``, ``--muon-split-qkv``,
+    ``--muon-fp32-matmul-prec``, ``--muon-tp-mode``: :mod:`loom.planner.muon`)."""
     from loom.planner.memory import optimizer_state_bytes, precision_aware_bytes
     momentum = getattr(args, "sgd_momentum", None)
     state = optimizer_state_bytes(getattr(args, "optimizer", None) or "adam",
                                   0.9 if momentum is None else momentum)
-    if state is None:
-        return {}
+    if state is None:  # Muon: its momentum on the layers' weights, AdamW's states elsewhere
+        prec = getattr(args, "muon_fp32_matmul_prec", None) or "medium"
+        steps = getattr(args, "muon_num_ns_steps", None)
+        return {"optimizer_state_bytes": optimizer_state_bytes("adam"),
+                "muon_ns_steps": 5 if steps is None else steps,
+                "muon_split_qkv": getattr(args, "muon_split_qkv", None) is not False,
+                "muon_fp32": prec != "medium",
+                "muon_blockwise": getattr(args, "muon_tp_mode", None) == "blockwise"}
     if not getattr(args, "use_precision_aware_optimizer", False):
         return {"optimizer_state_bytes": state}
     fp16 = bool(getattr(args, "fp16", False))

@@ -178,7 +178,8 @@ def grad_dtype_flags(opts, precision: str | None) -> list[str]:
 def optimizer_flags(args) -> list[str]:
     """The optimizer flags of ``args`` (loom plan's) whose states the plan priced
     (:func:`loom.planner.cli_args.optimizer_option`), for loom train to keep the same:
-    ``--optimizer`` other than adam (with ``--sgd-momentum`` when given), and
+    ``--optimizer`` other than adam (with ``--sgd-momentum`` when given; Muon with the
+    ``--muon-*`` flags its step was priced with), and
     ``--use-precision-aware-optimizer`` with its dtypes other than fp32."""
     from loom.config.optimizer_precision import STATE_DTYPE_FLAGS
     out = []
@@ -187,6 +188,12 @@ def optimizer_flags(args) -> list[str]:
         out += ["--optimizer", name]
         if getattr(args, "sgd_momentum", None) is not None and name == "sgd":
             out += ["--sgd-momentum", str(args.sgd_momentum)]
+    if name in ("muon", "dist_muon"):  # the settings its step was priced with
+        for field in ("muon_num_ns_steps", "muon_tp_mode", "muon_fp32_matmul_prec"):
+            if getattr(args, field, None) is not None:
+                out += [flag(field), str(getattr(args, field))]
+        if getattr(args, "muon_split_qkv", None) is False:
+            out.append("--muon-no-split-qkv")
     if getattr(args, "use_precision_aware_optimizer", False):
         out.append("--use-precision-aware-optimizer")
         for field, flag_name in STATE_DTYPE_FLAGS:

@@ -149,6 +149,12 @@ class Options:
     :func:`loom.planner.memory.precision_aware_bytes`).
     ``master_bytes``: the master copy of a 16-bit run's parameters, per parameter: 4 (fp32), 2
     under ``--use-precision-aware-optimizer`` (:func:`loom.planner.memory.precision_aware_bytes`).
+    ``muon_ns_steps``: ``--optimizer muon``'s Newton-Schulz iterations (0: not Muon): the
+    layers' weights keep Muon's 4-byte momentum instead of ``optimizer_state_bytes`` (AdamW's,
+    kept for the embeddings, output layer and vectors), and the step adds the iterations'
+    FLOPs (:mod:`loom.planner.muon`); ``muon_split_qkv`` (``--muon-split-qkv``), ``muon_fp32``
+    (``--muon-fp32-matmul-prec`` high or low: fp32 iterations at half the rate),
+    ``muon_blockwise`` (``--muon-tp-mode blockwise``: each TP shard on its own).
     ``zero1_all_reduce_grads``: ZeRO-1 all-reduces the gradients in full instead of
     reduce-scattering them, then all-gathers the updated weights (DeepSpeed's 2022
     BF16_Optimizer, BLOOM's optimizer; Megatron's distributed optimizer reduce-scatters).
@@ -197,6 +203,10 @@ class Options:
     grad_bytes: int = 4
     optimizer_state_bytes: float = ADAM_STATE_BYTES
     master_bytes: float = 4.0
+    muon_ns_steps: int = 0
+    muon_split_qkv: bool = True
+    muon_fp32: bool = False
+    muon_blockwise: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool | None = None  # None: as overlap_grad_reduce
     overlap_tp_comm: bool = True

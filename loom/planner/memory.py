@@ -199,8 +199,9 @@ def stage_params(model: ModelConfig, L: dict, seq_length: int, m=None) -> dict:
 def optimizer_state_bytes(optimizer: str = "adam", sgd_momentum: float = 0.9) -> float | None:
     """Bytes per parameter an optimizer keeps beside the fp32 master copy: ``--optimizer adam``
     8 (fp32 ``exp_avg``, ``exp_avg_sq``; ZERO sec 3.1), ``sgd`` 4 (fp32 ``momentum_buffer``)
-    with ``--sgd-momentum`` > 0, else 0 (``torch.optim.SGD`` keeps no state). None for Muon
-    (a momentum for the 2-D weights it manages, Adam's two for the rest: not priced)."""
+    with ``--sgd-momentum`` > 0, else 0 (``torch.optim.SGD`` keeps no state). None for Muon,
+    whose states depend on the weight (a momentum for the 2-D weights it manages, Adam's two
+    for the rest: ``Options.muon_ns_steps`` and :mod:`loom.planner.muon`)."""
     if optimizer == "adam":
         return ADAM_STATE_BYTES
     if optimizer == "sgd":
@@ -389,6 +390,16 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     terms = {"weights": (P - X) * wb + X * xw, "gradients": (P - X) * gb + X * xg,
              "optimizer": (P - X) * ob + X * xo, "activations": acts,
              "embedding_output": emb_out}
+    if opts.muon_ns_steps:  # Muon's momentum instead of AdamW's moments on the layers' weights
+        from loom.planner.muon import MUON_STATE_BYTES, kind_muon_params
+        mw = [model_state_bytes_per_param(L["zero"], n, opts.grad_bytes,
+                                          state_bytes=MUON_STATE_BYTES,
+                                          master_bytes=opts.master_bytes)[2]
+              for n in (L["dp"] * c, expert_dp(L))]
+        for k, (dense, experts) in enumerate(kind_muon_params(model, L, opts.muon_split_qkv)):
+            n = slots["layers"][k]
+            terms["optimizer"] = (terms["optimizer"] - n * dense * (ob - mw[0])
+                                  - n * experts * (xo - mw[1]))
     base = sum(terms.values())
     terms["reserve"] = opts.reserve_bytes + opts.reserve_fraction * base
     terms["total"] = base + terms["reserve"]

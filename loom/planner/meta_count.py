@@ -105,8 +105,9 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     if grad_bytes is None:
         grad_bytes = gradient_option(t)["grad_bytes"]
     dense = n - nx
-    priced = optimizer_option(t)  # {} for Muon: not counted
-    state = priced.get("optimizer_state_bytes")
+    priced = optimizer_option(t)
+    # Muon: its states depend on each weight's shape and name, not counted here
+    state = None if priced.get("muon_ns_steps") else priced.get("optimizer_state_bytes")
     # 16-bit runs keep a master copy (fp32, or 2 bytes with the precision-aware optimizer);
     # fp32 runs' weights are the master copy
     opt_per = None if state is None else (

@@ -92,7 +92,7 @@ def run_options(cfg: LoomConfig) -> Options:
     both default off (Megatron's defaults); its gradient buckets: ``--ddp-bucket-size`` or
     else loom's default size (:data:`loom.planner.layout.LOOM_BUCKETS`); its optimizer's
     states (``--optimizer``, ``--sgd-momentum``: :func:`loom.planner.cli_args.optimizer_option`;
-    Muon's are priced as Adam's); its gradient buffer's dtype
+    Muon's momentum and Newton-Schulz step: :mod:`loom.planner.muon`); its gradient buffer's dtype
     (:func:`loom.planner.cli_args.gradient_option`: ``--grad-reduce-in-bf16``, ...); its
     experts' load imbalance, the planner's default capped by its
     ``--moe-expert-capacity-factor`` (:func:`loom.planner.moe.load_imbalance`)."""

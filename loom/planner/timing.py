@@ -504,6 +504,12 @@ def time_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_length: 
     if model.num_experts:
         shard_x = np.where(z >= 1, n_x, 1.0)
         terms["optimizer"] = traffic * ((params - ex) / shard + ex / shard_x) / cluster.hbm_bw
+    if opts.muon_ns_steps:  # Newton-Schulz on the slowest stage's whole matrices (muon.py)
+        from loom.planner.muon import kind_ns_seconds
+        ns = sum(slots["layers"][k] * sec for k, sec in enumerate(kind_ns_seconds(
+            model, L, cluster, opts.muon_ns_steps, opts.muon_split_qkv, opts.muon_fp32,
+            opts.muon_blockwise)))
+        terms["optimizer"] = terms["optimizer"] + np.max(ns, axis=0)
     busy = (terms["compute"] + terms["recompute"] + terms["elementwise"]
             + terms["tp_comm"] + terms["cp_comm"] + terms["ep_comm"] + terms["pp_bubble"]
             + terms["pp_comm"] + terms["dp_comm"] + terms["optimizer"])

@@ -12,27 +12,17 @@ from loom.parallel.mesh import ParallelMesh
 from loom.planner.memory import model_state_bytes_per_param, optimizer_state_bytes
 from loom.training.trainer import Trainer
 from testkit.config import tiny_config
+from testkit.numerics import held_optimizer_bytes
 
 
 def _held_optimizer_bytes(**flags) -> tuple[float, int]:
-    """(bytes the optimizer holds beyond the model's own parameters: its states and, in a
-    16-bit run, the fp32 master copies; each storage once), the model's parameter count."""
+    """(bytes the optimizer holds beyond the model's own parameters after a step:
+    :func:`testkit.numerics.held_optimizer_bytes`), the model's parameter count."""
     tr = Trainer(tiny_config("llama", **flags).validate(1),
                  mesh=ParallelMesh.single(torch.device("cpu")))
     tr.train_step()
-    model = {p.untyped_storage().data_ptr() for m in tr.parts.model.chunks for p in m.parameters()}
     n = sum(p.numel() for m in tr.parts.model.chunks for p in m.parameters())
-    seen, held = set(), 0
-    tensors = [p for g in tr.optimizer.param_groups for p in g["params"]]
-    tensors += [t for s in tr.optimizer.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0]
-    for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in model or ptr in seen:
-            continue
-        seen.add(ptr)
-        held += t.untyped_storage().nbytes()
-    return held, n
+    return held_optimizer_bytes(tr), n
 
 
 @pytest.mark.parametrize("flags,want", [
