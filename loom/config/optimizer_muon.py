@@ -51,6 +51,22 @@ class MuonFields:
                 "norms, biases): adam (AdamW); lion refused")
 
 
+MUON_EXCLUDED = ("mixer.in_proj.weight", "mixer.conv1d.weight")
+"""2-D weights Muon leaves to AdamW (Megatron: Mamba's ``in_proj`` ``use_muon=False``; its
+conv1d weight is ``[c, 1, k]``, not a matrix)."""
+
+
+def muon_managed(name: str, ndim: int, decoupled: bool) -> bool:
+    """Whether ``--optimizer muon`` orthogonalizes the update of parameter ``name`` of ``ndim``
+    dimensions (Megatron's ``is_managed_by_layer_wise_optimizer``): a 2-D weight, not the word
+    embeddings or the output layer (``decoupled``: they are,
+    :attr:`loom.parallel.registry.ParamMeta.embedding_or_output`, whether ``--decoupled-lr`` is
+    given or not), not one of :data:`MUON_EXCLUDED`. Used by the optimizer's groups
+    (:mod:`loom.training.param_groups`) and the planner's exact count
+    (:mod:`loom.planner.meta_count`)."""
+    return ndim == 2 and not decoupled and not name.endswith(MUON_EXCLUDED)
+
+
 def check_muon(t: Any) -> None:
     """``--optimizer dist_muon`` is ``muon`` with ``--use-distributed-optimizer`` (Megatron's
     deprecated spelling; resolved in place); Muon is refused where Megatron refuses its

@@ -77,6 +77,13 @@ class ParamMeta:
     tp_partial_grad: bool = False
 
     @property
+    def embedding_or_output(self) -> bool:
+        """Megatron's ``is_embedding_or_output_parameter``: the input word-embedding and
+        output-layer weights, here the 2-D parameters with a vocabulary dimension (every stage's
+        copy of a tied embedding; not BERT's LM-head bias, not position tables)."""
+        return self.vocab_dim is not None and len(self.full_shape) == 2
+
+    @property
     def grad_summed_over_tp(self) -> bool:
         """Whether this rank's gradient is a partial sum to all-reduce over the TP group."""
         return self.sequence_parallel or self.tp_partial_grad

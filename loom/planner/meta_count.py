@@ -11,8 +11,9 @@ planner's convention, :func:`loom.planner.memory.model_state_bytes_per_param`): 
 bf16 weight (4 in fp32 runs), ``grad_bytes`` per gradient (the run's gradient buffer:
 Megatron's fp32 ``main_grad``, 4, or 2 with ``--grad-reduce-in-bf16`` or ``--fp16``;
 :func:`loom.planner.cli_args.gradient_option`),
-12 of fp32 master + Adam m, v (SGD: 8 with momentum, 4 without; Muon's states are not counted:
-``optimizer_bytes`` None; :func:`loom.planner.memory.optimizer_state_bytes`), the last split
+12 of fp32 master + Adam m, v (SGD: 8 with momentum, 4 without; Muon: 8 on the weights it
+manages, ``loom.config.optimizer_muon.muon_managed``, 12 on the rest;
+:func:`loom.planner.memory.optimizer_state_bytes`), the last split
 over the data-parallel x context-parallel group
 by the distributed optimizer (ZeRO-1: ``ceil(N / (d c))`` elements per rank; expert
 parameters over the expert-data-parallel group). With FSDP2 the counted local shards already
@@ -71,7 +72,9 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     from loom.parallel.parallelize import build_model_chunks
     from loom.parallel.random import RNGTracker
     from loom.parallel.registry import named_parameters
+    from loom.config.optimizer_muon import muon_managed
     from loom.planner.cli_args import gradient_option, optimizer_option
+    from loom.planner.muon import MUON_STATE_BYTES
 
     if dist.is_initialized():
         raise RuntimeError("count_rank_states: a process group already exists; the fake one "
@@ -86,12 +89,16 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
         unseeded.training = replace(cfg.training, seed=None)
         with torch.device("meta"):
             chunks = build_model_chunks(family, unseeded, mesh, RNGTracker(torch.device("cpu")))
-        n = nx = 0
-        for _, prm, meta in named_parameters(chunks):
+        n = nx = muon = muon_x = 0
+        for name, prm, meta in named_parameters(chunks):
             local = prm.to_local() if hasattr(prm, "to_local") else prm
             n += local.numel()
-            if getattr(meta, "expert_parallel", False):
+            expert = getattr(meta, "expert_parallel", False)
+            if expert:
                 nx += local.numel()
+            if muon_managed(name, local.ndim, meta.embedding_or_output):
+                muon += local.numel() * (not expert)
+                muon_x += local.numel() * expert
         dp = mesh.dp_size * mesh.sizes["cp"]
         edp = len(mesh.ranks["edp"])  # Megatron's expert-DP group (may span TP and CP ranks)
         coords = dict(pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
@@ -106,17 +113,19 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
         grad_bytes = gradient_option(t)["grad_bytes"]
     dense = n - nx
     priced = optimizer_option(t)
-    # Muon: its states depend on each weight's shape and name, not counted here
-    state = None if priced.get("muon_ns_steps") else priced.get("optimizer_state_bytes")
+    state = priced.get("optimizer_state_bytes")
     # 16-bit runs keep a master copy (fp32, or 2 bytes with the precision-aware optimizer);
     # fp32 runs' weights are the master copy
     opt_per = None if state is None else (
         priced.get("master_bytes", 4.0) + state if wb == 2 else state)
     # FSDP2: the local shards above; ZeRO-1: ceil shares of the dense and expert elements
     opt_elems = n if zero != 1 else math.ceil(dense / dp) + math.ceil(nx / edp)
+    # Muon: its weights keep one momentum instead of AdamW's two moments (the same shares)
+    saved = 0 if not priced.get("muon_ns_steps") else (MUON_STATE_BYTES - state) * (
+        muon + muon_x if zero != 1 else muon / dp + muon_x / edp)
     return dict(params=n, expert_params=nx, dp=dp, edp=edp, zero=zero, **coords,
                 weights_bytes=wb * n, gradients_bytes=grad_bytes * n,
-                optimizer_bytes=None if opt_per is None else opt_per * opt_elems)
+                optimizer_bytes=None if opt_per is None else opt_per * opt_elems + saved)
 
 
 def representative_ranks(cfg: LoomConfig, world_size: int) -> list[int]:

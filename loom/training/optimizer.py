@@ -108,8 +108,7 @@ def decoupled_params(chunks: Sequence[nn.Module]) -> set[int]:
     ``is_embedding_or_output_parameter`` (``LanguageModule``), the input word-embedding and
     output-layer weights, here the 2-D parameters with a vocabulary dimension in the registry
     (every stage's copy of a tied embedding; not BERT's LM-head bias, not position tables)."""
-    return {id(p) for _, p, meta in named_parameters(chunks)
-            if meta.vocab_dim is not None and p.ndim == 2}
+    return {id(p) for _, p, meta in named_parameters(chunks) if meta.embedding_or_output}
 
 
 def decoupled_group(cfg: TrainingConfig) -> Optional[dict]:

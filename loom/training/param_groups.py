@@ -30,10 +30,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-MUON_EXCLUDED = ("mixer.in_proj.weight", "mixer.conv1d.weight")
-"""2-D weights Muon leaves to AdamW (Megatron: Mamba's ``in_proj`` ``use_muon=False``; its
-conv1d weight is ``[c, 1, k]``, not a matrix)."""
-
+from loom.config.optimizer_muon import muon_managed
 
 class Kind(NamedTuple):
     """What decides a parameter's group."""
@@ -48,14 +45,6 @@ def is_embedding_class(name: str) -> bool:
     """Megatron's muP ``is_embedding_parameter``: every parameter of the embedding module (word
     and position tables, a pipeline or MTP copy) and the output layer's weight."""
     return "embedding" in name or name == "output_layer.weight"
-
-
-def muon_managed(name: str, p: torch.Tensor, decoupled: bool) -> bool:
-    """Whether ``--optimizer muon`` orthogonalizes this parameter's update (Megatron's
-    ``is_managed_by_layer_wise_optimizer``): a 2-D weight, not the word embeddings or the
-    output layer (``decoupled``: they are, whether ``--decoupled-lr`` is given or not), not one
-    of :data:`MUON_EXCLUDED`."""
-    return p.ndim == 2 and not decoupled and not name.endswith(MUON_EXCLUDED)
 
 
 @dataclass(frozen=True)
@@ -75,7 +64,7 @@ class GroupPlan:
         ``is_embedding_or_output_parameter``)."""
         decay = not (p.ndim < 2 or name.endswith(".bias"))
         own = decoupled and self.decoupled_lr
-        muon = self.optimizer == "muon" and muon_managed(name, p, decoupled)
+        muon = self.optimizer == "muon" and muon_managed(name, p.ndim, decoupled)
         mup = None
         if self.mup_width != 1.0:
             vector = is_embedding_class(name) or p.ndim <= 1

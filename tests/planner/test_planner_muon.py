@@ -35,7 +35,7 @@ def _held(**flags) -> dict:
     model's own parameters (states and masters, each storage once), the parameter count, the
     Muon-managed count (``param_groups.muon_managed``), and the config."""
     from loom.training.optimizer import decoupled_params
-    from loom.training.param_groups import muon_managed
+    from loom.config.optimizer_muon import muon_managed
     cfg = tiny_config("llama", optimizer="muon", **flags).validate(1)
     tr = Trainer(cfg, mesh=ParallelMesh.single(torch.device("cpu")))
     tr.train_step()
@@ -43,7 +43,8 @@ def _held(**flags) -> dict:
     dec = decoupled_params(chunks)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
     return {"held": held_optimizer_bytes(tr), "n": sum(p.numel() for _, p in named), "cfg": cfg,
-            "managed": sum(p.numel() for n, p in named if muon_managed(n, p, id(p) in dec))}
+            "managed": sum(p.numel() for n, p in named
+                           if muon_managed(n, p.ndim, id(p) in dec))}
 
 
 @pytest.mark.parametrize("flags", [{}, {"bf16": True}, {"bf16": True,
@@ -79,12 +80,12 @@ def test_layer_matrices_are_the_managed_weights():
     assert len(kinds) == 1
     shapes = sorted((r, c) for r, c, n, _ in kinds[0]["dense"] for _ in range(n))
     tr = Trainer(held, mesh=ParallelMesh.single(torch.device("cpu")))
-    from loom.training.param_groups import muon_managed
+    from loom.config.optimizer_muon import muon_managed
     from loom.training.optimizer import decoupled_params
     chunks = list(tr.parts.model.chunks)
     dec = decoupled_params(chunks)
     real = sorted(tuple(p.shape) for c in chunks for name, p in c.named_parameters()
-                  if name.startswith("layers.0.") and muon_managed(name, p, id(p) in dec))
+                  if name.startswith("layers.0.") and muon_managed(name, p.ndim, id(p) in dec))
     assert shapes == real
 
 

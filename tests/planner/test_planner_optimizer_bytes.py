@@ -47,7 +47,8 @@ def test_muon_is_not_priced_and_said_so():
 
 def test_dry_run_counts_sgd_states():
     """``loom train --dry-run --optimizer sgd``: the exact count and the planner's memory use
-    SGD's 8 bytes (bf16), not Adam's 12; Muon's are said to be uncounted."""
+    SGD's 8 bytes (bf16), not Adam's 12; Muon's 8 on its weights and 12 on the rest, the
+    planner's and the count's equal."""
     from loom.config import LoomConfig  # noqa: F401
     from loom.planner.meta_count import count_rank_states
     from loom.planner.predict import predict_layout
@@ -57,4 +58,7 @@ def test_dry_run_counts_sgd_states():
     pa, ps = (predict_layout(c, 1, "H100-80GB")["memory_bytes"]["optimizer"] for c in (adam, sgd))
     assert ps == pytest.approx(pa * 8 / 12, rel=1e-12)
     muon = tiny_config("llama", bf16=True, optimizer="muon").validate(1)
-    assert count_rank_states(muon, 1)["optimizer_bytes"] is None
+    m = count_rank_states(muon, 1)  # Muon: 8 bytes on its weights, 12 on the rest
+    pm = predict_layout(muon, 1, "H100-80GB")["memory_bytes"]["optimizer"]
+    assert 8 * m["params"] < m["optimizer_bytes"] < 12 * m["params"]
+    assert pm == pytest.approx(m["optimizer_bytes"], rel=1e-12)
