@@ -185,7 +185,9 @@ def run(args) -> int:
                    # --no-overlap-grad-reduce / --no-overlap-param-gather turn one of them off
                    overlap_grad_reduce=overlap and args.overlap_grad_reduce is not False,
                    overlap_param_gather=overlap and args.overlap_param_gather is not False,
-                   max_zero_stage=args.max_zero_stage,
+                   # Muon orthogonalizes whole matrices: no FSDP (ZeRO-3), as loom train refuses
+                   max_zero_stage=min(args.max_zero_stage, 2) if (
+                       args.optimizer or "adam").endswith("muon") else args.max_zero_stage,
                    uneven_interleaved=True,
                    straggler_jitter=args.straggler_jitter,
                    moe_load_imbalance=load_imbalance(model, args.moe_load_imbalance),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from loom.config import ConfigError, ModelConfig, flag
+from loom.config.optimizer_muon import check_muon
 from loom.config.optimizer_precision import STATE_DTYPE_FLAGS, check_precision_aware
 
 
@@ -53,6 +54,11 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
         raise ConfigError(f"--zero-stage {fixed['zero']} must be 0, 1, 2 or 3")
     if getattr(args, "use_precision_aware_optimizer", False) and fixed["zero"] is None:
         fixed["zero"] = 1  # Megatron: it needs --use-distributed-optimizer
+    check_muon(SimpleNamespace(  # loom train's Muon refusals (--fp16, FSDP) on the plan's flags
+        optimizer=getattr(args, "optimizer", None) or "adam", fp16=bool(args.fp16),
+        use_torch_fsdp2=bool(args.use_torch_fsdp2), zero_stage=fixed["zero"],
+        use_megatron_fsdp=bool(getattr(args, "use_megatron_fsdp", False)),
+        use_distributed_optimizer=fixed["zero"] in (1, 2)))
     check_precision_aware(SimpleNamespace(  # loom train's check on the plan's flags
         **{name: getattr(args, name, None) or "fp32" for name, _ in STATE_DTYPE_FLAGS},
         use_precision_aware_optimizer=bool(getattr(args, "use_precision_aware_optimizer", False)),

@@ -118,10 +118,10 @@ def explain_nothing_fits(model: ModelConfig, cluster: Cluster, global_batch_size
     if fixed.get("recompute") not in (None, "full", 2):
         tries.append(("--recompute-granularity full", {**fixed, "recompute": "full"}, opts,
                       cluster))
-    if opts.max_zero_stage < 3 and "zero" not in fixed:
+    if opts.max_zero_stage < 3 and "zero" not in fixed and not opts.muon_ns_steps:
         tries.append(("--max-zero-stage 3 (ZeRO-2/3, data parallel only)", fixed,
                       replace(opts, max_zero_stage=3), cluster))
-    if "zero" in fixed and fixed["zero"] < 3:
+    if "zero" in fixed and fixed["zero"] < 3 and not opts.muon_ns_steps:
         tries.append(("--zero-stage 3", {**fixed, "zero": 3}, opts, cluster))
     for k in ("cp", "mbs", "tp", "pp", "dp", "ep", "etp", "sp", "vp", "recompute"):
         if k in fixed:

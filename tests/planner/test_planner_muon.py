@@ -130,3 +130,21 @@ def test_dry_run_prices_muon():
     assert run_options(muon).muon_ns_steps == 5 and run_options(adam).muon_ns_steps == 0
     pa, pm = (predict_layout(c, 1, "H100-80GB") for c in (adam, muon))
     assert pm["memory_bytes"]["optimizer"] < pa["memory_bytes"]["optimizer"]
+
+
+def test_loom_plan_keeps_muon_where_loom_train_runs_it(capsys):
+    """Muon orthogonalizes whole matrices: the search never picks ZeRO-3 (FSDP) for it, and
+    ``--zero-stage 3`` or ``--fp16`` with it are refused as loom train refuses them (the
+    printed command must run: benchmarks/plan_sweep.py's Megatron corpus cases with Muon)."""
+    from loom.cli import main
+    base = ["plan", "llama3-8b", "--gpu", "H100-80GB", "--num-gpus", "8",
+            "--global-batch-size", "8", "--json", "--top", "200", "--optimizer", "muon"]
+    with pytest.raises(SystemExit) as e:
+        main(base)
+    recs = json.loads(capsys.readouterr().out)["layouts"]
+    assert e.value.code == 0 and recs and all(r["zero"] < 3 for r in recs)
+    for extra, words in ((["--zero-stage", "3"], "not FSDP shards"), (["--fp16"], "--bf16")):
+        with pytest.raises(SystemExit) as e:
+            main(base + extra)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err, err
