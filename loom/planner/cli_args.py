@@ -55,7 +55,7 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     if getattr(args, "use_precision_aware_optimizer", False) and fixed["zero"] is None:
         fixed["zero"] = 1  # Megatron: it needs --use-distributed-optimizer
     check_muon(SimpleNamespace(  # loom train's Muon refusals (--fp16, FSDP) on the plan's flags
-        optimizer=getattr(args, "optimizer", None) or "adam", fp16=bool(args.fp16),
+        optimizer=getattr(args, "optimizer", None) or "adam", fp16=bool(getattr(args, "fp16", 0)),
         use_torch_fsdp2=bool(args.use_torch_fsdp2), zero_stage=fixed["zero"],
         use_megatron_fsdp=bool(getattr(args, "use_megatron_fsdp", False)),
         use_distributed_optimizer=fixed["zero"] in (1, 2)))
