@@ -12,7 +12,8 @@ one "did you mean" (:func:`~loom.errors.closest`: a typo only) or "not supported
 unknown YAML key (:class:`~loom.errors.UnknownOptionError`) ends with "see `loom COMMAND
 --help`" naming the command that ran. Under torchrun every rank validates before any process group
 starts, only rank 0 prints, and every rank exits 2. A checkpoint the filesystem refuses
-(:class:`~loom.errors.CheckpointWriteError`) prints its message and exits 1, and so does a
+(:class:`~loom.errors.CheckpointWriteError`) prints its message and exits 1, as do weights
+that differ across data-parallel replicas (:class:`~loom.errors.WeightHashMismatch`) and a
 path the filesystem refuses (an ``OSError`` naming a file: exit 2 for a path that cannot be
 used, such as one too long). A collective that fails because another rank died is one line
 from every surviving rank naming the dead one (:mod:`loom.training.peers`), exit 1. Any
@@ -32,7 +33,7 @@ from typing import Callable, NamedTuple
 
 from loom import __version__
 from loom.errors import (CheckpointWriteError, ConfigError, NonFiniteError, RerunExit,
-                         UnknownOptionError, closest, did_you_mean)
+                         UnknownOptionError, WeightHashMismatch, closest, did_you_mean)
 from loom.parallel.agent_store import agent_store
 
 
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         refuse(prog, f"{e} (see `loom {args.command} --help` for the accepted flags)")
     except ConfigError as e:
         refuse(prog, str(e))
-    except (CheckpointWriteError, NonFiniteError) as e:
+    except (CheckpointWriteError, NonFiniteError, WeightHashMismatch) as e:
         refuse(prog, str(e), code=1)
     except RerunExit as e:  # Megatron's rerun state machine: status 16 or 17
         refuse(prog, str(e), code=e.code)

@@ -26,6 +26,13 @@ class NonFiniteError(RuntimeError):
     the message names the iterations. ``loom`` prints it and exits with status 1."""
 
 
+class WeightHashMismatch(RuntimeError):
+    """``--check-weight-hash-across-dp-replicas-interval``: replicas of some weights differ
+    across data-parallel ranks (loom/training/weight_hash.py); the message names the weights,
+    the ranks and the iteration. Raised on every rank; ``loom`` prints it and exits with
+    status 1."""
+
+
 class RerunExit(RuntimeError):
     """``--rerun-mode validate_results`` stops the run after rerunning an iteration whose loss
     was rejected (loom/training/rerun.py): ``code`` 16 (reproduced: the iteration's starting

@@ -72,7 +72,8 @@ _IMPLEMENTED = words("""
 --mock-data --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity --log-interval
 --eval-interval --eval-iters --tensorboard-dir --save --load --save-interval --ckpt-step
 --finetune --no-load-optim --no-load-rng --exit-interval --async-save
---distributed-timeout-minutes --exit-signal-handler --num-virtual-stages-per-pipeline-rank
+--distributed-timeout-minutes --exit-signal-handler --check-weight-hash-across-dp-replicas-interval
+--num-virtual-stages-per-pipeline-rank
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
 --moe-per-layer-logging --timing-log-level --timing-log-option --log-timers-to-tensorboard
 --no-barrier-with-level-1-timing --log-memory-to-tensorboard --deterministic-mode --sgd-momentum

@@ -81,6 +81,11 @@ class FaultToleranceConfig:
         False, "on SIGTERM or SIGINT, finish the current iteration, save a checkpoint (with "
                "--save) and exit 0 (Megatron's meaning); without it a signal ends the rank at "
                "once with one line, status 128+signal, no save")
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = opt(
+        None, "every N iterations (and before the first) compare a SHA-1 of every weight across "
+              "its data-parallel replicas and stop the run, naming the weights and ranks, if any "
+              "differ (silent data corruption, a missed update); not with ZeRO-3 / FSDP, whose "
+              "weights have no replicas (loom/training/weight_hash.py)", ge=1)
     # -- Megatron's rerun state machine (loom/training/rerun.py) ---------------------------------
     rerun_mode: Literal["disabled", "validate_results"] = opt(
         "validate_results", "validate_results: a rejected micro-batch loss (NaN, inf, a spike) "

@@ -283,6 +283,10 @@ def _check_zero(cfg: Any) -> None:
         return
     t.zero_stage = 3
     flag = "--zero-stage 3 / --use-torch-fsdp2"
+    if cfg.fault_tolerance.check_weight_hash_across_dp_replicas_interval:
+        raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval with {flag}: FSDP "
+                          f"shards the weights, so there are no replicas to compare (Megatron "
+                          f"refuses it with optim_grads_params); drop the check or use ZeRO-1/2")
     if t.use_distributed_optimizer:
         raise ConfigError(f"{flag} already shards the Adam states: drop "
                           f"--use-distributed-optimizer")

@@ -52,6 +52,7 @@ from loom.training.checkpointer import Checkpointer
 from loom.training.debug import RunDebug, enable_determinism
 from loom.training.fault import CheckpointInterval, FaultTolerance
 from loom.training.metrics import Throughput, peak_flops_per_rank
+from loom.training import weight_hash
 from loom.training.optimizer import build_optimizer, build_scheduler
 from loom.training.precision import (cast_parameters, loss_scaler, param_dtype,
                                      precision_forward_step)
@@ -176,7 +177,9 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))
     ft = cfg.fault_tolerance
     faults = FaultTolerance(global_rank, ft.inject_fault, ft.hang_timeout_s, world_size,
-                            ft.exit_signal_handler)
+                            ft.exit_signal_handler,
+                            functools.partial(weight_hash.check, model.chunks, mesh, optimizer),
+                            ft.check_weight_hash_across_dp_replicas_interval)
     save_interval = checkpoint_interval(cfg, world_size, model.groups.params)
     checkpointer = Checkpointer(cfg, mesh, world_size, model.chunks, optimizer, scheduler,
                                 model.tracker, family)

@@ -267,10 +267,15 @@ class HangWatchdog(threading.Thread):
 
 class FaultTolerance:
     """The trainer's hooks: progress marks, the watchdog (with the job's heartbeats), the
-    injected fault, and the signal handling (:mod:`loom.training.signals`)."""
+    injected fault, the signal handling (:mod:`loom.training.signals`), and the weight-replica
+    check (``weight_check``: ``(iteration, say)`` of :func:`loom.training.weight_hash.check`
+    bound to the run's model, every ``weight_check_interval`` iterations)."""
 
     def __init__(self, rank: int, inject: Optional[str], hang_timeout_s: Optional[float],
-                 world_size: int = 1, exit_signal_handler: bool = False):
+                 world_size: int = 1, exit_signal_handler: bool = False,
+                 weight_check: Optional[Callable[[int, Callable], None]] = None,
+                 weight_check_interval: Optional[int] = None):
+        self.weight_check, self.weight_check_interval = weight_check, weight_check_interval
         self.rank, self.world_size, self.hang_timeout_s = rank, world_size, hang_timeout_s
         spec = parse_fault(inject)
         self.fault = spec if spec is not None and spec.rank == rank and restart_count() == 0 \
@@ -331,6 +336,16 @@ class FaultTolerance:
                 time.sleep(1.0)
         raise RuntimeError(f"injected fault (--inject-fault) on rank {self.rank} at iteration "
                            f"{iteration}")
+
+    def check_weights(self, iteration: int, say: Callable[[str], None],
+                      first: bool = False) -> None:
+        """``--check-weight-hash-across-dp-replicas-interval``: compare the weights' replicas
+        before training (``first``) and after every interval-th iteration, as Megatron; raises
+        :class:`loom.training.weight_hash.WeightHashMismatch`. Collective when due."""
+        n = self.weight_check_interval
+        if self.weight_check is not None and n and (first or iteration % n == 0):
+            self.mark(iteration, "weight-hash-check")
+            self.weight_check(iteration, say)
 
     def save_hook(self, iteration: int) -> Optional[Callable[[], None]]:
         """What the checkpoint writer calls once this rank's files of ``iteration`` are written:

@@ -369,6 +369,7 @@ class Trainer:
                 self._evaluate_sets(log, test=True)
                 return self.history
             self.parts.faults.start()
+            self.parts.faults.check_weights(self.iteration, log.print, first=True)
             while self.iteration < iters:
                 self.parts.faults.before_iteration(self.iteration + 1)
                 self.debug.before_iteration(self.iteration)
@@ -378,6 +379,7 @@ class Trainer:
                     raise self._rerun_exit(e, log) from None
                 self.debug.after_iteration(self.iteration, first=len(self.history) == 1)
                 self.saver.poll(log.print)  # finalizes a completed --async-save
+                self.parts.faults.check_weights(self.iteration, log.print)
                 if not math.isfinite(rec["grad_norm"]):
                     scale = f", loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else ""
                     log.print(f" iteration {self.iteration}: non-finite gradient norm "
