@@ -94,7 +94,7 @@ _IMPLEMENTED = words("""
 --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
 --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 --rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename
---check-for-spiky-loss --no-check-for-nan-in-loss-and-grad
+--check-for-spiky-loss --no-check-for-nan-in-loss-and-grad --check-for-large-grads
 --export-kd-teacher-load --export-kd-cfg
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""

@@ -144,7 +144,7 @@ NO_EFFECT_ROWS = (
         --log-validation-ppl-to-tensorboard --log-throughput --log-memory-interval
         --log-device-memory-used --verify-integrity --exit-signal-handler-for-training"""),
     *_block(no_effect("validation"), """
-        --check-for-large-grads --test-mode"""),
+        --test-mode"""),
     *_block(no_effect("inference_engine"), """
         --inference-cuda-graph-scope --flash-decode --symmetric-ar-type
         --nccl-all-reduce-for-prefill --inference-fuse-tp-communication

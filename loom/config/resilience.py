@@ -102,9 +102,13 @@ class FaultToleranceConfig:
     check_for_spiky_loss: bool = opt(
         False, "reject a micro-batch loss >= 10x the largest of the first 100 (non-fatal: a "
                "transient spike continues)")
+    check_for_large_grads: bool = opt(
+        False, "reject a gradient bucket whose local norm before the data-parallel reduction is "
+               ">= 10x the largest of its first 100 (non-fatal, as a spiky loss)")
     no_check_for_nan_in_loss_and_grad: bool = opt(
-        False, "do not validate the micro-batch losses for NaN and inf (a non-finite gradient "
-               "norm still skips the step)")
+        False, "do not validate the micro-batch losses, nor each gradient bucket's local norm "
+               "before the data-parallel reduction, for NaN and inf (a non-finite gradient norm "
+               "still skips the step)")
 
 
 def check_pruning(ck: CheckpointConfig) -> None:

@@ -48,7 +48,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,7 @@ class Bucket:
     launched: bool = False
     shard: Optional[torch.Tensor] = None  # ZeRO-2: this rank's reduced 1/d, kept
     has_shard: bool = False  # ZeRO-2: the shard holds this step's gradients
+    index: int = 0  # its place in the buffer's buckets
 
 
 class GradBuffer:
@@ -97,7 +98,9 @@ class GradBuffer:
     so its shard ranges agree on the first and last stage), ``scale`` (multiplies the average: 1/e for
     expert gradients reduced over the expert-data-parallel group).
     Call :meth:`zero_grad` instead of the optimizer's ``zero_grad``. Parameters whose dtype
-    differs from ``grad_dtype`` (16-bit) always use main gradients.
+    differs from ``grad_dtype`` (16-bit) always use main gradients. ``on_launch(index,
+    buffer)``, when set, sees each bucket's local gradients just before its reduction (Megatron's
+    ``check_grads`` in ``start_grad_sync``: the rerun state machine's bucket validations).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup],
@@ -115,6 +118,7 @@ class GradBuffer:
         self.sync_enabled = True
         self.deferring = False  # in deferred(): gradients accumulate, nothing is launched
         self.buckets: list[Bucket] = []
+        self.on_launch: Optional[Callable[[int, torch.Tensor], None]] = None
         self._bucket_of: dict[int, Bucket] = {}
         self._index_of: dict[int, int] = {}
         if group is not None or self.main_grads:
@@ -151,7 +155,8 @@ class GradBuffer:
             views.append(buf[offset:offset + p.numel()].view_as(p))
             offsets.append(offset)
             offset += p.numel()
-        b = Bucket(params=params, buffer=buf, views=views, offsets=offsets, pending=len(params))
+        b = Bucket(params=params, buffer=buf, views=views, offsets=offsets, pending=len(params),
+                   index=len(self.buckets))
         if self.shard_gradients:
             b.shard = torch.zeros(padded // self.size, dtype=dtype, device=buf.device)
         self.buckets.append(b)
@@ -249,6 +254,8 @@ class GradBuffer:
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
+        if self.on_launch is not None:
+            self.on_launch(b.index, b.buffer)
         if self.group is not None:
             b.buffer.div_(self.size)
         if self.scale != 1.0:

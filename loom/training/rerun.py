@@ -9,6 +9,13 @@ calculation`` (fatal; off with ``--no-check-for-nan-in-loss-and-grad``), ``Spiky
 ``--check-for-spiky-loss``, non-fatal: the loss is >= :data:`SPIKY_LOSS_FACTOR` x the largest
 of the first 100 losses seen). The value checked is loom's micro-batch loss (the token mean;
 Megatron checks the token sum: the same NaN and inf, the same ratio at a fixed token count).
+Then, as Megatron's ``check_grads`` (``param_and_grad_buffer.py``), each gradient bucket's local
+norm just before its data-parallel reduction (:meth:`RerunStateMachine.watch_buckets`):
+``found NaN`` / ``found Inf in local grad norm for bucket #i ...`` (fatal; off with
+``--no-check-for-nan-in-loss-and-grad`` and under fp16's dynamic loss scaling),
+``found unexpected large grads in bucket #i ...`` (``--check-for-large-grads``, non-fatal:
+>= 10x the largest of the first 100 bucket norms), each reproduced within 0.1%. Runs whose
+gradients live in no bucket (one fp32 process) and ZeRO-3 (FSDP2) have none to check.
 The first iteration of a run is never validated (Megatron: no checkpoint could precede it).
 
 ``--rerun-mode validate_results`` (Megatron's default): after the forward-backward pass the
@@ -59,6 +66,14 @@ SPIKY_SAMPLES = 100  # losses that set the reference maximum
 NAN_MESSAGE = "found NaN in local forward loss calculation"
 INF_MESSAGE = "found Inf in local forward loss calculation"
 SPIKY_MESSAGE = "Spiky loss"
+GRAD_MESSAGES = {"nan": "found NaN in local grad norm for bucket #{}",
+                 "inf": "found Inf in local grad norm for bucket #{}",
+                 "large": "found unexpected large grads in bucket #{}"}
+"""Megatron's bucket validations (``param_and_grad_buffer.py::check_grads``), each followed by
+:data:`GRAD_WHERE`."""
+GRAD_WHERE = " in backward pass before data-parallel communication collective"
+LARGE_GRADS_FACTOR = 10  # check_grads' threshold of --check-for-large-grads
+GRAD_TOLERANCE = 0.001  # check_grads' tolerance: non-deterministic attention backward
 
 MATCH, MISMATCH = 0.0, math.inf
 
@@ -125,6 +140,8 @@ class RerunStateMachine:
         self.first_iteration_complete = False
         self.rerun_requested = self.checkpoint_requested = self.continue_requested = False
         self.counts: dict[str, int] = {}  # validations per message in this run of the step
+        self.bucket_norms: list = []  # (bucket index, 0-d norm) of this run (watch_buckets)
+        self.grad_checks = (False, False)  # (NaN / inf, large) of the buckets (rerun_machine)
         self.failed: Optional[tuple[str, int]] = None  # (message, sequence) first rejected
         self.initial: Optional[float] = None
         self.saved = None
@@ -141,6 +158,7 @@ class RerunStateMachine:
         """Whether to run (again) the forward-backward pass of ``iteration`` (1-based);
         ``reduce_any(flags) -> [any rank's flag true, ...]`` over every rank."""
         self.counts = {}
+        self.bucket_norms.clear()
         if self.state == State.NOT_RUNNING:
             self.iteration, self.state = iteration, State.INITIAL_RUN
             if self.mode != "disabled":
@@ -259,6 +277,41 @@ class RerunStateMachine:
                     stop = f"{message} (loss {loss})"
         return stop
 
+    def watch_buckets(self, reducers) -> None:
+        """Record each gradient bucket's local norm (a 0-d fp32 tensor, no host sync) just
+        before its data-parallel reduction (:attr:`loom.parallel.grad_buffer.GradBuffer.
+        on_launch`), for :meth:`validate_grads`; cleared at each run of the step."""
+        from loom.parallel.grad_buffer import flat_buffers
+
+        def record(index: int, buffer: torch.Tensor) -> None:
+            if self.state is not State.NOT_RUNNING:  # a training step under should_run
+                self.bucket_norms.append((index, torch.linalg.vector_norm(
+                    buffer, dtype=torch.float32)))
+        for r in flat_buffers(reducers):
+            r.on_launch = record
+
+    def validate_grads(self) -> Optional[str]:
+        """Megatron's validations of each recorded bucket norm (:meth:`watch_buckets`), in
+        launch order, as :attr:`grad_checks` says: NaN and inf (fatal), unexpectedly large
+        (``--check-for-large-grads``, non-fatal: >= 10x the largest of the first 100 bucket
+        norms), each with a relative tolerance of 0.1% on the rerun. Returns the message of a
+        fatal rejection in disabled mode, else None."""
+        nan_check, large_check = self.grad_checks
+        if not self.bucket_norms or not (nan_check or large_check):
+            return None
+        values = torch.stack([n for _, n in self.bucket_norms]).tolist()  # one host sync
+        stop = None
+        for (index, _), norm in zip(self.bucket_norms, values):
+            checks = [(math.isnan, "nan", True), (math.isinf, "inf", True)] if nan_check else []
+            if large_check:
+                checks.append((lambda v: self.is_unexpectedly_large(
+                    v, "grads", threshold=LARGE_GRADS_FACTOR), "large", False))
+            for reject, kind, fatal in checks:
+                message = GRAD_MESSAGES[kind].format(index) + GRAD_WHERE
+                if self.validate(norm, reject, message, fatal, GRAD_TOLERANCE) and stop is None:
+                    stop = f"{message} (norm {norm})"
+        return stop
+
     def recording(self, forward_step: Callable, losses: list) -> Callable:
         """:func:`recording` (for the trainer, which holds the machine as a part)."""
         return recording(forward_step, losses)
@@ -266,11 +319,11 @@ class RerunStateMachine:
     def exit_message(self, code: int) -> str:
         """The one line a run that stops with ``code`` ends with (the same on every rank)."""
         if code == EXIT_RESUME_TO_DISAMBIGUATE:
-            return (f"iteration {self.iteration}: the rerun reproduced a rejected loss (a "
+            return (f"iteration {self.iteration}: the rerun reproduced a rejected result (a "
                     f"persistent fault of a device, or a correct result; --rerun-mode "
                     f"validate_results): exit status {code}, resume from the checkpoint on other "
                     f"hardware to tell which")
-        return (f"iteration {self.iteration}: the rerun did not reproduce a rejected loss (a "
+        return (f"iteration {self.iteration}: the rerun did not reproduce a rejected result (a "
                 f"transient fault; --rerun-mode validate_results): exit status {code}, resume "
                 f"from the last checkpoint")
 
@@ -329,6 +382,14 @@ def rerun_machine(cfg, pp_rank: int, rank: int, chunks: Sequence[torch.nn.Module
 
     injector = ErrorInjector(ft.error_injection_rate, ft.error_injection_type,
                              random.Random(cfg.training.seed + 100 * pp_rank), rank)
-    return RerunStateMachine(ft.rerun_mode, injector, ft.result_rejected_tracker_filename, rank,
-                             save, restore,
-                             lambda line: print(f" rank {rank}: {line}", flush=True))
+    machine = RerunStateMachine(ft.rerun_mode, injector, ft.result_rejected_tracker_filename,
+                                rank, save, restore,
+                                lambda line: print(f" rank {rank}: {line}", flush=True))
+    # the buckets' NaN / inf check: off under fp16's dynamic loss scaling, whose overflows are
+    # expected (Megatron's rule, arguments.py:1197-1203)
+    dynamic = cfg.training.fp16 and cfg.training.loss_scale is None
+    machine.grad_checks = (not ft.no_check_for_nan_in_loss_and_grad and not dynamic,
+                           ft.check_for_large_grads)
+    if any(machine.grad_checks):
+        machine.watch_buckets(reducers)
+    return machine

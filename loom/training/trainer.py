@@ -122,10 +122,10 @@ class Trainer:
 
     def validated_forward_backward(self, batches: list[dict]) -> torch.Tensor:
         """:meth:`forward_backward` under Megatron's rerun state machine (``--rerun-mode``,
-        :mod:`loom.training.rerun`): each micro-batch loss validated, the iteration rerun from
-        the same state when a rank rejected one. Raises RerunExit (16 / 17) when the
-        attribution ends the run, NonFiniteError for a NaN / inf loss under ``--rerun-mode
-        disabled``."""
+        :mod:`loom.training.rerun`): each micro-batch loss and each gradient bucket's norm
+        before its DP reduction validated, the iteration rerun from the same state when a rank
+        rejected one. Raises RerunExit (16 / 17) when the attribution ends the run,
+        NonFiniteError for a NaN / inf result under ``--rerun-mode disabled``."""
         ft, rerun, losses = self.cfg.fault_tolerance, self.rerun, []
         checks = not ft.no_check_for_nan_in_loss_and_grad, ft.check_for_spiky_loss
         loss = None
@@ -133,9 +133,11 @@ class Trainer:
             losses.clear()
             loss = self.forward_backward(batches, losses if any(checks) else None)
             stop = rerun.validate_losses([float(v) for v in losses], *checks)
-            if rerun.mode == "disabled" and any(checks) and self._any([stop is not None])[0]:
+            stop = rerun.validate_grads() or stop  # the buckets' norms before the DP reduction
+            if rerun.mode == "disabled" and (any(checks) or any(rerun.grad_checks)) and \
+                    self._any([stop is not None])[0]:
                 raise NonFiniteError(f"iteration {self.iteration + 1}: "
-                                     f"{stop or 'a rejected loss on another rank'} "
+                                     f"{stop or 'a rejected result on another rank'} "
                                      f"(--rerun-mode disabled stops here)")
         checkpoint, stop, code = rerun.should_checkpoint_and_exit()
         if stop:

@@ -85,7 +85,7 @@ def test_persistent_fault_checkpoints_and_exits_16(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == EXIT_RESUME_TO_DISAMBIGUATE == 16
     assert "\n" not in err and err.startswith("loom train: error: iteration 2: the rerun "
-                                              "reproduced a rejected loss"), err
+                                              "reproduced a rejected result"), err
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert "checkpoint of iteration 1" in err
 
@@ -151,3 +151,66 @@ def test_every_pipeline_stage_reruns_together():
     from testkit import run_distributed
     for r in run_distributed(2, _pp2_injected):
         assert r["injected"] == (r["plain"][0], 2) and r["plain"][1] == 0, r
+
+
+def _bucket_case(poison_runs: set, scale: float = float("nan"), iters: int = 3, **ft):
+    """bf16 on one process (its fp32 main gradients live in a bucket, validated before the
+    reduction as Megatron's check_grads does): multiply one weight's gradient by ``scale`` in
+    the runs of iteration 2 (or ``iters - 1``) listed in ``poison_runs`` (0 the first, 1 the
+    rerun). Returns the trainer, its history and the exception, if any."""
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    cfg = tiny_config("gpt", MEGATRON_DROPOUT, dict(
+        num_layers=1, seq_length=8, vocab_size=64, global_batch_size=4, train_iters=iters,
+        eval_iters=0, bf16=True), ft, world=1)
+    from loom.training.rerun import State
+    tr = Trainer(cfg, mesh=ParallelMesh.single())
+    target = max(2, iters - 1)
+
+    def hook(g):
+        run = {State.INITIAL_RUN: 0, State.RERUNNING_IN_PLACE: 1}.get(tr.rerun.state)
+        return g * scale if tr.iteration + 1 == target and run in poison_runs else g
+    tr.params[0].register_hook(hook)
+    try:
+        return tr, tr.train(), None
+    except (RerunExit, NonFiniteError) as e:
+        return tr, tr.history, e
+
+
+def test_a_nan_gradient_bucket_is_rerun_and_attributed(tmp_path):
+    """Megatron's default bucket check: a NaN in a bucket's local norm before the DP reduction
+    reruns the iteration; reproduced, the run checkpoints and exits 16; gone on the rerun (a
+    transient fault), exit 17. The tracker names the bucket."""
+    track = tmp_path / "rejected.txt"
+    tr, _, e = _bucket_case({0, 1}, result_rejected_tracker_filename=str(track))
+    assert isinstance(e, RerunExit) and e.code == EXIT_RESUME_TO_DISAMBIGUATE  # (no --save)
+    lines = track.read_text().splitlines()
+    assert [ln.split(" status=")[1].split(" ")[0] for ln in lines] == \
+        ["initial_run", "first_rerun_reproducible"]
+    assert all("message='found NaN in local grad norm for bucket #0 in backward pass before "
+               "data-parallel communication collective'" in ln for ln in lines), lines
+    tr, _, e = _bucket_case({0})
+    assert isinstance(e, RerunExit) and e.code == EXIT_FAILED_ON_RESULT_VALIDATION
+    assert tr.rerun.grad_checks == (True, False)
+
+
+def test_bucket_checks_off_leave_the_nan_to_the_skipped_step():
+    tr, h, e = _bucket_case({0, 1}, no_check_for_nan_in_loss_and_grad=True)
+    assert e is None and tr.rerun.reruns == 0 and math.isnan(h[1]["grad_norm"]) and len(h) == 3
+    tr, _, e = _bucket_case({0, 1}, rerun_mode="disabled")
+    assert isinstance(e, NonFiniteError) and "found NaN in local grad norm for bucket #0" in \
+        str(e)
+
+
+def test_large_gradients_are_a_non_fatal_check():
+    """``--check-for-large-grads``: after 100 bucket norms, one 1000x larger is rejected and
+    rerun; not reproduced, training goes on with the rerun's gradients, the weights those of a
+    run without the spike, bit for bit."""
+    plain, hp, _ = _bucket_case(set(), iters=103, check_for_large_grads=True)
+    tr, h, e = _bucket_case({0}, scale=1000.0, iters=103, check_for_large_grads=True)
+    assert e is None and tr.rerun.reruns == 1 and len(h) == 103
+    assert [r["loss"] for r in h] == [r["loss"] for r in hp]
+    w0, w1 = weights(plain), weights(tr)
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)
+    quiet, _, _ = _bucket_case({0}, scale=1000.0, iters=103)  # off by default: no rerun
+    assert quiet.rerun.reruns == 0
