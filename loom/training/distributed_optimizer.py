@@ -30,10 +30,10 @@ master, exp_avg, exp_avg_sq) = 6 + 12/d; ZeRO-2 keeps 4/d of the gradients: 2 + 
 
 ``--use-precision-aware-optimizer`` (``precision``, :class:`~loom.training.state_precision.
 StatePrecision`): between steps the masters and Adam's moments are stored in lower precision
-(the fp32 master of a bf16 parameter as its 2-byte remainder, lossless; the moments as
-``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``), unpacked to fp32 for the step
-(:meth:`DistributedOptimizer.clip_grad_norm`) and packed again after it: bf16 with bf16 moments
-keeps 2 + 4 + 6/d bytes per parameter.
+(:class:`~loom.training.state_precision.StoredStates`: the fp32 master of a bf16 parameter as
+its 2-byte remainder, lossless; the moments as ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``),
+unpacked to fp32 for the step (:meth:`DistributedOptimizer.clip_grad_norm`) and packed again
+after it: bf16 with bf16 moments keeps 2 + 4 + 6/d bytes per parameter.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ from loom.parallel.mesh import ParallelMesh
 from loom.parallel.registry import ParamMeta
 from loom.training.muon import MatrixInfo, Muon, matrix_info
 from loom.training.param_groups import GroupPlan, build_groups
-from loom.training.state_precision import (Packed, StatePrecision, join_remainder, pack,
-                                           split_remainder, unpack)
+from loom.training.state_precision import StatePrecision, StoredStates
 
 
 NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see _sum_of_squares)
@@ -236,8 +235,6 @@ class DistributedOptimizer:
             raise ValueError("--use-precision-aware-optimizer stores AdamW's states only")
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
         self.precision = precision
-        self.packed: dict[int, dict[str, Packed]] = {}  # id(range) -> its stored tensors
-        self.is_packed = False
         self.timers = timers if timers is not None else (lambda name: contextlib.nullcontext())
         optim_kw = dict(optim_kw or {})
         # momentum 0: SGD keeps no state
@@ -269,58 +266,9 @@ class DistributedOptimizer:
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
         self.steps = 0
-        self.pack()
-
-    # -- lower-precision storage between steps (--use-precision-aware-optimizer) -----------------
-    def pack(self) -> None:
-        """Store the masters and AdamW's moments in :attr:`precision`'s dtypes (no-op without
-        it, or when packed): a remainder-kept master writes its bf16 value into the parameter
-        (:func:`~loom.training.state_precision.split_remainder`) and keeps the int16 rest."""
-        if self.precision is None or self.is_packed:
-            return
-        for rg in self.ranges:
-            slot = {}
-            st = self.optim.state.get(rg.master)
-            for k in self.state_keys if st else ():
-                if k in st:
-                    slot[k] = pack(st.pop(k), self.precision.state_dtype(k))
-            if rg.keep == "remainder":
-                value, rest = split_remainder(rg.master.data)
-                rg.param.detach().view(-1)[rg.lo:rg.hi].copy_(value)
-                slot["master"] = Packed(rest)
-            elif rg.keep == "scaled":
-                slot["master"] = pack(rg.master.data, self.precision.master)
-            if rg.keep != "fp32":
-                rg.master.data = rg.master.data.new_empty(0)
-            self.packed[id(rg)] = slot
-        self.is_packed = True
-
-    def unpack(self) -> None:
-        """fp32 masters and moments back from :meth:`pack`'s storage (no-op when unpacked)."""
-        if not self.is_packed:
-            return
-        for rg in self.ranges:
-            slot = self.packed.pop(id(rg), {})
-            kept = slot.pop("master", None)
-            if rg.keep == "remainder":
-                rg.master.data = join_remainder(rg.param.detach().view(-1)[rg.lo:rg.hi],
-                                                kept.data)
-            elif rg.keep == "scaled":
-                rg.master.data = unpack(kept)
-            if slot:
-                self.optim.state[rg.master].update({k: unpack(v) for k, v in slot.items()})
-        self.is_packed = False
-
-    @contextlib.contextmanager
-    def unpacked(self):
-        """The fp32 masters and moments inside the block, stored as before after it."""
-        was = self.is_packed
-        self.unpack()
-        try:
-            yield
-        finally:
-            if was:
-                self.pack()
+        # --use-precision-aware-optimizer: the masters and moments as stored between steps
+        self.stored = StoredStates(precision, self.ranges, self.optim.state, self.state_keys)
+        self.stored.pack()
 
     def keys_of(self, rg: _Range) -> tuple:
         """The parameter-shaped states of ``rg``'s parameter (Muon's momentum, or the other
@@ -393,7 +341,7 @@ class DistributedOptimizer:
         scale's inverse), clip them to global norm ``max_norm`` (<= 0: no clipping); returns the
         norm before clipping (inf/NaN when any gradient is)."""
         self.finish_param_gather()
-        self.unpack()  # --use-precision-aware-optimizer: fp32 masters and moments for the step
+        self.stored.unpack()  # --use-precision-aware-optimizer: fp32 masters and moments
         with self.timers("optimizer-copy-to-main-grad"):
             grads = self._attach_grads(inv_scale)
         with self.timers("optimizer-clip-main-grad"):
@@ -413,7 +361,7 @@ class DistributedOptimizer:
         self.steps += 1
         with self.timers("optimizer-copy-main-to-model-params"):
             self.copy_masters_to_params()
-            self.pack()
+            self.stored.pack()
         with self.timers("params-all-gather"):
             for g in self.gathers:
                 g.start(async_op=self.overlap_param_gather)
@@ -427,7 +375,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
         """Parameters from the (unpacked) masters; a remainder-kept master's parameter is
-        written by :meth:`pack`."""
+        written by :meth:`StoredStates.pack`."""
         for rg in self.ranges:
             if rg.copy and rg.hi > rg.lo and rg.keep != "remainder":
                 rg.param.detach().view(-1)[rg.lo:rg.hi].copy_(rg.master)
@@ -435,7 +383,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def copy_params_to_masters(self) -> None:
         """Masters from the parameters (after loading weights without optimizer states)."""
-        with self.unpacked():
+        with self.stored.unpacked():
             for rg in self.ranges:
                 if rg.copy:
                     rg.master.copy_(rg.param.detach().view(-1)[rg.lo:rg.hi])
@@ -488,7 +436,7 @@ class DistributedOptimizer:
         x CP group must call it). Empty before the first step."""
         if self.steps == 0:
             return {}
-        with self.unpacked():
+        with self.stored.unpacked():
             return self._state_by_name(names)
 
     def _state_by_name(self, names: set) -> dict:
@@ -514,7 +462,7 @@ class DistributedOptimizer:
     def load_state_by_name(self, states: dict) -> None:
         """Adam states (and fp32 masters) from ``{name: {key: tensor at the parameter's shape}}``;
         a parameter without ``master_param`` takes its master from its (loaded) weights."""
-        self.unpack()
+        self.stored.unpack()
         for rg in self.ranges:
             st = states.get(rg.name)
             if rg.copy:
@@ -534,7 +482,7 @@ class DistributedOptimizer:
             self.steps = max(self.steps, 1)
             self.optim.state[rg.master] = state
         self.copy_masters_to_params()
-        self.pack()
+        self.stored.pack()
 
 
 def param_bytes(optimizer: DistributedOptimizer) -> dict:
@@ -548,7 +496,7 @@ def param_bytes(optimizer: DistributedOptimizer) -> dict:
            "main_grads": sum(r.grad_bytes() for r in optimizer.reducers),
            "master": 0, "optimizer": 0}
     for rg in optimizer.ranges:
-        slot = optimizer.packed.get(id(rg), {})
+        slot = optimizer.stored.packed.get(id(rg), {})
         if rg.copy:
             out["master"] += slot["master"].nbytes() if "master" in slot \
                 else rg.master.numel() * 4

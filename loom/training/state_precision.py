@@ -15,13 +15,14 @@ between steps a tensor is kept in its storage dtype, and the update computes in 
   (:func:`split_remainder`, :func:`join_remainder`).
 
 Torch-only; the optimizer that uses it: :class:`loom.training.distributed_optimizer.
-DistributedOptimizer` (:class:`StatePrecision`).
+DistributedOptimizer` (:class:`StatePrecision`, :class:`StoredStates`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -117,3 +118,70 @@ class StatePrecision:
         if self.master != torch.float32:
             return "scaled"
         return "remainder" if self.remainders and param_dtype == torch.bfloat16 else "fp32"
+
+
+class StoredStates:
+    """The masters and AdamW moments of an optimizer's ranges as stored between steps.
+
+    ``ranges``: objects with ``param``, ``lo``, ``hi`` (the flat range of the parameter),
+    ``master`` (its 1-D fp32 master, the key of ``state``) and ``keep`` (how the master is
+    kept, :meth:`StatePrecision.master_mode`); ``state``: the inner optimizer's state dict;
+    ``keys``: the moments' state keys. ``precision`` None: nothing is packed (fp32 states).
+    Between :meth:`pack` and :meth:`unpack` the fp32 tensors are gone: a remainder-kept
+    master's parameter holds its bf16 value, the rest is in :attr:`packed`."""
+
+    def __init__(self, precision: Optional[StatePrecision], ranges: Sequence, state: dict,
+                 keys: Sequence[str]):
+        self.precision, self.ranges, self.state, self.keys = precision, ranges, state, keys
+        self.packed: dict[int, dict[str, Packed]] = {}  # id(range) -> its stored tensors
+        self.is_packed = False
+
+    def pack(self) -> None:
+        """Store the masters and moments in :attr:`precision`'s dtypes (no-op without it, or
+        when packed): a remainder-kept master writes its bf16 value into the parameter
+        (:func:`split_remainder`) and keeps the int16 rest."""
+        if self.precision is None or self.is_packed:
+            return
+        for rg in self.ranges:
+            slot = {}
+            st = self.state.get(rg.master)
+            for k in self.keys if st else ():
+                if k in st:
+                    slot[k] = pack(st.pop(k), self.precision.state_dtype(k))
+            if rg.keep == "remainder":
+                value, rest = split_remainder(rg.master.data)
+                rg.param.detach().view(-1)[rg.lo:rg.hi].copy_(value)
+                slot["master"] = Packed(rest)
+            elif rg.keep == "scaled":
+                slot["master"] = pack(rg.master.data, self.precision.master)
+            if rg.keep != "fp32":
+                rg.master.data = rg.master.data.new_empty(0)
+            self.packed[id(rg)] = slot
+        self.is_packed = True
+
+    def unpack(self) -> None:
+        """fp32 masters and moments back from :meth:`pack`'s storage (no-op when unpacked)."""
+        if not self.is_packed:
+            return
+        for rg in self.ranges:
+            slot = self.packed.pop(id(rg), {})
+            kept = slot.pop("master", None)
+            if rg.keep == "remainder":
+                rg.master.data = join_remainder(rg.param.detach().view(-1)[rg.lo:rg.hi],
+                                                kept.data)
+            elif rg.keep == "scaled":
+                rg.master.data = unpack(kept)
+            if slot:
+                self.state[rg.master].update({k: unpack(v) for k, v in slot.items()})
+        self.is_packed = False
+
+    @contextlib.contextmanager
+    def unpacked(self):
+        """The fp32 masters and moments inside the block, stored as before after it."""
+        was = self.is_packed
+        self.unpack()
+        try:
+            yield
+        finally:
+            if was:
+                self.pack()

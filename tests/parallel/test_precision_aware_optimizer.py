@@ -45,11 +45,11 @@ def run_case(bf16: bool, steps: int = 3, **flags) -> dict:
     losses = [tr.train_step()["loss"] for _ in range(steps)]
     opt = tr.optimizer
     n = sum(p.numel() for p in tr.params)
-    stored = sorted({f"{k}:{v.data.dtype}" for slot in opt.packed.values()
+    stored = sorted({f"{k}:{v.data.dtype}" for slot in opt.stored.packed.values()
                      for k, v in slot.items()})
     return {"losses": losses, "params": [p.detach().float().clone() for p in tr.params],
             "per_param": sum(param_bytes(opt).values()) / n, "bytes": param_bytes(opt), "n": n,
-            "stored": stored, "active": opt.precision is not None and opt.is_packed,
+            "stored": stored, "active": opt.precision is not None and opt.stored.is_packed,
             "buckets": sorted({str(b.buffer.dtype) for r in opt.reducers for b in r.buckets})}
 
 
@@ -91,7 +91,7 @@ def lockstep_case() -> dict:
             t.optimizer_step()
             t.consumed_samples += t.global_batch
     out = {"ranges": 0, "masters_equal": True, "params_rounded": True, "ties": 0, "elements": 0}
-    with b.optimizer.unpacked():
+    with b.optimizer.stored.unpacked():
         for x, y in zip(a.optimizer.ranges, b.optimizer.ranges):
             out["ranges"] += x.hi > x.lo
             out["masters_equal"] &= torch.equal(x.master.view(torch.int32),
