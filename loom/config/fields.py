@@ -8,7 +8,7 @@ from typing import Any
 
 
 def opt(default: Any, help: str, **bounds: Any) -> Any:  # noqa: A002 - argparse's word
-    """A dataclass field with its help text and numeric bounds (``ge``, ``gt``, ``lt``; and
+    """A dataclass field with its help text and numeric bounds (``ge``, ``gt``, ``lt``, ``le``; and
     ``auto=True`` where the flag also accepts the word ``auto``; ``spellings``: more
     spellings of a command's option; Megatron's other spellings of a config field, e.g.
     ``--use-checkpoint-opt_param-scheduler``, are rows of the flag table)."""

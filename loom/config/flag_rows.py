@@ -64,7 +64,8 @@ _IMPLEMENTED = words("""
 --lr-decay-iters --lr-decay-style --weight-decay --adam-beta1 --adam-beta2 --adam-eps --clip-grad
 --use-distributed-optimizer --use-torch-fsdp2 --overlap-param-gather --seed --bf16 --fp16
 --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 --use-precision-aware-optimizer
---main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype --loss-scale --initial-loss-scale --min-loss-scale
+--main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype --optimizer-cpu-offload
+--optimizer-offload-fraction --loss-scale --initial-loss-scale --min-loss-scale
 --loss-scale-window --hysteresis --recompute-granularity --recompute-method --recompute-num-layers
 --train-samples --lr-warmup-fraction --recompute-activations --skip-train --tokenizer-model
 --vocab-file --merge-file --tiktoken-pattern --eod-mask-loss --data-path --valid-data-path

@@ -105,8 +105,7 @@ NO_EFFECT_ROWS = (
         --activation-offload-fraction --moe-paged-stash --moe-paged-stash-page-size
         --moe-paged-stash-buffer-size-factor-cuda --moe-paged-stash-buffer-size-factor-cpu
         --fine-grained-offloading-max-inflight-offloads --empty-unused-memory-level --manual-gc
-        --manual-gc-interval --no-manual-gc-eval --optimizer-cpu-offload
-        --optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload
+        --manual-gc-interval --no-manual-gc-eval --use-torch-optimizer-for-cpu-offload
         --overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-grads --no-pin-cpu-params
         --torch-fsdp2-no-reshard-after-forward --init-model-with-meta-device"""),
     *_block(no_effect("ckpt_io"), """

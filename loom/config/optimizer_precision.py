@@ -54,6 +54,15 @@ class PrecisionAwareFields:
     exp_avg_sq_dtype: StateDtype = opt(
         "fp32", "with --use-precision-aware-optimizer: Adam's second moment's storage dtype "
                 "(fp16 and fp8 E4M3 scaled per tensor; bf16 cast)")
+    optimizer_cpu_offload: bool = opt(
+        False, "keep the fp32 master weights and Adam states of the first "
+               "--optimizer-offload-fraction of this rank's parameters in host memory and step "
+               "them there (torch's AdamW on the CPU; gradients copied to the host, weights "
+               "back); needs --use-precision-aware-optimizer, as in Megatron")
+    optimizer_offload_fraction: float = opt(
+        1.0, "with --optimizer-cpu-offload: the share of this rank's optimizer parameters "
+             "(counted in elements, in parameter order) whose states live on the CPU",
+        ge=0, le=1)
 
 
 def check_precision_aware(t: Any) -> None:
@@ -63,6 +72,10 @@ def check_precision_aware(t: Any) -> None:
     steps the sharded parameters themselves). (``--main-grads-dtype bf16`` against
     ``--accumulate-allreduce-grads-in-fp32``: :func:`loom.config.validate.resolve_megatron`, with
     the bf16 rule.) Raises ConfigError naming the flag and the fix."""
+    if t.optimizer_cpu_offload and not t.use_precision_aware_optimizer:
+        raise ConfigError("--optimizer-cpu-offload needs --use-precision-aware-optimizer (as in "
+                          "Megatron-LM, arguments.py:1884: the offload reuses its code path): "
+                          "add it (with --use-distributed-optimizer)")
     if not t.use_precision_aware_optimizer:
         given = [f"{flag} {getattr(t, name)}" for name, flag in STATE_DTYPE_FLAGS
                  if getattr(t, name) != "fp32"]

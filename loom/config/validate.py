@@ -93,11 +93,12 @@ def coerce(value: Any, hint: Any, what: str) -> Any:
 
 
 def check_bounds(name: str, value: Any, meta: Any) -> None:
-    """Raise ConfigError naming ``--name`` when ``value`` breaks the field's ``ge``/``gt``/``lt``."""
+    """Raise ConfigError naming ``--name`` when ``value`` breaks the field's
+    ``ge``/``gt``/``lt``/``le``."""
     if value is None or isinstance(value, bool):
         return
     for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                          ("lt", lambda v, b: v < b, "<")):
+                          ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<=")):
         if key in meta and not ok(value, meta[key]):
             raise ConfigError(f"{flag(name)} must be {word} {meta[key]:g}, got {value}")
 

@@ -62,6 +62,7 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     check_precision_aware(SimpleNamespace(  # loom train's check on the plan's flags
         **{name: getattr(args, name, None) or "fp32" for name, _ in STATE_DTYPE_FLAGS},
         use_precision_aware_optimizer=bool(getattr(args, "use_precision_aware_optimizer", False)),
+        optimizer_cpu_offload=bool(getattr(args, "optimizer_cpu_offload", False)),
         optimizer=getattr(args, "optimizer", None) or "adam", zero_stage=fixed["zero"],
         use_torch_fsdp2=bool(args.use_torch_fsdp2),
         use_distributed_optimizer=fixed["zero"] in (1, 2)))
@@ -221,7 +222,7 @@ PLAN_READS = frozenset({
     "optimizer", "muon_num_ns_steps", "muon_split_qkv", "muon_fp32_matmul_prec", "muon_tp_mode",
     # the precision-aware optimizer's stored bytes (optimizer_option, gradient_option)
     "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
-    "exp_avg_sq_dtype",
+    "exp_avg_sq_dtype", "optimizer_offload_fraction",
 })
 NO_STEP_COST = frozenset({
     # the schedule of values, not the cost of a step
@@ -244,6 +245,8 @@ NO_STEP_COST_SECTIONS = ("data", "logging", "checkpoint", "fault_tolerance")
 and failure handling; profiling and memory history slow only the steps they record)."""
 UNMODELLED = {
     "compile": "priced as eager PyTorch kernels",
+    "optimizer_cpu_offload": "its memory is priced (the offloaded states off the GPU), the host "
+                             "step and the gradient and weight copies are not",
     "deterministic_mode": "priced at the default kernels' speed",
     "export_kd_teacher_load": "the distillation teacher's forward and weights are not priced",
     "export_kd_cfg": "the distillation losses are not priced",
@@ -377,7 +380,10 @@ def optimizer_option(args) -> dict:
     if not getattr(args, "use_precision_aware_optimizer", False):
         return {"optimizer_state_bytes": state}
     fp16 = bool(getattr(args, "fp16", False))
-    return precision_aware_bytes(
+    frac = getattr(args, "optimizer_offload_fraction", None)  # Megatron's default 1.0
+    offload = {"optimizer_offload_fraction": 1.0 if frac is None else frac} \
+        if getattr(args, "optimizer_cpu_offload", False) else {}
+    return offload | precision_aware_bytes(
         *(getattr(args, name, None) or "fp32" for name in ("exp_avg_dtype", "exp_avg_sq_dtype",
                                                            "main_params_dtype")),
         bf16=getattr(args, "bf16", None) is not False and not fp16)

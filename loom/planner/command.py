@@ -200,6 +200,10 @@ def optimizer_flags(args) -> list[str]:
             value = getattr(args, field, None)
             if value and value != "fp32":
                 out += [flag_name, value]
+        if getattr(args, "optimizer_cpu_offload", False):
+            out.append("--optimizer-cpu-offload")
+            if getattr(args, "optimizer_offload_fraction", None) is not None:
+                out += ["--optimizer-offload-fraction", str(args.optimizer_offload_fraction)]
     return out
 
 

@@ -155,6 +155,9 @@ class Options:
     FLOPs (:mod:`loom.planner.muon`); ``muon_split_qkv`` (``--muon-split-qkv``), ``muon_fp32``
     (``--muon-fp32-matmul-prec`` high or low: fp32 iterations at half the rate),
     ``muon_blockwise`` (``--muon-tp-mode blockwise``: each TP shard on its own).
+    ``optimizer_offload_fraction``: ``--optimizer-cpu-offload``'s share of the optimizer's
+    masters and states kept in host memory (0: none), off the GPU's optimizer term; the host
+    step and its copies are not priced.
     ``zero1_all_reduce_grads``: ZeRO-1 all-reduces the gradients in full instead of
     reduce-scattering them, then all-gathers the updated weights (DeepSpeed's 2022
     BF16_Optimizer, BLOOM's optimizer; Megatron's distributed optimizer reduce-scatters).
@@ -207,6 +210,7 @@ class Options:
     muon_split_qkv: bool = True
     muon_fp32: bool = False
     muon_blockwise: bool = False
+    optimizer_offload_fraction: float = 0.0
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool | None = None  # None: as overlap_grad_reduce
     overlap_tp_comm: bool = True

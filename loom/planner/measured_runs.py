@@ -63,7 +63,7 @@ builds kernels, caches and the allocator's pools)."""
 RUN_OPTIONS = ("flash_attention", "layer_memory", "overlap_grad_reduce", "overlap_param_gather",
                "ddp_bucket_elems", "ddp_bucket_per_rank", "ddp_bucket_count",
                "optimizer_state_bytes", "master_bytes", "grad_bytes", "muon_ns_steps",
-               "muon_split_qkv", "muon_fp32", "muon_blockwise")
+               "muon_split_qkv", "muon_fp32", "muon_blockwise", "optimizer_offload_fraction")
 """The :class:`~loom.planner.layout.Options` fields a logged run fixes for itself
 (:func:`loom.planner.predict.run_options`): it is predicted as it ran, not as the plan's
 defaults would run it."""

@@ -400,6 +400,7 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
             n = slots["layers"][k]
             terms["optimizer"] = (terms["optimizer"] - n * dense * (ob - mw[0])
                                   - n * experts * (xo - mw[1]))
+    terms["optimizer"] = terms["optimizer"] * (1.0 - opts.optimizer_offload_fraction)
     base = sum(terms.values())
     terms["reserve"] = opts.reserve_bytes + opts.reserve_fraction * base
     terms["total"] = base + terms["reserve"]

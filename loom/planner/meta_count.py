@@ -125,7 +125,8 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
         muon + muon_x if zero != 1 else muon / dp + muon_x / edp)
     return dict(params=n, expert_params=nx, dp=dp, edp=edp, zero=zero, **coords,
                 weights_bytes=wb * n, gradients_bytes=grad_bytes * n,
-                optimizer_bytes=None if opt_per is None else opt_per * opt_elems + saved)
+                optimizer_bytes=None if opt_per is None else (opt_per * opt_elems + saved) * (
+                    1.0 - priced.get("optimizer_offload_fraction", 0.0)))
 
 
 def representative_ranks(cfg: LoomConfig, world_size: int) -> list[int]:

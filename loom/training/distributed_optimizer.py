@@ -63,6 +63,17 @@ own matrices keep ``momentum_buffer``, :meth:`DistributedOptimizer.keys_of`)."""
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """See :func:`_device_sum_of_squares`; gradients on several devices (host-offloaded
+    masters' beside the accelerator's) are summed per device, then on ``device``."""
+    by_device: dict = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    if len(by_device) <= 1:
+        return _device_sum_of_squares(grads, device)
+    return sum(_device_sum_of_squares(gs, d).to(device) for d, gs in by_device.items())
+
+
+def _device_sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``sum_i ||g_i||^2`` in fp64: the L2 norms of blocks of ``NORM_BLOCK`` elements, squared
     and summed in fp64. The blocking is for accuracy: the CPU norm kernel accumulates
     sequentially in fp32, which on a 2 M-element gradient is off by ~2e-5 relative
@@ -208,6 +219,7 @@ class _Range:
     expert: bool  # reduced (and sharded) over the expert-data-parallel group
     muon: Optional[MatrixInfo] = None  # orthogonalized by Muon: how its update is whole
     keep: str = "fp32"  # the master between steps: fp32, remainder or scaled (StatePrecision)
+    offloaded: bool = False  # --optimizer-cpu-offload: master and states in host memory
 
 
 class DistributedOptimizer:
@@ -223,14 +235,19 @@ class DistributedOptimizer:
     ``id`` is in ``decoupled_params``), ``optim_class`` (``torch.optim.AdamW`` or ``SGD``,
     ``groups_kw`` its keyword arguments), ``timers`` (:class:`~loom.training.timers.Timers`:
     the optimizer's level-1 phases), ``precision`` (``--use-precision-aware-optimizer``'s
-    storage, AdamW only; None: fp32).
+    storage, AdamW only; None: fp32), ``offload_fraction`` (``--optimizer-cpu-offload``: the
+    first ranges, in order, up to this share of the elements keep an fp32 master and fp32
+    states on the CPU, stepped there by the same AdamW, which groups its tensors by device, as
+    Megatron's HybridDeviceOptimizer with torch's Adam; their gradients are copied to the host
+    before the norm, the weights back after the step; None: no offload).
     ``optim`` is the inner ``torch.optim`` optimizer (LR scheduler, ``param_groups``)."""
 
     def __init__(self, named, reducers, mesh: ParallelMesh, sharded: bool,
                  overlap_param_gather: bool = False, *, plan: GroupPlan,
                  decoupled_params: Collection[int] = (), optim_class: type = torch.optim.AdamW,
                  optim_kw: Optional[dict] = None, timers=None,
-                 precision: Optional[StatePrecision] = None):
+                 precision: Optional[StatePrecision] = None,
+                 offload_fraction: Optional[float] = None):
         if precision is not None and optim_class is not torch.optim.AdamW:
             raise ValueError("--use-precision-aware-optimizer stores AdamW's states only")
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
@@ -245,19 +262,25 @@ class DistributedOptimizer:
         apart = mesh.experts_apart
         self.ranges: list[_Range] = []
         placed = []
+        named = [(n, p, m) for n, p, m in named if p.requires_grad]
+        total = sum(reducer_of[id(p)].shard_range(p)[1] - reducer_of[id(p)].shard_range(p)[0]
+                    for _, p, _ in named)
+        to_host = (offload_fraction or 0.0) * total  # elements whose optimizer lives on the CPU
         for name, p, meta in named:
-            if not p.requires_grad:
-                continue
             r = reducer_of[id(p)]
             lo, hi = r.shard_range(p)
             flat = p.detach().view(-1)[lo:hi]
-            copy = p.dtype != torch.float32
-            master = flat.float().clone() if copy else flat
+            offloaded = to_host > 0 and hi > lo
+            to_host -= (hi - lo) * offloaded
+            copy = p.dtype != torch.float32 or offloaded
+            master = (flat.float().clone() if copy else flat).to("cpu" if offloaded else
+                                                                 flat.device)
             index = plan.index(name, p, id(p) in decoupled_params)
             muon = matrix_info(name, meta, mesh) if plan.kinds[index].muon else None
-            keep = precision.master_mode(p.dtype) if precision is not None and copy else "fp32"
+            keep = precision.master_mode(p.dtype) \
+                if precision is not None and copy and not offloaded else "fp32"
             self.ranges.append(_Range(name, p, meta, r, lo, hi, master, copy,
-                                      apart and meta.expert_parallel, muon, keep))
+                                      apart and meta.expert_parallel, muon, keep, offloaded))
             placed.append((index, master))
         groups = build_groups(plan, placed, mesh.device)
         if optim_class is Muon:  # whole-matrix updates from the ranges (_orthogonalize)
@@ -305,8 +328,9 @@ class DistributedOptimizer:
     def _attach_grads(self, inv_scale: float) -> list[torch.Tensor]:
         grads = []
         for rg in self.ranges:
-            g = rg.reducer.shard_grad(rg.param)
-            rg.master.grad = g if g.dtype == torch.float32 else g.float()
+            g = rg.reducer.shard_grad(rg.param)  # to the host for an offloaded master
+            rg.master.grad = g if g.dtype == torch.float32 and g.device == rg.master.device \
+                else g.to(rg.master.device, torch.float32)
             grads.append(rg.master.grad)
         if inv_scale != 1.0 and grads:
             torch._foreach_mul_(grads, inv_scale)
@@ -490,18 +514,23 @@ def param_bytes(optimizer: DistributedOptimizer) -> dict:
     (gradient buffers and ZeRO-2 shards), ``master`` (fp32 master copies; 0 for fp32
     parameters, whose masters are views), ``optimizer`` (Adam's exp_avg and exp_avg_sq, SGD's
     momentum buffer), each as stored (``--use-precision-aware-optimizer``: between steps, in its
-    storage dtype; the per-tensor fp32 scales aside)."""
+    storage dtype; the per-tensor fp32 scales aside); ``host``: the masters and states of the
+    ranges ``--optimizer-cpu-offload`` keeps in host memory (not in ``master``/``optimizer``)."""
     params = {id(rg.param): rg.param for rg in optimizer.ranges}
     out = {"params": sum(p.numel() * p.element_size() for p in params.values()),
            "main_grads": sum(r.grad_bytes() for r in optimizer.reducers),
-           "master": 0, "optimizer": 0}
+           "master": 0, "optimizer": 0, "host": 0}
     for rg in optimizer.ranges:
         slot = optimizer.stored.packed.get(id(rg), {})
-        if rg.copy:
-            out["master"] += slot["master"].nbytes() if "master" in slot \
-                else rg.master.numel() * 4
-        out["optimizer"] += sum(v.nbytes() for k, v in slot.items() if k != "master")
+        master = 0 if not rg.copy else (slot["master"].nbytes() if "master" in slot
+                                        else rg.master.numel() * 4)
         st = optimizer.optim.state.get(rg.master, {})
-        out["optimizer"] += sum(v.numel() * v.element_size() for k, v in st.items()
-                                if k in optimizer.state_keys or k == "momentum_buffer")
+        states = sum(v.nbytes() for k, v in slot.items() if k != "master") + sum(
+            v.numel() * v.element_size() for k, v in st.items()
+            if k in optimizer.state_keys or k == "momentum_buffer")
+        if rg.offloaded:
+            out["host"] += master + states
+        else:
+            out["master"] += master
+            out["optimizer"] += states
     return out

@@ -87,7 +87,9 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig,
                                    cfg.use_distributed_optimizer, cfg.overlap_param_gather,
                                    plan=plan, decoupled_params=decoupled, optim_class=cls,
                                    optim_kw=kw, timers=timers,
-                                   precision=StatePrecision.of(cfg))
+                                   precision=StatePrecision.of(cfg),
+                                   offload_fraction=cfg.optimizer_offload_fraction
+                                   if cfg.optimizer_cpu_offload else None)
         if cfg.overlap_param_gather:  # each bucket's all-gather waited for before its first use
             opt.hook_param_gather(chunks)
         return opt

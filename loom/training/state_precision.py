@@ -145,8 +145,8 @@ class StoredStates:
         for rg in self.ranges:
             slot = {}
             st = self.state.get(rg.master)
-            for k in self.keys if st else ():
-                if k in st:
+            for k in self.keys if st and not getattr(rg, "offloaded", False) else ():
+                if k in st:  # (host-offloaded states stay fp32, as Megatron's CPU Adam's)
                     slot[k] = pack(st.pop(k), self.precision.state_dtype(k))
             if rg.keep == "remainder":
                 value, rest = split_remainder(rg.master.data)

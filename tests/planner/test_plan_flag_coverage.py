@@ -69,7 +69,8 @@ OTHER_READS = {"cp_comm_type", "hierarchical_context_parallel_sizes", "global_ba
                "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16",
                "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype",
                "exp_avg_dtype", "exp_avg_sq_dtype", "optimizer", "muon_num_ns_steps",
-               "muon_split_qkv", "muon_fp32_matmul_prec", "muon_tp_mode"}
+               "muon_split_qkv", "muon_fp32_matmul_prec", "muon_tp_mode",
+               "optimizer_offload_fraction"}
 ASSUMED = {"bf16", "fp16", "sgd_momentum"}
 
 
@@ -252,6 +253,13 @@ def test_precision_aware_optimizer_is_priced_and_carried_to_the_command(capsys):
                 ("fp8", "fp16", "fp16")
     assert got["bf16"] == pytest.approx(got["adam"] * 6 / 12)
     assert got["low"] == pytest.approx(got["adam"] * 5 / 12)
+    # --optimizer-cpu-offload: the offloaded share off the GPU, its host step named as unpriced
+    code, out, err = _plan(argv + ["--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+                                   "--optimizer-offload-fraction", "0.75"], capsys)
+    rec = json.loads(out)["layouts"][0]
+    assert code == 0 and "--optimizer-cpu-offload" in err and "host step" in err, err
+    assert rec["memory_terms_gb"]["optimizer"] == pytest.approx(got["adam"] * 10 / 12 / 4)
+    assert "--optimizer-offload-fraction 0.75" in rec["command"]
     for extra, words in ((["--exp-avg-dtype", "bf16"], "needs --use-precision-aware-optimizer"),
                          (["--use-precision-aware-optimizer", "--optimizer", "sgd"],
                           "--optimizer adam"),

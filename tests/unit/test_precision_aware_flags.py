@@ -37,6 +37,10 @@ def _prepare(argv, monkeypatch):
     (["--use-precision-aware-optimizer", "--use-torch-fsdp2"], ["FSDP2", "ZeRO-1/2"]),
     (PA + ["--bf16", "--main-grads-dtype", "bf16", "--accumulate-allreduce-grads-in-fp32"],
      ["--main-grads-dtype bf16", "--accumulate-allreduce-grads-in-fp32", "drop one"]),
+    (["--optimizer-cpu-offload", "--use-distributed-optimizer"],
+     ["--optimizer-cpu-offload needs --use-precision-aware-optimizer"]),
+    (PA + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"],
+     ["--optimizer-offload-fraction"]),
 ])
 def test_megatron_s_checks_refuse_with_the_fix(argv, words, monkeypatch):
     with pytest.raises(ConfigError) as e:
