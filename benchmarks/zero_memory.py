@@ -29,9 +29,15 @@ import time
 
 from testkit import run_distributed
 
-VARIANTS = {  # name: (overlap grad reduce, zero stage, overlap param gather)
-    "all-reduce": (False, 0, False), "overlap": (True, 0, False),
-    "dist-opt": (True, 1, True), "zero2": (True, 2, False), "zero3": (False, 3, False)}
+PA = {"use_precision_aware_optimizer": True}
+VARIANTS = {  # name: (overlap grad reduce, zero stage, overlap param gather, training flags)
+    "all-reduce": (False, 0, False, {}), "overlap": (True, 0, False, {}),
+    "dist-opt": (True, 1, True, {}), "zero2": (True, 2, False, {}), "zero3": (False, 3, False, {}),
+    # Megatron's precision-aware optimizer (remainder masters; bf16 moments) and its CPU offload
+    "dist-opt-pa": (True, 1, True, PA),
+    "dist-opt-pa-bf16": (True, 1, True, {**PA, "exp_avg_dtype": "bf16",
+                                          "exp_avg_sq_dtype": "bf16"}),
+    "dist-opt-pa-offload": (True, 1, True, {**PA, "optimizer_cpu_offload": True})}
 
 
 def tensor_bytes(tr) -> dict:
@@ -61,12 +67,14 @@ def run(variant: str, bf16: bool, steps: int, warmup: int) -> dict:
     from loom.training.trainer import Trainer
     from benchmarks.vs_torch_native import reference_config
     dp = dist.get_world_size()
-    og, zero, opg = VARIANTS[variant]
+    og, zero, opg, flags = VARIANTS[variant]
     cfg = reference_config(1, 1, dp, False, 8 // dp, "1f1b", warmup + steps)
     cfg.parallel.overlap_grad_reduce = og
     cfg.training.zero_stage = zero
     cfg.training.overlap_param_gather = opg
     cfg.training.bf16 = bf16
+    for name, value in flags.items():
+        setattr(cfg.training, name, value)
     tr = Trainer(cfg.validate(dp), mesh=ParallelMesh.build())
     waits = [0.0]  # seconds this step spent in finish_grad_sync: gradient communication that
     for r in tr.reducers:  # backward did not hide (all of it without --overlap-grad-reduce)
@@ -124,9 +132,11 @@ def main() -> None:
         hidden = f"{1 - r['exposed_comm_s'] / b:.0%}" if b else "n/a"
         if r["variant"] == "zero3":  # FSDP2 reduce-scatters inside backward: not seen here
             hidden = "n/a (FSDP2 reduces inside backward)"
+        host = f" (+ {k['host']} on the host)" if k.get("host") else ""
+        device = round(r["total_bytes_per_param"] - k.get("host", 0), 3)
         print(f"| {r['variant']} | {r['precision']} | {r['s_per_step']} | {r['tokens_per_s']} | "
-              f"{r['total_bytes_per_param']} = {k['params']} + {k['main_grads']} + "
-              f"{k['master']} + {k['optimizer']} | {r['peak_rss_mib']} | "
+              f"{device} = {k['params']} + {k['main_grads']} + "
+              f"{k['master']} + {k['optimizer']}{host} | {r['peak_rss_mib']} | "
               f"{r['exposed_comm_s']} | {hidden} |")
 
 
