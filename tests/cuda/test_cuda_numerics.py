@@ -15,7 +15,10 @@ What the CPU suite proves on CPU, held again where loom is meant to run:
   t = 1) replays bit for bit under full and selective recompute, and recompute changes no loss
   or gradient (``tests/parallel/test_recompute.py``'s harness and tolerance);
 - an ``--async-save`` checkpoint of CUDA tensors taken while training goes on loads bit-equal to
-  the state at the save.
+  the state at the save;
+- ``--optimizer-cpu-offload``: half the optimizer on the host, half on the GPU, one AdamW over
+  both, the fp32 run tracking the run without offload (the mixed-device path the CPU suite
+  cannot reach).
 
 fp32 comparisons run with TF32 off (matmul and cuDNN). Each test records what it measured as
 junit properties (``record_property``), which ``benchmarks/gpu_check.py`` prints.
@@ -282,3 +285,35 @@ def test_async_checkpoint_of_cuda_tensors_loads_bit_equal(tmp_path, monkeypatch)
         assert p.is_cuda and torch.equal(p, params[n]), n
     for rg in again.optimizer.ranges:
         assert torch.equal(rg.master, masters[rg.name]), rg.name
+
+
+# -- --optimizer-cpu-offload and the precision-aware storage on a GPU -------------------------------
+
+def test_offloaded_optimizer_steps_on_the_host_with_the_same_math(record_property):
+    """``--optimizer-cpu-offload --optimizer-offload-fraction 0.5`` (with
+    ``--use-precision-aware-optimizer``): half the masters and states live on the host, the
+    other half on the GPU, one AdamW steps both (fused per device), gradients go to the host and
+    weights come back; fp32 losses and weights track the run without offload for 3 steps (the
+    host's and the GPU's AdamW kernels round differently: 1e-5). The CPU suite's
+    tests/parallel/test_precision_aware_optimizer.py holds the same on one device only."""
+    from loom.training.distributed_optimizer import param_bytes
+    runs = {}
+    for name, flags in (("plain", {}), ("offload", dict(optimizer_cpu_offload=True,
+                                                       optimizer_offload_fraction=0.5))):
+        tr = trainer(cuda_cfg(tiny_llama(), use_distributed_optimizer=True,
+                              use_precision_aware_optimizer=True, **flags))
+        losses = [tr.train_step()["loss"] for _ in range(3)]
+        runs[name] = (tr, losses, [p.detach().float().clone() for p in tr.params])
+    tr, losses, params = runs["offload"]
+    devices = {rg.offloaded: {rg.master.device.type} for rg in tr.optimizer.ranges
+               if rg.hi > rg.lo}
+    assert devices == {True: {"cpu"}, False: {"cuda"}}, devices
+    assert all(p.is_cuda for p in tr.params)
+    held = param_bytes(tr.optimizer)
+    record_property("offload_host_bytes", held["host"])
+    assert held["host"] > 0 and held["optimizer"] > 0
+    _, base, base_params = runs["plain"]
+    err = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
+    record_property("offload_max_rel_loss_err", err)
+    assert err < 1e-5, (losses, base)
+    assert max(rel_err(p.cpu(), q.cpu()) for p, q in zip(params, base_params)) < 1e-4
