@@ -110,9 +110,9 @@ def bucket_flags(rec: dict, opts=None) -> list[str]:
     """``--ddp-bucket-size N``: the gradient bucket the plan's DP time assumed (the overlap's
     exposed last bucket, one latency per bucket), where loom's gradient buffer reduces (``d x c
     > 1``, ZeRO 0-2) and the plan used Megatron-Core's ``max(40M, 1M d)`` rather than loom
-    train's own default (``Options.ddp_bucket_count``; :func:`loom.planner.timing.bucket_elems`)."""
+    train's own default (``Options.ddp_bucket_count``; :func:`loom.planner.dp_overlap.bucket_elems`)."""
     from loom.planner.layout import Options
-    from loom.planner.timing import bucket_elems
+    from loom.planner.dp_overlap import bucket_elems
     opts = opts or Options()
     n_dp = rec.get("dp", 1) * rec["cp"]
     if n_dp <= 1 or rec["zero"] >= 3 or opts.ddp_bucket_count:

@@ -95,7 +95,7 @@ class Options:
     the backward: the DP overlap of a published source is stated once; ``loom plan --dp-overlap``
     and :func:`loom.planner.predict.predict_layout` set both).
     ``ddp_bucket_elems``: gradient bucket size, elements (loom / Megatron default 40M), for the
-    bucket schedule of the overlapped DP reduction (:func:`loom.planner.timing.exposed_grad_sync`).
+    bucket schedule of the overlapped DP reduction (:func:`loom.planner.dp_overlap.exposed_grad_sync`).
     ``ddp_bucket_per_rank``: the bucket grows to at least this many elements per DP rank:
     Megatron-Core's default ``max(40M, 1M x dp_size)`` (``distributed_data_parallel.py``, commit
     0fda386c04, 2024-04, "Tune DDP bucket size to improve speed at large DP counts": a ring's
@@ -183,12 +183,12 @@ class Options:
     selective one of :mod:`loom.planner.memory`, and ``hw_tflops_per_gpu`` keeps KOR eq 8's
     selective count. Planner only.
     ``overlap_interference``: a DP collective hidden behind compute slows that compute: NCCL's
-    CTAs (one per channel, :data:`loom.planner.timing.NCCL_CHANNELS`) hold their SMs while it
+    CTAs (one per channel, :data:`loom.planner.dp_overlap.NCCL_CHANNELS`) hold their SMs while it
     runs, so ``dp_comm`` gains the hidden DP time x
-    :func:`loom.planner.timing.nccl_sm_fraction` (term ``dp_interference``; HBM contention is
+    :func:`loom.planner.dp_overlap.nccl_sm_fraction` (term ``dp_interference``; HBM contention is
     not priced). Planner only.
     ``zero3_prefetch``: ZeRO-3 exposes what PyTorch FSDP's per-layer prefetch cannot hide
-    (:func:`loom.planner.timing.fsdp_exposed`: the first all-gather, the last reduce-scatter,
+    (:func:`loom.planner.dp_overlap.fsdp_exposed`: the first all-gather, the last reduce-scatter,
     and per layer the excess of communication over compute) instead of the
     ``ZERO3_OVERLAP`` fitted on DeepSpeed (NAR table 2). Planner only.
     ``causal_skip``: fused attention under a causal mask computes only the key blocks on and

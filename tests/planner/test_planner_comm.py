@@ -10,8 +10,8 @@ from loom.planner.hardware import make_cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.memory import stage_params
 from loom.planner.presets import gpt
-from loom.planner.timing import (ZERO3_OVERLAP, all_gather_time, exposed_grad_sync, layer_times,
-                                 time_terms)
+from loom.planner.dp_overlap import exposed_grad_sync
+from loom.planner.timing import ZERO3_OVERLAP, all_gather_time, layer_times, time_terms
 
 
 def test_bucket_schedule_by_hand():

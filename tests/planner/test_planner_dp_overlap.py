@@ -195,7 +195,7 @@ def test_loom_bucket_rule_is_loom_trains(P, d):
     from loom.planner.command import bucket_flags
     from loom.planner.layout import LOOM_BUCKETS
     from loom.planner.predict import run_options
-    from loom.planner.timing import bucket_elems
+    from loom.planner.dp_overlap import bucket_elems
     assert float(bucket_elems(d, Options(**LOOM_BUCKETS), P)) == default_bucket_size(int(P), d)
     cfg = _config(d, 1)
     assert run_options(cfg).ddp_bucket_count == 4

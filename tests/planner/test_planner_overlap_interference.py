@@ -9,8 +9,9 @@ import pytest
 from loom.planner.hardware import make_cluster
 from loom.planner.layout import Options, make_layouts
 from loom.planner.presets import get_preset
-from loom.planner.timing import (NCCL_CHANNELS, fsdp_exposed, nccl_sm_fraction,
-                                 overlap_interference, time_terms)
+from loom.planner.dp_overlap import (NCCL_CHANNELS, fsdp_exposed, nccl_sm_fraction,
+                                     overlap_interference)
+from loom.planner.timing import time_terms
 
 
 def test_fraction_and_hand_case():
