@@ -144,6 +144,22 @@ def _cluster_from_args(args) -> Cluster:
                         inter_bw=bw(args.inter_node_bandwidth))
 
 
+def check_train_bounds(args) -> None:
+    """loom train's bounds (``ge``/``gt``/``lt``/``le`` of each config field,
+    :func:`loom.config.validate.check_bounds`) on the loom train flags given to loom plan, so
+    that a value loom train refuses is refused here too, naming the flag, before any search
+    (``--optimizer-offload-fraction 1.5`` was planned and printed). Raises ConfigError."""
+    from dataclasses import fields
+
+    from loom.config import GROUPS
+    from loom.config.validate import check_bounds
+    for section in GROUPS.values():
+        for f in fields(section):
+            value = getattr(args, f.name, None)
+            if isinstance(value, (int, float)):
+                check_bounds(f.name, value, f.metadata)
+
+
 def run(args) -> int:
     plan_options(args)
     if args.calibrate:
@@ -166,6 +182,7 @@ def run(args) -> int:
         for key, value in read_yaml_config(args.config).items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
+    check_train_bounds(args)
     model, name, no_effect = _model_from_args(args)
     cluster = _cluster_from_args(args)
     B = args.global_batch_size

@@ -362,3 +362,16 @@ def test_dry_run_prediction_names_what_it_does_not_price():
     pred = predict_layout(tiny_config("llama", bf16=True, compile=True).validate(1), 1,
                           "H100-80GB")
     assert "--compile (priced as eager PyTorch kernels)" in format_prediction(pred)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+      "--optimizer-offload-fraction", "1.5"], "--optimizer-offload-fraction must be <= 1"),
+    (["--micro-batch-size", "-3"], "--micro-batch-size must be >= 1"),
+    (["--muon-num-ns-steps", "0", "--optimizer", "muon"], "--muon-num-ns-steps must be >= 1"),
+])
+def test_loom_train_s_bounds_are_refused_before_the_search(extra, words, capsys):
+    """A value loom train refuses by its field's bounds is refused by loom plan too, in one
+    line naming the flag (it was planned, and the printed command then failed)."""
+    code, out, err = _plan(SMALL + extra + ["--json"], capsys)
+    assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1, err
