@@ -182,7 +182,6 @@ def run(args) -> int:
         for key, value in read_yaml_config(args.config).items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
-    check_train_bounds(args)
     model, name, no_effect = _model_from_args(args)
     cluster = _cluster_from_args(args)
     B = args.global_batch_size
@@ -192,6 +191,7 @@ def run(args) -> int:
         B = -(-1024 // cluster.num_gpus) * cluster.num_gpus
     train_tokens = parse_count(args.train_tokens) if args.train_tokens else None
     _check_estimate_inputs(args, train_tokens)
+    check_train_bounds(args)  # after loom plan's own, more particular messages
     s = model.seq_length
     flash = (args.attention == "fused") if args.attention else True
     if args.moe_load_imbalance < 1:
