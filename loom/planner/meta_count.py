@@ -112,12 +112,11 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     if grad_bytes is None:
         grad_bytes = gradient_option(t)["grad_bytes"]
     dense = n - nx
-    priced = optimizer_option(t)
-    state = priced.get("optimizer_state_bytes")
+    priced = optimizer_option(t)  # every optimizer loom train accepts is priced
+    state = priced["optimizer_state_bytes"]
     # 16-bit runs keep a master copy (fp32, or 2 bytes with the precision-aware optimizer);
     # fp32 runs' weights are the master copy
-    opt_per = None if state is None else (
-        priced.get("master_bytes", 4.0) + state if wb == 2 else state)
+    opt_per = priced.get("master_bytes", 4.0) + state if wb == 2 else state
     # FSDP2: the local shards above; ZeRO-1: ceil shares of the dense and expert elements
     opt_elems = n if zero != 1 else math.ceil(dense / dp) + math.ceil(nx / edp)
     # Muon: its weights keep one momentum instead of AdamW's two moments (the same shares)
@@ -125,7 +124,7 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
         muon + muon_x if zero != 1 else muon / dp + muon_x / edp)
     return dict(params=n, expert_params=nx, dp=dp, edp=edp, zero=zero, **coords,
                 weights_bytes=wb * n, gradients_bytes=grad_bytes * n,
-                optimizer_bytes=None if opt_per is None else (opt_per * opt_elems + saved) * (
+                optimizer_bytes=(opt_per * opt_elems + saved) * (
                     1.0 - priced.get("optimizer_offload_fraction", 0.0)))
 
 
@@ -163,6 +162,5 @@ def format_counts(cfg: LoomConfig, world_size: int) -> str:
             f"  rank {r} (pp stage {c['pp_rank']}, tp rank {c['tp_rank']}): {c['params']:,} params "
             f"(planner formula {f:,.0f}, {100 * (f / max(c['params'], 1) - 1):+.2f}%); weights "
             f"{c['weights_bytes'] / GB:.3f}, grads {c['gradients_bytes'] / GB:.3f}"
-            + (f", optimizer {c['optimizer_bytes'] / GB:.3f} GB" if c["optimizer_bytes"] is not None
-               else f" GB; optimizer states not counted (--optimizer {cfg.training.optimizer})"))
+            + f", optimizer {c['optimizer_bytes'] / GB:.3f} GB")
     return "\n".join(lines)
