@@ -69,8 +69,8 @@ REFUSED = MappingProxyType({
     "heterogeneous": "heterogeneous per-layer configurations",
     "sft": "chat template given as text (SFTTokenizer's template is "
            "--sft-tokenizer-prompt-format's)",
-    "doc_masking": "document-boundary masking (positions and attention reset at end of "
-                   "document)",
+    "doc_masking": "document masking from the dataset's document boundaries (cu_seqlens; "
+                   "loom's --reset-attention-mask masks at end-of-document tokens)",
     "schedules": "warmup-stable-decay and inverse-square-root learning-rate schedules, "
                  "weight-decay schedules",
     "architecture": "architecture variants",

@@ -247,8 +247,7 @@ REFUSED_ROWS = (
     *_block(refused("heterogeneous"), """
         --heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"""),
     ("--chat-template", refused("sft")),
-    *_block(refused("doc_masking"), """
-        --reset-position-ids --reset-attention-mask --dataloader-inter-document-masking"""),
+    ("--dataloader-inter-document-masking", refused("doc_masking")),
     *_block(refused("schedules"), """
         --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
         --end-weight-decay --weight-decay-incr-style"""),

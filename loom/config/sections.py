@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from loom.config.document_masks import DocumentMaskFields
 from loom.config.fields import opt
 from loom.config.model_bert import BertFields
 from loom.config.model_dsa import DSAFields
@@ -339,7 +340,7 @@ class TrainingConfig(TrainingScriptFields, MuonFields, PrecisionAwareFields):
 
 
 @dataclass
-class DataConfig(DataScriptFields):
+class DataConfig(DataScriptFields, DocumentMaskFields):
     """Where the training tokens come from."""
 
     data_path: Optional[str] = opt(

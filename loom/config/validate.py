@@ -28,6 +28,7 @@ from loom.config.model_mla import check_mla
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
 from loom.config.resilience import check_pruning
+from loom.config.document_masks import check_document_masks
 from loom.config.optimizer_precision import check_precision_aware
 from loom.config.script_flags import resolve_script_flags
 from loom.config.split import parse_split
@@ -116,12 +117,15 @@ class FamilyRules:
     registered outside the built-in choices is accepted by that name); ``check(cfg,
     world_size)``, its own rules (may fill in values its layout fixes); ``others``, every other
     registered family's ``refuse_own_flags(model_cfg)``; ``replicates_kv_heads``: TP may exceed
-    and be a multiple of ``--num-query-groups`` (the family replicates K/V heads)."""
+    and be a multiple of ``--num-query-groups`` (the family replicates K/V heads);
+    ``document_masks``: its model reads the document starts and reset positions of
+    ``--reset-attention-mask`` / ``--reset-position-ids``."""
 
     name: str
     check: Callable[[Any, int], None]
     others: tuple = ()
     replicates_kv_heads: bool = False
+    document_masks: bool = False
 
 
 def check_fields(cfg: Any, model_type: Optional[str] = None) -> None:
@@ -426,6 +430,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
     check_gdn(m, tp, cp)
     check_gptoss(m, tp, cp)
     check_context_parallel(m, p)
+    check_document_masks(cfg, family is None or family.document_masks)
     if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "

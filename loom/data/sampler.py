@@ -27,3 +27,27 @@ def get_batch(dataset, indices: Sequence[int]) -> dict[str, torch.Tensor]:
     ``b = len(indices)`` (every field of the samples, e.g. BERT's ``loss_mask``)."""
     samples = [dataset[i] for i in indices]
     return {key: torch.stack([smp[key] for smp in samples]) for key in samples[0]}
+
+
+class FieldsAdded:
+    """A dataset whose samples gain fields: ``sample(k) = dataset[k]`` plus what :meth:`add`
+    returns for it; its length and every other attribute are the dataset's. Subclasses
+    (:class:`loom.data.loss_mask.EodLossMask`, :class:`loom.data.document_masks.DocumentResets`)
+    set ``self.dataset`` and define :meth:`add`."""
+
+    dataset = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["dataset"], name)
+
+    def add(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The fields to add to ``sample`` (``{name: tensor [s]}``)."""
+        raise NotImplementedError
+
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        sample = dict(self.dataset[k])
+        sample.update(self.add(sample))
+        return sample

@@ -94,7 +94,8 @@ class FamilyRegistry:
 
     def rules(self, name: str) -> FamilyRules:
         """What the validation pass runs of family ``name``: its ``check``, every other
-        family's ``refuse_own_flags`` (registry order) and ``replicates_kv_heads``; raises
+        family's ``refuse_own_flags`` (registry order), ``replicates_kv_heads`` and
+        ``document_masks`` (its model takes ``document_starts``); raises
         ConfigError naming ``--model-type`` for an unknown name."""
         try:
             family = self.get(name)
@@ -105,7 +106,9 @@ class FamilyRegistry:
                                                            self.families()),
                            others=tuple(f.refuse_own_flags for f in self.families()
                                         if f.name != family.name),
-                           replicates_kv_heads=family.replicates_kv_heads)
+                           replicates_kv_heads=family.replicates_kv_heads,
+                           document_masks="document_starts" in getattr(family.build,
+                                                                       "extra_inputs", ()))
 
     def for_hf(self, model_type: str) -> Optional[ModelFamily]:
         """The family whose Hugging Face mapping imports ``config.json``'s ``model_type``, or

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,11 +89,32 @@ def window_causal_mask(q_positions: torch.Tensor, seq_length: int,
     return (rel >= 0) & (rel <= window) if window is not None else rel >= 0
 
 
+class Documents(NamedTuple):
+    """The ``positions`` a layer takes under ``--reset-attention-mask``: the tokens' sequence
+    positions ``[s]`` and each token's document start ``starts [b, s]``
+    (:func:`loom.data.document_masks.document_starts`)."""
+
+    positions: torch.Tensor
+    starts: torch.Tensor
+
+
+def document_causal_mask(starts: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[b, 1, s, s]`` from ``starts [b, s]``: the query at j sees the keys
+    ``starts[j] <= k <= j``, the earlier tokens of its own document (Megatron-Core's
+    ``attention_mask[0, (i + 1):, :(i + 1)] = 0`` at each end-of-document index i,
+    ``_get_ltor_masks_and_position_ids``, as True = attend)."""
+    k = torch.arange(starts.shape[-1], device=starts.device)
+    return ((k[None, None, :] <= k[None, :, None])
+            & (k[None, None, :] >= starts[:, :, None]))[:, None]
+
+
 class DotProductAttention(nn.Module, SelectiveRecompute):
     """``softmax(q k^T / sqrt(d)) v`` under a causal mask by global position (keys are at
     positions ``0 .. s_k - 1``): ``q [b, a, s_q, d]``, ``k, v [b, g, s_k, d]`` ->
     ``[b, a, s_q, d]``. ``s_q == s_k`` is the plain causal case; one query (decoding) sees every
-    key; otherwise the mask is built from ``q_positions [s_q]``.
+    key; otherwise the mask is built from ``q_positions [s_q]``. ``q_positions`` as
+    :class:`Documents` (``--reset-attention-mask``, ``s_q == s_k``): each query sees its own
+    document's earlier keys only (:func:`document_causal_mask`).
 
     ``causal=False`` (a bidirectional encoder, BERT): every query sees every key, except the
     keys that ``key_padding_mask [b, s_k]`` (True = a real token) marks as padding. ``scale``:
@@ -122,7 +143,12 @@ class DotProductAttention(nn.Module, SelectiveRecompute):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                       enable_gqa=q.shape[1] != k.shape[1],
                                                       scale=self.scale)
-        if s_q != s_k and s_q > 1:
+        if isinstance(q_positions, Documents):
+            if s_q != s_k:
+                raise ValueError(f"a document mask needs as many queries as keys, got {s_q} "
+                                 f"queries against {s_k} keys")
+            mask = document_causal_mask(q_positions.starts)
+        elif s_q != s_k and s_q > 1:
             if q_positions is None:
                 raise ValueError(f"{s_q} queries against {s_k} keys need their positions")
             mask = causal_mask(q_positions, s_k)
@@ -130,7 +156,8 @@ class DotProductAttention(nn.Module, SelectiveRecompute):
         ctx = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
         with ctx:
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=s_q == s_k and s_q > 1,
+                q, k, v, attn_mask=mask, dropout_p=p,
+                is_causal=mask is None and s_q == s_k and s_q > 1,
                 enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
-from loom.models.attention import rope_cos_sin
+from loom.models.attention import Documents, rope_cos_sin
 from loom.models.yarn import yarn_cos_sin
 from loom.models.family import StageSpec
 
@@ -78,9 +78,11 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``positions [s]``, or ``[b, s]`` per sample (``--reset-position-ids``)."""
         x = self.word_embeddings(ids)  # [b, s, h]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(positions)[None]
+            pos = self.position_embeddings(positions)
+            x = x + (pos if positions.dim() == 2 else pos[None])
         if self.multiplier != 1.0:
             x = x * self.multiplier
         return self.dropout(x.transpose(0, 1).contiguous())  # [s, b, h]
@@ -155,8 +157,9 @@ class LanguageModelChunk(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
               extra: dict) -> torch.Tensor:
-        """``input_ids [b, s] -> [s, b, h]``."""
-        return self.embedding(input_ids, position_ids)
+        """``input_ids [b, s] -> [s, b, h]``; the learned absolute positions read
+        ``extra["document_position_ids"] [b, s]`` when given (``--reset-position-ids``)."""
+        return self.embedding(input_ids, extra.get("document_position_ids", position_ids))
 
     def layer_inputs(self, position_ids: torch.Tensor, cache, extra: dict) -> tuple:
         """What every layer takes after ``x``; default ``(rope, positions, cache, moe)`` with
@@ -164,7 +167,9 @@ class LanguageModelChunk(nn.Module):
         ``--rotary-percent`` of it; with ``--rotary-interleaved`` the triple (cos, sin, True):
         pairs (2i, 2i + 1), :func:`~loom.models.attention.apply_rope`'s third argument) or
         ``yarn`` (r = d: :func:`~loom.models.yarn.yarn_cos_sin` with ``ModelConfig.yarn_args``,
-        Megatron-Core's ``YarnRotaryEmbedding`` of GPTModel), else None."""
+        Megatron-Core's ``YarnRotaryEmbedding`` of GPTModel), else None. ``positions``: the
+        sequence positions ``[s]``, or with ``extra["document_starts"] [b, s]``
+        (``--reset-attention-mask``) the :class:`~loom.models.attention.Documents` of both."""
         rope, c = None, self.cfg
         if c.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, c.rotary_dim, c.rotary_base,
@@ -174,7 +179,9 @@ class LanguageModelChunk(nn.Module):
         elif c.position_embedding_type == "yarn":
             rope = yarn_cos_sin(position_ids, c.head_dim, c.rotary_base, **c.yarn_args(),
                                 round_to_int=c.yarn_correction_range_round_to_int)
-        return rope, position_ids, cache, extra.get("moe")
+        starts = extra.get("document_starts")
+        positions = position_ids if starts is None else Documents(position_ids, starts)
+        return rope, positions, cache, extra.get("moe")
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``."""

@@ -44,10 +44,15 @@ def lm_loss(per_token: torch.Tensor, moe: Optional[MoEContext] = None,
     return loss, metrics
 
 
+DOCUMENT_INPUTS = ("document_starts", "document_position_ids")
+"""The batch keys of :class:`loom.data.document_masks.DocumentResets` a chunk takes as inputs."""
+
+
 def forward_step(chunk: LanguageModelChunk, batch: dict, hidden_states: Optional[torch.Tensor] = None):
     """Megatron's forward step: ``batch`` has ``tokens``, ``labels`` ``[b, s]``,
     ``position_ids [s]`` and ``num_microbatches`` (m: MoE auxiliary losses are scaled by 1/m
-    like the LM loss); returns ``(output, loss_fn)``."""
+    like the LM loss), and, from ``--reset-attention-mask`` / ``--reset-position-ids``,
+    ``document_starts`` / ``document_position_ids`` ``[b, s]``; returns ``(output, loss_fn)``."""
     moe = mtp = None
     if chunk.cfg.num_experts or chunk.cfg.dsa:  # MoE's / DSA's auxiliary-loss scale
         moe = MoEContext(scale=1.0 / batch.get("num_microbatches", 1))
@@ -58,6 +63,7 @@ def forward_step(chunk: LanguageModelChunk, batch: dict, hidden_states: Optional
             s, device=batch["tokens"].device) if positions is None else positions)
     extra = {k: v for k, v in (("moe", moe), ("mtp", mtp))  # Mamba shares this step, no MTP
              if k in chunk.extra_inputs}
+    extra.update((k, batch[k]) for k in DOCUMENT_INPUTS if k in batch)  # loom.data.document_masks
     out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None,
                 labels=batch["labels"] if chunk.post_process else None,
                 hidden_states=hidden_states, position_ids=batch.get("position_ids"), **extra)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
+from loom.config.document_masks import document_resets
 from loom.config.parallel_cp import hierarchical_sizes
 from loom.errors import ConfigError
 from loom.models import get_family
@@ -193,6 +194,14 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         from loom.data.loss_mask import EodLossMask, end_of_document_id
         eod = end_of_document_id(cfg.data, cfg.model.vocab_size)
         datasets = tuple(None if ds is None else EodLossMask(ds, eod) for ds in datasets)
+    resets = document_resets(cfg)
+    if resets:  # Megatron's --reset-attention-mask / --reset-position-ids (loom.data.document_masks)
+        from loom.data.document_masks import DocumentResets
+        from loom.data.loss_mask import end_of_document_id
+        eod = end_of_document_id(cfg.data, cfg.model.vocab_size, resets[0])
+        datasets = tuple(None if ds is None else DocumentResets(
+            ds, eod, "--reset-position-ids" in resets, "--reset-attention-mask" in resets)
+            for ds in datasets)
     data = BatchSource.from_config(cfg, mesh, datasets)
     throughput = Throughput(
         data.global_batch * cfg.model.seq_length,

@@ -11,6 +11,9 @@ row asserting its feature ran.
   divisible-by 32 gives Vp 128 at t = 1 and 2); at TP=2, PP=2 and CP=2.
 * ``mla``: multi-latent attention with learned absolute positions (Megatron's default type);
   at TP=2 and PP=2.
+* ``docs``: --reset-attention-mask and --reset-position-ids (GPT-2's learned positions; V 12,
+  Vp 64 at every t, so that NullTokenizer's end-of-document id is frequent in the mock data);
+  at TP=2 + SP and PP=2.
 
 Mamba heads independent of h: tests/models/test_mamba.py (its 2-rank world)."""
 
@@ -46,6 +49,8 @@ def model_cfg(kind: str) -> ModelConfig:
                           rotary_scaling_factor=4.0, mscale=0.9, mscale_all_dim=0.5,
                           yarn_original_max_position_embeddings=8,
                           yarn_correction_range_round_to_int=False)
+    if kind == "docs":
+        return tiny_model("gpt", common, vocab_size=12, padded_vocab_size=64)
     return tiny_model("llama", common, multi_latent_attention=True,
                       position_embedding_type="learned_absolute", q_lora_rank=16,
                       kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
@@ -55,7 +60,9 @@ def make_cfg(kind: str, tp=1, pp=1, cp=1, sp=False) -> LoomConfig:
     return tiny_config(model=model_cfg(kind), tensor_model_parallel_size=tp,
                        pipeline_model_parallel_size=pp, context_parallel_size=cp,
                        sequence_parallel=sp, global_batch_size=4, adam_eps=PARITY_ADAM_EPS,
-                       moe_per_layer_logging=kind == "moe")
+                       moe_per_layer_logging=kind == "moe",
+                       **(dict(reset_attention_mask=True, reset_position_ids=True,
+                               tokenizer_type="NullTokenizer") if kind == "docs" else {}))
 
 
 def run_steps(cfg, mesh):
@@ -78,7 +85,10 @@ def run_steps(cfg, mesh):
                 m.register_forward_hook(seen)
     out = []
     for _ in range(STEPS):
-        loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))
+        batches = tr.batches(tr.train_ds, tr.consumed_samples)
+        routed["documents"] = routed.get("documents", 0) + sum(
+            int((b["document_starts"] > 0).sum()) for b in batches if "document_starts" in b)
+        loss = tr.global_loss(tr.forward_backward(batches))
         grads = {n: (p.grad.detach().clone(), tr.registry[n])
                  for c in tr.model_chunks for n, p in c.named_parameters() if p.requires_grad}
         layers = tr.parts.layer_metrics()
@@ -140,7 +150,8 @@ def world2(cases) -> list[dict]:
 
 CASES = [("moe", dict(tp=2, sp=True)), ("moe", dict(pp=2)), ("moe", dict(cp=2)),
          ("yarn", dict(tp=2)), ("yarn", dict(pp=2)), ("yarn", dict(cp=2)),
-         ("mla", dict(tp=2)), ("mla", dict(pp=2))]
+         ("mla", dict(tp=2)), ("mla", dict(pp=2)), ("docs", dict(tp=2, sp=True)),
+         ("docs", dict(pp=2))]
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +179,5 @@ def test_model_capability_parity(results, i):
                 assert columns is None and rows == 128 // layout.get("tp", 1), f
         if kind == "mla":
             assert f["mla"] >= 2 and (f["table"] or r["stage"] == 1), f
+        if kind == "docs":  # tokens after an end-of-document token were masked
+            assert f["routed"]["documents"] > 10, f

@@ -65,9 +65,11 @@ class GPTModel(LanguageModelChunk):
     (:class:`~loom.models.moe.MoEContext`); ``mtp``, the tokens the multi-token prediction
     modules (``--mtp-num-layers``, on the last chunk: :mod:`loom.models.mtp`) predict from
     (:class:`~loom.models.mtp.MTPContext`, which receives their losses in training);
+    ``document_starts [b, s]`` (``--reset-attention-mask``) and ``document_position_ids [b, s]``
+    (``--reset-position-ids``): :mod:`loom.data.document_masks`;
     ``cache``: :meth:`allocate_cache`."""
 
-    extra_inputs = ("moe", "mtp")
+    extra_inputs = ("moe", "mtp", "document_starts", "document_position_ids")
 
     def build_embedding(self, cfg: ModelConfig, padded_vocab: int) -> nn.Module:
         return Embedding(cfg, padded_vocab, with_positions=self.pre_process)
