@@ -1,4 +1,5 @@
-"""Megatron's end-of-document resets (``--reset-position-ids``, ``--reset-attention-mask``;
+"""Megatron's document masks (``--reset-position-ids``, ``--reset-attention-mask``,
+``--dataloader-inter-document-masking``;
 Megatron-LM d98e8a6's names and meaning: ``megatron/training/arguments.py`` ``_add_data_args``,
 applied by ``megatron/core/datasets/gpt_dataset.py`` ``_get_ltor_masks_and_position_ids``), a
 mixin of :class:`~loom.config.sections.DataConfig`, and their check
@@ -17,6 +18,10 @@ next document starts at i + 1):
   attention applies it, while Transformer Engine's and the fused causal softmax ignore it.
   loom always applies it (a boolean ``[b, 1, s, s]`` mask to
   ``scaled_dot_product_attention``).
+- ``--dataloader-inter-document-masking``: the same mask and position reset at the dataset's own
+  document boundaries (Megatron passes them as ``cu_seqlens`` to packed-sequence attention, whose
+  RoPE restarts at each document: the same attention, RoPE being relative); it supersedes the
+  two above.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class DocumentMaskFields:
     reset_attention_mask: bool = opt(
         False, "each token attends only to the earlier tokens of its own document (documents "
                "end at the end-of-document token): a block-diagonal causal mask")
+    dataloader_inter_document_masking: bool = opt(
+        False, "each token attends only to the earlier tokens of its own document, and the "
+               "position ids restart at each document, at the dataset's own document "
+               "boundaries (Megatron's cu_seqlens; instead of the end-of-document resets)")
 
 
 def document_mask_refusals(cfg: Any, family_takes_them: bool = True) -> list[str]:
@@ -46,12 +55,18 @@ def document_mask_refusals(cfg: Any, family_takes_them: bool = True) -> list[str
     ``family_takes_them``: the ``--model-type`` family's model reads them (the family's
     ``FamilyRules.document_masks``)."""
     d, m, p = cfg.data, cfg.model, cfg.parallel
+    inter = d.dataloader_inter_document_masking
     flags = [f for f, on in (("--reset-attention-mask", d.reset_attention_mask),
-                             ("--reset-position-ids", d.reset_position_ids)) if on]
+                             ("--reset-position-ids", d.reset_position_ids),
+                             ("--dataloader-inter-document-masking", inter)) if on]
     if not flags:
         return []
     out = []
     given = " / ".join(flags)
+    if inter and (d.mock_data or d.fim_data):
+        out.append("--dataloader-inter-document-masking with "
+                   + ("--mock-data (random tokens hold no documents)" if d.mock_data else
+                      "--fim-data (its samples are rearranged documents)"))
     if not family_takes_them:
         out.append(f"{given} with --model-type {m.model_type} (the GPT family's "
                    f"next-token samples only)")
@@ -60,8 +75,9 @@ def document_mask_refusals(cfg: Any, family_takes_them: bool = True) -> list[str
     if m.mtp_num_layers:
         out.append(f"{given} with --mtp-num-layers (the multi-token-prediction layers "
                    f"take the sequence positions)")
-    if not d.reset_attention_mask:
+    if not (d.reset_attention_mask or inter):
         return out
+    mask = "--dataloader-inter-document-masking" if inter else "--reset-attention-mask"
     special = [what for what, on in (
         ("--multi-latent-attention", m.multi_latent_attention),
         ("--window-size / --softmax-type (gpt-oss's attention)",
@@ -70,11 +86,11 @@ def document_mask_refusals(cfg: Any, family_takes_them: bool = True) -> list[str
         ("Gated DeltaNet layers", m.gated_delta_net),
     ) if on]
     if special:
-        out.append(f"--reset-attention-mask with {', '.join(special)} (loom's document mask "
+        out.append(f"{mask} with {', '.join(special)} (loom's document mask "
                    f"is in the standard dot-product attention)")
     if p.context_parallel_size > 1:
-        out.append("--reset-attention-mask with --context-parallel-size > 1 (the mask is "
-                   "not split over the CP ranks)")
+        out.append(f"{mask} with --context-parallel-size > 1 (the mask is "
+                   f"not split over the CP ranks)")
     return out
 
 
@@ -88,9 +104,14 @@ def check_document_masks(cfg: Any, family_takes_them: bool = True) -> None:
 
 
 def document_resets(cfg: Any) -> list[str]:
-    """The end-of-document flags given that change the samples: ``--reset-attention-mask``, and
-    ``--reset-position-ids`` unless it is inert (:func:`position_reset_is_inert`)."""
+    """The document flags given that change the samples: ``--dataloader-inter-document-masking``
+    alone when given (it supersedes the others, as in Megatron, whose data loader then builds
+    no attention mask and restarts the positions at each document), else
+    ``--reset-attention-mask``, and ``--reset-position-ids`` unless it is inert
+    (:func:`position_reset_is_inert`)."""
     d = cfg.data
+    if d.dataloader_inter_document_masking:
+        return ["--dataloader-inter-document-masking"]
     return [f for f, on in (("--reset-attention-mask", d.reset_attention_mask),
                             ("--reset-position-ids",
                              d.reset_position_ids and not position_reset_is_inert(cfg))) if on]

@@ -69,8 +69,6 @@ REFUSED = MappingProxyType({
     "heterogeneous": "heterogeneous per-layer configurations",
     "sft": "chat template given as text (SFTTokenizer's template is "
            "--sft-tokenizer-prompt-format's)",
-    "doc_masking": "document masking from the dataset's document boundaries (cu_seqlens; "
-                   "loom's --reset-attention-mask masks at end-of-document tokens)",
     "schedules": "warmup-stable-decay and inverse-square-root learning-rate schedules, "
                  "weight-decay schedules",
     "architecture": "architecture variants",

@@ -247,7 +247,6 @@ REFUSED_ROWS = (
     *_block(refused("heterogeneous"), """
         --heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"""),
     ("--chat-template", refused("sft")),
-    ("--dataloader-inter-document-masking", refused("doc_masking")),
     *_block(refused("schedules"), """
         --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
         --end-weight-decay --weight-decay-incr-style"""),

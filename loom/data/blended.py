@@ -128,6 +128,11 @@ class BlendedDataset:
         d, j = self.locate(int(k))
         return self.datasets[d][j]
 
+    def document_starts(self, k: int):
+        """The document starts of sample ``k`` (its dataset's ``document_starts``)."""
+        d, j = self.locate(int(k))
+        return self.datasets[d].document_starts(j)
+
     def describe(self) -> str:
         """One line: each dataset's weight and samples per epoch, e.g. ``30.0% A (812 samples)``."""
         return ", ".join(f"{100 * w:.1f}% {n} ({len(ds):,} samples/epoch)"

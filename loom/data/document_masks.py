@@ -1,7 +1,8 @@
 """``--reset-position-ids`` and ``--reset-attention-mask`` on a next-token dataset's samples
 (Megatron-Core's ``_get_ltor_masks_and_position_ids`` rule, ``megatron/core/datasets/
 gpt_dataset.py``): an end-of-document (EOD) input token at index i ends a document, and the next
-one starts at i + 1. The flags' meaning and checks: :mod:`loom.config.document_masks`.
+one starts at i + 1; ``--dataloader-inter-document-masking``: the dataset's own document
+boundaries. The flags' meaning and checks: :mod:`loom.config.document_masks`.
 
 :func:`document_starts` gives, for each token, the index where its document starts;
 :class:`DocumentResets` adds to each sample what the model reads:
@@ -32,15 +33,23 @@ def document_starts(tokens: torch.Tensor, eod: int) -> torch.Tensor:
 
 class DocumentResets(FieldsAdded):
     """The samples of ``dataset`` with ``document_position_ids [s]`` (``positions``) and
-    ``document_starts [s]`` (``attention``) added from the input ``tokens`` and the
-    end-of-document id ``eod``; every other attribute is the dataset's (:class:`FieldsAdded`)."""
+    ``document_starts [s]`` (``attention``) added. Documents end at the end-of-document id
+    ``eod`` (None: not at tokens) and, with ``own_documents``
+    (``--dataloader-inter-document-masking``), at the dataset's own document boundaries
+    (its ``document_starts(k)``); a token's start is the later of the two. Every other
+    attribute is the dataset's (:class:`FieldsAdded`)."""
 
-    def __init__(self, dataset, eod: int, positions: bool, attention: bool):
-        self.dataset, self.eod = dataset, int(eod)
-        self.positions, self.attention = positions, attention
+    def __init__(self, dataset, eod, positions: bool, attention: bool,
+                 own_documents: bool = False):
+        self.dataset, self.eod = dataset, None if eod is None else int(eod)
+        self.positions, self.attention, self.own_documents = positions, attention, own_documents
 
-    def add(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        starts = document_starts(sample["tokens"], self.eod)
+    def add(self, sample: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+        tokens = sample["tokens"]
+        starts = torch.zeros_like(tokens) if self.eod is None else \
+            document_starts(tokens, self.eod)
+        if self.own_documents:
+            starts = torch.maximum(starts, self.dataset.document_starts(k).to(starts.dtype))
         out = {}
         if self.positions:
             out["document_position_ids"] = torch.arange(starts.shape[-1]) - starts

@@ -105,6 +105,18 @@ class GPTDataset:
             d += 1
         return out
 
+    def document_starts(self, k: int) -> torch.Tensor:
+        """``LongTensor[s]``: for each input token of sample ``k``, the index in the sample
+        where its document starts (0 for the document the sample begins in): the documents'
+        own boundaries in the shuffled stream (``--dataloader-inter-document-masking``,
+        Megatron-Core's ``document_lengths`` of the sample)."""
+        e, j = self.sample_position(k)
+        s = self.seq_length
+        offsets = self._epoch(e)[1]
+        at = np.arange(j * s, j * s + s, dtype=np.int64)
+        first = offsets[np.searchsorted(offsets, at, side="right") - 1]  # its document's offset
+        return torch.from_numpy(np.maximum(first - j * s, 0))
+
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         k = int(k)
         if k < 0:

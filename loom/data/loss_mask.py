@@ -23,7 +23,7 @@ class EodLossMask(FieldsAdded):
     def __init__(self, dataset, eod: int):
         self.dataset, self.eod = dataset, int(eod)
 
-    def add(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def add(self, sample: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
         return {"loss_mask": (sample["tokens"] != self.eod).float()}
 
 

@@ -43,11 +43,11 @@ class FieldsAdded:
     def __getattr__(self, name: str):
         return getattr(self.__dict__["dataset"], name)
 
-    def add(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The fields to add to ``sample`` (``{name: tensor [s]}``)."""
+    def add(self, sample: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+        """The fields to add to ``sample`` (the dataset's sample ``k``): ``{name: tensor [s]}``."""
         raise NotImplementedError
 
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         sample = dict(self.dataset[k])
-        sample.update(self.add(sample))
+        sample.update(self.add(sample, k))
         return sample

@@ -195,12 +195,15 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         eod = end_of_document_id(cfg.data, cfg.model.vocab_size)
         datasets = tuple(None if ds is None else EodLossMask(ds, eod) for ds in datasets)
     resets = document_resets(cfg)
-    if resets:  # Megatron's --reset-attention-mask / --reset-position-ids (loom.data.document_masks)
+    if resets:  # Megatron's document masks (loom.data.document_masks)
         from loom.data.document_masks import DocumentResets
         from loom.data.loss_mask import end_of_document_id
-        eod = end_of_document_id(cfg.data, cfg.model.vocab_size, resets[0])
+        inter = cfg.data.dataloader_inter_document_masking  # the dataset's own documents
+        eod = None if inter else end_of_document_id(cfg.data, cfg.model.vocab_size, resets[0])
+        positions = "--reset-position-ids" in resets or (
+            inter and cfg.model.position_embedding_type == "learned_absolute")
         datasets = tuple(None if ds is None else DocumentResets(
-            ds, eod, "--reset-position-ids" in resets, "--reset-attention-mask" in resets)
+            ds, eod, positions, inter or "--reset-attention-mask" in resets, inter)
             for ds in datasets)
     data = BatchSource.from_config(cfg, mesh, datasets)
     throughput = Throughput(

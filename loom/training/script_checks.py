@@ -36,7 +36,7 @@ def refuse_unimplemented(cfg: LoomConfig) -> None:
         todo.append(f"--calculate-per-token-loss with --model-type {cfg.model.model_type}, "
                     f"whose micro-batches hold different numbers of loss tokens (drop it)")
     resets = document_resets(cfg)
-    if resets and not cfg.data.sft:
+    if resets and not cfg.data.sft and not cfg.data.dataloader_inter_document_masking:
         from loom.data.loss_mask import end_of_document_id
         end_of_document_id(cfg.data, cfg.model.vocab_size, resets[0])  # refused without one
     masked = "--sft" if cfg.data.sft else "--eod-mask-loss" if cfg.data.eod_mask_loss else None

@@ -153,3 +153,75 @@ def test_loom_train_trains_the_masked_model():
     assert eods >= 2 and len(losses) == 2 and all(math.isfinite(v) for v in losses)
     assert losses[0] == pytest.approx(masked, rel=1e-5)
     assert plain != pytest.approx(masked, rel=1e-4)
+
+
+def test_inter_document_masking_reads_the_datasets_own_boundaries(tmp_path):
+    """``--dataloader-inter-document-masking``: documents of distinct constant tokens (doc i
+    holds only the token i, no end-of-document ids) give samples whose document starts are
+    exactly where the token changes, through a blend too; the positions restart there."""
+    import numpy as np
+
+    from loom.data.blended import BlendedDataset
+    from loom.data.gpt_dataset import GPTDataset
+    from loom.data.indexed import IndexedDataset, IndexedDatasetBuilder
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(str(tmp_path / "ds"), np.uint16)
+    for i in range(60):
+        builder.add_document(np.full(int(rng.integers(1, 20)), i))
+    builder.finalize()
+    ds = GPTDataset(IndexedDataset(str(tmp_path / "ds")), (0, 60), seq_length=16, seed=1)
+    blend = BlendedDataset([ds, ds], [0.5, 0.5], ["a", "b"])
+    resets = DocumentResets(blend, None, positions=True, attention=True, own_documents=True)
+    cuts = 0
+    for k in range(40):
+        sample = resets[k]
+        tokens = sample["tokens"]
+        change = torch.cat([torch.tensor([True]), tokens[1:] != tokens[:-1]])
+        idx = torch.arange(16)
+        want = torch.cummax(torch.where(change, idx, 0), 0).values
+        assert torch.equal(sample["document_starts"], want), (k, tokens)
+        assert torch.equal(sample["document_position_ids"], idx - want)
+        cuts += int(change[1:].sum())
+    assert cuts > 40
+
+
+def test_inter_document_masking_refuses_mock_data():
+    with pytest.raises(ConfigError, match="--dataloader-inter-document-masking with --mock-data"):
+        _config(dataloader_inter_document_masking=True)
+
+
+def test_loom_train_masks_at_the_datasets_documents(tmp_path):
+    """Through the trainer (``--data-path`` of documents of distinct constant tokens, GPT-2's
+    learned positions): the micro-batches carry the documents' starts and restarted positions,
+    and training runs."""
+    import json
+
+    import numpy as np
+
+    from loom.data.indexed import IndexedDatasetBuilder
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    rng = np.random.default_rng(1)
+    builder = IndexedDatasetBuilder(str(tmp_path / "docs"))
+    lengths = [int(rng.integers(2, 12)) for _ in range(80)]
+    for i, n in enumerate(lengths):
+        builder.add_document([1 + i % 90] * n)
+    builder.finalize()
+    (tmp_path / "docs.meta.json").write_text(json.dumps(dict(
+        vocab_size=100, eod=0, num_documents=80, num_tokens=sum(lengths), dtype="uint16",
+        max_token_id=90)))
+    cfg = tiny_config("gpt", mock_data=False, data_path=str(tmp_path / "docs"), split="90,10,0",
+                      global_batch_size=2, train_iters=2, eval_iters=0, no_progress_bar=True,
+                      dataloader_inter_document_masking=True).validate(1)
+    tr = Trainer(cfg, mesh=ParallelMesh.single())
+    assert isinstance(tr.train_ds, DocumentResets) and tr.train_ds.own_documents
+    batch = tr.batches(tr.train_ds, 0)[0]
+    tokens = batch["tokens"]
+    change = torch.cat([torch.ones_like(tokens[:, :1], dtype=torch.bool),
+                        tokens[:, 1:] != tokens[:, :-1]], dim=1)
+    idx = torch.arange(tokens.shape[1]).expand_as(tokens)
+    want = torch.cummax(torch.where(change, idx, 0), 1).values
+    assert int(change[:, 1:].sum()) >= 2
+    assert torch.equal(batch["document_starts"], want)
+    assert torch.equal(batch["document_position_ids"], idx - want)
+    assert all(math.isfinite(r["loss"]) for r in tr.train())
