@@ -69,7 +69,8 @@ _IMPLEMENTED = words("""
 --loss-scale-window --hysteresis --recompute-granularity --recompute-method --recompute-num-layers
 --train-samples --lr-warmup-fraction --recompute-activations --skip-train --tokenizer-model
 --vocab-file --merge-file --tiktoken-pattern --eod-mask-loss --reset-position-ids
---reset-attention-mask --dataloader-inter-document-masking --data-path --valid-data-path
+--reset-attention-mask --dataloader-inter-document-masking --data-args-path
+--per-split-data-args-path --data-path --valid-data-path
 --train-data-path --test-data-path --split --tokenizer-type --mask-prob --short-seq-prob
 --mock-data --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity --log-interval
 --eval-interval --eval-iters --tensorboard-dir --save --load --save-interval --ckpt-step

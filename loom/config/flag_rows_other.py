@@ -299,9 +299,6 @@ REFUSED_ROWS = (
     ("--multiple-validation-sets", refused("evaluation", "several named validation sets")),
     ("--validation-set-names", refused("evaluation", "several named validation sets")),
     ("--phase-transition-iterations", refused("data_options", "data phases")),
-    ("--data-args-path", refused("data_options", "data arguments file: give --data-path")),
-    ("--per-split-data-args-path", refused("data_options", "per-split data arguments file: "
-                                           "give --train/--valid/--test-data-path")),
     ("--sample-rate", refused("data_options", "dataset sub-sampling")),
     *_block(refused("resiliency"), """
         --inprocess-restart --inprocess-max-iterations --inprocess-monitor-thread-interval

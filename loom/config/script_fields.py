@@ -149,6 +149,12 @@ class DataScriptFields:
     merge_file: Optional[str] = opt(None, "GPT-2 merges.txt (GPT2BPETokenizer)")
     tiktoken_pattern: Optional[TiktokenPattern] = opt(
         None, "TikTokenizer: the pre-tokenizer regex, v1 or v2")
+    data_args_path: Optional[str] = opt(
+        None, "a file holding --data-path's words (a blend too long for a command line)")
+    per_split_data_args_path: Optional[str] = opt(
+        None, "a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} holding "
+              "--train-data-path, --valid-data-path and --test-data-path (each a blend: a "
+              "list or a string of words)")
     eod_mask_loss: bool = opt(False, "no loss where the input token is the end-of-document id "
                                      "(Megatron's rule; each micro-batch averages over the "
                                      "rest); GPT-style families")

@@ -214,12 +214,56 @@ def _account_in_split(p: Any, L: int, mtp: int = 0) -> None:
     p.decoder_last_pipeline_num_layers = per - loss if loss else None
 
 
+def read_data_args(data: Any) -> None:
+    """``--data-args-path`` / ``--per-split-data-args-path`` read into ``--data-path`` /
+    ``--train-data-path``, ``--valid-data-path``, ``--test-data-path`` of ``data`` (a
+    DataConfig, in place; Megatron's ``get_blend_and_blend_per_split``: the file's words, and
+    the JSON's ``train``, ``valid``, ``test`` keys, each a list or a string of words). Idempotent.
+    Raises ConfigError naming the flag for an unreadable file, a missing key, or a path also
+    given directly (Megatron asserts one of the two)."""
+    import json
+    if data.data_args_path is not None:
+        text = _read(data.data_args_path, "--data-args-path")
+        words = " ".join(text.split())
+        if data.data_path not in (None, words):
+            raise ConfigError("--data-args-path and --data-path both give the data: give one")
+        if not words:
+            raise ConfigError(f"--data-args-path {data.data_args_path}: the file is empty")
+        data.data_path = words
+    if data.per_split_data_args_path is not None:
+        flag = "--per-split-data-args-path"
+        try:
+            split = json.loads(_read(data.per_split_data_args_path, flag))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} {data.per_split_data_args_path}: not JSON ({e})") from None
+        for key in ("train", "valid", "test"):
+            if not isinstance(split, dict) or key not in split:
+                raise ConfigError(f"{flag} {data.per_split_data_args_path}: no {key!r} key (the "
+                                  f"file holds {{\"train\", \"valid\", \"test\"}})")
+            value = split[key]
+            words = " ".join(value.split() if isinstance(value, str) else map(str, value))
+            field = f"{key}_data_path"
+            if getattr(data, field) not in (None, words):
+                raise ConfigError(f"{flag} and --{key}-data-path both give the {key} data: "
+                                  f"give one")
+            setattr(data, field, words or None)
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+
+
 def resolve_script_flags(cfg: Any, world_size: int) -> None:
     """Megatron's spellings into loom's fields (in place, inside validation): rotary-embedding
     aliases, schedules in samples -> iterations (B samples each, rounded up), the final batch
     size of a ramp, ``--use-megatron-fsdp`` -> ``--zero-stage``. Raises ConfigError naming the
     flag for values loom refuses (partial rotary embeddings of an odd width, ...)."""
     m, t = cfg.model, cfg.training
+    read_data_args(cfg.data)
     _positions(m)
     _eval_batches(cfg, world_size)
     _batch_ramp(t)

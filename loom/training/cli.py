@@ -29,6 +29,7 @@ from loom.checkpoint.safety import (check_checkpoint_files, remove_partial_check
 from loom.config import LoomConfig, ModelConfig, add_config_arguments, config_from_args
 from loom.config.args import read_yaml_config
 from loom.config.fields import flag as flag_of
+from loom.config.script_flags import read_data_args
 from loom.config.validate import check_sft
 from loom.data.blended import blend_vocab_size, build_datasets, data_prefixes
 from loom.data.checks import check_dataset, check_model_family
@@ -231,6 +232,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     world = dry_run_world(args, flags) if getattr(args, "dry_run", False) else \
         world_size_from_env()
     d = flags.data
+    read_data_args(d)  # --data-args-path / --per-split-data-args-path: the paths they hold
     check_sft(d)  # before the data is read as an indexed dataset
     named = d.data_path or d.train_data_path or (flags.training.skip_train and (
         d.valid_data_path or d.test_data_path))
