@@ -95,8 +95,9 @@ def natural_key(name: str) -> list:
 
 def inspect(path: str, step=None) -> dict:
     """``{iteration, layout, world_size, consumed_samples, parameters: {name: {shape, dtype,
-    bytes}} (sorted by name, numbers as numbers), total_parameters, total_bytes, config}``. Raises ConfigError for a directory
-    that holds no checkpoint."""
+    bytes}} (sorted by name, numbers as numbers), total_parameters, total_bytes, config}``, and
+    ``optimizer`` / ``rng`` when it was saved without them (``--no-save-optim``,
+    ``--no-save-rng``). Raises ConfigError for a directory that holds no checkpoint."""
     from loom.checkpoint.io import open_checkpoint, read_common
     from loom.checkpoint.megatron.locate import diagnose, locate
     from loom.checkpoint.safety import resolve_checkpoint
@@ -136,12 +137,17 @@ def inspect(path: str, step=None) -> dict:
     params = {name: {"shape": list(p["shape"]), "dtype": str(p["dtype"]).replace("torch.", ""),
                      "bytes": math.prod(p["shape"]) * p["dtype"].itemsize}
               for name, p in sorted(saved.items(), key=lambda kv: natural_key(kv[0]))}
-    return {"checkpoint": ckpt, "iteration": common["iteration"], "layout": meta.get("layout"),
+    info = {"checkpoint": ckpt, "iteration": common["iteration"], "layout": meta.get("layout"),
             "world_size": meta.get("world_size"), "format": meta.get("format"),
             "consumed_samples": common.get("consumed_samples"), "parameters": params,
             "total_parameters": sum(math.prod(p["shape"]) for p in params.values()),
             "total_bytes": sum(p["bytes"] for p in params.values()),
             "config": common.get("config", {}), "integrity": integrity}
+    for key, flag, load in (("optimizer", "--no-save-optim", "--no-load-optim"),
+                            ("rng", "--no-save-rng", "--no-load-rng")):
+        if (info["config"] or {}).get(flag[2:].replace("-", "_")):  # what a resume must say
+            info[key] = f"none (saved with {flag}: resume with {load} or --finetune)"
+    return info
 
 
 def _pointed(root: str):
@@ -235,6 +241,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"checksums: {info['integrity']}")
     if info.get("optimizer"):
         print(f"optimizer state: {info['optimizer']}")
+    if info.get("rng"):
+        print(f"generator state: {info['rng']}")
     return bad
 
 

@@ -79,8 +79,16 @@ class Saver:
         this rank of ``mesh`` at ``iteration`` (``consumed_samples`` trained on); returns the
         final directory (under ``--async-save`` it appears once the write finished).
         ``after_write``: called once this rank's files are written. Collective over all
-        ranks."""
+        ranks. ``--no-save-optim``: neither the optimizer nor the scheduler is written;
+        ``--no-save-rng``: nor the generators (the stored config says so, so a resume without
+        ``--no-load-optim`` / ``--no-load-rng`` is refused before it starts:
+        :func:`loom.training.resume.check_saved_states`)."""
         t0 = time.perf_counter()
+        ck = self.cfg.checkpoint
+        if ck.no_save_optim:  # Megatron's generate_state_dict: no optimizer, no scheduler
+            optimizer = scheduler = None
+        if ck.no_save_rng:
+            tracker = None
         self.finish()  # one save in flight: the previous one completes first
         if self.async_save and dist.is_initialized() and self.group is None:
             minutes = self.cfg.fault_tolerance.distributed_timeout_minutes

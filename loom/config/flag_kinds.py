@@ -78,8 +78,8 @@ REFUSED = MappingProxyType({
     "fault_injection": "Megatron's fault injector (loom's drills: --inject-fault "
                        "RANK:ITERATION:KIND)",
     "nonpersistent": "non-persistent (local or in-memory) checkpoints",
-    "ckpt_variants": "checkpoint variants (no optimizer or RNG state, converted at start, "
-                     "iteration overridden): loom writes full checkpoints; convert with "
+    "ckpt_variants": "checkpoint variants (converted at start, iteration overridden, "
+                     "model-parallel sizes from the checkpoint's args): convert with "
                      "`loom checkpoint convert`",
     "dumps": "tensor dumps and traces (parameters, activations, gradients, routing, "
              "configs) every N iterations",

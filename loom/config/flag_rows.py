@@ -99,6 +99,8 @@ _IMPLEMENTED = words("""
 --rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename
 --check-for-spiky-loss --no-check-for-nan-in-loss-and-grad --check-for-large-grads
 --export-kd-teacher-load --export-kd-cfg
+--no-save-optim --no-save-rng --exit-on-missing-checkpoint --exit-signal --log-progress
+--log-world-size-to-tensorboard
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -170,6 +172,21 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--no-load-rng": field(default=False, note="store_true with default None: off"),
     "--exit-signal-handler": field(note="SIGTERM: finish the iteration, save (with --save), "
                                         "exit; loom also takes SIGINT"),
+    "--exit-signal": field(note="an enum, by name; SIGTERM or SIGINT: loom catches both",
+                           refuse={**{v: f"{v} never reaches a handler: choose a catchable "
+                                         f"signal (SIGTERM, SIGUSR1, ...)"
+                                      for v in ("SIGKILL", "SIGSTOP")},
+                                   **{v: f"{v} is a hardware-fault signal (a handler cannot "
+                                         f"return from a real fault): choose SIGTERM, SIGUSR1, "
+                                         f"..." for v in ("SIGSEGV", "SIGBUS", "SIGFPE",
+                                                          "SIGILL")}}),
+    "--no-save-optim": field(default=False, note="store_true with default None: off; no "
+                                                 "optimizer and no LR-schedule state"),
+    "--no-save-rng": field(default=False, note="store_true with default None: off"),
+    "--exit-on-missing-checkpoint": field(note="a one-line error, status 2 (Megatron exits "
+                                               "0)"),
+    "--log-progress": field(note="needs --save (progress.txt lies there); FLOPs are loom's "
+                                 "model FLOPs (KOR eq. 7)"),
     "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
     "--rotary-interleaved": field(note="pairs (2i, 2i+1) rotate (Megatron's _rotate_half with "
                                        "rotary_interleaved); refused with YaRN and MLA, as "

@@ -287,9 +287,6 @@ REFUSED_ROWS = (
     ("--freeze-all-layers", refused("training_options", "frozen layers")),
     ("--iterations-to-skip", refused("training_options", "skipped iterations")),
     ("--decrease-batch-size-if-needed", refused("training_options", "elastic batch size")),
-    ("--exit-signal", refused("training_options", "handler of other signals: "
-                              "--exit-signal-handler catches SIGTERM and SIGINT",
-                              allow=("SIGINT",))),
     ("--gpu-sniff-test-interval", refused("extra_logs", "GPU sniff tests")),
     ("--no-pad-vocab-size", refused("training_options", "unpadded vocabulary switch: give "
                                     "--padded-vocab-size V")),
@@ -321,8 +318,7 @@ REFUSED_ROWS = (
         --non-persistent-local-ckpt-algo --replication --replication-jump --replication-factor"""),
     *_block(refused("ckpt_variants"), """
         --ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format
-        --no-save-optim --no-save-rng --override-ckpt-iteration --use-mp-args-from-checkpoint-args
-        --exit-on-missing-checkpoint"""),
+        --override-ckpt-iteration --use-mp-args-from-checkpoint-args"""),
     *_block(refused("dumps"), """
         --save-params-interval --save-activations-interval --save-tokens-per-expert-interval
         --save-wgrads-interval --save-dgrads-interval --dump-param-to-param-group-map
@@ -333,9 +329,7 @@ REFUSED_ROWS = (
                                                   "of the PyTorch profiler")),
     ("--record-shapes", refused("extra_logs", "NVTX tensor-shape records for nsys "
                                 "(torch.autograd.profiler.emit_nvtx)")),
-    ("--log-progress", refused("extra_logs", "progress.txt of processed tokens and FLOPs")),
     ("--log-max-attention-logit", refused("extra_logs", "log of the largest attention logit")),
-    ("--log-world-size-to-tensorboard", refused("extra_logs", "world size in TensorBoard")),
     ("--flight-recorder-dump-path", refused("extra_logs", "choice of the flight-recorder dump "
                                             "path (loom writes loom_nccl_trace_rankN.pkl "
                                             "beside its hang report)")),

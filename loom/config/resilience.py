@@ -10,6 +10,16 @@ from loom.config.fields import opt
 from loom.errors import ConfigError
 
 
+ExitSignal = Literal[
+    "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGTRAP", "SIGABRT", "SIGUSR1", "SIGUSR2",
+    "SIGPIPE", "SIGALRM", "SIGSTKFLT", "SIGCHLD", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU",
+    "SIGURG", "SIGXCPU", "SIGXFSZ", "SIGVTALRM", "SIGPROF", "SIGWINCH", "SIGIO", "SIGPWR",
+    "SIGSYS", "SIGRTMIN", "SIGRTMAX"]
+"""Megatron's ``--exit-signal`` choices (Python's ``signal.Signals`` names) that a handler can
+catch; SIGKILL and SIGSTOP (never delivered to a handler) and the hardware-fault signals
+SIGSEGV, SIGBUS, SIGFPE and SIGILL are refused by the flag table."""
+
+
 @dataclass
 class CheckpointConfig:
     """Where checkpoints are written and read, and when."""
@@ -38,6 +48,16 @@ class CheckpointConfig:
                                 "optimizer, scheduler or RNG state; Megatron's fine-tuning)")
     no_load_optim: bool = opt(False, "do not load the optimizer (Adam) and LR-schedule states")
     no_load_rng: bool = opt(False, "do not load the random-generator states")
+    no_save_optim: bool = opt(
+        False, "save checkpoints without the optimizer (Adam) and LR-schedule states; a resume "
+               "from them needs --no-load-optim or --finetune (recorded in the checkpoint's "
+               "config, checked before the run starts)")
+    no_save_rng: bool = opt(
+        False, "save checkpoints without the random-generator states; a resume from them needs "
+               "--no-load-rng or --finetune")
+    exit_on_missing_checkpoint: bool = opt(
+        False, "with --load: when it holds no checkpoint, exit with an error instead of "
+               "starting from iteration 0")
     keep_last: Optional[int] = opt(None, "keep only the newest N checkpoints in --save "
                                          "(default: keep all)", ge=1)
     save_retain_interval: Optional[int] = opt(
@@ -78,9 +98,13 @@ class FaultToleranceConfig:
         10.0, "timeout of collectives (torch.distributed's process-group timeout), minutes",
         gt=0)
     exit_signal_handler: bool = opt(
-        False, "on SIGTERM or SIGINT, finish the current iteration, save a checkpoint (with "
-               "--save) and exit 0 (Megatron's meaning); without it a signal ends the rank at "
-               "once with one line, status 128+signal, no save")
+        False, "on SIGTERM or SIGINT (or --exit-signal's), finish the current iteration, save "
+               "a checkpoint (with --save) and exit 0 (Megatron's meaning); without it a signal "
+               "ends the rank at once with one line, status 128+signal, no save")
+    exit_signal: ExitSignal = opt(
+        "SIGTERM", "the signal --exit-signal-handler saves and exits on: SIGTERM (default) or "
+                   "SIGINT: both of them; another (SIGUSR1, a scheduler's warning before the "
+                   "end of a job): that one, and SIGTERM and SIGINT then end the rank at once")
     check_weight_hash_across_dp_replicas_interval: Optional[int] = opt(
         None, "every N iterations (and before the first) compare a SHA-1 of every weight across "
               "its data-parallel replicas and stop the run, naming the weights and ranks, if any "
@@ -125,3 +149,11 @@ def check_pruning(ck: CheckpointConfig) -> None:
         raise ConfigError(f"--save-retain-interval {ck.save_retain_interval} is not a multiple "
                           f"of --save-interval {ck.save_interval}: no checkpoint would be saved "
                           f"at its multiples; give a multiple of {ck.save_interval}")
+
+
+def check_progress_log(cfg) -> None:
+    """``--log-progress`` appends to ``progress.txt`` in ``--save`` (Megatron's
+    ``append_to_progress_log``): refused without ``--save``, where it would write nothing."""
+    if cfg.logging.log_progress and not cfg.checkpoint.save:
+        raise ConfigError("--log-progress writes progress.txt into the --save directory, but no "
+                          "--save is given: add --save DIR or drop --log-progress")

@@ -228,6 +228,13 @@ class LoggingScriptFields(DebugScriptFields):
         False, "log each MoE layer's load-balancing and z losses every iteration (Megatron's "
                "moe/<loss>_layer_<i>: without the coefficient, mean over the micro-batches "
                "and data-parallel ranks) to the JSON log, TensorBoard and W&B")
+    log_progress: bool = opt(
+        False, "append to --save's progress.txt one line when the job starts and one at each "
+               "checkpoint: iteration, this job's and the cumulative TFLOP/s per GPU, the "
+               "floating-point operations and tokens trained so far (Megatron's format)")
+    log_world_size_to_tensorboard: bool = opt(
+        False, "write the world size (world-size, and world-size vs samples) to "
+               "--tensorboard-dir at every --log-interval")
     wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
                                              "there too (WANDB_MODE=offline works offline)")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name")

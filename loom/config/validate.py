@@ -27,7 +27,7 @@ from loom.config.model_gdn import check_gdn
 from loom.config.model_mla import check_mla
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
-from loom.config.resilience import check_pruning
+from loom.config.resilience import check_progress_log, check_pruning
 from loom.config.document_masks import check_document_masks
 from loom.config.optimizer_precision import check_precision_aware
 from loom.config.script_flags import resolve_script_flags
@@ -471,6 +471,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
         raise ConfigError("--save-interval auto needs the failure rate: give "
                           "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
     check_pruning(ck)
+    check_progress_log(cfg)
     if t.lr is not None and t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")
     if t.compile and p.device != "cuda" and not (

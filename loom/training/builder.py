@@ -27,6 +27,7 @@ import datetime
 import functools
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -55,6 +56,7 @@ from loom.training.fault import CheckpointInterval, FaultTolerance
 from loom.training.metrics import Throughput, peak_flops_per_rank
 from loom.training import weight_hash
 from loom.training.optimizer import build_optimizer, build_scheduler
+from loom.training.progress_log import ProgressLog
 from loom.training.precision import (cast_parameters, loss_scaler, param_dtype,
                                      precision_forward_step)
 from loom.training.rerun import RerunStateMachine, rerun_machine
@@ -157,6 +159,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     """The parts of ``cfg``'s training on this rank. ``mesh`` None initializes
     ``torch.distributed`` (:func:`build_mesh`); ``family`` None is ``--model-type``'s."""
     derived = cfg.require_derived()  # a config cfg.validate(world_size) returned
+    started = time.time()  # the job's start, for --log-progress's job throughput
     if cfg.training.deterministic_mode:  # before any cuBLAS handle or NCCL communicator
         enable_determinism(os.environ)
     mesh = mesh if mesh is not None else build_mesh(cfg)
@@ -180,7 +183,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     faults = FaultTolerance(global_rank, ft.inject_fault, ft.hang_timeout_s, world_size,
                             ft.exit_signal_handler,
                             functools.partial(weight_hash.check, model.chunks, mesh, optimizer),
-                            ft.check_weight_hash_across_dp_replicas_interval)
+                            ft.check_weight_hash_across_dp_replicas_interval,
+                            exit_signal=ft.exit_signal)
     save_interval = checkpoint_interval(cfg, world_size, model.groups.params)
     checkpointer = Checkpointer(cfg, mesh, world_size, model.chunks, optimizer, scheduler,
                                 model.tracker, family)
@@ -212,6 +216,10 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         world_size, peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops),
         predict_step_time(cfg, world_size), logged_metrics(cfg.model, family)
         + (("kd loss",) if t.export_kd_teacher_load else ()))
+    if cfg.logging.log_progress:  # progress.txt in --save (loom.training.progress_log)
+        checkpointer.progress = ProgressLog(
+            cfg.checkpoint.save, world_size, throughput.flops_per_iter / data.global_batch,
+            cfg.model.seq_length, enabled=global_rank == 0, started=started)
     after_step = functools.partial(update_expert_bias, model.chunks, mesh.groups["dp_cp"],
                                    cfg.model.moe_router_bias_update_rate) \
         if cfg.model.num_experts else (lambda: None)

@@ -30,11 +30,21 @@ def megatron_start(found, ck) -> int:
     return int(read_common(found)["iteration"])
 
 
+def missing_checkpoint(load: str) -> str:
+    """The one-line refusal of ``--exit-on-missing-checkpoint`` when ``--load`` holds no
+    checkpoint (Megatron-LM's ``load_checkpoint`` exits there instead of starting from random
+    weights)."""
+    return (f"--load {load} holds no checkpoint and --exit-on-missing-checkpoint is given: "
+            f"exiting instead of starting from iteration 0 (check the path, or drop "
+            f"--exit-on-missing-checkpoint to start fresh)")
+
+
 def check_checkpoints(cfg, dry_run: bool = False) -> int:
     """Resolve ``--load`` and check ``--save`` of ``cfg`` (a resolved LoomConfig); returns the
     start iteration. ``dry_run``: the
     ``--save`` of the predicted cluster is not this machine's disk, so it is not probed (no
-    write test, no free-space check, nothing created).
+    write test, no free-space check, nothing created). ``--exit-on-missing-checkpoint``: a
+    ``--load`` holding no checkpoint is refused (:func:`missing_checkpoint`).
 
     A run never writes into the checkpoints it loaded unless it continues them: ``--finetune``
     starts at iteration 0, so a ``--save`` that holds checkpoints (its own ``--load``'s, or
@@ -58,6 +68,8 @@ def check_checkpoints(cfg, dry_run: bool = False) -> int:
             start = 0 if ck.finetune else int(os.path.basename(ckpt).split("_")[1])
         else:  # a wrong path is refused; a fresh start is said, never silent
             check_fresh_load(ck.load, ck.save)
+            if ck.exit_on_missing_checkpoint:
+                raise ConfigError(missing_checkpoint(ck.load))
         if ckpt is None and rank0:
             print(f"loom train: --load {ck.load} holds no checkpoint yet: starting from "
                   f"iteration 0", flush=True)

@@ -13,8 +13,9 @@ from loom.checkpoint.model_match import check_same_model
 from loom.checkpoint.saver import Saver
 from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
+from loom.training.checkpoint_checks import missing_checkpoint
 from loom.training.optimizer import group_schedule, lr_at
-from loom.training.resume import reconcile_schedule
+from loom.training.resume import check_saved_states, reconcile_schedule
 
 
 @dataclass
@@ -35,7 +36,9 @@ class Checkpointer:
     """Saves and loads of ``model_chunks``, ``optimizer``, ``scheduler`` and ``tracker`` on
     ``mesh`` under ``cfg`` (a LoomConfig: its ``checkpoint`` section, its ``training`` section
     for the LR schedule; ``world_size`` ranks) of a model of ``family`` (the ModelFamily whose
-    shape facts a loaded checkpoint must share). ``saver`` is the :class:`Saver`."""
+    shape facts a loaded checkpoint must share). ``saver`` is the :class:`Saver`; ``progress``
+    the ``--log-progress`` :class:`~loom.training.progress_log.ProgressLog` (None without),
+    which each save appends a line to."""
 
     def __init__(self, cfg, mesh: ParallelMesh, world_size: int, model_chunks: Sequence,
                  optimizer, scheduler, tracker, family):
@@ -43,16 +46,21 @@ class Checkpointer:
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         self.tracker = tracker
         self.saver = Saver(cfg, cfg.checkpoint.async_save)  # sync, or --async-save
+        self.progress = None  # --log-progress: set by loom.training.builder
 
     def save(self, save_dir: str, iteration: int, consumed_samples: int,
              tokenizer_file: Optional[str] = None,
              after_write: Optional[Callable[[], None]] = None) -> str:
         """Checkpoint the state at ``iteration`` (``consumed_samples`` samples trained on) to
-        ``save_dir``; its final path. Collective over all ranks."""
-        return self.saver.save(save_dir, iteration=iteration, consumed_samples=consumed_samples,
-                               model_chunks=self.model_chunks, optimizer=self.optimizer,
-                               scheduler=self.scheduler, mesh=self.mesh, tracker=self.tracker,
-                               tokenizer_file=tokenizer_file, after_write=after_write)
+        ``save_dir``; its final path (and, with ``--log-progress``, a line in
+        ``progress.txt``). Collective over all ranks."""
+        final = self.saver.save(save_dir, iteration=iteration, consumed_samples=consumed_samples,
+                                model_chunks=self.model_chunks, optimizer=self.optimizer,
+                                scheduler=self.scheduler, mesh=self.mesh, tracker=self.tracker,
+                                tokenizer_file=tokenizer_file, after_write=after_write)
+        if self.progress is not None:  # Megatron's save_checkpoint_and_time
+            self.progress.saved(iteration, consumed_samples, self.saver.pending is not None)
+        return final
 
     def _refuse_nonfinite(self, ckpt: str, load_dir: str) -> None:
         """Refuse loaded weights holding a NaN or inf on any rank (a checkpoint saved after the
@@ -86,7 +94,9 @@ class Checkpointer:
         holds none. ``--finetune``: weights only, from iteration 0; ``--no-load-optim``: no Adam
         states and no LR-schedule state; ``--no-load-rng``: fresh generators. The LR schedule
         continues from the restored step with this run's ``--lr``. Raises ConfigError when the
-        checkpoint is of another architecture."""
+        checkpoint is of another architecture, lacks the states this run loads
+        (``--no-save-optim``, ``--no-save-rng``), or is missing under
+        ``--exit-on-missing-checkpoint``."""
         ck, cfg = self.cfg.checkpoint, self.cfg
         weights_only = ck.finetune or ck.no_load_optim  # Megatron: no optimizer, no scheduler
         ckpt = latest_checkpoint(load_dir, ck.ckpt_step)
@@ -94,6 +104,7 @@ class Checkpointer:
             saved = read_common(ckpt)["config"]
             if saved:  # (a bare Megatron-Core checkpoint stores none: its shapes are checked)
                 check_same_model(saved, cfg.model, ckpt, self.family)
+                check_saved_states(saved, cfg, ckpt)
             unmerged = {k: v for k, v in reconcile_schedule(saved, cfg, ckpt).items()
                         if getattr(cfg.training, k) != v}
             if unmerged:  # loom.training.cli.prepare merges them before validation
@@ -106,6 +117,8 @@ class Checkpointer:
                                  None if ck.finetune or ck.no_load_rng else self.tracker,
                                  step=ck.ckpt_step, model_cfg=cfg.model)
         if common is None:
+            if ck.exit_on_missing_checkpoint:  # (loom train refused it before starting)
+                raise ConfigError(missing_checkpoint(load_dir))
             return None
         self._refuse_nonfinite(common["checkpoint_dir"], load_dir)
         if weights_only and hasattr(self.optimizer, "copy_params_to_masters"):

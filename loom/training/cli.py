@@ -38,7 +38,8 @@ from loom.data.tokenizer import build_tokenizer
 from loom.errors import ConfigError
 from loom.training.checkpoint_checks import check_checkpoints, megatron_at
 from loom.training.distill import check_distillation, read_kd_cfg, teacher_checkpoint
-from loom.training.resume import checkpoint_model_args, pretrained_source, reconcile_schedule
+from loom.training.resume import (check_saved_states, checkpoint_model_args, pretrained_source,
+                                  reconcile_schedule)
 from loom.training.script_checks import refuse_unimplemented, start_notes
 
 
@@ -338,6 +339,7 @@ def _check_same_model(cfg: LoomConfig, ckpt: str, saved: dict) -> dict:
     take from it (:func:`loom.training.resume.reconcile_schedule`)."""
     from loom.models import get_family
     check_same_model(saved, cfg.model, ckpt, get_family(cfg.model.model_type))
+    check_saved_states(saved, cfg, ckpt)  # --no-save-optim / --no-save-rng checkpoints
     return reconcile_schedule(saved, cfg, ckpt)
 
 

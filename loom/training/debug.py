@@ -89,7 +89,8 @@ class RunDebug:
             self.notes.append(f"--log-memory-to-tensorboard writes CUDA allocator statistics: "
                               f"none on {device.type}; the peak resident memory is logged as "
                               f"train/peak_memory_bytes")
-        for name in ("log_memory_to_tensorboard", "log_timers_to_tensorboard"):
+        for name in ("log_memory_to_tensorboard", "log_timers_to_tensorboard",
+                     "log_world_size_to_tensorboard"):
             if getattr(lg, name) and not lg.tensorboard_dir:
                 self.notes.append(f"--{name.replace('_', '-')} without --tensorboard-dir: "
                                   f"nothing written (give --tensorboard-dir DIR)")

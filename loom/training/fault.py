@@ -274,7 +274,7 @@ class FaultTolerance:
     def __init__(self, rank: int, inject: Optional[str], hang_timeout_s: Optional[float],
                  world_size: int = 1, exit_signal_handler: bool = False,
                  weight_check: Optional[Callable[[int, Callable], None]] = None,
-                 weight_check_interval: Optional[int] = None):
+                 weight_check_interval: Optional[int] = None, exit_signal: str = "SIGTERM"):
         self.weight_check, self.weight_check_interval = weight_check, weight_check_interval
         self.rank, self.world_size, self.hang_timeout_s = rank, world_size, hang_timeout_s
         spec = parse_fault(inject)
@@ -283,7 +283,7 @@ class FaultTolerance:
         self.progress = Progress()
         self.watchdog: Optional[HangWatchdog] = None
         self.heartbeats: Optional[Heartbeats] = None
-        self.signals = SignalExit(rank, exit_signal_handler)
+        self.signals = SignalExit(rank, exit_signal_handler, exit_signal=exit_signal)
 
     def start(self) -> None:
         """Install the signal handlers and start the watchdog (main thread, process group

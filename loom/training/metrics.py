@@ -115,14 +115,17 @@ class MetricsLogger:
     When stdout is not a terminal (a file, a pipe, a batch job) every iteration line starts
     with the UTC time and ends with the elapsed time and the ETA of the remaining
     ``total_iters`` iterations (or always, with ``timestamps=True``).
+    ``log_world_size`` (``--log-world-size-to-tensorboard``): every training record also
+    writes Megatron's ``world-size`` scalar (and ``world-size vs samples``) to TensorBoard.
     """
 
     def __init__(self, enabled: bool, log_json: Optional[str] = None,
                  tensorboard_dir: Optional[str] = None, total_iters: int = 0,
                  progress_bar: bool = True, config: Optional[dict] = None,
                  start_iteration: int = 0, timestamps: Optional[bool] = None,
-                 world_size: Optional[int] = None):
-        self.enabled = enabled
+                 world_size: Optional[int] = None, log_world_size: bool = False):
+        self.enabled, self.world_size = enabled, world_size
+        self.log_world_size = log_world_size and world_size is not None
         self.json_file = None
         self.tb = None
         self.wandb = None
@@ -215,6 +218,10 @@ class MetricsLogger:
                     self.tb.add_scalar(f"{kind}/{k}", v, it)
                     if samples is not None and not k.startswith("consumed"):  # Megatron's
                         self.tb.add_scalar(f"{kind}/{k} vs samples", v, samples)
+            if kind == "train" and self.log_world_size:  # Megatron's training_log tags
+                self.tb.add_scalar("world-size", self.world_size, it)
+                if samples is not None:
+                    self.tb.add_scalar("world-size vs samples", self.world_size, samples)
         if self.wandb is not None:
             self.wandb.log(record, kind)
 

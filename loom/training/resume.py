@@ -12,7 +12,9 @@ also spelled ``--..-opt_param-scheduler``, Megatron's names) is given, as in Meg
 (``_check_and_set``). The checkpoint's schedule is merged into the flags before validation, by
 the same path as the checkpoint's model fields (:func:`loom.training.cli.prepare`). A
 checkpoint of another ``--optimizer`` is refused unless its states are not loaded
-(``--no-load-optim``, ``--finetune``). Torch-free.
+(``--no-load-optim``, ``--finetune``), and so is a checkpoint saved without optimizer or
+generator states (``--no-save-optim``, ``--no-save-rng``: :func:`check_saved_states`) unless
+they are not loaded. Torch-free.
 """
 
 from __future__ import annotations
@@ -53,6 +55,31 @@ def schedule_differences(saved: dict, cfg: Any) -> list[str]:
     if batch is not None and batch != here:
         out.append(f"--global-batch-size {batch} in the checkpoint, {here} here")
     return out
+
+
+def check_saved_states(saved: dict, cfg: Any, ckpt_dir: str) -> None:
+    """Refuse to resume from a checkpoint saved without the states this run would load: its
+    stored config ``saved`` says ``--no-save-optim`` (no optimizer and no LR-schedule state)
+    or ``--no-save-rng`` (no generators), and this run (``cfg``) neither gives
+    ``--no-load-optim`` / ``--no-load-rng`` nor ``--finetune``. Megatron-LM exits in
+    ``load_checkpoint`` naming the same flags; loom refuses before any process group starts,
+    and never starts the optimizer fresh without being told. An evaluation-only run
+    (``--skip-train``) loads neither. Raises ConfigError (one line)."""
+    ck = cfg.checkpoint
+    if cfg.training.skip_train or ck.finetune:
+        return
+    missing = [(what, flag) for what, flag, saved_without, told in (
+        ("optimizer and LR-schedule state", "--no-load-optim", "no_save_optim",
+         ck.no_load_optim),
+        ("random-generator state", "--no-load-rng", "no_save_rng", ck.no_load_rng))
+        if saved.get(saved_without) and not told]
+    if missing:
+        saved_with = " ".join(f.replace("load", "save") for _, f in missing)
+        raise ConfigError(f"--load: the checkpoint {ckpt_dir} was saved with {saved_with} and "
+                          f"holds no {' and no '.join(w for w, _ in missing)}: give "
+                          f"{' '.join(f for _, f in missing)} to resume its weights and "
+                          f"iteration without them, or --finetune (its weights only, from "
+                          f"iteration 0)")
 
 
 def reconcile_schedule(saved: dict, cfg: Any, ckpt_dir: str) -> dict:

@@ -119,6 +119,10 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
     if t.ckpt_format == "torch_dist" and cfg.checkpoint.async_save:
         out.append("--async-save with --ckpt-format torch_dist: Megatron-format saves are "
                    "written synchronously (loom_dcp saves asynchronously)")
+    ft = cfg.fault_tolerance
+    if ft.exit_signal != "SIGTERM" and not ft.exit_signal_handler:
+        out.append(f"--exit-signal {ft.exit_signal} without --exit-signal-handler: no effect (as "
+                   f"in Megatron-LM): add --exit-signal-handler to save and exit on it")
     if t.use_megatron_fsdp:
         out.append(f"--use-megatron-fsdp --data-parallel-sharding-strategy "
                    f"{t.data_parallel_sharding_strategy}: ZeRO stage {t.zero_stage}"

@@ -7,6 +7,10 @@
   job exits 0 after one line. Without the flag (Megatron's default) the signal ends the rank at
   once, no save, with one line on stderr and status ``128 + signal`` (``SystemExit``: cleanup
   runs, no KeyboardInterrupt or gloo traceback). A second signal always ends at once.
+- ``--exit-signal`` (Megatron's, default SIGTERM) names the signal the handler saves on. SIGTERM
+  or SIGINT: both, as above. Another (SIGUSR1: a scheduler's warning some time before it ends
+  the job, ``sbatch --signal=USR1@120``): that one saves and exits; SIGTERM and SIGINT keep
+  ending the rank at once (as Megatron, where only the chosen signal is caught).
 - The torchrun agent dies (``kill -9``): the ranks are its children, and Linux sends each a
   SIGTERM when the parent goes (``prctl(PR_SET_PDEATHSIG)`` through ctypes); a rank that
   finds its parent already gone at start-up exits too. Without the prctl (other systems) the
@@ -50,10 +54,15 @@ def parent_gone(original_ppid: int) -> bool:
 class SignalExit:
     """SIGTERM / SIGINT handling of one training rank (see the module docstring).
 
-    ``graceful``: ``--exit-signal-handler``; ``say``: where the one line goes (stderr)."""
+    ``graceful``: ``--exit-signal-handler``; ``say``: where the one line goes (stderr);
+    ``exit_signal``: ``--exit-signal``'s name (``"SIGUSR1"``)."""
 
-    def __init__(self, rank: int, graceful: bool, say: Optional[Callable[[str], None]] = None):
+    def __init__(self, rank: int, graceful: bool, say: Optional[Callable[[str], None]] = None,
+                 exit_signal: str = "SIGTERM"):
         self.rank, self.graceful = rank, graceful
+        chosen = signal.Signals[exit_signal]
+        self.saves_on = set(SIGNALS) if chosen in SIGNALS else {chosen}
+        """The signals that save and exit under ``--exit-signal-handler``."""
         self.received: Optional[int] = None
         self.previous: dict[int, object] = {}
         self.ppid = os.getppid()
@@ -62,7 +71,7 @@ class SignalExit:
     def install(self) -> None:
         """Install the handlers (main thread only) and, under torchrun, the parent-death
         signal. Exits at once when the launcher is already gone."""
-        for sig in SIGNALS:
+        for sig in sorted(set(SIGNALS) | (self.saves_on if self.graceful else set())):
             self.previous[sig] = signal.signal(sig, self._handle)
         if under_launcher():
             set_parent_death_signal(signal.SIGTERM)
@@ -78,11 +87,14 @@ class SignalExit:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        if self.graceful and self.received is None:
+        saves = self.graceful and signum in self.saves_on
+        if saves and self.received is None:
             self.received = signum
             return  # the trainer saves and exits at the end of this iteration
-        self.say(f"loom: rank {self.rank} received {name}: exiting without a checkpoint"
-                 + ("" if self.graceful else " (--exit-signal-handler saves one first)"))
+        chosen = " or ".join(sorted(signal.Signals(s).name for s in self.saves_on))
+        why = "" if saves else f" (--exit-signal-handler saves one first on {chosen})" \
+            if self.graceful else " (--exit-signal-handler saves one first)"
+        self.say(f"loom: rank {self.rank} received {name}: exiting without a checkpoint{why}")
         raise SystemExit(128 + signum)
 
     def agreed(self, all_reduce_max: Callable[[list[float]], list[float]]) -> Optional[str]:

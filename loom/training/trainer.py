@@ -350,7 +350,8 @@ class Trainer:
         log = MetricsLogger(self.parts.global_rank == 0, lg.log_json, lg.tensorboard_dir,
                             0 if skip else iters - self.iteration, not lg.no_progress_bar,
                             config=self.cfg.to_flat(), start_iteration=self.iteration,
-                            world_size=self.parts.world_size)
+                            world_size=self.parts.world_size,
+                            log_world_size=lg.log_world_size_to_tensorboard)
         total, local = self.count_parameters()
         log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, {total:,} parameters "
                   f"({local:,} on rank 0), "
@@ -359,6 +360,8 @@ class Trainer:
                   f"starting at iteration {self.iteration}")
         if self.resumed is not None:
             log.event("resume", self.resumed, " " + resume_line(self.resumed))
+        if self.parts.checkpointer.progress is not None:  # --log-progress: "Starting job"
+            self.parts.checkpointer.progress.start(self.consumed_samples)
         for name, ds in self.parts.data.sets():
             if hasattr(ds, "describe"):  # a blend: each dataset's share
                 log.print(f" {name} data blend: {ds.describe()}")
