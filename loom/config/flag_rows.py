@@ -207,6 +207,15 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
              "torch_dcp and fsdp_dtensor write loom_dcp (said at start); --load reads every "
              "format, detected"),
     "--eod-mask-loss": field(note="GPT-style families; input tokens == eod"),
+    "--reset-position-ids": field(note="read by the learned absolute position embedding only, "
+                                       "as in Megatron-Core (under RoPE: named inert at start)"),
+    "--reset-attention-mask": field(note="always applied (Megatron's Transformer Engine and "
+                                         "fused-softmax paths ignore its mask); GPT family, "
+                                         "standard attention, CP 1"),
+    "--dataloader-inter-document-masking": field(note="the same mask and position reset at the "
+                                                      "dataset's own document boundaries; not "
+                                                      "with --mock-data or --fim-data"),
+    "--data-args-path": field(note="read when the config is resolved, before the data"),
     "--sft": field(note="loom.data.sft: one conversation per JSONL line (a line of "
                         "several is refused: loom has no per-conversation attention)"),
     "--sft-tokenizer-prompt-format": field(note="a str in Megatron; its four formats"),
