@@ -209,12 +209,13 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--eod-mask-loss": field(note="GPT-style families; input tokens == eod"),
     "--reset-position-ids": field(note="read by the learned absolute position embedding only, "
                                        "as in Megatron-Core (under RoPE: named inert at start)"),
-    "--reset-attention-mask": field(note="always applied (Megatron's Transformer Engine and "
-                                         "fused-softmax paths ignore its mask); GPT family, "
-                                         "standard attention, CP 1"),
+    "--reset-attention-mask": field(note="applied by the GPT family's standard attention at CP "
+                                         "1 (Megatron's Transformer Engine and fused-softmax "
+                                         "paths ignore its mask; elsewhere loom says so at "
+                                         "start)"),
     "--dataloader-inter-document-masking": field(note="the same mask and position reset at the "
                                                       "dataset's own document boundaries; not "
-                                                      "with --mock-data or --fim-data"),
+                                                      "with --fim-data"),
     "--data-args-path": field(note="read when the config is resolved, before the data"),
     "--sft": field(note="loom.data.sft: one conversation per JSONL line (a line of "
                         "several is refused: loom has no per-conversation attention)"),

@@ -95,7 +95,7 @@ class FamilyRegistry:
     def rules(self, name: str) -> FamilyRules:
         """What the validation pass runs of family ``name``: its ``check``, every other
         family's ``refuse_own_flags`` (registry order), ``replicates_kv_heads`` and
-        ``document_masks`` (its model takes ``document_starts``); raises
+        ``document_masks`` (``ModelFamily.takes_documents``); raises
         ConfigError naming ``--model-type`` for an unknown name."""
         try:
             family = self.get(name)
@@ -107,8 +107,7 @@ class FamilyRegistry:
                            others=tuple(f.refuse_own_flags for f in self.families()
                                         if f.name != family.name),
                            replicates_kv_heads=family.replicates_kv_heads,
-                           document_masks="document_starts" in getattr(family.build,
-                                                                       "extra_inputs", ()))
+                           document_masks=family.takes_documents)
 
     def for_hf(self, model_type: str) -> Optional[ModelFamily]:
         """The family whose Hugging Face mapping imports ``config.json``'s ``model_type``, or

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
-from loom.config.document_masks import document_resets
+from loom.config.document_masks import document_plan
 from loom.config.parallel_cp import hierarchical_sizes
 from loom.errors import ConfigError
 from loom.models import get_family
@@ -198,17 +198,15 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         from loom.data.loss_mask import EodLossMask, end_of_document_id
         eod = end_of_document_id(cfg.data, cfg.model.vocab_size)
         datasets = tuple(None if ds is None else EodLossMask(ds, eod) for ds in datasets)
-    resets = document_resets(cfg)
-    if resets:  # Megatron's document masks (loom.data.document_masks)
+    plan = document_plan(cfg, family.takes_documents)
+    if plan.active:  # Megatron's document masks (loom.data.document_masks)
         from loom.data.document_masks import DocumentResets
         from loom.data.loss_mask import end_of_document_id
-        inter = cfg.data.dataloader_inter_document_masking  # the dataset's own documents
-        eod = None if inter else end_of_document_id(cfg.data, cfg.model.vocab_size, resets[0])
-        positions = "--reset-position-ids" in resets or (
-            inter and cfg.model.position_embedding_type == "learned_absolute")
+        eod = None if plan.own_documents else end_of_document_id(
+            cfg.data, cfg.model.vocab_size,
+            "--reset-attention-mask" if plan.attention else "--reset-position-ids")
         datasets = tuple(None if ds is None else DocumentResets(
-            ds, eod, positions, inter or "--reset-attention-mask" in resets, inter)
-            for ds in datasets)
+            ds, eod, plan.positions, plan.attention, plan.own_documents) for ds in datasets)
     data = BatchSource.from_config(cfg, mesh, datasets)
     throughput = Throughput(
         data.global_batch * cfg.model.seq_length,

@@ -7,7 +7,7 @@ predicts). Nothing is dropped silently.
 from __future__ import annotations
 
 from loom.config import LoomConfig
-from loom.config.document_masks import document_resets, position_reset_is_inert
+from loom.config.document_masks import document_notes, document_plan
 from loom.config.flag_table import no_effect_report
 from loom.config.script_flags import parse_step_schedule
 from loom.errors import ConfigError
@@ -35,10 +35,11 @@ def refuse_unimplemented(cfg: LoomConfig) -> None:
     if t.calculate_per_token_loss and family.datasets is not next_token_windows:
         todo.append(f"--calculate-per-token-loss with --model-type {cfg.model.model_type}, "
                     f"whose micro-batches hold different numbers of loss tokens (drop it)")
-    resets = document_resets(cfg)
-    if resets and not cfg.data.sft and not cfg.data.dataloader_inter_document_masking:
+    plan = document_plan(cfg, family.takes_documents)
+    if plan.active and not plan.own_documents:  # documents end at the end-of-document id
         from loom.data.loss_mask import end_of_document_id
-        end_of_document_id(cfg.data, cfg.model.vocab_size, resets[0])  # refused without one
+        end_of_document_id(cfg.data, cfg.model.vocab_size, "--reset-attention-mask"
+                           if plan.attention else "--reset-position-ids")  # refused without
     masked = "--sft" if cfg.data.sft else "--eod-mask-loss" if cfg.data.eod_mask_loss else None
     if masked:
         from loom.data.loss_mask import end_of_document_id
@@ -102,11 +103,8 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
         if value and b and value % b:
             out.append(f"--{name.replace('_', '-')} {value} is {value / b:.2f} global batches "
                        f"of {b}: loom's schedule steps per iteration, over {iters}")
-    if position_reset_is_inert(cfg):
-        out.append(f"--reset-position-ids with --position-embedding-type "
-                   f"{m.position_embedding_type}: no effect (as in Megatron-Core, whose "
-                   f"RoPE ignores the position ids); only a learned absolute position "
-                   f"embedding reads them")
+    from loom.models import get_family
+    out += document_notes(cfg, get_family(m.model_type).takes_documents)
     if t.calculate_per_token_loss:
         out.append("--calculate-per-token-loss: every micro-batch holds the same number of loss "
                    "tokens, so the per-token and per-micro-batch averages are the same loss")

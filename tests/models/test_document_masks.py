@@ -93,29 +93,48 @@ def _config(family: str = "gpt", world: int = 1, **flags) -> LoomConfig:
 
 
 @pytest.mark.parametrize("flags,words", [
-    (dict(family="mamba", reset_attention_mask=True), "--model-type mamba"),
-    (dict(reset_attention_mask=True, context_parallel_size=2), "--context-parallel-size"),
     (dict(reset_position_ids=True, mtp_num_layers=1), "--mtp-num-layers"),
-    (dict(reset_attention_mask=True, multi_latent_attention=True, q_lora_rank=None,
-          kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
-          position_embedding_type="none"), "--multi-latent-attention"),
+    (dict(dataloader_inter_document_masking=True, mock_data=False, fim_data=True,
+          data_path="/nonexistent"), "--fim-data"),
 ])
-def test_unsupported_combinations_are_refused_in_one_line(flags, words):
+def test_partial_or_contradictory_uses_are_refused_in_one_line(flags, words):
     with pytest.raises(ConfigError) as e:
-        _config(world=2 if flags.get("context_parallel_size") else 1, **flags)
+        _config(**flags)
     msg = str(e.value)
     assert words in msg and "drop" in msg and "\n" not in msg
 
 
-def test_position_reset_under_rope_is_named_as_inert():
+@pytest.mark.parametrize("family,flags,words", [
+    ("mamba", dict(reset_attention_mask=True), "--model-type mamba"),
+    ("gpt", dict(reset_attention_mask=True, context_parallel_size=2, world=2),
+     "--context-parallel-size > 1"),
+    ("gpt", dict(reset_attention_mask=True, multi_latent_attention=True, q_lora_rank=None,
+                 kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
+                 position_embedding_type="none"), "--multi-latent-attention"),
+    ("gpt", dict(dataloader_inter_document_masking=True), "--mock-data"),
+    ("llama", dict(reset_position_ids=True), "RoPE ignores the position ids"),
+])
+def test_where_loom_cannot_apply_them_the_run_is_told_at_start(family, flags, words):
+    """Where loom's mask is not applied (as Megatron's Transformer Engine attention never
+    applies it), the run trains without it and says so once at start, naming why."""
+    from loom.config.document_masks import document_plan
     from loom.training.script_checks import start_notes
-    from loom.config.document_masks import document_resets
-    rope = tiny_config("llama", reset_position_ids=True).validate(1)
-    assert document_resets(rope) == []
-    assert any("--reset-position-ids" in n and "no effect" in n for n in start_notes(rope, {}))
+    cfg = _config(family, **flags)
+    takes = get_family(cfg.model.model_type).takes_documents
+    assert not document_plan(cfg, takes).active
+    notes = [n for n in start_notes(cfg, {}) if words in n]
+    assert len(notes) == 1 and "no " in notes[0], start_notes(cfg, {})
+
+
+def test_the_plan_of_each_flag():
+    from loom.config.document_masks import DocumentPlan, document_plan
     learned = tiny_config("gpt", reset_position_ids=True, reset_attention_mask=True).validate(1)
-    assert document_resets(learned) == ["--reset-attention-mask", "--reset-position-ids"]
-    assert not any("--reset-position-ids" in n for n in start_notes(learned, {}))
+    assert document_plan(learned) == DocumentPlan(attention=True, positions=True)
+    rope = tiny_config("llama", reset_position_ids=True).validate(1)
+    assert document_plan(rope) == DocumentPlan()
+    inter = tiny_config("gpt", mock_data=False, data_path="/d/x",
+                        dataloader_inter_document_masking=True).validate(1)
+    assert document_plan(inter) == DocumentPlan(True, True, True)
 
 
 def _masked_run(argv):
@@ -185,9 +204,6 @@ def test_inter_document_masking_reads_the_datasets_own_boundaries(tmp_path):
     assert cuts > 40
 
 
-def test_inter_document_masking_refuses_mock_data():
-    with pytest.raises(ConfigError, match="--dataloader-inter-document-masking with --mock-data"):
-        _config(dataloader_inter_document_masking=True)
 
 
 def test_loom_train_masks_at_the_datasets_documents(tmp_path):
