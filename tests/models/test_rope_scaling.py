@@ -5,6 +5,9 @@
   loom model builds from the flags equal Megatron-Core 0.16.1's
   ``RotaryEmbedding(rope_scaling=..., rope_scaling_factor=..., seq_len_interpolation_factor=...)``
   at positions up to 20000, with and without ``--rotary-percent``, and differ from plain RoPE;
+* Hugging Face: a ``LlamaForCausalLM`` with ``rope_scaling`` llama3 or linear imports with the
+  flags and gives its logits; the exported ``config.json`` gives ``transformers`` the same
+  ``rope_scaling``; other scalings are refused;
 * generation: the KV-cached decode equals the full forward with every flag on.
 
 Whole models with each flag (``--no-rope-freq`` too) against Megatron-Core's GPTModel:
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 from loom.config import LoomConfig, ModelConfig
+from loom.errors import ConfigError
 from loom.models import get_family
 from loom.models.attention import rope_cos_sin
 from loom.parallel.mesh import ParallelMesh
@@ -84,3 +88,69 @@ def test_generation_with_the_kv_cache_equals_the_full_forward():
             cache.length += 1
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=UNIT_ATOL)
     assert len(generate(model, ids[0, :30].tolist(), 5)) == 5
+
+
+# -- Hugging Face -----------------------------------------------------------------------------
+
+HF_SCALINGS = {
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+               dict(use_rope_scaling=True, rope_scaling_factor=8.0)),
+    "linear": ({"rope_type": "linear", "factor": 4.0},
+               dict(rotary_seq_len_interpolation_factor=4))}
+
+
+def _hf_llama(rope_scaling):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=16384, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        initializer_range=0.15, rope_scaling=rope_scaling)).eval()
+    return hf
+
+
+@pytest.mark.parametrize("name", sorted(HF_SCALINGS))
+def test_hf_llama_with_rope_scaling_imports_with_the_flags(name):
+    from loom.interop.hf import load_full_state_dict
+    from loom.models.gpt.hf import hf_config, llama_config, llama_to_loom
+    transformers = pytest.importorskip("transformers")
+    scaling, flags = HF_SCALINGS[name]
+    hf = _hf_llama(scaling)
+    cfg = llama_config(hf.config)
+    assert {k: getattr(cfg, k) for k in flags} == flags
+    ids = torch.randint(0, 300, (1, 256), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        logits = {}
+        for key, c in (("with", cfg), ("without", llama_config(_hf_llama(None).config))):
+            model = build_model(get_family("gpt"), c, ParallelMesh.single()).eval()
+            load_full_state_dict(model, llama_to_loom(hf.state_dict(), c))
+            logits[key] = model(ids)[..., :300]
+    assert float((logits["with"] - want).abs().max()) < UNIT_ATOL * max(1, want.abs().max())
+    assert float((logits["without"] - want).abs().max()) > 1e-3  # the scaling matters here
+    exported = transformers.LlamaConfig(**hf_config(cfg))
+    got = exported.rope_parameters
+    assert {k: got[k] for k in scaling} == scaling, got
+    assert llama_config(exported) == cfg
+
+
+@pytest.mark.parametrize("scaling, match", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "type 'dynamic'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 4096}, "fixes them at 1, 4, 8192"),
+    ({"rope_type": "linear", "factor": 2.5}, "an int >= 1")])
+def test_hf_llama_with_other_rope_scalings_is_refused(scaling, match):
+    from loom.models.gpt.hf import llama_config
+    with pytest.raises(ConfigError, match=match):
+        llama_config(_hf_llama(scaling).config)
+
+
+def test_export_refuses_what_hf_cannot_hold():
+    from loom.models.gpt.hf import hf_config
+    both = validated(llama(use_rope_scaling=True, rotary_seq_len_interpolation_factor=2)).model
+    with pytest.raises(ConfigError, match="holds one of them"):
+        hf_config(both)
+    with pytest.raises(ConfigError, match="--no-rope-freq"):
+        hf_config(validated(llama(no_rope_freq="2")).model)
