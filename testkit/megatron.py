@@ -179,8 +179,8 @@ def init_megatron_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1)
 
 def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
     """Megatron-Core's ``TransformerConfig`` of the loom ``ModelConfig`` ``cfg`` (GPT family:
-    GPT-2 / LLaMA layouts, QK-layernorm, interleaved RoPE, the gated attention output, MoE with
-    the allgather dispatcher),
+    GPT-2 / LLaMA layouts, QK-layernorm, interleaved RoPE, NoPE layers, the gated attention
+    output, MoE with the allgather dispatcher),
     fp32, no dropout, CPU initialization; ``extra``: more ``TransformerConfig`` fields."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -204,7 +204,7 @@ def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
               bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
               persist_layer_norm=False, init_method_std=0.02, pipeline_dtype=torch.float32,
               rotary_interleaved=cfg.rotary_interleaved,
-              attention_output_gate=cfg.attention_output_gate)
+              attention_output_gate=cfg.attention_output_gate, no_rope_freq=_no_rope(cfg))
     if cfg.num_experts:
         kw.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                   moe_ffn_hidden_size=cfg.moe_ffn_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
@@ -217,6 +217,17 @@ def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
                   moe_router_dtype="fp32" if cfg.moe_router_dtype == "fp32" else None,
                   moe_grouped_gemm=False)
     return TransformerConfig(**{**kw, **extra})
+
+
+def _no_rope(cfg):
+    """``--no-rope-freq`` as Megatron's parser hands it to ``TransformerConfig``: an int
+    (which Megatron expands itself) or the 0/1 list, or None."""
+    text = getattr(cfg, "no_rope_freq", None)
+    if text is None:
+        return None
+    text = str(text).strip()
+    return int(text) if text.isdigit() else \
+        [int(cfg.is_no_rope_layer(i)) for i in range(cfg.num_layers)]
 
 
 def megatron_gpt(cfg, tp: int = 1, pp: int = 1, ep: int = 1, vocab: int | None = None,
@@ -237,6 +248,8 @@ def megatron_gpt(cfg, tp: int = 1, pp: int = 1, ep: int = 1, vocab: int | None =
                     post_process=ps.is_pipeline_last_stage(),
                     position_embedding_type=cfg.position_embedding_type,
                     rotary_base=int(cfg.rotary_base), rotary_percent=cfg.rotary_percent,
+                    rope_scaling=cfg.use_rope_scaling, rope_scaling_factor=cfg.rope_scaling_factor,
+                    seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
                     share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights)
 
 

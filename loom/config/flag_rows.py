@@ -101,6 +101,7 @@ _IMPLEMENTED = words("""
 --export-kd-teacher-load --export-kd-cfg
 --no-save-optim --no-save-rng --exit-on-missing-checkpoint --exit-signal --log-progress
 --log-world-size-to-tensorboard
+--use-rope-scaling --rope-scaling-factor --rotary-seq-len-interpolation-factor --no-rope-freq
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -224,6 +225,20 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--mamba-num-heads": field(note="d_inner = heads x --mamba-head-dim, any h"),
     "--window-size": field(note="loom holds the text 'LEFT,RIGHT'"),
     "--window-attn-skip-freq": field(note="loom holds the text (an int or a list)"),
+    "--use-rope-scaling": field(note="Llama 3.1's scaling with low/high frequency factors 1 "
+                                     "and 4 and original context 8192, fixed as in "
+                                     "Megatron-Core; RoPE of standard attention (not YaRN, "
+                                     "MLA or a hybrid model, which Megatron builds without it)"),
+    "--rope-scaling-factor": field(note="Megatron-LM d98e8a6's pretrain_gpt.py does not pass "
+                                        "it on (its GPTModelConfig keeps 8.0 whatever the "
+                                        "flag); loom scales by the flag's value, as its help "
+                                        "and Megatron's HF config check mean it"),
+    "--rotary-seq-len-interpolation-factor": field(note="an int in Megatron; positions times "
+                                                        "1/factor (RotaryEmbedding's "
+                                                        "seq_len_interpolation_factor); not "
+                                                        "with YaRN or MLA, which ignore it"),
+    "--no-rope-freq": field(note="loom holds the text (an int or a list); also YaRN's layers, "
+                                 "not MLA's (Megatron's MLA ignores it)"),
     "--enable-gpt-oss": field(note="ModelOpt's flag: YaRN RoPE with gpt-oss's values"),
     "--lr-decay-style": field(refuse={
         "inverse-square-root": "loom has no inverse-square-root decay: use cosine, linear or "

@@ -278,10 +278,6 @@ REFUSED_ROWS = (
     ("--batch-invariant-mode", _no("batch-invariant kernels")),
     ("--batch-invariant-backend", _no("batch-invariant kernels")),
 
-    ("--rotary-seq-len-interpolation-factor", _no("RoPE position interpolation")),
-    ("--use-rope-scaling", _no("Llama 3.1 RoPE frequency scaling")),
-    ("--rope-scaling-factor", _no("Llama 3.1 RoPE frequency scaling")),
-    ("--no-rope-freq", _no("NoPE layers (RoPE skipped every N-th layer)")),
     ("--no-weight-decay-cond-type", _no("another weight-decay rule (loom decays no norms or "
                                         "biases)")),
     ("--freeze-all-layers", refused("training_options", "frozen layers")),

@@ -25,6 +25,7 @@ from loom.config.hybrid_pattern import resolve_hybrid_pattern
 from loom.config.model_gptoss import check_gptoss
 from loom.config.model_gdn import check_gdn
 from loom.config.model_mla import check_mla
+from loom.config.model_rope import check_rope
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
 from loom.config.resilience import check_progress_log, check_pruning
@@ -429,6 +430,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
     check_mla(m, tp, cp, pp)
     check_gdn(m, tp, cp)
     check_gptoss(m, tp, cp)
+    check_rope(m)  # after check_gptoss: --enable-gpt-oss sets rope
     check_context_parallel(m, p)
     check_document_masks(cfg, family is None or family.document_masks)
     if world_size % (tp * pp * cp):

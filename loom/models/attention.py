@@ -33,22 +33,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.models.rope_scaling import llama3_inv_freq
 from loom.parallel.interface import NeverRecompute, SelectiveRecompute
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
-                 scaling_factor: float = 1.0,
-                 interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[s, d]`` of rotary embeddings (Su et al. 2021); ``scaling_factor``: linear
-    position interpolation (frequencies / factor). Frequency i (``base^(-2i/d)``) sits at
-    channels i and i + d/2 (the halves layout of ``rotate_half``, Megatron's default), or at
-    channels 2i and 2i + 1 with ``interleaved`` (``--rotary-interleaved``: Megatron-Core's
-    ``RotaryEmbedding.get_emb``, GPT-J's and the original LLaMA's pairs)."""
+                 scaling_factor: float = 1.0, interleaved: bool = False,
+                 interpolation: Optional[float] = None,
+                 llama3_factor: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[s, d]`` of rotary embeddings (Su et al. 2021) at ``positions [s]``.
+    Frequency i (``base^(-2i/d)``) sits at channels i and i + d/2 (the halves layout of
+    ``rotate_half``, Megatron's default), or at channels 2i and 2i + 1 with ``interleaved``
+    (``--rotary-interleaved``: Megatron-Core's ``RotaryEmbedding.get_emb``, GPT-J's and the
+    original LLaMA's pairs).
+
+    Scalings: ``scaling_factor`` divides the frequencies (Gemma 3's linear scaling, HF's
+    order of operations); ``interpolation`` multiplies the positions by its inverse
+    (``--rotary-seq-len-interpolation-factor``: Megatron-Core's ``seq_len_interpolation_factor``,
+    in its order of operations; Chen et al. 2023, "Extending Context Window of Large Language
+    Models via Positional Interpolation"); ``llama3_factor`` applies Llama 3.1's frequency
+    scaling (``--use-rope-scaling``: :func:`loom.models.rope_scaling.llama3_inv_freq`)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                             device=positions.device) / head_dim))
+    if llama3_factor is not None:
+        inv_freq = llama3_inv_freq(inv_freq, llama3_factor)
     if scaling_factor != 1.0:
         inv_freq = inv_freq / scaling_factor
-    freqs = torch.outer(positions.float(), inv_freq)
+    seq = positions.float()
+    if interpolation is not None:
+        seq = seq * (1 / interpolation)
+    freqs = torch.outer(seq, inv_freq)
     emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -250,12 +264,17 @@ class SelfAttention(nn.Module):
     fused projection also yields a gate ``G [s, b, a d]`` (loom's rows ``[Q; G; K; V]``, each
     block split over TP), and the attention output ``o [s, b, a d]`` becomes
     ``o * sigmoid(G)`` (computed in fp32, cast back) before the output projection. Megatron
-    interleaves the same rows per query group, ``[g][a/g q heads, a/g gate heads, k, v][d]``."""
+    interleaves the same rows per query group, ``[g][a/g q heads, a/g gate heads, k, v][d]``.
+
+    A layer ``--no-rope-freq`` marks (``ModelConfig.is_no_rope_layer``; Llama 4's NoPE layers)
+    does not rotate its queries and keys: Megatron-Core's ``Attention.forward`` drops the
+    rotary embedding there."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         a, g, d, h = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.hidden_size
         self.layer_number, self.head_dim = layer_number, d
+        self.rotates = not cfg.is_no_rope_layer(layer_number)  # --no-rope-freq: a NoPE layer
         self.gated = cfg.attention_output_gate
         blocks = (a, a, g, g) if self.gated else (a, g, g)  # heads of [Q; (G;) K; V]
         self.shares = tuple(n / sum(blocks) for n in blocks)  # shares of the fused width
@@ -297,7 +316,7 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rope is not None:
+        if rope is not None and self.rotates:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
         if cache is not None:

@@ -165,7 +165,8 @@ class LanguageModelChunk(nn.Module):
         """What every layer takes after ``x``; default ``(rope, positions, cache, moe)`` with
         ``rope`` the cos, sin ``[s, r]`` under ``--position-embedding-type rope`` (r = d, or
         ``--rotary-percent`` of it; with ``--rotary-interleaved`` the triple (cos, sin, True):
-        pairs (2i, 2i + 1), :func:`~loom.models.attention.apply_rope`'s third argument) or
+        pairs (2i, 2i + 1), :func:`~loom.models.attention.apply_rope`'s third argument; scaled
+        by ``--use-rope-scaling`` / ``--rotary-seq-len-interpolation-factor``) or
         ``yarn`` (r = d: :func:`~loom.models.yarn.yarn_cos_sin` with ``ModelConfig.yarn_args``,
         Megatron-Core's ``YarnRotaryEmbedding`` of GPTModel), else None. ``positions``: the
         sequence positions ``[s]``, or with ``extra["document_starts"] [b, s]``
@@ -173,7 +174,7 @@ class LanguageModelChunk(nn.Module):
         rope, c = None, self.cfg
         if c.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, c.rotary_dim, c.rotary_base,
-                                interleaved=c.rotary_interleaved)
+                                interleaved=c.rotary_interleaved, **c.rope_scaling_args())
             if c.rotary_interleaved:
                 rope = (*rope, True)
         elif c.position_embedding_type == "yarn":

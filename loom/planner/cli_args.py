@@ -275,7 +275,8 @@ NO_STEP_COST_MODEL = frozenset({
     "mup_base_head_dim", "mup_attn_scale_power",
     # positions: elementwise work the elementwise term already counts
     "rotary_base_local", "rotary_percent", "rotary_interleaved", "yarn_beta_fast",
-    "yarn_beta_slow", "yarn_correction_range_round_to_int",
+    "yarn_beta_slow", "yarn_correction_range_round_to_int", "use_rope_scaling",
+    "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "no_rope_freq",
     # activations of the same widths (the gated / ungated choice itself is priced)
     "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "squared_relu",
     # spellings resolved into priced fields by loom's config (a bundle, a head count, ...)

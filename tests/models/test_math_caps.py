@@ -1,4 +1,5 @@
-"""Interleaved RoPE and muP (issue 42, branch capsmath), each against a reference:
+"""Interleaved RoPE and muP (issue 42, branch capsmath), RoPE scaling and NoPE layers, each
+against a reference:
 
 * ``--rotary-interleaved``: the rotation of q and k equals Megatron-Core 0.16.1's
   ``RotaryEmbedding(rotary_interleaved=True)`` applied by ``_apply_rotary_pos_emb_bshd`` (the
@@ -11,6 +12,10 @@
   and TP=2, and so does interleaved RoPE (one spawned 2-rank world); muP's initialization and
   optimizer groups are Megatron's rules (``TransformerConfig.__post_init__``,
   ``get_mup_config_overrides``), written out here.
+* ``--use-rope-scaling``, ``--rotary-seq-len-interpolation-factor`` and ``--no-rope-freq`` (an
+  int, which Megatron expands itself, and a list): Megatron-Core's GPTModel with the flag gives
+  loom's logits on its weights at TP=2, in the same world, and the weights without the flag
+  give others.
 
 Parity rows (TP=2, PP=2, CP=2 against one rank): tests/parallel/test_math_caps_parity.py."""
 
@@ -261,10 +266,51 @@ def _case(kind: str, tp: int, tmp: str) -> dict:
     return out
 
 
+# RoPE scaling and NoPE layers (tests/models/test_rope_scaling.py has their cos/sin): logits
+ROPE = {"llama3": dict(use_rope_scaling=True, rope_scaling_factor=32.0),
+        "interpolation": dict(rotary_seq_len_interpolation_factor=4),
+        "no-rope-int": dict(no_rope_freq="2"),
+        "no-rope-list": dict(no_rope_freq="[1,0,0,1]")}
+ROPE_SHAPE = dict(num_layers=4, kv_channels=16, seq_length=64, max_position_embeddings=64)
+
+
+def _rope_case(name: str) -> dict:
+    """Megatron-Core's GPTModel with the flag (weights scaled up from the 0.02-std start:
+    sharper attention, so positions matter more) against loom on its weights at TP=2, with
+    and without the flag."""
+    from loom.interop.hf import load_full_state_dict
+    from loom.parallel.mappings import gather_from_tensor_parallel_region
+    from testkit.megatron import init_megatron_parallel, megatron_full, megatron_gpt
+    from testkit.numerics import rel_err
+    cfg = validated(llama(**ROPE_SHAPE, **ROPE[name]), world=2,
+                    tensor_model_parallel_size=2).model
+    s = cfg.seq_length
+    tokens = torch.randint(0, cfg.vocab_size, (2, s), generator=torch.Generator().manual_seed(3))
+    init_megatron_parallel(tp=2)
+    ref = megatron_gpt(cfg, tp=2).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(8.0 if p.dim() == 2 else 1.0)
+    full = megatron_full(ref, cfg, "param")
+    mesh = ParallelMesh.build(tp=2)
+    group, out = mesh.groups["tp"], {}
+    with torch.no_grad():
+        want = gather_from_tensor_parallel_region(ref(tokens, torch.arange(s).expand(2, s),
+                                                      None), group)
+        plain = validated(llama(**ROPE_SHAPE), world=2, tensor_model_parallel_size=2).model
+        for key, model_cfg in (("logits", cfg), ("without", plain)):
+            model = build_model(get_family("gpt"), model_cfg, mesh).eval()
+            load_full_state_dict(model, full)
+            out[key] = rel_err(gather_from_tensor_parallel_region(model(tokens), group), want)
+    return out
+
+
 def world(tmp: str) -> dict:
     from testkit.megatron import megatron_on_cpu
     with megatron_on_cpu():
-        return {case: _case(*case, tmp) for case in CASES}
+        out = {case: _case(*case, tmp) for case in CASES}
+        out.update({("rope", name): _rope_case(name) for name in ROPE})
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +328,11 @@ def test_logits_loss_and_grads_match_megatron_core(megatron_results, case):
         for what in ("logits", "loss", "grads"):
             assert r[what] < PARITY_RTOL, (rank, case, what, r)
         assert r["without"] > 100 * PARITY_RTOL, (rank, case, r)  # the comparison can fail
+
+
+@pytest.mark.parametrize("name", sorted(ROPE))
+def test_rope_scaling_and_nope_layers_match_megatron_core(megatron_results, name):
+    for rank, res in enumerate(megatron_results):
+        r = res[("rope", name)]
+        assert r["logits"] < PARITY_RTOL, (rank, name, r)
+        assert r["without"] > 100 * PARITY_RTOL, (rank, name, r)  # the flag changes the model

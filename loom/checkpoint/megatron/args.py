@@ -85,7 +85,7 @@ def _renamed(args: Any) -> dict:
         out["apply_layernorm_1p"] = True
     if getattr(args, "num_experts", None) in (0,):
         out["num_experts"] = None
-    for key in ("moe_layer_freq", "linear_attention_freq"):  # Megatron's int or list: text
+    for key in ("moe_layer_freq", "linear_attention_freq", "no_rope_freq"):  # int or list: text
         value = getattr(args, key, None)
         if isinstance(value, list):
             out[key] = "[" + ",".join(str(int(v)) for v in value) + "]"

@@ -231,7 +231,7 @@ def megatron_args(cfg, flat: dict, iteration: int, consumed: int, target_tp: int
               layernorm_zero_centered_gamma=bool(getattr(cfg, "apply_layernorm_1p", False)))
     ns.pop("model_type", None)
     from loom.config.model_moe import parse_moe_layer_freq
-    for key in ("moe_layer_freq", "linear_attention_freq"):  # Megatron's types: int or list
+    for key in ("moe_layer_freq", "linear_attention_freq", "no_rope_freq"):  # int or list
         if ns.get(key) is not None:
             text = str(ns[key]).strip()
             ns[key] = int(text) if text.isdigit() else \

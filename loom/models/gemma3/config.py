@@ -41,8 +41,8 @@ def refuse_own_flags(m: Any) -> None:
 
 def check(cfg: Any, world_size: int) -> None:
     """--model-type gemma3 fixes the layout (RMSNorm (1 + w), RoPE, GeGLU, no biases, tied
-    output, RoPE rotating halves): written into the config so checkpoints describe it;
-    ``--layer-types`` has one L or G per layer."""
+    output, RoPE rotating halves, its own RoPE scaling): written into the config so
+    checkpoints describe it; ``--layer-types`` has one L or G per layer."""
     m = cfg.model
     for bad, flag in ((m.num_experts, "--num-experts"), (m.swiglu, "--swiglu"),
                       (m.untie_embeddings_and_output_weights,
@@ -53,6 +53,14 @@ def check(cfg: Any, world_size: int) -> None:
     if m.rotary_interleaved:
         raise ConfigError("--rotary-interleaved: --model-type gemma3 has Gemma 3's RoPE, "
                           "which rotates halves: drop --rotary-interleaved")
+    for on, flag in ((m.use_rope_scaling, "--use-rope-scaling"),
+                     (m.rotary_seq_len_interpolation_factor, "--rotary-seq-len-interpolation-"
+                                                             "factor"),
+                     (m.no_rope_freq, "--no-rope-freq")):
+        if on is not None and on is not False:
+            raise ConfigError(f"{flag}: --model-type gemma3 has Gemma 3's own RoPE (local and "
+                              f"global bases; --rotary-scaling-factor scales the global one): "
+                              f"drop {flag}")
     kinds = m.attention_layer_types
     if len(kinds) != m.num_layers or set(kinds) - set("LG"):
         raise ConfigError(f"--layer-types {kinds!r} must have --num-layers {m.num_layers} "

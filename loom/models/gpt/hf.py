@@ -19,9 +19,9 @@ from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
 from loom.models.gpt import hf_deepseek, hf_gpt_oss, hf_moe, hf_qwen3_moe
-from loom.models.gpt.hf_parts import (attention_to_hf, attention_to_loom, check_plain,
-                                      outer_to_hf, outer_to_loom, rope_theta, swiglu_to_hf,
-                                      swiglu_to_loom)
+from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
+                                      check_plain, outer_to_hf, outer_to_loom, rope_fields,
+                                      rope_to_hf, swiglu_to_hf, swiglu_to_loom)
 
 
 def gpt2_config(hf_config) -> ModelConfig:
@@ -53,7 +53,7 @@ def llama_config(hf_config) -> ModelConfig:
         seq_length=hf_config.max_position_embeddings,
         max_position_embeddings=hf_config.max_position_embeddings,
         vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.rms_norm_eps,
-        rotary_base=rope_theta(hf_config), add_qkv_bias=qwen2,
+        add_qkv_bias=qwen2, **rope_fields(hf_config, "Qwen2" if qwen2 else "LLaMA"),
         untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
         hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
@@ -99,7 +99,7 @@ def dense_layout(cfg: ModelConfig) -> str:
     """``gpt2``, ``llama`` or ``qwen2`` (LLaMA with QKV biases); raises ConfigError for a dense
     model none of those HF classes expresses (naming the first option in
     :data:`~loom.models.gpt.hf_parts.PLAIN_LAYOUT` it sets)."""
-    check_plain(cfg, "GPT-2 or LLaMA")
+    check_plain(cfg, "GPT-2 or LLaMA", allowed=ROPE_SCALINGS)
     gpt2 = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
             and not cfg.swiglu and not cfg.disable_bias_linear
             and not cfg.untie_embeddings_and_output_weights)
@@ -148,7 +148,7 @@ def dense_hf_config(cfg: ModelConfig) -> dict:
               "num_attention_heads": cfg.num_attention_heads,
               "num_key_value_heads": cfg.num_kv_groups, "head_dim": cfg.head_dim,
               "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
-              "rope_theta": cfg.rotary_base, "hidden_act": "silu",
+              "hidden_act": "silu", **rope_to_hf(cfg),
               "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
     if layout == "qwen2":
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",

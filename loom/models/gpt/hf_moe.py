@@ -20,8 +20,9 @@ import torch
 
 from loom.config import ModelConfig
 from loom.errors import ConfigError
-from loom.models.gpt.hf_parts import (attention_to_hf, attention_to_loom, check_plain, outer_to_hf,
-                                      outer_to_loom, rope_theta, swiglu_to_hf, swiglu_to_loom)
+from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
+                                      check_plain, outer_to_hf, outer_to_loom, rope_fields,
+                                      rope_to_hf, swiglu_to_hf, swiglu_to_loom)
 
 
 def _common(hf_config) -> dict:
@@ -32,7 +33,7 @@ def _common(hf_config) -> dict:
                 seq_length=hf_config.max_position_embeddings,
                 max_position_embeddings=hf_config.max_position_embeddings,
                 vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.rms_norm_eps,
-                rotary_base=rope_theta(hf_config),
+                **rope_fields(hf_config),
                 untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
                 hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
@@ -159,7 +160,7 @@ def _moe_fields(cfg: ModelConfig) -> dict:
             "num_key_value_heads": cfg.num_kv_groups, "head_dim": cfg.head_dim,
             "num_experts_per_tok": cfg.moe_router_topk,
             "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
-            "rope_theta": cfg.rotary_base, "hidden_act": "silu",
+            **rope_to_hf(cfg), "hidden_act": "silu",
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
             "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
 
@@ -167,7 +168,7 @@ def _moe_fields(cfg: ModelConfig) -> dict:
 def mixtral_hf_config(cfg: ModelConfig) -> dict:
     """``config.json`` of ``MixtralForCausalLM`` for a loom MoE model without a shared
     expert. Raises ConfigError for what Mixtral does not express."""
-    check_plain(cfg, "Mixtral")
+    check_plain(cfg, "Mixtral", allowed=ROPE_SCALINGS)
     check_moe(cfg, "Mixtral")
     if cfg.add_qkv_bias or cfg.moe_shared_expert_intermediate_size or cfg.moe_router_pre_softmax:
         raise ConfigError("Mixtral has no QKV bias, no shared expert and renormalizes its top-k "
@@ -181,7 +182,7 @@ def mixtral_hf_config(cfg: ModelConfig) -> dict:
 def qwen2_moe_hf_config(cfg: ModelConfig) -> dict:
     """``config.json`` of ``Qwen2MoeForCausalLM`` for a loom MoE model with a gated shared
     expert and QKV biases. Raises ConfigError for what Qwen2-MoE does not express."""
-    check_plain(cfg, "Qwen2-MoE")
+    check_plain(cfg, "Qwen2-MoE", allowed=ROPE_SCALINGS)
     check_moe(cfg, "Qwen2-MoE")
     if not (cfg.add_qkv_bias and cfg.moe_shared_expert_gate):
         raise ConfigError("Qwen2-MoE needs --add-qkv-bias and --moe-shared-expert-gate with "

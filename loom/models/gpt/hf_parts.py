@@ -2,18 +2,19 @@
 Qwen2-MoE, Qwen3-MoE): embeddings / final norm / output layer, an attention block (q, k, v
 separate in HF, fused ``[q; k; v]`` rows in loom's ``linear_qkv``; optional QKV biases and
 per-head Q/K norms), a SwiGLU MLP (``gate_proj`` / ``up_proj`` in HF, ``[gate; up]`` rows in
-loom's ``linear_fc1``), and the check that a model sets no option these classes lack.
-Each ``*_to_loom`` reads an HF state dict (prefix ``h``) into loom names (prefix ``l``);
+loom's ``linear_fc1``), the RoPE base and ``rope_scaling`` (llama3, linear) both ways, and the
+check that a model sets no option these classes lack. Each ``*_to_loom`` reads an HF state dict (prefix ``h``) into loom names (prefix ``l``);
 each ``*_to_hf`` is its inverse on full loom tensors (vocabulary padding dropped).
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
 from loom.config import ModelConfig
+from loom.config.model_rope import LLAMA3_SCALING
 from loom.errors import ConfigError
 
 # Options no LLaMA-like HF class expresses: a model must have these values, unless the layout
@@ -23,7 +24,11 @@ PLAIN_LAYOUT = (("squared_relu", False), ("qk_layernorm", False), ("rotary_perce
                 ("mtp_num_layers", None), ("rotary_scaling_factor", None),
                 ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None),
                 ("enable_gpt_oss", False), ("multi_latent_attention", False),
-                ("rotary_interleaved", False), ("use_mup", False))
+                ("rotary_interleaved", False), ("use_mup", False), ("no_rope_freq", None),
+                ("use_rope_scaling", False), ("rotary_seq_len_interpolation_factor", None))
+ROPE_SCALINGS = ("use_rope_scaling", "rotary_seq_len_interpolation_factor")
+"""The :data:`PLAIN_LAYOUT` options a LLaMA-like layout expresses by ``rope_scaling``
+(:func:`rope_to_hf`): its ``check_plain``'s ``allowed``."""
 
 
 def check_plain(cfg: ModelConfig, title: str, allowed: tuple = ()) -> None:
@@ -40,6 +45,63 @@ def rope_theta(hf_config) -> float:
     """The RoPE base of a config (``rope_theta``, or transformers 5's ``rope_parameters``)."""
     theta = getattr(hf_config, "rope_theta", None)
     return theta or (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+
+
+def rope_fields(hf_config, title: Optional[str] = None) -> dict:
+    """loom's RoPE flags of a LLaMA-like config: ``--rotary-base`` (:func:`rope_theta`) and
+    its ``rope_scaling`` (transformers 5: ``rope_parameters``): ``default``; ``linear``
+    (positions / factor) as ``--rotary-seq-len-interpolation-factor`` (an int, Megatron's
+    type); ``llama3`` as ``--use-rope-scaling --rope-scaling-factor F`` when its other values
+    are Llama 3.1's (low/high frequency factors 1 and 4, original context 8192: Megatron fixes
+    them). Raises ConfigError for any other scaling, naming ``title`` (default: the config's
+    ``model_type``)."""
+    title = title or getattr(hf_config, "model_type", None) or "LLaMA"
+    params = dict(getattr(hf_config, "rope_parameters", None) or
+                  getattr(hf_config, "rope_scaling", None) or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    out = dict(rotary_base=rope_theta(hf_config))
+    factor = params.get("factor")
+    if kind == "default":
+        return out
+    if kind == "linear" and factor is not None and float(factor).is_integer() and factor >= 1:
+        return dict(out, rotary_seq_len_interpolation_factor=int(factor))
+    if kind == "linear":
+        raise ConfigError(f"{title} rope_scaling linear with factor {factor}: loom's "
+                          f"--rotary-seq-len-interpolation-factor is an int >= 1 (Megatron's "
+                          f"type)")
+    fixed = (params.get("low_freq_factor"), params.get("high_freq_factor"),
+             params.get("original_max_position_embeddings"))
+    if kind == "llama3" and factor is not None and fixed == (
+            LLAMA3_SCALING["low_freq_factor"], LLAMA3_SCALING["high_freq_factor"],
+            LLAMA3_SCALING["original_max"]):
+        return dict(out, use_rope_scaling=True, rope_scaling_factor=float(factor))
+    if kind == "llama3":
+        raise ConfigError(f"{title} rope_scaling llama3 with low_freq_factor, high_freq_factor, "
+                          f"original_max_position_embeddings {fixed}: loom's --use-rope-scaling "
+                          f"fixes them at 1, 4, 8192 (as Megatron-Core does)")
+    raise ConfigError(f"{title} rope_scaling type {kind!r}: loom reads default, linear "
+                      f"(--rotary-seq-len-interpolation-factor) and llama3 "
+                      f"(--use-rope-scaling) RoPE only")
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict:
+    """The inverse of :func:`rope_fields`: ``rope_theta``, and ``rope_scaling`` when a scaling
+    is on. Raises ConfigError for both scalings at once (HF's config holds one)."""
+    out: dict = {"rope_theta": cfg.rotary_base}
+    interpolation = cfg.rotary_seq_len_interpolation_factor
+    if cfg.use_rope_scaling and interpolation is not None:
+        raise ConfigError("--use-rope-scaling with --rotary-seq-len-interpolation-factor: a "
+                          "Hugging Face rope_scaling holds one of them: this model does not "
+                          "convert to Hugging Face")
+    if cfg.use_rope_scaling:
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": LLAMA3_SCALING["low_freq_factor"],
+            "high_freq_factor": LLAMA3_SCALING["high_freq_factor"],
+            "original_max_position_embeddings": LLAMA3_SCALING["original_max"]}
+    elif interpolation is not None:
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(interpolation)}
+    return out
 
 
 def outer_to_loom(sd: Mapping) -> dict:

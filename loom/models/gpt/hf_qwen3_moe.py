@@ -17,8 +17,9 @@ import torch
 from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.gpt.hf_moe import _common, check_moe, experts_to_hf, experts_to_loom
-from loom.models.gpt.hf_parts import (attention_to_hf, attention_to_loom, check_plain,
-                                      outer_to_hf, outer_to_loom, swiglu_to_hf, swiglu_to_loom)
+from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
+                                      check_plain, outer_to_hf, outer_to_loom, rope_to_hf,
+                                      swiglu_to_hf, swiglu_to_loom)
 
 
 def _experts(hf_config) -> int:
@@ -66,7 +67,7 @@ def qwen3_moe_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig
 def qwen3_moe_hf_config(cfg: ModelConfig) -> dict:
     """The ``config.json`` fields of the ``Qwen3MoeConfig`` that :func:`loom_to_qwen3_moe`'s
     tensors load into. Raises ConfigError for a loom model Qwen3-MoE cannot express."""
-    check_plain(cfg, "Qwen3-MoE", allowed=("qk_layernorm",))
+    check_plain(cfg, "Qwen3-MoE", allowed=("qk_layernorm", *ROPE_SCALINGS))
     check_moe(cfg, "Qwen3-MoE", every_layer=False)
     if not cfg.qk_layernorm or cfg.moe_shared_expert_intermediate_size or cfg.add_qkv_bias:
         raise ConfigError("Qwen3-MoE export needs --qk-layernorm, no shared expert and no "
@@ -81,7 +82,7 @@ def qwen3_moe_hf_config(cfg: ModelConfig) -> dict:
             "norm_topk_prob": not cfg.moe_router_pre_softmax, "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i, f in enumerate(freq) if not f],
             "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
-            "rope_theta": cfg.rotary_base, "attention_bias": False,
+            **rope_to_hf(cfg), "attention_bias": False,
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
             "hidden_act": "silu", "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
 

@@ -32,7 +32,7 @@ def refuse_own_flags(m: Any) -> None:
 
 def check(cfg: Any, world_size: int) -> None:
     """The pattern's symbols and length, the SSM heads and groups against the shape and TP (a
-    fix changes TP) and CP."""
+    fix changes TP) and CP; no ``--use-rope-scaling`` (Megatron's MambaModel has none)."""
     m, tp, cp = (cfg.model, cfg.parallel.tensor_model_parallel_size,
                  cfg.parallel.context_parallel_size)
     pat = m.hybrid_override_pattern
@@ -40,6 +40,10 @@ def check(cfg: Any, world_size: int) -> None:
     if missing:
         raise ConfigError(f"--hybrid-override-pattern {pat!r}: loom's hybrid stack has no "
                           f"{', '.join(missing)}; it builds M (Mamba), * (attention), - (MLP)")
+    if m.use_rope_scaling:
+        raise ConfigError("--use-rope-scaling with --model-type mamba: Megatron's hybrid model "
+                          "builds its RoPE without Llama 3.1's scaling (MambaModel takes none): "
+                          "drop --use-rope-scaling")
     check_heads(m, tp, cp)
 
 
