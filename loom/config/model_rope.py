@@ -111,3 +111,46 @@ def _check_no_rope_freq(m: Any) -> None:
         raise ConfigError("--no-rope-freq with --mtp-num-layers: Megatron numbers the "
                           "multi-token prediction layers past --no-rope-freq's pattern (it "
                           "fails); drop one of them")
+
+
+def rope_theta(hf_config) -> float:
+    """The RoPE base of a config (``rope_theta``, or transformers 5's ``rope_parameters``)."""
+    theta = getattr(hf_config, "rope_theta", None)
+    return theta or (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+
+
+def rope_fields(hf_config, title: Optional[str] = None) -> dict:
+    """loom's RoPE flags of a LLaMA-like config: ``--rotary-base`` (:func:`rope_theta`) and
+    its ``rope_scaling`` (transformers 5: ``rope_parameters``): ``default``; ``linear``
+    (positions / factor) as ``--rotary-seq-len-interpolation-factor`` (an int, Megatron's
+    type); ``llama3`` as ``--use-rope-scaling --rope-scaling-factor F`` when its other values
+    are Llama 3.1's (low/high frequency factors 1 and 4, original context 8192: Megatron fixes
+    them). Raises ConfigError for any other scaling, naming ``title`` (default: the config's
+    ``model_type``)."""
+    title = title or getattr(hf_config, "model_type", None) or "LLaMA"
+    params = dict(getattr(hf_config, "rope_parameters", None) or
+                  getattr(hf_config, "rope_scaling", None) or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    out = dict(rotary_base=rope_theta(hf_config))
+    factor = params.get("factor")
+    if kind == "default":
+        return out
+    if kind == "linear" and factor is not None and float(factor).is_integer() and factor >= 1:
+        return dict(out, rotary_seq_len_interpolation_factor=int(factor))
+    if kind == "linear":
+        raise ConfigError(f"{title} rope_scaling linear with factor {factor}: loom's "
+                          f"--rotary-seq-len-interpolation-factor is an int >= 1 (Megatron's "
+                          f"type)")
+    fixed = (params.get("low_freq_factor"), params.get("high_freq_factor"),
+             params.get("original_max_position_embeddings"))
+    if kind == "llama3" and factor is not None and fixed == (
+            LLAMA3_SCALING["low_freq_factor"], LLAMA3_SCALING["high_freq_factor"],
+            LLAMA3_SCALING["original_max"]):
+        return dict(out, use_rope_scaling=True, rope_scaling_factor=float(factor))
+    if kind == "llama3":
+        raise ConfigError(f"{title} rope_scaling llama3 with low_freq_factor, high_freq_factor, "
+                          f"original_max_position_embeddings {fixed}: loom's --use-rope-scaling "
+                          f"fixes them at 1, 4, 8192 (as Megatron-Core does)")
+    raise ConfigError(f"{title} rope_scaling type {kind!r}: loom reads default, linear "
+                      f"(--rotary-seq-len-interpolation-factor) and llama3 "
+                      f"(--use-rope-scaling) RoPE only")

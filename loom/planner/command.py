@@ -11,8 +11,10 @@ import math
 import shlex
 from dataclasses import fields
 from typing import Any, Sequence
+from types import SimpleNamespace
 
 from loom.config import ConfigError, ModelConfig, flag
+from loom.config.model_rope import rope_fields
 
 LEGEND = """\
 columns: #  rank (best first; --command-for N prints row N's command)
@@ -328,6 +330,7 @@ def hf_model_config(path: str) -> ModelConfig:
         kw["qk_layernorm"] = True
     if "num_experts" in kw:
         kw["moe_ffn_hidden_size"] = kw.get("ffn_hidden_size")
+    kw.update(rope_fields(SimpleNamespace(**hf), f"--from-hf {path}"))  # and rope_scaling
     return ModelConfig.llama(**kw)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from loom.cli import main
+from loom.errors import ConfigError
 from loom.planner.command import LEGEND, hf_model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,6 +131,21 @@ def test_from_hf_config(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--from-hf", str(bad)])
     assert e.value.code == 2 and "--from-hf" in capsys.readouterr().err
+
+
+def test_from_hf_reads_rope_scaling_as_loom_train_does(tmp_path):
+    """Llama 3.1's ``rope_scaling`` (llama3, factor 8) reaches the planned model, hence its
+    printed command, as loom's HF import reads it; a scaling loom does not train is refused."""
+    path = tmp_path / "config.json"
+    scaling = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    path.write_text(json.dumps({**HF["llama"], "rope_scaling": scaling}))
+    m = hf_model_config(str(path))
+    assert m.use_rope_scaling and m.rope_scaling_factor == 16.0
+    path.write_text(json.dumps({**HF["llama"], "rope_scaling": {"rope_type": "dynamic",
+                                                                 "factor": 2.0}}))
+    with pytest.raises(ConfigError, match="--from-hf .*dynamic"):
+        hf_model_config(str(path))
 
 
 def test_command_multi_node_virtual_stages_and_zero():

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 import torch
 
 from loom.config import ModelConfig
-from loom.config.model_rope import LLAMA3_SCALING
+from loom.config.model_rope import LLAMA3_SCALING, rope_fields, rope_theta  # noqa: F401
 from loom.errors import ConfigError
 
 # Options no LLaMA-like HF class expresses: a model must have these values, unless the layout
@@ -39,49 +39,6 @@ def check_plain(cfg: ModelConfig, title: str, allowed: tuple = ()) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} has no Hugging "
                               f"Face {title} equivalent: this model does not convert to "
                               f"Hugging Face")
-
-
-def rope_theta(hf_config) -> float:
-    """The RoPE base of a config (``rope_theta``, or transformers 5's ``rope_parameters``)."""
-    theta = getattr(hf_config, "rope_theta", None)
-    return theta or (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-
-
-def rope_fields(hf_config, title: Optional[str] = None) -> dict:
-    """loom's RoPE flags of a LLaMA-like config: ``--rotary-base`` (:func:`rope_theta`) and
-    its ``rope_scaling`` (transformers 5: ``rope_parameters``): ``default``; ``linear``
-    (positions / factor) as ``--rotary-seq-len-interpolation-factor`` (an int, Megatron's
-    type); ``llama3`` as ``--use-rope-scaling --rope-scaling-factor F`` when its other values
-    are Llama 3.1's (low/high frequency factors 1 and 4, original context 8192: Megatron fixes
-    them). Raises ConfigError for any other scaling, naming ``title`` (default: the config's
-    ``model_type``)."""
-    title = title or getattr(hf_config, "model_type", None) or "LLaMA"
-    params = dict(getattr(hf_config, "rope_parameters", None) or
-                  getattr(hf_config, "rope_scaling", None) or {})
-    kind = params.get("rope_type", params.get("type", "default"))
-    out = dict(rotary_base=rope_theta(hf_config))
-    factor = params.get("factor")
-    if kind == "default":
-        return out
-    if kind == "linear" and factor is not None and float(factor).is_integer() and factor >= 1:
-        return dict(out, rotary_seq_len_interpolation_factor=int(factor))
-    if kind == "linear":
-        raise ConfigError(f"{title} rope_scaling linear with factor {factor}: loom's "
-                          f"--rotary-seq-len-interpolation-factor is an int >= 1 (Megatron's "
-                          f"type)")
-    fixed = (params.get("low_freq_factor"), params.get("high_freq_factor"),
-             params.get("original_max_position_embeddings"))
-    if kind == "llama3" and factor is not None and fixed == (
-            LLAMA3_SCALING["low_freq_factor"], LLAMA3_SCALING["high_freq_factor"],
-            LLAMA3_SCALING["original_max"]):
-        return dict(out, use_rope_scaling=True, rope_scaling_factor=float(factor))
-    if kind == "llama3":
-        raise ConfigError(f"{title} rope_scaling llama3 with low_freq_factor, high_freq_factor, "
-                          f"original_max_position_embeddings {fixed}: loom's --use-rope-scaling "
-                          f"fixes them at 1, 4, 8192 (as Megatron-Core does)")
-    raise ConfigError(f"{title} rope_scaling type {kind!r}: loom reads default, linear "
-                      f"(--rotary-seq-len-interpolation-factor) and llama3 "
-                      f"(--use-rope-scaling) RoPE only")
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
