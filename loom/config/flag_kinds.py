@@ -71,8 +71,6 @@ REFUSED = MappingProxyType({
            "--sft-tokenizer-prompt-format's)",
     "doc_masking": "document-boundary masking (positions and attention reset at end of "
                    "document)",
-    "schedules": "warmup-stable-decay and inverse-square-root learning-rate schedules, "
-                 "weight-decay schedules",
     "architecture": "architecture variants",
     "resiliency": "NVIDIA's resiliency services (in-process restart, fault-tolerance package, "
                   "straggler detection, autoresume): loom restarts under torchrun "

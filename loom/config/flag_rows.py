@@ -97,6 +97,8 @@ _IMPLEMENTED = words("""
 --rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename
 --check-for-spiky-loss --no-check-for-nan-in-loss-and-grad --check-for-large-grads
 --export-kd-teacher-load --export-kd-cfg
+--lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
+--end-weight-decay --weight-decay-incr-style
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -196,10 +198,6 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--window-size": field(note="loom holds the text 'LEFT,RIGHT'"),
     "--window-attn-skip-freq": field(note="loom holds the text (an int or a list)"),
     "--enable-gpt-oss": field(note="ModelOpt's flag: YaRN RoPE with gpt-oss's values"),
-    "--lr-decay-style": field(refuse={
-        "inverse-square-root": "loom has no inverse-square-root decay: use cosine, linear or "
-                               "constant",
-        "WSD": "loom has no warmup-stable-decay schedule: use cosine, linear or constant"}),
     "--tokenizer-type": field(refuse={
         "MultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)",
         "NullMultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)"},

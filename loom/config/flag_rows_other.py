@@ -249,9 +249,6 @@ REFUSED_ROWS = (
     ("--chat-template", refused("sft")),
     *_block(refused("doc_masking"), """
         --reset-position-ids --reset-attention-mask --dataloader-inter-document-masking"""),
-    *_block(refused("schedules"), """
-        --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
-        --end-weight-decay --weight-decay-incr-style"""),
     ("--mtp-standalone", _no("multi-token prediction on a pipeline stage of its own")),
     ("--mtp-use-repeated-layer", _no("multi-token prediction with one shared repeated layer")),
     ("--mtp-detach-heads", _no("multi-token prediction with detached heads")),
