@@ -3,13 +3,14 @@ and WSD (``--lr-wsd-decay-style`` / ``-iters`` / ``-samples``) and the weight-de
 (``--start-weight-decay``, ``--end-weight-decay``, ``--weight-decay-incr-style``), against
 Megatron-Core 0.16's own ``OptimizerParamScheduler`` driven step by step on the same parameter
 groups; their one-line refusals; a tiny in-process run whose optimizer groups carry the
-scheduled values (weights only: biases and norms stay at 0)."""
+scheduled values (weights only: biases and norms stay at 0); resume of a changed schedule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from loom.config import LoomConfig
 from loom.errors import ConfigError
 from testkit.config import tiny_config
 
@@ -165,3 +166,42 @@ def test_bad_combinations_are_refused_in_one_line(flat, words):
         _config(**flat)
     assert words in str(e.value) and "\n" not in str(e.value)
 
+
+def test_resumed_schedule_changes_are_named():
+    """A changed WSD annealing or weight-decay schedule is a difference of the resumed run
+    (Megatron's ``_check_and_set``); a longer --train-iters is one only while the weight decay
+    increases until it."""
+    from loom.training.resume import reconcile_schedule, schedule_differences
+    wsd = dict(lr_decay_style="WSD", lr_wsd_decay_iters=50, lr_decay_iters=250)
+    saved = _config(**wsd).to_flat()
+    assert schedule_differences(saved, _config(**wsd)) == []
+    diff = schedule_differences(saved, _config(**{**wsd, "lr_wsd_decay_iters": 60,
+                                                  "lr_wsd_decay_style": "linear"}))
+    assert diff == ["--lr-wsd-decay-style exponential in the checkpoint, linear here",
+                    "--lr-wsd-decay-iters 50 in the checkpoint, 60 here"]
+    assert schedule_differences(saved, _config(**wsd, train_iters=400)) == []
+    ramp = dict(weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1)
+    assert schedule_differences(saved, _config(**wsd, **ramp)) == [
+        "--weight-decay-incr-style constant in the checkpoint, linear here"]
+    old = {k: v for k, v in saved.items() if k not in ramp}  # a checkpoint from before
+    assert schedule_differences(old, _config(**wsd)) == []
+    ramp["lr_decay_iters"] = 250  # the decay ends there, whatever --train-iters
+    saved = _config(**ramp).to_flat()
+    assert schedule_differences(saved, _config(**ramp, train_iters=400)) == [
+        "--train-iters 300 in the checkpoint, 400 here (the weight decay increases until "
+        "--train-iters)"]
+    assert schedule_differences(saved, _config(**{**ramp, "end_weight_decay": 0.2})) == [
+        "--end-weight-decay 0.1 in the checkpoint, 0.2 here"]
+    took = reconcile_schedule(saved, _config(**{**ramp, "end_weight_decay": 0.2},
+                                             use_checkpoint_opt_param_scheduler=True), "ck")
+    assert took["end_weight_decay"] == 0.1 and took["weight_decay_incr_style"] == "linear"
+    flags = tiny_config("gpt", dict(lr=1e-3, min_lr=1e-4, train_iters=300, global_batch_size=B,
+                                    lr_decay_style="WSD", lr_wsd_decay_iters=9, **ramp),
+                        use_checkpoint_opt_param_scheduler=True)
+    took = reconcile_schedule(_config(**wsd).to_flat(), flags.validate(1), "ck")
+    merged = LoomConfig.from_flat({**flags.to_flat(), **took}).validate(1).training
+    assert (merged.lr_wsd_decay_iters, merged.weight_decay_incr_style,
+            merged.start_weight_decay) == (50, "constant", None)  # the checkpoint's, valid
+    with pytest.raises(ConfigError, match="give --train-iters 300"):
+        reconcile_schedule(saved, _config(**{**ramp, "end_weight_decay": 0.2}, train_iters=400,
+                                          use_checkpoint_opt_param_scheduler=True), "ck")
