@@ -69,8 +69,6 @@ REFUSED = MappingProxyType({
     "heterogeneous": "heterogeneous per-layer configurations",
     "sft": "chat template given as text (SFTTokenizer's template is "
            "--sft-tokenizer-prompt-format's)",
-    "schedules": "warmup-stable-decay and inverse-square-root learning-rate schedules, "
-                 "weight-decay schedules",
     "architecture": "architecture variants",
     "resiliency": "NVIDIA's resiliency services (in-process restart, fault-tolerance package, "
                   "straggler detection, autoresume): loom restarts under torchrun "

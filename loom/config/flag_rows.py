@@ -102,6 +102,8 @@ _IMPLEMENTED = words("""
 --no-save-optim --no-save-rng --exit-on-missing-checkpoint --exit-signal --log-progress
 --log-world-size-to-tensorboard
 --use-rope-scaling --rope-scaling-factor --rotary-seq-len-interpolation-factor --no-rope-freq
+--lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
+--end-weight-decay --weight-decay-incr-style
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -240,10 +242,6 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--no-rope-freq": field(note="loom holds the text (an int or a list); also YaRN's layers, "
                                  "not MLA's (Megatron's MLA ignores it)"),
     "--enable-gpt-oss": field(note="ModelOpt's flag: YaRN RoPE with gpt-oss's values"),
-    "--lr-decay-style": field(refuse={
-        "inverse-square-root": "loom has no inverse-square-root decay: use cosine, linear or "
-                               "constant",
-        "WSD": "loom has no warmup-stable-decay schedule: use cosine, linear or constant"}),
     "--tokenizer-type": field(refuse={
         "MultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)",
         "NullMultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)"},

@@ -247,9 +247,6 @@ REFUSED_ROWS = (
     *_block(refused("heterogeneous"), """
         --heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"""),
     ("--chat-template", refused("sft")),
-    *_block(refused("schedules"), """
-        --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
-        --end-weight-decay --weight-decay-incr-style"""),
     ("--mtp-standalone", _no("multi-token prediction on a pipeline stage of its own")),
     ("--mtp-use-repeated-layer", _no("multi-token prediction with one shared repeated layer")),
     ("--mtp-detach-heads", _no("multi-token prediction with detached heads")),

@@ -77,7 +77,8 @@ class CheckpointConfig:
     use_checkpoint_opt_param_scheduler: bool = opt(
         False, "on resume, take the learning-rate and weight-decay schedule from the "
                "checkpoint (ignoring --lr, --min-lr, --lr-warmup-iters/-fraction/-samples, "
-               "--lr-decay-iters/-samples, --lr-decay-style, --weight-decay)")
+               "--lr-decay-iters/-samples, --lr-decay-style, --lr-wsd-decay-*, --weight-decay, "
+               "--start/end-weight-decay, --weight-decay-incr-style)")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from loom.config.debug_flags import check_debug_flags
 from loom.config.optimizer_muon import check_muon
+from loom.config.schedule import resolve_schedule
 from loom.errors import ConfigError
 
 _SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
@@ -259,7 +260,8 @@ def _read(path: str, flag: str) -> str:
 
 def resolve_script_flags(cfg: Any, world_size: int) -> None:
     """Megatron's spellings into loom's fields (in place, inside validation): rotary-embedding
-    aliases, schedules in samples -> iterations (B samples each, rounded up), the final batch
+    aliases, schedules in samples -> iterations (B samples each, rounded up; the WSD and
+    weight-decay schedule flags: :func:`loom.config.schedule.resolve_schedule`), the final batch
     size of a ramp, ``--use-megatron-fsdp`` -> ``--zero-stage``. Raises ConfigError naming the
     flag for values loom refuses (partial rotary embeddings of an odd width, ...)."""
     m, t = cfg.model, cfg.training
@@ -268,6 +270,7 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
     _eval_batches(cfg, world_size)
     _batch_ramp(t)
     _samples(cfg, world_size)
+    resolve_schedule(cfg, world_size)  # WSD's annealing, the weight-decay schedule
     if t.use_megatron_fsdp and not t.zero_stage and not t.use_torch_fsdp2:
         t.zero_stage = SHARDING_TO_ZERO[t.data_parallel_sharding_strategy]
         if t.zero_stage in (1, 2):

@@ -28,13 +28,14 @@ from loom.config.optimizer_muon import MuonFields
 from loom.config.optimizer_precision import PrecisionAwareFields
 from loom.config.parallel_cp import ContextParallelFields
 from loom.config.resilience import CheckpointConfig, FaultToleranceConfig  # noqa: F401
+from loom.config.schedule import ScheduleFields
 from loom.config.script_fields import (DataScriptFields, LoggingScriptFields, ModelScriptFields,
                                        TrainingScriptFields)
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["learned_absolute", "rope", "yarn", "none"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble", "zbv"]
-DecayStyle = Literal["cosine", "linear", "constant"]
+DecayStyle = Literal["cosine", "linear", "constant", "inverse-square-root", "WSD"]
 Recompute = Literal["selective", "full"]
 Backend = Literal["nccl", "gloo"]
 Device = Literal["cpu", "cuda"]
@@ -261,7 +262,7 @@ class ParallelConfig(ContextParallelFields):
 
 
 @dataclass
-class TrainingConfig(TrainingScriptFields, MuonFields, PrecisionAwareFields):
+class TrainingConfig(TrainingScriptFields, MuonFields, PrecisionAwareFields, ScheduleFields):
     """Batch sizes, iterations, optimizer and learning-rate schedule."""
 
     micro_batch_size: Optional[int] = opt(None, "b: samples per micro-batch per data-parallel "
@@ -276,8 +277,14 @@ class TrainingConfig(TrainingScriptFields, MuonFields, PrecisionAwareFields):
     lr_warmup_iters: int = opt(0, "iterations of linear warmup from 0 to --lr", ge=0)
     lr_decay_iters: Optional[int] = opt(None, "iterations over which the learning rate decays "
                                               "(default: --train-iters)", ge=1)
-    lr_decay_style: DecayStyle = opt("linear", "learning-rate decay: cosine, linear or constant")
-    weight_decay: float = opt(0.01, "AdamW decoupled weight decay coefficient", ge=0)
+    lr_decay_style: DecayStyle = opt(
+        "linear", "learning-rate decay after the warm-up, to --min-lr at --lr-decay-iters: "
+                  "cosine, linear, constant, inverse-square-root (--lr x sqrt(warm-up / "
+                  "iteration), at least --min-lr) or WSD (warmup-stable-decay: --lr until the "
+                  "last --lr-wsd-decay-iters, then --lr-wsd-decay-style)")
+    weight_decay: float = opt(0.01, "decoupled weight decay coefficient of the weights (not "
+                                    "biases and norms; with --weight-decay-incr-style constant)",
+                              ge=0)
     adam_beta1: float = opt(0.9, "AdamW first-moment decay, in [0, 1)", ge=0, lt=1)
     adam_beta2: float = opt(0.999, "AdamW second-moment decay, in [0, 1)", ge=0, lt=1)
     adam_eps: float = opt(1e-8, "AdamW denominator epsilon", gt=0)

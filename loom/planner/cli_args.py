@@ -228,7 +228,9 @@ NO_STEP_COST = frozenset({
     # the schedule of values, not the cost of a step
     "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_samples",
     "lr_decay_samples", "lr_warmup_init", "lr_warmup_fraction", "decoupled_lr",
-    "decoupled_min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+    "decoupled_min_lr", "weight_decay", "lr_wsd_decay_style", "lr_wsd_decay_iters",
+    "lr_wsd_decay_samples", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
+    "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
     "hysteresis", "calculate_per_token_loss", "muon_momentum",
     "muon_nesterov", "muon_scale_mode", "muon_coefficient_type",

@@ -11,7 +11,7 @@ part               object
 ``model``          :class:`ModelParts`: chunks, registry, RNG tracker, precision forward step
 ``reducers``       one gradient buffer per chunk (:func:`~loom.training.setup.chunk_reducer`)
 ``optimizer``      AdamW or loom's distributed optimizer (:mod:`loom.training.optimizer`)
-``scheduler``      the LR schedule (``LambdaLR`` over :func:`~loom.training.optimizer.lr_at`)
+``scheduler``      the LR and weight-decay schedule (:mod:`~loom.training.param_schedule`)
 ``schedule``       the pipeline schedule (:func:`~loom.parallel.pipeline.schedules.get_schedule`)
 ``data``           :class:`~loom.training.batches.BatchSource` (datasets, micro-batches)
 ``checkpointer``   :class:`~loom.training.checkpointer.Checkpointer` (saves, ``--load``)
@@ -175,7 +175,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     reducers = [chunk_reducer(c, mesh, cfg) for c in model.chunks]
     optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers,
                                 debug.timers, model_cfg=cfg.model)
-    scheduler = build_scheduler(optimizer, t)
+    scheduler = build_scheduler(optimizer, t, derived.global_batch_size)
     schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size,
                             cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))

@@ -14,7 +14,6 @@ from loom.checkpoint.saver import Saver
 from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
 from loom.training.checkpoint_checks import missing_checkpoint
-from loom.training.optimizer import group_schedule, lr_at
 from loom.training.resume import check_saved_states, reconcile_schedule
 
 
@@ -123,13 +122,7 @@ class Checkpointer:
         self._refuse_nonfinite(common["checkpoint_dir"], load_dir)
         if weights_only and hasattr(self.optimizer, "copy_params_to_masters"):
             self.optimizer.copy_params_to_masters()  # fp32 masters from the loaded weights
-        t, opt, sched = cfg.training, self.optimizer, self.scheduler
-        peaks = [group_schedule(g, t) for g in opt.param_groups]  # --decoupled-lr: its own
-        sched.base_lrs = [peak for peak, _ in peaks]
-        lrs = [lr_at(sched.last_epoch, t, peak, low) for peak, low in peaks]
-        for group, lr in zip(opt.param_groups, lrs):
-            group["lr"] = lr
-        sched._last_lr = lrs
+        self.scheduler.resync()  # this run's peaks; lr and weight decay at the iteration
         states = dict(saved_layout=common.get("saved_layout"),
                       optimizer=common.get("optimizer_restored", False),
                       rng=common.get("rng_restored", False))

@@ -1,5 +1,6 @@
 """AdamW (or SGD, ``--optimizer sgd``, or Muon, ``--optimizer muon``) with Megatron's parameter
-groups (:mod:`loom.training.param_groups`), global-norm clipping across TP/PP, LR schedule.
+groups (:mod:`loom.training.param_groups`), global-norm clipping across TP/PP; the learning-rate
+and weight-decay schedule is :mod:`loom.training.param_schedule`.
 
 Per-step costs are kept out of Python loops: AdamW and SGD run fused (one kernel per parameter on
 devices ``torch.optim`` has fused kernels for, CPU included; else ``foreach``), the global norm
@@ -28,6 +29,8 @@ from loom.training.distributed_optimizer import (NORM_BLOCK, DistributedOptimize
                                                 _sum_of_squares, reduce_grad_sums)
 from loom.training.muon import Muon, MuonSettings, matrix_info
 from loom.training.param_groups import build_groups, group_plan
+from loom.training.param_schedule import (build_scheduler, group_schedule,  # noqa: F401
+                                           lr_at)  # moved, re-exported
 from loom.training.state_precision import StatePrecision
 
 
@@ -151,52 +154,6 @@ def clip_and_norm(optimizer, params, max_norm: float, mesh: ParallelMesh, norm_p
         return optimizer.clip_grad_norm(max_norm, inv_scale)
     with timers("optimizer-clip-main-grad") if timers is not None else _untimed():
         return clip_grad_norm(params, max_norm, mesh, norm_params, expert_norm_params)
-
-
-def lr_at(iteration: int, cfg: TrainingConfig, max_lr: Optional[float] = None,
-          min_lr: Optional[float] = None) -> float:
-    """Learning rate after ``iteration`` steps: linear warm-up over ``--lr-warmup-iters`` from
-    ``--lr-warmup-init`` to ``max_lr`` (default ``--lr``), then ``--lr-decay-style`` (cosine /
-    linear / constant) to ``min_lr`` (default ``--min-lr``) at ``--lr-decay-iters``
-    (Megatron's ``OptimizerParamScheduler.get_lr``: warm-up ``init + (max - init) x n / W``,
-    decay ``min + c(n) x (max - min)``; the warm-up is taken at ``n = iteration + 1``, so no
-    step is spent at the initial learning rate); ``--lr-warmup-fraction`` f warms up over
-    ``f x`` the decay iterations instead. ``max_lr`` / ``min_lr``: a parameter group's own
-    (``--decoupled-lr``, ``--decoupled-min-lr``)."""
-    peak = cfg.lr if max_lr is None else max_lr
-    low = cfg.min_lr if min_lr is None else min_lr
-    decay_iters = cfg.lr_decay_iters or cfg.train_iters
-    warmup = cfg.lr_warmup_iters if cfg.lr_warmup_fraction is None else \
-        int(cfg.lr_warmup_fraction * decay_iters)
-    if warmup > 0 and iteration < warmup:
-        init = cfg.lr_warmup_init
-        return init + (peak - init) * (iteration + 1) / warmup
-    if cfg.lr_decay_style == "constant":
-        return peak
-    frac = min(max(iteration - warmup, 0) / max(decay_iters - warmup, 1), 1.0)
-    if cfg.lr_decay_style == "linear":
-        coeff = 1.0 - frac
-    else:
-        coeff = 0.5 * (math.cos(math.pi * frac) + 1.0)
-    return low + coeff * (peak - low)
-
-
-def group_schedule(group: dict, cfg: TrainingConfig) -> tuple[float, float]:
-    """``(max_lr, min_lr)`` of an optimizer parameter group: its own (``--decoupled-lr``) or
-    ``--lr`` / ``--min-lr``."""
-    return group.get("max_lr", cfg.lr), group.get("min_lr", cfg.min_lr)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
-    """``LambdaLR`` following :func:`lr_at`, each parameter group with its own peak and minimum
-    (:func:`group_schedule`); ``scheduler.last_epoch`` is the iteration."""
-    local = local_optimizer(optimizer)
-    lambdas = []
-    for group in local.param_groups:
-        peak, low = group_schedule(group, cfg)
-        group.update(lr=peak, max_lr=peak, min_lr=low)  # LambdaLR's base: lr = base x lambda
-        lambdas.append(lambda it, peak=peak, low=low: lr_at(it, cfg, peak, low) / peak)
-    return torch.optim.lr_scheduler.LambdaLR(local, lambdas)
 
 
 def counts_for_norm(meta: ParamMeta, mesh: ParallelMesh) -> bool:

@@ -5,7 +5,9 @@ weight decay and epsilon, and which ones Muon orthogonalizes (Megatron-Core's
 
 Each trainable parameter falls in one :class:`Kind`:
 
-- weight decay: none for biases and 1-D parameters (norms), ``--weight-decay`` otherwise;
+- weight decay: none for biases and 1-D parameters (norms), ``--weight-decay`` otherwise (the
+  group's ``wd_mult``, 0 or 1, times the weight-decay schedule's value,
+  :mod:`loom.training.param_schedule`);
 - ``--decoupled-lr``: the word embeddings and output layer (Megatron's
   ``is_embedding_or_output_parameter``) at their own peak and minimum learning rate;
 - Muon (``--optimizer muon``): the 2-D weights but those, Mamba's ``in_proj`` (Megatron sets
@@ -99,7 +101,8 @@ def group_plan(training: Any, model: Any = None, decoupled_group: Optional[dict]
             kinds.append(Kind(True, mup="hidden"))
     specs = []
     for k in kinds:
-        spec: dict = {"weight_decay": t.weight_decay if k.decay else 0.0}
+        spec: dict = {"weight_decay": t.weight_decay if k.decay else 0.0,  # the scheduler's
+                      "wd_mult": 1.0 if k.decay else 0.0}  # wd x wd_mult (Megatron's)
         if name == "muon":
             spec["muon"] = k.muon
         if k.decoupled:

@@ -1,0 +1,166 @@
+"""The optimizer-parameter schedule: the learning rate and the weight decay of every parameter
+group at every iteration (Megatron-Core's ``OptimizerParamScheduler``,
+``megatron/core/optimizer_param_scheduler.py``: ``get_lr``, ``get_wd``, ``step``).
+
+Megatron counts its schedule in samples (``num_steps`` grows by the global batch B each step;
+warm-up, decay and weight-decay lengths are iterations x B, or the ``--*-samples`` flags); loom
+counts iterations, which is the same ratio everywhere but where Megatron clamps a count to 1
+(inverse-square-root without warm-up: ``batch`` = B), and where a ``--train-samples`` run's
+weight-decay increment ends (``--train-samples``, not whole iterations). Loom takes the warm-up
+one step ahead (iteration i warms up as Megatron's count i + 1, so no step is spent at
+``--lr-warmup-init``); from the end of the warm-up on, iteration i is Megatron's count i.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from loom.config import TrainingConfig
+from loom.config.schedule import weight_decay_range
+
+
+def group_schedule(group: dict, cfg: TrainingConfig) -> tuple[float, float]:
+    """``(max_lr, min_lr)`` of an optimizer parameter group: its own (``--decoupled-lr``) or
+    ``--lr`` / ``--min-lr``."""
+    return group.get("max_lr", cfg.lr), group.get("min_lr", cfg.min_lr)
+
+
+def warmup_iters(cfg: TrainingConfig) -> int:
+    """W: ``--lr-warmup-iters``, or ``--lr-warmup-fraction`` x the decay iterations (rounded
+    down)."""
+    if cfg.lr_warmup_fraction is None:
+        return cfg.lr_warmup_iters
+    return int(cfg.lr_warmup_fraction * (cfg.lr_decay_iters or cfg.train_iters))
+
+
+def _wsd_coeff(iteration: int, decay_iters: int, cfg: TrainingConfig) -> float:
+    """Warmup-stable-decay's coefficient of (max - min): 1 until the last
+    ``--lr-wsd-decay-iters`` A of the decay, then at fraction r = (i - (D - A)) / A of them
+    ``--lr-wsd-decay-style``: exponential 2 x 0.5^r - 1, linear 1 - r, cosine
+    (1 + cos(pi r)) / 2, minus_sqrt 1 - sqrt(r) (Hu et al. 2024, MiniCPM, sec. 4; Megatron's
+    ``get_lr`` WSD branch)."""
+    anneal = cfg.lr_wsd_decay_iters or 0
+    start = decay_iters - anneal
+    if iteration <= start:
+        return 1.0
+    r = (iteration - start) / anneal
+    style = cfg.lr_wsd_decay_style
+    if style == "exponential":
+        return 2.0 * 0.5 ** r - 1.0
+    if style == "linear":
+        return 1.0 - r
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * r) + 1.0)
+    return 1.0 - math.sqrt(r)  # minus_sqrt
+
+
+def lr_at(iteration: int, cfg: TrainingConfig, max_lr: Optional[float] = None,
+          min_lr: Optional[float] = None, batch: int = 1) -> float:
+    """Learning rate of optimizer step ``iteration`` (0-based; the scheduler's ``last_epoch``).
+
+    Warm-up over W iterations (:func:`warmup_iters`): ``init + (max - init) x n / W`` with
+    n = min(iteration + 1, W) (``--lr-warmup-init`` to ``max_lr``, default ``--lr``). Then
+    ``--lr-decay-style`` down to ``min_lr`` (default ``--min-lr``), reached at D =
+    ``--lr-decay-iters`` (default ``--train-iters``) and kept after it: ``min + c x (max - min)``
+    with, at fraction f = (i - W) / (D - W) of the decay, c = 1 - f (linear),
+    (1 + cos(pi f)) / 2 (cosine), WSD's (:func:`_wsd_coeff`); constant keeps ``max``;
+    inverse-square-root is ``max x sqrt(max(W B, 1) / max(i B, 1))``, at least ``min``
+    (``batch`` = B samples an iteration, Megatron's count; it matters only without warm-up).
+    ``max_lr`` / ``min_lr``: a parameter group's own (``--decoupled-lr``,
+    ``--decoupled-min-lr``). Source: Megatron-Core ``OptimizerParamScheduler.get_lr``."""
+    peak = cfg.lr if max_lr is None else max_lr
+    low = cfg.min_lr if min_lr is None else min_lr
+    decay_iters = cfg.lr_decay_iters or cfg.train_iters
+    warmup = warmup_iters(cfg)
+    if warmup > 0 and iteration <= warmup:
+        init = cfg.lr_warmup_init
+        return init + (peak - init) * min(iteration + 1, warmup) / warmup
+    style = cfg.lr_decay_style
+    if style == "constant":
+        return peak
+    if iteration > decay_iters:
+        return low
+    if style == "inverse-square-root":
+        return max(low, peak * math.sqrt(max(warmup * batch, 1)) / math.sqrt(
+            max(iteration * batch, 1)))
+    if style == "WSD":
+        coeff = _wsd_coeff(iteration, decay_iters, cfg)
+    else:
+        frac = max(iteration - warmup, 0) / max(decay_iters - warmup, 1)
+        coeff = 1.0 - frac if style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
+    return low + coeff * (peak - low)
+
+
+def wd_at(iteration: int, cfg: TrainingConfig, batch: int = 1) -> float:
+    """Weight decay of optimizer step ``iteration`` before a group's multiplier: from
+    ``--start-weight-decay`` to ``--end-weight-decay`` over the run (``--train-iters`` x B
+    samples, or ``--train-samples``; ``batch`` = B), at fraction r of it r (linear) or
+    (1 + cos(pi (1 - r))) / 2 (cosine), the end value after it; ``--weight-decay`` throughout
+    with the constant style. Source: Megatron-Core ``OptimizerParamScheduler.get_wd``."""
+    start, end = weight_decay_range(cfg)
+    if cfg.weight_decay_incr_style == "constant":
+        return end
+    total = cfg.train_samples if cfg.train_samples is not None else cfg.train_iters * batch
+    done = iteration * batch
+    if done > total:
+        return end
+    r = done / total
+    coeff = r if cfg.weight_decay_incr_style == "linear" else \
+        0.5 * (math.cos(math.pi * (1.0 - r)) + 1.0)
+    return start + coeff * (end - start)
+
+
+class ParamScheduler(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` following :func:`lr_at`, each parameter group with its own peak and minimum
+    (:func:`group_schedule`), that also sets each group's ``weight_decay`` to :func:`wd_at` x
+    its ``wd_mult`` (1 for the weights, 0 for biases and norms: Megatron's per-group
+    multiplier; a group without one: 1 if it was built with a weight decay, else 0) at every
+    step. ``last_epoch`` is the iteration. ``batch``: B samples an iteration. Its state dict is
+    ``LambdaLR``'s (the config is not saved)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainingConfig, batch: int = 1):
+        self._cfg, self._batch = cfg, batch
+        lambdas = []
+        for group in optimizer.param_groups:
+            peak, low = group_schedule(group, cfg)
+            group.update(lr=peak, max_lr=peak, min_lr=low)  # LambdaLR's base: lr = base x f
+            group.setdefault("wd_mult", 1.0 if group.get("weight_decay") else 0.0)
+            lambdas.append(lambda it, peak=peak, low=low: lr_at(it, cfg, peak, low, batch) / peak)
+        super().__init__(optimizer, lambdas)
+
+    def step(self) -> None:  # noqa: D102 - LambdaLR's, then the weight decay
+        super().step()
+        self._set_weight_decay()
+
+    def _set_weight_decay(self) -> None:
+        wd = wd_at(self.last_epoch, self._cfg, self._batch)
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = wd * group["wd_mult"]
+
+    def resync(self) -> None:
+        """After a checkpoint's state was loaded: the peaks are this run's (each group's
+        ``max_lr``, which a loaded ``base_lrs`` may not be), and every group's learning rate and
+        weight decay are this schedule's at the loaded ``last_epoch``."""
+        peaks = [group_schedule(g, self._cfg) for g in self.optimizer.param_groups]
+        self.base_lrs = [peak for peak, _ in peaks]
+        lrs = [lr_at(self.last_epoch, self._cfg, peak, low, self._batch) for peak, low in peaks]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+        self._set_weight_decay()
+
+    def state_dict(self) -> dict:  # noqa: D102 - LambdaLR's, without the config
+        state = super().state_dict()
+        for key in ("_cfg", "_batch"):
+            state.pop(key, None)
+        return state
+
+
+def build_scheduler(optimizer, cfg: TrainingConfig, batch: int = 1) -> ParamScheduler:
+    """The :class:`ParamScheduler` of ``optimizer`` (its inner ``torch.optim`` optimizer for a
+    :class:`~loom.training.distributed_optimizer.DistributedOptimizer`); ``batch``: B, the
+    global batch in samples (the run's ``cfg.derived.global_batch_size``)."""
+    return ParamScheduler(getattr(optimizer, "optim", optimizer), cfg, batch)
