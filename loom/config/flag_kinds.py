@@ -71,7 +71,7 @@ REFUSED = MappingProxyType({
            "--sft-tokenizer-prompt-format's)",
     "architecture": "architecture variants",
     "resiliency": "NVIDIA's resiliency services (in-process restart, fault-tolerance package, "
-                  "straggler detection, autoresume): loom restarts under torchrun "
+                  "autoresume): loom restarts under torchrun "
                   "(--max-restarts) and resumes from --save",
     "fault_injection": "Megatron's fault injector (loom's drills: --inject-fault "
                        "RANK:ITERATION:KIND)",

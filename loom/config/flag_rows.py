@@ -102,6 +102,7 @@ _IMPLEMENTED = words("""
 --no-save-optim --no-save-rng --exit-on-missing-checkpoint --exit-signal --log-progress
 --log-world-size-to-tensorboard
 --use-rope-scaling --rope-scaling-factor --rotary-seq-len-interpolation-factor --no-rope-freq
+--log-straggler --straggler-minmax-count --disable-straggler-on-startup --straggler-ctrlr-port
 --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
 --end-weight-decay --weight-decay-incr-style
 """)

@@ -297,8 +297,7 @@ REFUSED_ROWS = (
         --inprocess-heartbeat-timeout --inprocess-barrier-timeout --inprocess-completion-timeout
         --inprocess-last-call-wait --inprocess-termination-grace-time --inprocess-granularity
         --inprocess-active-world-size --inprocess-empty-cuda-cache --enable-ft-package
-        --calc-ft-timeouts --ft-num-warmup-iters --log-straggler --straggler-ctrlr-port
-        --straggler-minmax-count --disable-straggler-on-startup --adlr-autoresume
+        --calc-ft-timeouts --ft-num-warmup-iters --adlr-autoresume
         --adlr-autoresume-interval --run-workload-inspector-server"""),
     *_block(refused("fault_injection"), """
         --fault-injector-ranks --fault-injector-num-ranks --fault-injector-fault-types

@@ -235,6 +235,19 @@ class LoggingScriptFields(DebugScriptFields):
     log_world_size_to_tensorboard: bool = opt(
         False, "write the world size (world-size, and world-size vs samples) to "
                "--tensorboard-dir at every --log-interval")
+    log_straggler: bool = opt(
+        False, "at every --log-interval, the fastest and slowest rank's forward time, batch "
+               "time and estimated TFLOP/s (Megatron's straggler detector; loom.training."
+               "straggler)")
+    straggler_minmax_count: int = opt(
+        1, "--log-straggler: also list this many ranks of lowest and of highest estimated "
+           "throughput (when 1 < N < world size)", ge=1)
+    disable_straggler_on_startup: bool = opt(
+        False, "--log-straggler: start with the detector off (an HTTP request to "
+               "--straggler-ctrlr-port on rank 0 toggles it)")
+    straggler_ctrlr_port: int = opt(
+        65535, "--log-straggler: the TCP port on rank 0 whose HTTP requests toggle the "
+               "detector (curl localhost:PORT)", ge=0, le=65535)
     wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
                                              "there too (WANDB_MODE=offline works offline)")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name")

@@ -28,7 +28,7 @@ import functools
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -172,6 +172,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     t = cfg.training
     debug = RunDebug(cfg, global_rank, world_size, mesh.device)  # memory history: from here
     model = build_model(cfg, mesh, family)
+    if debug.straggler is not None:  # --log-straggler times each micro-batch's forward
+        model = replace(model, forward_step=debug.straggler.wrap(model.forward_step))
     reducers = [chunk_reducer(c, mesh, cfg) for c in model.chunks]
     optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers,
                                 debug.timers, model_cfg=cfg.model)
@@ -214,6 +216,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         world_size, peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops),
         predict_step_time(cfg, world_size), logged_metrics(cfg.model, family)
         + (("kd loss",) if t.export_kd_teacher_load else ()))
+    if debug.straggler is not None:
+        debug.straggler.flops_per_iter = throughput.flops_per_iter
     if cfg.logging.log_progress:  # progress.txt in --save (loom.training.progress_log)
         checkpointer.progress = ProgressLog(
             cfg.checkpoint.save, world_size, throughput.flops_per_iter / data.global_batch,

@@ -14,6 +14,8 @@ the nsys range starts before iteration start + 1 and stops after iteration end (
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from typing import Callable, Optional
 
@@ -96,6 +98,24 @@ class RunDebug:
                                   f"nothing written (give --tensorboard-dir DIR)")
         if lg.record_memory_history and cuda and self.profiled:
             self._record_memory()
+        self.straggler = None
+        if lg.log_straggler:  # --log-straggler (loom.training.straggler)
+            from loom.training.straggler import StragglerDetector
+            self.straggler = StragglerDetector(rank, world_size, device,
+                                               lg.straggler_minmax_count,
+                                               not lg.disable_straggler_on_startup,
+                                               lg.straggler_ctrlr_port)
+            self.notes += self.straggler.notes
+
+    def batch_timer(self):
+        """The context timing a batch fetch: the ``batch-generator`` timer and, with
+        ``--log-straggler``, the detector's batch time."""
+        if self.straggler is None:
+            return self.timers("batch-generator")
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.timers("batch-generator"))
+        stack.enter_context(self.straggler.timing("batch"))
+        return stack
 
     # -- memory history ---------------------------------------------------------------------
     def _record_memory(self) -> None:
@@ -190,6 +210,10 @@ class RunDebug:
             stats = torch.cuda.memory_stats(self.device)
             record("memory", {"iteration": iteration},
                    {tag: stats.get(key, 0) for tag, key in MEMORY_STATS.items()})
+        if self.straggler is not None:  # a collective: every rank reports
+            table = self.straggler.report(iterations, lambda line: self.say(f" {line}"))
+            if table is not None:
+                record("straggler", {"iteration": iteration, **table}, {})
         self.dump_snapshot()
 
     def timed_report(self, name: str) -> float:
@@ -201,8 +225,11 @@ class RunDebug:
         return stats[name]["max"] / 1000.0 if name in stats else 0.0
 
     def stop(self) -> None:
-        """End of training (also on an exception): the profiler and the memory recording."""
+        """End of training (also on an exception): the profiler, the memory recording and the
+        straggler detector's controller."""
         self._stop_profiler()
+        if self.straggler is not None:
+            self.straggler.close()
         if self.recording:
             torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
             self.recording = False

@@ -196,7 +196,7 @@ class Trainer:
         its record (loss averaged over DP x CP, lr, grad norm, throughput, memory)."""
         lr = self.optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
-        with self.debug.timers("batch-generator"):
+        with self.debug.batch_timer():
             batches = self.batches(self.train_ds, self.consumed_samples)
         loss = self.validated_forward_backward(batches)
         stats = {}
