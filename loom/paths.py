@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from loom.errors import ConfigError
 
@@ -179,3 +179,19 @@ def refuse_existing(paths: Sequence[str], label: str, overwrite: bool, what: str
                                            if len(existing) > 4 else "")
         raise ConfigError(f"{label} already holds {what} ({shown}); loom does not replace it: "
                           f"{choose}, or give --overwrite to replace it")
+
+
+NON_PERSISTENT = "non_persistent"
+"""Megatron's ``_NON_PERSISTENT_CKPT_SUBDIR``: the non-persistent checkpoints' directory in a root
+(:mod:`loom.training.non_persistent`)."""
+
+
+def non_persistent_dir(ck: Any, root: Optional[str]) -> Optional[str]:
+    """The global non-persistent directory of a CheckpointConfig ``ck`` beside checkpoint root
+    ``root`` (``--save`` when saving, ``--load`` when loading): ``--non-persistent-global-ckpt-dir``,
+    else ``root``/non_persistent; None without ``--non-persistent-ckpt-type global``."""
+    if ck.non_persistent_ckpt_type != "global":
+        return None
+    if ck.non_persistent_global_ckpt_dir:
+        return ck.non_persistent_global_ckpt_dir
+    return os.path.join(root, NON_PERSISTENT) if root else None

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from loom.checkpoint.io import PendingSave, finalize_save, start_save
 from loom.checkpoint.safety import prune_checkpoints
 from loom.data.blended import blend_prefixes
+from loom.paths import non_persistent_dir
 
 
 class Saver:
@@ -118,8 +119,12 @@ class Saver:
 
     def _prune(self, job: PendingSave) -> None:
         ck = self.cfg.checkpoint
-        if (ck.keep_last or ck.save_retain_interval) and (not dist.is_initialized()
-                                                          or dist.get_rank() == 0):
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        np_dir = non_persistent_dir(ck, ck.save)
+        if np_dir and os.path.realpath(job.save_dir) == os.path.realpath(np_dir):
+            prune_checkpoints(job.save_dir, 1)  # non-persistent: only the newest
+        elif ck.keep_last or ck.save_retain_interval:
             prune_checkpoints(job.save_dir, ck.keep_last, keep_before=self.first_nonfinite,
                               retain_interval=ck.save_retain_interval)
 

@@ -75,7 +75,8 @@ REFUSED = MappingProxyType({
                   "(--max-restarts) and resumes from --save",
     "fault_injection": "Megatron's fault injector (loom's drills: --inject-fault "
                        "RANK:ITERATION:KIND)",
-    "nonpersistent": "non-persistent (local or in-memory) checkpoints",
+    "nonpersistent": "node-local non-persistent checkpoints and their replication "
+                     "(nvidia-resiliency-ext; loom writes --non-persistent-ckpt-type global)",
     "ckpt_variants": "checkpoint variants (converted at start, iteration overridden, "
                      "model-parallel sizes from the checkpoint's args): convert with "
                      "`loom checkpoint convert`",

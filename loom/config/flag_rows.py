@@ -103,6 +103,7 @@ _IMPLEMENTED = words("""
 --log-world-size-to-tensorboard
 --use-rope-scaling --rope-scaling-factor --rotary-seq-len-interpolation-factor --no-rope-freq
 --log-straggler --straggler-minmax-count --disable-straggler-on-startup --straggler-ctrlr-port
+--non-persistent-save-interval --non-persistent-ckpt-type --non-persistent-global-ckpt-dir
 --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
 --end-weight-decay --weight-decay-incr-style
 """)
@@ -221,6 +222,12 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                                       "dataset's own document boundaries; not "
                                                       "with --fim-data"),
     "--data-args-path": field(note="read when the config is resolved, before the data"),
+    "--non-persistent-ckpt-type": field(refuse={
+        "local": "loom has no node-local checkpoints (nvidia-resiliency-ext): use "
+                 "--non-persistent-ckpt-type global",
+        "in_memory": "loom has no in-memory checkpoints (in-process restart): use "
+                     "--non-persistent-ckpt-type global"},
+        note="global: loom's own format, the newest kept (loom.training.non_persistent)"),
     "--sft": field(note="loom.data.sft: one conversation per JSONL line (a line of "
                         "several is refused: loom has no per-conversation attention)"),
     "--sft-tokenizer-prompt-format": field(note="a str in Megatron; its four formats"),

@@ -305,9 +305,7 @@ REFUSED_ROWS = (
         --fault-injector-delay-start-iteration --fault-injector-mtti-seconds
         --fault-injector-offset-seconds --fault-injector-seed"""),
     *_block(refused("nonpersistent"), """
-        --non-persistent-save-interval --non-persistent-ckpt-type
-        --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir
-        --non-persistent-local-ckpt-algo --replication --replication-jump --replication-factor"""),
+        --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo --replication --replication-jump --replication-factor"""),
     *_block(refused("ckpt_variants"), """
         --ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format
         --override-ckpt-iteration --use-mp-args-from-checkpoint-args"""),

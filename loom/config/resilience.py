@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -10,6 +11,8 @@ from loom.config.fields import opt
 from loom.errors import ConfigError
 
 
+NonPersistentType = Literal["global", "local", "in_memory"]
+"""Megatron's ``--non-persistent-ckpt-type`` choices (local and in_memory: refused rows)."""
 ExitSignal = Literal[
     "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGTRAP", "SIGABRT", "SIGUSR1", "SIGUSR2",
     "SIGPIPE", "SIGALRM", "SIGSTKFLT", "SIGCHLD", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU",
@@ -58,6 +61,15 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = opt(
         False, "with --load: when it holds no checkpoint, exit with an error instead of "
                "starting from iteration 0")
+    non_persistent_save_interval: Optional[int] = opt(
+        None, "iterations between non-persistent checkpoints (with --non-persistent-ckpt-type "
+              "global): only the newest is kept, in --non-persistent-global-ckpt-dir", ge=1)
+    non_persistent_ckpt_type: Optional[NonPersistentType] = opt(
+        None, "global: non-persistent checkpoints in a directory of their own (loom.training."
+              "non_persistent); a resume loads the newer of it and --load")
+    non_persistent_global_ckpt_dir: Optional[str] = opt(
+        None, "the directory of global non-persistent checkpoints (default: --save/"
+              "non_persistent when saving, --load/non_persistent when loading)")
     keep_last: Optional[int] = opt(None, "keep only the newest N checkpoints in --save "
                                          "(default: keep all)", ge=1)
     save_retain_interval: Optional[int] = opt(
@@ -150,6 +162,23 @@ def check_pruning(ck: CheckpointConfig) -> None:
         raise ConfigError(f"--save-retain-interval {ck.save_retain_interval} is not a multiple "
                           f"of --save-interval {ck.save_interval}: no checkpoint would be saved "
                           f"at its multiples; give a multiple of {ck.save_interval}")
+
+
+def check_non_persistent(ck: CheckpointConfig) -> None:
+    """``--non-persistent-save-interval`` needs ``--non-persistent-ckpt-type global`` (Megatron
+    fails at the first such save without a type) and ``--save`` (Megatron saves nothing
+    without it: refused here rather than silently); the directory must not be ``--save``
+    itself, whose checkpoints its pruning would delete."""
+    if ck.non_persistent_save_interval and ck.non_persistent_ckpt_type is None:
+        raise ConfigError("--non-persistent-save-interval needs --non-persistent-ckpt-type "
+                          "global (the kind of checkpoint to write): add it")
+    if ck.non_persistent_save_interval and not ck.save:
+        raise ConfigError("--non-persistent-save-interval saves beside --save "
+                          "(--save/non_persistent), but no --save is given: add --save DIR")
+    root = ck.non_persistent_global_ckpt_dir
+    if root and ck.save and os.path.realpath(root) == os.path.realpath(ck.save):
+        raise ConfigError(f"--non-persistent-global-ckpt-dir {root} is --save itself, whose "
+                          f"checkpoints its pruning would delete: give a directory of its own")
 
 
 def check_progress_log(cfg) -> None:

@@ -28,7 +28,7 @@ from loom.config.model_mla import check_mla
 from loom.config.model_rope import check_rope
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
-from loom.config.resilience import check_progress_log, check_pruning
+from loom.config.resilience import check_non_persistent, check_progress_log, check_pruning
 from loom.config.document_masks import check_document_masks
 from loom.config.optimizer_precision import check_precision_aware
 from loom.config.script_flags import resolve_script_flags
@@ -472,6 +472,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
     if ck.save_interval == "auto" and not (ck.mtbf_hours_per_node or ck.mtbf_hours):
         raise ConfigError("--save-interval auto needs the failure rate: give "
                           "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
+    check_non_persistent(ck)
     check_pruning(ck)
     check_progress_log(cfg)
     if t.lr is not None and t.min_lr > t.lr:

@@ -30,6 +30,7 @@ from loom.config import LoomConfig, ModelConfig, add_config_arguments, config_fr
 from loom.config.args import read_yaml_config
 from loom.config.fields import flag as flag_of
 from loom.config.script_flags import read_data_args
+from loom.training import non_persistent
 from loom.config.validate import check_sft
 from loom.data.blended import blend_vocab_size, build_datasets, data_prefixes
 from loom.data.checks import check_dataset, check_model_family
@@ -245,6 +246,13 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     if d.mock_data and flags.model.vocab_size is None and not flags.checkpoint.load:
         raise ConfigError("--mock-data needs --vocab-size V (random token ids 0..V-1)")
     flags = _pretrained(flags)
+    newer = non_persistent.newer_source(flags.checkpoint)  # Megatron: the newer of the two
+    if newer is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"loom train: --load {flags.checkpoint.load}: resuming the non-persistent "
+                  f"checkpoint of iteration {newer[1]} in {newer[0]} (--load's latest: "
+                  f"{newer[2]})", flush=True)
+        flags = LoomConfig.from_flat({**flags.to_flat(), "load": newer[0]})
     if flags.data.tokenizer_type == "NullTokenizer" and flags.model.vocab_size:
         # Megatron's NullTokenizer: ids 0..V-1 and the end-of-document id V (V + 1 ids)
         flags = LoomConfig.from_flat({**flags.to_flat(),

@@ -24,6 +24,7 @@ from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.pipeline.schedules import ScheduleResult, forward_only
 from loom.parallel.pipeline.zero_bubble import is_v_shaped, loss_stage
+from loom.training import non_persistent
 from loom.training.builder import TrainingParts, build_training
 from loom.training.metrics import MetricsLogger
 from loom.training.setup import held_numel, owned_parameters
@@ -419,6 +420,9 @@ class Trainer:
                                                           rec["step_time_s"])
                     if plan:
                         log.print(f" {plan}")
+                elif non_persistent.due(ck, self.iteration):  # the newest kept (its own dir)
+                    path = self.save(non_persistent.non_persistent_dir(ck, ck.save))
+                    log.print(f" {self.saver.verb} non-persistent checkpoint {path}")
                 if exiting:
                     why = f"{signalled} received (--exit-signal-handler)" if signalled else \
                         f"--exit-duration-in-mins {limit}" if timed_out else \
