@@ -22,6 +22,7 @@ from loom.config.model_mamba import MambaFields
 from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
 from loom.config.model_mup import MupFields
+from loom.config.model_variants import LayerVariantFields
 from loom.config.optimizer_muon import MuonFields
 from loom.config.optimizer_precision import PrecisionAwareFields
 from loom.config.parallel_cp import ContextParallelFields
@@ -113,9 +114,9 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(DSAFields, GatedDeltaNetFields, MupFields, ModelScriptFields, GptOssFields,
-                  MLAFields, MambaFields, Gemma3Fields, BertFields, MoEFields,
-                  ModelShapeFields):
+class ModelConfig(LayerVariantFields, DSAFields, GatedDeltaNetFields, MupFields,
+                  ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
+                  BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
     The fields every family has (:class:`ModelShapeFields`), then each family's own, in its own
@@ -124,7 +125,8 @@ class ModelConfig(DSAFields, GatedDeltaNetFields, MupFields, ModelScriptFields, 
     (:mod:`~loom.config.model_mamba`), multi-latent attention, YaRN and multi-token prediction
     (:mod:`~loom.config.model_mla`), muP (:mod:`~loom.config.model_mup`), the gated attention
     output and Gated DeltaNet layers (:mod:`~loom.config.model_gdn`), DeepSeek sparse attention
-    (:mod:`~loom.config.model_dsa`). One flat section all the same: ``cfg.model.<field>``,
+    (:mod:`~loom.config.model_dsa`), initialization and residual-stream variants
+    (:mod:`~loom.config.model_variants`). One flat section all the same: ``cfg.model.<field>``,
     the flag ``--<field>`` and the YAML key, in this order.
     """
 

@@ -23,7 +23,7 @@ PLAIN_LAYOUT = (("squared_relu", False), ("qk_layernorm", False), ("rotary_perce
                 ("mtp_num_layers", None), ("rotary_scaling_factor", None),
                 ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None),
                 ("enable_gpt_oss", False), ("multi_latent_attention", False),
-                ("rotary_interleaved", False), ("use_mup", False))
+                ("rotary_interleaved", False), ("use_mup", False), ("qk_l2_norm", False))
 
 
 def check_plain(cfg: ModelConfig, title: str, allowed: tuple = ()) -> None:
