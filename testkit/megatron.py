@@ -179,7 +179,7 @@ def init_megatron_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1)
 
 def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
     """Megatron-Core's ``TransformerConfig`` of the loom ``ModelConfig`` ``cfg`` (GPT family:
-    GPT-2 / LLaMA layouts, QK-layernorm, interleaved RoPE, NoPE layers, the gated attention
+    GPT-2 / LLaMA layouts, QK-layernorm or QK L2 norm, interleaved RoPE, NoPE layers, the gated attention
     output, MoE with the allgather dispatcher),
     fp32, no dropout, CPU initialization; ``extra``: more ``TransformerConfig`` fields."""
     import torch.nn.functional as F
@@ -204,7 +204,8 @@ def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
               bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
               persist_layer_norm=False, init_method_std=0.02, pipeline_dtype=torch.float32,
               rotary_interleaved=cfg.rotary_interleaved,
-              attention_output_gate=cfg.attention_output_gate, no_rope_freq=_no_rope(cfg))
+              attention_output_gate=cfg.attention_output_gate, no_rope_freq=_no_rope(cfg),
+              qk_l2_norm=cfg.qk_l2_norm)
     if cfg.num_experts:
         kw.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                   moe_ffn_hidden_size=cfg.moe_ffn_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
@@ -240,7 +241,7 @@ def megatron_gpt(cfg, tp: int = 1, pp: int = 1, ep: int = 1, vocab: int | None =
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, qk_layernorm=cfg.qk_layernorm,
-                                    normalization=cfg.normalization)
+                                    normalization=cfg.normalization, qk_l2_norm=cfg.qk_l2_norm)
     return GPTModel(megatron_config(cfg, tp, pp, ep, **extra), spec,
                     vocab_size=vocab or cfg.padded_vocab(tp),
                     max_sequence_length=cfg.max_positions,

@@ -19,7 +19,9 @@ NOT_ARCHITECTURE = frozenset({
     "hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
     "seq_length", "max_position_embeddings", "group_query_attention", "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_expert_capacity_factor", "mamba_chunk_size",
-    "exclude_padded_vocab"})  # the loss's softmax columns, not the weights (issue 42)
+    "exclude_padded_vocab",  # the loss's softmax columns, not the weights (issue 42)
+    "embedding_init_method_std", "init_method_xavier_uniform",  # the initial weights only
+    "fp32_residual_connection"})  # the residual stream's precision, not the function
 
 
 def model_differences(saved: dict, model: ModelConfig, family) -> list[str]:

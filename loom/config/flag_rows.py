@@ -106,6 +106,8 @@ _IMPLEMENTED = words("""
 --non-persistent-save-interval --non-persistent-ckpt-type --non-persistent-global-ckpt-dir
 --lr-wsd-decay-style --lr-wsd-decay-iters --lr-wsd-decay-samples --start-weight-decay
 --end-weight-decay --weight-decay-incr-style
+--embedding-init-method-std --init-method-xavier-uniform --apply-residual-connection-post-layernorm
+--fp32-residual-connection --qk-l2-norm
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -284,6 +286,19 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--use-mup": field(note="muP for --model-type gpt: width-scaled init, attention scale, "
                             "embedding and logit multipliers, per-group LR and Adam epsilon"),
     "--mup-base-hidden-size": field(note="None: --hidden-size (width multiplier 1)"),
+    "--init-method-xavier-uniform": field(
+        note="output projections Xavier too (Megatron-LM d98e8a6 passes scaled_init_method, no "
+             "TransformerConfig field, and stops); fans of the full matrix, as "
+             "--use-cpu-initialization (Megatron's GPU init uses the TP shard's)"),
+    "--embedding-init-method-std": field(
+        note="init only: Megatron's optimizer skips no embedding weight decay at d98e8a6 "
+             "either"),
+    "--apply-residual-connection-post-layernorm": field(
+        note="gpt family: residual = LN(x), legacy Megatron's and BLOOM's layer; "
+             "Megatron-Core's TransformerLayer ignores the field"),
+    "--fp32-residual-connection": field(note="gpt family; needs --bf16 / --fp16, as in Megatron"),
+    "--qk-l2-norm": field(note="gpt family, standard attention; not with --qk-layernorm (which "
+                               "Megatron's spec then drops)"),
     "--mup-output-mult": field(note="1.0 means 1 / width multiplier (Megatron's automatic "
                                     "value)"),
     "--muon-fp32-matmul-prec": field(note="medium: Newton-Schulz in bf16; high: fp32 (TF32 on "

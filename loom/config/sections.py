@@ -24,6 +24,7 @@ from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
 from loom.config.model_mup import MupFields
 from loom.config.model_rope import RopeScalingFields
+from loom.config.model_variants import LayerVariantFields
 from loom.config.optimizer_muon import MuonFields
 from loom.config.optimizer_precision import PrecisionAwareFields
 from loom.config.parallel_cp import ContextParallelFields
@@ -116,7 +117,7 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(DSAFields, GatedDeltaNetFields, MupFields, RopeScalingFields,
+class ModelConfig(LayerVariantFields, DSAFields, GatedDeltaNetFields, MupFields, RopeScalingFields,
                   ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
                   BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
@@ -128,7 +129,8 @@ class ModelConfig(DSAFields, GatedDeltaNetFields, MupFields, RopeScalingFields,
     (:mod:`~loom.config.model_mla`), muP (:mod:`~loom.config.model_mup`), the gated attention
     output and Gated DeltaNet layers (:mod:`~loom.config.model_gdn`), DeepSeek sparse attention
     (:mod:`~loom.config.model_dsa`), RoPE scaling and NoPE layers
-    (:mod:`~loom.config.model_rope`). One flat section all the same: ``cfg.model.<field>``,
+    (:mod:`~loom.config.model_rope`), initialization and residual-stream variants
+    (:mod:`~loom.config.model_variants`). One flat section all the same: ``cfg.model.<field>``,
     the flag ``--<field>`` and the YAML key, in this order.
     """
 

@@ -26,6 +26,7 @@ from loom.config.model_gptoss import check_gptoss
 from loom.config.model_gdn import check_gdn
 from loom.config.model_mla import check_mla
 from loom.config.model_rope import check_rope
+from loom.config.model_variants import check_layer_variants
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
 from loom.config.resilience import check_non_persistent, check_progress_log, check_pruning
@@ -464,6 +465,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
     check_precision_aware(t)  # after --zero-stage resolved --use-distributed-optimizer
     _check_moe(cfg, world_size)
     _check_precision(t)
+    check_layer_variants(cfg)
     parse_fault(cfg.fault_tolerance.inject_fault)
     ck = cfg.checkpoint
     if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:

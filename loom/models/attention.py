@@ -256,6 +256,20 @@ class KVCache(NeverRecompute):
         return self.keys[layer][:, :, :start + s], self.values[layer][:, :, :start + s]
 
 
+class L2Norm(nn.Module):
+    """``x [..., d] -> x / sqrt(mean(x^2) + eps)`` over the last dimension, computed in fp32 and
+    returned in ``x``'s dtype; no parameters (``--qk-l2-norm``, Llama 4; Megatron-Core's
+    ``torch_norm.L2Norm``)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class SelfAttention(nn.Module):
     """``x [s, b, h] -> [s, b, h]``: fused QKV projection (a query heads, g key/value groups of
     dimension d), RoPE, the attention core, output projection.
@@ -268,7 +282,8 @@ class SelfAttention(nn.Module):
 
     A layer ``--no-rope-freq`` marks (``ModelConfig.is_no_rope_layer``; Llama 4's NoPE layers)
     does not rotate its queries and keys: Megatron-Core's ``Attention.forward`` drops the
-    rotary embedding there."""
+    rotary embedding there. ``--qk-layernorm`` (a learned per-head norm) or ``--qk-l2-norm`` (:class:`L2Norm`)
+    normalizes each query and key head before RoPE."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
@@ -284,6 +299,8 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:  # per-head norm of queries and keys before RoPE (Megatron, Qwen3)
             norm = nn.RMSNorm if cfg.normalization == "RMSNorm" else nn.LayerNorm
             self.q_layernorm, self.k_layernorm = (norm(d, eps=cfg.norm_epsilon) for _ in "qk")
+        elif cfg.qk_l2_norm:  # Llama 4's, in the same slots (Megatron-Core's L2Norm)
+            self.q_layernorm, self.k_layernorm = L2Norm(cfg.norm_epsilon), L2Norm(cfg.norm_epsilon)
         if cfg.softmax_type != "vanilla" or cfg.is_window_layer(layer_number):  # gpt-oss
             self.core_attention = SinkWindowAttention(
                 cfg.attention_dropout, a, cfg.softmax_type,

@@ -25,11 +25,39 @@ from loom.models.yarn import yarn_cos_sin
 from loom.models.family import StageSpec
 
 
+class Fp32InputLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that takes an fp32 input with 16-bit parameters
+    (``--fp32-residual-connection``): computed in fp32 (the parameters upcast), returned in the
+    parameters' dtype (apex's ``MixedFusedLayerNorm`` under Megatron's legacy fp32 residual).
+    An input of the parameters' dtype takes the plain norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if w is None or x.dtype == w.dtype:
+            return super().forward(x)
+        return F.layer_norm(x, self.normalized_shape, w.float(),
+                            None if b is None else b.float(), self.eps).to(w.dtype)
+
+
+class Fp32InputRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` that takes an fp32 input with 16-bit parameters, as
+    :class:`Fp32InputLayerNorm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w is None or x.dtype == w.dtype:
+            return super().forward(x)
+        return F.rms_norm(x, self.normalized_shape, w.float(), self.eps).to(w.dtype)
+
+
 def build_norm(cfg: ModelConfig) -> nn.Module:
-    """LayerNorm or RMSNorm over the hidden dimension (``--normalization``)."""
+    """LayerNorm or RMSNorm over the hidden dimension (``--normalization``); with
+    ``--fp32-residual-connection`` the variant that takes the fp32 residual stream
+    (:class:`Fp32InputLayerNorm`, :class:`Fp32InputRMSNorm`)."""
+    fp32 = cfg.fp32_residual_connection
     if cfg.normalization == "RMSNorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+        return (Fp32InputRMSNorm if fp32 else nn.RMSNorm)(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return (Fp32InputLayerNorm if fp32 else nn.LayerNorm)(cfg.hidden_size, eps=cfg.norm_epsilon)
 
 
 class LMHead(nn.Module):
@@ -66,11 +94,14 @@ class LMHead(nn.Module):
 
 class Embedding(nn.Module):
     """Word embeddings plus learned absolute positions: ``ids [b, s] -> [s, b, h]``, times
-    muP's ``--mup-embedding-mult`` (1 without ``--use-mup``)."""
+    muP's ``--mup-embedding-mult`` (1 without ``--use-mup``); fp32 under
+    ``--fp32-residual-connection`` (cast before the dropout, as Megatron-Core's
+    ``LanguageModelEmbedding``)."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int, with_positions: bool = True):
         super().__init__()
         self.multiplier = cfg.embedding_multiplier
+        self.fp32 = cfg.fp32_residual_connection
         self.word_embeddings = nn.Embedding(padded_vocab, cfg.hidden_size)
         self.position_embeddings = None
         if with_positions and cfg.position_embedding_type == "learned_absolute":
@@ -85,6 +116,8 @@ class Embedding(nn.Module):
             x = x + (pos if positions.dim() == 2 else pos[None])
         if self.multiplier != 1.0:
             x = x * self.multiplier
+        if self.fp32:
+            x = x.float()
         return self.dropout(x.transpose(0, 1).contiguous())  # [s, b, h]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -25,6 +25,43 @@ def scaled_normal_init(std: float, num_layers: int) -> InitFn:
     """N(0, (std / sqrt(2 L))^2) for output projections (Megatron's ``scaled_init_method_normal``;
     GPT-2 paper sec. 2.3)."""
     return normal_init(std / math.sqrt(2.0 * num_layers))
+
+
+def xavier_uniform_init(shape, g):
+    """``U(-a, a)``, ``a = sqrt(6 / (fan_in + fan_out))`` with ``fan_out, fan_in = shape[-2:]``
+    of a ``[out, in]`` weight (Glorot & Bengio 2010, eq. 16; ``torch.nn.init.xavier_uniform_``,
+    Megatron's ``--init-method-xavier-uniform``). Raises ValueError for fewer than 2
+    dimensions (no fans)."""
+    if len(shape) < 2:
+        raise ValueError(f"Xavier initialization needs a matrix, got shape {tuple(shape)}")
+    bound = math.sqrt(6.0 / (shape[-1] + shape[-2]))
+    return torch.empty(shape).uniform_(-bound, bound, generator=g)
+
+
+class LinearInits(NamedTuple):
+    """Megatron's three initializers (``TransformerConfig``): ``hidden`` (``init_method``),
+    ``output`` (``output_layer_init_method``: attention's and the MLP's output projections),
+    ``embedding`` (``embedding_init_method``: word and position tables)."""
+
+    hidden: InitFn
+    output: InitFn
+    embedding: InitFn
+
+
+def linear_inits(cfg: Any, hidden_std: Optional[float] = None) -> LinearInits:
+    """The :class:`LinearInits` of model config ``cfg``: N(0, s^2) with s = ``hidden_std``
+    (default ``--init-method-std``; muP passes its width-scaled std), output projections
+    N(0, s^2 / (2 L)), embeddings N(0, ``--embedding-init-method-std``^2) (default
+    ``--init-method-std``, unscaled); ``--init-method-xavier-uniform``: :func:`xavier_uniform_init`
+    for the first two, and for the embeddings unless ``--embedding-init-method-std`` gives them
+    another std (``ModelConfig.embedding_std``; :mod:`loom.config.model_variants`)."""
+    std = cfg.init_method_std if hidden_std is None else hidden_std
+    if cfg.init_method_xavier_uniform:
+        hidden = output = xavier_uniform_init
+    else:
+        hidden, output = normal_init(std), scaled_normal_init(std, cfg.num_layers)
+    e = cfg.embedding_std
+    return LinearInits(hidden, output, hidden if e is None else normal_init(e))
 
 
 def vocab_padded_init(init_fn: InitFn, vocab_size: int) -> InitFn:

@@ -24,8 +24,7 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
-from loom.models.init import (by_pattern, normal_init, ones_init, scaled_normal_init,
-                              vocab_padded_init, zeros_init)
+from loom.models.init import by_pattern, linear_inits, ones_init, vocab_padded_init, zeros_init
 from loom.models.moe import run_experts, run_experts_grouped
 from loom.parallel.expert import MoEParallel
 from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, PartialGradOverTP,
@@ -96,24 +95,25 @@ def decoder_plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext,
 
 def decoder_init(cfg: ModelConfig) -> Callable:
     """``name -> InitFn``: N(0, std^2), output projections scaled by 1/sqrt(2L), zero biases,
-    unit norm weights, zero vocabulary padding rows (Megatron-LM's initialization). Under
-    ``--use-mup`` (width multiplier m) Megatron's ``init_method`` becomes N(0, std^2 / m) and
-    the output projections N(0, std^2 / (2 L m)); the embeddings (word and position) and the
-    output layer keep N(0, std^2) (its ``embedding_init_method``)."""
-    std = cfg.init_method_std
-    vocab = vocab_padded_init(normal_init(std), cfg.vocab_size)
-    hidden_std = std / math.sqrt(cfg.width_multiplier)
-    hidden = normal_init(hidden_std)
+    unit norm weights, zero vocabulary padding rows (Megatron-LM's initialization); the word
+    and position embeddings N(0, ``--embedding-init-method-std``^2) when given, everything
+    Xavier-uniform under ``--init-method-xavier-uniform`` (:func:`loom.models.init.
+    linear_inits`). Under ``--use-mup`` (width multiplier m) Megatron's ``init_method`` becomes
+    N(0, std^2 / m) and the output projections N(0, std^2 / (2 L m)); the embeddings (word and
+    position) and an untied output layer keep the embeddings' init (Megatron's GPTModel gives
+    the output layer ``embedding_init_method`` under muP, ``init_method`` otherwise)."""
+    w = linear_inits(cfg, cfg.init_method_std / math.sqrt(cfg.width_multiplier))
+    output_layer = w.embedding if cfg.use_mup else w.hidden
     return by_pattern([
-        ("*.router.bias", hidden),  # Megatron's TopKRouter: init_method
+        ("*.router.bias", w.hidden),  # Megatron's TopKRouter: init_method
         ("*.bias", zeros_init),
         ("*.router.expert_bias", zeros_init),
-        ("*.core_attention.softmax_offset", hidden),  # learnable sinks (Megatron)
+        ("*.core_attention.softmax_offset", w.hidden),  # learnable sinks (Megatron)
         ("*norm.weight", ones_init),
-        ("embedding.word_embeddings.weight", vocab),
-        ("embedding.position_embeddings.weight", normal_init(std)),
-        ("output_layer.weight", vocab),
-        ("*.linear_proj.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
-        ("*.linear_fc2.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
-        ("*.weight", hidden),
+        ("embedding.word_embeddings.weight", vocab_padded_init(w.embedding, cfg.vocab_size)),
+        ("embedding.position_embeddings.weight", w.embedding),
+        ("output_layer.weight", vocab_padded_init(output_layer, cfg.vocab_size)),
+        ("*.linear_proj.weight", w.output),
+        ("*.linear_fc2.weight", w.output),
+        ("*.weight", w.hidden),
     ])

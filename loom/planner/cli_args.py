@@ -263,12 +263,15 @@ UNPRICED_MODEL = {
     "linear_attention_freq": "Gated DeltaNet layers, priced as attention layers",
     "experimental_attention_variant": "sparse attention, priced as dense attention",
     "moe_shared_expert_overlap": "the shared expert's overlap with the dispatch",
+    "fp32_residual_connection": "the fp32 residual stream, priced as 16-bit activations",
 }
 """Model fields that change a step's time or memory and that the planner does not price:
 named once on stderr when they differ from the default (:func:`unpriced_model_note`)."""
 NO_STEP_COST_MODEL = frozenset({
     # initialization, losses' scales, router details and numerics of the same shapes
     "init_method_std", "exclude_padded_vocab", "apply_layernorm_1p", "post_layernorm",
+    "embedding_init_method_std", "init_method_xavier_uniform",
+    "apply_residual_connection_post_layernorm", "qk_l2_norm",
     "moe_router_pre_softmax", "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_force_load_balancing",
     "moe_token_drop_policy", "mtp_loss_scaling_factor", "bert_binary_head",

@@ -111,7 +111,8 @@ def build_model(cfg: LoomConfig, mesh: ParallelMesh, family: ModelFamily) -> Mod
         from loom.training.distill import build_teacher, distillation_step, read_kd_cfg
         step = distillation_step(build_teacher(cfg, mesh, family, tracker, param_dtype(t)),
                                  read_kd_cfg(t.export_kd_cfg))
-    forward_step = precision_forward_step(step, cast_parameters(chunks, param_dtype(t)), scaler)
+    forward_step = precision_forward_step(step, cast_parameters(chunks, param_dtype(t)), scaler,
+                                          cfg.model.fp32_residual_connection)
     named = list(named_parameters(chunks))
     apart = mesh.experts_apart  # experts on a grid of their own: their norm summed apart
     groups = ParamGroups(

@@ -6,9 +6,10 @@ initial values are the fp32 ones rounded, so every precision starts from the sam
 model then runs in 16 bits without autocast, and computes in fp32 where the model code says so
 (the vocab-parallel / plain cross-entropy casts the logits to fp32, the MoE router runs in fp32,
 LayerNorm / RMSNorm and the attention softmax accumulate in fp32 inside PyTorch's kernels).
-Activations between pipeline stages travel in fp32 and are cast to the parameters' dtype on
-arrival. Gradients accumulate in fp32 main-gradient buffers (:mod:`loom.parallel.grad_buffer`) and the
-optimizer keeps fp32 master weights (:mod:`loom.training.distributed_optimizer`).
+Activations between pipeline stages are cast to the parameters' dtype on arrival (kept in fp32
+under ``--fp32-residual-connection``: the residual stream itself, which then also travels in
+fp32). Gradients accumulate in fp32 main-gradient buffers (:mod:`loom.parallel.grad_buffer`)
+and the optimizer keeps fp32 master weights (:mod:`loom.training.distributed_optimizer`).
 
 ``--fp16`` multiplies the loss by a scale before backward (the forward value is unchanged:
 :class:`_ScaleGrad` scales only the gradient) and the optimizer divides it out; a step whose
@@ -55,15 +56,18 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def precision_forward_step(forward_step, dtype: torch.dtype, scaler: Optional["LossScaler"]):
-    """``forward_step`` for 16-bit parameters: received activations cast to ``dtype``; with a
-    loss scaler, the loss's gradient multiplied by the current scale. Unchanged in fp32."""
+def precision_forward_step(forward_step, dtype: torch.dtype, scaler: Optional["LossScaler"],
+                           fp32_residual: bool = False):
+    """``forward_step`` for 16-bit parameters: received activations cast to ``dtype`` (left in
+    fp32 with ``fp32_residual``, ``--fp32-residual-connection``); with a loss scaler, the
+    loss's gradient multiplied by the current scale. Unchanged in fp32."""
     if dtype == torch.float32 and scaler is None:
         return forward_step
+    arrival = torch.float32 if fp32_residual else dtype
 
     def step(chunk, batch, hidden_states=None):
-        if hidden_states is not None and hidden_states.dtype != dtype:
-            hidden_states = hidden_states.to(dtype)
+        if hidden_states is not None and hidden_states.dtype != arrival:
+            hidden_states = hidden_states.to(arrival)
         out, loss_fn = forward_step(chunk, batch, hidden_states)
         if scaler is None or loss_fn is None:
             return out, loss_fn

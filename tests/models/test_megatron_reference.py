@@ -4,6 +4,7 @@
 One spawned world of 2 gloo ranks runs every case: for GPT-2 (LayerNorm, learned positions,
 GeLU, biases, tied embeddings), LLaMA with GQA (RMSNorm, RoPE, SwiGLU, untied), LLaMA with
 QK-layernorm, LLaMA with the gated attention output (``--attention-output-gate``, Qwen3-Next's; at TP=2 only),
+LLaMA with Llama 4's QK L2 norm (``--qk-l2-norm``, Megatron-Core's ``L2Norm``; at TP=2 only),
 at TP=1 and TP=2, and MoE (4 experts, top-2, auxiliary load-balancing loss,
 shared expert) at TP=1, Megatron-Core builds ``GPTModel`` (local layer spec), saves it with
 ``dist_checkpointing`` and loom reads that checkpoint into its own model at the same TP; then
@@ -43,6 +44,7 @@ STYLES = {
     "llama_gqa": ModelConfig.llama(**BASE, num_query_groups=2),
     "qk_layernorm": ModelConfig.llama(**BASE, num_query_groups=2, qk_layernorm=True),
     "gated": ModelConfig.llama(**BASE, num_query_groups=2, attention_output_gate=True),
+    "qk_l2": ModelConfig.llama(**BASE, num_query_groups=2, qk_l2_norm=True),
     "moe": ModelConfig.llama(**BASE, num_query_groups=2, num_experts=4, moe_router_topk=2,
                              moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01,
                              moe_shared_expert_intermediate_size=32),
@@ -55,8 +57,8 @@ GDN_CFG = ModelConfig.llama(**BASE, experimental_attention_variant="gdn", linear
                             linear_value_head_dim=6, linear_num_key_heads=2,
                             linear_num_value_heads=4)
 CASES = [(s, tp) for tp in (1, 2) for s in STYLES
-         if not (s == "moe" and tp == 2) and not (s == "gated" and tp == 1)]  # (gate: TP=2's
-#                                               per-group split is the layout to check)
+         if not (s == "moe" and tp == 2) and not (s in ("gated", "qk_l2") and tp == 1)]
+# (gate: TP=2's per-group split is the layout to check; QK L2 norm: the per-head heads of a rank)
 # eps 1e-5, not Megatron's default 1e-8: Adam's first step is lr g / (|g| + eps), and where a
 # gradient is zero in exact arithmetic (the key bias: softmax ignores a constant added to every
 # score; QK-normed keys' directions) both sides hold rounding residues ~1e-9, which eps 1e-8

@@ -8,7 +8,8 @@ English text (the Zen of Python, byte-level; measured within 1.1e-3 over 5 seeds
 exactly that step (weights, Adam states and LR schedule unchanged), halves the scale (hysteresis
 1) and the run continues; the scaler's hysteresis and growth window follow Megatron's
 DynamicGradScaler. A NaN loss in bf16 is reported with its iteration and the step skipped. A
-bf16 checkpoint resumes in fp32 from the exact fp32 master weights.
+bf16 checkpoint resumes in fp32 from the exact fp32 master weights. ``--fp32-residual-connection``
+at PP=2 equals its single-stage run (the residual crosses stages in fp32).
 """
 
 from __future__ import annotations
@@ -228,3 +229,25 @@ def test_bf16_gradient_buffers_with_grad_reduce_in_bf16():
     recs = [tr.train_step() for _ in range(2)]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in recs)
     assert all(rg.master.dtype == torch.float32 for rg in tr.optimizer.ranges)
+
+
+def _pp2_losses(fp32_residual: bool) -> list:
+    """Two bf16 steps at PP=2 (one layer per stage, 2 micro-batches)."""
+    from loom.training.trainer import Trainer
+    cfg = make_cfg(bf16=True, fp32_residual_connection=fp32_residual,
+                   pipeline_model_parallel_size=2).validate(2)
+    tr = Trainer(cfg, mesh=ParallelMesh.build(pp=2))
+    return [tr.train_step()["loss"] for _ in range(2)]
+
+
+def test_fp32_residual_crosses_pipeline_stages_in_fp32():
+    """``--fp32-residual-connection`` at PP=2 equals the single-stage run (the residual stream
+    crosses the stage boundary in fp32, not rounded to bf16 on the way), and differs from
+    plain bf16 (the flag is active)."""
+    from testkit import run_distributed
+    ref = trainer(make_cfg(bf16=True, fp32_residual_connection=True))
+    want = [ref.train_step()["loss"] for _ in range(2)]
+    for fp32_residual in (True, False):
+        got = run_distributed(2, _pp2_losses, fp32_residual)[-1]
+        err = max(abs(a - b) / b for a, b in zip(got, want))
+        assert (err < 1e-6) == fp32_residual, (fp32_residual, got, want)

@@ -109,7 +109,9 @@ def model_flags(args: Any, model_fields: list[str], hybrid: bool) -> dict:
     """The flat loom values of the model fields ``model_fields`` (``ModelConfig``'s) that
     Megatron's saved ``args`` (a Namespace) holds, with ``model_type`` ``mamba`` for a hybrid
     (Mamba) checkpoint, else ``gpt``. Values that are not plain (a Megatron enum, a function)
-    are left out: loom's default or the flag given applies."""
+    are left out: loom's default or the flag given applies; so are
+    ``--apply-residual-connection-post-layernorm`` (Megatron-Core's layers ignore it) and
+    ``--fp32-residual-connection`` (a run's precision)."""
     if args is None:
         return {}
     for flag in UNSUPPORTED:
@@ -117,7 +119,10 @@ def model_flags(args: Any, model_fields: list[str], hybrid: bool) -> dict:
             raise ConfigError(f"a Megatron checkpoint trained with --{flag.replace('_', '-')} "
                               f"({UNSUPPORTED[flag]}): loom has no such layer, so its weights "
                               f"would mean something else")
-    skip = {"model_type", "padded_vocab_size"}
+    skip = {"model_type", "padded_vocab_size",
+            # Megatron-Core's layers never read it: the weights are the plain pre-LN layer's
+            "apply_residual_connection_post_layernorm",
+            "fp32_residual_connection"}  # the saving run's precision, not the weights'
     out = {f: getattr(args, f) for f in model_fields
            if f not in skip and hasattr(args, f) and _plain(getattr(args, f))}
     out.update(_renamed(args))

@@ -8,7 +8,7 @@ L bidirectional layers (no causal mask; padded keys are masked by ``padding_mask
 * post-LN (``--post-layernorm``, the original BERT and ``transformers``' ``BertModel``):
   LN on the embeddings, ``x = LN1(x + drop(attn(x)))``, ``x = LN2(x + drop(mlp(x)))``, no final
   LN. (Megatron's ``--apply-residual-connection-post-layernorm`` is a third thing: the pre-LN
-  layer with the residual taken from ``LN(x)`` instead of ``x``; loom does not offer it.)
+  layer with the residual taken from ``LN(x)`` instead of ``x``; loom builds it for GPT only.)
 
 Masked-LM head: dense h -> h, GeLU, LN, then the output GEMM tied to the word embeddings plus a
 vocabulary bias, and the cross-entropy. Binary head (``--bert-binary-head``, sentence-order

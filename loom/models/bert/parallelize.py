@@ -17,8 +17,7 @@ from typing import Callable
 
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
-from loom.models.init import (by_pattern, normal_init, ones_init, scaled_normal_init,
-                              vocab_padded_init, zeros_init)
+from loom.models.init import by_pattern, linear_inits, ones_init, vocab_padded_init, zeros_init
 from loom.parallel.plan import (ColwiseParallel, ParallelStyle, PartitionedRNG, PipelineShared,
                                 PlanContext, RowwiseParallel, SequenceParallelOutput,
                                 SequenceParallelParams, VocabEmbeddingParallel, VocabHeadParallel)
@@ -81,13 +80,17 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
 
 def init(cfg: ModelConfig) -> Callable:
     """``name -> InitFn``: Megatron's BERT initialization (N(0, std^2), output projections
-    scaled by 1/sqrt(2L), zero biases, unit norm weights, zero vocabulary padding rows)."""
-    std = cfg.init_method_std
+    scaled by 1/sqrt(2L), zero biases, unit norm weights, zero vocabulary padding rows; the
+    word, position and token-type embeddings N(0, ``--embedding-init-method-std``^2) when
+    given, Xavier-uniform weights under ``--init-method-xavier-uniform``:
+    :func:`loom.models.init.linear_inits`)."""
+    w = linear_inits(cfg)
     return by_pattern([
         ("*.bias", zeros_init),
         ("*norm.weight", ones_init),
-        ("embedding.word_embeddings.weight", vocab_padded_init(normal_init(std), cfg.vocab_size)),
-        ("*.linear_proj.weight", scaled_normal_init(std, cfg.num_layers)),
-        ("*.linear_fc2.weight", scaled_normal_init(std, cfg.num_layers)),
-        ("*.weight", normal_init(std)),
+        ("embedding.word_embeddings.weight", vocab_padded_init(w.embedding, cfg.vocab_size)),
+        ("embedding.*_embeddings.weight", w.embedding),
+        ("*.linear_proj.weight", w.output),
+        ("*.linear_fc2.weight", w.output),
+        ("*.weight", w.hidden),
     ])

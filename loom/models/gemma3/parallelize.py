@@ -27,8 +27,7 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
-from loom.models.init import (by_pattern, normal_init, scaled_normal_init, vocab_padded_init,
-                              zeros_init)
+from loom.models.init import by_pattern, linear_inits, vocab_padded_init, zeros_init
 from loom.parallel.mappings import copy_to_tensor_parallel_region
 from loom.parallel.mesh import ParallelMesh
 from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, ParallelStyle,
@@ -106,12 +105,14 @@ def plan(cfg: ModelConfig, stage: StageSpec, ctx: PlanContext) -> list:
 
 def init(cfg: ModelConfig) -> Callable:
     """``name -> InitFn``: N(0, std^2), output projections scaled by 1/sqrt(2L), zero norm
-    weights (the gain is ``1 + weight``), zero vocabulary padding rows."""
-    std = cfg.init_method_std
+    weights (the gain is ``1 + weight``), zero vocabulary padding rows; the embeddings
+    N(0, ``--embedding-init-method-std``^2) when given, Xavier-uniform weights under
+    ``--init-method-xavier-uniform`` (:func:`loom.models.init.linear_inits`)."""
+    w = linear_inits(cfg)
     return by_pattern([
         ("*norm.weight", zeros_init),
-        ("embedding.word_embeddings.weight", vocab_padded_init(normal_init(std), cfg.vocab_size)),
-        ("*.linear_proj.weight", scaled_normal_init(std, cfg.num_layers)),
-        ("*.linear_fc2.weight", scaled_normal_init(std, cfg.num_layers)),
-        ("*.weight", normal_init(std)),
+        ("embedding.word_embeddings.weight", vocab_padded_init(w.embedding, cfg.vocab_size)),
+        ("*.linear_proj.weight", w.output),
+        ("*.linear_fc2.weight", w.output),
+        ("*.weight", w.hidden),
     ])

@@ -1,8 +1,10 @@
 """GPT's config rules (its ``refuse_own_flags`` hook, :mod:`loom.models.family`): the features
 only the GPT family builds (multi-latent attention, multi-token prediction, muP, gpt-oss's
-sliding-window / sink attention, Qwen3-Next's attention output gate and Gated DeltaNet) refused in another family's config with "drop it". The rules
-of the features themselves stay with their flags in :mod:`loom.config` (``model_mla``,
-``model_mup``, ``model_gptoss``): a GPT config has no further family rule."""
+sliding-window / sink attention, Qwen3-Next's attention output gate and Gated DeltaNet, the
+post-LayerNorm and fp32 residual connections, QK L2 norms) refused in another family's config
+with "drop it". The rules of the features themselves stay with their flags in
+:mod:`loom.config` (``model_mla``, ``model_mup``, ``model_gptoss``, ``model_variants``): a GPT
+config has no further family rule."""
 
 from __future__ import annotations
 
@@ -31,6 +33,15 @@ def refuse_own_flags(m: Any) -> None:
     if m.attention_output_gate:
         raise ConfigError(f"--attention-output-gate: loom gates the attention of --model-type "
                           f"gpt only, not {m.model_type}: drop it")
+    for name, what in (("apply_residual_connection_post_layernorm",
+                        "the residual taken after the LayerNorm"),
+                       ("fp32_residual_connection", "an fp32 residual stream"),
+                       ("qk_l2_norm", "the L2-normalized queries and keys")):
+        if getattr(m, name):
+            hint = " (its --post-layernorm is the original post-LN BERT)" \
+                if m.model_type == "bert" and name.startswith("apply") else ""
+            raise other_family_flag(name, f"{what} of --model-type gpt's layers{hint}",
+                                    m.model_type)
     if m.gated_delta_net:
         raise ConfigError(f"--experimental-attention-variant "
                           f"{m.experimental_attention_variant} builds GPT layers; --model-type "

@@ -119,6 +119,10 @@ def layout_of(cfg: ModelConfig) -> str:
     if cfg.attention_output_gate or cfg.gated_delta_net:
         raise ConfigError("Qwen3-Next's gated attention output and Gated DeltaNet layers have "
                           "no Hugging Face export in loom yet")
+    if cfg.apply_residual_connection_post_layernorm:
+        raise ConfigError("--apply-residual-connection-post-layernorm has no Hugging Face "
+                          "layout loom exports to (their layers add the residual before the "
+                          "LayerNorm): keep the checkpoint in loom's or Megatron's format")
     if cfg.dsa:
         raise ConfigError("DeepSeek sparse attention (--experimental-attention-variant dsa) "
                           "has no Hugging Face export in loom yet (DeepseekV32's indexer)")

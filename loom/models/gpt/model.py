@@ -36,7 +36,14 @@ from loom.models.mtp import MultiTokenPrediction, mtp_loss
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN decoder layer: ``x + drop(attn(norm1(x)))``, then ``x + drop(mlp(norm2(x)))``."""
+    """Pre-LN decoder layer: ``x + drop(attn(norm1(x)))``, then ``x + drop(mlp(norm2(x)))``.
+
+    ``--apply-residual-connection-post-layernorm``: the residual is the norm's output,
+    ``norm1(x) + drop(attn(norm1(x)))`` (Megatron's legacy ``ParallelTransformerLayer``,
+    BLOOM's block). ``--fp32-residual-connection``: the residual and the block's 16-bit
+    output are added in fp32 (the output upcast before the dropout: Megatron-LM d98e8a6's
+    bias-dropout-add), so the layer returns fp32; the norms take fp32 inputs
+    (:func:`~loom.models.chunk.build_norm`)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, moe: Optional[bool] = None):
         super().__init__()
@@ -48,14 +55,25 @@ class TransformerLayer(nn.Module):
         moe = cfg.is_moe_layer(layer_number) if moe is None else moe  # MTP: the last layer's
         self.mlp = MoELayer(cfg, layer_number) if moe else MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.post_ln_residual = cfg.apply_residual_connection_post_layernorm
+        self.fp32_residual = cfg.fp32_residual_connection
+
+    def _residual_add(self, x: torch.Tensor, normed: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+        """``residual + drop(out)``, the residual ``x`` or ``normed`` (class docstring)."""
+        residual = normed if self.post_ln_residual else x
+        if self.fp32_residual:
+            residual, out = residual.float(), out.float()
+        return residual + self.hidden_dropout(out)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None,
                 positions: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 moe: Optional[MoEContext] = None) -> torch.Tensor:
         kw = {"moe": moe} if getattr(self.self_attention, "dsa", False) else {}
-        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), rope, positions,
-                                                        cache, **kw))
-        return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x), moe))
+        h = self.input_layernorm(x)
+        x = self._residual_add(x, h, self.self_attention(h, rope, positions, cache, **kw))
+        h = self.pre_mlp_layernorm(x)
+        return self._residual_add(x, h, self.mlp(h, moe))
 
 
 class GPTModel(LanguageModelChunk):

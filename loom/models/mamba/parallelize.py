@@ -22,7 +22,7 @@ import torch
 
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
-from loom.models.init import (a_log_init, by_pattern, conv_init, ones_init, scaled_normal_init,
+from loom.models.init import (a_log_init, by_pattern, conv_init, linear_inits, ones_init,
                               zeros_init)
 from loom.models.mamba.model import mamba_sizes
 from loom.models.parallelize import decoder_init, decoder_plan
@@ -57,15 +57,16 @@ def dt_bias_init(shape, g):
 
 def init(cfg: ModelConfig) -> Callable:
     """``name -> InitFn``: the Mamba parameters as mamba_ssm initializes them, the
-    out-projection scaled by 1/sqrt(2L) like Megatron's output projections, the rest as the
-    shared decoder (:func:`loom.models.parallelize.decoder_init`)."""
+    out-projection scaled by 1/sqrt(2L) like Megatron's output projections (Xavier-uniform under
+    ``--init-method-xavier-uniform``), the rest as the shared decoder
+    (:func:`loom.models.parallelize.decoder_init`)."""
     mamba = by_pattern([
         ("*.mixer.A_log", a_log_init),
         ("*.mixer.D", ones_init),
         ("*.mixer.dt_bias", dt_bias_init),
         ("*.mixer.conv1d.weight", conv_init),
         ("*.mixer.conv1d.bias", zeros_init),
-        ("*.mixer.out_proj.weight", scaled_normal_init(cfg.init_method_std, cfg.num_layers)),
+        ("*.mixer.out_proj.weight", linear_inits(cfg).output),
     ])
     decoder = decoder_init(cfg)
 

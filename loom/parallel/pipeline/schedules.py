@@ -139,7 +139,11 @@ def _backward(out: torch.Tensor, grad: torch.Tensor) -> None:
 
 def p2p_dtype(model_chunks) -> torch.dtype:
     """The dtype activations travel in between stages: the first floating-point parameter's
-    (fp32 when there is none)."""
+    (fp32 when there is none, or when the chunks' model keeps an fp32 residual stream:
+    ``--fp32-residual-connection``, Megatron's ``pipeline_dtype`` override)."""
+    if any(getattr(getattr(c, "cfg", None), "fp32_residual_connection", False)
+           for c in model_chunks):
+        return torch.float32
     for chunk in model_chunks:
         for q in chunk.parameters():
             if q.is_floating_point():
