@@ -21,10 +21,11 @@ def normal_init(std: float) -> InitFn:
     return lambda shape, g: torch.empty(shape).normal_(0.0, std, generator=g)
 
 
-def scaled_normal_init(std: float, num_layers: int) -> InitFn:
-    """N(0, (std / sqrt(2 L))^2) for output projections (Megatron's ``scaled_init_method_normal``;
-    GPT-2 paper sec. 2.3)."""
-    return normal_init(std / math.sqrt(2.0 * num_layers))
+def scaled_normal_init(std: float, num_layers: int, multiplier: float = 2.0) -> InitFn:
+    """N(0, (std / sqrt(multiplier L))^2) for output projections (Megatron's
+    ``scaled_init_method_normal``, multiplier 2: GPT-2 paper sec. 2.3; 1 for a hybrid model,
+    Megatron-Core's ``TransformerConfig.is_hybrid_model``)."""
+    return normal_init(std / math.sqrt(multiplier * num_layers))
 
 
 def xavier_uniform_init(shape, g):
@@ -51,7 +52,8 @@ class LinearInits(NamedTuple):
 def linear_inits(cfg: Any, hidden_std: Optional[float] = None) -> LinearInits:
     """The :class:`LinearInits` of model config ``cfg``: N(0, s^2) with s = ``hidden_std``
     (default ``--init-method-std``; muP passes its width-scaled std), output projections
-    N(0, s^2 / (2 L)), embeddings N(0, ``--embedding-init-method-std``^2) (default
+    N(0, s^2 / (2 L)) (N(0, s^2 / L) in a hybrid stack, ``--hybrid-override-pattern``: Megatron
+    sets ``is_hybrid_model`` from the pattern, ``megatron/training/argument_utils.py``), embeddings N(0, ``--embedding-init-method-std``^2) (default
     ``--init-method-std``, unscaled); ``--init-method-xavier-uniform``: :func:`xavier_uniform_init`
     for the first two, and for the embeddings unless ``--embedding-init-method-std`` gives them
     another std (``ModelConfig.embedding_std``; :mod:`loom.config.model_variants`)."""
@@ -59,7 +61,9 @@ def linear_inits(cfg: Any, hidden_std: Optional[float] = None) -> LinearInits:
     if cfg.init_method_xavier_uniform:
         hidden = output = xavier_uniform_init
     else:
-        hidden, output = normal_init(std), scaled_normal_init(std, cfg.num_layers)
+        hybrid = getattr(cfg, "hybrid_override_pattern", None) is not None
+        hidden = normal_init(std)
+        output = scaled_normal_init(std, cfg.num_layers, 1.0 if hybrid else 2.0)
     e = cfg.embedding_std
     return LinearInits(hidden, output, hidden if e is None else normal_init(e))
 

@@ -128,3 +128,24 @@ def test_embedding_std_in_the_other_families(family, kw):
         elif name.endswith("linear_qkv.weight") or name.endswith("in_proj.weight"):
             assert abs(float(p.std()) - 0.02) < 0.003, name
     assert tables == (3 if cfg.model_type == "bert" else 1)
+
+
+@pytest.mark.parametrize("pattern", [None, "M*-M*-"])
+def test_output_projection_std_of_a_hybrid_stack_is_megatron_cores(pattern):
+    """Megatron sets ``is_hybrid_model`` from the hybrid pattern, and its output projections
+    then draw N(0, sigma^2 / L) instead of sigma^2 / (2 L) (``TransformerConfig``'s
+    ``output_layer_init_method``): the same numbers as loom's from the same generator."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = tiny_model("mamba", hybrid_override_pattern=pattern)
+    ref = TransformerConfig(num_layers=cfg.num_layers, hidden_size=32, num_attention_heads=4,
+                            init_method_std=0.02, is_hybrid_model=pattern is not None)
+    want = torch.empty(64, 32)
+    torch.manual_seed(0)
+    ref.output_layer_init_method(want)
+    torch.manual_seed(0)
+    got = torch.empty(64, 32).normal_(0.0, 1.0)
+    std = (want / got).mean().item()  # the same standard normal draws, scaled
+    assert std == pytest.approx(0.02 / math.sqrt((1 if pattern else 2) * cfg.num_layers),
+                                rel=1e-5)
+    g = linear_inits(cfg).output((4000, 32), _gen(1))
+    assert g.std().item() == pytest.approx(std, rel=0.03)

@@ -57,7 +57,8 @@ def dt_bias_init(shape, g):
 
 def init(cfg: ModelConfig) -> Callable:
     """``name -> InitFn``: the Mamba parameters as mamba_ssm initializes them, the
-    out-projection scaled by 1/sqrt(2L) like Megatron's output projections (Xavier-uniform under
+    out-projection scaled like Megatron's output projections (1/sqrt(L) in a hybrid stack,
+    1/sqrt(2L) without ``--hybrid-override-pattern``: :func:`loom.models.init.linear_inits`; Xavier-uniform under
     ``--init-method-xavier-uniform``), the rest as the shared decoder
     (:func:`loom.models.parallelize.decoder_init`)."""
     mamba = by_pattern([
