@@ -115,5 +115,8 @@ def decoder_init(cfg: ModelConfig) -> Callable:
         ("output_layer.weight", vocab),
         ("*.linear_proj.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
         ("*.linear_fc2.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
+        # latent MoE's up projection: Megatron's output_layer_init_method (its down one
+        # init_method, below)
+        ("*.fc2_latent_proj.weight", scaled_normal_init(hidden_std, cfg.num_layers)),
         ("*.weight", hidden),
     ])
