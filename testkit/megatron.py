@@ -25,6 +25,11 @@ What it patches (measured on megatron-core 0.16.1 with torch 2.13+cpu, gloo):
 - ``moe_utils.te_general_gemm`` -> None: 0.16.1's router GEMM reads the name, which is defined
   only when Transformer Engine imports (a ``NameError`` without it; the module-level default
   is missing in that release).
+- the latent MoE's projections (``moe_latent_size``): ``MoELayer`` builds them only as
+  Transformer Engine's ``TELinear(parallel_mode="duplicated")``, a plain linear replicated on
+  every TP rank; without Transformer Engine they become Megatron-Core's own
+  ``ColumnParallelLinear`` at TP 1 (the same ``x W^T + b``, parameters and checkpoint key;
+  :func:`_duplicated_linear`).
 
 Not on CPU with the local layer spec: sequence parallelism (``torch_norm.py``) and the
 ``alltoall`` MoE dispatcher (``torch.cuda.Stream``); ``allgather`` works.
@@ -131,6 +136,24 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def _duplicated_linear(input_size: int, output_size: int, *, parallel_mode: str, config,
+                       init_method, bias: bool, skip_bias_add: bool,
+                       skip_weight_param_allocation: bool = False, is_expert: bool = False):
+    """Transformer Engine's ``TELinear`` in ``parallel_mode="duplicated"`` (no TP split, the
+    weight whole on every TP rank: the latent MoE's ``fc1_latent_proj`` / ``fc2_latent_proj``)
+    as Megatron-Core's ``ColumnParallelLinear`` on a TP group of one rank, which computes and
+    stores the same (``(x W^T + b, None)``; ``decoder.layers.mlp.fc1_latent_proj.weight``).
+    Refused at TP > 1, where a column-parallel linear would split what TE keeps whole."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    if parallel_mode != "duplicated" or ps.get_tensor_model_parallel_world_size() != 1:
+        raise NotImplementedError("the TELinear stand-in is a duplicated linear at TP 1 only")
+    return ColumnParallelLinear(input_size, output_size, config=config, init_method=init_method,
+                                bias=bias, gather_output=False, skip_bias_add=skip_bias_add,
+                                skip_weight_param_allocation=skip_weight_param_allocation,
+                                is_expert=is_expert)
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Inside: Megatron-Core's model, RNG tracker, optimizer and ``dist_checkpointing`` run on
@@ -140,8 +163,12 @@ def megatron_on_cpu() -> Iterator[None]:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from megatron.core.fusions import fused_softmax
         from megatron.core.tensor_parallel import random as mrandom
-        from megatron.core.transformer.moe import moe_utils
+        from megatron.core.transformer.moe import moe_layer, moe_utils
     with contextlib.ExitStack() as stack:
+        if not moe_layer.HAVE_TE:  # the latent MoE's projections (module docstring)
+            stack.enter_context(mock.patch.object(moe_layer, "HAVE_TE", True))
+            stack.enter_context(mock.patch.object(moe_layer, "TELinear", _duplicated_linear,
+                                                  create=True))
         for fn in _FACTORIES:
             stack.enter_context(mock.patch(f"torch.{fn}", _on_cpu(getattr(torch, fn))))
         stack.enter_context(mock.patch.object(torch.Tensor, "cuda", _tensor_cuda))
@@ -180,7 +207,7 @@ def init_megatron_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1)
 def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
     """Megatron-Core's ``TransformerConfig`` of the loom ``ModelConfig`` ``cfg`` (GPT family:
     GPT-2 / LLaMA layouts, QK-layernorm or QK L2 norm, interleaved RoPE, NoPE layers, the gated attention
-    output, MoE with the allgather dispatcher),
+    output, MoE with the allgather dispatcher, latent MoE, probabilities on the expert input),
     fp32, no dropout, CPU initialization; ``extra``: more ``TransformerConfig`` fields."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -216,7 +243,8 @@ def megatron_config(cfg, tp: int = 1, pp: int = 1, ep: int = 1, **extra):
                   moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
                   moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
                   moe_router_dtype="fp32" if cfg.moe_router_dtype == "fp32" else None,
-                  moe_grouped_gemm=False)
+                  moe_grouped_gemm=False, moe_latent_size=cfg.moe_latent_size,
+                  moe_apply_probs_on_input=cfg.moe_apply_probs_on_input)
     return TransformerConfig(**{**kw, **extra})
 
 

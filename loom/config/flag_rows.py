@@ -43,7 +43,9 @@ _IMPLEMENTED = words("""
 --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-num-groups
 --moe-router-group-topk --moe-router-topk-scaling-factor --moe-router-dtype
 --moe-token-dispatcher-type --moe-grouped-gemm --moe-shared-expert-overlap
---moe-router-force-load-balancing --qk-layernorm --rotary-scaling-factor --hybrid-override-pattern
+--moe-router-force-load-balancing --moe-router-force-biased --moe-input-jitter-eps
+--moe-apply-probs-on-input --moe-latent-size --qk-layernorm --rotary-scaling-factor
+--hybrid-override-pattern
 --mamba-state-dim --mamba-head-dim --mamba-num-groups --multi-latent-attention --q-lora-rank
 --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rope-type --mscale
 --mscale-all-dim --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
@@ -147,6 +149,10 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--moe-token-dispatcher-type": field(note="flex (DeepEP / HybridEP kernels) runs as "
                                               "alltoall (the same numbers)"),
     "--moe-router-force-load-balancing": field(note="benchmarks only"),
+    "--moe-router-force-biased": field(note="benchmarks only; the bias is drawn from the "
+                                            "default generator (the same on every TP and DP "
+                                            "rank of a pipeline stage)"),
+    "--moe-input-jitter-eps": field(note="as in Megatron, also in evaluation forwards"),
     "--rotary-scaling-factor": field(default=None, note="Megatron 1.0: no scaling (YaRN's "
                                      "factor; Gemma 3's linear scaling)"),
     "--rope-type": field(note="None: yarn with MLA (MLATransformerConfig), rope otherwise"),

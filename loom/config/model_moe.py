@@ -124,6 +124,19 @@ class MoEFields:
     moe_router_force_load_balancing: bool = opt(
         False, "benchmarks only: random router logits (straight-through gradient), so the "
                "experts get a balanced load whatever the weights")
+    moe_router_force_biased: Optional[float] = opt(
+        None, "benchmarks only: random router logits plus a per-expert N(0, |std|^2) bias "
+              "shared by every rank, drawn each forward (std > 0) or once per layer (std < 0)")
+    moe_input_jitter_eps: Optional[float] = opt(
+        None, "multiply the router's input by uniform noise in [1 - eps, 1 + eps] (Switch "
+              "Transformer's jitter; the experts see the plain input)", gt=0)
+    moe_apply_probs_on_input: bool = opt(
+        False, "scale each token's expert input by its router probability instead of the "
+               "expert output (top-1 routing only)")
+    moe_latent_size: Optional[int] = opt(
+        None, "latent MoE (Nemotron-3): the routed experts work in this width, between a "
+              "down projection of the tokens and an up projection of their combined output "
+              "(router and shared expert see the full hidden state)", ge=1)
     qk_layernorm: bool = opt(False, "normalize each attention head's query and key "
                                     "(--normalization kind, per head dim; Qwen3, OLMo 2)")
 
@@ -188,3 +201,10 @@ class MoEFields:
                               "alltoall and --moe-shared-expert-intermediate-size")
         if self.moe_router_load_balancing_type == "sinkhorn":
             self._check_sinkhorn()
+        if self.moe_apply_probs_on_input and k != 1:
+            raise ConfigError(f"--moe-apply-probs-on-input works with top-1 routing only "
+                              f"(Megatron asserts it): set --moe-router-topk 1, not {k}")
+        if self.moe_latent_size and self.moe_shared_expert_overlap:
+            raise ConfigError("--moe-latent-size with --moe-shared-expert-overlap: Megatron "
+                              "refuses the overlap with latent projections; drop "
+                              "--moe-shared-expert-overlap")

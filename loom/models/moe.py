@@ -6,7 +6,9 @@ experts per token with weights -> each expert (a GeLU, SwiGLU, gated or squared-
 its tokens -> the
 weighted sum over the k choices, plus an always-on shared expert. Dropless by default; with
 ``--moe-expert-capacity-factor`` f each expert keeps at most ``ceil(f T k / E)`` tokens (those
-with the highest router score) and the rest are dropped.
+with the highest router score) and the rest are dropped. ``--moe-latent-size L`` runs the routed
+experts on ``[T, L]`` projections of the tokens, ``--moe-apply-probs-on-input`` (top-1) scales
+their input by the router probability instead of their output (:class:`MoELayer`).
 
 Auxiliary losses: the load-balancing loss ``aux = coeff * E * sum_i f_i P_i`` (``f_i``: share of
 the T k assignments routed to expert i, ``P_i``: mean routing probability of expert i; Switch
@@ -188,21 +190,24 @@ def _grouped(tokens: torch.Tensor, local: torch.Tensor, mlps: list) -> torch.Ten
 class LocalDispatcher(nn.Module):
     """Every expert on this rank: permute the kept (token, choice) pairs by expert, run the
     experts (``run_experts``: :func:`run_experts` or :func:`run_experts_grouped`), return their
-    outputs ``[T, k, h]`` (zeros where dropped) and the shared expert's ``[T, h]`` (or None)."""
+    outputs ``[T, k, w]`` (zeros where dropped; ``w`` the routed tokens' width: h, or the
+    latent size) and the shared expert's ``[T, h]`` on ``shared_tokens`` (default: ``tokens``;
+    or None)."""
 
     def __init__(self, run_experts=run_experts):
         super().__init__()
         self.run_experts = run_experts
 
     def forward(self, tokens, routing: Routing, experts: nn.ModuleDict,
-                shared: Optional[nn.Module] = None):
+                shared: Optional[nn.Module] = None, shared_tokens=None):
         T, k = routing.experts.shape
         flat = routing.experts.reshape(-1)
         pairs = routing.kept.reshape(-1).nonzero().squeeze(-1)
         pairs = pairs[torch.argsort(flat[pairs], stable=True)]
         out = self.run_experts(tokens[pairs // k], flat[pairs], experts)
         full = tokens.new_zeros(T * k, tokens.shape[-1]).index_copy(0, pairs, out)
-        return full.view(T, k, -1), (shared(tokens) if shared is not None else None)
+        shared_in = tokens if shared_tokens is None else shared_tokens
+        return full.view(T, k, -1), (shared(shared_in) if shared is not None else None)
 
 
 LAYER_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -231,7 +236,17 @@ def enable_layer_loss_log(model_chunks) -> list:
 
 class MoELayer(nn.Module):
     """``x [s, b, h] -> [s, b, h]``: router (:class:`~loom.models.moe_router.TopKRouter`), top-k
-    experts, weighted combine, shared expert."""
+    experts, weighted combine, shared expert.
+
+    ``--moe-latent-size L`` (latent MoE, Nemotron-3; Megatron-Core's ``MoELayer`` with
+    ``moe_latent_size``): the routed tokens are first projected down, ``fc1_latent_proj``
+    ``[T, h] -> [T, L]``, the experts map ``L -> L`` and their combined output is projected
+    back up, ``fc2_latent_proj`` ``[T, L] -> [T, h]`` (both with the linear biases unless
+    ``--disable-bias-linear``; replicated over TP, like the router). The router and the shared
+    expert read the un-projected ``[T, h]`` tokens. ``--moe-apply-probs-on-input`` (top-1): the
+    router probability scales the expert's input (``p x``, cast back to the input's dtype)
+    and the expert outputs are summed unweighted (Megatron-Core's experts with
+    ``moe_apply_probs_on_input``: the probabilities become ones)."""
 
     def __init__(self, cfg, layer_number: int):
         super().__init__()
@@ -239,8 +254,12 @@ class MoELayer(nn.Module):
         bias = not cfg.disable_bias_linear
         self.layer_number, self.cfg = layer_number, cfg
         self.router = TopKRouter(cfg)
+        latent = cfg.moe_latent_size
+        self.fc1_latent_proj = nn.Linear(h, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = nn.Linear(latent, h, bias=bias) if latent else None
         gated, act = cfg.gated_linear_unit, expert_activation(cfg)
-        self.experts = nn.ModuleDict({str(i): ExpertMLP(h, cfg.moe_ffn_size, gated, bias, act)
+        w = latent or h  # the width the routed experts see
+        self.experts = nn.ModuleDict({str(i): ExpertMLP(w, cfg.moe_ffn_size, gated, bias, act)
                                       for i in range(E)})
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
@@ -258,8 +277,17 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         routing = self.router(tokens, (s, b))
-        expert_out, shared_out = self.dispatcher(tokens, routing, self.experts, self.shared_experts)
-        y = (expert_out * routing.weights.unsqueeze(-1).to(expert_out.dtype)).sum(1)
+        routed = tokens if self.fc1_latent_proj is None else self.fc1_latent_proj(tokens)
+        if self.cfg.moe_apply_probs_on_input:  # top-1: one probability per token
+            routed = (routing.weights[:, :1] * routed).to(routed.dtype)
+        expert_out, shared_out = self.dispatcher(routed, routing, self.experts,
+                                                 self.shared_experts, tokens)
+        if self.cfg.moe_apply_probs_on_input:
+            y = expert_out.sum(1)
+        else:
+            y = (expert_out * routing.weights.unsqueeze(-1).to(expert_out.dtype)).sum(1)
+        if self.fc2_latent_proj is not None:
+            y = self.fc2_latent_proj(y)
         if shared_out is not None:
             if self.shared_expert_gate is not None:
                 shared_out = torch.sigmoid(self.shared_expert_gate(tokens)) * shared_out

@@ -223,7 +223,8 @@ def _balancing_loss(logits, scores, k, score_function, coeff, balancing, stats, 
 
 
 class _RandomLogits(torch.autograd.Function):
-    """``--moe-router-force-load-balancing``: N(0, 1) logits in place of the router's (from
+    """``--moe-router-force-load-balancing`` (and ``--moe-router-force-biased``, which adds
+    :func:`forced_bias`): N(0, 1) logits in place of the router's (from
     torch's default generator), the gradient passed straight through (Megatron's
     ``RandomSTE``; for benchmarks)."""
 
@@ -234,6 +235,31 @@ class _RandomLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+def forced_bias(router, E: int, std: float, dtype, device) -> torch.Tensor:
+    """``--moe-router-force-biased std``: the per-expert bias ``[E]`` ~ N(0, std^2) added to the
+    random logits (Megatron-LM d98e8a6 ``moe_utils.apply_biased_logits``: a fresh draw each
+    forward for std > 0; for std < 0 one draw of N(0, |std|^2) per layer, kept on ``router``).
+    Drawn from the default generator, which every TP and DP rank of a pipeline stage seeds
+    alike (:func:`loom.parallel.random.seed_everything`; Megatron's data-parallel RNG state),
+    so all ranks routing the same tokens add the same bias."""
+    if std < 0 and router._forced_bias is not None:
+        return router._forced_bias
+    bias = torch.randn(E, dtype=dtype, device=device) * abs(std)
+    if std < 0:
+        router._forced_bias = bias
+    return bias
+
+
+def input_jitter(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``--moe-input-jitter-eps``: ``x`` times noise ~ U[1 - eps, 1 + eps) of its shape
+    (Switch Transformer, Fedus et al. 2021, sec. 2.4 / app. D; Megatron-Core's
+    ``TopKRouter.apply_input_jitter``: the router's input only, every forward), from the
+    default generator (the same on the TP ranks, which route the same tokens)."""
+    low = torch.tensor(1.0 - eps, dtype=x.dtype, device=x.device)
+    high = torch.tensor(1.0 + eps, dtype=x.dtype, device=x.device)
+    return x * (low + torch.rand(x.shape, dtype=x.dtype, device=x.device) * (high - low))
 
 
 class TopKRouter(nn.Module, RecomputeReplay):
@@ -249,7 +275,9 @@ class TopKRouter(nn.Module, RecomputeReplay):
     plan installs; None on one rank. ``global_aux_loss``'s running load is updated once per
     micro-batch: a recomputed forward (activation recomputation) replays the load its first run
     used (:class:`~loom.parallel.interface.RecomputeReplay`), so recomputation changes no
-    value."""
+    value. The input is jittered first with ``--moe-input-jitter-eps`` (:func:`input_jitter`);
+    the benchmark modes replace the logits by random ones (:class:`_RandomLogits`, plus
+    :func:`forced_bias` with ``--moe-router-force-biased``)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -267,6 +295,7 @@ class TopKRouter(nn.Module, RecomputeReplay):
         self.global_steps = 0
         self.stats = None
         self.global_stats = None
+        self._forced_bias: Optional[torch.Tensor] = None  # --moe-router-force-biased < 0
 
     def reset_load(self) -> None:
         """Forget this step's counted load (after the bias update)."""
@@ -297,10 +326,15 @@ class TopKRouter(nn.Module, RecomputeReplay):
         dtype = ROUTER_DTYPES[c.moe_router_dtype]
         if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
             self.expert_bias.data = self.expert_bias.data.float()  # kept fp32 under --bf16
+        if c.moe_input_jitter_eps is not None:
+            tokens = input_jitter(tokens, c.moe_input_jitter_eps)
         logits = F.linear(tokens.to(dtype), self.weight.to(dtype),
                           None if self.bias is None else self.bias.to(dtype))
-        if c.moe_router_force_load_balancing:
+        if c.moe_router_force_load_balancing or c.moe_router_force_biased is not None:
             logits = _RandomLogits.apply(logits)
+        if c.moe_router_force_biased is not None:
+            logits = logits + forced_bias(self, logits.shape[-1], c.moe_router_force_biased,
+                                          logits.dtype, logits.device)
         self.T = logits.shape[0]
         r = route(logits, c.moe_router_topk, c.moe_router_score_function, c.moe_aux_loss_coeff,
                   c.moe_z_loss_coeff, c.moe_expert_capacity_factor, c.moe_router_pre_softmax,

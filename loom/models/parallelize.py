@@ -115,5 +115,8 @@ def decoder_init(cfg: ModelConfig) -> Callable:
         ("output_layer.weight", vocab_padded_init(output_layer, cfg.vocab_size)),
         ("*.linear_proj.weight", w.output),
         ("*.linear_fc2.weight", w.output),
+        # latent MoE's up projection: Megatron's output_layer_init_method (its down one
+        # init_method, below)
+        ("*.fc2_latent_proj.weight", w.output),
         ("*.weight", w.hidden),
     ])

@@ -19,7 +19,11 @@ starting at j, and each rank dispatches its own pairs to the EP ranks holding th
 pair meets each shard of its expert exactly once. The partial pair outputs of all k choices
 and the shared expert's (sharded over TP) are summed over TP in ONE all-reduce before the router
 weights combine them, so the router's gradient is exact and identical on every TP rank: 1
-all-reduce forward and 1 backward per MoE layer, like a dense MLP. With u = t (the default) no
+all-reduce forward and 1 backward per MoE layer, like a dense MLP. A latent MoE
+(``--moe-latent-size``) projects every token on every TP rank (its projections are replicated,
+like the router); its L-wide pair outputs and the shared expert's h-wide ones go flattened into
+the one forward all-reduce, and backward sums the latent rows' and the shared expert's input
+gradients in two. With u = t (the default) no
 pair is split and this is expert TP as Megatron-Core's default; with u = 1 each expert is whole
 and TP rank r runs every t-th pair.
 

@@ -97,9 +97,11 @@ class _WaitAllToAll(torch.autograd.Function):
 class ParallelDispatcher(nn.Module):
     """The MoE dispatcher under TP and/or EP (the module docstrings of this module and of
     :mod:`loom.parallel.expert`). Same contract as :class:`~loom.models.moe.LocalDispatcher`:
-    ``forward(tokens [T, h], routing, experts, shared)`` (``routing.experts``, ``.kept``
-    ``[T, k]``: expert ids and kept choices) returns ``[T, k, h]`` expert outputs (zeros where
-    dropped) and the shared expert's ``[T, h]`` (or None), summed over TP.
+    ``forward(tokens [T, w], routing, experts, shared, shared_tokens)`` (``routing.experts``,
+    ``.kept`` ``[T, k]``: expert ids and kept choices; ``w``: h, or the latent size of
+    ``--moe-latent-size``) returns ``[T, k, w]`` expert outputs (zeros where dropped) and the
+    shared expert's ``[T, h]`` on ``shared_tokens [T, h]`` (default ``tokens``; or None), summed
+    over TP.
     ``run_experts(tokens [n, h], ids [n], experts, first) -> [n, h]`` runs tokens, sorted by
     their global expert id, through ``experts[str(id)]`` (the family's, e.g.
     :func:`loom.models.moe.run_experts`). ``pair_split``: ``(j, n)``, this rank owns every n-th
@@ -140,8 +142,9 @@ class ParallelDispatcher(nn.Module):
         return torch.zeros(T * k, dtype=torch.bool, device=pairs.device).index_fill_(
             0, pairs, True).view(T, k)
 
-    def _alltoall(self, x, routing, experts, shared):
-        """Returns the ``[T k, h]`` pair outputs and the shared expert's output (or None)."""
+    def _alltoall(self, x, routing, experts, shared, xs):
+        """Returns the ``[T k, w]`` pair outputs and the shared expert's output on ``xs`` (or
+        None)."""
         T, k = routing.experts.shape
         flat = routing.experts.reshape(-1)
         pairs = self._pairs(flat, routing.kept)
@@ -159,7 +162,7 @@ class ParallelDispatcher(nn.Module):
                 pending = _Pending()
                 buf = _StartAllToAll.apply(send, recv_counts, send_counts, self.ep_group, pending)
                 self._note("dispatch all-to-all started")
-                shared_out = shared(x)
+                shared_out = shared(xs)
                 self._note(f"shared expert done (all-to-all completed: "
                            f"{pending.work.is_completed()})")
                 recv = _WaitAllToAll.apply(buf, pending)
@@ -195,17 +198,25 @@ class ParallelDispatcher(nn.Module):
         return reduce_scatter_to_sequence_parallel_region(full, g)  # [T k, h]
 
     def forward(self, tokens, routing, experts: nn.ModuleDict,
-                shared: Optional[nn.Module] = None):
+                shared: Optional[nn.Module] = None, shared_tokens=None):
         T, k = routing.experts.shape
         x = copy_to_tensor_parallel_region(tokens, self.tp_group)  # f: input grads summed over TP
+        xs = x
+        if shared is not None and shared_tokens is not None and shared_tokens is not tokens:
+            xs = copy_to_tensor_parallel_region(shared_tokens, self.tp_group)  # latent MoE
         if self.kind == "allgather" and self.ep_group is not None:
             full, shared_out = self._allgather(x, routing, experts), None
         else:
-            full, shared_out = self._alltoall(x, routing, experts, shared)
+            full, shared_out = self._alltoall(x, routing, experts, shared, xs)
         if shared is not None and shared_out is None:
-            shared_out = shared(x)
+            shared_out = shared(xs)
         if self.tp_group is not None:  # partial sums of every rank's expert shards: one all-reduce
-            both = full if shared_out is None else torch.cat([full, shared_out])
-            both = reduce_from_tensor_parallel_region(both, self.tp_group)
-            full, shared_out = (both, None) if shared_out is None else both.split([T * k, T])
+            if shared_out is None:
+                full = reduce_from_tensor_parallel_region(full, self.tp_group)
+            else:  # flattened: the shared expert's width h may differ from the latent size
+                w, h = full.shape[-1], shared_out.shape[-1]
+                both = reduce_from_tensor_parallel_region(
+                    torch.cat([full.reshape(-1), shared_out.reshape(-1)]), self.tp_group)
+                full, shared_out = both.split([full.numel(), shared_out.numel()])
+                full, shared_out = full.view(T * k, w), shared_out.view(T, h)
         return full.view(T, k, -1), shared_out

@@ -274,6 +274,7 @@ NO_STEP_COST_MODEL = frozenset({
     "apply_residual_connection_post_layernorm", "qk_l2_norm",
     "moe_router_pre_softmax", "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_force_load_balancing",
+    "moe_router_force_biased", "moe_input_jitter_eps",
     "moe_token_drop_policy", "mtp_loss_scaling_factor", "bert_binary_head",
     "query_pre_attn_scalar", "apply_wd_to_qk_layernorm",
     "use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",

@@ -350,9 +350,21 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp
     ``allgather`` (``_allgather``: the EP group's tokens gathered, the rows of the local
     experts picked) the picked rows and the experts' outputs ``2 lambda e S k r h`` and their
     int64 pair indices and tokens ``16 lambda S k r``.
+
+    Latent MoE (``--moe-latent-size`` L): the routed rows and the expert outputs are ``L``
+    wide instead of h (``dispatch``, ``combine``), and ``latent`` adds the up projection's
+    input ``e S L`` and the down projection's input, the layer's tokens ``e S h``, unless a
+    shared expert's FC1 already keeps them. ``--moe-apply-probs-on-input`` (top-1): the
+    product ``p x`` keeps its routed input ``e S w`` (w = L, or h when the tokens are not
+    already kept by a shared expert's FC1) and the fp32 weights ``4 S``
+    (``probs_on_input``), and the unweighted sum keeps nothing (no ``combine``; under TP nor
+    the shared expert's rows of the all-reduced storage).
     """
     h, E, k, fe = (model.hidden_size, model.num_experts, model.moe_router_topk,
                    model.moe_ffn_size)
+    L = model.moe_latent_size or 0
+    w = L or h  # the routed rows' width
+    probs_in = bool(model.moe_apply_probs_on_input)
     e = float(elem_bytes)
     S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
     t = np.asarray(t, dtype=np.float64)
@@ -365,13 +377,15 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp
         "router": 4 * S * h + 4 * E * h + 8 * S * E + 4 * S * k + 8 * S * k + 8 * S,
         "dispatch": np.where(
             many & (model.moe_token_dispatcher_type == "allgather"),
-            2 * lam * e * S * k * r * h + 16 * lam * S * k * r,
-            e * S * k * r * h * (2 * lam + many) + 8 * S * k * (1 + r)
+            2 * lam * e * S * k * r * w + 16 * lam * S * k * r,
+            e * S * k * r * w * (2 * lam + many) + 8 * S * k * (1 + r)
             + many * 8 * lam * S * k * r),
         "experts": lam * e * S * k * gated * fe / t,
-        "combine": e * S * k * h + e * S * k,
-        "shared_expert": (e * S * h * (1 + (t > 1)) + e * S * gated * f_sh / t) if f_sh
-        else 0.0 * S,
+        "combine": 0.0 * S if probs_in else e * S * k * w + e * S * k,
+        "shared_expert": (e * S * h * (1 + ((t > 1) & (not probs_in)))
+                          + e * S * gated * f_sh / t) if f_sh else 0.0 * S,
+        "latent": (e * S * L + (0 if f_sh else e * S * h)) if L else 0.0 * S,
+        "probs_on_input": (e * S * (L or (0 if f_sh else h)) + 4 * S) if probs_in else 0.0 * S,
     }
 
 

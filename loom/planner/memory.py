@@ -51,7 +51,8 @@ from loom.planner.memory_runtime import (backward_working_bytes, layer_extra_byt
                                         loom_kind_extra, loom_layer_extra,
                                         loom_moe_extra, loss_transient_bytes)
 from loom.planner.mla import attention_params, mtp_params, mtp_stage_params
-from loom.planner.moe import expert_dp, expert_shards, layer_param_totals, moe_layer_params
+from loom.planner.moe import (expert_dp, expert_params_per_gpu, expert_shards,
+                              layer_param_totals, moe_layer_params)
 
 
 def padded_vocab(model: ModelConfig, tp):
@@ -109,7 +110,8 @@ def total_params(model: ModelConfig, seq_length: int | None = None,
 def kind_layer_params(model: ModelConfig, L: dict) -> list[tuple]:
     """``(per_gpu, expert_per_gpu)`` parameters (count, arrays) of one layer of each kind of
     :func:`loom.planner.stage_table.layer_kinds`: sharded over ``t`` plus replicated; MoE
-    experts over ``u x e`` (:func:`loom.planner.moe.moe_layer_params`, :func:`expert_shards`); hybrid kinds
+    experts over ``u x e`` (:func:`loom.planner.moe.moe_layer_params`,
+    :func:`~loom.planner.moe.expert_params_per_gpu`); hybrid kinds
     (:func:`loom.planner.mamba.kind_params`)."""
     t = L["tp"]
     sh, rep = layer_params(model)
@@ -120,8 +122,8 @@ def kind_layer_params(model: ModelConfig, L: dict) -> list[tuple]:
     dense = (sh / t + rep, zero)
     if not model.num_experts:
         return [dense]
-    sh_m, rep_m, ex = moe_layer_params(model, (sh, rep))
-    expert = ex / expert_shards(L)
+    sh_m, rep_m, _ = moe_layer_params(model, (sh, rep))
+    expert = expert_params_per_gpu(model, L)
     return [dense, (sh_m / t + rep_m + expert, expert)]
 
 

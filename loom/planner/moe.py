@@ -125,10 +125,11 @@ def moe_fraction(model: ModelConfig) -> float:
     return num_moe_layers(model) / model.num_layers
 
 
-def mlp_params(model: ModelConfig, width: int) -> tuple[int, int]:
-    """``(tp_sharded, replicated)`` parameters of an MLP of hidden width ``width``: fc1
-    ``h (2 width | width)`` and fc2 ``width h``; biases: fc1's sharded, fc2's ``h`` replicated."""
-    h = model.hidden_size
+def mlp_params(model: ModelConfig, width: int, h: int | None = None) -> tuple[int, int]:
+    """``(tp_sharded, replicated)`` parameters of an MLP of hidden width ``width`` on ``h``-wide
+    rows (default ``--hidden-size``): fc1 ``h (2 width | width)`` and fc2 ``width h``; biases:
+    fc1's sharded, fc2's ``h`` replicated."""
+    h = model.hidden_size if h is None else h
     mlp_in = 2 * width if model.gated_linear_unit else width
     sharded, replicated = h * mlp_in + width * h, 0
     if not model.disable_bias_linear:
@@ -137,22 +138,48 @@ def mlp_params(model: ModelConfig, width: int) -> tuple[int, int]:
     return sharded, replicated
 
 
+def routed_width(model: ModelConfig) -> int:
+    """The width of the routed rows, the experts' input and output: ``--moe-latent-size`` L
+    (latent MoE, ``loom/models/moe.py``), else h."""
+    return model.moe_latent_size or model.hidden_size
+
+
+def latent_params(model: ModelConfig) -> int:
+    """The latent MoE's projections of one MoE layer (replicated over TP, like the router):
+    ``h L`` down, ``L h`` up, biases ``L + h`` with the linear biases; 0 without
+    ``--moe-latent-size``."""
+    L, h = model.moe_latent_size or 0, model.hidden_size
+    return (2 * h * L + (0 if model.disable_bias_linear else L + h)) if L else 0
+
+
 def expert_params_per_layer(model: ModelConfig) -> int:
-    """Parameters of the E routed experts of one MoE layer (count), biases included."""
-    sh, rep = mlp_params(model, model.moe_ffn_size)
+    """Parameters of the E routed experts of one MoE layer (count), biases included (on
+    :func:`routed_width` rows)."""
+    sh, rep = mlp_params(model, model.moe_ffn_size, routed_width(model))
     return model.num_experts * (sh + rep)
+
+
+def expert_params_per_gpu(model: ModelConfig, L: dict):
+    """Expert parameters of one MoE layer on one GPU (count, array): the E/e local experts'
+    weights and FC1 biases split over the u expert-TP ranks, their FC2 biases whole on each
+    (``loom/parallel/expert.py::_shard_mlp``; only shard 0 adds it)."""
+    whole = 0 if model.disable_bias_linear else model.num_experts * routed_width(model)
+    return (expert_params_per_layer(model) - whole) / expert_shards(L) \
+        + whole / L.get("ep", 1.0)
 
 
 def moe_layer_params(model: ModelConfig, dense_layer: tuple[int, int]) -> tuple[int, int, int]:
     """``(tp_sharded, replicated, expert)`` parameters of one MoE layer, from the dense layer's
     ``(tp_sharded, replicated)`` (:func:`loom.planner.memory.layer_params`): its MLP replaced by
-    the shared expert (sharded), router ``h E`` and shared gate ``h`` (replicated), experts."""
+    the shared expert (sharded), router ``h E``, shared gate ``h`` and the latent projections
+    (:func:`latent_params`; replicated), experts."""
     h = model.hidden_size
     d_sh, d_rep = mlp_params(model, model.ffn_size)
     f_sh = model.moe_shared_expert_intermediate_size or 0
     s_sh, s_rep = mlp_params(model, f_sh) if f_sh else (0, 0)
     sharded = dense_layer[0] - d_sh + s_sh
-    replicated = dense_layer[1] - d_rep + s_rep + h * model.num_experts
+    replicated = (dense_layer[1] - d_rep + s_rep + h * model.num_experts
+                  + latent_params(model))
     if not model.disable_bias_linear:  # the router's bias [E] (Megatron's TopKRouter)
         replicated += model.num_experts
     if f_sh and model.moe_shared_expert_gate:
@@ -220,11 +247,14 @@ def layer_param_totals(model: ModelConfig, dense_layer: tuple[int, int]) -> tupl
 
 
 def moe_mlp_flops_per_token(model: ModelConfig) -> float:
-    """Forward FLOPs per token of an MoE MLP: ``k (6|4) h f_e + (6|4) h f_sh + 2 h E``."""
+    """Forward FLOPs per token of an MoE MLP: ``k (6|4) w f_e + (6|4) h f_sh + 2 h E + 4 h L``
+    (``w`` the routed width, :func:`routed_width`; the latent projections ``4 h L``, 0
+    without ``--moe-latent-size``)."""
     h, c = model.hidden_size, (6 if model.gated_linear_unit else 4)
     f_sh = model.moe_shared_expert_intermediate_size or 0
-    return float(model.moe_router_topk * c * h * model.moe_ffn_size + c * h * f_sh
-                 + 2 * h * model.num_experts)
+    return float(model.moe_router_topk * c * routed_width(model) * model.moe_ffn_size
+                 + c * h * f_sh + 2 * h * model.num_experts
+                 + 4 * h * (model.moe_latent_size or 0))
 
 
 def moe_activation_bytes(model: ModelConfig, S, imbalance: float, pair_share=1.0) -> tuple:
@@ -249,13 +279,18 @@ def moe_activation_bytes(model: ModelConfig, S, imbalance: float, pair_share=1.0
       ``lambda S k u / t`` rows. Under SP each TP rank dispatches its ``S k / t`` pairs over EP
       and Megatron-Core all-gathers the received rows over the u expert-TP ranks
       (``dispatch_postprocess``: ``gather_from_sequence_parallel_region`` over the expert TP
-      group) before the expert GEMMs: ``lambda S k u / t`` rows with or without SP."""
+      group) before the expert GEMMs: ``lambda S k u / t`` rows with or without SP.
+
+    Latent MoE (``--moe-latent-size`` L): rows and expert outputs are L wide instead of h, and
+    the projections keep their inputs ``2 S h + 2 S L`` (replicated: Megatron-Core runs them
+    on each TP rank's tokens)."""
     h, c, k = model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk
     f_sh = model.moe_shared_expert_intermediate_size or 0
+    w, L = routed_width(model), model.moe_latent_size or 0
     rows = imbalance * S * k
     split = rows * c * model.moe_ffn_size + S * c * f_sh
-    repl = 2 * S * k * h + 8 * S * model.num_experts
-    return split, repl, rows * pair_share * 2 * h
+    repl = 2 * S * k * w + 8 * S * model.num_experts + (2 * S * (h + L) if L else 0)
+    return split, repl, rows * pair_share * 2 * w
 
 
 def all_to_all_time(n, per_node, nbytes, cluster: Cluster):
@@ -320,9 +355,14 @@ def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
     runs.) Context parallelism: S is already the CP shard; the router's load statistics
     (``ContextParallelRouterStats``: assignments and token count, then the probability mass,
     ``E + 1`` and ``E`` fp32) are two all-reduces over the c CP ranks (``t`` apart, latency
-    bound) per MoE layer forward."""
+    bound) per MoE layer forward. Latent MoE (``--moe-latent-size`` L): the routed rows are L
+    wide (expert GEMMs, dispatch, the all-reduce ``[S (k L + h_sh)]``), the projections add
+    ``4 S h L`` FLOPs on every TP rank, and backward all-reduces the latent tokens' gradient
+    (and the shared expert's tokens') instead of the dense ``[S, h]``."""
     h, c, k, E = (model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk,
                   model.num_experts)
+    lat = model.moe_latent_size or 0
+    w = routed_width(model)  # routed rows: L wide in a latent MoE
     t, e, u = L["tp"], L.get("ep", 1.0), expert_tp(L)
     share = u / t  # the pairs this rank owns (module docstring)
     f_e, f_sh = model.moe_ffn_size, model.moe_shared_expert_intermediate_size or 0
@@ -330,22 +370,30 @@ def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
     per_expert = S * k * e * share / E
     # rows per GEMM call
     rows = imbalance * S * k * share if model.moe_grouped_gemm else per_expert
-    expert = imbalance * S * k * c * h * f_e / t / (
-        peak * gemm_efficiency(min(h, f_e) / u, rows, cluster))
+    expert = imbalance * S * k * c * w * f_e / t / (
+        peak * gemm_efficiency(min(w, f_e) / u, rows, cluster))
     shared = (S * c * h * f_sh / t / (peak * gemm_efficiency(min(h, f_sh) / t, S, cluster))
               if f_sh else 0.0)
     router = 2 * h * E * S / (peak * gemm_efficiency(min(h, E), S, cluster))
+    # the latent projections, replicated: every TP rank projects all S tokens down and up
+    latent = (4 * h * lat * S / (peak * gemm_efficiency(min(h, lat), S, cluster))
+              if lat else 0.0)
     a2a = dispatch_time(model.moe_token_dispatcher_type, e, ep_members_per_node(L, cluster),
-                        S * k * h, S * h, cluster, share)
+                        S * k * w, S * w, cluster, share)
     tp_bw, tp_alpha = link(t > cluster.gpus_per_node, cluster)
-    tp_rows = k + (1 if f_sh else 0)
     sp_gather = np.where(np.asarray(L.get("sp", 0.0)) > 0,
                          all_gather_time(t, 2 * S * h, tp_bw, tp_alpha), 0.0)
-    tp_extra = (all_reduce_time(t, 2 * S * h * tp_rows, tp_bw, tp_alpha)
+    tp_extra = (all_reduce_time(t, 2 * S * (k * w + (h if f_sh else 0)), tp_bw, tp_alpha)
                 - all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)) + sp_gather
+    # backward: a latent MoE's input copies are the latent tokens' (and the shared expert's
+    # tokens') all-reduce in place of the dense MLP's [S, h] one
+    latent_bwd = ((all_reduce_time(t, 2 * S * lat, tp_bw, tp_alpha)
+                   + (0.0 if f_sh else -all_reduce_time(t, 2 * S * h, tp_bw, tp_alpha)))
+                  if lat else 0.0)
     cp = L.get("cp", 1.0)
     cp_bw, cp_alpha = link(t * cp > cluster.gpus_per_node, cluster)
     cp_extra = (all_reduce_time(cp, 4 * (E + 1), cp_bw, cp_alpha)
                 + all_reduce_time(cp, 4 * E, cp_bw, cp_alpha))
-    return {"gemm": expert + shared + router, "a2a": a2a, "tp_extra": tp_extra,
-            "tp_extra_bwd": sp_gather, "cp_extra": cp_extra, "tokens_per_expert": per_expert}
+    return {"gemm": expert + shared + router + latent, "a2a": a2a, "tp_extra": tp_extra,
+            "tp_extra_bwd": sp_gather + latent_bwd, "cp_extra": cp_extra,
+            "tokens_per_expert": per_expert}

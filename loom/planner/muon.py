@@ -59,8 +59,8 @@ def _attention(model: ModelConfig, split_qkv: bool) -> list[tuple]:
     return qkv + [(h, a * d, 1, ROW)]
 
 
-def _mlp(model: ModelConfig, width: int) -> list[tuple]:
-    h = model.hidden_size
+def _mlp(model: ModelConfig, width: int, h: int | None = None) -> list[tuple]:
+    h = model.hidden_size if h is None else h  # an expert of a latent MoE: L-wide rows
     return [((2 if model.gated_linear_unit else 1) * width, h, 1, COL), (h, width, 1, ROW)]
 
 
@@ -83,8 +83,11 @@ def layer_matrices(model: ModelConfig, split_qkv: bool = True) -> list[dict]:
         dense = att + [(E, h, 1, WHOLE)] + (_mlp(model, shared) if shared else [])
         if shared and model.moe_shared_expert_gate:
             dense.append((1, h, 1, WHOLE))
+        L = model.moe_latent_size
+        if L:  # the latent projections, replicated
+            dense += [(L, h, 1, WHOLE), (h, L, 1, WHOLE)]
         out.append({"dense": dense, "expert": [(r, c) for r, c, _, _ in
-                                                _mlp(model, model.moe_ffn_size)],
+                                                _mlp(model, model.moe_ffn_size, L)],
                     "experts": E})
     return out
 

@@ -6,14 +6,16 @@ GeLU, biases, tied embeddings), LLaMA with GQA (RMSNorm, RoPE, SwiGLU, untied), 
 QK-layernorm, LLaMA with the gated attention output (``--attention-output-gate``, Qwen3-Next's; at TP=2 only),
 LLaMA with Llama 4's QK L2 norm (``--qk-l2-norm``, Megatron-Core's ``L2Norm``; at TP=2 only),
 at TP=1 and TP=2, and MoE (4 experts, top-2, auxiliary load-balancing loss,
-shared expert) at TP=1, Megatron-Core builds ``GPTModel`` (local layer spec), saves it with
+shared expert), latent MoE (``--moe-latent-size``; Transformer Engine's duplicated linear stood
+in for: ``testkit.megatron``) and top-1 MoE with ``--moe-apply-probs-on-input`` at TP=1,
+Megatron-Core builds ``GPTModel`` (local layer spec), saves it with
 ``dist_checkpointing`` and loom reads that checkpoint into its own model at the same TP; then
 logits, loss and every gradient (Megatron's gathered over TP and read into loom's layout) agree
 within rtol 1e-5, and one Adam step (Megatron's optimizer, wrapped in its DDP, with Megatron-LM's
 scheduler setting the groups' lr and weight decay, against loom's ``build_optimizer``: same lr,
 betas, eps, weight decay, no clipping) leaves every parameter within 1e-5 (atol on O(1)
 parameters, see :func:`_case`). MoE trains at TP > 1 in Megatron-Core only with sequence parallelism, which its
-local spec refuses on CPU (``torch_norm.py``), so its MoE row is TP=1. A perturbed weight must
+local spec refuses on CPU (``torch_norm.py``), so its MoE rows are TP=1. A perturbed weight must
 fail the same comparison (the negative control). Megatron-Core also loads a loom checkpoint
 written by ``convert --to-megatron`` at TP=1 and TP=2 with loom's logits, and a Megatron
 checkpoint read into loom and written back is bit-equal, tensor by tensor.
@@ -49,6 +51,16 @@ STYLES = {
                              moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01,
                              moe_shared_expert_intermediate_size=32),
 }
+# latent MoE (Nemotron-3's --moe-latent-size: experts in 16 of the 32 hidden channels, the
+# shared expert on the full ones) and --moe-apply-probs-on-input (top-1, pre-softmax: the
+# probability, < 1, scales the expert's input); both at TP=1, as the MoE row
+LATENT = dict(num_query_groups=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+              moe_aux_loss_coeff=0.01, moe_shared_expert_intermediate_size=32)
+STYLES["moe_latent"] = ModelConfig.llama(**BASE, **LATENT, moe_latent_size=16)
+STYLES["moe_probs_on_input"] = ModelConfig.llama(**BASE, **{**LATENT, "moe_router_topk": 1},
+                                                 moe_router_pre_softmax=True,
+                                                 moe_apply_probs_on_input=True)
+MOE_STYLES = ("moe", "moe_latent", "moe_probs_on_input")
 MOE_LIST = ModelConfig.llama(**BASE, num_query_groups=2, num_experts=4, moe_router_topk=2,
                              moe_ffn_hidden_size=16, moe_layer_freq="[0,1]",
                              moe_shared_expert_intermediate_size=32)  # layer 0 dense, 1 MoE
@@ -57,7 +69,7 @@ GDN_CFG = ModelConfig.llama(**BASE, experimental_attention_variant="gdn", linear
                             linear_value_head_dim=6, linear_num_key_heads=2,
                             linear_num_value_heads=4)
 CASES = [(s, tp) for tp in (1, 2) for s in STYLES
-         if not (s == "moe" and tp == 2) and not (s in ("gated", "qk_l2") and tp == 1)]
+         if not (s in MOE_STYLES and tp == 2) and not (s in ("gated", "qk_l2") and tp == 1)]
 # (gate: TP=2's per-group split is the layout to check; QK L2 norm: the per-head heads of a rank)
 # eps 1e-5, not Megatron's default 1e-8: Adam's first step is lr g / (|g| + eps), and where a
 # gradient is zero in exact arithmetic (the key bias: softmax ignores a constant added to every
@@ -122,6 +134,7 @@ def _case(style: str, tp: int, tmp: str) -> dict:
             w[0, 0] += 1e-2  # (the weights' scale is 0.02)
             out["perturbed logits"] = rel_err(_gather(model(tokens), mesh.groups["tp"]), want)
             w[0, 0] -= 1e-2
+        out.update(_moe_controls(style, cfg, model, tokens, want, path, mesh))
     ref.train(), model.train()
     ddp.zero_grad_buffer()
     ref_loss = ddp(tokens, torch.arange(s).expand(2, s), None, labels=labels).float().mean()
@@ -156,6 +169,30 @@ def _case(style: str, tp: int, tmp: str) -> dict:
                                    for n in theirs if n in ours)
     out["Adam moved"] = max(rel_err(ours[n], before[n], floor=1.0) for n in theirs if n in ours)
     return out
+
+
+def _moe_controls(style: str, cfg: ModelConfig, model, tokens, want, path: str, mesh) -> dict:
+    """The MoE rows' negative controls (their features ran): the latent model's logits move
+    when its up projection ``fc2_latent_proj`` is scaled; the probabilities-on-input model read
+    into a loom model without the flag (the same weights) gives other logits."""
+    from loom.checkpoint.reader import load_model_weights, open_checkpoint
+    from loom.models import get_family
+    from loom.parallel.parallelize import build_model
+    from testkit.numerics import rel_err
+    if style == "moe_latent":
+        w = model.layers["1"].mlp.fc2_latent_proj.weight
+        kept = w.clone()
+        w.mul_(10.0)  # (its scale is 0.02 / sqrt(2 L): one entry moved would hardly show)
+        moved = rel_err(model(tokens), want)
+        w.copy_(kept)
+        return {"control": moved, "latent shape": tuple(model.layers["1"].mlp.experts["0"]
+                                                        .linear_fc1.weight.shape)}
+    if style == "moe_probs_on_input":
+        plain = dataclasses.replace(cfg, moe_apply_probs_on_input=False)
+        other = build_model(get_family("gpt"), plain, mesh).eval()
+        load_model_weights(open_checkpoint(path, plain), [other], mesh)
+        return {"control": rel_err(other(tokens), want)}
+    return {}
 
 
 def _megatron_loads_loom(ckpt: str, cfg: ModelConfig, want: torch.Tensor) -> dict:
@@ -341,6 +378,19 @@ def test_the_comparison_can_fail(results):
     for res in results[1]:
         r = res[("llama_gqa", 2)]
         assert r["logits"] < PARITY_RTOL < r["perturbed logits"], r
+
+
+@pytest.mark.parametrize("style", ["moe_latent", "moe_probs_on_input"])
+def test_latent_moe_and_probs_on_input_ran(results, style):
+    """--moe-latent-size: the experts are 16 wide on input (SwiGLU fc1 [2 x 16, 16], not
+    [32, 32]) and the logits follow the latent up projection; --moe-apply-probs-on-input: the
+    same weights without it give other logits (top-1 pre-softmax probabilities are < 1). The
+    parity itself: test_logits_loss_grads_and_adam_step_match_megatron_core."""
+    for res in results[1]:
+        r = res[(style, 1)]
+        assert r["logits"] < PARITY_RTOL < r["control"], r
+        if style == "moe_latent":
+            assert r["latent shape"] == (32, 16), r
 
 
 def test_megatron_core_loads_a_loom_checkpoint_at_tp1_and_tp2(results):

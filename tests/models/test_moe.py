@@ -1,7 +1,9 @@
 """Mixture-of-experts: parity with the single-process run (fp32, dropless and with a capacity
 factor; loss, every gradient and the gradient norm for 3 steps; the load-balancing and z
 losses in the gradient) at EP=2, TP=2, TP=2 + SP, DP=2, CP=2, EP=2 x TP=2 (+ SP),
-EP=2 x DP=2 (d=4), EP=4, EP=2 x PP=2 and EP=2 x CP=2; top-1, top-2, softmax and sigmoid routers, a shared expert; exactly 2 token
+EP=2 x DP=2 (d=4), EP=4, EP=2 x PP=2 and EP=2 x CP=2; top-1, top-2, softmax and sigmoid routers, a shared expert;
+latent MoE (--moe-latent-size) at TP=2 + SP and, top-1 with --moe-apply-probs-on-input, at
+EP=2 x TP=2 + SP (each asserting it ran: :func:`features_ran`); exactly 2 token
 all-to-alls forward and 2 backward per MoE layer per micro-batch on the EP group (none at
 EP=1); the router losses against hand-computed values; checkpoints that move between EP
 sizes; bad layouts refused before any process group starts.
@@ -25,11 +27,13 @@ STEPS = 3
 
 
 def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
-             layers=2, experts=4, sp=False, cp=1, etp=None) -> LoomConfig:
+             layers=2, experts=4, sp=False, cp=1, etp=None, latent=None,
+             probs_on_input=False) -> LoomConfig:
     return tiny_config(
         "moe", num_layers=layers, num_experts=experts, moe_router_topk=k,
         moe_router_score_function=score, moe_shared_expert_intermediate_size=shared,
-        moe_expert_capacity_factor=capacity, moe_layer_freq=1,
+        moe_expert_capacity_factor=capacity, moe_layer_freq=1, moe_latent_size=latent,
+        moe_apply_probs_on_input=probs_on_input, moe_router_pre_softmax=probs_on_input,
         moe_token_dispatcher_type="alltoall",  # its all-to-alls counted
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, sequence_parallel=sp,
@@ -37,17 +41,49 @@ def make_cfg(tp=1, ep=1, pp=1, k=2, score="softmax", shared=None, capacity=None,
         adam_beta2=0.95, lr_decay_style="cosine")  # loom's defaults before issue 21, pinned
 
 
+def features_ran(tr) -> list[str]:
+    """What a latent / probabilities-on-input run must show: its latent projections train, and
+    the expert input is the latent tokens scaled by the router probabilities (not the tokens
+    themselves). Hooks record one forward; empty when nothing is missing."""
+    m, missing, seen = tr.cfg.model, [], {}
+    layers = [mod for c in tr.model_chunks for mod in c.modules() if hasattr(mod, "dispatcher")]
+    if not (m.moe_latent_size or m.moe_apply_probs_on_input) or not layers:
+        return missing
+    layer = layers[0]
+
+    def keep(name, which):
+        def hook(mod, args, out):  # (returns None: the output stays)
+            seen.setdefault(name, (out if which == "out" else args[0]).detach().clone())
+        return hook
+    handles = [layer.dispatcher.register_forward_hook(keep("routed", "in"))]
+    if layer.fc1_latent_proj is not None:
+        handles.append(layer.fc1_latent_proj.register_forward_hook(keep("latent", "out")))
+    else:
+        handles.append(layer.router.register_forward_hook(keep("latent", "in")))
+    tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples))
+    for h in handles:
+        h.remove()
+    for c in tr.model_chunks:
+        c.zero_grad(set_to_none=True)
+    if m.moe_latent_size and seen["routed"].shape[-1] != m.moe_latent_size:
+        missing.append(f"routed width {seen['routed'].shape[-1]}")
+    scaled = not torch.allclose(seen["routed"], seen["latent"])
+    if scaled != m.moe_apply_probs_on_input:
+        missing.append(f"probabilities on the input: {scaled}")
+    return missing
+
+
 def run_steps(cfg, mesh, steps=STEPS):
     from loom.training.trainer import Trainer
     tr = Trainer(cfg, mesh=mesh)
-    out = []
+    out = [features_ran(tr)]
     for _ in range(steps):
         loss = tr.global_loss(tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples)))
         grads = {n: (p.grad.detach().clone(), tr.registry[n])
                  for c in tr.model_chunks for n, p in c.named_parameters()}
         out.append((loss, grads, tr.optimizer_step()))
         tr.consumed_samples += tr.global_batch
-    return tr, out
+    return tr, out[1:], out[0]
 
 
 def parity(cases) -> list[dict]:
@@ -65,14 +101,14 @@ def parity(cases) -> list[dict]:
         ref_cfg.parallel.expert_tensor_parallel_size = None
         ref_cfg.parallel.sequence_parallel = False
         ref_cfg.parallel.context_parallel_size = 1
-        _, ref = run_steps(ref_cfg.validate(1), ParallelMesh.single())
+        _, ref, _ = run_steps(ref_cfg.validate(1), ParallelMesh.single())
         p = cfg.parallel
         mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
                                   pp=p.pipeline_model_parallel_size,
                                   cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
                                   etp=p.expert_tensor_parallel_size)
-        _, par = run_steps(cfg, mesh)
-        errors, compared = [], 0
+        _, par, missing = run_steps(cfg, mesh)
+        errors, compared = list(missing), 0
         for step, ((loss, grads, norm), (rloss, rgrads, rnorm)) in enumerate(zip(par, ref)):
             if not math.isclose(loss, rloss, rel_tol=PARITY_RTOL):
                 errors.append(f"step {step}: loss {loss} != {rloss}")
@@ -139,14 +175,16 @@ def count_all_to_alls(ep: int) -> dict:
 def world2() -> dict:
     cases = [dict(ep=2), dict(ep=2, k=1), dict(ep=2, shared=16, score="sigmoid"),
              dict(ep=2, capacity=1.0), dict(tp=2, shared=16), dict(ep=1),
-             dict(tp=2, sp=True, shared=16), dict(cp=2, shared=16), dict(tp=2, etp=1, shared=16)]
+             dict(tp=2, sp=True, shared=16), dict(cp=2, shared=16), dict(tp=2, etp=1, shared=16),
+             dict(tp=2, sp=True, shared=16, latent=16)]
     return {"parity": parity(cases), "a2a2": count_all_to_alls(2), "a2a1": count_all_to_alls(1)}
 
 
 def world4() -> list:
     return parity([dict(ep=2, tp=2, shared=16), dict(ep=2), dict(ep=4),
                    dict(ep=2, pp=2, layers=4), dict(ep=2, tp=2, sp=True), dict(ep=2, cp=2),
-                   dict(ep=2, tp=2, etp=1, sp=True, shared=16)])
+                   dict(ep=2, tp=2, etp=1, sp=True, shared=16),
+                   dict(ep=2, tp=2, sp=True, k=1, shared=16, latent=16, probs_on_input=True)])
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +193,11 @@ def results2():
 
 
 def test_parity_two_ranks(results2):
-    _check([r["parity"] for r in results2], 9)
+    _check([r["parity"] for r in results2], 10)
 
 
 def test_parity_four_ranks():
-    _check(run_distributed(4, world4, timeout=600), 7)
+    _check(run_distributed(4, world4, timeout=600), 8)
 
 
 def test_two_all_to_alls_forward_two_backward(results2):

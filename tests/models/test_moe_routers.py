@@ -10,6 +10,7 @@ Parity rows: loss, every gradient and the grad norm equal to the single-process 
 the expert bias identical on every rank and equal to the single-process bias; the bias in
 checkpoints, loaded at EP=1 and EP=4. Single-process: the router against DeepSeek-V3's gate
 (transformers' formula), the losses by hand, the bias update by hand, flag parsing and refusals.
+The router's noise options: tests/models/test_moe_router_noise.py.
 """
 
 from __future__ import annotations
@@ -323,10 +324,16 @@ def test_moe_layer_freq_list_expressions():
     (dict(moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups 3"),
     (dict(moe_shared_expert_overlap=True), "--moe-shared-expert-overlap needs"),
     (dict(moe_layer_freq="[1]"), "--moe-layer-freq"),
+    (dict(moe_apply_probs_on_input=True), "--moe-apply-probs-on-input works with top-1"),
+    (dict(moe_latent_size=16, moe_shared_expert_overlap=True, moe_token_dispatcher_type="alltoall",
+          moe_shared_expert_intermediate_size=16), "--moe-latent-size with --moe-shared-expert-o"),
+    (dict(moe_input_jitter_eps=0.0), "--moe-input-jitter-eps"),
+    (dict(moe_latent_size=0), "--moe-latent-size"),
 ])
 def test_bad_router_flags_refused(change, flag):
-    with pytest.raises(ConfigError, match=flag):
+    with pytest.raises(ConfigError, match=flag) as e:
         make_cfg(**change).validate(1)
+    assert "\n" not in str(e.value)  # one line
 
 
 def _global_aux_run(method=None, layers=1, replay: bool = True):

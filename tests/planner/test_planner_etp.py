@@ -27,11 +27,11 @@ from testkit.config import tiny_config, tiny_model
 H100 = make_cluster("H100-80GB", 64)
 
 
-def _tiny_moe_cfg(etp: int, **kw):
+def _tiny_moe_cfg(etp: int, model_kw: dict | None = None, **kw):
     model = tiny_model("llama", num_layers=2, hidden_size=64, num_attention_heads=4,
                        num_query_groups=2, group_query_attention=True, ffn_hidden_size=128,
                        seq_length=32, vocab_size=1000, num_experts=4, moe_ffn_hidden_size=64,
-                       moe_router_topk=2)
+                       moe_router_topk=2, **(model_kw or {}))
     return tiny_config(model=model, world=4, **{
         "tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
         "expert_tensor_parallel_size": etp, "micro_batch_size": 1, "global_batch_size": 8,
@@ -60,6 +60,34 @@ def test_model_states_per_rank_equal_the_meta_device_count(etp, zero):
             assert got[f"{term}_bytes"] == float(mt[term][0]), (etp, zero, rank, term)
     if zero < 3:  # layers x E/e x SwiGLU 3 h f_e / u
         assert got["expert_params"] == 2 * 2 * 3 * 64 * 64 // etp
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_latent_moe_states_per_rank_equal_the_meta_device_count(etp):
+    """--moe-latent-size 16 (h 64) with a shared expert and linear biases, TP 2 x EP 2, ZeRO
+    1: the planner's parameters and bytes per rank equal loom's real model on the meta device
+    (the replicated projections h L + L h + L + h per layer, the experts on L-wide rows);
+    the total against the plain MoE by hand, and the MoE MLP's FLOPs per token by hand."""
+    from loom.planner.memory import total_params
+    from loom.planner.meta_count import count_rank_states
+    from loom.planner.moe import moe_mlp_flops_per_token
+    latent = dict(moe_latent_size=16, moe_shared_expert_intermediate_size=32,
+                  disable_bias_linear=False)
+    cfg = _tiny_moe_cfg(etp, latent, use_distributed_optimizer=True)
+    L = make_layouts(layout_of(cfg, 4))
+    mt = memory_terms(cfg.model, L, 8, 32, Options(flash_attention=True))
+    for rank in range(4):
+        got = count_rank_states(cfg, 4, rank)
+        assert got["params"] == float(mt["params_per_gpu"][0]), (etp, rank)
+        for term in ("weights", "gradients", "optimizer"):
+            assert got[f"{term}_bytes"] == float(mt[term][0]), (etp, rank, term)
+    assert got["expert_params"] == 2 * 2 * (3 * 16 * 64 // etp + 2 * 64 // etp + 16)
+    plain = _tiny_moe_cfg(etp, dict(latent, moe_latent_size=None)).model
+    h, lat, f, E = 64, 16, 64, 4  # per layer: projections, experts' rows L instead of h
+    per_layer = 2 * h * lat + lat + h + E * (3 * f * (lat - h) + (lat - h))
+    assert total_params(cfg.model) - total_params(plain) == 2 * per_layer
+    assert moe_mlp_flops_per_token(cfg.model) == 2 * 6 * lat * f + 6 * h * 32 + 2 * h * E \
+        + 4 * h * lat
 
 
 def test_expert_tp_terms_by_hand():

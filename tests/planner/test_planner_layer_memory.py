@@ -119,7 +119,19 @@ def test_planner_counts_loom_layer_when_asked():
 MOE_SHAPES = {"moe-a": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
                              num_experts=4), 32, 2),
               "moe-b": (dict(hidden_size=96, num_attention_heads=6, ffn_hidden_size=64,
-                             num_experts=8, moe_router_topk=3), 24, 1)}
+                             num_experts=8, moe_router_topk=3), 24, 1),
+              # --moe-latent-size; and top-1 with --moe-apply-probs-on-input, with and
+              # without a shared expert (which keeps the layer's tokens) and the latent
+              "moe-latent": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                                  num_experts=4, moe_latent_size=32), 32, 2),
+              "moe-probs": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                                 num_experts=4, moe_router_topk=1,
+                                 moe_apply_probs_on_input=True), 32, 2),
+              "moe-latent-probs-shared": (dict(hidden_size=64, num_attention_heads=4,
+                                               ffn_hidden_size=96, num_experts=4,
+                                               moe_router_topk=1, moe_latent_size=32,
+                                               moe_apply_probs_on_input=True,
+                                               moe_shared_expert_intermediate_size=64), 32, 2)}
 
 
 @pytest.mark.parametrize("name", sorted(MOE_SHAPES))
@@ -138,8 +150,10 @@ def test_moe_layer_formula_equals_saved_bytes(name):
     moe = loom_moe_mlp_terms(model, s, b, elem_bytes=2)
     want = (sum(float(v) for n, v in att.items() if n not in ("mlp", "fc1_input"))
             + sum(map(float, moe.values())))
-    assert want == got
-    assert all(float(v) > 0 for n, v in moe.items() if n != "shared_expert")
+    assert want == got, (want - got, {n: float(v) for n, v in moe.items()})
+    off = {"shared_expert", "latent", "probs_on_input"} | (
+        {"combine"} if model.moe_apply_probs_on_input else set())
+    assert all(float(v) > 0 for n, v in moe.items() if n not in off)
 
 
 def test_loom_plan_names_the_activations_term_under_either_layer(capsys):

@@ -1,6 +1,6 @@
 """MoE models under sequence and context parallelism in the planner: loom's MoE layer's saved
 bytes equal its formula on loom's real modules (TP with and without SP, expert TP below t, CP,
-a shared expert); the planner's MoE rules equal loom train's validation on a grid; the search
+a shared expert, a latent MoE with the probabilities on the expert input); the planner's MoE rules equal loom train's validation on a grid; the search
 plans MoE with SP (Megatron-Core's rule at t > 1) and CP, its commands carry the flags; the
 terms that move with SP and CP against hand-computed values; EP 2 and 4 measured on 4 real
 gloo ranks. ~4 s single-process, ~4 s for the spawned world."""
@@ -35,7 +35,12 @@ SHAPES = {"moe-a": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=
           "moe-b": (dict(hidden_size=96, num_attention_heads=6, ffn_hidden_size=64,
                          num_experts=8, moe_router_topk=3), 24, 1),
           "moe-sh": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
-                          num_experts=4, moe_shared_expert_intermediate_size=64), 32, 2)}
+                          num_experts=4, moe_shared_expert_intermediate_size=64), 32, 2),
+          # latent MoE, top-1 with the probabilities on the expert input, a shared expert
+          "moe-lp": (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                          num_experts=4, moe_router_topk=1, moe_latent_size=32,
+                          moe_apply_probs_on_input=True,
+                          moe_shared_expert_intermediate_size=64), 32, 2)}
 # (shape, t, sp, c, expert TP u (None: t), recompute)
 CASES = [(n, 1, False, 1, None, None) for n in SHAPES]
 CASES += [(n, 2, sp, 1, u, None) for n in SHAPES for sp in (False, True) for u in (None, 1)]

@@ -136,11 +136,11 @@ def test_help_in_a_real_process():
 
 def test_plan_yaml_refusal_points_at_plan_help(tmp_path, monkeypatch, capsys):
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("num_layers: 2\nmoe_input_jitter_eps: 0.01\n")
+    cfg.write_text("num_layers: 2\nmoe_router_quantile_balancing_ema: 0.5\n")
     line = _refusal(["plan", "--config", str(cfg)], monkeypatch, capsys)
     assert line.startswith("loom plan: error:") and "bad.yaml:2" in line, line
     assert "see `loom plan --help`" in line and "loom train" not in line, line
-    assert "--moe-input-jitter-eps" in line and "not supported by loom" in line, line
+    assert "--moe-router-quantile-balancing-ema" in line and "not supported by loom" in line, line
     assert "did you mean" not in line, line
 
 
@@ -149,8 +149,8 @@ def test_checkpoint_config_unknown_key_names_no_command():
     names the key but no command's --help (it is not a flag the user gave)."""
     from loom.config import ConfigError, LoomConfig
     with pytest.raises(ConfigError) as e:
-        LoomConfig.from_flat({"num_layers": 2, "moe_input_jitter_eps": 0.01})
-    assert str(e.value) == "unknown option(s): --moe-input-jitter-eps"
+        LoomConfig.from_flat({"num_layers": 2, "moe_router_quantile_balancing_ema": 0.5})
+    assert str(e.value) == "unknown option(s): --moe-router-quantile-balancing-ema"
 
 
 # -- suggestions only for typos; family flags refused with a fix that keeps the family (issue 21)

@@ -48,3 +48,15 @@ def test_an_option_hf_cannot_express_is_refused_naming_it(name, value):
 def test_a_layout_refuses_what_its_class_lacks(flags, needle):
     with pytest.raises(ConfigError, match=needle):
         hf_config(ModelConfig(**{**LLAMA, **flags}))
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (dict(moe_latent_size=8), "--moe-latent-size: no Hugging Face MoE class"),
+    (dict(moe_latent_size=8, multi_latent_attention=True), "--moe-latent-size"),
+    (dict(moe_router_topk=1, moe_apply_probs_on_input=True), "--moe-apply-probs-on-input")])
+def test_latent_moe_and_probs_on_input_are_refused(flags, needle):
+    """No exported MoE class (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss) has latent
+    projections or scales the expert input: refused in one line, not written as another
+    model."""
+    with pytest.raises(ConfigError, match=needle):
+        hf_config(ModelConfig(**{**MOE, **flags}))

@@ -115,7 +115,9 @@ def dense_layout(cfg: ModelConfig) -> str:
 def layout_of(cfg: ModelConfig) -> str:
     """The ``transformers`` class family a GPT-family model exports to (a key of
     :data:`LAYOUTS`): DeepSeek-V3 for MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE /
-    Mixtral for MoE models (Q/K norms / a shared expert / neither), else the dense ones."""
+    Mixtral for MoE models (Q/K norms / a shared expert / neither), else the dense ones.
+    Raises ConfigError for a model none expresses (a latent MoE, probabilities on the expert
+    input, Qwen3-Next's and DSA's layers)."""
     if cfg.attention_output_gate or cfg.gated_delta_net:
         raise ConfigError("Qwen3-Next's gated attention output and Gated DeltaNet layers have "
                           "no Hugging Face export in loom yet")
@@ -126,6 +128,14 @@ def layout_of(cfg: ModelConfig) -> str:
     if cfg.dsa:
         raise ConfigError("DeepSeek sparse attention (--experimental-attention-variant dsa) "
                           "has no Hugging Face export in loom yet (DeepseekV32's indexer)")
+    if cfg.num_experts and cfg.moe_latent_size:
+        raise ConfigError("--moe-latent-size: no Hugging Face MoE class loom exports to has the "
+                          "latent MoE's projections (fc1/fc2_latent_proj); keep the model in "
+                          "loom or Megatron format")
+    if cfg.num_experts and cfg.moe_apply_probs_on_input:
+        raise ConfigError("--moe-apply-probs-on-input: the Hugging Face MoE classes weigh the "
+                          "expert outputs, not their inputs; keep the model in loom or "
+                          "Megatron format")
     if cfg.multi_latent_attention:
         return "deepseek_v3"
     if cfg.quick_geglu or cfg.softmax_type != "vanilla" or cfg.enable_gpt_oss:
