@@ -93,7 +93,7 @@ _IMPLEMENTED = words("""
 --linear-num-value-heads --apply-wd-to-qk-layernorm --dsa-indexer-n-heads --dsa-indexer-head-dim
 --dsa-indexer-topk --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
 --no-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon
---dsa-indexer-k-norm-fp32
+--dsa-indexer-k-norm-fp32 --qk-clip --qk-clip-alpha --qk-clip-threshold --log-max-attention-logit
 --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
 --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 --rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename

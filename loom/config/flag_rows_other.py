@@ -261,9 +261,6 @@ REFUSED_ROWS = (
     ("--apply-residual-connection-post-layernorm",
      _no("residual taken after the LayerNorm (loom's BERT has --post-layernorm)")),
     ("--qk-l2-norm", _no("L2 normalization of queries and keys")),
-    ("--qk-clip", _no("QK-clip of attention logits (MuonClip)")),
-    ("--qk-clip-alpha", _no("QK-clip of attention logits (MuonClip)")),
-    ("--qk-clip-threshold", _no("QK-clip of attention logits (MuonClip)")),
     ("--embedding-init-method-std", _no("separate initialization std of the embeddings")),
     ("--init-method-xavier-uniform", _no("Xavier-uniform initialization")),
     ("--data-parallel-random-init", _no("different initial weights per data-parallel replica")),
@@ -325,7 +322,6 @@ REFUSED_ROWS = (
                                                   "of the PyTorch profiler")),
     ("--record-shapes", refused("extra_logs", "NVTX tensor-shape records for nsys "
                                 "(torch.autograd.profiler.emit_nvtx)")),
-    ("--log-max-attention-logit", refused("extra_logs", "log of the largest attention logit")),
     ("--flight-recorder-dump-path", refused("extra_logs", "choice of the flight-recorder dump "
                                             "path (loom writes loom_nccl_trace_rankN.pkl "
                                             "beside its hang report)")),

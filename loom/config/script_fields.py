@@ -235,6 +235,10 @@ class LoggingScriptFields(DebugScriptFields):
     log_world_size_to_tensorboard: bool = opt(
         False, "write the world size (world-size, and world-size vs samples) to "
                "--tensorboard-dir at every --log-interval")
+    log_max_attention_logit: bool = opt(
+        False, "log max_attention_logit: the largest scaled attention logit (q k^T times the "
+               "softmax scale) of the step over every attention layer and head, each "
+               "iteration (also with --qk-clip: the value before the clip)")
     wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
                                              "there too (WANDB_MODE=offline works offline)")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name")

@@ -24,6 +24,7 @@ from loom.config.fields import flag
 from loom.config.hybrid_pattern import resolve_hybrid_pattern
 from loom.config.model_gptoss import check_gptoss
 from loom.config.model_gdn import check_gdn
+from loom.config.model_qkclip import check_qk_clip
 from loom.config.model_mla import check_mla
 from loom.config.model_rope import check_rope
 from loom.config.parallel_cp import check_context_parallel
@@ -462,6 +463,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
             f"use a multiple of {t.micro_batch_size * dp}")
     _check_zero(cfg)
     check_precision_aware(t)  # after --zero-stage resolved --use-distributed-optimizer
+    check_qk_clip(cfg)  # after --zero-stage
     _check_moe(cfg, world_size)
     _check_precision(t)
     parse_fault(cfg.fault_tolerance.inject_fault)
