@@ -189,6 +189,11 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--log-progress": field(note="needs --save (progress.txt lies there); FLOPs are loom's "
                                  "model FLOPs (KOR eq. 7)"),
     "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
+    "--qk-clip": field(note="per query group of standard attention (gpt, mamba), fp32 masters "
+                            "too (loom/training/qk_clip.py); refused with MLA, context "
+                            "parallelism and FSDP"),
+    "--log-max-attention-logit": field(note="TensorBoard train/max_attention_logit, the "
+                                            "maximum over layers, heads and ranks"),
     "--rotary-interleaved": field(note="pairs (2i, 2i+1) rotate (Megatron's _rotate_half with "
                                        "rotary_interleaved); refused with YaRN and MLA, as "
                                        "Megatron refuses them"),
