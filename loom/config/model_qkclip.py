@@ -33,10 +33,11 @@ class QKClipFields:
     qk_clip_threshold: float = opt(100, "QK-clip: the largest attention logit allowed (> 0)")
 
 
-def check_qk_clip(cfg: Any) -> None:
+def check_qk_clip(cfg: Any, family_records: bool = True) -> None:
     """Refuse QK-clip and ``--log-max-attention-logit`` settings that do not fit: Megatron's
     bounds (``0 < --qk-clip-alpha < 1``, ``--qk-clip-threshold > 0``) and what loom lacks
-    (MLA, context parallelism, families other than gpt and mamba; the clip under FSDP).
+    (MLA, context parallelism, a family whose attention records no logits,
+    ``family_records`` False: ``ModelFamily.records_attention_logits``; the clip under FSDP).
     Raises ConfigError naming the flag and a fix."""
     m = cfg.model
     logs = bool(getattr(cfg.logging, "log_max_attention_logit", False))
@@ -51,7 +52,7 @@ def check_qk_clip(cfg: Any) -> None:
     if m.multi_latent_attention:
         raise ConfigError(f"{what} with --multi-latent-attention: loom records and clips the "
                           f"logits of standard attention layers only; drop one of them")
-    if m.model_type not in ("gpt", "mamba"):
+    if not family_records:
         raise ConfigError(f"{what} with --model-type {m.model_type}: loom records the logits of "
                           f"the gpt and mamba families' attention layers only; drop it")
     if cfg.parallel.context_parallel_size > 1:

@@ -121,13 +121,15 @@ class FamilyRules:
     registered family's ``refuse_own_flags(model_cfg)``; ``replicates_kv_heads``: TP may exceed
     and be a multiple of ``--num-query-groups`` (the family replicates K/V heads);
     ``document_masks``: its model reads the document starts and reset positions of
-    ``--reset-attention-mask`` / ``--reset-position-ids``."""
+    ``--reset-attention-mask`` / ``--reset-position-ids``; ``attention_logits``: its attention
+    layers record the maximum logits of ``--qk-clip`` / ``--log-max-attention-logit``."""
 
     name: str
     check: Callable[[Any, int], None]
     others: tuple = ()
     replicates_kv_heads: bool = False
     document_masks: bool = False
+    attention_logits: bool = False
 
 
 def check_fields(cfg: Any, model_type: Optional[str] = None) -> None:
@@ -463,7 +465,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
             f"use a multiple of {t.micro_batch_size * dp}")
     _check_zero(cfg)
     check_precision_aware(t)  # after --zero-stage resolved --use-distributed-optimizer
-    check_qk_clip(cfg)  # after --zero-stage
+    check_qk_clip(cfg, family is None or family.attention_logits)  # after --zero-stage
     _check_moe(cfg, world_size)
     _check_precision(t)
     parse_fault(cfg.fault_tolerance.inject_fault)

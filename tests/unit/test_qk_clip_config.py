@@ -31,8 +31,12 @@ def test_refused_with_mla_and_other_families():
                qk_pos_emb_head_dim=4, v_head_dim=6, position_embedding_type="rope")
     with pytest.raises(ConfigError, match="--multi-latent-attention"):
         tiny_config("llama", qk_clip=True, **mla).validate(1)
-    with pytest.raises(ConfigError, match="--model-type bert"):
-        tiny_config("llama", model_type="bert", log_max_attention_logit=True).validate(1)
+    from loom.models import FamilyRegistry
+    rules = FamilyRegistry().rules
+    with pytest.raises(ConfigError, match="--model-type gemma3"):
+        tiny_config("llama", log_max_attention_logit=True).validate(1, rules("gemma3"))
+    for family in ("gpt", "mamba"):  # the families whose attention records the logits
+        tiny_config(family, log_max_attention_logit=True).validate(1, rules(family))
 
 
 def test_accepted():
