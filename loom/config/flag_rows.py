@@ -95,7 +95,7 @@ _IMPLEMENTED = words("""
 --linear-num-value-heads --apply-wd-to-qk-layernorm --dsa-indexer-n-heads --dsa-indexer-head-dim
 --dsa-indexer-topk --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss
 --no-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu --dsa-indexer-k-norm-epsilon
---dsa-indexer-k-norm-fp32
+--dsa-indexer-k-norm-fp32 --qk-clip --qk-clip-alpha --qk-clip-threshold --log-max-attention-logit
 --fim-data --fim-rate --fim-spm-rate --fim-split-sample --fim-fragment-rate --fim-no-prefix
 --fim-prefix-token --fim-middle-token --fim-suffix-token --fim-pad-token --fim-eod-token
 --rerun-mode --error-injection-rate --error-injection-type --result-rejected-tracker-filename
@@ -201,6 +201,11 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--log-progress": field(note="needs --save (progress.txt lies there); FLOPs are loom's "
                                  "model FLOPs (KOR eq. 7)"),
     "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
+    "--qk-clip": field(note="per query group of standard attention (gpt, mamba), fp32 masters "
+                            "too (loom/training/qk_clip.py); refused with MLA, context "
+                            "parallelism and FSDP"),
+    "--log-max-attention-logit": field(note="TensorBoard train/max_attention_logit, the "
+                                            "maximum over layers, heads and ranks"),
     "--rotary-interleaved": field(note="pairs (2i, 2i+1) rotate (Megatron's _rotate_half with "
                                        "rotary_interleaved); refused with YaRN and MLA, as "
                                        "Megatron refuses them"),

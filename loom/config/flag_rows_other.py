@@ -254,9 +254,6 @@ REFUSED_ROWS = (
     ("--mtp-hybrid-override-pattern", _no("hybrid multi-token-prediction layers")),
     ("--max-seqlen-per-dp-cp-rank", _no("dynamic context parallelism by sequence length")),
     ("--hybrid-context-parallel", _no("hybrid (dynamic) context parallelism")),
-    ("--qk-clip", _no("QK-clip of attention logits (MuonClip)")),
-    ("--qk-clip-alpha", _no("QK-clip of attention logits (MuonClip)")),
-    ("--qk-clip-threshold", _no("QK-clip of attention logits (MuonClip)")),
     ("--data-parallel-random-init", _no("different initial weights per data-parallel replica")),
     ("--moe-router-quantile-balancing-ema", _no("quantile load balancing")),
     ("--moe-expert-rank-capacity-factor", _no("a token capacity per expert-parallel rank")),
@@ -309,7 +306,6 @@ REFUSED_ROWS = (
                                                   "of the PyTorch profiler")),
     ("--record-shapes", refused("extra_logs", "NVTX tensor-shape records for nsys "
                                 "(torch.autograd.profiler.emit_nvtx)")),
-    ("--log-max-attention-logit", refused("extra_logs", "log of the largest attention logit")),
     ("--flight-recorder-dump-path", refused("extra_logs", "choice of the flight-recorder dump "
                                             "path (loom writes loom_nccl_trace_rankN.pkl "
                                             "beside its hang report)")),

@@ -248,6 +248,10 @@ class LoggingScriptFields(DebugScriptFields):
     straggler_ctrlr_port: int = opt(
         65535, "--log-straggler: the TCP port on rank 0 whose HTTP requests toggle the "
                "detector (curl localhost:PORT)", ge=0, le=65535)
+    log_max_attention_logit: bool = opt(
+        False, "log max_attention_logit: the largest scaled attention logit (q k^T times the "
+               "softmax scale) of the step over every attention layer and head, each "
+               "iteration (also with --qk-clip: the value before the clip)")
     wandb_project: Optional[str] = opt(None, "Weights & Biases project; logs every record "
                                              "there too (WANDB_MODE=offline works offline)")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name")

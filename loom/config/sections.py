@@ -17,6 +17,7 @@ from loom.config.fields import opt
 from loom.config.model_bert import BertFields
 from loom.config.model_dsa import DSAFields
 from loom.config.model_gdn import GatedDeltaNetFields
+from loom.config.model_qkclip import QKClipFields
 from loom.config.model_gemma3 import Gemma3Fields
 from loom.config.model_gptoss import GptOssFields
 from loom.config.model_mamba import MambaFields
@@ -117,8 +118,8 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(LayerVariantFields, DSAFields, GatedDeltaNetFields, MupFields, RopeScalingFields,
-                  ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
+class ModelConfig(QKClipFields, LayerVariantFields, DSAFields, GatedDeltaNetFields, MupFields,
+                  RopeScalingFields, ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
                   BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
 
@@ -130,8 +131,9 @@ class ModelConfig(LayerVariantFields, DSAFields, GatedDeltaNetFields, MupFields,
     output and Gated DeltaNet layers (:mod:`~loom.config.model_gdn`), DeepSeek sparse attention
     (:mod:`~loom.config.model_dsa`), RoPE scaling and NoPE layers
     (:mod:`~loom.config.model_rope`), initialization and residual-stream variants
-    (:mod:`~loom.config.model_variants`). One flat section all the same: ``cfg.model.<field>``,
-    the flag ``--<field>`` and the YAML key, in this order.
+    (:mod:`~loom.config.model_variants`), QK-clip (:mod:`~loom.config.model_qkclip`). One flat
+    section all the same: ``cfg.model.<field>``, the flag ``--<field>`` and the YAML key, in this
+    order.
     """
 
     @property

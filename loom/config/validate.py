@@ -24,6 +24,7 @@ from loom.config.fields import flag
 from loom.config.hybrid_pattern import resolve_hybrid_pattern
 from loom.config.model_gptoss import check_gptoss
 from loom.config.model_gdn import check_gdn
+from loom.config.model_qkclip import check_qk_clip
 from loom.config.model_mla import check_mla
 from loom.config.model_rope import check_rope
 from loom.config.model_variants import check_layer_variants
@@ -121,13 +122,15 @@ class FamilyRules:
     registered family's ``refuse_own_flags(model_cfg)``; ``replicates_kv_heads``: TP may exceed
     and be a multiple of ``--num-query-groups`` (the family replicates K/V heads);
     ``document_masks``: its model reads the document starts and reset positions of
-    ``--reset-attention-mask`` / ``--reset-position-ids``."""
+    ``--reset-attention-mask`` / ``--reset-position-ids``; ``attention_logits``: its attention
+    layers record the maximum logits of ``--qk-clip`` / ``--log-max-attention-logit``."""
 
     name: str
     check: Callable[[Any, int], None]
     others: tuple = ()
     replicates_kv_heads: bool = False
     document_masks: bool = False
+    attention_logits: bool = False
 
 
 def check_fields(cfg: Any, model_type: Optional[str] = None) -> None:
@@ -463,6 +466,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
             f"use a multiple of {t.micro_batch_size * dp}")
     _check_zero(cfg)
     check_precision_aware(t)  # after --zero-stage resolved --use-distributed-optimizer
+    check_qk_clip(cfg, family is None or family.attention_logits)  # after --zero-stage
     _check_moe(cfg, world_size)
     _check_precision(t)
     check_layer_variants(cfg)

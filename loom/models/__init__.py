@@ -94,8 +94,8 @@ class FamilyRegistry:
 
     def rules(self, name: str) -> FamilyRules:
         """What the validation pass runs of family ``name``: its ``check``, every other
-        family's ``refuse_own_flags`` (registry order), ``replicates_kv_heads`` and
-        ``document_masks`` (``ModelFamily.takes_documents``); raises
+        family's ``refuse_own_flags`` (registry order), ``replicates_kv_heads``,
+        ``document_masks`` (``ModelFamily.takes_documents``) and ``attention_logits``; raises
         ConfigError naming ``--model-type`` for an unknown name."""
         try:
             family = self.get(name)
@@ -107,7 +107,8 @@ class FamilyRegistry:
                            others=tuple(f.refuse_own_flags for f in self.families()
                                         if f.name != family.name),
                            replicates_kv_heads=family.replicates_kv_heads,
-                           document_masks=family.takes_documents)
+                           document_masks=family.takes_documents,
+                           attention_logits=family.records_attention_logits)
 
     def for_hf(self, model_type: str) -> Optional[ModelFamily]:
         """The family whose Hugging Face mapping imports ``config.json``'s ``model_type``, or

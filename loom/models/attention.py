@@ -122,7 +122,65 @@ def document_causal_mask(starts: torch.Tensor) -> torch.Tensor:
             & (k[None, None, :] >= starts[:, :, None]))[:, None]
 
 
-class DotProductAttention(nn.Module, SelectiveRecompute):
+MAX_LOGIT_CHUNK = 1 << 24  # score elements per chunk of max_attention_logits
+
+
+@torch.no_grad()
+def max_attention_logits(q: torch.Tensor, k: torch.Tensor, scale: Optional[float],
+                         mask: Optional[torch.Tensor] = None,
+                         causal: bool = False) -> torch.Tensor:
+    """Per query head, the largest scaled pre-softmax score ``q k^T * scale`` over the batch
+    and the unmasked (query, key) pairs: ``q [b, a, s_q, d]``, ``k [b, g, s_k, d]`` (GQA:
+    head h uses group ``h // (a / g)``) -> fp32 ``[a]`` (-inf for a head that sees no key).
+    ``scale`` None is ``1 / sqrt(d)``; ``mask`` (True = attend) broadcasts to
+    ``[b, a, s_q, s_k]``; ``causal``: the query at i sees keys ``<= i`` (``s_q == s_k``).
+    What Transformer Engine's ``return_max_logit`` returns to Megatron-Core's QK-clip
+    (``extensions/transformer_engine.py``); computed in fp32, chunked over queries so that a
+    chunk holds at most ``MAX_LOGIT_CHUNK`` scores."""
+    b, a, s_q, d = q.shape
+    s_k = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    kf = k.float().repeat_interleave(a // k.shape[1], dim=1).transpose(-1, -2)
+    best = torch.full((a,), float("-inf"), dtype=torch.float32, device=q.device)
+    rows = max(1, MAX_LOGIT_CHUNK // max(1, b * a * s_k))
+    for lo in range(0, s_q, rows):
+        hi = min(s_q, lo + rows)
+        scores = torch.matmul(q[:, :, lo:hi].float(), kf) * scale  # [b, a, rows, s_k]
+        if mask is not None:
+            m = mask if mask.shape[-2] == 1 else mask[..., lo:hi, :]
+            scores = scores.masked_fill(~m, float("-inf"))
+        if causal:
+            seen = torch.arange(s_k, device=q.device)[None, :] <= \
+                torch.arange(lo, hi, device=q.device)[:, None]
+            scores = scores.masked_fill(~seen, float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    return best
+
+
+class MaxLogitRecord:
+    """What an attention core keeps for QK-clip and ``--log-max-attention-logit``: when
+    ``record_max_logit`` is set (:func:`loom.training.qk_clip.attention_layers`), each training
+    forward folds its per-head maximum scaled logit into ``max_logit`` (fp32 ``[a/t]``, the
+    maximum over the step's micro-batches; None before the first), which the step reads and
+    resets (Megatron-Core's ``current_max_attn_logits``)."""
+
+    record_max_logit: bool = False
+    max_logit: Optional[torch.Tensor] = None
+
+    @torch.compiler.disable
+    def _record(self, q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                causal: bool = False, scores: Optional[torch.Tensor] = None) -> None:
+        """Fold this forward's maxima in (``scores``: the masked scaled scores
+        ``[b, a, s_q, s_k]`` when the core already has them)."""
+        if not (self.record_max_logit and self.training):
+            return
+        with torch.no_grad():
+            cur = scores.detach().float().amax(dim=(0, 2, 3)) if scores is not None else \
+                max_attention_logits(q.detach(), k.detach(), self.scale, mask, causal)
+        self.max_logit = cur if self.max_logit is None else torch.maximum(self.max_logit, cur)
+
+
+class DotProductAttention(MaxLogitRecord, nn.Module, SelectiveRecompute):
     """``softmax(q k^T / sqrt(d)) v`` under a causal mask by global position (keys are at
     positions ``0 .. s_k - 1``): ``q [b, a, s_q, d]``, ``k, v [b, g, s_k, d]`` ->
     ``[b, a, s_q, d]``. ``s_q == s_k`` is the plain causal case; one query (decoding) sees every
@@ -152,6 +210,7 @@ class DotProductAttention(nn.Module, SelectiveRecompute):
             p = self.dropout if self.training else 0.0
             if key_padding_mask is not None:
                 mask = key_padding_mask.bool()[:, None, None, :]
+            self._record(q, k, mask)
             ctx = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
             with ctx:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
@@ -167,11 +226,13 @@ class DotProductAttention(nn.Module, SelectiveRecompute):
                 raise ValueError(f"{s_q} queries against {s_k} keys need their positions")
             mask = causal_mask(q_positions, s_k)
         p = self.dropout if self.training else 0.0
+        is_causal = mask is None and s_q == s_k and s_q > 1
+        self._record(q, k, mask, is_causal)
         ctx = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
         with ctx:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p,
-                is_causal=mask is None and s_q == s_k and s_q > 1,
+                is_causal=is_causal,
                 enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
 
 
@@ -217,6 +278,7 @@ class SinkWindowAttention(DotProductAttention):
         scores = torch.matmul(q, k.transpose(-1, -2))
         scores = scores / math.sqrt(q.shape[-1]) if self.scale is None else scores * self.scale
         scores = scores.masked_fill(~mask, float("-inf"))
+        self._record(q, k, scores=scores)
         sink = self.softmax_offset
         if sink is not None and sink.shape[0] != q.shape[1]:
             raise ValueError(f"{sink.shape[0]} sink logits for {q.shape[1]} heads")

@@ -144,7 +144,10 @@ class ModelFamily:
       (Gemma 3's ``ReplicatedKV``), so TP need not divide ``--num-query-groups``;
     * ``layer_kinds(model_cfg) -> str | None``: what the planner prices, one character per
       layer: ``M`` a Mamba-2 mixer, ``*`` attention, ``-`` an MLP (:mod:`loom.planner.mamba`);
-      None (the default): every layer a transformer layer (attention or MLA + MLP or MoE).
+      None (the default): every layer a transformer layer (attention or MLA + MLP or MoE);
+    * ``records_attention_logits``: its standard attention layers are
+      :class:`~loom.models.attention.SelfAttention`, whose cores record the maximum logits of
+      ``--qk-clip`` / ``--log-max-attention-logit`` (:mod:`loom.training.qk_clip`).
 
     :attr:`takes_documents`: whether its model reads the document starts and reset positions
     of ``--reset-attention-mask`` / ``--reset-position-ids`` (``document_starts`` among the
@@ -167,6 +170,7 @@ class ModelFamily:
     refuse_own_flags: Callable = no_own_flags
     replicates_kv_heads: bool = False
     layer_kinds: Callable = transformer_layers
+    records_attention_logits: bool = False
 
     @property
     def takes_documents(self) -> bool:

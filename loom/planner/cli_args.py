@@ -264,6 +264,7 @@ UNPRICED_MODEL = {
     "experimental_attention_variant": "sparse attention, priced as dense attention",
     "moe_shared_expert_overlap": "the shared expert's overlap with the dispatch",
     "fp32_residual_connection": "the fp32 residual stream, priced as 16-bit activations",
+    "qk_clip": "the recorded attention logits' extra q k^T and the clip after the step",
 }
 """Model fields that change a step's time or memory and that the planner does not price:
 named once on stderr when they differ from the default (:func:`unpriced_model_note`)."""
@@ -294,6 +295,7 @@ NO_STEP_COST_MODEL = frozenset({
     "linear_num_value_heads", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
     "dsa_indexer_use_sparse_loss", "no_dsa_indexer_rotate_activation",
     "no_dsa_indexer_scoring_relu", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32",
+    "qk_clip_alpha", "qk_clip_threshold",
 })
 """Model fields outside the planner's formulas that cost nothing it prices; every other model
 field is read by them (``tests/planner/test_plan_flag_coverage.py`` checks both)."""

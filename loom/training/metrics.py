@@ -194,6 +194,8 @@ class MetricsLogger:
                    else "")
                 + (f" | decoupled lr {record['decoupled_lr']:.3e}" if "decoupled_lr" in record
                    else "")
+                + (f" | max attention logit {record['max_attention_logit']:.3f}"
+                   if "max_attention_logit" in record else "")
                 + (f" | num zeros {record['num_zeros_in_grad']}" if "num_zeros_in_grad" in
                    record else "")
                 + (f" | moe aux {record['moe_aux_loss']:.4f} | expert load "

@@ -83,6 +83,11 @@ class Trainer:
         self.loaded_from: Optional[str] = None  # the checkpoint this run resumed from
         self.resumed: Optional[dict] = None  # what it restored (story.resume_record)
         self.last_saved: Optional[str] = None  # the latest checkpoint this run wrote
+        self.attention_layers = None  # QK-clip / --log-max-attention-logit: recording cores
+        if cfg.model.qk_clip or cfg.logging.log_max_attention_logit:
+            from loom.training.qk_clip import attention_layers
+            self.attention_layers = attention_layers(self.model_chunks)
+        self.max_attention_logit: Optional[float] = None  # of the latest step, all ranks
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
@@ -155,6 +160,12 @@ class Trainer:
                                   self.parts.model.scaler,
                                   self.nonfinite, self.iteration, t.exit_on_nonfinite,
                                   self.debug.timers)
+            if self.attention_layers is not None:  # Megatron: in the optimizer's time too
+                from loom.training.qk_clip import clip_qk
+                m = self.cfg.model
+                top = clip_qk(self.attention_layers, self.optimizer, self.mesh, m.qk_clip,
+                              m.qk_clip_threshold, m.qk_clip_alpha)
+                (self.max_attention_logit,) = self._all_reduce([top], dist.ReduceOp.MAX)
         self.parts.after_step()  # MoE: the aux-loss-free expert bias from the global load
         return norm
 
@@ -243,6 +254,8 @@ class Trainer:
             from loom.training.param_stats import params_norm
             rec["params_norm"] = params_norm(self.parts.model.groups, self.mesh)
         rec.update(stats)
+        if self.cfg.logging.log_max_attention_logit:  # TensorBoard train/max_attention_logit
+            rec["max_attention_logit"] = self.max_attention_logit
         self.history.append(rec)
         return rec
 

@@ -14,6 +14,10 @@ row asserting its feature ran.
 * ``docs``: --reset-attention-mask and --reset-position-ids (GPT-2's learned positions; V 12,
   Vp 64 at every t, so that NullTokenizer's end-of-document id is frequent in the mock data);
   at TP=2 + SP and PP=2.
+* ``qkclip``: --qk-clip (threshold 0.01, below the initial logits, alpha 0.3) on GQA (4 heads,
+  2 groups); at TP=2 (each rank clips its own group's rows) and DP=2 with the distributed
+  optimizer (the maxima reduced over DP, the fp32 master shards scaled and re-gathered): the
+  later steps' gradients see the clipped weights, and the final weights match.
 
 Mamba heads independent of h: tests/models/test_mamba.py (its 2-rank world)."""
 
@@ -51,13 +55,17 @@ def model_cfg(kind: str) -> ModelConfig:
                           yarn_correction_range_round_to_int=False)
     if kind == "docs":
         return tiny_model("gpt", common, vocab_size=12, padded_vocab_size=64)
+    if kind == "qkclip":
+        return tiny_model("llama", common, num_query_groups=2, qk_clip=True,
+                          qk_clip_threshold=0.01, qk_clip_alpha=0.3)
     return tiny_model("llama", common, multi_latent_attention=True,
                       position_embedding_type="learned_absolute", q_lora_rank=16,
                       kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
 
 
-def make_cfg(kind: str, tp=1, pp=1, cp=1, sp=False) -> LoomConfig:
+def make_cfg(kind: str, tp=1, pp=1, cp=1, sp=False, dist_opt=False) -> LoomConfig:
     return tiny_config(model=model_cfg(kind), tensor_model_parallel_size=tp,
+                       use_distributed_optimizer=dist_opt,
                        pipeline_model_parallel_size=pp, context_parallel_size=cp,
                        sequence_parallel=sp, global_batch_size=4, adam_eps=PARITY_ADAM_EPS,
                        moe_per_layer_logging=kind == "moe",
@@ -89,8 +97,9 @@ def run_steps(cfg, mesh):
         routed["documents"] = routed.get("documents", 0) + sum(
             int((b["document_starts"] > 0).sum()) for b in batches if "document_starts" in b)
         loss = tr.global_loss(tr.forward_backward(batches))
-        grads = {n: (p.grad.detach().clone(), tr.registry[n])
-                 for c in tr.model_chunks for n, p in c.named_parameters() if p.requires_grad}
+        grads = {n: (p.grad.detach().clone(), tr.registry[n])  # (the distributed optimizer's
+                 for c in tr.model_chunks for n, p in c.named_parameters()  # are in buffers)
+                 if p.requires_grad and p.grad is not None}
         layers = tr.parts.layer_metrics()
         out.append((loss, grads, tr.optimizer_step(), layers))
         tr.consumed_samples += tr.global_batch
@@ -113,6 +122,10 @@ def features(tr, kind: str, routed: dict) -> dict:
         heads = [m for m in mods if type(m).__name__ in ("VocabParallelLMHead", "LMHead")]
         out["softmax_columns"] = [(h.vocab_size, tr.model_chunks[-1].output_weight().shape[0])
                                   for h in heads]
+    if kind == "qkclip":  # the largest logit of the last step, and the final weights
+        out["max_logit"] = tr.max_attention_logit
+        out["qkv"] = {n: p.detach().clone() for c in tr.model_chunks
+                      for n, p in c.named_parameters() if n.endswith("linear_qkv.weight")}
     if kind == "mla":
         out["mla"] = sum(isinstance(m, MLASelfAttention) for m in mods)
         emb = getattr(chunk, "embedding", None)
@@ -133,17 +146,28 @@ def mismatches(par: list, ref: list, mesh) -> list[str]:
 
 def world2(cases) -> list[dict]:
     from loom.parallel.mesh import ParallelMesh
-    refs, results = {}, []
+    from loom.parallel.registry import local_shard
+    refs, results, weights = {}, [], {}
     for kind, layout in cases:
         if kind not in refs:
-            refs[kind] = run_steps(make_cfg(kind).validate(1), ParallelMesh.single())[1]
+            ref_tr, refs[kind], _ = run_steps(make_cfg(kind).validate(1), ParallelMesh.single())
+            weights[kind] = {n: p.detach().clone() for c in ref_tr.model_chunks
+                             for n, p in c.named_parameters()}
         cfg = make_cfg(kind, **layout).validate(2)
         p = cfg.parallel
         mesh = ParallelMesh.build(tp=p.tensor_model_parallel_size,
                                   pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size)
         tr, par, routed = run_steps(cfg, mesh)
-        results.append({"case": (kind, layout), "errors": mismatches(par, refs[kind], mesh),
-                        "compared": sum(len(s[1]) for s in par), "layers": par[-1][3],
+        errors, compared = mismatches(par, refs[kind], mesh), sum(len(s[1]) for s in par)
+        if kind == "qkclip":  # the clipped weights, against the single-process run's
+            for c in tr.model_chunks:
+                for n, p in c.named_parameters():
+                    w = local_shard(weights[kind][n], tr.registry[n], *mesh.shard_of(tr.registry[n]))
+                    compared += 1
+                    if not torch.allclose(p.detach(), w, rtol=PARITY_RTOL, atol=1e-7):
+                        errors.append(f"weight {n} differs by {(p.detach() - w).abs().max()}")
+        results.append({"case": (kind, layout), "errors": errors,
+                        "compared": compared, "layers": par[-1][3],
                         "features": features(tr, kind, routed), "stage": mesh.pp_rank})
     return results
 
@@ -151,7 +175,7 @@ def world2(cases) -> list[dict]:
 CASES = [("moe", dict(tp=2, sp=True)), ("moe", dict(pp=2)), ("moe", dict(cp=2)),
          ("yarn", dict(tp=2)), ("yarn", dict(pp=2)), ("yarn", dict(cp=2)),
          ("mla", dict(tp=2)), ("mla", dict(pp=2)), ("docs", dict(tp=2, sp=True)),
-         ("docs", dict(pp=2))]
+         ("docs", dict(pp=2)), ("qkclip", dict(tp=2)), ("qkclip", dict(dist_opt=True))]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +190,7 @@ def test_model_capability_parity(results, i):
         r = rank[i]
         assert r["case"] == (kind, layout)
         assert not r["errors"], r["errors"][:5]
-        assert r["compared"] > 30, r
+        assert r["compared"] > (20 if kind == "qkclip" else 30), r
         f = r["features"]
         if kind == "moe":
             assert f["squared_relu"] >= 5 and f["routed"]["balanced"] > 0, f
@@ -179,5 +203,7 @@ def test_model_capability_parity(results, i):
                 assert columns is None and rows == 128 // layout.get("tp", 1), f
         if kind == "mla":
             assert f["mla"] >= 2 and (f["table"] or r["stage"] == 1), f
+        if kind == "qkclip":  # the clip acted (the logits stay above the threshold)
+            assert f["max_logit"] > 0.01 and len(f["qkv"]) == 4, f["max_logit"]
         if kind == "docs":  # tokens after an end-of-document token were masked
             assert f["routed"]["documents"] > 10, f

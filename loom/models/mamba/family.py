@@ -11,4 +11,5 @@ FAMILY = ModelFamily(name="mamba", build=MambaModel, plan=parallelize.plan,
                      init=parallelize.init, forward_step=forward_step, generation=Generation(),
                      evaluation_tasks=("perplexity", "cloze"), hf=HF,
                      megatron_checkpoints=True, check=config.check,
-                     refuse_own_flags=config.refuse_own_flags, layer_kinds=config.layer_kinds)
+                     refuse_own_flags=config.refuse_own_flags, layer_kinds=config.layer_kinds,
+                     records_attention_logits=True)
