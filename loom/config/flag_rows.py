@@ -101,6 +101,8 @@ _IMPLEMENTED = words("""
 --export-kd-teacher-load --export-kd-cfg
 --no-save-optim --no-save-rng --exit-on-missing-checkpoint --exit-signal --log-progress
 --log-world-size-to-tensorboard
+--start-eval-at-iter --full-validation --multiple-validation-sets --validation-set-names
+--iterations-to-skip
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -187,6 +189,18 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                                "0)"),
     "--log-progress": field(note="needs --save (progress.txt lies there); FLOPs are loom's "
                                  "model FLOPs (KOR eq. 7)"),
+    "--start-eval-at-iter": field(note="periodic evaluations from this iteration on; the one "
+                                       "after the last iteration always"),
+    "--full-validation": field(note="every sample once (Megatron cycles short DP ranks); the "
+                                    "test set keeps --eval-iters; not --mock-data, no "
+                                    "weighted blend"),
+    "--multiple-validation-sets": field(note="one set per --valid-data-path dataset, weights "
+                                             "refused; also without --full-validation (each "
+                                             "set's first --eval-iters batches)"),
+    "--validation-set-names": field(note="a list; loom holds the words (validation-NAME in "
+                                         "the logs)"),
+    "--iterations-to-skip": field(default=None, note="[] in Megatron: none; loom holds the "
+                                                     "words. Data consumed, LR held"),
     "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
     "--rotary-interleaved": field(note="pairs (2i, 2i+1) rotate (Megatron's _rotate_half with "
                                        "rotary_interleaved); refused with YaRN and MLA, as "

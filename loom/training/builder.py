@@ -37,6 +37,7 @@ import torch.distributed as dist
 from loom.config import LoomConfig
 from loom.config.document_masks import document_resets
 from loom.config.parallel_cp import hierarchical_sizes
+from loom.data.blended import map_sets
 from loom.errors import ConfigError
 from loom.models import get_family
 from loom.models.family import ModelFamily
@@ -197,7 +198,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     if cfg.data.eod_mask_loss:  # Megatron's loss mask at end-of-document input tokens
         from loom.data.loss_mask import EodLossMask, end_of_document_id
         eod = end_of_document_id(cfg.data, cfg.model.vocab_size)
-        datasets = tuple(None if ds is None else EodLossMask(ds, eod) for ds in datasets)
+        datasets = map_sets(lambda ds: EodLossMask(ds, eod), datasets)
     resets = document_resets(cfg)
     if resets:  # Megatron's document masks (loom.data.document_masks)
         from loom.data.document_masks import DocumentResets
@@ -206,9 +207,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         eod = None if inter else end_of_document_id(cfg.data, cfg.model.vocab_size, resets[0])
         positions = "--reset-position-ids" in resets or (
             inter and cfg.model.position_embedding_type == "learned_absolute")
-        datasets = tuple(None if ds is None else DocumentResets(
-            ds, eod, positions, inter or "--reset-attention-mask" in resets, inter)
-            for ds in datasets)
+        datasets = map_sets(lambda ds: DocumentResets(
+            ds, eod, positions, inter or "--reset-attention-mask" in resets, inter), datasets)
     data = BatchSource.from_config(cfg, mesh, datasets)
     throughput = Throughput(
         data.global_batch * cfg.model.seq_length,
