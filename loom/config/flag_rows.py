@@ -102,7 +102,7 @@ _IMPLEMENTED = words("""
 --no-save-optim --no-save-rng --exit-on-missing-checkpoint --exit-signal --log-progress
 --log-world-size-to-tensorboard
 --start-eval-at-iter --full-validation --multiple-validation-sets --validation-set-names
---iterations-to-skip
+--iterations-to-skip --no-pad-vocab-size
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -201,6 +201,8 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                          "the logs)"),
     "--iterations-to-skip": field(default=None, note="[] in Megatron: none; loom holds the "
                                                      "words. Data consumed, LR held"),
+    "--no-pad-vocab-size": field(note="dest pad_vocab_size=True; V rows (t must divide V) "
+                                      "unless --padded-vocab-size"),
     "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
     "--rotary-interleaved": field(note="pairs (2i, 2i+1) rotate (Megatron's _rotate_half with "
                                        "rotary_interleaved); refused with YaRN and MLA, as "

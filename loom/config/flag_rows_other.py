@@ -287,8 +287,6 @@ REFUSED_ROWS = (
     ("--freeze-all-layers", refused("training_options", "frozen layers")),
     ("--decrease-batch-size-if-needed", refused("training_options", "elastic batch size")),
     ("--gpu-sniff-test-interval", refused("extra_logs", "GPU sniff tests")),
-    ("--no-pad-vocab-size", refused("training_options", "unpadded vocabulary switch: give "
-                                    "--padded-vocab-size V")),
     ("--phase-transition-iterations", refused("data_options", "data phases")),
     ("--sample-rate", refused("data_options", "dataset sub-sampling")),
     *_block(refused("resiliency"), """

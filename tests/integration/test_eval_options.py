@@ -2,8 +2,9 @@
 d98e8a6, megatron/training/training.py): ``--start-eval-at-iter`` (when evaluations happen),
 ``--full-validation`` (every validation sample once, the mean over them),
 ``--multiple-validation-sets`` / ``--validation-set-names`` (one logged loss per named set),
-``--iterations-to-skip`` (data consumed, no step). Each run's training losses equal the run
-without the flag (same seed). Refusals: tests/unit/test_eval_flags.py."""
+``--iterations-to-skip`` (data consumed, no step) and ``--no-pad-vocab-size`` (V rows). Each
+run's training losses equal the run without the flag (same seed). Refusals:
+tests/unit/test_eval_flags.py."""
 
 from __future__ import annotations
 
@@ -203,3 +204,17 @@ def test_iterations_to_skip_consume_the_data_and_take_no_step(tmp_path):
     assert (last.iteration, last.consumed_samples) == (2, 2 * B)
     assert [e["iteration"] for e in last.evaluations] == [2]
 
+
+def test_no_pad_vocab_size_builds_v_rows():
+    """V = 100: Megatron's default pads the embedding to 128 rows (in the softmax);
+    --no-pad-vocab-size keeps 100, training as --padded-vocab-size 100 does."""
+    runs = {}
+    for key, flat in (("padded", {}), ("unpadded", dict(no_pad_vocab_size=True)),
+                      ("given", dict(padded_vocab_size=100))):
+        tr = _trainer(**flat)
+        rows = {p.shape[0] for n, p in tr.model_chunks[0].named_parameters()
+                if "word_embeddings" in n}
+        runs[key] = (rows, [r["loss"] for r in tr.train()])
+    assert runs["padded"][0] == {128} and runs["unpadded"][0] == {100}
+    assert runs["unpadded"] == runs["given"]
+    assert runs["unpadded"][1] != runs["padded"][1]

@@ -1,7 +1,8 @@
 """Megatron's validation and loop flags (Megatron-LM d98e8a6): ``--start-eval-at-iter``,
 ``--full-validation``, ``--multiple-validation-sets``, ``--validation-set-names``,
-``--iterations-to-skip``: their one-line refusals and the sample plan of a full pass at any
-data-parallel size (end-to-end runs: tests/integration/test_eval_options.py)."""
+``--iterations-to-skip`` and ``--no-pad-vocab-size``: their one-line refusals, the sample plan
+of a full pass at any data-parallel size, and the unpadded vocabulary (end-to-end runs:
+tests/integration/test_eval_options.py)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def test_iterations_to_skip_parse():
     (dict(mock_data=False, data_path="0.3 /x/a 0.7 /x/b", full_validation=True),
      "a weighted --data-path blend"),
     (dict(iterations_to_skip="0"), "--iterations-to-skip 0"),
+    (dict(no_pad_vocab_size=True, vocab_size=101, tensor_model_parallel_size=2),
+     "--no-pad-vocab-size keeps the vocabulary at 101 rows"),
 ])
 def test_refusals_are_one_line(flat, words):
     cfg = tiny_config("gpt", **flat)
@@ -98,9 +101,22 @@ def _flags(*argv: str):
 
 def test_command_line_spellings():
     cfg = _flags("--start-eval-at-iter", "100", "--full-validation", "--multiple-validation-sets",
-                 "--validation-set-names", "wiki", "code", "--iterations-to-skip", "5", "9")
+                 "--validation-set-names", "wiki", "code", "--iterations-to-skip", "5", "9",
+                 "--disable-pad-vocab-size")
     lg = cfg.logging
     assert (lg.start_eval_at_iter, lg.full_validation, lg.multiple_validation_sets,
             lg.validation_set_names) == (100, True, True, "wiki code")
-    assert cfg.training.iterations_to_skip == "5 9"
+    assert cfg.training.iterations_to_skip == "5 9" and cfg.model.no_pad_vocab_size
+    assert _flags("--no-pad-vocab-size").model.no_pad_vocab_size
 
+
+def test_unpadded_vocabulary_rows():
+    """Megatron pads V to a multiple of --make-vocab-size-divisible-by x t (128 t) unless
+    --no-pad-vocab-size; --padded-vocab-size still wins. The planner counts the same rows."""
+    from loom.planner.memory import padded_vocab
+    padded = tiny_config("gpt", world=2, tensor_model_parallel_size=2)
+    assert padded.model.padded_vocab(2) == 256
+    cfg = tiny_config("gpt", world=2, tensor_model_parallel_size=2, no_pad_vocab_size=True)
+    assert cfg.model.padded_vocab(2) == 100 and float(padded_vocab(cfg.model, 2)) == 100
+    given = tiny_config("gpt", world=1, no_pad_vocab_size=True, padded_vocab_size=104)
+    assert given.model.padded_vocab(1) == 104
