@@ -84,8 +84,6 @@ REFUSED = MappingProxyType({
              "configs) every N iterations",
     "extra_logs": "extra logs and traces",
     "data_options": "data-pipeline options",
-    "evaluation": "evaluation options (loom evaluates --eval-iters batches of "
-                  "--eval-global-batch-size every --eval-interval)",
     "training_options": "training-loop options",
     "deprecated": "no longer accepted by Megatron-LM either",
     "inference": "options of Megatron's inference engine and servers",

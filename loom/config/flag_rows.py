@@ -110,6 +110,8 @@ _IMPLEMENTED = words("""
 --end-weight-decay --weight-decay-incr-style
 --embedding-init-method-std --init-method-xavier-uniform --apply-residual-connection-post-layernorm
 --fp32-residual-connection --qk-l2-norm
+--start-eval-at-iter --full-validation --multiple-validation-sets --validation-set-names
+--iterations-to-skip --no-pad-vocab-size
 """)
 """Flags implemented by the loom field of the same name, Megatron's default and meaning."""
 
@@ -200,6 +202,20 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                                "0)"),
     "--log-progress": field(note="needs --save (progress.txt lies there); FLOPs are loom's "
                                  "model FLOPs (KOR eq. 7)"),
+    "--start-eval-at-iter": field(note="periodic evaluations from this iteration on; the one "
+                                       "after the last iteration always"),
+    "--full-validation": field(note="every sample once (Megatron cycles short DP ranks); the "
+                                    "test set keeps --eval-iters; not --mock-data, no "
+                                    "weighted blend"),
+    "--multiple-validation-sets": field(note="one set per --valid-data-path dataset, weights "
+                                             "refused; also without --full-validation (each "
+                                             "set's first --eval-iters batches)"),
+    "--validation-set-names": field(note="a list; loom holds the words (validation-NAME in "
+                                         "the logs)"),
+    "--iterations-to-skip": field(default=None, note="[] in Megatron: none; loom holds the "
+                                                     "words. Data consumed, LR held"),
+    "--no-pad-vocab-size": field(note="dest pad_vocab_size=True; V rows (t must divide V) "
+                                      "unless --padded-vocab-size"),
     "--rotary-percent": field(note="the first int(d x p) channels of each head rotate"),
     "--qk-clip": field(note="per query group of standard attention (gpt, mamba), fp32 masters "
                             "too (loom/training/qk_clip.py); refused with MLA, context "

@@ -265,16 +265,8 @@ REFUSED_ROWS = (
     ("--no-weight-decay-cond-type", _no("another weight-decay rule (loom decays no norms or "
                                         "biases)")),
     ("--freeze-all-layers", refused("training_options", "frozen layers")),
-    ("--iterations-to-skip", refused("training_options", "skipped iterations")),
     ("--decrease-batch-size-if-needed", refused("training_options", "elastic batch size")),
     ("--gpu-sniff-test-interval", refused("extra_logs", "GPU sniff tests")),
-    ("--no-pad-vocab-size", refused("training_options", "unpadded vocabulary switch: give "
-                                    "--padded-vocab-size V")),
-    ("--start-eval-at-iter", refused("evaluation", "delayed first evaluation")),
-    ("--full-validation", refused("evaluation", "full-validation-set evaluation (loom "
-                                  "evaluates --eval-iters batches)")),
-    ("--multiple-validation-sets", refused("evaluation", "several named validation sets")),
-    ("--validation-set-names", refused("evaluation", "several named validation sets")),
     ("--phase-transition-iterations", refused("data_options", "data phases")),
     ("--sample-rate", refused("data_options", "dataset sub-sampling")),
     *_block(refused("resiliency"), """

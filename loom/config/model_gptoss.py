@@ -1,9 +1,10 @@
 """gpt-oss fields of :class:`~loom.config.sections.ModelConfig`: quick-GEGLU with a linear
 offset and clamping, attention sinks (``--softmax-type``), sliding-window attention with full
-layers every N-th (``--window-size``, ``--window-attn-skip-freq``), ``--padded-vocab-size`` and
-``--enable-gpt-oss`` (YaRN RoPE with gpt-oss's values). Megatron-LM's names, meanings and
-defaults at d98e8a6 (``megatron/training/arguments.py``, ``TransformerConfig``,
-``megatron/post_training/arguments.py``), and their checks (:func:`check_gptoss`)."""
+layers every N-th (``--window-size``, ``--window-attn-skip-freq``), ``--padded-vocab-size``,
+``--no-pad-vocab-size`` and ``--enable-gpt-oss`` (YaRN RoPE with gpt-oss's values).
+Megatron-LM's names, meanings and defaults at d98e8a6 (``megatron/training/arguments.py``,
+``TransformerConfig``, ``megatron/post_training/arguments.py``), and their checks
+(:func:`check_gptoss`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class GptOssFields:
     padded_vocab_size: Optional[int] = opt(
         None, "the model's vocabulary rows exactly (default: V padded to "
               "--make-vocab-size-divisible-by x t)", ge=1)
+    no_pad_vocab_size: bool = opt(
+        False, "the model's vocabulary rows are V itself, not padded to "
+               "--make-vocab-size-divisible-by x t (unless --padded-vocab-size gives them); "
+               "V must then be divisible by --tensor-model-parallel-size")
     enable_gpt_oss: bool = opt(False, "gpt-oss's YaRN RoPE: factor 32, original context "
                                       "131072, beta fast 32, beta slow 1, mscale 1 (Megatron's "
                                       "ModelOpt flag)")
@@ -84,16 +89,31 @@ class GptOssFields:
 
     def padded_vocab(self, tensor_model_parallel_size: int = 1) -> int:
         """The embedding's rows: ``--padded-vocab-size``, else V padded to a multiple of
-        ``make_vocab_size_divisible_by * t`` (Megatron's ``calculate_padded_vocab_size``).
+        ``make_vocab_size_divisible_by * t`` (Megatron's ``calculate_padded_vocab_size``), V
+        itself with ``--no-pad-vocab-size`` (Megatron's ``should_pad_vocab`` off).
 
-        Raises ConfigError when V is unknown."""
+        Raises ConfigError when V is unknown, or unpadded and not divisible by t."""
         if self.padded_vocab_size is not None:
             return self.padded_vocab_size
         if self.vocab_size is None:
             raise ConfigError("vocab size unknown: give --vocab-size or a --data-path with a "
                               "tokenizer")
+        if self.no_pad_vocab_size:
+            check_unpadded_vocab(self.vocab_size, tensor_model_parallel_size)
+            return self.vocab_size
         mult = self.make_vocab_size_divisible_by * tensor_model_parallel_size
         return -(-self.vocab_size // mult) * mult
+
+
+def check_unpadded_vocab(vocab_size: int, tp: int) -> None:
+    """``--no-pad-vocab-size``: the vocabulary-parallel embedding and output layer split V rows
+    over t ranks (Megatron's ``VocabUtility`` divides them evenly). Raises ConfigError when t
+    does not divide V."""
+    if vocab_size % tp:
+        raise ConfigError(f"--no-pad-vocab-size keeps the vocabulary at {vocab_size} rows, which "
+                          f"--tensor-model-parallel-size {tp} does not divide: drop "
+                          f"--no-pad-vocab-size, give --padded-vocab-size (a multiple of {tp}) "
+                          f"or a TP size dividing {vocab_size}")
 
 
 def check_gptoss(m: Any, tp: int, cp: int) -> None:
@@ -132,6 +152,8 @@ def check_gptoss(m: Any, tp: int, cp: int) -> None:
     if special and cp > 1:
         raise ConfigError("--window-size / --softmax-type with --context-parallel-size > 1 are "
                           "not supported yet: use --context-parallel-size 1")
+    if m.no_pad_vocab_size and m.padded_vocab_size is None and m.vocab_size is not None:
+        check_unpadded_vocab(m.vocab_size, tp)
     if m.padded_vocab_size is not None:
         if m.vocab_size is not None and m.padded_vocab_size < m.vocab_size:
             raise ConfigError(f"--padded-vocab-size {m.padded_vocab_size} is below the "

@@ -133,6 +133,10 @@ class TrainingScriptFields:
               "loss + kd_loss_scale x KD loss), kd_loss_scale (1.0), logit_kl_temperature "
               "(1.0), logit_layers [output_layer, output_layer]; intermediate_layer_pairs "
               "refused. Without it: logits KL only at temperature 1")
+    iterations_to_skip: Optional[str] = opt(
+        None, "iterations (1-based) that take no step: their global batch is consumed (the "
+              "next iteration reads the batch after it), no forward, backward, optimizer or "
+              "LR-schedule step, no log, evaluation or save at them (Megatron's)", words=True)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import re
 from typing import Any, Optional
 
 from loom.config.debug_flags import check_debug_flags
+from loom.config.evaluation import check_evaluation
 from loom.config.optimizer_muon import check_muon
 from loom.config.schedule import resolve_schedule
 from loom.errors import ConfigError
@@ -293,3 +294,4 @@ def resolve_script_flags(cfg: Any, world_size: int) -> None:
     if t.decoupled_min_lr is not None and t.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
     check_debug_flags(cfg, world_size)  # --profile*, --deterministic-mode
+    check_evaluation(cfg)  # --full-validation, --multiple-validation-sets, --iterations-to-skip

@@ -9,10 +9,11 @@ generic check of types, choices and bounds is :func:`loom.config.validate.check_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from loom.config.document_masks import DocumentMaskFields
+from loom.config.evaluation import EvaluationFields
 from loom.config.fields import opt
 from loom.config.model_bert import BertFields
 from loom.config.model_dsa import DSAFields
@@ -404,7 +405,7 @@ class DataConfig(DataScriptFields, DocumentMaskFields):
 
 
 @dataclass
-class LoggingConfig(LoggingScriptFields):
+class LoggingConfig(LoggingScriptFields, EvaluationFields):
     """What is reported, and how often."""
 
     log_interval: int = opt(100, "iterations between training-loss log lines", ge=1)

@@ -167,7 +167,7 @@ def build_bert_datasets(cfg: Any) -> tuple[Any, Any, Any]:
     """(train, valid, test) BERT datasets of a LoomConfig: mock tokens (``--mock-data`` or no
     data path) or the ``--data-path`` family of flags (blends, ``--split``), whose tokenizer
     (``PREFIX.tokenizer.json``) gives the special ids and the word starts."""
-    from loom.data.blended import blend_prefixes, build_datasets
+    from loom.data.blended import blend_prefixes, build_datasets, map_sets
     from loom.data.preprocess import load_tokenizer_for
     d, m, t = cfg.data, cfg.model, cfg.training
     window = m.seq_length - 2
@@ -182,6 +182,6 @@ def build_bert_datasets(cfg: Any) -> tuple[Any, Any, Any]:
                      for i in range(3))
     tok = load_tokenizer_for(prefixes[0])
     specials, starts = special_ids(tok), word_starts(tok)
-    sets = build_datasets(d, window, t.seed)
-    return tuple(None if s is None else BertDataset(s, m.seq_length, specials, m.vocab_size,
-                                                     t.seed, starts=starts, **kw) for s in sets)
+    sets = build_datasets(d, window, t.seed, separate_valid=cfg.logging.multiple_validation_sets)
+    return map_sets(lambda s: BertDataset(s, m.seq_length, specials, m.vocab_size, t.seed,
+                                          starts=starts, **kw), sets)

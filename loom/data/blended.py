@@ -98,10 +98,13 @@ class BlendedDataset:
 
     ``len()`` is 2**40 (every index is valid: each dataset repeats in epochs). ``ds[k]`` is the
     sample of the chosen dataset. ``names`` label the datasets in :meth:`describe`.
+    ``by_size``: the weights are the datasets' samples per epoch, and ``epoch_samples`` (their
+    sum; else None) the samples of one epoch of every dataset (``--full-validation``).
     Raises ConfigError if the lists differ in length or no weight is positive.
     """
 
-    def __init__(self, datasets: Sequence[Any], weights: Sequence[float], names: Sequence[str]):
+    def __init__(self, datasets: Sequence[Any], weights: Sequence[float], names: Sequence[str],
+                 by_size: bool = False):
         if not (len(datasets) == len(weights) == len(names)) or not datasets:
             raise ConfigError("a blend needs one weight and one name per dataset")
         total = float(sum(weights))
@@ -109,6 +112,9 @@ class BlendedDataset:
             raise ConfigError(f"blend weights {list(weights)} must be >= 0 with a positive sum")
         self.datasets, self.names = list(datasets), list(names)
         self.weights = [float(w) / total for w in weights]
+        # weights = the datasets' samples per epoch: the first sum of them are one epoch of each
+        # (dataset d's j-th sample is due at (j + 1/2) N / n_d < N exactly for j < n_d)
+        self.epoch_samples = sum(len(ds) for ds in datasets) if by_size else None
         self._dataset = np.zeros(0, np.int64)
         self._sample = np.zeros(0, np.int64)
 
@@ -152,18 +158,43 @@ def build_blend(parts: Sequence[tuple[Optional[float], str, Any]]) -> Any:
     weights = [len(ds) if w is None else w for w, _, ds in kept]
     if not sum(weights) > 0:
         return None
-    return BlendedDataset([ds for _, _, ds in kept], weights, [n for _, n, _ in kept])
+    return BlendedDataset([ds for _, _, ds in kept], weights, [n for _, n, _ in kept],
+                          by_size=all(w is None for w, _, _ in kept))
 
 
-def build_datasets(data: Any, seq_length: int, seed: int) -> tuple[Any, Any, Any]:
+class DatasetList(list):
+    """Several datasets in one slot of ``(train, valid, test)``: the validation sets of
+    ``--multiple-validation-sets``, one per dataset of ``--valid-data-path``, in its order
+    (``names``: their prefixes)."""
+
+    def __init__(self, datasets: Sequence[Any], names: Sequence[str]):
+        super().__init__(datasets)
+        self.names = list(names)
+
+
+def map_sets(fn: Any, sets: Sequence[Any]) -> tuple:
+    """``sets`` (train, valid, test) with every dataset passed through ``fn`` (None stays None;
+    a :class:`DatasetList` member by member): the wrappers a run adds (loss masks, document
+    resets, FIM, BERT's masking)."""
+    def one(ds):
+        if isinstance(ds, DatasetList):
+            return DatasetList([fn(d) for d in ds], ds.names)
+        return None if ds is None else fn(ds)
+    return tuple(one(ds) for ds in sets)
+
+
+def build_datasets(data: Any, seq_length: int, seed: int, separate_valid: bool = False
+                   ) -> tuple[Any, Any, Any]:
     """(train, valid, test) of a :class:`~loom.config.DataConfig` (blends included; None for
     a set that has no data).
 
     ``--data-path`` is cut by ``--split`` (each dataset of a blend alike; with
     ``--valid-data-path`` its valid share goes to training); ``--train-data-path``,
     ``--valid-data-path`` and ``--test-data-path`` are whole datasets and replace the
-    corresponding part. Raises ConfigError naming the flag (missing or corrupt files, a set too
-    small for one sample).
+    corresponding part. ``separate_valid`` (``--multiple-validation-sets``): a
+    ``--valid-data-path`` of several datasets is a :class:`DatasetList` of them, not their
+    blend (Megatron's ``BlendedMegatronDatasetBuilder``). Raises ConfigError naming the flag
+    (missing or corrupt files, a set too small for one sample, an empty validation dataset).
     """
     from loom.data.gpt_dataset import GPTDataset
     from loom.data.indexed import IndexedDataset
@@ -195,7 +226,14 @@ def build_datasets(data: Any, seq_length: int, seed: int) -> tuple[Any, Any, Any
                 raise ConfigError(f"{flag} {p}: {ds.num_tokens} tokens, fewer than one sample "
                                   f"of --seq-length {seq_length} + 1; lower --seq-length or add "
                                   f"data") from None
-        sets[i] = build_blend(parts)
+        if i == 1 and separate_valid and len(parts) > 1:
+            empty = [p for _, p, ds in parts if ds is None]
+            if empty:
+                raise ConfigError(f"{flag} {empty[0]}: no documents, so no validation set: "
+                                  f"drop it from --valid-data-path")
+            sets[i] = DatasetList([ds for _, _, ds in parts], [p for _, p, _ in parts])
+        else:
+            sets[i] = build_blend(parts)
     return sets[0], sets[1], sets[2]
 
 

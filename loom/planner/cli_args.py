@@ -239,7 +239,7 @@ NO_STEP_COST = frozenset({
     # a batch ramp-up's smaller first batches are before the planned step)
     "train_iters", "train_samples", "exit_duration_in_mins", "exit_on_nonfinite", "skip_train",
     "rampup_batch_size", "step_batch_size_schedule", "ckpt_format", "pretrained_checkpoint",
-    "use_checkpoint_args", "log_num_zeros_in_grad", "log_params_norm",
+    "use_checkpoint_args", "log_num_zeros_in_grad", "log_params_norm", "iterations_to_skip",
     "distributed_backend", "device",
 })
 NO_STEP_COST_SECTIONS = ("data", "logging", "checkpoint", "fault_tolerance")

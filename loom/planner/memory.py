@@ -60,6 +60,8 @@ def padded_vocab(model: ModelConfig, tp):
     mult = model.make_vocab_size_divisible_by * np.asarray(tp, dtype=np.float64)
     if model.padded_vocab_size is not None:  # --padded-vocab-size: the rows exactly
         return np.asarray(tp, dtype=np.float64) * 0 + model.padded_vocab_size
+    if model.no_pad_vocab_size:  # --no-pad-vocab-size: V itself
+        return np.asarray(tp, dtype=np.float64) * 0 + (model.vocab_size or 0)
     return np.ceil((model.vocab_size or 0) / mult) * mult
 
 

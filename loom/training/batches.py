@@ -18,12 +18,17 @@ class BatchSource:
     per step in ``num_microbatches`` m = B / (b d) micro-batches per DP rank (both from the
     resolved config's ``derived``); ``seq_length`` s tokens per sample, ``hidden_size`` h (the
     pipeline's activation shape). ``sequence_parallel``: the activations between stages are
-    split by t."""
+    split by t. ``valid_sets``: the validation sets (several with
+    ``--multiple-validation-sets``: a :class:`~loom.data.blended.DatasetList` in the valid
+    slot), ``valid_ds`` the first."""
 
     def __init__(self, datasets: tuple[Any, Any, Any], mesh: ParallelMesh, micro_batch_size: int,
                  global_batch: int, num_microbatches: int, seq_length: int, hidden_size: int,
                  sequence_parallel: bool = False, eval_sizes: Optional[tuple[int, int, int]] = None):
-        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.train_ds, valid, self.test_ds = datasets
+        self.valid_sets = list(valid) if isinstance(valid, list) else \
+            [] if valid is None else [valid]
+        self.valid_ds = self.valid_sets[0] if self.valid_sets else None
         self.mesh, self.micro_batch_size = mesh, micro_batch_size
         self.global_batch, self.num_microbatches = global_batch, num_microbatches
         self.seq_length, self.hidden_size = seq_length, hidden_size
@@ -53,7 +58,13 @@ class BatchSource:
         ``evaluation``: m_eval micro-batches of b_eval samples (an evaluation iteration)."""
         b, m = (self.eval_micro_batch_size, self.eval_num_microbatches) if evaluation else \
             (self.micro_batch_size, self.num_microbatches)
-        idx = microbatch_indices(consumed, b, m, self.mesh.dp_rank, self.mesh.dp_size)
+        return self.batches_of(dataset, microbatch_indices(consumed, b, m, self.mesh.dp_rank,
+                                                           self.mesh.dp_size))
+
+    def batches_of(self, dataset, idx: list[list[int]]) -> list[dict]:
+        """This rank's micro-batches of the sample indices ``idx`` (one list per micro-batch),
+        as :meth:`batches` builds them; ``num_microbatches`` is ``len(idx)``."""
+        m = len(idx)
         dev, cp, cp_rank = self.mesh.device, self.mesh.sizes["cp"], self.mesh.coords["cp"]
         s = self.seq_length
         positions = (local_positions(s, cp_rank, cp) if cp > 1 else torch.arange(s)).to(dev)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from loom.config import LoomConfig
 from loom.config.document_masks import document_plan
 from loom.config.parallel_cp import hierarchical_sizes
+from loom.data.blended import map_sets
 from loom.errors import ConfigError
 from loom.models import get_family
 from loom.models.family import ModelFamily
@@ -200,7 +201,7 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     if cfg.data.eod_mask_loss:  # Megatron's loss mask at end-of-document input tokens
         from loom.data.loss_mask import EodLossMask, end_of_document_id
         eod = end_of_document_id(cfg.data, cfg.model.vocab_size)
-        datasets = tuple(None if ds is None else EodLossMask(ds, eod) for ds in datasets)
+        datasets = map_sets(lambda ds: EodLossMask(ds, eod), datasets)
     plan = document_plan(cfg, family.takes_documents)
     if plan.active:  # Megatron's document masks (loom.data.document_masks)
         from loom.data.document_masks import DocumentResets
@@ -208,8 +209,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
         eod = None if plan.own_documents else end_of_document_id(
             cfg.data, cfg.model.vocab_size,
             "--reset-attention-mask" if plan.attention else "--reset-position-ids")
-        datasets = tuple(None if ds is None else DocumentResets(
-            ds, eod, plan.positions, plan.attention, plan.own_documents) for ds in datasets)
+        datasets = map_sets(lambda ds: DocumentResets(
+            ds, eod, plan.positions, plan.attention, plan.own_documents), datasets)
     data = BatchSource.from_config(cfg, mesh, datasets)
     throughput = Throughput(
         data.global_batch * cfg.model.seq_length,

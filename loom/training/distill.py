@@ -36,7 +36,8 @@ KD_KEYS = ("logit_layers", "intermediate_layer_pairs", "skip_lm_loss", "kd_loss_
            "logit_kl_temperature")
 """The keys of ModelOpt's distillation YAML that Megatron-LM passes through."""
 _NOT_ARCHITECTURE = ("seq_length", "max_position_embeddings", "vocab_size",
-                     "make_vocab_size_divisible_by", "padded_vocab_size", "exclude_padded_vocab")
+                     "make_vocab_size_divisible_by", "padded_vocab_size", "exclude_padded_vocab",
+                     "no_pad_vocab_size")
 """Model fields the teacher takes from the student, not from its checkpoint."""
 
 

@@ -208,24 +208,28 @@ class MetricsLogger:
                    f"{record['consumed_tokens']:,}" if "consumed_tokens" in record else "")
                 + self._eta(it))
         else:
-            what = "validation" if kind == "valid" else kind
+            what = ("validation" if kind == "valid" else kind) + (
+                f"-{record['valid_set']}" if "valid_set" in record else "")
             self.print(f" {what} at iteration {it:>6d} | loss "
-                       f"{record['valid_loss']:.4f} | perplexity {record['valid_ppl']:.2f}")
+                       f"{record['valid_loss']:.4f} | perplexity {record['valid_ppl']:.2f}"
+                       + (f" | {record['valid_samples']:,} samples" if "valid_samples" in
+                          record else ""))
         if self.json_file:
             self.json_file.write(json.dumps({"kind": kind, **record}) + "\n")
-        if self.tb is not None:
+        group = f"{kind}-{record['valid_set']}" if "valid_set" in record else kind  # one set
+        if self.tb is not None:  # of --multiple-validation-sets: valid-NAME/valid_loss
             samples = record.get("consumed_samples")
             for k, v in record.items():
                 if k != "iteration" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{kind}/{k}", v, it)
+                    self.tb.add_scalar(f"{group}/{k}", v, it)
                     if samples is not None and not k.startswith("consumed"):  # Megatron's
-                        self.tb.add_scalar(f"{kind}/{k} vs samples", v, samples)
+                        self.tb.add_scalar(f"{group}/{k} vs samples", v, samples)
             if kind == "train" and self.log_world_size:  # Megatron's training_log tags
                 self.tb.add_scalar("world-size", self.world_size, it)
                 if samples is not None:
                     self.tb.add_scalar("world-size vs samples", self.world_size, samples)
         if self.wandb is not None:
-            self.wandb.log(record, kind)
+            self.wandb.log(record, group)
 
     def event(self, kind: str, record: dict, line: str) -> None:
         """A record that is not an iteration's (``resume``, ``summary``): ``line`` on the

@@ -64,8 +64,12 @@ def plot(path: str, output: str, x: str = "iteration") -> str:
         loss.plot(xs, [r["loss"] for r in tr], color="C0", lw=1.2,
                   label="training loss" if first else None)
         va = [r for r in run["valid"] if r.get(key) is not None]
-        loss.plot([r[key] for r in va], [r["valid_loss"] for r in va], "o-", color="C1",
-                  ms=4, lw=1, label="validation loss" if first else None)
+        for j, name in enumerate(dict.fromkeys(r.get("valid_set") for r in va)):  # the sets of
+            pts = [r for r in va if r.get("valid_set") == name]  # --multiple-validation-sets
+            label = "validation loss" + ("" if name is None else f" ({name})")
+            loss.plot([r[key] for r in pts], [r["valid_loss"] for r in pts], "o-",
+                      color=f"C{(1, 4, 6, 7, 8, 9)[j % 6]}", ms=4, lw=1,
+                      label=label if first else None)
         lr.plot(xs, [r["lr"] for r in tr], color="C2", lw=1.2)
         speed.plot(xs, [r["tokens_per_s"] for r in tr], color="C3", lw=1.2)
         mfu_per_token_s |= {round(100 * r["mfu"] / r["tokens_per_s"], 12) for r in tr

@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
+from loom.config.evaluation import parse_iterations
 from loom.errors import NonFiniteError, RerunExit
 from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.pipeline.schedules import ScheduleResult, forward_only
-from loom.parallel.pipeline.zero_bubble import is_v_shaped, loss_stage
+from loom.parallel.pipeline.schedules import ScheduleResult
+from loom.parallel.pipeline.zero_bubble import loss_stage
 from loom.training import non_persistent
 from loom.training.builder import TrainingParts, build_training
 from loom.training.metrics import MetricsLogger
@@ -31,6 +32,7 @@ from loom.training.setup import held_numel, owned_parameters
 from loom.training.step import finish_gradients, finish_param_gather, optimizer_step
 from loom.training.story import (prediction_line, resume_line, resume_record, run_summary,
                                  summary_line)
+from loom.training.validation import Evaluator
 
 
 def _part(path: str, doc: str) -> property:
@@ -88,6 +90,9 @@ class Trainer:
             from loom.training.qk_clip import attention_layers
             self.attention_layers = attention_layers(self.model_chunks)
         self.max_attention_logit: Optional[float] = None  # of the latest step, all ranks
+        self.evaluator = Evaluator(cfg, self.parts, self.global_loss, self._all_reduce,
+                                   self.owns_loss)  # when and on what (training/validation.py)
+        self.skips = frozenset(parse_iterations(cfg.training.iterations_to_skip))
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
@@ -260,31 +265,17 @@ class Trainer:
         return rec
 
     # -- evaluation --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, iters: Optional[int] = None, dataset=None) -> Optional[dict]:
+    def evaluate(self, iters: Optional[int] = None, dataset=None, full: bool = False
+                 ) -> Optional[dict]:
         """Mean loss and perplexity over the first ``--eval-iters`` x
-        ``--eval-global-batch-size`` samples of the validation set, or of ``dataset`` (the same
-        samples at every evaluation, so values are comparable: the mean over those samples,
-        whatever the evaluation batch sizes); None without such a set or with
+        ``--eval-global-batch-size`` samples of the (first) validation set, or of ``dataset``
+        (the same samples at every evaluation, so values are comparable: the mean over those
+        samples, whatever the evaluation batch sizes); ``full``: over each of its samples once
+        (:class:`~loom.training.validation.Evaluator`). None without such a set or with
         ``--eval-iters 0``."""
-        dataset = self.parts.data.valid_ds if dataset is None else dataset
-        iters = iters or self.cfg.logging.eval_iters
-        if dataset is None or not iters:
-            return None
-        for c in self.model_chunks:
-            c.eval()
-        total, per_iter = 0.0, self.parts.data.eval_global_batch
-        for i in range(iters):
-            batches = self.batches(dataset, i * per_iter, evaluation=True)
-            result = forward_only(self.model_chunks, batches, self.parts.model.forward_step,
-                                  self.mesh, p2p_shape=self.p2p_shape(batches), v_shape=is_v_shaped(
-                                      self.cfg.parallel.pipeline_schedule, self.mesh.pp_size))
-            total += self.global_loss(result.loss)
-        for c in self.model_chunks:
-            c.train()
-        loss = total / iters
-        return {"iteration": self.iteration, "valid_loss": loss,
-                "valid_ppl": math.exp(min(loss, 50.0)), **self.consumed()}
+        rec = self.evaluator.evaluate(self.parts.data.valid_ds if dataset is None else dataset,
+                                      iters or self.cfg.logging.eval_iters, full)
+        return None if rec is None else {"iteration": self.iteration, **rec, **self.consumed()}
 
     def consumed(self) -> dict:
         """``consumed_samples`` and ``consumed_tokens`` (samples x s) so far, for the logs."""
@@ -344,15 +335,18 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _evaluate_sets(self, log: MetricsLogger, test: bool) -> None:
-        """Log an evaluation of the validation set (and, with ``test``, of the test set)."""
-        data = self.parts.data
-        for kind, ds in (("valid", data.valid_ds), ("test", data.test_ds if test else None)):
-            with self.debug.timers("evaluate"):
-                rec = self.evaluate(dataset=ds) if ds is not None else None
-            if rec is not None:
-                self.debug.timed_report("evaluate")  # Megatron's level-0 timer, each evaluation
-                log.log(rec, kind=kind)
-                self.evaluations.append({"kind": kind, **rec})
+        """Log an evaluation of the validation set(s) (and, with ``test``, of the test set)."""
+        self.evaluations += self.evaluator.run(log, test, self.iteration, self.consumed())
+
+    def _skip(self, log: MetricsLogger) -> None:
+        """``--iterations-to-skip``: the next iteration takes no step; its global batch is
+        consumed (Megatron's ``dummy_train_step``), nothing logged but one line."""
+        self.iteration += 1
+        self.consumed_samples += self.global_batch
+        log.advance()
+        log.event("skip", {"iteration": self.iteration, **self.consumed()},
+                  f" iteration {self.iteration}: skipped (--iterations-to-skip): its "
+                  f"{self.global_batch} samples consumed, no optimizer step")
 
     def train(self) -> list[dict]:
         """Train to ``--train-iters``; log, evaluate (every ``--eval-interval`` and once at the
@@ -381,6 +375,8 @@ class Trainer:
                 log.print(f" {name} data blend: {ds.describe()}")
         window: list[dict] = []
         start_iteration, first = self.iteration, len(self.history)  # the summary's
+        last_step = next((i for i in range(iters, self.iteration, -1) if i not in self.skips),
+                         iters)  # the last iteration that trains: its window is logged
         self.debug.start(log.print, self.iteration, iters)
         started = time.monotonic()  # --exit-duration-in-mins counts from here
         try:
@@ -390,6 +386,11 @@ class Trainer:
             self.parts.faults.start()
             self.parts.faults.check_weights(self.iteration, log.print, first=True)
             while self.iteration < iters:
+                if self.iteration + 1 in self.skips:
+                    self._skip(log)
+                    if self.iteration == iters:  # Megatron evaluates after its loop
+                        self._evaluate_sets(log, test=True)
+                    continue
                 self.parts.faults.before_iteration(self.iteration + 1)
                 self.debug.before_iteration(self.iteration)
                 try:
@@ -407,12 +408,11 @@ class Trainer:
                                  if len(self.nonfinite) == 1 else ""))
                 window.append(rec)
                 log.advance()
-                if self.iteration % lg.log_interval == 0 or self.iteration == iters:
+                if self.iteration % lg.log_interval == 0 or self.iteration == last_step:
                     log.log(avg := self.parts.throughput.average(window))
                     self.debug.logged(self.iteration, len(window), avg["step_time_s"], log.extra)
                     window = []
-                periodic = bool(lg.eval_interval) and self.iteration % lg.eval_interval == 0
-                if periodic or self.iteration == iters:
+                if self.evaluator.due(self.iteration, iters):
                     self.parts.faults.mark(self.iteration, "evaluation")
                     self._evaluate_sets(log, test=self.iteration == iters)
                 signalled = self.parts.faults.stop_requested(  # --exit-signal-handler: all agree

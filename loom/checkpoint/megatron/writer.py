@@ -91,9 +91,12 @@ class ChunkSavePlanner(DefaultSavePlanner):
 
 
 def _vocab_rows(cfg, target_tp: int) -> int:
-    """Megatron's padded vocabulary for ``target_tp`` (``--make-vocab-size-divisible-by``)."""
+    """Megatron's padded vocabulary for ``target_tp`` (``--make-vocab-size-divisible-by``; V
+    itself with ``--no-pad-vocab-size``)."""
     if cfg.padded_vocab_size:
         return cfg.padded_vocab_size
+    if getattr(cfg, "no_pad_vocab_size", False):
+        return cfg.vocab_size
     m = cfg.make_vocab_size_divisible_by * target_tp
     return -(-cfg.vocab_size // m) * m
 
