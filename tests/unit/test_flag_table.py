@@ -295,3 +295,16 @@ def test_commands_take_their_flags_from_the_declarations():
     args = argparse.Namespace(seed=None)
     field_defaults(args, ("seed",))
     assert args.seed == 1234 == spell()["--seed"].megatron_default
+
+
+def test_readme_counts_are_the_tables():
+    """README.md's counts of implemented, no-effect and refused flags are the table's."""
+    import re
+    from collections import Counter
+    text = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    count = Counter(r.kind for r in table().values())
+    said = [int(n) for n in re.findall(
+        r"implemented with Megatron's meaning \((\d+)\), accepted and named once at start "
+        r"because it only picks a kernel, a launcher or an I/O detail \((\d+):.*?refused in one "
+        r"line naming what loom lacks \((\d+):", text)[0]]
+    assert said == [count[IMPLEMENTED], count[NO_EFFECT_KIND], count[REFUSED_KIND]]
