@@ -154,6 +154,11 @@ class TrainingParts:
     ``--moe-per-layer-logging``'s losses (:func:`loom.parallel.expert.moe_layer_losses`)."""
     rerun: Optional[RerunStateMachine] = None
     """Megatron's rerun state machine (``--rerun-mode``, :mod:`loom.training.rerun`)."""
+    qk_clip: Optional[Callable[[], float]] = None
+    """After each optimizer step: QK-clip and this rank's largest attention logit
+    (``--qk-clip`` / ``--log-max-attention-logit``, :func:`loom.training.qk_clip.step_clip`)."""
+    skips: frozenset = frozenset()
+    """``--iterations-to-skip``: iterations that consume their batch and take no step."""
 
 
 def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
@@ -234,6 +239,10 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
             moe_layer_losses, model.chunks, layer_loss_names(cfg.model),
             cfg.model.num_layers + (cfg.model.mtp_num_layers or 0), mesh)
     rerun = rerun_machine(cfg, mesh.pp_rank, global_rank, model.chunks, model.tracker, reducers)
+    from loom.config.evaluation import parse_iterations
+    from loom.training.qk_clip import step_clip
     return TrainingParts(cfg, mesh, world_size, global_rank, model, reducers, optimizer,
                          scheduler, schedule, timeline, data, checkpointer, faults,
-                         save_interval, throughput, after_step, debug, layer_metrics, rerun)
+                         save_interval, throughput, after_step, debug, layer_metrics, rerun,
+                         step_clip(cfg, model.chunks, optimizer, mesh),
+                         frozenset(parse_iterations(t.iterations_to_skip)))

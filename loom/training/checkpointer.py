@@ -13,6 +13,7 @@ from loom.checkpoint.model_match import check_same_model
 from loom.checkpoint.saver import Saver
 from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
+from loom.training import non_persistent
 from loom.training.checkpoint_checks import missing_checkpoint
 from loom.training.resume import check_saved_states, reconcile_schedule
 
@@ -46,6 +47,14 @@ class Checkpointer:
         self.tracker = tracker
         self.saver = Saver(cfg, cfg.checkpoint.async_save)  # sync, or --async-save
         self.progress = None  # --log-progress: set by loom.training.builder
+        self.non_persistent_dir = non_persistent.non_persistent_dir(cfg.checkpoint,
+                                                                    cfg.checkpoint.save)
+
+    def non_persistent_due(self, iteration: int) -> bool:
+        """Whether ``iteration`` saves a non-persistent checkpoint into
+        :attr:`non_persistent_dir` when no regular one is due
+        (:mod:`loom.training.non_persistent`)."""
+        return non_persistent.due(self.cfg.checkpoint, iteration)
 
     def save(self, save_dir: str, iteration: int, consumed_samples: int,
              tokenizer_file: Optional[str] = None,

@@ -119,3 +119,15 @@ def clip_qk(layers: Sequence[SelfAttention], optimizer, mesh: ParallelMesh, clip
     if factors:  # the DP x CP replicas of a layer decide alike (the maxima are reduced)
         _scale(optimizer, factors)
     return max((float(m.max()) for m in maxima), default=float("-inf"))
+
+
+def step_clip(cfg, chunks: Sequence[nn.Module], optimizer, mesh: ParallelMesh):
+    """``--qk-clip`` / ``--log-max-attention-logit``: the callable the trainer runs after each
+    optimizer step (:func:`clip_qk` on this rank's recording attention layers, returning this
+    rank's maximum logit), or None with neither flag."""
+    m = cfg.model
+    if not (m.qk_clip or cfg.logging.log_max_attention_logit):
+        return None
+    layers = attention_layers(chunks)
+    return lambda: clip_qk(layers, optimizer, mesh, m.qk_clip, m.qk_clip_threshold,
+                           m.qk_clip_alpha)

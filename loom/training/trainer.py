@@ -19,13 +19,10 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
-from loom.config.evaluation import parse_iterations
 from loom.errors import NonFiniteError, RerunExit
 from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh
-from loom.parallel.pipeline.schedules import ScheduleResult
 from loom.parallel.pipeline.zero_bubble import loss_stage
-from loom.training import non_persistent
 from loom.training.builder import TrainingParts, build_training
 from loom.training.metrics import MetricsLogger
 from loom.training.setup import held_numel, owned_parameters
@@ -85,14 +82,10 @@ class Trainer:
         self.loaded_from: Optional[str] = None  # the checkpoint this run resumed from
         self.resumed: Optional[dict] = None  # what it restored (story.resume_record)
         self.last_saved: Optional[str] = None  # the latest checkpoint this run wrote
-        self.attention_layers = None  # QK-clip / --log-max-attention-logit: recording cores
-        if cfg.model.qk_clip or cfg.logging.log_max_attention_logit:
-            from loom.training.qk_clip import attention_layers
-            self.attention_layers = attention_layers(self.model_chunks)
         self.max_attention_logit: Optional[float] = None  # of the latest step, all ranks
         self.evaluator = Evaluator(cfg, self.parts, self.global_loss, self._all_reduce,
                                    self.owns_loss)  # when and on what (training/validation.py)
-        self.skips = frozenset(parse_iterations(cfg.training.iterations_to_skip))
+        self.skips = self.parts.skips  # --iterations-to-skip
         if cfg.checkpoint.load:
             self.load(cfg.checkpoint.load)
 
@@ -118,7 +111,7 @@ class Trainer:
         if losses is not None:
             step = self.rerun.recording(step, losses)
         with timers("forward-backward"):
-            result: ScheduleResult = self.parts.schedule(
+            result = self.parts.schedule(
                 self.model_chunks, batches, step, self.mesh,
                 p2p_shape=self.p2p_shape(batches), reducers=self.reducers,
                 recorder=timers.recorder(self.timeline))
@@ -165,12 +158,9 @@ class Trainer:
                                   self.parts.model.scaler,
                                   self.nonfinite, self.iteration, t.exit_on_nonfinite,
                                   self.debug.timers)
-            if self.attention_layers is not None:  # Megatron: in the optimizer's time too
-                from loom.training.qk_clip import clip_qk
-                m = self.cfg.model
-                top = clip_qk(self.attention_layers, self.optimizer, self.mesh, m.qk_clip,
-                              m.qk_clip_threshold, m.qk_clip_alpha)
-                (self.max_attention_logit,) = self._all_reduce([top], dist.ReduceOp.MAX)
+            if self.parts.qk_clip is not None:  # Megatron: in the optimizer's time too
+                (self.max_attention_logit,) = self._all_reduce([self.parts.qk_clip()],
+                                                               dist.ReduceOp.MAX)
         self.parts.after_step()  # MoE: the aux-loss-free expert bias from the global load
         return norm
 
@@ -433,8 +423,8 @@ class Trainer:
                                                           rec["step_time_s"])
                     if plan:
                         log.print(f" {plan}")
-                elif non_persistent.due(ck, self.iteration):  # the newest kept (its own dir)
-                    path = self.save(non_persistent.non_persistent_dir(ck, ck.save))
+                elif self.parts.checkpointer.non_persistent_due(self.iteration):
+                    path = self.save(self.parts.checkpointer.non_persistent_dir)  # newest kept
                     log.print(f" {self.saver.verb} non-persistent checkpoint {path}")
                 if exiting:
                     why = f"{signalled} received (--exit-signal-handler)" if signalled else \

@@ -17,6 +17,7 @@ import torch
 from loom.models.attention import (DotProductAttention, SinkWindowAttention,
                                    document_causal_mask, max_attention_logits)
 from loom.parallel.mesh import ParallelMesh
+from loom.training.qk_clip import attention_layers
 from testkit.config import tiny_config
 
 pytestmark = pytest.mark.fast
@@ -84,7 +85,8 @@ def _trainer(**kw):
 def _step(tr):
     """One step; the per-head maxima recorded by its forwards (before the clip resets them)."""
     tr.forward_backward(tr.batches(tr.train_ds, tr.consumed_samples))
-    maxima = [layer.core_attention.max_logit.clone() for layer in tr.attention_layers or []]
+    layers = attention_layers(tr.model_chunks) if tr.parts.qk_clip is not None else []
+    maxima = [layer.core_attention.max_logit.clone() for layer in layers]
     tr.optimizer_step()
     tr.consumed_samples += tr.global_batch
     return maxima
@@ -112,7 +114,7 @@ def test_clip_scales_query_and_key_rows(precision):
     logit changes nothing."""
     ref = _trainer(**precision)
     ref_max = _step(ref)
-    assert ref.attention_layers is None  # no flag: nothing recorded
+    assert ref.parts.qk_clip is None  # no flag: nothing recorded
     tau = 0.02
     tr = _trainer(qk_clip=True, qk_clip_threshold=tau, qk_clip_alpha=0.3, **precision)
     maxima = _step(tr)
@@ -157,7 +159,7 @@ def test_log_max_attention_logit(tmp_path):
     cfg = tiny_config("llama", log_max_attention_logit=True, log_json=str(path),
                       **run).validate(1)
     tr = Trainer(cfg, mesh=ParallelMesh.single())
-    for layer in tr.attention_layers:
+    for layer in attention_layers(tr.model_chunks):
         layer.core_attention.register_forward_hook(hook)
     per_step: list[float] = []
     for _ in range(2):
