@@ -93,7 +93,7 @@ def test_resharding_through_dcp(tmp_path):
     t0 = time.perf_counter()
     # forked from this process (its imports done): 8 spawned ranks would spend ~25 s of CPU
     # importing torch before the first step
-    res = run_distributed(8, _reshard_world, str(tmp_path), timeout=300, start_method="fork")[0]
+    res = run_distributed(8, _reshard_world, str(tmp_path), timeout=600, start_method="fork")[0]
     world_s = time.perf_counter() - t0
     ref = res["reference"]
     res["2,1,1"] = run_distributed(2, _resume_world, str(tmp_path), 2, 1, 1,
