@@ -10,10 +10,10 @@ and ``--iterations-to-skip`` (a field of TrainingConfig), with their rules
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from loom.config.blend import parse_blend
 from loom.config.fields import opt
 from loom.errors import ConfigError
 
@@ -52,26 +52,14 @@ def parse_iterations(text: Optional[str]) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
-
-
-def blend_words(text: Optional[str]) -> tuple[int, bool]:
-    """``(datasets, weighted)`` of a ``--data-path``-style value (``(0, False)`` for None): the
-    count :func:`loom.data.blended.parse_blend` reads (one for a prefix that names an existing
-    ``PREFIX.idx`` as a whole), and whether the words carry weights."""
-    words = (text or "").split()
-    if not words:
+def blend_words(text: Optional[str], flag: str) -> tuple[int, bool]:
+    """``(datasets, weighted)`` of a ``--data-path``-style value of ``flag`` (``(0, False)`` for
+    None): how many datasets :func:`loom.config.blend.parse_blend` reads, and whether it gives
+    two or more of them weights. Raises ConfigError naming ``flag`` for a malformed blend."""
+    blend = parse_blend(text, flag) if text and text.split() else None
+    if not blend:
         return 0, False
-    if len(words) == 1 or os.path.exists(str(text).strip() + ".idx"):
-        return 1, False
-    if _is_number(words[0]):
-        return len(words) // 2, len(words) > 2
-    return len(words), False
+    return len(blend), len(blend) > 1 and blend[0][0] is not None
 
 
 def validation_set_count(cfg: Any) -> int:
@@ -79,7 +67,9 @@ def validation_set_count(cfg: Any) -> int:
     ``--valid-data-path`` (Megatron's per-split blend), else one (the validation split of
     ``--data-path``, or mock data)."""
     d = cfg.data
-    return max(blend_words(d.valid_data_path)[0], 1) if d.valid_data_path else 1
+    if not d.valid_data_path:
+        return 1
+    return max(blend_words(d.valid_data_path, "--valid-data-path")[0], 1)
 
 
 def check_evaluation(cfg: Any) -> None:
@@ -94,7 +84,7 @@ def check_evaluation(cfg: Any) -> None:
     if lg.validation_set_names is not None and not lg.multiple_validation_sets:
         raise ConfigError("--validation-set-names names the sets of --multiple-validation-sets: "
                           "add --multiple-validation-sets (with --valid-data-path P1 P2 ...)")
-    valid_weighted = blend_words(d.valid_data_path)[1]
+    valid_weighted = blend_words(d.valid_data_path, "--valid-data-path")[1]
     if lg.multiple_validation_sets:
         if valid_weighted:
             prefixes = " ".join(d.valid_data_path.split()[1::2])
@@ -116,7 +106,7 @@ def check_evaluation(cfg: Any) -> None:
         raise ConfigError("--full-validation reads the whole validation set, and --mock-data's "
                           "is endless: give --valid-data-path (or --data-path), or drop "
                           "--full-validation")
-    if valid_weighted or (not d.valid_data_path and blend_words(d.data_path)[1]):
+    if valid_weighted or (not d.valid_data_path and blend_words(d.data_path, "--data-path")[1]):
         flag = "--valid-data-path" if d.valid_data_path else "--data-path"
         raise ConfigError(f"--full-validation reads one epoch of each validation dataset, which "
                           f"a weighted {flag} blend does not define: give the prefixes "

@@ -20,11 +20,11 @@ import torch
 from loom.cli import main
 from loom.config import ConfigError, DataConfig, LoomConfig, ModelConfig
 from loom.data.blended import BlendedDataset, blend_order, build_datasets, parse_blend
-from loom.data.indexed import IndexedDatasetBuilder
 from loom.data.sampler import get_batch, microbatch_indices
 from loom.parallel.mesh import ParallelMesh
 from testkit import run_distributed
 from testkit.config import PRE_ISSUE_21, tiny_config
+from testkit.data import write_dataset
 from loom.training.optimizer import lr_at
 
 SEQ = 8
@@ -32,25 +32,10 @@ SEQ = 8
 RANGES = {"a": (1, 30), "b": (31, 60), "c": (61, 90)}
 
 
-def _dataset(prefix: Path, lo: int, hi: int, n_docs: int = 40, seed: int = 0) -> str:
-    rng = np.random.default_rng(seed)
-    b = IndexedDatasetBuilder(str(prefix))
-    total = 0
-    for _ in range(n_docs):
-        doc = rng.integers(lo, hi + 1, int(rng.integers(10, 30))).tolist()
-        total += len(doc)
-        b.add_document(doc)
-    b.finalize()
-    meta = dict(vocab_size=100, eod=0, num_documents=n_docs, num_tokens=total, dtype="uint16",
-                max_token_id=hi)
-    (prefix.parent / (prefix.name + ".meta.json")).write_text(json.dumps(meta))
-    return str(prefix)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("blend")
-    return {k: _dataset(root / k, lo, hi, seed=i) for i, (k, (lo, hi)) in enumerate(RANGES.items())}
+    return {k: write_dataset(root / k, lo, hi, seed=i) for i, (k, (lo, hi)) in enumerate(RANGES.items())}
 
 
 def _source(sample: dict) -> str:
@@ -264,7 +249,7 @@ def test_blend_from_command_line_and_yaml_list(data, tmp_path, monkeypatch, caps
 
 def test_blend_of_different_tokenizers_refused(data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    other = _dataset(tmp_path / "other", 1, 30)
+    other = write_dataset(tmp_path / "other", 1, 30)
     meta = json.loads(Path(other + ".meta.json").read_text())
     Path(other + ".meta.json").write_text(json.dumps({**meta, "vocab_size": 500}))
     with pytest.raises(SystemExit) as e:

@@ -11,26 +11,13 @@ import pytest
 from loom.config import LoomConfig
 from loom.errors import ConfigError
 from loom.parallel.mesh import ParallelMesh
+from testkit.data import Recording
 from testkit.config import tiny_config
 
 
 def make_cfg(**logging) -> LoomConfig:
     return tiny_config("gpt", dict(vocab_size=96, global_batch_size=4, train_iters=2,
                                    no_progress_bar=True), logging)
-
-
-class Recording:
-    """A dataset that records which sample indices were read."""
-
-    def __init__(self, ds):
-        self.ds, self.read = ds, []
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, k):
-        self.read.append(int(k))
-        return self.ds[k]
 
 
 def _evaluate(**logging) -> tuple[float, list[int], int]:

@@ -9,42 +9,25 @@ tests/unit/test_eval_flags.py."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from loom.data.indexed import IndexedDatasetBuilder
 from loom.parallel.mesh import ParallelMesh
 from testkit import run_distributed
 from testkit.config import tiny_config
+from testkit.data import Recording, write_dataset
 
 B = 4  # global batch (micro-batches of 2)
-
-
-def _dataset(prefix: Path, lo: int, hi: int, n_docs: int, seed: int) -> str:
-    rng = np.random.default_rng(seed)
-    b = IndexedDatasetBuilder(str(prefix))
-    total = 0
-    for _ in range(n_docs):
-        doc = rng.integers(lo, hi + 1, int(rng.integers(10, 30))).tolist()
-        total += len(doc)
-        b.add_document(doc)
-    b.finalize()
-    meta = dict(vocab_size=100, eod=0, num_documents=n_docs, num_tokens=total, dtype="uint16",
-                max_token_id=hi)
-    (prefix.parent / (prefix.name + ".meta.json")).write_text(json.dumps(meta))
-    return str(prefix)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict:
     """A training set and two validation sets of other token ranges (their losses differ)."""
     root = tmp_path_factory.mktemp("evalopts")
-    return {"train": _dataset(root / "train", 1, 99, 40, 0),
-            "wiki": _dataset(root / "wiki", 1, 40, 8, 1),
-            "code": _dataset(root / "code", 50, 99, 6, 4)}
+    return {"train": write_dataset(root / "train", 1, 99, 40, 0),
+            "wiki": write_dataset(root / "wiki", 1, 40, 8, 1),
+            "code": write_dataset(root / "code", 50, 99, 6, 4)}
 
 
 def _trainer(data=None, valid: str = "wiki", **flat):
@@ -56,20 +39,6 @@ def _trainer(data=None, valid: str = "wiki", **flat):
                    valid_data_path=" ".join(data[v] for v in valid.split()))
     cfg = tiny_config("gpt", run, **flat).validate(1)
     return Trainer(cfg, mesh=ParallelMesh.single())
-
-
-class Recording:
-    """A dataset that records which sample indices were read."""
-
-    def __init__(self, ds):
-        self.ds, self.read = ds, []
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, k):
-        self.read.append(int(k))
-        return self.ds[k]
 
 
 def _valid(tr) -> list[tuple]:

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from loom.config import LoomConfig, ModelConfig
+from loom.config import LoomConfig
 from loom.data.document_masks import DocumentResets, document_starts
 from loom.errors import ConfigError
 from loom.models import get_family
@@ -210,22 +210,14 @@ def test_loom_train_masks_at_the_datasets_documents(tmp_path):
     """Through the trainer (``--data-path`` of documents of distinct constant tokens, GPT-2's
     learned positions): the micro-batches carry the documents' starts and restarted positions,
     and training runs."""
-    import json
-
     import numpy as np
 
-    from loom.data.indexed import IndexedDatasetBuilder
     from loom.parallel.mesh import ParallelMesh
     from loom.training.trainer import Trainer
+    from testkit.data import write_dataset
     rng = np.random.default_rng(1)
-    builder = IndexedDatasetBuilder(str(tmp_path / "docs"))
-    lengths = [int(rng.integers(2, 12)) for _ in range(80)]
-    for i, n in enumerate(lengths):
-        builder.add_document([1 + i % 90] * n)
-    builder.finalize()
-    (tmp_path / "docs.meta.json").write_text(json.dumps(dict(
-        vocab_size=100, eod=0, num_documents=80, num_tokens=sum(lengths), dtype="uint16",
-        max_token_id=90)))
+    docs = [[1 + i % 90] * int(rng.integers(2, 12)) for i in range(80)]
+    write_dataset(tmp_path / "docs", 1, 90, docs=docs)
     cfg = tiny_config("gpt", mock_data=False, data_path=str(tmp_path / "docs"), split="90,10,0",
                       global_batch_size=2, train_iters=2, eval_iters=0, no_progress_bar=True,
                       dataloader_inter_document_masking=True).validate(1)
