@@ -144,8 +144,8 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
              "top-k of the scores in evaluation, no aux loss (Megatron's)",
         refuse={"quantile_balancing": "loom has no quantile load balancing: use aux_loss, "
                                       "seq_aux_loss, global_aux_loss or sinkhorn"}),
-    "--moe-router-score-function": field(refuse={
-        "sqrtsoftplus": "loom has no sqrt-softplus router scores: use softmax or sigmoid"}),
+    "--moe-router-score-function": field(note="sqrtsoftplus: sqrt(softplus(logits)), routed "
+                                               "as sigmoid scores are (Megatron-LM d98e8a6)"),
     "--moe-router-dtype": field(note="Megatron None routes in the input dtype, loom None in "
                                      "fp32 (the same under fp32 training)"),
     "--moe-token-dispatcher-type": field(note="flex (DeepEP / HybridEP kernels) runs as "

@@ -10,7 +10,7 @@ from typing import Literal, Optional
 from loom.config.fields import opt
 from loom.errors import ConfigError
 
-RouterScore = Literal["softmax", "sigmoid"]
+RouterScore = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
 RouterDtype = Literal["fp32", "fp64"]
 Dispatcher = Literal["allgather", "alltoall", "flex"]
@@ -79,8 +79,8 @@ class MoEFields:
                                    "or a list expression of 0/1 per layer, e.g. "
                                    "'([0]*3+[1]*58)' (Megatron's; parsed, never eval'd)")
     moe_router_score_function: RouterScore = opt(
-        "softmax", "router scores: softmax (Mixtral) or sigmoid with normalized top-k weights "
-                   "(DeepSeek-V3)")
+        "softmax", "router scores: softmax (Mixtral), or sigmoid (DeepSeek-V3) or sqrtsoftplus "
+                   "(sqrt(softplus(x))) with normalized top-k weights")
     moe_router_pre_softmax: bool = opt(False, "softmax over all experts, top-k weights not "
                                               "renormalized (Qwen2-MoE)")
     moe_aux_loss_coeff: float = opt(0.0, "coefficient of the Switch/GShard load-balancing loss",
@@ -163,7 +163,8 @@ class MoEFields:
                               "itself and takes no auxiliary loss (Megatron asserts "
                               "--moe-aux-loss-coeff 0): drop --moe-aux-loss-coeff")
         ignored = [f for f, on in (
-            ("--moe-router-score-function sigmoid", self.moe_router_score_function != "softmax"),
+            (f"--moe-router-score-function {self.moe_router_score_function}",
+             self.moe_router_score_function != "softmax"),
             ("--moe-router-pre-softmax", self.moe_router_pre_softmax),
             ("--moe-router-enable-expert-bias", self.moe_router_enable_expert_bias),
             ("--moe-router-num-groups", self.moe_router_num_groups is not None),
@@ -180,9 +181,9 @@ class MoEFields:
         Raises ConfigError naming the flag and a fix."""
         parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
         E, k = self.num_experts, self.moe_router_topk
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
             raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
-                              "sigmoid (the bias shifts sigmoid scores)")
+                              "sigmoid or sqrtsoftplus (the bias shifts per-expert scores)")
         G, g = self.moe_router_num_groups, self.moe_router_group_topk
         if (G is None) != (g is None):
             raise ConfigError("group-limited routing needs both --moe-router-num-groups and "

@@ -146,8 +146,9 @@ def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
 
     softmax: the top-k probabilities renormalized to sum 1 (Megatron's default, = softmax over
     the top-k logits), or with ``pre_softmax`` the softmax over all experts kept as is
-    (``--moe-router-pre-softmax``). sigmoid: per-expert scores (+ ``expert_bias [E]`` for the
-    choice only), top-k normalized to sum 1 when k > 1. ``balancing``: ``aux_loss``,
+    (``--moe-router-pre-softmax``). sigmoid or sqrtsoftplus (``sqrt(softplus(logits))``):
+    per-expert scores (+ ``expert_bias [E]`` for the choice only), top-k normalized to sum 1
+    when k > 1; the balancing losses use them normalized over all E. ``balancing``: ``aux_loss``,
     ``seq_aux_loss`` (needs ``seq_batch = (s, b)``, tokens ordered ``[s, b]``),
     ``global_aux_loss`` (needs ``global_load(n [E]) -> (running mean of the global n [E],
     the global token count)``), ``none`` or ``sinkhorn`` (:func:`sinkhorn_routing`, which
@@ -181,8 +182,9 @@ def _topk(logits, k, score_function, pre_softmax, expert_bias, num_groups, group
     if score_function == "softmax":
         scores = logits.softmax(-1)
         choose = scores if pre_softmax or not group_topk else logits
-    else:
-        scores = logits.sigmoid()
+    else:  # per-expert scores: sigmoid, or sqrtsoftplus (Megatron-LM d98e8a6's moe_utils)
+        scores = logits.sigmoid() if score_function == "sigmoid" else \
+            torch.nn.functional.softplus(logits).sqrt()
         choose = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
     if group_topk:
         experts = group_limited_topk(choose, k, num_groups, group_topk)

@@ -143,7 +143,8 @@ def check_moe(cfg: ModelConfig, title: str, every_layer: bool = True) -> None:
         raise ConfigError(f"{title} export needs the LLaMA layout: --swiglu, RMSNorm, RoPE, "
                           f"--disable-bias-linear")
     bad = [flag for flag, on in (
-        ("--moe-router-score-function sigmoid", cfg.moe_router_score_function != "softmax"),
+        (f"--moe-router-score-function {cfg.moe_router_score_function}",
+         cfg.moe_router_score_function != "softmax"),
         ("--moe-router-enable-expert-bias", cfg.moe_router_enable_expert_bias),
         ("--moe-router-group-topk", bool(cfg.moe_router_group_topk)),
         ("--moe-router-topk-scaling-factor", (cfg.moe_router_topk_scaling_factor or 1.0) != 1.0),
