@@ -11,6 +11,7 @@ reads the losses back from its ``--log-json``. :func:`count_collectives` records
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import json
 import os
@@ -34,6 +35,7 @@ it starts with them loaded (a spawned rank re-imports them: seconds of CPU per r
 
 def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple, q,
             env: dict | None = None, cwd: str | None = None) -> None:
+    gc.freeze()  # what a forked rank inherits is never collected here (see run_distributed)
     if env is not None:  # the caller's environment and directory now, not the fork server's
         os.environ.clear()
         os.environ.update(env)
@@ -88,6 +90,9 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
     timeout.
     """
     ctx = mp.get_context(start_method)
+    if start_method == "fork":  # finalize this process's garbage here, not in the children: a
+        gc.collect()  # destroyed gloo group of an earlier in-process test, collected in a
+        # forked child (which lacks its threads), hangs in ~ProcessGroupGloo
     if start_method == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))  # read when the server first starts
     q = ctx.Queue()
