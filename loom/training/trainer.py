@@ -236,7 +236,7 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += self.global_batch
         rec = throughput.record(self.iteration, loss_avg, lr, norm, elapsed, m.device)
-        rec.update(self.consumed())
+        rec.update(self.consumed(), batch_size=self.global_batch)  # Megatron's batch-size
         rec.update({k.replace(" ", "_"): v for k, v in zip(keys, extra)})
         if self.parts.model.scaler is not None:  # --fp16: the scale after this step's update
             rec["loss_scale"] = self.parts.model.scaler.scale

@@ -84,6 +84,7 @@ def test_records_carry_consumed_samples_and_tokens(resumed_run):
     train = [r for r in resumed_run["records"] if r["kind"] == "train"]
     assert [(r["consumed_samples"], r["consumed_tokens"]) for r in train] == \
         [(4 * i, 64 * i) for i in range(1, 5)]  # the resumed run goes on counting
+    assert [r["batch_size"] for r in train] == [4] * 4  # Megatron's batch-size scalar
     assert all("consumed_samples" in r for r in resumed_run["records"] if r["kind"] == "valid")
     assert "| consumed samples 12 tokens 192" in resumed_run["second"]
 
@@ -94,14 +95,17 @@ def test_tensorboard_scalars_against_samples(resumed_run):
     for run in sorted(os.listdir(resumed_run["root"] / "tb")):
         acc = EventAccumulator(str(resumed_run["root"] / "tb" / run))
         acc.Reload()
-        for tag in ("train/loss", "train/loss vs samples", "valid/valid_loss vs samples"):
+        for tag in ("train/loss", "train/loss vs samples", "valid/valid_loss vs samples",
+                    "train/batch_size"):
             steps.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
     if not steps:  # one event file for both runs
         acc = EventAccumulator(str(resumed_run["root"] / "tb"))
         acc.Reload()
         steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in (
-            "train/loss", "train/loss vs samples", "valid/valid_loss vs samples")}
+            "train/loss", "train/loss vs samples", "valid/valid_loss vs samples",
+            "train/batch_size")}
     assert sorted(steps["train/loss"]) == [1, 2, 3, 4]
+    assert sorted(steps["train/batch_size"]) == [1, 2, 3, 4]  # --log-batch-size-to-tensorboard
     assert sorted(steps["train/loss vs samples"]) == [4, 8, 12, 16]
     assert sorted(steps["valid/valid_loss vs samples"]) == [8, 16]
 
