@@ -17,6 +17,13 @@ class MambaFields:
     hybrid_override_pattern: Optional[str] = opt(
         None, "layer kinds of a hybrid stack, one character per layer: M Mamba, * attention, "
               "- MLP (default: all M)")
+    hybrid_attention_ratio: float = opt(
+        0.0, "share of attention layers, placed evenly among the Mamba layers when "
+             "--hybrid-override-pattern is not given (Megatron-LM <= core_v0.16)", ge=0.0,
+        le=1.0)
+    hybrid_mlp_ratio: float = opt(
+        0.0, "share of MLP layers, placed as --hybrid-attention-ratio places attention "
+             "(Megatron-LM <= core_v0.16)", ge=0.0, le=1.0)
     mamba_state_dim: int = opt(128, "N: SSM state size per head", ge=1)
     mamba_head_dim: int = opt(64, "P: channels per SSM head", ge=1)
     mamba_num_groups: int = opt(8, "G: groups sharing B and C (like GQA groups)", ge=1)

@@ -104,12 +104,14 @@ def _model_from_args(args) -> tuple[ModelConfig, str, dict]:
 def _hybrid_depth(model: ModelConfig, args) -> ModelConfig:
     """``model`` with the depth its ``--hybrid-layer-pattern`` sets (as loom train reads it,
     :func:`loom.config.hybrid_pattern.resolve_hybrid_pattern`: ``--num-layers`` is then
-    ignored); ``|`` pipeline segments set ``args``' split flags as they set loom train's.
-    ConfigError for segments without ``--pipeline-model-parallel-size``."""
+    ignored), or with the pattern earlier releases' shares allocate (``hybrid_attention_ratio``,
+    ``hybrid_mlp_ratio``); ``|`` pipeline segments set ``args``' split flags as they set loom
+    train's. ConfigError for segments without ``--pipeline-model-parallel-size``."""
     from loom.config.hybrid_pattern import resolve_hybrid_pattern
     pat = model.hybrid_override_pattern
-    if not pat:
+    if not pat and not (model.hybrid_attention_ratio or model.hybrid_mlp_ratio):
         return model
+    pat = pat or ""
     if "|" in pat and not args.pipeline_model_parallel_size:
         raise ConfigError(f"--hybrid-layer-pattern {pat!r} cuts {pat.count('|') + 1} pipeline "
                           f"segments (|): give --pipeline-model-parallel-size (a divisor of "

@@ -24,7 +24,12 @@ def layer_kinds(m: Any) -> str:
 
 
 def refuse_own_flags(m: Any) -> None:
-    """``--hybrid-override-pattern`` in another family's model config ``m``: "drop it"."""
+    """``--hybrid-override-pattern`` (or earlier releases' ``--hybrid-attention-ratio`` /
+    ``--hybrid-mlp-ratio``) in another family's model config ``m``: "drop it"."""
+    for name in ("hybrid_attention_ratio", "hybrid_mlp_ratio"):
+        if getattr(m, name):
+            raise other_family_flag(name, "a share of the layer kinds of a Mamba hybrid stack",
+                                    m.model_type)
     if m.hybrid_override_pattern is not None:
         raise other_family_flag("hybrid_override_pattern",
                                 "the layer kinds of a Mamba hybrid stack", m.model_type)
