@@ -12,7 +12,7 @@ import functools
 from typing import Any, Callable, Mapping, Optional
 
 from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT, NO_EFFECT_KIND, REFUSED
-from loom.config.flag_table import TRAINING_PARSERS, MegatronFlag, megatron_flags, table
+from loom.config.flag_table import ACCEPTED_PARSERS, MegatronFlag, megatron_flags, table
 
 DEST_PREFIX = "megatron:"
 """argparse dest of a Megatron-only flag: this prefix and its first spelling."""
@@ -94,11 +94,11 @@ def _specs(rows: Mapping, parsers: tuple) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _training_specs() -> tuple:
-    return _specs(table(), TRAINING_PARSERS)
+    return _specs(table(), ACCEPTED_PARSERS)
 
 
 def add_megatron_only_arguments(parser: argparse.ArgumentParser, rows: Optional[Mapping] = None,
-                                parsers: tuple = TRAINING_PARSERS) -> None:
+                                parsers: tuple = ACCEPTED_PARSERS) -> None:
     """One argparse action per no-effect or refused row (of ``rows``, default the training
     table, among the snapshot's ``parsers``), with every Megatron spelling the parser does not
     have yet; hidden from ``--help`` (``--help-all`` shows them, grouped by reason or

@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 from loom.config.fields import flag
 from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT, NO_EFFECT_KIND, REFUSED
-from loom.config.flag_table import by_spelling, field_of, megatron_flags, snapshot, table
+from loom.config.flag_table import (REMOVED, by_spelling, field_of, megatron_flags,
+                                    removed_snapshot, snapshot, table)
 from loom.config.sections import GROUPS
 
 
@@ -90,6 +91,24 @@ def _grouped(kind: str, titles: dict) -> list[str]:
                 extra.append("refused: " + ", ".join(f"`{v}` ({why})" for v, why in
                                                      row.refuse.items()))
             out.append(f"- `{mf.name}`: {'; '.join(extra).replace('|', '/')}")
+    return out
+
+
+def _removed_rows() -> list[str]:
+    """One line per flag of the earlier releases: its releases and its row."""
+    _, releases = removed_snapshot()
+    out = []
+    for mf in sorted(megatron_flags((REMOVED,)), key=lambda f: f.name.lower()):
+        row = table()[mf.name]
+        first, last = releases[mf.name]
+        if row.kind == IMPLEMENTED:
+            what = f"implemented as `{flag(field_of(mf.name, row))}`"
+        elif row.kind == NO_EFFECT_KIND:
+            what = "no effect: " + NO_EFFECT[row.category]
+        else:
+            what = "refused: " + row.why()
+        extra = "; ".join(x for x in (row.note, f"`{mf.source}`") if x)
+        out.append(f"- `{mf.name}` ({first} .. {last}): {what}; {extra}".replace("|", "/"))
     return out
 
 
@@ -174,6 +193,18 @@ def render() -> str:
         "Given any value but Megatron's default (or one marked accepted), refused before "
         "anything starts, in one line naming the flag and the missing capability.",
         *_grouped("refused", dict(REFUSED)),
+        "",
+        f"## Flags of earlier Megatron-LM releases ({len(megatron_flags((REMOVED,)))})",
+        "",
+        "Flags that Megatron-LM's releases v1.0 .. core_v0.19.0 took and the snapshot's commit "
+        "no longer has (`loom/config/megatron_removed_flags.json`, read from each release's "
+        "`arguments.py` by `benchmarks/megatron_removed_flags.py`; first .. last release "
+        "declaring each, in commit-date order), so that a launch script of an earlier release "
+        "meets an answer, not `unrecognized argument` (`loom/config/flag_rows_removed.py`; "
+        "`tests/unit/test_megatron_corpus_earlier.py` runs those releases' functional-test "
+        "cases):",
+        "",
+        *_removed_rows(),
         "",
         "## loom's own flags",
         "",

@@ -3,7 +3,11 @@ at the snapshot's commit (``loom/config/megatron_flags.json``, written by
 ``benchmarks/megatron_flag_snapshot.py``: each flag's spellings, dest, default, type, nargs,
 choices and source ``file:line``) has exactly one row (:mod:`loom.config.flag_rows`,
 :mod:`loom.config.flag_rows_other`): implemented by a loom config field, accepted without effect
-for a stated reason, or refused naming what loom lacks (:mod:`loom.config.flag_kinds`).
+for a stated reason, or refused naming what loom lacks (:mod:`loom.config.flag_kinds`). So has
+every flag of Megatron-LM's earlier releases that the snapshot's commit no longer takes
+(``loom/config/megatron_removed_flags.json``, ``benchmarks/megatron_removed_flags.py``; parser
+``"removed"``; rows in :mod:`loom.config.flag_rows_removed`): a launch script written for an
+earlier release meets the same three answers.
 
 Everything Megatron-related reads this table: argparse (:mod:`loom.config.flag_args`), the
 ``--help`` groups, the start-of-run report, docs/megatron-defaults.md
@@ -22,14 +26,21 @@ from typing import Any, Mapping, NamedTuple, Optional
 from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT, NO_EFFECT_KIND, REFUSED_KIND, Row
 from loom.config.flag_rows import IMPLEMENTED_ROWS, PENDING_ROWS
 from loom.config.flag_rows_other import NO_EFFECT_ROWS, REFUSED_ROWS
+from loom.config.flag_rows_removed import REMOVED_ROWS
 from loom.errors import ConfigError
 
 SNAPSHOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_flags.json")
+REMOVED_SNAPSHOT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "megatron_removed_flags.json")
 TRAINING_PARSERS = ("pretrain", "modelopt")
 """The snapshot's parsers a training command line takes (``parse_args()`` and the ModelOpt
 ``extra_args_provider`` of pretrain_gpt.py); ``inference``: the inference entry scripts'."""
+REMOVED = "removed"
+"""The parser of the flags earlier releases took and the snapshot's commit does not."""
+ACCEPTED_PARSERS = TRAINING_PARSERS + (REMOVED,)
+"""What ``loom train`` parses: the snapshot's training flags and the earlier releases'."""
 
-ROW_PAIRS = IMPLEMENTED_ROWS + PENDING_ROWS + NO_EFFECT_ROWS + REFUSED_ROWS
+ROW_PAIRS = IMPLEMENTED_ROWS + PENDING_ROWS + NO_EFFECT_ROWS + REFUSED_ROWS + REMOVED_ROWS
 """Every ``(Megatron flag, row)`` of the table, in declaration order."""
 
 
@@ -74,27 +85,44 @@ class MegatronFlag(NamedTuple):
         return None if self.choices is None else tuple(self.value_of(c) for c in self.choices)
 
 
+def _flags(records: list) -> tuple[MegatronFlag, ...]:
+    return tuple(MegatronFlag(tuple(f["flags"]), f["dest"], f["default"], f["action"],
+                              f["type"], f["nargs"], None if f["choices"] is None
+                              else tuple(f["choices"]), f["group"], f["source"], f["parser"])
+                 for f in records)
+
+
 @functools.lru_cache(maxsize=None)
 def snapshot() -> tuple[str, tuple[MegatronFlag, ...]]:
     """``(commit, flags)`` of the snapshot file."""
     with open(SNAPSHOT, encoding="utf-8") as fh:
         data = json.load(fh)
-    flags = tuple(MegatronFlag(tuple(f["flags"]), f["dest"], f["default"], f["action"],
-                               f["type"], f["nargs"], None if f["choices"] is None
-                               else tuple(f["choices"]), f["group"], f["source"], f["parser"])
-                  for f in data["flags"])
-    return data["commit"], flags
+    return data["commit"], _flags(data["flags"])
+
+
+@functools.lru_cache(maxsize=None)
+def removed_snapshot() -> tuple[tuple[MegatronFlag, ...], Mapping[str, tuple]]:
+    """``(flags, {first spelling: (first release, last release)})`` of the flags Megatron-LM's
+    earlier releases took and the snapshot's commit does not (parser :data:`REMOVED`; each as
+    the last release declaring it had it, ``source`` ``"release:file:line"``)."""
+    with open(REMOVED_SNAPSHOT, encoding="utf-8") as fh:
+        data = json.load(fh)
+    return _flags(data["flags"]), MappingProxyType(
+        {f["flags"][0]: tuple(f["releases"]) for f in data["flags"]})
 
 
 def megatron_flags(parsers: tuple = TRAINING_PARSERS) -> tuple[MegatronFlag, ...]:
-    """The snapshot's flags of ``parsers``."""
-    return tuple(f for f in snapshot()[1] if f.parser in parsers)
+    """The flags of ``parsers``: the snapshot's, and the earlier releases' with
+    :data:`REMOVED`."""
+    return tuple(f for f in snapshot()[1] + removed_snapshot()[0] if f.parser in parsers)
 
 
 @functools.lru_cache(maxsize=None)
 def by_spelling() -> Mapping[str, MegatronFlag]:
-    """``{any spelling: MegatronFlag}`` over the whole snapshot."""
-    return MappingProxyType({o: f for f in snapshot()[1] for o in f.flags})
+    """``{any spelling: MegatronFlag}`` over the whole snapshot and the earlier releases'
+    flags."""
+    return MappingProxyType({o: f for f in snapshot()[1] + removed_snapshot()[0]
+                             for o in f.flags})
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,6 @@ saves on. The runs themselves: tests/integration/test_ckpt_and_log_flags.py."""
 
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 from datetime import datetime, timedelta
@@ -18,20 +17,13 @@ from loom.errors import ConfigError
 from loom.training.progress_log import ProgressLog, cumulative_start, progress_line
 from loom.training.resume import check_saved_states
 from loom.training.signals import SignalExit
-from testkit.cli import refusal
+from testkit.cli import TINY, prepared, refusal
 
-BASE = ["train", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data",
-        "--vocab-size", "96", "--train-iters", "2"]
+BASE = ["train", *TINY]
 
 
 def _prepare(argv, monkeypatch):
-    from loom.training.cli import add_arguments, prepare
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.delenv("RANK", raising=False)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return prepare(parser.parse_args(BASE[1:] + argv))
+    return prepared(BASE[1:] + argv, monkeypatch)
 
 
 def test_exit_on_missing_checkpoint_refuses_what_would_start_fresh(tmp_path, monkeypatch,

@@ -17,7 +17,8 @@ from loom.config import GROUPS, LoomConfig, add_config_arguments, config_from_ar
 from loom.config.flag_docs import expected_default, loom_defaults, render
 from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT_KIND, REFUSED_KIND, field, refused
 from loom.config.flag_rows import PENDING
-from loom.config.flag_table import (ROW_PAIRS, TRAINING_PARSERS, MegatronFlag, by_spelling,
+from loom.config.flag_table import (ACCEPTED_PARSERS, ROW_PAIRS, TRAINING_PARSERS,
+                                    MegatronFlag, by_spelling,
                                     coverage, field_of, megatron_flags, snapshot, table)
 from loom.config.validate import choices_of
 from loom.errors import ConfigError
@@ -40,7 +41,8 @@ def test_snapshot_is_megatrons_parser():
 
 
 def test_every_megatron_flag_has_exactly_one_row():
-    problems = coverage(megatron_flags(TRAINING_PARSERS), ROW_PAIRS, FIELDS)
+    """d98e8a6's training flags and earlier releases' (loom/config/flag_rows_removed.py)."""
+    problems = coverage(megatron_flags(ACCEPTED_PARSERS), ROW_PAIRS, FIELDS)
     assert problems == {"missing": [], "twice": [], "unknown": [], "no_field": []}, problems
 
 
@@ -50,7 +52,7 @@ def test_adding_a_flag_means_adding_one_row():
     field is then its declaration: the row goes)."""
     new = MegatronFlag(("--new-flag", "--new-flag-alias"), "new_flag", False, "storetrue",
                        None, 0, None, "g", "megatron/x.py:1", "pretrain")
-    flags = megatron_flags() + (new,)
+    flags = megatron_flags(ACCEPTED_PARSERS) + (new,)
     assert coverage(flags, ROW_PAIRS, FIELDS)["missing"] == ["--new-flag"]
     one = ROW_PAIRS + (("--new-flag", refused("training_options", "a new thing")),)
     assert coverage(flags, one, FIELDS) == {"missing": [], "twice": [], "unknown": [],
@@ -60,7 +62,7 @@ def test_adding_a_flag_means_adding_one_row():
     assert coverage(flags, one, FIELDS | {"new_flag"})["twice"] == ["--new-flag"]
     assert coverage(flags, ROW_PAIRS + (("--new-flag", field()),), FIELDS)["no_field"] == \
         ["--new-flag"]
-    assert coverage(megatron_flags(), ROW_PAIRS + (("--not-megatron", field()),),
+    assert coverage(megatron_flags(ACCEPTED_PARSERS), ROW_PAIRS + (("--not-megatron", field()),),
                     FIELDS)["unknown"] == ["--not-megatron"]
 
 
@@ -298,13 +300,21 @@ def test_commands_take_their_flags_from_the_declarations():
 
 
 def test_readme_counts_are_the_tables():
-    """README.md's counts of implemented, no-effect and refused flags are the table's."""
+    """README.md's counts of implemented, no-effect and refused flags are the table's, for
+    d98e8a6's flags and for the earlier releases' ones."""
     import re
     from collections import Counter
     text = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
-    count = Counter(r.kind for r in table().values())
+    count = Counter(table()[f.name].kind for f in megatron_flags())
     said = [int(n) for n in re.findall(
         r"implemented with Megatron's meaning \((\d+)\), accepted and named once at start "
         r"because it only picks a kernel, a launcher or an I/O detail \((\d+):.*?refused in one "
         r"line naming what loom lacks \((\d+):", text)[0]]
     assert said == [count[IMPLEMENTED], count[NO_EFFECT_KIND], count[REFUSED_KIND]]
+    removed = megatron_flags(("removed",))
+    count = Counter(table()[f.name].kind for f in removed)
+    said = [int(n) for n in re.findall(
+        r"So has each of the (\d+) flags .*? implemented under their later names \((\d+)\b.*? "
+        r"accepted without effect \((\d+)\b.*? refused \((\d+)\b", text)[0]]
+    assert said == [len(removed), count[IMPLEMENTED], count[NO_EFFECT_KIND],
+                    count[REFUSED_KIND]]

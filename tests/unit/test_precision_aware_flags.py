@@ -6,26 +6,19 @@ tests/parallel/test_precision_aware_optimizer.py."""
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
 from loom.cli import main
 from loom.errors import ConfigError
+from testkit.cli import TINY, prepared
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data",
-        "--vocab-size", "96", "--train-iters", "2"]
+BASE = TINY
 PA = ["--use-precision-aware-optimizer", "--use-distributed-optimizer"]
 
 
 def _prepare(argv, monkeypatch):
-    from loom.training.cli import add_arguments, prepare
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.delenv("RANK", raising=False)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return prepare(parser.parse_args(BASE + argv))
+    return prepared(BASE + argv, monkeypatch)
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -1,0 +1,107 @@
+"""Flags of Megatron-LM's earlier releases that d98e8a6 dropped (loom/config/flag_rows_removed.py,
+loom/config/megatron_removed_flags.json): the snapshot is Megatron's, a renamed flag sets the
+field of its later name, a no-effect flag is named at start, a refused one is refused in one line
+naming the fix, and the hybrid shares allocate Megatron-Core's pattern."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT_KIND, REFUSED_KIND
+from loom.config.flag_table import (by_spelling, field_of, megatron_flags, removed_snapshot,
+                                    snapshot, table)
+from loom.config.hybrid_pattern import allocate_pattern
+from testkit.cli import TINY, prepared, refusal
+
+BASE = TINY
+
+
+def _prepare(argv, monkeypatch):
+    return prepared(BASE + argv, monkeypatch)
+
+
+def test_the_snapshot_is_the_earlier_releases_flags_d98e8a6_lacks():
+    flags, releases = removed_snapshot()
+    assert len(flags) == 94 and all(f.parser == "removed" for f in flags)
+    current = {s for f in snapshot()[1] for s in f.flags}
+    assert not {s for f in flags for s in f.flags} & current
+    spell = by_spelling()
+    assert spell["--DDP-impl"].choice_values == ("local", "torch")
+    assert spell["--DDP-impl"].megatron_default == "local"
+    assert spell["--layernorm-epsilon"].megatron_default == 1e-5
+    assert spell["--use-legacy-models"].source.startswith("core_v0.17.1:megatron/training/")
+    assert releases["--use-legacy-models"][1] == "core_v0.17.1"
+    assert releases["--checkpoint-num-layers"] == ("v1.0", "v2.5")
+
+
+def test_every_renamed_flag_is_the_field_of_its_later_name(monkeypatch):
+    renamed = {f.name: field_of(f.name, table()[f.name]) for f in megatron_flags(("removed",))
+               if table()[f.name].kind == IMPLEMENTED}
+    assert renamed == {
+        "--layernorm-epsilon": "norm_epsilon", "--min-scale": "min_loss_scale",
+        "--use-checkpoint-lr-scheduler": "use_checkpoint_opt_param_scheduler",
+        "--override-lr-scheduler": "override_opt_param_scheduler",
+        "--use-custom-fsdp": "use_megatron_fsdp", "--muon-use-nesterov": "muon_nesterov",
+        "--activations-checkpoint-method": "recompute_method",
+        "--activations-checkpoint-num-layers": "recompute_num_layers",
+        "--hybrid-attention-ratio": "hybrid_attention_ratio",
+        "--hybrid-mlp-ratio": "hybrid_mlp_ratio"}
+    cfg = _prepare(["--layernorm-epsilon", "1e-6", "--fp16", "--min-scale", "4",
+                    "--override-lr-scheduler"], monkeypatch)
+    assert cfg.model.norm_epsilon == 1e-6 and cfg.training.min_loss_scale == 4.0
+    assert cfg.checkpoint.override_opt_param_scheduler
+    cfg = _prepare(["--recompute-granularity", "full", "--activations-checkpoint-method",
+                    "block", "--activations-checkpoint-num-layers", "1"], monkeypatch)
+    assert (cfg.training.recompute_method, cfg.training.recompute_num_layers) == ("block", 1)
+    cfg = _prepare(["--optimizer", "muon", "--muon-use-nesterov"], monkeypatch)
+    assert cfg.training.muon_nesterov
+
+
+def test_no_effect_flags_are_accepted_and_named_at_start(monkeypatch):
+    from loom.config.flag_table import no_effect_report
+    argv = ["--use-legacy-models", "--DDP-impl", "torch", "--no-async-tensor-model-parallel-"
+            "allreduce", "--data-impl", "mmap", "--local_rank", "0", "--legacy-tokenizer",
+            "--use-contiguous-buffers-in-ddp", "--no-query-key-layer-scaling"]
+    cfg = _prepare(argv, monkeypatch)
+    report = no_effect_report(cfg.megatron_no_effect)
+    for flag in ("--use-legacy-models", "--DDP-impl torch", "--data-impl mmap",
+                 "--legacy-tokenizer", "--no-query-key-layer-scaling"):
+        assert flag in report, (flag, report)
+    kinds = {table()[f.name].kind for f in megatron_flags(("removed",))}
+    assert kinds == {IMPLEMENTED, NO_EFFECT_KIND, REFUSED_KIND}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--checkpoint-num-layers", "2"], "deprecated in Megatron-LM: the chunk of "
+                                       "--checkpoint-activations (v1-v2); use "
+                                       "--recompute-granularity full"),
+    (["--moe-extended-tp"], "use --expert-tensor-parallel-size"),
+    (["--renormalize-blend-weights"], "later releases (and loom) blend with the given weights"),
+    (["--retro-add-retriever"], "loom has no retrieval"),
+    (["--standalone-embedding-stage"], "--pipeline-model-parallel-layout 'E|...'"),
+])
+def test_refused_flags_name_the_fix_in_one_line(argv, words, monkeypatch, capsys):
+    line = refusal(["train", *BASE, *argv], monkeypatch, capsys, prog="loom train")
+    assert argv[0] in line and words in line, line
+
+
+def test_the_hybrid_shares_allocate_megatron_cores_pattern(monkeypatch, capsys):
+    pytest.importorskip("megatron.core")
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
+    for L in range(1, 41):
+        for ra in (0.0, 0.08, 0.1, 0.125, 0.25, 1 / 3, 0.5, 1.0):
+            for rm in (0.0, 0.1, 0.25, 0.5):
+                if ra + rm <= 1.0:
+                    assert allocate_pattern(L, ra, rm) == "".join(allocate_layers(L, ra, rm)), \
+                        (L, ra, rm)
+    mamba = ["--model-type", "mamba", "--mamba-num-groups", "2", "--mamba-head-dim", "16"]
+    cfg = _prepare([*mamba, "--num-layers", "8", "--hybrid-attention-ratio", "0.25",
+                    "--hybrid-mlp-ratio", "0.25"], monkeypatch)
+    assert cfg.model.hybrid_override_pattern == "".join(allocate_layers(8, 0.25, 0.25))
+    line = refusal(["train", *BASE, *mamba, "--hybrid-attention-ratio", "0.25",
+                    "--hybrid-override-pattern", "MMMMMMM*"], monkeypatch, capsys)
+    assert "Megatron requires them equal" in line, line
+    line = refusal(["train", *BASE, "--hybrid-attention-ratio", "0.5"], monkeypatch, capsys)
+    assert "--hybrid-attention-ratio is a share of the layer kinds of a Mamba hybrid stack, " \
+           "which --model-type gpt does not have" in line, line
