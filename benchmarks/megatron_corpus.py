@@ -20,6 +20,14 @@ directories replaced by placeholders:
   ``--pretrained-checkpoint``), ``{FILE}``: another input file (prompts, a config), ``{NAME}``: a
   run name.
 
+``--releases MIRROR TAG ...`` transcribes the cases of earlier releases instead (each tag
+archived from the Megatron-LM git directory ``MIRROR``), keeps the training cases whose command
+line (with entry script and world size) is in no earlier-listed release nor in the main corpus
+(``--corpus``), names each ``TAG:case`` and writes ``tests/unit/megatron_corpus_earlier.json``:
+held-out data for loom's table of flags that later releases dropped. The older CI runner
+``eval``-ed the command line, so a few values there carry shell escapes (``Et*3\\|...``); they are
+kept as written.
+
 The entry script and the world size (nodes x GPUs) come from the CI recipes
 (``tests/test_utils/recipes/{h100,gb200}/*.yaml``, H100 first; ``recipe`` names it), or the
 case's own ``MODEL_ENV_VARS``; a case no recipe runs gets one node of 8 GPUs (more when its
@@ -193,12 +201,56 @@ def transcribe(root: str) -> dict:
                       "model_config.yaml (MODEL_ARGS)", "cases": cases}
 
 
+def unescaped(word: str) -> str:
+    """``word`` as the older CI runner's ``eval`` passed it on: ``\\\\`` -> ``\\``, then
+    ``\\c`` -> ``c``."""
+    return re.sub(r"\\(.)", r"\1", word.replace("\\\\", "\\")) if "\\" in word else word
+
+
+def earlier_releases(mirror: str, tags: list[str], corpus: str) -> dict:
+    """The training cases of Megatron-LM's releases ``tags`` (archived from ``mirror``) not
+    already in ``corpus`` (a transcribed corpus) or an earlier tag of the list; ``name``
+    ``TAG:case``."""
+    import tempfile
+    with open(corpus, encoding="utf-8") as fh:
+        seen = {json.dumps([c["argv"], c["entry"], c["world_size"]])
+                for c in json.load(fh)["cases"]}
+    cases, commits = [], {}
+    for tag in tags:
+        with tempfile.TemporaryDirectory() as root:
+            archive = subprocess.run(["git", "-C", mirror, "archive", tag, "tests"],
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+            commits[tag] = subprocess.run(["git", "-C", mirror, "rev-parse", f"{tag}^{{commit}}"],
+                                          capture_output=True, text=True,
+                                          check=True).stdout.strip()
+            for c in transcribe(root)["cases"]:
+                c["argv"] = [unescaped(w) for w in c["argv"]]
+                key = json.dumps([c["argv"], c["entry"], c["world_size"]])
+                if c["mode"] != "pretraining" or key in seen:
+                    continue
+                seen.add(key)
+                cases.append({**c, "name": f"{tag}:{c['name']}"})
+    return {"repository": "NVIDIA/Megatron-LM", "releases": commits,
+            "source": "tests/functional_tests/test_cases/{gpt,moe,bert,hybrid}/*/"
+                      "model_config.yaml (MODEL_ARGS) of each release", "cases": cases}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkout", help="a Megatron-LM source tree (git archive of the commit)")
-    ap.add_argument("--out", default="tests/unit/megatron_corpus.json")
+    ap.add_argument("checkout", help="a Megatron-LM source tree (git archive of the commit), "
+                                     "or with --releases its git directory")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--releases", nargs="+", metavar="TAG",
+                    help="transcribe these release tags of the git directory instead")
+    ap.add_argument("--corpus", default="tests/unit/megatron_corpus.json")
     args = ap.parse_args(argv)
-    corpus = transcribe(args.checkout)
+    if args.releases:
+        corpus = earlier_releases(args.checkout, args.releases, args.corpus)
+        args.out = args.out or "tests/unit/megatron_corpus_earlier.json"
+    else:
+        corpus = transcribe(args.checkout)
+        args.out = args.out or "tests/unit/megatron_corpus.json"
     with open(args.out, "w", encoding="utf-8") as fh:  # one case per line
         fh.write("{" + ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in corpus.items()
                                  if k != "cases") + ', "cases": [\n')

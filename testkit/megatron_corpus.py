@@ -22,7 +22,9 @@ CORPUS = json.loads((Path(__file__).resolve().parents[1] / "tests" / "unit" /
                      "megatron_corpus.json").read_text())
 COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 ENTRY_MODEL_TYPE = {"examples/bert/pretrain_bert.py": "bert", "pretrain_hybrid.py": "mamba",
-                    "megatron/elastification/pretrain_hybrid_flex.py": "mamba"}
+                    "megatron/elastification/pretrain_hybrid_flex.py": "mamba",
+                    "pretrain_bert.py": "bert", "pretrain_mamba.py": "mamba"}  # (earlier
+# releases' entry scripts)
 TRAINING = [c for c in CORPUS["cases"] if c["mode"] != "inference"]
 INFERENCE = [c for c in CORPUS["cases"] if c["mode"] == "inference"]
 
@@ -34,6 +36,22 @@ INFERENCE = [c for c in CORPUS["cases"] if c["mode"] == "inference"]
 PENDING: dict = {}
 PENDING_RULES: dict = {}  # refusals of validation rules a pending branch relaxes (message ->
 #                           capability)
+
+
+def dry_run(argv: list[str], world: int) -> tuple[int, str]:
+    """``loom train --dry-run --world-size world *argv`` in this process: ``(exit status,
+    stderr)``."""
+    import contextlib
+    import io
+    from loom.cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(["train", "--dry-run", "--world-size", str(world), *argv])
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+    return code, err.getvalue().strip()
 
 
 def groups(words: list[str]) -> list[list[str]]:

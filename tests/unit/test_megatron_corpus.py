@@ -19,14 +19,10 @@ prints the report.
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 
-from loom.cli import main
 from testkit.megatron_corpus import (COMMIT, CORPUS, INFERENCE, PENDING_RULES, TRAINING, argv_of,
-                                     pending_in, with_pending_implemented)
+                                     dry_run, pending_in, with_pending_implemented)
 
 # Refused even when every pending capability has merged: the missing capability and the cases.
 MISSING = {
@@ -61,17 +57,6 @@ parallelism: branch cpmamba; knowledge distillation from a frozen teacher,
 branch dsa) merged."""
 
 
-def _dry_run(argv: list[str], world: int) -> tuple[int, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main(["train", "--dry-run", "--world-size", str(world), *argv])
-            code = 0
-        except SystemExit as e:
-            code = e.code or 0
-    return code, err.getvalue().strip()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, request):
     """``{case: (status as given, its refusal, pending capabilities, status and refusal with
@@ -89,9 +74,9 @@ def results(tmp_path_factory, request):
     out = {}
     for case in TRAINING:
         argv = argv_of(case, tmp)
-        code, err = _dry_run(argv, case["world_size"])
+        code, err = dry_run(argv, case["world_size"])
         pending = pending_in(argv)
-        merged = (code, err) if not pending else _dry_run(with_pending_implemented(argv),
+        merged = (code, err) if not pending else dry_run(with_pending_implemented(argv),
                                                           case["world_size"])
         out[case["name"]] = (code, err, pending, *merged)
     mp.undo()
