@@ -149,7 +149,12 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--moe-router-dtype": field(note="Megatron None routes in the input dtype, loom None in "
                                      "fp32 (the same under fp32 training)"),
     "--moe-token-dispatcher-type": field(note="flex (DeepEP / HybridEP kernels) runs as "
-                                              "alltoall (the same numbers)"),
+                                              "alltoall (the same numbers)", refuse={
+        "alltoall_seq": "Megatron-LM's sequence-parallel all-to-all, dropped after core_v0.12 "
+                        "for alltoall, which dispatches the same tokens: use alltoall"}),
+    "--lr-decay-style": field(refuse={
+        "exponential": "Megatron-LM v1.0's halving every --lr-decay-iters, dropped since v2.0: "
+                       "use cosine, linear, inverse-square-root or WSD"}),
     "--moe-router-force-load-balancing": field(note="benchmarks only"),
     "--moe-router-force-biased": field(note="benchmarks only; the bias is drawn from the "
                                             "default generator (the same on every TP and DP "
@@ -239,7 +244,9 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
         "saves; the run trains the same, only the files differ"),
         note="torch_dist writes Megatron's format (Megatron-LM's --load reads it); torch, "
              "torch_dcp and fsdp_dtensor write loom_dcp (said at start); --load reads every "
-             "format, detected"),
+             "format, detected", refuse={
+                 "zarr": "the zarr backend of Megatron's distributed checkpoints, dropped after "
+                         "core_v0.15: use torch_dist (or loom_dcp)"}),
     "--eod-mask-loss": field(note="GPT-style families; input tokens == eod"),
     "--reset-position-ids": field(note="read by the learned absolute position embedding only, "
                                        "as in Megatron-Core (under RoPE: named inert at start)"),
@@ -281,7 +288,11 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--enable-gpt-oss": field(note="ModelOpt's flag: YaRN RoPE with gpt-oss's values"),
     "--tokenizer-type": field(refuse={
         "MultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)",
-        "NullMultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)"},
+        "NullMultimodalTokenizer": "loom has no multimodal tokenizer (vision-language models)",
+        "Llama3Tokenizer": "Megatron-LM core_v0.8's tiktoken wrapper of Llama 3's tokenizer, "
+                           "dropped since: use HuggingFaceTokenizer with the model's tokenizer",
+        "MistralTokenizer": "Megatron-LM core_v0.8's mistral_common wrapper, dropped since: use "
+                            "HuggingFaceTokenizer with the model's tokenizer"},
         note="SFTTokenizer: with --sft (loom.data.sft)"),
     "--num-virtual-stages-per-pipeline-rank": field(
         note="sets --num-layers-per-virtual-pipeline-stage L / (p v)"),
