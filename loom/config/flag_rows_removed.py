@@ -44,7 +44,9 @@ REMOVED_ROWS = (
     # -- accepted without effect ---------------------------------------------------------------
     ("--use-legacy-models", no_effect("internal", note=(
         "Megatron's legacy GPT / BERT code computes the model Megatron-Core's computes (its "
-        "checkpoint converter maps one onto the other); loom has one implementation of each"))),
+        "checkpoint converter maps one onto the other); loom has one implementation of each; "
+        "a legacy model's checkpoint (language_model.* keys) is refused at --load naming "
+        "that converter"))),
     ("--no-query-key-layer-scaling", no_effect("kernel", note=(
         "the legacy default scaled fp16 scores by 1/L and back by L in the softmax: loom "
         "computes scores and softmax in fp32 (see --apply-query-key-layer-scaling)"))),

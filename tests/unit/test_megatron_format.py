@@ -293,3 +293,21 @@ def test_apply_layernorm_1p_writes_gain_minus_one_and_reads_it_back(tmp_path):
     loaded, _, _ = index.load(index.names)
     for n in full:  # (g - 1) + 1 is g up to one rounding of g - 1
         torch.testing.assert_close(loaded[n], states[n]["master_param"], rtol=0, atol=1e-6)
+
+
+def test_a_legacy_model_checkpoint_is_refused_naming_the_conversion(tmp_path):
+    """Megatron-LM's legacy models (``--use-legacy-models``, accepted without effect for
+    training) save ``language_model.*`` nested dicts (megatron/legacy/model/language_model.py
+    ``state_dict_for_save_checkpoint`` at core_v0.12.0); loom reads Megatron-Core's names, and
+    says which of Megatron's tools converts."""
+    from loom.checkpoint.megatron.stores import open_store
+    rank = tmp_path / "iter_0000003" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    w = torch.zeros(4, 2)
+    torch.save({"iteration": 3, "checkpoint_version": 3.0, "model": {"language_model": {
+        "embedding": {"word_embeddings": {"weight": w}},
+        "encoder": {"layers.0.self_attention.query_key_value.weight": w},
+        "output_layer": {"weight": w}}}}, rank / "model_optim_rng.pt")
+    with pytest.raises(ConfigError, match=r"legacy model \(--use-legacy-models: language_model"
+                                          r"\.\* keys\).*--loader legacy --saver core"):
+        open_store(str(tmp_path / "iter_0000003"), "torch")

@@ -172,6 +172,13 @@ class TorchStore:
         if raw is None:
             raw = {rank: load_pickle(os.path.join(d, "model_optim_rng.pt"))
                    for rank, d in sorted(files.items())}
+        legacy = next((sd for sd in raw.values() for _, m in self._chunks(sd)
+                       if "language_model" in m), None)
+        if legacy is not None:
+            raise ConfigError(
+                f"Megatron checkpoint {path} holds a legacy model (--use-legacy-models: "
+                f"language_model.* keys); loom reads Megatron-Core's: convert it with Megatron-LM "
+                f"<= core_v0.12's tools/checkpoint/convert.py --loader legacy --saver core")
         self.tp = 1 + max(t for t, _, _ in raw)
         self.pp = 1 + max(p for _, p, _ in raw)
         self.ep = 1 + max(e for _, _, e in raw)
