@@ -195,12 +195,13 @@ def run(args) -> int:
     _check_estimate_inputs(args, train_tokens)
     check_train_bounds(args)  # after loom plan's own, more particular messages
     s = model.seq_length
-    flash = (args.attention == "fused") if args.attention else True
+    flash = args.attention != "unfused"
     if args.moe_load_imbalance < 1:
         raise ConfigError(f"--moe-load-imbalance {args.moe_load_imbalance}: must be >= 1 (the "
                           f"busiest rank's expert tokens over the mean; 1 = perfect balance)")
     overlap = dp_overlap_of(args)
-    opts = Options(flash_attention=flash, allow_tp_across_nodes=args.allow_tp_across_nodes,
+    opts = Options(flash_attention=flash, causal_skip=args.attention == "cudnn",
+                   allow_tp_across_nodes=args.allow_tp_across_nodes,
                    # --no-overlap-grad-reduce / --no-overlap-param-gather turn one of them off
                    overlap_grad_reduce=overlap and args.overlap_grad_reduce is not False,
                    overlap_param_gather=overlap and args.overlap_param_gather is not False,
@@ -250,7 +251,7 @@ def run(args) -> int:
               f"V={model.vocab_size} s={s}) on {cluster.num_gpus} x "
               f"{cluster.gpu} ({cluster.gpus_per_node}/node, {cluster.hbm_bytes / GB:.0f} GB, "
               f"{cluster.peak_flops / 1e12:.3g} TFLOP/s), B={B}, "
-              f"{'fused' if flash else 'unfused'} attention"
+              f"{args.attention or 'fused'} attention"
               f"{' and Mamba scan' if is_hybrid(model) else ''}; "
               f"{n_fit} of {n_eval} layouts fit ({elapsed:.2f} s)")
     recs = top_records(res, None if (args.json and args.top <= 0) else max(args.top, 1))

@@ -194,9 +194,9 @@ class Options:
     ``causal_skip``: fused attention under a causal mask computes only the key blocks on and
     below the diagonal, about half the score FLOPs (Dao 2023, FlashAttention-2, sec. 3.1.1,
     "Causal masking"; cuDNN's fused attention the same), where the default counts them all, as
-    Megatron-LM's FLOP count and the fitted constants do. A what-if for the held-out NeMo rows
-    (:mod:`benchmarks.planner_sources.dgxc`), off by default: turned on for every source it moves
-    torchtitan's rows 13-17% too fast (docs/planner.md). Time only; needs ``flash_attention``;
+    Megatron-LM's FLOP count and the fitted constants do. ``loom plan --attention cudnn``; a
+    what-if for the held-out NeMo rows (:mod:`benchmarks.planner_sources.dgxc`), off by default:
+    turned on for every source it moves torchtitan's rows 13-17% too fast (docs/planner.md). Time only; needs ``flash_attention``;
     a statement about a causal (decoder) model's run, for its caller to make (a bidirectional
     encoder computes every block).
     Planner only.

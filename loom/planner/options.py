@@ -36,9 +36,11 @@ class PlannerOptions:
     max_zero_stage: Literal[0, 1, 2, 3] = opt(
         3, "highest ZeRO stage searched (3: loom train runs 1, --use-distributed-optimizer, "
            "and 3, --zero-stage 3 with FSDP2; 2 is a what-if)")
-    attention: Optional[Literal["fused", "unfused"]] = opt(
-        None, "fused (flash/SDPA, loom's default; Mamba: mamba_ssm's chunk scan) or unfused (as "
-              "in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
+    attention: Optional[Literal["fused", "cudnn", "unfused"]] = opt(
+        None, "fused (flash/SDPA, loom's default; Mamba: mamba_ssm's chunk scan), cudnn (fused, "
+              "skipping the blocks above the causal diagonal at the fused rate: cuDNN's Hopper "
+              "kernel, Transformer Engine's NVTE_FUSED_ATTN=1, SDPA's cuDNN backend) or unfused "
+              "(as in the 2021-22 papers; Mamba: loom's plain-PyTorch scan)")
     layer_memory: Literal["loom", "kor"] = opt(
         "loom", "activation bytes per layer: loom (what loom's own layer saves, measured with "
                 "saved_tensors_hooks) or kor (KOR table 2: what the layer needs, as Megatron-Core "
