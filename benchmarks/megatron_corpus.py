@@ -21,8 +21,8 @@ directories replaced by placeholders:
   run name.
 
 ``--releases MIRROR TAG ...`` transcribes the cases of earlier releases instead (each tag
-archived from the Megatron-LM git directory ``MIRROR``), keeps the training cases whose command
-line (with entry script and world size) is in no earlier-listed release nor in the main corpus
+archived from the Megatron-LM git directory ``MIRROR``), keeps the training and inference cases
+whose command line (with entry script and world size) is in no earlier-listed release nor in the main corpus
 (``--corpus``), names each ``TAG:case`` and writes ``tests/unit/megatron_corpus_earlier.json``:
 held-out data for loom's table of flags that later releases dropped. The older CI runner
 ``eval``-ed the command line, so a few values there carry shell escapes (``Et*3\\|...``); they are
@@ -208,7 +208,7 @@ def unescaped(word: str) -> str:
 
 
 def earlier_releases(mirror: str, tags: list[str], corpus: str) -> dict:
-    """The training cases of Megatron-LM's releases ``tags`` (archived from ``mirror``) not
+    """The training and inference cases of Megatron-LM's releases ``tags`` (archived from ``mirror``) not
     already in ``corpus`` (a transcribed corpus) or an earlier tag of the list; ``name``
     ``TAG:case``."""
     import tempfile
@@ -227,7 +227,7 @@ def earlier_releases(mirror: str, tags: list[str], corpus: str) -> dict:
             for c in transcribe(root)["cases"]:
                 c["argv"] = [unescaped(w) for w in c["argv"]]
                 key = json.dumps([c["argv"], c["entry"], c["world_size"]])
-                if c["mode"] != "pretraining" or key in seen:
+                if c["mode"] not in ("pretraining", "inference") or key in seen:
                     continue
                 seen.add(key)
                 cases.append({**c, "name": f"{tag}:{c['name']}"})

@@ -16,7 +16,10 @@ nothing is imported, so any release reads on any machine): spellings, ``dest``, 
 ``type``, ``nargs``, ``default`` and ``choices`` where they are literals. A flag none of whose
 spellings the snapshot knows is recorded as of the newest release declaring it, with the first
 and last releases that declare it (tags in :func:`release_tags`' order) and its ``file:line`` there.
-The record has the snapshot's format (``parser``: ``"removed"``) plus ``releases``.
+The record has the snapshot's format (``parser``: ``"removed"``) plus ``releases``. Also
+recorded (``values``): each value a release offered among the ``choices`` of a flag the
+snapshot still has but no longer offers (``--ckpt-format zarr``), with its first and last
+release.
 """
 
 from __future__ import annotations
@@ -104,9 +107,10 @@ def removed_flags(mirror: str, snapshot: str) -> dict:
     releases that ``snapshot`` (a megatron_flags.json) lacks."""
     with open(snapshot, encoding="utf-8") as fh:
         snap = json.load(fh)
-    known = {s for f in snap["flags"] for s in f["flags"]}
+    current = {s: f for f in snap["flags"] for s in f["flags"]}
     tags = release_tags(mirror)
     seen: dict = {}
+    values: dict = {}  # (first spelling, value) -> [first release, last release]
     for tag in tags:
         for path in FILES:
             try:
@@ -114,7 +118,13 @@ def removed_flags(mirror: str, snapshot: str) -> dict:
             except subprocess.CalledProcessError:
                 continue
             for rec in declared(text, path):
-                if any(s in known for s in rec["flags"]):
+                now = next((current[s] for s in rec["flags"] if s in current), None)
+                if now is not None:  # still a flag: the values it no longer takes
+                    for v in rec["choices"] or ():
+                        if v is not None and now["choices"] is not None and \
+                                v not in _choice_values(now["choices"]):
+                            key = (now["flags"][0], v)
+                            values[key] = [values.get(key, [tag])[0], tag]
                     continue
                 key = rec["flags"][0]
                 first = seen.get(key, {}).get("releases", [tag])[0]
@@ -123,7 +133,15 @@ def removed_flags(mirror: str, snapshot: str) -> dict:
                 seen[key] = rec
             break
     return {"repository": "NVIDIA/Megatron-LM", "snapshot_commit": snap["commit"],
-            "releases": tags, "flags": sorted(seen.values(), key=lambda r: r["flags"][0])}
+            "releases": tags, "flags": sorted(seen.values(), key=lambda r: r["flags"][0]),
+            "values": [{"flag": f, "value": v, "releases": r}
+                       for (f, v), r in sorted(values.items(), key=lambda kv: str(kv[0]))]}
+
+
+def _choice_values(choices: list) -> set:
+    """A snapshot flag's choices as given on the command line (an enum by its name)."""
+    return {c["enum"].split(".", 1)[1] if isinstance(c, dict) and "enum" in c else c
+            for c in choices}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,8 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=1)
         fh.write("\n")
-    print(f"{len(data['flags'])} flags of {len(data['releases'])} releases absent from "
-          f"{data['snapshot_commit'][:7]} -> {args.out}")
+    print(f"{len(data['flags'])} flags and {len(data['values'])} values of "
+          f"{len(data['releases'])} releases absent from {data['snapshot_commit'][:7]} -> "
+          f"{args.out}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,56 @@ def dry_run(argv: list[str], world: int) -> tuple[int, str]:
     return code, err.getvalue().strip()
 
 
+def inference_world(root: Path) -> Path:
+    """Under ``root``: a tiny GPT checkpoint with a word-level tokenizer (``{CKPT}``) and a
+    prompt file (``{FILE}``), what the inference cases read; ``root``."""
+    import json as _json
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from loom.parallel.mesh import ParallelMesh
+    from loom.training.trainer import Trainer
+    from testkit.config import tiny_config
+    words = ["[UNK]", "<|endoftext|>"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tok.json"))
+    cfg = tiny_config("llama", num_query_groups=None, vocab_size=42, micro_batch_size=1,
+                      train_iters=1, world=1)
+    Trainer(cfg, mesh=ParallelMesh.single()).save(
+        str(root / "ckpt"), tokenizer_file=str(root / "tok.json"))
+    (root / "file").write_text("".join(_json.dumps({"text": f"w{i} w{i + 1}"}) + "\n"
+                                       for i in range(3)))
+    return root
+
+
+def through_generate(case: dict, argv: list[str]) -> tuple[int, str]:
+    """An inference case through ``loom generate``: ``(0, "")`` accepted (and generated, on
+    one rank), or ``(2, the one refusal line)``; a case of t > 1 ranks gets every check of
+    ``loom generate`` before it would start the process group."""
+    import argparse
+    import contextlib
+    import io
+    from loom.cli import main
+    from loom.errors import ConfigError
+    from loom.inference.cli import add_arguments, check_arguments
+    tp = int(argv[argv.index("--tensor-model-parallel-size") + 1]) \
+        if "--tensor-model-parallel-size" in argv else 1
+    if tp == 1:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = main(["generate", *argv]) or 0
+            except SystemExit as e:
+                code = e.code or 0
+        return code, err.getvalue().strip()
+    p = argparse.ArgumentParser(prog="loom generate", exit_on_error=False)
+    add_arguments(p)
+    try:
+        check_arguments(p.parse_args(argv))
+        return 0, ""
+    except ConfigError as e:
+        return 2, f"loom generate: error: {e}"
+
+
 def groups(words: list[str]) -> list[list[str]]:
     """``--a 1 --b`` -> ``[["--a", "1"], ["--b"]]``."""
     out: list[list[str]] = []

@@ -12,7 +12,8 @@ import functools
 from typing import Any, Callable, Mapping, Optional
 
 from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT, NO_EFFECT_KIND, REFUSED
-from loom.config.flag_table import ACCEPTED_PARSERS, MegatronFlag, megatron_flags, table
+from loom.config.flag_table import (ACCEPTED_PARSERS, MegatronFlag, megatron_flags,
+                                    removed_values, table)
 
 DEST_PREFIX = "megatron:"
 """argparse dest of a Megatron-only flag: this prefix and its first spelling."""
@@ -85,7 +86,10 @@ def _specs(rows: Mapping, parsers: tuple) -> tuple:
                 s: (not s.startswith("--no-")) if mf.action == "booleanoptional" else not off
                 for s in mf.flags})
         else:
-            kwargs.update(nargs=mf.nargs, type=_converter(mf), choices=mf.choice_values,
+            choices = mf.choice_values  # and the values earlier releases offered
+            if choices is not None:
+                choices += tuple(v for v in removed_values().get(mf.name, ()) if v not in choices)
+            kwargs.update(nargs=mf.nargs, type=_converter(mf), choices=choices,
                           metavar=mf.dest.upper())
         cls = _Switch if not mf.takes_value else argparse._StoreAction
         out.append((title, described, mf.flags, cls, kwargs, help_text(mf, row)))

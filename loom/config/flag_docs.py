@@ -11,7 +11,7 @@ from typing import Any, Optional
 from loom.config.fields import flag
 from loom.config.flag_kinds import IMPLEMENTED, NO_EFFECT, NO_EFFECT_KIND, REFUSED
 from loom.config.flag_table import (REMOVED, by_spelling, field_of, megatron_flags,
-                                    removed_snapshot, snapshot, table)
+                                    removed_snapshot, removed_values, snapshot, table)
 from loom.config.sections import GROUPS
 
 
@@ -109,6 +109,15 @@ def _removed_rows() -> list[str]:
             what = "refused: " + row.why()
         extra = "; ".join(x for x in (row.note, f"`{mf.source}`") if x)
         out.append(f"- `{mf.name}` ({first} .. {last}): {what}; {extra}".replace("|", "/"))
+    out += ["", "Values earlier releases offered among the choices of a flag d98e8a6 keeps, and "
+                "d98e8a6 does not (parsed, then answered by the flag's row):", ""]
+    for name, values in removed_values().items():
+        row = table()[name]
+        for v in values:
+            what = (f"refused: {row.refuse[v]}" if v in row.refuse else
+                    "no effect" if row.kind == NO_EFFECT_KIND else
+                    "refused: " + row.why() if row.kind != IMPLEMENTED else "implemented")
+            out.append(f"- `{name} {v}`: {what}".replace("|", "/"))
     return out
 
 

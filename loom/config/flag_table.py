@@ -111,6 +111,20 @@ def removed_snapshot() -> tuple[tuple[MegatronFlag, ...], Mapping[str, tuple]]:
         {f["flags"][0]: tuple(f["releases"]) for f in data["flags"]})
 
 
+@functools.lru_cache(maxsize=None)
+def removed_values() -> Mapping[str, tuple]:
+    """``{first spelling: values}``: the values earlier releases offered among the choices of
+    a flag the snapshot still has, and the snapshot no longer offers (``--ckpt-format zarr``).
+    Parsed (not argparse's "invalid choice"): a no-effect or refused row answers them as any
+    value, an implemented row must refuse each with a reason (tests/unit/test_flag_rows_removed.py)."""
+    with open(REMOVED_SNAPSHOT, encoding="utf-8") as fh:
+        data = json.load(fh)
+    out: dict = {}
+    for v in data["values"]:
+        out[v["flag"]] = out.get(v["flag"], ()) + (v["value"],)
+    return MappingProxyType(out)
+
+
 def megatron_flags(parsers: tuple = TRAINING_PARSERS) -> tuple[MegatronFlag, ...]:
     """The flags of ``parsers``: the snapshot's, and the earlier releases' with
     :data:`REMOVED`."""

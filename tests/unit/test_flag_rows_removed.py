@@ -111,3 +111,27 @@ def test_the_hybrid_shares_allocate_megatron_cores_pattern(monkeypatch, capsys):
     line = refusal(["train", *BASE, "--hybrid-attention-ratio", "0.5"], monkeypatch, capsys)
     assert "--hybrid-attention-ratio is a share of the layer kinds of a Mamba hybrid stack, " \
            "which --model-type gpt does not have" in line, line
+
+
+def test_every_value_earlier_releases_offered_is_answered(monkeypatch, capsys):
+    """A value an earlier release offered that d98e8a6's choices lack (``removed_values``): an
+    implemented flag refuses it naming the replacement; a no-effect or refused flag parses it
+    as any other value (never argparse's 'invalid choice')."""
+    from loom.config.flag_table import removed_values
+    assert removed_values()["--ckpt-format"] == ("zarr",)
+    hints = {}
+    from typing import get_type_hints
+    from loom.config import GROUPS
+    from loom.config.validate import choices_of
+    for dc in GROUPS.values():
+        hints.update(get_type_hints(dc))
+    for name, values in removed_values().items():
+        row = table()[name]
+        for value in values:
+            if row.kind == IMPLEMENTED:
+                assert value in row.refuse or value in (
+                    choices_of(hints[field_of(name, row)]) or ()), (name, value)
+                continue
+            line = refusal(["train", *BASE, name, value, "--dry-run", "--foo"], monkeypatch,
+                           capsys)  # parsed, so the unknown --foo is what is refused
+            assert "invalid choice" not in line and "--foo" in line, line

@@ -9,17 +9,12 @@ capabilities (testkit.megatron_corpus.PENDING) are simulated merged, as for trai
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import json
 
 import pytest
 
-from loom.cli import main
-from loom.errors import ConfigError
-from testkit.megatron_corpus import INFERENCE, argv_of, pending_in, with_pending_implemented
-from testkit.config import tiny_config
+from testkit.megatron_corpus import (INFERENCE, argv_of, inference_world, pending_in,
+                                     through_generate, with_pending_implemented)
 
 MISSING = {  # refused with the pending capabilities merged: the words and the cases
     "--pipeline-model-parallel-size: loom generate runs the whole model on each rank": [
@@ -34,55 +29,10 @@ MISSING = {  # refused with the pending capabilities merged: the words and the c
 }
 
 
-def _tokenizer(path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    words = ["[UNK]", "<|endoftext|>"] + [f"w{i}" for i in range(40)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path))
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny GPT checkpoint with a tokenizer (``{CKPT}``) and a prompt file (``{FILE}``)."""
-    from loom.parallel.mesh import ParallelMesh
-    from loom.training.trainer import Trainer
-    root = tmp_path_factory.mktemp("inference")
-    _tokenizer(root / "tok.json")
-    cfg = tiny_config("llama", num_query_groups=None, vocab_size=42, micro_batch_size=1,
-                      train_iters=1, world=1)
-    Trainer(cfg, mesh=ParallelMesh.single()).save(
-        str(root / "ckpt"), tokenizer_file=str(root / "tok.json"))
-    (root / "file").write_text("".join(json.dumps({"text": f"w{i} w{i + 1}"}) + "\n"
-                                       for i in range(3)))
-    return root
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    from loom.inference.cli import add_arguments
-    p = argparse.ArgumentParser(prog="loom generate", exit_on_error=False)
-    add_arguments(p)
-    return p.parse_args(argv)
-
-
-def _through_generate(case: dict, argv: list[str]) -> tuple[int, str]:
-    """``(0, "")`` accepted (and generated on one rank), or ``(2, the one refusal line)``."""
-    from loom.inference.cli import check_arguments
-    tp = int(argv[argv.index("--tensor-model-parallel-size") + 1]) \
-        if "--tensor-model-parallel-size" in argv else 1
-    if tp == 1:
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                code = main(["generate", *argv]) or 0
-            except SystemExit as e:
-                code = e.code or 0
-        return code, err.getvalue().strip()
-    try:  # t ranks: every check of `loom generate`, then it would start the process group
-        check_arguments(_parse(argv))
-        return 0, ""
-    except ConfigError as e:
-        return 2, f"loom generate: error: {e}"
+    return inference_world(tmp_path_factory.mktemp("inference"))
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +44,9 @@ def results(world):
     for case in INFERENCE:
         argv = [w.replace("inference.json", f"{case['name']}.json")
                 for w in argv_of(case, world, vocab=False)]
-        code, err = _through_generate(case, argv)
+        code, err = through_generate(case, argv)
         pending = pending_in(argv)
-        merged = (code, err) if not pending else _through_generate(
+        merged = (code, err) if not pending else through_generate(
             case, with_pending_implemented(argv))
         out[f"{case['family']}/{case['name']}"] = (code, err, pending, *merged)
     mp.undo()
