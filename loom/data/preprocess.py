@@ -17,6 +17,7 @@ import functools
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from typing import Iterator, Optional, Sequence
@@ -167,11 +168,16 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer, 
 
 def missing_dataset_hint(prefix: str) -> str:
     """The fix for a dataset prefix that names no dataset: drop a file extension the user gave
-    (``data/corpus.bin`` -> ``data/corpus``), else build it with ``loom preprocess``."""
+    (``data/corpus.bin`` -> ``data/corpus``) or Megatron's ``_text_document`` suffix where
+    ``loom preprocess`` wrote the prefix itself, else build it with ``loom preprocess``."""
     for ext in (".bin", ".idx", ".meta.json", ".tokenizer.json"):
         stem = prefix[:-len(ext)] if prefix.endswith(ext) else None
         if stem and os.path.isfile(stem + ".meta.json"):
             return f"give the prefix without {ext}: --data-path {stem}"
+    m = re.fullmatch(r"(.+)_\w+_(?:document|sentence)", prefix)  # Megatron's naming
+    if m and os.path.isfile(m[1] + ".meta.json"):
+        return (f"loom preprocess names the dataset --output-prefix itself, where Megatron's "
+                f"preprocess_data.py appends _KEY_document: --data-path {m[1]}")
     return f"build the dataset with `loom preprocess --input ... --output-prefix {prefix}`"
 
 
@@ -217,8 +223,51 @@ def checkpoint_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.load(tok)
 
 
+MEGATRON_ONLY = (
+    # (flags, argparse kwargs, Megatron's default, what it did there and why it changes nothing
+    # here); Megatron-LM tools/preprocess_data.py, v2.6 .. d98e8a6
+    ("--dataset-impl", dict(choices=("lazy", "cached", "mmap")), None,
+     "the indexed-dataset format of Megatron <= 23.06; loom writes the mmap one (.bin/.idx), "
+     "which every later Megatron reads"),
+    ("--partitions", dict(type=int), 1, "input files cut into parts encoded in parallel; the same "
+                                        "documents in the same order"),
+    ("--keep-sequential-samples", dict(action="store_true"), False,
+     "document order kept across --partitions; loom keeps the input order"),
+    ("--log-interval", dict(type=int), 1000, "progress every N documents; loom prints one summary"),
+    ("--find-optimal-num-workers", dict(action="store_true"), False,
+     "timing trial runs to choose --workers"),
+    ("--workers-to-check", dict(type=int, nargs="+"), [16, 32, 64],
+     "the --workers of those trial runs"),
+    ("--max-documents", dict(type=int), 100_000, "the documents of those trial runs"),
+    ("--legacy-tokenizer", dict(action="store_true"), False,
+     "Megatron's older tokenizer classes; loom's tokenizers are the same vocabularies"),
+    ("--keep-newlines", dict(action="store_true"), False,
+     "newlines kept between the sentences --split-sentences cuts"),
+    ("--lang", dict(), "english", "the language of --split-sentences's sentence splitter"),
+)
+"""Megatron preprocess_data.py flags ``loom preprocess`` takes without effect, named once."""
+
+
+def megatron_only_report(args: argparse.Namespace) -> Optional[str]:
+    """The line naming the :data:`MEGATRON_ONLY` flags given another value than Megatron's
+    default, or None; ConfigError for ``--split-sentences`` (loom writes one sequence per
+    document)."""
+    if getattr(args, "split_sentences", False):
+        raise ConfigError("--split-sentences: loom preprocess writes one sequence per document "
+                          "(no sentence splitter); drop it")
+    named = []
+    for flag, _, default, why in MEGATRON_ONLY:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value != default:
+            words = value if isinstance(value, list) else [] if value is True else [value]
+            named.append(" ".join([flag, *map(str, words)]) + f" ({why})")
+    return ("loom preprocess: no effect (Megatron-LM preprocess_data.py flags): "
+            + "; ".join(named)) if named else None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Megatron ``preprocess_data.py`` flags for ``loom preprocess``."""
+    """Megatron ``preprocess_data.py`` flags for ``loom preprocess`` (those without effect
+    here: :data:`MEGATRON_ONLY`, listed under their own heading)."""
     parser.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl fields forming a document")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx/.tokenizer.json/.meta.json")
@@ -245,12 +294,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the dataset already at --output-prefix (default: refuse "
                              "it; never inside a training checkpoint directory)")
+    group = parser.add_argument_group("Megatron-LM preprocess_data.py flags without effect "
+                                      "(named once)")
+    for flag, kwargs, _, why in MEGATRON_ONLY:
+        group.add_argument(flag, default=None, help=why, **kwargs)
+    group.add_argument("--split-sentences", action="store_true",
+                       help="refused: loom preprocess writes one sequence per document")
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``loom preprocess``."""
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: give 1 or more")
+    note = megatron_only_report(args)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     cores = usable_cores()
     if args.workers > cores:  # each worker holds a tokenizer and a batch: more only thrash
         print(f"loom preprocess: --workers {args.workers} capped to {cores}, the cores this "
