@@ -273,7 +273,14 @@ def read_yaml_config(path: str, lines: dict | None = None,
     constructor = yaml.SafeLoader("")
     values: dict = {}
     lines = {} if lines is None else lines
+    alias = {s[2:].replace("-", "_"): (name, s in off) for name, (on, off) in
+             field_spellings().items() for s in on + off}  # Megatron's other spellings
     for key, node, line in _read_yaml_nodes(path):
+        if key not in known and key in alias:  # layernorm_epsilon: norm_epsilon's other name
+            key, inverted = alias[key]
+            if inverted:  # a --no-x spelling of a boolean field: x: true means the field off
+                node = yaml.ScalarNode("tag:yaml.org,2002:bool", str(
+                    not constructor.construct_object(node, deep=True)).lower())
         if key not in known and megatron is not None and yaml_key_flag(key):
             name = yaml_key_flag(key)
             megatron[name] = yaml_value(name, constructor.construct_object(node, deep=True))

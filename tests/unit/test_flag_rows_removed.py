@@ -135,3 +135,20 @@ def test_every_value_earlier_releases_offered_is_answered(monkeypatch, capsys):
             line = refusal(["train", *BASE, name, value, "--dry-run", "--foo"], monkeypatch,
                            capsys)  # parsed, so the unknown --foo is what is refused
             assert "invalid choice" not in line and "--foo" in line, line
+
+
+def test_a_yaml_config_takes_megatrons_other_spellings(tmp_path, monkeypatch):
+    """``--config FILE.yaml`` keys are flag names: a renamed flag's earlier name
+    (``layernorm_epsilon``) sets its field, a ``--no-x`` spelling (``bert_no_binary_head``)
+    turns the field off, a no-effect one (``use_legacy_models``) is named at start."""
+    from loom.config.flag_table import no_effect_report
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("layernorm_epsilon: 1.0e-6\nuse_legacy_models: true\n")
+    cfg = _prepare(["--config", str(cfg_file)], monkeypatch)
+    assert cfg.model.norm_epsilon == 1e-6
+    assert "--use-legacy-models" in no_effect_report(cfg.megatron_no_effect)
+    bert = tmp_path / "b.yaml"
+    bert.write_text("model_type: bert\nbert_no_binary_head: true\n")
+    assert _prepare(["--config", str(bert)], monkeypatch).model.bert_binary_head is False
+    bert.write_text("model_type: bert\nbert_no_binary_head: false\n")
+    assert _prepare(["--config", str(bert)], monkeypatch).model.bert_binary_head is True
