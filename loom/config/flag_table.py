@@ -101,12 +101,17 @@ def snapshot() -> tuple[str, tuple[MegatronFlag, ...]]:
 
 
 @functools.lru_cache(maxsize=None)
+def _removed_data() -> dict:
+    with open(REMOVED_SNAPSHOT, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+@functools.lru_cache(maxsize=None)
 def removed_snapshot() -> tuple[tuple[MegatronFlag, ...], Mapping[str, tuple]]:
     """``(flags, {first spelling: (first release, last release)})`` of the flags Megatron-LM's
     earlier releases took and the snapshot's commit does not (parser :data:`REMOVED`; each as
     the last release declaring it had it, ``source`` ``"release:file:line"``)."""
-    with open(REMOVED_SNAPSHOT, encoding="utf-8") as fh:
-        data = json.load(fh)
+    data = _removed_data()
     return _flags(data["flags"]), MappingProxyType(
         {f["flags"][0]: tuple(f["releases"]) for f in data["flags"]})
 
@@ -117,10 +122,8 @@ def removed_values() -> Mapping[str, tuple]:
     a flag the snapshot still has, and the snapshot no longer offers (``--ckpt-format zarr``).
     Parsed (not argparse's "invalid choice"): a no-effect or refused row answers them as any
     value, an implemented row must refuse each with a reason (tests/unit/test_flag_rows_removed.py)."""
-    with open(REMOVED_SNAPSHOT, encoding="utf-8") as fh:
-        data = json.load(fh)
     out: dict = {}
-    for v in data["values"]:
+    for v in _removed_data()["values"]:
         out[v["flag"]] = out.get(v["flag"], ()) + (v["value"],)
     return MappingProxyType(out)
 
