@@ -57,10 +57,13 @@ class ModelShapeFields:
     """The fields every model family has: the transformer's shape and layout; the first
     fields of :class:`ModelConfig`."""
 
-    model_type: ModelType = opt("gpt", "model family: gpt (GPT-2 and LLaMA layouts, dense or "
-                                       "mixture-of-experts), mamba (Mamba-2 and hybrid "
-                                       "Mamba/attention/MLP stacks), bert (bidirectional "
-                                       "encoder, masked-LM pretraining) or gemma3 (Gemma 3 text)",
+    model_type: ModelType = opt("gpt", "model family, what Megatron's entry script chooses: "
+                                       "gpt (pretrain_gpt.py: GPT-2 and LLaMA layouts, dense or "
+                                       "mixture-of-experts), mamba (pretrain_hybrid.py, "
+                                       "pretrain_mamba.py: Mamba-2 and hybrid "
+                                       "Mamba/attention/MLP stacks), bert (pretrain_bert.py: "
+                                       "bidirectional encoder, masked-LM pretraining) or gemma3 "
+                                       "(Gemma 3 text)",
                                 metavar="FAMILY")
     num_layers: Optional[int] = opt(None, "L: number of transformer layers (required; mamba: "
                                           "default the length of --hybrid-override-pattern)",
