@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{prog}: error (rank {os.environ.get('RANK', '0')}): "
               f"{peer_failure_message(e)}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except BrokenPipeError:  # `loom plan ... | head`: the reader left; end as a Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        sys.exit(128 + 13)  # the shell's status for SIGPIPE, silently
     except OSError as e:  # a path the filesystem refused: name it (CheckpointWriteError above)
         if e.filename is None:
             raise

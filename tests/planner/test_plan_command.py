@@ -172,3 +172,15 @@ def test_command_multi_node_virtual_stages_and_zero():
     assert words[words.index("--recompute-method") + 1] == "uniform"
     assert words[words.index("--recompute-num-layers") + 1] == "1"
     assert words[words.index("--normalization") + 1] == "RMSNorm"
+
+
+def test_a_reader_that_leaves_ends_the_plan_quietly():
+    """``loom plan ... | head -1``: the table (134 KB, past a pipe's 64 KB buffer) meets a
+    closed pipe; loom ends as a Unix tool does, status 141 (SIGPIPE), no traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "loom", "plan", "llama3-8b", "--num-gpus", "8",
+                          "--top", "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.stdout.readline().startswith(b"loom plan: llama3-8b")
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and b"Traceback" not in err and b"Error" not in err, err
