@@ -8,7 +8,12 @@ is used). Link bandwidths are *achievable* bus bandwidths (what ``nccl-tests`` r
 
 * ``intra_bw``: per-GPU NVLink/NVSwitch bus bandwidth inside a node (A100: NVLink3 300 GB/s per
   direction, ~240 GB/s achieved; H100/H200: NVLink4 450 GB/s, ~360 GB/s; B200: NVLink5 900 GB/s,
-  ~720 GB/s; V100 DGX-2: 150 GB/s, ~120 GB/s; PCIe cards: ~22 GB/s).
+  ~720 GB/s; V100 DGX-2: 150 GB/s, ~120 GB/s; PCIe cards: ~22 GB/s). The export parts keep
+  their chip and cut NVLink to 400 GB/s both directions, 200 per direction (H800, A800: NVIDIA's
+  data sheets), ~160 GB/s achieved at the same 80% (DeepSeek-V3 technical report, arXiv
+  2412.19437 sec. 3.2.2: "NVLink offers a bandwidth of 160 GB/s" on its H800 cluster); H20
+  keeps NVLink4 at 900 GB/s with a cut compute die (148 TFLOP/s dense bf16, 96 GB HBM3,
+  4.0 TB/s).
 * ``inter_bw``: per-GPU network bandwidth between nodes (DGX A100: one 200 Gb/s HDR NIC per GPU,
   25 GB/s, ~23 GB/s achieved; DGX H100/H200/B200: 400 Gb/s NDR per GPU, ~45 GB/s;
   DGX-2: 100 Gb/s per GPU, ~11.5 GB/s).
@@ -36,8 +41,8 @@ class GPU:
     (nominal GB x 1e9, a conservative capacity: the gap to GiB covers the CUDA context);
     ``hbm_bw``: memory bandwidth, bytes/s; ``intra_bw``/``inter_bw``: bytes/s per GPU;
     ``gpus_per_node``: of the reference system (DGX/HGX); ``tdp_w``: board power, watts (data
-    sheets: A100 SXM 400, H100/H200 SXM 700, B200 1000, GH200 module 1000, V100 SXM2 300,
-    MI300X 750)."""
+    sheets: A100 / A800 SXM 400, H100 / H800 / H200 SXM 700, H20 400, B200 1000, GH200 module
+    1000, V100 SXM2 300, MI300X 750)."""
 
     name: str
     peak_flops: float
@@ -76,7 +81,12 @@ HOPPER_GEMM_EFFICIENCY = 0.746
 DEVICES: dict[str, GPU] = {g.name: g for g in [
     GPU("A100-80GB", 312 * T, 80 * GB, 2.039e12, 240e9, 23e9, tdp_w=400),
     GPU("A100-40GB", 312 * T, 40 * GB, 1.555e12, 240e9, 23e9, tdp_w=400),
+    GPU("A800-80GB", 312 * T, 80 * GB, 2.039e12, 160e9, 23e9, tdp_w=400),
     GPU("H100-80GB", 989 * T, 80 * GB, 3.35e12, 360e9, 45e9, tdp_w=700,
+        gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
+    GPU("H800", 989 * T, 80 * GB, 3.35e12, 160e9, 45e9, tdp_w=700,
+        gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
+    GPU("H20", 148 * T, 96 * GB, 4.0e12, 360e9, 45e9, tdp_w=400,
         gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
     GPU("H100-PCIe", 756 * T, 80 * GB, 2.0e12, 22e9, 23e9, intra_alpha=10e-6, tdp_w=350,
         gemm_efficiency=HOPPER_GEMM_EFFICIENCY),
@@ -99,10 +109,13 @@ _NAME_PATTERNS = [
     (r"H200", "H200"),
     (r"H100.*NVL", "H100-NVL"),
     (r"H100.*PCIe", "H100-PCIe"),
-    (r"H100|H800", "H100-80GB"),
+    (r"H800", "H800"),
+    (r"H100", "H100-80GB"),
+    (r"H20\b", "H20"),
     (r"B200|B100", "B200"),
     (r"A100.*40GB|A100-PCIE-40GB|A100-SXM4-40GB", "A100-40GB"),
-    (r"A100|A800", "A100-80GB"),
+    (r"A800", "A800-80GB"),
+    (r"A100", "A100-80GB"),
     (r"V100.*16GB", "V100-16GB"),
     (r"V100", "V100-32GB"),
     (r"L40S", "L40S"),
@@ -111,9 +124,11 @@ _NAME_PATTERNS = [
 
 
 # Streaming multiprocessors per GPU (NVIDIA data sheets / whitepapers: A100 108, H100 SXM and
-# the Hopper parts on its die 132, H100 PCIe 114, B200 148 over its two dies, V100 80, L40S 142;
+# the Hopper parts on its die 132 (H800 too), H20 78, H100 PCIe 114, A800 108 (A100's die), B200 148
+# over its two dies, V100 80, L40S 142;
 # MI300X: 304 compute units, which RCCL uses the same way). Name prefix -> count, first match.
-SM_COUNTS = (("A100", 108), ("H100-PCIe", 114), ("H100", 132), ("H200", 132), ("GH200", 132),
+SM_COUNTS = (("A100", 108), ("A800", 108), ("H100-PCIe", 114), ("H100", 132), ("H800", 132),
+             ("H200", 132), ("H20", 78), ("GH200", 132),
              ("B200", 148), ("V100", 80), ("L40S", 142), ("MI300X", 304))
 
 

@@ -38,6 +38,25 @@ def test_peak_flops_by_torch_name():
     assert peak_flops_per_s("") is None
 
 
+def test_export_parts_are_their_own_entries():
+    """H800 / A800 (torch names ``NVIDIA H800``, ``NVIDIA A800-SXM4-80GB``) keep their chip's
+    FLOP/s but NVLink at 400 GB/s both ways, ~160 GB/s achieved, not the H100 / A100 entry's
+    360 / 240; H20 its own compute (148 TFLOP/s) and 96 GB. H200 is not H20."""
+    from loom.planner.hardware import lookup_gpu, sm_count
+    h800, a800, h20 = (lookup_gpu(n) for n in ("NVIDIA H800", "NVIDIA A800-SXM4-80GB",
+                                                "NVIDIA H20"))
+    assert (h800.name, h800.peak_flops, h800.intra_bw) == ("H800", 989e12, 160e9)
+    assert (a800.name, a800.peak_flops, a800.intra_bw) == ("A800-80GB", 312e12, 160e9)
+    assert (h20.name, h20.peak_flops, h20.hbm_bytes) == ("H20", 148e12, 96 * GB)
+    assert lookup_gpu("NVIDIA H200").name == "H200" and lookup_gpu("H100").name == "H100-80GB"
+    assert (sm_count("H20"), sm_count("H200"), sm_count("H800")) == (78, 132, 132)
+    # a TP 8 all-reduce inside one H800 node takes the longer time the narrower NVLink says
+    M = 1e9
+    t = {g: float(all_reduce_time(8, M, make_cluster(g, 8).intra_bw, 0.0))
+         for g in ("H800", "H100-80GB")}
+    assert t["H800"] == pytest.approx(t["H100-80GB"] * 360 / 160, rel=1e-3)
+
+
 def test_cluster_roundtrip(tmp_path):
     c = make_cluster("H100-80GB", 64, inter_bw=40e9)
     assert c.num_nodes == 8 and c.inter_bw == 40e9 and c.hbm_bytes == 80 * GB
