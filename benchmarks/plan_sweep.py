@@ -565,6 +565,8 @@ def check(case: Case, tmp: Path) -> tuple:
         if mw[k] != mg[k] and k not in ("max_position_embeddings",):
             if "--from-hf" in given:  # the file's model: the command is what loom plan read
                 continue
+            if k == "moe_token_dispatcher_type" and "--moe-token-dispatcher-type" not in given:
+                continue  # not given: the search's choice (loom.planner.moe.DISPATCHERS)
             return "dropped:model", f"{k}: given {mw[k]!r}, command {mg[k]!r}"
     return "ok", f"{rec['tp']}/{rec['pp']}/{rec['cp']}/{rec.get('ep', 1)} mfu {rec['mfu']:.3f}"
 

@@ -221,8 +221,11 @@ PUBLISHED_LAYOUTS = (
      lambda: llama("llama3-405b", 8192), "H100-80GB", 1024, 512, 8192,
      dict(tp=8, pp=8, cp=2, dp=8, vp=8, mbs=1, sp=1, zero=1, account_embedding=True,
           account_loss=True)),
+    # the recipe's dispatcher: moe_token_dispatcher_type alltoall (its H100 config,
+    # scripts/performance/dryrun_configs/gpt_oss/gpt_oss_120b_pretrain_h100_*.yaml)
     ("Megatron-Bridge 26.04 H100 GPT-OSS 120B PP4 EP8 (BF16)", gpt_oss_120b,
-     "H100-80GB", 64, 1280, 4096, dict(tp=1, pp=4, cp=1, dp=16, ep=8, mbs=1, zero=1)),
+     "H100-80GB", 64, 1280, 4096, dict(tp=1, pp=4, cp=1, dp=16, ep=8, mbs=1, zero=1,
+                                       disp="alltoall")),
 )
 
 

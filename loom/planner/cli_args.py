@@ -34,6 +34,12 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
              else None, "zero": args.zero_stage,
              "ep": args.expert_model_parallel_size}
     if model.num_experts:
+        # the dispatcher the flag names, else one a config file or preset gave the model (not
+        # Megatron's default allgather), else None: searched (loom.planner.moe.DISPATCHERS)
+        fixed["disp"] = getattr(args, "moe_token_dispatcher_type", None) or (
+            model.moe_token_dispatcher_type
+            if model.moe_token_dispatcher_type != ModelConfig().moe_token_dispatcher_type
+            or model.moe_shared_expert_overlap else None)
         fixed["etp"] = getattr(args, "expert_tensor_parallel_size", None)
         if fixed["etp"] and fixed["tp"] and fixed["tp"] % fixed["etp"]:
             raise ConfigError(f"--expert-tensor-parallel-size {fixed['etp']} must divide "

@@ -21,7 +21,8 @@ columns: #  rank (best first; --command-for N prints row N's command)
   tp   --tensor-model-parallel-size t        pp   --pipeline-model-parallel-size p
   dp   data-parallel replicas d = GPUs / (t p c), derived from the world size
   ep   --expert-model-parallel-size (MoE; re-folds the tp x dp ranks, not extra GPUs);
-       "etp u" after a row: --expert-tensor-parallel-size u (each expert over u ranks; else t)
+       "etp u" after a row: --expert-tensor-parallel-size u (each expert over u ranks; else t);
+       "ep D" after a row: --moe-token-dispatcher-type D (searched unless given)
   cp   --context-parallel-size c
   vp   model chunks per pipeline stage (interleaved 1F1B when > 1); loom train takes it as
        --num-layers-per-virtual-pipeline-stage = L / (p x vp) LAYERS per chunk
@@ -135,6 +136,9 @@ def layout_flags(rec: dict, model: ModelConfig, global_batch_size: int,
         out += ["--expert-model-parallel-size", str(rec["ep"])]
     if rec.get("etp", rec["tp"]) != rec["tp"]:  # expert TP other than Megatron's default t
         out += ["--expert-tensor-parallel-size", str(rec["etp"])]
+    disp = rec.get("moe_token_dispatcher_type", model.moe_token_dispatcher_type)
+    if model.num_experts and disp != model.moe_token_dispatcher_type:  # the search chose it
+        out += ["--moe-token-dispatcher-type", disp]
     out += split_flags(rec, model)
     if rec.get("pipeline_schedule", "1f1b") != "1f1b":  # ZB-H1 / ZB-V (loom's names)
         out += ["--pipeline-schedule", rec["pipeline_schedule"]]

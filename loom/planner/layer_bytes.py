@@ -301,7 +301,8 @@ def loom_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_codes,
 
 
 def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1, etp=None,
-                       elem_bytes: int = 2, ep=1, imbalance: float = 1.0) -> dict:
+                       elem_bytes: int = 2, ep=1, imbalance: float = 1.0,
+                       allgather=None) -> dict:
     """The named terms (bytes) of what loom's MoE MLP (``loom/models/moe.py``, router of
     ``moe_router.py``, under TP the dispatcher of ``loom/parallel/expert_dispatch.py``) saves
     on one rank of TP ``t`` (expert TP ``u`` = ``etp``, default t; ``r = u / t`` the share of
@@ -349,7 +350,9 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp
     k``, the owned pairs' tokens ``8 S k r`` and the received rows' order ``8 lambda S k r``;
     ``allgather`` (``_allgather``: the EP group's tokens gathered, the rows of the local
     experts picked) the picked rows and the experts' outputs ``2 lambda e S k r h`` and their
-    int64 pair indices and tokens ``16 lambda S k r``.
+    int64 pair indices and tokens ``16 lambda S k r``. ``allgather`` (argument): which of the
+    two, per row (bool array, a searched layout's dispatcher:
+    :func:`loom.planner.moe.allgather_rows`); None: the model's.
 
     Latent MoE (``--moe-latent-size`` L): the routed rows and the expert outputs are ``L``
     wide instead of h (``dispatch``, ``combine``), and ``latent`` adds the up projection's
@@ -376,7 +379,8 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp
     return {
         "router": 4 * S * h + 4 * E * h + 8 * S * E + 4 * S * k + 8 * S * k + 8 * S,
         "dispatch": np.where(
-            many & (model.moe_token_dispatcher_type == "allgather"),
+            many & (np.asarray(model.moe_token_dispatcher_type == "allgather")
+                    if allgather is None else np.asarray(allgather, dtype=bool)),
             2 * lam * e * S * k * r * w + 16 * lam * S * k * r,
             e * S * k * r * w * (2 * lam + many) + 8 * S * k * (1 + r)
             + many * 8 * lam * S * k * r),
@@ -401,12 +405,13 @@ def loom_moe_extra_over_kor(model: ModelConfig, seq_length: int, L: dict, cp_cod
     prices it, keeps more (``imbalance`` on every expert row, even at EP 1)."""
     from loom.planner.activations import activation_bytes_per_layer
     from loom.planner.context_parallel import CP_COMM_TYPES
-    from loom.planner.moe import expert_tp
+    from loom.planner.moe import allgather_rows, expert_tp
     t, c, b, sp = L["tp"], L["cp"], L["mbs"], L["sp"]
     kor = activation_bytes_per_layer(model, seq_length, L, flash_attention=True,
                                      moe_load_imbalance=imbalance, moe_share=1.0)
     moe = sum(loom_moe_mlp_terms(model, seq_length, b, t=t, cp=c, etp=expert_tp(L),
-                                 ep=L.get("ep", 1.0), imbalance=imbalance).values())
+                                 ep=L.get("ep", 1.0), imbalance=imbalance,
+                                 allgather=allgather_rows(model, L)).values())
     codes = np.asarray(cp_codes)
     out = {"none": 0.0 * t, "selective": 0.0 * t}
     for k, name in enumerate(CP_COMM_TYPES[:3]):

@@ -30,7 +30,9 @@ from loom.planner.moe import MOE_LOAD_IMBALANCE
 
 RECOMPUTE = ("none", "selective", "full")
 KEYS = ("tp", "pp", "dp", "cp", "vp", "mbs", "recompute", "sp", "zero", "lf", "ll", "ep", "zb",
-        "rcl", "cpt", "etp")
+        "rcl", "cpt", "etp", "disp")
+# ``disp``: the MoE token dispatcher, an index of loom.planner.moe.DISPATCHERS (allgather,
+# alltoall, flex; ``--moe-token-dispatcher-type``); -1 or absent = the model's own
 # ``etp``: the expert TP size u (``--expert-tensor-parallel-size``; 0 or absent = t, Megatron-
 # Core's default; dense models 0): loom.planner.moe.expert_tp
 # pipeline schedule code ``zb``: 0 1F1B (interleaved when vp > 1), 1 ZB-H1, 2 ZB-V (vp = 2),
@@ -261,12 +263,15 @@ def make_layouts(rows: list[dict] | dict) -> dict:
         vals = []
         for r in rows:
             v = r.get(k, 1 if k in ("tp", "pp", "dp", "cp", "vp", "mbs", "ep") else
-                      -1 if k == "cpt" else 0)
+                      -1 if k in ("cpt", "disp") else 0)
             if k == "recompute":
                 v = RECOMPUTE.index(v or "none") if not isinstance(v, (int, float)) else v
             if k == "cpt" and isinstance(v, str):
                 from loom.planner.context_parallel import CP_COMM_TYPES
                 v = CP_COMM_TYPES.index(v)
+            if k == "disp" and isinstance(v, str):
+                from loom.planner.moe import DISPATCHERS
+                v = DISPATCHERS.index(v)
             vals.append(float(v))
         out[k] = np.asarray(vals, dtype=np.float64)
     return out

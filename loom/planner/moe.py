@@ -44,7 +44,13 @@ The layer structure is that of ``loom/models/moe.py`` / ``loom/parallel/expert.p
   an all-gather of the EP group's tokens (``2 e S h`` bytes gathered: every rank's whole
   ``[T, h]``, whatever u) and a reduce-scatter of the ``[e S k, h]`` outputs (``2 e S k h``
   bytes; ``ParallelDispatcher._allgather``), ring collectives on the slowest link the group
-  crosses: about ``e (1 + 1/k) / 2`` times the all-to-all's bytes at u = t.
+  crosses: about ``e (1 + 1/k) / 2`` times the all-to-all's bytes at u = t. The dispatcher
+  does not change the numbers (``--moe-token-dispatcher-type``'s help), so at EP > 1 the
+  search chooses it unless the flag, a config file or a preset names one (layout key
+  ``disp``, :func:`allgather_rows`): alltoall, which moves fewer bytes (allgather ``e (1 + k)
+  / 2k`` times them: Megatron's default is 30x the all-to-all at EP 64 across nodes,
+  DeepSeek-V3 on 2,048 H800), and allgather where it fits and alltoall does not (it keeps
+  less under loom's layer: :func:`loom.planner.refine.refine`, kind ``disp``).
 * ``--moe-grouped-gemm``: the local experts' GEMMs run as one grouped GEMM of all
   ``lambda S k u / t`` rows, whose efficiency is that of the whole row count instead of
   ``S k e u / (t E)`` per expert.
@@ -62,9 +68,12 @@ are modelled per pipeline stage with the MoE layers that stage holds
 
 from __future__ import annotations
 
+from typing import get_args
+
 import numpy as np
 
 from loom.config import ModelConfig
+from loom.config.model_moe import Dispatcher
 from loom.planner.hardware import Cluster
 from loom.planner.primitives import all_gather_time, all_reduce_time, gemm_efficiency, link
 
@@ -293,6 +302,21 @@ def moe_activation_bytes(model: ModelConfig, S, imbalance: float, pair_share=1.0
     return split, repl, rows * pair_share * 2 * w
 
 
+DISPATCHERS = get_args(Dispatcher)  # layout key ``disp`` indexes it: allgather, alltoall, flex
+
+
+def allgather_rows(model: ModelConfig, L: dict):
+    """Whether each row of layout ``L`` dispatches with ``allgather`` (bool array): its
+    ``disp`` code (:data:`DISPATCHERS`), the model's ``moe_token_dispatcher_type`` where the
+    code is -1 or absent."""
+    own = model.moe_token_dispatcher_type == "allgather"
+    d = L.get("disp")
+    if d is None:
+        return np.full(np.shape(L["tp"]), own)
+    d = np.asarray(d)
+    return np.where(d < 0, own, d == DISPATCHERS.index("allgather"))
+
+
 def all_to_all_time(n, per_node, nbytes, cluster: Cluster):
     """All-to-all of ``nbytes`` per GPU over ``n`` ranks of which ``per_node`` share a node
     (seconds): each GPU keeps ``1/n`` and sends ``(per_node - 1)/n`` of its bytes over NVLink and
@@ -378,8 +402,10 @@ def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
     # the latent projections, replicated: every TP rank projects all S tokens down and up
     latent = (4 * h * lat * S / (peak * gemm_efficiency(min(h, lat), S, cluster))
               if lat else 0.0)
-    a2a = dispatch_time(model.moe_token_dispatcher_type, e, ep_members_per_node(L, cluster),
-                        S * k * w, S * w, cluster, share)
+    per_node = ep_members_per_node(L, cluster)
+    a2a = np.where(allgather_rows(model, L),
+                   dispatch_time("allgather", e, per_node, S * k * w, S * w, cluster, share),
+                   dispatch_time("alltoall", e, per_node, S * k * w, S * w, cluster, share))
     tp_bw, tp_alpha = link(t > cluster.gpus_per_node, cluster)
     sp_gather = np.where(np.asarray(L.get("sp", 0.0)) > 0,
                          all_gather_time(t, 2 * S * h, tp_bw, tp_alpha), 0.0)

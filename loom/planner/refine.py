@@ -13,6 +13,7 @@ from loom.config import ModelConfig
 from loom.planner.context_parallel import CP_COMM_TYPES, a2a_divides
 from loom.planner.hardware import Cluster
 from loom.planner.layout import KEYS, Options
+from loom.planner.moe import DISPATCHERS
 from loom.planner.stages import block_recompute_options, max_chunk_layers
 
 
@@ -75,7 +76,11 @@ def refine(model: ModelConfig, cluster: Cluster, res: dict, opts: Options | None
     ``"block"``: ``--recompute-method block`` counts of fitting full-recompute rows (bound:
     the same layout without recompute, less its exposed DP time, which recompute can only
     hide more of; where recompute is fixed to full those layouts are evaluated with
-    ``evaluate``, :func:`loom.planner.search.evaluate`). None when nothing qualifies."""
+    ``evaluate``, :func:`loom.planner.search.evaluate`); ``"disp"``: the allgather twins of
+    the searched alltoall rows at EP > 1 that do not fit (allgather moves at least the
+    all-to-all's bytes, ``e (1 + k) / 2k`` times them, so it is never faster; under loom's
+    runtime it keeps ``e S k r w`` bytes less per MoE layer, :mod:`loom.planner.moe`; bound: the
+    alltoall row's time). None when nothing qualifies."""
     opts = opts or Options()
     thr = _threshold(res)
     parts = []
@@ -125,6 +130,11 @@ def refine(model: ModelConfig, cluster: Cluster, res: dict, opts: Options | None
         for n, rows in by_n.items():
             for k in block_recompute_options(n):
                 parts.append(_rows(res, np.asarray(rows), rcl=k))
+    if kind == "disp":
+        a2a, ag = DISPATCHERS.index("alltoall"), DISPATCHERS.index("allgather")
+        cand = np.nonzero((res["disp"] == a2a) & (res["ep"] > 1) & ~res["fits"]
+                          & (res["time_iteration"] < thr))[0]
+        parts.append(_rows(res, cand, disp=ag))
     parts = [p for p in parts if len(p["tp"])]
     if not parts:
         return None

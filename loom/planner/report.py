@@ -52,7 +52,8 @@ def format_table(records: list[dict], header: str = "") -> str:
             + (f"  split {r['pipeline_split']}" if r.get("first_stage_layers") else "")
             + (f"  cp {r['cp_comm_type']}" if r['cp'] > 1 and r.get("cp_comm_type", "p2p")
                != "p2p" else "")
-            + _etp_label("  etp ", r))
+            + _etp_label("  etp ", r)
+            + (f"  ep {r['moe_token_dispatcher_type']}" if r.get("ep", 1) > 1 else ""))
     if records:
         best = records[0]
         tt = best["time_terms_s"]

@@ -39,7 +39,7 @@ from loom.planner.layout import KEYS, RECOMPUTE, SCHEDULES, Options, num_microba
 from loom.planner.context_parallel import CP_COMM_TYPES, a2a_ranks
 from loom.planner.mamba import check_supported, is_hybrid, refuses_cp, tp_divides
 from loom.planner.memory import memory_terms
-from loom.planner.moe import expert_tp
+from loom.planner.moe import DISPATCHERS, expert_tp
 from loom.planner.refine import REFINE_TOP, cp_types, refine  # noqa: F401 - REFINE_TOP
 from loom.planner.stage_table import group_size_ok, recomputed_share, stage_slots
 from loom.planner.stages import (accounted_split, block_recompute_options, describe_counts,
@@ -126,6 +126,7 @@ def evaluate(model: ModelConfig, L: dict, global_batch_size: int, seq_length: in
     out["num_layers"] = model.num_layers
     out["mtp_layers"] = 0 if is_hybrid(model) else (model.mtp_num_layers or 0)
     out["cp_comm_default"] = opts.cp_comm_type
+    out["disp_default"] = model.moe_token_dispatcher_type
     # a2a+p2p: the all-to-all over the CP ranks of a node (context_parallel.cp_layer_cost)
     out["cp_a2a"] = a2a_ranks(cluster.gpus_per_node, L["tp"], L["cp"], opts.cp_a2a_size)
     out["fits"] = mem["total"] <= cluster.hbm_bytes
@@ -207,7 +208,14 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
                             base.append((t, p, d, c, v, b, lf, ll, e, cpts, u))
     rows = []
     zbv_ok = "zbv" in get_args(PipelineSchedule)
+    # the MoE dispatcher at EP > 1 (moe.py): the given one, else allgather and alltoall
+    disp_given = fixed.get("disp")
+    if isinstance(disp_given, str):
+        disp_given = DISPATCHERS.index(disp_given)
     for (t, p, d, c, v, b, lf, ll, e, cpts, u) in base:
+        # (alltoall first, allgather refined where it could fit and rank: refine.refine)
+        disps = ((disp_given,) if disp_given is not None else (0, 1) if variants else (1,)) \
+            if e > 1 else (-1,)
         sps = sp_options(model, t, c, s, fixed.get("sp"))
         # ZeRO-2/3 shard gradients/weights per micro-batch: not combined with PP (Megatron's
         # FSDP and DeepSpeed ZeRO-3 do not compose with its pipeline schedules).
@@ -230,8 +238,8 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch_size: i
         rcs = [(0, 0), (1, 0), (2, 0)] + ([(2, k) for k in block_recompute_options(
             max(lay.counts()) if lay is not None else max_chunk_layers(nl, p, v, lf, ll))]
             if variants else [])
-        for (rc, rcl), sp, z, zb, cpt in itertools.product(rcs, sps, zs, zbs, cpts):
-            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb, rcl, cpt, u))
+        for (rc, rcl), sp, z, zb, cpt, dsp in itertools.product(rcs, sps, zs, zbs, cpts, disps):
+            rows.append((t, p, d, c, v, b, rc, sp, z, lf, ll, e, zb, rcl, cpt, u, dsp))
     arr = np.asarray(rows, dtype=np.float64).reshape(-1, len(KEYS))
     L = {k: arr[:, i].copy() for i, k in enumerate(KEYS)}
     if lay is not None:
@@ -263,6 +271,11 @@ def _apply_fixed(L: dict, fixed: dict) -> dict:
             v = SCHEDULES.index(v)
         if k == "cpt" and isinstance(v, str):
             v = CP_COMM_TYPES.index(v)
+        if k == "disp":
+            if isinstance(v, str):
+                v = DISPATCHERS.index(v)
+            keep &= (L[k] == float(v)) | (L[k] < 0)  # -1: no EP, the model's own
+            continue
         keep &= L[k] == float(v)
     return {k: vv[keep] for k, vv in L.items()}
 
@@ -278,8 +291,9 @@ def search(model: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len
     # otherwise the variants are refined, only those the fixed keys leave (rcl 0: full
     # recompute of every layer, no block counts; a fixed ZeRO stage: no ZeRO-2 variants)
     exact = fixed.get("cpt") is not None or bool(fixed.get("rcl")) or fixed.get("zero") == 2
-    kinds = [k for k in ("zero2", "cp", "block")
+    kinds = [k for k in ("zero2", "cp", "block", "disp")
              if not (k == "zero2" and fixed.get("zero") is not None)
+             and not (k == "disp" and fixed.get("disp") is not None)
              and not (k == "block" and (fixed.get("rcl") == 0 or fixed.get("recompute")
                                         not in (None, "full", 2)))]
     group = fixed.get("vpg")
@@ -344,6 +358,8 @@ def record(res: dict, i: int) -> dict:
         "cp_comm_type": CP_COMM_TYPES[int(res["cpt"][i])] if "cpt" in res and res["cpt"][i] >= 0
         else (res.get("cp_comm_default") or "p2p"),
         "cp_a2a_size": int(res["cp_a2a"][i]) if "cp_a2a" in res else 1,
+        "moe_token_dispatcher_type": DISPATCHERS[int(res["disp"][i])]
+        if "disp" in res and res["disp"][i] >= 0 else res.get("disp_default", "allgather"),
         "memory_gb": float(res["mem_total"][i] / GB),
         "memory_terms_gb": {k: float(res[f"mem_{k}"][i] / GB) for k in MEMORY_TERMS},
         "time_terms_s": {k: float(res[f"time_{k}"][i]) for k in TIME_TERMS},

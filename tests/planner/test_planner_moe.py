@@ -326,10 +326,65 @@ def test_predict_layout_reads_ep():
     pred = predict_layout(cfg, 4, "H100-80GB")
     assert pred["layout"]["ep"] == 2 and pred["time_s"]["ep_comm"] > 0
     res = search(cfg.model, make_cluster("H100-80GB", 4), 16, 256,
-                 fixed=dict(tp=1, pp=1, ep=2, mbs=2, recompute="none", zero=0),
+                 fixed=dict(tp=1, pp=1, ep=2, mbs=2, recompute="none", zero=0,
+                            disp=cfg.model.moe_token_dispatcher_type),  # the run's dispatcher
                  opts=run_options(cfg))  # the run's own DP overlap and buckets
     assert record(res, int(res["order"][0]))["iteration_time_s"] == pytest.approx(
         pred["time_s"]["iteration"])
+
+
+def test_the_search_chooses_the_dispatcher_unless_one_is_given(capsys):
+    """DeepSeek-V3 on 2,048 H800 at its PP 16, EP 64 (arXiv 2412.19437 sec. 3.2): Megatron's
+    default allgather gathers the whole EP group's tokens on every rank (``e``-fold bytes over
+    the network), so the search takes alltoall and says so in the row and the command;
+    given ``--moe-token-dispatcher-type allgather``, the plan keeps it and prices it (its EP
+    time over 30x the all-to-all's). Held to allgather the dispatcher rows are those of the
+    search before it was searched (test_planner_mamba.py::test_moe_search_unchanged)."""
+    from loom.cli import main
+    base = ["plan", "deepseek-v3", "--gpu", "H800", "--num-gpus", "2048",
+            "--pipeline-model-parallel-size", "16", "--expert-model-parallel-size", "64",
+            "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
+            "--global-batch-size", "15360", "--seq-length", "4096", "--top", "1"]
+    got = {}
+    for extra in ([], ["--moe-token-dispatcher-type", "allgather"]):
+        with pytest.raises(SystemExit) as e:
+            main(base + extra + ["--json"])
+        assert e.value.code == 0
+        got[bool(extra)] = json.loads(capsys.readouterr().out)["layouts"][0]
+    searched, given = got[False], got[True]
+    assert searched["moe_token_dispatcher_type"] == "alltoall"
+    assert "--moe-token-dispatcher-type alltoall" in searched["command"]
+    assert given["moe_token_dispatcher_type"] == "allgather"
+    assert "--moe-token-dispatcher-type" not in given["command"]  # loom train's default
+    assert given["time_terms_s"]["ep_comm"] > 30 * searched["time_terms_s"]["ep_comm"]
+    assert searched["iteration_time_s"] < given["iteration_time_s"] / 10
+    with pytest.raises(SystemExit):
+        main(base)
+    assert "ep alltoall" in capsys.readouterr().out  # the table names it
+    # a dense model's rows carry no dispatcher choice: the model's own, one row each
+    res = search(get_preset("llama3-8b"), make_cluster("H100-80GB", 8), 64, 2048, dict(tp=1))
+    assert set(res["disp"]) == {-1.0}
+
+
+def test_allgather_is_refined_where_it_fits_and_alltoall_does_not():
+    """Under loom's own layer count (``layer_memory="loom"``, what ``loom plan`` plans) the
+    allgather dispatcher keeps ``e S k r w`` bytes less per MoE layer than alltoall
+    (layer_bytes.loom_moe_mlp_terms), so where an alltoall row does not fit its allgather twin
+    may: the search refines those twins (refine.refine, kind ``disp``) and some fit
+    (mixtral-8x7b on 32 H100: 16 of 3322); each twin is at least as slow and lighter."""
+    from loom.planner.layout import KEYS
+    from loom.planner.refine import _row_codes
+    res = search(get_preset("mixtral-8x7b"), make_cluster("H100-80GB", 32), 512, 4096, {},
+                 Options(flash_attention=True, layer_memory="loom"))
+    code = _row_codes([res[k] for k in KEYS if k != "disp"])
+    ag, a2a = np.nonzero(res["disp"] == 0)[0], np.nonzero(res["disp"] == 1)[0]
+    twin = {int(c): int(i) for c, i in zip(code[a2a], a2a)}
+    pairs = [(int(i), twin[int(code[i])]) for i in ag]
+    assert len(pairs) == len(ag) > 0
+    for i, j in pairs:
+        assert not res["fits"][j] and res["time_iteration"][i] >= res["time_iteration"][j]
+        assert res["mem_total"][i] < res["mem_total"][j]
+    assert sum(bool(res["fits"][i]) for i, _ in pairs) > 0
 
 
 # -- CLI ------------------------------------------------------------------------------------------
