@@ -546,6 +546,13 @@ def check(case: Case, tmp: Path) -> tuple:
     lw, lg = layout_of(want, case.num_gpus), layout_of(got, case.num_gpus)
     if "--tensor-model-parallel-size" not in given:  # SP given, TP searched: SP where t > 1
         lw["tp"] = lg["tp"]
+    first_last = (want.parallel.decoder_first_pipeline_num_layers,
+                  want.parallel.decoder_last_pipeline_num_layers)
+    if "--pipeline-model-parallel-size" not in given and lw["pp"] != lg["pp"] and any(
+            v is not None for v in first_last):
+        # PP searched: the given first / last stage counts, at the p the search chose
+        from loom.planner.stages import given_split
+        lw["lf"], lw["ll"] = given_split(want.model.num_layers, lg["pp"], *first_last) or (0, 0)
     for lay in (lw, lg):  # Megatron and loom: SP is off at TP 1 (arguments.py); expert TP 0: t
         lay["sp"] = int(bool(lay["sp"]) and lay["tp"] > 1)
         lay["etp"] = lay["etp"] or lay["tp"]

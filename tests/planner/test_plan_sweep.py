@@ -93,6 +93,17 @@ REGRESSIONS = [
     # GPUs picked CP once main searched MoE models with CP)
     ("no-cp-for-window-attention", f"{LLAMA} --num-gpus 8 --window-size 127,0 "
      "--context-parallel-size 2", 8, "refused", "not supported for --window-size"),
+    # --decoder-first-pipeline-num-layers with PP searched (grid:109 once the GPU table grew):
+    # the checker read the given count at PP 1 (0) against the command's PP 8 (7)
+    ("first-stage-layers-with-pp-searched", "llama3-70b --gpu V100-32GB --num-gpus 12288 "
+     "--num-layers 126 --global-batch-size 1536 --seq-length 512 --tensor-model-parallel-size "
+     "8 --recompute-granularity selective --decoder-first-pipeline-num-layers 7", 12288, "ok",
+     ""),
+    # MoE: the dispatcher is searched when not given, kept when given
+    ("dispatcher-searched", "mixtral-8x7b --gpu H100-80GB --num-gpus 64 "
+     "--expert-model-parallel-size 8", 64, "ok", ""),
+    ("dispatcher-given", "mixtral-8x7b --gpu H100-80GB --num-gpus 64 "
+     "--expert-model-parallel-size 8 --moe-token-dispatcher-type allgather", 64, "ok", ""),
 ]
 
 
