@@ -87,3 +87,18 @@ def test_mt_nlg_is_megatron_s_own_530b_slowed_by_its_pipeline_engine():
 def test_a_refused_plan_raises_with_its_message():
     with pytest.raises(RuntimeError, match="--gpu"):
         plan_json(["--gpu", "no-such-gpu", "--num-gpus", "8", "llama3-8b"])
+
+
+def test_readme_quotes_the_held_out_errors():
+    """README's sentence on the held-out runs states the largest error of Nemotron-4 340B and
+    the ranges of Nemotron-4 15B and MT-NLG, in whole percent (one decimal for the first)."""
+    import re
+    from pathlib import Path
+    text = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    worst = max(abs(r["error"]) for r in heldout_rows(NEMOTRON4_340B))
+    assert f"Nemotron-4 340B on 1,536-6,144 H100 within {100 * worst:.1f}%" in text
+    for name, entry in (("Nemotron-4 15B", NEMOTRON4_15B), ("MT-NLG 530B", MT_NLG_530B)):
+        errs = sorted(-100 * r["error"] for r in heldout_rows(entry))
+        m = re.search(re.escape(name) + r" (\d+)-(\d+)%", text)
+        assert m and (int(m.group(1)), int(m.group(2))) == (int(errs[0]), round(errs[-1])), (
+            name, errs)
