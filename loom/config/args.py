@@ -256,7 +256,7 @@ def _read_yaml_nodes(path: str) -> list[tuple[str, Any, int]]:
 
 
 def read_yaml_config(path: str, lines: dict | None = None,
-                     megatron: dict | None = None) -> dict:
+                     megatron: dict | None = None, notes: list | None = None) -> dict:
     """Flat ``{field: value}`` of a YAML config, each value coerced to its field's type;
     ``lines`` (if given) receives ``{field: line number}``, ``megatron`` (if given) the
     Megatron-only flags of the file (``transformer_impl: local``: ``{"--transformer-impl":
@@ -267,7 +267,14 @@ def read_yaml_config(path: str, lines: dict | None = None,
     wrong type; UnknownOptionError (a ConfigError) for an unknown key, with at most one
     suggestion (:func:`loom.errors.closest`: a typo of a known key, else "not supported by
     loom"); ``loom`` appends "see `loom COMMAND --help`" naming the command that ran.
+
+    A ``.toml`` file is a torchtitan job config (:mod:`loom.config.torchtitan`): read as
+    torchtitan reads it, its keys answered there; ``notes`` (if given) receives what loom says
+    about it at start.
     """
+    from loom.config.torchtitan import is_torchtitan_config, read_torchtitan_config
+    if is_torchtitan_config(path):
+        return read_torchtitan_config(path, lines, notes)
     known = field_section()
     hints = {f.name: get_type_hints(dc)[f.name] for dc in GROUPS.values() for f in fields(dc)}
     constructor = yaml.SafeLoader("")
@@ -320,8 +327,9 @@ def config_from_args(args: argparse.Namespace) -> LoomConfig:
     values: dict = {}
     lines: dict = {}
     megatron: dict = {}
+    notes: list = []
     if getattr(args, "config", None):
-        values.update(read_yaml_config(args.config, lines, megatron))
+        values.update(read_yaml_config(args.config, lines, megatron, notes))
     megatron.update(megatron_given(args))
     known = field_section()
     for k, v in vars(args).items():
@@ -343,4 +351,5 @@ def config_from_args(args: argparse.Namespace) -> LoomConfig:
             raise ConfigError(f"{args.config}:{line}: {e}") from None
     cfg = LoomConfig.from_flat(values)
     cfg.megatron_no_effect = no_effect
+    cfg.config_notes = notes
     return cfg

@@ -80,6 +80,9 @@ class LoomConfig:
     """The Megatron flags of the command line that loom accepts without effect, ``{flag:
     value}`` (:func:`loom.config.flag_table.no_effect_report` names them once at start); not
     options of the run: never stored in a checkpoint."""
+    config_notes: list = field(default_factory=list, compare=False, repr=False)
+    """What loom says at start about a ``--config`` file of another trainer (a torchtitan
+    TOML: :mod:`loom.config.torchtitan`), one line each; not options of the run."""
 
     # -- flat (Megatron-style) access -------------------------------------------------------
     def to_flat(self) -> dict:

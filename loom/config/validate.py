@@ -137,7 +137,7 @@ def check_fields(cfg: Any, model_type: Optional[str] = None) -> None:
     """Coerce every field of every section to its type and check its choices and bounds;
     ``model_type``: a family name accepted besides the built-in ``--model-type`` choices."""
     for section in dataclasses.fields(cfg):
-        if section.name in ("derived", "megatron_no_effect"):  # not sections
+        if section.name in ("derived", "megatron_no_effect", "config_notes"):  # not sections
             continue
         obj = getattr(cfg, section.name)
         hints = _hints(type(obj))

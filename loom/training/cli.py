@@ -231,6 +231,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
     from loom.models import resolve_config  # torch: not at this module's import
     flags = config_from_args(args)
     no_effect = flags.megatron_no_effect  # said at start (start_notes), not an option of the run
+    config_notes = flags.config_notes  # the same, of a torchtitan TOML
     world = dry_run_world(args, flags) if getattr(args, "dry_run", False) else \
         world_size_from_env()
     d = flags.data
@@ -310,6 +311,7 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
         if schedule:  # --use-checkpoint-opt-param-scheduler: merged the same way, validated
             cfg = resolve_config(LoomConfig.from_flat({**flags.to_flat(), **schedule}), world)
     cfg.megatron_no_effect = no_effect
+    cfg.config_notes = config_notes
     for note in notes if rank0 else ():
         print(note, flush=True)
     return cfg

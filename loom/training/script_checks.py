@@ -69,7 +69,7 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
     (:func:`loom.config.flag_table.no_effect_report`), and Megatron's rules that
     changed a given value. ``given``: the parsed command line (``vars(args)``)."""
     t, m = cfg.training, cfg.model
-    out = []
+    out = list(cfg.config_notes)  # a torchtitan TOML's differences (loom.config.torchtitan)
     report = no_effect_report(cfg.megatron_no_effect)
     if report:
         out.append(report)

@@ -1,0 +1,227 @@
+"""torchtitan job configs (``--config FILE.toml``, loom/config/torchtitan.py): every distinct
+train config in torchtitan's history (tests/unit/torchtitan_configs.json, 430 of them:
+``python -m benchmarks.torchtitan_corpus MIRROR``) is read or refused naming its key; the
+flavors are the published models; the learning rate is torchtitan's at every step;
+``loom train`` and ``loom plan`` take the file."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from loom.cli import main
+from loom.config import LoomConfig
+from loom.config.torchtitan import DEFAULTS, FLAVORS, KEYS, torchtitan_fields
+from loom.errors import ConfigError
+
+CORPUS = json.loads((Path(__file__).parent / "torchtitan_configs.json").read_text())
+LLAMA = ("llama", "llama2", "llama3")
+
+
+def _toml(cfg: dict) -> str:
+    """A TOML text of a parsed config (sections of scalars and lists, as torchtitan's are)."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+
+    def section(name, d):
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+        if scalars:
+            lines.append(f"[{name}]")
+            lines.extend(f"{k} = {value(v)}" for k, v in scalars.items())
+        for k, v in d.items():
+            if isinstance(v, dict):
+                section(f"{name}.{k}", v)
+    for name, d in cfg.items():
+        section(name, d)
+    return "\n".join(lines) + "\n"
+
+
+def _entry(path_end: str) -> dict:
+    """The newest corpus entry whose path ends so."""
+    return [e for e in CORPUS if e["path"].endswith(path_end)][-1]
+
+
+def test_every_config_of_torchtitans_history_is_read_or_refused_by_name():
+    """236 of the 430 read and validate at their own sizes (data-parallel size 2); the other
+    194 are refused in one line naming ``[model] name`` (190: Flux, Llama 4, DeepSeek, Qwen3,
+    gpt-oss, vision) or the key (torchtitan's SPMD experiment, TorchFT): every Llama config
+    but those is read."""
+    read, refused = 0, Counter()
+    for e in CORPUS:
+        name = e["config"].get("model", {}).get("name", DEFAULTS["model.name"])
+        try:
+            flat = torchtitan_fields(e["config"], e["path"])
+        except ConfigError as err:
+            msg = str(err)
+            assert msg.startswith(e["path"] + ": [") and "not supported" in msg, msg
+            refused["[model] name" if "[model] name" in msg else msg.split("] ")[1].split(
+                " =")[0]] += 1
+            assert name not in LLAMA or "torch_spmd" in msg or "fault_tolerance" in msg or \
+                "custom_args_module" in msg, msg
+            continue
+        world = (flat["tensor_model_parallel_size"] * flat["pipeline_model_parallel_size"]
+                 * flat["context_parallel_size"] * 2)
+        LoomConfig.from_flat(flat).validate(world)
+        read += 1
+    assert read == 236 and sum(refused.values()) == 194, (read, refused)
+    assert refused["[model] name"] == 190, refused
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert f"{read} of the {len(CORPUS)} distinct configs in torchtitan's history" in readme
+
+
+def test_flavors_are_the_published_models():
+    """Parameter counts (untied, V unpadded: torchtitan pads no vocabulary) equal the
+    Hugging Face checkpoints': Llama 3.1 8B / 70B / 405B, Llama 2 7B / 13B / 70B."""
+    from loom.planner.memory import total_params
+    counts = {("llama3", "8B"): 8_030_261_248, ("llama3", "70B"): 70_553_706_496,
+              ("llama3", "405B"): 405_853_388_800, ("llama2", "7B"): 6_738_415_616,
+              ("llama2", "13B"): 13_015_864_320, ("llama2", "70B"): 68_976_648_192}
+    for (name, flavor), want in counts.items():
+        flat = torchtitan_fields({"model": {"name": name, "flavor": flavor}})
+        model = LoomConfig.from_flat(flat).validate(8).model
+        assert total_params(model) == want, (name, flavor)
+    assert FLAVORS["llama3"]["8B"]["ffn_hidden_size"] == 14336
+
+
+def test_the_schedule_is_torchtitans_step_for_step():
+    """torchtitan's LambdaLR (components/lr_scheduler.py: linear warm-up ``(s + 1) / w``, a
+    stable phase, then decay over ``round(total x decay_ratio)`` steps, or all after the
+    warm-up, linear / sqrt / cosine down to ``min_lr_factor``), written out here from its
+    source, equals loom's learning rate at every step of the read config."""
+    from loom.training.param_schedule import lr_at
+
+    def torchtitan(step, warmup, total, ratio, kind, floor, lr):
+        decay = total - warmup if ratio is None else min(round(total * ratio), total - warmup)
+        stable_end = total + 1 - decay
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        if step < stable_end:
+            return lr
+        p = (step + 1 - stable_end) / decay
+        c = {"linear": 1 - p, "sqrt": 1 - math.sqrt(p),
+             "cosine": 0.5 * (1 + math.cos(math.pi * p))}[kind]
+        return lr * (floor + (1 - floor) * c)
+
+    for warmup, total, ratio, kind, floor in ((2, 10, 0.8, "linear", 0.0),
+                                              (200, 1000, 0.8, "cosine", 0.1),
+                                              (3, 20, None, "sqrt", 0.0),
+                                              (0, 10, None, "linear", 0.1)):
+        flat = torchtitan_fields({
+            "lr_scheduler": {"warmup_steps": warmup, "decay_ratio": ratio, "decay_type": kind,
+                             "min_lr_factor": floor},
+            "training": {"steps": total}, "optimizer": {"lr": 3e-4}})
+        if ratio is None:
+            flat = torchtitan_fields({
+                "lr_scheduler": {"warmup_steps": warmup, "decay_type": kind,
+                                 "min_lr_factor": floor},
+                "training": {"steps": total}, "optimizer": {"lr": 3e-4}})
+        t = LoomConfig.from_flat(flat).training
+        for s in range(total):
+            assert lr_at(s, t) == pytest.approx(
+                torchtitan(s, warmup, total, ratio, kind, floor, 3e-4), rel=1e-12, abs=1e-18), \
+                (warmup, total, ratio, kind, s)
+
+
+def test_keys_read_with_torchtitans_meaning():
+    flat = torchtitan_fields({
+        "training": {"local_batch_size": 4, "seq_len": 4096, "steps": 30, "max_norm": 2.0},
+        "parallelism": {"tensor_parallel_degree": 2, "data_parallel_shard_degree": -1},
+        "activation_checkpoint": {"mode": "full"},
+        "checkpoint": {"enable": True, "folder": "ckpt", "interval": 10, "keep_latest_k": 3},
+        "metrics": {"log_freq": 5, "enable_tensorboard": True},
+        "job": {"dump_folder": "/runs/a"}})
+    assert (flat["micro_batch_size"], flat["seq_length"], flat["train_iters"],
+            flat["clip_grad"]) == (4, 4096, 30, 2.0)
+    assert "global_batch_size" not in flat  # local x data-parallel size: Megatron's default
+    assert flat["tensor_model_parallel_size"] == 2 and flat["sequence_parallel"]
+    assert flat["use_torch_fsdp2"] and flat["bf16"]  # FSDP, bf16 parameters by default
+    assert (flat["recompute_granularity"], flat["recompute_method"]) == ("full", "uniform")
+    assert (flat["save"], flat["load"], flat["save_interval"], flat["keep_last"]) == (
+        "/runs/a/ckpt", "/runs/a/ckpt", 10, 3)
+    assert (flat["log_interval"], flat["tensorboard_dir"]) == (5, "/runs/a/tb")
+    assert (flat["adam_beta2"], flat["weight_decay"], flat["lr"]) == (0.95, 0.1, 8e-4)
+    assert flat["eval_iters"] == 0  # [validation] off
+    # older spellings, a pipeline (FSDP there is the distributed optimizer: the same numbers)
+    old = torchtitan_fields({"training": {"batch_size": 8, "pipeline_parallel_degree": 2,
+                                          "data_parallel_degree": -1, "global_batch_size": 64},
+                             "parallelism": {"pipeline_parallel_schedule": "Interleaved1F1B",
+                                             "pipeline_parallel_microbatch_size": 2}})
+    assert (old["pipeline_model_parallel_size"], old["micro_batch_size"],
+            old["global_batch_size"], old["num_virtual_stages_per_pipeline_rank"]) == (
+        2, 2, 64, 2)
+    assert old["use_distributed_optimizer"] and old["account_for_embedding_in_pipeline_split"]
+    # torchtitan's layer interval: as many layers recomputed, the first of each stage
+    sel = torchtitan_fields({"model": {"flavor": "8B"},
+                             "activation_checkpoint": {"selective_ac_option": "2"}})
+    assert (sel["recompute_method"], sel["recompute_num_layers"]) == ("block", 16)
+
+
+@pytest.mark.parametrize("config,words", [
+    ({"training": {"stepz": 3}}, "[training] stepz: unknown key (did you mean [training] steps?)"),
+    ({"model": {"name": "llama4"}}, "[model] name = 'llama4'"),
+    ({"checkpoint": {"initial_load_path": "/x"}}, "convert it to Hugging Face"),
+    ({"optimizer": {"name": "Adam"}}, "torch.optim.Adam with weight decay"),
+    ({"model": {"flavor": "9B"}}, "not a flavor of torchtitan's llama3"),
+    ({"parallelism": {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule":
+                      "DualPipeV"}}, "a schedule loom does not run"),
+    ({"parallelism": {"pipeline_parallel_degree": 2, "pipeline_parallel_microbatch_size": 1},
+      "training": {"local_batch_size": 4}}, "give [training] global_batch_size"),
+])
+def test_refusals_name_the_key_and_why(config, words):
+    with pytest.raises(ConfigError) as e:
+        torchtitan_fields(config, "x.toml")
+    assert str(e.value).startswith("x.toml: [") and words in str(e.value), str(e.value)
+
+
+def test_every_key_has_an_answer():
+    assert all(rule.kind in ("read", "quiet", "note", "refuse") for rule in KEYS.values())
+    assert all(k in KEYS for k in DEFAULTS)
+
+
+def test_loom_train_and_plan_take_a_torchtitan_toml(tmp_path, capsys):
+    """``loom train --config llama3_8b.toml --dry-run`` (torchtitan's file, 64 GPUs): Llama 3
+    8B's 8,030,261,248 parameters, FSDP, the differences said once at start; ``loom plan
+    --config`` plans the file's layout."""
+    path = tmp_path / "llama3_8b.toml"
+    path.write_text(_toml(_entry("llama3/train_configs/llama3_8b.toml")["config"]))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(path), "--dry-run", "--world-size", "64", "--mock-data",
+              "--gpu", "H100-80GB"])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None), out
+    assert "parameters: 8030261248" in out and "zero=3" in out
+    assert out.count("loom reads Megatron indexed datasets") == 1  # [training] and [validation]
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", str(path), "--gpu", "H100-80GB", "--num-gpus", "64",
+              "--top", "1", "--json"])
+    lay = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert e.value.code in (0, None) and (lay["tp"], lay["dp"], lay["zero"]) == (1, 64, 3)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nsteps = \n")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(bad), "--dry-run", "--mock-data"])
+    assert e.value.code == 2 and "not a valid TOML file" in capsys.readouterr().err
+
+
+def test_the_command_lines_flags_override_the_file(tmp_path, capsys):
+    """Flags given with ``--config FILE.toml`` win, as over a YAML: torchtitan's debug model
+    without FSDP."""
+    path = tmp_path / "debug.toml"
+    path.write_text(_toml(_entry("llama3/train_configs/debug_model.toml")["config"]))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(path), "--dry-run", "--world-size", "2", "--mock-data",
+              "--train-iters", "3", "--no-use-torch-fsdp2"])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None) and "zero=0" in out, out
