@@ -5,10 +5,13 @@ with ``tomllib``, one entry per distinct content: ``{"path", "commit", "config"}
 
     python -m benchmarks.torchtitan_corpus /work/.mirror/pytorch+torchtitan/repo \\
         > tests/unit/torchtitan_configs.json
+    python -m benchmarks.torchtitan_corpus /work/.mirror/pytorch+torchtitan/repo \\
+        --jobconfig-keys v0.2.2 > tests/unit/torchtitan_jobconfig_keys.json
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -39,8 +42,30 @@ def corpus(repo: str) -> list[dict]:
     return [e for e in seen.values() if e]
 
 
+def jobconfig_keys(repo: str, ref: str = "v0.2.2") -> list[str]:
+    """Every ``section.key`` of torchtitan's ``JobConfig`` at ``ref``
+    (``torchtitan/config/job_config.py``, read statically with ``ast``: nested dataclasses
+    expanded, ``training.dataloader.num_workers``)."""
+    tree = ast.parse(git(repo, "show", f"{ref}:torchtitan/config/job_config.py"))
+    classes = {n.name: [(s.target.id, ast.unparse(s.annotation)) for s in n.body
+                        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+               for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def expand(cls: str, prefix: str) -> list[str]:
+        out = []
+        for name, ann in classes[cls]:
+            out += expand(ann, f"{prefix}{name}.") if ann in classes else [prefix + name]
+        return out
+    return expand("JobConfig", "")
+
+
 def main(argv=None) -> int:
+    """``MIRROR``: the configs as JSON; ``MIRROR --jobconfig-keys [REF]``: the keys."""
     argv = sys.argv[1:] if argv is None else argv
+    if "--jobconfig-keys" in argv:
+        rest = argv[argv.index("--jobconfig-keys") + 1:]
+        print(json.dumps(jobconfig_keys(argv[0], *rest[:1]), indent=0))
+        return 0
     print(json.dumps(corpus(argv[0]), sort_keys=True, separators=(",", ":")).replace("},{", "},\n{"))
     return 0
 

@@ -256,6 +256,8 @@ KEYS: dict[str, Key] = {
         "min_replica_size", "semi_sync_method", "num_fragments", "sync_steps")},
     "validation.dataset": Key("note"), "validation.dataset_path": Key("note"),
     "validation.local_batch_size": Key("read"), "validation.seq_len": Key("quiet"),
+    **{f"{split}.dataloader.{k}": Key("quiet") for split in ("training", "validation")
+       for k in ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor")},
     "debug.seed": Key("read"), "debug.deterministic": Key("read"),
     "debug.deterministic_warn_only": Key("quiet"),
     "debug.moe_force_load_balance": _refuse("MoE routing (the llama models are dense)", False),

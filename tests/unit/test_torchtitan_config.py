@@ -186,6 +186,21 @@ def test_refusals_name_the_key_and_why(config, words):
 
 
 def test_every_key_has_an_answer():
+    """Every key of torchtitan v0.2.2's JobConfig (tests/unit/torchtitan_jobconfig_keys.json,
+    149: ``python -m benchmarks.torchtitan_corpus MIRROR --jobconfig-keys v0.2.2``) and of
+    every Llama config in its history has a row (FP8 / MX converter options: their
+    converter's); the other models' sections are refused with the model."""
+    from loom.config.torchtitan import FP8_SECTIONS, RENAMED
+    v022 = json.loads((Path(__file__).parent / "torchtitan_jobconfig_keys.json").read_text())
+    assert len(v022) == 149
+    def flat_keys(d: dict, pre: str = ""):
+        for k, v in d.items():
+            yield from flat_keys(v, f"{pre}{k}.") if isinstance(v, dict) else [pre + k]
+    llama_keys = {k for e in CORPUS if e["config"].get("model", {}).get("name", "llama3")
+                  in LLAMA for k in flat_keys(e["config"])}
+    for k in set(v022) | llama_keys:
+        k = RENAMED.get(k, k)
+        assert k in KEYS or k.startswith(FP8_SECTIONS), k
     assert all(rule.kind in ("read", "quiet", "note", "refuse") for rule in KEYS.values())
     assert all(k in KEYS for k in DEFAULTS)
 
