@@ -150,7 +150,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, common: tuple = COMMON
     if config_file:
         parser.add_argument("--config", default=None, metavar="FILE.yaml",
                             help="YAML file of the same keys (flat, or grouped by section "
-                                 "name); flags given on the command line override it")
+                                 "name), or a torchtitan job config (.toml); flags given on "
+                                 "the command line override it")
     add_help_all(parser)
     every = field_hints()
     if common:
