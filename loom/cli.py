@@ -172,6 +172,9 @@ class LoomArgumentParser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, exit with its status."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("train", "plan"):  # torchtitan's --job.config_file, --a.b VALUE
+        from loom.config.torchtitan import torchtitan_argv
+        argv = [argv[0], *torchtitan_argv(argv[1:])]
     parser = LoomArgumentParser(prog="loom")
     parser.add_argument("--version", action="version", version=f"loom {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -148,6 +148,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, common: tuple = COMMON
     ``help`` metadata written plainly (``80%``): ``%`` is escaped here, the one place, since
     argparse %-formats help when it renders ``--help``."""
     if config_file:
+        act = parser.add_argument("--torchtitan-set", action="append", default=None,
+                                  metavar="SECTION.KEY=VALUE", help=argparse.SUPPRESS)
+        act.loom_help = ("one torchtitan setting over a --config FILE.toml; torchtitan's "
+                         "--section.key VALUE is written to it")
         parser.add_argument("--config", default=None, metavar="FILE.yaml",
                             help="YAML file of the same keys (flat, or grouped by section "
                                  "name), or a torchtitan job config (.toml); flags given on "
@@ -257,7 +261,8 @@ def _read_yaml_nodes(path: str) -> list[tuple[str, Any, int]]:
 
 
 def read_yaml_config(path: str, lines: dict | None = None,
-                     megatron: dict | None = None, notes: list | None = None) -> dict:
+                     megatron: dict | None = None, notes: list | None = None,
+                     overrides: list | None = None) -> dict:
     """Flat ``{field: value}`` of a YAML config, each value coerced to its field's type;
     ``lines`` (if given) receives ``{field: line number}``, ``megatron`` (if given) the
     Megatron-only flags of the file (``transformer_impl: local``: ``{"--transformer-impl":
@@ -271,11 +276,16 @@ def read_yaml_config(path: str, lines: dict | None = None,
 
     A ``.toml`` file is a torchtitan job config (:mod:`loom.config.torchtitan`): read as
     torchtitan reads it, its keys answered there; ``notes`` (if given) receives what loom says
-    about it at start.
+    about it at start; ``overrides``: torchtitan's ``section.key=value`` command-line
+    settings over it (``--torchtitan-set``, :func:`loom.config.torchtitan.torchtitan_argv`).
     """
     from loom.config.torchtitan import is_torchtitan_config, read_torchtitan_config
     if is_torchtitan_config(path):
-        return read_torchtitan_config(path, lines, notes)
+        return read_torchtitan_config(path, lines, notes, overrides)
+    if overrides:
+        raise ConfigError(f"--{overrides[0].partition('=')[0]}: torchtitan's command line "
+                          f"applies to a torchtitan config: give --job.config_file FILE.toml "
+                          f"(or --config FILE.toml), or loom's own flag")
     known = field_section()
     hints = {f.name: get_type_hints(dc)[f.name] for dc in GROUPS.values() for f in fields(dc)}
     constructor = yaml.SafeLoader("")
@@ -330,7 +340,10 @@ def config_from_args(args: argparse.Namespace) -> LoomConfig:
     megatron: dict = {}
     notes: list = []
     if getattr(args, "config", None):
-        values.update(read_yaml_config(args.config, lines, megatron, notes))
+        values.update(read_yaml_config(args.config, lines, megatron, notes,
+                                       getattr(args, "torchtitan_set", None)))
+    elif getattr(args, "torchtitan_set", None):
+        read_yaml_config("", overrides=args.torchtitan_set)  # refused: no torchtitan file
     megatron.update(megatron_given(args))
     known = field_section()
     for k, v in vars(args).items():

@@ -6,7 +6,8 @@ configs to Python registries) configures a run with one TOML file of sections (`
 ``[training]``, ``[parallelism]``, ...). :func:`read_torchtitan_config` reads one the way
 torchtitan's ``JobConfig`` does (its dataclass defaults for what the file leaves out, v0.2.2's)
 and returns loom's fields, Megatron's names, so ``loom train --config llama3_8b.toml`` (and
-``loom plan --config ...``) runs what the file describes. Every key torchtitan's files have used
+``loom plan --config ...``) runs what the file describes; torchtitan's command line works too
+(``--job.config_file FILE.toml --training.steps 100``: :func:`torchtitan_argv`). Every key torchtitan's files have used
 (:data:`KEYS`: the 154 keys of the 477 distinct train_configs files in its history, plus v0.2.2's
 ``JobConfig`` fields) is one of:
 
@@ -295,8 +296,52 @@ def _where(path: str, key: str) -> str:
     return f"{path}: [{section}] {name}"
 
 
+SET_FLAG = "--torchtitan-set"  # hidden: one ``section.key=value`` of torchtitan's command line
+
+
+def torchtitan_argv(argv: list[str]) -> list[str]:
+    """``argv`` with torchtitan's command-line spellings made loom's: ``--job.config_file
+    FILE.toml`` is ``--config FILE.toml``; each ``--section.key VALUE`` (``=VALUE``; a flag
+    with no value is true; hyphens or underscores) is ``--torchtitan-set section.key=VALUE``,
+    applied over the file (:func:`read_torchtitan_config`'s ``overrides``), as torchtitan's
+    command line is over its TOML. Other words unchanged."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        w = argv[i]
+        name, eq, value = w.partition("=")
+        dotted = name.startswith("--") and "." in name and not name[2:3].isdigit()
+        if not dotted:
+            out.append(w)
+            i += 1
+            continue
+        key = name[2:].replace("-", "_")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and not nxt.startswith("--"):
+                value, i = nxt, i + 1
+            else:
+                value = "true"
+        i += 1
+        if key in ("job.config_file",):
+            out += ["--config", value]
+        else:
+            out += [SET_FLAG, f"{key}={value}"]
+    return out
+
+
+def _override_value(text: str):
+    """A command-line value as torchtitan's parser types it: a TOML value where it is one
+    (``100``, ``3e-4``, ``true``, ``[1, 2]``), else the string (``8B``)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
 def read_torchtitan_config(path: str, lines: Optional[dict] = None,
-                           notes: Optional[list] = None) -> dict:
+                           notes: Optional[list] = None,
+                           overrides: Optional[list] = None) -> dict:
     """loom's flat ``{field: value}`` of the torchtitan TOML at ``path`` (module docstring);
     ``lines`` (if given) receives ``{field: "[section] key"}``, ``notes`` the lines loom says
     at start (what it reads elsewhere or differently).
@@ -312,6 +357,15 @@ def read_torchtitan_config(path: str, lines: Optional[dict] = None,
         raise ConfigError(f"--config {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not a valid TOML file ({e})") from None
+    for item in overrides or ():  # torchtitan's --section.key VALUE, over the file
+        key, _, text = item.partition("=")
+        *sections, name = key.split(".")
+        d = raw
+        for sec in sections:
+            d = d.setdefault(sec, {})
+            if not isinstance(d, dict):
+                raise ConfigError(f"--{key}: {sec} is not a section of {path}")
+        d[name] = _override_value(text)
     return torchtitan_fields(raw, path, lines, notes)
 
 

@@ -181,7 +181,8 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     if args.config:  # the file's batch and parallel sizes fix the search like flags do
-        for key, value in read_yaml_config(args.config).items():
+        for key, value in read_yaml_config(args.config, overrides=getattr(
+                args, "torchtitan_set", None)).items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
     model, name, no_effect = _model_from_args(args)

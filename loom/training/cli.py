@@ -158,7 +158,8 @@ def given_fields(args: argparse.Namespace) -> set[str]:
     """Config fields set on the command line or in the ``--config`` YAML."""
     given = {k for k, v in vars(args).items() if v is not None}
     if getattr(args, "config", None):
-        given |= set(read_yaml_config(args.config))
+        given |= set(read_yaml_config(args.config,
+                                      overrides=getattr(args, "torchtitan_set", None)))
     return given
 
 

@@ -240,3 +240,32 @@ def test_the_command_lines_flags_override_the_file(tmp_path, capsys):
               "--train-iters", "3", "--no-use-torch-fsdp2"])
     out = capsys.readouterr().out
     assert e.value.code in (0, None) and "zero=0" in out, out
+
+
+def test_torchtitans_command_line_spelling(tmp_path, capsys):
+    """``--job.config_file FILE.toml`` and ``--section.key VALUE`` over it, as torchtitan's
+    run_train.sh passes them (hyphens or underscores, ``=VALUE``, a bare flag true; values
+    typed as TOML where they are one); without a torchtitan file they are refused."""
+    from loom.config.torchtitan import torchtitan_argv
+    assert torchtitan_argv(["--job.config_file", "a.toml", "--training.steps", "5",
+                            "--parallelism.tensor-parallel-degree=2", "--checkpoint.enable",
+                            "--mock-data", "--model.flavor", "8B"]) == [
+        "--config", "a.toml", "--torchtitan-set", "training.steps=5",
+        "--torchtitan-set", "parallelism.tensor_parallel_degree=2",
+        "--torchtitan-set", "checkpoint.enable=true", "--mock-data",
+        "--torchtitan-set", "model.flavor=8B"]
+    path = tmp_path / "debug.toml"
+    path.write_text(_toml(_entry("llama3/train_configs/debug_model.toml")["config"]))
+    from loom.config.torchtitan import read_torchtitan_config
+    got = read_torchtitan_config(str(path), overrides=["training.steps=3", "optimizer.lr=1e-3",
+                                                       "model.flavor=8B"])
+    assert (got["train_iters"], got["lr"], got["num_layers"]) == (3, 1e-3, 32)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--job.config_file", str(path), "--training.steps", "3",
+              "--parallelism.data_parallel_shard_degree", "1", "--dry-run", "--world-size",
+              "2", "--mock-data"])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None) and "zero=0" in out, out
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--training.steps", "3", "--mock-data", "--dry-run"])
+    assert e.value.code == 2 and "give --job.config_file FILE.toml" in capsys.readouterr().err
