@@ -1,7 +1,7 @@
 """``loom checkpoint inspect DIR``: what a checkpoint holds, without building a model;
 ``loom checkpoint convert --to-hf DIR OUT`` / ``--from-hf HF_DIR OUT`` (:mod:`.convert`),
 ``--to-megatron LOOM_CKPT --save OUT`` / ``--from-megatron DIR --save OUT [model flags]``
-(:mod:`.megatron.convert`).
+(:mod:`.megatron.convert`), ``--from-torchtitan FILE.toml STEP_DIR OUT``.
 
 A Megatron-LM / Megatron-Core checkpoint is named as such (:mod:`.megatron.inspect`: its format,
 iteration, the TP / PP it was saved at, its tensors under Megatron's keys); a directory that is
@@ -22,7 +22,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from loom.config.fields import opt
 from loom.errors import ConfigError
@@ -49,6 +49,10 @@ class CheckpointOptions:
                                      "(torch_dist or torch format, any TP/PP/EP) into a loom "
                                      "checkpoint; the model is its saved args' unless model "
                                      "flags are given here (listed by --help-all)")
+    from_torchtitan: Optional[str] = opt(
+        None, "convert: read a torchtitan checkpoint (a DCP step-N directory, model-only or "
+              "full) of the Llama model this torchtitan job config (FILE.toml) describes into "
+              "a loom checkpoint", metavar="FILE.toml")
     dtype: Literal["fp32", "bf16"] = opt("fp32", "--to-hf: the weights' dtype")
     max_shard_size: str = opt("5GB", "--to-hf: largest safetensors file, as transformers' "
                                      "max_shard_size (5GB, 500MB, 2GiB or bytes); a larger "
@@ -249,10 +253,14 @@ def _run(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> str:
     """``loom checkpoint convert``: the written directory."""
     out = args.out or args.save
-    if not out or not (args.to_hf or args.from_hf or args.to_megatron or args.from_megatron):
-        raise ConfigError("convert needs --to-hf, --from-hf, --to-megatron or --from-megatron "
-                          "and an output directory: loom checkpoint convert --to-hf CKPT_DIR "
-                          "OUT_DIR (or --save OUT_DIR)")
+    if not out or not (args.to_hf or args.from_hf or args.to_megatron or args.from_megatron
+                       or args.from_torchtitan):
+        raise ConfigError("convert needs --to-hf, --from-hf, --to-megatron, --from-megatron or "
+                          "--from-torchtitan FILE.toml and an output directory: loom checkpoint "
+                          "convert --to-hf CKPT_DIR OUT_DIR (or --save OUT_DIR)")
+    if args.from_torchtitan:
+        from loom.checkpoint.convert import from_torchtitan
+        return from_torchtitan(args.dir, out, args.from_torchtitan, args.overwrite)
     if args.to_megatron or args.from_megatron:
         from loom.checkpoint.megatron.convert import from_megatron, to_megatron
         if args.to_megatron:

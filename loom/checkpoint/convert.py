@@ -4,7 +4,8 @@ trained in loom leaves it (``--to-hf``: a directory ``from_pretrained`` and lm-e
 harness load as it is, :mod:`loom.checkpoint.hf_export`) and a Hugging Face model (or a
 Gemma 3 GGUF file) can be trained further (``--from-hf``: a loom checkpoint at iteration 0 with
 the model's ``tokenizer.json``, no optimizer state, that ``loom train --load`` resumes at any
-layout).
+layout). ``--from-torchtitan FILE.toml``: a torchtitan Llama checkpoint (its DCP step
+directory) the same way, through the Hugging Face names.
 """
 
 from __future__ import annotations
@@ -119,13 +120,8 @@ def from_hf(src: str, out_dir: str, overwrite: bool = False) -> str:
     from loom.checkpoint.targets import check_output_dir
     check_output_dir(out_dir, f"--from-hf output {out_dir}", overwrite, allow_import=True)
 
-    from loom.checkpoint.io import save_checkpoint
     from loom.interop.gguf import find_gguf, read_gguf
-    from loom.interop.hf import load_full_state_dict
     from loom.models import FamilyRegistry
-    from loom.parallel.mesh import ParallelMesh
-    from loom.parallel.parallelize import build_model
-    from loom.parallel.random import RNGTracker
     if not os.path.exists(src):
         raise ConfigError(f"--from-hf {src}: no such file or directory")
     families = FamilyRegistry()
@@ -141,14 +137,132 @@ def from_hf(src: str, out_dir: str, overwrite: bool = False) -> str:
             raise ConfigError(f"--from-hf {src}: model_type {kind!r}; {', '.join(known)} "
                               f"convert")
         cfg, full = family.hf.to_loom(hf, sd, f"--from-hf {src}")
-        mesh = ParallelMesh.single()
-        tracker = RNGTracker(mesh.device)
-        tracker.seed(0)
-        model = build_model(family, cfg, mesh, tracker, seed=None)
-        load_full_state_dict(model, {n: full[n] for n, _ in model.named_parameters()})
-        del full, sd
-        optimizer = torch.optim.AdamW(model.parameters())
-        # the model section only: an imported model has no training schedule to resume
-        return save_checkpoint(out_dir, 0, [model], optimizer, None, mesh, tracker,
-                               consumed_samples=0, config=dataclasses.asdict(cfg),
-                               tokenizer_file=tok if os.path.exists(tok) else None)
+        del sd
+        return _save_import(family, cfg, full, out_dir, tok if os.path.exists(tok) else None)
+
+
+def _save_import(family, cfg, full: dict, out_dir: str, tokenizer_file) -> str:
+    """A loom checkpoint (iteration 0, no schedule) of ``family``'s model ``cfg`` holding the
+    full (unsharded) tensors ``full`` under loom's names; returns its path."""
+    from loom.checkpoint.io import save_checkpoint
+    from loom.interop.hf import load_full_state_dict
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    from loom.parallel.random import RNGTracker
+    mesh = ParallelMesh.single()
+    tracker = RNGTracker(mesh.device)
+    tracker.seed(0)
+    model = build_model(family, cfg, mesh, tracker, seed=None)
+    load_full_state_dict(model, {n: full[n] for n, _ in model.named_parameters()})
+    full.clear()
+    optimizer = torch.optim.AdamW(model.parameters())
+    # the model section only: an imported model has no training schedule to resume
+    return save_checkpoint(out_dir, 0, [model], optimizer, None, mesh, tracker,
+                           consumed_samples=0, config=dataclasses.asdict(cfg),
+                           tokenizer_file=tokenizer_file)
+
+
+# torchtitan's Llama names (torchtitan/models/llama3/model/model.py) -> Hugging Face's
+_TT_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+             "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm"}
+
+
+def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Query / key rows ``[heads * d, h]`` from RoPE on adjacent pairs (torchtitan's, Meta's)
+    to RoPE on halves (Hugging Face's, loom's): within each head, rows ``0, 2, 4, ...`` then
+    ``1, 3, 5, ...`` (the permutation transformers' convert_llama_weights_to_hf applies)."""
+    rows, cols = w.shape
+    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def torchtitan_to_hf(model: dict, heads: int, kv_heads: int, where: str,
+                     halves: bool = True) -> dict:
+    """torchtitan's Llama tensors (``tok_embeddings.weight``, ``layers.N.attention.wq.weight``,
+    ...) under Hugging Face's names, the query / key rows reordered to RoPE on halves
+    (:func:`_halves`; ``halves=False``: as they are, for RoPE on adjacent pairs). Raises
+    ConfigError naming a tensor that is not one of torchtitan's Llama."""
+    ends = {"tok_embeddings.weight": "model.embed_tokens.weight",
+            "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    sd: dict = {}
+    for name, w in model.items():
+        if name in ends:
+            sd[ends[name]] = w
+            continue
+        parts = name.split(".")
+        inner = ".".join(parts[2:-1])
+        if parts[0] != "layers" or inner not in _TT_NAMES or parts[-1] != "weight":
+            raise ConfigError(f"{where}: tensor {name!r} is not one of torchtitan's Llama "
+                              f"(tok_embeddings, layers.N.attention.wq/wk/wv/wo, "
+                              f"layers.N.feed_forward.w1/w2/w3, norms, output)")
+        if halves and inner in ("attention.wq", "attention.wk"):
+            w = _halves(w, heads if inner == "attention.wq" else kv_heads)
+        sd[f"model.layers.{parts[1]}.{_TT_NAMES[inner]}.weight"] = w
+    return sd
+
+
+def read_dcp(path: str) -> dict:
+    """Every tensor of a torch.distributed.checkpoint directory, on CPU, in one process
+    (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``); nested state dicts
+    flattened with dots. Raises ConfigError when ``path`` holds no DCP checkpoint."""
+    import tempfile
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise ConfigError(f"{path}: no torch.distributed.checkpoint here (no .metadata): give "
+                          f"torchtitan's checkpoint/step-N directory")
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
+        raw = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
+    out: dict = {}
+    stack = [("", raw)]
+    while stack:
+        pre, d = stack.pop()
+        for k, v in d.items():
+            if isinstance(v, dict):
+                stack.append((f"{pre}{k}.", v))
+            elif isinstance(v, torch.Tensor):
+                out[pre + k] = v
+    return out
+
+
+def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = False) -> str:
+    """A loom checkpoint (iteration 0) in ``out_dir`` from torchtitan's checkpoint ``src`` (a
+    DCP ``step-N`` directory: model-only, or full with the model under ``model.``) of the Llama
+    model the torchtitan job config ``toml_path`` describes
+    (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped to
+    Hugging Face's, each head's query / key rows reordered from RoPE on adjacent pairs to
+    RoPE on halves (:func:`_halves`: the same model), then the LLaMA family's Hugging Face
+    import. Returns the checkpoint path. Raises ConfigError for a missing or non-DCP
+    ``src``, a config loom's torchtitan reader refuses, a tensor the model lacks or misses,
+    and an ``out_dir`` it may not write (as :func:`from_hf`)."""
+    from loom.checkpoint.targets import check_output_dir
+    from loom.config.torchtitan import read_torchtitan_config
+    from loom.models import FamilyRegistry
+    check_output_dir(out_dir, f"--from-torchtitan output {out_dir}", overwrite,
+                     allow_import=True)
+    f = read_torchtitan_config(toml_path)
+    a, g, h = f["num_attention_heads"], f["num_query_groups"], f["hidden_size"]
+    hf = {"model_type": "llama", "hidden_size": h, "intermediate_size": f["ffn_hidden_size"],
+          "num_hidden_layers": f["num_layers"], "num_attention_heads": a,
+          "num_key_value_heads": g, "vocab_size": f["vocab_size"], "rms_norm_eps": 1e-5,
+          "rope_theta": f["rotary_base"], "max_position_embeddings": f["seq_length"],
+          "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+          "mlp_bias": False}
+    if f["use_rope_scaling"]:  # torchtitan's Llama 3.1 frequency scaling (its RoPEScalingArgs)
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}
+    tt = read_dcp(src)
+    model = {k[len("model."):]: v for k, v in tt.items() if k.startswith("model.")} or tt
+    sd = torchtitan_to_hf(model, a, g, src)
+    family = FamilyRegistry().for_hf("llama")
+    where = f"--from-torchtitan {toml_path} {src}"
+    expected = 3 + 9 * f["num_layers"]
+    if len(sd) != expected:
+        raise ConfigError(f"{where}: {len(sd)} model tensors, the {toml_path} model has "
+                          f"{expected}: a checkpoint of another flavor?")
+    cfg, full = family.hf.to_loom(hf, sd, where)
+    del sd, tt, model
+    return _save_import(family, cfg, full, out_dir, None)

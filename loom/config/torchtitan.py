@@ -22,10 +22,12 @@ and returns loom's fields, Megatron's names, so ``loom train --config llama3_8b.
 
 Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``), flavors as torchtitan
 defines them (:data:`FLAVORS`): SwiGLU of width ``multiple_of``-rounded ``ffn_dim_multiplier x
-8 dim / 3``, RMSNorm, torchtitan's RoPE on adjacent pairs (``--rotary-interleaved``), Llama 3's
-with Llama 3.1's frequency scaling (factor 8, low 1, high 4, original 8192:
-``--use-rope-scaling``), untied output, no biases, V from the flavor (Llama 3's tokenizer,
-128,256; Llama 2's, 32,000; debugmodel 2,048).
+8 dim / 3``, RMSNorm, RoPE, Llama 3's with Llama 3.1's frequency scaling (factor 8, low 1, high
+4, original 8192: ``--use-rope-scaling``), untied output, no biases, V from the flavor (Llama
+3's tokenizer, 128,256; Llama 2's, 32,000; debugmodel 2,048). torchtitan rotates adjacent pairs
+of each head's dimensions, loom (as Hugging Face) its two halves: the same model up to a fixed
+reordering of each head's query and key rows, which ``loom checkpoint convert
+--from-torchtitan`` applies to torchtitan's weights (:func:`loom.checkpoint.convert.from_torchtitan`).
 
 Raises :class:`loom.errors.ConfigError` naming ``FILE.toml: [section] key``.
 """
@@ -443,7 +445,6 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
     put("disable_bias_linear", True, "model.name")
     put("untie_embeddings_and_output_weights", True, "model.name")
     put("position_embedding_type", "rope", "model.name")
-    put("rotary_interleaved", True, "model.name")  # torchtitan's complex RoPE: adjacent pairs
     put("norm_epsilon", 1e-5, "model.name")
     put("make_vocab_size_divisible_by", 1, "model.flavor")  # torchtitan pads no vocabulary
     norm = c.get("model.norm_type")
