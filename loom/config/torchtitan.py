@@ -223,8 +223,8 @@ KEYS: dict[str, Key] = {
     "checkpoint.last_save_model_only": Key("quiet"), "checkpoint.export_dtype": Key("quiet"),
     "checkpoint.enable_ft_dataloader_checkpoints": Key("quiet"),
     "checkpoint.initial_load_path": _refuse(
-        "a torchtitan checkpoint (its own tensor names): convert it to Hugging Face and read "
-        "it with `loom checkpoint --from-hf`", None),
+        "a torchtitan checkpoint (its own tensor names) to start from: convert it with `loom "
+        "checkpoint convert --from-torchtitan FILE.toml STEP_DIR OUT`, then --load OUT", None),
     "checkpoint.initial_load_model_only": Key("quiet"),
     "checkpoint.initial_load_in_hf": _refuse("a Hugging Face checkpoint to start from: "
                                              "`loom checkpoint --from-hf`, then --load", False),

@@ -171,7 +171,7 @@ def test_keys_read_with_torchtitans_meaning():
 @pytest.mark.parametrize("config,words", [
     ({"training": {"stepz": 3}}, "[training] stepz: unknown key (did you mean [training] steps?)"),
     ({"model": {"name": "llama4"}}, "[model] name = 'llama4'"),
-    ({"checkpoint": {"initial_load_path": "/x"}}, "convert it to Hugging Face"),
+    ({"checkpoint": {"initial_load_path": "/x"}}, "convert --from-torchtitan FILE.toml"),
     ({"optimizer": {"name": "Adam"}}, "torch.optim.Adam with weight decay"),
     ({"model": {"flavor": "9B"}}, "not a flavor of torchtitan's llama3"),
     ({"parallelism": {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule":
