@@ -149,6 +149,10 @@ def check_fresh_load(load: str, save: Optional[str]) -> None:
     others = sorted(n for n in os.listdir(load) if not n.startswith(".") and not
                     _PARTIAL.match(n) and n != LATEST + ".tmp")  # a first save cut short
     if others:
+        from loom.checkpoint.megatron.locate import diagnose
+        said = diagnose(load)  # another program's checkpoint (torchtitan's step-N, ...)
+        if said:
+            raise ConfigError(f"--load {load}: {said}")
         raise ConfigError(f"--load {load} holds no checkpoint (no {LATEST}, no iter_*) but other "
                           f"files ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): "
                           f"give the checkpoint directory (the --save of the run to resume)")

@@ -135,3 +135,27 @@ def test_refusals(tmp_path):
     short = {k: v for k, v in short.items() if not k.startswith("layers.5.")}
     with pytest.raises(ConfigError, match="another flavor"):
         from_torchtitan(_save(short, tmp_path / "s2"), str(tmp_path / "o3"), str(toml))
+
+
+def test_a_torchtitan_checkpoint_given_to_load_or_inspect_names_the_conversion(tmp_path,
+                                                                              capsys):
+    """torchtitan's ``[checkpoint] folder`` (its ``step-N`` directories) given to ``loom train
+    --load`` or ``loom checkpoint inspect``, or one step directory: one line naming
+    ``--from-torchtitan`` and the newest step, exit status 2."""
+    from loom.cli import main
+    toml = tmp_path / "debug.toml"
+    toml.write_text(TOML)
+    state = torchtitan_state(read_torchtitan_config(str(toml)))
+    root = tmp_path / "outputs" / "checkpoint"
+    for step in (5, 10):
+        _save(state, root / f"step-{step}")
+    for argv in (["train", "--load", str(root), "--config", str(toml), "--mock-data",
+                  "--dry-run"],
+                 ["checkpoint", "inspect", str(root)],
+                 ["checkpoint", "inspect", str(root / "step-5")]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        step = "step-5" if argv[-1].endswith("step-5") else "step-10"
+        assert e.value.code == 2 and "--from-torchtitan JOB.toml" in err and \
+            f"{root / step} is a torchtitan checkpoint" in err and err.count("\n") == 1, err

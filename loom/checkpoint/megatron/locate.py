@@ -148,13 +148,40 @@ def _megatron_iterations(root: str) -> list[int]:
                   if i is not None and format_of(os.path.join(root, f"iter_{i:07d}")))
 
 
+_TT_STEP = re.compile(r"^step-(\d+)$")
+
+
+def torchtitan_steps(path: str) -> list[int]:
+    """The steps of the torchtitan checkpoints in ``path`` (its ``step-N`` DCP directories,
+    torchtitan's ``[checkpoint] folder``), oldest first; [] when there are none."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_TT_STEP.match, names)
+                  if m and os.path.isfile(os.path.join(path, m.group(0), ".metadata")))
+
+
+def _torchtitan(step_dir: str) -> str:
+    return (f"{step_dir} is a torchtitan checkpoint (torch.distributed.checkpoint of "
+            f"torchtitan's names): convert it with `loom checkpoint convert --from-torchtitan "
+            f"JOB.toml {step_dir} OUT`, then --load OUT")
+
+
 def diagnose(path: str) -> Optional[str]:
     """One line saying what ``path`` (a directory that loom's own reader could not use) is, when
     it can be told: a Megatron checkpoint in a format loom does not read, a damaged Megatron
-    directory, a DCP directory of another program. None when nothing is recognized."""
+    directory, a torchtitan checkpoint (a ``step-N`` DCP directory, or the folder of them: the
+    newest named), a DCP directory of another program. None when nothing is recognized."""
     if not os.path.isdir(path):
         return None
     files = set(os.listdir(path))
+    steps = torchtitan_steps(path)
+    if steps:
+        return _torchtitan(os.path.join(path, f"step-{steps[-1]}"))
+    if ".metadata" in files and _TT_STEP.match(os.path.basename(os.path.normpath(path))) \
+            and "metadata.json" not in files and "common.pt" not in files:
+        return _torchtitan(os.path.normpath(path))
     meta = _json(os.path.join(path, "metadata.json")) if "metadata.json" in files else None
     if meta is not None and "sharded_backend" in meta:
         missing = [f for f in (".metadata", "common.pt") if f not in files]
