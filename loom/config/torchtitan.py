@@ -654,8 +654,11 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
         put("use_pytorch_profiler", True, "profiling.enable_profiling")
         put("profile_step_start", max(1, freq - active), "profiling.profile_freq")
         put("profile_step_end", freq, "profiling.profile_freq")
+        traces = f"{dump}/torch_profile" if c["metrics.enable_tensorboard"] else \
+            "./torch_profile"
         say(f"{path}: profiling: one window, iterations {max(1, freq - active)}-{freq} "
-            f"(torchtitan repeats it every {freq})")
+            f"(torchtitan repeats it every {freq}), traces in {traces} (not "
+            f"{dump}/{c['profiling.save_traces_folder']})")
     if c["profiling.enable_memory_snapshot"]:
         put("record_memory_history", True, "profiling.enable_memory_snapshot")
         put("memory_snapshot_path",
@@ -684,4 +687,110 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
 def is_torchtitan_config(path: Optional[str]) -> bool:
     """Whether ``--config PATH`` names a torchtitan TOML (by its ``.toml`` suffix)."""
     return bool(path) and str(path).lower().endswith(".toml")
+
+
+# what each "read" key becomes (docs/torchtitan.md); the keys renamed from older spellings
+# point here through RENAMED
+READ_AS = {
+    "job.dump_folder": "the directory of --save / --load, --tensorboard-dir, snapshots",
+    "model.name": "the family's shape: RMSNorm, SwiGLU, RoPE, untied, no biases",
+    "model.flavor": "--num-layers, --hidden-size, heads, groups, --ffn-hidden-size, "
+                    "--vocab-size, --rotary-base, --use-rope-scaling",
+    "model.norm_type": "--normalization", "model.use_flex_attn": "--reset-attention-mask",
+    "model.attn_mask_type": "--reset-attention-mask (block_causal)",
+    "optimizer.name": "--optimizer adam (AdamW's decoupled decay)", "optimizer.lr": "--lr",
+    "optimizer.beta1": "--adam-beta1", "optimizer.beta2": "--adam-beta2",
+    "optimizer.eps": "--adam-eps", "optimizer.weight_decay": "--weight-decay",
+    "lr_scheduler.warmup_steps": "--lr-warmup-iters",
+    "lr_scheduler.decay_ratio": "--lr-decay-style WSD --lr-wsd-decay-iters",
+    "lr_scheduler.decay_type": "--lr-wsd-decay-style (sqrt: minus_sqrt)",
+    "lr_scheduler.min_lr_factor": "--min-lr (= lr x factor)",
+    "lr_scheduler.total_steps": "--lr-decay-iters",
+    "training.local_batch_size": "--micro-batch-size (the global batch: local x DP)",
+    "training.global_batch_size": "--global-batch-size", "training.seq_len": "--seq-length",
+    "training.max_norm": "--clip-grad", "training.steps": "--train-iters",
+    "training.mixed_precision_param": "--bf16", "training.mixed_precision_reduce":
+        "--grad-reduce-in-bf16 (bfloat16)", "training.enable_selective_ac": "recompute off",
+    "training.warmup_pct": "--lr-warmup-iters (steps x pct)",
+    "parallelism.data_parallel_replicate_degree": "FSDP2 over all DP ranks",
+    "parallelism.data_parallel_shard_degree": "--use-torch-fsdp2 (with PP: "
+                                              "--use-distributed-optimizer)",
+    "parallelism.tensor_parallel_degree": "--tensor-model-parallel-size --sequence-parallel",
+    "parallelism.pipeline_parallel_degree": "--pipeline-model-parallel-size",
+    "parallelism.context_parallel_degree": "--context-parallel-size",
+    "parallelism.pipeline_parallel_schedule": "--pipeline-schedule",
+    "parallelism.pipeline_parallel_microbatch_size": "--micro-batch-size (with PP)",
+    "parallelism.pipeline_parallel_first_stage_less_layers":
+        "--account-for-embedding-in-pipeline-split",
+    "parallelism.pipeline_parallel_last_stage_less_layers":
+        "--account-for-loss-in-pipeline-split",
+    "parallelism.pipeline_parallel_layers_per_stage": "--num-layers-per-virtual-pipeline-stage",
+    "parallelism.expert_parallel_degree": "1 (dense models)",
+    "parallelism.expert_tensor_parallel_degree": "1 (dense models)",
+    "parallelism.context_parallel_load_balancer": "loom's head-and-tail CP shards",
+    "parallelism.context_parallel_rotate_method": "--cp-comm-type allgather / p2p",
+    "activation_checkpoint.mode": "--recompute-granularity (full: uniform, 1 layer)",
+    "activation_checkpoint.selective_ac_option": "op: selective; N: --recompute-method block",
+    "metrics.log_freq": "--log-interval", "metrics.enable_tensorboard": "--tensorboard-dir",
+    "metrics.save_tb_folder": "--tensorboard-dir", "metrics.enable_wandb":
+        "--wandb-project torchtitan",
+    "checkpoint.enable": "--save / --load", "checkpoint.folder": "--save / --load",
+    "checkpoint.interval": "--save-interval", "checkpoint.keep_latest_k": "--keep-last",
+    "checkpoint.async_mode": "--async-save", "checkpoint.load_step": "--ckpt-step",
+    "validation.enable": "--eval-iters 0 when off", "validation.freq": "--eval-interval",
+    "validation.steps": "--eval-iters", "validation.local_batch_size":
+        "--eval-micro-batch-size",
+    "profiling.enable_profiling": "--profile --use-pytorch-profiler",
+    "profiling.profile_freq": "--profile-step-start / --profile-step-end",
+    "profiling.profiler_active": "--profile-step-start",
+    "profiling.save_traces_folder": "said at start: loom's traces go to torch_profile beside "
+                                    "--tensorboard-dir",
+    "profiling.enable_memory_snapshot": "--record-memory-history",
+    "profiling.save_memory_snapshot_folder": "--memory-snapshot-path",
+    "compile.enable": "--compile (not with FSDP2)", "comm.init_timeout_seconds":
+        "--distributed-timeout-minutes", "debug.seed": "--seed",
+    "debug.deterministic": "--deterministic-mode",
+}
+
+
+def docs_markdown() -> str:
+    """docs/torchtitan.md: every key and what loom does with it (``python -m
+    loom.config.torchtitan docs/torchtitan.md``)."""
+    lines = ["# torchtitan job configs in loom", "",
+             "<!-- generated by `python -m loom.config.torchtitan docs/torchtitan.md` from "
+             "loom/config/torchtitan.py; do not edit -->", "",
+             "`loom train --config FILE.toml` (or torchtitan's own `--job.config_file FILE.toml "
+             "--section.key VALUE`) and `loom plan --config FILE.toml` read a torchtitan job "
+             "config with torchtitan v0.2.2's defaults for what it leaves out; `loom checkpoint "
+             "convert --from-torchtitan FILE.toml STEP_DIR OUT` reads its Llama checkpoints. "
+             "Models: " + ", ".join(f"{n} ({', '.join(FLAVORS[n])})" for n in FLAVORS) + ". "
+             "Each key below is read (as the loom flag named), said once at start, taken "
+             "without effect on what runs, or refused naming why.", "",
+             "| key | loom |", "|---|---|"]
+    old = {}
+    for o, new in RENAMED.items():
+        old.setdefault(new, []).append(o)
+    for key in sorted(KEYS):
+        rule = KEYS[key]
+        sec, _, name = key.rpartition(".")
+        what = {"read": READ_AS.get(key, "read"), "quiet": "no effect on what runs",
+                "note": "said at start: " + NOTES.get(key, ""),
+                "refuse": "refused: " + rule.why}[rule.kind]
+        if rule.kind == "refuse" and rule.allow:
+            what += " (accepted: " + ", ".join(repr(a) for a in rule.allow) + ")"
+        also = f" (also `{'`, `'.join(sorted(old[key]))}`)" if key in old else ""
+        lines.append(f"| `[{sec}] {name}`{also} | {what} |")
+    lines += ["", "Sections `[float8]`, `[quantize.*]`, `[mx]`: options of an FP8 / MX "
+              "converter, which loom names at start and trains without (bf16)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+    text = docs_markdown()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)
 

@@ -269,3 +269,15 @@ def test_torchtitans_command_line_spelling(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--training.steps", "3", "--mock-data", "--dry-run"])
     assert e.value.code == 2 and "give --job.config_file FILE.toml" in capsys.readouterr().err
+
+
+def test_the_docs_page_is_the_table():
+    """docs/torchtitan.md is generated from the key table (``python -m loom.config.torchtitan
+    docs/torchtitan.md``) and names every key."""
+    from loom.config.torchtitan import docs_markdown
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "torchtitan.md").read_text()
+    assert doc == docs_markdown(), "docs/torchtitan.md is stale: python -m " \
+        "loom.config.torchtitan docs/torchtitan.md"
+    for key in KEYS:
+        sec, _, name = key.rpartition(".")
+        assert f"`[{sec}] {name}`" in doc
