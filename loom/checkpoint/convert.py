@@ -243,6 +243,10 @@ def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = Fa
     check_output_dir(out_dir, f"--from-torchtitan output {out_dir}", overwrite,
                      allow_import=True)
     f = read_torchtitan_config(toml_path)
+    if f.get("qk_layernorm"):
+        raise ConfigError(f"--from-torchtitan {toml_path}: a Qwen3 checkpoint; loom converts "
+                          f"torchtitan's Llama checkpoints (convert a Qwen3 one to Hugging Face "
+                          f"with torchtitan, then --from-hf)")
     a, g, h = f["num_attention_heads"], f["num_query_groups"], f["hidden_size"]
     hf = {"model_type": "llama", "hidden_size": h, "intermediate_size": f["ffn_hidden_size"],
           "num_hidden_layers": f["num_layers"], "num_attention_heads": a,

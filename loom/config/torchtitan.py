@@ -20,8 +20,9 @@ and returns loom's fields, Megatron's names, so ``loom train --config llama3_8b.
   to load, TorchFT, ...), before anything starts. FP8 converters are said and trained in
   bf16, as loom takes Megatron's ``--fp8-format``.
 
-Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``), flavors as torchtitan
-defines them (:data:`FLAVORS`): SwiGLU of width ``multiple_of``-rounded ``ffn_dim_multiplier x
+Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``) and qwen3's dense
+flavors (QK norm, head dim 128, tied embeddings up to 4B), as torchtitan defines them
+(:data:`FLAVORS`); Llama's: SwiGLU of width ``multiple_of``-rounded ``ffn_dim_multiplier x
 8 dim / 3``, RMSNorm, RoPE, Llama 3's with Llama 3.1's frequency scaling (factor 8, low 1, high
 4, original 8192: ``--use-rope-scaling``), untied output, no biases, V from the flavor (Llama
 3's tokenizer, 128,256; Llama 2's, 32,000; debugmodel 2,048). torchtitan rotates adjacent pairs
@@ -84,13 +85,31 @@ FLAVORS: dict[str, dict[str, dict]] = {
 }
 # the older model name ``llama``: Llama 3's flavors where it has them, else Llama 2's
 FLAVORS["llama"] = {**FLAVORS["llama2"], **FLAVORS["llama3"]}
+
+
+def _qwen3(dim, n_layers, n_heads, hidden, tied, vocab=151936) -> dict:
+    """torchtitan's dense Qwen3 (v0.2.2 torchtitan/models/qwen3/__init__.py): head_dim 128,
+    8 KV groups, QK RMSNorm, RMSNorm eps 1e-6, RoPE base 1e6, no Llama 3.1 scaling."""
+    return dict(num_layers=n_layers, hidden_size=dim, num_attention_heads=n_heads,
+                num_query_groups=8, group_query_attention=True, kv_channels=128,
+                ffn_hidden_size=hidden, vocab_size=vocab, rotary_base=1e6,
+                use_rope_scaling=False, qk_layernorm=True, norm_epsilon=1e-6,
+                untie_embeddings_and_output_weights=not tied)
+
+
+FLAVORS["qwen3"] = {
+    "debugmodel": _qwen3(256, 8, 16, 3072, True, vocab=2048),
+    "0.6B": _qwen3(1024, 28, 16, 3072, True), "1.7B": _qwen3(2048, 28, 16, 6144, True),
+    "4B": _qwen3(2560, 36, 32, 9728, True), "8B": _qwen3(4096, 36, 32, 12288, False),
+    "14B": _qwen3(5120, 40, 40, 17408, False), "32B": _qwen3(5120, 64, 64, 25600, False),
+}
+QWEN3_MOE = ("debugmodel_moe", "30B-A3B", "235B-A22B")
 REFUSED_MODELS = {
     "flux": "a diffusion model",
     "llama4": "Llama 4's MoE with its interleaved chunked attention",
     "deepseek_v3": "DeepSeek-V3 as torchtitan builds it (give loom's flags: --num-experts ... "
                    "--multi-latent-attention, or `loom checkpoint --from-hf`)",
     "deepseek_v2": "DeepSeek-V2 as torchtitan builds it",
-    "qwen3": "Qwen3 as torchtitan builds it (give loom's flags or a Hugging Face config.json)",
     "gpt_oss": "gpt-oss as torchtitan builds it (give loom's --enable-gpt-oss flags)",
     "vlm": "a vision-language model", "llama3-siglip2": "a vision-language model",
     "hf_GPT2": "a Hugging Face model wrapped by torchtitan",
@@ -435,17 +454,21 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
                                 f"reader")
     if name not in FLAVORS:
         raise bad("model.name", f"a model loom does not know; one of {', '.join(FLAVORS)}")
+    if name == "qwen3" and flavor in QWEN3_MOE:
+        raise bad("model.flavor", "a Qwen3-MoE flavor: give loom's --num-experts flags or its "
+                                  "Hugging Face config.json; not supported by loom's torchtitan "
+                                  "reader")
     if flavor not in FLAVORS[name]:
         raise bad("model.flavor", f"not a flavor of torchtitan's {name}; one of "
                                   f"{', '.join(FLAVORS[name])}")
-    for field, value in FLAVORS[name][flavor].items():
-        put(field, value, "model.flavor")
     put("normalization", "RMSNorm", "model.name")
     put("swiglu", True, "model.name")
     put("disable_bias_linear", True, "model.name")
     put("untie_embeddings_and_output_weights", True, "model.name")
     put("position_embedding_type", "rope", "model.name")
     put("norm_epsilon", 1e-5, "model.name")
+    for field, value in FLAVORS[name][flavor].items():
+        put(field, value, "model.flavor")
     put("make_vocab_size_divisible_by", 1, "model.flavor")  # torchtitan pads no vocabulary
     norm = c.get("model.norm_type")
     if norm is not None:

@@ -135,6 +135,10 @@ def test_refusals(tmp_path):
     short = {k: v for k, v in short.items() if not k.startswith("layers.5.")}
     with pytest.raises(ConfigError, match="another flavor"):
         from_torchtitan(_save(short, tmp_path / "s2"), str(tmp_path / "o3"), str(toml))
+    qwen = tmp_path / "qwen.toml"
+    qwen.write_text('[model]\nname = "qwen3"\nflavor = "debugmodel"\n')
+    with pytest.raises(ConfigError, match="a Qwen3 checkpoint"):
+        from_torchtitan(str(tmp_path / "s2"), str(tmp_path / "o4"), str(qwen))
 
 
 def test_a_torchtitan_checkpoint_given_to_load_or_inspect_names_the_conversion(tmp_path,
