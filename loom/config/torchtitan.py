@@ -214,7 +214,7 @@ KEYS: dict[str, Key] = {
     "model.norm_type": Key("read"),
     "model.converters": Key("note"),
     "model.print_after_conversion": Key("quiet"),
-    "model.use_flex_attn": Key("read"), "model.attn_mask_type": Key("read"),
+    "model.use_flex_attn": Key("quiet"), "model.attn_mask_type": Key("read"),
     "optimizer.implementation": Key("quiet"),
     "optimizer.early_step_in_backward": Key("quiet"),
     "training.dataset": Key("note"), "training.dataset_path": Key("note"),
@@ -479,7 +479,7 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
         if norm == "np_layernorm":
             raise bad("model.norm_type", "a LayerNorm without parameters; not supported by "
                                          "loom")
-    if c.get("model.use_flex_attn") or c.get("model.attn_mask_type") == "block_causal":
+    if c.get("model.attn_mask_type") == "block_causal":  # (flex attention: a kernel choice)
         put("reset_attention_mask", True, "model.attn_mask_type")  # documents masked apart
         say(f"{path}: block-causal attention: loom masks at each end-of-document token "
             f"(--reset-attention-mask)")
@@ -719,7 +719,7 @@ READ_AS = {
     "model.name": "the family's shape: RMSNorm, SwiGLU, RoPE, untied, no biases",
     "model.flavor": "--num-layers, --hidden-size, heads, groups, --ffn-hidden-size, "
                     "--vocab-size, --rotary-base, --use-rope-scaling",
-    "model.norm_type": "--normalization", "model.use_flex_attn": "--reset-attention-mask",
+    "model.norm_type": "--normalization",
     "model.attn_mask_type": "--reset-attention-mask (block_causal)",
     "optimizer.name": "--optimizer adam (AdamW's decoupled decay)", "optimizer.lr": "--lr",
     "optimizer.beta1": "--adam-beta1", "optimizer.beta2": "--adam-beta2",
