@@ -173,6 +173,10 @@ def test_keys_read_with_torchtitans_meaning():
     sel = torchtitan_fields({"model": {"flavor": "8B"},
                              "activation_checkpoint": {"selective_ac_option": "2"}})
     assert (sel["recompute_method"], sel["recompute_num_layers"]) == ("block", 16)
+    # flex attention is a kernel; a block-causal mask keeps documents apart
+    assert "reset_attention_mask" not in torchtitan_fields({"model": {"use_flex_attn": True}})
+    assert torchtitan_fields({"model": {"attn_mask_type": "block_causal"}})[
+        "reset_attention_mask"]
 
 
 @pytest.mark.parametrize("config,words", [
