@@ -83,7 +83,9 @@ def _model_from_args(args) -> tuple[ModelConfig, str, dict]:
     if not model.vocab_size:
         raise ConfigError("--vocab-size is required for the planner (or use a preset)")
     model = _hybrid_depth(model, args)
-    no_effect = cfg.megatron_no_effect
+    no_effect = dict(cfg.megatron_no_effect)
+    if cfg.config_notes:  # a torchtitan TOML's differences, said as loom train says them
+        no_effect["config_notes"] = list(cfg.config_notes)
     h, a, g = model.hidden_size, model.num_attention_heads, model.num_kv_groups
     if None in (a, h, model.num_layers):
         raise ConfigError("--num-layers, --hidden-size and --num-attention-heads are required "

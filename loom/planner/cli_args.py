@@ -336,7 +336,8 @@ def unmodelled_note(args, no_effect: dict, model=None) -> list[str]:
     published Megatron runs), and the config fields of :data:`UNMODELLED` (``--optimizer adam``
     and ``sgd`` are priced: :func:`optimizer_option`)."""
     from loom.config.flag_table import no_effect_report
-    out = []
+    no_effect = dict(no_effect)
+    out = list(no_effect.pop("config_notes", ()))  # a torchtitan --config FILE.toml's
     report = no_effect_report(no_effect, command="loom plan")
     if report:
         out.append(report)

@@ -232,8 +232,10 @@ def test_loom_train_and_plan_take_a_torchtitan_toml(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--config", str(path), "--gpu", "H100-80GB", "--num-gpus", "64",
               "--top", "1", "--json"])
-    lay = json.loads(capsys.readouterr().out)["layouts"][0]
+    got = capsys.readouterr()
+    lay = json.loads(got.out)["layouts"][0]
     assert e.value.code in (0, None) and (lay["tp"], lay["dp"], lay["zero"]) == (1, 64, 3)
+    assert "loom plan: warning: " in got.err and "selective recompute 'op'" in got.err
     bad = tmp_path / "bad.toml"
     bad.write_text("[training]\nsteps = \n")
     with pytest.raises(SystemExit) as e:
