@@ -236,8 +236,10 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
     "--decoupled-lr": field(note="word embedding and output layer weights"),
     "--decoupled-min-lr": field(note="None: --min-lr"),
     "--exit-duration-in-mins": field(note="an int in Megatron"),
-    "--rampup-batch-size": field(note="nargs 3; refused in training"),
-    "--step-batch-size-schedule": field(note="one batch size accepted in training"),
+    "--rampup-batch-size": field(note="nargs 3; Megatron-Core <= 0.16's ramp (ignored since "
+                                      "532ad926)"),
+    "--step-batch-size-schedule": field(note="thresholds in tokens, as Megatron's training "
+                                             "reads them"),
     "--use-megatron-fsdp": field(note="loom: --zero-stage from the sharding strategy"),
     "--ckpt-format": field(default="loom_dcp", own=(
         "loom's own format keeps the generators, the data identities, checksums and async "

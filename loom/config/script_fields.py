@@ -76,12 +76,15 @@ class TrainingScriptFields:
                "micro-batch; accepted where every micro-batch has the same number of loss "
                "tokens (next-token families: identical), refused otherwise")
     rampup_batch_size: Optional[str] = opt(
-        None, "START INCREMENT SAMPLES: ramp the global batch size (training with it is not "
-              "implemented: refused; a dry run predicts the final --global-batch-size)",
+        None, "START INCREMENT SAMPLES: the global batch size starts at START and grows by "
+              "INCREMENT at equal intervals over the first SAMPLES samples up to "
+              "--global-batch-size (Megatron-Core <= 0.16's ramp; needs --train-samples; the "
+              "planner and a dry run take the final size)",
         words=True)
     step_batch_size_schedule: Optional[str] = opt(
-        None, "'SAMPLES:B ...' global batch size by consumed samples (K/M/B suffixes; "
-              "training with it is not implemented: refused; a dry run predicts the last B)")
+        None, "'TOKENS:B ...' the global batch size B from each number of consumed tokens on "
+              "(thresholds / --seq-length samples; K/M/B/T suffixes; Megatron-Core's step "
+              "schedule; the planner and a dry run take the last B)")
     log_num_zeros_in_grad: bool = opt(False, "log the number of zero gradient entries each "
                                              "iteration (each element once over the "
                                              "model-parallel ranks)")

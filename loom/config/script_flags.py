@@ -7,46 +7,17 @@ that depend on several flags (a single value loom refuses is a row of the flag t
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Optional
 
+from loom.config.batch_ramp import BatchRamp, parse_step_schedule
 from loom.config.debug_flags import check_debug_flags
 from loom.config.evaluation import check_evaluation
 from loom.config.optimizer_muon import check_muon
 from loom.config.schedule import resolve_schedule
 from loom.errors import ConfigError
 
-_SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
 SHARDING_TO_ZERO = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 """``--data-parallel-sharding-strategy`` of ``--use-megatron-fsdp`` -> loom's ZeRO stage."""
-
-
-def parse_step_schedule(text: str) -> list[tuple[int, int]]:
-    """``"0:16 2.4B:320 12B:1536"`` -> ``[(0, 16), (2400000000, 320), ...]``: (consumed
-    samples, global batch size) steps of ``--step-batch-size-schedule`` (suffixes K, M, B, T).
-
-    Raises ConfigError naming the flag for a malformed or unsorted schedule."""
-    out: list[tuple[int, int]] = []
-    for word in text.replace(",", " ").split():
-        m = re.fullmatch(r"([0-9.]+)([KMBT]?):([0-9]+)", word.strip())
-        if not m:
-            raise ConfigError(f"--step-batch-size-schedule {text!r}: {word!r} is not "
-                              f"SAMPLES:BATCH (e.g. '0:16 2.4B:320')")
-        out.append((int(float(m.group(1)) * _SUFFIX[m.group(2)]), int(m.group(3))))
-    if not out or out[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(out, out[1:])):
-        raise ConfigError(f"--step-batch-size-schedule {text!r}: the steps must start at 0 "
-                          f"samples and increase")
-    return out
-
-
-def parse_rampup(text: str) -> tuple[int, int, int]:
-    """``--rampup-batch-size START INCREMENT SAMPLES`` as three ints; ConfigError otherwise."""
-    words = text.split()
-    if len(words) != 3 or not all(w.isdigit() for w in words):
-        raise ConfigError(f"--rampup-batch-size {text!r}: give three integers START INCREMENT "
-                          f"SAMPLES (e.g. 32 32 1000000)")
-    start, incr, samples = (int(w) for w in words)
-    return start, incr, samples
 
 
 def _final_batch_size(t: Any) -> Optional[int]:
@@ -133,11 +104,7 @@ def _eval_batches(cfg: Any, world_size: int) -> None:
 
 
 def _batch_ramp(t: Any) -> None:
-    if t.rampup_batch_size and t.step_batch_size_schedule:
-        raise ConfigError("--rampup-batch-size and --step-batch-size-schedule both ramp the "
-                          "batch size: give one")
-    if t.rampup_batch_size:
-        parse_rampup(t.rampup_batch_size)
+    BatchRamp.from_training(t, None)  # refuses a malformed ramp, naming its flag
     final = _final_batch_size(t)
     if final is None:
         return

@@ -10,6 +10,7 @@ layer: they are handed in as a :class:`FamilyRules` (built by
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import (Any, Callable, Literal, Optional, Union, get_args, get_origin,
                     get_type_hints)
 
+from loom.config.batch_ramp import BatchRamp
 from loom.config.fault_spec import parse_fault
 from loom.config.fields import flag
 from loom.config.hybrid_pattern import resolve_hybrid_pattern
@@ -317,12 +319,13 @@ def _resolve_training(cfg: Any, world_size: int) -> None:
     ``--recompute-activations`` -> ``--recompute-granularity selective``; checks
     ``--lr-warmup-fraction``. Raises ConfigError naming the flags."""
     t = cfg.training
+    ramp = BatchRamp.from_training(t, cfg.model.seq_length)
     if t.train_samples is not None:
-        gbs = cfg.global_batch_size(world_size)
+        gbs = ramp.batch_at(0) if ramp else cfg.global_batch_size(world_size)
         if t.train_samples < gbs:
             raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
                               f"({gbs} samples): give at least {gbs}")
-        t.train_iters = t.train_samples // gbs
+        t.train_iters = ramp.train_iters(t.train_samples) if ramp else t.train_samples // gbs
     if t.lr_warmup_fraction is not None:
         if t.lr_warmup_fraction > 1:
             raise ConfigError(f"--lr-warmup-fraction {t.lr_warmup_fraction} must lie in [0, 1]")
@@ -408,6 +411,34 @@ def _check_precision(t: Any) -> None:
                           f"gradient ({tiny:.2g}) times it exceeds fp16's largest value {top:g}, "
                           f"so every step would overflow and be skipped; give at most "
                           f"{top / tiny:.3g} (2**16 and below are usual), or drop --loss-scale")
+
+
+def _check_ramp(cfg: Any, world_size: int, pipelined: bool) -> None:
+    """Every global batch size a batch-size ramp reaches within the run
+    (:class:`~loom.config.batch_ramp.BatchRamp`) is a multiple of b x d and, pipelined, a
+    micro-batch count the schedule takes (:func:`validate_pipeline` at that size). Raises
+    ConfigError naming the ramp's flag and the size."""
+    t = cfg.training
+    ramp = BatchRamp.from_training(t, cfg.model.seq_length)
+    if ramp is None:
+        return
+    unit = t.micro_batch_size * cfg.data_parallel_size(world_size)
+    for b in ramp.sizes(t.train_iters):
+        if b % unit:
+            raise ConfigError(f"{ramp.flag}: the global batch size {b} it reaches is not "
+                              f"divisible by --micro-batch-size {t.micro_batch_size} x "
+                              f"data-parallel size {unit // t.micro_batch_size} = {unit} (every "
+                              f"size must be, as in Megatron-LM): use sizes that are multiples "
+                              f"of {unit}")
+        if pipelined and b != t.global_batch_size:
+            trial = copy.copy(cfg)
+            trial.training = copy.copy(t)
+            trial.training.global_batch_size = b
+            try:
+                validate_pipeline(trial, world_size)
+            except ConfigError as e:
+                raise ConfigError(f"{ramp.flag}, at global batch size {b} ({b // unit} "
+                                  f"micro-batches): {e}") from None
 
 
 def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = None) -> None:
@@ -500,3 +531,6 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
     if pp > 1 or p.num_layers_per_virtual_pipeline_stage is not None or \
             p.pipeline_schedule != "1f1b" or p.pipeline_model_parallel_layout:
         validate_pipeline(cfg, world_size)
+        _check_ramp(cfg, world_size, pipelined=True)
+    else:
+        _check_ramp(cfg, world_size, pipelined=False)

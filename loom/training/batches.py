@@ -18,13 +18,16 @@ class BatchSource:
     per step in ``num_microbatches`` m = B / (b d) micro-batches per DP rank (both from the
     resolved config's ``derived``); ``seq_length`` s tokens per sample, ``hidden_size`` h (the
     pipeline's activation shape). ``sequence_parallel``: the activations between stages are
-    split by t. ``valid_sets``: the validation sets (several with
+    split by t. ``ramp``: a batch-size ramp (:class:`~loom.config.batch_ramp.BatchRamp`),
+    whose B at the consumed samples sets each training iteration's m (B above is its final
+    size). ``valid_sets``: the validation sets (several with
     ``--multiple-validation-sets``: a :class:`~loom.data.blended.DatasetList` in the valid
     slot), ``valid_ds`` the first."""
 
     def __init__(self, datasets: tuple[Any, Any, Any], mesh: ParallelMesh, micro_batch_size: int,
                  global_batch: int, num_microbatches: int, seq_length: int, hidden_size: int,
-                 sequence_parallel: bool = False, eval_sizes: Optional[tuple[int, int, int]] = None):
+                 sequence_parallel: bool = False, eval_sizes: Optional[tuple[int, int, int]] = None,
+                 ramp=None):
         self.train_ds, valid, self.test_ds = datasets
         self.valid_sets = list(valid) if isinstance(valid, list) else \
             [] if valid is None else [valid]
@@ -35,17 +38,25 @@ class BatchSource:
         self.sequence_parallel = sequence_parallel and mesh.tp_size > 1
         self.eval_micro_batch_size, self.eval_global_batch, self.eval_num_microbatches = \
             eval_sizes or (micro_batch_size, global_batch, num_microbatches)
+        self.ramp = ramp
+
+    def batch_at(self, consumed: int) -> int:
+        """B of the training iteration that starts after ``consumed`` samples: the ramp's
+        (``--rampup-batch-size``, ``--step-batch-size-schedule``) or the global batch."""
+        return self.global_batch if self.ramp is None else self.ramp.batch_at(consumed)
 
     @classmethod
-    def from_config(cls, cfg, mesh: ParallelMesh, datasets: tuple[Any, Any, Any]) -> "BatchSource":
+    def from_config(cls, cfg, mesh: ParallelMesh, datasets: tuple[Any, Any, Any],
+                    ramp=None) -> "BatchSource":
         """Sizes from a resolved LoomConfig: ``--micro-batch-size``, B and m of its ``derived``,
         ``--seq-length``, ``--hidden-size`` and ``--sequence-parallel``; evaluation's
-        ``--eval-micro-batch-size``, B_eval and m_eval."""
+        ``--eval-micro-batch-size``, B_eval and m_eval; ``ramp``: the batch-size ramp
+        (:class:`~loom.config.batch_ramp.BatchRamp`) or None."""
         t, m, d = cfg.training, cfg.model, cfg.require_derived()
         evals = (cfg.logging.eval_micro_batch_size, d.eval_global_batch_size,
                  d.eval_num_microbatches) if d.eval_num_microbatches else None
         return cls(datasets, mesh, t.micro_batch_size, d.global_batch_size, d.num_microbatches,
-                   m.seq_length, m.hidden_size, cfg.parallel.sequence_parallel, evals)
+                   m.seq_length, m.hidden_size, cfg.parallel.sequence_parallel, evals, ramp)
 
     def sets(self) -> tuple[tuple[str, Any], ...]:
         """``(("train", ds), ("valid", ds), ("test", ds))``."""
@@ -58,6 +69,8 @@ class BatchSource:
         ``evaluation``: m_eval micro-batches of b_eval samples (an evaluation iteration)."""
         b, m = (self.eval_micro_batch_size, self.eval_num_microbatches) if evaluation else \
             (self.micro_batch_size, self.num_microbatches)
+        if self.ramp is not None and not evaluation:  # this iteration's m = B / (b d)
+            m = self.ramp.batch_at(consumed) // (b * self.mesh.dp_size)
         return self.batches_of(dataset, microbatch_indices(consumed, b, m, self.mesh.dp_rank,
                                                            self.mesh.dp_size))
 

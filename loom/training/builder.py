@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
+from loom.config.batch_ramp import BatchRamp
 from loom.config.document_masks import document_plan
 from loom.config.parallel_cp import hierarchical_sizes
 from loom.data.blended import map_sets
@@ -184,7 +185,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     reducers = [chunk_reducer(c, mesh, cfg) for c in model.chunks]
     optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers,
                                 debug.timers, model_cfg=cfg.model)
-    scheduler = build_scheduler(optimizer, t, derived.global_batch_size)
+    ramp = BatchRamp.from_training(t, cfg.model.seq_length)  # --rampup-batch-size, ...
+    scheduler = build_scheduler(optimizer, t, derived.global_batch_size, ramp)
     schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size,
                             cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))
@@ -216,13 +218,13 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
             "--reset-attention-mask" if plan.attention else "--reset-position-ids")
         datasets = map_sets(lambda ds: DocumentResets(
             ds, eod, plan.positions, plan.attention, plan.own_documents), datasets)
-    data = BatchSource.from_config(cfg, mesh, datasets)
+    data = BatchSource.from_config(cfg, mesh, datasets, ramp)
     throughput = Throughput(
         data.global_batch * cfg.model.seq_length,
         model_flops_per_iteration(cfg.model, data.global_batch, cfg.model.seq_length),
         world_size, peak_flops_per_rank(mesh.device, cfg.logging.peak_tflops),
         predict_step_time(cfg, world_size), logged_metrics(cfg.model, family)
-        + (("kd loss",) if t.export_kd_teacher_load else ()))
+        + (("kd loss",) if t.export_kd_teacher_load else ()), batch=data.global_batch)
     if debug.straggler is not None:
         debug.straggler.flops_per_iter = throughput.flops_per_iter
     if cfg.logging.log_progress:  # progress.txt in --save (loom.training.progress_log)

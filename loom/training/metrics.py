@@ -69,24 +69,28 @@ class Throughput:
     """The measures of one training run that turn a step time into a record: ``tokens_per_iter``
     (B s), ``flops_per_iter`` (model FLOPs of one iteration, all ranks), ``world_size``,
     ``peak_flops`` (FLOP/s of one rank, None when unknown), ``predicted_step_s`` (the planner's
-    iteration time in seconds, None without a prediction) and ``logged`` (the ``loss_fn``
-    metrics each record carries)."""
+    iteration time in seconds, None without a prediction), ``logged`` (the ``loss_fn``
+    metrics each record carries) and ``batch`` (B samples of ``tokens_per_iter``; a record of
+    an iteration of another B, a batch-size ramp's, scales tokens and FLOPs by its share; 0:
+    never scaled)."""
     tokens_per_iter: int
     flops_per_iter: float
     world_size: int
     peak_flops: Optional[float] = None
     predicted_step_s: Optional[float] = None
     logged: tuple = ()
+    batch: int = 0
 
     def record(self, iteration: int, loss: float, lr: float, grad_norm: float, elapsed: float,
-               device: torch.device) -> dict:
+               device: torch.device, batch: Optional[int] = None) -> dict:
         """One training record: ``tokens_per_s``, ``step_time_s`` (s), ``tflops_per_rank``,
         ``mfu`` (None without a peak) and ``peak_memory_bytes``; on CUDA also
         ``peak_memory_reserved_bytes`` (``torch.cuda.max_memory_reserved``: the caching
         allocator's peak, which ``loom plan --calibrate-from`` fits its reserve on)."""
-        tflops = self.flops_per_iter / elapsed / self.world_size / 1e12
+        share = self._share([batch])
+        tflops = self.flops_per_iter * share / elapsed / self.world_size / 1e12
         rec = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-               "tokens_per_s": self.tokens_per_iter / elapsed, "step_time_s": elapsed,
+               "tokens_per_s": self.tokens_per_iter * share / elapsed, "step_time_s": elapsed,
                "tflops_per_rank": tflops,
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_memory_bytes": peak_memory_bytes(device)}
@@ -96,8 +100,16 @@ class Throughput:
 
     def average(self, window: list[dict]) -> dict:
         """:func:`average_window` of ``window`` with this run's measures."""
-        return average_window(window, self.tokens_per_iter, self.flops_per_iter / self.world_size,
-                              self.peak_flops)
+        share = self._share([r.get("batch_size") for r in window])
+        return average_window(window, self.tokens_per_iter * share,
+                              self.flops_per_iter * share / self.world_size, self.peak_flops)
+
+    def _share(self, batches: list) -> float:
+        """Mean B of ``batches`` (None: this run's B) over this run's B ``batch`` (a batch-size
+        ramp's iterations hold fewer samples than ``tokens_per_iter`` counts); 1 without one."""
+        if not self.batch:
+            return 1.0
+        return sum(b or self.batch for b in batches) / len(batches) / self.batch
 
 
 def _clock(seconds: float) -> str:

@@ -9,6 +9,10 @@ counts iterations, which is the same ratio everywhere but where Megatron clamps 
 weight-decay increment ends (``--train-samples``, not whole iterations). Loom takes the warm-up
 one step ahead (iteration i warms up as Megatron's count i + 1, so no step is spent at
 ``--lr-warmup-init``); from the end of the warm-up on, iteration i is Megatron's count i.
+Under a batch-size ramp (:mod:`loom.config.batch_ramp`) B varies, so a ``--train-samples`` run
+counts samples as Megatron does (:func:`sample_lengths`, :func:`lr_on`); a ``--train-iters``
+run keeps counting iterations (Megatron-LM's step schedule counts ``--lr-*-iters`` in units of
+b x d samples there, its ``--global-batch-size`` default).
 """
 
 from __future__ import annotations
@@ -36,18 +40,16 @@ def warmup_iters(cfg: TrainingConfig) -> int:
     return int(cfg.lr_warmup_fraction * (cfg.lr_decay_iters or cfg.train_iters))
 
 
-def _wsd_coeff(iteration: int, decay_iters: int, cfg: TrainingConfig) -> float:
-    """Warmup-stable-decay's coefficient of (max - min): 1 until the last
-    ``--lr-wsd-decay-iters`` A of the decay, then at fraction r = (i - (D - A)) / A of them
-    ``--lr-wsd-decay-style``: exponential 2 x 0.5^r - 1, linear 1 - r, cosine
-    (1 + cos(pi r)) / 2, minus_sqrt 1 - sqrt(r) (Hu et al. 2024, MiniCPM, sec. 4; Megatron's
-    ``get_lr`` WSD branch)."""
-    anneal = cfg.lr_wsd_decay_iters or 0
-    start = decay_iters - anneal
-    if iteration <= start:
+def _wsd_coeff(x: float, decay: float, anneal: float, style: str) -> float:
+    """Warmup-stable-decay's coefficient of (max - min): 1 until the last ``anneal`` A of the
+    decay D (``--lr-wsd-decay-iters``, in the schedule's count), then at fraction
+    r = (x - (D - A)) / A of them ``--lr-wsd-decay-style``: exponential 2 x 0.5^r - 1, linear
+    1 - r, cosine (1 + cos(pi r)) / 2, minus_sqrt 1 - sqrt(r) (Hu et al. 2024, MiniCPM, sec. 4;
+    Megatron's ``get_lr`` WSD branch)."""
+    start = decay - anneal
+    if x <= start:
         return 1.0
-    r = (iteration - start) / anneal
-    style = cfg.lr_wsd_decay_style
+    r = (x - start) / anneal
     if style == "exponential":
         return 2.0 * 0.5 ** r - 1.0
     if style == "linear":
@@ -71,40 +73,71 @@ def lr_at(iteration: int, cfg: TrainingConfig, max_lr: Optional[float] = None,
     (``batch`` = B samples an iteration, Megatron's count; it matters only without warm-up).
     ``max_lr`` / ``min_lr``: a parameter group's own (``--decoupled-lr``,
     ``--decoupled-min-lr``). Source: Megatron-Core ``OptimizerParamScheduler.get_lr``."""
+    return lr_on(iteration, iteration + 1, iteration_lengths(cfg), cfg, max_lr, min_lr, batch)
+
+
+def iteration_lengths(cfg: TrainingConfig) -> tuple[float, float, float]:
+    """(W, D, A) in iterations: warm-up (:func:`warmup_iters`), decay end (``--lr-decay-iters``,
+    default ``--train-iters``) and WSD's annealing (``--lr-wsd-decay-iters``)."""
+    return warmup_iters(cfg), cfg.lr_decay_iters or cfg.train_iters, cfg.lr_wsd_decay_iters or 0
+
+
+def sample_lengths(cfg: TrainingConfig, batch: int) -> tuple[float, float, float]:
+    """(W, D, A) in samples, Megatron's sample-based lengths (``get_optimizer_param_scheduler``):
+    D = ``--lr-decay-samples`` (default ``--train-samples``), W = ``--lr-warmup-fraction`` x D
+    or ``--lr-warmup-samples``, A = ``--lr-wsd-decay-samples`` (or ``--lr-wsd-decay-iters`` x
+    the final B ``batch``)."""
+    decay = cfg.lr_decay_samples if cfg.lr_decay_samples is not None else cfg.train_samples
+    warmup = cfg.lr_warmup_fraction * decay if cfg.lr_warmup_fraction is not None else \
+        cfg.lr_warmup_samples
+    anneal = cfg.lr_wsd_decay_samples if cfg.lr_wsd_decay_samples is not None else \
+        (cfg.lr_wsd_decay_iters or 0) * batch
+    return warmup, decay, anneal
+
+
+def lr_on(x: float, ahead: float, lengths: tuple[float, float, float], cfg: TrainingConfig,
+          max_lr: Optional[float] = None, min_lr: Optional[float] = None,
+          unit: int = 1) -> float:
+    """:func:`lr_at` in any count: ``x`` the step's position (iterations, or samples consumed
+    before it), ``ahead`` the position after it (loom's warm-up is one step ahead), ``lengths``
+    (W, D, A) in the same count (:func:`iteration_lengths`, :func:`sample_lengths`); ``unit``:
+    samples per count (inverse-square-root's clamp)."""
     peak = cfg.lr if max_lr is None else max_lr
     low = cfg.min_lr if min_lr is None else min_lr
-    decay_iters = cfg.lr_decay_iters or cfg.train_iters
-    warmup = warmup_iters(cfg)
-    if warmup > 0 and iteration <= warmup:
+    warmup, decay_iters, anneal = lengths
+    if warmup > 0 and x <= warmup:
         init = cfg.lr_warmup_init
-        return init + (peak - init) * min(iteration + 1, warmup) / warmup
+        return init + (peak - init) * min(ahead, warmup) / warmup
     style = cfg.lr_decay_style
     if style == "constant":
         return peak
-    if iteration > decay_iters:
+    if x > decay_iters:
         return low
     if style == "inverse-square-root":
-        return max(low, peak * math.sqrt(max(warmup * batch, 1)) / math.sqrt(
-            max(iteration * batch, 1)))
+        return max(low, peak * math.sqrt(max(warmup * unit, 1)) / math.sqrt(
+            max(x * unit, 1)))
     if style == "WSD":
-        coeff = _wsd_coeff(iteration, decay_iters, cfg)
+        coeff = _wsd_coeff(x, decay_iters, anneal, cfg.lr_wsd_decay_style)
     else:
-        frac = max(iteration - warmup, 0) / max(decay_iters - warmup, 1)
+        frac = max(x - warmup, 0) / max(decay_iters - warmup, 1)
         coeff = 1.0 - frac if style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
     return low + coeff * (peak - low)
 
 
-def wd_at(iteration: int, cfg: TrainingConfig, batch: int = 1) -> float:
+def wd_at(iteration: int, cfg: TrainingConfig, batch: int = 1,
+          done: Optional[int] = None) -> float:
     """Weight decay of optimizer step ``iteration`` before a group's multiplier: from
     ``--start-weight-decay`` to ``--end-weight-decay`` over the run (``--train-iters`` x B
     samples, or ``--train-samples``; ``batch`` = B), at fraction r of it r (linear) or
     (1 + cos(pi (1 - r))) / 2 (cosine), the end value after it; ``--weight-decay`` throughout
-    with the constant style. Source: Megatron-Core ``OptimizerParamScheduler.get_wd``."""
+    with the constant style. ``done``: the samples consumed before the step when B varies
+    (a batch-size ramp; default ``iteration`` x B). Source: Megatron-Core
+    ``OptimizerParamScheduler.get_wd``."""
     start, end = weight_decay_range(cfg)
     if cfg.weight_decay_incr_style == "constant":
         return end
     total = cfg.train_samples if cfg.train_samples is not None else cfg.train_iters * batch
-    done = iteration * batch
+    done = iteration * batch if done is None else done
     if done > total:
         return end
     r = done / total
@@ -118,25 +151,41 @@ class ParamScheduler(torch.optim.lr_scheduler.LambdaLR):
     (:func:`group_schedule`), that also sets each group's ``weight_decay`` to :func:`wd_at` x
     its ``wd_mult`` (1 for the weights, 0 for biases and norms: Megatron's per-group
     multiplier; a group without one: 1 if it was built with a weight decay, else 0) at every
-    step. ``last_epoch`` is the iteration. ``batch``: B samples an iteration. Its state dict is
+    step. ``last_epoch`` is the iteration. ``batch``: B samples an iteration (the final B of a
+    ramp). ``ramp``: a :class:`~loom.config.batch_ramp.BatchRamp`; with ``--train-samples`` the
+    schedule then counts samples as Megatron's does (iteration i at the samples consumed before
+    it, :func:`sample_lengths`), with ``--train-iters`` iterations. Its state dict is
     ``LambdaLR``'s (the config is not saved)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainingConfig, batch: int = 1):
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainingConfig, batch: int = 1,
+                 ramp=None):
         self._cfg, self._batch = cfg, batch
+        self._ramp = ramp if ramp is not None and cfg.train_samples is not None else None
         lambdas = []
         for group in optimizer.param_groups:
             peak, low = group_schedule(group, cfg)
             group.update(lr=peak, max_lr=peak, min_lr=low)  # LambdaLR's base: lr = base x f
             group.setdefault("wd_mult", 1.0 if group.get("weight_decay") else 0.0)
-            lambdas.append(lambda it, peak=peak, low=low: lr_at(it, cfg, peak, low, batch) / peak)
+            lambdas.append(lambda it, peak=peak, low=low: self.lr_of(it, peak, low) / peak)
         super().__init__(optimizer, lambdas)
+
+    def lr_of(self, iteration: int, peak: float, low: float) -> float:
+        """The learning rate of step ``iteration`` for a group of peak ``peak``, minimum
+        ``low``: :func:`lr_at`, or in samples under a sample-based ramp."""
+        ramp = self._ramp
+        if ramp is None:
+            return lr_at(iteration, self._cfg, peak, low, self._batch)
+        return lr_on(ramp.consumed_before(iteration), ramp.consumed_before(iteration + 1),
+                     sample_lengths(self._cfg, self._batch), self._cfg, peak, low)
 
     def step(self) -> None:  # noqa: D102 - LambdaLR's, then the weight decay
         super().step()
         self._set_weight_decay()
 
     def _set_weight_decay(self) -> None:
-        wd = wd_at(self.last_epoch, self._cfg, self._batch)
+        it = self.last_epoch
+        wd = wd_at(it, self._cfg, self._batch,
+                   None if self._ramp is None else self._ramp.consumed_before(it))
         for group in self.optimizer.param_groups:
             group["weight_decay"] = wd * group["wd_mult"]
 
@@ -146,7 +195,7 @@ class ParamScheduler(torch.optim.lr_scheduler.LambdaLR):
         weight decay are this schedule's at the loaded ``last_epoch``."""
         peaks = [group_schedule(g, self._cfg) for g in self.optimizer.param_groups]
         self.base_lrs = [peak for peak, _ in peaks]
-        lrs = [lr_at(self.last_epoch, self._cfg, peak, low, self._batch) for peak, low in peaks]
+        lrs = [self.lr_of(self.last_epoch, peak, low) for peak, low in peaks]
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
         self._last_lr = lrs
@@ -154,13 +203,15 @@ class ParamScheduler(torch.optim.lr_scheduler.LambdaLR):
 
     def state_dict(self) -> dict:  # noqa: D102 - LambdaLR's, without the config
         state = super().state_dict()
-        for key in ("_cfg", "_batch"):
+        for key in ("_cfg", "_batch", "_ramp"):
             state.pop(key, None)
         return state
 
 
-def build_scheduler(optimizer, cfg: TrainingConfig, batch: int = 1) -> ParamScheduler:
+def build_scheduler(optimizer, cfg: TrainingConfig, batch: int = 1,
+                    ramp=None) -> ParamScheduler:
     """The :class:`ParamScheduler` of ``optimizer`` (its inner ``torch.optim`` optimizer for a
     :class:`~loom.training.distributed_optimizer.DistributedOptimizer`); ``batch``: B, the
-    global batch in samples (the run's ``cfg.derived.global_batch_size``)."""
-    return ParamScheduler(getattr(optimizer, "optim", optimizer), cfg, batch)
+    global batch in samples (the run's ``cfg.derived.global_batch_size``); ``ramp``: the run's
+    batch-size ramp (:class:`~loom.config.batch_ramp.BatchRamp`) or None."""
+    return ParamScheduler(getattr(optimizer, "optim", optimizer), cfg, batch, ramp)

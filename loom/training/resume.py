@@ -7,7 +7,8 @@ or ``--lr-warmup-fraction`` of the decay, ``--lr-decay-style``, where the decay 
 ``--weight-decay-incr-style`` linear / cosine ``--start-weight-decay``, ``--end-weight-decay``
 and ``--train-iters``, where the increase ends: Megatron's ``OptimizerParamScheduler`` state
 ``max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd,
-wd_incr_steps, wd_incr_style``) or the global batch differs from the checkpoint's stored
+wd_incr_steps, wd_incr_style``) or the global batch (or its ramp: ``--rampup-batch-size``,
+``--step-batch-size-schedule``) differs from the checkpoint's stored
 config, the run is refused naming each difference (a longer ``--train-iters`` with the same
 decay end, or a constant schedule, resumes while the weight decay is constant), unless
 ``--override-opt-param-scheduler`` (these flags win) or ``--use-checkpoint-opt-param-scheduler``
@@ -88,6 +89,10 @@ def schedule_differences(saved: dict, cfg: Any) -> list[str]:
     batch, here = saved.get("global_batch_size"), cfg.require_derived().global_batch_size
     if batch is not None and batch != here:
         out.append(f"--global-batch-size {batch} in the checkpoint, {here} here")
+    for key in ("rampup_batch_size", "step_batch_size_schedule"):  # B by consumed samples
+        if key in saved and saved[key] != getattr(t, key):
+            out.append(f"--{key.replace('_', '-')} {saved[key]} in the checkpoint, "
+                       f"{getattr(t, key)} here")
     return out
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 from loom.config import LoomConfig
 from loom.config.document_masks import document_notes, document_plan
 from loom.config.flag_table import no_effect_report
-from loom.config.script_flags import parse_step_schedule
+from loom.config.batch_ramp import BatchRamp
 from loom.errors import ConfigError
 
 
 def refuse_unimplemented(cfg: LoomConfig) -> None:
     """Refuse a training run with a Megatron flag whose effect loom does not implement
-    (a batch-size ramp: ``--rampup-batch-size``, a ``--step-batch-size-schedule`` of several
-    sizes; ``--calculate-per-token-loss`` for a family whose micro-batches hold different
+    (``--calculate-per-token-loss`` for a family whose micro-batches hold different
     numbers of loss tokens; ``--eod-mask-loss`` or ``--sft`` for a family whose forward step is
     not GPT's, or with multi-token prediction; ``--eod-mask-loss`` without a known
     end-of-document id, or with ``--sft``). Raises
@@ -25,12 +24,6 @@ def refuse_unimplemented(cfg: LoomConfig) -> None:
     from loom.models.family import next_token_windows
     t = cfg.training
     todo = []
-    if t.rampup_batch_size:
-        todo.append("--rampup-batch-size (drop it: --global-batch-size from the start)")
-    if t.step_batch_size_schedule and \
-            len({b for _, b in parse_step_schedule(t.step_batch_size_schedule)}) > 1:
-        todo.append("--step-batch-size-schedule with more than one batch size (drop it: "
-                    "--global-batch-size from the start)")
     family = get_family(cfg.model.model_type)
     if t.calculate_per_token_loss and family.datasets is not next_token_windows:
         todo.append(f"--calculate-per-token-loss with --model-type {cfg.model.model_type}, "
@@ -97,10 +90,11 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
         out.append(f"--main-params-dtype {t.main_params_dtype} in an fp32 run: no effect (the "
                    f"fp32 parameters are their own master weights)")
     b = cfg.derived.global_batch_size if cfg.derived else None
+    ramp_free = not (t.rampup_batch_size or t.step_batch_size_schedule)  # else samples counted
     for name, iters in (("lr_warmup_samples", t.lr_warmup_iters),
                         ("lr_decay_samples", t.lr_decay_iters)):
         value = getattr(t, name)
-        if value and b and value % b:
+        if value and b and value % b and ramp_free:
             out.append(f"--{name.replace('_', '-')} {value} is {value / b:.2f} global batches "
                        f"of {b}: loom's schedule steps per iteration, over {iters}")
     from loom.models import get_family
@@ -108,8 +102,15 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
     if t.calculate_per_token_loss:
         out.append("--calculate-per-token-loss: every micro-batch holds the same number of loss "
                    "tokens, so the per-token and per-micro-batch averages are the same loss")
-    if t.step_batch_size_schedule and b:
-        out.append(f"--step-batch-size-schedule: global batch size {b} (its last step)")
+    ramp = BatchRamp.from_training(t, m.seq_length)
+    if ramp is not None:
+        out.append(ramp.describe() + (
+            "; the learning-rate schedule counts samples, as Megatron-LM's"
+            if t.train_samples is not None else
+            "; with --train-iters the learning-rate schedule counts iterations" + (
+                " (Megatron-LM refused --rampup-batch-size without --train-samples until "
+                "532ad926, and ignores the flag since)" if t.rampup_batch_size else
+                " (Megatron-LM's step schedule counts --lr-*-iters in units of b x d samples)")))
     if t.ckpt_format in ("torch", "torch_dcp", "fsdp_dtensor"):
         out.append(f"--ckpt-format {t.ckpt_format}: loom writes its own format (loom_dcp) "
                    f"instead (--load reads Megatron's torch and torch_dist checkpoints); "

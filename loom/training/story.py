@@ -73,8 +73,12 @@ def run_summary(history: list, evaluations: list, start_iteration: int, iteratio
     times (None without a peak), the last training ``loss``, the last ``valid_loss`` (None
     without a validation) and the last ``checkpoint`` saved (None without one)."""
     steps = sum(r["step_time_s"] for r in history)
-    tokens = tokens_per_iter * len(history)
-    tflops = flops_per_iter * len(history) / steps / world_size / 1e12 if steps else None
+    batch = tokens_per_iter // seq_length if seq_length else 0  # B; a ramp's records vary
+    sizes = [r.get("batch_size", batch) for r in history]
+    tokens, flops = tokens_per_iter * len(history), flops_per_iter * len(history)
+    if batch and any(b != batch for b in sizes):  # a batch-size ramp: each iteration its B
+        tokens, flops = sum(sizes) * seq_length, flops_per_iter * sum(sizes) / batch
+    tflops = flops / steps / world_size / 1e12 if steps else None
     valid = [e["valid_loss"] for e in evaluations if e.get("kind") == "valid"]
     return {"start_iteration": start_iteration, "iteration": iteration,
             "iterations": len(history), "tokens": tokens,

@@ -202,6 +202,7 @@ class Trainer:
         """One iteration: forward/backward of the next global batch, the optimizer step; returns
         its record (loss averaged over DP x CP, lr, grad norm, throughput, memory)."""
         lr = self.optimizer.param_groups[0]["lr"]
+        size = self.batch_size()
         start = time.perf_counter()
         with self.debug.batch_timer():
             batches = self.batches(self.train_ds, self.consumed_samples)
@@ -234,9 +235,9 @@ class Trainer:
                  for k in keys]
         loss_avg, bubble_avg, *extra = self._all_reduce([local, bubble, *extra])
         self.iteration += 1
-        self.consumed_samples += self.global_batch
-        rec = throughput.record(self.iteration, loss_avg, lr, norm, elapsed, m.device)
-        rec.update(self.consumed(), batch_size=self.global_batch)  # Megatron's batch-size
+        self.consumed_samples += size
+        rec = throughput.record(self.iteration, loss_avg, lr, norm, elapsed, m.device, size)
+        rec.update(self.consumed(), batch_size=size)  # Megatron's batch-size
         rec.update({k.replace(" ", "_"): v for k, v in zip(keys, extra)})
         if self.parts.model.scaler is not None:  # --fp16: the scale after this step's update
             rec["loss_scale"] = self.parts.model.scaler.scale
@@ -266,6 +267,11 @@ class Trainer:
         rec = self.evaluator.evaluate(self.parts.data.valid_ds if dataset is None else dataset,
                                       iters or self.cfg.logging.eval_iters, full)
         return None if rec is None else {"iteration": self.iteration, **rec, **self.consumed()}
+
+    def batch_size(self) -> int:
+        """B of the next iteration: the global batch, or a batch-size ramp's at the samples
+        consumed so far (``--rampup-batch-size``, ``--step-batch-size-schedule``)."""
+        return self.parts.data.batch_at(self.consumed_samples)
 
     def consumed(self) -> dict:
         """``consumed_samples`` and ``consumed_tokens`` (samples x s) so far, for the logs."""
@@ -331,12 +337,13 @@ class Trainer:
     def _skip(self, log: MetricsLogger) -> None:
         """``--iterations-to-skip``: the next iteration takes no step; its global batch is
         consumed (Megatron's ``dummy_train_step``), nothing logged but one line."""
+        size = self.batch_size()
         self.iteration += 1
-        self.consumed_samples += self.global_batch
+        self.consumed_samples += size
         log.advance()
         log.event("skip", {"iteration": self.iteration, **self.consumed()},
                   f" iteration {self.iteration}: skipped (--iterations-to-skip): its "
-                  f"{self.global_batch} samples consumed, no optimizer step")
+                  f"{size} samples consumed, no optimizer step")
 
     def train(self) -> list[dict]:
         """Train to ``--train-iters``; log, evaluate (every ``--eval-interval`` and once at the
@@ -356,6 +363,9 @@ class Trainer:
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
                   f"{self.parts.data.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")
+        if self.parts.data.ramp is not None:
+            log.print(f" {self.parts.data.ramp.describe()}: {self.batch_size()} at iteration "
+                      f"{self.iteration}")
         if self.resumed is not None:
             log.event("resume", self.resumed, " " + resume_line(self.resumed))
         if self.parts.checkpointer.progress is not None:  # --log-progress: "Starting job"
