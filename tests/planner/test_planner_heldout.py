@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.planner_sources.heldout import (MT_NLG_530B, NEMOTRON4_15B, NEMOTRON4_340B,
-                                                heldout_rows, plan_json, slowdown)
+                                                deepseek_v3_terms, heldout_rows, plan_json,
+                                                slowdown)
 from loom.planner.constants import FIT_SETS
 
 
 def test_held_out_sources_are_in_no_fit_set():
     fitted = {s for srcs in FIT_SETS.values() for s in srcs}
-    assert not any("Nemotron" in s or "MT-NLG" in s for s in fitted)
+    assert not any("Nemotron" in s or "MT-NLG" in s or "DeepSeek" in s for s in fitted)
 
 
 def test_nemotron4_340b_ramp_within_8_percent_and_its_trend():
@@ -102,3 +103,22 @@ def test_readme_quotes_the_held_out_errors():
         m = re.search(re.escape(name) + r" (\d+)-(\d+)%", text)
         assert m and (int(m.group(1)), int(m.group(2))) == (int(errs[0]), round(errs[-1])), (
             name, errs)
+
+
+def test_deepseek_v3_disagrees_by_the_terms_its_report_names():
+    """DeepSeek-V3 at its stated layout (PP 16, EP 64, no TP, no CP, 2,048 H800, batch 15,360)
+    is predicted 58.5 s against the 19.9 s its GPU hours give (+194%), and the planner names
+    why: the EP all-to-all is its largest term and equals the computation, as the report's
+    "computation-to-communication ratio is approximately 1:1" says; the published time lies
+    between the prediction without the exchanges DualPipe hides (32.4 s) and the prediction
+    with every stated difference taken out (FP8 GEMMs, no recomputation, half the bubble:
+    15.5 s)."""
+    ds = deepseek_v3_terms()
+    lay, t = ds["layout"], ds["terms"]
+    assert (lay["tp"], lay["pp"], lay["ep"], lay["cp"], lay["dp"]) == (1, 16, 64, 1, 128)
+    assert lay["fits"] and lay["moe_token_dispatcher_type"] == "alltoall"
+    assert ds["published_s"] == pytest.approx(19.9, abs=0.05)
+    assert 2.5 <= ds["predicted_s"] / ds["published_s"] <= 3.5, ds["predicted_s"]
+    assert max(t, key=t.get) == "ep_comm"
+    assert 0.8 <= t["ep_comm"] / (t["compute"] + t["recompute"] + t["elementwise"]) <= 1.25
+    assert ds["stated_removed_s"] < ds["published_s"] < ds["comm_hidden_s"]
