@@ -99,7 +99,9 @@ class MoEFields:
                     "aux loss); or none")
     moe_router_enable_expert_bias: bool = opt(
         False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the sigmoid "
-               "scores for the top-k choice, updated after each step from the global load")
+               "scores for the top-k choice, updated after each step from the global load; "
+               "with softmax scores added to the probabilities (torchtitan's router; "
+               "Megatron-LM refuses softmax with the bias)")
     moe_router_bias_update_rate: float = opt(1e-3, "step of the expert bias update: b += rate "
                                                    "* sign(mean load - load)", ge=0)
     moe_router_num_groups: Optional[int] = opt(
@@ -181,9 +183,6 @@ class MoEFields:
         Raises ConfigError naming the flag and a fix."""
         parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
         E, k = self.num_experts, self.moe_router_topk
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
-            raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
-                              "sigmoid or sqrtsoftplus (the bias shifts per-expert scores)")
         G, g = self.moe_router_num_groups, self.moe_router_group_topk
         if (G is None) != (g is None):
             raise ConfigError("group-limited routing needs both --moe-router-num-groups and "

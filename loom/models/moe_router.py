@@ -7,7 +7,10 @@ Formulas:
 * scores: ``softmax(logits)`` or ``sigmoid(logits)`` (DeepSeek-V3 eq. 15); selection by
   ``scores + expert_bias`` when the aux-loss-free bias is on (Wang et al. 2024, "Auxiliary-Loss-
   Free Load Balancing", arXiv 2408.15664, eq. 3; DeepSeek-V3 eq. 16), the combine weights from
-  the unbiased scores. Sigmoid weights are normalized over the k choices when k > 1.
+  the unbiased scores. Sigmoid weights are normalized over the k choices when k > 1. With
+  softmax scores the bias is added to the probabilities over all E (torchtitan's
+  ``TokenChoiceTopKRouter``, which loads its DeepSeek and Qwen3-MoE softmax routers so;
+  Megatron-Core refuses the bias with softmax).
 * group-limited routing (DeepSeek-V2 sec. 2.1.2 device-limited, DeepSeek-V3 node-limited): the
   E experts form G groups; a token keeps the ``group_topk`` groups with the highest sum of
   their top ``k / group_topk`` scores, then picks its k experts inside them.
@@ -146,7 +149,8 @@ def route(logits: torch.Tensor, k: int, score_function: str = "softmax",
 
     softmax: the top-k probabilities renormalized to sum 1 (Megatron's default, = softmax over
     the top-k logits), or with ``pre_softmax`` the softmax over all experts kept as is
-    (``--moe-router-pre-softmax``). sigmoid or sqrtsoftplus (``sqrt(softplus(logits))``):
+    (``--moe-router-pre-softmax``), the choice by the probabilities + ``expert_bias`` when
+    given (torchtitan's). sigmoid or sqrtsoftplus (``sqrt(softplus(logits))``):
     per-expert scores (+ ``expert_bias [E]`` for the choice only), top-k normalized to sum 1
     when k > 1; the balancing losses use them normalized over all E. ``balancing``: ``aux_loss``,
     ``seq_aux_loss`` (needs ``seq_batch = (s, b)``, tokens ordered ``[s, b]``),
@@ -182,6 +186,8 @@ def _topk(logits, k, score_function, pre_softmax, expert_bias, num_groups, group
     if score_function == "softmax":
         scores = logits.softmax(-1)
         choose = scores if pre_softmax or not group_topk else logits
+        if expert_bias is not None:  # torchtitan's router: the bias shifts the probabilities
+            choose = scores + expert_bias.to(scores.dtype)
     else:  # per-expert scores: sigmoid, or sqrtsoftplus (Megatron-LM d98e8a6's moe_utils)
         scores = logits.sigmoid() if score_function == "sigmoid" else \
             torch.nn.functional.softplus(logits).sqrt()

@@ -55,9 +55,52 @@ def test_aux_loss_uses_the_normalized_scores():
     assert float(r.aux_loss) == pytest.approx(want, rel=1e-9) and math.isfinite(want)
 
 
-def test_expert_bias_takes_sqrtsoftplus_not_softmax():
-    """Megatron d98e8a6 allows the aux-loss-free bias with sigmoid or sqrtsoftplus scores."""
+def test_expert_bias_takes_sqrtsoftplus_and_softmax():
+    """Megatron d98e8a6 allows the aux-loss-free bias with sigmoid or sqrtsoftplus scores; loom
+    also with softmax, as torchtitan's router has it (the bias added to the probabilities)."""
     flags = dict(num_experts=8, moe_router_topk=2, moe_router_enable_expert_bias=True)
     tiny_config("moe", moe_router_score_function="sqrtsoftplus", **flags).validate(1)
-    with pytest.raises(ConfigError, match="sigmoid or sqrtsoftplus"):
-        tiny_config("moe", moe_router_score_function="softmax", **flags).validate(1)
+    tiny_config("moe", moe_router_score_function="softmax", **flags).validate(1)
+
+
+def _torchtitan_router(logits, k, bias, route_norm, route_scale=1.0, groups=None, limited=None):
+    """torchtitan v0.2.2's ``TokenChoiceTopKRouter.forward`` with softmax scores, written out
+    with other ops (a sort, a loop over tokens): the choice by probabilities + bias, node-
+    limited to the ``limited`` groups of the highest top-2 sums, the weights the unbiased
+    probabilities, normalized over the k when ``route_norm``, times ``route_scale``."""
+    scores = torch.exp(logits - logits.logsumexp(-1, keepdim=True))
+    choice = scores + bias
+    experts = []
+    for row in choice:
+        if groups:
+            per = row.view(groups, -1)
+            best = torch.sort(per, -1, descending=True).values[:, :2].sum(-1)
+            keep = torch.sort(best, descending=True).indices[:limited]
+            row = torch.full_like(per, float("-inf")).index_copy(0, keep, per[keep]).view(-1)
+        experts.append(torch.sort(row, descending=True).indices[:k])
+    experts = torch.stack(experts)
+    top = scores.gather(1, experts)
+    if route_norm:
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+    return experts, top * route_scale
+
+
+@pytest.mark.parametrize("route_norm,groups", [(True, None), (False, None), (False, (4, 2))])
+def test_softmax_with_expert_bias_is_torchtitans_router(route_norm, groups):
+    """torchtitan's softmax routers (DeepSeek 16B: no renormalization, Megatron's
+    --moe-router-pre-softmax; Qwen3-MoE: renormalized, Megatron's default softmax; DeepSeek
+    236B: node-limited) with its load-balancing bias: the same experts and weights."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    bias = torch.randn(16, generator=g, dtype=torch.float64) * 0.05  # moves some choices
+    G, limited = groups or (None, None)
+    r = route(logits, 4, "softmax", pre_softmax=not route_norm, expert_bias=bias,
+              num_groups=G, group_topk=limited, scaling_factor=2.5)
+    experts, weights = _torchtitan_router(logits, 4, bias, route_norm, 2.5, G, limited)
+    assert torch.equal(r.experts.sort(-1).values, experts.sort(-1).values)
+    order = r.experts.argsort(-1), experts.argsort(-1)
+    torch.testing.assert_close(r.weights.gather(1, order[0]), weights.gather(1, order[1]),
+                               rtol=1e-12, atol=1e-15)
+    unbiased = route(logits, 4, "softmax", pre_softmax=not route_norm, num_groups=G,
+                     group_topk=limited)
+    assert not torch.equal(unbiased.experts.sort(-1).values, r.experts.sort(-1).values)

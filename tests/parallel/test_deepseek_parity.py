@@ -2,7 +2,8 @@
 (multi-token prediction with two depths in the TP=2 and CP=2 rows), and the "done when" model: a tiny DeepSeek-style model with every issue-24 flag (MLA + YaRN,
 multi-token prediction, sigmoid router with the aux-loss-free expert bias, group-limited
 routing, top-k scaling factor, seq_aux_loss, fp32 router, dense first layer, shared expert,
-grouped GEMM, alltoall dispatcher) at EP=2, EP=2 x TP=2 + SP and EP=2 x PP=2. Each row trains 3
+grouped GEMM, alltoall dispatcher) at EP=2, EP=2 x TP=2 + SP and EP=2 x PP=2, and torchtitan's
+softmax router with the expert bias (its DeepSeek 16B flavor's) at EP=2. Each row trains 3
 steps (fp32, no dropout) next to the single-process run of the same seed: loss, gradient norm
 and every gradient within rtol 1e-5, the expert biases (updated from the global load) equal,
 and each row asserts its features ran (MLA modules and the TP region of the shared RoPE key, the
@@ -39,8 +40,16 @@ def model_cfg(kind: str) -> ModelConfig:
                   yarn_original_max_position_embeddings=8)
     if kind == "mla_q":  # + MTP (two depths): at TP=2 and across the CP chunks
         return tiny_model("llama", common, mtp_num_layers=2)
-    if kind != "deepseek":
+    if kind not in ("deepseek", "softmax_bias"):
         return tiny_model("llama", common)
+    if kind == "softmax_bias":  # torchtitan's DeepSeek 16B router: softmax, no renormalization,
+        # its load-balancing bias on the probabilities (loom/config/torchtitan.py)
+        return tiny_model("llama", common, num_experts=8, moe_router_topk=4,
+                          moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=32,
+                          moe_layer_freq="([0]*1+[1]*3)", moe_router_score_function="softmax",
+                          moe_router_pre_softmax=True, moe_router_enable_expert_bias=True,
+                          moe_router_bias_update_rate=0.01, moe_router_dtype="fp32",
+                          moe_token_dispatcher_type="alltoall")
     return tiny_model(
         "llama", common, mtp_num_layers=1, mtp_loss_scaling_factor=0.3, num_experts=8,
         moe_router_topk=4, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
@@ -129,7 +138,7 @@ def parity(cases) -> list[dict]:
 
 CASES = [("mla_q", dict(tp=2)), ("mla", dict(tp=2, sp=True)), ("mla_q", dict(cp=2)),
          ("mla", dict(pp=2)), ("deepseek", dict(ep=2)), ("deepseek", dict(ep=2, tp=2, sp=True)),
-         ("deepseek", dict(ep=2, pp=2))]
+         ("deepseek", dict(ep=2, pp=2)), ("softmax_bias", dict(ep=2))]
 
 
 def test_mla_and_deepseek_parity_four_ranks():
@@ -145,8 +154,10 @@ def test_mla_and_deepseek_parity_four_ranks():
             if r["tp"] > 1:  # the shared key entered the TP region
                 assert f["region"] == ["_TensorParallelInput"], f
             assert bool(f["cp"]) == ("cp" in layout), f  # MLA's core ran over the CP group
-            if kind != "mla" and r["last"]:
+            if kind in ("mla_q", "deepseek") and r["last"]:
                 assert f["mtp"] == (2 if kind == "mla_q" else 1) and r["mtp_logged"], (f, r)
+            if kind == "softmax_bias":
+                assert f["bias_moved"] > 0, f  # the bias moved, and routes softmax choices
             if kind == "deepseek":
                 assert f["dispatchers"] == ["alltoall"], f
                 assert f["runners"] == ["run_experts_grouped"], f
