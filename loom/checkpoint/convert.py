@@ -243,9 +243,11 @@ def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = Fa
     check_output_dir(out_dir, f"--from-torchtitan output {out_dir}", overwrite,
                      allow_import=True)
     f = read_torchtitan_config(toml_path)
-    if f.get("qk_layernorm"):
-        raise ConfigError(f"--from-torchtitan {toml_path}: a Qwen3 checkpoint; loom converts "
-                          f"torchtitan's Llama checkpoints (convert a Qwen3 one to Hugging Face "
+    if f.get("qk_layernorm") or f.get("num_experts"):
+        what = "DeepSeek-V3" if f.get("multi_latent_attention") else \
+            "Qwen3-MoE" if f.get("num_experts") else "Qwen3"
+        raise ConfigError(f"--from-torchtitan {toml_path}: a {what} checkpoint; loom converts "
+                          f"torchtitan's Llama checkpoints (convert a {what} one to Hugging Face "
                           f"with torchtitan, then --from-hf)")
     a, g, h = f["num_attention_heads"], f["num_query_groups"], f["hidden_size"]
     hf = {"model_type": "llama", "hidden_size": h, "intermediate_size": f["ffn_hidden_size"],

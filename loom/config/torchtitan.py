@@ -16,13 +16,15 @@ and returns loom's fields, Megatron's names, so ``loom train --config llama3_8b.
   torchtitan's LambdaLR at every step);
 * a note printed once at start (:data:`NOTES`): what loom reads elsewhere or differently
   (the dataset, the tokenizer, torchtitan's op-level selective recompute);
-* refused, naming the key and why (Flux / Llama 4 / DeepSeek models, a torchtitan checkpoint
+* refused, naming the key and why (Flux / Llama 4 / gpt-oss models, a torchtitan checkpoint
   to load, TorchFT, ...), before anything starts. FP8 converters are said and trained in
   bf16, as loom takes Megatron's ``--fp8-format``.
 
-Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``) and qwen3's dense
-flavors (QK norm, head dim 128, tied embeddings up to 4B), as torchtitan defines them
-(:data:`FLAVORS`); Llama's: SwiGLU of width ``multiple_of``-rounded ``ffn_dim_multiplier x
+Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``), qwen3's dense
+flavors (QK norm, head dim 128, tied embeddings up to 4B) and MoE flavors, and deepseek_v3's
+(multi-latent attention, DeepSeek-MoE: :func:`_deepseek`, :func:`_moe`), as torchtitan
+defines them (:data:`FLAVORS`); ``[parallelism] expert_parallel_degree`` /
+``expert_tensor_parallel_degree`` are Megatron's EP / ETP; Llama's: SwiGLU of width ``multiple_of``-rounded ``ffn_dim_multiplier x
 8 dim / 3``, RMSNorm, RoPE, Llama 3's with Llama 3.1's frequency scaling (factor 8, low 1, high
 4, original 8192: ``--use-rope-scaling``), untied output, no biases, V from the flavor (Llama
 3's tokenizer, 128,256; Llama 2's, 32,000; debugmodel 2,048). torchtitan rotates adjacent pairs
@@ -103,12 +105,87 @@ FLAVORS["qwen3"] = {
     "4B": _qwen3(2560, 36, 32, 9728, True), "8B": _qwen3(4096, 36, 32, 12288, False),
     "14B": _qwen3(5120, 40, 40, 17408, False), "32B": _qwen3(5120, 64, 64, 25600, False),
 }
-QWEN3_MOE = ("debugmodel_moe", "30B-A3B", "235B-A22B")
+
+
+def _moe(experts: int, top_k: int, inter: int, shared: int = 0, score: str = "softmax",
+         route_norm: bool = False, route_scale: float = 1.0, groups: Optional[int] = None,
+         limited: Optional[int] = None) -> dict:
+    """torchtitan's ``MoEArgs`` (v0.2.2 torchtitan/models/moe/moe.py) as Megatron's router
+    flags: softmax without ``route_norm`` is ``--moe-router-pre-softmax``, with it Megatron's
+    default (the top-k renormalized); sigmoid with it is Megatron's sigmoid (normalized over
+    the k); ``route_scale`` the top-k scaling factor; node-limited routing the group flags;
+    torchtitan's default ``load_balance_coeff`` 1e-3 the aux-loss-free expert bias at rate 1e-3
+    (torchtitan centres each update, which shifts every expert's bias alike and so chooses
+    the same experts); ``num_shared_experts`` x ``moe_inter_dim`` one shared expert of that
+    width; the weights applied after the experts (``score_before_experts = False``)."""
+    out = dict(num_experts=experts, moe_router_topk=top_k, moe_ffn_hidden_size=inter,
+               moe_router_score_function=score, moe_router_enable_expert_bias=True,
+               moe_router_bias_update_rate=1e-3,
+               moe_router_pre_softmax=score == "softmax" and not route_norm)
+    if score == "sigmoid" and not route_norm:
+        raise ValueError("torchtitan's sigmoid router without route_norm has no Megatron flag")
+    if shared:
+        out["moe_shared_expert_intermediate_size"] = shared * inter
+    if route_scale != 1.0:
+        out["moe_router_topk_scaling_factor"] = route_scale
+    if groups:
+        out.update(moe_router_num_groups=groups, moe_router_group_topk=limited)
+    return out
+
+
+def _deepseek(vocab, dim, inter, moe_inter, n_layers, n_dense, n_heads, moe: dict,
+              q_lora_rank=0, mscale=1.0) -> dict:
+    """torchtitan's DeepSeek-V3 (v0.2.2 torchtitan/models/deepseek_v3/__init__.py and
+    model/args.py): multi-latent attention (kv rank 512, query / key heads of 128 + 64 RoPE
+    dimensions, values 128; no query compression at ``q_lora_rank`` 0; RMSNorm on the latents:
+    Megatron's ``--qk-layernorm`` under MLA), the first ``n_dense`` layers dense SwiGLU of
+    width ``inter``, the rest MoE (``moe``: :func:`_moe`), RoPE base 10,000; ``mscale`` is
+    YaRN's, used past the original 4,096 positions (:func:`_translate`)."""
+    return dict(num_layers=n_layers, hidden_size=dim, num_attention_heads=n_heads,
+                num_query_groups=n_heads, ffn_hidden_size=inter, vocab_size=vocab,
+                multi_latent_attention=True, qk_layernorm=True,
+                q_lora_rank=q_lora_rank or None, kv_lora_rank=512, qk_head_dim=128,
+                qk_pos_emb_head_dim=64, v_head_dim=128, rotary_base=10000.0, rope_type="rope",
+                use_rope_scaling=False, mscale=mscale, mscale_all_dim=mscale,
+                moe_layer_freq=f"([0]*{n_dense}+[1]*{n_layers - n_dense})", **moe)
+
+
+_DS_DEBUG = _deepseek(2048, 256, 1024, 256, 6, 1, 16, _moe(8, 3, 256, shared=2), mscale=0.70)
+FLAVORS["deepseek_v3"] = {
+    "debugmodel": _DS_DEBUG, "debugmodel_flex_attn": _DS_DEBUG,
+    "16B": _deepseek(102400, 2048, 10944, 1408, 27, 1, 16, _moe(64, 6, 1408, shared=2),
+                     mscale=0.70),
+    "236B": _deepseek(102400, 5120, 12288, 1536, 60, 1, 128,
+                      _moe(160, 6, 1536, shared=2, route_scale=16.0, groups=8, limited=3),
+                      q_lora_rank=1536),
+    "671B": _deepseek(129280, 7168, 18432, 2048, 61, 3, 128,
+                      _moe(256, 8, 2048, shared=1, score="sigmoid", route_norm=True,
+                           route_scale=2.5, groups=8, limited=4), q_lora_rank=1536),
+}
+DEEPSEEK_ROPE = dict(original_seq_len=4096, rope_factor=40.0, beta_fast=32, beta_slow=1)
+"""torchtitan's DeepSeek-V3 RoPE defaults (model/args.py): YaRN over 4,096 original positions
+by a factor 40, applied only when ``[training] seq_len`` exceeds them."""
+
+
+def _qwen3_moe(dim, n_layers, n_heads, n_kv_heads, hidden, experts, moe_inter, vocab=151936,
+               rope_theta=1e6) -> dict:
+    """torchtitan's Qwen3-MoE (v0.2.2 torchtitan/models/qwen3/__init__.py): dense Qwen3's
+    attention (:func:`_qwen3`, untied) and every layer MoE: top-8 softmax renormalized, no
+    shared expert (:func:`_moe`)."""
+    out = _qwen3(dim, n_layers, n_heads, hidden, False, vocab=vocab)
+    out.update(num_query_groups=n_kv_heads, rotary_base=rope_theta,
+               **_moe(experts, 8, moe_inter, route_norm=True))
+    return out
+
+
+FLAVORS["qwen3"].update({
+    "debugmodel_moe": _qwen3_moe(256, 8, 16, 8, 3072, 64, 768, vocab=2048),
+    "30B-A3B": _qwen3_moe(2048, 48, 32, 4, 6144, 128, 768),
+    "235B-A22B": _qwen3_moe(4096, 94, 64, 4, 12288, 128, 1536, rope_theta=5e6),
+})
 REFUSED_MODELS = {
     "flux": "a diffusion model",
     "llama4": "Llama 4's MoE with its interleaved chunked attention",
-    "deepseek_v3": "DeepSeek-V3 as torchtitan builds it (give loom's flags: --num-experts ... "
-                   "--multi-latent-attention, or `loom checkpoint --from-hf`)",
     "deepseek_v2": "DeepSeek-V2 as torchtitan builds it",
     "gpt_oss": "gpt-oss as torchtitan builds it (give loom's --enable-gpt-oss flags)",
     "vlm": "a vision-language model", "llama3-siglip2": "a vision-language model",
@@ -282,7 +359,7 @@ KEYS: dict[str, Key] = {
        for k in ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor")},
     "debug.seed": Key("read"), "debug.deterministic": Key("read"),
     "debug.deterministic_warn_only": Key("quiet"),
-    "debug.moe_force_load_balance": _refuse("MoE routing (the llama models are dense)", False),
+    "debug.moe_force_load_balance": Key("read"),
     "float8.enable_float8_linear": Key("note"),
 }
 # FP8 / MX sections: options of a converter, which loom names and trains without (FP8)
@@ -454,10 +531,6 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
                                 f"reader")
     if name not in FLAVORS:
         raise bad("model.name", f"a model loom does not know; one of {', '.join(FLAVORS)}")
-    if name == "qwen3" and flavor in QWEN3_MOE:
-        raise bad("model.flavor", "a Qwen3-MoE flavor: give loom's --num-experts flags or its "
-                                  "Hugging Face config.json; not supported by loom's torchtitan "
-                                  "reader")
     if flavor not in FLAVORS[name]:
         raise bad("model.flavor", f"not a flavor of torchtitan's {name}; one of "
                                   f"{', '.join(FLAVORS[name])}")
@@ -470,6 +543,14 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
     for field, value in FLAVORS[name][flavor].items():
         put(field, value, "model.flavor")
     put("make_vocab_size_divisible_by", 1, "model.flavor")  # torchtitan pads no vocabulary
+    if name == "deepseek_v3" and int(c["training.seq_len"]) > DEEPSEEK_ROPE["original_seq_len"]:
+        r = DEEPSEEK_ROPE  # torchtitan's YaRN (frequencies and softmax scale) past 4,096
+        put("rope_type", "yarn", "training.seq_len")
+        put("rotary_scaling_factor", r["rope_factor"], "training.seq_len")
+        put("yarn_original_max_position_embeddings", r["original_seq_len"], "training.seq_len")
+        put("yarn_beta_fast", float(r["beta_fast"]), "training.seq_len")
+        put("yarn_beta_slow", float(r["beta_slow"]), "training.seq_len")
+    moe = "num_experts" in out
     norm = c.get("model.norm_type")
     if norm is not None:
         if norm not in ("rmsnorm", "fused_rmsnorm", "compiled_rmsnorm", "layernorm",
@@ -543,8 +624,17 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
     cp = int(c["parallelism.context_parallel_degree"])
     for key in ("parallelism.expert_parallel_degree",
                 "parallelism.expert_tensor_parallel_degree"):
-        if int(c[key]) != 1:
+        if int(c[key]) != 1 and not moe:
             raise bad(key, "expert parallelism of a dense model")
+    if moe:  # torchtitan's default ETP is 1 (Megatron's is t)
+        put("expert_model_parallel_size", int(c["parallelism.expert_parallel_degree"]),
+            "parallelism.expert_parallel_degree")
+        put("expert_tensor_parallel_size", int(c["parallelism.expert_tensor_parallel_degree"]),
+            "parallelism.expert_tensor_parallel_degree")
+    if c.get("debug.moe_force_load_balance"):
+        raise bad("debug.moe_force_load_balance", "torchtitan's round-robin expert assignment "
+                                                  "(Megatron's --moe-router-force-load-"
+                                                  "balancing draws random logits instead)")
     put("tensor_model_parallel_size", tp, "parallelism.tensor_parallel_degree")
     put("pipeline_model_parallel_size", pp, "parallelism.pipeline_parallel_degree")
     put("context_parallel_size", cp, "parallelism.context_parallel_degree")
@@ -718,7 +808,10 @@ READ_AS = {
     "job.dump_folder": "the directory of --save / --load, --tensorboard-dir, snapshots",
     "model.name": "the family's shape: RMSNorm, SwiGLU, RoPE, untied, no biases",
     "model.flavor": "--num-layers, --hidden-size, heads, groups, --ffn-hidden-size, "
-                    "--vocab-size, --rotary-base, --use-rope-scaling",
+                    "--vocab-size, --rotary-base, --use-rope-scaling; MoE: --num-experts, "
+                    "--moe-router-topk, --moe-ffn-hidden-size, the router flags, "
+                    "--moe-router-enable-expert-bias; DeepSeek: --multi-latent-attention and "
+                    "its ranks, --moe-layer-freq",
     "model.norm_type": "--normalization",
     "model.attn_mask_type": "--reset-attention-mask (block_causal)",
     "optimizer.name": "--optimizer adam (AdamW's decoupled decay)", "optimizer.lr": "--lr",
@@ -730,7 +823,9 @@ READ_AS = {
     "lr_scheduler.min_lr_factor": "--min-lr (= lr x factor)",
     "lr_scheduler.total_steps": "--lr-decay-iters",
     "training.local_batch_size": "--micro-batch-size (the global batch: local x DP)",
-    "training.global_batch_size": "--global-batch-size", "training.seq_len": "--seq-length",
+    "training.global_batch_size": "--global-batch-size", "training.seq_len": "--seq-length "
+                                                                           "(DeepSeek past "
+                                                                           "4,096: YaRN)",
     "training.max_norm": "--clip-grad", "training.steps": "--train-iters",
     "training.mixed_precision_param": "--bf16", "training.mixed_precision_reduce":
         "--grad-reduce-in-bf16 (bfloat16)", "training.enable_selective_ac": "recompute off",
@@ -748,8 +843,10 @@ READ_AS = {
     "parallelism.pipeline_parallel_last_stage_less_layers":
         "--account-for-loss-in-pipeline-split",
     "parallelism.pipeline_parallel_layers_per_stage": "--num-layers-per-virtual-pipeline-stage",
-    "parallelism.expert_parallel_degree": "1 (dense models)",
-    "parallelism.expert_tensor_parallel_degree": "1 (dense models)",
+    "parallelism.expert_parallel_degree": "--expert-model-parallel-size (1 for dense models)",
+    "parallelism.expert_tensor_parallel_degree": "--expert-tensor-parallel-size (1 for dense "
+                                                 "models)",
+    "debug.moe_force_load_balance": "refused when true: torchtitan's round-robin assignment",
     "parallelism.context_parallel_load_balancer": "loom's head-and-tail CP shards",
     "parallelism.context_parallel_rotate_method": "--cp-comm-type allgather / p2p",
     "activation_checkpoint.mode": "--recompute-granularity (full: uniform, 1 layer)",

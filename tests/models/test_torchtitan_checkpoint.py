@@ -139,6 +139,12 @@ def test_refusals(tmp_path):
     qwen.write_text('[model]\nname = "qwen3"\nflavor = "debugmodel"\n')
     with pytest.raises(ConfigError, match="a Qwen3 checkpoint"):
         from_torchtitan(str(tmp_path / "s2"), str(tmp_path / "o4"), str(qwen))
+    for flavor, what in (("debugmodel_moe", "Qwen3-MoE"), ("debugmodel", "DeepSeek-V3")):
+        moe = tmp_path / f"{what}.toml"
+        moe.write_text(f'[model]\nname = "{"qwen3" if what != "DeepSeek-V3" else "deepseek_v3"}"'
+                       f'\nflavor = "{flavor}"\n')
+        with pytest.raises(ConfigError, match=f"a {what} checkpoint"):
+            from_torchtitan(str(tmp_path / "s2"), str(tmp_path / "o5"), str(moe))
 
 
 def test_a_torchtitan_checkpoint_given_to_load_or_inspect_names_the_conversion(tmp_path,

@@ -54,11 +54,11 @@ def _entry(path_end: str) -> dict:
 
 
 def test_every_config_of_torchtitans_history_is_read_or_refused_by_name():
-    """250 of the 430 read and validate at their own sizes (data-parallel size 2); the other
-    180 are refused in one line naming ``[model] name`` (173: Flux, Llama 4, DeepSeek,
-    gpt-oss, vision), ``[model] flavor`` (3 Qwen3-MoE) or the key (torchtitan's SPMD
-    experiment, TorchFT, an extension module): every Llama and dense Qwen3 config but those
-    is read."""
+    """298 of the 430 read and validate at their own sizes (data-parallel size 2, or as many
+    as their expert parallelism needs); the other 132 are refused in one line naming
+    ``[model] name`` (128: Flux, Llama 4, torchtitan's DeepSeek-V2 experiment, gpt-oss,
+    vision) or the key (torchtitan's SPMD experiment, TorchFT, an extension module): every
+    Llama, Qwen3 (dense and MoE) and DeepSeek-V3 config but those is read."""
     read, refused = 0, Counter()
     for e in CORPUS:
         name = e["config"].get("model", {}).get("name", DEFAULTS["model.name"])
@@ -69,15 +69,17 @@ def test_every_config_of_torchtitans_history_is_read_or_refused_by_name():
             assert msg.startswith(e["path"] + ": [") and "not supported" in msg, msg
             refused["[model] name" if "[model] name" in msg else msg.split("] ")[1].split(
                 " =")[0]] += 1
-            assert name not in LLAMA + ("qwen3",) or "torch_spmd" in msg or \
-                "fault_tolerance" in msg or "custom_args_module" in msg or "Qwen3-MoE" in msg, msg
+            assert name not in LLAMA + ("qwen3", "deepseek_v3") or "torch_spmd" in msg or \
+                "fault_tolerance" in msg or "custom_args_module" in msg, msg
             continue
-        world = (flat["tensor_model_parallel_size"] * flat["pipeline_model_parallel_size"]
-                 * flat["context_parallel_size"] * 2)
-        LoomConfig.from_flat(flat).validate(world)
+        tcp = flat["tensor_model_parallel_size"] * flat["context_parallel_size"]
+        experts = flat.get("expert_model_parallel_size", 1) * flat.get(
+            "expert_tensor_parallel_size", 1)  # EP x ETP fold over a stage's t c d ranks
+        dp = max(2, math.lcm(tcp, experts) // tcp)
+        LoomConfig.from_flat(flat).validate(tcp * flat["pipeline_model_parallel_size"] * dp)
         read += 1
-    assert read == 250 and sum(refused.values()) == 180, (read, refused)
-    assert refused["[model] name"] == 173 and refused["flavor"] == 3, refused
+    assert read == 298 and sum(refused.values()) == 132, (read, refused)
+    assert refused["[model] name"] == 128, refused
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert f"{read} of the {len(CORPUS)} distinct configs in torchtitan's history" in readme
 
@@ -100,6 +102,50 @@ def test_flavors_are_the_published_models():
         cfg = LoomConfig.from_flat(torchtitan_fields(
             {"model": {"name": "qwen3", "flavor": flavor}})).validate(1)
         assert count_rank_states(cfg, 1)["params"] == want, flavor
+
+
+def test_moe_flavors_are_the_published_models():
+    """torchtitan's MoE flavors (DeepSeek-V3 16B / 236B / 671B, Qwen3 30B-A3B / 235B-A22B) read
+    as loom's MoE flags: their parameter counts are the published models' (DeepSeek-V3 671B to
+    the parameter: 671,026,419,200 with its 58 x 256 expert-bias entries, which DeepSeek's
+    checkpoint holds as parameters; the others to the published three digits), the
+    planner's count is loom's own model on the meta device less the expert biases (debugmodel),
+    and the routers are torchtitan's (score function, renormalization, scaling, node-limited
+    groups, the load-balancing bias at 1e-3, shared experts, the first dense layers)."""
+    from loom.planner.memory import total_params
+    from loom.planner.meta_count import count_rank_states
+
+    def model(name, flavor, **extra):
+        flat = torchtitan_fields({"model": {"name": name, "flavor": flavor}, **extra})
+        return LoomConfig.from_flat(flat).validate(1)
+    v3 = model("deepseek_v3", "671B").model
+    assert total_params(v3) + 58 * 256 == 671_026_419_200
+    assert (v3.moe_router_score_function, v3.moe_router_pre_softmax,
+            v3.moe_router_topk_scaling_factor, v3.moe_router_num_groups,
+            v3.moe_router_group_topk, v3.moe_shared_expert_intermediate_size,
+            v3.moe_layer_freq, v3.q_lora_rank) == \
+        ("sigmoid", False, 2.5, 8, 4, 2048, "([0]*3+[1]*58)", 1536)
+    for (name, flavor), billions in ((("deepseek_v3", "16B"), 15.7), (("deepseek_v3", "236B"),
+                                                                     236),
+                                     (("qwen3", "30B-A3B"), 30.5), (("qwen3", "235B-A22B"), 235)):
+        m = model(name, flavor).model
+        assert total_params(m) / 1e9 == pytest.approx(billions, rel=0.002), flavor
+        assert m.moe_router_enable_expert_bias and m.moe_router_bias_update_rate == 1e-3
+    lite = model("deepseek_v3", "16B").model  # DeepSeek-V2-Lite's shapes: softmax, no renorm
+    assert lite.moe_router_pre_softmax and lite.q_lora_rank is None and \
+        lite.moe_shared_expert_intermediate_size == 2 * 1408
+    qwen = model("qwen3", "30B-A3B").model
+    assert (qwen.moe_router_pre_softmax, qwen.num_query_groups, qwen.moe_ffn_hidden_size) == \
+        (False, 4, 768) and qwen.untie_embeddings_and_output_weights
+    debug = model("deepseek_v3", "debugmodel")
+    assert count_rank_states(debug, 1)["params"] - 5 * 8 == total_params(debug.model)
+    assert debug.model.effective_rope_type == "rope"  # MLA's default is YaRN: not here
+    long = model("deepseek_v3", "16B", training={"seq_len": 8192}).model  # past 4,096: YaRN
+    assert (long.effective_rope_type, long.rotary_scaling_factor, long.mscale, long.mscale_all_dim,
+            long.yarn_original_max_position_embeddings) == ("yarn", 40.0, 0.7, 0.7, 4096)
+    ep = torchtitan_fields({"model": {"name": "deepseek_v3", "flavor": "16B"},
+                            "parallelism": {"expert_parallel_degree": 8}})
+    assert (ep["expert_model_parallel_size"], ep["expert_tensor_parallel_size"]) == (8, 1)
 
 
 def test_the_schedule_is_torchtitans_step_for_step():
