@@ -7,7 +7,7 @@ loom config fields: accepted without effect (by reason category,
 
 from __future__ import annotations
 
-from loom.config.flag_kinds import no_effect, refused, words
+from loom.config.flag_kinds import field, no_effect, refused, words
 
 
 def _block(row, text: str) -> tuple:
@@ -313,6 +313,9 @@ REFUSED_ROWS = (
     ("--batch-size", refused("deprecated", "use --micro-batch-size")),
     ("--warmup", refused("deprecated", "use --lr-warmup-fraction")),
     ("--model-parallel-size", refused("deprecated", "use --tensor-model-parallel-size")),
-    ("--checkpoint-activations", refused("deprecated", "use --recompute-activations")),
+    ("--checkpoint-activations", field(note=(
+        "Megatron-LM v1-v2's full recompute of every layer in chunks of --checkpoint-num-layers"
+        " (= --recompute-granularity full --recompute-method uniform); its snapshot refuses "
+        "the flag, naming --recompute-activations, which is selective"))),
 )
 """``(Megatron flag, row)`` of every flag refused (unless given its default)."""

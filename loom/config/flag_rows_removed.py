@@ -34,6 +34,9 @@ REMOVED_ROWS = (
     ("--activations-checkpoint-num-layers", field(
         "recompute_num_layers", default=None, note=_renamed("--recompute-num-layers") +
         "; its default 1 meant nothing without --activations-checkpoint-method, as None does")),
+    ("--checkpoint-num-layers", field(note=(
+        "the chunk of --checkpoint-activations (v1-v2), its --recompute-num-layers; without "
+        "--checkpoint-activations nothing, as in those releases"))),
     ("--hybrid-attention-ratio", field(note=(
         "Megatron's MambaModel placed round(L x ratio) attention layers evenly among the Mamba "
         "ones (megatron/core/ssm/mamba_hybrid_layer_allocation.py, _allocate_auto) unless "
@@ -93,9 +96,6 @@ REMOVED_ROWS = (
         --inference-dynamic-batching-max-tokens-override --inference-max-batch-size
         --disable-chunked-prefill --initialize-socket-comms"""),
     # -- refused -------------------------------------------------------------------------------
-    ("--checkpoint-num-layers", refused("deprecated", (
-        "the chunk of --checkpoint-activations (v1-v2); use --recompute-granularity full "
-        "--recompute-method uniform --recompute-num-layers N"))),
     ("--moe-token-dropping", refused("deprecated", (
         "Megatron-LM never ran it (its help: 'Currently unsupported'); use "
         "--moe-expert-capacity-factor"))),

@@ -56,6 +56,12 @@ class TrainingScriptFields:
     """Schedules by samples, batch-size ramps, decoupled learning rates, time limits, Megatron
     FSDP and checkpoint formats (a mixin of TrainingConfig)."""
 
+    checkpoint_activations: bool = opt(
+        False, "Megatron-LM v1-v2's activation checkpointing: every layer recomputed in chunks "
+               "of --checkpoint-num-layers (= --recompute-granularity full --recompute-method "
+               "uniform --recompute-num-layers N; Megatron-LM refuses it since 22.04)")
+    checkpoint_num_layers: int = opt(1, "the chunk of --checkpoint-activations, in layers "
+                                        "(Megatron-LM v1-v2)", ge=1)
     lr_warmup_samples: int = opt(0, "warm-up length in samples (with --train-samples; "
                                     "converted to iterations of B samples, rounded up)", ge=0)
     lr_decay_samples: Optional[int] = opt(

@@ -332,6 +332,13 @@ def _resolve_training(cfg: Any, world_size: int) -> None:
         if t.lr_warmup_iters:
             raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: "
                               "give one")
+    if t.checkpoint_activations:  # Megatron-LM v1-v2's spelling of full recompute
+        if t.recompute_activations or t.recompute_granularity or t.recompute_method:
+            raise ConfigError("--checkpoint-activations (Megatron-LM v1-v2) is --recompute-"
+                              "granularity full --recompute-method uniform: drop it or the "
+                              "--recompute-* flags")
+        t.recompute_granularity, t.recompute_method = "full", "uniform"
+        t.recompute_num_layers = t.checkpoint_num_layers
     if t.recompute_activations:
         if t.recompute_granularity == "full":
             raise ConfigError("--recompute-activations means --recompute-granularity selective; "

@@ -102,6 +102,13 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
     if t.calculate_per_token_loss:
         out.append("--calculate-per-token-loss: every micro-batch holds the same number of loss "
                    "tokens, so the per-token and per-micro-batch averages are the same loss")
+    if t.checkpoint_activations:
+        out.append(f"--checkpoint-activations (Megatron-LM v1-v2; its later releases refuse it): "
+                   f"every layer recomputed, as --recompute-granularity full --recompute-method "
+                   f"uniform --recompute-num-layers {t.checkpoint_num_layers}")
+    elif given.get("checkpoint_num_layers") is not None:
+        out.append("--checkpoint-num-layers without --checkpoint-activations: no effect (as in "
+                   "Megatron-LM v1-v2)")
     ramp = BatchRamp.from_training(t, m.seq_length)
     if ramp is not None:
         out.append(ramp.describe() + (

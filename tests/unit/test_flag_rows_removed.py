@@ -45,6 +45,7 @@ def test_every_renamed_flag_is_the_field_of_its_later_name(monkeypatch):
         "--use-custom-fsdp": "use_megatron_fsdp", "--muon-use-nesterov": "muon_nesterov",
         "--activations-checkpoint-method": "recompute_method",
         "--activations-checkpoint-num-layers": "recompute_num_layers",
+        "--checkpoint-num-layers": "checkpoint_num_layers",
         "--hybrid-attention-ratio": "hybrid_attention_ratio",
         "--hybrid-mlp-ratio": "hybrid_mlp_ratio"}
     cfg = _prepare(["--layernorm-epsilon", "1e-6", "--fp16", "--min-scale", "4",
@@ -73,9 +74,6 @@ def test_no_effect_flags_are_accepted_and_named_at_start(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--checkpoint-num-layers", "2"], "deprecated in Megatron-LM: the chunk of "
-                                       "--checkpoint-activations (v1-v2); use "
-                                       "--recompute-granularity full"),
     (["--moe-extended-tp"], "use --expert-tensor-parallel-size"),
     (["--renormalize-blend-weights"], "later releases (and loom) blend with the given weights"),
     (["--retro-add-retriever"], "loom has no retrieval"),
@@ -152,3 +150,46 @@ def test_a_yaml_config_takes_megatrons_other_spellings(tmp_path, monkeypatch):
     assert _prepare(["--config", str(bert)], monkeypatch).model.bert_binary_head is False
     bert.write_text("model_type: bert\nbert_no_binary_head: false\n")
     assert _prepare(["--config", str(bert)], monkeypatch).model.bert_binary_head is True
+
+
+def test_megatron_v2_full_recompute_and_its_gpt3_script(monkeypatch, capsys):
+    """Megatron-LM v1-v2's --checkpoint-activations (with its --checkpoint-num-layers chunk) is
+    the full recompute it was there, --recompute-granularity full --recompute-method uniform,
+    said at start; with a --recompute-* flag it is refused; and v2.0's own GPT-3 175B script
+    (examples/pretrain_gpt3_175B.sh: that recompute, the batch-size ramp by samples, the
+    schedule in samples) dry-runs on its 128 x 8 GPUs (TP 8, PP 16)."""
+    from loom.training.script_checks import start_notes
+    cfg = _prepare(["--checkpoint-activations"], monkeypatch)
+    t = cfg.training
+    assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == \
+        ("full", "uniform", 1)
+    assert any("--checkpoint-activations (Megatron-LM v1-v2" in n
+               for n in start_notes(cfg, {"checkpoint_activations": True}))
+    t = _prepare(["--checkpoint-activations", "--checkpoint-num-layers", "2"],
+                 monkeypatch).training
+    assert t.recompute_num_layers == 2
+    quiet = _prepare(["--checkpoint-num-layers", "2"], monkeypatch)
+    assert quiet.training.recompute_granularity is None
+    assert any("--checkpoint-num-layers without --checkpoint-activations: no effect" in n
+               for n in start_notes(quiet, {"checkpoint_num_layers": 2}))
+    line = refusal(["train", *BASE, "--checkpoint-activations", "--recompute-activations"],
+                   monkeypatch, capsys, prog="loom train")
+    assert "drop it or the --recompute-* flags" in line, line
+    from loom.cli import main
+    gpt3 = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+            "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+            "--seq-length", "2048", "--max-position-embeddings", "2048",
+            "--micro-batch-size", "1", "--global-batch-size", "1536",
+            "--rampup-batch-size", "16", "16", "5859375", "--train-samples", "146484375",
+            "--lr-decay-samples", "126953125", "--lr-warmup-samples", "183105",
+            "--lr", "6.0e-5", "--min-lr", "6.0e-6", "--lr-decay-style", "cosine",
+            "--log-interval", "10", "--eval-iters", "40", "--eval-interval", "1000",
+            "--mock-data", "--vocab-size", "50257", "--save-interval", "1000",
+            "--split", "98,2,0", "--clip-grad", "1.0", "--weight-decay", "0.1",
+            "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--fp16", "--checkpoint-activations"]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--dry-run", "--world-size", "1024", *gpt3])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--checkpoint-activations (Megatron-LM v1-v2" in out and "16 -> 1536" in out, out
