@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.megatron_examples MIRROR [TAG ...]    # default: 12 releases, v2.6 .. HEAD
+    python -m benchmarks.megatron_examples MIRROR [TAG ...]    # default: 15 releases, v1.0 .. HEAD
 
 ``MIRROR`` is a Megatron-LM git directory with its release tags. For each tag, every
 ``examples/**/*.sh`` that launches ``pretrain_{gpt,bert,mamba,hybrid}.py`` is run by ``bash`` with
@@ -33,8 +33,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-TAGS = ("v2.6", "23.04", "23.06", "core_v0.4.0", "core_v0.6.0", "core_v0.8.0", "core_v0.10.0",
-        "core_v0.12.0", "core_v0.14.0", "core_v0.16.0", "core_v0.18.0", "HEAD")
+TAGS = ("v1.0", "v2.0", "v2.5", "v2.6", "23.04", "23.06", "core_v0.4.0", "core_v0.6.0",
+        "core_v0.8.0", "core_v0.10.0", "core_v0.12.0", "core_v0.14.0", "core_v0.16.0",
+        "core_v0.18.0", "HEAD")
 ENTRY = re.compile(r"pretrain_(gpt|bert|mamba|hybrid)\.py")
 RECORDER = """#!{python}
 import json, os, sys

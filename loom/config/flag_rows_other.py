@@ -310,9 +310,15 @@ REFUSED_ROWS = (
                                      "single-GPU benchmarking)")),
     ("--yaml-cfg", refused("training_options", "Megatron YAML config: loom's --config "
                            "FILE.yaml takes flag names as keys")),
-    ("--batch-size", refused("deprecated", "use --micro-batch-size")),
-    ("--warmup", refused("deprecated", "use --lr-warmup-fraction")),
-    ("--model-parallel-size", refused("deprecated", "use --tensor-model-parallel-size")),
+    # Megatron-LM v1's names, which its snapshot parses and refuses: their v1 meaning
+    ("--batch-size", field("micro_batch_size", note=(
+        "v1's per-GPU batch, --micro-batch-size (its snapshot refuses the flag)"))),
+    ("--warmup", field("lr_warmup_fraction", note=(
+        "v1's warm-up as a fraction of the decay iterations, --lr-warmup-fraction (a float "
+        "there; its snapshot types it int and refuses it)"))),
+    ("--model-parallel-size", field("tensor_model_parallel_size", note=(
+        "v1's tensor-parallel size, --tensor-model-parallel-size (its snapshot refuses the "
+        "flag)"))),
     ("--checkpoint-activations", field(note=(
         "Megatron-LM v1-v2's full recompute of every layer in chunks of --checkpoint-num-layers"
         " (= --recompute-granularity full --recompute-method uniform); its snapshot refuses "

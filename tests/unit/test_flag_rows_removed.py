@@ -193,3 +193,23 @@ def test_megatron_v2_full_recompute_and_its_gpt3_script(monkeypatch, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "--checkpoint-activations (Megatron-LM v1-v2" in out and "16 -> 1536" in out, out
+
+
+def test_megatron_v1_names_keep_their_v1_meaning(monkeypatch):
+    """Megatron-LM v1.0's --batch-size (per-GPU batch), --model-parallel-size (tensor
+    parallelism) and --warmup (a float: the warm-up's share of the decay iterations), which its
+    snapshot parses and refuses, are --micro-batch-size, --tensor-model-parallel-size and
+    --lr-warmup-fraction (v1.0's examples/pretrain_bert*.sh dry-run:
+    benchmarks/megatron_examples.py)."""
+    from loom.config import config_from_args
+    from loom.training.cli import add_arguments
+    import argparse
+    i = BASE.index("--micro-batch-size")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(BASE[:i] + BASE[i + 2:] + [
+        "--batch-size", "4", "--model-parallel-size", "2", "--warmup", ".01",
+        "--lr-decay-iters", "200"])
+    cfg = config_from_args(args).validate(4)  # TP 2 x DP 2
+    assert cfg.training.micro_batch_size == 4 and cfg.training.lr_warmup_fraction == 0.01
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.derived.global_batch_size == 8
