@@ -16,10 +16,12 @@ the scripts' positional arguments are paths. Each recorded command then goes thr
 size (and EP) when the script's layout needs more ranks than its launcher line gives.
 
 Prints one JSON line per distinct command (``tag``, ``script``, ``world``, ``accepted``, the
-refusal) and a summary. Measured 2026-11-29 (~3 min): 30 distinct commands, 25 accepted; the
-5 refused are two scripts Megatron refuses as well: BERT 340M at PP 16 with 24 layers (the
-same script in four releases) and the core_v0.18 175B script, whose unquoted array word-splits
-its ``--step-batch-size-schedule``.
+refusal) and a summary. Slurm's ``srun ... sh -c CMD`` and ``sbatch SCRIPT`` run what the job
+would (sc21's paper scripts: ``run_table_1.sh`` -> ``SBATCH.sh`` -> ``SRUN.sh``). Measured
+2026-11-29 (~4 min): 60 distinct commands, 54 accepted; the 6 refused are scripts Megatron
+refuses as well: v2.5's BERT script without ``--seq-length``, BERT 340M at PP 16 with 24
+layers (the same script in four releases) and the core_v0.18 175B script, whose unquoted array
+word-splits its ``--step-batch-size-schedule``.
 """
 
 from __future__ import annotations
@@ -49,13 +51,44 @@ if i is not None:
 """
 
 
+SLURM = """#!{python}
+import os, subprocess, sys
+args = sys.argv[1:]
+# srun ... sh -c "CMD": run CMD; sbatch [options] SCRIPT: run SCRIPT (the exported variables
+# are already in the environment); anything else: nothing
+if "-c" in args and args.index("-c") > 0 and args[args.index("-c") - 1] in ("sh", "bash"):
+    subprocess.run(["bash", "-c", args[args.index("-c") + 1]], stdin=subprocess.DEVNULL)
+elif os.path.basename(sys.argv[0]) == "sbatch" and args and args[-1].endswith(".sh"):
+    subprocess.run(["bash", args[-1]], stdin=subprocess.DEVNULL)
+"""
+
+
 def _stand_ins(bin_dir: Path, python: str) -> None:
     for name in ("torchrun", "python", "python3", "deepspeed"):
         (bin_dir / name).write_text(RECORDER.format(python=python))
-    for name in ("srun", "sbatch", "nvidia-smi", "nsys"):
+    for name in ("srun", "sbatch"):  # Slurm: what the job would run (sc21's scripts)
+        (bin_dir / name).write_text(SLURM.format(python=python))
+    for name in ("nvidia-smi", "nsys"):
         (bin_dir / name).write_text("#!/bin/bash\nexit 0\n")
     for p in bin_dir.iterdir():
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
+
+
+def _launching(root: Path) -> list[Path]:
+    """The scripts under ``root/examples`` that launch an entry (:data:`ENTRY`) themselves or
+    through sibling scripts they name (sc21's ``run_table_1.sh`` -> ``SBATCH.sh`` ->
+    ``SRUN.sh``)."""
+    scripts = sorted(root.glob("examples/**/*.sh"))
+    text = {p: p.read_text(errors="replace") for p in scripts}
+    found = {p for p in scripts if ENTRY.search(text[p])}
+    grew = True
+    while grew:
+        more = {p for p in scripts if p not in found and any(
+            q.parent == p.parent and re.search(rf"\b{re.escape(q.name)}\b", text[p])
+            for q in found)}
+        found |= more
+        grew = bool(more)
+    return [p for p in scripts if p in found]
 
 
 def recorded(mirror: str, tags, python: str) -> list[dict]:
@@ -71,21 +104,27 @@ def recorded(mirror: str, tags, python: str) -> list[dict]:
             archive = subprocess.run(["git", "-C", mirror, "archive", tag, "examples"],
                                      capture_output=True, check=True).stdout
             subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
-            for script in sorted(root.glob("examples/**/*.sh")):
-                text = script.read_text(errors="replace")
-                if not ENTRY.search(text):
-                    continue
+            for script in root.glob("examples/**/*.sh"):  # placeholders, in every script
+                text = script.read_text(errors="replace")  # (a sourced one's too)
                 script.write_text(re.sub(r"<[^<>\n]*>", "/tmp/x/p", text))
+            for script in _launching(root):
                 log = Path(tmp) / "argv.jsonl"
                 env = dict(os.environ, ARGV_OUT=str(log),
                            PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
-                try:  # a script that waits (a loop, a prompt) records nothing
-                    subprocess.run(["bash", str(script.relative_to(root)), "/tmp/x/ckpt",
-                                    "/tmp/x/tb", "/tmp/x/vocab.json", "/tmp/x/merges.txt",
-                                    "/tmp/x/data_text_document"], cwd=root, env=env,
-                                   capture_output=True, stdin=subprocess.DEVNULL, timeout=20)
-                except subprocess.TimeoutExpired:
-                    pass
+                for cwd in (root, script.parent):  # from the repository, else beside it
+                    try:  # (sc21's scripts source their siblings from `pwd`); a script that
+                        # waits (a loop, a prompt) records nothing
+                        subprocess.run(["bash", str(script.resolve()), "/tmp/x/ckpt",
+                                        "/tmp/x/tb", "/tmp/x/vocab.json", "/tmp/x/merges.txt",
+                                        "/tmp/x/data_text_document"], cwd=cwd, env=env,
+                                       capture_output=True, stdin=subprocess.DEVNULL,
+                                       timeout=20)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if log.exists() and ENTRY.search(log.read_text()) and \
+                            any(json.loads(ln)["argv"] for ln in log.read_text().splitlines()):
+                        break
+                    log.unlink(missing_ok=True)
                 if log.exists():
                     for line in log.read_text().splitlines():
                         out.append({"tag": tag, "script": str(script.relative_to(root)),
@@ -118,7 +157,10 @@ def loom_argv(rec: dict, tmp: str) -> list[str]:
     from testkit.megatron_corpus import groups
     bert = "bert" in rec["entry"]
     out: list[str] = []
-    for flag, *vals in groups([w for w in rec["argv"] if w]):
+    words = [w for w in rec["argv"] if w]
+    while words and not words[0].startswith("-"):  # the script's own "$@" before the flags
+        words = words[1:]
+    for flag, *vals in groups(words):
         if flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
             out += [] if "--mock-data" in out else ["--mock-data"]
         elif flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
