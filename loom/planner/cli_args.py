@@ -24,9 +24,11 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
     fixed = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
              "cp": args.context_parallel_size, "dp": args.data_parallel_size,
              "mbs": args.micro_batch_size,
-             # --recompute-activations: Megatron's selective recompute (arguments.py)
+             # --recompute-activations: Megatron's selective recompute (arguments.py);
+             # --checkpoint-activations: v1-v2's full recompute (every layer)
              "recompute": args.recompute_granularity or (
-                 "selective" if getattr(args, "recompute_activations", None) else None),
+                 "selective" if getattr(args, "recompute_activations", None) else None) or (
+                 "full" if getattr(args, "checkpoint_activations", None) else None),
              # Megatron turns --sequence-parallel off at TP 1 (arguments.py): not a constraint;
              # --no-sequence-parallel (False, not None) fixes it off
              "sp": 0 if args.sequence_parallel is False else
@@ -218,6 +220,7 @@ PLAN_READS = frozenset({
     "micro_batch_size", "global_batch_size", "use_distributed_optimizer", "zero_stage",
     "use_torch_fsdp2", "use_megatron_fsdp", "data_parallel_sharding_strategy",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
+    "checkpoint_activations",
     # data-parallel overlap and buckets (loom.planner.cli: dp_overlap_of and run's Options)
     "overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size",
     # 16-bit weights, the gradient buffer's dtype (gradient_option) and the optimizer's states
@@ -231,6 +234,8 @@ PLAN_READS = frozenset({
     "exp_avg_sq_dtype", "optimizer_offload_fraction",
 })
 NO_STEP_COST = frozenset({
+    # --checkpoint-activations' chunk (uniform full recompute): every layer recomputed alike
+    "checkpoint_num_layers",
     # the schedule of values, not the cost of a step
     "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_samples",
     "lr_decay_samples", "lr_warmup_init", "lr_warmup_fraction", "decoupled_lr",
@@ -288,6 +293,8 @@ NO_STEP_COST_MODEL = frozenset({
     "mup_base_head_dim", "mup_attn_scale_power",
     # positions: elementwise work the elementwise term already counts
     "rotary_base_local", "rotary_percent", "rotary_interleaved", "yarn_beta_fast",
+    "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
     "yarn_beta_slow", "yarn_correction_range_round_to_int", "use_rope_scaling",
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "no_rope_freq",
     # activations of the same widths (the gated / ungated choice itself is priced)

@@ -319,7 +319,6 @@ def test_moe_layer_freq_list_expressions():
 
 
 @pytest.mark.parametrize("change,flag", [
-    (dict(moe_router_enable_expert_bias=True), "--moe-router-enable-expert-bias needs"),
     (dict(moe_router_num_groups=4), "--moe-router-group-topk"),
     (dict(moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups 3"),
     (dict(moe_shared_expert_overlap=True), "--moe-shared-expert-overlap needs"),

@@ -57,6 +57,7 @@ FIXES = {
                                          "--data-parallel-sharding-strategy", "optim"], "zero"),
     "recompute_granularity": (["--recompute-granularity", "selective"], "recompute"),
     "recompute_activations": (["--recompute-activations"], "recompute"),
+    "checkpoint_activations": (["--checkpoint-activations"], "recompute"),
     "recompute_method": (["--recompute-granularity", "full", "--recompute-method", "block",
                           "--recompute-num-layers", "2"], "rcl"),
     "recompute_num_layers": (["--recompute-granularity", "full", "--recompute-method", "block",
