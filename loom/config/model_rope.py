@@ -32,6 +32,18 @@ class RopeScalingFields:
     rope_scaling_factor: float = opt(8.0, "with --use-rope-scaling: the factor the low "
                                           "frequencies are divided by (Llama 3.1: 8, "
                                           "Llama 3.2: 32)", gt=0)
+    # loom's own (Megatron fixes them): Llama 4's scaling has high_freq_factor 1
+    rope_scaling_low_freq_factor: float = opt(
+        LLAMA3_SCALING["low_freq_factor"], "with --use-rope-scaling: wavelengths above the "
+        "original context / this factor are divided by --rope-scaling-factor (Llama 3.1 and "
+        "4: 1; Megatron fixes it)", gt=0)
+    rope_scaling_high_freq_factor: float = opt(
+        LLAMA3_SCALING["high_freq_factor"], "with --use-rope-scaling: wavelengths below the "
+        "original context / this factor are kept, those between blended (Llama 3.1: 4; Llama "
+        "4: 1, no blend; Megatron fixes it at 4)", gt=0)
+    rope_scaling_original_max_position_embeddings: int = opt(
+        LLAMA3_SCALING["original_max"], "with --use-rope-scaling: the original context in "
+        "positions (Llama 3.1 and 4: 8192; Megatron fixes it)", ge=1)
     rotary_seq_len_interpolation_factor: Optional[int] = opt(
         None, "linear position interpolation: RoPE positions divided by this factor (Chen et "
               "al. 2023; HF's linear rope_scaling); --position-embedding-type rope, standard "
@@ -44,9 +56,17 @@ class RopeScalingFields:
     def rope_scaling_args(self) -> dict:
         """The scaling keywords of :func:`loom.models.attention.rope_cos_sin` these flags give:
         ``interpolation`` (``--rotary-seq-len-interpolation-factor``, or None) and
-        ``llama3_factor`` (``--rope-scaling-factor`` under ``--use-rope-scaling``, or None)."""
+        ``llama3_factor`` (``--rope-scaling-factor`` under ``--use-rope-scaling``, or None)
+        with ``llama3_bands`` (:meth:`llama3_bands`)."""
         return dict(interpolation=self.rotary_seq_len_interpolation_factor,
-                    llama3_factor=self.rope_scaling_factor if self.use_rope_scaling else None)
+                    llama3_factor=self.rope_scaling_factor if self.use_rope_scaling else None,
+                    llama3_bands=self.llama3_bands())
+
+    def llama3_bands(self) -> tuple[float, float, int]:
+        """(low frequency factor, high frequency factor, original context) of
+        ``--use-rope-scaling`` (:func:`loom.models.rope_scaling.llama3_inv_freq`)."""
+        return (self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
+                self.rope_scaling_original_max_position_embeddings)
 
     def is_no_rope_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (0-based) skips RoPE (Megatron's
@@ -79,6 +99,16 @@ def check_rope(m: Any) -> None:
     if m.rope_scaling_factor != 8.0 and not m.use_rope_scaling:
         raise ConfigError(f"--rope-scaling-factor {m.rope_scaling_factor:g} scales RoPE under "
                           f"--use-rope-scaling only: add --use-rope-scaling or drop it")
+    bands = m.llama3_bands()
+    defaults = (LLAMA3_SCALING["low_freq_factor"], LLAMA3_SCALING["high_freq_factor"],
+                LLAMA3_SCALING["original_max"])
+    if bands != defaults and not m.use_rope_scaling:
+        raise ConfigError("--rope-scaling-low/high-freq-factor and --rope-scaling-original-max-"
+                          "position-embeddings shape --use-rope-scaling: add it or drop them")
+    if bands[0] > bands[1]:
+        raise ConfigError(f"--rope-scaling-low-freq-factor {bands[0]:g} exceeds "
+                          f"--rope-scaling-high-freq-factor {bands[1]:g}: the kept band must "
+                          f"start above the divided one (Llama 3.1: 1 and 4; Llama 4: 1 and 1)")
     if not given:
         return
     if m.multi_latent_attention:
@@ -123,10 +153,11 @@ def rope_fields(hf_config, title: Optional[str] = None) -> dict:
     """loom's RoPE flags of a LLaMA-like config: ``--rotary-base`` (:func:`rope_theta`) and
     its ``rope_scaling`` (transformers 5: ``rope_parameters``): ``default``; ``linear``
     (positions / factor) as ``--rotary-seq-len-interpolation-factor`` (an int, Megatron's
-    type); ``llama3`` as ``--use-rope-scaling --rope-scaling-factor F`` when its other values
-    are Llama 3.1's (low/high frequency factors 1 and 4, original context 8192: Megatron fixes
-    them). Raises ConfigError for any other scaling, naming ``title`` (default: the config's
-    ``model_type``)."""
+    type); ``llama3`` as ``--use-rope-scaling --rope-scaling-factor F`` with its frequency
+    bands (``--rope-scaling-low/high-freq-factor``, ``--rope-scaling-original-max-position-
+    embeddings``, given when not Llama 3.1's 1, 4 and 8192, which Megatron fixes: Llama 4's
+    high factor is 1). Raises ConfigError for any other scaling, naming ``title`` (default:
+    the config's ``model_type``)."""
     title = title or getattr(hf_config, "model_type", None) or "LLaMA"
     params = dict(getattr(hf_config, "rope_parameters", None) or
                   getattr(hf_config, "rope_scaling", None) or {})
@@ -141,16 +172,25 @@ def rope_fields(hf_config, title: Optional[str] = None) -> dict:
         raise ConfigError(f"{title} rope_scaling linear with factor {factor}: loom's "
                           f"--rotary-seq-len-interpolation-factor is an int >= 1 (Megatron's "
                           f"type)")
-    fixed = (params.get("low_freq_factor"), params.get("high_freq_factor"),
-             params.get("original_max_position_embeddings"))
-    if kind == "llama3" and factor is not None and fixed == (
-            LLAMA3_SCALING["low_freq_factor"], LLAMA3_SCALING["high_freq_factor"],
-            LLAMA3_SCALING["original_max"]):
-        return dict(out, use_rope_scaling=True, rope_scaling_factor=float(factor))
-    if kind == "llama3":
-        raise ConfigError(f"{title} rope_scaling llama3 with low_freq_factor, high_freq_factor, "
-                          f"original_max_position_embeddings {fixed}: loom's --use-rope-scaling "
-                          f"fixes them at 1, 4, 8192 (as Megatron-Core does)")
+    bands = (params.get("low_freq_factor", LLAMA3_SCALING["low_freq_factor"]),
+             params.get("high_freq_factor", LLAMA3_SCALING["high_freq_factor"]),
+             params.get("original_max_position_embeddings", LLAMA3_SCALING["original_max"]))
+    if kind == "llama3" and factor is not None:
+        low, high, original = bands
+        if not (0 < low <= high) or int(original) != original or original < 1:
+            raise ConfigError(f"{title} rope_scaling llama3 with low_freq_factor {low}, "
+                              f"high_freq_factor {high}, original_max_position_embeddings "
+                              f"{original}: need 0 < low <= high and a whole context")
+        out.update(use_rope_scaling=True, rope_scaling_factor=float(factor))
+        for key, value, default in (
+                ("rope_scaling_low_freq_factor", float(low), LLAMA3_SCALING["low_freq_factor"]),
+                ("rope_scaling_high_freq_factor", float(high),
+                 LLAMA3_SCALING["high_freq_factor"]),
+                ("rope_scaling_original_max_position_embeddings", int(original),
+                 LLAMA3_SCALING["original_max"])):
+            if value != default:
+                out[key] = value
+        return out
     raise ConfigError(f"{title} rope_scaling type {kind!r}: loom reads default, linear "
                       f"(--rotary-seq-len-interpolation-factor) and llama3 "
                       f"(--use-rope-scaling) RoPE only")

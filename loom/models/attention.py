@@ -40,7 +40,8 @@ from loom.parallel.interface import NeverRecompute, SelectiveRecompute
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
                  scaling_factor: float = 1.0, interleaved: bool = False,
                  interpolation: Optional[float] = None,
-                 llama3_factor: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 llama3_factor: Optional[float] = None,
+                 llama3_bands: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[s, d]`` of rotary embeddings (Su et al. 2021) at ``positions [s]``.
     Frequency i (``base^(-2i/d)``) sits at channels i and i + d/2 (the halves layout of
     ``rotate_half``, Megatron's default), or at channels 2i and 2i + 1 with ``interleaved``
@@ -52,11 +53,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
     (``--rotary-seq-len-interpolation-factor``: Megatron-Core's ``seq_len_interpolation_factor``,
     in its order of operations; Chen et al. 2023, "Extending Context Window of Large Language
     Models via Positional Interpolation"); ``llama3_factor`` applies Llama 3.1's frequency
-    scaling (``--use-rope-scaling``: :func:`loom.models.rope_scaling.llama3_inv_freq`)."""
+    scaling (``--use-rope-scaling``: :func:`loom.models.rope_scaling.llama3_inv_freq`) with
+    ``llama3_bands`` (low factor, high factor, original context; default Llama 3.1's)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                             device=positions.device) / head_dim))
     if llama3_factor is not None:
-        inv_freq = llama3_inv_freq(inv_freq, llama3_factor)
+        inv_freq = llama3_inv_freq(inv_freq, llama3_factor, *(llama3_bands or ()))
     if scaling_factor != 1.0:
         inv_freq = inv_freq / scaling_factor
     seq = positions.float()

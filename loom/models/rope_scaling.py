@@ -3,7 +3,9 @@ Llama 3.1 reference code, as Megatron-Core's ``RotaryEmbedding._apply_scaling`` 
 ``rope_type: llama3`` compute it), used by :func:`loom.models.attention.rope_cos_sin`.
 
 Each inverse frequency ``f`` (wavelength ``w = 2 pi / f`` positions) of plain RoPE is mapped by
-its wavelength against the original context ``C`` (8192 in Llama 3.1, fixed by Megatron):
+its wavelength against the original context ``C`` (8192 in Llama 3.1 and 4; Megatron fixes it
+and the factors, loom's ``--rope-scaling-low/high-freq-factor`` and
+``--rope-scaling-original-max-position-embeddings`` give them: Llama 4's high factor is 1):
 
 * ``w < C / high_freq_factor`` (short wavelengths, high frequencies): kept, ``f``;
 * ``w > C / low_freq_factor`` (long wavelengths): interpolated, ``f / factor``;
@@ -31,6 +33,8 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float,
     between."""
     wavelength = 2 * math.pi / inv_freq
     long_end, short_end = original_max / low_freq_factor, original_max / high_freq_factor
+    if high_freq_factor == low_freq_factor:  # Llama 4's: no band between (no blend to divide)
+        return torch.where(wavelength > long_end, inv_freq / factor, inv_freq)
     blend = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = (1 - blend) * inv_freq / factor + blend * inv_freq
     return torch.where(wavelength > long_end, inv_freq / factor,

@@ -6,8 +6,10 @@
   ``RotaryEmbedding(rope_scaling=..., rope_scaling_factor=..., seq_len_interpolation_factor=...)``
   at positions up to 20000, with and without ``--rotary-percent``, and differ from plain RoPE;
 * Hugging Face: a ``LlamaForCausalLM`` with ``rope_scaling`` llama3 or linear imports with the
-  flags and gives its logits; the exported ``config.json`` gives ``transformers`` the same
-  ``rope_scaling``; other scalings are refused;
+  flags and gives its logits (Llama 4's llama3 scaling, high frequency factor 1, and another
+  original context through loom's ``--rope-scaling-high-freq-factor`` /
+  ``--rope-scaling-original-max-position-embeddings``); the exported ``config.json`` gives
+  ``transformers`` the same ``rope_scaling``; other scalings are refused;
 * generation: the KV-cached decode equals the full forward with every flag on.
 
 Whole models with each flag (``--no-rope-freq`` too) against Megatron-Core's GPTModel:
@@ -96,6 +98,15 @@ HF_SCALINGS = {
     "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                dict(use_rope_scaling=True, rope_scaling_factor=8.0)),
+    # Llama 4's (Scout's config.json): no blended band, loom's own band flags
+    "llama4": ({"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+               dict(use_rope_scaling=True, rope_scaling_factor=16.0,
+                    rope_scaling_high_freq_factor=1.0)),
+    "llama3-4096": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 4096},
+                    dict(use_rope_scaling=True,
+                         rope_scaling_original_max_position_embeddings=4096)),
     "linear": ({"rope_type": "linear", "factor": 4.0},
                dict(rotary_seq_len_interpolation_factor=4))}
 
@@ -138,8 +149,8 @@ def test_hf_llama_with_rope_scaling_imports_with_the_flags(name):
 
 @pytest.mark.parametrize("scaling, match", [
     ({"rope_type": "dynamic", "factor": 2.0}, "type 'dynamic'"),
-    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-      "original_max_position_embeddings": 4096}, "fixes them at 1, 4, 8192"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+      "original_max_position_embeddings": 8192}, "need 0 < low <= high"),
     ({"rope_type": "linear", "factor": 2.5}, "an int >= 1")])
 def test_hf_llama_with_other_rope_scalings_is_refused(scaling, match):
     from loom.models.gpt.hf import llama_config

@@ -31,7 +31,8 @@ def test_megatron_spellings_parse_into_the_fields():
     m = config_from_args(parser.parse_args(argv)).validate(1).model
     assert (m.use_rope_scaling, m.rope_scaling_factor, m.rotary_seq_len_interpolation_factor) \
         == (True, 32.0, 2)
-    assert m.rope_scaling_args() == dict(interpolation=2, llama3_factor=32.0)
+    assert m.rope_scaling_args() == dict(interpolation=2, llama3_factor=32.0,
+                                         llama3_bands=(1.0, 4.0, 8192))  # Megatron's fixed
     assert [m.is_no_rope_layer(i) for i in range(4)] == [False, False, False, True]
 
 
@@ -109,3 +110,17 @@ def test_megatron_checkpoint_args_carry_the_flags(freq, saved):
     flags = model_flags(args, model_fields(), hybrid=False)
     assert (flags["no_rope_freq"], flags["use_rope_scaling"], flags["rope_scaling_factor"],
             flags["rotary_seq_len_interpolation_factor"]) == (freq, True, 32.0, 2)
+
+
+def test_the_llama3_bands_are_loom_own_and_refused_alone():
+    """loom's --rope-scaling-low/high-freq-factor and --rope-scaling-original-max-position-
+    embeddings (Megatron fixes 1, 4, 8192; Llama 4 has high 1) shape --use-rope-scaling only,
+    with low <= high."""
+    m = resolved(position_embedding_type="rope", use_rope_scaling=True,
+                 rope_scaling_factor=16.0, rope_scaling_high_freq_factor=1.0).model
+    assert m.rope_scaling_args()["llama3_bands"] == (1.0, 1.0, 8192)
+    with pytest.raises(ConfigError, match="shape --use-rope-scaling: add it or drop them"):
+        resolved(position_embedding_type="rope", rope_scaling_high_freq_factor=1.0)
+    with pytest.raises(ConfigError, match="exceeds --rope-scaling-high-freq-factor"):
+        resolved(position_embedding_type="rope", use_rope_scaling=True,
+                 rope_scaling_low_freq_factor=4.0, rope_scaling_high_freq_factor=1.0)

@@ -54,9 +54,10 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
     if cfg.use_rope_scaling:
         out["rope_scaling"] = {
             "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-            "low_freq_factor": LLAMA3_SCALING["low_freq_factor"],
-            "high_freq_factor": LLAMA3_SCALING["high_freq_factor"],
-            "original_max_position_embeddings": LLAMA3_SCALING["original_max"]}
+            "low_freq_factor": cfg.rope_scaling_low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling_high_freq_factor,
+            "original_max_position_embeddings":
+                cfg.rope_scaling_original_max_position_embeddings}
     elif interpolation is not None:
         out["rope_scaling"] = {"rope_type": "linear", "factor": float(interpolation)}
     return out
