@@ -16,11 +16,13 @@ and returns loom's fields, Megatron's names, so ``loom train --config llama3_8b.
   torchtitan's LambdaLR at every step);
 * a note printed once at start (:data:`NOTES`): what loom reads elsewhere or differently
   (the dataset, the tokenizer, torchtitan's op-level selective recompute);
-* refused, naming the key and why (Flux / Llama 4 / gpt-oss models, a torchtitan checkpoint
+* refused, naming the key and why (Flux / gpt-oss models, Llama 4's iRoPE, a torchtitan checkpoint
   to load, TorchFT, ...), before anything starts. FP8 converters are said and trained in
   bf16, as loom takes Megatron's ``--fp8-format``.
 
-Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``), qwen3's dense
+Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``), llama4's flavors
+without iRoPE (MoE every first or second layer, top-1 sigmoid, one shared expert, Llama 4's
+RoPE scaling: :func:`_llama4`), qwen3's dense
 flavors (QK norm, head dim 128, tied embeddings up to 4B) and MoE flavors, and deepseek_v3's
 (multi-latent attention, DeepSeek-MoE: :func:`_deepseek`, :func:`_moe`), as torchtitan
 defines them (:data:`FLAVORS`); ``[parallelism] expert_parallel_degree`` /
@@ -122,7 +124,7 @@ def _moe(experts: int, top_k: int, inter: int, shared: int = 0, score: str = "so
                moe_router_score_function=score, moe_router_enable_expert_bias=True,
                moe_router_bias_update_rate=1e-3,
                moe_router_pre_softmax=score == "softmax" and not route_norm)
-    if score == "sigmoid" and not route_norm:
+    if score == "sigmoid" and not route_norm and top_k > 1:
         raise ValueError("torchtitan's sigmoid router without route_norm has no Megatron flag")
     if shared:
         out["moe_shared_expert_intermediate_size"] = shared * inter
@@ -183,9 +185,44 @@ FLAVORS["qwen3"].update({
     "30B-A3B": _qwen3_moe(2048, 48, 32, 4, 6144, 128, 768),
     "235B-A22B": _qwen3_moe(4096, 94, 64, 4, 12288, 128, 1536, rope_theta=5e6),
 })
+
+
+def _llama4(dim, n_layers, n_heads, n_kv_heads=None, multiple_of=256, multiplier=None,
+            experts=8, step=2, scaled=True, vocab=202048) -> dict:
+    """torchtitan's Llama 4 (v0.2.2 torchtitan/models/llama4/__init__.py and model/): Llama's
+    attention and RMSNorm, every ``step``-th layer (1-based) MoE: ``experts`` SwiGLU experts and
+    one shared expert of width ``int(int(multiplier x int(8 dim / 3)) / 2)`` rounded up to
+    ``multiple_of`` (its ``auto_scale_hidden_dim`` over top-1 + 1 shared), top-1 sigmoid routing
+    applied to the expert input (``score_before_experts``: Megatron's
+    ``--moe-apply-probs-on-input``) with the load-balancing bias; the other layers dense of
+    Llama's width; RoPE base 500,000 with Llama 4's frequency scaling (factor 16, low and high
+    frequency factors 1, original 8,192: ``RoPEScalingArgs``) where the flavor sets it."""
+    hidden = int(2 * 4 * dim / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    hidden = int(hidden / 2)  # top_k 1 + 1 shared expert
+    hidden += -hidden % multiple_of
+    out = _llama(dim, n_layers, n_heads, n_kv_heads, multiple_of, multiplier, vocab=vocab,
+                 llama3=scaled)
+    out.update(_moe(experts, 1, hidden, shared=1, score="sigmoid"), moe_apply_probs_on_input=True,
+               moe_layer_freq="1" if step == 1 else
+               f"([{','.join('1' if (i + 1) % step == 0 else '0' for i in range(step))}]"
+               f"*{n_layers // step})")
+    if scaled:
+        out.update(rope_scaling_factor=16.0, rope_scaling_low_freq_factor=1.0,
+                   rope_scaling_high_freq_factor=1.0,
+                   rope_scaling_original_max_position_embeddings=8192)
+    return out
+
+
+FLAVORS["llama4"] = {
+    "debugmodel": _llama4(256, 6, 16, vocab=2048),
+    "17bx16e": _llama4(5120, 48, 40, 8, 2048, 1.2, experts=16, step=1),
+    "17bx128e": _llama4(5120, 48, 40, 8, 2048, 1.2, experts=128, scaled=False),
+}
+LLAMA4_IROPE = ("debugmodel_irope", "17bx16e_irope", "17bx128e_irope")
 REFUSED_MODELS = {
     "flux": "a diffusion model",
-    "llama4": "Llama 4's MoE with its interleaved chunked attention",
     "deepseek_v2": "DeepSeek-V2 as torchtitan builds it",
     "gpt_oss": "gpt-oss as torchtitan builds it (give loom's --enable-gpt-oss flags)",
     "vlm": "a vision-language model", "llama3-siglip2": "a vision-language model",
@@ -531,6 +568,10 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
                                 f"reader")
     if name not in FLAVORS:
         raise bad("model.name", f"a model loom does not know; one of {', '.join(FLAVORS)}")
+    if name == "llama4" and flavor in LLAMA4_IROPE:
+        raise bad("model.flavor", "Llama 4's iRoPE (NoPE layers with chunked attention over "
+                                  "fixed blocks): loom has no chunked attention; not supported "
+                                  "by loom's torchtitan reader")
     if flavor not in FLAVORS[name]:
         raise bad("model.flavor", f"not a flavor of torchtitan's {name}; one of "
                                   f"{', '.join(FLAVORS[name])}")
@@ -673,20 +714,30 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
                       "ZBVZeroBubble)")
         put("pipeline_schedule", mapped, "parallelism.pipeline_parallel_schedule")
         per_stage = c["parallelism.pipeline_parallel_layers_per_stage"]
-        if per_stage:
+        weights = []
+        for end in ("first", "last"):
+            key = f"parallelism.pipeline_parallel_{end}_stage_less_layers"
+            if int(c[key]) not in (0, 1):
+                raise bad(key, "loom (Megatron) counts the embedding / the loss as one layer "
+                               "of its stage (0 or 1)")
+            weights.append(int(c[key]))
+        stages = pp * (2 if mapped in ("interleaved", "zbv") else 1)
+        layers = out["num_layers"]
+        uneven = not per_stage and mapped != "zbv" and (layers + sum(weights)) % stages
+        if uneven:  # torchtitan's own split, as Megatron's layout string writes it
+            put("pipeline_model_parallel_layout", torchtitan_split(layers, stages, *weights),
+                "parallelism.pipeline_parallel_first_stage_less_layers")
+        elif per_stage:
             put("num_layers_per_virtual_pipeline_stage", int(per_stage),
                 "parallelism.pipeline_parallel_layers_per_stage")
         elif mapped in ("interleaved", "zbv"):
             put("num_virtual_stages_per_pipeline_rank", 2,
                 "parallelism.pipeline_parallel_schedule")  # torchtitan: 2 stages per rank
-        for end, field in (("first", "account_for_embedding_in_pipeline_split"),
-                           ("last", "account_for_loss_in_pipeline_split")):
-            key = f"parallelism.pipeline_parallel_{end}_stage_less_layers"
-            if int(c[key]) not in (0, 1):
-                raise bad(key, "loom (Megatron) counts the embedding / the loss as one layer "
-                               "of its stage (0 or 1)")
-            if int(c[key]) and not per_stage:
-                put(field, True, key)
+        for weight, end, field in zip(weights, ("first", "last"),
+                                      ("account_for_embedding_in_pipeline_split",
+                                       "account_for_loss_in_pipeline_split")):
+            if weight and not per_stage and not uneven:
+                put(field, True, f"parallelism.pipeline_parallel_{end}_stage_less_layers")
     else:
         micro = local
     put("micro_batch_size", micro, "training.local_batch_size")
@@ -795,6 +846,22 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
         put("eval_micro_batch_size", int(c["validation.local_batch_size"]),
             "validation.local_batch_size")
     return out, where
+
+
+def torchtitan_split(layers: int, stages: int, first: int = 1, last: int = 1) -> str:
+    """torchtitan's pipeline split (v0.2.2 ``generate_llm_fqn_per_model_part``) as a Megatron
+    ``--pipeline-model-parallel-layout``: ``layers + first + last`` "layers" (the embedding
+    and the output counted ``first`` / ``last``) over ``stages`` stages, the first
+    ``remainder`` stages one more, the embedding on the first, the loss on the last (48 layers
+    over 4 stages: ``Et*12|t*13|t*12|t*11L``)."""
+    per, extra = divmod(layers + first + last, stages)
+    parts = []
+    for stage in range(stages):
+        n = per + (stage < extra) - (first if stage == 0 else 0) - \
+            (last if stage == stages - 1 else 0)
+        parts.append(("E" if stage == 0 else "") + (f"t*{n}" if n else "") +
+                     ("L" if stage == stages - 1 else ""))
+    return "|".join(parts)
 
 
 def is_torchtitan_config(path: Optional[str]) -> bool:
