@@ -123,9 +123,11 @@ def explain_nothing_fits(model: ModelConfig, cluster: Cluster, global_batch_size
                       replace(opts, max_zero_stage=3), cluster))
     if "zero" in fixed and fixed["zero"] < 3 and not opts.muon_ns_steps:
         tries.append(("--zero-stage 3", {**fixed, "zero": 3}, opts, cluster))
+    split = ("layout", "first_layers", "last_layers", "account_embedding", "account_loss")
     for k in ("cp", "mbs", "tp", "pp", "dp", "ep", "etp", "sp", "vp", "recompute"):
-        if k in fixed:
-            rest = {kk: vv for kk, vv in fixed.items() if kk != k}
+        if k in fixed:  # releasing PP releases the split it carries (a layout is p x v stages)
+            rest = {kk: vv for kk, vv in fixed.items()
+                    if kk != k and not (k == "pp" and kk in split)}
             tries.append((f"drop {FLAGS[k]} {fixed[k]} (let the planner choose)", rest, opts,
                           cluster))
     for mult in (2, 4, 8, 16, 32, 64):

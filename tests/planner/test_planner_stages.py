@@ -139,6 +139,18 @@ def test_nothing_fits_names_term_overflow_and_change():
     assert "--recompute-granularity full" in msg  # no new GPUs needed: recompute first
 
 
+def test_nothing_fits_with_a_given_layout_releases_it_with_the_pp_size():
+    """A given --pipeline-model-parallel-layout is p x v stages: when the cheapest change is to
+    release the fixed PP size, its layout goes with it (it used to fail on the layout)."""
+    m = get_preset("gpt3-175b")
+    cl = make_cluster("A100-80GB", 64)
+    fixed = dict(pp=2, zero=1, recompute="full", layout="Et*47|t*49L")
+    res = search(m, cl, 64, 2048, fixed=fixed, opts=Options(max_zero_stage=1))
+    assert len(res["tp"]) > 0 and len(res["order"]) == 0
+    msg = explain_nothing_fits(m, cl, 64, 2048, fixed, Options(max_zero_stage=1), res)
+    assert "drop --pipeline-model-parallel-size 2" in msg, msg
+
+
 def test_no_layout_divides_is_a_different_message():
     m = gpt(24, 2304, 24)
     cl = make_cluster("A100-80GB", 32)
