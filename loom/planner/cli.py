@@ -193,7 +193,7 @@ def run(args) -> int:
     if B is not None and B < 1:
         raise ConfigError(f"--global-batch-size {B}: must be >= 1 (sequences per iteration)")
     if B is None:
-        B = -(-1024 // cluster.num_gpus) * cluster.num_gpus
+        B = default_global_batch(args, cluster.num_gpus)
     train_tokens = parse_count(args.train_tokens) if args.train_tokens else None
     _check_estimate_inputs(args, train_tokens)
     check_train_bounds(args)  # after loom plan's own, more particular messages
@@ -311,6 +311,20 @@ def run(args) -> int:
         if not args.json:
             print(f"wrote {args.plot_breakdown}")
     return 0 if n_fit else 1
+
+
+def default_global_batch(args, num_gpus: int) -> int:
+    """B without ``--global-batch-size``: what ``loom train`` would run (Megatron's default,
+    ``--micro-batch-size`` x d, one micro-batch) when the micro-batch and the TP / PP / CP
+    sizes are all given (a torchtitan config gives them: its local batch x its data-parallel
+    size), else 1,024 rounded up to a multiple of the GPUs."""
+    sizes = (args.micro_batch_size, args.tensor_model_parallel_size,
+             args.pipeline_model_parallel_size, args.context_parallel_size)
+    if None not in sizes:
+        b, t, p, c = (int(v) for v in sizes)
+        if num_gpus % (t * p * c) == 0:
+            return b * (num_gpus // (t * p * c))
+    return -(-1024 // num_gpus) * num_gpus
 
 
 def dp_overlap_of(args) -> bool:

@@ -90,6 +90,26 @@ def test_plan_config_file_fixes_batch_and_parallel_sizes(tmp_path, capsys):
     assert doc["global_batch_size"] == 16
 
 
+def test_without_a_global_batch_the_plan_takes_what_loom_train_would(tmp_path, capsys):
+    """No --global-batch-size: with the micro-batch and the TP / PP / CP sizes all given, B is
+    b x d, Megatron's default that loom train runs (a torchtitan config gives them: its
+    global batch is its local batch times its data-parallel size); otherwise 1,024 rounded up
+    to a multiple of the GPUs."""
+    base = ["plan", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--vocab-size", "100", "--seq-length", "32", "--num-gpus", "8", "--json"]
+    sizes = ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1"]
+    assert json.loads(_plan(base + sizes, capsys))["global_batch_size"] == 2 * 4
+    assert json.loads(_plan(base + sizes[:4], capsys))["global_batch_size"] == 1024
+    toml = tmp_path / "tt.toml"
+    toml.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\n'
+                    'local_batch_size = 2\nseq_len = 64\n[parallelism]\n'
+                    'tensor_parallel_degree = 2\n')
+    doc = json.loads(_plan(["plan", "--config", str(toml), "--num-gpus", "8", "--json"],
+                           capsys))
+    assert doc["global_batch_size"] == 2 * 4  # torchtitan's: local x DP 4
+
+
 HF = {
     "llama": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
