@@ -16,13 +16,13 @@ and returns loom's fields, Megatron's names, so ``loom train --config llama3_8b.
   torchtitan's LambdaLR at every step);
 * a note printed once at start (:data:`NOTES`): what loom reads elsewhere or differently
   (the dataset, the tokenizer, torchtitan's op-level selective recompute);
-* refused, naming the key and why (Flux / gpt-oss models, Llama 4's iRoPE, a torchtitan checkpoint
-  to load, TorchFT, ...), before anything starts. FP8 converters are said and trained in
-  bf16, as loom takes Megatron's ``--fp8-format``.
+* refused, naming the key and why (Flux / gpt-oss models, Llama 4's iRoPE past one attention
+  block, a torchtitan checkpoint to load, TorchFT, ...), before anything starts. FP8
+  converters are said and trained in bf16, as loom takes Megatron's ``--fp8-format``.
 
-Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``), llama4's flavors
-without iRoPE (MoE every first or second layer, top-1 sigmoid, one shared expert, Llama 4's
-RoPE scaling: :func:`_llama4`), qwen3's dense
+Models: ``[model] name`` llama3 (and the older ``llama``, ``llama2``), llama4's (MoE every
+first or second layer, top-1 sigmoid, one shared expert, Llama 4's RoPE scaling; iRoPE's NoPE
+layers while the sequence fits one of its attention blocks: :func:`_llama4`), qwen3's dense
 flavors (QK norm, head dim 128, tied embeddings up to 4B) and MoE flavors, and deepseek_v3's
 (multi-latent attention, DeepSeek-MoE: :func:`_deepseek`, :func:`_moe`), as torchtitan
 defines them (:data:`FLAVORS`); ``[parallelism] expert_parallel_degree`` /
@@ -188,7 +188,7 @@ FLAVORS["qwen3"].update({
 
 
 def _llama4(dim, n_layers, n_heads, n_kv_heads=None, multiple_of=256, multiplier=None,
-            experts=8, step=2, scaled=True, vocab=202048) -> dict:
+            experts=8, step=2, scaled=True, vocab=202048, nope_every=None) -> dict:
     """torchtitan's Llama 4 (v0.2.2 torchtitan/models/llama4/__init__.py and model/): Llama's
     attention and RMSNorm, every ``step``-th layer (1-based) MoE: ``experts`` SwiGLU experts and
     one shared expert of width ``int(int(multiplier x int(8 dim / 3)) / 2)`` rounded up to
@@ -196,7 +196,10 @@ def _llama4(dim, n_layers, n_heads, n_kv_heads=None, multiple_of=256, multiplier
     applied to the expert input (``score_before_experts``: Megatron's
     ``--moe-apply-probs-on-input``) with the load-balancing bias; the other layers dense of
     Llama's width; RoPE base 500,000 with Llama 4's frequency scaling (factor 16, low and high
-    frequency factors 1, original 8,192: ``RoPEScalingArgs``) where the flavor sets it."""
+    frequency factors 1, original 8,192: ``RoPEScalingArgs``) where the flavor sets it.
+    ``nope_every``: iRoPE's layers without RoPE (0-based multiples: ``--no-rope-freq``); its
+    other layers attend within fixed blocks, which is causal attention while ``[training]
+    seq_len`` fits one block (:data:`LLAMA4_IROPE`, checked in :func:`_translate`)."""
     hidden = int(2 * 4 * dim / 3)
     if multiplier is not None:
         hidden = int(multiplier * hidden)
@@ -208,6 +211,10 @@ def _llama4(dim, n_layers, n_heads, n_kv_heads=None, multiple_of=256, multiplier
                moe_layer_freq="1" if step == 1 else
                f"([{','.join('1' if (i + 1) % step == 0 else '0' for i in range(step))}]"
                f"*{n_layers // step})")
+    if nope_every:
+        out["no_rope_freq"] = (f"([1{',0' * (nope_every - 1)}]*{n_layers // nope_every}"
+                               + (f"+[1{',0' * (n_layers % nope_every - 1)}]"
+                                  if n_layers % nope_every else "") + ")")
     if scaled:
         out.update(rope_scaling_factor=16.0, rope_scaling_low_freq_factor=1.0,
                    rope_scaling_high_freq_factor=1.0,
@@ -219,8 +226,14 @@ FLAVORS["llama4"] = {
     "debugmodel": _llama4(256, 6, 16, vocab=2048),
     "17bx16e": _llama4(5120, 48, 40, 8, 2048, 1.2, experts=16, step=1),
     "17bx128e": _llama4(5120, 48, 40, 8, 2048, 1.2, experts=128, scaled=False),
+    "debugmodel_irope": _llama4(256, 6, 16, vocab=2048, nope_every=4),
+    "17bx16e_irope": _llama4(5120, 48, 40, 8, 2048, 1.2, experts=16, step=1, nope_every=4),
+    "17bx128e_irope": _llama4(5120, 48, 40, 8, 2048, 1.2, experts=128, scaled=False,
+                              nope_every=4),
 }
-LLAMA4_IROPE = ("debugmodel_irope", "17bx16e_irope", "17bx128e_irope")
+LLAMA4_IROPE = {"debugmodel_irope": 256, "17bx16e_irope": 8192, "17bx128e_irope": 8192}
+"""iRoPE flavors and their ``fixed_attn_block_size``: the RoPE layers attend within blocks of
+that many positions (torchtitan's ``get_fixed_block_mask_mod``)."""
 REFUSED_MODELS = {
     "flux": "a diffusion model",
     "deepseek_v2": "DeepSeek-V2 as torchtitan builds it",
@@ -568,10 +581,14 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
                                 f"reader")
     if name not in FLAVORS:
         raise bad("model.name", f"a model loom does not know; one of {', '.join(FLAVORS)}")
-    if name == "llama4" and flavor in LLAMA4_IROPE:
-        raise bad("model.flavor", "Llama 4's iRoPE (NoPE layers with chunked attention over "
-                                  "fixed blocks): loom has no chunked attention; not supported "
-                                  "by loom's torchtitan reader")
+    if name == "llama4" and flavor in LLAMA4_IROPE and \
+            int(c["training.seq_len"]) > LLAMA4_IROPE[flavor]:
+        raise bad("model.flavor", f"Llama 4's iRoPE attends within blocks of "
+                                  f"{LLAMA4_IROPE[flavor]} positions in its RoPE layers, and "
+                                  f"[training] seq_len {c['training.seq_len']} spans several: "
+                                  f"loom has no chunked attention (up to "
+                                  f"{LLAMA4_IROPE[flavor]} it is causal attention, read so); "
+                                  f"not supported by loom's torchtitan reader")
     if flavor not in FLAVORS[name]:
         raise bad("model.flavor", f"not a flavor of torchtitan's {name}; one of "
                                   f"{', '.join(FLAVORS[name])}")
