@@ -1,9 +1,10 @@
 """Training under a batch-size ramp (``--rampup-batch-size``, ``--step-batch-size-schedule``):
-DP = 2 and PP = 2 x DP = 2 train as one rank does (fp32, no dropout: the same loss every
-iteration, the same weights at the end), each iteration with the ramp's batch (2, 2, 2, 2, 4, 4,
-6, 6, 8, ...: the micro-batch count m = B / (b d) changes under the pipeline schedule) and the
-ramped sample-based learning rate; a run stopped mid-ramp and resumed from its checkpoint
-continues as the uninterrupted run (iterations, consumed samples, losses, learning rates)."""
+DP = 2, PP = 2 x DP = 2 and interleaved PP = 2 train as one rank does (fp32, no dropout: the
+same loss every iteration, the same weights at the end), each iteration with the ramp's batch
+(2, 2, 2, 2, 4, 4, 6, 6, 8, ...: the micro-batch count m = B / (b d) changes under the
+pipeline schedule) and the ramped sample-based learning rate; a run stopped mid-ramp and
+resumed from its checkpoint continues as the uninterrupted run (iterations, consumed samples,
+losses, learning rates)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,18 @@ def test_ramped_training_matches_one_rank_across_layouts():
     one = run_distributed(1, _train, steps, start_method="fork")[0][0]
     assert [r[1] for r in one] == [2, 2, 4, 4, 4, 8, 8, 8, 8, 8, 8]  # 60 samples reached
     _check(run_distributed(2, _train, steps, start_method="fork")[-1][0], one, "step schedule")
+
+
+def test_the_interleaved_schedule_takes_each_ramp_size():
+    """PP 2 with 2 model chunks a stage (the interleaved schedule, whose micro-batch groups
+    need m >= p: m = 2, 4, 6, 8 here) trains as one rank does under the ramp."""
+    deep = ["--num-layers", "4"] + BASE[2:] + ARGV[len(BASE):]
+    one = run_distributed(1, _train, deep, start_method="fork")[0][0]
+    two = run_distributed(2, _train, deep + ["--pipeline-model-parallel-size", "2",
+                                             "--num-layers-per-virtual-pipeline-stage", "1"],
+                          start_method="fork")[-1][0]
+    assert [r[1] for r in one] == SIZES
+    _check(two, one, "interleaved")
 
 
 def _stop_and_resume(argv, save):
