@@ -129,14 +129,17 @@ class MetricsLogger:
     ``total_iters`` iterations (or always, with ``timestamps=True``).
     ``log_world_size`` (``--log-world-size-to-tensorboard``): every training record also
     writes Megatron's ``world-size`` scalar (and ``world-size vs samples``) to TensorBoard.
+    ``batch_ramp``: the global batch changes during the run (a batch-size ramp): each
+    iteration line says its ``global batch``, as Megatron's does.
     """
 
     def __init__(self, enabled: bool, log_json: Optional[str] = None,
                  tensorboard_dir: Optional[str] = None, total_iters: int = 0,
                  progress_bar: bool = True, config: Optional[dict] = None,
                  start_iteration: int = 0, timestamps: Optional[bool] = None,
-                 world_size: Optional[int] = None, log_world_size: bool = False):
-        self.enabled, self.world_size = enabled, world_size
+                 world_size: Optional[int] = None, log_world_size: bool = False,
+                 batch_ramp: bool = False):
+        self.enabled, self.world_size, self.batch_ramp = enabled, world_size, batch_ramp
         self.log_world_size = log_world_size and world_size is not None
         self.json_file = None
         self.tb = None
@@ -199,6 +202,7 @@ class MetricsLogger:
                 f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
                 f"step {1000 * record['step_time_s']:.0f} ms | "
                 f"peak mem {record['peak_memory_bytes'] / 2**20:,.0f} MiB"
+                + (f" | global batch {record['batch_size']}" if self.batch_ramp else "")
                 + (f" | bubble {100 * record['bubble_fraction']:.1f}%"
                    if "bubble_fraction" in record else "")
                 + (f" | loss scale {record['loss_scale']:g}" if "loss_scale" in record else "")

@@ -356,7 +356,8 @@ class Trainer:
                             0 if skip else iters - self.iteration, not lg.no_progress_bar,
                             config=self.cfg.to_flat(), start_iteration=self.iteration,
                             world_size=self.parts.world_size,
-                            log_world_size=lg.log_world_size_to_tensorboard)
+                            log_world_size=lg.log_world_size_to_tensorboard,
+                            batch_ramp=self.parts.data.ramp is not None)
         total, local = self.count_parameters()
         log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, {total:,} parameters "
                   f"({local:,} on rank 0), "

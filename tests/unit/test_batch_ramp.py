@@ -191,3 +191,16 @@ def test_an_iteration_based_ramp_counts_iterations():
         sched.step()
     assert lrs == pytest.approx([lr_at(i, t, batch=64) for i in range(101)], rel=1e-12)
     assert lrs[9] == pytest.approx(t.lr) and lrs[100] == pytest.approx(t.min_lr)
+
+
+def test_a_ramped_run_logs_each_iterations_global_batch(capsys):
+    """Under a ramp each iteration line says its global batch (Megatron's log line has it);
+    without one it is left out."""
+    from loom.training.metrics import MetricsLogger
+    rec = dict(iteration=3, loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0,
+               tflops_per_rank=0.0, mfu=None, step_time_s=0.01, peak_memory_bytes=0,
+               batch_size=4)
+    MetricsLogger(True, progress_bar=False, timestamps=False, batch_ramp=True).log(rec)
+    assert "| global batch 4" in capsys.readouterr().out
+    MetricsLogger(True, progress_bar=False, timestamps=False).log(rec)
+    assert "global batch" not in capsys.readouterr().out
