@@ -102,6 +102,11 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
     if t.calculate_per_token_loss:
         out.append("--calculate-per-token-loss: every micro-batch holds the same number of loss "
                    "tokens, so the per-token and per-micro-batch averages are the same loss")
+    if m.num_experts and m.moe_router_enable_expert_bias and \
+            m.moe_router_score_function == "softmax":
+        out.append("--moe-router-enable-expert-bias with softmax scores: the bias is added to "
+                   "the probabilities for the choice (torchtitan's router; Megatron-LM refuses "
+                   "the pair)")
     if t.checkpoint_activations:
         out.append(f"--checkpoint-activations (Megatron-LM v1-v2; its later releases refuse it): "
                    f"every layer recomputed, as --recompute-granularity full --recompute-method "

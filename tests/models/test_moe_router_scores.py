@@ -60,7 +60,10 @@ def test_expert_bias_takes_sqrtsoftplus_and_softmax():
     also with softmax, as torchtitan's router has it (the bias added to the probabilities)."""
     flags = dict(num_experts=8, moe_router_topk=2, moe_router_enable_expert_bias=True)
     tiny_config("moe", moe_router_score_function="sqrtsoftplus", **flags).validate(1)
-    tiny_config("moe", moe_router_score_function="softmax", **flags).validate(1)
+    cfg = tiny_config("moe", moe_router_score_function="softmax", **flags).validate(1)
+    from loom.training.script_checks import start_notes
+    assert any("with softmax scores: the bias is added to the probabilities" in n
+               for n in start_notes(cfg, {}))  # said once at start: Megatron refuses the pair
 
 
 def _torchtitan_router(logits, k, bias, route_norm, route_scale=1.0, groups=None, limited=None):
