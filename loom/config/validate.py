@@ -429,6 +429,16 @@ def _check_ramp(cfg: Any, world_size: int, pipelined: bool) -> None:
     ramp = BatchRamp.from_training(t, cfg.model.seq_length)
     if ramp is None:
         return
+    if t.train_samples is not None:  # the schedule counts samples (param_schedule.py)
+        by_iters = [flag for flag, iters, samples in (
+            ("--lr-warmup-iters", t.lr_warmup_iters, t.lr_warmup_samples),
+            ("--lr-decay-iters", t.lr_decay_iters, t.lr_decay_samples),
+            ("--lr-wsd-decay-iters", t.lr_wsd_decay_iters, t.lr_wsd_decay_samples))
+            if iters and not samples]
+        if by_iters:
+            raise ConfigError(f"{by_iters[0]} with {ramp.flag} and --train-samples: the "
+                              f"learning-rate schedule then counts samples, as Megatron-LM's "
+                              f"does: give {by_iters[0].replace('-iters', '-samples')}")
     unit = t.micro_batch_size * cfg.data_parallel_size(world_size)
     for b in ramp.sizes(t.train_iters):
         if b % unit:

@@ -110,6 +110,9 @@ def test_validation_counts_the_ramped_run_and_refuses_what_cannot_run():
          "--global-batch-size 8 must be START 2"),
         (dict(global_batch_size=8, rampup_batch_size="2 2 0", train_samples=60),
          "SAMPLES must be at least 1"),
+        (dict(global_batch_size=8, rampup_batch_size="2 2 24", train_samples=60,
+              lr_warmup_iters=3), "--lr-warmup-iters with --rampup-batch-size and "
+                                  "--train-samples: .* give --lr-warmup-samples"),
     ]
     for flat, match in refused:
         with pytest.raises(ConfigError, match=match):
