@@ -7,9 +7,9 @@ that depend on several flags (a single value loom refuses is a row of the flag t
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
-from loom.config.batch_ramp import BatchRamp, parse_step_schedule
+from loom.config.batch_ramp import BatchRamp
 from loom.config.debug_flags import check_debug_flags
 from loom.config.evaluation import check_evaluation
 from loom.config.optimizer_muon import check_muon
@@ -18,13 +18,6 @@ from loom.errors import ConfigError
 
 SHARDING_TO_ZERO = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 """``--data-parallel-sharding-strategy`` of ``--use-megatron-fsdp`` -> loom's ZeRO stage."""
-
-
-def _final_batch_size(t: Any) -> Optional[int]:
-    """The global batch size a batch-size ramp ends at, or None without one."""
-    if t.step_batch_size_schedule:
-        return parse_step_schedule(t.step_batch_size_schedule)[-1][1]
-    return None
 
 
 def _positions(m: Any) -> None:
@@ -104,10 +97,12 @@ def _eval_batches(cfg: Any, world_size: int) -> None:
 
 
 def _batch_ramp(t: Any) -> None:
-    BatchRamp.from_training(t, None)  # refuses a malformed ramp, naming its flag
-    final = _final_batch_size(t)
-    if final is None:
+    """A malformed ramp refused naming its flag; a step schedule sets the global batch size
+    to its last (the final one of ``--rampup-batch-size`` is ``--global-batch-size``)."""
+    ramp = BatchRamp.from_training(t, None)
+    if ramp is None or ramp.steps is None:
         return
+    final = ramp.final
     if t.global_batch_size is None:
         t.global_batch_size = final
     elif t.global_batch_size != final:  # Megatron refuses both flags; loom accepts agreement
