@@ -48,6 +48,9 @@ def build(name: str):
         m = T.LlamaForCausalLM(T.LlamaConfig(intermediate_size=40, tie_word_embeddings=False, **c))
     elif name == "qwen2":
         m = T.Qwen2ForCausalLM(T.Qwen2Config(intermediate_size=40, tie_word_embeddings=False, **c))
+    elif name == "qwen3":
+        m = T.Qwen3ForCausalLM(T.Qwen3Config(intermediate_size=40, head_dim=16,
+                                             tie_word_embeddings=False, **c))
     elif name == "mixtral":
         m = T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=24, num_local_experts=4,
                                                  num_experts_per_tok=2, **c))
@@ -107,5 +110,5 @@ def build(name: str):
     return _perturb(m).eval(), specials
 
 
-CASES = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
+CASES = ("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
          "gemma3", "bert", "mamba2", "nemotron_h")

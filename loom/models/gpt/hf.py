@@ -2,7 +2,7 @@
 loom's parameter names, both ways (``loom checkpoint convert``; resharding to a layout is
 :func:`loom.interop.hf.load_full_state_dict`), and the ``config.json`` of the matching
 ``transformers`` class. The dense layouts live here (GPT2LMHeadModel, LlamaForCausalLM,
-Qwen2ForCausalLM: LLaMA with QKV biases); :func:`layout_of` picks the class a model exports
+Qwen2ForCausalLM: LLaMA with QKV biases, Qwen3ForCausalLM: LLaMA with Q/K norms); :func:`layout_of` picks the class a model exports
 to, :data:`IMPORTS` the reader of a ``model_type``: Mixtral / Qwen2-MoE (:mod:`.hf_moe`),
 Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V3 (:mod:`.hf_deepseek`), gpt-oss
 (:mod:`.hf_gpt_oss`), the shared pieces in :mod:`.hf_parts`.
@@ -37,13 +37,17 @@ def gpt2_config(hf_config) -> ModelConfig:
 
 def llama_config(hf_config) -> ModelConfig:
     """loom's LLaMA layout for a ``transformers.LlamaConfig`` (``Qwen2Config``: with
-    ``--add-qkv-bias``)."""
-    qwen2 = getattr(hf_config, "model_type", "llama") == "qwen2"
+    ``--add-qkv-bias``; ``Qwen3Config``: with ``--qk-layernorm``, per-head RMSNorm on queries
+    and keys before RoPE, Qwen Team 2025, arXiv 2505.09388 sec. 2, and its own ``head_dim``)."""
+    kind = getattr(hf_config, "model_type", "llama")
+    qwen2, qwen3 = kind == "qwen2", kind == "qwen3"
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         raise ConfigError("LLaMA with attention_bias / mlp_bias (o_proj or MLP biases) has no "
                           "loom layout")
-    if qwen2 and getattr(hf_config, "use_sliding_window", False):
-        raise ConfigError("Qwen2 with use_sliding_window is not supported")
+    if (qwen2 or qwen3) and getattr(hf_config, "use_sliding_window", False):
+        raise ConfigError(f"{'Qwen2' if qwen2 else 'Qwen3'} with use_sliding_window is not "
+                          f"supported")
+    title = "Qwen2" if qwen2 else "Qwen3" if qwen3 else "LLaMA"
     return ModelConfig.llama(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads,
@@ -53,7 +57,7 @@ def llama_config(hf_config) -> ModelConfig:
         seq_length=hf_config.max_position_embeddings,
         max_position_embeddings=hf_config.max_position_embeddings,
         vocab_size=hf_config.vocab_size, norm_epsilon=hf_config.rms_norm_eps,
-        add_qkv_bias=qwen2, **rope_fields(hf_config, "Qwen2" if qwen2 else "LLaMA"),
+        add_qkv_bias=qwen2, qk_layernorm=qwen3, **rope_fields(hf_config, title),
         untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings,
         hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
@@ -96,10 +100,11 @@ def llama_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 
 def dense_layout(cfg: ModelConfig) -> str:
-    """``gpt2``, ``llama`` or ``qwen2`` (LLaMA with QKV biases); raises ConfigError for a dense
-    model none of those HF classes expresses (naming the first option in
-    :data:`~loom.models.gpt.hf_parts.PLAIN_LAYOUT` it sets)."""
-    check_plain(cfg, "GPT-2 or LLaMA", allowed=ROPE_SCALINGS)
+    """``gpt2``, ``llama``, ``qwen2`` (LLaMA with QKV biases) or ``qwen3`` (LLaMA with Q/K
+    norms); raises ConfigError for a dense model none of those HF classes expresses (naming
+    the first option in :data:`~loom.models.gpt.hf_parts.PLAIN_LAYOUT` it sets)."""
+    check_plain(cfg, "GPT-2 or LLaMA", allowed=ROPE_SCALINGS + (
+        ("qk_layernorm",) if not cfg.add_qkv_bias and cfg.normalization == "RMSNorm" else ()))
     gpt2 = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
             and not cfg.swiglu and not cfg.disable_bias_linear
             and not cfg.untie_embeddings_and_output_weights)
@@ -109,7 +114,8 @@ def dense_layout(cfg: ModelConfig) -> str:
         raise ConfigError("only the GPT-2 layout (LayerNorm, learned positions, GeLU, biases, "
                           "tied embeddings) and the LLaMA / Qwen2 layout (RMSNorm, RoPE, "
                           "SwiGLU, no biases but --add-qkv-bias) convert to Hugging Face")
-    return "gpt2" if gpt2 else "qwen2" if cfg.add_qkv_bias else "llama"
+    return "gpt2" if gpt2 else "qwen2" if cfg.add_qkv_bias else \
+        "qwen3" if cfg.qk_layernorm else "llama"
 
 
 def layout_of(cfg: ModelConfig) -> str:
@@ -147,7 +153,8 @@ def layout_of(cfg: ModelConfig) -> str:
 
 
 def dense_hf_config(cfg: ModelConfig) -> dict:
-    """``config.json`` of GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM."""
+    """``config.json`` of GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or
+    Qwen3ForCausalLM."""
     layout = dense_layout(cfg)
     if layout == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -167,6 +174,9 @@ def dense_hf_config(cfg: ModelConfig) -> dict:
     if layout == "qwen2":
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                 "use_sliding_window": False, **common}
+    if layout == "qwen3":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "use_sliding_window": False, "attention_bias": False, **common}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "attention_bias": False, "mlp_bias": False, **common}
 
@@ -206,7 +216,7 @@ def loom_to_dense(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 # layout -> (config.json of the transformers class, full loom tensors -> its state dict)
 LAYOUTS = {
     "gpt2": (dense_hf_config, loom_to_dense), "llama": (dense_hf_config, loom_to_dense),
-    "qwen2": (dense_hf_config, loom_to_dense),
+    "qwen2": (dense_hf_config, loom_to_dense), "qwen3": (dense_hf_config, loom_to_dense),
     "mixtral": (hf_moe.mixtral_hf_config, hf_moe.loom_to_mixtral),
     "qwen2_moe": (hf_moe.qwen2_moe_hf_config, hf_moe.loom_to_qwen2_moe),
     "qwen3_moe": (hf_qwen3_moe.qwen3_moe_hf_config, hf_qwen3_moe.loom_to_qwen3_moe),
@@ -283,9 +293,9 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     return cfg, (gpt2_to_loom if hf.get("model_type") == "gpt2" else llama_to_loom)(sd, cfg)
 
 
-HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe",
-                               "deepseek_v3", "gpt_oss"),
+HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                               "qwen3_moe", "deepseek_v3", "gpt_oss"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
-                  title="GPT-2 / LLaMA / Qwen2 / Mixtral / Qwen2-MoE / Qwen3-MoE / "
+                  title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE / "
                         "DeepSeek-V3 / gpt-oss")
