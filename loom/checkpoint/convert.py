@@ -165,6 +165,7 @@ def _save_import(family, cfg, full: dict, out_dir: str, tokenizer_file) -> str:
 # torchtitan's Llama names (torchtitan/models/llama3/model/model.py) -> Hugging Face's
 _TT_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
              "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
              "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
              "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
              "ffn_norm": "post_attention_layernorm"}
@@ -230,11 +231,13 @@ def read_dcp(path: str) -> dict:
 def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = False) -> str:
     """A loom checkpoint (iteration 0) in ``out_dir`` from torchtitan's checkpoint ``src`` (a
     DCP ``step-N`` directory: model-only, or full with the model under ``model.``) of the Llama
-    model the torchtitan job config ``toml_path`` describes
+    2 / 3 or dense Qwen3 model the torchtitan job config ``toml_path`` describes
     (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped to
-    Hugging Face's, each head's query / key rows reordered from RoPE on adjacent pairs to
-    RoPE on halves (:func:`_halves`: the same model), then the LLaMA family's Hugging Face
-    import. Returns the checkpoint path. Raises ConfigError for a missing or non-DCP
+    Hugging Face's (Llama: each head's query / key rows reordered from RoPE on adjacent pairs
+    to RoPE on halves, :func:`_halves`, the same model; Qwen3 rotates halves already and is
+    renamed only, its Q/K norms too, a tied output dropped), then Hugging Face's import
+    (LlamaForCausalLM / Qwen3ForCausalLM). MoE checkpoints are refused naming the model.
+    Returns the checkpoint path. Raises ConfigError for a missing or non-DCP
     ``src``, a config loom's torchtitan reader refuses, a tensor the model lacks or misses,
     and an ``out_dir`` it may not write (as :func:`from_hf`)."""
     from loom.checkpoint.targets import check_output_dir
@@ -243,29 +246,35 @@ def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = Fa
     check_output_dir(out_dir, f"--from-torchtitan output {out_dir}", overwrite,
                      allow_import=True)
     f = read_torchtitan_config(toml_path)
-    if f.get("qk_layernorm") or f.get("num_experts"):
+    if f.get("num_experts"):
         what = "DeepSeek-V3" if f.get("multi_latent_attention") else \
-            "Qwen3-MoE" if f.get("num_experts") else "Qwen3"
+            "Llama 4" if f.get("moe_apply_probs_on_input") else "Qwen3-MoE"
         raise ConfigError(f"--from-torchtitan {toml_path}: a {what} checkpoint; loom converts "
-                          f"torchtitan's Llama checkpoints (convert a {what} one to Hugging Face "
-                          f"with torchtitan, then --from-hf)")
+                          f"torchtitan's Llama 2 / 3 and dense Qwen3 checkpoints (convert a "
+                          f"{what} one to Hugging Face with torchtitan, then --from-hf)")
+    qwen3 = bool(f.get("qk_layernorm"))  # RoPE on halves already (its rotate_half)
     a, g, h = f["num_attention_heads"], f["num_query_groups"], f["hidden_size"]
-    hf = {"model_type": "llama", "hidden_size": h, "intermediate_size": f["ffn_hidden_size"],
+    tied = not f.get("untie_embeddings_and_output_weights", True)
+    hf = {"model_type": "qwen3" if qwen3 else "llama", "hidden_size": h,
+          "intermediate_size": f["ffn_hidden_size"],
           "num_hidden_layers": f["num_layers"], "num_attention_heads": a,
-          "num_key_value_heads": g, "vocab_size": f["vocab_size"], "rms_norm_eps": 1e-5,
-          "rope_theta": f["rotary_base"], "max_position_embeddings": f["seq_length"],
-          "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
-          "mlp_bias": False}
+          "num_key_value_heads": g, "vocab_size": f["vocab_size"],
+          "rms_norm_eps": f["norm_epsilon"], "rope_theta": f["rotary_base"],
+          "max_position_embeddings": f["seq_length"], "tie_word_embeddings": tied,
+          "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+          **({"head_dim": f["kv_channels"]} if f.get("kv_channels") else {})}
     if f["use_rope_scaling"]:  # torchtitan's Llama 3.1 frequency scaling (its RoPEScalingArgs)
         hf["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192}
     tt = read_dcp(src)
     model = {k[len("model."):]: v for k, v in tt.items() if k.startswith("model.")} or tt
-    sd = torchtitan_to_hf(model, a, g, src)
-    family = FamilyRegistry().for_hf("llama")
+    if tied:  # the output layer is the embedding (torchtitan may save both names)
+        model.pop("output.weight", None)
+    sd = torchtitan_to_hf(model, a, g, src, halves=not qwen3)
+    family = FamilyRegistry().for_hf(hf["model_type"])
     where = f"--from-torchtitan {toml_path} {src}"
-    expected = 3 + 9 * f["num_layers"]
+    expected = 3 - tied + (11 if qwen3 else 9) * f["num_layers"]
     if len(sd) != expected:
         raise ConfigError(f"{where}: {len(sd)} model tensors, the {toml_path} model has "
                           f"{expected}: a checkpoint of another flavor?")

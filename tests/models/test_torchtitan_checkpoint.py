@@ -135,16 +135,75 @@ def test_refusals(tmp_path):
     short = {k: v for k, v in short.items() if not k.startswith("layers.5.")}
     with pytest.raises(ConfigError, match="another flavor"):
         from_torchtitan(_save(short, tmp_path / "s2"), str(tmp_path / "o3"), str(toml))
-    qwen = tmp_path / "qwen.toml"
-    qwen.write_text('[model]\nname = "qwen3"\nflavor = "debugmodel"\n')
-    with pytest.raises(ConfigError, match="a Qwen3 checkpoint"):
-        from_torchtitan(str(tmp_path / "s2"), str(tmp_path / "o4"), str(qwen))
-    for flavor, what in (("debugmodel_moe", "Qwen3-MoE"), ("debugmodel", "DeepSeek-V3")):
-        moe = tmp_path / f"{what}.toml"
-        moe.write_text(f'[model]\nname = "{"qwen3" if what != "DeepSeek-V3" else "deepseek_v3"}"'
-                       f'\nflavor = "{flavor}"\n')
+    for name, flavor, what in (("qwen3", "debugmodel_moe", "Qwen3-MoE"),
+                               ("deepseek_v3", "debugmodel", "DeepSeek-V3"),
+                               ("llama4", "debugmodel", "Llama 4")):
+        moe = tmp_path / f"{name}.toml"
+        moe.write_text(f'[model]\nname = "{name}"\nflavor = "{flavor}"\n')
         with pytest.raises(ConfigError, match=f"a {what} checkpoint"):
             from_torchtitan(str(tmp_path / "s2"), str(tmp_path / "o5"), str(moe))
+
+
+def test_a_torchtitan_qwen3_checkpoint_is_transformers_qwen3(tmp_path):
+    """torchtitan's dense Qwen3 (debugmodel: QK norms, head dim 128 of h 256 / 16 heads, 8 KV
+    groups, tied embeddings; RoPE on halves already, its rotate_half) converts by its names
+    alone (its state_dict_adapter's table), and the loom checkpoint's logits equal
+    transformers' Qwen3ForCausalLM fed the same weights under that table's names."""
+    from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, \
+        read_common
+    from loom.config import LoomConfig
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    import transformers
+    toml = tmp_path / "qwen.toml"
+    toml.write_text('[model]\nname = "qwen3"\nflavor = "debugmodel"\n[training]\nseq_len = 64\n')
+    f = read_torchtitan_config(str(toml))
+    g = torch.Generator().manual_seed(0)
+    h, a, kv, d, ffn, V = 256, 16, 8, 128, f["ffn_hidden_size"], 2048
+
+    def w(*shape, std=0.05):
+        return torch.randn(*shape, generator=g) * std
+    tt = {"tok_embeddings.weight": w(V, h, std=1.0), "norm.weight": 1 + w(h)}
+    tt["output.weight"] = tt["tok_embeddings.weight"]  # tied: torchtitan holds one tensor
+    for i in range(f["num_layers"]):
+        p = f"layers.{i}."
+        tt.update({p + "attention.wq.weight": w(a * d, h), p + "attention.wk.weight": w(kv * d, h),
+                   p + "attention.wv.weight": w(kv * d, h), p + "attention.wo.weight": w(h, a * d),
+                   p + "attention.q_norm.weight": 1 + w(d), p + "attention.k_norm.weight": 1 + w(d),
+                   p + "feed_forward.w1.weight": w(ffn, h), p + "feed_forward.w3.weight": w(ffn, h),
+                   p + "feed_forward.w2.weight": w(h, ffn), p + "attention_norm.weight": 1 + w(h),
+                   p + "ffn_norm.weight": 1 + w(h)})
+    ck = from_torchtitan(_save(dict(tt), tmp_path / "step-5"), str(tmp_path / "ck"), str(toml))
+    path = latest_checkpoint(ck) if not str(ck).endswith("iter_0000000") else ck
+    cfg = LoomConfig.from_flat(read_common(path)["config"]).model
+    assert cfg.qk_layernorm and cfg.kv_channels == 128 and \
+        not cfg.untie_embeddings_and_output_weights
+    mesh = ParallelMesh.single()
+    m = build_model(get_family(cfg.model_type), cfg, mesh, seed=None).eval()
+    load_model_weights(open_checkpoint(path), [m], mesh)
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(3))
+    ours = _logits(m, ids)
+    table = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
+             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+             "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm"}
+    hf_sd = {"model.embed_tokens.weight": tt["tok_embeddings.weight"],
+             "model.norm.weight": tt["norm.weight"], "lm_head.weight": tt["output.weight"]}
+    for name, t in tt.items():
+        if name.startswith("layers."):
+            _, i, *rest = name.split(".")
+            hf_sd[f"model.layers.{i}.{table['.'.join(rest[:-1])]}.weight"] = t
+    hf_model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=V, hidden_size=h, intermediate_size=ffn, num_hidden_layers=f["num_layers"],
+        num_attention_heads=a, num_key_value_heads=kv, head_dim=d, rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=64, tie_word_embeddings=True)).eval()
+    hf_model.load_state_dict(hf_sd)
+    with torch.no_grad():
+        theirs = hf_model(ids).logits
+    assert rel_err(ours, theirs, floor=1.0) < 1e-5
 
 
 def test_a_torchtitan_checkpoint_given_to_load_or_inspect_names_the_conversion(tmp_path,
