@@ -23,6 +23,7 @@ def test_each_layout_is_picked():
     assert layout_of(ModelConfig(**GPT2)) == "gpt2"
     assert layout_of(ModelConfig(**LLAMA, openai_gelu=False)) == "llama"
     assert layout_of(ModelConfig(**LLAMA, add_qkv_bias=True)) == "qwen2"
+    assert layout_of(ModelConfig(**LLAMA, qk_layernorm=True)) == "qwen3"
     assert layout_of(ModelConfig(**MOE)) == "mixtral"
     assert layout_of(ModelConfig(**MOE, qk_layernorm=True)) == "qwen3_moe"
     assert layout_of(ModelConfig(**MOE, moe_shared_expert_intermediate_size=8)) == "qwen2_moe"
@@ -34,7 +35,8 @@ def test_each_layout_is_picked():
                                         ("mtp_num_layers", 1)])
 def test_an_option_hf_cannot_express_is_refused_naming_it(name, value):
     assert name in dict(PLAIN_LAYOUT)
-    base = LLAMA if name in ("rotary_percent", "qk_layernorm") else GPT2
+    base = LLAMA if name == "rotary_percent" else \
+        dict(LLAMA, add_qkv_bias=True) if name == "qk_layernorm" else GPT2  # Qwen3 has no bias
     with pytest.raises(ConfigError, match="--" + name.replace("_", "-")):
         hf_config(ModelConfig(**base, **{name: value}))
 
