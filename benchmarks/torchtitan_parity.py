@@ -1,19 +1,23 @@
-"""loom against torchtitan's own Llama 3 code: a torchtitan model built and initialized by
-torchtitan, saved as torchtitan saves it (DCP), converted with ``loom checkpoint convert
---from-torchtitan``, and both models' logits compared on the same tokens. Not a test: it needs
-torchtitan's package, which loom does not depend on. Set-up (CPU, no triton)::
+"""loom against torchtitan's own models: a torchtitan model built and initialized by torchtitan,
+saved as torchtitan saves it (DCP), converted with ``loom checkpoint convert --from-torchtitan``,
+and both models' logits compared on the same tokens. Not a test: it needs torchtitan's package,
+which loom does not depend on. Set-up (CPU, no triton)::
 
     pip download torchtitan==0.2.2 --no-deps -d /tmp/tt && cd /tmp/tt && \\
         unzip -q torchtitan-0.2.2-py3-none-any.whl -d src
-    pip install --no-deps --target /tmp/tt/deps torchdata
-    PYTHONPATH=/tmp/tt/deps python -m benchmarks.torchtitan_parity /tmp/tt/src [FLAVOR]
+    pip install --no-deps --target /tmp/tt/deps torchdata && pip install --target /tmp/tt/deps tyro
+    PYTHONPATH=/tmp/tt/deps python -m benchmarks.torchtitan_parity /tmp/tt/src [MODEL [FLAVOR]]
 
+``MODEL``: ``llama3`` (default), ``qwen3`` or ``deepseek_v3``; ``FLAVOR`` one of its flavors
+(default ``debugmodel``; Qwen3-MoE: ``qwen3 debugmodel_moe``); ``all``: the four debug models.
 torchtitan's package ``__init__`` imports its whole config and quantization stack (tyro, triton
-kernels); this script imports only its Llama model modules (the package's directory as a
-namespace; its triton MoE kernel module, which the dense Llama does not call, stubbed).
-Prints JSON: the flavor, the parameter counts, and ``max |loom - torchtitan| / max
-|torchtitan|`` of the logits. Measured (2026-11-29, debugmodel, s 48, b 2): 2.7e-7, 6,163,712
-parameters each.
+kernels); this script imports only its model modules (the package's directory as a namespace;
+its triton MoE kernel module stubbed: the experts run torchtitan's for-loop path,
+``use_grouped_mm`` off). MoE models get a random load-balancing bias (torchtitan's
+``expert_bias``, which its training updates) so that the conversion must carry it.
+Prints JSON: the model, the flavor, the parameter counts, and ``max |loom - torchtitan| / max
+|torchtitan|`` of the logits. Measured (2026-11-29, s 48, b 2): llama3 debugmodel 2.7e-7,
+6,163,712 parameters each; see docs/benchmarks.md for the MoE models.
 """
 
 from __future__ import annotations
@@ -27,19 +31,32 @@ import types
 import warnings
 
 
-def parity(src: str, flavor: str = "debugmodel", seq: int = 48) -> dict:
-    """Build torchtitan's ``llama3`` ``flavor`` from the unpacked package at ``src``, convert
+_MODELS = {"llama3": ("torchtitan.models.llama3", "llama3_args",
+                      "torchtitan.models.llama3.model.model", "Transformer"),
+           "qwen3": ("torchtitan.models.qwen3", "qwen3_args",
+                     "torchtitan.models.qwen3.model.model", "Qwen3Model"),
+           "deepseek_v3": ("torchtitan.models.deepseek_v3", "deepseekv3_args",
+                           "torchtitan.models.deepseek_v3.model.model", "DeepSeekV3Model")}
+DEBUG = (("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_moe"),
+         ("deepseek_v3", "debugmodel"))
+
+
+def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int = 48) -> dict:
+    """Build torchtitan's ``model`` ``flavor`` from the unpacked package at ``src``, convert
     its DCP checkpoint with loom, compare logits (module docstring)."""
+    import importlib
+
     import torch
     import torch.distributed.checkpoint as dcp
     pkg = types.ModuleType("torchtitan")
     pkg.__path__ = [os.path.join(src, "torchtitan")]
     sys.modules.setdefault("torchtitan", pkg)
     kernels = types.ModuleType("torchtitan.models.moe.kernels")
-    kernels.generate_permute_indices = None  # triton; MoE only
+    kernels.generate_permute_indices = None  # triton; the grouped-GEMM path only
     sys.modules.setdefault("torchtitan.models.moe.kernels", kernels)
-    from torchtitan.models.llama3 import llama3_args
-    from torchtitan.models.llama3.model.model import Transformer
+    args_module, args_name, model_module, model_class = _MODELS[model]
+    flavors = getattr(importlib.import_module(args_module), args_name)
+    Transformer = getattr(importlib.import_module(model_module), model_class)
 
     from loom.checkpoint.convert import from_torchtitan
     from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, \
@@ -48,12 +65,27 @@ def parity(src: str, flavor: str = "debugmodel", seq: int = 48) -> dict:
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
-    args = copy.deepcopy(llama3_args[flavor])
+    args = copy.deepcopy(flavors[flavor])
     args.max_seq_len = seq
+    moe_args = getattr(args, "moe_args", None)
+    if moe_args is not None:
+        moe_args.use_grouped_mm = False  # torch._grouped_mm: GPU only
+        if not hasattr(args, "moe_impl") and model == "deepseek_v3":
+            args.moe_impl = "standard"  # set from [parallelism] by torchtitan's trainer
+        if not getattr(torch.histc, "_for_ints", False):  # torchtitan counts tokens per expert
+            histc = torch.histc                            # with histc, float-only on CPU
+
+            def histc_ints(x, *a, **k):
+                return histc(x.float(), *a, **k).to(x.dtype)
+            histc_ints._for_ints = True
+            torch.histc = histc_ints
     torch.manual_seed(0)
     theirs = Transformer(args)
     with torch.no_grad():
         theirs.init_weights()
+        for name, buf in theirs.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.05)
     theirs.eval()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP without a process group: one process
@@ -61,7 +93,7 @@ def parity(src: str, flavor: str = "debugmodel", seq: int = 48) -> dict:
         dcp.save(state, checkpoint_id=os.path.join(tmp, "step-1"))
         toml = os.path.join(tmp, "job.toml")
         with open(toml, "w") as fh:
-            fh.write(f'[model]\nname = "llama3"\nflavor = "{flavor}"\n'
+            fh.write(f'[model]\nname = "{model}"\nflavor = "{flavor}"\n'
                      f'[training]\nseq_len = {seq}\n')
         from_torchtitan(os.path.join(tmp, "step-1"), os.path.join(tmp, "ck"), toml)
         path = latest_checkpoint(os.path.join(tmp, "ck"))
@@ -74,14 +106,18 @@ def parity(src: str, flavor: str = "debugmodel", seq: int = 48) -> dict:
         ref = theirs(ids)
         out = ours(input_ids=ids)
     out = (out[0] if isinstance(out, tuple) else out)[..., :args.vocab_size]
-    return dict(flavor=flavor, params_torchtitan=sum(p.numel() for p in theirs.parameters()),
+    return dict(model=model, flavor=flavor, params_torchtitan=sum(p.numel() for p in theirs.parameters()),
                 params_loom=sum(p.numel() for p in ours.parameters()),
                 rel_err=float((out - ref).abs().max() / ref.abs().max()))
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    print(json.dumps(parity(argv[0], *argv[1:2])))
+    if argv[1:2] == ["all"]:
+        for model, flavor in DEBUG:
+            print(json.dumps(parity(argv[0], model, flavor)))
+    else:
+        print(json.dumps(parity(argv[0], *argv[1:3])))
     return 0
 
 

@@ -162,13 +162,23 @@ def _save_import(family, cfg, full: dict, out_dir: str, tokenizer_file) -> str:
                            tokenizer_file=tokenizer_file)
 
 
-# torchtitan's Llama names (torchtitan/models/llama3/model/model.py) -> Hugging Face's
+# torchtitan's names (v0.2.x torchtitan/models/{llama3,qwen3,deepseek_v3}/model/model.py and
+# torchtitan/models/moe/moe.py) -> Hugging Face's, within a layer
 _TT_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
              "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
              "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
              "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
              "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-             "ffn_norm": "post_attention_layernorm"}
+             "ffn_norm": "post_attention_layernorm",
+             "moe.router.gate": "mlp.gate", "moe.shared_experts.w1": "mlp.shared_experts.gate_proj",
+             "moe.shared_experts.w3": "mlp.shared_experts.up_proj",
+             "moe.shared_experts.w2": "mlp.shared_experts.down_proj"}
+# DeepSeek-V3's multi-latent attention (its q_norm is the query latent's norm)
+_TT_MLA = {"attention.wq_a": "self_attn.q_a_proj", "attention.q_norm": "self_attn.q_a_layernorm",
+           "attention.wq_b": "self_attn.q_b_proj", "attention.wkv_a": "self_attn.kv_a_proj_with_mqa",
+           "attention.kv_norm": "self_attn.kv_a_layernorm", "attention.wkv_b": "self_attn.kv_b_proj"}
+# GroupedExperts' stacked tensors (no ``.weight``): w1 / w3 [E, f, h], w2 [E, h, f]
+_TT_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -180,13 +190,17 @@ def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def torchtitan_to_hf(model: dict, heads: int, kv_heads: int, where: str,
-                     halves: bool = True) -> dict:
-    """torchtitan's Llama tensors (``tok_embeddings.weight``, ``layers.N.attention.wq.weight``,
-    ...) under Hugging Face's names, the query / key rows reordered to RoPE on halves
-    (:func:`_halves`; ``halves=False``: as they are, for RoPE on adjacent pairs). Raises
-    ConfigError naming a tensor that is not one of torchtitan's Llama."""
+                     halves: bool = True, mla: bool = False) -> dict:
+    """torchtitan's tensors (``tok_embeddings.weight``, ``layers.N.attention.wq.weight``,
+    ``layers.N.moe.experts.w1 [E, f, h]``, ...) under Hugging Face's names, the query / key rows
+    reordered to RoPE on halves (:func:`_halves`; ``halves=False``: as they are, for RoPE on
+    adjacent pairs), each MoE layer's stacked experts split into ``mlp.experts.<i>.*_proj``;
+    ``mla``: DeepSeek-V3's attention names. The load-balancing ``moe.expert_bias`` is not
+    mapped (:func:`from_torchtitan` places it). Raises ConfigError naming a tensor that is not
+    one of torchtitan's."""
     ends = {"tok_embeddings.weight": "model.embed_tokens.weight",
             "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    names = {**_TT_NAMES, **(_TT_MLA if mla else {})}
     sd: dict = {}
     for name, w in model.items():
         if name in ends:
@@ -194,13 +208,19 @@ def torchtitan_to_hf(model: dict, heads: int, kv_heads: int, where: str,
             continue
         parts = name.split(".")
         inner = ".".join(parts[2:-1])
-        if parts[0] != "layers" or inner not in _TT_NAMES or parts[-1] != "weight":
-            raise ConfigError(f"{where}: tensor {name!r} is not one of torchtitan's Llama "
-                              f"(tok_embeddings, layers.N.attention.wq/wk/wv/wo, "
-                              f"layers.N.feed_forward.w1/w2/w3, norms, output)")
+        pre = f"model.layers.{parts[1] if len(parts) > 1 else ''}."
+        if parts[0] == "layers" and inner == "moe.experts" and parts[-1] in _TT_EXPERTS \
+                and w.dim() == 3:
+            for i, wi in enumerate(w.unbind(0)):
+                sd[f"{pre}mlp.experts.{i}.{_TT_EXPERTS[parts[-1]]}.weight"] = wi
+            continue
+        if parts[0] != "layers" or inner not in names or parts[-1] != "weight":
+            raise ConfigError(f"{where}: tensor {name!r} is not one of torchtitan's "
+                              f"(tok_embeddings, layers.N.attention.*, layers.N.feed_forward.*, "
+                              f"layers.N.moe.*, norms, output)")
         if halves and inner in ("attention.wq", "attention.wk"):
             w = _halves(w, heads if inner == "attention.wq" else kv_heads)
-        sd[f"model.layers.{parts[1]}.{_TT_NAMES[inner]}.weight"] = w
+        sd[f"{pre}{names[inner]}.weight"] = w
     return sd
 
 
@@ -228,30 +248,123 @@ def read_dcp(path: str) -> dict:
     return out
 
 
+def _toml_model(toml_path: str):
+    """The :class:`~loom.config.ModelConfig` ``loom train --config toml_path`` builds (the
+    torchtitan reader's model, router semantics included). Raises ConfigError as loom train
+    would for a config it refuses."""
+    import argparse
+    from loom.config import add_config_arguments, config_from_args
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_config_arguments(parser)
+    return config_from_args(parser.parse_args(["--config", toml_path])).model
+
+
+def _moe_hf_layout(cfg) -> dict:
+    """A ``config.json`` dict whose Hugging Face layout (tensor names and shapes) is that of the
+    torchtitan MoE model ``cfg``: DeepseekV3ForCausalLM under MLA, else Qwen3MoeForCausalLM.
+    Only the layout is read from it: the model loom builds is ``cfg`` itself, with
+    torchtitan's router (which neither class expresses in general)."""
+    common = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+              "moe_intermediate_size": cfg.moe_ffn_size, "num_hidden_layers": cfg.num_layers,
+              "num_attention_heads": cfg.num_attention_heads, "vocab_size": cfg.vocab_size,
+              "num_experts_per_tok": cfg.moe_router_topk, "rms_norm_eps": cfg.norm_epsilon,
+              "rope_theta": cfg.rotary_base, "max_position_embeddings": cfg.max_positions,
+              "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+              "hidden_act": "silu", "norm_topk_prob": True}
+    kinds = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+    if not cfg.multi_latent_attention:
+        return {**common, "model_type": "qwen3_moe", "num_key_value_heads": cfg.num_kv_groups,
+                "head_dim": cfg.head_dim, "num_experts": cfg.num_experts,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, k in enumerate(kinds) if not k]}
+    shared = cfg.moe_shared_expert_intermediate_size or 0
+    return {**common, "model_type": "deepseek_v3", "num_key_value_heads": cfg.num_attention_heads,
+            "n_routed_experts": cfg.num_experts, "n_shared_experts": shared // cfg.moe_ffn_size,
+            "first_k_dense_replace": kinds.index(True), "kv_lora_rank": cfg.kv_lora_rank,
+            "q_lora_rank": cfg.q_lora_rank, "qk_rope_head_dim": cfg.qk_pos_emb_head_dim,
+            "qk_nope_head_dim": cfg.qk_head_dim, "v_head_dim": cfg.v_head_dim,
+            "n_group": cfg.moe_router_num_groups or 1, "topk_group": cfg.moe_router_group_topk or 1,
+            "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
+            "rope_interleave": True}
+
+
+def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str):
+    """``(family, ModelConfig, full loom tensors)`` of torchtitan's DeepSeek-V3 / Qwen3-MoE
+    tensors ``model`` (:func:`from_torchtitan`)."""
+    from loom.models import FamilyRegistry
+    cfg = _toml_model(toml_path)
+    bias = {k: model.pop(k) for k in list(model) if k.endswith(".moe.expert_bias")}
+    model.pop("tokens_per_expert", None)
+    for k in [k for k in model if k.endswith(".moe.tokens_per_expert")]:
+        del model[k]  # a running count of routed tokens, not a weight
+    if not cfg.untie_embeddings_and_output_weights:
+        model.pop("output.weight", None)
+    for k, w in model.items():  # what the Hugging Face layout would silently leave unread
+        parts = k.split(".")
+        if parts[0] == "layers" and (not parts[1].isdigit() or int(parts[1]) >= cfg.num_layers
+                                     or (parts[2:4] == ["moe", "experts"]
+                                         and w.shape[0] != cfg.num_experts)):
+            raise ConfigError(f"{where}: tensor {k!r} {tuple(w.shape)} is not one of the {what} "
+                              f"model of {toml_path} ({cfg.num_layers} layers, "
+                              f"{cfg.num_experts} experts): a checkpoint of another flavor?")
+    # torchtitan's DeepSeek-V3 rotates adjacent pairs as DeepSeek's own checkpoints do
+    # (transformers' rope_interleave), Qwen3 rotates halves: no reordering here
+    sd = torchtitan_to_hf(model, cfg.num_attention_heads, cfg.num_kv_groups, where,
+                          halves=False, mla=cfg.multi_latent_attention)
+    hf = _moe_hf_layout(cfg)
+    family = FamilyRegistry().for_hf(hf["model_type"])
+    _, full = family.hf.to_loom(hf, sd, where)
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    if cfg.moe_router_enable_expert_bias:
+        for i in moe_layers:
+            b = bias.pop(f"layers.{i}.moe.expert_bias", None)
+            if b is None:
+                raise ConfigError(f"{where}: layers.{i}.moe.expert_bias missing: the {what} model "
+                                  f"of {toml_path} routes with a load-balancing bias")
+            full[f"layers.{i}.mlp.router.expert_bias"] = b.float()
+    if bias:
+        raise ConfigError(f"{where}: tensor {next(iter(bias))!r} is not one of the {what} "
+                          f"model of {toml_path}: a checkpoint of another flavor?")
+    return family, cfg, full
+
+
 def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = False) -> str:
     """A loom checkpoint (iteration 0) in ``out_dir`` from torchtitan's checkpoint ``src`` (a
     DCP ``step-N`` directory: model-only, or full with the model under ``model.``) of the Llama
-    2 / 3 or dense Qwen3 model the torchtitan job config ``toml_path`` describes
-    (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped to
-    Hugging Face's (Llama: each head's query / key rows reordered from RoPE on adjacent pairs
+    2 / 3, Qwen3, Qwen3-MoE or DeepSeek-V3 model the torchtitan job config ``toml_path``
+    describes (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped
+    to Hugging Face's (Llama: each head's query / key rows reordered from RoPE on adjacent pairs
     to RoPE on halves, :func:`_halves`, the same model; Qwen3 rotates halves already and is
-    renamed only, its Q/K norms too, a tied output dropped), then Hugging Face's import
-    (LlamaForCausalLM / Qwen3ForCausalLM). MoE checkpoints are refused naming the model.
-    Returns the checkpoint path. Raises ConfigError for a missing or non-DCP
-    ``src``, a config loom's torchtitan reader refuses, a tensor the model lacks or misses,
-    and an ``out_dir`` it may not write (as :func:`from_hf`)."""
+    renamed only, its Q/K norms too, a tied output dropped; DeepSeek-V3 keeps its adjacent
+    pairs, which Hugging Face's ``rope_interleave`` names; MoE layers' stacked experts split
+    per expert), then Hugging Face's import of that layout. A MoE model is the one ``loom train
+    --config toml_path`` builds, with torchtitan's router, its load-balancing bias carried
+    (``moe.expert_bias`` -> ``router.expert_bias``). Llama 4 checkpoints are refused naming
+    the model. Returns the checkpoint path. Raises ConfigError for a missing or non-DCP
+    ``src``, a config loom's torchtitan reader refuses, a tensor the model lacks, misses or
+    holds in another shape, and an ``out_dir`` it may not write (as :func:`from_hf`)."""
     from loom.checkpoint.targets import check_output_dir
     from loom.config.torchtitan import read_torchtitan_config
     from loom.models import FamilyRegistry
     check_output_dir(out_dir, f"--from-torchtitan output {out_dir}", overwrite,
                      allow_import=True)
     f = read_torchtitan_config(toml_path)
+    where = f"--from-torchtitan {toml_path} {src}"
+    if f.get("num_experts") and f.get("moe_apply_probs_on_input"):
+        raise ConfigError(f"--from-torchtitan {toml_path}: a Llama 4 checkpoint; loom converts "
+                          f"torchtitan's Llama 2 / 3, Qwen3, Qwen3-MoE and DeepSeek-V3 "
+                          f"checkpoints (loom has no Hugging Face Llama 4 layout)")
     if f.get("num_experts"):
-        what = "DeepSeek-V3" if f.get("multi_latent_attention") else \
-            "Llama 4" if f.get("moe_apply_probs_on_input") else "Qwen3-MoE"
-        raise ConfigError(f"--from-torchtitan {toml_path}: a {what} checkpoint; loom converts "
-                          f"torchtitan's Llama 2 / 3 and dense Qwen3 checkpoints (convert a "
-                          f"{what} one to Hugging Face with torchtitan, then --from-hf)")
+        what = "DeepSeek-V3" if f.get("multi_latent_attention") else "Qwen3-MoE"
+        tt = read_dcp(src)
+        model = {k[len("model."):]: v for k, v in tt.items() if k.startswith("model.")} or tt
+        family, cfg, full = _from_torchtitan_moe(model, toml_path, where, what)
+        del tt, model
+        try:
+            return _save_import(family, cfg, full, out_dir, None)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"{where}: {e.args[0] if e.args else e}: a checkpoint of another "
+                              f"{what} flavor than {toml_path}'s?") from None
     qwen3 = bool(f.get("qk_layernorm"))  # RoPE on halves already (its rotate_half)
     a, g, h = f["num_attention_heads"], f["num_query_groups"], f["hidden_size"]
     tied = not f.get("untie_embeddings_and_output_weights", True)
@@ -273,7 +386,6 @@ def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = Fa
         model.pop("output.weight", None)
     sd = torchtitan_to_hf(model, a, g, src, halves=not qwen3)
     family = FamilyRegistry().for_hf(hf["model_type"])
-    where = f"--from-torchtitan {toml_path} {src}"
     expected = 3 - tied + (11 if qwen3 else 9) * f["num_layers"]
     if len(sd) != expected:
         raise ConfigError(f"{where}: {len(sd)} model tensors, the {toml_path} model has "

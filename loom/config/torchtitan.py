@@ -966,7 +966,8 @@ def docs_markdown() -> str:
              "`loom train --config FILE.toml` (or torchtitan's own `--job.config_file FILE.toml "
              "--section.key VALUE`) and `loom plan --config FILE.toml` read a torchtitan job "
              "config with torchtitan v0.2.2's defaults for what it leaves out; `loom checkpoint "
-             "convert --from-torchtitan FILE.toml STEP_DIR OUT` reads its Llama checkpoints. "
+             "convert --from-torchtitan FILE.toml STEP_DIR OUT` reads its Llama, Qwen3, "
+             "Qwen3-MoE and DeepSeek-V3 checkpoints. "
              "Models: " + ", ".join(f"{n} ({', '.join(FLAVORS[n])})" for n in FLAVORS) + ". "
              "Each key below is read (as the loom flag named), said once at start, taken "
              "without effect on what runs, or refused naming why.", "",

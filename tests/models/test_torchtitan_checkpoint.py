@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loom.checkpoint.convert import from_torchtitan, torchtitan_to_hf
+from loom.config import torchtitan as tt_config
 from loom.config.torchtitan import read_torchtitan_config
 from loom.errors import ConfigError
 from testkit.numerics import rel_err
@@ -135,13 +136,10 @@ def test_refusals(tmp_path):
     short = {k: v for k, v in short.items() if not k.startswith("layers.5.")}
     with pytest.raises(ConfigError, match="another flavor"):
         from_torchtitan(_save(short, tmp_path / "s2"), str(tmp_path / "o3"), str(toml))
-    for name, flavor, what in (("qwen3", "debugmodel_moe", "Qwen3-MoE"),
-                               ("deepseek_v3", "debugmodel", "DeepSeek-V3"),
-                               ("llama4", "debugmodel", "Llama 4")):
-        moe = tmp_path / f"{name}.toml"
-        moe.write_text(f'[model]\nname = "{name}"\nflavor = "{flavor}"\n')
-        with pytest.raises(ConfigError, match=f"a {what} checkpoint"):
-            from_torchtitan(str(tmp_path / "s2"), str(tmp_path / "o5"), str(moe))
+    llama4 = tmp_path / "llama4.toml"
+    llama4.write_text('[model]\nname = "llama4"\nflavor = "debugmodel"\n')
+    with pytest.raises(ConfigError, match="a Llama 4 checkpoint"):
+        from_torchtitan(str(tmp_path / "s2"), str(tmp_path / "o5"), str(llama4))
 
 
 def test_a_torchtitan_qwen3_checkpoint_is_transformers_qwen3(tmp_path):
@@ -228,3 +226,212 @@ def test_a_torchtitan_checkpoint_given_to_load_or_inspect_names_the_conversion(t
         step = "step-5" if argv[-1].endswith("step-5") else "step-10"
         assert e.value.code == 2 and "--from-torchtitan JOB.toml" in err and \
             f"{root / step} is a torchtitan checkpoint" in err and err.count("\n") == 1, err
+
+
+# torchtitan v0.2.x -> transformers' names within a layer (its state_dict_adapter.py files for
+# qwen3 and deepseek_v3, written out here as the reference), and its GroupedExperts (stacked
+# w1 / w3 [E, f, h], w2 [E, h, f]) as transformers 5 holds experts in memory
+TT_TO_HF = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+            "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+            "attention.k_norm": "self_attn.k_norm", "attention.wq_a": "self_attn.q_a_proj",
+            "attention.wq_b": "self_attn.q_b_proj", "attention.wkv_a": "self_attn.kv_a_proj_with_mqa",
+            "attention.kv_norm": "self_attn.kv_a_layernorm", "attention.wkv_b": "self_attn.kv_b_proj",
+            "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+            "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm", "moe.router.gate": "mlp.gate",
+            "moe.shared_experts.w1": "mlp.shared_experts.gate_proj",
+            "moe.shared_experts.w3": "mlp.shared_experts.up_proj",
+            "moe.shared_experts.w2": "mlp.shared_experts.down_proj"}
+
+
+def _to_transformers(tt: dict, mla: bool) -> dict:
+    sd = {"model.embed_tokens.weight": tt["tok_embeddings.weight"],
+          "model.norm.weight": tt["norm.weight"], "lm_head.weight": tt["output.weight"]}
+    for name, t in tt.items():
+        if not name.startswith("layers."):
+            continue
+        _, i, *rest = name.split(".")
+        inner, pre = ".".join(rest[:-1]), f"model.layers.{i}."
+        if inner == "moe.experts":
+            if rest[-1] == "w1":
+                sd[pre + "mlp.experts.gate_up_proj"] = torch.cat(
+                    [tt[f"layers.{i}.moe.experts.w1"], tt[f"layers.{i}.moe.experts.w3"]], dim=1)
+            elif rest[-1] == "w2":
+                sd[pre + "mlp.experts.down_proj"] = t
+        elif rest[-1] == "expert_bias":
+            if mla:
+                sd[pre + "mlp.gate.e_score_correction_bias"] = t
+        elif inner == "attention.q_norm":
+            sd[pre + ("self_attn.q_a_layernorm" if mla else "self_attn.q_norm") + ".weight"] = t
+        else:
+            sd[pre + TT_TO_HF[inner] + ".weight"] = t
+    return sd
+
+
+def moe_state(cfg, seed: int = 0, bias_std: float = 0.05) -> dict:
+    """Random weights under torchtitan v0.2.x's Qwen3-MoE / DeepSeek-V3 names and shapes for
+    the loom model ``cfg`` read from a torchtitan config (stacked experts, the load-balancing
+    ``moe.expert_bias`` of each MoE layer)."""
+    g = torch.Generator().manual_seed(seed)
+    h, V, E, fe = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_ffn_size
+
+    def w(*shape, std=0.05):
+        return torch.randn(*shape, generator=g) * std
+    sd = {"tok_embeddings.weight": w(V, h, std=1.0), "norm.weight": 1 + w(h),
+          "output.weight": w(V, h)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        sd.update({p + "attention_norm.weight": 1 + w(h), p + "ffn_norm.weight": 1 + w(h)})
+        if cfg.multi_latent_attention:
+            a, dq = cfg.num_attention_heads, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+            r, rq = cfg.kv_lora_rank, cfg.q_lora_rank
+            sd.update({p + "attention.wq_a.weight": w(rq, h), p + "attention.q_norm.weight":
+                       1 + w(rq), p + "attention.wq_b.weight": w(a * dq, rq)} if rq else
+                      {p + "attention.wq.weight": w(a * dq, h)})
+            sd.update({p + "attention.wkv_a.weight": w(r + cfg.qk_pos_emb_head_dim, h),
+                       p + "attention.kv_norm.weight": 1 + w(r),
+                       p + "attention.wkv_b.weight": w(a * (cfg.qk_head_dim + cfg.v_head_dim), r),
+                       p + "attention.wo.weight": w(h, a * cfg.v_head_dim)})
+        else:
+            a, kv, d = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim
+            sd.update({p + "attention.wq.weight": w(a * d, h),
+                       p + "attention.wk.weight": w(kv * d, h),
+                       p + "attention.wv.weight": w(kv * d, h),
+                       p + "attention.wo.weight": w(h, a * d),
+                       p + "attention.q_norm.weight": 1 + w(d),
+                       p + "attention.k_norm.weight": 1 + w(d)})
+        if not cfg.is_moe_layer(i):
+            f = cfg.ffn_size
+            sd.update({p + "feed_forward.w1.weight": w(f, h), p + "feed_forward.w3.weight":
+                       w(f, h), p + "feed_forward.w2.weight": w(h, f)})
+            continue
+        sd.update({p + "moe.router.gate.weight": w(E, h, std=0.3),
+                   p + "moe.experts.w1": w(E, fe, h), p + "moe.experts.w3": w(E, fe, h),
+                   p + "moe.experts.w2": w(E, h, fe),
+                   p + "moe.expert_bias": w(E, std=bias_std)})
+        fs = cfg.moe_shared_expert_intermediate_size
+        if fs:
+            sd.update({p + "moe.shared_experts.w1.weight": w(fs, h),
+                       p + "moe.shared_experts.w3.weight": w(fs, h),
+                       p + "moe.shared_experts.w2.weight": w(h, fs)})
+    return sd
+
+
+def _converted(ck):
+    from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, \
+        read_common
+    from loom.config import LoomConfig
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    path = latest_checkpoint(ck) if not str(ck).endswith("iter_0000000") else ck
+    cfg = LoomConfig.from_flat(read_common(path)["config"]).model
+    mesh = ParallelMesh.single()
+    m = build_model(get_family(cfg.model_type), cfg, mesh, seed=None).eval()
+    load_model_weights(open_checkpoint(path), [m], mesh)
+    return cfg, m
+
+
+def _toml_model(path):
+    from loom.checkpoint.convert import _toml_model as read
+    return read(str(path))
+
+
+def test_a_torchtitan_qwen3_moe_checkpoint_is_transformers_qwen3_moe(tmp_path, monkeypatch):
+    """torchtitan's Qwen3-MoE (a flavor of its debug model's kind, shrunk: 16 experts top-8
+    softmax renormalized, head dim 128, 2 KV groups) converts by its names: its stacked experts
+    split per expert, the load-balancing bias to loom's router. The loom checkpoint is the model
+    ``loom train --config`` builds from the same TOML (torchtitan's router and bias), its logits
+    equal transformers' Qwen3MoeForCausalLM on the same weights (no bias: transformers has
+    none), and with a bias the checkpoint carries it bit for bit and the choice moves."""
+    import transformers
+    monkeypatch.setitem(tt_config.FLAVORS["qwen3"], "tiny_moe",
+                        tt_config._qwen3_moe(64, 2, 4, 2, 96, 16, 32, vocab=128))
+    toml = tmp_path / "qwen_moe.toml"
+    toml.write_text('[model]\nname = "qwen3"\nflavor = "tiny_moe"\n[training]\nseq_len = 32\n')
+    cfg = _toml_model(toml)
+    assert cfg.num_experts == 16 and cfg.moe_router_topk == 8 and \
+        cfg.moe_router_enable_expert_bias and not cfg.moe_router_pre_softmax
+    tt = moe_state(cfg, bias_std=0.0)
+    ck = from_torchtitan(_save(dict(tt), tmp_path / "step-1"), str(tmp_path / "ck"), str(toml))
+    got, m = _converted(ck)
+    assert (got.num_experts, got.moe_router_topk, got.kv_channels) == (16, 8, 128)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    hf_model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        num_experts=16, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=32, tie_word_embeddings=False)).eval()
+    hf_model.load_state_dict(_to_transformers(tt, mla=False))
+    with torch.no_grad():
+        theirs = hf_model(ids).logits
+    assert rel_err(_logits(m, ids), theirs, floor=1.0) < 1e-5
+    # a trained bias (torchtitan updates it) lands in loom's router and changes the choice
+    biased = moe_state(cfg, bias_std=0.5)
+    ck2 = from_torchtitan(_save(dict(biased), tmp_path / "step-2"), str(tmp_path / "ck2"),
+                          str(toml))
+    _, m2 = _converted(ck2)
+    params = dict(m2.named_parameters())
+    for i in range(2):
+        assert torch.equal(params[f"layers.{i}.mlp.router.expert_bias"],
+                           biased[f"layers.{i}.moe.expert_bias"])
+    assert rel_err(_logits(m2, ids), theirs, floor=1.0) > 1e-3
+
+
+def test_a_torchtitan_deepseek_v3_checkpoint_is_transformers_deepseek_v3(tmp_path, monkeypatch):
+    """torchtitan's DeepSeek-V3 with its 671B flavor's router (sigmoid, renormalized, route
+    scale 2.5, node-limited groups, the load-balancing bias) on a tiny shape (query compression,
+    one dense layer first, a shared expert) converts by its names: MLA's RoPE rows stay in
+    adjacent pairs as DeepSeek's (transformers' ``rope_interleave``), experts split, the bias
+    to loom's router. Its logits equal transformers' DeepseekV3ForCausalLM on the same weights,
+    bias included (DeepseekV3's ``e_score_correction_bias`` is the same choice-only bias)."""
+    import transformers
+    monkeypatch.setitem(tt_config.FLAVORS["deepseek_v3"], "tiny", tt_config._deepseek(
+        128, 64, 96, 32, 3, 1, 4, tt_config._moe(16, 4, 32, shared=1, score="sigmoid",
+                                                 route_norm=True, route_scale=2.5, groups=4,
+                                                 limited=2), q_lora_rank=32))
+    toml = tmp_path / "dsv3.toml"
+    toml.write_text('[model]\nname = "deepseek_v3"\nflavor = "tiny"\n[training]\nseq_len = 32\n')
+    cfg = _toml_model(toml)
+    tt = moe_state(cfg, bias_std=0.3)
+    ck = from_torchtitan(_save({f"model.{k}": v for k, v in tt.items()}, tmp_path / "step-3"),
+                         str(tmp_path / "ck"), str(toml))  # a full checkpoint: model.*
+    got, m = _converted(ck)
+    assert got.multi_latent_attention and got.q_lora_rank == 32 and got.num_experts == 16
+    hf_model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=16, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=32,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=4, topk_group=2,
+        num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True, rms_norm_eps=1e-5,
+        max_position_embeddings=32, tie_word_embeddings=False, rope_interleave=True)).eval()
+    hf_model.load_state_dict(_to_transformers(tt, mla=True))
+    for layer in hf_model.model.layers:  # transformers fixes the latent norms' eps at 1e-6,
+        layer.self_attn.kv_a_layernorm.variance_epsilon = 1e-5  # torchtitan's are norm_eps
+        layer.self_attn.q_a_layernorm.variance_epsilon = 1e-5
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf_model(ids).logits
+    assert rel_err(_logits(m, ids), theirs, floor=1.0) < 1e-5
+
+
+def test_moe_refusals(tmp_path, monkeypatch):
+    """A MoE checkpoint of another flavor (its expert count, a layer beyond the config's) or
+    without the load-balancing bias torchtitan's router keeps: one line naming the tensor."""
+    monkeypatch.setitem(tt_config.FLAVORS["qwen3"], "tiny_moe",
+                        tt_config._qwen3_moe(64, 2, 4, 2, 96, 16, 32, vocab=128))
+    toml = tmp_path / "qwen_moe.toml"
+    toml.write_text('[model]\nname = "qwen3"\nflavor = "tiny_moe"\n')
+    cfg = _toml_model(toml)
+    good = moe_state(cfg)
+    cases = {"layers.1.moe.experts.w1": ({**good, "layers.1.moe.experts.w1":
+                                          good["layers.1.moe.experts.w1"][:8]}, "16 experts"),
+             "layers.2.": ({**good, **{k.replace("layers.1.", "layers.2."): v for k, v in
+                                       good.items() if k.startswith("layers.1.")}},
+                           "another flavor"),
+             "expert_bias": ({k: v for k, v in good.items() if k != "layers.0.moe.expert_bias"},
+                             "layers.0.moe.expert_bias missing")}
+    for n, (state, match) in enumerate(cases.values()):
+        with pytest.raises(ConfigError, match=match):
+            from_torchtitan(_save(state, tmp_path / f"s{n}"), str(tmp_path / f"o{n}"),
+                            str(toml))
