@@ -598,6 +598,8 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
     put("untie_embeddings_and_output_weights", True, "model.name")
     put("position_embedding_type", "rope", "model.name")
     put("norm_epsilon", 1e-5, "model.name")
+    put("hidden_dropout", 0.0, "model.name")  # torchtitan's models have no dropout (Megatron's
+    put("attention_dropout", 0.0, "model.name")  # default is 0.1 for both)
     for field, value in FLAVORS[name][flavor].items():
         put(field, value, "model.flavor")
     put("make_vocab_size_divisible_by", 1, "model.flavor")  # torchtitan pads no vocabulary

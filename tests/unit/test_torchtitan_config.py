@@ -87,6 +87,33 @@ def test_every_config_of_torchtitans_history_is_read_or_refused_by_name():
     assert f"{read} of the {len(CORPUS)} distinct configs in torchtitan's history" in readme
 
 
+def test_torchtitan_models_train_without_dropout():
+    """torchtitan's language models have no dropout layer; Megatron's default is 0.1 for the
+    hidden states and the attention probabilities: every flavor read from a torchtitan config
+    sets both to 0, and a debug model built from one gives the same training-mode logits under
+    two RNG states (dropout would draw different masks)."""
+    import torch
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    for name in FLAVORS:
+        for flavor in FLAVORS[name]:
+            flat = torchtitan_fields({"model": {"name": name, "flavor": flavor},
+                                      "training": {"seq_len": 256}})
+            assert flat["hidden_dropout"] == 0.0 and flat["attention_dropout"] == 0.0, flavor
+    cfg = LoomConfig.from_flat(torchtitan_fields({"model": {"name": "llama3", "flavor":
+                                                            "debugmodel"}})).validate(1).model
+    model = build_model(get_family(cfg.model_type), cfg, ParallelMesh.single(), seed=1).train()
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = model(input_ids=ids)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_flavors_are_the_published_models():
     """Parameter counts (untied, V unpadded: torchtitan pads no vocabulary) equal the
     Hugging Face checkpoints': Llama 3.1 8B / 70B / 405B, Llama 2 7B / 13B / 70B."""
