@@ -15,8 +15,11 @@ kernels); this script imports only its model modules (the package's directory as
 its triton MoE kernel module stubbed: the experts run torchtitan's for-loop path,
 ``use_grouped_mm`` off). MoE models get a random load-balancing bias (torchtitan's
 ``expert_bias``, which its training updates) so that the conversion must carry it.
-Prints JSON: the model, the flavor, the parameter counts, and ``max |loom - torchtitan| / max
-|torchtitan|`` of the logits. Measured (2026-11-29, s 48, b 2): llama3 debugmodel 2.7e-7,
+Prints JSON: the model, the flavor, the parameter counts, ``max |loom - torchtitan| / max
+|torchtitan|`` of the logits, and how loom's own initialization of the config
+(``--torchtitan-init``) compares with torchtitan's ``init_weights``: the standard deviation of
+each tensor of at least 1,024 entries drawn by loom over the one torchtitan drew (each half of
+a fused gate / up ``linear_fc1``), the ratio furthest from 1 and its tensor. Measured (2026-11-29, s 48, b 2): llama3 debugmodel 2.7e-7,
 6,163,712 parameters each; see docs/benchmarks.md for the MoE models.
 """
 
@@ -101,6 +104,17 @@ def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int
         mesh = ParallelMesh.single()
         ours = build_model(get_family(cfg.model_type), cfg, mesh, seed=None).eval()
         load_model_weights(open_checkpoint(path), [ours], mesh)
+        fresh = dict(build_model(get_family(cfg.model_type), cfg, mesh, seed=1)
+                     .named_parameters())  # loom's own init of the same config
+    ratios = {}  # std of loom's init / std of torchtitan's, per tensor (fc1: per half)
+    for name, p in ours.named_parameters():
+        if p.numel() < 1024 or name.endswith("expert_bias"):
+            continue
+        halves = (p.chunk(2), fresh[name].chunk(2)) if name.endswith("linear_fc1.weight") \
+            else ((p,), (fresh[name],))
+        for k, (a, b) in enumerate(zip(*halves)):
+            ratios[f"{name}[{k}]" if len(halves[0]) > 1 else name] = float(b.std() / a.std())
+    worst = max(ratios, key=lambda n: abs(ratios[n] - 1))
     ids = torch.randint(0, args.vocab_size, (2, seq), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = theirs(ids)
@@ -108,7 +122,8 @@ def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int
     out = (out[0] if isinstance(out, tuple) else out)[..., :args.vocab_size]
     return dict(model=model, flavor=flavor, params_torchtitan=sum(p.numel() for p in theirs.parameters()),
                 params_loom=sum(p.numel() for p in ours.parameters()),
-                rel_err=float((out - ref).abs().max() / ref.abs().max()))
+                rel_err=float((out - ref).abs().max() / ref.abs().max()),
+                init_tensors=len(ratios), init_std_ratio_worst=[worst, ratios[worst]])
 
 
 def main(argv=None) -> int:

@@ -390,6 +390,6 @@ def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = Fa
     if len(sd) != expected:
         raise ConfigError(f"{where}: {len(sd)} model tensors, the {toml_path} model has "
                           f"{expected}: a checkpoint of another flavor?")
-    cfg, full = family.hf.to_loom(hf, sd, where)
+    _, full = family.hf.to_loom(hf, sd, where)  # the tensors; the model is the config's
     del sd, tt, model
-    return _save_import(family, cfg, full, out_dir, None)
+    return _save_import(family, _toml_model(toml_path), full, out_dir, None)

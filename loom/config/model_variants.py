@@ -29,6 +29,14 @@ not build (:func:`check_layer_variants`).
   residual stream in fp32: the embedding output cast to fp32, each block's 16-bit output
   added to it in fp32 (Megatron-LM d98e8a6's bias-dropout-add), norms computed in fp32 with
   16-bit outputs, hidden states between pipeline stages in fp32.
+- ``--torchtitan-init`` (loom's own; a torchtitan ``--config`` sets it): torchtitan v0.2.2's
+  ``init_weights`` of its Llama 3 / Qwen3 / DeepSeek-V3 / Llama 4 models and MoE layers
+  (:func:`loom.models.init.torchtitan_init`): word embeddings N(0, 1); query, key, value (MLA's
+  down and up projections too) and the MLP's gate N(0, 0.02^2); layer l's attention output,
+  the MLP's up and down projections (dense, routed and shared experts) and the router N(0,
+  s_l^2) with s_l = 0.02 / sqrt(2 (l + 1)) (its ``depth_init``); norms one; the output layer
+  (and a tied embedding) N(0, 1 / h) cut at 3 std; the normal draws cut at +-2 (absolute), as
+  torchtitan's ``trunc_normal_``. The gpt family only.
 - ``--qk-l2-norm`` (Llama 4): each query and key head scaled to unit mean square,
   ``x / sqrt(mean(x^2) + eps)`` with ``eps`` = ``--norm-epsilon``, in fp32, no parameters
   (Megatron-Core's ``L2Norm`` in the ``q_layernorm`` / ``k_layernorm`` slots, so before RoPE,
@@ -65,6 +73,12 @@ class LayerVariantFields:
                "outputs added in fp32, norms computed in fp32 (gpt family)")
     qk_l2_norm: bool = opt(False, "Llama 4's L2 normalization of each query and key head "
                                   "(unit mean square, no weights; gpt family)")
+    torchtitan_init: bool = opt(
+        False, "initialize as torchtitan's models do (loom's own flag; set by a torchtitan "
+               "--config): word embeddings N(0, 1), query / key / value and MLP gate "
+               "projections N(0, 0.02^2), layer l's attention output, MLP up and down "
+               "projections and router N(0, 0.02^2 / (2 (l + 1))), the output layer N(0, 1/h) "
+               "cut at 3 std (gpt family)")
 
     @property
     def embedding_std(self) -> Optional[float]:
@@ -98,6 +112,22 @@ def check_layer_variants(cfg: Any) -> None:
         if m.qk_layernorm:
             raise ConfigError("--qk-l2-norm and --qk-layernorm both normalize queries and keys "
                               "(Megatron's layer spec keeps the L2 norm alone): give one")
+    if m.torchtitan_init:
+        other = [f for f, on in (("--init-method-xavier-uniform", m.init_method_xavier_uniform),
+                                 ("--use-mup", m.use_mup),
+                                 ("--embedding-init-method-std",
+                                  m.embedding_init_method_std is not None),
+                                 ("--mtp-num-layers", bool(m.mtp_num_layers)),
+                                 ("--hybrid-override-pattern",
+                                  getattr(m, "hybrid_override_pattern", None) is not None),
+                                 ("--softmax-type learnable", m.softmax_type == "learnable"),
+                                 ("Gated DeltaNet layers", bool(getattr(m, "gated_delta_net",
+                                                                        False))))
+                 if on]
+        if other:  # another family: its refuse_own_flags (loom/models/gpt/config.py)
+            raise ConfigError(f"--torchtitan-init is torchtitan's initialization of its Llama, "
+                              f"Qwen3, DeepSeek-V3 and Llama 4 models; with {other[0]} it has "
+                              f"no rule: drop one of them")
     if m.init_method_xavier_uniform:
         if m.softmax_type == "learnable":
             raise ConfigError("--init-method-xavier-uniform with --softmax-type learnable: the "

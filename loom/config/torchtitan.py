@@ -600,6 +600,7 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
     put("norm_epsilon", 1e-5, "model.name")
     put("hidden_dropout", 0.0, "model.name")  # torchtitan's models have no dropout (Megatron's
     put("attention_dropout", 0.0, "model.name")  # default is 0.1 for both)
+    put("torchtitan_init", True, "model.name")  # its init_weights, not Megatron's
     for field, value in FLAVORS[name][flavor].items():
         put(field, value, "model.flavor")
     put("make_vocab_size_divisible_by", 1, "model.flavor")  # torchtitan pads no vocabulary
@@ -970,6 +971,8 @@ def docs_markdown() -> str:
              "config with torchtitan v0.2.2's defaults for what it leaves out; `loom checkpoint "
              "convert --from-torchtitan FILE.toml STEP_DIR OUT` reads its Llama, Qwen3, "
              "Qwen3-MoE and DeepSeek-V3 checkpoints. "
+             "The model is torchtitan's: no dropout, torchtitan's initialization "
+             "(`--torchtitan-init`: its `init_weights`, depth-scaled). "
              "Models: " + ", ".join(f"{n} ({', '.join(FLAVORS[n])})" for n in FLAVORS) + ". "
              "Each key below is read (as the loom flag named), said once at start, taken "
              "without effect on what runs, or refused naming why.", "",

@@ -107,3 +107,65 @@ def by_pattern(rules: Sequence[tuple[str, InitFn]]) -> Callable[[str], InitFn]:
                 return fn
         raise KeyError(f"no initializer rule matches parameter {name}")
     return lookup
+
+
+def trunc_normal_init(std: float, a: float = -2.0, b: float = 2.0) -> InitFn:
+    """N(0, std^2) redrawn outside ``[a, b]`` (absolute bounds; ``torch.nn.init.
+    trunc_normal_``, whose defaults +-2 torchtitan's ``trunc_normal_`` keeps)."""
+    return lambda shape, g: torch.nn.init.trunc_normal_(torch.empty(shape), 0.0, std, a, b,
+                                                        generator=g)
+
+
+def _glu_rows(gate: InitFn, up: InitFn) -> InitFn:
+    """A fused gated-MLP ``linear_fc1 [2f, h]``: the gate rows ``[0, f)`` from ``gate``, the up
+    (linear) rows ``[f, 2f)`` from ``up``."""
+    def init(shape, g):
+        half = (shape[0] // 2, *shape[1:])
+        return torch.cat([gate(half, g), up(half, g)], dim=0)
+    return init
+
+
+def torchtitan_init(cfg: Any) -> Callable[[str], InitFn]:
+    """``name -> InitFn`` of ``--torchtitan-init``: torchtitan v0.2.2's ``init_weights`` of its
+    Llama 3 / Qwen3 / DeepSeek-V3 / Llama 4 models and ``torchtitan/models/moe/moe.py`` on
+    loom's parameter names (``layers.<l>.`` is the global layer index ``l``):
+
+    * ``embedding.word_embeddings``: N(0, 1) (``nn.init.normal_``); tied to the output, the
+      output's init (torchtitan re-initializes the shared tensor as the output);
+    * ``output_layer``: N(0, 1 / h) cut at 3 std;
+    * in layer ``l``, with ``s_l = 0.02 / sqrt(2 (l + 1))`` (its ``depth_init``): the attention
+      output ``linear_proj``, every MLP's (dense, routed or shared expert) down ``linear_fc2``
+      and up half of ``linear_fc1``, the router: N(0, s_l^2); every other attention projection
+      and the gate half of ``linear_fc1``: N(0, 0.02^2); each cut at +-2 (absolute);
+    * norms one, biases and the load-balancing bias zero.
+
+    Raises KeyError naming a parameter no rule covers."""
+    h = cfg.hidden_size
+    out = trunc_normal_init(h ** -0.5, -3 * h ** -0.5, 3 * h ** -0.5)
+    emb = (lambda shape, g: torch.empty(shape).normal_(0.0, 1.0, generator=g)) \
+        if cfg.untie_embeddings_and_output_weights else out
+    base = trunc_normal_init(0.02)
+    fixed = by_pattern([
+        ("embedding.word_embeddings.weight", vocab_padded_init(emb, cfg.vocab_size)),
+        ("output_layer.weight", vocab_padded_init(out, cfg.vocab_size)),
+        ("*.router.expert_bias", zeros_init), ("*.bias", zeros_init),
+        ("*norm.weight", ones_init),
+    ])
+
+    def lookup(name: str) -> InitFn:
+        try:
+            return fixed(name)
+        except KeyError:
+            pass
+        parts = name.split(".")
+        if parts[0] != "layers" or not parts[1].isdigit() or parts[-1] != "weight":
+            raise KeyError(f"no torchtitan initializer rule matches parameter {name}")
+        depth = trunc_normal_init(0.02 / math.sqrt(2 * (int(parts[1]) + 1)))
+        if parts[2] == "self_attention":
+            return depth if parts[-2] == "linear_proj" else base
+        if parts[2] == "mlp" and parts[-2] == "linear_fc1":
+            return _glu_rows(base, depth)
+        if parts[2] == "mlp" and parts[-2] in ("linear_fc2", "router"):
+            return depth
+        raise KeyError(f"no torchtitan initializer rule matches parameter {name}")
+    return lookup

@@ -24,7 +24,8 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.family import StageSpec
-from loom.models.init import by_pattern, linear_inits, ones_init, vocab_padded_init, zeros_init
+from loom.models.init import (by_pattern, linear_inits, ones_init, torchtitan_init,
+                              vocab_padded_init, zeros_init)
 from loom.models.moe import run_experts, run_experts_grouped
 from loom.parallel.expert import MoEParallel
 from loom.parallel.plan import (ColwiseParallel, ContextParallelCore, PartialGradOverTP,
@@ -101,7 +102,10 @@ def decoder_init(cfg: ModelConfig) -> Callable:
     linear_inits`). Under ``--use-mup`` (width multiplier m) Megatron's ``init_method`` becomes
     N(0, std^2 / m) and the output projections N(0, std^2 / (2 L m)); the embeddings (word and
     position) and an untied output layer keep the embeddings' init (Megatron's GPTModel gives
-    the output layer ``embedding_init_method`` under muP, ``init_method`` otherwise)."""
+    the output layer ``embedding_init_method`` under muP, ``init_method`` otherwise).
+    ``--torchtitan-init``: torchtitan's (:func:`loom.models.init.torchtitan_init`)."""
+    if cfg.torchtitan_init:
+        return torchtitan_init(cfg)
     w = linear_inits(cfg, cfg.init_method_std / math.sqrt(cfg.width_multiplier))
     output_layer = w.embedding if cfg.use_mup else w.hidden
     return by_pattern([

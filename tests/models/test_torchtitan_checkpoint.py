@@ -177,6 +177,8 @@ def test_a_torchtitan_qwen3_checkpoint_is_transformers_qwen3(tmp_path):
     cfg = LoomConfig.from_flat(read_common(path)["config"]).model
     assert cfg.qk_layernorm and cfg.kv_channels == 128 and \
         not cfg.untie_embeddings_and_output_weights
+    # the model loom train --config builds: torchtitan's init, no dropout
+    assert cfg.torchtitan_init and cfg.hidden_dropout == cfg.attention_dropout == 0.0
     mesh = ParallelMesh.single()
     m = build_model(get_family(cfg.model_type), cfg, mesh, seed=None).eval()
     load_model_weights(open_checkpoint(path), [m], mesh)

@@ -114,6 +114,57 @@ def test_torchtitan_models_train_without_dropout():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_torchtitan_init_is_torchtitans_init_weights(monkeypatch):
+    """A torchtitan config initializes as torchtitan v0.2.2's ``init_weights`` (its rules
+    written out here: llama3/model/model.py, deepseek_v3/model/model.py, moe/moe.py): per
+    tensor, the standard deviation loom draws is the rule's within sampling noise, on Llama 3's
+    debug model and a tiny DeepSeek-V3 (MLA, dense first layer, routed and shared experts).
+    ``benchmarks/torchtitan_parity.py`` compares with torchtitan's own draw."""
+
+    import torch
+    from loom.config import torchtitan as tt
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    monkeypatch.setitem(tt.FLAVORS["deepseek_v3"], "tiny", tt._deepseek(
+        128, 64, 96, 32, 3, 1, 4, tt._moe(16, 4, 32, shared=1), q_lora_rank=32))
+    cut3 = 0.98658  # std of a normal cut at +-3 std, in units of its std
+    for name, flavor in (("llama3", "debugmodel"), ("deepseek_v3", "tiny")):
+        cfg = LoomConfig.from_flat(torchtitan_fields({"model": {"name": name, "flavor": flavor},
+                                                      "training": {"seq_len": 64}})
+                                   ).validate(1).model
+        assert cfg.torchtitan_init
+        params = build_model(get_family("gpt"), cfg, ParallelMesh.single(), seed=3)
+        h = cfg.hidden_size
+        for pname, p in params.named_parameters():
+            w = p.detach()[:cfg.vocab_size] if "embeddings" in pname or "output_layer" in pname \
+                else p.detach()
+            parts = pname.split(".")
+            depth = 0.02 / math.sqrt(2 * (int(parts[1]) + 1)) if parts[0] == "layers" else None
+            if pname.endswith("norm.weight"):
+                want = [0.0]  # ones: no spread
+            elif pname.endswith("expert_bias"):
+                continue
+            elif pname == "embedding.word_embeddings.weight":
+                want = [1.0]
+            elif pname == "output_layer.weight":
+                want = [h ** -0.5 * cut3]
+            elif parts[-2] == "linear_fc1":  # gate (w1) 0.02, up (w3) the layer's depth std
+                want = [0.02, depth]
+            elif parts[-2] in ("linear_proj", "linear_fc2", "router"):
+                want = [depth]
+            else:  # wq / wk / wv, MLA's down and up projections
+                want = [0.02]
+            for half, std in zip(w.chunk(len(want)), want):
+                got = float(half.std())
+                tol = 4 * std / math.sqrt(2 * half.numel()) + 1e-7
+                assert abs(got - std) <= tol, (name, pname, got, std)
+    m = LoomConfig.from_flat(torchtitan_fields({"model": {"name": "llama3"}})).validate(1)
+    m.model.use_mup = True
+    with pytest.raises(ConfigError, match="--torchtitan-init .* with --use-mup"):
+        m.validate(1)
+
+
 def test_flavors_are_the_published_models():
     """Parameter counts (untied, V unpadded: torchtitan pads no vocabulary) equal the
     Hugging Face checkpoints': Llama 3.1 8B / 70B / 405B, Llama 2 7B / 13B / 70B."""

@@ -36,7 +36,8 @@ def refuse_own_flags(m: Any) -> None:
     for name, what in (("apply_residual_connection_post_layernorm",
                         "the residual taken after the LayerNorm"),
                        ("fp32_residual_connection", "an fp32 residual stream"),
-                       ("qk_l2_norm", "the L2-normalized queries and keys")):
+                       ("qk_l2_norm", "the L2-normalized queries and keys"),
+                       ("torchtitan_init", "torchtitan's initialization")):
         if getattr(m, name):
             hint = " (its --post-layernorm is the original post-LN BERT)" \
                 if m.model_type == "bert" and name.startswith("apply") else ""
