@@ -316,8 +316,9 @@ _SPECIAL = {  # implemented flags with a note, a spelled default, a requirement 
                                       "g = 1 + w itself (the same function and, as no norm "
                                       "weight is decayed, the same training); a torch_dist "
                                       "checkpoint stores g - 1 under it and reads w + 1"),
-    "--apply-wd-to-qk-layernorm": field(note="refused with --qk-layernorm (loom decays no norm "
-                                             "weights); without it there are none to decay"),
+    "--apply-wd-to-qk-layernorm": field(note="the query / key norms' parameters decayed too; "
+                                             "refused with --apply-layernorm-1p (loom's norms "
+                                             "hold the gain 1 + w, whose decay is not w's)"),
     "--optimizer": field(note="adam: AdamW (decoupled weight decay); sgd: torch SGD; muon: "
                               "Megatron's Muon with AdamW for the rest; dist_muon: muon with "
                               "--use-distributed-optimizer", refuse={

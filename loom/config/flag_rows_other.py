@@ -262,8 +262,8 @@ REFUSED_ROWS = (
     ("--batch-invariant-mode", _no("batch-invariant kernels")),
     ("--batch-invariant-backend", _no("batch-invariant kernels")),
 
-    ("--no-weight-decay-cond-type", _no("another weight-decay rule (loom decays no norms or "
-                                        "biases)")),
+    ("--no-weight-decay-cond-type", _no("this deprecated spelling (Megatron's own help): give "
+                                        "--apply-wd-to-qk-layernorm, its replacement")),
     ("--freeze-all-layers", refused("training_options", "frozen layers")),
     ("--decrease-batch-size-if-needed", refused("training_options", "elastic batch size")),
     ("--gpu-sniff-test-interval", refused("extra_logs", "GPU sniff tests")),

@@ -49,9 +49,9 @@ class GatedDeltaNetFields:
     linear_num_key_heads: int = opt(16, "Gated DeltaNet: query and key heads", ge=1)
     linear_num_value_heads: int = opt(32, "Gated DeltaNet: value heads (a multiple of the key "
                                           "heads; each key head serves consecutive ones)", ge=1)
-    apply_wd_to_qk_layernorm: bool = opt(False, "weight decay on the QK-LayerNorm weights "
-                                                "(Qwen3-Next; refused with --qk-layernorm: "
-                                                "loom decays no norm weights)")
+    apply_wd_to_qk_layernorm: bool = opt(False, "weight decay on the query / key norms' "
+                                                "parameters too (Qwen3-Next; Megatron-Core's "
+                                                "rule; other norms and biases stay undecayed)")
 
     @property
     def gated_delta_net(self) -> bool:
@@ -77,9 +77,11 @@ def check_gdn(m: Any, tp: int, cp: int) -> None:
     heads, both divisible by t x c; no gate with MLA; SiLU), and what loom lacks (GDN2, GDN
     under context parallelism, with MTP or in another family). Raises ConfigError naming the
     flag and a fix."""
-    if m.apply_wd_to_qk_layernorm and m.qk_layernorm:
-        raise ConfigError("--apply-wd-to-qk-layernorm with --qk-layernorm: loom decays no norm "
-                          "weights; drop --apply-wd-to-qk-layernorm")
+    if m.apply_wd_to_qk_layernorm and m.qk_layernorm and m.apply_layernorm_1p:
+        raise ConfigError("--apply-wd-to-qk-layernorm with --apply-layernorm-1p: Megatron "
+                          "decays each norm's w toward 0 (its gain toward 1); loom's norms hold "
+                          "the gain 1 + w, which AdamW's decay would pull toward 0: drop one of "
+                          "them")
     if m.attention_output_gate and m.multi_latent_attention:
         raise ConfigError("--attention-output-gate gates standard attention (Megatron has no "
                           "gate for MLA either): drop it or --multi-latent-attention")

@@ -128,6 +128,10 @@ def check_layer_variants(cfg: Any) -> None:
             raise ConfigError(f"--torchtitan-init is torchtitan's initialization of its Llama, "
                               f"Qwen3, DeepSeek-V3 and Llama 4 models; with {other[0]} it has "
                               f"no rule: drop one of them")
+    if t.weight_decay_norms_and_biases and m.apply_layernorm_1p:
+        raise ConfigError("--weight-decay-norms-and-biases with --apply-layernorm-1p: Megatron's "
+                          "norms hold w of the gain 1 + w, loom's the gain itself, whose decay "
+                          "is not w's: drop one of them")
     if m.init_method_xavier_uniform:
         if m.softmax_type == "learnable":
             raise ConfigError("--init-method-xavier-uniform with --softmax-type learnable: the "

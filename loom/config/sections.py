@@ -293,6 +293,10 @@ class TrainingConfig(TrainingScriptFields, MuonFields, PrecisionAwareFields, Sch
     weight_decay: float = opt(0.01, "decoupled weight decay coefficient of the weights (not "
                                     "biases and norms; with --weight-decay-incr-style constant)",
                               ge=0)
+    weight_decay_norms_and_biases: bool = opt(
+        False, "decay biases and 1-D parameters (norms) too, as torchtitan's optimizer decays "
+               "every parameter (loom's own flag; a torchtitan --config sets it; Megatron "
+               "decays the weights only)")
     adam_beta1: float = opt(0.9, "AdamW first-moment decay, in [0, 1)", ge=0, lt=1)
     adam_beta2: float = opt(0.999, "AdamW second-moment decay, in [0, 1)", ge=0, lt=1)
     adam_eps: float = opt(1e-8, "AdamW denominator epsilon", gt=0)

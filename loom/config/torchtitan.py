@@ -646,6 +646,8 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
     put("adam_beta2", float(c["optimizer.beta2"]), "optimizer.beta2")
     put("adam_eps", float(c["optimizer.eps"]), "optimizer.eps")
     put("weight_decay", float(c["optimizer.weight_decay"]), "optimizer.weight_decay")
+    put("weight_decay_norms_and_biases", True, "optimizer.weight_decay")  # torch's optimizer
+    # over model.parameters(): norms and biases decayed too (Megatron skips them)
     steps = int(c["training.steps"])
     total = int(c["lr_scheduler.total_steps"] or steps)
     warmup = min(int(c["lr_scheduler.warmup_steps"]), total)
@@ -972,7 +974,9 @@ def docs_markdown() -> str:
              "convert --from-torchtitan FILE.toml STEP_DIR OUT` reads its Llama, Qwen3, "
              "Qwen3-MoE and DeepSeek-V3 checkpoints. "
              "The model is torchtitan's: no dropout, torchtitan's initialization "
-             "(`--torchtitan-init`: its `init_weights`, depth-scaled). "
+             "(`--torchtitan-init`: its `init_weights`, depth-scaled), weight decay on every "
+             "parameter, norms included (`--weight-decay-norms-and-biases`: its optimizer "
+             "is torch's over `model.parameters()`). "
              "Models: " + ", ".join(f"{n} ({', '.join(FLAVORS[n])})" for n in FLAVORS) + ". "
              "Each key below is read (as the loom flag named), said once at start, taken "
              "without effect on what runs, or refused naming why.", "",

@@ -7,7 +7,9 @@ Each trainable parameter falls in one :class:`Kind`:
 
 - weight decay: none for biases and 1-D parameters (norms), ``--weight-decay`` otherwise (the
   group's ``wd_mult``, 0 or 1, times the weight-decay schedule's value,
-  :mod:`loom.training.param_schedule`);
+  :mod:`loom.training.param_schedule`); ``--apply-wd-to-qk-layernorm`` decays the query / key
+  norms' parameters too (Megatron-Core's Qwen3-Next rule, ``get_standard_config_overrides``),
+  ``--weight-decay-norms-and-biases`` every parameter (torchtitan's optimizer);
 - ``--decoupled-lr``: the word embeddings and output layer (Megatron's
   ``is_embedding_or_output_parameter``) at their own peak and minimum learning rate;
 - Muon (``--optimizer muon``): the 2-D weights but those, Mamba's ``in_proj`` (Megatron sets
@@ -59,12 +61,16 @@ class GroupPlan:
     optimizer: str
     mup_width: float
     decoupled_lr: bool
+    decay_qk_norm: bool = False  # --apply-wd-to-qk-layernorm
+    decay_all: bool = False  # --weight-decay-norms-and-biases
 
     def kind_of(self, name: str, p: torch.Tensor, decoupled: bool) -> Kind:
         """The :class:`Kind` of parameter ``name`` (``decoupled``: it is an embedding / output
         weight of :func:`loom.training.optimizer.decoupled_params`, Megatron's
         ``is_embedding_or_output_parameter``)."""
-        decay = not (p.ndim < 2 or name.endswith(".bias"))
+        qk_norm = ".q_layernorm." in name or ".k_layernorm." in name
+        decay = self.decay_all or not (p.ndim < 2 or name.endswith(".bias")) or \
+            (self.decay_qk_norm and qk_norm)
         own = decoupled and self.decoupled_lr
         muon = self.optimizer == "muon" and muon_managed(name, p.ndim, decoupled)
         mup = None
@@ -113,7 +119,9 @@ def group_plan(training: Any, model: Any = None, decoupled_group: Optional[dict]
             if k.mup == "hidden" and name == "adam":
                 spec["eps"] = t.adam_eps / width
         specs.append(spec)
-    return GroupPlan(tuple(kinds), tuple(specs), name, width, decoupled_group is not None)
+    return GroupPlan(tuple(kinds), tuple(specs), name, width, decoupled_group is not None,
+                     decay_qk_norm=bool(getattr(model, "apply_wd_to_qk_layernorm", False)),
+                     decay_all=bool(getattr(t, "weight_decay_norms_and_biases", False)))
 
 
 def build_groups(plan: GroupPlan, tensors: list, device: torch.device) -> list[dict]:

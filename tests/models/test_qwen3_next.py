@@ -166,8 +166,8 @@ def test_layer_pattern_and_config_rules():
         _validate(tiny(**GDN, num_query_groups=4), tp=4)
     with pytest.raises(ConfigError, match="--context-parallel-size 1"):
         _validate(tiny(**GDN), cp=2)
-    with pytest.raises(ConfigError, match="--apply-wd-to-qk-layernorm"):
-        _validate(tiny(qk_layernorm=True, apply_wd_to_qk_layernorm=True))
+    with pytest.raises(ConfigError, match="--apply-wd-to-qk-layernorm with --apply-layernorm-1p"):
+        _validate(tiny(qk_layernorm=True, apply_wd_to_qk_layernorm=True, apply_layernorm_1p=True))
     with pytest.raises(ConfigError, match="--experimental-attention-variant gdn"):
         _validate(tiny(linear_attention_freq="2"))
 

@@ -1,0 +1,89 @@
+"""Which parameters weight decay reaches (loom/training/param_groups.py):
+
+* Megatron's rule, and ``--apply-wd-to-qk-layernorm`` (Qwen3-Next's: the query / key norms
+  decayed too), equal to megatron-core's own ``get_standard_config_overrides`` on every
+  parameter of a loom model with biases and QK norms;
+* ``--weight-decay-norms-and-biases``: every parameter, as torchtitan's optimizer (``torch.optim.
+  AdamW`` over ``model.parameters()``) decays them, and a torchtitan config sets it;
+* active: one AdamW step with zero gradients shrinks exactly the decayed parameters by
+  ``1 - lr wd``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.config import LoomConfig
+from loom.errors import ConfigError
+
+
+def _config(**training) -> LoomConfig:
+    flat = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                max_position_embeddings=16, vocab_size=64, micro_batch_size=1, lr=1e-2,
+                min_lr=1e-2, train_iters=4, mock_data=True, qk_layernorm=True,
+                weight_decay=0.1, lr_decay_style="constant", **training)
+    return LoomConfig.from_flat(flat).validate(1)
+
+
+def _model(cfg):
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    return build_model(get_family(cfg.model.model_type), cfg.model, ParallelMesh.single(), seed=0)
+
+
+def _decayed(cfg) -> dict:
+    from loom.training.optimizer import decoupled_group
+    from loom.training.param_groups import group_plan
+    plan = group_plan(cfg.training, cfg.model, decoupled_group(cfg.training))
+    return {n: plan.kind_of(n, p, False).decay for n, p in _model(cfg).named_parameters()}
+
+
+@pytest.mark.parametrize("qk", [False, True])
+def test_megatrons_rule_is_megatron_cores(qk):
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+    cfg = _config(apply_wd_to_qk_layernorm=qk)
+    overrides = get_standard_config_overrides(OptimizerConfig(apply_wd_to_qk_layernorm=qk))
+    model = _model(cfg)
+    ours = _decayed(cfg)
+    names = {n for n, _ in model.named_parameters()}
+    assert any(".bias" in n for n in names) and any("q_layernorm" in n for n in names)
+    for n, p in model.named_parameters():
+        mult = 1.0
+        for key, over in overrides.items():
+            if key.matches(p, n) and "wd_mult" in over:
+                mult = over["wd_mult"]
+        assert ours[n] == (mult == 1.0), (n, qk)
+    assert ours["layers.0.self_attention.q_layernorm.weight"] is qk
+    assert not ours["layers.0.input_layernorm.weight"]
+
+
+def test_decay_of_every_parameter_is_torchtitans():
+    from loom.config.torchtitan import torchtitan_fields
+    cfg = _config(weight_decay_norms_and_biases=True)
+    assert all(_decayed(cfg).values())
+    assert torchtitan_fields({"model": {"name": "llama3"}})["weight_decay_norms_and_biases"]
+    with pytest.raises(ConfigError, match="--weight-decay-norms-and-biases with "
+                                          "--apply-layernorm-1p"):
+        _config(weight_decay_norms_and_biases=True, apply_layernorm_1p=True)
+
+
+@pytest.mark.parametrize("flag", ["", "apply_wd_to_qk_layernorm", "weight_decay_norms_and_biases"])
+def test_one_step_decays_what_the_rule_says(flag):
+    """AdamW with zero gradients: a decayed parameter becomes p (1 - lr wd), the others stay."""
+    from loom.training.optimizer import build_optimizer
+    cfg = _config(**({flag: True} if flag else {}))
+    model = _model(cfg)
+    decayed = _decayed(cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = build_optimizer(model, cfg.training, model_cfg=cfg.model)
+    opt.step()
+    lr, wd = cfg.training.lr, cfg.training.weight_decay
+    for n, p in model.named_parameters():
+        want = before[n] * (1 - lr * wd) if decayed[n] else before[n]
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=0, msg=n)
+    assert any(decayed.values())
+    assert all(decayed.values()) == (flag == "weight_decay_norms_and_biases")
