@@ -39,9 +39,11 @@ _MODELS = {"llama3": ("torchtitan.models.llama3", "llama3_args",
            "qwen3": ("torchtitan.models.qwen3", "qwen3_args",
                      "torchtitan.models.qwen3.model.model", "Qwen3Model"),
            "deepseek_v3": ("torchtitan.models.deepseek_v3", "deepseekv3_args",
-                           "torchtitan.models.deepseek_v3.model.model", "DeepSeekV3Model")}
+                           "torchtitan.models.deepseek_v3.model.model", "DeepSeekV3Model"),
+           "gpt_oss": ("torchtitan.models.gpt_oss", "gptoss_configs",
+                       "torchtitan.models.gpt_oss.model.model", "GptOssModel")}
 DEBUG = (("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_moe"),
-         ("deepseek_v3", "debugmodel"))
+         ("deepseek_v3", "debugmodel"), ("gpt_oss", "debugmodel"))
 
 
 def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int = 48) -> dict:
@@ -84,6 +86,12 @@ def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int
             torch.histc = histc_ints
     torch.manual_seed(0)
     theirs = Transformer(args)
+    masks = {}
+    if model == "gpt_oss":  # flex attention only: eager on CPU (compiled, it has no CPU
+        from torch.nn.attention.flex_attention import flex_attention  # lowering here)
+        from torchtitan.models import attention as tt_attention
+        tt_attention.FlexAttentionWrapper._compiled_flex_attn = staticmethod(flex_attention)
+        theirs = theirs.float()  # torchtitan builds gpt-oss's layers in bf16
     with torch.no_grad():
         theirs.init_weights()
         for name, buf in theirs.named_buffers():
@@ -116,8 +124,10 @@ def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int
             ratios[f"{name}[{k}]" if len(halves[0]) > 1 else name] = float(b.std() / a.std())
     worst = max(ratios, key=lambda n: abs(ratios[n] - 1))
     ids = torch.randint(0, args.vocab_size, (2, seq), generator=torch.Generator().manual_seed(5))
+    if model == "gpt_oss":
+        masks = {"attention_masks": theirs.get_attention_masks(ids, None)}
     with torch.no_grad():
-        ref = theirs(ids)
+        ref = theirs(ids, **masks)
         out = ours(input_ids=ids)
     out = (out[0] if isinstance(out, tuple) else out)[..., :args.vocab_size]
     return dict(model=model, flavor=flavor, params_torchtitan=sum(p.numel() for p in theirs.parameters()),

@@ -4,8 +4,9 @@ trained in loom leaves it (``--to-hf``: a directory ``from_pretrained`` and lm-e
 harness load as it is, :mod:`loom.checkpoint.hf_export`) and a Hugging Face model (or a
 Gemma 3 GGUF file) can be trained further (``--from-hf``: a loom checkpoint at iteration 0 with
 the model's ``tokenizer.json``, no optimizer state, that ``loom train --load`` resumes at any
-layout). ``--from-torchtitan FILE.toml``: a torchtitan Llama checkpoint (its DCP step
-directory) the same way, through the Hugging Face names.
+layout). ``--from-torchtitan FILE.toml``: a torchtitan checkpoint (its DCP step directory) of
+Llama 2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss the same way, through the Hugging Face
+names, into the model ``loom train --config FILE.toml`` builds.
 """
 
 from __future__ import annotations
@@ -179,6 +180,14 @@ _TT_MLA = {"attention.wq_a": "self_attn.q_a_proj", "attention.q_norm": "self_att
            "attention.kv_norm": "self_attn.kv_a_layernorm", "attention.wkv_b": "self_attn.kv_b_proj"}
 # GroupedExperts' stacked tensors (no ``.weight``): w1 / w3 [E, f, h], w2 [E, h, f]
 _TT_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# gpt-oss (torchtitan/models/gpt_oss/model/): its router is transformers' mlp.router, its
+# experts' stacked tensors (gate / linear rows interleaved, as transformers' columns) are
+# transformers' in-memory ones transposed: mlp1 [E, 2f, h] -> gate_up_proj [E, h, 2f], mlp2
+# [E, h, f] -> down_proj [E, f, h]; the biases as they are
+_TT_GPT_OSS = {"moe.router.gate": "mlp.router", "attention.sinks": "self_attn.sinks"}
+_TT_GPT_OSS_EXPERTS = {"mlp1_weight": ("gate_up_proj", True), "mlp1_bias": ("gate_up_proj_bias",
+                                                                           False),
+                       "mlp2_weight": ("down_proj", True), "mlp2_bias": ("down_proj_bias", False)}
 
 
 def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -190,17 +199,18 @@ def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def torchtitan_to_hf(model: dict, heads: int, kv_heads: int, where: str,
-                     halves: bool = True, mla: bool = False) -> dict:
+                     halves: bool = True, mla: bool = False, gpt_oss: bool = False) -> dict:
     """torchtitan's tensors (``tok_embeddings.weight``, ``layers.N.attention.wq.weight``,
     ``layers.N.moe.experts.w1 [E, f, h]``, ...) under Hugging Face's names, the query / key rows
     reordered to RoPE on halves (:func:`_halves`; ``halves=False``: as they are, for RoPE on
     adjacent pairs), each MoE layer's stacked experts split into ``mlp.experts.<i>.*_proj``;
-    ``mla``: DeepSeek-V3's attention names. The load-balancing ``moe.expert_bias`` is not
-    mapped (:func:`from_torchtitan` places it). Raises ConfigError naming a tensor that is not
-    one of torchtitan's."""
+    ``mla``: DeepSeek-V3's attention names; ``gpt_oss``: gpt-oss's (linear biases, sinks, its
+    router and experts as transformers holds them, :data:`_TT_GPT_OSS_EXPERTS`). The
+    load-balancing ``moe.expert_bias`` is not mapped (:func:`from_torchtitan` places it).
+    Raises ConfigError naming a tensor that is not one of torchtitan's."""
     ends = {"tok_embeddings.weight": "model.embed_tokens.weight",
             "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-    names = {**_TT_NAMES, **(_TT_MLA if mla else {})}
+    names = {**_TT_NAMES, **(_TT_MLA if mla else {}), **(_TT_GPT_OSS if gpt_oss else {})}
     sd: dict = {}
     for name, w in model.items():
         if name in ends:
@@ -209,18 +219,27 @@ def torchtitan_to_hf(model: dict, heads: int, kv_heads: int, where: str,
         parts = name.split(".")
         inner = ".".join(parts[2:-1])
         pre = f"model.layers.{parts[1] if len(parts) > 1 else ''}."
+        if gpt_oss and parts[0] == "layers" and inner == "moe.experts" \
+                and parts[-1] in _TT_GPT_OSS_EXPERTS:
+            hf_name, transpose = _TT_GPT_OSS_EXPERTS[parts[-1]]
+            sd[f"{pre}mlp.experts.{hf_name}"] = w.transpose(1, 2) if transpose else w
+            continue
+        if gpt_oss and parts[0] == "layers" and ".".join(parts[2:]) == "attention.sinks":
+            sd[f"{pre}self_attn.sinks"] = w
+            continue
         if parts[0] == "layers" and inner == "moe.experts" and parts[-1] in _TT_EXPERTS \
                 and w.dim() == 3:
             for i, wi in enumerate(w.unbind(0)):
                 sd[f"{pre}mlp.experts.{i}.{_TT_EXPERTS[parts[-1]]}.weight"] = wi
             continue
-        if parts[0] != "layers" or inner not in names or parts[-1] != "weight":
+        if parts[0] != "layers" or inner not in names or \
+                parts[-1] not in (("weight", "bias") if gpt_oss else ("weight",)):
             raise ConfigError(f"{where}: tensor {name!r} is not one of torchtitan's "
                               f"(tok_embeddings, layers.N.attention.*, layers.N.feed_forward.*, "
                               f"layers.N.moe.*, norms, output)")
         if halves and inner in ("attention.wq", "attention.wk"):
             w = _halves(w, heads if inner == "attention.wq" else kv_heads)
-        sd[f"{pre}{names[inner]}.weight"] = w
+        sd[f"{pre}{names[inner]}.{parts[-1]}"] = w
     return sd
 
 
@@ -272,6 +291,19 @@ def _moe_hf_layout(cfg) -> dict:
               "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
               "hidden_act": "silu", "norm_topk_prob": True}
     kinds = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+    if cfg.softmax_type == "learnable":  # gpt-oss: its window pattern and YaRN
+        window = cfg.window
+        return {**common, "model_type": "gpt_oss", "num_key_value_heads": cfg.num_kv_groups,
+                "head_dim": cfg.head_dim, "num_local_experts": cfg.num_experts,
+                "sliding_window": window[0] + 1 if window else None,
+                "layer_types": ["sliding_attention" if window and cfg.is_window_layer(i) else
+                                "full_attention" for i in range(cfg.num_layers)],
+                "swiglu_limit": cfg.activation_func_clamp_value,
+                "rope_scaling": {"rope_type": "yarn", "factor": cfg.rotary_scaling_factor,
+                                 "beta_fast": cfg.yarn_beta_fast,
+                                 "beta_slow": cfg.yarn_beta_slow, "truncate": False,
+                                 "original_max_position_embeddings":
+                                     cfg.yarn_original_max_position_embeddings}}
     if not cfg.multi_latent_attention:
         return {**common, "model_type": "qwen3_moe", "num_key_value_heads": cfg.num_kv_groups,
                 "head_dim": cfg.head_dim, "num_experts": cfg.num_experts,
@@ -310,7 +342,8 @@ def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str):
     # torchtitan's DeepSeek-V3 rotates adjacent pairs as DeepSeek's own checkpoints do
     # (transformers' rope_interleave), Qwen3 rotates halves: no reordering here
     sd = torchtitan_to_hf(model, cfg.num_attention_heads, cfg.num_kv_groups, where,
-                          halves=False, mla=cfg.multi_latent_attention)
+                          halves=False, mla=cfg.multi_latent_attention,
+                          gpt_oss=cfg.softmax_type == "learnable")
     hf = _moe_hf_layout(cfg)
     family = FamilyRegistry().for_hf(hf["model_type"])
     _, full = family.hf.to_loom(hf, sd, where)
@@ -331,7 +364,7 @@ def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str):
 def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = False) -> str:
     """A loom checkpoint (iteration 0) in ``out_dir`` from torchtitan's checkpoint ``src`` (a
     DCP ``step-N`` directory: model-only, or full with the model under ``model.``) of the Llama
-    2 / 3, Qwen3, Qwen3-MoE or DeepSeek-V3 model the torchtitan job config ``toml_path``
+    2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss model the torchtitan job config ``toml_path``
     describes (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped
     to Hugging Face's (Llama: each head's query / key rows reordered from RoPE on adjacent pairs
     to RoPE on halves, :func:`_halves`, the same model; Qwen3 rotates halves already and is
@@ -352,10 +385,11 @@ def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = Fa
     where = f"--from-torchtitan {toml_path} {src}"
     if f.get("num_experts") and f.get("moe_apply_probs_on_input"):
         raise ConfigError(f"--from-torchtitan {toml_path}: a Llama 4 checkpoint; loom converts "
-                          f"torchtitan's Llama 2 / 3, Qwen3, Qwen3-MoE and DeepSeek-V3 "
-                          f"checkpoints (loom has no Hugging Face Llama 4 layout)")
+                          f"torchtitan's Llama 2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 and "
+                          f"gpt-oss checkpoints (loom has no Hugging Face Llama 4 layout)")
     if f.get("num_experts"):
-        what = "DeepSeek-V3" if f.get("multi_latent_attention") else "Qwen3-MoE"
+        what = "DeepSeek-V3" if f.get("multi_latent_attention") else \
+            "gpt-oss" if f.get("softmax_type") == "learnable" else "Qwen3-MoE"
         tt = read_dcp(src)
         model = {k[len("model."):]: v for k, v in tt.items() if k.startswith("model.")} or tt
         family, cfg, full = _from_torchtitan_moe(model, toml_path, where, what)

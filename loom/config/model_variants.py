@@ -36,7 +36,9 @@ not build (:func:`check_layer_variants`).
   the MLP's up and down projections (dense, routed and shared experts) and the router N(0,
   s_l^2) with s_l = 0.02 / sqrt(2 (l + 1)) (its ``depth_init``); norms one; the output layer
   (and a tied embedding) N(0, 1 / h) cut at 3 std; the normal draws cut at +-2 (absolute), as
-  torchtitan's ``trunc_normal_``. The gpt family only.
+  torchtitan's ``trunc_normal_``; gpt-oss (learnable sinks) draws every tensor of layer l from
+  N(0, s_l^2), biases and sinks included, but the norms (one) and the router's bias (zero:
+  torchtitan leaves it as built). The gpt family only.
 - ``--qk-l2-norm`` (Llama 4): each query and key head scaled to unit mean square,
   ``x / sqrt(mean(x^2) + eps)`` with ``eps`` = ``--norm-epsilon``, in fp32, no parameters
   (Megatron-Core's ``L2Norm`` in the ``q_layernorm`` / ``k_layernorm`` slots, so before RoPE,
@@ -120,14 +122,13 @@ def check_layer_variants(cfg: Any) -> None:
                                  ("--mtp-num-layers", bool(m.mtp_num_layers)),
                                  ("--hybrid-override-pattern",
                                   getattr(m, "hybrid_override_pattern", None) is not None),
-                                 ("--softmax-type learnable", m.softmax_type == "learnable"),
                                  ("Gated DeltaNet layers", bool(getattr(m, "gated_delta_net",
                                                                         False))))
                  if on]
         if other:  # another family: its refuse_own_flags (loom/models/gpt/config.py)
             raise ConfigError(f"--torchtitan-init is torchtitan's initialization of its Llama, "
-                              f"Qwen3, DeepSeek-V3 and Llama 4 models; with {other[0]} it has "
-                              f"no rule: drop one of them")
+                              f"Qwen3, DeepSeek-V3, Llama 4 and gpt-oss models; with {other[0]} "
+                              f"it has no rule: drop one of them")
     if t.weight_decay_norms_and_biases and m.apply_layernorm_1p:
         raise ConfigError("--weight-decay-norms-and-biases with --apply-layernorm-1p: Megatron's "
                           "norms hold w of the gain 1 + w, loom's the gain itself, whose decay "

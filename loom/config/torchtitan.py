@@ -234,10 +234,37 @@ FLAVORS["llama4"] = {
 LLAMA4_IROPE = {"debugmodel_irope": 256, "17bx16e_irope": 8192, "17bx128e_irope": 8192}
 """iRoPE flavors and their ``fixed_attn_block_size``: the RoPE layers attend within blocks of
 that many positions (torchtitan's ``get_fixed_block_mask_mod``)."""
+def _gpt_oss(n_layers: int, experts: int, dim: int = 2880, inter: int = 2880,
+             vocab: int = 201088) -> dict:
+    """torchtitan's gpt-oss (v0.2.2 torchtitan/models/gpt_oss/__init__.py and model/): 64
+    query heads of 64 and 8 KV groups with biases and learnable sinks (``--softmax-type
+    learnable``), sliding windows of 128 positions on the even (0-based) layers, every layer
+    MoE: top-4 softmax renormalized with the gate's bias and the load-balancing bias
+    (:func:`_moe`), experts of width ``inter`` with biases and gpt-oss's clamped SwiGLU
+    (x sigmoid(1.702 x) of the gate clamped at 7, times the linear half clamped at +-7 plus
+    1: ``--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7``), YaRN RoPE
+    applied at every length (base 150,000, factor 32 over 4,096 original positions, betas 32
+    and 1, correction range not rounded, attention scale 0.1 ln 32 + 1), RMSNorm eps 1e-5,
+    untied."""
+    return dict(num_layers=n_layers, hidden_size=dim, num_attention_heads=64,
+                num_query_groups=8, group_query_attention=True, kv_channels=64,
+                ffn_hidden_size=inter, vocab_size=vocab, swiglu=False, quick_geglu=True,
+                glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                disable_bias_linear=False, softmax_type="learnable", window_size="127,0",
+                window_attn_skip_freq="2", position_embedding_type="yarn",
+                rotary_base=150000.0, rotary_scaling_factor=32.0,
+                yarn_original_max_position_embeddings=4096, yarn_beta_fast=32.0,
+                yarn_beta_slow=1.0, yarn_correction_range_round_to_int=False,
+                **_moe(experts, 4, inter, route_norm=True))
+
+
+FLAVORS["gpt_oss"] = {"debugmodel": _gpt_oss(4, 8, dim=256), "20b": _gpt_oss(24, 32),
+                      "120b": _gpt_oss(36, 128)}
+
+
 REFUSED_MODELS = {
     "flux": "a diffusion model",
     "deepseek_v2": "DeepSeek-V2 as torchtitan builds it",
-    "gpt_oss": "gpt-oss as torchtitan builds it (give loom's --enable-gpt-oss flags)",
     "vlm": "a vision-language model", "llama3-siglip2": "a vision-language model",
     "hf_GPT2": "a Hugging Face model wrapped by torchtitan",
 }
@@ -972,7 +999,7 @@ def docs_markdown() -> str:
              "--section.key VALUE`) and `loom plan --config FILE.toml` read a torchtitan job "
              "config with torchtitan v0.2.2's defaults for what it leaves out; `loom checkpoint "
              "convert --from-torchtitan FILE.toml STEP_DIR OUT` reads its Llama, Qwen3, "
-             "Qwen3-MoE and DeepSeek-V3 checkpoints. "
+             "Qwen3-MoE, DeepSeek-V3 and gpt-oss checkpoints. "
              "The model is torchtitan's: no dropout, torchtitan's initialization "
              "(`--torchtitan-init`: its `init_weights`, depth-scaled), weight decay on every "
              "parameter, norms included (`--weight-decay-norms-and-biases`: its optimizer "

@@ -137,7 +137,10 @@ def torchtitan_init(cfg: Any) -> Callable[[str], InitFn]:
       output ``linear_proj``, every MLP's (dense, routed or shared expert) down ``linear_fc2``
       and up half of ``linear_fc1``, the router: N(0, s_l^2); every other attention projection
       and the gate half of ``linear_fc1``: N(0, 0.02^2); each cut at +-2 (absolute);
-    * norms one, biases and the load-balancing bias zero.
+    * norms one, biases and the load-balancing bias zero;
+    * gpt-oss (``--softmax-type learnable``; ``torchtitan/models/gpt_oss/model/``): every
+      tensor of layer ``l`` N(0, s_l^2), weights, biases and sinks alike, but the norms and the
+      router's bias (zero: torchtitan's ``init_weights`` leaves it as the module was built).
 
     Raises KeyError naming a parameter no rule covers."""
     h = cfg.hidden_size
@@ -145,11 +148,13 @@ def torchtitan_init(cfg: Any) -> Callable[[str], InitFn]:
     emb = (lambda shape, g: torch.empty(shape).normal_(0.0, 1.0, generator=g)) \
         if cfg.untie_embeddings_and_output_weights else out
     base = trunc_normal_init(0.02)
+    gpt_oss = cfg.softmax_type == "learnable"
     fixed = by_pattern([
         ("embedding.word_embeddings.weight", vocab_padded_init(emb, cfg.vocab_size)),
         ("output_layer.weight", vocab_padded_init(out, cfg.vocab_size)),
-        ("*.router.expert_bias", zeros_init), ("*.bias", zeros_init),
+        ("*.router.expert_bias", zeros_init), ("*.router.bias", zeros_init),
         ("*norm.weight", ones_init),
+        *([] if gpt_oss else [("*.bias", zeros_init)]),
     ])
 
     def lookup(name: str) -> InitFn:
@@ -158,9 +163,13 @@ def torchtitan_init(cfg: Any) -> Callable[[str], InitFn]:
         except KeyError:
             pass
         parts = name.split(".")
-        if parts[0] != "layers" or not parts[1].isdigit() or parts[-1] != "weight":
+        if parts[0] != "layers" or not parts[1].isdigit():
             raise KeyError(f"no torchtitan initializer rule matches parameter {name}")
         depth = trunc_normal_init(0.02 / math.sqrt(2 * (int(parts[1]) + 1)))
+        if gpt_oss:
+            return depth
+        if parts[-1] != "weight":
+            raise KeyError(f"no torchtitan initializer rule matches parameter {name}")
         if parts[2] == "self_attention":
             return depth if parts[-2] == "linear_proj" else base
         if parts[2] == "mlp" and parts[-2] == "linear_fc1":

@@ -437,3 +437,89 @@ def test_moe_refusals(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=match):
             from_torchtitan(_save(state, tmp_path / f"s{n}"), str(tmp_path / f"o{n}"),
                             str(toml))
+
+
+def gpt_oss_state(cfg, seed: int = 0, bias_std: float = 0.05) -> dict:
+    """Random weights under torchtitan v0.2.x's gpt-oss names and shapes
+    (torchtitan/models/gpt_oss/model/: linear biases, sinks, the router's bias, experts'
+    ``mlp1 [E, 2f, h]`` with gate / linear rows interleaved, ``mlp2 [E, h, f]``)."""
+    g = torch.Generator().manual_seed(seed)
+    h, V, E, f = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_ffn_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_kv_groups * cfg.head_dim
+
+    def w(*shape, std=0.05):
+        return torch.randn(*shape, generator=g) * std
+    sd = {"tok_embeddings.weight": w(V, h, std=1.0), "norm.weight": 1 + w(h),
+          "output.weight": w(V, h)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        sd.update({p + "attention_norm.weight": 1 + w(h), p + "ffn_norm.weight": 1 + w(h),
+                   p + "attention.sinks": w(cfg.num_attention_heads, std=1.0),
+                   p + "attention.wq.weight": w(q, h), p + "attention.wq.bias": w(q),
+                   p + "attention.wk.weight": w(kv, h), p + "attention.wk.bias": w(kv),
+                   p + "attention.wv.weight": w(kv, h), p + "attention.wv.bias": w(kv),
+                   p + "attention.wo.weight": w(h, q), p + "attention.wo.bias": w(h),
+                   p + "moe.router.gate.weight": w(E, h, std=0.3),
+                   p + "moe.router.gate.bias": w(E, std=0.3),
+                   p + "moe.expert_bias": w(E, std=bias_std),
+                   p + "moe.experts.mlp1_weight": w(E, 2 * f, h, std=0.2),
+                   p + "moe.experts.mlp1_bias": w(E, 2 * f, std=0.2),
+                   p + "moe.experts.mlp2_weight": w(E, h, f), p + "moe.experts.mlp2_bias": w(E, h)})
+    return sd
+
+
+def test_a_torchtitan_gpt_oss_checkpoint_is_transformers_gpt_oss(tmp_path, monkeypatch):
+    """torchtitan's gpt-oss (its 20b / 120b layout on a tiny shape: 64 heads of 64, 8 KV
+    groups, sinks, biases, a 128-position window on even layers, YaRN, the clamped SwiGLU of
+    8 experts) converts by its names; the loom checkpoint's logits equal transformers'
+    GptOssForCausalLM on the same weights (s 160: past the window; no load-balancing bias,
+    which transformers lacks), and a trained bias is carried bit for bit."""
+    import transformers
+    monkeypatch.setitem(tt_config.FLAVORS["gpt_oss"], "tiny",
+                        tt_config._gpt_oss(2, 8, dim=64, inter=32, vocab=128))
+    toml = tmp_path / "gpt_oss.toml"
+    toml.write_text('[model]\nname = "gpt_oss"\nflavor = "tiny"\n[training]\nseq_len = 160\n')
+    cfg = _toml_model(toml)
+    assert cfg.softmax_type == "learnable" and cfg.is_window_layer(0) and \
+        not cfg.is_window_layer(1)
+    tt = gpt_oss_state(cfg, bias_std=0.0)
+    ck = from_torchtitan(_save(dict(tt), tmp_path / "step-1"), str(tmp_path / "ck"), str(toml))
+    _, m = _converted(ck)
+    hf_sd = {"model.embed_tokens.weight": tt["tok_embeddings.weight"],
+             "model.norm.weight": tt["norm.weight"], "lm_head.weight": tt["output.weight"]}
+    names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "moe.router.gate": "mlp.router"}
+    for name, t in tt.items():
+        if not name.startswith("layers.") or name.endswith("expert_bias"):
+            continue
+        _, i, *rest = name.split(".")
+        pre, inner = f"model.layers.{i}.", ".".join(rest[:-1])
+        if inner == "moe.experts":
+            hf = {"mlp1_weight": "gate_up_proj", "mlp1_bias": "gate_up_proj_bias",
+                  "mlp2_weight": "down_proj", "mlp2_bias": "down_proj_bias"}[rest[-1]]
+            hf_sd[pre + "mlp.experts." + hf] = t.transpose(1, 2) if t.dim() == 3 else t
+        elif rest == ["attention", "sinks"]:
+            hf_sd[pre + "self_attn.sinks"] = t
+        else:
+            hf_sd[f"{pre}{names[inner]}.{rest[-1]}"] = t
+    hf_cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=8,
+        num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+        tie_word_embeddings=False)
+    hf_cfg._attn_implementation = "eager"
+    hf_model = transformers.GptOssForCausalLM(hf_cfg).eval()
+    hf_model.load_state_dict(hf_sd)
+    ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf_model(ids).logits
+    assert rel_err(_logits(m, ids), theirs, floor=1.0) < 1e-5
+    biased = gpt_oss_state(cfg, bias_std=0.5)
+    ck2 = from_torchtitan(_save(dict(biased), tmp_path / "step-2"), str(tmp_path / "ck2"),
+                          str(toml))
+    params = dict(_converted(ck2)[1].named_parameters())
+    for i in range(2):
+        assert torch.equal(params[f"layers.{i}.mlp.router.expert_bias"],
+                           biased[f"layers.{i}.moe.expert_bias"])

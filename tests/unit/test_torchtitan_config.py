@@ -54,12 +54,12 @@ def _entry(path_end: str) -> dict:
 
 
 def test_every_config_of_torchtitans_history_is_read_or_refused_by_name():
-    """348 of the 430 read and validate at their own sizes (data-parallel size 2, or as many
-    as their expert parallelism needs); the other 82 are refused in one line naming
-    ``[model] name`` (74: Flux, torchtitan's DeepSeek-V2 experiment, gpt-oss, vision) or the
+    """349 of the 430 read and validate at their own sizes (data-parallel size 2, or as many
+    as their expert parallelism needs); the other 81 are refused in one line naming
+    ``[model] name`` (73: Flux, torchtitan's DeepSeek-V2 experiment, vision) or the
     key (torchtitan's SPMD experiment, TorchFT, an extension module, and 4 Llama 4 debug
     configs' torch.optim.Adam with weight decay): every Llama (2, 3, 4), Qwen3 (dense and
-    MoE) and DeepSeek-V3 config but those is read."""
+    MoE), DeepSeek-V3 and gpt-oss config but those is read."""
     read, refused = 0, Counter()
     for e in CORPUS:
         name = e["config"].get("model", {}).get("name", DEFAULTS["model.name"])
@@ -71,7 +71,7 @@ def test_every_config_of_torchtitans_history_is_read_or_refused_by_name():
                                                            "use AdamW" in msg), msg
             refused["[model] name" if "[model] name" in msg else msg.split("] ")[1].split(
                 " =")[0]] += 1
-            assert name not in LLAMA + ("qwen3", "deepseek_v3", "llama4") or \
+            assert name not in LLAMA + ("qwen3", "deepseek_v3", "llama4", "gpt_oss") or \
                 "torch_spmd" in msg or "fault_tolerance" in msg or \
                 "custom_args_module" in msg or "use AdamW" in msg, msg
             continue
@@ -81,8 +81,8 @@ def test_every_config_of_torchtitans_history_is_read_or_refused_by_name():
         dp = max(2, math.lcm(tcp, experts) // tcp)
         LoomConfig.from_flat(flat).validate(tcp * flat["pipeline_model_parallel_size"] * dp)
         read += 1
-    assert read == 348 and sum(refused.values()) == 82, (read, refused)
-    assert refused["[model] name"] == 74 and refused["name"] == 4, refused  # [optimizer] name
+    assert read == 349 and sum(refused.values()) == 81, (read, refused)
+    assert refused["[model] name"] == 73 and refused["name"] == 4, refused  # [optimizer] name
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert f"{read} of the {len(CORPUS)} distinct configs in torchtitan's history" in readme
 
@@ -118,18 +118,20 @@ def test_torchtitan_init_is_torchtitans_init_weights(monkeypatch):
     """A torchtitan config initializes as torchtitan v0.2.2's ``init_weights`` (its rules
     written out here: llama3/model/model.py, deepseek_v3/model/model.py, moe/moe.py): per
     tensor, the standard deviation loom draws is the rule's within sampling noise, on Llama 3's
-    debug model and a tiny DeepSeek-V3 (MLA, dense first layer, routed and shared experts).
-    ``benchmarks/torchtitan_parity.py`` compares with torchtitan's own draw."""
-
-    import torch
+    debug model, a tiny DeepSeek-V3 (MLA, dense first layer, routed and shared experts) and a
+    tiny gpt-oss (gpt_oss/model/: every tensor of a layer at its depth std, sinks and biases
+    too, the router's bias left zero). ``benchmarks/torchtitan_parity.py`` compares with
+    torchtitan's own draw."""
     from loom.config import torchtitan as tt
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
     monkeypatch.setitem(tt.FLAVORS["deepseek_v3"], "tiny", tt._deepseek(
         128, 64, 96, 32, 3, 1, 4, tt._moe(16, 4, 32, shared=1), q_lora_rank=32))
+    monkeypatch.setitem(tt.FLAVORS["gpt_oss"], "tiny", tt._gpt_oss(2, 8, dim=64, inter=32,
+                                                                    vocab=128))
     cut3 = 0.98658  # std of a normal cut at +-3 std, in units of its std
-    for name, flavor in (("llama3", "debugmodel"), ("deepseek_v3", "tiny")):
+    for name, flavor in (("llama3", "debugmodel"), ("deepseek_v3", "tiny"), ("gpt_oss", "tiny")):
         cfg = LoomConfig.from_flat(torchtitan_fields({"model": {"name": name, "flavor": flavor},
                                                       "training": {"seq_len": 64}})
                                    ).validate(1).model
@@ -145,6 +147,8 @@ def test_torchtitan_init_is_torchtitans_init_weights(monkeypatch):
                 want = [0.0]  # ones: no spread
             elif pname.endswith("expert_bias"):
                 continue
+            elif name == "gpt_oss" and parts[0] == "layers":  # every tensor of layer l, sinks
+                want = [0.0] if pname.endswith("router.bias") else [depth]  # and biases too
             elif pname == "embedding.word_embeddings.weight":
                 want = [1.0]
             elif pname == "output_layer.weight":
