@@ -270,17 +270,24 @@ def _to_transformers(tt: dict, mla: bool) -> dict:
     return sd
 
 
+def _outer(cfg, seed: int):
+    """``(w, state)``: a seeded draw ``w(*shape, std=0.05)`` and torchtitan's embedding, final
+    norm and output tensors for ``cfg`` drawn with it."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, std=0.05):
+        return torch.randn(*shape, generator=g) * std
+    h, V = cfg.hidden_size, cfg.vocab_size
+    return w, {"tok_embeddings.weight": w(V, h, std=1.0), "norm.weight": 1 + w(h),
+               "output.weight": w(V, h)}
+
+
 def moe_state(cfg, seed: int = 0, bias_std: float = 0.05) -> dict:
     """Random weights under torchtitan v0.2.x's Qwen3-MoE / DeepSeek-V3 names and shapes for
     the loom model ``cfg`` read from a torchtitan config (stacked experts, the load-balancing
     ``moe.expert_bias`` of each MoE layer)."""
-    g = torch.Generator().manual_seed(seed)
-    h, V, E, fe = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_ffn_size
-
-    def w(*shape, std=0.05):
-        return torch.randn(*shape, generator=g) * std
-    sd = {"tok_embeddings.weight": w(V, h, std=1.0), "norm.weight": 1 + w(h),
-          "output.weight": w(V, h)}
+    h, E, fe = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size
+    w, sd = _outer(cfg, seed)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         sd.update({p + "attention_norm.weight": 1 + w(h), p + "ffn_norm.weight": 1 + w(h)})
@@ -443,14 +450,9 @@ def gpt_oss_state(cfg, seed: int = 0, bias_std: float = 0.05) -> dict:
     """Random weights under torchtitan v0.2.x's gpt-oss names and shapes
     (torchtitan/models/gpt_oss/model/: linear biases, sinks, the router's bias, experts'
     ``mlp1 [E, 2f, h]`` with gate / linear rows interleaved, ``mlp2 [E, h, f]``)."""
-    g = torch.Generator().manual_seed(seed)
-    h, V, E, f = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_ffn_size
+    h, E, f = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_kv_groups * cfg.head_dim
-
-    def w(*shape, std=0.05):
-        return torch.randn(*shape, generator=g) * std
-    sd = {"tok_embeddings.weight": w(V, h, std=1.0), "norm.weight": 1 + w(h),
-          "output.weight": w(V, h)}
+    w, sd = _outer(cfg, seed)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         sd.update({p + "attention_norm.weight": 1 + w(h), p + "ffn_norm.weight": 1 + w(h),
