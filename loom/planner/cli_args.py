@@ -239,8 +239,8 @@ NO_STEP_COST = frozenset({
     # the schedule of values, not the cost of a step
     "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_samples",
     "lr_decay_samples", "lr_warmup_init", "lr_warmup_fraction", "decoupled_lr",
-    "decoupled_min_lr", "weight_decay", "lr_wsd_decay_style", "lr_wsd_decay_iters",
-    "lr_wsd_decay_samples", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
+    "decoupled_min_lr", "weight_decay", "weight_decay_norms_and_biases", "lr_wsd_decay_style",
+    "lr_wsd_decay_iters", "lr_wsd_decay_samples", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
     "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
     "hysteresis", "calculate_per_token_loss", "muon_momentum",
@@ -282,7 +282,7 @@ named once on stderr when they differ from the default (:func:`unpriced_model_no
 NO_STEP_COST_MODEL = frozenset({
     # initialization, losses' scales, router details and numerics of the same shapes
     "init_method_std", "exclude_padded_vocab", "apply_layernorm_1p", "post_layernorm",
-    "embedding_init_method_std", "init_method_xavier_uniform",
+    "embedding_init_method_std", "init_method_xavier_uniform", "torchtitan_init",
     "apply_residual_connection_post_layernorm", "qk_l2_norm",
     "moe_router_pre_softmax", "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_force_load_balancing",

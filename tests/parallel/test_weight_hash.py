@@ -29,7 +29,9 @@ def world() -> dict:
         tr.train_step()
         faults.check_weights(tr.iteration, said.append)  # due at 2 only
     name, p = next((n, q) for n, q in tr.model_chunks[0].named_parameters() if q.dim() == 2)
-    if tr.mesh.dp_rank == 1:
+    from loom.training.step import finish_param_gather
+    finish_param_gather(tr.optimizer)  # else the step's in-flight all-gather may land after the
+    if tr.mesh.dp_rank == 1:            # change below and undo it (a race under a loaded CPU)
         with torch.no_grad():
             p.view(-1)[3] += 1e-3
     try:
