@@ -136,9 +136,119 @@ def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int
                 init_tensors=len(ratios), init_std_ratio_worst=[worst, ratios[worst]])
 
 
+def resume_parity(src: str, steps: int = 3, seq: int = 32) -> dict:
+    """torchtitan's llama3 debugmodel trained ``steps`` AdamW steps by torchtitan's own
+    optimizer container (lr 1e-3, betas 0.9 / 0.95, weight decay 0.1 on every parameter, no
+    clipping), saved as its CheckpointManager saves a full checkpoint (the model flattened at
+    the top, ``optimizer``, ``train_state``), converted with ``--from-torchtitan``; then one
+    more step on the same batch by torchtitan and by loom (``loom train``'s optimizer from the
+    same TOML, loaded from the converted checkpoint: ``--weight-decay-norms-and-biases``, which
+    the TOML sets). Returns the largest difference of any weight after that step relative to
+    its largest entry, and of the update itself (after minus before) relative to the largest
+    update: both near fp32 rounding when the moments, the step count and the decay carried."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    pkg = types.ModuleType("torchtitan")
+    pkg.__path__ = [os.path.join(src, "torchtitan")]
+    sys.modules.setdefault("torchtitan", pkg)
+    kernels = types.ModuleType("torchtitan.models.moe.kernels")
+    kernels.generate_permute_indices = None
+    sys.modules.setdefault("torchtitan.models.moe.kernels", kernels)
+    from torchtitan.components.checkpoint import ModelWrapper
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.model import Transformer
+
+    from loom.checkpoint.convert import from_torchtitan
+    from loom.checkpoint.reader import load_checkpoint
+    from loom.config import LoomConfig
+    from loom.config.torchtitan import read_torchtitan_config
+    from loom.models import get_family
+    from loom.parallel.mesh import ParallelMesh
+    from loom.parallel.parallelize import build_model
+    from loom.training.optimizer import build_optimizer
+    args = copy.deepcopy(llama3_args["debugmodel"])
+    args.max_seq_len = seq
+    torch.manual_seed(0)
+    theirs = Transformer(args)
+    with torch.no_grad():
+        theirs.init_weights()
+    opt = OptimizersContainer([theirs], torch.optim.AdamW,
+                              dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                   fused=False, foreach=False))
+    ids = torch.randint(0, args.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+
+    def loss_of(logits):
+        return torch.nn.functional.cross_entropy(logits[..., :args.vocab_size].flatten(0, 1),
+                                                 ids.roll(-1, 1).flatten())
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(theirs(ids)).backward()
+        opt.step()
+
+    class TrainState:
+        def state_dict(self):
+            return {"step": steps, "ntokens_seen": steps * ids.numel()}
+
+        def load_state_dict(self, state):
+            pass
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"optimizer": opt, "train_state": TrainState(),
+                  **ModelWrapper([theirs]).state_dict()},
+                 checkpoint_id=os.path.join(tmp, f"step-{steps}"))
+        toml = os.path.join(tmp, "job.toml")
+        with open(toml, "w") as fh:
+            fh.write(f'[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\n'
+                     f'seq_len = {seq}\nlocal_batch_size = 2\nsteps = 10\n')
+        from_torchtitan(os.path.join(tmp, f"step-{steps}"), os.path.join(tmp, "ck"), toml)
+        flat = read_torchtitan_config(toml)
+        flat.update(lr=1e-3, min_lr=1e-3, lr_warmup_iters=0, lr_decay_style="constant",
+                    clip_grad=0.0, mock_data=True)
+        cfg = LoomConfig.from_flat(flat).validate(1)
+        mesh = ParallelMesh.single()
+        ours = build_model(get_family(cfg.model.model_type), cfg.model, mesh, seed=None)
+        optim = build_optimizer(ours, cfg.training, model_cfg=cfg.model)
+        common = load_checkpoint(os.path.join(tmp, "ck"), [ours], optim, None, mesh, None)
+        before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+        # torchtitan's step after, converted to loom's names the same way
+        opt.zero_grad()
+        loss_of(theirs(ids)).backward()
+        opt.step()
+        dcp.save(ModelWrapper([theirs]).state_dict(), checkpoint_id=os.path.join(tmp, "after"))
+        from_torchtitan(os.path.join(tmp, "after"), os.path.join(tmp, "ck_after"), toml)
+        ref = build_model(get_family(cfg.model.model_type), cfg.model, mesh, seed=None)
+        load_checkpoint(os.path.join(tmp, "ck_after"), [ref], None, None, mesh, None)
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+
+    def update_err(optim) -> float:  # one step of ``optim``, against torchtitan's update
+        with torch.no_grad():
+            for n, p in ours.named_parameters():
+                p.copy_(before[n])
+        for group in optim.param_groups:
+            group["lr"] = 1e-3
+        optim.zero_grad()
+        out = ours(input_ids=ids)
+        loss_of(out[0] if isinstance(out, tuple) else out).backward()
+        optim.step()
+        return max(float((p.detach() - want[n]).abs().max() / (want[n] - before[n]).abs().max())
+                   for n, p in ours.named_parameters())
+    fresh = update_err(build_optimizer(ours, cfg.training, model_cfg=cfg.model))
+    update = update_err(optim)
+    weights = max(float((p.detach() - want[n]).abs().max() / want[n].abs().max())
+                  for n, p in ours.named_parameters())
+    return dict(steps=steps, iteration=common["iteration"],
+                consumed_samples=common["consumed_samples"],
+                optimizer_restored=common["optimizer_restored"],
+                weights_rel_err=weights, update_rel_err=update,
+                update_rel_err_with_fresh_optimizer=fresh)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[1:2] == ["all"]:
+    if argv[1:2] == ["resume"]:
+        print(json.dumps(resume_parity(argv[0])))
+    elif argv[1:2] == ["all"]:
         for model, flavor in DEBUG:
             print(json.dumps(parity(argv[0], model, flavor)))
     else:

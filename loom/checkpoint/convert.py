@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Optional
 
 import torch
 
@@ -142,9 +143,13 @@ def from_hf(src: str, out_dir: str, overwrite: bool = False) -> str:
         return _save_import(family, cfg, full, out_dir, tok if os.path.exists(tok) else None)
 
 
-def _save_import(family, cfg, full: dict, out_dir: str, tokenizer_file) -> str:
+def _save_import(family, cfg, full: dict, out_dir: str, tokenizer_file,
+                 resume: Optional[dict] = None) -> str:
     """A loom checkpoint (iteration 0, no schedule) of ``family``'s model ``cfg`` holding the
-    full (unsharded) tensors ``full`` under loom's names; returns its path."""
+    full (unsharded) tensors ``full`` under loom's names; returns its path. ``resume``
+    (``{"iteration", "consumed_samples", "step", "exp_avg": {name: tensor}, "exp_avg_sq":
+    ...}``): at that iteration instead, with those AdamW states (each parameter's ``step``
+    the optimizer's step count); ``loom train --load`` then continues the schedule there."""
     from loom.checkpoint.io import save_checkpoint
     from loom.interop.hf import load_full_state_dict
     from loom.parallel.mesh import ParallelMesh
@@ -157,10 +162,17 @@ def _save_import(family, cfg, full: dict, out_dir: str, tokenizer_file) -> str:
     load_full_state_dict(model, {n: full[n] for n, _ in model.named_parameters()})
     full.clear()
     optimizer = torch.optim.AdamW(model.parameters())
-    # the model section only: an imported model has no training schedule to resume
-    return save_checkpoint(out_dir, 0, [model], optimizer, None, mesh, tracker,
-                           consumed_samples=0, config=dataclasses.asdict(cfg),
-                           tokenizer_file=tokenizer_file)
+    resume = resume or {}
+    for name, p in model.named_parameters():
+        if name in resume.get("exp_avg", {}):
+            optimizer.state[p] = {"step": torch.tensor(float(resume["step"])),
+                                  "exp_avg": resume["exp_avg"][name].float().reshape(p.shape),
+                                  "exp_avg_sq": resume["exp_avg_sq"][name].float()
+                                  .reshape(p.shape)}
+    # no scheduler state: an import has none, a resumed one continues at its iteration
+    return save_checkpoint(out_dir, resume.get("iteration", 0), [model], optimizer, None, mesh,
+                           tracker, consumed_samples=resume.get("consumed_samples", 0),
+                           config=dataclasses.asdict(cfg), tokenizer_file=tokenizer_file)
 
 
 # torchtitan's names (v0.2.x torchtitan/models/{llama3,qwen3,deepseek_v3}/model/model.py and
@@ -243,10 +255,11 @@ def torchtitan_to_hf(model: dict, heads: int, kv_heads: int, where: str,
     return sd
 
 
-def read_dcp(path: str) -> dict:
+def read_dcp(path: str, scalars: Optional[dict] = None) -> dict:
     """Every tensor of a torch.distributed.checkpoint directory, on CPU, in one process
     (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``); nested state dicts
-    flattened with dots. Raises ConfigError when ``path`` holds no DCP checkpoint."""
+    flattened with dots; ``scalars`` (if given) receives the int / float entries (torchtitan's
+    ``train_state.step``). Raises ConfigError when ``path`` holds no DCP checkpoint."""
     import tempfile
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     if not os.path.exists(os.path.join(path, ".metadata")):
@@ -264,6 +277,8 @@ def read_dcp(path: str) -> dict:
                 stack.append((f"{pre}{k}.", v))
             elif isinstance(v, torch.Tensor):
                 out[pre + k] = v
+            elif scalars is not None and isinstance(v, (int, float)):
+                scalars[pre + k] = v
     return out
 
 
@@ -320,9 +335,11 @@ def _moe_hf_layout(cfg) -> dict:
             "rope_interleave": True}
 
 
-def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str):
-    """``(family, ModelConfig, full loom tensors)`` of torchtitan's DeepSeek-V3 / Qwen3-MoE
-    tensors ``model`` (:func:`from_torchtitan`)."""
+def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str,
+                         weights: bool = True):
+    """``(family, full loom tensors)`` of torchtitan's DeepSeek-V3 / Qwen3-MoE / gpt-oss
+    tensors ``model`` (:func:`from_torchtitan`); ``weights`` False: Adam states of them, which
+    the load-balancing bias (a buffer) has none of."""
     from loom.models import FamilyRegistry
     cfg = _toml_model(toml_path)
     bias = {k: model.pop(k) for k in list(model) if k.endswith(".moe.expert_bias")}
@@ -340,7 +357,7 @@ def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str):
                               f"model of {toml_path} ({cfg.num_layers} layers, "
                               f"{cfg.num_experts} experts): a checkpoint of another flavor?")
     # torchtitan's DeepSeek-V3 rotates adjacent pairs as DeepSeek's own checkpoints do
-    # (transformers' rope_interleave), Qwen3 rotates halves: no reordering here
+    # (transformers' rope_interleave), Qwen3 and gpt-oss rotate halves: no reordering here
     sd = torchtitan_to_hf(model, cfg.num_attention_heads, cfg.num_kv_groups, where,
                           halves=False, mla=cfg.multi_latent_attention,
                           gpt_oss=cfg.softmax_type == "learnable")
@@ -348,7 +365,7 @@ def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str):
     family = FamilyRegistry().for_hf(hf["model_type"])
     _, full = family.hf.to_loom(hf, sd, where)
     moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    if cfg.moe_router_enable_expert_bias:
+    if cfg.moe_router_enable_expert_bias and weights:
         for i in moe_layers:
             b = bias.pop(f"layers.{i}.moe.expert_bias", None)
             if b is None:
@@ -358,47 +375,13 @@ def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str):
     if bias:
         raise ConfigError(f"{where}: tensor {next(iter(bias))!r} is not one of the {what} "
                           f"model of {toml_path}: a checkpoint of another flavor?")
-    return family, cfg, full
+    return family, full
 
 
-def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = False) -> str:
-    """A loom checkpoint (iteration 0) in ``out_dir`` from torchtitan's checkpoint ``src`` (a
-    DCP ``step-N`` directory: model-only, or full with the model under ``model.``) of the Llama
-    2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss model the torchtitan job config ``toml_path``
-    describes (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped
-    to Hugging Face's (Llama: each head's query / key rows reordered from RoPE on adjacent pairs
-    to RoPE on halves, :func:`_halves`, the same model; Qwen3 rotates halves already and is
-    renamed only, its Q/K norms too, a tied output dropped; DeepSeek-V3 keeps its adjacent
-    pairs, which Hugging Face's ``rope_interleave`` names; MoE layers' stacked experts split
-    per expert), then Hugging Face's import of that layout. A MoE model is the one ``loom train
-    --config toml_path`` builds, with torchtitan's router, its load-balancing bias carried
-    (``moe.expert_bias`` -> ``router.expert_bias``). Llama 4 checkpoints are refused naming
-    the model. Returns the checkpoint path. Raises ConfigError for a missing or non-DCP
-    ``src``, a config loom's torchtitan reader refuses, a tensor the model lacks, misses or
-    holds in another shape, and an ``out_dir`` it may not write (as :func:`from_hf`)."""
-    from loom.checkpoint.targets import check_output_dir
-    from loom.config.torchtitan import read_torchtitan_config
+def _from_torchtitan_dense(model: dict, f: dict, toml_path: str, where: str):
+    """``(family, full loom tensors)`` of torchtitan's Llama 2 / 3 or dense Qwen3 tensors
+    ``model`` (weights or their Adam states alike: :func:`from_torchtitan`)."""
     from loom.models import FamilyRegistry
-    check_output_dir(out_dir, f"--from-torchtitan output {out_dir}", overwrite,
-                     allow_import=True)
-    f = read_torchtitan_config(toml_path)
-    where = f"--from-torchtitan {toml_path} {src}"
-    if f.get("num_experts") and f.get("moe_apply_probs_on_input"):
-        raise ConfigError(f"--from-torchtitan {toml_path}: a Llama 4 checkpoint; loom converts "
-                          f"torchtitan's Llama 2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 and "
-                          f"gpt-oss checkpoints (loom has no Hugging Face Llama 4 layout)")
-    if f.get("num_experts"):
-        what = "DeepSeek-V3" if f.get("multi_latent_attention") else \
-            "gpt-oss" if f.get("softmax_type") == "learnable" else "Qwen3-MoE"
-        tt = read_dcp(src)
-        model = {k[len("model."):]: v for k, v in tt.items() if k.startswith("model.")} or tt
-        family, cfg, full = _from_torchtitan_moe(model, toml_path, where, what)
-        del tt, model
-        try:
-            return _save_import(family, cfg, full, out_dir, None)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"{where}: {e.args[0] if e.args else e}: a checkpoint of another "
-                              f"{what} flavor than {toml_path}'s?") from None
     qwen3 = bool(f.get("qk_layernorm"))  # RoPE on halves already (its rotate_half)
     a, g, h = f["num_attention_heads"], f["num_query_groups"], f["hidden_size"]
     tied = not f.get("untie_embeddings_and_output_weights", True)
@@ -414,16 +397,122 @@ def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = Fa
         hf["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192}
-    tt = read_dcp(src)
-    model = {k[len("model."):]: v for k, v in tt.items() if k.startswith("model.")} or tt
     if tied:  # the output layer is the embedding (torchtitan may save both names)
         model.pop("output.weight", None)
-    sd = torchtitan_to_hf(model, a, g, src, halves=not qwen3)
+    sd = torchtitan_to_hf(model, a, g, where, halves=not qwen3)
     family = FamilyRegistry().for_hf(hf["model_type"])
     expected = 3 - tied + (11 if qwen3 else 9) * f["num_layers"]
     if len(sd) != expected:
         raise ConfigError(f"{where}: {len(sd)} model tensors, the {toml_path} model has "
                           f"{expected}: a checkpoint of another flavor?")
-    _, full = family.hf.to_loom(hf, sd, where)  # the tensors; the model is the config's
-    del sd, tt, model
-    return _save_import(family, _toml_model(toml_path), full, out_dir, None)
+    return family, family.hf.to_loom(hf, sd, where)[1]  # the tensors; the model is the config's
+
+
+# torchtitan's full checkpoint (CheckpointManager, v0.2.x): the model's tensors at the top
+# (flattened; under ``model.`` in older releases), then these states
+_TT_STATES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
+
+def _torchtitan_parts(tt: dict) -> tuple[dict, dict]:
+    """``(model tensors, Adam states)`` of a torchtitan DCP checkpoint's tensors: the states
+    ``{"exp_avg": {fqn: tensor}, "exp_avg_sq": ..., "step": ...}`` from its flattened optimizer
+    state dict (``optimizer.state.<fqn>.<key>``; empty for a model-only checkpoint)."""
+    model = {k[len("model."):]: v for k, v in tt.items() if k.startswith("model.")} or \
+        {k: v for k, v in tt.items() if not k.startswith(_TT_STATES)}
+    states: dict = {}
+    for k, v in tt.items():
+        if k.startswith("optimizer.state."):
+            fqn, _, key = k[len("optimizer.state."):].rpartition(".")
+            states.setdefault(key, {})[fqn[len("model."):] if fqn.startswith("model.")
+                                       else fqn] = v
+    return model, states
+
+
+def _torchtitan_ranks(src: str) -> int:
+    """How many ranks wrote the DCP checkpoint ``src`` (its ``__<rank>_<n>.distcp`` files)."""
+    import re
+    return len({m.group(1) for n in os.listdir(src)
+                for m in [re.fullmatch(r"__(\d+)_\d+\.distcp", n)] if m})
+
+
+def _resume_state(states: dict, convert, scalars: dict, f: dict, src: str, where: str) -> dict:
+    """``_save_import``'s ``resume`` of torchtitan's Adam states ``states``
+    (:func:`_torchtitan_parts`), each moment mapped as the weights are (``convert(tensors) ->
+    full loom tensors``: the maps are permutations, concatenations and transposes, which
+    commute with AdamW's element-wise moments); the iteration torchtitan's ``train_state.step``
+    (else the optimizer's step), the samples consumed ``step x B`` with B its global batch
+    (``[training] global_batch_size``, else the local batch x the data-parallel size, the
+    ranks that wrote ``src`` over t x p x c). Raises ConfigError for states it cannot read."""
+    if not {"exp_avg", "exp_avg_sq", "step"} <= set(states):
+        raise ConfigError(f"{where}: optimizer states {sorted(states)}: loom reads torchtitan's "
+                          f"AdamW (exp_avg, exp_avg_sq, step)")
+    steps = {float(v) for v in states["step"].values()}
+    if len(steps) != 1:
+        raise ConfigError(f"{where}: the optimizer's parameters have taken {sorted(steps)} "
+                          f"steps: loom resumes one step count")
+    step = int(steps.pop())
+    iteration = int(scalars.get("train_state.step", step))
+    batch = f.get("global_batch_size")
+    if not batch:
+        tpc = f["tensor_model_parallel_size"] * f["pipeline_model_parallel_size"] * \
+            f["context_parallel_size"]
+        ranks = _torchtitan_ranks(src)
+        if ranks % tpc:
+            raise ConfigError(f"{where}: written by {ranks} ranks, not a multiple of its TP x PP "
+                              f"x CP {tpc}: the data-parallel size (and so the samples "
+                              f"consumed) is unknown; give [training] global_batch_size")
+        batch = f["micro_batch_size"] * ranks // tpc
+    return {"iteration": iteration, "consumed_samples": iteration * batch, "step": step,
+            **{k: convert(dict(states[k])) for k in ("exp_avg", "exp_avg_sq")}}
+
+
+def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = False) -> str:
+    """A loom checkpoint in ``out_dir`` from torchtitan's checkpoint ``src`` (a DCP ``step-N``
+    directory: model-only, at iteration 0; or full, torchtitan's CheckpointManager's, its model
+    at the top or, in older releases, under ``model.``: at its ``train_state.step`` with its
+    AdamW moments mapped as the weights are, so that ``loom train --config toml_path --load
+    OUT`` continues the run: :func:`_resume_state`) of the Llama
+    2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss model the torchtitan job config ``toml_path``
+    describes (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped
+    to Hugging Face's (Llama: each head's query / key rows reordered from RoPE on adjacent pairs
+    to RoPE on halves, :func:`_halves`, the same model; Qwen3 rotates halves already and is
+    renamed only, its Q/K norms too, a tied output dropped; DeepSeek-V3 keeps its adjacent
+    pairs, which Hugging Face's ``rope_interleave`` names; MoE layers' stacked experts split
+    per expert), then Hugging Face's import of that layout. A MoE model is the one ``loom train
+    --config toml_path`` builds, with torchtitan's router, its load-balancing bias carried
+    (``moe.expert_bias`` -> ``router.expert_bias``). Llama 4 checkpoints are refused naming
+    the model. Returns the checkpoint path. Raises ConfigError for a missing or non-DCP
+    ``src``, a config loom's torchtitan reader refuses, a tensor the model lacks, misses or
+    holds in another shape, and an ``out_dir`` it may not write (as :func:`from_hf`)."""
+    from loom.checkpoint.targets import check_output_dir
+    from loom.config.torchtitan import read_torchtitan_config
+    check_output_dir(out_dir, f"--from-torchtitan output {out_dir}", overwrite,
+                     allow_import=True)
+    f = read_torchtitan_config(toml_path)
+    where = f"--from-torchtitan {toml_path} {src}"
+    if f.get("num_experts") and f.get("moe_apply_probs_on_input"):
+        raise ConfigError(f"--from-torchtitan {toml_path}: a Llama 4 checkpoint; loom converts "
+                          f"torchtitan's Llama 2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 and "
+                          f"gpt-oss checkpoints (loom has no Hugging Face Llama 4 layout)")
+    what = "DeepSeek-V3" if f.get("multi_latent_attention") else \
+        "gpt-oss" if f.get("softmax_type") == "learnable" else \
+        "Qwen3-MoE" if f.get("num_experts") else "Llama / Qwen3"
+    scalars: dict = {}
+    tt = read_dcp(src, scalars)
+    if torch.is_tensor(tt.get("train_state.step")):  # (a tensor in some writers)
+        scalars["train_state.step"] = int(tt["train_state.step"])
+    model, states = _torchtitan_parts(tt)
+    del tt
+
+    def convert(tensors: dict, weights: bool = False) -> tuple:
+        if f.get("num_experts"):
+            return _from_torchtitan_moe(tensors, toml_path, where, what, weights)
+        return _from_torchtitan_dense(tensors, f, toml_path, where)
+    family, full = convert(model, weights=True)
+    resume = _resume_state(states, lambda t: convert(t)[1], scalars, f, src, where) \
+        if states else None
+    try:
+        return _save_import(family, _toml_model(toml_path), full, out_dir, None, resume)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{where}: {e.args[0] if e.args else e}: a checkpoint of another "
+                          f"{what} flavor than {toml_path}'s?") from None

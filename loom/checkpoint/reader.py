@@ -292,8 +292,9 @@ def load_checkpoint(load_dir: str, model_chunks: Sequence[nn.Module],
     if optimizer is not None:
         _restore_optimizer(optimizer, params, full, states, mesh)
     common = read_common(ckpt)
-    if scheduler is not None and found is not None:  # the schedule continues at its iteration
-        scheduler.last_epoch = common["iteration"]
+    if scheduler is not None and (found is not None or common.get("scheduler") is None):
+        scheduler.last_epoch = common["iteration"]  # the schedule continues at its iteration
+        # (Megatron's; a converted torchtitan run's, which saves no loom scheduler state)
     if scheduler is not None and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"])
         # load_state_dict restores the schedule, not the optimizer's current lr: set it too.

@@ -79,14 +79,20 @@ def test_a_torchtitan_checkpoint_converts_to_the_same_function(tmp_path):
     fields = read_torchtitan_config(str(toml))
     tt = torchtitan_state(fields)
     only = _save(tt, tmp_path / "step-10")
-    full = _save({"model": tt, "optimizer": {"state.0.exp_avg": torch.zeros(3)},
-                  "train_state": {"step": torch.tensor(10)}}, tmp_path / "step-20")
+    adam = {f"state.{n}.{k}": torch.zeros_like(t) for n, t in tt.items()
+            for k in ("exp_avg", "exp_avg_sq")}
+    adam.update({f"state.{n}.step": torch.tensor(10.0) for n in tt})
+    full = _save({"model": tt, "optimizer": adam, "train_state": {"step": torch.tensor(10)}},
+                 tmp_path / "step-20")  # an older release's: the model under model.
     ck = from_torchtitan(only, str(tmp_path / "ck"), str(toml))
     ck2 = from_torchtitan(full, str(tmp_path / "ck2"), str(toml))
     mesh = ParallelMesh.single()
 
+    assert str(ck2).endswith("iter_0000010")
+
     def loom_model(path):
-        path = latest_checkpoint(path) if not str(path).endswith("iter_0000000") else path
+        path = path if str(path).rstrip("/").split("/")[-1].startswith("iter_") else \
+            latest_checkpoint(path)
         cfg = LoomConfig.from_flat(read_common(path)["config"]).model
         m = build_model(get_family(cfg.model_type), cfg, mesh, seed=None).eval()
         load_model_weights(open_checkpoint(path), [m], mesh)
@@ -333,7 +339,8 @@ def _converted(ck):
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
-    path = latest_checkpoint(ck) if not str(ck).endswith("iter_0000000") else ck
+    path = ck if str(ck).rstrip("/").split("/")[-1].startswith("iter_") else \
+        latest_checkpoint(ck)
     cfg = LoomConfig.from_flat(read_common(path)["config"]).model
     mesh = ParallelMesh.single()
     m = build_model(get_family(cfg.model_type), cfg, mesh, seed=None).eval()
@@ -525,3 +532,55 @@ def test_a_torchtitan_gpt_oss_checkpoint_is_transformers_gpt_oss(tmp_path, monke
     for i in range(2):
         assert torch.equal(params[f"layers.{i}.mlp.router.expert_bias"],
                            biased[f"layers.{i}.moe.expert_bias"])
+
+
+def test_a_full_torchtitan_checkpoint_resumes_in_loom(tmp_path, capsys):
+    """torchtitan's full checkpoint (v0.2.x CheckpointManager: the model's tensors flattened at
+    the top, its flattened AdamW state under ``optimizer``, ``train_state``; written here by one
+    rank) converts to a loom checkpoint at torchtitan's step, its samples consumed step x the
+    local batch x the one data-parallel rank that wrote it, every trained parameter's AdamW
+    moments mapped as its weights are (each moment equals the weight conversion applied to
+    that moment) and its step count; ``loom train --load`` continues the schedule there
+    (torchtitan's warm-up: iteration 5's learning rate, not iteration 1's). Differing step
+    counts are refused. ``benchmarks/torchtitan_parity.py resume`` takes one more step in
+    torchtitan and in loom from such a checkpoint: the same weights (docs/benchmarks.md)."""
+    from loom.checkpoint.io import open_checkpoint
+    from loom.cli import main
+    toml = tmp_path / "job.toml"
+    toml.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\n'
+                    'seq_len = 32\nlocal_batch_size = 2\nsteps = 10\n')
+    fields = read_torchtitan_config(str(toml))
+    weights = torchtitan_state(fields, seed=0)
+    moments = {"exp_avg": torchtitan_state(fields, seed=1),
+               "exp_avg_sq": {k: v.abs() for k, v in torchtitan_state(fields, seed=2).items()}}
+    optimizer = {f"state.{fqn}.{key}": t for key, sd in moments.items() for fqn, t in sd.items()}
+    optimizer.update({f"state.{fqn}.step": torch.tensor(3.0) for fqn in weights})
+    full = {**weights, "optimizer": optimizer, "train_state": {"step": 3, "ntokens_seen": 192}}
+    ck = from_torchtitan(_save(full, tmp_path / "step-3"), str(tmp_path / "ck"), str(toml))
+    assert str(ck).endswith("iter_0000003")
+    index = open_checkpoint(str(ck))
+    expect = {}
+    for key, sd in moments.items():  # the reference: each moment converted as weights
+        out = from_torchtitan(_save(dict(sd), tmp_path / f"m-{key}"), str(tmp_path / key),
+                              str(toml))
+        expect[key] = open_checkpoint(str(out))
+    names = [n for n, _ in _converted(ck)[1].named_parameters()]
+    _, states, _ = index.load(names, names)
+    refs = {key: ix.load(names)[0] for key, ix in expect.items()}
+    for n in names:
+        assert float(states[n]["step"]) == 3.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(states[n][key], refs[key][n], rtol=0, atol=0, msg=n)
+    from loom.checkpoint.io import read_common
+    assert read_common(str(ck))["consumed_samples"] == 6
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(toml), "--load", str(tmp_path / "ck"), "--mock-data",
+              "--train-iters", "5", "--global-batch-size", "2"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert "starting at iteration 3" in out and "optimizer and RNG restored" in out, out
+    line = next(ln for ln in out.splitlines() if "iteration      5" in ln)
+    assert "lr 4.000e-04" in line, line  # 8e-4 x 5 / 10: torchtitan's warm-up at step 5
+    optimizer["state.norm.weight.step"] = torch.tensor(2.0)
+    with pytest.raises(ConfigError, match=r"taken \[2.0, 3.0\] steps"):
+        from_torchtitan(_save(full, tmp_path / "step-bad"), str(tmp_path / "ck2"), str(toml))
