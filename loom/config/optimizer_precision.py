@@ -72,6 +72,13 @@ def check_precision_aware(t: Any) -> None:
     steps the sharded parameters themselves). (``--main-grads-dtype bf16`` against
     ``--accumulate-allreduce-grads-in-fp32``: :func:`loom.config.validate.resolve_megatron`, with
     the bf16 rule.) Raises ConfigError naming the flag and the fix."""
+    decoupled = getattr(t, "decoupled_weight_decay", True)
+    if not decoupled and t.optimizer != "adam":
+        raise ConfigError(f"--no-decoupled-weight-decay picks the original Adam's L2 decay; "
+                          f"--optimizer {t.optimizer} has its own: drop it")
+    if not decoupled and t.optimizer_cpu_offload:
+        raise ConfigError("--optimizer-cpu-offload with --no-decoupled-weight-decay: the offload "
+                          "steps AdamW (Megatron-Core refuses the pair too): drop one of them")
     if t.optimizer_cpu_offload and not t.use_precision_aware_optimizer:
         raise ConfigError("--optimizer-cpu-offload needs --use-precision-aware-optimizer (as in "
                           "Megatron-LM, arguments.py:1884: the offload reuses its code path): "

@@ -293,6 +293,11 @@ class TrainingConfig(TrainingScriptFields, MuonFields, PrecisionAwareFields, Sch
     weight_decay: float = opt(0.01, "decoupled weight decay coefficient of the weights (not "
                                     "biases and norms; with --weight-decay-incr-style constant)",
                               ge=0)
+    decoupled_weight_decay: bool = opt(
+        True, "Adam's weight decay decoupled from the gradient (AdamW, Loshchilov & Hutter "
+              "2019); --no-decoupled-weight-decay: the original Adam's L2 term added to the "
+              "gradient (torch.optim.Adam; Megatron-Core's OptimizerConfig."
+              "decoupled_weight_decay, which Megatron-LM's parser does not expose)")
     weight_decay_norms_and_biases: bool = opt(
         False, "decay biases and 1-D parameters (norms) too, as torchtitan's optimizer decays "
                "every parameter (loom's own flag; a torchtitan --config sets it; Megatron "

@@ -660,14 +660,12 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
 
     # optimizer and schedule
     opt_name = c["optimizer.name"]
-    if opt_name == "Adam" and c["optimizer.weight_decay"]:
-        raise bad("optimizer.name", "torch.optim.Adam with weight decay (L2 added to the "
-                                    "gradient); loom's Adam is AdamW's decoupled decay: use "
-                                    "AdamW or weight_decay = 0")
     if opt_name not in ("Adam", "AdamW"):
         raise bad("optimizer.name", "an optimizer loom's torchtitan reader does not map "
                                     "(Adam, AdamW)")
     put("optimizer", "adam", "optimizer.name")
+    if opt_name == "Adam":  # torch.optim.Adam: weight decay as L2 added to the gradient
+        put("decoupled_weight_decay", False, "optimizer.name")
     put("lr", float(c["optimizer.lr"]), "optimizer.lr")
     put("adam_beta1", float(c["optimizer.beta1"]), "optimizer.beta1")
     put("adam_beta2", float(c["optimizer.beta2"]), "optimizer.beta2")

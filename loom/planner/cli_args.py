@@ -73,6 +73,7 @@ def fixed_from_args(args, model: ModelConfig) -> dict:
         optimizer_cpu_offload=bool(getattr(args, "optimizer_cpu_offload", False)),
         optimizer=getattr(args, "optimizer", None) or "adam", zero_stage=fixed["zero"],
         use_torch_fsdp2=bool(args.use_torch_fsdp2),
+        decoupled_weight_decay=getattr(args, "decoupled_weight_decay", True) is not False,
         use_distributed_optimizer=fixed["zero"] in (1, 2)))
     if args.expert_model_parallel_size and args.expert_model_parallel_size > 1 and \
             not model.num_experts:
@@ -239,7 +240,8 @@ NO_STEP_COST = frozenset({
     # the schedule of values, not the cost of a step
     "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_samples",
     "lr_decay_samples", "lr_warmup_init", "lr_warmup_fraction", "decoupled_lr",
-    "decoupled_min_lr", "weight_decay", "weight_decay_norms_and_biases", "lr_wsd_decay_style",
+    "decoupled_min_lr", "weight_decay", "weight_decay_norms_and_biases",
+    "decoupled_weight_decay", "lr_wsd_decay_style",
     "lr_wsd_decay_iters", "lr_wsd_decay_samples", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
     "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",

@@ -56,8 +56,9 @@ from loom.training.state_precision import StatePrecision, StoredStates
 
 
 NORM_BLOCK = 1 << 16  # elements per block of the gradient norm (see _sum_of_squares)
-STATE_KEYS = {torch.optim.AdamW: ("exp_avg", "exp_avg_sq"), torch.optim.SGD: ("momentum_buffer",),
-              Muon: ("exp_avg", "exp_avg_sq")}
+STATE_KEYS = {torch.optim.AdamW: ("exp_avg", "exp_avg_sq"),
+              torch.optim.Adam: ("exp_avg", "exp_avg_sq"),  # --no-decoupled-weight-decay
+              torch.optim.SGD: ("momentum_buffer",), Muon: ("exp_avg", "exp_avg_sq")}
 """The parameter-shaped states of each inner optimizer class (saved by parameter name; Muon's
 own matrices keep ``momentum_buffer``, :meth:`DistributedOptimizer.keys_of`)."""
 
@@ -248,8 +249,8 @@ class DistributedOptimizer:
                  optim_kw: Optional[dict] = None, timers=None,
                  precision: Optional[StatePrecision] = None,
                  offload_fraction: Optional[float] = None):
-        if precision is not None and optim_class is not torch.optim.AdamW:
-            raise ValueError("--use-precision-aware-optimizer stores AdamW's states only")
+        if precision is not None and optim_class not in (torch.optim.AdamW, torch.optim.Adam):
+            raise ValueError("--use-precision-aware-optimizer stores Adam's states only")
         self.mesh, self.sharded, self.overlap_param_gather = mesh, sharded, overlap_param_gather
         self.precision = precision
         self.timers = timers if timers is not None else (lambda name: contextlib.nullcontext())

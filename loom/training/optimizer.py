@@ -37,7 +37,7 @@ from loom.training.state_precision import StatePrecision
 def optimizer_class(cfg: TrainingConfig, params: Sequence[torch.Tensor]) -> tuple[type, dict]:
     """``(optimizer class, keyword arguments)`` of ``--optimizer``: adam is
     ``torch.optim.AdamW`` (``--lr``, ``--adam-beta1/2``, ``--adam-eps``; Megatron's adam with
-    decoupled weight decay), sgd ``torch.optim.SGD`` (``--lr``, ``--sgd-momentum``; weight
+    decoupled weight decay; ``torch.optim.Adam`` with ``--no-decoupled-weight-decay``), sgd ``torch.optim.SGD`` (``--lr``, ``--sgd-momentum``; weight
     decay added to the gradient, as Megatron's), muon :class:`~loom.training.muon.Muon`
     (``settings``: the ``--muon-*`` flags; ``adam``: its AdamW's keywords), fused where
     :func:`adamw_implementation` says so (foreach for SGD on FSDP2's DTensors: torch 2.13 has
@@ -50,7 +50,9 @@ def optimizer_class(cfg: TrainingConfig, params: Sequence[torch.Tensor]) -> tupl
     adam = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **impl)
     if cfg.optimizer == "muon":
         return Muon, dict(settings=MuonSettings.of(cfg), adam=adam)
-    return torch.optim.AdamW, adam
+    # --no-decoupled-weight-decay: the original Adam (L2 added to the gradient), as
+    # Megatron-Core's decoupled_weight_decay=False picks torch.optim.Adam
+    return (torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam), adam
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig,

@@ -6,7 +6,10 @@
 * ``--weight-decay-norms-and-biases``: every parameter, as torchtitan's optimizer (``torch.optim.
   AdamW`` over ``model.parameters()``) decays them, and a torchtitan config sets it;
 * active: one AdamW step with zero gradients shrinks exactly the decayed parameters by
-  ``1 - lr wd``."""
+  ``1 - lr wd``;
+* ``--no-decoupled-weight-decay``: the original Adam, ``torch.optim.Adam`` with the L2 term in
+  the gradient (Megatron-Core's ``decoupled_weight_decay=False``), step for step; a torchtitan
+  config with ``[optimizer] name = "Adam"`` sets it."""
 
 from __future__ import annotations
 
@@ -87,3 +90,33 @@ def test_one_step_decays_what_the_rule_says(flag):
         torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=0, msg=n)
     assert any(decayed.values())
     assert all(decayed.values()) == (flag == "weight_decay_norms_and_biases")
+
+
+def test_coupled_weight_decay_is_torch_adam():
+    from loom.config.torchtitan import torchtitan_fields
+    from loom.training.optimizer import build_optimizer
+    cfg = _config(decoupled_weight_decay=False)
+    model = _model(cfg)
+    decayed = _decayed(cfg)
+    ref = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
+    t = cfg.training
+    torch_adam = torch.optim.Adam(
+        [{"params": [ref[n] for n in ref if decayed[n]], "weight_decay": t.weight_decay},
+         {"params": [ref[n] for n in ref if not decayed[n]], "weight_decay": 0.0}],
+        lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    opt = build_optimizer(model, t, model_cfg=cfg.model)
+    assert type(opt).__name__ == "Adam"
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for n, p in model.named_parameters():
+            p.grad = torch.randn(p.shape, generator=g) * 0.01
+            ref[n].grad = p.grad.clone()
+        opt.step()
+        torch_adam.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-6, atol=1e-7, msg=n)
+    flat = torchtitan_fields({"model": {"name": "llama3"}, "optimizer": {"name": "Adam"}})
+    assert flat["decoupled_weight_decay"] is False
+    for bad, match in ((dict(optimizer="sgd"), "--optimizer sgd has its own"),):
+        with pytest.raises(ConfigError, match=match):
+            _config(decoupled_weight_decay=False, **bad)
