@@ -8,8 +8,9 @@ which loom does not depend on. Set-up (CPU, no triton)::
     pip install --no-deps --target /tmp/tt/deps torchdata && pip install --target /tmp/tt/deps tyro
     PYTHONPATH=/tmp/tt/deps python -m benchmarks.torchtitan_parity /tmp/tt/src [MODEL [FLAVOR]]
 
-``MODEL``: ``llama3`` (default), ``qwen3`` or ``deepseek_v3``; ``FLAVOR`` one of its flavors
-(default ``debugmodel``; Qwen3-MoE: ``qwen3 debugmodel_moe``); ``all``: the four debug models.
+``MODEL``: ``llama3`` (default), ``qwen3``, ``deepseek_v3``, ``gpt_oss`` or ``llama4``;
+``FLAVOR`` one of its flavors (default ``debugmodel``; Qwen3-MoE: ``qwen3 debugmodel_moe``);
+``all``: the six debug models; ``resume``: :func:`resume_parity`.
 torchtitan's package ``__init__`` imports its whole config and quantization stack (tyro, triton
 kernels); this script imports only its model modules (the package's directory as a namespace;
 its triton MoE kernel module stubbed: the experts run torchtitan's for-loop path,
@@ -41,9 +42,11 @@ _MODELS = {"llama3": ("torchtitan.models.llama3", "llama3_args",
            "deepseek_v3": ("torchtitan.models.deepseek_v3", "deepseekv3_args",
                            "torchtitan.models.deepseek_v3.model.model", "DeepSeekV3Model"),
            "gpt_oss": ("torchtitan.models.gpt_oss", "gptoss_configs",
-                       "torchtitan.models.gpt_oss.model.model", "GptOssModel")}
+                       "torchtitan.models.gpt_oss.model.model", "GptOssModel"),
+           "llama4": ("torchtitan.models.llama4", "llama4_args",
+                      "torchtitan.models.llama4.model.model", "Transformer")}
 DEBUG = (("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_moe"),
-         ("deepseek_v3", "debugmodel"), ("gpt_oss", "debugmodel"))
+         ("deepseek_v3", "debugmodel"), ("gpt_oss", "debugmodel"), ("llama4", "debugmodel"))
 
 
 def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int = 48) -> dict:

@@ -51,8 +51,9 @@ class CheckpointOptions:
                                      "flags are given here (listed by --help-all)")
     from_torchtitan: Optional[str] = opt(
         None, "convert: read a torchtitan checkpoint (a DCP step-N directory, model-only or "
-              "full) of the Llama, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss model this "
-              "torchtitan job config (FILE.toml) describes into a loom checkpoint", metavar="FILE.toml")
+              "full) of the Llama 2 / 3 / 4, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss model "
+              "this torchtitan job config (FILE.toml) describes into a loom checkpoint",
+        metavar="FILE.toml")
     dtype: Literal["fp32", "bf16"] = opt("fp32", "--to-hf: the weights' dtype")
     max_shard_size: str = opt("5GB", "--to-hf: largest safetensors file, as transformers' "
                                      "max_shard_size (5GB, 500MB, 2GiB or bytes); a larger "

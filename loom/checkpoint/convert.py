@@ -5,8 +5,8 @@ harness load as it is, :mod:`loom.checkpoint.hf_export`) and a Hugging Face mode
 Gemma 3 GGUF file) can be trained further (``--from-hf``: a loom checkpoint at iteration 0 with
 the model's ``tokenizer.json``, no optimizer state, that ``loom train --load`` resumes at any
 layout). ``--from-torchtitan FILE.toml``: a torchtitan checkpoint (its DCP step directory) of
-Llama 2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss the same way, through the Hugging Face
-names, into the model ``loom train --config FILE.toml`` builds.
+Llama 2 / 3 / 4, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss the same way, through the Hugging
+Face names, into the model ``loom train --config FILE.toml`` builds.
 """
 
 from __future__ import annotations
@@ -197,6 +197,14 @@ _TT_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # transformers' in-memory ones transposed: mlp1 [E, 2f, h] -> gate_up_proj [E, h, 2f], mlp2
 # [E, h, f] -> down_proj [E, f, h]; the biases as they are
 _TT_GPT_OSS = {"moe.router.gate": "mlp.router", "attention.sinks": "self_attn.sinks"}
+# Llama 4 (torchtitan/models/llama4/model/): transformers' Llama4ForCausalLM names its MLPs
+# feed_forward (router, shared_expert, experts.gate_up_proj [E, h, 2f] = [w1; w3]^T, down_proj
+# [E, f, h] = w2^T)
+_TT_LLAMA4 = {"feed_forward.w1": "feed_forward.gate_proj", "feed_forward.w3": "feed_forward.up_proj",
+              "feed_forward.w2": "feed_forward.down_proj", "moe.router.gate": "feed_forward.router",
+              "moe.shared_experts.w1": "feed_forward.shared_expert.gate_proj",
+              "moe.shared_experts.w3": "feed_forward.shared_expert.up_proj",
+              "moe.shared_experts.w2": "feed_forward.shared_expert.down_proj"}
 _TT_GPT_OSS_EXPERTS = {"mlp1_weight": ("gate_up_proj", True), "mlp1_bias": ("gate_up_proj_bias",
                                                                            False),
                        "mlp2_weight": ("down_proj", True), "mlp2_bias": ("down_proj_bias", False)}
@@ -211,19 +219,29 @@ def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def torchtitan_to_hf(model: dict, heads: int, kv_heads: int, where: str,
-                     halves: bool = True, mla: bool = False, gpt_oss: bool = False) -> dict:
+                     halves: bool = True, mla: bool = False, gpt_oss: bool = False,
+                     llama4: bool = False) -> dict:
     """torchtitan's tensors (``tok_embeddings.weight``, ``layers.N.attention.wq.weight``,
     ``layers.N.moe.experts.w1 [E, f, h]``, ...) under Hugging Face's names, the query / key rows
     reordered to RoPE on halves (:func:`_halves`; ``halves=False``: as they are, for RoPE on
     adjacent pairs), each MoE layer's stacked experts split into ``mlp.experts.<i>.*_proj``;
     ``mla``: DeepSeek-V3's attention names; ``gpt_oss``: gpt-oss's (linear biases, sinks, its
-    router and experts as transformers holds them, :data:`_TT_GPT_OSS_EXPERTS`). The
+    router and experts as transformers holds them, :data:`_TT_GPT_OSS_EXPERTS`); ``llama4``:
+    Llama 4's (:data:`_TT_LLAMA4`, its experts fused and transposed). The
     load-balancing ``moe.expert_bias`` is not mapped (:func:`from_torchtitan` places it).
     Raises ConfigError naming a tensor that is not one of torchtitan's."""
     ends = {"tok_embeddings.weight": "model.embed_tokens.weight",
             "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-    names = {**_TT_NAMES, **(_TT_MLA if mla else {}), **(_TT_GPT_OSS if gpt_oss else {})}
+    names = {**_TT_NAMES, **(_TT_MLA if mla else {}), **(_TT_GPT_OSS if gpt_oss else {}),
+             **(_TT_LLAMA4 if llama4 else {})}
     sd: dict = {}
+    if llama4:  # the experts of each MoE layer, fused as transformers holds them
+        for name in [n for n in model if n.endswith(".moe.experts.w1")]:
+            pre, w1 = name[:-len("moe.experts.w1")], model.pop(name)
+            w3, w2 = model.pop(pre + "moe.experts.w3"), model.pop(pre + "moe.experts.w2")
+            hf = f"model.{pre}feed_forward.experts."
+            sd[hf + "gate_up_proj"] = torch.cat([w1, w3], dim=1).transpose(1, 2)
+            sd[hf + "down_proj"] = w2.transpose(1, 2)
     for name, w in model.items():
         if name in ends:
             sd[ends[name]] = w
@@ -306,6 +324,15 @@ def _moe_hf_layout(cfg) -> dict:
               "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
               "hidden_act": "silu", "norm_topk_prob": True}
     kinds = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+    if cfg.moe_apply_probs_on_input:  # Llama 4: its dense width, NoPE layers, RoPE bands
+        return {**common, "model_type": "llama4_text", "num_key_value_heads": cfg.num_kv_groups,
+                "head_dim": cfg.head_dim, "num_local_experts": cfg.num_experts,
+                "intermediate_size": cfg.moe_ffn_size, "intermediate_size_mlp": cfg.ffn_size,
+                "moe_layers": [i for i, k in enumerate(kinds) if k],
+                "no_rope_layers": [int(not cfg.is_no_rope_layer(i))
+                                   for i in range(cfg.num_layers)],
+                "use_qk_norm": False, "attn_temperature_tuning": False,
+                "attention_chunk_size": cfg.max_positions}
     if cfg.softmax_type == "learnable":  # gpt-oss: its window pattern and YaRN
         window = cfg.window
         return {**common, "model_type": "gpt_oss", "num_key_value_heads": cfg.num_kv_groups,
@@ -360,10 +387,15 @@ def _from_torchtitan_moe(model: dict, toml_path: str, where: str, what: str,
     # (transformers' rope_interleave), Qwen3 and gpt-oss rotate halves: no reordering here
     sd = torchtitan_to_hf(model, cfg.num_attention_heads, cfg.num_kv_groups, where,
                           halves=False, mla=cfg.multi_latent_attention,
-                          gpt_oss=cfg.softmax_type == "learnable")
+                          gpt_oss=cfg.softmax_type == "learnable",
+                          llama4=bool(cfg.moe_apply_probs_on_input))
     hf = _moe_hf_layout(cfg)
     family = FamilyRegistry().for_hf(hf["model_type"])
-    _, full = family.hf.to_loom(hf, sd, where)
+    try:
+        _, full = family.hf.to_loom(hf, sd, where)
+    except KeyError as e:  # a tensor the flavor has and the checkpoint lacks
+        raise ConfigError(f"{where}: no tensor for {e.args[0]!r} of the {what} model of "
+                          f"{toml_path}: a checkpoint of another flavor?") from None
     moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
     if cfg.moe_router_enable_expert_bias and weights:
         for i in moe_layers:
@@ -471,30 +503,28 @@ def from_torchtitan(src: str, out_dir: str, toml_path: str, overwrite: bool = Fa
     directory: model-only, at iteration 0; or full, torchtitan's CheckpointManager's, its model
     at the top or, in older releases, under ``model.``: at its ``train_state.step`` with its
     AdamW moments mapped as the weights are, so that ``loom train --config toml_path --load
-    OUT`` continues the run: :func:`_resume_state`) of the Llama
-    2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 or gpt-oss model the torchtitan job config ``toml_path``
-    describes (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped
-    to Hugging Face's (Llama: each head's query / key rows reordered from RoPE on adjacent pairs
-    to RoPE on halves, :func:`_halves`, the same model; Qwen3 rotates halves already and is
-    renamed only, its Q/K norms too, a tied output dropped; DeepSeek-V3 keeps its adjacent
-    pairs, which Hugging Face's ``rope_interleave`` names; MoE layers' stacked experts split
-    per expert), then Hugging Face's import of that layout. A MoE model is the one ``loom train
-    --config toml_path`` builds, with torchtitan's router, its load-balancing bias carried
-    (``moe.expert_bias`` -> ``router.expert_bias``). Llama 4 checkpoints are refused naming
-    the model. Returns the checkpoint path. Raises ConfigError for a missing or non-DCP
-    ``src``, a config loom's torchtitan reader refuses, a tensor the model lacks, misses or
-    holds in another shape, and an ``out_dir`` it may not write (as :func:`from_hf`)."""
+    OUT`` continues the run: :func:`_resume_state`) of the Llama 2 / 3 / 4, Qwen3, Qwen3-MoE,
+    DeepSeek-V3 or gpt-oss model the torchtitan job config ``toml_path`` describes
+    (:func:`loom.config.torchtitan.read_torchtitan_config`): torchtitan's names mapped to
+    Hugging Face's (Llama 2 / 3: each head's query / key rows reordered from RoPE on adjacent
+    pairs to RoPE on halves, :func:`_halves`, the same model; Qwen3 rotates halves already and
+    is renamed only, its Q/K norms too, a tied output dropped; DeepSeek-V3 and Llama 4 keep
+    their adjacent pairs, which Hugging Face's layouts hold too; MoE layers' stacked experts
+    split per expert, or fused as transformers holds them), then Hugging Face's import of that
+    layout. The model is the one ``loom train --config toml_path`` builds (torchtitan's router,
+    initialization, no dropout), its load-balancing bias carried (``moe.expert_bias`` ->
+    ``router.expert_bias``). Returns the checkpoint path. Raises ConfigError for a missing or
+    non-DCP ``src``, a config loom's torchtitan reader refuses, a tensor the model lacks,
+    misses or holds in another shape, optimizer states it cannot map, and an ``out_dir`` it
+    may not write (as :func:`from_hf`)."""
     from loom.checkpoint.targets import check_output_dir
     from loom.config.torchtitan import read_torchtitan_config
     check_output_dir(out_dir, f"--from-torchtitan output {out_dir}", overwrite,
                      allow_import=True)
     f = read_torchtitan_config(toml_path)
     where = f"--from-torchtitan {toml_path} {src}"
-    if f.get("num_experts") and f.get("moe_apply_probs_on_input"):
-        raise ConfigError(f"--from-torchtitan {toml_path}: a Llama 4 checkpoint; loom converts "
-                          f"torchtitan's Llama 2 / 3, Qwen3, Qwen3-MoE, DeepSeek-V3 and "
-                          f"gpt-oss checkpoints (loom has no Hugging Face Llama 4 layout)")
     what = "DeepSeek-V3" if f.get("multi_latent_attention") else \
+        "Llama 4" if f.get("moe_apply_probs_on_input") else \
         "gpt-oss" if f.get("softmax_type") == "learnable" else \
         "Qwen3-MoE" if f.get("num_experts") else "Llama / Qwen3"
     scalars: dict = {}

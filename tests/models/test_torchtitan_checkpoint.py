@@ -142,9 +142,9 @@ def test_refusals(tmp_path):
     short = {k: v for k, v in short.items() if not k.startswith("layers.5.")}
     with pytest.raises(ConfigError, match="another flavor"):
         from_torchtitan(_save(short, tmp_path / "s2"), str(tmp_path / "o3"), str(toml))
-    llama4 = tmp_path / "llama4.toml"
+    llama4 = tmp_path / "llama4.toml"  # a Llama 3 checkpoint given as Llama 4's
     llama4.write_text('[model]\nname = "llama4"\nflavor = "debugmodel"\n')
-    with pytest.raises(ConfigError, match="a Llama 4 checkpoint"):
+    with pytest.raises(ConfigError, match="of the Llama 4 model of .*another flavor"):
         from_torchtitan(str(tmp_path / "s2"), str(tmp_path / "o5"), str(llama4))
 
 
@@ -252,7 +252,7 @@ TT_TO_HF = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_pro
             "moe.shared_experts.w2": "mlp.shared_experts.down_proj"}
 
 
-def _to_transformers(tt: dict, mla: bool) -> dict:
+def _to_transformers(tt: dict, mla: bool, llama4: bool = False) -> dict:
     sd = {"model.embed_tokens.weight": tt["tok_embeddings.weight"],
           "model.norm.weight": tt["norm.weight"], "lm_head.weight": tt["output.weight"]}
     for name, t in tt.items():
@@ -260,6 +260,20 @@ def _to_transformers(tt: dict, mla: bool) -> dict:
             continue
         _, i, *rest = name.split(".")
         inner, pre = ".".join(rest[:-1]), f"model.layers.{i}."
+        if llama4 and (inner.startswith(("moe", "feed_forward"))):  # Llama4ForCausalLM's
+            ff = pre + "feed_forward."
+            if inner == "moe.experts" and rest[-1] == "w1":
+                sd[ff + "experts.gate_up_proj"] = torch.cat(
+                    [t, tt[f"layers.{i}.moe.experts.w3"]], dim=1).transpose(1, 2)
+            elif inner == "moe.experts" and rest[-1] == "w2":
+                sd[ff + "experts.down_proj"] = t.transpose(1, 2)
+            elif inner in ("moe.router.gate",):
+                sd[ff + "router.weight"] = t
+            elif inner.startswith(("moe.shared_experts.", "feed_forward.")):
+                sub = "shared_expert." if inner.startswith("moe.") else ""
+                proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[inner[-2:]]
+                sd[f"{ff}{sub}{proj}.weight"] = t
+            continue
         if inner == "moe.experts":
             if rest[-1] == "w1":
                 sd[pre + "mlp.experts.gate_up_proj"] = torch.cat(
@@ -312,9 +326,10 @@ def moe_state(cfg, seed: int = 0, bias_std: float = 0.05) -> dict:
             sd.update({p + "attention.wq.weight": w(a * d, h),
                        p + "attention.wk.weight": w(kv * d, h),
                        p + "attention.wv.weight": w(kv * d, h),
-                       p + "attention.wo.weight": w(h, a * d),
-                       p + "attention.q_norm.weight": 1 + w(d),
-                       p + "attention.k_norm.weight": 1 + w(d)})
+                       p + "attention.wo.weight": w(h, a * d)})
+            if cfg.qk_layernorm:  # Qwen3's
+                sd.update({p + "attention.q_norm.weight": 1 + w(d),
+                           p + "attention.k_norm.weight": 1 + w(d)})
         if not cfg.is_moe_layer(i):
             f = cfg.ffn_size
             sd.update({p + "feed_forward.w1.weight": w(f, h), p + "feed_forward.w3.weight":
@@ -584,3 +599,41 @@ def test_a_full_torchtitan_checkpoint_resumes_in_loom(tmp_path, capsys):
     optimizer["state.norm.weight.step"] = torch.tensor(2.0)
     with pytest.raises(ConfigError, match=r"taken \[2.0, 3.0\] steps"):
         from_torchtitan(_save(full, tmp_path / "step-bad"), str(tmp_path / "ck2"), str(toml))
+
+
+def test_a_torchtitan_llama4_checkpoint_is_transformers_llama4(tmp_path, monkeypatch):
+    """torchtitan's Llama 4 (a tiny flavor of its kind: MoE every second layer, 4 experts of
+    top-1 sigmoid applied to the input, a shared expert, dense layers of Llama's width, its
+    RoPE bands, no RoPE in layers 0, 4, ..., while the sequence fits one attention block)
+    converts by
+    its names through transformers' Llama4ForCausalLM layout (experts fused and transposed,
+    RoPE rows kept in pairs: the import reorders them); the loom checkpoint's logits equal
+    transformers' Llama4ForCausalLM on the same weights (no QK norm, no temperature tuning,
+    as torchtitan's; no load-balancing bias, which transformers lacks)."""
+    import transformers
+    monkeypatch.setitem(tt_config.FLAVORS["llama4"], "tiny",
+                        tt_config._llama4(64, 4, 4, 2, multiple_of=32, experts=4, vocab=128,
+                                          nope_every=4))
+    monkeypatch.setitem(tt_config.LLAMA4_IROPE, "tiny", 64)
+    toml = tmp_path / "llama4.toml"
+    toml.write_text('[model]\nname = "llama4"\nflavor = "tiny"\n[training]\nseq_len = 48\n')
+    cfg = _toml_model(toml)
+    assert cfg.moe_apply_probs_on_input and cfg.is_moe_layer(1) and not cfg.is_moe_layer(0) \
+        and cfg.is_no_rope_layer(0) and not cfg.is_no_rope_layer(3)
+    tt = moe_state(cfg, bias_std=0.0)
+    ck = from_torchtitan(_save(dict(tt), tmp_path / "step-1"), str(tmp_path / "ck"), str(toml))
+    _, m = _converted(ck)
+    hf_model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=cfg.moe_ffn_size,
+        intermediate_size_mlp=cfg.ffn_size, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, no_rope_layers=[0, 1, 1, 1], use_qk_norm=False,
+        attn_temperature_tuning=False, attention_chunk_size=8192, max_position_embeddings=48,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 1.0, "original_max_position_embeddings": 8192})).eval()
+    hf_model.load_state_dict(_to_transformers(tt, mla=False, llama4=True))
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf_model(ids).logits
+    assert rel_err(_logits(m, ids), theirs, floor=1.0) < 1e-5

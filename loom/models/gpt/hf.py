@@ -5,7 +5,8 @@ loom's parameter names, both ways (``loom checkpoint convert``; resharding to a 
 Qwen2ForCausalLM: LLaMA with QKV biases, Qwen3ForCausalLM: LLaMA with Q/K norms); :func:`layout_of` picks the class a model exports
 to, :data:`IMPORTS` the reader of a ``model_type``: Mixtral / Qwen2-MoE (:mod:`.hf_moe`),
 Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V3 (:mod:`.hf_deepseek`), gpt-oss
-(:mod:`.hf_gpt_oss`), the shared pieces in :mod:`.hf_parts`.
+(:mod:`.hf_gpt_oss`), Llama 4's text model without QK norm (:mod:`.hf_llama4`, import only),
+the shared pieces in :mod:`.hf_parts`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
-from loom.models.gpt import hf_deepseek, hf_gpt_oss, hf_moe, hf_qwen3_moe
+from loom.models.gpt import hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_qwen3_moe
 from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
                                       check_plain, outer_to_hf, outer_to_loom, rope_fields,
                                       rope_to_hf, swiglu_to_hf, swiglu_to_loom)
@@ -255,11 +256,13 @@ def _moe_import(read, convert):
 # config.json model_type -> (hf config dict, where) -> ModelConfig, for the types imported
 # by their own readers (the rest: GPT-2 or LLaMA, :func:`read_config`)
 CONFIGS = {"deepseek_v3": hf_deepseek.read_config, "gpt_oss": hf_gpt_oss.read_config,
+           "llama4_text": hf_llama4.read_config,
            "mixtral": _moe_config(hf_moe.mixtral_config),
            "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
            "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
 # config.json model_type -> (hf config dict, state dict, where) -> (ModelConfig, full tensors)
 IMPORTS = {"deepseek_v3": hf_deepseek.to_loom, "gpt_oss": hf_gpt_oss.to_loom,
+           "llama4_text": hf_llama4.to_loom,
            "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
            "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
            "qwen3_moe": _moe_import(CONFIGS["qwen3_moe"], hf_qwen3_moe.qwen3_moe_to_loom)}
@@ -294,8 +297,8 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 
 HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                               "qwen3_moe", "deepseek_v3", "gpt_oss"),
+                               "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
                   title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE / "
-                        "DeepSeek-V3 / gpt-oss")
+                        "DeepSeek-V3 / gpt-oss / Llama 4 (import)")
