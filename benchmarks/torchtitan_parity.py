@@ -66,7 +66,7 @@ def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int
     flavors = getattr(importlib.import_module(args_module), args_name)
     Transformer = getattr(importlib.import_module(model_module), model_class)
 
-    from loom.checkpoint.convert import from_torchtitan
+    from loom.checkpoint.torchtitan import from_torchtitan
     from loom.checkpoint.io import latest_checkpoint, load_model_weights, open_checkpoint, \
         read_common
     from loom.config import LoomConfig
@@ -162,7 +162,7 @@ def resume_parity(src: str, steps: int = 3, seq: int = 32) -> dict:
     from torchtitan.models.llama3 import llama3_args
     from torchtitan.models.llama3.model.model import Transformer
 
-    from loom.checkpoint.convert import from_torchtitan
+    from loom.checkpoint.torchtitan import from_torchtitan
     from loom.checkpoint.reader import load_checkpoint
     from loom.config import LoomConfig
     from loom.config.torchtitan import read_torchtitan_config

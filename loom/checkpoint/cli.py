@@ -260,7 +260,7 @@ def _convert(args: argparse.Namespace) -> str:
                           "--from-torchtitan FILE.toml and an output directory: loom checkpoint "
                           "convert --to-hf CKPT_DIR OUT_DIR (or --save OUT_DIR)")
     if args.from_torchtitan:
-        from loom.checkpoint.convert import from_torchtitan
+        from loom.checkpoint.torchtitan import from_torchtitan
         return from_torchtitan(args.dir, out, args.from_torchtitan, args.overwrite)
     if args.to_megatron or args.from_megatron:
         from loom.checkpoint.megatron.convert import from_megatron, to_megatron

@@ -32,7 +32,7 @@ defines them (:data:`FLAVORS`); ``[parallelism] expert_parallel_degree`` /
 3's tokenizer, 128,256; Llama 2's, 32,000; debugmodel 2,048). torchtitan rotates adjacent pairs
 of each head's dimensions, loom (as Hugging Face) its two halves: the same model up to a fixed
 reordering of each head's query and key rows, which ``loom checkpoint convert
---from-torchtitan`` applies to torchtitan's weights (:func:`loom.checkpoint.convert.from_torchtitan`).
+--from-torchtitan`` applies to torchtitan's weights (:func:`loom.checkpoint.torchtitan.from_torchtitan`).
 
 Raises :class:`loom.errors.ConfigError` naming ``FILE.toml: [section] key``.
 """

@@ -1,5 +1,5 @@
 """``loom checkpoint convert --from-torchtitan FILE.toml STEP_DIR OUT`` (loom/checkpoint/
-convert.py): a torchtitan Llama checkpoint (DCP, model-only or full) becomes a loom checkpoint of
+torchtitan.py): a torchtitan checkpoint (DCP, model-only or full) becomes a loom checkpoint of
 the same function. Two references it did not write: loom's RoPE on adjacent pairs
 (``--rotary-interleaved``, Megatron's; torchtitan's) fed torchtitan's weights as they are, and
 ``transformers``' Llama fed the converted (Hugging Face) ones."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from loom.checkpoint.convert import from_torchtitan, torchtitan_to_hf
+from loom.checkpoint.torchtitan import from_torchtitan, torchtitan_to_hf
 from loom.config import torchtitan as tt_config
 from loom.config.torchtitan import read_torchtitan_config
 from loom.errors import ConfigError
@@ -364,7 +364,7 @@ def _converted(ck):
 
 
 def _toml_model(path):
-    from loom.checkpoint.convert import _toml_model as read
+    from loom.checkpoint.torchtitan import _toml_model as read
     return read(str(path))
 
 
