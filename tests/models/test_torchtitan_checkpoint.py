@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loom.checkpoint.torchtitan import from_torchtitan, torchtitan_to_hf
-from loom.config import torchtitan as tt_config
+from loom.config import torchtitan_models as tt_config
 from loom.config.torchtitan import read_torchtitan_config
 from loom.errors import ConfigError
 from testkit.numerics import rel_err
@@ -363,6 +363,21 @@ def _converted(ck):
     return cfg, m
 
 
+def _bias_is_carried(biased: dict, toml, tmp_path):
+    """Convert torchtitan state ``biased``; every MoE layer's ``moe.expert_bias`` is loom's
+    ``router.expert_bias`` bit for bit (a copy). Returns the converted model."""
+    ck = from_torchtitan(_save(dict(biased), tmp_path / "step-biased"),
+                         str(tmp_path / "ck-biased"), str(toml))
+    _, model = _converted(ck)
+    params = dict(model.named_parameters())
+    layers = [k.split(".")[1] for k in biased if k.endswith(".moe.expert_bias")]
+    assert layers
+    for i in layers:
+        assert torch.equal(params[f"layers.{i}.mlp.router.expert_bias"],
+                           biased[f"layers.{i}.moe.expert_bias"])
+    return model
+
+
 def _toml_model(path):
     from loom.checkpoint.torchtitan import _toml_model as read
     return read(str(path))
@@ -377,7 +392,7 @@ def test_a_torchtitan_qwen3_moe_checkpoint_is_transformers_qwen3_moe(tmp_path, m
     none), and with a bias the checkpoint carries it bit for bit and the choice moves."""
     import transformers
     monkeypatch.setitem(tt_config.FLAVORS["qwen3"], "tiny_moe",
-                        tt_config._qwen3_moe(64, 2, 4, 2, 96, 16, 32, vocab=128))
+                        tt_config.qwen3_moe(64, 2, 4, 2, 96, 16, 32, vocab=128))
     toml = tmp_path / "qwen_moe.toml"
     toml.write_text('[model]\nname = "qwen3"\nflavor = "tiny_moe"\n[training]\nseq_len = 32\n')
     cfg = _toml_model(toml)
@@ -398,14 +413,7 @@ def test_a_torchtitan_qwen3_moe_checkpoint_is_transformers_qwen3_moe(tmp_path, m
         theirs = hf_model(ids).logits
     assert rel_err(_logits(m, ids), theirs, floor=1.0) < 1e-5
     # a trained bias (torchtitan updates it) lands in loom's router and changes the choice
-    biased = moe_state(cfg, bias_std=0.5)
-    ck2 = from_torchtitan(_save(dict(biased), tmp_path / "step-2"), str(tmp_path / "ck2"),
-                          str(toml))
-    _, m2 = _converted(ck2)
-    params = dict(m2.named_parameters())
-    for i in range(2):
-        assert torch.equal(params[f"layers.{i}.mlp.router.expert_bias"],
-                           biased[f"layers.{i}.moe.expert_bias"])
+    m2 = _bias_is_carried(moe_state(cfg, bias_std=0.5), toml, tmp_path)
     assert rel_err(_logits(m2, ids), theirs, floor=1.0) > 1e-3
 
 
@@ -417,8 +425,8 @@ def test_a_torchtitan_deepseek_v3_checkpoint_is_transformers_deepseek_v3(tmp_pat
     to loom's router. Its logits equal transformers' DeepseekV3ForCausalLM on the same weights,
     bias included (DeepseekV3's ``e_score_correction_bias`` is the same choice-only bias)."""
     import transformers
-    monkeypatch.setitem(tt_config.FLAVORS["deepseek_v3"], "tiny", tt_config._deepseek(
-        128, 64, 96, 32, 3, 1, 4, tt_config._moe(16, 4, 32, shared=1, score="sigmoid",
+    monkeypatch.setitem(tt_config.FLAVORS["deepseek_v3"], "tiny", tt_config.deepseek(
+        128, 64, 96, 32, 3, 1, 4, tt_config.moe(16, 4, 32, shared=1, score="sigmoid",
                                                  route_norm=True, route_scale=2.5, groups=4,
                                                  limited=2), q_lora_rank=32))
     toml = tmp_path / "dsv3.toml"
@@ -450,7 +458,7 @@ def test_moe_refusals(tmp_path, monkeypatch):
     """A MoE checkpoint of another flavor (its expert count, a layer beyond the config's) or
     without the load-balancing bias torchtitan's router keeps: one line naming the tensor."""
     monkeypatch.setitem(tt_config.FLAVORS["qwen3"], "tiny_moe",
-                        tt_config._qwen3_moe(64, 2, 4, 2, 96, 16, 32, vocab=128))
+                        tt_config.qwen3_moe(64, 2, 4, 2, 96, 16, 32, vocab=128))
     toml = tmp_path / "qwen_moe.toml"
     toml.write_text('[model]\nname = "qwen3"\nflavor = "tiny_moe"\n')
     cfg = _toml_model(toml)
@@ -500,7 +508,7 @@ def test_a_torchtitan_gpt_oss_checkpoint_is_transformers_gpt_oss(tmp_path, monke
     which transformers lacks), and a trained bias is carried bit for bit."""
     import transformers
     monkeypatch.setitem(tt_config.FLAVORS["gpt_oss"], "tiny",
-                        tt_config._gpt_oss(2, 8, dim=64, inter=32, vocab=128))
+                        tt_config.gpt_oss(2, 8, dim=64, inter=32, vocab=128))
     toml = tmp_path / "gpt_oss.toml"
     toml.write_text('[model]\nname = "gpt_oss"\nflavor = "tiny"\n[training]\nseq_len = 160\n')
     cfg = _toml_model(toml)
@@ -540,13 +548,7 @@ def test_a_torchtitan_gpt_oss_checkpoint_is_transformers_gpt_oss(tmp_path, monke
     with torch.no_grad():
         theirs = hf_model(ids).logits
     assert rel_err(_logits(m, ids), theirs, floor=1.0) < 1e-5
-    biased = gpt_oss_state(cfg, bias_std=0.5)
-    ck2 = from_torchtitan(_save(dict(biased), tmp_path / "step-2"), str(tmp_path / "ck2"),
-                          str(toml))
-    params = dict(_converted(ck2)[1].named_parameters())
-    for i in range(2):
-        assert torch.equal(params[f"layers.{i}.mlp.router.expert_bias"],
-                           biased[f"layers.{i}.moe.expert_bias"])
+    _bias_is_carried(gpt_oss_state(cfg, bias_std=0.5), toml, tmp_path)
 
 
 def test_a_full_torchtitan_checkpoint_resumes_in_loom(tmp_path, capsys):
@@ -612,7 +614,7 @@ def test_a_torchtitan_llama4_checkpoint_is_transformers_llama4(tmp_path, monkeyp
     as torchtitan's; no load-balancing bias, which transformers lacks)."""
     import transformers
     monkeypatch.setitem(tt_config.FLAVORS["llama4"], "tiny",
-                        tt_config._llama4(64, 4, 4, 2, multiple_of=32, experts=4, vocab=128,
+                        tt_config.llama4(64, 4, 4, 2, multiple_of=32, experts=4, vocab=128,
                                           nope_every=4))
     monkeypatch.setitem(tt_config.LLAMA4_IROPE, "tiny", 64)
     toml = tmp_path / "llama4.toml"

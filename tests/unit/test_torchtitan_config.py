@@ -121,13 +121,13 @@ def test_torchtitan_init_is_torchtitans_init_weights(monkeypatch):
     tiny gpt-oss (gpt_oss/model/: every tensor of a layer at its depth std, sinks and biases
     too, the router's bias left zero). ``benchmarks/torchtitan_parity.py`` compares with
     torchtitan's own draw."""
-    from loom.config import torchtitan as tt
+    from loom.config import torchtitan_models as tt
     from loom.models import get_family
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
-    monkeypatch.setitem(tt.FLAVORS["deepseek_v3"], "tiny", tt._deepseek(
-        128, 64, 96, 32, 3, 1, 4, tt._moe(16, 4, 32, shared=1), q_lora_rank=32))
-    monkeypatch.setitem(tt.FLAVORS["gpt_oss"], "tiny", tt._gpt_oss(2, 8, dim=64, inter=32,
+    monkeypatch.setitem(tt.FLAVORS["deepseek_v3"], "tiny", tt.deepseek(
+        128, 64, 96, 32, 3, 1, 4, tt.moe(16, 4, 32, shared=1), q_lora_rank=32))
+    monkeypatch.setitem(tt.FLAVORS["gpt_oss"], "tiny", tt.gpt_oss(2, 8, dim=64, inter=32,
                                                                     vocab=128))
     cut3 = 0.98658  # std of a normal cut at +-3 std, in units of its std
     for name, flavor in (("llama3", "debugmodel"), ("deepseek_v3", "tiny"), ("gpt_oss", "tiny")):
