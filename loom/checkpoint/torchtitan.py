@@ -331,7 +331,7 @@ def _resume_state(states: dict, convert, scalars: dict, f: dict, src: str, where
         tpc = f["tensor_model_parallel_size"] * f["pipeline_model_parallel_size"] * \
             f["context_parallel_size"]
         ranks = _torchtitan_ranks(src)
-        if ranks % tpc:
+        if not ranks or ranks % tpc:
             raise ConfigError(f"{where}: written by {ranks} ranks, not a multiple of its TP x PP "
                               f"x CP {tpc}: the data-parallel size (and so the samples "
                               f"consumed) is unknown; give [training] global_batch_size")

@@ -598,6 +598,10 @@ def test_a_full_torchtitan_checkpoint_resumes_in_loom(tmp_path, capsys):
     assert "starting at iteration 3" in out and "optimizer and RNG restored" in out, out
     line = next(ln for ln in out.splitlines() if "iteration      5" in ln)
     assert "lr 4.000e-04" in line, line  # 8e-4 x 5 / 10: torchtitan's warm-up at step 5
+    from loom.checkpoint.torchtitan import _resume_state  # no rank files: B is unknown
+    with pytest.raises(ConfigError, match="written by 0 ranks"):
+        _resume_state({"exp_avg": {}, "exp_avg_sq": {}, "step": {"a": torch.tensor(3.0)}},
+                      dict, {}, read_torchtitan_config(str(toml)), str(tmp_path), "where")
     optimizer["state.norm.weight.step"] = torch.tensor(2.0)
     with pytest.raises(ConfigError, match=r"taken \[2.0, 3.0\] steps"):
         from_torchtitan(_save(full, tmp_path / "step-bad"), str(tmp_path / "ck2"), str(toml))
