@@ -51,7 +51,10 @@ class Derived:
     ``get_num_microbatches()``): d = world / (t p c), B = ``--global-batch-size`` or b d,
     m = B / (b d), and the pipeline schedule ``--pipeline-schedule`` resolves to; evaluation's
     own: B_eval = ``--eval-global-batch-size`` samples an evaluation iteration, in m_eval =
-    B_eval / (b_eval d) micro-batches of ``--eval-micro-batch-size`` b_eval per DP rank."""
+    B_eval / (b_eval d) micro-batches of ``--eval-micro-batch-size`` b_eval per DP rank.
+    ``running_global_batch_size``: the samples an iteration trains on, B but under
+    ``--decrease-batch-size-if-needed`` (Megatron's ``current_running_global_batch_size``),
+    and m = running / (b d)."""
 
     world_size: int
     data_parallel_size: int
@@ -60,6 +63,7 @@ class Derived:
     pipeline_schedule: str
     eval_global_batch_size: int = 0
     eval_num_microbatches: int = 0
+    running_global_batch_size: int = 0
 
 
 @dataclass
@@ -123,9 +127,18 @@ class LoomConfig:
         return self.training.global_batch_size or (
             self.training.micro_batch_size * self.data_parallel_size(world_size))
 
+    def running_global_batch_size(self, world_size: int) -> int:
+        """The samples an iteration trains on: B, or under ``--decrease-batch-size-if-needed``
+        the largest multiple of b d at most B (Megatron-Core's
+        ``ConstantNumMicroBatchesCalculator``: ``(B // (b d)) x b d``; 0 when b d > B, which
+        validation refuses)."""
+        b_d = self.training.micro_batch_size * self.data_parallel_size(world_size)
+        gbs = self.global_batch_size(world_size)
+        return gbs // b_d * b_d if self.training.decrease_batch_size_if_needed and b_d else gbs
+
     def num_microbatches(self, world_size: int) -> int:
-        """m = B / (b d)."""
-        return self.global_batch_size(world_size) // (
+        """m = B / (b d) (of the running batch, :meth:`running_global_batch_size`)."""
+        return self.running_global_batch_size(world_size) // (
             self.training.micro_batch_size * self.data_parallel_size(world_size))
 
     # -- validation ----------------------------------------------------------------------------
@@ -144,9 +157,11 @@ class LoomConfig:
         t, lg = resolved.training, resolved.logging
         dp = resolved.data_parallel_size(world_size)
         gbs = resolved.global_batch_size(world_size)
+        running = resolved.running_global_batch_size(world_size)
         resolved.derived = Derived(world_size=world_size, data_parallel_size=dp,
                                    global_batch_size=gbs,
-                                   num_microbatches=gbs // (t.micro_batch_size * dp),
+                                   num_microbatches=running // (t.micro_batch_size * dp),
+                                   running_global_batch_size=running,
                                    pipeline_schedule=resolved.parallel.pipeline_schedule,
                                    eval_global_batch_size=lg.eval_global_batch_size,
                                    eval_num_microbatches=lg.eval_global_batch_size // (

@@ -265,7 +265,6 @@ REFUSED_ROWS = (
     ("--no-weight-decay-cond-type", _no("this deprecated spelling (Megatron's own help): give "
                                         "--apply-wd-to-qk-layernorm, its replacement")),
     ("--freeze-all-layers", refused("training_options", "frozen layers")),
-    ("--decrease-batch-size-if-needed", refused("training_options", "elastic batch size")),
     ("--gpu-sniff-test-interval", refused("extra_logs", "GPU sniff tests")),
     ("--phase-transition-iterations", refused("data_options", "data phases")),
     ("--sample-rate", refused("data_options", "dataset sub-sampling")),

@@ -75,8 +75,8 @@ class TrainingScriptFields:
                                                   "--decoupled-lr group (default: --min-lr)",
                                             ge=0)
     exit_duration_in_mins: Optional[float] = opt(
-        None, "stop training after this many minutes (training with it is not implemented: "
-              "refused)", gt=0)
+        None, "stop training after this many minutes of training (all ranks agree), saving a "
+              "checkpoint first with --save", gt=0)
     calculate_per_token_loss: bool = opt(
         False, "average the loss over all loss tokens of the global batch instead of per "
                "micro-batch; accepted where every micro-batch has the same number of loss "
@@ -87,6 +87,12 @@ class TrainingScriptFields:
               "--global-batch-size (Megatron-Core <= 0.16's ramp; needs --train-samples; the "
               "planner and a dry run take the final size)",
         words=True)
+    decrease_batch_size_if_needed: bool = opt(
+        False, "train each iteration on the largest multiple of --micro-batch-size x "
+               "data-parallel size that is at most --global-batch-size (instead of refusing a "
+               "global batch they do not divide): a restart on fewer data-parallel ranks goes "
+               "on; the samples left out are counted as skipped (Megatron-Core's "
+               "ConstantNumMicroBatchesCalculator); not with a batch-size ramp")
     step_batch_size_schedule: Optional[str] = opt(
         None, "'TOKENS:B ...' the global batch size B from each number of consumed tokens on "
               "(thresholds / --seq-length samples; K/M/B/T suffixes; Megatron-Core's step "

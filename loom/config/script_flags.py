@@ -75,8 +75,10 @@ def _eval_batches(cfg: Any, world_size: int) -> None:
     """Evaluation batch sizes (Megatron's ``arguments.py`` rule): ``--eval-micro-batch-size``
     defaults to ``--micro-batch-size``, ``--eval-global-batch-size`` to the global batch size
     as Megatron holds it (given, or the final one of ``--rampup-batch-size``; with
-    ``--step-batch-size-schedule`` Megatron's ``--global-batch-size`` is b x d), and must be a
-    multiple of the evaluation micro-batch times d. Run before the schedule sets B."""
+    ``--step-batch-size-schedule`` Megatron's ``--global-batch-size`` is b x d; under
+    ``--decrease-batch-size-if-needed`` the decreased one, where Megatron-LM keeps B and then
+    fails its own divisibility assertion), and must be a multiple of the evaluation micro-batch
+    times d. Run before the schedule sets B."""
     lg, t = cfg.logging, cfg.training
     if lg.eval_micro_batch_size is None:
         lg.eval_micro_batch_size = t.micro_batch_size
@@ -86,7 +88,7 @@ def _eval_batches(cfg: Any, world_size: int) -> None:
     if lg.eval_global_batch_size is None:
         lg.eval_global_batch_size = t.micro_batch_size * dp if (
             t.step_batch_size_schedule and t.global_batch_size is None) else \
-            cfg.global_batch_size(world_size)
+            cfg.running_global_batch_size(world_size)
         if lg.eval_global_batch_size % (t.micro_batch_size * dp):
             return  # the training batch itself does not divide: refused naming its own flag
     if lg.eval_global_batch_size % (lg.eval_micro_batch_size * dp):

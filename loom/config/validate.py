@@ -314,6 +314,21 @@ def _check_zero(cfg: Any) -> None:
                           f"--use-distributed-optimizer (ZeRO-1) with it")
 
 
+def _check_decrease(t: Any, gbs: int, b_d: int) -> None:
+    """``--decrease-batch-size-if-needed``: not with a batch-size ramp (Megatron-Core refuses
+    it with ``--step-batch-size-schedule``; Megatron-LM ignores ``--rampup-batch-size`` since
+    532ad926), and at least one micro-batch per DP rank (Megatron-Core asserts it)."""
+    for flag, value in (("--step-batch-size-schedule", t.step_batch_size_schedule),
+                        ("--rampup-batch-size", t.rampup_batch_size)):
+        if value:
+            raise ConfigError(f"--decrease-batch-size-if-needed rounds a constant global batch: "
+                              f"drop it or {flag}")
+    if gbs < b_d:
+        raise ConfigError(f"--decrease-batch-size-if-needed: --global-batch-size {gbs} is less "
+                          f"than one micro-batch per data-parallel rank (--micro-batch-size x "
+                          f"data-parallel size = {b_d}): give at least {b_d}, or fewer ranks")
+
+
 def _resolve_training(cfg: Any, world_size: int) -> None:
     """Megatron's alternative spellings: ``--train-samples`` -> ``--train-iters`` (samples / B),
     ``--recompute-activations`` -> ``--recompute-granularity selective``; checks
@@ -507,7 +522,9 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
                           f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp}")
     gbs = cfg.global_batch_size(world_size)
     _resolve_training(cfg, world_size)
-    if gbs % (t.micro_batch_size * dp):
+    if t.decrease_batch_size_if_needed:
+        _check_decrease(t, gbs, t.micro_batch_size * dp)
+    elif gbs % (t.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}: "

@@ -265,6 +265,9 @@ UNMODELLED = {
     "deterministic_mode": "priced at the default kernels' speed",
     "export_kd_teacher_load": "the distillation teacher's forward and weights are not priced",
     "export_kd_cfg": "the distillation losses are not priced",
+    "decrease_batch_size_if_needed": "only layouts whose micro-batch x data-parallel size "
+                                     "divides --global-batch-size are searched (none that "
+                                     "would decrease it)",
 }
 """Config fields that change a step's time or memory and that the planner does not price:
 named once on stderr when given (:func:`unmodelled_note`)."""

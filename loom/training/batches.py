@@ -48,14 +48,16 @@ class BatchSource:
     @classmethod
     def from_config(cls, cfg, mesh: ParallelMesh, datasets: tuple[Any, Any, Any],
                     ramp=None) -> "BatchSource":
-        """Sizes from a resolved LoomConfig: ``--micro-batch-size``, B and m of its ``derived``,
+        """Sizes from a resolved LoomConfig: ``--micro-batch-size``, B (the running batch,
+        ``--decrease-batch-size-if-needed``'s) and m of its ``derived``,
         ``--seq-length``, ``--hidden-size`` and ``--sequence-parallel``; evaluation's
         ``--eval-micro-batch-size``, B_eval and m_eval; ``ramp``: the batch-size ramp
         (:class:`~loom.config.batch_ramp.BatchRamp`) or None."""
         t, m, d = cfg.training, cfg.model, cfg.require_derived()
         evals = (cfg.logging.eval_micro_batch_size, d.eval_global_batch_size,
                  d.eval_num_microbatches) if d.eval_num_microbatches else None
-        return cls(datasets, mesh, t.micro_batch_size, d.global_batch_size, d.num_microbatches,
+        return cls(datasets, mesh, t.micro_batch_size, d.running_global_batch_size,
+                   d.num_microbatches,
                    m.seq_length, m.hidden_size, cfg.parallel.sequence_parallel, evals, ramp)
 
     def sets(self) -> tuple[tuple[str, Any], ...]:

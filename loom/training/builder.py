@@ -186,7 +186,8 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
     optimizer = build_optimizer(torch.nn.ModuleList(model.chunks), t, mesh, reducers,
                                 debug.timers, model_cfg=cfg.model)
     ramp = BatchRamp.from_training(t, cfg.model.seq_length)  # --rampup-batch-size, ...
-    scheduler = build_scheduler(optimizer, t, derived.global_batch_size, ramp)
+    scheduler = build_scheduler(optimizer, t, derived.global_batch_size, ramp,
+                                derived.running_global_batch_size)
     schedule = get_schedule(derived.pipeline_schedule, mesh.pp_size,
                             cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage)
     timeline = Timeline(global_rank, enabled=bool(cfg.logging.timeline))

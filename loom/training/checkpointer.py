@@ -131,6 +131,8 @@ class Checkpointer:
         self._refuse_nonfinite(common["checkpoint_dir"], load_dir)
         if weights_only and hasattr(self.optimizer, "copy_params_to_masters"):
             self.optimizer.copy_params_to_masters()  # fp32 masters from the loaded weights
+        if not ck.finetune:  # a schedule counting samples goes on from the checkpoint's
+            self.scheduler.anchor(common["iteration"], common["consumed_samples"])
         self.scheduler.resync()  # this run's peaks; lr and weight decay at the iteration
         states = dict(saved_layout=common.get("saved_layout"),
                       optimizer=common.get("optimizer_restored", False),

@@ -129,8 +129,10 @@ class MetricsLogger:
     ``total_iters`` iterations (or always, with ``timestamps=True``).
     ``log_world_size`` (``--log-world-size-to-tensorboard``): every training record also
     writes Megatron's ``world-size`` scalar (and ``world-size vs samples``) to TensorBoard.
-    ``batch_ramp``: the global batch changes during the run (a batch-size ramp): each
-    iteration line says its ``global batch``, as Megatron's does.
+    ``batch_ramp``: the global batch trained on may change during the run or differ from
+    ``--global-batch-size`` (a batch-size ramp, ``--decrease-batch-size-if-needed``): each
+    iteration line says its ``global batch``, as Megatron's does (and the ``skipped samples``
+    of a record that has them).
     """
 
     def __init__(self, enabled: bool, log_json: Optional[str] = None,
@@ -222,6 +224,8 @@ class MetricsLogger:
                 + (f" | mtp {record['mtp_loss']:.4f}" if "mtp_loss" in record else "")
                 + (f" | consumed samples {record['consumed_samples']:,} tokens "
                    f"{record['consumed_tokens']:,}" if "consumed_tokens" in record else "")
+                + (f" | skipped samples {record['skipped_samples']:,}"
+                   if record.get("skipped_samples") else "")
                 + self._eta(it))
         else:
             what = ("validation" if kind == "valid" else kind) + (

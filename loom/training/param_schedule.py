@@ -12,7 +12,11 @@ one step ahead (iteration i warms up as Megatron's count i + 1, so no step is sp
 Under a batch-size ramp (:mod:`loom.config.batch_ramp`) B varies, so a ``--train-samples`` run
 counts samples as Megatron does (:func:`sample_lengths`, :func:`lr_on`); a ``--train-iters``
 run keeps counting iterations (Megatron-LM's step schedule counts ``--lr-*-iters`` in units of
-b x d samples there, its ``--global-batch-size`` default).
+b x d samples there, its ``--global-batch-size`` default). Under
+``--decrease-batch-size-if-needed`` an iteration consumes the running batch, fewer than B
+samples, which may change at a restart on another data-parallel size: the schedule then counts
+the samples consumed, as Megatron's does (``--train-samples`` lengths in samples; ``--*-iters``
+lengths in units of B, Megatron's ``iterations x --global-batch-size``).
 """
 
 from __future__ import annotations
@@ -158,9 +162,11 @@ class ParamScheduler(torch.optim.lr_scheduler.LambdaLR):
     ``LambdaLR``'s (the config is not saved)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainingConfig, batch: int = 1,
-                 ramp=None):
+                 ramp=None, running: Optional[int] = None):
         self._cfg, self._batch = cfg, batch
         self._ramp = ramp if ramp is not None and cfg.train_samples is not None else None
+        self._running = running if cfg.decrease_batch_size_if_needed else None
+        self._anchor = (0, 0)  # (iteration, samples consumed before it) of the running count
         lambdas = []
         for group in optimizer.param_groups:
             peak, low = group_schedule(group, cfg)
@@ -169,14 +175,33 @@ class ParamScheduler(torch.optim.lr_scheduler.LambdaLR):
             lambdas.append(lambda it, peak=peak, low=low: self.lr_of(it, peak, low) / peak)
         super().__init__(optimizer, lambdas)
 
+    def anchor(self, iteration: int, consumed: int) -> None:
+        """A resumed run: ``consumed`` samples were trained on before ``iteration`` (under
+        ``--decrease-batch-size-if-needed`` at the saving run's batch, which may not be this
+        run's; the running count goes on from there)."""
+        self._anchor = (iteration, consumed)
+
+    def consumed_before(self, iteration: int) -> Optional[int]:
+        """Samples consumed before step ``iteration`` when the schedule counts samples (a
+        sample-based ramp, ``--decrease-batch-size-if-needed``), else None."""
+        if self._ramp is not None:
+            return self._ramp.consumed_before(iteration)
+        if self._running is None:
+            return None
+        it, consumed = self._anchor
+        return consumed + (iteration - it) * self._running
+
     def lr_of(self, iteration: int, peak: float, low: float) -> float:
         """The learning rate of step ``iteration`` for a group of peak ``peak``, minimum
-        ``low``: :func:`lr_at`, or in samples under a sample-based ramp."""
-        ramp = self._ramp
-        if ramp is None:
-            return lr_at(iteration, self._cfg, peak, low, self._batch)
-        return lr_on(ramp.consumed_before(iteration), ramp.consumed_before(iteration + 1),
-                     sample_lengths(self._cfg, self._batch), self._cfg, peak, low)
+        ``low``: :func:`lr_at`, or at the samples consumed (:meth:`consumed_before`)."""
+        cfg, x = self._cfg, self.consumed_before(iteration)
+        if x is None:
+            return lr_at(iteration, cfg, peak, low, self._batch)
+        ahead = self.consumed_before(iteration + 1)
+        if cfg.train_samples is not None:
+            return lr_on(x, ahead, sample_lengths(cfg, self._batch), cfg, peak, low)
+        b = self._batch  # --train-iters: Megatron's lengths are iterations x B samples
+        return lr_on(x / b, ahead / b, iteration_lengths(cfg), cfg, peak, low, b)
 
     def step(self) -> None:  # noqa: D102 - LambdaLR's, then the weight decay
         super().step()
@@ -184,8 +209,7 @@ class ParamScheduler(torch.optim.lr_scheduler.LambdaLR):
 
     def _set_weight_decay(self) -> None:
         it = self.last_epoch
-        wd = wd_at(it, self._cfg, self._batch,
-                   None if self._ramp is None else self._ramp.consumed_before(it))
+        wd = wd_at(it, self._cfg, self._batch, self.consumed_before(it))
         for group in self.optimizer.param_groups:
             group["weight_decay"] = wd * group["wd_mult"]
 
@@ -203,15 +227,17 @@ class ParamScheduler(torch.optim.lr_scheduler.LambdaLR):
 
     def state_dict(self) -> dict:  # noqa: D102 - LambdaLR's, without the config
         state = super().state_dict()
-        for key in ("_cfg", "_batch", "_ramp"):
+        for key in ("_cfg", "_batch", "_ramp", "_running", "_anchor"):
             state.pop(key, None)
         return state
 
 
 def build_scheduler(optimizer, cfg: TrainingConfig, batch: int = 1,
-                    ramp=None) -> ParamScheduler:
+                    ramp=None, running: Optional[int] = None) -> ParamScheduler:
     """The :class:`ParamScheduler` of ``optimizer`` (its inner ``torch.optim`` optimizer for a
     :class:`~loom.training.distributed_optimizer.DistributedOptimizer`); ``batch``: B, the
     global batch in samples (the run's ``cfg.derived.global_batch_size``); ``ramp``: the run's
-    batch-size ramp (:class:`~loom.config.batch_ramp.BatchRamp`) or None."""
-    return ParamScheduler(getattr(optimizer, "optim", optimizer), cfg, batch, ramp)
+    batch-size ramp (:class:`~loom.config.batch_ramp.BatchRamp`) or None; ``running``: the
+    samples an iteration consumes (``derived.running_global_batch_size``), which the schedule
+    counts under ``--decrease-batch-size-if-needed``."""
+    return ParamScheduler(getattr(optimizer, "optim", optimizer), cfg, batch, ramp, running)

@@ -238,6 +238,8 @@ class Trainer:
         self.consumed_samples += size
         rec = throughput.record(self.iteration, loss_avg, lr, norm, elapsed, m.device, size)
         rec.update(self.consumed(), batch_size=size)  # Megatron's batch-size
+        if self.cfg.training.decrease_batch_size_if_needed:  # Megatron's skipped samples
+            rec["skipped_samples"] = self.skipped_samples()
         rec.update({k.replace(" ", "_"): v for k, v in zip(keys, extra)})
         if self.parts.model.scaler is not None:  # --fp16: the scale after this step's update
             rec["loss_scale"] = self.parts.model.scaler.scale
@@ -272,6 +274,14 @@ class Trainer:
         """B of the next iteration: the global batch, or a batch-size ramp's at the samples
         consumed so far (``--rampup-batch-size``, ``--step-batch-size-schedule``)."""
         return self.parts.data.batch_at(self.consumed_samples)
+
+    def skipped_samples(self) -> int:
+        """Samples of the global batches that ``--decrease-batch-size-if-needed`` left out so
+        far: iterations x B - consumed (B is constant under it: no ramp), so also over
+        restarts on other data-parallel sizes. Megatron-LM's ``skipped_train_samples`` also
+        counts ``--iterations-to-skip``'s batches, which loom consumes and logs one by one."""
+        b = self.cfg.require_derived().global_batch_size
+        return max(self.iteration * b - self.consumed_samples, 0)
 
     def consumed(self) -> dict:
         """``consumed_samples`` and ``consumed_tokens`` (samples x s) so far, for the logs."""
@@ -357,13 +367,21 @@ class Trainer:
                             config=self.cfg.to_flat(), start_iteration=self.iteration,
                             world_size=self.parts.world_size,
                             log_world_size=lg.log_world_size_to_tensorboard,
-                            batch_ramp=self.parts.data.ramp is not None)
+                            batch_ramp=self.parts.data.ramp is not None
+                            or self.cfg.training.decrease_batch_size_if_needed)
         total, local = self.count_parameters()
         log.print(f"loom: {self.mesh.sizes} on {self.mesh.device}, {total:,} parameters "
                   f"({local:,} on rank 0), "
                   f"global batch {self.global_batch} = {self.cfg.training.micro_batch_size} x "
                   f"{self.parts.data.num_microbatches} micro-batches x {self.mesh.dp_size} DP, "
                   f"starting at iteration {self.iteration}")
+        d = self.cfg.require_derived()
+        if d.running_global_batch_size != d.global_batch_size:
+            log.print(f" --decrease-batch-size-if-needed: global batch {d.global_batch_size} "
+                      f"decreased to {d.running_global_batch_size}, a multiple of "
+                      f"--micro-batch-size x {self.mesh.dp_size} DP: "
+                      f"{d.global_batch_size - d.running_global_batch_size} samples skipped an "
+                      f"iteration")
         if self.parts.data.ramp is not None:
             log.print(f" {self.parts.data.ramp.describe()}: {self.batch_size()} at iteration "
                       f"{self.iteration}")

@@ -4,7 +4,10 @@ same loss every iteration, the same weights at the end), each iteration with the
 (2, 2, 2, 2, 4, 4, 6, 6, 8, ...: the micro-batch count m = B / (b d) changes under the
 pipeline schedule) and the ramped sample-based learning rate; a run stopped mid-ramp and
 resumed from its checkpoint continues as the uninterrupted run (iterations, consumed samples,
-losses, learning rates)."""
+losses, learning rates). ``--decrease-batch-size-if-needed``: a global batch of 5 over DP 2
+trains on 4 samples an iteration, as one rank with B = 4 does, and a run stopped at DP 2 and
+resumed on one rank (B 5 again) continues as a one-rank run whose step schedule changes from
+4 to 5 at the same sample."""
 
 from __future__ import annotations
 
@@ -43,8 +46,8 @@ def _train(argv):
                for c in trainer.model_chunks for name, p in c.named_parameters()
                for meta in [c.registry[name]]}
     assert counts == [r["batch_size"] // trainer.mesh.dp_size for r in history]  # b = 1
-    return ([(r["iteration"], r["batch_size"], r["consumed_samples"], r["loss"], r["lr"])
-             for r in history], trainer.mesh.tp_rank, weights)
+    return ([(r["iteration"], r["batch_size"], r["consumed_samples"], r["loss"], r["lr"],
+              r.get("skipped_samples")) for r in history], trainer.mesh.tp_rank, weights)
 
 
 def _full(results) -> dict:
@@ -109,3 +112,49 @@ def test_a_run_resumed_mid_ramp_continues_as_the_uninterrupted_run(tmp_path):
                                     start_method="fork")[0]
     assert [r[0] for r in first] == [1, 2, 3, 4, 5] and second[0][:3] == (6, 4, 16)
     _check(first + second, whole, "resumed")
+
+
+DECREASE = BASE + ["--decrease-batch-size-if-needed"]
+
+
+def test_a_decreased_batch_trains_as_one_rank_on_that_batch():
+    """B 5 over DP 2 (and PP 2 x DP 2): 4 samples an iteration, 1 skipped, the sample-based
+    schedule at the samples consumed; one rank at B 4 is the reference (12 iterations each)."""
+    one = run_distributed(1, _train, DECREASE + ["--global-batch-size", "4", "--train-samples",
+                                                 "48"], start_method="fork")
+    records, ref = one[0][0], _full(one)
+    assert [r[1] for r in records] == [4] * 12
+    argv = DECREASE + ["--global-batch-size", "5"]
+    for world, layout in ((2, []), (4, ["--pipeline-model-parallel-size", "2"])):
+        got = run_distributed(world, _train, argv + layout, start_method="fork")
+        recs = got[-1][0]
+        _check(recs, records, layout)  # B 4 every iteration: the decrease is active
+        assert [r[5] for r in recs] == list(range(1, 13)), layout  # 5 - 4 a step (Megatron's)
+        full = _full(got)
+        for name, w in ref.items():
+            torch.testing.assert_close(full[name], w, rtol=1e-5, atol=1e-5,
+                                       msg=f"{layout} {name}")
+
+
+def test_a_decreased_run_resumes_on_fewer_ranks_at_its_samples(tmp_path):
+    """Saved at iteration 3 on DP 2 (B 5 -> 4: 12 samples consumed, 3 skipped), resumed on one
+    rank (B 5): iterations 4 and 5 train samples 12-16 and 17-21 with the learning rate at 12
+    and 17 samples, as a one-rank run whose step schedule goes from 4 to 5 at sample 12
+    (thresholds in tokens: 192 / s 16)."""
+    ref = run_distributed(1, _train, BASE + ["--step-batch-size-schedule", "0:4 192:5",
+                                             "--train-samples", "22"], start_method="fork")
+    want = ref[0][0]
+    assert [r[1] for r in want] == [4, 4, 4, 5, 5]
+    ck = str(tmp_path / "ck")
+    argv = DECREASE + ["--global-batch-size", "5", "--train-samples", "25", "--save", ck]
+    first = run_distributed(2, _train, argv + ["--save-interval", "3", "--exit-interval", "3"],
+                            start_method="fork")
+    recs = first[-1][0]
+    assert [(r[1], r[5]) for r in recs] == [(4, 1), (4, 2), (4, 3)]
+    second = run_distributed(1, _train, argv + ["--load", ck], start_method="fork")
+    more = second[0][0]
+    assert [r[5] for r in more] == [3, 3]  # 5 x 5 - 22: none skipped at DP 1, 3 still counted
+    _check(recs + more, want, "resumed on one rank")
+    full, ref_w = _full(second), _full(ref)
+    for name, w in ref_w.items():
+        torch.testing.assert_close(full[name], w, rtol=1e-5, atol=1e-5, msg=name)

@@ -207,3 +207,92 @@ def test_a_ramped_run_logs_each_iterations_global_batch(capsys):
     assert "| global batch 4" in capsys.readouterr().out
     MetricsLogger(True, progress_bar=False, timestamps=False).log(rec)
     assert "global batch" not in capsys.readouterr().out
+
+
+def test_a_decreased_batch_is_megatron_cores():
+    """--decrease-batch-size-if-needed: the running batch and micro-batch count are those of
+    megatron-core 0.16's ConstantNumMicroBatchesCalculator for every B, b, d tried; the
+    evaluation batch defaults to the decreased one; a ramp or B < b d is refused."""
+    from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+    rng = random.Random(0)
+    cases = [(5, 1, 2), (7, 2, 3), (8, 1, 4), (1024, 4, 6), (9, 3, 1)]
+    cases += [(rng.randint(8, 200), rng.randint(1, 4), rng.choice((1, 2, 3, 4, 6, 8)))
+              for _ in range(20)]
+    shrunk = 0
+    for gbs, b, d in cases:
+        if gbs < b * d:
+            continue
+        cfg = _resolved(world=d, global_batch_size=gbs, micro_batch_size=b, train_iters=3,
+                        decrease_batch_size_if_needed=True)
+        calc = ConstantNumMicroBatchesCalculator(gbs, b, d, True, rank=1)
+        got = cfg.derived
+        assert (got.global_batch_size, got.running_global_batch_size, got.num_microbatches) == (
+            calc.get_current_global_batch_size(), calc.get_current_running_global_batch_size(),
+            calc.get()), (gbs, b, d)
+        assert got.eval_global_batch_size == got.running_global_batch_size
+        shrunk += got.running_global_batch_size < gbs
+    assert shrunk >= 10  # most draws do not divide
+    plain = _resolved(world=2, global_batch_size=6, train_iters=3)
+    assert plain.derived.running_global_batch_size == 6  # without the flag: B itself
+    with pytest.raises(ConfigError, match="--global-batch-size 5 is not divisible"):
+        _resolved(world=2, global_batch_size=5, train_iters=3)
+    for flat, match in ((dict(global_batch_size=3), "less than one micro-batch per data-"
+                                                    "parallel rank .* = 4"),
+                        (dict(step_batch_size_schedule="0:4 64:8"), "drop it or "
+                                                                    "--step-batch-size-schedule"),
+                        (dict(global_batch_size=8, rampup_batch_size="4 4 24", train_samples=60,
+                              train_iters=None), "drop it or --rampup-batch-size")):
+        with pytest.raises(ConfigError, match=match):
+            _resolved(world=4, train_iters=flat.pop("train_iters", 3),
+                      decrease_batch_size_if_needed=True, **flat)
+
+
+@pytest.mark.parametrize("by", ["samples", "iterations"])
+def test_a_decreased_schedule_counts_samples_as_megatrons(by):
+    """Under --decrease-batch-size-if-needed the schedule is Megatron-Core's
+    OptimizerParamScheduler stepped by the running batch (``num_steps`` in samples; lengths
+    ``--*-samples``, or ``--*-iters`` x B), also across a restart on another DP size: 7
+    iterations at 48 of B 50, then 50 (the checkpoint's consumed samples anchor the count)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from loom.training.param_schedule import ParamScheduler
+    B, W, D, T = 50, 400, 2400, 3000  # samples
+    common = dict(global_batch_size=B, lr_decay_style="cosine", decrease_batch_size_if_needed=True,
+                  weight_decay_incr_style="linear", start_weight_decay=0.01, end_weight_decay=0.1)
+    flat = dict(train_samples=T, lr_warmup_samples=W, lr_decay_samples=D) if by == "samples" \
+        else dict(train_iters=T // B, lr_warmup_iters=W // B, lr_decay_iters=D // B)
+    t = _resolved(world=1, **common, **flat).training
+    theirs_opt = torch.optim.SGD([{"params": [torch.zeros(2, requires_grad=True)]}], lr=t.lr)
+    theirs = OptimizerParamScheduler(
+        theirs_opt, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=W,
+        lr_decay_steps=D, lr_decay_style="cosine", start_wd=0.01, end_wd=0.1,
+        wd_incr_steps=T, wd_incr_style="linear")
+    sizes = [48] * 7 + [50] * 60
+    consumed = [0]
+    meg_lr, meg_wd = [], []
+    for size in sizes:
+        meg_lr.append(theirs_opt.param_groups[0]["lr"])
+        meg_wd.append(theirs_opt.param_groups[0]["weight_decay"])
+        theirs.step(increment=size)
+        consumed.append(consumed[-1] + size)
+
+    def run(running, start, stop, state=None):
+        opt = torch.optim.SGD([{"params": [torch.zeros(2, requires_grad=True)],
+                                "wd_mult": 1.0}], lr=t.lr)
+        ours = ParamScheduler(opt, t, batch=B, running=running)
+        if state is not None:  # what Checkpointer.load does
+            ours.load_state_dict(state)
+            ours.anchor(start, consumed[start])
+            ours.resync()
+        out = []
+        for _ in range(start, stop):
+            out.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]))
+            ours.step()
+        return out, ours.state_dict()
+    first, state = run(48, 0, 7)
+    second, _ = run(50, 7, len(sizes) - 1, state)
+    for i, (lr, wd) in enumerate(first + second):
+        before, after = consumed[i], consumed[i + 1]
+        want = meg_lr[i + 1] if after <= W else t.lr if before <= W else meg_lr[i]
+        assert lr == pytest.approx(want, rel=1e-12, abs=1e-15), i
+        assert wd == pytest.approx(meg_wd[i], rel=1e-12, abs=1e-15), i
+    assert meg_lr[-1] == pytest.approx(t.min_lr)  # the decay ran to its end
