@@ -296,3 +296,15 @@ def test_a_decreased_schedule_counts_samples_as_megatrons(by):
         assert lr == pytest.approx(want, rel=1e-12, abs=1e-15), i
         assert wd == pytest.approx(meg_wd[i], rel=1e-12, abs=1e-15), i
     assert meg_lr[-1] == pytest.approx(t.min_lr)  # the decay ran to its end
+
+
+def test_a_decreased_runs_megatron_checkpoint_says_its_skipped_samples():
+    """``--ckpt-format torch_dist``'s args carry Megatron-LM's ``skipped_train_samples``
+    (iterations x B - consumed), which Megatron's load_checkpoint restores and logs."""
+    from loom.checkpoint.megatron.writer import megatron_args
+    for decrease, want in ((True, 3), (False, 0)):
+        cfg = _resolved(world=2, global_batch_size=6 if not decrease else 5, train_iters=5,
+                        decrease_batch_size_if_needed=decrease)
+        args = megatron_args(cfg.model, cfg.to_flat(), 3, 12 if decrease else 18, 1, False)
+        assert (args.skipped_train_samples, args.consumed_train_samples) == (
+            want, 12 if decrease else 18)

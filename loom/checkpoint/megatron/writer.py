@@ -217,7 +217,9 @@ def megatron_args(cfg, flat: dict, iteration: int, consumed: int, target_tp: int
                   optimizer: bool) -> argparse.Namespace:
     """Megatron-LM's ``args`` for ``common.pt``: loom's model flags (Megatron's names; the few
     it spells otherwise: ``add_bias_linear``), the padded vocabulary, the layout it is padded
-    for, the progress, and ``no_save_optim`` / ``no_save_rng`` (see the module docstring)."""
+    for, the progress (``skipped_train_samples``: iterations x B - consumed under
+    ``--decrease-batch-size-if-needed``), and ``no_save_optim`` / ``no_save_rng`` (see the
+    module docstring)."""
     ns = {k: v for k, v in flat.items() if isinstance(v, (bool, int, float, str, list, type(None)))}
     ns.update(add_bias_linear=not cfg.disable_bias_linear,
               padded_vocab_size=_vocab_rows(cfg, target_tp),
@@ -233,6 +235,9 @@ def megatron_args(cfg, flat: dict, iteration: int, consumed: int, target_tp: int
               # apply_layernorm_1p, comes from ``flat``)
               layernorm_zero_centered_gamma=bool(getattr(cfg, "apply_layernorm_1p", False)))
     ns.pop("model_type", None)
+    batch = flat.get("global_batch_size")  # --decrease-batch-size-if-needed's left-out samples
+    ns["skipped_train_samples"] = max(iteration * batch - consumed, 0) if batch and flat.get(
+        "decrease_batch_size_if_needed") else 0
     from loom.config.model_moe import parse_moe_layer_freq
     for key in ("moe_layer_freq", "linear_attention_freq", "no_rope_freq"):  # int or list
         if ns.get(key) is not None:
