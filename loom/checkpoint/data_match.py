@@ -140,12 +140,28 @@ def _blend_differences(saved_cfg: dict, saved: dict, data_cfg, now_ids: dict) ->
 
 def check_same_data(cfg, ckpt_dir: str) -> None:
     """Refuse resuming ``ckpt_dir`` on other data, split or seed (see the module docstring);
-    ConfigError naming each difference and the fix."""
+    ConfigError naming each difference and the fix. Under ``--phase-transition-iterations`` a
+    checkpoint of a transition starts a new data phase: its data is not required (Megatron's
+    data phases), but the global batch is (a phase's position is its iterations x B)."""
     ck = cfg.checkpoint
-    if ck.finetune or ck.override_data_change:
+    if ck.finetune:
         return
     from loom.checkpoint.reader import read_common
-    diff = data_differences(read_common(ckpt_dir), cfg)
+    from loom.config.evaluation import PHASES_FLAG, parse_iterations
+    common = read_common(ckpt_dir)
+    phases = parse_iterations(cfg.data.phase_transition_iterations, PHASES_FLAG)
+    if phases:
+        then, now = (common.get("config") or {}).get("global_batch_size"), \
+            cfg.require_derived().global_batch_size
+        if then is not None and then != now:
+            raise ConfigError(f"--load {ck.load}: {PHASES_FLAG} needs the global batch of the "
+                              f"checkpoint {ckpt_dir} ({then}; {now} here): give "
+                              f"--global-batch-size {then}")
+        if common.get("iteration") in phases:
+            return
+    if ck.override_data_change:
+        return
+    diff = data_differences(common, cfg)
     if diff:
         raise ConfigError(f"--load {ck.load}: the checkpoint {ckpt_dir} was trained on other "
                           f"data: " + "; ".join(diff) + ". Give the checkpoint's values, or "

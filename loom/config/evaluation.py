@@ -1,7 +1,8 @@
 """When and on what the training loop evaluates, and which iterations it skips: Megatron-LM's
 ``--start-eval-at-iter``, ``--full-validation``, ``--multiple-validation-sets``,
 ``--validation-set-names`` (the fields of :class:`EvaluationFields`, a mixin of LoggingConfig)
-and ``--iterations-to-skip`` (a field of TrainingConfig), with their rules
+and ``--iterations-to-skip`` (a field of TrainingConfig), and the data phases of
+``--phase-transition-iterations`` (a field of DataConfig), with their rules
 (:func:`check_evaluation`, run inside the one validation pass). Megatron-LM d98e8a6:
 ``megatron/training/training.py`` (``train``, ``evaluate_and_print_results``,
 ``build_train_valid_test_data_iterators``) and
@@ -39,17 +40,42 @@ class EvaluationFields:
               "--valid-data-path's order (default: 0, 1, ...)", words=True)
 
 
-def parse_iterations(text: Optional[str]) -> tuple[int, ...]:
-    """``--iterations-to-skip "5 9"`` -> ``(5, 9)`` (1-based iteration numbers, sorted, each
-    once); ``()`` when not given. Raises ConfigError for a word that is not an iteration
-    number >= 1."""
+def parse_iterations(text: Optional[str], flag: str = "--iterations-to-skip"
+                     ) -> tuple[int, ...]:
+    """``--iterations-to-skip "5 9"`` (or ``--phase-transition-iterations 5,9``: ``flag``) ->
+    ``(5, 9)`` (1-based iteration numbers, sorted, each once); ``()`` when not given. Raises
+    ConfigError for a word that is not an iteration number >= 1."""
     out = set()
     for word in (text or "").replace(",", " ").split():
         if not word.isdigit() or int(word) < 1:
-            raise ConfigError(f"--iterations-to-skip {text}: {word!r} is not an iteration "
-                              f"number (1, 2, ...: the iteration a step would complete)")
+            raise ConfigError(f"{flag} {text}: {word!r} is not an iteration number (1, 2, ...: "
+                              f"the iteration a step would complete)")
         out.add(int(word))
     return tuple(sorted(out))
+
+
+PHASES_FLAG = "--phase-transition-iterations"
+
+
+def phase_start(iteration: int, text: Optional[str]) -> int:
+    """The iteration the data phase of ``iteration`` started at: the last of
+    ``--phase-transition-iterations`` (``text``) at most ``iteration``, else 0."""
+    return max((t for t in parse_iterations(text, PHASES_FLAG) if t <= iteration), default=0)
+
+
+def check_phases(t: Any, text: Optional[str]) -> None:
+    """``--phase-transition-iterations`` (``text``) with TrainingConfig ``t``: well formed, and
+    a constant global batch (Megatron-LM: "Requires fixed global batch size across phases.
+    Does not support batch size ramp-up"; the position in a phase is its iterations x B).
+    Raises ConfigError."""
+    if not parse_iterations(text, PHASES_FLAG):
+        return
+    for flag, value in (("--rampup-batch-size", t.rampup_batch_size),
+                        ("--step-batch-size-schedule", t.step_batch_size_schedule),
+                        ("--decrease-batch-size-if-needed", t.decrease_batch_size_if_needed)):
+        if value:
+            raise ConfigError(f"{PHASES_FLAG} needs a constant global batch (a phase's data "
+                              f"position is its iterations x B): drop it or {flag}")
 
 
 def blend_words(text: Optional[str], flag: str) -> tuple[int, bool]:
@@ -80,6 +106,7 @@ def check_evaluation(cfg: Any) -> None:
     ``BlendedMegatronDatasetBuilder`` cannot size one either). Raises ConfigError."""
     lg, d = cfg.logging, cfg.data
     parse_iterations(cfg.training.iterations_to_skip)
+    check_phases(cfg.training, d.phase_transition_iterations)
     names = (lg.validation_set_names or "").split()
     if lg.validation_set_names is not None and not lg.multiple_validation_sets:
         raise ConfigError("--validation-set-names names the sets of --multiple-validation-sets: "

@@ -60,7 +60,8 @@ _IMPLEMENTED = words("""
 --expert-model-parallel-size --expert-tensor-parallel-size --ddp-bucket-size --overlap-grad-reduce
 --distributed-backend --lr-warmup-samples --lr-decay-samples --lr-warmup-init --decoupled-lr
 --decoupled-min-lr --exit-duration-in-mins --calculate-per-token-loss --rampup-batch-size
---step-batch-size-schedule --decrease-batch-size-if-needed --log-num-zeros-in-grad --log-params-norm --use-megatron-fsdp
+--step-batch-size-schedule --decrease-batch-size-if-needed --phase-transition-iterations
+--log-num-zeros-in-grad --log-params-norm --use-megatron-fsdp
 --data-parallel-sharding-strategy --ckpt-format --pretrained-checkpoint --use-checkpoint-args
 --micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-warmup-iters
 --lr-decay-iters --lr-decay-style --weight-decay --adam-beta1 --adam-beta2 --adam-eps --clip-grad

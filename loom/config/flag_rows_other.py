@@ -266,7 +266,6 @@ REFUSED_ROWS = (
                                         "--apply-wd-to-qk-layernorm, its replacement")),
     ("--freeze-all-layers", refused("training_options", "frozen layers")),
     ("--gpu-sniff-test-interval", refused("extra_logs", "GPU sniff tests")),
-    ("--phase-transition-iterations", refused("data_options", "data phases")),
     ("--sample-rate", refused("data_options", "dataset sub-sampling")),
     *_block(refused("resiliency"), """
         --inprocess-restart --inprocess-max-iterations --inprocess-monitor-thread-interval

@@ -174,6 +174,12 @@ class DataScriptFields:
         None, "a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} holding "
               "--train-data-path, --valid-data-path and --test-data-path (each a blend: a "
               "list or a string of words)")
+    phase_transition_iterations: Optional[str] = opt(
+        None, "ITER,ITER,...: data phases (Megatron-LM's): at each of these iterations save "
+              "(with --save) and exit; the run resumed there may train on other data (the "
+              "checkpoint's data is not required) and reads the training data from its first "
+              "sample, as each later phase does; needs a constant global batch (no ramp, no "
+              "--decrease-batch-size-if-needed), the same on resume")
     eod_mask_loss: bool = opt(False, "no loss where the input token is the end-of-document id "
                                      "(Megatron's rule; each micro-batch averages over the "
                                      "rest); GPT-style families")

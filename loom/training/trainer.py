@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
+from loom.config.evaluation import PHASES_FLAG, parse_iterations, phase_start
 from loom.errors import NonFiniteError, RerunExit
 from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh
@@ -205,7 +206,7 @@ class Trainer:
         size = self.batch_size()
         start = time.perf_counter()
         with self.debug.batch_timer():
-            batches = self.batches(self.train_ds, self.consumed_samples)
+            batches = self.batches(self.train_ds, self.data_position())
         loss = self.validated_forward_backward(batches)
         stats = {}
         if self.cfg.training.decoupled_lr is not None:  # its own group, the last (Megatron's)
@@ -274,6 +275,17 @@ class Trainer:
         """B of the next iteration: the global batch, or a batch-size ramp's at the samples
         consumed so far (``--rampup-batch-size``, ``--step-batch-size-schedule``)."""
         return self.parts.data.batch_at(self.consumed_samples)
+
+    def data_position(self) -> int:
+        """The training sample the next iteration starts at: the samples consumed, or within
+        a data phase of ``--phase-transition-iterations`` its iterations so far x B (Megatron's
+        ``consumed_train_samples_in_current_phase``: each phase reads its data from the
+        start)."""
+        text = self.cfg.data.phase_transition_iterations
+        if not text:
+            return self.consumed_samples
+        b = self.cfg.require_derived().global_batch_size
+        return (self.iteration - phase_start(self.iteration, text)) * b
 
     def skipped_samples(self) -> int:
         """Samples of the global batches that ``--decrease-batch-size-if-needed`` left out so
@@ -439,7 +451,9 @@ class Trainer:
                 limit = self.cfg.training.exit_duration_in_mins  # Megatron's: all ranks agree
                 timed_out = bool(limit) and self._all_reduce(
                     [float(time.monotonic() - started > 60 * limit)], dist.ReduceOp.MAX)[0] > 0
-                exiting = signalled is not None or timed_out or (
+                phase_end = self.iteration in parse_iterations(
+                    self.cfg.data.phase_transition_iterations, PHASES_FLAG)
+                exiting = signalled is not None or timed_out or phase_end or (
                     bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0)
                 due = self.parts.save_interval.due(self.iteration, rec["step_time_s"])
                 if self.parts.save_interval.message:
@@ -458,6 +472,7 @@ class Trainer:
                 if exiting:
                     why = f"{signalled} received (--exit-signal-handler)" if signalled else \
                         f"--exit-duration-in-mins {limit}" if timed_out else \
+                        f"the data phase ends ({PHASES_FLAG})" if phase_end else \
                         f"--exit-interval {ck.exit_interval}"
                     log.print(f" {why}: exiting after iteration {self.iteration}")
                     break

@@ -2,9 +2,10 @@
 d98e8a6, megatron/training/training.py): ``--start-eval-at-iter`` (when evaluations happen),
 ``--full-validation`` (every validation sample once, the mean over them),
 ``--multiple-validation-sets`` / ``--validation-set-names`` (one logged loss per named set),
-``--iterations-to-skip`` (data consumed, no step) and ``--no-pad-vocab-size`` (V rows). Each
-run's training losses equal the run without the flag (same seed). Refusals:
-tests/unit/test_eval_flags.py."""
+``--iterations-to-skip`` (data consumed, no step), ``--phase-transition-iterations`` (save and
+exit at each, the next phase reads its own data from its first sample) and
+``--no-pad-vocab-size`` (V rows). Each run's training losses equal the run without the flag
+(same seed). Refusals: tests/unit/test_eval_flags.py."""
 
 from __future__ import annotations
 
@@ -172,6 +173,44 @@ def test_iterations_to_skip_consume_the_data_and_take_no_step(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(_params(last), _params(one)))
     assert (last.iteration, last.consumed_samples) == (2, 2 * B)
     assert [e["iteration"] for e in last.evaluations] == [2]
+
+
+def _read(tr) -> tuple[list[dict], list[int]]:
+    seen = Recording(tr.parts.data.train_ds)
+    tr.parts.data.train_ds = seen
+    return tr.train(), seen.read
+
+
+def test_data_phases_exit_at_each_transition_and_read_each_phase_from_its_start(data, tmp_path):
+    """Megatron-LM's --phase-transition-iterations 2,4: the first phase trains on one dataset
+    and saves and exits at 2; the second, resumed on other data (accepted there: a new phase),
+    reads it from sample 0 and exits at 4; resumed at 3 (mid-phase) it reads from (3 - 2) x B
+    and repeats the uninterrupted iteration 4, and other data is refused there."""
+    from loom.checkpoint.data_match import check_same_data
+    from loom.errors import ConfigError
+    ck = str(tmp_path / "ck")
+    phases = dict(train_iters=6, phase_transition_iterations="2,4", save=ck, save_interval=1)
+    recs, read = _read(_trainer(data, **phases))
+    assert [r["iteration"] for r in recs] == [1, 2] and read == list(range(2 * B))
+    other = {**data, "train": data["code"]}  # the second phase's data
+
+    def resumed(d, **flat):
+        tr = _trainer(d, **phases, load=ck, **flat)
+        check_same_data(tr.cfg, tr.loaded_from)
+        return tr
+    recs, read = _read(resumed(other))
+    assert [r["iteration"] for r in recs] == [3, 4] and read == list(range(2 * B))
+    with pytest.raises(ConfigError, match="was trained on other data"):  # without phases
+        check_same_data(_trainer(other, load=ck, train_iters=6).cfg, ck + "/iter_0000002")
+    again, read = _read(resumed(other, ckpt_step=3))  # mid-phase: from (3 - 2) x B
+    assert read == list(range(B, 2 * B)) and again[0]["iteration"] == 4
+    assert again[0]["loss"] == pytest.approx(recs[1]["loss"], rel=1e-6)
+    with pytest.raises(ConfigError, match="was trained on other data"):
+        resumed(data, ckpt_step=3)  # mid-phase, the first phase's data
+    with pytest.raises(ConfigError, match="needs the global batch of the checkpoint"):
+        check_same_data(tiny_config("gpt", dict(global_batch_size=2 * B, train_iters=6,
+                                                load=ck, phase_transition_iterations="2,4"))
+                        .validate(1), ck + "/iter_0000004")
 
 
 def test_no_pad_vocab_size_builds_v_rows():

@@ -73,6 +73,12 @@ def test_iterations_to_skip_parse():
     (dict(mock_data=False, data_path="0.3 /x/a 0.7 /x/b", full_validation=True),
      "a weighted --data-path blend"),
     (dict(iterations_to_skip="0"), "--iterations-to-skip 0"),
+    (dict(phase_transition_iterations="100,x"), "--phase-transition-iterations 100,x: 'x'"),
+    (dict(phase_transition_iterations="100", decrease_batch_size_if_needed=True),
+     "needs a constant global batch (a phase's data position is its iterations x B): drop it "
+     "or --decrease-batch-size-if-needed"),
+    (dict(phase_transition_iterations="100", step_batch_size_schedule="0:2 64:4"),
+     "drop it or --step-batch-size-schedule"),
     (dict(no_pad_vocab_size=True, vocab_size=101, tensor_model_parallel_size=2),
      "--no-pad-vocab-size keeps the vocabulary at 101 rows"),
 ])
@@ -107,6 +113,8 @@ def test_command_line_spellings():
     assert (lg.start_eval_at_iter, lg.full_validation, lg.multiple_validation_sets,
             lg.validation_set_names) == (100, True, True, "wiki code")
     assert cfg.training.iterations_to_skip == "5 9" and cfg.model.no_pad_vocab_size
+    phases = _flags("--phase-transition-iterations", "300, 100").data.phase_transition_iterations
+    assert parse_iterations(phases, "--phase-transition-iterations") == (100, 300)  # sorted
     assert _flags("--no-pad-vocab-size").model.no_pad_vocab_size
 
 
