@@ -22,10 +22,11 @@ class Gemma3Fields:
                                            "window) or G global (default: from the pattern)")
     rotary_base_local: float = opt(10000.0, "gemma3: RoPE base of the local layers (the global "
                                             "ones use --rotary-base)", gt=0)
-    rotary_scaling_factor: Optional[float] = opt(None, "gemma3: linear RoPE scaling of the global "
-                                                       "layers (positions / factor); with "
-                                                       "--multi-latent-attention: YaRN's "
-                                                       "scaling factor s", gt=0)
+    rotary_scaling_factor: Optional[float] = opt(
+        None, "gemma3: linear RoPE scaling of the global layers (positions / factor); with "
+              "--position-embedding-type yarn or --multi-latent-attention: YaRN's scaling "
+              "factor s; otherwise no effect, as in Megatron-LM (Llama 3's is "
+              "--rope-scaling-factor)", gt=0)
     query_pre_attn_scalar: Optional[float] = opt(None, "gemma3: attention scores scaled by "
                                                        "1/sqrt(this) (default: head dim)", gt=0)
     attn_logit_softcapping: Optional[float] = opt(None, "gemma3: cap * tanh(scores / cap) on "

@@ -66,6 +66,13 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
     report = no_effect_report(cfg.megatron_no_effect)
     if report:
         out.append(report)
+    factor = given.get("rotary_scaling_factor")
+    if factor is not None and m.rotary_scaling_factor is None:
+        out.append(f"--rotary-scaling-factor {factor:g}: no effect without YaRN or multi-latent "
+                   f"attention (as in Megatron-LM)" + (
+                       f"; Llama 3's RoPE scaling (--use-rope-scaling) takes "
+                       f"--rope-scaling-factor, {m.rope_scaling_factor:g} here"
+                       if m.use_rope_scaling else ""))
     etp = given.get("expert_tensor_parallel_size")
     if etp is not None and not m.num_experts:
         out.append(f"--expert-tensor-parallel-size {etp} without --num-experts: no experts, no "

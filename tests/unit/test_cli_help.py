@@ -175,9 +175,9 @@ def test_did_you_mean_rule():
 # -- family flags: refused with a fix that keeps the user's --model-type (issue 21, item 4) -----
 
 @pytest.mark.parametrize("extra,words", [
-    (["--rotary-scaling-factor", "8"], ["--rotary-scaling-factor", "Gemma 3's linear RoPE",
-                                        "YaRN", "not supported yet",
-                                        "drop --rotary-scaling-factor"]),
+    (["--multi-latent-attention", "--rope-type", "rope", "--rotary-scaling-factor", "8"],
+     ["--rotary-scaling-factor", "Gemma 3's linear RoPE", "YaRN", "not supported yet",
+      "drop --rotary-scaling-factor"]),  # (without MLA or YaRN: Megatron's no effect)
     (["--sliding-window", "4"], ["--model-type gpt does not have: drop --sliding-window"]),
     (["--final-logit-softcapping", "30"], ["drop --final-logit-softcapping"]),
     (["--hybrid-override-pattern", "MM"], ["drop --hybrid-override-pattern"]),

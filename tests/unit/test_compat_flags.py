@@ -291,3 +291,23 @@ def test_wandb_flags_reach_wandb_init(tmp_path, monkeypatch):
         ("p", "n", "e", str(tmp_path / "w"))
     assert calls["log"] == [({"train/loss": 1.5}, 3)] and calls["finished"]
     assert wandb_dir({"save": "/ck"}) == "/ck/wandb" and wandb_dir({}) == "wandb"
+
+
+def test_rotary_scaling_factor_without_yarn_is_megatrons_no_effect(monkeypatch, capsys):
+    """Scripts that train Llama 3.x give ``--use-rope-scaling --rotary-scaling-factor 32``
+    (slime's llama3.2-3B); Megatron-LM reads --rotary-scaling-factor for YaRN and MLA only,
+    so the run is Llama 3's scaling by --rope-scaling-factor (8): accepted, said once, the
+    same model as without it. With YaRN it stays YaRN's factor."""
+    rope = BASE + ["--train-iters", "2", "--position-embedding-type", "rope",
+                   "--use-rope-scaling"]
+    given = _prepare(rope + ["--rotary-scaling-factor", "32"], monkeypatch)
+    assert given.model == _prepare(rope, monkeypatch).model
+    assert given.model.rope_scaling_factor == 8.0 and given.model.rotary_scaling_factor is None
+    assert _main(["train", "--dry-run", "--world-size", "1", *rope,
+                  "--rotary-scaling-factor", "32"]) == 0
+    assert ("--rotary-scaling-factor 32: no effect without YaRN or multi-latent attention (as "
+            "in Megatron-LM); Llama 3's RoPE scaling (--use-rope-scaling) takes "
+            "--rope-scaling-factor, 8 here") in capsys.readouterr().out
+    yarn = _prepare(BASE + ["--train-iters", "2", "--position-embedding-type", "yarn",
+                            "--rotary-scaling-factor", "32"], monkeypatch)
+    assert yarn.model.rotary_scaling_factor == 32.0

@@ -25,7 +25,9 @@ GEMMA3_ONLY = (
 def refuse_own_flags(m: Any) -> None:
     """Gemma 3's own flags in another family's model config ``m`` are refused with "drop it"
     (``--rotary-scaling-factor``: Gemma 3's linear RoPE scaling here, YaRN's factor with
-    ``--position-embedding-type yarn`` or MLA's ``--rope-type yarn`` elsewhere)."""
+    ``--position-embedding-type yarn`` or MLA's ``--rope-type yarn`` elsewhere; without YaRN
+    or MLA Megatron-LM ignores it, and so does loom's resolution: what is left here is MLA
+    without YaRN)."""
     yarn = m.position_embedding_type == "yarn" or (m.multi_latent_attention and
                                                     m.effective_rope_type == "yarn")
     if m.rotary_scaling_factor is not None and not yarn:
