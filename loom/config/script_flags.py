@@ -23,12 +23,6 @@ SHARDING_TO_ZERO = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_pa
 def _positions(m: Any) -> None:
     if m.use_rotary_position_embeddings:
         m.position_embedding_type = "rope"  # Megatron: arguments.py, the deprecated spelling
-    if m.rotary_scaling_factor is not None and m.model_type != "gemma3" and \
-            m.position_embedding_type != "yarn" and not m.multi_latent_attention:
-        # Megatron-LM reads it for YaRN and MLA only (argument_utils._apply_yarn_config_from_
-        # args); scripts give it beside --use-rope-scaling (Llama 3's factor is
-        # --rope-scaling-factor): no effect, said once (loom.training.script_checks)
-        m.rotary_scaling_factor = None
     if m.no_position_embedding and not m.rotary:
         raise ConfigError("--no-position-embedding is deprecated in Megatron-LM and refused "
                           "without rotary embeddings: give --position-embedding-type none "

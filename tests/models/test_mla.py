@@ -159,8 +159,8 @@ def test_mla_head_dims_are_its_own():
     (dict(mtp_num_layers=1, pp=2, multi_latent_attention=False, rope_type=None,
           position_embedding_type="learned_absolute", rotary_scaling_factor=None), 2,
      "--mtp-num-layers on a later pipeline stage"),
-    (dict(multi_latent_attention=False, rotary_scaling_factor=2.0), 1,
-     "drop --rotary-scaling-factor"),
+    (dict(rope_type="rope", rotary_scaling_factor=2.0), 1,  # (without MLA: no effect, as
+     "drop --rotary-scaling-factor"),                       # in Megatron)
 ])
 def test_layouts_mla_and_mtp_cannot_take_are_refused(change, world, flag):
     change = dict(change)

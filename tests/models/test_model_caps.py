@@ -105,11 +105,19 @@ def test_yarn_flags_parse_from_megatrons_command_line():
     (dict(position_embedding_type="yarn", rotary_percent=0.5), "drop --rotary-percent"),
     (dict(position_embedding_type="yarn", multi_latent_attention=True),
      "--position-embedding-type rope --rope-type yarn"),
-    (dict(rotary_scaling_factor=4.0), "drop --rotary-scaling-factor"),
 ])
 def test_yarn_refusals(changes, match):
     with pytest.raises(ConfigError, match=match):
         validated(gpt(**changes))
+
+
+def test_rotary_scaling_factor_without_yarn_is_megatrons_no_effect():
+    """Megatron-LM reads --rotary-scaling-factor for YaRN and MLA only: on RoPE it is dropped
+    (tests/unit/test_compat_flags.py: said once); MLA without YaRN, whose softmax scale
+    Megatron takes from it, is refused."""
+    assert validated(gpt(rotary_scaling_factor=4.0)).model.rotary_scaling_factor is None
+    with pytest.raises(ConfigError, match="drop --rotary-scaling-factor"):
+        validated(mla(rope_type="rope", rotary_scaling_factor=4.0))
 
 
 # -- multi-latent attention without model-level RoPE ---------------------------------------------

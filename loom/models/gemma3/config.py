@@ -26,11 +26,11 @@ def refuse_own_flags(m: Any) -> None:
     """Gemma 3's own flags in another family's model config ``m`` are refused with "drop it"
     (``--rotary-scaling-factor``: Gemma 3's linear RoPE scaling here, YaRN's factor with
     ``--position-embedding-type yarn`` or MLA's ``--rope-type yarn`` elsewhere; without YaRN
-    or MLA Megatron-LM ignores it, and so does loom's resolution: what is left here is MLA
-    without YaRN)."""
+    or MLA Megatron-LM ignores it, as the GPT family's check does: refused here is MLA without
+    YaRN, whose softmax scale Megatron takes from it)."""
     yarn = m.position_embedding_type == "yarn" or (m.multi_latent_attention and
                                                     m.effective_rope_type == "yarn")
-    if m.rotary_scaling_factor is not None and not yarn:
+    if m.rotary_scaling_factor is not None and m.multi_latent_attention and not yarn:
         raise ConfigError(f"--rotary-scaling-factor: loom implements it as Gemma 3's "
                           f"linear RoPE scaling and as YaRN's factor (--position-embedding-"
                           f"type yarn, or --multi-latent-attention with --rope-type yarn); "

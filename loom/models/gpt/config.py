@@ -16,6 +16,18 @@ from loom.models.family import other_family_flag, transformer_layers
 layer_kinds = transformer_layers  # what the planner prices: transformer layers
 
 
+def check(cfg: Any, world_size: int) -> None:
+    """The GPT family's own resolution: ``--rotary-scaling-factor`` without YaRN or
+    multi-latent attention has no effect, as in Megatron-LM (which reads it for those only,
+    ``argument_utils._apply_yarn_config_from_args``; scripts give it beside
+    ``--use-rope-scaling``, whose factor is ``--rope-scaling-factor``): dropped from the
+    resolved config, said once by :mod:`loom.training.script_checks`."""
+    m = cfg.model
+    if m.rotary_scaling_factor is not None and m.position_embedding_type != "yarn" and \
+            not m.multi_latent_attention:
+        m.rotary_scaling_factor = None
+
+
 def refuse_own_flags(m: Any) -> None:
     """GPT's own features in another family's model config ``m``: refused, "drop it"."""
     if m.multi_latent_attention:

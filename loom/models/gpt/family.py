@@ -28,5 +28,6 @@ FAMILY = ModelFamily(name="gpt", build=GPTModel, plan=parallelize.plan, init=par
                      logged_metrics=logged_metrics,
                      evaluation_tasks=("perplexity", "cloze"), hf=HF,
                      checkpoint_differences=learned_positions_differ,
-                     megatron_checkpoints=True, refuse_own_flags=config.refuse_own_flags,
+                     megatron_checkpoints=True, check=config.check,
+                     refuse_own_flags=config.refuse_own_flags,
                      layer_kinds=config.layer_kinds, records_attention_logits=True)
