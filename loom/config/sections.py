@@ -26,6 +26,7 @@ from loom.config.model_mla import MLAFields
 from loom.config.model_moe import MoEFields
 from loom.config.model_mup import MupFields
 from loom.config.model_rope import RopeScalingFields
+from loom.config.model_llama4 import Llama4AttentionFields
 from loom.config.model_variants import LayerVariantFields
 from loom.config.optimizer_muon import MuonFields
 from loom.config.optimizer_precision import PrecisionAwareFields
@@ -122,7 +123,8 @@ class ModelShapeFields:
 
 
 @dataclass
-class ModelConfig(QKClipFields, LayerVariantFields, DSAFields, GatedDeltaNetFields, MupFields,
+class ModelConfig(QKClipFields, Llama4AttentionFields, LayerVariantFields, DSAFields,
+                  GatedDeltaNetFields, MupFields,
                   RopeScalingFields, ModelScriptFields, GptOssFields, MLAFields, MambaFields, Gemma3Fields,
                   BertFields, MoEFields, ModelShapeFields):
     """Transformer shape and layout (symbols as in Shoeybi et al. 2019: L, h, a, V, s).
@@ -135,7 +137,8 @@ class ModelConfig(QKClipFields, LayerVariantFields, DSAFields, GatedDeltaNetFiel
     output and Gated DeltaNet layers (:mod:`~loom.config.model_gdn`), DeepSeek sparse attention
     (:mod:`~loom.config.model_dsa`), RoPE scaling and NoPE layers
     (:mod:`~loom.config.model_rope`), initialization and residual-stream variants
-    (:mod:`~loom.config.model_variants`), QK-clip (:mod:`~loom.config.model_qkclip`). One flat
+    (:mod:`~loom.config.model_variants`), QK-clip (:mod:`~loom.config.model_qkclip`), Llama 4's
+    attention (:mod:`~loom.config.model_llama4`). One flat
     section all the same: ``cfg.model.<field>``, the flag ``--<field>`` and the YAML key, in this
     order.
     """

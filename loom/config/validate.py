@@ -29,6 +29,7 @@ from loom.config.model_gdn import check_gdn
 from loom.config.model_qkclip import check_qk_clip
 from loom.config.model_mla import check_mla
 from loom.config.model_rope import check_rope
+from loom.config.model_llama4 import check_llama4_attention
 from loom.config.model_variants import check_layer_variants
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
@@ -535,6 +536,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
     _check_moe(cfg, world_size)
     _check_precision(t)
     check_layer_variants(cfg)
+    check_llama4_attention(cfg)
     parse_fault(cfg.fault_tolerance.inject_fault)
     ck = cfg.checkpoint
     if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:

@@ -105,6 +105,23 @@ def window_causal_mask(q_positions: torch.Tensor, seq_length: int,
     return (rel >= 0) & (rel <= window) if window is not None else rel >= 0
 
 
+def chunk_causal_mask(q_positions: torch.Tensor, seq_length: int, chunk: int) -> torch.Tensor:
+    """Boolean ``[s_q, s_k]``: the query at position p sees the keys ``j <= p`` of its own chunk
+    of ``chunk`` positions, ``j // chunk == p // chunk`` (Llama 4's chunked attention,
+    ``--attention-chunk-size``; transformers' ``create_chunked_causal_mask``)."""
+    k = torch.arange(seq_length, device=q_positions.device)[None, :]
+    p = q_positions[:, None]
+    return (k <= p) & (k // chunk == p // chunk)
+
+
+def temperature_scales(positions: torch.Tensor, floor_scale: int, slope: float) -> torch.Tensor:
+    """``[s]`` fp32 query scales of Llama 4's attention temperature tuning
+    (``--attn-temperature-floor-scale F``, ``--attn-temperature-scale a``):
+    ``log(floor((p + 1) / F) + 1) a + 1`` at position p (transformers' ``Llama4TextAttention``;
+    Nakanishi 2025, "Scalable-Softmax Is Superior for Attention")."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * slope + 1.0
+
+
 class Documents(NamedTuple):
     """The ``positions`` a layer takes under ``--reset-attention-mask``: the tokens' sequence
     positions ``[s]`` and each token's document start ``starts [b, s]``
@@ -193,14 +210,17 @@ class DotProductAttention(MaxLogitRecord, nn.Module, SelectiveRecompute):
     ``causal=False`` (a bidirectional encoder, BERT): every query sees every key, except the
     keys that ``key_padding_mask [b, s_k]`` (True = a real token) marks as padding. ``scale``:
     the scores' factor instead of ``1 / sqrt(d)`` (muP's ``1 / d``: Megatron's
-    ``softmax_scale``; context parallelism reads it too)."""
+    ``softmax_scale``; context parallelism reads it too). ``chunk``: each query sees only the
+    keys of its own chunk of that many positions (:func:`chunk_causal_mask`, Llama 4's RoPE
+    layers)."""
 
     def __init__(self, dropout: float = 0.0, causal: bool = True,
-                 scale: Optional[float] = None):
+                 scale: Optional[float] = None, chunk: Optional[int] = None):
         super().__init__()
         self.dropout = dropout
         self.causal = causal
         self.scale = scale
+        self.chunk = chunk
         self.rng = None  # per-TP-rank generator (RNGTracker) for dropout over partitioned heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -227,6 +247,12 @@ class DotProductAttention(MaxLogitRecord, nn.Module, SelectiveRecompute):
             if q_positions is None:
                 raise ValueError(f"{s_q} queries against {s_k} keys need their positions")
             mask = causal_mask(q_positions, s_k)
+        if self.chunk is not None and s_k > self.chunk:  # keys beyond the first chunk
+            pos = q_positions.positions if isinstance(q_positions, Documents) else q_positions
+            if pos is None:  # the last s_q positions (a decoding step: the newest)
+                pos = torch.arange(s_k - s_q, s_k, device=q.device)
+            chunked = chunk_causal_mask(pos, s_k, self.chunk)
+            mask = chunked if mask is None else mask & chunked
         p = self.dropout if self.training else 0.0
         is_causal = mask is None and s_q == s_k and s_q > 1
         self._record(q, k, mask, is_causal)
@@ -347,13 +373,19 @@ class SelfAttention(nn.Module):
     A layer ``--no-rope-freq`` marks (``ModelConfig.is_no_rope_layer``; Llama 4's NoPE layers)
     does not rotate its queries and keys: Megatron-Core's ``Attention.forward`` drops the
     rotary embedding there. ``--qk-layernorm`` (a learned per-head norm) or ``--qk-l2-norm`` (:class:`L2Norm`)
-    normalizes each query and key head before RoPE."""
+    normalizes each query and key head before RoPE (``--qk-l2-norm-rope-layers-only``: in the
+    RoPE layers only). Llama 4's other attention (:mod:`loom.config.model_llama4`): a RoPE layer
+    under ``--attention-chunk-size`` attends within its chunk (the core's ``chunk``); a NoPE
+    layer under ``--attn-temperature-floor-scale`` scales its queries by position
+    (:func:`temperature_scales`)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         a, g, d, h = cfg.num_attention_heads, cfg.num_kv_groups, cfg.head_dim, cfg.hidden_size
         self.layer_number, self.head_dim = layer_number, d
         self.rotates = not cfg.is_no_rope_layer(layer_number)  # --no-rope-freq: a NoPE layer
+        self.temperature = (cfg.attn_temperature_floor_scale, cfg.attn_temperature_scale) \
+            if cfg.is_temperature_layer(layer_number) else None  # Llama 4's NoPE layers
         self.gated = cfg.attention_output_gate
         blocks = (a, a, g, g) if self.gated else (a, g, g)  # heads of [Q; (G;) K; V]
         self.shares = tuple(n / sum(blocks) for n in blocks)  # shares of the fused width
@@ -363,7 +395,8 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:  # per-head norm of queries and keys before RoPE (Megatron, Qwen3)
             norm = nn.RMSNorm if cfg.normalization == "RMSNorm" else nn.LayerNorm
             self.q_layernorm, self.k_layernorm = (norm(d, eps=cfg.norm_epsilon) for _ in "qk")
-        elif cfg.qk_l2_norm:  # Llama 4's, in the same slots (Megatron-Core's L2Norm)
+        elif cfg.qk_l2_norm and (self.rotates or not cfg.qk_l2_norm_rope_layers_only):
+            # Llama 4's, in the same slots (Megatron-Core's L2Norm)
             self.q_layernorm, self.k_layernorm = L2Norm(cfg.norm_epsilon), L2Norm(cfg.norm_epsilon)
         if cfg.softmax_type != "vanilla" or cfg.is_window_layer(layer_number):  # gpt-oss
             self.core_attention = SinkWindowAttention(
@@ -371,8 +404,9 @@ class SelfAttention(nn.Module):
                 cfg.window[0] if cfg.is_window_layer(layer_number) else None,
                 scale=cfg.attention_softmax_scale)
         else:
-            self.core_attention = DotProductAttention(cfg.attention_dropout,
-                                                      scale=cfg.attention_softmax_scale)
+            self.core_attention = DotProductAttention(
+                cfg.attention_dropout, scale=cfg.attention_softmax_scale,
+                chunk=cfg.attention_chunk_size if cfg.is_chunked_layer(layer_number) else None)
         self.linear_proj = nn.Linear(a * d, h, bias=bias)
 
     def _widths(self, width: int) -> list[int]:
@@ -399,6 +433,12 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None and self.rotates:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.temperature is not None:  # [s] scales of the queries' positions
+            pos = positions.positions if isinstance(positions, Documents) else positions
+            if pos is None:
+                pos = torch.arange(s, device=q.device)
+            scales = temperature_scales(pos, *self.temperature)[:, None, None, None]
+            q = (q.float() * scales).to(q.dtype)
         q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
         if cache is not None:
             k, v = cache.update(self.layer_number, k, v)

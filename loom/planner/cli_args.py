@@ -273,6 +273,7 @@ UNMODELLED = {
 named once on stderr when given (:func:`unmodelled_note`)."""
 UNPRICED_MODEL = {
     "window_size": "sliding-window attention, priced as full causal attention",
+    "attention_chunk_size": "chunked attention, priced as full causal attention",
     "sliding_window": "Gemma 3's sliding-window layers, priced as full causal attention",
     "attn_logit_softcapping": "attention soft-capping, priced as fused attention",
     "attention_output_gate": "the attention output gate's projection",
@@ -288,7 +289,7 @@ NO_STEP_COST_MODEL = frozenset({
     # initialization, losses' scales, router details and numerics of the same shapes
     "init_method_std", "exclude_padded_vocab", "apply_layernorm_1p", "post_layernorm",
     "embedding_init_method_std", "init_method_xavier_uniform", "torchtitan_init",
-    "apply_residual_connection_post_layernorm", "qk_l2_norm",
+    "apply_residual_connection_post_layernorm", "qk_l2_norm", "qk_l2_norm_rope_layers_only",
     "moe_router_pre_softmax", "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_force_load_balancing",
     "moe_router_force_biased", "moe_input_jitter_eps",
@@ -302,6 +303,7 @@ NO_STEP_COST_MODEL = frozenset({
     "rope_scaling_original_max_position_embeddings",
     "yarn_beta_slow", "yarn_correction_range_round_to_int", "use_rope_scaling",
     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "no_rope_freq",
+    "attn_temperature_floor_scale", "attn_temperature_scale",
     # activations of the same widths (the gated / ungated choice itself is priced)
     "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "squared_relu",
     # spellings resolved into priced fields by loom's config (a bundle, a head count, ...)

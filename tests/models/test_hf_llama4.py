@@ -3,7 +3,9 @@ loom (loom/models/gpt/hf_llama4.py, import only): a tiny random model saved by
 ``save_pretrained`` converts with ``loom checkpoint convert --from-hf`` and its logits equal
 transformers' (MoE every second layer with a shared expert and top-1 sigmoid scores on the
 input, dense layers of their own width, RoPE on adjacent pairs with Llama 4's bands, a NoPE
-layer); what loom's attention does not compute is refused before any weight is read."""
+layer), and so do they with Meta's attention (the QK norm in the RoPE layers only, chunked
+attention in them, the NoPE layers' temperature tuning, all acting within 40 positions); a
+top-k above 1 is refused before any weight is read."""
 
 from __future__ import annotations
 
@@ -22,7 +24,14 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=32, intermediate
                             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192})
 
 
-def test_a_llama4_text_model_imports_with_its_logits(tmp_path):
+META = dict(use_qk_norm=True, attention_chunk_size=16, attn_temperature_tuning=True,
+            floor_scale=8, attn_scale=0.3)
+"""Meta's Llama 4 attention at a scale that acts within the test's 40 positions (the released
+models: chunks of 8,192, floor_scale 8,192, attn_scale 0.1)."""
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["torchtitan", "meta"])
+def test_a_llama4_text_model_imports_with_its_logits(tmp_path, meta):
     import transformers
 
     from loom.checkpoint.convert import from_hf
@@ -32,7 +41,8 @@ def test_a_llama4_text_model_imports_with_its_logits(tmp_path):
     from loom.parallel.mesh import ParallelMesh
     from loom.parallel.parallelize import build_model
     torch.manual_seed(0)
-    hf = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**CONFIG)).eval()
+    hf = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        **{**CONFIG, **(META if meta else {})})).eval()
     with torch.no_grad():  # norms and routing away from their initial values
         for name, p in hf.named_parameters():
             if "norm" in name:
@@ -45,6 +55,9 @@ def test_a_llama4_text_model_imports_with_its_logits(tmp_path):
     assert cfg.moe_apply_probs_on_input and cfg.is_moe_layer(1) and not cfg.is_moe_layer(0)
     assert cfg.is_no_rope_layer(3) and not cfg.is_no_rope_layer(0)  # transformers' default
     assert cfg.ffn_size == 96 and cfg.moe_ffn_size == 32 and cfg.use_rope_scaling
+    llama4 = (cfg.qk_l2_norm, cfg.qk_l2_norm_rope_layers_only, cfg.attention_chunk_size,
+              cfg.attn_temperature_floor_scale, cfg.attn_temperature_scale)
+    assert llama4 == ((True, True, 16, 8, 0.3) if meta else (False, False, None, None, 0.1))
     mesh = ParallelMesh.single()
     model = build_model(get_family(cfg.model_type), cfg, mesh, seed=None).eval()
     load_model_weights(open_checkpoint(ck), [model], mesh)
@@ -56,18 +69,8 @@ def test_a_llama4_text_model_imports_with_its_logits(tmp_path):
     assert rel_err(ours, theirs, floor=1.0) < 1e-5
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(use_qk_norm=True), "use_qk_norm true"),
-    (dict(attention_chunk_size=32), "chunked attention"),
-    (dict(attn_temperature_tuning=True, max_position_embeddings=16384,
-          attention_chunk_size=16384),
-     "attn_temperature_tuning past floor_scale"),
-    (dict(num_experts_per_tok=2), "top-1 only")])
-def test_what_loom_does_not_compute_is_refused(change, words):
+def test_a_top_k_above_one_is_refused():
     from loom.models.gpt.hf_llama4 import read_config
-    hf = {"model_type": "llama4_text", **CONFIG, **change}
-    with pytest.raises(ConfigError, match=words):
-        read_config(hf, "config.json")
-    # temperature tuning within floor_scale positions is the identity: read
-    read_config({"model_type": "llama4_text", **CONFIG, "attn_temperature_tuning": True},
-                "config.json")
+    with pytest.raises(ConfigError, match="top-1 only"):
+        read_config({"model_type": "llama4_text", **CONFIG, "num_experts_per_tok": 2},
+                    "config.json")

@@ -18,6 +18,9 @@ row asserting its feature ran.
   2 groups); at TP=2 (each rank clips its own group's rows) and DP=2 with the distributed
   optimizer (the maxima reduced over DP, the fp32 master shards scaled and re-gathered): the
   later steps' gradients see the clipped weights, and the final weights match.
+* ``llama4``: Llama 4's attention (loom/config/model_llama4.py): NoPE layers 2 and 4, the QK
+  L2 norm in the RoPE layers only, chunks of 4 of the 16 positions in the RoPE layers, the
+  NoPE layers' temperature from position 1 (floor scale 2); at TP=2 + SP and PP=2.
 
 Mamba heads independent of h: tests/models/test_mamba.py (its 2-rank world)."""
 
@@ -55,6 +58,10 @@ def model_cfg(kind: str) -> ModelConfig:
                           yarn_correction_range_round_to_int=False)
     if kind == "docs":
         return tiny_model("gpt", common, vocab_size=12, padded_vocab_size=64)
+    if kind == "llama4":
+        return tiny_model("llama", common, no_rope_freq="[0,1,0,1]", qk_l2_norm=True,
+                          qk_l2_norm_rope_layers_only=True, attention_chunk_size=4,
+                          attn_temperature_floor_scale=2, attn_temperature_scale=0.5)
     if kind == "qkclip":
         return tiny_model("llama", common, num_query_groups=2, qk_clip=True,
                           qk_clip_threshold=0.01, qk_clip_alpha=0.3)
@@ -126,6 +133,10 @@ def features(tr, kind: str, routed: dict) -> dict:
         out["max_logit"] = tr.max_attention_logit
         out["qkv"] = {n: p.detach().clone() for c in tr.model_chunks
                       for n, p in c.named_parameters() if n.endswith("linear_qkv.weight")}
+    if kind == "llama4":
+        out["llama4"] = (sum(getattr(m, "chunk", None) == 4 for m in mods),
+                         sum(getattr(m, "temperature", None) is not None for m in mods),
+                         sum(type(m).__name__ == "L2Norm" for m in mods))
     if kind == "mla":
         out["mla"] = sum(isinstance(m, MLASelfAttention) for m in mods)
         emb = getattr(chunk, "embedding", None)
@@ -175,7 +186,8 @@ def world2(cases) -> list[dict]:
 CASES = [("moe", dict(tp=2, sp=True)), ("moe", dict(pp=2)), ("moe", dict(cp=2)),
          ("yarn", dict(tp=2)), ("yarn", dict(pp=2)), ("yarn", dict(cp=2)),
          ("mla", dict(tp=2)), ("mla", dict(pp=2)), ("docs", dict(tp=2, sp=True)),
-         ("docs", dict(pp=2)), ("qkclip", dict(tp=2)), ("qkclip", dict(dist_opt=True))]
+         ("docs", dict(pp=2)), ("qkclip", dict(tp=2)), ("qkclip", dict(dist_opt=True)),
+         ("llama4", dict(tp=2, sp=True)), ("llama4", dict(pp=2))]
 
 
 @pytest.fixture(scope="module")
@@ -205,5 +217,8 @@ def test_model_capability_parity(results, i):
             assert f["mla"] >= 2 and (f["table"] or r["stage"] == 1), f
         if kind == "qkclip":  # the clip acted (the logits stay above the threshold)
             assert f["max_logit"] > 0.01 and len(f["qkv"]) == 4, f["max_logit"]
+        if kind == "llama4":  # per rank's layers: 2 RoPE (chunked, 2 norms each), 2 NoPE
+            layers = 2 if layout.get("pp") else 4
+            assert f["llama4"] == (layers // 2, layers // 2, layers), f
         if kind == "docs":  # tokens after an end-of-document token were masked
             assert f["routed"]["documents"] > 10, f

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loom.config.model_llama4 import LLAMA4_FLAGS
 from loom.errors import ConfigError
 from loom.models.family import other_family_flag, transformer_layers
 
@@ -49,7 +50,7 @@ def refuse_own_flags(m: Any) -> None:
                         "the residual taken after the LayerNorm"),
                        ("fp32_residual_connection", "an fp32 residual stream"),
                        ("qk_l2_norm", "the L2-normalized queries and keys"),
-                       ("torchtitan_init", "torchtitan's initialization")):
+                       ("torchtitan_init", "torchtitan's initialization"), *LLAMA4_FLAGS):
         if getattr(m, name):
             hint = " (its --post-layernorm is the original post-LN BERT)" \
                 if m.model_type == "bert" and name.startswith("apply") else ""

@@ -9,16 +9,16 @@ complex rotation: each head's query / key rows are reordered to loom's halves,
 :func:`pairs_to_halves`) with Llama 3's frequency scaling, and no RoPE in the layers
 ``no_rope_layers`` marks 0 (``--no-rope-freq``).
 
-What loom's attention does not compute is refused before any weight is read: ``use_qk_norm``
-(Llama 4's L2 norm of queries and keys in its RoPE layers only; Megatron's and loom's
-``--qk-l2-norm`` normalizes every layer), chunked attention shorter than the context
-(``attention_chunk_size`` < ``max_position_embeddings``) and the NoPE layers' temperature
-tuning where it acts (``attn_temperature_tuning`` with positions past ``floor_scale``: the
-query scale ``log(floor((i + 1) / floor_scale) + 1) attn_scale + 1`` is 1 before them). These
-are torchtitan's Llama 4 (no QK norm, no temperature tuning, causal attention within one
-block: :mod:`loom.config.torchtitan`), whose checkpoints ``loom checkpoint convert
---from-torchtitan`` reads through this layout; Meta's released Llama 4 checkpoints use the QK
-norm and are refused naming it.
+Llama 4's own attention maps to loom's flags of it (:mod:`loom.config.model_llama4`):
+``use_qk_norm`` to ``--qk-l2-norm`` (with ``--qk-l2-norm-rope-layers-only`` when there are
+NoPE layers: Llama 4 normalizes in its RoPE layers only), ``attention_chunk_size`` shorter
+than the context to ``--attention-chunk-size`` (its RoPE layers attend within chunks), and
+``attn_temperature_tuning`` to ``--attn-temperature-floor-scale floor_scale``
+``--attn-temperature-scale attn_scale`` (its NoPE layers' query scale by position). So Meta's
+released checkpoints (Scout, Maverick) and torchtitan's (no QK norm, no temperature tuning:
+``loom checkpoint convert --from-torchtitan`` reads them through this layout) both import.
+Refused before any weight is read: ``num_experts_per_tok`` above 1 (Llama 4 scales the expert's
+input by its score, which Megatron defines for top-1).
 """
 
 from __future__ import annotations
@@ -69,23 +69,10 @@ def read_config(hf: dict, where: str) -> ModelConfig:
     """loom's layout of a ``llama4_text`` ``config.json`` dict. Raises ConfigError naming
     ``where`` for what loom's attention does not compute (module docstring)."""
     positions = hf["max_position_embeddings"]
-    chunk = _get(hf, "attention_chunk_size", positions)
-    refuse = [
-        ("use_qk_norm true: the L2 norm of queries and keys in the RoPE layers only "
-         "(loom's --qk-l2-norm, Megatron's, normalizes every layer)",
-         bool(_get(hf, "use_qk_norm", True))),
-        (f"attention_chunk_size {chunk} < max_position_embeddings {positions}: chunked "
-         f"attention (loom's is causal over the whole sequence)", chunk < positions),
-        (f"attn_temperature_tuning past floor_scale {_get(hf, 'floor_scale', 8192)} positions "
-         f"(max_position_embeddings {positions})",
-         bool(_get(hf, "attn_temperature_tuning", True)) and 0 in rope_layers(hf)
-         and positions > _get(hf, "floor_scale", 8192)),
-        (f"num_experts_per_tok {hf.get('num_experts_per_tok')}: Llama 4 scales the expert's "
-         f"input by its score, which Megatron defines for top-1 only",
-         _get(hf, "num_experts_per_tok", 1) != 1)]
-    bad = [why for why, on in refuse if on]
-    if bad:
-        raise ConfigError(f"{where}: {TITLE} {bad[0]}; not supported by loom")
+    if _get(hf, "num_experts_per_tok", 1) != 1:
+        raise ConfigError(f"{where}: {TITLE} num_experts_per_tok {hf.get('num_experts_per_tok')}"
+                          f": Llama 4 scales the expert's input by its score, which Megatron "
+                          f"defines for top-1 only; not supported by loom")
     L = hf["num_hidden_layers"]
     moe = set(moe_layers(hf))
     rope = rope_layers(hf)
@@ -108,6 +95,14 @@ def read_config(hf: dict, where: str) -> ModelConfig:
                       moe_layer_freq="1" if all(freq) else str(freq).replace(" ", ""))
     if 0 in rope:
         fields["no_rope_freq"] = str([1 - r for r in rope]).replace(" ", "")
+        if _get(hf, "attn_temperature_tuning", True):
+            fields.update(attn_temperature_floor_scale=int(_get(hf, "floor_scale", 8192)),
+                          attn_temperature_scale=float(_get(hf, "attn_scale", 0.1)))
+    if _get(hf, "use_qk_norm", True):  # transformers: in the RoPE layers only
+        fields.update(qk_l2_norm=True, qk_l2_norm_rope_layers_only=0 in rope)
+    chunk = hf.get("attention_chunk_size")
+    if chunk is not None and chunk < positions and 1 in rope:
+        fields["attention_chunk_size"] = int(chunk)
     return ModelConfig.llama(**fields)
 
 

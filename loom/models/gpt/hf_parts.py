@@ -25,7 +25,8 @@ PLAIN_LAYOUT = (("squared_relu", False), ("qk_layernorm", False), ("rotary_perce
                 ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None),
                 ("enable_gpt_oss", False), ("multi_latent_attention", False),
                 ("rotary_interleaved", False), ("use_mup", False), ("no_rope_freq", None),
-                ("qk_l2_norm", False),
+                ("qk_l2_norm", False), ("qk_l2_norm_rope_layers_only", False),
+                ("attention_chunk_size", None), ("attn_temperature_floor_scale", None),
                 ("use_rope_scaling", False), ("rotary_seq_len_interpolation_factor", None))
 ROPE_SCALINGS = ("use_rope_scaling", "rotary_seq_len_interpolation_factor")
 """The :data:`PLAIN_LAYOUT` options a LLaMA-like layout expresses by ``rope_scaling``
