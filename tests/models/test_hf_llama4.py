@@ -67,6 +67,10 @@ def test_a_llama4_text_model_imports_with_its_logits(tmp_path, meta):
         theirs = hf(ids).logits
     ours = (ours[0] if isinstance(ours, tuple) else ours)[..., :128]
     assert rel_err(ours, theirs, floor=1.0) < 1e-5
+    if meta:  # decoding with the KV cache past two chunk ends: transformers' greedy tokens
+        from loom.inference.generate import SamplingConfig, generate
+        want = hf.generate(ids[:1, :10], max_new_tokens=30, do_sample=False)[0, 10:].tolist()
+        assert generate(model, ids[0, :10].tolist(), 30, SamplingConfig(greedy=True)) == want
 
 
 def test_a_top_k_above_one_is_refused():
