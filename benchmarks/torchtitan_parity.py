@@ -10,7 +10,8 @@ which loom does not depend on. Set-up (CPU, no triton)::
 
 ``MODEL``: ``llama3`` (default), ``qwen3``, ``deepseek_v3``, ``gpt_oss`` or ``llama4``;
 ``FLAVOR`` one of its flavors (default ``debugmodel``; Qwen3-MoE: ``qwen3 debugmodel_moe``);
-``all``: the six debug models; ``resume``: :func:`resume_parity`.
+``all``: the six debug models; ``resume``: :func:`resume_parity`; a fourth word: the sequence
+length (``llama4 debugmodel_irope 600``: iRoPE across three of its 256-position blocks).
 torchtitan's package ``__init__`` imports its whole config and quantization stack (tyro, triton
 kernels); this script imports only its model modules (the package's directory as a namespace;
 its triton MoE kernel module stubbed: the experts run torchtitan's for-loop path,
@@ -127,8 +128,16 @@ def parity(src: str, model: str = "llama3", flavor: str = "debugmodel", seq: int
             ratios[f"{name}[{k}]" if len(halves[0]) > 1 else name] = float(b.std() / a.std())
     worst = max(ratios, key=lambda n: abs(ratios[n] - 1))
     ids = torch.randint(0, args.vocab_size, (2, seq), generator=torch.Generator().manual_seed(5))
-    if model == "gpt_oss":
-        masks = {"attention_masks": theirs.get_attention_masks(ids, None)}
+    if model == "gpt_oss" or flavor.endswith("_irope"):  # flex attention's block masks
+        one_document = types.SimpleNamespace(eos_id=-1)  # (block_causal: no token ends one)
+        masks = {"attention_masks": theirs.get_attention_masks(ids, one_document)}
+    if flavor.endswith("_irope"):  # v0.2.2's Attention hands flex the dict of both masks
+        for m in theirs.modules():  # (block_mask=attention_masks): give it the layer's own
+            if hasattr(m, "use_rope") and "inner_attention" in m._modules:
+                inner = m._modules.pop("inner_attention")
+                m.inner_attention = (lambda q, k, v, block_mask, inner=inner, key="rope" if
+                                     m.use_rope else "nope", **kw:
+                                     inner(q, k, v, block_mask=block_mask[key], **kw))
     with torch.no_grad():
         ref = theirs(ids, **masks)
         out = ours(input_ids=ids)
@@ -254,8 +263,8 @@ def main(argv=None) -> int:
     elif argv[1:2] == ["all"]:
         for model, flavor in DEBUG:
             print(json.dumps(parity(argv[0], model, flavor)))
-    else:
-        print(json.dumps(parity(argv[0], *argv[1:3])))
+    else:  # SRC [MODEL [FLAVOR [SEQ]]]
+        print(json.dumps(parity(argv[0], *argv[1:3], *map(int, argv[3:4]))))
     return 0
 
 

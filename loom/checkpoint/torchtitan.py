@@ -174,7 +174,7 @@ def _moe_hf_layout(cfg) -> dict:
                 "no_rope_layers": [int(not cfg.is_no_rope_layer(i))
                                    for i in range(cfg.num_layers)],
                 "use_qk_norm": False, "attn_temperature_tuning": False,
-                "attention_chunk_size": cfg.max_positions}
+                "attention_chunk_size": cfg.attention_chunk_size or cfg.max_positions}
     if cfg.softmax_type == "learnable":  # gpt-oss: its window pattern and YaRN
         window = cfg.window
         return {**common, "model_type": "gpt_oss", "num_key_value_heads": cfg.num_kv_groups,

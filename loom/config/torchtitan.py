@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from loom.config.torchtitan_models import DEEPSEEK_ROPE, FLAVORS, LLAMA4_IROPE
+from loom.config.torchtitan_models import DEEPSEEK_ROPE, FLAVORS
 from loom.errors import ConfigError
 
 TORCHTITAN = dict(repo="pytorch/torchtitan", release="v0.2.2",
@@ -389,14 +389,6 @@ def _translate(path: str, c: dict, given: dict, notes: Optional[list]) -> tuple[
                                 f"reader")
     if name not in FLAVORS:
         raise bad("model.name", f"a model loom does not know; one of {', '.join(FLAVORS)}")
-    if name == "llama4" and flavor in LLAMA4_IROPE and \
-            int(c["training.seq_len"]) > LLAMA4_IROPE[flavor]:
-        raise bad("model.flavor", f"Llama 4's iRoPE attends within blocks of "
-                                  f"{LLAMA4_IROPE[flavor]} positions in its RoPE layers, and "
-                                  f"[training] seq_len {c['training.seq_len']} spans several: "
-                                  f"loom has no chunked attention (up to "
-                                  f"{LLAMA4_IROPE[flavor]} it is causal attention, read so); "
-                                  f"not supported by loom's torchtitan reader")
     if flavor not in FLAVORS[name]:
         raise bad("model.flavor", f"not a flavor of torchtitan's {name}; one of "
                                   f"{', '.join(FLAVORS[name])}")

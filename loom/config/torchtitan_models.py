@@ -159,7 +159,8 @@ FLAVORS["qwen3"].update({
 
 
 def llama4(dim, n_layers, n_heads, n_kv_heads=None, multiple_of=256, multiplier=None,
-            experts=8, step=2, scaled=True, vocab=202048, nope_every=None) -> dict:
+            experts=8, step=2, scaled=True, vocab=202048, nope_every=None,
+            block=8192) -> dict:
     """torchtitan's Llama 4 (v0.2.2 torchtitan/models/llama4/__init__.py and model/): Llama's
     attention and RMSNorm, every ``step``-th layer (1-based) MoE: ``experts`` SwiGLU experts and
     one shared expert of width ``int(int(multiplier x int(8 dim / 3)) / 2)`` rounded up to
@@ -169,8 +170,8 @@ def llama4(dim, n_layers, n_heads, n_kv_heads=None, multiple_of=256, multiplier=
     Llama's width; RoPE base 500,000 with Llama 4's frequency scaling (factor 16, low and high
     frequency factors 1, original 8,192: ``RoPEScalingArgs``) where the flavor sets it.
     ``nope_every``: iRoPE's layers without RoPE (0-based multiples: ``--no-rope-freq``); its
-    other layers attend within fixed blocks, which is causal attention while ``[training]
-    seq_len`` fits one block (:data:`LLAMA4_IROPE`, checked in :func:`loom.config.torchtitan._translate`)."""
+    other layers attend within fixed blocks of ``block`` positions (its
+    ``fixed_attn_block_size``, ``get_fixed_block_mask_mod``: ``--attention-chunk-size``)."""
     hidden = int(2 * 4 * dim / 3)
     if multiplier is not None:
         hidden = int(multiplier * hidden)
@@ -186,6 +187,7 @@ def llama4(dim, n_layers, n_heads, n_kv_heads=None, multiple_of=256, multiplier=
         out["no_rope_freq"] = (f"([1{',0' * (nope_every - 1)}]*{n_layers // nope_every}"
                                + (f"+[1{',0' * (n_layers % nope_every - 1)}]"
                                   if n_layers % nope_every else "") + ")")
+        out["attention_chunk_size"] = block
     if scaled:
         out.update(rope_scaling_factor=16.0, rope_scaling_low_freq_factor=1.0,
                    rope_scaling_high_freq_factor=1.0,
@@ -197,14 +199,11 @@ FLAVORS["llama4"] = {
     "debugmodel": llama4(256, 6, 16, vocab=2048),
     "17bx16e": llama4(5120, 48, 40, 8, 2048, 1.2, experts=16, step=1),
     "17bx128e": llama4(5120, 48, 40, 8, 2048, 1.2, experts=128, scaled=False),
-    "debugmodel_irope": llama4(256, 6, 16, vocab=2048, nope_every=4),
+    "debugmodel_irope": llama4(256, 6, 16, vocab=2048, nope_every=4, block=256),
     "17bx16e_irope": llama4(5120, 48, 40, 8, 2048, 1.2, experts=16, step=1, nope_every=4),
     "17bx128e_irope": llama4(5120, 48, 40, 8, 2048, 1.2, experts=128, scaled=False,
                               nope_every=4),
 }
-LLAMA4_IROPE = {"debugmodel_irope": 256, "17bx16e_irope": 8192, "17bx128e_irope": 8192}
-"""iRoPE flavors and their ``fixed_attn_block_size``: the RoPE layers attend within blocks of
-that many positions (torchtitan's ``get_fixed_block_mask_mod``)."""
 def gpt_oss(n_layers: int, experts: int, dim: int = 2880, inter: int = 2880,
              vocab: int = 201088) -> dict:
     """torchtitan's gpt-oss (v0.2.2 torchtitan/models/gpt_oss/__init__.py and model/): 64

@@ -610,22 +610,23 @@ def test_a_full_torchtitan_checkpoint_resumes_in_loom(tmp_path, capsys):
 def test_a_torchtitan_llama4_checkpoint_is_transformers_llama4(tmp_path, monkeypatch):
     """torchtitan's Llama 4 (a tiny flavor of its kind: MoE every second layer, 4 experts of
     top-1 sigmoid applied to the input, a shared expert, dense layers of Llama's width, its
-    RoPE bands, no RoPE in layers 0, 4, ..., while the sequence fits one attention block)
-    converts by
+    RoPE bands, iRoPE: no RoPE in layers 0, 4, ..., the others within fixed blocks of 16 of
+    the 48 positions) converts by
     its names through transformers' Llama4ForCausalLM layout (experts fused and transposed,
     RoPE rows kept in pairs: the import reorders them); the loom checkpoint's logits equal
-    transformers' Llama4ForCausalLM on the same weights (no QK norm, no temperature tuning,
-    as torchtitan's; no load-balancing bias, which transformers lacks)."""
+    transformers' Llama4ForCausalLM on the same weights (its chunked attention of 16 positions
+    in the RoPE layers; no QK norm, no temperature tuning, as torchtitan's; no load-balancing
+    bias, which transformers lacks)."""
     import transformers
     monkeypatch.setitem(tt_config.FLAVORS["llama4"], "tiny",
                         tt_config.llama4(64, 4, 4, 2, multiple_of=32, experts=4, vocab=128,
-                                          nope_every=4))
-    monkeypatch.setitem(tt_config.LLAMA4_IROPE, "tiny", 64)
+                                          nope_every=4, block=16))
     toml = tmp_path / "llama4.toml"
     toml.write_text('[model]\nname = "llama4"\nflavor = "tiny"\n[training]\nseq_len = 48\n')
     cfg = _toml_model(toml)
     assert cfg.moe_apply_probs_on_input and cfg.is_moe_layer(1) and not cfg.is_moe_layer(0) \
-        and cfg.is_no_rope_layer(0) and not cfg.is_no_rope_layer(3)
+        and cfg.is_no_rope_layer(0) and not cfg.is_no_rope_layer(3) \
+        and cfg.is_chunked_layer(1) and cfg.attention_chunk_size == 16
     tt = moe_state(cfg, bias_std=0.0)
     ck = from_torchtitan(_save(dict(tt), tmp_path / "step-1"), str(tmp_path / "ck"), str(toml))
     _, m = _converted(ck)
@@ -634,7 +635,7 @@ def test_a_torchtitan_llama4_checkpoint_is_transformers_llama4(tmp_path, monkeyp
         intermediate_size_mlp=cfg.ffn_size, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
         interleave_moe_layer_step=2, no_rope_layers=[0, 1, 1, 1], use_qk_norm=False,
-        attn_temperature_tuning=False, attention_chunk_size=8192, max_position_embeddings=48,
+        attn_temperature_tuning=False, attention_chunk_size=16, max_position_embeddings=48,
         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 1.0, "original_max_position_embeddings": 8192})).eval()

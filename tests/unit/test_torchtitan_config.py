@@ -265,12 +265,13 @@ def test_moe_flavors_are_the_published_models():
     assert scout.use_rope_scaling and (scout.rope_scaling_factor,) + scout.llama3_bands() == \
         (16.0, 1.0, 1.0, 8192)
     assert not model("llama4", "17bx128e").model.use_rope_scaling
-    # iRoPE within one attention block (seq_len <= fixed_attn_block_size: its chunked attention
-    # is causal): no RoPE in layers 0, 4, 8, ... (torchtitan's layer_id % 4 == 0)
-    irope = model("llama4", "17bx16e_irope", training={"seq_len": 8192}).model
+    # iRoPE: no RoPE in layers 0, 4, 8, ... (torchtitan's layer_id % 4 == 0), the others
+    # within fixed blocks (fixed_attn_block_size: --attention-chunk-size), at any seq_len
+    irope = model("llama4", "17bx16e_irope", training={"seq_len": 16384}).model
     assert [irope.is_no_rope_layer(i) for i in range(8)] == [True, False, False, False] * 2
-    assert model("llama4", "debugmodel_irope", training={"seq_len": 256}).model.no_rope_freq \
-        == "([1,0,0,0]*1+[1,0])"
+    assert [irope.is_chunked_layer(i) for i in range(4)] == [False, True, True, True]
+    debug = model("llama4", "debugmodel_irope", training={"seq_len": 512}).model
+    assert (debug.no_rope_freq, debug.attention_chunk_size) == ("([1,0,0,0]*1+[1,0])", 256)
     ep = torchtitan_fields({"model": {"name": "deepseek_v3", "flavor": "16B"},
                             "parallelism": {"expert_parallel_degree": 8}})
     assert (ep["expert_model_parallel_size"], ep["expert_tensor_parallel_size"]) == (8, 1)
@@ -356,8 +357,6 @@ def test_keys_read_with_torchtitans_meaning():
 @pytest.mark.parametrize("config,words", [
     ({"training": {"stepz": 3}}, "[training] stepz: unknown key (did you mean [training] steps?)"),
     ({"model": {"name": "flux"}}, "[model] name = 'flux'"),
-    ({"model": {"name": "llama4", "flavor": "17bx16e_irope"}, "training": {"seq_len": 16384}},
-     "loom has no chunked attention"),
     ({"debug": {"moe_force_load_balance": True}, "model": {"name": "deepseek_v3"}},
      "round-robin expert assignment"),
     ({"checkpoint": {"initial_load_path": "/x"}}, "convert --from-torchtitan FILE.toml"),
