@@ -51,9 +51,13 @@ def build(name: str):
     elif name == "qwen3":
         m = T.Qwen3ForCausalLM(T.Qwen3Config(intermediate_size=40, head_dim=16,
                                              tie_word_embeddings=False, **c))
+    elif name == "mistral":  # a sliding window of 6 positions, within the tests' 12
+        m = T.MistralForCausalLM(T.MistralConfig(intermediate_size=40, head_dim=16,
+                                                 sliding_window=6, tie_word_embeddings=False,
+                                                 **c))
     elif name == "mixtral":
         m = T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=24, num_local_experts=4,
-                                                 num_experts_per_tok=2, **c))
+                                                 num_experts_per_tok=2, sliding_window=6, **c))
     elif name == "qwen2_moe":
         m = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
             intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=16,
@@ -110,5 +114,5 @@ def build(name: str):
     return _perturb(m).eval(), specials
 
 
-CASES = ("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
+CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
          "gemma3", "bert", "mamba2", "nemotron_h")

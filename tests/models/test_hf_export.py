@@ -4,7 +4,7 @@ keeps it, imported (``--from-hf``) and exported again; then
 
 * the round trip is bit-equal: the same file names, tensor names, dtypes and values;
 * ``transformers`` loads the export and its logits equal loom's from the imported checkpoint
-  (fp32, atol 1e-5 x max(1, max |logit|)); lm-evaluation-harness's ``HFLM`` takes every causal
+  (fp32, atol 1e-5 x max(1, max |logit|)), as do the source model's; lm-evaluation-harness's ``HFLM`` takes every causal
   family's export as written and its log-likelihoods equal ``transformers``';
 * the directory is complete: ``tokenizer.json``, ``tokenizer_config.json`` naming the special
   tokens loom's tokenizer knows, their ids in ``config.json`` and ``generation_config.json``,
@@ -73,7 +73,8 @@ def export_case(name: str, root) -> dict:
     ours = loom_logits(str(ck), ids)
     with torch.no_grad():
         theirs = hf_model(str(out), name)(ids).logits
-    return {"hflm": None if name == "bert" else hflm_scores(out),"names": sorted(a) == sorted(b), "unequal": [k for k in a if k in b and not (
+        source = hf(ids).logits  # the model imported: nothing of its config lost on the way
+    return {"source_logits": rel_err(ours, source, floor=1.0),"hflm": None if name == "bert" else hflm_scores(out),"names": sorted(a) == sorted(b), "unequal": [k for k in a if k in b and not (
                 a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))],
             "logits": rel_err(ours, theirs, floor=1.0),
             "scale": float(theirs.abs().max()),
@@ -128,8 +129,12 @@ def test_round_trip_is_bit_equal(exports, name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_transformers_logits_equal_looms(exports, name):
+    """The export's logits in transformers and the imported model's (the source's: a config
+    option the import dropped, such as Mistral's sliding window, would pass the round trip of
+    tensors but not this) equal loom's."""
     r = exports[name]
     assert r["logits"] < 1e-5 and r["scale"] > 0.1, (r["logits"], r["scale"])
+    assert r["source_logits"] < 1e-5, r["source_logits"]
 
 
 @pytest.mark.parametrize("name", [c for c in CASES if c != "bert"])  # HFLM: causal LMs
@@ -256,3 +261,20 @@ def test_export_from_tp_pp_ep_checkpoints_is_the_same(tmp_path):
     assert json.loads((tmp_path / "one-hf" / "config.json").read_text())["model_type"] == \
         "mixtral"
     assert all(files[name] == files["one"] for name in ("tp2", "pp2", "ep2"))
+
+
+def test_sliding_windows_loom_does_not_place_are_refused():
+    """Qwen2's, Qwen2-MoE's and Qwen3-MoE's ``use_sliding_window`` (windows from
+    ``max_window_layers`` on) is refused naming it, not imported as full attention; Mistral's
+    and Mixtral's window on every layer imports (the export cases above)."""
+    from loom.errors import ConfigError
+    from loom.models.gpt.hf import read_config
+    c = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32, use_sliding_window=True,
+             sliding_window=6)
+    for config in (transformers.Qwen2Config(**c), transformers.Qwen2MoeConfig(**c),
+                   transformers.Qwen3MoeConfig(**c)):
+        with pytest.raises(ConfigError, match="use_sliding_window"):
+            read_config(config.to_dict(), "config.json")
+    window = read_config(transformers.MistralConfig(**c).to_dict(), "config.json").window_size
+    assert window == "5,0"

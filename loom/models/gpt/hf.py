@@ -21,8 +21,9 @@ from loom.errors import ConfigError
 from loom.models.family import HFConversion
 from loom.models.gpt import hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_qwen3_moe
 from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
-                                      check_plain, outer_to_hf, outer_to_loom, rope_fields,
-                                      rope_to_hf, swiglu_to_hf, swiglu_to_loom)
+                                      check_plain, hf_sliding_window, mistral_window,
+                                      outer_to_hf, outer_to_loom, rope_fields, rope_to_hf,
+                                      swiglu_to_hf, swiglu_to_loom)
 
 
 def gpt2_config(hf_config) -> ModelConfig:
@@ -39,7 +40,10 @@ def gpt2_config(hf_config) -> ModelConfig:
 def llama_config(hf_config) -> ModelConfig:
     """loom's LLaMA layout for a ``transformers.LlamaConfig`` (``Qwen2Config``: with
     ``--add-qkv-bias``; ``Qwen3Config``: with ``--qk-layernorm``, per-head RMSNorm on queries
-    and keys before RoPE, Qwen Team 2025, arXiv 2505.09388 sec. 2, and its own ``head_dim``)."""
+    and keys before RoPE, Qwen Team 2025, arXiv 2505.09388 sec. 2, and its own ``head_dim``;
+    ``MistralConfig``: its ``sliding_window`` W as ``--window-size W-1,0``, every layer: the
+    query at p sees the keys p - W < j <= p, transformers' ``sliding_window_causal_mask``;
+    Jiang et al. 2023, "Mistral 7B", sec. 2)."""
     kind = getattr(hf_config, "model_type", "llama")
     qwen2, qwen3 = kind == "qwen2", kind == "qwen3"
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
@@ -48,8 +52,10 @@ def llama_config(hf_config) -> ModelConfig:
     if (qwen2 or qwen3) and getattr(hf_config, "use_sliding_window", False):
         raise ConfigError(f"{'Qwen2' if qwen2 else 'Qwen3'} with use_sliding_window is not "
                           f"supported")
-    title = "Qwen2" if qwen2 else "Qwen3" if qwen3 else "LLaMA"
+    title = "Qwen2" if qwen2 else "Qwen3" if qwen3 else "Mistral" if kind == "mistral" else \
+        "LLaMA"
     return ModelConfig.llama(
+        window_size=mistral_window(hf_config) if kind == "mistral" else None,
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
@@ -101,11 +107,16 @@ def llama_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 
 def dense_layout(cfg: ModelConfig) -> str:
-    """``gpt2``, ``llama``, ``qwen2`` (LLaMA with QKV biases) or ``qwen3`` (LLaMA with Q/K
-    norms); raises ConfigError for a dense model none of those HF classes expresses (naming
-    the first option in :data:`~loom.models.gpt.hf_parts.PLAIN_LAYOUT` it sets)."""
+    """``gpt2``, ``llama``, ``qwen2`` (LLaMA with QKV biases), ``qwen3`` (LLaMA with Q/K
+    norms) or ``mistral`` (LLaMA with a sliding window on every layer); raises ConfigError for
+    a dense model none of those HF classes expresses (naming the first option in
+    :data:`~loom.models.gpt.hf_parts.PLAIN_LAYOUT` it sets)."""
+    windowed = cfg.window is not None and not cfg.add_qkv_bias and not cfg.qk_layernorm
+    if windowed:
+        hf_sliding_window(cfg, "Mistral")
     check_plain(cfg, "GPT-2 or LLaMA", allowed=ROPE_SCALINGS + (
-        ("qk_layernorm",) if not cfg.add_qkv_bias and cfg.normalization == "RMSNorm" else ()))
+        ("qk_layernorm",) if not cfg.add_qkv_bias and cfg.normalization == "RMSNorm" else ())
+        + (("window_size",) if windowed else ()))
     gpt2 = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
             and not cfg.swiglu and not cfg.disable_bias_linear
             and not cfg.untie_embeddings_and_output_weights)
@@ -116,7 +127,7 @@ def dense_layout(cfg: ModelConfig) -> str:
                           "tied embeddings) and the LLaMA / Qwen2 layout (RMSNorm, RoPE, "
                           "SwiGLU, no biases but --add-qkv-bias) convert to Hugging Face")
     return "gpt2" if gpt2 else "qwen2" if cfg.add_qkv_bias else \
-        "qwen3" if cfg.qk_layernorm else "llama"
+        "qwen3" if cfg.qk_layernorm else "mistral" if windowed else "llama"
 
 
 def layout_of(cfg: ModelConfig) -> str:
@@ -154,8 +165,8 @@ def layout_of(cfg: ModelConfig) -> str:
 
 
 def dense_hf_config(cfg: ModelConfig) -> dict:
-    """``config.json`` of GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or
-    Qwen3ForCausalLM."""
+    """``config.json`` of GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM or MistralForCausalLM."""
     layout = dense_layout(cfg)
     if layout == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -178,6 +189,9 @@ def dense_hf_config(cfg: ModelConfig) -> dict:
     if layout == "qwen3":
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                 "use_sliding_window": False, "attention_bias": False, **common}
+    if layout == "mistral":
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "sliding_window": hf_sliding_window(cfg, "Mistral"), **common}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "attention_bias": False, "mlp_bias": False, **common}
 
@@ -218,6 +232,7 @@ def loom_to_dense(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 LAYOUTS = {
     "gpt2": (dense_hf_config, loom_to_dense), "llama": (dense_hf_config, loom_to_dense),
     "qwen2": (dense_hf_config, loom_to_dense), "qwen3": (dense_hf_config, loom_to_dense),
+    "mistral": (dense_hf_config, loom_to_dense),
     "mixtral": (hf_moe.mixtral_hf_config, hf_moe.loom_to_mixtral),
     "qwen2_moe": (hf_moe.qwen2_moe_hf_config, hf_moe.loom_to_qwen2_moe),
     "qwen3_moe": (hf_qwen3_moe.qwen3_moe_hf_config, hf_qwen3_moe.loom_to_qwen3_moe),
@@ -296,9 +311,10 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     return cfg, (gpt2_to_loom if hf.get("model_type") == "gpt2" else llama_to_loom)(sd, cfg)
 
 
-HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                               "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4_text"),
+HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral",
+                               "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
+                               "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
-                  title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE / "
-                        "DeepSeek-V3 / gpt-oss / Llama 4 (import)")
+                  title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen2-MoE / "
+                        "Qwen3-MoE / DeepSeek-V3 / gpt-oss / Llama 4 (import)")

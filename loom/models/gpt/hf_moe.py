@@ -21,8 +21,9 @@ import torch
 from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
-                                      check_plain, outer_to_hf, outer_to_loom, rope_fields,
-                                      rope_to_hf, swiglu_to_hf, swiglu_to_loom)
+                                      check_plain, hf_sliding_window, mistral_window,
+                                      outer_to_hf, outer_to_loom, rope_fields, rope_to_hf,
+                                      swiglu_to_hf, swiglu_to_loom)
 
 
 def _common(hf_config) -> dict:
@@ -39,8 +40,10 @@ def _common(hf_config) -> dict:
 
 
 def mixtral_config(hf_config) -> ModelConfig:
-    """loom's layout for a ``transformers.MixtralConfig`` (every layer MoE, softmax top-k)."""
-    return ModelConfig.llama(num_experts=hf_config.num_local_experts,
+    """loom's layout for a ``transformers.MixtralConfig`` (every layer MoE, softmax top-k; its
+    ``sliding_window``, Mistral's: :func:`~loom.models.gpt.hf_parts.mistral_window`)."""
+    return ModelConfig.llama(window_size=mistral_window(hf_config),
+                             num_experts=hf_config.num_local_experts,
                              moe_router_topk=hf_config.num_experts_per_tok,
                              moe_ffn_hidden_size=hf_config.intermediate_size,
                              ffn_hidden_size=hf_config.intermediate_size, **_common(hf_config))
@@ -51,6 +54,8 @@ def qwen2_moe_config(hf_config) -> ModelConfig:
     (``decoder_sparse_step`` 1, no ``mlp_only_layers``). Raises ValueError otherwise."""
     if hf_config.decoder_sparse_step != 1 or hf_config.mlp_only_layers:
         raise ValueError("only Qwen2-MoE configs whose every layer is sparse are supported")
+    if getattr(hf_config, "use_sliding_window", False):  # (as Qwen2's and Qwen3-MoE's)
+        raise ValueError("Qwen2-MoE with use_sliding_window is not supported")
     return ModelConfig.llama(num_experts=hf_config.num_experts,
                              moe_router_topk=hf_config.num_experts_per_tok,
                              moe_ffn_hidden_size=hf_config.moe_intermediate_size,
@@ -169,7 +174,8 @@ def _moe_fields(cfg: ModelConfig) -> dict:
 def mixtral_hf_config(cfg: ModelConfig) -> dict:
     """``config.json`` of ``MixtralForCausalLM`` for a loom MoE model without a shared
     expert. Raises ConfigError for what Mixtral does not express."""
-    check_plain(cfg, "Mixtral", allowed=ROPE_SCALINGS)
+    check_plain(cfg, "Mixtral", allowed=ROPE_SCALINGS + ("window_size",))
+    window = hf_sliding_window(cfg, "Mixtral")
     check_moe(cfg, "Mixtral")
     if cfg.add_qkv_bias or cfg.moe_shared_expert_intermediate_size or cfg.moe_router_pre_softmax:
         raise ConfigError("Mixtral has no QKV bias, no shared expert and renormalizes its top-k "
@@ -177,7 +183,7 @@ def mixtral_hf_config(cfg: ModelConfig) -> dict:
                           "Hugging Face")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "intermediate_size": cfg.moe_ffn_size, "num_local_experts": cfg.num_experts,
-            **_moe_fields(cfg)}
+            "sliding_window": window, **_moe_fields(cfg)}
 
 
 def qwen2_moe_hf_config(cfg: ModelConfig) -> dict:

@@ -33,6 +33,29 @@ ROPE_SCALINGS = ("use_rope_scaling", "rotary_seq_len_interpolation_factor")
 (:func:`rope_to_hf`): its ``check_plain``'s ``allowed``."""
 
 
+def mistral_window(hf_config) -> Optional[str]:
+    """``--window-size`` of a Mistral / Mixtral config's ``sliding_window`` W: ``W-1,0`` (the
+    query at p sees the keys p - W < j <= p on every layer, transformers'
+    ``sliding_window_causal_mask``; Jiang et al. 2023, "Mistral 7B", sec. 2), None without one
+    or with one as wide as the context."""
+    w = getattr(hf_config, "sliding_window", None)
+    return None if w is None or w >= hf_config.max_position_embeddings else f"{w - 1},0"
+
+
+def hf_sliding_window(cfg: ModelConfig, title: str) -> Optional[int]:
+    """Mistral's / Mixtral's ``sliding_window`` of a loom model: LEFT + 1 of ``--window-size
+    LEFT,0`` (None without a window). Raises ConfigError for a window the class does not
+    express (looking ahead, or full layers between windowed ones)."""
+    if cfg.window is None:
+        return None
+    if cfg.window[1] != 0 or cfg.window_attn_skip_freq is not None:
+        raise ConfigError(f"--window-size {cfg.window_size} / --window-attn-skip-freq "
+                          f"{cfg.window_attn_skip_freq}: {title}'s sliding window looks back on "
+                          f"every layer (LEFT,0, no full layers); keep the checkpoint in loom or "
+                          f"Megatron format")
+    return cfg.window[0] + 1
+
+
 def check_plain(cfg: ModelConfig, title: str, allowed: tuple = ()) -> None:
     """Raise ConfigError naming the first :data:`PLAIN_LAYOUT` option ``cfg`` sets that the
     ``title`` layout does not express (``allowed``: the options it does)."""
