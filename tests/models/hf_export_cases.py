@@ -55,6 +55,11 @@ def build(name: str):
         m = T.MistralForCausalLM(T.MistralConfig(intermediate_size=40, head_dim=16,
                                                  sliding_window=6, tie_word_embeddings=False,
                                                  **c))
+    elif name == "phi3":  # Phi-4-mini's partial RoPE (3/4 of each head), a window of 6
+        m = T.Phi3ForCausalLM(T.Phi3Config(
+            intermediate_size=40, sliding_window=6, tie_word_embeddings=True, pad_token_id=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 0.75}, **c))
     elif name == "mixtral":
         m = T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=24, num_local_experts=4,
                                                  num_experts_per_tok=2, sliding_window=6, **c))
@@ -114,5 +119,5 @@ def build(name: str):
     return _perturb(m).eval(), specials
 
 
-CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
+CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
          "gemma3", "bert", "mamba2", "nemotron_h")

@@ -278,3 +278,18 @@ def test_sliding_windows_loom_does_not_place_are_refused():
             read_config(config.to_dict(), "config.json")
     window = read_config(transformers.MistralConfig(**c).to_dict(), "config.json").window_size
     assert window == "5,0"
+
+
+def test_phi3_longrope_is_refused_naming_it():
+    """Phi-3's 128K models scale RoPE by ``longrope`` (per-frequency short / long factors),
+    which loom does not compute: refused naming it, not imported unscaled."""
+    from loom.errors import ConfigError
+    from loom.models.gpt.hf import read_config
+    hf = transformers.Phi3Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=1,
+        original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                         "long_factor": [2.0] * 4}).to_dict()
+    with pytest.raises(ConfigError, match="longrope"):
+        read_config(hf, "config.json")

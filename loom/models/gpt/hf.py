@@ -2,11 +2,12 @@
 loom's parameter names, both ways (``loom checkpoint convert``; resharding to a layout is
 :func:`loom.interop.hf.load_full_state_dict`), and the ``config.json`` of the matching
 ``transformers`` class. The dense layouts live here (GPT2LMHeadModel, LlamaForCausalLM,
-Qwen2ForCausalLM: LLaMA with QKV biases, Qwen3ForCausalLM: LLaMA with Q/K norms); :func:`layout_of` picks the class a model exports
-to, :data:`IMPORTS` the reader of a ``model_type``: Mixtral / Qwen2-MoE (:mod:`.hf_moe`),
-Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V3 (:mod:`.hf_deepseek`), gpt-oss
-(:mod:`.hf_gpt_oss`), Llama 4's text model without QK norm (:mod:`.hf_llama4`, import only),
-the shared pieces in :mod:`.hf_parts`.
+Qwen2ForCausalLM: LLaMA with QKV biases, Qwen3ForCausalLM: LLaMA with Q/K norms,
+MistralForCausalLM: LLaMA with a sliding window); :func:`layout_of` picks the class a model
+exports to, :data:`IMPORTS` the reader of a ``model_type``: Phi-3 (:mod:`.hf_phi3`), Mixtral /
+Qwen2-MoE (:mod:`.hf_moe`), Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V3 (:mod:`.hf_deepseek`),
+gpt-oss (:mod:`.hf_gpt_oss`), Llama 4's text model (:mod:`.hf_llama4`, import only), the
+shared pieces in :mod:`.hf_parts`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import torch
 from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
-from loom.models.gpt import hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_qwen3_moe
+from loom.models.gpt import hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_phi3, hf_qwen3_moe
 from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
-                                      check_plain, hf_sliding_window, mistral_window,
-                                      outer_to_hf, outer_to_loom, rope_fields, rope_to_hf,
-                                      swiglu_to_hf, swiglu_to_loom)
+                                      check_plain, hf_sliding_window, llama_shape_to_hf,
+                                      mistral_window, outer_to_hf, outer_to_loom, rope_fields,
+                                      rope_to_hf, swiglu_to_hf, swiglu_to_loom)
 
 
 def gpt2_config(hf_config) -> ModelConfig:
@@ -133,7 +134,8 @@ def dense_layout(cfg: ModelConfig) -> str:
 def layout_of(cfg: ModelConfig) -> str:
     """The ``transformers`` class family a GPT-family model exports to (a key of
     :data:`LAYOUTS`): DeepSeek-V3 for MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE /
-    Mixtral for MoE models (Q/K norms / a shared expert / neither), else the dense ones.
+    Mixtral for MoE models (Q/K norms / a shared expert / neither), Phi-3 for the LLaMA layout
+    with partial RoPE, else the dense ones.
     Raises ConfigError for a model none expresses (a latent MoE, probabilities on the expert
     input, Qwen3-Next's and DSA's layers)."""
     if cfg.attention_output_gate or cfg.gated_delta_net:
@@ -161,6 +163,9 @@ def layout_of(cfg: ModelConfig) -> str:
     if cfg.num_experts:
         return "qwen3_moe" if cfg.qk_layernorm else \
             "qwen2_moe" if cfg.moe_shared_expert_intermediate_size else "mixtral"
+    if cfg.rotary_percent < 1 and cfg.position_embedding_type == "rope" and \
+            cfg.normalization == "RMSNorm" and cfg.swiglu and not cfg.add_qkv_bias:
+        return "phi3"  # LLaMA whose RoPE rotates part of each head
     return dense_layout(cfg)
 
 
@@ -176,13 +181,7 @@ def dense_hf_config(cfg: ModelConfig) -> dict:
                 "activation_function": "gelu_new" if cfg.openai_gelu else "gelu",
                 "layer_norm_epsilon": cfg.norm_epsilon, "tie_word_embeddings": True,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-              "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
-              "num_attention_heads": cfg.num_attention_heads,
-              "num_key_value_heads": cfg.num_kv_groups, "head_dim": cfg.head_dim,
-              "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
-              "hidden_act": "silu", **rope_to_hf(cfg),
-              "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
+    common = {**llama_shape_to_hf(cfg), **rope_to_hf(cfg)}
     if layout == "qwen2":
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                 "use_sliding_window": False, **common}
@@ -233,6 +232,7 @@ LAYOUTS = {
     "gpt2": (dense_hf_config, loom_to_dense), "llama": (dense_hf_config, loom_to_dense),
     "qwen2": (dense_hf_config, loom_to_dense), "qwen3": (dense_hf_config, loom_to_dense),
     "mistral": (dense_hf_config, loom_to_dense),
+    "phi3": (hf_phi3.phi3_hf_config, hf_phi3.loom_to_phi3),
     "mixtral": (hf_moe.mixtral_hf_config, hf_moe.loom_to_mixtral),
     "qwen2_moe": (hf_moe.qwen2_moe_hf_config, hf_moe.loom_to_qwen2_moe),
     "qwen3_moe": (hf_qwen3_moe.qwen3_moe_hf_config, hf_qwen3_moe.loom_to_qwen3_moe),
@@ -271,13 +271,13 @@ def _moe_import(read, convert):
 # config.json model_type -> (hf config dict, where) -> ModelConfig, for the types imported
 # by their own readers (the rest: GPT-2 or LLaMA, :func:`read_config`)
 CONFIGS = {"deepseek_v3": hf_deepseek.read_config, "gpt_oss": hf_gpt_oss.read_config,
-           "llama4_text": hf_llama4.read_config,
+           "llama4_text": hf_llama4.read_config, "phi3": hf_phi3.read_config,
            "mixtral": _moe_config(hf_moe.mixtral_config),
            "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
            "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
 # config.json model_type -> (hf config dict, state dict, where) -> (ModelConfig, full tensors)
 IMPORTS = {"deepseek_v3": hf_deepseek.to_loom, "gpt_oss": hf_gpt_oss.to_loom,
-           "llama4_text": hf_llama4.to_loom,
+           "llama4_text": hf_llama4.to_loom, "phi3": hf_phi3.to_loom,
            "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
            "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
            "qwen3_moe": _moe_import(CONFIGS["qwen3_moe"], hf_qwen3_moe.qwen3_moe_to_loom)}
@@ -311,10 +311,10 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     return cfg, (gpt2_to_loom if hf.get("model_type") == "gpt2" else llama_to_loom)(sd, cfg)
 
 
-HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral",
-                               "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
+HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3",
+                               "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
                                "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
-                  title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen2-MoE / "
-                        "Qwen3-MoE / DeepSeek-V3 / gpt-oss / Llama 4 (import)")
+                  title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Phi-3 / Mixtral / Qwen2-MoE "
+                        "/ Qwen3-MoE / DeepSeek-V3 / gpt-oss / Llama 4 (import)")

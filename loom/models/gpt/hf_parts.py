@@ -87,6 +87,18 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
     return out
 
 
+def llama_shape_to_hf(cfg: ModelConfig) -> dict:
+    """The ``config.json`` sizes every LLaMA-like class names alike (vocabulary, widths, layers,
+    heads, key/value heads, head dim, positions, RMSNorm epsilon, SiLU, tied embeddings)."""
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_kv_groups, "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
+            "hidden_act": "silu",
+            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
+
+
 def outer_to_loom(sd: Mapping) -> dict:
     """Embeddings, final norm and output layer (the embeddings when tied)."""
     return {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
