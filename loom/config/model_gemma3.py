@@ -16,6 +16,9 @@ class Gemma3Fields:
     # -- Gemma 3 (--model-type gemma3; HF Gemma3TextConfig's names) -----------------------------
     sliding_window: Optional[int] = opt(None, "gemma3: keys a local layer's query sees (itself "
                                               "and the W-1 before it; default: all)", ge=1)
+    gemma_qk_norm: bool = opt(True, "gemma3: RMSNorm (1 + w) of each query and key head "
+                                    "before RoPE (Gemma 3's); --no-gemma-qk-norm: none, "
+                                    "Gemma 2's layers (loom's own flag)")
     sliding_window_pattern: int = opt(6, "gemma3: every N-th layer is global, the rest local "
                                          "(5 local : 1 global)", ge=1)
     layer_types: Optional[str] = opt(None, "gemma3: one character per layer, L local (sliding "

@@ -91,6 +91,12 @@ def build(name: str):
             vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
             layer_types=["sliding_attention", "full_attention"], max_position_embeddings=32))
+    elif name == "gemma2":  # no QK norm, local / global alternating, soft-capped (50 / 30)
+        m = T.Gemma2ForCausalLM(T.Gemma2Config(
+            vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+            query_pre_attn_scalar=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+            max_position_embeddings=32))
     elif name == "bert":
         m = T.BertForMaskedLM(T.BertConfig(
             vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -114,10 +120,10 @@ def build(name: str):
                 layer.mixer.time_step_limit = (0.0, float("inf"))
     else:
         raise KeyError(name)
-    specials = GEMMA_SPECIALS if name == "gemma3" else BERT_SPECIALS if name == "bert" else \
+    specials = GEMMA_SPECIALS if name.startswith("gemma") else BERT_SPECIALS if name == "bert" else \
         GPT_SPECIALS
     return _perturb(m).eval(), specials
 
 
 CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
-         "gemma3", "bert", "mamba2", "nemotron_h")
+         "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")

@@ -209,7 +209,7 @@ def fake_gguf(path, arch: str) -> None:
     ("llama-gguf", "architecture 'llama', not Gemma 3"),
     ("not-gguf", "not a GGUF file"),
     ("truncated", "truncated or malformed GGUF header"),
-    ("mistral-dir", "model_type 'mistral'"),
+    ("phi-dir", "model_type 'phi'"),  # Phi-1 / Phi-2 (Phi-3's phi3 imports)
 ])
 def test_bad_from_hf_refused(tmp_path, capsys, kind, expected):
     src = tmp_path / "model.gguf"
@@ -220,8 +220,8 @@ def test_bad_from_hf_refused(tmp_path, capsys, kind, expected):
     elif kind == "truncated":
         src.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5))
     else:
-        src = tmp_path / "mistral"
-        transformers.MistralForCausalLM(transformers.MistralConfig(
+        src = tmp_path / "phi"
+        transformers.PhiForCausalLM(transformers.PhiConfig(
             vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2)).save_pretrained(src)
     out = cli(["checkpoint", "convert", "--from-hf", str(src), str(tmp_path / "out")], 2, capsys)

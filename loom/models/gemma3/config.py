@@ -39,6 +39,9 @@ def refuse_own_flags(m: Any) -> None:
     for name, what in GEMMA3_ONLY:
         if getattr(m, name) is not None:
             raise other_family_flag(name, what, m.model_type)
+    if not m.gemma_qk_norm:
+        raise other_family_flag("no_gemma_qk_norm", "Gemma 2's layers without QK norm",
+                                m.model_type)
 
 
 def check(cfg: Any, world_size: int) -> None:

@@ -15,7 +15,7 @@ from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
 
-GEMMA3_TYPES = ("gemma3_text", "gemma3")
+GEMMA3_TYPES = ("gemma3_text", "gemma3", "gemma2")
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh", "gelu_fast")
 
 
@@ -28,8 +28,15 @@ def text_config(hf: dict) -> dict:
 def _rope(hf: dict, where: str) -> tuple[float, float, float]:
     """(global base, local base, global linear scaling factor) from either config format:
     ``rope_parameters`` per layer type (transformers 5) or ``rope_theta`` /
-    ``rope_local_base_freq`` / ``rope_scaling``."""
+    ``rope_local_base_freq`` / ``rope_scaling``; Gemma 2's one base for both kinds of layer
+    (default 10,000), unscaled."""
     params = hf.get("rope_parameters") or {}
+    if hf.get("model_type") == "gemma2":
+        if params.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+            raise ConfigError(f"{where}: Gemma 2 with a RoPE scaling: loom converts its default "
+                              f"RoPE")
+        base = float(params.get("rope_theta") or hf.get("rope_theta") or 10_000.0)
+        return base, base, 1.0
     full = dict(params.get("full_attention") or {})
     local = dict(params.get("sliding_attention") or {})
     if hf.get("rope_scaling"):
@@ -46,9 +53,11 @@ def _rope(hf: dict, where: str) -> tuple[float, float, float]:
 
 
 def gemma3_config(hf: dict, where: str = "config.json") -> ModelConfig:
-    """loom's gemma3 layout for a Gemma 3 text config (a ``config.json`` dict). Raises
-    ConfigError for a variant loom does not express (bidirectional attention, biases, an
-    untied output layer, other RoPE types)."""
+    """loom's gemma3 layout for a Gemma 3 text config (a ``config.json`` dict; Gemma 2's
+    ``gemma2``: the same layers without QK norm, ``--no-gemma-qk-norm``, local and global
+    layers alternating, one RoPE base, soft-capped scores and logits: Gemma Team 2024,
+    "Gemma 2", sec. 2). Raises ConfigError for a variant loom does not express (bidirectional
+    attention, biases, an untied output layer, other RoPE types)."""
     hf = text_config(hf)
     for key, bad in (("use_bidirectional_attention", True), ("attention_bias", True),
                      ("tie_word_embeddings", False)):
@@ -82,14 +91,28 @@ def gemma3_config(hf: dict, where: str = "config.json") -> ModelConfig:
         attn_logit_softcapping=hf.get("attn_logit_softcapping"),
         final_logit_softcapping=hf.get("final_logit_softcapping"),
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout") or 0.0),
-        exclude_padded_vocab=True)
+        exclude_padded_vocab=True, gemma_qk_norm=hf.get("model_type") != "gemma2")
 
 
 def hf_gemma3_config(cfg: ModelConfig) -> dict:
-    """``config.json`` of ``Gemma3ForCausalLM`` for a loom gemma3 model."""
+    """``config.json`` of ``Gemma3ForCausalLM`` for a loom gemma3 model (``Gemma2ForCausalLM``
+    without QK norm; ConfigError when its RoPE has two bases or a scaling, which Gemma 2's
+    does not express)."""
     full = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rotary_scaling_factor:
         full.update(rope_type="linear", factor=cfg.rotary_scaling_factor)
+    out = _gemma3_config(cfg, full)
+    if cfg.gemma_qk_norm:
+        return out
+    if cfg.rotary_scaling_factor or cfg.rotary_base_local != cfg.rotary_base:
+        raise ConfigError("--no-gemma-qk-norm exports as Gemma 2, whose RoPE has one base and "
+                          "no scaling: give --rotary-base-local equal to --rotary-base and no "
+                          "--rotary-scaling-factor, or keep the checkpoint in loom's format")
+    return {**out, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base}}
+
+
+def _gemma3_config(cfg: ModelConfig, full: dict) -> dict:
     return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
@@ -117,6 +140,11 @@ _NORMS = (("input_layernorm", "input_layernorm"),
           ("self_attn.k_norm", "self_attention.k_layernorm"))
 
 
+def _norms(cfg: ModelConfig) -> tuple:
+    """The layer's norms of :data:`_NORMS` (Gemma 2: without the QK norms)."""
+    return _NORMS if cfg.gemma_qk_norm else _NORMS[:4]
+
+
 def gemma3_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Gemma3ForCausalLM state dict (``model.*``; ``model.language_model.*`` of the multimodal
     class too) -> loom names. Raises ConfigError naming a missing tensor."""
@@ -138,7 +166,7 @@ def gemma3_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str
             l + "mlp.linear_fc1.weight": torch.cat(
                 [get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")]),
             l + "mlp.linear_fc2.weight": get(h + "mlp.down_proj.weight")})
-        for hf_name, loom_name in _NORMS:
+        for hf_name, loom_name in _norms(cfg):
             out[l + loom_name + ".weight"] = get(h + hf_name + ".weight")
     return out
 
@@ -158,7 +186,7 @@ def loom_to_gemma3(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
                     h + "self_attn.o_proj.weight": full[l + "self_attention.linear_proj.weight"],
                     h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
                     h + "mlp.down_proj.weight": full[l + "mlp.linear_fc2.weight"]})
-        for hf_name, loom_name in _NORMS:
+        for hf_name, loom_name in _norms(cfg):
             out[h + hf_name + ".weight"] = full[l + loom_name + ".weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -171,5 +199,6 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 
 HF = HFConversion(model_types=GEMMA3_TYPES, to_loom=to_loom, export_config=hf_gemma3_config,
-                  from_loom=loom_to_gemma3, gguf_architectures=("gemma3",), title="Gemma 3",
+                  from_loom=loom_to_gemma3, gguf_architectures=("gemma3",),
+                  title="Gemma 3 / Gemma 2",
                   read_config=gemma3_config)

@@ -93,7 +93,8 @@ class GemmaAttentionCore(nn.Module):
 
 class GemmaAttention(nn.Module):
     """``x [s, b, h] -> [s, b, h]``: Q ``[a d, h]`` and fused KV ``[2 g d, h]`` projections,
-    QK-norm, RoPE of this layer's kind, the core, the output projection."""
+    QK-norm (not with ``--no-gemma-qk-norm``: Gemma 2), RoPE of this layer's kind, the core,
+    the output projection."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
@@ -102,8 +103,10 @@ class GemmaAttention(nn.Module):
         self.kind = cfg.attention_layer_types[layer_number]  # "L" local or "G" global
         self.linear_q = nn.Linear(h, a * d, bias=False)
         self.linear_kv = nn.Linear(h, 2 * g * d, bias=False)
-        self.q_layernorm = GemmaRMSNorm(d, cfg.norm_epsilon)
-        self.k_layernorm = GemmaRMSNorm(d, cfg.norm_epsilon)
+        self.q_layernorm = self.k_layernorm = None  # --no-gemma-qk-norm: Gemma 2's layers
+        if cfg.gemma_qk_norm:
+            self.q_layernorm = GemmaRMSNorm(d, cfg.norm_epsilon)
+            self.k_layernorm = GemmaRMSNorm(d, cfg.norm_epsilon)
         self.core_attention = GemmaAttentionCore(
             (cfg.query_pre_attn_scalar or d) ** -0.5,
             cfg.sliding_window if self.kind == "L" else None, cfg.attn_logit_softcapping,
@@ -117,7 +120,9 @@ class GemmaAttention(nn.Module):
         s, b, _ = q.shape
         k, v = self.linear_kv(x).chunk(2, dim=-1)
         q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
-        q, k = apply_rope(self.q_layernorm(q), *rope), apply_rope(self.k_layernorm(k), *rope)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [b, heads, s, d]
         if cache is not None:
             k, v = cache.update(self.layer_number, k, v)
