@@ -57,12 +57,6 @@ def parse_iterations(text: Optional[str], flag: str = "--iterations-to-skip"
 PHASES_FLAG = "--phase-transition-iterations"
 
 
-def phase_start(iteration: int, text: Optional[str]) -> int:
-    """The iteration the data phase of ``iteration`` started at: the last of
-    ``--phase-transition-iterations`` (``text``) at most ``iteration``, else 0."""
-    return max((t for t in parse_iterations(text, PHASES_FLAG) if t <= iteration), default=0)
-
-
 def check_phases(t: Any, text: Optional[str]) -> None:
     """``--phase-transition-iterations`` (``text``) with TrainingConfig ``t``: well formed, and
     a constant global batch (Megatron-LM: "Requires fixed global batch size across phases.

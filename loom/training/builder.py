@@ -160,6 +160,8 @@ class TrainingParts:
     (``--qk-clip`` / ``--log-max-attention-logit``, :func:`loom.training.qk_clip.step_clip`)."""
     skips: frozenset = frozenset()
     """``--iterations-to-skip``: iterations that consume their batch and take no step."""
+    phases: tuple = ()
+    """``--phase-transition-iterations``: the iterations a data phase ends at (sorted)."""
 
 
 def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
@@ -242,10 +244,11 @@ def build_training(cfg: LoomConfig, mesh: Optional[ParallelMesh] = None,
             moe_layer_losses, model.chunks, layer_loss_names(cfg.model),
             cfg.model.num_layers + (cfg.model.mtp_num_layers or 0), mesh)
     rerun = rerun_machine(cfg, mesh.pp_rank, global_rank, model.chunks, model.tracker, reducers)
-    from loom.config.evaluation import parse_iterations
+    from loom.config.evaluation import PHASES_FLAG, parse_iterations
     from loom.training.qk_clip import step_clip
     return TrainingParts(cfg, mesh, world_size, global_rank, model, reducers, optimizer,
                          scheduler, schedule, timeline, data, checkpointer, faults,
                          save_interval, throughput, after_step, debug, layer_metrics, rerun,
                          step_clip(cfg, model.chunks, optimizer, mesh),
-                         frozenset(parse_iterations(t.iterations_to_skip)))
+                         frozenset(parse_iterations(t.iterations_to_skip)),
+                         parse_iterations(cfg.data.phase_transition_iterations, PHASES_FLAG))

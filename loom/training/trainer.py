@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from loom.config import LoomConfig
-from loom.config.evaluation import PHASES_FLAG, parse_iterations, phase_start
 from loom.errors import NonFiniteError, RerunExit
 from loom.models.family import ModelFamily
 from loom.parallel.mesh import ParallelMesh
@@ -281,11 +280,10 @@ class Trainer:
         a data phase of ``--phase-transition-iterations`` its iterations so far x B (Megatron's
         ``consumed_train_samples_in_current_phase``: each phase reads its data from the
         start)."""
-        text = self.cfg.data.phase_transition_iterations
-        if not text:
+        if not self.parts.phases:
             return self.consumed_samples
-        b = self.cfg.require_derived().global_batch_size
-        return (self.iteration - phase_start(self.iteration, text)) * b
+        start = max((t for t in self.parts.phases if t <= self.iteration), default=0)
+        return (self.iteration - start) * self.cfg.require_derived().global_batch_size
 
     def skipped_samples(self) -> int:
         """Samples of the global batches that ``--decrease-batch-size-if-needed`` left out so
@@ -451,8 +449,7 @@ class Trainer:
                 limit = self.cfg.training.exit_duration_in_mins  # Megatron's: all ranks agree
                 timed_out = bool(limit) and self._all_reduce(
                     [float(time.monotonic() - started > 60 * limit)], dist.ReduceOp.MAX)[0] > 0
-                phase_end = self.iteration in parse_iterations(
-                    self.cfg.data.phase_transition_iterations, PHASES_FLAG)
+                phase_end = self.iteration in self.parts.phases
                 exiting = signalled is not None or timed_out or phase_end or (
                     bool(ck.exit_interval) and self.iteration % ck.exit_interval == 0)
                 due = self.parts.save_interval.due(self.iteration, rec["step_time_s"])
@@ -472,7 +469,7 @@ class Trainer:
                 if exiting:
                     why = f"{signalled} received (--exit-signal-handler)" if signalled else \
                         f"--exit-duration-in-mins {limit}" if timed_out else \
-                        f"the data phase ends ({PHASES_FLAG})" if phase_end else \
+                        "the data phase ends (--phase-transition-iterations)" if phase_end else \
                         f"--exit-interval {ck.exit_interval}"
                     log.print(f" {why}: exiting after iteration {self.iteration}")
                     break

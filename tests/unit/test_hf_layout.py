@@ -24,6 +24,8 @@ def test_each_layout_is_picked():
     assert layout_of(ModelConfig(**LLAMA, openai_gelu=False)) == "llama"
     assert layout_of(ModelConfig(**LLAMA, add_qkv_bias=True)) == "qwen2"
     assert layout_of(ModelConfig(**LLAMA, qk_layernorm=True)) == "qwen3"
+    assert layout_of(ModelConfig(**LLAMA, window_size="5,0")) == "mistral"
+    assert layout_of(ModelConfig(**LLAMA, rotary_percent=0.5)) == "phi3"
     assert layout_of(ModelConfig(**MOE)) == "mixtral"
     assert layout_of(ModelConfig(**MOE, qk_layernorm=True)) == "qwen3_moe"
     assert layout_of(ModelConfig(**MOE, moe_shared_expert_intermediate_size=8)) == "qwen2_moe"
@@ -34,9 +36,10 @@ def test_each_layout_is_picked():
                                         ("rotary_percent", 0.5), ("window_size", "4,0"),
                                         ("mtp_num_layers", 1)])
 def test_an_option_hf_cannot_express_is_refused_naming_it(name, value):
+    """On GPT-2 (a window, partial RoPE: Mistral's and Phi-3's on the LLaMA layout) and on
+    Qwen2 (Q/K norms: Qwen3's without its bias)."""
     assert name in dict(PLAIN_LAYOUT)
-    base = LLAMA if name == "rotary_percent" else \
-        dict(LLAMA, add_qkv_bias=True) if name == "qk_layernorm" else GPT2  # Qwen3 has no bias
+    base = dict(LLAMA, add_qkv_bias=True) if name == "qk_layernorm" else GPT2
     with pytest.raises(ConfigError, match="--" + name.replace("_", "-")):
         hf_config(ModelConfig(**base, **{name: value}))
 

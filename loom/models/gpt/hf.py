@@ -112,17 +112,18 @@ def dense_layout(cfg: ModelConfig) -> str:
     norms) or ``mistral`` (LLaMA with a sliding window on every layer); raises ConfigError for
     a dense model none of those HF classes expresses (naming the first option in
     :data:`~loom.models.gpt.hf_parts.PLAIN_LAYOUT` it sets)."""
-    windowed = cfg.window is not None and not cfg.add_qkv_bias and not cfg.qk_layernorm
-    if windowed:
-        hf_sliding_window(cfg, "Mistral")
-    check_plain(cfg, "GPT-2 or LLaMA", allowed=ROPE_SCALINGS + (
-        ("qk_layernorm",) if not cfg.add_qkv_bias and cfg.normalization == "RMSNorm" else ())
-        + (("window_size",) if windowed else ()))
     gpt2 = (cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute"
             and not cfg.swiglu and not cfg.disable_bias_linear
             and not cfg.untie_embeddings_and_output_weights)
     llama = (cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope"
              and cfg.swiglu and cfg.disable_bias_linear)
+    windowed = cfg.window is not None and llama and not cfg.add_qkv_bias and \
+        not cfg.qk_layernorm  # Mistral: LLaMA with a window (Qwen2/3's window is refused)
+    if windowed:
+        hf_sliding_window(cfg, "Mistral")
+    check_plain(cfg, "GPT-2 or LLaMA", allowed=ROPE_SCALINGS + (
+        ("qk_layernorm",) if not cfg.add_qkv_bias and cfg.normalization == "RMSNorm" else ())
+        + (("window_size",) if windowed else ()))
     if not (gpt2 or llama):
         raise ConfigError("only the GPT-2 layout (LayerNorm, learned positions, GeLU, biases, "
                           "tied embeddings) and the LLaMA / Qwen2 layout (RMSNorm, RoPE, "
