@@ -324,6 +324,7 @@ def _check_decrease(t: Any, gbs: int, b_d: int) -> None:
         if value:
             raise ConfigError(f"--decrease-batch-size-if-needed rounds a constant global batch: "
                               f"drop it or {flag}")
+    _check_sample_schedule(t, "--decrease-batch-size-if-needed")
     if gbs < b_d:
         raise ConfigError(f"--decrease-batch-size-if-needed: --global-batch-size {gbs} is less "
                           f"than one micro-batch per data-parallel rank (--micro-batch-size x "
@@ -436,6 +437,23 @@ def _check_precision(t: Any) -> None:
                           f"{top / tiny:.3g} (2**16 and below are usual), or drop --loss-scale")
 
 
+def _check_sample_schedule(t: Any, flag: str) -> None:
+    """With ``--train-samples`` under ``flag`` (a batch-size ramp, ``--decrease-batch-size-if-
+    needed``) the schedule counts samples (loom/training/param_schedule.py), as Megatron-LM's
+    does: a length given in iterations would be read as none; refused naming its samples flag."""
+    if t.train_samples is None:
+        return
+    by_iters = [name for name, iters, samples in (
+        ("--lr-warmup-iters", t.lr_warmup_iters, t.lr_warmup_samples),
+        ("--lr-decay-iters", t.lr_decay_iters, t.lr_decay_samples),
+        ("--lr-wsd-decay-iters", t.lr_wsd_decay_iters, t.lr_wsd_decay_samples))
+        if iters and not samples]
+    if by_iters:
+        raise ConfigError(f"{by_iters[0]} with {flag} and --train-samples: the learning-rate "
+                          f"schedule then counts samples, as Megatron-LM's does: give "
+                          f"{by_iters[0].replace('-iters', '-samples')}")
+
+
 def _check_ramp(cfg: Any, world_size: int, pipelined: bool) -> None:
     """Every global batch size a batch-size ramp reaches within the run
     (:class:`~loom.config.batch_ramp.BatchRamp`) is a multiple of b x d and, pipelined, a
@@ -445,16 +463,7 @@ def _check_ramp(cfg: Any, world_size: int, pipelined: bool) -> None:
     ramp = BatchRamp.from_training(t, cfg.model.seq_length)
     if ramp is None:
         return
-    if t.train_samples is not None:  # the schedule counts samples (param_schedule.py)
-        by_iters = [flag for flag, iters, samples in (
-            ("--lr-warmup-iters", t.lr_warmup_iters, t.lr_warmup_samples),
-            ("--lr-decay-iters", t.lr_decay_iters, t.lr_decay_samples),
-            ("--lr-wsd-decay-iters", t.lr_wsd_decay_iters, t.lr_wsd_decay_samples))
-            if iters and not samples]
-        if by_iters:
-            raise ConfigError(f"{by_iters[0]} with {ramp.flag} and --train-samples: the "
-                              f"learning-rate schedule then counts samples, as Megatron-LM's "
-                              f"does: give {by_iters[0].replace('-iters', '-samples')}")
+    _check_sample_schedule(t, ramp.flag)
     unit = t.micro_batch_size * cfg.data_parallel_size(world_size)
     for b in ramp.sizes(t.train_iters):
         if b % unit:

@@ -241,7 +241,12 @@ def test_a_decreased_batch_is_megatron_cores():
                         (dict(step_batch_size_schedule="0:4 64:8"), "drop it or "
                                                                     "--step-batch-size-schedule"),
                         (dict(global_batch_size=8, rampup_batch_size="4 4 24", train_samples=60,
-                              train_iters=None), "drop it or --rampup-batch-size")):
+                              train_iters=None), "drop it or --rampup-batch-size"),
+                        (dict(global_batch_size=8, train_samples=80, train_iters=None,
+                              lr_warmup_iters=2), "--lr-warmup-iters with "
+                                                  "--decrease-batch-size-if-needed and "
+                                                  "--train-samples: .* give "
+                                                  "--lr-warmup-samples")):
         with pytest.raises(ConfigError, match=match):
             _resolved(world=4, train_iters=flat.pop("train_iters", 3),
                       decrease_batch_size_if_needed=True, **flat)
