@@ -69,9 +69,10 @@ LLAMA4_FLAGS = (("qk_l2_norm_rope_layers_only", "Llama 4's QK norm in the RoPE l
 def check_llama4_attention(cfg: Any) -> None:
     """Refuse what loom does not build with these flags (``cfg``: the LoomConfig being
     validated): the QK-norm restriction without ``--qk-l2-norm`` and NoPE layers; the
-    temperature without NoPE layers; chunks or the temperature with multi-latent attention,
-    a sliding window or attention sinks (another core), or with context parallelism beyond one
-    chunk (its ring does not mask by chunk). Raises a one-line ConfigError."""
+    temperature without NoPE layers; chunks or the temperature with multi-latent or DeepSeek
+    sparse attention, a sliding window or attention sinks (another core), or with context
+    parallelism beyond one chunk (its ring does not mask by chunk). Raises a one-line
+    ConfigError."""
     m, p = cfg.model, cfg.parallel
     nope = m.no_rope_freq is not None and any(m.is_no_rope_layer(i)
                                               for i in range(m.num_layers or 0))
@@ -86,6 +87,7 @@ def check_llama4_attention(cfg: Any) -> None:
     if not (chunked or m.attn_temperature_floor_scale is not None):
         return
     for on, what in ((m.multi_latent_attention, "--multi-latent-attention"),
+                     (m.dsa, "--experimental-attention-variant dsa"),
                      (m.window is not None, "--window-size"),
                      (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type}")):
         if on:

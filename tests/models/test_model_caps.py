@@ -329,3 +329,33 @@ def test_moe_per_layer_logging_records_each_layers_losses(balancing):
 def test_moe_per_layer_logging_refused_without_experts():
     with pytest.raises(ConfigError, match="--moe-per-layer-logging"):
         _parse(["--moe-per-layer-logging"])
+
+
+@pytest.mark.parametrize("changes,parallel,match", [
+    (dict(qk_l2_norm_rope_layers_only=True, no_rope_freq="[0,1]"), {},
+     "give --qk-l2-norm and NoPE layers"),
+    (dict(qk_l2_norm=True, qk_l2_norm_rope_layers_only=True), {}, "give --qk-l2-norm and NoPE"),
+    (dict(attn_temperature_floor_scale=8), {}, "this model has none"),
+    (dict(attention_chunk_size=4, window_size="3,0"), {}, "not with --window-size"),
+    (dict(attention_chunk_size=4, softmax_type="off-by-one"), {}, "not with --softmax-type"),
+    (dict(attention_chunk_size=4), dict(context_parallel_size=2, world=2),
+     "does not mask by chunk"),
+])
+def test_llama4_attention_refusals(changes, parallel, match):
+    """What loom does not build with Llama 4's attention flags (loom/config/model_llama4.py),
+    refused in one line before anything starts."""
+    parallel = dict(parallel)
+    world = parallel.pop("world", 1)
+    with pytest.raises(ConfigError, match=match):
+        validated(gpt(**changes), world, **parallel)
+
+
+def test_llama4_attention_in_mla_and_other_families_is_refused():
+    with pytest.raises(ConfigError, match="not with --multi-latent-attention"):
+        validated(mla(attention_chunk_size=4))
+    gemma = ModelConfig(model_type="gemma3", num_layers=2, hidden_size=32,
+                        num_attention_heads=4, vocab_size=128, seq_length=16,
+                        attention_chunk_size=4)
+    with pytest.raises(ConfigError, match="--model-type gemma3 does not have: drop "
+                                          "--attention-chunk-size"):
+        resolve_config(tiny_config(model=gemma, train_iters=2), 1)
