@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import struct
 
@@ -377,3 +378,35 @@ def test_finetune_converted_model_tp2_dp2(tmp_path):
     assert losses[0] < 0.6 * math.log(tok.vocab_size), (losses, tok.vocab_size)
     assert losses[-1] < losses[0], losses
     assert all(r["losses"] == losses for r in ranks)
+
+
+def test_gemma2_is_gemma3_without_qk_norm():
+    """A Gemma 2 config imports as --model-type gemma3 with ``gemma_qk_norm`` off: its layers
+    build no QK norm (a Gemma 3 config's do), ``--no-gemma-qk-norm`` spells it on the command
+    line, the other families refuse it, and Gemma 2's export refuses the two RoPE bases it
+    cannot hold. The logits: tests/models/test_hf_export.py, case gemma2."""
+    from loom.config import add_config_arguments, config_from_args
+    from loom.errors import ConfigError
+    from loom.models.gemma3.hf import hf_gemma3_config
+    hf = transformers.Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                   max_position_embeddings=32).to_dict()
+    cfg = gemma3_config(hf)
+    assert not cfg.gemma_qk_norm and cfg.rotary_base == cfg.rotary_base_local == 10000.0
+    assert cfg.attention_layer_types == "LG" and cfg.attn_logit_softcapping == 50.0
+    for qk_norm in (False, True):
+        m = build_model(get_family("gemma3"), dataclasses.replace(cfg, gemma_qk_norm=qk_norm),
+                        ParallelMesh.single())
+        norms = [n for n, _ in m.named_parameters() if "q_layernorm" in n]
+        assert len(norms) == (2 if qk_norm else 0)
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    assert not config_from_args(parser.parse_args(["--no-gemma-qk-norm"])).model.gemma_qk_norm
+    assert hf_gemma3_config(cfg)["model_type"] == "gemma2"
+    with pytest.raises(ConfigError, match="one base and no scaling"):
+        hf_gemma3_config(dataclasses.replace(cfg, rotary_base_local=5000.0))
+    with pytest.raises(ConfigError, match="drop --no-gemma-qk-norm"):
+        resolve_config(tiny_config(model=ModelConfig.llama(
+            num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128,
+            seq_length=16, gemma_qk_norm=False), train_iters=2), 1)
