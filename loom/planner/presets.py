@@ -29,8 +29,10 @@ published, 4096 chosen; override with ``--seq-length``):
 * ``deepseek-v2-lite``: DeepSeek-AI 2024, "DeepSeek-V2" (arXiv 2405.04434) appendix B and
   ``deepseek-ai/DeepSeek-V2-Lite`` ``config.json``: L 27, h 2048, 16 heads, MLA without query
   compression (kv rank 512, head dims 128 + 64, value 128), the first layer dense (FFN 10944),
-  then 64 routed experts of width 1408 (top-6, softmax) + 2 shared, V 102400, YaRN factor 40
-  (mscale 0.707); 15.7B total / 2.4B active (the latter without the embedding lookup).
+  then 64 routed experts of width 1408 (top-6 of a softmax over all, unnormalized:
+  ``--moe-router-pre-softmax``; sequence-wise balance loss 0.001) + 2 shared, V 102400, YaRN
+  factor 40 (mscale 0.707); 15.7B total / 2.4B active (the latter without the embedding
+  lookup).
 * ``qwen3-30b-a3b``: Qwen Team 2025, "Qwen3 Technical Report" (arXiv 2505.09388) table 2 and
   ``Qwen/Qwen3-30B-A3B`` ``config.json``: L 48, h 2048, 32 heads of dim 128, 4 KV heads,
   128 experts of width 768, top-8, no shared expert, untied, V 151936; 30.5B total / 3.3B active.
@@ -146,7 +148,10 @@ PRESETS = {
                                              "moe_router_enable_expert_bias": False,
                                              "moe_router_num_groups": None,
                                              "moe_router_group_topk": None,
-                                             "moe_router_topk_scaling_factor": None,
+                                             "moe_router_topk_scaling_factor": 1.0,
+                                             "moe_router_pre_softmax": True,
+                                             "moe_router_load_balancing_type": "seq_aux_loss",
+                                             "moe_aux_loss_coeff": 0.001,
                                              "mscale": 0.707, "mscale_all_dim": 0.707}),
     "qwen3-30b-a3b": lambda: moe_llama(48, 2048, 32, 4, 6144, 151936, 128, 8,
                                        moe_ffn_hidden_size=768, kv_channels=128,

@@ -82,6 +82,17 @@ def build(name: str):
         for b in m.buffers():  # the routing correction bias, a buffer
             if b.dtype == torch.float32 and b.ndim == 1 and b.numel() == 8:
                 b.normal_(0, 0.1)
+    elif name == "deepseek_v2":  # V2-Lite's q_proj and YaRN; softmax top-3 in 2 of 4 groups
+        m = T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
+            vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, n_shared_experts=2, n_routed_experts=8,
+            routed_scaling_factor=2.5, kv_lora_rank=12, qk_rope_head_dim=4, v_head_dim=6,
+            qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+            topk_method="group_limited_greedy", first_k_dense_replace=1,
+            max_position_embeddings=64, q_lora_rank=None,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "mscale": 0.707,
+                             "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}))
     elif name == "gpt_oss":
         m = T.GptOssForCausalLM(T.GptOssConfig(
             intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
@@ -125,5 +136,5 @@ def build(name: str):
     return _perturb(m).eval(), specials
 
 
-CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
-         "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")
+CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+         "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")

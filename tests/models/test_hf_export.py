@@ -294,3 +294,80 @@ def test_phi3_longrope_is_refused_naming_it():
                          "long_factor": [2.0] * 4}).to_dict()
     with pytest.raises(ConfigError, match="longrope"):
         read_config(hf, "config.json")
+
+
+def deepseek_v2(**kw):
+    """A tiny random ``DeepseekV2ForCausalLM`` (one dense layer, one MoE layer of 8 experts)."""
+    c = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+             num_hidden_layers=2, num_attention_heads=4, n_shared_experts=1, n_routed_experts=8,
+             routed_scaling_factor=1.5, kv_lora_rank=12, qk_rope_head_dim=4, v_head_dim=6,
+             qk_nope_head_dim=8, first_k_dense_replace=1, max_position_embeddings=64,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    torch.manual_seed(0)
+    from hf_export_cases import _perturb
+    return _perturb(transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        **{**c, **kw}))).eval()
+
+
+def test_deepseek_v2_greedy_routing_imports_as_transformers_computes_it(tmp_path, monkeypatch):
+    """DeepSeek-V2's ``greedy`` top-3 of a softmax over all 8 experts, kept unnormalized and
+    scaled (the export case routes in groups without q_lora): loom's logits equal the source's,
+    its router is Megatron's pre-softmax one with the sequence-wise balance loss; imported
+    without ``--moe-router-pre-softmax`` (top-k weights renormalized) the logits differ."""
+    from loom.checkpoint.io import latest_checkpoint, read_common
+    from loom.config import LoomConfig
+    from loom.models.gpt import hf_deepseek
+    hf = deepseek_v2(q_lora_rank=16, num_experts_per_tok=3, topk_method="greedy")
+    hf.save_pretrained(tmp_path / "src")
+    from_hf(str(tmp_path / "src"), str(tmp_path / "ck"))
+    cfg = LoomConfig.from_flat(read_common(latest_checkpoint(str(tmp_path / "ck")))["config"])\
+        .model
+    assert (cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
+            cfg.moe_router_topk_scaling_factor, cfg.moe_router_load_balancing_type,
+            cfg.moe_aux_loss_coeff, cfg.moe_router_num_groups) == \
+        ("softmax", True, 1.5, "seq_aux_loss", 0.001, None)
+    ids = torch.randint(5, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        source = hf(ids).logits
+    assert rel_err(loom_logits(str(tmp_path / "ck"), ids), source, floor=1.0) < 1e-5
+    real = hf_deepseek._moe_v2
+    monkeypatch.setattr(hf_deepseek, "_moe_v2", lambda *args: {
+        **real(*args), "moe_router_pre_softmax": False})
+    from_hf(str(tmp_path / "src"), str(tmp_path / "wrong"))
+    assert rel_err(loom_logits(str(tmp_path / "wrong"), ids), source, floor=1.0) > 1e-4
+
+
+def test_deepseek_routing_transformers_and_loom_compute_differently_is_refused(tmp_path):
+    """Refused at import naming the option: a group score other than Megatron's
+    (DeepSeek-V2's ``group_limited_greedy`` scores a group by its best expert, V3 by its top 2;
+    Megatron and loom by the sum of its top k / group_topk: the full DeepSeek-V2's 6 / 3), an
+    unknown ``topk_method``, ``moe_layer_freq`` other than 1; the planner (``loom plan
+    --from-hf``) reads such a group score as Megatron's, as Megatron-Bridge does. Exporting a
+    softmax router that normalizes the top k or carries an expert bias is refused too."""
+    from loom.errors import ConfigError
+    from loom.models.gpt import hf_deepseek
+    from loom.models.gpt.hf import hf_config, read_config
+    base = dict(q_lora_rank=None, n_group=4, topk_group=2, topk_method="group_limited_greedy")
+    good = deepseek_v2(num_experts_per_tok=3, **base).config.to_dict()
+    cfg = hf_deepseek.read_config(good, "config.json", exact=True)
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (4, 2)
+    assert hf_config(cfg)["model_type"] == "deepseek_v2"
+    v3 = build("deepseek_v3")[0].config.to_dict()
+    for hf, bad, needle in ((good, {"num_experts_per_tok": 4}, "group_limited_greedy"),
+                            (v3, {"num_experts_per_tok": 2}, "top-2"),
+                            (good, {"topk_method": "noaux_tc"}, "topk_method"),
+                            (v3, {"moe_layer_freq": 2}, "moe_layer_freq")):
+        with pytest.raises(ConfigError, match=needle):
+            hf_deepseek.to_loom({**hf, **bad}, {}, "config.json")
+    planned = read_config({**good, "num_experts_per_tok": 4}, "config.json")
+    assert (planned.moe_router_topk, planned.moe_router_group_topk) == (4, 2)
+    for field, value, needle in (("moe_router_pre_softmax", False, "--moe-router-pre-softmax"),
+                                 ("moe_router_enable_expert_bias", True, "expert-bias"),
+                                 ("moe_router_group_topk", 1, "--moe-router-group-topk")):
+        changed = read_config(good, "config.json")
+        setattr(changed, field, value)
+        with pytest.raises(ConfigError, match=needle):
+            hf_config(changed)
+    sigmoid = read_config(good, "config.json")
+    sigmoid.moe_router_score_function = "sigmoid"
+    assert hf_config(sigmoid)["model_type"] == "deepseek_v3"

@@ -41,6 +41,36 @@ def test_deepseek_v2_lite_parameter_counts_match_published():
     assert total_params(m, active=True) - 102400 * 2048 == pytest.approx(2.4e9, rel=0.03)
 
 
+def test_deepseek_v2_lite_preset_is_its_config_json():
+    """The preset is what ``loom plan --from-hf`` reads from deepseek-ai/DeepSeek-V2-Lite's
+    ``config.json`` (its fields as published), but for the 4096-token training length: the
+    same shape, router (softmax over all experts, top 6 unnormalized, sequence-wise balance
+    loss 0.001) and YaRN."""
+    from loom.models.gpt.hf import read_config
+    hf = {"architectures": ["DeepseekV2ForCausalLM"], "aux_loss_alpha": 0.001,
+          "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+          "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+          "model_type": "deepseek_v2", "moe_intermediate_size": 1408, "moe_layer_freq": 1,
+          "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+          "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+          "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128,
+          "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                           "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                           "type": "yarn"},
+          "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+          "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1,
+          "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400}
+    read, preset = read_config(hf, "config.json"), get_preset("deepseek-v2-lite")
+    skip = {"seq_length", "max_position_embeddings", "num_query_groups",
+            "exclude_padded_vocab", "yarn_beta_fast", "yarn_beta_slow"}  # (defaults alike)
+    differ = {f.name: (getattr(preset, f.name), getattr(read, f.name))
+              for f in dataclasses.fields(ModelConfig) if f.name not in skip
+              and getattr(preset, f.name) != getattr(read, f.name)}
+    assert not differ, differ
+    assert total_params(read) == total_params(preset)
+
+
 def _count_built(cfg: ModelConfig) -> int:
     from loom.models import get_family
     from loom.models.family import StageSpec

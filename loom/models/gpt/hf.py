@@ -5,8 +5,8 @@ loom's parameter names, both ways (``loom checkpoint convert``; resharding to a 
 Qwen2ForCausalLM: LLaMA with QKV biases, Qwen3ForCausalLM: LLaMA with Q/K norms,
 MistralForCausalLM: LLaMA with a sliding window); :func:`layout_of` picks the class a model
 exports to, :data:`IMPORTS` the reader of a ``model_type``: Phi-3 (:mod:`.hf_phi3`), Mixtral /
-Qwen2-MoE (:mod:`.hf_moe`), Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V3 (:mod:`.hf_deepseek`),
-gpt-oss (:mod:`.hf_gpt_oss`), Llama 4's text model (:mod:`.hf_llama4`, import only), the
+Qwen2-MoE (:mod:`.hf_moe`), Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V2 / V3
+(:mod:`.hf_deepseek`), gpt-oss (:mod:`.hf_gpt_oss`), Llama 4's text model (:mod:`.hf_llama4`, import only), the
 shared pieces in :mod:`.hf_parts`.
 """
 
@@ -134,8 +134,8 @@ def dense_layout(cfg: ModelConfig) -> str:
 
 def layout_of(cfg: ModelConfig) -> str:
     """The ``transformers`` class family a GPT-family model exports to (a key of
-    :data:`LAYOUTS`): DeepSeek-V3 for MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE /
-    Mixtral for MoE models (Q/K norms / a shared expert / neither), Phi-3 for the LLaMA layout
+    :data:`LAYOUTS`): DeepSeek-V2 for MLA with softmax-routed experts, DeepSeek-V3 for other
+    MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE / Mixtral for MoE models (Q/K norms / a shared expert / neither), Phi-3 for the LLaMA layout
     with partial RoPE, else the dense ones.
     Raises ConfigError for a model none expresses (a latent MoE, probabilities on the expert
     input, Qwen3-Next's and DSA's layers)."""
@@ -158,7 +158,7 @@ def layout_of(cfg: ModelConfig) -> str:
                           "expert outputs, not their inputs; keep the model in loom or "
                           "Megatron format")
     if cfg.multi_latent_attention:
-        return "deepseek_v3"
+        return "deepseek_v2" if hf_deepseek.is_v2(cfg) else "deepseek_v3"
     if cfg.quick_geglu or cfg.softmax_type != "vanilla" or cfg.enable_gpt_oss:
         return "gpt_oss"
     if cfg.num_experts:
@@ -237,6 +237,7 @@ LAYOUTS = {
     "mixtral": (hf_moe.mixtral_hf_config, hf_moe.loom_to_mixtral),
     "qwen2_moe": (hf_moe.qwen2_moe_hf_config, hf_moe.loom_to_qwen2_moe),
     "qwen3_moe": (hf_qwen3_moe.qwen3_moe_hf_config, hf_qwen3_moe.loom_to_qwen3_moe),
+    "deepseek_v2": (hf_deepseek.hf_config, hf_deepseek.loom_to_deepseek_v3),
     "deepseek_v3": (hf_deepseek.hf_config, hf_deepseek.loom_to_deepseek_v3),
     "gpt_oss": (hf_gpt_oss.gpt_oss_hf_config, hf_gpt_oss.loom_to_gpt_oss)}
 
@@ -271,13 +272,13 @@ def _moe_import(read, convert):
 
 # config.json model_type -> (hf config dict, where) -> ModelConfig, for the types imported
 # by their own readers (the rest: GPT-2 or LLaMA, :func:`read_config`)
-CONFIGS = {"deepseek_v3": hf_deepseek.read_config, "gpt_oss": hf_gpt_oss.read_config,
+CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.read_config, "gpt_oss": hf_gpt_oss.read_config,
            "llama4_text": hf_llama4.read_config, "phi3": hf_phi3.read_config,
            "mixtral": _moe_config(hf_moe.mixtral_config),
            "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
            "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
 # config.json model_type -> (hf config dict, state dict, where) -> (ModelConfig, full tensors)
-IMPORTS = {"deepseek_v3": hf_deepseek.to_loom, "gpt_oss": hf_gpt_oss.to_loom,
+IMPORTS = {"deepseek_v2": hf_deepseek.to_loom, "deepseek_v3": hf_deepseek.to_loom, "gpt_oss": hf_gpt_oss.to_loom,
            "llama4_text": hf_llama4.to_loom, "phi3": hf_phi3.to_loom,
            "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
            "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
@@ -313,9 +314,9 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 
 HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3",
-                               "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
-                               "llama4_text"),
+                               "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+                               "gpt_oss", "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
                   title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Phi-3 / Mixtral / Qwen2-MoE "
-                        "/ Qwen3-MoE / DeepSeek-V3 / gpt-oss / Llama 4 (import)")
+                        "/ Qwen3-MoE / DeepSeek-V2 / DeepSeek-V3 / gpt-oss / Llama 4 (import)")

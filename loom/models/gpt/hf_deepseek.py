@@ -1,6 +1,7 @@
 """Hugging Face ``DeepseekV3ForCausalLM`` <-> loom's GPT family with multi-latent attention,
 YaRN, DeepSeek-V3 routing (sigmoid scores, aux-loss-free expert bias, group-limited top-k,
-routed scaling factor), dense first layers and a shared expert; full tensors by loom name
+routed scaling factor), dense first layers and a shared expert; and ``DeepseekV2ForCausalLM``
+(DeepSeek-V2 / V2-Lite: the same layers, softmax routing with unnormalized top-k weights); full tensors by loom name
 (:func:`loom.interop.hf.load_full_state_dict` cuts each rank's TP / EP shard).
 
 Layout differences handled here:
@@ -36,7 +37,7 @@ def _get(hf, name: str, default=None):
     return getattr(hf, name, default) if not isinstance(hf, dict) else hf.get(name, default)
 
 
-def _rope_fields(hf) -> dict:
+def _rope_fields(hf, title: str = TITLE) -> dict:
     """loom's RoPE flags of an HF ``rope_parameters`` / ``rope_scaling`` (default or yarn)."""
     params = dict(_get(hf, "rope_parameters") or _get(hf, "rope_scaling") or {})
     theta = params.get("rope_theta", _get(hf, "rope_theta", 10000.0))
@@ -44,11 +45,11 @@ def _rope_fields(hf) -> dict:
     if kind == "default":
         return dict(rotary_base=theta, rope_type="rope")
     if kind != "yarn":
-        raise ConfigError(f"{TITLE}: rope_type {kind!r}: loom has default RoPE and YaRN only")
+        raise ConfigError(f"{title}: rope_type {kind!r}: loom has default RoPE and YaRN only")
     if params.get("attention_factor") is not None:
-        raise ConfigError(f"{TITLE}: an explicit YaRN attention_factor has no loom flag")
+        raise ConfigError(f"{title}: an explicit YaRN attention_factor has no loom flag")
     if params.get("truncate", True) is False:
-        raise ConfigError(f"{TITLE}: YaRN truncate=false has no loom flag")
+        raise ConfigError(f"{title}: YaRN truncate=false has no loom flag")
     orig = params.get("original_max_position_embeddings", 4096)
     factor = params.get("factor") or _get(hf, "max_position_embeddings") / orig
     all_dim = params.get("mscale_all_dim") or 0.0
@@ -61,33 +62,69 @@ def _rope_fields(hf) -> dict:
                 yarn_beta_slow=float(params.get("beta_slow") or 1.0))
 
 
-def deepseek_v3_config(hf) -> ModelConfig:
-    """loom's layout of a ``transformers.DeepseekV3Config`` (or its ``config.json`` dict).
-    Raises ConfigError for what loom does not express (attention biases, unnormalized top-k,
-    a group score other than the top-2 sum)."""
+def _moe_v3(hf, k: int, exact: bool) -> dict:
+    """DeepSeek-V3's routing: sigmoid scores, the aux-loss-free expert bias, top-k normalized,
+    groups scored by their top-2 experts."""
+    if not _get(hf, "norm_topk_prob", True) and k > 1:
+        raise ConfigError(f"{TITLE}: norm_topk_prob=false: loom's sigmoid router always "
+                          f"normalizes the top-k weights")
+    groups, gk = _get(hf, "n_group") or 1, _get(hf, "topk_group") or 1
+    if groups > 1 and k // gk != 2 and exact:
+        raise ConfigError(f"{TITLE}: n_group {groups} with num_experts_per_tok {k} / "
+                          f"topk_group {gk} != 2: transformers scores a group by its top-2 "
+                          f"experts, Megatron (and loom) by its top k / group_topk")
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_load_balancing_type="none",
+                **(dict(moe_router_num_groups=groups, moe_router_group_topk=gk)
+                   if groups > 1 else {}))
+
+
+def _moe_v2(hf, k: int, exact: bool) -> dict:
+    """DeepSeek-V2's routing (DeepseekV2TopkRouter; DeepSeek-AI 2024, arXiv 2405.04434 sec.
+    2.2): a softmax over all experts, its top k kept unnormalized (Megatron's
+    ``--moe-router-pre-softmax``), ``group_limited_greedy`` scoring a group by its best expert
+    (Megatron: the sum of its top k / group_topk, the same when that is 1); the sequence-wise
+    balance loss of weight ``aux_loss_alpha`` (``seq_aux``) for training on."""
+    method = _get(hf, "topk_method") or "greedy"
+    groups, gk = _get(hf, "n_group") or 1, _get(hf, "topk_group") or 1
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ConfigError(f"DeepSeek-V2: topk_method {method!r}: loom routes greedy and "
+                          f"group_limited_greedy")
+    grouped = method == "group_limited_greedy" and groups > 1
+    if grouped and k // gk != 1 and exact:
+        raise ConfigError(f"DeepSeek-V2: group_limited_greedy with num_experts_per_tok {k} / "
+                          f"topk_group {gk} != 1: transformers scores a group by its best "
+                          f"expert, Megatron (and loom) by the sum of its top k / group_topk")
+    balance = "seq_aux_loss" if _get(hf, "seq_aux", True) else "aux_loss"
+    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=True,
+                moe_router_load_balancing_type=balance,
+                moe_aux_loss_coeff=float(_get(hf, "aux_loss_alpha", 0.001) or 0.0),
+                **(dict(moe_router_num_groups=groups, moe_router_group_topk=gk)
+                   if grouped else {}))
+
+
+def deepseek_v3_config(hf, version: int = 3, exact: bool = True) -> ModelConfig:
+    """loom's layout of a ``transformers.DeepseekV3Config`` (``version`` 2: a
+    ``DeepseekV2Config``; or its ``config.json`` dict). Raises ConfigError for what loom does
+    not express (attention biases, unnormalized sigmoid top-k, a group score other than
+    Megatron's; ``exact`` false: that group score becomes Megatron's, as Megatron-Bridge reads
+    it, for the planner, whose costs it does not change)."""
     L, E = _get(hf, "num_hidden_layers"), _get(hf, "n_routed_experts")
     k = _get(hf, "num_experts_per_tok")
     dense = min(_get(hf, "first_k_dense_replace", 0) or 0, L)
+    title = TITLE if version == 3 else "DeepSeek-V2"
     if _get(hf, "attention_bias"):
-        raise ConfigError(f"{TITLE}: attention_bias=true has no loom flag (MLA has no biases)")
+        raise ConfigError(f"{title}: attention_bias=true has no loom flag (MLA has no biases)")
+    if (_get(hf, "moe_layer_freq") or 1) != 1:
+        raise ConfigError(f"{title}: moe_layer_freq {_get(hf, 'moe_layer_freq')}: transformers "
+                          f"places an MoE layer at every layer after first_k_dense_replace")
     moe: dict = {}
     if dense < L:
-        if not _get(hf, "norm_topk_prob", True) and k > 1:
-            raise ConfigError(f"{TITLE}: norm_topk_prob=false: loom's sigmoid router always "
-                              f"normalizes the top-k weights")
-        groups, gk = _get(hf, "n_group") or 1, _get(hf, "topk_group") or 1
-        if groups > 1 and k // gk != 2:
-            raise ConfigError(f"{TITLE}: n_group {groups} with num_experts_per_tok {k} / "
-                              f"topk_group {gk} != 2: transformers scores a group by its top-2 "
-                              f"experts, Megatron (and loom) by its top k / group_topk")
         moe = dict(num_experts=E, moe_router_topk=k,
                    moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
                    moe_layer_freq=f"([0]*{dense}+[1]*{L - dense})",
-                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                    moe_router_topk_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
-                   moe_router_load_balancing_type="none")
-        if groups > 1:
-            moe.update(moe_router_num_groups=groups, moe_router_group_topk=gk)
+                   **(_moe_v3 if version == 3 else _moe_v2)(hf, k, exact))
         shared = _get(hf, "n_shared_experts") or 0
         if shared:
             moe["moe_shared_expert_intermediate_size"] = shared * _get(hf, "moe_intermediate_size")
@@ -103,7 +140,7 @@ def deepseek_v3_config(hf) -> ModelConfig:
         multi_latent_attention=True, qk_layernorm=True, q_lora_rank=_get(hf, "q_lora_rank"),
         kv_lora_rank=_get(hf, "kv_lora_rank"), qk_head_dim=_get(hf, "qk_nope_head_dim"),
         qk_pos_emb_head_dim=_get(hf, "qk_rope_head_dim"), v_head_dim=_get(hf, "v_head_dim"),
-        **_rope_fields(hf), **moe)
+        **_rope_fields(hf, title), **moe)
 
 
 def _rope_perm(dr: int) -> torch.Tensor:
@@ -230,27 +267,59 @@ def _first_dense(cfg: ModelConfig) -> int:
     return k
 
 
+def is_v2(cfg: ModelConfig) -> bool:
+    """Whether a loom MLA model exports as DeepSeek-V2 (MoE with softmax routing) rather than
+    DeepSeek-V3 (sigmoid routing, or no MoE)."""
+    return bool(cfg.num_experts) and cfg.moe_router_score_function == "softmax"
+
+
+def _router_v2(cfg: ModelConfig) -> dict:
+    """DeepseekV2Config's routing fields of loom's softmax router; ConfigError for one it
+    computes otherwise."""
+    title = "DeepSeek-V2"
+    if not cfg.moe_router_pre_softmax:
+        raise ConfigError(f"{title}: its router keeps the softmax over all experts (give "
+                          f"--moe-router-pre-softmax); loom's softmax over the top k only has "
+                          f"no Hugging Face class")
+    if cfg.moe_router_enable_expert_bias:
+        raise ConfigError(f"{title}: --moe-router-enable-expert-bias with softmax scores has "
+                          f"no Hugging Face class (DeepSeek-V3's bias is on sigmoid scores)")
+    groups = cfg.moe_router_num_groups or 1
+    if groups > 1 and cfg.moe_router_topk // cfg.moe_router_group_topk != 1:
+        raise ConfigError(f"{title}: --moe-router-group-topk {cfg.moe_router_group_topk} with "
+                          f"--moe-router-topk {cfg.moe_router_topk}: transformers scores a group "
+                          f"by its best expert, loom by the sum of its top k / group_topk; "
+                          f"they agree when those are equal")
+    return {"topk_method": "group_limited_greedy" if groups > 1 else "greedy",
+            "n_group": groups, "topk_group": cfg.moe_router_group_topk or 1,
+            "norm_topk_prob": False, "seq_aux": cfg.moe_router_load_balancing_type
+            != "aux_loss", "aux_loss_alpha": cfg.moe_aux_loss_coeff}
+
+
 def hf_config(cfg: ModelConfig) -> dict:
-    """``config.json`` of ``DeepseekV3ForCausalLM`` for a loom MLA model. Raises ConfigError
-    for a layout it cannot express."""
+    """``config.json`` of ``DeepseekV3ForCausalLM`` for a loom MLA model, or of
+    ``DeepseekV2ForCausalLM`` for one whose experts route by softmax (:func:`is_v2`). Raises
+    ConfigError for a layout it cannot express."""
+    title = "DeepSeek-V2" if is_v2(cfg) else TITLE
     if not (cfg.multi_latent_attention and cfg.qk_layernorm and cfg.swiglu
             and cfg.normalization == "RMSNorm"):
-        raise ConfigError(f"{TITLE} export needs --multi-latent-attention, --qk-layernorm (the "
+        raise ConfigError(f"{title} export needs --multi-latent-attention, --qk-layernorm (the "
                           f"latent norms), --swiglu and RMSNorm")
     if cfg.position_embedding_type == "learned_absolute":
-        raise ConfigError(f"{TITLE} has no learned position table: a model trained with "
+        raise ConfigError(f"{title} has no learned position table: a model trained with "
                           f"--multi-latent-attention --position-embedding-type learned_absolute "
                           f"does not convert")
     k = _first_dense(cfg)
     f_moe = cfg.moe_ffn_size if cfg.num_experts else cfg.ffn_size
     shared = cfg.moe_shared_expert_intermediate_size or 0
     if shared % f_moe:
-        raise ConfigError(f"{TITLE}: --moe-shared-expert-intermediate-size {shared} must be a "
+        raise ConfigError(f"{title}: --moe-shared-expert-intermediate-size {shared} must be a "
                           f"multiple of --moe-ffn-hidden-size {f_moe} (n_shared_experts)")
-    if cfg.num_experts and (cfg.moe_router_score_function != "sigmoid"
-                            or cfg.moe_shared_expert_gate):
-        raise ConfigError(f"{TITLE}: MoE layers need --moe-router-score-function sigmoid and "
-                          f"no --moe-shared-expert-gate")
+    if cfg.num_experts and cfg.moe_shared_expert_gate:
+        raise ConfigError(f"{title}: --moe-shared-expert-gate has no Hugging Face class")
+    if cfg.num_experts and not is_v2(cfg) and cfg.moe_router_score_function != "sigmoid":
+        raise ConfigError(f"{TITLE}: MoE layers need --moe-router-score-function sigmoid "
+                          f"(DeepSeek-V3) or softmax (DeepSeek-V2)")
     if cfg.effective_rope_type == "yarn":
         rope = {"rope_type": "yarn", "rope_theta": cfg.rotary_base,
                 "factor": cfg.rotary_scaling_factor or 1.0,
@@ -259,28 +328,35 @@ def hf_config(cfg: ModelConfig) -> dict:
                 "beta_slow": cfg.yarn_beta_slow or 1.0, "mscale": cfg.mscale,
                 "mscale_all_dim": cfg.mscale_all_dim}
         if not cfg.mscale_all_dim and cfg.mscale != 1.0:
-            raise ConfigError(f"{TITLE}: --mscale without --mscale-all-dim is read differently "
+            raise ConfigError(f"{title}: --mscale without --mscale-all-dim is read differently "
                               f"by transformers; give --mscale-all-dim")
     else:
         rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
-    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.ffn_size, "moe_intermediate_size": f_moe,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_attention_heads,
-            "n_shared_experts": shared // f_moe, "n_routed_experts": cfg.num_experts or 1,
-            "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
-            "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank,
-            "qk_rope_head_dim": cfg.qk_pos_emb_head_dim, "v_head_dim": cfg.v_head_dim,
-            "qk_nope_head_dim": cfg.qk_head_dim, "n_group": cfg.moe_router_num_groups or 1,
-            "topk_group": cfg.moe_router_group_topk or 1,
-            "num_experts_per_tok": cfg.moe_router_topk, "first_k_dense_replace": k,
-            "norm_topk_prob": True, "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
-            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
-            "rope_parameters": rope, "rope_interleave": True, "attention_bias": False,
-            "num_nextn_predict_layers": cfg.mtp_num_layers or 0}
+    common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+              "intermediate_size": cfg.ffn_size, "moe_intermediate_size": f_moe,
+              "num_hidden_layers": cfg.num_layers,
+              "num_attention_heads": cfg.num_attention_heads,
+              "num_key_value_heads": cfg.num_attention_heads,
+              "n_shared_experts": shared // f_moe, "n_routed_experts": cfg.num_experts or 1,
+              "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
+              "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank,
+              "qk_rope_head_dim": cfg.qk_pos_emb_head_dim, "v_head_dim": cfg.v_head_dim,
+              "qk_nope_head_dim": cfg.qk_head_dim,
+              "num_experts_per_tok": cfg.moe_router_topk, "first_k_dense_replace": k,
+              "hidden_act": "silu", "max_position_embeddings": cfg.max_positions,
+              "rms_norm_eps": cfg.norm_epsilon,
+              "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+              "rope_parameters": rope, "attention_bias": False}
+    if is_v2(cfg):
+        if cfg.mtp_num_layers:
+            raise ConfigError("DeepSeek-V2 has no multi-token prediction layers: "
+                              "--mtp-num-layers does not convert")
+        return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                **common, **_router_v2(cfg)}
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common,
+            "n_group": cfg.moe_router_num_groups or 1,
+            "topk_group": cfg.moe_router_group_topk or 1, "norm_topk_prob": True,
+            "rope_interleave": True, "num_nextn_predict_layers": cfg.mtp_num_layers or 0}
 
 
 def loom_to_deepseek_v3(full: Mapping[str, torch.Tensor], cfg: ModelConfig,
@@ -305,11 +381,14 @@ def mtp_depth(hf: dict) -> int:
     return hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
 
 
-def read_config(hf: dict, where: str) -> ModelConfig:
-    """loom's layout of a DeepSeek-V3 ``config.json`` dict without its MTP layers (``where``:
-    the source, for messages); ConfigError for what loom does not express."""
+def read_config(hf: dict, where: str, exact: bool = False) -> ModelConfig:
+    """loom's layout of a DeepSeek-V3 (or V2) ``config.json`` dict without its MTP layers
+    (``where``: the source, for messages; ``loom plan --from-hf``); ConfigError for what loom
+    does not express (``exact``: also for a group score computed otherwise than
+    transformers', as the weights' import needs)."""
     try:
-        return deepseek_v3_config(SimpleNamespace(**hf))
+        return deepseek_v3_config(SimpleNamespace(**hf), exact=exact,
+                                  version=2 if hf.get("model_type") == "deepseek_v2" else 3)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 
@@ -318,8 +397,9 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     """``(ModelConfig, full loom tensors)`` of a DeepSeek-V3 ``config.json`` dict and state dict
     (``where``: the source, for messages). MTP depths are imported when their weights are
     present."""
-    cfg = read_config(hf, where)
-    depth = mtp_depth(hf)
+    cfg = read_config(hf, where, exact=True)
+    depth = mtp_depth(hf) if hf.get("model_type") != "deepseek_v2" else 0
     if depth and f"model.layers.{cfg.num_layers}.eh_proj.weight" in sd:
         cfg.mtp_num_layers = depth
+    # DeepSeek-V2's RoPE always rotates interleaved pairs (view_as_complex)
     return cfg, deepseek_v3_to_loom(sd, cfg, interleaved=hf.get("rope_interleave", True))
