@@ -60,6 +60,11 @@ def build(name: str):
             intermediate_size=40, sliding_window=6, tie_word_embeddings=True, pad_token_id=1,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                              "partial_rotary_factor": 0.75}, **c))
+    elif name == "nemotron":  # Nemotron-4: LayerNorm 1p, squared ReLU, half of RoPE; a d > h
+        m = T.NemotronForCausalLM(T.NemotronConfig(
+            intermediate_size=40, head_dim=12, norm_eps=1e-5, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 0.5}, **c))
     elif name == "mixtral":
         m = T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=24, num_local_experts=4,
                                                  num_experts_per_tok=2, sliding_window=6, **c))
@@ -136,5 +141,5 @@ def build(name: str):
     return _perturb(m).eval(), specials
 
 
-CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe",
          "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")

@@ -75,8 +75,13 @@ def export_case(name: str, root) -> dict:
     with torch.no_grad():
         theirs = hf_model(str(out), name)(ids).logits
         source = hf(ids).logits  # the model imported: nothing of its config lost on the way
-    return {"source_logits": rel_err(ours, source, floor=1.0),"hflm": None if name == "bert" else hflm_scores(out),"names": sorted(a) == sorted(b), "unequal": [k for k in a if k in b and not (
+    return {"source_logits": rel_err(ours, source, floor=1.0),
+            "hflm": None if name == "bert" else hflm_scores(out),
+            "names": sorted(a) == sorted(b),
+            "unequal": [k for k in a if k in b and not (
                 a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))],
+            "gain_ulp": max((float((a[k] - b[k]).abs().max()) for k in a
+                             if k in b and k.endswith("norm.weight")), default=0.0),
             "logits": rel_err(ours, theirs, floor=1.0),
             "scale": float(theirs.abs().max()),
             "files": sorted(os.listdir(out)),
@@ -123,9 +128,19 @@ def exports(tmp_path_factory):
         os.umask(old)
 
 
+ZERO_CENTRED = {"nemotron"}
+"""Cases whose norm weights are zero-centred (``1 + w``) in HF but the gain itself in loom's GPT
+family: ``(w + 1) - 1`` rounds at the bits of 1.0 (an fp32 ulp of 1 is 1.2e-7), the one
+inexact step of a round trip."""
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_round_trip_is_bit_equal(exports, name):
-    assert exports[name]["names"] and not exports[name]["unequal"], exports[name]["unequal"]
+    r = exports[name]
+    unequal = [k for k in r["unequal"]
+               if not (name in ZERO_CENTRED and k.endswith("norm.weight"))]
+    assert r["names"] and not unequal, unequal
+    assert r["gain_ulp"] <= (2.0 ** -23 if name in ZERO_CENTRED else 0.0), r["gain_ulp"]
 
 
 @pytest.mark.parametrize("name", CASES)

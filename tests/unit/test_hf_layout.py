@@ -17,6 +17,8 @@ GPT2 = dict(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, v
 LLAMA = dict(GPT2, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
              disable_bias_linear=True)
 MOE = dict(LLAMA, num_experts=4, moe_router_topk=2)
+NEMOTRON = dict(GPT2, apply_layernorm_1p=True, squared_relu=True, position_embedding_type="rope",
+                rotary_percent=0.5, disable_bias_linear=True)
 
 
 def test_each_layout_is_picked():
@@ -30,6 +32,23 @@ def test_each_layout_is_picked():
     assert layout_of(ModelConfig(**MOE, qk_layernorm=True)) == "qwen3_moe"
     assert layout_of(ModelConfig(**MOE, moe_shared_expert_intermediate_size=8)) == "qwen2_moe"
     assert layout_of(ModelConfig(**{**MOE, "quick_geglu": True, "swiglu": False})) == "gpt_oss"
+    assert layout_of(ModelConfig(**NEMOTRON)) == "nemotron"
+    mla = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=None, kv_lora_rank=8,
+               qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+    assert layout_of(ModelConfig(**MOE, **mla)) == "deepseek_v2"  # softmax routing
+    assert layout_of(ModelConfig(**MOE, **mla, moe_router_score_function="sigmoid")) == \
+        "deepseek_v3"
+    assert layout_of(ModelConfig(**LLAMA, **mla)) == "deepseek_v3"
+
+
+def test_nemotron_layout_refuses_what_its_class_lacks():
+    """Nemotron-4's layout needs all of LayerNorm 1p, squared ReLU, RoPE and no biases (without
+    the zero-centred gains it is refused as GPT-2 with squared ReLU), and has no window."""
+    with pytest.raises(ConfigError, match="--squared-relu"):
+        hf_config(ModelConfig(**{**NEMOTRON, "apply_layernorm_1p": False}))
+    with pytest.raises(ConfigError, match="--window-size"):
+        hf_config(ModelConfig(**NEMOTRON, window_size="4,0"))
+    assert hf_config(ModelConfig(**NEMOTRON))["rope_parameters"]["partial_rotary_factor"] == 0.5
 
 
 @pytest.mark.parametrize("name,value", [("squared_relu", True), ("qk_layernorm", True),

@@ -4,7 +4,8 @@ loom's parameter names, both ways (``loom checkpoint convert``; resharding to a 
 ``transformers`` class. The dense layouts live here (GPT2LMHeadModel, LlamaForCausalLM,
 Qwen2ForCausalLM: LLaMA with QKV biases, Qwen3ForCausalLM: LLaMA with Q/K norms,
 MistralForCausalLM: LLaMA with a sliding window); :func:`layout_of` picks the class a model
-exports to, :data:`IMPORTS` the reader of a ``model_type``: Phi-3 (:mod:`.hf_phi3`), Mixtral /
+exports to, :data:`IMPORTS` the reader of a ``model_type``: Phi-3 (:mod:`.hf_phi3`), Nemotron-4
+(:mod:`.hf_nemotron`), Mixtral /
 Qwen2-MoE (:mod:`.hf_moe`), Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V2 / V3
 (:mod:`.hf_deepseek`), gpt-oss (:mod:`.hf_gpt_oss`), Llama 4's text model (:mod:`.hf_llama4`, import only), the
 shared pieces in :mod:`.hf_parts`.
@@ -20,7 +21,8 @@ import torch
 from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
-from loom.models.gpt import hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_phi3, hf_qwen3_moe
+from loom.models.gpt import (hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_nemotron, hf_phi3,
+                             hf_qwen3_moe)
 from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
                                       check_plain, hf_sliding_window, llama_shape_to_hf,
                                       mistral_window, outer_to_hf, outer_to_loom, rope_fields,
@@ -135,8 +137,9 @@ def dense_layout(cfg: ModelConfig) -> str:
 def layout_of(cfg: ModelConfig) -> str:
     """The ``transformers`` class family a GPT-family model exports to (a key of
     :data:`LAYOUTS`): DeepSeek-V2 for MLA with softmax-routed experts, DeepSeek-V3 for other
-    MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE / Mixtral for MoE models (Q/K norms / a shared expert / neither), Phi-3 for the LLaMA layout
-    with partial RoPE, else the dense ones.
+    MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE / Mixtral for MoE models (Q/K norms / a
+    shared expert / neither), Nemotron-4 for LayerNorm 1p with squared ReLU, Phi-3 for the
+    LLaMA layout with partial RoPE, else the dense ones.
     Raises ConfigError for a model none expresses (a latent MoE, probabilities on the expert
     input, Qwen3-Next's and DSA's layers)."""
     if cfg.attention_output_gate or cfg.gated_delta_net:
@@ -164,6 +167,8 @@ def layout_of(cfg: ModelConfig) -> str:
     if cfg.num_experts:
         return "qwen3_moe" if cfg.qk_layernorm else \
             "qwen2_moe" if cfg.moe_shared_expert_intermediate_size else "mixtral"
+    if hf_nemotron.is_nemotron(cfg):
+        return "nemotron"
     if cfg.rotary_percent < 1 and cfg.position_embedding_type == "rope" and \
             cfg.normalization == "RMSNorm" and cfg.swiglu and not cfg.add_qkv_bias:
         return "phi3"  # LLaMA whose RoPE rotates part of each head
@@ -234,6 +239,7 @@ LAYOUTS = {
     "qwen2": (dense_hf_config, loom_to_dense), "qwen3": (dense_hf_config, loom_to_dense),
     "mistral": (dense_hf_config, loom_to_dense),
     "phi3": (hf_phi3.phi3_hf_config, hf_phi3.loom_to_phi3),
+    "nemotron": (hf_nemotron.nemotron_hf_config, hf_nemotron.loom_to_nemotron),
     "mixtral": (hf_moe.mixtral_hf_config, hf_moe.loom_to_mixtral),
     "qwen2_moe": (hf_moe.qwen2_moe_hf_config, hf_moe.loom_to_qwen2_moe),
     "qwen3_moe": (hf_qwen3_moe.qwen3_moe_hf_config, hf_qwen3_moe.loom_to_qwen3_moe),
@@ -272,14 +278,18 @@ def _moe_import(read, convert):
 
 # config.json model_type -> (hf config dict, where) -> ModelConfig, for the types imported
 # by their own readers (the rest: GPT-2 or LLaMA, :func:`read_config`)
-CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.read_config, "gpt_oss": hf_gpt_oss.read_config,
+CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.read_config,
+           "gpt_oss": hf_gpt_oss.read_config,
            "llama4_text": hf_llama4.read_config, "phi3": hf_phi3.read_config,
+           "nemotron": hf_nemotron.read_config,
            "mixtral": _moe_config(hf_moe.mixtral_config),
            "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
            "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
 # config.json model_type -> (hf config dict, state dict, where) -> (ModelConfig, full tensors)
-IMPORTS = {"deepseek_v2": hf_deepseek.to_loom, "deepseek_v3": hf_deepseek.to_loom, "gpt_oss": hf_gpt_oss.to_loom,
+IMPORTS = {"deepseek_v2": hf_deepseek.to_loom, "deepseek_v3": hf_deepseek.to_loom,
+           "gpt_oss": hf_gpt_oss.to_loom,
            "llama4_text": hf_llama4.to_loom, "phi3": hf_phi3.to_loom,
+           "nemotron": hf_nemotron.to_loom,
            "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
            "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
            "qwen3_moe": _moe_import(CONFIGS["qwen3_moe"], hf_qwen3_moe.qwen3_moe_to_loom)}
@@ -313,10 +323,11 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
     return cfg, (gpt2_to_loom if hf.get("model_type") == "gpt2" else llama_to_loom)(sd, cfg)
 
 
-HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3",
+HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron",
                                "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
                                "gpt_oss", "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
-                  title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Phi-3 / Mixtral / Qwen2-MoE "
+                  title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Phi-3 / Nemotron / Mixtral / "
+                        "Qwen2-MoE "
                         "/ Qwen3-MoE / DeepSeek-V2 / DeepSeek-V3 / gpt-oss / Llama 4 (import)")

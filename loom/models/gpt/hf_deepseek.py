@@ -1,8 +1,9 @@
 """Hugging Face ``DeepseekV3ForCausalLM`` <-> loom's GPT family with multi-latent attention,
 YaRN, DeepSeek-V3 routing (sigmoid scores, aux-loss-free expert bias, group-limited top-k,
 routed scaling factor), dense first layers and a shared expert; and ``DeepseekV2ForCausalLM``
-(DeepSeek-V2 / V2-Lite: the same layers, softmax routing with unnormalized top-k weights); full tensors by loom name
-(:func:`loom.interop.hf.load_full_state_dict` cuts each rank's TP / EP shard).
+(DeepSeek-V2 / V2-Lite: the same layers, softmax routing with unnormalized top-k weights);
+full tensors by loom name (:func:`loom.interop.hf.load_full_state_dict` cuts each rank's
+TP / EP shard).
 
 Layout differences handled here:
 
