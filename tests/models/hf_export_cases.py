@@ -87,6 +87,17 @@ def build(name: str):
         for b in m.buffers():  # the routing correction bias, a buffer
             if b.dtype == torch.float32 and b.ndim == 1 and b.numel() == 8:
                 b.normal_(0, 0.1)
+    elif name == "glm4_moe":  # QKV biases, Q/K norms, half of RoPE; V3's router in 4 groups
+        m = T.Glm4MoeForCausalLM(T.Glm4MoeConfig(
+            intermediate_size=48, moe_intermediate_size=16, head_dim=16, n_routed_experts=8,
+            num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+            routed_scaling_factor=2.5, first_k_dense_replace=1, attention_bias=True,
+            use_qk_norm=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 0.5}, **c))
+        for b in m.buffers():  # the routing correction bias, a buffer
+            if b.dtype == torch.float32 and b.ndim == 1 and b.numel() == 8:
+                b.normal_(0, 0.1)
     elif name == "deepseek_v2":  # V2-Lite's q_proj and YaRN; softmax top-3 in 2 of 4 groups
         m = T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
             vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -142,4 +153,4 @@ def build(name: str):
 
 
 CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")
+         "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")

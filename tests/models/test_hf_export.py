@@ -386,3 +386,31 @@ def test_deepseek_routing_transformers_and_loom_compute_differently_is_refused(t
     sigmoid = read_config(good, "config.json")
     sigmoid.moe_router_score_function = "sigmoid"
     assert hf_config(sigmoid)["model_type"] == "deepseek_v3"
+
+
+def test_glm4_moe_what_transformers_computes_otherwise_is_refused():
+    """GLM-4.5: a group score other than Megatron's (transformers sums a group's top 2 experts,
+    Megatron and loom its top k / group_topk) is refused at import (read as Megatron's by the
+    planner) and at export; so are a loom model with MTP layers (not exported) and a gated
+    shared expert; a sigmoid router without the expert bias exports with a zero one."""
+    from loom.errors import ConfigError
+    from loom.models.gpt import hf_glm4_moe
+    from loom.models.gpt.hf import hf_config, loom_to_hf, read_config
+    hf = build("glm4_moe")[0].config.to_dict()
+    with pytest.raises(ConfigError, match="top-2"):
+        hf_glm4_moe.to_loom({**hf, "num_experts_per_tok": 2}, {}, "config.json")
+    assert read_config({**hf, "num_experts_per_tok": 2}, "config.json").moe_router_topk == 2
+    cfg = read_config(hf, "config.json")
+    for field, value, needle in (("moe_router_group_topk", 1, "--moe-router-group-topk"),
+                                 ("mtp_num_layers", 1, "--mtp-num-layers"),
+                                 ("moe_shared_expert_gate", True, "shared-expert-gate")):
+        changed = read_config(hf, "config.json")
+        setattr(changed, field, value)
+        with pytest.raises(ConfigError, match=needle):
+            hf_config(changed)
+    model = build("glm4_moe")[0]
+    full = {k: v for k, v in hf_glm4_moe.glm4_moe_to_loom(model.state_dict(), cfg).items()
+            if not k.endswith("expert_bias")}
+    cfg.moe_router_enable_expert_bias = False
+    bias = loom_to_hf(full, cfg)["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(bias, torch.zeros(8))

@@ -445,3 +445,34 @@ def test_capacity_factor_caps_the_load_imbalance(capsys):
                                     mock_data=True, vocab_size=128,
                                     moe_expert_capacity_factor=1.05)).validate(1)
     assert run_options(cfg).moe_load_imbalance == pytest.approx(1.05)
+
+
+GLM45_AIR = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+             "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+             "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+             "head_dim": 128, "n_routed_experts": 128, "num_experts_per_tok": 8,
+             "n_shared_experts": 1, "first_k_dense_replace": 1, "vocab_size": 151552,
+             "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
+             "num_nextn_predict_layers": 1, "routed_scaling_factor": 1.0, "n_group": 1,
+             "topk_group": 1, "rope_theta": 1e6, "max_position_embeddings": 131072,
+             "tie_word_embeddings": False, "norm_topk_prob": True, "rms_norm_eps": 1e-5}
+GLM45 = {**GLM45_AIR, "hidden_size": 5120, "intermediate_size": 12288,
+         "moe_intermediate_size": 1536, "num_hidden_layers": 92, "n_routed_experts": 160,
+         "first_k_dense_replace": 3, "use_qk_norm": True, "routed_scaling_factor": 2.5}
+
+
+@pytest.mark.parametrize("hf,total,active", [(GLM45_AIR, 106e9, 12e9), (GLM45, 355e9, 32e9)],
+                         ids=["air", "glm-4.5"])
+def test_glm45_configs_count_as_published(hf, total, active):
+    """GLM-4.5 Team 2025 (arXiv 2508.06471) table 1: GLM-4.5 355B total / 32B activated,
+    GLM-4.5-Air 106B / 12B (zai-org's ``config.json`` fields above), counted from the
+    configs as ``loom plan --from-hf`` reads them, with no fit: total within 1% (the MTP layer
+    left out, as the import does), activated within 3% counting neither the embedding nor the
+    output layer."""
+    from loom.models.gpt.hf import read_config
+    cfg = read_config(hf, "config.json")
+    assert (cfg.moe_router_score_function, cfg.rotary_percent, cfg.add_qkv_bias) == \
+        ("sigmoid", 0.5, True)
+    assert total_params(cfg) == pytest.approx(total, rel=0.01)
+    embeddings = 2 * hf["vocab_size"] * hf["hidden_size"]
+    assert total_params(cfg, active=True) - embeddings == pytest.approx(active, rel=0.03)

@@ -5,7 +5,7 @@ loom's parameter names, both ways (``loom checkpoint convert``; resharding to a 
 Qwen2ForCausalLM: LLaMA with QKV biases, Qwen3ForCausalLM: LLaMA with Q/K norms,
 MistralForCausalLM: LLaMA with a sliding window); :func:`layout_of` picks the class a model
 exports to, :data:`IMPORTS` the reader of a ``model_type``: Phi-3 (:mod:`.hf_phi3`), Nemotron-4
-(:mod:`.hf_nemotron`), Mixtral /
+(:mod:`.hf_nemotron`), GLM-4.5 (:mod:`.hf_glm4_moe`), Mixtral /
 Qwen2-MoE (:mod:`.hf_moe`), Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V2 / V3
 (:mod:`.hf_deepseek`), gpt-oss (:mod:`.hf_gpt_oss`), Llama 4's text model (:mod:`.hf_llama4`, import only), the
 shared pieces in :mod:`.hf_parts`.
@@ -21,8 +21,8 @@ import torch
 from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
-from loom.models.gpt import (hf_deepseek, hf_gpt_oss, hf_llama4, hf_moe, hf_nemotron, hf_phi3,
-                             hf_qwen3_moe)
+from loom.models.gpt import (hf_deepseek, hf_glm4_moe, hf_gpt_oss, hf_llama4, hf_moe,
+                             hf_nemotron, hf_phi3, hf_qwen3_moe)
 from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
                                       check_plain, hf_sliding_window, llama_shape_to_hf,
                                       mistral_window, outer_to_hf, outer_to_loom, rope_fields,
@@ -137,8 +137,8 @@ def dense_layout(cfg: ModelConfig) -> str:
 def layout_of(cfg: ModelConfig) -> str:
     """The ``transformers`` class family a GPT-family model exports to (a key of
     :data:`LAYOUTS`): DeepSeek-V2 for MLA with softmax-routed experts, DeepSeek-V3 for other
-    MLA, gpt-oss for its flags, Qwen3-MoE / Qwen2-MoE / Mixtral for MoE models (Q/K norms / a
-    shared expert / neither), Nemotron-4 for LayerNorm 1p with squared ReLU, Phi-3 for the
+    MLA, gpt-oss for its flags, GLM-4.5 for sigmoid-routed MoE, Qwen3-MoE / Qwen2-MoE / Mixtral
+    for other MoE models (Q/K norms / a shared expert / neither), Nemotron-4 for LayerNorm 1p with squared ReLU, Phi-3 for the
     LLaMA layout with partial RoPE, else the dense ones.
     Raises ConfigError for a model none expresses (a latent MoE, probabilities on the expert
     input, Qwen3-Next's and DSA's layers)."""
@@ -164,6 +164,8 @@ def layout_of(cfg: ModelConfig) -> str:
         return "deepseek_v2" if hf_deepseek.is_v2(cfg) else "deepseek_v3"
     if cfg.quick_geglu or cfg.softmax_type != "vanilla" or cfg.enable_gpt_oss:
         return "gpt_oss"
+    if hf_glm4_moe.is_glm4_moe(cfg):
+        return "glm4_moe"
     if cfg.num_experts:
         return "qwen3_moe" if cfg.qk_layernorm else \
             "qwen2_moe" if cfg.moe_shared_expert_intermediate_size else "mixtral"
@@ -240,6 +242,7 @@ LAYOUTS = {
     "mistral": (dense_hf_config, loom_to_dense),
     "phi3": (hf_phi3.phi3_hf_config, hf_phi3.loom_to_phi3),
     "nemotron": (hf_nemotron.nemotron_hf_config, hf_nemotron.loom_to_nemotron),
+    "glm4_moe": (hf_glm4_moe.glm4_moe_hf_config, hf_glm4_moe.loom_to_glm4_moe),
     "mixtral": (hf_moe.mixtral_hf_config, hf_moe.loom_to_mixtral),
     "qwen2_moe": (hf_moe.qwen2_moe_hf_config, hf_moe.loom_to_qwen2_moe),
     "qwen3_moe": (hf_qwen3_moe.qwen3_moe_hf_config, hf_qwen3_moe.loom_to_qwen3_moe),
@@ -281,7 +284,7 @@ def _moe_import(read, convert):
 CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.read_config,
            "gpt_oss": hf_gpt_oss.read_config,
            "llama4_text": hf_llama4.read_config, "phi3": hf_phi3.read_config,
-           "nemotron": hf_nemotron.read_config,
+           "nemotron": hf_nemotron.read_config, "glm4_moe": hf_glm4_moe.read_config,
            "mixtral": _moe_config(hf_moe.mixtral_config),
            "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
            "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
@@ -289,7 +292,7 @@ CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.re
 IMPORTS = {"deepseek_v2": hf_deepseek.to_loom, "deepseek_v3": hf_deepseek.to_loom,
            "gpt_oss": hf_gpt_oss.to_loom,
            "llama4_text": hf_llama4.to_loom, "phi3": hf_phi3.to_loom,
-           "nemotron": hf_nemotron.to_loom,
+           "nemotron": hf_nemotron.to_loom, "glm4_moe": hf_glm4_moe.to_loom,
            "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
            "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
            "qwen3_moe": _moe_import(CONFIGS["qwen3_moe"], hf_qwen3_moe.qwen3_moe_to_loom)}
@@ -324,10 +327,11 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 
 HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron",
-                               "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+                               "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2",
+                               "deepseek_v3",
                                "gpt_oss", "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
                   title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Phi-3 / Nemotron / Mixtral / "
-                        "Qwen2-MoE "
+                        "Qwen2-MoE / GLM-4.5 "
                         "/ Qwen3-MoE / DeepSeek-V2 / DeepSeek-V3 / gpt-oss / Llama 4 (import)")

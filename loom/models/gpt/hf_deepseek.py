@@ -63,15 +63,16 @@ def _rope_fields(hf, title: str = TITLE) -> dict:
                 yarn_beta_slow=float(params.get("beta_slow") or 1.0))
 
 
-def _moe_v3(hf, k: int, exact: bool) -> dict:
-    """DeepSeek-V3's routing: sigmoid scores, the aux-loss-free expert bias, top-k normalized,
-    groups scored by their top-2 experts."""
+def sigmoid_routing(hf, k: int, exact: bool, title: str = TITLE) -> dict:
+    """DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores, the aux-loss-free expert bias,
+    top-k normalized, groups scored by their top-2 experts. ConfigError (naming ``title``) for
+    unnormalized weights, or (``exact``) a group score Megatron computes otherwise."""
     if not _get(hf, "norm_topk_prob", True) and k > 1:
-        raise ConfigError(f"{TITLE}: norm_topk_prob=false: loom's sigmoid router always "
+        raise ConfigError(f"{title}: norm_topk_prob=false: loom's sigmoid router always "
                           f"normalizes the top-k weights")
     groups, gk = _get(hf, "n_group") or 1, _get(hf, "topk_group") or 1
     if groups > 1 and k // gk != 2 and exact:
-        raise ConfigError(f"{TITLE}: n_group {groups} with num_experts_per_tok {k} / "
+        raise ConfigError(f"{title}: n_group {groups} with num_experts_per_tok {k} / "
                           f"topk_group {gk} != 2: transformers scores a group by its top-2 "
                           f"experts, Megatron (and loom) by its top k / group_topk")
     return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
@@ -125,7 +126,7 @@ def deepseek_v3_config(hf, version: int = 3, exact: bool = True) -> ModelConfig:
                    moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
                    moe_layer_freq=f"([0]*{dense}+[1]*{L - dense})",
                    moe_router_topk_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
-                   **(_moe_v3 if version == 3 else _moe_v2)(hf, k, exact))
+                   **(sigmoid_routing if version == 3 else _moe_v2)(hf, k, exact))
         shared = _get(hf, "n_shared_experts") or 0
         if shared:
             moe["moe_shared_expert_intermediate_size"] = shared * _get(hf, "moe_intermediate_size")
@@ -187,11 +188,24 @@ def _layer(sd: Mapping, h: str, l: str, cfg: ModelConfig, moe: bool, interleaved
         move(f"self_attn.{hf_name}.weight", f"self_attention.{loom_name}.weight", fn)
     move("input_layernorm.weight", "input_layernorm.weight")
     move("post_attention_layernorm.weight", "pre_mlp_layernorm.weight")
+    return {**out, **mlp_tensors(sd, h, l, cfg, moe, to_loom, fused)}
+
+
+def mlp_tensors(sd: Mapping, h: str, l: str, cfg: ModelConfig, moe: bool, to_loom: bool,
+                fused: bool = False) -> dict:
+    """A layer's MLP, DeepSeek's way (also GLM-4.5's): a SwiGLU ``mlp.{gate,up,down}_proj``, or
+    the router ``mlp.gate`` (weight, ``e_score_correction_bias``: loom's ``router.expert_bias``),
+    ``mlp.shared_experts`` and ``mlp.experts``; HF prefix ``h`` <-> loom prefix ``l``, the
+    direction and ``fused`` as :func:`_layer`'s."""
+    src, dst = (h, l) if to_loom else (l, h)
     if not moe:
-        out.update(_mlp(sd, src + "mlp.", dst + "mlp.", to_loom))
-        return out
-    move("mlp.gate.weight", "mlp.router.weight")
-    move("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias")
+        return _mlp(sd, src + "mlp.", dst + "mlp.", to_loom)
+    out: dict = {}
+    for hf_name, loom_name in (("mlp.gate.weight", "mlp.router.weight"),
+                               ("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias")):
+        a, b = (hf_name, loom_name) if to_loom else (loom_name, hf_name)
+        if src + a in sd:
+            out[dst + b] = sd[src + a]
     out.update(_mlp(sd, src + "mlp.shared_experts.", dst + "mlp.shared_experts.", to_loom))
     E, x = cfg.num_experts, "mlp.experts."
     if to_loom and h + x + "gate_up_proj" in sd:  # transformers' in-memory [E, 2f, h] / [E, h, f]
@@ -258,12 +272,13 @@ def _layers(sd: Mapping, cfg: ModelConfig, interleaved: bool, to_loom: bool,
     return out
 
 
-def _first_dense(cfg: ModelConfig) -> int:
-    """HF's ``first_k_dense_replace`` of loom's ``--moe-layer-freq`` (dense layers first)."""
+def first_dense(cfg: ModelConfig, title: str = TITLE) -> int:
+    """HF's ``first_k_dense_replace`` of loom's ``--moe-layer-freq`` (dense layers first);
+    ConfigError naming ``title`` for dense layers after MoE ones."""
     kinds = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
     k = kinds.index(True) if any(kinds) else cfg.num_layers
     if any(not x for x in kinds[k:]):
-        raise ConfigError(f"{TITLE}: DeepseekV3 has dense layers first then MoE layers only; "
+        raise ConfigError(f"{title} has dense layers first then MoE layers only; "
                           f"--moe-layer-freq {cfg.moe_layer_freq!r} interleaves them")
     return k
 
@@ -310,7 +325,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         raise ConfigError(f"{title} has no learned position table: a model trained with "
                           f"--multi-latent-attention --position-embedding-type learned_absolute "
                           f"does not convert")
-    k = _first_dense(cfg)
+    k = first_dense(cfg)
     f_moe = cfg.moe_ffn_size if cfg.num_experts else cfg.ffn_size
     shared = cfg.moe_shared_expert_intermediate_size or 0
     if shared % f_moe:
