@@ -278,7 +278,8 @@ UNPRICED_MODEL = {
     "attn_logit_softcapping": "attention soft-capping, priced as fused attention",
     "attention_output_gate": "the attention output gate's projection",
     "linear_attention_freq": "Gated DeltaNet layers, priced as attention layers",
-    "experimental_attention_variant": "sparse attention, priced as dense attention",
+    "experimental_attention_variant": "DeepSeek sparse attention or Gated DeltaNet layers, "
+                                      "priced as dense attention",
     "moe_shared_expert_overlap": "the shared expert's overlap with the dispatch",
     "fp32_residual_connection": "the fp32 residual stream, priced as 16-bit activations",
     "qk_clip": "the recorded attention logits' extra q k^T and the clip after the step",

@@ -87,6 +87,21 @@ def build(name: str):
         for b in m.buffers():  # the routing correction bias, a buffer
             if b.dtype == torch.float32 and b.ndim == 1 and b.numel() == 8:
                 b.normal_(0, 0.1)
+    elif name == "qwen3_next":  # Gated DeltaNet (2 key heads of 4 value heads) + gated attention
+        m = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
+            intermediate_size=40, head_dim=8, num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=8,
+            linear_value_head_dim=6, linear_num_key_heads=2, linear_num_value_heads=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24, mlp_only_layers=[0],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 0.5},
+            **{k: v for k, v in c.items() if k != "num_hidden_layers"}))
+        with torch.no_grad():  # zero-centred norms, A_log and dt_bias away from their inits
+            for n, p in m.named_parameters():
+                if n.endswith(("A_log", "dt_bias")):
+                    p.normal_(0.0, 0.5)
     elif name == "glm4_moe":  # QKV biases, Q/K norms, half of RoPE; V3's router in 4 groups
         m = T.Glm4MoeForCausalLM(T.Glm4MoeConfig(
             intermediate_size=48, moe_intermediate_size=16, head_dim=16, n_routed_experts=8,
@@ -153,4 +168,4 @@ def build(name: str):
 
 
 CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe",
-         "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")
+         "qwen3_next", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")

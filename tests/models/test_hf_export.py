@@ -128,7 +128,7 @@ def exports(tmp_path_factory):
         os.umask(old)
 
 
-ZERO_CENTRED = {"nemotron"}
+ZERO_CENTRED = {"nemotron", "qwen3_next"}
 """Cases whose norm weights are zero-centred (``1 + w``) in HF but the gain itself in loom's GPT
 family: ``(w + 1) - 1`` rounds at the bits of 1.0 (an fp32 ulp of 1 is 1.2e-7), the one
 inexact step of a round trip."""
@@ -311,6 +311,18 @@ def test_phi3_longrope_is_refused_naming_it():
         read_config(hf, "config.json")
 
 
+def export_refuses(hf: dict, cases) -> None:
+    """Each ``(field, value, needle)``: the model of ``hf`` with that field changed is refused
+    at export, the message naming ``needle``."""
+    from loom.errors import ConfigError
+    from loom.models.gpt.hf import hf_config, read_config
+    for field, value, needle in cases:
+        changed = read_config(hf, "config.json")
+        setattr(changed, field, value)
+        with pytest.raises(ConfigError, match=needle):
+            hf_config(changed)
+
+
 def deepseek_v2(**kw):
     """A tiny random ``DeepseekV2ForCausalLM`` (one dense layer, one MoE layer of 8 experts)."""
     c = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -376,13 +388,9 @@ def test_deepseek_routing_transformers_and_loom_compute_differently_is_refused(t
             hf_deepseek.to_loom({**hf, **bad}, {}, "config.json")
     planned = read_config({**good, "num_experts_per_tok": 4}, "config.json")
     assert (planned.moe_router_topk, planned.moe_router_group_topk) == (4, 2)
-    for field, value, needle in (("moe_router_pre_softmax", False, "--moe-router-pre-softmax"),
-                                 ("moe_router_enable_expert_bias", True, "expert-bias"),
-                                 ("moe_router_group_topk", 1, "--moe-router-group-topk")):
-        changed = read_config(good, "config.json")
-        setattr(changed, field, value)
-        with pytest.raises(ConfigError, match=needle):
-            hf_config(changed)
+    export_refuses(good, (("moe_router_pre_softmax", False, "--moe-router-pre-softmax"),
+                        ("moe_router_enable_expert_bias", True, "expert-bias"),
+                        ("moe_router_group_topk", 1, "--moe-router-group-topk")))
     sigmoid = read_config(good, "config.json")
     sigmoid.moe_router_score_function = "sigmoid"
     assert hf_config(sigmoid)["model_type"] == "deepseek_v3"
@@ -395,22 +403,36 @@ def test_glm4_moe_what_transformers_computes_otherwise_is_refused():
     shared expert; a sigmoid router without the expert bias exports with a zero one."""
     from loom.errors import ConfigError
     from loom.models.gpt import hf_glm4_moe
-    from loom.models.gpt.hf import hf_config, loom_to_hf, read_config
+    from loom.models.gpt.hf import loom_to_hf, read_config
     hf = build("glm4_moe")[0].config.to_dict()
     with pytest.raises(ConfigError, match="top-2"):
         hf_glm4_moe.to_loom({**hf, "num_experts_per_tok": 2}, {}, "config.json")
     assert read_config({**hf, "num_experts_per_tok": 2}, "config.json").moe_router_topk == 2
     cfg = read_config(hf, "config.json")
-    for field, value, needle in (("moe_router_group_topk", 1, "--moe-router-group-topk"),
-                                 ("mtp_num_layers", 1, "--mtp-num-layers"),
-                                 ("moe_shared_expert_gate", True, "shared-expert-gate")):
-        changed = read_config(hf, "config.json")
-        setattr(changed, field, value)
-        with pytest.raises(ConfigError, match=needle):
-            hf_config(changed)
+    export_refuses(hf, (("moe_router_group_topk", 1, "--moe-router-group-topk"),
+                        ("mtp_num_layers", 1, "--mtp-num-layers"),
+                        ("moe_shared_expert_gate", True, "shared-expert-gate")))
     model = build("glm4_moe")[0]
     full = {k: v for k, v in hf_glm4_moe.glm4_moe_to_loom(model.state_dict(), cfg).items()
             if not k.endswith("expert_bias")}
     cfg.moe_router_enable_expert_bias = False
     bias = loom_to_hf(full, cfg)["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert torch.equal(bias, torch.zeros(8))
+
+
+def test_qwen3_next_what_its_class_lacks_is_refused():
+    """Qwen3-Next: attention biases (on o_proj too) refused at import; at export, a router
+    other than softmax top-k, a shared expert without its sigmoid gate, attention without
+    Q/K norms (Qwen3NextAttention always has them), MTP layers."""
+    from loom.errors import ConfigError
+    from loom.models.gpt.hf import layout_of, read_config
+    hf = build("qwen3_next")[0].config.to_dict()
+    with pytest.raises(ConfigError, match="attention_bias"):
+        read_config({**hf, "attention_bias": True}, "config.json")
+    cfg = read_config(hf, "config.json")
+    assert layout_of(cfg) == "qwen3_next" and cfg.moe_layer_freq == "[0, 1, 1, 1]"
+    assert [cfg.is_gdn_layer(i) for i in range(4)] == [True, False, True, False]
+    export_refuses(hf, (("moe_router_score_function", "sigmoid", "softmax top-k"),
+                        ("moe_shared_expert_gate", False, "sigmoid gate"),
+                        ("qk_layernorm", False, "--qk-layernorm"),
+                        ("mtp_num_layers", 1, "--mtp-num-layers")))

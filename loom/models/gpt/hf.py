@@ -5,7 +5,7 @@ loom's parameter names, both ways (``loom checkpoint convert``; resharding to a 
 Qwen2ForCausalLM: LLaMA with QKV biases, Qwen3ForCausalLM: LLaMA with Q/K norms,
 MistralForCausalLM: LLaMA with a sliding window); :func:`layout_of` picks the class a model
 exports to, :data:`IMPORTS` the reader of a ``model_type``: Phi-3 (:mod:`.hf_phi3`), Nemotron-4
-(:mod:`.hf_nemotron`), GLM-4.5 (:mod:`.hf_glm4_moe`), Mixtral /
+(:mod:`.hf_nemotron`), GLM-4.5 (:mod:`.hf_glm4_moe`), Qwen3-Next (:mod:`.hf_qwen3_next`), Mixtral /
 Qwen2-MoE (:mod:`.hf_moe`), Qwen3-MoE (:mod:`.hf_qwen3_moe`), DeepSeek-V2 / V3
 (:mod:`.hf_deepseek`), gpt-oss (:mod:`.hf_gpt_oss`), Llama 4's text model (:mod:`.hf_llama4`, import only), the
 shared pieces in :mod:`.hf_parts`.
@@ -22,7 +22,7 @@ from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
 from loom.models.gpt import (hf_deepseek, hf_glm4_moe, hf_gpt_oss, hf_llama4, hf_moe,
-                             hf_nemotron, hf_phi3, hf_qwen3_moe)
+                             hf_nemotron, hf_phi3, hf_qwen3_moe, hf_qwen3_next)
 from loom.models.gpt.hf_parts import (ROPE_SCALINGS, attention_to_hf, attention_to_loom,
                                       check_plain, hf_sliding_window, llama_shape_to_hf,
                                       mistral_window, outer_to_hf, outer_to_loom, rope_fields,
@@ -140,11 +140,9 @@ def layout_of(cfg: ModelConfig) -> str:
     MLA, gpt-oss for its flags, GLM-4.5 for sigmoid-routed MoE, Qwen3-MoE / Qwen2-MoE / Mixtral
     for other MoE models (Q/K norms / a shared expert / neither), Nemotron-4 for LayerNorm 1p with squared ReLU, Phi-3 for the
     LLaMA layout with partial RoPE, else the dense ones.
+    Qwen3-Next for gated attention or Gated DeltaNet layers.
     Raises ConfigError for a model none expresses (a latent MoE, probabilities on the expert
-    input, Qwen3-Next's and DSA's layers)."""
-    if cfg.attention_output_gate or cfg.gated_delta_net:
-        raise ConfigError("Qwen3-Next's gated attention output and Gated DeltaNet layers have "
-                          "no Hugging Face export in loom yet")
+    input, DSA's layers)."""
     if cfg.apply_residual_connection_post_layernorm:
         raise ConfigError("--apply-residual-connection-post-layernorm has no Hugging Face "
                           "layout loom exports to (their layers add the residual before the "
@@ -160,6 +158,8 @@ def layout_of(cfg: ModelConfig) -> str:
         raise ConfigError("--moe-apply-probs-on-input: the Hugging Face MoE classes weigh the "
                           "expert outputs, not their inputs; keep the model in loom or "
                           "Megatron format")
+    if cfg.attention_output_gate or cfg.gated_delta_net:
+        return "qwen3_next"
     if cfg.multi_latent_attention:
         return "deepseek_v2" if hf_deepseek.is_v2(cfg) else "deepseek_v3"
     if cfg.quick_geglu or cfg.softmax_type != "vanilla" or cfg.enable_gpt_oss:
@@ -243,6 +243,7 @@ LAYOUTS = {
     "phi3": (hf_phi3.phi3_hf_config, hf_phi3.loom_to_phi3),
     "nemotron": (hf_nemotron.nemotron_hf_config, hf_nemotron.loom_to_nemotron),
     "glm4_moe": (hf_glm4_moe.glm4_moe_hf_config, hf_glm4_moe.loom_to_glm4_moe),
+    "qwen3_next": (hf_qwen3_next.qwen3_next_hf_config, hf_qwen3_next.loom_to_qwen3_next),
     "mixtral": (hf_moe.mixtral_hf_config, hf_moe.loom_to_mixtral),
     "qwen2_moe": (hf_moe.qwen2_moe_hf_config, hf_moe.loom_to_qwen2_moe),
     "qwen3_moe": (hf_qwen3_moe.qwen3_moe_hf_config, hf_qwen3_moe.loom_to_qwen3_moe),
@@ -285,6 +286,7 @@ CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.re
            "gpt_oss": hf_gpt_oss.read_config,
            "llama4_text": hf_llama4.read_config, "phi3": hf_phi3.read_config,
            "nemotron": hf_nemotron.read_config, "glm4_moe": hf_glm4_moe.read_config,
+           "qwen3_next": hf_qwen3_next.read_config,
            "mixtral": _moe_config(hf_moe.mixtral_config),
            "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
            "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
@@ -293,6 +295,7 @@ IMPORTS = {"deepseek_v2": hf_deepseek.to_loom, "deepseek_v3": hf_deepseek.to_loo
            "gpt_oss": hf_gpt_oss.to_loom,
            "llama4_text": hf_llama4.to_loom, "phi3": hf_phi3.to_loom,
            "nemotron": hf_nemotron.to_loom, "glm4_moe": hf_glm4_moe.to_loom,
+           "qwen3_next": hf_qwen3_next.to_loom,
            "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
            "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
            "qwen3_moe": _moe_import(CONFIGS["qwen3_moe"], hf_qwen3_moe.qwen3_moe_to_loom)}
@@ -327,11 +330,12 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 
 HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron",
-                               "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2",
+                               "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "glm4_moe",
+                               "deepseek_v2",
                                "deepseek_v3",
                                "gpt_oss", "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
                   title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Phi-3 / Nemotron / Mixtral / "
-                        "Qwen2-MoE / GLM-4.5 "
+                        "Qwen2-MoE / Qwen3-Next / GLM-4.5 "
                         "/ Qwen3-MoE / DeepSeek-V2 / DeepSeek-V3 / gpt-oss / Llama 4 (import)")

@@ -25,7 +25,7 @@ from loom.errors import ConfigError
 from loom.models.gpt.hf_deepseek import first_dense, mlp_tensors, sigmoid_routing
 from loom.models.gpt.hf_parts import (attention_to_hf, attention_to_loom, check_plain,
                                       llama_shape_to_hf, outer_to_hf, outer_to_loom,
-                                      rope_fields)
+                                      shape_from_hf)
 from loom.models.gpt.hf_phi3 import partial_rotary
 
 TITLE = "GLM-4.5"
@@ -36,11 +36,12 @@ def read_config(hf: dict, where: str, exact: bool = False) -> ModelConfig:
     messages); ConfigError for what loom does not express (``exact``: also a group score
     Megatron computes otherwise, as the weights' import needs; the planner reads it as
     Megatron's)."""
-    ns = SimpleNamespace(**{"tie_word_embeddings": False, **hf})
+    ns = SimpleNamespace(**hf)
     L, k = hf["num_hidden_layers"], hf["num_experts_per_tok"]
     dense = min(hf.get("first_k_dense_replace", 0) or 0, L)
+    # its attention_bias is on q, k, v only (--add-qkv-bias)
+    shape = shape_from_hf({**hf, "attention_bias": False}, TITLE, where)
     try:
-        rope = rope_fields(ns, TITLE)
         moe = {} if dense >= L else dict(
             num_experts=hf["n_routed_experts"], moe_router_topk=k,
             moe_ffn_hidden_size=hf["moe_intermediate_size"],
@@ -52,17 +53,10 @@ def read_config(hf: dict, where: str, exact: bool = False) -> ModelConfig:
     if moe and hf.get("n_shared_experts"):
         moe["moe_shared_expert_intermediate_size"] = \
             hf["n_shared_experts"] * hf["moe_intermediate_size"]
-    positions = hf["max_position_embeddings"]
     return ModelConfig.llama(
-        num_layers=L, hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        kv_channels=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
-        seq_length=positions, max_position_embeddings=positions, vocab_size=hf["vocab_size"],
         norm_epsilon=hf.get("rms_norm_eps", 1e-5), add_qkv_bias=bool(hf.get("attention_bias")),
-        qk_layernorm=bool(hf.get("use_qk_norm")), rotary_percent=partial_rotary(hf), **rope,
-        untie_embeddings_and_output_weights=not ns.tie_word_embeddings,
-        hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True, **moe)
+        qk_layernorm=bool(hf.get("use_qk_norm")), rotary_percent=partial_rotary(hf), **shape,
+        **moe)
 
 
 def glm4_moe_to_loom(sd: Mapping[str, torch.Tensor],

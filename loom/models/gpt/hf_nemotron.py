@@ -15,7 +15,6 @@ does not compute.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Mapping
 
 import torch
@@ -24,7 +23,7 @@ from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.gpt.hf_parts import (attention_to_hf, attention_to_loom, check_plain,
                                       llama_shape_to_hf, outer_to_hf, outer_to_loom,
-                                      rope_fields)
+                                      shape_from_hf)
 from loom.models.gpt.hf_phi3 import partial_rotary
 
 TITLE = "Nemotron"
@@ -34,29 +33,10 @@ def read_config(hf: dict, where: str) -> ModelConfig:
     """loom's layout of a ``nemotron`` ``config.json`` dict; ConfigError naming ``where`` for
     linear biases, an activation other than ``relu2`` or a RoPE scaling loom does not
     compute."""
-    ns = SimpleNamespace(**{"tie_word_embeddings": False, **hf})
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ConfigError(f"{where}: {TITLE} with attention_bias / mlp_bias: loom's "
-                          f"--apply-layernorm-1p layout has no linear biases")
-    if hf.get("hidden_act", "relu2") != "relu2":
-        raise ConfigError(f"{where}: {TITLE} with hidden_act {hf['hidden_act']!r}: loom "
-                          f"converts relu2 (--squared-relu)")
-    try:
-        rope = rope_fields(ns, TITLE)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    positions = hf["max_position_embeddings"]
     return ModelConfig(
         normalization="LayerNorm", apply_layernorm_1p=True, norm_epsilon=hf.get("norm_eps", 1e-5),
         position_embedding_type="rope", rotary_percent=partial_rotary(hf), squared_relu=True,
-        swiglu=False, disable_bias_linear=True,
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        kv_channels=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
-        seq_length=positions, max_position_embeddings=positions, vocab_size=hf["vocab_size"],
-        untie_embeddings_and_output_weights=not ns.tie_word_embeddings, **rope,
-        hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
+        swiglu=False, disable_bias_linear=True, **shape_from_hf(hf, TITLE, where, "relu2"))
 
 
 def _norms(src: Mapping, pairs, gain: float) -> dict:

@@ -9,6 +9,7 @@ each ``*_to_hf`` is its inverse on full loom tensors (vocabulary padding dropped
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Mapping, Optional
 
 import torch
@@ -97,6 +98,35 @@ def llama_shape_to_hf(cfg: ModelConfig) -> dict:
             "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
             "hidden_act": "silu",
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
+
+
+def shape_from_hf(hf: dict, title: str, where: str, act: str = "silu") -> dict:
+    """loom's shape and RoPE fields of a LLaMA-like ``config.json`` dict (layers, widths,
+    heads, key/value heads, head dim, positions, vocabulary, untied output layer, the RoPE
+    base and scaling; no dropout, vocabulary padding outside the softmax) for
+    ``ModelConfig(**...)``. ConfigError naming ``where`` and ``title`` for attention or MLP
+    biases, an activation other than ``act`` and a RoPE scaling loom does not compute
+    (:func:`rope_fields`)."""
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ConfigError(f"{where}: {title} with attention_bias / mlp_bias (biases on every "
+                          f"projection) has no loom layout")
+    if hf.get("hidden_act", act) != act:
+        raise ConfigError(f"{where}: {title} with hidden_act {hf['hidden_act']!r}: loom "
+                          f"converts {act}")
+    ns = SimpleNamespace(**{"tie_word_embeddings": False, **hf})
+    try:
+        rope = rope_fields(ns, title)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    positions = hf["max_position_embeddings"]
+    return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                num_attention_heads=hf["num_attention_heads"],
+                num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                kv_channels=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
+                seq_length=positions, max_position_embeddings=positions,
+                vocab_size=hf["vocab_size"],
+                untie_embeddings_and_output_weights=not ns.tie_word_embeddings, **rope,
+                hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
 
 
 def outer_to_loom(sd: Mapping) -> dict:

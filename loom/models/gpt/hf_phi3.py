@@ -19,9 +19,8 @@ from typing import Mapping
 import torch
 
 from loom.config import ModelConfig
-from loom.errors import ConfigError
 from loom.models.gpt.hf_parts import (check_plain, hf_sliding_window, llama_shape_to_hf,
-                                      mistral_window, outer_to_hf, outer_to_loom, rope_fields)
+                                      mistral_window, outer_to_hf, outer_to_loom, shape_from_hf)
 
 TITLE = "Phi-3"
 NAMES = (("self_attn.qkv_proj", "self_attention.linear_qkv"),
@@ -42,24 +41,10 @@ def partial_rotary(hf: dict) -> float:
 def read_config(hf: dict, where: str) -> ModelConfig:
     """loom's layout of a ``phi3`` ``config.json`` dict; ConfigError naming ``where`` for a
     RoPE scaling loom does not compute or biases (none of the released models has them)."""
-    ns = SimpleNamespace(**{"tie_word_embeddings": False, **hf})
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ConfigError(f"{where}: {TITLE} with attention_bias / mlp_bias has no loom layout")
-    try:
-        rope = rope_fields(ns, TITLE)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    positions = hf["max_position_embeddings"]
-    return ModelConfig.llama(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        kv_channels=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
-        seq_length=positions, max_position_embeddings=positions,
-        vocab_size=hf["vocab_size"], norm_epsilon=hf.get("rms_norm_eps", 1e-5),
-        rotary_percent=partial_rotary(hf), window_size=mistral_window(ns), **rope,
-        untie_embeddings_and_output_weights=not ns.tie_word_embeddings,
-        hidden_dropout=0.0, attention_dropout=0.0, exclude_padded_vocab=True)
+    ns = SimpleNamespace(**hf)
+    return ModelConfig.llama(norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+                             rotary_percent=partial_rotary(hf), window_size=mistral_window(ns),
+                             **shape_from_hf(hf, TITLE, where))
 
 
 def phi3_to_loom(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
