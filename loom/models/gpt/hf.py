@@ -286,7 +286,8 @@ CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.re
            "gpt_oss": hf_gpt_oss.read_config,
            "llama4_text": hf_llama4.read_config, "phi3": hf_phi3.read_config,
            "nemotron": hf_nemotron.read_config, "glm4_moe": hf_glm4_moe.read_config,
-           "qwen3_next": hf_qwen3_next.read_config,
+           **{kind: hf_qwen3_next.read_config
+              for kind in ("qwen3_next",) + hf_qwen3_next.QWEN35_TYPES},
            "mixtral": _moe_config(hf_moe.mixtral_config),
            "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
            "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
@@ -295,7 +296,8 @@ IMPORTS = {"deepseek_v2": hf_deepseek.to_loom, "deepseek_v3": hf_deepseek.to_loo
            "gpt_oss": hf_gpt_oss.to_loom,
            "llama4_text": hf_llama4.to_loom, "phi3": hf_phi3.to_loom,
            "nemotron": hf_nemotron.to_loom, "glm4_moe": hf_glm4_moe.to_loom,
-           "qwen3_next": hf_qwen3_next.to_loom,
+           **{kind: hf_qwen3_next.to_loom
+              for kind in ("qwen3_next",) + hf_qwen3_next.QWEN35_TYPES},
            "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
            "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
            "qwen3_moe": _moe_import(CONFIGS["qwen3_moe"], hf_qwen3_moe.qwen3_moe_to_loom)}
@@ -330,12 +332,13 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 
 HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron",
-                               "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "glm4_moe",
+                               "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next",
+                               *hf_qwen3_next.QWEN35_TYPES, "glm4_moe",
                                "deepseek_v2",
                                "deepseek_v3",
                                "gpt_oss", "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
                   title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Phi-3 / Nemotron / Mixtral / "
-                        "Qwen2-MoE / Qwen3-Next / GLM-4.5 "
+                        "Qwen2-MoE / Qwen3-Next / Qwen3.5 (import) / GLM-4.5 "
                         "/ Qwen3-MoE / DeepSeek-V2 / DeepSeek-V3 / gpt-oss / Llama 4 (import)")

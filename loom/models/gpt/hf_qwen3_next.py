@@ -22,6 +22,14 @@ softmax-routed MoE with a sigmoid-gated shared expert (Qwen2-MoE's, ``mlp_only_l
 
 Its multi-token prediction layers (``mtp.*``, which transformers does not run) are not
 imported; a loom model with ``--mtp-num-layers`` does not export.
+
+Qwen3.5 (``qwen3_5_text`` / ``qwen3_5_moe_text``, or the Hub's vision-language ``qwen3_5`` /
+``qwen3_5_moe`` whose ``text_config`` and ``model.language_model.*`` tensors are the language
+model; the vision tower is not imported) imports through the same layers: its Gated DeltaNet
+projections are stored apart (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``: loom's
+blocks as they are), its RoPE is multimodal (``mrope_section``), which on text (one position
+per token, the same on its three axes) is the 1-D RoPE loom computes. A loom model exports as
+Qwen3-Next, the same math.
 """
 
 from __future__ import annotations
@@ -39,6 +47,29 @@ from loom.models.gpt.hf_parts import (check_plain, llama_shape_to_hf, outer_to_h
 from loom.models.gpt.hf_phi3 import partial_rotary
 
 TITLE = "Qwen3-Next"
+QWEN35_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+"""Qwen3.5's ``model_type`` values (text models, and the vision-language models' language
+model)."""
+
+
+def text_config(hf: dict) -> dict:
+    """The language model's config of a ``config.json`` dict: Qwen3.5's vision-language
+    ``text_config`` (its ``tie_word_embeddings`` from the top level when not its own), else
+    the dict itself."""
+    text = hf.get("text_config")
+    if hf.get("model_type") not in ("qwen3_5", "qwen3_5_moe") or not isinstance(text, dict):
+        return hf
+    return {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **text}
+
+
+def text_tensors(sd: Mapping[str, torch.Tensor]) -> dict:
+    """The language model's tensors of a Qwen3.5 vision-language state dict
+    (``model.language_model.*`` as ``model.*``; the vision tower and MTP layers left out);
+    another state dict as it is."""
+    if not any(k.startswith("model.language_model.") for k in sd):
+        return dict(sd)
+    return {k.replace("model.language_model.", "model.", 1): v for k, v in sd.items()
+            if k.startswith(("model.language_model.", "lm_head."))}
 
 
 def _layer_types(hf: dict) -> list:
@@ -63,6 +94,7 @@ def read_config(hf: dict, where: str) -> ModelConfig:
     """loom's layout of a ``qwen3_next`` ``config.json`` dict (``where``: the source, for
     messages); ConfigError for attention biases (on ``o_proj`` too), an activation other than
     SiLU or a RoPE scaling loom does not compute."""
+    hf = text_config(hf)
     shape = shape_from_hf(hf, TITLE, where)
     types, moe_layers = _layer_types(hf), _moe_layers(hf)
     linear = [int(t == "linear_attention") for t in types]
@@ -119,6 +151,10 @@ def _gated_delta_net(sd: Mapping, h: str, l: str, cfg: ModelConfig, to_loom: boo
     hs, ls = h + "linear_attn.", l + "self_attention."
     same = (("conv1d.weight", "conv1d.weight"), ("A_log", "A_log"), ("dt_bias", "dt_bias"),
             ("norm.weight", "out_norm.weight"), ("out_proj.weight", "out_proj.weight"))
+    if to_loom and hs + "in_proj_qkv.weight" in sd:  # Qwen3.5: loom's blocks, stored apart
+        out = {ls + "in_proj.weight": torch.cat([sd[hs + f"in_proj_{x}.weight"]
+                                                 for x in ("qkv", "z", "b", "a")])}
+        return {**out, **{ls + b: sd[hs + a] for a, b in same}}
     if to_loom:
         qkvz = sd[hs + "in_proj_qkvz.weight"].view(nk, 2 * dk + 2 * r * dv, -1)
         ba = sd[hs + "in_proj_ba.weight"].view(nk, 2 * r, -1)
@@ -159,9 +195,10 @@ def qwen3_next_to_loom(sd: Mapping[str, torch.Tensor],
 
 
 def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
-    """``(ModelConfig, full loom tensors)`` of a ``qwen3_next`` config and state dict."""
+    """``(ModelConfig, full loom tensors)`` of a ``qwen3_next`` or Qwen3.5 config and state
+    dict."""
     cfg = read_config(hf, where)
-    return cfg, qwen3_next_to_loom(sd, cfg)
+    return cfg, qwen3_next_to_loom(text_tensors(sd), cfg)
 
 
 def qwen3_next_hf_config(cfg: ModelConfig) -> dict:
