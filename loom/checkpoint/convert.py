@@ -137,6 +137,8 @@ def from_hf(src: str, out_dir: str, overwrite: bool = False) -> str:
             known = [t for f in families.families() if f.hf for t in f.hf.model_types]
             raise ConfigError(f"--from-hf {src}: model_type {kind!r}; {', '.join(known)} "
                               f"convert")
+        from loom.interop.hf_quant import dequantize
+        sd = dequantize(hf, sd, f"--from-hf {src}")
         cfg, full = family.hf.to_loom(hf, sd, f"--from-hf {src}")
         del sd
         return save_import(family, cfg, full, out_dir, tok if os.path.exists(tok) else None)
