@@ -436,3 +436,19 @@ def test_qwen3_next_what_its_class_lacks_is_refused():
                         ("moe_shared_expert_gate", False, "sigmoid gate"),
                         ("qk_layernorm", False, "--qk-layernorm"),
                         ("mtp_num_layers", 1, "--mtp-num-layers")))
+
+
+def test_kimi_k2_imports_as_deepseek_v3(tmp_path):
+    """Moonshot's Kimi K2 ``config.json`` says ``model_type: kimi_k2`` over DeepSeek-V3's
+    architecture (other trainers ask users to edit it to deepseek_v3): it imports as is, its
+    logits those of transformers' DeepseekV3ForCausalLM on the same weights."""
+    hf, _ = build("deepseek_v3")
+    hf.save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config,
+                                                              "model_type": "kimi_k2"}))
+    from_hf(str(tmp_path / "src"), str(tmp_path / "ck"))
+    ids = torch.randint(5, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        source = hf(ids).logits
+    assert rel_err(loom_logits(str(tmp_path / "ck"), ids), source, floor=1.0) < 1e-5

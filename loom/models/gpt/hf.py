@@ -282,7 +282,9 @@ def _moe_import(read, convert):
 
 # config.json model_type -> (hf config dict, where) -> ModelConfig, for the types imported
 # by their own readers (the rest: GPT-2 or LLaMA, :func:`read_config`)
+# Kimi K2 is DeepSeek-V3's architecture under its own model_type (Moonshot's config.json)
 CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.read_config,
+           "kimi_k2": hf_deepseek.read_config,
            "gpt_oss": hf_gpt_oss.read_config,
            "llama4_text": hf_llama4.read_config, "phi3": hf_phi3.read_config,
            "nemotron": hf_nemotron.read_config, "glm4_moe": hf_glm4_moe.read_config,
@@ -293,6 +295,7 @@ CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.re
            "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
 # config.json model_type -> (hf config dict, state dict, where) -> (ModelConfig, full tensors)
 IMPORTS = {"deepseek_v2": hf_deepseek.to_loom, "deepseek_v3": hf_deepseek.to_loom,
+           "kimi_k2": hf_deepseek.to_loom,
            "gpt_oss": hf_gpt_oss.to_loom,
            "llama4_text": hf_llama4.to_loom, "phi3": hf_phi3.to_loom,
            "nemotron": hf_nemotron.to_loom, "glm4_moe": hf_glm4_moe.to_loom,
@@ -311,7 +314,7 @@ def read_config(hf: dict, where: str) -> ModelConfig:
     kind = hf.get("model_type")
     if kind in CONFIGS:
         cfg = CONFIGS[kind](hf, where)
-        if kind == "deepseek_v3" and hf_deepseek.mtp_depth(hf):
+        if kind in ("deepseek_v3", "kimi_k2") and hf_deepseek.mtp_depth(hf):
             cfg.mtp_num_layers = hf_deepseek.mtp_depth(hf)
         return cfg
     gpt2 = kind == "gpt2"
@@ -333,10 +336,8 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 HF = HFConversion(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron",
                                "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next",
-                               *hf_qwen3_next.QWEN35_TYPES, "glm4_moe",
-                               "deepseek_v2",
-                               "deepseek_v3",
-                               "gpt_oss", "llama4_text"),
+                               *hf_qwen3_next.QWEN35_TYPES, "glm4_moe", "deepseek_v2",
+                               "deepseek_v3", "kimi_k2", "gpt_oss", "llama4_text"),
                   to_loom=to_loom, export_config=hf_config, from_loom=loom_to_hf,
                   read_config=read_config,
                   title="GPT-2 / LLaMA / Qwen2 / Qwen3 / Mistral / Phi-3 / Nemotron / Mixtral / "
