@@ -19,6 +19,10 @@ class Gemma3Fields:
     gemma_qk_norm: bool = opt(True, "gemma3: RMSNorm (1 + w) of each query and key head "
                                     "before RoPE (Gemma 3's); --no-gemma-qk-norm: none, "
                                     "Gemma 2's layers (loom's own flag)")
+    gemma_post_norms: bool = opt(True, "gemma3: RMSNorm (1 + w) of the attention and MLP "
+                                       "outputs before each residual add (Gemma 2 and 3's "
+                                       "sandwich); --no-gemma-post-norms: none, Gemma 1's "
+                                       "layers (loom's own flag)")
     sliding_window_pattern: int = opt(6, "gemma3: every N-th layer is global, the rest local "
                                          "(5 local : 1 global)", ge=1)
     layer_types: Optional[str] = opt(None, "gemma3: one character per layer, L local (sliding "

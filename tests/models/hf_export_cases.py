@@ -139,6 +139,11 @@ def build(name: str):
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
             query_pre_attn_scalar=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
             max_position_embeddings=32))
+    elif name == "gemma":  # Gemma 1: no QK norm, no post-norms, every layer global; MQA
+        m = T.GemmaForCausalLM(T.GemmaConfig(
+            vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+            max_position_embeddings=32))
     elif name == "bert":
         m = T.BertForMaskedLM(T.BertConfig(
             vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -168,4 +173,4 @@ def build(name: str):
 
 
 CASES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "nemotron", "mixtral", "qwen2_moe", "qwen3_moe",
-         "qwen3_next", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma3", "gemma2", "bert", "mamba2", "nemotron_h")
+         "qwen3_next", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma3", "gemma2", "gemma", "bert", "mamba2", "nemotron_h")

@@ -240,12 +240,16 @@ def test_gguf_directory_is_found(tmp_path, capsys):
 # -- parity with the single-process run ------------------------------------------------------
 
 def gemma_cfg(tp: int, dp: int = 1, pp: int = 1, sp: bool = False, kv: int = 2,
-              softcap: bool = False, cp: int = 1) -> LoomConfig:
+              softcap: bool = False, cp: int = 1, gemma1: bool = False) -> LoomConfig:
+    """Gemma 3's layers (``gemma1``: Gemma 1's, no QK norm or post-norms, all global)."""
+    layers = dict(gemma_qk_norm=False, gemma_post_norms=False, layer_types="GGGG",
+                  query_pre_attn_scalar=16) if gemma1 else \
+        dict(sliding_window=5, layer_types="LLGL", query_pre_attn_scalar=24)
     return tiny_config(
         "gpt", PARITY_SHAPE,  # the same padded softmax columns at every t
         model_type="gemma3", num_layers=4, num_query_groups=kv, kv_channels=16,
-        ffn_hidden_size=96, sliding_window=5, layer_types="LLGL", openai_gelu=True,
-        query_pre_attn_scalar=24, attn_logit_softcapping=20.0 if softcap else None,
+        ffn_hidden_size=96, openai_gelu=True, **layers,
+        attn_logit_softcapping=20.0 if softcap else None,
         final_logit_softcapping=5.0 if softcap else None, init_method_std=0.05,
         mock_data=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sp, context_parallel_size=cp, global_batch_size=8,
@@ -293,12 +297,15 @@ def parity_case(**kw) -> dict:
 def parity_world2() -> dict:
     return {"tp2-mqa-softcap": parity_case(tp=2, kv=1, softcap=True),
             "tp2-sp": parity_case(tp=2, sp=True),
+            "tp2-sp-gemma1": parity_case(tp=2, sp=True, gemma1=True),
             "pp2": parity_case(tp=1, pp=2),
             "cp2": parity_case(tp=1, cp=2)}  # sliding window over all-gathered keys
 
 
 def test_parity_tp2_sp_pp2_cp2():
     for rank in run_distributed(2, parity_world2):
+        # Gemma 1's layers were built: no QK norms, no post-norms (4 tensors a layer fewer)
+        assert rank["tp2-sp-gemma1"]["nparams"] == rank["tp2-sp"]["nparams"] - 3 * 4 * 4
         for name, case in rank.items():
             assert case["nparams"] > 10, (name, case)
             for key in ("loss", "grad", "norm"):
@@ -410,3 +417,42 @@ def test_gemma2_is_gemma3_without_qk_norm():
         resolve_config(tiny_config(model=ModelConfig.llama(
             num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128,
             seq_length=16, gemma_qk_norm=False), train_iters=2), 1)
+
+
+def test_gemma1_is_gemma3_without_qk_norm_and_post_norms():
+    """A Gemma 1 config imports as --model-type gemma3 with ``gemma_qk_norm`` and
+    ``gemma_post_norms`` off: every layer global, the attention scale the head dim's, its
+    layers build two norms (a Gemma 3 config's four and the QK norms), ``--no-gemma-post-norms``
+    spells it on the command line, the other families refuse it, and the Gemma 1 export
+    refuses what Gemma 1 has not (local layers, soft-capping). The logits:
+    tests/models/test_hf_export.py, case gemma; parity at TP 2 + SP: case gemma1 above."""
+    from loom.config import add_config_arguments, config_from_args
+    from loom.errors import ConfigError
+    from loom.models.gemma3.hf import hf_gemma3_config
+    hf = transformers.GemmaConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=1, head_dim=12,
+                                  max_position_embeddings=32).to_dict()
+    cfg = gemma3_config(hf)
+    assert not cfg.gemma_qk_norm and not cfg.gemma_post_norms
+    assert cfg.attention_layer_types == "GG" and cfg.query_pre_attn_scalar == 12
+    for post in (False, True):
+        m = build_model(get_family("gemma3"), dataclasses.replace(cfg, gemma_post_norms=post),
+                        ParallelMesh.single())
+        norms = [n for n, _ in m.named_parameters() if n.startswith("layers.0.")
+                 and "layernorm" in n]
+        assert len(norms) == (4 if post else 2), norms
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = config_from_args(parser.parse_args(["--no-gemma-post-norms"])).model
+    assert not args.gemma_post_norms and args.gemma_qk_norm
+    assert hf_gemma3_config(cfg)["model_type"] == "gemma"
+    for bad, needle in ((dict(layer_types="LG", sliding_window=4), "local layers"),
+                        (dict(attn_logit_softcapping=50.0), "--attn-logit-softcapping"),
+                        (dict(gemma_qk_norm=True), "--gemma-qk-norm")):
+        with pytest.raises(ConfigError, match=needle):
+            hf_gemma3_config(dataclasses.replace(cfg, **bad))
+    with pytest.raises(ConfigError, match="drop --no-gemma-post-norms"):
+        resolve_config(tiny_config(model=ModelConfig.llama(
+            num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128,
+            seq_length=16, gemma_post_norms=False), train_iters=2), 1)

@@ -31,7 +31,7 @@ from testkit.numerics import rel_err
 from testkit.config import tiny_config
 
 GEMMA_ROLES = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
-ROLES = {"gemma3": GEMMA_ROLES, "gemma2": GEMMA_ROLES,
+ROLES = {"gemma3": GEMMA_ROLES, "gemma2": GEMMA_ROLES, "gemma": GEMMA_ROLES,
          "bert": {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
                   "sep_token": "[SEP]", "mask_token": "[MASK]"}}
 GPT_ROLES = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<pad>"}

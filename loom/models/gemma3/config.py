@@ -42,6 +42,9 @@ def refuse_own_flags(m: Any) -> None:
     if not m.gemma_qk_norm:
         raise other_family_flag("no_gemma_qk_norm", "Gemma 2's layers without QK norm",
                                 m.model_type)
+    if not m.gemma_post_norms:
+        raise other_family_flag("no_gemma_post_norms", "Gemma 1's layers without post-norms",
+                                m.model_type)
 
 
 def check(cfg: Any, world_size: int) -> None:

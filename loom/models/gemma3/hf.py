@@ -2,7 +2,9 @@
 (:func:`gemma3_config`, :func:`hf_gemma3_config`) and the weights as full tensors by name
 (:func:`gemma3_to_loom`, :func:`loom_to_gemma3`). Norm weights keep HF's convention (the gain
 is ``1 + weight`` on both sides), so the tensors are copied unchanged; Q stays separate, K and V
-are fused, gate and up are fused.
+are fused, gate and up are fused. Gemma 2 (``gemma2``) is the same layers without QK norm,
+Gemma 1 (``gemma``) without QK norm and post-norms (its ``post_attention_layernorm`` is the
+pre-MLP norm), every layer global, one RoPE base, no soft-capping.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from loom.config import ModelConfig
 from loom.errors import ConfigError
 from loom.models.family import HFConversion
 
-GEMMA3_TYPES = ("gemma3_text", "gemma3", "gemma2")
+GEMMA3_TYPES = ("gemma3_text", "gemma3", "gemma2", "gemma")
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh", "gelu_fast")
 
 
@@ -31,10 +33,10 @@ def _rope(hf: dict, where: str) -> tuple[float, float, float]:
     ``rope_local_base_freq`` / ``rope_scaling``; Gemma 2's one base for both kinds of layer
     (default 10,000), unscaled."""
     params = hf.get("rope_parameters") or {}
-    if hf.get("model_type") == "gemma2":
+    if hf.get("model_type") in ("gemma2", "gemma"):
         if params.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-            raise ConfigError(f"{where}: Gemma 2 with a RoPE scaling: loom converts its default "
-                              f"RoPE")
+            raise ConfigError(f"{where}: Gemma 1 / 2 with a RoPE scaling: loom converts its "
+                              f"default RoPE")
         base = float(params.get("rope_theta") or hf.get("rope_theta") or 10_000.0)
         return base, base, 1.0
     full = dict(params.get("full_attention") or {})
@@ -63,8 +65,8 @@ def gemma3_config(hf: dict, where: str = "config.json") -> ModelConfig:
                      ("tie_word_embeddings", False)):
         if hf.get(key, not bad) == bad:
             raise ConfigError(f"{where}: {key} = {bad} is not supported for Gemma 3")
-    L = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
+    L, gemma1 = hf["num_hidden_layers"], hf.get("model_type") == "gemma"
+    types = ["full_attention"] * L if gemma1 else hf.get("layer_types")
     pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
     if not types:
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
@@ -82,16 +84,19 @@ def gemma3_config(hf: dict, where: str = "config.json") -> ModelConfig:
         vocab_size=hf["vocab_size"], seq_length=max_pos, max_position_embeddings=max_pos,
         norm_epsilon=hf.get("rms_norm_eps", 1e-6), normalization="RMSNorm",
         position_embedding_type="rope", disable_bias_linear=True,
-        openai_gelu=hf.get("hidden_activation", "gelu_pytorch_tanh") in TANH_GELU,
+        openai_gelu=(hf.get("hidden_activation") or hf.get("hidden_act")
+                     or "gelu_pytorch_tanh") in TANH_GELU,
         rotary_base=base, rotary_base_local=local,
         rotary_scaling_factor=factor if factor != 1.0 else None,
         sliding_window=hf.get("sliding_window"), sliding_window_pattern=pattern,
         layer_types="".join("G" if t == "full_attention" else "L" for t in types),
-        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        query_pre_attn_scalar=hf.get("head_dim", 256) if gemma1 else
+        hf.get("query_pre_attn_scalar", 256),
         attn_logit_softcapping=hf.get("attn_logit_softcapping"),
         final_logit_softcapping=hf.get("final_logit_softcapping"),
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout") or 0.0),
-        exclude_padded_vocab=True, gemma_qk_norm=hf.get("model_type") != "gemma2")
+        exclude_padded_vocab=True, gemma_qk_norm=hf.get("model_type") not in ("gemma2", "gemma"),
+        gemma_post_norms=not gemma1)
 
 
 def hf_gemma3_config(cfg: ModelConfig) -> dict:
@@ -102,6 +107,8 @@ def hf_gemma3_config(cfg: ModelConfig) -> dict:
     if cfg.rotary_scaling_factor:
         full.update(rope_type="linear", factor=cfg.rotary_scaling_factor)
     out = _gemma3_config(cfg, full)
+    if not cfg.gemma_post_norms:
+        return _gemma1_config(cfg, out)
     if cfg.gemma_qk_norm:
         return out
     if cfg.rotary_scaling_factor or cfg.rotary_base_local != cfg.rotary_base:
@@ -109,6 +116,32 @@ def hf_gemma3_config(cfg: ModelConfig) -> dict:
                           "no scaling: give --rotary-base-local equal to --rotary-base and no "
                           "--rotary-scaling-factor, or keep the checkpoint in loom's format")
     return {**out, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base}}
+
+
+def _gemma1_config(cfg: ModelConfig, gemma3: dict) -> dict:
+    """``GemmaForCausalLM``'s config of a loom model with ``--no-gemma-post-norms``;
+    ConfigError for what Gemma 1 does not have (QK norm, local layers, soft-capping, another
+    attention scale, two RoPE bases or a scaling)."""
+    lacks = [flag for flag, on in (
+        ("--gemma-qk-norm (give --no-gemma-qk-norm)", cfg.gemma_qk_norm),
+        ("local layers (--layer-types with L)", "L" in cfg.attention_layer_types),
+        ("--attn-logit-softcapping", cfg.attn_logit_softcapping),
+        ("--final-logit-softcapping", cfg.final_logit_softcapping),
+        ("--query-pre-attn-scalar other than the head dim",
+         (cfg.query_pre_attn_scalar or cfg.head_dim) != cfg.head_dim),
+        ("--rotary-scaling-factor", cfg.rotary_scaling_factor))
+        if on]
+    if lacks:
+        raise ConfigError(f"--no-gemma-post-norms exports as Gemma 1, which has no "
+                          f"{lacks[0]}: keep the checkpoint in loom's format")
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "rms_norm_eps", "tie_word_embeddings", "attention_bias", "attention_dropout",
+            "pad_token_id", "eos_token_id", "bos_token_id", "torch_dtype")
+    return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+            **{k: gemma3[k] for k in keep}, "hidden_act": gemma3["hidden_activation"],
+            "hidden_activation": gemma3["hidden_activation"],
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base}}
 
 
@@ -141,7 +174,11 @@ _NORMS = (("input_layernorm", "input_layernorm"),
 
 
 def _norms(cfg: ModelConfig) -> tuple:
-    """The layer's norms of :data:`_NORMS` (Gemma 2: without the QK norms)."""
+    """The layer's norms of :data:`_NORMS` (Gemma 2: without the QK norms; Gemma 1: the input
+    norm and the pre-MLP norm, which it names ``post_attention_layernorm``)."""
+    if not cfg.gemma_post_norms:
+        return (_NORMS[0], ("post_attention_layernorm", "pre_mlp_layernorm")) + \
+            (_NORMS[4:] if cfg.gemma_qk_norm else ())
     return _NORMS if cfg.gemma_qk_norm else _NORMS[:4]
 
 
@@ -200,5 +237,5 @@ def to_loom(hf: dict, sd: Mapping[str, torch.Tensor], where: str) -> tuple:
 
 HF = HFConversion(model_types=GEMMA3_TYPES, to_loom=to_loom, export_config=hf_gemma3_config,
                   from_loom=loom_to_gemma3, gguf_architectures=("gemma3",),
-                  title="Gemma 3 / Gemma 2",
+                  title="Gemma 3 / Gemma 2 / Gemma 1",
                   read_config=gemma3_config)

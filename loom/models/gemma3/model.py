@@ -147,17 +147,20 @@ class GeGLU(nn.Module):
 
 
 class GemmaLayer(nn.Module):
-    """One decoder layer with the sandwich norms (module docstring)."""
+    """One decoder layer with the sandwich norms (module docstring); without the post-norms
+    under ``--no-gemma-post-norms`` (Gemma 1: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``;
+    Gemma Team 2024, "Gemma: Open Models Based on Gemini Research and Technology", sec. 2)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.norm_epsilon
+        post = cfg.gemma_post_norms
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.self_attention = GemmaAttention(cfg, layer_number)
-        self.post_self_attn_layernorm = GemmaRMSNorm(h, eps)
+        self.post_self_attn_layernorm = GemmaRMSNorm(h, eps) if post else nn.Identity()
         self.pre_mlp_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = GeGLU(cfg)
-        self.post_mlp_layernorm = GemmaRMSNorm(h, eps)
+        self.post_mlp_layernorm = GemmaRMSNorm(h, eps) if post else nn.Identity()
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, ropes: dict, positions: Optional[torch.Tensor] = None,
