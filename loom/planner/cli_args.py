@@ -276,10 +276,13 @@ UNPRICED_MODEL = {
     "attention_chunk_size": "chunked attention, priced as full causal attention",
     "sliding_window": "Gemma 3's sliding-window layers, priced as full causal attention",
     "attn_logit_softcapping": "attention soft-capping, priced as fused attention",
-    "attention_output_gate": "the attention output gate's projection",
-    "linear_attention_freq": "Gated DeltaNet layers, priced as attention layers",
-    "experimental_attention_variant": "DeepSeek sparse attention or Gated DeltaNet layers, "
-                                      "priced as dense attention",
+    "attention_output_gate": "the attention output gate's saved activations (its parameters "
+                             "and FLOPs are priced)",
+    "linear_attention_freq": "Gated DeltaNet layers' activation memory and kernel speed, "
+                             "priced as attention layers' (their parameters and FLOPs are "
+                             "Megatron's)",
+    "experimental_attention_variant": "DeepSeek sparse attention priced as dense attention; "
+                                      "Gated DeltaNet layers' memory as attention's",
     "moe_shared_expert_overlap": "the shared expert's overlap with the dispatch",
     "fp32_residual_connection": "the fp32 residual stream, priced as 16-bit activations",
     "qk_clip": "the recorded attention logits' extra q k^T and the clip after the step",
@@ -312,9 +315,7 @@ NO_STEP_COST_MODEL = frozenset({
     "enable_gpt_oss", "mamba_num_heads", "use_rotary_position_embeddings",
     "no_position_embedding",
     # details of layers that are themselves named as not priced
-    "sliding_window_pattern", "layer_types", "window_attn_skip_freq", "linear_conv_kernel_dim",
-    "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-    "linear_num_value_heads", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
+    "sliding_window_pattern", "layer_types", "window_attn_skip_freq", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
     "dsa_indexer_use_sparse_loss", "no_dsa_indexer_rotate_activation",
     "no_dsa_indexer_scoring_relu", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32",
     "qk_clip_alpha", "qk_clip_threshold",

@@ -34,6 +34,7 @@ Symbols: h hidden, a heads, ``q`` = ``--q-lora-rank`` (0: a full query projectio
 from __future__ import annotations
 
 from loom.config import ModelConfig
+from loom.planner.gdn import gate_params, gdn_flops_per_token, gdn_params, gdn_share, layer_mix
 
 
 def _dims(model: ModelConfig) -> tuple:
@@ -80,28 +81,36 @@ def mla_activation_bytes(model: ModelConfig, S) -> tuple:
 
 
 def attention_params(model: ModelConfig) -> tuple[int, int]:
-    """``(tp_sharded, replicated)`` attention parameters of one layer without norms: MLA's, or
-    QKV ``h (a d + 2 g d)`` + output ``a d h`` (+ the QKV bias, sharded)."""
+    """``(tp_sharded, replicated)`` attention parameters of one layer without its input norm:
+    MLA's, or QKV ``h (a d + 2 g d)`` + output ``a d h`` (+ the QKV bias, sharded; the output
+    gate's ``h a d``; the per-head Q/K norms' ``2 d``, replicated); with Gated DeltaNet
+    layers the per-layer mean (:mod:`loom.planner.gdn`)."""
     if model.multi_latent_attention:
         sh, rep = mla_attention_params(model)
         return sh, rep - (0 if model.disable_bias_linear else model.hidden_size)
     h, a, g, d = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
                   model.head_dim)
-    sharded = h * (a * d + 2 * g * d) + a * d * h
+    sharded = h * (a * d + 2 * g * d) + a * d * h + gate_params(model)
     if not model.disable_bias_linear:
         sharded += a * d + 2 * g * d
     if model.softmax_type == "learnable":  # attention sinks: one logit per head (gpt-oss)
         sharded += a
-    return sharded, 0
+    replicated = (4 if model.normalization == "LayerNorm" else 2) * d if model.qk_layernorm \
+        else 0
+    return layer_mix((sharded, replicated), gdn_params(model), gdn_share(model))
 
 
 def attention_flops_per_token(model: ModelConfig, seq_length: int) -> tuple[float, float]:
-    """``(gemm, scores)`` forward FLOPs per token of one layer's attention (MLA or GQA)."""
+    """``(gemm, scores)`` forward FLOPs per token of one layer's attention (MLA or GQA; the
+    output gate's projection in ``gemm``; Gated DeltaNet layers, all token-linear, in
+    ``gemm``: the per-layer mean, :mod:`loom.planner.gdn`)."""
     if model.multi_latent_attention:
         return mla_forward_flops_per_token(model, seq_length)
     h, a, g, d = (model.hidden_size, model.num_attention_heads, model.num_kv_groups,
                   model.head_dim)
-    return float(2 * h * (a * d + 2 * g * d) + 2 * a * d * h), float(4 * seq_length * a * d)
+    standard = (float(2 * h * (a * d + 2 * g * d) + 2 * a * d * h + 2 * gate_params(model)),
+                float(4 * seq_length * a * d))
+    return layer_mix(standard, (gdn_flops_per_token(model), 0.0), gdn_share(model))
 
 
 def mtp_depth(model: ModelConfig) -> int:

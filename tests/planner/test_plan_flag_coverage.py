@@ -351,7 +351,7 @@ def test_unpriced_model_fields_are_named(capsys):
         assert err.startswith("loom plan: warning: not in the prediction: " + flag), err
     pred = predict_layout(tiny_config("llama", attention_output_gate=True).validate(1), 1,
                           "H100-80GB")
-    assert "--attention-output-gate (the attention output gate's projection)" in \
+    assert "--attention-output-gate (the attention output gate's saved activations" in \
         format_prediction(pred)
 
 
