@@ -78,6 +78,7 @@ _IMPLEMENTED = words("""
 --mock-data --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity --log-interval
 --eval-interval --eval-iters --tensorboard-dir --save --load --save-interval --ckpt-step
 --finetune --no-load-optim --no-load-rng --exit-interval --async-save
+--moe-use-upcycling --moe-upcycling-granularity
 --distributed-timeout-minutes --exit-signal-handler --check-weight-hash-across-dp-replicas-interval
 --num-virtual-stages-per-pipeline-rank
 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split

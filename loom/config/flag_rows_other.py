@@ -257,8 +257,6 @@ REFUSED_ROWS = (
     ("--data-parallel-random-init", _no("different initial weights per data-parallel replica")),
     ("--moe-router-quantile-balancing-ema", _no("quantile load balancing")),
     ("--moe-expert-rank-capacity-factor", _no("a token capacity per expert-parallel rank")),
-    ("--moe-use-upcycling", _no("MoE upcycling from a dense checkpoint")),
-    ("--moe-upcycling-granularity", _no("MoE upcycling from a dense checkpoint")),
     ("--batch-invariant-mode", _no("batch-invariant kernels")),
     ("--batch-invariant-backend", _no("batch-invariant kernels")),
 

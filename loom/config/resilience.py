@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from loom.config.fields import opt
 from loom.errors import ConfigError
@@ -50,6 +50,15 @@ class CheckpointConfig:
     finetune: bool = opt(False, "load only the weights of --load and start at iteration 0 (no "
                                 "optimizer, scheduler or RNG state; Megatron's fine-tuning)")
     no_load_optim: bool = opt(False, "do not load the optimizer (Adam) and LR-schedule states")
+    moe_use_upcycling: bool = opt(
+        False, "MoE upcycling: load --load's dense checkpoint into this MoE model (each expert "
+               "a slice of the dense MLP, scaled; the router this model's own, its rows "
+               "repeated: Megatron-Core's upcycling, arXiv 2410.07524), save it to --save at "
+               "iteration 1 and train on; for the first run only (no optimizer or generator "
+               "state is loaded)")
+    moe_upcycling_granularity: int = opt(
+        1, "with --moe-use-upcycling: G slices per dense MLP (its width is G x "
+           "--ffn-hidden-size; 1: each expert a whole copy)", ge=1)
     no_load_rng: bool = opt(False, "do not load the random-generator states")
     no_save_optim: bool = opt(
         False, "save checkpoints without the optimizer (Adam) and LR-schedule states; a resume "
@@ -187,3 +196,37 @@ def check_progress_log(cfg) -> None:
     if cfg.logging.log_progress and not cfg.checkpoint.save:
         raise ConfigError("--log-progress writes progress.txt into the --save directory, but no "
                           "--save is given: add --save DIR or drop --log-progress")
+
+
+def check_upcycling(cfg: Any) -> None:
+    """``--moe-use-upcycling``'s rules (Megatron-LM's, and what the dense model must be):
+    an MoE model, ``--load`` (the dense checkpoint) and ``--save`` (the upcycled one), no
+    ``--finetune``; the dense MLP ``G x --ffn-hidden-size`` wide splits into ``G`` expert
+    widths, ``G`` divides the expert count, and with ``G > 1`` every layer is MoE (a dense
+    layer of the MoE model would be narrower than the checkpoint's). Sets ``--no-load-optim``
+    and ``--no-load-rng`` (Megatron's rule: the dense run's optimizer does not fit). Raises
+    ConfigError naming the flag and the fix."""
+    ck, m = cfg.checkpoint, cfg.model
+    if not ck.moe_use_upcycling:
+        return
+    if not m.num_experts:
+        raise ConfigError("--moe-use-upcycling needs --num-experts E: the MoE model the dense "
+                          "checkpoint becomes")
+    if not (ck.load and ck.save):
+        raise ConfigError("--moe-use-upcycling needs --load DIR (the dense checkpoint) and "
+                          "--save DIR (where the upcycled one is written; Megatron's rule)")
+    if ck.finetune:
+        raise ConfigError("--moe-use-upcycling with --finetune: upcycling starts at iteration 1 "
+                          "from the dense weights already; drop --finetune")
+    G, f, ffn = ck.moe_upcycling_granularity, m.moe_ffn_size, m.ffn_size
+    dense = ffn * G
+    if dense % f or m.num_experts % (dense // f):
+        raise ConfigError(f"--moe-use-upcycling: the dense MLP (--ffn-hidden-size {ffn} x "
+                          f"--moe-upcycling-granularity {G} = {dense}) must split into experts "
+                          f"of --moe-ffn-hidden-size {f}, their number dividing --num-experts "
+                          f"{m.num_experts}")
+    if dense // f > 1 and not all(m.is_moe_layer(i) for i in range(m.num_layers)):
+        raise ConfigError("--moe-use-upcycling with --moe-upcycling-granularity > 1 and dense "
+                          "layers (--moe-layer-freq): those layers would be narrower than the "
+                          "checkpoint's MLP; make every layer MoE or use granularity 1")
+    ck.no_load_optim = ck.no_load_rng = True

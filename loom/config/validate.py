@@ -33,7 +33,8 @@ from loom.config.model_llama4 import check_llama4_attention
 from loom.config.model_variants import check_layer_variants
 from loom.config.parallel_cp import check_context_parallel
 from loom.config.pipeline import layout_virtual_stages, validate_pipeline
-from loom.config.resilience import check_non_persistent, check_progress_log, check_pruning
+from loom.config.resilience import (check_non_persistent, check_progress_log, check_pruning,
+                                    check_upcycling)
 from loom.config.document_masks import check_document_masks
 from loom.config.optimizer_precision import check_precision_aware
 from loom.config.script_flags import resolve_script_flags
@@ -556,6 +557,7 @@ def validate_config(cfg: Any, world_size: int, family: Optional[FamilyRules] = N
                           "--mtbf-hours-per-node H (or --mtbf-hours H for the whole job)")
     check_non_persistent(ck)
     check_pruning(ck)
+    check_upcycling(cfg)
     check_progress_log(cfg)
     if t.lr is not None and t.min_lr > t.lr:
         raise ConfigError(f"--min-lr {t.min_lr} exceeds --lr {t.lr}: lower --min-lr")

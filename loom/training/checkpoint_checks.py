@@ -39,6 +39,23 @@ def missing_checkpoint(load: str) -> str:
             f"--exit-on-missing-checkpoint to start fresh)")
 
 
+def check_upcycling_dirs(ck, ckpt: Optional[str]) -> int:
+    """``--moe-use-upcycling``'s directories: ``--load`` holds the dense checkpoint, ``--save``
+    none yet (Megatron-LM's assertion: upcycling is the first run, its later runs resume without
+    the flag); returns the start iteration, 1 (Megatron's)."""
+    from loom.checkpoint.safety import saved_iterations
+    if ckpt is None:
+        raise ConfigError(f"--moe-use-upcycling: --load {ck.load} holds no checkpoint: nothing to "
+                          f"upcycle (give the dense model's checkpoint directory)")
+    held = saved_iterations(ck.save)
+    if held:
+        raise ConfigError(f"--moe-use-upcycling: --save {ck.save} already holds checkpoints "
+                          f"(iterations {', '.join(map(str, held))}): upcycling is for the first "
+                          f"run only; drop --moe-use-upcycling (and give --load {ck.save}) to "
+                          f"resume the upcycled run, or give a fresh --save")
+    return 1
+
+
 def check_checkpoints(cfg, dry_run: bool = False) -> int:
     """Resolve ``--load`` and check ``--save`` of ``cfg`` (a resolved LoomConfig); returns the
     start iteration. ``dry_run``: the
@@ -58,7 +75,11 @@ def check_checkpoints(cfg, dry_run: bool = False) -> int:
     if ck.load:
         found = megatron_at(ck.load, ck.ckpt_step)  # a Megatron-LM checkpoint: its own reader
         ckpt = found.path if found else resolve_checkpoint(ck.load, ck.ckpt_step)
-        if found is not None:
+        if ck.moe_use_upcycling:
+            if found is None and ckpt is not None:
+                check_checkpoint_files(ckpt)
+            start = check_upcycling_dirs(ck, ckpt)
+        elif found is not None:
             start = 0 if ck.finetune else megatron_start(found, ck)
         elif ckpt is not None:
             check_checkpoint_files(ckpt)

@@ -106,6 +106,8 @@ class Checkpointer:
         (``--no-save-optim``, ``--no-save-rng``), or is missing under
         ``--exit-on-missing-checkpoint``."""
         ck, cfg = self.cfg.checkpoint, self.cfg
+        if ck.moe_use_upcycling:
+            return self._upcycle(load_dir)
         weights_only = ck.finetune or ck.no_load_optim  # Megatron: no optimizer, no scheduler
         ckpt = latest_checkpoint(load_dir, ck.ckpt_step)
         if ckpt is not None:
@@ -140,3 +142,45 @@ class Checkpointer:
         if ck.finetune:  # the weights only, from iteration 0
             return Resumed(ckpt, None, None, **states)
         return Resumed(ckpt, common["iteration"], common["consumed_samples"], **states)
+
+    def _upcycle(self, load_dir: str) -> Resumed:
+        """``--moe-use-upcycling``: this MoE model's weights from the dense checkpoint of
+        ``load_dir`` (:mod:`loom.checkpoint.upcycling`), saved to ``--save`` at iteration 1 with
+        no sample consumed, as Megatron-LM's ``setup_model_and_optimizer`` does; the run goes
+        on from there. The dense checkpoint must be this model with every MoE layer's MLP
+        ``G x --ffn-hidden-size`` wide (checked as a resume checks its model). Collective."""
+        import torch
+
+        from loom.checkpoint.reader import open_checkpoint
+        from loom.checkpoint.reader import _named_params
+        from loom.checkpoint.upcycling import dense_counterpart, upcycle
+        from loom.parallel.fsdp import shard_like
+        from loom.parallel.registry import local_shard
+        cfg, ck = self.cfg, self.cfg.checkpoint
+        m = cfg.model
+        dense_cfg = dense_counterpart(m, ck.moe_upcycling_granularity)
+        ckpt = latest_checkpoint(load_dir, ck.ckpt_step)
+        saved = read_common(ckpt)["config"]
+        if saved:
+            check_same_model(saved, dense_cfg, ckpt, self.family)
+        params = _named_params(self.model_chunks)
+        index = open_checkpoint(ckpt, dense_cfg)
+        dense, _, _ = index.load(index.names)
+        granularity = dense_cfg.ffn_size // m.moe_ffn_size
+
+        def whole(p):  # a router is replicated; under ZeRO-3 its DTensor's full value
+            t = p.detach()
+            return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+        with torch.no_grad():
+            routers = {n: whole(p) for n, (p, _) in params.items() if n.endswith("router.weight")}
+            full = upcycle(dense, list(params), routers, m, granularity)
+            for name, (p, meta) in params.items():
+                if name in full:
+                    p.copy_(shard_like(p, local_shard(full[name], meta,
+                                                      *self.mesh.shard_of(meta), name)))
+        if hasattr(self.optimizer, "copy_params_to_masters"):
+            self.optimizer.copy_params_to_masters()  # fp32 masters from the upcycled weights
+        self.scheduler.anchor(1, 0)
+        self.scheduler.resync()
+        self.save(ck.save, iteration=1, consumed_samples=0)
+        return Resumed(ckpt, 1, 0)

@@ -305,7 +305,13 @@ def prepare(args: argparse.Namespace) -> LoomConfig:
             raise ConfigError(f"--result-rejected-tracker-filename {tracker}: its directory "
                               f"does not exist (the file is appended to): create it or give "
                               f"another path")
-    if stored is not None and stored[1]:  # (a bare Megatron-Core checkpoint stores no config)
+    if stored is not None and stored[1] and cfg.checkpoint.moe_use_upcycling:
+        from loom.checkpoint.upcycling import dense_counterpart  # a new run from dense weights
+        from loom.models import get_family
+        check_same_model(stored[1], dense_counterpart(
+            cfg.model, cfg.checkpoint.moe_upcycling_granularity), stored[0],
+            get_family(cfg.model.model_type))
+    elif stored is not None and stored[1]:  # (a bare Megatron-Core checkpoint stores none)
         schedule = _check_same_model(cfg, *stored)
         if not megatron_at(stored[0], None):  # Megatron stores no loom data identities
             check_same_data(cfg, stored[0])  # the same datasets, --split and --seed

@@ -73,6 +73,10 @@ def start_notes(cfg: LoomConfig, given: dict) -> list[str]:
                        f"; Llama 3's RoPE scaling (--use-rope-scaling) takes "
                        f"--rope-scaling-factor, {m.rope_scaling_factor:g} here"
                        if m.use_rope_scaling else ""))
+    granularity = given.get("moe_upcycling_granularity")
+    if granularity not in (None, 1) and not cfg.checkpoint.moe_use_upcycling:
+        out.append(f"--moe-upcycling-granularity {granularity} without --moe-use-upcycling: no "
+                   f"effect (as in Megatron-LM: it shapes the first, upcycling run only)")
     etp = given.get("expert_tensor_parallel_size")
     if etp is not None and not m.num_experts:
         out.append(f"--expert-tensor-parallel-size {etp} without --num-experts: no experts, no "
