@@ -280,30 +280,22 @@ def _moe_import(read, convert):
     return imports
 
 
+# config.json model_type -> the module reading it (its read_config and to_loom); Kimi K2 is
+# DeepSeek-V3's architecture under its own model_type (Moonshot's config.json)
+MODULES = {"deepseek_v2": hf_deepseek, "deepseek_v3": hf_deepseek, "kimi_k2": hf_deepseek,
+           "gpt_oss": hf_gpt_oss, "llama4_text": hf_llama4, "phi3": hf_phi3,
+           "nemotron": hf_nemotron, "glm4_moe": hf_glm4_moe,
+           **{kind: hf_qwen3_next for kind in ("qwen3_next",) + hf_qwen3_next.QWEN35_TYPES}}
+_MOE = {"mixtral": (hf_moe.mixtral_config, hf_moe.mixtral_to_loom),
+        "qwen2_moe": (hf_moe.qwen2_moe_config, hf_moe.qwen2_moe_to_loom),
+        "qwen3_moe": (hf_qwen3_moe.qwen3_moe_config, hf_qwen3_moe.qwen3_moe_to_loom)}
 # config.json model_type -> (hf config dict, where) -> ModelConfig, for the types imported
 # by their own readers (the rest: GPT-2 or LLaMA, :func:`read_config`)
-# Kimi K2 is DeepSeek-V3's architecture under its own model_type (Moonshot's config.json)
-CONFIGS = {"deepseek_v2": hf_deepseek.read_config, "deepseek_v3": hf_deepseek.read_config,
-           "kimi_k2": hf_deepseek.read_config,
-           "gpt_oss": hf_gpt_oss.read_config,
-           "llama4_text": hf_llama4.read_config, "phi3": hf_phi3.read_config,
-           "nemotron": hf_nemotron.read_config, "glm4_moe": hf_glm4_moe.read_config,
-           **{kind: hf_qwen3_next.read_config
-              for kind in ("qwen3_next",) + hf_qwen3_next.QWEN35_TYPES},
-           "mixtral": _moe_config(hf_moe.mixtral_config),
-           "qwen2_moe": _moe_config(hf_moe.qwen2_moe_config),
-           "qwen3_moe": _moe_config(hf_qwen3_moe.qwen3_moe_config)}
+CONFIGS = {**{kind: m.read_config for kind, m in MODULES.items()},
+           **{kind: _moe_config(read) for kind, (read, _) in _MOE.items()}}
 # config.json model_type -> (hf config dict, state dict, where) -> (ModelConfig, full tensors)
-IMPORTS = {"deepseek_v2": hf_deepseek.to_loom, "deepseek_v3": hf_deepseek.to_loom,
-           "kimi_k2": hf_deepseek.to_loom,
-           "gpt_oss": hf_gpt_oss.to_loom,
-           "llama4_text": hf_llama4.to_loom, "phi3": hf_phi3.to_loom,
-           "nemotron": hf_nemotron.to_loom, "glm4_moe": hf_glm4_moe.to_loom,
-           **{kind: hf_qwen3_next.to_loom
-              for kind in ("qwen3_next",) + hf_qwen3_next.QWEN35_TYPES},
-           "mixtral": _moe_import(CONFIGS["mixtral"], hf_moe.mixtral_to_loom),
-           "qwen2_moe": _moe_import(CONFIGS["qwen2_moe"], hf_moe.qwen2_moe_to_loom),
-           "qwen3_moe": _moe_import(CONFIGS["qwen3_moe"], hf_qwen3_moe.qwen3_moe_to_loom)}
+IMPORTS = {**{kind: m.to_loom for kind, m in MODULES.items()},
+           **{kind: _moe_import(CONFIGS[kind], convert) for kind, (_, convert) in _MOE.items()}}
 
 
 def read_config(hf: dict, where: str) -> ModelConfig:
