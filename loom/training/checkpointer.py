@@ -151,8 +151,7 @@ class Checkpointer:
         ``G x --ffn-hidden-size`` wide (checked as a resume checks its model). Collective."""
         import torch
 
-        from loom.checkpoint.reader import open_checkpoint
-        from loom.checkpoint.reader import _named_params
+        from loom.checkpoint.reader import _named_params, open_checkpoint
         from loom.checkpoint.upcycling import dense_counterpart, upcycle
         from loom.parallel.fsdp import shard_like
         from loom.parallel.registry import local_shard
