@@ -294,7 +294,6 @@ NO_STEP_COST_MODEL = frozenset({
     "init_method_std", "exclude_padded_vocab", "apply_layernorm_1p", "post_layernorm",
     "embedding_init_method_std", "init_method_xavier_uniform", "torchtitan_init",
     "apply_residual_connection_post_layernorm", "qk_l2_norm", "qk_l2_norm_rope_layers_only",
-    "gemma_qk_norm", "gemma_post_norms",
     "moe_router_pre_softmax", "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_force_load_balancing",
     "moe_router_force_biased", "moe_input_jitter_eps",

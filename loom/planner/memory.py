@@ -69,15 +69,17 @@ def layer_params(model: ModelConfig) -> tuple[int, int]:
     """Parameters of one transformer layer: ``(tp_sharded, replicated)``.
 
     Sharded: QKV ``h (a d + 2 g d)``, output projection ``a d h``, MLP ``2 h f`` (``3 h f``
-    with SwiGLU) and the column-parallel biases. Replicated across TP ranks: the two norms
-    (``2h`` RMSNorm, ``4h`` LayerNorm) and the row-parallel biases. For a GPT with biases this
+    with SwiGLU or GeGLU) and the column-parallel biases. Replicated across TP ranks: the two
+    norms (``2h`` RMSNorm, ``4h`` LayerNorm; Gemma 2 / 3's sandwich four) and the row-parallel
+    biases. For a GPT with biases this
     totals ``12 h^2 + 13 h`` (NAR eq 2).
     """
     h, f = model.hidden_size, model.ffn_size
     mlp_in = 2 * f if model.gated_linear_unit else f
     att_sh, att_rep = attention_params(model)  # MLA: loom.planner.mla
     sharded = att_sh + h * mlp_in + f * h
-    replicated = (4 if model.normalization == "LayerNorm" else 2) * h + att_rep
+    norms = 4 if model.model_type == "gemma3" and model.gemma_post_norms else 2  # sandwich
+    replicated = (2 if model.normalization == "LayerNorm" else 1) * norms * h + att_rep
     if not model.disable_bias_linear:
         sharded += mlp_in
         replicated += 2 * h

@@ -95,8 +95,8 @@ def attention_params(model: ModelConfig) -> tuple[int, int]:
         sharded += a * d + 2 * g * d
     if model.softmax_type == "learnable":  # attention sinks: one logit per head (gpt-oss)
         sharded += a
-    replicated = (4 if model.normalization == "LayerNorm" else 2) * d if model.qk_layernorm \
-        else 0
+    qk_norms = model.qk_layernorm or (model.model_type == "gemma3" and model.gemma_qk_norm)
+    replicated = (4 if model.normalization == "LayerNorm" else 2) * d if qk_norms else 0
     return layer_mix((sharded, replicated), gdn_params(model), gdn_share(model))
 
 

@@ -95,3 +95,22 @@ def test_qwen3_next_80b_counts_as_published():
     assert total_params(cfg) == pytest.approx(80e9, rel=0.01)
     embeddings = 2 * hf["vocab_size"] * hf["hidden_size"]
     assert total_params(cfg, active=True) - embeddings == pytest.approx(3e9, rel=0.10)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(gemma_qk_norm=False),
+                                dict(gemma_qk_norm=False, gemma_post_norms=False)],
+                         ids=["gemma3", "gemma2", "gemma1"])
+def test_planner_counts_what_loom_builds_for_gemma(kw):
+    """The gemma3 family (Gemma 3 / 2 / 1 layers): its GeGLU MLP is gated (it was counted as
+    a plain one: Gemma 7B came out at 6.42B, not its 8.54B), its four norms a layer (two
+    without post-norms) and Q/K norms counted as loom builds them."""
+    from loom.models import get_family
+    from loom.models.family import StageSpec
+    from testkit.config import tiny_config
+    cfg = tiny_config("gpt", model_type="gemma3", num_layers=2, hidden_size=32,
+                      num_attention_heads=4, layer_types="GL", sliding_window=4,
+                      num_query_groups=2, kv_channels=12, ffn_hidden_size=40, vocab_size=96,
+                      seq_length=16, world=1, **kw).model  # the family fixes its layout
+    with torch.device("meta"):
+        model = get_family("gemma3").build(cfg, StageSpec((0, 1), True, True, cfg.vocab_size))
+    assert total_params(cfg) == sum(p.numel() for p in model.parameters())
