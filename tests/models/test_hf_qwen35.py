@@ -70,3 +70,19 @@ def test_qwen35_imports_as_transformers_computes_it(tmp_path, kind):
     with torch.no_grad():
         exported = hf_model(str(tmp_path / "out"), "qwen3_next")(ids).logits
     assert rel_err(exported, source, floor=1.0) < 1e-5
+
+
+def test_the_hubs_qwen35_moe_config_reads_and_counts_as_published():
+    """The Hub's Qwen3.5-35B-A3B ``config.json`` (transformers' Qwen3_5MoeConfig defaults: the
+    vision-language model, its text config without a dense ``intermediate_size``, every layer
+    MoE) reads into loom's model (``loom plan --from-hf``, the import): 256 experts on 40 layers,
+    3 of 4 Gated DeltaNet, and the language model counts 35B within 2% (the vision tower is not
+    imported)."""
+    from loom.models.gpt.hf import read_config
+    from loom.planner.memory import total_params
+    hf = transformers.Qwen3_5MoeConfig().to_dict()
+    assert "intermediate_size" not in hf["text_config"]
+    cfg = read_config(hf, "config.json")
+    assert (cfg.num_experts, cfg.num_layers, sum(map(cfg.is_gdn_layer, range(40)))) == \
+        (256, 40, 30)
+    assert total_params(cfg) == pytest.approx(35e9, rel=0.02)

@@ -95,6 +95,8 @@ def read_config(hf: dict, where: str) -> ModelConfig:
     messages); ConfigError for attention biases (on ``o_proj`` too), an activation other than
     SiLU or a RoPE scaling loom does not compute."""
     hf = text_config(hf)
+    if "intermediate_size" not in hf:  # Qwen3.5-MoE: no dense MLP, so no dense width
+        hf = {**hf, "intermediate_size": hf["moe_intermediate_size"]}
     shape = shape_from_hf(hf, TITLE, where)
     types, moe_layers = _layer_types(hf), _moe_layers(hf)
     linear = [int(t == "linear_attention") for t in types]
