@@ -67,8 +67,6 @@ REFUSED = MappingProxyType({
            "PyTorch, with RoPE in halves)",
     "mhc": "manifold-constrained hyper-connections",
     "heterogeneous": "heterogeneous per-layer configurations",
-    "sft": "chat template given as text (SFTTokenizer's template is "
-           "--sft-tokenizer-prompt-format's)",
     "architecture": "architecture variants",
     "resiliency": "NVIDIA's resiliency services (in-process restart, fault-tolerance package, "
                   "autoresume): loom restarts under torchrun "

@@ -246,7 +246,10 @@ REFUSED_ROWS = (
         --mhc-init-gating-factor --mhc-recompute-layer-num"""),
     *_block(refused("heterogeneous"), """
         --heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"""),
-    ("--chat-template", refused("sft")),
+    ("--chat-template", no_effect("tokenizer", note=(
+        "Megatron hands it to its HuggingFace / SentencePiece / TikToken tokenizers' chat "
+        "formatting (inference and RL endpoints); training data never reads it: pretraining "
+        "text, and SFTTokenizer's template is --sft-tokenizer-prompt-format's"))),
     ("--mtp-standalone", _no("multi-token prediction on a pipeline stage of its own")),
     ("--mtp-use-repeated-layer", _no("multi-token prediction with one shared repeated layer")),
     ("--mtp-detach-heads", _no("multi-token prediction with detached heads")),

@@ -27,7 +27,7 @@ SWITCHES = [  # Megatron flags loom accepts without effect (the flag table), non
     "--cuda-graph-impl", "local",
     "--disable-gloo-process-groups", "--manual-gc", "--manual-gc-interval", "10",
     "--empty-unused-memory-level", "1", "--attention-softmax-in-fp32",
-    "--apply-query-key-layer-scaling",
+    "--apply-query-key-layer-scaling", "--chat-template", "{{ messages }}",
     "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
     "--fp8-param-gather", "--init-model-with-meta-device", "--use-nccl-ub",
     "--fsdp-double-buffer", "--fsdp-manual-registration", "--megatron-fsdp-grad-comm-dtype",
