@@ -57,9 +57,9 @@ class GptOssFields:
     @property
     def gated_linear_unit(self) -> bool:
         """Whether the MLP's FC1 holds a gate and a linear half (``--swiglu`` or
-        ``--quick-geglu``, and the gemma3 family's GeGLU, always; Megatron's
-        ``gated_linear_unit``)."""
-        return bool(self.swiglu or self.quick_geglu or self.model_type == "gemma3")
+        ``--quick-geglu``; Megatron's ``gated_linear_unit``; a family's own gated MLP, e.g.
+        Gemma's GeGLU, is its ``layer_shape`` hook's)."""
+        return bool(self.swiglu or self.quick_geglu)
 
     @property
     def window(self) -> Optional[tuple[int, int]]:
@@ -127,7 +127,7 @@ def check_gptoss(m: Any, tp: int, cp: int) -> None:
     if m.quick_geglu and m.swiglu:
         raise ConfigError("--quick-geglu and --swiglu pick different gated MLPs: give one")
     if (m.glu_linear_offset or m.activation_func_clamp_value is not None) \
-            and not (m.swiglu or m.quick_geglu):  # (the GPT family's gated MLPs)
+            and not m.gated_linear_unit:
         raise ConfigError("--glu-linear-offset / --activation-func-clamp-value act on a gated "
                           "MLP: add --quick-geglu or --swiglu")
     if m.window_attn_skip_freq is not None:

@@ -76,6 +76,17 @@ class FamilyRegistry:
             return self._extra[name].layer_kinds
         return FAMILY_MODULES[name].config().layer_kinds if name in FAMILY_MODULES else None
 
+    def layer_shape(self, model_cfg):
+        """Family ``model_cfg.model_type``'s ``layer_shape`` of ``model_cfg`` (a
+        :class:`~loom.models.family.LayerShape`), read as :meth:`layer_kinds` is (no torch);
+        the default for a family that declares none or is not registered here."""
+        from loom.models.family import transformer_layer_shape
+        name = model_cfg.model_type
+        if name in self._extra:
+            return self._extra[name].layer_shape(model_cfg)
+        module = FAMILY_MODULES[name].config() if name in FAMILY_MODULES else None
+        return getattr(module, "layer_shape", transformer_layer_shape)(model_cfg)
+
     def cp_refusal(self, model_cfg) -> Optional[str]:
         """Why family ``model_cfg.model_type`` refuses ``--context-parallel-size`` > 1 for this
         model (its config module's ``cp_refusal``, the rule its ``check`` raises on; no torch

@@ -101,6 +101,22 @@ def transformer_layers(model_cfg) -> None:
     return None
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """What the planner prices of a transformer layer beyond the shape fields: whether its MLP
+    is gated (FC1 ``2f`` wide), its norms of width h, and whether each query and key head has a
+    learned norm of width d."""
+    gated_mlp: bool
+    norms: int = 2
+    qk_norms: bool = False
+
+
+def transformer_layer_shape(model_cfg) -> LayerShape:
+    """The default ``layer_shape``: a gated MLP with ``--swiglu`` / ``--quick-geglu``, the input
+    and pre-MLP norms, Q/K norms with ``--qk-layernorm``."""
+    return LayerShape(bool(model_cfg.gated_linear_unit), 2, bool(model_cfg.qk_layernorm))
+
+
 def other_family_flag(name: str, what: str, model_type: str) -> ConfigError:
     """``--NAME is WHAT, which --model-type MODEL_TYPE does not have: drop --NAME``: a family's
     own flag in another family's config (``refuse_own_flags``); the fix keeps the user's family
@@ -145,6 +161,8 @@ class ModelFamily:
     * ``layer_kinds(model_cfg) -> str | None``: what the planner prices, one character per
       layer: ``M`` a Mamba-2 mixer, ``*`` attention, ``-`` an MLP (:mod:`loom.planner.mamba`);
       None (the default): every layer a transformer layer (attention or MLA + MLP or MoE);
+    * ``layer_shape(model_cfg) -> LayerShape``: a transformer layer's gated MLP, norms and Q/K
+      norms as the planner counts them (default :func:`transformer_layer_shape`);
     * ``records_attention_logits``: its standard attention layers are
       :class:`~loom.models.attention.SelfAttention`, whose cores record the maximum logits of
       ``--qk-clip`` / ``--log-max-attention-logit`` (:mod:`loom.training.qk_clip`).
@@ -170,6 +188,7 @@ class ModelFamily:
     refuse_own_flags: Callable = no_own_flags
     replicates_kv_heads: bool = False
     layer_kinds: Callable = transformer_layers
+    layer_shape: Callable = transformer_layer_shape
     records_attention_logits: bool = False
 
     @property

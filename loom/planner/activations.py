@@ -12,6 +12,7 @@ from loom.config import ModelConfig
 from loom.planner.layout import Options
 from loom.planner.mla import mla_activation_bytes
 from loom.planner.moe import MOE_LOAD_IMBALANCE, expert_tp, moe_activation_bytes, moe_fraction
+from loom.planner.layer_shape import gated_mlp
 
 
 def layer_dims(model: ModelConfig, seq_length: int, L: dict) -> tuple:
@@ -53,7 +54,7 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
     h, a, g, d, f, t, c, sp, S, drop = layer_dims(model, s, L)
     kept = 0.0
     repl = S * h * (4 + 2 + 2 + 2 * drop)
-    split = S * (2 * a * d + 4 * g * d + 2 * a * d) + S * f * (6 if model.gated_linear_unit else 4)
+    split = S * (2 * a * d + 4 * g * d + 2 * a * d) + S * f * (6 if gated_mlp(model) else 4)
     if model.multi_latent_attention:  # loom.planner.mla: Q, K, V, latents
         mla_split, mla_repl = mla_activation_bytes(model, S)
         split = split - S * (2 * a * d + 4 * g * d + 2 * a * d) + mla_split
@@ -62,7 +63,7 @@ def activation_bytes_per_layer(model: ModelConfig, seq_length: int, L: dict, rec
         fm = moe_fraction(model) if moe_share is None else moe_share
         moe_split, moe_repl, gathered = moe_activation_bytes(model, S, moe_load_imbalance,
                                                              expert_tp(L) / t)
-        split = split + fm * (moe_split - S * f * (6 if model.gated_linear_unit else 4))
+        split = split + fm * (moe_split - S * f * (6 if gated_mlp(model) else 4))
         repl = repl + fm * moe_repl
         kept = fm * gathered  # the experts' inputs: not divided by t, with or without SP
     if flash_attention:

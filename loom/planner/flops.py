@@ -27,6 +27,7 @@ from loom.config import ModelConfig
 from loom.planner.mamba import is_hybrid, kind_counts, layers_forward_flops_per_token
 from loom.planner.mla import attention_flops_per_token, mtp_depth, mtp_extra_flops_per_token
 from loom.planner.moe import moe_mlp_flops_per_token, num_moe_layers
+from loom.planner.layer_shape import gated_mlp
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None,
@@ -37,7 +38,7 @@ def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None,
     h, f = cfg.hidden_size, cfg.ffn_size
     gemm, scores = attention_flops_per_token(cfg, s)  # QKV + projection; QK^T and x V (MLA too)
     attention = gemm + scores
-    mlp = (6 if cfg.gated_linear_unit else 4) * h * f
+    mlp = (6 if gated_mlp(cfg) else 4) * h * f
     if is_hybrid(cfg):
         return layers_forward_flops_per_token(cfg, s) + 2 * h * V
     D = mtp_depth(cfg)  # MTP modules: one layer of the last layer's kind each, + eh_proj, head
@@ -69,7 +70,7 @@ def op_sac_recompute_share(cfg: ModelConfig) -> float:
     h, a, g, d, f = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_groups,
                      cfg.head_dim, cfg.ffn_size)
     mms = [h * a * d, h * g * d, h * g * d, a * d * h]
-    mms += [h * f, h * f, f * h] if cfg.gated_linear_unit else [h * f, f * h]
+    mms += [h * f, h * f, f * h] if gated_mlp(cfg) else [h * f, f * h]
     return float(sum(mms[1::2])) / float(sum(mms))
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import ModelConfig
+from loom.planner.layer_shape import gated_mlp
 
 DEVICES = ("cpu", "cuda")
 
@@ -88,7 +89,7 @@ def loom_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp=1
         "rope_tables": 4 * e * seq_length / cp * r + 0.0 * S if rope and e != 4 else 0.0 * S,
         "attention_out": e * S * a * d / t,
         "softmax_lse": 4.0 * S * a / t,
-        "mlp": e * S * f * (3 if model.gated_linear_unit else 2) / t,
+        "mlp": e * S * f * (3 if gated_mlp(model) else 2) / t,
         "dropout_masks": (2 * Sn * h * (e if cpu else 1.0) if model.hidden_dropout > 0
                           else 0.0 * S),
         "cp_core": 0.0 * S,
@@ -183,7 +184,7 @@ def mla_layer_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, sp=0,
         "core": core,
         "attention_out": e * S * a * dv / t,
         "fc1_input": e * Sn * h,
-        "mlp": e * S * f * (3 if model.gated_linear_unit else 2) / t,
+        "mlp": e * S * f * (3 if gated_mlp(model) else 2) / t,
         "dropout_masks": (2 * Sn * h * (e if cpu else 1.0) if model.hidden_dropout > 0
                           else 0.0 * S),
     }
@@ -372,7 +373,7 @@ def loom_moe_mlp_terms(model: ModelConfig, seq_length: int, micro_batch, t=1, cp
     S = seq_length * np.asarray(micro_batch, dtype=np.float64) / cp
     t = np.asarray(t, dtype=np.float64)
     r = (t if etp is None else np.asarray(etp, dtype=np.float64)) / t
-    gated = 3 if model.gated_linear_unit else 2
+    gated = 3 if gated_mlp(model) else 2
     f_sh = model.moe_shared_expert_intermediate_size or 0
     many = np.asarray(ep) > 1
     lam = np.where(many, imbalance, 1.0)

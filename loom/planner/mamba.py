@@ -68,6 +68,7 @@ from loom.models import FamilyRegistry
 from loom.planner.moe import mlp_params, stage_flag_layers
 from loom.planner.primitives import (all_reduce_time, attention_efficiency, gemm_efficiency, link,
                                      p2p_time)
+from loom.planner.layer_shape import gated_mlp
 
 KINDS = ("M", "*", "-")  # Mamba-2, attention, MLP (Megatron's hybrid pattern characters)
 
@@ -145,7 +146,7 @@ def kind_flops_per_token(model: ModelConfig, seq_length: int) -> dict:
     return {"M": (float(proj), conv + scan_flops_per_token(model)),
             "*": (float(2 * h * (a * d + 2 * g * d) + 2 * a * d * h),
                   float(4 * seq_length * a * d)),
-            "-": (float((6 if model.gated_linear_unit else 4) * h * f), 0.0)}
+            "-": (float((6 if gated_mlp(model) else 4) * h * f), 0.0)}
 
 
 def layers_forward_flops_per_token(model: ModelConfig, seq_length: int) -> float:
@@ -173,7 +174,7 @@ def kind_activation_bytes(model: ModelConfig, seq_length: int, L: dict, kind: st
             per_score = 2 + (3 if model.attention_dropout > 0 else 0)
             scores = per_score * a * S * s / t
     elif kind == "-":
-        split = S * f * (6 if model.gated_linear_unit else 4)
+        split = S * f * (6 if gated_mlp(model) else 4)
     else:
         d_i, H, G, N, P, _, Q = mamba_dims(model)
         split = S * (2 * (2 * d_i + 2 * G * N + H) + 2 * (d_i + 2 * G * N) + 4 * H

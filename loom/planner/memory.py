@@ -53,6 +53,7 @@ from loom.planner.memory_runtime import (backward_working_bytes, layer_extra_byt
 from loom.planner.mla import attention_params, mtp_params, mtp_stage_params
 from loom.planner.moe import (expert_dp, expert_params_per_gpu, expert_shards,
                               layer_param_totals, moe_layer_params)
+from loom.planner.layer_shape import gated_mlp, layer_norm_params
 
 
 def padded_vocab(model: ModelConfig, tp):
@@ -70,16 +71,15 @@ def layer_params(model: ModelConfig) -> tuple[int, int]:
 
     Sharded: QKV ``h (a d + 2 g d)``, output projection ``a d h``, MLP ``2 h f`` (``3 h f``
     with SwiGLU or GeGLU) and the column-parallel biases. Replicated across TP ranks: the two
-    norms (``2h`` RMSNorm, ``4h`` LayerNorm; Gemma 2 / 3's sandwich four) and the row-parallel
-    biases. For a GPT with biases this
+    norms (``2h`` RMSNorm, ``4h`` LayerNorm; Gemma 2 / 3's sandwich four; Q/K norms: the
+    family's ``layer_shape``) and the row-parallel biases. For a GPT with biases this
     totals ``12 h^2 + 13 h`` (NAR eq 2).
     """
     h, f = model.hidden_size, model.ffn_size
-    mlp_in = 2 * f if model.gated_linear_unit else f
+    mlp_in = 2 * f if gated_mlp(model) else f
     att_sh, att_rep = attention_params(model)  # MLA: loom.planner.mla
     sharded = att_sh + h * mlp_in + f * h
-    norms = 4 if model.model_type == "gemma3" and model.gemma_post_norms else 2  # sandwich
-    replicated = (2 if model.normalization == "LayerNorm" else 1) * norms * h + att_rep
+    replicated = layer_norm_params(model) + att_rep  # the family's norms (Gemma's sandwich)
     if not model.disable_bias_linear:
         sharded += mlp_in
         replicated += 2 * h

@@ -54,6 +54,7 @@ import numpy as np
 
 from loom.config import ModelConfig
 from loom.parallel.cross_entropy_cost import forward_transient_bytes, saved_bytes
+from loom.planner.layer_shape import gated_mlp
 
 RUNTIMES = ("loom", "megatron-core", "megatron-legacy")
 
@@ -76,7 +77,7 @@ def layer_extra_bytes(model: ModelConfig, S, t, runtime: str, flash_attention: b
     if check_runtime(runtime) != "megatron-legacy":
         return 0.0 * S
     flash = 2.0 * S * model.num_attention_heads * model.head_dim if flash_attention else 0.0
-    gated = 2.0 * S * model.ffn_size if model.gated_linear_unit else 0.0
+    gated = 2.0 * S * model.ffn_size if gated_mlp(model) else 0.0
     return (flash + gated) / t
 
 
@@ -169,5 +170,5 @@ def backward_working_bytes(model: ModelConfig, S, t, sp, runtime: str):
     (``/ t`` with sequence parallelism ``sp``); see the module docstring."""
     if check_runtime(runtime) == "loom":
         return 0.0 * S
-    f_part = (4.0 if model.gated_linear_unit else 2.0) * S * model.ffn_size / t
+    f_part = (4.0 if gated_mlp(model) else 2.0) * S * model.ffn_size / t
     return f_part + 4.0 * S * model.hidden_size / np.where(np.asarray(sp) > 0, t, 1.0)

@@ -83,8 +83,8 @@ def mla_activation_bytes(model: ModelConfig, S) -> tuple:
 def attention_params(model: ModelConfig) -> tuple[int, int]:
     """``(tp_sharded, replicated)`` attention parameters of one layer without its input norm:
     MLA's, or QKV ``h (a d + 2 g d)`` + output ``a d h`` (+ the QKV bias, sharded; the output
-    gate's ``h a d``; the per-head Q/K norms' ``2 d``, replicated); with Gated DeltaNet
-    layers the per-layer mean (:mod:`loom.planner.gdn`)."""
+    gate's ``h a d``); with Gated DeltaNet layers the per-layer mean (:mod:`loom.planner.gdn`).
+    The Q/K norms are :func:`loom.planner.layer_shape.layer_norm_params`'."""
     if model.multi_latent_attention:
         sh, rep = mla_attention_params(model)
         return sh, rep - (0 if model.disable_bias_linear else model.hidden_size)
@@ -95,9 +95,7 @@ def attention_params(model: ModelConfig) -> tuple[int, int]:
         sharded += a * d + 2 * g * d
     if model.softmax_type == "learnable":  # attention sinks: one logit per head (gpt-oss)
         sharded += a
-    qk_norms = model.qk_layernorm or (model.model_type == "gemma3" and model.gemma_qk_norm)
-    replicated = (4 if model.normalization == "LayerNorm" else 2) * d if qk_norms else 0
-    return layer_mix((sharded, replicated), gdn_params(model), gdn_share(model))
+    return layer_mix((sharded, 0), gdn_params(model), gdn_share(model))
 
 
 def attention_flops_per_token(model: ModelConfig, seq_length: int) -> tuple[float, float]:

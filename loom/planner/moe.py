@@ -76,6 +76,7 @@ from loom.config import ModelConfig
 from loom.config.model_moe import Dispatcher
 from loom.planner.hardware import Cluster
 from loom.planner.primitives import all_gather_time, all_reduce_time, gemm_efficiency, link
+from loom.planner.layer_shape import gated_mlp
 
 # Busiest EP rank's expert tokens over the mean. An assumption, not fitted: the Switch
 # Transformer (Fedus et al. 2021, sec 2.2) trains well with capacity factors of 1.0-1.25, i.e.
@@ -139,7 +140,7 @@ def mlp_params(model: ModelConfig, width: int, h: int | None = None) -> tuple[in
     rows (default ``--hidden-size``): fc1 ``h (2 width | width)`` and fc2 ``width h``; biases:
     fc1's sharded, fc2's ``h`` replicated."""
     h = model.hidden_size if h is None else h
-    mlp_in = 2 * width if model.gated_linear_unit else width
+    mlp_in = 2 * width if gated_mlp(model) else width
     sharded, replicated = h * mlp_in + width * h, 0
     if not model.disable_bias_linear:
         sharded += mlp_in
@@ -259,7 +260,7 @@ def moe_mlp_flops_per_token(model: ModelConfig) -> float:
     """Forward FLOPs per token of an MoE MLP: ``k (6|4) w f_e + (6|4) h f_sh + 2 h E + 4 h L``
     (``w`` the routed width, :func:`routed_width`; the latent projections ``4 h L``, 0
     without ``--moe-latent-size``)."""
-    h, c = model.hidden_size, (6 if model.gated_linear_unit else 4)
+    h, c = model.hidden_size, (6 if gated_mlp(model) else 4)
     f_sh = model.moe_shared_expert_intermediate_size or 0
     return float(model.moe_router_topk * c * routed_width(model) * model.moe_ffn_size
                  + c * h * f_sh + 2 * h * model.num_experts
@@ -293,7 +294,7 @@ def moe_activation_bytes(model: ModelConfig, S, imbalance: float, pair_share=1.0
     Latent MoE (``--moe-latent-size`` L): rows and expert outputs are L wide instead of h, and
     the projections keep their inputs ``2 S h + 2 S L`` (replicated: Megatron-Core runs them
     on each TP rank's tokens)."""
-    h, c, k = model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk
+    h, c, k = model.hidden_size, (6 if gated_mlp(model) else 4), model.moe_router_topk
     f_sh = model.moe_shared_expert_intermediate_size or 0
     w, L = routed_width(model), model.moe_latent_size or 0
     rows = imbalance * S * k
@@ -383,7 +384,7 @@ def moe_layer_times(model: ModelConfig, S, L: dict, cluster: Cluster,
     wide (expert GEMMs, dispatch, the all-reduce ``[S (k L + h_sh)]``), the projections add
     ``4 S h L`` FLOPs on every TP rank, and backward all-reduces the latent tokens' gradient
     (and the shared expert's tokens') instead of the dense ``[S, h]``."""
-    h, c, k, E = (model.hidden_size, (6 if model.gated_linear_unit else 4), model.moe_router_topk,
+    h, c, k, E = (model.hidden_size, (6 if gated_mlp(model) else 4), model.moe_router_topk,
                   model.num_experts)
     lat = model.moe_latent_size or 0
     w = routed_width(model)  # routed rows: L wide in a latent MoE

@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import ModelConfig
+from loom.planner.layer_shape import gated_mlp
 
 MUON_STATE_BYTES = 4.0
 """Muon's state per managed parameter: one fp32 momentum buffer."""
@@ -61,7 +62,7 @@ def _attention(model: ModelConfig, split_qkv: bool) -> list[tuple]:
 
 def _mlp(model: ModelConfig, width: int, h: int | None = None) -> list[tuple]:
     h = model.hidden_size if h is None else h  # an expert of a latent MoE: L-wide rows
-    return [((2 if model.gated_linear_unit else 1) * width, h, 1, COL), (h, width, 1, ROW)]
+    return [((2 if gated_mlp(model) else 1) * width, h, 1, COL), (h, width, 1, ROW)]
 
 
 def layer_matrices(model: ModelConfig, split_qkv: bool = True) -> list[dict]:

@@ -79,6 +79,7 @@ from loom.planner.primitives import (A100_RIDGE, GEMM_EFFICIENCY, GEMM_HALF_DIM,
                                      hierarchical_all_reduce_time,
                                      hierarchical_reduce_scatter_time, link, p2p_time,
                                      reduce_scatter_latency, reduce_scatter_time)
+from loom.planner.layer_shape import gated_mlp
 
 # Fitted jointly with GEMM_EFFICIENCY and GEMM_HALF_DIM on the same 37 rows (NAR table 1, KOR
 # tables 3 and 4, Megatron-Core H100 weak scaling; see primitives.py, benchmarks.planner_sources.fit).
@@ -163,7 +164,7 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     t, c, b = L["tp"], L["cp"], L["mbs"]
     S = s * b / c
     att_gemm, att_scores = attention_flops_per_token(model, s)  # MLA: loom.planner.mla
-    gemm_flops = (att_gemm + (6 if model.swiglu else 4) * h * f) * S / t
+    gemm_flops = (att_gemm + (6 if gated_mlp(model) else 4) * h * f) * S / t
     attn_flops = att_scores * S / t
     peak = cluster.peak_flops
     gemm = gemm_flops / (peak * gemm_efficiency(h / t, S, cluster))
@@ -171,7 +172,7 @@ def layer_times(model: ModelConfig, seq_length: int, L: dict, cluster: Cluster,
     if model.num_experts:
         fm = moe_fraction(model) if moe_share is None else moe_share
         mo = moe_layer_times(model, S, L, cluster, opts.moe_load_imbalance)
-        mlp_flops = (6 if model.swiglu else 4) * h * f * S / t
+        mlp_flops = (6 if gated_mlp(model) else 4) * h * f * S / t
         gemm = gemm + fm * (mo["gemm"] - mlp_flops / (peak * gemm_efficiency(h / t, S, cluster)))
         a2a, tp_extra = fm * mo["a2a"], fm * mo["tp_extra"]
         tp_extra_bwd, cp_extra = fm * mo["tp_extra_bwd"], fm * mo["cp_extra"]

@@ -8,9 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 from loom.errors import ConfigError
-from loom.models.family import other_family_flag, transformer_layers
+from loom.models.family import LayerShape, other_family_flag, transformer_layers
 
 layer_kinds = transformer_layers  # what the planner prices: transformer layers
+
+
+def layer_shape(m: Any) -> LayerShape:
+    """What the planner prices of a Gemma layer: its GeGLU MLP (gated, always), four norms
+    (two without ``--no-gemma-post-norms``'s post-norms: Gemma 1) and the QK norms unless
+    ``--no-gemma-qk-norm``."""
+    return LayerShape(True, 4 if m.gemma_post_norms else 2, bool(m.gemma_qk_norm))
 
 # What each family-specific flag is, for the refusal when --model-type is another family.
 GEMMA3_ONLY = (

@@ -10,4 +10,5 @@ FAMILY = ModelFamily(name="gemma3", build=Gemma3Model, plan=parallelize.plan,
                      init=parallelize.init, forward_step=forward_step,
                      generation=Generation(bos_token="<bos>"), hf=HF,  # trained with <bos> first
                      check=config.check, refuse_own_flags=config.refuse_own_flags,
-                     replicates_kv_heads=True, layer_kinds=config.layer_kinds)
+                     replicates_kv_heads=True, layer_kinds=config.layer_kinds,
+                     layer_shape=config.layer_shape)
