@@ -356,6 +356,9 @@ def config_from_args(args: argparse.Namespace) -> LoomConfig:
         raise ConfigError("--train-iters and --train-samples both set the length of training: "
                           "give one (Megatron's rule)")
     meta = {f.name: f.metadata for dc in GROUPS.values() for f in fields(dc)}
+    for k in values:  # Megatron reads 0 as off (``if args.exit_interval and ...``)
+        if meta[k].get("zero_is_off") and values[k] == 0 and not isinstance(values[k], bool):
+            values[k] = None
     for k, line in lines.items():  # bounds of the values the file still provides, with file:line
         if values[k] == "auto" and meta[k].get("auto"):
             continue

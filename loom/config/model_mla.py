@@ -52,7 +52,8 @@ class MLAFields:
     # -- multi-token prediction (DeepSeek-V3 sec. 2.2; Megatron's --mtp-*) ---------------------
     mtp_num_layers: Optional[int] = opt(None, "multi-token prediction depth D: D sequential "
                                               "modules on the last pipeline stage predict "
-                                              "tokens t+2 .. t+1+D (default: none)", ge=1)
+                                              "tokens t+2 .. t+1+D (default and 0: "
+                                              "none)", ge=1, zero_is_off=True)
     mtp_loss_scaling_factor: float = opt(0.1, "weight of the multi-token prediction loss (the "
                                               "mean over the D depths times this)", ge=0)
 

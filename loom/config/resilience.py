@@ -72,7 +72,8 @@ class CheckpointConfig:
                "starting from iteration 0")
     non_persistent_save_interval: Optional[int] = opt(
         None, "iterations between non-persistent checkpoints (with --non-persistent-ckpt-type "
-              "global): only the newest is kept, in --non-persistent-global-ckpt-dir", ge=1)
+              "global): only the newest is kept, in --non-persistent-global-ckpt-dir; 0: "
+              "none)", ge=1, zero_is_off=True)
     non_persistent_ckpt_type: Optional[NonPersistentType] = opt(
         None, "global: non-persistent checkpoints in a directory of their own (loom.training."
               "non_persistent); a resume loads the newer of it and --load")
@@ -87,7 +88,8 @@ class CheckpointConfig:
               "other checkpoint but the latest is deleted as new ones are saved (Megatron's "
               "meaning)", ge=1)
     exit_interval: Optional[int] = opt(None, "save and exit cleanly after an iteration divisible "
-                                             "by N", ge=1)
+                                             "by N (0: never, as Megatron reads it)", ge=1,
+                                       zero_is_off=True)
     async_save: bool = opt(False, "write checkpoints in the background (torch.distributed."
                                   "checkpoint.async_save): training continues; the latest "
                                   "pointer moves once every rank's files are written")

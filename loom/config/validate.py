@@ -108,7 +108,8 @@ def check_bounds(name: str, value: Any, meta: Any) -> None:
     for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                           ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<=")):
         if key in meta and not ok(value, meta[key]):
-            raise ConfigError(f"{flag(name)} must be {word} {meta[key]:g}, got {value}")
+            off = " (or 0: off)" if meta.get("zero_is_off") else ""
+            raise ConfigError(f"{flag(name)} must be {word} {meta[key]:g}{off}, got {value}")
 
 
 @functools.lru_cache(maxsize=None)

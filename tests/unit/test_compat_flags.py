@@ -311,3 +311,31 @@ def test_rotary_scaling_factor_without_yarn_is_megatrons_no_effect(monkeypatch, 
     yarn = _prepare(BASE + ["--train-iters", "2", "--position-embedding-type", "yarn",
                             "--rotary-scaling-factor", "32"], monkeypatch)
     assert yarn.model.rotary_scaling_factor == 32.0
+
+
+def test_zero_turns_off_what_megatron_reads_as_off(monkeypatch, tmp_path):
+    """Megatron tests these intervals and depths for truth (``if args.exit_interval and
+    iteration % args.exit_interval == 0``, ``if args.mtp_num_layers:``): 0 is the feature off
+    (HabanaAI's 175B script passes ``--exit-interval 0``), stored as None; below 0 is refused
+    naming the flag; ``--save-interval 0`` with ``--save`` stays refused (Megatron asserts
+    ``save_interval > 0`` there)."""
+    from loom.config import config_from_args
+    from loom.config.args import GROUPS
+    marked = {f.name for dc in GROUPS.values() for f in dataclasses.fields(dc)
+              if f.metadata.get("zero_is_off")}
+    assert marked == {"exit_interval", "non_persistent_save_interval", "mtp_num_layers"}
+    cfg = _prepare(BASE + ["--train-iters", "3", "--exit-interval", "0",
+                           "--non-persistent-save-interval", "0", "--mtp-num-layers", "0"],
+                   monkeypatch)
+    assert cfg.checkpoint.exit_interval is None and cfg.model.mtp_num_layers is None
+    assert cfg.checkpoint.non_persistent_save_interval is None
+    with pytest.raises(ConfigError, match=r"--exit-interval must be >= 1 \(or 0: off\), got -1"):
+        config_from_args(_parse(BASE + ["--train-iters", "3", "--exit-interval", "-1"])
+                         ).validate(1)
+    with pytest.raises(ConfigError, match="--save-interval must be >= 1, got 0"):
+        config_from_args(_parse(BASE + ["--train-iters", "3", "--save", str(tmp_path),
+                                        "--save-interval", "0"])).validate(1)
+    # the run itself: 3 iterations, no exit at any (an interval 0 would divide by zero)
+    assert _main(["train", *BASE, "--train-iters", "3", "--exit-interval", "0",
+                  "--save", str(tmp_path / "ck"), "--log-interval", "1"]) == 0
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
