@@ -74,13 +74,12 @@ def _stand_ins(bin_dir: Path, python: str) -> None:
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
 
 
-def _launching(root: Path) -> list[Path]:
-    """The scripts under ``root/examples`` that launch an entry (:data:`ENTRY`) themselves or
-    through sibling scripts they name (sc21's ``run_table_1.sh`` -> ``SBATCH.sh`` ->
-    ``SRUN.sh``)."""
-    scripts = sorted(root.glob("examples/**/*.sh"))
+def _launching(root: Path, under: str = "examples/", entry: re.Pattern = ENTRY) -> list[Path]:
+    """The scripts under ``root/under`` that launch an ``entry`` themselves or through sibling
+    scripts they name (sc21's ``run_table_1.sh`` -> ``SBATCH.sh`` -> ``SRUN.sh``)."""
+    scripts = sorted(p for p in root.glob(f"{under}**/*.sh") if p.is_file())
     text = {p: p.read_text(errors="replace") for p in scripts}
-    found = {p for p in scripts if ENTRY.search(text[p])}
+    found = {p for p in scripts if entry.search(text[p])}
     grew = True
     while grew:
         more = {p for p in scripts if p not in found and any(
@@ -134,6 +133,8 @@ def recorded(mirror: str, tags, python: str) -> list[dict]:
 
 
 def _world(launcher: list[str], argv: list[str]) -> int:
+    argv = [w.replace("_", "-") if w.startswith("--") else w for w in argv]  # Megatron-LLM's
+
     def flag(names, words, default=1):
         for k, w in enumerate(words):
             for n in names:
@@ -161,11 +162,12 @@ def loom_argv(rec: dict, tmp: str) -> list[str]:
     while words and not words[0].startswith("-"):  # the script's own "$@" before the flags
         words = words[1:]
     for flag, *vals in groups(words):
-        if flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        name = flag.replace("_", "-")  # Megatron-LLM's spelling: the same stand-ins
+        if name in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
             out += [] if "--mock-data" in out else ["--mock-data"]
-        elif flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+        elif name in ("--vocab-file", "--merge-file", "--tokenizer-model"):
             continue
-        elif flag in ("--save", "--load", "--tensorboard-dir", "--data-cache-path") and vals:
+        elif name in ("--save", "--load", "--tensorboard-dir", "--data-cache-path") and vals:
             out += [flag, os.path.join(tmp, vals[0].strip("/").replace("/", "_"))]
         else:
             out += [flag, *vals]

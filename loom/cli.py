@@ -169,6 +169,23 @@ class LoomArgumentParser(argparse.ArgumentParser):
                           f"{details}")
 
 
+def hyphenated(argv: list[str], known) -> tuple[list[str], list[str]]:
+    """``argv`` with each unknown flag spelled with underscores (``--hidden_size``: epfLLM's
+    Megatron-LLM renamed Megatron-LM's flags so) replaced by the known flag it spells
+    (``--hidden-size``), up to a ``--``; and ``"--a_b as --a-b"`` for each one replaced. A flag
+    of loom's own underscore spelling (``--use-checkpoint-opt_param-scheduler``) is known and
+    kept."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    out, spelled = list(argv), []
+    for k in range(1, end):
+        name, eq, value = argv[k].partition("=")
+        dashed = "--" + name[2:].replace("_", "-")
+        if name.startswith("--") and "_" in name and name not in known and dashed in known:
+            out[k] = dashed + eq + value
+            spelled.append(f"{name} as {dashed}")
+    return out, list(dict.fromkeys(spelled))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, exit with its status."""
     argv = sys.argv[1:] if argv is None else argv
@@ -187,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
         parsers[name] = p
     if chosen in parsers:  # an unknown flag first, before "required" or type errors
         known = parsers[chosen]._option_string_actions
+        argv, spelled = hyphenated(argv, known)
+        if spelled and reporting_rank():
+            print(f"loom {chosen}: note: read {', '.join(spelled)} (Megatron-LLM's underscore "
+                  f"spelling of Megatron-LM's flags)", flush=True,
+                  file=sys.stderr if "--json" in argv else sys.stdout)
         words = argv[1:argv.index("--")] if "--" in argv else argv[1:]
         unknown = [w for w in words if w.startswith("--") and w.split("=")[0] not in known]
         if unknown:

@@ -339,3 +339,38 @@ def test_zero_turns_off_what_megatron_reads_as_off(monkeypatch, tmp_path):
     assert _main(["train", *BASE, "--train-iters", "3", "--exit-interval", "0",
                   "--save", str(tmp_path / "ck"), "--log-interval", "1"]) == 0
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_megatron_llms_underscore_spelling_reads_as_megatron_lms_flag(monkeypatch, capsys):
+    """epfLLM's Megatron-LLM spells Megatron-LM's flags with underscores (its
+    examples/pretrain_bert_distributed_with_mp.sh, shortened): each unknown ``--a_b`` whose
+    ``--a-b`` is loom's flag is read as it, named once at start; the configuration equals the
+    hyphenated command line's; a misspelling is still refused with its suggestion, and loom's
+    own underscore spelling is kept."""
+    from loom.cli import hyphenated
+    from loom.config import config_from_args
+    llm = ["--tensor_model_parallel_size", "2", "--pipeline_model_parallel_size", "2",
+           "--num_layers", "4", "--hidden_size", "32", "--num_attention_heads", "4",
+           "--micro_batch_size", "2", "--global_batch_size", "16", "--seq_length=16",
+           "--max_position_embeddings", "16", "--train_iters", "10", "--lr", "0.0001",
+           "--lr_decay_style", "linear", "--min_lr", "1.0e-5", "--lr_decay_iters", "9",
+           "--weight_decay", "1e-2", "--clip_grad", "1.0", "--lr_warmup_fraction", ".01",
+           "--log_interval", "100", "--eval_interval", "1000", "--eval_iters", "10",
+           "--split", "949,50,1", "--mock-data", "--vocab-size", "96", "--model-type", "bert"]
+    dashed = [w.replace("_", "-") if w.startswith("--") else w for w in llm]
+    from loom.training.cli import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    known = parser._option_string_actions
+    argv, spelled = hyphenated(["train", *llm], known)
+    assert argv[1:] == dashed and "--seq_length as --seq-length" in spelled
+    assert config_from_args(_parse(argv[1:])).to_flat() == \
+        config_from_args(_parse(dashed)).to_flat()
+    kept = ["train", "--use-checkpoint-opt_param-scheduler", "--hidden_sizee", "3", "--",
+            "--hidden_size"]
+    assert hyphenated(kept, known) == (kept, [])
+    assert _main(["train", "--dry-run", "--world-size", "4", *llm]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("Megatron-LLM's underscore spelling") == 1
+    assert _main(["train", "--dry-run", *BASE, "--hidden_sizee", "3"]) == 2
+    assert "--hidden_sizee: did you mean --hidden-size?" in capsys.readouterr().err
