@@ -143,15 +143,17 @@ class LoomArgumentParser(argparse.ArgumentParser):
         one suggestion (:func:`~loom.errors.closest`: only a typo of a flag of this command);
         a flag with no close one (Megatron's ``--qk-layernorm``) reads "not supported by loom".
         At most ``MAX_UNKNOWN_LINES`` lines, then a count of the rest."""
+        from loom.config.foreign_flags import foreign_fix
         flags = [a for a in self._option_string_actions if a.startswith("--")]
         notes = []
         for word in dict.fromkeys(w.split("=")[0] if w.startswith("-") else w for w in extras):
             if not word.startswith("-"):
                 notes.append(f"{word!r}: a value without a flag")
                 continue
-            guess = closest(word, flags) if word.startswith("--") else None
-            notes.append(f"{word}: did you mean {guess}?" if guess
-                         else f"{word}: not supported by loom")
+            fork = foreign_fix(word)  # a Megatron derivative's own flag, with loom's fix
+            guess = closest(word, flags) if word.startswith("--") and not fork else None
+            notes.append(fork or (f"{word}: did you mean {guess}?" if guess
+                                  else f"{word}: not supported by loom"))
         if len(notes) == 1:
             self.error(f"unrecognized argument {notes[0]}")
         shown = notes[:MAX_UNKNOWN_LINES]

@@ -356,10 +356,18 @@ def _lines(argv, monkeypatch, capsys) -> list[str]:
 @pytest.mark.parametrize("flag,answer", [
     # guesses that would change the model (-> --post-layernorm, --no-swiglu, --vocab-size)
     # Megatron-DeepSpeed's own flags: Megatron-LM never had them (the flags its earlier releases
-    # had and d98e8a6 dropped have rows: loom/config/flag_rows_removed.py)
-    *[(f, "not supported by loom") for f in ("--deepspeed", "--no-pipeline-parallel",
-                                              "--ds-sequence-parallel-size",
-                                              "--encoder-attn-mask-type")],
+    # had and d98e8a6 dropped have rows: loom/config/flag_rows_removed.py); their origin and
+    # loom's fix are named (loom/config/foreign_flags.py)
+    ("--deepspeed", "Megatron-DeepSpeed's flag; loom is the training engine itself: drop it "
+                    "(ZeRO: --zero-stage N)"),
+    ("--no-pipeline-parallel", "Megatron-DeepSpeed's flag; loom pipelines only with "
+                               "--pipeline-model-parallel-size > 1: drop it"),
+    ("--ds-sequence-parallel-size", "Megatron-DeepSpeed's flag; DeepSpeed-Ulysses: "
+                                    "--context-parallel-size N --cp-comm-type a2a"),
+    ("--deepspeed_config", "Megatron-DeepSpeed's flag; loom reads no DeepSpeed JSON: give its "
+                           "settings as flags (--micro-batch-size, --global-batch-size, "
+                           "--zero-stage, --bf16, --clip-grad)"),
+    ("--encoder-attn-mask-type", "not supported by loom"),
     ("--num-layer", "did you mean --num-layers?"), ("--hiden-size", "did you mean --hidden-size?"),
     ("--pipeline-parallel-size", "did you mean --pipeline-model-parallel-size?"),
 ])
@@ -377,8 +385,11 @@ def test_several_unknown_flags_one_line_each(monkeypatch, capsys):
     assert lines[0].startswith("loom train: error: 4 unrecognized arguments (usage: loom train")
     assert "see `loom train --help`" in lines[0], lines
     assert [ln.strip() for ln in lines[1:]] == [
-        "--deepspeed: not supported by loom", "--num-layer: did you mean --num-layers?",
-        "--deepspeed-config: not supported by loom", "--hiden-size: did you mean --hidden-size?"]
+        "--deepspeed: Megatron-DeepSpeed's flag; loom is the training engine itself: drop it "
+        "(ZeRO: --zero-stage N)", "--num-layer: did you mean --num-layers?",
+        "--deepspeed-config: Megatron-DeepSpeed's flag; loom reads no DeepSpeed JSON: give its "
+        "settings as flags (--micro-batch-size, --global-batch-size, --zero-stage, --bf16, "
+        "--clip-grad)", "--hiden-size: did you mean --hidden-size?"]
     many = _lines(BASE + [f"--megatron-only-{i}" for i in range(30)], monkeypatch, capsys)
     assert len(many) == 12 and many[-1].strip() == "... and 20 more", many
     assert len("".join(many)) < 1200
