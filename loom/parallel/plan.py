@@ -25,6 +25,7 @@ plain tensors (PyTorch's DTensor styles shard into DTensors instead). Others:
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -220,15 +221,21 @@ def apply_plan(model: nn.Module, plan: Plan, ctx: PlanContext,
     parameter's full-tensor initializer). Styles apply in plan order; several may match one
     module; a pattern may match nothing (a pipeline chunk lacks the embedding, say)."""
     overrides: dict[str, dict] = {}
+    modules = list(model.named_modules())  # listed again only after a module was replaced
     for pattern, style in plan:
-        for name, module in list(model.named_modules()):
-            if not name or not fnmatch.fnmatchcase(name, pattern):
+        match = re.compile(fnmatch.translate(pattern)).match
+        replaced = False
+        for name, module in modules:
+            if not name or not match(name):
                 continue
             new, fields = style.apply_named(name, module, ctx)
             if new is not module:
                 model.set_submodule(name, new)
+                replaced = True
             for pname, kw in fields.items():
                 overrides.setdefault(f"{name}.{pname}", {}).update(kw)
+        if replaced:
+            modules = list(model.named_modules())
     model.to_empty(device=ctx.mesh.device)
     registry = ParamRegistry()
     for name, p in model.named_parameters():
