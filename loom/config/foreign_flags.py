@@ -2,7 +2,7 @@
 
 A launch script from Megatron-DeepSpeed (microsoft/Megatron-DeepSpeed f4157be,
 ``megatron/arguments.py`` and DeepSpeed's ``add_config_arguments``), megablocks, Alibaba's
-Pai-Megatron-Patch or epfLLM's Megatron-LLM carries such flags. loom does not take them (their
+Pai-Megatron-Patch, THUDM's slime or epfLLM's Megatron-LLM carries such flags. loom does not take them (their
 meaning is their fork's, and a flag of Megatron's name keeps Megatron's meaning), but it answers
 each with what it is and the loom flags that do the same, instead of "not supported by loom"
 (:func:`foreign_fix`, read by ``loom.cli``'s refusal of unknown flags).
@@ -119,6 +119,12 @@ FOREIGN: dict[str, tuple[str, str]] = {
     "--max-padding-length": ("Pai-Megatron-Patch", "--seq-length"),
     "--dataset": ("Pai-Megatron-Patch", "--data-path PREFIX of a dataset built by "
                                         "loom preprocess (Megatron's indexed format)"),
+    # slime (THUDM/slime: its Megatron-LM patch and its scripts/models/*.sh)
+    "--use-gated-attention": ("slime", "--attention-output-gate (Megatron-LM's flag for "
+                                       "Qwen3-Next's gated attention)"),
+    **{f: ("slime", "GLM-4's norm after the attention / MLP output is not built by loom's gpt "
+                    "family") for f in ("--post-self-attn-layernorm", "--post-mlp-layernorm")},
+    "--allgather-cp": ("slime", "--context-parallel-size N --cp-comm-type allgather"),
     # Megatron-LLM (epfLLM): its underscore spellings of Megatron-LM's flags are read
     # (loom.cli.hyphenated); these are its own
     "--use-rms-norm": ("Megatron-LLM", "--normalization RMSNorm"),
