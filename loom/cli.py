@@ -141,8 +141,9 @@ class LoomArgumentParser(argparse.ArgumentParser):
     def unknown(self, extras: list[str]) -> None:
         """Refuse unrecognized arguments ``extras``: one line each, naming the flag and at most
         one suggestion (:func:`~loom.errors.closest`: only a typo of a flag of this command);
-        a flag with no close one (Megatron's ``--qk-layernorm``) reads "not supported by loom".
-        At most ``MAX_UNKNOWN_LINES`` lines, then a count of the rest."""
+        a flag of a Megatron derivative (Megatron-DeepSpeed's ``--deepspeed``) names its origin
+        and loom's fix (:mod:`loom.config.foreign_flags`); any other reads "not supported by
+        loom". At most ``MAX_UNKNOWN_LINES`` lines, then a count of the rest."""
         from loom.config.foreign_flags import foreign_fix
         flags = [a for a in self._option_string_actions if a.startswith("--")]
         notes = []
