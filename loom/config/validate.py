@@ -103,8 +103,8 @@ def coerce(value: Any, hint: Any, what: str) -> Any:
 def check_bounds(name: str, value: Any, meta: Any) -> None:
     """Raise ConfigError naming ``--name`` when ``value`` breaks the field's
     ``ge``/``gt``/``lt``/``le``."""
-    if value is None or isinstance(value, bool):
-        return
+    if value is None or isinstance(value, bool) or (value == 0 and meta.get("zero_is_off")):
+        return  # 0 of a zero_is_off field: the feature off (stored as None by config_from_args)
     for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                           ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<=")):
         if key in meta and not ok(value, meta[key]):

@@ -335,6 +335,9 @@ def test_zero_turns_off_what_megatron_reads_as_off(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="--save-interval must be >= 1, got 0"):
         config_from_args(_parse(BASE + ["--train-iters", "3", "--save", str(tmp_path),
                                         "--save-interval", "0"])).validate(1)
+    # loom plan checks loom train's bounds on the same flags: 0 is off there too
+    from loom.planner.cli import check_train_bounds
+    check_train_bounds(argparse.Namespace(mtp_num_layers=0, exit_interval=0))
     # the run itself: 3 iterations, no exit at any (an interval 0 would divide by zero)
     assert _main(["train", *BASE, "--train-iters", "3", "--exit-interval", "0",
                   "--save", str(tmp_path / "ck"), "--log-interval", "1"]) == 0
