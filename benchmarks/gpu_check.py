@@ -39,7 +39,8 @@ compilation); the test keeps it under ``BUDGET_S``.
 Output: ``benchmarks/results/gpu_check_<gpu>.json`` (everything, rewritten after each part) and
 ``gpu_check_<gpu>_runs.jsonl`` (the planner rows, one JSON object per line), a copy of both in
 ``--out`` (default ``$OUT``, the device tool's return folder) with the table
-(``gpu_check_<gpu>.md``) and the tier's log and junit XML; the table is printed last.
+(``gpu_check_<gpu>.md``) and the tier's log and junit XML; the table is printed last. A held-out
+``--sizes`` (``wide``, ``small``) names its files ``gpu_check_<gpu>_<sizes>.*``.
 
 A planner row (``rows`` in the JSON, one line of the ``.jsonl``)::
 
@@ -128,7 +129,15 @@ FULL = Sizes(16, 2048, 16, 4, 8192, 32000, 2048, mbs_cap=16, warmup=2, steps=4, 
              row_warmup=2, row_steps=4, long_seq=4096)
 TINY = Sizes(2, 64, 4, 2, 128, 512, 64, mbs_cap=4, warmup=1, steps=2, rounds=2, row_warmup=1,
              row_steps=2, long_seq=128)
-SIZES = {"full": FULL, "tiny": TINY}
+# Held-out shapes (issue 47): the planner's rows at widths and depths no fit has seen. ``wide``:
+# Llama 3 8B's layer (h 4096, 32 heads, 8 KV groups, FFN 14336, V 128256) at 4 of its 32 layers;
+# ``small``: 24 layers of h 1024 (16 heads, no GQA), FFN 2816, V 50304 (a GPT-2-medium-sized
+# LLaMA). ``--sizes wide --parts rows`` writes ``gpu_check_<gpu>_wide.*`` beside the main run.
+WIDE = Sizes(4, 4096, 32, 8, 14336, 128256, 2048, mbs_cap=8, warmup=2, steps=4, rounds=2,
+             row_warmup=2, row_steps=4, long_seq=4096)
+SMALL = Sizes(24, 1024, 16, 16, 2816, 50304, 2048, mbs_cap=16, warmup=2, steps=4, rounds=2,
+              row_warmup=2, row_steps=4, long_seq=4096)
+SIZES = {"full": FULL, "tiny": TINY, "wide": WIDE, "small": SMALL}
 
 
 # -- loom's side ------------------------------------------------------------------------------------
@@ -740,7 +749,9 @@ def table(res: dict) -> str:
 
 def write(res: dict, results_dir: Path, out_dir: Optional[Path]) -> list[Path]:
     """The JSON, the rows' JSONL and the table, in ``results_dir`` and ``out_dir``."""
-    stem = f"gpu_check_{res['gpu'].lower()}" + ("" if res["device_type"] == "cuda" else "_cpu")
+    held_out = res.get("sizes_name") not in (None, "full", "tiny")
+    stem = (f"gpu_check_{res['gpu'].lower()}" + (f"_{res['sizes_name']}" if held_out else "")
+            + ("" if res["device_type"] == "cuda" else "_cpu"))
     files = []
     for d in filter(None, (results_dir, out_dir)):
         d.mkdir(parents=True, exist_ok=True)
@@ -791,7 +802,8 @@ def main(argv: Optional[list] = None, started: Optional[float] = None) -> int:
     clock = Clock(args.budget, est, start=started)
     meta = {"device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
-    res = {"gpu": gpu, "device_type": accel.device.type, **meta, "sizes": asdict(sz),
+    res = {"gpu": gpu, "device_type": accel.device.type, **meta, "sizes_name": args.sizes,
+           "sizes": asdict(sz),
            "python": platform.python_version(), "estimate": est, "budget_s": args.budget,
            "allowances_s": ALLOW, "anchors": ANCHORS, "skipped": {}}
     print(f"gpu-check on {name} (planner row {gpu}), torch {torch.__version__}: parts "
