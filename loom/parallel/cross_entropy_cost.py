@@ -15,13 +15,14 @@ MIN_CHUNK_ELEMENTS = 1 << 22  # 4 Mi logits = 16 MiB fp32: keeps the chunk GEMMs
 MIN_CHUNK_TOKENS = 128
 MAX_CHUNKS = 8  # chunks a call is cut into at most, while a chunk's logits fit CAP_CHUNK_ELEMENTS
 CAP_CHUNK_ELEMENTS = 1 << 25  # 32 Mi logits = 128 MiB fp32
+GEMM_CHUNK_TOKENS = 4096  # tokens a chunk's GEMMs need to run near peak on a GPU (H200, below)
+GEMM_CHUNK_ELEMENTS = 1 << 29  # ... while the chunk's logits stay within 512 Mi (2 GiB fp32)
 
 
 def default_chunk_tokens(num_tokens, hidden_size, local_vocab):
     """Tokens per chunk, clamped to ``[1, N]``: the largest of
     - enough that the chunk's logits hold ``max(N h, 2^22)`` elements, i.e. as many as the
-      hidden states ``[N, h]`` (so the loss never needs more memory than its input, Liger's
-      rule) but at least 4 Mi (16 MiB fp32);
+      hidden states ``[N, h]`` (Liger's rule) but at least 4 Mi (16 MiB fp32);
     - ``MIN_CHUNK_TOKENS`` = 128 tokens, so the GEMMs keep a useful height;
     - ``N / MAX_CHUNKS`` (8 chunks) while the chunk's logits stay within
       ``CAP_CHUNK_ELEMENTS`` (32 Mi, 128 MiB fp32): the first rule alone cuts every call into
@@ -29,7 +30,14 @@ def default_chunk_tokens(num_tokens, hidden_size, local_vocab):
       a GPT-2-small-shaped model spent 33-46 ms of host time per step in the loss forward
       alone, more than the plain PyTorch loop's whole step (``python3 -m
       benchmarks.gpu_profile --sizes small --speed``). Models with ``N h >= 32 Mi`` keep the
-      first rule's chunks.
+      first rule's chunks;
+    - ``GEMM_CHUNK_TOKENS`` = 4096 tokens while their logits fit ``GEMM_CHUNK_ELEMENTS`` (512 Mi,
+      2 GiB fp32; 2048 tokens at V 262144): each chunk reads and writes the fp32 ``dL/dw``
+      ``[v, h]`` once, so short chunks are memory-bound. On one H200 (bf16, forward + backward,
+      ``python3 -m benchmarks.cross_entropy_gpu``, ``benchmarks/results/cross_entropy_h200.jsonl``):
+      at N 16384, h 4096, V 128256 the first rules' 524-token chunks took 124.8 ms, 4096 tokens
+      94.5 ms (``F.linear`` + ``F.cross_entropy`` on the full logits: 101.8 ms, 29 GiB against
+      6.3 GiB); at N 32768, h 1024, V 50304, 39.5 ms against 27.9 ms (plain 35.0 ms).
     Measured on this CPU (``linear_cross_entropy`` forward + backward, N = 2048, h = 256,
     1 thread): at V = 8192, 512-token chunks take 345 ms against 363 ms for 1024 and 391 ms for
     an earlier rule's 1024 without the reused buffer; at V = 131072, 128 tokens take 6.4 s
@@ -38,7 +46,9 @@ def default_chunk_tokens(num_tokens, hidden_size, local_vocab):
     v = np.maximum(np.asarray(local_vocab, np.float64), 1)
     elements = np.maximum(n * np.asarray(hidden_size, dtype=np.float64), MIN_CHUNK_ELEMENTS)
     few = np.minimum(np.ceil(n / MAX_CHUNKS), np.floor(CAP_CHUNK_ELEMENTS / v))
-    tokens = np.maximum(np.maximum(MIN_CHUNK_TOKENS, np.ceil(elements / v)), few)
+    gemm = np.minimum(GEMM_CHUNK_TOKENS, np.floor(GEMM_CHUNK_ELEMENTS / v))
+    tokens = np.maximum(np.maximum(MIN_CHUNK_TOKENS, np.ceil(elements / v)),
+                        np.maximum(few, gemm))
     out = np.maximum(1.0, np.minimum(n, tokens))
     return int(out) if out.ndim == 0 else out
 
