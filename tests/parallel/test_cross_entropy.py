@@ -192,18 +192,23 @@ def test_backward_twice_raises_and_bad_shapes():
 
 
 def test_default_chunk_rule():
-    # logits chunk holds max(N h, 4 Mi) elements and >= 128 tokens, clamped to [1, N]
-    assert default_chunk_tokens(2048, 256, 8192) == 512
-    assert default_chunk_tokens(2048, 256, 1 << 20) == 128
-    assert default_chunk_tokens(8192, 4096, 65536) == 512
+    from loom.parallel.cross_entropy_cost import GEMM_CHUNK_ELEMENTS
+    # 4096 tokens while their logits fit 512 Mi elements, clamped to [1, N]: GPT-2 small's
+    # shape (b 8 and 16, s 1024) in 2 and 4 chunks, Llama 3 8B's at s 8192 in 2 (not 32)
+    assert default_chunk_tokens(8192, 768, 32000) == 4096
+    assert default_chunk_tokens(16384, 768, 32000) == 4096
+    assert default_chunk_tokens(8192, 4096, 128256) == 4096
     assert default_chunk_tokens(30, 16, 384) == 30
-    # or N / 8 tokens while their logits fit 32 Mi elements: GPT-2 small's shape, 42 chunks
-    # under the first rule, is cut into 8 (b 8, s 1024) and 16 (b 16)
-    assert default_chunk_tokens(8192, 768, 32000) == 1024
-    assert default_chunk_tokens(16384, 768, 32000) == (1 << 25) // 32000
-    assert default_chunk_tokens(2048, 256, 131072) == 256
-    # models whose hidden states exceed 32 Mi elements keep the first rule (Llama 3 8B, s 8192)
-    assert default_chunk_tokens(8192, 4096, 128256) == 262
+    assert default_chunk_tokens(2048, 256, 8192) == 2048
+    # Gemma 3's V 262144: 2048 tokens (2 GiB fp32 logits); past 4 Mi rows the other rules rule:
+    # >= 128 tokens, logits of max(N h, 4 Mi) elements (Liger's rule), N / 8 within 32 Mi
+    assert default_chunk_tokens(16384, 2560, 262144) == GEMM_CHUNK_ELEMENTS // 262144 == 2048
+    assert default_chunk_tokens(2048, 256, 1 << 23) == 128
+    assert default_chunk_tokens(1 << 18, 8192, 1 << 23) == ((1 << 18) * 8192) >> 23 == 256
+    # the chunk's logits never exceed max(N h, 512 Mi) elements (past 128 tokens)
+    for n, h, v in ((8192, 4096, 128256), (131072, 16384, 16032), (1 << 20, 8192, 202048)):
+        c = default_chunk_tokens(n, h, v)
+        assert c * v <= max(n * h + v, GEMM_CHUNK_ELEMENTS) or c == 128, (n, h, v, c)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
