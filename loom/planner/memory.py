@@ -22,7 +22,8 @@ Terms (all bytes, of the pipeline stage that needs the most):
   log-sum-exp (``4 s b h + 4 V h / t + 4 s b``; the fp32 logits ``4 s b V / t``, KOR sec 4.3,
   when soft-capping unfuses it); each runtime's logits copies, extra saved tensors per layer and
   transients in :mod:`loom.planner.memory_runtime` (the stage with the output layer holds the
-  larger of the loss's forward peak and the backward transient, in ``activations``).
+  larger of the loss's forward peak and the backward phase, the backward transient plus one
+  recomputed layer's working memory, in ``activations``: the two phases never meet).
 * ``reserve``: ``reserve_bytes + reserve_fraction x`` the other terms (context, workspaces,
   fragmentation).
 * mixture of experts (:mod:`loom.planner.moe`): expert weights, gradients and optimizer states
@@ -380,7 +381,6 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     # the output stage holds the larger of the loss's forward peak (what it keeps + what its
     # forward frees before returning) and the backward transient
     loss_peak = logits + loss_transient_bytes(model, S, Vp, t, opts.runtime)
-    bwd_out = np.maximum(bwd, loss_peak) - logits
     n_layers = slots["layers"].sum(axis=0)
     # held layer-micro-batches of each kind: the recomputed ones keep their input, the others
     # all their activations (Megatron's block method recomputes the first N of every chunk)
@@ -389,8 +389,13 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     j = -1 if model.num_experts and model.is_moe_layer(model.num_layers - 1) else 0
     mtp_kind = np.where(slots["mtp_rc"] > 0, full_k[j], base_k[j])
     busy = (n_layers + slots["mtp"]) > 0
-    acts = (held + slots["mtp_held"] * mtp_kind + busy * (working + cp_extra)
-            + np.where(slots["out"] > 0, bwd_out, busy * bwd))
+    # the loss's forward peak and a recomputed layer's working memory (backward) never meet:
+    # the output stage holds the larger of the two phases, not their sum (the sum over-predicted
+    # full recompute's peak by 12% on CPU, benchmarks/results/planner_vs_measured.json "DP4 b4
+    # full-recompute", and by 6% on an H200 at Llama 3 8B's layer, gpu_check_h200_wide.json)
+    out_phase = np.maximum(busy * working + bwd, loss_peak) - logits
+    acts = (held + slots["mtp_held"] * mtp_kind + busy * cp_extra
+            + np.where(slots["out"] > 0, out_phase, busy * (working + bwd)))
     emb_out = (slots["emb_held"] * drop * S * h / sp_div
                + (slots["out_held"] + slots["mtp_held"]) * out_act)
     terms = {"weights": (P - X) * wb + X * xw, "gradients": (P - X) * gb + X * xg,

@@ -159,16 +159,19 @@ def test_expert_tp_equal_to_tp_leaves_the_moe_search_as_it_was(monkeypatch):
     the distributed optimizer with expert parallelism; the old search kept EP > 1 at ZeRO 0).
     Re-recorded when MoE models were searched with SP and CP (held to c = 1 and SP off: 6553
     layouts, 2756 fitting, 96461.3935082132 s, 969537630203732.5 B again). Held to the
-    allgather dispatcher (``disp``), the one searched before the dispatcher was."""
+    allgather dispatcher (``disp``), the one searched before the dispatcher was. Memory
+    re-recorded with the mamba test when the output stage held the larger of the loss's
+    forward peak and a recomputed layer's working memory (was 14784 fitting,
+    3544352904919768.5 B)."""
     import loom.planner.search as S
     rules = S._moe_rules
     monkeypatch.setattr(S, "_moe_rules", lambda model, t, c, d: None if rules(model, t, c, d)
                         is None else [(u, e) for u, e in rules(model, t, c, d) if u == t])
     res = S.search(get_preset("mixtral-8x7b"), H100, 512, 4096, dict(zb=0, disp="allgather"),
                    Options(flash_attention=True, max_zero_stage=3))
-    assert len(res["tp"]) == 29208 and len(res["order"]) == 14784
+    assert len(res["tp"]) == 29208 and len(res["order"]) == 14800
     assert float(res["time_iteration"].sum()) == pytest.approx(653776.5978292045, rel=1e-12)
-    assert float(res["mem_total"].sum()) == pytest.approx(3544352904919768.5, rel=1e-12)
+    assert float(res["mem_total"].sum()) == pytest.approx(3541529178157536.0, rel=1e-12)
 
 
 def test_every_moe_row_prints_a_command_loom_accepts():
