@@ -94,6 +94,12 @@ def shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
                              src_data_rank=None)
 
 
+def _mesh_type(mesh) -> str:
+    """The ``DeviceMesh``'s device type: the mesh's, ``cpu`` for the planner's count on the
+    meta device (a ``DeviceMesh`` has no meta type; FSDP2 shards meta parameters as they are)."""
+    return "cpu" if mesh.device.type == "meta" else mesh.device.type
+
+
 def fsdp_device_mesh(mesh):
     """The 1-D ``DeviceMesh`` over this rank's DP x CP group, or None when the group is this
     rank alone."""
@@ -101,7 +107,7 @@ def fsdp_device_mesh(mesh):
     if group is None:
         return None
     from torch.distributed.device_mesh import DeviceMesh
-    return DeviceMesh.from_group(group, mesh.device.type, mesh_dim_names=("dp_cp",))
+    return DeviceMesh.from_group(group, _mesh_type(mesh), mesh_dim_names=("dp_cp",))
 
 
 def expert_device_mesh(mesh):
@@ -120,7 +126,7 @@ def expert_device_mesh(mesh):
         for r in range(dist.get_world_size()):
             g = dist.new_group([r], timeout=getattr(mesh, "timeout", None))
             group = g if r == rank else group
-    return DeviceMesh.from_group(group, mesh.device.type, mesh_dim_names=("edp",))
+    return DeviceMesh.from_group(group, _mesh_type(mesh), mesh_dim_names=("edp",))
 
 
 class ShardedExperts(nn.ModuleDict):

@@ -21,7 +21,8 @@ are the per-rank weights.
 
 The process group is created and destroyed inside the call (refused when one already exists:
 the fake group must not replace a real one). Cost: ~1-3 s per rank on CPU for a 405B config (no
-storage is allocated).
+storage is allocated: the mesh is a meta one, and the modules' own initializers are skipped,
+``loom.parallel.parallelize.SkipModuleInit``).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def count_rank_states(cfg: LoomConfig, world_size: int, rank: int = 0,
     try:
         c = _rank_coords(cfg, world_size)
         mesh = ParallelMesh.build(tp=c["tp"], pp=c["pp"], cp=c["cp"], ep=c["ep"], etp=c["etp"],
-                                  device=torch.device("cpu"))
+                                  device=torch.device("meta"))  # the parallel layers' shards too
         family = get_family(cfg.model.model_type)
         unseeded = copy.copy(cfg)  # seed None: no initialization (meta tensors hold no data)
         unseeded.training = replace(cfg.training, seed=None)
