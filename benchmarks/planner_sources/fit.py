@@ -17,6 +17,9 @@ Sources (:data:`SOURCES`; tables in :mod:`loom.planner.presets` and
   :mod:`benchmarks.planner_sources.megascale`).
 * ``loom H200``: loom itself measured by ``make gpu-check`` on one H200, step seconds (5 rows:
   micro-batch, recompute, sequence length; :mod:`benchmarks.planner_sources.loom_gpu`).
+* ``loom H200 shapes``: the same command at two shapes measured after that source's rows had
+  been studied (10 rows: Llama 3 8B's layer at 4 layers, V 128256; 24 layers of h 1024, V 50304;
+  :func:`benchmarks.planner_sources.loom_gpu.shape_points`).
 * ``DGX-C``: NVIDIA's DGX Cloud benchmarking recipes, NeMo 24.09 / 24.11 on 8-2,304 H100, step
   seconds (35 rows: Llama 3.1 8B / 70B / 405B, Nemotron-4 15B / 340B, GPT-3 175B, weak scaling;
   :mod:`benchmarks.planner_sources.dgxc`).
@@ -37,7 +40,7 @@ The fit (:func:`fit`) follows :data:`loom.planner.constants.FIT_SETS`, in order:
 :func:`leave_one_source_out` removes one source from every fit set, refits (a group left with no
 rows takes its prior, :data:`loom.planner.constants.PRIORS`) and predicts the removed source:
 the only errors here that measure prediction. Sources in no fit set (SHO, MC-H100 strong,
-BLOOM, OPT, MegaScale, loom H200, DGX-C, NAR t2's PTD-P rows) are held out in every fit; MC-H100 strong shares the Hopper
+BLOOM, OPT, MegaScale, loom H200 (and its shapes), DGX-C, NAR t2's PTD-P rows) are held out in every fit; MC-H100 strong shares the Hopper
 constant, the 177B shape and the README with MC-H100 weak, so the two are also held out
 together. Cost: ~1-4 s per fit on one core, ~12 s for the whole protocol.
 """
@@ -54,12 +57,13 @@ from loom.planner.calibrate_runs import least_squares
 from loom.planner.constants import FALLBACK_SETS, FIT_SETS, PRIORS, SHIPPED, Constants
 from benchmarks.planner_sources import published as P
 from benchmarks.planner_sources import validation as V
-from benchmarks.planner_sources.loom_gpu import SOURCE as LOOM_GPU, loom_gpu_points
+from benchmarks.planner_sources.loom_gpu import SHAPES_SOURCE as LOOM_SHAPES
+from benchmarks.planner_sources.loom_gpu import SOURCE as LOOM_GPU, loom_gpu_points, shape_points
 from benchmarks.planner_sources.dgxc import SOURCE as DGXC, dgxc_points
 from benchmarks.planner_sources.megascale import megascale_points
 
 SOURCES = ("NAR t1", "NAR t2", "KOR", "SHO", "MC-H100 weak", "MC-H100 strong", "BLOOM", "OPT",
-           "TT", "LF-H100", "LF-A100", "Llama 3", "MegaScale", "loom H200", DGXC)
+           "TT", "LF-H100", "LF-A100", "Llama 3", "MegaScale", "loom H200", LOOM_SHAPES, DGXC)
 H100_SOURCES = ("MC-H100 weak", "MC-H100 strong")
 COMPUTE_PARAMS = ("gemm_efficiency", "gemm_half_dim", "mem_traffic")
 COMPUTE_START = (0.7, 50.0, 2.0)  # e, h0, k (and Hopper e = 0.7): round numbers, not the fit
@@ -105,6 +109,8 @@ def source_points(source: str, c: Constants | None = None) -> list[tuple]:
         return megascale_points(c)
     if source == LOOM_GPU:
         return loom_gpu_points(c)
+    if source == LOOM_SHAPES:
+        return shape_points(c)
     if source == DGXC:
         return dgxc_points(c)
     raise ValueError(f"unknown source {source!r}; one of {SOURCES}")

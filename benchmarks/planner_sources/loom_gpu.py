@@ -1,9 +1,9 @@
 """loom's own runs on one NVIDIA H200 as a planner source (issue 47 item 5): ``loom H200``.
 
 Provenance (:data:`CITATION`): ``make gpu-check`` (``benchmarks/gpu_check.py``, part ``rows``)
-on one NVIDIA H200 (141 GB HBM3e), torch 2.11.0+cu130, CUDA 13.0, 2026-11-28, loom at c1ba84f
-plus gpu_check's record of the bytes allocated when each run starts (both committed with the
-results in 13c9b3c). The rows are :data:`RUNS`, one JSON object per line in the format of
+on one NVIDIA H200 (141 GB HBM3e), torch 2.11.0+cu130, CUDA 13.0, first 2026-11-28 (loom at
+c1ba84f, results in 13c9b3c), re-measured 2026-11-30 after the fused loss's fp32-output GEMMs
+and 4096-token chunks (within 1.6% of the first run's steps). The rows are :data:`RUNS`, one JSON object per line in the format of
 ``benchmarks/gpu_check.py``'s docstring. ``gpu_check_h200_3c0d7a8.json`` is an older run (a
 Trainer leak inflated its peaks, a gradient-norm host hot spot slowed its steps; both fixed) and
 is not this source.
@@ -24,7 +24,8 @@ Protocol (rule stated before its result was computed; docs/planner.md, "loom on 
 source is in no fit set, so it is held out of every fit (the shipped constants and every other
 source's numbers are unchanged by it) and its leave-one-source-out error is the planner's error
 with the fitted constants; it joins the 3-shot protocol (:mod:`benchmarks.planner_sources.
-three_shot`) with 5 rows. Memory is reported beside it (:func:`memory_rows`), not in those
+three_shot`) with 5 rows. The source :data:`SHAPES_SOURCE` (:func:`shape_points`) is the same
+command at two more shapes (``--sizes wide`` and ``small``), held out the same way. Memory is reported beside it (:func:`memory_rows`), not in those
 time protocols: peak allocated against the prediction less its reserve, peak reserved against
 the prediction with it.
 
@@ -40,19 +41,37 @@ from pathlib import Path
 from loom.planner.constants import Constants
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = ROOT / "benchmarks" / "results" / "gpu_check_h200_runs.jsonl"
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = RESULTS / "gpu_check_h200_runs.jsonl"
+# held-out shapes (gpu_check --sizes wide / small): their row names carry the shape's name
+HELD_OUT = {"wide": RESULTS / "gpu_check_h200_wide_runs.jsonl",
+            "small": RESULTS / "gpu_check_h200_small_runs.jsonl"}
 PROFILE = ROOT / "benchmarks" / "results" / "gpu_profile_h200.json"
 SOURCE = "loom H200"
-CITATION = dict(command="make gpu-check", device="NVIDIA H200", torch="2.11.0+cu130",
-                cuda="13.0", date="2026-11-28",
-                commit="c1ba84f + gpu_check's start-allocation record (results: 13c9b3c)",
-                file="benchmarks/results/gpu_check_h200_runs.jsonl")
+# the same command at two shapes no planner change has looked at before it was measured
+# (2026-11-30): Llama 3 8B's layer at 4 layers (V 128256) and 24 layers of h 1024 (V 50304)
+SHAPES_SOURCE = "loom H200 shapes"
+CITATION = dict(command="make gpu-check; python3 -m benchmarks.gpu_check --sizes wide|small "
+                "--parts speed,rows", device="NVIDIA H200", torch="2.11.0+cu130",
+                cuda="13.0", date="2026-11-30",
+                commit="the fused loss's fp32-output GEMMs and 4096-token chunks (this file's "
+                "commit)", file="benchmarks/results/gpu_check_h200{,_wide,_small}_runs.jsonl")
+
+
+def _read(path: Path, prefix: str = "") -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [dict(r, name=prefix + r["name"]) for r in rows if r["status"] == "ok"]
 
 
 def load_rows(path: Path = RUNS) -> list[dict]:
     """The measured rows (``status == "ok"``) of a gpu_check ``_runs.jsonl``, in file order."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["status"] == "ok"]
+    return _read(path)
+
+
+def load_shape_rows() -> list[dict]:
+    """The rows of the held-out shapes (:data:`HELD_OUT`), named ``"wide b8 s2048 none"`` etc.:
+    the source :data:`SHAPES_SOURCE`."""
+    return [r for shape, f in HELD_OUT.items() for r in _read(f, f"{shape} ")]
 
 
 def config_of(row: dict):
@@ -73,6 +92,12 @@ def predict_row(row: dict, c: Constants | None = None) -> dict:
     return predict_layout(config_of(row), row["world_size"],
                           cluster=fitted_cluster(row["gpu"], row["world_size"], c,
                                                  gpus_per_node=1))
+
+
+def shape_points(c: Constants | None = None) -> list[tuple]:
+    """``(name, predicted, measured)`` step seconds of the held-out shapes' rows
+    (:func:`load_shape_rows`): the source :data:`SHAPES_SOURCE`."""
+    return loom_gpu_points(c, load_shape_rows())
 
 
 def loom_gpu_points(c: Constants | None = None, rows: list[dict] | None = None) -> list[tuple]:
@@ -218,3 +243,5 @@ if __name__ == "__main__":
     print(markdown())
     print()
     print(terms_markdown())
+    print()
+    print(markdown(load_shape_rows()).replace("| loom H200 row |", "| loom H200 shapes row |"))

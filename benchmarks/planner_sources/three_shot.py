@@ -45,7 +45,7 @@ from loom.planner.calibrate_runs import BOUNDS, FREE, NETWORK, select_fit
 from benchmarks.planner_sources.fit import SOURCES, fit, source_points
 
 H100 = ("MC-H100 weak", "MC-H100 strong", "TT", "LF-H100", "Llama 3", "loom H200",
-        "DGX-C")  # Hopper
+        "loom H200 shapes", "DGX-C")  # Hopper
 SHOTS = 3
 SAMPLE = 20  # choices of 3 rows per source in the robustness column (all of them when fewer)
 SEED = 0

@@ -36,13 +36,19 @@ HELDOUT_BOUNDS = {
     "LF-A100": (0.045, 0.30),
     "Llama 3": (0.075, 0.29),
     "MegaScale": (0.10, 0.16),
-    "loom H200": (0.065, 0.14),  # loom's own make gpu-check rows, 2026-11-28 (5.8%, 13.0%)
+    # loom's own make gpu-check rows (5.8%, 13.0% on 2026-11-28; re-measured 2026-11-30 after
+    # the fused loss's change: 6.6%, 12.8%)
+    "loom H200": (0.075, 0.14),
+    # the same command at two shapes measured after the rows above had been studied
+    # (2026-11-30, 13.5%, 22.2%; in no fit set: the planner is 4-22% fast on every row)
+    "loom H200 shapes": (0.145, 0.23),
     # NeMo 24.09 / 24.11 on 8-2,304 H100, 2026-11-29 (11.0%, 26.3%; in no fit set): its cuDNN
     # attention rows are 8-26% too slow (benchmarks/planner_sources/dgxc.py)
     "DGX-C": (0.115, 0.27),
     "MC-H100 weak + MC-H100 strong": (0.05, 0.11),
 }
-OVERALL_BOUNDS = (0.06, 0.30)  # 5.7% over 156 rows with DGX-C (5.0% over 121 before)
+# 6.1% over 166 rows with loom's held-out shapes (5.7% over 156 with DGX-C, 5.0% over 121 before)
+OVERALL_BOUNDS = (0.065, 0.30)
 ISSUE_TARGET = (0.08, 0.20, 0.10)  # pooled median, worst row, every source's own median
 
 
@@ -90,11 +96,11 @@ def test_overall_held_out_errors(loso):
 def test_issue_26_median_targets(loso):
     """The pooled held-out median meets the issue's 8% and every source's own held-out median
     its 10% (LF-H100 is the closest, 9.4%; MegaScale 9.1%) except the single rows of BLOOM (10.4%) and OPT-175B
-    (19.4%), in the strict xfail below with the worst-row target, and DGX-C (11.0%), in its own
-    strict xfail."""
+    (19.4%), in the strict xfail below with the worst-row target, and DGX-C (11.0%) and loom's
+    held-out shapes on an H200 (13.5%), each in its own strict xfail."""
     assert loso["overall"]["median"] <= ISSUE_TARGET[0], loso["overall"]
     for held, r in loso["sources"].items():
-        if held not in ("BLOOM", "OPT", "DGX-C"):
+        if held not in ("BLOOM", "OPT", "DGX-C", "loom H200 shapes"):
             assert r["heldout"]["median"] <= ISSUE_TARGET[2], (held, r["heldout"]["median"])
 
 
@@ -103,6 +109,14 @@ def test_issue_26_median_targets(loso):
                    "does not price (tests/planner/test_planner_dgxc.py, docs/planner.md)")
 def test_dgxc_median_within_the_per_source_target(loso):
     assert loso["sources"]["DGX-C"]["heldout"]["median"] <= ISSUE_TARGET[2]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 26's per-source 10% median is missed on loom's "
+                   "held-out H200 shapes (13.5%): the step is under-predicted on all 10 rows, "
+                   "the elementwise and per-step terms the b8 profile shows short "
+                   "(docs/planner.md, 'loom on an H200')")
+def test_loom_h200_shapes_median_within_the_per_source_target(loso):
+    assert loso["sources"]["loom H200 shapes"]["heldout"]["median"] <= ISSUE_TARGET[2]
 
 
 def test_mc_h100_held_out_uses_the_other_h100_sources(loso):
