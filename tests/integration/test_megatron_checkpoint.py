@@ -4,8 +4,8 @@ DP=2 (weights, Adam states, iteration, consumed samples; the model's shape from 
 and trains with a finite, falling loss; ``--ckpt-format torch`` files at TP=2 and PP=2 read to
 the same tensors; ``loom checkpoint inspect`` names each as Megatron's; the distributed
 optimizer's default (``dp_reshardable``) layout is refused without ``--no-load-optim`` in one
-line; ``convert --to-hf`` / ``--from-megatron`` work on them; foreign and damaged directories
-get a one-line diagnosis.
+line; ``convert --to-hf`` / ``--from-megatron`` work on them; ``--moe-use-upcycling`` makes an
+MoE model of the dense one; foreign and damaged directories get a one-line diagnosis.
 
 One spawned world of 2 gloo ranks writes every checkpoint and then runs ``loom train`` on the
 same ranks; the tests read its files.
@@ -348,3 +348,32 @@ def test_train_ckpt_format_torch_dist_writes_megatrons_format(written, tmp_path,
                     [a if a != "9" else "5" for a in TRAIN], capsys)
     assert code == 0, out
     assert sorted(logged_losses(log)) == [4, 5], out
+
+
+def test_upcycling_reads_a_megatron_dense_checkpoint(written, tmp_path, capsys):
+    """``--moe-use-upcycling`` from Megatron-Core's own torch_dist checkpoint (saved at TP=2,
+    fused ``linear_fc1``, the model's shape from its saved args): every expert of the upcycled
+    MoE model holds the dense MLP (granularity 1), the other tensors are the dense ones, the
+    router is fresh; loom writes the upcycled model at iteration 1 and trains on from it."""
+    from loom.checkpoint.io import open_checkpoint
+    dense_dir = os.path.join(written[0], "dist_tp2")
+    save = tmp_path / "moe"
+    code, out = run(["train", "--load", dense_dir, "--moe-use-upcycling", "--num-experts", "4",
+                     "--moe-router-topk", "2", "--save", str(save), "--data-path",
+                     os.path.join(written[0], "zen")] + TRAIN + ["--train-iters", "2"], capsys)
+    assert code == 0, out
+    assert sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002",
+                                        "latest_checkpointed_iteration.txt"], os.listdir(save)
+    dense = open_checkpoint(os.path.join(dense_dir, "iter_0000001"))
+    dense_t, _, _ = dense.load(dense.names)
+    moe = open_checkpoint(str(save / "iter_0000001"))
+    moe_t, _, _ = moe.load(moe.names)
+    experts = [n for n in moe_t if ".experts." in n]
+    assert len(experts) == 2 * 4 * 2, sorted(moe_t)  # 2 layers x 4 experts x fc1, fc2
+    for name in experts:  # layers.L.mlp.experts.E.linear_fcK.weight <- layers.L.mlp.linear_fcK
+        layer, fc = name.split(".mlp.")[0], name.rsplit(".", 2)[-2]
+        src = f"{layer}.mlp.{fc}.weight"
+        assert torch.equal(moe_t[name], dense_t[src]), (name, src)
+    shared = [n for n in dense_t if ".mlp." not in n]
+    assert shared and all(torch.equal(moe_t[n], dense_t[n]) for n in shared), shared
+    assert any(n.endswith("router.weight") for n in moe_t)
