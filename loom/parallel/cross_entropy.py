@@ -30,8 +30,10 @@ FP32_OUT_GEMM = "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 def _fp32_out(t: torch.Tensor) -> bool:
-    """Whether a 16-bit GEMM on ``t``'s device can write fp32 directly (CUDA, torch >= 2.8)."""
-    return FP32_OUT_GEMM and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+    """Whether the GEMMs on ``t`` write fp32 directly: bf16 on CUDA (torch >= 2.8), the case
+    measured on an H200 (``tests/cuda``' bf16 loss test, ``benchmarks.cross_entropy_gpu``);
+    fp16 keeps the 16-bit products until a GPU has run it."""
+    return FP32_OUT_GEMM and t.is_cuda and t.dtype == torch.bfloat16
 
 
 def _compute_dtype(device: torch.device, *dtypes: torch.dtype) -> torch.dtype:
@@ -183,10 +185,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _weight_grad_into(grad_w: torch.Tensor, d: torch.Tensor, x: torch.Tensor, first: bool):
     """``grad_w [v, h]`` (fp32) ``= d[n, v]^T x[n, h]`` (``first``) or ``+=`` it, for 16-bit
-    ``d`` and ``x``. On CUDA one GEMM writes or accumulates the fp32 result in place (cuBLAS's
-    ``C = A B + C``): a 16-bit ``[v, h]`` product and a second pass over ``grad_w`` per chunk cost
-    a quarter of the loss's time at V 128256, h 4096, 524-token chunks on one H200 (164.7 ms
-    against 124.8, ``python3 -m benchmarks.cross_entropy_gpu``), and the chunk's product is no longer rounded to 16 bits
+    ``d`` and ``x``. In bf16 on CUDA (:func:`_fp32_out`) one GEMM writes or accumulates the
+    fp32 result in place (cuBLAS's ``C = A B + C``): a 16-bit ``[v, h]`` product and a second
+    pass over ``grad_w`` per chunk cost a quarter of the loss's time at V 128256, h 4096,
+    524-token chunks on one H200 (164.7 ms against 124.8, ``python3 -m
+    benchmarks.cross_entropy_gpu``), and the chunk's product is no longer rounded to 16 bits
     before it is summed. Elsewhere: the 16-bit product, then copied or added."""
     if _fp32_out(d):
         if first:

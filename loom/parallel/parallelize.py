@@ -45,9 +45,10 @@ class SkipModuleInit(TorchFunctionMode):
                                       torch.Tensor.zero_, torch.Tensor.fill_])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.SKIP:
-            return args[0] if args else (kwargs or {}).get("tensor", (kwargs or {}).get("self"))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func in self.SKIP:  # an initializer returns the tensor it was given
+            return args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        return func(*args, **kwargs)
 
 
 def build_chunk(family: FamilyParts, cfg: ModelConfig, stage: StageSpec, mesh: ParallelMesh,
