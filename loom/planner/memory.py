@@ -378,8 +378,7 @@ def slot_memory_terms(model: ModelConfig, L: dict, global_batch_size: int, seq_l
     logits = logits_bytes(model, S, Vp, t, opts.runtime)
     out_act = 2 * S * h / sp_div * 2 + logits
     bwd = backward_working_bytes(model, S, t, sp, opts.runtime)
-    # the output stage holds the larger of the loss's forward peak (what it keeps + what its
-    # forward frees before returning) and the backward transient
+    # the loss's forward peak: what it keeps + what its forward frees before returning
     loss_peak = logits + loss_transient_bytes(model, S, Vp, t, opts.runtime)
     n_layers = slots["layers"].sum(axis=0)
     # held layer-micro-batches of each kind: the recomputed ones keep their input, the others
